@@ -1,0 +1,73 @@
+"""The ``pdfleet`` command: one console script, one module per subcommand.
+
+Each subcommand module defines ``add_parser(subparsers)`` (cheap: no torch at
+import) which registers its parser with ``set_defaults(func=...)``. The
+function returns the process exit code. A ``ValueError`` from any command is a
+user error: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from pdfleet.engine.config import FlexibleArgumentParser
+
+COMMANDS = {
+    "serve": "pdfleet.engine.entrypoints.serve",
+    "config": "pdfleet.engine.entrypoints.config_cmd",
+    "tiny-model": "pdfleet.engine.tiny.cli",
+}
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("pdfleet")
+    except Exception:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = FlexibleArgumentParser(
+        prog="pdfleet",
+        description="Serve LLMs as disaggregated prefill/decode fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"pdfleet {version()}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Logging level (default INFO).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"pdfleet {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Publishing KV-cache events (block stored / removed) for external routers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .hashing import hash_factors
+
+
+@dataclass
+class KVEventsConfig:
+    """KV-cache event publishing."""
+
+    enable_kv_cache_events: bool = False
+    """Publish an event whenever a full block enters or leaves the prefix cache."""
+    publisher: Literal["null", "zmq"] | None = None
+    """Where events go: `zmq` (a PUB socket) or `null`. Unset: `zmq` when
+    events are enabled, else `null`."""
+    endpoint: str = "tcp://*:5557"
+    """ZMQ endpoint the publisher binds."""
+    replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint serving replays of recent batches by sequence number."""
+    buffer_steps: int = 10_000
+    """Number of recent batches kept for replay."""
+    hwm: int = 100_000
+    """ZMQ high-water mark of the PUB socket."""
+    max_queue_size: int = 100_000
+    """Maximum number of batches waiting to be published."""
+    topic: str = ""
+    """Topic prefix of published messages."""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("null", "zmq"):
+            raise ValueError(
+                f"kv_events_config.publisher must be null or zmq, got {self.publisher!r}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config.{name} must be >= 1")
+
+    def compute_hash(self) -> str:
+        return hash_factors([])

@@ -1,0 +1,20 @@
+"""Logging, metrics and tracing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hashing import hash_factors
+
+
+@dataclass
+class ObservabilityConfig:
+    """Statistics and tracing."""
+
+    log_stats: bool = True
+    """Log periodic engine statistics (throughput, queue, KV usage)."""
+    otlp_traces_endpoint: str | None = None
+    """OpenTelemetry traces endpoint. Not supported by pdfleet: leave unset."""
+
+    def compute_hash(self) -> str:
+        return hash_factors([])

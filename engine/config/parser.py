@@ -1,0 +1,117 @@
+"""An argparse parser that also takes vLLM's flag spellings.
+
+* ``--max_num_seqs`` is the same as ``--max-num-seqs``;
+* ``--kv-transfer-config.kv_role kv_producer`` (or ``=kv_producer``) sets one
+  key of a JSON flag; several such flags and a whole ``--kv-transfer-config
+  JSON`` merge, the dotted keys winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .fields import expand_json_human_numbers
+
+
+def _normalize_flag(token: str) -> str:
+    if not token.startswith("--") or token == "--":
+        return token
+    name, eq, value = token[2:].partition("=")
+    head, dot, rest = name.partition(".")
+    return "--" + head.replace("_", "-") + dot + rest + eq + value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return json.loads(expand_json_human_numbers(text))
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_path(target: dict[str, Any], path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        nxt = target.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise argparse.ArgumentTypeError(f"cannot set {'.'.join(path)}: {key} is not an object")
+        target = nxt
+    target[path[-1]] = value
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def fold_dotted_args(argv: Sequence[str], json_flags: set[str]) -> list[str]:
+    """Rewrite dotted JSON-flag keys into one ``--flag JSON`` per flag."""
+    tokens = [_normalize_flag(t) for t in argv]
+    out: list[str] = []
+    folded: dict[str, dict[str, Any]] = {}
+    whole: dict[str, dict[str, Any]] = {}
+    first_pos: dict[str, int] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            out += tokens[i:]
+            break
+        flag, eq, inline = tok.partition("=")
+        head, dot, rest = flag.partition(".")
+        if tok.startswith("--") and head in json_flags:
+            if eq:
+                value, step = inline, 1
+            elif i + 1 < len(tokens):
+                value, step = tokens[i + 1], 2
+            else:
+                out.append(tok)
+                break
+            first_pos.setdefault(head, len(out))
+            if dot:
+                _set_path(folded.setdefault(head, {}), rest.split("."), _parse_scalar(value))
+            else:
+                parsed = _parse_scalar(value)
+                if isinstance(parsed, dict):
+                    _merge(whole.setdefault(head, {}), parsed)
+                else:  # not JSON: let the flag's own type report it
+                    out += [head, value]
+                    first_pos.pop(head, None)
+            i += step
+            continue
+        out.append(tok)
+        i += 1
+    for head, pos in sorted(first_pos.items(), key=lambda kv: -kv[1]):
+        merged = _merge(whole.get(head, {}), folded.get(head, {}))
+        out[pos:pos] = [head, json.dumps(merged)]
+    return out
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser with underscore flags and dotted JSON keys."""
+
+    def _json_flags(self) -> set[str]:
+        flags: set[str] = set()
+        parsers = [self]
+        while parsers:
+            p = parsers.pop()
+            for action in p._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers.extend(action.choices.values())
+                elif action.metavar == "JSON":
+                    flags.update(s for s in action.option_strings if s.startswith("--"))
+        return flags
+
+    def error(self, message: str):  # type: ignore[override]
+        """One line, exit code 2 (no usage dump)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(fold_dotted_args(argv, self._json_flags()), namespace)
