@@ -1,0 +1,47 @@
+"""Shared test setup.
+
+* Triton kernels run under the interpreter when no GPU is present; the
+  variable must be set before any ``@triton.jit`` module is imported.
+* ``tiny_model_factory`` builds (once per session and spec) small random-weight
+  Hugging Face model directories for every supported family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # the operator-only install has no torch
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(arch="llama", **spec) -> directory``; cached per distinct spec."""
+    from pdfleet.engine.tiny.builder import TinyModelSpec, build_tiny_model
+
+    cache: dict[str, str] = {}
+
+    def make(arch: str = "llama", **spec) -> str:
+        key = json.dumps({"arch": arch, **spec}, sort_keys=True)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_tiny_model(str(directory), TinyModelSpec(arch=arch, **spec))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> str:
+    """The default tiny Llama model directory."""
+    return tiny_model_factory("llama")
