@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 install: $(STAMP)
 
-# Start the local fleet on the built-in tiny model and print the endpoint.
+# Start what pdfleet can serve today on the built-in tiny model (see README "Status").
 run: $(STAMP)
-	$(VENV)/bin/pdfleet up
+	$(VENV)/bin/pdfleet tiny-model build/tiny-llama
+	$(VENV)/bin/pdfleet config build/tiny-llama --usage-context server
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

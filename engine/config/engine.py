@@ -161,7 +161,7 @@ class EngineConfig:
             self.compilation_config,
         ):
             factors.append(sub.compute_hash())
-        factors.append(self.kv_transfer_config.compute_hash() if self.kv_transfer_config else None)
+        # KV transfer and KV events move data around the computation, not through it.
         return hash_factors(factors)
 
     def compat_factors(self) -> dict[str, Any]:

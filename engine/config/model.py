@@ -96,8 +96,11 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     if isinstance(hf.get("rope_parameters"), dict):
         params.update(hf["rope_parameters"])
     if isinstance(hf.get("rope_scaling"), dict):
-        for k, v in hf["rope_scaling"].items():
-            params.setdefault(k, v)
+        # An explicit rope_scaling (older files, or hf_overrides) wins.
+        scaling = dict(hf["rope_scaling"])
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        params.update(scaling)
     if "rope_type" not in params and "type" in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")

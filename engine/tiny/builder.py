@@ -20,7 +20,10 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
+# <|endoftext|> is listed because transformers' Qwen tokenizer classes add it
+# when it is missing, which would make the tokenizer longer than the model's vocab.
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END, ENDOFTEXT]
 
 # ChatML-style template; the prompt starts with the BOS token.
 CHAT_TEMPLATE = (
@@ -95,7 +98,7 @@ def train_tokenizer(vocab_size: int) -> Any:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=[IM_START, IM_END, ENDOFTEXT],
         model_max_length=1 << 20,
         clean_up_tokenization_spaces=False,
     )

@@ -1,0 +1,146 @@
+"""Guards of the repository layout: wheel contents, import contracts, no shadowing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {"engine": "pdfleet/engine", "kernels": "pdfleet/kernels", "operator": "pdfleet/operator"}
+
+
+def test_no_operator_folder_has_an_init_file():
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("operator/__init__.py")
+        if ".venv" not in p.parts and "build" not in p.parts
+    ]
+    assert offenders == []
+
+
+def test_operator_import_does_not_shadow_the_stdlib():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import operator, pdfleet.operator.engine_spec; print(operator.add)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "built-in function add" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (path,) = out.glob("pdfleet-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_wheel_contains_every_module(wheel):
+    names = set(wheel.namelist())
+    expected = set()
+    for folder, pkg in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*"):
+            if "__pycache__" in path.parts or not path.is_file():
+                continue
+            if path.suffix in (".py", ".txt", ".json", ".jinja", ".yaml"):
+                expected.add(f"{pkg}/{path.relative_to(ROOT / folder).as_posix()}")
+    missing = sorted(expected - names)
+    assert not missing, f"missing from the wheel: {missing}"
+    assert not any(n.startswith("pdfleet/operator/__init__") for n in names)
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "pdfleet = pdfleet.engine.cli:main" in wheel.read(entry).decode()
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable))
+    assert lint, "import-linter is not installed"
+    return subprocess.run(
+        [lint, "--config", str(ROOT / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+
+
+def _tree(tmp_path: Path, operator_dir: Path | None = None) -> Path:
+    pkg = tmp_path / "pdfleet"
+    pkg.mkdir()
+    for folder in FOLDERS:
+        src = ROOT / folder if folder != "operator" or operator_dir is None else operator_dir
+        (pkg / folder).symlink_to(src, target_is_directory=True)
+    return tmp_path
+
+
+def test_import_contracts_hold(tmp_path):
+    out = _lint_imports(_tree(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("KEPT") == 3
+
+
+def test_import_contracts_catch_an_operator_importing_torch(tmp_path):
+    # The contract must be able to fail: an operator module importing torch breaks it.
+    op = tmp_path / "operator_copy"
+    shutil.copytree(ROOT / "operator", op, ignore=shutil.ignore_patterns("__pycache__"))
+    (op / "bad_module.py").write_text("import torch\n")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    out = _lint_imports(_tree(tree, op))
+    assert out.returncode != 0
+    assert "pdfleet.operator.bad_module -> torch" in out.stdout
+
+
+def test_engine_config_imports_without_torch(tmp_path):
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton', 'transformers'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    code = (
+        "import pdfleet.engine.config as c, pdfleet.operator.engine_spec, sys;"
+        "assert 'torch' not in sys.modules;"
+        "print(c.EngineArgs(max_num_seqs=3).to_cli_args())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--max-num-seqs" in out.stdout
