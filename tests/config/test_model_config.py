@@ -93,7 +93,7 @@ def test_model_path_errors(tmp_path, case):
         path.write_text("x")
     elif case == "no_config":
         os.makedirs(path)
-    with pytest.raises(ValueError, match="not a local directory|no config.json"):
+    with pytest.raises(ValueError, match=r"not a local directory|no config\.json"):
         resolve(str(path))
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from pdfleet.engine.tiny.builder import ARCHS, TinyModelSpec, build_tiny_model
 
 
 def digest(path: str) -> str:
-    return hashlib.sha256(open(os.path.join(path, "model.safetensors"), "rb").read()).hexdigest()
+    return hashlib.sha256(Path(path, "model.safetensors").read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -32,7 +33,7 @@ def test_transformers_loads_each_family_offline(tiny_model_factory, arch, monkey
         "qwen3": "Qwen3ForCausalLM",
     }[arch]
     assert type(model).__name__ == expected
-    assert json.load(open(os.path.join(path, "config.json")))["architectures"] == [expected]
+    assert json.loads(Path(path, "config.json").read_text())["architectures"] == [expected]
     assert model.config.vocab_size == len(tok)
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert os.path.exists(os.path.join(path, name)), name
@@ -43,10 +44,7 @@ def test_weights_are_a_function_of_the_seed(tmp_path):
     b = build_tiny_model(str(tmp_path / "b"), TinyModelSpec(seed=1))
     c = build_tiny_model(str(tmp_path / "c"), TinyModelSpec(seed=2))
     assert digest(a) == digest(b) != digest(c)
-    assert (
-        open(os.path.join(a, "tokenizer.json")).read()
-        == open(os.path.join(b, "tokenizer.json")).read()
-    )
+    assert Path(a, "tokenizer.json").read_text() == Path(b, "tokenizer.json").read_text()
 
 
 def test_tokenizer_round_trips_any_utf8_and_has_a_chat_template(tiny_model):
@@ -72,7 +70,7 @@ def test_tokenizer_round_trips_any_utf8_and_has_a_chat_template(tiny_model):
         chat == "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    gen = json.load(open(os.path.join(tiny_model, "generation_config.json")))
+    gen = json.loads(Path(tiny_model, "generation_config.json").read_text())
     assert tok.convert_tokens_to_ids("<|im_end|>") in gen["eos_token_id"]
 
 
@@ -96,7 +94,7 @@ def test_cli_writes_a_model_directory(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    cfg = json.load(open(tmp_path / "m" / "config.json"))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["num_hidden_layers"] == 1
 
 
