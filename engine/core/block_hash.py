@@ -1,0 +1,70 @@
+"""Chained hashes of full KV blocks for prefix caching.
+
+The hash of block i covers the hash of block i-1 and block i's token ids, so
+equal hashes mean equal prefixes (up to collisions, which the block pool also
+guards against by comparing token ids and the parent block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+
+ROOT_HASH = b"\x00" * 32
+
+HashFn = Callable[[bytes, Sequence[int]], bytes]
+
+
+def _sha256(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    # Canonical bytes: the parent hash, the count, then each id as signed 64-bit little-endian.
+    payload = parent + struct.pack(f"<q{len(token_ids)}q", len(token_ids), *token_ids)
+    return hashlib.sha256(payload).digest()
+
+
+def _cbor_uint(major: int, value: int) -> bytes:
+    if value < 24:
+        return bytes([major << 5 | value])
+    for info, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if value < 1 << (8 * struct.calcsize(fmt)):
+            return bytes([major << 5 | info]) + struct.pack(fmt, value)
+    raise ValueError(f"integer too large for CBOR: {value}")
+
+
+def cbor_encode(obj: object) -> bytes:
+    """Minimal canonical CBOR (RFC 8949) for ints, bytes, lists and None."""
+    if obj is None:
+        return b"\xf6"
+    if isinstance(obj, bool):
+        return b"\xf5" if obj else b"\xf4"
+    if isinstance(obj, int):
+        return _cbor_uint(0, obj) if obj >= 0 else _cbor_uint(1, -1 - obj)
+    if isinstance(obj, bytes):
+        return _cbor_uint(2, len(obj)) + obj
+    if isinstance(obj, (list, tuple)):
+        return _cbor_uint(4, len(obj)) + b"".join(cbor_encode(x) for x in obj)
+    raise TypeError(f"cannot CBOR-encode {type(obj).__name__}")
+
+
+def _sha256_cbor(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(cbor_encode([parent, list(token_ids), None])).digest()
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": _sha256, "sha256_cbor": _sha256_cbor}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown prefix_caching_hash_algo {name!r}") from None
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, hash_fn: HashFn
+) -> None:
+    """Append hashes for every newly completed full block of ``token_ids``."""
+    start = len(hashes)
+    for i in range(start, len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else ROOT_HASH
+        hashes.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size]))

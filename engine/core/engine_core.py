@@ -1,0 +1,86 @@
+"""The engine step: schedule, run, update. Tokens in, tokens out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+from ..request import Request, RequestStatus
+from .scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats(SchedulerStats):
+    """Scheduler state after the step plus what the step did."""
+
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    num_scheduled_tokens: int = 0
+    num_scheduled_reqs: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None,
+    ) -> None:
+        from ..worker.model_runner import ModelRunner
+
+        self.config = config
+        worker_side = connector[1] if connector else None
+        self.runner = ModelRunner(config, worker_side, eos_token_ids)
+        events = bool(config.kv_events_config and config.kv_events_config.enable_kv_cache_events)
+        self.scheduler = Scheduler(
+            config,
+            self.runner.num_blocks,
+            connector[0] if connector else None,
+            record_kv_events=events,
+        )
+        self.connector = connector
+        self.last_stats = StepStats()
+        self.busy_prefill_seconds = 0.0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: list[str]) -> list[Request]:
+        """End requests that met a stop condition outside the core (stop strings)."""
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.held_blocks)
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        stats = self.scheduler.stats()
+        elapsed = time.perf_counter() - start
+        prompt_tokens = self.scheduler.last_step_prompt_tokens
+        if prompt_tokens:
+            self.busy_prefill_seconds += runner_out.forward_seconds
+        self.last_stats = StepStats(
+            **vars(stats),
+            step_seconds=elapsed,
+            forward_seconds=runner_out.forward_seconds,
+            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+            num_scheduled_reqs=len(sched_out.num_scheduled_tokens),
+        )
+        self.last_stats.step_prompt_tokens = prompt_tokens
+        self.last_stats.step_generation_tokens = len(runner_out.sampled_token_ids)
+        return outputs
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector[1].shutdown()

@@ -1,0 +1,64 @@
+"""The data contract between the scheduler and the model runner (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for (first scheduling or resumed after
+    preemption): everything needed to rebuild its state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already tracks: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Tokens to compute this step per request (prompt chunk, or 1 for decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose runner state must be dropped (finished, aborted, preempted).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Opaque data for the worker side of a KV connector.
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, per request that reached the end of its known tokens."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # req_id -> (token ids [1 + k], logprobs [1 + k], rank of the sampled token)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> per prompt position: None (first token) or (ids, logprobs, rank), on prefill end.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # KV connector: transfers that completed (or failed) since the last step.
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    # Seconds spent in the model forward (for the engine's overhead accounting).
+    forward_seconds: float = 0.0

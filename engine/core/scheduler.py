@@ -1,0 +1,391 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+There are no prefill and decode phases: every request has
+``num_computed_tokens`` and ``num_tokens`` (prompt + output), and each step
+gives running requests, then waiting ones, a share of the token budget
+(``max_num_batched_tokens``) until they catch up. When the KV cache runs out,
+the lowest-priority running request is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed (its prefix usually hits
+the prefix cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import EngineConfig
+from ..kv_transfer.base import KVConnectorScheduler
+from ..request import Request, RequestStatus
+from .block_hash import extend_block_hashes
+from .kv_cache_manager import KVCacheManager
+from .queues import make_queue
+from .sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: tuple[list[int], list[float], int] | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    scheduled_time: float | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Snapshot after a step (gauges) plus cumulative counters."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    waiting_prompt_tokens: int = 0
+    step_prompt_tokens: int = 0
+    step_generation_tokens: int = 0
+    num_held_blocks_reqs: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        connector: KVConnectorScheduler | None = None,
+        record_kv_events: bool = False,
+    ) -> None:
+        sched, cache = config.scheduler_config, config.cache_config
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_model_len = config.model_config.max_model_len
+        self.chunked_prefill = sched.chunked_prefill_enabled
+        self.long_prefill_threshold = sched.long_prefill_token_threshold
+        self.policy = sched.policy
+        self.block_size = cache.block_size
+        self.kv = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.prefix_caching_hash_algo,
+            record_events=record_kv_events,
+        )
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(self.policy)
+        self.running: list[Request] = []
+        # Blocks of finished requests held for a remote consumer (KV transfer).
+        self.held_blocks: dict[str, list[Any]] = {}
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.last_step_prompt_tokens = 0
+
+    # -- requests ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+        )
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Abort/stop requests by id (unknown ids are ignored). Frees their blocks."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            if self.connector is not None and request.status in (
+                RequestStatus.WAITING_FOR_REMOTE_KVS,
+            ):
+                self.connector.request_aborted(request)
+            request.status = status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Release a finished request; a connector may take its blocks instead."""
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        params = None
+        if self.connector is not None and request.status != RequestStatus.FINISHED_ABORTED:
+            hold, params = self.connector.request_finished(
+                request, self.kv.block_ids(request.request_id)
+            )
+            if hold:
+                self.held_blocks[request.request_id] = self.kv.take_blocks(request)
+                return params
+        self.kv.free(request)
+        return params
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling -------------------------------------------------------------
+
+    def _preempt_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(request.request_id)  # the runner drops its state
+        self.waiting.push_front(request)
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        if 0 < self.long_prefill_threshold < num_new:
+            num_new = self.long_prefill_threshold
+        return min(num_new, budget)
+
+    def _blocked(self, request: Request) -> bool:
+        """Not schedulable yet for a reason other than capacity."""
+        if request.wait_for is not None:
+            leader = self.requests.get(request.wait_for)
+            if leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens:
+                return True
+            request.wait_for = None
+        return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        preempted = False
+        now = time.monotonic()
+
+        # 1. Running requests keep going (decode, or the next chunk of a prompt).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self._preempt_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                # A victim scheduled earlier in this step gives its tokens back.
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_blocks_of.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status == RequestStatus.PREEMPTED:
+                continue  # it was the victim; try the others with the blocks freed
+            num_scheduled[request.request_id] = num_new
+            new_blocks_of[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            i += 1
+        cached_reqs = [
+            CachedRequestData(rid, new_blocks_of[rid], self.requests[rid].num_computed_tokens)
+            for rid in num_scheduled
+        ]
+
+        # 2. Waiting requests join while there is room (not in a step that preempted).
+        skipped: list[Request] = []
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self.waiting:
+                break
+            request = self.waiting.peek()
+            if self._blocked(request):
+                skipped.append(self.waiting.pop())
+                continue
+            computed_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if (
+                self.connector is not None
+                and request.kv_transfer_params
+                and request.num_computed_tokens == 0
+            ):
+                num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
+                if num_external > 0:
+                    # Allocate blocks for the remote tokens; wait for them off the batch.
+                    if self.kv.allocate_slots(request, num_external, computed_blocks) is None:
+                        break
+                    self.waiting.pop()
+                    self.kv.record_lookup(request, num_hit)
+                    request.num_computed_tokens = num_hit
+                    request.num_cached_tokens = num_hit
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.block_ids(request.request_id), num_external
+                    )
+                    skipped.append(request)
+                    continue
+            remaining = request.num_tokens - request.num_computed_tokens - num_hit
+            if not self.chunked_prefill and remaining > budget:
+                break  # without chunking the whole prompt must fit one step
+            num_new = self._cap(remaining, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.pop()
+            if computed_blocks or request.num_computed_tokens == 0:
+                self.kv.record_lookup(request, num_hit)
+            request.num_computed_tokens += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit + request.num_external_computed_tokens
+            request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    self.kv.block_ids(request.request_id),
+                    request.num_computed_tokens,
+                )
+            )
+        self.waiting.prepend_all(skipped)
+
+        # The scheduled tokens will be computed by this step's forward pass.
+        self.last_step_prompt_tokens = 0
+        for rid, n in num_scheduled.items():
+            request = self.requests[rid]
+            start = request.num_computed_tokens
+            self.last_step_prompt_tokens += max(
+                0, min(start + n, request.num_prompt_tokens) - start
+            )
+            request.num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    # -- results ------------------------------------------------------------------
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for rid in sched_out.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            token = runner_out.sampled_token_ids.get(rid)
+            if token is None:
+                continue  # a partial prefill chunk: nothing sampled yet
+            request.append_output_token(token)
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+            )
+            if request.first_token_time is None:
+                request.first_token_time = now
+            stopped = request.check_stop(self.max_model_len)
+            out = EngineCoreOutput(
+                rid,
+                [token],
+                runner_out.logprobs.get(rid),
+                prompt_logprobs=runner_out.prompt_logprobs.get(rid),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                scheduled_time=request.scheduled_time,
+            )
+            if stopped:
+                self.running.remove(request)
+                out.finish_reason = request.status.finish_reason
+                out.stop_reason = request.stop_reason
+                out.kv_transfer_params = self._free_request(request)
+            outputs.append(out)
+        self._update_kv_transfers(runner_out)
+        return outputs
+
+    def _update_kv_transfers(self, runner_out: ModelRunnerOutput) -> None:
+        for rid in runner_out.finished_sending:
+            blocks = self.held_blocks.pop(rid, None)
+            if blocks is not None:
+                self.kv.free_blocks(blocks)
+        for rid in runner_out.finished_recving | runner_out.failed_recving:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            if rid in runner_out.failed_recving:
+                # Recompute locally: drop the blocks that were meant for remote KV.
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.num_external_computed_tokens = 0
+                request.kv_transfer_params = None
+                request.num_cached_tokens = -1
+            else:
+                loaded = self._loaded_tokens(request)
+                request.num_external_computed_tokens = loaded - request.num_computed_tokens
+                request.num_computed_tokens = loaded
+                self.kv.cache_full_blocks(request, loaded)
+            request.status = RequestStatus.WAITING
+
+    def _loaded_tokens(self, request: Request) -> int:
+        held = len(self.kv.req_blocks.get(request.request_id, ()))
+        # Remote loads fill whole blocks; the last prompt token is always recomputed.
+        return min(held * self.block_size, request.num_tokens - 1)
+
+    def take_kv_events(self):
+        return self.kv.pool.take_events()
+
+    def stats(self) -> SchedulerStats:
+        waiting_prompt = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.requests.values()
+            if r.status != RequestStatus.RUNNING
+        )
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.requests) - len(self.running),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_usable_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.num_preemptions,
+            waiting_prompt_tokens=waiting_prompt,
+            num_held_blocks_reqs=len(self.held_blocks),
+        )

@@ -1,0 +1,1 @@
+"""KV transfer between engines (disaggregated prefill/decode)."""

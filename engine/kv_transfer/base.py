@@ -1,0 +1,63 @@
+"""The KV connector interface, split by side (as vLLM's v1 connectors).
+
+* The **scheduler side** decides: how many of a request's prompt tokens can be
+  loaded from a remote engine, what to do after blocks are allocated for
+  them, what metadata the worker needs each step, and whether a finished
+  request's blocks must be held for a consumer.
+* The **worker side** moves bytes: it starts loads described by the metadata,
+  and reports which sends and receives have finished (or failed).
+
+The defaults do nothing, so an engine without a connector runs unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.sched_output import SchedulerOutput
+from ..request import Request
+
+
+class KVConnectorScheduler:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens beyond ``num_computed_tokens`` a remote engine can provide,
+        whether they load asynchronously). Called once when a request is first
+        considered for scheduling; must not block."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Blocks for the external tokens are allocated: remember what to load."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Metadata for the worker side for this step (loads to start)."""
+        return None
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(hold the blocks until the worker reports the send finished,
+        kv_transfer_params to return to the client)."""
+        return False, None
+
+    def request_aborted(self, request: Request) -> None:
+        """A request waiting for or holding remote KV was aborted."""
+
+
+class KVConnectorWorker:
+    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
+        """The per-layer (key, value) cache tensors this engine allocated."""
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Start the loads in ``metadata`` (non-blocking)."""
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) request ids
+        since the last call. Never blocks."""
+        return set(), set(), set()
+
+    def shutdown(self) -> None:
+        """Release transfer resources (bounded)."""

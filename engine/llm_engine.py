@@ -1,0 +1,218 @@
+"""The synchronous engine: text in, RequestOutputs out, one step at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from .config import EngineArgs, EngineConfig
+from .core.engine_core import EngineCore, StepStats
+from .output_processor import IterationStats, OutputProcessor, RequestState
+from .outputs import RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json keys that become default sampling parameters.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def load_tokenizer(path: str, revision: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def read_generation_config(model_config) -> dict[str, Any]:
+    source = model_config.generation_config
+    if source == "vllm":
+        return {}
+    directory = model_config.model if source == "auto" else source
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.exists(path):
+        if source != "auto":
+            raise ValueError(f"--generation-config {source!r} has no generation_config.json")
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector: Any = None) -> None:
+        self.config = config
+        m = config.model_config
+        self.tokenizer = (
+            None
+            if m.skip_tokenizer_init
+            else load_tokenizer(m.tokenizer_path, m.revision if m.tokenizer is None else None)
+        )
+        gen = read_generation_config(m)
+        eos: list[int] = []
+        for source in (
+            gen.get("eos_token_id"),
+            getattr(self.tokenizer, "eos_token_id", None),
+            m.hf_config.get("eos_token_id"),
+        ):
+            for tid in source if isinstance(source, list) else [source]:
+                if isinstance(tid, int) and tid not in eos:
+                    eos.append(tid)
+        self.eos_token_ids = tuple(eos)
+        self.default_sampling = {
+            ours: gen[theirs_key]
+            for theirs_key, ours in _GENERATION_DEFAULTS.items()
+            if theirs_key in gen
+        }
+        self.default_sampling.update(m.override_generation_config)
+        self.core = EngineCore(config, self.eos_token_ids, connector)
+        self.output = OutputProcessor(self.tokenizer)
+        self.iteration_stats = IterationStats()
+        self._next_id = 0
+        logger.info("Engine ready: %s", config.summary())
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, usage_context: str = "llm") -> LLMEngine:
+        return cls(args.create_engine_config(usage_context=usage_context))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model_config.max_model_len
+
+    # -- input ----------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.default_sampling)
+
+    def tokenize(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt: this engine has no tokenizer (skip_tokenizer_init); pass token ids"
+                )
+            return prompt, self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: the prompt is empty")
+        vocab = self.config.model_config.vocab_size
+        for tid in prompt_ids:
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+                raise ValueError(
+                    f"prompt: token id {tid!r} is outside the vocabulary (0..{vocab - 1})"
+                )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt is {len(prompt_ids)} tokens, which leaves no room for output "
+                f"within max_model_len ({self.max_model_len}); shorten the prompt"
+            )
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        if request_id in self.output.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else self.default_sampling_params()
+        params.verify(self.config.model_config.max_logprobs)
+        text, prompt_ids = self.tokenize(prompt, add_special_tokens)
+        self.validate_prompt(prompt_ids)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        )
+        requests = []
+        for i, cid in enumerate(child_ids):
+            child_params = (
+                params
+                if params.n == 1
+                else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            )
+            requests.append(
+                Request(
+                    request_id=cid,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival,
+                    priority=priority,
+                    kv_transfer_params=kv_transfer_params,
+                    # Siblings wait for the first one's prefill and then share its cached blocks.
+                    wait_for=child_ids[0]
+                    if i and self.config.cache_config.enable_prefix_caching
+                    else None,
+                )
+            )
+        self.output.add(
+            RequestState(request_id, text, prompt_ids, params, child_ids, self.tokenizer, arrival)
+        )
+        for r in requests:
+            self.core.add_request(r)
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_requests(self.output.abort(rid))
+
+    # -- loop -----------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output.requests) or self.core.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, stopped = self.output.process(core_outputs, self.iteration_stats)
+        if stopped:
+            self.core.stop_requests(stopped)
+            # Parents whose last child just hit a stop string are finished now.
+        return outputs
+
+    def take_iteration_stats(self) -> IterationStats:
+        stats, self.iteration_stats = self.iteration_stats, IterationStats()
+        return stats
+
+    @property
+    def stats(self) -> StepStats:
+        return self.core.last_stats
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

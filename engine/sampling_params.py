@@ -1,0 +1,130 @@
+"""Per-request sampling parameters (vLLM's names and semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    ``temperature=0`` is greedy. ``top_k=-1`` (or 0) and ``top_p=1`` disable
+    those filters. ``seed`` makes a request's samples reproducible whatever
+    else shares its batches. Penalties: ``repetition_penalty`` divides the
+    logits of tokens seen in the prompt or output (multiplies negative ones),
+    ``presence_penalty`` / ``frequency_penalty`` subtract per occurrence in
+    the output. ``stop`` strings are trimmed from the returned text;
+    ``stop_token_ids`` end the request like EOS.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.verify()
+
+    def verify(self, max_logprobs: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        _number("temperature", self.temperature, low=0.0)
+        _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, high=None)
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            if max_logprobs is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name} ({value}) exceeds the engine's max_logprobs ({max_logprobs})"
+                )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _number(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")

@@ -1,0 +1,371 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples.
+
+The runner keeps a small state per request (token ids, block ids, sampling
+parameters) that the scheduler updates incrementally; it makes no scheduling
+decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..attention import AttentionMetadata, get_attention_backend
+from ..config import EngineConfig
+from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ..kv_transfer.base import KVConnectorWorker
+from ..models.loader import load_model, torch_dtype
+from ..sample.sampler import Sampler, SamplingMetadata, step_seed
+from ..sampling_params import SamplingParams
+from .kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    check_fits_max_model_len,
+    determine_num_blocks,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + output
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnectorWorker | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        m = config.model_config
+        self.device = torch.device(config.device_config.device)
+        self.dtype = torch_dtype(m.dtype)
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = m.vocab_size
+        self.max_model_len = m.max_model_len
+        start = time.perf_counter()
+        self.model = load_model(config, self.device)
+        load_seconds = time.perf_counter() - start
+        peak = 0
+        if self.device.type == "cuda":
+            peak = self._profile_peak_memory()
+        self.num_blocks = determine_num_blocks(config, self.dtype, self.device, peak)
+        check_fits_max_model_len(config, self.num_blocks)
+        self.max_model_len = m.max_model_len
+        self.kv_buffer, self.kv_caches = allocate_kv_caches(
+            config, self.num_blocks, self.dtype, self.device
+        )
+        config.cache_config.num_gpu_blocks = self.num_blocks - 1
+        logger.info(
+            "Model loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            load_seconds,
+            self.num_blocks - 1,
+            self.block_size,
+            (self.num_blocks - 1) * self.block_size,
+            self.kv_buffer.numel() * self.kv_buffer.element_size() / (1 << 30),
+            m.dtype
+            if config.cache_config.cache_dtype == "auto"
+            else config.cache_config.cache_dtype,
+        )
+        self.backend = get_attention_backend(config.device_config.attention_backend)
+        self.sampler = Sampler(m.seed, self.device)
+        self.states: dict[str, CachedRequestState] = {}
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
+
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes of a forward pass of max_num_batched_tokens (CUDA only)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.scheduler_config.max_num_batched_tokens
+        # A one-block throwaway cache is enough to exercise every kernel.
+        m = self.config.model_config
+        shape = (1, self.block_size, m.num_key_value_heads, m.head_dim)
+        caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(m.num_hidden_layers)
+        ]
+        chunk = min(n, self.block_size)
+        meta = self._dummy_metadata(num_seqs=max(1, n // chunk), chunk=chunk)
+        with torch.inference_mode():
+            ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=self.device)
+            pos = torch.zeros_like(ids)
+            hidden = self.model(
+                ids,
+                pos,
+                caches,
+                meta,
+                get_attention_backend(self.config.device_config.attention_backend),
+            )
+            self.model.compute_logits(hidden[: self.config.scheduler_config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _dummy_metadata(self, num_seqs: int, chunk: int) -> AttentionMetadata:
+        d = self.device
+        lens = [chunk] * num_seqs
+        return AttentionMetadata(
+            num_tokens=chunk * num_seqs,
+            num_seqs=num_seqs,
+            query_start_loc=torch.arange(
+                0, chunk * (num_seqs + 1), chunk, dtype=torch.int32, device=d
+            ),
+            seq_lens=torch.full((num_seqs,), chunk, dtype=torch.int32, device=d),
+            block_table=torch.zeros((num_seqs, 1), dtype=torch.int32, device=d),
+            slot_mapping=torch.arange(chunk * num_seqs, dtype=torch.int64, device=d) % chunk,
+            max_query_len=chunk,
+            max_seq_len=chunk,
+            query_lens_cpu=lens,
+            seq_lens_cpu=lens,
+        )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return bytes_per_block(self.config, self.dtype)
+
+    # -- state --------------------------------------------------------------------
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.states[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -- inputs -------------------------------------------------------------------
+
+    def _prepare_inputs(self, out: SchedulerOutput):
+        bs = self.block_size
+        req_ids = list(out.num_scheduled_tokens)
+        counts = [out.num_scheduled_tokens[r] for r in req_ids]
+        states = [self.states[r] for r in req_ids]
+        num_tokens = sum(counts)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
+        seq_lens = np.empty(len(states), dtype=np.int32)
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int32)
+        logits_rows: list[int] = []  # batch rows that end at the last known token
+        logits_indices: list[int] = []
+        offset = 0
+        for row, (state, n) in enumerate(zip(states, counts, strict=True)):
+            start = state.num_computed_tokens
+            end = start + n
+            input_ids[offset : offset + n] = state.token_ids[start:end]
+            pos = np.arange(start, end)
+            positions[offset : offset + n] = pos
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            block_table[row, : len(blocks)] = blocks
+            slot_mapping[offset : offset + n] = blocks[pos // bs] * bs + pos % bs
+            seq_lens[row] = end
+            offset += n
+            query_start_loc[row + 1] = offset
+            if end == len(state.token_ids):
+                logits_rows.append(row)
+                logits_indices.append(offset - 1)
+        d = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(d, non_blocking=True)
+
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_seqs=len(states),
+            query_start_loc=to_dev(query_start_loc),
+            seq_lens=to_dev(seq_lens),
+            block_table=to_dev(block_table),
+            slot_mapping=to_dev(slot_mapping),
+            max_query_len=max(counts),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=counts,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        self.backend.prepare(meta, bs)
+        return (
+            req_ids,
+            states,
+            to_dev(input_ids),
+            to_dev(positions),
+            meta,
+            logits_rows,
+            logits_indices,
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        d = self.device
+        params = [s.sampling_params for s in states]
+        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
+        all_greedy = all(t == 0.0 for t in temps)
+        all_random = all(t > 0.0 for t in temps)
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        generators: dict[int, torch.Generator] = {}
+        for row, (state, p) in enumerate(zip(states, params, strict=True)):
+            if p.seed is not None and not p.greedy:
+                gen = torch.Generator(device=d)
+                gen.manual_seed(step_seed(p.seed, state.num_output_tokens))
+                generators[row] = gen
+        banned: dict[int, list[int]] = {}
+        for row, (state, p) in enumerate(zip(states, params, strict=True)):
+            if state.num_output_tokens < p.min_tokens:
+                ids = [*p.stop_token_ids]
+                if not p.ignore_eos:
+                    ids += list(self.eos_token_ids)
+                if ids:
+                    banned[row] = ids
+        max_logprobs = None
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            max_logprobs = max(wanted)
+        meta = SamplingMetadata(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=d),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=torch.tensor(
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=d
+            )
+            if use_top_k
+            else None,
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d)
+            if use_top_p
+            else None,
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=d)
+            if use_min_p
+            else None,
+            generators=generators,
+            banned_token_ids=banned or None,
+            max_num_logprobs=max_logprobs,
+        )
+        if any(p.uses_penalties for p in params):
+            pad = self.vocab_size
+            prompts = [s.token_ids[: s.num_prompt_tokens] for s in states]
+            outputs = [s.token_ids[s.num_prompt_tokens :] for s in states]
+
+            def padded(rows: list[list[int]]) -> torch.Tensor:
+                width = max(1, max(len(r) for r in rows))
+                arr = np.full((len(rows), width), pad, dtype=np.int64)
+                for i, r in enumerate(rows):
+                    arr[i, : len(r)] = r
+                return torch.from_numpy(arr).to(d)
+
+            meta.prompt_token_ids = padded(prompts)
+            meta.output_token_ids = padded(outputs)
+            meta.presence_penalties = torch.tensor(
+                [p.presence_penalty for p in params], dtype=torch.float32, device=d
+            )
+            meta.frequency_penalties = torch.tensor(
+                [p.frequency_penalty for p in params], dtype=torch.float32, device=d
+            )
+            meta.repetition_penalties = torch.tensor(
+                [p.repetition_penalty for p in params], dtype=torch.float32, device=d
+            )
+        return meta
+
+    # -- step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        result = ModelRunnerOutput()
+        if self.connector is not None:
+            self.connector.start_load_kv(out.kv_connector_metadata)
+        if out.total_num_scheduled_tokens:
+            self._run(out, result)
+        if self.connector is not None:
+            sending, recving, failed = self.connector.get_finished()
+            result.finished_sending, result.finished_recving = sending, recving
+            result.failed_recving = failed
+        return result
+
+    def _run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        req_ids, states, input_ids, positions, meta, rows, indices = self._prepare_inputs(out)
+        start = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        self._prompt_logprobs(req_ids, states, out, hidden)
+        if not rows:
+            result.forward_seconds = time.perf_counter() - start
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(indices, device=self.device)])
+        sample_states = [states[r] for r in rows]
+        sampled = self.sampler(logits, self._sampling_metadata(sample_states))
+        token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
+        result.forward_seconds = time.perf_counter() - start
+        lp_ids = (
+            sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
+        )
+        lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else None
+        for i, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
+            state = states[row]
+            state.token_ids.append(token)
+            result.sampled_token_ids[state.req_id] = token
+            n = state.sampling_params.logprobs
+            if n is not None and lp_ids is not None:
+                result.logprobs[state.req_id] = (lp_ids[i][: 1 + n], lps[i][: 1 + n], ranks[i])
+            if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 1:
+                result.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+    def _prompt_logprobs(self, req_ids, states, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        offset = 0
+        for state in states:
+            n = out.num_scheduled_tokens[state.req_id]
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            if k is not None and start < state.num_prompt_tokens:
+                if start == 0:
+                    state.prompt_logprobs = [None]
+                # Hidden state at position p predicts the token at p + 1.
+                last = min(start + n, state.num_prompt_tokens - 1)
+                if last > start:
+                    h = hidden[offset : offset + (last - start)]
+                    logprobs = self.model.compute_logits(h).float().log_softmax(dim=-1)
+                    targets = torch.tensor(
+                        state.token_ids[start + 1 : last + 1], device=self.device
+                    )
+                    chosen = logprobs.gather(1, targets[:, None])
+                    ranks = (logprobs > chosen).sum(dim=-1) + 1
+                    if k:
+                        top_lp, top_ids = logprobs.topk(k, dim=-1)
+                    for j, target in enumerate(targets.tolist()):
+                        ids = [target] + (top_ids[j].tolist() if k else [])
+                        vals = [chosen[j, 0].item()] + (top_lp[j].tolist() if k else [])
+                        state.prompt_logprobs.append((ids, vals, int(ranks[j])))
+            offset += n
