@@ -95,6 +95,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVBlock] | None = None,
+        publish: bool = True,
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
@@ -103,6 +104,7 @@ class KVCacheManager:
         short. Full blocks whose tokens are known are published in the cache
         right away: a request scheduled in the same step reads them after the
         step's KV writes, which happen before attention in every layer.
+        ``publish=False`` is for blocks whose content arrives later (remote loads).
         """
         computed_blocks = computed_blocks or []
         if not self.can_fit(request, num_new_tokens, computed_blocks):
@@ -117,8 +119,9 @@ class KVCacheManager:
             self.num_cached_blocks[rid] = len(computed_blocks)
         new = self.pool.allocate(num_new)
         held.extend(new)
-        known = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        self.cache_full_blocks(request, min(known + num_new_tokens, request.num_tokens))
+        if publish:
+            known = request.num_computed_tokens + len(computed_blocks) * self.block_size
+            self.cache_full_blocks(request, min(known + num_new_tokens, request.num_tokens))
         return new
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -239,7 +239,10 @@ class Scheduler:
                 num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
                 if num_external > 0:
                     # Allocate blocks for the remote tokens; wait for them off the batch.
-                    if self.kv.allocate_slots(request, num_external, computed_blocks) is None:
+                    allocated = self.kv.allocate_slots(
+                        request, num_external, computed_blocks, publish=False
+                    )
+                    if allocated is None:
                         break
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)

@@ -11,9 +11,9 @@ from ..attention.backend import AttentionBackend, AttentionMetadata
 class RMSNorm(nn.Module):
     """HF Llama semantics: normalize in float32, cast back, then scale."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
     def forward(
@@ -84,8 +84,8 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias, dtype=dtype)
         # Qwen3: RMSNorm over each head's vector of q and k, before RoPE.
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
         self.rotary = rotary
 
     def forward(

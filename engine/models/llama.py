@@ -47,8 +47,8 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
         )
         self.mlp = MLP(m.hidden_size, int(hf["intermediate_size"]), dtype)
-        self.input_layernorm = RMSNorm(m.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(m.hidden_size, eps)
+        self.input_layernorm = RMSNorm(m.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(m.hidden_size, eps, dtype)
 
     def forward(
         self,
@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(i, m, rotary, dtype, qkv_bias, attention_bias, self.qk_norm)
             for i in range(m.num_hidden_layers)
         )
-        self.norm = RMSNorm(m.hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
+        self.norm = RMSNorm(m.hidden_size, float(hf.get("rms_norm_eps", 1e-6)), dtype)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None

@@ -1,0 +1,222 @@
+"""The scheduler on its own (no model): budgets, chunking, preemption, priority, hooks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfleet.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pdfleet.engine.core.sched_output import ModelRunnerOutput
+from pdfleet.engine.core.scheduler import Scheduler
+from pdfleet.engine.kv_transfer.base import KVConnectorScheduler
+from pdfleet.engine.request import Request, RequestStatus
+from pdfleet.engine.sampling_params import SamplingParams
+
+
+def make(
+    num_blocks=64,
+    tokens=64,
+    seqs=8,
+    chunked=True,
+    policy="fcfs",
+    caching=True,
+    threshold=0,
+    connector=None,
+    max_len=256,
+) -> Scheduler:
+    config = EngineConfig(
+        model_config=ModelConfig(model="m", max_model_len=max_len),
+        cache_config=CacheConfig(block_size=8, enable_prefix_caching=caching),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=tokens,
+            max_num_seqs=seqs,
+            max_model_len=max_len,
+            enable_chunked_prefill=chunked,
+            policy=policy,
+            long_prefill_token_threshold=threshold,
+        ),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    return Scheduler(config, num_blocks + 1, connector)
+
+
+def request(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0) -> Request:
+    return Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        priority=priority,
+        arrival_time=arrival,
+    )
+
+
+def step(s: Scheduler):
+    """One schedule + a fake forward that samples token 1 wherever a request caught up."""
+    out = s.schedule()
+    sampled = {
+        rid: 1
+        for rid in out.num_scheduled_tokens
+        if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens
+    }
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+    return out
+
+
+def run_all(s: Scheduler, limit=500) -> list:
+    outs = []
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return outs
+        outs.append(step(s))
+    raise AssertionError("scheduler did not finish")
+
+
+def test_token_budget_and_chunked_prefill():
+    s = make(tokens=16)
+    s.add_request(request("a", 40))
+    s.add_request(request("b", 3))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 16}
+    assert s.requests["a"].num_computed_tokens == 16
+
+
+def test_decodes_go_first_then_new_prompts_fill_the_budget():
+    s = make(tokens=10)
+    s.add_request(request("a", 5))
+    step(s)
+    s.add_request(request("b", 20))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
+    s = make(tokens=16, chunked=False, max_len=16)
+    s.add_request(request("a", 12))
+    s.add_request(request("b", 10, first=100))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 12}
+
+
+def test_long_prefill_threshold():
+    s = make(tokens=64, threshold=8)
+    s.add_request(request("a", 30))
+    s.add_request(request("b", 30))
+    assert s.schedule().num_scheduled_tokens == {"a": 8, "b": 8}
+
+
+def test_max_num_seqs():
+    s = make(seqs=2)
+    for i in range(4):
+        s.add_request(request(str(i), 2))
+    assert len(s.schedule().num_scheduled_tokens) == 2
+
+
+def test_preemption_recomputes_and_everything_finishes():
+    s = make(num_blocks=4, tokens=64, seqs=4)
+    for i in range(3):
+        s.add_request(request(str(i), 7, max_tokens=8, first=100 * i))
+    run_all(s)
+    assert s.num_preemptions > 0
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+
+
+def test_priority_policy_orders_waiting_and_preempts_the_lowest_priority():
+    s = make(num_blocks=3, tokens=64, seqs=4, policy="priority")
+    s.add_request(request("low", 7, max_tokens=8, priority=5, arrival=0.0))
+    s.add_request(request("high", 7, max_tokens=8, priority=0, arrival=1.0, first=100))
+    assert list(step(s).num_scheduled_tokens) == ["high", "low"]
+    for _ in range(6):
+        step(s)
+        if s.num_preemptions:
+            break
+    assert s.requests["low"].num_preemptions >= 1
+    assert s.requests["high"].num_preemptions == 0
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    s = make(seqs=1)
+    s.add_request(request("a", 10))
+    s.add_request(request("b", 10))
+    s.schedule()
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+    assert s.schedule().is_empty
+
+
+class FakeRemote(KVConnectorScheduler):
+    def __init__(self):
+        self.allocated = {}
+        self.finished = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+            return (request.num_tokens - 1) // 8 * 8 - num_computed_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocated[request.request_id] = (list(block_ids), num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        self.finished.append(request.request_id)
+        hold = bool(
+            request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode")
+        )
+        return hold, {"held": hold} if hold else None
+
+
+def test_waiting_for_remote_kv_does_not_block_other_requests():
+    remote = FakeRemote()
+    s = make(connector=remote)
+    r = request("remote", 18)
+    r.kv_transfer_params = {"do_remote_prefill": True}
+    s.add_request(r)
+    s.add_request(request("local", 5))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"local": 5}
+    assert remote.allocated["remote"][1] == 16
+    assert s.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.update_from_output(out, ModelRunnerOutput(finished_recving={"remote"}))
+    out = s.schedule()
+    # 16 tokens arrived from the remote engine: only the last 2 are computed here.
+    assert out.num_scheduled_tokens["remote"] == 2
+    assert s.requests["remote"].num_external_computed_tokens == 16
+
+
+def test_failed_remote_load_falls_back_to_local_recompute():
+    remote = FakeRemote()
+    s = make(connector=remote)
+    r = request("remote", 18)
+    r.kv_transfer_params = {"do_remote_prefill": True}
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(failed_recving={"remote"}))
+    out = s.schedule()
+    # Nothing of the failed load may be reused: the whole prompt is computed here.
+    assert out.num_scheduled_tokens == {"remote": 18}
+    assert s.requests["remote"].kv_transfer_params is None
+
+
+def test_finished_requests_can_hand_their_blocks_to_a_connector():
+    remote = FakeRemote()
+    s = make(connector=remote)
+    r = request("p", 9, max_tokens=1)
+    r.kv_transfer_params = {"do_remote_decode": True}
+    s.add_request(r)
+    outs = run_all(s)
+    assert outs and "p" in s.held_blocks
+    assert s.kv.num_free_blocks < s.kv.num_usable_blocks
+    s.update_from_output(s.schedule(), ModelRunnerOutput(finished_sending={"p"}))
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+
+
+def test_duplicate_request_ids_are_rejected():
+    s = make()
+    s.add_request(request("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(request("a", 3))
