@@ -87,14 +87,25 @@ def run_transformers(model: str, prompts: list[list[int]], out_len: int) -> dict
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as generate expects
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.inference_mode():
-        hf.generate(ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=4,
-                    do_sample=False, pad_token_id=pad)
+        hf.generate(
+            ids[:1, -16:],
+            attention_mask=mask[:1, -16:],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
-                          do_sample=False, pad_token_id=pad)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         wall = time.perf_counter() - start
     generated = (out.shape[1] - width) * len(prompts)
     return {"seconds": wall, "generated_tokens": generated, "tokens_per_second": generated / wall}

@@ -110,6 +110,7 @@ class LLM:
                     params,
                     priority=priority[i] if priority else 0,
                     add_special_tokens=add_special_tokens,
+                    output_kind="final",
                 )
                 ids.append(rid)
         except Exception:

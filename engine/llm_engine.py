@@ -145,8 +145,12 @@ class LLMEngine:
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
         add_special_tokens: bool = True,
+        output_kind: str = "cumulative",
     ) -> None:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input.
+
+        ``output_kind``: ``cumulative``, ``delta`` (streaming) or ``final`` (see
+        :class:`RequestState`)."""
         if request_id in self.output.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else self.default_sampling_params()
@@ -182,7 +186,16 @@ class LLMEngine:
                 )
             )
         self.output.add(
-            RequestState(request_id, text, prompt_ids, params, child_ids, self.tokenizer, arrival)
+            RequestState(
+                request_id,
+                text,
+                prompt_ids,
+                params,
+                child_ids,
+                self.tokenizer,
+                arrival,
+                output_kind,
+            )
         )
         for r in requests:
             self.core.add_request(r)

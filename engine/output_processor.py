@@ -55,6 +55,9 @@ class ChildState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
+        # How much has been handed out already (for delta outputs).
+        self.sent_tokens = 0
+        self.sent_text = 0
         # Text withheld while it could still turn out to start a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -94,7 +97,13 @@ class RequestState:
         child_ids: list[str],
         tokenizer: Any,
         arrival: float,
+        output_kind: str = "cumulative",
     ) -> None:
+        """``output_kind``: ``cumulative`` (everything so far, every step), ``delta``
+        (only what is new, every step: for streaming) or ``final`` (once, at the end)."""
+        if output_kind not in ("cumulative", "delta", "final"):
+            raise ValueError(f"output_kind must be cumulative, delta or final, got {output_kind!r}")
+        self.output_kind = output_kind
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -111,18 +120,23 @@ class RequestState:
         return all(c.finish_reason is not None for c in self.children.values())
 
     def to_output(self) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=c.index,
-                text=c.visible_text(),
-                token_ids=list(c.token_ids),
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        delta = self.output_kind == "delta"
+        outs = []
+        for c in self.children.values():
+            text = c.visible_text()
+            t0, s0 = (c.sent_tokens, c.sent_text) if delta else (0, 0)
+            outs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text[s0:],
+                    token_ids=c.token_ids[t0:],
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=c.logprobs[t0:] if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in self.children.values()
-        ]
+            c.sent_tokens, c.sent_text = len(c.token_ids), len(text)
         first = next(iter(self.children.values()))
         t = self.timing
         return RequestOutput(
@@ -219,7 +233,8 @@ class OutputProcessor:
         for state in touched.values():
             if state.finished:
                 self._finish(state, now, stats)
-            outputs.append(state.to_output())
+            if state.finished or state.output_kind != "final":
+                outputs.append(state.to_output())
         return outputs, to_stop
 
     def _finish(self, state: RequestState, now: float, stats: IterationStats) -> None:

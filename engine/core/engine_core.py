@@ -46,6 +46,7 @@ class EngineCore:
         self.connector = connector
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
+        self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -79,6 +80,7 @@ class EngineCore:
         )
         self.last_stats.step_prompt_tokens = prompt_tokens
         self.last_stats.step_generation_tokens = len(runner_out.sampled_token_ids)
+        self.num_steps += 1
         return outputs
 
     def shutdown(self) -> None:

@@ -1,0 +1,277 @@
+"""The engine's HTTP server: OpenAI API, health, metrics, tokenize.
+
+The port opens at once; ``/health`` answers 503 until the model is loaded and
+a warm-up step ran, then 200. SIGTERM stops accepting connections, lets
+in-flight requests finish for up to ``--shutdown-timeout`` seconds, then
+exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ...async_engine import AsyncEngine
+from ...config import EngineConfig
+from ...llm_engine import LLMEngine
+from ...metrics import EngineMetrics
+from ...sampling_params import SamplingParams
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+    random_id,
+)
+from .serving import OpenAIServing
+
+logger = logging.getLogger("pdfleet.serve")
+
+
+class ServerState:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int, api_key: str | None):
+        self.config = config
+        self.max_waiting_requests = max_waiting_requests
+        self.api_key = api_key
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.metrics: EngineMetrics | None = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self.draining = False
+        self.last_log = time.monotonic()
+
+    def load(self) -> None:
+        """Build the engine, run a warm-up step, then start serving (loader thread)."""
+        try:
+            engine = LLMEngine(self.config)
+            warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            engine.add_request("warmup", {"prompt_token_ids": [0]}, warm, output_kind="final")
+            while engine.has_unfinished_requests():
+                engine.step()
+            self.metrics = EngineMetrics(engine.config)
+            self.engine = AsyncEngine(engine, self.max_waiting_requests, self.on_step)
+            self.serving = OpenAIServing(
+                self.engine,
+                engine.config.model_config.served_model_names,
+                engine.config.model_config.max_model_len,
+            )
+            self.ready.set()
+            logger.info("Ready to serve %s", engine.config.model_config.name)
+        except BaseException as e:
+            logger.exception("engine failed to start")
+            self.load_error = e
+
+    def on_step(self, engine: LLMEngine) -> None:
+        assert self.metrics is not None
+        self.metrics.update(engine)
+        if engine.config.observability_config.log_stats and time.monotonic() - self.last_log >= 10:
+            self.last_log = time.monotonic()
+            s = engine.stats
+            logger.info(
+                "running=%d waiting=%d kv_usage=%.1f%% prefix_hit_rate=%.1f%% preemptions=%d",
+                s.num_running_reqs,
+                s.num_waiting_reqs,
+                100 * s.kv_cache_usage,
+                100 * s.prefix_cache_hits / max(1, s.prefix_cache_queries),
+                s.num_preemptions,
+            )
+
+
+def error_json(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=state.load, name="pdfleet-loader", daemon=True).start()
+        yield
+        state.draining = True
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="pdfleet engine", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_json(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_json(APIError(f"invalid JSON body: {first.get('msg')}"))
+        param = ".".join(loc) or None
+        return error_json(
+            APIError(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        logger.exception("internal error")
+        return error_json(APIError(f"internal error: {type(e).__name__}: {e}", status=500))
+
+    def serving(request: Request) -> OpenAIServing:
+        if state.api_key is not None and request.headers.get("authorization") != (
+            f"Bearer {state.api_key}"
+        ):
+            raise APIError("invalid or missing API key", status=401)
+        if state.draining:
+            raise APIError("the server is shutting down", status=503)
+        if state.serving is None:
+            raise APIError("the model is still loading", status=503)
+        return state.serving
+
+    def request_id(request: Request, prefix: str) -> str:
+        given = request.headers.get("x-request-id")
+        return f"{prefix}-{given}" if given else random_id(prefix)
+
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None or (state.engine is not None and not state.engine.alive):
+            return JSONResponse({"status": "failed"}, status_code=503)
+        if not state.ready.is_set() or state.draining:
+            return JSONResponse(
+                {"status": "loading" if not state.draining else "draining"}, status_code=503
+            )
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(
+            generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        s = serving(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pdfleet",
+                    "root": state.config.model_config.model,
+                    "max_model_len": s.max_model_len,
+                }
+                for name in s.served_names
+            ],
+        }
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import version as v
+
+        return {"version": v("pdfleet")}
+
+    async def respond(request: Request, coro_or_stream: Any, stream: bool, rid: str):
+        headers = {"x-request-id": rid}
+        if stream:
+            events = await coro_or_stream
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        task = asyncio.ensure_future(coro_or_stream)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return JSONResponse(task.result(), headers=headers)
+            if await request.is_disconnected():
+                task.cancel()  # aborts the engine request and frees its blocks
+                await asyncio.gather(task, return_exceptions=True)
+                return JSONResponse({}, status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        s = serving(request)
+        rid = request_id(request, "cmpl")
+        if body.stream:
+            return await respond(request, s.completion_stream(body, rid), True, rid)
+        return await respond(request, s.completion(body, rid), False, rid)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        s = serving(request)
+        rid = request_id(request, "chatcmpl")
+        if body.stream:
+            return await respond(request, s.chat_stream(body, rid), True, rid)
+        return await respond(request, s.chat(body, rid), False, rid)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        s = serving(request)
+        s.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            _, ids = s.apply_chat_template(body)
+        else:
+            ids = s.tokenize(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        s = serving(request)
+        s.check_model(body.model)
+        vocab = state.config.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens"
+            )
+        return {"prompt": s._need_tokenizer().decode(body.tokens)}
+
+    return app
+
+
+def run_server(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    max_waiting_requests: int,
+    api_key: str | None,
+    log_level: str = "info",
+) -> int:
+    import uvicorn
+
+    state = ServerState(config, max_waiting_requests, api_key)
+    app = build_app(state)
+    # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
+    grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=grace,
+        timeout_keep_alive=75,
+    )
+    server = uvicorn.Server(uv_config)
+
+    def watch_load() -> None:
+        while not state.ready.wait(0.2):
+            if state.load_error is not None:
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch_load, daemon=True).start()
+    server.run()
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,215 @@
+"""OpenAI API request schemas and error bodies (the fields pdfleet serves)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class APIError(Exception):
+    """An error with an HTTP status, rendered in OpenAI's error shape."""
+
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "Error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    # Known OpenAI fields pdfleet does not implement: rejected when set.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by pdfleet", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of is not supported by pdfleet (use n)", param="best_of")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(
+                "response_format other than text is not supported by pdfleet",
+                param="response_format",
+            )
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError("tool calling is not supported by pdfleet", param="tools")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    def sampling_params(
+        self,
+        defaults: dict[str, Any],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        values: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                values[name] = value
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        try:
+            return SamplingParams(
+                n=self.n,
+                seed=self.seed,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                **values,
+            )
+        except ValueError as e:
+            field = str(e).split(" ")[0]
+            raise APIError(str(e), param=field) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"message content of type {part.type!r} is not supported (text only)",
+                    param="messages",
+                )
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,232 @@
+"""Prometheus metrics of one engine (DESIGN §4).
+
+Native names follow ``pdfleet_engine_<name>_<unit>``; the vLLM names of the
+model-server-protocol subset are exported too, so existing routers, KEDA
+recipes and dashboards work against pdfleet pods unchanged.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+
+
+class EngineMetrics:
+    def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        model = config.model_config.name
+        labels = ["model_name"]
+        self.labels = {"model_name": model}
+        p = "pdfleet_engine_"
+        self.running = Gauge(
+            p + "num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            p + "num_requests_waiting",
+            "Requests waiting to be scheduled (incl. waiting for remote KV).",
+            labels,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            p + "kv_cache_usage_ratio",
+            "Fraction of KV-cache blocks in use (0-1).",
+            labels,
+            registry=r,
+        )
+        self.waiting_prompt_tokens = Gauge(
+            p + "waiting_prompt_tokens",
+            "Prompt tokens of queued requests not yet computed (uncached backlog).",
+            labels,
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+        )
+        self.preemptions = Counter(
+            p + "num_preemptions", "Requests preempted (recomputed later).", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens computed.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Tokens generated.", labels, registry=r
+        )
+        self.prefill_busy = Counter(
+            p + "prefill_busy_seconds",
+            "Seconds of engine steps that computed prompt tokens.",
+            labels,
+            registry=r,
+        )
+        self.request_success = Counter(
+            p + "request_success",
+            "Finished requests by reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        cache = config.cache_config
+        cache_labels = {
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(cache.num_gpu_blocks),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "compat_hash": config.compat_hash(),
+        }
+        Info(p + "cache_config", "KV-cache configuration.", registry=r).info(cache_labels)
+        # vLLM-compatible subset (model-server protocol).
+        self.v_running = Gauge(
+            "vllm:num_requests_running", "Number of requests running.", labels, registry=r
+        )
+        self.v_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting.", labels, registry=r
+        )
+        self.v_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100%).", labels, registry=r
+        )
+        v_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration.",
+            list(cache_labels),
+            registry=r,
+        )
+        v_info.labels(**cache_labels).set(1)
+        self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_busy = 0.0
+        self._last_step = 0
+
+    def update(self, engine: LLMEngine) -> None:
+        """Called on the engine thread after each step."""
+        s = engine.stats
+        lab = self.labels
+        for gauge, value in (
+            (self.running, s.num_running_reqs),
+            (self.v_running, s.num_running_reqs),
+            (self.waiting, s.num_waiting_reqs),
+            (self.v_waiting, s.num_waiting_reqs),
+            (self.kv_usage, s.kv_cache_usage),
+            (self.v_kv_usage, s.kv_cache_usage),
+            (self.waiting_prompt_tokens, s.waiting_prompt_tokens),
+        ):
+            gauge.labels(**lab).set(value)
+        self.prefix_queries.labels(**lab).inc(max(0, s.prefix_cache_queries - self._last_queries))
+        self.prefix_hits.labels(**lab).inc(max(0, s.prefix_cache_hits - self._last_hits))
+        self.preemptions.labels(**lab).inc(max(0, s.num_preemptions - self._last_preemptions))
+        self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        self._last_preemptions = s.num_preemptions
+        busy = engine.core.busy_prefill_seconds
+        self.prefill_busy.labels(**lab).inc(max(0.0, busy - self._last_busy))
+        self._last_busy = busy
+        if engine.core.num_steps != self._last_step:  # per-step counts, once per step
+            self._last_step = engine.core.num_steps
+            self.prompt_tokens.labels(**lab).inc(s.step_prompt_tokens)
+            self.generation_tokens.labels(**lab).inc(s.step_generation_tokens)
+        it = engine.take_iteration_stats()
+        for v in it.time_to_first_token:
+            self.ttft.labels(**lab).observe(v)
+        for v in it.inter_token_latency:
+            self.itl.labels(**lab).observe(v)
+        for reason, e2e, queue_s, _prompt, _gen in it.finished:
+            self.request_success.labels(**lab, finished_reason=reason).inc()
+            self.e2e.labels(**lab).observe(e2e)
+            self.queue_time.labels(**lab).observe(queue_s)
