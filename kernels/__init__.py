@@ -9,6 +9,14 @@ imported).
 This package imports nothing of pdfleet (checked by import-linter).
 """
 
+try:
+    import triton  # noqa: F401
+except ImportError as e:  # pragma: no cover - Triton ships with torch on Linux
+    raise ImportError(
+        "pdfleet.kernels needs Triton (Linux; `pip install triton`); "
+        "use the engine's torch attention backend without it"
+    ) from e
+
 from .activation import silu_and_mul, silu_and_mul_reference
 from .decode_attention import (
     choose_num_splits,
