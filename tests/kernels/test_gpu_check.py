@@ -1,0 +1,44 @@
+"""benchmarks/gpu_check.py runs end to end in its dry mode (tiny sizes, CPU, interpreter)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def test_gpu_check_dry_run_reports_every_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--seed", "7", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "engine e2e: pending" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and report["seed"] == 7
+    assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
+    checks = report["correctness"]
+    names = " ".join(c["check"] for c in checks)
+    for kernel in (
+        "store_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+        "paged_prefill_attention", "paged_decode_attention",
+    ):  # fmt: skip
+        assert kernel in names
+    assert all(c["ok"] for c in checks if "skipped" not in c), checks
+    assert all(r["GBps"] > 0 and r["pct_of_copy"] > 0 for r in report["decode_attention"])
+    assert all(r["TFLOPs"] > 0 for r in report["prefill_attention"])
+    assert {r["op"] for r in report["ops"]} >= {"rms_norm", "silu_and_mul", "store_kv"}
+    sweep = report["sweep"]
+    assert {r["kernel"] for r in sweep} == {"decode", "decode splits", "prefill"}
+    assert all(r["value"] > 0 and "error" not in r for r in sweep), sweep
+    assert report["engine_e2e"]["status"] == "pending"
+    floors = [r["floor_ms"] for r in report["engine_e2e"]["rows"]]
+    assert [r["batch"] for r in report["engine_e2e"]["rows"]] == [1, 16, 64]
+    assert floors == sorted(floors) and floors[0] > 0  # more KV to read, higher floor
+    assert len(report["targets"]) == 3
