@@ -194,9 +194,10 @@ class GpuCheck:
         if dry_run:
             # Before any @triton.jit module is imported.
             os.environ["TRITON_INTERPRET"] = "1"
-        import pdfleet.kernels as kernels
         import triton
         import triton.testing
+
+        import pdfleet.kernels as kernels
         from pdfleet.kernels import testing
         from pdfleet.kernels.decode_attention import num_sms
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfleet.kernels import silu_and_mul, silu_and_mul_reference
 from pdfleet.kernels.testing import rel_error
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfleet.kernels import (
     choose_num_splits,
     paged_decode_attention,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfleet.kernels import (
     fused_add_rms_norm,
     fused_add_rms_norm_reference,

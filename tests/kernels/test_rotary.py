@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfleet.kernels import (
     build_cos_sin_cache,
     rope_inv_freq,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfleet.kernels import store_kv, store_kv_reference
 
 
