@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -52,11 +53,19 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._refresh_gauges()
+        return done
 
     def stop_requests(self, request_ids: list[str]) -> list[Request]:
         """End requests that met a stop condition outside the core (stop strings)."""
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        self._refresh_gauges()
+        return done
+
+    def _refresh_gauges(self) -> None:
+        """Scheduler state changed between steps (abort): keep the snapshot current."""
+        self.last_stats = dataclasses.replace(self.last_stats, **vars(self.scheduler.stats()))
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.held_blocks)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -88,6 +89,66 @@ class ServerState:
                 100 * s.prefix_cache_hits / max(1, s.prefix_cache_queries),
                 s.num_preemptions,
             )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(events: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
+    """Relay SSE events; stop (aborting the engine request) when the client goes away."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    it = events.__aiter__()
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                return  # disconnected; the finally below cancels the pending step
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield item
+    finally:
+        watcher.cancel()
+        if nxt is not None and not nxt.done():
+            # Cancelling the generator's pending step runs its cleanup: the engine
+            # request is aborted and its blocks freed.
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+        await it.aclose()
+
+
+class _Server:
+    """uvicorn's server without re-raising SIGTERM after a graceful shutdown
+    (which would make the exit status -15 instead of 0)."""
+
+    @staticmethod
+    def create(config: Any) -> Any:
+        import contextlib
+        import signal as _signal
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                handled = (_signal.SIGINT, _signal.SIGTERM)
+                original = {sig: _signal.signal(sig, self.handle_exit) for sig in handled}
+                try:
+                    yield
+                finally:
+                    for sig, handler in original.items():
+                        _signal.signal(sig, handler)
+
+        return Server(config)
 
 
 def error_json(e: APIError) -> JSONResponse:
@@ -187,7 +248,9 @@ def build_app(state: ServerState) -> FastAPI:
         headers = {"x-request-id": rid}
         if stream:
             events = await coro_or_stream
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                until_disconnected(events, request), media_type="text/event-stream", headers=headers
+            )
         task = asyncio.ensure_future(coro_or_stream)
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -264,7 +327,7 @@ def run_server(
         timeout_graceful_shutdown=grace,
         timeout_keep_alive=75,
     )
-    server = uvicorn.Server(uv_config)
+    server = _Server.create(uv_config)
 
     def watch_load() -> None:
         while not state.ready.wait(0.2):
