@@ -79,6 +79,12 @@ class LLMEngine:
             if theirs_key in gen
         }
         self.default_sampling.update(m.override_generation_config)
+        kv = config.kv_transfer_config
+        if connector is None and kv is not None and kv.kv_connector is not None:
+            from .kv_transfer.connector import create_connector
+
+            connector = create_connector(config)
+        self.connector = connector
         self.core = EngineCore(config, self.eos_token_ids, connector)
         self.output = OutputProcessor(self.tokenizer)
         self.iteration_stats = IterationStats()
@@ -157,6 +163,13 @@ class LLMEngine:
         params.verify(self.config.model_config.max_logprobs)
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
+        if kv_transfer_params:
+            if self.connector is None:
+                if kv_transfer_params.get("do_remote_prefill"):
+                    # Not a consumer: compute the prompt here (aggregated serving).
+                    kv_transfer_params = None
+            else:
+                self.connector[0].validate(kv_transfer_params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()

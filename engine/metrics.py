@@ -191,6 +191,65 @@ class EngineMetrics:
             registry=r,
         )
         v_info.labels(**cache_labels).set(1)
+        self.kv = None
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
+            self.kv = {
+                "bytes_transferred": Counter(
+                    p + "kv_transfer_bytes", "KV bytes moved between engines.", labels, registry=r
+                ),
+                "blocks_pulled": Counter(
+                    p + "kv_transfer_blocks_pulled",
+                    "KV blocks pulled from prefill engines.",
+                    labels,
+                    registry=r,
+                ),
+                "transfers": Counter(p + "kv_transfers", "Completed KV pulls.", labels, registry=r),
+                "failed_transfers": Counter(
+                    p + "kv_transfer_failures", "Failed KV pulls.", labels, registry=r
+                ),
+                "expired_leases": Counter(
+                    p + "kv_transfer_expired_leases",
+                    "Held blocks freed because no consumer claimed them.",
+                    labels,
+                    registry=r,
+                ),
+                "handshakes": Counter(
+                    p + "kv_transfer_handshakes",
+                    "Handshakes with remote engines.",
+                    labels,
+                    registry=r,
+                ),
+                "failed_handshakes": Counter(
+                    p + "kv_transfer_handshake_failures", "Failed handshakes.", labels, registry=r
+                ),
+            }
+            self.kv_seconds = Histogram(
+                p + "kv_transfer_seconds",
+                "Duration of one KV pull.",
+                labels,
+                buckets=ITL_BUCKETS,
+                registry=r,
+            )
+            # vLLM's NIXL metric names where they map.
+            self.v_kv = {
+                "failed_transfers": Counter(
+                    "vllm:nixl_num_failed_transfers", "Failed KV transfers.", labels, registry=r
+                ),
+                "expired_leases": Counter(
+                    "vllm:nixl_num_kv_expired_reqs",
+                    "Requests whose held KV expired.",
+                    labels,
+                    registry=r,
+                ),
+            }
+            self.v_kv_seconds = Histogram(
+                "vllm:nixl_xfer_time_seconds",
+                "KV transfer time.",
+                labels,
+                buckets=ITL_BUCKETS,
+                registry=r,
+            )
+            self._last_kv: dict[str, int] = {}
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_busy = 0.0
         self._last_step = 0
@@ -221,6 +280,8 @@ class EngineMetrics:
             self._last_step = engine.core.num_steps
             self.prompt_tokens.labels(**lab).inc(s.step_prompt_tokens)
             self.generation_tokens.labels(**lab).inc(s.step_generation_tokens)
+        if self.kv is not None and engine.connector is not None:
+            self._update_kv(engine.connector[0].c)
         it = engine.take_iteration_stats()
         for v in it.time_to_first_token:
             self.ttft.labels(**lab).observe(v)
@@ -230,3 +291,20 @@ class EngineMetrics:
             self.request_success.labels(**lab, finished_reason=reason).inc()
             self.e2e.labels(**lab).observe(e2e)
             self.queue_time.labels(**lab).observe(queue_s)
+
+    def _update_kv(self, connector) -> None:
+        lab = self.labels
+        with connector.lock:
+            stats = connector.stats
+            seconds, stats.transfer_seconds = stats.transfer_seconds, []
+            values = {name: getattr(stats, name) for name in self.kv}
+        for name, value in values.items():
+            delta = value - self._last_kv.get(name, 0)
+            if delta > 0:
+                self.kv[name].labels(**lab).inc(delta)
+                if name in self.v_kv:
+                    self.v_kv[name].labels(**lab).inc(delta)
+            self._last_kv[name] = value
+        for s in seconds:
+            self.kv_seconds.labels(**lab).observe(s)
+            self.v_kv_seconds.labels(**lab).observe(s)

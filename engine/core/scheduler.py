@@ -340,10 +340,11 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
                 out.kv_transfer_params = self._free_request(request)
             outputs.append(out)
-        self._update_kv_transfers(runner_out)
+        outputs.extend(self._update_kv_transfers(runner_out))
         return outputs
 
-    def _update_kv_transfers(self, runner_out: ModelRunnerOutput) -> None:
+    def _update_kv_transfers(self, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        errors: list[EngineCoreOutput] = []
         for rid in runner_out.finished_sending:
             blocks = self.held_blocks.pop(rid, None)
             if blocks is not None:
@@ -352,12 +353,22 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
+            # The params are consumed: a later preemption recomputes locally.
+            request.kv_transfer_params = None
             if rid in runner_out.failed_recving:
+                message = self.connector.load_failed(request) if self.connector else None
+                if message is not None:
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.stop_reason = message
+                    self._free_request(request)
+                    errors.append(
+                        EngineCoreOutput(rid, [], finish_reason="error", stop_reason=message)
+                    )
+                    continue
                 # Recompute locally: drop the blocks that were meant for remote KV.
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.num_external_computed_tokens = 0
-                request.kv_transfer_params = None
                 request.num_cached_tokens = -1
             else:
                 loaded = self._loaded_tokens(request)
@@ -365,6 +376,7 @@ class Scheduler:
                 request.num_computed_tokens = loaded
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
+        return errors
 
     def _loaded_tokens(self, request: Request) -> int:
         held = len(self.kv.req_blocks.get(request.request_id, ()))

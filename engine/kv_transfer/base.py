@@ -46,10 +46,18 @@ class KVConnectorScheduler:
     def request_aborted(self, request: Request) -> None:
         """A request waiting for or holding remote KV was aborted."""
 
+    def load_failed(self, request: Request) -> str | None:
+        """A remote load failed: an error message to fail the request with, or None
+        to recompute the prompt locally."""
+        return None
+
+    def validate(self, params: dict[str, Any] | None) -> None:
+        """Raise ValueError for kv_transfer_params this engine cannot honour."""
+
 
 class KVConnectorWorker:
-    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
-        """The per-layer (key, value) cache tensors this engine allocated."""
+    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]], buffer: Any = None) -> None:
+        """The per-layer (key, value) cache views and the contiguous buffer behind them."""
 
     def start_load_kv(self, metadata: Any) -> None:
         """Start the loads in ``metadata`` (non-blocking)."""

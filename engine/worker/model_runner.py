@@ -90,7 +90,7 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.connector = connector
         if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
+            connector.register_kv_caches(self.kv_caches, self.kv_buffer)
 
     def _profile_peak_memory(self) -> int:
         """Peak bytes of a forward pass of max_num_batched_tokens (CUDA only)."""

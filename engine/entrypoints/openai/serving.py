@@ -31,6 +31,13 @@ class Choice:
     stop_reason: int | str | None = None
 
 
+def _raise_if_error(o: Any) -> None:
+    """A sequence that ended in an engine-side error (e.g. a failed KV pull under
+    kv_load_failure_policy=fail) becomes an HTTP error, never a silent answer."""
+    if o.finish_reason == "error":
+        raise APIError(str(o.stop_reason or "the request failed in the engine"), status=502)
+
+
 def _finish_reason(reason: str | None) -> str | None:
     # abort/error are not OpenAI finish reasons; a stop covers EOS, stop strings and ids.
     return None if reason is None else ("length" if reason == "length" else "stop")
@@ -287,6 +294,7 @@ class OpenAIServing:
                 usage["cached"] += out.num_cached_tokens
                 kv_out = out.kv_transfer_params or kv_out
             for o in out.outputs:
+                _raise_if_error(o)
                 c = choices[j * n + o.index]
                 c.text += o.text
                 c.token_ids += o.token_ids
@@ -374,6 +382,7 @@ class OpenAIServing:
                 if out.finished:
                     usage["cached"] += out.num_cached_tokens
                 for o in out.outputs:
+                    _raise_if_error(o)
                     idx = j * n + o.index
                     text = o.text
                     lp = None
@@ -456,6 +465,7 @@ class OpenAIServing:
             if out.finished:
                 cached, kv_out = out.num_cached_tokens, out.kv_transfer_params
             for o in out.outputs:
+                _raise_if_error(o)
                 c = choices[o.index]
                 c.text += o.text
                 c.token_ids += o.token_ids
@@ -527,6 +537,7 @@ class OpenAIServing:
                 if out.finished:
                     cached = out.num_cached_tokens
                 for o in out.outputs:
+                    _raise_if_error(o)
                     if o.index not in started:
                         started.add(o.index)
                         yield chunk(o.index, {"role": "assistant", "content": ""})
