@@ -106,7 +106,7 @@ def _check_cross_role(spec: InferenceServiceSpec, args: dict[str, EngineArgs]) -
     if decode.tensor_parallel_size < prefill.tensor_parallel_size:
         out.append(
             Violation(
-                _where(spec, "decode", "tensorParallelSize"),
+                "spec.decode.engine.tensorParallelSize",
                 f"decode tensor parallelism {decode.tensor_parallel_size} is below prefill's "
                 f"{prefill.tensor_parallel_size} (a decode engine cannot take KV split over "
                 "more shards than it has)",

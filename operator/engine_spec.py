@@ -8,6 +8,7 @@ The resource's engine settings are the engine flags in camelCase
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any
 
@@ -54,8 +55,10 @@ def _unknown_key_problem(key: str, fields: dict[str, Any]) -> str:
     elsewhere = {camel(name): where for name, where in SET_ELSEWHERE.items()}
     if key in elsewhere:
         return f"not an engine setting here; set {elsewhere[key]} instead"
-    if camel(key) in fields:
-        return f"unknown engine setting; did you mean {camel(key)}?"
+    guess = camel(key) if camel(key) in fields else None
+    guess = guess or next(iter(difflib.get_close_matches(key, list(fields), n=1)), None)
+    if guess:
+        return f"unknown engine setting; did you mean {guess}?"
     return "unknown engine setting (the keys are the `pdfleet serve` flags in camelCase)"
 
 

@@ -35,11 +35,26 @@ def run(args: argparse.Namespace) -> int:
     from .manifests import build_children
     from .resource import load_inference_service
 
+    block_dumper = _block_dumper()
     svc = load_inference_service(args.file)
     violations = check_service(svc.spec)
     if violations:
         raise ValueError(f"{args.file}:\n" + "\n".join(str(v) for v in violations))
     namespace = args.namespace or svc.metadata.namespace or "default"
     objects = build_children(svc.name, svc.spec, namespace=namespace, image=args.image)
-    print(yaml.safe_dump_all(objects, sort_keys=False, width=100), end="")
+    print(yaml.dump_all(objects, Dumper=block_dumper, sort_keys=False, width=100), end="")
     return 0
+
+
+def _block_dumper() -> type:
+    import yaml
+
+    class BlockDumper(yaml.SafeDumper):
+        """Multi-line strings (the ConfigMap's JSON) as readable literal blocks."""
+
+    def represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    BlockDumper.add_representer(str, represent_str)
+    return BlockDumper
