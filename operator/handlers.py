@@ -304,6 +304,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     """kopf settings: pdfleet.dev annotations and finalizer (kopf adds the
     finalizer because of the timer, to stop it before an object goes), no
     kopf-specific status fields, bounded API waits."""
+    # Resources are discovered once at startup; no watching of CRDs or
+    # namespaces, so the operator needs no cluster-scoped read permissions.
+    settings.scanning.disabled = True
     settings.persistence.finalizer = "pdfleet.dev/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdfleet.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pdfleet.dev")
