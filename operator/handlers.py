@@ -126,7 +126,7 @@ async def reconcile(
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
-        spec = checked_spec(body.get("spec"))
+        spec = checked_spec(name, body.get("spec"))
     except InvalidSpec as e:
         state.reconciles.labels("invalid").inc()
         _report_invalid(body, patch, e.problems, logger)
@@ -194,11 +194,11 @@ async def refresh(
     clock: Callable[[], float] = time.time,
 ) -> None:
     """Scrape, autoscale when due, refresh the status (the timer's body)."""
+    name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     try:
-        spec = checked_spec(body.get("spec"))
+        spec = checked_spec(name, body.get("spec"))
     except InvalidSpec:
         return  # the reconcile reported it; nothing runs
-    name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     client = state.client()
     pods = await client.list("Pod", namespace, {LABEL_SERVICE: name})
     samples = await scrape_pods(pods, timeout_seconds=config.scrape_timeout_seconds, clock=clock)

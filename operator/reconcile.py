@@ -16,7 +16,7 @@ from typing import Any
 from .compat import check_service
 from .kube import KubeClient
 from .manifests import LABEL_COMPAT, Owner, build_children, child_name
-from .resource import InferenceServiceSpec, parse_spec
+from .resource import MAX_NAME_LENGTH, InferenceServiceSpec, is_valid_name, parse_spec
 from .status import rollout_done
 
 DEPLOYMENT_ROLES = ("prefill", "decode", "gateway")
@@ -34,15 +34,21 @@ class WaitingForRollout(Exception):
     """A step of a coherent rollout waits for the previous one to finish."""
 
 
-def checked_spec(spec: Mapping[str, Any] | None) -> InferenceServiceSpec:
-    """Parse and check a live object's spec; :class:`InvalidSpec` lists every problem."""
+def checked_spec(name: str, spec: Mapping[str, Any] | None) -> InferenceServiceSpec:
+    """Parse and check a live object; :class:`InvalidSpec` lists every problem."""
+    problems = []
+    if not is_valid_name(name):
+        problems.append(
+            f"metadata.name: {name!r} cannot name the child Services; use at most "
+            f"{MAX_NAME_LENGTH} lowercase letters, digits and '-', starting with a letter"
+        )
     try:
         parsed = parse_spec(dict(spec or {}))
     except ValueError as e:
-        raise InvalidSpec(str(e).splitlines()) from None
-    violations = check_service(parsed)
-    if violations:
-        raise InvalidSpec([str(v) for v in violations])
+        raise InvalidSpec(problems + str(e).splitlines()) from None
+    problems += [str(v) for v in check_service(parsed)]
+    if problems:
+        raise InvalidSpec(problems)
     return parsed
 
 

@@ -11,6 +11,7 @@ from helpers.crd_checks import admit, crd_schema
 from pdfleet.engine.config import EngineArgs
 from pdfleet.operator.crd import build_crd, crd_yaml
 from pdfleet.operator.engine_spec import spec_fields
+from pdfleet.operator.reconcile import InvalidSpec, checked_spec
 from pdfleet.operator.resource import load_inference_service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -120,9 +121,15 @@ def test_the_api_server_rejects_what_the_rules_forbid(spec, message):
     assert any(message in e for e in errors), errors
 
 
-def test_names_that_cannot_name_services_are_rejected():
+def test_names_too_long_for_child_services_are_rejected_at_admission():
     obj = minimal()
     obj["metadata"]["name"] = "x" * 46
     assert admit(obj)[1]
-    obj["metadata"]["name"] = "9lives"
-    assert admit(obj)[1]
+    obj["metadata"]["name"] = "x" * 45
+    assert not admit(obj)[1]
+
+
+def test_the_operator_rejects_names_that_are_no_dns_label():
+    with pytest.raises(InvalidSpec, match=r"metadata\.name"):
+        checked_spec("9lives", minimal()["spec"])
+    assert checked_spec("lives9", minimal()["spec"]).model.name == "m"
