@@ -105,7 +105,8 @@ PRINTER_COLUMNS: list[Schema] = [
 def build_crd() -> dict[str, Any]:
     """The CRD object (apiextensions.k8s.io/v1)."""
     spec_schema = model_schema(r.InferenceServiceSpec, rules=CEL_RULES)
-    status_schema = model_schema(r.InferenceServiceStatus)
+    # No defaults in status: it holds only what the operator observed.
+    status_schema = model_schema(r.InferenceServiceStatus, defaults=False)
     root: Schema = {
         "type": "object",
         "description": "A model served as a disaggregated prefill/decode fleet behind an "

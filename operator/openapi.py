@@ -48,7 +48,9 @@ def _markers(tp: Any) -> tuple[Any, list[Any]]:
     return tp, []
 
 
-def schema_for_type(tp: Any, *, rules: dict[type, list[Schema]] | None = None) -> Schema:
+def schema_for_type(
+    tp: Any, *, rules: dict[type, list[Schema]] | None = None, defaults: bool = True
+) -> Schema:
     """The structural schema of a type (without description or default)."""
     tp, meta = _markers(tp)
     if any(isinstance(m, EngineSection) for m in meta):
@@ -66,7 +68,7 @@ def schema_for_type(tp: Any, *, rules: dict[type, list[Schema]] | None = None) -
     tp = alts[0]
     tp, more = _markers(tp)
     if more:
-        return schema_for_type(typing.Annotated[tp, *more], rules=rules)
+        return schema_for_type(typing.Annotated[tp, *more], rules=rules, defaults=defaults)
     origin = get_origin(tp)
     if tp is Any:
         return {PRESERVE: True}
@@ -84,15 +86,16 @@ def schema_for_type(tp: Any, *, rules: dict[type, list[Schema]] | None = None) -
         return {"type": kind, "enum": values}
     if tp is list or origin is list:
         (elem,) = get_args(tp) or (Any,)
-        return {"type": "array", "items": schema_for_type(elem, rules=rules)}
+        return {"type": "array", "items": schema_for_type(elem, rules=rules, defaults=defaults)}
     if tp is dict or origin is dict:
         args = get_args(tp)
         value_t = args[1] if args else Any
         if value_t is Any:
             return {"type": "object", PRESERVE: True}
-        return {"type": "object", "additionalProperties": schema_for_type(value_t, rules=rules)}
+        items = schema_for_type(value_t, rules=rules, defaults=defaults)
+        return {"type": "object", "additionalProperties": items}
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return model_schema(tp, rules=rules)
+        return model_schema(tp, rules=rules, defaults=defaults)
     if dataclasses.is_dataclass(tp):
         return dataclass_schema(tp)
     raise TypeError(f"no structural schema for {tp!r}")
@@ -136,10 +139,14 @@ def _jsonable_default(value: Any) -> Any:
 
 
 def model_schema(
-    model: type[BaseModel], *, rules: dict[type, list[Schema]] | None = None
+    model: type[BaseModel],
+    *,
+    rules: dict[type, list[Schema]] | None = None,
+    defaults: bool = True,
 ) -> Schema:
     """Object schema of a pydantic model: camelCase properties, docstrings as
-    descriptions, bounds, defaults, and any CEL ``rules`` given for the class."""
+    descriptions, bounds, defaults (unless ``defaults`` is false), and any CEL
+    ``rules`` given for the class."""
     properties: Schema = {}
     required = []
     for name, info in model.model_fields.items():
@@ -149,14 +156,18 @@ def model_schema(
             markers = [m for m in info.metadata if isinstance(m, (EngineSection, PassThrough))]
             if markers:
                 annotation = typing.Annotated[annotation, *markers]
-        prop = schema_for_type(annotation, rules=rules)
+        prop = schema_for_type(annotation, rules=rules, defaults=defaults)
         if info.description:
             prop = {"description": " ".join(info.description.split()), **prop}
         prop.update(_constraints(info))
         default = _field_default(info)
         if default is PydanticUndefined:
             required.append(key)
-        elif default is not None and not any(isinstance(m, EngineSection) for m in info.metadata):
+        elif (
+            defaults
+            and default is not None
+            and not any(isinstance(m, EngineSection) for m in info.metadata)
+        ):
             prop["default"] = _jsonable_default(default)
         properties[key] = prop
     schema: Schema = {"type": "object"}

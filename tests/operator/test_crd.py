@@ -71,6 +71,9 @@ def test_crd_names_columns_and_status_subresource():
     )
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
+    # Status holds observations only: no defaults the API server would invent.
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert all("default" not in node for _, node in walk(status))
     columns = [
         c["name"].upper() for c in version["additionalPrinterColumns"] if not c.get("priority")
     ]
