@@ -20,6 +20,9 @@ COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
+    "crd": "pdfleet.operator.crd_cmd",
+    "render": "pdfleet.operator.render_cmd",
+    "operator": "pdfleet.operator.operator_cmd",
 }
 
 

@@ -1,0 +1,211 @@
+"""What prefill and decode must agree on: cross-role checks and the compatibility hash.
+
+Checked before anything runs (DESIGN §5). A violation names the field, the
+problem and the fix; the operator turns violations into a ``Ready=False``
+condition and events, ``pdfleet up`` and ``pdfleet render`` into an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdfleet.engine.config import UNSUPPORTED, CacheConfig, EngineArgs
+from pdfleet.engine.config.cache import DEFAULT_BLOCK_SIZE
+from pdfleet.engine.config.hashing import hash_factors
+
+from .engine_spec import camel
+from .resource import ROLES, InferenceServiceSpec
+from .roles import disaggregating, role_engine_args
+
+# Engine settings whose values decide the shape and meaning of KV blocks.
+MUST_MATCH = (
+    ("block_size", "KV blocks move between the roles block by block"),
+    ("kv_cache_dtype", "KV bytes are copied as they are, without conversion"),
+    ("dtype", "both roles must compute the same activations"),
+    ("hf_overrides", "both roles must run the same model architecture"),
+)
+# Typed kvTransfer keys that extraConfig must not repeat.
+TYPED_EXTRA_KEYS = frozenset(
+    {"lease_seconds", "backends", "handshake_timeout_seconds", "transfer_timeout_seconds"}
+)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: the field, what is wrong, and what to change."""
+
+    field: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.problem}; {self.fix}"
+
+
+def _where(spec: InferenceServiceSpec, role: str, key: str) -> str:
+    return f"spec.{role}.engine.{key}" if key in spec.role(role).engine else f"spec.engine.{key}"
+
+
+def _role_args(spec: InferenceServiceSpec) -> dict[str, EngineArgs]:
+    # A fixed engine id keeps the arguments free of per-call randomness.
+    return {role: role_engine_args(spec, role, engine_id="check") for role in ROLES}
+
+
+def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> list[Violation]:
+    out = []
+    for name, unused, what in UNSUPPORTED:
+        value = getattr(args, name)
+        if value != unused:
+            key = camel(name)
+            out.append(
+                Violation(
+                    _where(spec, role, key),
+                    f"{what} is not supported by pdfleet (got {value!r})",
+                    f"remove {key}",
+                )
+            )
+    try:
+        CacheConfig(
+            block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            cache_dtype=args.kv_cache_dtype,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        )
+    except ValueError as e:
+        out.append(Violation(f"spec.{role}.engine", str(e), "change the value named"))
+    for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("seed", 0)):
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            key = camel(name)
+            out.append(
+                Violation(_where(spec, role, key), f"must be >= {minimum}, got {value}", "raise it")
+            )
+    return out
+
+
+def _check_cross_role(spec: InferenceServiceSpec, args: dict[str, EngineArgs]) -> list[Violation]:
+    out = []
+    prefill, decode = args["prefill"], args["decode"]
+    for name, why in MUST_MATCH:
+        p, d = getattr(prefill, name), getattr(decode, name)
+        if name == "block_size":
+            p, d = p or DEFAULT_BLOCK_SIZE, d or DEFAULT_BLOCK_SIZE
+        if p != d:
+            key = camel(name)
+            role = "decode" if key in spec.decode.engine else "prefill"
+            out.append(
+                Violation(
+                    _where(spec, role, key),
+                    f"prefill has {p!r} but decode has {d!r} ({why})",
+                    f"set {key} once in spec.engine, not per role",
+                )
+            )
+    if decode.tensor_parallel_size < prefill.tensor_parallel_size:
+        out.append(
+            Violation(
+                "spec.decode.engine.tensorParallelSize",
+                f"decode tensor parallelism {decode.tensor_parallel_size} is below prefill's "
+                f"{prefill.tensor_parallel_size} (a decode engine cannot take KV split over "
+                "more shards than it has)",
+                "make decode's tensorParallelSize at least prefill's",
+            )
+        )
+    return out
+
+
+def _check_kv_transfer(spec: InferenceServiceSpec) -> list[Violation]:
+    out = []
+    kv = spec.kv_transfer
+    if disaggregating(spec) and kv.connector is None:
+        out.append(
+            Violation(
+                "spec.kvTransfer.connector",
+                f"no KV connector while disaggregation.mode is {spec.disaggregation.mode} "
+                "(decode engines would silently recompute every prompt)",
+                "set kvTransfer.connector to NixlConnector or ZmqConnector, "
+                "or set disaggregation.mode: Disabled",
+            )
+        )
+    for key in sorted(TYPED_EXTRA_KEYS & set(kv.extra_config)):
+        out.append(
+            Violation(
+                f"spec.kvTransfer.extraConfig.{key}",
+                "repeats a setting kvTransfer has a field for",
+                f"set kvTransfer.{camel(key)} instead",
+            )
+        )
+    return out
+
+
+def _check_autoscaling(spec: InferenceServiceSpec) -> list[Violation]:
+    scaling = spec.autoscaling
+    if scaling is None:
+        return []
+    out = []
+    for role in ROLES:
+        policy = getattr(scaling, role)
+        if policy.min_replicas > policy.max_replicas:
+            out.append(
+                Violation(
+                    f"spec.autoscaling.{role}.minReplicas",
+                    f"{policy.min_replicas} is above maxReplicas {policy.max_replicas}",
+                    "make minReplicas <= maxReplicas",
+                )
+            )
+    ratio = scaling.prefill_decode_ratio
+    if ratio.min is not None and ratio.max is not None and ratio.min > ratio.max:
+        out.append(
+            Violation(
+                "spec.autoscaling.prefillDecodeRatio.min",
+                f"{ratio.min} is above max {ratio.max}",
+                "make min <= max",
+            )
+        )
+    floor = scaling.prefill.min_replicas + scaling.decode.min_replicas
+    if scaling.max_total_replicas is not None and scaling.max_total_replicas < floor:
+        out.append(
+            Violation(
+                "spec.autoscaling.maxTotalReplicas",
+                f"{scaling.max_total_replicas} is below prefill.minReplicas + "
+                f"decode.minReplicas = {floor}",
+                "raise maxTotalReplicas or lower the minReplicas",
+            )
+        )
+    return out
+
+
+def check_service(spec: InferenceServiceSpec) -> list[Violation]:
+    """Every rule the spec breaks (empty when it can run). Pure; needs no model files."""
+    violations = _check_kv_transfer(spec) + _check_autoscaling(spec)
+    args = _role_args(spec)
+    for role in ROLES:
+        if role == "prefill" and not disaggregating(spec):
+            continue  # no prefill pods run
+        violations += _check_engine(spec, role, args[role])
+    if disaggregating(spec):
+        violations += _check_cross_role(spec, args)
+    # Both roles inherit spec.engine: report a shared problem once.
+    return list(dict.fromkeys(violations))
+
+
+def compat_factors(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """What two engines must share to exchange KV (decode's values; checks make
+    prefill's equal)."""
+    decode = role_engine_args(spec, "decode", engine_id="check")
+    kv = spec.kv_transfer if disaggregating(spec) else None
+    return {
+        "model": spec.model.uri,
+        "revision": spec.model.revision,
+        **{name: getattr(decode, name) for name, _ in MUST_MATCH},
+        "block_size": decode.block_size or DEFAULT_BLOCK_SIZE,
+        "connector": kv.connector if kv else None,
+    }
+
+
+def compat_hash(spec: InferenceServiceSpec) -> str:
+    """Stable 10-hex-digit hash of :func:`compat_factors`; stamped on pods as a
+    label so the gateway pairs only engines with equal hashes."""
+    return hash_factors(compat_factors(spec))

@@ -1,0 +1,316 @@
+"""kopf handlers: thin wiring of the pure builders to the API server.
+
+* create / update / resume -> :func:`reconcile`: check the spec (an invalid
+  one gets ``Ready=False`` and events naming field and fix; nothing is
+  created), apply every child in the coherent order, write the status.
+* a timer per InferenceService -> :func:`refresh`: scrape the engine pods,
+  let the autoscaling policy decide (every ``autoscaling.periodSeconds``),
+  actuate, and refresh the status.
+* deletion needs no handler: every child has an owner reference, and the
+  garbage collector removes them with the InferenceService.
+
+``register()`` adds the handlers to a registry, so tests run them against an
+in-memory API server and the CLI against a real one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from prometheus_client import CollectorRegistry, Counter
+
+from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
+from .compat import compat_hash
+from .kube import KubeClient, KubeError
+from .manifests import LABEL_SERVICE, Owner, desired_replicas, service_url
+from .reconcile import (
+    InvalidSpec,
+    WaitingForRollout,
+    apply_children,
+    autoscaled_replicas,
+    checked_spec,
+    read_deployments,
+)
+from .resource import GROUP, PLURAL, VERSION, InferenceServiceSpec
+from .scrape import KVHealth, PodSample, scrape_pods
+from .status import build_status, invalid_status
+
+MAX_EVENTS_PER_REVISION = 5
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class OperatorConfig:
+    """What the operator needs besides the cluster."""
+
+    default_image: str | None = None
+    """Engine/gateway image for InferenceServices without spec.image."""
+    timer_interval_seconds: float = 15.0
+    """How often each InferenceService's status is refreshed and its pods scraped."""
+    scrape_timeout_seconds: float = 2.0
+    """Bound on one pod's /metrics request."""
+    rollout_poll_seconds: float = 10.0
+    """How often a waiting coherent rollout step is retried."""
+    retry_seconds: float = 30.0
+    """Delay before retrying after an API error."""
+    decide: DecideFn = decide_scaling
+    """The autoscaling policy (the seam)."""
+    login: Callable[..., Any] | None = None
+    """kopf login function; kopf.login_via_client when unset."""
+
+
+@dataclass
+class OperatorState:
+    """Shared by all handlers of one operator process."""
+
+    kube: KubeClient | None = None
+    kv_health: dict[str, KVHealth] = field(default_factory=dict)
+    last_decision_at: dict[str, float] = field(default_factory=dict)
+    metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.reconciles = Counter(
+            "pdfleet_operator_reconciles",
+            "Reconciles of InferenceServices by result.",
+            ["result"],
+            registry=self.metrics,
+        )
+        self.scale_changes = Counter(
+            "pdfleet_operator_scale_changes",
+            "Replica changes made by the autoscaler.",
+            ["role"],
+            registry=self.metrics,
+        )
+        self.scrape_failures = Counter(
+            "pdfleet_operator_scrape_failures",
+            "Engine /metrics scrapes that failed or timed out.",
+            registry=self.metrics,
+        )
+
+    def client(self) -> KubeClient:
+        if self.kube is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=5)
+        return self.kube
+
+
+def _owner(body: kopf.Body) -> Owner:
+    return Owner(name=body["metadata"]["name"], uid=body["metadata"]["uid"])
+
+
+def _report_invalid(body: kopf.Body, patch: kopf.Patch, problems: list[str], logger: Any) -> None:
+    generation = body.get("metadata", {}).get("generation")
+    message = "; ".join(problems)
+    patch.setdefault("status", {}).update(
+        invalid_status(body.get("status"), message, now=now_rfc3339(), generation=generation)
+    )
+    for problem in problems[:MAX_EVENTS_PER_REVISION]:
+        kopf.warn(body, reason="InvalidSpec", message=problem)
+    logger.warning("invalid spec, nothing created: %s", message)
+
+
+async def reconcile(
+    state: OperatorState,
+    config: OperatorConfig,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    logger: Any,
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    try:
+        spec = checked_spec(name, body.get("spec"))
+    except InvalidSpec as e:
+        state.reconciles.labels("invalid").inc()
+        _report_invalid(body, patch, e.problems, logger)
+        return
+    client = state.client()
+    autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
+    try:
+        await apply_children(
+            client,
+            name,
+            namespace,
+            spec,
+            owner=_owner(body),
+            image=config.default_image,
+            autoscaled=autoscaled,
+        )
+    except WaitingForRollout as e:
+        state.reconciles.labels("waiting").inc()
+        await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled)
+        raise kopf.TemporaryError(str(e), delay=config.rollout_poll_seconds) from None
+    except KubeError as e:
+        state.reconciles.labels("error").inc()
+        kopf.warn(body, reason="ApplyFailed", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=config.retry_seconds) from None
+    state.reconciles.labels("ok").inc()
+    generation = body.get("metadata", {}).get("generation")
+    await _write_status(state, spec, body, patch, generation=generation, autoscaled=autoscaled)
+
+
+async def _write_status(
+    state: OperatorState,
+    spec: InferenceServiceSpec,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    *,
+    generation: int | None,
+    autoscaled: dict[str, int] | None,
+    kv: tuple[bool | None, str] = (None, "not checked yet"),
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    deployments = await read_deployments(state.client(), name, namespace)
+    desired = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode", "gateway")}
+    status = build_status(
+        spec,
+        url=service_url(name, spec, namespace),
+        compat=compat_hash(spec),
+        deployments=deployments,
+        desired=desired,
+        previous=body.get("status"),
+        kv_healthy=kv[0],
+        kv_message=kv[1],
+        now=now_rfc3339(),
+        generation=generation,
+    )
+    patch.setdefault("status", {}).update(status)
+
+
+async def refresh(
+    state: OperatorState,
+    config: OperatorConfig,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    logger: Any,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Scrape, autoscale when due, refresh the status (the timer's body)."""
+    name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
+    try:
+        spec = checked_spec(name, body.get("spec"))
+    except InvalidSpec:
+        return  # the reconcile reported it; nothing runs
+    client = state.client()
+    pods = await client.list("Pod", namespace, {LABEL_SERVICE: name})
+    samples = await scrape_pods(pods, timeout_seconds=config.scrape_timeout_seconds, clock=clock)
+    for sample in samples:
+        if sample.error is not None:
+            state.scrape_failures.inc()
+    kv = state.kv_health.setdefault(uid, KVHealth()).update(samples)
+    autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
+    if spec.autoscaling is not None:
+        autoscaled = await _autoscale(
+            state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger
+        )
+    await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled, kv=kv)
+
+
+async def _autoscale(
+    state: OperatorState,
+    config: OperatorConfig,
+    spec: InferenceServiceSpec,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    samples: list[PodSample],
+    autoscaled: dict[str, int],
+    now: float,
+    logger: Any,
+) -> dict[str, int]:
+    assert spec.autoscaling is not None
+    name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
+    last = state.last_decision_at.get(uid)
+    if last is not None and now - last < spec.autoscaling.period_seconds:
+        return autoscaled
+    state.last_decision_at[uid] = now
+    replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}
+    decisions = config.decide(f"{namespace}/{name}", spec.autoscaling, samples, replicas, now)
+    if not decisions:
+        return autoscaled
+    records = await actuate(
+        state.client(),
+        name=name,
+        namespace=namespace,
+        spec=spec,
+        decisions=decisions,
+        replicas=replicas,
+        now=now_rfc3339(),
+    )
+    if not records:
+        return autoscaled
+    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions") or []
+    patch.setdefault("status", {})["autoscaling"] = {
+        "lastDecisions": merge_records(previous, records),
+        "lastScaleTime": records[-1]["time"],
+    }
+    for record in records:
+        state.scale_changes.labels(record["role"]).inc()
+        message = f"{record['role']} {record['from']} -> {record['to']}: {record['reason']}"
+        kopf.info(body, reason="Scaled", message=message)
+        logger.info("scaled %s", message)
+        replicas[str(record["role"])] = int(record["to"])  # type: ignore[call-overload]
+    return replicas
+
+
+def register(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, state: OperatorState | None = None
+) -> OperatorState:
+    """Add the operator's handlers to ``registry``; returns their shared state."""
+    state = state or OperatorState()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = (config.login or kopf.login_via_client)(**kwargs)
+        if info is not None:
+            if state.kube is not None:
+                await state.kube.aclose()
+            state.kube = KubeClient.from_connection_info(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        if state.kube is not None:
+            await state.kube.aclose()
+            state.kube = None
+
+    @kopf.on.resume(*resource, id="reconcile", registry=registry)
+    @kopf.on.create(*resource, id="reconcile", registry=registry)
+    @kopf.on.update(*resource, id="reconcile", registry=registry)
+    async def on_change(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+        await reconcile(state, config, body, patch, logger)
+
+    @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
+    async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+        if state.kube is None:
+            return  # logged out (the operator is stopping): skip this tick
+        try:
+            await refresh(state, config, body, patch, logger)
+        except KubeError as e:
+            logger.warning("status refresh failed: %s", e)
+
+    return state
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf settings: pdfleet.dev annotations and finalizer (kopf adds the
+    finalizer because of the timer, to stop it before an object goes), no
+    kopf-specific status fields, bounded API waits."""
+    # Resources are discovered once at startup; no watching of CRDs or
+    # namespaces, so the operator needs no cluster-scoped read permissions.
+    settings.scanning.disabled = True
+    settings.persistence.finalizer = "pdfleet.dev/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdfleet.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pdfleet.dev")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30

@@ -1,0 +1,551 @@
+"""Pure builders of the Kubernetes objects an InferenceService owns.
+
+``build_children()`` returns every child, in the order the operator applies
+them; ``pdfleet render`` prints the same list. No I/O, no clock, no
+randomness: the same spec gives byte-identical manifests, so applying them
+again is a no-op.
+
+Children of an InferenceService NAME (namespace NS):
+
+* ServiceAccount, Role, RoleBinding ``NAME-gateway``: the gateway lists and
+  watches the service's pods to discover engines.
+* ConfigMap ``NAME-config``: each role's engine arguments and command line.
+* Services ``NAME-prefill`` and ``NAME-decode`` (headless, one DNS record per
+  engine pod) and ``NAME`` (ClusterIP, the gateway: the OpenAI endpoint).
+* PodDisruptionBudgets ``NAME-prefill``, ``NAME-decode``, ``NAME-gateway``.
+* Deployments ``NAME-gateway``, ``NAME-decode``, ``NAME-prefill``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
+
+from .compat import compat_hash
+from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
+from .roles import (
+    ENGINE_PORT,
+    MODELS_DIR,
+    disaggregating,
+    engine_command,
+    model_source,
+    role_engine_args,
+)
+
+DEFAULT_IMAGE = "pdfleet:0.1.0"
+LABEL_SERVICE = "pdfleet.dev/service"
+LABEL_ROLE = "pdfleet.dev/role"
+LABEL_COMPAT = "pdfleet.dev/compat-hash"
+MANAGED_BY = "pdfleet-operator"
+# Environment variables every engine pod gets from the downward API. Kubernetes
+# expands $(VAR) in a container's command, so the KV side channel advertises
+# the pod's own IP and each engine is identified by its pod name.
+ENV_KV_IP = "PDFLEET_KV_IP"
+ENV_POD_NAME = "POD_NAME"
+ENV_API_KEY = "PDFLEET_API_KEY"
+# Seconds added to the engine's drain time before the kubelet kills it.
+GRACE_MARGIN_SECONDS = 15
+# Model loading may take long (large weights, cold caches): the startup probe
+# allows STARTUP_PERIOD_SECONDS * STARTUP_FAILURES = 30 minutes.
+STARTUP_PERIOD_SECONDS = 10
+STARTUP_FAILURES = 180
+RUN_AS_USER = 1000
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService that owns the children (garbage collection)."""
+
+    name: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def child_name(name: str, role: str) -> str:
+    return name if role == "service" else f"{name}-{role}"
+
+
+def selector_labels(name: str, role: str) -> dict[str, str]:
+    """The labels a role's pods are selected by (immutable in a Deployment)."""
+    return {LABEL_SERVICE: name, LABEL_ROLE: role}
+
+
+def common_labels(name: str, role: str | None = None) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "pdfleet",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_SERVICE: name,
+    }
+    if role is not None:
+        labels["app.kubernetes.io/component"] = role
+        labels[LABEL_ROLE] = role
+    return labels
+
+
+def desired_replicas(
+    spec: InferenceServiceSpec, role: str, autoscaled: Mapping[str, int] | None = None
+) -> int:
+    """Replicas of a role: the autoscaler's choice (kept within min..max) when
+    autoscaling is on, else the spec's; no prefill pods when not disaggregating."""
+    if role == "gateway":
+        return spec.gateway.replicas
+    if role == "prefill" and not disaggregating(spec):
+        return 0
+    replicas = spec.role(role).replicas
+    if spec.autoscaling is None:
+        return replicas
+    policy = getattr(spec.autoscaling, role)
+    wanted = (autoscaled or {}).get(role, replicas)
+    return max(policy.min_replicas, min(policy.max_replicas, wanted))
+
+
+# --------------------------------------------------------------------------
+# pod parts
+
+
+def _pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, read-only mounts for the main container, init containers)."""
+    source = model_source(spec.model.uri)
+    if source.scheme == "pvc":
+        volume = {
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
+        }
+        mount = {"name": "models", "mountPath": f"{MODELS_DIR}/{source.claim}", "readOnly": True}
+        return [volume], [mount], []
+    if source.scheme == "builtin":
+        # Deterministic weights: every pod writes the same model.
+        volume = {"name": "models", "emptyDir": {}}
+        mount = {"name": "models", "mountPath": MODELS_DIR, "readOnly": True}
+        return [volume], [mount], [source.path]
+    return [], [], []
+
+
+def _init_containers(image: str, paths: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "write-model",
+            "image": image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["pdfleet", "tiny-model", path],
+            "env": [{"name": "HOME", "value": "/tmp"}],
+            "volumeMounts": [
+                {"name": "models", "mountPath": MODELS_DIR},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+            "securityContext": _container_security_context(),
+        }
+        for path in paths
+    ]
+
+
+def _resources(placement: PodPlacement) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if placement.resources.limits:
+        out["limits"] = dict(placement.resources.limits)
+    if placement.resources.requests:
+        out["requests"] = dict(placement.resources.requests)
+    return out
+
+
+def _placement(placement: PodPlacement) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if placement.node_selector:
+        out["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        out["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        out["affinity"] = dict(placement.affinity)
+    return out
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _probes() -> dict[str, Any]:
+    # The server answers /health only once the model is loaded, so readiness
+    # (and liveness, which starts after the startup probe) never see a loading pod.
+    return {
+        "startupProbe": _probe("/health", period=STARTUP_PERIOD_SECONDS, failures=STARTUP_FAILURES),
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+    }
+
+
+def pod_engine_args(spec: InferenceServiceSpec, role: str) -> EngineArgs:
+    """The role's arguments as a pod runs them: KV side channel on the pod IP,
+    engine id = pod name (both expanded by Kubernetes from the environment)."""
+    return role_engine_args(spec, role, kv_ip=f"$({ENV_KV_IP})", engine_id=f"$({ENV_POD_NAME})")
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> int:
+    """At least the engine's drain time; a prefill engine also waits out the KV
+    lease so a decode engine can still pull the blocks it holds."""
+    drain = float(args.shutdown_timeout)
+    if role == "prefill" and disaggregating(spec):
+        drain = max(drain, spec.kv_transfer.lease_seconds)
+    return math.ceil(drain) + GRACE_MARGIN_SECONDS
+
+
+def engine_pod_template(
+    name: str, spec: InferenceServiceSpec, role: str, *, image: str, compat: str
+) -> dict[str, Any]:
+    role_spec = spec.role(role)
+    args = pod_engine_args(spec, role)
+    volumes, model_mounts, builtin_paths = _model_volumes(spec)
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if args.kv_transfer_config is not None:
+        ports.append({"name": "kv", "containerPort": spec.kv_transfer.port, "protocol": "TCP"})
+    env = [
+        {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_KV_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+        *[dict(e) for e in role_spec.env],
+    ]
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": engine_command(args),
+        "ports": ports,
+        "env": env,
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
+        ],
+        **_probes(),
+        "securityContext": _container_security_context(),
+    }
+    resources = _resources(role_spec)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, role, args),
+        "securityContext": _pod_security_context(),
+        **_placement(role_spec),
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec.shm_size}},
+            {"name": "tmp", "emptyDir": {}},
+            *volumes,
+        ],
+    }
+    if builtin_paths:
+        pod_spec["initContainers"] = _init_containers(image, builtin_paths)
+    return {
+        "metadata": {"labels": {**common_labels(name, role), LABEL_COMPAT: compat}},
+        "spec": pod_spec,
+    }
+
+
+def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> list[str]:
+    """``pdfleet gateway`` finding the service's engine pods by label."""
+    return [
+        "pdfleet",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec.gateway.port),
+        "--served-model-name",
+        spec.model.name,
+        "--tokenizer",
+        model_source(spec.model.uri).path,
+        "--disaggregation-mode",
+        spec.disaggregation.mode,
+        "--min-prompt-tokens",
+        str(spec.disaggregation.min_prompt_tokens),
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        namespace,
+        "--selector",
+        f"{LABEL_SERVICE}={name}",
+    ]
+
+
+def gateway_pod_template(
+    name: str, spec: InferenceServiceSpec, *, namespace: str, image: str
+) -> dict[str, Any]:
+    gateway = spec.gateway
+    volumes, model_mounts, builtin_paths = _model_volumes(spec)
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    if gateway.api_key_secret is not None:
+        env.append(
+            {
+                "name": ENV_API_KEY,
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": gateway.api_key_secret.name,
+                        "key": gateway.api_key_secret.key,
+                    }
+                },
+            }
+        )
+    env += [dict(e) for e in gateway.env]
+    container: dict[str, Any] = {
+        "name": "gateway",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": gateway_command(name, spec, namespace),
+        "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
+        "env": env,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+        "securityContext": _container_security_context(),
+    }
+    resources = _resources(gateway)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": child_name(name, "gateway"),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": _pod_security_context(),
+        **_placement(gateway),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
+    }
+    if builtin_paths:
+        pod_spec["initContainers"] = _init_containers(image, builtin_paths)
+    return {"metadata": {"labels": common_labels(name, "gateway")}, "spec": pod_spec}
+
+
+# --------------------------------------------------------------------------
+# objects
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: Owner | None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
+    if owner is not None:
+        meta["ownerReferences"] = [owner.reference()]
+    return meta
+
+
+def build_deployment(
+    name: str,
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    namespace: str,
+    image: str,
+    compat: str,
+    replicas: int,
+    owner: Owner | None = None,
+) -> dict[str, Any]:
+    if role == "gateway":
+        template = gateway_pod_template(name, spec, namespace=namespace, image=image)
+        labels = common_labels(name, role)
+    else:
+        template = engine_pod_template(name, spec, role, image=image, compat=compat)
+        labels = {**common_labels(name, role), LABEL_COMPAT: compat}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(child_name(name, role), namespace, labels, owner),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name, role)},
+            # Add a pod before removing one: serving capacity never drops in a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": template,
+        },
+    }
+
+
+def build_engine_service(
+    name: str, spec: InferenceServiceSpec, role: str, *, namespace: str, owner: Owner | None
+) -> dict[str, Any]:
+    ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if disaggregating(spec) and spec.kv_transfer.connector is not None:
+        ports.append(
+            {"name": "kv", "port": spec.kv_transfer.port, "targetPort": "kv", "protocol": "TCP"}
+        )
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(child_name(name, role), namespace, common_labels(name, role), owner),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(name, role),
+            "ports": ports,
+        },
+    }
+
+
+def build_gateway_service(
+    name: str, spec: InferenceServiceSpec, *, namespace: str, owner: Owner | None
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, common_labels(name, "gateway"), owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, "gateway"),
+            "ports": [
+                {"name": "http", "port": spec.gateway.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_pdb(name: str, role: str, *, namespace: str, owner: Owner | None) -> dict[str, Any]:
+    # maxUnavailable rather than minAvailable: a one-pod role can still be drained.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(child_name(name, role), namespace, common_labels(name, role), owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, role)}},
+    }
+
+
+def build_gateway_rbac(name: str, *, namespace: str, owner: Owner | None) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding letting the gateway watch the pods
+    of its namespace (it filters to its own service by label)."""
+    sa_name = child_name(name, "gateway")
+    labels = common_labels(name, "gateway")
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(sa_name, namespace, labels, owner),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(sa_name, namespace, labels, owner),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(sa_name, namespace, labels, owner),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa_name},
+            "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}],
+        },
+    ]
+
+
+def non_default_args(args: EngineArgs) -> dict[str, Any]:
+    """The arguments that differ from the engine's defaults (snake_case)."""
+    out = {}
+    for f, _ in resolved_fields(EngineArgs):
+        value = to_jsonable(getattr(args, f.name))
+        if value != to_jsonable(default_of(f)):
+            out[f.name] = value
+    return out
+
+
+def build_configmap(
+    name: str, spec: InferenceServiceSpec, *, namespace: str, compat: str, owner: Owner | None
+) -> dict[str, Any]:
+    data = {"compat-hash": compat}
+    for role in ROLES:
+        args = pod_engine_args(spec, role)
+        doc = {"args": non_default_args(args), "command": engine_command(args)}
+        data[f"{role}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    gateway = {"command": gateway_command(name, spec, namespace)}
+    data["gateway.json"] = json.dumps(gateway, indent=2, sort_keys=True) + "\n"
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(child_name(name, "config"), namespace, common_labels(name), owner),
+        "data": data,
+    }
+
+
+def build_children(
+    name: str,
+    spec: InferenceServiceSpec,
+    *,
+    namespace: str,
+    image: str | None = None,
+    owner: Owner | None = None,
+    autoscaled: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """Every child object, in apply order (Deployments last: gateway, decode, prefill).
+
+    ``image`` is the default when ``spec.image`` is unset; ``autoscaled``
+    holds the replicas the autoscaler chose (used when autoscaling is on).
+    The spec must pass :func:`pdfleet.operator.compat.check_service`.
+    """
+    image = spec.image or image or DEFAULT_IMAGE
+    compat = compat_hash(spec)
+    objects = build_gateway_rbac(name, namespace=namespace, owner=owner)
+    objects.append(build_configmap(name, spec, namespace=namespace, compat=compat, owner=owner))
+    for role in ROLES:
+        objects.append(build_engine_service(name, spec, role, namespace=namespace, owner=owner))
+    objects.append(build_gateway_service(name, spec, namespace=namespace, owner=owner))
+    for role in ("prefill", "decode", "gateway"):
+        objects.append(build_pdb(name, role, namespace=namespace, owner=owner))
+    for role in ("gateway", "decode", "prefill"):
+        objects.append(
+            build_deployment(
+                name,
+                spec,
+                role,
+                namespace=namespace,
+                image=image,
+                compat=compat,
+                replicas=desired_replicas(spec, role, autoscaled),
+                owner=owner,
+            )
+        )
+    return objects
+
+
+def service_url(name: str, spec: InferenceServiceSpec, namespace: str) -> str:
+    """The OpenAI base URL of the gateway Service, inside the cluster."""
+    return f"http://{name}.{namespace}.svc:{spec.gateway.port}/v1"

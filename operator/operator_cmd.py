@@ -1,0 +1,82 @@
+"""``pdfleet operator``: run the InferenceService operator (kopf)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator for InferenceService resources",
+        description="Watch InferenceService resources and run each as a prefill pool, a decode "
+        "pool and a gateway. Run one replica (the Helm chart does); it logs in from the pod's "
+        "service account or the local kubeconfig.",
+    )
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="Watch only this namespace (repeatable). Default: every namespace.",
+    )
+    parser.add_argument(
+        "--default-image",
+        default=None,
+        help="Engine/gateway image for InferenceServices that set no spec.image.",
+    )
+    parser.add_argument(
+        "--liveness-port",
+        type=int,
+        default=8080,
+        help="Port of kopf's liveness endpoint /healthz (0: none). Default 8080.",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="Port of the operator's Prometheus /metrics (0: none). Default 9090.",
+    )
+    parser.add_argument(
+        "--refresh-seconds",
+        type=float,
+        default=15.0,
+        help="Seconds between status refreshes and metric scrapes of each service. Default 15.",
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import kopf
+    from prometheus_client import start_http_server
+
+    from .handlers import OperatorConfig, configure_settings, register
+    from .manifests import DEFAULT_IMAGE
+
+    if args.refresh_seconds <= 0:
+        raise ValueError("--refresh-seconds must be positive")
+    registry = kopf.OperatorRegistry()
+    config = OperatorConfig(
+        default_image=args.default_image or DEFAULT_IMAGE,
+        timer_interval_seconds=args.refresh_seconds,
+    )
+    state = register(registry, config)
+    settings = kopf.OperatorSettings()
+    configure_settings(settings)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=state.metrics)
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+        )
+    )
+    return 0

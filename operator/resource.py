@@ -1,0 +1,549 @@
+"""The ``InferenceService`` resource: its spec and status as pydantic models.
+
+One schema, read three ways: ``pdfleet up`` loads a YAML file with
+:func:`load_inference_service`, the operator validates ``spec`` of live
+objects, and :mod:`pdfleet.operator.crd` generates the CRD's OpenAPI schema
+from these classes (the field docstrings become ``kubectl explain`` text).
+
+Keys are camelCase (Kubernetes convention); Python attributes are
+snake_case. ``null`` means "not set", as on the API server, which prunes
+nulls of non-nullable fields before applying defaults: a null value takes the
+field's default here too, so a file means the same to ``pdfleet up`` and to a
+cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .engine_spec import FieldPathError, camel, validate_engine_section
+
+GROUP = "pdfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("pdsvc",)
+CATEGORIES = ("pdfleet", "llm")
+
+ROLES = ("prefill", "decode")
+# A name leaves room for the longest child name (``NAME-gateway``) within the
+# 63 characters of a DNS label, which Service names must be.
+MAX_NAME_LENGTH = 45
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MODEL_URI_SCHEMES = ("builtin", "file", "pvc")
+BUILTIN_MODELS = ("tiny",)
+
+
+class EngineSection:
+    """Marks a field holding engine settings (camelCase ``EngineArgs`` fields).
+
+    The CRD generator emits the schema generated from ``EngineArgs`` for it.
+    """
+
+
+class PassThrough:
+    """Marks a field copied verbatim into a Kubernetes object (e.g. a Toleration).
+
+    The API server validates it when the child object is created; the CRD
+    keeps its unknown fields.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
+EngineSettings = Annotated[dict[str, Any], EngineSection()]
+Quantity = int | str
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        alias_generator=camel,
+        validate_default=True,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+# --------------------------------------------------------------------------
+# spec
+
+
+class ModelSpec(_Spec):
+    """The model to serve."""
+
+    name: str = Field(min_length=1)
+    """Model name clients use (the OpenAI `model` field); every role serves it
+    under this name."""
+    uri: str = "builtin://tiny"
+    """Where the weights are: `file:///path` (a Hugging Face model directory
+    inside the image or a mounted volume), `pvc://CLAIM/path` (a directory on
+    a PersistentVolumeClaim, mounted read-only), or `builtin://tiny` (pdfleet's
+    small random-weight test model, written when a pod starts)."""
+    revision: str | None = None
+    """Model revision (a commit or tag). Part of the compatibility hash, so
+    prefill and decode engines serving different weights never exchange KV."""
+
+    @field_validator("uri")
+    @classmethod
+    def _check_uri(cls, uri: str) -> str:
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme not in MODEL_URI_SCHEMES:
+            raise ValueError(
+                f"{uri!r} is not a supported model location; use file:///path/to/model, "
+                "pvc://CLAIM/path or builtin://tiny (pdfleet loads models from disk and "
+                "downloads nothing: copy hub models onto a volume first)"
+            )
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"{uri!r}: a file URI needs an absolute path (file:///models/x)")
+        if scheme == "pvc" and not rest.split("/", 1)[0]:
+            raise ValueError(f"{uri!r}: name the claim, e.g. pvc://models/llama-3.1-8b")
+        if scheme == "builtin" and rest not in BUILTIN_MODELS:
+            raise ValueError(f"{uri!r}: the built-in models are {', '.join(BUILTIN_MODELS)}")
+        return uri
+
+
+class KVTransferSpec(_Spec):
+    """How prefill engines hand KV blocks to decode engines."""
+
+    connector: Literal["NixlConnector", "ZmqConnector"] | None = None
+    """KV connector: `NixlConnector` (NIXL over UCX; RDMA when the network
+    has it) or `ZmqConnector` (block bytes over ZeroMQ, for nodes without
+    NIXL). Required unless `disaggregation.mode` is `Disabled`."""
+    backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    """NIXL backends, in order of preference (NixlConnector only)."""
+    lease_seconds: float = Field(default=30.0, gt=0)
+    """How long a prefill engine holds a prompt's KV blocks for the decode
+    engine that will pull them; unclaimed blocks are freed after it."""
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """When a decode engine cannot pull a prompt's KV: `recompute` it locally
+    (the request still completes) or `fail` the request with an error."""
+    port: int = Field(default=14579, ge=1, le=65535)
+    """Port of the connector's side channel on every engine pod."""
+    handshake_timeout_seconds: float | None = Field(default=None, gt=0)
+    """Bound on the connector handshake between two engines (connector default
+    when unset)."""
+    transfer_timeout_seconds: float | None = Field(default=None, gt=0)
+    """Bound on one KV pull (connector default when unset)."""
+    extra_config: Annotated[dict[str, Any], PassThrough("kv_connector_extra_config")] = Field(
+        default_factory=dict
+    )
+    """More connector options, merged into `kv_connector_extra_config`
+    (snake_case keys, as the engine reads them)."""
+
+
+class SecretKeyRef(_Spec):
+    """A key of a Secret in the InferenceService's namespace."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret."""
+    key: str = "api-key"
+    """Key within the Secret."""
+
+
+class Resources(_Spec):
+    """Compute resources of one container (core/v1 ResourceRequirements)."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Limits, e.g. {cpu: "8", memory: 64Gi, nvidia.com/gpu: 1}."""
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Requests; default to the limits for extended resources such as GPUs."""
+
+
+class PodPlacement(_Spec):
+    """Where and with what a role's pods run."""
+
+    resources: Resources = Field(default_factory=Resources)
+    """Compute resources of the main container."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the pods require."""
+    tolerations: list[Annotated[dict[str, Any], PassThrough("core/v1 Toleration")]] = Field(
+        default_factory=list
+    )
+    """Tolerations of the pods (core/v1 Toleration objects)."""
+    affinity: Annotated[dict[str, Any], PassThrough("core/v1 Affinity")] = Field(
+        default_factory=dict
+    )
+    """Affinity of the pods (a core/v1 Affinity object)."""
+    env: list[Annotated[dict[str, Any], PassThrough("core/v1 EnvVar")]] = Field(
+        default_factory=list
+    )
+    """Extra environment variables of the main container (core/v1 EnvVar
+    objects), e.g. UCX_TLS or UCX_NET_DEVICES."""
+
+
+class RoleSpec(PodPlacement):
+    """One engine pool: prefill or decode."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Number of engine pods. With `autoscaling` set, the starting point,
+    kept within the role's minReplicas..maxReplicas."""
+    engine: EngineSettings = Field(default_factory=dict)
+    """Engine settings for this role only; each key overrides the same key of
+    `spec.engine` (same keys and meaning)."""
+    shm_size: Quantity = "1Gi"
+    """Size of the memory-backed /dev/shm volume (NCCL, UCX and the tokenizer
+    pool use shared memory)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        return validate_engine_section(engine)
+
+
+class DisaggregationSpec(_Spec):
+    """When the gateway splits a request into a prefill leg and a decode leg."""
+
+    mode: Literal["Always", "Conditional", "Disabled"] = "Conditional"
+    """`Always` (every request), `Conditional` (prompts of at least
+    minPromptTokens that the decode engine does not already cache), or
+    `Disabled` (decode engines serve whole requests; no prefill pods, no KV
+    connector)."""
+    min_prompt_tokens: int = Field(default=256, ge=0)
+    """Conditional mode: shorter prompts go straight to a decode engine."""
+
+
+class GatewaySpec(PodPlacement):
+    """The OpenAI-compatible gateway in front of the engines."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Number of gateway pods (stateless; any number works)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the gateway Service and its pods."""
+    api_key_secret: SecretKeyRef | None = None
+    """Secret holding the API key clients must send as a Bearer token; no
+    authentication when unset."""
+
+
+# --------------------------------------------------------------------------
+# autoscaling
+#
+# These keys mirror the autoscaling policy's dataclasses field for field
+# (camelCase of their snake_case names) so that this section can be generated
+# from them once the policy lands. Keep it to plain fields with defaults.
+
+
+class RatioBounds(_Spec):
+    """Bounds on prefill replicas / decode replicas."""
+
+    min: float | None = Field(default=None, gt=0)
+    """Lowest allowed prefill:decode ratio (no bound when unset)."""
+    max: float | None = Field(default=None, gt=0)
+    """Highest allowed prefill:decode ratio (no bound when unset)."""
+
+
+class PrefillAutoscaling(_Spec):
+    """Prefill pool: scaled on time-to-first-token and queue backlog."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest prefill pods."""
+    max_replicas: int = Field(default=4, ge=0)
+    """Most prefill pods."""
+    ttft_target_seconds: float = Field(default=2.0, gt=0)
+    """Target time to first token; the backlog per replica is kept below it."""
+    prefill_tokens_per_second: float | None = Field(default=None, gt=0)
+    """Prompt tokens one prefill pod processes per second; measured from the
+    engines' metrics when unset."""
+    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
+    """Scale up only on what held for this long."""
+    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
+    """Scale down only on what held for this long."""
+    max_scale_up_step: int = Field(default=4, ge=1)
+    """Most pods added in one decision."""
+    max_scale_down_step: int = Field(default=1, ge=1)
+    """Most pods removed in one decision."""
+    target_waiting_per_replica: float = Field(default=4, gt=0)
+    """Target number of queued requests per prefill pod."""
+
+
+class DecodeAutoscaling(_Spec):
+    """Decode pool: scaled on KV-cache usage and queue length."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest decode pods."""
+    max_replicas: int = Field(default=4, ge=0)
+    """Most decode pods."""
+    target_kv_cache_usage: float = Field(default=0.7, gt=0, le=1, alias="targetKVCacheUsage")
+    """Target mean fraction of the KV cache in use on decode pods."""
+    target_waiting_per_replica: float = Field(default=4, gt=0)
+    """Target number of queued requests per decode pod."""
+    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
+    """Scale up only on what held for this long."""
+    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
+    """Scale down only on what held for this long."""
+    max_scale_up_step: int = Field(default=4, ge=1)
+    """Most pods added in one decision."""
+    max_scale_down_step: int = Field(default=1, ge=1)
+    """Most pods removed in one decision."""
+
+
+class AutoscalingSpec(_Spec):
+    """Scale the prefill and decode pools from the engines' own metrics."""
+
+    period_seconds: float = Field(default=15, gt=0)
+    """Seconds between two scaling decisions."""
+    max_total_replicas: int | None = Field(default=None, ge=0)
+    """Most prefill plus decode pods together (e.g. a GPU budget)."""
+    prefill_decode_ratio: RatioBounds = Field(default_factory=RatioBounds)
+    """Bounds on the prefill:decode replica ratio."""
+    metrics_stale_seconds: float = Field(default=45, gt=0)
+    """Metrics older than this are ignored; no decision is made on them."""
+    prefill: PrefillAutoscaling = Field(default_factory=PrefillAutoscaling)
+    """Prefill pool policy."""
+    decode: DecodeAutoscaling = Field(default_factory=DecodeAutoscaling)
+    """Decode pool policy."""
+
+
+# --------------------------------------------------------------------------
+
+
+class InferenceServiceSpec(_Spec):
+    """A model served by a prefill pool and a decode pool behind a gateway."""
+
+    model: ModelSpec
+    """The model to serve."""
+    image: str | None = None
+    """Image of the engine and gateway pods; the operator's default engine
+    image when unset."""
+    engine: EngineSettings = Field(default_factory=dict)
+    """Engine settings of both roles: the `pdfleet serve` flags in camelCase
+    (maxNumBatchedTokens <-> --max-num-batched-tokens)."""
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    """KV transfer between the roles."""
+    prefill: RoleSpec = Field(default_factory=RoleSpec)
+    """The prefill pool."""
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+    """The decode pool."""
+    disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
+    """Which requests are split into prefill and decode legs."""
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    """The gateway."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale the pools from engine metrics; fixed replica counts when unset."""
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        return validate_engine_section(engine)
+
+    def role(self, role: str) -> RoleSpec:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+        return self.prefill if role == "prefill" else self.decode
+
+
+# --------------------------------------------------------------------------
+# status
+
+
+class Condition(BaseModel):
+    """A metav1.Condition."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+
+    type: str
+    """Ready, PrefillReady, DecodeReady, GatewayReady or KVTransferHealthy."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str
+    """One CamelCase word saying why."""
+    message: str = ""
+    """What happened and, when something is wrong, what to change."""
+    last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """The spec generation the condition describes."""
+
+
+class RoleStatus(BaseModel):
+    """Replica counts of one role."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+
+    replicas: int = 0
+    """Pods that exist."""
+    ready_replicas: int = 0
+    """Pods that are ready (model loaded, serving)."""
+    updated_replicas: int = 0
+    """Pods running the current spec."""
+    desired_replicas: int = 0
+    """Pods wanted (by the spec or the autoscaler)."""
+    summary: str = "0/0"
+    """ready/desired, for `kubectl get`."""
+
+
+class RolesStatus(BaseModel):
+    """Replica counts per role."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+
+    prefill: RoleStatus = Field(default_factory=RoleStatus)
+    """The prefill pool."""
+    decode: RoleStatus = Field(default_factory=RoleStatus)
+    """The decode pool."""
+    gateway: RoleStatus = Field(default_factory=RoleStatus)
+    """The gateway."""
+
+
+class ScalingRecord(BaseModel):
+    """One replica change made by the autoscaler."""
+
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
+
+    role: str
+    """prefill or decode."""
+    from_: int = Field(alias="from")
+    """Replicas before."""
+    to: int
+    """Replicas after."""
+    reason: str
+    """Why, in the policy's words (metric, value and target)."""
+    time: str
+    """When (RFC 3339)."""
+
+
+class AutoscalingStatus(BaseModel):
+    """What the autoscaler did."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+
+    last_decisions: list[ScalingRecord] = Field(default_factory=list)
+    """The most recent replica changes, newest last."""
+    last_scale_time: str | None = None
+    """When replicas last changed (RFC 3339)."""
+
+
+class InferenceServiceStatus(BaseModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"] = "Pending"
+    """Pending (nothing ready yet), Progressing (rolling out), Ready, Degraded
+    (serving with some roles not ready), or Failed (invalid spec)."""
+    url: str | None = None
+    """OpenAI base URL of the gateway Service."""
+    observed_generation: int | None = None
+    """The spec generation last acted on."""
+    compat_hash: str | None = None
+    """Hash of what prefill and decode must agree on; stamped on pods."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, PrefillReady, DecodeReady, GatewayReady, KVTransferHealthy."""
+    roles: RolesStatus = Field(default_factory=RolesStatus)
+    """Replica counts per role."""
+    autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
+    """What the autoscaler did."""
+
+
+# --------------------------------------------------------------------------
+# the whole object
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata pdfleet reads."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=NAME_PATTERN)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceService(BaseModel):
+    """A whole InferenceService object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["pdfleet.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["InferenceService"]
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each starting with the field path."""
+    lines = []
+    for err in error.errors():
+        path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; remove it (`pdfleet crd` or kubectl explain lists the fields)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, FieldPathError):
+            path, msg = f"{path}.{nested.subpath}", nested.problem
+        lines.append(f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(spec: dict[str, Any] | None) -> InferenceServiceSpec:
+    """Validate a live object's ``spec``; ``ValueError`` names each bad field."""
+    try:
+        return InferenceServiceSpec.model_validate(spec or {})
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, "spec")) from None
+
+
+def load_inference_service(source: str | os.PathLike[str] | dict[str, Any]) -> InferenceService:
+    """Load an InferenceService from a YAML file (or an already parsed dict).
+
+    A file may hold several YAML documents; exactly one must be an
+    InferenceService. Errors are ``ValueError``s naming the field path, e.g.
+    ``spec.prefill.replicas: Input should be greater than or equal to 0``.
+    """
+    where = "the InferenceService"
+    if isinstance(source, dict):
+        data = source
+    else:
+        where = os.fspath(source)
+        try:
+            with open(source) as f:
+                docs = [d for d in yaml.safe_load_all(f) if d is not None]
+        except OSError as e:
+            raise ValueError(f"cannot read {where}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{where} is not valid YAML: {e}") from None
+        found = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+        if len(found) != 1:
+            raise ValueError(
+                f"{where} must hold exactly one document with kind: {KIND} (found {len(found)})"
+            )
+        data = found[0]
+    try:
+        return InferenceService.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{where}:\n{format_validation_error(e)}") from None
+
+
+def is_valid_name(name: str) -> bool:
+    return len(name) <= MAX_NAME_LENGTH and re.fullmatch(NAME_PATTERN, name) is not None

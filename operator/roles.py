@@ -1,0 +1,142 @@
+"""Per-role engine arguments: base engine + role override + the role's KV transfer.
+
+Pure functions of the spec. The operator renders pod command lines from
+them; ``pdfleet up`` starts local processes from the same arguments. Nothing
+here needs the model's files: ``EngineArgs`` are built, never resolved (a
+node with the model resolves them when the engine starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pdfleet.engine.config import EngineArgs, KVTransferConfig
+
+from .engine_spec import engine_args_from_spec
+from .resource import ROLES, InferenceServiceSpec
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Where model volumes are mounted in pods.
+MODELS_DIR = "/models"
+ENGINE_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a role finds the model directory."""
+
+    scheme: str
+    """builtin, file or pvc."""
+    path: str
+    """The directory the engine loads (inside the pod for pvc and builtin)."""
+    claim: str | None = None
+    """PersistentVolumeClaim holding the model (pvc only)."""
+    builtin: str | None = None
+    """Name of the built-in model (builtin only)."""
+
+
+def model_source(uri: str) -> ModelSource:
+    """Parse a (validated) ``spec.model.uri``."""
+    scheme, _, rest = uri.partition("://")
+    if scheme == "file":
+        return ModelSource("file", rest)
+    if scheme == "pvc":
+        claim, _, sub = rest.partition("/")
+        path = f"{MODELS_DIR}/{claim}" + (f"/{sub.strip('/')}" if sub.strip("/") else "")
+        return ModelSource("pvc", path, claim=claim)
+    if scheme == "builtin":
+        return ModelSource("builtin", f"{MODELS_DIR}/{rest}", builtin=rest)
+    raise ValueError(f"spec.model.uri: unsupported scheme in {uri!r}")
+
+
+def disaggregating(spec: InferenceServiceSpec) -> bool:
+    return spec.disaggregation.mode != "Disabled"
+
+
+def role_engine_section(spec: InferenceServiceSpec, role: str) -> dict[str, Any]:
+    """``spec.engine`` with the role's ``engine`` keys laid over it (key by key)."""
+    return {**spec.engine, **spec.role(role).engine}
+
+
+def connector_extra_config(spec: InferenceServiceSpec) -> dict[str, Any]:
+    kv = spec.kv_transfer
+    extra: dict[str, Any] = {**kv.extra_config, "lease_seconds": kv.lease_seconds}
+    if kv.connector == "NixlConnector":
+        extra["backends"] = list(kv.backends)
+    if kv.handshake_timeout_seconds is not None:
+        extra["handshake_timeout_seconds"] = kv.handshake_timeout_seconds
+    if kv.transfer_timeout_seconds is not None:
+        extra["transfer_timeout_seconds"] = kv.transfer_timeout_seconds
+    return extra
+
+
+def role_kv_transfer_config(
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    kv_ip: str | None = None,
+    kv_port: int | None = None,
+    engine_id: str | None = None,
+) -> KVTransferConfig | None:
+    """The role's ``kv_transfer_config``: prefill produces KV, decode consumes it.
+
+    ``None`` when disaggregation is Disabled or no connector is set.
+    ``kv_ip``/``kv_port``/``engine_id`` override what the spec gives (the
+    operator passes the pod's IP and name; ``pdfleet up`` a free local port).
+    """
+    if role not in KV_ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    kv = spec.kv_transfer
+    if not disaggregating(spec) or kv.connector is None:
+        return None
+    values: dict[str, Any] = {
+        "kv_connector": kv.connector,
+        "kv_role": KV_ROLES[role],
+        "kv_port": kv.port if kv_port is None else kv_port,
+        "kv_connector_extra_config": connector_extra_config(spec),
+        "kv_load_failure_policy": kv.load_failure_policy,
+        "engine_id": engine_id,
+    }
+    if kv_ip is not None:
+        values["kv_ip"] = kv_ip
+    return KVTransferConfig(**values)
+
+
+def role_engine_args(
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    model_path: str | None = None,
+    kv_ip: str | None = None,
+    kv_port: int | None = None,
+    engine_id: str | None = None,
+) -> EngineArgs:
+    """The role's complete ``EngineArgs`` (not resolved against the model).
+
+    ``model_path`` defaults to where the pod sees the model
+    (:func:`model_source`); ``pdfleet up`` passes a local directory.
+    """
+    section = role_engine_section(spec, role)
+    path = model_path if model_path is not None else model_source(spec.model.uri).path
+    where = "spec.engine" if not spec.role(role).engine else f"spec.engine + spec.{role}.engine"
+    return engine_args_from_spec(
+        section,
+        path=where,
+        model=path,
+        served_model_name=[spec.model.name],
+        revision=spec.model.revision,
+        kv_transfer_config=role_kv_transfer_config(
+            spec, role, kv_ip=kv_ip, kv_port=kv_port, engine_id=engine_id
+        ),
+    )
+
+
+def engine_command(
+    args: EngineArgs, *, host: str = "0.0.0.0", port: int = ENGINE_PORT
+) -> list[str]:
+    """``pdfleet serve MODEL ...flags`` for one engine: the model positional,
+    then the non-default flags (``--kv-transfer-config`` JSON included)."""
+    flags = dataclasses.replace(args, model="").to_cli_args()
+    return ["pdfleet", "serve", args.model, *flags, "--host", host, "--port", str(port)]

@@ -1,0 +1,137 @@
+"""Cross-role checks, per-role engine arguments and the compatibility hash."""
+
+from __future__ import annotations
+
+import json
+
+from pdfleet.operator.compat import check_service, compat_hash
+from pdfleet.operator.resource import parse_spec
+from pdfleet.operator.roles import engine_command, model_source, role_engine_args
+
+BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
+
+
+def spec(**overrides):
+    return parse_spec({**BASE, **overrides})
+
+
+def fields(violations):
+    return {v.field for v in violations}
+
+
+def test_a_valid_spec_has_no_violations():
+    assert check_service(spec(engine={"blockSize": 32})) == []
+
+
+def test_connector_is_required_while_disaggregating():
+    violations = check_service(spec(kvTransfer={}))
+    assert fields(violations) == {"spec.kvTransfer.connector"}
+    assert "Disabled" in violations[0].fix
+    assert check_service(spec(kvTransfer={}, disaggregation={"mode": "Disabled"})) == []
+
+
+def test_kv_shape_settings_must_match_across_roles():
+    violations = check_service(
+        spec(
+            decode={"engine": {"blockSize": 32, "kvCacheDtype": "float16"}},
+            prefill={"engine": {"dtype": "float16"}},
+        )
+    )
+    assert fields(violations) == {
+        "spec.decode.engine.blockSize",
+        "spec.decode.engine.kvCacheDtype",
+        "spec.prefill.engine.dtype",
+    }
+    # No KV moves when disaggregation is off: the roles may differ.
+    assert not check_service(
+        spec(disaggregation={"mode": "Disabled"}, decode={"engine": {"blockSize": 32}})
+    )
+
+
+def test_decode_tensor_parallelism_must_not_be_below_prefill():
+    violations = check_service(spec(prefill={"engine": {"tensorParallelSize": 2}}))
+    assert "spec.decode.engine.tensorParallelSize" in fields(violations)
+
+
+def test_unsupported_engine_features_and_bad_values_are_reported_where_set():
+    violations = check_service(
+        spec(engine={"enableLora": True, "blockSize": 12}, decode={"engine": {"maxNumSeqs": 0}})
+    )
+    assert "spec.engine.enableLora" in fields(violations)
+    assert "spec.decode.engine.maxNumSeqs" in fields(violations)
+    assert any("block_size must be one of" in v.problem for v in violations)
+    # A problem of spec.engine is reported once, not once per role.
+    assert len([v for v in violations if v.field == "spec.engine.enableLora"]) == 1
+
+
+def test_autoscaling_bounds_are_checked():
+    violations = check_service(
+        spec(
+            autoscaling={
+                "maxTotalReplicas": 3,
+                "prefillDecodeRatio": {"min": 2, "max": 1},
+                "prefill": {"minReplicas": 2, "maxReplicas": 1},
+                "decode": {"minReplicas": 2},
+            }
+        )
+    )
+    assert fields(violations) == {
+        "spec.autoscaling.prefill.minReplicas",
+        "spec.autoscaling.prefillDecodeRatio.min",
+        "spec.autoscaling.maxTotalReplicas",
+    }
+
+
+def test_extra_config_may_not_repeat_typed_kv_settings():
+    violations = check_service(
+        spec(kvTransfer={"connector": "NixlConnector", "extraConfig": {"lease_seconds": 5}})
+    )
+    assert fields(violations) == {"spec.kvTransfer.extraConfig.lease_seconds"}
+
+
+def test_roles_get_producer_and_consumer_kv_configs_from_kv_transfer():
+    s = spec(kvTransfer={"connector": "NixlConnector", "leaseSeconds": 12, "port": 15000})
+    prefill = role_engine_args(s, "prefill", engine_id="p")
+    decode = role_engine_args(s, "decode", engine_id="d")
+    assert prefill.kv_transfer_config.kv_role == "kv_producer"
+    assert decode.kv_transfer_config.kv_role == "kv_consumer"
+    extra = decode.kv_transfer_config.kv_connector_extra_config
+    assert extra == {"lease_seconds": 12.0, "backends": ["UCX"]}
+    assert decode.kv_transfer_config.kv_port == 15000
+    assert decode.served_model_name == ["m"]
+    disabled = parse_spec({**BASE, "disaggregation": {"mode": "Disabled"}})
+    assert role_engine_args(disabled, "decode").kv_transfer_config is None
+
+
+def test_role_override_replaces_base_keys_only():
+    s = spec(engine={"maxNumSeqs": 8, "seed": 3}, decode={"engine": {"maxNumSeqs": 64}})
+    assert role_engine_args(s, "decode").max_num_seqs == 64
+    assert role_engine_args(s, "decode").seed == 3
+    assert role_engine_args(s, "prefill").max_num_seqs == 8
+
+
+def test_engine_command_renders_flags_and_the_role_kv_config():
+    s = spec(engine={"maxNumBatchedTokens": "8K", "enforceEager": True})
+    command = engine_command(role_engine_args(s, "prefill", kv_ip="10.0.0.1", engine_id="e1"))
+    assert command[:3] == ["pdfleet", "serve", "/models/tiny"]
+    assert command[command.index("--max-num-batched-tokens") + 1] == "8192"
+    assert "--enforce-eager" in command
+    kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_producer" and kv["kv_ip"] == "10.0.0.1"
+    assert "--model" not in command
+
+
+def test_model_uris_map_to_paths_in_the_pod():
+    assert model_source("pvc://models/llama/8b").path == "/models/models/llama/8b"
+    assert model_source("pvc://models/llama/8b").claim == "models"
+    assert model_source("file:///opt/m").path == "/opt/m"
+    assert model_source("builtin://tiny").builtin == "tiny"
+
+
+def test_compat_hash_changes_with_what_must_match_only():
+    base = compat_hash(spec())
+    assert compat_hash(spec()) == base
+    assert compat_hash(spec(engine={"maxNumSeqs": 7}, decode={"replicas": 9})) == base
+    assert compat_hash(spec(engine={"blockSize": 32})) != base
+    assert compat_hash(spec(model={"name": "m", "revision": "r2"})) != base
+    assert compat_hash(spec(kvTransfer={"connector": "ZmqConnector"})) != base

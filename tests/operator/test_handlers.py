@@ -1,0 +1,244 @@
+"""The kopf handlers, running for real against an in-memory API server (kmock)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from helpers.kube_fake import (
+    DEPLOYMENTS,
+    EVENTS,
+    IS_RESOURCE,
+    NAMESPACE,
+    inference_service,
+    run,
+    running_operator,
+)
+
+from pdfleet.operator.autoscaler import ScaleDecision
+from pdfleet.operator.handlers import OperatorConfig
+from pdfleet.operator.manifests import LABEL_COMPAT
+
+SPEC: dict[str, Any] = {
+    "model": {"name": "tiny"},
+    "engine": {"device": "cpu", "blockSize": 16},
+    "kvTransfer": {"connector": "ZmqConnector"},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+}
+CHILD_DEPLOYMENTS = {"demo-prefill", "demo-decode", "demo-gateway"}
+
+
+def fast_config(**kwargs: Any) -> OperatorConfig:
+    return OperatorConfig(timer_interval_seconds=0.3, rollout_poll_seconds=0.3, **kwargs)
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return None
+
+
+def test_create_makes_every_child_owned_by_the_service_and_writes_status():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+            svc = await k.wait_for(
+                lambda: (
+                    (k.get(IS_RESOURCE, "demo") or {}).get("status", {}).get("observedGeneration")
+                    and k.get(IS_RESOURCE, "demo")
+                ),
+                what="status",
+            )
+            assert k.names("v1/services") == {"demo", "demo-prefill", "demo-decode"}
+            assert k.names("v1/configmaps") == {"demo-config"}
+            assert k.names("policy/v1/poddisruptionbudgets") == {
+                "demo-prefill",
+                "demo-decode",
+                "demo-gateway",
+            }
+            for name in CHILD_DEPLOYMENTS:
+                owner = k.get(DEPLOYMENTS, name)["metadata"]["ownerReferences"][0]
+                assert (owner["kind"], owner["uid"], owner["controller"]) == (
+                    "InferenceService",
+                    "uid-1",
+                    True,
+                )
+            status = svc["status"]
+            assert status["url"] == f"http://demo.{NAMESPACE}.svc:8000/v1"
+            assert status["roles"]["decode"]["desiredReplicas"] == 1
+            assert condition(svc, "Ready")["status"] == "False"  # no pods in a fake cluster
+
+    run(scenario())
+
+
+def test_update_patches_the_children_in_place():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+            decode = {"replicas": 3, "engine": {"maxNumSeqs": 64}}
+            await k.patch(IS_RESOURCE, "demo", {"spec": {"decode": decode}})
+            deployment = await k.wait_for(
+                lambda: (
+                    (k.get(DEPLOYMENTS, "demo-decode") or {})["spec"]["replicas"] == 3
+                    and k.get(DEPLOYMENTS, "demo-decode")
+                ),
+                what="decode replicas 3",
+            )
+            command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+            assert command[command.index("--max-num-seqs") + 1] == "64"
+            assert k.names(DEPLOYMENTS) == CHILD_DEPLOYMENTS
+
+    run(scenario())
+
+
+def test_compat_change_rolls_decode_before_prefill():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+
+            def compat(role: str) -> str:
+                return k.get(DEPLOYMENTS, f"demo-{role}")["metadata"]["labels"][LABEL_COMPAT]
+
+            old = compat("prefill")
+            await k.patch(IS_RESOURCE, "demo", {"spec": {"engine": {"blockSize": 32}}})
+            await k.wait_for(lambda: compat("decode") != old, what="decode updated")
+            # Decode has not rolled out (no controller runs here): prefill must wait.
+            await asyncio.sleep(1.0)
+            assert compat("prefill") == old
+            rolled = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1}
+            await k.patch(DEPLOYMENTS, "demo-decode", {"status": {**rolled, "readyReplicas": 1}})
+            await k.wait_for(lambda: compat("prefill") == compat("decode"), what="prefill")
+
+    run(scenario())
+
+
+def test_invalid_spec_sets_ready_false_with_the_fix_and_creates_nothing():
+    spec = {**SPEC, "kvTransfer": {}, "decode": {"engine": {"blockSize": 32}}}
+
+    async def scenario():
+        async with running_operator([inference_service("demo", spec)], fast_config()) as k:
+            svc = await k.wait_for(
+                lambda: (
+                    condition(k.get(IS_RESOURCE, "demo"), "Ready") and k.get(IS_RESOURCE, "demo")
+                ),
+                what="Ready condition",
+            )
+            ready = condition(svc, "Ready")
+            assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+            assert "spec.kvTransfer.connector" in ready["message"]
+            assert "spec.decode.engine.blockSize" in ready["message"]
+            assert svc["status"]["phase"] == "Failed"
+            events = await k.wait_for(
+                lambda: [
+                    e
+                    for e in (k.get(EVENTS, n) for n in k.names(EVENTS))
+                    if e and e.get("reason") == "InvalidSpec"
+                ],
+                what="InvalidSpec events",
+            )
+            assert any("set kvTransfer.connector" in e["message"] for e in events)
+            await asyncio.sleep(0.8)  # a few timer ticks
+            assert not k.names(DEPLOYMENTS)
+            assert not k.names("v1/services")
+
+    run(scenario())
+
+
+def engine_pod(name: str, role: str, port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {"pdfleet.dev/service": "demo", "pdfleet.dev/role": role},
+        },
+        "spec": {
+            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]
+        },
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision():
+    spec = {**SPEC, "autoscaling": {"periodSeconds": 0.1, "decode": {"maxReplicas": 5}}}
+    seen: list[Any] = []
+    failures = {"count": 0}
+
+    def decide(service, policy, samples, replicas, now):
+        seen.append((service, list(samples), dict(replicas)))
+        if replicas["decode"] == 1:
+            return [ScaleDecision("decode", 3, "kv usage 0.9 > target 0.7")]
+        return []
+
+    async def metrics(request: web.Request) -> web.Response:
+        failures["count"] += 1  # a failure counter that keeps rising
+        text = (
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{model_name="tiny"} 0.9\n'
+            "# TYPE pdfleet_engine_kv_transfer_failures counter\n"
+            f"pdfleet_engine_kv_transfer_failures_total {failures['count']}\n"
+        )
+        return web.Response(text=text)
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        pods = [
+            engine_pod("demo-decode-a", "decode", port),
+            engine_pod("demo-prefill-a", "prefill", port),
+        ]
+        try:
+            objects = [inference_service("demo", spec), *pods]
+            async with running_operator(objects, fast_config(decide=decide)) as k:
+                await k.wait_for(
+                    lambda: (
+                        (k.get(DEPLOYMENTS, "demo-decode") or {}).get("spec", {}).get("replicas")
+                        == 3
+                    ),
+                    what="decode scaled to 3",
+                )
+                svc = await k.wait_for(
+                    lambda: (
+                        (k.get(IS_RESOURCE, "demo") or {}).get("status", {}).get("autoscaling")
+                        and k.get(IS_RESOURCE, "demo")
+                    ),
+                    what="decision recorded",
+                )
+                record = svc["status"]["autoscaling"]["lastDecisions"][-1]
+                assert (record["role"], record["from"], record["to"]) == ("decode", 1, 3)
+                assert "kv usage" in record["reason"]
+                await k.wait_for(
+                    lambda: (
+                        (condition(k.get(IS_RESOURCE, "demo"), "KVTransferHealthy") or {}).get(
+                            "status"
+                        )
+                        == "False"
+                    ),
+                    what="KVTransferHealthy=False",
+                )
+                await k.wait_for(
+                    lambda: (
+                        k.get(IS_RESOURCE, "demo")["status"]["roles"]["decode"]["desiredReplicas"]
+                        == 3
+                    ),
+                    what="desired replicas in status",
+                )
+        finally:
+            await runner.cleanup()
+        service, samples, replicas = seen[0]
+        assert service == f"{NAMESPACE}/demo"
+        assert replicas == {"prefill": 1, "decode": 1}
+        by_pod = {s.pod: s for s in samples}
+        assert by_pod["demo-decode-a"].role == "decode"
+        assert by_pod["demo-decode-a"].values["vllm:kv_cache_usage_perc"] == 0.9
+
+    run(scenario())

@@ -1,0 +1,191 @@
+"""The pure builders: every child object is valid Kubernetes and wired as designed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+
+import pytest
+import yaml
+from helpers.kube_schema import validate
+
+from pdfleet.engine.cli import main
+from pdfleet.operator.manifests import (
+    DEFAULT_IMAGE,
+    LABEL_COMPAT,
+    Owner,
+    build_children,
+    desired_replicas,
+)
+from pdfleet.operator.resource import load_inference_service, parse_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
+SPEC = {
+    "model": {"name": "m"},
+    "engine": {"shutdownTimeout": 90},
+    "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 30},
+    "prefill": {"replicas": 2, "shmSize": "2Gi", "resources": {"limits": {"nvidia.com/gpu": 1}}},
+    "decode": {"replicas": 3, "env": [{"name": "UCX_TLS", "value": "tcp"}]},
+    "gateway": {"apiKeySecret": {"name": "keys"}},
+}
+
+
+def children(spec=SPEC, **kwargs):
+    return build_children("demo", parse_spec(spec), namespace="ns1", **kwargs)
+
+
+def by_kind_name(objects):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def container(objects, name):
+    return by_kind_name(objects)["Deployment", name]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_child_of_the_examples_is_a_valid_kubernetes_object(path):
+    svc = load_inference_service(path)
+    objects = build_children(svc.name, svc.spec, namespace="default", owner=Owner(svc.name, "u1"))
+    assert len(objects) == 13
+    for obj in objects:
+        validate(obj)
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
+        assert obj["metadata"]["labels"]["pdfleet.dev/service"] == svc.name
+
+
+def test_children_come_in_apply_order_with_deployments_last():
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in children()]
+    assert kinds[-3:] == [
+        ("Deployment", "demo-gateway"),
+        ("Deployment", "demo-decode"),
+        ("Deployment", "demo-prefill"),
+    ]
+    assert ("Service", "demo") in kinds and ("ConfigMap", "demo-config") in kinds
+
+
+def test_building_twice_gives_identical_manifests():
+    assert yaml.safe_dump_all(children()) == yaml.safe_dump_all(children())
+
+
+def test_engine_pods_carry_role_kv_config_from_the_pod_ip_and_name():
+    objects = children()
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        c = container(objects, f"demo-{role}")
+        command = c["command"]
+        kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert kv["kv_role"] == kv_role
+        assert (kv["kv_ip"], kv["engine_id"]) == ("$(PDFLEET_KV_IP)", "$(POD_NAME)")
+        env = {e["name"]: e for e in c["env"]}
+        assert env["PDFLEET_KV_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert {p["name"] for p in c["ports"]} == {"http", "kv"}
+    assert {e["name"] for e in container(objects, "demo-decode")["env"]} >= {"UCX_TLS"}
+
+
+def test_engine_pods_are_hardened_probed_and_drain_before_being_killed():
+    objects = children()
+    for role in ("prefill", "decode"):
+        deployment = by_kind_name(objects)["Deployment", f"demo-{role}"]
+        pod = deployment["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        # At least the engine's shutdown timeout (90 s) before SIGKILL.
+        assert pod["terminationGracePeriodSeconds"] >= 90
+        assert deployment["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT]
+    prefill = container(objects, "demo-prefill")
+    assert prefill["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+
+
+def test_builtin_model_is_written_by_an_init_container_and_pvc_models_are_mounted():
+    pod = by_kind_name(children())["Deployment", "demo-decode"]["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"] == ["pdfleet", "tiny-model", "/models/tiny"]
+    spec = {**SPEC, "model": {"name": "m", "uri": "pvc://weights/llama"}}
+    pod = by_kind_name(children(spec))["Deployment", "demo-decode"]["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert pod["containers"][0]["command"][2] == "/models/weights/llama"
+
+
+def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secret():
+    objects = children()
+    c = container(objects, "demo-gateway")
+    command = c["command"]
+    assert command[:2] == ["pdfleet", "gateway"]
+    flags = dict(zip(command[2::2], command[3::2], strict=True))
+    assert flags["--discovery"] == "kubernetes"
+    assert flags["--namespace"] == "ns1"
+    assert flags["--selector"] == "pdfleet.dev/service=demo"
+    assert flags["--disaggregation-mode"] == "Conditional"
+    assert flags["--min-prompt-tokens"] == "256"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PDFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    role = by_kind_name(objects)["Role", "demo-gateway"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    service = by_kind_name(objects)["Service", "demo"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert by_kind_name(objects)["Service", "demo-prefill"]["spec"]["clusterIP"] == "None"
+
+
+def test_replicas_follow_spec_autoscaler_and_disaggregation_mode():
+    spec = parse_spec(SPEC)
+    assert desired_replicas(spec, "decode") == 3
+    scaled = parse_spec({**SPEC, "autoscaling": {"decode": {"minReplicas": 2, "maxReplicas": 5}}})
+    assert desired_replicas(scaled, "decode", {"decode": 9}) == 5
+    assert desired_replicas(scaled, "decode", {"decode": 0}) == 2
+    assert desired_replicas(scaled, "decode") == 3
+    disabled = parse_spec({**SPEC, "disaggregation": {"mode": "Disabled"}})
+    assert desired_replicas(disabled, "prefill") == 0
+    decode = container(build_children("demo", disabled, namespace="ns1"), "demo-decode")
+    assert "--kv-transfer-config" not in decode["command"]
+
+
+def test_default_image_applies_only_without_spec_image():
+    assert container(children(), "demo-decode")["image"] == DEFAULT_IMAGE
+    assert container(children(image="reg/x:1"), "demo-decode")["image"] == "reg/x:1"
+    spec = {**SPEC, "image": "reg/own:2"}
+    assert container(children(spec, image="reg/x:1"), "demo-gateway")["image"] == "reg/own:2"
+
+
+def run_cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_pdfleet_render_prints_exactly_the_built_children():
+    path = EXAMPLES[0]
+    code, out, _ = run_cli("render", str(path), "--namespace", "team-a")
+    assert code == 0
+    svc = load_inference_service(path)
+    assert list(yaml.safe_load_all(out)) == build_children(svc.name, svc.spec, namespace="team-a")
+
+
+def test_pdfleet_render_exits_2_listing_every_violation(tmp_path):
+    path = tmp_path / "bad.yaml"
+    doc = yaml.safe_load(EXAMPLES[0].read_text())
+    doc["spec"]["kvTransfer"] = {}
+    doc["spec"]["decode"]["engine"] = {"blockSize": 32}
+    path.write_text(yaml.safe_dump(doc))
+    code, out, err = run_cli("render", str(path))
+    assert code == 2 and out == ""
+    assert "spec.kvTransfer.connector" in err and "spec.decode.engine.blockSize" in err
+
+
+def test_pdfleet_crd_prints_the_crd():
+    code, out, _ = run_cli("crd")
+    assert code == 0
+    assert yaml.safe_load(out)["metadata"]["name"] == "inferenceservices.pdfleet.dev"

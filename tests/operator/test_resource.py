@@ -1,0 +1,133 @@
+"""The InferenceService model and its loader (also what `pdfleet up` reads)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+
+from pdfleet.operator.resource import (
+    AutoscalingSpec,
+    InferenceServiceSpec,
+    load_inference_service,
+    parse_spec,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
+
+
+def doc(spec: dict, name: str = "demo") -> dict:
+    return {
+        "apiVersion": "pdfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_load(path):
+    svc = load_inference_service(path)
+    assert svc.spec.model.name
+
+
+def test_loader_errors_name_every_bad_field_path():
+    bad = doc(
+        {
+            "model": {"name": "m", "uri": "hf://meta-llama/x"},
+            "prefill": {"replicas": -1, "engine": {"maxNumSeqs": "many"}},
+            "engine": {"revision": "abc"},
+            "decode": {"engine": {"maxNumBatchedToken": 1}},
+            "decod": {},
+        }
+    )
+    with pytest.raises(ValueError) as e:
+        load_inference_service(bad)
+    lines = str(e.value).splitlines()[1:]
+    fields = {line.split(":")[0] for line in lines}
+    assert fields == {
+        "spec.model.uri",
+        "spec.prefill.replicas",
+        "spec.prefill.engine.maxNumSeqs",
+        "spec.engine.revision",
+        "spec.decode.engine.maxNumBatchedToken",
+        "spec.decod",
+    }
+    assert any("set spec.model.revision instead" in line for line in lines)
+    assert any("did you mean maxNumBatchedTokens" in line for line in lines)
+    assert any("copy hub models onto a volume" in line for line in lines)
+
+
+def test_loader_reads_multi_document_yaml_and_requires_one_inference_service(tmp_path):
+    path = tmp_path / "svc.yaml"
+    other = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}
+    path.write_text(yaml.safe_dump_all([other, doc({"model": {"name": "m"}})]))
+    assert load_inference_service(path).name == "demo"
+    path.write_text(yaml.safe_dump(other))
+    with pytest.raises(ValueError, match="exactly one document with kind: InferenceService"):
+        load_inference_service(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_inference_service(tmp_path / "missing.yaml")
+
+
+def test_name_must_fit_child_object_names():
+    with pytest.raises(ValueError, match=r"metadata\.name"):
+        load_inference_service(doc({"model": {"name": "m"}}, name="x" * 46))
+    with pytest.raises(ValueError, match=r"metadata\.name"):
+        load_inference_service(doc({"model": {"name": "m"}}, name="9lives"))
+
+
+def test_null_means_default_as_on_the_api_server():
+    spec = parse_spec(
+        {"model": {"name": "m", "uri": None}, "gateway": None, "engine": {"seed": None}}
+    )
+    assert spec.model.uri == "builtin://tiny"
+    assert spec.gateway.port == 8000
+    assert spec.engine == {}
+
+
+def test_engine_values_are_coerced_to_the_engine_field_types():
+    spec = parse_spec({"model": {"name": "m"}, "engine": {"maxNumBatchedTokens": "2K"}})
+    assert spec.engine == {"maxNumBatchedTokens": 2048}
+
+
+def test_autoscaling_keys_and_defaults_are_the_agreed_ones():
+    # The policy's dataclasses use these exact names (camelCase of theirs).
+    expected = {
+        "periodSeconds": 15,
+        "maxTotalReplicas": None,
+        "prefillDecodeRatio": {"min": None, "max": None},
+        "metricsStaleSeconds": 45,
+        "prefill": {
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "ttftTargetSeconds": 2.0,
+            "prefillTokensPerSecond": None,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 300,
+            "maxScaleUpStep": 4,
+            "maxScaleDownStep": 1,
+            "targetWaitingPerReplica": 4,
+        },
+        "decode": {
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "targetKVCacheUsage": 0.7,
+            "targetWaitingPerReplica": 4,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 300,
+            "maxScaleUpStep": 4,
+            "maxScaleDownStep": 1,
+        },
+    }
+    assert AutoscalingSpec().model_dump(by_alias=True) == expected
+    assert AutoscalingSpec.model_validate(expected).model_dump(by_alias=True) == expected
+
+
+def test_role_lookup_rejects_unknown_roles():
+    spec = InferenceServiceSpec.model_validate({"model": {"name": "m"}})
+    assert spec.role("decode") is spec.decode
+    with pytest.raises(ValueError, match="unknown role"):
+        spec.role("gateway")

@@ -1,0 +1,137 @@
+"""Status from Deployments, metric scraping and the KV-transfer health check."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from pdfleet.operator.resource import parse_spec
+from pdfleet.operator.scrape import KVHealth, PodSample, parse_metrics, scrape_pods
+from pdfleet.operator.status import build_status, rollout_done, set_condition
+
+SPEC = parse_spec({"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}})
+DESIRED = {"prefill": 2, "decode": 2, "gateway": 1}
+
+
+def deployment(ready: int, updated: int | None = None, replicas: int = 2) -> dict:
+    updated = ready if updated is None else updated
+    return {
+        "metadata": {"generation": 3},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": 3,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+        },
+    }
+
+
+def status(prefill, decode, gateway, previous=None, now="t1"):
+    return build_status(
+        SPEC,
+        url="http://demo.ns.svc:8000/v1",
+        compat="abc",
+        deployments={"prefill": prefill, "decode": decode, "gateway": gateway},
+        desired=DESIRED,
+        previous=previous,
+        kv_healthy=True,
+        kv_message="ok",
+        now=now,
+        generation=3,
+    )
+
+
+def conditions(s):
+    return {c["type"]: (c["status"], c["reason"]) for c in s["conditions"]}
+
+
+def test_all_roles_ready_is_phase_ready():
+    s = status(deployment(2), deployment(2), deployment(1, replicas=1))
+    assert s["phase"] == "Ready"
+    assert conditions(s)["Ready"] == ("True", "AllRolesReady")
+    assert s["roles"]["decode"]["summary"] == "2/2"
+    assert s["observedGeneration"] == 3
+
+
+def test_serving_without_prefill_is_degraded_not_down():
+    s = status(deployment(0, updated=2), deployment(2), deployment(1, replicas=1))
+    assert s["phase"] == "Degraded"
+    assert conditions(s)["PrefillReady"] == ("False", "NoReplicasReady")
+    assert conditions(s)["Ready"][0] == "False"
+
+
+def test_rolling_pods_are_progressing():
+    s = status(deployment(2, updated=1), deployment(2), deployment(1, replicas=1))
+    assert s["phase"] == "Progressing"
+    assert conditions(s)["PrefillReady"] == ("False", "RollingOut")
+
+
+def test_condition_keeps_its_transition_time_while_its_status_holds():
+    first = set_condition([], "Ready", "False", "A", "", now="t1")
+    same = set_condition(first, "Ready", "False", "B", "", now="t2")
+    flipped = set_condition(same, "Ready", "True", "C", "", now="t3")
+    assert same[0]["lastTransitionTime"] == "t1"
+    assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+def test_rollout_done_needs_every_replica_updated_and_ready():
+    assert rollout_done(deployment(2))
+    assert not rollout_done(deployment(2, updated=1))
+    assert not rollout_done(deployment(1))
+    stale = deployment(2)
+    stale["status"]["observedGeneration"] = 2
+    assert not rollout_done(stale)
+    assert not rollout_done(None)
+
+
+def test_parse_metrics_sums_label_sets_and_drops_buckets():
+    text = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0"} 3\n'
+        'vllm:num_requests_waiting{engine="1"} 4\n'
+        "# TYPE ttft histogram\n"
+        'ttft_bucket{le="1.0"} 5\n'
+        "ttft_sum 2.5\n"
+        "ttft_count 5\n"
+    )
+    values = parse_metrics(text)
+    assert values["vllm:num_requests_waiting"] == 7
+    assert values["ttft_sum"] == 2.5 and values["ttft_count"] == 5
+    assert not any(name.endswith("_bucket") for name in values)
+
+
+def test_kv_health_turns_false_when_a_failure_counter_rises():
+    health = KVHealth()
+
+    def sample(value):
+        return [
+            PodSample("d-1", "decode", True, 0.0, {"vllm:nixl_num_failed_transfers_total": value})
+        ]
+
+    assert health.update([PodSample("d-1", "decode", True, 0.0)])[0] is None
+    assert health.update(sample(2))[0] is True  # first sighting: nothing to compare
+    assert health.update(sample(2))[0] is True
+    healthy, message = health.update(sample(5))
+    assert healthy is False and "d-1 +3" in message
+
+
+def test_a_pod_that_never_answers_costs_at_most_the_scrape_timeout():
+    # A listening socket that accepts connections and never replies.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        pod = {
+            "metadata": {"name": "d-1", "labels": {"pdfleet.dev/role": "decode"}},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1"},
+        }
+        no_ip = {"metadata": {"name": "d-2", "labels": {"pdfleet.dev/role": "decode"}}}
+        start = time.monotonic()
+        samples = asyncio.run(scrape_pods([pod, no_ip], timeout_seconds=0.3))
+        elapsed = time.monotonic() - start
+    assert elapsed < 2.0
+    assert [s.error is not None for s in samples] == [True, True]
+    assert samples[1].error == "no pod IP yet"
