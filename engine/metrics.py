@@ -250,6 +250,30 @@ class EngineMetrics:
                 registry=r,
             )
             self._last_kv: dict[str, int] = {}
+        # Touch every labelled series so it is exported (as 0) from the start.
+        for metric in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.waiting_prompt_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefill_busy,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.v_running,
+            self.v_waiting,
+            self.v_kv_usage,
+            *(self.kv.values() if self.kv else ()),
+            *(self.v_kv.values() if self.kv else ()),
+            *((self.kv_seconds, self.v_kv_seconds) if self.kv else ()),
+        ):
+            metric.labels(**self.labels)
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_busy = 0.0
         self._last_step = 0

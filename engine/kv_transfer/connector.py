@@ -52,7 +52,8 @@ class Load:
     started: float = 0.0
     token: Any = None
     remote: Remote | None = None
-    cancelled: bool = False
+    # Nothing to pull (all blocks local): only tell the producer to free its blocks.
+    release_only: bool = False
 
 
 @dataclass
@@ -286,6 +287,13 @@ class PDConnector:
 
     def _begin(self, client: SideChannelClient, load: Load, inflight: list[Load]) -> None:
         p = load.params
+        if load.release_only:
+            client.send_nowait(
+                str(p["remote_host"]),
+                int(p["remote_port"]),
+                {"op": "release", "request_id": str(p["remote_request_id"])},
+            )
+            return
         try:
             if time.monotonic() > load.deadline:
                 raise TimeoutError("the transfer deadline passed before it started")
@@ -373,8 +381,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if not p.get("do_remote_prefill") or not self.c.kv.is_kv_consumer:
             return 0, False
         bs = self.c.block_size
-        usable = min(len(p.get("remote_block_ids") or []), (request.num_tokens - 1) // bs)
-        return max(0, usable * bs - num_computed_tokens), True
+        remote_ids = p.get("remote_block_ids") or []
+        usable = min(len(remote_ids), (request.num_tokens - 1) // bs)
+        num_external = max(0, usable * bs - num_computed_tokens)
+        if num_external == 0 and remote_ids:
+            # Our own prefix cache covers it: the producer may free its blocks now.
+            self.c.new_loads.put(Load(request.request_id, dict(p), [], [], 0.0, release_only=True))
+        return num_external, True
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         p = request.kv_transfer_params or {}
@@ -401,7 +414,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if not p.get("do_remote_decode") or not self.c.kv.is_kv_producer:
             return False, None
         bs = self.c.block_size
-        full = block_ids[: request.num_prompt_tokens // bs]
+        # Full blocks before the last prompt token: the consumer recomputes that token
+        # (it needs its logits), so a block holding it is never pulled.
+        full = block_ids[: (request.num_prompt_tokens - 1) // bs]
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,

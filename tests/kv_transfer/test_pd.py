@@ -145,7 +145,7 @@ def test_two_leg_protocol_is_token_identical_to_one_engine(fleet):
 
     for n, params, text, ref in asyncio.run(run_all()):
         assert text == ref, f"prompt of {n} tokens"
-        assert len(params["remote_block_ids"]) == n // 16
+        assert len(params["remote_block_ids"]) == (n - 1) // 16
     d = scrape(fleet["decode"])
     assert d["pdfleet_engine_kv_transfers_total"] >= sum(1 for n in LENGTHS if (n - 1) // 16)
     assert d["pdfleet_engine_kv_transfer_blocks_pulled_total"] > 0
@@ -190,7 +190,7 @@ def test_unclaimed_lease_frees_the_producers_blocks(fleet):
             "kv_transfer_params": {"do_remote_decode": True},
         },
     ).json()
-    assert len(pre["kv_transfer_params"]["remote_block_ids"]) == 5
+    assert len(pre["kv_transfer_params"]["remote_block_ids"]) == 4
     assert scrape(fleet["prefill"])["pdfleet_engine_kv_cache_usage_ratio"] > 0
     assert wait_until(
         lambda: scrape(fleet["prefill"])["pdfleet_engine_kv_transfer_expired_leases_total"] >= 1,
@@ -334,30 +334,45 @@ def test_producer_hung_mid_pull_is_bounded(tiny_model, nixl_pair):
 
 def test_restarted_producer_on_the_same_address(tiny_model, nixl_pair):
     http_port, kv_port = free_port(), free_port()
-    body = {"prompt": prompt_of(90, 8), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    ref = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
-    expected = ref["choices"][0]["text"]
 
-    def pd(producer_url: str, params: dict | None = None) -> str:
-        params = params or prefill(producer_url, body)
+    def body(seed: int) -> dict:
+        return {
+            "prompt": prompt_of(90, seed),
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+
+    def expected(seed: int) -> str:
+        r = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body(seed), timeout=60)
+        return r.json()["choices"][0]["text"]
+
+    def pd(producer_url: str, seed: int, params: dict | None = None) -> str:
+        params = params or prefill(producer_url, body(seed))
         r = httpx.post(
             nixl_pair["recompute"] + "/v1/completions",
             timeout=60,
-            json={**body, "kv_transfer_params": params},
+            json={**body(seed), "kv_transfer_params": params},
         )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
+    def transfers() -> float:
+        return scrape(nixl_pair["recompute"])["pdfleet_engine_kv_transfers_total"]
+
     first = start_producer(tiny_model, nixl_pair["logs"], http_port, kv_port, "first")
-    assert pd(first.url) == expected
-    stale = prefill(first.url, body)
+    assert pd(first.url, 80) == expected(80)
+    stale = prefill(first.url, body(81))
     first.stop()
     second = start_producer(tiny_model, nixl_pair["logs"], http_port, kv_port, "second")
     try:
-        transfers = scrape(nixl_pair["recompute"])["pdfleet_engine_kv_transfers_total"]
-        assert pd(second.url) == expected  # a new handshake with the new instance
-        assert scrape(nixl_pair["recompute"])["pdfleet_engine_kv_transfers_total"] == transfers + 1
-        assert pd(second.url, stale) == expected  # stale params: refused, recomputed, correct
+        # A new handshake with the new instance on the same address.
+        before = transfers()
+        assert pd(second.url, 82) == expected(82)
+        assert transfers() == before + 1
+        # Params naming the old instance are refused and recomputed, still correct.
+        assert pd(second.url, 81, stale) == expected(81)
+        assert transfers() == before + 1
     finally:
         second.stop()
 
