@@ -130,7 +130,7 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
         for rep in range(4):
             start = time.perf_counter()
             c.new_loads.put(Load(f"r{n}-{rep}", params, ids, ids, time.monotonic() + 60))
-            rid, ok, why = c.done.get(timeout=120)
+            _rid, ok, why = c.done.get(timeout=120)
             elapsed = time.perf_counter() - start
             if not ok:
                 raise RuntimeError(f"pull failed: {why}")
