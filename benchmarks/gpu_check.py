@@ -18,8 +18,8 @@ On a CUDA GPU, in one run of a few minutes:
    warps and stages (and decode split counts), so one run shows whether a
    different default would be faster.
 5. **Engine end-to-end decode** (ms/step at batch 1/16/64, 1k context, against
-   the memory floor): pending until the engine's model runner exists; the
-   floors are printed already.
+   the memory floor): the engine's model runner with random bf16 Llama-3.1-8B
+   weights, Triton attention and CUDA-graph decode.
 
 Targets (issue 4): decode attention >= 70% of copy bandwidth; prefill
 attention >= 50% of the matmul rate at 2k tokens; batch-1 decode step <=
@@ -149,6 +149,8 @@ DRY = Sizes(
     ),
     split_counts=(None, 2),
     split_cases=((1, 40),),
+    e2e_batches=(1, 2),
+    e2e_context=40,
 )
 
 
@@ -484,29 +486,124 @@ class GpuCheck:
     # ---------------------------------------------------------- end to end
 
     def engine_e2e_decode(self) -> dict:
-        """End-to-end decode ms/step for Llama-3.1-8B shapes with random bf16
-        weights, at each batch in ``sizes.e2e_batches`` with
-        ``sizes.e2e_context`` tokens of context each, against the memory
-        floor: (weights + KV bytes) / measured copy bandwidth.
-
-        Pending: this needs the engine's model runner (random-weight
-        Llama-3.1-8B, Triton attention backend, CUDA-graph decode), which does
-        not exist yet. To complete it, build that runner here, time one decode
-        step per batch size with ``self.bench`` after warm-up, and fill
-        ``ms_per_step`` and ``x_floor`` (= ms_per_step / floor_ms); the
-        target is ``x_floor <= E2E_TARGET_RATIO`` at batch 1.
+        """End-to-end decode ms/step of the engine's model runner for Llama-3.1-8B
+        shapes with random bf16 weights (``--load-format dummy``), Triton attention
+        and CUDA-graph decode, at each batch in ``sizes.e2e_batches`` with
+        ``sizes.e2e_context`` tokens of context each, against the memory floor:
+        (weights + KV bytes) / measured copy bandwidth. One step = input
+        preparation, graph replay (or eager forward), sampling, one host sync.
         """
+        torch = self.torch
+        runner, steps = self._engine_runner(), (2 if self.dry_run else 30)
         rows = []
         for batch in self.sizes.e2e_batches:
             context = self.sizes.e2e_context
-            nbytes = llama_8b_weight_bytes() + batch * context * llama_8b_kv_bytes_per_token()
+            if self.dry_run:
+                weights, kv_token = 0, 0
+            else:
+                weights, kv_token = llama_8b_weight_bytes(), llama_8b_kv_bytes_per_token()
+            nbytes = weights + batch * context * kv_token
+            floor_ms = nbytes / (self.ceilings["copy_GBps"] * 1e9) * 1e3
+            ms = self._time_decode_steps(runner, batch, context, steps)
             rows.append({
                 "batch": batch, "context": context, "floor_GB": nbytes / 1e9,
-                "floor_ms": nbytes / (self.ceilings["copy_GBps"] * 1e9) * 1e3,
-                "ms_per_step": None, "x_floor": None,
+                "floor_ms": floor_ms, "ms_per_step": ms,
+                "x_floor": ms / floor_ms if floor_ms else None,
+                "graphs": runner.graphs is not None,
             })  # fmt: skip
-        print("engine e2e: pending")
-        return {"status": "pending", "rows": rows}
+        del runner
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"status": "measured" if not self.dry_run else "dry-run", "rows": rows}
+
+    def _engine_runner(self):
+        """A ModelRunner on a generated Llama-3.1-8B (dry run: tiny) config.json."""
+        import tempfile
+
+        from pdfleet.engine.config import EngineArgs
+        from pdfleet.engine.worker.model_runner import ModelRunner
+
+        m = (
+            LLAMA_8B
+            if not self.dry_run
+            else dict(
+                hidden=64,
+                intermediate=96,
+                layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                vocab=256,
+                rope_theta=10000.0,
+                rope_scaling=None,
+            )
+        )
+        directory = tempfile.mkdtemp(prefix="pdfleet-gpucheck-")
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": m["hidden"], "intermediate_size": m["intermediate"],
+                "num_hidden_layers": m["layers"], "num_attention_heads": m["num_heads"],
+                "num_key_value_heads": m["num_kv_heads"], "head_dim": m["head_dim"],
+                "vocab_size": m["vocab"], "rope_theta": m["rope_theta"],
+                "rope_scaling": m["rope_scaling"], "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+            }, f)  # fmt: skip
+        batches, context = self.sizes.e2e_batches, self.sizes.e2e_context
+        blocks = max(batches) * (-(-(context + 64) // BLOCK_SIZE)) + 1
+        args = EngineArgs(
+            model=directory,
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            max_model_len=context + 64,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(2048, max(batches)),
+            attention_backend="triton",
+            device=self.device.type,
+            num_gpu_blocks_override=blocks,
+            cudagraph_capture_sizes=sorted({1, 2, 4, 8, *batches}) if not self.dry_run else None,
+            enforce_eager=self.dry_run,
+        )
+        return ModelRunner(args.create_engine_config("server"))
+
+    def _time_decode_steps(self, runner, batch: int, context: int, steps: int) -> float:
+        """Milliseconds per decode step of ``batch`` requests at ``context`` tokens."""
+        from pdfleet.engine.core.sched_output import (
+            CachedRequestData,
+            NewRequestData,
+            SchedulerOutput,
+        )
+        from pdfleet.engine.sampling_params import SamplingParams
+
+        per_req = -(-(context + steps + 8) // BLOCK_SIZE)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        tables = {rid: list(range(1 + i * per_req, 1 + (i + 1) * per_req))
+                  for i, rid in enumerate(ids)}  # fmt: skip
+        out = SchedulerOutput(
+            [NewRequestData(rid, [7] * context, [], params, tables[rid], context - 1)
+             for rid in ids],
+            [], dict.fromkeys(ids, 1), batch,
+        )  # fmt: skip
+        runner.execute_model(out)  # the prompt's last token: a decode-shaped step
+        computed = context
+        times = []
+        for step in range(steps + 3):
+            out = SchedulerOutput(
+                [],
+                [CachedRequestData(rid, [], computed) for rid in ids],
+                dict.fromkeys(ids, 1),
+                batch,
+            )
+            start = time.perf_counter()
+            runner.execute_model(out)  # ends in a host sync (the sampled ids)
+            if step >= 3:
+                times.append(time.perf_counter() - start)
+            computed += 1
+        runner.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids=set(ids)))
+        times.sort()
+        return 1e3 * times[len(times) // 2]
 
 
 # ------------------------------------------------------------------- report
@@ -537,7 +634,7 @@ def table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> str:
 def targets(decode: list[dict], prefill: list[dict], e2e: dict) -> list[dict]:
     dec, pre = decode[0], prefill[0]
     e2e_batch1 = next(r for r in e2e["rows"] if r["batch"] == 1)
-    pending = e2e["status"] == "pending"
+    pending = e2e["status"] != "measured"
     return [
         {
             "target": f"decode attention >= {DECODE_TARGET_PCT:g}% of copy bandwidth "
@@ -604,9 +701,10 @@ def main(argv: list[str] | None = None) -> int:
         ("ms", "ms"), ("value", "value"), ("error", "error"),
     ]))  # fmt: skip
     report["engine_e2e"] = e2e = check.engine_e2e_decode()
-    print(table("engine end-to-end decode, Llama-3.1-8B shapes (pending)", e2e["rows"], [
+    print(table("engine end-to-end decode, Llama-3.1-8B shapes", e2e["rows"], [
         ("batch", "batch"), ("context", "context"), ("floor_GB", "floor GB"),
         ("floor_ms", "floor ms"), ("ms_per_step", "ms/step"), ("x_floor", "x floor"),
+        ("graphs", "graphs"),
     ]))  # fmt: skip
     report["targets"] = goals = targets(decode, prefill, e2e)
     print(table("targets", goals, [("target", "target"), ("value", "value"), ("met", "met")]))

@@ -29,8 +29,8 @@ def store_kv(
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,8 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = meta.cache["decode_valid"]
             if sliding_window is not None:
                 mask = mask & (meta.cache["decode_pos"] < sliding_window)
-            keys = k_flat[slots].transpose(1, 2)  # [D, Hkv, L, Dh]
-            values = v_flat[slots].transpose(1, 2)
+            keys = k_flat[slots].transpose(1, 2).to(q.dtype)  # [D, Hkv, L, Dh]
+            values = v_flat[slots].transpose(1, 2).to(q.dtype)
             tokens = meta.cache["decode_tokens"]
             query = q[tokens].unsqueeze(2)  # [D, H, 1, Dh]
             o = F.scaled_dot_product_attention(
@@ -96,8 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
             slots = meta.cache["prefill_slots"][i]
             seq_len = slots.shape[0]
             q_len = end - start
-            keys = k_flat[slots].transpose(0, 1)  # [Hkv, S, Dh]
-            values = v_flat[slots].transpose(0, 1)
+            keys = k_flat[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, Dh]
+            values = v_flat[slots].transpose(0, 1).to(q.dtype)
             query = q[start:end].transpose(0, 1)  # [H, q_len, Dh]
             if seq_len == q_len and sliding_window is None:
                 o = F.scaled_dot_product_attention(

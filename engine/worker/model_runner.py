@@ -21,6 +21,7 @@ from ..kv_transfer.base import KVConnectorWorker
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
+from .cuda_graph import DecodeGraphs
 from .kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
@@ -58,6 +59,7 @@ class ModelRunner:
         m = config.model_config
         self.device = torch.device(config.device_config.device)
         self.dtype = torch_dtype(m.dtype)
+        self.kv_dtype = torch_dtype(config.kv_cache_dtype)
         self.block_size = config.cache_config.block_size
         self.vocab_size = m.vocab_size
         self.max_model_len = m.max_model_len
@@ -65,13 +67,26 @@ class ModelRunner:
         self.model = load_model(config, self.device)
         load_seconds = time.perf_counter() - start
         peak = 0
+        cc = config.compilation_config
+        use_graphs = (
+            self.device.type == "cuda"
+            and cc.cudagraph_mode == "FULL_DECODE_ONLY"
+            and bool(cc.cudagraph_capture_sizes)
+        )
+        if use_graphs and config.device_config.attention_backend != "triton":
+            logger.warning("CUDA graphs need --attention-backend triton; running decode eagerly")
+            use_graphs = False
         if self.device.type == "cuda":
             peak = self._profile_peak_memory()
-        self.num_blocks = determine_num_blocks(config, self.dtype, self.device, peak)
+            if use_graphs:
+                # Graph outputs (logits of the largest batch) and workspaces live outside
+                # the profiled peak: keep room for them.
+                peak += 2 * cc.max_cudagraph_capture_size * m.vocab_size * 4 + (256 << 20)
+        self.num_blocks = determine_num_blocks(config, self.kv_dtype, self.device, peak)
         check_fits_max_model_len(config, self.num_blocks)
         self.max_model_len = m.max_model_len
         self.kv_buffer, self.kv_caches = allocate_kv_caches(
-            config, self.num_blocks, self.dtype, self.device
+            config, self.num_blocks, self.kv_dtype, self.device
         )
         config.cache_config.num_gpu_blocks = self.num_blocks - 1
         logger.info(
@@ -91,6 +106,17 @@ class ModelRunner:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches, self.kv_buffer)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                list(cc.cudagraph_capture_sizes),
+                -(-self.max_model_len // self.block_size),
+                self.device,
+            )
+            self.graphs.capture()
 
     def _profile_peak_memory(self) -> int:
         """Peak bytes of a forward pass of max_num_batched_tokens (CUDA only)."""
@@ -146,7 +172,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.dtype)
+        return bytes_per_block(self.config, self.kv_dtype)
 
     # -- state --------------------------------------------------------------------
 
@@ -318,12 +344,23 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         req_ids, states, input_ids, positions, meta, rows, indices = self._prepare_inputs(out)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        self._prompt_logprobs(req_ids, states, out, hidden)
-        if not rows:
-            result.forward_seconds = time.perf_counter() - start
-            return
-        logits = self.model.compute_logits(hidden[torch.tensor(indices, device=self.device)])
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and meta.is_decode_only
+            and graphs.fits(meta.num_seqs)
+            and not any(s.sampling_params.prompt_logprobs is not None for s in states)
+        ):
+            logits = graphs.run(input_ids, positions, meta)
+            if len(rows) < meta.num_seqs:
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            self._prompt_logprobs(req_ids, states, out, hidden)
+            if not rows:
+                result.forward_seconds = time.perf_counter() - start
+                return
+            logits = self.model.compute_logits(hidden[torch.tensor(indices, device=self.device)])
         sample_states = [states[r] for r in rows]
         sampled = self.sampler(logits, self._sampling_metadata(sample_states))
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync

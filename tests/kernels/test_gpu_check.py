@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "engine e2e: pending" in proc.stdout
+    assert "engine end-to-end decode" in proc.stdout
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["seed"] == 7
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
@@ -37,8 +37,9 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
     sweep = report["sweep"]
     assert {r["kernel"] for r in sweep} == {"decode", "decode splits", "prefill"}
     assert all(r["value"] > 0 and "error" not in r for r in sweep), sweep
-    assert report["engine_e2e"]["status"] == "pending"
-    floors = [r["floor_ms"] for r in report["engine_e2e"]["rows"]]
-    assert [r["batch"] for r in report["engine_e2e"]["rows"]] == [1, 16, 64]
-    assert floors == sorted(floors) and floors[0] > 0  # more KV to read, higher floor
+    e2e = report["engine_e2e"]
+    assert e2e["status"] == "dry-run"
+    assert [r["batch"] for r in e2e["rows"]] == [1, 2]
+    # The engine's real decode path ran (model runner, Triton attention, sampling).
+    assert all(r["ms_per_step"] > 0 for r in e2e["rows"])
     assert len(report["targets"]) == 3
