@@ -27,6 +27,23 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class _Sink:
+    """Where a request's outputs go: an asyncio queue on a given loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(deliveries: list) -> None:
+    for sink, item in deliveries:
+        sink.queue.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error."""
 
@@ -99,13 +116,15 @@ class AsyncEngine:
                     continue
                 outputs = engine.step()
                 idle_step = engine.stats.num_scheduled_tokens == 0
+                deliveries = []
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None:
-                        sink(out)
+                        deliveries.append((sink, out))
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
                         self.num_in_flight = len(self._sinks)
+                self._deliver(deliveries)
                 if self.on_step is not None:
                     self.on_step(engine)
         except BaseException as e:  # the engine is unusable: fail every request loudly
@@ -114,6 +133,13 @@ class AsyncEngine:
             for sink in list(self._sinks.values()):
                 sink(EngineDeadError(f"the engine stopped: {e}"))
             self._sinks.clear()
+
+    def _deliver(self, deliveries: list) -> None:
+        """Hand a step's outputs to the event loop in one wake-up."""
+        if not deliveries:
+            return
+        loop = deliveries[0][0].loop
+        loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _apply(self, cmd: Any) -> None:
         if cmd is None:
@@ -166,9 +192,7 @@ class AsyncEngine:
             )
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        sink = _Sink(loop, q)
 
         self._commands.put(
             _Add(

@@ -97,30 +97,33 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def until_disconnected(events: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
-    """Relay SSE events; stop (aborting the engine request) when the client goes away."""
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    it = events.__aiter__()
-    nxt: asyncio.Future | None = None
+    """Relay SSE events; stop (aborting the engine request) when the client goes away.
+
+    A watcher task waits for the disconnect message and cancels the task that
+    iterates the stream; the cancellation runs the generators' cleanup, which
+    aborts the engine request. Chunks themselves flow with no extra tasks.
+    """
+    consumer = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _wait_disconnect(request)
+        gone = True
+        if consumer is not None:
+            consumer.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        while True:
-            nxt = asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                return  # disconnected; the finally below cancels the pending step
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            nxt = None
+        async for item in events:
             yield item
+    except asyncio.CancelledError:
+        if not gone:
+            raise
     finally:
         watcher.cancel()
-        if nxt is not None and not nxt.done():
-            # Cancelling the generator's pending step runs its cleanup: the engine
-            # request is aborted and its blocks freed.
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
-        await it.aclose()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await events.aclose()
 
 
 class _Server:

@@ -1,0 +1,154 @@
+"""Generated tokens/s through HTTP streaming vs offline ``LLM.generate``.
+
+The same model and workload (prompts of random token ids, fixed output
+length, greedy, ignore_eos) runs once offline in this process and once through
+a `pdfleet serve` subprocess with every request streamed concurrently (SSE
+read with httpx, so the client's own parsing costs little of the shared CPU).
+Prints both rates and their ratio (target >= 0.85).
+
+    .venv/bin/python benchmarks/serving_vs_offline.py [--num-prompts 64] [--output-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import httpx
+
+    from pdfleet.engine import LLM, SamplingParams
+    from pdfleet.engine.tiny.builder import ensure_tiny_model
+
+    model = ensure_tiny_model(
+        os.path.join(tempfile.gettempdir(), "pdfleet-serving-bench"),
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(8, 1800) for _ in range(rng.randint(32, 256))]
+        for _ in range(args.num_prompts)
+    ]
+    engine_flags = {"max_model_len": 1024, "max_num_seqs": args.num_prompts}
+
+    # Offline.
+    llm = LLM(model, **engine_flags)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompts[0][:8]}, params.clone(max_tokens=2))
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    offline_s = time.perf_counter() - start
+    offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+
+    # Served.
+    port = free_port()
+    log = open(os.path.join(tempfile.gettempdir(), "pdfleet-serving-bench.log"), "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdfleet.engine.cli",
+            "serve",
+            model,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            str(args.num_prompts),
+            "--disable-log-stats",
+            "--uvicorn-log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("server did not start")
+            time.sleep(0.3)
+
+        async def run() -> tuple[float, int]:
+            limits = httpx.Limits(max_connections=args.num_prompts + 4)
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+                async def one(p: list[int]) -> int:
+                    body = {
+                        "model": model,
+                        "prompt": p,
+                        "max_tokens": args.output_len,
+                        "temperature": 0,
+                        "stream": True,
+                        "ignore_eos": True,
+                        "stream_options": {"include_usage": True},
+                    }
+                    last = ""
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                last = line
+                    return json.loads(last[6:])["usage"]["completion_tokens"]
+
+                await one(prompts[0][:8])
+                start = time.perf_counter()
+                counts = await asyncio.gather(*(one(p) for p in prompts))
+                return time.perf_counter() - start, sum(counts)
+
+        served_s, served_tokens = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    offline_rate = offline_tokens / offline_s
+    served_rate = served_tokens / served_s
+    result = {
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "offline_tokens_per_s": offline_rate,
+        "served_tokens_per_s": served_rate,
+        "ratio": served_rate / offline_rate,
+    }
+    print(f"offline LLM.generate   {offline_rate:8.1f} tok/s ({offline_s:.1f}s)")
+    print(f"HTTP streaming         {served_rate:8.1f} tok/s ({served_s:.1f}s)")
+    print(f"ratio                  {result['ratio']:8.2f}   (target >= 0.85)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
