@@ -87,6 +87,12 @@ class LLMEngine:
         self.connector = connector
         self.core = EngineCore(config, self.eos_token_ids, connector)
         self.output = OutputProcessor(self.tokenizer)
+        self.kv_events = None
+        ev = config.kv_events_config
+        if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq":
+            from .kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(ev)
         self.iteration_stats = IterationStats()
         self._next_id = 0
         logger.info("Engine ready: %s", config.summary())
@@ -226,6 +232,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.scheduler.take_kv_events())
         outputs, stopped = self.output.process(core_outputs, self.iteration_stats)
         if stopped:
             self.core.stop_requests(stopped)
@@ -242,3 +250,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()

@@ -191,6 +191,9 @@ class EngineMetrics:
             registry=r,
         )
         v_info.labels(**cache_labels).set(1)
+        self.held = Gauge(p + "kv_transfer_held_requests",
+                          "Finished prefills whose blocks are held for a decode engine.", labels,
+                          registry=r)
         self.kv = None
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
             self.kv = {
@@ -290,6 +293,7 @@ class EngineMetrics:
             (self.kv_usage, s.kv_cache_usage),
             (self.v_kv_usage, s.kv_cache_usage),
             (self.waiting_prompt_tokens, s.waiting_prompt_tokens),
+            (self.held, s.num_held_blocks_reqs),
         ):
             gauge.labels(**lab).set(value)
         self.prefix_queries.labels(**lab).inc(max(0, s.prefix_cache_queries - self._last_queries))
