@@ -85,6 +85,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
 
     policy = parser.add_argument_group("strategies")
+    trace.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Run N seeds from --seed on and print means and targets met per seed.",
+    )
     policy.add_argument(
         "--strategies",
         default="pdfleet,fixed,hpa,oracle",
@@ -182,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         scrape_failure_rate=args.scrape_failure_rate,
     )
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds > 1:
+        return _run_seeds(args, trace_config, model, spec, strategies)
     trace = make_trace(trace_config)
     results = compare(
         trace, model, spec, strategies, hpa_prefill_metric=args.hpa_prefill_metric, seed=args.seed
@@ -204,6 +215,103 @@ def run(args: argparse.Namespace) -> int:
         for line in results["pdfleet"].reasons[: args.reasons]:
             print(line)
     return 0
+
+
+def _run_seeds(
+    args: argparse.Namespace, trace_config: Any, model: Any, spec: Any, strategies: list[str]
+) -> int:
+    """Every seed from ``--seed`` on: each strategy's mean over the seeds, and
+    how many seeds met each target."""
+    import dataclasses
+
+    from .sim import compare, evaluate_targets
+    from .traces import make_trace
+
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        config = dataclasses.replace(trace_config, seed=seed)
+        results = compare(
+            make_trace(config),
+            model,
+            spec,
+            strategies,
+            hpa_prefill_metric=args.hpa_prefill_metric,
+            seed=seed,
+        )
+        runs.append((seed, results, evaluate_targets(results)))
+    summary = summarize(runs)
+    if args.json:
+        out = {
+            "trace": vars(trace_config),
+            "model": vars(model),
+            "spec": spec.to_spec(),
+            "seeds": [
+                {
+                    "seed": seed,
+                    "results": {k: r.to_dict() for k, r in results.items()},
+                    "targets": targets,
+                }
+                for seed, results, targets in runs
+            ],
+            "summary": summary,
+        }
+        json.dump(out, sys.stdout, indent=2, default=list)
+        print()
+        return 0
+    print(format_summary(trace_config, model, summary))
+    return 0
+
+
+def summarize(runs: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Mean, min and max of the main figures per strategy, and targets met per seed."""
+    figures = {
+        "ttft_attainment": lambda r: r.ttft_attainment,
+        "itl_attainment": lambda r: r.itl_attainment,
+        "replica_seconds": lambda r: r.replica_seconds["total"],
+        "scale_events": lambda r: r.scale_events["total"],
+    }
+    strategies: dict[str, Any] = {}
+    for name in runs[0][1]:
+        strategies[name] = {}
+        for figure, get in figures.items():
+            values = [get(results[name]) for _, results, _ in runs]
+            strategies[name][figure] = {
+                "mean": sum(values) / len(values),
+                "min": min(values),
+                "max": max(values),
+            }
+    targets: dict[str, Any] = {}
+    for _, _, seed_targets in runs:
+        for name, t in seed_targets.items():
+            entry = targets.setdefault(name, {"target": t["target"], "met": 0, "values": []})
+            entry["met"] += bool(t["met"])
+            entry["values"].append(t["value"])
+    return {"seeds": [seed for seed, _, _ in runs], "strategies": strategies, "targets": targets}
+
+
+def format_summary(trace_config: Any, model: Any, summary: dict[str, Any]) -> str:
+    seeds = summary["seeds"]
+    lines = [
+        f"pdfleet sim: {trace_config.kind} trace, {trace_config.duration_seconds:.0f} s, "
+        f"seeds {seeds[0]}..{seeds[-1]}, cold start {model.cold_start_seconds:.0f} s "
+        "(mean [min, max] over the seeds)",
+        "",
+        f"{'strategy':<9} {'TTFT ok [min, max]':>26} {'ITL ok':>8} {'replica-s':>10} {'events':>7}",
+    ]
+    for name, f in summary["strategies"].items():
+        ttft = f["ttft_attainment"]
+        lines.append(
+            f"{name:<9} {ttft['mean']:>7.2%} [{ttft['min']:>7.2%}, {ttft['max']:>7.2%}] "
+            f"{f['itl_attainment']['mean']:>8.2%} {f['replica_seconds']['mean']:>10.0f} "
+            f"{f['scale_events']['mean']:>7.1f}"
+        )
+    if summary["targets"]:
+        lines += ["", "issue 8 targets (pdfleet policy), seeds that met each:"]
+        for name, t in summary["targets"].items():
+            values = [v for v in t["values"] if isinstance(v, float)]
+            shown = f" (mean {sum(values) / len(values):.4g})" if values else ""
+            lines.append(f"  {t['met']}/{len(seeds)}  {name}: target {t['target']}{shown}")
+    return "\n".join(lines)
 
 
 def format_table(trace: Any, model: Any, results: dict[str, Any], targets: dict[str, Any]) -> str:

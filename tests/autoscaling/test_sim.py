@@ -165,12 +165,23 @@ def test_cli_table_and_spec_file(tmp_path, capsys):
     assert "pdfleet sim: burst trace" in out and "\npdfleet " in out
 
 
+def test_cli_seeds_summarizes_every_seed(capsys):
+    argv = ["sim", "--json", "--seeds", "2", "--duration", "300", "--rate", "2"]
+    assert main([*argv, "--strategies", "pdfleet,oracle"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [run["seed"] for run in out["seeds"]] == [0, 1]
+    summary = out["summary"]["strategies"]["pdfleet"]["ttft_attainment"]
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+    assert out["summary"]["targets"]["replica_seconds_vs_oracle"]["met"] in (0, 1, 2)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--strategies", "pdfleet,magic"], "unknown strategy magic"),
         (["--rate", "0"], "--rate must be > 0"),
         (["--spec", "/nonexistent.yaml"], "--spec: cannot read"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
