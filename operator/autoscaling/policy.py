@@ -290,17 +290,16 @@ def _role_decision(
             elif ttft_high:
                 hold = ("ttft_above_target", ttft_high)
             elif floor is not None and desired < floor[0]:
-                if peak_raw > floor[1]:
+                if peak_raw <= floor[1]:
+                    floor = None  # the load has fallen clearly below the failed attempt
+                elif floor[0] < current:
+                    desired = floor[0]
+                else:
                     hold = (
                         "flap_damping",
                         f"going below {floor[0]} was undone at {floor[1] / (1 - tol):.2f} "
                         f"replicas needed; waiting for {floor[1]:.2f}",
                     )
-                    desired = min(floor[0], current)
-                    if desired < current:
-                        hold = None
-                else:
-                    floor = None
             if hold:
                 desired = current
                 code, why = hold[0], f"{why}; holding: {hold[1]}"

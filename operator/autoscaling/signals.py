@@ -141,7 +141,7 @@ def prefill_signal(
     * waiting requests / ``targetWaitingPerReplica``, only where the engines
       do not export queued prompt tokens (vLLM).
     """
-    no_rate = [r.name for r in fresh if r.interval_seconds is None]
+    no_rate = [f"{r.name} (first scrape)" for r in fresh if r.interval_seconds is None]
     rate = tokens_per_second if tokens_per_second is not None else role.prefill_tokens_per_second
     arrivals = [r.prompt_token_arrivals_per_second for r in fresh]
     busy = [r.prefill_busy_fraction for r in fresh]

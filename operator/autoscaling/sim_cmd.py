@@ -13,7 +13,13 @@ import json
 import sys
 from typing import Any
 
+from .fleet import FleetModel
+from .traces import TraceConfig
+
 DEFAULT_MAX_REPLICAS = 64
+# Flag defaults come from the dataclasses, so the CLI and the library agree.
+TRACE = TraceConfig()
+MODEL = FleetModel()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -28,20 +34,31 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     trace = parser.add_argument_group("trace")
     trace.add_argument("--trace", choices=["steady", "diurnal", "burst"], default="burst")
     trace.add_argument("--seed", type=int, default=0, help="Trace and simulation seed.")
-    trace.add_argument("--duration", type=float, default=3600.0, metavar="SECONDS")
+    trace.add_argument("--duration", type=float, default=TRACE.duration_seconds, metavar="SECONDS")
     trace.add_argument(
-        "--rate", type=float, default=12.0, help="Base request rate per second (default 12)."
+        "--rate",
+        type=float,
+        default=TRACE.base_rate,
+        help="Base request rate per second (default %(default)s).",
     )
-    trace.add_argument("--prompt-tokens", type=float, default=1500.0, help="Mean prompt length.")
-    trace.add_argument("--output-tokens", type=float, default=300.0, help="Mean output length.")
     trace.add_argument(
-        "--burst-every", type=float, default=1200.0, metavar="SECONDS", help="Mean surge gap."
+        "--prompt-tokens", type=float, default=TRACE.prompt_tokens_mean, help="Mean prompt length."
+    )
+    trace.add_argument(
+        "--output-tokens", type=float, default=TRACE.output_tokens_mean, help="Mean output length."
+    )
+    trace.add_argument(
+        "--burst-every",
+        type=float,
+        default=TRACE.burst_every_seconds,
+        metavar="SECONDS",
+        help="Mean surge gap.",
     )
     trace.add_argument(
         "--burst-factor",
         type=float,
         nargs=2,
-        default=[2.5, 4.0],
+        default=list(TRACE.burst_factor),
         metavar=("LOW", "HIGH"),
         help="Surge rate as a multiple of the base rate, drawn from [LOW, HIGH].",
     )
@@ -49,34 +66,42 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--burst-seconds",
         type=float,
         nargs=2,
-        default=[60.0, 240.0],
+        default=list(TRACE.burst_seconds),
         metavar=("LOW", "HIGH"),
         help="Seconds a surge holds its peak, drawn from [LOW, HIGH].",
     )
     trace.add_argument(
         "--burst-ramp",
         type=float,
-        default=300.0,
+        default=TRACE.burst_ramp_seconds,
         metavar="SECONDS",
         help="Seconds a surge takes to rise (and to fall).",
     )
-    trace.add_argument("--diurnal-amplitude", type=float, default=0.6)
+    trace.add_argument("--diurnal-amplitude", type=float, default=TRACE.diurnal_amplitude)
 
     fleet = parser.add_argument_group("fleet model")
-    fleet.add_argument("--cold-start", type=float, default=60.0, metavar="SECONDS")
-    fleet.add_argument("--prefill-tokens-per-second", type=float, default=12000.0)
-    fleet.add_argument("--kv-capacity-tokens", type=int, default=200_000)
-    fleet.add_argument("--max-num-seqs", type=int, default=256)
+    fleet.add_argument(
+        "--cold-start", type=float, default=MODEL.cold_start_seconds, metavar="SECONDS"
+    )
+    fleet.add_argument(
+        "--prefill-tokens-per-second", type=float, default=MODEL.prefill_tokens_per_second
+    )
+    fleet.add_argument("--kv-capacity-tokens", type=int, default=MODEL.kv_capacity_tokens)
+    fleet.add_argument("--max-num-seqs", type=int, default=MODEL.max_num_seqs)
     fleet.add_argument(
         "--decode-step",
         type=float,
         nargs=3,
-        default=[0.010, 6e-5, 2e-8],
+        default=[
+            MODEL.decode_step_seconds,
+            MODEL.decode_step_seconds_per_seq,
+            MODEL.decode_step_seconds_per_token,
+        ],
         metavar=("A", "B", "C"),
         help="Decode step seconds = A + B * batch + C * context tokens.",
     )
-    fleet.add_argument("--ttft-slo", type=float, default=2.0, metavar="SECONDS")
-    fleet.add_argument("--itl-slo", type=float, default=0.05, metavar="SECONDS")
+    fleet.add_argument("--ttft-slo", type=float, default=MODEL.ttft_slo_seconds, metavar="SECONDS")
+    fleet.add_argument("--itl-slo", type=float, default=MODEL.itl_slo_seconds, metavar="SECONDS")
     fleet.add_argument(
         "--scrape-failure-rate",
         type=float,

@@ -46,7 +46,7 @@ class TraceConfig:
     burst_every_seconds: float = 1200.0
     """Mean gap between surge starts."""
     burst_factor: tuple[float, float] = (2.5, 4.0)
-    burst_seconds: tuple[float, float] = (180.0, 420.0)
+    burst_seconds: tuple[float, float] = (60.0, 240.0)
     burst_ramp_seconds: float = 300.0
 
     def __post_init__(self) -> None:
