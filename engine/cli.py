@@ -23,6 +23,7 @@ COMMANDS = {
     "crd": "pdfleet.operator.crd_cmd",
     "render": "pdfleet.operator.render_cmd",
     "operator": "pdfleet.operator.operator_cmd",
+    "sim": "pdfleet.operator.autoscaling.sim_cmd",
 }
 
 

@@ -1,0 +1,146 @@
+"""Decision records, their bounded history, and the autoscaler's Prometheus metrics.
+
+The actuators (local processes for ``pdfleet up``, replica patches for the
+Kubernetes operator) call :meth:`DecisionLog.record` with every
+:class:`~pdfleet.operator.autoscaling.policy.RoleDecision` the policy returns;
+the log keeps the changes for ``status.autoscaling.lastDecisions`` and counts
+every decision in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .policy import RoleDecision
+
+logger = logging.getLogger(__name__)
+
+DESIRED_REPLICAS = "pdfleet_autoscaler_desired_replicas"
+DECISIONS = "pdfleet_autoscaler_decisions"  # exposed as ..._total (a counter)
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One decision as kept in the history and shown in the resource's status."""
+
+    role: str
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    code: str
+    time: float
+    """Seconds since the epoch (or the caller's clock)."""
+
+    @classmethod
+    def of(cls, decision: RoleDecision) -> DecisionRecord:
+        return cls(
+            role=decision.role,
+            from_replicas=decision.current,
+            to_replicas=decision.desired,
+            reason=decision.reason,
+            code=decision.code,
+            time=decision.time,
+        )
+
+    @property
+    def direction(self) -> str:
+        if self.to_replicas > self.from_replicas:
+            return "up"
+        return "down" if self.to_replicas < self.from_replicas else "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The status shape: ``{role, from, to, reason, code, time}``."""
+        return {
+            "role": self.role,
+            "from": self.from_replicas,
+            "to": self.to_replicas,
+            "reason": self.reason,
+            "code": self.code,
+            "time": self.time,
+        }
+
+
+class DecisionHistory:
+    """The latest ``capacity`` records, oldest first (a ring buffer)."""
+
+    def __init__(self, capacity: int = 50) -> None:
+        if capacity < 1:
+            raise ValueError(f"decision history capacity must be >= 1, got {capacity}")
+        self._records: deque[DecisionRecord] = deque(maxlen=capacity)
+
+    def append(self, record: DecisionRecord) -> None:
+        self._records.append(record)
+
+    def __iter__(self) -> Iterator[DecisionRecord]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def latest(self, n: int | None = None) -> list[DecisionRecord]:
+        """The newest ``n`` records (all when None), oldest first."""
+        records = list(self._records)
+        return records if n is None else records[-n:] if n > 0 else []
+
+
+class AutoscalerMetrics:
+    """The autoscaler's series, registered on the registry the caller owns.
+
+    * ``pdfleet_autoscaler_desired_replicas{role}`` (gauge)
+    * ``pdfleet_autoscaler_decisions_total{role,direction,reason}`` (counter;
+      every decision, ``direction="none"`` included, so holds are visible)
+    """
+
+    def __init__(self, registry: Any) -> None:
+        # Imported here: prometheus_client is an optional dependency of the package.
+        from prometheus_client import Counter, Gauge
+
+        self.desired_replicas = Gauge(
+            DESIRED_REPLICAS,
+            "Replicas of each role the autoscaler wants.",
+            ["role"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            DECISIONS,
+            "Autoscaling decisions by role, direction (up, down, none) and reason code.",
+            ["role", "direction", "reason"],
+            registry=registry,
+        )
+
+    def observe(self, decision: RoleDecision) -> None:
+        self.desired_replicas.labels(role=decision.role).set(decision.desired)
+        self.decisions.labels(
+            role=decision.role, direction=decision.direction, reason=decision.code
+        ).inc()
+
+
+class DecisionLog:
+    """Logs, counts and keeps decisions: what an actuator calls once per decision.
+
+    Only changes (``direction != "none"``) enter the history; holds are logged
+    at debug level and counted.
+    """
+
+    def __init__(self, metrics: AutoscalerMetrics | None = None, capacity: int = 50) -> None:
+        self.metrics = metrics
+        self.history = DecisionHistory(capacity)
+
+    def record(self, decisions: Iterable[RoleDecision]) -> list[DecisionRecord]:
+        """Record decisions; returns the records added to the history."""
+        added = []
+        for decision in decisions:
+            if self.metrics is not None:
+                self.metrics.observe(decision)
+            if decision.direction == "none":
+                logger.debug("autoscaler: %s", decision.reason)
+                continue
+            logger.info("autoscaler: %s", decision.reason)
+            record = DecisionRecord.of(decision)
+            self.history.append(record)
+            added.append(record)
+        return added

@@ -1,0 +1,502 @@
+"""The autoscaling policy: pure functions from samples to desired replicas.
+
+No I/O and no clock: the caller passes ``now`` (seconds, the same clock as the
+samples' ``time``) and the :class:`PolicyState` the previous call returned.
+One call per period decides both roles::
+
+    result = decide(spec, FleetObservation(prefill=..., decode=...), now, state)
+    state = result.state          # keep for the next period
+    result.prefill.desired, result.decode.desired, result.prefill.reason
+
+Per role, in order:
+
+1. **Signal** (:mod:`.signals`): the replicas the load needs, from fresh
+   samples of ready replicas -- prefill from prompt-token arrivals and its
+   backlog against the TTFT target, decode from summed KV-cache usage and
+   its queue. A rising load is projected one startup time plus one period
+   ahead (the startup time is learned from replicas going from ``starting``
+   to ``ready``): replicas added now serve only then. Replicas still starting
+   are part of the current count, so load a cold start is already answering
+   starts no more replicas.
+2. **Tolerance**: within ``tolerance`` of the current count, keep it. Going
+   down, the count is chosen with the tolerance as headroom, so that the
+   next noise peak does not push it straight back up.
+3. **Stabilization** (as Kubernetes' HPA): scale up to the lowest
+   recommendation of the up window, down to the highest of the down window;
+   no scale-down in the first down window after the policy starts.
+4. **Holds**: no scale-down while a ready replica has missing or stale
+   metrics, while replicas are starting, or while prefill's measured TTFT is
+   above its target.
+5. **Steps** per period, then min/max.
+
+Then across roles: the prefill:decode ratio guardrail (raising the short
+side first), then the total replica budget (taking back growth first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from .samples import ReplicaSample
+from .signals import (
+    RoleSignal,
+    calibrate_prefill_rate,
+    decode_signal,
+    prefill_signal,
+    split_samples,
+)
+from .spec import AutoscalingSpec, RoleScaling
+
+Role = Literal["prefill", "decode"]
+Direction = Literal["up", "down", "none"]
+
+# Machine reason codes (the `reason` label of the decisions counter).
+REASON_CODES = (
+    "prefill_load",  # prompt-token arrivals (or busy time) against target utilization
+    "prefill_backlog",  # queued prefill work beyond the TTFT-derived allowance
+    "waiting_queue",  # waiting requests against targetWaitingPerReplica
+    "kv_cache",  # decode KV-cache usage (plus its queue) against targetKVCacheUsage
+    "within_tolerance",  # recommendation within the tolerance of the current count
+    "stabilization_window",  # a lower recommendation not yet stable for the down window
+    "metrics_missing",  # a ready replica has missing or stale metrics: no scale-down
+    "replicas_starting",  # replicas still starting: no scale-down
+    "ttft_above_target",  # prefill TTFT above target: no scale-down
+    "flap_damping",  # a recent scale-down was undone: not below that count for a while
+    "step_limit",  # change cut to maxScaleUpStep / maxScaleDownStep
+    "min_replicas",
+    "max_replicas",
+    "ratio",  # prefillDecodeRatio guardrail
+    "budget",  # maxTotalReplicas
+    "no_metrics",  # no fresh sample at all: hold
+)
+
+
+@dataclass(frozen=True)
+class PolicyTuning:
+    """Constants of the policy that are not part of the resource."""
+
+    prefill_target_utilization: float = 0.8
+    """Fraction of a prefill replica's measured token throughput the policy
+    plans to use; the rest absorbs arrival noise until the next period."""
+    backlog_drain_seconds: float = 60.0
+    """A queue (prefill work beyond the TTFT allowance; decode requests beyond
+    ``targetWaitingPerReplica``) is planned to be gone this many seconds
+    after the added replicas serve."""
+    tolerance: float = 0.1
+    """Relative band around the current count inside which the count is kept."""
+    trend_window_seconds: float = 90.0
+    """Demand over this window gives the slope used to project it ahead."""
+    default_startup_seconds: float = 60.0
+    """Projection horizon until a replica start has been observed."""
+    calibration_smoothing: float = 0.3
+    """Weight of a new measurement in a running estimate (tokens/s, startup)."""
+    min_calibration_busy: float = 0.1
+    """Least busy prefill time (in replica-periods, summed) that makes a
+    tokens/s measurement: an idle fleet measures nothing."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.prefill_target_utilization <= 1:
+            raise ValueError("prefill_target_utilization must be in (0, 1]")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError("tolerance must be in [0, 1)")
+        if not 0 < self.calibration_smoothing <= 1:
+            raise ValueError("calibration_smoothing must be in (0, 1]")
+        for name in ("backlog_drain_seconds", "trend_window_seconds", "default_startup_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass(frozen=True)
+class RoleObservation:
+    """One role as the actuator sees it now."""
+
+    replicas: Sequence[ReplicaSample] = ()
+    """Every replica of the role: starting, ready and draining."""
+    requested: int | None = None
+    """Replicas the actuator has been asked to run (a Deployment's
+    ``spec.replicas``). Requested replicas that are not ready count as
+    starting. Default: the listed replicas that are not draining."""
+
+
+@dataclass(frozen=True)
+class FleetObservation:
+    prefill: RoleObservation = field(default_factory=RoleObservation)
+    decode: RoleObservation = field(default_factory=RoleObservation)
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """What one role remembers between periods."""
+
+    since: float | None = None
+    """Time of this role's first decision."""
+    recommendations: tuple[tuple[float, int, int, float], ...] = ()
+    """(time, count to scale up to, count to scale down to, replicas needed)
+    within the longest stabilization window."""
+    demand: tuple[tuple[float, float], ...] = ()
+    """(time, measured demand in replicas) within the trend window."""
+    count: int | None = None
+    """Requested replicas when this state was made."""
+    scaled_down: tuple[float, int, float] | None = None
+    """(time, count before, replicas needed then) of the latest scale-down."""
+    floor: tuple[int, float] | None = None
+    """(count, replicas needed): a scale-down below ``count`` was undone within
+    its down window; the next needs the load below what it was then."""
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    prefill: RoleState = field(default_factory=RoleState)
+    decode: RoleState = field(default_factory=RoleState)
+    prefill_tokens_per_second: float | None = None
+    """Calibrated prompt tokens per second of one prefill replica."""
+    startup_seconds: float | None = None
+    """Observed time from ``starting`` to ``ready``, smoothed."""
+    starting_since: tuple[tuple[str, float], ...] = ()
+    """(replica, first time seen starting) for replicas not yet ready."""
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: Role
+    current: int
+    """Replicas requested before this decision (ready + starting)."""
+    desired: int
+    code: str
+    """One of :data:`REASON_CODES`: the signal or rule that set ``desired``."""
+    reason: str
+    """One line for people: what was measured and why this count."""
+    time: float
+
+    @property
+    def direction(self) -> Direction:
+        if self.desired > self.current:
+            return "up"
+        if self.desired < self.current:
+            return "down"
+        return "none"
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    prefill: RoleDecision
+    decode: RoleDecision
+    state: PolicyState
+
+    @property
+    def decisions(self) -> tuple[RoleDecision, RoleDecision]:
+        return (self.prefill, self.decode)
+
+
+def _startups(
+    observation: FleetObservation, state: PolicyState, now: float, tuning: PolicyTuning
+) -> tuple[float | None, tuple[tuple[str, float], ...]]:
+    """Learn how long replicas take from ``starting`` to ``ready``."""
+    since = dict(state.starting_since)
+    estimate = state.startup_seconds
+    seen: dict[str, float] = {}
+    for replica in (*observation.prefill.replicas, *observation.decode.replicas):
+        if replica.state == "starting":
+            seen[replica.name] = since.get(replica.name, now)
+        elif replica.state == "ready" and replica.name in since:
+            took = now - since[replica.name]
+            estimate = (
+                took
+                if estimate is None
+                else (estimate + tuning.calibration_smoothing * (took - estimate))
+            )
+    return estimate, tuple(sorted(seen.items()))
+
+
+# ---------------------------------------------------------------------------
+# per-role decision
+
+
+def _role_decision(
+    name: Role,
+    role: RoleScaling,
+    signal: RoleSignal,
+    current: int,
+    state: RoleState,
+    now: float,
+    tuning: PolicyTuning,
+    trend_window: float,
+    ttft_high: str | None = None,
+) -> tuple[RoleDecision, RoleState]:
+    since = state.since if state.since is not None else now
+    floor = state.floor
+    horizon = max(role.scale_up_stabilization_seconds, role.scale_down_stabilization_seconds)
+    history = [entry for entry in state.recommendations if now - entry[0] < horizon]
+    demand = [(t, v) for t, v in state.demand if now - t < trend_window]
+    if name == "decode" and current != state.count:
+        # Decode's KV usage depends on its replica count (a batch spread over
+        # more replicas runs faster steps, so requests hold KV for less time):
+        # a trend across a count change is partly the policy's own doing.
+        demand = []
+    if signal.demand is not None and signal.complete:
+        demand.append((now, signal.demand))
+    code, why = signal.code, ""
+    if signal.raw is None:
+        desired, code, why = current, "no_metrics", "no fresh metrics from any ready replica"
+    else:
+        raw, tol = signal.raw, tuning.tolerance
+        why = f"{raw:.2f} replicas needed"
+        if current > 0 and abs(raw / current - 1) <= tol:
+            up_rec = down_rec = current
+            code, why = "within_tolerance", f"{why}, within {tol:.0%} of {current}"
+        else:
+            up_rec = math.ceil(raw - 1e-9)
+            # Going down, keep the tolerance as headroom: the count left must
+            # not be one that the next noise peak pushes straight back up.
+            down_rec = math.ceil(raw * (1 + tol) - 1e-9)
+        up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
+        down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
+        wanted_down = down_rec
+        if not signal.complete:
+            # With a replica's sample missing the sums are lower bounds: the
+            # window then remembers "at least the current count", so the gap
+            # never shortens the down window.
+            down_rec = max(down_rec, current)
+        history.append((now, up_rec, down_rec, raw))
+        up_window = [e[1] for e in history if now - e[0] < role.scale_up_stabilization_seconds]
+        down_window = [e for e in history if now - e[0] < role.scale_down_stabilization_seconds]
+        up = min([*up_window, up_rec])
+        down = max(e[2] for e in down_window)
+        peak_raw = max(e[3] for e in down_window)
+        desired = current
+        if current < up:
+            desired = up
+            if up < up_rec:
+                code, why = "stabilization_window", f"{why}; {up} is the up window's lowest"
+        elif current > down:
+            desired = down
+            if now - since < role.scale_down_stabilization_seconds:
+                desired = current
+                code = "stabilization_window"
+                why = f"{why}; no scale-down in the first {role.scale_down_stabilization_seconds:.0f} s"
+            elif down > down_rec:
+                code, why = "stabilization_window", f"{why}; {down} is the down window's highest"
+        elif down_rec < current:
+            code, why = "stabilization_window", f"{why}; the down window still holds {down}"
+        if desired < current or (wanted_down < current and not signal.complete):
+            hold = None
+            if signal.missing:
+                hold = ("metrics_missing", f"no fresh metrics from {', '.join(signal.missing)}")
+            elif signal.starting:
+                hold = ("replicas_starting", f"{signal.starting} replicas still starting")
+            elif ttft_high:
+                hold = ("ttft_above_target", ttft_high)
+            elif floor is not None and desired < floor[0]:
+                if peak_raw <= floor[1]:
+                    floor = None  # the load has fallen clearly below the failed attempt
+                elif floor[0] < current:
+                    desired = floor[0]
+                else:
+                    hold = (
+                        "flap_damping",
+                        f"going below {floor[0]} was undone at {floor[1] / (1 - tol):.2f} "
+                        f"replicas needed; waiting for {floor[1]:.2f}",
+                    )
+            if hold:
+                desired = current
+                code, why = hold[0], f"{why}; holding: {hold[1]}"
+        if desired > current + role.max_scale_up_step:
+            desired = current + role.max_scale_up_step
+            code, why = "step_limit", f"{why}; at most +{role.max_scale_up_step} per period"
+        elif desired < current - role.max_scale_down_step:
+            desired = current - role.max_scale_down_step
+            code, why = "step_limit", f"{why}; at most -{role.max_scale_down_step} per period"
+    if desired < role.min_replicas or desired > role.max_replicas:
+        bound = role.min_replicas if desired < role.min_replicas else role.max_replicas
+        code = "min_replicas" if desired < role.min_replicas else "max_replicas"
+        desired, why = bound, f"{why}; clamped to {code.replace('_', ' ')} {bound}"
+    elif signal.raw is not None and desired == role.max_replicas and signal.raw > desired + 1e-9:
+        code = "max_replicas"
+        why = f"{why}; at maxReplicas {role.max_replicas}"
+    reason = f"{name} {current} -> {desired}: {why} ({signal.detail})"
+    scaled_down = state.scaled_down
+    if desired < current and signal.raw is not None:
+        scaled_down = (now, current, peak_raw)
+    elif (
+        desired > current
+        and scaled_down is not None
+        and now - scaled_down[0] < role.scale_down_stabilization_seconds
+    ):
+        # Up again soon after going down: the lower count did not hold a load
+        # that looked as if it would (at a few replicas, consolidating a batch
+        # lengthens its steps, so each request holds its KV longer). The next
+        # scale-down below this count waits for a clearly lower load.
+        floor = (min(desired, scaled_down[1]), scaled_down[2] * (1 - tuning.tolerance))
+        scaled_down = None
+    new_state = RoleState(
+        since=since,
+        recommendations=tuple(history),
+        demand=tuple(demand),
+        count=current,
+        scaled_down=scaled_down,
+        floor=floor,
+    )
+    return RoleDecision(name, current, desired, code, reason, now), new_state
+
+
+def _current(obs: RoleObservation) -> tuple[int, int]:
+    """(requested replicas, of which not ready)."""
+    live = [r for r in obs.replicas if r.state != "draining"]
+    requested = obs.requested if obs.requested is not None else len(live)
+    ready = sum(1 for r in live if r.state == "ready")
+    return requested, max(requested - ready, 0)
+
+
+# ---------------------------------------------------------------------------
+# across roles
+
+
+def _retarget(decision: RoleDecision, desired: int, code: str, why: str) -> RoleDecision:
+    head = decision.reason.split(": ", 1)
+    rest = head[1] if len(head) > 1 else ""
+    reason = f"{decision.role} {decision.current} -> {desired}: {why}; was {rest}"
+    return replace(decision, desired=desired, code=code, reason=reason)
+
+
+def _apply_ratio(
+    spec: AutoscalingSpec, p: RoleDecision, d: RoleDecision
+) -> tuple[RoleDecision, RoleDecision]:
+    lo, hi = spec.prefill_decode_ratio.min, spec.prefill_decode_ratio.max
+    eps = 1e-9
+    if hi is not None and p.desired > hi * d.desired + eps:
+        need = min(math.ceil(p.desired / hi - eps), spec.decode.max_replicas)
+        if need > d.desired:
+            d = _retarget(
+                d, need, "ratio", f"prefill:decode at most {hi:g} with {p.desired} prefill"
+            )
+        if p.desired > hi * d.desired + eps:
+            cap = max(math.floor(hi * d.desired + eps), spec.prefill.min_replicas)
+            p = _retarget(p, cap, "ratio", f"prefill:decode at most {hi:g} with {d.desired} decode")
+    if lo is not None and p.desired < lo * d.desired - eps:
+        need = min(math.ceil(lo * d.desired - eps), spec.prefill.max_replicas)
+        if need > p.desired:
+            p = _retarget(
+                p, need, "ratio", f"prefill:decode at least {lo:g} with {d.desired} decode"
+            )
+        if p.desired < lo * d.desired - eps:
+            cap = max(math.floor(p.desired / lo + eps), spec.decode.min_replicas)
+            d = _retarget(
+                d, cap, "ratio", f"prefill:decode at least {lo:g} with {p.desired} prefill"
+            )
+    return p, d
+
+
+def _apply_budget(
+    spec: AutoscalingSpec, p: RoleDecision, d: RoleDecision
+) -> tuple[RoleDecision, RoleDecision]:
+    budget = spec.max_total_replicas
+    if budget is None or p.desired + d.desired <= budget:
+        return p, d
+    want = {"prefill": p.desired, "decode": d.desired}
+    floor = {"prefill": spec.prefill.min_replicas, "decode": spec.decode.min_replicas}
+    current = {"prefill": p.current, "decode": d.current}
+    while want["prefill"] + want["decode"] > budget:
+        growth = {r: want[r] - current[r] for r in want if want[r] > max(current[r], floor[r])}
+        if growth:
+            # Take back the larger growth first, so both roles keep some.
+            role = max(growth, key=lambda r: (growth[r], r == "prefill"))
+        else:
+            role = max(
+                (r for r in want if want[r] > floor[r]), key=lambda r: (want[r], r == "prefill")
+            )
+        want[role] -= 1
+    why = f"prefill + decode at most maxTotalReplicas {budget}"
+    if want["prefill"] != p.desired:
+        p = _retarget(p, want["prefill"], "budget", why)
+    if want["decode"] != d.desired:
+        d = _retarget(d, want["decode"], "budget", why)
+    return p, d
+
+
+# ---------------------------------------------------------------------------
+
+
+def decide(
+    spec: AutoscalingSpec,
+    observation: FleetObservation,
+    now: float,
+    state: PolicyState | None = None,
+    tuning: PolicyTuning | None = None,
+) -> PolicyResult:
+    """Desired replicas of both roles, with reasons, and the state for next time.
+
+    Pure: the same arguments give the same result. Call once per
+    ``spec.period_seconds``; the step limits are per call.
+    """
+    state = state or PolicyState()
+    tuning = tuning or PolicyTuning()
+    stale = spec.metrics_stale_seconds
+    startup, starting_since = _startups(observation, state, now, tuning)
+    # A start is first seen one period after it was requested, so the measured
+    # time is short by about a period.
+    # A start is first seen one period after it was requested, so the time
+    # measured is short by a period; capacity requested now must also last
+    # until the next decision's capacity serves, a period later.
+    period = spec.period_seconds
+    ahead = (startup + period if startup is not None else tuning.default_startup_seconds) + period
+    window = tuning.trend_window_seconds
+
+    p_current, p_starting = _current(observation.prefill)
+    p_fresh, p_missing, p_draining = split_samples(observation.prefill.replicas, now, stale)
+    tokens_per_second = calibrate_prefill_rate(
+        p_fresh + p_draining,
+        state.prefill_tokens_per_second,
+        tuning.calibration_smoothing,
+        tuning.min_calibration_busy,
+    )
+    p_signal = prefill_signal(
+        spec.prefill,
+        p_fresh,
+        p_missing,
+        p_starting,
+        tokens_per_second,
+        tuple((t, v) for t, v in state.prefill.demand if now - t < window),
+        now,
+        ahead,
+        tuning.prefill_target_utilization,
+        tuning.backlog_drain_seconds,
+    )
+    ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
+    ttft_high = None
+    if ttfts and max(ttfts) > spec.prefill.ttft_target_seconds:
+        ttft_high = f"prefill TTFT {max(ttfts):.2f} s above the {spec.prefill.ttft_target_seconds:g} s target"
+    p, p_state = _role_decision(
+        "prefill", spec.prefill, p_signal, p_current, state.prefill, now, tuning, window, ttft_high
+    )
+
+    d_current, d_starting = _current(observation.decode)
+    d_fresh, d_missing, d_draining = split_samples(observation.decode.replicas, now, stale)
+    d_signal = decode_signal(
+        spec.decode,
+        d_fresh,
+        d_draining,
+        d_missing,
+        d_starting,
+        tuple((t, v) for t, v in state.decode.demand if now - t < window),
+        now,
+        ahead,
+        tuning.backlog_drain_seconds,
+        p_signal.growth,
+    )
+    d, d_state = _role_decision(
+        "decode", spec.decode, d_signal, d_current, state.decode, now, tuning, window
+    )
+
+    p, d = _apply_ratio(spec, p, d)
+    p, d = _apply_budget(spec, p, d)
+    new_state = PolicyState(
+        prefill=p_state,
+        decode=d_state,
+        prefill_tokens_per_second=tokens_per_second,
+        startup_seconds=startup,
+        starting_since=starting_since,
+    )
+    return PolicyResult(prefill=p, decode=d, state=new_state)

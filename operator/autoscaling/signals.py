@@ -1,0 +1,255 @@
+"""Per-role load signals: what the policy measures before it decides.
+
+Each function turns the fresh samples of one role into a :class:`RoleSignal`:
+a real number of replicas the load needs (``raw``), the signal that set it,
+and a line of measurements for the decision's reason. Pure functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .samples import ReplicaSample
+from .spec import DecodeScaling, PrefillScaling
+
+# Share of the TTFT target that queued prefill work may take; the rest is the
+# request's own prefill, the KV transfer and the first decode step.
+BACKLOG_SHARE_OF_TTFT = 0.5
+# Fewest samples (periods) a trend is fitted to.
+MIN_TREND_POINTS = 4
+# Decode follows prefill's growth at this quantile of prefill's pairwise
+# slopes (a rise three quarters of the pairs agree on): prefill's own
+# projection acts on its median slope (a missed ramp costs TTFT), but passing
+# that noise on to decode, whose KV usage at a few replicas is noisy already,
+# would make decode flap.
+GROWTH_QUANTILE = 0.25
+
+Trend = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class RoleSignal:
+    """A role's load before stabilization."""
+
+    raw: float | None
+    """Replicas the load needs, as a real number; None with no fresh sample."""
+    code: str
+    """The reason code of the largest signal."""
+    detail: str
+    """The measurements, for the decision's reason."""
+    complete: bool
+    """Every ready replica contributed a usable sample."""
+    missing: tuple[str, ...]
+    """Ready replicas without a usable sample."""
+    starting: int
+    demand: float | None
+    """Measured demand in replicas (the series the trend is fitted to)."""
+    growth: float = 1.0
+    """Projected / measured demand, counting only a significant rise."""
+
+
+def split_samples(
+    replicas: Sequence[ReplicaSample], now: float, stale: float
+) -> tuple[list[ReplicaSample], list[str], list[ReplicaSample]]:
+    """(ready replicas with fresh samples, names of ready ones without, draining
+    ones with)."""
+
+    def fresh(r: ReplicaSample) -> bool:
+        return r.time is not None and now - r.time <= stale
+
+    ready = [r for r in replicas if r.state == "ready"]
+    draining = [r for r in replicas if r.state == "draining" and fresh(r)]
+    return [r for r in ready if fresh(r)], [r.name for r in ready if not fresh(r)], draining
+
+
+def project(
+    demand: float, history: Trend, now: float, ahead: float, quantile: float = 0.5
+) -> float:
+    """``demand`` projected ``ahead`` seconds along its trend over ``history``
+    plus now, never below ``demand`` (a falling load is left to the down
+    window).
+
+    The slope is a quantile of the slopes between every pair of samples (the
+    median is the Theil-Sen estimator): one noisy sample moves it little,
+    where a least-squares fit would project a single spike far ahead. A lower
+    ``quantile`` asks for a rise that more of the pairs agree on.
+    """
+    points = [*history, (now, demand)]
+    if len(points) < MIN_TREND_POINTS:
+        return demand
+    slopes = sorted(
+        (v2 - v1) / (t2 - t1)
+        for i, (t1, v1) in enumerate(points)
+        for t2, v2 in points[i + 1 :]
+        if t2 > t1
+    )
+    if not slopes:
+        return demand
+    position = quantile * (len(slopes) - 1)
+    low = slopes[math.floor(position)]
+    high = slopes[math.ceil(position)]
+    slope = low + (high - low) * (position - math.floor(position))
+    return demand + max(slope, 0.0) * ahead
+
+
+def calibrate_prefill_rate(
+    samples: Sequence[ReplicaSample], previous: float | None, smoothing: float, min_busy: float
+) -> float | None:
+    """Prompt tokens one prefill replica computes per busy second, smoothed.
+
+    Measured as the samples' summed prompt-token rate over their summed busy
+    fraction; a fleet busier than ``min_busy`` replica-equivalents is needed
+    (an idle fleet measures nothing), else ``previous`` stands.
+    """
+    pairs = [
+        (r.prompt_tokens_per_second, r.prefill_busy_fraction)
+        for r in samples
+        if r.prompt_tokens_per_second is not None and r.prefill_busy_fraction is not None
+    ]
+    busy = sum(b for _, b in pairs)
+    if busy < min_busy:
+        return previous
+    measured = sum(t for t, _ in pairs) / busy
+    if measured <= 0:
+        return previous
+    return measured if previous is None else previous + smoothing * (measured - previous)
+
+
+def prefill_signal(
+    role: PrefillScaling,
+    fresh: Sequence[ReplicaSample],
+    missing: Sequence[str],
+    starting: int,
+    tokens_per_second: float | None,
+    history: Trend,
+    now: float,
+    ahead: float,
+    target_utilization: float,
+    drain_seconds: float,
+) -> RoleSignal:
+    """Prefill needs the larger of
+
+    * projected demand / target utilization, where demand is prompt-token
+      arrivals (computed + queue growth) over one replica's tokens per second
+      (or, before that is known, the summed busy fraction);
+    * projected demand plus the backlog beyond ``BACKLOG_SHARE_OF_TTFT`` of
+      the TTFT target per replica, drained over ``drain_seconds``. A deep
+      queue says how late capacity is, not how much is needed: sizing the
+      fleet to empty it at once would overshoot by the queue's depth;
+    * waiting requests / ``targetWaitingPerReplica``, only where the engines
+      do not export queued prompt tokens (vLLM).
+    """
+    no_rate = [f"{r.name} (first scrape)" for r in fresh if r.interval_seconds is None]
+    rate = tokens_per_second if tokens_per_second is not None else role.prefill_tokens_per_second
+    arrivals = [r.prompt_token_arrivals_per_second for r in fresh]
+    busy = [r.prefill_busy_fraction for r in fresh]
+    parts: list[str] = []
+    demand: float | None = None
+    if rate and any(a is not None for a in arrivals):
+        total = sum(a or 0.0 for a in arrivals)
+        demand = total / rate
+        source = "measured" if tokens_per_second is not None else "configured"
+        parts.append(
+            f"prompt arrivals {total:.0f} tok/s = {demand:.2f} replicas at {rate:.0f} tok/s "
+            f"({source})"
+        )
+    elif any(b is not None for b in busy):
+        demand = sum(b or 0.0 for b in busy)
+        parts.append(f"busy {demand:.2f} replicas (tokens/s not known yet)")
+    planned = growth = 0.0
+    if demand is not None:
+        planned = project(demand, history, now, ahead)
+        if demand > 0:
+            growth = project(demand, history, now, ahead, GROWTH_QUANTILE) / demand
+        if planned > demand + 1e-9:
+            parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
+    terms: list[tuple[float, str]] = []
+    if demand is not None:
+        terms.append((planned / target_utilization, "prefill_load"))
+    queued = [r.waiting_prompt_tokens for r in fresh]
+    if rate and queued and all(q is not None for q in queued):
+        backlog = sum(q or 0.0 for q in queued) / rate
+        allowance = role.ttft_target_seconds * BACKLOG_SHARE_OF_TTFT
+        excess = max(backlog - allowance * len(fresh), 0.0)
+        terms.append((planned + excess / drain_seconds, "prefill_backlog"))
+        parts.append(f"backlog {backlog:.2f} s ({allowance:.2f} s per replica allowed)")
+    else:
+        waiting = sum(r.num_waiting for r in fresh)
+        terms.append((waiting / role.target_waiting_per_replica, "waiting_queue"))
+        parts.append(f"{waiting:.0f} waiting")
+    if starting:
+        parts.append(f"{starting} starting")
+    raw, code = max(terms, key=lambda t: t[0]) if fresh else (None, "no_metrics")
+    return RoleSignal(
+        raw=raw,
+        code=code,
+        detail=", ".join(parts),
+        complete=not missing and not no_rate,
+        missing=(*missing, *no_rate),
+        starting=starting,
+        demand=demand,
+        growth=max(growth, 1.0),
+    )
+
+
+def decode_signal(
+    role: DecodeScaling,
+    fresh: Sequence[ReplicaSample],
+    draining: Sequence[ReplicaSample],
+    missing: Sequence[str],
+    starting: int,
+    history: Trend,
+    now: float,
+    ahead: float,
+    drain_seconds: float,
+    prefill_growth: float,
+) -> RoleSignal:
+    """Decode needs projected KV demand / ``targetKVCacheUsage``.
+
+    KV demand is the KV-cache usage summed over replicas (llm-d style: a sum,
+    not an average), draining ones included, plus the requests waiting beyond
+    ``targetWaitingPerReplica`` at the measured usage per running request,
+    spread over ``drain_seconds`` (a queue of requests that each run D seconds
+    needs queue x D / drain seconds of extra concurrency; D = running /
+    admissions per second). It is projected along its own trend or along
+    prefill's significant growth, whichever is larger: decode's load lags, as
+    the requests rising at prefill reach it after their prefill.
+    """
+    # Draining replicas still hold KV for their running requests; counting it
+    # keeps the demand continuous across a scale-down (their load moves to
+    # the others as new requests arrive rather than vanishing).
+    kv = sum(r.kv_cache_usage for r in (*fresh, *draining))
+    running = sum(r.num_running for r in (*fresh, *draining))
+    waiting = sum(r.num_waiting for r in fresh)
+    excess = sum(max(r.num_waiting - role.target_waiting_per_replica, 0.0) for r in fresh)
+    target = role.target_kv_cache_usage
+    queued = excess * kv / running if running > 0 else 0.0
+    admitted = sum(r.first_tokens_per_second or 0.0 for r in fresh)
+    if queued and admitted > 0:
+        queued *= min(1.0, running / admitted / drain_seconds)
+    demand = kv + queued
+    parts = [
+        f"KV usage {kv:.2f} summed (target {target:.2f} per replica)",
+        f"{waiting:.0f} waiting (= {queued:.2f} KV to drain them)",
+    ]
+    planned = max(project(demand, history, now, ahead), demand * prefill_growth)
+    if planned > demand + 1e-9:
+        parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
+    if starting:
+        parts.append(f"{starting} starting")
+    terms = [(planned / target, "kv_cache")]
+    if running == 0 and waiting > 0:
+        # Requests wait yet none runs: there is no KV share to convert with.
+        terms.append((waiting / role.target_waiting_per_replica, "waiting_queue"))
+    raw, code = max(terms, key=lambda t: t[0]) if fresh else (None, "no_metrics")
+    return RoleSignal(
+        raw=raw,
+        code=code,
+        detail=", ".join(parts),
+        complete=not missing,
+        missing=tuple(missing),
+        starting=starting,
+        demand=demand,
+    )

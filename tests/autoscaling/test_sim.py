@@ -1,0 +1,190 @@
+"""The fleet simulator, with the policy in the loop, and `pdfleet sim`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from pdfleet.engine.cli import COMMANDS, main
+from pdfleet.operator.autoscaling.sim import (
+    FixedStrategy,
+    FleetModel,
+    PolicyStrategy,
+    SimResult,
+    Simulation,
+    compare,
+    evaluate_targets,
+)
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling.traces import Burst, TraceConfig, make_trace
+
+SPEC = AutoscalingSpec.from_spec({"prefill": {"maxReplicas": 32}, "decode": {"maxReplicas": 32}})
+MODEL = FleetModel(cold_start_seconds=30.0)
+
+
+def simulate(trace, initial=(2, 1), strategy=None, model=MODEL) -> tuple[Simulation, SimResult]:
+    sim = Simulation(trace, model, SPEC, strategy or PolicyStrategy(SPEC), initial)
+    return sim, sim.run()
+
+
+def replicas_at(result: SimResult, t: float) -> tuple[int, int]:
+    return next((p, d) for when, p, d, _ in result.timeline if when >= t)
+
+
+def test_traces_are_seeded():
+    config = TraceConfig(kind="burst", duration_seconds=1800, base_rate=3)
+    a, b = make_trace(config), make_trace(config)
+    assert a.arrivals == b.arrivals and a.prompt_tokens == b.prompt_tokens and a.bursts == b.bursts
+    other = make_trace(TraceConfig(kind="burst", duration_seconds=1800, base_rate=3, seed=1))
+    assert other.arrivals != a.arrivals
+
+
+@pytest.mark.parametrize("kind", ["steady", "diurnal", "burst"])
+def test_trace_rates_follow_their_shape(kind):
+    trace = make_trace(TraceConfig(kind=kind, duration_seconds=3600, base_rate=5))
+    per_minute = [len(trace.between(60 * m, 60 * (m + 1))) / 60 for m in range(60)]
+    if kind == "steady":
+        assert max(per_minute) < 2 * min(per_minute)
+    elif kind == "diurnal":
+        assert sum(per_minute[25:35]) > 2 * sum(per_minute[:5])  # peak mid-trace
+    else:
+        assert trace.bursts and max(per_minute) > 2.2 * 5
+
+
+def test_a_burst_is_answered_within_a_bounded_number_of_periods():
+    # 4 req/s, then 16 req/s from t=600 on, at once.
+    config = TraceConfig(kind="burst", duration_seconds=1200, base_rate=4)
+    trace = make_trace(config, bursts=[Burst(start=600, factor=4, hold=1e9, ramp=0)])
+    _, result = simulate(trace)
+    before = replicas_at(result, 590)
+    # Prefill needs ~2.5 replicas at 16 req/s x 1500 tokens / 12k tok/s / 0.8.
+    answered = [t for t, p, _, _ in result.timeline if t >= 600 and p >= 3]
+    assert before[0] <= 2
+    assert answered and answered[0] <= 600 + 4 * SPEC.period_seconds
+    # ... and the backlog the cold start left is gone a few minutes later.
+    assert result.ttft_attainment > 0.9
+
+
+def test_quiet_traffic_scales_down_only_after_the_window():
+    # A surge from 200 s to 500 s, then quiet.
+    config = TraceConfig(kind="burst", duration_seconds=1500, base_rate=3)
+    trace = make_trace(config, bursts=[Burst(start=200, factor=5, hold=300, ramp=0)])
+    _, result = simulate(trace)
+    quiet = replicas_at(result, 1450)[0]
+    assert replicas_at(result, 480)[0] > quiet + 1
+    window = SPEC.prefill.scale_down_stabilization_seconds
+    # Down to what quiet traffic needs only once a whole window has been quiet
+    # (shedding the start-of-surge overshoot earlier is fine).
+    reached = min(t for t, p, _, _ in result.timeline if t >= 500 and p == quiet)
+    assert reached >= 500 + window
+
+
+def test_steady_load_does_not_oscillate():
+    trace = make_trace(TraceConfig(kind="steady", duration_seconds=2400, base_rate=20))
+    _, result = simulate(trace, initial=(4, 2))
+    settled = [(p, d) for t, p, d, _ in result.timeline if t >= 600]
+    changes = sum(1 for a, b in itertools.pairwise(settled) if a != b)
+    assert changes <= 2
+    assert result.ttft_attainment > 0.99
+
+
+def test_fixed_provisioning_never_scales_and_every_request_finishes():
+    trace = make_trace(TraceConfig(kind="burst", duration_seconds=900, base_rate=3))
+    _, result = simulate(trace, initial=(6, 3), strategy=FixedStrategy(6, 3))
+    assert result.scale_events["total"] == 0
+    assert result.replica_seconds["total"] == pytest.approx(9 * 900)
+    assert result.completed == result.requests == len(trace)
+
+
+def test_scale_down_drains_instead_of_dropping_work():
+    config = TraceConfig(kind="burst", duration_seconds=1500, base_rate=3)
+    trace = make_trace(config, bursts=[Burst(start=100, factor=5, hold=300, ramp=30)])
+    _, result = simulate(trace)
+    assert result.replicas_stopped["prefill"] > 0
+    assert result.completed == result.requests
+
+
+def test_scrape_failures_are_held_on_not_scaled_down_on():
+    trace = make_trace(TraceConfig(kind="steady", duration_seconds=1200, base_rate=3))
+    model = FleetModel(cold_start_seconds=30.0, scrape_failure_rate=0.5)
+    sim = Simulation(trace, model, SPEC, PolicyStrategy(SPEC), (6, 4))
+    result = sim.run()
+    # Every replica misses half its scrapes: some sample is stale most of the
+    # time, so the over-provisioned fleet must mostly hold.
+    assert any(code.endswith("metrics_missing") for code in result.decision_codes)
+    assert result.completed == result.requests
+
+
+def test_compare_runs_every_strategy_on_the_same_trace():
+    trace = make_trace(TraceConfig(kind="burst", duration_seconds=900, base_rate=8))
+    results = compare(trace, MODEL, SPEC)
+    assert set(results) == {"pdfleet", "fixed", "hpa", "oracle"}
+    assert {r.requests for r in results.values()} == {len(trace)}
+    fixed = results["fixed"].replica_seconds["total"]
+    assert results["oracle"].replica_seconds["total"] < fixed
+    targets = evaluate_targets(results)
+    assert set(targets) == {
+        "ttft_attainment",
+        "itl_attainment",
+        "replica_seconds_vs_oracle",
+        "replica_seconds_vs_fixed_peak",
+        "scale_events_vs_hpa",
+    }
+    with pytest.raises(ValueError, match="unknown strategy"):
+        compare(trace, MODEL, SPEC, strategies=["pdfleet", "magic"])
+
+
+def test_sim_is_a_pdfleet_command():
+    assert COMMANDS["sim"] == "pdfleet.operator.autoscaling.sim_cmd"
+
+
+def test_cli_json(capsys):
+    code = main(["sim", "--json", "--duration", "600", "--rate", "3", "--trace", "steady"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["results"]) == {"pdfleet", "fixed", "hpa", "oracle"}
+    pdfleet = out["results"]["pdfleet"]
+    for key in ("ttft_attainment", "itl_attainment", "replica_seconds", "scale_events"):
+        assert key in pdfleet
+    assert out["spec"]["decode"]["targetKVCacheUsage"] == 0.7
+    assert out["trace"]["kind"] == "steady"
+    assert "replica_seconds_vs_oracle" in out["targets"]
+
+
+def test_cli_table_and_spec_file(tmp_path, capsys):
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(
+        "spec:\n  autoscaling:\n    decode: {maxReplicas: 3}\n    prefill: {maxReplicas: 6}\n"
+    )
+    code = main(
+        ["sim", "--duration", "300", "--rate", "2", "--spec", str(spec), "--strategies", "pdfleet"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "pdfleet sim: burst trace" in out and "\npdfleet " in out
+
+
+def test_cli_seeds_summarizes_every_seed(capsys):
+    argv = ["sim", "--json", "--seeds", "2", "--duration", "300", "--rate", "2"]
+    assert main([*argv, "--strategies", "pdfleet,oracle"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [run["seed"] for run in out["seeds"]] == [0, 1]
+    summary = out["summary"]["strategies"]["pdfleet"]["ttft_attainment"]
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+    assert out["summary"]["targets"]["replica_seconds_vs_oracle"]["met"] in (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategies", "pdfleet,magic"], "unknown strategy magic"),
+        (["--rate", "0"], "--rate must be > 0"),
+        (["--spec", "/nonexistent.yaml"], "--spec: cannot read"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
+    ],
+)
+def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(["sim", "--duration", "60", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
