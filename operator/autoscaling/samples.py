@@ -134,7 +134,11 @@ def parse_engine_metrics(text: str, time: float) -> EngineSnapshot:
     the KV-cache usage ratio, which is averaged. Raises ``ValueError`` on text
     that is not Prometheus exposition format.
     """
-    values = _families(text)
+    return snapshot_from_series(_families(text), time)
+
+
+def snapshot_from_series(values: dict[str, list[float]], time: float) -> EngineSnapshot:
+    """An :class:`EngineSnapshot` from sample name -> values (one per label set)."""
     fields: dict[str, float | None] = {}
     for name, series in (_GAUGES | _COUNTERS).items():
         fields[name] = _pick(values, series, name in _AVERAGED)
