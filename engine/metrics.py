@@ -191,9 +191,12 @@ class EngineMetrics:
             registry=r,
         )
         v_info.labels(**cache_labels).set(1)
-        self.held = Gauge(p + "kv_transfer_held_requests",
-                          "Finished prefills whose blocks are held for a decode engine.", labels,
-                          registry=r)
+        self.held = Gauge(
+            p + "kv_transfer_held_requests",
+            "Finished prefills whose blocks are held for a decode engine.",
+            labels,
+            registry=r,
+        )
         self.kv = None
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
             self.kv = {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
 from pdfleet.operator.autoscaling.decisions import (
     AutoscalerMetrics,
     DecisionHistory,
@@ -10,7 +12,6 @@ from pdfleet.operator.autoscaling.decisions import (
     DecisionRecord,
 )
 from pdfleet.operator.autoscaling.policy import RoleDecision
-from prometheus_client import CollectorRegistry, generate_latest
 
 
 def decision(role="decode", current=2, desired=3, code="kv_cache", t=10.0) -> RoleDecision:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from pdfleet.operator.autoscaling.policy import (
     REASON_CODES,
     PolicyState,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdfleet.operator.autoscaling.samples import (
     EngineSnapshot,
     parse_engine_metrics,

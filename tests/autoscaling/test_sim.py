@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+
 from pdfleet.engine.cli import COMMANDS, main
 from pdfleet.operator.autoscaling.sim import (
     FixedStrategy,

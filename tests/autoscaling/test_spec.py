@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from pdfleet.engine.config.fields import attr_docs
 from pdfleet.operator.autoscaling.spec import (
     AutoscalingSpec,
