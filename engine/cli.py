@@ -20,6 +20,7 @@ COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
+    "gateway": "pdfleet.engine.gateway.cli",
 }
 
 

@@ -1,0 +1,189 @@
+"""Engines that stall, die mid-stream or die under load, behind a real gateway.
+
+The module owns two prefill and two decode engines and breaks them in file
+order: stall (SIGSTOP) and revive a decode engine, kill one decode engine
+mid-stream, then kill both prefill engines under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.fleet import metric, start_engines, start_gateway
+from helpers.server import wait_until
+
+PROMPT = "Ships left the harbor one by one as the fog lifted over the grey water. " * 8
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("resilience")
+    procs = start_engines(tiny_model, log_dir, ["p1", "p2", "d1", "d2"])
+    p1, p2, d1, d2 = procs
+    gateway = None
+    try:
+        gateway = start_gateway(
+            [
+                "--prefill",
+                p1.url,
+                p2.url,
+                "--decode",
+                d1.url,
+                d2.url,
+                "--disaggregation-mode",
+                "Always",
+                "--scrape-interval",
+                "0.2",
+                "--eject-after",
+                "2",
+                "--readmit-after",
+                "2",
+                "--first-token-timeout",
+                "60",
+                "--idle-timeout",
+                "20",
+            ],
+            log_dir,
+        )
+        # Every engine routable before the tests break them.
+        assert wait_until(
+            lambda: health(gateway.url)["routable"] == {"prefill": 2, "decode": 2}, 20
+        )
+        yield {"gateway": gateway, "p1": p1, "p2": p2, "d1": d1, "d2": d2}
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for p in procs:
+            p.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.stop()
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def state(url: str, engine_url: str) -> dict:
+    return next(e for e in health(url)["engines"] if e["url"] == engine_url)
+
+
+def test_stalled_engine_is_ejected_then_readmitted(fleet):
+    gw, d2 = fleet["gateway"], fleet["d2"]
+    assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 1
+    d2.signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: state(gw.url, d2.url)["state"] == "ejected", 15)
+        assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 0
+        assert metric(gw.url, "pdfleet_gateway_engine_ejections_total", engine=d2.url) == 1
+        # Meanwhile every request goes to the other decode engine, promptly.
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
+        for _ in range(3):
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    finally:
+        d2.signal(signal.SIGCONT)
+    assert wait_until(lambda: state(gw.url, d2.url)["state"] == "healthy", 15)
+    assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 1
+
+
+def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
+    gw = fleet["gateway"]
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[str] = []
+    killed_at = None
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: ") :])
+            if killed_at is None and len(events) == 3:
+                serving = [
+                    fleet[n] for n in ("d1", "d2") if state(gw.url, fleet[n].url)["inflight"]
+                ]
+                assert len(serving) == 1
+                serving[0].signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    assert time.monotonic() - killed_at < 5, "the client's stream did not end within 5 s"
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and error["type"] == "BadGatewayError"
+    assert "decode engine" in error["message"]
+    assert len(events) < 480  # it ended early, not after the full answer
+    assert metric(gw.url, "pdfleet_gateway_requests_total", status="502") >= 1
+
+
+async def _load(url: str, n: int, started: asyncio.Event | None = None) -> list[int]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int) -> int:
+        kw = dict(model="tiny", prompt=f"{i}. {PROMPT}", max_tokens=8, temperature=0)
+        kw["extra_body"] = {"ignore_eos": True}
+        if i % 2:
+            return (await client.completions.create(**kw)).usage.completion_tokens
+        usage = None
+        stream = await client.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 180)
+    finally:
+        await client.close()
+
+
+def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
+    """Send ``n`` concurrent requests; SIGKILL ``victim`` once it holds a prefill leg."""
+
+    async def main() -> list[int]:
+        load = asyncio.create_task(_load(gw_url, n))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not load.done():
+            st = await asyncio.to_thread(state, gw_url, victim.url)
+            if st["inflight"] > 0:
+                victim.signal(signal.SIGKILL)
+                break
+            await asyncio.sleep(0.005)
+        else:
+            load.cancel()
+            raise AssertionError(f"{victim.url} never received a prefill leg")
+        return await load
+
+    return asyncio.run(main())
+
+
+def test_prefill_engines_killed_under_load_every_request_completes(fleet):
+    gw, p1, p2 = fleet["gateway"].url, fleet["p1"], fleet["p2"]
+    retries0 = metric(gw, "pdfleet_gateway_retries_total", role="prefill")
+
+    # One prefill engine dies: its legs are retried on the other.
+    counts = _kill_under_load(gw, p1, 24)
+    assert counts == [8] * 24
+    assert metric(gw, "pdfleet_gateway_retries_total", role="prefill") > retries0
+    assert wait_until(lambda: state(gw, p1.url)["state"] == "ejected", 5)
+
+    # The last one dies too: requests are served decode-only and counted.
+    fallbacks0 = metric(gw, "pdfleet_gateway_fallbacks_total")
+    counts = _kill_under_load(gw, p2, 24)
+    assert counts == [8] * 24
+    assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="prefill_failed") >= 1
+    assert metric(gw, "pdfleet_gateway_fallbacks_total") >= fallbacks0 + 1
+    assert wait_until(lambda: health(gw)["routable"]["prefill"] == 0, 5)
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0, timeout=60)
+    before = metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine")
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine") == before + 1
