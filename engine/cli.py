@@ -21,6 +21,7 @@ COMMANDS = {
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
     "gateway": "pdfleet.engine.gateway.cli",
+    "bench": "pdfleet.engine.bench.cli",
 }
 
 
