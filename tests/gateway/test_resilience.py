@@ -90,6 +90,65 @@ def test_stalled_engine_is_ejected_then_readmitted(fleet):
     assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 1
 
 
+def test_stalled_decode_engine_hits_the_idle_first_token_and_request_timeouts(fleet, tmp_path):
+    d1 = fleet["d1"]
+    gw = start_gateway(
+        [
+            "--decode",
+            d1.url,
+            "--disaggregation-mode",
+            "Disabled",
+            "--first-token-timeout",
+            "1.5",
+            "--idle-timeout",
+            "1",
+            "--request-timeout",
+            "2.5",
+            "--scrape-interval",
+            "30",  # keep the stalled engine routable: the timeouts are under test
+        ],
+        tmp_path,
+    )
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}
+    try:
+        events: list[str] = []
+        stalled_at = None
+        with httpx.stream(
+            "POST", gw.url + "/v1/completions", json={**body, "stream": True}, timeout=30
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                if stalled_at is None and len(events) == 2:
+                    d1.signal(signal.SIGSTOP)
+                    stalled_at = time.monotonic()
+        waited = time.monotonic() - stalled_at
+        d1.signal(signal.SIGCONT)
+        assert 0.9 < waited < 4, waited
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 504 and "sent nothing for 1.0s" in error["message"]
+
+        # Nothing sent yet: a stream's missing first event, and a JSON answer that
+        # takes too long, are plain 504s.
+        for stream, limit in ((True, 1.5), (False, 2.5)):
+            d1.signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                late = httpx.post(
+                    gw.url + "/v1/completions", json={**body, "stream": stream}, timeout=30
+                )
+            finally:
+                d1.signal(signal.SIGCONT)
+            assert limit - 0.1 < time.monotonic() - started < limit + 4
+            assert late.status_code == 504
+            assert late.json()["error"]["type"] == "GatewayTimeoutError"
+        assert metric(gw.url, "pdfleet_gateway_upstream_errors_total", kind="timeout") == 3
+    finally:
+        d1.signal(signal.SIGCONT)
+        gw.stop()
+
+
 def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
     gw = fleet["gateway"]
     body = {
