@@ -46,7 +46,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, discovery: Discovery | None = None) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.analyzer = PromptAnalyzer(config.tokenizer, config.prefix_blocks)
+        self.analyzer = PromptAnalyzer(
+            config.tokenizer, config.prefix_blocks, config.min_prompt_tokens
+        )
         self.discovery = discovery or make_discovery(config)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(

@@ -3,7 +3,8 @@
 With ``--tokenizer DIR`` the model's tokenizer (``tokenizer.json`` through the
 ``tokenizers`` library, and the chat template through jinja2, as the engine
 renders it) counts tokens and cuts blocks of ``block_size`` tokens, so block
-hashes line up with the engines' prefix-cache blocks. Without it a token is
+hashes line up with the engines' prefix-cache blocks (exactly within a
+bounded head of the prompt, see ``PromptAnalyzer``). Without it a token is
 approximated as ``CHARS_PER_TOKEN`` characters (about right for English text
 and BPE vocabularies) and blocks are cut every ``block_size × 4`` characters.
 Prompts given as token ids are always exact.
@@ -86,16 +87,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def chat_text(self, messages: list[dict[str, str]]) -> str | None:
+        """The conversation as the engine renders it (None without a template)."""
         if self.template is None:
             return None
         try:
-            text = self.template.render(
+            return self.template.render(
                 messages=messages, add_generation_prompt=True, **self.special
             )
         except Exception:  # the engine will reject a conversation its template rejects
             return None
-        return self.encode(text, add_special_tokens=False)
 
 
 def _message_text(content: Any) -> str:
@@ -107,16 +108,47 @@ def _message_text(content: Any) -> str:
 
 
 class PromptAnalyzer:
-    def __init__(self, tokenizer_dir: str | None, max_blocks: int) -> None:
+    """Prompt length and block hashes, at a bounded cost per request.
+
+    With a tokenizer only a head of the text is tokenized: enough characters
+    for ``max(max_blocks × block_size, min_prompt_tokens)`` tokens and a
+    margin at ``MAX_CHARS_PER_TOKEN``; past the head tokens are estimated
+    from characters. A 100k-character prompt costs what a 10k one does, and
+    every decision the count feeds (the Conditional threshold, the hashed
+    blocks) lies inside the exactly counted head.
+    """
+
+    HEAD_MARGIN = 16
+    """Tokens at the head's cut that may differ from the full text's."""
+    MAX_CHARS_PER_TOKEN = 8
+    """A generous bound, so the head holds at least the tokens it must."""
+
+    def __init__(
+        self, tokenizer_dir: str | None, max_blocks: int, min_prompt_tokens: int = 0
+    ) -> None:
         self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.max_blocks = max_blocks
+        self.min_prompt_tokens = min_prompt_tokens
+
+    def _tokenized(self, text: str, special: bool, block_size: int) -> tuple[int, list[int]]:
+        assert self.tokenizer is not None
+        head_tokens = max(self.max_blocks * block_size, self.min_prompt_tokens) + self.HEAD_MARGIN
+        head_chars = head_tokens * self.MAX_CHARS_PER_TOKEN
+        if len(text) <= head_chars:
+            ids = self.tokenizer.encode(text, add_special_tokens=special)
+            return len(ids), chain_hashes(ids, block_size, self.max_blocks)
+        ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
+        rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
+        hashed = ids[: -self.HEAD_MARGIN]
+        return len(ids) + rest, chain_hashes(hashed, block_size, self.max_blocks)
 
     def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
         """Length and block hashes of the request's prompt. Malformed prompts
         give an empty PromptInfo: the engine will answer them with a 400."""
         batch = False
-        ids: list[int] | None = None
         text = ""
+        special = True  # the engine adds special tokens to a completions prompt
+        exact = self.tokenizer is not None
         if chat:
             raw = body.get("messages")
             messages = (
@@ -128,10 +160,11 @@ class PromptAnalyzer:
                 if isinstance(raw, list)
                 else []
             )
-            if self.tokenizer is not None:
-                ids = self.tokenizer.chat_ids(messages)
-            if ids is None:
-                text = "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
+            rendered = self.tokenizer.chat_text(messages) if self.tokenizer else None
+            if rendered is not None:
+                text, special = rendered, False  # the template holds the special tokens
+            else:
+                text, exact = "".join(f"{m['role']}\n{m['content']}\n" for m in messages), False
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):
@@ -139,13 +172,12 @@ class PromptAnalyzer:
                 prompt = prompt[0]
             if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
                 ids = list(prompt)
-            elif isinstance(prompt, str):
-                if self.tokenizer is not None:
-                    ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-                else:
-                    text = prompt
-        if ids is not None:
-            return PromptInfo(len(ids), chain_hashes(ids, block_size, self.max_blocks), batch)
+                return PromptInfo(len(ids), chain_hashes(ids, block_size, self.max_blocks), batch)
+            if isinstance(prompt, str):
+                text = prompt
+        if exact and text:
+            count, hashes = self._tokenized(text, special, block_size)
+            return PromptInfo(count, hashes, batch)
         return PromptInfo(
             -(-len(text) // CHARS_PER_TOKEN),
             chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),

@@ -386,8 +386,14 @@ class Proxy:
     async def _decode_stream(
         self, call: Call, route: Route, info: PromptInfo, payload: bytes
     ) -> Response:
-        """Open the decode stream and wait for its first event before answering,
-        so failures up to the first token are still plain HTTP errors."""
+        """Open the decode stream; answer as soon as the engine accepts it.
+
+        Headers go out while the engine computes the first token (as the
+        engine's own do), so the gateway's response setup is off the TTFT
+        path. Failures before the engine accepts (refused connection: next
+        engine; 4xx/5xx: that status) are plain HTTP errors; later ones,
+        including a first-token timeout, are SSE error events.
+        """
         e: EngineState | None = route.decode
         tried: set[str] = set()
         while e is not None:
@@ -401,20 +407,19 @@ class Proxy:
                 return self._error(call, failure.message, failure.status)
             if isinstance(opened, Response):
                 return opened
-            resp, chunks, buf = opened
             self.affinity.record(info.block_hashes, e.url)
-            cut = buf.rfind(b"\n\n") + 2
-            relay = self._relay(call, e, resp, chunks, buf[:cut], buf[cut:])
             return RelayResponse(
-                relay, media_type="text/event-stream", headers={"x-request-id": call.request_id}
+                self._relay(call, e, *opened),
+                media_type="text/event-stream",
+                headers={"x-request-id": call.request_id},
             )
         raise AssertionError("unreachable: the loop starts with the routed engine")
 
     async def _open_stream(
         self, call: Call, e: EngineState, payload: bytes
-    ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response:
-        """(response, its chunk iterator, bytes up to at least one whole event),
-        holding ``e`` (released by the relay); a Response for an HTTP error."""
+    ) -> tuple[httpx.Response, AsyncIterator[bytes]] | Response:
+        """(accepted response, its chunk iterator), holding ``e`` (the relay
+        releases it); a Response for an HTTP error."""
         self._acquire(e)
         resp: httpx.Response | None = None
         handed = False
@@ -434,17 +439,8 @@ class Proxy:
                         return self._passthrough(call, resp, content)
                     failure = self._status_error(e, "decode", resp)
                     return self._error(call, failure.message, failure.status)
-                chunks = resp.aiter_raw()
-                buf = b""
-                while b"\n\n" not in buf:
-                    buf += await anext(chunks)
             handed = True  # the relay closes the response and releases the engine
-            return resp, chunks, buf
-        except StopAsyncIteration:
-            self.metrics.upstream_errors.labels(e.url, e.role, "broken").inc()
-            raise LegFailed(
-                f"decode engine {e.url} closed the stream before the first event", 502, "broken"
-            ) from None
+            return resp, resp.aiter_raw()
         except (httpx.HTTPError, TimeoutError) as ex:
             raise self._failed(e, "decode", ex) from None
         finally:
@@ -459,20 +455,17 @@ class Proxy:
         engine: EngineState,
         resp: httpx.Response,
         chunks: AsyncIterator[bytes],
-        first: bytes,
-        rest: bytes,
     ) -> AsyncIterator[bytes]:
         """Relay whole SSE events (so an error event never lands mid-event)."""
         status = 200
-        done = first.endswith(DONE)
+        done = False
+        first = True
+        buf = b""
         try:
-            self.metrics.ttft.labels(call.endpoint).observe(time.perf_counter() - call.start)
-            yield first
-            buf = rest
-            idle = self.config.idle_timeout
             while True:
+                timeout = self.config.first_token_timeout if first else self.config.idle_timeout
                 try:
-                    async with asyncio.timeout(idle):
+                    async with asyncio.timeout(timeout):
                         data = await anext(chunks)
                 except StopAsyncIteration:
                     break
@@ -481,6 +474,11 @@ class Proxy:
                 if cut < 0:
                     continue
                 out, buf = buf[: cut + 2], buf[cut + 2 :]
+                if first:
+                    first = False
+                    self.metrics.ttft.labels(call.endpoint).observe(
+                        time.perf_counter() - call.start
+                    )
                 yield out
                 done = done or out.endswith(DONE)
             if not done:
@@ -493,7 +491,12 @@ class Proxy:
             failure = self._failed(engine, "decode", ex)
             status = failure.status
             if failure.kind == "timeout":
-                failure.message = f"decode engine {engine.url} sent nothing for {idle}s"
+                failure.message = (
+                    f"decode engine {engine.url} sent no first token within "
+                    f"{self.config.first_token_timeout}s"
+                    if first
+                    else f"decode engine {engine.url} sent nothing for {self.config.idle_timeout}s"
+                )
             logger.warning("request %s: %s mid-stream", call.request_id, failure.message)
             yield sse_error(failure.message, status)
         finally:

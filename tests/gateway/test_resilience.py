@@ -129,8 +129,8 @@ def test_stalled_decode_engine_hits_the_idle_first_token_and_request_timeouts(fl
         error = json.loads(events[-2])["error"]
         assert error["code"] == 504 and "sent nothing for 1.0s" in error["message"]
 
-        # Nothing sent yet: a stream's missing first event, and a JSON answer that
-        # takes too long, are plain 504s.
+        # An engine that does not even accept the request: a stream's first-token
+        # timeout, and a JSON answer's request timeout, are plain 504s.
         for stream, limit in ((True, 1.5), (False, 2.5)):
             d1.signal(signal.SIGSTOP)
             started = time.monotonic()

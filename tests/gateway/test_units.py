@@ -121,6 +121,18 @@ def test_prompt_analysis_with_the_tokenizer_is_exact(tiny_model):
         PromptAnalyzer("/nonexistent", 64)
 
 
+def test_long_prompts_are_tokenized_only_up_to_a_bounded_head(tiny_model):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    analyzer = PromptAnalyzer(tiny_model, max_blocks=8, min_prompt_tokens=100)
+    text = "The quick brown fox jumps over the lazy dog. " * 2000  # 90k characters
+    ids = tok.encode(text, add_special_tokens=True).ids
+    got = analyzer.analyze({"prompt": text}, False, 16)
+    assert got.block_hashes == chain_hashes(ids, 16, 8)  # the hashed blocks are exact
+    assert 0.5 < got.num_tokens / len(ids) < 2  # the rest is estimated from characters
+
+
 # -- engine metrics and health -----------------------------------------------------
 
 PDFLEET_METRICS = """\
