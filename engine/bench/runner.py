@@ -1,8 +1,8 @@
 """Sending the workload: one streamed request, and the arrival schedule.
 
 Every request streams (``stream: true`` with ``include_usage``) so the client
-sees each token's arrival: TTFT is the first content event, ITL the gaps
-between content events, TPOT ``(E2E − TTFT) / (output tokens − 1)``. Token
+sees each token's arrival: TTFT is the first event with output (choices), ITL
+the gaps between such events, TPOT ``(E2E − TTFT) / (output tokens − 1)``. Token
 counts come from the server's usage report when it sends one.
 """
 
@@ -58,12 +58,6 @@ def request_body(config: BenchConfig, model: str, req: BenchRequest) -> dict[str
     return body
 
 
-def _content(choice: dict[str, Any]) -> str:
-    if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
-
-
 async def send_one(
     client: httpx.AsyncClient,
     config: BenchConfig,
@@ -94,7 +88,9 @@ async def send_one(
                         result.error = f"stream error: {event['error'].get('message')}"
                         return result
                     now = time.perf_counter()
-                    if any(_content(c) for c in event.get("choices") or ()):
+                    # An event with choices carries output (a token may decode to no
+                    # text yet, e.g. half a UTF-8 character), as vLLM's benchmark counts.
+                    if event.get("choices"):
                         if result.ttft is None:
                             result.ttft = now - start
                         else:
@@ -113,7 +109,7 @@ async def send_one(
         return result
     result.e2e = time.perf_counter() - start
     if result.ttft is None:
-        result.error = "no content in the stream"
+        result.error = "no output in the stream"
         return result
     result.output_tokens = result.output_tokens or chunks
     result.ok = True
