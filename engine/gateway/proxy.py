@@ -61,7 +61,8 @@ ERROR_TYPES = {
     504: "GatewayTimeoutError",
 }
 DONE = b"data: [DONE]\n\n"
-# Statuses that say "this engine, now" rather than "this input": worth another engine.
+# Prefill-leg statuses that say "this engine, now" rather than "this input": the
+# leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
 
 
@@ -375,7 +376,7 @@ class Proxy:
                 self._release(e)
                 raise
             self._release(e)
-            if resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
+            if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
                     self.affinity.record(info.block_hashes, e.url)
                 return self._passthrough(call, resp, resp.content)
@@ -435,7 +436,7 @@ class Proxy:
                 resp = await self.client.send(request, stream=True)
                 if resp.status_code != 200:
                     content = await resp.aread()
-                    if resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
+                    if resp.status_code < 500:
                         return self._passthrough(call, resp, content)
                     failure = self._status_error(e, "decode", resp)
                     return self._error(call, failure.message, failure.status)

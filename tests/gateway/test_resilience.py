@@ -1,8 +1,9 @@
 """Engines that stall, die mid-stream or die under load, behind a real gateway.
 
 The module owns two prefill and two decode engines and breaks them in file
-order: stall (SIGSTOP) and revive a decode engine, kill one decode engine
-mid-stream, then kill both prefill engines under load.
+order: stall (SIGSTOP) and revive a decode engine, stall one past the
+gateway's timeouts, kill one decode engine mid-stream, kill both prefill
+engines under load, and finally kill the last decode engine.
 """
 
 from __future__ import annotations
@@ -246,3 +247,23 @@ def test_prefill_engines_killed_under_load_every_request_completes(fleet):
     before = metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine")
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine") == before + 1
+
+
+def test_a_decode_engine_that_died_between_checks_gets_a_502_then_a_503(fleet, tmp_path):
+    alive = next(fleet[n] for n in ("d1", "d2") if fleet[n].proc.poll() is None)
+    gw = start_gateway(["--decode", alive.url, "--scrape-interval", "30"], tmp_path)
+    try:
+        alive.signal(signal.SIGKILL)
+        alive.proc.wait(10)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert refused.value.status_code == 502
+        assert "refused the connection" in refused.value.message
+        # The refusal ejected it at once, without waiting for the next check.
+        with pytest.raises(openai.APIStatusError) as none_left:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2, stream=True)
+        assert none_left.value.status_code == 503
+        assert "no healthy decode engine" in none_left.value.message
+    finally:
+        gw.stop()

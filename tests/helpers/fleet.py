@@ -23,8 +23,11 @@ def start_engines(
     model: str, log_dir: Path, names: list[str], extra: list[str] | None = None
 ) -> list[ServerProcess]:
     """Start engines in parallel and wait for all of them (stopping all on failure)."""
+    # One torch thread per engine: several engines share the machine's cores, and
+    # OpenMP threads spinning at barriers on shared cores make every step slower.
+    env = {"OMP_NUM_THREADS": "1"}
     procs = [
-        ServerProcess(["serve", model, *ENGINE_ARGS, *(extra or [])], log_dir, name)
+        ServerProcess(["serve", model, *ENGINE_ARGS, *(extra or [])], log_dir, name, env=env)
         for name in names
     ]
     try:
