@@ -19,7 +19,7 @@ import pytest
 from helpers.fleet import metric, start_engines, start_gateway
 from helpers.server import wait_until
 
-PROMPT = "Ships left the harbor one by one as the fog lifted over the grey water. " * 8
+PROMPT = "Ships left the harbor one by one as the fog lifted over the grey water. " * 12
 
 
 @pytest.fixture(scope="module")
@@ -184,11 +184,11 @@ def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fle
     assert metric(gw.url, "pdfleet_gateway_requests_total", status="502") >= 1
 
 
-async def _load(url: str, n: int, started: asyncio.Event | None = None) -> list[int]:
+async def _load(url: str, n: int, offset: int = 0) -> list[int]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
     async def one(i: int) -> int:
-        kw = dict(model="tiny", prompt=f"{i}. {PROMPT}", max_tokens=8, temperature=0)
+        kw = dict(model="tiny", prompt=f"{offset + i}. {PROMPT}", max_tokens=8, temperature=0)
         kw["extra_body"] = {"ignore_eos": True}
         if i % 2:
             return (await client.completions.create(**kw)).usage.completion_tokens
@@ -207,21 +207,24 @@ async def _load(url: str, n: int, started: asyncio.Event | None = None) -> list[
 
 
 def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
-    """Send ``n`` concurrent requests; SIGKILL ``victim`` once it holds a prefill leg."""
+    """``n`` concurrent requests; SIGKILL ``victim`` while it holds prefill legs,
+    then at once ``n`` more, which the gateway routes before its health checks
+    can notice the death: legs in flight break, new ones find the port closed."""
 
     async def main() -> list[int]:
-        load = asyncio.create_task(_load(gw_url, n))
+        first = asyncio.create_task(_load(gw_url, n))
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not load.done():
+        while time.monotonic() < deadline and not first.done():
             st = await asyncio.to_thread(state, gw_url, victim.url)
-            if st["inflight"] > 0:
+            if st["inflight"] >= 2:
                 victim.signal(signal.SIGKILL)
                 break
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
         else:
-            load.cancel()
-            raise AssertionError(f"{victim.url} never received a prefill leg")
-        return await load
+            first.cancel()
+            raise AssertionError(f"{victim.url} never held prefill legs")
+        second = asyncio.create_task(_load(gw_url, n, offset=n))
+        return [*(await first), *(await second)]
 
     return asyncio.run(main())
 
@@ -231,15 +234,15 @@ def test_prefill_engines_killed_under_load_every_request_completes(fleet):
     retries0 = metric(gw, "pdfleet_gateway_retries_total", role="prefill")
 
     # One prefill engine dies: its legs are retried on the other.
-    counts = _kill_under_load(gw, p1, 24)
-    assert counts == [8] * 24
+    counts = _kill_under_load(gw, p1, 16)
+    assert counts == [8] * 32
     assert metric(gw, "pdfleet_gateway_retries_total", role="prefill") > retries0
     assert wait_until(lambda: state(gw, p1.url)["state"] == "ejected", 5)
 
     # The last one dies too: requests are served decode-only and counted.
     fallbacks0 = metric(gw, "pdfleet_gateway_fallbacks_total")
-    counts = _kill_under_load(gw, p2, 24)
-    assert counts == [8] * 24
+    counts = _kill_under_load(gw, p2, 16)
+    assert counts == [8] * 32
     assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="prefill_failed") >= 1
     assert metric(gw, "pdfleet_gateway_fallbacks_total") >= fallbacks0 + 1
     assert wait_until(lambda: health(gw)["routable"]["prefill"] == 0, 5)
