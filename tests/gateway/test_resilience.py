@@ -209,18 +209,19 @@ async def _load(url: str, n: int, offset: int = 0) -> list[int]:
 def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
     """``n`` concurrent requests; SIGKILL ``victim`` while it holds prefill legs,
     then at once ``n`` more, which the gateway routes before its health checks
-    can notice the death: legs in flight break, new ones find the port closed."""
+    can notice the death: legs in flight break, new ones find the port closed.
+    The victim is stopped first so that legs pile up on it however fast it is."""
 
     async def main() -> list[int]:
+        victim.signal(signal.SIGSTOP)
         first = asyncio.create_task(_load(gw_url, n))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not first.done():
-            st = await asyncio.to_thread(state, gw_url, victim.url)
-            if st["inflight"] >= 2:
-                victim.signal(signal.SIGKILL)
-                break
-            await asyncio.sleep(0.002)
-        else:
+        try:
+            held = await asyncio.to_thread(
+                wait_until, lambda: state(gw_url, victim.url)["inflight"] >= 2, 30
+            )
+        finally:
+            victim.signal(signal.SIGKILL)
+        if not held:
             first.cancel()
             raise AssertionError(f"{victim.url} never held prefill legs")
         second = asyncio.create_task(_load(gw_url, n, offset=n))
