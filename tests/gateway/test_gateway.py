@@ -266,3 +266,30 @@ def test_api_keys(engines, tmp_path_factory):
         assert httpx.get(gw.url + "/metrics", timeout=5).status_code == 200
     finally:
         gw.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, stream):
+    decode = engines[1]
+
+    def finished_by_length() -> float:
+        return metric(decode.url, "pdfleet_engine_request_success_total", finished_reason="length")
+
+    def idle() -> bool:
+        return metric(decode.url, "pdfleet_engine_num_requests_running") == 0
+
+    # A finished request first: an engine's first step also reports its warm-up.
+    client_for(decode.url).completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert wait_until(idle, 10)
+    before = finished_by_length()
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}
+    url = gateways["disabled"].url + "/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as resp:
+            next(resp.iter_lines())  # one event, then hang up
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.1))
+    # The engine request ends without running to its 480 tokens: it was aborted.
+    assert wait_until(idle, 10)
+    assert finished_by_length() == before
