@@ -18,12 +18,15 @@ from pdfleet.engine.config import FlexibleArgumentParser
 
 COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",
+    "gateway": "pdfleet.engine.gateway.cli",
+    "up": "pdfleet.operator.local.cli",
+    "bench": "pdfleet.engine.bench.cli",
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
+    "sim": "pdfleet.operator.autoscaling.sim_cmd",
     "crd": "pdfleet.operator.crd_cmd",
     "render": "pdfleet.operator.render_cmd",
     "operator": "pdfleet.operator.operator_cmd",
-    "sim": "pdfleet.operator.autoscaling.sim_cmd",
 }
 
 

@@ -339,11 +339,13 @@ def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
 
         async def main():
             async with httpx.AsyncClient(timeout=120, headers=headers) as c:
-                body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+                # Long enough that the first still runs (and the second still waits)
+                # when the third arrives, also on a fast, idle machine.
+                body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True}
                 first = asyncio.ensure_future(c.post(proc.url + "/v1/completions", json=body))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.3)
                 second = asyncio.ensure_future(c.post(proc.url + "/v1/completions", json=body))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.3)
                 third = await c.post(proc.url + "/v1/completions", json=body)
                 return third, await first, await second
 

@@ -1,0 +1,173 @@
+"""Settings of ``pdfleet gateway``, the OpenAI-compatible front of a P/D fleet.
+
+Lives in the config package (no torch, nothing else of pdfleet) so that the
+operator and ``pdfleet up`` can render a gateway's command line from the same
+typed fields the gateway parses: :meth:`GatewayConfig.to_cli_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
+
+DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
+ROLES = ("prefill", "decode", "both")
+API_KEY_ENV = "PDFLEET_API_KEY"
+
+
+@dataclass
+class GatewayConfig:
+    """Gateway settings; one CLI flag per field (``--field-name``)."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    prefill: list[str] = field(default_factory=list)
+    """URL of a prefill engine (e.g. http://10.0.0.5:8000); repeat the flag or
+    give several values."""
+    decode: list[str] = field(default_factory=list)
+    """URL of a decode (or aggregated) engine; repeat the flag or give several
+    values."""
+    engines_file: str | None = None
+    """JSON or YAML file listing engines (`engines: [{url, role}]`, role
+    prefill, decode or both); re-read whenever it changes, so engines can be
+    added and removed at runtime. Combines with --prefill/--decode."""
+    discovery: Literal["static", "kubernetes"] = "static"
+    """Where engines come from: `static` (--prefill/--decode/--engines-file)
+    or `kubernetes` (pods matching --selector in --namespace, role from the
+    pod label `pdfleet.dev/role`)."""
+    namespace: str | None = None
+    """Kubernetes namespace to watch (default: the gateway pod's own, else
+    `default`)."""
+    selector: str | None = None
+    """Kubernetes label selector of the engine pods (e.g.
+    `pdfleet.dev/service=llama`); required with --discovery kubernetes."""
+    engine_port: int = 8000
+    """Engine port for pods without a `pdfleet.dev/port` annotation."""
+    discovery_interval: float = 5.0
+    """Seconds between two listings of the engine pods (kubernetes discovery)."""
+    disaggregation_mode: DisaggregationMode = "Conditional"
+    """`Always`: every request runs a prefill leg then a decode leg.
+    `Conditional`: prompts under --min-prompt-tokens, or whose uncached part on
+    the chosen decode engine is under it, go straight to decode. `Disabled`:
+    decode-only (aggregated engines)."""
+    min_prompt_tokens: int = 256
+    """Conditional mode: the fewest (uncached) prompt tokens worth a prefill leg."""
+    tokenizer: str | None = None
+    """Model directory whose tokenizer counts prompt tokens and cuts prefix
+    blocks; without it a token is approximated as 4 characters."""
+    api_key: list[str] = field(default_factory=list)
+    """Accepted `Authorization: Bearer KEY` keys (default: the comma-separated
+    $PDFLEET_API_KEY, else none: no authentication)."""
+    connect_timeout: float = 5.0
+    """Seconds to open a connection to an engine."""
+    first_token_timeout: float = 300.0
+    """Seconds an engine may take to produce the first token (the whole
+    prefill leg; the first event of a stream)."""
+    idle_timeout: float = 60.0
+    """Seconds allowed between two events of a streamed response."""
+    request_timeout: float = 600.0
+    """Seconds a non-streamed response may take in total."""
+    scrape_interval: float = 1.0
+    """Seconds between two health checks and metric scrapes of each engine."""
+    eject_after: int = 3
+    """Consecutive failed health checks that eject an engine from routing."""
+    readmit_after: int = 2
+    """Consecutive good health checks that bring an ejected engine back."""
+    retries: int = 1
+    """Other engines to try after a failed prefill leg (then decode-only), or
+    after a decode engine that refuses the connection."""
+    prefix_blocks: int = 64
+    """Leading prompt blocks hashed for prefix-aware routing."""
+    prefix_table_size: int = 100_000
+    """Entries (block hashes) in the prefix-affinity LRU table."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    """Log level of the HTTP server."""
+
+    def __post_init__(self) -> None:
+        positive = ("connect_timeout", "first_token_timeout", "idle_timeout", "request_timeout")
+        for name in (*positive, "scrape_interval", "discovery_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{flag_name(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("eject_after", "readmit_after", "prefix_blocks", "prefix_table_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0 or self.min_prompt_tokens < 0:
+            raise ValueError("--retries and --min-prompt-tokens must be >= 0")
+        for url in (*self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        if self.discovery == "kubernetes":
+            if not self.selector:
+                raise ValueError(
+                    "--discovery kubernetes needs --selector (a label selector of the engine pods)"
+                )
+            if self.prefill or self.decode or self.engines_file:
+                raise ValueError(
+                    "--discovery kubernetes finds engines itself: drop --prefill, --decode and "
+                    "--engines-file"
+                )
+        elif not (self.prefill or self.decode or self.engines_file):
+            raise ValueError("give the engines: --prefill URL / --decode URL or --engines-file")
+
+    # -- CLI -------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        docs = attr_docs(cls)
+        group = parser.add_argument_group("Gateway")
+        for f, tp in resolved_fields(cls):
+            kwargs = argparse_kwargs(f.name, tp, default_of(f), docs.get(f.name, ""))
+            if kwargs.get("nargs") == "+":
+                # Repeatable (`--decode A --decode B`) as well as `--decode A B`.
+                kwargs.update(action="extend", default=None)
+            if f.name in ("api_key", "prefill", "decode"):
+                kwargs["metavar"] = "KEY" if f.name == "api_key" else "URL"
+            group.add_argument(f"--{flag_name(f.name)}", dest=f.name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            if values[f.name] is None and f.default_factory is not dataclasses.MISSING:
+                values[f.name] = f.default_factory()
+        if not values["api_key"]:
+            values["api_key"] = keys_from_env()
+        return cls(**values)
+
+    def to_cli_args(self) -> list[str]:
+        """Flags that reproduce this configuration (non-default values only;
+        API keys are left out: pass them through $PDFLEET_API_KEY)."""
+        out: list[str] = []
+        for f, _tp in resolved_fields(type(self)):
+            value = getattr(self, f.name)
+            if f.name == "api_key" or to_jsonable(value) == to_jsonable(default_of(f)):
+                continue
+            flag = f"--{flag_name(f.name)}"
+            if isinstance(value, list):
+                for item in value:
+                    out += [flag, str(item)]
+            elif value is None:
+                out += [flag, "None"]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        data = to_jsonable(self)
+        data["api_key"] = ["***"] * len(self.api_key)
+        return data
+
+    def __repr__(self) -> str:  # never print keys
+        return f"GatewayConfig({json.dumps(self.to_dict(), sort_keys=True)})"
+
+
+def keys_from_env() -> list[str]:
+    return [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]

@@ -1,0 +1,28 @@
+"""``pdfleet gateway``: the OpenAI-compatible front of a prefill/decode fleet."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdfleet.engine.config.gateway import GatewayConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "gateway",
+        help="route OpenAI requests over prefill and decode engines",
+        description="OpenAI-compatible gateway (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) that runs the two-leg prefill/decode protocol over "
+        "pdfleet (or vLLM) engines, with load- and prefix-aware routing, health checks, "
+        "retries and decode-only fallback. See docs/gateway.md.",
+    )
+    GatewayConfig.add_cli_args(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    config = GatewayConfig.from_cli_args(args)
+    from pdfleet.engine.gateway.app import run_gateway
+
+    return run_gateway(config)

@@ -1,0 +1,110 @@
+"""Prometheus metrics of the gateway (``pdfleet_gateway_*``, DESIGN §4).
+
+TTFT and E2E are measured as the client sees them: from the request's arrival
+at the gateway to the first relayed stream event / the last byte, so they
+include the prefill leg and KV transfer that an engine's own TTFT cannot see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        p = "pdfleet_gateway_"
+        self.requests = Counter(
+            p + "requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Streamed requests: arrival to the first relayed event.",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to the last byte of the response.",
+            ["endpoint"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            p + "disagg_decisions",
+            "Disaggregation decisions: prefill_decode or decode_only, with the reason.",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries",
+            "Legs retried on another engine, by role.",
+            ["role"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            p + "fallbacks",
+            "Disaggregated requests served decode-only without a producer's KV "
+            "(prefill_failed, no_prefill_engine, no_kv_transfer_params).",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            p + "upstream_errors",
+            "Failed engine calls (connect, timeout, status, stream), by engine.",
+            ["engine", "role", "kind"],
+            registry=r,
+        )
+        self.engine_healthy = Gauge(
+            p + "engine_healthy",
+            "1 while an engine receives traffic, 0 while it is ejected or not yet ready.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.engine_inflight = Gauge(
+            p + "engine_inflight_requests",
+            "Requests the gateway has in flight on an engine.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            p + "engine_ejections",
+            "Times an engine was ejected from routing.",
+            ["engine", "role"],
+            registry=r,
+        )
+
+    def forget_engine(self, url: str, role: str) -> None:
+        """Drop a removed engine's series so no stale gauge outlives it."""
+        for metric in (self.engine_healthy, self.engine_inflight, self.ejections):
+            with contextlib.suppress(KeyError):
+                metric.remove(url, role)

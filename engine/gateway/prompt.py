@@ -1,0 +1,185 @@
+"""What routing needs to know about a prompt: its length and its leading blocks.
+
+With ``--tokenizer DIR`` the model's tokenizer (``tokenizer.json`` through the
+``tokenizers`` library, and the chat template through jinja2, as the engine
+renders it) counts tokens and cuts blocks of ``block_size`` tokens, so block
+hashes line up with the engines' prefix-cache blocks (exactly within a
+bounded head of the prompt, see ``PromptAnalyzer``). Without it a token is
+approximated as ``CHARS_PER_TOKEN`` characters (about right for English text
+and BPE vocabularies) and blocks are cut every ``block_size × 4`` characters.
+Prompts given as token ids are always exact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("pdfleet.gateway")
+
+CHARS_PER_TOKEN = 4
+
+
+@dataclass
+class PromptInfo:
+    num_tokens: int
+    """Prompt length in tokens (estimated without a tokenizer)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the leading full blocks: hash i covers blocks 0..i."""
+    batch: bool = False
+    """A completions request with several prompts (routed by the first)."""
+
+
+def chain_hashes(items: list[Any] | str, block: int, max_blocks: int) -> list[int]:
+    """Hashes of the first full blocks of ``items``; each folds in its
+    predecessor, so equal hashes mean equal prefixes (up to collisions, which
+    only cost a routing preference, never correctness)."""
+    out: list[int] = []
+    h = 0
+    for start in range(0, min(len(items), block * max_blocks) - block + 1, block):
+        chunk = items[start : start + block]
+        h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
+        out.append(h)
+    return out
+
+
+class Tokenizer:
+    """The model's tokenizer and chat template, without transformers or torch."""
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(directory)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {directory}: no tokenizer.json in that directory")
+        self.tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = None
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):
+            named = {t.get("name"): t.get("template") for t in config["chat_template"]}
+            template = named.get("default")
+        self.special = {
+            k: (v.get("content") if isinstance(v, dict) else v)
+            for k, v in config.items()
+            if k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        self.template = None
+        if template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise ValueError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            self.template = env.from_string(template)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str | None:
+        """The conversation as the engine renders it (None without a template)."""
+        if self.template is None:
+            return None
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, **self.special
+            )
+        except Exception:  # the engine will reject a conversation its template rejects
+            return None
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+class PromptAnalyzer:
+    """Prompt length and block hashes, at a bounded cost per request.
+
+    With a tokenizer only a head of the text is tokenized: enough characters
+    for ``max(max_blocks × block_size, min_prompt_tokens)`` tokens and a
+    margin at ``MAX_CHARS_PER_TOKEN``; past the head tokens are estimated
+    from characters. A 100k-character prompt costs what a 10k one does, and
+    every decision the count feeds (the Conditional threshold, the hashed
+    blocks) lies inside the exactly counted head.
+    """
+
+    HEAD_MARGIN = 16
+    """Tokens at the head's cut that may differ from the full text's."""
+    MAX_CHARS_PER_TOKEN = 8
+    """A generous bound, so the head holds at least the tokens it must."""
+
+    def __init__(
+        self, tokenizer_dir: str | None, max_blocks: int, min_prompt_tokens: int = 0
+    ) -> None:
+        self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
+        self.max_blocks = max_blocks
+        self.min_prompt_tokens = min_prompt_tokens
+
+    def _tokenized(self, text: str, special: bool, block_size: int) -> tuple[int, list[int]]:
+        assert self.tokenizer is not None
+        head_tokens = max(self.max_blocks * block_size, self.min_prompt_tokens) + self.HEAD_MARGIN
+        head_chars = head_tokens * self.MAX_CHARS_PER_TOKEN
+        if len(text) <= head_chars:
+            ids = self.tokenizer.encode(text, add_special_tokens=special)
+            return len(ids), chain_hashes(ids, block_size, self.max_blocks)
+        ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
+        rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
+        hashed = ids[: -self.HEAD_MARGIN]
+        return len(ids) + rest, chain_hashes(hashed, block_size, self.max_blocks)
+
+    def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
+        """Length and block hashes of the request's prompt. Malformed prompts
+        give an empty PromptInfo: the engine will answer them with a 400."""
+        batch = False
+        text = ""
+        special = True  # the engine adds special tokens to a completions prompt
+        exact = self.tokenizer is not None
+        if chat:
+            raw = body.get("messages")
+            messages = (
+                [
+                    {"role": str(m.get("role", "")), "content": _message_text(m.get("content"))}
+                    for m in raw
+                    if isinstance(m, dict)
+                ]
+                if isinstance(raw, list)
+                else []
+            )
+            rendered = self.tokenizer.chat_text(messages) if self.tokenizer else None
+            if rendered is not None:
+                text, special = rendered, False  # the template holds the special tokens
+            else:
+                text, exact = "".join(f"{m['role']}\n{m['content']}\n" for m in messages), False
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):
+                batch = len(prompt) > 1
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
+                ids = list(prompt)
+                return PromptInfo(len(ids), chain_hashes(ids, block_size, self.max_blocks), batch)
+            if isinstance(prompt, str):
+                text = prompt
+        if exact and text:
+            count, hashes = self._tokenized(text, special, block_size)
+            return PromptInfo(count, hashes, batch)
+        return PromptInfo(
+            -(-len(text) // CHARS_PER_TOKEN),
+            chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),
+            batch,
+        )

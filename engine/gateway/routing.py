@@ -1,0 +1,176 @@
+"""Choosing engines: load- and prefix-aware scoring, P/D pairing, disaggregation.
+
+An engine's score is llm-d's weighted sum (landscape §4.3)::
+
+    score = 2 · prefix + 1 · queue + 1 · kv
+    prefix = leading prompt blocks the engine likely caches / blocks hashed
+    queue  = (max_q − q) / (max_q − min_q) over the candidates (1 when all equal)
+    kv     = 1 − KV-cache usage
+
+with q the engine's requests (scraped running + waiting, or the gateway's own
+in-flight count when larger). As in SGLang's cache-aware policy, a prefix
+match does not count on an engine whose queue exceeds the shortest by more
+than ``max(4, min_q / 2)``: a popular prefix must not pile every request onto
+one engine. Ties go round-robin.
+
+The decode engine is chosen first; a prefill engine is then chosen among those
+with the decode engine's P/D compatibility hash (never the same process).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdfleet.engine.config.gateway import GatewayConfig
+
+from .engines import EnginePool, EngineState
+from .prompt import PromptInfo
+
+PREFIX_WEIGHT = 2.0
+QUEUE_WEIGHT = 1.0
+KV_WEIGHT = 1.0
+IMBALANCE_ABS = 4.0
+IMBALANCE_REL = 0.5
+
+
+class PrefixAffinity:
+    """Bounded LRU table: block hash -> URLs of engines that likely cache it.
+
+    "Likely": an engine may have evicted the block since; a wrong guess costs
+    a recomputation, never a wrong answer. ``capacity`` counts hashes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.table: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def record(self, hashes: list[int], url: str) -> None:
+        """Mutates: ``url`` now holds these blocks; evicts the least recently used."""
+        for h in hashes:
+            holders = self.table.get(h)
+            if holders is None:
+                self.table[h] = {url}
+            else:
+                holders.add(url)
+                self.table.move_to_end(h)
+        while len(self.table) > self.capacity:
+            self.table.popitem(last=False)
+
+    def matched(self, hashes: list[int], urls: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each URL likely holds (touches what matched)."""
+        counts = dict.fromkeys(urls, 0)
+        remaining = set(counts)
+        for h in hashes:
+            holders = self.table.get(h)
+            if not holders:
+                break
+            remaining &= holders
+            if not remaining:
+                break
+            self.table.move_to_end(h)
+            for url in remaining:
+                counts[url] += 1
+        return counts
+
+    def forget(self, url: str) -> None:
+        """Mutates: drop an engine (ejected, removed or restarted: its cache is gone)."""
+        for h in [h for h, holders in self.table.items() if url in holders]:
+            holders = self.table[h]
+            holders.discard(url)
+            if not holders:
+                del self.table[h]
+
+
+class NoEngineError(Exception):
+    """No routable engine for a request (answered 503)."""
+
+
+@dataclass
+class Route:
+    decode: EngineState
+    prefill: EngineState | None
+    decision: str
+    """prefill_decode or decode_only."""
+    reason: str
+    """always, long_prompt, short_prompt, cached_prefix, disabled, batch or no_prefill_engine."""
+
+
+class Router:
+    def __init__(self, config: GatewayConfig, pool: EnginePool, affinity: PrefixAffinity) -> None:
+        self.config = config
+        self.pool = pool
+        self.affinity = affinity
+        self._rr = 0
+
+    def pick(
+        self, candidates: list[EngineState], hashes: list[int]
+    ) -> tuple[EngineState, int] | None:
+        """The best-scoring candidate and how many leading blocks it likely caches."""
+        if not candidates:
+            return None
+        queues = [c.queue() for c in candidates]
+        lo, hi = min(queues), max(queues)
+        matched = self.affinity.matched(hashes, (c.url for c in candidates)) if hashes else {}
+        slack = max(IMBALANCE_ABS, IMBALANCE_REL * lo)
+        scored = []
+        for c, q in zip(candidates, queues, strict=True):
+            queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
+            kv_score = 1.0 - min(1.0, max(0.0, c.load.kv_usage))
+            blocks = matched.get(c.url, 0)
+            prefix_score = blocks / len(hashes) if hashes and q - lo <= slack else 0.0
+            score = PREFIX_WEIGHT * prefix_score + QUEUE_WEIGHT * queue_score + KV_WEIGHT * kv_score
+            scored.append((score, c, blocks))
+        top = max(s for s, _, _ in scored)
+        best = [(c, b) for s, c, b in scored if s >= top - 1e-9]
+        self._rr += 1
+        return best[self._rr % len(best)]
+
+    def pick_prefill(
+        self, decode: EngineState, info: PromptInfo, exclude: set[str]
+    ) -> EngineState | None:
+        """A prefill engine that can hand its KV to ``decode`` (equal compat hash)."""
+        want = decode.load.compat_hash
+        candidates = [
+            e
+            for e in self.pool.candidates("prefill")
+            if e.url != decode.url and e.url not in exclude and e.load.compat_hash == want
+        ]
+        picked = self.pick(candidates, info.block_hashes)
+        return picked[0] if picked else None
+
+    def route(self, info: PromptInfo, exclude_decode: set[str] | None = None) -> Route:
+        """Choose the decode engine, then whether (and where) to prefill first."""
+        candidates = [
+            e for e in self.pool.candidates("decode") if e.url not in (exclude_decode or ())
+        ]
+        picked = self.pick(candidates, info.block_hashes)
+        if picked is None:
+            known = sum(1 for e in self.pool.engines.values() if e.serves("decode"))
+            raise NoEngineError(
+                f"no healthy decode engine is available ({known} known, none routable); retry later"
+            )
+        decode, cached_blocks = picked
+        mode = self.config.disaggregation_mode
+        if mode == "Disabled":
+            return Route(decode, None, "decode_only", "disabled")
+        if info.batch:
+            # One kv_transfer_params slot per response: several prompts cannot share it.
+            return Route(decode, None, "decode_only", "batch")
+        reason = "always"
+        if mode == "Conditional":
+            threshold = self.config.min_prompt_tokens
+            if info.num_tokens < threshold:
+                return Route(decode, None, "decode_only", "short_prompt")
+            uncached = info.num_tokens - cached_blocks * self.pool.block_size
+            if uncached < threshold:
+                return Route(decode, None, "decode_only", "cached_prefix")
+            reason = "long_prompt"
+        prefill = self.pick_prefill(decode, info, set())
+        if prefill is None:
+            return Route(decode, None, "decode_only", "no_prefill_engine")
+        return Route(decode, prefill, "prefill_decode", reason)

@@ -1,0 +1,1 @@
+"""The local runtime: an InferenceService as processes on one machine (`pdfleet up`)."""

@@ -1,0 +1,175 @@
+"""``pdfleet up [FILE.yaml]``: run an InferenceService on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TINY_DIR_ENV = "PDFLEET_CACHE"
+
+
+def default_service() -> dict[str, Any]:
+    """The embedded default: the built-in tiny model, one prefill and one decode engine."""
+    connector = "NixlConnector" if importlib.util.find_spec("nixl_cu12") else "ZmqConnector"
+    return {
+        "apiVersion": "pdfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"name": "tiny", "uri": "builtin://tiny"},
+            "engine": {"maxModelLen": 2048, "maxNumSeqs": 64},
+            "kvTransfer": {"connector": connector},
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1},
+            "disaggregation": {"mode": "Conditional", "minPromptTokens": 32},
+            "gateway": {"port": 8000},
+        },
+    }
+
+
+def tiny_model_dir() -> Path:
+    root = os.environ.get(DEFAULT_TINY_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdfleet"
+    )
+    return Path(root) / "tiny-llama"
+
+
+def resolve_model(uri: str, say) -> str:
+    """A local model directory for ``spec.model.uri`` (building the tiny model if needed)."""
+    scheme, _, rest = uri.partition("://")
+    if scheme == "file":
+        if not os.path.isdir(rest):
+            raise ValueError(f"spec.model.uri: {rest!r} is not a directory on this machine")
+        return rest
+    if scheme == "builtin":
+        if rest != "tiny":
+            raise ValueError(f"spec.model.uri: unknown built-in model {rest!r} (builtin://tiny)")
+        path = tiny_model_dir()
+        if not (path / "config.json").exists():
+            say(f"building the built-in tiny model in {path} ...")
+            subprocess.run(
+                [sys.executable, "-m", "pdfleet.engine.cli", "tiny-model", str(path)],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+        return str(path)
+    raise ValueError(
+        f"spec.model.uri: {uri!r} only exists in Kubernetes; `pdfleet up` needs file:///DIR "
+        "or builtin://tiny"
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "up",
+        help="run an InferenceService on this machine (gateway + prefill + decode engines)",
+        description="Start the gateway and the prefill and decode engines of an InferenceService "
+        "as local processes, print the endpoint, and supervise them until Ctrl-C. With no file: "
+        "the built-in tiny model, one prefill and one decode engine, Conditional mode.",
+    )
+    parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
+    parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="gateway port (default: spec.gateway.port; a free one if taken)",
+    )
+    parser.add_argument("--run-dir", default="runs", help="where logs and the engines file go")
+    parser.add_argument(
+        "--threads-per-engine",
+        type=int,
+        default=None,
+        help="torch threads per engine (default: CPU cores / engines)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every process to become ready",
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..compat import check_service
+    from ..resource import load_inference_service
+    from .fleet import LocalFleet, free_port
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    service = load_inference_service(args.file if args.file else default_service())
+    problems = check_service(service.spec)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    model_path = resolve_model(service.spec.model.uri, say)
+    port = args.port or service.spec.gateway.port
+    if args.port is None and not _port_free(args.host, port):
+        port = free_port(args.host)
+    run_dir = Path(args.run_dir) / f"{service.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    fleet = LocalFleet(
+        service,
+        model_path,
+        run_dir,
+        host=args.host,
+        gateway_port=port,
+        threads_per_engine=args.threads_per_engine,
+        say=say,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    say(f"pdfleet up: {service.name} ({service.spec.model.name}) — logs in {run_dir}")
+    try:
+        fleet.start(timeout=args.timeout)
+        url = f"http://{args.host}:{port}"
+        say(f"\nready: {url}/v1  (model {service.spec.model.name!r})")
+        say(
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{service.spec.model.name}", "prompt": "Hello", '
+            f'"max_tokens": 16}}\''
+        )
+        say("Ctrl-C stops every process.\n")
+        autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None
+        next_scale = time.monotonic()
+        while not stop.wait(0.5):
+            fleet.tick()
+            if autoscaler is not None and time.monotonic() >= next_scale:
+                next_scale = time.monotonic() + service.spec.autoscaling.period_seconds
+                autoscaler.step()
+    except (RuntimeError, TimeoutError) as e:
+        say(f"pdfleet up: {e}")
+        fleet.stop()
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    say("stopping ...")
+    fleet.stop()
+    say("stopped")
+    return 0

@@ -1,0 +1,301 @@
+"""An InferenceService as local processes: engines per role, a gateway, supervision.
+
+The fleet writes the gateway's engines file (atomically) whenever an engine
+becomes ready, starts draining or goes away; the gateway re-reads it, so
+engines join and leave routing at runtime. A child that dies unexpectedly is
+reported and restarted. Scale-down drains: the victim leaves the engines
+file, the fleet waits (bounded) until it has no running or waiting requests
+and no KV leases held for decode engines, then stops it. The autoscaler
+(``autoscale.py``) decides when.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from pdfleet.engine.config.gateway import GatewayConfig
+
+from ..resource import InferenceService
+from ..roles import disaggregating, engine_command, role_engine_args
+from .process import Child
+
+logger = logging.getLogger("pdfleet.up")
+
+ROLES = ("prefill", "decode")
+# Give up restarting a child that keeps dying this many times in a row.
+MAX_RESTARTS = 5
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str, timeout: float = 2.0) -> dict[str, float] | None:
+    """Summed samples of an engine's /metrics by name, or None if unreachable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=timeout).text
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def in_flight(sample: dict[str, float] | None) -> float:
+    if sample is None:
+        return float("inf")
+    return (
+        sample.get("pdfleet_engine_num_requests_running", 0.0)
+        + sample.get("pdfleet_engine_num_requests_waiting", 0.0)
+        + sample.get("pdfleet_engine_kv_transfer_held_requests", 0.0)
+    )
+
+
+class LocalFleet:
+    def __init__(
+        self,
+        service: InferenceService,
+        model_path: str,
+        run_dir: Path,
+        host: str = "127.0.0.1",
+        gateway_port: int | None = None,
+        threads_per_engine: int | None = None,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.service = service
+        self.spec = service.spec
+        self.model_path = model_path
+        self.run_dir = run_dir
+        self.host = host
+        self.say = say
+        self.engines_file = run_dir / "engines.json"
+        self.roles = ROLES if disaggregating(self.spec) else ("decode",)
+        self.engines: list[Child] = []
+        self.counters = dict.fromkeys(ROLES, 0)
+        self.lock = threading.RLock()
+        self.gateway_port = gateway_port or self.spec.gateway.port
+        total = sum(self.replicas_in_spec(r) for r in self.roles)
+        self.threads = threads_per_engine or max(1, (os.cpu_count() or 1) // max(1, total))
+        self.gateway: Child | None = None
+        self._stop = threading.Event()
+        self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
+
+    def replicas_in_spec(self, role: str) -> int:
+        if role == "prefill" and not disaggregating(self.spec):
+            return 0
+        return self.spec.role(role).replicas
+
+    # -- children ---------------------------------------------------------------------
+
+    def _engine_child(self, role: str) -> Child:
+        index = self.counters[role]
+        self.counters[role] += 1
+        name = f"{role}-{index}"
+        port = free_port(self.host)
+        args = role_engine_args(
+            self.spec,
+            role,
+            model_path=self.model_path,
+            kv_ip=self.host,
+            kv_port=free_port(self.host),
+            engine_id=f"{self.service.name}-{name}-{port}",
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "pdfleet.engine.cli",
+            *engine_command(args, host=self.host, port=port)[1:],
+        ]
+        return Child(
+            name,
+            role,
+            argv,
+            port,
+            self.run_dir / f"{name}.log",
+            env={"OMP_NUM_THREADS": str(self.threads)},
+            host=self.host,
+        )
+
+    def add_engine(self, role: str) -> Child:
+        child = self._engine_child(role)
+        child.start()
+        with self.lock:
+            self.engines.append(child)
+        self.say(f"  starting {child.name} on {child.url} (log: {child.log_path})")
+        return child
+
+    def gateway_config(self) -> GatewayConfig:
+        spec = self.spec
+        return GatewayConfig(
+            host=self.host,
+            port=self.gateway_port,
+            engines_file=str(self.engines_file),
+            disaggregation_mode=spec.disaggregation.mode,
+            min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
+            tokenizer=self.model_path,
+            scrape_interval=1.0,
+        )
+
+    def write_engines_file(self) -> None:
+        with self.lock:
+            engines = [
+                {"url": c.url, "role": c.role, "name": c.name}
+                for c in self.engines
+                if c.ready and not c.draining and c.alive()
+            ]
+            tmp = self.engines_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"engines": engines}, indent=2))
+            os.replace(tmp, self.engines_file)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self, timeout: float = 600.0) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.write_engines_file()
+        for role in self.roles:
+            for _ in range(self.replicas_in_spec(role)):
+                self.add_engine(role)
+        deadline = time.monotonic() + timeout
+        pending = list(self.engines)
+        while pending:
+            for child in list(pending):
+                if not child.alive():
+                    raise RuntimeError(
+                        f"{child.name} exited with code {child.returncode} while loading:\n"
+                        f"{child.log_tail()}"
+                    )
+                if child.healthy():
+                    child.ready = True
+                    pending.remove(child)
+                    self.say(f"  {child.name} ready in {time.monotonic() - child.started_at:.1f}s")
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engines not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}"
+                )
+            time.sleep(0.2)
+        self.write_engines_file()
+        gw = self.gateway_config()
+        argv = [sys.executable, "-m", "pdfleet.engine.cli", "gateway", *gw.to_cli_args()]
+        self.gateway = Child(
+            "gateway",
+            "gateway",
+            argv,
+            self.gateway_port,
+            self.run_dir / "gateway.log",
+            host=self.host,
+        )
+        self.gateway.start()
+        while not self.gateway.healthy():
+            if not self.gateway.alive():
+                raise RuntimeError(
+                    f"the gateway exited with code {self.gateway.returncode}:\n"
+                    f"{self.gateway.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway did not become healthy")
+            time.sleep(0.2)
+        self.gateway.ready = True
+
+    def tick(self) -> None:
+        """Promote engines that became ready; report and restart dead children."""
+        changed = False
+        with self.lock:
+            children = [*self.engines, *([self.gateway] if self.gateway else [])]
+        for child in children:
+            if child.stopping:
+                continue
+            if not child.alive():
+                code = child.returncode
+                if child.restarts >= MAX_RESTARTS:
+                    self.say(f"! {child.name} keeps exiting (code {code}); giving up on it")
+                    child.stopping = True
+                    changed = True
+                    continue
+                child.restarts += 1
+                self.say(
+                    f"! {child.name} exited with code {code}; restarting "
+                    f"(#{child.restarts}, log: {child.log_path})"
+                )
+                child.start()
+                changed = True
+            elif not child.ready and child.healthy():
+                child.ready = True
+                changed = True
+                self.say(f"  {child.name} ready")
+        if changed:
+            self.write_engines_file()
+
+    def role_engines(self, role: str) -> list[Child]:
+        with self.lock:
+            return [c for c in self.engines if c.role == role and not c.draining and not c.stopping]
+
+    def engines_of(self, role: str) -> list[Child]:
+        """Every engine of ``role`` still running: starting, ready or draining."""
+        with self.lock:
+            return [c for c in self.engines if c.role == role and not c.stopping]
+
+    def autoscaler(self):
+        """The local actuator of ``spec.autoscaling`` (the policy is imported lazily)."""
+        from ..autoscaling.spec import AutoscalingSpec
+        from .autoscale import LocalAutoscaler
+
+        assert self.spec.autoscaling is not None
+        section = self.spec.autoscaling.model_dump(by_alias=True)
+        return LocalAutoscaler(self, AutoscalingSpec.from_spec(section))
+
+    def drain(self, child: Child) -> threading.Thread:
+        """Stop routing to ``child``; stop it once idle (bounded wait)."""
+        child.draining = True
+        self.write_engines_file()
+        self.say(f"  draining {child.name}")
+
+        def finish() -> None:
+            deadline = time.monotonic() + self.drain_timeout
+            # The gateway re-reads the engines file within a second; then wait for idle.
+            time.sleep(1.5)
+            while time.monotonic() < deadline and child.alive():
+                if in_flight(scrape(child.url)) == 0:
+                    break
+                time.sleep(0.5)
+            code = child.stop(grace=15.0)
+            with self.lock:
+                if child in self.engines:
+                    self.engines.remove(child)
+            self.say(f"  {child.name} stopped (exit {code})")
+
+        t = threading.Thread(target=finish, name=f"drain-{child.name}", daemon=True)
+        t.start()
+        return t
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Stop every child (gateway first, then engines in parallel), bounded."""
+        self._stop.set()
+        if self.gateway is not None:
+            self.gateway.stop(grace)
+        with self.lock:
+            children = list(self.engines)
+        threads = [threading.Thread(target=c.stop, args=(grace,)) for c in children]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(grace + 15)
+
+    def all_children(self) -> list[Child]:
+        with self.lock:
+            return [*self.engines, *([self.gateway] if self.gateway else [])]

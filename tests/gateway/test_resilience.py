@@ -1,0 +1,273 @@
+"""Engines that stall, die mid-stream or die under load, behind a real gateway.
+
+The module owns two prefill and two decode engines and breaks them in file
+order: stall (SIGSTOP) and revive a decode engine, stall one past the
+gateway's timeouts, kill one decode engine mid-stream, kill both prefill
+engines under load, and finally kill the last decode engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from helpers.fleet import metric, start_engines, start_gateway
+from helpers.server import wait_until
+
+PROMPT = "Ships left the harbor one by one as the fog lifted over the grey water. " * 12
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("resilience")
+    procs = start_engines(tiny_model, log_dir, ["p1", "p2", "d1", "d2"])
+    p1, p2, d1, d2 = procs
+    gateway = None
+    try:
+        gateway = start_gateway(
+            [
+                "--prefill",
+                p1.url,
+                p2.url,
+                "--decode",
+                d1.url,
+                d2.url,
+                "--disaggregation-mode",
+                "Always",
+                "--scrape-interval",
+                "0.2",
+                "--eject-after",
+                "2",
+                "--readmit-after",
+                "2",
+                "--first-token-timeout",
+                "60",
+                "--idle-timeout",
+                "20",
+            ],
+            log_dir,
+        )
+        # Every engine routable before the tests break them.
+        assert wait_until(
+            lambda: health(gateway.url)["routable"] == {"prefill": 2, "decode": 2}, 20
+        )
+        yield {"gateway": gateway, "p1": p1, "p2": p2, "d1": d1, "d2": d2}
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for p in procs:
+            p.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.stop()
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def state(url: str, engine_url: str) -> dict:
+    return next(e for e in health(url)["engines"] if e["url"] == engine_url)
+
+
+def test_stalled_engine_is_ejected_then_readmitted(fleet):
+    gw, d2 = fleet["gateway"], fleet["d2"]
+    assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 1
+    d2.signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: state(gw.url, d2.url)["state"] == "ejected", 15)
+        assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 0
+        assert metric(gw.url, "pdfleet_gateway_engine_ejections_total", engine=d2.url) == 1
+        # Meanwhile every request goes to the other decode engine, promptly.
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
+        for _ in range(3):
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    finally:
+        d2.signal(signal.SIGCONT)
+    assert wait_until(lambda: state(gw.url, d2.url)["state"] == "healthy", 15)
+    assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=d2.url) == 1
+
+
+def test_stalled_decode_engine_hits_the_idle_first_token_and_request_timeouts(fleet, tmp_path):
+    d1 = fleet["d1"]
+    gw = start_gateway(
+        [
+            "--decode",
+            d1.url,
+            "--disaggregation-mode",
+            "Disabled",
+            "--first-token-timeout",
+            "1.5",
+            "--idle-timeout",
+            "1",
+            "--request-timeout",
+            "2.5",
+            "--scrape-interval",
+            "30",  # keep the stalled engine routable: the timeouts are under test
+        ],
+        tmp_path,
+    )
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}
+    try:
+        events: list[str] = []
+        stalled_at = None
+        with httpx.stream(
+            "POST", gw.url + "/v1/completions", json={**body, "stream": True}, timeout=30
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                if stalled_at is None and len(events) == 2:
+                    d1.signal(signal.SIGSTOP)
+                    stalled_at = time.monotonic()
+        waited = time.monotonic() - stalled_at
+        d1.signal(signal.SIGCONT)
+        assert 0.9 < waited < 4, waited
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 504 and "sent nothing for 1.0s" in error["message"]
+
+        # An engine that does not even accept the request: a stream's first-token
+        # timeout, and a JSON answer's request timeout, are plain 504s.
+        for stream, limit in ((True, 1.5), (False, 2.5)):
+            d1.signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                late = httpx.post(
+                    gw.url + "/v1/completions", json={**body, "stream": stream}, timeout=30
+                )
+            finally:
+                d1.signal(signal.SIGCONT)
+            assert limit - 0.1 < time.monotonic() - started < limit + 4
+            assert late.status_code == 504
+            assert late.json()["error"]["type"] == "GatewayTimeoutError"
+        assert metric(gw.url, "pdfleet_gateway_upstream_errors_total", kind="timeout") == 3
+    finally:
+        d1.signal(signal.SIGCONT)
+        gw.stop()
+
+
+def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
+    gw = fleet["gateway"]
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[str] = []
+    killed_at = None
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: ") :])
+            if killed_at is None and len(events) == 3:
+                serving = [
+                    fleet[n] for n in ("d1", "d2") if state(gw.url, fleet[n].url)["inflight"]
+                ]
+                assert len(serving) == 1
+                serving[0].signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    assert time.monotonic() - killed_at < 5, "the client's stream did not end within 5 s"
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and error["type"] == "BadGatewayError"
+    assert "decode engine" in error["message"]
+    assert len(events) < 480  # it ended early, not after the full answer
+    assert metric(gw.url, "pdfleet_gateway_requests_total", status="502") >= 1
+
+
+async def _load(url: str, n: int, offset: int = 0) -> list[int]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int) -> int:
+        kw = dict(model="tiny", prompt=f"{offset + i}. {PROMPT}", max_tokens=8, temperature=0)
+        kw["extra_body"] = {"ignore_eos": True}
+        if i % 2:
+            return (await client.completions.create(**kw)).usage.completion_tokens
+        usage = None
+        stream = await client.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 180)
+    finally:
+        await client.close()
+
+
+def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
+    """``n`` concurrent requests; SIGKILL ``victim`` while it holds prefill legs,
+    then at once ``n`` more, which the gateway routes before its health checks
+    can notice the death: legs in flight break, new ones find the port closed.
+    The victim is stopped first so that legs pile up on it however fast it is."""
+
+    async def main() -> list[int]:
+        victim.signal(signal.SIGSTOP)
+        first = asyncio.create_task(_load(gw_url, n))
+        try:
+            held = await asyncio.to_thread(
+                wait_until, lambda: state(gw_url, victim.url)["inflight"] >= 2, 30
+            )
+        finally:
+            victim.signal(signal.SIGKILL)
+        if not held:
+            first.cancel()
+            raise AssertionError(f"{victim.url} never held prefill legs")
+        second = asyncio.create_task(_load(gw_url, n, offset=n))
+        return [*(await first), *(await second)]
+
+    return asyncio.run(main())
+
+
+def test_prefill_engines_killed_under_load_every_request_completes(fleet):
+    gw, p1, p2 = fleet["gateway"].url, fleet["p1"], fleet["p2"]
+    retries0 = metric(gw, "pdfleet_gateway_retries_total", role="prefill")
+
+    # One prefill engine dies: its legs are retried on the other.
+    counts = _kill_under_load(gw, p1, 16)
+    assert counts == [8] * 32
+    assert metric(gw, "pdfleet_gateway_retries_total", role="prefill") > retries0
+    assert wait_until(lambda: state(gw, p1.url)["state"] == "ejected", 5)
+
+    # The last one dies too: requests are served decode-only and counted.
+    fallbacks0 = metric(gw, "pdfleet_gateway_fallbacks_total")
+    counts = _kill_under_load(gw, p2, 16)
+    assert counts == [8] * 32
+    assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="prefill_failed") >= 1
+    assert metric(gw, "pdfleet_gateway_fallbacks_total") >= fallbacks0 + 1
+    assert wait_until(lambda: health(gw)["routable"]["prefill"] == 0, 5)
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0, timeout=60)
+    before = metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine")
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine") == before + 1
+
+
+def test_a_decode_engine_that_died_between_checks_gets_a_502_then_a_503(fleet, tmp_path):
+    alive = next(fleet[n] for n in ("d1", "d2") if fleet[n].proc.poll() is None)
+    gw = start_gateway(["--decode", alive.url, "--scrape-interval", "30"], tmp_path)
+    try:
+        alive.signal(signal.SIGKILL)
+        alive.proc.wait(10)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert refused.value.status_code == 502
+        assert "refused the connection" in refused.value.message
+        # The refusal ejected it at once, without waiting for the next check.
+        with pytest.raises(openai.APIStatusError) as none_left:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2, stream=True)
+        assert none_left.value.status_code == 503
+        assert "no healthy decode engine" in none_left.value.message
+    finally:
+        gw.stop()

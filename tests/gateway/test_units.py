@@ -1,0 +1,280 @@
+"""The gateway's pure parts: legs, prompt analysis, metric parsing, the pool's
+health state machine and its configuration."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdfleet.engine.config import FlexibleArgumentParser
+from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
+from pdfleet.engine.gateway.engines import EngineLoad, EnginePool, parse_engine_metrics
+from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
+from pdfleet.engine.gateway.proxy import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    decode_body,
+    prefill_body,
+    sse_error,
+)
+
+# -- the two legs ------------------------------------------------------------------
+
+
+def test_prefill_leg_body_follows_the_protocol():
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 5,
+        "min_completion_tokens": 5,
+        "temperature": 0.7,
+    }
+    original = json.loads(json.dumps(body))
+    leg = prefill_body(body, chat=True)
+    assert leg == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "temperature": 0.7,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    assert body == original  # the decode leg still needs the client's body
+    completion = prefill_body({"prompt": "x", "max_tokens": 9}, chat=False)
+    assert "max_completion_tokens" not in completion and completion["max_tokens"] == 1
+    # Each leg gets its own params dict: mutating one never leaks into the next.
+    completion["kv_transfer_params"]["remote_host"] = "h"
+    assert PREFILL_KV_TRANSFER_PARAMS["remote_host"] is None
+
+
+def test_decode_leg_is_the_original_body_plus_the_producer_params():
+    params = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [1, 2]}
+    body = {"prompt": "x", "max_tokens": 9, "stream": True, "min_tokens": 2}
+    assert decode_body(body, params) == {**body, "kv_transfer_params": params}
+
+
+def test_sse_error_is_an_openai_error_event_then_done():
+    raw = sse_error("decode engine http://d failed", 502).decode()
+    first, done, rest = raw.split("\n\n")
+    assert done == "data: [DONE]" and rest == ""
+    error = json.loads(first[len("data: ") :])["error"]
+    assert error == {
+        "message": "decode engine http://d failed",
+        "type": "BadGatewayError",
+        "param": None,
+        "code": 502,
+    }
+
+
+# -- prompts -----------------------------------------------------------------------
+
+
+def test_block_hashes_are_equal_exactly_as_long_as_prefixes_are():
+    a = chain_hashes(list(range(100)), 16, 64)
+    b = chain_hashes([*range(40), -1, *range(41, 100)], 16, 64)
+    assert len(a) == 6  # the trailing partial block is not hashed
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+    assert len(chain_hashes(list(range(10_000)), 16, 8)) == 8  # capped
+
+
+def test_prompt_analysis_without_a_tokenizer_approximates_by_characters():
+    analyzer = PromptAnalyzer(None, max_blocks=64)
+    text = "word " * 200
+    got = analyzer.analyze({"prompt": text}, False, 16)
+    assert got.num_tokens == len(text) // CHARS_PER_TOKEN
+    assert len(got.block_hashes) == len(text) // (16 * CHARS_PER_TOKEN)
+    ids = analyzer.analyze({"prompt": list(range(40))}, False, 16)
+    assert (ids.num_tokens, len(ids.block_hashes), ids.batch) == (40, 2, False)
+    batch = analyzer.analyze({"prompt": ["a" * 400, "b"]}, False, 16)
+    assert batch.batch and batch.num_tokens == 100
+    chat = analyzer.analyze({"messages": [{"role": "user", "content": "x" * 100}]}, True, 16)
+    assert chat.num_tokens >= 25
+    for bad in ({}, {"prompt": 5}, {"prompt": [{"x": 1}]}, {"messages": "hi"}):
+        assert analyzer.analyze(bad, "messages" in bad, 16).num_tokens == 0
+
+
+def test_prompt_analysis_with_the_tokenizer_is_exact(tiny_model):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    analyzer = PromptAnalyzer(tiny_model, max_blocks=64)
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    ids = tok.encode(text, add_special_tokens=True).ids
+    got = analyzer.analyze({"prompt": text}, False, 16)
+    assert got.num_tokens == len(ids)
+    assert got.block_hashes == chain_hashes(ids, 16, 64)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        PromptAnalyzer("/nonexistent", 64)
+
+
+def test_long_prompts_are_tokenized_only_up_to_a_bounded_head(tiny_model):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    analyzer = PromptAnalyzer(tiny_model, max_blocks=8, min_prompt_tokens=100)
+    text = "The quick brown fox jumps over the lazy dog. " * 2000  # 90k characters
+    ids = tok.encode(text, add_special_tokens=True).ids
+    got = analyzer.analyze({"prompt": text}, False, 16)
+    assert got.block_hashes == chain_hashes(ids, 16, 8)  # the hashed blocks are exact
+    assert 0.5 < got.num_tokens / len(ids) < 2  # the rest is estimated from characters
+
+
+# -- engine metrics and health -----------------------------------------------------
+
+PDFLEET_METRICS = """\
+# HELP pdfleet_engine_num_requests_running Requests in the running batch.
+# TYPE pdfleet_engine_num_requests_running gauge
+pdfleet_engine_num_requests_running{model_name="tiny"} 3.0
+# TYPE pdfleet_engine_num_requests_waiting gauge
+pdfleet_engine_num_requests_waiting{model_name="tiny"} 2.0
+# TYPE pdfleet_engine_kv_cache_usage_ratio gauge
+pdfleet_engine_kv_cache_usage_ratio{model_name="tiny"} 0.25
+# TYPE pdfleet_engine_time_to_first_token_seconds histogram
+pdfleet_engine_time_to_first_token_seconds_bucket{le="0.001",model_name="tiny"} 0.0
+# TYPE pdfleet_engine_cache_config_info gauge
+pdfleet_engine_cache_config_info{block_size="32",cache_dtype="float32",compat_hash="d84f8e62fded792c",enable_prefix_caching="True",num_gpu_blocks="4096"} 1.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="tiny"} 99.0
+"""
+
+VLLM_METRICS = """\
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0
+"""
+
+
+def test_engine_metrics_are_read_by_native_name_with_vllm_fallback():
+    assert parse_engine_metrics(PDFLEET_METRICS) == EngineLoad(
+        waiting=2, running=3, kv_usage=0.25, compat_hash="d84f8e62fded792c", block_size=32
+    )
+    assert parse_engine_metrics(VLLM_METRICS) == EngineLoad(
+        waiting=7, running=5, kv_usage=0.5, compat_hash=None, block_size=16
+    )
+    assert parse_engine_metrics("") == EngineLoad()  # an engine that has not stepped yet
+
+
+def make_pool(eject_after: int = 3, readmit_after: int = 2) -> tuple[EnginePool, list[str]]:
+    config = GatewayConfig(
+        decode=["http://d"], eject_after=eject_after, readmit_after=readmit_after
+    )
+    ejected: list[str] = []
+    pool = EnginePool(
+        config, StaticDiscovery([]), GatewayMetrics(), httpx.AsyncClient(), ejected.append
+    )
+    pool.apply([Endpoint("http://d", "decode")])
+    return pool, ejected
+
+
+def test_engine_health_state_machine():
+    pool, ejected = make_pool(eject_after=3, readmit_after=2)
+    e = pool.engines["http://d"]
+    assert e.state == "pending" and not pool.candidates("decode")
+    pool.record_success(e, EngineLoad())
+    assert e.state == "healthy" and pool.candidates("decode") == [e]
+    pool.record_failure(e, "timeout")
+    pool.record_failure(e, "timeout")
+    pool.record_success(e, EngineLoad())  # a success resets the count
+    pool.record_failure(e, "timeout")
+    pool.record_failure(e, "timeout")
+    assert e.state == "healthy"
+    pool.record_failure(e, "timeout")
+    assert e.state == "ejected" and ejected == ["http://d"]
+    pool.record_success(e, EngineLoad())
+    assert e.state == "ejected"
+    pool.record_success(e, EngineLoad())
+    assert e.state == "healthy"
+    pool.record_failure(e, "/health answered 503", definitive=True)
+    assert e.state == "ejected"
+    samples = {
+        s.name: s.value for m in pool.metrics.registry.collect() for s in m.samples if s.labels
+    }
+    assert samples["pdfleet_gateway_engine_ejections_total"] == 2
+    assert samples["pdfleet_gateway_engine_healthy"] == 0
+
+
+def test_removed_engines_leave_no_metric_series():
+    pool, ejected = make_pool()
+    pool.apply([])
+    assert pool.engines == {} and ejected == ["http://d"]
+    names = {s.name for m in pool.metrics.registry.collect() for s in m.samples if s.labels}
+    assert not names & {
+        "pdfleet_gateway_engine_healthy",
+        "pdfleet_gateway_engine_inflight_requests",
+    }
+
+
+# -- configuration -----------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> GatewayConfig:
+    parser = FlexibleArgumentParser()
+    GatewayConfig.add_cli_args(parser)
+    return GatewayConfig.from_cli_args(parser.parse_args(argv))
+
+
+def test_flags_are_repeatable_and_round_trip(monkeypatch):
+    monkeypatch.delenv("PDFLEET_API_KEY", raising=False)
+    config = parse(
+        [
+            "--prefill",
+            "http://p1:8000",
+            "--prefill",
+            "http://p2:8000",
+            "--decode",
+            "http://d1:8000",
+            "http://d2:8000",
+            "--disaggregation-mode",
+            "Always",
+            "--min-prompt-tokens",
+            "512",
+            "--first-token-timeout",
+            "12.5",
+        ]
+    )
+    assert config.prefill == ["http://p1:8000", "http://p2:8000"]
+    assert config.decode == ["http://d1:8000", "http://d2:8000"]
+    assert config.disaggregation_mode == "Always" and config.first_token_timeout == 12.5
+    assert parse(config.to_cli_args()) == config
+
+
+def test_api_keys_come_from_flags_or_the_environment_and_are_never_printed(monkeypatch):
+    monkeypatch.setenv("PDFLEET_API_KEY", "k1, k2")
+    config = parse(["--decode", "http://d"])
+    assert config.api_key == ["k1", "k2"]
+    assert parse(["--decode", "http://d", "--api-key", "k3"]).api_key == ["k3"]
+    assert "k1" not in repr(config) and "k1" not in " ".join(config.to_cli_args())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "give the engines"),
+        ({"decode": ["d:8000"]}, "must start with http"),
+        ({"decode": ["http://d"], "idle_timeout": 0}, "--idle-timeout must be > 0"),
+        ({"discovery": "kubernetes"}, "needs --selector"),
+        (
+            {"discovery": "kubernetes", "selector": "a=b", "decode": ["http://d"]},
+            "drop --prefill",
+        ),
+    ],
+)
+def test_invalid_configuration_says_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(**kwargs)
