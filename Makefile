@@ -13,10 +13,9 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 install: $(STAMP)
 
-# Start what pdfleet can serve today on the built-in tiny model (see README "Status").
+# Start the local fleet (gateway + prefill + decode engines) on the built-in tiny model.
 run: $(STAMP)
-	$(VENV)/bin/pdfleet tiny-model build/tiny-llama
-	$(VENV)/bin/pdfleet config build/tiny-llama --usage-context server
+	$(VENV)/bin/pdfleet up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

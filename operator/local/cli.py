@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
 
     def say(msg: str) -> None:
         print(msg, flush=True)
+
+    # Health checks and scrapes every half second would drown the progress lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     service = load_inference_service(args.file if args.file else default_service())
     problems = check_service(service.spec)
