@@ -34,11 +34,13 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        # One torch thread per process: test servers share two cores, and OpenMP
+        # threads spinning on shared cores slow every step several-fold.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdfleet.engine.cli", *args, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
             start_new_session=True,
         )
 
