@@ -26,6 +26,7 @@ from typing import Any
 
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
+from pdfleet.engine.config.gateway import GatewayConfig
 
 from .compat import compat_hash
 from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
@@ -283,29 +284,20 @@ def engine_pod_template(
 
 
 def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> list[str]:
-    """``pdfleet gateway`` finding the service's engine pods by label."""
-    return [
-        "pdfleet",
-        "gateway",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(spec.gateway.port),
-        "--served-model-name",
-        spec.model.name,
-        "--tokenizer",
-        model_source(spec.model.uri).path,
-        "--disaggregation-mode",
-        spec.disaggregation.mode,
-        "--min-prompt-tokens",
-        str(spec.disaggregation.min_prompt_tokens),
-        "--discovery",
-        "kubernetes",
-        "--namespace",
-        namespace,
-        "--selector",
-        f"{LABEL_SERVICE}={name}",
-    ]
+    """``pdfleet gateway`` finding the service's engine pods by label, rendered from the
+    gateway's own typed settings (the flags it parses)."""
+    config = GatewayConfig(
+        host="0.0.0.0",
+        port=spec.gateway.port,
+        tokenizer=model_source(spec.model.uri).path,
+        disaggregation_mode=spec.disaggregation.mode,
+        min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
+        discovery="kubernetes",
+        namespace=namespace,
+        selector=f"{LABEL_SERVICE}={name}",
+        engine_port=ENGINE_PORT,
+    )
+    return ["pdfleet", "gateway", *config.to_cli_args()]
 
 
 def gateway_pod_template(

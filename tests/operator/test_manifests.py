@@ -122,12 +122,16 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     c = container(objects, "demo-gateway")
     command = c["command"]
     assert command[:2] == ["pdfleet", "gateway"]
-    flags = dict(zip(command[2::2], command[3::2], strict=True))
-    assert flags["--discovery"] == "kubernetes"
-    assert flags["--namespace"] == "ns1"
-    assert flags["--selector"] == "pdfleet.dev/service=demo"
-    assert flags["--disaggregation-mode"] == "Conditional"
-    assert flags["--min-prompt-tokens"] == "256"
+    # The real gateway parses the rendered command line.
+    from pdfleet.engine.cli import build_parser
+
+    flags = build_parser().parse_args(command[1:])
+    assert flags.discovery == "kubernetes"
+    assert flags.namespace == "ns1"
+    assert flags.selector == "pdfleet.dev/service=demo"
+    assert flags.disaggregation_mode == "Conditional"
+    assert flags.min_prompt_tokens == 256
+    assert flags.port == 8000
     env = {e["name"]: e for e in c["env"]}
     assert env["PDFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
     role = by_kind_name(objects)["Role", "demo-gateway"]
