@@ -38,6 +38,7 @@ LAYOUT = {
 }
 TOKENS = (1024, 4096, 16384)
 BLOCK = 16
+REPS = 6  # timed pulls per size and method (after one warm-up)
 
 
 def free_port() -> int:
@@ -116,8 +117,12 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
     c.register(buf)
     out = {}
     bytes_per_block = c.layout.block_bytes * 2 * c.layout.num_layers
-    for n in TOKENS:
-        ids = list(range(1, n // BLOCK + 1))
+    raw = None
+    if connector == "NixlConnector":
+        agent = c.transport.agent
+        raw = (agent, agent.add_remote_agent(info["raw_md"]))
+
+    def pull_connector(n: int, ids: list[int], rep: int) -> float:
         params = {
             "remote_engine_id": info["engine"],
             "remote_instance_id": info["instance"],
@@ -126,39 +131,52 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
             "remote_request_id": f"bench-{n}",
             "remote_block_ids": ids,
         }
-        times = []
-        for rep in range(4):
-            start = time.perf_counter()
-            c.new_loads.put(Load(f"r{n}-{rep}", params, ids, ids, time.monotonic() + 60))
-            _rid, ok, why = c.done.get(timeout=120)
-            elapsed = time.perf_counter() - start
-            if not ok:
-                raise RuntimeError(f"pull failed: {why}")
-            if rep:  # the first pull includes the handshake
-                times.append(elapsed)
+        start = time.perf_counter()
+        c.new_loads.put(Load(f"r{n}-{rep}", params, ids, ids, time.monotonic() + 60))
+        _rid, ok, why = c.done.get(timeout=120)
+        if not ok:
+            raise RuntimeError(f"pull failed: {why}")
+        return time.perf_counter() - start
+
+    def pull_raw(nbytes: int) -> float:
+        # Raw NIXL: the same bytes as one contiguous READ.
+        agent, name = raw
+        local = np.array([[buf.data_ptr(), nbytes, 0]], dtype=np.uint64)
+        remote = np.array([[info["base"], nbytes, 0]], dtype=np.uint64)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+        rh = agent.prep_xfer_dlist(name, remote, "DRAM")
+        x = agent.make_prepped_xfer("READ", lh, [0], rh, [0])
+        start = time.perf_counter()
+        state = agent.transfer(x)
+        deadline = start + 120
+        while state == "PROC" and time.perf_counter() < deadline:
+            state = agent.check_xfer_state(x)
+        elapsed = time.perf_counter() - start
+        agent.release_xfer_handle(x)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in state {state}")
+        return elapsed
+
+    checksum = None
+    for n in TOKENS:
+        ids = list(range(1, n // BLOCK + 1))
         nbytes = len(ids) * bytes_per_block
+        # Alternate connector and raw pulls so both see the same machine load;
+        # the first of each is a warm-up (the connector's includes the handshake).
+        times, raw_times = [], []
+        for rep in range(REPS + 1):
+            elapsed = pull_connector(n, ids, rep)
+            if rep:
+                times.append(elapsed)
+            if checksum is None:
+                checksum = float(buf[:, :, 1:9].float().sum())
+            if raw is not None:
+                elapsed = pull_raw(nbytes)
+                if rep:
+                    raw_times.append(elapsed)
         out[n] = {"bytes": nbytes, "connector_s": statistics.median(times)}
-    checksum = float(buf[:, :, 1:9].float().sum())
-    # Raw NIXL: the same bytes as one contiguous READ.
-    if connector == "NixlConnector":
-        agent = c.transport.agent
-        name = agent.add_remote_agent(info["raw_md"])
-        for n in TOKENS:
-            nbytes = out[n]["bytes"]
-            local = np.array([[buf.data_ptr(), nbytes, 0]], dtype=np.uint64)
-            remote = np.array([[info["base"], nbytes, 0]], dtype=np.uint64)
-            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-            rh = agent.prep_xfer_dlist(name, remote, "DRAM")
-            times = []
-            for _ in range(4):
-                x = agent.make_prepped_xfer("READ", lh, [0], rh, [0])
-                start = time.perf_counter()
-                state = agent.transfer(x)
-                while state == "PROC":
-                    state = agent.check_xfer_state(x)
-                times.append(time.perf_counter() - start)
-                agent.release_xfer_handle(x)
-            out[n]["raw_nixl_s"] = statistics.median(times[1:])
+        if raw_times:
+            out[n]["raw_nixl_s"] = statistics.median(raw_times)
     for n in TOKENS:
         src = torch.empty(out[n]["bytes"], dtype=torch.uint8).random_()
         dst = torch.empty_like(src)

@@ -5,7 +5,8 @@ other, each behind its own gateway:
 
 * ``aggregated`` — both engines serve whole requests
   (``--disaggregation-mode Disabled``, load- and prefix-aware routing);
-* ``pd`` — one prefill and one decode engine (``--disaggregation-mode Always``).
+* ``pd`` — one prefill and one decode engine (``--pd-mode``: ``Conditional`` by
+  default, so short chat prompts go straight to decode; or ``Always``).
 
 The load, for ``--duration`` seconds, mixes two classes at once: ``long``
 (long prompts, short answers, Poisson arrivals) and ``chat`` (short prompts,
@@ -83,8 +84,15 @@ def run_topology(name: str, model: str, args: argparse.Namespace, log_dir: Path)
                 "decode", [*engine_common, *shlex.split(args.decode_engine_args)], env
             )
             engines = [prefill, decode]
-            roles = ["--prefill", prefill, "--decode", decode]
-            mode = "Always"
+            roles = [
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--min-prompt-tokens",
+                str(args.min_prompt_tokens),
+            ]
+            mode = args.pd_mode
         fleet.wait_healthy(engines)
         gateway = fleet.start(
             "gateway", ["gateway", "--host", "127.0.0.1", *roles, "--disaggregation-mode", mode]
@@ -115,6 +123,13 @@ def main() -> None:
     parser.add_argument("--decode-engine-args", default="", help="extra flags, one string")
     parser.add_argument(
         "--engine-threads", type=int, default=1, help="OMP_NUM_THREADS of each engine (0: unset)"
+    )
+    parser.add_argument("--pd-mode", default="Conditional", choices=["Conditional", "Always"])
+    parser.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        default=256,
+        help="Conditional threshold of the pd topology",
     )
     parser.add_argument("--json", help="write all numbers to this file")
     args = parser.parse_args()
