@@ -21,6 +21,7 @@ from ..kv_transfer.base import KVConnectorWorker
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
+from . import cpu_allocator
 from .cuda_graph import DecodeGraphs
 from .kv_cache import (
     allocate_kv_caches,
@@ -63,6 +64,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = m.vocab_size
         self.max_model_len = m.max_model_len
+        if self.device.type == "cpu":
+            cpu_allocator.tune()
         start = time.perf_counter()
         self.model = load_model(config, self.device)
         load_seconds = time.perf_counter() - start
