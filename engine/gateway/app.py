@@ -9,11 +9,8 @@ sending traffic to a gateway that could not serve it) and lists the engines;
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
-import signal
-import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
@@ -181,24 +179,8 @@ def run_gateway(config: GatewayConfig) -> int:
         timeout_keep_alive=75,
     )
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn re-raises the signal after a graceful stop (exit -15);
-            # a stop that went well should exit 0.
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
     # httpx logs every engine call (health checks included) at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info("pdfleet gateway on %s:%d: %r", config.host, config.port, config)
-    Server(uv_config).run()
+    graceful_server(uv_config).run()
     return 0

@@ -94,34 +94,11 @@ def test_engine_values_are_coerced_to_the_engine_field_types():
 
 
 def test_autoscaling_keys_and_defaults_are_the_agreed_ones():
-    # The policy's dataclasses use these exact names (camelCase of theirs).
-    expected = {
-        "periodSeconds": 15,
-        "maxTotalReplicas": None,
-        "prefillDecodeRatio": {"min": None, "max": None},
-        "metricsStaleSeconds": 45,
-        "prefill": {
-            "minReplicas": 1,
-            "maxReplicas": 4,
-            "ttftTargetSeconds": 2.0,
-            "prefillTokensPerSecond": None,
-            "scaleUpStabilizationSeconds": 0,
-            "scaleDownStabilizationSeconds": 300,
-            "maxScaleUpStep": 4,
-            "maxScaleDownStep": 1,
-            "targetWaitingPerReplica": 4,
-        },
-        "decode": {
-            "minReplicas": 1,
-            "maxReplicas": 4,
-            "targetKVCacheUsage": 0.7,
-            "targetWaitingPerReplica": 4,
-            "scaleUpStabilizationSeconds": 0,
-            "scaleDownStabilizationSeconds": 300,
-            "maxScaleUpStep": 4,
-            "maxScaleDownStep": 1,
-        },
-    }
+    # The resource's schema and the policy's spec (tests/autoscaling/test_spec.py pins
+    # its keys and defaults) agree on every key and default.
+    from pdfleet.operator.autoscaling.spec import AutoscalingSpec as PolicySpec
+
+    expected = PolicySpec().to_spec()
     assert AutoscalingSpec().model_dump(by_alias=True) == expected
     assert AutoscalingSpec.model_validate(expected).model_dump(by_alias=True) == expected
 

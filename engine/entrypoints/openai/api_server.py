@@ -27,6 +27,7 @@ from ...config import EngineConfig
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
+from ..uvicorn_server import graceful_server
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -124,34 +125,6 @@ async def until_disconnected(events: AsyncIterator[str], request: Request) -> As
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         await events.aclose()
-
-
-class _Server:
-    """uvicorn's server without re-raising SIGTERM after a graceful shutdown
-    (which would make the exit status -15 instead of 0)."""
-
-    @staticmethod
-    def create(config: Any) -> Any:
-        import contextlib
-        import signal as _signal
-
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                handled = (_signal.SIGINT, _signal.SIGTERM)
-                original = {sig: _signal.signal(sig, self.handle_exit) for sig in handled}
-                try:
-                    yield
-                finally:
-                    for sig, handler in original.items():
-                        _signal.signal(sig, handler)
-
-        return Server(config)
 
 
 def error_json(e: APIError) -> JSONResponse:
@@ -330,7 +303,7 @@ def run_server(
         timeout_graceful_shutdown=grace,
         timeout_keep_alive=75,
     )
-    server = _Server.create(uv_config)
+    server = graceful_server(uv_config)
 
     def watch_load() -> None:
         while not state.ready.wait(0.2):

@@ -269,14 +269,9 @@ class OpenAIServing:
             jobs.append((text, ids, params))
         return model, jobs
 
-    async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
-        model, jobs = await self.prepare_completion(req)
-        n = req.n
-        choices = {i: Choice(i) for i in range(len(jobs) * n)}
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
-        prompt_lps: dict[int, list] = {}
-        kv_out = None
-        streams = [
+    def _job_streams(self, jobs: list, request_id: str, req: Any) -> list:
+        """One engine stream per prompt of the request (ids suffixed when several)."""
+        return [
             self._stream(
                 f"{request_id}-{j}" if len(jobs) > 1 else request_id,
                 ids,
@@ -287,6 +282,15 @@ class OpenAIServing:
             )
             for j, (text, ids, params) in enumerate(jobs)
         ]
+
+    async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
+        model, jobs = await self.prepare_completion(req)
+        n = req.n
+        choices = {i: Choice(i) for i in range(len(jobs) * n)}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+        prompt_lps: dict[int, list] = {}
+        kv_out = None
+        streams = self._job_streams(jobs, request_id, req)
         async for j, out in self.merge(streams):
             if out.prompt_logprobs is not None:
                 prompt_lps[j] = out.prompt_logprobs
@@ -366,17 +370,7 @@ class OpenAIServing:
         }
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        streams = [
-            self._stream(
-                f"{request_id}-{j}" if len(jobs) > 1 else request_id,
-                ids,
-                params,
-                text,
-                req.priority,
-                req.kv_transfer_params,
-            )
-            for j, (text, ids, params) in enumerate(jobs)
-        ]
+        streams = self._job_streams(jobs, request_id, req)
         try:
             async for j, out in self.merge(streams):
                 if out.finished:
