@@ -33,9 +33,9 @@ COPY operator operator
 RUN pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".[engine]" \
     && cd / && rm -rf /src
 
-# The pods run as this user (uid 1000, the operator's runAsUser).
-RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home pdfleet)
-USER 1000:1000
+# The pods run as this user (uid 10001, the operator's runAsUser).
+RUN (getent passwd 10001 >/dev/null || useradd --uid 10001 --user-group --no-create-home pdfleet)
+USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000 14579
 CMD ["pdfleet", "--help"]

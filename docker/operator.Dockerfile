@@ -18,8 +18,8 @@ COPY kernels kernels
 COPY operator operator
 RUN pip install ".[operator]" && cd / && rm -rf /src
 
-RUN useradd --uid 1000 --user-group --no-create-home pdfleet
-USER 1000:1000
+RUN useradd --uid 10001 --user-group --no-create-home pdfleet
+USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8080 9090
 CMD ["pdfleet", "operator"]

@@ -49,14 +49,17 @@ MANAGED_BY = "pdfleet-operator"
 # the pod's own IP and each engine is identified by its pod name.
 ENV_KV_IP = "PDFLEET_KV_IP"
 ENV_POD_NAME = "POD_NAME"
-ENV_API_KEY = "PDFLEET_API_KEY"
+ENV_API_KEY_FILE = "PDFLEET_API_KEY_FILE"
+# The gateway's API keys come from its Secret mounted as a file (not an
+# environment variable: those leak into crash dumps and `kubectl describe`).
+API_KEY_DIR = "/etc/pdfleet/api-key"
 # Seconds added to the engine's drain time before the kubelet kills it.
 GRACE_MARGIN_SECONDS = 15
 # Model loading may take long (large weights, cold caches): the startup probe
 # allows STARTUP_PERIOD_SECONDS * STARTUP_FAILURES = 30 minutes.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURES = 180
-RUN_AS_USER = 1000
+RUN_AS_USER = 10001  # above the host's usual uid range (the images' user)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,16 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
     return [], [], []
 
 
-def _init_containers(image: str, paths: list[str]) -> list[dict[str, Any]]:
+def _init_containers(
+    image: str, paths: list[str], main_resources: dict[str, Any]
+) -> list[dict[str, Any]]:
+    # The model writer runs before the main container: it may use the same CPU and
+    # memory (the pod's request does not grow), never its accelerators.
+    resources = {
+        kind: {k: v for k, v in amounts.items() if k in ("cpu", "memory")}
+        for kind, amounts in main_resources.items()
+    }
+    resources = {kind: amounts for kind, amounts in resources.items() if amounts}
     return [
         {
             "name": "write-model",
@@ -169,6 +181,7 @@ def _init_containers(image: str, paths: list[str]) -> list[dict[str, Any]]:
                 {"name": "tmp", "mountPath": "/tmp"},
             ],
             "securityContext": _container_security_context(),
+            **({"resources": resources} if resources else {}),
         }
         for path in paths
     ]
@@ -276,7 +289,7 @@ def engine_pod_template(
         ],
     }
     if builtin_paths:
-        pod_spec["initContainers"] = _init_containers(image, builtin_paths)
+        pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
     return {
         "metadata": {"labels": {**common_labels(name, role), LABEL_COMPAT: compat}},
         "spec": pod_spec,
@@ -306,18 +319,20 @@ def gateway_pod_template(
     gateway = spec.gateway
     volumes, model_mounts, builtin_paths = _model_volumes(spec)
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    secret_mounts: list[dict[str, Any]] = []
     if gateway.api_key_secret is not None:
-        env.append(
+        env.append({"name": ENV_API_KEY_FILE, "value": f"{API_KEY_DIR}/api-key"})
+        volumes.append(
             {
-                "name": ENV_API_KEY,
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": gateway.api_key_secret.name,
-                        "key": gateway.api_key_secret.key,
-                    }
+                "name": "api-key",
+                "secret": {
+                    "secretName": gateway.api_key_secret.name,
+                    "items": [{"key": gateway.api_key_secret.key, "path": "api-key"}],
+                    "defaultMode": 0o440,
                 },
             }
         )
+        secret_mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",
@@ -326,7 +341,7 @@ def gateway_pod_template(
         "command": gateway_command(name, spec, namespace),
         "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
         "env": env,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts, *secret_mounts],
         "readinessProbe": _probe("/health", period=5, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
         "securityContext": _container_security_context(),
@@ -344,7 +359,7 @@ def gateway_pod_template(
         "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
     }
     if builtin_paths:
-        pod_spec["initContainers"] = _init_containers(image, builtin_paths)
+        pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
     return {"metadata": {"labels": common_labels(name, "gateway")}, "spec": pod_spec}
 
 

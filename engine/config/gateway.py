@@ -19,6 +19,9 @@ from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
 API_KEY_ENV = "PDFLEET_API_KEY"
+# A file holding the keys instead (a mounted Kubernetes Secret): read when
+# $PDFLEET_API_KEY is unset.
+API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
 
 
 @dataclass
@@ -65,7 +68,8 @@ class GatewayConfig:
     blocks; without it a token is approximated as 4 characters."""
     api_key: list[str] = field(default_factory=list)
     """Accepted `Authorization: Bearer KEY` keys (default: the comma-separated
-    $PDFLEET_API_KEY, else none: no authentication)."""
+    $PDFLEET_API_KEY, else the keys in the file $PDFLEET_API_KEY_FILE names,
+    comma- or newline-separated, else none: no authentication)."""
     connect_timeout: float = 5.0
     """Seconds to open a connection to an engine."""
     first_token_timeout: float = 300.0
@@ -170,4 +174,15 @@ class GatewayConfig:
 
 
 def keys_from_env() -> list[str]:
-    return [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    """Keys from $PDFLEET_API_KEY, else from the file $PDFLEET_API_KEY_FILE."""
+    text = os.environ.get(API_KEY_ENV, "")
+    path = os.environ.get(API_KEY_FILE_ENV, "")
+    if not text.strip() and path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"${API_KEY_FILE_ENV}: cannot read {path}: {e.strerror}") from e
+        if not text.strip():
+            raise ValueError(f"${API_KEY_FILE_ENV}: {path} holds no key")
+    return [k.strip() for k in text.replace("\n", ",").split(",") if k.strip()]

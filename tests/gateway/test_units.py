@@ -262,6 +262,25 @@ def test_api_keys_come_from_flags_or_the_environment_and_are_never_printed(monke
     assert "k1" not in repr(config) and "k1" not in " ".join(config.to_cli_args())
 
 
+def test_api_keys_from_a_mounted_secret_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("PDFLEET_API_KEY", raising=False)
+    key_file = tmp_path / "api-key"
+    key_file.write_text("k1\nk2, k3\n")
+    monkeypatch.setenv("PDFLEET_API_KEY_FILE", str(key_file))
+    assert parse(["--decode", "http://d"]).api_key == ["k1", "k2", "k3"]
+    # $PDFLEET_API_KEY wins over the file.
+    monkeypatch.setenv("PDFLEET_API_KEY", "k9")
+    assert parse(["--decode", "http://d"]).api_key == ["k9"]
+    monkeypatch.delenv("PDFLEET_API_KEY")
+    # A missing or empty file is an error naming the variable, not a gateway without auth.
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="PDFLEET_API_KEY_FILE.*holds no key"):
+        parse(["--decode", "http://d"])
+    monkeypatch.setenv("PDFLEET_API_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="PDFLEET_API_KEY_FILE: cannot read"):
+        parse(["--decode", "http://d"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

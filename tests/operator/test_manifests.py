@@ -132,8 +132,19 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     assert flags.disaggregation_mode == "Conditional"
     assert flags.min_prompt_tokens == 256
     assert flags.port == 8000
+    # The key is a mounted file (checkov CKV_K8S_35), never an environment value.
     env = {e["name"]: e for e in c["env"]}
-    assert env["PDFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    assert "PDFLEET_API_KEY" not in env
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    key_file = env["PDFLEET_API_KEY_FILE"]["value"]
+    assert key_file.startswith(mounts["api-key"]["mountPath"] + "/")
+    assert mounts["api-key"]["readOnly"] is True
+    pod = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-gateway"
+    )["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
+    assert volume["secret"]["secretName"] == "keys"
+    assert volume["secret"]["items"] == [{"key": "api-key", "path": key_file.rsplit("/", 1)[1]}]
     role = by_kind_name(objects)["Role", "demo-gateway"]
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
