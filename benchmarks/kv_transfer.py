@@ -242,6 +242,8 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Two engines share the cores: one torch thread each (see docs/gateway.md).
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
         )
         return f"http://127.0.0.1:{port}"
@@ -259,30 +261,43 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
                 if time.monotonic() > deadline:
                     raise TimeoutError("servers did not start")
                 time.sleep(0.3)
-        handovers, prefills = [], []
-        for i in range(n_prompts):
-            prompt = [(i * 7919 + j * 31) % 1700 + 20 for j in range(1000)]
-            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            t0 = time.perf_counter()
-            pre = httpx.post(
-                p_url + "/v1/completions",
-                timeout=60,
-                json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-            ).json()
-            t1 = time.perf_counter()
-            with httpx.stream(
-                "POST",
-                d_url + "/v1/completions",
-                timeout=60,
-                json={**body, "stream": True, "kv_transfer_params": pre["kv_transfer_params"]},
-            ) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        t2 = time.perf_counter()
-                        break
-            if i:  # the first includes the handshake
-                prefills.append(t1 - t0)
-                handovers.append(t2 - t1)
+        handovers, prefills, recomputes = [], [], []
+        # One client for the whole run: a new httpx client per request costs tens of
+        # milliseconds here (TLS context setup), which would be counted as handover.
+        with httpx.Client(timeout=60) as client:
+
+            def first_event(url: str, body: dict) -> float:
+                start = time.perf_counter()
+                with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            return time.perf_counter() - start
+                raise RuntimeError(f"no token from {url}")
+
+            for i in range(n_prompts):
+                prompt = [(i * 7919 + j * 31) % 1700 + 20 for j in range(1000)]
+                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                t0 = time.perf_counter()
+                pre = client.post(
+                    p_url + "/v1/completions",
+                    json={
+                        **body,
+                        "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True},
+                    },
+                ).json()
+                t1 = time.perf_counter()
+                handover = first_event(
+                    d_url, {**body, "stream": True, "kv_transfer_params": pre["kv_transfer_params"]}
+                )
+                # The same work without P/D: the decode engine computes an uncached
+                # prompt of the same length itself.
+                fresh = [(i * 7919 + j * 37 + 5) % 1700 + 20 for j in range(1000)]
+                recompute = first_event(d_url, {**body, "prompt": fresh, "stream": True})
+                if i:  # the first includes the handshake
+                    prefills.append(t1 - t0)
+                    handovers.append(handover)
+                    recomputes.append(recompute)
         q = statistics.quantiles(handovers, n=10)
         return {
             "prompts": len(handovers),
@@ -290,6 +305,7 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
             "prefill_leg_p50_s": statistics.median(prefills),
             "handover_p50_s": statistics.median(handovers),
             "handover_p90_s": q[8],
+            "decode_only_ttft_p50_s": statistics.median(recomputes),
         }
     finally:
         for p in procs:
@@ -337,7 +353,8 @@ def main() -> int:
         print(
             f"handover (tiny model, {h['prompt_tokens']}-token prompts, {h['prompts']} runs): "
             f"p50 {1000 * h['handover_p50_s']:.1f} ms, p90 {1000 * h['handover_p90_s']:.1f} ms "
-            f"(prefill leg p50 {1000 * h['prefill_leg_p50_s']:.1f} ms)"
+            f"(prefill leg p50 {1000 * h['prefill_leg_p50_s']:.1f} ms; decode-only TTFT of "
+            f"the same length p50 {1000 * h['decode_only_ttft_p50_s']:.1f} ms)"
         )
     if args.json:
         with open(args.json, "w") as f:
