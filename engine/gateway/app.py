@@ -29,6 +29,7 @@ from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
 from .proxy import Proxy, error_response, upstream_message
 from .routing import PrefixAffinity, Router
+from .upstream import UpstreamClient
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -56,6 +57,8 @@ class Gateway:
             ),
             timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout),
         )
+        # Engine calls of the request path; health checks and scrapes use httpx.
+        self.upstream = UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY)
         self.affinity = PrefixAffinity(config.prefix_table_size)
         self.pool = EnginePool(
             config, self.discovery, self.metrics, self.client, on_eject=self.affinity.forget
@@ -68,7 +71,7 @@ class Gateway:
             self.affinity,
             self.analyzer,
             self.metrics,
-            self.client,
+            self.upstream,
         )
         self.keys = [k.encode() for k in config.api_key]
 
@@ -88,6 +91,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.pool.stop()
+        await self.upstream.aclose()
         await self.client.aclose()
 
 

@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -39,6 +38,7 @@ from .engines import EnginePool, EngineState
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer, PromptInfo
 from .routing import NoEngineError, PrefixAffinity, Route, Router
+from .upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -107,7 +107,8 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
-def upstream_message(resp: httpx.Response) -> str:
+def upstream_message(resp: Any) -> str:
+    """The error message of an engine's answer (an httpx or upstream response)."""
     try:
         return str(resp.json()["error"]["message"])
     except Exception:  # not OpenAI-shaped: show the start of the body
@@ -142,7 +143,7 @@ class Proxy:
         affinity: PrefixAffinity,
         analyzer: PromptAnalyzer,
         metrics: GatewayMetrics,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -151,14 +152,10 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.client = client
-        c = config
-        self.prefill_timeout = httpx.Timeout(c.first_token_timeout, connect=c.connect_timeout)
-        self.request_timeout = httpx.Timeout(c.request_timeout, connect=c.connect_timeout)
-        # The stream's own timeouts (first event, idle) are enforced per event
-        # below; httpx's read timeout is only a backstop.
-        self.stream_timeout = httpx.Timeout(
-            max(c.first_token_timeout, c.idle_timeout) + 1, connect=c.connect_timeout
-        )
+        # Connect timeouts are the client's; a stream's first-event and idle
+        # timeouts are enforced per event below.
+        self.prefill_timeout = config.first_token_timeout
+        self.request_timeout = config.request_timeout
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -176,11 +173,11 @@ class Proxy:
 
     def _failed(self, e: EngineState, role: str, ex: Exception) -> LegFailed:
         """Classify a transport error; a refused connection ejects the engine at once."""
-        if isinstance(ex, httpx.ConnectError):
+        if isinstance(ex, UpstreamConnectError):
             kind, status = "connect", 502
             self.pool.record_failure(e, f"connection refused: {ex}", definitive=True)
             msg = f"{role} engine {e.url} refused the connection"
-        elif isinstance(ex, httpx.TimeoutException | TimeoutError):
+        elif isinstance(ex, TimeoutError):
             kind, status = "timeout", 504
             msg = f"{role} engine {e.url} did not answer in time"
         else:
@@ -189,7 +186,7 @@ class Proxy:
         self.metrics.upstream_errors.labels(e.url, e.role, kind).inc()
         return LegFailed(msg, status, kind)
 
-    def _status_error(self, e: EngineState, role: str, resp: httpx.Response) -> LegFailed:
+    def _status_error(self, e: EngineState, role: str, resp: UpstreamResponse) -> LegFailed:
         self.metrics.upstream_errors.labels(e.url, e.role, "status").inc()
         status = 503 if resp.status_code == 503 else 502
         return LegFailed(
@@ -198,7 +195,7 @@ class Proxy:
             "status",
         )
 
-    def _passthrough(self, call: Call, resp: httpx.Response, content: bytes) -> Response:
+    def _passthrough(self, call: Call, resp: UpstreamResponse, content: bytes) -> Response:
         self._finish(call, resp.status_code)
         return Response(
             content,
@@ -308,12 +305,9 @@ class Proxy:
         self._acquire(e)
         try:
             resp = await self.client.post(
-                e.url + call.endpoint,
-                content=payload,
-                headers=call.headers,
-                timeout=self.prefill_timeout,
+                e.url + call.endpoint, payload, call.headers, self.prefill_timeout
             )
-        except httpx.HTTPError as ex:
+        except (UpstreamError, TimeoutError) as ex:
             raise self._failed(e, "prefill", ex) from None
         finally:
             self._release(e)
@@ -359,12 +353,9 @@ class Proxy:
             self._acquire(e)
             try:
                 resp = await self.client.post(
-                    e.url + call.endpoint,
-                    content=payload,
-                    headers=call.headers,
-                    timeout=self.request_timeout,
+                    e.url + call.endpoint, payload, call.headers, self.request_timeout
                 )
-            except httpx.HTTPError as ex:
+            except (UpstreamError, TimeoutError) as ex:
                 failure = self._failed(e, "decode", ex)
                 if failure.kind == "connect" and (nxt := self._next_decode(route, info, tried)):
                     self._release(e)
@@ -418,22 +409,15 @@ class Proxy:
 
     async def _open_stream(
         self, call: Call, e: EngineState, payload: bytes
-    ) -> tuple[httpx.Response, AsyncIterator[bytes]] | Response:
+    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response:
         """(accepted response, its chunk iterator), holding ``e`` (the relay
         releases it); a Response for an HTTP error."""
         self._acquire(e)
-        resp: httpx.Response | None = None
+        resp: UpstreamResponse | None = None
         handed = False
         try:
-            request = self.client.build_request(
-                "POST",
-                e.url + call.endpoint,
-                content=payload,
-                headers=call.headers,
-                timeout=self.stream_timeout,
-            )
             async with asyncio.timeout(self.config.first_token_timeout):
-                resp = await self.client.send(request, stream=True)
+                resp = await self.client.stream(e.url + call.endpoint, payload, call.headers)
                 if resp.status_code != 200:
                     content = await resp.aread()
                     if resp.status_code < 500:
@@ -442,7 +426,7 @@ class Proxy:
                     return self._error(call, failure.message, failure.status)
             handed = True  # the relay closes the response and releases the engine
             return resp, resp.aiter_raw()
-        except (httpx.HTTPError, TimeoutError) as ex:
+        except (UpstreamError, TimeoutError) as ex:
             raise self._failed(e, "decode", ex) from None
         finally:
             if not handed:
@@ -454,7 +438,7 @@ class Proxy:
         self,
         call: Call,
         engine: EngineState,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
     ) -> AsyncIterator[bytes]:
         """Relay whole SSE events (so an error event never lands mid-event)."""
@@ -486,7 +470,7 @@ class Proxy:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
                 status = 502
                 yield sse_error(f"decode engine {engine.url} ended the stream early", status)
-        except (httpx.HTTPError, TimeoutError) as ex:
+        except (UpstreamError, TimeoutError) as ex:
             if done:  # the client has its whole answer; only the connection's end failed
                 return
             failure = self._failed(engine, "decode", ex)

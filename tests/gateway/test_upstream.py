@@ -1,0 +1,182 @@
+"""The gateway's HTTP/1.1 client for engine calls, against real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+from pdfleet.engine.gateway import upstream
+from pdfleet.engine.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
+
+
+class Server:
+    """A scripted HTTP/1.1 server: ``handler(reader, writer, request_body)`` answers
+    each request; every connection and finished request is recorded."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.bodies: list[bytes] = []
+        self.closed = asyncio.Event()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 2)
+
+    async def _serve(self, reader, writer) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                length = 0
+                for line in head.decode().split("\r\n")[1:]:
+                    if line.lower().startswith("content-length:"):
+                        length = int(line.split(":")[1])
+                body = await reader.readexactly(length)
+                self.bodies.append(body)
+                if await self.handler(reader, writer, body) == "close":
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+
+async def json_answer(reader, writer, body):
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+
+
+async def sse_answer(reader, writer, body):
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+    writer.write(b"transfer-encoding: chunked\r\n\r\n")
+    for event in (b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"):
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_json_answers_and_kept_alive_connections():
+    async def main():
+        server = Server(json_answer)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            for i in range(3):
+                resp = await client.post(url + "/v1/completions", b'{"i": %d}' % i, {}, 5)
+                assert resp.status_code == 200 and resp.json() == {"i": i}
+                assert resp.headers["content-type"] == "application/json"
+            await client.aclose()
+        assert server.connections == 1  # one connection served all three
+
+    run(main())
+
+
+def test_chunked_stream_is_relayed_event_by_event_and_reused():
+    async def main():
+        server = Server(sse_answer)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            for _ in range(2):
+                resp = await client.stream(url + "/v1/completions", b"{}", {"x-request-id": "r1"})
+                events = [chunk async for chunk in resp.aiter_raw()]
+                await resp.aclose()
+                assert b"".join(events).endswith(b"data: [DONE]\n\n")
+                assert len(events) == 3
+            await client.aclose()
+        assert server.connections == 1
+
+    run(main())
+
+
+def test_an_abandoned_stream_closes_its_connection():
+    async def main():
+        server = Server(sse_answer)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            resp = await client.stream(url + "/v1/completions", b"{}", {})
+            chunks = resp.aiter_raw()
+            assert (await anext(chunks)).startswith(b"data:")
+            await resp.aclose()  # the client went away: the engine must see the end
+            await asyncio.wait_for(server.closed.wait(), 5)
+            resp = await client.post(url + "/v1/completions", b"{}", {}, 5)
+            assert resp.status_code == 200
+            await client.aclose()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_a_stale_kept_alive_connection_is_retried_on_a_new_one(monkeypatch):
+    async def once_then_close(reader, writer, body):
+        await json_answer(reader, writer, body)
+        return "close"  # closes without saying so (no "connection: close")
+
+    async def main():
+        server = Server(once_then_close)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            assert (await client.post(url + "/a", b"1", {}, 5)).content == b"1"
+            await asyncio.wait_for(server.closed.wait(), 5)
+            # Even if the pool cannot tell the connection is dead, the request is
+            # resent on a new connection, not failed.
+            monkeypatch.setattr(upstream._Conn, "usable", lambda self, now, expiry: True)
+            assert (await client.post(url + "/a", b"2", {}, 5)).content == b"2"
+            await client.aclose()
+        assert server.connections == 2 and server.bodies == [b"1", b"2"]
+
+    run(main())
+
+
+def test_refused_connections_timeouts_and_garbage_are_distinct_errors():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+
+    async def slow(reader, writer, body):
+        await reader.read()  # never answers; returns when the client hangs up
+        return "close"
+
+    async def garbage(reader, writer, body):
+        writer.write(b"SSH-2.0-nope\r\n\r\n")
+        await writer.drain()
+        return "close"
+
+    async def main():
+        client = UpstreamClient(connect_timeout=2)
+        with pytest.raises(UpstreamConnectError):
+            await client.post(f"http://127.0.0.1:{free}/v1/completions", b"{}", {}, 5)
+        server = Server(slow)
+        async with server as url:
+            with pytest.raises(TimeoutError):
+                await client.post(url + "/v1/completions", b"{}", {}, 0.2)
+            await asyncio.wait_for(server.closed.wait(), 5)  # the engine saw the end
+        async with Server(garbage) as url:
+            with pytest.raises(UpstreamError, match="not an HTTP/1.1 answer"):
+                await client.post(url + "/v1/completions", b"{}", {}, 5)
+        with pytest.raises(UpstreamError, match="not an http"):
+            await client.post("ftp://x/y", b"", {}, 5)
+        await client.aclose()
+
+    run(main())
