@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 MAX_HEAD_BYTES = 64 * 1024
 # Largest chunk-size line (hex digits and extensions).
 MAX_CHUNK_LINE = 1024
+# Idle connections kept per engine; more are closed when returned.
+MAX_IDLE_PER_ENGINE = 256
 
 
 class UpstreamError(Exception):
@@ -284,8 +286,12 @@ class UpstreamClient:
         if self._closed:
             conn.close()
             return
+        idle = self._idle.setdefault(key, deque())
+        if len(idle) >= MAX_IDLE_PER_ENGINE:
+            conn.close()
+            return
         conn.idle_since = time.monotonic()
-        self._idle.setdefault(key, deque()).append(conn)
+        idle.append(conn)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -93,6 +93,24 @@ def test_json_answers_and_kept_alive_connections():
     run(main())
 
 
+def test_idle_connections_per_engine_are_bounded(monkeypatch):
+    monkeypatch.setattr(upstream, "MAX_IDLE_PER_ENGINE", 2)
+
+    async def main():
+        server = Server(json_answer)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            answers = await asyncio.gather(
+                *(client.post(url + "/v1/completions", b"{}", {}, 5) for _ in range(5))
+            )
+            assert all(a.status_code == 200 for a in answers)
+            assert server.connections == 5
+            assert sum(len(idle) for idle in client._idle.values()) == 2
+            await client.aclose()
+
+    run(main())
+
+
 def test_chunked_stream_is_relayed_event_by_event_and_reused():
     async def main():
         server = Server(sse_answer)
