@@ -153,6 +153,8 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
             state = agent.check_xfer_state(x)
         elapsed = time.perf_counter() - start
         agent.release_xfer_handle(x)
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
         if state != "DONE":
             raise RuntimeError(f"raw NIXL READ ended in state {state}")
         return elapsed

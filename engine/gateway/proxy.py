@@ -152,10 +152,6 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.client = client
-        # Connect timeouts are the client's; a stream's first-event and idle
-        # timeouts are enforced per event below.
-        self.prefill_timeout = config.first_token_timeout
-        self.request_timeout = config.request_timeout
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -305,7 +301,7 @@ class Proxy:
         self._acquire(e)
         try:
             resp = await self.client.post(
-                e.url + call.endpoint, payload, call.headers, self.prefill_timeout
+                e.url + call.endpoint, payload, call.headers, self.config.first_token_timeout
             )
         except (UpstreamError, TimeoutError) as ex:
             raise self._failed(e, "prefill", ex) from None
@@ -353,7 +349,7 @@ class Proxy:
             self._acquire(e)
             try:
                 resp = await self.client.post(
-                    e.url + call.endpoint, payload, call.headers, self.request_timeout
+                    e.url + call.endpoint, payload, call.headers, self.config.request_timeout
                 )
             except (UpstreamError, TimeoutError) as ex:
                 failure = self._failed(e, "decode", ex)

@@ -199,27 +199,20 @@ def test_unclaimed_lease_frees_the_producers_blocks(fleet):
     assert scrape(fleet["prefill"])["pdfleet_engine_kv_cache_usage_ratio"] == 0
 
 
-def test_bad_kv_transfer_params_are_a_400(fleet):
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"do_remote_prefill": True}, "remote_host"),
+        ({"do_remote_decode": True}, "not a KV producer"),
+    ],
+)
+def test_bad_kv_transfer_params_are_a_400(fleet, params, message):
     r = httpx.post(
         fleet["decode"] + "/v1/completions",
         timeout=30,
-        json={
-            "prompt": "hello",
-            "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_prefill": True},
-        },
+        json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
     )
-    assert r.status_code == 400 and "remote_host" in r.json()["error"]["message"]
-    r = httpx.post(
-        fleet["decode"] + "/v1/completions",
-        timeout=30,
-        json={
-            "prompt": "hello",
-            "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_decode": True},
-        },
-    )
-    assert r.status_code == 400 and "not a KV producer" in r.json()["error"]["message"]
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")
