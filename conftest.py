@@ -2,6 +2,7 @@
 
 * Triton kernels run under the interpreter when no GPU is present; the
   variable must be set before any ``@triton.jit`` module is imported.
+* Every process a test starts shares one fleet secret ($PDFLEET_FLEET_SECRET).
 * ``tiny_model_factory`` builds (once per session and spec) small random-weight
   Hugging Face model directories for every supported family.
 """
@@ -22,6 +23,11 @@ except ImportError:  # the operator-only install has no torch
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One fleet secret for every process a test starts (engines, gateways, `pdfleet
+# up`), as the operator mounts one per InferenceService. Tests of missing or
+# wrong secrets override it per process. See engine/config/security.py.
+os.environ.setdefault("PDFLEET_FLEET_SECRET", "pdfleet-tests-fleet-secret-0123456789abcdef")
 
 
 @pytest.fixture(scope="session")

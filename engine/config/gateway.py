@@ -10,18 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
+from .security import api_keys_from_env
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
-API_KEY_ENV = "PDFLEET_API_KEY"
-# A file holding the keys instead (a mounted Kubernetes Secret): read when
-# $PDFLEET_API_KEY is unset.
-API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
 
 
 @dataclass
@@ -175,14 +171,4 @@ class GatewayConfig:
 
 def keys_from_env() -> list[str]:
     """Keys from $PDFLEET_API_KEY, else from the file $PDFLEET_API_KEY_FILE."""
-    text = os.environ.get(API_KEY_ENV, "")
-    path = os.environ.get(API_KEY_FILE_ENV, "")
-    if not text.strip() and path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"${API_KEY_FILE_ENV}: cannot read {path}: {e.strerror}") from e
-        if not text.strip():
-            raise ValueError(f"${API_KEY_FILE_ENV}: {path} holds no key")
-    return [k.strip() for k in text.replace("\n", ",").split(",") if k.strip()]
+    return api_keys_from_env()

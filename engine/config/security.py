@@ -1,0 +1,183 @@
+"""Credentials of a fleet, in one place: API keys, the fleet secret, signed params.
+
+Torch-free (the gateway, the operator and ``pdfleet up`` import it). Every
+component that checks a credential goes through this module, so that keys
+are split the same way everywhere and every comparison is constant-time.
+
+* **API keys** are what clients present to the gateway (and, optionally, to
+  an engine directly): ``Authorization: Bearer KEY``. They come from
+  ``$PDFLEET_API_KEY`` (comma- or newline-separated) or, when that is unset,
+  from the file ``$PDFLEET_API_KEY_FILE`` names (a mounted Secret).
+* **The fleet secret** is shared by the gateway and every engine of one
+  fleet (the operator mounts it from a Secret; ``pdfleet up`` generates one
+  per run). It never travels: each use derives its own key from it
+  (:func:`derive_key`), so a key leaked from one use opens nothing else.
+
+  - ``engine-http``: the bearer token the gateway (and the operator) present
+    to engine HTTP routes (:func:`fleet_token`).
+  - ``kv-params``: the HMAC key that signs ``kv_transfer_params``
+    (:func:`sign_params` / :func:`verify_params`).
+  - ``kv-side-channel``: the key of the KV side channel's challenge-response.
+
+See docs/security.md for the trust model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+API_KEY_ENV = "PDFLEET_API_KEY"
+API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
+FLEET_SECRET_ENV = "PDFLEET_FLEET_SECRET"
+FLEET_SECRET_FILE_ENV = "PDFLEET_FLEET_SECRET_FILE"
+
+# The fields a signature adds to kv_transfer_params.
+SIG_FIELD = "pdfleet_sig"
+EXPIRES_FIELD = "pdfleet_expires"
+# Smallest secret accepted (bytes): shorter ones are guessable.
+MIN_SECRET_BYTES = 16
+
+
+class InvalidParams(ValueError):
+    """kv_transfer_params that are unsigned, forged, altered or expired."""
+
+
+def split_keys(text: str) -> list[str]:
+    """Keys in ``text``, separated by commas or newlines, blanks dropped."""
+    return [k.strip() for k in text.replace("\n", ",").split(",") if k.strip()]
+
+
+def _read_secret_file(env: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"${env}: cannot read {path}: {e.strerror}") from e
+    if not text.strip():
+        raise ValueError(f"${env}: {path} holds no key")
+    return text
+
+
+def api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Keys from $PDFLEET_API_KEY, else from the file $PDFLEET_API_KEY_FILE."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(API_KEY_ENV, "")
+    path = environ.get(API_KEY_FILE_ENV, "")
+    if not text.strip() and path:
+        text = _read_secret_file(API_KEY_FILE_ENV, path)
+    return split_keys(text)
+
+
+def fleet_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The fleet secret from $PDFLEET_FLEET_SECRET, else the file
+    $PDFLEET_FLEET_SECRET_FILE names; None when neither is set."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(FLEET_SECRET_ENV, "").strip()
+    path = environ.get(FLEET_SECRET_FILE_ENV, "")
+    if not text and path:
+        text = _read_secret_file(FLEET_SECRET_FILE_ENV, path).strip()
+    if not text:
+        return None
+    secret = text.encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the fleet secret is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            f"(pdfleet up and the operator generate 32 random bytes)"
+        )
+    return secret
+
+
+def generate_secret() -> str:
+    """A new fleet secret: 32 random bytes, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """The key for one use of the fleet secret (HMAC-SHA256 of the purpose)."""
+    return hmac.new(secret, b"pdfleet/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def fleet_token(secret: bytes) -> str:
+    """The bearer token that the gateway and the operator present to engines."""
+    return derive_key(secret, "engine-http").hex()
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The credential of an ``Authorization`` header (scheme case-insensitive)."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def key_matches(presented: str | None, keys: Iterable[str]) -> bool:
+    """Whether ``presented`` is one of ``keys``, compared in constant time
+    (every key is compared, so the timing says nothing about which matched)."""
+    if presented is None:
+        return False
+    given = presented.encode()
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given, key.encode())
+    return found
+
+
+def _canonical(params: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in params.items() if k != SIG_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def sign_params(secret: bytes, params: Mapping[str, Any], ttl: float) -> dict[str, Any]:
+    """``params`` with an expiry (wall-clock seconds) and an HMAC over every field."""
+    signed = dict(params)
+    signed.pop(SIG_FIELD, None)
+    signed[EXPIRES_FIELD] = round(time.time() + ttl, 3)
+    key = derive_key(secret, "kv-params")
+    signed[SIG_FIELD] = hmac.new(key, _canonical(signed), hashlib.sha256).hexdigest()
+    return signed
+
+
+def verify_params(
+    secret: bytes, params: Mapping[str, Any], now: float | None = None
+) -> dict[str, Any]:
+    """The params without their signature fields, or InvalidParams naming why."""
+    sig = params.get(SIG_FIELD)
+    if not isinstance(sig, str):
+        raise InvalidParams("kv_transfer_params are not signed by a prefill engine of this fleet")
+    key = derive_key(secret, "kv-params")
+    want = hmac.new(key, _canonical(params), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(sig.encode(), want.encode()):
+        raise InvalidParams("kv_transfer_params have a bad signature (forged or altered)")
+    expires = params.get(EXPIRES_FIELD)
+    if not isinstance(expires, int | float) or isinstance(expires, bool):
+        raise InvalidParams("kv_transfer_params carry no expiry")
+    if (time.time() if now is None else now) > float(expires):
+        raise InvalidParams("kv_transfer_params have expired")
+    return {k: v for k, v in params.items() if k not in (SIG_FIELD, EXPIRES_FIELD)}
+
+
+def challenge() -> bytes:
+    """A fresh nonce for a challenge-response."""
+    return secrets.token_bytes(32)
+
+
+def prove(secret: bytes, purpose: str, *parts: bytes) -> bytes:
+    """The response to a challenge: HMAC of the parts under the purpose's key."""
+    mac = hmac.new(derive_key(secret, purpose), digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(4, "big"))
+        mac.update(part)
+    return mac.digest()
+
+
+def proof_ok(secret: bytes, purpose: str, proof: bytes, *parts: bytes) -> bool:
+    return hmac.compare_digest(proof, prove(secret, purpose, *parts))
