@@ -8,8 +8,9 @@ import os
 import time
 from typing import Any
 
-from .config import EngineArgs, EngineConfig
-from .core.engine_core import EngineCore, StepStats
+from .config import EngineArgs, EngineConfig, UsageContext
+from .engine_core import EngineCore, StepStats
+from .kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
@@ -54,7 +55,11 @@ def read_generation_config(model_config) -> dict[str, Any]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: Any = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None,
+    ) -> None:
         self.config = config
         m = config.model_config
         self.tokenizer = (
@@ -84,8 +89,8 @@ class LLMEngine:
             from .kv_transfer.connector import create_connector
 
             connector = create_connector(config)
-        self.connector = connector
-        self.core = EngineCore(config, self.eos_token_ids, connector)
+        self.connector: KVConnector | None = None if connector is None else KVConnector(*connector)
+        self.core = EngineCore(config, self.eos_token_ids, self.connector)
         self.output = OutputProcessor(self.tokenizer)
         self.kv_events = None
         ev = config.kv_events_config
@@ -98,12 +103,12 @@ class LLMEngine:
         logger.info("Engine ready: %s", config.summary())
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, usage_context: str = "llm") -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, usage_context: UsageContext = "llm") -> LLMEngine:
         return cls(args.create_engine_config(usage_context=usage_context))
 
     @property
     def max_model_len(self) -> int:
-        return self.config.model_config.max_model_len
+        return self.config.scheduler_config.max_model_len
 
     # -- input ----------------------------------------------------------------------
 
@@ -175,7 +180,7 @@ class LLMEngine:
                     # Not a consumer: compute the prompt here (aggregated serving).
                     kv_transfer_params = None
             else:
-                self.connector[0].validate(kv_transfer_params)
+                self.connector.scheduler.validate(kv_transfer_params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()

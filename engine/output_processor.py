@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .core.sched_output import Logprobs
 from .core.scheduler import EngineCoreOutput
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -167,10 +168,10 @@ class OutputProcessor:
         parent = self.child_to_parent.get(child_id)
         return self.requests.get(parent) if parent is not None else None
 
-    def _logprob_dict(self, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
-        ids, values, rank = entry
+    def _logprob_dict(self, entry: Logprobs) -> dict[int, Logprob]:
         out: dict[int, Logprob] = {}
-        for pos, (tid, lp) in enumerate(zip(ids, values, strict=True)):
+        rank = entry.rank
+        for pos, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
             if tid in out:
                 continue
             decoded = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
@@ -211,9 +212,8 @@ class OutputProcessor:
                 if co.new_logprobs is not None and child.logprobs is not None:
                     entry = self._logprob_dict(co.new_logprobs)
                     child.logprobs.append(entry)
-                    child.cumulative_logprob = (child.cumulative_logprob or 0.0) + co.new_logprobs[
-                        1
-                    ][0]
+                    chosen = co.new_logprobs.logprobs[0]
+                    child.cumulative_logprob = (child.cumulative_logprob or 0.0) + chosen
                 if child.detok is not None:
                     new_text = child.detok.add(token)
                     if co.finish_reason is not None:

@@ -62,15 +62,3 @@ class AttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         raise NotImplementedError
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        from .torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from .triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; use torch or triton")

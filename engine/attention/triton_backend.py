@@ -26,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from pdfleet import kernels
 
-        self.k = kernels
+        self.kernels = kernels
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         if meta.is_decode_only or not meta.query_lens_cpu:
@@ -55,16 +55,26 @@ class TritonAttentionBackend(AttentionBackend):
             "pre_qsl": qsl,
         }
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        k_ops = self.k
-        k_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        kernels = self.kernels
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return k_ops.paged_decode_attention(
+            return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale, sliding_window
             )
         mixed = meta.cache.get("mixed")
         if mixed is None:
-            return k_ops.paged_prefill_attention(
+            return kernels.paged_prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -76,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         out = torch.empty_like(q)
         dec_tokens = mixed["dec_tokens"]
-        out[dec_tokens] = k_ops.paged_decode_attention(
+        out[dec_tokens] = kernels.paged_decode_attention(
             q[dec_tokens].contiguous(),
             k_cache,
             v_cache,
@@ -86,7 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window,
         )
         pre_tokens = mixed["pre_tokens"]
-        out[pre_tokens] = k_ops.paged_prefill_attention(
+        out[pre_tokens] = kernels.paged_prefill_attention(
             q[pre_tokens].contiguous(),
             k_cache,
             v_cache,

@@ -10,7 +10,7 @@ padding entries of block tables point at it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -58,7 +58,7 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVBlock]:
         node = self.head.next_free
         while node is not None and node is not self.tail:
             yield node

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..request import Request
 from .block_hash import get_hash_fn
-from .block_pool import BlockPool, KVBlock
+from .block_pool import BlockPool, KVBlock, KVCacheEvent
 
 
 @dataclass
@@ -29,26 +29,44 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_algo)
-        self.pool = BlockPool(num_blocks, enable_caching, record_events)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._pool = BlockPool(num_blocks, enable_caching, record_events)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
         # Number of leading blocks of each request already published in the cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        return self._pool.usage
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return self._pool.num_free_blocks
 
     @property
     def num_usable_blocks(self) -> int:
-        return self.pool.num_blocks - 1
+        return self._pool.num_blocks - 1
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted to make room, since the start."""
+        return self._pool.num_evictions
+
+    @property
+    def num_requests(self) -> int:
+        """Requests that hold blocks."""
+        return len(self._req_blocks)
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks allocated to a request (0 for one that holds none)."""
+        return len(self._req_blocks.get(request_id, ()))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV-cache events (stored, removed) since the last call; clears them."""
+        return self._pool.take_events()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks (at most num_tokens - 1 tokens,
@@ -61,7 +79,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.pool.get_cached_block(
+            block = self._pool.get_cached_block(
                 block_hash, tuple(tokens[i * bs : (i + 1) * bs]), parent_id
             )
             if block is None:
@@ -79,7 +97,7 @@ class KVCacheManager:
     def _num_new_blocks(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock]
     ) -> int:
-        held = len(self.req_blocks.get(request.request_id, ())) + len(computed)
+        held = len(self._req_blocks.get(request.request_id, ())) + len(computed)
         total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - held)
 
@@ -111,13 +129,13 @@ class KVCacheManager:
             return None
         num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks)
         rid = request.request_id
-        held = self.req_blocks.setdefault(rid, [])
+        held = self._req_blocks.setdefault(rid, [])
         if computed_blocks:
             assert not held, "prefix hits are only taken at first scheduling"
-            self.pool.touch(computed_blocks)
+            self._pool.touch(computed_blocks)
             held.extend(computed_blocks)
             self.num_cached_blocks[rid] = len(computed_blocks)
-        new = self.pool.allocate(num_new)
+        new = self._pool.allocate(num_new)
         held.extend(new)
         if publish:
             known = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -128,14 +146,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
+        blocks = self._req_blocks.get(rid, [])
         start = self.num_cached_blocks.get(rid, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(start, end):
             parent_hash = request.block_hashes[i - 1] if i else None
-            self.pool.cache_block(
+            self._pool.cache_block(
                 blocks[i],
                 request.block_hashes[i],
                 tuple(tokens[i * bs : (i + 1) * bs]),
@@ -145,15 +163,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (tail blocks are evicted first)."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = self._req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self._pool.free(reversed(blocks))
 
     def take_blocks(self, request: Request) -> list[KVBlock]:
         """Detach a request's blocks without freeing them (a KV connector now owns
         them, e.g. a producer holding them for a consumer under a lease)."""
         self.num_cached_blocks.pop(request.request_id, None)
-        return self.req_blocks.pop(request.request_id, [])
+        return self._req_blocks.pop(request.request_id, [])
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
-        self.pool.free(reversed(blocks))
+        self._pool.free(reversed(blocks))

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..sampling_params import SamplingParams
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities at one position: the chosen token first, then the top k."""
+
+    token_ids: list[int]
+    """[1 + k]: the chosen (sampled or prompt) token, then the k most likely."""
+    logprobs: list[float]
+    """[1 + k]: the log-probability of each of ``token_ids``."""
+    rank: int
+    """Rank of the chosen token in the vocabulary (1 = most likely)."""
 
 
 @dataclass
@@ -52,10 +63,10 @@ class ModelRunnerOutput:
     """What one step produced, per request that reached the end of its known tokens."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # req_id -> (token ids [1 + k], logprobs [1 + k], rank of the sampled token)
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # req_id -> per prompt position: None (first token) or (ids, logprobs, rank), on prefill end.
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # req_id -> the sampled token's logprobs (requests that asked for them).
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # req_id -> per prompt position (None for the first token), once its prefill ends.
+    prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
     # KV connector: transfers that completed (or failed) since the last step.
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)

@@ -20,10 +20,12 @@ from ..config import EngineConfig
 from ..kv_transfer.base import KVConnectorScheduler
 from ..request import Request, RequestStatus
 from .block_hash import extend_block_hashes
+from .block_pool import KVBlock, KVCacheEvent
 from .kv_cache_manager import KVCacheManager
 from .queues import make_queue
 from .sched_output import (
     CachedRequestData,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -38,8 +40,8 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: tuple[list[int], list[float], int] | None = None
-    prompt_logprobs: list | None = None
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -77,7 +79,7 @@ class Scheduler:
         sched, cache = config.scheduler_config, config.cache_config
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
-        self.max_model_len = config.model_config.max_model_len
+        self.max_model_len = config.scheduler_config.max_model_len
         self.chunked_prefill = sched.chunked_prefill_enabled
         self.long_prefill_threshold = sched.long_prefill_token_threshold
         self.policy = sched.policy
@@ -210,6 +212,7 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 continue  # it was the victim; try the others with the blocks freed
+            assert blocks is not None  # the loop ends with blocks or with the request preempted
             num_scheduled[request.request_id] = num_new
             new_blocks_of[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
@@ -228,7 +231,8 @@ class Scheduler:
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
                 continue
-            computed_blocks, num_hit = [], 0
+            computed_blocks: list[KVBlock] = []
+            num_hit = 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             if (
@@ -379,12 +383,12 @@ class Scheduler:
         return errors
 
     def _loaded_tokens(self, request: Request) -> int:
-        held = len(self.kv.req_blocks.get(request.request_id, ()))
+        held = self.kv.num_request_blocks(request.request_id)
         # Remote loads fill whole blocks; the last prompt token is always recomputed.
         return min(held * self.block_size, request.num_tokens - 1)
 
-    def take_kv_events(self):
-        return self.kv.pool.take_events()
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv.take_events()
 
     def stats(self) -> SchedulerStats:
         waiting_prompt = sum(

@@ -12,7 +12,7 @@ The defaults do nothing, so an engine without a connector runs unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
@@ -69,3 +69,11 @@ class KVConnectorWorker:
 
     def shutdown(self) -> None:
         """Release transfer resources (bounded)."""
+
+
+class KVConnector(NamedTuple):
+    """One connector's two sides, as the engine core hands them out: the
+    scheduler side to the scheduler, the worker side to the model runner."""
+
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker

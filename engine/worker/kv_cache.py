@@ -42,7 +42,7 @@ def cpu_kv_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
     max_num_seqs full-length sequences need."""
     s = config.scheduler_config
     full = bytes_per_block(config, dtype) * (
-        s.max_num_seqs * -(-config.model_config.max_model_len // config.cache_config.block_size) + 1
+        s.max_num_seqs * -(-s.max_model_len // config.cache_config.block_size) + 1
     )
     return min(CPU_KV_CACHE_CAP, available_ram() // 4, full)
 
@@ -78,11 +78,12 @@ def check_fits_max_model_len(config: EngineConfig, num_blocks: int) -> None:
     m = config.model_config
     bs = config.cache_config.block_size
     capacity = (num_blocks - 1) * bs
-    if capacity >= m.max_model_len:
+    max_model_len = config.scheduler_config.max_model_len
+    if capacity >= max_model_len:
         return
     if m.max_model_len_auto:
         logger.warning(
-            "max_model_len reduced from %d to %d to fit the KV cache", m.max_model_len, capacity
+            "max_model_len reduced from %d to %d to fit the KV cache", max_model_len, capacity
         )
         m.max_model_len = capacity
         config.scheduler_config.max_model_len = capacity

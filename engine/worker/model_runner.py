@@ -16,7 +16,7 @@ import torch
 
 from ..attention import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
-from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..kv_transfer.base import KVConnectorWorker
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
@@ -34,6 +34,25 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class ModelInput:
+    """One step's batch, laid out for the forward pass (built by ``_prepare_inputs``)."""
+
+    req_ids: list[str]
+    """Scheduled requests in batch order."""
+    states: list[CachedRequestState]
+    """Their runner states, in the same order."""
+    input_ids: torch.Tensor
+    """[num_tokens] int64: the tokens to compute, all sequences flattened."""
+    positions: torch.Tensor
+    """[num_tokens] int64: each token's position in its sequence."""
+    attn_metadata: AttentionMetadata
+    logits_rows: list[int]
+    """Batch rows that reach their last known token this step (they sample)."""
+    logits_indices: list[int]
+    """For each of ``logits_rows``: the flattened index of its last token."""
+
+
+@dataclass
 class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + output
@@ -41,7 +60,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,7 +82,7 @@ class ModelRunner:
         self.kv_dtype = torch_dtype(config.kv_cache_dtype)
         self.block_size = config.cache_config.block_size
         self.vocab_size = m.vocab_size
-        self.max_model_len = m.max_model_len
+        self.max_model_len = config.scheduler_config.max_model_len
         if self.device.type == "cpu":
             cpu_allocator.tune()
         start = time.perf_counter()
@@ -84,10 +103,10 @@ class ModelRunner:
             if use_graphs:
                 # Graph outputs (logits of the largest batch) and workspaces live outside
                 # the profiled peak: keep room for them.
-                peak += 2 * cc.max_cudagraph_capture_size * m.vocab_size * 4 + (256 << 20)
+                peak += 2 * (cc.max_cudagraph_capture_size or 0) * m.vocab_size * 4 + (256 << 20)
         self.num_blocks = determine_num_blocks(config, self.kv_dtype, self.device, peak)
         check_fits_max_model_len(config, self.num_blocks)
-        self.max_model_len = m.max_model_len
+        self.max_model_len = config.scheduler_config.max_model_len
         self.kv_buffer, self.kv_caches = allocate_kv_caches(
             config, self.num_blocks, self.kv_dtype, self.device
         )
@@ -103,7 +122,7 @@ class ModelRunner:
             if config.cache_config.cache_dtype == "auto"
             else config.cache_config.cache_dtype,
         )
-        self.backend = get_attention_backend(config.device_config.attention_backend)
+        self.backend = get_attention_backend(self._attention_backend_name())
         self.sampler = Sampler(m.seed, self.device)
         self.states: dict[str, CachedRequestState] = {}
         self.connector = connector
@@ -115,11 +134,16 @@ class ModelRunner:
                 self.model,
                 self.kv_caches,
                 self.backend,
-                list(cc.cudagraph_capture_sizes),
+                list(cc.cudagraph_capture_sizes or ()),
                 -(-self.max_model_len // self.block_size),
                 self.device,
             )
             self.graphs.capture()
+
+    def _attention_backend_name(self) -> str:
+        name = self.config.device_config.attention_backend
+        assert name is not None, "DeviceConfig resolves the backend when it is created"
+        return name
 
     def _profile_peak_memory(self) -> int:
         """Peak bytes of a forward pass of max_num_batched_tokens (CUDA only)."""
@@ -146,7 +170,7 @@ class ModelRunner:
                 pos,
                 caches,
                 meta,
-                get_attention_backend(self.config.device_config.attention_backend),
+                get_attention_backend(self._attention_backend_name()),
             )
             self.model.compute_logits(hidden[: self.config.scheduler_config.max_num_seqs])
         torch.cuda.synchronize(self.device)
@@ -198,7 +222,7 @@ class ModelRunner:
 
     # -- inputs -------------------------------------------------------------------
 
-    def _prepare_inputs(self, out: SchedulerOutput):
+    def _prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         req_ids = list(out.num_scheduled_tokens)
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
@@ -247,14 +271,14 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         self.backend.prepare(meta, bs)
-        return (
-            req_ids,
-            states,
-            to_dev(input_ids),
-            to_dev(positions),
-            meta,
-            logits_rows,
-            logits_indices,
+        return ModelInput(
+            req_ids=req_ids,
+            states=states,
+            input_ids=to_dev(input_ids),
+            positions=to_dev(positions),
+            attn_metadata=meta,
+            logits_rows=logits_rows,
+            logits_indices=logits_indices,
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -345,7 +369,9 @@ class ModelRunner:
         return result
 
     def _run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        req_ids, states, input_ids, positions, meta, rows, indices = self._prepare_inputs(out)
+        batch = self._prepare_inputs(out)
+        states, meta, rows = batch.states, batch.attn_metadata, batch.logits_rows
+        input_ids, positions = batch.input_ids, batch.positions
         start = time.perf_counter()
         graphs = self.graphs
         if (
@@ -359,11 +385,12 @@ class ModelRunner:
                 logits = logits[torch.tensor(rows, device=self.device)]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-            self._prompt_logprobs(req_ids, states, out, hidden)
+            self._prompt_logprobs(states, out, hidden)
             if not rows:
                 result.forward_seconds = time.perf_counter() - start
                 return
-            logits = self.model.compute_logits(hidden[torch.tensor(indices, device=self.device)])
+            last = torch.tensor(batch.logits_indices, device=self.device)
+            logits = self.model.compute_logits(hidden[last])
         sample_states = [states[r] for r in rows]
         sampled = self.sampler(logits, self._sampling_metadata(sample_states))
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
@@ -378,12 +405,16 @@ class ModelRunner:
             state.token_ids.append(token)
             result.sampled_token_ids[state.req_id] = token
             n = state.sampling_params.logprobs
-            if n is not None and lp_ids is not None:
-                result.logprobs[state.req_id] = (lp_ids[i][: 1 + n], lps[i][: 1 + n], ranks[i])
+            if n is not None and lp_ids is not None and lps is not None and ranks is not None:
+                result.logprobs[state.req_id] = Logprobs(
+                    lp_ids[i][: 1 + n], lps[i][: 1 + n], ranks[i]
+                )
             if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 1:
                 result.prompt_logprobs[state.req_id] = state.prompt_logprobs
 
-    def _prompt_logprobs(self, req_ids, states, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor
+    ) -> None:
         offset = 0
         for state in states:
             n = out.num_scheduled_tokens[state.req_id]
@@ -407,5 +438,5 @@ class ModelRunner:
                     for j, target in enumerate(targets.tolist()):
                         ids = [target] + (top_ids[j].tolist() if k else [])
                         vals = [chosen[j, 0].item()] + (top_lp[j].tolist() if k else [])
-                        state.prompt_logprobs.append((ids, vals, int(ranks[j])))
+                        state.prompt_logprobs.append(Logprobs(ids, vals, int(ranks[j])))
             offset += n

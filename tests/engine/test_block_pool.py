@@ -53,7 +53,7 @@ def test_freed_cached_blocks_are_reused_least_recently_freed_first():
     hits_a, _ = kv.get_computed_blocks(req("a2", list(range(100, 109))))
     hits_b, _ = kv.get_computed_blocks(req("b2", list(range(200, 209))))
     assert hits_a == [] and len(hits_b) == 2
-    assert kv.pool.num_evictions == 2  # exactly a's two cached blocks
+    assert kv.num_evictions == 2  # exactly a's two cached blocks
 
 
 def test_prefix_hits_take_references_and_last_token_is_recomputed():

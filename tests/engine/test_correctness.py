@@ -124,9 +124,11 @@ def test_prefill_logits_match_transformers(tiny_model_factory, hf_model_factory,
         len(prompt),
     )
     runner._update_states(out)
-    _, _, ids, pos, meta, _, _ = runner._prepare_inputs(out)
+    batch = runner._prepare_inputs(out)
     with torch.inference_mode():
-        hidden = runner.model(ids, pos, runner.kv_caches, meta, runner.backend)
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend
+        )
         ours = runner.model.compute_logits(hidden)
         theirs = hf_model_factory(path)(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -37,7 +37,7 @@ def assert_no_leaks(llm) -> None:
     assert not core.scheduler.requests
     assert not core.scheduler.running
     assert not core.scheduler.held_blocks
-    assert not kv.req_blocks
+    assert kv.num_requests == 0
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert not llm.engine.output.requests
     assert not core.runner.states or all(

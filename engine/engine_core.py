@@ -1,4 +1,8 @@
-"""The engine step: schedule, run, update. Tokens in, tokens out."""
+"""The engine step: schedule, run, update. Tokens in, tokens out.
+
+It sits above both the scheduler (``core/``) and the model runner
+(``worker/``), which meet only through ``core/sched_output.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..config import EngineConfig
-from ..kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-from ..request import Request, RequestStatus
-from .scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from .config import EngineConfig
+from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from .kv_transfer.base import KVConnector
+from .request import Request, RequestStatus
+from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +35,18 @@ class EngineCore:
         self,
         config: EngineConfig,
         eos_token_ids: tuple[int, ...] = (),
-        connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
-        from ..worker.model_runner import ModelRunner
-
         self.config = config
-        worker_side = connector[1] if connector else None
-        self.runner = ModelRunner(config, worker_side, eos_token_ids)
+        self.connector = connector
+        self.runner = ModelRunner(config, connector.worker if connector else None, eos_token_ids)
         events = bool(config.kv_events_config and config.kv_events_config.enable_kv_cache_events)
         self.scheduler = Scheduler(
             config,
             self.runner.num_blocks,
-            connector[0] if connector else None,
+            connector.scheduler if connector else None,
             record_kv_events=events,
         )
-        self.connector = connector
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
@@ -94,4 +96,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.connector is not None:
-            self.connector[1].shutdown()
+            self.connector.worker.shutdown()
