@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pdfleet.engine.config import metrics as m
+
 from .autoscaling.policy import FleetObservation, PolicyState, RoleObservation, decide
 from .autoscaling.samples import (
     EngineSnapshot,
@@ -83,16 +85,16 @@ class PolicyDecider:
             state = "ready" if s.ready else "starting"
             roles[s.role].append(sample_from_snapshots(s.pod, snap, previous.get(s.pod), state))
             in_flight = (
-                s.values.get("pdfleet_engine_num_requests_running", 0.0)
-                + s.values.get("pdfleet_engine_num_requests_waiting", 0.0)
-                + s.values.get("pdfleet_engine_kv_transfer_held_requests", 0.0)
+                s.values.get(m.ENGINE_NUM_REQUESTS_RUNNING.name, 0.0)
+                + s.values.get(m.ENGINE_NUM_REQUESTS_WAITING.name, 0.0)
+                + s.values.get(m.ENGINE_KV_TRANSFER_HELD_REQUESTS.name, 0.0)
             )
             loads[s.role].append(
                 ReplicaLoad(
                     s.pod,
                     ready=s.ready,
                     in_flight=int(in_flight),
-                    kv_cache_usage=s.values.get("pdfleet_engine_kv_cache_usage_ratio", 0.0),
+                    kv_cache_usage=s.values.get(m.ENGINE_KV_CACHE_USAGE.name, 0.0),
                 )
             )
         self.snapshots[service] = current

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+
+from pdfleet.engine.config import metrics as m
 
 from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
 from .compat import compat_hash
@@ -78,23 +80,9 @@ class OperatorState:
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.reconciles = Counter(
-            "pdfleet_operator_reconciles",
-            "Reconciles of InferenceServices by result.",
-            ["result"],
-            registry=self.metrics,
-        )
-        self.scale_changes = Counter(
-            "pdfleet_operator_scale_changes",
-            "Replica changes made by the autoscaler.",
-            ["role"],
-            registry=self.metrics,
-        )
-        self.scrape_failures = Counter(
-            "pdfleet_operator_scrape_failures",
-            "Engine /metrics scrapes that failed or timed out.",
-            registry=self.metrics,
-        )
+        self.reconciles = m.OPERATOR_RECONCILES.create(self.metrics)
+        self.scale_changes = m.OPERATOR_SCALE_CHANGES.create(self.metrics)
+        self.scrape_failures = m.OPERATOR_SCRAPE_FAILURES.create(self.metrics)
 
     def client(self) -> KubeClient:
         if self.kube is None:

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from pdfleet.engine.config import metrics as m
 
 from .manifests import LABEL_ROLE
 
-# Counters of failed KV pulls: pdfleet's native name and vLLM's NIXL name.
+# Counters of failed KV pulls: pdfleet's native name and vLLM's NIXL names.
 KV_FAILURE_METRICS = (
-    "pdfleet_engine_kv_transfer_failures_total",
-    "vllm:nixl_num_failed_transfers_total",
-    "vllm:nixl_num_failed_transfers",
+    *m.names(m.ENGINE_KV_TRANSFER_FAILURES),
+    m.VLLM_NIXL_NUM_FAILED_TRANSFERS_UNSUFFIXED,
 )
 
 
@@ -43,13 +43,7 @@ class PodSample:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {sample name: sum over label sets}."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith(("_bucket", "_created")):
-                continue
-            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
-    return values
+    return m.parse_metrics(text).totals()
 
 
 def metrics_url(pod: Mapping[str, Any]) -> str | None:
@@ -103,7 +97,7 @@ async def scrape_pods(
 
 
 def kv_failures(sample: PodSample) -> float | None:
-    found = [sample.values[m] for m in KV_FAILURE_METRICS if m in sample.values]
+    found = [sample.values[n] for n in KV_FAILURE_METRICS if n in sample.values]
     return max(found) if found else None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from .discovery import Discovery, Endpoint
@@ -31,14 +32,14 @@ logger = logging.getLogger("pdfleet.gateway")
 
 DEFAULT_BLOCK_SIZE = 16
 
-# (native name, vLLM fallback) per load field; gauges are summed over label sets.
+# Load field -> the series it reads (native name, then vLLM's); summed over label sets.
 _GAUGES = {
-    "waiting": ("pdfleet_engine_num_requests_waiting", "vllm:num_requests_waiting"),
-    "running": ("pdfleet_engine_num_requests_running", "vllm:num_requests_running"),
-    "kv_usage": ("pdfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+    "waiting": m.names(m.ENGINE_NUM_REQUESTS_WAITING),
+    "running": m.names(m.ENGINE_NUM_REQUESTS_RUNNING),
+    "kv_usage": m.names(m.ENGINE_KV_CACHE_USAGE),
 }
-_INFO = ("pdfleet_engine_cache_config_info", "vllm:cache_config_info")
-_WANTED = tuple(n for pair in (*_GAUGES.values(), _INFO) for n in pair)
+_INFO = m.names(m.ENGINE_CACHE_CONFIG)
+_WANTED = (*(n for names in _GAUGES.values() for n in names), *_INFO)
 
 
 @dataclass
@@ -56,27 +57,18 @@ class EngineLoad:
 def parse_engine_metrics(text: str) -> EngineLoad:
     """Read the routing inputs out of Prometheus text; absent gauges read 0
     (an engine that has not stepped yet exports none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     # Parse only the few lines needed: engines export hundreds of histogram lines.
-    lines = [ln for ln in text.splitlines() if ln.startswith(_WANTED)]
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append(s)
+    scrape = m.parse_metrics(text, only=_WANTED)
     load = EngineLoad()
     for attr, names in _GAUGES.items():
-        for name in names:
-            if name in samples:
-                setattr(load, attr, float(sum(s.value for s in samples[name])))
-                break
-    for name in _INFO:
-        if name in samples:
-            labels = samples[name][0].labels
-            load.compat_hash = labels.get("compat_hash") or None
-            with contextlib.suppress(KeyError, ValueError):
-                load.block_size = int(labels["block_size"])
-            break
+        value = scrape.total(*names)
+        if value is not None:
+            setattr(load, attr, value)
+    labels = scrape.labels(*_INFO)
+    if labels is not None:
+        load.compat_hash = labels.get("compat_hash") or None
+        with contextlib.suppress(KeyError, ValueError):
+            load.block_size = int(labels["block_size"])
     return load
 
 

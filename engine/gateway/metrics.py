@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway (``pdfleet_gateway_*``, DESIGN §4).
+"""Prometheus metrics of the gateway (``pdfleet_gateway_*``, see docs/metrics.md).
 
 TTFT and E2E are measured as the client sees them: from the request's arrival
 at the gateway to the first relayed stream event / the last byte, so they
@@ -9,79 +9,27 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.buckets import E2E_BUCKETS, TTFT_BUCKETS
+from pdfleet.engine.config import metrics as m
 
 
 class GatewayMetrics:
+    """The gateway's series (names and labels in ``engine/config/metrics.py``)."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        p = "pdfleet_gateway_"
-        self.requests = Counter(
-            p + "requests",
-            "Requests answered, by endpoint and HTTP status.",
-            ["endpoint", "status"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Streamed requests: arrival to the first relayed event.",
-            ["endpoint"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Arrival to the last byte of the response.",
-            ["endpoint"],
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.decisions = Counter(
-            p + "disagg_decisions",
-            "Disaggregation decisions: prefill_decode or decode_only, with the reason.",
-            ["decision", "reason"],
-            registry=r,
-        )
-        self.retries = Counter(
-            p + "retries",
-            "Legs retried on another engine, by role.",
-            ["role"],
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            p + "fallbacks",
-            "Disaggregated requests served decode-only without a producer's KV "
-            "(prefill_failed, no_prefill_engine, no_kv_transfer_params).",
-            ["reason"],
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            p + "upstream_errors",
-            "Failed engine calls (connect, timeout, status, stream), by engine.",
-            ["engine", "role", "kind"],
-            registry=r,
-        )
-        self.engine_healthy = Gauge(
-            p + "engine_healthy",
-            "1 while an engine receives traffic, 0 while it is ejected or not yet ready.",
-            ["engine", "role"],
-            registry=r,
-        )
-        self.engine_inflight = Gauge(
-            p + "engine_inflight_requests",
-            "Requests the gateway has in flight on an engine.",
-            ["engine", "role"],
-            registry=r,
-        )
-        self.ejections = Counter(
-            p + "engine_ejections",
-            "Times an engine was ejected from routing.",
-            ["engine", "role"],
-            registry=r,
-        )
+        self.requests = m.GATEWAY_REQUESTS.create(r)
+        self.ttft = m.GATEWAY_TTFT.create(r)
+        self.e2e = m.GATEWAY_E2E.create(r)
+        self.decisions = m.GATEWAY_DISAGG_DECISIONS.create(r)
+        self.retries = m.GATEWAY_RETRIES.create(r)
+        self.fallbacks = m.GATEWAY_FALLBACKS.create(r)
+        self.upstream_errors = m.GATEWAY_UPSTREAM_ERRORS.create(r)
+        self.engine_healthy = m.GATEWAY_ENGINE_HEALTHY.create(r)
+        self.engine_inflight = m.GATEWAY_ENGINE_INFLIGHT.create(r)
+        self.ejections = m.GATEWAY_ENGINE_EJECTIONS.create(r)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""

@@ -15,12 +15,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pdfleet.engine.config import metrics as m
+
 from .policy import RoleDecision
 
 logger = logging.getLogger(__name__)
-
-DESIRED_REPLICAS = "pdfleet_autoscaler_desired_replicas"
-DECISIONS = "pdfleet_autoscaler_decisions"  # exposed as ..._total (a counter)
 
 
 @dataclass(frozen=True)
@@ -96,21 +95,8 @@ class AutoscalerMetrics:
     """
 
     def __init__(self, registry: Any) -> None:
-        # Imported here: prometheus_client is an optional dependency of the package.
-        from prometheus_client import Counter, Gauge
-
-        self.desired_replicas = Gauge(
-            DESIRED_REPLICAS,
-            "Replicas of each role the autoscaler wants.",
-            ["role"],
-            registry=registry,
-        )
-        self.decisions = Counter(
-            DECISIONS,
-            "Autoscaling decisions by role, direction (up, down, none) and reason code.",
-            ["role", "direction", "reason"],
-            registry=registry,
-        )
+        self.desired_replicas = m.AUTOSCALER_DESIRED_REPLICAS.create(registry)
+        self.decisions = m.AUTOSCALER_DECISIONS.create(registry)
 
     def observe(self, decision: RoleDecision) -> None:
         self.desired_replicas.labels(role=decision.role).set(decision.desired)

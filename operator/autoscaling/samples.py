@@ -18,26 +18,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from pdfleet.engine.config import metrics as m
+
 ReplicaState = Literal["starting", "ready", "draining"]
 
-# Series -> snapshot field, native name first, then fallbacks.
+# Series -> snapshot field, native name first, then vLLM's.
 _GAUGES = {
-    "num_running": ("pdfleet_engine_num_requests_running", "vllm:num_requests_running"),
-    "num_waiting": ("pdfleet_engine_num_requests_waiting", "vllm:num_requests_waiting"),
-    "kv_cache_usage": ("pdfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
-    "waiting_prompt_tokens": ("pdfleet_engine_waiting_prompt_tokens",),
+    "num_running": m.names(m.ENGINE_NUM_REQUESTS_RUNNING),
+    "num_waiting": m.names(m.ENGINE_NUM_REQUESTS_WAITING),
+    "kv_cache_usage": m.names(m.ENGINE_KV_CACHE_USAGE),
+    "waiting_prompt_tokens": m.names(m.ENGINE_WAITING_PROMPT_TOKENS),
 }
 _COUNTERS = {
-    "prompt_tokens_total": ("pdfleet_engine_prompt_tokens_total", "vllm:prompt_tokens_total"),
-    "prefill_busy_seconds_total": ("pdfleet_engine_prefill_busy_seconds_total",),
+    "prompt_tokens_total": m.names(m.ENGINE_PROMPT_TOKENS),
+    "prefill_busy_seconds_total": m.names(m.ENGINE_PREFILL_BUSY_SECONDS),
 }
-_HISTOGRAMS = {
-    "ttft": (
-        "pdfleet_engine_time_to_first_token_seconds",
-        "vllm:time_to_first_token_seconds",
-    ),
-    "itl": ("pdfleet_engine_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
-}
+_HISTOGRAMS = {"ttft": m.ENGINE_TTFT, "itl": m.ENGINE_ITL}
 # A ratio is averaged over an engine's series (one per data-parallel rank);
 # counts and totals are summed.
 _AVERAGED = frozenset({"kv_cache_usage"})
@@ -106,17 +102,8 @@ class ReplicaSample:
 
 
 def _families(text: str) -> dict[str, list[float]]:
-    # Imported here: prometheus_client is an optional dependency of the package.
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, list[float]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values.setdefault(sample.name, []).append(float(sample.value))
-    except ValueError as e:
-        raise ValueError(f"unreadable Prometheus metrics text: {e}") from None
-    return values
+    scrape = m.parse_metrics(text)
+    return {name: [value for _, value in series] for name, series in scrape.samples.items()}
 
 
 def _pick(values: dict[str, list[float]], names: Iterable[str], average: bool) -> float | None:
@@ -142,7 +129,8 @@ def snapshot_from_series(values: dict[str, list[float]], time: float) -> EngineS
     fields: dict[str, float | None] = {}
     for name, series in (_GAUGES | _COUNTERS).items():
         fields[name] = _pick(values, series, name in _AVERAGED)
-    for name, series in _HISTOGRAMS.items():
+    for name, metric in _HISTOGRAMS.items():
+        series = m.names(metric)
         fields[f"{name}_sum"] = _pick(values, [s + "_sum" for s in series], False)
         fields[f"{name}_count"] = _pick(values, [s + "_count" for s in series], False)
     return EngineSnapshot(time=time, **fields)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from ..resource import InferenceService
@@ -44,26 +45,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def scrape(url: str, timeout: float = 2.0) -> dict[str, float] | None:
     """Summed samples of an engine's /metrics by name, or None if unreachable."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         text = httpx.get(url + "/metrics", timeout=timeout).text
     except httpx.HTTPError:
         return None
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return m.parse_metrics(text).totals()
 
 
 def in_flight(sample: dict[str, float] | None) -> float:
     if sample is None:
         return float("inf")
     return (
-        sample.get("pdfleet_engine_num_requests_running", 0.0)
-        + sample.get("pdfleet_engine_num_requests_waiting", 0.0)
-        + sample.get("pdfleet_engine_kv_transfer_held_requests", 0.0)
+        sample.get(m.ENGINE_NUM_REQUESTS_RUNNING.name, 0.0)
+        + sample.get(m.ENGINE_NUM_REQUESTS_WAITING.name, 0.0)
+        + sample.get(m.ENGINE_KV_TRANSFER_HELD_REQUESTS.name, 0.0)
     )
 
 

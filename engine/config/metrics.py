@@ -1,0 +1,466 @@
+"""The metrics contract: every metric name pdfleet exports or reads, with its
+labels, and the one parser of ``/metrics`` text (see docs/metrics.md).
+
+Engines, the gateway and the operator build their Prometheus series from the
+:class:`Metric` constants below, and every consumer of an engine's
+``/metrics`` (the gateway's routing, the operator's scrape, the autoscaler's
+samples) reads it through :func:`parse_metrics`. A name is written out once,
+here, as it appears in the exposition text: counters end in ``_total``, info
+series in ``_info``; a histogram's ``_sum``/``_count`` come from
+:attr:`Metric.sum` and :attr:`Metric.count`.
+
+Imports nothing beyond the standard library at import time: the operator and
+the gateway run without torch, and ``prometheus_client`` is loaded only by the
+functions that need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MetricKind = Literal["counter", "gauge", "histogram", "info"]
+
+# Histogram buckets (seconds), shared by the engine's and the gateway's series
+# so a dashboard can put both sides of a request on one scale.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+    15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One series family: its exposed name, kind, help text and label names."""
+
+    name: str
+    """As exposed: counters end in ``_total``, info series in ``_info``."""
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    """Histograms only: the upper bounds in seconds."""
+
+    def __post_init__(self) -> None:
+        suffix = {"counter": "_total", "info": "_info"}.get(self.kind)
+        if suffix and not self.name.endswith(suffix):
+            raise ValueError(f"{self.kind} {self.name!r}: the exposed name must end in {suffix}")
+        if (self.kind == "histogram") != bool(self.buckets):
+            raise ValueError(f"{self.name!r}: buckets are given for histograms and only for them")
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client is given (it appends ``_total``/``_info``)."""
+        for suffix in ("_total", "_info"):
+            if self.kind != "gauge" and self.name.endswith(suffix):
+                return self.name.removesuffix(suffix)
+        return self.name
+
+    @property
+    def sum(self) -> str:
+        return self.name + "_sum"
+
+    @property
+    def count(self) -> str:
+        return self.name + "_count"
+
+    def create(self, registry: Any, labels: Iterable[str] | None = None) -> Any:
+        """Register this family on a ``prometheus_client`` registry and return it.
+
+        ``labels`` overrides the label names (the cache-config info series
+        take theirs from the configuration)."""
+        import prometheus_client as prom  # optional dependency: loaded on use
+
+        names = list(self.labels if labels is None else labels)
+        if self.kind == "histogram":
+            return prom.Histogram(
+                self.family, self.help, names, buckets=self.buckets, registry=registry
+            )
+        if self.kind == "info":  # its labels are the keys of the one info value
+            return prom.Info(self.family, self.help, registry=registry)
+        cls = prom.Counter if self.kind == "counter" else prom.Gauge
+        return cls(self.family, self.help, names, registry=registry)
+
+
+# Label names.
+MODEL_NAME = "model_name"
+FINISHED_REASON = "finished_reason"
+CACHE_CONFIG_LABELS = (
+    "block_size",
+    "num_gpu_blocks",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "compat_hash",
+)
+"""Labels of the cache-config info series (both names); the gateway pairs
+engines by ``compat_hash`` and sizes prompt blocks by ``block_size``."""
+
+_M = (MODEL_NAME,)
+
+# --- Engine, native names (pdfleet_engine_<name>_<unit>) --------------------
+ENGINE_NUM_REQUESTS_RUNNING = Metric(
+    "pdfleet_engine_num_requests_running", "gauge", "Requests in the running batch.", _M
+)
+ENGINE_NUM_REQUESTS_WAITING = Metric(
+    "pdfleet_engine_num_requests_waiting",
+    "gauge",
+    "Requests waiting to be scheduled (incl. waiting for remote KV).",
+    _M,
+)
+ENGINE_KV_CACHE_USAGE = Metric(
+    "pdfleet_engine_kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use (0-1).", _M
+)
+ENGINE_WAITING_PROMPT_TOKENS = Metric(
+    "pdfleet_engine_waiting_prompt_tokens",
+    "gauge",
+    "Prompt tokens of queued requests not yet computed (uncached backlog).",
+    _M,
+)
+ENGINE_KV_TRANSFER_HELD_REQUESTS = Metric(
+    "pdfleet_engine_kv_transfer_held_requests",
+    "gauge",
+    "Finished prefills whose blocks are held for a decode engine.",
+    _M,
+)
+ENGINE_PREFIX_CACHE_QUERIES = Metric(
+    "pdfleet_engine_prefix_cache_queries_total",
+    "counter",
+    "Prompt tokens looked up in the prefix cache.",
+    _M,
+)
+ENGINE_PREFIX_CACHE_HITS = Metric(
+    "pdfleet_engine_prefix_cache_hits_total",
+    "counter",
+    "Prompt tokens found in the prefix cache.",
+    _M,
+)
+ENGINE_NUM_PREEMPTIONS = Metric(
+    "pdfleet_engine_num_preemptions_total",
+    "counter",
+    "Requests preempted (recomputed later).",
+    _M,
+)
+ENGINE_PROMPT_TOKENS = Metric(
+    "pdfleet_engine_prompt_tokens_total", "counter", "Prompt tokens computed.", _M
+)
+ENGINE_GENERATION_TOKENS = Metric(
+    "pdfleet_engine_generation_tokens_total", "counter", "Tokens generated.", _M
+)
+ENGINE_PREFILL_BUSY_SECONDS = Metric(
+    "pdfleet_engine_prefill_busy_seconds_total",
+    "counter",
+    "Seconds of engine steps that computed prompt tokens.",
+    _M,
+)
+ENGINE_REQUEST_SUCCESS = Metric(
+    "pdfleet_engine_request_success_total",
+    "counter",
+    "Finished requests by reason.",
+    (MODEL_NAME, FINISHED_REASON),
+)
+ENGINE_TTFT = Metric(
+    "pdfleet_engine_time_to_first_token_seconds",
+    "histogram",
+    "Time to first token.",
+    _M,
+    TTFT_BUCKETS,
+)
+ENGINE_ITL = Metric(
+    "pdfleet_engine_inter_token_latency_seconds",
+    "histogram",
+    "Time between output tokens.",
+    _M,
+    ITL_BUCKETS,
+)
+ENGINE_E2E = Metric(
+    "pdfleet_engine_e2e_request_latency_seconds",
+    "histogram",
+    "End-to-end request latency.",
+    _M,
+    E2E_BUCKETS,
+)
+ENGINE_QUEUE_TIME = Metric(
+    "pdfleet_engine_request_queue_time_seconds",
+    "histogram",
+    "Time from arrival to first scheduling.",
+    _M,
+    E2E_BUCKETS,
+)
+ENGINE_CACHE_CONFIG = Metric(
+    "pdfleet_engine_cache_config_info", "info", "KV-cache configuration.", CACHE_CONFIG_LABELS
+)
+# KV transfer (only on engines with a connector).
+ENGINE_KV_TRANSFER_BYTES = Metric(
+    "pdfleet_engine_kv_transfer_bytes_total", "counter", "KV bytes moved between engines.", _M
+)
+ENGINE_KV_TRANSFER_BLOCKS_PULLED = Metric(
+    "pdfleet_engine_kv_transfer_blocks_pulled_total",
+    "counter",
+    "KV blocks pulled from prefill engines.",
+    _M,
+)
+ENGINE_KV_TRANSFERS = Metric(
+    "pdfleet_engine_kv_transfers_total", "counter", "Completed KV pulls.", _M
+)
+ENGINE_KV_TRANSFER_FAILURES = Metric(
+    "pdfleet_engine_kv_transfer_failures_total", "counter", "Failed KV pulls.", _M
+)
+ENGINE_KV_TRANSFER_EXPIRED_LEASES = Metric(
+    "pdfleet_engine_kv_transfer_expired_leases_total",
+    "counter",
+    "Held blocks freed because no consumer claimed them.",
+    _M,
+)
+ENGINE_KV_TRANSFER_HANDSHAKES = Metric(
+    "pdfleet_engine_kv_transfer_handshakes_total",
+    "counter",
+    "Handshakes with remote engines.",
+    _M,
+)
+ENGINE_KV_TRANSFER_HANDSHAKE_FAILURES = Metric(
+    "pdfleet_engine_kv_transfer_handshake_failures_total", "counter", "Failed handshakes.", _M
+)
+ENGINE_KV_TRANSFER_SECONDS = Metric(
+    "pdfleet_engine_kv_transfer_seconds",
+    "histogram",
+    "Duration of one KV pull.",
+    _M,
+    ITL_BUCKETS,
+)
+
+# --- Engine, vLLM names (the model-server-protocol subset and NIXL) ---------
+VLLM_NUM_REQUESTS_RUNNING = Metric(
+    "vllm:num_requests_running", "gauge", "Number of requests running.", _M
+)
+VLLM_NUM_REQUESTS_WAITING = Metric(
+    "vllm:num_requests_waiting", "gauge", "Number of requests waiting.", _M
+)
+VLLM_KV_CACHE_USAGE = Metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage (1 = 100%).", _M)
+VLLM_CACHE_CONFIG_INFO = Metric(
+    # A gauge set to 1, as vLLM exports it (not an info family).
+    "vllm:cache_config_info",
+    "gauge",
+    "Information of the KV cache configuration.",
+    CACHE_CONFIG_LABELS,
+)
+VLLM_NIXL_NUM_FAILED_TRANSFERS = Metric(
+    "vllm:nixl_num_failed_transfers_total", "counter", "Failed KV transfers.", _M
+)
+VLLM_NIXL_NUM_KV_EXPIRED_REQS = Metric(
+    "vllm:nixl_num_kv_expired_reqs_total", "counter", "Requests whose held KV expired.", _M
+)
+VLLM_NIXL_XFER_TIME = Metric(
+    "vllm:nixl_xfer_time_seconds", "histogram", "KV transfer time.", _M, ITL_BUCKETS
+)
+# Read from vLLM pods, not exported by pdfleet (its native names carry them).
+VLLM_PROMPT_TOKENS = Metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", _M)
+VLLM_TTFT = Metric(
+    "vllm:time_to_first_token_seconds", "histogram", "Time to first token.", _M, TTFT_BUCKETS
+)
+VLLM_ITL = Metric(
+    "vllm:inter_token_latency_seconds", "histogram", "Inter-token latency.", _M, ITL_BUCKETS
+)
+VLLM_NIXL_NUM_FAILED_TRANSFERS_UNSUFFIXED = "vllm:nixl_num_failed_transfers"
+"""The same counter as exposed by vLLM versions that wrote it without ``_total``."""
+
+VLLM_ALIASES: Mapping[Metric, Metric] = {
+    ENGINE_NUM_REQUESTS_RUNNING: VLLM_NUM_REQUESTS_RUNNING,
+    ENGINE_NUM_REQUESTS_WAITING: VLLM_NUM_REQUESTS_WAITING,
+    ENGINE_KV_CACHE_USAGE: VLLM_KV_CACHE_USAGE,
+    ENGINE_CACHE_CONFIG: VLLM_CACHE_CONFIG_INFO,
+    ENGINE_KV_TRANSFER_FAILURES: VLLM_NIXL_NUM_FAILED_TRANSFERS,
+    ENGINE_KV_TRANSFER_EXPIRED_LEASES: VLLM_NIXL_NUM_KV_EXPIRED_REQS,
+    ENGINE_KV_TRANSFER_SECONDS: VLLM_NIXL_XFER_TIME,
+    ENGINE_PROMPT_TOKENS: VLLM_PROMPT_TOKENS,
+    ENGINE_TTFT: VLLM_TTFT,
+    ENGINE_ITL: VLLM_ITL,
+}
+"""Native series -> the vLLM series a reader falls back to on vLLM pods."""
+VLLM_EXPORTED = frozenset(
+    {
+        ENGINE_NUM_REQUESTS_RUNNING,
+        ENGINE_NUM_REQUESTS_WAITING,
+        ENGINE_KV_CACHE_USAGE,
+        ENGINE_CACHE_CONFIG,
+        ENGINE_KV_TRANSFER_FAILURES,
+        ENGINE_KV_TRANSFER_EXPIRED_LEASES,
+        ENGINE_KV_TRANSFER_SECONDS,
+    }
+)
+"""The native series a pdfleet engine also exports under its vLLM name."""
+
+
+def names(metric: Metric) -> tuple[str, ...]:
+    """The sample names a reader tries for ``metric``: native first, then vLLM's."""
+    alias = VLLM_ALIASES.get(metric)
+    return (metric.name,) if alias is None else (metric.name, alias.name)
+
+
+# --- Gateway (pdfleet_gateway_*) ---------------------------------------------
+GATEWAY_REQUESTS = Metric(
+    "pdfleet_gateway_requests_total",
+    "counter",
+    "Requests answered, by endpoint and HTTP status.",
+    ("endpoint", "status"),
+)
+GATEWAY_TTFT = Metric(
+    "pdfleet_gateway_time_to_first_token_seconds",
+    "histogram",
+    "Streamed requests: arrival to the first relayed event.",
+    ("endpoint",),
+    TTFT_BUCKETS,
+)
+GATEWAY_E2E = Metric(
+    "pdfleet_gateway_e2e_request_latency_seconds",
+    "histogram",
+    "Arrival to the last byte of the response.",
+    ("endpoint",),
+    E2E_BUCKETS,
+)
+GATEWAY_DISAGG_DECISIONS = Metric(
+    "pdfleet_gateway_disagg_decisions_total",
+    "counter",
+    "Disaggregation decisions: prefill_decode or decode_only, with the reason.",
+    ("decision", "reason"),
+)
+GATEWAY_RETRIES = Metric(
+    "pdfleet_gateway_retries_total",
+    "counter",
+    "Legs retried on another engine, by role.",
+    ("role",),
+)
+GATEWAY_FALLBACKS = Metric(
+    "pdfleet_gateway_fallbacks_total",
+    "counter",
+    "Disaggregated requests served decode-only without a producer's KV "
+    "(prefill_failed, no_prefill_engine, no_kv_transfer_params).",
+    ("reason",),
+)
+GATEWAY_UPSTREAM_ERRORS = Metric(
+    "pdfleet_gateway_upstream_errors_total",
+    "counter",
+    "Failed engine calls (connect, timeout, status, stream), by engine.",
+    ("engine", "role", "kind"),
+)
+GATEWAY_ENGINE_HEALTHY = Metric(
+    "pdfleet_gateway_engine_healthy",
+    "gauge",
+    "1 while an engine receives traffic, 0 while it is ejected or not yet ready.",
+    ("engine", "role"),
+)
+GATEWAY_ENGINE_INFLIGHT = Metric(
+    "pdfleet_gateway_engine_inflight_requests",
+    "gauge",
+    "Requests the gateway has in flight on an engine.",
+    ("engine", "role"),
+)
+GATEWAY_ENGINE_EJECTIONS = Metric(
+    "pdfleet_gateway_engine_ejections_total",
+    "counter",
+    "Times an engine was ejected from routing.",
+    ("engine", "role"),
+)
+
+# --- Operator and autoscaler -------------------------------------------------
+OPERATOR_RECONCILES = Metric(
+    "pdfleet_operator_reconciles_total",
+    "counter",
+    "Reconciles of InferenceServices by result.",
+    ("result",),
+)
+OPERATOR_SCALE_CHANGES = Metric(
+    "pdfleet_operator_scale_changes_total",
+    "counter",
+    "Replica changes made by the autoscaler.",
+    ("role",),
+)
+OPERATOR_SCRAPE_FAILURES = Metric(
+    "pdfleet_operator_scrape_failures_total",
+    "counter",
+    "Engine /metrics scrapes that failed or timed out.",
+)
+AUTOSCALER_DESIRED_REPLICAS = Metric(
+    "pdfleet_autoscaler_desired_replicas",
+    "gauge",
+    "Replicas of each role the autoscaler wants.",
+    ("role",),
+)
+AUTOSCALER_DECISIONS = Metric(
+    "pdfleet_autoscaler_decisions_total",
+    "counter",
+    "Autoscaling decisions by role, direction (up, down, none) and reason code.",
+    ("role", "direction", "reason"),
+)
+
+
+# --- The one parser ----------------------------------------------------------
+@dataclass(frozen=True)
+class Scrape:
+    """One ``/metrics`` text, parsed: sample name -> its samples, one per label set."""
+
+    samples: Mapping[str, tuple[tuple[Mapping[str, str], float], ...]]
+    """Sample name -> ((labels, value), ...)."""
+
+    def values(self, *names: str) -> list[float]:
+        """The values of the first of ``names`` that is present ([] if none)."""
+        for name in names:
+            if self.samples.get(name):
+                return [value for _, value in self.samples[name]]
+        return []
+
+    def total(self, *names: str) -> float | None:
+        """Sum over label sets of the first of ``names`` present; None if none is."""
+        found = self.values(*names)
+        return float(sum(found)) if found else None
+
+    def mean(self, *names: str) -> float | None:
+        """Mean over label sets (for ratios, one series per data-parallel rank)."""
+        found = self.values(*names)
+        return sum(found) / len(found) if found else None
+
+    def labels(self, *names: str) -> Mapping[str, str] | None:
+        """The labels of the first sample of the first of ``names`` present."""
+        for name in names:
+            if self.samples.get(name):
+                return self.samples[name][0][0]
+        return None
+
+    def totals(self) -> dict[str, float]:
+        """Every sample name -> its sum over label sets, histogram buckets and
+        ``_created`` timestamps left out."""
+        return {
+            name: float(sum(value for _, value in series))
+            for name, series in self.samples.items()
+            if not name.endswith(("_bucket", "_created"))
+        }
+
+
+def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
+    """Parse Prometheus exposition text (``prometheus_client.parser``).
+
+    ``only`` keeps just the sample lines that start with one of those names
+    (engines export hundreds of histogram lines a router does not need).
+    Raises ``ValueError`` on text that is not Prometheus exposition format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if only is not None:
+        prefixes = tuple(only)
+        text = "\n".join(ln for ln in text.splitlines() if ln.startswith(prefixes)) + "\n"
+    samples: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    except ValueError as e:
+        raise ValueError(f"unreadable Prometheus metrics text: {e}") from None
+    return Scrape({name: tuple(series) for name, series in samples.items()})

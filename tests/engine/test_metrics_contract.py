@@ -1,0 +1,170 @@
+"""The metrics contract (engine/config/metrics.py): names are written once, the
+engine exports what it declares, and the one parser reads what consumers need."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pdfleet.engine.config import metrics as m
+from pdfleet.engine.gateway.engines import parse_engine_metrics
+from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.metrics import EngineMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTRACT = ROOT / "engine" / "config" / "metrics.py"
+METRIC_NAME = re.compile(
+    r"(pdfleet_(engine|gateway|operator|autoscaler)_[a-z0-9_]+|vllm:[a-z0-9_:]+)"
+)
+
+
+def contract_metrics() -> list[m.Metric]:
+    return [v for v in vars(m).values() if isinstance(v, m.Metric)]
+
+
+def engine_config(kv_connector: str | None) -> SimpleNamespace:
+    """The fields EngineMetrics reads of an EngineConfig."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(name="tiny"),
+        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True),
+        kv_cache_dtype="auto",
+        compat_hash=lambda: "c0ffee",
+        kv_transfer_config=SimpleNamespace(kv_connector=kv_connector) if kv_connector else None,
+    )
+
+
+def exported_families(registry: CollectorRegistry) -> set[str]:
+    scrape = m.parse_metrics(generate_latest(registry).decode())
+    return set(scrape.samples)
+
+
+def test_no_metric_name_is_written_outside_the_contract():
+    offenders = []
+    for folder in ("engine", "operator", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == CONTRACT:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and METRIC_NAME.fullmatch(node.value)
+                ):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    assert not offenders, "metric names belong in engine/config/metrics.py:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_contract_names_are_unique():
+    names = [metric.name for metric in contract_metrics()]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("x_requests", "counter"), ("x_config", "info")],
+)
+def test_counter_and_info_names_must_carry_their_exposed_suffix(name, kind):
+    with pytest.raises(ValueError, match="must end in"):
+        m.Metric(name, kind, "help")
+
+
+def test_histograms_and_only_histograms_take_buckets():
+    with pytest.raises(ValueError, match="buckets"):
+        m.Metric("x_seconds", "histogram", "help")
+    with pytest.raises(ValueError, match="buckets"):
+        m.Metric("x_ratio", "gauge", "help", buckets=(1.0,))
+
+
+def test_engine_exports_every_declared_series_under_both_names():
+    metrics = EngineMetrics(engine_config("NixlConnector"))
+    metrics.request_success.labels(model_name="tiny", finished_reason="stop").inc()
+    exported = exported_families(metrics.registry)
+    engine = [
+        x
+        for x in contract_metrics()
+        if x.name.startswith("pdfleet_engine_") or x.name.startswith("vllm:")
+    ]
+    vllm_read_only = {m.VLLM_PROMPT_TOKENS, m.VLLM_TTFT, m.VLLM_ITL}
+    for metric in engine:
+        sample = metric.count if metric.kind == "histogram" else metric.name
+        if metric in vllm_read_only:
+            assert sample not in exported, f"{metric.name} is read from vLLM, not exported"
+        else:
+            assert sample in exported, f"{metric.name} is declared but not exported"
+    for native in m.VLLM_EXPORTED:
+        assert m.VLLM_ALIASES[native].labels == native.labels
+
+
+def test_engine_without_connector_exports_no_kv_transfer_series():
+    exported = exported_families(EngineMetrics(engine_config(None)).registry)
+    assert m.ENGINE_NUM_REQUESTS_RUNNING.name in exported
+    assert not [n for n in exported if "kv_transfer" in n and "held" not in n]
+    assert m.VLLM_NIXL_NUM_FAILED_TRANSFERS.name not in exported
+
+
+def test_gateway_exports_every_gateway_series():
+    metrics = GatewayMetrics()
+    metrics.requests.labels("/v1/completions", "200").inc()
+    metrics.ttft.labels("/v1/completions").observe(0.1)
+    metrics.e2e.labels("/v1/completions").observe(0.2)
+    metrics.decisions.labels("decode_only", "short_prompt").inc()
+    metrics.retries.labels("prefill").inc()
+    metrics.fallbacks.labels("prefill_failed").inc()
+    metrics.upstream_errors.labels("http://e", "decode", "connect").inc()
+    metrics.engine_healthy.labels("http://e", "decode").set(1)
+    metrics.engine_inflight.labels("http://e", "decode").set(2)
+    metrics.ejections.labels("http://e", "decode").inc()
+    exported = exported_families(metrics.registry)
+    for metric in contract_metrics():
+        if metric.name.startswith("pdfleet_gateway_"):
+            sample = metric.count if metric.kind == "histogram" else metric.name
+            assert sample in exported, metric.name
+
+
+def test_gateway_reads_its_routing_inputs_from_an_engine_scrape():
+    metrics = EngineMetrics(engine_config(None))
+    labels = metrics.labels
+    metrics._series[m.ENGINE_NUM_REQUESTS_WAITING][0].set(3)
+    metrics._series[m.ENGINE_NUM_REQUESTS_RUNNING][0].set(5)
+    metrics._series[m.ENGINE_KV_CACHE_USAGE][0].set(0.25)
+    assert labels == {"model_name": "tiny"}
+    load = parse_engine_metrics(generate_latest(metrics.registry).decode())
+    assert (load.waiting, load.running, load.kv_usage) == (3, 5, 0.25)
+    assert (load.compat_hash, load.block_size) == ("c0ffee", 16)
+
+
+def test_parser_falls_back_to_vllm_names_and_sums_label_sets():
+    text = (
+        'vllm:num_requests_waiting{model_name="a"} 2\n'
+        'vllm:num_requests_waiting{model_name="b"} 4\n'
+        'vllm:kv_cache_usage_perc{model_name="a"} 0.2\n'
+        'vllm:kv_cache_usage_perc{model_name="b"} 0.6\n'
+    )
+    scrape = m.parse_metrics(text)
+    assert scrape.total(*m.names(m.ENGINE_NUM_REQUESTS_WAITING)) == 6
+    assert scrape.mean(*m.names(m.ENGINE_KV_CACHE_USAGE)) == pytest.approx(0.4)
+    assert scrape.total(*m.names(m.ENGINE_NUM_REQUESTS_RUNNING)) is None
+    assert scrape.labels("vllm:num_requests_waiting") == {"model_name": "a"}
+
+
+def test_parser_keeps_only_the_requested_lines_and_totals_drop_buckets():
+    metrics = EngineMetrics(engine_config(None))
+    metrics._series[m.ENGINE_TTFT][0].observe(0.05)
+    text = generate_latest(metrics.registry).decode()
+    totals = m.parse_metrics(text).totals()
+    assert totals[m.ENGINE_TTFT.count] == 1
+    assert not [n for n in totals if n.endswith(("_bucket", "_created"))]
+    only = m.parse_metrics(text, only=[m.ENGINE_TTFT.count])
+    assert set(only.samples) == {m.ENGINE_TTFT.count}
+
+
+def test_parser_rejects_text_that_is_not_prometheus_exposition():
+    with pytest.raises(ValueError, match="unreadable Prometheus metrics text"):
+        m.parse_metrics('pdfleet_engine_num_requests_running{model_name="x" 1\n')
