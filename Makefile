@@ -23,6 +23,7 @@ lint: $(STAMP)
 	@mkdir -p build/importlint/pdfleet
 	@for d in engine kernels operator; do ln -sfn "$(CURDIR)/$$d" build/importlint/pdfleet/$$d; done
 	PYTHONPATH=build/importlint $(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy -p pdfleet.engine -p pdfleet.kernels -p pdfleet.operator
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

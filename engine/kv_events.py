@@ -53,11 +53,11 @@ class KVEventPublisher:
         )
         self.seq = 0
         self.dropped = 0
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.replay = None
+        self.replay: zmq.Socket[bytes] | None = None
         try:
             self.pub.bind(config.endpoint)
             if config.replay_endpoint:
@@ -103,6 +103,7 @@ class KVEventPublisher:
                 self._serve_replay()
 
     def _serve_replay(self) -> None:
+        assert self.replay is not None  # only called when replay is configured
         ident, *frames = self.replay.recv_multipart()
         try:
             (start,) = struct.unpack(">q", frames[-1])

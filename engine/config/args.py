@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import platform
@@ -57,7 +58,7 @@ def _from(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
         default = default_of(source)
     meta = {"source": (cls, name)}
     if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -70,7 +71,7 @@ def _own(group: str, default: Any = None, factory: Any = None) -> Any:
 
 # Flags kept so that vLLM command lines give a clear error instead of an
 # unknown-argument failure: (field, value that means "not used", what it is).
-UNSUPPORTED = (
+UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("trust_remote_code", False, "running a model directory's own code"),
     ("quantization", None, "weight quantization"),
     ("tensor_parallel_size", 1, "tensor parallelism (scale with more engine replicas)"),
@@ -195,16 +196,18 @@ class EngineArgs:
     # -- CLI -----------------------------------------------------------------
 
     @staticmethod
-    def field_help(f: dataclasses.Field) -> str:
+    def field_help(f: dataclasses.Field[Any]) -> str:
         source = f.metadata.get("source")
         if source is not None:
             return attr_docs(source[0]).get(source[1], "")
         return attr_docs(EngineArgs).get(f.name, "")
 
     @staticmethod
-    def field_group(f: dataclasses.Field) -> str:
+    def field_group(f: dataclasses.Field[Any]) -> str:
         source = f.metadata.get("source")
-        return source[0].__name__ if source is not None else f.metadata.get("group", "EngineArgs")
+        return (
+            source[0].__name__ if source is not None else str(f.metadata.get("group", "EngineArgs"))
+        )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -380,7 +383,7 @@ class EngineArgs:
     def create_engine_config(
         self,
         usage_context: UsageContext | None = None,
-        device: str | None = None,
+        device: Device | None = None,
         device_memory_bytes: int | None = None,
         device_name: str | None = None,
     ) -> EngineConfig:
@@ -420,6 +423,9 @@ class EngineArgs:
             data_parallel_size=args.data_parallel_size,
         )
         args._set_default_batch_limits(usage_context, model_config, target, memory, name)
+        # Resolved above: the model's length and the batch limits are set now.
+        assert model_config.max_model_len is not None
+        assert args.max_num_batched_tokens is not None and args.max_num_seqs is not None
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -11,7 +11,7 @@ Device = Literal["auto", "cuda", "cpu"]
 AttentionBackend = Literal["torch", "triton"]
 
 
-def detect_device() -> str:
+def detect_device() -> Literal["cuda", "cpu"]:
     """``cuda`` when torch sees a GPU, else ``cpu`` (torch is optional here)."""
     try:
         import torch  # lazy: this package must import without torch

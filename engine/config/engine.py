@@ -191,7 +191,7 @@ class EngineConfig:
     # -- presentation ------------------------------------------------------
 
     def to_dict(self, include_hf_config: bool = False) -> dict[str, Any]:
-        data = to_jsonable(self)
+        data: dict[str, Any] = to_jsonable(self)
         if not include_hf_config:
             data["model_config"].pop("hf_config", None)
         data["compute_hash"] = self.compute_hash()

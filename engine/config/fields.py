@@ -98,15 +98,19 @@ def _get(hints: set[Any], kind: Any) -> Any:
     return next(h for h in hints if h is kind or get_origin(h) is kind)
 
 
-def resolved_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+def resolved_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
     """Dataclass fields with their annotations resolved to real types."""
     hints = typing.get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.name.startswith("_")]
 
 
-@functools.cache
 def attr_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings (a string literal right after an annotated field)."""
+    return _attr_docs(cls)
+
+
+@functools.cache
+def _attr_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if klass is object or not dataclasses.is_dataclass(klass):
@@ -128,7 +132,7 @@ def attr_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def default_of(field: dataclasses.Field) -> Any:
+def default_of(field: dataclasses.Field[Any]) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:
@@ -187,7 +191,7 @@ def _coerce_one(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -330,8 +334,10 @@ def argparse_kwargs(name: str, tp: Any, default: Any, help_text: str) -> dict[st
         if get_origin(elem_t) is Literal:
             kw["choices"] = list(get_args(elem_t))
             elem_t = type(get_args(elem_t)[0])
-        parse = int if elem_t is int else (float if elem_t is float else str)
-        kw["type"] = _argtype(_optional(parse) if optional else parse, elem_t.__name__)
+        elem_parse: Callable[[str], Any] = (
+            int if elem_t is int else (float if elem_t is float else str)
+        )
+        kw["type"] = _argtype(_optional(elem_parse) if optional else elem_parse, elem_t.__name__)
         return kw
     if _has(hints, Literal):
         choices = list(get_args(_get(hints, Literal)))

@@ -161,7 +161,7 @@ class GatewayConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        data = to_jsonable(self)
+        data: dict[str, Any] = to_jsonable(self)
         data["api_key"] = ["***"] * len(self.api_key)
         return data
 

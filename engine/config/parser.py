@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .fields import expand_json_human_numbers
 
@@ -108,10 +108,12 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                     flags.update(s for s in action.option_strings if s.startswith("--"))
         return flags
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         """One line, exit code 2 (no usage dump)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         argv = sys.argv[1:] if args is None else list(args)
         return super().parse_known_args(fold_dotted_args(argv, self._json_flags()), namespace)

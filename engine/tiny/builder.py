@@ -107,7 +107,13 @@ def train_tokenizer(vocab_size: int) -> Any:
 
 
 def hf_config(spec: TinyModelSpec, vocab_size: int, ids: dict[str, int]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        PretrainedConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -135,6 +141,7 @@ def hf_config(spec: TinyModelSpec, vocab_size: int, ids: dict[str, int]) -> Any:
     elif spec.rope_scaling == "linear":
         common["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     tie = spec.tie_word_embeddings
+    cfg: PretrainedConfig
     if spec.arch == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=bool(tie), head_dim=spec.head_dim)
     elif spec.arch == "mistral":
