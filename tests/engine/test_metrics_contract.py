@@ -168,3 +168,9 @@ def test_parser_keeps_only_the_requested_lines_and_totals_drop_buckets():
 def test_parser_rejects_text_that_is_not_prometheus_exposition():
     with pytest.raises(ValueError, match="unreadable Prometheus metrics text"):
         m.parse_metrics('pdfleet_engine_num_requests_running{model_name="x" 1\n')
+
+
+def test_docs_list_every_series():
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    missing = [x.name for x in contract_metrics() if f"`{x.name}`" not in page]
+    assert not missing, f"add to docs/metrics.md: {missing}"
