@@ -56,6 +56,20 @@ def test_freed_cached_blocks_are_reused_least_recently_freed_first():
     assert kv.num_evictions == 2  # exactly a's two cached blocks
 
 
+def test_manager_reports_request_blocks_and_events_without_exposing_its_pool():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True, record_events=True)
+    a = req("a", list(range(100, 109)))
+    assert kv.num_request_blocks("a") == 0 and kv.num_requests == 0
+    assert kv.allocate_slots(a, 9) is not None
+    assert kv.num_request_blocks("a") == 3 == len(kv.block_ids("a"))
+    assert kv.num_requests == 1
+    kv.cache_full_blocks(a, 8)
+    stored = kv.take_events()
+    assert stored and kv.take_events() == []  # taking clears them
+    kv.free(a)
+    assert kv.num_request_blocks("a") == 0 and kv.num_requests == 0
+
+
 def test_prefix_hits_take_references_and_last_token_is_recomputed():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
     a = req("a", list(range(8)))
