@@ -202,7 +202,7 @@ def test_unclaimed_lease_frees_the_producers_blocks(fleet):
 @pytest.mark.parametrize(
     "params, message",
     [
-        ({"do_remote_prefill": True}, "remote_host"),
+        ({"do_remote_prefill": True}, "not signed"),
         ({"do_remote_decode": True}, "not a KV producer"),
     ],
 )
@@ -253,7 +253,7 @@ def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") ->
         model,
         logs,
         name,
-        *kv_args("NixlConnector", "kv_producer", kv_port or free_port()),
+        *kv_args("NixlConnector", "kv_producer", kv_port or free_port(), lease_seconds=5),
         port=http_port,
     ).wait_healthy()
 
@@ -305,17 +305,17 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
     assert "error" in json.loads(lines[-2][6:]) and lines[-1] == "data: [DONE]"
 
 
-def test_producer_hung_mid_pull_is_bounded(tiny_model, nixl_pair):
+def test_producer_frozen_before_the_handshake_is_bounded(tiny_model, nixl_pair):
     producer = start_producer(tiny_model, nixl_pair["logs"], name="frozen")
     try:
         body = {"prompt": prompt_of(160, 6), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         params = prefill(producer.url, body)
-        os.kill(producer.proc.pid, signal.SIGSTOP)  # alive but silent: handshake/pull hang
+        os.kill(producer.proc.pid, signal.SIGSTOP)  # alive but silent: the handshake hangs
         start = time.monotonic()
         r = httpx.post(
             nixl_pair["recompute"] + "/v1/completions",
             timeout=60,
-            json={**body, "kv_transfer_params": {**params, "remote_instance_id": "x"}},
+            json={**body, "kv_transfer_params": params},
         )
         assert r.status_code == 200 and time.monotonic() - start < 8
         ref = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
@@ -389,13 +389,14 @@ def test_incompatible_engines_are_refused_naming_the_field(tiny_model, tmp_path,
             json={**body, "kv_transfer_params": params},
         )
         assert r.status_code == 400 and "block_size" in r.json()["error"]["message"]
-        # Params without the factors (e.g. from another router): the handshake refuses it.
+        # Params without the factors are altered params: refused before any dial.
         bare = {k: v for k, v in params.items() if k != "pdfleet_compat"}
         r = httpx.post(
             consumer.url + "/v1/completions", timeout=30, json={**body, "kv_transfer_params": bare}
         )
-        assert r.status_code == 502 and "block_size" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "signature" in r.json()["error"]["message"]
         assert scrape(consumer.url).get("pdfleet_engine_kv_transfers_total", 0) == 0
+        assert scrape(consumer.url).get("pdfleet_engine_kv_transfer_handshakes_total", 0) == 0
     finally:
         producer.stop()
         consumer.stop()
