@@ -192,6 +192,12 @@ class EngineMetrics:
                     labels,
                     registry=r,
                 ),
+                "pulls_in_flight": Gauge(
+                    p + "kv_pulls_in_flight",
+                    "KV pulls started and not yet finished.",
+                    labels,
+                    registry=r,
+                ),
                 "remote_engines": Gauge(
                     p + "kv_remote_engines",
                     "Remote engines whose handshake is cached.",
@@ -301,10 +307,12 @@ class EngineMetrics:
             seconds, stats.transfer_seconds = stats.transfer_seconds, []
             values = {name: getattr(stats, name) for name in self.kv}
             num_remotes = len(connector.remotes)
+            in_flight = len(connector.active)
         if connector.server is not None:
             values["refused_reads"] += connector.server.num_rejected
         self.kv_gauges["quarantined_blocks"].labels(**lab).set(connector.num_quarantined_blocks)
         self.kv_gauges["remote_engines"].labels(**lab).set(num_remotes)
+        self.kv_gauges["pulls_in_flight"].labels(**lab).set(in_flight)
         for name, value in values.items():
             delta = value - self._last_kv.get(name, 0)
             if delta > 0:
