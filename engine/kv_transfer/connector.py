@@ -65,6 +65,8 @@ FATAL = "fatal: "
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
 LEASE_FIELD = "pdfleet_lease_id"
+# How long signed params stay valid after their lease ends.
+PARAMS_GRACE_SECONDS = 60.0
 
 
 @dataclass
@@ -723,7 +725,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "pdfleet_compat": self.c.compat,
             "pdfleet_compat_hash": self.c.compat_hash,
         }
-        signed = security.sign_params(self.c.secret, params, ttl=self.c.lease_seconds)
+        # The signature outlives the lease by a margin: a decode leg that arrives after
+        # the lease recomputes (the producer refuses the pull) instead of failing;
+        # one that arrives later still is refused (400).
+        signed = security.sign_params(
+            self.c.secret, params, ttl=self.c.lease_seconds + PARAMS_GRACE_SECONDS
+        )
         if not full:
             return False, signed
         with self.c.lock:

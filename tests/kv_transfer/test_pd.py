@@ -600,8 +600,10 @@ def faulty(fleet, tiny_model):
         tiny_model,
         logs,
         "p-1s",
+        "--max-model-len",
+        "256",
         "--num-gpu-blocks-override",
-        "24",
+        "20",
         *kv_args(connector, "kv_producer", free_port(), lease_seconds=1),
     )
     consumer = ServerProcess(
@@ -609,7 +611,7 @@ def faulty(fleet, tiny_model):
             "serve",
             tiny_model,
             "--max-model-len",
-            str(MAX_LEN),
+            "256",
             "--disable-log-stats",
             "--num-gpu-blocks-override",
             "40",
@@ -732,7 +734,7 @@ def check_pool_is_clean(fleet, faulty, seeds: range) -> list[str]:
 def test_an_aborted_pull_quarantines_its_blocks_until_the_read_lands(fleet, faulty):
     url = faulty["decode"]
     body = {"prompt": prompt_of(160, 53), "max_tokens": 6, "temperature": 0, "stream": True}
-    params = prefill(faulty["prefill"], body)
+    params = prefill(fleet["prefill"], {**body, "stream": False})  # a 10 s lease
     faulty["delay"].write_text("2")
     try:
         with httpx.stream(
@@ -759,7 +761,7 @@ def test_a_stalled_pull_times_out_quarantines_and_flags_the_engine_unhealthy(fle
     url = faulty["decode"]
     body = {"prompt": prompt_of(160, 54), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     failures = metric(url, "pdfleet_engine_kv_transfer_failures_total")
-    params = prefill(faulty["prefill"], body)
+    params = prefill(fleet["prefill"], body)  # a 10 s lease
     faulty["delay"].write_text("8")  # past the 4 s deadline (handshake 1 s + transfer 3 s)
     try:
         start = time.monotonic()
