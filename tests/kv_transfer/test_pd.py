@@ -780,3 +780,49 @@ def test_a_stalled_pull_times_out_quarantines_and_flags_the_engine_unhealthy(fle
         check_pool_is_clean(fleet, faulty, range(810, 813))
     finally:
         faulty["delay"].write_text("0")
+
+
+def test_prefill_sigterm_waits_for_held_leases_so_no_decode_leg_recomputes(tiny_model, nixl_pair):
+    producer = serve(
+        tiny_model,
+        nixl_pair["logs"],
+        "draining",
+        *kv_args("NixlConnector", "kv_producer", free_port(), lease_seconds=20),
+    ).wait_healthy()
+    try:
+        url = nixl_pair["recompute"]
+        bodies = [
+            {
+                "prompt": prompt_of(100, 60 + i),
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for i in range(3)
+        ]
+        params = [prefill(producer.url, body) for body in bodies]
+        refs = [
+            httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
+            for body in bodies
+        ]
+        before = scrape(url)
+        signalled = time.monotonic()
+        producer.signal(signal.SIGTERM)  # a scale-down with leases held
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda bp: decode(url, *bp), zip(bodies, params, strict=True)))
+        for r, ref in zip(results, refs, strict=True):
+            assert r.status_code == 200 and r.json()["choices"] == ref["choices"]
+        after = scrape(url)
+        # Every decode leg pulled its blocks: zero recomputes.
+        assert (
+            after["pdfleet_engine_kv_transfers_total"]
+            == before["pdfleet_engine_kv_transfers_total"] + 3
+        )
+        assert after.get("pdfleet_engine_kv_transfer_failures_total", 0) == before.get(
+            "pdfleet_engine_kv_transfer_failures_total", 0
+        )
+        # ... and the engine exits once they are claimed, not after the whole lease.
+        assert producer.proc.wait(30) == 0
+        assert time.monotonic() - signalled < 20
+    finally:
+        producer.stop()
