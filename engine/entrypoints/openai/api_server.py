@@ -37,7 +37,8 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving import OpenAIServing
+from .serving_chat import ChatServing
+from .serving_completion import CompletionServing
 
 logger = logging.getLogger("pdfleet.serve")
 
@@ -48,7 +49,8 @@ class ServerState:
         self.max_waiting_requests = max_waiting_requests
         self.api_key = api_key
         self.engine: AsyncEngine | None = None
-        self.serving: OpenAIServing | None = None
+        self.completions: CompletionServing | None = None
+        self.chat: ChatServing | None = None
         self.metrics: EngineMetrics | None = None
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
@@ -65,11 +67,10 @@ class ServerState:
                 engine.step()
             self.metrics = EngineMetrics(engine.config)
             self.engine = AsyncEngine(engine, self.max_waiting_requests, self.on_step)
-            self.serving = OpenAIServing(
-                self.engine,
-                engine.config.model_config.served_model_names,
-                engine.config.model_config.max_model_len,
-            )
+            names = engine.config.model_config.served_model_names
+            max_len = engine.config.model_config.max_model_len
+            self.completions = CompletionServing(self.engine, names, max_len)
+            self.chat = ChatServing(self.engine, names, max_len)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
         except BaseException as e:
@@ -163,16 +164,16 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("internal error")
         return error_json(APIError(f"internal error: {type(e).__name__}: {e}", status=500))
 
-    def serving(request: Request) -> OpenAIServing:
+    def serving(request: Request) -> tuple[CompletionServing, ChatServing]:
         if state.api_key is not None and request.headers.get("authorization") != (
             f"Bearer {state.api_key}"
         ):
             raise APIError("invalid or missing API key", status=401)
         if state.draining:
             raise APIError("the server is shutting down", status=503)
-        if state.serving is None:
+        if state.completions is None or state.chat is None:
             raise APIError("the model is still loading", status=503)
-        return state.serving
+        return state.completions, state.chat
 
     def request_id(request: Request, prefix: str) -> str:
         given = request.headers.get("x-request-id")
@@ -198,7 +199,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         return {
             "object": "list",
             "data": [
@@ -239,7 +240,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         rid = request_id(request, "cmpl")
         if body.stream:
             return await respond(request, s.completion_stream(body, rid), True, rid)
@@ -247,7 +248,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        s = serving(request)
+        _, s = serving(request)
         rid = request_id(request, "chatcmpl")
         if body.stream:
             return await respond(request, s.chat_stream(body, rid), True, rid)
@@ -255,7 +256,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         s.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
@@ -267,7 +268,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         s.check_model(body.model)
         vocab = state.config.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
