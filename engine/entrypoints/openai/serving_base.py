@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from ...async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+)
+from ...config.sampling_checks import check_sampling
 from ...outputs import Logprob, RequestOutput
 from ...sampling_params import SamplingParams
 from .protocol import APIError, ChatCompletionRequest
+
+logger = logging.getLogger("pdfleet.serve")
+
+# (prompt text or None, prompt token ids, sampling params): one engine request.
+Job = tuple[str | None, list[int], SamplingParams]
 
 
 @dataclass
@@ -42,14 +57,83 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
+def api_error(e: BaseException) -> APIError | None:
+    """The HTTP error for an engine-side refusal or failure (None: not one of those)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError | EngineDeadError):
+        return APIError(str(e), status=503)
+    if isinstance(e, EngineStepError):
+        return APIError(f"{e}; retry the request", status=500)
+    if isinstance(e, ValueError):
+        # Engine and connector messages start with the field they refuse.
+        m = re.match(r"[A-Za-z_][A-Za-z0-9_.]*", str(e))
+        return APIError(str(e), param=m.group(0) if m and ":" in str(e) else None)
+    return None
+
+
+def error_event(e: BaseException, request_id: str) -> str:
+    """The SSE error event that ends a stream which failed after its response began."""
+    error = api_error(e)
+    if error is None:
+        logger.error("request %s failed mid-stream", request_id, exc_info=e)
+        error = APIError("internal error while streaming the response", status=500)
+    return sse(error.body())
+
+
+class TokenizerLanes:
+    """Tokenizer work off the event loop, in two lanes.
+
+    Prompts of at least ``large_chars`` characters queue for their own small
+    pool, so a burst of multi-megabyte prompts cannot occupy the threads that
+    short prompts use (the tokenizer releases the GIL, so the lanes really run
+    side by side)."""
+
+    def __init__(self, large_chars: int, workers: int = 4, large_workers: int = 1) -> None:
+        self.large_chars = large_chars
+        self.small = ThreadPoolExecutor(workers, thread_name_prefix="pdfleet-tokenize")
+        self.large = ThreadPoolExecutor(large_workers, thread_name_prefix="pdfleet-tokenize-large")
+
+    async def run(self, num_chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        pool = self.large if num_chars >= self.large_chars else self.small
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self.small.shutdown(wait=False, cancel_futures=True)
+        self.large.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in characters: no token covers more of a prompt.
+
+    Byte-level vocabularies spell each byte as one character, and a prompt has
+    at most as many characters as bytes, so a prompt longer than
+    ``max_model_len * max_token_chars`` characters cannot fit in the context."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    except Exception:  # a tokenizer without a vocabulary listing: no bound
+        return 0
+
+
 class ServingBase:
-    def __init__(self, engine: AsyncEngine, served_names: list[str], max_model_len: int) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_names: list[str],
+        max_model_len: int,
+        lanes: TokenizerLanes | None = None,
+    ) -> None:
         self.engine = engine
         self.served_names = served_names
         self.max_model_len = max_model_len
         self.tokenizer = engine.engine.tokenizer
         self.defaults = dict(engine.engine.default_sampling)
         self.max_logprobs = engine.engine.config.model_config.max_logprobs
+        self.vocab_size = engine.engine.config.model_config.vocab_size
+        self.lanes = lanes or TokenizerLanes(large_chars=1 << 16)
+        per_token = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
+        # No prompt with more characters than this fits in max_model_len tokens (0: unknown).
+        self.max_prompt_chars = max_model_len * per_token
 
     # -- checks -------------------------------------------------------------------
 
@@ -57,6 +141,27 @@ class ServingBase:
         if model is None or model in self.served_names:
             return self.served_names[0]
         raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    def check_sampling(self, req: Any) -> None:
+        """Every sampling field against the model, before anything is tokenized."""
+        try:
+            check_sampling(
+                req.model_dump(exclude_none=True),
+                vocab_size=self.vocab_size,
+                max_logprobs=self.max_logprobs,
+            )
+        except ValueError as e:
+            m = re.match(r"[a-z_]+", str(e))
+            raise APIError(str(e), param=m.group(0) if m else None) from None
+
+    def check_chars(self, num_chars: int, what: str) -> None:
+        """Refuse, before tokenizing, a prompt too long to fit whatever its tokens."""
+        if self.max_prompt_chars and num_chars > self.max_prompt_chars:
+            raise APIError(
+                f"the {what} has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"(this model's maximum context length) can hold; shorten it",
+                param=what,
+            )
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -85,6 +190,32 @@ class ServingBase:
         except Exception as e:  # a template that rejects the conversation is bad input
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         return text, tok(text, add_special_tokens=False).input_ids
+
+    async def tokenize_prompts(
+        self, prompts: list[str | list[int]], bounded: bool = True
+    ) -> list[tuple[str | None, list[int]]]:
+        """(text, ids) per prompt, tokenized in the lane its size calls for.
+
+        ``bounded``: refuse, before any tokenizing, a prompt whose characters
+        cannot fit in the context."""
+        if bounded:
+            for p in prompts:
+                if isinstance(p, str):
+                    self.check_chars(len(p), "prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, await self.lanes.run(len(p), self.tokenize, p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    async def chat_prompt(self, req: Any, bounded: bool = True) -> tuple[str, list[int]]:
+        """The templated conversation and its ids (bounded and laned as prompts are)."""
+        num_chars = sum(len(m.text()) for m in req.messages)
+        if bounded:
+            self.check_chars(num_chars, "messages")
+        return await self.lanes.run(num_chars, self.apply_chat_template, req)
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None, what: str) -> int:
         """The effective max_tokens; 400 when the prompt plus output cannot fit."""
@@ -118,31 +249,52 @@ class ServingBase:
 
     # -- running ------------------------------------------------------------------
 
-    async def _stream(
+    async def admit(
         self,
         request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        text: str | None,
+        jobs: list[Job],
         priority: int,
         kv_params: dict[str, Any] | None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> list[RequestStream]:
+        """One engine request per job, all admitted or none (a refusal closes the rest).
+
+        Called before a response starts, so a refusal (bad kv_transfer_params
+        included) is an HTTP error even for a streamed request."""
+        streams: list[RequestStream] = []
         try:
-            async for out in self.engine.generate(
-                request_id,
-                prompt_ids,
-                params,
-                prompt_text=text,
-                priority=priority,
-                kv_transfer_params=kv_params,
-            ):
+            for j, (text, ids, params) in enumerate(jobs):
+                streams.append(
+                    await self.engine.add_request(
+                        f"{request_id}-{j}" if len(jobs) > 1 else request_id,
+                        ids,
+                        params,
+                        prompt_text=text,
+                        priority=priority,
+                        kv_transfer_params=kv_params,
+                    )
+                )
+        except BaseException as e:
+            for stream in streams:
+                stream.close()
+            error = api_error(e) if isinstance(e, Exception) else None
+            if error is None:
+                raise
+            raise error from None
+        return streams
+
+    @staticmethod
+    async def outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """A request's outputs, its engine-side failures as APIErrors."""
+        try:
+            async for out in stream:
                 yield out
-        except QueueFullError as e:
-            raise APIError(str(e), status=503) from None
-        except EngineDeadError as e:
-            raise APIError(str(e), status=503) from None
-        except ValueError as e:
-            raise APIError(str(e), param=str(e).split(":")[0] if ":" in str(e) else None) from None
+        except Exception as e:
+            error = api_error(e)
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            stream.close()
 
     @staticmethod
     async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -3,13 +3,12 @@ out (JSON or SSE)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ...outputs import Logprob
 from .protocol import APIError, ChatCompletionRequest, now
-from .serving_base import Choice, ServingBase, finish_reason, raise_if_error, sse
+from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 
 
 class ChatServing(ServingBase):
@@ -45,7 +44,8 @@ class ChatServing(ServingBase):
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         self.check_logprobs(k, "top_logprobs")
-        text, ids = await asyncio.to_thread(self.apply_chat_template, req)
+        self.check_sampling(req)
+        text, ids = await self.chat_prompt(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -55,11 +55,18 @@ class ChatServing(ServingBase):
 
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         model, text, ids, params, k = await self.prepare_chat(req)
+        (stream,) = await self.admit(
+            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+        )
+        try:
+            return await self._chat_body(req, request_id, model, ids, k, stream)
+        finally:
+            stream.close()
+
+    async def _chat_body(self, req, request_id, model, ids, k, stream) -> dict[str, Any]:
         choices = {i: Choice(i) for i in range(req.n)}
         cached, kv_out = 0, None
-        async for out in self._stream(
-            request_id, ids, params, text, req.priority, req.kv_transfer_params
-        ):
+        async for out in self.outputs(stream):
             if out.finished:
                 cached, kv_out = out.num_cached_tokens, out.kv_transfer_params
             for o in out.outputs:
@@ -101,10 +108,13 @@ class ChatServing(ServingBase):
         return body
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
-        prepared = await self.prepare_chat(req)
-        return self._chat_events(req, request_id, *prepared)
+        model, text, ids, params, k = await self.prepare_chat(req)
+        (stream,) = await self.admit(
+            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+        )
+        return self._chat_events(req, request_id, model, ids, k, stream)
 
-    async def _chat_events(self, req, request_id, model, text, ids, params, k):
+    async def _chat_events(self, req, request_id, model, ids, k, stream):
         created = now()
         completion_tokens, cached = 0, 0
         started: set[int] = set()
@@ -129,9 +139,7 @@ class ChatServing(ServingBase):
             )
 
         try:
-            async for out in self._stream(
-                request_id, ids, params, text, req.priority, req.kv_transfer_params
-            ):
+            async for out in self.outputs(stream):
                 if out.finished:
                     cached = out.num_cached_tokens
                 for o in out.outputs:
@@ -167,6 +175,8 @@ class ChatServing(ServingBase):
                     }
                 )
             yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield sse(e.body())
+        except Exception as e:
+            yield error_event(e, request_id)
             yield "data: [DONE]\n\n"
+        finally:
+            stream.close()

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ...outputs import Logprob
 from .protocol import APIError, CompletionRequest, now
-from .serving_base import Choice, ServingBase, finish_reason, raise_if_error, sse
+from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 
 
 class CompletionServing(ServingBase):
@@ -52,10 +51,9 @@ class CompletionServing(ServingBase):
         req.check_unsupported()
         if req.suffix:
             raise APIError("suffix is not supported by pdfleet", param="suffix")
+        self.check_sampling(req)
         self.check_logprobs(req.logprobs, "logprobs")
-        prompts = await asyncio.to_thread(
-            lambda: [(p if isinstance(p, str) else None, self.tokenize(p)) for p in req.prompts()]
-        )
+        prompts = await self.tokenize_prompts(req.prompts())
         jobs = []
         for text, ids in prompts:
             max_tokens = self.check_length(ids, req.max_tokens, "prompt")
@@ -68,29 +66,22 @@ class CompletionServing(ServingBase):
             jobs.append((text, ids, params))
         return model, jobs
 
-    def _job_streams(self, jobs: list, request_id: str, req: Any) -> list:
-        """One engine stream per prompt of the request (ids suffixed when several)."""
-        return [
-            self._stream(
-                f"{request_id}-{j}" if len(jobs) > 1 else request_id,
-                ids,
-                params,
-                text,
-                req.priority,
-                req.kv_transfer_params,
-            )
-            for j, (text, ids, params) in enumerate(jobs)
-        ]
-
     async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
         model, jobs = await self.prepare_completion(req)
+        streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
+        try:
+            return await self._completion_body(req, request_id, model, jobs, streams)
+        finally:
+            for stream in streams:
+                stream.close()
+
+    async def _completion_body(self, req, request_id, model, jobs, streams) -> dict[str, Any]:
         n = req.n
         choices = {i: Choice(i) for i in range(len(jobs) * n)}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
         prompt_lps: dict[int, list] = {}
         kv_out = None
-        streams = self._job_streams(jobs, request_id, req)
-        async for j, out in self.merge(streams):
+        async for j, out in self.merge([self.outputs(s) for s in streams]):
             if out.prompt_logprobs is not None:
                 prompt_lps[j] = out.prompt_logprobs
             if out.finished:
@@ -148,9 +139,10 @@ class CompletionServing(ServingBase):
         self, req: CompletionRequest, request_id: str
     ) -> AsyncIterator[str]:
         model, jobs = await self.prepare_completion(req)
-        return self._completion_events(req, request_id, model, jobs)
+        streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
+        return self._completion_events(req, request_id, model, jobs, streams)
 
-    async def _completion_events(self, req, request_id, model, jobs) -> AsyncIterator[str]:
+    async def _completion_events(self, req, request_id, model, jobs, streams) -> AsyncIterator[str]:
         n = req.n
         created = now()
         usage = {
@@ -160,9 +152,8 @@ class CompletionServing(ServingBase):
         }
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        streams = self._job_streams(jobs, request_id, req)
         try:
-            async for j, out in self.merge(streams):
+            async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
                     usage["cached"] += out.num_cached_tokens
                 for o in out.outputs:
@@ -218,6 +209,9 @@ class CompletionServing(ServingBase):
                     }
                 )
             yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield sse(e.body())
+        except Exception as e:
+            yield error_event(e, request_id)
             yield "data: [DONE]\n\n"
+        finally:
+            for stream in streams:
+                stream.close()
