@@ -178,6 +178,8 @@ class AsyncEngine:
                 except StepFailed as failure:
                     self._fail_step(failure)
                     self._probe()
+                    if self.on_step is not None:
+                        self.on_step(engine)
                     continue
                 idle_step = engine.stats.num_scheduled_tokens == 0
                 self._route(outputs)
