@@ -169,6 +169,9 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.draining = True
         if state.engine is not None:
+            if state.fatal is None:
+                # A prefill engine keeps its KV until the decode legs claimed it.
+                await asyncio.to_thread(state.engine.wait_for_leases)
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="pdfleet engine", lifespan=lifespan)
