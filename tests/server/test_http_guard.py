@@ -197,6 +197,38 @@ def test_chunked_body_over_the_limit_is_refused_while_it_streams(http):
     assert sent < 4 * BODY_LIMIT
 
 
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_refused_huge_bodies_never_take_their_memory(server):
+    before = rss_bytes(server.proc.pid)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {fleet_token()}\r\n"
+    ).encode()
+    piece = b"a" * 65536
+    for _ in range(3):
+        # 64 MB announced: refused on the header.
+        assert status_of(raw(server, head + b"Content-Length: 64000000\r\n\r\n")) == 413
+        # 64 MB chunked, sent until the server closes: refused at the limit.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            try:
+                for _ in range(1000):
+                    s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            else:
+                raise AssertionError("the server read a 64 MB body to the end")
+    grown = rss_bytes(server.proc.pid) - before
+    assert grown < 48 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+
+
 def test_body_under_the_limit_is_served(http):
     prompt = "word " * 50  # well under both limits, chunked by the client
     body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
