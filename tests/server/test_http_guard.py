@@ -317,6 +317,33 @@ def test_prompt_too_long_for_the_context_is_refused_before_tokenizing(http):
     assert time.monotonic() - start < 2  # tokenizing 900k characters takes seconds here
 
 
+def test_large_lane_queue_is_bounded():
+    import threading
+
+    from pdfleet.engine.entrypoints.openai.protocol import APIError
+    from pdfleet.engine.entrypoints.openai.serving_base import TokenizerLanes
+
+    lanes = TokenizerLanes(large_chars=10, max_large=2)
+    release = threading.Event()
+
+    async def main():
+        held = [asyncio.ensure_future(lanes.run(100, release.wait, 10)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as refused:
+            await lanes.run(100, release.wait, 10)
+        small = await lanes.run(5, lambda: "short ones still run")
+        release.set()
+        return refused.value.status, small, await asyncio.gather(*held)
+
+    try:
+        status, small, held = asyncio.run(main())
+    finally:
+        release.set()
+        lanes.shutdown()
+    assert status == 503 and small == "short ones still run" and held == [True, True]
+    assert lanes.num_large == 0
+
+
 def test_short_request_completes_while_large_prompts_are_tokenized(server):
     big = "The harbor was quiet before dawn. " * 8000  # ~270k characters each
 

@@ -89,14 +89,30 @@ class TokenizerLanes:
     short prompts use (the tokenizer releases the GIL, so the lanes really run
     side by side)."""
 
-    def __init__(self, large_chars: int, workers: int = 4, large_workers: int = 1) -> None:
+    def __init__(
+        self, large_chars: int, workers: int = 4, large_workers: int = 1, max_large: int = 16
+    ) -> None:
         self.large_chars = large_chars
+        self.max_large = max_large
+        self.num_large = 0
         self.small = ThreadPoolExecutor(workers, thread_name_prefix="pdfleet-tokenize")
         self.large = ThreadPoolExecutor(large_workers, thread_name_prefix="pdfleet-tokenize-large")
 
     async def run(self, num_chars: int, fn: Callable[..., Any], *args: Any) -> Any:
-        pool = self.large if num_chars >= self.large_chars else self.small
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        if num_chars < self.large_chars:
+            return await loop.run_in_executor(self.small, fn, *args)
+        # The large lane's queue is bounded too: each waiting prompt holds its text.
+        if self.num_large >= self.max_large:
+            raise APIError(
+                f"{self.num_large} large prompts are already being tokenized; retry later",
+                status=503,
+            )
+        self.num_large += 1
+        try:
+            return await loop.run_in_executor(self.large, fn, *args)
+        finally:
+            self.num_large -= 1
 
     def shutdown(self) -> None:
         self.small.shutdown(wait=False, cancel_futures=True)
