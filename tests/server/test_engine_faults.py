@@ -250,3 +250,52 @@ def test_n2_request_id_c_and_request_id_c0_both_complete(server, n2_first):
     assert sorted(ch["index"] for ch in pair.json()["choices"]) == [0, 1]
     assert pair.json()["usage"]["completion_tokens"] == 24
     assert single.json()["usage"]["completion_tokens"] == 12
+
+
+# -- shutdown ----------------------------------------------------------------------------------
+
+
+def test_sigterm_on_a_producer_waits_for_its_held_leases_then_exits_zero(tiny_model, tmp_path):
+    lease = 4.0
+    kv = {
+        "kv_connector": "ZmqConnector",
+        "kv_role": "kv_producer",
+        "kv_port": free_port(),
+        "kv_connector_extra_config": {"lease_seconds": lease},
+    }
+    proc = ServerProcess(
+        [
+            "serve",
+            tiny_model,
+            "--max-model-len",
+            "256",
+            "--block-size",
+            str(BLOCK),
+            "--disable-log-stats",
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ],
+        tmp_path,
+    )
+    try:
+        proc.wait_healthy()
+        body = {
+            "prompt": [100 + i for i in range(3 * BLOCK)],
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        r = httpx.post(proc.url + "/v1/completions", json=body, headers=proc.headers, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_transfer_params"]["remote_block_ids"]
+        # No decode leg ever claims the blocks: the producer holds them for the lease.
+        start = time.monotonic()
+        proc.signal()
+        time.sleep(1.0)
+        assert proc.proc.poll() is None, "exited while it still held a lease"
+        deadline = start + lease + 20
+        while proc.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.proc.returncode == 0, proc.log()
+        assert time.monotonic() - start >= lease * 0.9
+    finally:
+        proc.stop()
