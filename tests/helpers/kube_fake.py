@@ -78,7 +78,7 @@ class FakeCluster:
             response.raise_for_status()
 
     async def wait_for(
-        self, predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition"
+        self, predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
     ) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
