@@ -11,8 +11,8 @@ Children of an InferenceService NAME (namespace NS):
   (it is random); :mod:`.fleet_secret` creates it once, and every engine and
   gateway pod mounts it as a file.
 * ServiceAccount, RoleBinding ``NAME-gateway``: the gateway lists and watches
-  the service's pods to discover engines, through the chart's gateway
-  ClusterRole (the operator creates no Roles).
+  the service's pods to discover engines, through the chart's gateway role
+  (the operator creates no Roles).
 * NetworkPolicies ``NAME-prefill``, ``NAME-decode``, ``NAME-gateway``: engine
   HTTP only from the gateway and the operator, KV ports only from the other
   role, the gateway's port from anywhere.
@@ -95,8 +95,18 @@ class OperatorInstall:
         }
     )
     """Labels of the operator pod (the chart's selector labels, less the release)."""
-    gateway_cluster_role: str = "pdfleet-gateway"
-    """The ClusterRole (pods get/list/watch) that each gateway's RoleBinding names."""
+    gateway_role: str = "pdfleet-gateway"
+    """The role (pods get/list/watch) that each gateway's RoleBinding names; the
+    chart creates it."""
+    gateway_role_kind: str = "ClusterRole"
+    """``ClusterRole`` (cluster-wide install) or ``Role`` (namespaced install: one
+    in each watched namespace, so the chart needs no cluster-scoped rights)."""
+
+    def __post_init__(self) -> None:
+        if self.gateway_role_kind not in ("Role", "ClusterRole"):
+            raise ValueError(
+                f"gateway role kind {self.gateway_role_kind!r}: use Role or ClusterRole"
+            )
 
 
 @dataclass(frozen=True)
@@ -583,8 +593,8 @@ def build_gateway_rbac(
             "metadata": _meta(sa_name, namespace, labels, owner),
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": install.gateway_cluster_role,
+                "kind": install.gateway_role_kind,
+                "name": install.gateway_role,
             },
             "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}],
         },

@@ -51,11 +51,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "scrapes from there. Default: $POD_NAMESPACE, else pdfleet.",
     )
     parser.add_argument(
-        "--gateway-cluster-role",
+        "--gateway-role-kind",
+        choices=["ClusterRole", "Role"],
+        default="ClusterRole",
+        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
+        "install, one per watched namespace). Default ClusterRole.",
+    )
+    parser.add_argument(
+        "--gateway-role",
         default="pdfleet-gateway",
         metavar="NAME",
-        help="ClusterRole (pods get/list/watch) bound to each gateway's ServiceAccount; "
-        "the Helm chart creates it. Default pdfleet-gateway.",
+        help="Role or ClusterRole (pods get/list/watch) bound to each gateway's "
+        "ServiceAccount; the Helm chart creates it. Default pdfleet-gateway.",
     )
     parser.set_defaults(func=run)
     return parser
@@ -79,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         timer_interval_seconds=args.refresh_seconds,
         install=OperatorInstall(
             namespace=args.operator_namespace or os.environ.get("POD_NAMESPACE") or "pdfleet",
-            gateway_cluster_role=args.gateway_cluster_role,
+            gateway_role=args.gateway_role,
+            gateway_role_kind=args.gateway_role_kind,
         ),
     )
     state = register(registry, config)

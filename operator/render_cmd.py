@@ -32,10 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(default: pdfleet).",
     )
     parser.add_argument(
-        "--gateway-cluster-role",
+        "--gateway-role-kind",
+        choices=["ClusterRole", "Role"],
+        default="ClusterRole",
+        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
+        "install, one per watched namespace). Default ClusterRole.",
+    )
+    parser.add_argument(
+        "--gateway-role",
         default="pdfleet-gateway",
         metavar="NAME",
-        help="ClusterRole the gateway's RoleBinding names (default: pdfleet-gateway).",
+        help="Role or ClusterRole the gateway's RoleBinding names (default: pdfleet-gateway).",
     )
     parser.set_defaults(func=run)
     return parser
@@ -55,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.file}:\n" + "\n".join(str(v) for v in violations))
     namespace = args.namespace or svc.metadata.namespace or "default"
     install = OperatorInstall(
-        namespace=args.operator_namespace, gateway_cluster_role=args.gateway_cluster_role
+        namespace=args.operator_namespace,
+        gateway_role=args.gateway_role,
+        gateway_role_kind=args.gateway_role_kind,
     )
     objects = build_children(
         svc.name, svc.spec, namespace=namespace, image=args.image, install=install
