@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +64,10 @@ class Up:
     def engine_url(self, role: str) -> str:
         return next(e["url"] for e in self.engines() if e["role"] == role)
 
+    def child_pids(self) -> list[int]:
+        """The processes `pdfleet up` started (its direct children)."""
+        return children_of(self.proc.pid)
+
     def stop(self, timeout: float = 90) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -91,3 +96,27 @@ def fleet_spec(model: str, **extra) -> dict:
         "metadata": {"name": "tiny"},
         "spec": spec,
     }
+
+
+def children_of(pid: int) -> list[int]:
+    """Live direct children of ``pid``, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and process_state(int(entry)) not in (None, "Z"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (``Z``: a zombie, dead), None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def is_dead(pid: int) -> bool:
+    return process_state(pid) in (None, "Z", "X")
