@@ -18,7 +18,9 @@ from .server import free_port, wait_until
 class Up:
     """A `pdfleet up` process: its endpoint, its engines, its output."""
 
-    def __init__(self, spec: dict, tmp: Path, name: str = "up") -> None:
+    def __init__(
+        self, spec: dict, tmp: Path, name: str = "up", env: dict[str, str] | None = None
+    ) -> None:
         self.file = tmp / f"{name}.yaml"
         self.file.write_text(yaml.safe_dump(spec))
         self.port = free_port()
@@ -42,6 +44,7 @@ class Up:
             stdout=self.out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -120,3 +123,42 @@ def process_state(pid: int) -> str | None:
 
 def is_dead(pid: int) -> bool:
     return process_state(pid) in (None, "Z", "X")
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def process_argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+
+
+def listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                host, port = fields[1].split(":")
+                found.add((_address(bytes.fromhex(host), size), int(port, 16)))
+    return found
+
+
+def _address(raw: bytes, size: int) -> str:
+    import ipaddress
+
+    # /proc/net/tcp prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
+    return str(ipaddress.ip_address(words))
