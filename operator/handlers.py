@@ -279,21 +279,23 @@ async def refresh(
             )
         deployments = None  # read again after the apply
     pods = await client.list("Pod", namespace, {LABEL_SERVICE: name})
-    samples = await scrape_pods(
+    scraped = await scrape_pods(
         pods,
         timeout_seconds=config.scrape_timeout_seconds,
         clock=clock,
         token=security.fleet_token(secret),
+        gateways=True,
     )
-    for sample in samples:
+    for sample in scraped:
         if sample.error is not None:
             state.scrape_failures.inc()
+    samples = [s for s in scraped if s.role != "gateway"]  # what the autoscaler sees
     health = state.kv_health.get(uid)
     if health is None:
         health = state.kv_health[uid] = KVHealth(
             config.kv_window_seconds, config.kv_max_failure_ratio
         )
-    state.kv_verdict[uid] = health.update(samples)
+    state.kv_verdict[uid] = health.update(scraped)
     if spec.autoscaling is not None:
         autoscaled = await _autoscale(
             state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger

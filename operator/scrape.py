@@ -6,7 +6,9 @@ are dropped, their ``_sum`` and ``_count`` kept). A pod that does not answer
 within the timeout gives a sample with ``error`` set and no values.
 
 Engines require the fleet token on ``/metrics`` (docs/security.md): pass it
-as ``token``; it is sent as ``Authorization: Bearer TOKEN``.
+as ``token``; it is sent as ``Authorization: Bearer TOKEN``. Gateways accept
+the same token on ``/metrics``; their KV circuit breakers feed
+``KVTransferHealthy``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ KV_FAILURE_METRICS = (
 )
 # Counters of completed (successful) KV pulls.
 KV_TRANSFER_METRICS = ("pdfleet_engine_kv_transfers_total",)
+# A gateway's gauge: 1 per (prefill, decode) pair whose KV circuit breaker is open.
+KV_PAIR_OPEN_METRIC = "pdfleet_gateway_kv_pair_open"
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,10 @@ async def scrape_pods(
     timeout_seconds: float = 2.0,
     clock: Callable[[], float] = time.time,
     token: str | None = None,
+    gateways: bool = False,
 ) -> list[PodSample]:
-    """Scrape every engine pod concurrently; each request is bounded by the timeout."""
+    """Scrape every engine pod (and gateway pod with ``gateways``)
+    concurrently; each request is bounded by the timeout."""
 
     async def one(http: httpx.AsyncClient, pod: Mapping[str, Any]) -> PodSample:
         meta = pod.get("metadata") or {}
@@ -103,7 +109,9 @@ async def scrape_pods(
         return PodSample(name, role, ready, clock(), values=values)
 
     engine_pods = [
-        p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
+        p
+        for p in pods
+        if gateways or (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
     ]
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds), headers=headers) as http:
@@ -136,7 +144,8 @@ class KVHealth:
     grew since the previous scrape (a counter that went down was reset by a
     restart: its new value is the growth). The window keeps the growth of
     pods that went away, so a crashing engine still counts. Unhealthy when
-    more than ``max_failure_ratio`` of the window's pulls failed.
+    more than ``max_failure_ratio`` of the window's pulls failed, or while a
+    gateway's KV circuit breaker keeps an engine pair out of disaggregation.
     """
 
     def __init__(self, window_seconds: float = 300.0, max_failure_ratio: float = 0.05) -> None:
@@ -152,7 +161,14 @@ class KVHealth:
         seen = False
         now = max((s.scraped_at for s in samples), default=None)
         current: dict[str, tuple[float, float]] = {}
+        open_pairs = {
+            s.pod: s.values[KV_PAIR_OPEN_METRIC]
+            for s in samples
+            if s.role == "gateway" and s.values.get(KV_PAIR_OPEN_METRIC, 0) > 0
+        }
         for sample in samples:
+            if sample.role == "gateway":
+                continue
             failed = kv_failures(sample)
             if failed is None:
                 continue
@@ -178,19 +194,26 @@ class KVHealth:
         failed = sum(by_pod.values())
         total = failed + sum(g[3] for g in self._growth)
         window = f"the last {self.window_seconds:g}s"
-        if not seen and not self._growth:
-            return KVVerdict(None, "NoMetrics", "no engine reports KV-transfer counters yet")
-        if failed == 0:
-            return KVVerdict(
-                True, "NoFailedTransfers", f"{total:g} KV pulls in {window}, none failed"
-            )
-        if failed > self.max_failure_ratio * total:
+        breakers = ""
+        if open_pairs:
+            breakers = "open KV circuit breakers (engine pairs left out of disaggregation): "
+            breakers += ", ".join(f"{pod} {n:g}" for pod, n in sorted(open_pairs.items()))
+        if failed > 0 and failed > self.max_failure_ratio * total:
             return KVVerdict(
                 False,
                 "KVTransferDegraded",
                 f"{failed:g} of {total:g} KV pulls failed in {window} "
                 f"(more than {self.max_failure_ratio:.0%}): "
-                + ", ".join(f"{pod} +{n:g}" for pod, n in sorted(by_pod.items())),
+                + ", ".join(f"{pod} +{n:g}" for pod, n in sorted(by_pod.items()))
+                + (f"; {breakers}" if breakers else ""),
+            )
+        if breakers:
+            return KVVerdict(False, "KVCircuitOpen", breakers)
+        if not seen and not self._growth:
+            return KVVerdict(None, "NoMetrics", "no engine reports KV-transfer counters yet")
+        if failed == 0:
+            return KVVerdict(
+                True, "NoFailedTransfers", f"{total:g} KV pulls in {window}, none failed"
             )
         return KVVerdict(
             True,

@@ -208,6 +208,7 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
         pods = [
             engine_pod("demo-decode-a", "decode", port),
             engine_pod("demo-prefill-a", "prefill", port),
+            engine_pod("demo-gateway-a", "gateway", port),  # scraped for its KV breakers
         ]
         try:
             objects = [inference_service("demo", spec), *pods]
@@ -256,6 +257,7 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
         assert service == f"{NAMESPACE}/demo"
         assert replicas == {"prefill": 1, "decode": 1}
         by_pod = {s.pod: s for s in samples}
+        assert set(by_pod) == {"demo-decode-a", "demo-prefill-a"}  # the policy sees engines
         assert by_pod["demo-decode-a"].role == "decode"
         assert by_pod["demo-decode-a"].values["vllm:kv_cache_usage_perc"] == 0.9
 

@@ -165,3 +165,15 @@ def test_a_pod_that_never_answers_costs_at_most_the_scrape_timeout():
     assert elapsed < 2.0
     assert [s.error is not None for s in samples] == [True, True]
     assert samples[1].error == "no pod IP yet"
+
+
+def test_an_open_kv_circuit_breaker_of_a_gateway_makes_kv_unhealthy():
+    health = KVHealth()
+    engines = [kv_sample("d-1", 0, 10, at=0)]
+    gateway = PodSample("gw-1", "gateway", True, 0.0, {"pdfleet_gateway_kv_pair_open": 2.0})
+    verdict = health.update([*engines, gateway])
+    assert (verdict.healthy, verdict.reason) == (False, "KVCircuitOpen")
+    assert "gw-1 2" in verdict.message
+    closed = PodSample("gw-1", "gateway", True, 10.0, {"pdfleet_gateway_kv_pair_open": 0.0})
+    verdict = health.update([kv_sample("d-1", 0, 20, at=10), closed])
+    assert (verdict.healthy, verdict.reason) == (True, "NoFailedTransfers")
