@@ -169,3 +169,57 @@ def test_notes_render(tmp_path):
     flags = ("--show-only", "templates/notes.yaml", *CLUSTER_WIDE)
     out = yaml.safe_load(helm("template", "demo", str(chart), *flags))["data"]["notes"]
     assert "watches InferenceServices in every namespace" in out
+
+
+def pod(labels=None, annotations=None, image="pdfleet:0.1.0"):
+    meta = {"name": "demo-decode-x", "namespace": "ns1"}
+    if labels is not None:
+        meta["labels"] = labels
+    if annotations is not None:
+        meta["annotations"] = annotations
+    return {"metadata": meta, "spec": {"containers": [{"name": "engine", "image": image}]}}
+
+
+OURS = {"app.kubernetes.io/managed-by": "pdfleet-operator", "pdfleet.dev/role": "decode"}
+COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "allowed"),
+    [
+        (pod(OURS), pod(OURS, {COST: "-1000"}), True),
+        (pod(OURS, {"a": "1", COST: "5"}), pod(OURS, {"a": "1", COST: "-1000"}), True),
+        (pod(OURS), pod({**OURS, "pdfleet.dev/role": "prefill"}), False),  # relabel
+        (pod(OURS, {"a": "1"}), pod(OURS, {"a": "2"}), False),  # another annotation
+        (pod(OURS, {"a": "1"}), pod(OURS, {COST: "1"}), False),  # an annotation removed
+        (pod(OURS), pod(OURS, image="evil:latest"), False),  # the spec
+        (pod({"app": "other"}), pod({"app": "other"}, {COST: "1"}), False),  # not pdfleet's
+        (pod(), pod(None, {COST: "1"}), False),  # no labels at all
+    ],
+)
+def test_the_pod_patch_policy_admits_only_deletion_cost_changes_on_pdfleet_pods(old, new, allowed):
+    import celpy
+
+    (policy,) = [o for o in render() if o["kind"] == "ValidatingAdmissionPolicy"]
+    env = celpy.Environment()
+
+    def evaluate(expression, activation):
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation = {
+        "object": celpy.json_to_cel(new),
+        "oldObject": celpy.json_to_cel(old),
+        "request": celpy.json_to_cel(
+            {"userInfo": {"username": "system:serviceaccount:ops:demo-pdfleet"}}
+        ),
+    }
+    (match,) = policy["spec"]["matchConditions"]
+    assert evaluate(match["expression"], activation)
+    variables = {
+        v["name"]: evaluate(v["expression"], activation) for v in policy["spec"]["variables"]
+    }
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+    )
+    results = [bool(evaluate(v["expression"], activation)) for v in policy["spec"]["validations"]]
+    assert all(results) is allowed, results
