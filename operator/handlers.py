@@ -6,8 +6,8 @@
 * a timer per InferenceService -> :func:`refresh`: scrape the engine pods,
   let the autoscaling policy decide (every ``autoscaling.periodSeconds``),
   actuate, and refresh the status.
-* deletion needs no handler: every child has an owner reference, and the
-  garbage collector removes them with the InferenceService.
+* deletion only forgets the service's in-memory state: every child has an
+  owner reference, and the garbage collector removes them with it.
 
 ``register()`` adds the handlers to a registry, so tests run them against an
 in-memory API server and the CLI against a real one.
@@ -378,6 +378,13 @@ def register(
     @kopf.on.update(*resource, id="reconcile", registry=registry)
     async def on_change(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
         await reconcile(state, config, body, patch, logger)
+
+    @kopf.on.delete(*resource, id="forget", optional=True, registry=registry)
+    async def on_delete(body: kopf.Body, **_: Any) -> None:
+        # Per-service state goes with the service: it stays bounded under churn.
+        uid = body["metadata"]["uid"]
+        for table in (state.kv_health, state.kv_verdict, state.last_decision_at):
+            table.pop(uid, None)
 
     @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
     async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:

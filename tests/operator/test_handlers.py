@@ -323,3 +323,16 @@ def test_deleting_the_fleet_secret_makes_a_new_one_and_rolls_every_pod_onto_it()
             await k.wait_for(lambda: versions() == {secret_version(new)}, what="pods rolled")
 
     run(scenario())
+
+
+def test_deleting_a_service_forgets_its_state_in_the_operator():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: "uid-1" in k.state.kv_verdict, what="a refresh")
+            await k.delete(IS_RESOURCE, "demo")
+            await k.wait_for(
+                lambda: "uid-1" not in k.state.kv_verdict and "uid-1" not in k.state.kv_health,
+                what="state forgotten",
+            )
+
+    run(scenario())
