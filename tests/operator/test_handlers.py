@@ -34,7 +34,8 @@ CHILD_DEPLOYMENTS = {"demo-prefill", "demo-decode", "demo-gateway"}
 
 
 def fast_config(**kwargs: Any) -> OperatorConfig:
-    return OperatorConfig(timer_interval_seconds=0.3, rollout_poll_seconds=0.3, **kwargs)
+    # A 1 s timer: faster ticks crowd the handlers out of a loaded machine.
+    return OperatorConfig(timer_interval_seconds=1.0, rollout_poll_seconds=0.3, **kwargs)
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
