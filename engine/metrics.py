@@ -47,7 +47,16 @@ _KV_COUNTERS = {
     m.ENGINE_KV_TRANSFER_EXPIRED_LEASES: "expired_leases",
     m.ENGINE_KV_TRANSFER_HANDSHAKES: "handshakes",
     m.ENGINE_KV_TRANSFER_HANDSHAKE_FAILURES: "failed_handshakes",
+    m.ENGINE_KV_TRANSFER_UNCONFIRMED: "unconfirmed_transfers",
+    m.ENGINE_KV_REMOTE_EVICTIONS: "remote_evictions",
+    m.ENGINE_KV_SIDE_CHANNEL_REFUSED: "refused_reads",
 }
+# Engines with a KV connector: gauges of the connector's state.
+_KV_GAUGES = (
+    m.ENGINE_KV_QUARANTINED_BLOCKS,
+    m.ENGINE_KV_PULLS_IN_FLIGHT,
+    m.ENGINE_KV_REMOTE_ENGINES,
+)
 
 
 class EngineMetrics:
@@ -62,11 +71,12 @@ class EngineMetrics:
             *_GAUGES,
             *_CUMULATIVE,
             m.ENGINE_PREFILL_BUSY_SECONDS,
+            m.ENGINE_FAILED_STEPS,
             *_PER_STEP,
             *_LATENCIES,
         ]
         if self.has_kv:
-            table += [*_KV_COUNTERS, m.ENGINE_KV_TRANSFER_SECONDS]
+            table += [*_KV_COUNTERS, *_KV_GAUGES, m.ENGINE_KV_TRANSFER_SECONDS]
         self._series: dict[m.Metric, tuple[Any, ...]] = {}
         for metric in table:
             # Every series is touched so it is exported (as 0) from the start.
@@ -126,6 +136,8 @@ class EngineMetrics:
         for metric, field in _CUMULATIVE.items():
             self._grow(metric, getattr(s, field))
         self._grow(m.ENGINE_PREFILL_BUSY_SECONDS, engine.core.busy_prefill_seconds)
+        # Steps whose model run raised (their requests were failed; the engine served on).
+        self._grow(m.ENGINE_FAILED_STEPS, engine.core.num_failed_steps)
         if engine.core.num_steps != self._last_step:  # per-step counts, once per step
             self._last_step = engine.core.num_steps
             for metric, field in _PER_STEP.items():
@@ -147,6 +159,13 @@ class EngineMetrics:
             stats = connector.stats
             seconds, stats.transfer_seconds = stats.transfer_seconds, []
             values = {metric: getattr(stats, field) for metric, field in _KV_COUNTERS.items()}
+            num_remotes = len(connector.remotes)
+            in_flight = len(connector.active)
+        if connector.server is not None:
+            values[m.ENGINE_KV_SIDE_CHANNEL_REFUSED] += connector.server.num_rejected
+        self._set(m.ENGINE_KV_QUARANTINED_BLOCKS, connector.num_quarantined_blocks)
+        self._set(m.ENGINE_KV_REMOTE_ENGINES, num_remotes)
+        self._set(m.ENGINE_KV_PULLS_IN_FLIGHT, in_flight)
         for metric, value in values.items():
             self._grow(metric, value)
         self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)

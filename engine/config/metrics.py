@@ -161,6 +161,12 @@ ENGINE_PREFILL_BUSY_SECONDS = Metric(
     "Seconds of engine steps that computed prompt tokens.",
     _M,
 )
+ENGINE_FAILED_STEPS = Metric(
+    "pdfleet_engine_failed_steps_total",
+    "counter",
+    "Engine steps that raised and failed their requests.",
+    _M,
+)
 ENGINE_REQUEST_SUCCESS = Metric(
     "pdfleet_engine_request_success_total",
     "counter",
@@ -228,6 +234,37 @@ ENGINE_KV_TRANSFER_HANDSHAKES = Metric(
 )
 ENGINE_KV_TRANSFER_HANDSHAKE_FAILURES = Metric(
     "pdfleet_engine_kv_transfer_handshake_failures_total", "counter", "Failed handshakes.", _M
+)
+ENGINE_KV_TRANSFER_UNCONFIRMED = Metric(
+    "pdfleet_engine_kv_transfer_unconfirmed_total",
+    "counter",
+    "Pulls whose lease ended before the producer confirmed them (recomputed).",
+    _M,
+)
+ENGINE_KV_REMOTE_EVICTIONS = Metric(
+    "pdfleet_engine_kv_remote_evictions_total",
+    "counter",
+    "Cached handshakes with remote engines dropped (size bound or idle TTL).",
+    _M,
+)
+ENGINE_KV_SIDE_CHANNEL_REFUSED = Metric(
+    "pdfleet_engine_kv_side_channel_refused_total",
+    "counter",
+    "Side-channel requests refused (unauthenticated, forged, or naming a lease "
+    "the peer may not use).",
+    _M,
+)
+ENGINE_KV_QUARANTINED_BLOCKS = Metric(
+    "pdfleet_engine_kv_quarantined_blocks",
+    "gauge",
+    "Pull-target blocks kept out of the free pool while an abandoned READ may still write them.",
+    _M,
+)
+ENGINE_KV_PULLS_IN_FLIGHT = Metric(
+    "pdfleet_engine_kv_pulls_in_flight", "gauge", "KV pulls started and not yet finished.", _M
+)
+ENGINE_KV_REMOTE_ENGINES = Metric(
+    "pdfleet_engine_kv_remote_engines", "gauge", "Remote engines whose handshake is cached.", _M
 )
 ENGINE_KV_TRANSFER_SECONDS = Metric(
     "pdfleet_engine_kv_transfer_seconds",
@@ -370,6 +407,33 @@ GATEWAY_ENGINE_EJECTIONS = Metric(
     ("engine", "role"),
 )
 
+GATEWAY_ENGINE_STALLS = Metric(
+    "pdfleet_gateway_engine_stalls_total",
+    "counter",
+    "Times an engine was ejected because its in-flight requests made no "
+    "progress while other engines did.",
+    ("engine", "role"),
+)
+GATEWAY_KV_PAIR_OPEN = Metric(
+    "pdfleet_gateway_kv_pair_open",
+    "gauge",
+    "1 while the KV circuit breaker of a (prefill, decode) engine pair is open "
+    "(the pair is not used for disaggregation).",
+    ("prefill", "decode"),
+)
+GATEWAY_HELD_REQUESTS = Metric(
+    "pdfleet_gateway_held_requests",
+    "gauge",
+    "Requests waiting for a routable decode engine (all down, restarting or scaled to zero).",
+)
+GATEWAY_REJECTED_REQUESTS = Metric(
+    "pdfleet_gateway_rejected_requests_total",
+    "counter",
+    "Requests refused before routing, by reason (body_too_large, body_timeout, "
+    "invalid_json, invalid_field, unauthorized).",
+    ("reason",),
+)
+
 # --- Operator and autoscaler -------------------------------------------------
 OPERATOR_RECONCILES = Metric(
     "pdfleet_operator_reconciles_total",
@@ -387,6 +451,11 @@ OPERATOR_SCRAPE_FAILURES = Metric(
     "pdfleet_operator_scrape_failures_total",
     "counter",
     "Engine /metrics scrapes that failed or timed out.",
+)
+OPERATOR_FLEET_SECRETS_CREATED = Metric(
+    "pdfleet_operator_fleet_secrets_created_total",
+    "counter",
+    "Fleet Secrets the operator created (first reconcile, or after a rotation).",
 )
 AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",

@@ -30,6 +30,10 @@ class GatewayMetrics:
         self.engine_healthy = m.GATEWAY_ENGINE_HEALTHY.create(r)
         self.engine_inflight = m.GATEWAY_ENGINE_INFLIGHT.create(r)
         self.ejections = m.GATEWAY_ENGINE_EJECTIONS.create(r)
+        self.stalls = m.GATEWAY_ENGINE_STALLS.create(r)
+        self.kv_pair_open = m.GATEWAY_KV_PAIR_OPEN.create(r)
+        self.held = m.GATEWAY_HELD_REQUESTS.create(r)
+        self.rejected = m.GATEWAY_REJECTED_REQUESTS.create(r)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""

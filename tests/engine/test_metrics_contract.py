@@ -120,6 +120,10 @@ def test_gateway_exports_every_gateway_series():
     metrics.engine_healthy.labels("http://e", "decode").set(1)
     metrics.engine_inflight.labels("http://e", "decode").set(2)
     metrics.ejections.labels("http://e", "decode").inc()
+    metrics.stalls.labels("http://e", "decode").inc()
+    metrics.kv_pair_open.labels("http://p", "http://e").set(1)
+    metrics.held.set(0)
+    metrics.rejected.labels("invalid_json").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):
