@@ -267,7 +267,13 @@ def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") ->
         model,
         logs,
         name,
-        *kv_args("NixlConnector", "kv_producer", kv_port or free_port(), lease_seconds=5),
+        *kv_args(
+            "NixlConnector",
+            "kv_producer",
+            kv_port or free_port(),
+            lease_seconds=5,
+            params_grace_seconds=600,  # stale params stay authentic on a slow machine
+        ),
         port=http_port,
     ).wait_healthy()
 
