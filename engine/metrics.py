@@ -67,6 +67,14 @@ class EngineMetrics:
             labels,
             registry=r,
         )
+        # pdfleet_engine_failed_steps_total: steps whose model run raised (their
+        # requests were failed; the engine served on).
+        self.failed_steps = Counter(
+            p + "failed_steps",
+            "Engine steps that raised and failed their requests.",
+            labels,
+            registry=r,
+        )
         self.request_success = Counter(
             p + "request_success",
             "Finished requests by reason.",
@@ -259,6 +267,7 @@ class EngineMetrics:
             metric.labels(**self.labels)
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_busy = 0.0
+        self._last_failed_steps = 0
         self._last_step = 0
 
     def update(self, engine: LLMEngine) -> None:
@@ -284,6 +293,9 @@ class EngineMetrics:
         busy = engine.core.busy_prefill_seconds
         self.prefill_busy.labels(**lab).inc(max(0.0, busy - self._last_busy))
         self._last_busy = busy
+        failed = engine.core.num_failed_steps
+        self.failed_steps.labels(**lab).inc(max(0, failed - self._last_failed_steps))
+        self._last_failed_steps = failed
         if engine.core.num_steps != self._last_step:  # per-step counts, once per step
             self._last_step = engine.core.num_steps
             self.prompt_tokens.labels(**lab).inc(s.step_prompt_tokens)
