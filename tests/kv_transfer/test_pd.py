@@ -28,7 +28,7 @@ def post(url: str, **kw) -> httpx.Response:
     return httpx.post(url, headers=fleet_headers(), **kw)
 
 
-def stream(method: str, url: str, **kw):
+def open_stream(method: str, url: str, **kw):
     return httpx.stream(method, url, headers=fleet_headers(), **kw)
 
 
@@ -109,7 +109,7 @@ def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/compl
             "text" if "completions" in endpoint and "chat" not in endpoint else "message"
         ]
     text = ""
-    with stream(
+    with open_stream(
         "POST", fleet["decode"] + endpoint, json={**decode_body, "stream": True}, timeout=60
     ) as r:
         for line in r.iter_lines():
@@ -324,7 +324,7 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
     assert r.status_code == 502 and "kv_load_failure_policy is fail" in r.json()["error"]["message"]
     assert elapsed < 5.0
     # A stream with the fail policy ends with an error event, not a hang.
-    with stream(
+    with open_stream(
         "POST",
         nixl_pair["fail"] + "/v1/completions",
         timeout=30,
@@ -750,7 +750,7 @@ def test_an_aborted_pull_quarantines_its_blocks_until_the_read_lands(fleet, faul
     params = prefill(fleet["prefill"], {**body, "stream": False})  # a 10 s lease
     faulty["delay"].write_text("2")
     try:
-        with stream(
+        with open_stream(
             "POST", url + "/v1/completions", timeout=30, json={**body, "kv_transfer_params": params}
         ):
             assert wait_until(lambda: metric(url, "pdfleet_engine_kv_pulls_in_flight") >= 1, 10)
