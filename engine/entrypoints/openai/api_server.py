@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
 from ...llm_engine import LLMEngine
@@ -141,6 +142,7 @@ def build_app(state: ServerState) -> FastAPI:
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="pdfleet engine", lifespan=lifespan)
+    tracing.instrument_app(app, "engine", state.config.observability_config.otlp_traces_endpoint)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

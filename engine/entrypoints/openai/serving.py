@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import tracing
 from ...async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from ...outputs import Logprob, RequestOutput
 from ...sampling_params import SamplingParams
@@ -129,14 +130,15 @@ class OpenAIServing:
         kv_params: dict[str, Any] | None,
     ) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in self.engine.generate(
+            outputs = self.engine.generate(
                 request_id,
                 prompt_ids,
                 params,
                 prompt_text=text,
                 priority=priority,
                 kv_transfer_params=kv_params,
-            ):
+            )
+            async for out in tracing.trace_generate(outputs, request_id, kv_params):
                 yield out
         except QueueFullError as e:
             raise APIError(str(e), status=503) from None
