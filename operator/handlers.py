@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
 from .compat import compat_hash
+from .headline import merge_role_load
 from .kube import KubeClient, KubeError
 from .manifests import LABEL_SERVICE, Owner, desired_replicas, service_url
 from .reconcile import (
@@ -212,6 +213,7 @@ async def refresh(
             state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger
         )
     await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled, kv=kv)
+    merge_role_load(patch, samples)  # status.roles.*: the headline load figures
 
 
 async def _autoscale(
