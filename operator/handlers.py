@@ -25,7 +25,8 @@ from typing import Any
 import kopf
 from prometheus_client import CollectorRegistry, Counter
 
-from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
+from .autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
+from .autoscaling.decisions import AutoscalerMetrics
 from .compat import compat_hash
 from .headline import merge_role_load
 from .kube import KubeClient, KubeError
@@ -267,6 +268,8 @@ def register(
 ) -> OperatorState:
     """Add the operator's handlers to ``registry``; returns their shared state."""
     state = state or OperatorState()
+    if isinstance(config.decide, PolicyDecider):  # pdfleet_autoscaler_* on the operator's /metrics
+        config.decide.metrics = AutoscalerMetrics(state.metrics)
     resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
