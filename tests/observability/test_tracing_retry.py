@@ -124,6 +124,7 @@ def test_retried_prefill_legs_and_the_fallback_are_one_trace(gateway, receiver):
         timeout=60,
     )
     assert resp.status_code == 200, resp.text
+    # The root ends last in the gateway's process: its legs were exported with or before it.
     spans = receiver.wait_for(trace_id, lambda s: any(x.name.startswith("gateway POST") for x in s))
     (root,) = [s for s in spans if s.name == "gateway POST /v1/completions"]
     assert root.parent_id == client_span
