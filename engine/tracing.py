@@ -343,46 +343,63 @@ def trace_upstream(client: Any, component: str = "gateway") -> Any:
 # -- engine ----------------------------------------------------------------------------
 
 
-def trace_generate(
-    outputs: AsyncIterator[Any], request_id: str, kv_transfer_params: Mapping[str, Any] | None
-) -> AsyncIterator[Any]:
-    """Wrap an engine request's output stream (returned as is when tracing is off)."""
+def trace_request(
+    stream: Any, request_id: str, kv_transfer_params: Mapping[str, Any] | None
+) -> Any:
+    """Wrap an admitted engine request's output stream (returned as is when off).
+
+    Called at admission, in the request's server span, so a KV pull that ends
+    before the first output still finds its parent."""
     if _tracer is None:
-        return outputs
-    return _traced_generate(outputs, request_id, dict(kv_transfer_params or {}))
+        return stream
+    return _TracedStream(stream, request_id, dict(kv_transfer_params or {}))
 
 
-async def _traced_generate(
-    outputs: AsyncIterator[Any], request_id: str, kv: dict[str, Any]
-) -> AsyncIterator[Any]:
-    from opentelemetry import trace
+class _TracedStream:
+    """A ``RequestStream`` whose iteration ends with the request's engine spans."""
 
-    server = trace.get_current_span()
-    parent = trace.set_span_in_context(server)
-    if kv.get("do_remote_decode"):
-        leg = "prefill"
-    elif kv.get("do_remote_prefill"):
-        leg = "decode"
-        _parents[request_id] = parent
-    else:
-        leg = "decode_only"
-    server.update_name(f"{'decode' if leg == 'decode_only' else leg} request")
-    server.set_attribute("pdfleet.leg", leg)
-    server.set_attribute("pdfleet.engine_request_id", request_id)
-    last = None
-    generated = 0  # outputs are deltas: count their tokens as they pass
-    failure: BaseException | None = None
-    try:
-        async for out in outputs:
-            last = out
-            generated += sum(len(c.token_ids) for c in out.outputs)
-            yield out
-    except BaseException as e:
-        failure = e
-        raise
-    finally:
-        _parents.pop(request_id, None)
-        _engine_spans(parent, server, leg, last, generated, failure)
+    def __init__(self, stream: Any, request_id: str, kv: dict[str, Any]) -> None:
+        from opentelemetry import trace
+
+        self._stream, self.request_id = stream, request_id
+        self._server = trace.get_current_span()
+        self._parent = trace.set_span_in_context(self._server)
+        if kv.get("do_remote_decode"):
+            self._leg = "prefill"
+        elif kv.get("do_remote_prefill"):
+            self._leg = "decode"
+            _parents[request_id] = self._parent
+        else:
+            self._leg = "decode_only"
+        self._server.update_name(f"{'decode' if self._leg == 'decode_only' else self._leg} request")
+        self._server.set_attribute("pdfleet.leg", self._leg)
+        self._server.set_attribute("pdfleet.engine_request_id", request_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        last = None
+        generated = 0  # outputs are deltas: count their tokens as they pass
+        failure: BaseException | None = None
+        try:
+            async for out in self._stream:
+                last = out
+                generated += sum(len(c.token_ids) for c in out.outputs)
+                yield out
+        except BaseException as e:
+            failure = e
+            raise
+        finally:
+            _parents.pop(self.request_id, None)
+            _engine_spans(self._parent, self._server, self._leg, last, generated, failure)
+
+    def close(self) -> None:
+        _parents.pop(self.request_id, None)
+        self._stream.close()
 
 
 def _engine_spans(

@@ -111,7 +111,7 @@ def _count(v: float | None) -> str:
 
 def render_row(row: EngineRow) -> str:
     if row.sample is not None and row.sample.error is not None and row.state == "ready":
-        state = "down"
+        state = "denied" if row.sample.error == UNAUTHORIZED else "down"
     else:
         state = row.state
     rw = f"{_count(row.value(RUNNING))}/{_count(row.value(WAITING))}"
@@ -148,6 +148,8 @@ def render(views: list[FleetView], width: int = WIDTH) -> str:
             lines.append("(no engines)")
         last = "none yet" if view.decision is None else describe_decision(view.decision)
         lines.append(f"autoscaler: {last}")
+        if any(r.sample is not None and r.sample.error == UNAUTHORIZED for r in view.rows):
+            lines.append("denied: set PDFLEET_FLEET_SECRET to the fleet's secret (its token)")
     return "\n".join(line if len(line) <= width else line[: width - 1] + "…" for line in lines)
 
 
@@ -160,11 +162,19 @@ def metrics_headers() -> dict[str, str]:
     return {"authorization": f"Bearer {fleet_token(secret)}"} if secret else {}
 
 
+UNAUTHORIZED = "unauthorized"
+
+
 def scrape(get: Callable[[], str], clock: Callable[[], float] = time.time) -> Sample:
     at = clock()
     try:
         return Sample(at, parse_metrics(get()))
     except Exception as e:  # unreachable, refused, not Prometheus text: shown as down
+        status = getattr(getattr(e, "response", None), "status_code", None) or getattr(
+            e, "status", None
+        )
+        if status in (401, 403):
+            return Sample(at, error=UNAUTHORIZED)
         return Sample(at, error=f"{type(e).__name__}: {e}")
 
 

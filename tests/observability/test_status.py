@@ -218,3 +218,18 @@ def test_rows_of_an_unreachable_engine_show_down_not_stale_numbers():
     view = FleetView("tiny", "runs/x", "gateway - ready", [row])
     line = render([view]).splitlines()[2]
     assert line.split() == ["decode-1", "decode", "down", "-/-", "-", "-", "-"]
+
+
+def test_engines_that_refuse_the_token_say_so_with_what_to_set():
+    class Refused(Exception):
+        status = 401
+
+    def get() -> str:
+        raise Refused("401 Unauthorized")
+
+    from pdfleet.operator.status_cmd import scrape
+
+    row = EngineRow("decode-0", "decode", "ready", scrape(get))
+    lines = render([FleetView("tiny", "run", "gateway - ready", [row])]).splitlines()
+    assert lines[2].split()[2] == "denied"
+    assert lines[-1].startswith("denied: set PDFLEET_FLEET_SECRET")
