@@ -41,7 +41,7 @@ def test_tracing_off_imports_no_sdk_or_exporter():
         "    if k.startswith('OTEL_'): del os.environ[k]\n"
         "from pdfleet.engine.config.gateway import GatewayConfig\n"
         "from pdfleet.engine.gateway.app import build_app\n"
-        "from pdfleet.engine.entrypoints.openai import api_server, serving\n"
+        "from pdfleet.engine.entrypoints.openai import api_server, serving_base\n"
         "from pdfleet.engine import tracing\n"
         "app = build_app(GatewayConfig(decode=['http://127.0.0.1:1']))\n"
         "assert not tracing.enabled()\n"
