@@ -95,7 +95,6 @@ def init_tracing(component: str, endpoint: str | None = None) -> bool:
     with _lock:
         if _tracer is not None:
             return True
-        from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -112,9 +111,11 @@ def init_tracing(component: str, endpoint: str | None = None) -> bool:
         resource = Resource.create({"service.name": f"pdfleet-{component}"})
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(exporter))
-        trace.set_tracer_provider(provider)
+        # pdfleet's own provider, not the global one: libraries that trace through
+        # the global provider (FastAPI's native telemetry spans every health check
+        # and scrape) stay silent; only the spans of docs/observability.md go out.
         atexit.register(provider.shutdown)  # flush what is queued on a clean exit
-        _tracer = trace.get_tracer(TRACER_NAME)
+        _tracer = provider.get_tracer(TRACER_NAME)
         logger.info("tracing on: %s spans exported over OTLP/HTTP", component)
     return True
 

@@ -74,6 +74,11 @@ def test_pd_request_is_one_trace_with_legs_kv_pull_and_finish(fleet, client, rec
     )  # fmt: skip
     spans = receiver.wait_for(trace_id, everything)
     assert {s.trace_id for s in spans} == {trace_id}
+    # Only pdfleet's spans: FastAPI's native telemetry (global provider) stays silent.
+    assert {s.name for s in spans} == {
+        "gateway POST /v1/completions", "prefill leg", "decode leg", "prefill request",
+        "decode request", "queue", "prefill forward", "kv pull", "decode", "end",
+    }  # fmt: skip
 
     gateway = one(spans, "gateway POST /v1/completions")
     assert gateway.parent_id == client_span, "the client's traceparent is the root's parent"
