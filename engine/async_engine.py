@@ -222,24 +222,32 @@ class AsyncEngine:
         self._deliver(deliveries)
 
     def _probe(self) -> None:
-        """After a failed step: can the engine still compute? A one-token request
-        with no client must complete. It may share steps with queued requests
-        (whose outputs are delivered as usual); a failing step fails those too
-        and the probe is retried. A request that breaks the model only for
-        itself costs its own failure; a broken engine fails every probe and the
-        loop gives up (the process exits for a restart)."""
+        """After a failed step: can the engine still compute?
+
+        A one-token request with no client is added, and the engine steps
+        until a step that ran the model succeeds (the probe's own, or one
+        shared with queued requests, whose outputs are delivered as usual).
+        A failing step fails its requests and the probe is retried. A request
+        that breaks the model only for itself costs its own failure; a broken
+        engine fails every probe and the loop gives up (the process exits for
+        a restart). At most a few steps: commands wait meanwhile."""
         engine = self.engine
         probe = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for _ in range(MAX_PROBE_FAILURES):
             rid = f"pdfleet-probe-{uuid.uuid4().hex}"
             engine.add_request(rid, {"prompt_token_ids": [0]}, probe, output_kind="final")
             try:
-                while rid in engine.output.requests:
+                for _ in range(64):  # steps that schedule nothing prove nothing; bounded
                     self._route(engine.step())
-                logger.info("the engine passed a probe step after a failure; serving on")
-                return
+                    if engine.stats.num_scheduled_tokens or rid not in engine.output.requests:
+                        break
             except StepFailed as failure:
                 self._fail_step(failure)
+                continue
+            if rid in engine.output.requests:
+                engine.abort_request(rid)
+            logger.info("the engine ran a step after a failure; serving on")
+            return
         raise RuntimeError(f"the engine failed {MAX_PROBE_FAILURES} probe steps after a failure")
 
     def _fail_step(self, failure: StepFailed) -> None:
