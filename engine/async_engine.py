@@ -306,7 +306,12 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        # A KV pull stuck in quarantine past its bound also makes the engine unhealthy.
+        return (
+            self.error is None
+            and self._thread.is_alive()
+            and self.engine.unhealthy_reason() is None
+        )
 
     def num_waiting(self) -> int:
         return self.engine.stats.num_waiting_reqs
@@ -411,6 +416,9 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            # A prefill engine keeps serving its KV leases until they are claimed.
+            self.engine.wait_for_kv_leases()
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)

@@ -284,6 +284,22 @@ class LLMEngine:
     def stats(self) -> StepStats:
         return self.core.last_stats
 
+    def unhealthy_reason(self) -> str | None:
+        """Why this engine must report itself unhealthy although its loop runs."""
+        return self.connector[0].unhealthy() if self.connector is not None else None
+
+    def wait_for_kv_leases(self) -> int:
+        """Prefill drain: wait (bounded by the lease) until the KV blocks held for
+        decode engines are claimed or expired; the engine loop must keep running.
+        Returns the leases still held."""
+        c = getattr(self.connector[0], "c", None) if self.connector is not None else None
+        if c is None or not c.kv.is_kv_producer:
+            return 0
+        left = c.wait_for_leases()
+        if left:
+            logger.warning("shutting down with %d KV leases unclaimed", left)
+        return left
+
     def shutdown(self) -> None:
         self.core.shutdown()
         if self.kv_events is not None:
