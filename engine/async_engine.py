@@ -387,31 +387,6 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    def wait_for_leases(self, timeout: float | None = None) -> int:
-        """Before a producer stops: let consumers claim the KV it holds under lease.
-
-        Returns when no blocks are held any more, or after ``timeout`` seconds
-        (default: the connector's lease, after which held blocks expire
-        anyway); the engine loop keeps running meanwhile, serving releases and
-        expiring leases. A connector may refine the wait with its own
-        ``wait_for_leases(timeout)`` on its scheduler side. Returns how many
-        requests still held blocks at the end."""
-        kv = self.engine.config.kv_transfer_config
-        if kv is None or self.engine.connector is None:
-            return 0
-        if timeout is None:
-            timeout = kv.lease_seconds
-        hook = getattr(self.engine.connector[0], "wait_for_leases", None)
-        if hook is not None:
-            hook(timeout)
-        held = self.engine.core.scheduler.held_blocks
-        deadline = time.monotonic() + timeout
-        while held and self.alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if held:
-            logger.warning("stopping with %d KV lease(s) unclaimed", len(held))
-        return len(held)
-
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 

@@ -169,9 +169,8 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.draining = True
         if state.engine is not None:
-            if state.fatal is None:
-                # A prefill engine keeps its KV until the decode legs claimed it.
-                await asyncio.to_thread(state.engine.wait_for_leases)
+            # A prefill engine keeps serving its KV leases until they are claimed
+            # (AsyncEngine.shutdown waits, bounded by the lease).
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="pdfleet engine", lifespan=lifespan)
