@@ -14,13 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfleet.engine.config.hub import ENDPOINT_ENV, TOKEN_ENV
+from pdfleet.engine.config.hub import ENDPOINT_ENV, TOKEN_PATH_ENV
 
 from .resource import ModelSpec
 from .roles import MODELS_DIR, model_source
 
 HF_CACHE_DIR = "/hf-cache"
 """Where the Hugging Face cache is mounted (init container read-write, others read-only)."""
+HF_TOKEN_DIR = "/etc/pdfleet/hf-token"
+"""Where the token Secret is mounted in the init container: a file (huggingface_hub
+reads it through HF_TOKEN_PATH), never an environment value."""
 
 
 @dataclass(frozen=True)
@@ -88,15 +91,22 @@ def _hf_volumes(
     ]
     if model.hf_endpoint:
         env.append({"name": ENDPOINT_ENV, "value": model.hf_endpoint})
+    volumes = [models, cache]
+    init_mounts = [*writable, {"name": "hf-cache", "mountPath": HF_CACHE_DIR}]
     if model.token_secret is not None:
-        ref = {"name": model.token_secret.name, "key": model.token_secret.key}
-        env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
-    step = InitStep(
-        "fetch-model",
-        command,
-        env,
-        [*writable, {"name": "hf-cache", "mountPath": HF_CACHE_DIR}],
-    )
+        env.append({"name": TOKEN_PATH_ENV, "value": f"{HF_TOKEN_DIR}/token"})
+        volumes.append(
+            {
+                "name": "hf-token",
+                "secret": {
+                    "secretName": model.token_secret.name,
+                    "items": [{"key": model.token_secret.key, "path": "token"}],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+        init_mounts.append({"name": "hf-token", "mountPath": HF_TOKEN_DIR, "readOnly": True})
+    step = InitStep("fetch-model", command, env, init_mounts)
     # The engine follows the link in /models into the cache, so it mounts both.
     mounts = [models_ro, {"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True}]
-    return ModelVolumes([models, cache], mounts, [step])
+    return ModelVolumes(volumes, mounts, [step])

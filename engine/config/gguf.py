@@ -15,6 +15,7 @@ Torch-free: transformers and gguf are imported inside the functions.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,8 +27,13 @@ logger = logging.getLogger(__name__)
 
 GGUF_LINK = "model.gguf"
 """Name of the link to the GGUF file inside a prepared directory."""
+TENSOR_INDEX = "gguf_tensors.json"
+"""Where each tensor lies in the GGUF file, as gguf's reader found it. Reading
+the whole metadata again (the tokenizer's ~100k strings) takes longer than
+dequantizing a small model, so the loader uses this index when the file is
+unchanged."""
 # Bump when the prepared files change shape, so stale caches are rebuilt.
-_PREPARED_FORMAT = "1"
+_PREPARED_FORMAT = "2"
 # transformers' model_type -> the architecture pdfleet runs for it.
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -138,7 +144,36 @@ def _write_metadata(gguf_path: str, out: Path) -> None:
     except (ValueError, KeyError, OSError, NotImplementedError) as e:
         raise ValueError(f"cannot build the tokenizer of {gguf_path!r}: {e}") from None
     tokenizer.save_pretrained(out)
+    write_tensor_index(gguf_path, out / TENSOR_INDEX)
     os.symlink(gguf_path, out / GGUF_LINK)
+
+
+def write_tensor_index(gguf_path: str, index_path: Path) -> None:
+    """Name, type, byte range and array shape of every tensor (gguf's reader)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    if reader.byte_order != "I":
+        return  # a file of the other byte order: the loader reads it with gguf each time
+    field = reader.get_field("general.architecture")
+    st = os.stat(gguf_path)
+    index = {
+        "file_size": st.st_size,
+        "file_mtime_ns": st.st_mtime_ns,
+        "architecture": field.contents() if field is not None else None,
+        "tensors": [
+            {
+                "name": t.name,
+                "type": t.tensor_type.name,
+                "dtype": str(t.data.dtype),
+                "shape": [int(n) for n in t.data.shape],
+                "offset": int(t.data_offset),
+                "n_bytes": int(t.n_bytes),
+            }
+            for t in reader.tensors
+        ],
+    }
+    index_path.write_text(json.dumps(index))
 
 
 def resolve_model_dir(model: str, say: Callable[[str], None] | None = None) -> str:

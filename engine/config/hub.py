@@ -34,6 +34,8 @@ SAFETENSORS_FILES = (
     "*.safetensors",
 )
 TOKEN_ENV = "HF_TOKEN"
+TOKEN_PATH_ENV = "HF_TOKEN_PATH"
+"""A file holding the token (how the operator passes a Secret); huggingface_hub reads it."""
 ENDPOINT_ENV = "HF_ENDPOINT"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -92,11 +94,11 @@ def _explain(source: HFSource, revision: str, endpoint: str, error: BaseExceptio
         if isinstance(e, RepositoryNotFoundError):
             return (
                 f"{where}: repository not found (check the name; a private repository "
-                f"needs a token in {TOKEN_ENV})"
+                f"needs a token in {TOKEN_ENV} or {TOKEN_PATH_ENV})"
             )
         status = getattr(getattr(e, "response", None), "status_code", None)
         if isinstance(e, HfHubHTTPError) and status in (401, 403):
-            return f"{where}: the Hub refused the token (HTTP {status}); check {TOKEN_ENV}"
+            return f"{where}: the Hub refused the token (HTTP {status}); check the token ({TOKEN_ENV} or {TOKEN_PATH_ENV})"
     return f"{where}: download failed: {type(error).__name__}: {error}"
 
 
@@ -115,7 +117,7 @@ def download_hf_model(
 
     source = parse_hf_uri(uri)
     revision = revision or "main"
-    token = token or os.environ.get(TOKEN_ENV) or None
+    token = token or _token_from_env()
     endpoint = (endpoint or os.environ.get(ENDPOINT_ENV) or "https://huggingface.co").rstrip("/")
     if say is not None:
         files = source.filename or "config, tokenizer and safetensors"
@@ -153,6 +155,19 @@ def download_hf_model(
     except Exception as e:
         raise ValueError(_explain(source, revision, endpoint, e)) from None
     return os.path.join(path, source.filename) if source.filename else path
+
+
+def _token_from_env() -> str | None:
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    path = os.environ.get(TOKEN_PATH_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip() or None
+        except OSError as e:
+            raise ValueError(f"{TOKEN_PATH_ENV}={path}: cannot read the token: {e}") from None
+    return None
 
 
 def _is_offline(error: BaseException) -> bool:

@@ -12,6 +12,7 @@ docs/models.md.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -83,6 +84,40 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _read_tensors(path: str) -> tuple[str | None, list[tuple[str, str, np.ndarray]]]:
+    """(architecture, [(name, GGML type name, raw array)]) of a GGUF file.
+
+    Uses the tensor index of a prepared directory when it describes this
+    very file (same size and mtime), else gguf's reader.
+    """
+    import gguf
+
+    from ..config.gguf import TENSOR_INDEX
+
+    index_path = os.path.join(os.path.dirname(path), TENSOR_INDEX)
+    st = os.stat(path)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        if index["file_size"] == st.st_size and index["file_mtime_ns"] == st.st_mtime_ns:
+            data = np.memmap(path, dtype=np.uint8, mode="r")
+            tensors = [
+                (
+                    t["name"],
+                    t["type"],
+                    data[t["offset"] : t["offset"] + t["n_bytes"]]
+                    .view(np.dtype(t["dtype"]))
+                    .reshape(t["shape"]),
+                )
+                for t in index["tensors"]
+            ]
+            return index["architecture"], tensors
+    reader = gguf.GGUFReader(path)
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    return arch, [(t.name, t.tensor_type.name, t.data) for t in reader.tensors]
+
+
 def iterate_gguf_weights(
     path: str, config: ModelConfig, dtype: torch.dtype, show_progress: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -90,27 +125,23 @@ def iterate_gguf_weights(
     import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(path)
-    field = reader.get_field("general.architecture")
-    if field is None:
+    arch, tensors = _read_tensors(path)
+    if arch is None:
         raise ValueError(f"{path!r} has no general.architecture: not a model GGUF file")
-    arch = field.contents()
     names = gguf_to_hf_names(arch, config)
-    unknown = sorted(
-        t.name for t in reader.tensors if t.name not in names and t.name not in _IGNORED
-    )
+    unknown = sorted(n for n, _, _ in tensors if n not in names and n not in _IGNORED)
     if unknown:
         raise ValueError(
             f"{path!r}: tensors {', '.join(unknown[:6])} have no place in a "
             f"{config.architecture} model"
         )
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TYPES))
+    bad = sorted({kind for _, kind, _ in tensors} - set(SUPPORTED_TYPES))
     if bad:
         raise ValueError(
             f"{path!r} holds {', '.join(bad)} tensors; pdfleet dequantizes "
             f"{', '.join(SUPPORTED_TYPES)}"
         )
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    total = sum(int(raw.nbytes) for _, _, raw in tensors)
     bar = None
     if show_progress and total >= _PROGRESS_BAR_BYTES:
         from tqdm import tqdm
@@ -118,11 +149,12 @@ def iterate_gguf_weights(
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="Dequantizing GGUF")
     permute = arch in _PERMUTED_QK
     try:
-        for t in reader.tensors:
-            if t.name in _IGNORED:
+        for name, kind, raw in tensors:
+            if name in _IGNORED:
                 continue
-            hf = names[t.name]
-            w = dequantize(t.data, t.tensor_type)  # float32, [rows, cols] in HF order
+            hf = names[name]
+            # float32, [rows, cols] in Hugging Face order
+            w = dequantize(raw, gguf.GGMLQuantizationType[kind])
             if permute and hf.endswith("q_proj.weight"):
                 w = _unpermute(w, config.num_attention_heads)
             elif permute and hf.endswith("k_proj.weight"):
@@ -131,7 +163,7 @@ def iterate_gguf_weights(
                 w = w.copy()
             yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
             if bar is not None:
-                bar.update(int(t.n_bytes))
+                bar.update(int(raw.nbytes))
     finally:
         if bar is not None:
             bar.close()

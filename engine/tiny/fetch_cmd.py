@@ -77,5 +77,10 @@ def fetch_model(
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
+    # One line per HTTP request would bury the progress lines.
+    for name in ("httpx", "httpx2", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     print(fetch_model(args.uri, args.revision, args.cache_dir, args.output), flush=True)
     return 0
