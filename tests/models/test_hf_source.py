@@ -155,3 +155,18 @@ def test_unknown_revision_fails_with_a_message(repo_dir, tmp_path):
         done = run_in(init_container(hub.url, revision="v9"), tmp_path)
     assert done.returncode == 2
     assert "revision 'v9' does not exist" in done.stderr
+
+
+def test_pdfleet_up_resolves_hf_uris_into_the_local_cache(repo_dir, tmp_path, monkeypatch):
+    from pdfleet.operator.local.cli import resolve_model
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    said: list[str] = []
+    with FakeHub("acme/tiny", repo_dir, COMMIT, token=TOKEN) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        path = resolve_model("hf://acme/tiny", "main", said.append)
+    assert path.startswith(str(tmp_path / "hf-home"))
+    assert path.endswith(f"snapshots/{COMMIT}")
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert said == ["preparing hf://acme/tiny ..."]
