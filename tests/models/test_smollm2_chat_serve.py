@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.server import ServerProcess
+from helpers.server import ServerProcess, fleet_token
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def server(smollm2_dir, tmp_path_factory):
 def test_chat_answer_stops_on_the_models_end_token_with_no_template_text(server):
     from openai import OpenAI
 
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    client = OpenAI(base_url=server.url + "/v1", api_key=fleet_token(), timeout=120, max_retries=0)
     reply = client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -46,7 +46,7 @@ def test_chat_answer_stops_on_the_models_end_token_with_no_template_text(server)
 def test_streamed_chat_ends_with_stop_and_the_same_text(server):
     from openai import OpenAI
 
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    client = OpenAI(base_url=server.url + "/v1", api_key=fleet_token(), timeout=120, max_retries=0)
     messages = [{"role": "user", "content": "Name three primary colors."}]
     whole = client.chat.completions.create(
         model="smollm2", messages=messages, temperature=0, max_tokens=48
