@@ -21,11 +21,11 @@ from .autoscaling.samples import (
     sample_from_snapshots,
     snapshot_from_series,
 )
-from .autoscaling.spec import AutoscalingSpec as PolicySpec
+from .autoscaling.spec import AutoscalingSpec
 from .autoscaling.victims import ReplicaLoad, choose_victims
 from .kube import KubeClient
 from .manifests import child_name, desired_replicas
-from .resource import AutoscalingSpec, InferenceServiceSpec
+from .resource import InferenceServiceSpec
 from .scrape import PodSample
 
 # Deployment scale-down removes the pods with the lowest deletion cost first.
@@ -68,7 +68,7 @@ class PolicyDecider:
         """``service`` is ``namespace/name``; ``samples`` hold every engine pod's
         scrape (failed ones with ``error`` set); ``replicas`` the Deployments'
         desired replicas per role; ``now`` Unix seconds."""
-        spec = PolicySpec.from_spec(policy.model_dump(by_alias=True))
+        spec = policy
         previous = self.snapshots.get(service, {})
         current: dict[str, EngineSnapshot] = {}
         roles: dict[str, list[ReplicaSample]] = {"prefill": [], "decode": []}

@@ -252,12 +252,10 @@ class LocalFleet:
 
     def autoscaler(self):
         """The local actuator of ``spec.autoscaling`` (the policy is imported lazily)."""
-        from ..autoscaling.spec import AutoscalingSpec
         from .autoscale import LocalAutoscaler
 
         assert self.spec.autoscaling is not None
-        section = self.spec.autoscaling.model_dump(by_alias=True)
-        return LocalAutoscaler(self, AutoscalingSpec.from_spec(section))
+        return LocalAutoscaler(self, self.spec.autoscaling)
 
     def drain(self, child: Child) -> threading.Thread:
         """Stop routing to ``child``; stop it once idle (bounded wait)."""
