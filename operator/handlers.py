@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 from prometheus_client import CollectorRegistry, Counter
 
-from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
+from .cluster_autoscaler import DecideFn, actuate, decide_scaling, merge_records
 from .compat import compat_hash
 from .kube import KubeClient, KubeError
 from .manifests import LABEL_SERVICE, Owner, desired_replicas, service_url

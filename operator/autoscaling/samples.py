@@ -26,6 +26,7 @@ _GAUGES = {
     "num_waiting": ("pdfleet_engine_num_requests_waiting", "vllm:num_requests_waiting"),
     "kv_cache_usage": ("pdfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
     "waiting_prompt_tokens": ("pdfleet_engine_waiting_prompt_tokens",),
+    "kv_transfer_held_requests": ("pdfleet_engine_kv_transfer_held_requests",),
 }
 _COUNTERS = {
     "prompt_tokens_total": ("pdfleet_engine_prompt_tokens_total", "vllm:prompt_tokens_total"),
@@ -59,6 +60,9 @@ class EngineSnapshot:
     """Fraction of KV-cache blocks in use, 0 to 1."""
     waiting_prompt_tokens: float | None = None
     """Prompt tokens queued and not yet computed (prefix-cache hits excluded)."""
+    kv_transfer_held_requests: float | None = None
+    """Finished prefills whose KV blocks stay held until a decode engine pulls
+    them (KV leases)."""
     prompt_tokens_total: float | None = None
     prefill_busy_seconds_total: float | None = None
     """Seconds the engine spent running prefill work (a counter)."""

@@ -2,7 +2,7 @@
 
 Keys are the fields' resource keys (:func:`.rules.spec_key`), descriptions
 their attribute docstrings (what ``kubectl explain`` prints), defaults their
-defaults, :class:`.rules.Bound`\\ s become ``minimum``/``maximum`` and every
+defaults, each :class:`.rules.Bound` a ``minimum`` or ``maximum``, and every
 :class:`.rules.NotBelow` rule a CEL ``x-kubernetes-validations`` entry on
 the object that holds it. The API server applies defaults before it
 validates, but each CEL term still falls back to the field's default (or

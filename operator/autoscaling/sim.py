@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .fleet import FleetModel, SimResult, Simulation, Strategy
 from .policy import PolicyTuning
+from .sim_fleet import FleetModel, SimResult, Simulation, Strategy
 from .spec import AutoscalingSpec
 from .strategies import FixedStrategy, HPAStrategy, OracleStrategy, PolicyStrategy, replica_needs
 from .traces import Trace

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from .fleet import FleetModel
+from .sim_fleet import FleetModel
 from .traces import TraceConfig
 
 DEFAULT_MAX_REPLICAS = 64

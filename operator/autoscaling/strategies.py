@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .fleet import FleetModel
 from .policy import FleetObservation, PolicyState, PolicyTuning, RoleObservation, decide
 from .samples import ReplicaSample
+from .sim_fleet import FleetModel
 from .spec import AutoscalingSpec
 from .traces import Trace
 

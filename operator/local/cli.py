@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compat import check_service
     from ..resource import load_inference_service
     from .fleet import LocalFleet, free_port
+    from .process_autoscaler import LocalAutoscaler
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -159,12 +160,13 @@ def run(args: argparse.Namespace) -> int:
             f'"max_tokens": 16}}\''
         )
         say("Ctrl-C stops every process.\n")
-        autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None
+        scaling = service.spec.autoscaling
+        autoscaler = LocalAutoscaler(fleet, scaling) if scaling is not None else None
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
             if autoscaler is not None and time.monotonic() >= next_scale:
-                next_scale = time.monotonic() + service.spec.autoscaling.period_seconds
+                next_scale = time.monotonic() + autoscaler.spec.period_seconds
                 autoscaler.step()
     except (RuntimeError, TimeoutError) as e:
         say(f"pdfleet up: {e}")

@@ -16,7 +16,7 @@ from helpers.kube_fake import (
     running_operator,
 )
 
-from pdfleet.operator.autoscaler import ScaleDecision
+from pdfleet.operator.cluster_autoscaler import ScaleDecision
 from pdfleet.operator.handlers import OperatorConfig
 from pdfleet.operator.manifests import LABEL_COMPAT
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdfleet.operator.autoscaler import PolicyDecider
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.cluster_autoscaler import PolicyDecider
 from pdfleet.operator.scrape import PodSample
 
 SPEC = AutoscalingSpec.from_spec(
