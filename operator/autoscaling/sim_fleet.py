@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdfleet.engine.config.stats import percentile
+
 from .policy import FleetObservation, RoleObservation
 from .samples import EngineSnapshot, ReplicaSample, sample_from_snapshots
 from .spec import AutoscalingSpec
@@ -331,11 +333,9 @@ class SimResult:
         return out
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def _percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (0..100); 0 when nothing was served."""
+    return percentile(sorted(values), p) if values else 0.0
 
 
 class Simulation:
@@ -677,10 +677,10 @@ class Simulation:
             completed=completed,
             ttft_attainment=ttft_ok / n,
             itl_attainment=itl_ok / n,
-            ttft_p50=_percentile(ttfts, 0.5),
-            ttft_p99=_percentile(ttfts, 0.99),
-            itl_p50=_percentile(itls, 0.5),
-            itl_p99=_percentile(itls, 0.99),
+            ttft_p50=_percentile(ttfts, 50),
+            ttft_p99=_percentile(ttfts, 99),
+            itl_p50=_percentile(itls, 50),
+            itl_p99=_percentile(itls, 99),
             replica_seconds=seconds_total,
             mean_replicas={k: v / duration for k, v in seconds_total.items()},
             peak_replicas=peak,
