@@ -72,7 +72,9 @@ class FleetModel:
     cold_start_seconds: float = 60.0
     """Seconds from requesting a replica to its serving."""
     ttft_slo_seconds: float = 2.0
+    """Time-to-first-token objective a request must meet to count as served well."""
     itl_slo_seconds: float = 0.05
+    """Inter-token latency objective (mean over a request's output)."""
     scrape_failure_rate: float = 0.0
     """Probability that one replica's scrape fails in a period (its sample
     then ages, and turns stale after ``metricsStaleSeconds``)."""

@@ -11,8 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
 
 DEFAULT_TINY_DIR_ENV = "PDFLEET_CACHE"
 
@@ -69,6 +72,22 @@ def resolve_model(uri: str, say) -> str:
     )
 
 
+@dataclass(frozen=True)
+class UpOptions:
+    """How ``pdfleet up`` runs the processes (the service itself is the file)."""
+
+    host: str = "127.0.0.1"
+    """Address every process binds."""
+    port: int | None = None
+    """Gateway port (default: spec.gateway.port; a free one if taken)."""
+    run_dir: str = "runs"
+    """Where logs and the engines file go."""
+    threads_per_engine: int | None = None
+    """Torch threads per engine (default: CPU cores / engines)."""
+    timeout: float = 600.0
+    """Seconds to wait for every process to become ready."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "up",
@@ -78,26 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "the built-in tiny model, one prefill and one decode engine, Conditional mode.",
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
-    parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="gateway port (default: spec.gateway.port; a free one if taken)",
-    )
-    parser.add_argument("--run-dir", default="runs", help="where logs and the engines file go")
-    parser.add_argument(
-        "--threads-per-engine",
-        type=int,
-        default=None,
-        help="torch threads per engine (default: CPU cores / engines)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every process to become ready",
-    )
+    add_dataclass_arguments(parser, UpOptions)
     parser.set_defaults(func=run)
     return parser
 
