@@ -1,6 +1,6 @@
 """What prefill and decode must agree on: cross-role checks and the compatibility hash.
 
-Checked before anything runs (DESIGN §5). A violation names the field, the
+Checked before anything runs (docs/operator.md, "Checks"). A violation names the field, the
 problem and the fix; the operator turns violations into a ``Ready=False``
 condition and events, ``pdfleet up`` and ``pdfleet render`` into an error.
 """

@@ -39,7 +39,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Targets:
-    """Issue 8's targets for the policy on the burst trace."""
+    """What the policy must achieve on the burst trace: SLO attainment, and
+    replica-seconds against the oracle and fixed peak provisioning
+    (docs/autoscaling.md)."""
 
     min_attainment: float = 0.99
     max_oracle_ratio: float = 1.3
