@@ -15,7 +15,7 @@ busy-time series: their prefill scales on the waiting queue alone).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 ReplicaState = Literal["starting", "ready", "draining"]
@@ -181,7 +181,7 @@ def sample_from_snapshots(
     if current is None:
         return ReplicaSample(name=name, state=state)
     waiting_tokens = current.waiting_prompt_tokens
-    base = dict(
+    base = ReplicaSample(
         name=name,
         state=state,
         time=current.time,
@@ -191,7 +191,7 @@ def sample_from_snapshots(
         waiting_prompt_tokens=waiting_tokens,
     )
     if previous is None or previous.time >= current.time:
-        return ReplicaSample(**base)
+        return base
     dt = current.time - previous.time
     tokens = _delta(current.prompt_tokens_total, previous.prompt_tokens_total)
     busy = _delta(current.prefill_busy_seconds_total, previous.prefill_busy_seconds_total)
@@ -200,8 +200,8 @@ def sample_from_snapshots(
     if tokens is not None and waiting_tokens is not None:
         queued_growth = waiting_tokens - (previous.waiting_prompt_tokens or 0.0)
         arrivals = max(tokens + queued_growth, 0.0) / dt
-    return ReplicaSample(
-        **base,
+    return replace(
+        base,
         interval_seconds=dt,
         prompt_tokens_per_second=None if tokens is None else tokens / dt,
         prompt_token_arrivals_per_second=arrivals,

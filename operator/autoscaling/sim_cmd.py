@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
 
-from .sim_fleet import FleetModel
+from .sim_fleet import FleetModel, SimResult
 from .traces import TraceConfig
 
 DEFAULT_MAX_REPLICAS = 64
@@ -62,7 +63,7 @@ class SimOptions:
     """Also print the first N scaling decisions of the pdfleet policy with reasons."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "sim",
         help="simulate a prefill/decode fleet under autoscaling strategies",
@@ -193,7 +194,7 @@ def _run_seeds(
 
 def summarize(runs: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
     """Mean, min and max of the main figures per strategy, and targets met per seed."""
-    figures = {
+    figures: dict[str, Callable[[SimResult], float]] = {
         "ttft_attainment": lambda r: r.ttft_attainment,
         "itl_attainment": lambda r: r.itl_attainment,
         "replica_seconds": lambda r: r.replica_seconds["total"],

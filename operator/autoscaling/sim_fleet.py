@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from pdfleet.engine.config.stats import percentile
 
 from .policy import FleetObservation, RoleObservation
-from .samples import EngineSnapshot, ReplicaSample, sample_from_snapshots
+from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
 from .spec import AutoscalingSpec
 from .traces import Trace
 from .victims import ReplicaLoad, choose_victims
@@ -531,9 +531,10 @@ class Simulation:
                     r.advance(now)
                     self._reschedule(r, now)  # the context grew: refresh the step time
                 if not fail or self.rng.random() >= fail:
+                    assert isinstance(r, (_Decode, _Prefill))
                     snap = r.snapshot(now, capacity) if isinstance(r, _Decode) else r.snapshot(now)
                     r.prev_snap, r.snap = r.snap, snap
-                state = "ready" if r.state == READY else "draining"
+                state: ReplicaState = "ready" if r.state == READY else "draining"
                 samples.append(sample_from_snapshots(r.name, r.snap, r.prev_snap, state))
             roles[role] = RoleObservation(replicas=tuple(samples))
         return FleetObservation(prefill=roles["prefill"], decode=roles["decode"])

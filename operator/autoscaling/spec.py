@@ -172,7 +172,7 @@ def _from_camel(cls: type, data: Any, root: str, prefix: str = "") -> Any:
         if value is None:
             continue
         f, tp = fields[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[f.name] = _from_camel(tp, value, root, f"{prefix}{key}.")
             continue
         try:
