@@ -78,8 +78,10 @@ class FakeCluster:
             response.raise_for_status()
 
     async def wait_for(
-        self, predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition"
+        self, predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
     ) -> Any:
+        """Poll ``predicate`` until truthy. The bound is generous: on one loaded core
+        kopf's first reconcile alone can take over ten seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()
