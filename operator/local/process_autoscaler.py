@@ -30,7 +30,10 @@ logger = logging.getLogger("pdfleet.up.autoscaler")
 class ScalableFleet(Protocol):
     """What the autoscaler needs of a local fleet (``LocalFleet`` has it)."""
 
-    roles: tuple[str, ...]
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles it runs (decode only when not disaggregating)."""
+        ...
 
     def engines_of(self, role: str) -> list[Child]:
         """Every engine of ``role`` still running: starting, ready or draining."""
