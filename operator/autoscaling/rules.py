@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..engine_spec import camel
+
 BOUNDS = "bounds"
 KEY = "key"
 
@@ -36,8 +38,7 @@ def spec_key(f: dataclasses.Field[Any]) -> str:
     """The resource key of a dataclass field (camelCase unless metadata names it)."""
     if KEY in f.metadata:
         return str(f.metadata[KEY])
-    head, *rest = f.name.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+    return camel(f.name)
 
 
 @dataclass(frozen=True)
