@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from .server import ServerProcess
+from .server import ServerProcess, fleet_headers
 
 MAX_LEN = 512
 ENGINE_ARGS = [
@@ -58,7 +58,7 @@ def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = httpx.get(url + "/metrics", timeout=5, headers=fleet_headers()).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:

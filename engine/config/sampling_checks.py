@@ -1,0 +1,138 @@
+"""Admissibility of a request's sampling fields, checked before it is admitted.
+
+Torch-free, so that the gateway runs the same checks before the prefill leg as
+the engines run before admission: a body that one engine of a fleet accepts,
+every engine accepts (and prefill KV is never pinned for a request that the
+decode engine would refuse). The engine checks again with its model's
+vocabulary size.
+
+Every bound here keeps a value inside what the sampler can hold (int64 for
+tensors, int32 for counts), so no client value can overflow a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# Most completions one request may ask for (n, best_of).
+MAX_N = 128
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(
+    name: str, value: Any, low: int, high: int, what: str | None = None, allow_none: bool = True
+) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(
+            f"{name} must be {what or f'an integer between {low} and {high}'}, got {value!r}"
+        )
+
+
+def _float(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _token_ids(name: str, ids: Any, vocab_size: int | None) -> None:
+    if ids is None:
+        return
+    if not isinstance(ids, list):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    high = (vocab_size - 1) if vocab_size else INT32_MAX
+    for t in ids:
+        if not _is_int(t) or not 0 <= t <= high:
+            where = f"the model's vocabulary (0..{high})" if vocab_size else f"0..{high}"
+            raise ValueError(f"{name}: token id {t!r} is outside {where}")
+
+
+def check_prompt_tokens(prompt: Any, vocab_size: int | None) -> None:
+    """Token-id prompts (``[1, 2]`` or ``[[1, 2], [3]]``) stay inside the vocabulary."""
+    if not isinstance(prompt, list) or not prompt:
+        return
+    if all(_is_int(t) for t in prompt):
+        _token_ids("prompt", prompt, vocab_size)
+    elif all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            _token_ids("prompt", p, vocab_size)
+
+
+def check_sampling(
+    fields: Mapping[str, Any],
+    vocab_size: int | None = None,
+    max_logprobs: int | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the first inadmissible sampling field.
+
+    ``fields`` is an OpenAI completion or chat request body (or the sampling
+    part of it); unknown fields are ignored. ``vocab_size`` bounds token ids
+    when known; ``max_logprobs`` bounds the logprob counts when known.
+    """
+    f = fields
+    _int("n", f.get("n"), 1, MAX_N)
+    _int("best_of", f.get("best_of"), 1, MAX_N)
+    if _is_int(f.get("best_of")) and _is_int(f.get("n")) and f["best_of"] < f["n"]:
+        raise ValueError(f"best_of ({f['best_of']}) must be >= n ({f['n']})")
+    _float("temperature", f.get("temperature"), low=0.0)
+    _float("top_p", f.get("top_p"), low=0.0, high=1.0, low_open=True)
+    _int(
+        "top_k",
+        f.get("top_k"),
+        -1,
+        INT32_MAX,
+        what=f"-1 or 0 (disabled) or a positive integer up to {INT32_MAX}",
+    )
+    _float("min_p", f.get("min_p"), low=0.0, high=1.0)
+    _float("presence_penalty", f.get("presence_penalty"), low=-2.0, high=2.0)
+    _float("frequency_penalty", f.get("frequency_penalty"), low=-2.0, high=2.0)
+    _float("repetition_penalty", f.get("repetition_penalty"), low=0.0, low_open=True)
+    _int("seed", f.get("seed"), INT64_MIN, INT64_MAX, what="a 64-bit signed integer")
+    _int("priority", f.get("priority"), INT64_MIN, INT64_MAX, what="a 64-bit signed integer")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _int(name, f.get(name), 1, INT32_MAX)
+    _int("min_tokens", f.get("min_tokens"), 0, INT32_MAX)
+    limit = f.get("max_completion_tokens")
+    if limit is None:
+        limit = f.get("max_tokens")
+    min_tokens = f.get("min_tokens") or 0
+    if _is_int(limit) and min_tokens > limit:
+        name = (
+            "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
+        )
+        raise ValueError(f"min_tokens ({min_tokens}) must be <= {name} ({limit})")
+    _token_ids("stop_token_ids", f.get("stop_token_ids"), vocab_size)
+    high = INT32_MAX if max_logprobs is None else max_logprobs
+    bound = "" if max_logprobs is None else f" (the engine's max_logprobs is {max_logprobs})"
+    logprobs = f.get("logprobs")
+    if isinstance(logprobs, bool):
+        _int("top_logprobs", f.get("top_logprobs"), 0, high, what=f"an integer 0..{high}{bound}")
+    else:
+        _int("logprobs", logprobs, 0, high, what=f"an integer 0..{high}{bound}")
+    _int("prompt_logprobs", f.get("prompt_logprobs"), 0, high, what=f"an integer 0..{high}{bound}")
+    bias = f.get("logit_bias")
+    if isinstance(bias, Mapping) and vocab_size:
+        for key in bias:
+            if not str(key).isdigit() or int(str(key)) >= vocab_size:
+                raise ValueError(f"logit_bias: token id {key!r} is outside the model's vocabulary")
+    check_prompt_tokens(f.get("prompt"), vocab_size)
