@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
+from .autoscaling.decisions import AutoscalerMetrics
 from .autoscaling.samples import snapshot_from_series
 from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
@@ -50,6 +51,8 @@ class PolicyDecider:
 
     def __init__(self) -> None:
         self.loops: dict[str, ScalingLoop] = {}
+        # Set by the operator to export every decision (holds included) on its /metrics.
+        self.metrics: AutoscalerMetrics | None = None
 
     def __call__(
         self,
@@ -76,6 +79,9 @@ class PolicyDecider:
         ]
         loop = self.loops.setdefault(service, ScalingLoop())
         step = loop.step(policy, scrapes, now, requested=replicas)
+        if self.metrics is not None:
+            for d in step.result.decisions:
+                self.metrics.observe(d)
         return [ScaleDecision(a.role, a.desired, a.reason, a.victims) for a in step.actions]
 
     def forget(self, service: str) -> None:
