@@ -1,4 +1,4 @@
-"""The two-leg P/D protocol (DESIGN §1) and the relay of the decode leg.
+"""The two-leg P/D protocol (docs/gateway.md, "The two legs") and the relay of the decode leg.
 
 1. Prefill leg (when the router says so): the client's body with
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for chat),
