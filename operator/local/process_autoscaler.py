@@ -16,8 +16,6 @@ import logging
 import time
 from typing import Any, Protocol
 
-import httpx
-
 from ..autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
 from ..autoscaling.decisions import DecisionLog
 from ..autoscaling.samples import EngineSnapshot, ReplicaState, parse_engine_metrics
@@ -64,10 +62,13 @@ class LocalAutoscaler:
         self.log = log or DecisionLog()
 
     def _scrape(self, child: Child, now: float) -> EngineSnapshot | None:
+        # The child's own scrape presents the fleet token (engines require it).
+        text = child.metrics_text(timeout=2.0)
+        if text is None:
+            return None
         try:
-            text = httpx.get(child.url + "/metrics", timeout=2.0).text
             return parse_engine_metrics(text, now)
-        except (httpx.HTTPError, ValueError):
+        except ValueError:
             return None
 
     def step(self, now: float | None = None) -> list[Any]:

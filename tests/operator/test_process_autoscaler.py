@@ -13,8 +13,12 @@ from pdfleet.operator.local.process import Child
 from pdfleet.operator.local.process_autoscaler import LocalAutoscaler
 
 
+TOKEN_HEADERS = {"Authorization": "Bearer fleet-token"}
+
+
 class MetricsServer:
-    """An engine's /metrics in Prometheus text, on a real port."""
+    """An engine's /metrics in Prometheus text, on a real port; like a real engine,
+    it answers 401 without the fleet token."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -22,8 +26,9 @@ class MetricsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = outer.text.encode()
-                self.send_response(200 if self.path == "/metrics" else 404)
+                authorized = self.headers.get("Authorization") == TOKEN_HEADERS["Authorization"]
+                body = outer.text.encode() if authorized else b"unauthorized"
+                self.send_response((200 if authorized else 401) if self.path == "/metrics" else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -88,7 +93,7 @@ def servers():
 
 
 def child(name: str, role: str, server: MetricsServer) -> Child:
-    c = Child(name, role, [], server.port, Path("/dev/null"))
+    c = Child(name, role, [], server.port, Path("/dev/null"), headers=dict(TOKEN_HEADERS))
     c.ready = True
     return c
 
