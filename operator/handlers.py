@@ -29,9 +29,11 @@ from prometheus_client import CollectorRegistry
 from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config import security
 
-from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
+from .autoscaling.decisions import AutoscalerMetrics
+from .cluster_autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
+from .headline import merge_role_load
 from .kube import KubeClient, KubeError
 from .manifests import (
     ANNOTATION_FLEET_SECRET,
@@ -286,6 +288,7 @@ async def refresh(
     await _write_status(
         state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
     )
+    merge_role_load(patch, samples)  # status.roles.*: the headline load figures
 
 
 async def _autoscale(
@@ -339,6 +342,8 @@ def register(
 ) -> OperatorState:
     """Add the operator's handlers to ``registry``; returns their shared state."""
     state = state or OperatorState()
+    if isinstance(config.decide, PolicyDecider):  # pdfleet_autoscaler_* on the operator's /metrics
+        config.decide.metrics = AutoscalerMetrics(state.metrics)
     resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -368,6 +373,10 @@ def register(
         uid = body["metadata"]["uid"]
         for table in (state.kv_health, state.kv_verdict, state.last_decision_at):
             table.pop(uid, None)
+        forget = getattr(config.decide, "forget", None)  # the autoscaling loop's state
+        if forget is not None:
+            meta = body["metadata"]
+            forget(f"{meta.get('namespace')}/{meta['name']}")
 
     @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
     async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:

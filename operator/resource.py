@@ -4,6 +4,9 @@ One schema, read three ways: ``pdfleet up`` loads a YAML file with
 :func:`load_inference_service`, the operator validates ``spec`` of live
 objects, and :mod:`pdfleet.operator.crd` generates the CRD's OpenAPI schema
 from these classes (the field docstrings become ``kubectl explain`` text).
+The ``autoscaling`` section is the policy's own dataclasses
+(:mod:`pdfleet.operator.autoscaling.spec`): their keys, defaults, bounds and
+cross-field rules are the only definition, for the CRD and for the policy.
 
 Keys are camelCase (Kubernetes convention); Python attributes are
 snake_case. ``null`` means "not set", as on the API server, which prunes
@@ -23,11 +26,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PlainValidator,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from pdfleet.engine.config.hub import parse_hf_uri
+
+from .autoscaling.spec import AutoscalingSpec, SpecValueError
 from .engine_spec import FieldPathError, camel, validate_engine_section
 
 GROUP = "pdfleet.dev"
@@ -44,14 +52,23 @@ ROLES = ("prefill", "decode")
 # 63 characters of a DNS label, which Service names must be.
 MAX_NAME_LENGTH = 45
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-MODEL_URI_SCHEMES = ("builtin", "file", "pvc")
-BUILTIN_MODELS = ("tiny",)
+MODEL_URI_SCHEMES = ("builtin", "file", "pvc", "hf")
+# The same names as pdfleet.engine.tiny.registry.BUILTIN_MODELS (a test keeps them equal).
+BUILTIN_MODELS = ("tiny", "smollm2-135m-instruct")
 
 
 class EngineSection:
     """Marks a field holding engine settings (camelCase ``EngineArgs`` fields).
 
     The CRD generator emits the schema generated from ``EngineArgs`` for it.
+    """
+
+
+class SpecSection:
+    """Marks a field holding a camelCase spec dataclass (``autoscaling``).
+
+    The dataclass parses it (``from_spec``, its own ``validate()``); the CRD
+    generator emits :func:`pdfleet.operator.autoscaling.schema.section_schema`.
     """
 
 
@@ -91,6 +108,23 @@ class _Spec(BaseModel):
 # spec
 
 
+class HubTokenSecret(_Spec):
+    """A key of a Secret in the InferenceService's namespace holding a Hugging Face token."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret."""
+    key: str = "token"
+    """Key within the Secret."""
+
+
+class ModelCacheSpec(_Spec):
+    """Where `hf://` downloads are kept."""
+
+    claim: str = Field(min_length=1)
+    """PersistentVolumeClaim holding the Hugging Face cache (ReadWriteMany to share
+    it between pods: a pod that finds the files there downloads nothing)."""
+
+
 class ModelSpec(_Spec):
     """The model to serve."""
 
@@ -100,11 +134,25 @@ class ModelSpec(_Spec):
     uri: str = "builtin://tiny"
     """Where the weights are: `file:///path` (a Hugging Face model directory
     inside the image or a mounted volume), `pvc://CLAIM/path` (a directory on
-    a PersistentVolumeClaim, mounted read-only), or `builtin://tiny` (pdfleet's
-    small random-weight test model, written when a pod starts)."""
+    a PersistentVolumeClaim, mounted read-only), `hf://ORG/NAME` (downloaded
+    from the Hugging Face Hub by an init container: config, tokenizer and
+    safetensors), `hf://ORG/NAME/FILE.gguf` (one GGUF file of a Hub
+    repository), or a built-in model: `builtin://tiny` (pdfleet's small
+    random-weight test model) or `builtin://smollm2-135m-instruct`
+    (SmolLM2-135M-Instruct, shipped in the image), prepared when a pod starts."""
     revision: str | None = None
     """Model revision (a commit or tag). Part of the compatibility hash, so
-    prefill and decode engines serving different weights never exchange KV."""
+    prefill and decode engines serving different weights never exchange KV.
+    For `hf://`, the branch, tag or commit to download (default main); a
+    40-character commit is checked against what the Hub serves."""
+    token_secret: HubTokenSecret | None = None
+    """`hf://` only: Secret holding a Hugging Face token (private or gated models)."""
+    cache: ModelCacheSpec | None = None
+    """`hf://` only: PersistentVolumeClaim for the download cache; each pod
+    downloads into its own emptyDir when unset."""
+    hf_endpoint: str | None = None
+    """`hf://` only: base URL of the Hub or a mirror (the HF_ENDPOINT variable);
+    the public Hub when unset."""
 
     @field_validator("uri")
     @classmethod
@@ -113,8 +161,7 @@ class ModelSpec(_Spec):
         if not sep or scheme not in MODEL_URI_SCHEMES:
             raise ValueError(
                 f"{uri!r} is not a supported model location; use file:///path/to/model, "
-                "pvc://CLAIM/path or builtin://tiny (pdfleet loads models from disk and "
-                "downloads nothing: copy hub models onto a volume first)"
+                "pvc://CLAIM/path, hf://ORG/NAME or builtin://NAME"
             )
         if scheme == "file" and not rest.startswith("/"):
             raise ValueError(f"{uri!r}: a file URI needs an absolute path (file:///models/x)")
@@ -122,7 +169,23 @@ class ModelSpec(_Spec):
             raise ValueError(f"{uri!r}: name the claim, e.g. pvc://models/llama-3.1-8b")
         if scheme == "builtin" and rest not in BUILTIN_MODELS:
             raise ValueError(f"{uri!r}: the built-in models are {', '.join(BUILTIN_MODELS)}")
+        if scheme == "hf":
+            parse_hf_uri(uri)  # its ValueError names the expected shape
         return uri
+
+    @model_validator(mode="after")
+    def _hub_fields_need_hf(self) -> ModelSpec:
+        if not self.uri.startswith("hf://"):
+            for field, value in (
+                ("tokenSecret", self.token_secret),
+                ("cache", self.cache),
+                ("hfEndpoint", self.hf_endpoint),
+            ):
+                if value is not None:
+                    raise ValueError(f"{field} applies to hf:// models only (uri is {self.uri})")
+        if self.hf_endpoint is not None and not re.match(r"^https?://[^\s]+$", self.hf_endpoint):
+            raise ValueError(f"hfEndpoint {self.hf_endpoint!r} is not an http(s) URL")
+        return self
 
 
 class KVTransferSpec(_Spec):
@@ -238,82 +301,27 @@ class GatewaySpec(PodPlacement):
 
 
 # --------------------------------------------------------------------------
-# autoscaling
-#
-# These keys mirror the autoscaling policy's dataclasses field for field
-# (camelCase of their snake_case names) so that this section can be generated
-# from them once the policy lands. Keep it to plain fields with defaults.
+# autoscaling: defined once, as the policy's dataclasses (their keys, defaults,
+# bounds and cross-field rules); see docs/autoscaling.md.
 
 
-class RatioBounds(_Spec):
-    """Bounds on prefill replicas / decode replicas."""
-
-    min: float | None = Field(default=None, gt=0)
-    """Lowest allowed prefill:decode ratio (no bound when unset)."""
-    max: float | None = Field(default=None, gt=0)
-    """Highest allowed prefill:decode ratio (no bound when unset)."""
-
-
-class PrefillAutoscaling(_Spec):
-    """Prefill pool: scaled on time-to-first-token and queue backlog."""
-
-    min_replicas: int = Field(default=1, ge=0)
-    """Fewest prefill pods."""
-    max_replicas: int = Field(default=4, ge=0)
-    """Most prefill pods."""
-    ttft_target_seconds: float = Field(default=2.0, gt=0)
-    """Target time to first token; the backlog per replica is kept below it."""
-    prefill_tokens_per_second: float | None = Field(default=None, gt=0)
-    """Prompt tokens one prefill pod processes per second; measured from the
-    engines' metrics when unset."""
-    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
-    """Scale up only on what held for this long."""
-    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
-    """Scale down only on what held for this long."""
-    max_scale_up_step: int = Field(default=4, ge=1)
-    """Most pods added in one decision."""
-    max_scale_down_step: int = Field(default=1, ge=1)
-    """Most pods removed in one decision."""
-    target_waiting_per_replica: float = Field(default=4, gt=0)
-    """Target number of queued requests per prefill pod."""
+def _parse_autoscaling(value: Any) -> AutoscalingSpec:
+    if isinstance(value, AutoscalingSpec):
+        return value
+    try:
+        return AutoscalingSpec.from_spec(value)
+    except SpecValueError as e:
+        if e.key:
+            raise FieldPathError(e.key, e.problem) from None
+        raise ValueError(e.problem) from None
 
 
-class DecodeAutoscaling(_Spec):
-    """Decode pool: scaled on KV-cache usage and queue length."""
-
-    min_replicas: int = Field(default=1, ge=0)
-    """Fewest decode pods."""
-    max_replicas: int = Field(default=4, ge=0)
-    """Most decode pods."""
-    target_kv_cache_usage: float = Field(default=0.7, gt=0, le=1, alias="targetKVCacheUsage")
-    """Target mean fraction of the KV cache in use on decode pods."""
-    target_waiting_per_replica: float = Field(default=4, gt=0)
-    """Target number of queued requests per decode pod."""
-    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
-    """Scale up only on what held for this long."""
-    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
-    """Scale down only on what held for this long."""
-    max_scale_up_step: int = Field(default=4, ge=1)
-    """Most pods added in one decision."""
-    max_scale_down_step: int = Field(default=1, ge=1)
-    """Most pods removed in one decision."""
-
-
-class AutoscalingSpec(_Spec):
-    """Scale the prefill and decode pools from the engines' own metrics."""
-
-    period_seconds: float = Field(default=15, gt=0)
-    """Seconds between two scaling decisions."""
-    max_total_replicas: int | None = Field(default=None, ge=0)
-    """Most prefill plus decode pods together (e.g. a GPU budget)."""
-    prefill_decode_ratio: RatioBounds = Field(default_factory=RatioBounds)
-    """Bounds on the prefill:decode replica ratio."""
-    metrics_stale_seconds: float = Field(default=45, gt=0)
-    """Metrics older than this are ignored; no decision is made on them."""
-    prefill: PrefillAutoscaling = Field(default_factory=PrefillAutoscaling)
-    """Prefill pool policy."""
-    decode: DecodeAutoscaling = Field(default_factory=DecodeAutoscaling)
-    """Decode pool policy."""
+AutoscalingSection = Annotated[
+    AutoscalingSpec,
+    SpecSection(),
+    PlainValidator(_parse_autoscaling),
+    PlainSerializer(AutoscalingSpec.to_spec),
+]
 
 
 # --------------------------------------------------------------------------
@@ -340,7 +348,7 @@ class InferenceServiceSpec(_Spec):
     """Which requests are split into prefill and decode legs."""
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     """The gateway."""
-    autoscaling: AutoscalingSpec | None = None
+    autoscaling: AutoscalingSection | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
 
     @field_validator("engine")
@@ -392,6 +400,16 @@ class RoleStatus(BaseModel):
     """Pods wanted (by the spec or the autoscaler)."""
     summary: str = "0/0"
     """ready/desired, for `kubectl get`."""
+    running: int | None = None
+    """Requests running on the role's ready engines (last scrape)."""
+    waiting: int | None = None
+    """Requests waiting on the role's ready engines (last scrape)."""
+    kv_cache_usage: float | None = None
+    """Mean KV-cache usage of the role's ready engines, 0-1 (last scrape)."""
+    prefix_hit_rate: float | None = None
+    """Prefix-cache hits over lookups since the engines started, 0-1."""
+    load: str | None = None
+    """running/waiting, KV usage and prefix hit rate, for `kubectl get -o wide`."""
 
 
 class RolesStatus(BaseModel):

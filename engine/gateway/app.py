@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
@@ -58,7 +59,9 @@ class Gateway:
             timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout),
         )
         # Engine calls of the request path; health checks and scrapes use httpx.
-        self.upstream = UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY)
+        self.upstream = tracing.trace_upstream(
+            UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY)
+        )
         self.affinity = PrefixAffinity(config.prefix_table_size)
         self.pool = EnginePool(
             config, self.discovery, self.metrics, self.client, on_eject=self.affinity.forget
@@ -107,6 +110,7 @@ def build_app(config: GatewayConfig, discovery: Discovery | None = None) -> Fast
             await gw.close()
 
     app = FastAPI(title="pdfleet gateway", lifespan=lifespan)
+    tracing.instrument_app(app, "gateway")
     app.state.gateway = gw
 
     def unauthorized(request: Request) -> Response | None:

@@ -1,4 +1,4 @@
-"""The two-leg P/D protocol (DESIGN §1) and the relay of the decode leg.
+"""The two-leg P/D protocol (docs/gateway.md, "The two legs") and the relay of the decode leg.
 
 1. Prefill leg (when the router says so): the client's body with
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for chat),
@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from .engines import EnginePool, EngineState
@@ -248,6 +249,7 @@ class Proxy:
         except NoEngineError as e:
             return self._error(call, str(e), 503)
         self.metrics.decisions.labels(route.decision, route.reason).inc()
+        tracing.route_chosen(route)
         payload = raw
         if route.prefill is not None:
             outcome = await self._prefill(call, body, route, info)
@@ -257,6 +259,7 @@ class Proxy:
                 payload = json.dumps(decode_body(body, outcome)).encode()
         elif route.reason == "no_prefill_engine":
             self.metrics.fallbacks.labels("no_prefill_engine").inc()
+            tracing.fallback("no_prefill_engine")
         if body.get("stream") is True:
             return await self._decode_stream(call, route, info, payload)
         return await self._decode_json(call, route, info, payload)
@@ -290,9 +293,11 @@ class Proxy:
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
                 self.metrics.fallbacks.labels("no_kv_transfer_params").inc()
+                tracing.fallback("no_kv_transfer_params")
                 return None
             return params
         self.metrics.fallbacks.labels("prefill_failed").inc()
+        tracing.fallback("prefill_failed")
         return None
 
     async def _prefill_once(

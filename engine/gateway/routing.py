@@ -1,6 +1,6 @@
 """Choosing engines: load- and prefix-aware scoring, P/D pairing, disaggregation.
 
-An engine's score is llm-d's weighted sum (landscape §4.3)::
+An engine's score is llm-d's weighted sum (docs/gateway.md, "Routing")::
 
     score = 2 · prefix + 1 · queue + 1 · kv
     prefix = leading prompt blocks the engine likely caches / blocks hashed
@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from .engines import EnginePool, EngineState
@@ -125,6 +126,7 @@ class Router:
             prefix_score = blocks / len(hashes) if hashes and q - lo <= slack else 0.0
             score = PREFIX_WEIGHT * prefix_score + QUEUE_WEIGHT * queue_score + KV_WEIGHT * kv_score
             scored.append((score, c, blocks))
+        tracing.route_scores(scored)
         top = max(s for s, _, _ in scored)
         best = [(c, b) for s, c, b in scored if s >= top - 1e-9]
         self._rr += 1

@@ -11,21 +11,25 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TINY_DIR_ENV = "PDFLEET_CACHE"
+from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def default_service() -> dict[str, Any]:
-    """The embedded default: the built-in tiny model, one prefill and one decode engine."""
+    """The embedded default: SmolLM2-135M-Instruct (shipped with pdfleet), one prefill
+    and one decode engine."""
     connector = "NixlConnector" if importlib.util.find_spec("nixl_cu12") else "ZmqConnector"
     return {
         "apiVersion": "pdfleet.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": "tiny"},
+        "metadata": {"name": "smollm2"},
         "spec": {
-            "model": {"name": "tiny", "uri": "builtin://tiny"},
+            "model": {"name": DEFAULT_MODEL, "uri": f"builtin://{DEFAULT_MODEL}"},
             "engine": {"maxModelLen": 2048, "maxNumSeqs": 64},
             "kvTransfer": {"connector": connector},
             "prefill": {"replicas": 1},
@@ -36,37 +40,46 @@ def default_service() -> dict[str, Any]:
     }
 
 
-def tiny_model_dir() -> Path:
-    root = os.environ.get(DEFAULT_TINY_DIR_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdfleet"
-    )
-    return Path(root) / "tiny-llama"
-
-
-def resolve_model(uri: str, say) -> str:
-    """A local model directory for ``spec.model.uri`` (building the tiny model if needed)."""
+def resolve_model(uri: str, revision: str | None, say) -> str:
+    """A local model directory for ``spec.model.uri``: ``builtin://`` models are
+    prepared and ``hf://`` models downloaded (into pdfleet's and the Hugging Face
+    cache) once, by ``pdfleet fetch-model``, whose progress is shown."""
     scheme, _, rest = uri.partition("://")
     if scheme == "file":
-        if not os.path.isdir(rest):
-            raise ValueError(f"spec.model.uri: {rest!r} is not a directory on this machine")
-        return rest
-    if scheme == "builtin":
-        if rest != "tiny":
-            raise ValueError(f"spec.model.uri: unknown built-in model {rest!r} (builtin://tiny)")
-        path = tiny_model_dir()
-        if not (path / "config.json").exists():
-            say(f"building the built-in tiny model in {path} ...")
-            subprocess.run(
-                [sys.executable, "-m", "pdfleet.engine.cli", "tiny-model", str(path)],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
-        return str(path)
-    raise ValueError(
-        f"spec.model.uri: {uri!r} only exists in Kubernetes; `pdfleet up` needs file:///DIR "
-        "or builtin://tiny"
-    )
+        if not os.path.exists(rest):
+            raise ValueError(f"spec.model.uri: {rest!r} does not exist on this machine")
+        if not rest.endswith(".gguf"):
+            return rest
+    elif scheme not in ("builtin", "hf"):
+        raise ValueError(
+            f"spec.model.uri: {uri!r} only exists in Kubernetes; `pdfleet up` needs "
+            "file:///PATH, builtin://NAME or hf://ORG/NAME"
+        )
+    say(f"preparing {uri} ...")
+    command = [sys.executable, "-m", "pdfleet.engine.cli", "fetch-model", uri]
+    if revision and scheme == "hf":
+        command += ["--revision", revision]
+    # stderr (progress) goes to the terminal; stdout is the directory.
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise ValueError(f"spec.model.uri: cannot prepare {uri} (see the message above)")
+    return done.stdout.strip().splitlines()[-1]
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """How ``pdfleet up`` runs the processes (the service itself is the file)."""
+
+    host: str = "127.0.0.1"
+    """Address every process binds."""
+    port: int | None = None
+    """Gateway port (default: spec.gateway.port; a free one if taken)."""
+    run_dir: str = "runs"
+    """Where logs and the engines file go."""
+    threads_per_engine: int | None = None
+    """Torch threads per engine (default: CPU cores / engines)."""
+    timeout: float = 600.0
+    """Seconds to wait for every process to become ready."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,29 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="run an InferenceService on this machine (gateway + prefill + decode engines)",
         description="Start the gateway and the prefill and decode engines of an InferenceService "
         "as local processes, print the endpoint, and supervise them until Ctrl-C. With no file: "
-        "the built-in tiny model, one prefill and one decode engine, Conditional mode.",
+        "SmolLM2-135M-Instruct (builtin://smollm2-135m-instruct), one prefill and one decode "
+        "engine, Conditional mode.",
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
-    parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="gateway port (default: spec.gateway.port; a free one if taken)",
-    )
-    parser.add_argument("--run-dir", default="runs", help="where logs and the engines file go")
-    parser.add_argument(
-        "--threads-per-engine",
-        type=int,
-        default=None,
-        help="torch threads per engine (default: CPU cores / engines)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every process to become ready",
-    )
+    add_dataclass_arguments(parser, UpOptions)
     parser.set_defaults(func=run)
     return parser
 
@@ -117,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     from ..compat import check_service
     from ..resource import load_inference_service
     from .fleet import LocalFleet, fleet_credentials, free_port
+    from .process_autoscaler import LocalAutoscaler
+    from .state import FleetStateWriter
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -129,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     fleet_secret, api_keys = fleet_credentials()
-    model_path = resolve_model(service.spec.model.uri, say)
+    model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
     port = args.port or service.spec.gateway.port
     if args.port is None and not _port_free(args.host, port):
         port = free_port(args.host)
@@ -161,14 +158,22 @@ def run(args: argparse.Namespace) -> int:
             f'    -d \'{{"model": "{service.spec.model.name}", "prompt": "Hello", '
             f'"max_tokens": 16}}\''
         )
+        say(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{service.spec.model.name}", "messages": [{{"role": "user", '
+            f'"content": "What is the capital of France?"}}]}}\''
+        )
         say("Ctrl-C stops every process.\n")
-        autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None
+        scaling = service.spec.autoscaling
+        autoscaler = LocalAutoscaler(fleet, scaling) if scaling is not None else None
+        state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
             if autoscaler is not None and time.monotonic() >= next_scale:
-                next_scale = time.monotonic() + service.spec.autoscaling.period_seconds
+                next_scale = time.monotonic() + autoscaler.spec.period_seconds
                 autoscaler.step()
+            state.write(autoscaler)
     except (RuntimeError, TimeoutError) as e:
         say(f"pdfleet up: {e}")
         fleet.stop()

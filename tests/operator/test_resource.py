@@ -36,7 +36,7 @@ def test_examples_load(path):
 def test_loader_errors_name_every_bad_field_path():
     bad = doc(
         {
-            "model": {"name": "m", "uri": "hf://meta-llama/x"},
+            "model": {"name": "m", "uri": "s3://bucket/x"},
             "prefill": {"replicas": -1, "engine": {"maxNumSeqs": "many"}},
             "engine": {"revision": "abc"},
             "decode": {"engine": {"maxNumBatchedToken": 1}},
@@ -57,7 +57,7 @@ def test_loader_errors_name_every_bad_field_path():
     }
     assert any("set spec.model.revision instead" in line for line in lines)
     assert any("did you mean maxNumBatchedTokens" in line for line in lines)
-    assert any("copy hub models onto a volume" in line for line in lines)
+    assert any("hf://ORG/NAME or builtin://NAME" in line for line in lines)
 
 
 def test_loader_reads_multi_document_yaml_and_requires_one_inference_service(tmp_path):
@@ -93,14 +93,20 @@ def test_engine_values_are_coerced_to_the_engine_field_types():
     assert spec.engine == {"maxNumBatchedTokens": 2048}
 
 
-def test_autoscaling_keys_and_defaults_are_the_agreed_ones():
-    # The resource's schema and the policy's spec (tests/autoscaling/test_spec.py pins
-    # its keys and defaults) agree on every key and default.
-    from pdfleet.operator.autoscaling.spec import AutoscalingSpec as PolicySpec
+def test_autoscaling_section_is_the_policy_spec_with_its_keys_and_defaults():
+    # One definition: the resource holds the policy's own dataclass, and dumps it
+    # with the keys and defaults tests/autoscaling/test_spec.py pins.
+    expected = AutoscalingSpec().to_spec()
+    spec = InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": {}})
+    assert isinstance(spec.autoscaling, AutoscalingSpec)
+    assert spec.model_dump(by_alias=True)["autoscaling"] == expected
+    again = InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": expected})
+    assert again.autoscaling == AutoscalingSpec()
 
-    expected = PolicySpec().to_spec()
-    assert AutoscalingSpec().model_dump(by_alias=True) == expected
-    assert AutoscalingSpec.model_validate(expected).model_dump(by_alias=True) == expected
+
+def test_bad_autoscaling_values_name_the_field_under_spec():
+    with pytest.raises(ValueError, match=r"spec\.autoscaling\.decode\.minReplicas: must be >= 1"):
+        parse_spec({"model": {"name": "m"}, "autoscaling": {"decode": {"minReplicas": 0}}})
 
 
 def test_role_lookup_rejects_unknown_roles():

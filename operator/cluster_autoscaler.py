@@ -1,0 +1,145 @@
+"""Autoscaling in Kubernetes: the operator's adapter of the autoscaling loop.
+
+Every autoscaling period the operator's timer scrapes the engine pods and
+calls :class:`PolicyDecider` (the default :data:`decide_scaling`), which turns
+the scrapes into :class:`~pdfleet.operator.autoscaling.control_loop.ReplicaScrape` records
+and runs one :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
+per service: the same observe -> decide -> choose-victims step as ``pdfleet
+up``. :func:`actuate` carries decisions out as the single writer of the
+engine Deployments' replicas: victims (least loaded) get the lowest
+pod-deletion cost first, then ``spec.replicas`` is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
+from .autoscaling.decisions import AutoscalerMetrics
+from .autoscaling.samples import snapshot_from_series
+from .autoscaling.spec import AutoscalingSpec
+from .kube import KubeClient
+from .manifests import child_name, desired_replicas
+from .resource import InferenceServiceSpec
+from .scrape import PodSample
+
+# Deployment scale-down removes the pods with the lowest deletion cost first.
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+VICTIM_DELETION_COST = "-1000"
+MAX_RECORDED_DECISIONS = 10
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """Set ``role`` to ``replicas`` pods, because ``reason``."""
+
+    role: str
+    replicas: int
+    reason: str
+    victims: tuple[str, ...] = ()
+    """Pods to remove first when scaling down (e.g. the least loaded)."""
+
+
+DecideFn = Callable[
+    [str, AutoscalingSpec, Sequence[PodSample], Mapping[str, int], float], Sequence[ScaleDecision]
+]
+
+
+class PolicyDecider:
+    """The autoscaling loop of any number of services (one loop per service)."""
+
+    def __init__(self) -> None:
+        self.loops: dict[str, ScalingLoop] = {}
+        # Set by the operator to export every decision (holds included) on its /metrics.
+        self.metrics: AutoscalerMetrics | None = None
+
+    def __call__(
+        self,
+        service: str,
+        policy: AutoscalingSpec,
+        samples: Sequence[PodSample],
+        replicas: Mapping[str, int],
+        now: float,
+    ) -> list[ScaleDecision]:
+        """``service`` is ``namespace/name``; ``samples`` hold every engine pod's
+        scrape (failed ones with ``error`` set); ``replicas`` the Deployments'
+        desired replicas per role; ``now`` Unix seconds."""
+        scrapes = [
+            ReplicaScrape(
+                s.pod,
+                s.role,
+                "ready" if s.ready else "starting",
+                snapshot_from_series({k: [v] for k, v in s.values.items()}, s.scraped_at)
+                if s.error is None and s.ready
+                else None,
+            )
+            for s in samples
+            if s.role in ROLES
+        ]
+        loop = self.loops.setdefault(service, ScalingLoop())
+        step = loop.step(policy, scrapes, now, requested=replicas)
+        if self.metrics is not None:
+            for d in step.result.decisions:
+                self.metrics.observe(d)
+        return [ScaleDecision(a.role, a.desired, a.reason, a.victims) for a in step.actions]
+
+    def forget(self, service: str) -> None:
+        self.loops.pop(service, None)
+
+
+decide_scaling: DecideFn = PolicyDecider()
+
+
+async def actuate(
+    client: KubeClient,
+    *,
+    name: str,
+    namespace: str,
+    spec: InferenceServiceSpec,
+    decisions: Sequence[ScaleDecision],
+    replicas: Mapping[str, int],
+    now: str,
+) -> list[dict[str, object]]:
+    """Apply decisions; return the status records of the changes made.
+
+    Replicas are kept within the role's minReplicas..maxReplicas (the same
+    bound the reconcile applies, so the two never disagree).
+    """
+    records: list[dict[str, object]] = []
+    for decision in decisions:
+        before = replicas[decision.role]
+        after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})
+        if after == before:
+            continue
+        if after < before:
+            for pod in decision.victims:
+                await client.merge_patch(
+                    "Pod",
+                    namespace,
+                    pod,
+                    {"metadata": {"annotations": {DELETION_COST_ANNOTATION: VICTIM_DELETION_COST}}},
+                )
+        await client.merge_patch(
+            "Deployment",
+            namespace,
+            child_name(name, decision.role),
+            {"spec": {"replicas": after}},
+        )
+        records.append(
+            {
+                "role": decision.role,
+                "from": before,
+                "to": after,
+                "reason": decision.reason,
+                "time": now,
+            }
+        )
+    return records
+
+
+def merge_records(
+    previous: Sequence[Mapping[str, object]], new: Sequence[Mapping[str, object]]
+) -> list[dict[str, object]]:
+    """The bounded decision history, newest last."""
+    return [dict(r) for r in [*previous, *new]][-MAX_RECORDED_DECISIONS:]
