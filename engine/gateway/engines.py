@@ -37,8 +37,22 @@ _GAUGES = {
     "running": ("pdfleet_engine_num_requests_running", "vllm:num_requests_running"),
     "kv_usage": ("pdfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
 }
+# Counters: tokens computed (the stall watchdog's evidence of progress) and
+# KV pulls (the KV circuit breaker's, on decode engines).
+_COUNTERS = {
+    "prompt_tokens": ("pdfleet_engine_prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "generation_tokens": (
+        "pdfleet_engine_generation_tokens_total",
+        "vllm:generation_tokens_total",
+    ),
+    "kv_transfers": ("pdfleet_engine_kv_transfers_total", "vllm:nixl_num_transfers_total"),
+    "kv_failures": (
+        "pdfleet_engine_kv_transfer_failures_total",
+        "vllm:nixl_num_failed_transfers_total",
+    ),
+}
 _INFO = ("pdfleet_engine_cache_config_info", "vllm:cache_config_info")
-_WANTED = tuple(n for pair in (*_GAUGES.values(), _INFO) for n in pair)
+_WANTED = tuple(n for pair in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in pair)
 
 
 @dataclass
@@ -51,6 +65,11 @@ class EngineLoad:
     compat_hash: str | None = None
     """None for engines that publish none (vLLM): those pair only with each other."""
     block_size: int | None = None
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    kv_transfers: float = 0.0
+    kv_failures: float = 0.0
+    """Completed and failed KV pulls so far (decode engines with a connector)."""
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -66,6 +85,11 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             samples.setdefault(s.name, []).append(s)
     load = EngineLoad()
     for attr, names in _GAUGES.items():
+        for name in names:
+            if name in samples:
+                setattr(load, attr, float(sum(s.value for s in samples[name])))
+                break
+    for attr, names in _COUNTERS.items():
         for name in names:
             if name in samples:
                 setattr(load, attr, float(sum(s.value for s in samples[name])))
@@ -93,6 +117,13 @@ class EngineState:
     failures: int = 0
     successes: int = 0
     last_error: str = ""
+    last_progress: float = 0.0
+    """monotonic time of the last byte from the engine (or of the start of its
+    first in-flight request): the stall watchdog's clock."""
+    stalled: bool = False
+    """Ejected for a stall (until readmitted): legs waiting on it have given up."""
+    waiters: set[asyncio.Timeout] = field(default_factory=set)
+    """The timeouts of legs waiting on the engine; a stall fires them at once."""
 
     @property
     def routable(self) -> bool:
@@ -127,6 +158,12 @@ class EnginePool:
             max(2.0, 2 * config.scrape_interval), connect=config.connect_timeout
         )
         self._task: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        # Set (and replaced) whenever an engine becomes routable: held requests wait on it.
+        self._routable = asyncio.Event()
+        self.on_scrape: Callable[[EngineState, EngineLoad, EngineLoad], None] = lambda e, old, new: (
+            None
+        )
 
     # -- membership ------------------------------------------------------------
 
@@ -178,12 +215,22 @@ class EnginePool:
                 e.role,
                 "readmitted" if e.state == "ejected" else "ready",
             )
+            e.stalled = False
+            e.last_progress = time.monotonic()
+            self._routable.set()
+            self._routable = asyncio.Event()
         e.state = state
         e.successes = e.failures = 0
         self.metrics.engine_healthy.labels(e.url, e.role).set(1 if state == "healthy" else 0)
 
     def record_success(self, e: EngineState, load: EngineLoad) -> None:
-        e.load = load
+        old, e.load = e.load, load
+        if (load.prompt_tokens, load.generation_tokens) != (
+            old.prompt_tokens,
+            old.generation_tokens,
+        ):
+            self.progress(e)  # computing, even if no answer has come back yet
+        self.on_scrape(e, old, load)
         e.failures = 0
         e.successes += 1
         if e.state == "pending" or (
@@ -199,6 +246,67 @@ class EnginePool:
         e.failures += 1
         if e.state == "healthy" and (definitive or e.failures >= self.config.eject_after):
             self._set_state(e, "ejected", reason)
+
+    # -- progress and stalls ---------------------------------------------------------
+
+    def progress(self, e: EngineState) -> None:
+        """The engine sent something (an answer's head, an event, a whole answer)."""
+        e.last_progress = time.monotonic()
+
+    def started(self, e: EngineState) -> None:
+        """A request went to ``e``: an idle engine's stall clock starts now."""
+        if e.inflight == 0:
+            e.last_progress = time.monotonic()
+
+    def find_stalls(self, now: float | None = None) -> list[EngineState]:
+        """Mutates: eject engines whose in-flight requests have made no progress
+        for --stall-timeout while another engine did in that time (so a fleet
+        that is slow as a whole ejects nothing)."""
+        now = time.monotonic() if now is None else now
+        limit = self.config.stall_timeout
+        stalled = [
+            e
+            for e in self.engines.values()
+            if e.routable and e.inflight > 0 and now - e.last_progress > limit
+        ]
+        advancing = [e for e in self.engines.values() if now - e.last_progress <= limit]
+        out = []
+        for e in stalled:
+            if not any(o is not e for o in advancing):
+                continue
+            self.metrics.stalls.labels(e.url, e.role).inc()
+            self._set_state(
+                e,
+                "ejected",
+                f"stalled: {e.inflight} requests in flight, nothing received for "
+                f"{now - e.last_progress:.1f}s while other engines progressed",
+            )
+            e.stalled = True
+            for cm in list(e.waiters):  # those legs go to another engine now
+                if not cm.expired():
+                    cm.reschedule(asyncio.get_running_loop().time())
+            out.append(e)
+        return out
+
+    async def watch_stalls(self) -> None:
+        period = min(0.5, self.config.stall_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.find_stalls()
+            except Exception:  # never let the watchdog die
+                logger.exception("stall watchdog failed")
+
+    async def wait_routable(self, role: str, deadline: float) -> bool:
+        """Wait (until the monotonic ``deadline``) for an engine of ``role`` to be routable."""
+        while not self.candidates(role):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._routable.wait()
+        return True
 
     async def check(self, e: EngineState) -> None:
         try:
@@ -242,8 +350,10 @@ class EnginePool:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="pdfleet-gateway-pool")
+        self._watchdog = asyncio.create_task(self.watch_stalls(), name="pdfleet-gateway-stalls")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._watchdog) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

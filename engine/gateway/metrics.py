@@ -83,8 +83,40 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.stalls = Counter(
+            p + "engine_stalls",
+            "Times an engine was ejected because its in-flight requests made no "
+            "progress while other engines did.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.kv_pair_open = Gauge(
+            p + "kv_pair_open",
+            "1 while the KV circuit breaker of a (prefill, decode) engine pair is open "
+            "(the pair is not used for disaggregation).",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.held = Gauge(
+            p + "held_requests",
+            "Requests waiting for a routable decode engine (all down, restarting or "
+            "scaled to zero).",
+            registry=r,
+        )
+        self.rejected = Counter(
+            p + "rejected_requests",
+            "Requests refused before routing, by reason (body_too_large, body_timeout, "
+            "invalid_json, invalid_field, unauthorized).",
+            ["reason"],
+            registry=r,
+        )
+
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""
-        for metric in (self.engine_healthy, self.engine_inflight, self.ejections):
+        for metric in (self.engine_healthy, self.engine_inflight, self.ejections, self.stalls):
             with contextlib.suppress(KeyError):
                 metric.remove(url, role)
+        for prefill, decode in list(self.kv_pair_open._metrics):
+            if url in (prefill, decode):
+                with contextlib.suppress(KeyError):
+                    self.kv_pair_open.remove(prefill, decode)

@@ -68,15 +68,15 @@ def test_decode_leg_is_the_original_body_plus_the_producer_params():
 
 
 def test_sse_error_is_an_openai_error_event_then_done():
-    raw = sse_error("decode engine http://d failed", 502).decode()
+    raw = sse_error("the decode engine failed", 502).decode()
     first, done, rest = raw.split("\n\n")
     assert done == "data: [DONE]" and rest == ""
     error = json.loads(first[len("data: ") :])["error"]
     assert error == {
-        "message": "decode engine http://d failed",
+        "message": "the decode engine failed",
         "type": "BadGatewayError",
         "param": None,
-        "code": 502,
+        "code": "upstream_error",
     }
 
 
