@@ -91,7 +91,14 @@ class Gateway:
             self.affinity.forget(url)
             self.breaker.forget(url)
 
-        self.pool = EnginePool(config, self.discovery, self.metrics, self.client, on_eject=forget)
+        self.pool = EnginePool(
+            config,
+            self.discovery,
+            self.metrics,
+            self.client,
+            on_eject=forget,
+            on_add=self.plaintext.check,
+        )
         self.pool.on_scrape = self._scraped
         self.router = Router(config, self.pool, self.affinity, self.breaker)
         self.proxy = Proxy(
@@ -118,7 +125,6 @@ class Gateway:
             )
 
     def _scraped(self, e, old, new) -> None:
-        self.plaintext.check(e.url)
         if e.serves("decode"):
             self.breaker.scraped(e, old, new)
 

@@ -146,12 +146,14 @@ class EnginePool:
         metrics: GatewayMetrics,
         client: httpx.AsyncClient,
         on_eject: Callable[[str], None] = lambda url: None,
+        on_add: Callable[[str], None] = lambda url: None,
     ) -> None:
         self.config = config
         self.discovery = discovery
         self.metrics = metrics
         self.client = client
         self.on_eject = on_eject
+        self.on_add = on_add
         self.engines: dict[str, EngineState] = {}
         self.block_size = DEFAULT_BLOCK_SIZE
         self.check_timeout = httpx.Timeout(
@@ -185,6 +187,7 @@ class EnginePool:
         for url, ep in roles.items():
             if url not in self.engines:
                 logger.info("engine %s (%s) added", url, ep.role)
+                self.on_add(url)
                 self.engines[url] = EngineState(url, ep.role, ep.name)
                 self.metrics.engine_healthy.labels(url, ep.role).set(0)
                 self.metrics.engine_inflight.labels(url, ep.role).set(0)

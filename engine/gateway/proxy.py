@@ -208,6 +208,17 @@ class Call:
     """The prefill engine whose KV the decode leg carries, if any."""
 
 
+@dataclass
+class Resend:
+    """What a relay needs to send its decode leg to another engine."""
+
+    route: Route
+    info: PromptInfo
+    payload: bytes
+    tried: set[str]
+    held: list[bool]
+
+
 class LegFailed(Exception):
     """An engine call failed in a way another engine might not. ``message`` is
     for the client (no URL, no engine body); ``detail`` is for the log."""
@@ -628,17 +639,18 @@ class Proxy:
                 return opened
             self.affinity.record(info.block_hashes, e.url)
             return RelayResponse(
-                self._relay(call, e, *opened),
+                self._relay(call, e, *opened, Resend(route, info, payload, tried, held)),
                 media_type="text/event-stream",
                 headers={"x-request-id": call.request_id},
             )
         raise AssertionError("unreachable: the loop starts with the routed engine")
 
     async def _open_stream(
-        self, call: Call, e: EngineState, payload: bytes
-    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response:
+        self, call: Call, e: EngineState, payload: bytes, relayed: bool = False
+    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response | None:
         """(accepted response, its chunk iterator), holding ``e`` (the relay
-        releases it); a Response for an HTTP error."""
+        releases it); a Response for an HTTP error (None when ``relayed``: the
+        client's headers are gone, so the relay reports it as an event)."""
         bound = self._first_token_bound(e)
         self._acquire(e)
         resp: UpstreamResponse | None = None
@@ -649,6 +661,14 @@ class Proxy:
                 self.pool.progress(e)
                 if resp.status_code != 200:
                     content = await resp.aread()
+                    if relayed:
+                        logger.warning(
+                            "request %s: resent decode leg answered %d: %s",
+                            call.request_id,
+                            resp.status_code,
+                            upstream_message(resp),
+                        )
+                        return None
                     if resp.status_code < 500:
                         return self._passthrough(call, resp, content)
                     self._pair_failed(call, e)
@@ -669,8 +689,14 @@ class Proxy:
         engine: EngineState,
         resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
+        resend: Resend | None = None,
     ) -> AsyncIterator[bytes]:
-        """Relay whole SSE events (so an error event never lands mid-event)."""
+        """Relay whole SSE events (so an error event never lands mid-event).
+
+        An engine ejected for a stall before its first event is replaced: the
+        client has only seen headers, so the decode leg is sent to another
+        engine (``resend``) and that engine's stream is relayed instead.
+        """
         status = 200
         done = False
         first = True
@@ -678,12 +704,26 @@ class Proxy:
         first_bound = self._first_token_bound(engine)
         try:
             while True:
-                timeout = first_bound if first else self.config.idle_timeout
                 try:
-                    async with asyncio.timeout(timeout):
-                        data = await anext(chunks)
+                    if first:
+                        async with self._watched(engine, first_bound):
+                            data = await anext(chunks)
+                    else:
+                        async with asyncio.timeout(self.config.idle_timeout):
+                            data = await anext(chunks)
                 except StopAsyncIteration:
                     break
+                except TimeoutError:
+                    if not (first and engine.stalled and resend is not None):
+                        raise
+                    moved = await self._resend(call, engine, resend)
+                    if moved is None:
+                        raise
+                    await resp.aclose()
+                    self._release(engine)
+                    engine, resp, chunks = moved
+                    first_bound = self._first_token_bound(engine)
+                    continue
                 self.pool.progress(engine)
                 buf += data
                 if len(buf) > self.config.max_body_bytes:
@@ -729,6 +769,32 @@ class Proxy:
             await resp.aclose()
             self._release(engine)
             self._finish(call, status)
+
+    async def _resend(
+        self, call: Call, stalled: EngineState, resend: Resend
+    ) -> tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]] | None:
+        """The decode leg on another engine after ``stalled``; None when none took it."""
+        self.metrics.upstream_errors.labels(stalled.url, stalled.role, "stalled").inc()
+        logger.warning(
+            "request %s: decode engine %s stalled before its first event; resending",
+            call.request_id,
+            stalled.url,
+        )
+        while True:
+            nxt = await self._next_decode(
+                call, resend.route, resend.info, resend.tried, resend.held
+            )
+            if nxt is None:
+                return None
+            resend.tried.add(nxt.url)
+            try:
+                opened = await self._open_stream(call, nxt, resend.payload, relayed=True)
+            except LegFailed as failure:
+                logger.warning("request %s: %s", call.request_id, failure.detail)
+                continue
+            if opened is None:
+                return None
+            return (nxt, *opened)
 
 
 class RelayResponse(StreamingResponse):

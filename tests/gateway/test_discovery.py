@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from helpers.fleet import metric, start_gateway
+from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 
 from pdfleet.engine.config.gateway import GatewayConfig
@@ -90,7 +90,7 @@ def test_gateway_follows_the_engines_file_at_runtime(engines, tmp_path):
     try:
 
         def routable() -> dict:
-            return httpx.get(gw.url + "/health", timeout=5).json()["routable"]
+            return engines_view(gw.url)["routable"]
 
         assert routable() == {"prefill": 0, "decode": 1}
         write_atomically(

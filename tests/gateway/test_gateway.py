@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from helpers.fleet import metric, start_gateway
+from helpers.fleet import auth_headers, engines_view, metric, start_gateway
 from helpers.server import wait_until
 
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
@@ -80,8 +80,11 @@ def test_greedy_output_through_the_gateway_equals_a_direct_engine(
         assert generate(via, chat, stream, prompt) == generate(direct, chat, False, prompt)
 
 
-def test_conditional_decisions_are_visible_in_metrics(gateways):
+def test_conditional_decisions_are_visible_in_metrics_and_long_prompts_move_kv_blocks(
+    gateways, engines
+):
     url = gateways["conditional"].url
+    decode = engines[1].url
     client = client_for(url)
 
     def decisions(decision: str, reason: str) -> float:
@@ -92,19 +95,23 @@ def test_conditional_decisions_are_visible_in_metrics(gateways):
     short0 = decisions("decode_only", "short_prompt")
     long0 = decisions("prefill_decode", "long_prompt")
     cached0 = decisions("decode_only", "cached_prefix")
-    fallback0 = metric(url, "pdfleet_gateway_fallbacks_total", reason="no_kv_transfer_params")
+    pulled0 = metric(decode, "pdfleet_engine_kv_transfer_blocks_pulled_total")
+    transfers0 = metric(decode, "pdfleet_engine_kv_transfers_total")
 
     client.completions.create(model="tiny", prompt=SHORT, max_tokens=2)
     assert decisions("decode_only", "short_prompt") == short0 + 1
 
     fresh = "A brand new story begins here. " + LONG * 2
-    client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
+    out = client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
     assert decisions("prefill_decode", "long_prompt") == long0 + 1
-    # No connector yet: the producer returns no kv_transfer_params; decode recomputes.
-    assert (
-        metric(url, "pdfleet_gateway_fallbacks_total", reason="no_kv_transfer_params")
-        == fallback0 + 1
+    # The producer's KV moved over NIXL: the decode engine pulled the prompt's
+    # full blocks (all but the trailing partial one) instead of recomputing them.
+    full_blocks = (out.usage.prompt_tokens - 1) // 16
+    assert wait_until(
+        lambda: metric(decode, "pdfleet_engine_kv_transfers_total") == transfers0 + 1, 10
     )
+    pulled = metric(decode, "pdfleet_engine_kv_transfer_blocks_pulled_total") - pulled0
+    assert full_blocks >= 2 and pulled >= full_blocks // 2, (pulled, full_blocks)
 
     # The same prompt again: the chosen decode engine now caches its prefix.
     client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
@@ -199,12 +206,13 @@ def test_bad_input_gets_an_openai_shaped_4xx(gateways, mode):
     assert metric(url, "pdfleet_gateway_requests_total", status="400") >= 4
 
 
-def test_models_health_and_metrics(gateways, engines):
+def test_models_health_engines_and_metrics(gateways, engines):
     url = gateways["always"].url
     assert [m.id for m in client_for(url).models.list().data] == ["tiny"]
-    health = httpx.get(url + "/health", timeout=5).json()
-    assert health["status"] == "ok" and health["routable"] == {"prefill": 1, "decode": 1}
-    assert {(e["url"], e["role"], e["state"]) for e in health["engines"]} == {
+    assert httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
+    view = engines_view(url)
+    assert view["routable"] == {"prefill": 1, "decode": 1}
+    assert {(e["url"], e["role"], e["state"]) for e in view["engines"]} == {
         (engines[0].url, "prefill", "healthy"),
         (engines[1].url, "decode", "healthy"),
     }
@@ -262,8 +270,15 @@ def test_api_keys(engines, tmp_path_factory):
             out = client_for(gw.url, key).completions.create(model="tiny", prompt="x", max_tokens=1)
             assert out.choices[0].finish_reason == "length"
         assert [m.id for m in client_for(gw.url, "key-one").models.list().data] == ["tiny"]
+        # Only the bare health probe is open; what names engines needs a key.
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 200
-        assert httpx.get(gw.url + "/metrics", timeout=5).status_code == 200
+        for path in ("/metrics", "/engines"):
+            assert httpx.get(gw.url + path, timeout=5).status_code == 401
+            assert httpx.get(gw.url + path, headers=auth_headers("key-two")).status_code == 200
+            # The operator scrapes with the fleet token.
+            assert httpx.get(gw.url + path, headers=auth_headers()).status_code == 200
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(gw.url + path, timeout=5).status_code == 404
     finally:
         gw.stop()
 
