@@ -1,0 +1,153 @@
+"""Fault handling of a real gateway process over recording engines
+(``fake_engine.py``): the hold while no decode engine is routable, the KV
+circuit breaker of a (prefill, decode) pair, and stall ejection with the
+stalled requests resent. Real engines stopped and killed under load are in
+test_resilience.py."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from gateway.fake_engine import PARAMS, FakeEngine
+from helpers.fleet import engines_view, metric, start_gateway
+from helpers.server import wait_until
+
+LONG = "word " * 400
+
+
+@pytest.fixture
+def fakes():
+    engines = [FakeEngine(), FakeEngine()]
+    yield engines
+    for e in engines:
+        e.close()
+
+
+def complete(url: str, prompt: str = "hi", timeout: float = 30) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+        timeout=timeout,
+    )
+
+
+def test_requests_are_held_while_no_decode_engine_is_routable_then_served(fakes, tmp_path):
+    decode = fakes[1]
+    decode.health_status = 503  # loading: not routable
+    gw = start_gateway(
+        ["--decode", decode.url, "--scrape-interval", "0.2", "--hold-timeout", "20"],
+        tmp_path,
+        healthy=False,
+    )
+    try:
+        assert wait_until(lambda: _serving(gw.url), 30)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            held = pool.submit(complete, gw.url)
+            assert wait_until(lambda: metric(gw.url, "pdfleet_gateway_held_requests") == 1, 10)
+            decode.health_status = 200  # the engine is ready: the held request goes
+            resp = held.result(30)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ok"
+        assert time.monotonic() - started >= 0.2
+        assert metric(gw.url, "pdfleet_gateway_held_requests") == 0
+    finally:
+        gw.stop()
+
+
+def _serving(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_pair_whose_hand_offs_keep_failing_is_routed_decode_only_for_a_cooldown(fakes, tmp_path):
+    prefill, decode = fakes
+
+    def decode_answer(body):
+        if body.get("kv_transfer_params"):
+            return 500, b'{"error": {"message": "KV pull failed"}}'
+        out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        return 200, json.dumps(out).encode()
+
+    decode.answer = decode_answer
+    gw = start_gateway(
+        [
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+            "--kv-pair-failures",
+            "2",
+            "--kv-pair-cooldown",
+            "120",
+        ],
+        tmp_path,
+    )
+    try:
+        assert wait_until(lambda: engines_view(gw.url)["routable"]["prefill"] == 1, 10)
+        for _ in range(2):
+            assert complete(gw.url, LONG).status_code == 502
+        labels = {"prefill": prefill.url, "decode": decode.url}
+        assert metric(gw.url, "pdfleet_gateway_kv_pair_open", **labels) == 1
+        assert engines_view(gw.url)["kv_pairs_open"] == [labels]
+        # The pair is open: no prefill leg, the decode engine computes the prompt.
+        legs = len(prefill.posts())
+        resp = complete(gw.url, LONG)
+        assert resp.status_code == 200
+        assert len(prefill.posts()) == legs
+        assert "kv_transfer_params" not in decode.posts()[-1].body
+        assert metric(gw.url, "pdfleet_gateway_fallbacks_total", reason="kv_pair_open") == 1
+        assert decode.posts()[0].body["kv_transfer_params"] == PARAMS
+    finally:
+        gw.stop()
+
+
+def test_a_stalled_engine_is_ejected_and_its_waiting_requests_go_elsewhere(fakes, tmp_path):
+    slow, fast = fakes
+    release = threading.Event()
+
+    def stalled(body):
+        release.wait(60)  # a wedged engine: it takes requests and answers nothing
+        return 500, b"{}"
+
+    slow.answer = stalled
+    gw = start_gateway(
+        [
+            "--decode",
+            slow.url,
+            fast.url,
+            "--disaggregation-mode",
+            "Disabled",
+            "--scrape-interval",
+            "0.2",
+            "--stall-timeout",
+            "1",
+        ],
+        tmp_path,
+    )
+    try:
+        assert wait_until(lambda: engines_view(gw.url)["routable"]["decode"] == 2, 10)
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: complete(gw.url, f"{i} hi"), range(8)))
+        took = time.monotonic() - started
+        assert [a.status_code for a in answers] == [200] * 8
+        assert slow.posts(), "some requests went to the stalled engine first"
+        # Each waited about --stall-timeout there, not for the engine (60 s).
+        assert took < 8, took
+        assert metric(gw.url, "pdfleet_gateway_engine_stalls_total", engine=slow.url) >= 1
+        assert metric(gw.url, "pdfleet_gateway_retries_total", role="decode") >= 1
+    finally:
+        release.set()
+        gw.stop()
