@@ -206,6 +206,9 @@ class Call:
     chat: bool
     prefill_url: str | None = None
     """The prefill engine whose KV the decode leg carries, if any."""
+    plain_payload: bytes | None = None
+    """The decode leg without kv_transfer_params (sent when the engine refuses
+    the params: an expired lease, a restarted producer)."""
 
 
 @dataclass
@@ -364,6 +367,31 @@ class Proxy:
         logger.warning("request %s: %s", call.request_id, failure.detail)
         return self._error(call, failure.message, failure.status)
 
+    def _params_refused(self, call: Call, resp: UpstreamResponse) -> bool:
+        """The decode engine refused the producer's kv_transfer_params (a 400
+        naming them: expired lease, restarted producer); worth a decode-only leg."""
+        if resp.status_code != 400 or call.plain_payload is None or call.prefill_url is None:
+            return False
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            return False
+        return isinstance(message, str) and message.startswith("kv_transfer_params")
+
+    def _without_params(self, call: Call, e: EngineState, resp: UpstreamResponse) -> bytes:
+        """Mutates: the call goes on decode-only (the engine computes the prompt)."""
+        logger.warning(
+            "request %s: decode engine %s refused the producer's params (%s); decode-only",
+            call.request_id,
+            e.url,
+            upstream_message(resp),
+        )
+        self.metrics.fallbacks.labels("kv_params_refused").inc()
+        self._pair_failed(call, e)
+        call.prefill_url = None  # refused once: the plain leg is final
+        assert call.plain_payload is not None  # _params_refused checked it
+        return call.plain_payload
+
     def _pair_failed(self, call: Call, decode: EngineState) -> None:
         if self.breaker is not None and call.prefill_url is not None:
             self.breaker.record(call.prefill_url, decode.url, ok=False)
@@ -433,6 +461,7 @@ class Proxy:
             if isinstance(outcome, Response):
                 return outcome
             if outcome is not None:
+                call.plain_payload = payload
                 payload = json.dumps(decode_body(body, outcome)).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
             self.metrics.fallbacks.labels(route.reason).inc()
@@ -600,6 +629,10 @@ class Proxy:
                 raise
             self._release(e)
             self.pool.progress(e)
+            if self._params_refused(call, resp):
+                payload = self._without_params(call, e, resp)
+                tried.discard(e.url)
+                continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
                     self.affinity.record(info.block_hashes, e.url)
@@ -626,6 +659,11 @@ class Proxy:
             tried.add(e.url)
             try:
                 opened = await self._open_stream(call, e, payload)
+                if opened == "params_refused":
+                    assert call.plain_payload is not None
+                    payload = call.plain_payload
+                    tried.discard(e.url)
+                    continue
             except LegFailed as failure:
                 logger.warning("request %s: %s", call.request_id, failure.detail)
                 if failure.kind in ("connect", "stalled"):
@@ -647,10 +685,11 @@ class Proxy:
 
     async def _open_stream(
         self, call: Call, e: EngineState, payload: bytes, relayed: bool = False
-    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response | None:
+    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response | str | None:
         """(accepted response, its chunk iterator), holding ``e`` (the relay
         releases it); a Response for an HTTP error (None when ``relayed``: the
-        client's headers are gone, so the relay reports it as an event)."""
+        client's headers are gone, so the relay reports it as an event);
+        ``"params_refused"`` when the engine refused the producer's params."""
         bound = self._first_token_bound(e)
         self._acquire(e)
         resp: UpstreamResponse | None = None
@@ -669,6 +708,9 @@ class Proxy:
                             upstream_message(resp),
                         )
                         return None
+                    if not relayed and self._params_refused(call, resp):
+                        self._without_params(call, e, resp)
+                        return "params_refused"
                     if resp.status_code < 500:
                         return self._passthrough(call, resp, content)
                     self._pair_failed(call, e)

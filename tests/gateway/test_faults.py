@@ -151,3 +151,49 @@ def test_a_stalled_engine_is_ejected_and_its_waiting_requests_go_elsewhere(fakes
     finally:
         release.set()
         gw.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_decode_engine_refusing_the_producers_params_gets_the_prompt_decode_only(
+    fakes, tmp_path, stream
+):
+    """An expired lease (a decode leg delayed past it) or a restarted producer:
+    the decode engine refuses the params with a 400 naming them, and the
+    gateway sends the leg again without them instead of failing the client."""
+    prefill, decode = fakes
+
+    def decode_answer(body):
+        if body.get("kv_transfer_params"):
+            return 400, b'{"error": {"message": "kv_transfer_params have expired"}}'
+        out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        if body.get("stream"):
+            return 200, b"data: " + json.dumps(out).encode() + b"\n\ndata: [DONE]\n\n"
+        return 200, json.dumps(out).encode()
+
+    decode.answer = decode_answer
+    gw = start_gateway(
+        [
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+        ],
+        tmp_path,
+    )
+    try:
+        assert wait_until(lambda: engines_view(gw.url)["routable"]["prefill"] == 1, 10)
+        resp = httpx.post(
+            gw.url + "/v1/completions",
+            json={"model": "tiny", "prompt": LONG, "max_tokens": 2, "stream": stream},
+            timeout=30,
+        )
+        assert resp.status_code == 200 and '"ok"' in resp.text
+        legs = decode.posts()
+        assert [("kv_transfer_params" in s.body) for s in legs] == [True, False]
+        assert metric(gw.url, "pdfleet_gateway_fallbacks_total", reason="kv_params_refused") == 1
+    finally:
+        gw.stop()
