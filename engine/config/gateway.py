@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
-from .security import api_keys_from_env
+from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -63,9 +63,10 @@ class GatewayConfig:
     """Model directory whose tokenizer counts prompt tokens and cuts prefix
     blocks; without it a token is approximated as 4 characters."""
     api_key: list[str] = field(default_factory=list)
-    """Accepted `Authorization: Bearer KEY` keys (default: the comma-separated
-    $PDFLEET_API_KEY, else the keys in the file $PDFLEET_API_KEY_FILE names,
-    comma- or newline-separated, else none: no authentication)."""
+    """Accepted `Authorization: Bearer KEY` keys (repeatable; each value split
+    on commas; default: $PDFLEET_API_KEY, else the file $PDFLEET_API_KEY_FILE
+    names, comma- or newline-separated, else none: no authentication). Prefer
+    the environment or the file: a flag is visible in `ps`."""
     ca_bundle: str | None = None
     """PEM file of the CAs that sign the engines' certificates (`https://`
     engine URLs); default: the system's trust store. Certificates are always
@@ -201,6 +202,8 @@ class GatewayConfig:
         for f in dataclasses.fields(cls):
             if values[f.name] is None and f.default_factory is not dataclasses.MISSING:
                 values[f.name] = f.default_factory()
+        # A flag value is split like the environment's (`--api-key ka,kb`).
+        values["api_key"] = [k for v in values["api_key"] for k in split_keys(v)]
         if not values["api_key"]:
             values["api_key"] = keys_from_env()
         return cls(**values)

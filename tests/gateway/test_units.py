@@ -265,6 +265,7 @@ def test_api_keys_come_from_flags_or_the_environment_and_are_never_printed(monke
     config = parse(["--decode", "http://d"])
     assert config.api_key == ["k1", "k2"]
     assert parse(["--decode", "http://d", "--api-key", "k3"]).api_key == ["k3"]
+    assert parse(["--decode", "http://d", "--api-key", "k3,k4"]).api_key == ["k3", "k4"]
     assert "k1" not in repr(config) and "k1" not in " ".join(config.to_cli_args())
 
 
