@@ -147,3 +147,23 @@ def make_ca(directory: Path) -> tuple[Path, ssl.SSLContext]:
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(directory / "server.pem", directory / "server.key")
     return directory / "ca.pem", server
+
+
+def make_client_cert(directory: Path) -> tuple[Path, Path]:
+    """A client certificate signed by :func:`make_ca`'s CA (call it first): (cert, key)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(
+            ["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30
+        )
+
+    openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=pdfleet gateway",
+    )  # fmt: skip
+    (directory / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    openssl(
+        "x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "client.pem", "-days", "1", "-extfile", "client.ext",
+    )  # fmt: skip
+    return directory / "client.pem", directory / "client.key"

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 
 import httpx
 import pytest
-from gateway.fake_engine import PARAMS, FakeEngine, make_ca
+from gateway.fake_engine import PARAMS, FakeEngine, make_ca, make_client_cert
 from helpers.fleet import auth_headers, engines_view, start_gateway
 from helpers.server import wait_until
 
@@ -321,6 +322,31 @@ def test_https_engines_are_verified_against_the_ca_bundle(tmp_path):
         for gw in (trusted, untrusted):
             if gw is not None:
                 gw.stop()
+        engine.close()
+
+
+def test_an_engine_that_requires_a_client_certificate_gets_the_gateways(tmp_path):
+    ca, server_ctx = make_ca(tmp_path)
+    cert, key = make_client_cert(tmp_path)
+    server_ctx.verify_mode = ssl.CERT_REQUIRED  # mutual TLS
+    server_ctx.load_verify_locations(ca)
+    engine = FakeEngine(tls=server_ctx)
+    common = ["--decode", engine.url, "--ca-bundle", str(ca), "--scrape-interval", "0.2"]
+    gw = None
+    try:
+        gw = start_gateway(
+            [*common, "--client-cert", str(cert), "--client-key", str(key)], tmp_path
+        )
+        assert post(gw, {"prompt": "hi", "max_tokens": 1}, key="").status_code == 200
+        gw.stop()
+        engine.seen.clear()
+        gw = start_gateway([*common, "--hold-timeout", "0.5"], tmp_path, healthy=False)
+        assert wait_until(lambda: _up(gw), 30)
+        assert post(gw, {"prompt": "hi", "max_tokens": 1}, key="").status_code == 503
+        assert engine.seen == []  # no certificate, no request
+    finally:
+        if gw is not None:
+            gw.stop()
         engine.close()
 
 
