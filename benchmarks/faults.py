@@ -268,7 +268,14 @@ class Bench:
 
     async def kill(self, role: str, index: int) -> dict:
         url = self.engines()[role][index]
-        inflight = next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
+
+        def inflight() -> int:
+            return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
+
+        deadline = time.monotonic() + 10
+        while inflight() == 0 and time.monotonic() < deadline:  # kill it while it works
+            await asyncio.sleep(0.01)
+        busy = inflight()
         os.kill(self.engine_pids()[url], signal.SIGKILL)
         killed = time.monotonic()
         await asyncio.sleep(0.5)
@@ -276,7 +283,7 @@ class Bench:
         late = [r.error_at - killed for r in self.results if not r.ok and r.error_at >= killed]
         return {
             "engine": url,
-            "inflight_at_kill": inflight,
+            "inflight_at_kill": busy,
             "slowest_error_event_s": round(max(late, default=0), 2),
             "restart_s": round(restart_s, 1),
             "routing_recovered_s": round(recovery_s, 1),

@@ -737,7 +737,9 @@ class Proxy:
 
         An engine ejected for a stall before its first event is replaced: the
         client has only seen headers, so the decode leg is sent to another
-        engine (``resend``) and that engine's stream is relayed instead.
+        engine (``resend``) and that engine's stream is relayed instead. After
+        the first event a stall ends the stream with an error event at once
+        (the client can retry) rather than after the stopped engine resumes.
         """
         status = 200
         done = False
@@ -750,8 +752,8 @@ class Proxy:
                     if first:
                         async with self._watched(engine, first_bound):
                             data = await anext(chunks)
-                    else:
-                        async with asyncio.timeout(self.config.idle_timeout):
+                    else:  # a stall-ejected engine ends its streams now, clearly
+                        async with self._watched(engine, self.config.idle_timeout):
                             data = await anext(chunks)
                 except StopAsyncIteration:
                     break
