@@ -47,8 +47,9 @@ class FakeEngine:
     tls: ssl.SSLContext | None = None
     seen: list[Seen] = field(default_factory=list)
     health_status: int = 200
-    answer: Callable[[dict[str, Any]], tuple[int, bytes]] | None = None
-    """(status, body) for a completion request; default: a small completion."""
+    answer: Callable[[dict[str, Any]], tuple[int, Any]] | None = None
+    """(status, body) for a completion request, the body as bytes or an
+    iterator of SSE events (streamed); default: a small completion."""
 
     def __post_init__(self) -> None:
         engine = self
@@ -86,7 +87,19 @@ class FakeEngine:
                 body = json.loads(raw)
                 self._record(body)
                 if engine.answer is not None:
-                    self._send(*engine.answer(body))
+                    status, out = engine.answer(body)
+                    if isinstance(out, bytes):
+                        self._send(status, out)
+                        return
+                    # An iterator of SSE events: sent chunked, each as it comes.
+                    self.send_response(status)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    for event in out:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
                     return
                 params = body.get("kv_transfer_params") or {}
                 out: dict[str, Any] = {

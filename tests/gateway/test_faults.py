@@ -197,3 +197,73 @@ def test_a_decode_engine_refusing_the_producers_params_gets_the_prompt_decode_on
         assert metric(gw.url, "pdfleet_gateway_fallbacks_total", reason="kv_params_refused") == 1
     finally:
         gw.stop()
+
+
+def test_a_stream_whose_engine_stalls_after_its_first_events_ends_with_an_error_event(
+    fakes, tmp_path
+):
+    slow, fast = fakes
+    release = threading.Event()
+
+    def event(text: str) -> bytes:
+        return b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n' % text.encode()
+
+    def stalls_mid_answer(body):
+        def events():
+            yield event("x")
+            yield event("x")
+            release.wait(60)  # stopped mid-answer
+            yield b"data: [DONE]\n\n"
+
+        if body.get("stream"):
+            return 200, events()
+        release.wait(60)
+        return 500, b"{}"
+
+    def answers(body):
+        if body.get("stream"):
+            return 200, iter([event("f"), b"data: [DONE]\n\n"])
+        return 200, b'{"choices": [{"index": 0, "text": "f", "finish_reason": "length"}]}'
+
+    slow.answer, fast.answer = stalls_mid_answer, answers
+    gw = start_gateway(
+        [
+            "--decode",
+            slow.url,
+            fast.url,
+            "--disaggregation-mode",
+            "Disabled",
+            "--scrape-interval",
+            "0.2",
+            "--stall-timeout",
+            "1",
+        ],
+        tmp_path,
+    )
+    try:
+        assert wait_until(lambda: engines_view(gw.url)["routable"]["decode"] == 2, 10)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 50, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(_keep_busy, gw.url, release)  # the other engine progresses
+            for _ in range(10):  # round-robin: one of the first streams lands on slow
+                started = time.monotonic()
+                with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as r:
+                    events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+                took = time.monotonic() - started
+                if '"x"' in events[0]:
+                    break
+            release.set()
+            busy.result(30)
+        assert '"x"' in events[0] and '"x"' in events[1], events
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "upstream_timeout" and "stopped making progress" in error["message"]
+        assert took < 6, took  # about --stall-timeout, not the 60 s the engine would take
+    finally:
+        release.set()
+        gw.stop()
+
+
+def _keep_busy(url: str, until: threading.Event) -> None:
+    while not until.is_set():
+        complete(url)
