@@ -71,14 +71,19 @@ def kv_buffer(config, num_blocks: int):
 
 def producer(model_dir, connector, kv_port, num_blocks, ready, stop):
 
-    from pdfleet.engine.kv_transfer.connector import Held, PDConnector
+    from pdfleet.engine.kv_transfer.connector import Lease, PDConnector
 
     config = make_config(model_dir, connector, "kv_producer", kv_port)
     c = PDConnector(config)
     buf = kv_buffer(config, num_blocks)
     buf.uniform_(-1, 1)
     c.register(buf)
-    # Hold every block under one id per size (renewed as consumers release them).
+    # One lease per pull (each is confirmed, and so ended, by its consumer).
+    with c.lock:
+        for n in TOKENS:
+            for rep in range(REPS + 1):
+                lid = f"bench-{n}-{rep}"
+                c.held[lid] = Lease(lid, list(range(1, n // BLOCK + 1)), time.monotonic() + 600)
     raw = None
     if connector == "NixlConnector":
         raw = c.transport.agent.get_agent_metadata()
@@ -91,15 +96,7 @@ def producer(model_dir, connector, kv_port, num_blocks, ready, stop):
             "checksum": float(buf[:, :, 1:9].float().sum()),
         }
     )
-    while not stop.is_set():
-        with c.lock:
-            for n in TOKENS:
-                rid = f"bench-{n}"
-                if rid not in c.held:
-                    c.held[rid] = Held(list(range(1, n // BLOCK + 1)), time.monotonic() + 600)
-            c.released.clear()
-        c.transport.poll_released()
-        time.sleep(0.001)
+    stop.wait(600)
     c.shutdown()
 
 
@@ -130,6 +127,7 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
             "remote_port": kv_port,
             "remote_request_id": f"bench-{n}",
             "remote_block_ids": ids,
+            "pdfleet_lease_id": f"bench-{n}-{rep}",
         }
         start = time.perf_counter()
         c.new_loads.put(Load(f"r{n}-{rep}", params, ids, ids, time.monotonic() + 60))
@@ -328,7 +326,12 @@ def main() -> int:
     parser.add_argument("--skip-handover", action="store_true")
     parser.add_argument("--handover-prompts", type=int, default=21)
     args = parser.parse_args()
+    from pdfleet.engine.config import security
     from pdfleet.engine.tiny.builder import ensure_tiny_model
+
+    # Connectors need the fleet secret; the child processes inherit this one.
+    if security.fleet_secret_from_env() is None:
+        os.environ["PDFLEET_FLEET_SECRET"] = security.generate_secret()
 
     model_dir = ensure_tiny_model(os.path.join(tempfile.gettempdir(), "pdfleet-kvbench-tiny"))
     result: dict = {"connector": args.connector, "layout": LAYOUT, "dtype": "bfloat16"}

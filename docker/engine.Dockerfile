@@ -37,5 +37,6 @@ RUN pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".[engine]" \
 RUN (getent passwd 10001 >/dev/null || useradd --uid 10001 --user-group --no-create-home pdfleet)
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 8000 14579
+# HTTP, the KV side channel, and the UCX TCP range the operator pins (docs/security.md).
+EXPOSE 8000 14579 14580-14611
 CMD ["pdfleet", "--help"]

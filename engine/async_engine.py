@@ -7,6 +7,16 @@ per-request ``asyncio.Queue`` fed with ``call_soon_threadsafe``, so the event
 loop is never blocked by the model. Tokenization and validation run in a
 worker thread before a request is queued, so bad input is rejected
 synchronously with nothing left behind.
+
+Admission is confirmed: :meth:`AsyncEngine.add_request` returns once the
+engine thread accepted the request (or raises the ``ValueError`` it gave), so
+a server can answer 400 before it starts a response, streaming included.
+
+Failures: a step that raises fails the requests it had scheduled
+(:class:`EngineStepError` to each) and the engine keeps serving. Repeated
+failing steps, or an exception outside a step, leave the engine's state
+unknown: every request gets :class:`EngineDeadError` and ``on_fatal`` is
+called, so the server can exit non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -16,10 +26,12 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .core.engine_core import StepFailed
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -48,6 +60,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error."""
 
 
+class EngineStepError(RuntimeError):
+    """The step computing this request failed; the request was ended (the engine lives on)."""
+
+
+# After a failed step, probe requests (one token, no client) that may fail in a row
+# before the engine counts as broken.
+MAX_PROBE_FAILURES = 3
+# The first item of every request queue once the engine thread accepted it.
+_ADMITTED = object()
+
+
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; retry later (HTTP 503)."""
 
@@ -69,16 +92,52 @@ class _Abort:
     request_id: str
 
 
+class RequestStream:
+    """The delta outputs of one admitted request; closing it early aborts it.
+
+    Iterate it once. ``close()`` is idempotent and safe on a stream never
+    iterated (a sibling's admission failed, a client left before the first
+    chunk)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, q
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.done = True  # the engine already dropped the request
+                    raise item
+                yield item
+                if item.finished:
+                    self.done = True
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+
 class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
         max_waiting_requests: int = 0,
         on_step: Callable[[LLMEngine], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.on_fatal = on_fatal
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._stop = threading.Event()
@@ -114,25 +173,88 @@ class AsyncEngine:
                     if self.on_step is not None:
                         self.on_step(engine)
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except StepFailed as failure:
+                    self._fail_step(failure)
+                    self._probe()
+                    if self.on_step is not None:
+                        self.on_step(engine)
+                    continue
                 idle_step = engine.stats.num_scheduled_tokens == 0
-                deliveries = []
-                for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is not None:
-                        deliveries.append((sink, out))
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
-                        self.num_in_flight = len(self._sinks)
-                self._deliver(deliveries)
+                self._route(outputs)
                 if self.on_step is not None:
                     self.on_step(engine)
         except BaseException as e:  # the engine is unusable: fail every request loudly
-            logger.exception("engine loop failed")
+            logger.exception("engine loop failed; the engine stops serving")
             self.error = e
-            for sink in list(self._sinks.values()):
-                sink(EngineDeadError(f"the engine stopped: {e}"))
-            self._sinks.clear()
+            self._fail_all(
+                EngineDeadError("the engine failed and is restarting; retry the request")
+            )
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """End every admitted request and every add still queued (the loop is gone)."""
+        for sink in list(self._sinks.values()):
+            sink(error)
+        self._sinks.clear()
+        self.num_in_flight = 0
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.sink(error)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        deliveries = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                deliveries.append((sink, out))
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+        self.num_in_flight = len(self._sinks)
+        self._deliver(deliveries)
+
+    def _probe(self) -> None:
+        """After a failed step: can the engine still compute? A one-token request
+        with no client must complete. It may share steps with queued requests
+        (whose outputs are delivered as usual); a failing step fails those too
+        and the probe is retried. A request that breaks the model only for
+        itself costs its own failure; a broken engine fails every probe and the
+        loop gives up (the process exits for a restart)."""
+        engine = self.engine
+        probe = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for _ in range(MAX_PROBE_FAILURES):
+            rid = f"pdfleet-probe-{uuid.uuid4().hex}"
+            engine.add_request(rid, {"prompt_token_ids": [0]}, probe, output_kind="final")
+            try:
+                while rid in engine.output.requests:
+                    self._route(engine.step())
+                logger.info("the engine passed a probe step after a failure; serving on")
+                return
+            except StepFailed as failure:
+                self._fail_step(failure)
+        raise RuntimeError(f"the engine failed {MAX_PROBE_FAILURES} probe steps after a failure")
+
+    def _fail_step(self, failure: StepFailed) -> None:
+        """End the requests of a failed step with an error; the rest carry on."""
+        logger.error(
+            "a step failed (%s); failing its %d request(s) and serving on",
+            failure,
+            len(failure.request_ids),
+            exc_info=failure.cause,
+        )
+        for rid in self.engine.fail_step(failure):
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink(EngineStepError("the engine failed while computing this request"))
+        self.num_in_flight = len(self._sinks)
 
     def _deliver(self, deliveries: list) -> None:
         """Hand a step's outputs to the event loop in one wake-up."""
@@ -155,9 +277,17 @@ class AsyncEngine:
                     kv_transfer_params=cmd.kv_transfer_params,
                     output_kind="delta",
                 )
-            except ValueError as e:
+            except ValueError as e:  # bad input: nothing was queued
                 cmd.sink(e)
                 return
+            except Exception as e:  # a bug on some input: refuse it, keep the engine
+                logger.exception("request %s could not be added", cmd.request_id)
+                self.engine.abort_request(cmd.request_id)
+                cmd.sink(
+                    EngineStepError(f"the engine could not take the request ({type(e).__name__})")
+                )
+                return
+            cmd.sink(_ADMITTED)
             self._sinks[cmd.request_id] = cmd.sink
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
@@ -168,10 +298,67 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        # A KV pull stuck in quarantine past its bound also makes the engine unhealthy.
+        return (
+            self.error is None
+            and self._thread.is_alive()
+            and self.engine.unhealthy_reason() is None
+        )
 
     def num_waiting(self) -> int:
         return self.engine.stats.num_waiting_reqs
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_text: str | None = None,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepted it.
+
+        Raises the engine's ``ValueError`` for a request it refuses (nothing
+        is left behind), :class:`QueueFullError` or :class:`EngineDeadError`.
+        ``request_id`` must be unique among requests in flight: the server
+        generates it, never takes it from a client."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if self.max_waiting_requests and self.num_waiting() >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"the server has {self.num_waiting()} requests waiting (limit "
+                f"{self.max_waiting_requests}); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._commands.put(
+            _Add(
+                request_id,
+                prompt_ids,
+                prompt_text,
+                params,
+                time.monotonic(),
+                priority,
+                kv_transfer_params,
+                _Sink(loop, q),
+            )
+        )
+        stream = RequestStream(self, request_id, q)
+        # The loop sets error (or _stop) before draining queued adds, so an add put
+        # after the drain is seen here instead of waiting forever.
+        if self.error is not None or self._stop.is_set():
+            raise EngineDeadError("the engine is not running")
+        try:
+            first = await q.get()
+        except BaseException:  # cancelled while waiting: the add may still land
+            stream.close()
+            raise
+        if isinstance(first, BaseException):
+            stream.done = True  # refused: there is nothing to abort
+            raise first
+        assert first is _ADMITTED
+        return stream
 
     async def generate(
         self,
@@ -183,47 +370,47 @@ class AsyncEngine:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs; abort the request if the consumer goes away."""
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
-        if self.max_waiting_requests and self.num_waiting() >= self.max_waiting_requests:
-            raise QueueFullError(
-                f"the server has {self.num_waiting()} requests waiting (limit "
-                f"{self.max_waiting_requests}); retry later"
-            )
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        sink = _Sink(loop, q)
-
-        self._commands.put(
-            _Add(
-                request_id,
-                prompt_ids,
-                prompt_text,
-                params,
-                time.monotonic(),
-                priority,
-                kv_transfer_params,
-                sink,
-            )
+        stream = await self.add_request(
+            request_id, prompt_ids, params, prompt_text, priority, kv_transfer_params
         )
-        finished = False
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
+            stream.close()
+
+    def wait_for_leases(self, timeout: float | None = None) -> int:
+        """Before a producer stops: let consumers claim the KV it holds under lease.
+
+        Returns when no blocks are held any more, or after ``timeout`` seconds
+        (default: the connector's lease, after which held blocks expire
+        anyway); the engine loop keeps running meanwhile, serving releases and
+        expiring leases. A connector may refine the wait with its own
+        ``wait_for_leases(timeout)`` on its scheduler side. Returns how many
+        requests still held blocks at the end."""
+        kv = self.engine.config.kv_transfer_config
+        if kv is None or self.engine.connector is None:
+            return 0
+        if timeout is None:
+            timeout = kv.lease_seconds
+        hook = getattr(self.engine.connector[0], "wait_for_leases", None)
+        if hook is not None:
+            hook(timeout)
+        held = self.engine.core.scheduler.held_blocks
+        deadline = time.monotonic() + timeout
+        while held and self.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if held:
+            logger.warning("stopping with %d KV lease(s) unclaimed", len(held))
+        return len(held)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            # A prefill engine keeps serving its KV leases until they are claimed.
+            self.engine.wait_for_kv_leases()
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .config import EngineArgs, EngineConfig
-from .core.engine_core import EngineCore, StepStats
+from .core.engine_core import EngineCore, StepFailed, StepStats
 from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
@@ -51,6 +51,11 @@ def read_generation_config(model_config) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """The seed of child ``index`` of an n > 1 request, wrapping inside int64."""
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 class LLMEngine:
@@ -163,10 +168,24 @@ class LLMEngine:
 
         ``output_kind``: ``cumulative``, ``delta`` (streaming) or ``final`` (see
         :class:`RequestState`)."""
-        if request_id in self.output.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else self.default_sampling_params()
         params.verify(self.config.model_config.max_logprobs)
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        )
+        # A parent id, or any child id, that another request uses would mix their outputs.
+        if request_id in self.output.requests or any(
+            cid in self.output.child_to_parent or cid in self.core.scheduler.requests
+            for cid in child_ids
+        ):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{vocab - 1})"
+            )
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
         if kv_transfer_params:
@@ -179,15 +198,14 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        child_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        )
         requests = []
         for i, cid in enumerate(child_ids):
             child_params = (
                 params
                 if params.n == 1
-                else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                else params.clone(
+                    n=1, seed=None if params.seed is None else _child_seed(params.seed, i)
+                )
             )
             requests.append(
                 Request(
@@ -219,6 +237,24 @@ class LLMEngine:
         for r in requests:
             self.core.add_request(r)
 
+    def fail_step(self, failure: StepFailed) -> list[str]:
+        """Fail every request of a step that raised; returns their (parent) ids.
+
+        Their blocks are freed and unpublished; the engine keeps serving the
+        others."""
+        parents = list(
+            dict.fromkeys(
+                self.output.child_to_parent[rid]
+                for rid in failure.request_ids
+                if rid in self.output.child_to_parent
+            )
+        )
+        core_ids = list(failure.request_ids)
+        for parent in parents:
+            core_ids += self.output.abort(parent)
+        self.core.fail_requests(list(dict.fromkeys(core_ids)))
+        return parents
+
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -247,6 +283,22 @@ class LLMEngine:
     @property
     def stats(self) -> StepStats:
         return self.core.last_stats
+
+    def unhealthy_reason(self) -> str | None:
+        """Why this engine must report itself unhealthy although its loop runs."""
+        return self.connector[0].unhealthy() if self.connector is not None else None
+
+    def wait_for_kv_leases(self) -> int:
+        """Prefill drain: wait (bounded by the lease) until the KV blocks held for
+        decode engines are claimed or expired; the engine loop must keep running.
+        Returns the leases still held."""
+        c = getattr(self.connector[0], "c", None) if self.connector is not None else None
+        if c is None or not c.kv.is_kv_producer:
+            return 0
+        left = c.wait_for_leases()
+        if left:
+            logger.warning("shutting down with %d KV leases unclaimed", left)
+        return left
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -67,6 +67,14 @@ class EngineMetrics:
             labels,
             registry=r,
         )
+        # pdfleet_engine_failed_steps_total: steps whose model run raised (their
+        # requests were failed; the engine served on).
+        self.failed_steps = Counter(
+            p + "failed_steps",
+            "Engine steps that raised and failed their requests.",
+            labels,
+            registry=r,
+        )
         self.request_success = Counter(
             p + "request_success",
             "Finished requests by reason.",
@@ -164,6 +172,46 @@ class EngineMetrics:
                 "failed_handshakes": Counter(
                     p + "kv_transfer_handshake_failures", "Failed handshakes.", labels, registry=r
                 ),
+                "unconfirmed_transfers": Counter(
+                    p + "kv_transfer_unconfirmed",
+                    "Pulls whose lease ended before the producer confirmed them (recomputed).",
+                    labels,
+                    registry=r,
+                ),
+                "remote_evictions": Counter(
+                    p + "kv_remote_evictions",
+                    "Cached handshakes with remote engines dropped (size bound or idle TTL).",
+                    labels,
+                    registry=r,
+                ),
+                "refused_reads": Counter(
+                    p + "kv_side_channel_refused",
+                    "Side-channel requests refused (unauthenticated, forged, or naming a lease "
+                    "the peer may not use).",
+                    labels,
+                    registry=r,
+                ),
+            }
+            self.kv_gauges = {
+                "quarantined_blocks": Gauge(
+                    p + "kv_quarantined_blocks",
+                    "Pull-target blocks kept out of the free pool while an abandoned READ "
+                    "may still write them.",
+                    labels,
+                    registry=r,
+                ),
+                "pulls_in_flight": Gauge(
+                    p + "kv_pulls_in_flight",
+                    "KV pulls started and not yet finished.",
+                    labels,
+                    registry=r,
+                ),
+                "remote_engines": Gauge(
+                    p + "kv_remote_engines",
+                    "Remote engines whose handshake is cached.",
+                    labels,
+                    registry=r,
+                ),
             }
             self.kv_seconds = Histogram(
                 p + "kv_transfer_seconds",
@@ -212,12 +260,14 @@ class EngineMetrics:
             self.v_waiting,
             self.v_kv_usage,
             *(self.kv.values() if self.kv else ()),
+            *(self.kv_gauges.values() if self.kv else ()),
             *(self.v_kv.values() if self.kv else ()),
             *((self.kv_seconds, self.v_kv_seconds) if self.kv else ()),
         ):
             metric.labels(**self.labels)
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_busy = 0.0
+        self._last_failed_steps = 0
         self._last_step = 0
 
     def update(self, engine: LLMEngine) -> None:
@@ -243,6 +293,9 @@ class EngineMetrics:
         busy = engine.core.busy_prefill_seconds
         self.prefill_busy.labels(**lab).inc(max(0.0, busy - self._last_busy))
         self._last_busy = busy
+        failed = engine.core.num_failed_steps
+        self.failed_steps.labels(**lab).inc(max(0, failed - self._last_failed_steps))
+        self._last_failed_steps = failed
         if engine.core.num_steps != self._last_step:  # per-step counts, once per step
             self._last_step = engine.core.num_steps
             self.prompt_tokens.labels(**lab).inc(s.step_prompt_tokens)
@@ -265,6 +318,13 @@ class EngineMetrics:
             stats = connector.stats
             seconds, stats.transfer_seconds = stats.transfer_seconds, []
             values = {name: getattr(stats, name) for name in self.kv}
+            num_remotes = len(connector.remotes)
+            in_flight = len(connector.active)
+        if connector.server is not None:
+            values["refused_reads"] += connector.server.num_rejected
+        self.kv_gauges["quarantined_blocks"].labels(**lab).set(connector.num_quarantined_blocks)
+        self.kv_gauges["remote_engines"].labels(**lab).set(num_remotes)
+        self.kv_gauges["pulls_in_flight"].labels(**lab).set(in_flight)
         for name, value in values.items():
             delta = value - self._last_kv.get(name, 0)
             if delta > 0:

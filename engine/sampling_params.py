@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .config.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
+
 _GREEDY_EPS = 1e-5
 
 
@@ -51,13 +53,18 @@ class SamplingParams:
 
     def verify(self, max_logprobs: int | None = None) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer between 1 and {MAX_N}, got {self.n!r}")
         _number("temperature", self.temperature, low=0.0)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or not -1 <= self.top_k <= INT32_MAX
+        ):
             raise ValueError(
-                f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}"
+                f"top_k must be -1 (disabled) or a positive integer up to {INT32_MAX}, "
+                f"got {self.top_k!r}"
             )
         _number("min_p", self.min_p, low=0.0, high=1.0)
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
@@ -66,24 +73,34 @@ class SamplingParams:
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int)
             or isinstance(self.max_tokens, bool)
-            or self.max_tokens < 1
+            or not 1 <= self.max_tokens <= INT32_MAX
         ):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ValueError(
+                f"max_tokens must be an integer between 1 and {INT32_MAX}, got {self.max_tokens!r}"
+            )
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= INT32_MAX
+        ):
+            raise ValueError(
+                f"min_tokens must be an integer between 0 and {INT32_MAX}, got {self.min_tokens!r}"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not INT64_MIN <= self.seed <= INT64_MAX
         ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT32_MAX:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
             if max_logprobs is not None and value > max_logprobs:
                 raise ValueError(
@@ -91,9 +108,13 @@ class SamplingParams:
                 )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT32_MAX
+            for t in self.stop_token_ids
+        ):
             raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+                f"stop_token_ids must be token ids (integers 0..{INT32_MAX}), "
+                f"got {self.stop_token_ids!r}"
             )
 
     @property

@@ -6,8 +6,8 @@
 * a timer per InferenceService -> :func:`refresh`: scrape the engine pods,
   let the autoscaling policy decide (every ``autoscaling.periodSeconds``),
   actuate, and refresh the status.
-* deletion needs no handler: every child has an owner reference, and the
-  garbage collector removes them with the InferenceService.
+* deletion only forgets the service's in-memory state: every child has an
+  owner reference, and the garbage collector removes them with it.
 
 ``register()`` adds the handlers to a registry, so tests run them against an
 in-memory API server and the CLI against a real one.
@@ -15,6 +15,7 @@ in-memory API server and the CLI against a real one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -25,10 +26,20 @@ from typing import Any
 import kopf
 from prometheus_client import CollectorRegistry, Counter
 
+from pdfleet.engine.config import security
+
 from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
 from .compat import compat_hash
+from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
 from .kube import KubeClient, KubeError
-from .manifests import LABEL_SERVICE, Owner, desired_replicas, service_url
+from .manifests import (
+    ANNOTATION_FLEET_SECRET,
+    LABEL_SERVICE,
+    OperatorInstall,
+    Owner,
+    desired_replicas,
+    service_url,
+)
 from .reconcile import (
     InvalidSpec,
     WaitingForRollout,
@@ -38,7 +49,7 @@ from .reconcile import (
     read_deployments,
 )
 from .resource import GROUP, PLURAL, VERSION, InferenceServiceSpec
-from .scrape import KVHealth, PodSample, scrape_pods
+from .scrape import KVHealth, KVVerdict, PodSample, scrape_pods
 from .status import build_status, invalid_status
 
 MAX_EVENTS_PER_REVISION = 5
@@ -64,6 +75,12 @@ class OperatorConfig:
     """Delay before retrying after an API error."""
     decide: DecideFn = decide_scaling
     """The autoscaling policy (the seam)."""
+    install: OperatorInstall = field(default_factory=OperatorInstall)
+    """Where the operator runs and the gateway ClusterRole (for NetworkPolicies, RBAC)."""
+    kv_window_seconds: float = 300.0
+    """Window of the KVTransferHealthy condition (failed vs all KV pulls)."""
+    kv_max_failure_ratio: float = 0.05
+    """Above this share of failed KV pulls in the window, KVTransferHealthy is False."""
     login: Callable[..., Any] | None = None
     """kopf login function; kopf.login_via_client when unset."""
 
@@ -74,6 +91,7 @@ class OperatorState:
 
     kube: KubeClient | None = None
     kv_health: dict[str, KVHealth] = field(default_factory=dict)
+    kv_verdict: dict[str, KVVerdict] = field(default_factory=dict)
     last_decision_at: dict[str, float] = field(default_factory=dict)
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
 
@@ -93,6 +111,11 @@ class OperatorState:
         self.scrape_failures = Counter(
             "pdfleet_operator_scrape_failures",
             "Engine /metrics scrapes that failed or timed out.",
+            registry=self.metrics,
+        )
+        self.fleet_secrets_created = Counter(
+            "pdfleet_operator_fleet_secrets_created",
+            "Fleet Secrets the operator created (first reconcile, or after a rotation).",
             registry=self.metrics,
         )
 
@@ -134,6 +157,7 @@ async def reconcile(
     client = state.client()
     autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
     try:
+        secret = await _fleet_secret(state, body)
         await apply_children(
             client,
             name,
@@ -142,18 +166,41 @@ async def reconcile(
             owner=_owner(body),
             image=config.default_image,
             autoscaled=autoscaled,
+            install=config.install,
+            secret_version=secret_version(secret),
         )
     except WaitingForRollout as e:
         state.reconciles.labels("waiting").inc()
         await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled)
         raise kopf.TemporaryError(str(e), delay=config.rollout_poll_seconds) from None
-    except KubeError as e:
+    except (KubeError, FleetSecretError) as e:
         state.reconciles.labels("error").inc()
         kopf.warn(body, reason="ApplyFailed", message=str(e))
         raise kopf.TemporaryError(str(e), delay=config.retry_seconds) from None
     state.reconciles.labels("ok").inc()
     generation = body.get("metadata", {}).get("generation")
     await _write_status(state, spec, body, patch, generation=generation, autoscaled=autoscaled)
+
+
+async def _fleet_secret(state: OperatorState, body: kopf.Body) -> bytes:
+    """The service's fleet secret, created when absent (first run, rotation)."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    secret, created = await ensure_fleet_secret(state.client(), name, namespace, owner=_owner(body))
+    if created:
+        state.fleet_secrets_created.inc()
+        kopf.info(body, reason="FleetSecretCreated", message=f"created Secret {name}-fleet")
+    return secret
+
+
+def _stale_templates(deployments: dict[str, dict[str, Any] | None], version: str) -> list[str]:
+    """Deployments whose pods run with another fleet secret than ``version``."""
+    stale = []
+    for role, deployment in deployments.items():
+        template = ((deployment or {}).get("spec") or {}).get("template") or {}
+        annotations = (template.get("metadata") or {}).get("annotations") or {}
+        if deployment is not None and annotations.get(ANNOTATION_FLEET_SECRET) != version:
+            stale.append(role)
+    return stale
 
 
 async def _write_status(
@@ -164,10 +211,14 @@ async def _write_status(
     *,
     generation: int | None,
     autoscaled: dict[str, int] | None,
-    kv: tuple[bool | None, str] = (None, "not checked yet"),
+    deployments: dict[str, dict[str, Any] | None] | None = None,
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    deployments = await read_deployments(state.client(), name, namespace)
+    kv = state.kv_verdict.get(body["metadata"]["uid"]) or KVVerdict(
+        None, "NoMetrics", "not checked yet"
+    )
+    if deployments is None:
+        deployments = await read_deployments(state.client(), name, namespace)
     desired = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode", "gateway")}
     status = build_status(
         spec,
@@ -176,8 +227,9 @@ async def _write_status(
         deployments=deployments,
         desired=desired,
         previous=body.get("status"),
-        kv_healthy=kv[0],
-        kv_message=kv[1],
+        kv_healthy=kv.healthy,
+        kv_reason=kv.reason,
+        kv_message=kv.message,
         now=now_rfc3339(),
         generation=generation,
     )
@@ -200,18 +252,57 @@ async def refresh(
     except InvalidSpec:
         return  # the reconcile reported it; nothing runs
     client = state.client()
+    autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
+    try:
+        secret = await _fleet_secret(state, body)
+    except FleetSecretError as e:
+        kopf.warn(body, reason="FleetSecretInvalid", message=str(e))
+        return
+    version = secret_version(secret)
+    deployments = await read_deployments(client, name, namespace)
+    stale = _stale_templates(deployments, version)
+    if stale:
+        # The Secret was replaced (rotation): roll every pod onto the new one.
+        logger.info("fleet secret changed; rolling %s", ", ".join(stale))
+        # While prefill waits for decode, a later tick applies it.
+        with contextlib.suppress(WaitingForRollout):
+            await apply_children(
+                client,
+                name,
+                namespace,
+                spec,
+                owner=_owner(body),
+                image=config.default_image,
+                autoscaled=autoscaled,
+                install=config.install,
+                secret_version=version,
+            )
+        deployments = None  # read again after the apply
     pods = await client.list("Pod", namespace, {LABEL_SERVICE: name})
-    samples = await scrape_pods(pods, timeout_seconds=config.scrape_timeout_seconds, clock=clock)
-    for sample in samples:
+    scraped = await scrape_pods(
+        pods,
+        timeout_seconds=config.scrape_timeout_seconds,
+        clock=clock,
+        token=security.fleet_token(secret),
+        gateways=True,
+    )
+    for sample in scraped:
         if sample.error is not None:
             state.scrape_failures.inc()
-    kv = state.kv_health.setdefault(uid, KVHealth()).update(samples)
-    autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
+    samples = [s for s in scraped if s.role != "gateway"]  # what the autoscaler sees
+    health = state.kv_health.get(uid)
+    if health is None:
+        health = state.kv_health[uid] = KVHealth(
+            config.kv_window_seconds, config.kv_max_failure_ratio
+        )
+    state.kv_verdict[uid] = health.update(scraped)
     if spec.autoscaling is not None:
         autoscaled = await _autoscale(
             state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger
         )
-    await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled, kv=kv)
+    await _write_status(
+        state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
+    )
 
 
 async def _autoscale(
@@ -287,6 +378,13 @@ def register(
     @kopf.on.update(*resource, id="reconcile", registry=registry)
     async def on_change(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
         await reconcile(state, config, body, patch, logger)
+
+    @kopf.on.delete(*resource, id="forget", optional=True, registry=registry)
+    async def on_delete(body: kopf.Body, **_: Any) -> None:
+        # Per-service state goes with the service: it stays bounded under churn.
+        uid = body["metadata"]["uid"]
+        for table in (state.kv_health, state.kv_verdict, state.last_decision_at):
+            table.pop(uid, None)
 
     @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
     async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:

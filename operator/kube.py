@@ -21,12 +21,13 @@ KINDS = {
     "ConfigMap": ("api/v1", "configmaps"),
     "Service": ("api/v1", "services"),
     "ServiceAccount": ("api/v1", "serviceaccounts"),
+    "Secret": ("api/v1", "secrets"),
     "Pod": ("api/v1", "pods"),
     "Event": ("api/v1", "events"),
     "Deployment": ("apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets"),
-    "Role": ("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
 }
 
 
@@ -147,6 +148,17 @@ class KubeClient:
                 params={"fieldManager": FIELD_MANAGER},
                 json=obj,
             )
+        return self._check(response)
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create ``obj``; :class:`KubeError` with status 409 when it exists."""
+        meta = obj["metadata"]
+        response = await self._request(
+            "POST",
+            object_path(obj["kind"], meta["namespace"]),
+            params={"fieldManager": FIELD_MANAGER},
+            json=obj,
+        )
         return self._check(response)
 
     async def merge_patch(

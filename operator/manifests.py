@@ -7,8 +7,15 @@ again is a no-op.
 
 Children of an InferenceService NAME (namespace NS):
 
-* ServiceAccount, Role, RoleBinding ``NAME-gateway``: the gateway lists and
-  watches the service's pods to discover engines.
+* Secret ``NAME-fleet``: the fleet secret (docs/security.md). Not built here
+  (it is random); :mod:`.fleet_secret` creates it once, and every engine and
+  gateway pod mounts it as a file.
+* ServiceAccount, RoleBinding ``NAME-gateway``: the gateway lists and watches
+  the service's pods to discover engines, through the chart's gateway role
+  (the operator creates no Roles).
+* NetworkPolicies ``NAME-prefill``, ``NAME-decode``, ``NAME-gateway``: engine
+  HTTP only from the gateway and the operator, KV ports only from the other
+  role, the gateway's port from anywhere.
 * ConfigMap ``NAME-config``: each role's engine arguments and command line.
 * Services ``NAME-prefill`` and ``NAME-decode`` (headless, one DNS record per
   engine pod) and ``NAME`` (ClusterIP, the gateway: the OpenAI endpoint).
@@ -18,15 +25,17 @@ Children of an InferenceService NAME (namespace NS):
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
 
 from .compat import compat_hash
 from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
@@ -60,6 +69,44 @@ GRACE_MARGIN_SECONDS = 15
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURES = 180
 RUN_AS_USER = 10001  # above the host's usual uid range (the images' user)
+# The fleet secret, mounted as a file into every engine and gateway pod.
+FLEET_SECRET_KEY = "fleet-secret"
+FLEET_SECRET_DIR = "/etc/pdfleet/fleet"
+# A fingerprint of the fleet secret on the pod templates: a new secret (rotation)
+# rolls every pod, since engines read the secret once, at start.
+ANNOTATION_FLEET_SECRET = "pdfleet.dev/fleet-secret-version"
+# UCX's TCP transport listens on a port of this range (kv_port + 1 onward) rather
+# than an ephemeral one, so that a NetworkPolicy can admit exactly the KV ports.
+UCX_PORT_COUNT = 32
+ENV_UCX_PORT_RANGE = "UCX_TCP_PORT_RANGE"
+
+
+@dataclass(frozen=True)
+class OperatorInstall:
+    """What the operator's installation (the Helm chart) provides to every fleet."""
+
+    namespace: str | None = "pdfleet"
+    """Namespace of the operator pod (allowed to scrape engines); ``None``: the
+    service's own namespace."""
+    pod_labels: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "app.kubernetes.io/name": "pdfleet",
+            "app.kubernetes.io/component": "operator",
+        }
+    )
+    """Labels of the operator pod (the chart's selector labels, less the release)."""
+    gateway_role: str = "pdfleet-gateway"
+    """The role (pods get/list/watch) that each gateway's RoleBinding names; the
+    chart creates it."""
+    gateway_role_kind: str = "ClusterRole"
+    """``ClusterRole`` (cluster-wide install) or ``Role`` (namespaced install: one
+    in each watched namespace, so the chart needs no cluster-scoped rights)."""
+
+    def __post_init__(self) -> None:
+        if self.gateway_role_kind not in ("Role", "ClusterRole"):
+            raise ValueError(
+                f"gateway role kind {self.gateway_role_kind!r}: use Role or ClusterRole"
+            )
 
 
 @dataclass(frozen=True)
@@ -207,6 +254,40 @@ def _placement(placement: PodPlacement) -> dict[str, Any]:
     return out
 
 
+def fleet_secret_name(name: str) -> str:
+    return f"{name}-fleet"
+
+
+def _fleet_secret_volume(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(volume, read-only mount, env var) of the fleet secret file."""
+    volume = {
+        "name": "fleet-secret",
+        "secret": {
+            "secretName": fleet_secret_name(name),
+            "items": [{"key": FLEET_SECRET_KEY, "path": "secret"}],
+            "defaultMode": 0o440,
+        },
+    }
+    mount = {"name": "fleet-secret", "mountPath": FLEET_SECRET_DIR, "readOnly": True}
+    env = {"name": FLEET_SECRET_FILE_ENV, "value": f"{FLEET_SECRET_DIR}/secret"}
+    return volume, mount, env
+
+
+def ucx_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
+    """The UCX TCP listening ports (inclusive): just above ``kv_port``, or just
+    below it when that would pass 65535."""
+    port = spec.kv_transfer.port
+    if port + UCX_PORT_COUNT <= 65535:
+        return port + 1, port + UCX_PORT_COUNT
+    return port - UCX_PORT_COUNT, port - 1
+
+
+def _template_annotations(secret_version: str | None) -> dict[str, Any]:
+    if secret_version is None:
+        return {}
+    return {"annotations": {ANNOTATION_FLEET_SECRET: secret_version}}
+
+
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -242,19 +323,32 @@ def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: Engin
 
 
 def engine_pod_template(
-    name: str, spec: InferenceServiceSpec, role: str, *, image: str, compat: str
+    name: str,
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    image: str,
+    compat: str,
+    secret_version: str | None = None,
 ) -> dict[str, Any]:
     role_spec = spec.role(role)
     args = pod_engine_args(spec, role)
     volumes, model_mounts, builtin_paths = _model_volumes(spec)
+    secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    kv_env: list[dict[str, Any]] = []
     if args.kv_transfer_config is not None:
         ports.append({"name": "kv", "containerPort": spec.kv_transfer.port, "protocol": "TCP"})
+        if spec.kv_transfer.connector == "NixlConnector":
+            first, last = ucx_port_range(spec)
+            kv_env.append({"name": ENV_UCX_PORT_RANGE, "value": f"{first}-{last}"})
     env = [
         {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": ENV_KV_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"},
+        secret_env,
+        *kv_env,
         *[dict(e) for e in role_spec.env],
     ]
     container: dict[str, Any] = {
@@ -267,6 +361,7 @@ def engine_pod_template(
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
+            secret_mount,
             *model_mounts,
         ],
         **_probes(),
@@ -285,13 +380,17 @@ def engine_pod_template(
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec.shm_size}},
             {"name": "tmp", "emptyDir": {}},
+            secret_volume,
             *volumes,
         ],
     }
     if builtin_paths:
         pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
     return {
-        "metadata": {"labels": {**common_labels(name, role), LABEL_COMPAT: compat}},
+        "metadata": {
+            "labels": {**common_labels(name, role), LABEL_COMPAT: compat},
+            **_template_annotations(secret_version),
+        },
         "spec": pod_spec,
     }
 
@@ -314,12 +413,19 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
 
 
 def gateway_pod_template(
-    name: str, spec: InferenceServiceSpec, *, namespace: str, image: str
+    name: str,
+    spec: InferenceServiceSpec,
+    *,
+    namespace: str,
+    image: str,
+    secret_version: str | None = None,
 ) -> dict[str, Any]:
     gateway = spec.gateway
     volumes, model_mounts, builtin_paths = _model_volumes(spec)
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
-    secret_mounts: list[dict[str, Any]] = []
+    secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
+    volumes.append(secret_volume)
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, secret_env]
+    secret_mounts: list[dict[str, Any]] = [secret_mount]
     if gateway.api_key_secret is not None:
         env.append({"name": ENV_API_KEY_FILE, "value": f"{API_KEY_DIR}/api-key"})
         volumes.append(
@@ -360,7 +466,13 @@ def gateway_pod_template(
     }
     if builtin_paths:
         pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
-    return {"metadata": {"labels": common_labels(name, "gateway")}, "spec": pod_spec}
+    return {
+        "metadata": {
+            "labels": common_labels(name, "gateway"),
+            **_template_annotations(secret_version),
+        },
+        "spec": pod_spec,
+    }
 
 
 # --------------------------------------------------------------------------
@@ -384,12 +496,17 @@ def build_deployment(
     compat: str,
     replicas: int,
     owner: Owner | None = None,
+    secret_version: str | None = None,
 ) -> dict[str, Any]:
     if role == "gateway":
-        template = gateway_pod_template(name, spec, namespace=namespace, image=image)
+        template = gateway_pod_template(
+            name, spec, namespace=namespace, image=image, secret_version=secret_version
+        )
         labels = common_labels(name, role)
     else:
-        template = engine_pod_template(name, spec, role, image=image, compat=compat)
+        template = engine_pod_template(
+            name, spec, role, image=image, compat=compat, secret_version=secret_version
+        )
         labels = {**common_labels(name, role), LABEL_COMPAT: compat}
     return {
         "apiVersion": "apps/v1",
@@ -456,9 +573,12 @@ def build_pdb(name: str, role: str, *, namespace: str, owner: Owner | None) -> d
     }
 
 
-def build_gateway_rbac(name: str, *, namespace: str, owner: Owner | None) -> list[dict[str, Any]]:
-    """ServiceAccount, Role and RoleBinding letting the gateway watch the pods
-    of its namespace (it filters to its own service by label)."""
+def build_gateway_rbac(
+    name: str, *, namespace: str, owner: Owner | None, install: OperatorInstall
+) -> list[dict[str, Any]]:
+    """ServiceAccount and RoleBinding letting the gateway watch the pods of its
+    namespace (it filters to its own service by label). The binding names the
+    chart's ClusterRole, so the operator never writes a Role's rules."""
     sa_name = child_name(name, "gateway")
     labels = common_labels(name, "gateway")
     return [
@@ -469,20 +589,101 @@ def build_gateway_rbac(name: str, *, namespace: str, owner: Owner | None) -> lis
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": _meta(sa_name, namespace, labels, owner),
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": _meta(sa_name, namespace, labels, owner),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa_name},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": install.gateway_role_kind,
+                "name": install.gateway_role,
+            },
             "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}],
         },
     ]
+
+
+def _operator_peer(install: OperatorInstall) -> dict[str, Any]:
+    peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(install.pod_labels)}}
+    if install.namespace is not None:
+        peer["namespaceSelector"] = {
+            "matchLabels": {"kubernetes.io/metadata.name": install.namespace}
+        }
+    return peer
+
+
+def _tcp(port: int, end_port: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"port": port, "protocol": "TCP"}
+    if end_port is not None:
+        out["endPort"] = end_port
+    return out
+
+
+def build_network_policies(
+    name: str,
+    spec: InferenceServiceSpec,
+    *,
+    namespace: str,
+    owner: Owner | None,
+    install: OperatorInstall,
+) -> list[dict[str, Any]]:
+    """One ingress policy per role (docs/security.md).
+
+    Engines: HTTP only from the service's gateway pods and the operator pod;
+    the KV side channel and the UCX port range only from the other role's
+    pods. The gateway: its port from anywhere (it checks API keys itself).
+    Policies add up, so a cluster admin may admit more (e.g. a Prometheus).
+    """
+    policies = []
+    kv = disaggregating(spec) and spec.kv_transfer.connector is not None
+    other = {"prefill": "decode", "decode": "prefill"}
+    for role in ("prefill", "decode"):
+        ingress: list[dict[str, Any]] = [
+            {
+                "from": [
+                    {"podSelector": {"matchLabels": selector_labels(name, "gateway")}},
+                    _operator_peer(install),
+                ],
+                "ports": [_tcp(ENGINE_PORT)],
+            }
+        ]
+        if kv:
+            ports = [_tcp(spec.kv_transfer.port)]
+            if spec.kv_transfer.connector == "NixlConnector":
+                ports.append(_tcp(*ucx_port_range(spec)))
+            ingress.append(
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(name, other[role])}}],
+                    "ports": ports,
+                }
+            )
+        policies.append((role, ingress))
+    policies.append(("gateway", [{"ports": [_tcp(spec.gateway.port)]}]))
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(child_name(name, role), namespace, common_labels(name, role), owner),
+            "spec": {
+                "podSelector": {"matchLabels": selector_labels(name, role)},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+        for role, ingress in policies
+    ]
+
+
+def build_fleet_secret(
+    name: str, *, namespace: str, owner: Owner | None, value: str
+) -> dict[str, Any]:
+    """The fleet Secret holding ``value`` (random: the caller draws it, once)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(fleet_secret_name(name), namespace, common_labels(name), owner),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {FLEET_SECRET_KEY: base64.b64encode(value.encode()).decode()},
+    }
 
 
 def non_default_args(args: EngineArgs) -> dict[str, Any]:
@@ -521,16 +722,22 @@ def build_children(
     image: str | None = None,
     owner: Owner | None = None,
     autoscaled: Mapping[str, int] | None = None,
+    install: OperatorInstall | None = None,
+    secret_version: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order (Deployments last: gateway, decode, prefill).
 
     ``image`` is the default when ``spec.image`` is unset; ``autoscaled``
-    holds the replicas the autoscaler chose (used when autoscaling is on).
+    holds the replicas the autoscaler chose (used when autoscaling is on);
+    ``install`` says where the operator runs; ``secret_version`` is the fleet
+    secret's fingerprint (a change rolls every pod).
     The spec must pass :func:`pdfleet.operator.compat.check_service`.
     """
     image = spec.image or image or DEFAULT_IMAGE
+    install = install or OperatorInstall()
     compat = compat_hash(spec)
-    objects = build_gateway_rbac(name, namespace=namespace, owner=owner)
+    objects = build_gateway_rbac(name, namespace=namespace, owner=owner, install=install)
+    objects += build_network_policies(name, spec, namespace=namespace, owner=owner, install=install)
     objects.append(build_configmap(name, spec, namespace=namespace, compat=compat, owner=owner))
     for role in ROLES:
         objects.append(build_engine_service(name, spec, role, namespace=namespace, owner=owner))
@@ -548,6 +755,7 @@ def build_children(
                 compat=compat,
                 replicas=desired_replicas(spec, role, autoscaled),
                 owner=owner,
+                secret_version=secret_version,
             )
         )
     return objects

@@ -43,18 +43,40 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=15.0,
         help="Seconds between status refreshes and metric scrapes of each service. Default 15.",
     )
+    parser.add_argument(
+        "--operator-namespace",
+        default=None,
+        metavar="NS",
+        help="Namespace the operator runs in: engine NetworkPolicies admit its /metrics "
+        "scrapes from there. Default: $POD_NAMESPACE, else pdfleet.",
+    )
+    parser.add_argument(
+        "--gateway-role-kind",
+        choices=["ClusterRole", "Role"],
+        default="ClusterRole",
+        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
+        "install, one per watched namespace). Default ClusterRole.",
+    )
+    parser.add_argument(
+        "--gateway-role",
+        default="pdfleet-gateway",
+        metavar="NAME",
+        help="Role or ClusterRole (pods get/list/watch) bound to each gateway's "
+        "ServiceAccount; the Helm chart creates it. Default pdfleet-gateway.",
+    )
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
     import kopf
     from prometheus_client import start_http_server
 
     from .handlers import OperatorConfig, configure_settings, register
-    from .manifests import DEFAULT_IMAGE
+    from .manifests import DEFAULT_IMAGE, OperatorInstall
 
     if args.refresh_seconds <= 0:
         raise ValueError("--refresh-seconds must be positive")
@@ -62,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(
         default_image=args.default_image or DEFAULT_IMAGE,
         timer_interval_seconds=args.refresh_seconds,
+        install=OperatorInstall(
+            namespace=args.operator_namespace or os.environ.get("POD_NAMESPACE") or "pdfleet",
+            gateway_role=args.gateway_role,
+            gateway_role_kind=args.gateway_role_kind,
+        ),
     )
     state = register(registry, config)
     settings = kopf.OperatorSettings()

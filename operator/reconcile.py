@@ -15,7 +15,7 @@ from typing import Any
 
 from .compat import check_service
 from .kube import KubeClient
-from .manifests import LABEL_COMPAT, Owner, build_children, child_name
+from .manifests import LABEL_COMPAT, OperatorInstall, Owner, build_children, child_name
 from .resource import MAX_NAME_LENGTH, InferenceServiceSpec, is_valid_name, parse_spec
 from .status import rollout_done
 
@@ -81,11 +81,20 @@ async def apply_children(
     owner: Owner | None,
     image: str | None,
     autoscaled: Mapping[str, int] | None,
+    install: OperatorInstall | None = None,
+    secret_version: str | None = None,
 ) -> None:
     """Create or update every child (idempotent); raises
     :class:`WaitingForRollout` while prefill waits for decode."""
     children = build_children(
-        name, spec, namespace=namespace, image=image, owner=owner, autoscaled=autoscaled
+        name,
+        spec,
+        namespace=namespace,
+        image=image,
+        owner=owner,
+        autoscaled=autoscaled,
+        install=install,
+        secret_version=secret_version,
     )
     deployments = {
         obj["metadata"]["labels"]["pdfleet.dev/role"]: obj

@@ -24,6 +24,26 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="Engine/gateway image when spec.image is unset (default: the operator's default).",
     )
+    parser.add_argument(
+        "--operator-namespace",
+        default="pdfleet",
+        metavar="NS",
+        help="Namespace of the operator, whose scrapes the engine NetworkPolicies admit "
+        "(default: pdfleet).",
+    )
+    parser.add_argument(
+        "--gateway-role-kind",
+        choices=["ClusterRole", "Role"],
+        default="ClusterRole",
+        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
+        "install, one per watched namespace). Default ClusterRole.",
+    )
+    parser.add_argument(
+        "--gateway-role",
+        default="pdfleet-gateway",
+        metavar="NAME",
+        help="Role or ClusterRole the gateway's RoleBinding names (default: pdfleet-gateway).",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -32,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from .compat import check_service
-    from .manifests import build_children
+    from .manifests import OperatorInstall, build_children
     from .resource import load_inference_service
 
     block_dumper = _block_dumper()
@@ -41,7 +61,14 @@ def run(args: argparse.Namespace) -> int:
     if violations:
         raise ValueError(f"{args.file}:\n" + "\n".join(str(v) for v in violations))
     namespace = args.namespace or svc.metadata.namespace or "default"
-    objects = build_children(svc.name, svc.spec, namespace=namespace, image=args.image)
+    install = OperatorInstall(
+        namespace=args.operator_namespace,
+        gateway_role=args.gateway_role,
+        gateway_role_kind=args.gateway_role_kind,
+    )
+    objects = build_children(
+        svc.name, svc.spec, namespace=namespace, image=args.image, install=install
+    )
     print(yaml.dump_all(objects, Dumper=block_dumper, sort_keys=False, width=100), end="")
     return 0
 

@@ -4,12 +4,18 @@ Each pod gives one :class:`PodSample`: its metric values summed over label
 sets (one engine per pod, so a gauge's sum is its value; histogram buckets
 are dropped, their ``_sum`` and ``_count`` kept). A pod that does not answer
 within the timeout gives a sample with ``error`` set and no values.
+
+Engines require the fleet token on ``/metrics`` (docs/security.md): pass it
+as ``token``; it is sent as ``Authorization: Bearer TOKEN``. Gateways accept
+the same token on ``/metrics``; their KV circuit breakers feed
+``KVTransferHealthy``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +31,10 @@ KV_FAILURE_METRICS = (
     "vllm:nixl_num_failed_transfers_total",
     "vllm:nixl_num_failed_transfers",
 )
+# Counters of completed (successful) KV pulls.
+KV_TRANSFER_METRICS = ("pdfleet_engine_kv_transfers_total",)
+# A gateway's gauge: 1 per (prefill, decode) pair whose KV circuit breaker is open.
+KV_PAIR_OPEN_METRIC = "pdfleet_gateway_kv_pair_open"
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,11 @@ async def scrape_pods(
     *,
     timeout_seconds: float = 2.0,
     clock: Callable[[], float] = time.time,
+    token: str | None = None,
+    gateways: bool = False,
 ) -> list[PodSample]:
-    """Scrape every engine pod concurrently; each request is bounded by the timeout."""
+    """Scrape every engine pod (and gateway pod with ``gateways``)
+    concurrently; each request is bounded by the timeout."""
 
     async def one(http: httpx.AsyncClient, pod: Mapping[str, Any]) -> PodSample:
         meta = pod.get("metadata") or {}
@@ -96,40 +109,115 @@ async def scrape_pods(
         return PodSample(name, role, ready, clock(), values=values)
 
     engine_pods = [
-        p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
+        p
+        for p in pods
+        if gateways or (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
     ]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds)) as http:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds), headers=headers) as http:
         return list(await asyncio.gather(*(one(http, p) for p in engine_pods)))
 
 
-def kv_failures(sample: PodSample) -> float | None:
-    found = [sample.values[m] for m in KV_FAILURE_METRICS if m in sample.values]
+def _counter(sample: PodSample, names: Sequence[str]) -> float | None:
+    found = [sample.values[m] for m in names if m in sample.values]
     return max(found) if found else None
 
 
+def kv_failures(sample: PodSample) -> float | None:
+    return _counter(sample, KV_FAILURE_METRICS)
+
+
+@dataclass(frozen=True)
+class KVVerdict:
+    """The ``KVTransferHealthy`` condition's inputs."""
+
+    healthy: bool | None
+    """``None`` while no engine reports the counters."""
+    reason: str
+    message: str
+
+
 class KVHealth:
-    """Tracks the KV-transfer failure counters of one service between scrapes."""
+    """Failed vs all KV pulls of one service over a sliding window.
 
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+    Each scrape adds, per pod, how much its failure and success counters
+    grew since the previous scrape (a counter that went down was reset by a
+    restart: its new value is the growth). The window keeps the growth of
+    pods that went away, so a crashing engine still counts. Unhealthy when
+    more than ``max_failure_ratio`` of the window's pulls failed, or while a
+    gateway's KV circuit breaker keeps an engine pair out of disaggregation.
+    """
 
-    def update(self, samples: Sequence[PodSample]) -> tuple[bool | None, str]:
-        """(healthy, message): unhealthy when a counter rose since the last
-        scrape; ``None`` when no pod reports the counter."""
-        rising, seen = [], False
-        current: dict[str, float] = {}
+    def __init__(self, window_seconds: float = 300.0, max_failure_ratio: float = 0.05) -> None:
+        if window_seconds <= 0 or not 0 <= max_failure_ratio < 1:
+            raise ValueError("KVHealth: window_seconds > 0 and 0 <= max_failure_ratio < 1")
+        self.window_seconds = window_seconds
+        self.max_failure_ratio = max_failure_ratio
+        self._last: dict[str, tuple[float, float]] = {}
+        # (scraped_at, pod, failed, succeeded) growth per scrape, oldest first.
+        self._growth: deque[tuple[float, str, float, float]] = deque()
+
+    def update(self, samples: Sequence[PodSample]) -> KVVerdict:
+        seen = False
+        now = max((s.scraped_at for s in samples), default=None)
+        current: dict[str, tuple[float, float]] = {}
+        open_pairs = {
+            s.pod: s.values[KV_PAIR_OPEN_METRIC]
+            for s in samples
+            if s.role == "gateway" and s.values.get(KV_PAIR_OPEN_METRIC, 0) > 0
+        }
         for sample in samples:
-            value = kv_failures(sample)
-            if value is None:
+            if sample.role == "gateway":
+                continue
+            failed = kv_failures(sample)
+            if failed is None:
                 continue
             seen = True
-            current[sample.pod] = value
+            ok = _counter(sample, KV_TRANSFER_METRICS) or 0.0
+            current[sample.pod] = (failed, ok)
             before = self._last.get(sample.pod)
-            if before is not None and value > before:
-                rising.append(f"{sample.pod} +{value - before:g}")
-        self._last = current
-        if not seen:
-            return None, "no engine reports KV-transfer failure counters yet"
-        if rising:
-            return False, "failed KV transfers since the last check: " + ", ".join(rising)
-        return True, "no failed KV transfers since the last check"
+            if before is not None:
+                grew_failed = failed - before[0] if failed >= before[0] else failed
+                grew_ok = ok - before[1] if ok >= before[1] else ok
+                self._growth.append((sample.scraped_at, sample.pod, grew_failed, grew_ok))
+        # A pod that did not answer keeps its last values (it may answer next
+        # time); a pod that is gone is forgotten.
+        listed = {s.pod for s in samples}
+        self._last = {**{p: v for p, v in self._last.items() if p in listed}, **current}
+        if now is not None:
+            while self._growth and self._growth[0][0] < now - self.window_seconds:
+                self._growth.popleft()
+        by_pod: dict[str, float] = {}
+        for _, pod, grew_failed, _ in self._growth:
+            if grew_failed:
+                by_pod[pod] = by_pod.get(pod, 0.0) + grew_failed
+        failed = sum(by_pod.values())
+        total = failed + sum(g[3] for g in self._growth)
+        window = f"the last {self.window_seconds:g}s"
+        breakers = ""
+        if open_pairs:
+            breakers = "open KV circuit breakers (engine pairs left out of disaggregation): "
+            breakers += ", ".join(f"{pod} {n:g}" for pod, n in sorted(open_pairs.items()))
+        if failed > 0 and failed > self.max_failure_ratio * total:
+            return KVVerdict(
+                False,
+                "KVTransferDegraded",
+                f"{failed:g} of {total:g} KV pulls failed in {window} "
+                f"(more than {self.max_failure_ratio:.0%}): "
+                + ", ".join(f"{pod} +{n:g}" for pod, n in sorted(by_pod.items()))
+                + (f"; {breakers}" if breakers else ""),
+            )
+        if breakers:
+            return KVVerdict(False, "KVCircuitOpen", breakers)
+        if not seen and not self._growth:
+            return KVVerdict(None, "NoMetrics", "no engine reports KV-transfer counters yet")
+        if failed == 0:
+            return KVVerdict(
+                True, "NoFailedTransfers", f"{total:g} KV pulls in {window}, none failed"
+            )
+        return KVVerdict(
+            True,
+            "FewFailedTransfers",
+            f"{failed:g} of {total:g} KV pulls failed in {window} "
+            f"(at most {self.max_failure_ratio:.0%})",
+        )

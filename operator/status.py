@@ -98,6 +98,7 @@ def build_status(
     kv_healthy: bool | None,
     kv_message: str,
     now: str,
+    kv_reason: str | None = None,
     generation: int | None = None,
 ) -> dict[str, Any]:
     """The status fields the operator owns (``autoscaling`` is written apart).
@@ -119,11 +120,11 @@ def build_status(
     if not disaggregating(spec):
         kv_state, kv_reason, kv_message = "True", "NotUsed", "disaggregation is Disabled"
     elif kv_healthy is None:
-        kv_state, kv_reason = "Unknown", "NoMetrics"
+        kv_state, kv_reason = "Unknown", kv_reason or "NoMetrics"
     elif kv_healthy:
-        kv_state, kv_reason = "True", "NoFailedTransfers"
+        kv_state, kv_reason = "True", kv_reason or "NoFailedTransfers"
     else:
-        kv_state, kv_reason = "False", "FailedTransfersRising"
+        kv_state, kv_reason = "False", kv_reason or "KVTransferDegraded"
     conditions = set_condition(
         conditions, "KVTransferHealthy", kv_state, kv_reason, kv_message, now=now
     )

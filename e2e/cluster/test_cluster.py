@@ -133,6 +133,13 @@ def test_cpu_example_serves_scales_and_cleans_up(kube, namespace, port_forward):
     status = svc()["status"]
     assert status["url"] == f"http://{name}.{namespace}.svc:8000/v1"
     assert status["roles"]["prefill"]["summary"] == "1/1"
+    # The fleet secret exists and every role has its NetworkPolicy; the request
+    # below crosses them (gateway -> engines).
+    assert kube.CoreV1Api().read_namespaced_secret(f"{name}-fleet", namespace).data
+    policies = kube.NetworkingV1Api().list_namespaced_network_policy(
+        namespace, label_selector=f"pdfleet.dev/service={name}"
+    )
+    assert len(policies.items) == 3
 
     port = port_forward(name, 8000)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,17 @@ def default_capture_sizes(max_size: int) -> list[int]:
     if max_size >= 256:
         sizes += list(range(256, max_size + 1, 16))
     return sizes
+
+
+@functools.cache
+def pdfleet_version() -> str:
+    """The installed pdfleet version ("0+unknown" when run from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdfleet")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 @dataclass
@@ -165,9 +177,12 @@ class EngineConfig:
         return hash_factors(factors)
 
     def compat_factors(self) -> dict[str, Any]:
-        """What must be equal for two engines to exchange KV blocks."""
+        """What must be equal for two engines to exchange KV blocks. The pdfleet
+        version is one (an image bump may change the KV layout); the tensor-parallel
+        size is not (heterogeneous TP maps KV heads across ranks)."""
         m = self.model_config
         return {
+            "pdfleet_version": pdfleet_version(),
             "model": m.name,
             "revision": m.revision,
             "architecture": m.architecture,

@@ -174,6 +174,12 @@ class BlockPool:
                 KVCacheEvent("stored", block_hash, parent_hash, token_ids, len(token_ids))
             )
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take blocks out of the prefix cache (their KV may never have been written,
+        e.g. after a failed step); they stay allocated to their holders."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

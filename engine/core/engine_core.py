@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,30 @@ from ..request import Request, RequestStatus
 from .scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+# Fault injection for tests of the error paths. RAISE: a step that schedules a
+# request whose prompt holds this token id raises, as a model failing on one
+# input would. BREAK: that step and every later one raise, as a broken device.
+FAULT_TOKEN_ENV = "PDFLEET_FAULT_RAISE_ON_TOKEN"
+FAULT_BREAK_ENV = "PDFLEET_FAULT_BREAK_ON_TOKEN"
+
+
+class StepFailed(RuntimeError):
+    """A step raised; ``request_ids`` are the (core) requests it had scheduled.
+
+    The scheduler's state is still consistent: those requests can be finished
+    with an error and the engine can keep stepping.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+def _env_token(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
 
 
 @dataclass
@@ -48,6 +73,18 @@ class EngineCore:
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.fault_token = _env_token(FAULT_TOKEN_ENV)
+        self.break_token = _env_token(FAULT_BREAK_ENV)
+        self.broken = False
+        if self.fault_token is not None or self.break_token is not None:
+            logger.warning(
+                "fault injection: $%s=%s $%s=%s",
+                FAULT_TOKEN_ENV,
+                self.fault_token,
+                FAULT_BREAK_ENV,
+                self.break_token,
+            )
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -70,10 +107,39 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.held_blocks)
 
+    def fail_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish requests with an error (after a failed step); frees their blocks
+        and takes them out of the prefix cache, since the step may not have
+        written them."""
+        for rid in request_ids:
+            self.scheduler.kv.uncache(rid)
+        # Aborted, not errored: a producer must never hold (lease) unwritten blocks.
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._refresh_gauges()
+        return done
+
+    def _inject_fault(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self.scheduler.requests.get(rid)
+            prompt = request.prompt_token_ids if request is not None else []
+            if self.break_token is not None and self.break_token in prompt:
+                self.broken = True
+            if self.fault_token is not None and self.fault_token in prompt:
+                raise RuntimeError(f"injected fault (${FAULT_TOKEN_ENV}={self.fault_token})")
+        if self.broken:
+            raise RuntimeError(f"injected fault: the device is broken (${FAULT_BREAK_ENV})")
+
     def step(self) -> list[EngineCoreOutput]:
+        """One step; a failure while running the model raises :class:`StepFailed`."""
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(sched_out)
+        try:
+            if self.fault_token is not None or self.break_token is not None:
+                self._inject_fault(list(sched_out.num_scheduled_tokens))
+            runner_out = self.runner.execute_model(sched_out)
+        except Exception as e:
+            self.num_failed_steps += 1
+            raise StepFailed(list(sched_out.num_scheduled_tokens), e) from e
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         stats = self.scheduler.stats()
         elapsed = time.perf_counter() - start

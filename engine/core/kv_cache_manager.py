@@ -143,6 +143,12 @@ class KVCacheManager:
             )
         self.num_cached_blocks[rid] = max(start, end)
 
+    def uncache(self, request_id: str) -> None:
+        """Unpublish a request's blocks: blocks are published when allocated, before
+        the step that writes them, so a step that failed leaves them unwritten."""
+        self.pool.uncache(self.req_blocks.get(request_id, []))
+        self.num_cached_blocks.pop(request_id, None)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (tail blocks are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])

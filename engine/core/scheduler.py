@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import EngineConfig
-from ..kv_transfer.base import KVConnectorScheduler
+from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
 from .block_hash import extend_block_hashes
 from .kv_cache_manager import KVCacheManager
@@ -119,10 +119,12 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            if self.connector is not None and request.status in (
-                RequestStatus.WAITING_FOR_REMOTE_KVS,
+            if (
+                self.connector is not None
+                and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and self.connector.request_aborted(request)
             ):
-                self.connector.request_aborted(request)
+                self._quarantine(request)
             request.status = status
             self._free_request(request)
             done.append(request)
@@ -142,6 +144,11 @@ class Scheduler:
                 return params
         self.kv.free(request)
         return params
+
+    def _quarantine(self, request: Request) -> None:
+        """A pull may still write the request's blocks: keep them out of the free pool
+        until the connector reports the transfer finished (``QUARANTINE`` + id)."""
+        self.held_blocks[QUARANTINE + request.request_id] = self.kv.take_blocks(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -356,6 +363,8 @@ class Scheduler:
             # The params are consumed: a later preemption recomputes locally.
             request.kv_transfer_params = None
             if rid in runner_out.failed_recving:
+                if self.connector is not None and self.connector.pull_in_flight(request):
+                    self._quarantine(request)
                 message = self.connector.load_failed(request) if self.connector else None
                 if message is not None:
                     request.status = RequestStatus.FINISHED_ERROR
@@ -402,5 +411,5 @@ class Scheduler:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.num_preemptions,
             waiting_prompt_tokens=waiting_prompt,
-            num_held_blocks_reqs=len(self.held_blocks),
+            num_held_blocks_reqs=sum(1 for k in self.held_blocks if not k.startswith(QUARANTINE)),
         )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config import EngineArgs, security
+from pdfleet.engine.entrypoints.auth import EngineAuth, keys_from_sources
+from pdfleet.engine.entrypoints.http_guard import ServerLimits
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +21,54 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--api-key",
-        default=os.environ.get("PDFLEET_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' (default: $PDFLEET_API_KEY, else none).",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="Accept 'Authorization: Bearer KEY' (repeatable, or comma-separated). A key on "
+        "the command line shows in `ps`: prefer --api-key-file or $PDFLEET_API_KEY_FILE. "
+        "Default: $PDFLEET_API_KEY, else the file $PDFLEET_API_KEY_FILE names. The fleet "
+        "token derived from $PDFLEET_FLEET_SECRET is always accepted.",
+    )
+    group.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="Read API keys from a file (one per line, or comma-separated); repeatable.",
+    )
+    limits = ServerLimits()
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help="Refuse (413) a request body larger than this, before reading it.",
+    )
+    group.add_argument(
+        "--max-chunk-bytes",
+        type=int,
+        default=limits.max_chunk_bytes,
+        help="Refuse (413) and close a chunked body whose chunk announces more than this.",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout,
+        help="Close a connection that has not sent complete request headers within this "
+        "many seconds of its first byte.",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout,
+        help="Answer 408 and close when a request body has not fully arrived this many "
+        "seconds after its headers.",
+    )
+    group.add_argument(
+        "--large-prompt-chars",
+        type=int,
+        default=1 << 16,
+        help="Prompts of at least this many characters are tokenized in their own lane, so "
+        "that large prompts cannot hold up short ones.",
     )
     group.add_argument(
         "--uvicorn-log-level",
@@ -51,11 +98,24 @@ def run(args: argparse.Namespace) -> int:
     config = engine_args.create_engine_config(usage_context="server")
     if args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
+    if args.large_prompt_chars < 1:
+        raise ValueError("--large-prompt-chars must be >= 1")
+    limits = ServerLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_chunk_bytes=args.max_chunk_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+    )
+    auth = EngineAuth(
+        keys_from_sources(args.api_key, args.api_key_file), security.fleet_secret_from_env()
+    )
     return run_server(
         config,
         args.host,
         args.port,
         args.max_waiting_requests,
-        args.api_key,
+        auth,
         args.uvicorn_log_level,
+        limits,
+        args.large_prompt_chars,
     )

@@ -17,6 +17,9 @@ from typing import Any
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 
+# Held-block key of a request's quarantined pull targets (see request_aborted).
+QUARANTINE = "quarantine:"
+
 
 class KVConnectorScheduler:
     def get_num_new_matched_tokens(
@@ -43,8 +46,21 @@ class KVConnectorScheduler:
         kv_transfer_params to return to the client)."""
         return False, None
 
-    def request_aborted(self, request: Request) -> None:
-        """A request waiting for or holding remote KV was aborted."""
+    def request_aborted(self, request: Request) -> bool:
+        """A request waiting for remote KV was aborted. True when a transfer may still
+        write its blocks: the scheduler then quarantines them (held under
+        ``QUARANTINE + request_id``) until the worker reports that key finished."""
+        return False
+
+    def pull_in_flight(self, request: Request) -> bool:
+        """Whether a (failed or timed-out) transfer may still write the request's
+        blocks; if so the scheduler quarantines them as for an abort."""
+        return False
+
+    def unhealthy(self) -> str | None:
+        """Why the engine must report itself unhealthy (e.g. a quarantine past its
+        bound), or None."""
+        return None
 
     def load_failed(self, request: Request) -> str | None:
         """A remote load failed: an error message to fail the request with, or None

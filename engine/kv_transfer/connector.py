@@ -1,18 +1,27 @@
 """The P/D connector: vLLM's NixlConnector protocol over NIXL or ZeroMQ.
 
 Producer (``do_remote_decode``): after the prefill, the request's blocks are
-held under a lease and the response carries ``kv_transfer_params``
-(``do_remote_prefill``, ``remote_engine_id``, ``remote_host``,
-``remote_port``, ``remote_block_ids``, ``remote_request_id``, plus
-``remote_instance_id`` and the compatibility factors). Blocks are freed when
-the consumer reports it has read them, or when the lease expires.
+held under a lease with a random, unguessable ``pdfleet_lease_id``, and the
+response carries ``kv_transfer_params`` (``do_remote_prefill``,
+``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids``,
+``remote_request_id``, ``tp_size``, plus ``pdfleet_*`` fields) signed with the
+fleet secret. A lease binds to the first authenticated consumer that claims
+it; only that consumer may read, confirm or release it. Blocks are freed when
+the consumer confirms or releases, or when the lease expires.
 
-Consumer (``do_remote_prefill``): matches its own prefix cache first, then
-pulls only the missing full blocks (the trailing partial block and the last
-prompt token are recomputed), off the batch, on the connector's transfer
-thread, within a deadline. Handshakes are cached per remote engine instance;
-a restarted producer has a new instance id (and a failure drops the cached
-handshake), so a stale agent never wedges later transfers.
+Consumer (``do_remote_prefill``): verifies the signature before anything is
+dialled, matches its own prefix cache, then pulls only the missing full
+blocks (the trailing partial block and the last prompt token are
+recomputed), off the batch, on the connector's transfer thread, within a
+deadline. After the bytes have landed it asks the producer to ``confirm``
+that the lease was held for the whole transfer; only then are the blocks
+used and published to the prefix cache. Otherwise the request recomputes.
+
+Pull targets stay out of the free pool until the transport is done with
+them: an aborted or timed-out READ that may still write them *quarantines*
+its blocks until its handle completes (past ``quarantine_timeout_seconds`` the
+engine reports itself unhealthy). Remote handshakes are cached with a size
+bound and an idle TTL. See docs/kv_transfer.md.
 """
 
 from __future__ import annotations
@@ -20,24 +29,44 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import EngineConfig
-from .base import KVConnectorScheduler, KVConnectorWorker
+from ..config import EngineConfig, security
+from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .layout import IncompatibleKV, KVLayout, compat_mismatch
-from .side_channel import SideChannelClient, SideChannelServer
-from .transports import NixlTransport, Remote, Transport, ZmqTransport, new_instance_id
+from .side_channel import (
+    PROTOCOL_VERSION,
+    IncompatibleHello,
+    Peer,
+    Refused,
+    SideChannelClient,
+    SideChannelServer,
+)
+from .transports import (
+    NixlTransport,
+    Remote,
+    Transport,
+    ZmqTransport,
+    new_instance_id,
+    restrict_ucx_to,
+)
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 # Failures that no policy may paper over (incompatible engines) carry this prefix.
 FATAL = "fatal: "
+BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
+KV_IP_ENV = "PDFLEET_KV_IP"
+LEASE_FIELD = "pdfleet_lease_id"
+# How long signed params stay valid after their lease ends.
+PARAMS_GRACE_SECONDS = 60.0
 
 
 @dataclass
@@ -54,25 +83,37 @@ class Load:
     remote: Remote | None = None
     # Nothing to pull (all blocks local): only tell the producer to free its blocks.
     release_only: bool = False
+    parked_since: float = 0.0
+
+    @property
+    def lease_id(self) -> str:
+        return str(self.params.get(LEASE_FIELD, ""))
 
 
 @dataclass
-class Held:
+class Lease:
+    """Blocks a producer holds for one consumer."""
+
+    request_id: str
     block_ids: list[int]
-    expires: float
+    expires: float  # monotonic
+    consumer: str | None = None  # Peer.identity once claimed
 
 
 @dataclass
 class ConnectorStats:
-    """Cumulative counters (read by the metrics exporter)."""
+    """Cumulative counters and current gauges (read by the metrics exporter)."""
 
     bytes_transferred: int = 0
     blocks_pulled: int = 0
     transfers: int = 0
     failed_transfers: int = 0
+    unconfirmed_transfers: int = 0
     expired_leases: int = 0
     handshakes: int = 0
     failed_handshakes: int = 0
+    remote_evictions: int = 0
+    refused_reads: int = 0
     transfer_seconds: list[float] = field(default_factory=list)  # drained by the exporter
 
 
@@ -82,6 +123,14 @@ class PDConnector:
     def __init__(self, config: EngineConfig) -> None:
         kv = config.kv_transfer_config
         assert kv is not None and kv.kv_connector is not None
+        secret = security.fleet_secret_from_env()
+        if secret is None:
+            raise ValueError(
+                "a KV connector needs the fleet secret: set $PDFLEET_FLEET_SECRET (or "
+                "$PDFLEET_FLEET_SECRET_FILE) to the same value on every engine and the gateway "
+                "(pdfleet up and the operator do this)"
+            )
+        self.secret = secret
         self.config = config
         self.kv = kv
         self.engine_id = str(kv.engine_id)
@@ -91,26 +140,47 @@ class PDConnector:
         self.lease_seconds = kv.lease_seconds
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 2.0))
         self.transfer_timeout = float(extra.get("transfer_timeout_seconds", 3.0))
+        self.quarantine_timeout = float(extra.get("quarantine_timeout_seconds", 30.0))
+        self.max_remotes = int(extra.get("max_remote_engines", 64))
+        self.remote_idle_seconds = float(extra.get("remote_idle_seconds", 600.0))
         self.fail_policy = kv.kv_load_failure_policy
         self.compat = config.compat_factors()
         self.compat_hash = config.compat_hash()
-        # The address consumers use; PDFLEET_KV_IP (the pod IP in Kubernetes) wins over kv_ip.
-        self.host = os.environ.get("PDFLEET_KV_IP") or kv.kv_ip
+        # The address consumers use; PDFLEET_KV_IP (the pod IP in Kubernetes) wins over
+        # kv_ip. PDFLEET_KV_BIND_IP binds another one (behind NAT).
+        self.host = os.environ.get(KV_IP_ENV) or kv.kv_ip
+        self.bind_ip = os.environ.get(BIND_IP_ENV) or self.host
+        if self.bind_ip in ("0.0.0.0", "::", "*", ""):
+            raise ValueError(
+                f"the KV side channel binds one address, not {self.bind_ip!r}: set "
+                f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"
+            )
         self.port = kv.kv_port
         self.stats = ConnectorStats()
         self.lock = threading.Lock()
-        self.held: dict[str, Held] = {}
-        self.released: set[str] = set()
+        # Producer: leases by lease id; request ids whose lease ended (to free).
+        self.held: dict[str, Lease] = {}
+        self.freed: list[str] = []
+        # Consumer: loads handed to the transfer thread whose target blocks the
+        # transport may still write (request id -> number of blocks), the aborted
+        # or failed ones among them (quarantined), and those whose quarantine ended.
+        self.active: dict[str, int] = {}
+        self.quarantined: set[str] = set()
+        self.unquarantined: list[str] = []
+        self.unhealthy: str | None = None
         self.new_loads: queue.Queue[Load] = queue.Queue()
         self.cancel: queue.Queue[str] = queue.Queue()
         self.done: queue.Queue[tuple[str, bool, str]] = queue.Queue()
         self.errors: dict[str, str] = {}
-        self.remotes: dict[tuple[str, str, str, int], Remote] = {}
-        self.transport: Transport = (
-            NixlTransport(self.engine_id, self.instance_id, list(extra.get("backends", ["UCX"])))
-            if kv.kv_connector == "NixlConnector"
-            else ZmqTransport()
-        )
+        self.remotes: OrderedDict[tuple[str, str, str, int], tuple[Remote, float]] = OrderedDict()
+        if kv.kv_connector == "NixlConnector":
+            devices = restrict_ucx_to(self.bind_ip)
+            logger.info("UCX restricted to UCX_NET_DEVICES=%s", devices)
+            self.transport: Transport = NixlTransport(
+                self.engine_id, self.instance_id, list(extra.get("backends", ["UCX"]))
+            )
+        else:
+            self.transport = ZmqTransport()
         self.layout: KVLayout | None = None
         self.server: SideChannelServer | None = None
         self._stop = threading.Event()
@@ -123,11 +193,16 @@ class PDConnector:
         self.transport.register(buffer, self.layout)
         if self.kv.is_kv_producer:
             self.server = SideChannelServer(
-                "0.0.0.0",
+                self.bind_ip,
                 self.port,
+                self.secret,
+                self.compat,
+                self.compat_hash,
                 {
                     "handshake": self._on_handshake,
+                    "claim": self._on_claim,
                     "read": self._on_read,
+                    "confirm": self._on_confirm,
                     "release": self._on_release,
                 },
             )
@@ -137,15 +212,31 @@ class PDConnector:
             )
             self.thread.start()
         logger.info(
-            "KV connector %s (%s) engine %s instance %s, side channel %s:%d, lease %.0fs",
+            "KV connector %s (%s) engine %s instance %s, side channel %s:%d (bound %s), "
+            "lease %.0fs",
             self.kv.kv_connector,
             self.kv.kv_role,
             self.engine_id,
             self.instance_id,
             self.host,
             self.port,
+            self.bind_ip,
             self.lease_seconds,
         )
+
+    def wait_for_leases(self, timeout: float | None = None) -> int:
+        """Block until every held lease is claimed or expired (bounded by the lease);
+        the engine loop must keep stepping meanwhile. Returns the leases left."""
+        bound = self.lease_seconds + 1.0 if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            with self.lock:
+                left = len(self.held)
+            if not left:
+                return 0
+            time.sleep(0.02)
+        with self.lock:
+            return len(self.held)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -157,8 +248,10 @@ class PDConnector:
 
     # -- producer: side-channel handlers (side-channel thread) -----------------------
 
-    def _on_handshake(self, request: dict[str, Any]):
+    def _on_handshake(self, request: dict[str, Any], peer: Peer):
         assert self.layout is not None
+        # The layout without addresses: a READ needs only the base (NIXL adds it).
+        layout = {k: v for k, v in self.layout.to_dict().items() if k != "base_address"}
         return {
             "ok": True,
             "version": PROTOCOL_VERSION,
@@ -166,31 +259,70 @@ class PDConnector:
             "instance_id": self.instance_id,
             "compat": self.compat,
             "compat_hash": self.compat_hash,
-            "layout": self.layout.to_dict(),
+            "layout": layout,
             "transport": self.transport.name,
             **self.transport.handshake_fields(),
         }, []
 
-    def _on_read(self, request: dict[str, Any]):
-        rid = str(request.get("request_id"))
-        wanted = [int(b) for b in request.get("block_ids", [])]
+    def _lease_for(self, request: dict[str, Any], peer: Peer) -> tuple[Lease | None, str]:
+        """The lease a claim/read names, bound to ``peer`` (caller holds the lock)."""
+        lease = self.held.get(str(request.get("lease_id")))
+        if lease is None:
+            return None, "unknown or ended lease"
+        if lease.expires < time.monotonic():
+            return None, "the lease has expired"
+        if lease.consumer is not None and lease.consumer != peer.identity:
+            return None, "the lease is bound to another consumer"
+        wanted = request.get("block_ids")
+        if not isinstance(wanted, list) or not set(wanted) <= set(lease.block_ids):
+            return None, "the blocks named are not held under this lease"
+        lease.consumer = peer.identity
+        return lease, ""
+
+    def _refused(self, why: str):
+        self.stats.refused_reads += 1
+        return {"ok": False, "error": why}, []
+
+    def _on_claim(self, request: dict[str, Any], peer: Peer):
         with self.lock:
-            held = self.held.get(rid)
-            if held is None:
-                return {"ok": False, "error": f"no blocks held for request {rid}"}, []
-            if not set(wanted) <= set(held.block_ids):
-                return {"ok": False, "error": "requested blocks are not held for this request"}, []
+            lease, why = self._lease_for(request, peer)
+            if lease is None:
+                return self._refused(why)
+        return {"ok": True}, []
+
+    def _on_read(self, request: dict[str, Any], peer: Peer):
+        with self.lock:
+            lease, why = self._lease_for(request, peer)
+            if lease is None:
+                return self._refused(why)
+            wanted = [int(b) for b in request["block_ids"]]
             frames = self.transport.serve_read(request, wanted)
-        with self.lock:
             self.stats.bytes_transferred += sum(len(f) for f in frames)
         return {"ok": True}, frames
 
-    def _on_release(self, request: dict[str, Any]):
+    def _on_confirm(self, request: dict[str, Any], peer: Peer):
+        """Was the lease held (its blocks never freed) for the whole transfer? It ends now."""
         with self.lock:
-            self.released.add(str(request.get("request_id")))
+            lid = str(request.get("lease_id"))
+            lease = self.held.get(lid)
+            if lease is None or lease.consumer != peer.identity:
+                return self._refused("the lease ended before the transfer was confirmed")
+            del self.held[lid]
+            self.freed.append(lease.request_id)
+        return {"ok": True}, []
+
+    def _on_release(self, request: dict[str, Any], peer: Peer):
+        with self.lock:
+            lid = str(request.get("lease_id"))
+            lease = self.held.get(lid)
+            if lease is not None and lease.consumer in (None, peer.identity):
+                del self.held[lid]
+                self.freed.append(lease.request_id)
+            else:
+                self.stats.refused_reads += 1
         return None
 
-    # -- consumer: transfer thread --------------------------------------------------
+    # -- consumer: handshake cache (transfer thread) ----------------------------------
 
     def _remote_key(self, p: dict[str, Any]) -> tuple[str, str, str, int]:
         return (
@@ -200,17 +332,48 @@ class PDConnector:
             int(p["remote_port"]),
         )
 
+    def _drop_remote(self, key: tuple[str, str, str, int], client: SideChannelClient) -> None:
+        entry = self.remotes.pop(key, None)
+        if entry is None:
+            return
+        self.transport.forget(entry[0])
+        if not any(k[2:] == key[2:] for k in self.remotes):
+            client.drop(key[2], key[3])
+
+    def _evict_remotes(self, client: SideChannelClient, busy: set[int]) -> None:
+        """Drop idle handshakes and those over the size bound (never one in use)."""
+        cutoff = time.monotonic() - self.remote_idle_seconds
+        for key, (remote, used) in list(self.remotes.items()):
+            over = len(self.remotes) > self.max_remotes
+            if not over and used >= cutoff:
+                break  # ordered by last use: the rest are newer
+            if id(remote) in busy:
+                continue
+            self._drop_remote(key, client)
+            with self.lock:
+                self.stats.remote_evictions += 1
+
     def _handshake(self, client: SideChannelClient, p: dict[str, Any], deadline: float) -> Remote:
         key = self._remote_key(p)
-        remote = self.remotes.get(key)
-        if remote is not None:
-            return remote
+        entry = self.remotes.get(key)
+        if entry is not None:
+            self.remotes[key] = (entry[0], time.monotonic())
+            self.remotes.move_to_end(key)
+            return entry[0]
         host, port = key[2], key[3]
         timeout = max(0.05, min(self.handshake_timeout, deadline - time.monotonic()))
+        # A new handshake with this address replaces any other instance's there.
+        for other in [k for k in self.remotes if k[2:] == key[2:]]:
+            self._drop_remote(other, client)
+            with self.lock:
+                self.stats.remote_evictions += 1
         try:
-            reply, _ = client.call(
-                host, port, {"op": "handshake", "version": PROTOCOL_VERSION}, timeout
-            )
+            reply, _ = client.connect(host, port, timeout)
+        except IncompatibleHello as e:
+            with self.lock:
+                self.stats.failed_handshakes += 1
+            why = compat_mismatch(self.compat, e.compat)
+            raise IncompatibleKV(why or str(e)) from None
         except Exception:
             with self.lock:
                 self.stats.failed_handshakes += 1
@@ -226,7 +389,7 @@ class PDConnector:
                 f"{reply.get('instance_id')}, params from {wanted})"
             )
         assert self.layout is not None
-        layout = KVLayout(**reply["layout"])
+        layout = KVLayout(**{"base_address": 0, **reply["layout"]})
         shape = self.layout.shape_mismatch(layout)
         if shape is not None:
             raise IncompatibleKV(f"KV layout mismatch with the prefill engine: {shape}")
@@ -237,62 +400,110 @@ class PDConnector:
             )
         remote = Remote(str(reply["engine_id"]), str(reply["instance_id"]), host, port, layout)
         self.transport.connect(remote, reply)
-        # Cache under the key from the request and the instance actually reached.
-        self.remotes[key] = remote
+        self.remotes[key] = (remote, time.monotonic())
         with self.lock:
             self.stats.handshakes += 1
         return remote
 
-    def _forget(self, load: Load) -> None:
-        key = self._remote_key(load.params)
-        remote = self.remotes.pop(key, None)
-        if remote is not None:
-            self.transport.forget(remote)
+    def _forget(self, load: Load, client: SideChannelClient) -> None:
+        if load.params.get("remote_host") is not None:
+            self._drop_remote(self._remote_key(load.params), client)
+
+    # -- consumer: transfer thread --------------------------------------------------
+
+    def _target_done(self, request_id: str) -> None:
+        """The transport will not write this request's pull targets any more."""
+        with self.lock:
+            self.active.pop(request_id, None)
+            if request_id in self.quarantined:
+                self.quarantined.discard(request_id)
+                self.unquarantined.append(request_id)
 
     def _transfer_loop(self) -> None:
-        client = SideChannelClient()
+        client = SideChannelClient(self.secret, self.engine_id, self.instance_id, self.compat_hash)
         if isinstance(self.transport, ZmqTransport):
             self.transport.client = client
         inflight: list[Load] = []
+        parked: list[Load] = []
         cancelled: set[str] = set()
+        next_sweep = 0.0
         while not self._stop.is_set():
             try:
-                load = self.new_loads.get(timeout=0.0005 if inflight else 0.05)
-                self._begin(client, load, inflight)
+                load = self.new_loads.get(timeout=0.0005 if inflight or parked else 0.05)
+                self._drain_cancels(cancelled)
+                self._begin(client, load, inflight, cancelled)
             except queue.Empty:
                 pass
-            while True:
-                try:
-                    cancelled.add(self.cancel.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain_cancels(cancelled)
             now = time.monotonic()
             still = []
             for load in inflight:
-                state = "ERR" if load.request_id in cancelled else self.transport.check(load.token)
-                if state == "PROC" and now > load.deadline:
-                    state = "TIMEOUT"
+                state = self.transport.check(load.token)
                 if state == "PROC":
-                    still.append(load)
+                    if load.request_id in cancelled or now > load.deadline:
+                        # It may still write its targets: report the failure now, keep the
+                        # handle (and the blocks) until the transport is done with it.
+                        why = "cancelled" if load.request_id in cancelled else "timed out"
+                        load.parked_since = now
+                        parked.append(load)
+                        self._finish(load, False, client, f"the transfer {why}", target_done=False)
+                    else:
+                        still.append(load)
                     continue
                 self.transport.release(load.token)
-                self._finish(
-                    load,
-                    state == "DONE",
-                    client,
-                    "cancelled" if load.request_id in cancelled else state.lower(),
-                )
+                if load.request_id in cancelled:
+                    self._finish(load, False, client, "cancelled")
+                elif state == "DONE":
+                    self._confirm(client, load)
+                else:
+                    self._finish(load, False, client, f"the transfer failed ({state})")
+                cancelled.discard(load.request_id)
             inflight = still
+            parked = self._check_parked(parked, cancelled, now)
+            if now >= next_sweep:
+                next_sweep = now + 1.0
+                busy = {id(x.remote) for x in inflight + parked}
+                self._evict_remotes(client, busy)
         client.close()
 
-    def _begin(self, client: SideChannelClient, load: Load, inflight: list[Load]) -> None:
+    def _drain_cancels(self, cancelled: set[str]) -> None:
+        while True:
+            try:
+                cancelled.add(self.cancel.get_nowait())
+            except queue.Empty:
+                return
+
+    def _check_parked(self, parked: list[Load], cancelled: set[str], now: float) -> list[Load]:
+        still = []
+        for load in parked:
+            if self.transport.check(load.token) == "PROC":
+                still.append(load)
+                if now - load.parked_since > self.quarantine_timeout and self.unhealthy is None:
+                    self.unhealthy = (
+                        f"a KV pull for {load.request_id} has not finished "
+                        f"{self.quarantine_timeout:.0f}s after it was abandoned; its blocks "
+                        "stay quarantined"
+                    )
+                    logger.error("%s", self.unhealthy)
+                continue
+            self.transport.release(load.token)
+            cancelled.discard(load.request_id)
+            self._target_done(load.request_id)
+        if not still and self.unhealthy is not None:
+            logger.info("every abandoned KV pull has finished; quarantine over")
+            self.unhealthy = None
+        return still
+
+    def _begin(
+        self, client: SideChannelClient, load: Load, inflight: list[Load], cancelled: set[str]
+    ) -> None:
         p = load.params
         if load.release_only:
-            client.send_nowait(
-                str(p["remote_host"]),
-                int(p["remote_port"]),
-                {"op": "release", "request_id": str(p["remote_request_id"])},
-            )
+            self._send_release(client, p)
+            return
+        if load.request_id in cancelled:
+            cancelled.discard(load.request_id)
+            self._finish(load, False, client, "cancelled")
             return
         try:
             if time.monotonic() > load.deadline:
@@ -300,13 +511,20 @@ class PDConnector:
             remote = self._handshake(client, p, load.deadline)
             load.remote = remote
             load.started = time.monotonic()
+            if isinstance(self.transport, NixlTransport):
+                # One-sided READs: the producer checks and binds the lease first.
+                client.call(
+                    remote.host,
+                    remote.port,
+                    {"op": "claim", "lease_id": load.lease_id, "block_ids": load.remote_ids},
+                    max(0.05, load.deadline - time.monotonic()),
+                )
             load.token = self.transport.start_read(
-                remote,
-                load.local_ids,
-                load.remote_ids,
-                str(p["remote_request_id"]),
-                load.deadline,
+                remote, load.local_ids, load.remote_ids, load.lease_id, load.deadline
             )
+            if load.token == "DONE" and time.monotonic() > load.deadline:
+                self._finish(load, False, client, "the transfer timed out")
+                return
             inflight.append(load)
         except Exception as e:
             logger.warning(
@@ -316,12 +534,39 @@ class PDConnector:
                 p.get("remote_port"),
                 e,
             )
-            self._forget(load)
+            if not isinstance(e, Refused):
+                self._forget(load, client)
             self._finish(
                 load, False, client, (FATAL if isinstance(e, IncompatibleKV) else "") + str(e)
             )
 
-    def _finish(self, load: Load, ok: bool, client: SideChannelClient, why: str) -> None:
+    def _confirm(self, client: SideChannelClient, load: Load) -> None:
+        """The bytes landed: use them only if the lease was held for all of the transfer."""
+        assert load.remote is not None
+        try:
+            client.call(
+                load.remote.host,
+                load.remote.port,
+                {"op": "confirm", "lease_id": load.lease_id},
+                max(0.05, min(self.handshake_timeout, load.deadline - time.monotonic() + 1.0)),
+            )
+        except Exception as e:
+            logger.warning("KV pull for %s not confirmed, recomputing: %s", load.request_id, e)
+            with self.lock:
+                self.stats.unconfirmed_transfers += 1
+            self._finish(load, False, client, f"the transfer was not confirmed ({e})")
+            return
+        self._finish(load, True, client, "")
+
+    def _send_release(self, client: SideChannelClient, p: dict[str, Any]) -> None:
+        host, port = p.get("remote_host"), p.get("remote_port")
+        if host is None or port is None or (str(host), int(port)) not in client.sessions:
+            return  # never authenticated there: nothing of ours is held
+        client.send_nowait(str(host), int(port), {"op": "release", "lease_id": p[LEASE_FIELD]})
+
+    def _finish(
+        self, load: Load, ok: bool, client: SideChannelClient, why: str, target_done: bool = True
+    ) -> None:
         nbytes = (
             len(load.local_ids)
             * (self.layout.block_bytes if self.layout else 0)
@@ -337,16 +582,27 @@ class PDConnector:
             else:
                 self.stats.failed_transfers += 1
         if not ok:
-            self._forget(load)
             # Tell the producer it may free the blocks now (best effort).
-            p = load.params
-            if p.get("remote_host") and p.get("remote_port") is not None:
-                client.send_nowait(
-                    str(p["remote_host"]),
-                    int(p["remote_port"]),
-                    {"op": "release", "request_id": str(p["remote_request_id"])},
-                )
+            self._send_release(client, load.params)
+        if target_done:
+            self._target_done(load.request_id)
         self.done.put((load.request_id, ok, why))
+
+    # -- consumer: engine thread ------------------------------------------------------
+
+    def pull_in_flight(self, request_id: str) -> bool:
+        """Whether a transfer may still write the request's blocks; if so they are
+        quarantined from now on (the scheduler keeps them out of the free pool)."""
+        with self.lock:
+            if request_id in self.active:
+                self.quarantined.add(request_id)
+                return True
+            return False
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        with self.lock:
+            return sum(self.active.get(r, 0) for r in self.quarantined)
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
@@ -354,8 +610,16 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.c = c
         self.pending: list[Load] = []
 
+    def _verified(self, params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return security.verify_params(self.c.secret, params)
+        except security.InvalidParams as e:
+            message = str(e).replace("kv_transfer_params ", "the params ", 1)
+            raise ValueError(f"kv_transfer_params: {message}") from None
+
     def validate(self, params: dict[str, Any] | None) -> None:
-        """Reject unusable kv_transfer_params before a request is queued (HTTP 400)."""
+        """Reject unusable kv_transfer_params before a request is queued (HTTP 400):
+        nothing is dialled, pulled, freed or cached for params that fail here."""
         if not params:
             return
         if params.get("do_remote_prefill"):
@@ -364,10 +628,25 @@ class PDConnectorScheduler(KVConnectorScheduler):
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.c.kv.kv_role}) and cannot pull remote KV"
                 )
-            for name in ("remote_host", "remote_port", "remote_block_ids", "remote_request_id"):
-                if params.get(name) is None:
+            p = self._verified(params)
+            for name in (
+                "remote_host",
+                "remote_port",
+                "remote_block_ids",
+                "remote_request_id",
+                LEASE_FIELD,
+            ):
+                if p.get(name) is None:
                     raise ValueError(f"kv_transfer_params: {name} is missing")
-            why = compat_mismatch(self.c.compat, params.get("pdfleet_compat"))
+            ids = p["remote_block_ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
+            ):
+                raise ValueError("kv_transfer_params: remote_block_ids must be block ids")
+            port = p["remote_port"]
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError("kv_transfer_params: remote_port is not a port")
+            why = compat_mismatch(self.c.compat, p.get("pdfleet_compat"))
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
         if params.get("do_remote_decode") and not self.c.kv.is_kv_producer:
@@ -379,6 +658,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.kv_transfer_params or {}
         if not p.get("do_remote_prefill") or not self.c.kv.is_kv_consumer:
+            return 0, False
+        try:
+            self.validate(p)  # also for requests that did not come through add_request
+        except ValueError as e:
+            logger.warning("request %s: ignoring its kv_transfer_params: %s", request.request_id, e)
+            request.kv_transfer_params = None
             return 0, False
         bs = self.c.block_size
         remote_ids = p.get("remote_block_ids") or []
@@ -407,6 +692,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output):
         loads, self.pending = self.pending, []
+        with self.c.lock:
+            for load in loads:
+                self.c.active[load.request_id] = len(load.local_ids)
         return loads
 
     def request_finished(self, request, block_ids):
@@ -417,6 +705,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # Full blocks before the last prompt token: the consumer recomputes that token
         # (it needs its logits), so a block holding it is never pulled.
         full = block_ids[: (request.num_prompt_tokens - 1) // bs]
+        lease_id = secrets.token_urlsafe(18)
+        with self.c.lock:
+            # One lease per request id: a repeated id never takes over held blocks.
+            duplicate = any(x.request_id == request.request_id for x in self.c.held.values())
+        if duplicate:
+            full = []
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -427,20 +721,35 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "remote_block_ids": list(full),
             "remote_request_id": request.request_id,
             "tp_size": self.c.config.parallel_config.tensor_parallel_size,
+            LEASE_FIELD: lease_id,
             "pdfleet_compat": self.c.compat,
             "pdfleet_compat_hash": self.c.compat_hash,
         }
+        # The signature outlives the lease by a margin: a decode leg that arrives after
+        # the lease recomputes (the producer refuses the pull) instead of failing;
+        # one that arrives later still is refused (400).
+        signed = security.sign_params(
+            self.c.secret, params, ttl=self.c.lease_seconds + PARAMS_GRACE_SECONDS
+        )
         if not full:
-            return False, params
+            return False, signed
         with self.c.lock:
-            self.c.held[request.request_id] = Held(
-                list(full), time.monotonic() + self.c.lease_seconds
+            self.c.held[lease_id] = Lease(
+                request.request_id, list(full), time.monotonic() + self.c.lease_seconds
             )
-        return True, params
+        return True, signed
 
-    def request_aborted(self, request):
+    def request_aborted(self, request) -> bool:
+        """Drop the request's pending load; True when a transfer may still write its
+        blocks (the scheduler then quarantines them)."""
         self.pending = [x for x in self.pending if x.request_id != request.request_id]
-        self.c.cancel.put(request.request_id)
+        if self.c.pull_in_flight(request.request_id):
+            self.c.cancel.put(request.request_id)
+            return True
+        return False
+
+    def pull_in_flight(self, request) -> bool:
+        return self.c.pull_in_flight(request.request_id)
 
     def load_failed(self, request):
         why = self.c.errors.pop(request.request_id, "the transfer failed")
@@ -452,6 +761,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 "kv_load_failure_policy is fail"
             )
         return None
+
+    def unhealthy(self) -> str | None:
+        return self.c.unhealthy
 
 
 class PDConnectorWorker(KVConnectorWorker):
@@ -471,21 +783,18 @@ class PDConnectorWorker(KVConnectorWorker):
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
-        if c.kv.is_kv_producer:
-            released = c.transport.poll_released()
-            now = time.monotonic()
-            with c.lock:
-                released.extend(c.released)
-                c.released.clear()
-                for rid in released:
-                    if c.held.pop(rid, None) is not None:
-                        sending.add(rid)
-                for rid, held in list(c.held.items()):
-                    if held.expires < now:
-                        del c.held[rid]
-                        sending.add(rid)
-                        c.stats.expired_leases += 1
-                        logger.info("lease of %s expired unclaimed; blocks freed", rid)
+        now = time.monotonic()
+        with c.lock:
+            sending.update(c.freed)
+            c.freed.clear()
+            for lid, lease in list(c.held.items()):
+                if lease.expires < now:
+                    del c.held[lid]
+                    sending.add(lease.request_id)
+                    c.stats.expired_leases += 1
+                    logger.info("lease of %s expired unclaimed; blocks freed", lease.request_id)
+            sending.update(QUARANTINE + rid for rid in c.unquarantined)
+            c.unquarantined.clear()
         while True:
             try:
                 rid, ok, why = c.done.get_nowait()
@@ -496,6 +805,8 @@ class PDConnectorWorker(KVConnectorWorker):
             else:
                 failed.add(rid)
                 c.errors[rid] = why
+        while len(c.errors) > 4096:  # errors of requests aborted meanwhile
+            del c.errors[next(iter(c.errors))]
         return sending, recving, failed
 
     def shutdown(self) -> None:

@@ -14,6 +14,7 @@ class IncompatibleKV(Exception):
 
 # Compatibility factors checked before any transfer, in the order they are reported.
 COMPAT_FIELDS = (
+    "pdfleet_version",
     "model",
     "revision",
     "architecture",

@@ -1,13 +1,23 @@
 """Byte movers for KV blocks: NIXL (UCX) READs, or ZeroMQ frames.
 
 Both read whole blocks of the remote engine into local blocks; the connector
-decides which. A transport is used from the connector's transfer thread
-(reads) and the engine thread (producer notifications).
+decides which, and checks the producer's lease before and after. A transport
+is used from the connector's transfer thread only.
+
+Test hook: when ``$PDFLEET_KV_TEST_READ_DELAY_FILE`` names a file holding a
+number of seconds, every READ started while it does is delayed by that much
+(NIXL: the READ is posted late and cannot be cancelled meanwhile; ZMQ: the
+bytes are written late). Tests use it to abort and time out requests mid-pull.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import logging
+import os
+import socket
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +44,50 @@ class Remote:
     handle: Any = None  # transport-specific (NIXL: agent name and prepped list)
 
 
+READ_DELAY_ENV = "PDFLEET_KV_TEST_READ_DELAY_FILE"
+
+
+def read_delay() -> float:
+    """Seconds to delay the next READ by (the test hook above); 0 normally."""
+    path = os.environ.get(READ_DELAY_ENV)
+    if not path:
+        return 0.0
+    try:
+        with open(path) as f:
+            return max(0.0, float(f.read().strip() or 0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def interface_of(ip: str) -> str:
+    """The name of the network interface that has the IPv4 address ``ip``."""
+    for _index, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                # SIOCGIFADDR: the interface's IPv4 address.
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(raw[20:24]) == ip:
+            return name
+    raise ValueError(
+        f"no network interface of this host has the KV address {ip}; set "
+        "kv_transfer_config.kv_ip (or $PDFLEET_KV_BIND_IP behind NAT) to one of this host's "
+        "IPv4 addresses"
+    )
+
+
+def restrict_ucx_to(ip: str) -> str:
+    """Make UCX use only the interface of ``ip`` (before the first NIXL agent exists).
+
+    ``UCX_NET_DEVICES`` set by the operator of the machine wins; otherwise it is
+    set to the interface that holds ``ip``, so UCX listens and connects there only."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return os.environ["UCX_NET_DEVICES"]
+    os.environ["UCX_NET_DEVICES"] = interface_of(ip)
+    return os.environ["UCX_NET_DEVICES"]
+
+
 class Transport:
     name = "base"
 
@@ -54,9 +108,10 @@ class Transport:
         remote: Remote,
         local_ids: list[int],
         remote_ids: list[int],
-        request_id: str,
+        lease_id: str,
         deadline: float,
     ) -> Any:
+        """Start reading ``remote_ids`` (held under ``lease_id``) into ``local_ids``."""
         raise NotImplementedError
 
     def check(self, token: Any) -> str:
@@ -64,11 +119,8 @@ class Transport:
         raise NotImplementedError
 
     def release(self, token: Any) -> None:
-        """Free a transfer's resources (cancels it if still running)."""
-
-    def poll_released(self) -> list[str]:
-        """Producer: request ids whose blocks consumers finished reading."""
-        return []
+        """Free a finished transfer's resources. Never called while it is PROC: a
+        READ that may still write its target blocks is kept until it completes."""
 
     def serve_read(self, request: dict[str, Any], block_ids: list[int]) -> list[Any]:
         raise RuntimeError(f"{self.name} does not serve reads over the side channel")
@@ -91,8 +143,12 @@ class NixlTransport(Transport):
                 "ZmqConnector on machines without NIXL"
             ) from e
         self.agent_name = f"{engine_id}-{instance_id}"
+        # No listen thread: the agent's metadata goes out only through the
+        # authenticated side channel.
         config = nixl_agent_config(
-            backends=backends, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_listen_thread=False,
+            backends=backends,
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self.agent = nixl_agent(self.agent_name, config)
         self.leaked: list[Any] = []
@@ -116,13 +172,21 @@ class NixlTransport(Transport):
         return descs
 
     def handshake_fields(self) -> dict[str, Any]:
-        return {"agent_metadata": self.agent.get_agent_metadata(), "device_id": self.dev}
+        # What a one-sided READ needs and nothing more: the agent (its UCX address
+        # and memory keys) and where the registered buffer starts.
+        return {
+            "agent_metadata": self.agent.get_agent_metadata(),
+            "device_id": self.dev,
+            "base_address": self.layout.base_address,
+        }
 
     def connect(self, remote: Remote, reply: dict[str, Any]) -> None:
         name = self.agent.add_remote_agent(reply["agent_metadata"])
         name = name.decode() if isinstance(name, bytes) else name
+        layout = dataclasses.replace(remote.layout, base_address=int(reply["base_address"]))
+        remote.layout = layout
         remote_list = self.agent.prep_xfer_dlist(
-            name, self._descs(remote.layout, int(reply.get("device_id", 0))), self.mem_type
+            name, self._descs(layout, int(reply.get("device_id", 0))), self.mem_type
         )
         remote.handle = (name, remote_list)
 
@@ -136,39 +200,40 @@ class NixlTransport(Transport):
                 logger.debug("forgetting %s: %s", name, e)
             remote.handle = None
 
-    def start_read(self, remote, local_ids, remote_ids, request_id, deadline):
+    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
         _name, remote_list = remote.handle
         local_idx = self.layout.indices(local_ids)
         remote_idx = remote.layout.indices(remote_ids)
+        # No notification: the consumer confirms over the side channel instead.
         xfer = self.agent.make_prepped_xfer(
-            "READ",
-            self.local_list,
-            local_idx,
-            remote_list,
-            remote_idx,
-            notif_msg=request_id.encode(),
+            "READ", self.local_list, local_idx, remote_list, remote_idx
         )
-        state = self.agent.transfer(xfer)
-        if state == "ERR":
+        delay = read_delay()
+        if delay > 0:
+            return _Delayed(xfer, time.monotonic() + delay)
+        if self.agent.transfer(xfer) == "ERR":
             self.release(xfer)
             raise RuntimeError("NIXL refused the READ")
         return xfer
 
     def check(self, token: Any) -> str:
+        if isinstance(token, _Delayed):
+            if not token.posted:
+                if time.monotonic() < token.start_at:
+                    return "PROC"
+                token.posted = True
+                if self.agent.transfer(token.xfer) == "ERR":
+                    return "ERR"
+            return self.agent.check_xfer_state(token.xfer)
         return self.agent.check_xfer_state(token)
 
     def release(self, token: Any) -> None:
+        xfer = token.xfer if isinstance(token, _Delayed) else token
         try:
-            self.agent.release_xfer_handle(token)
+            self.agent.release_xfer_handle(xfer)
         except Exception:
-            # A transfer that cannot be cancelled stays referenced, never freed twice.
-            self.leaked.append(token)
-
-    def poll_released(self) -> list[str]:
-        out = []
-        for messages in self.agent.get_new_notifs().values():
-            out.extend(bytes(m).decode(errors="replace") for m in messages)
-        return out
+            # NIXL still owns it: keep a reference, never free it twice.
+            self.leaked.append(xfer)
 
     def shutdown(self) -> None:
         try:
@@ -177,13 +242,24 @@ class NixlTransport(Transport):
             logger.debug("deregister: %s", e)
 
 
+@dataclass
+class _Delayed:
+    """A NIXL READ posted only at ``start_at`` (the test hook): until then and
+    while it runs it cannot be cancelled, like a READ stuck in the fabric."""
+
+    xfer: Any
+    start_at: float
+    posted: bool = False
+
+
 class ZmqTransport(Transport):
     """Block bytes as ZeroMQ frames over the side channel, sent from tensor memory."""
 
     name = "zmq"
 
-    def __init__(self, client_factory: Any = SideChannelClient) -> None:
-        self.client = client_factory()
+    def __init__(self) -> None:
+        # The transfer thread's authenticated client (set by the connector).
+        self.client: SideChannelClient | None = None
 
     def _runs(self, block_ids: list[int]) -> list[tuple[int, int]]:
         """Consecutive block ids merged into (start, count) runs."""
@@ -209,14 +285,19 @@ class ZmqTransport(Transport):
                     frames.append(memoryview(view.contiguous().view(torch.uint8).numpy()))
         return frames
 
-    def start_read(self, remote, local_ids, remote_ids, request_id, deadline):
+    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
+        """Synchronous: the bytes are in the local blocks when it returns."""
+        assert self.client is not None
         timeout = max(0.05, deadline - time.monotonic())
         _reply, frames = self.client.call(
             remote.host,
             remote.port,
-            {"op": "read", "request_id": request_id, "block_ids": list(remote_ids)},
+            {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids)},
             timeout,
         )
+        delay = read_delay()
+        if delay > 0:
+            time.sleep(delay)  # the test hook: the bytes land late
         layout = self.layout
         expected = layout.num_layers * 2 * len(self._runs(list(remote_ids)))
         if len(frames) != expected:
@@ -236,9 +317,6 @@ class ZmqTransport(Transport):
                         i += 1
         if self.buffer.device.type == "cuda":
             torch.cuda.current_stream(self.buffer.device).synchronize()
-        self.client.send_nowait(
-            remote.host, remote.port, {"op": "release", "request_id": request_id}
-        )
         return "DONE"
 
     @staticmethod
@@ -253,7 +331,7 @@ class ZmqTransport(Transport):
         return token
 
     def shutdown(self) -> None:
-        self.client.close()
+        pass
 
 
 def new_instance_id() -> str:

@@ -112,8 +112,12 @@ class Sampler:
         logits = logits.to(torch.float32)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.banned_token_ids:
+            vocab = logits.shape[-1]
             for row, ids in meta.banned_token_ids.items():
-                logits[row, ids] = _NEG_INF
+                # Ids outside the vocabulary are refused at admission; never index with one.
+                ids = [t for t in ids if 0 <= t < vocab]
+                if ids:
+                    logits[row, ids] = _NEG_INF
         if meta.output_token_ids is not None:
             logits = apply_penalties(logits, meta)
         greedy = logits.argmax(dim=-1)

@@ -289,7 +289,8 @@ class ModelRunner:
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=torch.tensor(
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=d
+                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                device=d,
             )
             if use_top_k
             else None,

@@ -116,7 +116,7 @@ def _port_free(host: str, port: int) -> bool:
 def run(args: argparse.Namespace) -> int:
     from ..compat import check_service
     from ..resource import load_inference_service
-    from .fleet import LocalFleet, free_port
+    from .fleet import LocalFleet, fleet_credentials, free_port
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     problems = check_service(service.spec)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
+    fleet_secret, api_keys = fleet_credentials()
     model_path = resolve_model(service.spec.model.uri, say)
     port = args.port or service.spec.gateway.port
     if args.port is None and not _port_free(args.host, port):
@@ -141,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         gateway_port=port,
         threads_per_engine=args.threads_per_engine,
         say=say,
+        fleet_secret=fleet_secret,
+        api_keys=api_keys,
     )
     stop = threading.Event()
 

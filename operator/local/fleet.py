@@ -7,6 +7,12 @@ reported and restarted. Scale-down drains: the victim leaves the engines
 file, the fleet waits (bounded) until it has no running or waiting requests
 and no KV leases held for decode engines, then stops it. The autoscaler
 (``autoscale.py``) decides when.
+
+Every child gets the fleet's credentials in its environment: the fleet
+secret (``$PDFLEET_FLEET_SECRET``, given or generated per run) and the API
+keys (``$PDFLEET_API_KEY``, split as every component splits them). The
+fleet's own scrapes present the fleet token. Every process binds ``host``
+(loopback by default), the KV side channel included (docs/local.md).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config import security
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from ..resource import InferenceService
@@ -42,12 +49,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def scrape(url: str, timeout: float = 2.0) -> dict[str, float] | None:
+def fleet_credentials(environ: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """(fleet secret, API keys) of a run: the secret from $PDFLEET_FLEET_SECRET
+    (or its _FILE), else a new random one; the keys from $PDFLEET_API_KEY (or
+    its _FILE). Raises ValueError naming the variable when one is unusable."""
+    environ = dict(os.environ if environ is None else environ)
+    secret = security.fleet_secret_from_env(environ)
+    keys = security.api_keys_from_env(environ)
+    return (secret.decode() if secret is not None else security.generate_secret()), keys
+
+
+def scrape(
+    url: str, timeout: float = 2.0, headers: dict[str, str] | None = None
+) -> dict[str, float] | None:
     """Summed samples of an engine's /metrics by name, or None if unreachable."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url + "/metrics", timeout=timeout).text
+        response = httpx.get(url + "/metrics", timeout=timeout, headers=headers or {})
+        response.raise_for_status()
+        text = response.text
     except httpx.HTTPError:
         return None
     out: dict[str, float] = {}
@@ -77,7 +98,11 @@ class LocalFleet:
         gateway_port: int | None = None,
         threads_per_engine: int | None = None,
         say: Callable[[str], None] = print,
+        fleet_secret: str | None = None,
+        api_keys: list[str] | None = None,
     ) -> None:
+        """``fleet_secret`` and ``api_keys``: see :func:`fleet_credentials`
+        (a new secret when None)."""
         self.service = service
         self.spec = service.spec
         self.model_path = model_path
@@ -95,6 +120,13 @@ class LocalFleet:
         self.gateway: Child | None = None
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
+        secret = fleet_secret or security.generate_secret()
+        # What every child gets: the secret and the keys (one comma-separated
+        # list: engines and the gateway split it with security.split_keys).
+        self.child_env = {security.FLEET_SECRET_ENV: secret}
+        self.child_env[security.API_KEY_ENV] = ",".join(api_keys or [])
+        token = security.fleet_token(secret.encode())
+        self.auth_headers = {"Authorization": f"Bearer {token}"}
 
     def replicas_in_spec(self, role: str) -> int:
         if role == "prefill" and not disaggregating(self.spec):
@@ -128,8 +160,9 @@ class LocalFleet:
             argv,
             port,
             self.run_dir / f"{name}.log",
-            env={"OMP_NUM_THREADS": str(self.threads)},
+            env={**self.child_env, "OMP_NUM_THREADS": str(self.threads)},
             host=self.host,
+            headers=self.auth_headers,
         )
 
     def add_engine(self, role: str) -> Child:
@@ -198,7 +231,9 @@ class LocalFleet:
             argv,
             self.gateway_port,
             self.run_dir / "gateway.log",
+            env=self.child_env,
             host=self.host,
+            headers=self.auth_headers,
         )
         self.gateway.start()
         while not self.gateway.healthy():
@@ -270,7 +305,7 @@ class LocalFleet:
             # The gateway re-reads the engines file within a second; then wait for idle.
             time.sleep(1.5)
             while time.monotonic() < deadline and child.alive():
-                if in_flight(scrape(child.url)) == 0:
+                if in_flight(scrape(child.url, headers=child.headers)) == 0:
                     break
                 time.sleep(0.5)
             code = child.stop(grace=15.0)

@@ -1,16 +1,50 @@
-"""One child process of the local fleet: start, health, stop (every wait bounded)."""
+"""One child process of the local fleet: start, health, stop (every wait bounded).
+
+Children die with their supervisor: each one asks the kernel (Linux
+``prctl(PR_SET_PDEATHSIG)``) for SIGKILL when its parent goes, whatever
+ends the parent, SIGKILL included. The kernel ties that signal to the
+*thread* that forked the child, so every child is forked by one long-lived
+spawner thread, never by a short-lived worker (a drain, an autoscaler step).
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+# One thread forks every child and lives as long as the process (see above).
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a forked child, before exec: SIGKILL when the parent dies; exit at
+    once if it died already (between fork and here)."""
+    if _LIBC is None:
+        return
+    if _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(126)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **kwargs)`` whose process dies with this one."""
+    parent = os.getpid()
+    return _SPAWNER.submit(
+        subprocess.Popen, argv, preexec_fn=lambda: die_with_parent(parent), **kwargs
+    ).result(timeout=60)
 
 
 @dataclass(eq=False)
@@ -22,6 +56,8 @@ class Child:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent with every request to the child (the fleet token: engines want it)."""
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready: bool = False
@@ -36,7 +72,7 @@ class Child:
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it; closed on exit)
         try:
-            self.proc = subprocess.Popen(
+            self.proc = spawn(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -53,6 +89,10 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
@@ -61,6 +101,15 @@ class Child:
             return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def metrics_text(self, timeout: float = 2.0) -> str | None:
+        """The child's ``/metrics`` (authenticated), or None if it does not answer."""
+        try:
+            response = httpx.get(self.url + "/metrics", headers=self.headers, timeout=timeout)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return response.text
 
     def stop(self, grace: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL of the whole process group after ``grace`` seconds."""

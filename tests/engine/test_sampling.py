@@ -277,7 +277,80 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(llm, prompts):
         LLM("/nonexistent", max_num_seq=3)
     assert_no_leaks(llm)
     out = gen(llm, prompts[:2], ok)
-    assert all(len(o.outputs[0].token_ids) >= 1 for o in out)
+    for o in out:
+        c = o.outputs[0]
+        assert c.finish_reason in ("length", "stop")
+        assert len(c.token_ids) == 4 if c.finish_reason == "length" else 1 <= len(c.token_ids) <= 4
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_k": 2**63, "temperature": 1.0}, "top_k"),
+        ({"stop_token_ids": [2**70], "min_tokens": 2}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"n": 10**6}, "n"),
+    ],
+)
+def test_values_beyond_int_ranges_are_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_stop_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(llm, prompts):
+    vocab = llm.engine.config.model_config.vocab_size
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab])
+    with pytest.raises(ValueError, match="stop_token_ids.*vocabulary"):
+        gen(llm, prompts[:1], bad)
+    assert_no_leaks(llm)
+    # In range extremes are served: the last id as a stop id, top_k past the vocabulary,
+    # the largest seed for n=2 (the children's seeds wrap inside int64).
+    edge = SamplingParams(
+        max_tokens=4, min_tokens=2, stop_token_ids=[vocab - 1], top_k=10**6, n=2, seed=2**63 - 1
+    )
+    (out,) = gen(llm, prompts[:1], edge)
+    assert [len(c.token_ids) >= 2 for c in out.outputs] == [True, True]
+    assert_no_leaks(llm)
+
+
+def test_sampler_ignores_ids_outside_the_vocabulary_and_clamps_top_k():
+    vocab = 8
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    meta = SamplingMetadata(
+        temperature=torch.tensor([0.0, 1.0]),
+        all_greedy=False,
+        all_random=False,
+        top_k=torch.tensor([vocab * 1000, 2**40]),
+        top_p=None,
+        min_p=None,
+        generators={},
+        banned_token_ids={0: [2, vocab, 2**40, -3], 1: [vocab + 1]},
+    )
+    out = Sampler(0, torch.device("cpu"))(logits, meta).sampled_token_ids.tolist()
+    assert out[0] == 3  # id 2 banned, the out-of-range ids ignored
+    assert 0 <= out[1] < vocab
+
+
+def test_child_request_ids_never_collide_with_other_requests(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, n=2, temperature=0)
+    one = SamplingParams(max_tokens=2, temperature=0)
+    engine.add_request("c", {"prompt_token_ids": [1, 2, 3]}, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("c-0", {"prompt_token_ids": [4, 5]}, one)
+    engine.add_request("d-1", {"prompt_token_ids": [4, 5]}, one)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("d", {"prompt_token_ids": [1, 2, 3]}, params)
+    finished = {}
+    deadline = 200
+    while engine.has_unfinished_requests() and deadline:
+        deadline -= 1
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = [len(c.token_ids) for c in out.outputs]
+    assert finished == {"c": [2, 2], "d-1": [2]}
     assert_no_leaks(llm)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from .server import ServerProcess, free_port
+from .server import ServerProcess, fleet_headers, free_port
 
 MAX_LEN = 512
 ENGINE_ARGS = [
@@ -89,11 +89,8 @@ def metric(url: str, name: str, key: str | None = None, **labels: str) -> float:
 def auth_headers(key: str | None = None) -> dict[str, str]:
     """``Authorization`` with ``key``, else with the fleet token of
     $PDFLEET_FLEET_SECRET (none when neither is set)."""
-    from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
-
     if key is None:
-        secret = fleet_secret_from_env()
-        key = fleet_token(secret) if secret else None
+        return fleet_headers()
     return {"authorization": f"Bearer {key}"} if key else {}
 
 

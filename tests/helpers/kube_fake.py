@@ -24,6 +24,7 @@ IS_RESOURCE = "pdfleet.dev/v1alpha1/inferenceservices"
 DEPLOYMENTS = "apps/v1/deployments"
 EVENTS = "v1/events"
 PODS = "v1/pods"
+SECRETS = "v1/secrets"
 NAMESPACE = "ns1"
 RESOURCES = {"InferenceService": IS_RESOURCE, "Pod": PODS, "Deployment": DEPLOYMENTS}
 
@@ -77,8 +78,17 @@ class FakeCluster:
             )
             response.raise_for_status()
 
+    async def delete(self, resource: str, name: str) -> None:
+        """Delete through HTTP, as ``kubectl delete`` would."""
+        group_version, plural = resource.rsplit("/", 1)
+        prefix = "api/v1" if group_version == "v1" else f"apis/{group_version}"
+        path = f"{self.url}/{prefix}/namespaces/{NAMESPACE}/{plural}/{name}"
+        async with httpx.AsyncClient(timeout=5) as http:
+            response = await http.delete(path)
+            response.raise_for_status()
+
     async def wait_for(
-        self, predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition"
+        self, predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
     ) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

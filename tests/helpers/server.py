@@ -12,6 +12,20 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config import security
+
+
+def fleet_token(environ: dict[str, str] | None = None) -> str | None:
+    """The engine-HTTP token of the fleet secret the tests' processes share."""
+    secret = security.fleet_secret_from_env(environ)
+    return security.fleet_token(secret) if secret is not None else None
+
+
+def fleet_headers(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``Authorization`` for calling an engine directly, as the gateway does."""
+    token = fleet_token(environ)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,11 +50,14 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         # One torch thread per process: test servers share two cores, and OpenMP
         # threads spinning on shared cores slow every step several-fold.
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # What a caller of this process presents (empty when it runs without a secret).
+        self.headers = fleet_headers(environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdfleet.engine.cli", *args, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            env=environ,
             start_new_session=True,
         )
 
@@ -81,7 +98,7 @@ def scrape(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = httpx.get(url + "/metrics", timeout=5, headers=fleet_headers()).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value if s.labels else s.value

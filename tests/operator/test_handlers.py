@@ -11,14 +11,17 @@ from helpers.kube_fake import (
     EVENTS,
     IS_RESOURCE,
     NAMESPACE,
+    SECRETS,
     inference_service,
     run,
     running_operator,
 )
 
+from pdfleet.engine.config import security
 from pdfleet.operator.autoscaler import ScaleDecision
+from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig
-from pdfleet.operator.manifests import LABEL_COMPAT
+from pdfleet.operator.manifests import ANNOTATION_FLEET_SECRET, LABEL_COMPAT
 
 SPEC: dict[str, Any] = {
     "model": {"name": "tiny"},
@@ -31,7 +34,8 @@ CHILD_DEPLOYMENTS = {"demo-prefill", "demo-decode", "demo-gateway"}
 
 
 def fast_config(**kwargs: Any) -> OperatorConfig:
-    return OperatorConfig(timer_interval_seconds=0.3, rollout_poll_seconds=0.3, **kwargs)
+    # A 1 s timer: faster ticks crowd the handlers out of a loaded machine.
+    return OperatorConfig(timer_interval_seconds=1.0, rollout_poll_seconds=0.3, **kwargs)
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
@@ -174,13 +178,23 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
             return [ScaleDecision("decode", 3, "kv usage 0.9 > target 0.7")]
         return []
 
+    tokens: list[str | None] = []
+    clusters: list[Any] = []
+
     async def metrics(request: web.Request) -> web.Response:
-        failures["count"] += 1  # a failure counter that keeps rising
+        # Engines answer /metrics only to the fleet token (docs/security.md).
+        tokens.append(security.bearer_token(request.headers.get("Authorization")))
+        secret = secret_value(clusters[0].get(SECRETS, "demo-fleet"))
+        if not security.key_matches(tokens[-1], [security.fleet_token(secret)]):
+            return web.json_response({"error": {"code": 401}}, status=401)
+        failures["count"] += 1  # a failure counter that keeps rising, no pull succeeds
         text = (
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             'vllm:kv_cache_usage_perc{model_name="tiny"} 0.9\n'
             "# TYPE pdfleet_engine_kv_transfer_failures counter\n"
             f"pdfleet_engine_kv_transfer_failures_total {failures['count']}\n"
+            "# TYPE pdfleet_engine_kv_transfers counter\n"
+            "pdfleet_engine_kv_transfers_total 0\n"
         )
         return web.Response(text=text)
 
@@ -195,10 +209,12 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
         pods = [
             engine_pod("demo-decode-a", "decode", port),
             engine_pod("demo-prefill-a", "prefill", port),
+            engine_pod("demo-gateway-a", "gateway", port),  # scraped for its KV breakers
         ]
         try:
             objects = [inference_service("demo", spec), *pods]
             async with running_operator(objects, fast_config(decide=decide)) as k:
+                clusters.append(k)
                 await k.wait_for(
                     lambda: (
                         (k.get(DEPLOYMENTS, "demo-decode") or {}).get("spec", {}).get("replicas")
@@ -216,15 +232,18 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
                 record = svc["status"]["autoscaling"]["lastDecisions"][-1]
                 assert (record["role"], record["from"], record["to"]) == ("decode", 1, 3)
                 assert "kv usage" in record["reason"]
-                await k.wait_for(
+                kv = await k.wait_for(
                     lambda: (
                         (condition(k.get(IS_RESOURCE, "demo"), "KVTransferHealthy") or {}).get(
                             "status"
                         )
                         == "False"
+                        and condition(k.get(IS_RESOURCE, "demo"), "KVTransferHealthy")
                     ),
                     what="KVTransferHealthy=False",
                 )
+                assert kv["reason"] == "KVTransferDegraded"
+                assert "KV pulls failed" in kv["message"] and "demo-decode-a" in kv["message"]
                 await k.wait_for(
                     lambda: (
                         k.get(IS_RESOURCE, "demo")["status"]["roles"]["decode"]["desiredReplicas"]
@@ -234,11 +253,87 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
                 )
         finally:
             await runner.cleanup()
+        assert tokens and all(t is not None for t in tokens)
         service, samples, replicas = seen[0]
         assert service == f"{NAMESPACE}/demo"
         assert replicas == {"prefill": 1, "decode": 1}
         by_pod = {s.pod: s for s in samples}
+        assert set(by_pod) == {"demo-decode-a", "demo-prefill-a"}  # the policy sees engines
         assert by_pod["demo-decode-a"].role == "decode"
         assert by_pod["demo-decode-a"].values["vllm:kv_cache_usage_perc"] == 0.9
+
+    run(scenario())
+
+
+def test_operator_creates_one_random_owned_fleet_secret_and_pods_mount_its_version():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+            secret = await k.wait_for(lambda: k.get(SECRETS, "demo-fleet"), what="fleet secret")
+            owner = secret["metadata"]["ownerReferences"][0]
+            assert (owner["kind"], owner["uid"]) == ("InferenceService", "uid-1")
+            value = secret_value(secret)
+            assert len(value) >= 32
+            version = secret_version(value)
+            for name in CHILD_DEPLOYMENTS:
+                template = k.get(DEPLOYMENTS, name)["spec"]["template"]
+                assert template["metadata"]["annotations"][ANNOTATION_FLEET_SECRET] == version
+            assert k.names("networking.k8s.io/v1/networkpolicies") == {
+                "demo-prefill",
+                "demo-decode",
+                "demo-gateway",
+            }
+            assert k.names("rbac.authorization.k8s.io/v1/rolebindings") == {"demo-gateway"}
+            assert not k.names("rbac.authorization.k8s.io/v1/roles")
+            # Reconciles and refreshes keep the same secret.
+            await k.patch(IS_RESOURCE, "demo", {"spec": {"decode": {"replicas": 2}}})
+            await k.wait_for(
+                lambda: k.get(DEPLOYMENTS, "demo-decode")["spec"]["replicas"] == 2,
+                what="decode replicas 2",
+            )
+            assert secret_value(k.get(SECRETS, "demo-fleet")) == value
+
+    run(scenario())
+
+
+def test_deleting_the_fleet_secret_makes_a_new_one_and_rolls_every_pod_onto_it():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+            old = secret_value(await k.wait_for(lambda: k.get(SECRETS, "demo-fleet")))
+            await k.delete(SECRETS, "demo-fleet")
+            new = secret_value(
+                await k.wait_for(
+                    lambda: (
+                        (s := k.get(SECRETS, "demo-fleet")) is not None
+                        and secret_value(s) != old
+                        and s
+                    ),
+                    what="a new fleet secret",
+                )
+            )
+
+            def versions() -> set[str]:
+                return {
+                    k.get(DEPLOYMENTS, name)["spec"]["template"]["metadata"]["annotations"][
+                        ANNOTATION_FLEET_SECRET
+                    ]
+                    for name in CHILD_DEPLOYMENTS
+                }
+
+            await k.wait_for(lambda: versions() == {secret_version(new)}, what="pods rolled")
+
+    run(scenario())
+
+
+def test_deleting_a_service_forgets_its_state_in_the_operator():
+    async def scenario():
+        async with running_operator([inference_service("demo", SPEC)], fast_config()) as k:
+            await k.wait_for(lambda: "uid-1" in k.state.kv_verdict, what="a refresh")
+            await k.delete(IS_RESOURCE, "demo")
+            await k.wait_for(
+                lambda: "uid-1" not in k.state.kv_verdict and "uid-1" not in k.state.kv_health,
+                what="state forgotten",
+            )
 
     run(scenario())

@@ -20,14 +20,20 @@ def render(*flags: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+CLUSTER_WIDE = ("--set", "namespaced=false", "--set", "clusterWide=true")
+
+
 def test_helm_lint_passes_in_both_modes():
     helm("lint", "--strict", str(CHART))
-    helm("lint", "--strict", str(CHART), "--set", "namespaced=true")
+    helm("lint", "--strict", str(CHART), *CLUSTER_WIDE)
 
 
-@pytest.mark.parametrize(
-    "flags", [(), ("--set", "namespaced=true", "--set", "watchNamespaces={a,b}")]
-)
+def test_cluster_wide_mode_needs_an_explicit_confirmation():
+    with pytest.raises(AssertionError, match="clusterWide=true"):
+        render("--set", "namespaced=false")
+
+
+@pytest.mark.parametrize("flags", [(), CLUSTER_WIDE, ("--set", "watchNamespaces={a,b}")], ids=str)
 def test_rendered_objects_are_valid_kubernetes(flags):
     objects = render("--include-crds", *flags)
     assert objects
@@ -45,25 +51,93 @@ def test_operator_runs_one_replica_recreated_with_kopf_liveness():
     assert pod["securityContext"]["runAsNonRoot"] is True
     # The command is a valid pdfleet command line.
     args = build_parser().parse_args(container["command"][1:])
-    assert args.command == "operator" and args.namespace == []
+    assert args.command == "operator" and args.namespace == ["ops"]
     assert args.default_image == "pdfleet:0.1.0"
+    # Engine NetworkPolicies admit scrapes from the operator's namespace.
+    assert args.operator_namespace == "ops"
+    assert (args.gateway_role_kind, args.gateway_role) == ("Role", "demo-pdfleet-gateway")
 
 
-def test_rbac_is_least_privilege_and_namespaced_mode_needs_no_cluster_role():
-    cluster = render()
-    (role,) = [o for o in cluster if o["kind"] == "ClusterRole"]
+def rules_by_resource(role):
+    out = {}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "delete" not in rule["verbs"]  # children go by garbage collection
-    namespaced = render("--set", "namespaced=true", "--set", "watchNamespaces={a,b}")
-    kinds = [(o["kind"], o["metadata"].get("namespace")) for o in namespaced]
-    assert ("Role", "a") in kinds and ("RoleBinding", "b") in kinds
-    assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _ in kinds)
-    deployment = next(o for o in namespaced if o["kind"] == "Deployment")
+        for resource in rule["resources"]:
+            out[resource] = (sorted(rule["verbs"]), rule.get("resourceNames"))
+    return out
+
+
+# What the operator may do, and nothing more (docs/security.md says why).
+OPERATOR_RULES = {
+    "inferenceservices": (["get", "list", "patch", "watch"], None),
+    "inferenceservices/status": (["get", "patch"], None),
+    "deployments": (["create", "get", "patch"], None),
+    "services": (["create", "get", "patch"], None),
+    "configmaps": (["create", "get", "patch"], None),
+    "serviceaccounts": (["create", "get", "patch"], None),
+    "poddisruptionbudgets": (["create", "get", "patch"], None),
+    "networkpolicies": (["create", "get", "patch"], None),
+    "secrets": (["create", "get"], None),
+    "rolebindings": (["create", "get", "patch"], None),
+    "pods": (["list", "patch"], None),
+    "events": (["create"], None),
+}
+
+
+def test_namespaced_mode_is_the_default_and_creates_nothing_cluster_wide_but_the_policy():
+    objects = render("--set", "watchNamespaces={a,b}")
+    kinds = {(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")) for o in objects}
+    assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _, _ in kinds)
+    for ns in ("a", "b"):
+        assert {("Role", "demo-pdfleet", ns), ("RoleBinding", "demo-pdfleet", ns)} <= kinds
+        assert ("Role", "demo-pdfleet-gateway", ns) in kinds
+    roles = {
+        (o["metadata"]["name"], o["metadata"]["namespace"]): o
+        for o in objects
+        if o["kind"] == "Role"
+    }
+    rules = rules_by_resource(roles["demo-pdfleet", "a"])
+    # The operator binds the gateway role and no other; it creates no Roles.
+    assert rules.pop("roles") == (["bind"], ["demo-pdfleet-gateway"])
+    assert rules == OPERATOR_RULES
+    assert roles["demo-pdfleet-gateway", "b"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
+def test_cluster_wide_mode_grants_the_same_rules_and_a_gateway_cluster_role():
+    objects = render(*CLUSTER_WIDE)
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
+    assert set(roles) == {"demo-pdfleet", "demo-pdfleet-gateway"}
+    rules = rules_by_resource(roles["demo-pdfleet"])
+    assert rules.pop("clusterroles") == (["bind"], ["demo-pdfleet-gateway"])
+    assert rules == OPERATOR_RULES
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
     args = build_parser().parse_args(
         deployment["spec"]["template"]["spec"]["containers"][0]["command"][1:]
     )
-    assert args.namespace == ["a", "b"]
+    assert args.namespace == [] and args.gateway_role_kind == "ClusterRole"
+
+
+def test_an_admission_policy_confines_the_operators_pod_patches():
+    objects = render()
+    (policy,) = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"][0]["resources"] == ["pods"]
+    (match,) = spec["matchConditions"]
+    assert "system:serviceaccount:ops:demo-pdfleet" in match["expression"]
+    rules = " ".join(v["expression"] for v in spec["validations"])
+    assert "pdfleet-operator" in rules and "controller.kubernetes.io/pod-deletion-cost" in rules
+    assert "object.spec == oldObject.spec" in rules
+    assert not [o for o in render("--set", "podPatchPolicy=false") if "Admission" in o["kind"]]
 
 
 def test_every_values_key_has_a_comment():
@@ -90,5 +164,62 @@ def test_notes_render(tmp_path):
     )
     out = helm("template", "demo", str(chart), "--show-only", "templates/notes.yaml")
     out = yaml.safe_load(out)["data"]["notes"]
+    assert "watches InferenceServices in: default" in out
+    assert "kubectl apply -n default -f" in out and "kubectl wait pdsvc/tiny" in out
+    flags = ("--show-only", "templates/notes.yaml", *CLUSTER_WIDE)
+    out = yaml.safe_load(helm("template", "demo", str(chart), *flags))["data"]["notes"]
     assert "watches InferenceServices in every namespace" in out
-    assert "kubectl wait pdsvc/tiny" in out
+
+
+def pod(labels=None, annotations=None, image="pdfleet:0.1.0"):
+    meta = {"name": "demo-decode-x", "namespace": "ns1"}
+    if labels is not None:
+        meta["labels"] = labels
+    if annotations is not None:
+        meta["annotations"] = annotations
+    return {"metadata": meta, "spec": {"containers": [{"name": "engine", "image": image}]}}
+
+
+OURS = {"app.kubernetes.io/managed-by": "pdfleet-operator", "pdfleet.dev/role": "decode"}
+COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "allowed"),
+    [
+        (pod(OURS), pod(OURS, {COST: "-1000"}), True),
+        (pod(OURS, {"a": "1", COST: "5"}), pod(OURS, {"a": "1", COST: "-1000"}), True),
+        (pod(OURS), pod({**OURS, "pdfleet.dev/role": "prefill"}), False),  # relabel
+        (pod(OURS, {"a": "1"}), pod(OURS, {"a": "2"}), False),  # another annotation
+        (pod(OURS, {"a": "1"}), pod(OURS, {COST: "1"}), False),  # an annotation removed
+        (pod(OURS), pod(OURS, image="evil:latest"), False),  # the spec
+        (pod({"app": "other"}), pod({"app": "other"}, {COST: "1"}), False),  # not pdfleet's
+        (pod(), pod(None, {COST: "1"}), False),  # no labels at all
+    ],
+)
+def test_the_pod_patch_policy_admits_only_deletion_cost_changes_on_pdfleet_pods(old, new, allowed):
+    import celpy
+
+    (policy,) = [o for o in render() if o["kind"] == "ValidatingAdmissionPolicy"]
+    env = celpy.Environment()
+
+    def evaluate(expression, activation):
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation = {
+        "object": celpy.json_to_cel(new),
+        "oldObject": celpy.json_to_cel(old),
+        "request": celpy.json_to_cel(
+            {"userInfo": {"username": "system:serviceaccount:ops:demo-pdfleet"}}
+        ),
+    }
+    (match,) = policy["spec"]["matchConditions"]
+    assert evaluate(match["expression"], activation)
+    variables = {
+        v["name"]: evaluate(v["expression"], activation) for v in policy["spec"]["variables"]
+    }
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+    )
+    results = [bool(evaluate(v["expression"], activation)) for v in policy["spec"]["validations"]]
+    assert all(results) is allowed, results

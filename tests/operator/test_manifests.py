@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import json
@@ -15,8 +16,12 @@ from pdfleet.engine.cli import main
 from pdfleet.operator.manifests import (
     DEFAULT_IMAGE,
     LABEL_COMPAT,
+    LABEL_ROLE,
+    LABEL_SERVICE,
+    OperatorInstall,
     Owner,
     build_children,
+    build_fleet_secret,
     desired_replicas,
 )
 from pdfleet.operator.resource import load_inference_service, parse_spec
@@ -49,7 +54,7 @@ def container(objects, name):
 def test_every_child_of_the_examples_is_a_valid_kubernetes_object(path):
     svc = load_inference_service(path)
     objects = build_children(svc.name, svc.spec, namespace="default", owner=Owner(svc.name, "u1"))
-    assert len(objects) == 13
+    assert len(objects) == 15
     for obj in objects:
         validate(obj)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
@@ -145,9 +150,16 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     (volume,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
     assert volume["secret"]["secretName"] == "keys"
     assert volume["secret"]["items"] == [{"key": "api-key", "path": key_file.rsplit("/", 1)[1]}]
-    role = by_kind_name(objects)["Role", "demo-gateway"]
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    # The gateway's pod discovery goes through the chart's ClusterRole: no Role here.
+    assert not [o for o in objects if o["kind"] == "Role"]
+    binding = by_kind_name(objects)["RoleBinding", "demo-gateway"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "pdfleet-gateway",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-gateway", "namespace": "ns1"}
     ]
     service = by_kind_name(objects)["Service", "demo"]
     assert service["spec"]["type"] == "ClusterIP"
@@ -204,3 +216,89 @@ def test_pdfleet_crd_prints_the_crd():
     code, out, _ = run_cli("crd")
     assert code == 0
     assert yaml.safe_load(out)["metadata"]["name"] == "inferenceservices.pdfleet.dev"
+
+
+def pod_of(objects, name):
+    return by_kind_name(objects)["Deployment", name]["spec"]["template"]
+
+
+def test_every_engine_and_gateway_pod_mounts_the_fleet_secret_as_a_file():
+    objects = children(secret_version="abc123")
+    for name in ("demo-prefill", "demo-decode", "demo-gateway"):
+        template = pod_of(objects, name)
+        c = template["spec"]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert "PDFLEET_FLEET_SECRET" not in env  # a file, never an environment value
+        path = env["PDFLEET_FLEET_SECRET_FILE"]["value"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "fleet-secret")
+        assert path == mount["mountPath"] + "/secret" and mount["readOnly"] is True
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == "fleet-secret")
+        assert volume["secret"]["secretName"] == "demo-fleet"
+        assert volume["secret"]["items"] == [{"key": "fleet-secret", "path": "secret"}]
+        # A new secret (rotation) changes the template, so every pod rolls onto it.
+        assert template["metadata"]["annotations"]["pdfleet.dev/fleet-secret-version"] == "abc123"
+    assert "annotations" not in pod_of(children(), "demo-decode")["metadata"]
+
+
+def test_engine_pods_pin_ucx_to_a_port_range_above_the_kv_port():
+    objects = children()
+    for name in ("demo-prefill", "demo-decode"):
+        env = {e["name"]: e.get("value") for e in container(objects, name)["env"]}
+        assert env["UCX_TCP_PORT_RANGE"] == "14580-14611"
+    zmq = children({**SPEC, "kvTransfer": {"connector": "ZmqConnector"}})
+    assert "UCX_TCP_PORT_RANGE" not in {e["name"] for e in container(zmq, "demo-decode")["env"]}
+    high = children({**SPEC, "kvTransfer": {"connector": "NixlConnector", "port": 65530}})
+    env = {e["name"]: e.get("value") for e in container(high, "demo-decode")["env"]}
+    assert env["UCX_TCP_PORT_RANGE"] == "65498-65529"
+
+
+def network_policy(objects, role):
+    return by_kind_name(objects)["NetworkPolicy", f"demo-{role}"]["spec"]
+
+
+def test_engines_take_http_only_from_gateway_and_operator_and_kv_only_from_the_other_role():
+    install = OperatorInstall(namespace="pdfleet-system")
+    objects = children(install=install)
+    gateway = {"podSelector": {"matchLabels": {LABEL_SERVICE: "demo", LABEL_ROLE: "gateway"}}}
+    operator = {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "pdfleet",
+                "app.kubernetes.io/component": "operator",
+            }
+        },
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pdfleet-system"}},
+    }
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        policy = network_policy(objects, role)
+        assert policy["podSelector"]["matchLabels"] == {LABEL_SERVICE: "demo", LABEL_ROLE: role}
+        assert policy["policyTypes"] == ["Ingress"]
+        http, kv = policy["ingress"]
+        assert http["from"] == [gateway, operator]
+        assert http["ports"] == [{"port": 8000, "protocol": "TCP"}]
+        assert kv["from"] == [
+            {"podSelector": {"matchLabels": {LABEL_SERVICE: "demo", LABEL_ROLE: other}}}
+        ]
+        assert kv["ports"] == [
+            {"port": 14579, "protocol": "TCP"},
+            {"port": 14580, "endPort": 14611, "protocol": "TCP"},
+        ]
+    # Clients reach the gateway's port only.
+    assert network_policy(objects, "gateway")["ingress"] == [
+        {"ports": [{"port": 8000, "protocol": "TCP"}]}
+    ]
+    # Without disaggregation no KV port is open anywhere.
+    disabled = children({**SPEC, "disaggregation": {"mode": "Disabled"}})
+    assert len(network_policy(disabled, "decode")["ingress"]) == 1
+    # An operator in the service's own namespace: selected by pod labels alone.
+    local = children(install=OperatorInstall(namespace=None))
+    assert "namespaceSelector" not in network_policy(local, "decode")["ingress"][0]["from"][1]
+
+
+def test_fleet_secret_is_immutable_owned_and_holds_the_value():
+    secret = build_fleet_secret("demo", namespace="ns1", owner=Owner("demo", "u1"), value="s" * 43)
+    validate(secret)
+    assert secret["metadata"]["name"] == "demo-fleet"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert secret["immutable"] is True
+    assert base64.b64decode(secret["data"]["fleet-secret"]) == b"s" * 43

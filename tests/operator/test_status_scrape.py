@@ -102,19 +102,49 @@ def test_parse_metrics_sums_label_sets_and_drops_buckets():
     assert not any(name.endswith("_bucket") for name in values)
 
 
+def kv_sample(pod, failed, ok=None, at=0.0):
+    values = {"vllm:nixl_num_failed_transfers_total": failed}
+    if ok is not None:
+        values["pdfleet_engine_kv_transfers_total"] = ok
+    return PodSample(pod, "decode", True, at, values)
+
+
 def test_kv_health_turns_false_when_a_failure_counter_rises():
     health = KVHealth()
+    assert health.update([PodSample("d-1", "decode", True, 0.0)]).healthy is None
+    assert health.update([kv_sample("d-1", 2)]).healthy is True  # first sighting: a baseline
+    assert health.update([kv_sample("d-1", 2)]).healthy is True
+    verdict = health.update([kv_sample("d-1", 5)])
+    assert (verdict.healthy, verdict.reason) == (False, "KVTransferDegraded")
+    assert "d-1 +3" in verdict.message
 
-    def sample(value):
-        return [
-            PodSample("d-1", "decode", True, 0.0, {"vllm:nixl_num_failed_transfers_total": value})
-        ]
 
-    assert health.update([PodSample("d-1", "decode", True, 0.0)])[0] is None
-    assert health.update(sample(2))[0] is True  # first sighting: nothing to compare
-    assert health.update(sample(2))[0] is True
-    healthy, message = health.update(sample(5))
-    assert healthy is False and "d-1 +3" in message
+def test_kv_health_weighs_failed_against_all_pulls_in_the_window():
+    health = KVHealth(window_seconds=60, max_failure_ratio=0.1)
+    health.update([kv_sample("d-1", 0, 0, at=0), kv_sample("d-2", 0, 0, at=0)])
+    # 1 failure in 100 pulls: within the ratio.
+    verdict = health.update([kv_sample("d-1", 1, 50, at=10), kv_sample("d-2", 0, 49, at=10)])
+    assert (verdict.healthy, verdict.reason) == (True, "FewFailedTransfers")
+    assert "1 of 100" in verdict.message
+    # 30 more failures and 10 more good pulls: 31 of 140 is over 10%.
+    verdict = health.update([kv_sample("d-1", 31, 50, at=20), kv_sample("d-2", 0, 59, at=20)])
+    assert (verdict.healthy, verdict.reason) == (False, "KVTransferDegraded")
+    assert "31 of 140" in verdict.message and "d-1 +31" in verdict.message
+    # A restarted engine's counters start again from 0: their new value is growth.
+    verdict = health.update([kv_sample("d-1", 0, 5, at=30), kv_sample("d-2", 0, 59, at=30)])
+    assert "31 of 145" in verdict.message
+    # Once the failures leave the window, the condition recovers.
+    verdict = health.update([kv_sample("d-1", 0, 105, at=85), kv_sample("d-2", 0, 59, at=85)])
+    assert (verdict.healthy, verdict.reason) == (True, "NoFailedTransfers")
+    assert "105 KV pulls" in verdict.message
+
+
+def test_kv_health_keeps_failures_of_an_engine_that_went_away():
+    health = KVHealth(window_seconds=60)
+    health.update([kv_sample("d-1", 0, 0, at=0)])
+    health.update([kv_sample("d-1", 4, 0, at=10)])
+    verdict = health.update([kv_sample("d-2", 0, 0, at=20)])  # d-1 was replaced
+    assert verdict.healthy is False and "d-1 +4" in verdict.message
 
 
 def test_a_pod_that_never_answers_costs_at_most_the_scrape_timeout():
@@ -135,3 +165,15 @@ def test_a_pod_that_never_answers_costs_at_most_the_scrape_timeout():
     assert elapsed < 2.0
     assert [s.error is not None for s in samples] == [True, True]
     assert samples[1].error == "no pod IP yet"
+
+
+def test_an_open_kv_circuit_breaker_of_a_gateway_makes_kv_unhealthy():
+    health = KVHealth()
+    engines = [kv_sample("d-1", 0, 10, at=0)]
+    gateway = PodSample("gw-1", "gateway", True, 0.0, {"pdfleet_gateway_kv_pair_open": 2.0})
+    verdict = health.update([*engines, gateway])
+    assert (verdict.healthy, verdict.reason) == (False, "KVCircuitOpen")
+    assert "gw-1 2" in verdict.message
+    closed = PodSample("gw-1", "gateway", True, 10.0, {"pdfleet_gateway_kv_pair_open": 0.0})
+    verdict = health.update([kv_sample("d-1", 0, 20, at=10), closed])
+    assert (verdict.healthy, verdict.reason) == (True, "NoFailedTransfers")

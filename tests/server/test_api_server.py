@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.server import ServerProcess, scrape, wait_until
+from helpers.server import ServerProcess, fleet_token, scrape, wait_until
 
 from pdfleet.engine import LLM, SamplingParams
 
@@ -39,7 +39,16 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=fleet_token(), max_retries=0, timeout=60
+    )
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """httpx against the engine with the fleet token (as the gateway calls it)."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +59,15 @@ def offline(tiny_model):
 PROMPT = "The harbor was quiet before dawn."
 
 
-def test_models_health_and_tokenize(server, client):
+def test_models_health_and_tokenize(http, server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert http.get("/health").json() == {"status": "ok"}
+    tok = http.post("/tokenize", json={"prompt": "hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_LEN
-    detok = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    detok = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["prompt"].endswith("hello world")
-    chat_tok = httpx.post(
-        server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
-    ).json()
+    chat_tok = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat_tok["count"] > 3
 
 
@@ -112,9 +119,13 @@ def test_streaming_chat_n2_stop_logprobs_seed(client):
     again = client.chat.completions.create(**kw)
     assert [c.message.content for c in whole.choices] == [c.message.content for c in again.choices]
     assert {c.index for c in whole.choices} == {0, 1}
+    # One logprobs entry per generated token of each choice.
+    assert sum(len(c.logprobs.content) for c in whole.choices) == whole.usage.completion_tokens
     for c in whole.choices:
-        assert len(c.logprobs.content) == whole.usage.completion_tokens // 2 or c.finish_reason
-        assert all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "length":
+            assert len(c.logprobs.content) == kw["max_tokens"]
+        assert c.logprobs.content and all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
     texts = {0: "", 1: ""}
     usage = None
     for chunk in client.chat.completions.create(
@@ -170,7 +181,7 @@ def test_cached_tokens_are_reported(client):
 def test_async_client_32_concurrent_streams(server):
     async def main():
         aclient = openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120
+            base_url=server.url + "/v1", api_key=fleet_token(), max_retries=0, timeout=120
         )
 
         async def one(i: int):
@@ -201,7 +212,7 @@ def test_async_client_32_concurrent_streams(server):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server):
+def test_client_disconnect_aborts_and_frees_blocks(http, server):
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -209,7 +220,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+    with http.stream("POST", "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
@@ -238,8 +249,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ],
 )
-def test_bad_completion_requests_get_openai_shaped_4xx(server, body, status, param):
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+def test_bad_completion_requests_get_openai_shaped_4xx(http, server, body, status, param):
+    r = http.post("/v1/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -257,15 +268,15 @@ def test_bad_completion_requests_get_openai_shaped_4xx(server, body, status, par
         ({"messages": "hello"}, 400),
     ],
 )
-def test_bad_chat_requests(server, body, status):
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+def test_bad_chat_requests(http, server, body, status):
+    r = http.post("/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == status
 
 
-def test_invalid_json_and_the_server_keeps_serving(server, client):
-    r = httpx.post(
-        server.url + "/v1/completions",
+def test_invalid_json_and_the_server_keeps_serving(http, server, client):
+    r = http.post(
+        "/v1/completions",
         content=b"{not json",
         headers={"content-type": "application/json"},
     )
@@ -275,11 +286,11 @@ def test_invalid_json_and_the_server_keeps_serving(server, client):
     assert client.completions.create(model="tiny", prompt="still alive", max_tokens=2).choices
 
 
-def test_metrics_parse_and_hold_both_name_sets(server, client):
+def test_metrics_parse_and_hold_both_name_sets(http, server, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(server.url + "/metrics").text
+    text = http.get("/metrics").text
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     for name in (
         "vllm:num_requests_running",
@@ -306,14 +317,22 @@ def test_metrics_parse_and_hold_both_name_sets(server, client):
     assert values["pdfleet_engine_e2e_request_latency_seconds_count"] >= 1
 
 
-def test_request_id_is_propagated(server):
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": "x", "max_tokens": 1},
-        headers={"x-request-id": "abc123"},
-    )
-    assert r.json()["id"] == "cmpl-abc123"
-    assert r.headers["x-request-id"] == "cmpl-abc123"
+def test_client_request_id_is_echoed_but_never_the_internal_id(http):
+    bodies = [
+        http.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"x-request-id": "abc123"},
+        )
+        for _ in range(2)
+    ]
+    for r in bodies:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "abc123"
+        assert r.json()["id"].startswith("cmpl-") and "abc123" not in r.json()["id"]
+    assert bodies[0].json()["id"] != bodies[1].json()["id"]
+    plain = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert plain.headers["x-request-id"] == plain.json()["id"]
 
 
 def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
@@ -365,7 +384,9 @@ def test_sigterm_lets_the_stream_finish_then_exits_zero(tiny_model, tmp_path):
         proc.wait_healthy()
         body = {"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "stream": True}
         events = []
-        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream(
+            "POST", proc.url + "/v1/completions", json=body, timeout=60, headers=proc.headers
+        ) as r:
             for line in r.iter_lines():
                 if not line:
                     continue

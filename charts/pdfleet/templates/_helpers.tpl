@@ -39,3 +39,13 @@ app.kubernetes.io/component: operator
 {{- define "pdfleet.watchNamespaces" -}}
 {{- if .Values.watchNamespaces }}{{ join "," .Values.watchNamespaces }}{{ else }}{{ .Release.Namespace }}{{ end }}
 {{- end }}
+
+{{/* The role bound to every gateway's ServiceAccount (pod discovery). */}}
+{{- define "pdfleet.gatewayRole" -}}
+{{- printf "%s-gateway" (include "pdfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The operator's user name, as admission sees it. */}}
+{{- define "pdfleet.serviceAccountUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "pdfleet.fullname" .) }}
+{{- end }}

@@ -3,13 +3,19 @@
 The port opens at once; ``/health`` answers 503 until the model is loaded and
 a warm-up step ran, then 200. SIGTERM stops accepting connections, lets
 in-flight requests finish for up to ``--shutdown-timeout`` seconds, then
-exits 0.
+exits 0. An engine whose loop broke (see ``async_engine``) exits 1 at once,
+for its supervisor to restart it: it is never alive with a failed health.
+
+Every route but the health probes needs a credential (``auth.py``); bodies,
+headers and chunks are bounded (``http_guard.py``). Request ids are the
+server's own; a client's ``X-Request-Id`` is only echoed and logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,12 +27,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
+from ..auth import EngineAuth
+from ..http_guard import GuardMiddleware, ServerLimits, guarded_h11_protocol
 from ..uvicorn_server import graceful_server
 from .protocol import (
     APIError,
@@ -37,20 +46,34 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving import OpenAIServing
+from .serving_base import TokenizerLanes
+from .serving_chat import ChatServing
+from .serving_completion import CompletionServing
 
 logger = logging.getLogger("pdfleet.serve")
 
 
 class ServerState:
-    def __init__(self, config: EngineConfig, max_waiting_requests: int, api_key: str | None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_waiting_requests: int,
+        auth: EngineAuth | None = None,
+        limits: ServerLimits | None = None,
+        large_prompt_chars: int = 1 << 16,
+    ) -> None:
         self.config = config
         self.max_waiting_requests = max_waiting_requests
-        self.api_key = api_key
+        self.auth = auth or EngineAuth()
+        self.limits = limits or ServerLimits()
+        self.lanes = TokenizerLanes(large_prompt_chars)
         self.engine: AsyncEngine | None = None
-        self.serving: OpenAIServing | None = None
+        self.completions: CompletionServing | None = None
+        self.chat: ChatServing | None = None
         self.metrics: EngineMetrics | None = None
         self.load_error: BaseException | None = None
+        self.fatal: BaseException | None = None
+        self.on_exit: Any = None  # set by run_server: stops the HTTP server
         self.ready = threading.Event()
         self.draining = False
         self.last_log = time.monotonic()
@@ -64,17 +87,25 @@ class ServerState:
             while engine.has_unfinished_requests():
                 engine.step()
             self.metrics = EngineMetrics(engine.config)
-            self.engine = AsyncEngine(engine, self.max_waiting_requests, self.on_step)
-            self.serving = OpenAIServing(
-                self.engine,
-                engine.config.model_config.served_model_names,
-                engine.config.model_config.max_model_len,
+            self.engine = AsyncEngine(
+                engine, self.max_waiting_requests, self.on_step, on_fatal=self.on_fatal
             )
+            names = engine.config.model_config.served_model_names
+            max_len = engine.config.model_config.max_model_len
+            self.completions = CompletionServing(self.engine, names, max_len, self.lanes)
+            self.chat = ChatServing(self.engine, names, max_len, self.lanes)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
         except BaseException as e:
             logger.exception("engine failed to start")
             self.load_error = e
+
+    def on_fatal(self, error: BaseException) -> None:
+        """The engine loop broke (engine thread): exit non-zero for a restart."""
+        self.fatal = error
+        logger.error("the engine cannot serve any more; exiting for a restart")
+        if self.on_exit is not None:
+            self.on_exit()
 
     def on_step(self, engine: LLMEngine) -> None:
         assert self.metrics is not None
@@ -138,12 +169,24 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.draining = True
         if state.engine is not None:
+            if state.fatal is None:
+                # A prefill engine keeps its KV until the decode legs claimed it.
+                await asyncio.to_thread(state.engine.wait_for_leases)
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="pdfleet engine", lifespan=lifespan)
+    # Outermost of the app's own layers: credentials and body size come first.
+    app.add_middleware(GuardMiddleware, auth=state.auth, limits=state.limits)
+
+    def ids(request: Request) -> str:
+        rid = getattr(request.state, "request_id", None)
+        given = getattr(request.state, "client_request_id", None)
+        return f"{rid} (client id {given!r})" if given else str(rid or "-")
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
+    async def _api_error(request: Request, e: APIError):
+        if e.status >= 500:
+            logger.warning("request %s: %d %s", ids(request), e.status, e.message)
         return error_json(e)
 
     @app.exception_handler(RequestValidationError)
@@ -153,34 +196,56 @@ def build_app(state: ServerState) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return error_json(APIError(f"invalid JSON body: {first.get('msg')}"))
-        param = ".".join(loc) or None
+        param = ".".join(loc[:8]) or None
         return error_json(
             APIError(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
         )
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        logger.exception("internal error")
-        return error_json(APIError(f"internal error: {type(e).__name__}: {e}", status=500))
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        # FastAPI's own refusals (unparsable body, unknown route, wrong method).
+        detail = e.detail if isinstance(e.detail, str) else "invalid request"
+        if e.status_code == 400 and "parsing the body" in detail:
+            detail = "the body is not valid JSON (or is nested too deeply)"
+        return error_json(APIError(detail, status=e.status_code))
 
-    def serving(request: Request) -> OpenAIServing:
-        if state.api_key is not None and request.headers.get("authorization") != (
-            f"Bearer {state.api_key}"
-        ):
-            raise APIError("invalid or missing API key", status=401)
-        if state.draining:
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, e: RecursionError):
+        return error_json(APIError("the JSON body is nested too deeply"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        # The client learns nothing of the internals; the log has the traceback.
+        logger.error("request %s: internal error", ids(request), exc_info=e)
+        return error_json(APIError("internal server error; the server log has the details", 500))
+
+    def serving(request: Request) -> tuple[CompletionServing, ChatServing]:
+        if state.draining or state.fatal is not None:
             raise APIError("the server is shutting down", status=503)
-        if state.serving is None:
+        if state.completions is None or state.chat is None:
             raise APIError("the model is still loading", status=503)
-        return state.serving
+        return state.completions, state.chat
 
     def request_id(request: Request, prefix: str) -> str:
+        """A fresh internal id; the client's X-Request-Id is kept for logs and the echo."""
+        rid = random_id(prefix)
+        request.state.request_id = rid
         given = request.headers.get("x-request-id")
-        return f"{prefix}-{given}" if given else random_id(prefix)
+        if given:
+            request.state.client_request_id = given[:256]
+            logger.debug("request %s has client id %r", rid, given[:256])
+        return rid
+
+    def echo_headers(request: Request, rid: str) -> dict[str, str]:
+        return {"x-request-id": getattr(request.state, "client_request_id", None) or rid}
 
     @app.get("/health")
     async def health():
-        if state.load_error is not None or (state.engine is not None and not state.engine.alive):
+        if (
+            state.load_error is not None
+            or state.fatal is not None
+            or (state.engine is not None and not state.engine.alive)
+        ):
             return JSONResponse({"status": "failed"}, status_code=503)
         if not state.ready.is_set() or state.draining:
             return JSONResponse(
@@ -198,7 +263,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         return {
             "object": "list",
             "data": [
@@ -221,7 +286,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": v("pdfleet")}
 
     async def respond(request: Request, coro_or_stream: Any, stream: bool, rid: str):
-        headers = {"x-request-id": rid}
+        headers = echo_headers(request, rid)
         if stream:
             events = await coro_or_stream
             return StreamingResponse(
@@ -239,7 +304,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         rid = request_id(request, "cmpl")
         if body.stream:
             return await respond(request, s.completion_stream(body, rid), True, rid)
@@ -247,7 +312,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        s = serving(request)
+        _, s = serving(request)
         rid = request_id(request, "chatcmpl")
         if body.stream:
             return await respond(request, s.chat_stream(body, rid), True, rid)
@@ -255,19 +320,24 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         s.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
+        # Not bounded by the context (counting a too-long prompt is what it is for):
+        # the body limit bounds it, and large prompts take the large lane.
         if body.messages is not None:
-            _, ids = s.apply_chat_template(body)
+            _, ids = await s.chat_prompt(body, bounded=False)
         else:
-            ids = s.tokenize(body.prompt, body.add_special_tokens)
+            prompt = body.prompt
+            ids = await s.lanes.run(
+                len(prompt), lambda: s.tokenize(prompt, body.add_special_tokens)
+            )
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
-        s = serving(request)
+        s, _ = serving(request)
         s.check_model(body.model)
         vocab = state.config.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -285,12 +355,18 @@ def run_server(
     host: str,
     port: int,
     max_waiting_requests: int,
-    api_key: str | None,
+    auth: EngineAuth | None = None,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
+    large_prompt_chars: int = 1 << 16,
 ) -> int:
+    """Serve until stopped; 0 after a clean stop, 1 when loading or the engine failed."""
     import uvicorn
 
-    state = ServerState(config, max_waiting_requests, api_key)
+    auth = auth or EngineAuth()
+    limits = limits or ServerLimits()
+    auth.warn_if_open()
+    state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars)
     app = build_app(state)
     # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
     grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01
@@ -302,8 +378,20 @@ def run_server(
         access_log=False,
         timeout_graceful_shutdown=grace,
         timeout_keep_alive=75,
+        http=guarded_h11_protocol(limits),
     )
     server = graceful_server(uv_config)
+
+    def exit_for_restart() -> None:
+        # Requests in flight were already failed; stop at once, and make sure the
+        # process goes even if a connection holds the graceful stop open.
+        server.should_exit = True
+        server.force_exit = True
+        timer = threading.Timer(10.0, lambda: os._exit(1))
+        timer.daemon = True
+        timer.start()
+
+    state.on_exit = exit_for_restart
 
     def watch_load() -> None:
         while not state.ready.wait(0.2):
@@ -313,4 +401,5 @@ def run_server(
 
     threading.Thread(target=watch_load, daemon=True).start()
     server.run()
-    return 1 if state.load_error is not None else 0
+    state.lanes.shutdown()
+    return 1 if state.load_error is not None or state.fatal is not None else 0

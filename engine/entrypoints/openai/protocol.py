@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ...sampling_params import SamplingParams
 
@@ -26,6 +26,8 @@ class APIError(Exception):
         400: "BadRequestError",
         401: "AuthenticationError",
         404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        408: "RequestTimeoutError",
         413: "RequestTooLargeError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
@@ -46,12 +48,47 @@ class APIError(Exception):
         }
 
 
+def check_text(body: Any) -> Any:
+    """Refuse strings the tokenizer cannot encode (lone UTF-16 surrogates such as
+    ``"\\ud800"``, which JSON allows), naming the top-level field holding one."""
+    if not isinstance(body, dict):
+        return body
+    for name, value in body.items():
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(
+                        f"{name}: the text holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                        "escape), which is not valid Unicode",
+                        param=str(name),
+                    ) from None
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+    return body
+
+
+class _Checked(BaseModel):
+    """A request body whose every string is valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return check_text(data)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Checked):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -200,7 +237,7 @@ class ChatCompletionRequest(_Sampling):
     echo: bool = False
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Checked):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None

@@ -1,0 +1,365 @@
+"""What completion and chat serving share: model and length checks, tokenizing,
+running one engine stream, merging streams, usage and SSE framing.
+
+The two endpoints live in ``serving_completion.py`` and ``serving_chat.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+)
+from ...config.sampling_checks import check_sampling
+from ...outputs import Logprob, RequestOutput
+from ...sampling_params import SamplingParams
+from .protocol import APIError, ChatCompletionRequest
+
+logger = logging.getLogger("pdfleet.serve")
+
+# (prompt text or None, prompt token ids, sampling params): one engine request.
+Job = tuple[str | None, list[int], SamplingParams]
+
+
+@dataclass
+class Choice:
+    """Accumulated state of one returned choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def raise_if_error(o: Any) -> None:
+    """A sequence that ended in an engine-side error (e.g. a failed KV pull under
+    kv_load_failure_policy=fail) becomes an HTTP error, never a silent answer."""
+    if o.finish_reason == "error":
+        raise APIError(str(o.stop_reason or "the request failed in the engine"), status=502)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # abort/error are not OpenAI finish reasons; a stop covers EOS, stop strings and ids.
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def api_error(e: BaseException) -> APIError | None:
+    """The HTTP error for an engine-side refusal or failure (None: not one of those)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError | EngineDeadError):
+        return APIError(str(e), status=503)
+    if isinstance(e, EngineStepError):
+        return APIError(f"{e}; retry the request", status=500)
+    if isinstance(e, ValueError):
+        # Engine and connector messages start with the field they refuse.
+        m = re.match(r"[A-Za-z_][A-Za-z0-9_.]*", str(e))
+        return APIError(str(e), param=m.group(0) if m and ":" in str(e) else None)
+    return None
+
+
+def error_event(e: BaseException, request_id: str) -> str:
+    """The SSE error event that ends a stream which failed after its response began."""
+    error = api_error(e)
+    if error is None:
+        logger.error("request %s failed mid-stream", request_id, exc_info=e)
+        error = APIError("internal error while streaming the response", status=500)
+    return sse(error.body())
+
+
+class TokenizerLanes:
+    """Tokenizer work off the event loop, in two lanes.
+
+    Prompts of at least ``large_chars`` characters queue for their own small
+    pool, so a burst of multi-megabyte prompts cannot occupy the threads that
+    short prompts use (the tokenizer releases the GIL, so the lanes really run
+    side by side)."""
+
+    def __init__(
+        self, large_chars: int, workers: int = 4, large_workers: int = 1, max_large: int = 16
+    ) -> None:
+        self.large_chars = large_chars
+        self.max_large = max_large
+        self.num_large = 0
+        self.small = ThreadPoolExecutor(workers, thread_name_prefix="pdfleet-tokenize")
+        self.large = ThreadPoolExecutor(large_workers, thread_name_prefix="pdfleet-tokenize-large")
+
+    async def run(self, num_chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if num_chars < self.large_chars:
+            return await loop.run_in_executor(self.small, fn, *args)
+        # The large lane's queue is bounded too: each waiting prompt holds its text.
+        if self.num_large >= self.max_large:
+            raise APIError(
+                f"{self.num_large} large prompts are already being tokenized; retry later",
+                status=503,
+            )
+        self.num_large += 1
+        try:
+            return await loop.run_in_executor(self.large, fn, *args)
+        finally:
+            self.num_large -= 1
+
+    def shutdown(self) -> None:
+        self.small.shutdown(wait=False, cancel_futures=True)
+        self.large.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in characters: no token covers more of a prompt.
+
+    Byte-level vocabularies spell each byte as one character, and a prompt has
+    at most as many characters as bytes, so a prompt longer than
+    ``max_model_len * max_token_chars`` characters cannot fit in the context."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    except Exception:  # a tokenizer without a vocabulary listing: no bound
+        return 0
+
+
+class ServingBase:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_names: list[str],
+        max_model_len: int,
+        lanes: TokenizerLanes | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_names = served_names
+        self.max_model_len = max_model_len
+        self.tokenizer = engine.engine.tokenizer
+        self.defaults = dict(engine.engine.default_sampling)
+        self.max_logprobs = engine.engine.config.model_config.max_logprobs
+        self.vocab_size = engine.engine.config.model_config.vocab_size
+        self.lanes = lanes or TokenizerLanes(large_chars=1 << 16)
+        per_token = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
+        # No prompt with more characters than this fits in max_model_len tokens (0: unknown).
+        self.max_prompt_chars = max_model_len * per_token
+
+    # -- checks -------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_names:
+            return self.served_names[0]
+        raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    def check_sampling(self, req: Any) -> None:
+        """Every sampling field against the model, before anything is tokenized."""
+        try:
+            check_sampling(
+                req.model_dump(exclude_none=True),
+                vocab_size=self.vocab_size,
+                max_logprobs=self.max_logprobs,
+            )
+        except ValueError as e:
+            m = re.match(r"[a-z_]+", str(e))
+            raise APIError(str(e), param=m.group(0) if m else None) from None
+
+    def check_chars(self, num_chars: int, what: str) -> None:
+        """Refuse, before tokenizing, a prompt too long to fit whatever its tokens."""
+        if self.max_prompt_chars and num_chars > self.max_prompt_chars:
+            raise APIError(
+                f"the {what} has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"(this model's maximum context length) can hold; shorten it",
+                param=what,
+            )
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(
+                "this server has no tokenizer (--skip-tokenizer-init): pass token ids",
+                param="prompt",
+            )
+        return self.tokenizer
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self._need_tokenizer()(prompt, add_special_tokens=add_special_tokens).input_ids
+        return list(prompt)
+
+    def apply_chat_template(self, req: ChatCompletionRequest | Any) -> tuple[str, list[int]]:
+        tok = self._need_tokenizer()
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt
+                and not getattr(req, "continue_final_message", False),
+                continue_final_message=getattr(req, "continue_final_message", False),
+            )
+        except Exception as e:  # a template that rejects the conversation is bad input
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        return text, tok(text, add_special_tokens=False).input_ids
+
+    async def tokenize_prompts(
+        self, prompts: list[str | list[int]], bounded: bool = True
+    ) -> list[tuple[str | None, list[int]]]:
+        """(text, ids) per prompt, tokenized in the lane its size calls for.
+
+        ``bounded``: refuse, before any tokenizing, a prompt whose characters
+        cannot fit in the context."""
+        if bounded:
+            for p in prompts:
+                if isinstance(p, str):
+                    self.check_chars(len(p), "prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, await self.lanes.run(len(p), self.tokenize, p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    async def chat_prompt(self, req: Any, bounded: bool = True) -> tuple[str, list[int]]:
+        """The templated conversation and its ids (bounded and laned as prompts are)."""
+        num_chars = sum(len(m.text()) for m in req.messages)
+        if bounded:
+            self.check_chars(num_chars, "messages")
+        return await self.lanes.run(num_chars, self.apply_chat_template, req)
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int | None, what: str) -> int:
+        """The effective max_tokens; 400 when the prompt plus output cannot fit."""
+        if not prompt_ids:
+            raise APIError("the prompt is empty", param="prompt" if what == "prompt" else what)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {n} input tokens. Please reduce the length of the input.",
+                param=what,
+            )
+        if max_tokens is None:
+            return self.max_model_len - n
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if n + max_tokens > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the "
+                "completion). Please reduce the length of the input or completion.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and not 0 <= k <= self.max_logprobs:
+            raise APIError(
+                f"{param} must be between 0 and {self.max_logprobs}, got {k}", param=param
+            )
+
+    # -- running ------------------------------------------------------------------
+
+    async def admit(
+        self,
+        request_id: str,
+        jobs: list[Job],
+        priority: int,
+        kv_params: dict[str, Any] | None,
+    ) -> list[RequestStream]:
+        """One engine request per job, all admitted or none (a refusal closes the rest).
+
+        Called before a response starts, so a refusal (bad kv_transfer_params
+        included) is an HTTP error even for a streamed request."""
+        streams: list[RequestStream] = []
+        try:
+            for j, (text, ids, params) in enumerate(jobs):
+                streams.append(
+                    await self.engine.add_request(
+                        f"{request_id}-{j}" if len(jobs) > 1 else request_id,
+                        ids,
+                        params,
+                        prompt_text=text,
+                        priority=priority,
+                        kv_transfer_params=kv_params,
+                    )
+                )
+        except BaseException as e:
+            for stream in streams:
+                stream.close()
+            error = api_error(e) if isinstance(e, Exception) else None
+            if error is None:
+                raise
+            raise error from None
+        return streams
+
+    @staticmethod
+    async def outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """A request's outputs, its engine-side failures as APIErrors."""
+        try:
+            async for out in stream:
+                yield out
+        except Exception as e:
+            error = api_error(e)
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            stream.close()
+
+    @staticmethod
+    async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+        """Interleave several async iterators, tagging items with their index."""
+        if len(streams) == 1:
+            async for item in streams[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, it: AsyncIterator[Any]) -> None:
+            try:
+                async for item in it:
+                    await queue.put((i, item))
+            except BaseException as e:  # forwarded to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    def _token_str(lp: Logprob, tid: int) -> str:
+        return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+
+    @staticmethod
+    def _usage(u: dict[str, int]) -> dict[str, Any]:
+        return {
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached"]},
+        }
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

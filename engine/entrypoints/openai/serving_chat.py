@@ -1,0 +1,182 @@
+"""``/v1/chat/completions``: messages through the chat template, assistant choices
+out (JSON or SSE)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ...outputs import Logprob
+from .protocol import APIError, ChatCompletionRequest, now
+from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
+
+
+class ChatServing(ServingBase):
+    def chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int
+    ) -> dict[str, Any]:
+        content = []
+        for tid, entry in zip(token_ids, entries, strict=True):
+            lp = entry[tid]
+            text = self._token_str(lp, tid)
+            top = [
+                {
+                    "token": self._token_str(x, t),
+                    "logprob": x.logprob,
+                    "bytes": list(self._token_str(x, t).encode()),
+                }
+                for t, x in sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            ][:k]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp.logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": top,
+                }
+            )
+        return {"content": content}
+
+    async def prepare_chat(self, req: ChatCompletionRequest):
+        model = self.check_model(req.model)
+        req.check_unsupported()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_logprobs(k, "top_logprobs")
+        self.check_sampling(req)
+        text, ids = await self.chat_prompt(req)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        max_tokens = self.check_length(ids, max_tokens, "messages")
+        params = req.sampling_params(self.defaults, max_tokens, k)
+        return model, text, ids, params, k
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+        model, text, ids, params, k = await self.prepare_chat(req)
+        (stream,) = await self.admit(
+            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+        )
+        try:
+            return await self._chat_body(req, request_id, model, ids, k, stream)
+        finally:
+            stream.close()
+
+    async def _chat_body(self, req, request_id, model, ids, k, stream) -> dict[str, Any]:
+        choices = {i: Choice(i) for i in range(req.n)}
+        cached, kv_out = 0, None
+        async for out in self.outputs(stream):
+            if out.finished:
+                cached, kv_out = out.num_cached_tokens, out.kv_transfer_params
+            for o in out.outputs:
+                raise_if_error(o)
+                c = choices[o.index]
+                c.text += o.text
+                c.token_ids += o.token_ids
+                c.logprobs += o.logprobs or []
+                if o.finish_reason is not None:
+                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+        result = []
+        for idx, c in sorted(choices.items()):
+            result.append(
+                {
+                    "index": idx,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, k or 0)
+                    if k is not None
+                    else None,
+                    "finish_reason": finish_reason(c.finish_reason),
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": sum(len(c.token_ids) for c in choices.values()),
+            "cached": cached,
+        }
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": model,
+            "choices": result,
+            "usage": self._usage(usage),
+        }
+        if kv_out is not None:
+            body["kv_transfer_params"] = kv_out
+        return body
+
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
+        model, text, ids, params, k = await self.prepare_chat(req)
+        (stream,) = await self.admit(
+            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+        )
+        return self._chat_events(req, request_id, model, ids, k, stream)
+
+    async def _chat_events(self, req, request_id, model, ids, k, stream):
+        created = now()
+        completion_tokens, cached = 0, 0
+        started: set[int] = set()
+
+        def chunk(idx: int, delta: dict, lp=None, finish=None, stop_reason=None) -> str:
+            return sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": idx,
+                            "delta": delta,
+                            "logprobs": lp,
+                            "finish_reason": finish,
+                            "stop_reason": stop_reason,
+                        }
+                    ],
+                }
+            )
+
+        try:
+            async for out in self.outputs(stream):
+                if out.finished:
+                    cached = out.num_cached_tokens
+                for o in out.outputs:
+                    raise_if_error(o)
+                    if o.index not in started:
+                        started.add(o.index)
+                        yield chunk(o.index, {"role": "assistant", "content": ""})
+                    completion_tokens += len(o.token_ids)
+                    if not o.text and o.finish_reason is None and not o.token_ids:
+                        continue
+                    lp = (
+                        self.chat_logprobs(o.token_ids, o.logprobs or [], k or 0)
+                        if k is not None and o.token_ids
+                        else None
+                    )
+                    delta = {"content": o.text} if o.text or o.finish_reason is None else {}
+                    yield chunk(o.index, delta, lp, finish_reason(o.finish_reason), o.stop_reason)
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": self._usage(
+                            {
+                                "prompt_tokens": len(ids),
+                                "completion_tokens": completion_tokens,
+                                "cached": cached,
+                            }
+                        ),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+        except Exception as e:
+            yield error_event(e, request_id)
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()

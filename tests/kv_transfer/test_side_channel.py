@@ -1,0 +1,235 @@
+"""The connector's side channel and handshake cache, in one process with real
+connector objects (real ZMQ sockets, real NIXL agents in host memory)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from helpers.server import free_port
+
+from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config.engine import pdfleet_version
+from pdfleet.engine.kv_transfer.connector import PDConnector
+from pdfleet.engine.kv_transfer.side_channel import (
+    PROTOCOL_VERSION,
+    AuthError,
+    SideChannelClient,
+)
+
+
+def engine_config(model: str, role: str, connector: str = "NixlConnector", **extra):
+    kv = {"kv_connector": connector, "kv_role": role, "kv_port": free_port()}
+    if extra:
+        kv["kv_connector_extra_config"] = extra
+    return EngineArgs(
+        model=model, device="cpu", max_model_len=256, kv_transfer_config=kv
+    ).create_engine_config("server")
+
+
+def kv_buffer(config, num_blocks: int = 4) -> torch.Tensor:
+    m = config.model_config
+    shape = (m.num_hidden_layers, 2, num_blocks, config.cache_config.block_size)
+    return torch.zeros(*shape, m.num_key_value_heads, m.head_dim, dtype=torch.float32)
+
+
+def test_compat_factors_include_the_pdfleet_version_and_not_the_tp_size(tiny_model):
+    config = engine_config(tiny_model, "kv_producer")
+    factors = config.compat_factors()
+    assert factors["pdfleet_version"] == pdfleet_version() != "0+unknown"
+    assert not any("tensor_parallel" in k or k == "tp_size" for k in factors)
+
+
+def test_a_connector_refuses_to_start_without_a_fleet_secret(tiny_model, monkeypatch):
+    config = engine_config(tiny_model, "kv_consumer", "ZmqConnector")
+    monkeypatch.delenv("PDFLEET_FLEET_SECRET")
+    monkeypatch.delenv("PDFLEET_FLEET_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="PDFLEET_FLEET_SECRET"):
+        PDConnector(config)
+
+
+def test_a_connector_refuses_to_bind_every_interface(tiny_model, monkeypatch):
+    config = engine_config(tiny_model, "kv_producer", "ZmqConnector")
+    monkeypatch.setenv("PDFLEET_KV_BIND_IP", "0.0.0.0")
+    with pytest.raises(ValueError, match="kv_ip"):
+        PDConnector(config)
+
+
+@pytest.fixture
+def zmq_producer(tiny_model):
+    config = engine_config(tiny_model, "kv_producer", "ZmqConnector")
+    c = PDConnector(config)
+    c.register(kv_buffer(config))
+    yield c
+    c.shutdown()
+
+
+def raw(port: int, *frames: bytes, timeout_ms: int = 2000) -> dict:
+    """One request from an unauthenticated DEALER; the decoded first reply frame."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send_multipart(list(frames))
+        assert sock.poll(timeout_ms), "no answer"
+        return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    finally:
+        sock.close(0)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_an_unauthenticated_peer_gets_nothing_and_frees_nothing(zmq_producer):
+    c = zmq_producer
+    from pdfleet.engine.kv_transfer.connector import Lease
+
+    c.held["victim-lease"] = Lease("victim", [0, 1], time.monotonic() + 60)
+    port = c.port
+    for op in ("handshake", "read", "claim", "confirm", "release"):
+        reply = raw(port, pack({"op": op, "lease_id": "victim-lease", "block_ids": [0, 1]}))
+        assert reply["ok"] is False and "not authenticated" in reply["error"]
+    # A made-up session with a made-up MAC.
+    body = pack({"op": "release", "lease_id": "victim-lease", "session": b"x" * 16, "seq": 1})
+    assert "unknown session" in raw(port, body, b"\0" * 32)["error"]
+    # The hello's challenge answered with a wrong proof.
+    hello = {"op": "hello", "version": PROTOCOL_VERSION, "compat_hash": c.compat_hash}
+    reply = raw(port, pack({**hello, "nonce": b"n" * 32, "engine_id": "e", "instance_id": "i"}))
+    assert reply["ok"] and "agent_metadata" not in reply and "layout" not in reply
+    auth = raw(port, pack({"op": "auth", "session": reply["session"], "proof": b"p" * 32}))
+    assert auth["ok"] is False and "authentication failed" in auth["error"]
+    assert "victim-lease" in c.held and not c.freed
+
+
+def test_the_hello_checks_version_and_compat_hash_naming_the_field(zmq_producer):
+    c = zmq_producer
+    base = {"op": "hello", "nonce": b"n" * 32, "engine_id": "e", "instance_id": "i"}
+    reply = raw(c.port, pack({**base, "version": 1, "compat_hash": c.compat_hash}))
+    assert reply["ok"] is False and reply["error"].startswith("version:")
+    reply = raw(c.port, pack({**base, "version": PROTOCOL_VERSION, "compat_hash": "0" * 16}))
+    assert reply["ok"] is False and reply["error"].startswith("compat_hash:")
+
+
+def test_a_peer_with_another_secret_fails_both_ways(zmq_producer):
+    c = zmq_producer
+    wrong = SideChannelClient(b"another-fleets-secret-0123456789", "e", "i", c.compat_hash)
+    try:
+        with pytest.raises(AuthError):
+            wrong.connect("127.0.0.1", c.port, 2.0)
+    finally:
+        wrong.close()
+    right = SideChannelClient(c.secret, "e", "i", c.compat_hash)
+    try:
+        reply, _ = right.connect("127.0.0.1", c.port, 2.0)
+        # Only what a READ needs: no buffer address for the ZMQ transport.
+        assert reply["engine_id"] == c.engine_id and "base_address" not in reply["layout"]
+    finally:
+        right.close()
+
+
+def test_a_lease_binds_to_the_first_consumer_that_claims_it(zmq_producer):
+    c = zmq_producer
+    from pdfleet.engine.kv_transfer.connector import Lease
+
+    c.held["L"] = Lease("victim", [0, 1], time.monotonic() + 60)
+    first = SideChannelClient(c.secret, "decode-a", "1", c.compat_hash)
+    second = SideChannelClient(c.secret, "decode-b", "1", c.compat_hash)
+    try:
+        for client in (first, second):
+            client.connect("127.0.0.1", c.port, 2.0)
+        first.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [0]}, 2.0)
+        with pytest.raises(RuntimeError, match="another consumer"):
+            second.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [0]}, 2)
+        with pytest.raises(RuntimeError, match="ended"):
+            second.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        second.send_nowait("127.0.0.1", c.port, {"op": "release", "lease_id": "L"})
+        with pytest.raises(RuntimeError, match="not held"):
+            first.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [3]}, 2)
+        assert "L" in c.held
+        first.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        assert "L" not in c.held and c.freed == ["victim"]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_replayed_message_is_refused(zmq_producer):
+    c = zmq_producer
+    from pdfleet.engine.kv_transfer.connector import Lease
+
+    c.held["L"] = Lease("victim", [0], time.monotonic() + 60)
+    client = SideChannelClient(c.secret, "d", "1", c.compat_hash)
+    try:
+        client.connect("127.0.0.1", c.port, 2.0)
+        frames, _ = client._signed("127.0.0.1", c.port, {"op": "claim", "lease_id": "L"})
+        sock = client._sock("127.0.0.1", c.port)
+        sock.send_multipart(frames)
+        assert sock.poll(2000)
+        sock.recv_multipart()
+        assert "replayed" in raw(c.port, *frames)["error"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("connector, instances", [("ZmqConnector", 100), ("NixlConnector", 20)])
+def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, connector, instances):
+    bound = 8 if instances > 20 else 4
+    consumer_config = engine_config(tiny_model, "kv_consumer", connector, max_remote_engines=bound)
+    consumer = PDConnector(consumer_config)
+    buffer = kv_buffer(consumer_config)
+    # The transfer thread's view, without starting the thread.
+    from pdfleet.engine.kv_transfer.layout import KVLayout
+
+    consumer.layout = KVLayout.of(buffer)
+    consumer.transport.register(buffer, consumer.layout)
+    client = SideChannelClient(
+        consumer.secret, consumer.engine_id, consumer.instance_id, consumer.compat_hash
+    )
+    port = free_port()
+    producer_config = engine_config(tiny_model, "kv_producer", connector)
+    names = []
+    try:
+        for i in range(instances):
+            # Every third instance restarts on the same address; the others move.
+            if i % 3:
+                port = free_port()
+            producer_config.kv_transfer_config.kv_port = port
+            producer = PDConnector(producer_config)
+            producer.register(kv_buffer(producer_config))
+            try:
+                params = {
+                    "remote_engine_id": producer.engine_id,
+                    "remote_instance_id": producer.instance_id,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": port,
+                }
+                remote = consumer._handshake(client, params, time.monotonic() + 5)
+                names.append(remote.handle[0] if remote.handle else None)
+                consumer._evict_remotes(client, busy=set())
+                assert len(consumer.remotes) <= bound
+                # An instance change on one address leaves one entry for it.
+                assert sum(1 for k in consumer.remotes if k[3] == port) == 1
+            finally:
+                producer.shutdown()
+        assert consumer.stats.handshakes == instances
+        assert consumer.stats.remote_evictions == instances - len(consumer.remotes)
+
+        def live_agents() -> int:
+            agent = getattr(consumer.transport, "agent", None)
+            return sum(1 for n in names if agent and n and agent.check_remote_metadata(n))
+
+        if connector == "NixlConnector":
+            assert live_agents() == len(consumer.remotes)
+        # An idle TTL of zero empties the cache and releases every remote agent.
+        consumer.remote_idle_seconds = 0.0
+        time.sleep(0.01)
+        consumer._evict_remotes(client, busy=set())
+        assert not consumer.remotes and live_agents() == 0
+        assert len(client.socks) == 0
+    finally:
+        client.close()
+        consumer.shutdown()
