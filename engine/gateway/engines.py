@@ -263,8 +263,8 @@ class EnginePool:
 
     def find_stalls(self, now: float | None = None) -> list[EngineState]:
         """Mutates: eject engines whose in-flight requests have made no progress
-        for --stall-timeout while another engine did in that time (so a fleet
-        that is slow as a whole ejects nothing)."""
+        for --stall-timeout while another engine made progress since (so a
+        fleet that is slow as a whole ejects nothing)."""
         now = time.monotonic() if now is None else now
         limit = self.config.stall_timeout
         stalled = [
@@ -272,10 +272,12 @@ class EnginePool:
             for e in self.engines.values()
             if e.routable and e.inflight > 0 and now - e.last_progress > limit
         ]
-        advancing = [e for e in self.engines.values() if now - e.last_progress <= limit]
         out = []
         for e in stalled:
-            if not any(o is not e for o in advancing):
+            # Another engine moved since this one last did: not a slow fleet.
+            if not any(
+                o is not e and o.last_progress > e.last_progress for o in self.engines.values()
+            ):
                 continue
             self.metrics.stalls.labels(e.url, e.role).inc()
             self._set_state(

@@ -47,6 +47,9 @@ class FakeEngine:
     tls: ssl.SSLContext | None = None
     seen: list[Seen] = field(default_factory=list)
     health_status: int = 200
+    tokens_per_scrape: int = 0
+    """Generated tokens added per /metrics read: an engine that computes."""
+    tokens: int = 0
     answer: Callable[[dict[str, Any]], tuple[int, Any]] | None = None
     """(status, body) for a completion request, the body as bytes or an
     iterator of SSE events (streamed); default: a small completion."""
@@ -76,7 +79,9 @@ class FakeEngine:
                 if self.path == "/health":
                     self._send(engine.health_status, b"{}")
                 elif self.path == "/metrics":
-                    self._send(200, METRICS.encode(), "text/plain")
+                    engine.tokens += engine.tokens_per_scrape
+                    text = METRICS + f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
+                    self._send(200, text.encode(), "text/plain")
                 elif self.path == "/v1/models":
                     self._send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())
                 else:
