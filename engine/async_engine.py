@@ -222,24 +222,32 @@ class AsyncEngine:
         self._deliver(deliveries)
 
     def _probe(self) -> None:
-        """After a failed step: can the engine still compute? A one-token request
-        with no client must complete. It may share steps with queued requests
-        (whose outputs are delivered as usual); a failing step fails those too
-        and the probe is retried. A request that breaks the model only for
-        itself costs its own failure; a broken engine fails every probe and the
-        loop gives up (the process exits for a restart)."""
+        """After a failed step: can the engine still compute?
+
+        A one-token request with no client is added, and the engine steps
+        until a step that ran the model succeeds (the probe's own, or one
+        shared with queued requests, whose outputs are delivered as usual).
+        A failing step fails its requests and the probe is retried. A request
+        that breaks the model only for itself costs its own failure; a broken
+        engine fails every probe and the loop gives up (the process exits for
+        a restart). At most a few steps: commands wait meanwhile."""
         engine = self.engine
         probe = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for _ in range(MAX_PROBE_FAILURES):
             rid = f"pdfleet-probe-{uuid.uuid4().hex}"
             engine.add_request(rid, {"prompt_token_ids": [0]}, probe, output_kind="final")
             try:
-                while rid in engine.output.requests:
+                for _ in range(64):  # steps that schedule nothing prove nothing; bounded
                     self._route(engine.step())
-                logger.info("the engine passed a probe step after a failure; serving on")
-                return
+                    if engine.stats.num_scheduled_tokens or rid not in engine.output.requests:
+                        break
             except StepFailed as failure:
                 self._fail_step(failure)
+                continue
+            if rid in engine.output.requests:
+                engine.abort_request(rid)
+            logger.info("the engine ran a step after a failure; serving on")
+            return
         raise RuntimeError(f"the engine failed {MAX_PROBE_FAILURES} probe steps after a failure")
 
     def _fail_step(self, failure: StepFailed) -> None:
@@ -378,31 +386,6 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
-
-    def wait_for_leases(self, timeout: float | None = None) -> int:
-        """Before a producer stops: let consumers claim the KV it holds under lease.
-
-        Returns when no blocks are held any more, or after ``timeout`` seconds
-        (default: the connector's lease, after which held blocks expire
-        anyway); the engine loop keeps running meanwhile, serving releases and
-        expiring leases. A connector may refine the wait with its own
-        ``wait_for_leases(timeout)`` on its scheduler side. Returns how many
-        requests still held blocks at the end."""
-        kv = self.engine.config.kv_transfer_config
-        if kv is None or self.engine.connector is None:
-            return 0
-        if timeout is None:
-            timeout = kv.lease_seconds
-        hook = getattr(self.engine.connector[0], "wait_for_leases", None)
-        if hook is not None:
-            hook(timeout)
-        held = self.engine.core.scheduler.held_blocks
-        deadline = time.monotonic() + timeout
-        while held and self.alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if held:
-            logger.warning("stopping with %d KV lease(s) unclaimed", len(held))
-        return len(held)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

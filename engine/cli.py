@@ -27,6 +27,7 @@ COMMANDS = {
     "crd": "pdfleet.operator.crd_cmd",
     "render": "pdfleet.operator.render_cmd",
     "operator": "pdfleet.operator.operator_cmd",
+    "status": "pdfleet.operator.status_cmd",
 }
 
 

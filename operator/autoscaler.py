@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .autoscaling.decisions import AutoscalerMetrics
 from .autoscaling.policy import FleetObservation, PolicyState, RoleObservation, decide
 from .autoscaling.samples import (
     EngineSnapshot,
@@ -56,6 +57,8 @@ class PolicyDecider:
     def __init__(self) -> None:
         self.state: dict[str, PolicyState] = {}
         self.snapshots: dict[str, dict[str, EngineSnapshot]] = {}
+        # Set by the operator to export every decision (holds included) on its /metrics.
+        self.metrics: AutoscalerMetrics | None = None
 
     def __call__(
         self,
@@ -102,6 +105,9 @@ class PolicyDecider:
         )
         result = decide(spec, observation, now, self.state.get(service))
         self.state[service] = result.state
+        if self.metrics is not None:
+            for d in result.decisions:
+                self.metrics.observe(d)
         out = []
         for d in result.decisions:
             if d.desired == d.current:

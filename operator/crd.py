@@ -99,6 +99,25 @@ PRINTER_COLUMNS: list[Schema] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "Compat", "type": "string", "jsonPath": ".status.compatHash", "priority": 1},
+    # -o wide: the headline figures `pdfleet status` shows (docs/observability.md).
+    {
+        "name": "Prefill load",
+        "type": "string",
+        "jsonPath": ".status.roles.prefill.load",
+        "priority": 1,
+    },
+    {
+        "name": "Decode load",
+        "type": "string",
+        "jsonPath": ".status.roles.decode.load",
+        "priority": 1,
+    },
+    {
+        "name": "Last scale",
+        "type": "string",
+        "jsonPath": ".status.autoscaling.lastDecisions[-1:].reason",
+        "priority": 1,
+    },
 ]
 
 

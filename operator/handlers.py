@@ -28,9 +28,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdfleet.engine.config import security
 
-from .autoscaler import DecideFn, actuate, decide_scaling, merge_records
+from .autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
+from .autoscaling.decisions import AutoscalerMetrics
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
+from .headline import merge_role_load
 from .kube import KubeClient, KubeError
 from .manifests import (
     ANNOTATION_FLEET_SECRET,
@@ -303,6 +305,7 @@ async def refresh(
     await _write_status(
         state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
     )
+    merge_role_load(patch, samples)  # status.roles.*: the headline load figures
 
 
 async def _autoscale(
@@ -356,6 +359,8 @@ def register(
 ) -> OperatorState:
     """Add the operator's handlers to ``registry``; returns their shared state."""
     state = state or OperatorState()
+    if isinstance(config.decide, PolicyDecider):  # pdfleet_autoscaler_* on the operator's /metrics
+        config.decide.metrics = AutoscalerMetrics(state.metrics)
     resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)

@@ -392,6 +392,16 @@ class RoleStatus(BaseModel):
     """Pods wanted (by the spec or the autoscaler)."""
     summary: str = "0/0"
     """ready/desired, for `kubectl get`."""
+    running: int | None = None
+    """Requests running on the role's ready engines (last scrape)."""
+    waiting: int | None = None
+    """Requests waiting on the role's ready engines (last scrape)."""
+    kv_cache_usage: float | None = None
+    """Mean KV-cache usage of the role's ready engines, 0-1 (last scrape)."""
+    prefix_hit_rate: float | None = None
+    """Prefix-cache hits over lookups since the engines started, 0-1."""
+    load: str | None = None
+    """running/waiting, KV usage and prefix hit rate, for `kubectl get -o wide`."""
 
 
 class RolesStatus(BaseModel):

@@ -85,7 +85,6 @@ UNSUPPORTED = (
     ("limit_mm_per_prompt", {}, "multimodal inputs"),
     ("async_scheduling", None, "asynchronous scheduling"),
     ("enable_sleep_mode", False, "sleep mode"),
-    ("otlp_traces_endpoint", None, "OpenTelemetry tracing"),
 )
 
 

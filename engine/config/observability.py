@@ -14,7 +14,8 @@ class ObservabilityConfig:
     log_stats: bool = True
     """Log periodic engine statistics (throughput, queue, KV usage)."""
     otlp_traces_endpoint: str | None = None
-    """OpenTelemetry traces endpoint. Not supported by pdfleet: leave unset."""
+    """OTLP/HTTP traces URL (``http://collector:4318/v1/traces``); the standard
+    ``OTEL_*`` variables also turn tracing on (docs/observability.md)."""
 
     def compute_hash(self) -> str:
         return hash_factors([])

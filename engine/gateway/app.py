@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.security import (
     bearer_token,
@@ -82,7 +83,9 @@ class Gateway:
             verify=tls,
         )
         # Engine calls of the request path; health checks and scrapes use httpx.
-        self.upstream = UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY, tls)
+        self.upstream = tracing.trace_upstream(
+            UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY, tls)
+        )
         self.affinity = PrefixAffinity(config.prefix_table_size)
         self.breaker = KVPairBreaker(config.kv_pair_failures, config.kv_pair_cooldown, self.metrics)
         self.plaintext = PlaintextWarning()
@@ -163,6 +166,7 @@ def build_app(
     app = FastAPI(
         title="pdfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    tracing.instrument_app(app, "gateway")
     app.state.gateway = gw
 
     @app.exception_handler(Exception)

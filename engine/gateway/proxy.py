@@ -43,6 +43,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
@@ -387,6 +388,7 @@ class Proxy:
             upstream_message(resp),
         )
         self.metrics.fallbacks.labels("kv_params_refused").inc()
+        tracing.fallback("kv_params_refused")
         self._pair_failed(call, e)
         call.prefill_url = None  # refused once: the plain leg is final
         assert call.plain_payload is not None  # _params_refused checked it
@@ -456,6 +458,7 @@ class Proxy:
         if isinstance(route, Response):
             return route
         self.metrics.decisions.labels(route.decision, route.reason).inc()
+        tracing.route_chosen(route)
         if route.prefill is not None:
             outcome = await self._prefill(call, body, route, info)
             if isinstance(outcome, Response):
@@ -465,6 +468,7 @@ class Proxy:
                 payload = json.dumps(decode_body(body, outcome)).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
             self.metrics.fallbacks.labels(route.reason).inc()
+            tracing.fallback(route.reason)
         if body.get("stream") is True:
             return await self._decode_stream(call, route, info, payload)
         return await self._decode_json(call, route, info, payload)
@@ -527,12 +531,14 @@ class Proxy:
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
                 self.metrics.fallbacks.labels("no_kv_transfer_params").inc()
+                tracing.fallback("no_kv_transfer_params")
                 return None
             call.prefill_url = engine.url
             if self.breaker is not None:
                 self.breaker.handed_off(engine.url, route.decode.url)
             return params
         self.metrics.fallbacks.labels("prefill_failed").inc()
+        tracing.fallback("prefill_failed")
         return None
 
     async def _prefill_once(

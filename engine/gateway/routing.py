@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from .engines import EngineLoad, EnginePool, EngineState
@@ -237,6 +238,7 @@ class Router:
             prefix_score = blocks / len(hashes) if hashes and q - lo <= slack else 0.0
             score = PREFIX_WEIGHT * prefix_score + QUEUE_WEIGHT * queue_score + KV_WEIGHT * kv_score
             scored.append((score, c, blocks))
+        tracing.route_scores(scored)
         top = max(s for s, _, _ in scored)
         best = [(c, b) for s, c, b in scored if s >= top - 1e-9]
         self._rr += 1

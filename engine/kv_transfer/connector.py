@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .. import tracing
 from ..config import EngineConfig, security
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .layout import IncompatibleKV, KVLayout, compat_mismatch
@@ -581,6 +582,9 @@ class PDConnector:
                 self.stats.transfer_seconds.append(time.monotonic() - load.started)
             else:
                 self.stats.failed_transfers += 1
+        tracing.kv_pull(
+            load.request_id, load.started, nbytes, len(load.local_ids), load.params, ok, why
+        )
         if not ok:
             # Tell the producer it may free the blocks now (best effort).
             self._send_release(client, load.params)

@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compat import check_service
     from ..resource import load_inference_service
     from .fleet import LocalFleet, fleet_credentials, free_port
+    from .state import FleetStateWriter
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -163,12 +164,14 @@ def run(args: argparse.Namespace) -> int:
         )
         say("Ctrl-C stops every process.\n")
         autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None
+        state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
             if autoscaler is not None and time.monotonic() >= next_scale:
                 next_scale = time.monotonic() + service.spec.autoscaling.period_seconds
                 autoscaler.step()
+            state.write(autoscaler)
     except (RuntimeError, TimeoutError) as e:
         say(f"pdfleet up: {e}")
         fleet.stop()

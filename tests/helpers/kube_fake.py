@@ -88,7 +88,7 @@ class FakeCluster:
             response.raise_for_status()
 
     async def wait_for(
-        self, predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
+        self, predicate: Callable[[], Any], *, timeout: float = 60.0, what: str = "condition"
     ) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -145,7 +145,7 @@ async def running_operator(
                 await state.kube.aclose()
 
 
-def run(coro: Any, timeout: float = 60.0) -> Any:
+def run(coro: Any, timeout: float = 180.0) -> Any:
     """Run a test coroutine with a hard bound."""
 
     async def bounded() -> Any:

@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
 from ...llm_engine import LLMEngine
@@ -169,14 +170,15 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.draining = True
         if state.engine is not None:
-            if state.fatal is None:
-                # A prefill engine keeps its KV until the decode legs claimed it.
-                await asyncio.to_thread(state.engine.wait_for_leases)
+            # A prefill engine keeps serving its KV leases until they are claimed
+            # (AsyncEngine.shutdown waits, bounded by the lease).
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="pdfleet engine", lifespan=lifespan)
     # Outermost of the app's own layers: credentials and body size come first.
     app.add_middleware(GuardMiddleware, auth=state.auth, limits=state.limits)
+    # Tracing wraps even that (a refused request is a span too); off: nothing added.
+    tracing.instrument_app(app, "engine", state.config.observability_config.otlp_traces_endpoint)
 
     def ids(request: Request) -> str:
         rid = getattr(request.state, "request_id", None)
@@ -238,6 +240,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     def echo_headers(request: Request, rid: str) -> dict[str, str]:
         return {"x-request-id": getattr(request.state, "client_request_id", None) or rid}
+
+    def response_id(request: Request, prefix: str, rid: str) -> str:
+        """The body's ``id``: ``PREFIX-<X-Request-Id>`` as vLLM answers, else the
+        internal id. Only a label: the engine keys requests by the internal id."""
+        given = getattr(request.state, "client_request_id", None)
+        return f"{prefix}-{given}" if given else rid
 
     @app.get("/health")
     async def health():
@@ -306,17 +314,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         s, _ = serving(request)
         rid = request_id(request, "cmpl")
+        out = response_id(request, "cmpl", rid)
         if body.stream:
-            return await respond(request, s.completion_stream(body, rid), True, rid)
-        return await respond(request, s.completion(body, rid), False, rid)
+            return await respond(request, s.completion_stream(body, rid, out), True, rid)
+        return await respond(request, s.completion(body, rid, out), False, rid)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _, s = serving(request)
         rid = request_id(request, "chatcmpl")
+        out = response_id(request, "chatcmpl", rid)
         if body.stream:
-            return await respond(request, s.chat_stream(body, rid), True, rid)
-        return await respond(request, s.chat(body, rid), False, rid)
+            return await respond(request, s.chat_stream(body, rid, out), True, rid)
+        return await respond(request, s.chat(body, rid, out), False, rid)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import tracing
 from ...async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -279,16 +280,16 @@ class ServingBase:
         streams: list[RequestStream] = []
         try:
             for j, (text, ids, params) in enumerate(jobs):
-                streams.append(
-                    await self.engine.add_request(
-                        f"{request_id}-{j}" if len(jobs) > 1 else request_id,
-                        ids,
-                        params,
-                        prompt_text=text,
-                        priority=priority,
-                        kv_transfer_params=kv_params,
-                    )
+                rid = f"{request_id}-{j}" if len(jobs) > 1 else request_id
+                stream = await self.engine.add_request(
+                    rid,
+                    ids,
+                    params,
+                    prompt_text=text,
+                    priority=priority,
+                    kv_transfer_params=kv_params,
                 )
+                streams.append(tracing.trace_request(stream, rid, kv_params))
         except BaseException as e:
             for stream in streams:
                 stream.close()

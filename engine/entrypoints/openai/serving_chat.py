@@ -53,13 +53,17 @@ class ChatServing(ServingBase):
         params = req.sampling_params(self.defaults, max_tokens, k)
         return model, text, ids, params, k
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+    async def chat(
+        self, req: ChatCompletionRequest, request_id: str, response_id: str | None = None
+    ) -> dict[str, Any]:
+        """``request_id`` keys the engine request (unique, the server's own);
+        ``response_id`` is the body's ``id`` (default: the request id)."""
         model, text, ids, params, k = await self.prepare_chat(req)
         (stream,) = await self.admit(
             request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
         )
         try:
-            return await self._chat_body(req, request_id, model, ids, k, stream)
+            return await self._chat_body(req, response_id or request_id, model, ids, k, stream)
         finally:
             stream.close()
 
@@ -107,12 +111,14 @@ class ChatServing(ServingBase):
             body["kv_transfer_params"] = kv_out
         return body
 
-    async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
+    async def chat_stream(
+        self, req: ChatCompletionRequest, request_id: str, response_id: str | None = None
+    ) -> AsyncIterator[str]:
         model, text, ids, params, k = await self.prepare_chat(req)
         (stream,) = await self.admit(
             request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
         )
-        return self._chat_events(req, request_id, model, ids, k, stream)
+        return self._chat_events(req, response_id or request_id, model, ids, k, stream)
 
     async def _chat_events(self, req, request_id, model, ids, k, stream):
         created = now()

@@ -66,11 +66,15 @@ class CompletionServing(ServingBase):
             jobs.append((text, ids, params))
         return model, jobs
 
-    async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
+    async def completion(
+        self, req: CompletionRequest, request_id: str, response_id: str | None = None
+    ) -> dict[str, Any]:
+        """``request_id`` keys the engine requests (unique, the server's own);
+        ``response_id`` is the body's ``id`` (default: the request id)."""
         model, jobs = await self.prepare_completion(req)
         streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
         try:
-            return await self._completion_body(req, request_id, model, jobs, streams)
+            return await self._completion_body(req, response_id or request_id, model, jobs, streams)
         finally:
             for stream in streams:
                 stream.close()
@@ -136,11 +140,11 @@ class CompletionServing(ServingBase):
         return body
 
     async def completion_stream(
-        self, req: CompletionRequest, request_id: str
+        self, req: CompletionRequest, request_id: str, response_id: str | None = None
     ) -> AsyncIterator[str]:
         model, jobs = await self.prepare_completion(req)
         streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
-        return self._completion_events(req, request_id, model, jobs, streams)
+        return self._completion_events(req, response_id or request_id, model, jobs, streams)
 
     async def _completion_events(self, req, request_id, model, jobs, streams) -> AsyncIterator[str]:
         n = req.n

@@ -1,0 +1,53 @@
+"""The headline load figures of each role, from one scrape of its engine pods.
+
+They go into ``status.roles.<role>`` (``running``, ``waiting``,
+``kvCacheUsage``, ``prefixHitRate`` and the one-line ``load``), which
+``kubectl get pdsvc -o wide`` prints, and are the figures `pdfleet status`
+shows per engine (docs/observability.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .scrape import PodSample
+
+RUNNING = "pdfleet_engine_num_requests_running"
+WAITING = "pdfleet_engine_num_requests_waiting"
+KV_USAGE = "pdfleet_engine_kv_cache_usage_ratio"
+PREFIX_HITS = "pdfleet_engine_prefix_cache_hits_total"
+PREFIX_QUERIES = "pdfleet_engine_prefix_cache_queries_total"
+
+
+def role_load(samples: Iterable[PodSample]) -> dict[str, dict[str, Any]]:
+    """role -> figures over its ready, answering pods: requests summed, KV usage
+    averaged, prefix hit rate as hits over lookups since the engines started."""
+    by_role: dict[str, list[PodSample]] = {}
+    for s in samples:
+        if s.error is None and s.ready and s.role in ("prefill", "decode"):
+            by_role.setdefault(s.role, []).append(s)
+    out = {}
+    for role, pods in by_role.items():
+        running = int(sum(p.values.get(RUNNING, 0.0) for p in pods))
+        waiting = int(sum(p.values.get(WAITING, 0.0) for p in pods))
+        kv = sum(p.values.get(KV_USAGE, 0.0) for p in pods) / len(pods)
+        queries = sum(p.values.get(PREFIX_QUERIES, 0.0) for p in pods)
+        hits = sum(p.values.get(PREFIX_HITS, 0.0) for p in pods)
+        hit_rate = hits / queries if queries else None
+        out[role] = {
+            "running": running,
+            "waiting": waiting,
+            "kvCacheUsage": round(kv, 4),
+            "prefixHitRate": None if hit_rate is None else round(hit_rate, 4),
+            "load": f"{running}/{waiting} kv {100 * kv:.0f}%"
+            + ("" if hit_rate is None else f" hit {100 * hit_rate:.0f}%"),
+        }
+    return out
+
+
+def merge_role_load(patch: Any, samples: Iterable[PodSample]) -> None:
+    """Add the figures to the status patch's ``roles`` (a refresh's scrape)."""
+    roles = patch.setdefault("status", {}).setdefault("roles", {})
+    for role, figures in role_load(samples).items():
+        roles.setdefault(role, {}).update(figures)

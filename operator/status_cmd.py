@@ -1,0 +1,439 @@
+"""``pdfleet status``: one line per engine of a local or Kubernetes fleet.
+
+Local: the newest run of ``--run-dir`` (``pdfleet up``'s), from its
+``fleet.json`` and each engine's ``/metrics``. Cluster (``--namespace``): the
+InferenceServices' status, and each engine pod's ``/metrics`` through the API
+server's pod proxy. Two scrapes (``--interval`` apart, or consecutive
+``--watch`` refreshes) give the per-second figures. See docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
+
+from .local.state import STATE_FILE
+from .manifests import LABEL_ROLE, LABEL_SERVICE
+from .scrape import parse_metrics
+
+WIDTH = 80
+RUNNING = "pdfleet_engine_num_requests_running"
+WAITING = "pdfleet_engine_num_requests_waiting"
+KV_USAGE = "pdfleet_engine_kv_cache_usage_ratio"
+PREFIX_HITS = "pdfleet_engine_prefix_cache_hits_total"
+PREFIX_QUERIES = "pdfleet_engine_prefix_cache_queries_total"
+TRANSFERS = "pdfleet_engine_kv_transfers_total"
+SCRAPE_TIMEOUT = 3.0
+ENGINE_PORT = 8000  # the container port named http (operator/manifests.py)
+GROUP, VERSION, PLURAL = "pdfleet.dev", "v1alpha1", "inferenceservices"
+
+
+@dataclass
+class Sample:
+    """One scrape of one engine: its metric values, or why there are none."""
+
+    at: float
+    values: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class EngineRow:
+    name: str
+    role: str
+    state: str
+    sample: Sample | None = None
+    previous: Sample | None = None
+
+    def value(self, name: str) -> float | None:
+        if self.sample is None or self.sample.error is not None:
+            return None
+        return self.sample.values.get(name)
+
+    def prefix_hit_rate(self) -> float | None:
+        """Hits over lookups between the two scrapes, else since the engine started."""
+        hits, queries = self.value(PREFIX_HITS), self.value(PREFIX_QUERIES)
+        if hits is None or not queries:
+            return None
+        prev = self.previous
+        if prev is not None and prev.error is None:
+            dq = queries - prev.values.get(PREFIX_QUERIES, 0.0)
+            if dq > 0:
+                return (hits - prev.values.get(PREFIX_HITS, 0.0)) / dq
+        return hits / queries
+
+    def transfers_per_second(self) -> float | None:
+        now, prev = self.value(TRANSFERS), self.previous
+        if now is None or prev is None or prev.error is not None:
+            return None
+        dt = self.sample.at - prev.at  # type: ignore[union-attr]
+        if dt <= 0:
+            return None
+        return max(0.0, now - prev.values.get(TRANSFERS, 0.0)) / dt
+
+
+@dataclass
+class FleetView:
+    """What one InferenceService's block of the status shows."""
+
+    service: str
+    where: str
+    gateway: str
+    rows: list[EngineRow]
+    decision: Mapping[str, Any] | None = None
+
+
+# -- rendering --------------------------------------------------------------------------
+
+
+def _fit(text: str, width: int) -> str:
+    """Cut to ``width`` keeping the end (pod names differ in their suffix)."""
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _count(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def render_row(row: EngineRow) -> str:
+    if row.sample is not None and row.sample.error is not None and row.state == "ready":
+        state = "denied" if row.sample.error == UNAUTHORIZED else "down"
+    else:
+        state = row.state
+    rw = f"{_count(row.value(RUNNING))}/{_count(row.value(WAITING))}"
+    xfer = row.transfers_per_second()
+    return (
+        f"{_fit(row.name, 26):<26} {row.role[:7]:<7} {state[:8]:<8} {rw:>9} "
+        f"{_pct(row.value(KV_USAGE)):>5} {_pct(row.prefix_hit_rate()):>7} "
+        f"{'-' if xfer is None else f'{xfer:.2f}':>7}"
+    ).rstrip()
+
+
+HEADER = (
+    f"{'ENGINE':<26} {'ROLE':<7} {'STATE':<8} {'RUN/WAIT':>9} {'KV%':>5} {'PREFIX%':>7} "
+    f"{'XFER/S':>7}"
+)
+
+
+def describe_decision(d: Mapping[str, Any]) -> str:
+    when = d.get("time")
+    if isinstance(when, (int, float)):
+        when = time.strftime("%H:%M:%S", time.localtime(when))
+    return f"{d.get('role')} {d.get('from')} -> {d.get('to')} at {when}: {d.get('reason')}"
+
+
+def render(views: list[FleetView], width: int = WIDTH) -> str:
+    lines: list[str] = []
+    for view in views:
+        if lines:
+            lines.append("")
+        lines.append(f"{view.service}  {view.where}  {view.gateway}")
+        lines.append(HEADER)
+        lines.extend(render_row(r) for r in view.rows)
+        if not view.rows:
+            lines.append("(no engines)")
+        last = "none yet" if view.decision is None else describe_decision(view.decision)
+        lines.append(f"autoscaler: {last}")
+        if any(r.sample is not None and r.sample.error == UNAUTHORIZED for r in view.rows):
+            lines.append("denied: set PDFLEET_FLEET_SECRET to the fleet's secret (its token)")
+    return "\n".join(line if len(line) <= width else line[: width - 1] + "…" for line in lines)
+
+
+# -- scraping ---------------------------------------------------------------------------
+
+
+def metrics_headers() -> dict[str, str]:
+    """The engines' bearer token (the fleet secret's derived key), when one is set."""
+    secret = fleet_secret_from_env()
+    return {"authorization": f"Bearer {fleet_token(secret)}"} if secret else {}
+
+
+UNAUTHORIZED = "unauthorized"
+
+
+def scrape(get: Callable[[], str], clock: Callable[[], float] = time.time) -> Sample:
+    at = clock()
+    try:
+        return Sample(at, parse_metrics(get()))
+    except Exception as e:  # unreachable, refused, not Prometheus text: shown as down
+        status = getattr(getattr(e, "response", None), "status_code", None) or getattr(
+            e, "status", None
+        )
+        if status in (401, 403):
+            return Sample(at, error=UNAUTHORIZED)
+        return Sample(at, error=f"{type(e).__name__}: {e}")
+
+
+# -- local ------------------------------------------------------------------------------
+
+
+def find_run(run_dir: Path) -> Path:
+    """``run_dir`` itself when it is a run, else its newest run."""
+    if (run_dir / STATE_FILE).exists():
+        return run_dir
+    runs = sorted((p for p in run_dir.glob(f"*/{STATE_FILE}")), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise ValueError(
+            f"no pdfleet up run in {run_dir} (no */{STATE_FILE}); give --run-dir the "
+            "directory `pdfleet up --run-dir` used, or --namespace for a cluster"
+        )
+    return runs[-1].parent
+
+
+class LocalSource:
+    def __init__(self, run_dir: Path) -> None:
+        self.run = find_run(run_dir)
+        self.client = httpx.Client(timeout=SCRAPE_TIMEOUT, headers=metrics_headers())
+
+    def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
+        state = json.loads((self.run / STATE_FILE).read_text())
+        rows = []
+        for e in state["engines"]:
+            row = EngineRow(e["name"], e["role"], e["state"], previous=previous.get(e["name"]))
+            if e["state"] in ("ready", "draining"):
+                row.sample = scrape(lambda url=e["url"]: self._get(url))
+            rows.append(row)
+        gw = state.get("gateway") or {}
+        decisions = state.get("lastDecisions") or []
+        return [
+            FleetView(
+                state["service"],
+                self.run.name,  # the run's directory name: fits the line
+                f"gateway {gw.get('url') or '-'} {gw.get('state', '')}".rstrip(),
+                rows,
+                decisions[-1] if decisions else None,
+            )
+        ]
+
+    def _get(self, url: str) -> str:
+        resp = self.client.get(url + "/metrics")
+        resp.raise_for_status()
+        return resp.text
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- cluster ----------------------------------------------------------------------------
+
+
+def pod_state(pod: Mapping[str, Any]) -> str:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return "draining"
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return "down"
+    for c in status.get("containerStatuses") or []:
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") == "CrashLoopBackOff":
+            return "crashing"
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return "ready" if ready else "starting"
+
+
+def pod_port(pod: Mapping[str, Any]) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return int(port["containerPort"])
+    return ENGINE_PORT
+
+
+def cluster_views(
+    get: Callable[[str], str],
+    namespace: str,
+    name: str | None,
+    previous: Mapping[str, Sample],
+) -> list[FleetView]:
+    """Views of the InferenceServices of ``namespace``; ``get(path)`` reads an API path."""
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    if name:
+        services = [json.loads(get(f"{base}/{name}"))]
+    else:
+        services = json.loads(get(base)).get("items") or []
+    views = []
+    for svc in services:
+        svc_name = svc["metadata"]["name"]
+        status = svc.get("status") or {}
+        selector = f"{LABEL_SERVICE}={svc_name},{LABEL_ROLE} in (prefill,decode)"
+        pods = (
+            json.loads(
+                get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={_quote(selector)}")
+            ).get("items")
+            or []
+        )
+        rows = []
+        for pod in sorted(
+            pods, key=lambda p: (p["metadata"]["labels"].get(LABEL_ROLE, ""), p["metadata"]["name"])
+        ):
+            pod_name = pod["metadata"]["name"]
+            role = pod["metadata"]["labels"].get(LABEL_ROLE, "?")
+            row = EngineRow(pod_name, role, pod_state(pod), previous=previous.get(pod_name))
+            if row.state in ("ready", "draining"):
+                path = (
+                    f"/api/v1/namespaces/{namespace}/pods/{pod_name}:{pod_port(pod)}/proxy/metrics"
+                )
+                row.sample = scrape(lambda path=path: get(path))
+            rows.append(row)
+        decisions = (status.get("autoscaling") or {}).get("lastDecisions") or []
+        phase = status.get("phase") or "Unknown"
+        roles = status.get("roles") or {}
+        summary = " ".join(
+            f"{r} {roles[r].get('summary', '?')}"
+            for r in ("prefill", "decode", "gateway")
+            if r in roles
+        )
+        views.append(
+            FleetView(
+                svc_name,
+                f"ns/{namespace} {phase}",
+                summary or (status.get("url") or ""),
+                rows,
+                decisions[-1] if decisions else None,
+            )
+        )
+    return views
+
+
+def _quote(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text, safe="=,")
+
+
+class ClusterSource:
+    """Reads through the API server with the kubeconfig (or in-cluster) credentials."""
+
+    def __init__(self, namespace: str, name: str | None) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_kube_config()
+        except Exception:
+            try:
+                config.load_incluster_config()
+            except Exception as e:
+                raise ValueError(
+                    f"no Kubernetes credentials (kubeconfig or in-cluster): {e}; set KUBECONFIG "
+                    "or use --run-dir for a local fleet"
+                ) from None
+        self.api = client.ApiClient()
+        self.namespace, self.name = namespace, name
+
+    def _get(self, path: str) -> str:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            resp = self.api.call_api(
+                path,
+                "GET",
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=SCRAPE_TIMEOUT,
+            )
+        except ApiException as e:
+            if e.status == 404 and "/proxy/" not in path:
+                raise ValueError(f"not found: {path} (wrong --namespace or --name?)") from None
+            raise
+        return resp[0].data.decode()
+
+    def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
+        return cluster_views(self._get, self.namespace, self.name, previous)
+
+    def close(self) -> None:
+        self.api.close()
+
+
+# -- command ----------------------------------------------------------------------------
+
+
+def collect(source: Any, previous: dict[str, Sample]) -> list[FleetView]:
+    """One refresh; remembers each engine's sample for the next one's rates."""
+    views = source.views(previous)
+    previous.clear()
+    for view in views:
+        for row in view.rows:
+            if row.sample is not None and row.sample.error is None:
+                previous[row.name] = row.sample
+    return views
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "status",
+        help="one line per engine of a local or Kubernetes fleet",
+        description="Role, state, running/waiting requests, KV-cache usage, prefix-cache hit "
+        "rate and KV transfers/s of every engine, and the autoscaler's last decision. Local "
+        "(a `pdfleet up` run directory) by default; --namespace reads a cluster through the "
+        "API server. See docs/observability.md.",
+    )
+    parser.add_argument(
+        "--run-dir",
+        default="runs",
+        help="`pdfleet up`'s --run-dir (its newest run) or one run's directory (default runs).",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=None,
+        help="Read the InferenceServices of this Kubernetes namespace instead.",
+    )
+    parser.add_argument("--name", default=None, help="Only this InferenceService (--namespace).")
+    parser.add_argument(
+        "--watch", action="store_true", help="Refresh in place every --interval seconds."
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="Seconds between refreshes with --watch; without it, the two scrapes that give "
+        "XFER/S are min(1, interval) apart (default 2).",
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {args.interval}")
+    if args.name and not args.namespace:
+        raise ValueError("--name needs --namespace (it names an InferenceService)")
+    source: Any = (
+        ClusterSource(args.namespace, args.name)
+        if args.namespace
+        else LocalSource(Path(args.run_dir))
+    )
+    previous: dict[str, Sample] = {}
+    try:
+        if not args.watch:
+            collect(source, previous)
+            time.sleep(min(1.0, args.interval))
+            print(render(collect(source, previous)))
+            return 0
+        while True:
+            text = render(collect(source, previous))
+            stamp = time.strftime("%H:%M:%S")
+            # Home, clear to the end: redraw in place without scrolling.
+            sys.stdout.write(
+                f"\x1b[H\x1b[2J{text}\n\n(every {args.interval:g}s, {stamp}; Ctrl-C stops)\n"
+            )
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        source.close()

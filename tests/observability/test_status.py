@@ -1,0 +1,235 @@
+"""`pdfleet status` against a live local fleet, and its cluster mode against
+API-server answers whose proxied /metrics come from a real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+
+from conftest import scrape_text
+from pdfleet.operator.status_cmd import (
+    HEADER,
+    EngineRow,
+    FleetView,
+    Sample,
+    cluster_views,
+    parse_metrics,
+    render,
+)
+
+LONG = "[status] The harbor was quiet before dawn. Boats rocked against the pier. " * 6
+
+
+def status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdfleet.engine.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def complete(fleet, prompt: str, max_tokens: int = 4) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(fleet.url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+
+
+def rows_by_name(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    start = lines.index(HEADER) + 1
+    rows = {}
+    for line in lines[start:]:
+        if line.startswith("autoscaler:"):
+            break
+        rows[line.split()[0]] = line.split()
+    return rows
+
+
+def test_status_shows_one_line_per_engine_of_the_local_fleet(fleet):
+    complete(fleet, LONG)  # one P/D request: a KV pull, prefix-cache lookups
+    complete(fleet, LONG)  # the same prompt again: prefix hits on the decode engine
+    out = status("--run-dir", str(fleet.run_dir))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert lines[0].startswith("tiny  ") and "gateway http://127.0.0.1:" in lines[0]
+    assert lines[0].endswith(" ready")
+    rows = rows_by_name(out.stdout)
+    assert set(rows) == {"prefill-0", "decode-0"}
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        _, r, state, run_wait, kv, prefix, xfer = rows[name]
+        assert (r, state, run_wait) == (role, "ready", "0/0")
+        assert kv.endswith("%") and prefix.endswith("%") and float(xfer) >= 0
+    # The second request found the first one's blocks in the decode engine's cache.
+    assert int(rows["decode-0"][5].rstrip("%")) > 0
+    assert lines[-1] == "autoscaler: none yet"  # the fleet has no spec.autoscaling
+
+
+def test_status_counts_transfers_per_second_between_two_scrapes(fleet):
+    url = fleet.engine_url("decode")
+    before = Sample(time.time(), parse_metrics(scrape_text(url)))
+    complete(fleet, LONG.replace("[status]", "[xfer-1]"))
+    complete(fleet, LONG.replace("[status]", "[xfer-2]"))
+    after = Sample(before.at + 2.0, parse_metrics(scrape_text(url)))  # as if 2 s apart
+    row = EngineRow("decode-0", "decode", "ready", after, before)
+    assert row.transfers_per_second() == pytest.approx(1.0)  # two pulls in two seconds
+    assert 0.0 <= row.prefix_hit_rate() <= 1.0
+
+
+def test_status_watch_refreshes_in_place_until_interrupted(fleet):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdfleet.engine.cli",
+            "status",
+            "--run-dir",
+            str(fleet.run_dir.parent / fleet.run_dir.name),
+            "--watch",
+            "--interval",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    chunks: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b""))
+    )
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while b"".join(chunks).count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        reader.join(5)
+    frames = b"".join(chunks).decode().split("\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 3
+    for frame in frames[:-1]:  # the last may be cut by the interrupt
+        assert "decode-0" in frame and "prefill-0" in frame
+        # From the second refresh on, XFER/S is a number.
+    assert rows_by_name(frames[1])["decode-0"][6] != "-"
+
+
+def test_status_of_a_missing_run_is_a_clear_error(tmp_path):
+    out = status("--run-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "no pdfleet up run in" in out.stderr and "--namespace" in out.stderr
+
+
+def _pod(name: str, role: str, ready: bool = True, **extra) -> dict:
+    pod = {
+        "metadata": {
+            "name": name,
+            "labels": {"pdfleet.dev/service": "llama", "pdfleet.dev/role": role},
+        },
+        "spec": {
+            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}]
+        },
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+    for key, value in extra.items():
+        pod[key].update(value)
+    return pod
+
+
+def test_cluster_mode_reads_status_and_metrics_through_the_api_server_proxy(fleet):
+    text = scrape_text(fleet.engine_url("decode"))
+    service = {
+        "metadata": {"name": "llama"},
+        "status": {
+            "phase": "Ready",
+            "roles": {"prefill": {"summary": "1/1"}, "decode": {"summary": "2/2"}},
+            "autoscaling": {
+                "lastDecisions": [
+                    {
+                        "role": "decode",
+                        "from": 1,
+                        "to": 2,
+                        "reason": "kv usage 0.83 > 0.70",
+                        "time": "2026-01-01T12:00:00Z",
+                    },
+                ]
+            },
+        },
+    }
+    long_name = "llama-decode-5f7c9d8b6d-zq2xw-with-a-very-long-suffix"
+    pods = [
+        _pod("llama-prefill-7d9f8c6b5-x2abc", "prefill"),
+        _pod(long_name, "decode"),
+        _pod("llama-decode-5f7c9d8b6d-old", "decode", metadata={"deletionTimestamp": "now"}),
+        _pod(
+            "llama-decode-5f7c9d8b6d-new",
+            "decode",
+            ready=False,
+            status={"containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]},
+        ),
+    ]
+    asked: list[str] = []
+
+    def get(path: str) -> str:
+        asked.append(path)
+        if path.endswith("/inferenceservices/llama"):
+            return json.dumps(service)
+        if "/pods?labelSelector=" in path:
+            return json.dumps({"items": pods})
+        if path.endswith(":8000/proxy/metrics"):
+            return text  # a real engine's exposition
+        raise AssertionError(path)
+
+    views = cluster_views(get, "ml", "llama", {})
+    assert asked[0] == "/apis/pdfleet.dev/v1alpha1/namespaces/ml/inferenceservices/llama"
+    path, _, query = asked[1].partition("?")
+    assert path == "/api/v1/namespaces/ml/pods"
+    assert parse_qs(query) == {
+        "labelSelector": ["pdfleet.dev/service=llama,pdfleet.dev/role in (prefill,decode)"]
+    }
+    assert f"/api/v1/namespaces/ml/pods/{long_name}:8000/proxy/metrics" in asked
+    (view,) = views
+    states = {r.name: r.state for r in view.rows}
+    assert states[long_name] == "ready"
+    assert states["llama-decode-5f7c9d8b6d-old"] == "draining"
+    assert states["llama-decode-5f7c9d8b6d-new"] == "crashing"
+    out = render(views)
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert lines[0] == "llama  ns/ml Ready  prefill 1/1 decode 2/2"
+    assert any(line.startswith("…w-with-a-very-long-suffix decode  ready") for line in lines)
+    assert lines[-1] == "autoscaler: decode 1 -> 2 at 2026-01-01T12:00:00Z: kv usage 0.83 > 0.70"
+
+
+def test_rows_of_an_unreachable_engine_show_down_not_stale_numbers():
+    row = EngineRow("decode-1", "decode", "ready", Sample(1.0, error="ConnectError: refused"))
+    view = FleetView("tiny", "runs/x", "gateway - ready", [row])
+    line = render([view]).splitlines()[2]
+    assert line.split() == ["decode-1", "decode", "down", "-/-", "-", "-", "-"]
+
+
+def test_engines_that_refuse_the_token_say_so_with_what_to_set():
+    class Refused(Exception):
+        status = 401
+
+    def get() -> str:
+        raise Refused("401 Unauthorized")
+
+    from pdfleet.operator.status_cmd import scrape
+
+    row = EngineRow("decode-0", "decode", "ready", scrape(get))
+    lines = render([FleetView("tiny", "run", "gateway - ready", [row])]).splitlines()
+    assert lines[2].split()[2] == "denied"
+    assert lines[-1].startswith("denied: set PDFLEET_FLEET_SECRET")
