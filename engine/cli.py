@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": "pdfleet.engine.bench.cli",
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
+    "fetch-model": "pdfleet.engine.tiny.fetch_cmd",
     "sim": "pdfleet.operator.autoscaling.sim_cmd",
     "crd": "pdfleet.operator.crd_cmd",
     "render": "pdfleet.operator.render_cmd",

@@ -43,7 +43,7 @@ def read_generation_config(model_config) -> dict[str, Any]:
     source = model_config.generation_config
     if source == "vllm":
         return {}
-    directory = model_config.model if source == "auto" else source
+    directory = (model_config.model_dir or model_config.model) if source == "auto" else source
     path = os.path.join(directory, "generation_config.json")
     if not os.path.exists(path):
         if source != "auto":

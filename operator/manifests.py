@@ -38,10 +38,10 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
 
 from .compat import compat_hash
+from .model_source import InitStep, model_volumes
 from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
 from .roles import (
     ENGINE_PORT,
-    MODELS_DIR,
     disaggregating,
     engine_command,
     model_source,
@@ -188,26 +188,14 @@ def _container_security_context() -> dict[str, Any]:
     }
 
 
-def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, read-only mounts for the main container, init containers)."""
-    source = model_source(spec.model.uri)
-    if source.scheme == "pvc":
-        volume = {
-            "name": "models",
-            "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
-        }
-        mount = {"name": "models", "mountPath": f"{MODELS_DIR}/{source.claim}", "readOnly": True}
-        return [volume], [mount], []
-    if source.scheme == "builtin":
-        # Deterministic weights: every pod writes the same model.
-        volume = {"name": "models", "emptyDir": {}}
-        mount = {"name": "models", "mountPath": MODELS_DIR, "readOnly": True}
-        return [volume], [mount], [source.path]
-    return [], [], []
+def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[InitStep]]:
+    """(volumes, read-only mounts for the main container, init steps)."""
+    parts = model_volumes(spec.model)
+    return parts.volumes, parts.mounts, parts.init
 
 
 def _init_containers(
-    image: str, paths: list[str], main_resources: dict[str, Any]
+    image: str, steps: list[InitStep], main_resources: dict[str, Any]
 ) -> list[dict[str, Any]]:
     # The model writer runs before the main container: it may use the same CPU and
     # memory (the pod's request does not grow), never its accelerators.
@@ -218,19 +206,16 @@ def _init_containers(
     resources = {kind: amounts for kind, amounts in resources.items() if amounts}
     return [
         {
-            "name": "write-model",
+            "name": step.name,
             "image": image,
             "imagePullPolicy": "IfNotPresent",
-            "command": ["pdfleet", "tiny-model", path],
-            "env": [{"name": "HOME", "value": "/tmp"}],
-            "volumeMounts": [
-                {"name": "models", "mountPath": MODELS_DIR},
-                {"name": "tmp", "mountPath": "/tmp"},
-            ],
+            "command": list(step.command),
+            "env": [{"name": "HOME", "value": "/tmp"}, *step.env],
+            "volumeMounts": [*step.mounts, {"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": _container_security_context(),
             **({"resources": resources} if resources else {}),
         }
-        for path in paths
+        for step in steps
     ]
 
 
@@ -333,7 +318,7 @@ def engine_pod_template(
 ) -> dict[str, Any]:
     role_spec = spec.role(role)
     args = pod_engine_args(spec, role)
-    volumes, model_mounts, builtin_paths = _model_volumes(spec)
+    volumes, model_mounts, model_steps = _model_volumes(spec)
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     kv_env: list[dict[str, Any]] = []
@@ -384,8 +369,8 @@ def engine_pod_template(
             *volumes,
         ],
     }
-    if builtin_paths:
-        pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
+    if model_steps:
+        pod_spec["initContainers"] = _init_containers(image, model_steps, resources)
     return {
         "metadata": {
             "labels": {**common_labels(name, role), LABEL_COMPAT: compat},
@@ -421,7 +406,7 @@ def gateway_pod_template(
     secret_version: str | None = None,
 ) -> dict[str, Any]:
     gateway = spec.gateway
-    volumes, model_mounts, builtin_paths = _model_volumes(spec)
+    volumes, model_mounts, model_steps = _model_volumes(spec)
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     volumes.append(secret_volume)
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, secret_env]
@@ -464,8 +449,8 @@ def gateway_pod_template(
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
     }
-    if builtin_paths:
-        pod_spec["initContainers"] = _init_containers(image, builtin_paths, resources)
+    if model_steps:
+        pod_spec["initContainers"] = _init_containers(image, model_steps, resources)
     return {
         "metadata": {
             "labels": common_labels(name, "gateway"),

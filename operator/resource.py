@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from pdfleet.engine.config.hub import parse_hf_uri
+
 from .engine_spec import FieldPathError, camel, validate_engine_section
 
 GROUP = "pdfleet.dev"
@@ -44,8 +46,9 @@ ROLES = ("prefill", "decode")
 # 63 characters of a DNS label, which Service names must be.
 MAX_NAME_LENGTH = 45
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-MODEL_URI_SCHEMES = ("builtin", "file", "pvc")
-BUILTIN_MODELS = ("tiny",)
+MODEL_URI_SCHEMES = ("builtin", "file", "pvc", "hf")
+# The same names as pdfleet.engine.tiny.registry.BUILTIN_MODELS (a test keeps them equal).
+BUILTIN_MODELS = ("tiny", "smollm2-135m-instruct")
 
 
 class EngineSection:
@@ -91,6 +94,23 @@ class _Spec(BaseModel):
 # spec
 
 
+class HubTokenSecret(_Spec):
+    """A key of a Secret in the InferenceService's namespace holding a Hugging Face token."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret."""
+    key: str = "token"
+    """Key within the Secret."""
+
+
+class ModelCacheSpec(_Spec):
+    """Where `hf://` downloads are kept."""
+
+    claim: str = Field(min_length=1)
+    """PersistentVolumeClaim holding the Hugging Face cache (ReadWriteMany to share
+    it between pods: a pod that finds the files there downloads nothing)."""
+
+
 class ModelSpec(_Spec):
     """The model to serve."""
 
@@ -100,11 +120,25 @@ class ModelSpec(_Spec):
     uri: str = "builtin://tiny"
     """Where the weights are: `file:///path` (a Hugging Face model directory
     inside the image or a mounted volume), `pvc://CLAIM/path` (a directory on
-    a PersistentVolumeClaim, mounted read-only), or `builtin://tiny` (pdfleet's
-    small random-weight test model, written when a pod starts)."""
+    a PersistentVolumeClaim, mounted read-only), `hf://ORG/NAME` (downloaded
+    from the Hugging Face Hub by an init container: config, tokenizer and
+    safetensors), `hf://ORG/NAME/FILE.gguf` (one GGUF file of a Hub
+    repository), or a built-in model: `builtin://tiny` (pdfleet's small
+    random-weight test model) or `builtin://smollm2-135m-instruct`
+    (SmolLM2-135M-Instruct, shipped in the image), prepared when a pod starts."""
     revision: str | None = None
     """Model revision (a commit or tag). Part of the compatibility hash, so
-    prefill and decode engines serving different weights never exchange KV."""
+    prefill and decode engines serving different weights never exchange KV.
+    For `hf://`, the branch, tag or commit to download (default main); a
+    40-character commit is checked against what the Hub serves."""
+    token_secret: HubTokenSecret | None = None
+    """`hf://` only: Secret holding a Hugging Face token (private or gated models)."""
+    cache: ModelCacheSpec | None = None
+    """`hf://` only: PersistentVolumeClaim for the download cache; each pod
+    downloads into its own emptyDir when unset."""
+    hf_endpoint: str | None = None
+    """`hf://` only: base URL of the Hub or a mirror (the HF_ENDPOINT variable);
+    the public Hub when unset."""
 
     @field_validator("uri")
     @classmethod
@@ -113,8 +147,7 @@ class ModelSpec(_Spec):
         if not sep or scheme not in MODEL_URI_SCHEMES:
             raise ValueError(
                 f"{uri!r} is not a supported model location; use file:///path/to/model, "
-                "pvc://CLAIM/path or builtin://tiny (pdfleet loads models from disk and "
-                "downloads nothing: copy hub models onto a volume first)"
+                "pvc://CLAIM/path, hf://ORG/NAME or builtin://NAME"
             )
         if scheme == "file" and not rest.startswith("/"):
             raise ValueError(f"{uri!r}: a file URI needs an absolute path (file:///models/x)")
@@ -122,7 +155,23 @@ class ModelSpec(_Spec):
             raise ValueError(f"{uri!r}: name the claim, e.g. pvc://models/llama-3.1-8b")
         if scheme == "builtin" and rest not in BUILTIN_MODELS:
             raise ValueError(f"{uri!r}: the built-in models are {', '.join(BUILTIN_MODELS)}")
+        if scheme == "hf":
+            parse_hf_uri(uri)  # its ValueError names the expected shape
         return uri
+
+    @model_validator(mode="after")
+    def _hub_fields_need_hf(self) -> ModelSpec:
+        if not self.uri.startswith("hf://"):
+            for field, value in (
+                ("tokenSecret", self.token_secret),
+                ("cache", self.cache),
+                ("hfEndpoint", self.hf_endpoint),
+            ):
+                if value is not None:
+                    raise ValueError(f"{field} applies to hf:// models only (uri is {self.uri})")
+        if self.hf_endpoint is not None and not re.match(r"^https?://[^\s]+$", self.hf_endpoint):
+            raise ValueError(f"hfEndpoint {self.hf_endpoint!r} is not an http(s) URL")
+        return self
 
 
 class KVTransferSpec(_Spec):

@@ -28,9 +28,9 @@ class ModelSource:
     """Where a role finds the model directory."""
 
     scheme: str
-    """builtin, file or pvc."""
+    """builtin, file, pvc or hf."""
     path: str
-    """The directory the engine loads (inside the pod for pvc and builtin)."""
+    """The directory the engine loads (inside the pod for pvc, builtin and hf)."""
     claim: str | None = None
     """PersistentVolumeClaim holding the model (pvc only)."""
     builtin: str | None = None
@@ -48,6 +48,9 @@ def model_source(uri: str) -> ModelSource:
         return ModelSource("pvc", path, claim=claim)
     if scheme == "builtin":
         return ModelSource("builtin", f"{MODELS_DIR}/{rest}", builtin=rest)
+    if scheme == "hf":
+        # The init container links the downloaded snapshot (or prepared GGUF) here.
+        return ModelSource("hf", f"{MODELS_DIR}/hf")
     raise ValueError(f"spec.model.uri: unsupported scheme in {uri!r}")
 
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .gguf import resolve_model_dir
 from .hashing import hash_factors
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ def load_hf_config(model: str, hf_overrides: dict[str, Any] | None = None) -> di
     if not os.path.isdir(path):
         raise ValueError(
             f"model {model!r} is not a local directory; pdfleet loads Hugging Face model "
-            "directories from disk (no hub download). Pass the path of a directory holding "
-            "config.json and *.safetensors"
+            "directories and GGUF files from disk (no hub download). Pass the path of a "
+            "directory holding config.json and *.safetensors, or of a .gguf file"
         )
     if not os.path.isfile(config_file):
         raise ValueError(f"model directory {model!r} has no config.json")
@@ -151,7 +152,8 @@ class ModelConfig:
 
     model: str = ""
     """Path of a local Hugging Face model directory (config.json, safetensors
-    weights, tokenizer)."""
+    weights, tokenizer) or of a GGUF file (config and tokenizer come from its
+    metadata; see docs/models.md)."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the model directory."""
     revision: str | None = None
@@ -191,6 +193,9 @@ class ModelConfig:
     """Weight quantization method. Not supported by pdfleet."""
 
     # -- derived from config.json (set by EngineArgs.create_model_config) ---
+    model_dir: str = ""
+    """Resolved: the directory holding config.json and the tokenizer (the
+    model directory, or for a GGUF file its prepared directory in the cache)."""
     max_model_len_auto: bool = False
     """Resolved: shrink max_model_len to what the KV cache holds."""
     architecture: str = ""
@@ -222,13 +227,14 @@ class ModelConfig:
 
     @property
     def tokenizer_path(self) -> str:
-        return self.tokenizer or self.model
+        return self.tokenizer or self.model_dir or self.model
 
     @classmethod
     def from_model_dir(cls, device: str, **user: Any) -> ModelConfig:
         """Read the model directory and derive shapes, dtype and max length."""
         config = cls(**user)
-        hf = load_hf_config(config.model, config.hf_overrides)
+        config.model_dir = resolve_model_dir(config.model)
+        hf = load_hf_config(config.model_dir, config.hf_overrides)
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -1,4 +1,4 @@
-"""Load a model's weights from safetensors (single file or sharded index)."""
+"""Load a model's weights: safetensors (single file or sharded index) or GGUF."""
 
 from __future__ import annotations
 
@@ -76,17 +76,33 @@ def load_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     if config.load_config.load_format == "dummy":
         _fill_dummy(model, m.seed)
         return model.eval()
-    files = safetensors_files(m.model)
-    converted = (
-        (name, t.to(dtype))
-        for name, t in iterate_weights(files, config.load_config.use_tqdm_on_load)
-    )
-    loaded = model.load_weights(converted)
+    loaded = model.load_weights(_checkpoint(config, dtype))
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint in {m.model!r} lacks weights: {', '.join(missing[:8])}")
     logger.info("Loaded %s (%d tensors, %s) from %s", m.architecture, len(loaded), m.dtype, m.model)
     return model.eval()
+
+
+def _checkpoint(config: EngineConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in ``dtype``, from safetensors or a GGUF file."""
+    from ..config.gguf import gguf_in_dir
+
+    m = config.model_config
+    directory = m.model_dir or m.model
+    fmt = config.load_config.load_format
+    progress = config.load_config.use_tqdm_on_load
+    has_safetensors = any(f.endswith(".safetensors") for f in os.listdir(directory))
+    if fmt == "gguf" or (fmt == "auto" and not has_safetensors):
+        gguf_file = gguf_in_dir(directory)
+        if gguf_file is not None:
+            from .gguf import iterate_gguf_weights
+
+            return iterate_gguf_weights(gguf_file, m, dtype, progress)
+        if fmt == "gguf":
+            raise ValueError(f"--load-format gguf: {m.model!r} is not and holds no .gguf file")
+    files = safetensors_files(directory)
+    return ((name, t.to(dtype)) for name, t in iterate_weights(files, progress))
 
 
 @torch.no_grad()

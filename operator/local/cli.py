@@ -14,18 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TINY_DIR_ENV = "PDFLEET_CACHE"
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def default_service() -> dict[str, Any]:
-    """The embedded default: the built-in tiny model, one prefill and one decode engine."""
+    """The embedded default: SmolLM2-135M-Instruct (shipped with pdfleet), one prefill
+    and one decode engine."""
     connector = "NixlConnector" if importlib.util.find_spec("nixl_cu12") else "ZmqConnector"
     return {
         "apiVersion": "pdfleet.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": "tiny"},
+        "metadata": {"name": "smollm2"},
         "spec": {
-            "model": {"name": "tiny", "uri": "builtin://tiny"},
+            "model": {"name": DEFAULT_MODEL, "uri": f"builtin://{DEFAULT_MODEL}"},
             "engine": {"maxModelLen": 2048, "maxNumSeqs": 64},
             "kvTransfer": {"connector": connector},
             "prefill": {"replicas": 1},
@@ -36,37 +37,30 @@ def default_service() -> dict[str, Any]:
     }
 
 
-def tiny_model_dir() -> Path:
-    root = os.environ.get(DEFAULT_TINY_DIR_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdfleet"
-    )
-    return Path(root) / "tiny-llama"
-
-
-def resolve_model(uri: str, say) -> str:
-    """A local model directory for ``spec.model.uri`` (building the tiny model if needed)."""
+def resolve_model(uri: str, revision: str | None, say) -> str:
+    """A local model directory for ``spec.model.uri``: ``builtin://`` models are
+    prepared and ``hf://`` models downloaded (into pdfleet's and the Hugging Face
+    cache) once, by ``pdfleet fetch-model``, whose progress is shown."""
     scheme, _, rest = uri.partition("://")
     if scheme == "file":
-        if not os.path.isdir(rest):
-            raise ValueError(f"spec.model.uri: {rest!r} is not a directory on this machine")
-        return rest
-    if scheme == "builtin":
-        if rest != "tiny":
-            raise ValueError(f"spec.model.uri: unknown built-in model {rest!r} (builtin://tiny)")
-        path = tiny_model_dir()
-        if not (path / "config.json").exists():
-            say(f"building the built-in tiny model in {path} ...")
-            subprocess.run(
-                [sys.executable, "-m", "pdfleet.engine.cli", "tiny-model", str(path)],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
-        return str(path)
-    raise ValueError(
-        f"spec.model.uri: {uri!r} only exists in Kubernetes; `pdfleet up` needs file:///DIR "
-        "or builtin://tiny"
-    )
+        if not os.path.exists(rest):
+            raise ValueError(f"spec.model.uri: {rest!r} does not exist on this machine")
+        if not rest.endswith(".gguf"):
+            return rest
+    elif scheme not in ("builtin", "hf"):
+        raise ValueError(
+            f"spec.model.uri: {uri!r} only exists in Kubernetes; `pdfleet up` needs "
+            "file:///PATH, builtin://NAME or hf://ORG/NAME"
+        )
+    say(f"preparing {uri} ...")
+    command = [sys.executable, "-m", "pdfleet.engine.cli", "fetch-model", uri]
+    if revision and scheme == "hf":
+        command += ["--revision", revision]
+    # stderr (progress) goes to the terminal; stdout is the directory.
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise ValueError(f"spec.model.uri: cannot prepare {uri} (see the message above)")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="run an InferenceService on this machine (gateway + prefill + decode engines)",
         description="Start the gateway and the prefill and decode engines of an InferenceService "
         "as local processes, print the endpoint, and supervise them until Ctrl-C. With no file: "
-        "the built-in tiny model, one prefill and one decode engine, Conditional mode.",
+        "SmolLM2-135M-Instruct (builtin://smollm2-135m-instruct), one prefill and one decode "
+        "engine, Conditional mode.",
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
     parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
@@ -130,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     fleet_secret, api_keys = fleet_credentials()
-    model_path = resolve_model(service.spec.model.uri, say)
+    model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
     port = args.port or service.spec.gateway.port
     if args.port is None and not _port_free(args.host, port):
         port = free_port(args.host)
@@ -161,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{service.spec.model.name}", "prompt": "Hello", '
             f'"max_tokens": 16}}\''
+        )
+        say(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{service.spec.model.name}", "messages": [{{"role": "user", '
+            f'"content": "What is the capital of France?"}}]}}\''
         )
         say("Ctrl-C stops every process.\n")
         autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None

@@ -1,7 +1,7 @@
 """Security posture of what pdfleet puts in a cluster, checked with a real checkov.
 
 Both the Helm chart (the operator) and the fleets the operator renders for the
-two examples must pass every checkov Kubernetes check except the few below,
+examples must pass every checkov Kubernetes check except the few below,
 each skipped for a stated reason (docs/operator.md repeats them).
 """
 
@@ -34,7 +34,8 @@ def test_the_chart_passes_checkov():
 
 
 @pytest.mark.parametrize(
-    "example", ["inferenceservice-cpu.yaml", "inferenceservice-llama-3.1-8b.yaml"]
+    "example",
+    ["inferenceservice-cpu.yaml", "inferenceservice-llama-3.1-8b.yaml", "inferenceservice-hf.yaml"],
 )
 def test_rendered_fleets_pass_checkov(example, tmp_path):
     manifests = tmp_path / "fleet.yaml"

@@ -218,6 +218,64 @@ def test_pdfleet_crd_prints_the_crd():
     assert yaml.safe_load(out)["metadata"]["name"] == "inferenceservices.pdfleet.dev"
 
 
+def test_hf_model_is_fetched_by_an_init_container_into_the_cache_claim():
+    spec = {
+        **SPEC,
+        "model": {
+            "name": "m",
+            "uri": "hf://acme/llama",
+            "revision": "v1",
+            "tokenSecret": {"name": "hf"},
+            "cache": {"claim": "hub-cache"},
+            "hfEndpoint": "https://mirror.example",
+        },
+    }
+    objects = by_kind_name(children(spec))
+    for name in ("demo-decode", "demo-prefill", "demo-gateway"):
+        pod = objects["Deployment", name]["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["command"] == [
+            "pdfleet",
+            "fetch-model",
+            "hf://acme/llama",
+            "--cache-dir",
+            "/hf-cache",
+            "--output",
+            "/models/hf",
+            "--revision",
+            "v1",
+        ]
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        assert env["HF_ENDPOINT"] == "https://mirror.example"
+        assert env["HF_TOKEN_PATH"] == "/etc/pdfleet/hf-token/token"
+        assert "HF_TOKEN" not in env  # a mounted file, never an environment value
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["hf-cache"]["persistentVolumeClaim"] == {"claimName": "hub-cache"}
+        assert volumes["hf-token"]["secret"]["secretName"] == "hf"
+        main_mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert main_mounts["hf-cache"]["readOnly"] and main_mounts["models"]["readOnly"]
+        assert "hf-token" not in main_mounts
+    engine = objects["Deployment", "demo-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert engine["command"][2] == "/models/hf"
+
+
+def test_hub_fields_on_a_non_hf_model_are_rejected():
+    with pytest.raises(ValueError, match="tokenSecret applies to hf:// models only"):
+        parse_spec({"model": {"name": "m", "uri": "builtin://tiny", "tokenSecret": {"name": "x"}}})
+
+
+def test_builtin_smollm2_is_prepared_by_fetch_model_in_the_init_container():
+    spec = {**SPEC, "model": {"name": "m", "uri": "builtin://smollm2-135m-instruct"}}
+    pod = by_kind_name(children(spec))["Deployment", "demo-decode"]["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"] == [
+        "pdfleet",
+        "fetch-model",
+        "builtin://smollm2-135m-instruct",
+        "--output",
+        "/models/smollm2-135m-instruct",
+    ]
+
+
 def pod_of(objects, name):
     return by_kind_name(objects)["Deployment", name]["spec"]["template"]
 

@@ -36,7 +36,7 @@ def test_examples_load(path):
 def test_loader_errors_name_every_bad_field_path():
     bad = doc(
         {
-            "model": {"name": "m", "uri": "hf://meta-llama/x"},
+            "model": {"name": "m", "uri": "s3://bucket/x"},
             "prefill": {"replicas": -1, "engine": {"maxNumSeqs": "many"}},
             "engine": {"revision": "abc"},
             "decode": {"engine": {"maxNumBatchedToken": 1}},
@@ -57,7 +57,7 @@ def test_loader_errors_name_every_bad_field_path():
     }
     assert any("set spec.model.revision instead" in line for line in lines)
     assert any("did you mean maxNumBatchedTokens" in line for line in lines)
-    assert any("copy hub models onto a volume" in line for line in lines)
+    assert any("hf://ORG/NAME or builtin://NAME" in line for line in lines)
 
 
 def test_loader_reads_multi_document_yaml_and_requires_one_inference_service(tmp_path):

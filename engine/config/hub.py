@@ -1,0 +1,176 @@
+"""``hf://ORG/NAME`` model sources: download from the Hugging Face Hub (or a mirror).
+
+``download_hf_model`` runs ``huggingface_hub.snapshot_download`` restricted
+to the files the engine reads (config, tokenizer, safetensors; or one GGUF
+file for ``hf://ORG/NAME/FILE.gguf``) into a Hugging Face cache directory.
+Downloads resume, and a second process sharing the cache downloads nothing.
+A pinned revision (a 40-character commit) is checked against the commit the
+Hub serves. Used by ``pdfleet fetch-model`` (the operator's init container,
+and ``pdfleet up``). Torch-free; see docs/models.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+HF_SCHEME = "hf"
+# What the engine reads from a safetensors checkpoint (nothing else is fetched).
+SAFETENSORS_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "model.safetensors.index.json",
+    "*.safetensors",
+)
+TOKEN_ENV = "HF_TOKEN"
+TOKEN_PATH_ENV = "HF_TOKEN_PATH"
+"""A file holding the token (how the operator passes a Secret); huggingface_hub reads it."""
+ENDPOINT_ENV = "HF_ENDPOINT"
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class HFSource:
+    repo_id: str
+    """ORG/NAME."""
+    filename: str | None = None
+    """One GGUF file of the repository, or None for a safetensors checkpoint."""
+
+    @property
+    def allow_patterns(self) -> list[str]:
+        return [self.filename] if self.filename else list(SAFETENSORS_FILES)
+
+
+def parse_hf_uri(uri: str) -> HFSource:
+    """``hf://ORG/NAME`` or ``hf://ORG/NAME/FILE.gguf``."""
+    scheme, sep, rest = uri.partition("://")
+    if scheme != HF_SCHEME or not sep:
+        raise ValueError(f"{uri!r} is not an hf:// URI (hf://ORG/NAME)")
+    parts = rest.strip("/").split("/")
+    repo = "/".join(parts[:2])
+    if not _REPO.match(repo) or len(parts) > 3:
+        raise ValueError(
+            f"{uri!r}: name a Hub repository, hf://ORG/NAME, or one GGUF file in it, "
+            "hf://ORG/NAME/FILE.gguf"
+        )
+    filename = parts[2] if len(parts) == 3 else None
+    if filename is not None and not filename.endswith(".gguf"):
+        raise ValueError(f"{uri!r}: only a .gguf file may follow the repository name")
+    return HFSource(repo, filename)
+
+
+def _explain(source: HFSource, revision: str, endpoint: str, error: BaseException) -> str:
+    """One line saying what went wrong, from huggingface_hub's exception chain."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    where = f"hf://{source.repo_id} at {endpoint}"
+    for e in chain:
+        if isinstance(e, RevisionNotFoundError):
+            return f"{where}: revision {revision!r} does not exist"
+        if isinstance(e, GatedRepoError):
+            return f"{where}: the repository is gated; accept its terms and pass a token that may read it"
+        if isinstance(e, RepositoryNotFoundError):
+            return (
+                f"{where}: repository not found (check the name; a private repository "
+                f"needs a token in {TOKEN_ENV} or {TOKEN_PATH_ENV})"
+            )
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(e, HfHubHTTPError) and status in (401, 403):
+            return f"{where}: the Hub refused the token (HTTP {status}); check the token ({TOKEN_ENV} or {TOKEN_PATH_ENV})"
+    return f"{where}: download failed: {type(error).__name__}: {error}"
+
+
+def download_hf_model(
+    uri: str,
+    revision: str | None = None,
+    *,
+    cache_dir: str | None = None,
+    token: str | None = None,
+    endpoint: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> str:
+    """Download what the engine needs; return the model directory (or the
+    GGUF file) in the cache. Raises ``ValueError`` with the reason."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    source = parse_hf_uri(uri)
+    revision = revision or "main"
+    token = token or _token_from_env()
+    endpoint = (endpoint or os.environ.get(ENDPOINT_ENV) or "https://huggingface.co").rstrip("/")
+    if say is not None:
+        files = source.filename or "config, tokenizer and safetensors"
+        say(f"fetching {files} of hf://{source.repo_id}@{revision} from {endpoint} ...")
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(source.repo_id, revision=revision)
+    except Exception as e:  # huggingface_hub raises many types; all are explained
+        if not _is_offline(e):
+            raise ValueError(_explain(source, revision, endpoint, e)) from None
+        info = None  # unreachable Hub: a complete cached snapshot still serves
+    if info is not None:
+        if _COMMIT.match(revision) and info.sha != revision:
+            raise ValueError(
+                f"hf://{source.repo_id}: revision {revision} was asked for but {endpoint} "
+                f"serves commit {info.sha}; refusing a different snapshot"
+            )
+        names = {s.rfilename for s in info.siblings or ()}
+        if source.filename is not None and source.filename not in names:
+            raise ValueError(f"hf://{source.repo_id}@{revision} has no file {source.filename!r}")
+        if source.filename is None and not any(n.endswith(".safetensors") for n in names):
+            raise ValueError(
+                f"hf://{source.repo_id}@{revision} has no *.safetensors weights; name one of "
+                "its GGUF files (hf://ORG/NAME/FILE.gguf) or use another repository"
+            )
+        revision = info.sha or revision
+    try:
+        path = snapshot_download(
+            source.repo_id,
+            revision=revision,
+            cache_dir=cache_dir,
+            allow_patterns=source.allow_patterns,
+            token=token,
+            endpoint=endpoint,
+        )
+    except Exception as e:
+        raise ValueError(_explain(source, revision, endpoint, e)) from None
+    return os.path.join(path, source.filename) if source.filename else path
+
+
+def _token_from_env() -> str | None:
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    path = os.environ.get(TOKEN_PATH_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip() or None
+        except OSError as e:
+            raise ValueError(f"{TOKEN_PATH_ENV}={path}: cannot read the token: {e}") from None
+    return None
+
+
+def _is_offline(error: BaseException) -> bool:
+    """The Hub could not be reached (no answer at all, not an HTTP error)."""
+    names = {"ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
+    return any(klass.__name__ in names for klass in type(error).__mro__)
