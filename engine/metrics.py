@@ -1,4 +1,4 @@
-"""Prometheus metrics of one engine (DESIGN §4).
+"""Prometheus metrics of one engine (docs/serving.md, "Metrics").
 
 Native names follow ``pdfleet_engine_<name>_<unit>``; the vLLM names of the
 model-server-protocol subset are exported too, so existing routers, KEDA

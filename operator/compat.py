@@ -1,6 +1,6 @@
 """What prefill and decode must agree on: cross-role checks and the compatibility hash.
 
-Checked before anything runs (DESIGN §5). A violation names the field, the
+Checked before anything runs (docs/operator.md, "Checks"). A violation names the field, the
 problem and the fix; the operator turns violations into a ``Ready=False``
 condition and events, ``pdfleet up`` and ``pdfleet render`` into an error.
 """
@@ -140,46 +140,9 @@ def _check_kv_transfer(spec: InferenceServiceSpec) -> list[Violation]:
     return out
 
 
-def _check_autoscaling(spec: InferenceServiceSpec) -> list[Violation]:
-    scaling = spec.autoscaling
-    if scaling is None:
-        return []
-    out = []
-    for role in ROLES:
-        policy = getattr(scaling, role)
-        if policy.min_replicas > policy.max_replicas:
-            out.append(
-                Violation(
-                    f"spec.autoscaling.{role}.minReplicas",
-                    f"{policy.min_replicas} is above maxReplicas {policy.max_replicas}",
-                    "make minReplicas <= maxReplicas",
-                )
-            )
-    ratio = scaling.prefill_decode_ratio
-    if ratio.min is not None and ratio.max is not None and ratio.min > ratio.max:
-        out.append(
-            Violation(
-                "spec.autoscaling.prefillDecodeRatio.min",
-                f"{ratio.min} is above max {ratio.max}",
-                "make min <= max",
-            )
-        )
-    floor = scaling.prefill.min_replicas + scaling.decode.min_replicas
-    if scaling.max_total_replicas is not None and scaling.max_total_replicas < floor:
-        out.append(
-            Violation(
-                "spec.autoscaling.maxTotalReplicas",
-                f"{scaling.max_total_replicas} is below prefill.minReplicas + "
-                f"decode.minReplicas = {floor}",
-                "raise maxTotalReplicas or lower the minReplicas",
-            )
-        )
-    return out
-
-
 def check_service(spec: InferenceServiceSpec) -> list[Violation]:
     """Every rule the spec breaks (empty when it can run). Pure; needs no model files."""
-    violations = _check_kv_transfer(spec) + _check_autoscaling(spec)
+    violations = _check_kv_transfer(spec)
     args = _role_args(spec)
     for role in ROLES:
         if role == "prefill" and not disaggregating(spec):

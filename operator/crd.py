@@ -2,9 +2,11 @@
 
 ``spec.engine`` and each role's ``engine`` come from the ``EngineArgs``
 fields, so ``kubectl explain inferenceservice.spec.engine.maxNumBatchedTokens``
-prints the engine's own docstring. CEL rules carry the cross-field checks
-the API server can make; :func:`pdfleet.operator.compat.check_service` makes
-them all (and the ones CEL cannot) before anything is created.
+prints the engine's own docstring. ``spec.autoscaling`` comes from the
+autoscaling dataclasses, its CEL rules from their ``RULES``
+(:mod:`pdfleet.operator.autoscaling.schema`). CEL rules carry the cross-field
+checks the API server can make; :func:`pdfleet.operator.compat.check_service`
+makes them all (and the ones CEL cannot) before anything is created.
 """
 
 from __future__ import annotations
@@ -28,39 +30,6 @@ CEL_RULES: dict[type, list[Schema]] = {
             "Disabled: set NixlConnector or ZmqConnector",
             "fieldPath": ".kvTransfer",
             "reason": "FieldValueRequired",
-        }
-    ],
-    r.PrefillAutoscaling: [
-        {
-            "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
-            "self.minReplicas <= self.maxReplicas",
-            "message": "minReplicas must be <= maxReplicas",
-            "fieldPath": ".minReplicas",
-        }
-    ],
-    r.DecodeAutoscaling: [
-        {
-            "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
-            "self.minReplicas <= self.maxReplicas",
-            "message": "minReplicas must be <= maxReplicas",
-            "fieldPath": ".minReplicas",
-        }
-    ],
-    r.RatioBounds: [
-        {
-            "rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
-            "message": "prefillDecodeRatio.min must be <= max",
-            "fieldPath": ".min",
-        }
-    ],
-    r.AutoscalingSpec: [
-        {
-            "rule": "!has(self.maxTotalReplicas) || "
-            "self.maxTotalReplicas >= "
-            "(has(self.prefill) && has(self.prefill.minReplicas) ? self.prefill.minReplicas : 1) + "
-            "(has(self.decode) && has(self.decode.minReplicas) ? self.decode.minReplicas : 1)",
-            "message": "maxTotalReplicas must be at least prefill.minReplicas + decode.minReplicas",
-            "fieldPath": ".maxTotalReplicas",
         }
     ],
 }

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from typing import Any
 
 from pdfleet.engine.config import EngineArgs
@@ -38,10 +37,6 @@ class FieldPathError(ValueError):
 def camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
-
-
-def snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def spec_fields() -> dict[str, tuple[dataclasses.Field, Any]]:
@@ -100,14 +95,3 @@ def engine_args_from_spec(
             raise ValueError(str(e)) from None
     values.update(extra)
     return EngineArgs(**values)
-
-
-def spec_from_engine_args(args: EngineArgs) -> dict[str, Any]:
-    """The camelCase engine section holding the non-default values of ``args``."""
-    out: dict[str, Any] = {}
-    for key, (f, _tp) in spec_fields().items():
-        value = to_jsonable(getattr(args, f.name))
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if value != to_jsonable(default):
-            out[key] = value
-    return out

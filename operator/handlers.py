@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdfleet.engine.config import security
 
-from .autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
 from .autoscaling.decisions import AutoscalerMetrics
+from .cluster_autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
 from .headline import merge_role_load
@@ -390,6 +390,10 @@ def register(
         uid = body["metadata"]["uid"]
         for table in (state.kv_health, state.kv_verdict, state.last_decision_at):
             table.pop(uid, None)
+        forget = getattr(config.decide, "forget", None)  # the autoscaling loop's state
+        if forget is not None:
+            meta = body["metadata"]
+            forget(f"{meta.get('namespace')}/{meta['name']}")
 
     @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
     async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:

@@ -24,8 +24,9 @@ from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.fields import attr_docs, default_of, flag_name, resolved_fields
 from pdfleet.engine.config.fields import to_jsonable as dataclass_jsonable
 
+from .autoscaling.schema import section_schema
 from .engine_spec import spec_fields
-from .resource import EngineSection, PassThrough
+from .resource import EngineSection, PassThrough, SpecSection
 
 Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
@@ -57,6 +58,8 @@ def schema_for_type(
         return engine_schema()
     if any(isinstance(m, PassThrough) for m in meta):
         return {"type": "object", PRESERVE: True}
+    if any(isinstance(m, SpecSection) for m in meta):
+        return section_schema(tp)
     alts = _alternatives(tp)
     if len(alts) > 1:
         kinds = {get_origin(a) or a for a in alts}

@@ -4,6 +4,9 @@ One schema, read three ways: ``pdfleet up`` loads a YAML file with
 :func:`load_inference_service`, the operator validates ``spec`` of live
 objects, and :mod:`pdfleet.operator.crd` generates the CRD's OpenAPI schema
 from these classes (the field docstrings become ``kubectl explain`` text).
+The ``autoscaling`` section is the policy's own dataclasses
+(:mod:`pdfleet.operator.autoscaling.spec`): their keys, defaults, bounds and
+cross-field rules are the only definition, for the CRD and for the policy.
 
 Keys are camelCase (Kubernetes convention); Python attributes are
 snake_case. ``null`` means "not set", as on the API server, which prunes
@@ -23,6 +26,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PlainValidator,
     ValidationError,
     field_validator,
     model_validator,
@@ -30,6 +35,7 @@ from pydantic import (
 
 from pdfleet.engine.config.hub import parse_hf_uri
 
+from .autoscaling.spec import AutoscalingSpec, SpecValueError
 from .engine_spec import FieldPathError, camel, validate_engine_section
 
 GROUP = "pdfleet.dev"
@@ -55,6 +61,14 @@ class EngineSection:
     """Marks a field holding engine settings (camelCase ``EngineArgs`` fields).
 
     The CRD generator emits the schema generated from ``EngineArgs`` for it.
+    """
+
+
+class SpecSection:
+    """Marks a field holding a camelCase spec dataclass (``autoscaling``).
+
+    The dataclass parses it (``from_spec``, its own ``validate()``); the CRD
+    generator emits :func:`pdfleet.operator.autoscaling.schema.section_schema`.
     """
 
 
@@ -287,82 +301,27 @@ class GatewaySpec(PodPlacement):
 
 
 # --------------------------------------------------------------------------
-# autoscaling
-#
-# These keys mirror the autoscaling policy's dataclasses field for field
-# (camelCase of their snake_case names) so that this section can be generated
-# from them once the policy lands. Keep it to plain fields with defaults.
+# autoscaling: defined once, as the policy's dataclasses (their keys, defaults,
+# bounds and cross-field rules); see docs/autoscaling.md.
 
 
-class RatioBounds(_Spec):
-    """Bounds on prefill replicas / decode replicas."""
-
-    min: float | None = Field(default=None, gt=0)
-    """Lowest allowed prefill:decode ratio (no bound when unset)."""
-    max: float | None = Field(default=None, gt=0)
-    """Highest allowed prefill:decode ratio (no bound when unset)."""
-
-
-class PrefillAutoscaling(_Spec):
-    """Prefill pool: scaled on time-to-first-token and queue backlog."""
-
-    min_replicas: int = Field(default=1, ge=0)
-    """Fewest prefill pods."""
-    max_replicas: int = Field(default=4, ge=0)
-    """Most prefill pods."""
-    ttft_target_seconds: float = Field(default=2.0, gt=0)
-    """Target time to first token; the backlog per replica is kept below it."""
-    prefill_tokens_per_second: float | None = Field(default=None, gt=0)
-    """Prompt tokens one prefill pod processes per second; measured from the
-    engines' metrics when unset."""
-    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
-    """Scale up only on what held for this long."""
-    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
-    """Scale down only on what held for this long."""
-    max_scale_up_step: int = Field(default=4, ge=1)
-    """Most pods added in one decision."""
-    max_scale_down_step: int = Field(default=1, ge=1)
-    """Most pods removed in one decision."""
-    target_waiting_per_replica: float = Field(default=4, gt=0)
-    """Target number of queued requests per prefill pod."""
+def _parse_autoscaling(value: Any) -> AutoscalingSpec:
+    if isinstance(value, AutoscalingSpec):
+        return value
+    try:
+        return AutoscalingSpec.from_spec(value)
+    except SpecValueError as e:
+        if e.key:
+            raise FieldPathError(e.key, e.problem) from None
+        raise ValueError(e.problem) from None
 
 
-class DecodeAutoscaling(_Spec):
-    """Decode pool: scaled on KV-cache usage and queue length."""
-
-    min_replicas: int = Field(default=1, ge=0)
-    """Fewest decode pods."""
-    max_replicas: int = Field(default=4, ge=0)
-    """Most decode pods."""
-    target_kv_cache_usage: float = Field(default=0.7, gt=0, le=1, alias="targetKVCacheUsage")
-    """Target mean fraction of the KV cache in use on decode pods."""
-    target_waiting_per_replica: float = Field(default=4, gt=0)
-    """Target number of queued requests per decode pod."""
-    scale_up_stabilization_seconds: float = Field(default=0, ge=0)
-    """Scale up only on what held for this long."""
-    scale_down_stabilization_seconds: float = Field(default=300, ge=0)
-    """Scale down only on what held for this long."""
-    max_scale_up_step: int = Field(default=4, ge=1)
-    """Most pods added in one decision."""
-    max_scale_down_step: int = Field(default=1, ge=1)
-    """Most pods removed in one decision."""
-
-
-class AutoscalingSpec(_Spec):
-    """Scale the prefill and decode pools from the engines' own metrics."""
-
-    period_seconds: float = Field(default=15, gt=0)
-    """Seconds between two scaling decisions."""
-    max_total_replicas: int | None = Field(default=None, ge=0)
-    """Most prefill plus decode pods together (e.g. a GPU budget)."""
-    prefill_decode_ratio: RatioBounds = Field(default_factory=RatioBounds)
-    """Bounds on the prefill:decode replica ratio."""
-    metrics_stale_seconds: float = Field(default=45, gt=0)
-    """Metrics older than this are ignored; no decision is made on them."""
-    prefill: PrefillAutoscaling = Field(default_factory=PrefillAutoscaling)
-    """Prefill pool policy."""
-    decode: DecodeAutoscaling = Field(default_factory=DecodeAutoscaling)
-    """Decode pool policy."""
+AutoscalingSection = Annotated[
+    AutoscalingSpec,
+    SpecSection(),
+    PlainValidator(_parse_autoscaling),
+    PlainSerializer(AutoscalingSpec.to_spec),
+]
 
 
 # --------------------------------------------------------------------------
@@ -389,7 +348,7 @@ class InferenceServiceSpec(_Spec):
     """Which requests are split into prefill and decode legs."""
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     """The gateway."""
-    autoscaling: AutoscalingSpec | None = None
+    autoscaling: AutoscalingSection | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
 
     @field_validator("engine")

@@ -19,7 +19,8 @@ class BenchConfig:
     model: str | None = None
     """Model name to request (default: the first one /v1/models lists)."""
     api_key: str | None = None
-    """Bearer key to send (default: $OPENAI_API_KEY, else none)."""
+    """Bearer key to send (default: $OPENAI_API_KEY, else the fleet token when
+    $PDFLEET_FLEET_SECRET is set, else none)."""
     num_requests: int | None = 100
     """Requests to send (None: as many as --duration allows)."""
     duration: float | None = None

@@ -6,19 +6,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdfleet.engine.config.stats import percentile
+
 from .config import BenchConfig
 from .runner import RequestResult
 
 PERCENTILES = (50, 90, 99)
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return math.nan
-    k = (len(sorted_values) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 def distribution_ms(values_s: list[float]) -> dict[str, float]:

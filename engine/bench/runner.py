@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from ..config.security import fleet_secret_from_env, fleet_token
 from .config import BenchConfig
 from .dataset import BenchRequest, Workload
 
@@ -140,7 +141,7 @@ async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
         config.tokenizer,
         config.dataset,
     )
-    key = config.api_key or os.environ.get("OPENAI_API_KEY")
+    key = config.api_key or os.environ.get("OPENAI_API_KEY") or _fleet_token()
     headers = {"authorization": f"Bearer {key}"} if key else {}
     limit = config.concurrency or (1 if config.request_rate is None else 10_000)
     client = httpx.AsyncClient(
@@ -189,3 +190,10 @@ async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
             await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
     return [results[i] for i in sorted(results)], elapsed
+
+
+def _fleet_token() -> str | None:
+    """The fleet token when this shell holds the fleet secret: lets the benchmark
+    call an engine directly, as the gateway does (docs/security.md)."""
+    secret = fleet_secret_from_env()
+    return fleet_token(secret) if secret else None

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway (``pdfleet_gateway_*``, DESIGN §4).
+"""Prometheus metrics of the gateway (``pdfleet_gateway_*``, docs/gateway.md, "Metrics").
 
 TTFT and E2E are measured as the client sees them: from the request's arrival
 at the gateway to the first relayed stream event / the last byte, so they

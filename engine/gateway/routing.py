@@ -1,6 +1,6 @@
 """Choosing engines: load- and prefix-aware scoring, P/D pairing, disaggregation.
 
-An engine's score is llm-d's weighted sum (landscape §4.3)::
+An engine's score is llm-d's weighted sum (docs/gateway.md, "Routing")::
 
     score = 2 · prefix + 1 · queue + 1 · kv
     prefix = leading prompt blocks the engine likely caches / blocks hashed

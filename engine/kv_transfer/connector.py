@@ -66,7 +66,7 @@ FATAL = "fatal: "
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
 LEASE_FIELD = "pdfleet_lease_id"
-# How long signed params stay valid after their lease ends.
+# How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
 
@@ -142,6 +142,7 @@ class PDConnector:
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 2.0))
         self.transfer_timeout = float(extra.get("transfer_timeout_seconds", 3.0))
         self.quarantine_timeout = float(extra.get("quarantine_timeout_seconds", 30.0))
+        self.params_grace = float(extra.get("params_grace_seconds", PARAMS_GRACE_SECONDS))
         self.max_remotes = int(extra.get("max_remote_engines", 64))
         self.remote_idle_seconds = float(extra.get("remote_idle_seconds", 600.0))
         self.fail_policy = kv.kv_load_failure_policy
@@ -733,7 +734,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # the lease recomputes (the producer refuses the pull) instead of failing;
         # one that arrives later still is refused (400).
         signed = security.sign_params(
-            self.c.secret, params, ttl=self.c.lease_seconds + PARAMS_GRACE_SECONDS
+            self.c.secret, params, ttl=self.c.lease_seconds + self.c.params_grace
         )
         if not full:
             return False, signed

@@ -1,6 +1,8 @@
 """Autoscaling of the prefill and decode roles: spec, pure policy, decision
-records, metric samples, victim choice, and the fleet simulator (``pdfleet sim``)."""
+records, metric samples, victim choice, the loop both actuators run, and the
+fleet simulator (``pdfleet sim``). See docs/autoscaling.md."""
 
+from .control_loop import LoopStep, ReplicaScrape, ScaleAction, ScalingLoop
 from .decisions import AutoscalerMetrics, DecisionHistory, DecisionLog, DecisionRecord
 from .policy import (
     REASON_CODES,
@@ -26,6 +28,7 @@ __all__ = [
     "DecodeScaling",
     "EngineSnapshot",
     "FleetObservation",
+    "LoopStep",
     "PolicyResult",
     "PolicyState",
     "PolicyTuning",
@@ -33,8 +36,11 @@ __all__ = [
     "RatioBounds",
     "ReplicaLoad",
     "ReplicaSample",
+    "ReplicaScrape",
     "RoleDecision",
     "RoleObservation",
+    "ScaleAction",
+    "ScalingLoop",
     "choose_victims",
     "decide",
     "parse_engine_metrics",

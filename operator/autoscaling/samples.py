@@ -15,7 +15,7 @@ busy-time series: their prefill scales on the waiting queue alone).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 ReplicaState = Literal["starting", "ready", "draining"]
@@ -26,6 +26,7 @@ _GAUGES = {
     "num_waiting": ("pdfleet_engine_num_requests_waiting", "vllm:num_requests_waiting"),
     "kv_cache_usage": ("pdfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
     "waiting_prompt_tokens": ("pdfleet_engine_waiting_prompt_tokens",),
+    "kv_transfer_held_requests": ("pdfleet_engine_kv_transfer_held_requests",),
 }
 _COUNTERS = {
     "prompt_tokens_total": ("pdfleet_engine_prompt_tokens_total", "vllm:prompt_tokens_total"),
@@ -59,6 +60,9 @@ class EngineSnapshot:
     """Fraction of KV-cache blocks in use, 0 to 1."""
     waiting_prompt_tokens: float | None = None
     """Prompt tokens queued and not yet computed (prefix-cache hits excluded)."""
+    kv_transfer_held_requests: float | None = None
+    """Finished prefills whose KV blocks stay held until a decode engine pulls
+    them (KV leases)."""
     prompt_tokens_total: float | None = None
     prefill_busy_seconds_total: float | None = None
     """Seconds the engine spent running prefill work (a counter)."""
@@ -177,7 +181,7 @@ def sample_from_snapshots(
     if current is None:
         return ReplicaSample(name=name, state=state)
     waiting_tokens = current.waiting_prompt_tokens
-    base = dict(
+    base = ReplicaSample(
         name=name,
         state=state,
         time=current.time,
@@ -187,7 +191,7 @@ def sample_from_snapshots(
         waiting_prompt_tokens=waiting_tokens,
     )
     if previous is None or previous.time >= current.time:
-        return ReplicaSample(**base)
+        return base
     dt = current.time - previous.time
     tokens = _delta(current.prompt_tokens_total, previous.prompt_tokens_total)
     busy = _delta(current.prefill_busy_seconds_total, previous.prefill_busy_seconds_total)
@@ -196,8 +200,8 @@ def sample_from_snapshots(
     if tokens is not None and waiting_tokens is not None:
         queued_growth = waiting_tokens - (previous.waiting_prompt_tokens or 0.0)
         arrivals = max(tokens + queued_growth, 0.0) / dt
-    return ReplicaSample(
-        **base,
+    return replace(
+        base,
         interval_seconds=dt,
         prompt_tokens_per_second=None if tokens is None else tokens / dt,
         prompt_token_arrivals_per_second=arrivals,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .fleet import FleetModel, SimResult, Simulation, Strategy
 from .policy import PolicyTuning
+from .sim_fleet import FleetModel, SimResult, Simulation, Strategy
 from .spec import AutoscalingSpec
 from .strategies import FixedStrategy, HPAStrategy, OracleStrategy, PolicyStrategy, replica_needs
 from .traces import Trace
@@ -39,7 +39,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Targets:
-    """Issue 8's targets for the policy on the burst trace."""
+    """What the policy must achieve on the burst trace: SLO attainment, and
+    replica-seconds against the oracle and fixed peak provisioning
+    (docs/autoscaling.md)."""
 
     min_attainment: float = 0.99
     max_oracle_ratio: float = 1.3

@@ -11,146 +11,75 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from .fleet import FleetModel
+from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
+
+from .sim_fleet import FleetModel, SimResult
 from .traces import TraceConfig
 
 DEFAULT_MAX_REPLICAS = 64
-# Flag defaults come from the dataclasses, so the CLI and the library agree.
-TRACE = TraceConfig()
-MODEL = FleetModel()
+# Short flags for the trace and fleet fields people set most (the rest are
+# the field names with dashes).
+TRACE_FLAGS = {
+    "kind": "trace",
+    "duration_seconds": "duration",
+    "base_rate": "rate",
+    "prompt_tokens_mean": "prompt-tokens",
+    "output_tokens_mean": "output-tokens",
+    "burst_every_seconds": "burst-every",
+    "burst_ramp_seconds": "burst-ramp",
+}
+MODEL_FLAGS = {
+    "cold_start_seconds": "cold-start",
+    "ttft_slo_seconds": "ttft-slo",
+    "itl_slo_seconds": "itl-slo",
+}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class SimOptions:
+    """What to run and how to print it (the trace and the fleet have their own
+    dataclasses)."""
+
+    seeds: int = 1
+    """Run N seeds from --seed on and print means and targets met per seed."""
+    strategies: str = "pdfleet,fixed,hpa,oracle"
+    """Comma-separated subset of pdfleet, fixed, hpa, oracle."""
+    spec: str | None = None
+    """YAML with the autoscaling section (an InferenceService, its spec, or the
+    section itself). Default: the spec's defaults with maxReplicas 64 per role."""
+    max_replicas: int | None = None
+    """maxReplicas of both roles."""
+    hpa_prefill_metric: Literal["utilization", "waiting"] = "utilization"
+    """The HPA baseline's prefill metric (decode uses KV-cache usage)."""
+    json: bool = False
+    """Print JSON instead of a table."""
+    timeline: bool = False
+    """With --json: include per-period replica counts and arrival rates."""
+    reasons: int = 0
+    """Also print the first N scaling decisions of the pdfleet policy with reasons."""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "sim",
         help="simulate a prefill/decode fleet under autoscaling strategies",
         description="Discrete-event simulation of a prefill/decode fleet under a seeded "
         "synthetic trace, running the pdfleet autoscaling policy (the same code as the "
         "operator) against fixed peak provisioning, an HPA-style baseline and an oracle "
-        "that knows the trace.",
+        "that knows the trace. See docs/autoscaling.md.",
     )
-    trace = parser.add_argument_group("trace")
-    trace.add_argument("--trace", choices=["steady", "diurnal", "burst"], default="burst")
-    trace.add_argument("--seed", type=int, default=0, help="Trace and simulation seed.")
-    trace.add_argument("--duration", type=float, default=TRACE.duration_seconds, metavar="SECONDS")
-    trace.add_argument(
-        "--rate",
-        type=float,
-        default=TRACE.base_rate,
-        help="Base request rate per second (default %(default)s).",
+    add_dataclass_arguments(
+        parser.add_argument_group("trace"),
+        TraceConfig,
+        flags=TRACE_FLAGS,
+        metavars={"burst_factor": ("LOW", "HIGH"), "burst_seconds": ("LOW", "HIGH")},
     )
-    trace.add_argument(
-        "--prompt-tokens", type=float, default=TRACE.prompt_tokens_mean, help="Mean prompt length."
-    )
-    trace.add_argument(
-        "--output-tokens", type=float, default=TRACE.output_tokens_mean, help="Mean output length."
-    )
-    trace.add_argument(
-        "--burst-every",
-        type=float,
-        default=TRACE.burst_every_seconds,
-        metavar="SECONDS",
-        help="Mean surge gap.",
-    )
-    trace.add_argument(
-        "--burst-factor",
-        type=float,
-        nargs=2,
-        default=list(TRACE.burst_factor),
-        metavar=("LOW", "HIGH"),
-        help="Surge rate as a multiple of the base rate, drawn from [LOW, HIGH].",
-    )
-    trace.add_argument(
-        "--burst-seconds",
-        type=float,
-        nargs=2,
-        default=list(TRACE.burst_seconds),
-        metavar=("LOW", "HIGH"),
-        help="Seconds a surge holds its peak, drawn from [LOW, HIGH].",
-    )
-    trace.add_argument(
-        "--burst-ramp",
-        type=float,
-        default=TRACE.burst_ramp_seconds,
-        metavar="SECONDS",
-        help="Seconds a surge takes to rise (and to fall).",
-    )
-    trace.add_argument("--diurnal-amplitude", type=float, default=TRACE.diurnal_amplitude)
-
-    fleet = parser.add_argument_group("fleet model")
-    fleet.add_argument(
-        "--cold-start", type=float, default=MODEL.cold_start_seconds, metavar="SECONDS"
-    )
-    fleet.add_argument(
-        "--prefill-tokens-per-second", type=float, default=MODEL.prefill_tokens_per_second
-    )
-    fleet.add_argument("--kv-capacity-tokens", type=int, default=MODEL.kv_capacity_tokens)
-    fleet.add_argument("--max-num-seqs", type=int, default=MODEL.max_num_seqs)
-    fleet.add_argument(
-        "--decode-step",
-        type=float,
-        nargs=3,
-        default=[
-            MODEL.decode_step_seconds,
-            MODEL.decode_step_seconds_per_seq,
-            MODEL.decode_step_seconds_per_token,
-        ],
-        metavar=("A", "B", "C"),
-        help="Decode step seconds = A + B * batch + C * context tokens.",
-    )
-    fleet.add_argument("--ttft-slo", type=float, default=MODEL.ttft_slo_seconds, metavar="SECONDS")
-    fleet.add_argument("--itl-slo", type=float, default=MODEL.itl_slo_seconds, metavar="SECONDS")
-    fleet.add_argument(
-        "--scrape-failure-rate",
-        type=float,
-        default=0.0,
-        help="Probability that a replica's scrape fails in a period.",
-    )
-
-    policy = parser.add_argument_group("strategies")
-    trace.add_argument(
-        "--seeds",
-        type=int,
-        default=1,
-        metavar="N",
-        help="Run N seeds from --seed on and print means and targets met per seed.",
-    )
-    policy.add_argument(
-        "--strategies",
-        default="pdfleet,fixed,hpa,oracle",
-        help="Comma-separated subset of pdfleet, fixed, hpa, oracle.",
-    )
-    policy.add_argument(
-        "--spec",
-        metavar="FILE",
-        help="YAML with the autoscaling section (an InferenceService, its spec, or the "
-        "section itself). Default: the spec's defaults with maxReplicas "
-        f"{DEFAULT_MAX_REPLICAS} per role.",
-    )
-    policy.add_argument("--max-replicas", type=int, default=None, help="maxReplicas of both roles.")
-    policy.add_argument(
-        "--hpa-prefill-metric",
-        choices=["utilization", "waiting"],
-        default="utilization",
-        help="The HPA baseline's prefill metric (decode uses KV-cache usage).",
-    )
-
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
-    out.add_argument(
-        "--timeline",
-        action="store_true",
-        help="With --json: include per-period replica counts and arrival rates.",
-    )
-    out.add_argument(
-        "--reasons",
-        type=int,
-        default=0,
-        metavar="N",
-        help="Also print the first N scaling decisions of the pdfleet policy with reasons.",
-    )
+    add_dataclass_arguments(parser.add_argument_group("fleet model"), FleetModel, flags=MODEL_FLAGS)
+    add_dataclass_arguments(parser.add_argument_group("strategies and output"), SimOptions)
     parser.set_defaults(func=run)
     return parser
 
@@ -183,41 +112,17 @@ def _load_spec(path: str | None, max_replicas: int | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .sim import FleetModel, compare, evaluate_targets
-    from .traces import TraceConfig, make_trace
-
     spec = _load_spec(args.spec, args.max_replicas)
-    trace_config = TraceConfig(
-        kind=args.trace,
-        duration_seconds=args.duration,
-        base_rate=args.rate,
-        seed=args.seed,
-        prompt_tokens_mean=args.prompt_tokens,
-        output_tokens_mean=args.output_tokens,
-        diurnal_amplitude=args.diurnal_amplitude,
-        burst_every_seconds=args.burst_every,
-        burst_factor=tuple(args.burst_factor),
-        burst_seconds=tuple(args.burst_seconds),
-        burst_ramp_seconds=args.burst_ramp,
-    )
-    a, b, c = args.decode_step
-    model = FleetModel(
-        prefill_tokens_per_second=args.prefill_tokens_per_second,
-        decode_step_seconds=a,
-        decode_step_seconds_per_seq=b,
-        decode_step_seconds_per_token=c,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        max_num_seqs=args.max_num_seqs,
-        cold_start_seconds=args.cold_start,
-        ttft_slo_seconds=args.ttft_slo,
-        itl_slo_seconds=args.itl_slo,
-        scrape_failure_rate=args.scrape_failure_rate,
-    )
+    trace_config = dataclass_from_arguments(TraceConfig, args)
+    model = dataclass_from_arguments(FleetModel, args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.seeds > 1:
         return _run_seeds(args, trace_config, model, spec, strategies)
+    from .sim import compare, evaluate_targets
+    from .traces import make_trace
+
     trace = make_trace(trace_config)
     results = compare(
         trace, model, spec, strategies, hpa_prefill_metric=args.hpa_prefill_metric, seed=args.seed
@@ -289,7 +194,7 @@ def _run_seeds(
 
 def summarize(runs: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
     """Mean, min and max of the main figures per strategy, and targets met per seed."""
-    figures = {
+    figures: dict[str, Callable[[SimResult], float]] = {
         "ttft_attainment": lambda r: r.ttft_attainment,
         "itl_attainment": lambda r: r.itl_attainment,
         "replica_seconds": lambda r: r.replica_seconds["total"],
@@ -331,7 +236,11 @@ def format_summary(trace_config: Any, model: Any, summary: dict[str, Any]) -> st
             f"{f['scale_events']['mean']:>7.1f}"
         )
     if summary["targets"]:
-        lines += ["", "issue 8 targets (pdfleet policy), seeds that met each:"]
+        lines += [
+            "",
+            "Targets of the pdfleet policy (SLOs met, cost against the baselines), "
+            "seeds that met each:",
+        ]
         for name, t in summary["targets"].items():
             values = [v for v in t["values"] if isinstance(v, float)]
             shown = f" (mean {sum(values) / len(values):.4g})" if values else ""
@@ -361,7 +270,7 @@ def format_table(trace: Any, model: Any, results: dict[str, Any], targets: dict[
             f"{r.wall_seconds:>7.2f}"
         )
     if targets:
-        lines += ["", "issue 8 targets (pdfleet policy):"]
+        lines += ["", "Targets of the pdfleet policy (SLOs met, cost against the baselines):"]
         for name, t in targets.items():
             value = t["value"]
             shown = f"{value:.4g}" if isinstance(value, float) else str(value)

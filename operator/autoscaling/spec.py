@@ -14,28 +14,45 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pdfleet.engine.config.fields import ConfigValueError, coerce, resolved_fields
 
+from .rules import BOUNDS, Bound, NotBelow, SpecValueError, check_section, spec_key
 
-def spec_key(f: dataclasses.Field) -> str:
-    """The resource key of a dataclass field (camelCase unless metadata names it)."""
-    if "key" in f.metadata:
-        return f.metadata["key"]
-    head, *rest = f.name.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+__all__ = [
+    "AutoscalingSpec",
+    "DecodeScaling",
+    "PrefillScaling",
+    "RatioBounds",
+    "RoleScaling",
+    "SpecValueError",
+    "spec_key",
+]
+
+POSITIVE = (Bound(">", 0),)
+AT_LEAST_ONE = (Bound(">=", 1),)
+NOT_NEGATIVE = (Bound(">=", 0),)
+FRACTION = (Bound(">", 0), Bound("<=", 1))
+
+
+def bounded(default: Any, bounds: tuple[Bound, ...], **metadata: Any) -> Any:
+    """A field with a default and constant bounds (checked by ``validate()`` and
+    emitted as the CRD's minimum/maximum)."""
+    return field(default=default, metadata={BOUNDS: bounds, **metadata})
 
 
 @dataclass
 class RatioBounds:
     """Bounds on the ratio prefill replicas : decode replicas."""
 
-    min: float | None = None
+    RULES: ClassVar[tuple[NotBelow, ...]] = (NotBelow("max", ("min",)),)
+
+    min: float | None = bounded(None, POSITIVE)
     """Lowest allowed prefill/decode replica ratio (e.g. 0.25 for 1:4); null for
     no lower bound. When the roles' own recommendations fall below it, prefill
     is raised (or decode lowered when prefill is at its maximum)."""
-    max: float | None = None
+    max: float | None = bounded(None, POSITIVE)
     """Highest allowed prefill/decode replica ratio (e.g. 4 for 4:1); null for
     no upper bound. When exceeded, decode is raised (or prefill lowered when
     decode is at its maximum)."""
@@ -45,22 +62,24 @@ class RatioBounds:
 class RoleScaling:
     """Bounds and pacing shared by both roles."""
 
-    min_replicas: int = 1
+    RULES: ClassVar[tuple[NotBelow, ...]] = (NotBelow("max_replicas", ("min_replicas",)),)
+
+    min_replicas: int = bounded(1, AT_LEAST_ONE)
     """Fewest replicas of this role (at least 1: with no replica there is no
     metric to scale up from)."""
-    max_replicas: int = 4
+    max_replicas: int = bounded(4, AT_LEAST_ONE)
     """Most replicas of this role."""
-    target_waiting_per_replica: float = 4
+    target_waiting_per_replica: float = bounded(4, POSITIVE)
     """Requests allowed to wait (queued, not yet running) per replica."""
-    scale_up_stabilization_seconds: float = 0
+    scale_up_stabilization_seconds: float = bounded(0, NOT_NEGATIVE)
     """Window over which scale-up takes the lowest recommendation (0: act on
     the latest one at once)."""
-    scale_down_stabilization_seconds: float = 300
+    scale_down_stabilization_seconds: float = bounded(300, NOT_NEGATIVE)
     """Window over which scale-down takes the highest recommendation: replicas
     are removed only after the load has stayed low for this long."""
-    max_scale_up_step: int = 4
+    max_scale_up_step: int = bounded(4, AT_LEAST_ONE)
     """Most replicas added in one period."""
-    max_scale_down_step: int = 1
+    max_scale_down_step: int = bounded(1, AT_LEAST_ONE)
     """Most replicas removed in one period."""
 
 
@@ -70,12 +89,12 @@ class PrefillScaling(RoleScaling):
     the prompt tokens per second one replica processes, against a target
     derived from the TTFT objective; and on its waiting queue."""
 
-    ttft_target_seconds: float = 2.0
+    ttft_target_seconds: float = bounded(2.0, POSITIVE)
     """Time-to-first-token objective in seconds. Half of it is the backlog
     (seconds of queued prefill work per replica) the policy allows before
     adding replicas; the other half is left for the request's own prefill,
     the KV transfer and the first decode step."""
-    prefill_tokens_per_second: float | None = None
+    prefill_tokens_per_second: float | None = bounded(None, POSITIVE)
     """Prompt tokens per second one prefill replica processes, used until the
     engines' metrics have measured it (prompt tokens processed / busy prefill
     seconds). null: until measured, prefill scales on its waiting queue and
@@ -89,7 +108,7 @@ class DecodeScaling(RoleScaling):
     `targetWaitingPerReplica` count as KV demand at the measured KV share of a
     running request."""
 
-    target_kv_cache_usage: float = field(default=0.7, metadata={"key": "targetKVCacheUsage"})
+    target_kv_cache_usage: float = bounded(0.7, FRACTION, key="targetKVCacheUsage")
     """Fraction of each decode replica's KV cache (0 to 1) the policy aims to
     fill; desired replicas = total usage over all replicas / this target."""
 
@@ -98,13 +117,18 @@ class DecodeScaling(RoleScaling):
 class AutoscalingSpec:
     """Autoscaling of the prefill and decode roles from live engine metrics."""
 
-    period_seconds: float = 15
+    RULES: ClassVar[tuple[NotBelow, ...]] = (
+        NotBelow("metrics_stale_seconds", ("period_seconds",), "a sample is one period old"),
+        NotBelow("max_total_replicas", ("prefill.min_replicas", "decode.min_replicas")),
+    )
+
+    period_seconds: float = bounded(15, POSITIVE)
     """Seconds between two decisions (and two metric scrapes)."""
-    max_total_replicas: int | None = None
+    max_total_replicas: int | None = bounded(None, AT_LEAST_ONE)
     """Budget on prefill + decode replicas together; null for none."""
     prefill_decode_ratio: RatioBounds = field(default_factory=RatioBounds)
     """Guardrail on prefill replicas : decode replicas."""
-    metrics_stale_seconds: float = 45
+    metrics_stale_seconds: float = bounded(45, POSITIVE)
     """A replica whose latest sample is older than this counts as having no
     metrics; while any ready replica of a role has none, the role does not
     scale down."""
@@ -117,100 +141,44 @@ class AutoscalingSpec:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending key if a value is out of range."""
-        path = "autoscaling"
-        if self.period_seconds <= 0:
-            raise ValueError(f"{path}.periodSeconds must be > 0, got {self.period_seconds}")
-        if self.metrics_stale_seconds < self.period_seconds:
-            raise ValueError(
-                f"{path}.metricsStaleSeconds ({self.metrics_stale_seconds:g}) must be at least "
-                f"periodSeconds ({self.period_seconds:g}): a sample is at least one period old"
-            )
-        for role in ("prefill", "decode"):
-            _validate_role(getattr(self, role), f"{path}.{role}")
-        if self.prefill.ttft_target_seconds <= 0:
-            raise ValueError(
-                f"{path}.prefill.ttftTargetSeconds must be > 0, got {self.prefill.ttft_target_seconds}"
-            )
-        rate = self.prefill.prefill_tokens_per_second
-        if rate is not None and rate <= 0:
-            raise ValueError(
-                f"{path}.prefill.prefillTokensPerSecond must be > 0 or null, got {rate}"
-            )
-        if not 0 < self.decode.target_kv_cache_usage <= 1:
-            raise ValueError(
-                f"{path}.decode.targetKVCacheUsage must be in (0, 1], "
-                f"got {self.decode.target_kv_cache_usage}"
-            )
-        lo, hi = self.prefill_decode_ratio.min, self.prefill_decode_ratio.max
-        for name, value in (("min", lo), ("max", hi)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{path}.prefillDecodeRatio.{name} must be > 0, got {value}")
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(
-                f"{path}.prefillDecodeRatio.min ({lo:g}) must not exceed "
-                f"prefillDecodeRatio.max ({hi:g})"
-            )
-        budget = self.max_total_replicas
-        floor = self.prefill.min_replicas + self.decode.min_replicas
-        if budget is not None and budget < floor:
-            raise ValueError(
-                f"{path}.maxTotalReplicas ({budget}) must be at least prefill.minReplicas + "
-                f"decode.minReplicas ({floor})"
-            )
+        """Raise :class:`SpecValueError` (a ``ValueError``) naming the offending key
+        if a value breaks a field's bounds or a cross-field rule (``RULES``)."""
+        check_section(self, "autoscaling")
 
     @classmethod
     def from_spec(cls, data: dict[str, Any] | None) -> AutoscalingSpec:
         """Build from the resource's camelCase section; unknown keys and bad values
         raise ``ValueError`` naming the key (``autoscaling.decode.maxReplicas``)."""
-        return _from_camel(cls, data or {}, "autoscaling")
+        spec: AutoscalingSpec = _from_camel(cls, data or {}, "autoscaling")
+        return spec
 
     def to_spec(self) -> dict[str, Any]:
         """The camelCase section (all keys, defaults included)."""
         return _to_camel(self)
 
 
-def _validate_role(role: RoleScaling, path: str) -> None:
-    if role.min_replicas < 1:
-        raise ValueError(f"{path}.minReplicas must be >= 1, got {role.min_replicas}")
-    if role.max_replicas < role.min_replicas:
-        raise ValueError(
-            f"{path}.maxReplicas ({role.max_replicas}) must be >= minReplicas ({role.min_replicas})"
-        )
-    if role.target_waiting_per_replica <= 0:
-        raise ValueError(
-            f"{path}.targetWaitingPerReplica must be > 0, got {role.target_waiting_per_replica}"
-        )
-    for name in ("scale_up_stabilization_seconds", "scale_down_stabilization_seconds"):
-        if getattr(role, name) < 0:
-            key = spec_key(next(f for f in dataclasses.fields(role) if f.name == name))
-            raise ValueError(f"{path}.{key} must be >= 0, got {getattr(role, name)}")
-    if role.max_scale_up_step < 1:
-        raise ValueError(f"{path}.maxScaleUpStep must be >= 1, got {role.max_scale_up_step}")
-    if role.max_scale_down_step < 1:
-        raise ValueError(f"{path}.maxScaleDownStep must be >= 1, got {role.max_scale_down_step}")
-
-
-def _from_camel(cls: type, data: Any, path: str) -> Any:
+def _from_camel(cls: type, data: Any, root: str, prefix: str = "") -> Any:
+    """``null`` means unset (the field's default), as on the API server."""
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected an object, got {data!r}")
+        raise SpecValueError(root, prefix.rstrip("."), f"expected an object, got {data!r}")
     fields = {spec_key(f): (f, tp) for f, tp in resolved_fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(
-                f"{path}.{key}: unknown setting{hint}; known: {', '.join(sorted(fields))}"
-            )
+            problem = f"unknown setting{hint}; known: {', '.join(sorted(fields))}"
+            raise SpecValueError(root, f"{prefix}{key}", problem)
+        if value is None:
+            continue
         f, tp = fields[key]
-        if dataclasses.is_dataclass(tp) and value is not None:
-            kwargs[f.name] = _from_camel(tp, value, f"{path}.{key}")
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _from_camel(tp, value, root, f"{prefix}{key}.")
             continue
         try:
-            kwargs[f.name] = coerce(tp, value, f"{path}.{key}")
+            kwargs[f.name] = coerce(tp, value, key)
         except ConfigValueError as e:
-            raise ValueError(str(e)) from None
+            raise SpecValueError(root, f"{prefix}{key}", str(e).removeprefix(f"{key}: ")) from None
     return cls(**kwargs)
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .fleet import FleetModel
 from .policy import FleetObservation, PolicyState, PolicyTuning, RoleObservation, decide
 from .samples import ReplicaSample
-from .spec import AutoscalingSpec
+from .sim_fleet import FleetModel
+from .spec import AutoscalingSpec, RoleScaling
 from .traces import Trace
 
 # The baselines' sizing targets: the oracle and fixed peak size prefill at
@@ -94,9 +94,9 @@ class HPAStrategy:
         return sample.prefill_busy_fraction
 
     def _role(self, role: str, obs: RoleObservation, now: float) -> int:
-        bounds = self.spec.prefill if role == "prefill" else self.spec.decode
+        bounds: RoleScaling = self.spec.prefill if role == "prefill" else self.spec.decode
         if role == "decode":
-            target = bounds.target_kv_cache_usage  # type: ignore[attr-defined]
+            target = self.spec.decode.target_kv_cache_usage
         elif self.prefill_metric == "waiting":
             target = bounds.target_waiting_per_replica
         else:

@@ -31,23 +31,35 @@ TraceKind = Literal["steady", "diurnal", "burst"]
 @dataclass(frozen=True)
 class TraceConfig:
     kind: TraceKind = "burst"
+    """Shape of the request rate over time: steady, diurnal or burst."""
     duration_seconds: float = 3600.0
+    """Simulated seconds."""
     base_rate: float = 12.0
     """Requests per second outside surges (the mean rate for ``diurnal``)."""
     seed: int = 0
+    """Trace and simulation seed."""
     prompt_tokens_mean: float = 1500.0
+    """Mean prompt length in tokens."""
     prompt_tokens_sigma: float = 0.8
     """Log-normal shape of prompt lengths (sigma of the underlying normal)."""
     prompt_tokens_max: int = 16384
+    """Longest prompt drawn, in tokens."""
     output_tokens_mean: float = 300.0
+    """Mean output length in tokens."""
     output_tokens_sigma: float = 0.8
+    """Log-normal shape of output lengths."""
     output_tokens_max: int = 4096
+    """Longest output drawn, in tokens."""
     diurnal_amplitude: float = 0.6
+    """Diurnal trace: the rate swings between 1 - this and 1 + this times the base."""
     burst_every_seconds: float = 1200.0
     """Mean gap between surge starts."""
     burst_factor: tuple[float, float] = (2.5, 4.0)
+    """Surge rate as a multiple of the base rate, drawn from [LOW, HIGH]."""
     burst_seconds: tuple[float, float] = (60.0, 240.0)
+    """Seconds a surge holds its peak, drawn from [LOW, HIGH]."""
     burst_ramp_seconds: float = 300.0
+    """Seconds a surge takes to rise (and to fall)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("steady", "diurnal", "burst"):

@@ -11,8 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -63,6 +66,22 @@ def resolve_model(uri: str, revision: str | None, say) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@dataclass(frozen=True)
+class UpOptions:
+    """How ``pdfleet up`` runs the processes (the service itself is the file)."""
+
+    host: str = "127.0.0.1"
+    """Address every process binds."""
+    port: int | None = None
+    """Gateway port (default: spec.gateway.port; a free one if taken)."""
+    run_dir: str = "runs"
+    """Where logs and the engines file go."""
+    threads_per_engine: int | None = None
+    """Torch threads per engine (default: CPU cores / engines)."""
+    timeout: float = 600.0
+    """Seconds to wait for every process to become ready."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "up",
@@ -73,26 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "engine, Conditional mode.",
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
-    parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="gateway port (default: spec.gateway.port; a free one if taken)",
-    )
-    parser.add_argument("--run-dir", default="runs", help="where logs and the engines file go")
-    parser.add_argument(
-        "--threads-per-engine",
-        type=int,
-        default=None,
-        help="torch threads per engine (default: CPU cores / engines)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every process to become ready",
-    )
+    add_dataclass_arguments(parser, UpOptions)
     parser.set_defaults(func=run)
     return parser
 
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compat import check_service
     from ..resource import load_inference_service
     from .fleet import LocalFleet, fleet_credentials, free_port
+    from .process_autoscaler import LocalAutoscaler
     from .state import FleetStateWriter
 
     def say(msg: str) -> None:
@@ -163,13 +164,14 @@ def run(args: argparse.Namespace) -> int:
             f'"content": "What is the capital of France?"}}]}}\''
         )
         say("Ctrl-C stops every process.\n")
-        autoscaler = fleet.autoscaler() if service.spec.autoscaling is not None else None
+        scaling = service.spec.autoscaling
+        autoscaler = LocalAutoscaler(fleet, scaling) if scaling is not None else None
         state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
             if autoscaler is not None and time.monotonic() >= next_scale:
-                next_scale = time.monotonic() + service.spec.autoscaling.period_seconds
+                next_scale = time.monotonic() + autoscaler.spec.period_seconds
                 autoscaler.step()
             state.write(autoscaler)
     except (RuntimeError, TimeoutError) as e:

@@ -6,7 +6,7 @@ engines join and leave routing at runtime. A child that dies unexpectedly is
 reported and restarted. Scale-down drains: the victim leaves the engines
 file, the fleet waits (bounded) until it has no running or waiting requests
 and no KV leases held for decode engines, then stops it. The autoscaler
-(``autoscale.py``) decides when.
+(``process_autoscaler.py``, handed this fleet by ``pdfleet up``) decides when.
 
 Every child gets the fleet's credentials in its environment: the fleet
 secret (``$PDFLEET_FLEET_SECRET``, given or generated per run) and the API
@@ -284,15 +284,6 @@ class LocalFleet:
         """Every engine of ``role`` still running: starting, ready or draining."""
         with self.lock:
             return [c for c in self.engines if c.role == role and not c.stopping]
-
-    def autoscaler(self):
-        """The local actuator of ``spec.autoscaling`` (the policy is imported lazily)."""
-        from ..autoscaling.spec import AutoscalingSpec
-        from .autoscale import LocalAutoscaler
-
-        assert self.spec.autoscaling is not None
-        section = self.spec.autoscaling.model_dump(by_alias=True)
-        return LocalAutoscaler(self, AutoscalingSpec.from_spec(section))
 
     def drain(self, child: Child) -> threading.Thread:
         """Stop routing to ``child``; stop it once idle (bounded wait)."""

@@ -189,3 +189,26 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert main(["sim", "--duration", "60", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_every_trace_fleet_and_run_field_has_a_sim_flag_with_its_default():
+    import argparse
+    import dataclasses
+
+    from pdfleet.operator.autoscaling import sim_cmd
+
+    parser = sim_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args([])
+    for cls in (sim_cmd.TraceConfig, sim_cmd.FleetModel, sim_cmd.SimOptions):
+        for f in dataclasses.fields(cls):
+            assert getattr(args, f.name) == f.default or tuple(getattr(args, f.name)) == f.default
+    parsed = parser.parse_args(["--burst-factor", "2", "3", "--cold-start", "5"])
+    assert sim_cmd.dataclass_from_arguments(sim_cmd.TraceConfig, parsed).burst_factor == (2, 3)
+    assert sim_cmd.dataclass_from_arguments(sim_cmd.FleetModel, parsed).cold_start_seconds == 5
+
+
+def test_cli_table_names_its_targets_in_product_terms(capsys):
+    argv = ["sim", "--duration", "300", "--rate", "2", "--strategies", "pdfleet,oracle"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Targets of the pdfleet policy" in out and "issue" not in out.lower()

@@ -73,7 +73,7 @@ def test_empty_or_missing_section_gives_the_defaults():
     [
         (
             {"prefill": {"minReplicas": 5}},
-            "autoscaling.prefill.maxReplicas (4) must be >= minReplicas (5)",
+            "autoscaling.prefill.maxReplicas must be at least minReplicas (5), got 4",
         ),
         ({"decode": {"minReplicas": 0}}, "autoscaling.decode.minReplicas must be >= 1"),
         (
@@ -99,14 +99,17 @@ def test_empty_or_missing_section_gives_the_defaults():
         ({"periodSeconds": 0}, "autoscaling.periodSeconds must be > 0"),
         (
             {"metricsStaleSeconds": 5},
-            "autoscaling.metricsStaleSeconds (5) must be at least periodSeconds",
+            "autoscaling.metricsStaleSeconds must be at least periodSeconds (15), got 5",
         ),
         (
             {"prefillDecodeRatio": {"min": 2, "max": 1}},
-            "prefillDecodeRatio.min (2) must not exceed",
+            "autoscaling.prefillDecodeRatio.max must be at least min (2), got 1",
         ),
         ({"prefillDecodeRatio": {"max": 0}}, "autoscaling.prefillDecodeRatio.max must be > 0"),
-        ({"maxTotalReplicas": 1}, "autoscaling.maxTotalReplicas (1) must be at least"),
+        (
+            {"maxTotalReplicas": 1},
+            "autoscaling.maxTotalReplicas must be at least prefill.minReplicas + decode.minReplicas (2)",
+        ),
         ({"decode": {"maxReplicas": "many"}}, "autoscaling.decode.maxReplicas"),
         ({"decode": {"targetKvCacheUsage": 0.5}}, "did you mean targetKVCacheUsage?"),
         ({"prefill": {"min_replicas": 2}}, "autoscaling.prefill.min_replicas: unknown setting"),

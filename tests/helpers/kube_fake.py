@@ -90,6 +90,8 @@ class FakeCluster:
     async def wait_for(
         self, predicate: Callable[[], Any], *, timeout: float = 60.0, what: str = "condition"
     ) -> Any:
+        """Poll ``predicate`` until truthy. The bound is generous: on one loaded core
+        kopf's first reconcile alone can take over ten seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()

@@ -16,11 +16,20 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from helpers.server import ServerProcess, free_port, scrape, wait_until
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
 from pdfleet.engine.config import security
 
 MAX_LEN = 512
+
+
+def post(url: str, **kw) -> httpx.Response:
+    """A direct call to an engine, with the fleet token (as the gateway sends it)."""
+    return httpx.post(url, headers=fleet_headers(), **kw)
+
+
+def open_stream(method: str, url: str, **kw):
+    return httpx.stream(method, url, headers=fleet_headers(), **kw)
 
 
 def kv_args(connector: str, role: str, port: int, **extra) -> list[str]:
@@ -72,7 +81,7 @@ def fleet(request, tiny_model, tmp_path_factory):
 
 def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/completions"):
     """The gateway's protocol (DESIGN §1), done by hand."""
-    pre = httpx.post(
+    pre = post(
         fleet["prefill"] + endpoint,
         timeout=60,
         json={
@@ -94,13 +103,13 @@ def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/compl
     assert params["do_remote_prefill"] is True
     decode_body = {**body, "kv_transfer_params": params}
     if not stream:
-        r = httpx.post(fleet["decode"] + endpoint, json=decode_body, timeout=60)
+        r = post(fleet["decode"] + endpoint, json=decode_body, timeout=60)
         assert r.status_code == 200, r.text
         return params, r.json()["choices"][0][
             "text" if "completions" in endpoint and "chat" not in endpoint else "message"
         ]
     text = ""
-    with httpx.stream(
+    with open_stream(
         "POST", fleet["decode"] + endpoint, json={**decode_body, "stream": True}, timeout=60
     ) as r:
         for line in r.iter_lines():
@@ -113,7 +122,7 @@ def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/compl
 
 
 def aggregated(fleet, body: dict) -> str:
-    r = httpx.post(fleet["agg"] + "/v1/completions", json=body, timeout=60)
+    r = post(fleet["agg"] + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -177,7 +186,7 @@ def test_chat_through_both_legs(fleet):
         "temperature": 0,
     }
     _, message = two_legs(fleet, body, endpoint="/v1/chat/completions")
-    ref = httpx.post(fleet["agg"] + "/v1/chat/completions", json=body, timeout=60).json()
+    ref = post(fleet["agg"] + "/v1/chat/completions", json=body, timeout=60).json()
     assert message["content"] == ref["choices"][0]["message"]["content"]
 
 
@@ -195,7 +204,7 @@ def test_decode_prefix_cache_reduces_blocks_pulled(fleet):
 
 
 def test_unclaimed_lease_frees_the_producers_blocks(fleet):
-    pre = httpx.post(
+    pre = post(
         fleet["prefill"] + "/v1/completions",
         timeout=60,
         json={
@@ -221,7 +230,7 @@ def test_unclaimed_lease_frees_the_producers_blocks(fleet):
     ],
 )
 def test_bad_kv_transfer_params_are_a_400(fleet, params, message):
-    r = httpx.post(
+    r = post(
         fleet["decode"] + "/v1/completions",
         timeout=30,
         json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
@@ -267,13 +276,19 @@ def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") ->
         model,
         logs,
         name,
-        *kv_args("NixlConnector", "kv_producer", kv_port or free_port(), lease_seconds=5),
+        *kv_args(
+            "NixlConnector",
+            "kv_producer",
+            kv_port or free_port(),
+            lease_seconds=5,
+            params_grace_seconds=600,  # stale params stay authentic on a slow machine
+        ),
         port=http_port,
     ).wait_healthy()
 
 
 def prefill(url: str, body: dict) -> dict:
-    r = httpx.post(
+    r = post(
         url + "/v1/completions",
         timeout=60,
         json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
@@ -288,8 +303,8 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
     params = prefill(producer.url, body)
     os.kill(producer.proc.pid, signal.SIGKILL)
     producer.stop()
-    ref = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
-    r = httpx.post(
+    ref = post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
+    r = post(
         nixl_pair["recompute"] + "/v1/completions",
         timeout=60,
         json={**body, "kv_transfer_params": params},
@@ -300,7 +315,7 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
         scrape(nixl_pair["recompute"])["pdfleet_engine_kv_transfer_handshake_failures_total"] >= 1
     )
     start = time.monotonic()
-    r = httpx.post(
+    r = post(
         nixl_pair["fail"] + "/v1/completions",
         timeout=60,
         json={**body, "kv_transfer_params": params},
@@ -309,7 +324,7 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
     assert r.status_code == 502 and "kv_load_failure_policy is fail" in r.json()["error"]["message"]
     assert elapsed < 5.0
     # A stream with the fail policy ends with an error event, not a hang.
-    with httpx.stream(
+    with open_stream(
         "POST",
         nixl_pair["fail"] + "/v1/completions",
         timeout=30,
@@ -326,13 +341,13 @@ def test_producer_frozen_before_the_handshake_is_bounded(tiny_model, nixl_pair):
         params = prefill(producer.url, body)
         os.kill(producer.proc.pid, signal.SIGSTOP)  # alive but silent: the handshake hangs
         start = time.monotonic()
-        r = httpx.post(
+        r = post(
             nixl_pair["recompute"] + "/v1/completions",
             timeout=60,
             json={**body, "kv_transfer_params": params},
         )
         assert r.status_code == 200 and time.monotonic() - start < 8
-        ref = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
+        ref = post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
         assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
     finally:
         os.kill(producer.proc.pid, signal.SIGCONT)
@@ -351,12 +366,12 @@ def test_restarted_producer_on_the_same_address(tiny_model, nixl_pair):
         }
 
     def expected(seed: int) -> str:
-        r = httpx.post(nixl_pair["agg"] + "/v1/completions", json=body(seed), timeout=60)
+        r = post(nixl_pair["agg"] + "/v1/completions", json=body(seed), timeout=60)
         return r.json()["choices"][0]["text"]
 
     def pd(producer_url: str, seed: int, params: dict | None = None) -> str:
         params = params or prefill(producer_url, body(seed))
-        r = httpx.post(
+        r = post(
             nixl_pair["recompute"] + "/v1/completions",
             timeout=60,
             json={**body(seed), "kv_transfer_params": params},
@@ -397,7 +412,7 @@ def test_incompatible_engines_are_refused_naming_the_field(tiny_model, tmp_path,
     try:
         body = {"prompt": prompt_of(100, 9), "max_tokens": 3, "temperature": 0}
         params = prefill(producer.url, body)
-        r = httpx.post(
+        r = post(
             consumer.url + "/v1/completions",
             timeout=30,
             json={**body, "kv_transfer_params": params},
@@ -405,7 +420,7 @@ def test_incompatible_engines_are_refused_naming_the_field(tiny_model, tmp_path,
         assert r.status_code == 400 and "block_size" in r.json()["error"]["message"]
         # Params without the factors are altered params: refused before any dial.
         bare = {k: v for k, v in params.items() if k != "pdfleet_compat"}
-        r = httpx.post(
+        r = post(
             consumer.url + "/v1/completions", timeout=30, json={**body, "kv_transfer_params": bare}
         )
         assert r.status_code == 400 and "signature" in r.json()["error"]["message"]
@@ -420,9 +435,7 @@ def test_incompatible_engines_are_refused_naming_the_field(tiny_model, tmp_path,
 
 
 def decode(url: str, body: dict, params: dict) -> httpx.Response:
-    return httpx.post(
-        url + "/v1/completions", timeout=60, json={**body, "kv_transfer_params": params}
-    )
+    return post(url + "/v1/completions", timeout=60, json={**body, "kv_transfer_params": params})
 
 
 @contextlib.contextmanager
@@ -644,7 +657,7 @@ def metric(url: str, name: str) -> float:
 def churn_producer(url: str, seed: int) -> None:
     """Fill the producer's small cache with other prompts, reusing its free blocks."""
     for i in range(4):
-        httpx.post(
+        post(
             url + "/v1/completions",
             timeout=60,
             json={"prompt": prompt_of(150, seed + i), "max_tokens": 1},
@@ -701,7 +714,7 @@ def greedy(url: str, seeds: range) -> list[tuple[str, int]]:
     """(text, cached prompt tokens) of greedy completions of distinct prompts."""
     out = []
     for seed in seeds:
-        r = httpx.post(
+        r = post(
             url + "/v1/completions",
             timeout=60,
             json={
@@ -737,7 +750,7 @@ def test_an_aborted_pull_quarantines_its_blocks_until_the_read_lands(fleet, faul
     params = prefill(fleet["prefill"], {**body, "stream": False})  # a 10 s lease
     faulty["delay"].write_text("2")
     try:
-        with httpx.stream(
+        with open_stream(
             "POST", url + "/v1/completions", timeout=30, json={**body, "kv_transfer_params": params}
         ):
             assert wait_until(lambda: metric(url, "pdfleet_engine_kv_pulls_in_flight") >= 1, 10)
@@ -802,7 +815,7 @@ def test_prefill_sigterm_waits_for_held_leases_so_no_decode_leg_recomputes(tiny_
         ]
         params = [prefill(producer.url, body) for body in bodies]
         refs = [
-            httpx.post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
+            post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
             for body in bodies
         ]
         before = scrape(url)

@@ -233,3 +233,25 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
     finally:
         client.close()
         consumer.shutdown()
+
+
+def test_a_repeated_request_id_never_takes_over_held_blocks(zmq_producer):
+    from types import SimpleNamespace
+
+    from pdfleet.engine.config import security
+    from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
+
+    sched = PDConnectorScheduler(zmq_producer)
+    request = SimpleNamespace(
+        request_id="same", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True}
+    )
+    hold, first = sched.request_finished(request, [0, 1, 2])
+    assert hold and first["remote_block_ids"] == [0, 1]
+    hold, second = sched.request_finished(request, [3, 4, 5])
+    # The second is not held (its blocks are freed at once); the first lease is intact.
+    assert not hold and second["remote_block_ids"] == []
+    assert [x.block_ids for x in zmq_producer.held.values()] == [[0, 1]]
+    assert first["pdfleet_lease_id"] != second["pdfleet_lease_id"]
+    assert security.verify_params(zmq_producer.secret, first)["pdfleet_lease_id"] in (
+        zmq_producer.held
+    )

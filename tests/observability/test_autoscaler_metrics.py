@@ -6,12 +6,12 @@ from __future__ import annotations
 import kopf
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet.operator.autoscaler import PolicyDecider
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.cluster_autoscaler import PolicyDecider
 from pdfleet.operator.handlers import OperatorConfig, OperatorState, register
-from pdfleet.operator.resource import AutoscalingSpec
 from pdfleet.operator.scrape import PodSample
 
-SPEC = AutoscalingSpec.model_validate(
+SPEC = AutoscalingSpec.from_spec(
     {"periodSeconds": 15, "decode": {"minReplicas": 1, "maxReplicas": 4}, "prefill": {}}
 )
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from pdfleet.operator.compat import check_service, compat_hash
 from pdfleet.operator.resource import parse_spec
@@ -64,22 +67,22 @@ def test_unsupported_engine_features_and_bad_values_are_reported_where_set():
     assert len([v for v in violations if v.field == "spec.engine.enableLora"]) == 1
 
 
-def test_autoscaling_bounds_are_checked():
-    violations = check_service(
-        spec(
-            autoscaling={
-                "maxTotalReplicas": 3,
-                "prefillDecodeRatio": {"min": 2, "max": 1},
-                "prefill": {"minReplicas": 2, "maxReplicas": 1},
-                "decode": {"minReplicas": 2},
-            }
-        )
-    )
-    assert fields(violations) == {
-        "spec.autoscaling.prefill.minReplicas",
-        "spec.autoscaling.prefillDecodeRatio.min",
-        "spec.autoscaling.maxTotalReplicas",
-    }
+@pytest.mark.parametrize(
+    ("autoscaling", "field"),
+    [
+        ({"prefill": {"minReplicas": 2, "maxReplicas": 1}}, "spec.autoscaling.prefill.maxReplicas"),
+        ({"prefillDecodeRatio": {"min": 2, "max": 1}}, "spec.autoscaling.prefillDecodeRatio.max"),
+        (
+            {"maxTotalReplicas": 3, "decode": {"minReplicas": 3}},
+            "spec.autoscaling.maxTotalReplicas",
+        ),
+    ],
+)
+def test_autoscaling_rules_reject_the_spec_before_any_check_runs(autoscaling, field):
+    # The autoscaling section validates itself (its dataclasses' rules, the same ones
+    # the CRD's CEL rules come from), so a bad one never reaches check_service.
+    with pytest.raises(ValueError, match=re.escape(f"{field}: must be at least")):
+        spec(autoscaling=autoscaling)
 
 
 def test_extra_config_may_not_repeat_typed_kv_settings():

@@ -18,7 +18,7 @@ from helpers.kube_fake import (
 )
 
 from pdfleet.engine.config import security
-from pdfleet.operator.autoscaler import ScaleDecision
+from pdfleet.operator.cluster_autoscaler import ScaleDecision
 from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig
 from pdfleet.operator.manifests import ANNOTATION_FLEET_SECRET, LABEL_COMPAT

@@ -4,15 +4,21 @@ its liveness and metrics endpoints, and stops on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
+import pathlib
 import signal
 import socket
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import kmock
 import yaml
 from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_service, run
+from prometheus_client.parser import text_string_to_metric_families
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
 
@@ -21,6 +27,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reconciles_ok(text: str) -> float:
+    """The value of ``pdfleet_operator_reconciles_total{result="ok"}`` (0 if absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdfleet_operator_reconciles_total" and sample.labels == {
+                "result": "ok"
+            }:
+                return sample.value
+    return 0.0
+
+
+async def eventually(
+    probe: Callable[[], Any], timeout: float, what: str, tmp_path: pathlib.Path
+) -> Any:
+    """Poll ``probe`` (sync or async) until it returns something truthy, bounded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(
+        f"no {what} within {timeout:g} s; operator log:\n"
+        + (tmp_path / "operator.log").read_text()[-3000:]
+    )
 
 
 def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
@@ -59,25 +94,37 @@ def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
                 stderr=log,
             )  # fmt: skip
             try:
-                for _ in range(300):
-                    key = (DEPLOYMENTS, NAMESPACE, "demo-decode")
+                key = (DEPLOYMENTS, NAMESPACE, "demo-decode")
+
+                def created() -> Any:
                     try:
-                        deployment = api.objects[key]
-                        break
+                        return api.objects[key]
                     except KeyError:
-                        await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError(
-                        "the operator created no decode Deployment in 30 s:\n"
-                        + (tmp_path / "operator.log").read_text()[-3000:]
-                    )
+                        return None
+
+                deployment = await eventually(created, 60, "a decode Deployment", tmp_path)
                 pod = deployment.raw["spec"]["template"]["spec"]
                 assert pod["containers"][0]["image"] == "reg/pdfleet:test"
                 async with httpx.AsyncClient(timeout=5) as http:
-                    health = await http.get(f"http://127.0.0.1:{liveness}/healthz")
-                    assert health.status_code == 200
-                    text = (await http.get(f"http://127.0.0.1:{metrics}/metrics")).text
-                assert 'pdfleet_operator_reconciles_total{result="ok"}' in text
+
+                    async def healthy() -> bool:
+                        try:
+                            r = await http.get(f"http://127.0.0.1:{liveness}/healthz")
+                        except httpx.HTTPError:
+                            return False
+                        return r.status_code == 200
+
+                    async def reconciled_ok() -> float:
+                        # The reconcile that created the Deployment counts itself
+                        # after its last patch: wait for the counter, not the object.
+                        try:
+                            text = (await http.get(f"http://127.0.0.1:{metrics}/metrics")).text
+                        except httpx.HTTPError:
+                            return 0.0
+                        return reconciles_ok(text)
+
+                    await eventually(healthy, 30, "a healthy liveness endpoint", tmp_path)
+                    assert await eventually(reconciled_ok, 30, "an ok reconcile", tmp_path) >= 1
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pdfleet.operator.autoscaler import PolicyDecider
-from pdfleet.operator.resource import AutoscalingSpec
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.cluster_autoscaler import PolicyDecider
 from pdfleet.operator.scrape import PodSample
 
-SPEC = AutoscalingSpec.model_validate(
+SPEC = AutoscalingSpec.from_spec(
     {
         "periodSeconds": 15,
         "decode": {"minReplicas": 1, "maxReplicas": 4, "scaleDownStabilizationSeconds": 30},

@@ -93,14 +93,20 @@ def test_engine_values_are_coerced_to_the_engine_field_types():
     assert spec.engine == {"maxNumBatchedTokens": 2048}
 
 
-def test_autoscaling_keys_and_defaults_are_the_agreed_ones():
-    # The resource's schema and the policy's spec (tests/autoscaling/test_spec.py pins
-    # its keys and defaults) agree on every key and default.
-    from pdfleet.operator.autoscaling.spec import AutoscalingSpec as PolicySpec
+def test_autoscaling_section_is_the_policy_spec_with_its_keys_and_defaults():
+    # One definition: the resource holds the policy's own dataclass, and dumps it
+    # with the keys and defaults tests/autoscaling/test_spec.py pins.
+    expected = AutoscalingSpec().to_spec()
+    spec = InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": {}})
+    assert isinstance(spec.autoscaling, AutoscalingSpec)
+    assert spec.model_dump(by_alias=True)["autoscaling"] == expected
+    again = InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": expected})
+    assert again.autoscaling == AutoscalingSpec()
 
-    expected = PolicySpec().to_spec()
-    assert AutoscalingSpec().model_dump(by_alias=True) == expected
-    assert AutoscalingSpec.model_validate(expected).model_dump(by_alias=True) == expected
+
+def test_bad_autoscaling_values_name_the_field_under_spec():
+    with pytest.raises(ValueError, match=r"spec\.autoscaling\.decode\.minReplicas: must be >= 1"):
+        parse_spec({"model": {"name": "m"}, "autoscaling": {"decode": {"minReplicas": 0}}})
 
 
 def test_role_lookup_rejects_unknown_roles():

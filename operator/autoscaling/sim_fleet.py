@@ -38,8 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdfleet.engine.config.stats import percentile
+
 from .policy import FleetObservation, RoleObservation
-from .samples import EngineSnapshot, ReplicaSample, sample_from_snapshots
+from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
 from .spec import AutoscalingSpec
 from .traces import Trace
 from .victims import ReplicaLoad, choose_victims
@@ -70,7 +72,9 @@ class FleetModel:
     cold_start_seconds: float = 60.0
     """Seconds from requesting a replica to its serving."""
     ttft_slo_seconds: float = 2.0
+    """Time-to-first-token objective a request must meet to count as served well."""
     itl_slo_seconds: float = 0.05
+    """Inter-token latency objective (mean over a request's output)."""
     scrape_failure_rate: float = 0.0
     """Probability that one replica's scrape fails in a period (its sample
     then ages, and turns stale after ``metricsStaleSeconds``)."""
@@ -331,11 +335,9 @@ class SimResult:
         return out
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def _percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (0..100); 0 when nothing was served."""
+    return percentile(sorted(values), p) if values else 0.0
 
 
 class Simulation:
@@ -529,9 +531,10 @@ class Simulation:
                     r.advance(now)
                     self._reschedule(r, now)  # the context grew: refresh the step time
                 if not fail or self.rng.random() >= fail:
+                    assert isinstance(r, (_Decode, _Prefill))
                     snap = r.snapshot(now, capacity) if isinstance(r, _Decode) else r.snapshot(now)
                     r.prev_snap, r.snap = r.snap, snap
-                state = "ready" if r.state == READY else "draining"
+                state: ReplicaState = "ready" if r.state == READY else "draining"
                 samples.append(sample_from_snapshots(r.name, r.snap, r.prev_snap, state))
             roles[role] = RoleObservation(replicas=tuple(samples))
         return FleetObservation(prefill=roles["prefill"], decode=roles["decode"])
@@ -677,10 +680,10 @@ class Simulation:
             completed=completed,
             ttft_attainment=ttft_ok / n,
             itl_attainment=itl_ok / n,
-            ttft_p50=_percentile(ttfts, 0.5),
-            ttft_p99=_percentile(ttfts, 0.99),
-            itl_p50=_percentile(itls, 0.5),
-            itl_p99=_percentile(itls, 0.99),
+            ttft_p50=_percentile(ttfts, 50),
+            ttft_p99=_percentile(ttfts, 99),
+            itl_p50=_percentile(itls, 50),
+            itl_p99=_percentile(itls, 99),
             replica_seconds=seconds_total,
             mean_replicas={k: v / duration for k, v in seconds_total.items()},
             peak_replicas=peak,

@@ -1,11 +1,12 @@
-"""Autoscaling in Kubernetes: the policy over scraped pods, and the actuator.
+"""Autoscaling in Kubernetes: the operator's adapter of the autoscaling loop.
 
 Every autoscaling period the operator's timer scrapes the engine pods and
-calls :class:`PolicyDecider` (the default :data:`decide_scaling`), which runs
-the same pure ``decide()`` as ``pdfleet up`` and ``pdfleet sim`` with per-service
-state (stabilization windows, calibration, previous scrapes). :func:`actuate`
-carries decisions out as the single writer of the engine Deployments'
-replicas: victims (least loaded, from ``choose_victims``) get the lowest
+calls :class:`PolicyDecider` (the default :data:`decide_scaling`), which turns
+the scrapes into :class:`~pdfleet.operator.autoscaling.control_loop.ReplicaScrape` records
+and runs one :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
+per service: the same observe -> decide -> choose-victims step as ``pdfleet
+up``. :func:`actuate` carries decisions out as the single writer of the
+engine Deployments' replicas: victims (least loaded) get the lowest
 pod-deletion cost first, then ``spec.replicas`` is patched.
 """
 
@@ -14,19 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
 from .autoscaling.decisions import AutoscalerMetrics
-from .autoscaling.policy import FleetObservation, PolicyState, RoleObservation, decide
-from .autoscaling.samples import (
-    EngineSnapshot,
-    ReplicaSample,
-    sample_from_snapshots,
-    snapshot_from_series,
-)
-from .autoscaling.spec import AutoscalingSpec as PolicySpec
-from .autoscaling.victims import ReplicaLoad, choose_victims
+from .autoscaling.samples import snapshot_from_series
+from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
 from .manifests import child_name, desired_replicas
-from .resource import AutoscalingSpec, InferenceServiceSpec
+from .resource import InferenceServiceSpec
 from .scrape import PodSample
 
 # Deployment scale-down removes the pods with the lowest deletion cost first.
@@ -52,11 +47,10 @@ DecideFn = Callable[
 
 
 class PolicyDecider:
-    """The autoscaling policy for any number of services (state kept per service)."""
+    """The autoscaling loop of any number of services (one loop per service)."""
 
     def __init__(self) -> None:
-        self.state: dict[str, PolicyState] = {}
-        self.snapshots: dict[str, dict[str, EngineSnapshot]] = {}
+        self.loops: dict[str, ScalingLoop] = {}
         # Set by the operator to export every decision (holds included) on its /metrics.
         self.metrics: AutoscalerMetrics | None = None
 
@@ -71,57 +65,27 @@ class PolicyDecider:
         """``service`` is ``namespace/name``; ``samples`` hold every engine pod's
         scrape (failed ones with ``error`` set); ``replicas`` the Deployments'
         desired replicas per role; ``now`` Unix seconds."""
-        spec = PolicySpec.from_spec(policy.model_dump(by_alias=True))
-        previous = self.snapshots.get(service, {})
-        current: dict[str, EngineSnapshot] = {}
-        roles: dict[str, list[ReplicaSample]] = {"prefill": [], "decode": []}
-        loads: dict[str, list[ReplicaLoad]] = {"prefill": [], "decode": []}
-        for s in samples:
-            if s.role not in roles:
-                continue
-            snap = None
-            if s.error is None and s.ready:
-                snap = snapshot_from_series({k: [v] for k, v in s.values.items()}, s.scraped_at)
-                current[s.pod] = snap
-            state = "ready" if s.ready else "starting"
-            roles[s.role].append(sample_from_snapshots(s.pod, snap, previous.get(s.pod), state))
-            in_flight = (
-                s.values.get("pdfleet_engine_num_requests_running", 0.0)
-                + s.values.get("pdfleet_engine_num_requests_waiting", 0.0)
-                + s.values.get("pdfleet_engine_kv_transfer_held_requests", 0.0)
+        scrapes = [
+            ReplicaScrape(
+                s.pod,
+                s.role,
+                "ready" if s.ready else "starting",
+                snapshot_from_series({k: [v] for k, v in s.values.items()}, s.scraped_at)
+                if s.error is None and s.ready
+                else None,
             )
-            loads[s.role].append(
-                ReplicaLoad(
-                    s.pod,
-                    ready=s.ready,
-                    in_flight=int(in_flight),
-                    kv_cache_usage=s.values.get("pdfleet_engine_kv_cache_usage_ratio", 0.0),
-                )
-            )
-        self.snapshots[service] = current
-        observation = FleetObservation(
-            prefill=RoleObservation(tuple(roles["prefill"]), requested=replicas.get("prefill")),
-            decode=RoleObservation(tuple(roles["decode"]), requested=replicas.get("decode")),
-        )
-        result = decide(spec, observation, now, self.state.get(service))
-        self.state[service] = result.state
+            for s in samples
+            if s.role in ROLES
+        ]
+        loop = self.loops.setdefault(service, ScalingLoop())
+        step = loop.step(policy, scrapes, now, requested=replicas)
         if self.metrics is not None:
-            for d in result.decisions:
+            for d in step.result.decisions:
                 self.metrics.observe(d)
-        out = []
-        for d in result.decisions:
-            if d.desired == d.current:
-                continue
-            victims: tuple[str, ...] = ()
-            if d.desired < d.current and loads[d.role]:
-                count = min(d.current - d.desired, len(loads[d.role]))
-                victims = tuple(choose_victims(loads[d.role], count))
-            out.append(ScaleDecision(d.role, d.desired, d.reason, victims))
-        return out
+        return [ScaleDecision(a.role, a.desired, a.reason, a.victims) for a in step.actions]
 
     def forget(self, service: str) -> None:
-        self.state.pop(service, None)
-        self.snapshots.pop(service, None)
+        self.loops.pop(service, None)
 
 
 decide_scaling: DecideFn = PolicyDecider()

@@ -1,0 +1,135 @@
+"""One autoscaling period of one fleet: observe -> decide -> choose victims.
+
+Both actuators are thin adapters around :class:`ScalingLoop`: the operator's
+(:mod:`pdfleet.operator.cluster_autoscaler`, engine pods of Deployments) and
+``pdfleet up``'s (:mod:`pdfleet.operator.local.process_autoscaler`, local
+engine processes). An adapter scrapes its replicas into
+:class:`ReplicaScrape` records, calls :meth:`ScalingLoop.step`, and carries out
+the :class:`ScaleAction` records it returns (start replicas, or drain the named
+victims). The loop keeps what one period needs from the last: the policy's
+state and each replica's latest snapshot, so rates are counter differences
+between two successful scrapes. In-flight work, which decides the victims, is
+counted one way for both: running + waiting requests + KV leases held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .policy import FleetObservation, PolicyResult, PolicyState, Role, RoleObservation, decide
+from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
+from .spec import AutoscalingSpec
+from .victims import ReplicaLoad, choose_victims
+
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ReplicaScrape:
+    """One replica as an actuator saw it this period."""
+
+    name: str
+    role: Role
+    state: ReplicaState = "ready"
+    snapshot: EngineSnapshot | None = None
+    """Its metrics now; None when not scraped (starting) or the scrape failed."""
+
+
+@dataclass(frozen=True)
+class ScaleAction:
+    """Bring ``role`` from ``current`` to ``desired`` replicas, because ``reason``."""
+
+    role: Role
+    current: int
+    desired: int
+    reason: str
+    victims: tuple[str, ...] = ()
+    """Replicas to remove when scaling down, least loaded first."""
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """What one period decided: the policy's full result (for decision records)
+    and the changes to carry out."""
+
+    result: PolicyResult
+    actions: tuple[ScaleAction, ...]
+
+
+def in_flight(snapshot: EngineSnapshot | None) -> int:
+    """Requests a replica still owes work to: running, waiting, and (on prefill)
+    those whose KV a decode engine has not pulled yet (held leases)."""
+    if snapshot is None:
+        return 0
+    total = (
+        (snapshot.num_running or 0.0)
+        + (snapshot.num_waiting or 0.0)
+        + (snapshot.kv_transfer_held_requests or 0.0)
+    )
+    return int(total)
+
+
+def replica_load(scrape: ReplicaScrape) -> ReplicaLoad:
+    snap = scrape.snapshot
+    return ReplicaLoad(
+        name=scrape.name,
+        ready=scrape.state != "starting",
+        in_flight=in_flight(snap),
+        kv_cache_usage=(snap.kv_cache_usage or 0.0) if snap else 0.0,
+        waiting_prompt_tokens=(snap.waiting_prompt_tokens or 0.0) if snap else 0.0,
+    )
+
+
+@dataclass
+class ScalingLoop:
+    """The autoscaling loop of one fleet (one InferenceService)."""
+
+    state: PolicyState = field(default_factory=PolicyState)
+    snapshots: dict[str, EngineSnapshot] = field(default_factory=dict)
+    """Each replica's latest successful snapshot (the ``previous`` of its next)."""
+
+    def observe(self, replicas: Sequence[ReplicaScrape]) -> dict[Role, list[ReplicaSample]]:
+        """The policy's samples per role; remembers this period's snapshots."""
+        samples: dict[Role, list[ReplicaSample]] = {role: [] for role in ROLES}
+        latest: dict[str, EngineSnapshot] = {}
+        for r in replicas:
+            previous = self.snapshots.get(r.name)
+            samples[r.role].append(sample_from_snapshots(r.name, r.snapshot, previous, r.state))
+            kept = r.snapshot or previous
+            if kept is not None:
+                latest[r.name] = kept
+        self.snapshots = latest  # replicas gone since drop out
+        return samples
+
+    def step(
+        self,
+        spec: AutoscalingSpec,
+        replicas: Sequence[ReplicaScrape],
+        now: float,
+        requested: Mapping[str, int] | None = None,
+    ) -> LoopStep:
+        """Decide one period. ``now`` is on the snapshots' clock; ``requested``
+        the replicas each role is set to (a Deployment's ``spec.replicas``),
+        when that is not simply the replicas seen."""
+        samples = self.observe(replicas)
+        requested = requested or {}
+        observation = FleetObservation(
+            prefill=RoleObservation(tuple(samples["prefill"]), requested.get("prefill")),
+            decode=RoleObservation(tuple(samples["decode"]), requested.get("decode")),
+        )
+        result = decide(spec, observation, now, self.state)
+        self.state = result.state
+        actions = []
+        for d in result.decisions:
+            if d.desired == d.current:
+                continue
+            victims: tuple[str, ...] = ()
+            if d.desired < d.current:
+                candidates = [
+                    replica_load(r) for r in replicas if r.role == d.role and r.state != "draining"
+                ]
+                count = min(d.current - d.desired, len(candidates))
+                victims = tuple(choose_victims(candidates, count))
+            actions.append(ScaleAction(d.role, d.current, d.desired, d.reason, victims))
+        return LoopStep(result, tuple(actions))

@@ -1,0 +1,98 @@
+"""``pdfleet up``'s adapter of the autoscaling loop: local engine processes.
+
+Once per ``periodSeconds``: scrape every engine's ``/metrics``, run one step
+of the same :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
+the operator runs, record the decisions (log, metrics, bounded history),
+then start engines or drain the victims the loop names (stop routing, wait
+for in-flight work and KV leases, bounded, then stop).
+
+The fleet is reached only through :class:`ScalableFleet`, so this module and
+``fleet.py`` do not import each other: ``pdfleet up`` hands the fleet in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from ..autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
+from ..autoscaling.decisions import DecisionLog
+from ..autoscaling.samples import EngineSnapshot, ReplicaState, parse_engine_metrics
+from ..autoscaling.spec import AutoscalingSpec
+from .process import Child
+
+logger = logging.getLogger("pdfleet.up.autoscaler")
+
+
+class ScalableFleet(Protocol):
+    """What the autoscaler needs of a local fleet (``LocalFleet`` has it)."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles it runs (decode only when not disaggregating)."""
+        ...
+
+    def engines_of(self, role: str) -> list[Child]:
+        """Every engine of ``role`` still running: starting, ready or draining."""
+        ...
+
+    def add_engine(self, role: str) -> Child:
+        """Start one more engine of ``role`` (it joins routing once ready)."""
+        ...
+
+    def drain(self, child: Child) -> Any:
+        """Stop routing to ``child``; stop it once idle (bounded wait)."""
+        ...
+
+
+def _state(child: Child) -> ReplicaState:
+    if not child.ready:
+        return "starting"
+    return "draining" if child.draining else "ready"
+
+
+class LocalAutoscaler:
+    def __init__(
+        self, fleet: ScalableFleet, spec: AutoscalingSpec, log: DecisionLog | None = None
+    ) -> None:
+        self.fleet = fleet
+        self.spec = spec
+        self.loop = ScalingLoop()
+        self.log = log or DecisionLog()
+
+    def _scrape(self, child: Child, now: float) -> EngineSnapshot | None:
+        # The child's own scrape presents the fleet token (engines require it).
+        text = child.metrics_text(timeout=2.0)
+        if text is None:
+            return None
+        try:
+            return parse_engine_metrics(text, now)
+        except ValueError:
+            return None
+
+    def step(self, now: float | None = None) -> list[Any]:
+        """One period: scrape, decide, act; returns the decision records."""
+        now = time.monotonic() if now is None else now
+        scrapes = [
+            ReplicaScrape(
+                child.name,
+                role,
+                _state(child),
+                self._scrape(child, now) if child.ready else None,
+            )
+            for role in ROLES
+            for child in self.fleet.engines_of(role)
+        ]
+        step = self.loop.step(self.spec, scrapes, now)
+        records = self.log.record(step.result.decisions)
+        by_name = {c.name: c for role in self.fleet.roles for c in self.fleet.engines_of(role)}
+        for action in step.actions:
+            if action.role not in self.fleet.roles:
+                continue
+            for _ in range(action.desired - action.current):
+                self.fleet.add_engine(action.role)
+            for name in action.victims:
+                if name in by_name:
+                    self.fleet.drain(by_name[name])
+        return records
