@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
-from .security import api_keys_from_env
+from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -63,20 +63,61 @@ class GatewayConfig:
     """Model directory whose tokenizer counts prompt tokens and cuts prefix
     blocks; without it a token is approximated as 4 characters."""
     api_key: list[str] = field(default_factory=list)
-    """Accepted `Authorization: Bearer KEY` keys (default: the comma-separated
-    $PDFLEET_API_KEY, else the keys in the file $PDFLEET_API_KEY_FILE names,
-    comma- or newline-separated, else none: no authentication)."""
+    """Accepted `Authorization: Bearer KEY` keys (repeatable; each value split
+    on commas; default: $PDFLEET_API_KEY, else the file $PDFLEET_API_KEY_FILE
+    names, comma- or newline-separated, else none: no authentication). Prefer
+    the environment or the file: a flag is visible in `ps`."""
+    ca_bundle: str | None = None
+    """PEM file of the CAs that sign the engines' certificates (`https://`
+    engine URLs); default: the system's trust store. Certificates are always
+    verified."""
+    client_cert: str | None = None
+    """PEM certificate (chain) the gateway presents to `https://` engines that
+    ask for one (mutual TLS); with --client-key unless the file holds the key."""
+    client_key: str | None = None
+    """PEM private key of --client-cert."""
     connect_timeout: float = 5.0
     """Seconds to open a connection to an engine."""
-    first_token_timeout: float = 300.0
+    first_token_timeout: float | None = None
     """Seconds an engine may take to produce the first token (the whole
-    prefill leg; the first event of a stream)."""
+    prefill leg; the first event of a stream). Default: sized per engine from
+    its scraped queue, --first-token-base-timeout plus
+    --first-token-per-waiting for each waiting request, at most
+    --first-token-max-timeout."""
+    first_token_base_timeout: float = 30.0
+    """First-token bound of an engine with an empty queue (when
+    --first-token-timeout is not given)."""
+    first_token_per_waiting: float = 0.5
+    """Seconds added to the first-token bound per request waiting on the engine."""
+    first_token_max_timeout: float = 300.0
+    """Largest queue-sized first-token bound."""
     idle_timeout: float = 60.0
     """Seconds allowed between two events of a streamed response."""
     request_timeout: float = 600.0
     """Seconds a non-streamed response may take in total."""
     scrape_interval: float = 1.0
     """Seconds between two health checks and metric scrapes of each engine."""
+    stall_timeout: float = 3.0
+    """Seconds an engine with requests in flight may send nothing while other
+    engines make progress before it is ejected from routing (a stopped or
+    wedged process); it comes back after --readmit-after good checks."""
+    hold_timeout: float = 10.0
+    """Seconds a new request waits for a decode engine while none is routable
+    (all down, restarting or scaled to zero) before a 503 with Retry-After."""
+    kv_pair_failures: int = 3
+    """Consecutive failed P/D hand-offs over one (prefill, decode) pair that
+    open its circuit breaker: the pair is not used for disaggregation for
+    --kv-pair-cooldown seconds."""
+    kv_pair_cooldown: float = 30.0
+    """Seconds a (prefill, decode) pair stays out of P/D routing once its
+    breaker opened."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted (413 beyond, refused on Content-Length
+    before anything is read)."""
+    header_timeout: float = 10.0
+    """Seconds a client may take to send a request's headers."""
+    body_timeout: float = 30.0
+    """Seconds a client may take to send a request's body."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
@@ -92,11 +133,34 @@ class GatewayConfig:
     """Log level of the HTTP server."""
 
     def __post_init__(self) -> None:
-        positive = ("connect_timeout", "first_token_timeout", "idle_timeout", "request_timeout")
+        positive = (
+            "connect_timeout",
+            "idle_timeout",
+            "request_timeout",
+            "first_token_base_timeout",
+            "first_token_max_timeout",
+            "stall_timeout",
+            "kv_pair_cooldown",
+            "header_timeout",
+            "body_timeout",
+        )
         for name in (*positive, "scrape_interval", "discovery_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{flag_name(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("eject_after", "readmit_after", "prefix_blocks", "prefix_table_size"):
+        if self.first_token_timeout is not None and self.first_token_timeout <= 0:
+            raise ValueError(f"--first-token-timeout must be > 0, got {self.first_token_timeout}")
+        if self.first_token_per_waiting < 0 or self.hold_timeout < 0:
+            raise ValueError("--first-token-per-waiting and --hold-timeout must be >= 0")
+        if self.client_key and not self.client_cert:
+            raise ValueError("--client-key needs --client-cert (the certificate it belongs to)")
+        for name in (
+            "eject_after",
+            "readmit_after",
+            "prefix_blocks",
+            "prefix_table_size",
+            "kv_pair_failures",
+            "max_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0 or self.min_prompt_tokens < 0:
@@ -138,6 +202,8 @@ class GatewayConfig:
         for f in dataclasses.fields(cls):
             if values[f.name] is None and f.default_factory is not dataclasses.MISSING:
                 values[f.name] = f.default_factory()
+        # A flag value is split like the environment's (`--api-key ka,kb`).
+        values["api_key"] = [k for v in values["api_key"] for k in split_keys(v)]
         if not values["api_key"]:
             values["api_key"] = keys_from_env()
         return cls(**values)
@@ -159,6 +225,14 @@ class GatewayConfig:
             else:
                 out += [flag, str(value)]
         return out
+
+    def first_token_bound(self, waiting: float) -> float:
+        """Seconds to wait for an engine's first token with ``waiting`` requests
+        queued before this one (the fixed --first-token-timeout when given)."""
+        if self.first_token_timeout is not None:
+            return self.first_token_timeout
+        sized = self.first_token_base_timeout + self.first_token_per_waiting * max(0.0, waiting)
+        return min(self.first_token_max_timeout, sized)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = to_jsonable(self)

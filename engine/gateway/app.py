@@ -1,15 +1,17 @@
-"""The gateway's HTTP app: OpenAI routes, health, metrics; and its server.
+"""The gateway's HTTP app: OpenAI routes, health, engines, metrics; and its server.
 
 ``/v1/completions`` and ``/v1/chat/completions`` go through the P/D proxy;
 ``/v1/models`` is answered by a healthy decode engine. ``/health`` is 200
 while at least one decode engine is routable (so a load balancer stops
-sending traffic to a gateway that could not serve it) and lists the engines;
-``/metrics`` is Prometheus text. Only the ``/v1`` routes need an API key.
+sending traffic to a gateway that could not serve it) and says nothing else.
+``/engines`` (the pool as the gateway sees it) and ``/metrics`` (Prometheus
+text) name engines, so they need a key like the ``/v1`` routes (an API key,
+or the fleet token the operator scrapes with); there is no ``/docs`` or
+``/openapi.json``. See docs/gateway.md and docs/security.md.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,14 +24,22 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.security import (
+    bearer_token,
+    fleet_secret_from_env,
+    fleet_token,
+    key_matches,
+)
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
+from .limits import http_protocol
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
-from .proxy import Proxy, error_response, upstream_message
-from .routing import PrefixAffinity, Router
+from .proxy import Proxy, client_request_id, error_response, upstream_message
+from .routing import KVPairBreaker, PrefixAffinity, Router
+from .tls import PlaintextWarning, client_context
 from .upstream import UpstreamClient
 
 logger = logging.getLogger("pdfleet.gateway")
@@ -43,13 +53,25 @@ MAX_CONNECTIONS = 4096
 class Gateway:
     """Everything one gateway process holds; built in the app's lifespan."""
 
-    def __init__(self, config: GatewayConfig, discovery: Discovery | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        discovery: Discovery | None = None,
+        fleet_secret: bytes | None = None,
+    ) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
         self.analyzer = PromptAnalyzer(
             config.tokenizer, config.prefix_blocks, config.min_prompt_tokens
         )
         self.discovery = discovery or make_discovery(config)
+        secret = fleet_secret if fleet_secret is not None else fleet_secret_from_env()
+        self.fleet_token = fleet_token(secret) if secret else None
+        # Engines get the fleet token, never a client's key.
+        self.engine_headers = (
+            {"authorization": f"Bearer {self.fleet_token}"} if self.fleet_token else {}
+        )
+        tls = client_context(config)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=MAX_CONNECTIONS,
@@ -57,16 +79,31 @@ class Gateway:
                 keepalive_expiry=KEEPALIVE_EXPIRY,
             ),
             timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout),
+            headers=self.engine_headers,
+            verify=tls,
         )
         # Engine calls of the request path; health checks and scrapes use httpx.
         self.upstream = tracing.trace_upstream(
-            UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY)
+            UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY, tls)
         )
         self.affinity = PrefixAffinity(config.prefix_table_size)
+        self.breaker = KVPairBreaker(config.kv_pair_failures, config.kv_pair_cooldown, self.metrics)
+        self.plaintext = PlaintextWarning()
+
+        def forget(url: str) -> None:
+            self.affinity.forget(url)
+            self.breaker.forget(url)
+
         self.pool = EnginePool(
-            config, self.discovery, self.metrics, self.client, on_eject=self.affinity.forget
+            config,
+            self.discovery,
+            self.metrics,
+            self.client,
+            on_eject=forget,
+            on_add=self.plaintext.check,
         )
-        self.router = Router(config, self.pool, self.affinity)
+        self.pool.on_scrape = self._scraped
+        self.router = Router(config, self.pool, self.affinity, self.breaker)
         self.proxy = Proxy(
             config,
             self.pool,
@@ -75,18 +112,32 @@ class Gateway:
             self.analyzer,
             self.metrics,
             self.upstream,
+            self.engine_headers,
+            self.breaker,
         )
-        self.keys = [k.encode() for k in config.api_key]
+        self.keys = list(config.api_key)
+        if not self.keys:
+            logger.warning(
+                "no API key configured: anyone who can reach the gateway may use it and read "
+                "/engines and /metrics (set $PDFLEET_API_KEY or $PDFLEET_API_KEY_FILE)"
+            )
+        if not self.fleet_token:
+            logger.warning(
+                "no fleet secret ($PDFLEET_FLEET_SECRET / $PDFLEET_FLEET_SECRET_FILE): engine "
+                "calls carry no credential, so only engines without authentication answer them"
+            )
 
-    def authorized(self, request: Request) -> bool:
+    def _scraped(self, e, old, new) -> None:
+        if e.serves("decode"):
+            self.breaker.scraped(e, old, new)
+
+    def authorized(self, request: Request, admin: bool = False) -> bool:
+        """A client key (or, for the admin routes, the fleet token) in constant time."""
         if not self.keys:
             return True
-        header = request.headers.get("authorization", "")
-        if not header.startswith("Bearer "):
-            return False
-        given = header[len("Bearer ") :].encode()
-        # Compare against every key (constant time per key): no early exit leaks which.
-        return any([hmac.compare_digest(given, k) for k in self.keys])
+        given = bearer_token(request.headers.get("authorization"))
+        keys = [*self.keys, self.fleet_token] if admin and self.fleet_token else self.keys
+        return key_matches(given, keys)
 
     async def start(self) -> None:
         await self.pool.tick()  # know the engines before the first request
@@ -98,8 +149,10 @@ class Gateway:
         await self.client.aclose()
 
 
-def build_app(config: GatewayConfig, discovery: Discovery | None = None) -> FastAPI:
-    gw = Gateway(config, discovery)
+def build_app(
+    config: GatewayConfig, discovery: Discovery | None = None, fleet_secret: bytes | None = None
+) -> FastAPI:
+    gw = Gateway(config, discovery, fleet_secret)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -109,16 +162,28 @@ def build_app(config: GatewayConfig, discovery: Discovery | None = None) -> Fast
         finally:
             await gw.close()
 
-    app = FastAPI(title="pdfleet gateway", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the API is OpenAI's, documented in docs/.
+    app = FastAPI(
+        title="pdfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     tracing.instrument_app(app, "gateway")
     app.state.gateway = gw
 
-    def unauthorized(request: Request) -> Response | None:
-        if gw.authorized(request):
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        rid = client_request_id(request.headers.get("x-request-id"))
+        logger.error("request %s: %s failed", rid, request.url.path, exc_info=exc)
+        return error_response("internal error of the gateway", 500, rid)
+
+    def unauthorized(request: Request, admin: bool = False) -> Response | None:
+        if gw.authorized(request, admin):
             return None
-        rid = request.headers.get("x-request-id", "")
+        rid = client_request_id(request.headers.get("x-request-id"))
+        gw.metrics.rejected.labels("unauthorized").inc()
         gw.metrics.requests.labels(request.url.path, "401").inc()
-        return error_response("invalid or missing API key", 401, rid)
+        return error_response(
+            "invalid or missing API key", 401, rid, headers={"www-authenticate": "Bearer"}
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -133,38 +198,59 @@ def build_app(config: GatewayConfig, discovery: Discovery | None = None) -> Fast
         denied = unauthorized(request)
         if denied:
             return denied
-        headers = {}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        last = "no healthy decode engine is available"
+        rid = client_request_id(request.headers.get("x-request-id"))
         for e in gw.pool.candidates("decode"):
             try:
-                resp = await gw.client.get(
-                    e.url + "/v1/models", headers=headers, timeout=gw.pool.check_timeout
-                )
+                resp = await gw.client.get(e.url + "/v1/models", timeout=gw.pool.check_timeout)
             except httpx.HTTPError as ex:
-                last = f"decode engine {e.url}: {type(ex).__name__}: {ex}"
+                logger.warning("request %s: /v1/models on %s: %r", rid, e.url, ex)
                 continue
-            if resp.status_code == 200 or 400 <= resp.status_code < 500:
-                return Response(resp.content, resp.status_code, media_type="application/json")
-            last = f"decode engine {e.url} answered {resp.status_code}: {upstream_message(resp)}"
-        return error_response(last, 503, "")
+            if resp.status_code == 200:
+                return Response(resp.content, 200, media_type="application/json")
+            logger.warning(
+                "request %s: /v1/models on %s answered %d: %s",
+                rid,
+                e.url,
+                resp.status_code,
+                upstream_message(resp),
+            )
+        return error_response("no healthy decode engine is available", 503, rid)
 
     @app.get("/health")
     async def health() -> Response:
-        counts = gw.pool.counts()
+        ok = bool(gw.pool.candidates("decode"))
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
+
+    @app.get("/engines")
+    async def engines(request: Request) -> Response:
+        denied = unauthorized(request, admin=True)
+        if denied:
+            return denied
         body: dict[str, Any] = {
-            "status": "ok" if counts["decode"] else "unavailable",
-            "routable": counts,
+            "routable": gw.pool.counts(),
             "engines": [
-                {"url": e.url, "role": e.role, "state": e.state, "inflight": e.inflight}
+                {
+                    "url": e.url,
+                    "role": e.role,
+                    "state": e.state,
+                    "inflight": e.inflight,
+                    "stalled": e.stalled,
+                }
                 for e in gw.pool.engines.values()
             ],
+            "kv_pairs_open": [
+                {"prefill": p, "decode": d} for p, d in sorted(gw.breaker.open_until)
+            ],
         }
-        return JSONResponse(body, status_code=200 if counts["decode"] else 503)
+        return JSONResponse(body)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        denied = unauthorized(request, admin=True)
+        if denied:
+            return denied
         return PlainTextResponse(
             generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
@@ -185,6 +271,7 @@ def run_gateway(config: GatewayConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
+        http=http_protocol(config.header_timeout),
     )
 
     # httpx logs every engine call (health checks included) at INFO.

@@ -38,8 +38,16 @@ _GAUGES = {
     "running": m.names(m.ENGINE_NUM_REQUESTS_RUNNING),
     "kv_usage": m.names(m.ENGINE_KV_CACHE_USAGE),
 }
+# Counters: tokens computed (the stall watchdog's evidence of progress) and
+# KV pulls (the KV circuit breaker's, on decode engines).
+_COUNTERS = {
+    "prompt_tokens": m.names(m.ENGINE_PROMPT_TOKENS),
+    "generation_tokens": m.names(m.ENGINE_GENERATION_TOKENS),
+    "kv_transfers": m.names(m.ENGINE_KV_TRANSFERS),
+    "kv_failures": m.names(m.ENGINE_KV_TRANSFER_FAILURES),
+}
 _INFO = m.names(m.ENGINE_CACHE_CONFIG)
-_WANTED = (*(n for names in _GAUGES.values() for n in names), *_INFO)
+_WANTED = tuple(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names)
 
 
 @dataclass
@@ -52,6 +60,11 @@ class EngineLoad:
     compat_hash: str | None = None
     """None for engines that publish none (vLLM): those pair only with each other."""
     block_size: int | None = None
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    kv_transfers: float = 0.0
+    kv_failures: float = 0.0
+    """Completed and failed KV pulls so far (decode engines with a connector)."""
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -61,6 +74,10 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     scrape = m.parse_metrics(text, only=_WANTED)
     load = EngineLoad()
     for attr, names in _GAUGES.items():
+        value = scrape.total(*names)
+        if value is not None:
+            setattr(load, attr, value)
+    for attr, names in _COUNTERS.items():
         value = scrape.total(*names)
         if value is not None:
             setattr(load, attr, value)
@@ -85,6 +102,13 @@ class EngineState:
     failures: int = 0
     successes: int = 0
     last_error: str = ""
+    last_progress: float = 0.0
+    """monotonic time of the last byte from the engine (or of the start of its
+    first in-flight request): the stall watchdog's clock."""
+    stalled: bool = False
+    """Ejected for a stall (until readmitted): legs waiting on it have given up."""
+    waiters: set[asyncio.Timeout] = field(default_factory=set)
+    """The timeouts of legs waiting on the engine; a stall fires them at once."""
 
     @property
     def routable(self) -> bool:
@@ -107,18 +131,26 @@ class EnginePool:
         metrics: GatewayMetrics,
         client: httpx.AsyncClient,
         on_eject: Callable[[str], None] = lambda url: None,
+        on_add: Callable[[str], None] = lambda url: None,
     ) -> None:
         self.config = config
         self.discovery = discovery
         self.metrics = metrics
         self.client = client
         self.on_eject = on_eject
+        self.on_add = on_add
         self.engines: dict[str, EngineState] = {}
         self.block_size = DEFAULT_BLOCK_SIZE
         self.check_timeout = httpx.Timeout(
             max(2.0, 2 * config.scrape_interval), connect=config.connect_timeout
         )
         self._task: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        # Set (and replaced) whenever an engine becomes routable: held requests wait on it.
+        self._routable = asyncio.Event()
+        self.on_scrape: Callable[[EngineState, EngineLoad, EngineLoad], None] = lambda e, old, new: (
+            None
+        )
 
     # -- membership ------------------------------------------------------------
 
@@ -140,6 +172,7 @@ class EnginePool:
         for url, ep in roles.items():
             if url not in self.engines:
                 logger.info("engine %s (%s) added", url, ep.role)
+                self.on_add(url)
                 self.engines[url] = EngineState(url, ep.role, ep.name)
                 self.metrics.engine_healthy.labels(url, ep.role).set(0)
                 self.metrics.engine_inflight.labels(url, ep.role).set(0)
@@ -170,12 +203,22 @@ class EnginePool:
                 e.role,
                 "readmitted" if e.state == "ejected" else "ready",
             )
+            e.stalled = False
+            e.last_progress = time.monotonic()
+            self._routable.set()
+            self._routable = asyncio.Event()
         e.state = state
         e.successes = e.failures = 0
         self.metrics.engine_healthy.labels(e.url, e.role).set(1 if state == "healthy" else 0)
 
     def record_success(self, e: EngineState, load: EngineLoad) -> None:
-        e.load = load
+        old, e.load = e.load, load
+        if (load.prompt_tokens, load.generation_tokens) != (
+            old.prompt_tokens,
+            old.generation_tokens,
+        ):
+            self.progress(e)  # computing, even if no answer has come back yet
+        self.on_scrape(e, old, load)
         e.failures = 0
         e.successes += 1
         if e.state == "pending" or (
@@ -191,6 +234,69 @@ class EnginePool:
         e.failures += 1
         if e.state == "healthy" and (definitive or e.failures >= self.config.eject_after):
             self._set_state(e, "ejected", reason)
+
+    # -- progress and stalls ---------------------------------------------------------
+
+    def progress(self, e: EngineState) -> None:
+        """The engine sent something (an answer's head, an event, a whole answer)."""
+        e.last_progress = time.monotonic()
+
+    def started(self, e: EngineState) -> None:
+        """A request went to ``e``: an idle engine's stall clock starts now."""
+        if e.inflight == 0:
+            e.last_progress = time.monotonic()
+
+    def find_stalls(self, now: float | None = None) -> list[EngineState]:
+        """Mutates: eject engines whose in-flight requests have made no progress
+        for --stall-timeout while another engine made progress since (so a
+        fleet that is slow as a whole ejects nothing)."""
+        now = time.monotonic() if now is None else now
+        limit = self.config.stall_timeout
+        stalled = [
+            e
+            for e in self.engines.values()
+            if e.routable and e.inflight > 0 and now - e.last_progress > limit
+        ]
+        out = []
+        for e in stalled:
+            # Another engine moved since this one last did: not a slow fleet.
+            if not any(
+                o is not e and o.last_progress > e.last_progress for o in self.engines.values()
+            ):
+                continue
+            self.metrics.stalls.labels(e.url, e.role).inc()
+            self._set_state(
+                e,
+                "ejected",
+                f"stalled: {e.inflight} requests in flight, nothing received for "
+                f"{now - e.last_progress:.1f}s while other engines progressed",
+            )
+            e.stalled = True
+            for cm in list(e.waiters):  # those legs go to another engine now
+                if not cm.expired():
+                    cm.reschedule(asyncio.get_running_loop().time())
+            out.append(e)
+        return out
+
+    async def watch_stalls(self) -> None:
+        period = min(0.5, self.config.stall_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.find_stalls()
+            except Exception:  # never let the watchdog die
+                logger.exception("stall watchdog failed")
+
+    async def wait_routable(self, role: str, deadline: float) -> bool:
+        """Wait (until the monotonic ``deadline``) for an engine of ``role`` to be routable."""
+        while not self.candidates(role):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._routable.wait()
+        return True
 
     async def check(self, e: EngineState) -> None:
         try:
@@ -234,8 +340,10 @@ class EnginePool:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="pdfleet-gateway-pool")
+        self._watchdog = asyncio.create_task(self.watch_stalls(), name="pdfleet-gateway-stalls")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._watchdog) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -37,6 +37,10 @@ class GatewayMetrics:
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""
-        for metric in (self.engine_healthy, self.engine_inflight, self.ejections):
+        for metric in (self.engine_healthy, self.engine_inflight, self.ejections, self.stalls):
             with contextlib.suppress(KeyError):
                 metric.remove(url, role)
+        for prefill, decode in list(self.kv_pair_open._metrics):
+            if url in (prefill, decode):
+                with contextlib.suppress(KeyError):
+                    self.kv_pair_open.remove(prefill, decode)

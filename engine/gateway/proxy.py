@@ -1,4 +1,4 @@
-"""The two-leg P/D protocol (docs/gateway.md, "The two legs") and the relay of the decode leg.
+"""The two-leg P/D protocol (docs/gateway.md) and the relay of the decode leg.
 
 1. Prefill leg (when the router says so): the client's body with
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for chat),
@@ -13,16 +13,27 @@
    if the engine fails mid-stream the client gets an SSE error event in
    OpenAI's shape and ``data: [DONE]`` at once.
 
+Before any leg the body is checked: valid JSON (UTF-8, no lone surrogate, not
+nested past the parser's depth), admissible sampling fields (the same check
+the engines run, so prefill and decode never disagree), and the client's own
+``kv_transfer_params`` are dropped: only what a prefill leg returned goes to
+a decode engine. Engines get the fleet token, never the client's key.
+
 Both legs carry the same ``X-Request-Id`` (the client's, or a new one), which
 the answer echoes. Every wait is bounded: connect, first-token (the prefill
-leg; a stream's first event), idle (between events) and request timeouts.
+leg; a stream's first event; sized from the engine's queue), idle (between
+events), request timeouts, and the hold while no decode engine is routable.
+Clients never see engine URLs or engine bodies: errors carry a stable
+``code`` and the details are logged with the request id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,11 +45,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .engines import EnginePool, EngineState
+from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer, PromptInfo
-from .routing import NoEngineError, PrefixAffinity, Route, Router
+from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
 from .upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger("pdfleet.gateway")
@@ -55,41 +68,73 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
     499: "ClientClosedRequest",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
+# Stable machine-readable codes (OpenAI's `error.code`), one per kind of failure.
+ERROR_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    408: "request_timeout",
+    413: "request_too_large",
+    499: "client_closed_request",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "no_engine_available",
+    504: "upstream_timeout",
+}
 DONE = b"data: [DONE]\n\n"
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
 # leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
+# Seconds a client is told to wait (Retry-After) when no decode engine came back.
+RETRY_AFTER_SECONDS = 5
+# The longest engine error message relayed for a refused (4xx) input.
+MAX_RELAYED_MESSAGE = 1000
+# A client X-Request-Id is echoed and logged only when it is this tame.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, with a stable ``code``."""
     return {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "Error"),
             "param": param,
-            "code": status,
+            "code": code or ERROR_CODES.get(status, "error"),
         }
     }
 
 
-def error_response(message: str, status: int, request_id: str) -> Response:
+def error_response(
+    message: str,
+    status: int,
+    request_id: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     return Response(
-        json.dumps(error_body(message, status)),
+        json.dumps(error_body(message, status, param, code)),
         status_code=status,
         media_type="application/json",
-        headers={"x-request-id": request_id},
+        headers={"x-request-id": request_id, **(headers or {})},
     )
 
 
-def sse_error(message: str, status: int) -> bytes:
-    return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n" + DONE
+def sse_error(message: str, status: int, code: str | None = None) -> bytes:
+    return b"data: " + json.dumps(error_body(message, status, code=code)).encode() + b"\n\n" + DONE
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -109,11 +154,46 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
 
 
 def upstream_message(resp: Any) -> str:
-    """The error message of an engine's answer (an httpx or upstream response)."""
+    """An engine answer's error message, for the gateway's log (never the client's)."""
     try:
-        return str(resp.json()["error"]["message"])
-    except Exception:  # not OpenAI-shaped: show the start of the body
+        return str(resp.json()["error"]["message"])[:MAX_RELAYED_MESSAGE]
+    except Exception:  # not OpenAI-shaped: log the start of the body
         return resp.text[:200] or resp.reason_phrase
+
+
+def client_request_id(header: str | None) -> str:
+    """The client's X-Request-Id when it is a tame token, else a new id."""
+    if header and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or ValueError saying what is wrong
+    (invalid UTF-8 or JSON, nested too deeply, a lone surrogate, not an object)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("the request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not text"
+            ) from None
+    return body
+
+
+def field_of(message: str, body: dict[str, Any]) -> str | None:
+    """The request field a check_sampling message names (its first word)."""
+    name = re.split(r"[\s:(]", message, maxsplit=1)[0]
+    return name if name in body else None
 
 
 @dataclass
@@ -125,14 +205,32 @@ class Call:
     start: float
     headers: dict[str, str]
     chat: bool
+    prefill_url: str | None = None
+    """The prefill engine whose KV the decode leg carries, if any."""
+    plain_payload: bytes | None = None
+    """The decode leg without kv_transfer_params (sent when the engine refuses
+    the params: an expired lease, a restarted producer)."""
+
+
+@dataclass
+class Resend:
+    """What a relay needs to send its decode leg to another engine."""
+
+    route: Route
+    info: PromptInfo
+    payload: bytes
+    tried: set[str]
+    held: list[bool]
 
 
 class LegFailed(Exception):
-    """An engine call failed in a way another engine might not."""
+    """An engine call failed in a way another engine might not. ``message`` is
+    for the client (no URL, no engine body); ``detail`` is for the log."""
 
-    def __init__(self, message: str, status: int, kind: str) -> None:
+    def __init__(self, message: str, status: int, kind: str, detail: str = "") -> None:
         super().__init__(message)
         self.message, self.status, self.kind = message, status, kind
+        self.detail = detail or message
 
 
 class Proxy:
@@ -145,6 +243,8 @@ class Proxy:
         analyzer: PromptAnalyzer,
         metrics: GatewayMetrics,
         client: UpstreamClient,
+        engine_headers: dict[str, str] | None = None,
+        breaker: KVPairBreaker | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -153,10 +253,14 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.client = client
+        self.engine_headers = dict(engine_headers or {})
+        """What every engine call carries besides the body (the fleet token)."""
+        self.breaker = breaker
 
     # -- bookkeeping -------------------------------------------------------------
 
     def _acquire(self, e: EngineState) -> None:
+        self.pool.started(e)
         e.inflight += 1
         self.metrics.engine_inflight.labels(e.url, e.role).set(e.inflight)
 
@@ -168,31 +272,55 @@ class Proxy:
         self.metrics.requests.labels(call.endpoint, str(status)).inc()
         self.metrics.e2e.labels(call.endpoint).observe(time.perf_counter() - call.start)
 
+    def _first_token_bound(self, e: EngineState) -> float:
+        """The first-token wait for ``e``: grows with the requests queued ahead."""
+        waiting = max(e.load.waiting, e.inflight - e.load.running)
+        return self.config.first_token_bound(waiting)
+
+    @contextlib.asynccontextmanager
+    async def _watched(self, e: EngineState, seconds: float) -> AsyncIterator[None]:
+        """``asyncio.timeout(seconds)`` that also fires at once when the stall
+        watchdog ejects ``e`` (it reschedules every registered timeout)."""
+        async with asyncio.timeout(seconds) as cm:
+            e.waiters.add(cm)
+            try:
+                yield
+            finally:
+                e.waiters.discard(cm)
+
     def _failed(self, e: EngineState, role: str, ex: Exception) -> LegFailed:
         """Classify a transport error; a refused connection ejects the engine at once."""
+        detail = f"{role} engine {e.url}: {type(ex).__name__}: {ex}"
         if isinstance(ex, UpstreamConnectError):
             kind, status = "connect", 502
             self.pool.record_failure(e, f"connection refused: {ex}", definitive=True)
-            msg = f"{role} engine {e.url} refused the connection"
+            msg = f"the {role} engine could not be reached"
+        elif isinstance(ex, TimeoutError) and e.stalled:
+            kind, status = "stalled", 504
+            msg = f"the {role} engine stopped making progress"
         elif isinstance(ex, TimeoutError):
             kind, status = "timeout", 504
-            msg = f"{role} engine {e.url} did not answer in time"
+            msg = f"the {role} engine did not answer in time"
         else:
             kind, status = "broken", 502
-            msg = f"{role} engine {e.url} failed: {type(ex).__name__}: {ex}"
+            msg = f"the {role} engine failed"
         self.metrics.upstream_errors.labels(e.url, e.role, kind).inc()
-        return LegFailed(msg, status, kind)
+        return LegFailed(msg, status, kind, detail)
 
     def _status_error(self, e: EngineState, role: str, resp: UpstreamResponse) -> LegFailed:
         self.metrics.upstream_errors.labels(e.url, e.role, "status").inc()
         status = 503 if resp.status_code == 503 else 502
         return LegFailed(
-            f"{role} engine {e.url} answered {resp.status_code}: {upstream_message(resp)}",
+            f"the {role} engine answered {resp.status_code}",
             status,
             "status",
+            f"{role} engine {e.url} answered {resp.status_code}: {upstream_message(resp)}",
         )
 
     def _passthrough(self, call: Call, resp: UpstreamResponse, content: bytes) -> Response:
+        """A 2xx answer as is; a refusal (4xx) re-shaped so no engine body leaks."""
+        if resp.status_code >= 300:
+            return self._refused(call, resp)
         self._finish(call, resp.status_code)
         return Response(
             content,
@@ -201,9 +329,74 @@ class Proxy:
             headers={"x-request-id": call.request_id},
         )
 
-    def _error(self, call: Call, message: str, status: int) -> Response:
+    def _refused(self, call: Call, resp: UpstreamResponse) -> Response:
+        """An engine's 4xx for the client's input: its OpenAI message, field and
+        code (what the client must change), nothing else of the engine's body."""
+        status = resp.status_code
+        message, param, code = f"the request was refused ({status})", None, None
+        try:
+            err = resp.json()["error"]
+            if isinstance(err.get("message"), str):
+                message = err["message"][:MAX_RELAYED_MESSAGE]
+            if isinstance(err.get("param"), str):
+                param = err["param"]
+            if isinstance(err.get("code"), str):
+                code = err["code"]
+        except Exception:  # not OpenAI-shaped: logged, not relayed
+            logger.info(
+                "request %s: engine refusal %d: %r", call.request_id, status, resp.text[:200]
+            )
         self._finish(call, status)
-        return error_response(message, status, call.request_id)
+        headers = {}
+        if "retry-after" in resp.headers:
+            headers["retry-after"] = resp.headers["retry-after"]
+        return error_response(message, status, call.request_id, param, code, headers)
+
+    def _error(
+        self,
+        call: Call,
+        message: str,
+        status: int,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        self._finish(call, status)
+        return error_response(message, status, call.request_id, param, code, headers)
+
+    def _leg_error(self, call: Call, failure: LegFailed) -> Response:
+        logger.warning("request %s: %s", call.request_id, failure.detail)
+        return self._error(call, failure.message, failure.status)
+
+    def _params_refused(self, call: Call, resp: UpstreamResponse) -> bool:
+        """The decode engine refused the producer's kv_transfer_params (a 400
+        naming them: expired lease, restarted producer); worth a decode-only leg."""
+        if resp.status_code != 400 or call.plain_payload is None or call.prefill_url is None:
+            return False
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            return False
+        return isinstance(message, str) and message.startswith("kv_transfer_params")
+
+    def _without_params(self, call: Call, e: EngineState, resp: UpstreamResponse) -> bytes:
+        """Mutates: the call goes on decode-only (the engine computes the prompt)."""
+        logger.warning(
+            "request %s: decode engine %s refused the producer's params (%s); decode-only",
+            call.request_id,
+            e.url,
+            upstream_message(resp),
+        )
+        self.metrics.fallbacks.labels("kv_params_refused").inc()
+        tracing.fallback("kv_params_refused")
+        self._pair_failed(call, e)
+        call.prefill_url = None  # refused once: the plain leg is final
+        assert call.plain_payload is not None  # _params_refused checked it
+        return call.plain_payload
+
+    def _pair_failed(self, call: Call, decode: EngineState) -> None:
+        if self.breaker is not None and call.prefill_url is not None:
+            self.breaker.record(call.prefill_url, decode.url, ok=False)
 
     # -- entry -------------------------------------------------------------------
 
@@ -212,15 +405,19 @@ class Proxy:
         (closing the upstream connections, which aborts the engine requests)."""
         call = Call(
             endpoint,
-            request.headers.get("x-request-id") or uuid.uuid4().hex,
+            client_request_id(request.headers.get("x-request-id")),
             time.perf_counter(),
-            {"content-type": "application/json"},
+            {"content-type": "application/json", **self.engine_headers},
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
-        if "authorization" in request.headers:
-            call.headers["authorization"] = request.headers["authorization"]
-        raw = await request.body()  # read before the watcher below takes over receive()
+        try:  # read before the watcher below takes over receive()
+            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
+        except BodyRejected as e:
+            reason = {413: "body_too_large", 408: "body_timeout"}.get(e.status, "invalid_body")
+            self.metrics.rejected.labels(reason).inc()
+            # The rest of the body is never read: the connection cannot be reused.
+            return self._error(call, e.message, e.status, headers={"connection": "close"})
         work = asyncio.ensure_future(self._handle(call, raw))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -236,33 +433,74 @@ class Proxy:
         self._finish(call, 499)
         return Response(status_code=499)
 
+    def _invalid(self, call: Call, reason: str, message: str, param: str | None = None):
+        self.metrics.rejected.labels(reason).inc()
+        return self._error(call, message, 400, param)
+
     async def _handle(self, call: Call, raw: bytes) -> Response:
         try:
-            body = json.loads(raw)
+            body = parse_body(raw)
         except ValueError as e:
-            return self._error(call, f"invalid JSON body: {e}", 400)
-        if not isinstance(body, dict):
-            return self._error(call, "the request body must be a JSON object", 400)
-        info = self.analyzer.analyze(body, call.chat, self.pool.block_size)
+            return self._invalid(call, "invalid_json", str(e))
+        payload = raw
+        if "kv_transfer_params" in body:
+            # An internal protocol: only a prefill leg's answer may set it.
+            del body["kv_transfer_params"]
+            payload = json.dumps(body).encode()
         try:
-            route = self.router.route(info)
-        except NoEngineError as e:
-            return self._error(call, str(e), 503)
+            # The engines' own admissibility check: a body one engine would refuse
+            # never reaches a prefill engine (no KV pinned for a doomed request).
+            check_sampling(body)
+            info = self.analyzer.analyze(body, call.chat, self.pool.block_size)
+        except (ValueError, TypeError, AttributeError) as e:
+            return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
+        route = await self._route(call, info)
+        if isinstance(route, Response):
+            return route
         self.metrics.decisions.labels(route.decision, route.reason).inc()
         tracing.route_chosen(route)
-        payload = raw
         if route.prefill is not None:
             outcome = await self._prefill(call, body, route, info)
             if isinstance(outcome, Response):
                 return outcome
             if outcome is not None:
+                call.plain_payload = payload
                 payload = json.dumps(decode_body(body, outcome)).encode()
-        elif route.reason == "no_prefill_engine":
-            self.metrics.fallbacks.labels("no_prefill_engine").inc()
-            tracing.fallback("no_prefill_engine")
+        elif route.reason in ("no_prefill_engine", "kv_pair_open"):
+            self.metrics.fallbacks.labels(route.reason).inc()
+            tracing.fallback(route.reason)
         if body.get("stream") is True:
             return await self._decode_stream(call, route, info, payload)
         return await self._decode_json(call, route, info, payload)
+
+    async def _route(self, call: Call, info: PromptInfo) -> Route | Response:
+        """The route, holding the request up to --hold-timeout while no decode
+        engine is routable (all down, restarting, or scaled to zero)."""
+        try:
+            return self.router.route(info)
+        except NoEngineError:
+            pass
+        deadline = time.monotonic() + self.config.hold_timeout
+        self.metrics.held.inc()
+        try:
+            while await self.pool.wait_routable("decode", deadline):
+                try:
+                    return self.router.route(info)
+                except NoEngineError:
+                    continue
+        finally:
+            self.metrics.held.dec()
+        logger.warning(
+            "request %s: no decode engine routable within %.1fs",
+            call.request_id,
+            self.config.hold_timeout,
+        )
+        return self._error(
+            call,
+            "no decode engine is available; retry later",
+            503,
+            headers={"retry-after": str(RETRY_AFTER_SECONDS)},
+        )
 
     # -- prefill -----------------------------------------------------------------
 
@@ -279,8 +517,8 @@ class Proxy:
             try:
                 result = await self._prefill_once(call, engine, payload)
             except LegFailed as e:
-                logger.warning("request %s: %s", call.request_id, e.message)
-                if len(tried) > self.config.retries:
+                logger.warning("request %s: %s", call.request_id, e.detail)
+                if len(tried) > self.config.retries and e.kind != "stalled":
                     break
                 engine = self.router.pick_prefill(route.decode, info, tried)
                 if engine is not None:
@@ -295,6 +533,9 @@ class Proxy:
                 self.metrics.fallbacks.labels("no_kv_transfer_params").inc()
                 tracing.fallback("no_kv_transfer_params")
                 return None
+            call.prefill_url = engine.url
+            if self.breaker is not None:
+                self.breaker.handed_off(engine.url, route.decode.url)
             return params
         self.metrics.fallbacks.labels("prefill_failed").inc()
         tracing.fallback("prefill_failed")
@@ -303,42 +544,62 @@ class Proxy:
     async def _prefill_once(
         self, call: Call, e: EngineState, payload: bytes
     ) -> dict[str, Any] | Response:
+        bound = self._first_token_bound(e)
         self._acquire(e)
         try:
-            resp = await self.client.post(
-                e.url + call.endpoint, payload, call.headers, self.config.first_token_timeout
-            )
+            async with self._watched(e, bound):
+                resp = await self.client.post(e.url + call.endpoint, payload, call.headers, bound)
         except (UpstreamError, TimeoutError) as ex:
             raise self._failed(e, "prefill", ex) from None
         finally:
             self._release(e)
+        self.pool.progress(e)
         if resp.status_code == 200:
             try:
                 data = resp.json()
             except ValueError:
                 self.metrics.upstream_errors.labels(e.url, e.role, "status").inc()
                 raise LegFailed(
-                    f"prefill engine {e.url} sent invalid JSON", 502, "status"
+                    "the prefill engine sent an invalid answer",
+                    502,
+                    "status",
+                    f"prefill engine {e.url} sent invalid JSON",
                 ) from None
             return data if isinstance(data, dict) else {}
         if 400 <= resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
-            return self._passthrough(call, resp, resp.content)
+            return self._refused(call, resp)
         raise self._status_error(e, "prefill", resp)
 
     # -- decode ------------------------------------------------------------------
 
-    def _next_decode(self, route: Route, info: PromptInfo, tried: set[str]) -> EngineState | None:
-        """Another decode engine after a refused connection (same compat hash,
-        so a producer's KV stays usable)."""
-        if len(tried) > self.config.retries:
-            return None
+    async def _next_decode(
+        self, call: Call, route: Route, info: PromptInfo, tried: set[str], held: list[bool]
+    ) -> EngineState | None:
+        """Another decode engine after a refused connection or a stall (same
+        compat hash, so a producer's KV stays usable); when there is none,
+        hold once (--hold-timeout) for one to become routable again."""
         want = route.decode.load.compat_hash
-        candidates = [
-            e
-            for e in self.pool.candidates("decode")
-            if e.url not in tried and e.load.compat_hash == want
-        ]
-        picked = self.router.pick(candidates, info.block_hashes)
+
+        def candidates(exclude: set[str]) -> list[EngineState]:
+            return [
+                e
+                for e in self.pool.candidates("decode")
+                if e.url not in exclude and e.load.compat_hash == want
+            ]
+
+        found = candidates(tried) if len(tried) <= self.config.retries else []
+        if not found and not held[0]:
+            held[0] = True  # a restarted engine comes back under its own URL
+            self.metrics.held.inc()
+            try:
+                deadline = time.monotonic() + self.config.hold_timeout
+                while not found and await self.pool.wait_routable("decode", deadline):
+                    found = candidates(set())
+                    if not found:
+                        await asyncio.sleep(self.config.scrape_interval)
+            finally:
+                self.metrics.held.dec()
+        picked = self.router.pick(found, info.block_hashes)
         if picked is None:
             return None
         self.metrics.retries.labels("decode").inc()
@@ -349,31 +610,41 @@ class Proxy:
     ) -> Response:
         e: EngineState | None = route.decode
         tried: set[str] = set()
+        held = [False]
         while e is not None:
             tried.add(e.url)
             self._acquire(e)
             try:
-                resp = await self.client.post(
-                    e.url + call.endpoint, payload, call.headers, self.config.request_timeout
-                )
+                async with self._watched(e, self.config.request_timeout):
+                    resp = await self.client.post(
+                        e.url + call.endpoint, payload, call.headers, self.config.request_timeout
+                    )
             except (UpstreamError, TimeoutError) as ex:
-                failure = self._failed(e, "decode", ex)
-                if failure.kind == "connect" and (nxt := self._next_decode(route, info, tried)):
-                    self._release(e)
-                    e = nxt
-                    continue
                 self._release(e)
+                failure = self._failed(e, "decode", ex)
+                logger.warning("request %s: %s", call.request_id, failure.detail)
+                if failure.kind in ("connect", "stalled"):
+                    nxt = await self._next_decode(call, route, info, tried, held)
+                    if nxt is not None:
+                        e = nxt
+                        continue
+                self._pair_failed(call, e)
                 return self._error(call, failure.message, failure.status)
             except BaseException:
                 self._release(e)
                 raise
             self._release(e)
+            self.pool.progress(e)
+            if self._params_refused(call, resp):
+                payload = self._without_params(call, e, resp)
+                tried.discard(e.url)
+                continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
                     self.affinity.record(info.block_hashes, e.url)
                 return self._passthrough(call, resp, resp.content)
-            failure = self._status_error(e, "decode", resp)
-            return self._error(call, failure.message, failure.status)
+            self._pair_failed(call, e)
+            return self._leg_error(call, self._status_error(e, "decode", resp))
         raise AssertionError("unreachable: the loop starts with the routed engine")
 
     async def _decode_stream(
@@ -383,48 +654,73 @@ class Proxy:
 
         Headers go out while the engine computes the first token (as the
         engine's own do), so the gateway's response setup is off the TTFT
-        path. Failures before the engine accepts (refused connection: next
-        engine; 4xx/5xx: that status) are plain HTTP errors; later ones,
-        including a first-token timeout, are SSE error events.
+        path. Failures before the engine accepts (refused connection or a
+        stall: next engine; 4xx/5xx: that status) are plain HTTP errors;
+        later ones, including a first-token timeout, are SSE error events.
         """
         e: EngineState | None = route.decode
         tried: set[str] = set()
+        held = [False]
         while e is not None:
             tried.add(e.url)
             try:
                 opened = await self._open_stream(call, e, payload)
-            except LegFailed as failure:
-                if failure.kind == "connect" and (nxt := self._next_decode(route, info, tried)):
-                    e = nxt
+                if opened == "params_refused":
+                    assert call.plain_payload is not None
+                    payload = call.plain_payload
+                    tried.discard(e.url)
                     continue
+            except LegFailed as failure:
+                logger.warning("request %s: %s", call.request_id, failure.detail)
+                if failure.kind in ("connect", "stalled"):
+                    nxt = await self._next_decode(call, route, info, tried, held)
+                    if nxt is not None:
+                        e = nxt
+                        continue
+                self._pair_failed(call, e)
                 return self._error(call, failure.message, failure.status)
             if isinstance(opened, Response):
                 return opened
             self.affinity.record(info.block_hashes, e.url)
             return RelayResponse(
-                self._relay(call, e, *opened),
+                self._relay(call, e, *opened, Resend(route, info, payload, tried, held)),
                 media_type="text/event-stream",
                 headers={"x-request-id": call.request_id},
             )
         raise AssertionError("unreachable: the loop starts with the routed engine")
 
     async def _open_stream(
-        self, call: Call, e: EngineState, payload: bytes
-    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response:
+        self, call: Call, e: EngineState, payload: bytes, relayed: bool = False
+    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | Response | str | None:
         """(accepted response, its chunk iterator), holding ``e`` (the relay
-        releases it); a Response for an HTTP error."""
+        releases it); a Response for an HTTP error (None when ``relayed``: the
+        client's headers are gone, so the relay reports it as an event);
+        ``"params_refused"`` when the engine refused the producer's params."""
+        bound = self._first_token_bound(e)
         self._acquire(e)
         resp: UpstreamResponse | None = None
         handed = False
         try:
-            async with asyncio.timeout(self.config.first_token_timeout):
+            async with self._watched(e, bound):
                 resp = await self.client.stream(e.url + call.endpoint, payload, call.headers)
+                self.pool.progress(e)
                 if resp.status_code != 200:
                     content = await resp.aread()
+                    if relayed:
+                        logger.warning(
+                            "request %s: resent decode leg answered %d: %s",
+                            call.request_id,
+                            resp.status_code,
+                            upstream_message(resp),
+                        )
+                        return None
+                    if not relayed and self._params_refused(call, resp):
+                        self._without_params(call, e, resp)
+                        return "params_refused"
                     if resp.status_code < 500:
                         return self._passthrough(call, resp, content)
-                    failure = self._status_error(e, "decode", resp)
-                    return self._error(call, failure.message, failure.status)
+                    self._pair_failed(call, e)
+                    return self._leg_error(call, self._status_error(e, "decode", resp))
             handed = True  # the relay closes the response and releases the engine
             return resp, resp.aiter_raw()
         except (UpstreamError, TimeoutError) as ex:
@@ -441,21 +737,47 @@ class Proxy:
         engine: EngineState,
         resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
+        resend: Resend | None = None,
     ) -> AsyncIterator[bytes]:
-        """Relay whole SSE events (so an error event never lands mid-event)."""
+        """Relay whole SSE events (so an error event never lands mid-event).
+
+        An engine ejected for a stall before its first event is replaced: the
+        client has only seen headers, so the decode leg is sent to another
+        engine (``resend``) and that engine's stream is relayed instead. After
+        the first event a stall ends the stream with an error event at once
+        (the client can retry) rather than after the stopped engine resumes.
+        """
         status = 200
         done = False
         first = True
         buf = b""
+        first_bound = self._first_token_bound(engine)
         try:
             while True:
-                timeout = self.config.first_token_timeout if first else self.config.idle_timeout
                 try:
-                    async with asyncio.timeout(timeout):
-                        data = await anext(chunks)
+                    if first:
+                        async with self._watched(engine, first_bound):
+                            data = await anext(chunks)
+                    else:  # a stall-ejected engine ends its streams now, clearly
+                        async with self._watched(engine, self.config.idle_timeout):
+                            data = await anext(chunks)
                 except StopAsyncIteration:
                     break
+                except TimeoutError:
+                    if not (first and engine.stalled and resend is not None):
+                        raise
+                    moved = await self._resend(call, engine, resend)
+                    if moved is None:
+                        raise
+                    await resp.aclose()
+                    self._release(engine)
+                    engine, resp, chunks = moved
+                    first_bound = self._first_token_bound(engine)
+                    continue
+                self.pool.progress(engine)
                 buf += data
+                if len(buf) > self.config.max_body_bytes:
+                    raise UpstreamError(f"an event of over {self.config.max_body_bytes} bytes")
                 cut = buf.rfind(b"\n\n")
                 if cut < 0:
                     continue
@@ -470,7 +792,13 @@ class Proxy:
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
                 status = 502
-                yield sse_error(f"decode engine {engine.url} ended the stream early", status)
+                logger.warning(
+                    "request %s: decode engine %s ended the stream early",
+                    call.request_id,
+                    engine.url,
+                )
+                self._pair_failed(call, engine)
+                yield sse_error("the decode engine ended the stream early", status)
         except (UpstreamError, TimeoutError) as ex:
             if done:  # the client has its whole answer; only the connection's end failed
                 return
@@ -478,17 +806,45 @@ class Proxy:
             status = failure.status
             if failure.kind == "timeout":
                 failure.message = (
-                    f"decode engine {engine.url} sent no first token within "
-                    f"{self.config.first_token_timeout}s"
+                    f"the decode engine sent no first token within {first_bound:g}s"
                     if first
-                    else f"decode engine {engine.url} sent nothing for {self.config.idle_timeout}s"
+                    else f"the decode engine sent nothing for {self.config.idle_timeout:g}s"
                 )
-            logger.warning("request %s: %s mid-stream", call.request_id, failure.message)
+            logger.warning(
+                "request %s: %s mid-stream (%s)", call.request_id, failure.message, failure.detail
+            )
+            self._pair_failed(call, engine)
             yield sse_error(failure.message, status)
         finally:
             await resp.aclose()
             self._release(engine)
             self._finish(call, status)
+
+    async def _resend(
+        self, call: Call, stalled: EngineState, resend: Resend
+    ) -> tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]] | None:
+        """The decode leg on another engine after ``stalled``; None when none took it."""
+        self.metrics.upstream_errors.labels(stalled.url, stalled.role, "stalled").inc()
+        logger.warning(
+            "request %s: decode engine %s stalled before its first event; resending",
+            call.request_id,
+            stalled.url,
+        )
+        while True:
+            nxt = await self._next_decode(
+                call, resend.route, resend.info, resend.tried, resend.held
+            )
+            if nxt is None:
+                return None
+            resend.tried.add(nxt.url)
+            try:
+                opened = await self._open_stream(call, nxt, resend.payload, relayed=True)
+            except LegFailed as failure:
+                logger.warning("request %s: %s", call.request_id, failure.detail)
+                continue
+            if opened is None:
+                return None
+            return (nxt, *opened)
 
 
 class RelayResponse(StreamingResponse):

@@ -19,6 +19,8 @@ with the decode engine's P/D compatibility hash (never the same process).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,8 +28,11 @@ from dataclasses import dataclass
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 
-from .engines import EnginePool, EngineState
+from .engines import EngineLoad, EnginePool, EngineState
+from .metrics import GatewayMetrics
 from .prompt import PromptInfo
+
+logger = logging.getLogger("pdfleet.gateway")
 
 PREFIX_WEIGHT = 2.0
 QUEUE_WEIGHT = 1.0
@@ -37,54 +42,153 @@ IMBALANCE_REL = 0.5
 
 
 class PrefixAffinity:
-    """Bounded LRU table: block hash -> URLs of engines that likely cache it.
+    """Bounded LRU table: block hash -> engines that likely cache it.
 
     "Likely": an engine may have evicted the block since; a wrong guess costs
-    a recomputation, never a wrong answer. ``capacity`` counts hashes.
+    a recomputation, never a wrong answer. ``capacity`` counts hashes. The
+    holders of a hash are a bit mask (one bit per engine, reused when an
+    engine is forgotten), so a full table of 100,000 hashes is ~15 MB, not
+    the ~40 MB of a set of URLs per hash.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.table: OrderedDict[int, set[str]] = OrderedDict()
+        self.table: OrderedDict[int, int] = OrderedDict()
+        self.bits: dict[str, int] = {}
+        self._free: list[int] = []
 
     def __len__(self) -> int:
         return len(self.table)
 
+    def _bit(self, url: str) -> int:
+        bit = self.bits.get(url)
+        if bit is None:
+            bit = self._free.pop() if self._free else 1 << len(self.bits)
+            self.bits[url] = bit
+        return bit
+
     def record(self, hashes: list[int], url: str) -> None:
         """Mutates: ``url`` now holds these blocks; evicts the least recently used."""
+        bit = self._bit(url)
+        table = self.table
         for h in hashes:
-            holders = self.table.get(h)
+            holders = table.get(h)
             if holders is None:
-                self.table[h] = {url}
+                table[h] = bit
             else:
-                holders.add(url)
-                self.table.move_to_end(h)
-        while len(self.table) > self.capacity:
-            self.table.popitem(last=False)
+                table[h] = holders | bit
+                table.move_to_end(h)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
 
     def matched(self, hashes: list[int], urls: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``hashes`` each URL likely holds (touches what matched)."""
         counts = dict.fromkeys(urls, 0)
-        remaining = set(counts)
+        bits = {u: self.bits[u] for u in counts if u in self.bits}
+        remaining = 0
+        for bit in bits.values():
+            remaining |= bit
         for h in hashes:
-            holders = self.table.get(h)
+            holders = self.table.get(h, 0) & remaining
             if not holders:
                 break
-            remaining &= holders
-            if not remaining:
-                break
+            remaining = holders
             self.table.move_to_end(h)
-            for url in remaining:
-                counts[url] += 1
+            for url, bit in bits.items():
+                if holders & bit:
+                    counts[url] += 1
         return counts
 
     def forget(self, url: str) -> None:
         """Mutates: drop an engine (ejected, removed or restarted: its cache is gone)."""
-        for h in [h for h, holders in self.table.items() if url in holders]:
-            holders = self.table[h]
-            holders.discard(url)
-            if not holders:
-                del self.table[h]
+        bit = self.bits.pop(url, None)
+        if bit is None:
+            return
+        table = self.table
+        for h in [h for h, holders in table.items() if holders & bit]:
+            left = table[h] & ~bit
+            if left:
+                table[h] = left
+            else:
+                del table[h]
+        self._free.append(bit)
+
+
+class KVPairBreaker:
+    """A circuit breaker per (prefill, decode) engine pair.
+
+    A hand-off fails when the decode engine reports failed KV pulls in the
+    scrape interval in which the pair was used (with ``recompute`` the client
+    still gets its answer, so only the engine's counter says so), or when the
+    decode leg after the pair's prefill leg fails. ``threshold`` consecutive
+    failures open the breaker: the pair is not used for disaggregation for
+    ``cooldown`` seconds (another prefill engine is, or the request goes
+    decode-only), then it is tried again. Only pairs of known engines are
+    kept (``forget`` on removal), so the table is bounded by the fleet.
+    """
+
+    def __init__(self, threshold: int, cooldown: float, metrics: GatewayMetrics) -> None:
+        self.threshold, self.cooldown, self.metrics = threshold, cooldown, metrics
+        self.failures: dict[tuple[str, str], int] = {}
+        self.open_until: dict[tuple[str, str], float] = {}
+        self.used: dict[str, set[str]] = {}
+        """decode URL -> prefill URLs that handed it KV since its last scrape."""
+
+    def is_open(self, prefill: str, decode: str, now: float | None = None) -> bool:
+        until = self.open_until.get((prefill, decode))
+        if until is None:
+            return False
+        if (time.monotonic() if now is None else now) < until:
+            return True
+        del self.open_until[(prefill, decode)]  # cool-down over: try the pair again
+        self.failures.pop((prefill, decode), None)
+        self.metrics.kv_pair_open.labels(prefill, decode).set(0)
+        logger.info("KV pair %s -> %s closed again after its cool-down", prefill, decode)
+        return False
+
+    def handed_off(self, prefill: str, decode: str) -> None:
+        self.used.setdefault(decode, set()).add(prefill)
+
+    def record(self, prefill: str, decode: str, ok: bool, now: float | None = None) -> None:
+        """Mutates: one hand-off's outcome over the pair."""
+        pair = (prefill, decode)
+        if ok:
+            self.failures.pop(pair, None)
+            return
+        self.failures[pair] = n = self.failures.get(pair, 0) + 1
+        if n >= self.threshold and pair not in self.open_until:
+            self.open_until[pair] = (time.monotonic() if now is None else now) + self.cooldown
+            self.metrics.kv_pair_open.labels(prefill, decode).set(1)
+            logger.warning(
+                "KV pair %s -> %s: %d failed hand-offs in a row; not used for P/D for %.0fs",
+                prefill,
+                decode,
+                n,
+                self.cooldown,
+            )
+
+    def scraped(self, e: EngineState, old: EngineLoad, new: EngineLoad) -> None:
+        """A decode engine's pull counters moved: judge the pairs used since."""
+        used = self.used.pop(e.url, None)
+        if not used or new.kv_failures < old.kv_failures:  # unused, or restarted
+            return
+        failed = new.kv_failures > old.kv_failures
+        if failed or new.kv_transfers > old.kv_transfers:
+            for prefill in used:
+                self.record(prefill, e.url, ok=not failed)
+        else:
+            self.used[e.url] = used  # nothing pulled yet: judge at the next scrape
+
+    def forget(self, url: str) -> None:
+        """Mutates: drop every pair with a removed engine."""
+        self.used.pop(url, None)
+        for prefill, decode in [p for p in self.open_until if url in p]:
+            self.metrics.kv_pair_open.labels(prefill, decode).set(0)
+        for table in (self.failures, self.open_until):
+            for pair in [p for p in table if url in p]:
+                del table[pair]
+        for used in self.used.values():
+            used.discard(url)
 
 
 class NoEngineError(Exception):
@@ -98,14 +202,22 @@ class Route:
     decision: str
     """prefill_decode or decode_only."""
     reason: str
-    """always, long_prompt, short_prompt, cached_prefix, disabled, batch or no_prefill_engine."""
+    """always, long_prompt, short_prompt, cached_prefix, disabled, batch,
+    no_prefill_engine or kv_pair_open."""
 
 
 class Router:
-    def __init__(self, config: GatewayConfig, pool: EnginePool, affinity: PrefixAffinity) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: EnginePool,
+        affinity: PrefixAffinity,
+        breaker: KVPairBreaker | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.affinity = affinity
+        self.breaker = breaker
         self._rr = 0
 
     def pick(
@@ -140,7 +252,10 @@ class Router:
         candidates = [
             e
             for e in self.pool.candidates("prefill")
-            if e.url != decode.url and e.url not in exclude and e.load.compat_hash == want
+            if e.url != decode.url
+            and e.url not in exclude
+            and e.load.compat_hash == want
+            and not (self.breaker and self.breaker.is_open(e.url, decode.url))
         ]
         picked = self.pick(candidates, info.block_hashes)
         return picked[0] if picked else None
@@ -174,5 +289,10 @@ class Router:
             reason = "long_prompt"
         prefill = self.pick_prefill(decode, info, set())
         if prefill is None:
-            return Route(decode, None, "decode_only", "no_prefill_engine")
+            blocked = self.breaker is not None and any(
+                self.breaker.is_open(p.url, decode.url) for p in self.pool.candidates("prefill")
+            )
+            return Route(
+                decode, None, "decode_only", "kv_pair_open" if blocked else "no_prefill_engine"
+            )
         return Route(decode, prefill, "prefill_decode", reason)

@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 MAX_HEAD_BYTES = 64 * 1024
 # Largest chunk-size line (hex digits and extensions).
 MAX_CHUNK_LINE = 1024
+# Largest chunk of a chunked answer (an engine's SSE event is a few KiB).
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
 # Idle connections kept per engine; more are closed when returned.
 MAX_IDLE_PER_ENGINE = 256
 
@@ -101,6 +103,8 @@ class UpstreamResponse:
                         size = int(line.split(b";", 1)[0].strip(), 16)
                     except ValueError:
                         raise UpstreamError(f"bad chunk size {line[:40]!r}") from None
+                    if size > MAX_CHUNK_BYTES:
+                        raise UpstreamError(f"chunk of {size} bytes exceeds {MAX_CHUNK_BYTES}")
                     if size == 0:
                         # Trailers (none from uvicorn) end with an empty line.
                         while await reader.readuntil(b"\r\n") != b"\r\n":
@@ -155,12 +159,17 @@ class UpstreamResponse:
 class UpstreamClient:
     """Kept-alive HTTP/1.1 connections to engines, per (host, port)."""
 
-    def __init__(self, connect_timeout: float, keepalive_expiry: float = 20.0) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        keepalive_expiry: float = 20.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_expiry = keepalive_expiry
         self._idle: dict[tuple[str, int, bool], deque[_Conn]] = {}
         self._closed = False
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
 
     async def post(
         self, url: str, content: bytes, headers: dict[str, str], timeout: float
@@ -260,9 +269,18 @@ class UpstreamClient:
             raise UpstreamError("the client is closed")
         try:
             async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(key[0], key[1], limit=MAX_HEAD_BYTES)
+                reader, writer = await asyncio.open_connection(
+                    key[0],
+                    key[1],
+                    limit=MAX_HEAD_BYTES,
+                    # https:// is always TLS with a verified certificate and host name.
+                    ssl=self._tls() if key[2] else None,
+                    server_hostname=key[0] if key[2] else None,
+                )
         except TimeoutError:  # an OSError too, but not a refusal
             raise
+        except ssl.SSLError as e:  # an OSError too: the engine's certificate was refused
+            raise UpstreamError(f"TLS with {key[0]}:{key[1]} failed: {e.reason or e}") from None
         except OSError as e:
             raise UpstreamConnectError(f"{key[0]}:{key[1]}: {e.strerror or e}") from None
         return _Conn(reader, writer)
@@ -280,6 +298,8 @@ class UpstreamClient:
             if conn.usable(now, self.keepalive_expiry):
                 return conn
             conn.close()
+        if idle is not None:
+            del self._idle[key]  # engines come and go: keep no entry per engine ever seen
         return None
 
     def _put(self, key: tuple[str, int, bool], conn: _Conn) -> None:

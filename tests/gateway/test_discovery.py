@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from helpers.fleet import metric, start_gateway
+from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 
 from pdfleet.engine.config.gateway import GatewayConfig
@@ -84,13 +84,15 @@ def test_gateway_follows_the_engines_file_at_runtime(engines, tmp_path):
             "0.2",
             "--disaggregation-mode",
             "Always",
+            "--hold-timeout",
+            "1",
         ],
         tmp_path,
     )
     try:
 
         def routable() -> dict:
-            return httpx.get(gw.url + "/health", timeout=5).json()["routable"]
+            return engines_view(gw.url)["routable"]
 
         assert routable() == {"prefill": 0, "decode": 1}
         write_atomically(
@@ -114,7 +116,7 @@ def test_gateway_follows_the_engines_file_at_runtime(engines, tmp_path):
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 503
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model="tiny", prompt="hello", max_tokens=2)
-        assert err.value.status_code == 503 and "no healthy decode engine" in err.value.message
+        assert err.value.status_code == 503 and "no decode engine is available" in err.value.message
         # The removed engine's series are gone, not left stale.
         assert metric(gw.url, "pdfleet_gateway_engine_healthy", engine=decode.url) == 0
         assert f'engine="{decode.url}"' not in httpx.get(gw.url + "/metrics", timeout=5).text

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
 import pytest
-from helpers.fleet import metric, start_gateway
-from helpers.server import wait_until
+from helpers.fleet import auth_headers, engines_view, metric, start_gateway
+from helpers.server import fleet_token, wait_until
 
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
@@ -52,6 +53,11 @@ def client_for(url: str, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
+def engine_client(url: str) -> openai.OpenAI:
+    """An engine called directly, with the fleet token (as the gateway calls it)."""
+    return client_for(url, fleet_token() or "none")
+
+
 def generate(client: openai.OpenAI, chat: bool, stream: bool, prompt: str) -> str:
     kw = dict(model="tiny", max_tokens=12, temperature=0)
     if chat:
@@ -74,14 +80,17 @@ def generate(client: openai.OpenAI, chat: bool, stream: bool, prompt: str) -> st
 def test_greedy_output_through_the_gateway_equals_a_direct_engine(
     gateways, engines, mode, chat, stream
 ):
-    direct = client_for(engines[1].url)
+    direct = engine_client(engines[1].url)
     via = client_for(gateways[mode].url)
     for prompt in (SHORT, LONG):
         assert generate(via, chat, stream, prompt) == generate(direct, chat, False, prompt)
 
 
-def test_conditional_decisions_are_visible_in_metrics(gateways):
+def test_conditional_decisions_are_visible_in_metrics_and_long_prompts_move_kv_blocks(
+    gateways, engines
+):
     url = gateways["conditional"].url
+    decode = engines[1].url
     client = client_for(url)
 
     def decisions(decision: str, reason: str) -> float:
@@ -92,19 +101,23 @@ def test_conditional_decisions_are_visible_in_metrics(gateways):
     short0 = decisions("decode_only", "short_prompt")
     long0 = decisions("prefill_decode", "long_prompt")
     cached0 = decisions("decode_only", "cached_prefix")
-    fallback0 = metric(url, "pdfleet_gateway_fallbacks_total", reason="no_kv_transfer_params")
+    pulled0 = metric(decode, "pdfleet_engine_kv_transfer_blocks_pulled_total")
+    transfers0 = metric(decode, "pdfleet_engine_kv_transfers_total")
 
     client.completions.create(model="tiny", prompt=SHORT, max_tokens=2)
     assert decisions("decode_only", "short_prompt") == short0 + 1
 
     fresh = "A brand new story begins here. " + LONG * 2
-    client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
+    out = client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
     assert decisions("prefill_decode", "long_prompt") == long0 + 1
-    # No connector yet: the producer returns no kv_transfer_params; decode recomputes.
-    assert (
-        metric(url, "pdfleet_gateway_fallbacks_total", reason="no_kv_transfer_params")
-        == fallback0 + 1
+    # The producer's KV moved over NIXL: the decode engine pulled the prompt's
+    # full blocks (all but the trailing partial one) instead of recomputing them.
+    full_blocks = (out.usage.prompt_tokens - 1) // 16
+    assert wait_until(
+        lambda: metric(decode, "pdfleet_engine_kv_transfers_total") == transfers0 + 1, 10
     )
+    pulled = metric(decode, "pdfleet_engine_kv_transfer_blocks_pulled_total") - pulled0
+    assert full_blocks >= 2 and pulled >= full_blocks // 2, (pulled, full_blocks)
 
     # The same prompt again: the chosen decode engine now caches its prefix.
     client.completions.create(model="tiny", prompt=fresh, max_tokens=2)
@@ -113,7 +126,7 @@ def test_conditional_decisions_are_visible_in_metrics(gateways):
 
 def test_gateway_counts_prompt_tokens_like_the_engine(engines, tiny_model):
     analyzer = PromptAnalyzer(tiny_model, max_blocks=64)
-    direct = client_for(engines[1].url)
+    direct = engine_client(engines[1].url)
     out = direct.completions.create(model="tiny", prompt=LONG, max_tokens=1)
     assert analyzer.analyze({"prompt": LONG}, False, 16).num_tokens == out.usage.prompt_tokens
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}]
@@ -141,17 +154,28 @@ def test_both_legs_reach_their_engines_and_disabled_skips_prefill(gateways, engi
     assert metric(url, "pdfleet_gateway_disagg_decisions_total", reason="disabled") >= 1
 
 
-def test_request_id_reaches_the_engine_and_comes_back(gateways):
+def test_request_id_reaches_the_engine_and_comes_back_and_may_repeat(gateways):
     url = gateways["always"].url
-    resp = httpx.post(
-        url + "/v1/completions",
-        json={"model": "tiny", "prompt": LONG, "max_tokens": 2},
-        headers={"X-Request-Id": "trace-42"},
-        timeout=60,
-    )
-    assert resp.status_code == 200
-    assert resp.headers["x-request-id"] == "trace-42"
-    assert resp.json()["id"] == "cmpl-trace-42"
+
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        url + "/v1/completions",
+                        json={"model": "tiny", "prompt": LONG, "max_tokens": 2},
+                        headers={"X-Request-Id": "trace-42"},
+                    )
+                    for _ in range(2)
+                )
+            )
+
+    # The same client id twice at once: the engines key requests by their own
+    # ids, so both complete; the id only labels the answer.
+    for resp in asyncio.run(twice()):
+        assert resp.status_code == 200
+        assert resp.headers["x-request-id"] == "trace-42"
+        assert resp.json()["id"] == "cmpl-trace-42"
     with httpx.stream(
         "POST",
         url + "/v1/chat/completions",
@@ -166,12 +190,19 @@ def test_request_id_reaches_the_engine_and_comes_back(gateways):
     ) as stream:
         assert stream.headers["x-request-id"] == "trace-43"
         lines = [ln for ln in stream.iter_lines() if ln.startswith("data: {")]
-    assert lines and all('"id":"chatcmpl-trace-43"' in ln for ln in lines)
+    assert lines and len({json.loads(ln[6:])["id"] for ln in lines}) == 1
     generated = httpx.post(
         url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60
     )
-    rid = generated.headers["x-request-id"]
-    assert len(rid) >= 16 and generated.json()["id"] == f"cmpl-{rid}"
+    assert len(generated.headers["x-request-id"]) >= 16
+    # An id that is not a plain token (a header injection attempt) is replaced.
+    odd = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+        headers={"X-Request-Id": "a b<script>"},
+        timeout=60,
+    )
+    assert odd.status_code == 200 and odd.headers["x-request-id"] != "a b<script>"
 
 
 @pytest.mark.parametrize("mode", ["conditional", "always"])
@@ -199,12 +230,13 @@ def test_bad_input_gets_an_openai_shaped_4xx(gateways, mode):
     assert metric(url, "pdfleet_gateway_requests_total", status="400") >= 4
 
 
-def test_models_health_and_metrics(gateways, engines):
+def test_models_health_engines_and_metrics(gateways, engines):
     url = gateways["always"].url
     assert [m.id for m in client_for(url).models.list().data] == ["tiny"]
-    health = httpx.get(url + "/health", timeout=5).json()
-    assert health["status"] == "ok" and health["routable"] == {"prefill": 1, "decode": 1}
-    assert {(e["url"], e["role"], e["state"]) for e in health["engines"]} == {
+    assert httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
+    view = engines_view(url)
+    assert view["routable"] == {"prefill": 1, "decode": 1}
+    assert {(e["url"], e["role"], e["state"]) for e in view["engines"]} == {
         (engines[0].url, "prefill", "healthy"),
         (engines[1].url, "decode", "healthy"),
     }
@@ -262,8 +294,15 @@ def test_api_keys(engines, tmp_path_factory):
             out = client_for(gw.url, key).completions.create(model="tiny", prompt="x", max_tokens=1)
             assert out.choices[0].finish_reason == "length"
         assert [m.id for m in client_for(gw.url, "key-one").models.list().data] == ["tiny"]
+        # Only the bare health probe is open; what names engines needs a key.
         assert httpx.get(gw.url + "/health", timeout=5).status_code == 200
-        assert httpx.get(gw.url + "/metrics", timeout=5).status_code == 200
+        for path in ("/metrics", "/engines"):
+            assert httpx.get(gw.url + path, timeout=5).status_code == 401
+            assert httpx.get(gw.url + path, headers=auth_headers("key-two")).status_code == 200
+            # The operator scrapes with the fleet token.
+            assert httpx.get(gw.url + path, headers=auth_headers()).status_code == 200
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(gw.url + path, timeout=5).status_code == 404
     finally:
         gw.stop()
 
@@ -279,7 +318,7 @@ def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, st
         return metric(decode.url, "pdfleet_engine_num_requests_running") == 0
 
     # A finished request first: an engine's first step also reports its warm-up.
-    client_for(decode.url).completions.create(model="tiny", prompt="x", max_tokens=1)
+    engine_client(decode.url).completions.create(model="tiny", prompt="x", max_tokens=1)
     assert wait_until(idle, 10)
     before = finished_by_length()
     body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}

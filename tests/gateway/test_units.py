@@ -11,7 +11,12 @@ import pytest
 from pdfleet.engine.config import FlexibleArgumentParser
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
-from pdfleet.engine.gateway.engines import EngineLoad, EnginePool, parse_engine_metrics
+from pdfleet.engine.gateway.engines import (
+    EngineLoad,
+    EnginePool,
+    EngineState,
+    parse_engine_metrics,
+)
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
 from pdfleet.engine.gateway.proxy import (
@@ -20,6 +25,7 @@ from pdfleet.engine.gateway.proxy import (
     prefill_body,
     sse_error,
 )
+from pdfleet.engine.gateway.routing import KVPairBreaker
 
 # -- the two legs ------------------------------------------------------------------
 
@@ -68,15 +74,15 @@ def test_decode_leg_is_the_original_body_plus_the_producer_params():
 
 
 def test_sse_error_is_an_openai_error_event_then_done():
-    raw = sse_error("decode engine http://d failed", 502).decode()
+    raw = sse_error("the decode engine failed", 502).decode()
     first, done, rest = raw.split("\n\n")
     assert done == "data: [DONE]" and rest == ""
     error = json.loads(first[len("data: ") :])["error"]
     assert error == {
-        "message": "decode engine http://d failed",
+        "message": "the decode engine failed",
         "type": "BadGatewayError",
         "param": None,
-        "code": 502,
+        "code": "upstream_error",
     }
 
 
@@ -259,6 +265,7 @@ def test_api_keys_come_from_flags_or_the_environment_and_are_never_printed(monke
     config = parse(["--decode", "http://d"])
     assert config.api_key == ["k1", "k2"]
     assert parse(["--decode", "http://d", "--api-key", "k3"]).api_key == ["k3"]
+    assert parse(["--decode", "http://d", "--api-key", "k3,k4"]).api_key == ["k3", "k4"]
     assert "k1" not in repr(config) and "k1" not in " ".join(config.to_cli_args())
 
 
@@ -297,3 +304,106 @@ def test_api_keys_from_a_mounted_secret_file(monkeypatch, tmp_path):
 def test_invalid_configuration_says_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GatewayConfig(**kwargs)
+
+
+# -- waits, stalls, the KV pair breaker ------------------------------------------------
+
+
+def test_first_token_bound_grows_with_the_engine_queue_and_is_capped():
+    config = GatewayConfig(decode=["http://d"])
+    assert config.first_token_bound(0) == 30.0  # not 300 s for an idle engine
+    assert config.first_token_bound(20) == 40.0
+    assert config.first_token_bound(10_000) == 300.0
+    fixed = GatewayConfig(decode=["http://d"], first_token_timeout=7)
+    assert fixed.first_token_bound(10_000) == 7
+
+
+def test_the_scrape_counts_tokens_and_kv_pulls():
+    text = (
+        "pdfleet_engine_prompt_tokens_total 100.0\n"
+        "pdfleet_engine_generation_tokens_total 40.0\n"
+        "pdfleet_engine_kv_transfers_total 5.0\n"
+        "pdfleet_engine_kv_transfer_failures_total 2.0\n"
+    )
+    load = parse_engine_metrics(text)
+    assert (load.prompt_tokens, load.generation_tokens) == (100, 40)
+    assert (load.kv_transfers, load.kv_failures) == (5, 2)
+
+
+def stall_pool() -> tuple[EnginePool, dict]:
+    config = GatewayConfig(decode=["http://a", "http://b"], stall_timeout=3)
+    pool = EnginePool(config, StaticDiscovery([]), GatewayMetrics(), httpx.AsyncClient())
+    pool.apply([Endpoint("http://a", "decode"), Endpoint("http://b", "decode")])
+    engines = pool.engines
+    for e in engines.values():
+        pool.record_success(e, EngineLoad())
+    return pool, engines
+
+
+def test_an_engine_is_ejected_for_a_stall_only_while_another_makes_progress():
+    pool, engines = stall_pool()
+    a, b = engines["http://a"], engines["http://b"]
+    a.inflight = b.inflight = 1
+    a.last_progress = b.last_progress = 100.0
+    # Both silent: a fleet that is slow as a whole (one long prefill) ejects nothing.
+    assert pool.find_stalls(now=104.0) == []
+    b.last_progress = 103.5  # b answers, a stays silent past --stall-timeout
+    assert pool.find_stalls(now=104.0) == [a]
+    assert a.state == "ejected" and a.stalled and b.routable
+    # It answers checks again: readmitted, with a fresh stall clock.
+    pool.record_success(a, EngineLoad())
+    pool.record_success(a, EngineLoad())
+    assert a.routable and not a.stalled
+
+
+def test_token_counters_that_move_are_progress_without_any_answer():
+    pool, engines = stall_pool()
+    a = engines["http://a"]
+    a.last_progress = 0.0
+    pool.record_success(a, EngineLoad(generation_tokens=10))
+    assert a.last_progress > 0  # a long non-streamed answer is not a stall
+
+
+def breaker_setup():
+    metrics = GatewayMetrics()
+    return KVPairBreaker(threshold=2, cooldown=30, metrics=metrics), metrics
+
+
+def pair_open(metrics: GatewayMetrics, prefill: str, decode: str) -> float:
+    for m in metrics.registry.collect():
+        for s in m.samples:
+            if s.name == "pdfleet_gateway_kv_pair_open" and s.labels == {
+                "prefill": prefill,
+                "decode": decode,
+            }:
+                return s.value
+    return 0.0
+
+
+def test_the_kv_pair_breaker_opens_after_consecutive_failures_and_closes_after_its_cooldown():
+    breaker, metrics = breaker_setup()
+    breaker.record("p", "d", ok=False, now=0)
+    breaker.record("p", "d", ok=True, now=1)  # a success resets the count
+    breaker.record("p", "d", ok=False, now=2)
+    assert not breaker.is_open("p", "d", now=2)
+    breaker.record("p", "d", ok=False, now=3)
+    assert breaker.is_open("p", "d", now=3) and pair_open(metrics, "p", "d") == 1
+    assert not breaker.is_open("p2", "d", now=3)  # other pairs are unaffected
+    assert not breaker.is_open("p", "d", now=34)  # cool-down over
+    assert pair_open(metrics, "p", "d") == 0
+
+
+def test_the_kv_pair_breaker_judges_pairs_by_the_decode_engines_pull_counters():
+    breaker, _ = breaker_setup()
+    d = EngineState("d", "decode")
+    for failed in (1, 2):
+        breaker.handed_off("p", "d")
+        breaker.scraped(d, EngineLoad(kv_failures=failed - 1), EngineLoad(kv_failures=failed))
+    assert breaker.is_open("p", "d")
+    # A pair with good pulls stays closed; an unused pair is not judged.
+    breaker.handed_off("p2", "d")
+    breaker.scraped(d, EngineLoad(kv_transfers=1), EngineLoad(kv_transfers=2))
+    breaker.scraped(d, EngineLoad(kv_failures=0), EngineLoad(kv_failures=5))
+    assert not breaker.is_open("p2", "d") and ("p2", "d") not in breaker.failures
+    breaker.forget("p")
+    assert not breaker.is_open("p", "d") and breaker.open_until == {}

@@ -1,0 +1,415 @@
+"""Fault benchmark: a `pdfleet up` fleet under steady load while its engines fail.
+
+`pdfleet up` runs 2 prefill + 2 decode engines (the built-in tiny model, or
+``--model``) joined by NIXL behind its gateway (``Always`` disaggregation, a
+5 s lease), and ``--concurrency`` clients send temperature-0 requests in a
+loop (half streamed, prompts from a fixed set, most long enough for a real
+KV hand-off). Every answer is compared with the same prompt's answer from a
+clean run before the faults. Then, one after the other:
+
+1. ``kill_prefill``: SIGKILL a prefill engine; `pdfleet up` restarts it.
+2. ``kill_decode``: SIGKILL a decode engine; streams in flight on it must end
+   with an error event within 5 s.
+3. ``sigstop``: SIGSTOP the other decode engine for 10 s, then SIGCONT.
+4. ``restart_producer_mid_transfer``: SIGKILL a prefill engine while it holds
+   leases of finished prefills whose decode legs are pulling.
+5. ``lease_expiry``: the two legs by hand, the decode leg delayed past the
+   lease: the answer must still be right (recomputed) or a 400 naming
+   ``kv_transfer_params``, never someone else's KV.
+
+Per phase: requests sent, failed, wrong, the longest request (stall), the
+slowest error event after a kill, the engine's restart time and the time
+the gateway took to route to it again after it came back. Targets: 0 wrong;
+0 failed for prefill faults; decode faults fail only the streams in flight
+on the dead engine, each with an error event within 5 s; routing recovered
+within 10 s. Rerun:
+
+    .venv/bin/python benchmarks/faults.py --json benchmarks/results/faults_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+from fleet import free_port, tiny_model
+
+from pdfleet.engine.config.security import fleet_token, generate_secret
+
+LEASE_SECONDS = 5
+STORY = (
+    "The harbor was quiet before dawn, and the fishing boats rocked gently against the old "
+    "wooden pier while gulls circled overhead waiting for the first catch of the day. "
+)
+
+
+@dataclass
+class Result:
+    prompt: int
+    stream: bool
+    start: float
+    end: float = 0.0
+    ok: bool = False
+    text: str = ""
+    error: str = ""
+    error_at: float = 0.0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.secret = generate_secret()
+        self.headers = {"authorization": f"Bearer {fleet_token(self.secret.encode())}"}
+        self.prompts = [f"Story {i}: " + STORY * (3 if i % 4 else 1) for i in range(16)]
+        self.reference: dict[int, str] = {}
+        self.results: list[Result] = []
+        self.stop_load = False
+
+    # -- the fleet ------------------------------------------------------------------
+
+    def start(self) -> None:
+        spec = {
+            "apiVersion": "pdfleet.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "faults"},
+            "spec": {
+                "engine": {"maxModelLen": 1024, "maxNumSeqs": 32, "disableLogStats": True},
+                "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": LEASE_SECONDS},
+                "prefill": {"replicas": 2},
+                "decode": {"replicas": 2},
+                "disaggregation": {"mode": "Always"},
+            },
+        }
+        if self.args.model:
+            spec["spec"]["model"] = {"name": "tiny", "uri": f"file://{self.args.model}"}
+        else:
+            spec["spec"]["model"] = {"name": "tiny", "uri": f"file://{tiny_model()}"}
+        path = self.tmp / "faults.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = self.tmp / "run"
+        self.out_path = self.tmp / "up.out"
+        self.out = open(self.out_path, "wb")  # noqa: SIM115 (closed in close())
+        env = {**os.environ, "PDFLEET_FLEET_SECRET": self.secret, "OMP_NUM_THREADS": "1"}
+        env.pop("PDFLEET_API_KEY", None)
+        self.up = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "pdfleet.engine.cli", "up", str(path)),
+                *("--port", str(self.port), "--run-dir", str(self.run_dir), "--timeout", "300"),
+            ],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 400
+        while "ready: " not in self.out_path.read_text(errors="replace"):
+            if self.up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdfleet up failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        self.wait_routable(4, 60)
+
+    def close(self) -> None:
+        if self.up.poll() is None:
+            try:
+                for pid in self.engine_pids().values():  # a stopped engine cannot exit
+                    os.kill(pid, signal.SIGCONT)
+            except (OSError, ValueError):
+                pass
+            self.up.send_signal(signal.SIGINT)
+            try:
+                self.up.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.up.pid, signal.SIGKILL)
+                self.up.wait(10)
+        self.out.close()
+
+    def engines(self) -> dict[str, list[str]]:
+        (engines_file,) = self.run_dir.glob("*/engines.json")
+        out: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for e in json.loads(engines_file.read_text())["engines"]:
+            out[e["role"]].append(e["url"])
+        return {role: sorted(urls) for role, urls in out.items()}
+
+    def engine_pids(self) -> dict[str, int]:
+        pids = {}
+        for urls in self.engines().values():
+            for url in urls:
+                pid = listener_pid(int(url.rsplit(":", 1)[1]))
+                if pid:
+                    pids[url] = pid
+        return pids
+
+    def view(self) -> dict:
+        return httpx.get(self.url + "/engines", headers=self.headers, timeout=5).json()
+
+    def routable(self, url: str) -> bool:
+        try:
+            return any(e["url"] == url and e["state"] == "healthy" for e in self.view()["engines"])
+        except httpx.HTTPError:
+            return False
+
+    def wait_routable(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with_state = self.view()["routable"]
+            if with_state["prefill"] + with_state["decode"] >= n:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"fewer than {n} engines routable after {timeout}s: {self.view()}")
+
+    # -- load -----------------------------------------------------------------------
+
+    async def one(self, client: httpx.AsyncClient, i: int, stream: bool) -> Result:
+        r = Result(i, stream, time.monotonic())
+        body = {"model": "tiny", "prompt": self.prompts[i], "max_tokens": 16, "temperature": 0}
+        try:
+            if stream:
+                async with client.stream(
+                    "POST", "/v1/completions", json={**body, "stream": True}
+                ) as resp:
+                    if resp.status_code != 200:
+                        r.error = f"HTTP {resp.status_code}"
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            r.error, r.error_at = event["error"]["message"], time.monotonic()
+                            break
+                        r.text += "".join(c.get("text", "") for c in event.get("choices", []))
+            else:
+                resp = await client.post("/v1/completions", json=body)
+                if resp.status_code == 200:
+                    r.text = resp.json()["choices"][0]["text"]
+                else:
+                    r.error, r.error_at = (
+                        f"HTTP {resp.status_code}: {resp.text[:200]}",
+                        time.monotonic(),
+                    )
+        except httpx.HTTPError as e:
+            r.error, r.error_at = f"{type(e).__name__}: {e}", time.monotonic()
+        r.ok = not r.error
+        r.end = time.monotonic()
+        return r
+
+    async def load(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as client:
+
+            async def worker(w: int) -> None:
+                k = w
+                while not self.stop_load:
+                    k += self.args.concurrency
+                    self.results.append(await self.one(client, k % len(self.prompts), k % 2 == 0))
+
+            await asyncio.gather(*(worker(w) for w in range(self.args.concurrency)))
+
+    async def clean_run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as client:
+            for i in range(len(self.prompts)):
+                r = await self.one(client, i, False)
+                if not r.ok:
+                    raise RuntimeError(f"clean run failed: {r.error}")
+                self.reference[i] = r.text
+
+    # -- faults ---------------------------------------------------------------------
+
+    async def wait_return(self, url: str, timeout: float = 120) -> tuple[float, float]:
+        """Seconds until the engine answers /health again, then until the gateway routes it."""
+        start = time.monotonic()
+        deadline = start + timeout
+        async with httpx.AsyncClient(timeout=1) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if (await client.get(url + "/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        back = time.monotonic()
+        while time.monotonic() < deadline and not await asyncio.to_thread(self.routable, url):
+            await asyncio.sleep(0.1)
+        return back - start, time.monotonic() - back
+
+    async def phase(self, name: str, fault) -> dict:
+        first = len(self.results)
+        started = time.monotonic()
+        extra = await fault()
+        await asyncio.sleep(self.args.settle)
+        took = time.monotonic() - started
+        out = self.summarize(self.results[first:]) | {"phase_s": round(took, 1)} | extra
+        print(f"{name}: {out}", flush=True)
+        return out
+
+    def summarize(self, results: list[Result]) -> dict:
+        wrong = [r for r in results if r.ok and r.text != self.reference[r.prompt]]
+        failed = [r for r in results if not r.ok]
+        return {
+            "sent": len(results),
+            "failed": len(failed),
+            "wrong": len(wrong),
+            "longest_request_s": round(max((r.end - r.start for r in results), default=0), 2),
+            "errors": sorted({r.error[:120] for r in failed}),
+        }
+
+    async def kill(self, role: str, index: int) -> dict:
+        url = self.engines()[role][index]
+
+        def inflight() -> int:
+            return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
+
+        deadline = time.monotonic() + 10
+        while inflight() == 0 and time.monotonic() < deadline:  # kill it while it works
+            await asyncio.sleep(0.01)
+        busy = inflight()
+        os.kill(self.engine_pids()[url], signal.SIGKILL)
+        killed = time.monotonic()
+        await asyncio.sleep(0.5)
+        restart_s, recovery_s = await self.wait_return(url)
+        late = [r.error_at - killed for r in self.results if not r.ok and r.error_at >= killed]
+        return {
+            "engine": url,
+            "inflight_at_kill": busy,
+            "slowest_error_event_s": round(max(late, default=0), 2),
+            "restart_s": round(restart_s, 1),
+            "routing_recovered_s": round(recovery_s, 1),
+        }
+
+    async def sigstop(self) -> dict:
+        url = self.engines()["decode"][1]
+        pid = self.engine_pids()[url]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(10)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _, recovery_s = await self.wait_return(url)
+        return {"engine": url, "stopped_s": 10, "routing_recovered_s": round(recovery_s, 1)}
+
+    async def restart_producer_mid_transfer(self) -> dict:
+        url = self.engines()["prefill"][1]
+        held_metric = "pdfleet_engine_kv_transfer_held_requests"
+        deadline = time.monotonic() + 30
+        held = 0.0
+        async with httpx.AsyncClient(timeout=2, headers=self.headers) as client:
+            while time.monotonic() < deadline:  # leases held: decode legs are pulling
+                text = (await client.get(url + "/metrics")).text
+                held = sum(float(m) for m in re.findall(rf"^{held_metric}\S* (\S+)$", text, re.M))
+                if held > 0:
+                    break
+                await asyncio.sleep(0.02)
+        os.kill(self.engine_pids()[url], signal.SIGKILL)
+        restart_s, recovery_s = await self.wait_return(url)
+        return {
+            "engine": url,
+            "held_leases_at_kill": held,
+            "restart_s": round(restart_s, 1),
+            "routing_recovered_s": round(recovery_s, 1),
+        }
+
+    async def lease_expiry(self) -> dict:
+        engines = self.engines()
+        outcomes = []
+        async with httpx.AsyncClient(timeout=60, headers=self.headers) as client:
+            for i in (1, 2, 3):
+                body = {
+                    "model": "tiny",
+                    "prompt": self.prompts[i],
+                    "max_tokens": 16,
+                    "temperature": 0,
+                }
+                pre = await client.post(
+                    engines["prefill"][0] + "/v1/completions",
+                    json={
+                        **body,
+                        "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True},
+                    },
+                )
+                params = pre.json().get("kv_transfer_params")
+                await asyncio.sleep(LEASE_SECONDS + 1.5)  # the decode leg is late
+                dec = await client.post(
+                    engines["decode"][0] + "/v1/completions",
+                    json={**body, "kv_transfer_params": params},
+                )
+                if dec.status_code == 200:
+                    right = dec.json()["choices"][0]["text"] == self.reference[i]
+                    outcomes.append("right" if right else "WRONG")
+                elif dec.status_code == 400 and "kv_transfer_params" in dec.text:
+                    outcomes.append("refused_expired")
+                else:
+                    outcomes.append(f"HTTP {dec.status_code}")
+        return {"delayed_decode_legs": outcomes, "wrong_delayed": outcomes.count("WRONG")}
+
+    async def run(self) -> dict:
+        await self.clean_run()
+        load = asyncio.create_task(self.load())
+        report: dict = {}
+        try:
+            report["steady"] = await self.phase("steady", self._nothing)
+            report["kill_prefill"] = await self.phase(
+                "kill_prefill", lambda: self.kill("prefill", 0)
+            )
+            report["kill_decode"] = await self.phase("kill_decode", lambda: self.kill("decode", 0))
+            report["sigstop"] = await self.phase("sigstop", self.sigstop)
+            report["restart_producer_mid_transfer"] = await self.phase(
+                "restart_producer_mid_transfer", self.restart_producer_mid_transfer
+            )
+            report["lease_expiry"] = await self.phase("lease_expiry", self.lease_expiry)
+        finally:
+            self.stop_load = True
+            await asyncio.wait_for(load, 180)
+        report["total"] = self.summarize(self.results)
+        return report
+
+    async def _nothing(self) -> dict:
+        await asyncio.sleep(self.args.settle)
+        return {}
+
+
+def listener_pid(port: int) -> int | None:
+    """The pid of the process listening on 127.0.0.1:``port`` (from ``ss``)."""
+    out = subprocess.run(
+        ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10
+    ).stdout
+    m = re.search(r"pid=(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--settle", type=float, default=5, help="seconds of load after a fault")
+    parser.add_argument("--json", help="write the numbers to this file")
+    args = parser.parse_args()
+    bench = Bench(args, Path(tempfile.mkdtemp(prefix="pdfleet-faults-")))
+    started = time.monotonic()
+    try:
+        bench.start()
+        report = asyncio.run(bench.run())
+    finally:
+        bench.close()
+    report["config"] = vars(args) | {"lease_seconds": LEASE_SECONDS, "logs": str(bench.tmp)}
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(report["total"], indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
