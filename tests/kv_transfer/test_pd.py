@@ -80,7 +80,7 @@ def fleet(request, tiny_model, tmp_path_factory):
 
 
 def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/completions"):
-    """The gateway's protocol (DESIGN §1), done by hand."""
+    """The gateway's two-leg protocol (docs/architecture.md), done by hand."""
     pre = post(
         fleet["prefill"] + endpoint,
         timeout=60,
