@@ -681,6 +681,8 @@ class Proxy:
                 return self._error(call, failure.message, failure.status)
             if isinstance(opened, Response):
                 return opened
+            # Not relayed, so never None; "params_refused" was handled above.
+            assert isinstance(opened, tuple)
             self.affinity.record(info.block_hashes, e.url)
             return RelayResponse(
                 self._relay(call, e, *opened, Resend(route, info, payload, tried, held)),
@@ -844,6 +846,8 @@ class Proxy:
                 continue
             if opened is None:
                 return None
+            # A relayed leg answers a tuple or None, never a Response or a marker.
+            assert isinstance(opened, tuple)
             return (nxt, *opened)
 
 
