@@ -135,9 +135,23 @@ def test_prefill_logits_match_transformers(tiny_model_factory, hf_model_factory,
     runner.states.clear()
 
 
-def test_bfloat16_runs_and_mostly_agrees(tiny_model, hf_model_factory):
+def test_bfloat16_greedy_agrees_with_transformers_in_bfloat16(tiny_model):
+    """bf16 rounds differently in each implementation, so tokens may part after a
+    while; the first token of every prompt, and most of the greedy prefix, agree."""
+    from transformers import AutoModelForCausalLM
+
     llm = LLM(tiny_model, max_model_len=256, dtype="bfloat16")
-    (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [40], seed=11)
-    (out,) = llm.generate({"prompt_token_ids": prompt}, greedy(8))
-    assert len(out.outputs[0].token_ids) == 8
+    prompts = random_prompts(llm.engine.config.model_config.vocab_size, [40, 17, 63], seed=11)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(8))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).eval()
+    agreed = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            ours, theirs = out.outputs[0].token_ids, hf_greedy(reference, prompt, 8)
+            assert len(ours) == 8
+            agreed.append(
+                next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), 8)
+            )
+    assert min(agreed) >= 1, f"first divergence per prompt: {agreed}"
+    assert sum(agreed) >= 12, f"first divergence per prompt: {agreed}"
     assert_no_leaks(llm)
