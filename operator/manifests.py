@@ -25,6 +25,7 @@ Children of an InferenceService NAME (namespace NS):
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import math
@@ -107,6 +108,24 @@ class OperatorInstall:
             raise ValueError(
                 f"gateway role kind {self.gateway_role_kind!r}: use Role or ClusterRole"
             )
+
+
+def add_gateway_role_args(parser: argparse.ArgumentParser) -> None:
+    """The role each gateway's RoleBinding names (shared by `operator` and `render`)."""
+    parser.add_argument(
+        "--gateway-role-kind",
+        choices=["ClusterRole", "Role"],
+        default=OperatorInstall.gateway_role_kind,
+        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
+        "install, one per watched namespace). Default %(default)s.",
+    )
+    parser.add_argument(
+        "--gateway-role",
+        default=OperatorInstall.gateway_role,
+        metavar="NAME",
+        help="Role or ClusterRole (pods get/list/watch) bound to each gateway's "
+        "ServiceAccount; the Helm chart creates it. Default %(default)s.",
+    )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .manifests import add_gateway_role_args
+
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
@@ -50,20 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Namespace the operator runs in: engine NetworkPolicies admit its /metrics "
         "scrapes from there. Default: $POD_NAMESPACE, else pdfleet.",
     )
-    parser.add_argument(
-        "--gateway-role-kind",
-        choices=["ClusterRole", "Role"],
-        default="ClusterRole",
-        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
-        "install, one per watched namespace). Default ClusterRole.",
-    )
-    parser.add_argument(
-        "--gateway-role",
-        default="pdfleet-gateway",
-        metavar="NAME",
-        help="Role or ClusterRole (pods get/list/watch) bound to each gateway's "
-        "ServiceAccount; the Helm chart creates it. Default pdfleet-gateway.",
-    )
+    add_gateway_role_args(parser)
     parser.set_defaults(func=run)
     return parser
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .manifests import add_gateway_role_args
+
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
@@ -31,19 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Namespace of the operator, whose scrapes the engine NetworkPolicies admit "
         "(default: pdfleet).",
     )
-    parser.add_argument(
-        "--gateway-role-kind",
-        choices=["ClusterRole", "Role"],
-        default="ClusterRole",
-        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
-        "install, one per watched namespace). Default ClusterRole.",
-    )
-    parser.add_argument(
-        "--gateway-role",
-        default="pdfleet-gateway",
-        metavar="NAME",
-        help="Role or ClusterRole the gateway's RoleBinding names (default: pdfleet-gateway).",
-    )
+    add_gateway_role_args(parser)
     parser.set_defaults(func=run)
     return parser
 
