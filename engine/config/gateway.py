@@ -84,11 +84,13 @@ class GatewayConfig:
     its scraped queue, --first-token-base-timeout plus
     --first-token-per-waiting for each waiting request, at most
     --first-token-max-timeout."""
-    first_token_base_timeout: float = 30.0
+    first_token_base_timeout: float = 60.0
     """First-token bound of an engine with an empty queue (when
     --first-token-timeout is not given)."""
-    first_token_per_waiting: float = 0.5
-    """Seconds added to the first-token bound per request waiting on the engine."""
+    first_token_per_waiting: float = 2.0
+    """Seconds added to the first-token bound per request waiting on the engine
+    (a waiting request first waits for a running one to finish: on a CPU or a
+    loaded engine that is seconds, not milliseconds)."""
     first_token_max_timeout: float = 300.0
     """Largest queue-sized first-token bound."""
     idle_timeout: float = 60.0

@@ -311,8 +311,8 @@ def test_invalid_configuration_says_what_to_change(kwargs, message):
 
 def test_first_token_bound_grows_with_the_engine_queue_and_is_capped():
     config = GatewayConfig(decode=["http://d"])
-    assert config.first_token_bound(0) == 30.0  # not 300 s for an idle engine
-    assert config.first_token_bound(20) == 40.0
+    assert config.first_token_bound(0) == 60.0  # not 300 s for an idle engine
+    assert config.first_token_bound(20) == 100.0
     assert config.first_token_bound(10_000) == 300.0
     fixed = GatewayConfig(decode=["http://d"], first_token_timeout=7)
     assert fixed.first_token_bound(10_000) == 7

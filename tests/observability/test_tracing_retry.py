@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from helpers.server import free_port, wait_until
+from helpers.server import fleet_headers, free_port, wait_until
 
 METRICS = (
     "# TYPE pdfleet_engine_num_requests_running gauge\n"
@@ -98,10 +98,11 @@ def gateway(receiver, tmp_path):
 
     def routable() -> bool:
         try:
-            health = httpx.get(url + "/health", timeout=1).json()
+            # The engine view is keyed (the fleet token opens it, as for an operator).
+            view = httpx.get(url + "/engines", headers=fleet_headers(), timeout=1).json()
         except (httpx.HTTPError, ValueError):
             return False
-        return health["routable"] == {"prefill": 2, "decode": 1}
+        return view.get("routable") == {"prefill": 2, "decode": 1}
 
     try:
         assert wait_until(routable, 60, 0.2), (tmp_path / "gateway.log").read_text()
