@@ -47,6 +47,7 @@ from .roles import (
     engine_command,
     model_source,
     role_engine_args,
+    secret_file,
 )
 
 DEFAULT_IMAGE = "pdfleet:0.1.0"
@@ -264,17 +265,14 @@ def fleet_secret_name(name: str) -> str:
 
 def _fleet_secret_volume(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(volume, read-only mount, env var) of the fleet secret file."""
-    volume = {
-        "name": "fleet-secret",
-        "secret": {
-            "secretName": fleet_secret_name(name),
-            "items": [{"key": FLEET_SECRET_KEY, "path": "secret"}],
-            "defaultMode": 0o440,
-        },
-    }
-    mount = {"name": "fleet-secret", "mountPath": FLEET_SECRET_DIR, "readOnly": True}
-    env = {"name": FLEET_SECRET_FILE_ENV, "value": f"{FLEET_SECRET_DIR}/secret"}
-    return volume, mount, env
+    return secret_file(
+        "fleet-secret",
+        fleet_secret_name(name),
+        FLEET_SECRET_KEY,
+        FLEET_SECRET_DIR,
+        "secret",
+        FLEET_SECRET_FILE_ENV,
+    )
 
 
 def ucx_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
@@ -431,18 +429,17 @@ def gateway_pod_template(
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, secret_env]
     secret_mounts: list[dict[str, Any]] = [secret_mount]
     if gateway.api_key_secret is not None:
-        env.append({"name": ENV_API_KEY_FILE, "value": f"{API_KEY_DIR}/api-key"})
-        volumes.append(
-            {
-                "name": "api-key",
-                "secret": {
-                    "secretName": gateway.api_key_secret.name,
-                    "items": [{"key": gateway.api_key_secret.key, "path": "api-key"}],
-                    "defaultMode": 0o440,
-                },
-            }
+        key_volume, key_mount, key_env = secret_file(
+            "api-key",
+            gateway.api_key_secret.name,
+            gateway.api_key_secret.key,
+            API_KEY_DIR,
+            "api-key",
+            ENV_API_KEY_FILE,
         )
-        secret_mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+        env.append(key_env)
+        volumes.append(key_volume)
+        secret_mounts.append(key_mount)
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",

@@ -17,7 +17,7 @@ from typing import Any
 from pdfleet.engine.config.hub import ENDPOINT_ENV, TOKEN_PATH_ENV
 
 from .resource import ModelSpec
-from .roles import MODELS_DIR, model_source
+from .roles import MODELS_DIR, model_source, secret_file
 
 HF_CACHE_DIR = "/hf-cache"
 """Where the Hugging Face cache is mounted (init container read-write, others read-only)."""
@@ -94,18 +94,17 @@ def _hf_volumes(
     volumes = [models, cache]
     init_mounts = [*writable, {"name": "hf-cache", "mountPath": HF_CACHE_DIR}]
     if model.token_secret is not None:
-        env.append({"name": TOKEN_PATH_ENV, "value": f"{HF_TOKEN_DIR}/token"})
-        volumes.append(
-            {
-                "name": "hf-token",
-                "secret": {
-                    "secretName": model.token_secret.name,
-                    "items": [{"key": model.token_secret.key, "path": "token"}],
-                    "defaultMode": 0o440,
-                },
-            }
+        token_volume, token_mount, token_env = secret_file(
+            "hf-token",
+            model.token_secret.name,
+            model.token_secret.key,
+            HF_TOKEN_DIR,
+            "token",
+            TOKEN_PATH_ENV,
         )
-        init_mounts.append({"name": "hf-token", "mountPath": HF_TOKEN_DIR, "readOnly": True})
+        env.append(token_env)
+        volumes.append(token_volume)
+        init_mounts.append(token_mount)
     step = InitStep("fetch-model", command, env, init_mounts)
     # The engine follows the link in /models into the cache, so it mounts both.
     mounts = [models_ro, {"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True}]

@@ -37,6 +37,25 @@ class ModelSource:
     """Name of the built-in model (builtin only)."""
 
 
+def secret_file(
+    volume: str, secret: str, key: str, directory: str, filename: str, env: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(volume, read-only mount, env var naming the file) for one key of a Secret
+    mounted as a file: how every credential reaches a pod (docs/security.md)."""
+    return (
+        {
+            "name": volume,
+            "secret": {
+                "secretName": secret,
+                "items": [{"key": key, "path": filename}],
+                "defaultMode": 0o440,
+            },
+        },
+        {"name": volume, "mountPath": directory, "readOnly": True},
+        {"name": env, "value": f"{directory}/{filename}"},
+    )
+
+
 def model_source(uri: str) -> ModelSource:
     """Parse a (validated) ``spec.model.uri``."""
     scheme, _, rest = uri.partition("://")
