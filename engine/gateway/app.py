@@ -30,11 +30,11 @@ from pdfleet.engine.config.security import (
     fleet_token,
     key_matches,
 )
+from pdfleet.engine.entrypoints.http_guard import ServerLimits, guarded_h11_protocol
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
-from .limits import http_protocol
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
 from .proxy import Proxy, client_request_id, error_response, upstream_message
@@ -271,7 +271,16 @@ def run_gateway(config: GatewayConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
-        http=http_protocol(config.header_timeout),
+        # The wire bounds the request head; the proxy reads the body itself
+        # (read_body, within --max-body-bytes and --body-timeout) to count refusals.
+        http=guarded_h11_protocol(
+            ServerLimits(
+                max_body_bytes=config.max_body_bytes,
+                max_chunk_bytes=None,
+                header_timeout=config.header_timeout,
+                body_timeout=None,
+            )
+        ),
     )
 
     # httpx logs every engine call (health checks included) at INFO.

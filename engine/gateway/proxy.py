@@ -46,9 +46,9 @@ from fastapi.responses import Response, StreamingResponse
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
+from pdfleet.engine.entrypoints.http_guard import BodyRejected, read_body
 
 from .engines import EnginePool, EngineState
-from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer, PromptInfo
 from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
