@@ -3,6 +3,12 @@
 The hash of block i covers the hash of block i-1 and block i's token ids, so
 equal hashes mean equal prefixes (up to collisions, which the block pool also
 guards against by comparing token ids and the parent block).
+
+The scheme is public (docs/kv_events.md, "Block hashes"): the engine's
+scheduler and the gateway's exact prefix index both call
+:func:`prompt_block_hashes` / :func:`extend_block_hashes` here, and an
+external router that knows the block size and the algorithm reproduces the
+64-bit ids KV events carry with :func:`external_block_hash`.
 """
 
 from __future__ import annotations
@@ -68,3 +74,21 @@ def extend_block_hashes(
     for i in range(start, len(token_ids) // block_size):
         parent = hashes[i - 1] if i else ROOT_HASH
         hashes.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size]))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, hash_fn: HashFn, max_blocks: int | None = None
+) -> list[bytes]:
+    """Hashes of the leading full blocks of a prompt (at most ``max_blocks``),
+    exactly as the engine's prefix cache hashes them."""
+    if max_blocks is not None:
+        token_ids = token_ids[: max_blocks * block_size]
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, hash_fn)
+    return hashes
+
+
+def external_block_hash(block_hash: bytes) -> int:
+    """The id a KV event carries for a block: the digest's last 8 bytes read
+    big-endian, unsigned (vLLM's default integer form of a block hash)."""
+    return int.from_bytes(block_hash[-8:], "big")
