@@ -131,6 +131,26 @@ class GatewayConfig:
     """Leading prompt blocks hashed for prefix-aware routing."""
     prefix_table_size: int = 100_000
     """Entries (block hashes) in the prefix-affinity LRU table."""
+    kv_events_port: int | None = None
+    """Port of the engines' KV event PUB sockets (`kv_events_config.endpoint`)
+    on each engine's host, for engines whose discovery entry names no
+    `kv_events` endpoint (engines file key, pod annotation
+    `pdfleet.dev/kv-events-port`). Engines with a stream are routed from the
+    exact prefix index (docs/gateway.md, "Exact prefix routing")."""
+    kv_events_replay_port: int | None = None
+    """Port of the engines' KV event replay (ROUTER) sockets, likewise."""
+    kv_events_topic: str = ""
+    """Topic the engines publish KV events under (`kv_events_config.topic`)."""
+    kv_index_max_blocks: int = 1_000_000
+    """Block ids the exact prefix index holds at most (the least recently
+    stored go first); about 150 bytes each."""
+    kv_index_stale_after: float = 10.0
+    """Seconds without a batch (engines send a heartbeat when idle) after which
+    an engine's exact entries stop counting and its prefix score falls back to
+    the approximate table."""
+    kv_host_weight: float = 0.5
+    """Weight of a prompt block an engine holds only in its host-memory tier
+    (`--kv-offload-bytes`), relative to a device-tier block (1)."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """Log level of the HTTP server."""
 
@@ -145,6 +165,7 @@ class GatewayConfig:
             "kv_pair_cooldown",
             "header_timeout",
             "body_timeout",
+            "kv_index_stale_after",
         )
         for name in (*positive, "scrape_interval", "discovery_interval"):
             if getattr(self, name) <= 0:
@@ -153,6 +174,12 @@ class GatewayConfig:
             raise ValueError(f"--first-token-timeout must be > 0, got {self.first_token_timeout}")
         if self.first_token_per_waiting < 0 or self.hold_timeout < 0:
             raise ValueError("--first-token-per-waiting and --hold-timeout must be >= 0")
+        if not 0.0 <= self.kv_host_weight <= 1.0:
+            raise ValueError(f"--kv-host-weight must be within [0, 1], got {self.kv_host_weight}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"--{flag_name(name)} must be a TCP port (1-65535), got {port}")
         if self.client_key and not self.client_cert:
             raise ValueError("--client-key needs --client-cert (the certificate it belongs to)")
         for name in (
@@ -160,6 +187,7 @@ class GatewayConfig:
             "readmit_after",
             "prefix_blocks",
             "prefix_table_size",
+            "kv_index_max_blocks",
             "kv_pair_failures",
             "max_body_bytes",
         ):

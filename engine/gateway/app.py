@@ -34,6 +34,7 @@ from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
+from .kv_index import KVEventFollower, KVIndex
 from .limits import http_protocol
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
@@ -103,7 +104,15 @@ class Gateway:
             on_add=self.plaintext.check,
         )
         self.pool.on_scrape = self._scraped
-        self.router = Router(config, self.pool, self.affinity, self.breaker)
+        # Exact prefix routing from the engines' KV events (docs/gateway.md).
+        self.kv_index = KVIndex(
+            config.kv_index_max_blocks,
+            config.kv_index_stale_after,
+            config.kv_host_weight,
+            self.metrics,
+        )
+        self.kv_events = KVEventFollower(self.kv_index, self.metrics)
+        self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
         self.proxy = Proxy(
             config,
             self.pool,
@@ -142,8 +151,10 @@ class Gateway:
     async def start(self) -> None:
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
+        self.kv_events.start(self.pool, self.analyzer, self.config)
 
     async def close(self) -> None:
+        await self.kv_events.stop()
         await self.pool.stop()
         await self.upstream.aclose()
         await self.client.aclose()

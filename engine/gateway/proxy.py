@@ -599,7 +599,7 @@ class Proxy:
                         await asyncio.sleep(self.config.scrape_interval)
             finally:
                 self.metrics.held.dec()
-        picked = self.router.pick(found, info.block_hashes)
+        picked = self.router.pick(found, info.block_hashes, info.exact_hashes)
         if picked is None:
             return None
         self.metrics.retries.labels("decode").inc()
