@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 
 ROOT_HASH = b"\x00" * 32
@@ -66,12 +68,34 @@ def get_hash_fn(name: str) -> HashFn:
         raise ValueError(f"unknown prefix_caching_hash_algo {name!r}") from None
 
 
+def _int64_le(token_ids: Sequence[int]) -> bytes:
+    """Token ids as consecutive signed 64-bit little-endian integers."""
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def extend_block_hashes(
     hashes: list[bytes], token_ids: Sequence[int], block_size: int, hash_fn: HashFn
 ) -> None:
     """Append hashes for every newly completed full block of ``token_ids``."""
-    start = len(hashes)
-    for i in range(start, len(token_ids) // block_size):
+    start, end = len(hashes), len(token_ids) // block_size
+    if start >= end:
+        return
+    if hash_fn is _sha256:
+        # The same bytes as _sha256, packed once for all the new blocks (the
+        # gateway hashes a whole prompt per request).
+        raw = _int64_le(token_ids[start * block_size : end * block_size])
+        count = struct.pack("<q", block_size)
+        step = 8 * block_size
+        parent = hashes[-1] if start else ROOT_HASH
+        sha256 = hashlib.sha256
+        for off in range(0, len(raw), step):
+            parent = sha256(parent + count + raw[off : off + step]).digest()
+            hashes.append(parent)
+        return
+    for i in range(start, end):
         parent = hashes[i - 1] if i else ROOT_HASH
         hashes.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size]))
 

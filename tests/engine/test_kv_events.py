@@ -150,3 +150,23 @@ def test_events_are_vllm_tagged_maps_with_hashes_reproducible_from_token_ids(tin
     finally:
         sub.close(0)
         llm.engine.shutdown()
+
+
+def test_fast_sha256_path_hashes_exactly_as_the_per_block_function():
+    sha = get_hash_fn("sha256")
+    tokens = [(i * 7919) % 50_000 for i in range(16 * 9 + 5)] + [-3, 2**40]
+    fast = prompt_block_hashes(tokens, 16, sha)
+    slow, parent = [], b"\x00" * 32
+    for i in range(len(tokens) // 16):
+        parent = sha(parent, tokens[16 * i : 16 * i + 16])
+        slow.append(parent)
+    assert fast == slow and len(fast) == 9
+    # Incremental extension (the scheduler's way) gives the same chain.
+    from pdfleet.engine.core.block_hash import extend_block_hashes
+
+    grown: list[bytes] = []
+    for n in range(0, len(tokens) + 1, 5):
+        extend_block_hashes(grown, tokens[:n], 16, sha)
+    extend_block_hashes(grown, tokens, 16, sha)
+    assert grown == fast
+    assert prompt_block_hashes(tokens, 16, sha, max_blocks=3) == fast[:3]
