@@ -3,8 +3,9 @@
 External routers follow which prefixes each engine caches from these events,
 as with vLLM's ``--kv-events-config``, in vLLM's current wire format
 (docs/kv_events.md): each message is multipart ``[topic, sequence (8 bytes,
-big-endian), payload]``, the payload a msgpack map ``{ts, events,
-data_parallel_rank}`` whose events are maps tagged by ``type``::
+big-endian), payload]``, the payload vLLM's ``EventBatch`` (array-like in
+msgpack: ``[ts, events, data_parallel_rank]``) whose events are maps tagged by
+``type``::
 
     {"type": "BlockStored", "block_hashes": [id, ...], "parent_block_hash": id | None,
      "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU",
@@ -97,11 +98,9 @@ def encode_events(events: list[KVCacheEvent]) -> list[dict[str, Any]]:
 
 
 def encode_batch(ts: float, events: list[dict[str, Any]], data_parallel_rank: int = 0) -> bytes:
-    """One ``EventBatch`` payload (msgpack; hashes are integers, never pickles)."""
-    return msgpack.packb(
-        {"ts": ts, "events": events, "data_parallel_rank": data_parallel_rank},
-        use_bin_type=True,
-    )
+    """One ``EventBatch`` payload: msgpack ``[ts, events, data_parallel_rank]``
+    (vLLM's array-like batch; hashes are integers, never pickles)."""
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
 
 
 class KVEventPublisher:
