@@ -178,8 +178,8 @@ class EnginePool:
             roles[ep.url] = ep
         for url in list(self.engines):
             e = self.engines[url]
-            ep = roles.get(url)
-            if ep is None or ep.role != e.role:
+            listed = roles.get(url)
+            if listed is None or listed.role != e.role:
                 logger.info("engine %s (%s) removed", url, e.role)
                 del self.engines[url]
                 self.metrics.forget_engine(url, e.role)
