@@ -97,7 +97,6 @@ async def run_policy(policy: str, engines: list[str], gateways: list[str], args,
     ]
     home: dict[int, str] = {}
     ttfts: list[float] = []
-    rr = 0
     h0, q0 = hit_counters(engines)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as client:
@@ -114,8 +113,8 @@ async def run_policy(policy: str, engines: list[str], gateways: list[str], args,
             targets = []
             for u in range(args.users):
                 if policy == "round_robin":
-                    targets.append(engines[rr % len(engines)])
-                    rr += 1
+                    # Rotating: a user's next turn goes to the next engine.
+                    targets.append(engines[(u + turn) % len(engines)])
                 elif policy == "oracle":
                     targets.append(home.setdefault(u, engines[u % len(engines)]))
                 else:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.fleet import metric, start_engines, start_gateway
-from helpers.server import fleet_headers, fleet_token, free_port, wait_until
+from helpers.server import fleet_headers, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_VENV = ROOT / "build" / "vllm-router-venv"
@@ -211,9 +211,6 @@ def test_vllm_router_kv_aware_decodes_our_events_and_routes_back_to_the_cached_e
         "--prometheus-port",
         str(free_port()),
     ]
-    token = fleet_token()
-    if token:  # the engines want the fleet's credential, as from the pdfleet gateway
-        args += ["--api-key", token]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"}
@@ -247,7 +244,10 @@ def test_vllm_router_kv_aware_decodes_our_events_and_routes_back_to_the_cached_e
         for turn in range(2):
             for i in convs:
                 convs[i].append({"role": "user", "content": f"and then {turn} for {i} " * 3})
-                assert where(kv_engines, url, convs[i]) == i, (turn, i, text()[-3000:])
+                # The router passes the client's credential on (here the fleet's,
+                # which the test engines want).
+                got = where(kv_engines, url, convs[i], fleet_headers())
+                assert got == i, (turn, i, text()[-3000:])
         log_text = text()
         credited = [int(x) for x in re.findall(r"credited_prefix_tokens=(\d+)", log_text)]
         assert credited and max(credited) > 0, log_text[-3000:]
