@@ -189,7 +189,10 @@ def local_model_heads(spec: InferenceServiceSpec) -> ModelHeads | None:
         return None
     from pdfleet.engine.config.model import load_hf_config
 
-    hf = load_hf_config(path, spec.engine.get("hfOverrides") or None)
+    try:
+        hf = load_hf_config(path, spec.engine.get("hfOverrides") or None)
+    except Exception:  # a broken config: the engine says what is wrong when it starts
+        return None
     heads = int(hf.get("num_attention_heads") or 0)
     if heads <= 0:
         return None
