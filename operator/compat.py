@@ -158,7 +158,7 @@ def _check_layout(
     name: str | None,
 ) -> list[Violation]:
     """Tensor parallelism over the role's pods (docs/parallelism-k8s.md)."""
-    out = []
+    out: list[Violation] = []
     role_spec = spec.role(role)
     layout = role_layout(role_spec, args)
     tp_field = _where(spec, role, "tensorParallelSize")
