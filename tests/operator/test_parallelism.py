@@ -316,3 +316,16 @@ def test_the_operator_scrapes_leaders_but_not_workers():
     pods = [k8s_pod("demo-decode-0", "leader"), k8s_pod("demo-decode-0-1", "worker")]
     samples = asyncio.run(scrape_pods(pods, timeout_seconds=1))
     assert [s.pod for s in samples] == ["demo-decode-0"]
+
+
+def test_a_fleet_secret_rotation_finds_stale_leader_worker_set_templates():
+    from pdfleet.operator.handlers import _stale_templates
+
+    def lws(version):
+        build = build_children(
+            "demo", parse_spec(MULTI_NODE), namespace="ns1", secret_version=version
+        )
+        return next(o for o in build if o["kind"] == "LeaderWorkerSet")
+
+    assert _stale_templates({"decode": lws("v1"), "prefill": None}, "v1") == []
+    assert _stale_templates({"decode": lws("v1")}, "v2") == ["decode"]
