@@ -52,9 +52,9 @@ MULTI_NODE_ENV = (
     ("NCCL_SOCKET_IFNAME", "eth0"),
     ("GLOO_SOCKET_IFNAME", "eth0"),
 )
-# Head counts of the built-in models (the same as pdfleet.engine.tiny; a test
-# keeps them equal): (attention heads, KV heads).
-BUILTIN_HEADS = {"tiny": (4, 2), "smollm2-135m-instruct": (9, 3)}
+# Shapes of the built-in models (the same as pdfleet.engine.tiny; a test keeps
+# them equal): (attention heads, KV heads, MLP intermediate size).
+BUILTIN_HEADS = {"tiny": (4, 2, 192), "smollm2-135m-instruct": (9, 3, 1536)}
 # The LeaderWorkerSet controller names a group's worker StatefulSet
 # NAME-ROLE-GROUP and the StatefulSet controller labels its pods with
 # that name plus an 11-character revision suffix, within 63 characters.
@@ -80,12 +80,14 @@ class RoleLayout:
 
 @dataclass(frozen=True)
 class ModelHeads:
-    """The attention head counts that tensor parallelism splits."""
+    """The model dimensions that tensor parallelism splits."""
 
     num_attention_heads: int
     num_key_value_heads: int
     source: str
     """Where they were read (said in error messages)."""
+    intermediate_size: int = 0
+    """The MLP's width, split by the column-parallel gate/up (0: not known)."""
 
 
 def role_layout(role_spec: RoleSpec, args: EngineArgs) -> RoleLayout:
@@ -177,8 +179,8 @@ def builtin_heads(uri: str) -> ModelHeads | None:
     scheme, _, name = uri.partition("://")
     if scheme != "builtin" or name not in BUILTIN_HEADS:
         return None
-    heads, kv_heads = BUILTIN_HEADS[name]
-    return ModelHeads(heads, kv_heads, f"the built-in model {name}")
+    heads, kv_heads, intermediate = BUILTIN_HEADS[name]
+    return ModelHeads(heads, kv_heads, f"the built-in model {name}", intermediate)
 
 
 def local_model_heads(spec: InferenceServiceSpec) -> ModelHeads | None:
@@ -197,15 +199,17 @@ def local_model_heads(spec: InferenceServiceSpec) -> ModelHeads | None:
     if heads <= 0:
         return None
     kv_heads = int(hf.get("num_key_value_heads") or heads)
-    return ModelHeads(heads, kv_heads, f"{path}/config.json")
+    intermediate = int(hf.get("intermediate_size") or 0)
+    return ModelHeads(heads, kv_heads, f"{path}/config.json", intermediate)
 
 
 def heads_problem(tp: int, heads: ModelHeads) -> str | None:
-    """Why ``tp`` ranks cannot split the model's heads, or None when they can.
+    """Why ``tp`` ranks cannot split the model, or None when they can.
 
     Attention heads are split evenly; KV heads are split evenly too, or
     replicated when there are fewer KV heads than ranks (then the ranks must
-    be a multiple of them)."""
+    be a multiple of them); the MLP's intermediate size is split evenly (the
+    engine makes the same checks when it starts)."""
     if heads.num_attention_heads % tp:
         return (
             f"{tp} ranks cannot split the {heads.num_attention_heads} attention heads of "
@@ -216,6 +220,11 @@ def heads_problem(tp: int, heads: ModelHeads) -> str | None:
         return (
             f"{tp} ranks cannot split or replicate the {kv} KV heads of {heads.source} "
             "(the ranks must divide them, or be a multiple of them)"
+        )
+    if heads.intermediate_size and heads.intermediate_size % tp:
+        return (
+            f"{tp} ranks cannot split the MLP intermediate size {heads.intermediate_size} "
+            f"of {heads.source} evenly"
         )
     return None
 

@@ -144,10 +144,13 @@ def test_a_gpu_count_that_contradicts_the_tp_size_is_refused_naming_the_field():
         ((32, 8), 3, False),  # attention heads do not split
         ((12, 4), 8, False),  # 12 attention heads do not split over 8 ranks
         ((24, 8), 12, False),  # 12 ranks neither divide 8 KV heads nor are a multiple of them
+        ((32, 8, 14336), 8, True),  # Llama-3.1-8B at TP8
+        ((32, 8, 1000), 16, False),  # the MLP does not split
     ],
 )
-def test_tp_must_split_attention_heads_and_split_or_replicate_kv_heads(heads, tp, ok):
-    problem = heads_problem(tp, ModelHeads(*heads, "m"))
+def test_tp_must_split_heads_kv_heads_and_the_mlp(heads, tp, ok):
+    num_heads, num_kv_heads, *intermediate = heads
+    problem = heads_problem(tp, ModelHeads(num_heads, num_kv_heads, "m", *intermediate))
     assert (problem is None) == ok, problem
 
 
@@ -161,11 +164,15 @@ def test_tp_that_does_not_divide_a_builtin_models_heads_is_refused_naming_the_fi
     assert list(found) == ["spec.engine.tensorParallelSize"]
 
 
-def test_builtin_head_counts_are_the_engines():
+def test_builtin_model_shapes_are_the_engines():
     from pdfleet.engine.tiny.builder import TinyModelSpec
 
     tiny = TinyModelSpec()
-    assert BUILTIN_HEADS["tiny"] == (tiny.num_attention_heads, tiny.num_key_value_heads)
+    assert BUILTIN_HEADS["tiny"] == (
+        tiny.num_attention_heads,
+        tiny.num_key_value_heads,
+        tiny.intermediate_size,
+    )
 
 
 def run_cli(*argv):
@@ -183,6 +190,7 @@ def test_pdfleet_render_checks_tp_against_a_local_model_config(tmp_path):
             {
                 "model_type": "llama",
                 "hidden_size": 768,
+                "intermediate_size": 3072,
                 "num_attention_heads": 12,
                 "num_key_value_heads": 4,
             }
