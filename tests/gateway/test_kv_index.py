@@ -341,3 +341,25 @@ def test_replay_request_frame_is_what_vllm_subscribers_send():
     finally:
         req.close(0)
         pub.shutdown()
+
+
+def test_pod_annotations_name_the_engines_kv_event_sockets():
+    from types import SimpleNamespace
+
+    from pdfleet.engine.gateway.discovery import pod_endpoint
+
+    pod = SimpleNamespace(
+        metadata=SimpleNamespace(
+            name="decode-0",
+            deletion_timestamp=None,
+            labels={"pdfleet.dev/role": "decode"},
+            annotations={
+                "pdfleet.dev/kv-events-port": "5557",
+                "pdfleet.dev/kv-events-replay-port": "5558",
+            },
+        ),
+        status=SimpleNamespace(phase="Running", pod_ip="10.1.2.3"),
+    )
+    ep = pod_endpoint(pod, 8000)
+    assert ep is not None
+    assert (ep.kv_events, ep.kv_events_replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
