@@ -3,8 +3,8 @@
 N users each hold a conversation; every turn appends the previous answer and
 a new question, so most of each prompt repeats. Three aggregated engines
 publish KV events; for each policy, fresh conversations run against them with
-the users spread over two gateway replicas (even users on one, odd on the
-other), one turn per user at a time:
+the users spread over two gateway replicas, a user's turns alternating
+between them (as behind a load balancer), one turn per user at a time:
 
 * ``round_robin`` — the client sends each request to the next engine directly;
 * ``approximate`` — two gateways guessing prefixes from their own routing
@@ -118,7 +118,7 @@ async def run_policy(policy: str, engines: list[str], gateways: list[str], args,
                 elif policy == "oracle":
                     targets.append(home.setdefault(u, engines[u % len(engines)]))
                 else:
-                    targets.append(gateways[u % len(gateways)])
+                    targets.append(gateways[(u + turn) % len(gateways)])
             sem = asyncio.Semaphore(args.concurrency)
 
             async def limited(u: int, url: str, sem: asyncio.Semaphore = sem) -> None:
