@@ -168,20 +168,24 @@ GPU_RESOURCE = "nvidia.com/gpu"
 ENV_UCX_TLS = "UCX_TLS"
 
 
-def requests_gpus(spec: InferenceServiceSpec, role: str) -> bool:
-    """Whether the role's pods ask for at least one GPU."""
-    resources = spec.role(role).resources
-    counts = [str(r.get(GPU_RESOURCE, "0")) for r in (resources.limits, resources.requests)]
+def requests_gpus(resources: dict[str, Any], accelerator: str = GPU_RESOURCE) -> bool:
+    """Whether a container's rendered ``resources`` ask for at least one GPU."""
+    counts = [str(r.get(accelerator, "0")) for r in resources.values() if isinstance(r, dict)]
     return any(c not in ("0", "") for c in counts)
 
 
-def ucx_env(spec: InferenceServiceSpec, role: str) -> list[dict[str, str]]:
-    """UCX transports for KV in GPU memory, for a NIXL engine pod with GPUs
-    (``kvTransfer.ucxTransports``), unless the role sets ``UCX_TLS`` itself.
-    Without GPUs UCX keeps its own choice (host memory: shared memory, TCP)."""
-    if spec.kv_transfer.connector != "NixlConnector" or not requests_gpus(spec, role):
+def ucx_env(
+    spec: InferenceServiceSpec, role: str, resources: dict[str, Any]
+) -> list[dict[str, str]]:
+    """UCX transports for KV in GPU memory, for a NIXL engine pod whose rendered
+    ``resources`` hold GPUs (``kvTransfer.ucxTransports``), unless the role sets
+    ``UCX_TLS`` itself. Without GPUs UCX keeps its own choice (host memory:
+    shared memory, TCP)."""
+    role_spec = spec.role(role)
+    gpus = requests_gpus(resources, role_spec.accelerator_resource)
+    if spec.kv_transfer.connector != "NixlConnector" or not gpus:
         return []
-    if any(e.get("name") == ENV_UCX_TLS for e in spec.role(role).env):
+    if any(e.get("name") == ENV_UCX_TLS for e in role_spec.env):
         return []
     return [{"name": ENV_UCX_TLS, "value": spec.kv_transfer.ucx_transports}]
 
