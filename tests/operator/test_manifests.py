@@ -328,6 +328,14 @@ def test_gpu_engine_pods_request_the_ucx_transports_for_gpu_memory():
     assert "UCX_TLS" not in {e["name"] for e in container(zmq, "demo-prefill")["env"]}
 
 
+def test_gpus_implied_by_tensor_parallelism_also_get_the_gpu_transports():
+    # No GPU written in resources: the operator derives 2 per pod from the TP size.
+    tp = {"replicas": 1, "engine": {"tensorParallelSize": 2}}
+    c = container(children({**SPEC, "prefill": tp}), "demo-prefill")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "cuda_ipc" in {e["name"]: e.get("value") for e in c["env"]}["UCX_TLS"]
+
+
 def test_an_rdma_device_gives_engine_pods_the_resource_and_ipc_lock():
     plain = container(children(), "demo-prefill")
     assert "add" not in plain["securityContext"]["capabilities"]
