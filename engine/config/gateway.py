@@ -150,7 +150,7 @@ class GatewayConfig:
     the approximate table."""
     kv_host_weight: float = 0.5
     """Weight of a prompt block an engine holds only in its host-memory tier
-    (`--kv-offload-bytes`), relative to a device-tier block (1)."""
+    (KV events with `medium: CPU`), relative to a device-tier block (1)."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """Log level of the HTTP server."""
 

@@ -72,7 +72,7 @@ class KVCacheEvent:
 
     ``medium`` is the tier that holds (or held) the block, named as vLLM names
     them: ``GPU`` for the device cache (whatever the device), ``CPU`` for the
-    host-memory offload tier.
+    host-memory tier (not built yet in pdfleet; vLLM's offloading engines use it).
     """
 
     kind: str
