@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +63,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    # The grammar matcher of a constrained request (None: free), advanced over
+    # every output token (engine/sample/grammar.py).
+    matcher: Any = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -124,6 +129,9 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(self._attention_backend_name())
         self.sampler = Sampler(m.seed, self.device)
+        # Set by the engine that owns the tokenizer; needed by constrained requests only.
+        self.grammars: Any = None
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self.states: dict[str, CachedRequestState] = {}
         self.connector = connector
         if connector is not None:
@@ -215,6 +223,14 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            spec = new.sampling_params.structured_outputs
+            if spec is not None:
+                if self.grammars is None:
+                    raise RuntimeError("a constrained request reached a runner without grammars")
+                # Resumed or handed over with outputs: replay them through the grammar.
+                self.states[new.req_id].matcher = self.grammars.matcher(
+                    spec, list(new.output_token_ids)
+                )
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -298,7 +314,9 @@ class ModelRunner:
                 generators[row] = gen
         banned: dict[int, list[int]] = {}
         for row, (state, p) in enumerate(zip(states, params, strict=True)):
-            if state.num_output_tokens < p.min_tokens:
+            # A grammar decides alone when its output may end (banning the only
+            # token it allows would leave nothing to sample).
+            if state.num_output_tokens < p.min_tokens and state.matcher is None:
                 ids = [*p.stop_token_ids]
                 if not p.ignore_eos:
                     ids += list(self.eos_token_ids)
@@ -373,6 +391,7 @@ class ModelRunner:
         batch = self._prepare_inputs(out)
         states, meta, rows = batch.states, batch.attn_metadata, batch.logits_rows
         input_ids, positions = batch.input_ids, batch.positions
+        masks = self._start_bitmasks([states[r] for r in rows])
         start = time.perf_counter()
         graphs = self.graphs
         if (
@@ -388,12 +407,16 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             self._prompt_logprobs(states, out, hidden)
             if not rows:
+                assert masks is None
                 result.forward_seconds = time.perf_counter() - start
                 return
             last = torch.tensor(batch.logits_indices, device=self.device)
             logits = self.model.compute_logits(hidden[last])
         sample_states = [states[r] for r in rows]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_states))
+        meta_s = self._sampling_metadata(sample_states)
+        if masks is not None:
+            meta_s.grammar_rows, meta_s.grammar_bitmask = masks[0], masks[1].result()
+        sampled = self.sampler(logits, meta_s)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
         result.forward_seconds = time.perf_counter() - start
         lp_ids = (
@@ -404,6 +427,8 @@ class ModelRunner:
         for i, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
             state = states[row]
             state.token_ids.append(token)
+            if state.matcher is not None and not state.matcher.is_terminated():
+                state.matcher.accept_token(token)
             result.sampled_token_ids[state.req_id] = token
             n = state.sampling_params.logprobs
             if n is not None and lp_ids is not None and lps is not None and ranks is not None:
@@ -412,6 +437,27 @@ class ModelRunner:
                 )
             if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 1:
                 result.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+    def _start_bitmasks(
+        self, sample_states: list[CachedRequestState]
+    ) -> tuple[list[int], Future] | None:
+        """Fill the constrained rows' token bitmask on a worker thread, so that it
+        overlaps the forward pass: (sample rows, future of [rows, vocab / 32]).
+        None when no row of this step is constrained."""
+        constrained = [i for i, s in enumerate(sample_states) if s.matcher is not None]
+        if not constrained:
+            return None
+        matchers = [sample_states[i].matcher for i in constrained]
+        grammars = self.grammars
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdfleet-grammar")
+
+        def fill():
+            bitmask = grammars.allocate_bitmask(len(matchers))
+            grammars.fill_bitmask(matchers, bitmask)
+            return bitmask
+
+        return constrained, self._grammar_pool.submit(fill)
 
     def _prompt_logprobs(
         self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor
