@@ -84,6 +84,29 @@ def check_schema_keywords(schema: Any, path: str = "$") -> None:
             check_schema_keywords(value, f"{path}.{key}")
 
 
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """``schema`` with each length-bounded plain string turned into a pattern.
+
+    The library's rule for ``minLength``/``maxLength`` strings admits raw
+    control characters, which JSON forbids inside strings (so the output would
+    not parse); its pattern rules do not. The pattern keeps the bounds and
+    admits every character that needs no escape."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    if (
+        out.get("type") == "string"
+        and ("minLength" in out or "maxLength" in out)
+        and not {"pattern", "format", "enum", "const"} & out.keys()
+    ):
+        low = out.pop("minLength", 0)
+        high = out.pop("maxLength", "")
+        out["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{high}}}$'
+    return out
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer and caches the results (thread-safe).
 
@@ -145,7 +168,11 @@ class GrammarCompiler:
                 check_schema_keywords(schema)
                 # Compact separators and no free whitespace: whitespace is never
                 # needed, and a model allowed it can spend max_tokens on it.
-                return c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
+                return c.compile_json_schema(
+                    json.dumps(bounded_strings_as_patterns(schema)),
+                    any_whitespace=False,
+                    strict_mode=True,
+                )
             if spec.json_object:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
