@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import httpx
@@ -86,7 +86,7 @@ def http(server):
 Short = Field(max_length=6)
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
