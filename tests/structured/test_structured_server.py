@@ -14,22 +14,10 @@ import httpx
 import openai
 import pytest
 from helpers.server import ServerProcess, fleet_token
+from helpers.tools import ASK, TOOLS, TOOLS_TEMPLATE, check_call, stream_calls
 from pydantic import BaseModel, Field
 
 MAX_LEN = 1024
-
-# A tools-aware ChatML template (the tiny tokenizer's own has no tools).
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>"
-    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}'
-    "</tool_call>{% endfor %}"
-    "{% if m.role == 'tool' %} [result of {{ m.tool_call_id }}]{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -402,48 +390,6 @@ def test_free_requests_in_a_mixed_batch_get_the_tokens_they_get_alone(aclient, c
 
 # -- tool calls --------------------------------------------------------------------
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 6},
-                    "unit": {"type": "string", "enum": ["c", "f"]},
-                },
-                "required": ["city", "unit"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-                "required": ["a"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def _check_call(call, names=("get_weather", "add")):
-    assert call.type == "function" and call.id
-    assert call.function.name in names
-    args = json.loads(call.function.arguments)
-    if call.function.name == "get_weather":
-        assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
-    else:
-        assert 0 <= args["a"] <= 9
-
 
 def test_named_tool_choice_always_returns_a_parsable_call(client):
     r = client.chat.completions.create(
@@ -456,7 +402,7 @@ def test_named_tool_choice_always_returns_a_parsable_call(client):
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
-    _check_call(call, names=("get_weather",))
+    check_call(call, names=("get_weather",))
 
 
 def test_required_tool_choice_without_parallel_calls_returns_one_call(client):
@@ -472,24 +418,7 @@ def test_required_tool_choice_without_parallel_calls_returns_one_call(client):
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
-    _check_call(call)
-
-
-def _stream_calls(stream):
-    """Reassemble streamed tool_calls deltas; check their OpenAI shape."""
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in stream:
-        for c in chunk.choices:
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                if d.index not in calls:
-                    assert d.id and d.type == "function" and d.function.name
-                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
-                else:
-                    assert d.id is None and not d.function.name
-                calls[d.index]["arguments"] += d.function.arguments or ""
-    return calls, finish
+    check_call(call)
 
 
 def test_streamed_required_tool_calls_arrive_as_id_name_then_argument_fragments(client):
@@ -503,7 +432,7 @@ def test_streamed_required_tool_calls_arrive_as_id_name_then_argument_fragments(
         temperature=0,
         stream=True,
     )
-    calls, finish = _stream_calls(stream)
+    calls, finish = stream_calls(stream)
     assert finish == "tool_calls" and len(calls) == 1
     for c in calls.values():
         args = json.loads(c["arguments"])
@@ -544,7 +473,7 @@ def test_auto_tool_choice_parses_hermes_calls_streaming_and_not(client):
     assert choice.message.content == "Sure."
     (call,) = choice.message.tool_calls
     assert call.function.name == "add" and 0 <= json.loads(call.function.arguments)["a"] <= 9
-    calls, finish = _stream_calls(client.chat.completions.create(**kwargs, stream=True))
+    calls, finish = stream_calls(client.chat.completions.create(**kwargs, stream=True))
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         ("add", call.function.arguments)
