@@ -210,14 +210,33 @@ class GrammarCompiler:
                 m.fill_next_token_bitmask(bitmask, i)
 
 
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, least significant first."""
+    table = _BIT_TABLES.get(device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        table = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+        _BIT_TABLES[device] = table
+    return table
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of ``rows`` whose bit in ``bitmask`` is 0.
 
-    ``bitmask`` row i belongs to logits row ``rows[i]``."""
-    vocab = logits.shape[-1]
+    ``bitmask`` row i belongs to logits row ``rows[i]`` (int32 words, token t
+    is bit t % 32 of word t // 32: little-endian bytes, so byte-wise lookups
+    give the tokens in order)."""
+    batch, vocab = logits.shape
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    table = _bit_table(logits.device)
+    # [rows, words * 4] bytes -> [rows, words * 32] bools.
+    allowed = table[bitmask.view(torch.uint8).long()].flatten(1)[:, :vocab]
+    if len(rows) == batch and rows == list(range(batch)):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, sub)
