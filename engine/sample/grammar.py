@@ -4,9 +4,9 @@ A constrained request carries a :class:`StructuredOutputsParams` (JSON schema,
 JSON object, regex, choice list or grammar). :class:`GrammarCompiler` turns it
 into a compiled grammar once per distinct spec, kept in a bounded LRU cache,
 and hands out one matcher per request. Each step the model runner fills a
-token bitmask for the constrained rows only (on a worker thread, while the
-forward pass runs) and the sampler masks those rows' logits; free rows in the
-same batch are untouched.
+token bitmask for the constrained rows only (on the host, after the forward
+pass is launched, so on CUDA it overlaps the running kernels) and the sampler
+masks those rows' logits; free rows in the same batch are untouched.
 
 The matcher state is a function of (spec, output tokens so far): a runner that
 receives a request with output tokens already (a preempted request resuming,

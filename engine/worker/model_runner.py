@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +130,6 @@ class ModelRunner:
         self.sampler = Sampler(m.seed, self.device)
         # Set by the engine that owns the tokenizer; needed by constrained requests only.
         self.grammars: Any = None
-        self._grammar_pool: ThreadPoolExecutor | None = None
         self.states: dict[str, CachedRequestState] = {}
         self.connector = connector
         if connector is not None:
@@ -391,7 +389,6 @@ class ModelRunner:
         batch = self._prepare_inputs(out)
         states, meta, rows = batch.states, batch.attn_metadata, batch.logits_rows
         input_ids, positions = batch.input_ids, batch.positions
-        masks = self._start_bitmasks([states[r] for r in rows])
         start = time.perf_counter()
         graphs = self.graphs
         if (
@@ -407,15 +404,15 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             self._prompt_logprobs(states, out, hidden)
             if not rows:
-                assert masks is None
                 result.forward_seconds = time.perf_counter() - start
                 return
             last = torch.tensor(batch.logits_indices, device=self.device)
             logits = self.model.compute_logits(hidden[last])
         sample_states = [states[r] for r in rows]
         meta_s = self._sampling_metadata(sample_states)
-        if masks is not None:
-            meta_s.grammar_rows, meta_s.grammar_bitmask = masks[0], masks[1].result()
+        # On CUDA the forward above is still running (launches are asynchronous):
+        # the bitmask is filled on the host meanwhile, before the sampler needs it.
+        self._fill_bitmasks(sample_states, meta_s)
         sampled = self.sampler(logits, meta_s)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
         result.forward_seconds = time.perf_counter() - start
@@ -438,26 +435,16 @@ class ModelRunner:
             if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 1:
                 result.prompt_logprobs[state.req_id] = state.prompt_logprobs
 
-    def _start_bitmasks(
-        self, sample_states: list[CachedRequestState]
-    ) -> tuple[list[int], Future] | None:
-        """Fill the constrained rows' token bitmask on a worker thread, so that it
-        overlaps the forward pass: (sample rows, future of [rows, vocab / 32]).
-        None when no row of this step is constrained."""
+    def _fill_bitmasks(
+        self, sample_states: list[CachedRequestState], meta: SamplingMetadata
+    ) -> None:
+        """The constrained rows' allowed tokens, for the sampler (free rows: none)."""
         constrained = [i for i, s in enumerate(sample_states) if s.matcher is not None]
         if not constrained:
-            return None
-        matchers = [sample_states[i].matcher for i in constrained]
-        grammars = self.grammars
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdfleet-grammar")
-
-        def fill():
-            bitmask = grammars.allocate_bitmask(len(matchers))
-            grammars.fill_bitmask(matchers, bitmask)
-            return bitmask
-
-        return constrained, self._grammar_pool.submit(fill)
+            return
+        bitmask = self.grammars.allocate_bitmask(len(constrained))
+        self.grammars.fill_bitmask([sample_states[i].matcher for i in constrained], bitmask)
+        meta.grammar_rows, meta.grammar_bitmask = constrained, bitmask
 
     def _prompt_logprobs(
         self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor
