@@ -20,6 +20,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -190,7 +191,7 @@ class GrammarCompiler:
             raise ValueError(f"cannot compile the {spec.kind}: {_lib_message(e)}") from None
         raise ValueError("structured outputs: no constraint given")
 
-    def matcher(self, spec: StructuredOutputsParams, token_ids: list[int] = ()) -> Any:
+    def matcher(self, spec: StructuredOutputsParams, token_ids: Sequence[int] = ()) -> Any:
         """A fresh matcher for ``spec``, advanced over ``token_ids`` (tokens a
         request already produced, here or on another engine)."""
         m = self._xgr.GrammarMatcher(self.compile(spec))

@@ -158,6 +158,7 @@ def test_gateway_refuses_bad_response_format_before_any_engine(fleet):
             response_format={"type": "json_schema", "json_schema": {"name": "x"}},
         )
     assert "response_format.json_schema.schema" in str(e.value)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
     # A schema only the engine can judge: the prefill engine's 400 reaches the client.
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
