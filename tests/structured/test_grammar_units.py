@@ -201,3 +201,26 @@ def test_value_end_skips_braces_inside_strings():
 def test_unknown_parser_name_is_a_value_error():
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_parser("pythonic")
+
+
+def test_required_tool_schema_keeps_each_tools_definitions_resolvable(compiler):
+    from pydantic import BaseModel
+
+    from pdfleet.engine.entrypoints.openai.tool_parsers import forced_schema
+
+    class Unit(BaseModel):
+        name: str
+
+    class Args(BaseModel):
+        unit: Unit
+
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": Args.model_json_schema()}}
+    ]
+    schema = forced_schema(tools, "required", parallel=False)
+    assert "Unit" in schema["$defs"] and schema["maxItems"] == 1
+    m = compiler.matcher(Spec(json=schema))
+    assert m.accept_string('[{"name": "f", "parameters": {"unit": {"name": "c"}}}]')
+    clash = dict(tools[0], function={"name": "g", "parameters": {"$defs": {"Unit": {}}}})
+    with pytest.raises(ValueError, match="'Unit' differently"):
+        forced_schema([tools[0], clash], "required", parallel=True)

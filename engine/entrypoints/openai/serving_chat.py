@@ -71,7 +71,11 @@ class ChatServing(ServingBase):
                 )
             return get_parser(self.options.tool_call_parser), None
         named = choice["function"]["name"] if isinstance(choice, dict) else None
-        return ForcedParser(named), forced_schema(req.tools, choice, req.parallel_tool_calls)
+        try:
+            schema = forced_schema(req.tools, choice, req.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
+        return ForcedParser(named), schema
 
     async def prepare_chat(self, req: ChatCompletionRequest):
         model = self.check_model(req.model)

@@ -217,20 +217,33 @@ def forced_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> d
         name = choice["function"]["name"]
         fn = next(t["function"] for t in tools if t["function"]["name"] == name)
         return fn.get("parameters") or {"type": "object"}
-    variants = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "parameters": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+    # Each tool's "#/$defs/..." references must still resolve once its schema is
+    # nested in the array: its definitions move to the root.
+    defs: dict[str, Any] = {}
+    variants = []
+    for t in tools:
+        params = dict(t["function"].get("parameters") or {"type": "object"})
+        for name, sub in params.pop("$defs", {}).items():
+            if defs.get(name, sub) != sub:
+                raise ValueError(
+                    f"tools: two tools define {name!r} differently in $defs; rename one"
+                )
+            defs[name] = sub
+        variants.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     item = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
