@@ -330,15 +330,17 @@ def test_bad_schema_is_a_400_naming_the_problem(client, response_format, needle)
 
 
 def test_bad_regex_and_grammar_are_400s_and_the_server_keeps_serving(client):
-    for extra, needle in [
-        ({"guided_regex": "[a-z"}, "regex"),
-        ({"guided_grammar": "root ::= ("}, "grammar"),
-        ({"guided_choice": []}, "guided_choice"),
-        ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output constraint"),
+    for extra, needle, param in [
+        ({"guided_regex": "[a-z"}, "regex", "guided_regex"),
+        ({"guided_grammar": "root ::= ("}, "grammar", "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output", "guided_choice"),
+        ({"structured_outputs": {"regex": "(a"}}, "regex", "structured_outputs"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
         assert needle in str(e.value), extra
+        assert e.value.body["param"] == param, extra
     r = client.completions.create(model="tiny", prompt="still here", max_tokens=4)
     assert r.choices[0].finish_reason == "length"
 

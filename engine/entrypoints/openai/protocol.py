@@ -139,6 +139,15 @@ class _Sampling(_Checked):
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
 
+    def constraint_field(self) -> str | None:
+        """The request field that carries its output constraint (None: none)."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs" if self.structured_outputs is not None else None
+
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The request's output constraint (shapes were checked by check_structured)."""
         rf = self.response_format or {}

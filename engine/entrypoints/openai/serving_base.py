@@ -220,7 +220,7 @@ class ServingBase:
         return list(prompt)
 
     async def compile_constraint(
-        self, spec: StructuredOutputsParams | None
+        self, spec: StructuredOutputsParams | None, param: str | None = None
     ) -> StructuredOutputsParams | None:
         """Compile (or find cached) the request's grammar before admission, off the
         event loop, so a bad schema is a 400 and the engine thread never compiles."""
@@ -230,7 +230,6 @@ class ServingBase:
             grammars = self.engine.engine.grammars
             await self.lanes.run(0, grammars.compile, spec)
         except ValueError as e:
-            param = "response_format" if spec.json is not None else "structured_outputs"
             raise APIError(str(e), param=param) from None
         return spec
 

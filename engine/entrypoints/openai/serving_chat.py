@@ -89,12 +89,9 @@ class ChatServing(ServingBase):
         spec = req.structured_spec()
         if schema is not None:
             spec = StructuredOutputsParams(json=schema)
-        try:
-            spec = await self.compile_constraint(spec)
-        except APIError as e:
-            if schema is not None:
-                e.param = "tools"
-            raise
+        spec = await self.compile_constraint(
+            spec, "tools" if schema is not None else req.constraint_field()
+        )
         text, ids = await self.chat_prompt(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -53,7 +53,7 @@ class CompletionServing(ServingBase):
             raise APIError("suffix is not supported by pdfleet", param="suffix")
         self.check_sampling(req)
         self.check_logprobs(req.logprobs, "logprobs")
-        structured = await self.compile_constraint(req.structured_spec())
+        structured = await self.compile_constraint(req.structured_spec(), req.constraint_field())
         prompts = await self.tokenize_prompts(req.prompts())
         jobs = []
         for text, ids in prompts:
