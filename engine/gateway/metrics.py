@@ -34,6 +34,7 @@ class GatewayMetrics:
         self.kv_pair_open = m.GATEWAY_KV_PAIR_OPEN.create(r)
         self.held = m.GATEWAY_HELD_REQUESTS.create(r)
         self.rejected = m.GATEWAY_REJECTED_REQUESTS.create(r)
+        self.activations = m.GATEWAY_ACTIVATIONS.create(r)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""

@@ -124,6 +124,7 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_pair_open.labels("http://p", "http://e").set(1)
     metrics.held.set(0)
     metrics.rejected.labels("invalid_json").inc()
+    metrics.activations.labels("decode").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):
