@@ -79,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
                     "targets": c["targets"],
                     "strategies": {
                         s: {
-                            "ttft_attainment": r["ttft_attainment"],
-                            "itl_attainment": r["itl_attainment"],
-                            "replica_seconds": r["replica_seconds"]["total"],
-                            "scale_events": r["scale_events"]["total"],
+                            k: r[k]["total"] if isinstance(r[k], dict) else r[k]
+                            for k in (
+                                "ttft_attainment",
+                                "itl_attainment",
+                                "replica_seconds",
+                                "scale_events",
+                            )
+                            if k in r
                         }
                         for s, r in c["results"].items()
                     },

@@ -65,9 +65,11 @@ def plot_bench(results: Sequence[RequestResult], elapsed: float, path: str) -> N
         ax.set_ylabel(f"{name} (ms)")
         ax.legend(loc="upper left", fontsize=8, ncol=3)
     xs = [b * width for b in range(bins)]
-    thr_ax.step(xs, [n / width for n in done], where="post", label="requests/s")
+    thr_ax.fill_between(
+        xs, [n / width for n in done], step="post", color="tab:blue", alpha=0.3, label="requests/s"
+    )
     tok_ax = thr_ax.twinx()
-    tok_ax.step(xs, [n / width for n in tokens], where="post", color="tab:green")
+    tok_ax.step(xs, [n / width for n in tokens], where="post", color="tab:green", lw=1.0)
     tok_ax.set_ylabel("output tokens/s", color="tab:green")
     thr_ax.set_ylabel("requests/s")
     thr_ax.set_xlabel(f"seconds since start ({width:g} s bins)")
