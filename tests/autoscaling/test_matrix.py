@@ -91,3 +91,23 @@ def test_heavytail_prompts_mix_short_turns_and_long_documents():
     assert 1100 < sum(prompts) / n < 2000  # a mean like the other traces'
     steady = make_trace(dataclasses.replace(trace.config, kind="steady"))
     assert sum(1 for p in steady.prompt_tokens if p > 4000) / len(steady) < share_long
+
+
+def test_policy_meets_slo_and_cost_targets_on_seed_0_of_every_trace():
+    # The full 10-seed matrix is a benchmark (benchmarks/autoscaling_matrix.py,
+    # docs/autoscaling.md); here one seed per trace, the default fleet model,
+    # the targets it meets on every trace: SLO attainment and replica-seconds
+    # against the oracle and (where the load varies enough) fixed peak.
+    spec = AutoscalingSpec.from_spec(
+        {"prefill": {"maxReplicas": 64}, "decode": {"maxReplicas": 64}}
+    )
+    out = run_matrix(
+        TraceConfig(), FleetModel(), spec, strategies=("pdfleet", "fixed", "oracle"), seeds=[0]
+    )
+    for cell in out["cells"]:
+        t = cell["targets"]
+        where = (cell["trace"], {k: v["value"] for k, v in t.items()})
+        assert t["ttft_attainment"]["met"] and t["itl_attainment"]["met"], where
+        assert t["vs_oracle"]["met"], where
+        if cell["trace"] == "burst":
+            assert t["vs_fixed_peak"]["met"], where
