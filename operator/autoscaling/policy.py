@@ -90,6 +90,9 @@ class PolicyTuning:
     after the added replicas serve."""
     tolerance: float = 0.1
     """Relative band around the current count inside which the count is kept."""
+    scale_down_headroom: float | None = None
+    """Headroom kept when scaling down: the count left serves the load times
+    (1 + this). None: the tolerance."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
@@ -266,7 +269,8 @@ def _role_decision(
             up_rec = math.ceil(raw - 1e-9)
             # Going down, keep the tolerance as headroom: the count left must
             # not be one that the next noise peak pushes straight back up.
-            down_rec = math.ceil(raw * (1 + tol) - 1e-9)
+            headroom = tol if tuning.scale_down_headroom is None else tuning.scale_down_headroom
+            down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
         wanted_down = down_rec
