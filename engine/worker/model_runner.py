@@ -18,6 +18,7 @@ from ..attention import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..kv_transfer.base import KVConnectorWorker
+from ..models.fused import use_kernels
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
@@ -87,6 +88,8 @@ class ModelRunner:
             cpu_allocator.tune()
         start = time.perf_counter()
         self.model = load_model(config, self.device)
+        # The Triton backend brings the fused RMSNorm/RoPE/SiLU kernels with it.
+        use_kernels(self.model, self._attention_backend_name() == "triton")
         load_seconds = time.perf_counter() - start
         peak = 0
         cc = config.compilation_config
