@@ -456,6 +456,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         namespace=namespace,
         selector=f"{LABEL_SERVICE}={name}",
         engine_port=ENGINE_PORT,
+        **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
 

@@ -106,6 +106,10 @@ class GatewayConfig:
     hold_timeout: float = 10.0
     """Seconds a new request waits for a decode engine while none is routable
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""
+    scale_to_zero: bool = False
+    """Decode may be scaled to zero (minReplicas 0): /health stays 200 with no
+    decode engine, so load balancers keep sending requests, which the gateway
+    holds while its activation signal brings an engine back."""
     kv_pair_failures: int = 3
     """Consecutive failed P/D hand-offs over one (prefill, decode) pair that
     open its circuit breaker: the pair is not used for disaggregation for
@@ -247,7 +251,9 @@ class GatewayConfig:
             if f.name == "api_key" or to_jsonable(value) == to_jsonable(default_of(f)):
                 continue
             flag = f"--{flag_name(f.name)}"
-            if isinstance(value, list):
+            if isinstance(value, bool):
+                out.append(flag if value else f"--no-{flag_name(f.name)}")
+            elif isinstance(value, list):
                 for item in value:
                     out += [flag, str(item)]
             elif value is None:

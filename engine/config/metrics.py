@@ -583,3 +583,15 @@ def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
     except ValueError as e:
         raise ValueError(f"unreadable Prometheus metrics text: {e}") from None
     return Scrape({name: tuple(series) for name, series in samples.items()})
+
+
+# --- Gateway: activation of pools scaled to zero ----------------------------
+
+GATEWAY_ACTIVATIONS = Metric(
+    "pdfleet_gateway_activation_requests_total",
+    "counter",
+    "Requests that found no routable engine of a role (decode: held until one is ready; "
+    "prefill: served decode-only): the activation signal the autoscaler reads to scale "
+    "a pool up from zero.",
+    ("role",),
+)

@@ -229,7 +229,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = bool(gw.pool.candidates("decode"))
+        ok = gw.config.scale_to_zero or bool(gw.pool.candidates("decode"))
         return JSONResponse(
             {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
         )

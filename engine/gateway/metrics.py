@@ -39,6 +39,7 @@ class GatewayMetrics:
         self.kv_index_replays = m.GATEWAY_KV_INDEX_REPLAYS.create(r)
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
+        self.activations = m.GATEWAY_ACTIVATIONS.create(r)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""

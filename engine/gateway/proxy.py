@@ -47,6 +47,7 @@ from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
+from .activation import Activation
 from .engines import EnginePool, EngineState
 from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
@@ -257,6 +258,7 @@ class Proxy:
         self.engine_headers = dict(engine_headers or {})
         """What every engine call carries besides the body (the fleet token)."""
         self.breaker = breaker
+        self.activation = Activation(metrics.activations)
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -468,6 +470,8 @@ class Proxy:
                 call.plain_payload = payload
                 payload = json.dumps(decode_body(body, outcome)).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
+            if route.reason == "no_prefill_engine":
+                self.activation.wanted("prefill")
             self.metrics.fallbacks.labels(route.reason).inc()
             tracing.fallback(route.reason)
         if body.get("stream") is True:
@@ -482,6 +486,7 @@ class Proxy:
         except NoEngineError:
             pass
         deadline = time.monotonic() + self.config.hold_timeout
+        self.activation.wanted("decode")
         self.metrics.held.inc()
         try:
             while await self.pool.wait_routable("decode", deadline):
