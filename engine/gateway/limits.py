@@ -1,11 +1,12 @@
 """What the gateway accepts from clients: header and body time limits, body size.
 
-uvicorn bounds the size of a request head (``h11_max_incomplete_event_size``)
-but not the time a client may take to send it, so a client trickling headers
-holds a connection forever. :func:`http_protocol` returns uvicorn's h11
-protocol with a header deadline: a connection whose request head is not
-complete ``header_timeout`` seconds after it opened (or after the first byte
-of a kept-alive connection's next request) is closed. The body is read by
+uvicorn's httptools protocol bounds neither the time a client may take to send
+a request head nor its size, so a client trickling headers would hold a
+connection forever. :func:`http_protocol` returns that protocol with a header
+deadline (a connection whose request head is not complete ``header_timeout``
+seconds after it opened, or after the first byte of a kept-alive
+connection's next request, is closed) and a bound of ``MAX_HEAD_BYTES`` on
+the head (a 431, then the connection is closed). The body is read by
 :func:`read_body`, within ``body_timeout`` and ``max_body_bytes`` (refused on
 ``Content-Length`` before a byte is read; a chunked body is counted as it
 arrives, so a huge chunk size holds nothing).
@@ -16,7 +17,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import Request
+from starlette.requests import Request
+
+# Largest request line + headers accepted from a client.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class BodyRejected(Exception):
@@ -55,24 +59,39 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     return b"".join(parts)
 
 
-def http_protocol(header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline on each request's head."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def http_protocol(header_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's httptools protocol with a deadline and a size bound on each
+    request's head (httptools itself bounds neither)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class HeadLimitedProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True
+        """No complete request head yet on this connection (or since the last answer)."""
+        _head_bytes = 0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._in_head and self._head_timer is None:
+                self._arm()  # a kept-alive connection's next request has begun
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()  # the next request's head has begun (or not yet)
-            else:
-                self._disarm()
+            if self._in_head and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes:
+                    self._refuse_head()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._head_bytes = 0
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._in_head = True
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -89,8 +108,16 @@ def http_protocol(header_timeout: float) -> type:
 
         def _head_expired(self) -> None:
             self._head_timer = None
-            # IDLE: no complete request head (a request in progress is past it).
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._in_head and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutProtocol
+        def _refuse_head(self) -> None:
+            self._disarm()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                b"content-length: 31\r\n\r\nRequest header fields too large"
+            )
+            self.transport.close()
+
+    return HeadLimitedProtocol
