@@ -257,6 +257,8 @@ class Proxy:
         self.engine_headers = dict(engine_headers or {})
         """What every engine call carries besides the body (the fleet token)."""
         self.breaker = breaker
+        self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
+        """The request counter and latency histogram per (endpoint, status)."""
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -270,8 +272,15 @@ class Proxy:
         self.metrics.engine_inflight.labels(e.url, e.role).set(e.inflight)
 
     def _finish(self, call: Call, status: int) -> None:
-        self.metrics.requests.labels(call.endpoint, str(status)).inc()
-        self.metrics.e2e.labels(call.endpoint).observe(time.perf_counter() - call.start)
+        key = (call.endpoint, status)
+        series = self._finished.get(key)
+        if series is None:  # a few (endpoint, status) pairs: never dropped
+            series = self._finished[key] = (
+                self.metrics.requests.labels(call.endpoint, str(status)),
+                self.metrics.e2e.labels(call.endpoint),
+            )
+        series[0].inc()
+        series[1].observe(time.perf_counter() - call.start)
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""

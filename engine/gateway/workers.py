@@ -12,7 +12,8 @@ workers are seen one scrape late, through the engines' own queue gauges.
 also serves its own exposition on a unix socket in a private directory, and
 whichever worker answers ``/metrics`` adds its siblings' series to its own
 (counters and histograms summed; in-flight and held requests summed; health
-and breaker gauges the largest). ``/engines`` is the answering worker's view.
+and breaker gauges, and the ejection and stall counts of an engine, which
+every worker observes, the largest). ``/engines`` is the answering worker's view.
 
 The supervisor (the ``pdfleet gateway`` process itself) starts the workers,
 restarts one that dies, gives up when they keep dying at startup (a port in
@@ -51,6 +52,11 @@ SIBLING_TIMEOUT = 2.0
 # Gauges whose workers' values add up (the rest: the largest value).
 SUMMED_GAUGES = frozenset(
     {"pdfleet_gateway_engine_inflight_requests", "pdfleet_gateway_held_requests"}
+)
+# Counters of what happened to an engine (not to a request): every worker sees
+# the same event, so the workers' largest count is the engine's.
+ENGINE_EVENT_COUNTERS = frozenset(
+    {"pdfleet_gateway_engine_ejections", "pdfleet_gateway_engine_stalls"}
 )
 ENV_WORKER = "PDFLEET_GATEWAY_WORKER"
 """Set in each worker's environment: ``INDEX/N`` (logs, tests)."""
@@ -140,7 +146,9 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 if key not in samples:
                     samples[key] = s.value
-                elif fam.type == "gauge" and fam.name not in SUMMED_GAUGES:
+                elif (fam.type == "gauge" and fam.name not in SUMMED_GAUGES) or (
+                    fam.name in ENGINE_EVENT_COUNTERS
+                ):
                     samples[key] = max(samples[key], s.value)
                 elif fam.type != "info":
                     samples[key] += s.value

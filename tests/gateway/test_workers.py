@@ -107,7 +107,7 @@ def test_sigterm_stops_every_worker_and_exits_0(engine, tmp_path):
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
 
 
-def test_merged_exposition_sums_counts_and_inflight_and_keeps_the_largest_health():
+def test_merged_exposition_sums_requests_and_keeps_the_largest_engine_state():
     texts = []
     for inflight, healthy in ((2, 1), (3, 0)):
         r = CollectorRegistry()
@@ -117,6 +117,8 @@ def test_merged_exposition_sums_counts_and_inflight_and_keeps_the_largest_health
         h = Gauge("pdfleet_gateway_engine_healthy", "h", ["engine"], registry=r)
         h.labels("http://e").set(healthy)
         Histogram("pdfleet_gateway_ttft_seconds", "t", registry=r, buckets=(0.1, 1)).observe(0.5)
+        ejected = Counter("pdfleet_gateway_engine_ejections", "e", ["engine"], registry=r)
+        ejected.labels("http://e").inc()  # both workers saw the engine's one ejection
         texts.append(generate_latest(r))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -129,4 +131,5 @@ def test_merged_exposition_sums_counts_and_inflight_and_keeps_the_largest_health
     assert samples[("pdfleet_gateway_ttft_seconds_bucket", (("le", "1.0"),))] == 2
     assert samples[("pdfleet_gateway_ttft_seconds_bucket", (("le", "0.1"),))] == 0
     assert samples[("pdfleet_gateway_ttft_seconds_count", ())] == 2
+    assert samples[("pdfleet_gateway_engine_ejections_total", (("engine", "http://e"),))] == 1
     assert not [k for k in samples if k[0].endswith("_created")]
