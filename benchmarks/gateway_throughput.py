@@ -276,6 +276,7 @@ def main() -> int:
                 f"{tool} is not installed (apt-get install nginx-light wrk util-linux)"
             )
     router_exe = None if args.no_vllm_router else ensure_vllm_router()
+    load_start = os.getloadavg()
 
     run_dir = Path(tempfile.mkdtemp(prefix="gw-throughput-"))
     (run_dir / "nginx").mkdir()
@@ -404,7 +405,8 @@ def main() -> int:
         "duration_s": args.duration,
         "repeat": args.repeat,
         "load_cpus": args.load_cpus,
-        "loadavg_before": os.getloadavg(),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
         "vllm_router_version": None if router_exe is None else ROUTER_VERSION,
         "cells": cells,
         "ratio_to_vllm_router": ratios,
