@@ -28,6 +28,10 @@ class GatewayConfig:
     """Address to listen on."""
     port: int = 8000
     """Port to listen on."""
+    workers: int = 1
+    """Gateway processes serving the port (SO_REUSEPORT), each on its own core
+    with its own view of every engine (health checks, metric scrapes); 1 for
+    one process. A gateway pod sets it from its CPU limit."""
     prefill: list[str] = field(default_factory=list)
     """URL of a prefill engine (e.g. http://10.0.0.5:8000); repeat the flag or
     give several values."""
@@ -197,6 +201,10 @@ class GatewayConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("--workers above 1 needs a fixed --port (each worker binds it)")
         if self.retries < 0 or self.min_prompt_tokens < 0:
             raise ValueError("--retries and --min-prompt-tokens must be >= 0")
         for url in (*self.prefill, *self.decode):
