@@ -49,6 +49,7 @@ from .reconcile import (
     apply_children,
     autoscaled_replicas,
     checked_spec,
+    pod_templates,
     read_deployments,
 )
 from .resource import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -134,7 +135,9 @@ async def reconcile(
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
-        spec = checked_spec(name, body.get("spec"))
+        spec = checked_spec(
+            name, body.get("spec"), leader_worker_set=config.install.leader_worker_set
+        )
     except InvalidSpec as e:
         state.reconciles.labels("invalid").inc()
         _report_invalid(body, patch, e.problems, logger)
@@ -178,13 +181,16 @@ async def _fleet_secret(state: OperatorState, body: kopf.Body) -> bytes:
 
 
 def _stale_templates(deployments: dict[str, dict[str, Any] | None], version: str) -> list[str]:
-    """Deployments whose pods run with another fleet secret than ``version``."""
+    """Workloads whose pods run with another fleet secret than ``version``."""
     stale = []
     for role, deployment in deployments.items():
-        template = ((deployment or {}).get("spec") or {}).get("template") or {}
-        annotations = (template.get("metadata") or {}).get("annotations") or {}
-        if deployment is not None and annotations.get(ANNOTATION_FLEET_SECRET) != version:
-            stale.append(role)
+        if deployment is None:
+            continue
+        for template in pod_templates(deployment):
+            annotations = (template.get("metadata") or {}).get("annotations") or {}
+            if annotations.get(ANNOTATION_FLEET_SECRET) != version:
+                stale.append(role)
+                break
     return stale
 
 
@@ -203,7 +209,7 @@ async def _write_status(
         None, "NoMetrics", "not checked yet"
     )
     if deployments is None:
-        deployments = await read_deployments(state.client(), name, namespace)
+        deployments = await read_deployments(state.client(), name, namespace, spec)
     desired = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode", "gateway")}
     status = build_status(
         spec,
@@ -233,7 +239,9 @@ async def refresh(
     """Scrape, autoscale when due, refresh the status (the timer's body)."""
     name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     try:
-        spec = checked_spec(name, body.get("spec"))
+        spec = checked_spec(
+            name, body.get("spec"), leader_worker_set=config.install.leader_worker_set
+        )
     except InvalidSpec:
         return  # the reconcile reported it; nothing runs
     client = state.client()
@@ -245,7 +253,7 @@ async def refresh(
         return
     version = secret_version(secret)
     deployments: dict[str, dict[str, Any] | None] | None
-    deployments = await read_deployments(client, name, namespace)
+    deployments = await read_deployments(client, name, namespace, spec)
     stale = _stale_templates(deployments, version)
     if stale:
         # The Secret was replaced (rotation): roll every pod onto the new one.
@@ -283,8 +291,9 @@ async def refresh(
         )
     state.kv_verdict[uid] = health.update(scraped)
     if spec.autoscaling is not None:
+        # The autoscaler also reads the gateways: their activation counters.
         autoscaled = await _autoscale(
-            state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger
+            state, config, spec, body, patch, scraped, autoscaled or {}, clock(), logger
         )
     await _write_status(
         state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
@@ -306,10 +315,15 @@ async def _autoscale(
     assert spec.autoscaling is not None
     name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     last = state.last_decision_at.get(uid)
-    if last is not None and now - last < spec.autoscaling.period_seconds:
+    replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}
+    # A gateway holding requests for a decode pool at zero: decide now, not a
+    # period later (the request waits for a cold start either way).
+    activating = replicas["decode"] == 0 and any(
+        s.values.get(m.GATEWAY_HELD_REQUESTS.name, 0.0) > 0 for s in samples if s.role == "gateway"
+    )
+    if last is not None and now - last < spec.autoscaling.period_seconds and not activating:
         return autoscaled
     state.last_decision_at[uid] = now
-    replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}
     decisions = config.decide(f"{namespace}/{name}", spec.autoscaling, samples, replicas, now)
     if not decisions:
         return autoscaled

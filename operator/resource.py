@@ -210,6 +210,16 @@ class KVTransferSpec(_Spec):
     when unset)."""
     transfer_timeout_seconds: float | None = Field(default=None, gt=0)
     """Bound on one KV pull (connector default when unset)."""
+    ucx_transports: str = "cuda_copy,cuda_ipc,rc,sm,self,tcp"
+    """`UCX_TLS` of engine pods that request GPUs (NixlConnector only): the UCX
+    transports for KV in GPU memory (cuda_copy, cuda_ipc within a node, rc for
+    RDMA between nodes) with shared memory and TCP as fallbacks. A role's own
+    `UCX_TLS` in `env` wins. See docs/gpu.md for what TCP-only UCX costs."""
+    rdma_resource: str | None = None
+    """Extended resource of one RDMA device (e.g. `rdma/rdma_shared_device_a`
+    from the RDMA shared device plugin): when set, every engine pod requests
+    one and gets the `IPC_LOCK` capability that RDMA memory registration
+    needs (outside the `restricted` Pod Security profile)."""
     extra_config: Annotated[dict[str, Any], PassThrough("kv_connector_extra_config")] = Field(
         default_factory=dict
     )
@@ -261,14 +271,28 @@ class RoleSpec(PodPlacement):
     """One engine pool: prefill or decode."""
 
     replicas: int = Field(default=1, ge=0)
-    """Number of engine pods. With `autoscaling` set, the starting point,
-    kept within the role's minReplicas..maxReplicas."""
+    """Number of engines (pods, or pod groups when nodesPerReplica > 1). With
+    `autoscaling` set, the starting point, kept within the role's
+    minReplicas..maxReplicas."""
     engine: EngineSettings = Field(default_factory=dict)
     """Engine settings for this role only; each key overrides the same key of
-    `spec.engine` (same keys and meaning)."""
-    shm_size: Quantity = "1Gi"
+    `spec.engine` (same keys and meaning). `tensorParallelSize` may differ
+    between the roles (e.g. prefill 1, decode 4)."""
+    nodes_per_replica: int = Field(default=1, ge=1, le=64)
+    """Pods (nodes) one engine spans. 1: each engine is one pod of a
+    Deployment, its tensorParallelSize ranks on that pod's accelerators. More:
+    each engine is a LeaderWorkerSet group (leaderworkerset.x-k8s.io/v1, whose
+    controller must be installed) of this many pods holding
+    tensorParallelSize / nodesPerReplica ranks each; the leader pod serves the
+    API and the gateway routes to leaders only (docs/parallelism-k8s.md)."""
+    shm_size: Quantity | None = None
     """Size of the memory-backed /dev/shm volume (NCCL, UCX and the tokenizer
-    pool use shared memory)."""
+    pool use shared memory). Default: 1Gi for one rank per pod, 4Gi per rank
+    when a pod runs several tensor-parallel ranks."""
+    accelerator_resource: str = Field(default="nvidia.com/gpu", min_length=1)
+    """Extended resource of one accelerator. When the engine runs more than one
+    rank (or the resources already name it), the operator requests
+    tensorParallelSize / nodesPerReplica of it per pod."""
 
     @field_validator("engine")
     @classmethod

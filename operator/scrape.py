@@ -25,6 +25,7 @@ import httpx
 from pdfleet.engine.config import metrics as m
 
 from .manifests import LABEL_ROLE
+from .parallelism import LABEL_GROUP_ROLE, WORKER
 
 # Counters of failed KV pulls: pdfleet's native name and vLLM's NIXL names.
 KV_FAILURE_METRICS = (
@@ -35,6 +36,9 @@ KV_FAILURE_METRICS = (
 KV_TRANSFER_METRICS = (m.ENGINE_KV_TRANSFERS.name,)
 # A gateway's gauge: 1 per (prefill, decode) pair whose KV circuit breaker is open.
 KV_PAIR_OPEN_METRIC = m.GATEWAY_KV_PAIR_OPEN.name
+# A decode engine's KVTransferDegraded gauge (pull bandwidth under min_pull_gbps).
+KV_DEGRADED_METRIC = m.ENGINE_KV_TRANSFER_DEGRADED.name
+KV_BANDWIDTH_METRIC = m.ENGINE_KV_PULL_BANDWIDTH.name
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,21 @@ class PodSample:
     error: str | None = None
 
 
+def activation_key(role: str) -> str:
+    """The values key of a gateway's activation counter for one role."""
+    return f"{m.GATEWAY_ACTIVATIONS.name}:{role}"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {sample name: sum over label sets}."""
-    return m.parse_metrics(text).totals()
+    """Prometheus text exposition -> {sample name: sum over label sets}; the
+    gateway's activation counter also per role (:func:`activation_key`), as
+    the autoscaler reads it by role."""
+    scrape = m.parse_metrics(text)
+    values = scrape.totals()
+    for labels, value in scrape.samples.get(m.GATEWAY_ACTIVATIONS.name, ()):
+        key = activation_key(labels.get("role", ""))
+        values[key] = values.get(key, 0.0) + value
+    return values
 
 
 def metrics_url(pod: Mapping[str, Any]) -> str | None:
@@ -102,11 +118,13 @@ async def scrape_pods(
             return PodSample(name, role, ready, clock(), error=f"{url}: {e!r}")
         return PodSample(name, role, ready, clock(), values=values)
 
-    engine_pods = [
-        p
-        for p in pods
-        if gateways or (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
-    ]
+    def scraped(pod: Mapping[str, Any]) -> bool:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        if labels.get(LABEL_GROUP_ROLE) == WORKER:
+            return False  # ranks only: a group's leader serves its /metrics
+        return gateways or labels.get(LABEL_ROLE) != "gateway"
+
+    engine_pods = [p for p in pods if scraped(p)]
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds), headers=headers) as http:
         return list(await asyncio.gather(*(one(http, p) for p in engine_pods)))
@@ -203,6 +221,18 @@ class KVHealth:
             )
         if breakers:
             return KVVerdict(False, "KVCircuitOpen", breakers)
+        slow = {
+            s.pod: s.values.get(KV_BANDWIDTH_METRIC, 0.0)
+            for s in samples
+            if s.role != "gateway" and s.values.get(KV_DEGRADED_METRIC, 0) > 0
+        }
+        if slow:
+            return KVVerdict(
+                False,
+                "KVPullBandwidthLow",
+                "KV pull bandwidth under min_pull_gbps (UCX on TCP only? see docs/gpu.md): "
+                + ", ".join(f"{pod} {bw / 1e9:.3g} GB/s" for pod, bw in sorted(slow.items())),
+            )
         if not seen and not self._growth:
             return KVVerdict(None, "NoMetrics", "no engine reports KV-transfer counters yet")
         if failed == 0:

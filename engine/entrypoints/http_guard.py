@@ -1,7 +1,6 @@
-"""Limits on what one HTTP connection may cost a server, and the engine's credentials check.
+"""Limits on what one HTTP connection may cost an engine, and its credentials check.
 
-The one home of request limits for both HTTP servers, the engine's and the
-gateway's. Some limits need the wire and some need the request:
+Two layers, because some limits need the wire and some need the request:
 
 * :func:`guarded_h11_protocol` is uvicorn's h11 protocol with timers. A
   connection must finish a request's headers within ``header_timeout``
@@ -10,24 +9,17 @@ gateway's. Some limits need the wire and some need the request:
   ``body_timeout`` seconds of the headers (answered 408). A chunked body whose
   chunk-size line announces more than ``max_chunk_bytes`` is answered 413 and
   the connection closed at once (h11 alone would wait for those bytes).
-  ``body_timeout=None`` and ``max_chunk_bytes=None`` leave the body to the
-  application: the gateway reads it with :func:`read_body` so that it can
-  count each refusal.
-* :class:`GuardMiddleware` (ASGI, the engine's) checks the credential of every
-  route but the health probes (401), refuses a body whose ``Content-Length``
-  exceeds ``max_body_bytes`` before reading any of it (413, connection
-  closed), and counts a chunked body as it arrives (413 as soon as it passes
-  the limit), so a rejected request never holds more than the limit in memory.
-* :func:`read_body` (the gateway's) does the same inside a handler, within
-  ``body_timeout``, raising :class:`BodyRejected`.
+* :class:`GuardMiddleware` (ASGI) checks the credential of every route but
+  the health probes (401), refuses a body whose ``Content-Length`` exceeds
+  ``max_body_bytes`` before reading any of it (413, connection closed), and
+  counts a chunked body as it arrives (413 as soon as it passes the limit),
+  so a rejected request never holds more than the limit in memory.
 
-Every refusal is an OpenAI-shaped JSON error. See docs/serving.md and
-docs/gateway.md.
+Every refusal is an OpenAI-shaped JSON error. See docs/serving.md.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -42,75 +34,26 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Per-request bounds of an HTTP server (flags of ``pdfleet serve``; the
-    gateway fills them from its own flags). ``None`` for ``max_chunk_bytes`` or
-    ``body_timeout``: the wire does not enforce it (the application does)."""
+    """Per-request bounds of the engine's HTTP server (flags of ``pdfleet serve``)."""
 
     max_body_bytes: int = 8 * MiB
-    max_chunk_bytes: int | None = 1 * MiB
+    max_chunk_bytes: int = 1 * MiB
     header_timeout: float = 10.0
-    body_timeout: float | None = 60.0
+    body_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_chunk_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("header_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
 
 
-# OpenAI's error types of the statuses refused here (as the OpenAI server's APIError).
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-}
-
-
 def error_bytes(message: str, status: int) -> bytes:
-    error = {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": None}
-    return json.dumps({"error": {**error, "code": status}}).encode()
+    from .openai.protocol import APIError
 
-
-class BodyRejected(Exception):
-    """The client's body is too large or too slow: ``status`` is 413 or 408."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.message, self.status = message, status
-
-
-async def read_body(request: Any, max_bytes: int, timeout: float) -> bytes:
-    """A Starlette request's whole body, or BodyRejected (nothing beyond
-    ``max_bytes`` is kept; refused on ``Content-Length`` before a byte is read)."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            declared = int(length)
-        except ValueError:
-            raise BodyRejected("invalid Content-Length header", 400) from None
-        if declared > max_bytes:
-            raise BodyRejected(
-                f"the request body is {declared} bytes; the limit is {max_bytes}", 413
-            )
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise BodyRejected(
-                        f"the request body exceeds the limit of {max_bytes} bytes", 413
-                    )
-                parts.append(chunk)
-    except TimeoutError:
-        raise BodyRejected(f"the request body was not received within {timeout}s", 408) from None
-    return b"".join(parts)
+    return json.dumps(APIError(message, status=status).body()).encode()
 
 
 async def _send_error(
@@ -245,24 +188,23 @@ def guarded_h11_protocol(limits: ServerLimits) -> type:
                 self._header_timer.cancel()
                 self._header_timer = None
             if state is h11.SEND_BODY:
-                if self._body_timer is None and limits.body_timeout is not None:
+                if self._body_timer is None:
                     self._body_timer = self.loop.call_later(
                         limits.body_timeout, self._on_body_timeout
                     )
                 reader = getattr(self.conn, "_reader", None)
                 pending = getattr(reader, "_bytes_in_chunk", 0)
-                most = limits.max_chunk_bytes
-                if isinstance(reader, ChunkedReader) and most is not None and pending > most:
+                if isinstance(reader, ChunkedReader) and pending > limits.max_chunk_bytes:
                     self.logger.warning(
                         "refused a %d-byte chunk from %s (--max-chunk-bytes %d)",
                         pending,
                         self.client,
-                        most,
+                        limits.max_chunk_bytes,
                     )
                     self._refuse(
                         413,
                         f"a body chunk of {pending} bytes exceeds this server's limit of "
-                        f"{most} bytes (--max-chunk-bytes)",
+                        f"{limits.max_chunk_bytes} bytes (--max-chunk-bytes)",
                     )
             elif self._body_timer is not None:
                 self._body_timer.cancel()

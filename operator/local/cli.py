@@ -122,7 +122,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     service = load_inference_service(args.file if args.file else default_service())
-    problems = check_service(service.spec)
+    problems = [str(p) for p in check_service(service.spec)]
+    problems += [
+        f"spec.{role}.nodesPerReplica: pdfleet up runs every engine on this machine "
+        "(its tensor-parallel ranks as local processes); set nodesPerReplica: 1"
+        for role in ("prefill", "decode")
+        if service.spec.role(role).nodes_per_replica > 1
+    ]
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     fleet_secret, api_keys = fleet_credentials()
@@ -170,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
-            if autoscaler is not None and time.monotonic() >= next_scale:
+            if autoscaler is not None and (
+                time.monotonic() >= next_scale or autoscaler.activation_pending()
+            ):
                 next_scale = time.monotonic() + autoscaler.spec.period_seconds
                 autoscaler.step()
             state.write(autoscaler)

@@ -37,6 +37,7 @@ EXAMPLES = [
     "inferenceservice-cpu.yaml",
     "inferenceservice-llama-3.1-8b.yaml",
     "inferenceservice-hf.yaml",
+    "inferenceservice-tp.yaml",
 ]
 
 

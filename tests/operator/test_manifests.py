@@ -11,6 +11,7 @@ import pathlib
 import pytest
 import yaml
 from helpers.kube_schema import validate
+from helpers.lws_schema import validate_lws
 
 from pdfleet.engine.cli import main
 from pdfleet.operator.manifests import (
@@ -56,7 +57,7 @@ def test_every_child_of_the_examples_is_a_valid_kubernetes_object(path):
     objects = build_children(svc.name, svc.spec, namespace="default", owner=Owner(svc.name, "u1"))
     assert len(objects) == 15
     for obj in objects:
-        validate(obj)
+        validate_lws(obj) if obj["kind"] == "LeaderWorkerSet" else validate(obj)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
         assert obj["metadata"]["labels"]["pdfleet.dev/service"] == svc.name
 
@@ -120,6 +121,24 @@ def test_builtin_model_is_written_by_an_init_container_and_pvc_models_are_mounte
     volume = next(v for v in pod["volumes"] if v["name"] == "models")
     assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
     assert pod["containers"][0]["command"][2] == "/models/weights/llama"
+
+
+@pytest.mark.parametrize(
+    "resources, workers",
+    [
+        ({}, 1),
+        ({"limits": {"cpu": "4"}}, 4),
+        ({"limits": {"cpu": "2500m"}, "requests": {"cpu": "1"}}, 2),
+        ({"requests": {"cpu": "3"}}, 3),
+        ({"limits": {"cpu": "500m"}}, 1),
+    ],
+)
+def test_gateway_runs_one_worker_per_whole_cpu_of_its_limit(resources, workers):
+    from pdfleet.engine.cli import build_parser
+
+    spec = {**SPEC, "gateway": {**SPEC.get("gateway", {}), "resources": resources}}
+    command = container(children(spec), "demo-gateway")["command"]
+    assert build_parser().parse_args(command[1:]).workers == workers
 
 
 def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secret():
@@ -308,6 +327,48 @@ def test_engine_pods_pin_ucx_to_a_port_range_above_the_kv_port():
     high = children({**SPEC, "kvTransfer": {"connector": "NixlConnector", "port": 65530}})
     env = {e["name"]: e.get("value") for e in container(high, "demo-decode")["env"]}
     assert env["UCX_TCP_PORT_RANGE"] == "65498-65529"
+
+
+def test_gpu_engine_pods_request_the_ucx_transports_for_gpu_memory():
+    objects = children()
+    env = {e["name"]: e.get("value") for e in container(objects, "demo-prefill")["env"]}
+    transports = env["UCX_TLS"].split(",")
+    assert {"cuda_copy", "cuda_ipc", "rc"} <= set(transports)
+    # Without GPUs UCX keeps its own choice; a role's own UCX_TLS wins, once.
+    gpu_decode = {**SPEC["decode"], "resources": {"limits": {"nvidia.com/gpu": 2}}}
+    own = children({**SPEC, "decode": gpu_decode})
+    decode_env = [e for e in container(own, "demo-decode")["env"] if e["name"] == "UCX_TLS"]
+    assert decode_env == [{"name": "UCX_TLS", "value": "tcp"}]
+    cpu_only = {**SPEC, "prefill": {"replicas": 1}}
+    names = {e["name"] for e in container(children(cpu_only), "demo-prefill")["env"]}
+    assert "UCX_TLS" not in names
+    zmq = children({**SPEC, "kvTransfer": {"connector": "ZmqConnector"}})
+    assert "UCX_TLS" not in {e["name"] for e in container(zmq, "demo-prefill")["env"]}
+
+
+def test_gpus_implied_by_tensor_parallelism_also_get_the_gpu_transports():
+    # No GPU written in resources: the operator derives 2 per pod from the TP size.
+    tp = {"replicas": 1, "engine": {"tensorParallelSize": 2}}
+    c = container(children({**SPEC, "prefill": tp}), "demo-prefill")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "cuda_ipc" in {e["name"]: e.get("value") for e in c["env"]}["UCX_TLS"]
+
+
+def test_an_rdma_device_gives_engine_pods_the_resource_and_ipc_lock():
+    plain = container(children(), "demo-prefill")
+    assert "add" not in plain["securityContext"]["capabilities"]
+    kv = {**SPEC["kvTransfer"], "rdmaResource": "rdma/rdma_shared_device_a"}
+    objects = children({**SPEC, "kvTransfer": kv})
+    for name in ("demo-prefill", "demo-decode"):
+        c = container(objects, name)
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+        assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"
+    assert container(objects, "demo-prefill")["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for obj in objects:
+        validate(obj)
+    gateway = container(objects, "demo-gateway")
+    assert "add" not in gateway["securityContext"]["capabilities"]
 
 
 def network_policy(objects, role):
