@@ -46,8 +46,12 @@ contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
 current-context: x
 """
     )
+    from kubernetes.config import kube_config
+
     with pytest.MonkeyPatch.context() as env:
+        # kubernetes reads $KUBECONFIG once, when it is first imported.
         env.setenv("KUBECONFIG", str(kubeconfig))
+        env.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
         src = ClusterSource("ns", "demo")
     yield src
     src.close()
