@@ -74,7 +74,6 @@ def _own(group: str, default: Any = None, factory: Any = None) -> Any:
 UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("trust_remote_code", False, "running a model directory's own code"),
     ("quantization", None, "weight quantization"),
-    ("tensor_parallel_size", 1, "tensor parallelism (scale with more engine replicas)"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
     ("data_parallel_size", 1, "in-engine data parallelism (scale with more engine replicas)"),
     ("max_num_partial_prefills", 1, "concurrent partial prefills"),

@@ -17,6 +17,7 @@ import torch
 from ..attention import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from ..distributed import get_tp_group
 from ..kv_transfer.base import KVConnectorWorker
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
@@ -28,6 +29,7 @@ from .kv_cache import (
     bytes_per_block,
     check_fits_max_model_len,
     determine_num_blocks,
+    local_kv_heads,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,11 @@ class ModelRunner:
                 # Graph outputs (logits of the largest batch) and workspaces live outside
                 # the profiled peak: keep room for them.
                 peak += 2 * (cc.max_cudagraph_capture_size or 0) * m.vocab_size * 4 + (256 << 20)
-        self.num_blocks = determine_num_blocks(config, self.kv_dtype, self.device, peak)
+        self.tp = get_tp_group()
+        # Block ids are global: every rank's shard has as many blocks as the smallest.
+        self.num_blocks = self.tp.all_min(
+            determine_num_blocks(config, self.kv_dtype, self.device, peak)
+        )
         check_fits_max_model_len(config, self.num_blocks)
         self.max_model_len = config.scheduler_config.max_model_len
         self.kv_buffer, self.kv_caches = allocate_kv_caches(
@@ -152,7 +158,7 @@ class ModelRunner:
         n = self.config.scheduler_config.max_num_batched_tokens
         # A one-block throwaway cache is enough to exercise every kernel.
         m = self.config.model_config
-        shape = (1, self.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (1, self.block_size, local_kv_heads(self.config), m.head_dim)
         caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -393,7 +399,11 @@ class ModelRunner:
             last = torch.tensor(batch.logits_indices, device=self.device)
             logits = self.model.compute_logits(hidden[last])
         sample_states = [states[r] for r in rows]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_states))
+        sampling = self._sampling_metadata(sample_states)
+        sampled = self.sampler(logits, sampling)
+        if self.tp.size > 1 and not sampling.all_greedy:
+            # Every rank keeps the request's tokens: all take rank 0's samples.
+            self.tp.broadcast(sampled.sampled_token_ids)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
         result.forward_seconds = time.perf_counter() - start
         lp_ids = (
