@@ -420,6 +420,11 @@ class EngineArgs:
             pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
         )
+        parallel_config.check_model(
+            model_config.num_attention_heads,
+            model_config.num_key_value_heads,
+            int(model_config.hf_config.get("intermediate_size", 0)),
+        )
         args._set_default_batch_limits(usage_context, model_config, target, memory, name)
         # Resolved above: the model's length and the batch limits are set now.
         assert model_config.max_model_len is not None

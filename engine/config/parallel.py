@@ -9,11 +9,11 @@ from .hashing import hash_fields
 
 @dataclass
 class ParallelConfig:
-    """How one engine spreads over devices. pdfleet scales out with replicas
-    (more prefill or decode engines), so each engine runs on one device."""
+    """How one engine spreads over devices: tensor parallelism within an engine
+    (one rank process per device, docs/parallelism.md); more engines scale out."""
 
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel ranks. pdfleet engines run with 1."""
+    """Number of tensor-parallel ranks (one process and one device each)."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages. pdfleet engines run with 1."""
     data_parallel_size: int = 1
@@ -24,6 +24,27 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_model(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+        """Raise ValueError when the model cannot be split over the ranks."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if num_heads % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} does not divide the model's {num_heads} "
+                f"attention heads; pick a divisor of {num_heads}"
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} and the model's {num_kv_heads} KV heads: one "
+                "must divide the other (KV heads are sharded, or replicated when fewer)"
+            )
+        if intermediate_size % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} does not divide the model's intermediate size "
+                f"{intermediate_size}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -126,7 +127,8 @@ class TPExecutor:
             self.store,
             0,
             self.size + 1,
-            rendezvous.COLLECTIVE_TIMEOUT,
+            # Also bounds each broadcast: the ranks are always waiting for the next one.
+            datetime.timedelta(seconds=timeout),
         )
         deadline = time.monotonic() + timeout + 5.0
         try:
@@ -167,18 +169,36 @@ class TPExecutor:
     def _watched(self) -> list[Any]:
         return [*self.conns, *(p.sentinel for p in self.procs)]
 
-    def _check_ranks(self) -> None:
-        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True)):
-            if conn.poll():
-                msg = conn.recv_bytes()
-                if msg[:1] == ERROR:
-                    raise RankFailed(f"tensor-parallel rank {rank} failed: {msg[1:].decode()}")
-                raise RankFailed(f"tensor-parallel rank {rank} sent an unexpected message")
+    def _dead(self) -> RankFailed | None:
+        """The first rank that exited, if any (reported before the errors it causes
+        on the other ranks)."""
+        for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise RankFailed(
+                proc.join(0.5)
+                return RankFailed(
                     f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
                     f"{proc.exitcode}; the engine cannot run without it"
                 )
+        return None
+
+    def _failed(self, rank: int, detail: str) -> RankFailed:
+        time.sleep(0.2)  # a peer's death shows within this
+        return self._dead() or RankFailed(f"tensor-parallel rank {rank} failed: {detail}")
+
+    def _check_ranks(self) -> None:
+        dead = self._dead()
+        for rank, conn in enumerate(self.conns):
+            if dead is None and conn.poll():
+                try:
+                    msg = conn.recv_bytes()
+                except EOFError:
+                    dead = self._failed(rank, "its pipe closed")
+                    break
+                if msg[:1] == ERROR:
+                    raise self._failed(rank, msg[1:].decode())
+                raise RankFailed(f"tensor-parallel rank {rank} sent an unexpected message")
+        if dead is not None:
+            raise dead
 
     def _messages(self, deadline: float, what: str) -> list[tuple[int, bytes, bytes]]:
         """The next messages from the ranks (at least one); raises for errors and deaths."""
@@ -192,18 +212,15 @@ class TPExecutor:
                     try:
                         msg = conn.recv_bytes()
                     except EOFError:
-                        continue  # its death shows below
+                        raise self._failed(rank, "its pipe closed") from None
                     if msg[:1] == ERROR:
-                        raise RankFailed(f"tensor-parallel rank {rank} failed: {msg[1:].decode()}")
+                        raise self._failed(rank, msg[1:].decode())
                     got.append((rank, msg[:1], msg[1:]))
             if got:
                 return got
-            for rank, proc in enumerate(self.procs):
-                if not proc.is_alive():
-                    raise RankFailed(
-                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                        f"{proc.exitcode}; the engine cannot run without it"
-                    )
+            dead = self._dead()
+            if dead is not None:
+                raise dead
             if time.monotonic() > deadline:
                 raise RankFailed(f"the tensor-parallel ranks did not {what} in time")
 
