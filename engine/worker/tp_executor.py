@@ -81,6 +81,8 @@ class TPExecutor:
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.ctl: Any = None
+        self.broadcast_seconds = 0.0
+        self.num_steps = 0
         try:
             for rank in range(size):
                 parent, child = ctx.Pipe(duplex=False)
@@ -239,8 +241,12 @@ class TPExecutor:
             ) from e
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
         payload = pack_step(out)
         self._broadcast([len(payload), STEP], payload)
+        # Packing and broadcasting the step (benchmarks/tp_overhead.py reports it).
+        self.broadcast_seconds += time.perf_counter() - start
+        self.num_steps += 1
         deadline = time.monotonic() + self.step_timeout
         while True:
             for rank, tag, body in self._messages(deadline, "finish the step"):
