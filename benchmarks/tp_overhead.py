@@ -8,7 +8,8 @@ Reported per decode step: both step times, their difference (the overhead),
 what the main process spends packing and broadcasting the step, and the
 collectives a TP=2 step runs (one all-reduce per o/down projection and for
 the embedding, one all-gather of the logits), each timed alone between two
-gloo processes of the same sizes. Rerun:
+gloo processes of the same sizes. On a loaded host the numbers move with the
+load (they are the minimum over ``--repeats`` runs). Rerun:
 
     .venv/bin/python benchmarks/tp_overhead.py --json benchmarks/results/tp_overhead_cpu.json
 """
@@ -22,6 +23,10 @@ import os
 import platform
 import tempfile
 import time
+
+# OpenMP threads that spin while they wait steal a shared core from the other
+# process's threads; both sides wait passively (set before torch starts OpenMP).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.distributed as dist

@@ -119,6 +119,11 @@ class EngineArgs:
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _from(ParallelConfig, "pipeline_parallel_size")
     data_parallel_size: int = _from(ParallelConfig, "data_parallel_size")
+    nnodes: int = _from(ParallelConfig, "nnodes")
+    node_rank: int = _from(ParallelConfig, "node_rank")
+    master_addr: str = _from(ParallelConfig, "master_addr")
+    master_port: int = _from(ParallelConfig, "master_port")
+    headless: bool = _from(ParallelConfig, "headless")
     # CacheConfig
     block_size: int | None = _from(CacheConfig, "block_size", None)
     gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
@@ -419,6 +424,11 @@ class EngineArgs:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            headless=args.headless,
         )
         parallel_config.check_model(
             model_config.num_attention_heads,

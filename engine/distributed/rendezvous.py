@@ -38,11 +38,11 @@ def rendezvous_timeout() -> float:
     return value
 
 
-def master_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:
-    """The store the main process serves (a free port on ``host``)."""
+def master_store(host: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
+    """The store the main process serves (port 0: a free one)."""
     return dist.TCPStore(
         host,
-        0,
+        port,
         world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout),

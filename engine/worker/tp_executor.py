@@ -50,21 +50,67 @@ def _seconds(env: str, default: float) -> float:
 
 def check_devices(config: EngineConfig) -> None:
     """Refuse a TP size larger than the devices there are (before anything starts)."""
-    tp = config.parallel_config.tensor_parallel_size
+    tp = config.parallel_config.ranks_per_node
     if config.device_config.device == "cuda":
         have = torch.cuda.device_count()
         if tp > have:
             raise ValueError(
-                f"--tensor-parallel-size {tp} needs {tp} GPUs, this host has {have}; lower "
-                "--tensor-parallel-size (or make more GPUs visible: CUDA_VISIBLE_DEVICES)"
+                f"--tensor-parallel-size / --nnodes = {tp} ranks per node need {tp} GPUs, this "
+                f"host has {have}; lower --tensor-parallel-size (or make more GPUs visible: "
+                "CUDA_VISIBLE_DEVICES)"
             )
     else:
         have = len(os.sched_getaffinity(0))
         if tp > have:
             raise ValueError(
                 f"--tensor-parallel-size {tp} needs one CPU core per rank, this process may "
-                f"use {have}; lower --tensor-parallel-size"
+                f"use {have}; lower --tensor-parallel-size (per node: / --nnodes)"
             )
+
+
+def spawn_ranks(
+    config: EngineConfig,
+    eos_token_ids: tuple[int, ...],
+    host: str,
+    port: int,
+    timeout: float,
+) -> tuple[list[Any], list[Any]]:
+    """Start this node's rank processes; returns (their pipes, the processes)."""
+    pc = config.parallel_config
+    local = pc.ranks_per_node
+    threads = max(1, torch.get_num_threads() // local)
+    ctx = multiprocessing.get_context("spawn")
+    conns: list[Any] = []
+    procs: list[Any] = []
+    for rank in range(pc.node_rank * local, (pc.node_rank + 1) * local):
+        parent, child = ctx.Pipe(duplex=False)
+        spec = RankSpec(
+            config,
+            tuple(eos_token_ids),
+            rank,
+            pc.tensor_parallel_size,
+            host,
+            port,
+            timeout,
+            threads,
+            os.getpid(),
+        )
+        proc = ctx.Process(
+            target=rank_main, args=(spec, child), name=f"pdfleet-tp{rank}", daemon=True
+        )
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs
+
+
+def _store_address(config: EngineConfig) -> tuple[str, int]:
+    """One node: a free port on loopback. Several: the leader's --master-addr/--master-port."""
+    pc = config.parallel_config
+    if pc.nnodes == 1:
+        return "127.0.0.1", 0
+    return pc.master_addr, pc.master_port
 
 
 class TPExecutor:
@@ -74,36 +120,17 @@ class TPExecutor:
         self.size = size = config.parallel_config.tensor_parallel_size
         self.step_timeout = _seconds(STEP_TIMEOUT_ENV, 600.0)
         timeout = rendezvous.rendezvous_timeout()
-        host = "127.0.0.1"
-        self.store = rendezvous.master_store(host, size + 1, timeout)
-        threads = max(1, torch.get_num_threads() // size)
-        ctx = multiprocessing.get_context("spawn")
+        host, port = _store_address(config)
+        self.store = rendezvous.master_store(host, port, size + 1, timeout)
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.ctl: Any = None
         self.broadcast_seconds = 0.0
         self.num_steps = 0
         try:
-            for rank in range(size):
-                parent, child = ctx.Pipe(duplex=False)
-                spec = RankSpec(
-                    config,
-                    tuple(eos_token_ids),
-                    rank,
-                    size,
-                    host,
-                    self.store.port,
-                    timeout,
-                    threads,
-                    os.getpid(),
-                )
-                proc = ctx.Process(
-                    target=rank_main, args=(spec, child), name=f"pdfleet-tp{rank}", daemon=True
-                )
-                proc.start()
-                child.close()
-                self.conns.append(parent)
-                self.procs.append(proc)
+            self.conns, self.procs = spawn_ranks(
+                config, eos_token_ids, host, self.store.port, timeout
+            )
             self._rendezvous(timeout)
             self._wait_ready(_seconds(LOAD_TIMEOUT_ENV, 1800.0))
         except BaseException:
@@ -112,10 +139,10 @@ class TPExecutor:
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
         logger.info(
-            "tensor parallelism: %d ranks (pids %s), %d threads each, %d KV blocks per shard",
+            "tensor parallelism: %d ranks (%d on this node: pids %s), %d KV blocks per shard",
             size,
+            len(self.procs),
             ", ".join(str(p.pid) for p in self.procs),
-            threads,
             self.num_blocks - 1,
         )
 
@@ -153,7 +180,7 @@ class TPExecutor:
     def _wait_ready(self, timeout: float) -> None:
         blocks: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + timeout
-        while len(blocks) < self.size:
+        while len(blocks) < len(self.procs):
             for rank, tag, body in self._messages(deadline, "load the model"):
                 if tag != READY:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} before ready")
@@ -270,3 +297,56 @@ class TPExecutor:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node after the first of a multi-node engine: its ranks only, no API server.
+
+    The ranks meet the leader's store at --master-addr/--master-port and take
+    their steps from the leader's broadcasts. This process exits (with a
+    non-zero code) as soon as any of its ranks does, so the group restarts;
+    SIGTERM stops the ranks and exits.
+    """
+    import signal
+
+    check_devices(config)
+    host, port = _store_address(config)
+    conns, procs = spawn_ranks(config, (), host, port, rendezvous.rendezvous_timeout())
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    logger.info(
+        "headless node %d: ranks %s (pids %s), leader %s:%d",
+        config.parallel_config.node_rank,
+        ", ".join(p.name for p in procs),
+        ", ".join(str(p.pid) for p in procs),
+        host,
+        port,
+    )
+    try:
+        while True:
+            ready = multiprocessing.connection.wait(
+                [*conns, *(p.sentinel for p in procs)], timeout=1.0
+            )
+            for conn, proc in zip(conns, procs, strict=True):
+                if conn in ready:
+                    try:
+                        msg = conn.recv_bytes()
+                    except EOFError:
+                        continue
+                    if msg[:1] == ERROR:
+                        logger.error("%s failed: %s", proc.name, msg[1:].decode())
+                    elif msg[:1] == READY:
+                        logger.info("%s ready", proc.name)
+            for proc in procs:
+                if not proc.is_alive():
+                    logger.error("%s exited with code %s", proc.name, proc.exitcode)
+                    return 0 if proc.exitcode == 0 else 1  # 0: the leader said stop
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(5.0)

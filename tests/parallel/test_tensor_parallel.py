@@ -4,10 +4,13 @@ identical to TP=1 for every family, and the failure paths (bounded, clear)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
+import httpx
 import pytest
 from helpers.engine import random_prompts
+from helpers.server import ServerProcess, free_port, wait_until
 
 from pdfleet.engine import LLM, SamplingParams
 from pdfleet.engine.config import EngineArgs
@@ -39,28 +42,46 @@ def run_rounds(llm: LLM, vocab: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in first + rest]
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_greedy_tokens_at_tp2_equal_tp1_through_chunked_prefill_and_prefix_hits(
-    tiny_model_factory, arch
-):
-    path = tiny_model_factory(arch, **FAMILIES[arch])
-    reference = LLM(path, **ENGINE)
-    vocab = reference.engine.config.model_config.vocab_size
-    expected = run_rounds(reference, vocab)
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
-    try:
-        before = llm.engine.stats.prefix_cache_hits
-        assert run_rounds(llm, vocab) == expected
-        stats = llm.engine.stats
-        assert stats.prefix_cache_hits - before >= 3 * 32  # two full blocks per extension
-        sched = llm.engine.core.scheduler
-        assert not sched.requests and sched.kv.num_free_blocks == sched.kv.num_usable_blocks
-    finally:
+@pytest.fixture(scope="module")
+def tp2_engine(tiny_model_factory):
+    """``get(arch) -> (path, LLM at TP=2)``: one engine per family for the module."""
+    engines: dict[str, tuple[str, LLM]] = {}
+
+    def get(arch: str) -> tuple[str, LLM]:
+        if arch not in engines:
+            path = tiny_model_factory(arch, **FAMILIES[arch])
+            engines[arch] = (path, LLM(path, tensor_parallel_size=2, **ENGINE))
+        return engines[arch]
+
+    yield get
+    for _path, llm in engines.values():
         llm.engine.shutdown()
 
 
-def test_a_dead_rank_takes_the_engine_down_with_a_clear_error_and_no_orphans(tiny_model):
-    llm = LLM(tiny_model, tensor_parallel_size=2, max_model_len=128)
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_greedy_tokens_at_tp2_equal_tp1_through_chunked_prefill_and_prefix_hits(tp2_engine, arch):
+    path, llm = tp2_engine(arch)
+    reference = LLM(path, **ENGINE)
+    vocab = reference.engine.config.model_config.vocab_size
+    expected = run_rounds(reference, vocab)
+    before = llm.engine.stats.prefix_cache_hits
+    assert run_rounds(llm, vocab) == expected
+    stats = llm.engine.stats
+    assert stats.prefix_cache_hits - before >= 3 * 32  # two full blocks per extension
+    sched = llm.engine.core.scheduler
+    assert not sched.requests and sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+
+
+def test_seeded_random_sampling_at_tp2_equals_tp1(tp2_engine):
+    path, llm = tp2_engine("llama")
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [9, 10, 11]}, {"prompt_token_ids": [40, 41]}]
+    expected = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(prompts, sp)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
+
+
+def test_a_dead_rank_takes_the_engine_down_with_a_clear_error_and_no_orphans(tp2_engine):
+    _path, llm = tp2_engine("llama")  # the module's last use of it
     runner = llm.engine.core.runner
     pids = [p.pid for p in runner.procs]
     try:
@@ -75,6 +96,68 @@ def test_a_dead_rank_takes_the_engine_down_with_a_clear_error_and_no_orphans(tin
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_pdfleet_serve_at_tp2_answers_like_tp1_and_its_ranks_die_with_it(tiny_model, tmp_path):
+    server = ServerProcess(
+        ["serve", tiny_model, "--served-model-name", "tiny", "-tp", "2", "--max-model-len", "128"],
+        tmp_path,
+    )
+    try:
+        server.wait_healthy(timeout=240)
+        ranks = _children(server.proc.pid)
+        assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(
+            server.url + "/v1/completions", json=body, headers=server.headers, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        expected = LLM(tiny_model, max_model_len=128).generate(
+            [{"prompt_token_ids": [5, 6, 7, 8]}], greedy(8)
+        )
+        assert reply.json()["choices"][0]["text"] == expected[0].outputs[0].text
+    finally:
+        server.signal(signal.SIGKILL)  # whatever ends the engine, even SIGKILL
+        server.stop()
+    assert wait_until(lambda: not any(_alive(pid) for pid in ranks), timeout=10), (
+        "rank processes outlived the engine"
+    )
+
+
+def test_two_nodes_of_one_rank_each_meet_at_the_leader_and_answer_like_tp1(tiny_model, tmp_path):
+    port = free_port()
+    flags = ["-tp", "2", "--nnodes", "2", "--master-port", str(port), "--max-model-len", "128"]
+    node1 = ServerProcess(
+        ["serve", tiny_model, *flags, "--node-rank", "1", "--headless"], tmp_path, "node1"
+    )
+    try:
+        leader = LLM(
+            tiny_model, tensor_parallel_size=2, nnodes=2, master_port=port, max_model_len=128
+        )
+        try:
+            assert len(leader.engine.core.runner.procs) == 1  # rank 1 runs on node 1
+            prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(30, 70)))]
+            got = [o.outputs[0].token_ids for o in leader.generate(prompts, greedy(8))]
+        finally:
+            leader.engine.shutdown()
+        expected = LLM(tiny_model, max_model_len=128).generate(prompts, greedy(8))
+        assert got == [o.outputs[0].token_ids for o in expected]
+        # The leader's stop ends the headless node's ranks, and the node exits cleanly.
+        assert node1.proc.wait(30) == 0, node1.log()
+    finally:
+        node1.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The rank processes among the children of ``pid`` (spawned by multiprocessing)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in (int(x) for x in f.read().split()):
+                with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    if b"spawn_main" in cmd.read():
+                        out.append(child)
+    return out
 
 
 def _alive(pid: int) -> bool:
