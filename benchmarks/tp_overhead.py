@@ -139,7 +139,11 @@ def main() -> None:
     result = {
         "benchmark": "tp_overhead",
         "device": "cpu",
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        },
         "model": SPEC,
         "threads_total": args.threads,
         "batch": args.batch,
