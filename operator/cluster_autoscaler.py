@@ -7,7 +7,9 @@ and runs one :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
 per service: the same observe -> decide -> choose-victims step as ``pdfleet
 up``. :func:`actuate` carries decisions out as the single writer of the
 engine Deployments' replicas: victims (least loaded) get the lowest
-pod-deletion cost first, then ``spec.replicas`` is patched.
+pod-deletion cost first, then ``spec.replicas`` is patched. A multi-node role
+scales its LeaderWorkerSet's ``spec.replicas`` (whole groups; the highest
+group indices go first, so victims are not marked).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .autoscaling.decisions import AutoscalerMetrics
 from .autoscaling.samples import snapshot_from_series
 from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
-from .manifests import child_name, desired_replicas
+from .manifests import child_name, desired_replicas, multi_node, workload_kind
 from .resource import InferenceServiceSpec
 from .scrape import PodSample
 
@@ -112,7 +114,7 @@ async def actuate(
         after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})
         if after == before:
             continue
-        if after < before:
+        if after < before and not multi_node(spec, decision.role):
             for pod in decision.victims:
                 await client.merge_patch(
                     "Pod",
@@ -121,7 +123,7 @@ async def actuate(
                     {"metadata": {"annotations": {DELETION_COST_ANNOTATION: VICTIM_DELETION_COST}}},
                 )
         await client.merge_patch(
-            "Deployment",
+            workload_kind(spec, decision.role),
             namespace,
             child_name(name, decision.role),
             {"spec": {"replicas": after}},

@@ -15,6 +15,15 @@ from pdfleet.engine.config.cache import DEFAULT_BLOCK_SIZE
 from pdfleet.engine.config.hashing import hash_factors
 
 from .engine_spec import camel
+from .parallelism import (
+    MAX_GROUP_SET_NAME,
+    ModelHeads,
+    accelerators_per_pod,
+    builtin_heads,
+    divisors_of,
+    heads_problem,
+    role_layout,
+)
 from .resource import ROLES, InferenceServiceSpec
 from .roles import disaggregating, role_engine_args
 
@@ -25,6 +34,9 @@ MUST_MATCH = (
     ("dtype", "both roles must compute the same activations"),
     ("hf_overrides", "both roles must run the same model architecture"),
 )
+# Settings the resource accepts although the engine's own check refuses them
+# today: the operator renders them for engines that implement them.
+ALLOWED_IN_SPEC = frozenset({"tensor_parallel_size"})
 # Typed kvTransfer keys that extraConfig must not repeat.
 TYPED_EXTRA_KEYS = frozenset(
     {"lease_seconds", "backends", "handshake_timeout_seconds", "transfer_timeout_seconds"}
@@ -56,7 +68,7 @@ def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> li
     out = []
     for name, unused, what in UNSUPPORTED:
         value = getattr(args, name)
-        if value != unused:
+        if value != unused and name not in ALLOWED_IN_SPEC:
             key = camel(name)
             out.append(
                 Violation(
@@ -76,7 +88,12 @@ def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> li
         )
     except ValueError as e:
         out.append(Violation(f"spec.{role}.engine", str(e), "change the value named"))
-    for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("seed", 0)):
+    for name, minimum in (
+        ("max_num_seqs", 1),
+        ("max_num_batched_tokens", 1),
+        ("seed", 0),
+        ("tensor_parallel_size", 1),
+    ):
         value = getattr(args, name)
         if value is not None and value < minimum:
             key = camel(name)
@@ -103,16 +120,9 @@ def _check_cross_role(spec: InferenceServiceSpec, args: dict[str, EngineArgs]) -
                     f"set {key} once in spec.engine, not per role",
                 )
             )
-    if decode.tensor_parallel_size < prefill.tensor_parallel_size:
-        out.append(
-            Violation(
-                "spec.decode.engine.tensorParallelSize",
-                f"decode tensor parallelism {decode.tensor_parallel_size} is below prefill's "
-                f"{prefill.tensor_parallel_size} (a decode engine cannot take KV split over "
-                "more shards than it has)",
-                "make decode's tensorParallelSize at least prefill's",
-            )
-        )
+    # Tensor parallelism may differ between the roles, in both directions:
+    # each decode rank reads its KV heads' slice from the prefill ranks holding
+    # them (docs/kv_transfer.md).
     return out
 
 
@@ -140,14 +150,87 @@ def _check_kv_transfer(spec: InferenceServiceSpec) -> list[Violation]:
     return out
 
 
-def check_service(spec: InferenceServiceSpec) -> list[Violation]:
-    """Every rule the spec breaks (empty when it can run). Pure; needs no model files."""
+def _check_layout(
+    spec: InferenceServiceSpec,
+    role: str,
+    args: EngineArgs,
+    heads: ModelHeads | None,
+    name: str | None,
+) -> list[Violation]:
+    """Tensor parallelism over the role's pods (docs/parallelism-k8s.md)."""
+    out: list[Violation] = []
+    role_spec = spec.role(role)
+    layout = role_layout(role_spec, args)
+    tp_field = _where(spec, role, "tensorParallelSize")
+    if layout.tensor_parallel_size < 1:
+        return out  # reported by _check_engine
+    if layout.tensor_parallel_size % layout.nodes:
+        out.append(
+            Violation(
+                f"spec.{role}.nodesPerReplica",
+                f"{layout.nodes} pods cannot hold {layout.tensor_parallel_size} tensor-parallel "
+                "ranks evenly (every pod of a group runs the same number of ranks)",
+                f"make {tp_field} a multiple of nodesPerReplica",
+            )
+        )
+    if heads is not None:
+        problem = heads_problem(layout.tensor_parallel_size, heads)
+        if problem is not None:
+            sizes = ", ".join(str(n) for n in divisors_of(heads))
+            out.append(Violation(tp_field, problem, f"use one of {sizes}"))
+    count = accelerators_per_pod(role_spec, args)
+    resource = role_spec.accelerator_resource
+    for kind in ("limits", "requests"):
+        asked = getattr(role_spec.resources, kind).get(resource)
+        if count is not None and asked is not None and str(asked) != str(count):
+            out.append(
+                Violation(
+                    f"spec.{role}.resources.{kind}.{resource}",
+                    f"asks for {asked} per pod but each pod runs {count} ranks "
+                    f"({tp_field} {layout.tensor_parallel_size} over "
+                    f"{layout.nodes} pod(s))",
+                    f"remove it (the operator requests {count}) or change {tp_field}",
+                )
+            )
+    if layout.multi_node and name is not None:
+        longest = f"{name}-{role}-{max(0, _max_groups(spec, role) - 1)}"
+        if len(longest) > MAX_GROUP_SET_NAME:
+            out.append(
+                Violation(
+                    "metadata.name",
+                    f"{name!r} is too long for multi-node groups (their worker sets are named "
+                    f"like {longest!r}, at most {MAX_GROUP_SET_NAME} characters)",
+                    "use a shorter name",
+                )
+            )
+    return out
+
+
+def _max_groups(spec: InferenceServiceSpec, role: str) -> int:
+    replicas = spec.role(role).replicas
+    if spec.autoscaling is not None:
+        replicas = max(replicas, getattr(spec.autoscaling, role).max_replicas)
+    return replicas
+
+
+def check_service(
+    spec: InferenceServiceSpec, *, heads: ModelHeads | None = None, name: str | None = None
+) -> list[Violation]:
+    """Every rule the spec breaks (empty when it can run). Pure; needs no model files.
+
+    The model's head counts are known for built-in models; a caller that can
+    read the model's configuration passes ``heads`` (``pdfleet render`` beside a
+    local model directory); otherwise the engine checks them when it starts.
+    ``name`` (the object's) adds the rules on child names.
+    """
     violations = _check_kv_transfer(spec)
     args = _role_args(spec)
+    heads = heads or builtin_heads(spec.model.uri)
     for role in ROLES:
         if role == "prefill" and not disaggregating(spec):
             continue  # no prefill pods run
         violations += _check_engine(spec, role, args[role])
+        violations += _check_layout(spec, role, args[role], heads, name)
     if disaggregating(spec):
         violations += _check_cross_role(spec, args)
     # Both roles inherit spec.engine: report a shared problem once.

@@ -49,6 +49,7 @@ from .reconcile import (
     apply_children,
     autoscaled_replicas,
     checked_spec,
+    pod_templates,
     read_deployments,
 )
 from .resource import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -134,7 +135,9 @@ async def reconcile(
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
-        spec = checked_spec(name, body.get("spec"))
+        spec = checked_spec(
+            name, body.get("spec"), leader_worker_set=config.install.leader_worker_set
+        )
     except InvalidSpec as e:
         state.reconciles.labels("invalid").inc()
         _report_invalid(body, patch, e.problems, logger)
@@ -178,13 +181,16 @@ async def _fleet_secret(state: OperatorState, body: kopf.Body) -> bytes:
 
 
 def _stale_templates(deployments: dict[str, dict[str, Any] | None], version: str) -> list[str]:
-    """Deployments whose pods run with another fleet secret than ``version``."""
+    """Workloads whose pods run with another fleet secret than ``version``."""
     stale = []
     for role, deployment in deployments.items():
-        template = ((deployment or {}).get("spec") or {}).get("template") or {}
-        annotations = (template.get("metadata") or {}).get("annotations") or {}
-        if deployment is not None and annotations.get(ANNOTATION_FLEET_SECRET) != version:
-            stale.append(role)
+        if deployment is None:
+            continue
+        for template in pod_templates(deployment):
+            annotations = (template.get("metadata") or {}).get("annotations") or {}
+            if annotations.get(ANNOTATION_FLEET_SECRET) != version:
+                stale.append(role)
+                break
     return stale
 
 
@@ -203,7 +209,7 @@ async def _write_status(
         None, "NoMetrics", "not checked yet"
     )
     if deployments is None:
-        deployments = await read_deployments(state.client(), name, namespace)
+        deployments = await read_deployments(state.client(), name, namespace, spec)
     desired = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode", "gateway")}
     status = build_status(
         spec,
@@ -233,7 +239,9 @@ async def refresh(
     """Scrape, autoscale when due, refresh the status (the timer's body)."""
     name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     try:
-        spec = checked_spec(name, body.get("spec"))
+        spec = checked_spec(
+            name, body.get("spec"), leader_worker_set=config.install.leader_worker_set
+        )
     except InvalidSpec:
         return  # the reconcile reported it; nothing runs
     client = state.client()
@@ -244,7 +252,7 @@ async def refresh(
         kopf.warn(body, reason="FleetSecretInvalid", message=str(e))
         return
     version = secret_version(secret)
-    deployments = await read_deployments(client, name, namespace)
+    deployments = await read_deployments(client, name, namespace, spec)
     stale = _stale_templates(deployments, version)
     if stale:
         # The Secret was replaced (rotation): roll every pod onto the new one.

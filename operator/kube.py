@@ -28,6 +28,8 @@ KINDS = {
     "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets"),
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
+    # Multi-node engine roles (docs/parallelism-k8s.md); used only when enabled.
+    "LeaderWorkerSet": ("apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
 }
 
 

@@ -20,7 +20,9 @@ Children of an InferenceService NAME (namespace NS):
 * Services ``NAME-prefill`` and ``NAME-decode`` (headless, one DNS record per
   engine pod) and ``NAME`` (ClusterIP, the gateway: the OpenAI endpoint).
 * PodDisruptionBudgets ``NAME-prefill``, ``NAME-decode``, ``NAME-gateway``.
-* Deployments ``NAME-gateway``, ``NAME-decode``, ``NAME-prefill``.
+* Deployments ``NAME-gateway``, ``NAME-decode``, ``NAME-prefill``; an engine role
+  with ``nodesPerReplica > 1`` is a LeaderWorkerSet of the same name instead
+  (docs/parallelism-k8s.md).
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
 
 from .compat import compat_hash
 from .model_source import InitStep, model_volumes
+from .parallelism import (
+    LABEL_GROUP_ROLE,
+    LEADER,
+    WORKER,
+    parallel_env,
+    pod_resources,
+    rendezvous_flags,
+    role_layout,
+    shm_size,
+)
 from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
 from .roles import (
     ENGINE_PORT,
@@ -51,6 +63,7 @@ from .roles import (
 )
 
 DEFAULT_IMAGE = "pdfleet:0.1.0"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LABEL_SERVICE = "pdfleet.dev/service"
 LABEL_ROLE = "pdfleet.dev/role"
 LABEL_COMPAT = "pdfleet.dev/compat-hash"
@@ -103,6 +116,10 @@ class OperatorInstall:
     gateway_role_kind: str = "ClusterRole"
     """``ClusterRole`` (cluster-wide install) or ``Role`` (namespaced install: one
     in each watched namespace, so the chart needs no cluster-scoped rights)."""
+    leader_worker_set: bool = True
+    """Whether roles with ``nodesPerReplica > 1`` may run (LeaderWorkerSets). The
+    operator's default is off (its RBAC covers LeaderWorkerSets only when the
+    chart enables them); ``pdfleet render`` renders them."""
 
     def __post_init__(self) -> None:
         if self.gateway_role_kind not in ("Role", "ClusterRole"):
@@ -332,12 +349,18 @@ def engine_pod_template(
     image: str,
     compat: str,
     secret_version: str | None = None,
+    group_role: str | None = None,
 ) -> dict[str, Any]:
+    """One engine pod; ``group_role`` (``leader`` or ``worker``) for a pod of a
+    multi-node group: a worker runs ranks only (no API server, no probes)."""
     role_spec = spec.role(role)
     args = pod_engine_args(spec, role)
+    layout = role_layout(role_spec, args)
     volumes, model_mounts, model_steps = _model_volumes(spec)
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
-    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    ports = []
+    if group_role != WORKER:
+        ports.append({"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"})
     kv_env: list[dict[str, Any]] = []
     if args.kv_transfer_config is not None:
         ports.append({"name": "kv", "containerPort": spec.kv_transfer.port, "protocol": "TCP"})
@@ -351,13 +374,17 @@ def engine_pod_template(
         {"name": "HOME", "value": "/tmp"},
         secret_env,
         *kv_env,
+        *parallel_env(role_spec, args, role_spec.env),
         *[dict(e) for e in role_spec.env],
     ]
+    command = engine_command(args)
+    if group_role is not None:
+        command += rendezvous_flags(layout, group_role)
     container: dict[str, Any] = {
         "name": "engine",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": engine_command(args),
+        "command": command,
         "ports": ports,
         "env": env,
         "volumeMounts": [
@@ -366,10 +393,10 @@ def engine_pod_template(
             secret_mount,
             *model_mounts,
         ],
-        **_probes(),
+        **(_probes() if group_role != WORKER else {}),
         "securityContext": _container_security_context(),
     }
-    resources = _resources(role_spec)
+    resources = pod_resources(role_spec, args)
     if resources:
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
@@ -380,7 +407,10 @@ def engine_pod_template(
         **_placement(role_spec),
         "containers": [container],
         "volumes": [
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec.shm_size}},
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(role_spec, args)},
+            },
             {"name": "tmp", "emptyDir": {}},
             secret_volume,
             *volumes,
@@ -388,9 +418,12 @@ def engine_pod_template(
     }
     if model_steps:
         pod_spec["initContainers"] = _init_containers(image, model_steps, resources)
+    labels = {**common_labels(name, role), LABEL_COMPAT: compat}
+    if group_role is not None:
+        labels[LABEL_GROUP_ROLE] = group_role
     return {
         "metadata": {
-            "labels": {**common_labels(name, role), LABEL_COMPAT: compat},
+            "labels": labels,
             **_template_annotations(secret_version),
         },
         "spec": pod_spec,
@@ -527,6 +560,71 @@ def build_deployment(
     }
 
 
+def multi_node(spec: InferenceServiceSpec, role: str) -> bool:
+    """Whether a role's engines span several pods (LeaderWorkerSet groups)."""
+    return role in ROLES and spec.role(role).nodes_per_replica > 1
+
+
+def workload_kind(spec: InferenceServiceSpec, role: str) -> str:
+    """The kind of a role's workload object: Deployment or LeaderWorkerSet."""
+    return "LeaderWorkerSet" if multi_node(spec, role) else "Deployment"
+
+
+def build_leader_worker_set(
+    name: str,
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    namespace: str,
+    image: str,
+    compat: str,
+    replicas: int,
+    owner: Owner | None = None,
+    secret_version: str | None = None,
+) -> dict[str, Any]:
+    """A multi-node role: ``replicas`` groups of ``nodesPerReplica`` pods each.
+
+    The leader (worker index 0) serves the API and runs node rank 0; workers
+    join its rendezvous. A pod that fails restarts its whole group (the ranks
+    of one engine live and die together). Rollouts add a new group before
+    removing an old one, as the Deployments do with pods.
+    """
+    role_spec = spec.role(role)
+    templates = {
+        group_role: engine_pod_template(
+            name,
+            spec,
+            role,
+            image=image,
+            compat=compat,
+            secret_version=secret_version,
+            group_role=group_role,
+        )
+        for group_role in (LEADER, WORKER)
+    }
+    labels = {**common_labels(name, role), LABEL_COMPAT: compat}
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(child_name(name, role), namespace, labels, owner),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "networkConfig": {"subdomainPolicy": "Shared"},
+            "leaderWorkerTemplate": {
+                "size": role_spec.nodes_per_replica,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": templates[LEADER],
+                "workerTemplate": templates[WORKER],
+            },
+        },
+    }
+
+
 def build_engine_service(
     name: str, spec: InferenceServiceSpec, role: str, *, namespace: str, owner: Owner | None
 ) -> dict[str, Any]:
@@ -535,15 +633,21 @@ def build_engine_service(
         ports.append(
             {"name": "kv", "port": spec.kv_transfer.port, "targetPort": "kv", "protocol": "TCP"}
         )
+    service_spec: dict[str, Any] = {
+        "clusterIP": "None",
+        "selector": selector_labels(name, role),
+        "ports": ports,
+    }
+    if multi_node(spec, role):
+        # The LeaderWorkerSet's subdomain (its controller finds this Service under
+        # the set's name and creates none): workers resolve their leader before
+        # it is ready, since it becomes ready only once they have joined.
+        service_spec["publishNotReadyAddresses"] = True
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(child_name(name, role), namespace, common_labels(name, role), owner),
-        "spec": {
-            "clusterIP": "None",
-            "selector": selector_labels(name, role),
-            "ports": ports,
-        },
+        "spec": service_spec,
     }
 
 
@@ -566,6 +670,8 @@ def build_gateway_service(
 
 def build_pdb(name: str, role: str, *, namespace: str, owner: Owner | None) -> dict[str, Any]:
     # maxUnavailable rather than minAvailable: a one-pod role can still be drained.
+    # For multi-node roles one pod down stops its whole group (the group is
+    # recreated), so one pod at a time is also one group at a time.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -630,7 +736,9 @@ def build_network_policies(
 
     Engines: HTTP only from the service's gateway pods and the operator pod;
     the KV side channel and the UCX port range only from the other role's
-    pods. The gateway: its port from anywhere (it checks API keys itself).
+    pods; for multi-node roles, any port from the role's own pods (the
+    rendezvous, NCCL and gloo pick their ports at run time). The gateway: its
+    port from anywhere (it checks API keys itself).
     Policies add up, so a cluster admin may admit more (e.g. a Prometheus).
     """
     policies = []
@@ -655,6 +763,10 @@ def build_network_policies(
                     "from": [{"podSelector": {"matchLabels": selector_labels(name, other[role])}}],
                     "ports": ports,
                 }
+            )
+        if multi_node(spec, role):
+            ingress.append(
+                {"from": [{"podSelector": {"matchLabels": selector_labels(name, role)}}]}
             )
         policies.append((role, ingress))
     policies.append(("gateway", [{"ports": [_tcp(spec.gateway.port)]}]))
@@ -703,7 +815,11 @@ def build_configmap(
     data = {"compat-hash": compat}
     for role in ROLES:
         args = pod_engine_args(spec, role)
-        doc = {"args": non_default_args(args), "command": engine_command(args)}
+        doc: dict[str, Any] = {"args": non_default_args(args), "command": engine_command(args)}
+        if multi_node(spec, role):
+            layout = role_layout(spec.role(role), args)
+            doc["command"] += rendezvous_flags(layout, LEADER)
+            doc["workerCommand"] = engine_command(args) + rendezvous_flags(layout, WORKER)
         data[f"{role}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     gateway = {"command": gateway_command(name, spec, namespace)}
     data["gateway.json"] = json.dumps(gateway, indent=2, sort_keys=True) + "\n"
@@ -726,7 +842,10 @@ def build_children(
     install: OperatorInstall | None = None,
     secret_version: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order (Deployments last: gateway, decode, prefill).
+    """Every child object, in apply order (workloads last: gateway, decode, prefill).
+
+    An engine role's workload is a Deployment, or a LeaderWorkerSet when its
+    ``nodesPerReplica`` is above 1 (:func:`workload_kind`).
 
     ``image`` is the default when ``spec.image`` is unset; ``autoscaled``
     holds the replicas the autoscaler chose (used when autoscaling is on);
@@ -746,8 +865,9 @@ def build_children(
     for role in ("prefill", "decode", "gateway"):
         objects.append(build_pdb(name, role, namespace=namespace, owner=owner))
     for role in ("gateway", "decode", "prefill"):
+        build = build_leader_worker_set if multi_node(spec, role) else build_deployment
         objects.append(
-            build_deployment(
+            build(
                 name,
                 spec,
                 role,

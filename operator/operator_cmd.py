@@ -52,6 +52,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Namespace the operator runs in: engine NetworkPolicies admit its /metrics "
         "scrapes from there. Default: $POD_NAMESPACE, else pdfleet.",
     )
+    parser.add_argument(
+        "--leader-worker-set",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Manage LeaderWorkerSets (leaderworkerset.x-k8s.io/v1) for roles with "
+        "nodesPerReplica > 1; needs the LeaderWorkerSet controller and the RBAC the chart "
+        "adds with leaderWorkerSet.enabled. Without it such specs get Ready=False. "
+        "Default off.",
+    )
     add_gateway_role_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -77,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             namespace=args.operator_namespace or os.environ.get("POD_NAMESPACE") or "pdfleet",
             gateway_role=args.gateway_role,
             gateway_role_kind=args.gateway_role_kind,
+            leader_worker_set=args.leader_worker_set,
         ),
     )
     state = register(registry, config)

@@ -43,11 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
     from .compat import check_service
     from .manifests import OperatorInstall, build_children
+    from .parallelism import local_model_heads
     from .resource import load_inference_service
 
     block_dumper = _block_dumper()
     svc = load_inference_service(args.file)
-    violations = check_service(svc.spec)
+    # A file:// model present here gives its head counts: tensorParallelSize is
+    # checked against them before anything is applied.
+    violations = check_service(svc.spec, heads=local_model_heads(svc.spec), name=svc.name)
     if violations:
         raise ValueError(f"{args.file}:\n" + "\n".join(str(v) for v in violations))
     namespace = args.namespace or svc.metadata.namespace or "default"

@@ -261,14 +261,28 @@ class RoleSpec(PodPlacement):
     """One engine pool: prefill or decode."""
 
     replicas: int = Field(default=1, ge=0)
-    """Number of engine pods. With `autoscaling` set, the starting point,
-    kept within the role's minReplicas..maxReplicas."""
+    """Number of engines (pods, or pod groups when nodesPerReplica > 1). With
+    `autoscaling` set, the starting point, kept within the role's
+    minReplicas..maxReplicas."""
     engine: EngineSettings = Field(default_factory=dict)
     """Engine settings for this role only; each key overrides the same key of
-    `spec.engine` (same keys and meaning)."""
-    shm_size: Quantity = "1Gi"
+    `spec.engine` (same keys and meaning). `tensorParallelSize` may differ
+    between the roles (e.g. prefill 1, decode 4)."""
+    nodes_per_replica: int = Field(default=1, ge=1, le=64)
+    """Pods (nodes) one engine spans. 1: each engine is one pod of a
+    Deployment, its tensorParallelSize ranks on that pod's accelerators. More:
+    each engine is a LeaderWorkerSet group (leaderworkerset.x-k8s.io/v1, whose
+    controller must be installed) of this many pods holding
+    tensorParallelSize / nodesPerReplica ranks each; the leader pod serves the
+    API and the gateway routes to leaders only (docs/parallelism-k8s.md)."""
+    shm_size: Quantity | None = None
     """Size of the memory-backed /dev/shm volume (NCCL, UCX and the tokenizer
-    pool use shared memory)."""
+    pool use shared memory). Default: 1Gi for one rank per pod, 4Gi per rank
+    when a pod runs several tensor-parallel ranks."""
+    accelerator_resource: str = Field(default="nvidia.com/gpu", min_length=1)
+    """Extended resource of one accelerator. When the engine runs more than one
+    rank (or the resources already name it), the operator requests
+    tensorParallelSize / nodesPerReplica of it per pod."""
 
     @field_validator("engine")
     @classmethod

@@ -25,6 +25,7 @@ import httpx
 from pdfleet.engine.config import metrics as m
 
 from .manifests import LABEL_ROLE
+from .parallelism import LABEL_GROUP_ROLE, WORKER
 
 # Counters of failed KV pulls: pdfleet's native name and vLLM's NIXL names.
 KV_FAILURE_METRICS = (
@@ -102,11 +103,13 @@ async def scrape_pods(
             return PodSample(name, role, ready, clock(), error=f"{url}: {e!r}")
         return PodSample(name, role, ready, clock(), values=values)
 
-    engine_pods = [
-        p
-        for p in pods
-        if gateways or (p.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE) != "gateway"
-    ]
+    def scraped(pod: Mapping[str, Any]) -> bool:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        if labels.get(LABEL_GROUP_ROLE) == WORKER:
+            return False  # ranks only: a group's leader serves its /metrics
+        return gateways or labels.get(LABEL_ROLE) != "gateway"
+
+    engine_pods = [p for p in pods if scraped(p)]
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds), headers=headers) as http:
         return list(await asyncio.gather(*(one(http, p) for p in engine_pods)))

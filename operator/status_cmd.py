@@ -25,6 +25,7 @@ from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
 
 from .local.state import STATE_FILE
 from .manifests import LABEL_ROLE, LABEL_SERVICE
+from .parallelism import LABEL_GROUP_ROLE, WORKER
 from .scrape import parse_metrics
 
 WIDTH = 80
@@ -271,7 +272,11 @@ def cluster_views(
     for svc in services:
         svc_name = svc["metadata"]["name"]
         status = svc.get("status") or {}
-        selector = f"{LABEL_SERVICE}={svc_name},{LABEL_ROLE} in (prefill,decode)"
+        # Engines, less the workers of multi-node groups (their leader serves /metrics).
+        selector = (
+            f"{LABEL_SERVICE}={svc_name},{LABEL_ROLE} in (prefill,decode),"
+            f"{LABEL_GROUP_ROLE}!={WORKER}"
+        )
         pods = (
             json.loads(
                 get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={_quote(selector)}")

@@ -24,6 +24,9 @@ logger = logging.getLogger("pdfleet.gateway")
 
 ROLE_LABEL = "pdfleet.dev/role"
 PORT_ANNOTATION = "pdfleet.dev/port"
+# Pods of a multi-node engine: only the group's leader serves HTTP
+# (docs/parallelism-k8s.md); its workers run ranks only.
+GROUP_ROLE_LABEL = "pdfleet.dev/group-role"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -122,7 +125,8 @@ def pod_endpoint(pod: Any, default_port: int) -> Endpoint | None:
     """A Kubernetes pod (``kubernetes.client.V1Pod``) -> its engine endpoint.
 
     None for pods that cannot serve: terminating (their engine drains), not
-    running, without an IP yet, or without a valid role label. Readiness is
+    running, without an IP yet, without a valid role label, or the workers of a
+    multi-node engine (the leader serves the group). Readiness is
     the gateway's own health check, which runs faster than the kubelet's.
     """
     meta, status = pod.metadata, pod.status
@@ -131,7 +135,7 @@ def pod_endpoint(pod: Any, default_port: int) -> Endpoint | None:
     if status.phase != "Running" or not status.pod_ip:
         return None
     role = (meta.labels or {}).get(ROLE_LABEL)
-    if role not in ROLES:
+    if role not in ROLES or (meta.labels or {}).get(GROUP_ROLE_LABEL) == "worker":
         return None
     port_text = (meta.annotations or {}).get(PORT_ANNOTATION)
     try:

@@ -122,7 +122,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     service = load_inference_service(args.file if args.file else default_service())
-    problems = check_service(service.spec)
+    problems = [str(p) for p in check_service(service.spec)]
+    problems += [
+        f"spec.{role}.nodesPerReplica: pdfleet up runs every engine on this machine "
+        "(its tensor-parallel ranks as local processes); set nodesPerReplica: 1"
+        for role in ("prefill", "decode")
+        if service.spec.role(role).nodes_per_replica > 1
+    ]
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     fleet_secret, api_keys = fleet_credentials()

@@ -26,7 +26,13 @@ EVENTS = "v1/events"
 PODS = "v1/pods"
 SECRETS = "v1/secrets"
 NAMESPACE = "ns1"
-RESOURCES = {"InferenceService": IS_RESOURCE, "Pod": PODS, "Deployment": DEPLOYMENTS}
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+RESOURCES = {
+    "InferenceService": IS_RESOURCE,
+    "Pod": PODS,
+    "Deployment": DEPLOYMENTS,
+    "LeaderWorkerSet": LEADER_WORKER_SETS,
+}
 
 
 def inference_service(name: str, spec: dict[str, Any], uid: str = "uid-1") -> dict[str, Any]:
@@ -115,6 +121,13 @@ async def running_operator(
             namespaced=True,
             verbs={"get", "list", "watch", "patch", "create", "delete"},
             subresources={"status"},
+        )
+        # The LeaderWorkerSet CRD, as its controller's installation adds it.
+        api.resources[LEADER_WORKER_SETS] = kmock.ResourceInfo(
+            kind="LeaderWorkerSet",
+            namespaced=True,
+            verbs={"get", "list", "watch", "patch", "create", "delete"},
+            subresources={"status", "scale"},
         )
         for obj in objects:
             meta = obj["metadata"]

@@ -197,7 +197,11 @@ def test_cluster_mode_reads_status_and_metrics_through_the_api_server_proxy(flee
     path, _, query = asked[1].partition("?")
     assert path == "/api/v1/namespaces/ml/pods"
     assert parse_qs(query) == {
-        "labelSelector": ["pdfleet.dev/service=llama,pdfleet.dev/role in (prefill,decode)"]
+        # Engines only: not the workers of multi-node groups (no API server there).
+        "labelSelector": [
+            "pdfleet.dev/service=llama,pdfleet.dev/role in (prefill,decode),"
+            "pdfleet.dev/group-role!=worker"
+        ]
     }
     assert f"/api/v1/namespaces/ml/pods/{long_name}:8000/proxy/metrics" in asked
     (view,) = views

@@ -35,7 +35,12 @@ def test_the_chart_passes_checkov():
 
 @pytest.mark.parametrize(
     "example",
-    ["inferenceservice-cpu.yaml", "inferenceservice-llama-3.1-8b.yaml", "inferenceservice-hf.yaml"],
+    [
+        "inferenceservice-cpu.yaml",
+        "inferenceservice-llama-3.1-8b.yaml",
+        "inferenceservice-hf.yaml",
+        "inferenceservice-tp.yaml",
+    ],
 )
 def test_rendered_fleets_pass_checkov(example, tmp_path):
     manifests = tmp_path / "fleet.yaml"

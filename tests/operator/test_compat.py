@@ -51,9 +51,16 @@ def test_kv_shape_settings_must_match_across_roles():
     )
 
 
-def test_decode_tensor_parallelism_must_not_be_below_prefill():
-    violations = check_service(spec(prefill={"engine": {"tensorParallelSize": 2}}))
-    assert "spec.decode.engine.tensorParallelSize" in fields(violations)
+def test_tensor_parallelism_may_differ_between_the_roles_in_both_directions():
+    for prefill_tp, decode_tp in ((1, 4), (4, 2)):
+        service = spec(
+            prefill={"engine": {"tensorParallelSize": prefill_tp}},
+            decode={"engine": {"tensorParallelSize": decode_tp}},
+        )
+        assert check_service(service) == []
+    assert "spec.decode.engine.tensorParallelSize" in fields(
+        check_service(spec(decode={"engine": {"tensorParallelSize": 0}}))
+    )
 
 
 def test_unsupported_engine_features_and_bad_values_are_reported_where_set():

@@ -223,3 +223,34 @@ def test_the_pod_patch_policy_admits_only_deletion_cost_changes_on_pdfleet_pods(
     )
     results = [bool(evaluate(v["expression"], activation)) for v in policy["spec"]["validations"]]
     assert all(results) is allowed, results
+
+
+@pytest.mark.parametrize("mode", [(), CLUSTER_WIDE], ids=["namespaced", "cluster-wide"])
+def test_leader_worker_set_rights_and_flag_come_only_with_the_chart_value(mode):
+    lws = "leaderworkersets"
+    objects = render(*mode, "--set", "leaderWorkerSet.enabled=true")
+    (role,) = [
+        o
+        for o in objects
+        if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] == "demo-pdfleet"
+    ]
+    rules = rules_by_resource(role)
+    assert rules[lws] == (["create", "get", "patch"], None)
+    rule = next(r for r in role["rules"] if lws in r["resources"])
+    assert rule["apiGroups"] == ["leaderworkerset.x-k8s.io"]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert build_parser().parse_args(command[1:]).leader_worker_set is True
+    for obj in objects:
+        validate(obj)
+    # Off by default: no rule, and the operator refuses multi-node specs.
+    objects = render(*mode)
+    assert all(
+        lws not in r["resources"]
+        for o in objects
+        if o["kind"] in ("Role", "ClusterRole")
+        for r in o["rules"]
+    )
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert build_parser().parse_args(command[1:]).leader_worker_set is False

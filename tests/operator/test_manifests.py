@@ -11,6 +11,7 @@ import pathlib
 import pytest
 import yaml
 from helpers.kube_schema import validate
+from helpers.lws_schema import validate_lws
 
 from pdfleet.engine.cli import main
 from pdfleet.operator.manifests import (
@@ -56,7 +57,7 @@ def test_every_child_of_the_examples_is_a_valid_kubernetes_object(path):
     objects = build_children(svc.name, svc.spec, namespace="default", owner=Owner(svc.name, "u1"))
     assert len(objects) == 15
     for obj in objects:
-        validate(obj)
+        validate_lws(obj) if obj["kind"] == "LeaderWorkerSet" else validate(obj)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
         assert obj["metadata"]["labels"]["pdfleet.dev/service"] == svc.name
 
