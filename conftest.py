@@ -5,6 +5,9 @@
 * Every process a test starts shares one fleet secret ($PDFLEET_FLEET_SECRET).
 * ``tiny_model_factory`` builds (once per session and spec) small random-weight
   Hugging Face model directories for every supported family.
+* Tests marked ``cuda`` only make sense on a GPU: they are skipped without one.
+  On a GPU every in-process ``LLM`` gets its own KV-cache share, as every
+  engine process does (tests/helpers/device.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ try:
 except ImportError:  # the operator-only install has no torch
     _HAS_CUDA = False
 
-if not _HAS_CUDA:
+if not _HAS_CUDA or os.environ.get("PDFLEET_TEST_DEVICE") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One fleet secret for every process a test starts (engines, gateways, `pdfleet
@@ -51,3 +54,39 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(tiny_model_factory) -> str:
     """The default tiny Llama model directory."""
     return tiny_model_factory("llama")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    from helpers.device import on_cuda
+
+    if on_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _llm_memory_share():
+    """On a GPU, several ``LLM`` objects of one test process would each claim
+    90% of it: size each one's KV cache instead (a no-op on CPU)."""
+    from helpers.device import engine_memory_kwargs, on_cuda
+
+    if not on_cuda():
+        yield
+        return
+    from pdfleet.engine.llm import LLM
+
+    original = LLM.__init__
+
+    def sized_init(self, model, **engine_args):
+        original(self, model, **engine_args, **engine_memory_kwargs(engine_args))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLM, "__init__", sized_init)
+        yield

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""One-call GPU check of pdfleet's Triton kernels (issue 4).
+"""One-call GPU verdict: pdfleet's Triton kernels and the engine on them.
 
-    python benchmarks/gpu_check.py [--json PATH] [--seed N] [--dry-run]
+    python benchmarks/gpu_check.py --out DIR [--seed N] [--dry-run] [--skip-engine]
+
+``--out DIR`` gets ``gpu_check.json`` and ``gpu_check.md`` (every table in
+markdown); ``--json PATH`` writes the JSON alone. Runs in under 8 minutes on
+one H200.
 
 On a CUDA GPU, in one run of a few minutes:
 
@@ -21,7 +25,14 @@ On a CUDA GPU, in one run of a few minutes:
    the memory floor): the engine's model runner with random bf16 Llama-3.1-8B
    weights, Triton attention and CUDA-graph decode.
 
-Targets (issue 4): decode attention >= 70% of copy bandwidth; prefill
+6. **Engine correctness** (benchmarks/gpu_engine_checks.py): greedy agreement
+   with transformers in bf16 on the GPU (first-divergence position over 16
+   prompts), Triton vs torch attention backend, CUDA graphs on vs off
+   (identical tokens), on the fused path with head size 80.
+7. **P/D pair on the one GPU** joined by NIXL over VRAM: decode-leg text
+   identical to aggregated serving, pull GB/s and handover ms.
+
+Targets: decode attention >= 70% of copy bandwidth; prefill
 attention >= 50% of the matmul rate at 2k tokens; batch-1 decode step <=
 1.25x its floor. Misses are reported, not failed: the exit status is 1 only
 when a correctness check fails.
@@ -157,6 +168,14 @@ DRY = Sizes(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--out", metavar="DIR", help="write gpu_check.json and gpu_check.md into DIR"
+    )
+    parser.add_argument(
+        "--skip-engine",
+        action="store_true",
+        help="skip the engine sections (greedy agreement, backends, graphs, P/D pair)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: clock)")
     parser.add_argument(
         "--dry-run",
@@ -609,6 +628,25 @@ class GpuCheck:
 # ------------------------------------------------------------------- report
 
 
+MARKDOWN: list[str] = []  # every table printed, in markdown, for --out
+
+
+def markdown_table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "**NO**"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value).replace("|", "/")
+
+    out = [f"### {title}", "", "| " + " | ".join(h for _, h in columns) + " |"]
+    out.append("|" + "---|" * len(columns))
+    out += ["| " + " | ".join(cell(r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A fixed-width table; ``columns`` are (key, header); floats get 4 significant digits."""
 
@@ -628,6 +666,7 @@ def table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> str:
         return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
     out = [title, line([head for _, head in columns]), line(["-" * w for w in widths])]
+    MARKDOWN.append(markdown_table(title, rows, columns))
     return "\n".join(out + [line(r) for r in body]) + "\n"
 
 
@@ -706,15 +745,54 @@ def main(argv: list[str] | None = None) -> int:
         ("floor_ms", "floor ms"), ("ms_per_step", "ms/step"), ("x_floor", "x floor"),
         ("graphs", "graphs"),
     ]))  # fmt: skip
+    engine_rows: list[dict] = []
+    if not args.skip_engine:
+        from gpu_engine_checks import EngineChecks
+
+        engine = EngineChecks(dry_run, seed)
+        try:
+            engine_rows = engine.model_checks()
+        except Exception as e:  # a crash is a failed check; the report is still written
+            engine_rows = [{"check": "engine model checks", "ok": False, "error": repr(e)[:500]}]
+        report["engine_checks"] = engine_rows
+        print(table("engine correctness (fused Triton path, head size 80)", engine_rows, [
+            ("check", "check"), ("prompts", "prompts"), ("tokens", "tokens"),
+            ("min_first_divergence", "min 1st div"), ("median_first_divergence", "median 1st div"),
+            ("identical", "identical"), ("ok", "ok"), ("skipped", "skipped"), ("error", "error"),
+        ]))  # fmt: skip
+        try:
+            pd = engine.pd_pair()
+        except Exception as e:
+            pd = {"check": "P/D pair over NIXL vs aggregated", "ok": False, "error": repr(e)[:500]}
+        report["pd_pair"] = pd
+        engine_rows = [*engine_rows, pd]
+        print(table("P/D pair on one device over NIXL", [pd], [
+            ("memory", "memory"), ("requests", "requests"), ("mismatches", "mismatches"),
+            ("pulls", "pulls"), ("pulled_MB", "pulled MB"), ("pull_GBps", "pull GB/s"),
+            ("pull_ms", "pull ms"), ("decode_leg_ms", "decode leg ms"), ("ok", "ok"),
+            ("error", "error"),
+        ]))  # fmt: skip
     report["targets"] = goals = targets(decode, prefill, e2e)
     print(table("targets", goals, [("target", "target"), ("value", "value"), ("met", "met")]))
 
     report["seconds"] = time.perf_counter() - started
-    failed = [c["check"] for c in checks if c.get("ok") is False]
-    print(f"{len(checks) - len(failed)}/{len(checks)} correctness checks passed, "
-          f"{report['seconds']:.1f} s")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
+    verdicts = [*checks, *engine_rows]
+    failed = [c["check"] for c in verdicts if c.get("ok") is False]
+    report["failed"] = failed
+    summary = (
+        f"{len(verdicts) - len(failed)}/{len(verdicts)} correctness checks passed, "
+        f"{report['seconds']:.1f} s"
+    )
+    print(summary)
+    paths = [args.json] if args.json else []
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        paths.append(os.path.join(args.out, "gpu_check.json"))
+        with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+            f.write(f"# pdfleet GPU check: {report['device']}\n\n")
+            f.write(f"seed {seed}{note}; {summary}\n\n" + "\n".join(MARKDOWN))
+    for path in paths:
+        with open(path, "w") as f:
             json.dump(report, f, indent=2)
     return 1 if failed else 0
 

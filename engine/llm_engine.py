@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -105,6 +106,8 @@ class LLMEngine:
             self.kv_events = KVEventPublisher(ev)
         self.iteration_stats = IterationStats()
         self._next_id = 0
+        self._grammars: Any = None
+        self._grammars_lock = threading.Lock()
         logger.info("Engine ready: %s", config.summary())
 
     @classmethod
@@ -154,6 +157,29 @@ class LLMEngine:
                 f"within max_model_len ({self.max_model_len}); shorten the prompt"
             )
 
+    @property
+    def grammars(self) -> Any:
+        """The grammar compiler and cache (built on first use; thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    raise ValueError(
+                        "structured_outputs: not supported with --tensor-parallel-size > 1 "
+                        "yet (the rank processes hold no grammar matchers)"
+                    )
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
+                        "which grammars need"
+                    )
+                from .sample.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids
+                )
+                self.core.runner.grammars = self._grammars
+            return self._grammars
+
     def new_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id)
@@ -193,6 +219,9 @@ class LLMEngine:
             )
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
+        if params.structured_outputs is not None:
+            # Cached after the first compile (the server compiles before admission).
+            self.grammars.compile(params.structured_outputs)
         if kv_transfer_params:
             if self.connector is None:
                 if kv_transfer_params.get("do_remote_prefill"):

@@ -56,6 +56,8 @@ _KV_GAUGES = (
     m.ENGINE_KV_QUARANTINED_BLOCKS,
     m.ENGINE_KV_PULLS_IN_FLIGHT,
     m.ENGINE_KV_REMOTE_ENGINES,
+    m.ENGINE_KV_PULL_BANDWIDTH,
+    m.ENGINE_KV_TRANSFER_DEGRADED,
 )
 
 
@@ -161,11 +163,14 @@ class EngineMetrics:
             values = {metric: getattr(stats, field) for metric, field in _KV_COUNTERS.items()}
             num_remotes = len(connector.remotes)
             in_flight = len(connector.active)
+            bandwidth, degraded = stats.pull_bandwidth, stats.degraded
         if connector.server is not None:
             values[m.ENGINE_KV_SIDE_CHANNEL_REFUSED] += connector.server.num_rejected
         self._set(m.ENGINE_KV_QUARANTINED_BLOCKS, connector.num_quarantined_blocks)
         self._set(m.ENGINE_KV_REMOTE_ENGINES, num_remotes)
         self._set(m.ENGINE_KV_PULLS_IN_FLIGHT, in_flight)
+        self._set(m.ENGINE_KV_PULL_BANDWIDTH, bandwidth)
+        self._set(m.ENGINE_KV_TRANSFER_DEGRADED, int(degraded))
         for metric, value in values.items():
             self._grow(metric, value)
         self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)

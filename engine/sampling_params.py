@@ -2,11 +2,70 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .config.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's ``structured_outputs`` fields); exactly one is set.
+
+    ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any
+    JSON object; ``regex``; ``choice``: the output is one of these strings;
+    ``grammar``: EBNF (GBNF, with ``::=``) or Lark. See docs/structured_outputs.md.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            # A schema given as a dict: its text is its cache key (key order kept:
+            # it is the order of the properties in the output).
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, list | tuple) or not choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) for c in choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        num_set = sum(
+            x is not None for x in (self.json, self.regex, self.choice, self.grammar)
+        ) + bool(self.json_object)
+        if num_set != 1:
+            raise ValueError(
+                "structured_outputs: set exactly one of json, json_object, regex, choice, "
+                f"grammar (got {num_set})"
+            )
+
+    @property
+    def kind(self) -> str:
+        if self.json is not None:
+            return "JSON schema"
+        if self.json_object:
+            return "JSON object grammar"
+        if self.regex is not None:
+            return "regex"
+        if self.choice is not None:
+            return "choice list"
+        return "grammar"
+
+    def key(self) -> tuple[Any, ...]:
+        """The cache key: equal keys compile to the same grammar."""
+        return (self.kind, self.json, self.regex, self.choice, self.grammar)
 
 
 @dataclass
@@ -41,6 +100,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Grammar-constrained output (None: free).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +110,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.verify()
 
     def verify(self, max_logprobs: int | None = None) -> None:

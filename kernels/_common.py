@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import triton
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (16, 32, 64, 128, 256)
-BLOCK_SIZES = (16, 32)
+# Attention takes any head size up to this (powers of two or not: tiles are
+# padded to the next power of two and masked).
+MAX_HEAD_DIM = 256
+# Every block size the engine's cache config allows.
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 
 
 def require(condition: bool, message: str) -> None:
@@ -86,9 +90,15 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
 
 def check_head_dim(head_dim: int) -> None:
     require(
-        head_dim in HEAD_DIMS,
-        f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim}",
+        0 < head_dim <= MAX_HEAD_DIM,
+        f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}",
     )
+
+
+def head_tile(head_dim: int) -> int:
+    """The head dim as the attention kernels tile it: the next power of two,
+    at least 16 (``tl.dot``'s smallest K); the padding lanes are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -101,7 +111,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     require(
         block_size in BLOCK_SIZES,
-        f"the attention kernels take block_size {' or '.join(map(str, BLOCK_SIZES))}, "
+        f"the attention kernels take block_size {', '.join(map(str, BLOCK_SIZES))}, "
         f"got {block_size}",
     )
     check_head_dim(head_dim)

@@ -36,6 +36,7 @@ from ._common import (
     check_tensor,
     dot_dtype,
     dot_precision,
+    head_tile,
     require,
 )
 from .prefill_attention import paged_prefill_attention_reference
@@ -70,6 +71,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded for tl.dot (>= 16)
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two (>= 16), masked
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -90,33 +92,35 @@ def _decode_split_kernel(
     end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
     g_ok = g < GROUP
     q = tl.load(
         q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :],
-        mask=g_ok[:, None],
+        mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
     table_row_ptr = block_table_ptr + seq * table_stride
     kv_offset = kv_head.to(tl.int64) * cache_stride_head
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every tile starts at a visible key (start < end), so m_i is finite after it.
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         page = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = page * cache_stride_block + (n % BLOCK_SIZE) * cache_stride_slot + kv_offset
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(
             p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION
         )
@@ -128,11 +132,15 @@ def _decode_split_kernel(
         tl.store(
             out_ptr + seq * out_stride_s + heads[:, None] * out_stride_h + d[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None],
+            mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
         part = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_ok[:, None])
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            o,
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_ok)
 
@@ -145,6 +153,7 @@ def _decode_reduce_kernel(
     out_stride_s,
     out_stride_h,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two, masked
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
 ):
@@ -153,14 +162,15 @@ def _decode_reduce_kernel(
     base = seq * tl.num_programs(1) + head  # index into [num_seqs, num_heads]
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < NUM_SPLITS
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + base * NUM_SPLITS + sp, mask=sp_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # no keys at all: every weight is 0
     w = tl.math.exp2(lse - top)  # [BLOCK_S]
     o = tl.load(
         part_out_ptr + (base * NUM_SPLITS + sp)[:, None] * HEAD_DIM + d[None, :],
-        mask=sp_ok[:, None],
+        mask=sp_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
     total = tl.sum(w, 0)
@@ -168,6 +178,7 @@ def _decode_reduce_kernel(
     tl.store(
         out_ptr + seq * out_stride_s + head * out_stride_h + d,
         out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
     )
 
 
@@ -182,7 +193,7 @@ def num_sms(device: torch.device) -> int:
 
 def _config(head_dim: int) -> dict[str, int]:
     """Tile size (tokens per step of the context loop) and launch shape, for Hopper."""
-    if head_dim <= 128:
+    if head_tile(head_dim) <= 128:
         return dict(BLOCK_N=64, num_warps=4, num_stages=3)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
@@ -279,6 +290,7 @@ def paged_decode_attention(
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        BLOCK_D=head_tile(head_dim),
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=window > 0,
@@ -294,9 +306,10 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
+            BLOCK_D=head_tile(head_dim),
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim * num_splits >= 2048 else 1,
+            num_warps=4 if head_tile(head_dim) * num_splits >= 2048 else 1,
         )
     return out
 

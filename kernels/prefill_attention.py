@@ -34,6 +34,7 @@ from ._common import (
     check_tensor,
     dot_dtype,
     dot_precision,
+    head_tile,
     require,
 )
 
@@ -73,6 +74,7 @@ def _attend_tiles(
     start,
     end,  # keys [start, end) are read
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,  # whether some key of these tiles is after some query
@@ -80,14 +82,16 @@ def _attend_tiles(
     DOT_DTYPE: tl.constexpr,  # operand dtype of tl.dot
     PRECISION: tl.constexpr,
 ):
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         page = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         # [BLOCK_N] element offsets of each key's row for this KV head.
         row = page * cache_stride_block + (n % BLOCK_SIZE) * cache_stride_slot + kv_offset
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         if CAUSAL_MASK or HAS_WINDOW:
             visible = n_ok[None, :]
@@ -102,7 +106,7 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(
             p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION
         )
@@ -133,6 +137,7 @@ def _prefill_kernel(
     num_tiles,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two (>= 16), masked
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -155,11 +160,12 @@ def _prefill_kernel(
     rows = m_start + tl.arange(0, BLOCK_M)
     row_ok = rows < q_end
     q_pos = first_pos + (rows - q_begin)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     rows64 = rows.to(tl.int64)
     q = tl.load(
         q_ptr + rows64[:, None] * q_stride_t + head * q_stride_h + d[None, :],
-        mask=row_ok[:, None],
+        mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
 
@@ -176,28 +182,29 @@ def _prefill_kernel(
     kv_offset = (head // GROUP).to(tl.int64) * cache_stride_head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_offset,
         cache_stride_block, cache_stride_slot, qk_scale, sliding_window, lo, diag,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_DTYPE, PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_DTYPE, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_offset,
         cache_stride_block, cache_stride_slot, qk_scale, sliding_window, diag, hi,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_DTYPE, PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_DTYPE, PRECISION,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows64[:, None] * out_stride_t + head * out_stride_h + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
+        mask=row_ok[:, None] & d_ok[None, :],
     )
 
 
 def _config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes and launch shape, picked for Hopper (H100/H200)."""
+    """Tile sizes and launch shape, picked for Hopper (H100/H200), by the padded head tile."""
+    head_dim = head_tile(head_dim)
     if dtype == torch.float32:  # twice the bytes per tile: keep shared memory in bounds
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
@@ -293,6 +300,7 @@ def paged_prefill_attention(
         num_tiles,
         GROUP=group,
         HEAD_DIM=head_dim,
+        BLOCK_D=head_tile(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         HAS_WINDOW=window > 0,
         DOT_DTYPE=dot_dtype(q.dtype, q.device),

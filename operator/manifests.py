@@ -55,11 +55,14 @@ from .parallelism import (
 from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
 from .roles import (
     ENGINE_PORT,
+    added_capabilities,
     disaggregating,
     engine_command,
     model_source,
+    rdma_resources,
     role_engine_args,
     secret_file,
+    ucx_env,
 )
 
 DEFAULT_IMAGE = "pdfleet:0.1.0"
@@ -217,11 +220,14 @@ def _pod_security_context() -> dict[str, Any]:
     }
 
 
-def _container_security_context() -> dict[str, Any]:
+def _container_security_context(add: list[str] | None = None) -> dict[str, Any]:
+    capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = list(add)
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
     }
 
 
@@ -367,6 +373,7 @@ def engine_pod_template(
         if spec.kv_transfer.connector == "NixlConnector":
             first, last = ucx_port_range(spec)
             kv_env.append({"name": ENV_UCX_PORT_RANGE, "value": f"{first}-{last}"})
+            kv_env.extend(ucx_env(spec, role, pod_resources(role_spec, args)))
     env = [
         {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -394,11 +401,17 @@ def engine_pod_template(
             *model_mounts,
         ],
         **(_probes() if group_role != WORKER else {}),
-        "securityContext": _container_security_context(),
+        "securityContext": _container_security_context(added_capabilities(spec)),
     }
     resources = pod_resources(role_spec, args)
-    if resources:
-        container["resources"] = resources
+    # The RDMA device goes to the engine container only, not to init steps.
+    engine_resources = {
+        kind: {**resources.get(kind, {}), **rdma_resources(spec)}
+        for kind in ("limits", "requests")
+        if resources.get(kind) or rdma_resources(spec)
+    }
+    if engine_resources:
+        container["resources"] = engine_resources
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

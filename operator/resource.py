@@ -210,6 +210,16 @@ class KVTransferSpec(_Spec):
     when unset)."""
     transfer_timeout_seconds: float | None = Field(default=None, gt=0)
     """Bound on one KV pull (connector default when unset)."""
+    ucx_transports: str = "cuda_copy,cuda_ipc,rc,sm,self,tcp"
+    """`UCX_TLS` of engine pods that request GPUs (NixlConnector only): the UCX
+    transports for KV in GPU memory (cuda_copy, cuda_ipc within a node, rc for
+    RDMA between nodes) with shared memory and TCP as fallbacks. A role's own
+    `UCX_TLS` in `env` wins. See docs/gpu.md for what TCP-only UCX costs."""
+    rdma_resource: str | None = None
+    """Extended resource of one RDMA device (e.g. `rdma/rdma_shared_device_a`
+    from the RDMA shared device plugin): when set, every engine pod requests
+    one and gets the `IPC_LOCK` capability that RDMA memory registration
+    needs (outside the `restricted` Pod Security profile)."""
     extra_config: Annotated[dict[str, Any], PassThrough("kv_connector_extra_config")] = Field(
         default_factory=dict
     )

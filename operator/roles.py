@@ -162,3 +162,41 @@ def engine_command(
     then the non-default flags (``--kv-transfer-config`` JSON included)."""
     flags = dataclasses.replace(args, model="").to_cli_args()
     return ["pdfleet", "serve", args.model, *flags, "--host", host, "--port", str(port)]
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+ENV_UCX_TLS = "UCX_TLS"
+
+
+def requests_gpus(resources: dict[str, Any], accelerator: str = GPU_RESOURCE) -> bool:
+    """Whether a container's rendered ``resources`` ask for at least one GPU."""
+    counts = [str(r.get(accelerator, "0")) for r in resources.values() if isinstance(r, dict)]
+    return any(c not in ("0", "") for c in counts)
+
+
+def ucx_env(
+    spec: InferenceServiceSpec, role: str, resources: dict[str, Any]
+) -> list[dict[str, str]]:
+    """UCX transports for KV in GPU memory, for a NIXL engine pod whose rendered
+    ``resources`` hold GPUs (``kvTransfer.ucxTransports``), unless the role sets
+    ``UCX_TLS`` itself. Without GPUs UCX keeps its own choice (host memory:
+    shared memory, TCP)."""
+    role_spec = spec.role(role)
+    gpus = requests_gpus(resources, role_spec.accelerator_resource)
+    if spec.kv_transfer.connector != "NixlConnector" or not gpus:
+        return []
+    if any(e.get("name") == ENV_UCX_TLS for e in role_spec.env):
+        return []
+    return [{"name": ENV_UCX_TLS, "value": spec.kv_transfer.ucx_transports}]
+
+
+def rdma_resources(spec: InferenceServiceSpec) -> dict[str, str]:
+    """The RDMA device an engine pod requests (limits and requests alike), if any."""
+    rdma = spec.kv_transfer.rdma_resource
+    return {rdma: "1"} if rdma and spec.kv_transfer.connector == "NixlConnector" else {}
+
+
+def added_capabilities(spec: InferenceServiceSpec) -> list[str]:
+    """Linux capabilities an engine container adds to none: ``IPC_LOCK`` (to pin
+    memory for RDMA registration) when the pods get an RDMA device."""
+    return ["IPC_LOCK"] if rdma_resources(spec) else []

@@ -36,6 +36,9 @@ KV_FAILURE_METRICS = (
 KV_TRANSFER_METRICS = (m.ENGINE_KV_TRANSFERS.name,)
 # A gateway's gauge: 1 per (prefill, decode) pair whose KV circuit breaker is open.
 KV_PAIR_OPEN_METRIC = m.GATEWAY_KV_PAIR_OPEN.name
+# A decode engine's KVTransferDegraded gauge (pull bandwidth under min_pull_gbps).
+KV_DEGRADED_METRIC = m.ENGINE_KV_TRANSFER_DEGRADED.name
+KV_BANDWIDTH_METRIC = m.ENGINE_KV_PULL_BANDWIDTH.name
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,18 @@ class KVHealth:
             )
         if breakers:
             return KVVerdict(False, "KVCircuitOpen", breakers)
+        slow = {
+            s.pod: s.values.get(KV_BANDWIDTH_METRIC, 0.0)
+            for s in samples
+            if s.role != "gateway" and s.values.get(KV_DEGRADED_METRIC, 0) > 0
+        }
+        if slow:
+            return KVVerdict(
+                False,
+                "KVPullBandwidthLow",
+                "KV pull bandwidth under min_pull_gbps (UCX on TCP only? see docs/gpu.md): "
+                + ", ".join(f"{pod} {bw / 1e9:.3g} GB/s" for pod, bw in sorted(slow.items())),
+            )
         if not seen and not self._growth:
             return KVVerdict(None, "NoMetrics", "no engine reports KV-transfer counters yet")
         if failed == 0:

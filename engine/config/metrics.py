@@ -273,6 +273,20 @@ ENGINE_KV_TRANSFER_SECONDS = Metric(
     _M,
     ITL_BUCKETS,
 )
+# KVTransferDegraded: measured pull bandwidth under the configured floor
+# (kv_connector_extra_config.min_pull_gbps; see docs/gpu.md).
+ENGINE_KV_PULL_BANDWIDTH = Metric(
+    "pdfleet_engine_kv_pull_bandwidth_bytes_per_second",
+    "gauge",
+    "Mean bandwidth of the recent KV pulls large enough to measure (0 before the first).",
+    _M,
+)
+ENGINE_KV_TRANSFER_DEGRADED = Metric(
+    "pdfleet_engine_kv_transfer_degraded",
+    "gauge",
+    "KVTransferDegraded: 1 while the measured KV pull bandwidth is under min_pull_gbps.",
+    _M,
+)
 
 # --- Engine, vLLM names (the model-server-protocol subset and NIXL) ---------
 VLLM_NUM_REQUESTS_RUNNING = Metric(

@@ -136,3 +136,136 @@ def check_sampling(
             if not str(key).isdigit() or int(str(key)) >= vocab_size:
                 raise ValueError(f"logit_bias: token id {key!r} is outside the model's vocabulary")
     check_prompt_tokens(f.get("prompt"), vocab_size)
+    check_structured(f)
+
+
+# vLLM's per-request constraint fields (older ``guided_*`` and newer ``structured_outputs``).
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _check_choice(name: str, value: Any) -> None:
+    if not isinstance(value, list) or not value or any(not isinstance(c, str) for c in value):
+        raise ValueError(f"{name} must be a non-empty list of strings")
+
+
+def _check_text(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+
+
+def _check_schema(name: str, value: Any) -> None:
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError(f"{name} must be a JSON schema (an object)")
+
+
+def check_structured(fields: Mapping[str, Any]) -> None:
+    """Shape of the structured-output and tool fields; ``ValueError`` naming the field.
+
+    Whether a schema or grammar compiles is the engine's check (it needs the
+    tokenizer); this one is what the gateway can refuse before the prefill leg."""
+    f = fields
+    constraints: list[str] = []
+    rf = f.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, Mapping):
+            raise ValueError("response_format must be an object with a type")
+        kind = rf.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+            )
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, Mapping):
+                raise ValueError("response_format.json_schema must be an object with a schema")
+            if "schema" not in js:
+                raise ValueError("response_format.json_schema.schema is required")
+            _check_schema("response_format.json_schema.schema", js["schema"])
+        if kind != "text":
+            constraints.append("response_format")
+    for name in GUIDED_FIELDS:
+        value = f.get(name)
+        if value is None:
+            continue
+        constraints.append(name)
+        if name == "guided_json":
+            _check_schema(name, value)
+        elif name == "guided_choice":
+            _check_choice(name, value)
+        else:
+            _check_text(name, value)
+    so = f.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, Mapping):
+            raise ValueError("structured_outputs must be an object")
+        given = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: set exactly one of " + ", ".join(STRUCTURED_KEYS))
+        (key,) = given
+        if key == "json":
+            _check_schema("structured_outputs.json", so["json"])
+        elif key == "choice":
+            _check_choice("structured_outputs.choice", so["choice"])
+        elif key != "json_object":
+            _check_text(f"structured_outputs.{key}", so[key])
+        constraints.append("structured_outputs")
+    if len(constraints) > 1:
+        raise ValueError(
+            f"{constraints[1]}: only one output constraint per request "
+            f"(also given: {constraints[0]})"
+        )
+    names = _check_tools(f.get("tools"))
+    choice = f.get("tool_choice")
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ValueError(
+                f"tool_choice must be none, auto, required or a named function, got {choice!r}"
+            )
+        named = None
+    elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        named = choice["function"].get("name")
+        if not isinstance(named, str):
+            raise ValueError("tool_choice.function.name must be a string")
+    else:
+        raise ValueError(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}'
+        )
+    if choice != "none" and names is None:
+        raise ValueError("tool_choice: needs tools")
+    if named is not None and named not in (names or []):
+        raise ValueError(f"tool_choice: no tool named {named!r} in tools")
+    if choice not in (None, "none", "auto") and constraints:
+        raise ValueError(f"{constraints[0]}: cannot be combined with a forced tool_choice")
+
+
+def _check_tools(tools: Any) -> list[str] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of function tools")
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        if fn["name"] in names:
+            raise ValueError(f"tools[{i}].function.name {fn['name']!r} is used twice")
+        names.append(fn["name"])
+    return names

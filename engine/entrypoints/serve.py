@@ -71,6 +71,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "that large prompts cannot hold up short ones.",
     )
     group.add_argument(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template (a file's path, or the template itself) to use instead "
+        "of the tokenizer's; it receives `messages` and, with tools, `tools`.",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral"],
+        help="How tool calls are read from the model's text (vLLM's parser names).",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser.",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -93,6 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from pdfleet.engine.entrypoints.openai.api_server import run_server
+    from pdfleet.engine.entrypoints.openai.serving_base import ChatOptions, load_chat_template
 
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context="server")
@@ -104,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be >= 0")
     if args.large_prompt_chars < 1:
         raise ValueError("--large-prompt-chars must be >= 1")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    options = ChatOptions(
+        chat_template=load_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+    )
     limits = ServerLimits(
         max_body_bytes=args.max_request_body_bytes,
         max_chunk_bytes=args.max_chunk_bytes,
@@ -122,4 +148,5 @@ def run(args: argparse.Namespace) -> int:
         args.uvicorn_log_level,
         limits,
         args.large_prompt_chars,
+        options,
     )

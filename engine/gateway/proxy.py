@@ -193,7 +193,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 def field_of(message: str, body: dict[str, Any]) -> str | None:
     """The request field a check_sampling message names (its first word)."""
     name = re.split(r"[\s:(]", message, maxsplit=1)[0]
-    return name if name in body else None
+    # A nested field (response_format.json_schema.schema, tools[0].function.name).
+    return name if re.split(r"[.\[]", name, maxsplit=1)[0] in body else None
 
 
 @dataclass

@@ -32,7 +32,7 @@ import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,41 @@ class Lease:
     consumer: str | None = None  # Peer.identity once claimed
 
 
+# Pulls smaller than this are latency, not bandwidth: they are not measured.
+BANDWIDTH_MIN_PULL_BYTES = 4 << 20
+BANDWIDTH_WINDOW = 8
+
+
+class PullBandwidth:
+    """Mean bandwidth of the last ``BANDWIDTH_WINDOW`` pulls of at least
+    ``min_bytes``, and whether it is under ``floor_bytes_per_second`` (0 = no floor)."""
+
+    def __init__(self, floor_bytes_per_second: float, min_bytes: int) -> None:
+        if floor_bytes_per_second < 0 or min_bytes < 0:
+            raise ValueError(
+                "kv_connector_extra_config.min_pull_gbps and bandwidth_min_pull_bytes "
+                "must be non-negative"
+            )
+        self.floor = floor_bytes_per_second
+        self.min_bytes = min_bytes
+        self.rates: deque[float] = deque(maxlen=BANDWIDTH_WINDOW)
+
+    def add(self, nbytes: int, seconds: float) -> bool:
+        """Counts one finished pull; whether it was large enough to measure. Mutates."""
+        if nbytes < max(self.min_bytes, 1) or seconds <= 0:
+            return False
+        self.rates.append(nbytes / seconds)
+        return True
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rates) / len(self.rates) if self.rates else 0.0
+
+    @property
+    def degraded(self) -> bool:
+        return self.floor > 0 and bool(self.rates) and self.mean < self.floor
+
+
 @dataclass
 class ConnectorStats:
     """Cumulative counters and current gauges (read by the metrics exporter)."""
@@ -116,6 +151,8 @@ class ConnectorStats:
     remote_evictions: int = 0
     refused_reads: int = 0
     transfer_seconds: list[float] = field(default_factory=list)  # drained by the exporter
+    pull_bandwidth: float = 0.0  # bytes/s, mean of the recent measured pulls
+    degraded: bool = False  # KVTransferDegraded: pull_bandwidth under the floor
 
 
 class PDConnector:
@@ -145,6 +182,10 @@ class PDConnector:
         self.params_grace = float(extra.get("params_grace_seconds", PARAMS_GRACE_SECONDS))
         self.max_remotes = int(extra.get("max_remote_engines", 64))
         self.remote_idle_seconds = float(extra.get("remote_idle_seconds", 600.0))
+        self.bandwidth = PullBandwidth(
+            floor_bytes_per_second=float(extra.get("min_pull_gbps", 0.0)) * 1e9,
+            min_bytes=int(extra.get("bandwidth_min_pull_bytes", BANDWIDTH_MIN_PULL_BYTES)),
+        )
         self.fail_policy = kv.kv_load_failure_policy
         self.compat = config.compat_factors()
         self.compat_hash = config.compat_hash()
@@ -580,7 +621,19 @@ class PDConnector:
                 self.stats.transfers += 1
                 self.stats.blocks_pulled += len(load.local_ids)
                 self.stats.bytes_transferred += nbytes
-                self.stats.transfer_seconds.append(time.monotonic() - load.started)
+                seconds = time.monotonic() - load.started
+                self.stats.transfer_seconds.append(seconds)
+                was_degraded = self.stats.degraded
+                if self.bandwidth.add(nbytes, seconds):
+                    self.stats.pull_bandwidth = self.bandwidth.mean
+                    self.stats.degraded = self.bandwidth.degraded
+                if self.stats.degraded and not was_degraded:
+                    logger.warning(
+                        "KVTransferDegraded: KV pulls run at %.2f GB/s, under min_pull_gbps "
+                        "%.2f (UCX on TCP only? see docs/gpu.md)",
+                        self.bandwidth.mean / 1e9,
+                        self.bandwidth.floor / 1e9,
+                    )
             else:
                 self.stats.failed_transfers += 1
         tracing.kv_pull(

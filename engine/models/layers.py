@@ -7,6 +7,7 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..distributed import get_tp_group
+from . import fused
 from .parallel import HeadSplit, RowParallelLinear
 
 
@@ -17,18 +18,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.fused = False  # see fused.use_kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        return fused.rms_norm(x, self.weight, self.eps, residual, self.fused)
 
 
 class MergedLinear(nn.Module):
@@ -127,7 +122,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size * get_tp_group().size, hidden_size, False, dtype
         )
+        self.fused = False  # see fused.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.fused))

@@ -47,6 +47,10 @@ class SamplingMetadata:
     # min_tokens not reached yet: row -> token ids that must not be sampled.
     banned_token_ids: dict[int, list[int]] | None = None
     max_num_logprobs: int | None = None  # None: no row wants logprobs
+    # Grammar-constrained rows and their allowed tokens, [len(rows), ceil(V / 32)]
+    # int32 bits (engine/sample/grammar.py); None when no row is constrained.
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,6 +124,10 @@ class Sampler:
                     logits[row, ids] = _NEG_INF
         if meta.output_token_ids is not None:
             logits = apply_penalties(logits, meta)
+        if meta.grammar_bitmask is not None and meta.grammar_rows:
+            from .grammar import apply_bitmask
+
+            apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             sampled = greedy

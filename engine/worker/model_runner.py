@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..distributed import get_tp_group
 from ..kv_transfer.base import KVConnectorWorker
+from ..models.fused import use_kernels
 from ..models.loader import load_model, torch_dtype
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
@@ -63,6 +65,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    # The grammar matcher of a constrained request (None: free), advanced over
+    # every output token (engine/sample/grammar.py).
+    matcher: Any = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,6 +94,8 @@ class ModelRunner:
             cpu_allocator.tune()
         start = time.perf_counter()
         self.model = load_model(config, self.device)
+        # The Triton backend brings the fused RMSNorm/RoPE/SiLU kernels with it.
+        use_kernels(self.model, self._attention_backend_name() == "triton")
         load_seconds = time.perf_counter() - start
         peak = 0
         cc = config.compilation_config
@@ -130,6 +137,8 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(self._attention_backend_name())
         self.sampler = Sampler(m.seed, self.device)
+        # Set by the engine that owns the tokenizer; needed by constrained requests only.
+        self.grammars: Any = None
         self.states: dict[str, CachedRequestState] = {}
         self.connector = connector
         if connector is not None:
@@ -221,6 +230,14 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            spec = new.sampling_params.structured_outputs
+            if spec is not None:
+                if self.grammars is None:
+                    raise RuntimeError("a constrained request reached a runner without grammars")
+                # Resumed or handed over with outputs: replay them through the grammar.
+                self.states[new.req_id].matcher = self.grammars.matcher(
+                    spec, list(new.output_token_ids)
+                )
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -304,7 +321,9 @@ class ModelRunner:
                 generators[row] = gen
         banned: dict[int, list[int]] = {}
         for row, (state, p) in enumerate(zip(states, params, strict=True)):
-            if state.num_output_tokens < p.min_tokens:
+            # A grammar decides alone when its output may end (banning the only
+            # token it allows would leave nothing to sample).
+            if state.num_output_tokens < p.min_tokens and state.matcher is None:
                 ids = [*p.stop_token_ids]
                 if not p.ignore_eos:
                     ids += list(self.eos_token_ids)
@@ -399,9 +418,12 @@ class ModelRunner:
             last = torch.tensor(batch.logits_indices, device=self.device)
             logits = self.model.compute_logits(hidden[last])
         sample_states = [states[r] for r in rows]
-        sampling = self._sampling_metadata(sample_states)
-        sampled = self.sampler(logits, sampling)
-        if self.tp.size > 1 and not sampling.all_greedy:
+        meta_s = self._sampling_metadata(sample_states)
+        # On CUDA the forward above is still running (launches are asynchronous):
+        # the bitmask is filled on the host meanwhile, before the sampler needs it.
+        self._fill_bitmasks(sample_states, meta_s)
+        sampled = self.sampler(logits, meta_s)
+        if self.tp.size > 1 and not meta_s.all_greedy:
             # Every rank keeps the request's tokens: all take rank 0's samples.
             self.tp.broadcast(sampled.sampled_token_ids)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
@@ -414,6 +436,8 @@ class ModelRunner:
         for i, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
             state = states[row]
             state.token_ids.append(token)
+            if state.matcher is not None and not state.matcher.is_terminated():
+                state.matcher.accept_token(token)
             result.sampled_token_ids[state.req_id] = token
             n = state.sampling_params.logprobs
             if n is not None and lp_ids is not None and lps is not None and ranks is not None:
@@ -422,6 +446,17 @@ class ModelRunner:
                 )
             if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 1:
                 result.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+    def _fill_bitmasks(
+        self, sample_states: list[CachedRequestState], meta: SamplingMetadata
+    ) -> None:
+        """The constrained rows' allowed tokens, for the sampler (free rows: none)."""
+        constrained = [i for i, s in enumerate(sample_states) if s.matcher is not None]
+        if not constrained:
+            return
+        bitmask = self.grammars.allocate_bitmask(len(constrained))
+        self.grammars.fill_bitmask([sample_states[i].matcher for i in constrained], bitmask)
+        meta.grammar_rows, meta.grammar_bitmask = constrained, bitmask
 
     def _prompt_logprobs(
         self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor

@@ -14,6 +14,8 @@ import httpx
 
 from pdfleet.engine.config import security
 
+from .device import engine_memory_args
+
 
 def fleet_token(environ: dict[str, str] | None = None) -> str | None:
     """The engine-HTTP token of the fleet secret the tests' processes share."""
@@ -44,6 +46,9 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         port: int | None = None,
     ) -> None:
+        if args[:1] == ["serve"]:
+            # Several engines of one test share a GPU: give each its own share.
+            args = [*args, *engine_memory_args(args)]
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"

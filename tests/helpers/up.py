@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from .device import engine_memory_spec
 from .server import free_port, wait_until
 
 
@@ -86,7 +87,12 @@ class Up:
 def fleet_spec(model: str, **extra) -> dict:
     spec = {
         "model": {"name": "tiny", "uri": f"file://{model}"},
-        "engine": {"maxModelLen": 512, "maxNumSeqs": 64, "disableLogStats": True},
+        "engine": {
+            "maxModelLen": 512,
+            "maxNumSeqs": 64,
+            "disableLogStats": True,
+            **engine_memory_spec(),
+        },
         "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 20},
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},

@@ -1,15 +1,17 @@
 """The kernel tests run on the GPU when there is one, else under Triton's
-interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 then)."""
+interpreter on the CPU (the root conftest.py sets TRITON_INTERPRET=1 then);
+tests/helpers/device.py decides which."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.device import test_device
 
 
 @pytest.fixture(scope="session")
 def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return test_device()
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,22 @@ def drive_launchers(label_box: list[str]) -> None:
         q = _meta(4, 32, head_dim)
         decode_attention.paged_decode_attention(q, cache, cache, table, lens, 0.1, num_splits=1)
         decode_attention.paged_decode_attention(q, cache, cache, table, lens, 0.1, num_splits=8)
+    for head_dim, block_size in ((80, 16), (96, 1), (112, 64), (192, 256)):
+        # Padded head tiles (next power of two, masked), with other block sizes.
+        label_box[0] = f"head_dim {head_dim} block_size {block_size}"
+        cache = _meta(4096, block_size, 8, head_dim)
+        table = _meta(4, 4096 // block_size, dtype=i32)
+        prefill_attention.paged_prefill_attention(
+            _meta(2048, 32, head_dim), cache, cache, table, qsl, lens, 0.1, sliding_window=1024
+        )
+        q = _meta(4, 32, head_dim)
+        decode_attention.paged_decode_attention(q, cache, cache, table, lens, 0.1, num_splits=8)
+        qkv = _meta(256, 48, head_dim)
+        rotary.rotary_embedding(
+            _meta(256, dtype=torch.int64), qkv[:, :32], qkv[:, 32:40],
+            _meta(8192, head_dim, dtype=torch.float32), head_dim,
+        )  # fmt: skip
+    table = _meta(4, 256, dtype=i32)
     label_box[0] = "sliding window"
     cache = _meta(4096, 32, 8, 128)
     prefill_attention.paged_prefill_attention(

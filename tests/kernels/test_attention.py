@@ -196,7 +196,7 @@ def _decode_args(**override):
         (dict(q=torch.zeros(2, 4, 16)), "q must have shape"),
         (dict(q=torch.zeros(2, 3, 32)), "multiple of num_kv_heads"),
         (dict(q=torch.zeros(2, 4, 32, dtype=torch.int32)), "q must have dtype"),
-        (dict(k_cache=torch.zeros(9, 8, 2, 32), v_cache=torch.zeros(9, 8, 2, 32)), "block_size"),
+        (dict(k_cache=torch.zeros(9, 12, 2, 32), v_cache=torch.zeros(9, 12, 2, 32)), "block_size"),
         (dict(k_cache=torch.zeros(7, 16, 2, 32, dtype=torch.bfloat16)), "dtypes must match"),
         (dict(v_cache=torch.zeros(9, 16, 2, 16)), "v_cache must have shape"),
         (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), "block_table must have dtype"),
@@ -211,13 +211,50 @@ def test_decode_launcher_rejects_bad_arguments(override, match):
         paged_decode_attention(**_decode_args(**override))
 
 
-def test_decode_launcher_rejects_head_dim_it_has_no_kernel_for():
-    k = torch.zeros(4, 16, 2, 48)
-    with pytest.raises(ValueError, match="head_dim must be one of"):
+def test_decode_launcher_rejects_head_dim_over_256():
+    k = torch.zeros(4, 16, 2, 320)
+    with pytest.raises(ValueError, match=r"head_dim must be in 1\.\.256"):
         paged_decode_attention(
-            torch.zeros(1, 2, 48), k, k, torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, 2, 320), k, k, torch.zeros(1, 1, dtype=torch.int32),
             torch.ones(1, dtype=torch.int32), 0.1,
         )  # fmt: skip
+
+
+# Every head size released models use, powers of two or not (the kernels pad
+# the head tile to the next power of two and mask it), each paired with a
+# different block size the cache config allows and with or without a window,
+# so the whole grid is covered without a cross product (the interpreter is slow).
+HEAD_SIZE_CASES = [
+    (64, 1, None),
+    (80, 8, 9),
+    (96, 16, None),
+    (112, 32, 20),
+    (128, 64, None),
+    (192, 128, 33),
+    (256, 256, None),
+    (80, 256, 5),
+    (96, 128, None),
+]
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "window"), HEAD_SIZE_CASES)
+def test_prefill_matches_reference_at_every_head_size(head_dim, block_size, window, device):
+    # A fresh prompt, a chunk over a cached prefix and a decode, under GQA 2.
+    case = make_paged_case(
+        [19, 41, 9], [19, 7, 1], 4, 2, head_dim, block_size, seed=head_dim, device=device
+    )
+    out, ref = _prefill(case, head_dim**-0.5, window, config={"BLOCK_M": 16, "BLOCK_N": 16})
+    assert rel_error(out, ref) <= TOL_FP32
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "window"), HEAD_SIZE_CASES)
+def test_decode_matches_reference_at_every_head_size(head_dim, block_size, window, device):
+    case = make_paged_case(
+        [3, 40, 17], [1, 1, 1], 4, 2, head_dim, block_size, seed=head_dim + 1, device=device
+    )
+    # Two splits: the padded partials go through the reduce kernel too.
+    out, ref = _decode(case, head_dim**-0.5, window, num_splits=2, config={"BLOCK_N": 16})
+    assert rel_error(out, ref) <= TOL_FP32
 
 
 @pytest.mark.parametrize(

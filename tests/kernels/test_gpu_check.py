@@ -13,10 +13,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 def test_gpu_check_dry_run_reports_every_section(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--seed", "7", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--dry-run", "--seed", "7", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "engine end-to-end decode" in proc.stdout
@@ -43,3 +43,15 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
     # The engine's real decode path ran (model runner, Triton attention, sampling).
     assert all(r["ms_per_step"] > 0 for r in e2e["rows"])
     assert len(report["targets"]) == 3
+    # The engine sections: whole-model greedy checks on the fused path, and a P/D pair.
+    engine = {r["check"]: r for r in report["engine_checks"]}
+    greedy = engine["greedy vs transformers (bf16, same device)"]
+    assert greedy["ok"] and greedy["fused_path"] and greedy["prompts"] == 4
+    assert engine["triton vs torch backend (bf16)"]["ok"]
+    assert "skipped" in engine["CUDA graphs on vs off"]  # no graphs on a CPU
+    pd = report["pd_pair"]
+    assert pd["ok"] and pd["mismatches"] == 0 and pd["pulls"] >= 1
+    assert pd["pull_GBps"] > 0 and pd["pull_ms"] > 0
+    assert report["failed"] == []
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "| batch | context |" in markdown and "### P/D pair" in markdown

@@ -60,8 +60,18 @@ def fleet(request, tiny_model, tmp_path_factory):
             "prefill",
             *kv_args(connector, "kv_producer", kv_ports["prefill"], lease_seconds=10),
         ),
+        # A bandwidth floor no pull can reach: the decode engine reports KVTransferDegraded.
         "decode": serve(
-            tiny_model, logs, "decode", *kv_args(connector, "kv_consumer", kv_ports["decode"])
+            tiny_model,
+            logs,
+            "decode",
+            *kv_args(
+                connector,
+                "kv_consumer",
+                kv_ports["decode"],
+                min_pull_gbps=1e6,
+                bandwidth_min_pull_bytes=0,
+            ),
         ),
         "agg": serve(tiny_model, logs, "agg"),
     }
@@ -177,6 +187,16 @@ def test_two_leg_protocol_is_token_identical_to_one_engine(fleet):
         lambda: scrape(fleet["prefill"])["pdfleet_engine_kv_cache_usage_ratio"] == 0, 10
     )
     assert scrape(fleet["prefill"])["pdfleet_engine_kv_transfer_expired_leases_total"] == 0
+
+
+def test_pull_bandwidth_under_the_floor_raises_kv_transfer_degraded(fleet):
+    body = {"prompt": prompt_of(70, 901), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    two_legs(fleet, body)
+    d = scrape(fleet["decode"])
+    assert d["pdfleet_engine_kv_pull_bandwidth_bytes_per_second"] > 0
+    assert d["pdfleet_engine_kv_transfer_degraded"] == 1
+    # The producer pulls nothing and has no floor.
+    assert scrape(fleet["prefill"])["pdfleet_engine_kv_transfer_degraded"] == 0
 
 
 def test_chat_through_both_legs(fleet):

@@ -311,6 +311,48 @@ def test_engine_pods_pin_ucx_to_a_port_range_above_the_kv_port():
     assert env["UCX_TCP_PORT_RANGE"] == "65498-65529"
 
 
+def test_gpu_engine_pods_request_the_ucx_transports_for_gpu_memory():
+    objects = children()
+    env = {e["name"]: e.get("value") for e in container(objects, "demo-prefill")["env"]}
+    transports = env["UCX_TLS"].split(",")
+    assert {"cuda_copy", "cuda_ipc", "rc"} <= set(transports)
+    # Without GPUs UCX keeps its own choice; a role's own UCX_TLS wins, once.
+    gpu_decode = {**SPEC["decode"], "resources": {"limits": {"nvidia.com/gpu": 2}}}
+    own = children({**SPEC, "decode": gpu_decode})
+    decode_env = [e for e in container(own, "demo-decode")["env"] if e["name"] == "UCX_TLS"]
+    assert decode_env == [{"name": "UCX_TLS", "value": "tcp"}]
+    cpu_only = {**SPEC, "prefill": {"replicas": 1}}
+    names = {e["name"] for e in container(children(cpu_only), "demo-prefill")["env"]}
+    assert "UCX_TLS" not in names
+    zmq = children({**SPEC, "kvTransfer": {"connector": "ZmqConnector"}})
+    assert "UCX_TLS" not in {e["name"] for e in container(zmq, "demo-prefill")["env"]}
+
+
+def test_gpus_implied_by_tensor_parallelism_also_get_the_gpu_transports():
+    # No GPU written in resources: the operator derives 2 per pod from the TP size.
+    tp = {"replicas": 1, "engine": {"tensorParallelSize": 2}}
+    c = container(children({**SPEC, "prefill": tp}), "demo-prefill")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "cuda_ipc" in {e["name"]: e.get("value") for e in c["env"]}["UCX_TLS"]
+
+
+def test_an_rdma_device_gives_engine_pods_the_resource_and_ipc_lock():
+    plain = container(children(), "demo-prefill")
+    assert "add" not in plain["securityContext"]["capabilities"]
+    kv = {**SPEC["kvTransfer"], "rdmaResource": "rdma/rdma_shared_device_a"}
+    objects = children({**SPEC, "kvTransfer": kv})
+    for name in ("demo-prefill", "demo-decode"):
+        c = container(objects, name)
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+        assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"
+    assert container(objects, "demo-prefill")["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for obj in objects:
+        validate(obj)
+    gateway = container(objects, "demo-gateway")
+    assert "add" not in gateway["securityContext"]["capabilities"]
+
+
 def network_policy(objects, role):
     return by_kind_name(objects)["NetworkPolicy", f"demo-{role}"]["spec"]
 

@@ -177,3 +177,22 @@ def test_an_open_kv_circuit_breaker_of_a_gateway_makes_kv_unhealthy():
     closed = PodSample("gw-1", "gateway", True, 10.0, {"pdfleet_gateway_kv_pair_open": 0.0})
     verdict = health.update([kv_sample("d-1", 0, 20, at=10), closed])
     assert (verdict.healthy, verdict.reason) == (True, "NoFailedTransfers")
+
+
+def test_a_decode_engine_under_its_pull_bandwidth_floor_makes_kv_unhealthy():
+    health = KVHealth()
+    fast = {
+        "pdfleet_engine_kv_transfer_failures_total": 0.0,
+        "pdfleet_engine_kv_transfers_total": 5.0,
+    }
+    assert health.update([PodSample("d-1", "decode", True, 0.0, fast)]).healthy is not False
+    slow = {
+        **fast,
+        "pdfleet_engine_kv_transfer_degraded": 1.0,
+        "pdfleet_engine_kv_pull_bandwidth_bytes_per_second": 2.5e9,
+    }
+    verdict = health.update([PodSample("d-1", "decode", True, 10.0, slow)])
+    assert verdict.healthy is False and verdict.reason == "KVPullBandwidthLow"
+    assert "d-1 2.5 GB/s" in verdict.message
+    recovered = {**slow, "pdfleet_engine_kv_transfer_degraded": 0.0}
+    assert health.update([PodSample("d-1", "decode", True, 20.0, recovered)]).healthy is True

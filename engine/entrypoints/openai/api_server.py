@@ -47,7 +47,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving_base import TokenizerLanes
+from .serving_base import ChatOptions, TokenizerLanes
 from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
 
@@ -62,7 +62,9 @@ class ServerState:
         auth: EngineAuth | None = None,
         limits: ServerLimits | None = None,
         large_prompt_chars: int = 1 << 16,
+        options: ChatOptions | None = None,
     ) -> None:
+        self.options = options or ChatOptions()
         self.config = config
         self.max_waiting_requests = max_waiting_requests
         self.auth = auth or EngineAuth()
@@ -93,8 +95,10 @@ class ServerState:
             )
             names = engine.config.model_config.served_model_names
             max_len = engine.config.model_config.max_model_len
-            self.completions = CompletionServing(self.engine, names, max_len, self.lanes)
-            self.chat = ChatServing(self.engine, names, max_len, self.lanes)
+            self.completions = CompletionServing(
+                self.engine, names, max_len, self.lanes, self.options
+            )
+            self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
         except BaseException as e:
@@ -369,6 +373,7 @@ def run_server(
     log_level: str = "info",
     limits: ServerLimits | None = None,
     large_prompt_chars: int = 1 << 16,
+    options: ChatOptions | None = None,
 ) -> int:
     """Serve until stopped; 0 after a clean stop, 1 when loading or the engine failed."""
     import uvicorn
@@ -376,7 +381,7 @@ def run_server(
     auth = auth or EngineAuth()
     limits = limits or ServerLimits()
     auth.warn_if_open()
-    state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars)
+    state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
     # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
     grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -114,29 +115,67 @@ class _Sampling(_Checked):
     user: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # Output constraints (docs/structured_outputs.md): OpenAI's response_format,
+    # vLLM's guided_* fields and its newer structured_outputs object.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: one backend
+    guided_whitespace_pattern: str | None = None  # accepted, ignored
+    structured_outputs: dict[str, Any] | None = None
     # Known OpenAI fields pdfleet does not implement: rejected when set.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
             raise APIError("logit_bias is not supported by pdfleet", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of is not supported by pdfleet (use n)", param="best_of")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                "response_format other than text is not supported by pdfleet",
-                param="response_format",
-            )
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError("tool calling is not supported by pdfleet", param="tools")
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+
+    def constraint_field(self) -> str | None:
+        """The request field that carries its output constraint (None: none)."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs" if self.structured_outputs is not None else None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (shapes were checked by check_structured)."""
+        rf = self.response_format or {}
+        try:
+            if rf.get("type") == "json_schema":
+                return StructuredOutputsParams(json=rf["json_schema"]["schema"])
+            if rf.get("type") == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if self.guided_json is not None:
+                return StructuredOutputsParams(json=self.guided_json)
+            if self.guided_regex is not None:
+                return StructuredOutputsParams(regex=self.guided_regex)
+            if self.guided_choice is not None:
+                return StructuredOutputsParams(choice=tuple(self.guided_choice))
+            if self.guided_grammar is not None:
+                return StructuredOutputsParams(grammar=self.guided_grammar)
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                return StructuredOutputsParams(
+                    json=so.get("json"),
+                    regex=so.get("regex"),
+                    choice=so.get("choice"),
+                    grammar=so.get("grammar"),
+                    json_object=bool(so.get("json_object")),
+                )
+        except ValueError as e:
+            raise APIError(str(e), param="structured_outputs") from None
+        return None
 
     def sampling_params(
         self,
@@ -144,6 +183,7 @@ class _Sampling(_Checked):
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         values: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -168,6 +208,7 @@ class _Sampling(_Checked):
                 max_tokens=max_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured,
                 **values,
             )
         except ValueError as e:
@@ -204,11 +245,52 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args: Any = json.loads(c.function.arguments)
+                except ValueError:
+                    raise APIError(
+                        f"tool call {c.id}: function.arguments is not valid JSON",
+                        param="messages",
+                    ) from None
+                calls.append(
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": args},
+                    }
+                )
+            out["tool_calls"] = calls
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -235,6 +317,15 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class TokenizeRequest(_Checked):

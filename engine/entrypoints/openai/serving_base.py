@@ -25,7 +25,7 @@ from ...async_engine import (
 )
 from ...config.sampling_checks import check_sampling
 from ...outputs import Logprob, RequestOutput
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .protocol import APIError, ChatCompletionRequest
 
 logger = logging.getLogger("pdfleet.serve")
@@ -132,6 +132,30 @@ def max_token_chars(tokenizer: Any) -> int:
         return 0
 
 
+@dataclass
+class ChatOptions:
+    """Server flags that shape chat serving (vLLM's names; docs/tool_calling.md)."""
+
+    chat_template: str | None = None
+    """A Jinja chat template (the text; ``load_chat_template`` reads a file)."""
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the template itself."""
+    if value is None:
+        return None
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+
+
 class ServingBase:
     def __init__(
         self,
@@ -139,7 +163,9 @@ class ServingBase:
         served_names: list[str],
         max_model_len: int,
         lanes: TokenizerLanes | None = None,
+        options: ChatOptions | None = None,
     ) -> None:
+        self.options = options or ChatOptions()
         self.engine = engine
         self.served_names = served_names
         self.max_model_len = max_model_len
@@ -193,12 +219,32 @@ class ServingBase:
             return self._need_tokenizer()(prompt, add_special_tokens=add_special_tokens).input_ids
         return list(prompt)
 
+    async def compile_constraint(
+        self, spec: StructuredOutputsParams | None, param: str | None = None
+    ) -> StructuredOutputsParams | None:
+        """Compile (or find cached) the request's grammar before admission, off the
+        event loop, so a bad schema is a 400 and the engine thread never compiles."""
+        if spec is None:
+            return None
+        try:
+            grammars = self.engine.engine.grammars
+            await self.lanes.run(0, grammars.compile, spec)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
+        return spec
+
     def apply_chat_template(self, req: ChatCompletionRequest | Any) -> tuple[str, list[int]]:
         tok = self._need_tokenizer()
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.template_dict() for m in req.messages]
+        extra: dict[str, Any] = {}
+        if getattr(req, "tools", None):
+            extra["tools"] = req.tools
+        if self.options.chat_template is not None:
+            extra["chat_template"] = self.options.chat_template
         try:
             text = tok.apply_chat_template(
                 messages,
+                **extra,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt
                 and not getattr(req, "continue_final_message", False),

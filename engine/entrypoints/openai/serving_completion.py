@@ -53,6 +53,7 @@ class CompletionServing(ServingBase):
             raise APIError("suffix is not supported by pdfleet", param="suffix")
         self.check_sampling(req)
         self.check_logprobs(req.logprobs, "logprobs")
+        structured = await self.compile_constraint(req.structured_spec(), req.constraint_field())
         prompts = await self.tokenize_prompts(req.prompts())
         jobs = []
         for text, ids in prompts:
@@ -62,6 +63,7 @@ class CompletionServing(ServingBase):
                 max_tokens,
                 req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                structured=structured,
             )
             jobs.append((text, ids, params))
         return model, jobs
