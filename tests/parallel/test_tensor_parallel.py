@@ -14,6 +14,7 @@ from helpers.server import ServerProcess, free_port, wait_until
 
 from pdfleet.engine import LLM, SamplingParams
 from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.sampling_params import StructuredOutputsParams
 from pdfleet.engine.worker.tp_executor import RankFailed
 
 # One model per family, chosen to cover each split: untied Llama with KV heads
@@ -78,6 +79,14 @@ def test_seeded_random_sampling_at_tp2_equals_tp1(tp2_engine):
     prompts = [{"prompt_token_ids": [9, 10, 11]}, {"prompt_token_ids": [40, 41]}]
     expected = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(prompts, sp)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
+
+
+def test_structured_outputs_at_tp2_are_refused_with_a_clear_error(tp2_engine):
+    _path, llm = tp2_engine("llama")
+    sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="structured_outputs: not supported with --tensor"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], sp)
+    assert not llm.engine.core.scheduler.requests  # nothing was queued
 
 
 def test_a_dead_rank_takes_the_engine_down_with_a_clear_error_and_no_orphans(tp2_engine):
