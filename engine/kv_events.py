@@ -1,14 +1,27 @@
-"""Publishing prefix-cache events (block stored / removed) over ZeroMQ.
+"""Publishing prefix-cache events (block stored / removed / all cleared) over ZeroMQ.
 
-External routers follow which prefixes each engine caches from these events
-(as with vLLM's ``--kv-events-config``). Each message is multipart
-``[topic, sequence (8 bytes, big-endian), payload]`` where the payload is a
-msgpack array ``[timestamp, [event, ...], data_parallel_rank]`` and an event is
-``["BlockStored", [hash], parent_hash | None, token_ids, block_size, None,
-"GPU"]`` or ``["BlockRemoved", [hash], "GPU"]`` (hashes are raw bytes). A
-replay socket (ROUTER) answers a sequence number with every buffered batch
-from there on, then an empty payload. Publishing runs on its own thread
-behind a bounded queue, so a slow subscriber never blocks the engine.
+External routers follow which prefixes each engine caches from these events,
+as with vLLM's ``--kv-events-config``, in vLLM's current wire format
+(docs/kv_events.md): each message is multipart ``[topic, sequence (8 bytes,
+big-endian), payload]``, the payload vLLM's ``EventBatch`` (array-like in
+msgpack: ``[ts, events, data_parallel_rank]``) whose events are maps tagged by
+``type``::
+
+    {"type": "BlockStored", "block_hashes": [id, ...], "parent_block_hash": id | None,
+     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU",
+     "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [id, ...], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
+
+Block ids are the 64-bit integers of ``core.block_hash.external_block_hash``.
+A chain of blocks stored in one step is one ``BlockStored`` (its token ids
+concatenated, as vLLM sends them). The first batch of a publisher is an
+``AllBlocksCleared``, so a subscriber that knew a previous instance of the
+engine drops what it knew; an idle publisher sends an empty batch every
+``heartbeat_interval`` seconds, so a subscriber can tell a quiet engine from a
+lost stream. A replay socket (ROUTER) answers a sequence number with every
+buffered batch from there on, then ``[-1, b""]``. Publishing runs on its own
+thread behind a bounded queue, so a slow subscriber never blocks the engine.
 """
 
 from __future__ import annotations
@@ -19,28 +32,75 @@ import queue
 import struct
 import threading
 import time
+from typing import Any
 
 import msgpack
 import zmq
 
 from .config import KVEventsConfig
+from .core.block_hash import external_block_hash
 from .core.block_pool import KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
+END_SEQ = struct.pack(">q", -1)
 
-def encode_event(e: KVCacheEvent) -> list:
-    if e.kind == "stored":
-        return [
-            "BlockStored",
-            [e.block_hash],
-            e.parent_hash,
-            list(e.token_ids),
-            e.block_size,
-            None,
-            "GPU",
-        ]
-    return ["BlockRemoved", [e.block_hash], "GPU"]
+
+def encode_events(events: list[KVCacheEvent]) -> list[dict[str, Any]]:
+    """vLLM's tagged-map events for one step; consecutive stores that chain
+    (each block's parent is the previous block) on one tier become one
+    ``BlockStored``, consecutive removals on one tier one ``BlockRemoved``."""
+    out: list[dict[str, Any]] = []
+    last_hash: bytes | None = None
+    for e in events:
+        prev = out[-1] if out else None
+        if e.kind == "stored":
+            h = external_block_hash(e.block_hash)
+            if (
+                prev is not None
+                and prev["type"] == "BlockStored"
+                and prev["medium"] == e.medium
+                and prev["block_size"] == e.block_size
+                and e.parent_hash is not None
+                and e.parent_hash == last_hash
+            ):
+                prev["block_hashes"].append(h)
+                prev["token_ids"].extend(e.token_ids)
+            else:
+                out.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [h],
+                        "parent_block_hash": (
+                            None if e.parent_hash is None else external_block_hash(e.parent_hash)
+                        ),
+                        "token_ids": list(e.token_ids),
+                        "block_size": e.block_size,
+                        "lora_id": None,
+                        "medium": e.medium,
+                        "lora_name": None,
+                    }
+                )
+            last_hash = e.block_hash
+            continue
+        last_hash = None
+        if e.kind == "removed":
+            h = external_block_hash(e.block_hash)
+            if prev is not None and prev["type"] == "BlockRemoved" and prev["medium"] == e.medium:
+                prev["block_hashes"].append(h)
+            else:
+                out.append({"type": "BlockRemoved", "block_hashes": [h], "medium": e.medium})
+        elif e.kind == "cleared":
+            out.append({"type": "AllBlocksCleared"})
+        else:
+            raise AssertionError(f"unknown KV cache event kind {e.kind!r}")
+    return out
+
+
+def encode_batch(ts: float, events: list[dict[str, Any]], data_parallel_rank: int = 0) -> bytes:
+    """One ``EventBatch`` payload: msgpack ``[ts, events, data_parallel_rank]``
+    (vLLM's array-like batch; hashes are integers, never pickles)."""
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
 
 
 class KVEventPublisher:
@@ -68,6 +128,8 @@ class KVEventPublisher:
             self.pub.close(0)
             raise ValueError(f"kv_events_config: cannot bind {config.endpoint}: {e}") from None
         self._stop = threading.Event()
+        # A new instance: subscribers drop what an earlier one published.
+        self.queue.put_nowait((time.time(), [{"type": "AllBlocksCleared"}]))
         self.thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.thread.start()
 
@@ -76,7 +138,7 @@ class KVEventPublisher:
         if not events:
             return
         try:
-            self.queue.put_nowait((time.time(), [encode_event(e) for e in events]))
+            self.queue.put_nowait((time.time(), encode_events(events)))
         except queue.Full:
             self.dropped += 1
 
@@ -84,23 +146,30 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if self.replay is not None:
             poller.register(self.replay, zmq.POLLIN)
+        heartbeat = self.config.heartbeat_interval
+        last_sent = time.monotonic()
         while not self._stop.is_set():
             try:
                 ts, events = self.queue.get(timeout=0.02)
-                payload = msgpack.packb([ts, events, 0], use_bin_type=True)
-                seq = self.seq
-                self.seq += 1
-                self.buffer.append((seq, payload))
-                try:
-                    self.pub.send_multipart(
-                        [self.topic, struct.pack(">q", seq), payload], zmq.NOBLOCK
-                    )
-                except zmq.Again:
-                    self.dropped += 1
             except queue.Empty:
-                pass
+                if time.monotonic() - last_sent < heartbeat:
+                    events = None
+                else:
+                    ts, events = time.time(), []  # "still here, nothing changed"
+            if events is not None:
+                self._send(encode_batch(ts, events))
+                last_sent = time.monotonic()
             if self.replay is not None and dict(poller.poll(0)):
                 self._serve_replay()
+
+    def _send(self, payload: bytes) -> None:
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        try:
+            self.pub.send_multipart([self.topic, struct.pack(">q", seq), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
 
     def _serve_replay(self) -> None:
         assert self.replay is not None  # only called when replay is configured
@@ -112,7 +181,7 @@ class KVEventPublisher:
         for seq, payload in list(self.buffer):
             if seq >= start:
                 self.replay.send_multipart([ident, b"", struct.pack(">q", seq), payload])
-        self.replay.send_multipart([ident, b"", struct.pack(">q", -1), b""])
+        self.replay.send_multipart([ident, b"", END_SEQ, b""])
 
     def shutdown(self) -> None:
         self._stop.set()

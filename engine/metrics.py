@@ -97,6 +97,7 @@ class EngineMetrics:
                     config.kv_cache_dtype,
                     str(cache.enable_prefix_caching),
                     config.compat_hash(),
+                    cache.prefix_caching_hash_algo,
                 ),
                 strict=True,
             )

@@ -1,6 +1,7 @@
 """Autoscaling in Kubernetes: the operator's adapter of the autoscaling loop.
 
-Every autoscaling period the operator's timer scrapes the engine pods and
+Every autoscaling period the operator's timer scrapes the engine and gateway
+pods (sooner when a gateway holds requests for a decode pool at zero) and
 calls :class:`PolicyDecider` (the default :data:`decide_scaling`), which turns
 the scrapes into :class:`~pdfleet.operator.autoscaling.control_loop.ReplicaScrape` records
 and runs one :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
@@ -17,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
+from .autoscaling.control_loop import ROLES, ActivationCounter, ReplicaScrape, ScalingLoop
 from .autoscaling.decisions import AutoscalerMetrics
 from .autoscaling.samples import snapshot_from_series
 from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
 from .manifests import child_name, desired_replicas, multi_node, workload_kind
 from .resource import InferenceServiceSpec
-from .scrape import PodSample
+from .scrape import PodSample, activation_key
 
 # Deployment scale-down removes the pods with the lowest deletion cost first.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -53,6 +54,7 @@ class PolicyDecider:
 
     def __init__(self) -> None:
         self.loops: dict[str, ScalingLoop] = {}
+        self.activations: dict[str, ActivationCounter] = {}
         # Set by the operator to export every decision (holds included) on its /metrics.
         self.metrics: AutoscalerMetrics | None = None
 
@@ -65,8 +67,10 @@ class PolicyDecider:
         now: float,
     ) -> list[ScaleDecision]:
         """``service`` is ``namespace/name``; ``samples`` hold every engine pod's
-        scrape (failed ones with ``error`` set); ``replicas`` the Deployments'
-        desired replicas per role; ``now`` Unix seconds."""
+        scrape (failed ones with ``error`` set) and the gateway pods' (their
+        activation counters: requests that found no engine of a role);
+        ``replicas`` the Deployments' desired replicas per role; ``now`` Unix
+        seconds."""
         scrapes = [
             ReplicaScrape(
                 s.pod,
@@ -79,8 +83,14 @@ class PolicyDecider:
             for s in samples
             if s.role in ROLES
         ]
+        gateways = {
+            s.pod: {role: s.values.get(activation_key(role), 0.0) for role in ROLES}
+            for s in samples
+            if s.role == "gateway" and s.error is None
+        }
+        activations = self.activations.setdefault(service, ActivationCounter()).update(gateways)
         loop = self.loops.setdefault(service, ScalingLoop())
-        step = loop.step(policy, scrapes, now, requested=replicas)
+        step = loop.step(policy, scrapes, now, requested=replicas, activations=activations)
         if self.metrics is not None:
             for d in step.result.decisions:
                 self.metrics.observe(d)
@@ -88,6 +98,7 @@ class PolicyDecider:
 
     def forget(self, service: str) -> None:
         self.loops.pop(service, None)
+        self.activations.pop(service, None)
 
 
 decide_scaling: DecideFn = PolicyDecider()

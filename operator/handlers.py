@@ -290,8 +290,9 @@ async def refresh(
         )
     state.kv_verdict[uid] = health.update(scraped)
     if spec.autoscaling is not None:
+        # The autoscaler also reads the gateways: their activation counters.
         autoscaled = await _autoscale(
-            state, config, spec, body, patch, samples, autoscaled or {}, clock(), logger
+            state, config, spec, body, patch, scraped, autoscaled or {}, clock(), logger
         )
     await _write_status(
         state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
@@ -313,10 +314,15 @@ async def _autoscale(
     assert spec.autoscaling is not None
     name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     last = state.last_decision_at.get(uid)
-    if last is not None and now - last < spec.autoscaling.period_seconds:
+    replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}
+    # A gateway holding requests for a decode pool at zero: decide now, not a
+    # period later (the request waits for a cold start either way).
+    activating = replicas["decode"] == 0 and any(
+        s.values.get(m.GATEWAY_HELD_REQUESTS.name, 0.0) > 0 for s in samples if s.role == "gateway"
+    )
+    if last is not None and now - last < spec.autoscaling.period_seconds and not activating:
         return autoscaled
     state.last_decision_at[uid] = now
-    replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}
     decisions = config.decide(f"{namespace}/{name}", spec.autoscaling, samples, replicas, now)
     if not decisions:
         return autoscaled

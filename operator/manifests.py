@@ -456,8 +456,24 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         namespace=namespace,
         selector=f"{LABEL_SERVICE}={name}",
         engine_port=ENGINE_PORT,
+        **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+        workers=gateway_workers(spec.gateway),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
+
+
+def gateway_workers(gateway: PodPlacement) -> int:
+    """``--workers``: one gateway process per whole CPU of the pod's limit (else
+    its request; 1 without either), so a pod uses every core it may."""
+    cpu = gateway.resources.limits.get("cpu") or gateway.resources.requests.get("cpu")
+    if cpu is None:
+        return 1
+    text = str(cpu).strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return 1
+    return max(1, int(cores))
 
 
 def gateway_pod_template(

@@ -55,9 +55,21 @@ class PodSample:
     error: str | None = None
 
 
+def activation_key(role: str) -> str:
+    """The values key of a gateway's activation counter for one role."""
+    return f"{m.GATEWAY_ACTIVATIONS.name}:{role}"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {sample name: sum over label sets}."""
-    return m.parse_metrics(text).totals()
+    """Prometheus text exposition -> {sample name: sum over label sets}; the
+    gateway's activation counter also per role (:func:`activation_key`), as
+    the autoscaler reads it by role."""
+    scrape = m.parse_metrics(text)
+    values = scrape.totals()
+    for labels, value in scrape.samples.get(m.GATEWAY_ACTIVATIONS.name, ()):
+        key = activation_key(labels.get("role", ""))
+        values[key] = values.get(key, 0.0) + value
+    return values
 
 
 def metrics_url(pod: Mapping[str, Any]) -> str | None:

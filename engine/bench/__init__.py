@@ -35,6 +35,10 @@ __all__ = [
 async def arun_benchmark(config: BenchConfig) -> BenchResult:
     results, elapsed = await run_load(config)
     result = summarize(results, elapsed, config)
+    if config.plot:
+        from .plot import plot_bench
+
+        plot_bench(results, elapsed, config.plot)
     if config.json:
         Path(config.json).write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     return result

@@ -62,6 +62,9 @@ class BenchConfig:
     """Write the full result (config, per-metric percentiles) to this JSON file."""
     quiet: bool = False
     """Print nothing but errors (library use)."""
+    plot: str | None = None
+    """Write a PNG of latency percentiles (TTFT, E2E) and throughput over time
+    to this path (needs matplotlib: the `plot` extra)."""
 
     def __post_init__(self) -> None:
         if self.num_requests is None and self.duration is None:
@@ -91,7 +94,7 @@ class BenchConfig:
         docs = attr_docs(cls)
         for f, tp in resolved_fields(cls):
             kwargs = argparse_kwargs(f.name, tp, default_of(f), docs.get(f.name, ""))
-            if f.name == "json":
+            if f.name in ("json", "plot"):
                 kwargs["metavar"] = "PATH"
             parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, **kwargs)
 

@@ -28,6 +28,10 @@ class GatewayConfig:
     """Address to listen on."""
     port: int = 8000
     """Port to listen on."""
+    workers: int = 1
+    """Gateway processes serving the port (SO_REUSEPORT), each on its own core
+    with its own view of every engine (health checks, metric scrapes); 1 for
+    one process. A gateway pod sets it from its CPU limit."""
     prefill: list[str] = field(default_factory=list)
     """URL of a prefill engine (e.g. http://10.0.0.5:8000); repeat the flag or
     give several values."""
@@ -106,6 +110,10 @@ class GatewayConfig:
     hold_timeout: float = 10.0
     """Seconds a new request waits for a decode engine while none is routable
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""
+    scale_to_zero: bool = False
+    """Decode may be scaled to zero (minReplicas 0): /health stays 200 with no
+    decode engine, so load balancers keep sending requests, which the gateway
+    holds while its activation signal brings an engine back."""
     kv_pair_failures: int = 3
     """Consecutive failed P/D hand-offs over one (prefill, decode) pair that
     open its circuit breaker: the pair is not used for disaggregation for
@@ -131,6 +139,26 @@ class GatewayConfig:
     """Leading prompt blocks hashed for prefix-aware routing."""
     prefix_table_size: int = 100_000
     """Entries (block hashes) in the prefix-affinity LRU table."""
+    kv_events_port: int | None = None
+    """Port of the engines' KV event PUB sockets (`kv_events_config.endpoint`)
+    on each engine's host, for engines whose discovery entry names no
+    `kv_events` endpoint (engines file key, pod annotation
+    `pdfleet.dev/kv-events-port`). Engines with a stream are routed from the
+    exact prefix index (docs/gateway.md, "Exact prefix routing")."""
+    kv_events_replay_port: int | None = None
+    """Port of the engines' KV event replay (ROUTER) sockets, likewise."""
+    kv_events_topic: str = ""
+    """Topic the engines publish KV events under (`kv_events_config.topic`)."""
+    kv_index_max_blocks: int = 1_000_000
+    """Block ids the exact prefix index holds at most (the least recently
+    stored go first); about 150 bytes each."""
+    kv_index_stale_after: float = 10.0
+    """Seconds without a batch (engines send a heartbeat when idle) after which
+    an engine's exact entries stop counting and its prefix score falls back to
+    the approximate table."""
+    kv_host_weight: float = 0.5
+    """Weight of a prompt block an engine holds only in its host-memory tier
+    (KV events with `medium: CPU`), relative to a device-tier block (1)."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """Log level of the HTTP server."""
 
@@ -145,6 +173,7 @@ class GatewayConfig:
             "kv_pair_cooldown",
             "header_timeout",
             "body_timeout",
+            "kv_index_stale_after",
         )
         for name in (*positive, "scrape_interval", "discovery_interval"):
             if getattr(self, name) <= 0:
@@ -153,6 +182,12 @@ class GatewayConfig:
             raise ValueError(f"--first-token-timeout must be > 0, got {self.first_token_timeout}")
         if self.first_token_per_waiting < 0 or self.hold_timeout < 0:
             raise ValueError("--first-token-per-waiting and --hold-timeout must be >= 0")
+        if not 0.0 <= self.kv_host_weight <= 1.0:
+            raise ValueError(f"--kv-host-weight must be within [0, 1], got {self.kv_host_weight}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"--{flag_name(name)} must be a TCP port (1-65535), got {port}")
         if self.client_key and not self.client_cert:
             raise ValueError("--client-key needs --client-cert (the certificate it belongs to)")
         for name in (
@@ -160,11 +195,16 @@ class GatewayConfig:
             "readmit_after",
             "prefix_blocks",
             "prefix_table_size",
+            "kv_index_max_blocks",
             "kv_pair_failures",
             "max_body_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("--workers above 1 needs a fixed --port (each worker binds it)")
         if self.retries < 0 or self.min_prompt_tokens < 0:
             raise ValueError("--retries and --min-prompt-tokens must be >= 0")
         for url in (*self.prefill, *self.decode):
@@ -219,7 +259,9 @@ class GatewayConfig:
             if f.name == "api_key" or to_jsonable(value) == to_jsonable(default_of(f)):
                 continue
             flag = f"--{flag_name(f.name)}"
-            if isinstance(value, list):
+            if isinstance(value, bool):
+                out.append(flag if value else f"--no-{flag_name(f.name)}")
+            elif isinstance(value, list):
                 for item in value:
                     out += [flag, str(item)]
             elif value is None:

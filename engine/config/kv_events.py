@@ -29,6 +29,10 @@ class KVEventsConfig:
     """Maximum number of batches waiting to be published."""
     topic: str = ""
     """Topic prefix of published messages."""
+    heartbeat_interval: float = 1.0
+    """Seconds of quiet after which the publisher sends an empty batch, so a
+    subscriber (the gateway's prefix index) can tell an idle engine from a
+    lost stream."""
 
     def __post_init__(self) -> None:
         if self.publisher is None:
@@ -40,6 +44,11 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"kv_events_config.{name} must be >= 1")
+        if not self.heartbeat_interval > 0:
+            raise ValueError(
+                f"kv_events_config.heartbeat_interval must be > 0 seconds, "
+                f"got {self.heartbeat_interval}"
+            )
 
     def compute_hash(self) -> str:
         return hash_factors([])

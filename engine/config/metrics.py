@@ -100,9 +100,11 @@ CACHE_CONFIG_LABELS = (
     "cache_dtype",
     "enable_prefix_caching",
     "compat_hash",
+    "prefix_caching_hash_algo",
 )
 """Labels of the cache-config info series (both names); the gateway pairs
-engines by ``compat_hash`` and sizes prompt blocks by ``block_size``."""
+engines by ``compat_hash``, sizes prompt blocks by ``block_size`` and hashes
+them with ``prefix_caching_hash_algo`` (docs/kv_events.md)."""
 
 _M = (MODEL_NAME,)
 
@@ -448,6 +450,40 @@ GATEWAY_REJECTED_REQUESTS = Metric(
     ("reason",),
 )
 
+GATEWAY_KV_INDEX_BLOCKS = Metric(
+    "pdfleet_gateway_kv_index_blocks",
+    "gauge",
+    "Block ids in the exact prefix index (built from the engines' KV events).",
+)
+GATEWAY_KV_INDEX_EVENTS = Metric(
+    "pdfleet_gateway_kv_index_events_total",
+    "counter",
+    "KV events applied to the exact prefix index, by engine and type "
+    "(BlockStored, BlockRemoved, AllBlocksCleared).",
+    ("engine", "type"),
+)
+GATEWAY_KV_INDEX_REPLAYS = Metric(
+    "pdfleet_gateway_kv_index_replays_total",
+    "counter",
+    "Replays asked of an engine's replay socket after a sequence gap or a late join, by outcome "
+    "(ok, partial: the engine no longer buffered the start, failed: no answer in time).",
+    ("engine", "outcome"),
+)
+GATEWAY_KV_INDEX_RESETS = Metric(
+    "pdfleet_gateway_kv_index_resets_total",
+    "counter",
+    "Times an engine's entries were dropped from the exact prefix index, by reason "
+    "(cleared, restart, gap, removed).",
+    ("engine", "reason"),
+)
+GATEWAY_KV_INDEX_FRESH = Metric(
+    "pdfleet_gateway_kv_index_fresh",
+    "gauge",
+    "1 while an engine's KV event stream is fresh (routing uses its exact entries), "
+    "0 while it is stale or unknown (routing falls back to approximate prefix scoring).",
+    ("engine",),
+)
+
 # --- Operator and autoscaler -------------------------------------------------
 OPERATOR_RECONCILES = Metric(
     "pdfleet_operator_reconciles_total",
@@ -547,3 +583,15 @@ def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
     except ValueError as e:
         raise ValueError(f"unreadable Prometheus metrics text: {e}") from None
     return Scrape({name: tuple(series) for name, series in samples.items()})
+
+
+# --- Gateway: activation of pools scaled to zero ----------------------------
+
+GATEWAY_ACTIVATIONS = Metric(
+    "pdfleet_gateway_activation_requests_total",
+    "counter",
+    "Requests that found no routable engine of a role (decode: held until one is ready; "
+    "prefill: served decode-only): the activation signal the autoscaler reads to scale "
+    "a pool up from zero.",
+    ("role",),
+)

@@ -3,12 +3,20 @@
 The hash of block i covers the hash of block i-1 and block i's token ids, so
 equal hashes mean equal prefixes (up to collisions, which the block pool also
 guards against by comparing token ids and the parent block).
+
+The scheme is public (docs/kv_events.md, "Block hashes"): the engine's
+scheduler and the gateway's exact prefix index both call
+:func:`prompt_block_hashes` / :func:`extend_block_hashes` here, and an
+external router that knows the block size and the algorithm reproduces the
+64-bit ids KV events carry with :func:`external_block_hash`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 
 ROOT_HASH = b"\x00" * 32
@@ -60,11 +68,51 @@ def get_hash_fn(name: str) -> HashFn:
         raise ValueError(f"unknown prefix_caching_hash_algo {name!r}") from None
 
 
+def _int64_le(token_ids: Sequence[int]) -> bytes:
+    """Token ids as consecutive signed 64-bit little-endian integers."""
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def extend_block_hashes(
     hashes: list[bytes], token_ids: Sequence[int], block_size: int, hash_fn: HashFn
 ) -> None:
     """Append hashes for every newly completed full block of ``token_ids``."""
-    start = len(hashes)
-    for i in range(start, len(token_ids) // block_size):
+    start, end = len(hashes), len(token_ids) // block_size
+    if start >= end:
+        return
+    if hash_fn is _sha256:
+        # The same bytes as _sha256, packed once for all the new blocks (the
+        # gateway hashes a whole prompt per request).
+        raw = _int64_le(token_ids[start * block_size : end * block_size])
+        count = struct.pack("<q", block_size)
+        step = 8 * block_size
+        parent = hashes[-1] if start else ROOT_HASH
+        sha256 = hashlib.sha256
+        for off in range(0, len(raw), step):
+            parent = sha256(parent + count + raw[off : off + step]).digest()
+            hashes.append(parent)
+        return
+    for i in range(start, end):
         parent = hashes[i - 1] if i else ROOT_HASH
         hashes.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size]))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, hash_fn: HashFn, max_blocks: int | None = None
+) -> list[bytes]:
+    """Hashes of the leading full blocks of a prompt (at most ``max_blocks``),
+    exactly as the engine's prefix cache hashes them."""
+    if max_blocks is not None:
+        token_ids = token_ids[: max_blocks * block_size]
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, hash_fn)
+    return hashes
+
+
+def external_block_hash(block_hash: bytes) -> int:
+    """The id a KV event carries for a block: the digest's last 8 bytes read
+    big-endian, unsigned (vLLM's default integer form of a block hash)."""
+    return int.from_bytes(block_hash[-8:], "big")

@@ -67,13 +67,20 @@ class FreeBlockQueue:
 
 @dataclass
 class KVCacheEvent:
-    """A block entered (``stored``) or left (``removed``) the prefix cache."""
+    """A block entered (``stored``) or left (``removed``) the prefix cache, or
+    the whole cache was dropped (``cleared``, with an empty hash).
+
+    ``medium`` is the tier that holds (or held) the block, named as vLLM names
+    them: ``GPU`` for the device cache (whatever the device), ``CPU`` for the
+    host-memory tier (not built yet in pdfleet; vLLM's offloading engines use it).
+    """
 
     kind: str
     block_hash: bytes
     parent_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
     block_size: int = 0
+    medium: str = "GPU"
 
 
 class BlockPool:
@@ -194,8 +201,12 @@ class BlockPool:
         """Forget every cached block (only when no request holds blocks)."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
+        record, self.record_events = self.record_events, False
         for block in list(self.cached.values()):
             self._evict(block)
+        self.record_events = record
+        if record:
+            self.events.append(KVCacheEvent("cleared", b""))
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -17,10 +17,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
@@ -32,8 +32,10 @@ from pdfleet.engine.config.security import (
 )
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
+from .asgi import GatewayASGI
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
+from .kv_index import KVEventFollower, KVIndex
 from .limits import http_protocol
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
@@ -41,6 +43,7 @@ from .proxy import Proxy, client_request_id, error_response, upstream_message
 from .routing import KVPairBreaker, PrefixAffinity, Router
 from .tls import PlaintextWarning, client_context
 from .upstream import UpstreamClient
+from .workers import Siblings, reuseport_socket, serve_workers
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -58,8 +61,11 @@ class Gateway:
         config: GatewayConfig,
         discovery: Discovery | None = None,
         fleet_secret: bytes | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         self.config = config
+        self.siblings = siblings
+        """The other workers of ``--workers N`` (None for one process)."""
         self.metrics = GatewayMetrics()
         self.analyzer = PromptAnalyzer(
             config.tokenizer, config.prefix_blocks, config.min_prompt_tokens
@@ -103,7 +109,15 @@ class Gateway:
             on_add=self.plaintext.check,
         )
         self.pool.on_scrape = self._scraped
-        self.router = Router(config, self.pool, self.affinity, self.breaker)
+        # Exact prefix routing from the engines' KV events (docs/gateway.md).
+        self.kv_index = KVIndex(
+            config.kv_index_max_blocks,
+            config.kv_index_stale_after,
+            config.kv_host_weight,
+            self.metrics,
+        )
+        self.kv_events = KVEventFollower(self.kv_index, self.metrics)
+        self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
         self.proxy = Proxy(
             config,
             self.pool,
@@ -140,40 +154,52 @@ class Gateway:
         return key_matches(given, keys)
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.serve(lambda: generate_latest(self.metrics.registry))
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
+        self.kv_events.start(self.pool, self.analyzer, self.config)
+
+    async def metrics_text(self) -> bytes:
+        """This process's series, plus the other workers' with ``--workers N``."""
+        own = generate_latest(self.metrics.registry)
+        return own if self.siblings is None else await self.siblings.merged(own)
 
     async def close(self) -> None:
+        await self.kv_events.stop()
+        if self.siblings is not None:
+            await self.siblings.close()
         await self.pool.stop()
         await self.upstream.aclose()
         await self.client.aclose()
 
 
 def build_app(
-    config: GatewayConfig, discovery: Discovery | None = None, fleet_secret: bytes | None = None
-) -> FastAPI:
-    gw = Gateway(config, discovery, fleet_secret)
+    config: GatewayConfig,
+    discovery: Discovery | None = None,
+    fleet_secret: bytes | None = None,
+    siblings: Siblings | None = None,
+) -> GatewayASGI:
+    gw = Gateway(config, discovery, fleet_secret, siblings)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: GatewayASGI):
         await gw.start()
         try:
             yield
         finally:
             await gw.close()
 
-    # No /docs, /redoc or /openapi.json: the API is OpenAI's, documented in docs/.
-    app = FastAPI(
-        title="pdfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    tracing.instrument_app(app, "gateway")
-    app.state.gateway = gw
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
+    def internal_error(request: Request, exc: Exception) -> Response:
         rid = client_request_id(request.headers.get("x-request-id"))
         logger.error("request %s: %s failed", rid, request.url.path, exc_info=exc)
         return error_response("internal error of the gateway", 500, rid)
+
+    # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
+    # API is OpenAI's, documented in docs/).
+    app = GatewayASGI(lifespan, internal_error)
+    tracing.instrument_app(app, "gateway")
+    app.state.gateway = gw
 
     def unauthorized(request: Request, admin: bool = False) -> Response | None:
         if gw.authorized(request, admin):
@@ -217,8 +243,8 @@ def build_app(
         return error_response("no healthy decode engine is available", 503, rid)
 
     @app.get("/health")
-    async def health() -> Response:
-        ok = bool(gw.pool.candidates("decode"))
+    async def health(request: Request) -> Response:
+        ok = gw.config.scale_to_zero or bool(gw.pool.candidates("decode"))
         return JSONResponse(
             {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
         )
@@ -251,18 +277,29 @@ def build_app(
         denied = unauthorized(request, admin=True)
         if denied:
             return denied
-        return PlainTextResponse(
-            generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        return PlainTextResponse(await gw.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-def run_gateway(config: GatewayConfig) -> int:
-    """Serve until SIGINT/SIGTERM; exit 0 after a graceful stop."""
+def event_loop() -> str:
+    """uvloop where it is installed (a faster loop: docs/gateway.md), else asyncio."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; exit 0 after a graceful stop. With
+    ``--workers N`` this process supervises N workers (engine/gateway/workers.py);
+    ``siblings`` is set in each of them."""
+    if config.workers > 1 and siblings is None:
+        return serve_workers(config)
     import uvicorn
 
-    app = build_app(config)
+    app = build_app(config, siblings=siblings)
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -272,10 +309,14 @@ def run_gateway(config: GatewayConfig) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
         http=http_protocol(config.header_timeout),
+        loop=event_loop(),
+        lifespan="on",
+        proxy_headers=False,  # the gateway reads no client address: one layer less
     )
 
     # httpx logs every engine call (health checks included) at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info("pdfleet gateway on %s:%d: %r", config.host, config.port, config)
-    graceful_server(uv_config).run()
+    sockets = None if siblings is None else [reuseport_socket(config.host, config.port)]
+    graceful_server(uv_config).run(sockets=sockets)
     return 0

@@ -24,6 +24,8 @@ logger = logging.getLogger("pdfleet.gateway")
 
 ROLE_LABEL = "pdfleet.dev/role"
 PORT_ANNOTATION = "pdfleet.dev/port"
+KV_EVENTS_PORT_ANNOTATION = "pdfleet.dev/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "pdfleet.dev/kv-events-replay-port"
 # Pods of a multi-node engine: only the group's leader serves HTTP
 # (docs/parallelism-k8s.md); its workers run ranks only.
 GROUP_ROLE_LABEL = "pdfleet.dev/group-role"
@@ -37,12 +39,23 @@ class Endpoint:
     url: str
     role: str
     name: str = ""
+    kv_events: str | None = None
+    """ZMQ endpoint of the engine's KV event stream (e.g. tcp://10.0.0.5:5557)."""
+    kv_events_replay: str | None = None
+    """ZMQ endpoint of its replay socket."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"engine {self.url}: role {self.role!r} is not one of {ROLES}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL {self.url!r} must start with http:// or https://")
+        for name in ("kv_events", "kv_events_replay"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(
+                    f"engine {self.url}: {name} {value!r} must be a ZMQ endpoint "
+                    "(tcp://HOST:PORT or ipc://PATH)"
+                )
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
@@ -61,17 +74,27 @@ class StaticDiscovery:
 
 
 def parse_engines(data: Any, source: str) -> list[Endpoint]:
-    """``{"engines": [{"url": ..., "role": ...}, ...]}`` -> endpoints."""
+    """``{"engines": [{"url": ..., "role": ..., "name"?, "kv_events"?,
+    "kv_events_replay"?}, ...]}`` -> endpoints."""
     if not isinstance(data, dict) or not isinstance(data.get("engines"), list):
         raise ValueError(f"{source}: expected an object with an `engines` list")
     out = []
     for i, item in enumerate(data["engines"]):
         if not isinstance(item, dict) or "url" not in item or "role" not in item:
             raise ValueError(f"{source}: engines[{i}] needs `url` and `role`")
-        unknown = set(item) - {"url", "role", "name"}
+        unknown = set(item) - {"url", "role", "name", "kv_events", "kv_events_replay"}
         if unknown:
             raise ValueError(f"{source}: engines[{i}] has unknown keys {sorted(unknown)}")
-        out.append(Endpoint(str(item["url"]), str(item["role"]), str(item.get("name", ""))))
+        events, replay = item.get("kv_events"), item.get("kv_events_replay")
+        out.append(
+            Endpoint(
+                str(item["url"]),
+                str(item["role"]),
+                str(item.get("name", "")),
+                None if events is None else str(events),
+                None if replay is None else str(replay),
+            )
+        )
     return out
 
 
@@ -146,7 +169,11 @@ def pod_endpoint(pod: Any, default_port: int) -> Endpoint | None:
         )
         return None
     host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip
-    return Endpoint(f"http://{host}:{port}", role, meta.name or "")
+    zmq_ports = []
+    for key in (KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION):
+        text = (meta.annotations or {}).get(key)
+        zmq_ports.append(f"tcp://{host}:{int(text)}" if text and text.isdigit() else None)
+    return Endpoint(f"http://{host}:{port}", role, meta.name or "", *zmq_ports)
 
 
 def default_namespace() -> str:

@@ -60,6 +60,8 @@ class EngineLoad:
     compat_hash: str | None = None
     """None for engines that publish none (vLLM): those pair only with each other."""
     block_size: int | None = None
+    hash_algo: str | None = None
+    """The engine's ``prefix_caching_hash_algo`` (pdfleet engines publish it)."""
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     kv_transfers: float = 0.0
@@ -86,6 +88,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         load.compat_hash = labels.get("compat_hash") or None
         with contextlib.suppress(KeyError, ValueError):
             load.block_size = int(labels["block_size"])
+        load.hash_algo = labels.get("prefix_caching_hash_algo") or None
     return load
 
 
@@ -94,6 +97,9 @@ class EngineState:
     url: str
     role: str
     name: str = ""
+    kv_events: str | None = None
+    """ZMQ endpoints of the engine's KV event stream and replay socket."""
+    kv_events_replay: str | None = None
     state: str = "pending"
     """pending (never checked good yet), healthy (routable) or ejected."""
     load: EngineLoad = field(default_factory=EngineLoad)
@@ -141,6 +147,8 @@ class EnginePool:
         self.on_add = on_add
         self.engines: dict[str, EngineState] = {}
         self.block_size = DEFAULT_BLOCK_SIZE
+        self.hash_algo = "sha256"
+        """The engines' (most common) prefix-cache hash algorithm."""
         self.check_timeout = httpx.Timeout(
             max(2.0, 2 * config.scrape_interval), connect=config.connect_timeout
         )
@@ -160,20 +168,32 @@ class EnginePool:
         for ep in endpoints:
             prev = roles.get(ep.url)
             if prev is not None and prev.role != ep.role:
-                ep = Endpoint(ep.url, "both", ep.name or prev.name)
+                ep = Endpoint(
+                    ep.url,
+                    "both",
+                    ep.name or prev.name,
+                    ep.kv_events or prev.kv_events,
+                    ep.kv_events_replay or prev.kv_events_replay,
+                )
             roles[ep.url] = ep
         for url in list(self.engines):
             e = self.engines[url]
-            if url not in roles or roles[url].role != e.role:
+            listed = roles.get(url)
+            if listed is None or listed.role != e.role:
                 logger.info("engine %s (%s) removed", url, e.role)
                 del self.engines[url]
                 self.metrics.forget_engine(url, e.role)
                 self.on_eject(url)
         for url, ep in roles.items():
+            known = self.engines.get(url)
+            if known is not None:
+                known.kv_events, known.kv_events_replay = ep.kv_events, ep.kv_events_replay
             if url not in self.engines:
                 logger.info("engine %s (%s) added", url, ep.role)
                 self.on_add(url)
-                self.engines[url] = EngineState(url, ep.role, ep.name)
+                self.engines[url] = EngineState(
+                    url, ep.role, ep.name, ep.kv_events, ep.kv_events_replay
+                )
                 self.metrics.engine_healthy.labels(url, ep.role).set(0)
                 self.metrics.engine_inflight.labels(url, ep.role).set(0)
 
@@ -316,6 +336,9 @@ class EnginePool:
         sizes = Counter(e.load.block_size for e in self.engines.values() if e.load.block_size)
         if sizes:
             self.block_size = sizes.most_common(1)[0][0]
+        algos = Counter(e.load.hash_algo for e in self.engines.values() if e.load.hash_algo)
+        if algos:
+            self.hash_algo = algos.most_common(1)[0][0]
 
     async def tick(self) -> None:
         endpoints = await self.discovery.poll()

@@ -1,11 +1,12 @@
 """What the gateway accepts from clients: header and body time limits, body size.
 
-uvicorn bounds the size of a request head (``h11_max_incomplete_event_size``)
-but not the time a client may take to send it, so a client trickling headers
-holds a connection forever. :func:`http_protocol` returns uvicorn's h11
-protocol with a header deadline: a connection whose request head is not
-complete ``header_timeout`` seconds after it opened (or after the first byte
-of a kept-alive connection's next request) is closed. The body is read by
+uvicorn's httptools protocol bounds neither the time a client may take to send
+a request head nor its size, so a client trickling headers would hold a
+connection forever. :func:`http_protocol` returns that protocol with a header
+deadline (a connection whose request head is not complete ``header_timeout``
+seconds after it opened, or after the first byte of a kept-alive
+connection's next request, is closed) and a bound of ``MAX_HEAD_BYTES`` on
+the head (a 431, then the connection is closed). The body is read by
 :func:`read_body`, within ``body_timeout`` and ``max_body_bytes`` (refused on
 ``Content-Length`` before a byte is read; a chunked body is counted as it
 arrives, so a huge chunk size holds nothing).
@@ -14,9 +15,15 @@ arrives, so a huge chunk size holds nothing).
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
-from fastapi import Request
+from starlette.requests import Request
+
+# Largest request line + headers accepted from a client.
+MAX_HEAD_BYTES = 64 * 1024
+# Seconds a refused connection is kept open to drain what the client still sends.
+LINGER_SECONDS = 1.0
 
 
 class BodyRejected(Exception):
@@ -55,24 +62,70 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     return b"".join(parts)
 
 
-def http_protocol(header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline on each request's head."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+class _HeadTooLarge(Exception):
+    """A request head past its bound (raised inside the parser's callbacks)."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
+
+def http_protocol(header_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's httptools protocol with a deadline and a size bound on each
+    request's head (httptools itself bounds neither)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadLimitedProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True
+        """No complete request head yet on this connection (or since the last answer)."""
+        _head_bytes = 0
+        """Bytes of this request's line and headers, as the parser hands them over."""
+        _buffered = 0
+        """Bytes received while the head is incomplete (held by the parser)."""
+        _discarding = False
+        _too_large = False
+        """Refused: the rest of what the client sends is dropped until the close."""
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._discarding:
+                return
+            if self._in_head and self._head_timer is None:
+                self._arm()  # a kept-alive connection's next request has begun
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()  # the next request's head has begun (or not yet)
-            else:
-                self._disarm()
+            # A head still incomplete: count what httptools buffers of it.
+            if self._in_head and not self._discarding and not self.transport.is_closing():
+                self._buffered += len(data)
+                if self._buffered > max_head_bytes:
+                    self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            self._head_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > max_head_bytes:
+                self._too_large = True
+                raise _HeadTooLarge  # httptools makes it a parse error: send_400_response
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._buffered = 0
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._in_head = True
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -89,8 +142,47 @@ def http_protocol(header_timeout: float) -> type:
 
         def _head_expired(self) -> None:
             self._head_timer = None
-            # IDLE: no complete request head (a request in progress is past it).
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._in_head and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutProtocol
+        def _refuse_head(self) -> None:
+            self._disarm()
+            self._refuse(
+                b"431 Request Header Fields Too Large",
+                f"the request head exceeds {max_head_bytes} bytes",
+                "request_header_fields_too_large",
+            )
+
+        def send_400_response(self, msg: str) -> None:
+            if self._too_large:
+                self._refuse_head()
+                return
+            # Not HTTP/1.1 (a malformed head, a chunk size past 64 bits): OpenAI's
+            # error shape rather than uvicorn's plain text.
+            self._refuse(b"400 Bad Request", "invalid HTTP/1.1 request", "invalid_request")
+
+        def _refuse(self, status: bytes, message: str, code: str) -> None:
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": code,
+                    }
+                }
+            ).encode()
+            self.transport.write(
+                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
+            )
+            # A lingering close: the answer and a FIN go out, what the client
+            # still sends is read and dropped for a moment, then the connection
+            # closes (closing with unread bytes would reset it, and the client
+            # could lose the answer).
+            self._discarding = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+    return HeadLimitedProtocol

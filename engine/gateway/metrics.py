@@ -34,12 +34,20 @@ class GatewayMetrics:
         self.kv_pair_open = m.GATEWAY_KV_PAIR_OPEN.create(r)
         self.held = m.GATEWAY_HELD_REQUESTS.create(r)
         self.rejected = m.GATEWAY_REJECTED_REQUESTS.create(r)
+        self.kv_index_blocks = m.GATEWAY_KV_INDEX_BLOCKS.create(r)
+        self.kv_index_events = m.GATEWAY_KV_INDEX_EVENTS.create(r)
+        self.kv_index_replays = m.GATEWAY_KV_INDEX_REPLAYS.create(r)
+        self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
+        self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
+        self.activations = m.GATEWAY_ACTIVATIONS.create(r)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""
         for metric in (self.engine_healthy, self.engine_inflight, self.ejections, self.stalls):
             with contextlib.suppress(KeyError):
                 metric.remove(url, role)
+        with contextlib.suppress(KeyError):
+            self.kv_index_fresh.remove(url)
         for prefill, decode in list(self.kv_pair_open._metrics):
             if url in (prefill, decode):
                 with contextlib.suppress(KeyError):

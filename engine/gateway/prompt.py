@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdfleet.engine.core.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+
 logger = logging.getLogger("pdfleet.gateway")
 
 CHARS_PER_TOKEN = 4
@@ -31,6 +37,10 @@ class PromptInfo:
     """Chained hashes of the leading full blocks: hash i covers blocks 0..i."""
     batch: bool = False
     """A completions request with several prompts (routed by the first)."""
+    exact_hashes: list[int] | None = None
+    """The leading full blocks' ids exactly as the engines' KV events name them
+    (docs/kv_events.md), when the prompt's token ids are known (a tokenizer, or
+    token ids given) and the exact prefix index is on; else None."""
 
 
 def chain_hashes(items: list[Any] | str, block: int, max_blocks: int) -> list[int]:
@@ -124,23 +134,46 @@ class PromptAnalyzer:
     """A generous bound, so the head holds at least the tokens it must."""
 
     def __init__(
-        self, tokenizer_dir: str | None, max_blocks: int, min_prompt_tokens: int = 0
+        self,
+        tokenizer_dir: str | None,
+        max_blocks: int,
+        min_prompt_tokens: int = 0,
+        exact: bool = False,
     ) -> None:
         self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.max_blocks = max_blocks
         self.min_prompt_tokens = min_prompt_tokens
+        self.exact = exact
+        """Also compute ``exact_hashes`` (the exact prefix index is on)."""
+        self.hash_algo = "sha256"
+        """The engines' ``prefix_caching_hash_algo`` (the pool sets it from scrapes)."""
 
-    def _tokenized(self, text: str, special: bool, block_size: int) -> tuple[int, list[int]]:
+    def exact_hashes(self, ids: list[int], block_size: int) -> list[int] | None:
+        """The engine's block ids of the leading ``max_blocks`` full blocks of ``ids``."""
+        if not self.exact:
+            return None
+        digests = prompt_block_hashes(ids, block_size, get_hash_fn(self.hash_algo), self.max_blocks)
+        return [external_block_hash(d) for d in digests]
+
+    def _tokenized(self, text: str, special: bool, block_size: int) -> PromptInfo:
         assert self.tokenizer is not None
         head_tokens = max(self.max_blocks * block_size, self.min_prompt_tokens) + self.HEAD_MARGIN
         head_chars = head_tokens * self.MAX_CHARS_PER_TOKEN
         if len(text) <= head_chars:
             ids = self.tokenizer.encode(text, add_special_tokens=special)
-            return len(ids), chain_hashes(ids, block_size, self.max_blocks)
+            return PromptInfo(
+                len(ids),
+                chain_hashes(ids, block_size, self.max_blocks),
+                exact_hashes=self.exact_hashes(ids, block_size),
+            )
         ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
         rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
         hashed = ids[: -self.HEAD_MARGIN]
-        return len(ids) + rest, chain_hashes(hashed, block_size, self.max_blocks)
+        return PromptInfo(
+            len(ids) + rest,
+            chain_hashes(hashed, block_size, self.max_blocks),
+            exact_hashes=self.exact_hashes(hashed, block_size),
+        )
 
     def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
         """Length and block hashes of the request's prompt. Malformed prompts
@@ -172,12 +205,18 @@ class PromptAnalyzer:
                 prompt = prompt[0]
             if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
                 ids = list(prompt)
-                return PromptInfo(len(ids), chain_hashes(ids, block_size, self.max_blocks), batch)
+                return PromptInfo(
+                    len(ids),
+                    chain_hashes(ids, block_size, self.max_blocks),
+                    batch,
+                    self.exact_hashes(ids, block_size),
+                )
             if isinstance(prompt, str):
                 text = prompt
         if exact and text:
-            count, hashes = self._tokenized(text, special, block_size)
-            return PromptInfo(count, hashes, batch)
+            info = self._tokenized(text, special, block_size)
+            info.batch = batch
+            return info
         return PromptInfo(
             -(-len(text) // CHARS_PER_TOKEN),
             chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),

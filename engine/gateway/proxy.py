@@ -31,22 +31,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import os
 import re
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
+from .activation import Activation
 from .engines import EnginePool, EngineState
 from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
@@ -165,7 +167,7 @@ def client_request_id(header: str | None) -> str:
     """The client's X-Request-Id when it is a tame token, else a new id."""
     if header and _REQUEST_ID.fullmatch(header):
         return header
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4, at a fraction of its cost
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -257,6 +259,9 @@ class Proxy:
         self.engine_headers = dict(engine_headers or {})
         """What every engine call carries besides the body (the fleet token)."""
         self.breaker = breaker
+        self.activation = Activation(metrics.activations)
+        self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
+        """The request counter and latency histogram per (endpoint, status)."""
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -270,8 +275,15 @@ class Proxy:
         self.metrics.engine_inflight.labels(e.url, e.role).set(e.inflight)
 
     def _finish(self, call: Call, status: int) -> None:
-        self.metrics.requests.labels(call.endpoint, str(status)).inc()
-        self.metrics.e2e.labels(call.endpoint).observe(time.perf_counter() - call.start)
+        key = (call.endpoint, status)
+        series = self._finished.get(key)
+        if series is None:  # a few (endpoint, status) pairs: never dropped
+            series = self._finished[key] = (
+                self.metrics.requests.labels(call.endpoint, str(status)),
+                self.metrics.e2e.labels(call.endpoint),
+            )
+        series[0].inc()
+        series[1].observe(time.perf_counter() - call.start)
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""
@@ -419,20 +431,18 @@ class Proxy:
             self.metrics.rejected.labels(reason).inc()
             # The rest of the body is never read: the connection cannot be reused.
             return self._error(call, e.message, e.status, headers={"connection": "close"})
-        work = asyncio.ensure_future(self._handle(call, raw))
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        # One watcher per request: a client that goes away cancels this task
+        # (and so the legs); the answer of a request that finished is sent as is.
+        watch = DisconnectWatch(request.receive)
         try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            return await self._handle(call, raw)
+        except asyncio.CancelledError:
+            if not watch.uncancel():
+                raise  # the server's cancellation (shutdown), not the client's
+            self._finish(call, 499)
+            return Response(status_code=499)
         finally:
-            watcher.cancel()
-        if work in done:
-            return work.result()
-        work.cancel()
-        result = (await asyncio.gather(work, return_exceptions=True))[0]
-        if isinstance(result, StreamingResponse):  # raced: a relay nobody will read
-            await result.body_iterator.aclose()  # type: ignore[union-attr]
-        self._finish(call, 499)
-        return Response(status_code=499)
+            watch.close()
 
     def _invalid(self, call: Call, reason: str, message: str, param: str | None = None):
         self.metrics.rejected.labels(reason).inc()
@@ -468,6 +478,8 @@ class Proxy:
                 call.plain_payload = payload
                 payload = json.dumps(decode_body(body, outcome)).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
+            if route.reason == "no_prefill_engine":
+                self.activation.wanted("prefill")
             self.metrics.fallbacks.labels(route.reason).inc()
             tracing.fallback(route.reason)
         if body.get("stream") is True:
@@ -482,6 +494,7 @@ class Proxy:
         except NoEngineError:
             pass
         deadline = time.monotonic() + self.config.hold_timeout
+        self.activation.wanted("decode")
         self.metrics.held.inc()
         try:
             while await self.pool.wait_routable("decode", deadline):
@@ -549,7 +562,8 @@ class Proxy:
         self._acquire(e)
         try:
             async with self._watched(e, bound):
-                resp = await self.client.post(e.url + call.endpoint, payload, call.headers, bound)
+                # None: _watched bounds the call (one timer per leg, not two).
+                resp = await self.client.post(e.url + call.endpoint, payload, call.headers, None)
         except (UpstreamError, TimeoutError) as ex:
             raise self._failed(e, "prefill", ex) from None
         finally:
@@ -600,7 +614,7 @@ class Proxy:
                         await asyncio.sleep(self.config.scrape_interval)
             finally:
                 self.metrics.held.dec()
-        picked = self.router.pick(found, info.block_hashes)
+        picked = self.router.pick(found, info.block_hashes, info.exact_hashes)
         if picked is None:
             return None
         self.metrics.retries.labels("decode").inc()
@@ -618,7 +632,7 @@ class Proxy:
             try:
                 async with self._watched(e, self.config.request_timeout):
                     resp = await self.client.post(
-                        e.url + call.endpoint, payload, call.headers, self.config.request_timeout
+                        e.url + call.endpoint, payload, call.headers, None
                     )
             except (UpstreamError, TimeoutError) as ex:
                 self._release(e)
@@ -685,12 +699,21 @@ class Proxy:
             # Not relayed, so never None; "params_refused" was handled above.
             assert isinstance(opened, tuple)
             self.affinity.record(info.block_hashes, e.url)
+            resp, chunks = opened
             return RelayResponse(
-                self._relay(call, e, *opened, Resend(route, info, payload, tried, held)),
+                self._relay(call, e, resp, chunks, Resend(route, info, payload, tried, held)),
+                functools.partial(self._abandon, call, e, resp),
                 media_type="text/event-stream",
                 headers={"x-request-id": call.request_id},
             )
         raise AssertionError("unreachable: the loop starts with the routed engine")
+
+    async def _abandon(self, call: Call, e: EngineState, resp: UpstreamResponse) -> None:
+        """What a relay that never started would have released (the client left
+        before its headers went out)."""
+        await resp.aclose()
+        self._release(e)
+        self._finish(call, 499)
 
     async def _open_stream(
         self, call: Call, e: EngineState, payload: bytes, relayed: bool = False
@@ -744,6 +767,10 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         """Relay whole SSE events (so an error event never lands mid-event).
 
+        Bytes are forwarded as they come, cut only at the last event boundary
+        of what arrived (never parsed or re-serialized); the relay watches
+        only for the first event (TTFT) and the ``[DONE]`` that ends a stream.
+
         An engine ejected for a stall before its first event is replaced: the
         client has only seen headers, so the decode leg is sent to another
         engine (``resend``) and that engine's stream is relayed instead. After
@@ -753,21 +780,21 @@ class Proxy:
         status = 200
         done = False
         first = True
+        ended = False
         buf = b""
         first_bound = self._first_token_bound(engine)
+        limit = self.config.max_body_bytes
+        idle = self.config.idle_timeout
         try:
-            while True:
+            while first:  # until the first whole event: the engine may still change
                 try:
-                    if first:
-                        async with self._watched(engine, first_bound):
-                            data = await anext(chunks)
-                    else:  # a stall-ejected engine ends its streams now, clearly
-                        async with self._watched(engine, self.config.idle_timeout):
-                            data = await anext(chunks)
+                    async with self._watched(engine, first_bound):
+                        data = await anext(chunks)
                 except StopAsyncIteration:
+                    ended = True
                     break
                 except TimeoutError:
-                    if not (first and engine.stalled and resend is not None):
+                    if not (engine.stalled and resend is not None):
                         raise
                     moved = await self._resend(call, engine, resend)
                     if moved is None:
@@ -779,19 +806,43 @@ class Proxy:
                     continue
                 self.pool.progress(engine)
                 buf += data
-                if len(buf) > self.config.max_body_bytes:
-                    raise UpstreamError(f"an event of over {self.config.max_body_bytes} bytes")
+                if len(buf) > limit:
+                    raise UpstreamError(f"an event of over {limit} bytes")
                 cut = buf.rfind(b"\n\n")
                 if cut < 0:
                     continue
                 out, buf = buf[: cut + 2], buf[cut + 2 :]
-                if first:
-                    first = False
-                    self.metrics.ttft.labels(call.endpoint).observe(
-                        time.perf_counter() - call.start
-                    )
+                first = False
+                self.metrics.ttft.labels(call.endpoint).observe(time.perf_counter() - call.start)
+                done = out.endswith(DONE)
                 yield out
-                done = done or out.endswith(DONE)
+            if not ended:
+                # The rest under one idle timeout, pushed back as each chunk
+                # arrives and off while the client takes an event (a slow
+                # reader is not an idle engine; the stall watchdog, which
+                # reschedules the registered timeouts, waits on the engine only).
+                loop = asyncio.get_running_loop()
+                async with asyncio.timeout(idle) as cm:
+                    engine.waiters.add(cm)
+                    try:
+                        async for data in chunks:  # a stall-ejected engine ends its streams now
+                            self.pool.progress(engine)
+                            buf += data
+                            if len(buf) > limit:
+                                raise UpstreamError(f"an event of over {limit} bytes")
+                            cut = buf.rfind(b"\n\n")
+                            if cut < 0:
+                                cm.reschedule(loop.time() + idle)
+                                continue
+                            out, buf = buf[: cut + 2], buf[cut + 2 :]
+                            done = done or out.endswith(DONE)
+                            cm.reschedule(None)
+                            engine.waiters.discard(cm)
+                            yield out
+                            engine.waiters.add(cm)
+                            cm.reschedule(loop.time() + idle)
+                    finally:
+                        engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
                 status = 502
@@ -811,7 +862,7 @@ class Proxy:
                 failure.message = (
                     f"the decode engine sent no first token within {first_bound:g}s"
                     if first
-                    else f"the decode engine sent nothing for {self.config.idle_timeout:g}s"
+                    else f"the decode engine sent nothing for {idle:g}s"
                 )
             logger.warning(
                 "request %s: %s mid-stream (%s)", call.request_id, failure.message, failure.detail
@@ -853,16 +904,73 @@ class Proxy:
 
 
 class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always closes its relay (and so the upstream
-    connection), also when the client disconnects mid-stream."""
+    """A streamed answer that always closes its relay (and so the upstream
+    connection), also when the client disconnects mid-stream.
+
+    Starlette's StreamingResponse runs a task group of two tasks per stream to
+    notice a disconnect; here one watcher task cancels the relay instead."""
+
+    def __init__(
+        self, relay: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(relay, **kw)
+        self.abandon = abandon
+        """Releases what the relay holds if it never starts (its finally would)."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watch = DisconnectWatch(receive)
+        started = False
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            started = True  # no await until the relay runs: its finally now cleans up
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.uncancel():
+                raise
+        except OSError:  # the client's connection broke mid-write
+            pass
         finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            watch.close()
+            if started:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            else:
+                await self.abandon()
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class DisconnectWatch:
+    """Cancels the task that made it when the client disconnects: one task per
+    request, where ``asyncio.wait`` on two tasks (or Starlette's task group)
+    cost several times as much. Made after the body was read (it takes over
+    ``receive``); closed before the answer's last byte is sent (after it,
+    ``receive`` reports a disconnect)."""
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self._owner = asyncio.current_task()
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._owner is not None:
+            self._owner.cancel()
+
+    def uncancel(self) -> bool:
+        """In the owner's ``except CancelledError``: True (and the cancellation
+        taken back) when the client's disconnect caused it."""
+        if self.gone and self._owner is not None:
+            self._owner.uncancel()
+            return True
+        return False
+
+    def close(self) -> None:
+        self._task.cancel()

@@ -8,7 +8,12 @@ An engine's score is llm-d's weighted sum (docs/gateway.md, "Routing")::
     kv     = 1 − KV-cache usage
 
 with q the engine's requests (scraped running + waiting, or the gateway's own
-in-flight count when larger). As in SGLang's cache-aware policy, a prefix
+in-flight count when larger). With the exact prefix index (``kv_index.py``)
+an engine whose KV event stream is fresh is scored from it instead: the
+leading prompt blocks it actually holds, host-tier blocks weighted lower;
+then ties go to the candidate that rendezvous-hashes highest with the
+prompt's longest block id, so every gateway replica picks the same engine for
+the same prompt and load. As in SGLang's cache-aware policy, a prefix
 match does not count on an engine whose queue exceeds the shortest by more
 than ``max(4, min_q / 2)``: a popular prefix must not pile every request onto
 one engine. Ties go round-robin.
@@ -19,6 +24,7 @@ with the decode engine's P/D compatibility hash (never the same process).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -29,6 +35,7 @@ from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from .engines import EngineLoad, EnginePool, EngineState
+from .kv_index import KVIndex
 from .metrics import GatewayMetrics
 from .prompt import PromptInfo
 
@@ -39,6 +46,13 @@ QUEUE_WEIGHT = 1.0
 KV_WEIGHT = 1.0
 IMBALANCE_ABS = 4.0
 IMBALANCE_REL = 0.5
+
+
+def rendezvous(key: int, url: str) -> int:
+    """A stable (not per-process) 64-bit weight of ``url`` for ``key``: the
+    highest wins, the same in every gateway replica."""
+    digest = hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 class PrefixAffinity:
@@ -213,34 +227,54 @@ class Router:
         pool: EnginePool,
         affinity: PrefixAffinity,
         breaker: KVPairBreaker | None = None,
+        kv_index: KVIndex | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.affinity = affinity
         self.breaker = breaker
+        self.kv_index = kv_index
         self._rr = 0
 
     def pick(
-        self, candidates: list[EngineState], hashes: list[int]
+        self,
+        candidates: list[EngineState],
+        hashes: list[int],
+        exact: list[int] | None = None,
     ) -> tuple[EngineState, int] | None:
-        """The best-scoring candidate and how many leading blocks it likely caches."""
+        """The best-scoring candidate and how many leading blocks it (likely) caches.
+
+        ``exact``: the prompt's block ids as KV events name them; candidates
+        the exact index follows are scored from it, the others from the
+        approximate table with ``hashes``.
+        """
         if not candidates:
             return None
         queues = [c.queue() for c in candidates]
         lo, hi = min(queues), max(queues)
-        matched = self.affinity.matched(hashes, (c.url for c in candidates)) if hashes else {}
+        urls = [c.url for c in candidates]
+        matched = self.affinity.matched(hashes, urls) if hashes else {}
+        held = self.kv_index.matched(exact, urls) if exact and self.kv_index is not None else {}
         slack = max(IMBALANCE_ABS, IMBALANCE_REL * lo)
         scored = []
         for c, q in zip(candidates, queues, strict=True):
             queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
             kv_score = 1.0 - min(1.0, max(0.0, c.load.kv_usage))
-            blocks = matched.get(c.url, 0)
-            prefix_score = blocks / len(hashes) if hashes and q - lo <= slack else 0.0
+            if c.url in held:
+                assert exact is not None  # held is only filled from exact ids
+                blocks, weight = held[c.url]
+                fraction = weight / len(exact)
+            else:
+                blocks = matched.get(c.url, 0)
+                fraction = blocks / len(hashes) if hashes else 0.0
+            prefix_score = fraction if q - lo <= slack else 0.0
             score = PREFIX_WEIGHT * prefix_score + QUEUE_WEIGHT * queue_score + KV_WEIGHT * kv_score
             scored.append((score, c, blocks))
         tracing.route_scores(scored)
         top = max(s for s, _, _ in scored)
         best = [(c, b) for s, c, b in scored if s >= top - 1e-9]
+        if exact and len(best) > 1:
+            return max(best, key=lambda cb: rendezvous(exact[-1], cb[0].url))
         self._rr += 1
         return best[self._rr % len(best)]
 
@@ -257,7 +291,7 @@ class Router:
             and e.load.compat_hash == want
             and not (self.breaker and self.breaker.is_open(e.url, decode.url))
         ]
-        picked = self.pick(candidates, info.block_hashes)
+        picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         return picked[0] if picked else None
 
     def route(self, info: PromptInfo, exclude_decode: set[str] | None = None) -> Route:
@@ -265,7 +299,7 @@ class Router:
         candidates = [
             e for e in self.pool.candidates("decode") if e.url not in (exclude_decode or ())
         ]
-        picked = self.pick(candidates, info.block_hashes)
+        picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         if picked is None:
             known = sum(1 for e in self.pool.engines.values() if e.serves("decode"))
             raise NoEngineError(

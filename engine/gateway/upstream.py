@@ -172,15 +172,20 @@ class UpstreamClient:
         self._ssl = ssl_context
 
     async def post(
-        self, url: str, content: bytes, headers: dict[str, str], timeout: float
+        self, url: str, content: bytes, headers: dict[str, str], timeout: float | None
     ) -> UpstreamResponse:
-        """A whole answer, read within ``timeout`` seconds."""
+        """A whole answer, read within ``timeout`` seconds (None: the caller bounds it)."""
+        if timeout is None:
+            return await self._post(url, content, headers)
         async with asyncio.timeout(timeout):
-            resp = await self.stream(url, content, headers)
-            try:
-                await resp.aread()
-            finally:
-                await resp.aclose()
+            return await self._post(url, content, headers)
+
+    async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        resp = await self.stream(url, content, headers)
+        try:
+            await resp.aread()
+        finally:
+            await resp.aclose()
         return resp
 
     async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pdfleet.engine.config import metrics as m
+
 from .policy import FleetObservation, PolicyResult, PolicyState, Role, RoleObservation, decide
 from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
 from .spec import AutoscalingSpec
@@ -108,15 +110,25 @@ class ScalingLoop:
         replicas: Sequence[ReplicaScrape],
         now: float,
         requested: Mapping[str, int] | None = None,
+        activations: Mapping[str, float] | None = None,
     ) -> LoopStep:
         """Decide one period. ``now`` is on the snapshots' clock; ``requested``
         the replicas each role is set to (a Deployment's ``spec.replicas``),
-        when that is not simply the replicas seen."""
+        when that is not simply the replicas seen; ``activations`` the
+        requests the gateways found no replica of a role for since the last
+        step (:class:`ActivationCounter`)."""
         samples = self.observe(replicas)
         requested = requested or {}
+        activations = activations or {}
         observation = FleetObservation(
-            prefill=RoleObservation(tuple(samples["prefill"]), requested.get("prefill")),
-            decode=RoleObservation(tuple(samples["decode"]), requested.get("decode")),
+            prefill=RoleObservation(
+                tuple(samples["prefill"]),
+                requested.get("prefill"),
+                activations.get("prefill", 0.0),
+            ),
+            decode=RoleObservation(
+                tuple(samples["decode"]), requested.get("decode"), activations.get("decode", 0.0)
+            ),
         )
         result = decide(spec, observation, now, self.state)
         self.state = result.state
@@ -133,3 +145,53 @@ class ScalingLoop:
                 victims = tuple(choose_victims(candidates, count))
             actions.append(ScaleAction(d.role, d.current, d.desired, d.reason, victims))
         return LoopStep(result, tuple(actions))
+
+
+def parse_gateway_activations(text: str) -> dict[str, float]:
+    """``pdfleet_gateway_activation_requests_total`` per role from one
+    gateway's ``/metrics`` text (0 for a role without the series); raises
+    ``ValueError`` on text that is not Prometheus exposition format."""
+    name = m.GATEWAY_ACTIVATIONS.name
+    scrape = m.parse_metrics(text, only=(name,))
+    out = dict.fromkeys(ROLES, 0.0)
+    for labels, value in scrape.samples.get(name, ()):
+        role = labels.get("role")
+        if role in out:
+            out[role] += value
+    return out
+
+
+@dataclass
+class ActivationCounter:
+    """Turns the gateways' cumulative activation counters into requests per
+    step: the rise since the previous reading, per gateway (a gateway that
+    restarted starts again from 0 and counts in full)."""
+
+    last: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def pending(self, totals: Mapping[str, Mapping[str, float]]) -> set[str]:
+        """Roles whose counter rose since the last :meth:`update` (read only)."""
+        return {
+            role
+            for gateway, roles in totals.items()
+            for role, value in roles.items()
+            if gateway in self.last and value != self.last[gateway].get(role, value)
+        }
+
+    def update(self, totals: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        """``totals``: gateway name -> role -> counter value, for the gateways
+        that answered this time; returns role -> requests since last time."""
+        rise = dict.fromkeys(ROLES, 0.0)
+        for gateway, roles in totals.items():
+            before = self.last.get(gateway, {})
+            for role, value in roles.items():
+                if role not in rise:
+                    continue
+                previous = before.get(role)
+                if previous is None:
+                    # First reading of this gateway: no baseline, count nothing
+                    # (a restarted actuator must not activate on old requests).
+                    continue
+                rise[role] += value - previous if value >= previous else value
+            self.last[gateway] = dict(roles)
+        return rise

@@ -71,6 +71,9 @@ REASON_CODES = (
     "ratio",  # prefillDecodeRatio guardrail
     "budget",  # maxTotalReplicas
     "no_metrics",  # no fresh sample at all: hold
+    "activation",  # at zero replicas, the gateway saw requests for the role: start one
+    "scaled_to_zero",  # at zero replicas and nothing wants the role: stay there
+    "idle",  # minReplicas 0 and idle for scaleToZeroAfterSeconds: go to zero
 )
 
 
@@ -87,12 +90,20 @@ class PolicyTuning:
     after the added replicas serve."""
     tolerance: float = 0.1
     """Relative band around the current count inside which the count is kept."""
+    scale_down_headroom: float | None = None
+    """Headroom kept when scaling down: the count left serves the load times
+    (1 + this). None: the tolerance."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
     """Projection horizon until a replica start has been observed."""
     calibration_smoothing: float = 0.3
     """Weight of a new measurement in a running estimate (tokens/s, startup)."""
+    falling_down_window_seconds: float | None = 90.0
+    """Down window while the role's demand falls decisively (most of its
+    recent samples agree on a fall of at least 10%): a surge's replicas go as
+    the surge ebbs rather than a whole down window later. None: always the
+    spec's window."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -119,6 +130,11 @@ class RoleObservation:
     """Replicas the actuator has been asked to run (a Deployment's
     ``spec.replicas``). Requested replicas that are not ready count as
     starting. Default: the listed replicas that are not draining."""
+    activations: float = 0.0
+    """Requests the gateway found no routable replica of this role for since
+    the previous decision (``pdfleet_gateway_activation_requests_total``):
+    held (decode) or served decode-only (prefill). At zero replicas, any
+    starts one."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,8 @@ class RoleState:
     floor: tuple[int, float] | None = None
     """(count, replicas needed): a scale-down below ``count`` was undone within
     its down window; the next needs the load below what it was then."""
+    idle_since: float | None = None
+    """Since when the role has had no request arriving, queued or running."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +269,8 @@ def _role_decision(
             up_rec = math.ceil(raw - 1e-9)
             # Going down, keep the tolerance as headroom: the count left must
             # not be one that the next noise peak pushes straight back up.
-            down_rec = math.ceil(raw * (1 + tol) - 1e-9)
+            headroom = tol if tuning.scale_down_headroom is None else tuning.scale_down_headroom
+            down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
         wanted_down = down_rec
@@ -262,7 +281,10 @@ def _role_decision(
             down_rec = max(down_rec, current)
         history.append((now, up_rec, down_rec, raw))
         up_window = [e[1] for e in history if now - e[0] < role.scale_up_stabilization_seconds]
-        down_window = [e for e in history if now - e[0] < role.scale_down_stabilization_seconds]
+        down_seconds = role.scale_down_stabilization_seconds
+        if signal.falling and tuning.falling_down_window_seconds is not None:
+            down_seconds = min(down_seconds, tuning.falling_down_window_seconds)
+        down_window = [e for e in history if now - e[0] < down_seconds]
         up = min([*up_window, up_rec])
         down = max(e[2] for e in down_window)
         peak_raw = max(e[3] for e in down_window)
@@ -351,6 +373,78 @@ def _current(obs: RoleObservation) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------
+# scale to zero
+
+
+def _idle(obs: RoleObservation, signal: RoleSignal, now: float, stale: float) -> bool:
+    """No request arriving, queued or running on any replica of the role, and
+    every replica ready with a fresh sample saying so."""
+    if not signal.complete or signal.starting or obs.activations > 0:
+        return False
+    live = [r for r in obs.replicas if r.state != "draining"]
+    if any(r.state != "ready" or r.time is None or now - r.time > stale for r in live):
+        return False
+    if any(r.state == "draining" for r in obs.replicas):
+        return False
+    for r in live:
+        if (r.num_running or 0) > 0 or (r.num_waiting or 0) > 0:
+            return False
+        if (r.prompt_token_arrivals_per_second or 0) > 0 or (r.first_tokens_per_second or 0) > 0:
+            return False
+    return True
+
+
+def _at_zero(name: Role, role: RoleScaling, obs: RoleObservation, now: float) -> RoleDecision:
+    """The decision for a role at zero replicas (``minReplicas: 0``)."""
+    if obs.activations > 0:
+        desired = max(1, role.min_replicas)
+        why = (
+            f"{obs.activations:.0f} requests found no {name} replica: activating "
+            "(gateway activation signal)"
+        )
+        return RoleDecision(name, 0, desired, "activation", f"{name} 0 -> {desired}: {why}", now)
+    why = "no request wants the role (scaled to zero)"
+    return RoleDecision(name, 0, 0, "scaled_to_zero", f"{name} 0 -> 0: {why}", now)
+
+
+def _decide_role(
+    name: Role,
+    role: RoleScaling,
+    obs: RoleObservation,
+    signal: RoleSignal,
+    state: RoleState,
+    now: float,
+    tuning: PolicyTuning,
+    stale: float,
+    ttft_high: str | None = None,
+) -> tuple[RoleDecision, RoleState]:
+    """One role's decision, with ``minReplicas: 0`` handled here and only here:
+    at zero, only the gateway's activation signal starts a replica; above
+    zero, the load signals never go below one replica, and the role goes to
+    zero once idle for ``scaleToZeroAfterSeconds``."""
+    current, _ = _current(obs)
+    window = tuning.trend_window_seconds
+    if role.min_replicas > 0:
+        return _role_decision(name, role, signal, current, state, now, tuning, window, ttft_high)
+    if current == 0:
+        # Nothing to measure: forget the windows, so that the first replica
+        # back starts from its own samples.
+        return _at_zero(name, role, obs, now), RoleState(since=state.since, count=0)
+    decision, new_state = _role_decision(
+        name, replace(role, min_replicas=1), signal, current, state, now, tuning, window, ttft_high
+    )
+    idle_since = None
+    if _idle(obs, signal, now, stale):
+        idle_since = state.idle_since if state.idle_since is not None else now
+    new_state = replace(new_state, idle_since=idle_since)
+    if idle_since is not None and now - idle_since >= role.scale_to_zero_after_seconds:
+        why = f"idle for {now - idle_since:.0f} s (scaleToZeroAfterSeconds {role.scale_to_zero_after_seconds:g})"
+        decision = replace(decision, desired=0, code="idle", reason=f"{name} {current} -> 0: {why}")
+        new_state = RoleState(since=new_state.since, count=current)
+    return decision, new_state
+
+
+# ---------------------------------------------------------------------------
 # across roles
 
 
@@ -366,6 +460,8 @@ def _apply_ratio(
 ) -> tuple[RoleDecision, RoleDecision]:
     lo, hi = spec.prefill_decode_ratio.min, spec.prefill_decode_ratio.max
     eps = 1e-9
+    if p.desired == 0 or d.desired == 0:
+        return p, d  # a role at zero (scaled to zero, or being activated) has no ratio
     if hi is not None and p.desired > hi * d.desired + eps:
         need = min(math.ceil(p.desired / hi - eps), spec.decode.max_replicas)
         if need > d.desired:
@@ -444,7 +540,7 @@ def decide(
     ahead = (startup + period if startup is not None else tuning.default_startup_seconds) + period
     window = tuning.trend_window_seconds
 
-    p_current, p_starting = _current(observation.prefill)
+    _, p_starting = _current(observation.prefill)
     p_fresh, p_missing, p_draining = split_samples(observation.prefill.replicas, now, stale)
     tokens_per_second = calibrate_prefill_rate(
         p_fresh + p_draining,
@@ -468,11 +564,19 @@ def decide(
     ttft_high = None
     if ttfts and max(ttfts) > spec.prefill.ttft_target_seconds:
         ttft_high = f"prefill TTFT {max(ttfts):.2f} s above the {spec.prefill.ttft_target_seconds:g} s target"
-    p, p_state = _role_decision(
-        "prefill", spec.prefill, p_signal, p_current, state.prefill, now, tuning, window, ttft_high
+    p, p_state = _decide_role(
+        "prefill",
+        spec.prefill,
+        observation.prefill,
+        p_signal,
+        state.prefill,
+        now,
+        tuning,
+        stale,
+        ttft_high,
     )
 
-    d_current, d_starting = _current(observation.decode)
+    _, d_starting = _current(observation.decode)
     d_fresh, d_missing, d_draining = split_samples(observation.decode.replicas, now, stale)
     d_signal = decode_signal(
         spec.decode,
@@ -485,9 +589,10 @@ def decide(
         ahead,
         tuning.backlog_drain_seconds,
         p_signal.growth,
+        p_signal.falling,
     )
-    d, d_state = _role_decision(
-        "decode", spec.decode, d_signal, d_current, state.decode, now, tuning, window
+    d, d_state = _decide_role(
+        "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale
     )
 
     p, d = _apply_ratio(spec, p, d)

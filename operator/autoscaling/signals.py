@@ -25,6 +25,12 @@ MIN_TREND_POINTS = 4
 # that noise on to decode, whose KV usage at a few replicas is noisy already,
 # would make decode flap.
 GROWTH_QUANTILE = 0.25
+# A fall counts as decisive when this quantile of the pairwise slopes is
+# negative (three quarters of the pairs agree the load is going down) and
+# the fall it projects over the trend window is at least FALL_SHARE of the
+# demand: noise on a steady load rarely satisfies both.
+FALL_QUANTILE = 0.75
+FALL_SHARE = 0.1
 
 Trend = tuple[tuple[float, float], ...]
 
@@ -48,6 +54,9 @@ class RoleSignal:
     """Measured demand in replicas (the series the trend is fitted to)."""
     growth: float = 1.0
     """Projected / measured demand, counting only a significant rise."""
+    falling: bool = False
+    """The demand is falling decisively (:func:`falling`): the policy may then
+    scale down on a shorter window than the spec's down window."""
 
 
 def split_samples(
@@ -76,9 +85,15 @@ def project(
     where a least-squares fit would project a single spike far ahead. A lower
     ``quantile`` asks for a rise that more of the pairs agree on.
     """
-    points = [*history, (now, demand)]
+    slope = pairwise_slope([*history, (now, demand)], quantile)
+    return demand if slope is None else demand + max(slope, 0.0) * ahead
+
+
+def pairwise_slope(points: Trend, quantile: float) -> float | None:
+    """The ``quantile`` of the slopes between every pair of ``points`` (None
+    with fewer than :data:`MIN_TREND_POINTS`)."""
     if len(points) < MIN_TREND_POINTS:
-        return demand
+        return None
     slopes = sorted(
         (v2 - v1) / (t2 - t1)
         for i, (t1, v1) in enumerate(points)
@@ -86,12 +101,23 @@ def project(
         if t2 > t1
     )
     if not slopes:
-        return demand
+        return None
     position = quantile * (len(slopes) - 1)
     low = slopes[math.floor(position)]
     high = slopes[math.ceil(position)]
-    slope = low + (high - low) * (position - math.floor(position))
-    return demand + max(slope, 0.0) * ahead
+    return low + (high - low) * (position - math.floor(position))
+
+
+def falling(demand: float, history: Trend, now: float) -> bool:
+    """Whether ``demand`` is falling decisively over ``history``: the
+    :data:`FALL_QUANTILE` slope is negative and, over the history's span,
+    amounts to at least :data:`FALL_SHARE` of the demand."""
+    points = [*history, (now, demand)]
+    slope = pairwise_slope(points, FALL_QUANTILE)
+    if slope is None or slope >= 0:
+        return False
+    span = points[-1][0] - points[0][0]
+    return -slope * span >= FALL_SHARE * max(demand, 1e-9)
 
 
 def calibrate_prefill_rate(
@@ -159,7 +185,9 @@ def prefill_signal(
         demand = sum(b or 0.0 for b in busy)
         parts.append(f"busy {demand:.2f} replicas (tokens/s not known yet)")
     planned = growth = 0.0
+    is_falling = False
     if demand is not None:
+        is_falling = falling(demand, history, now)
         planned = project(demand, history, now, ahead)
         if demand > 0:
             growth = project(demand, history, now, ahead, GROWTH_QUANTILE) / demand
@@ -191,6 +219,7 @@ def prefill_signal(
         starting=starting,
         demand=demand,
         growth=max(growth, 1.0),
+        falling=is_falling,
     )
 
 
@@ -205,6 +234,7 @@ def decode_signal(
     ahead: float,
     drain_seconds: float,
     prefill_growth: float,
+    prefill_falling: bool = False,
 ) -> RoleSignal:
     """Decode needs projected KV demand / ``targetKVCacheUsage``.
 
@@ -252,4 +282,7 @@ def decode_signal(
         missing=tuple(missing),
         starting=starting,
         demand=demand,
+        # Decode's own series restarts at each count change; prefill's fall
+        # is the earlier and steadier sign that decode's load will follow.
+        falling=prefill_falling or falling(demand, history, now),
     )

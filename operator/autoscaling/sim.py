@@ -3,8 +3,8 @@
 :func:`compare` runs each strategy (:mod:`.strategies`) over the same seeded
 trace (:mod:`.traces`) in the discrete-event fleet model (:mod:`.fleet`),
 which runs the autoscaling policy's own code on snapshots of simulated engine
-metrics. :func:`evaluate_targets` checks the policy's results against issue
-8's targets.
+metrics. :func:`evaluate_targets` checks the policy's results against the
+targets in docs/autoscaling.md (:mod:`.matrix` checks them per seed and trace).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Targets:
-    """What the policy must achieve on the burst trace: SLO attainment, and
+    """What the policy must achieve on every trace: SLO attainment, and
     replica-seconds against the oracle and fixed peak provisioning
     (docs/autoscaling.md)."""
 
     min_attainment: float = 0.99
-    max_oracle_ratio: float = 1.3
+    max_oracle_ratio: float = 1.25
     max_fixed_ratio: float = 0.7
 
 

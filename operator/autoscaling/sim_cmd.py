@@ -61,6 +61,16 @@ class SimOptions:
     """With --json: include per-period replica counts and arrival rates."""
     reasons: int = 0
     """Also print the first N scaling decisions of the pdfleet policy with reasons."""
+    matrix: int = 0
+    """Run the target matrix instead: N seeds (from --seed) of every trace in
+    --matrix-traces, each target checked per seed (docs/autoscaling.md)."""
+    matrix_traces: str = "burst,diurnal,steady,heavytail"
+    """Comma-separated trace kinds the matrix runs."""
+    jobs: int = 1
+    """Processes the matrix runs its cells in."""
+    plot: str | None = None
+    """Write a PNG of the run to this path: request rate, replicas per role for
+    each strategy, TTFT p99 against the SLO, the policy's scale events."""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -118,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.plot and (args.seeds > 1 or args.matrix):
+        raise ValueError("--plot draws one run: use it without --seeds and --matrix")
+    if args.matrix:
+        return _run_matrix(args, trace_config, model, spec, strategies)
     if args.seeds > 1:
         return _run_seeds(args, trace_config, model, spec, strategies)
     from .sim import compare, evaluate_targets
@@ -128,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         trace, model, spec, strategies, hpa_prefill_metric=args.hpa_prefill_metric, seed=args.seed
     )
     targets = evaluate_targets(results)
+    if args.plot:
+        from .plot import plot_sim
+
+        plot_sim(trace, model, results, args.plot)
     if args.json:
         out = {
             "trace": {**vars(trace_config), "requests": len(trace), "bursts": len(trace.bursts)},
@@ -145,6 +163,31 @@ def run(args: argparse.Namespace) -> int:
         for line in results["pdfleet"].reasons[: args.reasons]:
             print(line)
     return 0
+
+
+def _run_matrix(
+    args: argparse.Namespace, trace_config: Any, model: Any, spec: Any, strategies: list[str]
+) -> int:
+    from .matrix import all_met, format_matrix, run_matrix
+
+    if args.matrix < 1 or args.jobs < 1:
+        raise ValueError("--matrix and --jobs must be >= 1")
+    kinds = [k.strip() for k in args.matrix_traces.split(",") if k.strip()]
+    result = run_matrix(
+        trace_config,
+        model,
+        spec,
+        kinds,
+        range(args.seed, args.seed + args.matrix),
+        strategies,
+        jobs=args.jobs,
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=list)
+        print()
+    else:
+        print(format_matrix(result))
+    return 0 if all_met(result["summary"]) else 1
 
 
 def _run_seeds(

@@ -326,13 +326,32 @@ class SimResult:
     """(time, prefill replicas, decode replicas, arrivals per second) per period."""
     decision_codes: dict[str, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
+    scale_log: list[tuple[float, str, int, int]] = field(default_factory=list)
+    """(time, role, replicas before, replicas after) of every scale event."""
+    ttft_series: list[tuple[float, float]] = field(default_factory=list)
+    """(period start, TTFT p99 of the requests arriving in that period)."""
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         if not timeline:
             out.pop("timeline")
+            out.pop("scale_log")
+            out.pop("ttft_series")
         out.pop("reasons")
         return out
+
+    def oscillations(self, window: float) -> dict[str, int]:
+        """Per role, scale-ups undone by a scale-down (or the reverse) less than
+        ``window`` seconds later: the count went back the way it came."""
+        out = {"prefill": 0, "decode": 0}
+        last: dict[str, tuple[float, int]] = {}
+        for t, role, before, after in self.scale_log:
+            sign = 1 if after > before else -1
+            prev = last.get(role)
+            if prev is not None and prev[1] != sign and t - prev[0] < window:
+                out[role] += 1
+            last[role] = (t, sign)
+        return {**out, "total": out["prefill"] + out["decode"]}
 
 
 def _percentile(values: Sequence[float], p: float) -> float:
@@ -365,6 +384,7 @@ class Simulation:
         self.started = {"prefill": 0, "decode": 0}
         self.stopped = {"prefill": 0, "decode": 0}
         self.timeline: list[tuple[float, int, int, float]] = []
+        self.scale_log: list[tuple[float, str, int, int]] = []
         self.requests: list[_Request] = []
         self.arrivals_since_tick = 0
         for role, count in zip(("prefill", "decode"), initial, strict=True):
@@ -545,6 +565,7 @@ class Simulation:
         if desired == current:
             return
         self.scale_events[role] += 1
+        self.scale_log.append((now, role, current, desired))
         if desired > current:
             for _ in range(desired - current):
                 self._new_replica(role, now, ready=False)
@@ -664,6 +685,12 @@ class Simulation:
                 itls.append(itl)
                 itl_ok += itl <= model.itl_slo_seconds
         n = max(len(self.requests), 1)
+        period = self.spec.period_seconds
+        by_period: dict[int, list[float]] = {}
+        for req in self.requests:
+            if req.first >= 0 and req.arrival < duration:
+                by_period.setdefault(int(req.arrival // period), []).append(req.first - req.arrival)
+        ttft_series = [(b * period, _percentile(v, 99)) for b, v in sorted(by_period.items())]
         seconds = {"prefill": 0.0, "decode": 0.0}
         for r in [*self.retired, *self.replicas["prefill"], *self.replicas["decode"]]:
             end = r.stopped if r.stopped >= 0 else duration
@@ -694,4 +721,6 @@ class Simulation:
             timeline=[t for t in self.timeline if t[0] <= duration],
             decision_codes=dict(getattr(strategy, "codes", {})),
             reasons=list(getattr(strategy, "reasons", [])),
+            scale_log=[e for e in self.scale_log if e[0] <= duration],
+            ttft_series=ttft_series,
         )

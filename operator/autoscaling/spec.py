@@ -64,9 +64,11 @@ class RoleScaling:
 
     RULES: ClassVar[tuple[NotBelow, ...]] = (NotBelow("max_replicas", ("min_replicas",)),)
 
-    min_replicas: int = bounded(1, AT_LEAST_ONE)
-    """Fewest replicas of this role (at least 1: with no replica there is no
-    metric to scale up from)."""
+    min_replicas: int = bounded(1, NOT_NEGATIVE)
+    """Fewest replicas of this role. 0 lets the role scale to zero once it has
+    been idle for scaleToZeroAfterSeconds; a request arriving then is held by
+    the gateway (decode) or served decode-only (prefill), and the gateway's
+    activation signal brings one replica back (docs/autoscaling.md)."""
     max_replicas: int = bounded(4, AT_LEAST_ONE)
     """Most replicas of this role."""
     target_waiting_per_replica: float = bounded(4, POSITIVE)
@@ -81,6 +83,9 @@ class RoleScaling:
     """Most replicas added in one period."""
     max_scale_down_step: int = bounded(1, AT_LEAST_ONE)
     """Most replicas removed in one period."""
+    scale_to_zero_after_seconds: float = bounded(300, POSITIVE)
+    """With minReplicas 0: seconds without any request arriving, queued or
+    running on the role after which it goes to zero replicas."""
 
 
 @dataclass
@@ -132,6 +137,10 @@ class AutoscalingSpec:
     """A replica whose latest sample is older than this counts as having no
     metrics; while any ready replica of a role has none, the role does not
     scale down."""
+    activation_timeout_seconds: float = bounded(120, POSITIVE)
+    """With decode at minReplicas 0: seconds the gateway holds a request while
+    the decode pool comes back from zero (about one cold start) before it
+    answers 503 with Retry-After."""
     prefill: PrefillScaling = field(default_factory=PrefillScaling)
     """Scaling of the prefill role."""
     decode: DecodeScaling = field(default_factory=DecodeScaling)
@@ -139,6 +148,20 @@ class AutoscalingSpec:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def gateway_settings(self) -> dict[str, object]:
+        """GatewayConfig fields this section implies: with decode able to scale
+        to zero, /health stays up without an engine and requests are held for
+        ``activationTimeoutSeconds``."""
+        if self.decode.min_replicas > 0:
+            return {}
+        return {"scale_to_zero": True, "hold_timeout": self.activation_timeout_seconds}
+
+    def role(self, name: str) -> RoleScaling:
+        """The section of ``name`` (prefill or decode)."""
+        if name not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {name!r}")
+        return self.prefill if name == "prefill" else self.decode
 
     def validate(self) -> None:
         """Raise :class:`SpecValueError` (a ``ValueError``) naming the offending key

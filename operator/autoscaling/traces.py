@@ -2,7 +2,7 @@
 
 A trace is a sorted list of requests (arrival time, prompt tokens, output
 tokens) drawn from a time-varying Poisson process, plus the rate function it
-was drawn from (the oracle strategy reads both). Three shapes:
+was drawn from (the oracle strategy reads both). Four shapes:
 
 * ``steady``  -- a constant rate.
 * ``diurnal`` -- one sinusoidal "day" per trace: the rate swings between
@@ -12,6 +12,10 @@ was drawn from (the oracle strategy reads both). Three shapes:
   multiplies the rate by a factor drawn from ``burst_factor``, rises linearly
   over ``burst_ramp_seconds``, holds for a duration drawn from
   ``burst_seconds`` and falls back over the same ramp.
+* ``heavytail`` -- the diurnal rate with heavy-tailed prompts: a mix of short
+  chat turns (log-normal around ``chat_tokens_mean``) and, with probability
+  ``document_share``, long documents (log-normal around
+  ``document_tokens_mean``). A few documents can fill a prefill queue alone.
 
 Prompt and output lengths are log-normal with the given means, clipped.
 """
@@ -25,13 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-TraceKind = Literal["steady", "diurnal", "burst"]
+TraceKind = Literal["steady", "diurnal", "burst", "heavytail"]
+TRACE_KINDS: tuple[str, ...] = ("burst", "diurnal", "steady", "heavytail")
 
 
 @dataclass(frozen=True)
 class TraceConfig:
     kind: TraceKind = "burst"
-    """Shape of the request rate over time: steady, diurnal or burst."""
+    """Shape of the request rate over time: steady, diurnal, burst or heavytail
+    (diurnal rate, chat turns mixed with long documents)."""
     duration_seconds: float = 3600.0
     """Simulated seconds."""
     base_rate: float = 12.0
@@ -60,10 +66,18 @@ class TraceConfig:
     """Seconds a surge holds its peak, drawn from [LOW, HIGH]."""
     burst_ramp_seconds: float = 300.0
     """Seconds a surge takes to rise (and to fall)."""
+    chat_tokens_mean: float = 400.0
+    """Heavytail trace: mean prompt length of a chat turn."""
+    document_tokens_mean: float = 8000.0
+    """Heavytail trace: mean prompt length of a document."""
+    document_share: float = 0.15
+    """Heavytail trace: probability that a request is a document."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("steady", "diurnal", "burst"):
-            raise ValueError(f"trace must be steady, diurnal or burst, got {self.kind!r}")
+        if self.kind not in TRACE_KINDS:
+            raise ValueError(f"trace must be one of {', '.join(TRACE_KINDS)}, got {self.kind!r}")
+        if not 0 <= self.document_share <= 1:
+            raise ValueError(f"document share must be in [0, 1], got {self.document_share}")
         if self.duration_seconds <= 0:
             raise ValueError(f"--duration must be > 0, got {self.duration_seconds}")
         if self.base_rate <= 0:
@@ -78,7 +92,12 @@ class TraceConfig:
             raise ValueError(f"--burst-seconds needs 0 < low <= high, got {lo}, {hi}")
         if self.burst_ramp_seconds < 0 or self.burst_every_seconds <= 0:
             raise ValueError("burst ramp must be >= 0 and burst gap > 0")
-        for name in ("prompt_tokens_mean", "output_tokens_mean"):
+        for name in (
+            "prompt_tokens_mean",
+            "output_tokens_mean",
+            "chat_tokens_mean",
+            "document_tokens_mean",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -157,7 +176,7 @@ def make_trace(config: TraceConfig, bursts: Sequence[Burst] | None = None) -> Tr
     else:
         bursts = []
 
-    if config.kind == "diurnal":
+    if config.kind in ("diurnal", "heavytail"):
         amp = config.diurnal_amplitude
 
         def rate(t: float) -> float:
@@ -194,12 +213,21 @@ def make_trace(config: TraceConfig, bursts: Sequence[Burst] | None = None) -> Tr
             break
         if rng.random() * peak < rate(t):
             arrivals.append(t)
-    prompts = [
-        _lognormal(
-            rng, config.prompt_tokens_mean, config.prompt_tokens_sigma, config.prompt_tokens_max
-        )
-        for _ in arrivals
-    ]
+    if config.kind == "heavytail":
+        cap = config.prompt_tokens_max
+        prompts = [
+            _lognormal(rng, config.document_tokens_mean, 0.5, cap)
+            if rng.random() < config.document_share
+            else _lognormal(rng, config.chat_tokens_mean, 0.6, cap)
+            for _ in arrivals
+        ]
+    else:
+        prompts = [
+            _lognormal(
+                rng, config.prompt_tokens_mean, config.prompt_tokens_sigma, config.prompt_tokens_max
+            )
+            for _ in arrivals
+        ]
     outputs = [
         _lognormal(
             rng, config.output_tokens_mean, config.output_tokens_sigma, config.output_tokens_max

@@ -176,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
-            if autoscaler is not None and time.monotonic() >= next_scale:
+            if autoscaler is not None and (
+                time.monotonic() >= next_scale or autoscaler.activation_pending()
+            ):
                 next_scale = time.monotonic() + autoscaler.spec.period_seconds
                 autoscaler.step()
             state.write(autoscaler)

@@ -178,7 +178,13 @@ class LocalFleet:
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
             tokenizer=self.model_path,
             scrape_interval=1.0,
+            **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
         )
+
+    def gateway_metrics_text(self) -> str | None:
+        """The gateway's ``/metrics`` (the autoscaler reads its activation counter)."""
+        gateway = self.gateway
+        return gateway.metrics_text(timeout=2.0) if gateway is not None else None
 
     def write_engines_file(self) -> None:
         with self.lock:

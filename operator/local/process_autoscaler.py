@@ -1,6 +1,7 @@
 """``pdfleet up``'s adapter of the autoscaling loop: local engine processes.
 
-Once per ``periodSeconds``: scrape every engine's ``/metrics``, run one step
+Once per ``periodSeconds``: scrape every engine's ``/metrics`` and the
+gateway's activation counter (requests that found no engine of a role), run one step
 of the same :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
 the operator runs, record the decisions (log, metrics, bounded history),
 then start engines or drain the victims the loop names (stop routing, wait
@@ -16,7 +17,13 @@ import logging
 import time
 from typing import Any, Protocol
 
-from ..autoscaling.control_loop import ROLES, ReplicaScrape, ScalingLoop
+from ..autoscaling.control_loop import (
+    ROLES,
+    ActivationCounter,
+    ReplicaScrape,
+    ScalingLoop,
+    parse_gateway_activations,
+)
 from ..autoscaling.decisions import DecisionLog
 from ..autoscaling.samples import EngineSnapshot, ReplicaState, parse_engine_metrics
 from ..autoscaling.spec import AutoscalingSpec
@@ -45,6 +52,10 @@ class ScalableFleet(Protocol):
         """Stop routing to ``child``; stop it once idle (bounded wait)."""
         ...
 
+    def gateway_metrics_text(self) -> str | None:
+        """The gateway's ``/metrics`` text, or None when it does not answer."""
+        ...
+
 
 def _state(child: Child) -> ReplicaState:
     if not child.ready:
@@ -60,6 +71,32 @@ class LocalAutoscaler:
         self.spec = spec
         self.loop = ScalingLoop()
         self.log = log or DecisionLog()
+        self.activations = ActivationCounter()
+
+    def _gateway_totals(self) -> dict[str, dict[str, float]]:
+        text = self.fleet.gateway_metrics_text()
+        if text is None:
+            return {}
+        try:
+            return {"gateway": parse_gateway_activations(text)}
+        except ValueError:
+            return {}
+
+    def activation_pending(self) -> bool:
+        """Whether a role at zero replicas has had requests wanting it since the
+        last step: the caller then steps at once instead of waiting for the
+        period, so the first request after scale-to-zero waits one cold start,
+        not a period more. Scrapes only the gateway, and only while a role
+        that may scale to zero has no engine."""
+        at_zero = {
+            role
+            for role in self.fleet.roles
+            if self.spec.role(role).min_replicas == 0
+            and not [c for c in self.fleet.engines_of(role) if not c.draining]
+        }
+        if not at_zero:
+            return False
+        return bool(self.activations.pending(self._gateway_totals()) & at_zero)
 
     def _scrape(self, child: Child, now: float) -> EngineSnapshot | None:
         # The child's own scrape presents the fleet token (engines require it).
@@ -84,7 +121,8 @@ class LocalAutoscaler:
             for role in ROLES
             for child in self.fleet.engines_of(role)
         ]
-        step = self.loop.step(self.spec, scrapes, now)
+        activations = self.activations.update(self._gateway_totals())
+        step = self.loop.step(self.spec, scrapes, now, activations=activations)
         records = self.log.record(step.result.decisions)
         by_name = {c.name: c for role in self.fleet.roles for c in self.fleet.engines_of(role)}
         for action in step.actions:

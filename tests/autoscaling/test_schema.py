@@ -53,7 +53,9 @@ GOOD = [
     {"decode": {"scaleDownStabilizationSeconds": 0, "scaleUpStabilizationSeconds": 0}},
 ]
 BAD = [
-    {"prefill": {"minReplicas": 0}},
+    {"prefill": {"minReplicas": -1}},
+    {"decode": {"scaleToZeroAfterSeconds": 0}},
+    {"activationTimeoutSeconds": 0},
     {"decode": {"minReplicas": 0, "maxReplicas": 0}},
     {"prefill": {"minReplicas": 3, "maxReplicas": 2}},
     {"decode": {"minReplicas": 5}},
@@ -115,10 +117,13 @@ def test_crd_and_validate_agree_at_every_bound(section, _):
     assert admitted(section) == validated(section)
 
 
-def test_min_replicas_zero_is_refused_by_both_until_scale_to_zero_exists():
+def test_min_replicas_zero_is_admitted_by_both_for_either_role():
     schema = crd_schema()["properties"]["spec"]["properties"]["autoscaling"]
-    assert schema["properties"]["decode"]["properties"]["minReplicas"]["minimum"] == 1
-    assert not validated({"decode": {"minReplicas": 0}})
+    for role in ("prefill", "decode"):
+        assert schema["properties"][role]["properties"]["minReplicas"]["minimum"] == 0
+        section = {role: {"minReplicas": 0, "scaleToZeroAfterSeconds": 60}}
+        assert validated(section) and admitted(section)
+    assert not validated({"decode": {"minReplicas": -1}})
 
 
 def test_every_cross_field_rule_has_its_cel_rule_in_the_crd():

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pdfleet.engine.cli import COMMANDS, main
+from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling.sim import (
     FixedStrategy,
     FleetModel,
@@ -67,18 +68,26 @@ def test_a_burst_is_answered_within_a_bounded_number_of_periods():
     assert result.ttft_attainment > 0.9
 
 
-def test_quiet_traffic_scales_down_only_after_the_window():
-    # A surge from 200 s to 500 s, then quiet.
+def test_a_decisive_fall_scales_down_after_the_short_window_not_the_spec_window():
+    # A surge from 200 s to 500 s, then quiet: the fall is decisive, so the
+    # surge's replicas go after the falling window (90 s), not after the
+    # spec's 300 s down window -- but not at once either.
     config = TraceConfig(kind="burst", duration_seconds=1500, base_rate=3)
     trace = make_trace(config, bursts=[Burst(start=200, factor=5, hold=300, ramp=0)])
     _, result = simulate(trace)
     quiet = replicas_at(result, 1450)[0]
     assert replicas_at(result, 480)[0] > quiet + 1
     window = SPEC.prefill.scale_down_stabilization_seconds
-    # Down to what quiet traffic needs only once a whole window has been quiet
-    # (shedding the start-of-surge overshoot earlier is fine).
+    falling = PolicyTuning().falling_down_window_seconds
     reached = min(t for t, p, _, _ in result.timeline if t >= 500 and p == quiet)
-    assert reached >= 500 + window
+    assert 500 + falling <= reached < 500 + window
+    # Without the falling window, the spec's window holds the surge's count.
+    _, slow = simulate(
+        trace, strategy=PolicyStrategy(SPEC, PolicyTuning(falling_down_window_seconds=None))
+    )
+    reached_slow = min(t for t, p, _, _ in slow.timeline if t >= 500 and p == quiet)
+    assert reached_slow >= 500 + window
+    assert result.replica_seconds["total"] < slow.replica_seconds["total"]
 
 
 def test_steady_load_does_not_oscillate():

@@ -20,6 +20,7 @@ EXPECTED = {
     "maxTotalReplicas": None,
     "prefillDecodeRatio": {"min": None, "max": None},
     "metricsStaleSeconds": 45,
+    "activationTimeoutSeconds": 120,
     "prefill": {
         "minReplicas": 1,
         "maxReplicas": 4,
@@ -29,6 +30,7 @@ EXPECTED = {
         "scaleDownStabilizationSeconds": 300,
         "maxScaleUpStep": 4,
         "maxScaleDownStep": 1,
+        "scaleToZeroAfterSeconds": 300,
         "targetWaitingPerReplica": 4,
     },
     "decode": {
@@ -40,6 +42,7 @@ EXPECTED = {
         "scaleDownStabilizationSeconds": 300,
         "maxScaleUpStep": 4,
         "maxScaleDownStep": 1,
+        "scaleToZeroAfterSeconds": 300,
     },
 }
 
@@ -75,7 +78,7 @@ def test_empty_or_missing_section_gives_the_defaults():
             {"prefill": {"minReplicas": 5}},
             "autoscaling.prefill.maxReplicas must be at least minReplicas (5), got 4",
         ),
-        ({"decode": {"minReplicas": 0}}, "autoscaling.decode.minReplicas must be >= 1"),
+        ({"decode": {"minReplicas": -1}}, "autoscaling.decode.minReplicas must be >= 0"),
         (
             {"decode": {"targetKVCacheUsage": 1.5}},
             "autoscaling.decode.targetKVCacheUsage must be in (0, 1]",

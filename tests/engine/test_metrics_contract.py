@@ -30,7 +30,12 @@ def engine_config(kv_connector: str | None) -> SimpleNamespace:
     """The fields EngineMetrics reads of an EngineConfig."""
     return SimpleNamespace(
         model_config=SimpleNamespace(name="tiny"),
-        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True),
+        cache_config=SimpleNamespace(
+            block_size=16,
+            num_gpu_blocks=64,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo="sha256",
+        ),
         kv_cache_dtype="auto",
         compat_hash=lambda: "c0ffee",
         kv_transfer_config=SimpleNamespace(kv_connector=kv_connector) if kv_connector else None,
@@ -124,6 +129,11 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_pair_open.labels("http://p", "http://e").set(1)
     metrics.held.set(0)
     metrics.rejected.labels("invalid_json").inc()
+    metrics.kv_index_events.labels("http://e", "BlockStored").inc()
+    metrics.kv_index_replays.labels("http://e", "ok").inc()
+    metrics.kv_index_resets.labels("http://e", "restart").inc()
+    metrics.kv_index_fresh.labels("http://e").set(1)
+    metrics.activations.labels("decode").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):

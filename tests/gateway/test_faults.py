@@ -55,6 +55,27 @@ def test_requests_are_held_while_no_decode_engine_is_routable_then_served(fakes,
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ok"
         assert time.monotonic() - started >= 0.2
         assert metric(gw.url, "pdfleet_gateway_held_requests") == 0
+        # The held request is the activation signal for a decode pool at zero.
+        assert metric(gw.url, "pdfleet_gateway_activation_requests_total", role="decode") == 1
+        # Without --scale-to-zero, no routable decode engine means unhealthy.
+        decode.health_status = 503
+        assert wait_until(lambda: httpx.get(gw.url + "/health").status_code == 503, 10)
+    finally:
+        gw.stop()
+
+
+def test_scale_to_zero_keeps_health_up_without_a_decode_engine(fakes, tmp_path):
+    decode = fakes[1]
+    decode.health_status = 503  # scaled to zero, or still starting
+    gw = start_gateway(
+        ["--decode", decode.url, "--scrape-interval", "0.2", "--scale-to-zero"],
+        tmp_path,
+        healthy=False,
+    )
+    try:
+        assert wait_until(lambda: _serving(gw.url), 30)
+        resp = httpx.get(gw.url + "/health", timeout=5)
+        assert resp.status_code == 200 and resp.json() == {"status": "ok"}
     finally:
         gw.stop()
 

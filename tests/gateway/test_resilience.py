@@ -283,8 +283,11 @@ def test_prefill_engines_killed_under_load_every_request_completes(fleet):
     assert wait_until(lambda: health(gw)["routable"]["prefill"] == 0, 5)
     client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0, timeout=60)
     before = metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine")
+    wanted = metric(gw, "pdfleet_gateway_activation_requests_total", role="prefill")
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="no_prefill_engine") == before + 1
+    # ... and each such request is the activation signal for a prefill pool at zero.
+    assert metric(gw, "pdfleet_gateway_activation_requests_total", role="prefill") == wanted + 1
 
 
 def test_a_decode_engine_that_died_between_checks_gets_a_502_then_a_held_503(fleet, tmp_path):

@@ -247,11 +247,22 @@ def test_a_chunked_body_over_the_limit_and_a_huge_chunk_size_are_cut_off(gateway
     body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
     out = raw_exchange(gateway, head(transfer_encoding="chunked") + body)
     assert out.startswith(b"HTTP/1.1 413"), out[:200]
-    # A chunk of 2^80 - 1 bytes announced and never sent: the body timeout ends it.
+    # A chunk of 2^56 - 1 bytes announced and never sent: the body timeout ends it.
     started = time.monotonic()
-    out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"ffffffffffffffffffff\r\nab")
+    out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"ffffffffffffff\r\nab")
     assert out.startswith(b"HTTP/1.1 408"), out[:200]
     assert time.monotonic() - started < 5
+    # A chunk size past 64 bits is not HTTP/1.1: an OpenAI-shaped 400 at once.
+    started = time.monotonic()
+    out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"ffffffffffffffffffff\r\nab")
+    assert out.startswith(b"HTTP/1.1 400"), out[:200]
+    assert b'"invalid_request"' in out and time.monotonic() - started < 3
+
+
+def test_a_request_head_over_64_kib_is_a_431(gateway):
+    out = raw_exchange(gateway, head(x_big="a" * 70000, content_length="0"))
+    assert out.startswith(b"HTTP/1.1 431"), out[:200]
+    assert b'"request_header_fields_too_large"' in out
 
 
 def test_headers_trickled_past_the_header_timeout_close_the_connection(gateway):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -60,7 +61,13 @@ def start_engines(
 def start_gateway(
     args: list[str], log_dir: Path, env: dict[str, str] | None = None, healthy: bool = True
 ) -> ServerProcess:
-    """A gateway process; by default waited for until it routes (a decode engine is up)."""
+    """A gateway process; by default waited for until it routes (a decode engine is up).
+
+    ``$PDFLEET_TEST_GATEWAY_WORKERS=N`` runs every such gateway with ``--workers N``
+    (unless the test gives its own), so the gateway tests prove both modes."""
+    workers = os.environ.get("PDFLEET_TEST_GATEWAY_WORKERS")
+    if workers and "--workers" not in args:
+        args = [*args, "--workers", workers]
     proc = ServerProcess(["gateway", "--host", "127.0.0.1", *args], log_dir, "gateway", env=env)
     if not healthy:
         return proc

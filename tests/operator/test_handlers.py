@@ -258,7 +258,8 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
         assert service == f"{NAMESPACE}/demo"
         assert replicas == {"prefill": 1, "decode": 1}
         by_pod = {s.pod: s for s in samples}
-        assert set(by_pod) == {"demo-decode-a", "demo-prefill-a"}  # the policy sees engines
+        # The policy sees the engines, and the gateways for their activation counters.
+        assert set(by_pod) == {"demo-decode-a", "demo-prefill-a", "demo-gateway-a"}
         assert by_pod["demo-decode-a"].role == "decode"
         assert by_pod["demo-decode-a"].values["vllm:kv_cache_usage_perc"] == 0.9
 

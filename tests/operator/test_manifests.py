@@ -123,6 +123,24 @@ def test_builtin_model_is_written_by_an_init_container_and_pvc_models_are_mounte
     assert pod["containers"][0]["command"][2] == "/models/weights/llama"
 
 
+@pytest.mark.parametrize(
+    "resources, workers",
+    [
+        ({}, 1),
+        ({"limits": {"cpu": "4"}}, 4),
+        ({"limits": {"cpu": "2500m"}, "requests": {"cpu": "1"}}, 2),
+        ({"requests": {"cpu": "3"}}, 3),
+        ({"limits": {"cpu": "500m"}}, 1),
+    ],
+)
+def test_gateway_runs_one_worker_per_whole_cpu_of_its_limit(resources, workers):
+    from pdfleet.engine.cli import build_parser
+
+    spec = {**SPEC, "gateway": {**SPEC.get("gateway", {}), "resources": resources}}
+    command = container(children(spec), "demo-gateway")["command"]
+    assert build_parser().parse_args(command[1:]).workers == workers
+
+
 def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secret():
     objects = children()
     c = container(objects, "demo-gateway")

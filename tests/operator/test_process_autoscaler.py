@@ -82,6 +82,9 @@ class FakeFleet:
         child.draining = True
         self.drained.append(child.name)
 
+    def gateway_metrics_text(self) -> str | None:
+        return None  # no gateway: no activation signal
+
 
 @pytest.fixture
 def servers():

@@ -1,0 +1,423 @@
+"""Gateway throughput per core: pdfleet's gateway beside vLLM's Rust router.
+
+A stub engine (nginx with canned answers on every route a router touches:
+``/v1/completions`` as one JSON answer, or as a stream of 26 SSE events;
+``/health``, ``/metrics``, ``/v1/models``) is fast enough to bound neither
+router. Each router is pinned to the same core(s) (``taskset``) and driven by
+the same ``wrk`` (a Lua script POSTs the body) pinned with nginx to the other
+core(s). Reported per router: req/s and latency percentiles for non-streamed
+requests at 16 and 64 connections, streams/s and events/s for streamed ones,
+pdfleet at ``--workers 1`` and ``--workers 2``, and pdfleet's ratio to the Rust
+router in the same run. ``vllm-router`` is installed by this script into a
+throwaway virtualenv under ``build/`` (cached there).
+
+    .venv/bin/python benchmarks/gateway_throughput.py [--duration 10]
+        [--repeat 1] [--router-cpus 0] [--load-cpus 1] [--workers 1 2]
+        [--json benchmarks/results/gateway_throughput_cpu.json]
+
+On a 2-core machine ``--workers 2`` shares its one router core (or, with
+``--router-cpus 0,1``, the load generator's): scaling needs more cores than
+that, so the scaling rows say which cores they had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from fleet import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTER_VENV = ROOT / "build" / "vllm-router-venv"
+ROUTER_VERSION = "0.1.17"
+NUM_EVENTS = 26
+PROMPT = "Tell me about the history of the bicycle in three short sentences."
+
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-stub",
+        "object": "text_completion",
+        "created": 1,
+        "model": "stub",
+        "choices": [
+            {
+                "index": 0,
+                "text": " The bicycle was invented in the early 19th century.",
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30},
+    },
+    separators=(",", ":"),
+)
+
+
+def _event(i: int) -> str:
+    last = i == NUM_EVENTS - 2
+    data = {
+        "id": "cmpl-stub",
+        "object": "text_completion",
+        "created": 1,
+        "model": "stub",
+        "choices": [
+            {
+                "index": 0,
+                "text": f" tok{i}",
+                "logprobs": None,
+                "finish_reason": "length" if last else None,
+            }
+        ],
+    }
+    if last:
+        data["usage"] = {"prompt_tokens": 14, "completion_tokens": 25, "total_tokens": 39}
+    return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
+
+
+# 25 chunks (the last with usage) and [DONE]: 26 events.
+STREAM = "".join(_event(i) for i in range(NUM_EVENTS - 1)) + "data: [DONE]\n\n"
+METRICS = (
+    "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+    "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+)
+MODELS = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+
+def _nginx_string(text: str) -> str:
+    assert "$" not in text and "'" not in text  # nginx would interpolate / end the string
+    return "'" + text.replace("\\", "\\\\") + "'"
+
+
+def nginx_conf(run_dir: Path, json_port: int, sse_port: int) -> str:
+    def server(port: int, body: str, media: str) -> str:
+        return f"""
+  server {{
+    listen 127.0.0.1:{port} reuseport backlog=4096;
+    location = /v1/completions {{ default_type {media}; return 200 {_nginx_string(body)}; }}
+    location = /health {{ default_type text/plain; return 200 ''; }}
+    location = /metrics {{ default_type text/plain; return 200 {_nginx_string(METRICS)}; }}
+    location = /v1/models {{ default_type application/json; return 200 {_nginx_string(MODELS)}; }}
+  }}"""
+
+    tmp = run_dir / "nginx"
+    return f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  keepalive_requests 10000000;
+  keepalive_timeout 75s;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fastcgi;
+  uwsgi_temp_path {tmp}/uwsgi;
+  scgi_temp_path {tmp}/scgi;
+{server(json_port, COMPLETION, "application/json")}
+{server(sse_port, STREAM, "text/event-stream")}
+}}
+"""
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = os.getenv("BENCH_BODY")
+wrk.headers["Content-Type"] = "application/json"
+
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "WRKJSON {\\"requests\\":%d,\\"duration_us\\":%d,\\"bytes\\":%d," ..
+    "\\"errors\\":%d,\\"status_errors\\":%d,\\"timeouts\\":%d," ..
+    "\\"mean_us\\":%.1f,\\"p50_us\\":%d,\\"p90_us\\":%d,\\"p99_us\\":%d,\\"max_us\\":%d}\\n",
+    summary.requests, summary.duration, summary.bytes,
+    e.connect + e.read + e.write + e.timeout, e.status, e.timeout,
+    latency.mean, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.max))
+end
+"""
+
+
+def ensure_vllm_router() -> Path:
+    exe = ROUTER_VENV / "bin" / "vllm-router"
+    if exe.exists():
+        return exe
+    print(f"installing vllm-router {ROUTER_VERSION} into {ROUTER_VENV} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
+    subprocess.run(
+        [str(ROUTER_VENV / "bin" / "pip"), "install", "-q", f"vllm-router=={ROUTER_VERSION}"],
+        check=True,
+        timeout=900,
+    )
+    return exe
+
+
+class Procs:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, cmd: list[str], cpus: str, env: dict | None = None):
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (a child keeps it)
+        proc = subprocess.Popen(
+            ["taskset", "-c", cpus, *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self.procs.remove(proc)
+
+    def close(self) -> None:
+        for proc in list(self.procs):
+            self.stop(proc)
+
+
+def wait_serving(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until a completion goes through (discovery done, the engine routable)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the router exited ({proc.returncode}); see its log")
+        try:
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": "stub", "prompt": PROMPT, "max_tokens": 16},
+                timeout=5,
+            )
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not serve within {timeout}s")
+
+
+def run_wrk(url: str, body: dict, connections: int, duration: float, cpus: str, script: Path):
+    out = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            cpus,
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{duration:g}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url + "/v1/completions",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BENCH_BODY": json.dumps(body)},
+        timeout=duration + 60,
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("WRKJSON "):
+            raw = json.loads(line[len("WRKJSON ") :])
+            secs = raw["duration_us"] / 1e6
+            return {
+                "rps": raw["requests"] / secs,
+                "requests": raw["requests"],
+                "errors": raw["errors"] + raw["status_errors"],
+                "mean_ms": raw["mean_us"] / 1000,
+                "p50_ms": raw["p50_us"] / 1000,
+                "p90_ms": raw["p90_us"] / 1000,
+                "p99_ms": raw["p99_us"] / 1000,
+                "max_ms": raw["max_us"] / 1000,
+            }
+    raise RuntimeError(f"wrk gave no result: {out.stdout[-500:]} {out.stderr[-500:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of wrk before each run")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each cell (median kept)")
+    ap.add_argument("--router-cpus", default="0", help="cores of each router (taskset list)")
+    ap.add_argument("--load-cpus", default="1", help="cores of wrk and nginx")
+    ap.add_argument(
+        "--scale-cpus", default=None, help="cores of --workers 2 (default: --router-cpus)"
+    )
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--connections", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--stream-connections", type=int, default=16)
+    ap.add_argument("--no-vllm-router", action="store_true", help="measure pdfleet only")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    for tool in ("nginx", "wrk", "taskset"):
+        if shutil.which(tool) is None:
+            raise SystemExit(
+                f"{tool} is not installed (apt-get install nginx-light wrk util-linux)"
+            )
+    router_exe = None if args.no_vllm_router else ensure_vllm_router()
+    load_start = os.getloadavg()
+
+    run_dir = Path(tempfile.mkdtemp(prefix="gw-throughput-"))
+    (run_dir / "nginx").mkdir()
+    script = run_dir / "post.lua"
+    script.write_text(WRK_SCRIPT)
+    json_port, sse_port = free_port(), free_port()
+    conf = run_dir / "nginx.conf"
+    conf.write_text(nginx_conf(run_dir, json_port, sse_port))
+    procs = Procs(run_dir)
+    procs.start("nginx", ["nginx", "-c", str(conf), "-p", str(run_dir / "nginx")], args.load_cpus)
+    stub = {"json": f"http://127.0.0.1:{json_port}", "sse": f"http://127.0.0.1:{sse_port}"}
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(stub["json"] + "/health", timeout=2).raise_for_status()
+            break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 16}
+    stream_body = {**body, "max_tokens": 25, "stream": True}
+    env = {"PDFLEET_API_KEY": "", "PDFLEET_API_KEY_FILE": ""}
+
+    def start_router(kind: str, mode: str, workers: int = 1):
+        port = free_port()
+        cpus = args.router_cpus if workers == 1 else (args.scale_cpus or args.router_cpus)
+        if kind == "pdfleet":
+            cmd = [
+                sys.executable, "-m", "pdfleet.engine.cli", "gateway",
+                "--host", "127.0.0.1", "--port", str(port), "--decode", stub[mode],
+                "--disaggregation-mode", "Disabled",
+            ]  # fmt: skip
+            if workers != 1:
+                cmd += ["--workers", str(workers)]
+        else:
+            cmd = [
+                str(router_exe), "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", stub[mode], "--policy", "round_robin",
+                "--log-level", "error", "--prometheus-port", str(free_port()),
+            ]  # fmt: skip
+        proc = procs.start(f"{kind}-{mode}-w{workers}", cmd, cpus, env)
+        url = f"http://127.0.0.1:{port}"
+        wait_serving(url, proc)
+        return proc, url, cpus
+
+    routers = [("pdfleet", w) for w in args.workers]
+    if router_exe is not None:
+        routers.append(("vllm-router", 1))
+    cells: list[dict] = []
+    try:
+        for mode in ("json", "sse"):
+            conns = args.connections if mode == "json" else [args.stream_connections]
+            for kind, workers in routers:
+                proc, url, cpus = start_router(kind, mode, workers)
+                try:
+                    for c in conns:
+                        req = body if mode == "json" else stream_body
+                        if args.warmup > 0:
+                            run_wrk(url, req, c, args.warmup, args.load_cpus, script)
+                        runs = [
+                            run_wrk(url, req, c, args.duration, args.load_cpus, script)
+                            for _ in range(args.repeat)
+                        ]
+                        best = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
+                        cell = {
+                            "router": kind,
+                            "workers": workers,
+                            "router_cpus": cpus,
+                            "mode": "streamed" if mode == "sse" else "non-streamed",
+                            "connections": c,
+                            **best,
+                            "rps_runs": [round(r["rps"]) for r in runs],
+                        }
+                        if mode == "sse":
+                            cell["events_per_s"] = best["rps"] * NUM_EVENTS
+                        cells.append(cell)
+                        print(
+                            f"{kind:12s} w{workers} cpus={cpus:5s} {cell['mode']:13s} c={c:3d} "
+                            f"{best['rps']:9.0f} req/s  p50 {best['p50_ms']:6.2f} ms  "
+                            f"p99 {best['p99_ms']:6.2f} ms  errors {best['errors']}",
+                            flush=True,
+                        )
+                finally:
+                    procs.stop(proc)
+    finally:
+        procs.close()
+
+    def find(kind: str, mode: str, c: int, workers: int = 1) -> dict | None:
+        for cell in cells:
+            if (cell["router"], cell["mode"], cell["connections"], cell["workers"]) == (
+                kind,
+                mode,
+                c,
+                workers,
+            ):
+                return cell
+        return None
+
+    ratios = {}
+    for cell in cells:
+        if cell["router"] != "pdfleet":
+            continue
+        ref = find("vllm-router", cell["mode"], cell["connections"])
+        key = f"{cell['mode']}_c{cell['connections']}_w{cell['workers']}"
+        if ref:
+            ratios[key] = round(cell["rps"] / ref["rps"], 3)
+    scaling = {}
+    for mode, c in [("non-streamed", c) for c in args.connections] + [
+        ("streamed", args.stream_connections)
+    ]:
+        one = find("pdfleet", mode, c, 1)
+        for w in args.workers:
+            cell = find("pdfleet", mode, c, w)
+            if one and cell and w != 1:
+                scaling[f"{mode}_c{c}_w{w}"] = round(cell["rps"] / one["rps"], 3)
+    if ratios:
+        print("pdfleet / vllm-router:", json.dumps(ratios))
+    if scaling:
+        print("pdfleet --workers N / --workers 1:", json.dumps(scaling))
+    result = {
+        "benchmark": "gateway_throughput",
+        "stub": "nginx canned answers; streamed: 26 SSE events in one body",
+        "events_per_stream": NUM_EVENTS,
+        "duration_s": args.duration,
+        "repeat": args.repeat,
+        "load_cpus": args.load_cpus,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "vllm_router_version": None if router_exe is None else ROUTER_VERSION,
+        "cells": cells,
+        "ratio_to_vllm_router": ratios,
+        "scaling_vs_workers_1": scaling,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

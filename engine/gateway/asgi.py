@@ -1,0 +1,107 @@
+"""The gateway's ASGI app: a route table and nothing else on the request path.
+
+The gateway serves seven fixed routes. FastAPI's stack (a dozen middleware
+layers, dependency solving, exception wrappers) cost about a third of a core
+per request at a few thousand requests per second (docs/gateway.md has the
+profile), so the app is a plain ASGI callable: one dict lookup of
+``(method, path)``, the handler (Starlette's ``Request`` in, a ``Response``
+out), a 500 in OpenAI's shape for anything a handler raises. Unknown paths
+are 404 and known paths with another method 405, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+logger = logging.getLogger("pdfleet.gateway")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class State:
+    """Attributes the app carries (``app.state.gateway``)."""
+
+
+class GatewayASGI:
+    """ASGI app: ``(method, path)`` → handler, a lifespan, an error handler."""
+
+    def __init__(
+        self,
+        lifespan: Callable[[Any], AbstractAsyncContextManager[None]],
+        on_error: Callable[[Request, Exception], Response],
+    ) -> None:
+        self.routes: dict[tuple[str, str], Handler] = {}
+        self.paths: set[str] = set()
+        self.lifespan = lifespan
+        self.on_error = on_error
+        self.state = State()
+        self._entry: Callable[..., Awaitable[None]] = self._dispatch
+
+    def post(self, path: str) -> Callable[[Handler], Handler]:
+        return self._route("POST", path)
+
+    def get(self, path: str) -> Callable[[Handler], Handler]:
+        return self._route("GET", path)
+
+    def _route(self, method: str, path: str) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            self.routes[(method, path)] = handler
+            self.paths.add(path)
+            return handler
+
+        return register
+
+    def add_middleware(self, cls: type, **options: Any) -> None:
+        """Wrap the request path in a pure ASGI middleware (tracing uses it)."""
+        self._entry = cls(self._entry, **options)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._entry(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _dispatch(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope["path"]
+        handler = self.routes.get((scope["method"], path))
+        request = Request(scope, receive)
+        if handler is None:
+            if path in self.paths:
+                response = Response(
+                    b'{"detail":"Method Not Allowed"}', 405, media_type="application/json"
+                )
+            else:
+                response = Response(b'{"detail":"Not Found"}', 404, media_type="application/json")
+        else:
+            try:
+                response = await handler(request)
+            except Exception as e:  # the client gets a 500; the log has the traceback
+                response = self.on_error(request, e)
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        manager = self.lifespan(self)
+        try:
+            await manager.__aenter__()
+        except Exception as e:
+            logger.exception("gateway startup failed")
+            await send({"type": "lifespan.startup.failed", "message": repr(e)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        message = await receive()
+        try:
+            await manager.__aexit__(None, None, None)
+        except Exception as e:
+            logger.exception("gateway shutdown failed")
+            await send({"type": "lifespan.shutdown.failed", "message": repr(e)})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
