@@ -162,6 +162,11 @@ class LLMEngine:
         """The grammar compiler and cache (built on first use; thread-safe)."""
         with self._grammars_lock:
             if self._grammars is None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    raise ValueError(
+                        "structured_outputs: not supported with --tensor-parallel-size > 1 "
+                        "yet (the rank processes hold no grammar matchers)"
+                    )
                 if self.tokenizer is None:
                     raise ValueError(
                         "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
