@@ -16,6 +16,7 @@ from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
+from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,10 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(
                     self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids
                 )
-                self.core.runner.grammars = self._grammars
+                runner = self.core.runner
+                if not isinstance(runner, ModelRunner):  # TP executors refused above
+                    raise TypeError(f"grammars need an in-process ModelRunner, not {runner!r}")
+                runner.grammars = self._grammars
             return self._grammars
 
     def new_request_id(self) -> str:

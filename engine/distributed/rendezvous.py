@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,9 @@ def control_group(
 ) -> dist.ProcessGroup:
     """The gloo group of the main process (rank 0) and the ranks; not the default group,
     so several engines can live in one process."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, world_size, timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, world_size, timeout)
+    # A gloo Backend, which torch.distributed collectives accept wherever a group goes.
+    return cast(dist.ProcessGroup, group)
 
 
 def join_tp_group(store: dist.Store, rank: int, size: int, backend: str) -> TPGroup:
