@@ -16,6 +16,7 @@ from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
+from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,11 @@ class LLMEngine:
         """The grammar compiler and cache (built on first use; thread-safe)."""
         with self._grammars_lock:
             if self._grammars is None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    raise ValueError(
+                        "structured_outputs: not supported with --tensor-parallel-size > 1 "
+                        "yet (the rank processes hold no grammar matchers)"
+                    )
                 if self.tokenizer is None:
                     raise ValueError(
                         "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
@@ -172,7 +178,10 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(
                     self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids
                 )
-                self.core.runner.grammars = self._grammars
+                runner = self.core.runner
+                if not isinstance(runner, ModelRunner):  # TP executors refused above
+                    raise TypeError(f"grammars need an in-process ModelRunner, not {runner!r}")
+                runner.grammars = self._grammars
             return self._grammars
 
     def new_request_id(self) -> str:

@@ -18,7 +18,7 @@ from .runner import RequestResult
 MAX_BINS = 60
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot():
     try:
         import matplotlib
     except ImportError:

@@ -27,6 +27,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 class State:
     """Attributes the app carries (``app.state.gateway``)."""
 
+    gateway: Any = None
+
 
 class GatewayASGI:
     """ASGI app: ``(method, path)`` → handler, a lifespan, an error handler."""

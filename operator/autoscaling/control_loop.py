@@ -153,7 +153,7 @@ def parse_gateway_activations(text: str) -> dict[str, float]:
     ``ValueError`` on text that is not Prometheus exposition format."""
     name = m.GATEWAY_ACTIVATIONS.name
     scrape = m.parse_metrics(text, only=(name,))
-    out = dict.fromkeys(ROLES, 0.0)
+    out: dict[str, float] = dict.fromkeys(ROLES, 0.0)
     for labels, value in scrape.samples.get(name, ()):
         role = labels.get("role")
         if role in out:
@@ -181,7 +181,7 @@ class ActivationCounter:
     def update(self, totals: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
         """``totals``: gateway name -> role -> counter value, for the gateways
         that answered this time; returns role -> requests since last time."""
-        rise = dict.fromkeys(ROLES, 0.0)
+        rise: dict[str, float] = dict.fromkeys(ROLES, 0.0)
         for gateway, roles in totals.items():
             before = self.last.get(gateway, {})
             for role, value in roles.items():

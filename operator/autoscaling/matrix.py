@@ -20,12 +20,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .sim import compare, replica_needs
 from .sim_fleet import FleetModel, SimResult
 from .spec import AutoscalingSpec
-from .traces import TRACE_KINDS, TraceConfig, make_trace
+from .traces import TRACE_KINDS, TraceConfig, TraceKind, make_trace
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,13 @@ def run_matrix(
             f"unknown trace {', '.join(unknown)}; choose from {', '.join(TRACE_KINDS)}"
         )
     work = [
-        (dataclasses.replace(base, kind=kind, seed=seed), model, spec, tuple(strategies), targets)
+        (
+            dataclasses.replace(base, kind=cast(TraceKind, kind), seed=seed),
+            model,
+            spec,
+            tuple(strategies),
+            targets,
+        )
         for kind in kinds
         for seed in seeds
     ]

@@ -85,7 +85,7 @@ def project(
     where a least-squares fit would project a single spike far ahead. A lower
     ``quantile`` asks for a rise that more of the pairs agree on.
     """
-    slope = pairwise_slope([*history, (now, demand)], quantile)
+    slope = pairwise_slope((*history, (now, demand)), quantile)
     return demand if slope is None else demand + max(slope, 0.0) * ahead
 
 
@@ -112,7 +112,7 @@ def falling(demand: float, history: Trend, now: float) -> bool:
     """Whether ``demand`` is falling decisively over ``history``: the
     :data:`FALL_QUANTILE` slope is negative and, over the history's span,
     amounts to at least :data:`FALL_SHARE` of the demand."""
-    points = [*history, (now, demand)]
+    points = (*history, (now, demand))
     slope = pairwise_slope(points, FALL_QUANTILE)
     if slope is None or slope >= 0:
         return False

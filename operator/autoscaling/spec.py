@@ -149,7 +149,7 @@ class AutoscalingSpec:
     def __post_init__(self) -> None:
         self.validate()
 
-    def gateway_settings(self) -> dict[str, object]:
+    def gateway_settings(self) -> dict[str, Any]:
         """GatewayConfig fields this section implies: with decode able to scale
         to zero, /health stays up without an engine and requests are held for
         ``activationTimeoutSeconds``."""
