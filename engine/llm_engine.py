@@ -330,10 +330,11 @@ class LLMEngine:
         """Prefill drain: wait (bounded by the lease) until the KV blocks held for
         decode engines are claimed or expired; the engine loop must keep running.
         Returns the leases still held."""
-        c = getattr(self.connector.scheduler, "c", None) if self.connector is not None else None
-        if c is None or not c.kv.is_kv_producer:
+        scheduler_side = self.connector.scheduler if self.connector is not None else None
+        connector = getattr(scheduler_side, "connector", None)  # the PD connectors' shared core
+        if connector is None or not connector.kv.is_kv_producer:
             return 0
-        left = c.wait_for_leases()
+        left = connector.wait_for_leases()
         if left:
             logger.warning("shutting down with %d KV leases unclaimed", left)
         return left
