@@ -56,7 +56,14 @@ from .parallelism import (
     role_layout,
     shm_size,
 )
-from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
+from .resource import (
+    API_VERSION,
+    KIND,
+    ROLES,
+    InferenceServiceSpec,
+    PodPlacement,
+    ServingSpec,
+)
 from .roles import (
     ENGINE_PORT,
     KV_EVENTS_PORT,
@@ -345,6 +352,16 @@ def pod_engine_args(spec: InferenceServiceSpec, role: str) -> EngineArgs:
     return role_engine_args(spec, role, kv_ip=f"$({ENV_KV_IP})", engine_id=f"$({ENV_POD_NAME})")
 
 
+def pod_serving(spec: InferenceServiceSpec) -> ServingSpec:
+    """``spec.serving`` for a pod's command line: an inline chat template's
+    ``$(`` is written ``$$(``, which the kubelet turns back into ``$(`` instead
+    of expanding it as an environment variable."""
+    template = spec.serving.chat_template
+    if template is None or "$(" not in template:
+        return spec.serving
+    return spec.serving.model_copy(update={"chat_template": template.replace("$(", "$$(")})
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> int:
     """At least the engine's drain time; a prefill engine also waits out the KV
     lease so a decode engine can still pull the blocks it holds."""
@@ -402,7 +419,7 @@ def engine_pod_template(
         *parallel_env(role_spec, args, role_spec.env),
         *[dict(e) for e in role_spec.env],
     ]
-    command = engine_command(args, serving=spec.serving)
+    command = engine_command(args, serving=pod_serving(spec))
     if group_role is not None:
         command += rendezvous_flags(layout, group_role)
     container: dict[str, Any] = {
@@ -867,7 +884,7 @@ def build_configmap(
     data = {"compat-hash": compat}
     for role in ROLES:
         args = pod_engine_args(spec, role)
-        command = engine_command(args, serving=spec.serving)
+        command = engine_command(args, serving=pod_serving(spec))
         doc: dict[str, Any] = {"args": non_default_args(args), "command": command}
         if multi_node(spec, role):
             layout = role_layout(spec.role(role), args)

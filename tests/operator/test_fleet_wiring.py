@@ -133,6 +133,15 @@ def test_serving_flags_reach_every_engine_pod_with_the_inline_template_intact():
     assert "--tool-call-parser" not in gateway
 
 
+def test_a_dollar_paren_in_the_template_survives_the_kubelets_expansion():
+    template = "{{ '$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    objects = render({**SPEC, "serving": {"chatTemplate": template}})
+    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
+    # The kubelet turns $$( back into $( (and would expand a bare $(HOME)).
+    expected = "{{ '$$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert flag(command, "--chat-template") == expected
+
+
 def test_serving_defaults_add_no_flags():
     objects = render({"model": {"name": "m"}, "kvTransfer": {"connector": "ZmqConnector"}})
     command = pod(objects, "decode")["spec"]["containers"][0]["command"]
