@@ -17,6 +17,7 @@ from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from .kv_transfer.base import KVConnector
 from .request import Request, RequestStatus
 from .worker.model_runner import ModelRunner
+from .worker.tp_executor import RankFailed, TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,17 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.connector = connector
-        self.runner = ModelRunner(config, connector.worker if connector else None, eos_token_ids)
+        self.runner: ModelRunner | TPExecutor
+        if config.parallel_config.tensor_parallel_size > 1:
+            if connector is not None:
+                raise ValueError(
+                    "--tensor-parallel-size > 1 with a KV connector is not supported yet"
+                )
+            self.runner = TPExecutor(config, eos_token_ids)
+        else:
+            self.runner = ModelRunner(
+                config, connector.worker if connector else None, eos_token_ids
+            )
         events = bool(config.kv_events_config and config.kv_events_config.enable_kv_cache_events)
         self.scheduler = Scheduler(
             config,
@@ -139,6 +150,8 @@ class EngineCore:
             if self.fault_token is not None or self.break_token is not None:
                 self._inject_fault(list(sched_out.num_scheduled_tokens))
             runner_out = self.runner.execute_model(sched_out)
+        except RankFailed:
+            raise  # not one request's failure: the engine is down
         except Exception as e:
             self.num_failed_steps += 1
             raise StepFailed(list(sched_out.num_scheduled_tokens), e) from e
@@ -161,5 +174,7 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        if isinstance(self.runner, TPExecutor):
+            self.runner.shutdown()
         if self.connector is not None:
             self.connector.worker.shutdown()

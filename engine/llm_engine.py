@@ -16,6 +16,7 @@ from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
+from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,11 @@ class LLMEngine:
         """The grammar compiler and cache (built on first use; thread-safe)."""
         with self._grammars_lock:
             if self._grammars is None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    raise ValueError(
+                        "structured_outputs: not supported with --tensor-parallel-size > 1 "
+                        "yet (the rank processes hold no grammar matchers)"
+                    )
                 if self.tokenizer is None:
                     raise ValueError(
                         "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
@@ -172,7 +178,10 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(
                     self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids
                 )
-                self.core.runner.grammars = self._grammars
+                runner = self.core.runner
+                if not isinstance(runner, ModelRunner):  # TP executors refused above
+                    raise TypeError(f"grammars need an in-process ModelRunner, not {runner!r}")
+                runner.grammars = self._grammars
             return self._grammars
 
     def new_request_id(self) -> str:
@@ -321,10 +330,11 @@ class LLMEngine:
         """Prefill drain: wait (bounded by the lease) until the KV blocks held for
         decode engines are claimed or expired; the engine loop must keep running.
         Returns the leases still held."""
-        c = getattr(self.connector.scheduler, "c", None) if self.connector is not None else None
-        if c is None or not c.kv.is_kv_producer:
+        scheduler_side = self.connector.scheduler if self.connector is not None else None
+        connector = getattr(scheduler_side, "connector", None)  # the PD connectors' shared core
+        if connector is None or not connector.kv.is_kv_producer:
             return 0
-        left = c.wait_for_leases()
+        left = connector.wait_for_leases()
         if left:
             logger.warning("shutting down with %d KV leases unclaimed", left)
         return left

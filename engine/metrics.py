@@ -148,7 +148,7 @@ class EngineMetrics:
                     series.inc(getattr(s, field))
         if self.has_kv and engine.connector is not None:
             scheduler_side: Any = engine.connector.scheduler  # the PD connector's
-            self._update_kv(scheduler_side.c)
+            self._update_kv(scheduler_side.connector)
         it = engine.take_iteration_stats()
         self._observe(m.ENGINE_TTFT, it.time_to_first_token)
         self._observe(m.ENGINE_ITL, it.inter_token_latency)

@@ -252,6 +252,7 @@ async def refresh(
         kopf.warn(body, reason="FleetSecretInvalid", message=str(e))
         return
     version = secret_version(secret)
+    deployments: dict[str, dict[str, Any] | None] | None
     deployments = await read_deployments(client, name, namespace, spec)
     stale = _stale_templates(deployments, version)
     if stale:

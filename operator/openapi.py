@@ -99,7 +99,7 @@ def schema_for_type(
         return {"type": "object", "additionalProperties": items}
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return model_schema(tp, rules=rules, defaults=defaults)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return dataclass_schema(tp)
     raise TypeError(f"no structural schema for {tp!r}")
 
@@ -154,7 +154,7 @@ def model_schema(
     required = []
     for name, info in model.model_fields.items():
         key = info.alias or name
-        annotation = info.annotation
+        annotation: Any = info.annotation
         if info.metadata:
             markers = [m for m in info.metadata if isinstance(m, (EngineSection, PassThrough))]
             if markers:

@@ -62,7 +62,7 @@ def set_condition(
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
+        "lastTransitionTime": now if changed or old is None else old.get("lastTransitionTime", now),
     }
     if generation is not None:
         new["observedGeneration"] = generation

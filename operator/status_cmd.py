@@ -10,6 +10,7 @@ server's pod proxy. Two scrapes (``--interval`` apart, or consecutive
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -207,7 +208,7 @@ class LocalSource:
         for e in state["engines"]:
             row = EngineRow(e["name"], e["role"], e["state"], previous=previous.get(e["name"]))
             if e["state"] in ("ready", "draining"):
-                row.sample = scrape(lambda url=e["url"]: self._get(url))
+                row.sample = scrape(functools.partial(self._get, e["url"]))
             rows.append(row)
         gw = state.get("gateway") or {}
         decisions = state.get("lastDecisions") or []
@@ -294,7 +295,7 @@ def cluster_views(
                 path = (
                     f"/api/v1/namespaces/{namespace}/pods/{pod_name}:{pod_port(pod)}/proxy/metrics"
                 )
-                row.sample = scrape(lambda path=path: get(path))
+                row.sample = scrape(functools.partial(get, path))
             rows.append(row)
         decisions = (status.get("autoscaling") or {}).get("lastDecisions") or []
         phase = status.get("phase") or "Unknown"
@@ -345,18 +346,39 @@ class ClusterSource:
         from kubernetes.client.rest import ApiException
 
         try:
-            resp = self.api.call_api(
+            status, reason, data = self._request(path)
+        except ApiException as e:
+            status, reason, data = e.status, e.reason, b""
+        if status == 404 and "/proxy/" not in path:
+            raise ValueError(f"not found: {path} (wrong --namespace or --name?)")
+        if not 200 <= (status or 0) < 300:
+            raise ApiException(status=status, reason=reason)
+        return data.decode()
+
+    def _request(self, path: str) -> tuple[int, str, bytes]:
+        """GET ``path`` with the client's credentials: (status, reason, body)."""
+        api: Any = self.api
+        if not hasattr(api, "param_serialize"):  # older clients: call_api does it all
+            data, status, _headers = api.call_api(
                 path,
                 "GET",
                 auth_settings=["BearerToken"],
                 _preload_content=False,
                 _request_timeout=SCRAPE_TIMEOUT,
             )
-        except ApiException as e:
-            if e.status == 404 and "/proxy/" not in path:
-                raise ValueError(f"not found: {path} (wrong --namespace or --name?)") from None
-            raise
-        return resp[0].data.decode()
+            return status, "", data.data
+        method, url, headers, body, post = api.param_serialize(
+            "GET", path, auth_settings=["BearerToken"]
+        )
+        resp = api.call_api(
+            method,
+            url,
+            header_params=headers,
+            body=body,
+            post_params=post,
+            _request_timeout=SCRAPE_TIMEOUT,
+        )
+        return resp.status, resp.reason, resp.read()
 
     def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
         return cluster_views(self._get, self.namespace, self.name, previous)

@@ -74,7 +74,6 @@ def _own(group: str, default: Any = None, factory: Any = None) -> Any:
 UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("trust_remote_code", False, "running a model directory's own code"),
     ("quantization", None, "weight quantization"),
-    ("tensor_parallel_size", 1, "tensor parallelism (scale with more engine replicas)"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
     ("data_parallel_size", 1, "in-engine data parallelism (scale with more engine replicas)"),
     ("max_num_partial_prefills", 1, "concurrent partial prefills"),
@@ -120,6 +119,11 @@ class EngineArgs:
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _from(ParallelConfig, "pipeline_parallel_size")
     data_parallel_size: int = _from(ParallelConfig, "data_parallel_size")
+    nnodes: int = _from(ParallelConfig, "nnodes")
+    node_rank: int = _from(ParallelConfig, "node_rank")
+    master_addr: str = _from(ParallelConfig, "master_addr")
+    master_port: int = _from(ParallelConfig, "master_port")
+    headless: bool = _from(ParallelConfig, "headless")
     # CacheConfig
     block_size: int | None = _from(CacheConfig, "block_size", None)
     gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
@@ -420,6 +424,16 @@ class EngineArgs:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            headless=args.headless,
+        )
+        parallel_config.check_model(
+            model_config.num_attention_heads,
+            model_config.num_key_value_heads,
+            int(model_config.hf_config.get("intermediate_size", 0)),
         )
         args._set_default_batch_limits(usage_context, model_config, target, memory, name)
         # Resolved above: the model's length and the batch limits are set now.

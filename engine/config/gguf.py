@@ -91,27 +91,27 @@ def prepare_gguf_dir(
     file at once."""
     if not is_gguf_file(gguf_path):
         raise ValueError(f"{gguf_path!r} is not a GGUF file")
-    out = Path(out) if out is not None else _prepared_path(gguf_path)
-    if (out / "config.json").is_file():
-        return str(out)
+    target = Path(out) if out is not None else _prepared_path(gguf_path)
+    if (target / "config.json").is_file():
+        return str(target)
     (say or logger.info)(
         f"reading config and tokenizer of {os.path.basename(gguf_path)} from its GGUF "
-        f"metadata (once) into {out}"
+        f"metadata (once) into {target}"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out.parent))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=target.parent))
     tmp.chmod(0o755)  # a shared cache: other users read it
     try:
         _write_metadata(os.path.realpath(gguf_path), tmp)
         try:
-            os.rename(tmp, out)
+            os.rename(tmp, target)
         except OSError:
-            if not (out / "config.json").is_file():
+            if not (target / "config.json").is_file():
                 raise
             # Another process finished first: its files are the same.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return str(target)
 
 
 def _write_metadata(gguf_path: str, out: Path) -> None:

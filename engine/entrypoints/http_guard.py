@@ -153,7 +153,7 @@ def guarded_h11_protocol(limits: ServerLimits) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             self._header_timer: Any = None
             self._body_timer: Any = None
             super().connection_made(transport)

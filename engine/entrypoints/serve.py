@@ -115,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context="server")
+    if config.parallel_config.headless:
+        from pdfleet.engine.worker.tp_executor import run_headless
+
+        return run_headless(config)
     if args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
     if args.large_prompt_chars < 1:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.gateway import GatewayConfig
 
 logger = logging.getLogger("pdfleet.gateway")
@@ -50,13 +51,11 @@ STOP_TIMEOUT = 15.0
 # Seconds a sibling has to hand over its metrics.
 SIBLING_TIMEOUT = 2.0
 # Gauges whose workers' values add up (the rest: the largest value).
-SUMMED_GAUGES = frozenset(
-    {"pdfleet_gateway_engine_inflight_requests", "pdfleet_gateway_held_requests"}
-)
+SUMMED_GAUGES = frozenset({m.GATEWAY_ENGINE_INFLIGHT.family, m.GATEWAY_HELD_REQUESTS.family})
 # Counters of what happened to an engine (not to a request): every worker sees
 # the same event, so the workers' largest count is the engine's.
 ENGINE_EVENT_COUNTERS = frozenset(
-    {"pdfleet_gateway_engine_ejections", "pdfleet_gateway_engine_stalls"}
+    {m.GATEWAY_ENGINE_EJECTIONS.family, m.GATEWAY_ENGINE_STALLS.family}
 )
 ENV_WORKER = "PDFLEET_GATEWAY_WORKER"
 """Set in each worker's environment: ``INDEX/N`` (logs, tests)."""

@@ -664,13 +664,13 @@ class PDConnector:
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, c: PDConnector) -> None:
-        self.c = c
+    def __init__(self, connector: PDConnector) -> None:
+        self.connector = connector
         self.pending: list[Load] = []
 
     def _verified(self, params: dict[str, Any]) -> dict[str, Any]:
         try:
-            return security.verify_params(self.c.secret, params)
+            return security.verify_params(self.connector.secret, params)
         except security.InvalidParams as e:
             message = str(e).replace("kv_transfer_params ", "the params ", 1)
             raise ValueError(f"kv_transfer_params: {message}") from None
@@ -681,10 +681,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if not params:
             return
         if params.get("do_remote_prefill"):
-            if not self.c.kv.is_kv_consumer:
+            if not self.connector.kv.is_kv_consumer:
                 raise ValueError(
                     "kv_transfer_params: this engine is not a KV consumer "
-                    f"(kv_role {self.c.kv.kv_role}) and cannot pull remote KV"
+                    f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
             p = self._verified(params)
             for name in (
@@ -704,18 +704,18 @@ class PDConnectorScheduler(KVConnectorScheduler):
             port = p["remote_port"]
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError("kv_transfer_params: remote_port is not a port")
-            why = compat_mismatch(self.c.compat, p.get("pdfleet_compat"))
+            why = compat_mismatch(self.connector.compat, p.get("pdfleet_compat"))
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
-        if params.get("do_remote_decode") and not self.c.kv.is_kv_producer:
+        if params.get("do_remote_decode") and not self.connector.kv.is_kv_producer:
             raise ValueError(
                 "kv_transfer_params: this engine is not a KV producer "
-                f"(kv_role {self.c.kv.kv_role})"
+                f"(kv_role {self.connector.kv.kv_role})"
             )
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or not self.c.kv.is_kv_consumer:
+        if not p.get("do_remote_prefill") or not self.connector.kv.is_kv_consumer:
             return 0, False
         try:
             self.validate(p)  # also for requests that did not come through add_request
@@ -723,77 +723,85 @@ class PDConnectorScheduler(KVConnectorScheduler):
             logger.warning("request %s: ignoring its kv_transfer_params: %s", request.request_id, e)
             request.kv_transfer_params = None
             return 0, False
-        bs = self.c.block_size
+        bs = self.connector.block_size
         remote_ids = p.get("remote_block_ids") or []
         usable = min(len(remote_ids), (request.num_tokens - 1) // bs)
         num_external = max(0, usable * bs - num_computed_tokens)
         if num_external == 0 and remote_ids:
             # Our own prefix cache covers it: the producer may free its blocks now.
-            self.c.new_loads.put(Load(request.request_id, dict(p), [], [], 0.0, release_only=True))
+            self.connector.new_loads.put(
+                Load(request.request_id, dict(p), [], [], 0.0, release_only=True)
+            )
         return num_external, True
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         p = request.kv_transfer_params or {}
-        bs = self.c.block_size
+        bs = self.connector.block_size
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
         remote_ids = [int(b) for b in p["remote_block_ids"]][first : first + count]
+        budget = self.connector.handshake_timeout + self.connector.transfer_timeout
+        local_ids = list(block_ids[first : first + count])
         self.pending.append(
             Load(
                 request.request_id,
                 dict(p),
-                list(block_ids[first : first + count]),
+                local_ids,
                 remote_ids,
-                deadline=time.monotonic() + self.c.handshake_timeout + self.c.transfer_timeout,
+                deadline=time.monotonic() + budget,
             )
         )
 
     def build_connector_meta(self, scheduler_output):
         loads, self.pending = self.pending, []
-        with self.c.lock:
+        with self.connector.lock:
             for load in loads:
-                self.c.active[load.request_id] = len(load.local_ids)
+                self.connector.active[load.request_id] = len(load.local_ids)
         return loads
 
     def request_finished(self, request, block_ids):
         p = request.kv_transfer_params or {}
-        if not p.get("do_remote_decode") or not self.c.kv.is_kv_producer:
+        if not p.get("do_remote_decode") or not self.connector.kv.is_kv_producer:
             return False, None
-        bs = self.c.block_size
+        bs = self.connector.block_size
         # Full blocks before the last prompt token: the consumer recomputes that token
         # (it needs its logits), so a block holding it is never pulled.
         full = block_ids[: (request.num_prompt_tokens - 1) // bs]
         lease_id = secrets.token_urlsafe(18)
-        with self.c.lock:
+        with self.connector.lock:
             # One lease per request id: a repeated id never takes over held blocks.
-            duplicate = any(x.request_id == request.request_id for x in self.c.held.values())
+            duplicate = any(
+                x.request_id == request.request_id for x in self.connector.held.values()
+            )
         if duplicate:
             full = []
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.c.engine_id,
-            "remote_instance_id": self.c.instance_id,
-            "remote_host": self.c.host,
-            "remote_port": self.c.port,
+            "remote_engine_id": self.connector.engine_id,
+            "remote_instance_id": self.connector.instance_id,
+            "remote_host": self.connector.host,
+            "remote_port": self.connector.port,
             "remote_block_ids": list(full),
             "remote_request_id": request.request_id,
-            "tp_size": self.c.config.parallel_config.tensor_parallel_size,
+            "tp_size": self.connector.config.parallel_config.tensor_parallel_size,
             LEASE_FIELD: lease_id,
-            "pdfleet_compat": self.c.compat,
-            "pdfleet_compat_hash": self.c.compat_hash,
+            "pdfleet_compat": self.connector.compat,
+            "pdfleet_compat_hash": self.connector.compat_hash,
         }
         # The signature outlives the lease by a margin: a decode leg that arrives after
         # the lease recomputes (the producer refuses the pull) instead of failing;
         # one that arrives later still is refused (400).
         signed = security.sign_params(
-            self.c.secret, params, ttl=self.c.lease_seconds + self.c.params_grace
+            self.connector.secret,
+            params,
+            ttl=self.connector.lease_seconds + self.connector.params_grace,
         )
         if not full:
             return False, signed
-        with self.c.lock:
-            self.c.held[lease_id] = Lease(
-                request.request_id, list(full), time.monotonic() + self.c.lease_seconds
+        with self.connector.lock:
+            self.connector.held[lease_id] = Lease(
+                request.request_id, list(full), time.monotonic() + self.connector.lease_seconds
             )
         return True, signed
 
@@ -801,19 +809,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """Drop the request's pending load; True when a transfer may still write its
         blocks (the scheduler then quarantines them)."""
         self.pending = [x for x in self.pending if x.request_id != request.request_id]
-        if self.c.pull_in_flight(request.request_id):
-            self.c.cancel.put(request.request_id)
+        if self.connector.pull_in_flight(request.request_id):
+            self.connector.cancel.put(request.request_id)
             return True
         return False
 
     def pull_in_flight(self, request) -> bool:
-        return self.c.pull_in_flight(request.request_id)
+        return self.connector.pull_in_flight(request.request_id)
 
     def load_failed(self, request):
-        why = self.c.errors.pop(request.request_id, "the transfer failed")
+        why = self.connector.errors.pop(request.request_id, "the transfer failed")
         if why.startswith(FATAL):
             return why[len(FATAL) :]
-        if self.c.fail_policy == "fail":
+        if self.connector.fail_policy == "fail":
             return (
                 f"pulling the prompt's KV from the prefill engine failed ({why}); "
                 "kv_load_failure_policy is fail"
@@ -821,54 +829,54 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return None
 
     def unhealthy(self) -> str | None:
-        return self.c.unhealthy
+        return self.connector.unhealthy
 
 
 class PDConnectorWorker(KVConnectorWorker):
-    def __init__(self, c: PDConnector) -> None:
-        self.c = c
+    def __init__(self, connector: PDConnector) -> None:
+        self.connector = connector
 
     def register_kv_caches(self, kv_caches, buffer=None) -> None:
         assert buffer is not None, "the connector needs the contiguous KV buffer"
-        self.c.register(buffer)
+        self.connector.register(buffer)
 
     def start_load_kv(self, metadata) -> None:
         for load in metadata or ():
-            self.c.new_loads.put(load)
+            self.connector.new_loads.put(load)
 
     def get_finished(self):
-        c = self.c
+        connector = self.connector
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         now = time.monotonic()
-        with c.lock:
-            sending.update(c.freed)
-            c.freed.clear()
-            for lid, lease in list(c.held.items()):
+        with connector.lock:
+            sending.update(connector.freed)
+            connector.freed.clear()
+            for lid, lease in list(connector.held.items()):
                 if lease.expires < now:
-                    del c.held[lid]
+                    del connector.held[lid]
                     sending.add(lease.request_id)
-                    c.stats.expired_leases += 1
+                    connector.stats.expired_leases += 1
                     logger.info("lease of %s expired unclaimed; blocks freed", lease.request_id)
-            sending.update(QUARANTINE + rid for rid in c.unquarantined)
-            c.unquarantined.clear()
+            sending.update(QUARANTINE + rid for rid in connector.unquarantined)
+            connector.unquarantined.clear()
         while True:
             try:
-                rid, ok, why = c.done.get_nowait()
+                rid, ok, why = connector.done.get_nowait()
             except queue.Empty:
                 break
             if ok:
                 recving.add(rid)
             else:
                 failed.add(rid)
-                c.errors[rid] = why
-        while len(c.errors) > 4096:  # errors of requests aborted meanwhile
-            del c.errors[next(iter(c.errors))]
+                connector.errors[rid] = why
+        while len(connector.errors) > 4096:  # errors of requests aborted meanwhile
+            del connector.errors[next(iter(connector.errors))]
         return sending, recving, failed
 
     def shutdown(self) -> None:
-        self.c.shutdown()
+        self.connector.shutdown()
 
 
 def create_connector(config: EngineConfig) -> tuple[PDConnectorScheduler, PDConnectorWorker]:

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..distributed import get_tp_group
 from . import fused
+from .parallel import HeadSplit, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +72,10 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # This rank's heads (all of them at TP=1); see models/parallel.py.
+        tp = get_tp_group()
+        heads = HeadSplit(num_heads, num_kv_heads, tp.size, tp.rank)
+        num_heads, num_kv_heads = heads.num_local_heads, heads.num_local_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
@@ -77,7 +83,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias, dtype
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_size * tp.size, hidden_size, o_bias, dtype)
         # Qwen3: RMSNorm over each head's vector of q and k, before RoPE.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
@@ -108,11 +114,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
+        intermediate_size //= get_tp_group().size  # this rank's slice
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, False, dtype
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            intermediate_size * get_tp_group().size, hidden_size, False, dtype
+        )
         self.fused = False  # see fused.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

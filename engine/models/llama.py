@@ -16,6 +16,7 @@ from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import ModelConfig
 from ..config.model import rope_parameters
 from .layers import MLP, Attention, RMSNorm
+from .parallel import VocabParallelEmbedding, lm_logits
 from .rope import RotaryEmbedding
 
 
@@ -81,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or attention_bias
         max_position = max(int(hf.get("max_position_embeddings", m.max_model_len)), m.max_model_len)
         rotary = RotaryEmbedding(m.head_dim, max_position, rope_parameters(hf))
-        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(m.vocab_size, m.hidden_size, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(i, m, rotary, dtype, qkv_bias, attention_bias, self.qk_norm)
             for i in range(m.num_hidden_layers)
@@ -91,7 +92,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False, dtype=dtype)
+            # The vocabulary shard of this rank (as the embedding's).
+            rows = self.embed_tokens.weight.shape[0]
+            self.lm_head = nn.Linear(m.hidden_size, rows, bias=False, dtype=dtype)
         self.rotary = rotary
 
     def init_buffers(self) -> None:
@@ -116,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
+        return lm_logits(hidden, weight, self.config.vocab_size)
 
     # -- weights ------------------------------------------------------------------
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from ..config import EngineConfig
+from ..distributed import get_tp_group
 from .llama import LlamaForCausalLM
+from .parallel import WeightSlicer
 from .registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,14 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(files: list[str], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+# (name, tensor or safetensors slice) -> this rank's part of the tensor.
+Slicer = Callable[[str, Any], torch.Tensor]
+
+
+def iterate_weights(
+    files: list[str], show_progress: bool, slicer: Slicer | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files; with ``slicer`` only this rank's slice is read."""
     from safetensors import safe_open
 
     total = sum(os.path.getsize(f) for f in files)
@@ -55,7 +65,10 @@ def iterate_weights(files: list[str], show_progress: bool) -> Iterator[tuple[str
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if slicer is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        yield name, slicer(name, f.get_slice(name))
             if bar is not None:
                 bar.update(os.path.getsize(path))
     finally:
@@ -92,17 +105,31 @@ def _checkpoint(config: EngineConfig, dtype: torch.dtype) -> Iterator[tuple[str,
     directory = m.model_dir or m.model
     fmt = config.load_config.load_format
     progress = config.load_config.use_tqdm_on_load
+    tp = get_tp_group()
+    slicer: Slicer | None = None
+    if tp.size > 1:
+        slicer = WeightSlicer(
+            m.num_attention_heads,
+            m.num_key_value_heads,
+            m.head_dim,
+            int(m.hf_config["intermediate_size"]),
+            m.vocab_size,
+            tp,
+        )
     has_safetensors = any(f.endswith(".safetensors") for f in os.listdir(directory))
     if fmt == "gguf" or (fmt == "auto" and not has_safetensors):
         gguf_file = gguf_in_dir(directory)
         if gguf_file is not None:
             from .gguf import iterate_gguf_weights
 
-            return iterate_gguf_weights(gguf_file, m, dtype, progress)
+            weights = iterate_gguf_weights(gguf_file, m, dtype, progress)
+            if slicer is None:
+                return weights
+            return ((name, slicer(name, t).contiguous()) for name, t in weights)
         if fmt == "gguf":
             raise ValueError(f"--load-format gguf: {m.model!r} is not and holds no .gguf file")
     files = safetensors_files(directory)
-    return ((name, t.to(dtype)) for name, t in iterate_weights(files, progress))
+    return ((name, t.to(dtype)) for name, t in iterate_weights(files, progress, slicer))
 
 
 @torch.no_grad()

@@ -26,9 +26,13 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.head_dim, self.max_position, self.rope = head_dim, max_position, dict(rope)
         self.fused = False  # see fused.use_kernels
-        self.register_buffer(
-            "cos_sin_cache", cos_sin_cache(head_dim, max_position, rope), persistent=False
-        )
+        if torch.get_default_device().type == "meta":
+            # Built on meta, filled by reset_cache() once on its device: computing the
+            # table on meta would only cost the first meta op's lazy imports (~2 s).
+            cache = torch.empty(max_position, head_dim, dtype=torch.float32)
+        else:
+            cache = cos_sin_cache(head_dim, max_position, rope)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def reset_cache(self) -> None:
         device = self.cos_sin_cache.device

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..config import EngineConfig
+from ..distributed import get_tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -15,14 +16,21 @@ GiB = 1 << 30
 CPU_KV_CACHE_CAP = 4 * GiB
 
 
+def local_kv_heads(config: EngineConfig) -> int:
+    """KV heads in this rank's cache shard (all of them at TP=1; at least one:
+    with fewer KV heads than ranks each rank keeps a replica of its head)."""
+    return max(1, config.model_config.num_key_value_heads // get_tp_group().size)
+
+
 def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes of one block of this rank's cache shard, every layer, K and V."""
     m = config.model_config
     elem = torch.empty((), dtype=dtype).element_size()
     return (
         2
         * m.num_hidden_layers
         * config.cache_config.block_size
-        * (m.num_key_value_heads * m.head_dim * elem)
+        * (local_kv_heads(config) * m.head_dim * elem)
     )
 
 
@@ -44,7 +52,8 @@ def cpu_kv_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
     full = bytes_per_block(config, dtype) * (
         s.max_num_seqs * -(-s.max_model_len // config.cache_config.block_size) + 1
     )
-    return min(CPU_KV_CACHE_CAP, available_ram() // 4, full)
+    ranks = get_tp_group().size  # the ranks of one engine share the host's memory
+    return min(CPU_KV_CACHE_CAP // ranks, available_ram() // 4 // ranks, full)
 
 
 def determine_num_blocks(
@@ -107,7 +116,7 @@ def allocate_kv_caches(
         2,
         num_blocks,
         config.cache_config.block_size,
-        m.num_key_value_heads,
+        local_kv_heads(config),
         m.head_dim,
     )
     buffer = torch.zeros(shape, dtype=dtype, device=device)

@@ -18,6 +18,7 @@ import torch
 from ..attention import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from ..distributed import get_tp_group
 from ..kv_transfer.base import KVConnectorWorker
 from ..models.fused import use_kernels
 from ..models.loader import load_model, torch_dtype
@@ -30,6 +31,7 @@ from .kv_cache import (
     bytes_per_block,
     check_fits_max_model_len,
     determine_num_blocks,
+    local_kv_heads,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,11 @@ class ModelRunner:
                 # Graph outputs (logits of the largest batch) and workspaces live outside
                 # the profiled peak: keep room for them.
                 peak += 2 * (cc.max_cudagraph_capture_size or 0) * m.vocab_size * 4 + (256 << 20)
-        self.num_blocks = determine_num_blocks(config, self.kv_dtype, self.device, peak)
+        self.tp = get_tp_group()
+        # Block ids are global: every rank's shard has as many blocks as the smallest.
+        self.num_blocks = self.tp.all_min(
+            determine_num_blocks(config, self.kv_dtype, self.device, peak)
+        )
         check_fits_max_model_len(config, self.num_blocks)
         self.max_model_len = config.scheduler_config.max_model_len
         self.kv_buffer, self.kv_caches = allocate_kv_caches(
@@ -161,7 +167,7 @@ class ModelRunner:
         n = self.config.scheduler_config.max_num_batched_tokens
         # A one-block throwaway cache is enough to exercise every kernel.
         m = self.config.model_config
-        shape = (1, self.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (1, self.block_size, local_kv_heads(self.config), m.head_dim)
         caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -417,6 +423,9 @@ class ModelRunner:
         # the bitmask is filled on the host meanwhile, before the sampler needs it.
         self._fill_bitmasks(sample_states, meta_s)
         sampled = self.sampler(logits, meta_s)
+        if self.tp.size > 1 and not meta_s.all_greedy:
+            # Every rank keeps the request's tokens: all take rank 0's samples.
+            self.tp.broadcast(sampled.sampled_token_ids)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
         result.forward_seconds = time.perf_counter() - start
         lp_ids = (

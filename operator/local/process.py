@@ -42,9 +42,11 @@ def die_with_parent(parent_pid: int) -> None:
 def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)`` whose process dies with this one."""
     parent = os.getpid()
-    return _SPAWNER.submit(
-        subprocess.Popen, argv, preexec_fn=lambda: die_with_parent(parent), **kwargs
-    ).result(timeout=60)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(argv, preexec_fn=lambda: die_with_parent(parent), **kwargs)
+
+    return _SPAWNER.submit(start).result(timeout=60)
 
 
 @dataclass(eq=False)

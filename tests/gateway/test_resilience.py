@@ -244,22 +244,39 @@ def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
     """``n`` concurrent requests; SIGKILL ``victim`` while it holds prefill legs,
     then at once ``n`` more, which the gateway routes before its health checks
     can notice the death: legs in flight break, new ones find the port closed.
-    The victim is stopped first so that legs pile up on it however fast it is."""
+    The victim is stopped first so that legs pile up on it however fast it is.
+    On a loaded machine the stall watchdog (--stall-timeout 1) may eject the
+    stopped victim before two legs reach it: then it is let go, served back to
+    health, and stopped again (the requests of that round all complete too)."""
+
+    def piled_up_or_ejected() -> bool:
+        s = state(gw_url, victim.url)
+        return s["inflight"] >= 2 or s["state"] == "ejected"
 
     async def main() -> list[int]:
-        victim.signal(signal.SIGSTOP)
-        first = asyncio.create_task(_load(gw_url, n))
-        try:
-            held = await asyncio.to_thread(
-                wait_until, lambda: state(gw_url, victim.url)["inflight"] >= 2, 30
+        done: list[int] = []
+        for attempt in range(3):
+            victim.signal(signal.SIGSTOP)
+            first = asyncio.create_task(_load(gw_url, n, offset=2 * n * attempt))
+            try:
+                await asyncio.to_thread(wait_until, piled_up_or_ejected, 30, 0.02)
+                held = state(gw_url, victim.url)["inflight"] >= 2
+            except BaseException:
+                victim.signal(signal.SIGKILL)
+                first.cancel()
+                raise
+            if held:
+                victim.signal(signal.SIGKILL)
+                second = asyncio.create_task(_load(gw_url, n, offset=2 * n * attempt + n))
+                return [*done, *(await first), *(await second)]
+            victim.signal(signal.SIGCONT)  # missed the window: serve, recover, retry
+            done += await first
+            healthy = await asyncio.to_thread(
+                wait_until, lambda: state(gw_url, victim.url)["state"] == "healthy", 30
             )
-        finally:
-            victim.signal(signal.SIGKILL)
-        if not held:
-            first.cancel()
-            raise AssertionError(f"{victim.url} never held prefill legs")
-        second = asyncio.create_task(_load(gw_url, n, offset=n))
-        return [*(await first), *(await second)]
+            assert healthy, f"{victim.url} did not come back after its stall"
+        victim.signal(signal.SIGKILL)
+        raise AssertionError(f"{victim.url} never held prefill legs")
 
     return asyncio.run(main())
 
@@ -270,14 +287,14 @@ def test_prefill_engines_killed_under_load_every_request_completes(fleet):
 
     # One prefill engine dies: its legs are retried on the other.
     counts = _kill_under_load(gw, p1, 16)
-    assert counts == [8] * 32
+    assert counts == [8] * len(counts) and len(counts) >= 32
     assert metric(gw, "pdfleet_gateway_retries_total", role="prefill") > retries0
     assert wait_until(lambda: state(gw, p1.url)["state"] == "ejected", 5)
 
     # The last one dies too: requests are served decode-only and counted.
     fallbacks0 = metric(gw, "pdfleet_gateway_fallbacks_total")
     counts = _kill_under_load(gw, p2, 16)
-    assert counts == [8] * 32
+    assert counts == [8] * len(counts) and len(counts) >= 32
     assert metric(gw, "pdfleet_gateway_fallbacks_total", reason="prefill_failed") >= 1
     assert metric(gw, "pdfleet_gateway_fallbacks_total") >= fallbacks0 + 1
     assert wait_until(lambda: health(gw)["routable"]["prefill"] == 0, 5)

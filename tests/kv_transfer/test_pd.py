@@ -833,11 +833,13 @@ def test_prefill_sigterm_waits_for_held_leases_so_no_decode_leg_recomputes(tiny_
             }
             for i in range(3)
         ]
-        params = [prefill(producer.url, body) for body in bodies]
+        # References first: the leases run from the prefill legs on, and on a
+        # loaded machine these calls could outlast them.
         refs = [
             post(nixl_pair["agg"] + "/v1/completions", json=body, timeout=60).json()
             for body in bodies
         ]
+        params = [prefill(producer.url, body) for body in bodies]
         before = scrape(url)
         signalled = time.monotonic()
         producer.signal(signal.SIGTERM)  # a scale-down with leases held

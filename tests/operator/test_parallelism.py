@@ -232,11 +232,20 @@ def test_multi_node_role_renders_a_valid_leader_worker_set_instead_of_a_deployme
         c = engine_container(template["spec"])
         assert c["resources"] == {"limits": {"nvidia.com/gpu": 2}}  # 4 ranks over 2 pods
         assert env_of(c)["NCCL_SOCKET_IFNAME"] == "eth0"
-        # Both pods join the rendezvous at the address the LWS controller injects.
-        flags = build_parser().parse_known_args(c["command"][1:])[1]
-        assert flags[flags.index("--nnodes") + 1] == "2"
-        assert flags[flags.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)"
-        assert flags[flags.index("--master-port") + 1] == str(RENDEZVOUS_PORT)
+        # Both pods join the rendezvous at the address the LWS controller injects
+        # (the kubelet expands $(VAR)); the engine's own parser takes the flags.
+        command = c["command"]
+        assert command[command.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)"
+        expanded = [
+            {"$(LWS_LEADER_ADDRESS)": "leader.demo", "$(LWS_WORKER_INDEX)": "1"}.get(x, x)
+            for x in command[1:]
+        ]
+        args = build_parser().parse_args(expanded)
+        assert (args.nnodes, args.master_addr, args.master_port) == (
+            2,
+            "leader.demo",
+            RENDEZVOUS_PORT,
+        )
     leader_c, worker_c = engine_container(leader["spec"]), engine_container(worker["spec"])
     assert leader_c["command"][leader_c["command"].index("--node-rank") + 1] == "0"
     assert "--headless" not in leader_c["command"]

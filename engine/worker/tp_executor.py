@@ -1,0 +1,352 @@
+"""The main process's side of tensor parallelism: N rank processes behind the
+interface of one ``ModelRunner`` (``num_blocks``, ``execute_model``, ``shutdown``).
+
+Each step is packed once (``step_wire``) and broadcast once over the control
+group; rank 0 sends the result back on its pipe. Every wait is bounded and
+watches the ranks: a rank that dies, fails or never joins raises
+:class:`RankFailed`, which takes the engine down (it is not a per-request
+failure). See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from ..config import EngineConfig
+from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ..distributed import rendezvous
+from .step_wire import pack_step, unpack_result
+from .tp_rank import ERROR, READY, RESULT, STEP, STOP, RankSpec, rank_main
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_ENV = "PDFLEET_TP_LOAD_TIMEOUT"
+STEP_TIMEOUT_ENV = "PDFLEET_TP_STEP_TIMEOUT"
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank died, failed or stopped answering: the engine is down."""
+
+
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"${env} must be seconds, got {raw!r}") from None
+
+
+def check_devices(config: EngineConfig) -> None:
+    """Refuse a TP size larger than the devices there are (before anything starts)."""
+    tp = config.parallel_config.ranks_per_node
+    if config.device_config.device == "cuda":
+        have = torch.cuda.device_count()
+        if tp > have:
+            raise ValueError(
+                f"--tensor-parallel-size / --nnodes = {tp} ranks per node need {tp} GPUs, this "
+                f"host has {have}; lower --tensor-parallel-size (or make more GPUs visible: "
+                "CUDA_VISIBLE_DEVICES)"
+            )
+    else:
+        have = len(os.sched_getaffinity(0))
+        if tp > have:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} needs one CPU core per rank, this process may "
+                f"use {have}; lower --tensor-parallel-size (per node: / --nnodes)"
+            )
+
+
+def spawn_ranks(
+    config: EngineConfig,
+    eos_token_ids: tuple[int, ...],
+    host: str,
+    port: int,
+    timeout: float,
+) -> tuple[list[Any], list[Any]]:
+    """Start this node's rank processes; returns (their pipes, the processes)."""
+    pc = config.parallel_config
+    local = pc.ranks_per_node
+    threads = max(1, torch.get_num_threads() // local)
+    ctx = multiprocessing.get_context("spawn")
+    conns: list[Any] = []
+    procs: list[Any] = []
+    for rank in range(pc.node_rank * local, (pc.node_rank + 1) * local):
+        parent, child = ctx.Pipe(duplex=False)
+        spec = RankSpec(
+            config,
+            tuple(eos_token_ids),
+            rank,
+            pc.tensor_parallel_size,
+            host,
+            port,
+            timeout,
+            threads,
+            os.getpid(),
+        )
+        proc = ctx.Process(
+            target=rank_main, args=(spec, child), name=f"pdfleet-tp{rank}", daemon=True
+        )
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs
+
+
+def _store_address(config: EngineConfig) -> tuple[str, int]:
+    """One node: a free port on loopback. Several: the leader's --master-addr/--master-port."""
+    pc = config.parallel_config
+    if pc.nnodes == 1:
+        return "127.0.0.1", 0
+    return pc.master_addr, pc.master_port
+
+
+class TPExecutor:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        check_devices(config)
+        self.config = config
+        self.size = size = config.parallel_config.tensor_parallel_size
+        self.step_timeout = _seconds(STEP_TIMEOUT_ENV, 600.0)
+        timeout = rendezvous.rendezvous_timeout()
+        host, port = _store_address(config)
+        self.store = rendezvous.master_store(host, port, size + 1, timeout)
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.ctl: Any = None
+        self.broadcast_seconds = 0.0
+        self.num_steps = 0
+        try:
+            self.conns, self.procs = spawn_ranks(
+                config, eos_token_ids, host, self.store.port, timeout
+            )
+            self._rendezvous(timeout)
+            self._wait_ready(_seconds(LOAD_TIMEOUT_ENV, 1800.0))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.opts = dist.BroadcastOptions()
+        self.opts.rootRank = 0
+        logger.info(
+            "tensor parallelism: %d ranks (%d on this node: pids %s), %d KV blocks per shard",
+            size,
+            len(self.procs),
+            ", ".join(str(p.pid) for p in self.procs),
+            self.num_blocks - 1,
+        )
+
+    # -- start --------------------------------------------------------------------
+
+    def _rendezvous(self, timeout: float) -> None:
+        """Build the control group while watching the ranks (a failed one ends it early)."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tp-rendezvous")
+        future = pool.submit(
+            rendezvous.control_group,
+            self.store,
+            0,
+            self.size + 1,
+            # Also bounds each broadcast: the ranks are always waiting for the next one.
+            datetime.timedelta(seconds=timeout),
+        )
+        deadline = time.monotonic() + timeout + 5.0
+        try:
+            while not future.done():
+                self._check_ranks()
+                if time.monotonic() > deadline:
+                    break
+                multiprocessing.connection.wait(self._watched(), timeout=0.2)
+            try:
+                self.ctl = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                self._check_ranks()
+                raise RankFailed(
+                    f"not every tensor-parallel rank joined within {timeout:.0f}s "
+                    f"(${rendezvous.RENDEZVOUS_TIMEOUT_ENV}): {e}"
+                ) from None
+        finally:
+            pool.shutdown(wait=False)
+
+    def _wait_ready(self, timeout: float) -> None:
+        blocks: dict[int, tuple[int, int]] = {}
+        deadline = time.monotonic() + timeout
+        while len(blocks) < len(self.procs):
+            for rank, tag, body in self._messages(deadline, "load the model"):
+                if tag != READY:
+                    raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} before ready")
+                num_blocks, max_len = msgpack.unpackb(body)
+                blocks[rank] = (num_blocks, max_len)
+        self.num_blocks = min(b for b, _ in blocks.values())
+        max_len = min(m for _, m in blocks.values())
+        cfg = self.config
+        cfg.cache_config.num_gpu_blocks = self.num_blocks - 1
+        cfg.model_config.max_model_len = max_len
+        cfg.scheduler_config.max_model_len = max_len
+
+    # -- watching -------------------------------------------------------------------
+
+    def _watched(self) -> list[Any]:
+        return [*self.conns, *(p.sentinel for p in self.procs)]
+
+    def _dead(self) -> RankFailed | None:
+        """The first rank that exited, if any (reported before the errors it causes
+        on the other ranks)."""
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                proc.join(0.5)
+                return RankFailed(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode}; the engine cannot run without it"
+                )
+        return None
+
+    def _failed(self, rank: int, detail: str) -> RankFailed:
+        time.sleep(0.2)  # a peer's death shows within this
+        return self._dead() or RankFailed(f"tensor-parallel rank {rank} failed: {detail}")
+
+    def _check_ranks(self) -> None:
+        dead = self._dead()
+        for rank, conn in enumerate(self.conns):
+            if dead is None and conn.poll():
+                try:
+                    msg = conn.recv_bytes()
+                except EOFError:
+                    dead = self._failed(rank, "its pipe closed")
+                    break
+                if msg[:1] == ERROR:
+                    raise self._failed(rank, msg[1:].decode())
+                raise RankFailed(f"tensor-parallel rank {rank} sent an unexpected message")
+        if dead is not None:
+            raise dead
+
+    def _messages(self, deadline: float, what: str) -> list[tuple[int, bytes, bytes]]:
+        """The next messages from the ranks (at least one); raises for errors and deaths."""
+        while True:
+            ready = multiprocessing.connection.wait(
+                self._watched(), timeout=max(0.0, min(0.5, deadline - time.monotonic()))
+            )
+            got = []
+            for rank, conn in enumerate(self.conns):
+                if conn in ready:
+                    try:
+                        msg = conn.recv_bytes()
+                    except EOFError:
+                        raise self._failed(rank, "its pipe closed") from None
+                    if msg[:1] == ERROR:
+                        raise self._failed(rank, msg[1:].decode())
+                    got.append((rank, msg[:1], msg[1:]))
+            if got:
+                return got
+            dead = self._dead()
+            if dead is not None:
+                raise dead
+            if time.monotonic() > deadline:
+                raise RankFailed(f"the tensor-parallel ranks did not {what} in time")
+
+    # -- steps ----------------------------------------------------------------------
+
+    def _broadcast(self, header: list[int], payload: bytes | None = None) -> None:
+        try:
+            self.ctl.broadcast([torch.tensor(header, dtype=torch.int64)], self.opts).wait()
+            if payload is not None:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                self.ctl.broadcast([data], self.opts).wait()
+        except RuntimeError as e:
+            self._check_ranks()
+            raise RankFailed(
+                f"broadcasting the step to the tensor-parallel ranks failed: {e}"
+            ) from e
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        payload = pack_step(out)
+        self._broadcast([len(payload), STEP], payload)
+        # Packing and broadcasting the step (benchmarks/tp_overhead.py reports it).
+        self.broadcast_seconds += time.perf_counter() - start
+        self.num_steps += 1
+        deadline = time.monotonic() + self.step_timeout
+        while True:
+            for rank, tag, body in self._messages(deadline, "finish the step"):
+                if rank == 0 and tag == RESULT:
+                    return unpack_result(body)
+                raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
+
+    def shutdown(self) -> None:
+        """Stop the ranks: ask, wait a little, then kill (bounded)."""
+        if self.ctl is not None and all(p.is_alive() for p in self.procs):
+            with contextlib.suppress(RankFailed):
+                self._broadcast([0, STOP])
+        self.ctl = None
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node after the first of a multi-node engine: its ranks only, no API server.
+
+    The ranks meet the leader's store at --master-addr/--master-port and take
+    their steps from the leader's broadcasts. This process exits (with a
+    non-zero code) as soon as any of its ranks does, so the group restarts;
+    SIGTERM stops the ranks and exits.
+    """
+    import signal
+
+    check_devices(config)
+    host, port = _store_address(config)
+    conns, procs = spawn_ranks(config, (), host, port, rendezvous.rendezvous_timeout())
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    logger.info(
+        "headless node %d: ranks %s (pids %s), leader %s:%d",
+        config.parallel_config.node_rank,
+        ", ".join(p.name for p in procs),
+        ", ".join(str(p.pid) for p in procs),
+        host,
+        port,
+    )
+    try:
+        while True:
+            ready = multiprocessing.connection.wait(
+                [*conns, *(p.sentinel for p in procs)], timeout=1.0
+            )
+            for conn, proc in zip(conns, procs, strict=True):
+                if conn in ready:
+                    try:
+                        msg = conn.recv_bytes()
+                    except EOFError:
+                        continue
+                    if msg[:1] == ERROR:
+                        logger.error("%s failed: %s", proc.name, msg[1:].decode())
+                    elif msg[:1] == READY:
+                        logger.info("%s ready", proc.name)
+            for proc in procs:
+                if not proc.is_alive():
+                    logger.error("%s exited with code %s", proc.name, proc.exitcode)
+                    return 0 if proc.exitcode == 0 else 1  # 0: the leader said stop
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(5.0)
