@@ -109,6 +109,46 @@ def test_decisions_are_visible_and_long_prompts_really_move_kv(fleet, client):
     assert scrape(decode)["pdfleet_engine_kv_transfers_total"] == before + 1
 
 
+def test_the_gateway_follows_every_engines_kv_event_stream(fleet, client):
+    engines = fleet.engines()
+    assert {e["role"] for e in engines} == {"prefill", "decode"}
+    for e in engines:
+        assert e["kv_events"].startswith("tcp://127.0.0.1:"), e
+        assert e["kv_events_replay"].startswith("tcp://127.0.0.1:"), e
+
+    def fresh() -> bool:
+        return all(
+            gateway_metric(fleet.url, "pdfleet_gateway_kv_index_fresh", engine=e["url"]) == 1
+            for e in engines
+        )
+
+    assert wait_until(fresh, timeout=30, interval=0.5), [
+        gateway_metric(fleet.url, "pdfleet_gateway_kv_index_fresh", engine=e["url"])
+        for e in engines
+    ]
+    # A new prompt's blocks reach the index through the decode engine's stream.
+    decode = fleet.engine_url("decode")
+    stored = gateway_metric(
+        fleet.url, "pdfleet_gateway_kv_index_events_total", engine=decode, type="BlockStored"
+    )
+    prompt = f"Index words {time.time()}: the tide rose over the rocks. " * 5
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert wait_until(
+        lambda: (
+            gateway_metric(
+                fleet.url,
+                "pdfleet_gateway_kv_index_events_total",
+                engine=decode,
+                type="BlockStored",
+            )
+            > stored
+        ),
+        timeout=30,
+        interval=0.5,
+    )
+    assert gateway_metric(fleet.url, "pdfleet_gateway_kv_index_blocks") > 0
+
+
 def test_bad_input_through_the_fleet_is_an_openai_4xx(fleet):
     for body, status in (
         ({"prompt": "x", "max_tokens": -1}, 400),

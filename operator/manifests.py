@@ -37,7 +37,11 @@ from typing import Any
 
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
-from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.gateway import (
+    KV_EVENTS_PORT_ANNOTATION,
+    KV_REPLAY_PORT_ANNOTATION,
+    GatewayConfig,
+)
 from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
 
 from .compat import compat_hash
@@ -52,13 +56,23 @@ from .parallelism import (
     role_layout,
     shm_size,
 )
-from .resource import API_VERSION, KIND, ROLES, InferenceServiceSpec, PodPlacement
+from .resource import (
+    API_VERSION,
+    KIND,
+    ROLES,
+    InferenceServiceSpec,
+    PodPlacement,
+    ServingSpec,
+)
 from .roles import (
     ENGINE_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
     added_capabilities,
     disaggregating,
     engine_command,
     model_source,
+    publishes_kv_events,
     rdma_resources,
     role_engine_args,
     secret_file,
@@ -338,6 +352,16 @@ def pod_engine_args(spec: InferenceServiceSpec, role: str) -> EngineArgs:
     return role_engine_args(spec, role, kv_ip=f"$({ENV_KV_IP})", engine_id=f"$({ENV_POD_NAME})")
 
 
+def pod_serving(spec: InferenceServiceSpec) -> ServingSpec:
+    """``spec.serving`` for a pod's command line: an inline chat template's
+    ``$(`` is written ``$$(``, which the kubelet turns back into ``$(`` instead
+    of expanding it as an environment variable."""
+    template = spec.serving.chat_template
+    if template is None or "$(" not in template:
+        return spec.serving
+    return spec.serving.model_copy(update={"chat_template": template.replace("$(", "$$(")})
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> int:
     """At least the engine's drain time; a prefill engine also waits out the KV
     lease so a decode engine can still pull the blocks it holds."""
@@ -365,8 +389,19 @@ def engine_pod_template(
     volumes, model_mounts, model_steps = _model_volumes(spec)
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     ports = []
+    annotations: dict[str, str] = {}
     if group_role != WORKER:
         ports.append({"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"})
+        if publishes_kv_events(spec, role):
+            ports += [
+                {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
+            ]
+            # How the gateway finds the streams (engine/gateway/discovery.py).
+            annotations = {
+                KV_EVENTS_PORT_ANNOTATION: str(KV_EVENTS_PORT),
+                KV_REPLAY_PORT_ANNOTATION: str(KV_EVENTS_REPLAY_PORT),
+            }
     kv_env: list[dict[str, Any]] = []
     if args.kv_transfer_config is not None:
         ports.append({"name": "kv", "containerPort": spec.kv_transfer.port, "protocol": "TCP"})
@@ -384,7 +419,7 @@ def engine_pod_template(
         *parallel_env(role_spec, args, role_spec.env),
         *[dict(e) for e in role_spec.env],
     ]
-    command = engine_command(args)
+    command = engine_command(args, serving=pod_serving(spec))
     if group_role is not None:
         command += rendezvous_flags(layout, group_role)
     container: dict[str, Any] = {
@@ -434,13 +469,10 @@ def engine_pod_template(
     labels = {**common_labels(name, role), LABEL_COMPAT: compat}
     if group_role is not None:
         labels[LABEL_GROUP_ROLE] = group_role
-    return {
-        "metadata": {
-            "labels": labels,
-            **_template_annotations(secret_version),
-        },
-        "spec": pod_spec,
-    }
+    meta: dict[str, Any] = {"labels": labels, **_template_annotations(secret_version)}
+    if annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
+    return {"metadata": meta, "spec": pod_spec}
 
 
 def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> list[str]:
@@ -764,6 +796,7 @@ def build_network_policies(
     """One ingress policy per role (docs/security.md).
 
     Engines: HTTP only from the service's gateway pods and the operator pod;
+    the KV event ports (when the role publishes) only from the gateway pods;
     the KV side channel and the UCX port range only from the other role's
     pods; for multi-node roles, any port from the role's own pods (the
     rendezvous, NCCL and gloo pick their ports at run time). The gateway: its
@@ -783,6 +816,13 @@ def build_network_policies(
                 "ports": [_tcp(ENGINE_PORT)],
             }
         ]
+        if publishes_kv_events(spec, role):
+            ingress.append(
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(name, "gateway")}}],
+                    "ports": [_tcp(KV_EVENTS_PORT), _tcp(KV_EVENTS_REPLAY_PORT)],
+                }
+            )
         if kv:
             ports = [_tcp(spec.kv_transfer.port)]
             if spec.kv_transfer.connector == "NixlConnector":
@@ -844,11 +884,12 @@ def build_configmap(
     data = {"compat-hash": compat}
     for role in ROLES:
         args = pod_engine_args(spec, role)
-        doc: dict[str, Any] = {"args": non_default_args(args), "command": engine_command(args)}
+        command = engine_command(args, serving=pod_serving(spec))
+        doc: dict[str, Any] = {"args": non_default_args(args), "command": command}
         if multi_node(spec, role):
             layout = role_layout(spec.role(role), args)
-            doc["command"] += rendezvous_flags(layout, LEADER)
-            doc["workerCommand"] = engine_command(args) + rendezvous_flags(layout, WORKER)
+            doc["command"] = command + rendezvous_flags(layout, LEADER)
+            doc["workerCommand"] = command + rendezvous_flags(layout, WORKER)
         data[f"{role}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     gateway = {"command": gateway_command(name, spec, namespace)}
     data["gateway.json"] = json.dumps(gateway, indent=2, sort_keys=True) + "\n"

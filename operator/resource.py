@@ -322,6 +322,37 @@ class GatewaySpec(PodPlacement):
     api_key_secret: SecretKeyRef | None = None
     """Secret holding the API key clients must send as a Bearer token; no
     authentication when unset."""
+    kv_events: bool = True
+    """Route on the engines' KV event streams (docs/kv_events.md): every engine
+    whose prefix cache is on publishes the blocks it caches, and the gateway
+    scores engines from that exact index. Off: engines publish nothing and the
+    gateway estimates from its own routing history. An engine section that
+    sets `kvEventsConfig` itself is left as it is."""
+
+
+class ServingSpec(_Spec):
+    """OpenAI server settings of every engine, prefill and decode alike (the
+    `pdfleet serve` flags that are not engine settings; docs/tool_calling.md)."""
+
+    chat_template: str | None = Field(default=None, min_length=1)
+    """A Jinja chat template used instead of the tokenizer's (`--chat-template`):
+    the template itself (text holding `{{` or `{%`), or the path of a file
+    inside the engine image or a mounted volume. It receives `messages` and,
+    with tools, `tools`."""
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    """How tool calls are read from the model's text (`--tool-call-parser`,
+    vLLM's parser names). Needed for `tool_choice: auto`."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide when to call tools (`--enable-auto-tool-choice`);
+    needs toolCallParser."""
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> ServingSpec:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enableAutoToolChoice needs toolCallParser (hermes, llama3_json or mistral)"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------
@@ -372,6 +403,8 @@ class InferenceServiceSpec(_Spec):
     """Which requests are split into prefill and decode legs."""
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     """The gateway."""
+    serving: ServingSpec = Field(default_factory=ServingSpec)
+    """OpenAI server settings shared by every engine: chat template and tool calling."""
     autoscaling: AutoscalingSection | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
 

@@ -12,15 +12,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs, KVTransferConfig
+from pdfleet.engine.config import EngineArgs, KVEventsConfig, KVTransferConfig
 
 from .engine_spec import engine_args_from_spec
-from .resource import ROLES, InferenceServiceSpec
+from .resource import ROLES, InferenceServiceSpec, ServingSpec
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Where model volumes are mounted in pods.
 MODELS_DIR = "/models"
 ENGINE_PORT = 8000
+# The KV event PUB socket and its replay ROUTER socket on every engine pod.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,20 @@ def role_kv_transfer_config(
     return KVTransferConfig(**values)
 
 
+def publishes_kv_events(spec: InferenceServiceSpec, role: str) -> bool:
+    """Whether the fleet turns on the role's KV event publisher for the
+    gateway's exact prefix index (docs/kv_events.md): ``spec.gateway.kvEvents``
+    is on, the role's prefix cache is not turned off, and the engine section
+    does not configure ``kvEventsConfig`` itself (then the user's settings
+    stand, and the gateway learns nothing from the fleet)."""
+    section = role_engine_section(spec, role)
+    return (
+        spec.gateway.kv_events
+        and section.get("enablePrefixCaching") is not False
+        and section.get("kvEventsConfig") is None
+    )
+
+
 def role_engine_args(
     spec: InferenceServiceSpec,
     role: str,
@@ -134,13 +151,25 @@ def role_engine_args(
     kv_ip: str | None = None,
     kv_port: int | None = None,
     engine_id: str | None = None,
+    kv_events: tuple[str, str] | None = None,
 ) -> EngineArgs:
     """The role's complete ``EngineArgs`` (not resolved against the model).
 
     ``model_path`` defaults to where the pod sees the model
     (:func:`model_source`); ``pdfleet up`` passes a local directory.
+    ``kv_events``: the (PUB, replay) endpoints the engine binds when
+    :func:`publishes_kv_events`; ``tcp://*`` on the fixed pod ports when None.
     """
     section = role_engine_section(spec, role)
+    extra: dict[str, Any] = {}
+    if publishes_kv_events(spec, role):
+        pub, replay = kv_events or (
+            f"tcp://*:{KV_EVENTS_PORT}",
+            f"tcp://*:{KV_EVENTS_REPLAY_PORT}",
+        )
+        extra["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay
+        )
     path = model_path if model_path is not None else model_source(spec.model.uri).path
     where = "spec.engine" if not spec.role(role).engine else f"spec.engine + spec.{role}.engine"
     return engine_args_from_spec(
@@ -152,16 +181,48 @@ def role_engine_args(
         kv_transfer_config=role_kv_transfer_config(
             spec, role, kv_ip=kv_ip, kv_port=kv_port, engine_id=engine_id
         ),
+        **extra,
     )
 
 
+def serving_flags(serving: ServingSpec | None) -> list[str]:
+    """``spec.serving`` as ``pdfleet serve`` server flags (docs/tool_calling.md);
+    an inline chat template is passed as the flag's value (``--chat-template``
+    takes a template's text as well as a file's path)."""
+    if serving is None:
+        return []
+    flags: list[str] = []
+    if serving.chat_template is not None:
+        flags += ["--chat-template", serving.chat_template]
+    if serving.tool_call_parser is not None:
+        flags += ["--tool-call-parser", serving.tool_call_parser]
+    if serving.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return flags
+
+
 def engine_command(
-    args: EngineArgs, *, host: str = "0.0.0.0", port: int = ENGINE_PORT
+    args: EngineArgs,
+    *,
+    host: str = "0.0.0.0",
+    port: int = ENGINE_PORT,
+    serving: ServingSpec | None = None,
 ) -> list[str]:
     """``pdfleet serve MODEL ...flags`` for one engine: the model positional,
-    then the non-default flags (``--kv-transfer-config`` JSON included)."""
+    then the non-default flags (``--kv-transfer-config`` JSON included), then
+    the server flags of ``serving`` (``spec.serving``)."""
     flags = dataclasses.replace(args, model="").to_cli_args()
-    return ["pdfleet", "serve", args.model, *flags, "--host", host, "--port", str(port)]
+    return [
+        "pdfleet",
+        "serve",
+        args.model,
+        *flags,
+        *serving_flags(serving),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
 
 
 GPU_RESOURCE = "nvidia.com/gpu"

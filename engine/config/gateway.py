@@ -18,6 +18,10 @@ from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
+# Engine pod annotations naming the ports of its KV event streams
+# (docs/kv_events.md); the operator sets them, Kubernetes discovery reads them.
+KV_EVENTS_PORT_ANNOTATION = "pdfleet.dev/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "pdfleet.dev/kv-events-replay-port"
 
 
 @dataclass

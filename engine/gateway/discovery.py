@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pdfleet.engine.config.gateway import ROLES, GatewayConfig
+from pdfleet.engine.config.gateway import (
+    KV_EVENTS_PORT_ANNOTATION,
+    KV_REPLAY_PORT_ANNOTATION,
+    ROLES,
+    GatewayConfig,
+)
 
 logger = logging.getLogger("pdfleet.gateway")
 
 ROLE_LABEL = "pdfleet.dev/role"
 PORT_ANNOTATION = "pdfleet.dev/port"
-KV_EVENTS_PORT_ANNOTATION = "pdfleet.dev/kv-events-port"
-KV_REPLAY_PORT_ANNOTATION = "pdfleet.dev/kv-events-replay-port"
 # Pods of a multi-node engine: only the group's leader serves HTTP
 # (docs/parallelism-k8s.md); its workers run ranks only.
 GROUP_ROLE_LABEL = "pdfleet.dev/group-role"

@@ -34,7 +34,7 @@ from pdfleet.engine.config import security
 from pdfleet.engine.config.gateway import GatewayConfig
 
 from ..resource import InferenceService
-from ..roles import disaggregating, engine_command, role_engine_args
+from ..roles import disaggregating, engine_command, publishes_kv_events, role_engine_args
 from .process import Child
 
 logger = logging.getLogger("pdfleet.up")
@@ -108,6 +108,8 @@ class LocalFleet:
         self.roles = ROLES if disaggregating(self.spec) else ("decode",)
         self.engines: list[Child] = []
         self.counters = dict.fromkeys(ROLES, 0)
+        # Engine name -> (KV event PUB, replay) endpoints, for the engines file.
+        self.kv_events: dict[str, tuple[str, str]] = {}
         self.lock = threading.RLock()
         self.gateway_port = gateway_port or self.spec.gateway.port
         total = sum(self.replicas_in_spec(r) for r in self.roles)
@@ -135,6 +137,13 @@ class LocalFleet:
         self.counters[role] += 1
         name = f"{role}-{index}"
         port = free_port(self.host)
+        events = None
+        if publishes_kv_events(self.spec, role):
+            events = (
+                f"tcp://{self.host}:{free_port(self.host)}",
+                f"tcp://{self.host}:{free_port(self.host)}",
+            )
+            self.kv_events[name] = events
         args = role_engine_args(
             self.spec,
             role,
@@ -142,12 +151,13 @@ class LocalFleet:
             kv_ip=self.host,
             kv_port=free_port(self.host),
             engine_id=f"{self.service.name}-{name}-{port}",
+            kv_events=events,
         )
         argv = [
             sys.executable,
             "-m",
             "pdfleet.engine.cli",
-            *engine_command(args, host=self.host, port=port)[1:],
+            *engine_command(args, host=self.host, port=port, serving=self.spec.serving)[1:],
         ]
         return Child(
             name,
@@ -188,11 +198,14 @@ class LocalFleet:
 
     def write_engines_file(self) -> None:
         with self.lock:
-            engines = [
-                {"url": c.url, "role": c.role, "name": c.name}
-                for c in self.engines
-                if c.ready and not c.draining and c.alive()
-            ]
+            engines = []
+            for c in self.engines:
+                if not (c.ready and not c.draining and c.alive()):
+                    continue
+                entry = {"url": c.url, "role": c.role, "name": c.name}
+                if c.name in self.kv_events:
+                    entry["kv_events"], entry["kv_events_replay"] = self.kv_events[c.name]
+                engines.append(entry)
             tmp = self.engines_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"engines": engines}, indent=2))
             os.replace(tmp, self.engines_file)
@@ -304,6 +317,7 @@ class LocalFleet:
             with self.lock:
                 if child in self.engines:
                     self.engines.remove(child)
+                self.kv_events.pop(child.name, None)
             self.say(f"  {child.name} stopped (exit {code})")
 
         t = threading.Thread(target=finish, name=f"drain-{child.name}", daemon=True)

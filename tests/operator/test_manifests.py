@@ -87,7 +87,7 @@ def test_engine_pods_carry_role_kv_config_from_the_pod_ip_and_name():
         env = {e["name"]: e for e in c["env"]}
         assert env["PDFLEET_KV_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-        assert {p["name"] for p in c["ports"]} == {"http", "kv"}
+        assert {p["name"] for p in c["ports"]} == {"http", "kv", "kv-events", "kv-replay"}
     assert {e["name"] for e in container(objects, "demo-decode")["env"]} >= {"UCX_TLS"}
 
 
@@ -314,7 +314,8 @@ def test_every_engine_and_gateway_pod_mounts_the_fleet_secret_as_a_file():
         assert volume["secret"]["items"] == [{"key": "fleet-secret", "path": "secret"}]
         # A new secret (rotation) changes the template, so every pod rolls onto it.
         assert template["metadata"]["annotations"]["pdfleet.dev/fleet-secret-version"] == "abc123"
-    assert "annotations" not in pod_of(children(), "demo-decode")["metadata"]
+    unversioned = pod_of(children(), "demo-decode")["metadata"].get("annotations", {})
+    assert "pdfleet.dev/fleet-secret-version" not in unversioned
 
 
 def test_engine_pods_pin_ucx_to_a_port_range_above_the_kv_port():
@@ -392,9 +393,15 @@ def test_engines_take_http_only_from_gateway_and_operator_and_kv_only_from_the_o
         policy = network_policy(objects, role)
         assert policy["podSelector"]["matchLabels"] == {LABEL_SERVICE: "demo", LABEL_ROLE: role}
         assert policy["policyTypes"] == ["Ingress"]
-        http, kv = policy["ingress"]
+        http, events, kv = policy["ingress"]
         assert http["from"] == [gateway, operator]
         assert http["ports"] == [{"port": 8000, "protocol": "TCP"}]
+        # The KV event streams (docs/kv_events.md): from the gateway only.
+        assert events["from"] == [gateway]
+        assert events["ports"] == [
+            {"port": 5557, "protocol": "TCP"},
+            {"port": 5558, "protocol": "TCP"},
+        ]
         assert kv["from"] == [
             {"podSelector": {"matchLabels": {LABEL_SERVICE: "demo", LABEL_ROLE: other}}}
         ]
@@ -408,7 +415,8 @@ def test_engines_take_http_only_from_gateway_and_operator_and_kv_only_from_the_o
     ]
     # Without disaggregation no KV port is open anywhere.
     disabled = children({**SPEC, "disaggregation": {"mode": "Disabled"}})
-    assert len(network_policy(disabled, "decode")["ingress"]) == 1
+    ports = [p["port"] for r in network_policy(disabled, "decode")["ingress"] for p in r["ports"]]
+    assert ports == [8000, 5557, 5558]
     # An operator in the service's own namespace: selected by pod labels alone.
     local = children(install=OperatorInstall(namespace=None))
     assert "namespaceSelector" not in network_policy(local, "decode")["ingress"][0]["from"][1]

@@ -1,0 +1,213 @@
+"""KV-event routing and the serving flags (tool calling, chat template) reach
+every engine: rendered pods, NetworkPolicies and `pdfleet up` command lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.kube_schema import validate
+
+from pdfleet.engine.config.gateway import KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION
+from pdfleet.engine.entrypoints.openai.serving_base import load_chat_template
+from pdfleet.operator.local.fleet import LocalFleet
+from pdfleet.operator.manifests import build_children
+from pdfleet.operator.resource import load_inference_service, parse_spec
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+SPEC = {
+    "model": {"name": "m"},
+    "kvTransfer": {"connector": "NixlConnector"},
+    "serving": {
+        "chatTemplate": TEMPLATE,
+        "toolCallParser": "hermes",
+        "enableAutoToolChoice": True,
+    },
+}
+
+
+def render(spec):
+    objects = build_children("demo", parse_spec(spec), namespace="ns1")
+    for obj in objects:
+        validate(obj)
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def pod(objects, role):
+    return objects["Deployment", f"demo-{role}"]["spec"]["template"]
+
+
+def flag(command, name):
+    assert command.count(name) == 1, command
+    return command[command.index(name) + 1]
+
+
+def test_engine_pods_publish_kv_events_on_fixed_ports_and_announce_them():
+    objects = render(SPEC)
+    for role in ("prefill", "decode"):
+        template = pod(objects, role)
+        engine = template["spec"]["containers"][0]
+        annotations = template["metadata"]["annotations"]
+        assert annotations[KV_EVENTS_PORT_ANNOTATION] == "5557"
+        assert annotations[KV_REPLAY_PORT_ANNOTATION] == "5558"
+        ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+        assert (ports["kv-events"], ports["kv-replay"]) == (5557, 5558)
+        config = json.loads(flag(engine["command"], "--kv-events-config"))
+        assert config["enable_kv_cache_events"] is True
+        assert (config["endpoint"], config["replay_endpoint"]) == (
+            "tcp://*:5557",
+            "tcp://*:5558",
+        )
+        # The ConfigMap's command is the pod's.
+        doc = json.loads(objects["ConfigMap", "demo-config"]["data"][f"{role}.json"])
+        assert doc["command"] == engine["command"]
+    gateway = pod(objects, "gateway")["spec"]["containers"][0]
+    assert "kv-events" not in json.dumps(gateway["ports"])
+
+
+def test_network_policy_admits_kv_event_ports_from_the_gateway_only():
+    objects = render(SPEC)
+    for role in ("prefill", "decode"):
+        ingress = objects["NetworkPolicy", f"demo-{role}"]["spec"]["ingress"]
+        rules = [r for r in ingress if any(p["port"] == 5557 for p in r.get("ports", []))]
+        assert len(rules) == 1
+        (rule,) = rules
+        assert [p["port"] for p in rule["ports"]] == [5557, 5558]
+        assert rule["from"] == [
+            {
+                "podSelector": {
+                    "matchLabels": {
+                        "pdfleet.dev/service": "demo",
+                        "pdfleet.dev/role": "gateway",
+                    }
+                }
+            }
+        ]
+        # No other rule opens the event ports (the HTTP rule stays HTTP only).
+        others = [r for r in ingress if r is not rule]
+        assert all(p["port"] not in (5557, 5558) for r in others for p in r.get("ports", []))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"gateway": {"kvEvents": False}},
+        {"engine": {"enablePrefixCaching": False}},
+    ],
+    ids=["gateway.kvEvents false", "prefix cache off"],
+)
+def test_kv_events_stay_off_when_switched_off_or_without_a_prefix_cache(change):
+    objects = render({**SPEC, **change})
+    for role in ("prefill", "decode"):
+        template = pod(objects, role)
+        assert KV_EVENTS_PORT_ANNOTATION not in template["metadata"].get("annotations", {})
+        engine = template["spec"]["containers"][0]
+        assert "--kv-events-config" not in engine["command"]
+        assert "kv-events" not in json.dumps(engine["ports"])
+        ingress = objects["NetworkPolicy", f"demo-{role}"]["spec"]["ingress"]
+        assert "5557" not in json.dumps(ingress)
+
+
+def test_a_role_with_its_own_kv_events_config_keeps_it_unannounced():
+    own = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"}
+    objects = render({**SPEC, "decode": {"engine": {"kvEventsConfig": own}}})
+    engine = pod(objects, "decode")["spec"]["containers"][0]
+    assert json.loads(flag(engine["command"], "--kv-events-config"))["endpoint"] == "tcp://*:6000"
+    assert KV_EVENTS_PORT_ANNOTATION not in pod(objects, "decode")["metadata"].get(
+        "annotations", {}
+    )
+    # The prefill role is still wired by the fleet.
+    assert pod(objects, "prefill")["metadata"]["annotations"][KV_EVENTS_PORT_ANNOTATION] == "5557"
+
+
+def test_serving_flags_reach_every_engine_pod_with_the_inline_template_intact():
+    objects = render(SPEC)
+    for role in ("prefill", "decode"):
+        command = pod(objects, role)["spec"]["containers"][0]["command"]
+        assert flag(command, "--tool-call-parser") == "hermes"
+        assert "--enable-auto-tool-choice" in command
+        # The engine reads the flag's value as the template itself.
+        assert load_chat_template(flag(command, "--chat-template")) == TEMPLATE
+    gateway = pod(objects, "gateway")["spec"]["containers"][0]["command"]
+    assert "--tool-call-parser" not in gateway
+
+
+def test_a_dollar_paren_in_the_template_survives_the_kubelets_expansion():
+    template = "{{ '$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    objects = render({**SPEC, "serving": {"chatTemplate": template}})
+    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
+    # The kubelet turns $$( back into $( (and would expand a bare $(HOME)).
+    expected = "{{ '$$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert flag(command, "--chat-template") == expected
+
+
+def test_serving_defaults_add_no_flags():
+    objects = render({"model": {"name": "m"}, "kvTransfer": {"connector": "ZmqConnector"}})
+    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
+    for name in ("--chat-template", "--tool-call-parser", "--enable-auto-tool-choice"):
+        assert name not in command
+
+
+@pytest.mark.parametrize(
+    ("serving", "field"),
+    [
+        ({"enableAutoToolChoice": True}, "spec.serving: enableAutoToolChoice needs toolCallParser"),
+        ({"toolCallParser": "json"}, "spec.serving.toolCallParser"),
+        ({"chatTemplate": ""}, "spec.serving.chatTemplate"),
+        ({"template": "x"}, "spec.serving.template: unknown field"),
+    ],
+)
+def test_bad_serving_settings_are_refused_naming_the_field(serving, field):
+    with pytest.raises(ValueError, match=field):
+        parse_spec({"model": {"name": "m"}, "serving": serving})
+
+
+# -- pdfleet up --------------------------------------------------------------------
+
+
+def local_fleet(tmp_path: Path, spec) -> LocalFleet:
+    service = load_inference_service(
+        {
+            "apiVersion": "pdfleet.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc"},
+            "spec": spec,
+        }
+    )
+    return LocalFleet(service, "/models/m", tmp_path, say=lambda _: None, fleet_secret="s" * 32)
+
+
+def test_pdfleet_up_engines_get_the_serving_flags_and_their_own_event_ports(tmp_path):
+    fleet = local_fleet(tmp_path, {**SPEC, "decode": {"replicas": 2}})
+    children = [fleet._engine_child(r) for r in ("prefill", "decode", "decode")]
+    endpoints = set()
+    for child in children:
+        argv = child.argv
+        assert flag(argv, "--tool-call-parser") == "hermes"
+        assert "--enable-auto-tool-choice" in argv
+        assert load_chat_template(flag(argv, "--chat-template")) == TEMPLATE
+        config = json.loads(flag(argv, "--kv-events-config"))
+        assert config["enable_kv_cache_events"] is True
+        pub, replay = fleet.kv_events[child.name]
+        assert (config["endpoint"], config["replay_endpoint"]) == (pub, replay)
+        assert pub.startswith("tcp://127.0.0.1:") and replay.startswith("tcp://127.0.0.1:")
+        endpoints |= {pub, replay}
+    assert len(endpoints) == 6  # every engine binds its own two ports
+    # The engines file names each ready engine's streams.
+    for child in children:
+        child.ready = True
+        child.alive = lambda: True
+    fleet.engines = children
+    fleet.write_engines_file()
+    listed = json.loads(fleet.engines_file.read_text())["engines"]
+    assert [(e["kv_events"], e["kv_events_replay"]) for e in listed] == [
+        fleet.kv_events[c.name] for c in children
+    ]
+
+
+def test_pdfleet_up_without_kv_events_lists_no_streams(tmp_path):
+    fleet = local_fleet(tmp_path, {**SPEC, "gateway": {"kvEvents": False}})
+    child = fleet._engine_child("decode")
+    assert "--kv-events-config" not in child.argv
+    assert fleet.kv_events == {}
