@@ -11,24 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from pdfleet.engine.config.plotting import pyplot
 from pdfleet.engine.config.stats import percentile
 
 from .runner import RequestResult
 
 MAX_BINS = 60
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError(
-            "--plot needs matplotlib: pip install 'pdfleet[plot]' (or matplotlib>=3.10)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def bin_seconds(elapsed: float) -> float:
@@ -38,7 +26,7 @@ def bin_seconds(elapsed: float) -> float:
 
 def plot_bench(results: Sequence[RequestResult], elapsed: float, path: str) -> None:
     """Write the picture of one run's per-request results to ``path``."""
-    plt = _pyplot()
+    plt = pyplot()
     width = bin_seconds(elapsed)
     bins = max(1, math.ceil(elapsed / width))
     ttft: list[list[float]] = [[] for _ in range(bins)]

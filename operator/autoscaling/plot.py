@@ -9,26 +9,12 @@ extra).
 
 from __future__ import annotations
 
-from typing import Any
+from pdfleet.engine.config.plotting import pyplot
 
 from .sim_fleet import FleetModel, SimResult
 from .traces import Trace
 
 COLORS = {"pdfleet": "tab:blue", "hpa": "tab:orange", "oracle": "tab:green", "fixed": "tab:gray"}
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend, or a ValueError saying what to install."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError(
-            "--plot needs matplotlib: pip install 'pdfleet[plot]' (or matplotlib>=3.10)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_sim(trace: Trace, model: FleetModel, results: dict[str, SimResult], path: str) -> None:
