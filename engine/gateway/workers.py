@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -180,8 +181,10 @@ def _number(value: float) -> str:
 
 def worker_main() -> int:
     """A worker's entry (``python -m pdfleet.engine.gateway.workers``): its
-    config, index, count and run directory come pickled on stdin."""
-    config, index, count, run_dir = pickle.load(sys.stdin.buffer)
+    config, index, count and run directory come as JSON on stdin (never pickle)."""
+    job = json.load(sys.stdin)
+    config = GatewayConfig(**job["config"])
+    index, count, run_dir = job["index"], job["count"], job["run_dir"]
     _die_with_parent()
     os.environ[ENV_WORKER] = f"{index}/{count}"
     from .app import run_gateway
@@ -234,7 +237,13 @@ def serve_workers(config: GatewayConfig) -> int:
             [sys.executable, "-m", "pdfleet.engine.gateway.workers"], stdin=subprocess.PIPE
         )
         assert w.proc.stdin is not None
-        w.proc.stdin.write(pickle.dumps((config, w.index, count, run_dir)))
+        job = {
+            "config": dataclasses.asdict(config),  # API keys included: a private pipe
+            "index": w.index,
+            "count": count,
+            "run_dir": run_dir,
+        }
+        w.proc.stdin.write(json.dumps(job).encode())
         w.proc.stdin.close()
         w.started = time.monotonic()
 
