@@ -83,7 +83,7 @@ class PolicyDecider:
             for s in samples
             if s.role in ROLES
         ]
-        gateways = {
+        gateways: dict[str, dict[str, float]] = {
             s.pod: {role: s.values.get(activation_key(role), 0.0) for role in ROLES}
             for s in samples
             if s.role == "gateway" and s.error is None
