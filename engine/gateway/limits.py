@@ -20,8 +20,11 @@ from typing import Any
 
 from starlette.requests import Request
 
-# Largest request line + headers accepted from a client.
-MAX_HEAD_BYTES = 64 * 1024
+from pdfleet.engine.config.http_limits import DEFAULT_LIMITS
+
+# Largest request line + headers accepted from a client (the engine server's bound
+# too); the body limits are GatewayConfig's, defaulting as the engine server's.
+MAX_HEAD_BYTES = DEFAULT_LIMITS.max_head_bytes
 # Seconds a refused connection is kept open to drain what the client still sends.
 LINGER_SECONDS = 1.0
 

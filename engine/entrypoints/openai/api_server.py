@@ -32,11 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
+from ...config.http_limits import RequestLimits
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
-from ..http_guard import GuardMiddleware, ServerLimits, guarded_h11_protocol
+from ..http_guard import GuardMiddleware, guarded_h11_protocol
 from ..uvicorn_server import graceful_server
 from .protocol import (
     APIError,
@@ -60,7 +61,7 @@ class ServerState:
         config: EngineConfig,
         max_waiting_requests: int,
         auth: EngineAuth | None = None,
-        limits: ServerLimits | None = None,
+        limits: RequestLimits | None = None,
         large_prompt_chars: int = 1 << 16,
         options: ChatOptions | None = None,
     ) -> None:
@@ -68,7 +69,7 @@ class ServerState:
         self.config = config
         self.max_waiting_requests = max_waiting_requests
         self.auth = auth or EngineAuth()
-        self.limits = limits or ServerLimits()
+        self.limits = limits or RequestLimits()
         self.lanes = TokenizerLanes(large_prompt_chars)
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
@@ -373,7 +374,7 @@ def run_server(
     max_waiting_requests: int,
     auth: EngineAuth | None = None,
     log_level: str = "info",
-    limits: ServerLimits | None = None,
+    limits: RequestLimits | None = None,
     large_prompt_chars: int = 1 << 16,
     options: ChatOptions | None = None,
 ) -> int:
@@ -381,7 +382,7 @@ def run_server(
     import uvicorn
 
     auth = auth or EngineAuth()
-    limits = limits or ServerLimits()
+    limits = limits or RequestLimits()
     auth.warn_if_open()
     state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
@@ -397,6 +398,7 @@ def run_server(
         timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
         timeout_keep_alive=75,
         http=guarded_h11_protocol(limits),
+        h11_max_incomplete_event_size=limits.max_head_bytes,  # bounds a request's head
     )
     server = graceful_server(uv_config)
 

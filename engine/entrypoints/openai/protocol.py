@@ -30,6 +30,7 @@ class APIError(Exception):
         405: "MethodNotAllowedError",
         408: "RequestTimeoutError",
         413: "RequestTooLargeError",
+        431: "RequestHeaderFieldsTooLargeError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
