@@ -128,7 +128,7 @@ def _constraints(info: FieldInfo) -> Schema:
 
 def _field_default(info: FieldInfo) -> Any:
     if info.default_factory is not None:
-        return info.default_factory()  # type: ignore[call-arg]
+        return info.get_default(call_default_factory=True, validated_data={})
     if info.default is PydanticUndefined:
         return PydanticUndefined
     return info.default

@@ -119,8 +119,10 @@ def _attr_docs(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-        for node, nxt in itertools.pairwise(body):
+        klass_node = ast.parse(source).body[0]
+        if not isinstance(klass_node, ast.ClassDef):
+            continue
+        for node, nxt in itertools.pairwise(klass_node.body):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)
