@@ -133,17 +133,9 @@ class CompletionServing(ServingBase):
             )
             usage["completion_tokens"] += len(c.token_ids)
         usage["prompt_tokens"] = sum(len(ids) for _, ids, _ in jobs)
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": now(),
-            "model": model,
-            "choices": result_choices,
-            "usage": self._usage(usage),
-        }
-        if kv_out is not None:
-            body["kv_transfer_params"] = kv_out
-        return body
+        return self.response_body(
+            "text_completion", request_id, model, result_choices, usage, kv_out
+        )
 
     async def completion_stream(
         self, req: CompletionRequest, request_id: str, response_id: str | None = None
