@@ -90,9 +90,11 @@ class PolicyTuning:
     after the added replicas serve."""
     tolerance: float = 0.1
     """Relative band around the current count inside which the count is kept."""
-    scale_down_headroom: float | None = None
+    scale_down_headroom: float | None = 0.2
     """Headroom kept when scaling down: the count left serves the load times
-    (1 + this). None: the tolerance."""
+    (1 + this). None: the tolerance. 0.2 rather than the tolerance's 0.1:
+    fewer scale-downs that the next surge undoes (docs/autoscaling.md,
+    "Variants tried")."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
