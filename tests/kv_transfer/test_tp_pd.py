@@ -1,0 +1,137 @@
+"""P/D between engines of different tensor-parallel sizes over real NIXL (host
+memory, gloo ranks): every decode rank reads its own KV heads from the prefill
+shards that hold them, and the output equals aggregated serving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.kv_transfer.layout import HeadRun, head_plan, rank_heads
+from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+ENGINE = dict(device="cpu", max_model_len=256, block_size=BLOCK, max_num_seqs=4)
+# Prompt lengths: whole blocks plus one token, and several blocks plus a partial one.
+LENGTHS = [33, 70]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def engine(path: str, tp: int, role: str | None, port: int = 0) -> LLMEngine:
+    kv = None
+    if role is not None:
+        kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": port}
+        kv["kv_connector_extra_config"] = {"transfer_timeout_seconds": 20.0}
+    args = EngineArgs(model=path, tensor_parallel_size=tp, kv_transfer_config=kv, **ENGINE)
+    return LLMEngine(args.create_engine_config())
+
+
+def run(llm: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams, params=None):
+    """Step one request to its end (bounded); its last output."""
+    llm.add_request(rid, {"prompt_token_ids": prompt}, sp, kv_transfer_params=params)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"{rid} did not finish"
+        for out in llm.step():
+            if out.request_id == rid and out.finished:
+                return out  # a producer still holds the blocks: leave them leased
+        if llm.stats.num_scheduled_tokens == 0:
+            time.sleep(0.002)  # waiting for the pull: poll gently
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_factory, request):
+    """Prefill and decode engines at TP1 and TP2 (2 KV heads: one per rank at TP2)."""
+    from helpers.server import free_port
+
+    path = tiny_model_factory("llama", num_key_value_heads=2)
+    made: dict[str, LLMEngine] = {}
+    try:
+        for name, tp, role in (
+            ("p1", 1, "kv_producer"),
+            ("p2", 2, "kv_producer"),
+            ("d1", 1, "kv_consumer"),
+            ("d2", 2, "kv_consumer"),
+        ):
+            made[name] = engine(path, tp, role, free_port())
+        yield made
+    finally:
+        for llm in made.values():
+            llm.shutdown()
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 131 + i * 17) % 900 + 20 for i in range(n)]
+
+
+PAIRS = ["p1-d2", "p2-d1", "p2-d2"]
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_decode_at_another_tp_size_pulls_its_heads_and_matches_aggregated_serving(engines, pair):
+    prefill, decode = (engines[x] for x in pair.split("-"))
+    transport = decode.connector.worker.connector.transport
+    cfg = decode.config.model_config
+    tp = decode.config.parallel_config.tensor_parallel_size
+    before = list(transport.rank_bytes)
+    pulled_blocks = 0
+    for i, n in enumerate(LENGTHS):
+        # Prompts no decode engine has seen: none of it is in its prefix cache.
+        prompt = prompt_of(n, 10 * PAIRS.index(pair) + i)
+        # Aggregated serving: the prefill engine alone, no transfer.
+        expected = run(engines["p1"], f"{pair}-agg-{i}", prompt, greedy(8))
+        first = run(
+            prefill, f"{pair}-pre-{i}", prompt, greedy(1), params={"do_remote_decode": True}
+        )
+        params = first.kv_transfer_params
+        assert params["tp_size"] == prefill.config.parallel_config.tensor_parallel_size
+        assert len(params["remote_block_ids"]) == (n - 1) // BLOCK
+        got = run(decode, f"{pair}-dec-{i}", prompt, greedy(8), params=params)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids, f"prompt of {n}"
+        pulled_blocks += len(params["remote_block_ids"])
+    assert pulled_blocks > 0
+    # Each decode rank moved exactly its own heads' share of every pulled block.
+    heads = rank_heads(0, tp, cfg.num_key_value_heads)[1]
+    per_block = 2 * cfg.num_hidden_layers * BLOCK * heads * cfg.head_dim * 4  # float32
+    moved = [a - b for a, b in zip(transport.rank_bytes, before, strict=True)]
+    assert moved == [pulled_blocks * per_block] * tp
+    stats = decode.connector.worker.connector.stats
+    assert stats.failed_transfers == 0
+    assert stats.bytes_transferred >= pulled_blocks * per_block * tp
+    # Every lease was claimed and confirmed: the producer frees its blocks.
+    deadline = time.monotonic() + 10
+    while prefill.core.scheduler.held_blocks and time.monotonic() < deadline:
+        prefill.step()
+        time.sleep(0.01)
+    assert not prefill.core.scheduler.held_blocks
+
+
+def test_the_head_plan_reads_every_local_head_once_from_a_rank_that_holds_it():
+    # Sharded both sides: TP1 -> TP2 reads half of the one shard; TP2 -> TP1 both.
+    assert head_plan(1, 2, 1, 4) == [HeadRun(0, 2, 0, 2)]
+    assert head_plan(0, 1, 2, 4) == [HeadRun(0, 0, 0, 2), HeadRun(1, 0, 2, 2)]
+    assert head_plan(1, 4, 2, 8) == [HeadRun(0, 2, 0, 2)]
+    # Replicated on the remote side (1 KV head at TP2): one replica, spread by rank.
+    assert head_plan(0, 1, 2, 1) == [HeadRun(0, 0, 0, 1)]
+    assert head_plan(1, 2, 4, 2) == [HeadRun(3, 0, 0, 1)]
+    # Replicated on the local side: each rank reads its one head.
+    assert head_plan(3, 4, 1, 2) == [HeadRun(0, 1, 0, 1)]
+    for total in (1, 2, 4, 8):
+        for local_tp in (1, 2, 4, 8):
+            for remote_tp in (1, 2, 4, 8):
+                if total % remote_tp and remote_tp % total:
+                    continue
+                for rank in range(local_tp):
+                    first, count = rank_heads(rank, local_tp, total)
+                    got = []
+                    for run in head_plan(rank, local_tp, remote_tp, total):
+                        r_first, r_count = rank_heads(run.remote_rank, remote_tp, total)
+                        assert run.remote_head + run.num_heads <= r_count
+                        got += [r_first + run.remote_head + k for k in range(run.num_heads)]
+                    assert got == list(range(first, first + count))
