@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
 from pdfleet.engine.kv_transfer.layout import HeadRun, head_plan, rank_heads
 from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.metrics import EngineMetrics
 from pdfleet.engine.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -101,6 +104,14 @@ def test_decode_at_another_tp_size_pulls_its_heads_and_matches_aggregated_servin
     per_block = 2 * cfg.num_hidden_layers * BLOCK * heads * cfg.head_dim * 4  # float32
     moved = [a - b for a, b in zip(transport.rank_bytes, before, strict=True)]
     assert moved == [pulled_blocks * per_block] * tp
+    # ... and the engine exports it per rank.
+    metrics = EngineMetrics(decode.config)
+    metrics.update(decode)
+    samples = parse_metrics(generate_latest(metrics.registry).decode()).samples
+    exported = {
+        labels["rank"]: value for labels, value in samples[ENGINE_KV_TRANSFER_SHARD_BYTES.name]
+    }
+    assert exported == {str(r): float(b) for r, b in enumerate(transport.rank_bytes)}
     stats = decode.connector.worker.connector.stats
     assert stats.failed_transfers == 0
     assert stats.bytes_transferred >= pulled_blocks * per_block * tp
