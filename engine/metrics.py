@@ -85,10 +85,11 @@ class EngineMetrics:
             self._series[metric] = tuple(
                 family.labels(**self.labels) for family in self._register(metric)
             )
-        # Labelled by rank as shards pull, so not touched up front.
-        self.shard_bytes = (
-            m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry) if self.has_kv else None
-        )
+        # Labelled by rank; shard 0 (every engine has it) is exported from the start.
+        self.shard_bytes = None
+        if self.has_kv:
+            self.shard_bytes = m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry)
+            self.shard_bytes.labels(**self.labels, rank="0")
         self._last_shard_bytes: list[int] = []
         # Labelled by finish reason as requests finish, so not touched up front.
         self.request_success = m.ENGINE_REQUEST_SUCCESS.create(self.registry)
