@@ -9,9 +9,10 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config import EngineArgs, security
 from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
-from pdfleet.engine.kv_transfer.layout import HeadRun, head_plan, rank_heads
+from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
+from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
 from pdfleet.engine.llm_engine import LLMEngine
 from pdfleet.engine.metrics import EngineMetrics
 from pdfleet.engine.sampling_params import SamplingParams
@@ -146,3 +147,41 @@ def test_the_head_plan_reads_every_local_head_once_from_a_rank_that_holds_it():
                         assert run.remote_head + run.num_heads <= r_count
                         got += [r_first + run.remote_head + k for k in range(run.num_heads)]
                     assert got == list(range(first, first + count))
+
+
+def test_params_whose_tp_size_cannot_hold_the_kv_heads_are_refused_naming_tp_size(engines):
+    prefill, decode = engines["p1"], engines["d2"]
+    first = run(prefill, "bad-tp-pre", prompt_of(40, 99), greedy(1), {"do_remote_decode": True})
+    secret = decode.connector.worker.connector.secret
+    params = security.verify_params(secret, first.kv_transfer_params)
+    forged = security.sign_params(secret, {**params, "tp_size": 3}, ttl=60)
+    with pytest.raises(ValueError, match="kv_transfer_params: tp_size 3 cannot hold"):
+        decode.add_request("bad-tp-dec", {"prompt_token_ids": prompt_of(40, 99)}, greedy(2),
+                           kv_transfer_params=forged)  # fmt: skip
+    assert "bad-tp-dec" not in decode.core.scheduler.requests  # nothing was queued
+
+
+def test_a_handshake_whose_shards_do_not_fit_its_tp_size_is_refused_naming_tp_size():
+    # The control plane of a TP2 consumer (no agent in this process: the ranks hold them).
+    transport = NixlTransport("d", "i", ["UCX"], tp_size=2, num_kv_heads=2)
+    remote = Remote("p", "j", "127.0.0.1", 1, layout=None)  # type: ignore[arg-type]
+    shard = {"rank": 0, "agent_metadata": b"m", "base_address": 0, "num_blocks": 4}
+    with pytest.raises(IncompatibleKV, match="tp_size 3 cannot hold the model's 2 KV heads"):
+        transport.connect(remote, {"tp_size": 3, "shards": [shard] * 3})
+    with pytest.raises(IncompatibleKV, match="shard 0 holds 2 KV heads, but tp_size 2 .* 1"):
+        transport.connect(remote, {"tp_size": 2, "shards": [{**shard, "num_kv_heads": 2}] * 2})
+    assert not transport.drain()  # nothing reached the ranks
+    # A TP1 producer: each rank connects to its one shard and reads its own head.
+    transport.connect(remote, {"tp_size": 1, "shards": [{**shard, "num_kv_heads": 2}]})
+    commands = transport.drain()
+    assert [(rank, c[0], c[3]) for rank, c in commands] == [
+        (0, "connect", [[0, 0, 0, 1]]),
+        (1, "connect", [[0, 1, 0, 1]]),
+    ]
+
+
+def test_zmq_connector_at_tp2_is_refused_before_any_rank_starts(tiny_model):
+    kv = {"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": 1}
+    args = EngineArgs(model=tiny_model, tensor_parallel_size=2, kv_transfer_config=kv, **ENGINE)
+    with pytest.raises(ValueError, match="kv_connector ZmqConnector .* use NixlConnector"):
+        LLMEngine(args.create_engine_config())
