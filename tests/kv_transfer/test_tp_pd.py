@@ -4,6 +4,7 @@ shards that hold them, and the output equals aggregated serving."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -11,8 +12,9 @@ from prometheus_client import generate_latest
 
 from pdfleet.engine.config import EngineArgs, security
 from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
+from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
-from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
+from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV, NixlTransport, Remote
 from pdfleet.engine.llm_engine import LLMEngine
 from pdfleet.engine.metrics import EngineMetrics
 from pdfleet.engine.sampling_params import SamplingParams
@@ -50,12 +52,18 @@ def run(llm: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams, params=
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_factory, request):
+def engines(tiny_model_factory, tmp_path_factory):
     """Prefill and decode engines at TP1 and TP2 (2 KV heads: one per rank at TP2)."""
     from helpers.server import free_port
 
     path = tiny_model_factory("llama", num_key_value_heads=2)
-    made: dict[str, LLMEngine] = {}
+    # The READ-delay test hook, off until a test writes seconds into the file; the
+    # ranks inherit the variable when they start.
+    delay = tmp_path_factory.mktemp("tp-pd") / "read-delay"
+    delay.write_text("0")
+    saved = os.environ.get(READ_DELAY_ENV)
+    os.environ[READ_DELAY_ENV] = str(delay)
+    made: dict[str, LLMEngine] = {"delay": delay}  # type: ignore[dict-item]
     try:
         for name, tp, role in (
             ("p1", 1, "kv_producer"),
@@ -66,8 +74,13 @@ def engines(tiny_model_factory, request):
             made[name] = engine(path, tp, role, free_port())
         yield made
     finally:
-        for llm in made.values():
-            llm.shutdown()
+        for name, llm in made.items():
+            if name != "delay":
+                llm.shutdown()
+        if saved is None:
+            os.environ.pop(READ_DELAY_ENV, None)
+        else:
+            os.environ[READ_DELAY_ENV] = saved
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -185,3 +198,33 @@ def test_zmq_connector_at_tp2_is_refused_before_any_rank_starts(tiny_model):
     args = EngineArgs(model=tiny_model, tensor_parallel_size=2, kv_transfer_config=kv, **ENGINE)
     with pytest.raises(ValueError, match="kv_connector ZmqConnector .* use NixlConnector"):
         LLMEngine(args.create_engine_config())
+
+
+def test_an_abort_mid_pull_quarantines_the_blocks_until_every_rank_is_done(engines):
+    prefill, decode = engines["p1"], engines["d2"]
+    connector = decode.connector.worker.connector
+    transport, sched = connector.transport, decode.core.scheduler
+    prompt = prompt_of(70, 77)
+    params = run(prefill, "abort-pre", prompt, greedy(1), {"do_remote_decode": True})
+    engines["delay"].write_text("1.5")  # every READ posted from now on waits 1.5 s
+    try:
+        tokens = transport.next_token
+        decode.add_request("abort-dec", {"prompt_token_ids": prompt}, greedy(4),
+                           kv_transfer_params=params.kv_transfer_params)  # fmt: skip
+        deadline = time.monotonic() + 20
+        while transport.next_token == tokens or transport.outbox:  # READs shipped to ranks
+            assert time.monotonic() < deadline, "the pull never started"
+            decode.step()
+            time.sleep(0.002)
+        decode.abort_request("abort-dec")
+        held = sched.held_blocks.get(QUARANTINE + "abort-dec")
+        assert held, "a READ may still write the blocks: they must be quarantined"
+    finally:
+        engines["delay"].write_text("0")
+    # Once every rank's READ has completed the blocks go back to the pool.
+    deadline = time.monotonic() + 20
+    while sched.held_blocks and time.monotonic() < deadline:
+        decode.step()
+        time.sleep(0.005)
+    assert not sched.held_blocks
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
