@@ -175,8 +175,9 @@ class EngineChecks:
 
     # ------------------------------------------------------------- P/D pair
 
-    def pd_pair(self) -> dict[str, Any]:
-        """Section 4: a P/D pair and an aggregated engine as processes."""
+    def pd_pair(self, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, Any]:
+        """Section 4: a P/D pair and an aggregated engine as processes. With TP sizes
+        (section 5, two GPUs or more) each decode rank pulls its KV heads' slice."""
         from pdfleet.engine.config import security
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -199,6 +200,8 @@ class EngineChecks:
                 if kv_role:
                     cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_port": _port()}
                     extra = ["--kv-transfer-config", json.dumps(cfg)]
+                    tp = prefill_tp if role == "prefill" else decode_tp
+                    extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
                 port = _port()
                 log = open(logs / f"{role}.log", "wb")  # noqa: SIM115 (closed with the process)
                 proc = subprocess.Popen(
@@ -208,7 +211,10 @@ class EngineChecks:
                 procs[role] = (proc, f"http://127.0.0.1:{port}")
             for role, (proc, url) in procs.items():
                 _wait_healthy(proc, url, headers, logs / f"{role}.log", timeout=300)
-            return self._pd_requests({r: u for r, (_, u) in procs.items()}, headers)
+            row = self._pd_requests({r: u for r, (_, u) in procs.items()}, headers)
+            if (prefill_tp, decode_tp) != (1, 1):
+                row["check"] = f"P/D TP{prefill_tp} -> TP{decode_tp} over NIXL vs aggregated"
+            return row
         finally:
             for proc, _ in procs.values():
                 proc.terminate()

@@ -67,11 +67,7 @@ class EngineCore:
         self.connector = connector
         self.runner: ModelRunner | TPExecutor
         if config.parallel_config.tensor_parallel_size > 1:
-            if connector is not None:
-                raise ValueError(
-                    "--tensor-parallel-size > 1 with a KV connector is not supported yet"
-                )
-            self.runner = TPExecutor(config, eos_token_ids)
+            self.runner = TPExecutor(config, eos_token_ids, connector.worker if connector else None)
         else:
             self.runner = ModelRunner(
                 config, connector.worker if connector else None, eos_token_ids

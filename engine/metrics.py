@@ -85,6 +85,12 @@ class EngineMetrics:
             self._series[metric] = tuple(
                 family.labels(**self.labels) for family in self._register(metric)
             )
+        # Labelled by rank; shard 0 (every engine has it) is exported from the start.
+        self.shard_bytes = None
+        if self.has_kv:
+            self.shard_bytes = m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry)
+            self.shard_bytes.labels(**self.labels, rank="0")
+        self._last_shard_bytes: list[int] = []
         # Labelled by finish reason as requests finish, so not touched up front.
         self.request_success = m.ENGINE_REQUEST_SUCCESS.create(self.registry)
         cache = config.cache_config
@@ -175,3 +181,9 @@ class EngineMetrics:
         for metric, value in values.items():
             self._grow(metric, value)
         self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)
+        by_rank = list(getattr(connector.transport, "rank_bytes", ()))
+        last = self._last_shard_bytes + [0] * (len(by_rank) - len(self._last_shard_bytes))
+        for rank, (now, before) in enumerate(zip(by_rank, last, strict=True)):
+            if now > before and self.shard_bytes is not None:
+                self.shard_bytes.labels(**self.labels, rank=str(rank)).inc(now - before)
+        self._last_shard_bytes = by_rank

@@ -595,3 +595,15 @@ GATEWAY_ACTIVATIONS = Metric(
     "a pool up from zero.",
     ("role",),
 )
+
+
+# --- Engine: KV pulls per tensor-parallel shard -------------------------------
+
+KV_SHARD = "rank"
+ENGINE_KV_TRANSFER_SHARD_BYTES = Metric(
+    "pdfleet_engine_kv_transfer_shard_bytes_total",
+    "counter",
+    "KV bytes each tensor-parallel rank of a NIXL consumer read into its own shard "
+    "(its KV heads' share of every pulled block).",
+    (MODEL_NAME, KV_SHARD),
+)
