@@ -4,15 +4,25 @@ identical to an engine without it through eviction and reload."""
 from __future__ import annotations
 
 import argparse
+import time
 
+import msgpack
 import pytest
+import zmq
 from helpers.engine import assert_no_leaks, random_prompts
+from helpers.server import free_port
 
 from pdfleet.engine import LLM, SamplingParams
 from pdfleet.engine.config import CacheConfig, EngineArgs
-from pdfleet.engine.core.block_hash import extend_block_hashes
+from pdfleet.engine.core.block_hash import (
+    extend_block_hashes,
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
 from pdfleet.engine.core.host_tier import HostTier
 from pdfleet.engine.core.kv_cache_manager import KVCacheManager
+from pdfleet.engine.gateway.kv_index import KVIndex, decode_batch
 from pdfleet.engine.request import Request
 from pdfleet.engine.worker.host_kv import physical_memory
 
@@ -192,3 +202,58 @@ def test_a_host_tier_smaller_than_the_working_set_evicts_lru_and_stays_correct(
     assert s.host_kv_num_blocks == 12 and s.host_kv_used_blocks <= 12
     assert s.host_kv_evicted_blocks > 0
     assert s.host_kv_stored_blocks > 12
+
+
+def test_kv_events_say_which_tier_holds_a_block(tiny_model):
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    llm = LLM(
+        tiny_model,
+        max_model_len=128,
+        num_gpu_blocks_override=10,
+        kv_offload_bytes=8 * 8192,  # 8 host blocks of the tiny model: under 4 prompts
+        kv_events_config=events | {"heartbeat_interval": 0.2},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while sub.poll(200) == 0 or msgpack.unpackb(sub.recv_multipart()[2])[1]:
+            assert time.monotonic() < deadline, "no heartbeat: the subscription is not through"
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        prompts = [[20 + i] * 40 + list(range(100, 108)) for i in range(5)]
+        for p in prompts:
+            llm.generate({"prompt_token_ids": p}, params)
+        done = time.time()  # every step's events were queued before this
+        index = KVIndex(host_weight=0.5)
+        seen: set[tuple[str, str]] = set()
+        idle = False  # the step events are all out once a later heartbeat follows them
+        while not idle:
+            assert time.monotonic() < deadline, f"events seen: {sorted(seen)}"
+            if not sub.poll(200):
+                continue
+            payload = sub.recv_multipart()[2]
+            ts, batch, _rank = msgpack.unpackb(payload, raw=False)
+            for ev in batch:
+                if ev["type"] != "AllBlocksCleared":
+                    seen.add((ev["type"], ev["medium"]))
+            index.apply("e", decode_batch(payload))
+            idle = not batch and ts > done
+    finally:
+        llm.engine.shutdown()
+        sub.close(0)
+    assert {("BlockStored", "CPU"), ("BlockRemoved", "CPU"), ("BlockRemoved", "GPU")} <= seen
+    s = llm.engine.stats
+    assert s.host_kv_evicted_blocks > 0 and s.host_kv_used_blocks == 8
+    # Blocks the device evicted but the host still holds: the gateway's index
+    # (fed by the events alone) counts them at the host weight.
+    scores = [
+        index.matched(
+            [external_block_hash(h) for h in prompt_block_hashes(p, 16, get_hash_fn("sha256"))],
+            ["e"],
+        )["e"]
+        for p in prompts
+    ]
+    assert any(n > 0 and weight < n for n, weight in scores), scores
