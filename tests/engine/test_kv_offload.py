@@ -22,6 +22,7 @@ from pdfleet.engine.core.block_hash import (
 )
 from pdfleet.engine.core.host_tier import HostTier
 from pdfleet.engine.core.kv_cache_manager import KVCacheManager
+from pdfleet.engine.engine_core import FAULT_TOKEN_ENV, StepFailed
 from pdfleet.engine.gateway.kv_index import KVIndex, decode_batch
 from pdfleet.engine.request import Request
 from pdfleet.engine.worker.host_kv import physical_memory
@@ -257,3 +258,23 @@ def test_kv_events_say_which_tier_holds_a_block(tiny_model):
         for p in prompts
     ]
     assert any(n > 0 and weight < n for n, weight in scores), scores
+
+
+def test_a_failed_step_forgets_the_stores_it_never_started(tiny_model, monkeypatch):
+    monkeypatch.setenv(FAULT_TOKEN_ENV, "7")  # a step scheduling token 7 raises
+    llm = LLM(tiny_model, kv_offload_bytes=1 << 20, **ENGINE)
+    (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [100], seed=32)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (first,) = llm.generate([{"prompt_token_ids": prompt}], [params])
+    core = llm.engine.core
+    # The next step queues stores of the finished prompt's blocks, then fails
+    # before the worker runs.
+    core.add_request(Request("bad", [7] * 20, params))
+    with pytest.raises(StepFailed):
+        core.step()
+    core.fail_requests(["bad"])
+    kv = core.scheduler.kv
+    assert kv.host_stats().used_blocks == 0 and not kv.has_offload_work
+    (again,) = llm.generate([{"prompt_token_ids": prompt}], [params])
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert kv.num_requests == 0 and kv.num_free_blocks == kv.num_usable_blocks
