@@ -24,12 +24,18 @@ _GAUGES = {
     m.ENGINE_KV_CACHE_USAGE: "kv_cache_usage",
     m.ENGINE_WAITING_PROMPT_TOKENS: "waiting_prompt_tokens",
     m.ENGINE_KV_TRANSFER_HELD_REQUESTS: "num_held_blocks_reqs",
+    m.ENGINE_KV_OFFLOAD_BLOCKS: "host_kv_used_blocks",
+    m.ENGINE_KV_OFFLOAD_CAPACITY: "host_kv_num_blocks",
 }
 # Counters that follow a cumulative StepStats field (incremented by its growth).
 _CUMULATIVE = {
     m.ENGINE_PREFIX_CACHE_QUERIES: "prefix_cache_queries",
     m.ENGINE_PREFIX_CACHE_HITS: "prefix_cache_hits",
     m.ENGINE_NUM_PREEMPTIONS: "num_preemptions",
+    m.ENGINE_KV_OFFLOAD_HIT_TOKENS: "host_kv_hit_tokens",
+    m.ENGINE_KV_OFFLOAD_STORED_BYTES: "host_kv_stored_bytes",
+    m.ENGINE_KV_OFFLOAD_LOADED_BYTES: "host_kv_loaded_bytes",
+    m.ENGINE_KV_OFFLOAD_EVICTIONS: "host_kv_evicted_blocks",
 }
 # Counters incremented by a per-step StepStats count, once per engine step.
 _PER_STEP = {
