@@ -153,9 +153,26 @@ class Gateway:
         keys = [*self.keys, self.fleet_token] if admin and self.fleet_token else self.keys
         return key_matches(given, keys)
 
+    def _sibling_event(self, event: dict[str, Any]) -> None:
+        """Another worker's stall ejection or KV hand-off (``--workers N``)."""
+        kind = event["kind"]
+        if kind == "stall":
+            self.pool.stalled_elsewhere(str(event["url"]), float(event["since"]))
+        elif kind in ("kv_pair_used", "kv_pair_failed"):
+            self.breaker.apply_shared(event)
+        else:
+            raise ValueError(f"unknown sibling event {kind!r}")
+
     async def start(self) -> None:
         if self.siblings is not None:
-            await self.siblings.serve(lambda: generate_latest(self.metrics.registry))
+            siblings = self.siblings
+            await siblings.serve(
+                lambda: generate_latest(self.metrics.registry), self._sibling_event
+            )
+            self.breaker.share = siblings.publish
+            self.pool.on_stall = lambda e: siblings.publish(
+                {"kind": "stall", "url": e.url, "since": e.last_progress}
+            )
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
         self.kv_events.start(self.pool, self.analyzer, self.config)
@@ -255,6 +272,8 @@ def build_app(
         if denied:
             return denied
         body: dict[str, Any] = {
+            # "INDEX/N" with --workers N (this view is the answering worker's), else null.
+            "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),
             "engines": [
                 {

@@ -159,6 +159,9 @@ class EnginePool:
         self.on_scrape: Callable[[EngineState, EngineLoad, EngineLoad], None] = lambda e, old, new: (
             None
         )
+        self.on_stall: Callable[[EngineState], None] = lambda e: None
+        """Called for each engine this process ejects for a stall (``--workers
+        N``: the other workers are told, ``stalled_elsewhere``)."""
 
     # -- membership ------------------------------------------------------------
 
@@ -284,19 +287,40 @@ class EnginePool:
                 o is not e and o.last_progress > e.last_progress for o in self.engines.values()
             ):
                 continue
-            self.metrics.stalls.labels(e.url, e.role).inc()
-            self._set_state(
+            self._eject_stalled(
                 e,
-                "ejected",
                 f"stalled: {e.inflight} requests in flight, nothing received for "
                 f"{now - e.last_progress:.1f}s while other engines progressed",
             )
-            e.stalled = True
-            for cm in list(e.waiters):  # those legs go to another engine now
-                if not cm.expired():
-                    cm.reschedule(asyncio.get_running_loop().time())
+            self.on_stall(e)
             out.append(e)
         return out
+
+    def stalled_elsewhere(self, url: str, since: float, now: float | None = None) -> bool:
+        """Mutates: another worker ejected ``url`` for a stall (nothing from it
+        since the monotonic ``since``, a clock every process on the host
+        shares). Ejected here too, unless this process has received from it
+        within --stall-timeout; True when it was ejected."""
+        e = self.engines.get(url)
+        if e is None or not e.routable:
+            return False
+        now = time.monotonic() if now is None else now
+        if (
+            e.inflight > 0
+            and e.last_progress > since
+            and now - e.last_progress <= (self.config.stall_timeout)
+        ):
+            return False  # it answers this worker: not wedged as far as it can tell
+        self._eject_stalled(e, "stalled (seen by another gateway worker)")
+        return True
+
+    def _eject_stalled(self, e: EngineState, reason: str) -> None:
+        self.metrics.stalls.labels(e.url, e.role).inc()
+        self._set_state(e, "ejected", reason)
+        e.stalled = True
+        for cm in list(e.waiters):  # those legs go to another engine now
+            if not cm.expired():
+                cm.reschedule(asyncio.get_running_loop().time())
 
     async def watch_stalls(self) -> None:
         period = min(0.5, self.config.stall_timeout / 4)

@@ -409,7 +409,7 @@ class Proxy:
 
     def _pair_failed(self, call: Call, decode: EngineState) -> None:
         if self.breaker is not None and call.prefill_url is not None:
-            self.breaker.record(call.prefill_url, decode.url, ok=False)
+            self.breaker.leg_failed(call.prefill_url, decode.url)
 
     # -- entry -------------------------------------------------------------------
 
