@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pdfleet.engine import tracing
@@ -32,7 +31,7 @@ from pdfleet.engine.config.security import (
 )
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
-from .asgi import GatewayASGI
+from .asgi import GatewayASGI, Request
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
@@ -154,10 +153,13 @@ class Gateway:
         return key_matches(given, keys)
 
     def _sibling_event(self, event: dict[str, Any]) -> None:
-        """Another worker's stall ejection or KV hand-off (``--workers N``)."""
+        """Another worker's ejection (a stall, a refused connection) or KV
+        hand-off (``--workers N``)."""
         kind = event["kind"]
         if kind == "stall":
             self.pool.stalled_elsewhere(str(event["url"]), float(event["since"]))
+        elif kind == "refused":
+            self.pool.refused_elsewhere(str(event["url"]))
         elif kind in ("kv_pair_used", "kv_pair_failed"):
             self.breaker.apply_shared(event)
         else:
@@ -173,6 +175,7 @@ class Gateway:
             self.pool.on_stall = lambda e: siblings.publish(
                 {"kind": "stall", "url": e.url, "since": e.last_progress}
             )
+            self.pool.on_refused = lambda e: siblings.publish({"kind": "refused", "url": e.url})
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
         self.kv_events.start(self.pool, self.analyzer, self.config)
@@ -209,7 +212,7 @@ def build_app(
 
     def internal_error(request: Request, exc: Exception) -> Response:
         rid = client_request_id(request.headers.get("x-request-id"))
-        logger.error("request %s: %s failed", rid, request.url.path, exc_info=exc)
+        logger.error("request %s: %s failed", rid, request.path, exc_info=exc)
         return error_response("internal error of the gateway", 500, rid)
 
     # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
@@ -223,7 +226,7 @@ def build_app(
             return None
         rid = client_request_id(request.headers.get("x-request-id"))
         gw.metrics.rejected.labels("unauthorized").inc()
-        gw.metrics.requests.labels(request.url.path, "401").inc()
+        gw.metrics.requests.labels(request.path, "401").inc()
         return error_response(
             "invalid or missing API key", 401, rid, headers={"www-authenticate": "Bearer"}
         )

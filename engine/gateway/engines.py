@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -115,6 +116,8 @@ class EngineState:
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
     waiters: set[asyncio.Timeout] = field(default_factory=set)
     """The timeouts of legs waiting on the engine; a stall fires them at once."""
+    inflight_gauge: Any = field(default=None, repr=False, compare=False)
+    """Its in-flight metric series (the proxy's, made on first use)."""
 
     @property
     def routable(self) -> bool:
@@ -162,6 +165,9 @@ class EnginePool:
         self.on_stall: Callable[[EngineState], None] = lambda e: None
         """Called for each engine this process ejects for a stall (``--workers
         N``: the other workers are told, ``stalled_elsewhere``)."""
+        self.on_refused: Callable[[EngineState], None] = lambda e: None
+        """Called for each engine this process ejects for a refused connection
+        (``--workers N``: the other workers are told, ``refused_elsewhere``)."""
 
     # -- membership ------------------------------------------------------------
 
@@ -257,6 +263,22 @@ class EnginePool:
         e.failures += 1
         if e.state == "healthy" and (definitive or e.failures >= self.config.eject_after):
             self._set_state(e, "ejected", reason)
+
+    def refused(self, e: EngineState, reason: str) -> None:
+        """A request's connection to ``e`` was refused: ejected at once."""
+        was_routable = e.routable
+        self.record_failure(e, reason, definitive=True)
+        if was_routable and not e.routable:
+            self.on_refused(e)
+
+    def refused_elsewhere(self, url: str) -> bool:
+        """Mutates: another worker's connection to ``url`` was refused; ejected
+        here too (its health checks readmit it); True when it was ejected."""
+        e = self.engines.get(url)
+        if e is None or not e.routable:
+            return False
+        self.record_failure(e, "connection refused (seen by another gateway worker)", True)
+        return True
 
     # -- progress and stalls ---------------------------------------------------------
 

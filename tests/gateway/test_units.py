@@ -444,3 +444,16 @@ def test_breakers_of_two_workers_open_together_on_each_others_failed_hand_offs()
     assert one.is_open("p", "d") and two.is_open("p", "d")
     assert pair_open(metrics_one, "p", "d") == pair_open(metrics_two, "p", "d") == 1
     assert len(sent) == 3  # applied events are not sent on again
+
+
+def test_a_refused_connection_ejects_the_engine_here_and_tells_the_other_workers():
+    pool, engines = stall_pool()
+    told: list[str] = []
+    pool.on_refused = lambda e: told.append(e.url)
+    pool.refused(engines["http://a"], "connection refused")
+    assert engines["http://a"].state == "ejected" and told == ["http://a"]
+    pool.refused(engines["http://a"], "connection refused")  # already out: nothing new
+    assert told == ["http://a"]
+    # Another worker's refusal ejects it here, without a failed request of this one.
+    assert pool.refused_elsewhere("http://b") and engines["http://b"].state == "ejected"
+    assert not pool.refused_elsewhere("http://b")
