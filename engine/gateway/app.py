@@ -161,7 +161,10 @@ class Gateway:
         elif kind == "refused":
             self.pool.refused_elsewhere(str(event["url"]))
         elif kind in ("kv_pair_used", "kv_pair_failed"):
-            self.breaker.apply_shared(event)
+            # Only pairs of engines this worker knows: its tables stay bounded
+            # by the fleet (a worker that has not discovered one yet skips it).
+            if event["prefill"] in self.pool.engines and event["decode"] in self.pool.engines:
+                self.breaker.apply_shared(event)
         else:
             raise ValueError(f"unknown sibling event {kind!r}")
 

@@ -66,6 +66,10 @@ ENGINE_EVENT_COUNTERS = frozenset(
 # backlog after which a sibling that does not read is dropped.
 MAX_EVENT_BYTES = 64 * 1024
 MAX_EVENT_BACKLOG = 1 << 20
+# Seconds a starting worker waits for its event links to the others, and the
+# longest pause between tries of a link to a sibling that is (re)starting.
+LINK_TIMEOUT = 5.0
+LINK_RETRY_MAX = 0.25
 ENV_WORKER = "PDFLEET_GATEWAY_WORKER"
 """Set in each worker's environment: ``INDEX/N`` (logs, tests)."""
 
@@ -143,6 +147,17 @@ class Siblings:
             for i in range(self.count)
             if i != self.index
         ]
+        # Serve only once every sibling hears this worker's events (they start
+        # together); one that does not come up within LINK_TIMEOUT is left to
+        # the reconnecting link.
+        deadline = time.monotonic() + LINK_TIMEOUT
+        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if len(self._peers) < self.count - 1:
+            missing = sorted(set(range(self.count)) - {self.index} - set(self._peers))
+            logger.warning(
+                "gateway worker %d: no event link to workers %s yet", self.index, missing
+            )
 
     async def _events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A sibling's event stream: one JSON object a line, until it closes."""
@@ -169,7 +184,7 @@ class Siblings:
                 reader, writer = await asyncio.open_unix_connection(self.events_path(index))
             except OSError:
                 await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
+                delay = min(LINK_RETRY_MAX, delay * 2)
                 continue
             delay = 0.05
             self._peers[index] = writer

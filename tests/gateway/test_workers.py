@@ -141,12 +141,15 @@ def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
     async def main() -> list[list[dict]]:
         got: list[list[dict]] = [[], [], []]
         workers = [Siblings(str(tmp_path), i, 3) for i in range(3)]
-        for i, w in enumerate(workers):
-            await w.serve(lambda: b"", got[i].append)
+        # They start together, as the supervisor's workers do; each serves
+        # once it has a link to every other.
+        async with asyncio.timeout(10):
+            await asyncio.gather(
+                *(w.serve(lambda: b"", got[i].append) for i, w in enumerate(workers))
+            )
         try:
             async with asyncio.timeout(10):
-                while any(len(w._peers) < 2 for w in workers):
-                    await asyncio.sleep(0.02)
+                assert all(len(w._peers) == 2 for w in workers)
                 workers[0].publish({"kind": "stall", "url": "http://e", "since": 1.0})
                 while not (got[1] and got[2]):
                     await asyncio.sleep(0.02)
