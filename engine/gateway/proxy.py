@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -771,7 +771,7 @@ class Proxy:
         resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         resend: Resend | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Relay whole SSE events (so an error event never lands mid-event).
 
         Bytes are forwarded as they come, cut only at the last event boundary
@@ -944,7 +944,7 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        relay: AsyncIterator[bytes],
+        relay: AsyncGenerator[bytes, None],
         abandon: Callable[[], Awaitable[None]],
         request_id: str,
     ) -> None:
@@ -981,7 +981,7 @@ class RelayResponse(Response):
         finally:
             watch.close()
             if started:
-                await self.body_iterator.aclose()  # type: ignore[union-attr]
+                await self.body_iterator.aclose()
             else:
                 await self.abandon()
 

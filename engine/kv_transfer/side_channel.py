@@ -140,7 +140,7 @@ class SideChannelServer:
         self.sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self.pending: OrderedDict[bytes, tuple[bytes, bytes, bytes]] = OrderedDict()
         self.num_rejected = 0
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A predecessor's socket on this port may still be closing: retry briefly.
@@ -205,9 +205,9 @@ class SideChannelServer:
         body, mac = frames
         request = unpack(body)
         sid = request.get("session")
-        session = self.sessions.get(sid) if isinstance(sid, bytes) else None
-        if session is None:
+        if not isinstance(sid, bytes) or sid not in self.sessions:
             return self._refuse("unknown session: authenticate again")
+        session = self.sessions[sid]
         if not hmac.compare_digest(mac, _mac(session.key, b"req", body)):
             return self._refuse("bad message authentication code")
         seq = request.get("seq")
@@ -217,6 +217,8 @@ class SideChannelServer:
         session.last_used = time.monotonic()
         self.sessions.move_to_end(sid)
         handler = self.handlers.get(str(request.get("op")))
+        head: dict[str, Any]
+        extra: list[Any]
         if handler is None:
             head, extra = {"ok": False, "error": f"unknown op {request.get('op')!r}"}, []
         else:
@@ -259,7 +261,7 @@ class SideChannelServer:
     def _auth(self, request: dict[str, Any]) -> list[Any]:
         sid = request.get("session")
         pending = self.pending.pop(sid, None) if isinstance(sid, bytes) else None
-        if pending is None:
+        if not isinstance(sid, bytes) or pending is None:
             return self._refuse("unknown session: send hello first")
         nonce, server_nonce, hello = pending
         proof = request.get("proof")
@@ -274,7 +276,10 @@ class SideChannelServer:
         self.sessions[sid] = _Session(key, peer, last_used=time.monotonic())
         self._trim_sessions()
         handler = self.handlers.get("handshake")
-        head, extra = handler(request, peer) if handler else ({"ok": True}, [])
+        # auth always answers: a missing handshake handler, or one with nothing
+        # to add (None), confirms the session with a bare ok.
+        answer = handler(request, peer) if handler else None
+        head, extra = answer if answer is not None else ({"ok": True}, [])
         packed = pack(head)
         return [packed, _mac(key, b"rep", packed), *extra]
 
@@ -314,11 +319,11 @@ class SideChannelClient:
             "instance_id": instance_id,
             "compat_hash": compat_hash,
         }
-        self.ctx = zmq.Context.instance()
-        self.socks: dict[tuple[str, int], zmq.Socket] = {}
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}
         self.sessions: dict[tuple[str, int], _ClientSession] = {}
 
-    def _sock(self, host: str, port: int) -> zmq.Socket:
+    def _sock(self, host: str, port: int) -> zmq.Socket[bytes]:
         key = (host, port)
         if key not in self.socks:
             s = self.ctx.socket(zmq.DEALER)

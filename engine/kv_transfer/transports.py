@@ -208,7 +208,11 @@ class NixlTransport(Transport):
         why = tp_layout_mismatch(remote_tp, self.num_kv_heads)
         if why is None and (not isinstance(shards, list) or len(shards) != remote_tp):
             why = f"tp_size {remote_tp} but {len(shards or [])} KV shards in the handshake"
-        for rank, info in enumerate(shards if why is None else []):
+        if why is not None:
+            raise IncompatibleKV(f"the prefill engine's {why}")
+        # Both checks above passed: tp_size is a rank count and shards a list of that length.
+        assert isinstance(remote_tp, int) and isinstance(shards, list)
+        for rank, info in enumerate(shards):
             want = rank_heads(rank, remote_tp, self.num_kv_heads)[1]
             if int(info.get("rank", -1)) != rank or int(info.get("num_kv_heads", -1)) != want:
                 why = (
@@ -297,7 +301,7 @@ class ZmqTransport(Transport):
                     if host is None:
                         view = view.to("cpu")
                     # Zero-copy on CPU: the frame wraps the cache memory itself.
-                    frames.append(memoryview(view.contiguous().view(torch.uint8).numpy()))
+                    frames.append(view.contiguous().view(torch.uint8).numpy().data)
         return frames
 
     def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):

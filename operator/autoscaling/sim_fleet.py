@@ -33,6 +33,7 @@ import heapq
 import math
 import random
 import time as wallclock
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ class _Request:
         self.start_step = 0.0
 
 
-class _Replica:
+class _Replica(ABC):
     __slots__ = ("created", "name", "prev_snap", "role", "snap", "state", "stopped")
 
     def __init__(self, role: str, name: str, created: float, state: str) -> None:
@@ -135,6 +136,14 @@ class _Replica:
         self.stopped = -1.0
         self.snap: EngineSnapshot | None = None
         self.prev_snap: EngineSnapshot | None = None
+
+    @abstractmethod
+    def load(self) -> float:
+        """Tokens queued or being served (what the router balances on)."""
+
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Requests queued or running."""
 
 
 class _Prefill(_Replica):
@@ -575,11 +584,11 @@ class Simulation:
             ReplicaLoad(
                 name=r.name,
                 ready=r.state == READY,
-                in_flight=r.in_flight(),  # type: ignore[attr-defined]
+                in_flight=r.in_flight(),
                 kv_cache_usage=r.context() / self.model.kv_capacity_tokens
                 if isinstance(r, _Decode)
                 else 0.0,
-                waiting_prompt_tokens=r.load(),  # type: ignore[attr-defined]
+                waiting_prompt_tokens=r.load(),
             )
             for r in live
         ]
@@ -587,7 +596,7 @@ class Simulation:
         for r in live:
             if r.name not in victims:
                 continue
-            if r.state == STARTING or not r.in_flight():  # type: ignore[attr-defined]
+            if r.state == STARTING or not r.in_flight():
                 self._stop(r, now)
             else:
                 r.state = DRAINING
@@ -664,11 +673,8 @@ class Simulation:
         return self._result(duration, wallclock.perf_counter() - started)
 
     def _idle(self) -> bool:
-        return all(
-            not r.in_flight()  # type: ignore[attr-defined]
-            for rs in self.replicas.values()
-            for r in rs
-        ) and not any(self.pending.values())
+        busy = any(r.in_flight() for rs in self.replicas.values() for r in rs)
+        return not busy and not any(self.pending.values())
 
     def _result(self, duration: float, wall: float) -> SimResult:
         model = self.model
