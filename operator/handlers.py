@@ -399,13 +399,11 @@ def register(
             forget(f"{meta.get('namespace')}/{meta['name']}")
 
     @kopf.timer(*resource, id="refresh", interval=config.timer_interval_seconds, registry=registry)
-    async def on_timer(
-        body: kopf.Body, patch: kopf.Patch, logger: Any, stopped: Any, **_: Any
-    ) -> None:
+    async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Any, **kwargs: Any) -> None:
         if state.kube is None:
             return  # logged out (the operator is stopping): skip this tick
         try:
-            await _until_stopped(refresh(state, config, body, patch, logger), stopped)
+            await _until_stopped(refresh(state, config, body, patch, logger), kwargs["stopped"])
         except KubeError as e:
             logger.warning("status refresh failed: %s", e)
 

@@ -154,15 +154,16 @@ def nixl_agent_with_poll_timeout(
     if native is None or not hasattr(native, "nixlAgent"):
         logger.warning("this NIXL has no nixlBind.nixlAgent: its progress poll is left as is")
         return nixl_agent(name, config)
+    bind: Any = native
 
     class _WithDelay:
         def __getattr__(self, attr: str) -> Any:
-            return getattr(native, attr)
+            return getattr(bind, attr)
 
         @staticmethod
         def nixlAgent(agent_name: str, agent_config: Any) -> Any:
             agent_config.pthrDelay = poll_us
-            return native.nixlAgent(agent_name, agent_config)
+            return bind.nixlAgent(agent_name, agent_config)
 
     with _AGENT_LOCK:
         _api.nixlBind = _WithDelay()
