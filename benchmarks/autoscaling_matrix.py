@@ -8,6 +8,14 @@ calibrated to (``prefillTokensPerSecond`` stays at the nominal value).
 
     .venv/bin/python benchmarks/autoscaling_matrix.py --seeds 10 --jobs 2 \
         --out benchmarks/results/autoscaling_matrix.json
+
+A policy variant (``--tuning`` sets :class:`PolicyTuning` fields) against the
+baselines of an earlier run (``--baselines``: HPA's and the oracle's figures
+per cell are read from that file, not simulated again):
+
+    .venv/bin/python benchmarks/autoscaling_matrix.py --seeds 10 --jobs 2 \
+        --cases default --tuning scale_down_headroom=0.2 \
+        --baselines benchmarks/results/autoscaling_matrix.json
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import sys
 from pathlib import Path
 
 from pdfleet.operator.autoscaling.matrix import all_met, format_matrix, run_matrix
+from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
 from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -45,6 +54,33 @@ def cases(model: FleetModel) -> dict[str, tuple[FleetModel, float | None]]:
     }
 
 
+def parse_tuning(text: str) -> PolicyTuning:
+    """``name=value,...`` -> PolicyTuning (``none`` for a None field)."""
+    fields = {f.name for f in dataclasses.fields(PolicyTuning)}
+    values: dict[str, float | None] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(
+                f"--tuning: {item!r} is not NAME=VALUE with NAME one of {', '.join(sorted(fields))}"
+            )
+        values[name] = None if value.lower() == "none" else float(value)
+    return PolicyTuning(**values)  # type: ignore[arg-type]
+
+
+def load_baselines(path: Path, case: str) -> dict[tuple[str, int], dict[str, dict[str, float]]]:
+    """(trace, seed) -> {"hpa"|"oracle": {"replica_seconds", "scale_events"}} of one case."""
+    doc = json.loads(path.read_text())
+    out: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+    for cell in doc.get("cases", {}).get(case, {}).get("cells", []):
+        out[(cell["trace"], cell["seed"])] = {
+            name: {"replica_seconds": r["replica_seconds"], "scale_events": r["scale_events"]}
+            for name, r in cell["strategies"].items()
+            if name in ("hpa", "oracle") and "scale_events" in r
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -53,10 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cases", default="default,cold_start_x2,prefill_rate_-30%,prefill_rate_+30%"
     )
+    parser.add_argument("--tuning", default="", help="PolicyTuning fields, NAME=VALUE,...")
+    parser.add_argument(
+        "--baselines", type=Path, default=None, help="reuse HPA's and the oracle's figures"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    tuning = parse_tuning(args.tuning)
     kinds = [k for k in args.traces.split(",") if k]
-    out: dict[str, object] = {"seeds": args.seeds, "traces": kinds, "cases": {}}
+    out: dict[str, object] = {
+        "seeds": args.seeds,
+        "traces": kinds,
+        "tuning": dataclasses.asdict(tuning),
+        "cases": {},
+    }
     ok = True
     for name, (model, configured) in cases(FleetModel()).items():
         if name not in args.cases.split(","):
@@ -65,7 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         if configured is not None:
             section["prefill"]["prefillTokensPerSecond"] = configured
         spec = AutoscalingSpec.from_spec(section)
-        result = run_matrix(TraceConfig(), model, spec, kinds, range(args.seeds), jobs=args.jobs)
+        known = load_baselines(args.baselines, name) if args.baselines else None
+        result = run_matrix(
+            TraceConfig(),
+            model,
+            spec,
+            kinds,
+            range(args.seeds),
+            jobs=args.jobs,
+            tuning=tuning,
+            baselines=known,
+        )
         print(f"== {name}")
         print(format_matrix(result), flush=True)
         ok = ok and all_met(result["summary"])

@@ -46,6 +46,7 @@ import httpx
 import yaml
 from fleet import free_port, tiny_model
 
+from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_HELD_REQUESTS, parse_metrics
 from pdfleet.engine.config.security import fleet_token, generate_secret
 
 LEASE_SECONDS = 5
@@ -302,13 +303,13 @@ class Bench:
 
     async def restart_producer_mid_transfer(self) -> dict:
         url = self.engines()["prefill"][1]
-        held_metric = "pdfleet_engine_kv_transfer_held_requests"
+        held_metric = ENGINE_KV_TRANSFER_HELD_REQUESTS.name
         deadline = time.monotonic() + 30
         held = 0.0
         async with httpx.AsyncClient(timeout=2, headers=self.headers) as client:
             while time.monotonic() < deadline:  # leases held: decode legs are pulling
                 text = (await client.get(url + "/metrics")).text
-                held = sum(float(m) for m in re.findall(rf"^{held_metric}\S* (\S+)$", text, re.M))
+                held = parse_metrics(text, only=[held_metric]).total(held_metric) or 0.0
                 if held > 0:
                     break
                 await asyncio.sleep(0.02)

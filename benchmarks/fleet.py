@@ -88,15 +88,16 @@ def engine_env(threads: int) -> dict[str, str]:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
+    """The sum of the ``name`` samples on ``url``/metrics whose labels include
+    ``labels`` (names from engine/config/metrics.py, read by its parser)."""
+    from pdfleet.engine.config.metrics import parse_metrics
 
-    total = 0.0
-    text = httpx.get(url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    scrape = parse_metrics(httpx.get(url + "/metrics", timeout=5).text, only=[name])
+    return sum(
+        value
+        for have, value in scrape.samples.get(name, ())
+        if all(have.get(k) == v for k, v in labels.items())
+    )
 
 
 def tiny_model() -> str:

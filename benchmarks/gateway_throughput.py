@@ -8,7 +8,9 @@ the same ``wrk`` (a Lua script POSTs the body) pinned with nginx to the other
 core(s). Reported per router: req/s and latency percentiles for non-streamed
 requests at 16 and 64 connections, streams/s and events/s for streamed ones,
 pdfleet at ``--workers 1`` and ``--workers 2``, and pdfleet's ratio to the Rust
-router in the same run. ``vllm-router`` is installed by this script into a
+router in the same run; and each router's CPU time per request (its process
+and workers, from /proc), whose ratio is the per-core comparison that a
+loaded machine's neighbours move least. ``vllm-router`` is installed by this script into a
 throwaway virtualenv under ``build/`` (cached there).
 
     .venv/bin/python benchmarks/gateway_throughput.py [--duration 10]
@@ -216,6 +218,28 @@ def wait_serving(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise TimeoutError(f"{url} did not serve within {timeout}s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and its live descendants (a
+    gateway's workers): what a router spent, whatever else loads the machine."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        ticks[int(entry.name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    family, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return sum(ticks.get(p, 0) for p in family) / os.sysconf("SC_CLK_TCK")
+
+
 def run_wrk(url: str, body: dict, connections: int, duration: float, cpus: str, script: Path):
     out = subprocess.run(
         [
@@ -338,10 +362,16 @@ def main() -> int:
                         req = body if mode == "json" else stream_body
                         if args.warmup > 0:
                             run_wrk(url, req, c, args.warmup, args.load_cpus, script)
-                        runs = [
-                            run_wrk(url, req, c, args.duration, args.load_cpus, script)
-                            for _ in range(args.repeat)
-                        ]
+                        runs = []
+                        for _ in range(args.repeat):
+                            cpu0 = cpu_seconds(proc.pid)
+                            run = run_wrk(url, req, c, args.duration, args.load_cpus, script)
+                            # CPU per request: the per-core cost, which a loaded
+                            # machine's neighbours move far less than req/s.
+                            run["cpu_us_per_request"] = (
+                                1e6 * (cpu_seconds(proc.pid) - cpu0) / max(1, run["requests"])
+                            )
+                            runs.append(run)
                         best = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
                         cell = {
                             "router": kind,
@@ -358,7 +388,8 @@ def main() -> int:
                         print(
                             f"{kind:12s} w{workers} cpus={cpus:5s} {cell['mode']:13s} c={c:3d} "
                             f"{best['rps']:9.0f} req/s  p50 {best['p50_ms']:6.2f} ms  "
-                            f"p99 {best['p99_ms']:6.2f} ms  errors {best['errors']}",
+                            f"p99 {best['p99_ms']:6.2f} ms  "
+                            f"{best['cpu_us_per_request']:6.0f} us CPU/req  errors {best['errors']}",
                             flush=True,
                         )
                 finally:
@@ -377,7 +408,7 @@ def main() -> int:
                 return cell
         return None
 
-    ratios = {}
+    ratios, cpu_ratios = {}, {}
     for cell in cells:
         if cell["router"] != "pdfleet":
             continue
@@ -385,6 +416,8 @@ def main() -> int:
         key = f"{cell['mode']}_c{cell['connections']}_w{cell['workers']}"
         if ref:
             ratios[key] = round(cell["rps"] / ref["rps"], 3)
+            # Requests per CPU-second, pdfleet's over the Rust router's.
+            cpu_ratios[key] = round(ref["cpu_us_per_request"] / cell["cpu_us_per_request"], 3)
     scaling = {}
     for mode, c in [("non-streamed", c) for c in args.connections] + [
         ("streamed", args.stream_connections)
@@ -396,6 +429,7 @@ def main() -> int:
                 scaling[f"{mode}_c{c}_w{w}"] = round(cell["rps"] / one["rps"], 3)
     if ratios:
         print("pdfleet / vllm-router:", json.dumps(ratios))
+        print("pdfleet / vllm-router, requests per CPU-second:", json.dumps(cpu_ratios))
     if scaling:
         print("pdfleet --workers N / --workers 1:", json.dumps(scaling))
     result = {
@@ -410,6 +444,7 @@ def main() -> int:
         "vllm_router_version": None if router_exe is None else ROUTER_VERSION,
         "cells": cells,
         "ratio_to_vllm_router": ratios,
+        "cpu_ratio_to_vllm_router": cpu_ratios,
         "scaling_vs_workers_1": scaling,
     }
     if args.json:

@@ -772,6 +772,27 @@ def main(argv: list[str] | None = None) -> int:
             ("pull_ms", "pull ms"), ("decode_leg_ms", "decode leg ms"), ("ok", "ok"),
             ("error", "error"),
         ]))  # fmt: skip
+        # Section 5: P/D between unequal TP sizes (each decode rank on its own GPU
+        # reads its KV heads' slice). Needs two GPUs; skipped in the dry run, as on
+        # CPU tests/kv_transfer/test_tp_pd.py checks the same with gloo ranks.
+        tp_rows = []
+        for prefill_tp, decode_tp in ((1, 2), (2, 1)):
+            name = f"P/D TP{prefill_tp} -> TP{decode_tp} over NIXL vs aggregated"
+            if dry_run or torch.cuda.device_count() < 2:
+                tp_rows.append({"check": name, "skipped": "dry run" if dry_run else "needs 2 GPUs"})
+                continue
+            try:
+                tp_rows.append(engine.pd_pair(prefill_tp, decode_tp))
+            except Exception as e:
+                tp_rows.append({"check": name, "ok": False, "error": repr(e)[:500]})
+        report["pd_tp"] = tp_rows
+        engine_rows = [*engine_rows, *tp_rows]
+        print(table("P/D between tensor-parallel sizes over NIXL", tp_rows, [
+            ("check", "check"), ("requests", "requests"), ("mismatches", "mismatches"),
+            ("pulls", "pulls"), ("pulled_MB", "pulled MB"), ("pull_GBps", "pull GB/s"),
+            ("decode_leg_ms", "decode leg ms"), ("ok", "ok"), ("skipped", "skipped"),
+            ("error", "error"),
+        ]))  # fmt: skip
     report["targets"] = goals = targets(decode, prefill, e2e)
     print(table("targets", goals, [("target", "target"), ("value", "value"), ("met", "met")]))
 

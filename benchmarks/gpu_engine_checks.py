@@ -57,15 +57,6 @@ DRY_MODEL = dict(
 # Token ids the tiny tokenizer knows (its trained vocabulary is under vocab_size).
 PROMPT_VOCAB = 1800
 KV_CACHE_BYTES = 4 << 30  # each engine's share of the one GPU
-# The prefill leg's kv_transfer_params (docs/architecture.md).
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def build_model(dry_run: bool) -> str:
@@ -184,8 +175,9 @@ class EngineChecks:
 
     # ------------------------------------------------------------- P/D pair
 
-    def pd_pair(self) -> dict[str, Any]:
-        """Section 4: a P/D pair and an aggregated engine as processes."""
+    def pd_pair(self, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, Any]:
+        """Section 4: a P/D pair and an aggregated engine as processes. With TP sizes
+        (section 5, two GPUs or more) each decode rank pulls its KV heads' slice."""
         from pdfleet.engine.config import security
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -208,6 +200,8 @@ class EngineChecks:
                 if kv_role:
                     cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_port": _port()}
                     extra = ["--kv-transfer-config", json.dumps(cfg)]
+                    tp = prefill_tp if role == "prefill" else decode_tp
+                    extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
                 port = _port()
                 log = open(logs / f"{role}.log", "wb")  # noqa: SIM115 (closed with the process)
                 proc = subprocess.Popen(
@@ -217,7 +211,10 @@ class EngineChecks:
                 procs[role] = (proc, f"http://127.0.0.1:{port}")
             for role, (proc, url) in procs.items():
                 _wait_healthy(proc, url, headers, logs / f"{role}.log", timeout=300)
-            return self._pd_requests({r: u for r, (_, u) in procs.items()}, headers)
+            row = self._pd_requests({r: u for r, (_, u) in procs.items()}, headers)
+            if (prefill_tp, decode_tp) != (1, 1):
+                row["check"] = f"P/D TP{prefill_tp} -> TP{decode_tp} over NIXL vs aggregated"
+            return row
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
@@ -229,6 +226,13 @@ class EngineChecks:
                     proc.wait(10)
 
     def _pd_requests(self, urls: dict[str, str], headers: dict[str, str]) -> dict[str, Any]:
+        from pdfleet.engine.config.metrics import (
+            ENGINE_KV_TRANSFER_BYTES,
+            ENGINE_KV_TRANSFER_SECONDS,
+            parse_metrics,
+        )
+        from pdfleet.engine.gateway.proxy import prefill_body
+
         lengths = [40, 300, 1000] if self.dry_run else [512, 1024, 2048, 3000] * 2
         prompts = random_prompts(PROMPT_VOCAB, lengths, self.seed + 1)
         mismatches, handover_ms = 0, []
@@ -238,11 +242,10 @@ class EngineChecks:
                         "ignore_eos": True}  # fmt: skip
                 agg = client.post(urls["agg"] + "/v1/completions", json=body)
                 agg.raise_for_status()
+                # The prefill leg exactly as the gateway sends it.
                 pre = client.post(
-                    urls["prefill"] + "/v1/completions",
-                    json={**body, "max_tokens": 1, "stream": False,
-                          "kv_transfer_params": PREFILL_PARAMS},
-                )  # fmt: skip
+                    urls["prefill"] + "/v1/completions", json=prefill_body(body, chat=False)
+                )
                 pre.raise_for_status()
                 params = pre.json()["kv_transfer_params"]
                 start = time.perf_counter()
@@ -253,10 +256,10 @@ class EngineChecks:
                 handover_ms.append((time.perf_counter() - start) * 1e3)
                 if dec.json()["choices"][0]["text"] != agg.json()["choices"][0]["text"]:
                     mismatches += 1
-            metrics = _scrape(client, urls["decode"])
-        pulled = metrics.get("pdfleet_engine_kv_transfer_bytes_total", 0.0)
-        seconds = metrics.get("pdfleet_engine_kv_transfer_seconds_sum", 0.0)
-        count = metrics.get("pdfleet_engine_kv_transfer_seconds_count", 0.0)
+            metrics = parse_metrics(client.get(urls["decode"] + "/metrics").text).totals()
+        pulled = metrics.get(ENGINE_KV_TRANSFER_BYTES.name, 0.0)
+        seconds = metrics.get(ENGINE_KV_TRANSFER_SECONDS.sum, 0.0)
+        count = metrics.get(ENGINE_KV_TRANSFER_SECONDS.count, 0.0)
         return {
             "check": "P/D pair over NIXL vs aggregated",
             "memory": "DRAM" if self.dry_run else "VRAM",
@@ -289,18 +292,3 @@ def _wait_healthy(proc, url: str, headers: dict[str, str], log: Path, timeout: f
             pass
         time.sleep(0.5)
     raise TimeoutError(f"engine at {url} not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def _scrape(client: httpx.Client, url: str) -> dict[str, float]:
-    """Unlabelled sums of every sample on ``url``/metrics, by sample name."""
-    values: dict[str, float] = {}
-    for line in client.get(url + "/metrics").text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{")[0]
-        try:
-            values[name] = values.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return values

@@ -14,12 +14,23 @@ between them (as behind a load balancer), one turn per user at a time:
 * ``oracle`` — each conversation always goes to the engine that holds it
   (the engine it started on): the best hit rate any router could reach here.
 
-Reported per policy: prefix hit rate (prompt tokens served from the engines'
-prefix caches / prompt tokens, from the engines' own counters), TTFT p50/p99
-(streamed, as the client sees it) and requests/s, in one JSON.
+Then the offload comparison, on fresh engines whose device KV cache holds half
+of the working set (``--num-gpu-blocks-override``; the working set is the
+conversations' final length in blocks, per engine), with longer system
+prompts (``--offload-system-repeat``) so prefill is a real part of TTFT:
 
-The CPU offload policy of the issue (exact routing with ``--kv-offload-bytes``)
-is not run: the offload tier is not built yet.
+* ``exact_small_cache`` — exact routing, that small device cache, no host tier;
+* ``exact_offload`` — the same with ``--kv-offload-bytes`` (docs/kv_offload.md):
+  blocks the small device cache evicts are loaded back from host memory.
+
+Both fleets run side by side and take turns (A B, B A, ...), so a shared
+machine's load falls on both alike; their assistant turns are a fixed text
+(a random-weight model's replies re-tokenize to any length), which keeps the
+working set known before the engines start.
+
+Reported per policy: prefix hit rate (prompt tokens served from the engines'
+prefix caches, either tier / prompt tokens, from the engines' own counters),
+TTFT p50/p99 (streamed, as the client sees it) and requests/s, in one JSON.
 
     .venv/bin/python benchmarks/multiturn_routing.py [--users 12] [--turns 4]
         [--json benchmarks/results/multiturn_routing_cpu.json]
@@ -85,57 +96,210 @@ def served(engines: list[str]) -> list[float]:
     return [metric(e, "pdfleet_engine_request_success_total") for e in engines]
 
 
-async def run_policy(policy: str, engines: list[str], gateways: list[str], args, seed: int):
-    convs = [
+def first_messages(users: int, seed: int, system_repeat: int) -> list[list[dict]]:
+    return [
         [
             {
                 "role": "system",
-                "content": f"User {seed}-{u}. " + "You are a helpful and concise assistant. " * 8,
+                "content": f"User {seed}-{u}. "
+                + "You are a helpful and concise assistant. " * system_repeat,
             }
         ]
-        for u in range(args.users)
+        for u in range(users)
     ]
-    home: dict[int, str] = {}
-    ttfts: list[float] = []
-    h0, q0 = hit_counters(engines)
-    t0 = time.perf_counter()
+
+
+def user_message(turn: int, u: int) -> dict:
+    return {"role": "user", "content": f"Turn {turn}: tell me about topic {u}. " * 4}
+
+
+def fixed_reply(u: int) -> dict:
+    """The offload rows' assistant turns: a known text, so the working set is
+    known before the engines start (a random-weight model's replies re-tokenize
+    to any length)."""
+    return {"role": "assistant", "content": f"Here is more about topic {u}."}
+
+
+def working_set_blocks(
+    model: str, args, system_repeat: int, turns: int, block_size: int = 16
+) -> tuple[int, int]:
+    """(blocks of every conversation at its last turn, tokens of the longest
+    one), as the engines' chat template renders them (with fixed replies)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    total = longest = 0
+    for u, conv in enumerate(first_messages(args.users, len(POLICIES) + 1, system_repeat)):
+        for turn in range(turns):
+            conv += [user_message(turn, u), fixed_reply(u)]
+        text = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
+        n = len(tok(text, add_special_tokens=False)["input_ids"]) + args.max_tokens
+        total += -(-n // block_size)
+        longest = max(longest, n)
+    return total, longest
+
+
+class PolicyRun:
+    """One policy's conversations, played a turn at a time (so two policies can
+    take turns in the same time window and see the same machine load)."""
+
+    def __init__(
+        self,
+        policy: str,
+        engines: list[str],
+        gateways: list[str],
+        args,
+        seed: int,
+        system_repeat: int = 8,
+        fixed_replies: bool = False,
+    ) -> None:
+        self.policy, self.engines, self.gateways, self.args = policy, engines, gateways, args
+        self.fixed_replies = fixed_replies
+        self.convs = first_messages(args.users, seed, system_repeat)
+        self.home: dict[int, str] = {}
+        self.ttfts: list[float] = []
+        self.warm_ttfts: list[float] = []  # turns after the first (the prefix repeats)
+        self.elapsed = 0.0
+        self.h0, self.q0 = hit_counters(engines)
+
+    async def turn(self, client: httpx.AsyncClient, turn: int) -> None:
+        args, convs = self.args, self.convs
+        start = time.perf_counter()
+
+        async def one(u: int, url: str) -> None:
+            convs[u].append(user_message(turn, u))
+            ttft, reply = await stream_ttft(client, url, convs[u], args.max_tokens)
+            self.ttfts.append(ttft)
+            if turn:
+                self.warm_ttfts.append(ttft)
+            convs[u].append(
+                fixed_reply(u) if self.fixed_replies else {"role": "assistant", "content": reply}
+            )
+
+        targets = []
+        for u in range(args.users):
+            if self.policy == "round_robin":
+                # Rotating: a user's next turn goes to the next engine.
+                targets.append(self.engines[(u + turn) % len(self.engines)])
+            elif self.policy == "oracle":
+                targets.append(self.home.setdefault(u, self.engines[u % len(self.engines)]))
+            else:
+                targets.append(self.gateways[(u + turn) % len(self.gateways)])
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def limited(u: int, url: str) -> None:
+            async with sem:
+                await one(u, url)
+
+        await asyncio.gather(*(limited(u, url) for u, url in enumerate(targets)))
+        self.elapsed += time.perf_counter() - start
+
+    def result(self) -> dict[str, float]:
+        h1, q1 = hit_counters(self.engines)
+        queries = max(1.0, q1 - self.q0)
+        host = sum(metric(e, "pdfleet_engine_kv_offload_hit_tokens_total") for e in self.engines)
+        requests = len(self.ttfts)
+        return {
+            "prefix_hit_rate": round((h1 - self.h0) / queries, 4),
+            "host_tier_hit_rate": round(host / queries, 4),
+            "ttft_p50_s": round(quantile(self.ttfts, 0.5), 4),
+            "ttft_p99_s": round(quantile(self.ttfts, 0.99), 4),
+            "ttft_p50_after_first_turn_s": round(quantile(self.warm_ttfts, 0.5), 4),
+            "requests_per_s": round(requests / self.elapsed, 3),
+            "requests": requests,
+        }
+
+
+async def run_policy(policy: str, engines: list[str], gateways: list[str], args, seed: int):
+    run = PolicyRun(policy, engines, gateways, args, seed)
     async with httpx.AsyncClient(timeout=300) as client:
         for turn in range(args.turns):
+            await run.turn(client, turn)
+    return run.result()
 
-            async def one(u: int, url: str, turn: int = turn) -> None:
-                convs[u].append(
-                    {"role": "user", "content": f"Turn {turn}: tell me about topic {u}. " * 4}
-                )
-                ttft, reply = await stream_ttft(client, url, convs[u], args.max_tokens)
-                ttfts.append(ttft)
-                convs[u].append({"role": "assistant", "content": reply})
 
-            targets = []
-            for u in range(args.users):
-                if policy == "round_robin":
-                    # Rotating: a user's next turn goes to the next engine.
-                    targets.append(engines[(u + turn) % len(engines)])
-                elif policy == "oracle":
-                    targets.append(home.setdefault(u, engines[u % len(engines)]))
-                else:
-                    targets.append(gateways[(u + turn) % len(gateways)])
-            sem = asyncio.Semaphore(args.concurrency)
+async def run_alternating(runs: list[PolicyRun], turns: int) -> list[dict[str, float]]:
+    """Turn by turn, the policies one after the other, in A B, B A, ... order."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        for turn in range(turns):
+            for run in runs if turn % 2 == 0 else runs[::-1]:
+                await run.turn(client, turn)
+    return [run.result() for run in runs]
 
-            async def limited(u: int, url: str, sem: asyncio.Semaphore = sem) -> None:
-                async with sem:
-                    await one(u, url)
 
-            await asyncio.gather(*(limited(u, url) for u, url in enumerate(targets)))
-    elapsed = time.perf_counter() - t0
-    h1, q1 = hit_counters(engines)
-    requests = args.users * args.turns
-    return {
-        "prefix_hit_rate": round((h1 - h0) / max(1.0, q1 - q0), 4),
-        "ttft_p50_s": round(quantile(ttfts, 0.5), 4),
-        "ttft_p99_s": round(quantile(ttfts, 0.99), 4),
-        "requests_per_s": round(requests / elapsed, 3),
-        "requests": requests,
-    }
+def start_engines(
+    fleet: Fleet,
+    model: str,
+    args,
+    extra: list[str],
+    max_model_len: int = 2048,
+    name: str = "engine",
+) -> tuple[list[str], list[tuple[int, int]]]:
+    """Three aggregated engines publishing KV events; their URLs and event ports."""
+    ports = [(free_port(), free_port()) for _ in range(ENGINES)]
+    engines = []
+    for i, (pub, rep) in enumerate(ports):
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{rep}",
+        }
+        engines.append(
+            fleet.start(
+                f"{name}{i}",
+                [
+                    "serve",
+                    model,
+                    "--served-model-name",
+                    "tiny",
+                    "--max-model-len",
+                    str(max_model_len),
+                    "--disable-log-stats",
+                    "--kv-events-config",
+                    json.dumps(events),
+                    *extra,
+                ],
+                engine_env(args.threads),
+            )
+        )
+    return engines, ports
+
+
+def start_gateways(
+    fleet: Fleet, model: str, engines: list[str], ports: list[tuple[int, int]], kind: str
+) -> list[str]:
+    """Two gateway replicas over ``engines``: ``exact`` follows their KV events,
+    ``approximate`` guesses from its own routing history."""
+    entries = []
+    for url, (pub, rep) in zip(engines, ports, strict=True):
+        entry = {"url": url, "role": "decode"}
+        if kind == "exact":
+            entry |= {
+                "kv_events": f"tcp://127.0.0.1:{pub}",
+                "kv_events_replay": f"tcp://127.0.0.1:{rep}",
+            }
+        entries.append(entry)
+    path = fleet.log_dir / f"engines-{kind}-{ports[0][0]}.json"
+    path.write_text(json.dumps({"engines": entries}))
+    return [
+        fleet.start(
+            f"gateway-{kind}-{ports[0][0]}-{r}",
+            [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--engines-file",
+                str(path),
+                "--disaggregation-mode",
+                "Disabled",
+                "--tokenizer",
+                model,
+                "--scrape-interval",
+                "0.5",
+            ],
+        )
+        for r in range(2)
+    ]
 
 
 def main() -> None:
@@ -146,80 +310,85 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--offload-system-repeat",
+        type=int,
+        default=48,
+        help="system prompt length of the offload comparison (repeats of one sentence)",
+    )
+    ap.add_argument("--offload-turns", type=int, default=6, help="turns of the offload rows")
+    ap.add_argument(
+        "--offload-bytes", default="256M", help="--kv-offload-bytes of the offload engines"
+    )
+    ap.add_argument("--skip-routing", action="store_true", help="run the offload rows only")
     ap.add_argument("--json", default="benchmarks/results/multiturn_routing_cpu.json")
     args = ap.parse_args()
     model = args.model or tiny_model()
     log_dir = Path(tempfile.mkdtemp(prefix="pdfleet-multiturn-"))
     results: dict[str, object] = {"config": vars(args) | {"engines": ENGINES, "gateways": 2}}
-    with Fleet(log_dir) as fleet:
-        ports = [(free_port(), free_port()) for _ in range(ENGINES)]
-        engines = []
-        for i, (pub, rep) in enumerate(ports):
-            events = {
-                "enable_kv_cache_events": True,
-                "endpoint": f"tcp://127.0.0.1:{pub}",
-                "replay_endpoint": f"tcp://127.0.0.1:{rep}",
+    if not args.skip_routing:
+        with Fleet(log_dir / "routing") as fleet:
+            engines, ports = start_engines(fleet, model, args, [])
+            gateways = {
+                kind: start_gateways(fleet, model, engines, ports, kind)
+                for kind in ("approximate", "exact")
             }
-            engines.append(
-                fleet.start(
-                    f"engine{i}",
-                    [
-                        "serve",
-                        model,
-                        "--served-model-name",
-                        "tiny",
-                        "--max-model-len",
-                        "2048",
-                        "--disable-log-stats",
-                        "--kv-events-config",
-                        json.dumps(events),
-                    ],
-                    engine_env(args.threads),
-                )
-            )
-        files = {}
-        for kind in ("approximate", "exact"):
-            entries = []
-            for url, (pub, rep) in zip(engines, ports, strict=True):
-                entry = {"url": url, "role": "decode"}
-                if kind == "exact":
-                    entry |= {
-                        "kv_events": f"tcp://127.0.0.1:{pub}",
-                        "kv_events_replay": f"tcp://127.0.0.1:{rep}",
-                    }
-                entries.append(entry)
-            files[kind] = log_dir / f"engines-{kind}.json"
-            files[kind].write_text(json.dumps({"engines": entries}))
-        gateways = {
-            kind: [
-                fleet.start(
-                    f"gateway-{kind}-{r}",
-                    [
-                        "gateway",
-                        "--host",
-                        "127.0.0.1",
-                        "--engines-file",
-                        str(files[kind]),
-                        "--disaggregation-mode",
-                        "Disabled",
-                        "--tokenizer",
-                        model,
-                        "--scrape-interval",
-                        "0.5",
-                    ],
-                )
-                for r in range(2)
-            ]
-            for kind in ("approximate", "exact")
-        }
-        fleet.wait_healthy(engines + [g for gs in gateways.values() for g in gs])
-        for seed, policy in enumerate(POLICIES):
-            gws = gateways.get(policy, [])
-            results[policy] = asyncio.run(run_policy(policy, engines, gws, args, seed))
-            print(policy, results[policy], flush=True)
-    oracle = results["oracle"]["prefix_hit_rate"]  # type: ignore[index]
-    exact = results["exact"]["prefix_hit_rate"]  # type: ignore[index]
-    results["exact_vs_oracle_hit_rate"] = round(exact / oracle, 4) if oracle else None
+            fleet.wait_healthy(engines + [g for gs in gateways.values() for g in gs])
+            for seed, policy in enumerate(POLICIES):
+                gws = gateways.get(policy, [])
+                results[policy] = asyncio.run(run_policy(policy, engines, gws, args, seed))
+                print(policy, results[policy], flush=True)
+        oracle = results["oracle"]["prefix_hit_rate"]  # type: ignore[index]
+        exact = results["exact"]["prefix_hit_rate"]  # type: ignore[index]
+        results["exact_vs_oracle_hit_rate"] = round(exact / oracle, 4) if oracle else None
+
+    # Row 4: a device cache of half the working set, with and without the host tier.
+    repeat = args.offload_system_repeat
+    total, longest = working_set_blocks(model, args, repeat, args.offload_turns)
+    working_set = -(-total // ENGINES)
+    device_blocks = -(-working_set // 2)
+    # One request must fit the small cache (and the cache holds max_model_len).
+    max_len = device_blocks * 16
+    if max_len < longest:
+        raise SystemExit(
+            f"the longest conversation ({longest} tokens) does not fit half the "
+            f"working set ({max_len}); use more --users"
+        )
+    results["offload_config"] = {
+        "working_set_blocks_per_engine": working_set,
+        "device_blocks_per_engine": device_blocks,
+        "kv_offload_bytes": args.offload_bytes,
+        "system_repeat": repeat,
+        "turns": args.offload_turns,
+        "longest_conversation_tokens": longest,
+    }
+    small = ["--num-gpu-blocks-override", str(device_blocks)]
+    rows = {
+        "exact_small_cache": small,
+        "exact_offload": [*small, "--kv-offload-bytes", args.offload_bytes],
+    }
+    with Fleet(log_dir / "offload") as fleet:
+        fleets = {}
+        for policy, extra in rows.items():
+            engines, ports = start_engines(fleet, model, args, extra, max_len, policy)
+            fleets[policy] = (engines, start_gateways(fleet, model, engines, ports, "exact"))
+        fleet.wait_healthy([u for engines, gws in fleets.values() for u in engines + gws])
+        runs = [
+            PolicyRun("exact", engines, gws, args, len(POLICIES) + 1, repeat, fixed_replies=True)
+            for engines, gws in fleets.values()
+        ]
+        played = asyncio.run(run_alternating(runs, args.offload_turns))
+        for policy, row in zip(rows, played, strict=True):
+            results[policy] = row
+            print(policy, row, flush=True)
+    base = results["exact_small_cache"]["ttft_p50_s"]  # type: ignore[index]
+    off = results["exact_offload"]["ttft_p50_s"]  # type: ignore[index]
+    results["offload_ttft_p50_reduction"] = round(1 - off / base, 4) if base else None
+    base = results["exact_small_cache"]["ttft_p50_after_first_turn_s"]  # type: ignore[index]
+    off = results["exact_offload"]["ttft_p50_after_first_turn_s"]  # type: ignore[index]
+    results["offload_ttft_p50_after_first_turn_reduction"] = (
+        round(1 - off / base, 4) if base else None
+    )
     print(json.dumps(results, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

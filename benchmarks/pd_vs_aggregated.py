@@ -39,6 +39,7 @@ from pathlib import Path
 from fleet import Fleet, engine_env, metric, tiny_model
 
 from pdfleet.engine.bench import BenchConfig, BenchResult, arun_benchmark
+from pdfleet.engine.config.metrics import GATEWAY_DISAGG_DECISIONS, GATEWAY_FALLBACKS
 
 
 async def mixed_load(url: str, args: argparse.Namespace) -> dict[str, BenchResult]:
@@ -99,8 +100,8 @@ def run_topology(name: str, model: str, args: argparse.Namespace, log_dir: Path)
         )
         fleet.wait_healthy([gateway])
         results = asyncio.run(mixed_load(gateway, args))
-        fallbacks = metric(gateway, "pdfleet_gateway_fallbacks_total")
-        legs = metric(gateway, "pdfleet_gateway_disagg_decisions_total", decision="prefill_decode")
+        fallbacks = metric(gateway, GATEWAY_FALLBACKS.name)
+        legs = metric(gateway, GATEWAY_DISAGG_DECISIONS.name, decision="prefill_decode")
     return {
         "results": {k: v.to_dict() for k, v in results.items()},
         "prefill_decode_requests": legs,

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 from fleet import Fleet, engine_env, free_port, tiny_model
 
+from pdfleet.engine.config.metrics import GATEWAY_FALLBACKS, GATEWAY_REQUESTS
 from pdfleet.engine.config.security import fleet_token, generate_secret
 
 WORDS = ["the", "harbor", "was", "quiet", "before", "dawn", "and", "fishing", "boats", "rocked"]
@@ -159,7 +160,7 @@ def main() -> None:
             for line in httpx.get(
                 gateway + "/metrics", headers=headers, timeout=5
             ).text.splitlines()
-            if line.startswith(("pdfleet_gateway_requests_total", "pdfleet_gateway_fallbacks"))
+            if line.startswith((GATEWAY_REQUESTS.name, GATEWAY_FALLBACKS.name))
         ]
     out["config"] = vars(args)
     out["logs"] = str(log_dir)

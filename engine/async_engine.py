@@ -47,7 +47,7 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
         self.loop, self.queue = loop, q
 
-    def __call__(self, item: Any) -> None:
+    def __call__(self, item: _Delivery) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -67,8 +67,18 @@ class EngineStepError(RuntimeError):
 # After a failed step, probe requests (one token, no client) that may fail in a row
 # before the engine counts as broken.
 MAX_PROBE_FAILURES = 3
-# The first item of every request queue once the engine thread accepted it.
-_ADMITTED = object()
+
+
+class _Admitted:
+    """The type of ``_ADMITTED``: the first item of every request queue once the
+    engine thread accepted the request."""
+
+    __slots__ = ()
+
+
+_ADMITTED = _Admitted()
+# What a request's sink takes: its admission, its outputs, or the error that ends it.
+_Delivery = RequestOutput | BaseException | _Admitted
 
 
 class QueueFullError(RuntimeError):
@@ -84,7 +94,7 @@ class _Add:
     arrival: float
     priority: int
     kv_transfer_params: dict[str, Any] | None
-    sink: Callable[[RequestOutput | BaseException], None]
+    sink: Callable[[_Delivery], None]
 
 
 @dataclass
@@ -139,7 +149,7 @@ class AsyncEngine:
         self.on_step = on_step
         self.on_fatal = on_fatal
         self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._sinks: dict[str, Callable[[_Delivery], None]] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.num_in_flight = 0

@@ -54,6 +54,9 @@ class StepStats(SchedulerStats):
     forward_seconds: float = 0.0
     num_scheduled_tokens: int = 0
     num_scheduled_reqs: int = 0
+    # Host tier (--kv-offload-bytes): bytes copied each way since the start.
+    host_kv_stored_bytes: int = 0
+    host_kv_loaded_bytes: int = 0
 
 
 class EngineCore:
@@ -67,11 +70,7 @@ class EngineCore:
         self.connector = connector
         self.runner: ModelRunner | TPExecutor
         if config.parallel_config.tensor_parallel_size > 1:
-            if connector is not None:
-                raise ValueError(
-                    "--tensor-parallel-size > 1 with a KV connector is not supported yet"
-                )
-            self.runner = TPExecutor(config, eos_token_ids)
+            self.runner = TPExecutor(config, eos_token_ids, connector.worker if connector else None)
         else:
             self.runner = ModelRunner(
                 config, connector.worker if connector else None, eos_token_ids
@@ -82,6 +81,7 @@ class EngineCore:
             self.runner.num_blocks,
             connector.scheduler if connector else None,
             record_kv_events=events,
+            num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
         )
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
@@ -118,7 +118,13 @@ class EngineCore:
         self.last_stats = dataclasses.replace(self.last_stats, **vars(self.scheduler.stats()))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.held_blocks)
+        # Host-tier stores to start or in flight keep the engine stepping until
+        # they land, so an idle engine still fills its host tier.
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.scheduler.held_blocks)
+            or self.scheduler.kv.has_offload_work
+        )
 
     def fail_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish requests with an error (after a failed step); frees their blocks
@@ -154,6 +160,11 @@ class EngineCore:
             raise  # not one request's failure: the engine is down
         except Exception as e:
             self.num_failed_steps += 1
+            ops = sched_out.kv_offload
+            if ops is not None and ops.stores and isinstance(self.runner, ModelRunner):
+                # Stores the worker never started will not land: forget them.
+                lost = self.runner.unissued_stores([slot for _b, slot in ops.stores])
+                self.scheduler.kv.stores_done(lost, failed=True)
             raise StepFailed(list(sched_out.num_scheduled_tokens), e) from e
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         stats = self.scheduler.stats()
@@ -168,6 +179,10 @@ class EngineCore:
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_scheduled_reqs=len(sched_out.num_scheduled_tokens),
         )
+        host_kv = getattr(self.runner, "host_kv", None)
+        if host_kv is not None:
+            self.last_stats.host_kv_stored_bytes = host_kv.stored_bytes
+            self.last_stats.host_kv_loaded_bytes = host_kv.loaded_bytes
         self.last_stats.step_prompt_tokens = prompt_tokens
         self.last_stats.step_generation_tokens = len(runner_out.sampled_token_ids)
         self.num_steps += 1

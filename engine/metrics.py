@@ -24,12 +24,18 @@ _GAUGES = {
     m.ENGINE_KV_CACHE_USAGE: "kv_cache_usage",
     m.ENGINE_WAITING_PROMPT_TOKENS: "waiting_prompt_tokens",
     m.ENGINE_KV_TRANSFER_HELD_REQUESTS: "num_held_blocks_reqs",
+    m.ENGINE_KV_OFFLOAD_BLOCKS: "host_kv_used_blocks",
+    m.ENGINE_KV_OFFLOAD_CAPACITY: "host_kv_num_blocks",
 }
 # Counters that follow a cumulative StepStats field (incremented by its growth).
 _CUMULATIVE = {
     m.ENGINE_PREFIX_CACHE_QUERIES: "prefix_cache_queries",
     m.ENGINE_PREFIX_CACHE_HITS: "prefix_cache_hits",
     m.ENGINE_NUM_PREEMPTIONS: "num_preemptions",
+    m.ENGINE_KV_OFFLOAD_HIT_TOKENS: "host_kv_hit_tokens",
+    m.ENGINE_KV_OFFLOAD_STORED_BYTES: "host_kv_stored_bytes",
+    m.ENGINE_KV_OFFLOAD_LOADED_BYTES: "host_kv_loaded_bytes",
+    m.ENGINE_KV_OFFLOAD_EVICTIONS: "host_kv_evicted_blocks",
 }
 # Counters incremented by a per-step StepStats count, once per engine step.
 _PER_STEP = {
@@ -85,6 +91,12 @@ class EngineMetrics:
             self._series[metric] = tuple(
                 family.labels(**self.labels) for family in self._register(metric)
             )
+        # Labelled by rank; shard 0 (every engine has it) is exported from the start.
+        self.shard_bytes = None
+        if self.has_kv:
+            self.shard_bytes = m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry)
+            self.shard_bytes.labels(**self.labels, rank="0")
+        self._last_shard_bytes: list[int] = []
         # Labelled by finish reason as requests finish, so not touched up front.
         self.request_success = m.ENGINE_REQUEST_SUCCESS.create(self.registry)
         cache = config.cache_config
@@ -175,3 +187,9 @@ class EngineMetrics:
         for metric, value in values.items():
             self._grow(metric, value)
         self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)
+        by_rank = list(getattr(connector.transport, "rank_bytes", ()))
+        last = self._last_shard_bytes + [0] * (len(by_rank) - len(self._last_shard_bytes))
+        for rank, (now, before) in enumerate(zip(by_rank, last, strict=True)):
+            if now > before and self.shard_bytes is not None:
+                self.shard_bytes.labels(**self.labels, rank=str(rank)).inc(now - before)
+        self._last_shard_bytes = by_rank

@@ -11,6 +11,12 @@ from .config.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 _GREEDY_EPS = 1e-5
 
 
+def json_schema_text(schema: str | dict[str, Any]) -> str:
+    """A JSON schema as text: a dict's text is its cache key (key order kept: it is
+    the order of the properties in the output)."""
+    return schema if isinstance(schema, str) else _json.dumps(schema)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One output constraint (vLLM's ``structured_outputs`` fields); exactly one is set.
@@ -28,9 +34,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
-            # A schema given as a dict: its text is its cache key (key order kept:
-            # it is the order of the properties in the output).
-            object.__setattr__(self, "json", _json.dumps(self.json))
+            # A schema given as a dict (Python callers): keep its text.
+            object.__setattr__(self, "json", json_schema_text(self.json))
         if self.choice is not None:
             choice = self.choice
             if not isinstance(choice, list | tuple) or not choice:

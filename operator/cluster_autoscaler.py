@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from .autoscaling.control_loop import ROLES, ActivationCounter, ReplicaScrape, ScalingLoop
 from .autoscaling.decisions import AutoscalerMetrics
@@ -83,7 +84,7 @@ class PolicyDecider:
             for s in samples
             if s.role in ROLES
         ]
-        gateways = {
+        gateways: dict[str, dict[str, float]] = {
             s.pod: {role: s.values.get(activation_key(role), 0.0) for role in ROLES}
             for s in samples
             if s.role == "gateway" and s.error is None
@@ -104,6 +105,13 @@ class PolicyDecider:
 decide_scaling: DecideFn = PolicyDecider()
 
 
+# One replica change, as status.autoscaling.lastDecisions records it ("from" is a
+# keyword, hence the functional form).
+ScaleRecord = TypedDict(
+    "ScaleRecord", {"role": str, "from": int, "to": int, "reason": str, "time": str}
+)
+
+
 async def actuate(
     client: KubeClient,
     *,
@@ -113,13 +121,13 @@ async def actuate(
     decisions: Sequence[ScaleDecision],
     replicas: Mapping[str, int],
     now: str,
-) -> list[dict[str, object]]:
+) -> list[ScaleRecord]:
     """Apply decisions; return the status records of the changes made.
 
     Replicas are kept within the role's minReplicas..maxReplicas (the same
     bound the reconcile applies, so the two never disagree).
     """
-    records: list[dict[str, object]] = []
+    records: list[ScaleRecord] = []
     for decision in decisions:
         before = replicas[decision.role]
         after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})

@@ -173,6 +173,17 @@ def _check_layout(
                 f"make {tp_field} a multiple of nodesPerReplica",
             )
         )
+    connector = spec.kv_transfer.connector if spec.kv_transfer else None
+    if layout.tensor_parallel_size > 1 and disaggregating(spec) and connector == "ZmqConnector":
+        out.append(
+            Violation(
+                "spec.kvTransfer.connector",
+                f"ZmqConnector moves KV from one process's memory and cannot reach the "
+                f"{layout.tensor_parallel_size} KV shards of {tp_field} "
+                f"{layout.tensor_parallel_size} (docs/parallelism.md)",
+                "use NixlConnector (every rank reads its own shard), or tensorParallelSize 1",
+            )
+        )
     if heads is not None:
         problem = heads_problem(layout.tensor_parallel_size, heads)
         if problem is not None:

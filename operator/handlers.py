@@ -352,7 +352,7 @@ async def _autoscale(
         message = f"{record['role']} {record['from']} -> {record['to']}: {record['reason']}"
         kopf.info(body, reason="Scaled", message=message)
         logger.info("scaled %s", message)
-        replicas[str(record["role"])] = int(record["to"])  # type: ignore[call-overload]
+        replicas[record["role"]] = record["to"]
     return replicas
 
 

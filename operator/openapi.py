@@ -32,7 +32,9 @@ Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
 INT_OR_STRING = "x-kubernetes-int-or-string"
 # Engine fields whose values may be written with size suffixes ("2K", "80m").
-HUMAN_READABLE_ENGINE_FIELDS = frozenset({"max_num_batched_tokens", "kv_cache_memory_bytes"})
+HUMAN_READABLE_ENGINE_FIELDS = frozenset(
+    {"max_num_batched_tokens", "kv_cache_memory_bytes", "kv_offload_bytes"}
+)
 
 
 def _alternatives(tp: Any) -> list[Any]:
@@ -128,7 +130,7 @@ def _constraints(info: FieldInfo) -> Schema:
 
 def _field_default(info: FieldInfo) -> Any:
     if info.default_factory is not None:
-        return info.default_factory()  # type: ignore[call-arg]
+        return info.get_default(call_default_factory=True, validated_data={})
     if info.default is PydanticUndefined:
         return PydanticUndefined
     return info.default

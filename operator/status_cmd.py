@@ -76,10 +76,10 @@ class EngineRow:
         return hits / queries
 
     def transfers_per_second(self) -> float | None:
-        now, prev = self.value(TRANSFERS), self.previous
-        if now is None or prev is None or prev.error is not None:
+        now, prev, sample = self.value(TRANSFERS), self.previous, self.sample
+        if now is None or prev is None or sample is None or prev.error is not None:
             return None
-        dt = self.sample.at - prev.at  # type: ignore[union-attr]
+        dt = sample.at - prev.at
         if dt <= 0:
             return None
         return max(0.0, now - prev.values.get(TRANSFERS, 0.0)) / dt

@@ -128,6 +128,7 @@ class EngineArgs:
     block_size: int | None = _from(CacheConfig, "block_size", None)
     gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
     kv_cache_memory_bytes: int | None = _from(CacheConfig, "kv_cache_memory_bytes")
+    kv_offload_bytes: int | None = _from(CacheConfig, "kv_offload_bytes")
     kv_cache_dtype: CacheDType = _from(CacheConfig, "cache_dtype")
     num_gpu_blocks_override: int | None = _from(CacheConfig, "num_gpu_blocks_override")
     enable_prefix_caching: bool | None = _from(CacheConfig, "enable_prefix_caching", None)
@@ -414,6 +415,7 @@ class EngineArgs:
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_offload_bytes=args.kv_offload_bytes,
             cache_dtype=args.kv_cache_dtype,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             enable_prefix_caching=bool(args.enable_prefix_caching),
@@ -430,6 +432,11 @@ class EngineArgs:
             master_port=args.master_port,
             headless=args.headless,
         )
+        if cache_config.kv_offload_bytes is not None and parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "--kv-offload-bytes with --tensor-parallel-size > 1 is not supported yet (each "
+                "rank would need its own host tier); drop --kv-offload-bytes or run TP=1 engines"
+            )
         parallel_config.check_model(
             model_config.num_attention_heads,
             model_config.num_key_value_heads,

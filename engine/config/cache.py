@@ -28,6 +28,11 @@ class CacheConfig:
     """Bytes of memory for the KV cache, overriding `gpu_memory_utilization`.
     On CPU, when unset, the engine takes a quarter of the available RAM,
     capped at 4 GiB."""
+    kv_offload_bytes: int | None = None
+    """Bytes of host memory for a second KV-cache tier: blocks evicted from the
+    device cache are kept there (pinned memory when the cache is on CUDA) and
+    copied back on a later prefix hit instead of being recomputed
+    (docs/kv_offload.md). Unset: no host tier."""
     cache_dtype: CacheDType = "auto"
     """Data type of the KV cache; `auto` uses the model's dtype."""
     num_gpu_blocks_override: int | None = None
@@ -43,6 +48,9 @@ class CacheConfig:
     """Sliding attention window, from the model (set by the engine)."""
     num_gpu_blocks: int | None = None
     """Number of KV-cache blocks actually allocated (set by the engine at start)."""
+    num_cpu_blocks: int | None = None
+    """Number of host-tier blocks allocated for `kv_offload_bytes` (set by the
+    engine at start)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -56,6 +64,11 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:
+            raise ValueError(
+                f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}; "
+                "leave --kv-offload-bytes unset for no host tier"
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(

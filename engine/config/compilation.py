@@ -9,6 +9,11 @@ from typing import Literal
 from .hashing import hash_fields
 
 CUDAGraphMode = Literal["NONE", "FULL_DECODE_ONLY"]
+# Accepted spellings (any case) -> the mode.
+_CUDAGRAPH_MODES: dict[str, CUDAGraphMode] = {
+    "NONE": "NONE",
+    "FULL_DECODE_ONLY": "FULL_DECODE_ONLY",
+}
 
 
 @dataclass
@@ -32,13 +37,13 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
-            mode = str(self.cudagraph_mode).upper()
-            if mode not in ("NONE", "FULL_DECODE_ONLY"):
+            mode = _CUDAGRAPH_MODES.get(str(self.cudagraph_mode).upper())
+            if mode is None:
                 raise ValueError(
                     f"cudagraph_mode {self.cudagraph_mode!r} is not supported by pdfleet; "
                     "use FULL_DECODE_ONLY or NONE"
                 )
-            self.cudagraph_mode = mode  # type: ignore[assignment]
+            self.cudagraph_mode = mode
         if self.cudagraph_capture_sizes is not None and any(
             s < 1 for s in self.cudagraph_capture_sizes
         ):

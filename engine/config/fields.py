@@ -23,7 +23,9 @@ from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
 # Fields whose CLI values accept human-readable integers (2k, 2K, 1G, ...).
-HUMAN_READABLE_INT_FIELDS = frozenset({"max_num_batched_tokens", "kv_cache_memory_bytes"})
+HUMAN_READABLE_INT_FIELDS = frozenset(
+    {"max_num_batched_tokens", "kv_cache_memory_bytes", "kv_offload_bytes"}
+)
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -119,8 +121,10 @@ def _attr_docs(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-        for node, nxt in itertools.pairwise(body):
+        klass_node = ast.parse(source).body[0]
+        if not isinstance(klass_node, ast.ClassDef):
+            continue
+        for node, nxt in itertools.pairwise(klass_node.body):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

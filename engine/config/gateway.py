@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
+from .http_limits import DEFAULT_LIMITS
 from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
@@ -125,12 +126,13 @@ class GatewayConfig:
     kv_pair_cooldown: float = 30.0
     """Seconds a (prefill, decode) pair stays out of P/D routing once its
     breaker opened."""
-    max_body_bytes: int = 8 * 1024 * 1024
+    # The three client limits default as the engine server's (engine/config/http_limits.py).
+    max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
     """Largest request body accepted (413 beyond, refused on Content-Length
     before anything is read)."""
-    header_timeout: float = 10.0
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
     """Seconds a client may take to send a request's headers."""
-    body_timeout: float = 30.0
+    body_timeout: float = DEFAULT_LIMITS.body_timeout
     """Seconds a client may take to send a request's body."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""

@@ -595,3 +595,55 @@ GATEWAY_ACTIVATIONS = Metric(
     "a pool up from zero.",
     ("role",),
 )
+
+
+# --- Engine: KV pulls per tensor-parallel shard -------------------------------
+
+KV_SHARD = "rank"
+ENGINE_KV_TRANSFER_SHARD_BYTES = Metric(
+    "pdfleet_engine_kv_transfer_shard_bytes_total",
+    "counter",
+    "KV bytes each tensor-parallel rank of a NIXL consumer read into its own shard "
+    "(its KV heads' share of every pulled block).",
+    (MODEL_NAME, KV_SHARD),
+)
+
+# --- Engine: the host KV tier (--kv-offload-bytes, docs/kv_offload.md) --------
+
+ENGINE_KV_OFFLOAD_BLOCKS = Metric(
+    "pdfleet_engine_kv_offload_blocks",
+    "gauge",
+    "Host-tier KV blocks in use (holding a block or receiving one).",
+    _M,
+)
+ENGINE_KV_OFFLOAD_CAPACITY = Metric(
+    "pdfleet_engine_kv_offload_capacity_blocks",
+    "gauge",
+    "Host-tier KV blocks allocated (0 without --kv-offload-bytes).",
+    _M,
+)
+ENGINE_KV_OFFLOAD_HIT_TOKENS = Metric(
+    "pdfleet_engine_kv_offload_hit_tokens_total",
+    "counter",
+    "Prompt tokens loaded back from the host tier instead of recomputed (part of the "
+    "prefix-cache hits).",
+    _M,
+)
+ENGINE_KV_OFFLOAD_STORED_BYTES = Metric(
+    "pdfleet_engine_kv_offload_stored_bytes_total",
+    "counter",
+    "Bytes copied from the device KV cache to the host tier.",
+    _M,
+)
+ENGINE_KV_OFFLOAD_LOADED_BYTES = Metric(
+    "pdfleet_engine_kv_offload_loaded_bytes_total",
+    "counter",
+    "Bytes copied from the host tier back to the device KV cache.",
+    _M,
+)
+ENGINE_KV_OFFLOAD_EVICTIONS = Metric(
+    "pdfleet_engine_kv_offload_evictions_total",
+    "counter",
+    "Blocks evicted from the host tier (least recently used first).",
+    _M,
+)

@@ -34,7 +34,9 @@ _MAX_LEN_KEYS = (
     "max_seq_length",
     "seq_len",
 )
-_DTYPE_ALIASES = {
+# What --dtype resolves to.
+ResolvedDType = Literal["float32", "float16", "bfloat16"]
+_DTYPE_ALIASES: dict[str, ResolvedDType] = {
     "half": "float16",
     "float16": "float16",
     "fp16": "float16",
@@ -110,7 +112,7 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def resolve_dtype(requested: str, hf: dict[str, Any], device: str) -> str:
+def resolve_dtype(requested: str, hf: dict[str, Any], device: str) -> ResolvedDType:
     """Resolve ``--dtype`` to float32 / float16 / bfloat16.
 
     ``auto`` takes the checkpoint's dtype; a float32 (or unspecified)
@@ -123,9 +125,9 @@ def resolve_dtype(requested: str, hf: dict[str, Any], device: str) -> str:
             raise ValueError(
                 f"dtype {requested!r} is not supported; use auto, float32, float16 or bfloat16"
             ) from None
-    stored = hf.get("torch_dtype") or hf.get("dtype")
-    stored = _DTYPE_ALIASES.get(str(stored).replace("torch.", "")) if stored else None
-    if stored in ("float16", "bfloat16"):
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    stored = _DTYPE_ALIASES.get(str(name).replace("torch.", "")) if name else None
+    if stored == "float16" or stored == "bfloat16":
         return stored
     return "bfloat16" if device == "cuda" else "float32"
 
@@ -265,7 +267,7 @@ class ModelConfig:
                 f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({config.num_key_value_heads})"
             )
-        config.dtype = resolve_dtype(config.dtype, hf, device)  # type: ignore[assignment]
+        config.dtype = resolve_dtype(config.dtype, hf, device)
         window = hf.get("sliding_window")
         uses_window = hf.get("use_sliding_window", True) and isinstance(window, int) and window > 0
         if arch.startswith("Qwen"):

@@ -63,16 +63,7 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if tp == 1:
             return
-        if num_heads % tp:
-            raise ValueError(
-                f"--tensor-parallel-size {tp} does not divide the model's {num_heads} "
-                f"attention heads; pick a divisor of {num_heads}"
-            )
-        if num_kv_heads % tp and tp % num_kv_heads:
-            raise ValueError(
-                f"--tensor-parallel-size {tp} and the model's {num_kv_heads} KV heads: one "
-                "must divide the other (KV heads are sharded, or replicated when fewer)"
-            )
+        check_heads_split(num_heads, num_kv_heads, tp)
         if intermediate_size % tp:
             raise ValueError(
                 f"--tensor-parallel-size {tp} does not divide the model's intermediate size "
@@ -85,3 +76,19 @@ class ParallelConfig:
 
     def compute_hash(self) -> str:
         return hash_fields(self, ("tensor_parallel_size", "pipeline_parallel_size"))
+
+
+def check_heads_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Raise ValueError when the attention heads cannot be split over ``tp_size``
+    ranks (query heads divide evenly; KV heads are sharded, or replicated when
+    fewer than the ranks)."""
+    if num_heads % tp_size:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide the model's {num_heads} "
+            f"attention heads; pick a divisor of {num_heads}"
+        )
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} and the model's {num_kv_heads} KV heads: one "
+            "must divide the other (KV heads are sharded, or replicated when fewer)"
+        )

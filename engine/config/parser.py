@@ -112,6 +112,8 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         """One line, exit code 2 (no usage dump)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    # typeshed overloads parse_known_args on the namespace's type; this one
+    # signature serves both (argparse's own is untyped).
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:

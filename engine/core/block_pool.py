@@ -10,6 +10,7 @@ padding entries of block tables point at it.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ class KVBlock:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     parent_id: int | None = None
+    parent_hash: bytes | None = None
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -72,7 +74,7 @@ class KVCacheEvent:
 
     ``medium`` is the tier that holds (or held) the block, named as vLLM names
     them: ``GPU`` for the device cache (whatever the device), ``CPU`` for the
-    host-memory tier (not built yet in pdfleet; vLLM's offloading engines use it).
+    host-memory tier (``--kv-offload-bytes``, ``core/host_tier.py``).
     """
 
     kind: str
@@ -97,6 +99,13 @@ class BlockPool:
         self.record_events = record_events
         self.events: list[KVCacheEvent] = []
         self.num_evictions = 0
+        # Host tier (``--kv-offload-bytes``) only: cached blocks that became free,
+        # in the order they did (the order they will be evicted in), with the
+        # hash they had then; and device blocks a store still reads (block id ->
+        # stores in flight).
+        self.offload_candidates: collections.deque[tuple[KVBlock, bytes]] | None = None
+        self.storing: dict[int, int] = {}
+        self.overwrote_storing = False
 
     # -- queries ---------------------------------------------------------------
 
@@ -134,6 +143,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_id in self.storing:
+                self.overwrote_storing = True
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -147,6 +158,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     block.token_ids = block.parent_id = None
+                elif self.offload_candidates is not None:
+                    self.offload_candidates.append((block, block.block_hash))
                 self.free_queue.append(block)
 
     def cache_block(
@@ -175,6 +188,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_id = parent_id
+        block.parent_hash = parent_hash
         self.cached[block_hash] = block
         if self.record_events:
             self.events.append(
@@ -194,7 +208,7 @@ class BlockPool:
             del self.cached[block.block_hash]
         if self.record_events:
             self.events.append(KVCacheEvent("removed", block.block_hash))
-        block.block_hash = block.token_ids = block.parent_id = None
+        block.block_hash = block.token_ids = block.parent_id = block.parent_hash = None
         self.num_evictions += 1
 
     def reset_prefix_cache(self) -> bool:

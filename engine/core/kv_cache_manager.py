@@ -1,12 +1,26 @@
-"""Per-request block tables over the block pool, with prefix-cache lookups."""
+"""Per-request block tables over the block pool, with prefix-cache lookups.
+
+With a host tier (``--kv-offload-bytes``, docs/kv_offload.md) the manager
+also decides the copies between the tiers: cached blocks that become free are
+queued for a device-to-host store (a bounded number per step and in flight),
+and a prefix that continues in the host tier past the device hits is loaded
+back into freshly allocated device blocks instead of being recomputed.
+"""
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from ..request import Request
 from .block_hash import get_hash_fn
 from .block_pool import BlockPool, KVBlock, KVCacheEvent
+from .host_tier import HostBlock, HostTier, KVOffloadOps
+
+MAX_STORES_PER_STEP = 32
+"""Device-to-host block copies queued per step (on CPU they run inside the step)."""
+MAX_STORES_IN_FLIGHT = 256
+"""Device-to-host block copies started and not yet reported done (CUDA)."""
 
 
 @dataclass
@@ -15,6 +29,21 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    host_hits: int = 0
+    """Of ``hits``, tokens loaded back from the host tier."""
+
+
+@dataclass
+class HostTierStats:
+    """Host tier counters (cumulative, in blocks) and its occupancy."""
+
+    num_blocks: int = 0
+    used_blocks: int = 0
+    stored_blocks: int = 0
+    """Device-to-host copies that landed."""
+    loaded_blocks: int = 0
+    """Host-to-device copies (prefix hits on the host tier)."""
+    evicted_blocks: int = 0
 
 
 class KVCacheManager:
@@ -25,6 +54,9 @@ class KVCacheManager:
         enable_caching: bool,
         hash_algo: str = "sha256",
         record_events: bool = False,
+        num_host_blocks: int = 0,
+        max_stores_per_step: int = MAX_STORES_PER_STEP,
+        max_stores_in_flight: int = MAX_STORES_IN_FLIGHT,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -34,6 +66,28 @@ class KVCacheManager:
         # Number of leading blocks of each request already published in the cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self._host: HostTier | None = None
+        if num_host_blocks > 0 and enable_caching:
+            self._host = HostTier(num_host_blocks, record_events)
+            self._pool.offload_candidates = collections.deque(maxlen=num_blocks)
+        self.max_stores_per_step = max_stores_per_step
+        self.max_stores_in_flight = max_stores_in_flight
+        # Host slot -> device block id, for stores in flight.
+        self._storing: dict[int, int] = {}
+        self._ops = KVOffloadOps()
+        self._num_loaded = 0
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self._host is not None
+
+    def host_stats(self) -> HostTierStats:
+        host = self._host
+        if host is None:
+            return HostTierStats()
+        return HostTierStats(
+            host.num_slots, host.num_used, host.num_stored, self._num_loaded, host.num_evictions
+        )
 
     @property
     def usage(self) -> float:
@@ -62,8 +116,21 @@ class KVCacheManager:
         return len(self._req_blocks.get(request_id, ()))
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV-cache events (stored, removed) since the last call; clears them."""
-        return self._pool.take_events()
+        """KV-cache events (stored, removed) of both tiers since the last call; clears them."""
+        events = self._pool.take_events()
+        if self._host is not None:
+            events += self._host.take_events()
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block of both tiers (only when no request holds blocks)."""
+        if not self._pool.reset_prefix_cache():
+            return False
+        if self._host is not None:
+            self._host.clear()
+            assert self._pool.offload_candidates is not None
+            self._pool.offload_candidates.clear()
+        return True
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
@@ -88,6 +155,27 @@ class KVCacheManager:
             parent_id = block.block_id
         return blocks, len(blocks) * bs
 
+    def get_host_hits(self, request: Request, num_device_blocks: int) -> list[HostBlock]:
+        """Ready host-tier blocks that continue the prefix after the first
+        ``num_device_blocks`` (device hits), under the same cap as device hits;
+        reads only. A block whose store is still in flight is not a hit."""
+        host = self._host
+        if host is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        hits: list[HostBlock] = []
+        for i in range(num_device_blocks, min(max_blocks, len(hashes))):
+            entry = host.get(
+                hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), hashes[i - 1] if i else None
+            )
+            if entry is None:
+                break
+            hits.append(entry)
+        return hits
+
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one prefix-cache query (when the request is actually scheduled)."""
         if self.enable_caching:
@@ -95,16 +183,23 @@ class KVCacheManager:
             self.stats.hits += num_hit_tokens
 
     def _num_new_blocks(
-        self, request: Request, num_new_tokens: int, computed: list[KVBlock]
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock], num_host: int = 0
     ) -> int:
+        """Blocks to allocate: host hits need fresh device blocks like new tokens do."""
         held = len(self._req_blocks.get(request.request_id, ())) + len(computed)
-        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        total = (
+            request.num_computed_tokens
+            + (len(computed) + num_host) * self.block_size
+            + num_new_tokens
+        )
         return max(0, -(-total // self.block_size) - held)
 
-    def can_fit(self, request: Request, num_new_tokens: int, computed: list[KVBlock]) -> bool:
+    def can_fit(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock], num_host: int = 0
+    ) -> bool:
         # Cached hits that are currently free leave the free list when taken.
         reclaim = sum(1 for b in computed if b.ref_cnt == 0)
-        return self._num_new_blocks(request, num_new_tokens, computed) + reclaim <= (
+        return self._num_new_blocks(request, num_new_tokens, computed, num_host) + reclaim <= (
             self.num_free_blocks
         )
 
@@ -114,6 +209,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[KVBlock] | None = None,
         publish: bool = True,
+        host_hits: list[HostBlock] | None = None,
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
@@ -123,22 +219,37 @@ class KVCacheManager:
         right away: a request scheduled in the same step reads them after the
         step's KV writes, which happen before attention in every layer.
         ``publish=False`` is for blocks whose content arrives later (remote loads).
+        ``host_hits`` (from :meth:`get_host_hits`, first scheduling only) follow
+        the device hits: the first new blocks receive them, copied from the
+        host tier before the step's forward pass.
         """
         computed_blocks = computed_blocks or []
-        if not self.can_fit(request, num_new_tokens, computed_blocks):
+        host_hits = host_hits or []
+        if not self.can_fit(request, num_new_tokens, computed_blocks, len(host_hits)):
             return None
-        num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+        num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks, len(host_hits))
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
-        if computed_blocks:
+        if computed_blocks or host_hits:
             assert not held, "prefix hits are only taken at first scheduling"
+        if computed_blocks:
             self._pool.touch(computed_blocks)
             held.extend(computed_blocks)
             self.num_cached_blocks[rid] = len(computed_blocks)
         new = self._pool.allocate(num_new)
         held.extend(new)
+        if host_hits:
+            assert self._host is not None
+            for entry, block in zip(host_hits, new, strict=False):
+                self._ops.loads.append((entry.slot, block.block_id))
+                self._host.touch(entry.block_hash)
+            self._num_loaded += len(host_hits)
+            self.stats.host_hits += len(host_hits) * self.block_size
         if publish:
-            known = request.num_computed_tokens + len(computed_blocks) * self.block_size
+            known = (
+                request.num_computed_tokens
+                + (len(computed_blocks) + len(host_hits)) * self.block_size
+            )
             self.cache_full_blocks(request, min(known + num_new_tokens, request.num_tokens))
         return new
 
@@ -181,3 +292,69 @@ class KVCacheManager:
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         self._pool.free(reversed(blocks))
+
+    # -- host tier ------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Mutates: queue this step's device-to-host stores (host tier only).
+
+        Called before the step allocates anything, so a block freed by the
+        previous step is stored even if this step evicts it (the step's writes
+        then wait for the copy: ``wait_stores``). Stores go in the order blocks
+        became free, which is the order the device cache evicts them in.
+        """
+        host, queue = self._host, self._pool.offload_candidates
+        if host is None or queue is None:
+            return
+        budget = min(self.max_stores_per_step, self.max_stores_in_flight - len(self._storing))
+        storing = self._pool.storing
+        while budget > 0 and queue:
+            block, block_hash = queue.popleft()
+            if block.block_hash != block_hash:
+                continue  # evicted since it was freed: too late
+            if block_hash in host:
+                host.touch(block_hash)
+                continue
+            assert block.token_ids is not None  # a cached block has its tokens
+            entry = host.reserve(block_hash, block.token_ids, block.parent_hash)
+            if entry is None:
+                queue.appendleft((block, block_hash))  # every host slot is in flight
+                break
+            self._ops.stores.append((block.block_id, entry.slot))
+            self._storing[entry.slot] = block.block_id
+            storing[block.block_id] = storing.get(block.block_id, 0) + 1
+            budget -= 1
+
+    def take_offload_ops(self) -> KVOffloadOps | None:
+        """Mutates: the step's host-tier copies for the worker (None: nothing to do)."""
+        if self._host is None:
+            return None
+        ops, self._ops = self._ops, KVOffloadOps()
+        ops.wait_stores = self._pool.overwrote_storing
+        self._pool.overwrote_storing = False
+        return ops if ops else None
+
+    @property
+    def has_offload_work(self) -> bool:
+        """Stores in flight, or freed cached blocks not yet considered for one."""
+        return bool(self._storing) or bool(self._pool.offload_candidates)
+
+    def stores_done(self, slots: list[int], failed: bool = False) -> None:
+        """Mutates: the worker finished these device-to-host copies; their blocks
+        become host-tier hits. ``failed``: they never ran (forgotten instead)."""
+        if self._host is None:
+            return
+        storing = self._pool.storing
+        for slot in slots:
+            block_id = self._storing.pop(slot, None)
+            if block_id is None:
+                continue
+            left = storing.get(block_id, 0) - 1
+            if left > 0:
+                storing[block_id] = left
+            else:
+                storing.pop(block_id, None)
+            if failed:
+                self._host.store_failed(slot)
+            else:
+                self._host.store_done(slot)

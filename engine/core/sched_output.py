@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..sampling_params import SamplingParams
+from .host_tier import KVOffloadOps
 
 
 class Logprobs(NamedTuple):
@@ -52,10 +53,12 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Opaque data for the worker side of a KV connector.
     kv_connector_metadata: Any = None
+    # Copies between the device cache and the host tier (--kv-offload-bytes).
+    kv_offload: KVOffloadOps | None = None
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and not self.kv_offload
 
 
 @dataclass
@@ -71,5 +74,7 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    # Host slots whose device-to-host copy finished since the last step.
+    offload_stores_done: list[int] = field(default_factory=list)
     # Seconds spent in the model forward (for the engine's overhead accounting).
     forward_seconds: float = 0.0

@@ -21,6 +21,7 @@ from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
 from .block_hash import extend_block_hashes
 from .block_pool import KVBlock, KVCacheEvent
+from .host_tier import HostBlock
 from .kv_cache_manager import KVCacheManager
 from .queues import make_queue
 from .sched_output import (
@@ -65,6 +66,13 @@ class SchedulerStats:
     step_prompt_tokens: int = 0
     step_generation_tokens: int = 0
     num_held_blocks_reqs: int = 0
+    # Host tier (--kv-offload-bytes): occupancy and cumulative counters.
+    host_kv_num_blocks: int = 0
+    host_kv_used_blocks: int = 0
+    host_kv_hit_tokens: int = 0
+    host_kv_stored_blocks: int = 0
+    host_kv_loaded_blocks: int = 0
+    host_kv_evicted_blocks: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -75,6 +83,7 @@ class Scheduler:
         num_blocks: int,
         connector: KVConnectorScheduler | None = None,
         record_kv_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         sched, cache = config.scheduler_config, config.cache_config
         self.max_num_batched_tokens = sched.max_num_batched_tokens
@@ -90,6 +99,7 @@ class Scheduler:
             cache.enable_prefix_caching,
             cache.prefix_caching_hash_algo,
             record_events=record_kv_events,
+            num_host_blocks=num_host_blocks,
         )
         self.connector = connector
         self.requests: dict[str, Request] = {}
@@ -197,6 +207,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted = False
         now = time.monotonic()
+        self.kv.begin_step()
 
         # 1. Running requests keep going (decode, or the next chunk of a prompt).
         i = 0
@@ -239,9 +250,12 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             computed_blocks: list[KVBlock] = []
+            host_hits: list[HostBlock] = []
             num_hit = 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+                host_hits = self.kv.get_host_hits(request, len(computed_blocks))
+                num_hit += len(host_hits) * self.block_size
             if (
                 self.connector is not None
                 and request.kv_transfer_params
@@ -251,7 +265,7 @@ class Scheduler:
                 if num_external > 0:
                     # Allocate blocks for the remote tokens; wait for them off the batch.
                     allocated = self.kv.allocate_slots(
-                        request, num_external, computed_blocks, publish=False
+                        request, num_external, computed_blocks, publish=False, host_hits=host_hits
                     )
                     if allocated is None:
                         break
@@ -269,10 +283,13 @@ class Scheduler:
             if not self.chunked_prefill and remaining > budget:
                 break  # without chunking the whole prompt must fit one step
             num_new = self._cap(remaining, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if (
+                self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
+                is None
+            ):
                 break
             self.waiting.pop()
-            if computed_blocks or request.num_computed_tokens == 0:
+            if computed_blocks or host_hits or request.num_computed_tokens == 0:
                 self.kv.record_lookup(request, num_hit)
             request.num_computed_tokens += num_hit
             if request.num_cached_tokens < 0:
@@ -312,6 +329,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        out.kv_offload = self.kv.take_offload_ops()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -323,6 +341,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        if runner_out.offload_stores_done:
+            self.kv.stores_done(runner_out.offload_stores_done)
         for rid in sched_out.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -405,7 +425,14 @@ class Scheduler:
             for r in self.requests.values()
             if r.status != RequestStatus.RUNNING
         )
+        host = self.kv.host_stats()
         return SchedulerStats(
+            host_kv_num_blocks=host.num_blocks,
+            host_kv_used_blocks=host.used_blocks,
+            host_kv_hit_tokens=self.kv.stats.host_hits,
+            host_kv_stored_blocks=host.stored_blocks,
+            host_kv_loaded_blocks=host.loaded_blocks,
+            host_kv_evicted_blocks=host.evicted_blocks,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.requests) - len(self.running),
             kv_cache_usage=self.kv.usage,

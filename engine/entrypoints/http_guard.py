@@ -8,46 +8,31 @@ Two layers, because some limits need the wire and some need the request:
   off; so is a connection that never sends anything) and its body within
   ``body_timeout`` seconds of the headers (answered 408). A chunked body whose
   chunk-size line announces more than ``max_chunk_bytes`` is answered 413 and
-  the connection closed at once (h11 alone would wait for those bytes).
+  the connection closed at once (h11 alone would wait for those bytes). A
+  request head is counted as it arrives: past ``max_head_bytes`` it is
+  answered 431 and the connection closed.
 * :class:`GuardMiddleware` (ASGI) checks the credential of every route but
   the health probes (401), refuses a body whose ``Content-Length`` exceeds
   ``max_body_bytes`` before reading any of it (413, connection closed), and
   counts a chunked body as it arrives (413 as soon as it passes the limit),
   so a rejected request never holds more than the limit in memory.
 
-Every refusal is an OpenAI-shaped JSON error. See docs/serving.md.
+The limits themselves (:class:`RequestLimits`, shared with the gateway) are
+defined in ``engine/config/http_limits.py``. Every refusal is an OpenAI-shaped
+JSON error. See docs/serving.md.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import re
 from typing import Any
 
+from ..config.http_limits import RequestLimits
 from .auth import PROBE_PATHS, EngineAuth
 
 logger = logging.getLogger("pdfleet.serve")
-
-MiB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Per-request bounds of the engine's HTTP server (flags of ``pdfleet serve``)."""
-
-    max_body_bytes: int = 8 * MiB
-    max_chunk_bytes: int = 1 * MiB
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_chunk_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("header_timeout", "body_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
 
 
 def error_bytes(message: str, status: int) -> bytes:
@@ -74,7 +59,7 @@ async def _send_error(
 class GuardMiddleware:
     """Credentials and body size, before the application sees a request."""
 
-    def __init__(self, app: Any, auth: EngineAuth, limits: ServerLimits) -> None:
+    def __init__(self, app: Any, auth: EngineAuth, limits: RequestLimits) -> None:
         self.app, self.auth, self.limits = app, auth, limits
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -146,7 +131,11 @@ def _too_large(length: int | None, limit: int) -> str:
     )
 
 
-def guarded_h11_protocol(limits: ServerLimits) -> type:
+# The end of a request head: an empty line (h11 also takes bare LF line ends).
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+def guarded_h11_protocol(limits: RequestLimits) -> type:
     """uvicorn's h11 protocol class with header/body timers and a chunk-size bound."""
     import h11
     from h11._readers import ChunkedReader
@@ -156,6 +145,10 @@ def guarded_h11_protocol(limits: ServerLimits) -> type:
         def connection_made(self, transport: Any) -> None:
             self._header_timer: Any = None
             self._body_timer: Any = None
+            self._head_bytes = 0
+            """Bytes of the request head being received (0 between requests)."""
+            self._head_tail = b""
+            """The last bytes received of that head (its end may span two reads)."""
             super().connection_made(transport)
             self._arm_header_timer()
 
@@ -179,6 +172,8 @@ def guarded_h11_protocol(limits: ServerLimits) -> type:
         def data_received(self, data: bytes) -> None:
             if self.conn.their_state is h11.IDLE:
                 self._arm_header_timer()  # the first bytes of a (next) request
+                if self._head_too_large(data):
+                    return
             super().data_received(data)
             if self.transport.is_closing():
                 self._cancel_timers()
@@ -209,6 +204,40 @@ def guarded_h11_protocol(limits: ServerLimits) -> type:
             elif self._body_timer is not None:
                 self._body_timer.cancel()
                 self._body_timer = None
+
+        def _head_too_large(self, data: bytes) -> bool:
+            """Count a request head as it arrives; past ``max_head_bytes`` answer 431
+            and close. (h11 bounds only a head it must buffer across reads: one that
+            arrives in a single read would pass at any size.)"""
+            joined = self._head_tail + data
+            end = _HEAD_END.search(joined)
+            if end is None:
+                self._head_bytes += len(data)
+                self._head_tail = joined[-3:]
+            else:
+                self._head_bytes += end.end() - len(self._head_tail)
+            if self._head_bytes > limits.max_head_bytes:
+                self.logger.warning(
+                    "refused a request head of more than %d bytes from %s",
+                    limits.max_head_bytes,
+                    self.client,
+                )
+                self._cancel_timers()
+                body = error_bytes(
+                    f"the request head exceeds this server's limit of "
+                    f"{limits.max_head_bytes} bytes",
+                    431,
+                )
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"content-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                self.transport.close()
+                return True
+            if end is not None:
+                self._head_bytes, self._head_tail = 0, b""
+            return False
 
         def _on_header_timeout(self) -> None:
             self._header_timer = None

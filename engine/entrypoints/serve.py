@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pdfleet.engine.config import EngineArgs, security
+from pdfleet.engine.config.http_limits import RequestLimits
 from pdfleet.engine.entrypoints.auth import EngineAuth, keys_from_sources
-from pdfleet.engine.entrypoints.http_guard import ServerLimits
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Read API keys from a file (one per line, or comma-separated); repeatable.",
     )
-    limits = ServerLimits()
+    limits = RequestLimits()
     group.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
-    limits = ServerLimits(
+    limits = RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
         max_chunk_bytes=args.max_chunk_bytes,
         header_timeout=args.header_timeout,

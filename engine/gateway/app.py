@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pdfleet.engine import tracing
@@ -32,7 +31,7 @@ from pdfleet.engine.config.security import (
 )
 from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
-from .asgi import GatewayASGI
+from .asgi import GatewayASGI, Request
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
@@ -153,9 +152,33 @@ class Gateway:
         keys = [*self.keys, self.fleet_token] if admin and self.fleet_token else self.keys
         return key_matches(given, keys)
 
+    def _sibling_event(self, event: dict[str, Any]) -> None:
+        """Another worker's ejection (a stall, a refused connection) or KV
+        hand-off (``--workers N``)."""
+        kind = event["kind"]
+        if kind == "stall":
+            self.pool.stalled_elsewhere(str(event["url"]), float(event["since"]))
+        elif kind == "refused":
+            self.pool.refused_elsewhere(str(event["url"]))
+        elif kind in ("kv_pair_used", "kv_pair_failed"):
+            # Only pairs of engines this worker knows: its tables stay bounded
+            # by the fleet (a worker that has not discovered one yet skips it).
+            if event["prefill"] in self.pool.engines and event["decode"] in self.pool.engines:
+                self.breaker.apply_shared(event)
+        else:
+            raise ValueError(f"unknown sibling event {kind!r}")
+
     async def start(self) -> None:
         if self.siblings is not None:
-            await self.siblings.serve(lambda: generate_latest(self.metrics.registry))
+            siblings = self.siblings
+            await siblings.serve(
+                lambda: generate_latest(self.metrics.registry), self._sibling_event
+            )
+            self.breaker.share = siblings.publish
+            self.pool.on_stall = lambda e: siblings.publish(
+                {"kind": "stall", "url": e.url, "since": e.last_progress}
+            )
+            self.pool.on_refused = lambda e: siblings.publish({"kind": "refused", "url": e.url})
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
         self.kv_events.start(self.pool, self.analyzer, self.config)
@@ -192,7 +215,7 @@ def build_app(
 
     def internal_error(request: Request, exc: Exception) -> Response:
         rid = client_request_id(request.headers.get("x-request-id"))
-        logger.error("request %s: %s failed", rid, request.url.path, exc_info=exc)
+        logger.error("request %s: %s failed", rid, request.path, exc_info=exc)
         return error_response("internal error of the gateway", 500, rid)
 
     # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
@@ -206,7 +229,7 @@ def build_app(
             return None
         rid = client_request_id(request.headers.get("x-request-id"))
         gw.metrics.rejected.labels("unauthorized").inc()
-        gw.metrics.requests.labels(request.url.path, "401").inc()
+        gw.metrics.requests.labels(request.path, "401").inc()
         return error_response(
             "invalid or missing API key", 401, rid, headers={"www-authenticate": "Bearer"}
         )
@@ -255,6 +278,8 @@ def build_app(
         if denied:
             return denied
         body: dict[str, Any] = {
+            # "INDEX/N" with --workers N (this view is the answering worker's), else null.
+            "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),
             "engines": [
                 {

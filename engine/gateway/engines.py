@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -115,6 +116,8 @@ class EngineState:
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
     waiters: set[asyncio.Timeout] = field(default_factory=set)
     """The timeouts of legs waiting on the engine; a stall fires them at once."""
+    inflight_gauge: Any = field(default=None, repr=False, compare=False)
+    """Its in-flight metric series (the proxy's, made on first use)."""
 
     @property
     def routable(self) -> bool:
@@ -159,6 +162,12 @@ class EnginePool:
         self.on_scrape: Callable[[EngineState, EngineLoad, EngineLoad], None] = lambda e, old, new: (
             None
         )
+        self.on_stall: Callable[[EngineState], None] = lambda e: None
+        """Called for each engine this process ejects for a stall (``--workers
+        N``: the other workers are told, ``stalled_elsewhere``)."""
+        self.on_refused: Callable[[EngineState], None] = lambda e: None
+        """Called for each engine this process ejects for a refused connection
+        (``--workers N``: the other workers are told, ``refused_elsewhere``)."""
 
     # -- membership ------------------------------------------------------------
 
@@ -255,6 +264,22 @@ class EnginePool:
         if e.state == "healthy" and (definitive or e.failures >= self.config.eject_after):
             self._set_state(e, "ejected", reason)
 
+    def refused(self, e: EngineState, reason: str) -> None:
+        """A request's connection to ``e`` was refused: ejected at once."""
+        was_routable = e.routable
+        self.record_failure(e, reason, definitive=True)
+        if was_routable and not e.routable:
+            self.on_refused(e)
+
+    def refused_elsewhere(self, url: str) -> bool:
+        """Mutates: another worker's connection to ``url`` was refused; ejected
+        here too (its health checks readmit it); True when it was ejected."""
+        e = self.engines.get(url)
+        if e is None or not e.routable:
+            return False
+        self.record_failure(e, "connection refused (seen by another gateway worker)", True)
+        return True
+
     # -- progress and stalls ---------------------------------------------------------
 
     def progress(self, e: EngineState) -> None:
@@ -284,19 +309,40 @@ class EnginePool:
                 o is not e and o.last_progress > e.last_progress for o in self.engines.values()
             ):
                 continue
-            self.metrics.stalls.labels(e.url, e.role).inc()
-            self._set_state(
+            self._eject_stalled(
                 e,
-                "ejected",
                 f"stalled: {e.inflight} requests in flight, nothing received for "
                 f"{now - e.last_progress:.1f}s while other engines progressed",
             )
-            e.stalled = True
-            for cm in list(e.waiters):  # those legs go to another engine now
-                if not cm.expired():
-                    cm.reschedule(asyncio.get_running_loop().time())
+            self.on_stall(e)
             out.append(e)
         return out
+
+    def stalled_elsewhere(self, url: str, since: float, now: float | None = None) -> bool:
+        """Mutates: another worker ejected ``url`` for a stall (nothing from it
+        since the monotonic ``since``, a clock every process on the host
+        shares). Ejected here too, unless this process has received from it
+        within --stall-timeout; True when it was ejected."""
+        e = self.engines.get(url)
+        if e is None or not e.routable:
+            return False
+        now = time.monotonic() if now is None else now
+        if (
+            e.inflight > 0
+            and e.last_progress > since
+            and now - e.last_progress <= (self.config.stall_timeout)
+        ):
+            return False  # it answers this worker: not wedged as far as it can tell
+        self._eject_stalled(e, "stalled (seen by another gateway worker)")
+        return True
+
+    def _eject_stalled(self, e: EngineState, reason: str) -> None:
+        self.metrics.stalls.labels(e.url, e.role).inc()
+        self._set_state(e, "ejected", reason)
+        e.stalled = True
+        for cm in list(e.waiters):  # those legs go to another engine now
+            if not cm.expired():
+                cm.reschedule(asyncio.get_running_loop().time())
 
     async def watch_stalls(self) -> None:
         period = min(0.5, self.config.stall_timeout / 4)

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
+from .asgi import ClientDisconnect
 
-# Largest request line + headers accepted from a client.
-MAX_HEAD_BYTES = 64 * 1024
+if TYPE_CHECKING:
+    from .asgi import Request
+
+
+from pdfleet.engine.config.http_limits import DEFAULT_LIMITS
+
+# Largest request line + headers accepted from a client (the engine server's bound
+# too); the body limits are GatewayConfig's, defaulting as the engine server's.
+MAX_HEAD_BYTES = DEFAULT_LIMITS.max_head_bytes
 # Seconds a refused connection is kept open to drain what the client still sends.
 LINGER_SECONDS = 1.0
 
@@ -48,18 +55,27 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
             )
     parts: list[bytes] = []
     size = 0
+    receive = request.receive
     try:
         async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > max_bytes:
                     raise BodyRejected(
                         f"the request body exceeds the limit of {max_bytes} bytes", 413
                     )
+                if not message.get("more_body", False):
+                    if not parts:
+                        return chunk  # the usual case: the whole body in one message
+                    parts.append(chunk)
+                    return b"".join(parts)
                 parts.append(chunk)
     except TimeoutError:
         raise BodyRejected(f"the request body was not received within {timeout}s", 408) from None
-    return b"".join(parts)
 
 
 class _HeadTooLarge(Exception):

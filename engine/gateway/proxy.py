@@ -30,7 +30,6 @@ Clients never see engine URLs or engine bodies: errors carry a stable
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -41,14 +40,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .activation import Activation
+from .asgi import Request
 from .engines import EnginePool, EngineState
 from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
@@ -92,6 +91,7 @@ ERROR_CODES = {
     504: "upstream_timeout",
 }
 DONE = b"data: [DONE]\n\n"
+SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
 # leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -262,17 +262,26 @@ class Proxy:
         self.activation = Activation(metrics.activations)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
         """The request counter and latency histogram per (endpoint, status)."""
+        self._ttft: dict[str, Any] = {}
+        """The TTFT histogram per endpoint."""
 
     # -- bookkeeping -------------------------------------------------------------
 
     def _acquire(self, e: EngineState) -> None:
         self.pool.started(e)
         e.inflight += 1
-        self.metrics.engine_inflight.labels(e.url, e.role).set(e.inflight)
+        self._inflight_gauge(e).set(e.inflight)
 
     def _release(self, e: EngineState) -> None:
         e.inflight -= 1
-        self.metrics.engine_inflight.labels(e.url, e.role).set(e.inflight)
+        self._inflight_gauge(e).set(e.inflight)
+
+    def _inflight_gauge(self, e: EngineState) -> Any:
+        """The engine's in-flight series, kept on its state (a re-added engine
+        is a new state, so a removed series is never written again)."""
+        if e.inflight_gauge is None:
+            e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
+        return e.inflight_gauge
 
     def _finish(self, call: Call, status: int) -> None:
         key = (call.endpoint, status)
@@ -290,23 +299,17 @@ class Proxy:
         waiting = max(e.load.waiting, e.inflight - e.load.running)
         return self.config.first_token_bound(waiting)
 
-    @contextlib.asynccontextmanager
-    async def _watched(self, e: EngineState, seconds: float) -> AsyncIterator[None]:
+    def _watched(self, e: EngineState, seconds: float) -> Watched:
         """``asyncio.timeout(seconds)`` that also fires at once when the stall
         watchdog ejects ``e`` (it reschedules every registered timeout)."""
-        async with asyncio.timeout(seconds) as cm:
-            e.waiters.add(cm)
-            try:
-                yield
-            finally:
-                e.waiters.discard(cm)
+        return Watched(e, seconds)
 
     def _failed(self, e: EngineState, role: str, ex: Exception) -> LegFailed:
         """Classify a transport error; a refused connection ejects the engine at once."""
         detail = f"{role} engine {e.url}: {type(ex).__name__}: {ex}"
         if isinstance(ex, UpstreamConnectError):
             kind, status = "connect", 502
-            self.pool.record_failure(e, f"connection refused: {ex}", definitive=True)
+            self.pool.refused(e, f"connection refused: {ex}")
             msg = f"the {role} engine could not be reached"
         elif isinstance(ex, TimeoutError) and e.stalled:
             kind, status = "stalled", 504
@@ -409,7 +412,7 @@ class Proxy:
 
     def _pair_failed(self, call: Call, decode: EngineState) -> None:
         if self.breaker is not None and call.prefill_url is not None:
-            self.breaker.record(call.prefill_url, decode.url, ok=False)
+            self.breaker.leg_failed(call.prefill_url, decode.url)
 
     # -- entry -------------------------------------------------------------------
 
@@ -434,15 +437,20 @@ class Proxy:
         # One watcher per request: a client that goes away cancels this task
         # (and so the legs); the answer of a request that finished is sent as is.
         watch = DisconnectWatch(request.receive)
+        handed = False
         try:
-            return await self._handle(call, raw)
+            response = await self._handle(call, raw)
+            if isinstance(response, RelayResponse):
+                response.watch, handed = watch, True  # the stream goes on watching
+            return response
         except asyncio.CancelledError:
             if not watch.uncancel():
                 raise  # the server's cancellation (shutdown), not the client's
             self._finish(call, 499)
             return Response(status_code=499)
         finally:
-            watch.close()
+            if not handed:
+                watch.close()
 
     def _invalid(self, call: Call, reason: str, message: str, param: str | None = None):
         self.metrics.rejected.labels(reason).inc()
@@ -703,8 +711,7 @@ class Proxy:
             return RelayResponse(
                 self._relay(call, e, resp, chunks, Resend(route, info, payload, tried, held)),
                 functools.partial(self._abandon, call, e, resp),
-                media_type="text/event-stream",
-                headers={"x-request-id": call.request_id},
+                call.request_id,
             )
         raise AssertionError("unreachable: the loop starts with the routed engine")
 
@@ -813,7 +820,10 @@ class Proxy:
                     continue
                 out, buf = buf[: cut + 2], buf[cut + 2 :]
                 first = False
-                self.metrics.ttft.labels(call.endpoint).observe(time.perf_counter() - call.start)
+                ttft = self._ttft.get(call.endpoint)
+                if ttft is None:
+                    ttft = self._ttft[call.endpoint] = self.metrics.ttft.labels(call.endpoint)
+                ttft.observe(time.perf_counter() - call.start)
                 done = out.endswith(DONE)
                 yield out
             if not ended:
@@ -903,22 +913,53 @@ class Proxy:
             return (nxt, *opened)
 
 
-class RelayResponse(StreamingResponse):
+class Watched:
+    """``async with``: ``asyncio.timeout`` registered with an engine's waiters
+    (a class, not a generator context manager: this is on every leg)."""
+
+    __slots__ = ("_cm", "_engine")
+
+    def __init__(self, engine: EngineState, seconds: float) -> None:
+        self._engine = engine
+        self._cm = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> asyncio.Timeout:
+        cm = await self._cm.__aenter__()
+        self._engine.waiters.add(cm)
+        return cm
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._engine.waiters.discard(self._cm)
+        await self._cm.__aexit__(*exc)  # raises TimeoutError for an expiry; never swallows
+
+
+class RelayResponse(Response):
     """A streamed answer that always closes its relay (and so the upstream
     connection), also when the client disconnects mid-stream.
 
     Starlette's StreamingResponse runs a task group of two tasks per stream to
-    notice a disconnect; here one watcher task cancels the relay instead."""
+    notice a disconnect; here one watcher task cancels the relay instead (the
+    one ``Proxy.handle`` started for the request, handed over as ``watch``).
+    Its headers are built here, not by Starlette's per-response header code."""
 
     def __init__(
-        self, relay: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]], **kw: Any
+        self,
+        relay: AsyncIterator[bytes],
+        abandon: Callable[[], Awaitable[None]],
+        request_id: str,
     ) -> None:
-        super().__init__(relay, **kw)
+        # Not Response.__init__: no body to render, and the headers are fixed.
+        self.status_code = 200
+        self.background = None
+        self.body_iterator = relay
+        self.raw_headers = [SSE_CONTENT_TYPE, (b"x-request-id", request_id.encode("latin-1"))]
         self.abandon = abandon
         """Releases what the relay holds if it never starts (its finally would)."""
+        self.watch: DisconnectWatch | None = None
+        """The request's disconnect watcher, if the handler started one."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watch = DisconnectWatch(receive)
+        watch = self.watch or DisconnectWatch(receive)
         started = False
         try:
             await send(

@@ -28,8 +28,9 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
@@ -139,6 +140,12 @@ class KVPairBreaker:
     ``cooldown`` seconds (another prefill engine is, or the request goes
     decode-only), then it is tried again. Only pairs of known engines are
     kept (``forget`` on removal), so the table is bounded by the fleet.
+
+    With ``--workers N`` every worker keeps the same counts: ``share`` (set by
+    the gateway) hands a failed decode leg, and the first hand-off of a pair
+    in each scrape interval, to the other workers, which apply them with
+    ``shared=True``; the scrape verdicts each worker derives itself, from the
+    same engine counters and the same pairs used.
     """
 
     def __init__(self, threshold: int, cooldown: float, metrics: GatewayMetrics) -> None:
@@ -147,6 +154,8 @@ class KVPairBreaker:
         self.open_until: dict[tuple[str, str], float] = {}
         self.used: dict[str, set[str]] = {}
         """decode URL -> prefill URLs that handed it KV since its last scrape."""
+        self.share: Callable[[dict[str, Any]], None] | None = None
+        """Sends an event to the other workers (None: one process)."""
 
     def is_open(self, prefill: str, decode: str, now: float | None = None) -> bool:
         until = self.open_until.get((prefill, decode))
@@ -160,8 +169,30 @@ class KVPairBreaker:
         logger.info("KV pair %s -> %s closed again after its cool-down", prefill, decode)
         return False
 
-    def handed_off(self, prefill: str, decode: str) -> None:
-        self.used.setdefault(decode, set()).add(prefill)
+    def handed_off(self, prefill: str, decode: str, shared: bool = False) -> None:
+        """Mutates: ``prefill`` handed KV to ``decode`` (here, or in another
+        worker when ``shared``); judged at ``decode``'s next scrape."""
+        used = self.used.setdefault(decode, set())
+        if prefill in used:
+            return
+        used.add(prefill)
+        if self.share is not None and not shared:
+            self.share({"kind": "kv_pair_used", "prefill": prefill, "decode": decode})
+
+    def leg_failed(self, prefill: str, decode: str, shared: bool = False) -> None:
+        """Mutates: a decode leg after the pair's prefill leg failed (here, or
+        in another worker when ``shared``)."""
+        self.record(prefill, decode, ok=False)
+        if self.share is not None and not shared:
+            self.share({"kind": "kv_pair_failed", "prefill": prefill, "decode": decode})
+
+    def apply_shared(self, event: dict[str, Any]) -> None:
+        """Mutates: another worker's ``share`` event."""
+        prefill, decode = str(event["prefill"]), str(event["decode"])
+        if event["kind"] == "kv_pair_used":
+            self.handed_off(prefill, decode, shared=True)
+        elif event["kind"] == "kv_pair_failed":
+            self.leg_failed(prefill, decode, shared=True)
 
     def record(self, prefill: str, decode: str, ok: bool, now: float | None = None) -> None:
         """Mutates: one hand-off's outcome over the pair."""

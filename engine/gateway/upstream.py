@@ -32,6 +32,8 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
 # Largest chunk of a chunked answer (an engine's SSE event is a few KiB).
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
+# Engine URLs whose parsed form is kept (a fleet's engines times their routes).
+MAX_CACHED_URLS = 1024
 # Idle connections kept per engine; more are closed when returned.
 MAX_IDLE_PER_ENGINE = 256
 
@@ -129,6 +131,14 @@ class UpstreamResponse:
         self._release()
 
     async def aread(self) -> bytes:
+        if self._length is not None and self._conn is not None:  # one read, no generator
+            try:
+                self.content = await self._conn.reader.readexactly(self._length)
+            except (asyncio.IncompleteReadError, OSError) as e:
+                raise UpstreamError(f"{type(e).__name__}: {e}") from None
+            self._done = True
+            self._release()
+            return self.content
         parts = [part async for part in self.aiter_raw()]
         self.content = b"".join(parts)
         return self.content
@@ -168,6 +178,7 @@ class UpstreamClient:
         self.connect_timeout = connect_timeout
         self.keepalive_expiry = keepalive_expiry
         self._idle: dict[tuple[str, int, bool], deque[_Conn]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], str]] = {}
         self._closed = False
         self._ssl = ssl_context
 
@@ -191,13 +202,11 @@ class UpstreamClient:
     async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send the request and read the status and headers; the caller reads
         the body (``aiter_raw``/``aread``) and must ``aclose`` the response."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UpstreamError(f"not an http(s) URL: {url!r}")
-        tls = parts.scheme == "https"
-        key = (parts.hostname, parts.port or (443 if tls else 80), tls)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [f"POST {target} HTTP/1.1", f"host: {parts.netloc}"]
+        target = self._targets.get(url)
+        if target is None:
+            target = self._target(url)
+        key, request_line = target
+        head = [request_line]
         head += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-length"]
         head.append(f"content-length: {len(content)}")
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + content
@@ -218,6 +227,19 @@ class UpstreamClient:
         except BaseException:
             conn.close()
             raise
+
+    def _target(self, url: str) -> tuple[tuple[str, int, bool], str]:
+        """(connection key, request line and host header) of ``url``, cached."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UpstreamError(f"not an http(s) URL: {url!r}")
+        tls = parts.scheme == "https"
+        key = (parts.hostname, parts.port or (443 if tls else 80), tls)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if len(self._targets) >= MAX_CACHED_URLS:
+            self._targets.clear()  # engines come and go: the cache stays small
+        self._targets[url] = target = (key, f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}")
+        return target
 
     async def _exchange(
         self, key: tuple[str, int, bool], conn: _Conn, request: bytes

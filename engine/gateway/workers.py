@@ -14,6 +14,9 @@ whichever worker answers ``/metrics`` adds its siblings' series to its own
 (counters and histograms summed; in-flight and held requests summed; health
 and breaker gauges, and the ejection and stall counts of an engine, which
 every worker observes, the largest). ``/engines`` is the answering worker's view.
+What a worker learns from its own requests (a stall ejection, a failed KV
+hand-off, a pair used) it passes to the others as events (``Siblings``), so
+stall ejections and the KV-pair breaker agree across workers.
 
 The supervisor (the ``pdfleet gateway`` process itself) starts the workers,
 restarts one that dies, gives up when they keep dying at startup (a port in
@@ -37,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.gateway import GatewayConfig
@@ -58,6 +62,14 @@ SUMMED_GAUGES = frozenset({m.GATEWAY_ENGINE_INFLIGHT.family, m.GATEWAY_HELD_REQU
 ENGINE_EVENT_COUNTERS = frozenset(
     {m.GATEWAY_ENGINE_EJECTIONS.family, m.GATEWAY_ENGINE_STALLS.family}
 )
+# The longest event line a worker accepts from a sibling, and the unread
+# backlog after which a sibling that does not read is dropped.
+MAX_EVENT_BYTES = 64 * 1024
+MAX_EVENT_BACKLOG = 1 << 20
+# Seconds a starting worker waits for its event links to the others, and the
+# longest pause between tries of a link to a sibling that is (re)starting.
+LINK_TIMEOUT = 5.0
+LINK_RETRY_MAX = 0.25
 ENV_WORKER = "PDFLEET_GATEWAY_WORKER"
 """Set in each worker's environment: ``INDEX/N`` (logs, tests)."""
 
@@ -80,18 +92,37 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 class Siblings:
-    """This worker's place among the others: serves its metrics, reads theirs."""
+    """This worker's place among the others: serves its metrics, reads theirs,
+    and passes the events that must change every worker's routing state (a
+    stall ejection, a failed KV hand-off) to the others.
+
+    Events are JSON lines on a unix socket per worker, written to kept-open
+    connections without waiting (``publish`` is synchronous: the bytes are in
+    the siblings' sockets before the request that caused them is answered).
+    A sibling that is down or restarting misses them; it starts with fresh
+    state, as a new gateway would."""
 
     def __init__(self, run_dir: str, index: int, count: int) -> None:
         self.run_dir = Path(run_dir)
         self.index, self.count = index, count
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._peers: dict[int, asyncio.StreamWriter] = {}
+        self._links: list[asyncio.Task] = []
+        self._on_event: Callable[[dict[str, Any]], None] = lambda event: None
 
     def path(self, index: int) -> str:
         return str(self.run_dir / f"metrics-{index}.sock")
 
-    async def serve(self, exposition: Callable[[], bytes]) -> None:
-        """Hand ``exposition()`` to every sibling that connects."""
+    def events_path(self, index: int) -> str:
+        return str(self.run_dir / f"events-{index}.sock")
+
+    async def serve(
+        self,
+        exposition: Callable[[], bytes],
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Hand ``exposition()`` to every sibling that connects; apply their
+        events with ``on_event``; keep a connection to each sibling for ours."""
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
@@ -100,16 +131,97 @@ class Siblings:
             finally:
                 writer.close()
 
-        path = self.path(self.index)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a restarted worker's predecessor left it
-        self._server = await asyncio.start_unix_server(handle, path)
+        if on_event is not None:
+            self._on_event = on_event
+        for path, handler in (
+            (self.path(self.index), handle),
+            (self.events_path(self.index), self._events),
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a restarted worker's predecessor left it
+            self._servers.append(
+                await asyncio.start_unix_server(handler, path, limit=MAX_EVENT_BYTES)
+            )
+        self._links = [
+            asyncio.create_task(self._link(i), name=f"pdfleet-gateway-sibling-{i}")
+            for i in range(self.count)
+            if i != self.index
+        ]
+        # Serve only once every sibling hears this worker's events (they start
+        # together); one that does not come up within LINK_TIMEOUT is left to
+        # the reconnecting link.
+        deadline = time.monotonic() + LINK_TIMEOUT
+        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if len(self._peers) < self.count - 1:
+            missing = sorted(set(range(self.count)) - {self.index} - set(self._peers))
+            logger.warning(
+                "gateway worker %d: no event link to workers %s yet", self.index, missing
+            )
+
+    async def _events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A sibling's event stream: one JSON object a line, until it closes."""
+        try:
+            while line := await reader.readline():
+                try:
+                    event = json.loads(line)
+                    self._on_event(event)
+                except Exception:  # a bad event never stops the stream or the worker
+                    logger.exception(
+                        "gateway worker %d: bad sibling event %r", self.index, line[:200]
+                    )
+        except (OSError, asyncio.LimitOverrunError, ValueError) as e:
+            logger.warning("gateway worker %d: sibling event stream broke: %s", self.index, e)
+        finally:
+            writer.close()
+
+    async def _link(self, index: int) -> None:
+        """Keep a connection to sibling ``index``'s event socket (reconnecting
+        while it starts or restarts)."""
+        delay = 0.05
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.events_path(index))
+            except OSError:
+                await asyncio.sleep(delay)
+                delay = min(LINK_RETRY_MAX, delay * 2)
+                continue
+            delay = 0.05
+            self._peers[index] = writer
+            try:
+                await reader.read()  # nothing comes back: EOF when the sibling goes
+            except OSError:
+                pass
+            finally:
+                if self._peers.get(index) is writer:
+                    del self._peers[index]
+                writer.close()
+
+    def publish(self, event: dict[str, Any]) -> None:
+        """Send ``event`` to every connected sibling now (no await)."""
+        line = json.dumps(event).encode() + b"\n"
+        for index, writer in list(self._peers.items()):
+            transport = writer.transport
+            if writer.is_closing() or transport.get_write_buffer_size() > MAX_EVENT_BACKLOG:
+                logger.warning(
+                    "gateway worker %d: sibling %d does not read events", self.index, index
+                )
+                del self._peers[index]
+                writer.close()
+                continue
+            writer.write(line)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for task in self._links:
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
+        for writer in self._peers.values():
+            writer.close()
+        self._peers.clear()
+        for server in self._servers:
+            server.close()
             with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+                await server.wait_closed()
 
     async def _read(self, index: int) -> bytes | None:
         try:

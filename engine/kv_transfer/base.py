@@ -75,6 +75,23 @@ class KVConnectorWorker:
     def register_kv_caches(self, kv_caches: list[tuple[Any, Any]], buffer: Any = None) -> None:
         """The per-layer (key, value) cache views and the contiguous buffer behind them."""
 
+    def rank_agents(self) -> dict[str, Any] | None:
+        """At TP>1: how each rank process sets up its own shard's transfer agent
+        (``nixl_shard.ShardAgent``: ``name`` prefix, ``backends``, whether it
+        ``report``s ended reads each step), or None when the connector needs none."""
+        return None
+
+    def register_shards(self, layout: Any, shards: list[dict[str, Any]]) -> None:
+        """At TP>1: the ranks registered their KV shards (rank order)."""
+
+    def shard_commands(self) -> list[list[Any]]:
+        """At TP>1: ``[rank, command]`` for the ranks, shipped with the next step.
+        Drains (mutates)."""
+        return []
+
+    def shard_reads_ended(self, rank: int, ended: list[list[Any]]) -> None:
+        """At TP>1: a rank's reads that ended during the step (``[token, state, bytes]``)."""
+
     def start_load_kv(self, metadata: Any) -> None:
         """Start the loads in ``metadata`` (non-blocking)."""
 

@@ -41,7 +41,7 @@ import torch
 from .. import tracing
 from ..config import EngineConfig, security
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
-from .layout import IncompatibleKV, KVLayout, compat_mismatch
+from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
     PROTOCOL_VERSION,
     IncompatibleHello,
@@ -187,6 +187,7 @@ class PDConnector:
             min_bytes=int(extra.get("bandwidth_min_pull_bytes", BANDWIDTH_MIN_PULL_BYTES)),
         )
         self.fail_policy = kv.kv_load_failure_policy
+        self.num_kv_heads = config.model_config.num_key_value_heads
         self.compat = config.compat_factors()
         self.compat_hash = config.compat_hash()
         # The address consumers use; PDFLEET_KV_IP (the pod IP in Kubernetes) wins over
@@ -216,11 +217,29 @@ class PDConnector:
         self.done: queue.Queue[tuple[str, bool, str]] = queue.Queue()
         self.errors: dict[str, str] = {}
         self.remotes: OrderedDict[tuple[str, str, str, int], tuple[Remote, float]] = OrderedDict()
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        if config.parallel_config.nnodes > 1:
+            raise ValueError(
+                "kv_transfer_config with --nnodes > 1 is not supported yet: the leader does "
+                "not reach the other nodes' KV shards; give each P/D engine one node "
+                "(--tensor-parallel-size up to its devices)"
+            )
         if kv.kv_connector == "NixlConnector":
+            # Before the first agent, here or in a rank process (which inherits it).
             devices = restrict_ucx_to(self.bind_ip)
             logger.info("UCX restricted to UCX_NET_DEVICES=%s", devices)
             self.transport: Transport = NixlTransport(
-                self.engine_id, self.instance_id, list(extra.get("backends", ["UCX"]))
+                self.engine_id,
+                self.instance_id,
+                list(extra.get("backends", ["UCX"])),
+                self.tp_size,
+                config.model_config.num_key_value_heads,
+            )
+        elif self.tp_size > 1:
+            raise ValueError(
+                f"kv_transfer_config.kv_connector {kv.kv_connector} moves KV from this process's "
+                "memory and cannot reach the shards of --tensor-parallel-size "
+                f"{self.tp_size}; use NixlConnector (every rank reads its own shard)"
             )
         else:
             self.transport = ZmqTransport()
@@ -232,8 +251,28 @@ class PDConnector:
     # -- setup --------------------------------------------------------------------
 
     def register(self, buffer: torch.Tensor) -> None:
+        """TP=1: this process's KV buffer."""
         self.layout = KVLayout.of(buffer)
         self.transport.register(buffer, self.layout)
+        self._start()
+
+    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+        """TP>1: the rank processes registered their shards with their own agents
+        (``nixl_shard.shard_info``, rank order; ``layout``: rank 0's)."""
+        assert isinstance(self.transport, NixlTransport)
+        self.layout = layout
+        self.transport.register_shards(layout, shards)
+        self._start()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes a pull moves per block (every shard, layer, K and V)."""
+        if isinstance(self.transport, NixlTransport):
+            return self.transport.bytes_per_block
+        assert self.layout is not None
+        return self.layout.block_bytes * 2 * self.layout.num_layers
+
+    def _start(self) -> None:
         if self.kv.is_kv_producer:
             self.server = SideChannelServer(
                 self.bind_ip,
@@ -255,10 +294,11 @@ class PDConnector:
             )
             self.thread.start()
         logger.info(
-            "KV connector %s (%s) engine %s instance %s, side channel %s:%d (bound %s), "
-            "lease %.0fs",
+            "KV connector %s (%s, %d shard(s)) engine %s instance %s, side channel %s:%d "
+            "(bound %s), lease %.0fs",
             self.kv.kv_connector,
             self.kv.kv_role,
+            self.tp_size,
             self.engine_id,
             self.instance_id,
             self.host,
@@ -610,12 +650,7 @@ class PDConnector:
     def _finish(
         self, load: Load, ok: bool, client: SideChannelClient, why: str, target_done: bool = True
     ) -> None:
-        nbytes = (
-            len(load.local_ids)
-            * (self.layout.block_bytes if self.layout else 0)
-            * 2
-            * (self.layout.num_layers if self.layout else 0)
-        )
+        nbytes = len(load.local_ids) * (self.bytes_per_block if self.layout else 0)
         with self.lock:
             if ok:
                 self.stats.transfers += 1
@@ -707,6 +742,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
             why = compat_mismatch(self.connector.compat, p.get("pdfleet_compat"))
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
+            if p.get("tp_size") is not None:
+                # Any TP size maps onto this engine's shards, if it can hold the heads.
+                why = tp_layout_mismatch(p["tp_size"], self.connector.num_kv_heads)
+                if why is not None:
+                    raise ValueError(f"kv_transfer_params: {why}")
         if params.get("do_remote_decode") and not self.connector.kv.is_kv_producer:
             raise ValueError(
                 "kv_transfer_params: this engine is not a KV producer "
@@ -839,6 +879,29 @@ class PDConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_caches, buffer=None) -> None:
         assert buffer is not None, "the connector needs the contiguous KV buffer"
         self.connector.register(buffer)
+
+    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+        self.connector.register_shards(layout, shards)
+
+    def rank_agents(self) -> dict[str, Any] | None:
+        transport = self.connector.transport
+        if not isinstance(transport, NixlTransport):
+            return None
+        return {
+            "name": transport.agent_name,
+            "backends": transport.backends,
+            # Only a consumer's ranks read, and report the reads that ended.
+            "report": self.connector.kv.is_kv_consumer,
+        }
+
+    def shard_commands(self) -> list[list[Any]]:
+        transport = self.connector.transport
+        return transport.drain() if isinstance(transport, NixlTransport) else []
+
+    def shard_reads_ended(self, rank: int, ended: list[list[Any]]) -> None:
+        transport = self.connector.transport
+        if isinstance(transport, NixlTransport):
+            transport.deliver(rank, ended)
 
     def start_load_kv(self, metadata) -> None:
         for load in metadata or ():

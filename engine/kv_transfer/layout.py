@@ -83,7 +83,9 @@ class KVLayout:
         ]
 
     def shape_mismatch(self, other: KVLayout) -> str | None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
+        """What differs between two shards' block shapes, or None. KV heads per shard
+        may differ (unequal TP sizes): ``head_plan`` maps them."""
+        for name in ("num_layers", "block_size", "head_dim", "dtype"):
             if getattr(self, name) != getattr(other, name):
                 return (
                     f"{name} differs (this engine {getattr(self, name)}, remote "
@@ -93,6 +95,66 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def rank_heads(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """(first global KV head, count) in the shard of ``rank`` out of ``tp_size``: a
+    contiguous range when the heads are sharded, one replicated head when there are
+    fewer heads than ranks (as ``models/parallel.py`` splits them)."""
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return rank * per, per
+    return rank * num_kv_heads // tp_size, 1
+
+
+def tp_layout_mismatch(tp_size: Any, num_kv_heads: int) -> str | None:
+    """Why KV heads cannot be laid out over ``tp_size`` ranks, or None."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        return f"tp_size must be a positive rank count, got {tp_size!r}"
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        return (
+            f"tp_size {tp_size} cannot hold the model's {num_kv_heads} KV heads (one must "
+            "divide the other), so its KV shards cannot be mapped onto this engine's"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """Consecutive KV heads one local shard reads from one remote shard."""
+
+    remote_rank: int
+    remote_head: int  # first head, counted within the remote shard
+    local_head: int  # first head, counted within the local shard
+    num_heads: int
+
+
+def head_plan(local_rank: int, local_tp: int, remote_tp: int, num_kv_heads: int) -> list[HeadRun]:
+    """Which slices of which remote shards fill the KV heads of local shard ``local_rank``.
+
+    Every local head is read exactly once: from the remote rank that holds it
+    (when the remote side replicates heads, from one replica, chosen by the local
+    rank so that the replicas share the load). Adjacent heads of one remote shard
+    are merged into one run."""
+    first, count = rank_heads(local_rank, local_tp, num_kv_heads)
+    runs: list[HeadRun] = []
+    for i, head in enumerate(range(first, first + count)):
+        if num_kv_heads >= remote_tp:
+            per = num_kv_heads // remote_tp
+            rank, offset = head // per, head % per
+        else:
+            replicas = remote_tp // num_kv_heads
+            rank, offset = head * replicas + local_rank % replicas, 0
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.remote_rank == rank
+            and last.remote_head + last.num_heads == offset
+        ):
+            runs[-1] = HeadRun(rank, last.remote_head, last.local_head, last.num_heads + 1)
+        else:
+            runs.append(HeadRun(rank, offset, i, 1))
+    return runs
 
 
 def compat_mismatch(ours: dict[str, Any], theirs: dict[str, Any] | None) -> str | None:

@@ -48,7 +48,7 @@ from ..config import security
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 PURPOSE = "kv-side-channel"
 # Bounds on the server's session table (authenticated) and on half-open hellos.
 MAX_SESSIONS = 1024

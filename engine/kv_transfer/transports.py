@@ -12,7 +12,6 @@ bytes are written late). Tests use it to abort and time out requests mid-pull.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import logging
 import os
@@ -21,13 +20,12 @@ import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from .layout import KVLayout
+from .layout import IncompatibleKV, KVLayout, head_plan, rank_heads, tp_layout_mismatch
 from .side_channel import SideChannelClient
 
 logger = logging.getLogger(__name__)
@@ -130,170 +128,143 @@ class Transport:
         pass
 
 
-# How long NIXL's UCX progress thread sleeps in poll() between wake-ups (µs; NIXL
-# rounds it up to whole ms). The thread wakes at once on UCX events (its workers'
-# event fds), so this is only the fallback for transports that need a periodic
-# progress call. The Python binding hard-codes 0: a zero-timeout poll() loop that
-# keeps one core busy (mostly in the kernel) in every engine, idle or not.
-NIXL_PROGRESS_POLL_US = 10_000
-_AGENT_LOCK = threading.Lock()
-
-
-def nixl_agent_with_poll_timeout(
-    nixl_agent: Any, name: str, config: Any, poll_us: int = NIXL_PROGRESS_POLL_US
-) -> Any:
-    """``nixl_agent(name, config)`` whose progress thread blocks in poll() for up to
-    ``poll_us`` instead of spinning.
-
-    The binding builds the native agent config inside ``nixl_agent.__init__`` and
-    offers no argument for the delay, so the native constructor is wrapped for the
-    duration of this call (under a lock; nothing else creates agents meanwhile)."""
-    from nixl_cu12 import _api
-
-    native = getattr(_api, "nixlBind", None)
-    if native is None or not hasattr(native, "nixlAgent"):
-        logger.warning("this NIXL has no nixlBind.nixlAgent: its progress poll is left as is")
-        return nixl_agent(name, config)
-    bind: Any = native
-
-    class _WithDelay:
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(bind, attr)
-
-        @staticmethod
-        def nixlAgent(agent_name: str, agent_config: Any) -> Any:
-            agent_config.pthrDelay = poll_us
-            return bind.nixlAgent(agent_name, agent_config)
-
-    with _AGENT_LOCK:
-        _api.nixlBind = _WithDelay()
-        try:
-            return nixl_agent(name, config)
-        finally:
-            _api.nixlBind = native
-
-
 class NixlTransport(Transport):
-    """One NIXL agent (UCX backend) per engine; the whole KV buffer registered once."""
+    """NIXL READs into the engine's KV shards, each with its own agent (``nixl_shard``).
+
+    At TP=1 the one shard agent lives in this process and commands run at once.
+    At TP>1 each rank process owns its shard's agent: commands wait in an outbox
+    that the tensor-parallel executor ships with the next step (``drain``), and
+    the ranks' finished reads come back with the step's result (``deliver``). A
+    read is DONE when every shard's part is; it is PROC while any part may
+    still write (so the connector's quarantine holds across ranks)."""
 
     name = "nixl"
 
-    def __init__(self, engine_id: str, instance_id: str, backends: list[str]) -> None:
-        try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        except ImportError as e:
-            raise ValueError(
-                "NixlConnector needs the nixl-cu12 package (`pip install nixl-cu12`); use "
-                "ZmqConnector on machines without NIXL"
-            ) from e
+    def __init__(
+        self, engine_id: str, instance_id: str, backends: list[str], tp_size: int, num_kv_heads: int
+    ) -> None:
+        from .nixl_shard import ShardAgent
+
         self.agent_name = f"{engine_id}-{instance_id}"
-        # No listen thread: the agent's metadata goes out only through the
-        # authenticated side channel.
-        config = nixl_agent_config(
-            enable_listen_thread=False,
-            backends=backends,
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        self.agent = nixl_agent_with_poll_timeout(nixl_agent, self.agent_name, config)
-        self.leaked: list[Any] = []
+        self.backends = backends
+        self.tp_size = tp_size
+        self.num_kv_heads = num_kv_heads
+        # TP=1: this process's shard. TP>1: none here, the ranks hold them.
+        self.local = ShardAgent(self.agent_name, backends) if tp_size == 1 else None
+        self.shards: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.outbox: list[list[Any]] = []  # [rank, command] for the rank processes
+        self.ended: dict[int, dict[int, str]] = {}  # token -> rank -> DONE / ERR
+        self.rank_bytes = [0] * tp_size  # bytes each shard pulled (finished reads)
+        self.next_token = 0
 
     def register(self, buffer: torch.Tensor, layout: KVLayout) -> None:
         super().register(buffer, layout)
-        self.mem_type = "DRAM" if buffer.device.type == "cpu" else "VRAM"
-        self.dev = 0 if buffer.device.type == "cpu" else buffer.device.index or 0
-        self.reg = self.agent.register_memory(buffer)
-        self.local_list = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._descs(layout, self.dev), self.mem_type
-        )
+        assert self.local is not None
+        self.shards = [self.local.register(buffer, 0)]
 
-    @staticmethod
-    def _descs(layout: KVLayout, dev: int) -> np.ndarray:
-        idx = np.arange(layout.num_regions, dtype=np.uint64)
-        descs = np.empty((layout.num_regions, 3), dtype=np.uint64)
-        descs[:, 0] = np.uint64(layout.base_address) + idx * np.uint64(layout.block_bytes)
-        descs[:, 1] = layout.block_bytes
-        descs[:, 2] = dev
-        return descs
+    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+        """TP>1: the ranks registered their shards (``shard_info``, rank order)."""
+        self.layout, self.shards = layout, shards
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over every shard, every layer, K and V."""
+        heads = sum(int(s["num_kv_heads"]) for s in self.shards)
+        per_head = self.layout.block_size * self.layout.head_dim * self.layout.element_size
+        return 2 * self.layout.num_layers * heads * per_head
 
     def handshake_fields(self) -> dict[str, Any]:
-        # What a one-sided READ needs and nothing more: the agent (its UCX address
-        # and memory keys) and where the registered buffer starts.
-        return {
-            "agent_metadata": self.agent.get_agent_metadata(),
-            "device_id": self.dev,
-            "base_address": self.layout.base_address,
-        }
+        # What a one-sided READ needs and nothing more: each shard's agent (its UCX
+        # address and memory keys), where its buffer starts, and its KV heads.
+        return {"tp_size": self.tp_size, "shards": self.shards}
+
+    def _send(self, rank: int, command: list[Any]) -> None:
+        if self.local is not None:
+            self.local.apply([command])
+        else:
+            with self.lock:
+                self.outbox.append([rank, command])
+
+    def drain(self) -> list[list[Any]]:
+        """TP>1: the commands for the ranks since the last step (engine thread)."""
+        with self.lock:
+            out, self.outbox = self.outbox, []
+        return out
+
+    def deliver(self, rank: int, ended: list[list[Any]]) -> None:
+        """TP>1: rank ``rank``'s reads that ended during the last step (engine thread)."""
+        with self.lock:
+            self._ended(rank, ended)
+
+    def _ended(self, rank: int, ended: list[list[Any]]) -> None:
+        for token, state, nbytes in ended:
+            if token in self.ended:
+                self.ended[token][rank] = state
+                self.rank_bytes[rank] += int(nbytes)
 
     def connect(self, remote: Remote, reply: dict[str, Any]) -> None:
-        name = self.agent.add_remote_agent(reply["agent_metadata"])
-        name = name.decode() if isinstance(name, bytes) else name
-        layout = dataclasses.replace(remote.layout, base_address=int(reply["base_address"]))
-        remote.layout = layout
-        remote_list = self.agent.prep_xfer_dlist(
-            name, self._descs(layout, int(reply.get("device_id", 0))), self.mem_type
-        )
-        remote.handle = (name, remote_list)
+        remote_tp, shards = reply.get("tp_size"), reply.get("shards")
+        why = tp_layout_mismatch(remote_tp, self.num_kv_heads)
+        if why is None and (not isinstance(shards, list) or len(shards) != remote_tp):
+            why = f"tp_size {remote_tp} but {len(shards or [])} KV shards in the handshake"
+        for rank, info in enumerate(shards if why is None else []):
+            want = rank_heads(rank, remote_tp, self.num_kv_heads)[1]
+            if int(info.get("rank", -1)) != rank or int(info.get("num_kv_heads", -1)) != want:
+                why = (
+                    f"shard {rank} holds {info.get('num_kv_heads')} KV heads, but tp_size "
+                    f"{remote_tp} of {self.num_kv_heads} heads means {want}"
+                )
+                break
+        if why is not None:
+            raise IncompatibleKV(f"the prefill engine's {why}")
+        key = f"{remote.engine_id}-{remote.instance_id}@{remote.host}:{remote.port}"
+        for rank in range(self.tp_size):
+            runs = head_plan(rank, self.tp_size, remote_tp, self.num_kv_heads)
+            needed = sorted({run.remote_rank for run in runs})
+            self._send(
+                rank,
+                ["connect", key, [shards[i] for i in needed], [list(astuple(r)) for r in runs]],
+            )
+        remote.handle = key
 
     def forget(self, remote: Remote) -> None:
         if remote.handle is not None:
-            name, remote_list = remote.handle
-            try:
-                self.agent.release_dlist_handle(remote_list)
-                self.agent.remove_remote_agent(name)
-            except Exception as e:  # already gone
-                logger.debug("forgetting %s: %s", name, e)
+            for rank in range(self.tp_size):
+                self._send(rank, ["forget", remote.handle])
             remote.handle = None
 
     def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
-        _name, remote_list = remote.handle
-        local_idx = self.layout.indices(local_ids)
-        remote_idx = remote.layout.indices(remote_ids)
-        # No notification: the consumer confirms over the side channel instead.
-        xfer = self.agent.make_prepped_xfer(
-            "READ", self.local_list, local_idx, remote_list, remote_idx
-        )
-        delay = read_delay()
-        if delay > 0:
-            return _Delayed(xfer, time.monotonic() + delay)
-        if self.agent.transfer(xfer) == "ERR":
-            self.release(xfer)
-            raise RuntimeError("NIXL refused the READ")
-        return xfer
+        with self.lock:
+            token = self.next_token
+            self.next_token += 1
+            self.ended[token] = {}
+        for rank in range(self.tp_size):
+            self._send(rank, ["read", token, remote.handle, list(local_ids), list(remote_ids)])
+        return token
 
     def check(self, token: Any) -> str:
-        if isinstance(token, _Delayed):
-            if not token.posted:
-                if time.monotonic() < token.start_at:
-                    return "PROC"
-                token.posted = True
-                if self.agent.transfer(token.xfer) == "ERR":
-                    return "ERR"
-            return self.agent.check_xfer_state(token.xfer)
-        return self.agent.check_xfer_state(token)
+        if self.local is not None:
+            ended = self.local.poll()
+            with self.lock:
+                self._ended(0, ended)
+        with self.lock:
+            states = self.ended.get(token)
+            if states is None:
+                return "ERR"
+            if len(states) < self.tp_size:
+                return "PROC"
+            return "DONE" if all(s == "DONE" for s in states.values()) else "ERR"
 
     def release(self, token: Any) -> None:
-        xfer = token.xfer if isinstance(token, _Delayed) else token
-        try:
-            self.agent.release_xfer_handle(xfer)
-        except Exception:
-            # NIXL still owns it: keep a reference, never free it twice.
-            self.leaked.append(xfer)
+        with self.lock:
+            self.ended.pop(token, None)
+        for rank in range(self.tp_size):
+            self._send(rank, ["release", token])
 
     def shutdown(self) -> None:
-        try:
-            self.agent.deregister_memory(self.reg)
-        except Exception as e:
-            logger.debug("deregister: %s", e)
-
-
-@dataclass
-class _Delayed:
-    """A NIXL READ posted only at ``start_at`` (the test hook): until then and
-    while it runs it cannot be cancelled, like a READ stuck in the fabric."""
-
-    xfer: Any
-    start_at: float
-    posted: bool = False
+        if self.local is not None:
+            self.local.shutdown()
 
 
 class ZmqTransport(Transport):

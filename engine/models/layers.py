@@ -102,7 +102,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = backend.forward(

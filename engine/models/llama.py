@@ -15,7 +15,7 @@ from torch import nn
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import ModelConfig
 from ..config.model import rope_parameters
-from .layers import MLP, Attention, RMSNorm
+from .layers import MLP, Attention, MergedLinear, RMSNorm
 from .parallel import VocabParallelEmbedding, lm_logits
 from .rope import RotaryEmbedding
 
@@ -80,7 +80,13 @@ class LlamaForCausalLM(nn.Module):
         # Llama/Qwen3 `attention_bias` covers q/k/v and o; Qwen2 always biases q/k/v only.
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias = self.qkv_bias or attention_bias
-        max_position = max(int(hf.get("max_position_embeddings", m.max_model_len)), m.max_model_len)
+        max_model_len = m.max_model_len
+        if max_model_len is None:
+            raise ValueError(
+                "ModelConfig.max_model_len is unresolved; build the config with "
+                "EngineArgs.create_engine_config() (or ModelConfig.from_model_dir)"
+            )
+        max_position = max(int(hf.get("max_position_embeddings", max_model_len)), max_model_len)
         rotary = RotaryEmbedding(m.head_dim, max_position, rope_parameters(hf))
         self.embed_tokens = VocabParallelEmbedding(m.vocab_size, m.hidden_size, dtype)
         self.layers = nn.ModuleList(
@@ -147,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 merged, shard = self._merged[parts[-2]]
                 module_name = ".".join([*parts[:-2], merged])
                 module = self.get_submodule(module_name)
+                assert isinstance(module, MergedLinear), module_name  # _merged names only those
                 module.load_shard(shard, parts[-1], tensor)
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue

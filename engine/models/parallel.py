@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config.parallel import check_heads_split
 from ..distributed import TPGroup, get_tp_group
 
 
@@ -36,7 +37,7 @@ class HeadSplit:
     tp_rank: int
 
     def __post_init__(self) -> None:
-        check_divisible(self.num_heads, self.num_kv_heads, self.tp_size)
+        check_heads_split(self.num_heads, self.num_kv_heads, self.tp_size)
 
     @property
     def num_local_heads(self) -> int:
@@ -53,20 +54,6 @@ class HeadSplit:
             return self.tp_rank * self.num_local_kv_heads
         # Replicated: ranks [h * tp / kv, (h + 1) * tp / kv) share KV head h.
         return self.tp_rank * self.num_kv_heads // self.tp_size
-
-
-def check_divisible(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Raise ValueError when the heads cannot be split over ``tp_size`` ranks."""
-    if num_heads % tp_size:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} does not divide the model's "
-            f"{num_heads} attention heads; pick a divisor of {num_heads}"
-        )
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} and the model's {num_kv_heads} KV heads: "
-            "one must divide the other (KV heads are sharded, or replicated when fewer)"
-        )
 
 
 def vocab_per_rank(vocab_size: int, tp_size: int) -> int:

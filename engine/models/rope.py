@@ -22,6 +22,8 @@ def cos_sin_cache(head_dim: int, max_position: int, rope: dict[str, Any]) -> tor
 
 
 class RotaryEmbedding(torch.nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32, a non-persistent buffer
+
     def __init__(self, head_dim: int, max_position: int, rope: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.rope = head_dim, max_position, dict(rope)

@@ -64,7 +64,10 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     batch, vocab = logits.shape
+    # The runner sets the five penalty fields together (or none of them).
     assert meta.output_token_ids is not None and meta.prompt_token_ids is not None
+    assert meta.repetition_penalties is not None
+    assert meta.frequency_penalties is not None and meta.presence_penalties is not None
     # Scatter into vocab + 1 columns so the padding id lands in a dropped column.
     out_counts = torch.zeros(batch, vocab + 1, device=logits.device, dtype=logits.dtype)
     out_counts.scatter_add_(

@@ -26,6 +26,7 @@ from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
 from . import cpu_allocator
 from .cuda_graph import DecodeGraphs
+from .host_kv import HostKVCache, check_host_memory
 from .kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
@@ -124,6 +125,12 @@ class ModelRunner:
             config, self.num_blocks, self.kv_dtype, self.device
         )
         config.cache_config.num_gpu_blocks = self.num_blocks - 1
+        self.host_kv: HostKVCache | None = None
+        offload = config.cache_config.kv_offload_bytes
+        if offload is not None:
+            num_host = check_host_memory(offload, bytes_per_block(config, self.kv_dtype))
+            self.host_kv = HostKVCache(self.kv_buffer, num_host)
+            config.cache_config.num_cpu_blocks = num_host
         logger.info(
             "Model loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
             load_seconds,
@@ -211,6 +218,17 @@ class ModelRunner:
             query_lens_cpu=lens,
             seq_lens_cpu=lens,
         )
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier (0: none)."""
+        return self.host_kv.buffer.shape[0] if self.host_kv is not None else 0
+
+    def unissued_stores(self, slots: list[int]) -> list[int]:
+        """Of a failed step's store slots, those the host tier never started."""
+        if self.host_kv is None:
+            return list(slots)
+        return [s for s in slots if not self.host_kv.issued(s)]
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -384,6 +402,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
         result = ModelRunnerOutput()
+        if self.host_kv is not None and out.kv_offload is not None:
+            self.host_kv.run(out.kv_offload)
         if self.connector is not None:
             self.connector.start_load_kv(out.kv_connector_metadata)
         if out.total_num_scheduled_tokens:
@@ -392,6 +412,8 @@ class ModelRunner:
             sending, recving, failed = self.connector.get_finished()
             result.finished_sending, result.finished_recving = sending, recving
             result.failed_recving = failed
+        if self.host_kv is not None:
+            result.offload_stores_done = self.host_kv.finished()
         return result
 
     def _run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:

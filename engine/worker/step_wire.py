@@ -27,7 +27,8 @@ def _params(p: SamplingParams) -> dict[str, Any]:
 
 
 def pack_step(out: SchedulerOutput, connector_meta: Any = None) -> bytes:
-    """``connector_meta``: the worker-side KV connector metadata, already plain data."""
+    """``connector_meta``: plain data for the ranks' KV shard agents, ``[rank, command]``
+    pairs (``kv_transfer/nixl_shard.py``), or None."""
     return msgpack.packb(
         [
             [

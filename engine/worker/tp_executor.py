@@ -27,8 +27,10 @@ import torch.distributed as dist
 from ..config import EngineConfig
 from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
+from ..kv_transfer.base import KVConnectorWorker
+from ..kv_transfer.layout import KVLayout
 from .step_wire import pack_step, unpack_result
-from .tp_rank import ERROR, READY, RESULT, STEP, STOP, RankSpec, rank_main
+from .tp_rank import ERROR, KV, READY, RESULT, STEP, STOP, RankSpec, rank_main
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ def spawn_ranks(
     host: str,
     port: int,
     timeout: float,
+    kv_agent: dict[str, Any] | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """Start this node's rank processes; returns (their pipes, the processes)."""
     pc = config.parallel_config
@@ -94,6 +97,7 @@ def spawn_ranks(
             timeout,
             threads,
             os.getpid(),
+            kv_agent,
         )
         proc = ctx.Process(
             target=rank_main, args=(spec, child), name=f"pdfleet-tp{rank}", daemon=True
@@ -114,9 +118,19 @@ def _store_address(config: EngineConfig) -> tuple[str, int]:
 
 
 class TPExecutor:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        connector: KVConnectorWorker | None = None,
+    ) -> None:
         check_devices(config)
         self.config = config
+        # The KV connector's worker side stays here; each rank reads into its own
+        # shard with its own agent, driven by commands that travel with the step.
+        self.connector = connector
+        self.kv_agent = connector.rank_agents() if connector is not None else None
+        self.kv_report = bool(self.kv_agent and self.kv_agent["report"])
         self.size = size = config.parallel_config.tensor_parallel_size
         self.step_timeout = _seconds(STEP_TIMEOUT_ENV, 600.0)
         timeout = rendezvous.rendezvous_timeout()
@@ -129,7 +143,7 @@ class TPExecutor:
         self.num_steps = 0
         try:
             self.conns, self.procs = spawn_ranks(
-                config, eos_token_ids, host, self.store.port, timeout
+                config, eos_token_ids, host, self.store.port, timeout, self.kv_agent
             )
             self._rendezvous(timeout)
             self._wait_ready(_seconds(LOAD_TIMEOUT_ENV, 1800.0))
@@ -179,15 +193,22 @@ class TPExecutor:
 
     def _wait_ready(self, timeout: float) -> None:
         blocks: dict[int, tuple[int, int]] = {}
+        shards: dict[int, tuple[Any, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(blocks) < len(self.procs):
             for rank, tag, body in self._messages(deadline, "load the model"):
                 if tag != READY:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} before ready")
-                num_blocks, max_len = msgpack.unpackb(body)
+                num_blocks, max_len, info, layout = msgpack.unpackb(body, raw=False)
                 blocks[rank] = (num_blocks, max_len)
+                shards[rank] = (info, layout)
         self.num_blocks = min(b for b, _ in blocks.values())
         max_len = min(m for _, m in blocks.values())
+        if self.kv_agent is not None:
+            assert self.connector is not None
+            self.connector.register_shards(
+                KVLayout(**shards[0][1]), [shards[r][0] for r in sorted(shards)]
+            )
         cfg = self.config
         cfg.cache_config.num_gpu_blocks = self.num_blocks - 1
         cfg.model_config.max_model_len = max_len
@@ -269,17 +290,34 @@ class TPExecutor:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        payload = pack_step(out)
+        commands = None
+        if self.connector is not None:
+            self.connector.start_load_kv(out.kv_connector_metadata)
+            commands = self.connector.shard_commands() or None
+        payload = pack_step(out, commands)
         self._broadcast([len(payload), STEP], payload)
         # Packing and broadcasting the step (benchmarks/tp_overhead.py reports it).
         self.broadcast_seconds += time.perf_counter() - start
         self.num_steps += 1
         deadline = time.monotonic() + self.step_timeout
-        while True:
+        result: ModelRunnerOutput | None = None
+        # A consumer's ranks each report their ended reads; rank 0 also the result.
+        waiting = set(range(len(self.procs))) if self.kv_report else set()
+        while result is None or waiting:
             for rank, tag, body in self._messages(deadline, "finish the step"):
-                if rank == 0 and tag == RESULT:
-                    return unpack_result(body)
-                raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
+                if rank == 0 and tag == RESULT and result is None:
+                    result = unpack_result(body)
+                elif tag == KV and rank in waiting:
+                    waiting.discard(rank)
+                    assert self.connector is not None
+                    self.connector.shard_reads_ended(rank, msgpack.unpackb(body, raw=False))
+                else:
+                    raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
+        if self.connector is not None:
+            sending, recving, failed = self.connector.get_finished()
+            result.finished_sending, result.finished_recving = sending, recving
+            result.failed_recving = failed
+        return result
 
     def shutdown(self) -> None:
         """Stop the ranks: ask, wait a little, then kill (bounded)."""

@@ -28,7 +28,7 @@ from ..distributed import rendezvous
 from ..distributed.parallel_state import set_tp_group
 
 # Message tags on a rank's pipe to the main process.
-READY, RESULT, ERROR = b"Y", b"R", b"E"
+READY, RESULT, ERROR, KV = b"Y", b"R", b"E", b"K"
 # Kinds of control broadcasts.
 STEP, STOP = 0, 1
 # Test hook: the rank whose number this holds never joins the rendezvous.
@@ -46,6 +46,8 @@ class RankSpec:
     rendezvous_timeout: float
     num_threads: int
     parent_pid: int
+    # The KV connector's shard agent for this rank (``KVConnectorWorker.rank_agents``).
+    kv_agent: dict[str, Any] | None = None
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -86,8 +88,22 @@ def _serve(spec: RankSpec, conn: Any) -> None:
     group = rendezvous.join_tp_group(store, spec.rank, spec.size, "nccl" if cuda else "gloo")
     set_tp_group(group)
     runner = ModelRunner(spec.config, None, spec.eos_token_ids)
+    shard, info, layout, report = None, None, None, False
+    if spec.kv_agent is not None:
+        from ..kv_transfer.layout import KVLayout
+        from ..kv_transfer.nixl_shard import ShardAgent
+
+        # This rank's KV shard, registered with its own agent (docs/kv_transfer.md).
+        shard = ShardAgent(f"{spec.kv_agent['name']}-r{spec.rank}", spec.kv_agent["backends"])
+        info = shard.register(runner.kv_buffer, spec.rank)
+        layout = KVLayout.of(runner.kv_buffer).to_dict()
+        report = bool(spec.kv_agent["report"])
     conn.send_bytes(
-        READY + msgpack.packb([runner.num_blocks, spec.config.scheduler_config.max_model_len])
+        READY
+        + msgpack.packb(
+            [runner.num_blocks, spec.config.scheduler_config.max_model_len, info, layout],
+            use_bin_type=True,
+        )
     )
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -99,8 +115,16 @@ def _serve(spec: RankSpec, conn: Any) -> None:
             break
         payload = torch.empty(nbytes, dtype=torch.uint8)
         ctl.broadcast([payload], opts).wait()
-        out, _meta = unpack_step(payload.numpy().data)
+        out, commands = unpack_step(payload.numpy().data)
+        if shard is not None and commands:
+            # Post this rank's READs before the forward: they move while it runs.
+            shard.apply([c for rank, c in commands if rank == spec.rank])
         result = runner.execute_model(out)
+        if report:
+            assert shard is not None
+            conn.send_bytes(KV + msgpack.packb(shard.poll()))
         if spec.rank == 0:
             conn.send_bytes(RESULT + pack_result(result))
+    if shard is not None:
+        shard.shutdown()
     dist.destroy_process_group()

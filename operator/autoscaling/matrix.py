@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
+from .policy import PolicyTuning
 from .sim import compare, replica_needs
 from .sim_fleet import FleetModel, SimResult
 from .spec import AutoscalingSpec
@@ -82,14 +83,38 @@ def cell_targets(
     return out
 
 
+# A baseline's figures from an earlier run of the same cell: the totals of
+# ``replica_seconds`` and ``scale_events`` that the targets compare against.
+Baseline = dict[str, float]
+
+
 def _cell(
-    args: tuple[TraceConfig, FleetModel, AutoscalingSpec, tuple[str, ...], MatrixTargets],
+    args: tuple[
+        TraceConfig,
+        FleetModel,
+        AutoscalingSpec,
+        tuple[str, ...],
+        MatrixTargets,
+        PolicyTuning | None,
+        dict[str, Baseline],
+    ],
 ) -> dict[str, Any]:
-    config, model, spec, strategies, targets = args
+    config, model, spec, strategies, targets, tuning, known = args
     started = time.perf_counter()
     trace = make_trace(config)
-    simulated = tuple(s for s in strategies if s != "fixed")
-    results = compare(trace, model, spec, simulated, seed=config.seed)
+    simulated = tuple(s for s in strategies if s != "fixed" and s not in known)
+    results = compare(trace, model, spec, simulated, tuning=tuning, seed=config.seed)
+    for name, figures in known.items():
+        # The baselines do not depend on the policy's tuning: a variant run
+        # reuses their totals instead of simulating them again.
+        results[name] = dataclasses.replace(
+            results["pdfleet"],
+            strategy=name,
+            replica_seconds={"total": figures["replica_seconds"]},
+            scale_events={"total": int(figures["scale_events"])},
+            scale_log=[],
+            timeline=[],
+        )
     if "fixed" in strategies:
         # Only fixed peak's cost enters a target, and it is known without
         # simulating: the oracle's peak counts, the whole trace long.
@@ -105,9 +130,15 @@ def _cell(
             timeline=[],
         )
     window = spec.prefill.scale_down_stabilization_seconds
-    shown: dict[str, Any] = {k: r.to_dict() for k, r in results.items() if k != "fixed"}
-    if "fixed" in results:
-        shown["fixed"] = {"replica_seconds": results["fixed"].replica_seconds}
+    shown: dict[str, Any] = {
+        k: r.to_dict() for k, r in results.items() if k != "fixed" and k not in known
+    }
+    for name in ("fixed", *known):
+        if name in results:
+            shown[name] = {
+                "replica_seconds": results[name].replica_seconds,
+                "scale_events": results[name].scale_events,
+            }
     return {
         "trace": config.kind,
         "seed": config.seed,
@@ -126,8 +157,16 @@ def run_matrix(
     strategies: Sequence[str] = ("pdfleet", "fixed", "hpa", "oracle"),
     jobs: int = 1,
     targets: MatrixTargets | None = None,
+    tuning: PolicyTuning | None = None,
+    baselines: dict[tuple[str, int], dict[str, Baseline]] | None = None,
 ) -> dict[str, Any]:
-    """Every (trace kind, seed) cell; ``jobs`` > 1 runs cells in processes."""
+    """Every (trace kind, seed) cell; ``jobs`` > 1 runs cells in processes.
+
+    ``tuning`` is the policy's (default :class:`PolicyTuning`); ``baselines``
+    maps (trace kind, seed) to figures of baselines already run on that cell
+    (``{"hpa": {"replica_seconds": ..., "scale_events": ...}}``), which are
+    then not simulated again: comparing policy variants costs one strategy
+    per cell instead of three."""
     targets = targets or MatrixTargets()
     unknown = [k for k in kinds if k not in TRACE_KINDS]
     if unknown:
@@ -141,6 +180,12 @@ def run_matrix(
             spec,
             tuple(strategies),
             targets,
+            tuning,
+            {
+                name: figures
+                for name, figures in (baselines or {}).get((kind, seed), {}).items()
+                if name in strategies and name not in ("pdfleet", "fixed")
+            },
         )
         for kind in kinds
         for seed in seeds
@@ -156,6 +201,7 @@ def run_matrix(
         "model": dataclasses.asdict(model),
         "trace": dataclasses.asdict(base),
         "spec": spec.to_spec(),
+        "tuning": dataclasses.asdict(tuning or PolicyTuning()),
         "cells": cells,
         "summary": summarize_matrix(cells),
         "wall_seconds": time.perf_counter() - started,

@@ -90,9 +90,11 @@ class PolicyTuning:
     after the added replicas serve."""
     tolerance: float = 0.1
     """Relative band around the current count inside which the count is kept."""
-    scale_down_headroom: float | None = None
+    scale_down_headroom: float | None = 0.2
     """Headroom kept when scaling down: the count left serves the load times
-    (1 + this). None: the tolerance."""
+    (1 + this). None: the tolerance. 0.2 rather than the tolerance's 0.1:
+    fewer scale-downs that the next surge undoes (docs/autoscaling.md,
+    "Variants tried")."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
@@ -104,6 +106,13 @@ class PolicyTuning:
     recent samples agree on a fall of at least 10%): a surge's replicas go as
     the surge ebbs rather than a whole down window later. None: always the
     spec's window."""
+    horizon_factor: float = 1.0
+    """The projection looks this many times one startup plus two periods
+    ahead (more than 1 starts replicas earlier on a ramp)."""
+    recent_peak_seconds: float | None = None
+    """Plan for at least the highest demand measured in this many seconds
+    (a short-horizon forecast of trend plus recent peak). None: the trend
+    alone."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -364,6 +373,14 @@ def _role_decision(
     return RoleDecision(name, current, desired, code, reason, now), new_state
 
 
+def _recent_peak(state: RoleState, now: float, tuning: PolicyTuning) -> float:
+    """The highest demand (replicas) measured within ``recent_peak_seconds``."""
+    if tuning.recent_peak_seconds is None:
+        return 0.0
+    recent = [v for t, v in state.demand if now - t < tuning.recent_peak_seconds]
+    return max(recent, default=0.0)
+
+
 def _current(obs: RoleObservation) -> tuple[int, int]:
     """(requested replicas, of which not ready)."""
     live = [r for r in obs.replicas if r.state != "draining"]
@@ -531,13 +548,12 @@ def decide(
     tuning = tuning or PolicyTuning()
     stale = spec.metrics_stale_seconds
     startup, starting_since = _startups(observation, state, now, tuning)
-    # A start is first seen one period after it was requested, so the measured
-    # time is short by about a period.
     # A start is first seen one period after it was requested, so the time
     # measured is short by a period; capacity requested now must also last
     # until the next decision's capacity serves, a period later.
     period = spec.period_seconds
     ahead = (startup + period if startup is not None else tuning.default_startup_seconds) + period
+    ahead *= tuning.horizon_factor
     window = tuning.trend_window_seconds
 
     _, p_starting = _current(observation.prefill)
@@ -559,6 +575,7 @@ def decide(
         ahead,
         tuning.prefill_target_utilization,
         tuning.backlog_drain_seconds,
+        _recent_peak(state.prefill, now, tuning),
     )
     ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
     ttft_high = None
@@ -590,6 +607,7 @@ def decide(
         tuning.backlog_drain_seconds,
         p_signal.growth,
         p_signal.falling,
+        _recent_peak(state.decode, now, tuning),
     )
     d, d_state = _decide_role(
         "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale

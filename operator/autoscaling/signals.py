@@ -154,6 +154,7 @@ def prefill_signal(
     ahead: float,
     target_utilization: float,
     drain_seconds: float,
+    recent_peak: float = 0.0,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -188,7 +189,7 @@ def prefill_signal(
     is_falling = False
     if demand is not None:
         is_falling = falling(demand, history, now)
-        planned = project(demand, history, now, ahead)
+        planned = max(project(demand, history, now, ahead), recent_peak)
         if demand > 0:
             growth = project(demand, history, now, ahead, GROWTH_QUANTILE) / demand
         if planned > demand + 1e-9:
@@ -235,6 +236,7 @@ def decode_signal(
     drain_seconds: float,
     prefill_growth: float,
     prefill_falling: bool = False,
+    recent_peak: float = 0.0,
 ) -> RoleSignal:
     """Decode needs projected KV demand / ``targetKVCacheUsage``.
 
@@ -264,7 +266,7 @@ def decode_signal(
         f"KV usage {kv:.2f} summed (target {target:.2f} per replica)",
         f"{waiting:.0f} waiting (= {queued:.2f} KV to drain them)",
     ]
-    planned = max(project(demand, history, now, ahead), demand * prefill_growth)
+    planned = max(project(demand, history, now, ahead), demand * prefill_growth, recent_peak)
     if planned > demand + 1e-9:
         parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
     if starting:

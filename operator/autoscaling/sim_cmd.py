@@ -68,6 +68,9 @@ class SimOptions:
     """Comma-separated trace kinds the matrix runs."""
     jobs: int = 1
     """Processes the matrix runs its cells in."""
+    fleet_model: str | None = None
+    """Read the fleet model from this JSON (``pdfleet sim calibrate`` writes it);
+    fleet-model flags that differ from their defaults still win."""
     plot: str | None = None
     """Write a PNG of the run to this path: request rate, replicas per role for
     each strategy, TTFT p99 against the SLO, the policy's scale events."""
@@ -91,7 +94,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     add_dataclass_arguments(parser.add_argument_group("fleet model"), FleetModel, flags=MODEL_FLAGS)
     add_dataclass_arguments(parser.add_argument_group("strategies and output"), SimOptions)
     parser.set_defaults(func=run)
+    from . import calibrate
+
+    calibrate.add_parser(parser.add_subparsers(dest="sim_command", metavar="{calibrate}"))
     return parser
+
+
+def fleet_model_from_arguments(args: argparse.Namespace) -> FleetModel:
+    """The fleet-model flags, over the ``--fleet-model`` file's values where one
+    is given (a flag left at its default takes the file's value)."""
+    import dataclasses
+
+    flags = dataclass_from_arguments(FleetModel, args)
+    if not getattr(args, "fleet_model", None):
+        return flags
+    from .calibrate import load_fleet_model
+
+    values = load_fleet_model(args.fleet_model)
+    default = FleetModel()
+    for f in dataclasses.fields(FleetModel):
+        if getattr(flags, f.name) != getattr(default, f.name):
+            values[f.name] = getattr(flags, f.name)
+    try:
+        return FleetModel(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--fleet-model: {args.fleet_model}: {e}") from None
 
 
 def _load_spec(path: str | None, max_replicas: int | None) -> Any:
@@ -124,7 +151,7 @@ def _load_spec(path: str | None, max_replicas: int | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec, args.max_replicas)
     trace_config = dataclass_from_arguments(TraceConfig, args)
-    model = dataclass_from_arguments(FleetModel, args)
+    model = fleet_model_from_arguments(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")

@@ -11,6 +11,7 @@ from pdfleet.operator.autoscaling.matrix import (
     format_matrix,
     run_matrix,
 )
+from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling.sim_fleet import FleetModel, SimResult
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling.traces import TraceConfig, make_trace
@@ -111,3 +112,32 @@ def test_policy_meets_slo_and_cost_targets_on_seed_0_of_every_trace():
         assert t["vs_oracle"]["met"], where
         if cell["trace"] == "burst":
             assert t["vs_fixed_peak"]["met"], where
+
+
+def test_a_variant_run_reuses_the_baselines_and_reaches_the_same_targets():
+    base = TraceConfig(kind="burst", duration_seconds=600, base_rate=3, burst_every_seconds=300)
+    model = FleetModel(cold_start_seconds=30)
+    full = run_matrix(base, model, SPEC, ("burst",), [0])
+    (cell,) = full["cells"]
+    known = {
+        ("burst", 0): {
+            name: {
+                "replica_seconds": cell["results"][name]["replica_seconds"]["total"],
+                "scale_events": cell["results"][name]["scale_events"]["total"],
+            }
+            for name in ("hpa", "oracle")
+        }
+    }
+    reused = run_matrix(base, model, SPEC, ("burst",), [0], baselines=known)
+    assert reused["cells"][0]["targets"] == cell["targets"]
+    # Only the policy was simulated again: the baselines carry no SLO figures.
+    assert "ttft_attainment" not in reused["cells"][0]["results"]["hpa"]
+    assert "ttft_attainment" in cell["results"]["hpa"]
+    # A tuning reaches the policy: no headroom going down changes the run.
+    looser = PolicyTuning(scale_down_headroom=0.0, tolerance=0.0)
+    varied = run_matrix(base, model, SPEC, ("burst",), [0], baselines=known, tuning=looser)
+    assert varied["tuning"]["scale_down_headroom"] == 0.0
+    assert (
+        varied["cells"][0]["results"]["pdfleet"]["replica_seconds"]
+        != cell["results"]["pdfleet"]["replica_seconds"]
+    )

@@ -78,6 +78,9 @@ def health(url: str) -> dict:
     return engines_view(url)
 
 
+INFLIGHT = "pdfleet_gateway_engine_inflight_requests"
+
+
 def state(url: str, engine_url: str) -> dict:
     return next(e for e in engines_view(url)["engines"] if e["url"] == engine_url)
 
@@ -202,8 +205,12 @@ def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fle
                 continue
             events.append(line[len("data: ") :])
             if killed_at is None and len(events) == 3:
+                # The merged metric: every worker's in-flight requests (/engines
+                # is one worker's view with --workers N).
                 serving = [
-                    fleet[n] for n in ("d1", "d2") if state(gw.url, fleet[n].url)["inflight"]
+                    fleet[n]
+                    for n in ("d1", "d2")
+                    if metric(gw.url, INFLIGHT, engine=fleet[n].url, role="decode")
                 ]
                 assert len(serving) == 1
                 serving[0].signal(signal.SIGKILL)
@@ -249,9 +256,11 @@ def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
     stopped victim before two legs reach it: then it is let go, served back to
     health, and stopped again (the requests of that round all complete too)."""
 
+    def inflight() -> float:  # every worker's (merged /metrics), not one worker's view
+        return metric(gw_url, INFLIGHT, engine=victim.url)
+
     def piled_up_or_ejected() -> bool:
-        s = state(gw_url, victim.url)
-        return s["inflight"] >= 2 or s["state"] == "ejected"
+        return inflight() >= 2 or state(gw_url, victim.url)["state"] == "ejected"
 
     async def main() -> list[int]:
         done: list[int] = []
@@ -260,7 +269,7 @@ def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
             first = asyncio.create_task(_load(gw_url, n, offset=2 * n * attempt))
             try:
                 await asyncio.to_thread(wait_until, piled_up_or_ejected, 30, 0.02)
-                held = state(gw_url, victim.url)["inflight"] >= 2
+                held = inflight() >= 2
             except BaseException:
                 victim.signal(signal.SIGKILL)
                 first.cancel()

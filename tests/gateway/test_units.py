@@ -407,3 +407,53 @@ def test_the_kv_pair_breaker_judges_pairs_by_the_decode_engines_pull_counters():
     assert not breaker.is_open("p2", "d") and ("p2", "d") not in breaker.failures
     breaker.forget("p")
     assert not breaker.is_open("p", "d") and breaker.open_until == {}
+
+
+def test_a_stall_seen_by_another_worker_ejects_the_engine_unless_it_answers_here():
+    pool, engines = stall_pool()
+    a, b = engines["http://a"], engines["http://b"]
+    # a: nothing in flight here, so nothing contradicts the other worker's verdict.
+    assert pool.stalled_elsewhere("http://a", since=100.0, now=104.0)
+    assert a.state == "ejected" and a.stalled
+    # b: this worker received from it after the other's last byte, within --stall-timeout.
+    b.inflight, b.last_progress = 1, 103.5
+    assert not pool.stalled_elsewhere("http://b", since=100.0, now=104.0)
+    assert b.routable and not b.stalled
+    assert not pool.stalled_elsewhere("http://gone", since=100.0, now=104.0)
+
+
+def test_breakers_of_two_workers_open_together_on_each_others_failed_hand_offs():
+    (one, metrics_one), (two, metrics_two) = breaker_setup(), breaker_setup()
+    sent: list[dict] = []
+
+    def link(to: KVPairBreaker):
+        def share(event: dict) -> None:
+            sent.append(event)
+            to.apply_shared(json.loads(json.dumps(event)))  # as it crosses the socket
+
+        return share
+
+    one.share, two.share = link(two), link(one)
+    one.handed_off("p", "d")
+    one.handed_off("p", "d")  # once per scrape interval is enough for the others
+    assert sent == [{"kind": "kv_pair_used", "prefill": "p", "decode": "d"}]
+    assert two.used == {"d": {"p"}}
+    one.leg_failed("p", "d")
+    assert not one.is_open("p", "d") and not two.is_open("p", "d")
+    two.leg_failed("p", "d")  # the second failure landed on the other worker
+    assert one.is_open("p", "d") and two.is_open("p", "d")
+    assert pair_open(metrics_one, "p", "d") == pair_open(metrics_two, "p", "d") == 1
+    assert len(sent) == 3  # applied events are not sent on again
+
+
+def test_a_refused_connection_ejects_the_engine_here_and_tells_the_other_workers():
+    pool, engines = stall_pool()
+    told: list[str] = []
+    pool.on_refused = lambda e: told.append(e.url)
+    pool.refused(engines["http://a"], "connection refused")
+    assert engines["http://a"].state == "ejected" and told == ["http://a"]
+    pool.refused(engines["http://a"], "connection refused")  # already out: nothing new
+    assert told == ["http://a"]
+    # Another worker's refusal ejects it here, without a failed request of this one.
+    assert pool.refused_elsewhere("http://b") and engines["http://b"].state == "ejected"
+    assert not pool.refused_elsewhere("http://b")

@@ -8,6 +8,8 @@ worker is replaced while the others keep serving, and SIGTERM stops them all.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -15,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway.fake_engine import FakeEngine
-from helpers.fleet import metric, start_gateway
+from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet.engine.gateway.workers import merge_expositions
+from pdfleet.engine.gateway.workers import Siblings, merge_expositions
 
 WORKERS = 2
 
@@ -133,3 +135,79 @@ def test_merged_exposition_sums_requests_and_keeps_the_largest_engine_state():
     assert samples[("pdfleet_gateway_ttft_seconds_count", ())] == 2
     assert samples[("pdfleet_gateway_engine_ejections_total", (("engine", "http://e"),))] == 1
     assert not [k for k in samples if k[0].endswith("_created")]
+
+
+def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
+    async def main() -> list[list[dict]]:
+        got: list[list[dict]] = [[], [], []]
+        workers = [Siblings(str(tmp_path), i, 3) for i in range(3)]
+        # They start together, as the supervisor's workers do; each serves
+        # once it has a link to every other.
+        async with asyncio.timeout(10):
+            await asyncio.gather(
+                *(w.serve(lambda: b"", got[i].append) for i, w in enumerate(workers))
+            )
+        try:
+            async with asyncio.timeout(10):
+                assert all(len(w._peers) == 2 for w in workers)
+                workers[0].publish({"kind": "stall", "url": "http://e", "since": 1.0})
+                while not (got[1] and got[2]):
+                    await asyncio.sleep(0.02)
+        finally:
+            for w in workers:
+                await w.close()
+        return got
+
+    got = asyncio.run(main())
+    event = {"kind": "stall", "url": "http://e", "since": 1.0}
+    assert got == [[], [event], [event]]
+
+
+def test_a_kv_pair_opened_by_one_worker_is_open_in_every_worker(tmp_path):
+    prefill, decode = FakeEngine(), FakeEngine()
+
+    def decode_answer(body):
+        if body.get("kv_transfer_params"):
+            return 500, b'{"error": {"message": "KV pull failed"}}'
+        out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        return 200, json.dumps(out).encode()
+
+    decode.answer = decode_answer
+    args = ["--prefill", prefill.url, "--decode", decode.url, "--disaggregation-mode", "Always"]
+    args += ["--scrape-interval", "0.2", "--kv-pair-failures", "2", "--kv-pair-cooldown", "120"]
+    gw = start_gateway([*args, "--workers", str(WORKERS)], tmp_path)
+    body = {"model": "tiny", "prompt": "word " * 400, "max_tokens": 2}
+    try:
+        assert wait_until(lambda: len(children(gw.proc.pid)) == WORKERS, timeout=30)
+        assert wait_until(lambda: all_views(gw.url, lambda v: v["routable"]["prefill"] == 1), 30)
+        # Both failures on one kept-alive connection: one worker sees them all.
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):
+                assert client.post(gw.url + "/v1/completions", json=body).status_code == 502
+        labels = {"prefill": prefill.url, "decode": decode.url}
+        # The other worker has it from the first's event stream (within milliseconds).
+        assert wait_until(lambda: all_views(gw.url, lambda v: v["kv_pairs_open"] == [labels]), 5)
+        assert metric(gw.url, "pdfleet_gateway_kv_pair_open", **labels) == 1
+        # Every worker now routes the pair's requests decode-only.
+        legs = len(prefill.posts())
+        for _ in range(6):
+            assert post(gw.url).status_code == 200
+        assert len(prefill.posts()) == legs
+    finally:
+        gw.stop()
+        prefill.close()
+        decode.close()
+
+
+def all_views(url: str, ok) -> dict[str, dict] | None:
+    """/engines of every worker (fresh connections until each has answered),
+    or None when one of them fails ``ok``."""
+    views: dict[str, dict] = {}
+    for _ in range(60):
+        view = engines_view(url)
+        if not ok(view):
+            return None
+        views[view["worker"]] = view
+        if len(views) == WORKERS:
+            return views
+    raise AssertionError(f"60 connections reached only workers {sorted(views)}")

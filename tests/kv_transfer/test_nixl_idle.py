@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12")
 
-from pdfleet.engine.kv_transfer.transports import NixlTransport
+from pdfleet.engine.kv_transfer.nixl_shard import ShardAgent
 
 SAMPLES = 100
 
@@ -29,7 +29,7 @@ def _state(tid: str) -> str:
 
 def test_idle_nixl_progress_thread_blocks_in_poll_instead_of_spinning():
     before = _threads()
-    transport = NixlTransport("idle-test", "0", ["UCX"])
+    agent = ShardAgent("idle-test-0", ["UCX"])
     try:
         started = _threads() - before
         assert started, "NIXL started no progress thread"
@@ -42,4 +42,4 @@ def test_idle_nixl_progress_thread_blocks_in_poll_instead_of_spinning():
         # machine; a thread that blocks in poll() is asleep in nearly all of them.
         assert max(runnable.values()) < SAMPLES // 2, runnable
     finally:
-        transport.shutdown()
+        agent.shutdown()

@@ -207,8 +207,9 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
                     "remote_host": "127.0.0.1",
                     "remote_port": port,
                 }
-                remote = consumer._handshake(client, params, time.monotonic() + 5)
-                names.append(remote.handle[0] if remote.handle else None)
+                consumer._handshake(client, params, time.monotonic() + 5)
+                # The producer's one shard agent (TP1), as the consumer added it.
+                names.append(getattr(producer.transport, "agent_name", None))
                 consumer._evict_remotes(client, busy=set())
                 assert len(consumer.remotes) <= bound
                 # An instance change on one address leaves one entry for it.
@@ -219,7 +220,7 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
         assert consumer.stats.remote_evictions == instances - len(consumer.remotes)
 
         def live_agents() -> int:
-            agent = getattr(consumer.transport, "agent", None)
+            agent = getattr(getattr(consumer.transport, "local", None), "agent", None)
             return sum(1 for n in names if agent and n and agent.check_remote_metadata(n))
 
         if connector == "NixlConnector":

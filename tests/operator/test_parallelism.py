@@ -136,6 +136,16 @@ def test_a_gpu_count_that_contradicts_the_tp_size_is_refused_naming_the_field():
     assert fields(ok) == {}
 
 
+def test_zmq_connector_with_tp_over_one_is_refused_naming_the_connector():
+    spec = {**TP_SPEC, "kvTransfer": {"connector": "ZmqConnector"}}
+    violation = fields(spec)["spec.kvTransfer.connector"]
+    assert "NixlConnector" in violation.fix and "4 KV shards" in violation.problem
+    # Unequal TP sizes over NIXL, in either direction, are fine.
+    assert fields(TP_SPEC) == {}
+    flipped = {**BASE, "prefill": {"engine": {"tensorParallelSize": 2}}}
+    assert fields(flipped) == {}
+
+
 @pytest.mark.parametrize(
     ("heads", "tp", "ok"),
     [

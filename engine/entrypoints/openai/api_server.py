@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,11 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
+from ...config.http_limits import RequestLimits
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
-from ..http_guard import GuardMiddleware, ServerLimits, guarded_h11_protocol
+from ..http_guard import GuardMiddleware, guarded_h11_protocol
 from ..uvicorn_server import graceful_server
 from .protocol import (
     APIError,
@@ -60,7 +61,7 @@ class ServerState:
         config: EngineConfig,
         max_waiting_requests: int,
         auth: EngineAuth | None = None,
-        limits: ServerLimits | None = None,
+        limits: RequestLimits | None = None,
         large_prompt_chars: int = 1 << 16,
         options: ChatOptions | None = None,
     ) -> None:
@@ -68,7 +69,7 @@ class ServerState:
         self.config = config
         self.max_waiting_requests = max_waiting_requests
         self.auth = auth or EngineAuth()
-        self.limits = limits or ServerLimits()
+        self.limits = limits or RequestLimits()
         self.lanes = TokenizerLanes(large_prompt_chars)
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
@@ -94,7 +95,7 @@ class ServerState:
                 engine, self.max_waiting_requests, self.on_step, on_fatal=self.on_fatal
             )
             names = engine.config.model_config.served_model_names
-            max_len = engine.config.model_config.max_model_len
+            max_len = engine.max_model_len
             self.completions = CompletionServing(
                 self.engine, names, max_len, self.lanes, self.options
             )
@@ -133,7 +134,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def until_disconnected(events: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
+async def until_disconnected(
+    events: AsyncGenerator[str, None], request: Request
+) -> AsyncGenerator[str, None]:
     """Relay SSE events; stop (aborting the engine request) when the client goes away.
 
     A watcher task waits for the disconnect message and cancels the task that
@@ -336,17 +339,17 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(body: TokenizeRequest, request: Request):
         s, _ = serving(request)
         s.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("give exactly one of prompt or messages", param="prompt")
         # Not bounded by the context (counting a too-long prompt is what it is for):
         # the body limit bounds it, and large prompts take the large lane.
-        if body.messages is not None:
-            _, ids = await s.chat_prompt(body, bounded=False)
-        else:
-            prompt = body.prompt
+        prompt = body.prompt
+        if prompt is not None and body.messages is None:
             ids = await s.lanes.run(
                 len(prompt), lambda: s.tokenize(prompt, body.add_special_tokens)
             )
+        elif body.messages is not None and prompt is None:
+            _, ids = await s.chat_prompt(body, bounded=False)
+        else:
+            raise APIError("give exactly one of prompt or messages", param="prompt")
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -371,7 +374,7 @@ def run_server(
     max_waiting_requests: int,
     auth: EngineAuth | None = None,
     log_level: str = "info",
-    limits: ServerLimits | None = None,
+    limits: RequestLimits | None = None,
     large_prompt_chars: int = 1 << 16,
     options: ChatOptions | None = None,
 ) -> int:
@@ -379,7 +382,7 @@ def run_server(
     import uvicorn
 
     auth = auth or EngineAuth()
-    limits = limits or ServerLimits()
+    limits = limits or RequestLimits()
     auth.warn_if_open()
     state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
@@ -391,9 +394,11 @@ def run_server(
         port=port,
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=grace,
+        # uvicorn annotates int seconds but hands them to asyncio.wait_for (any float).
+        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
         timeout_keep_alive=75,
         http=guarded_h11_protocol(limits),
+        h11_max_incomplete_event_size=limits.max_head_bytes,  # bounds a request's head
     )
     server = graceful_server(uv_config)
 

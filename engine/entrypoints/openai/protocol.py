@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ...sampling_params import SamplingParams, StructuredOutputsParams
+from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
 
 
 def random_id(prefix: str) -> str:
@@ -30,6 +30,7 @@ class APIError(Exception):
         405: "MethodNotAllowedError",
         408: "RequestTimeoutError",
         413: "RequestTooLargeError",
+        431: "RequestHeaderFieldsTooLargeError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
@@ -157,7 +158,7 @@ class _Sampling(_Checked):
             if rf.get("type") == "json_object":
                 return StructuredOutputsParams(json_object=True)
             if self.guided_json is not None:
-                return StructuredOutputsParams(json=self.guided_json)
+                return StructuredOutputsParams(json=json_schema_text(self.guided_json))
             if self.guided_regex is not None:
                 return StructuredOutputsParams(regex=self.guided_regex)
             if self.guided_choice is not None:
@@ -176,6 +177,12 @@ class _Sampling(_Checked):
         except ValueError as e:
             raise APIError(str(e), param="structured_outputs") from None
         return None
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (one string is a list of one; "" and null are none)."""
+        if isinstance(self.stop, str):
+            return [self.stop] if self.stop else []
+        return list(self.stop or [])
 
     def sampling_params(
         self,
@@ -199,7 +206,7 @@ class _Sampling(_Checked):
             return SamplingParams(
                 n=self.n,
                 seed=self.seed,
-                stop=self.stop or [],
+                stop=self.stop_list(),
                 stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
@@ -234,9 +241,11 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        # The field's type admits no mixed list: all token ids, or all prompts.
+        ids = [x for x in p if isinstance(x, int)]
+        if ids:
+            return [ids]
+        return [x for x in p if not isinstance(x, int)]
 
 
 class ContentPart(BaseModel):

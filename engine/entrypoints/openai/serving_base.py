@@ -26,7 +26,7 @@ from ...async_engine import (
 from ...config.sampling_checks import check_sampling
 from ...outputs import Logprob, RequestOutput
 from ...sampling_params import SamplingParams, StructuredOutputsParams
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest, now
 
 logger = logging.getLogger("pdfleet.serve")
 
@@ -397,6 +397,30 @@ class ServingBase:
     @staticmethod
     def _token_str(lp: Logprob, tid: int) -> str:
         return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+
+    @classmethod
+    def response_body(
+        cls,
+        kind: str,
+        response_id: str,
+        model: str,
+        choices: list[dict[str, Any]],
+        usage: dict[str, int],
+        kv_out: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A whole (not streamed) response: OpenAI's envelope, ``kind`` its
+        ``object``, plus the producer's ``kv_transfer_params`` when there are any."""
+        body = {
+            "id": response_id,
+            "object": kind,
+            "created": now(),
+            "model": model,
+            "choices": choices,
+            "usage": cls._usage(usage),
+        }
+        if kv_out is not None:
+            body["kv_transfer_params"] = kv_out
+        return body
 
     @staticmethod
     def _usage(u: dict[str, int]) -> dict[str, Any]:

@@ -158,17 +158,7 @@ class ChatServing(ServingBase):
             "completion_tokens": sum(len(c.token_ids) for c in choices.values()),
             "cached": cached,
         }
-        body = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now(),
-            "model": model,
-            "choices": result,
-            "usage": self._usage(usage),
-        }
-        if kv_out is not None:
-            body["kv_transfer_params"] = kv_out
-        return body
+        return self.response_body("chat.completion", request_id, model, result, usage, kv_out)
 
     async def chat_stream(
         self, req: ChatCompletionRequest, request_id: str, response_id: str | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ...outputs import Logprob
@@ -14,11 +14,14 @@ class CompletionServing(ServingBase):
     def completion_logprobs(
         self,
         token_ids: list[int],
-        entries: list[dict[int, Logprob] | None],
+        entries: Sequence[dict[int, Logprob] | None],
         k: int,
         offset: int,
     ) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for tid, entry in zip(token_ids, entries, strict=True):
             if entry is None:  # first prompt token: nothing predicts it
                 text = self.tokenizer.decode([tid]) if self.tokenizer else f"token_id:{tid}"
@@ -30,7 +33,7 @@ class CompletionServing(ServingBase):
                 text = self._token_str(lp, tid)
                 tokens.append(text)
                 token_lps.append(lp.logprob)
-                top = {}
+                top: dict[str, float] = {}
                 for t, x in entry.items():
                     if t != tid and len(top) < k:
                         top[self._token_str(x, t)] = x.logprob
@@ -45,6 +48,13 @@ class CompletionServing(ServingBase):
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def _echoed(self, text_in: str | None, ids: list[int]) -> str:
+        """The prompt as ``echo`` returns it: its text, else its ids decoded ("" with
+        no tokenizer)."""
+        if text_in is not None:
+            return text_in
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def prepare_completion(self, req: CompletionRequest):
         model = self.check_model(req.model)
@@ -104,13 +114,7 @@ class CompletionServing(ServingBase):
         result_choices = []
         for idx, c in sorted(choices.items()):
             text_in, ids, _ = jobs[idx // n]
-            prefix = ""
-            if req.echo:
-                prefix = (
-                    text_in
-                    if text_in is not None
-                    else (self.tokenizer.decode(ids) if self.tokenizer else "")
-                )
+            prefix = self._echoed(text_in, ids) if req.echo else ""
             lp = None
             if req.logprobs is not None:
                 all_ids, entries = c.token_ids, list(c.logprobs)
@@ -129,17 +133,9 @@ class CompletionServing(ServingBase):
             )
             usage["completion_tokens"] += len(c.token_ids)
         usage["prompt_tokens"] = sum(len(ids) for _, ids, _ in jobs)
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": now(),
-            "model": model,
-            "choices": result_choices,
-            "usage": self._usage(usage),
-        }
-        if kv_out is not None:
-            body["kv_transfer_params"] = kv_out
-        return body
+        return self.response_body(
+            "text_completion", request_id, model, result_choices, usage, kv_out
+        )
 
     async def completion_stream(
         self, req: CompletionRequest, request_id: str, response_id: str | None = None
@@ -171,9 +167,7 @@ class CompletionServing(ServingBase):
                     if req.echo and idx not in echoed:
                         echoed.add(idx)
                         text_in, ids, _ = jobs[j]
-                        text = (
-                            text_in if text_in is not None else self.tokenizer.decode(ids)
-                        ) + text
+                        text = self._echoed(text_in, ids) + text
                         if req.logprobs is not None:
                             ids_for_lp = ids + o.token_ids
                             entries = list(out.prompt_logprobs or [None] * len(ids)) + entries
