@@ -23,6 +23,7 @@ that read only. Either way a shard reads its own heads' bytes and no more;
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,49 @@ def block_descs(layout: KVLayout, dev: int) -> np.ndarray:
     return descs
 
 
+# How long NIXL's UCX progress thread sleeps in poll() between wake-ups (µs; NIXL
+# rounds it up to whole ms). The thread wakes at once on UCX events (its workers'
+# event fds), so this is only the fallback for transports that need a periodic
+# progress call. The Python binding hard-codes 0: a zero-timeout poll() loop that
+# keeps one core busy (mostly in the kernel) in every engine, idle or not.
+NIXL_PROGRESS_POLL_US = 10_000
+_AGENT_LOCK = threading.Lock()
+
+
+def nixl_agent_with_poll_timeout(
+    nixl_agent: Any, name: str, config: Any, poll_us: int = NIXL_PROGRESS_POLL_US
+) -> Any:
+    """``nixl_agent(name, config)`` whose progress thread blocks in poll() for up to
+    ``poll_us`` instead of spinning.
+
+    The binding builds the native agent config inside ``nixl_agent.__init__`` and
+    offers no argument for the delay, so the native constructor is wrapped for the
+    duration of this call (under a lock; nothing else creates agents meanwhile)."""
+    from nixl_cu12 import _api
+
+    native = getattr(_api, "nixlBind", None)
+    if native is None or not hasattr(native, "nixlAgent"):
+        logger.warning("this NIXL has no nixlBind.nixlAgent: its progress poll is left as is")
+        return nixl_agent(name, config)
+    bind: Any = native
+
+    class _WithDelay:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bind, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, agent_config: Any) -> Any:
+            agent_config.pthrDelay = poll_us
+            return bind.nixlAgent(agent_name, agent_config)
+
+    with _AGENT_LOCK:
+        _api.nixlBind = _WithDelay()
+        try:
+            return nixl_agent(name, config)
+        finally:
+            _api.nixlBind = native
+
+
 class ShardAgent:
     """A NIXL agent (UCX) with this process's KV shard registered once.
 
@@ -130,7 +174,7 @@ class ShardAgent:
             backends=backends,
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.agent = nixl_agent(name, config)
+        self.agent = nixl_agent_with_poll_timeout(nixl_agent, name, config)
         self.peers: dict[str, _Peer] = {}
         self.reads: dict[int, _Read] = {}
         self.leaked: list[Any] = []

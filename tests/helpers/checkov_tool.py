@@ -45,6 +45,9 @@ def checkov_python() -> pathlib.Path:
                 str(python),
                 "install",
                 "--quiet",
+                # Byte-compiling all of checkov's dependencies costs more than the
+                # install itself; the modules a scan imports compile on first use.
+                "--no-compile",
                 f"checkov=={VERSION}",
             ],
             check=True,

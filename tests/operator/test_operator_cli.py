@@ -126,9 +126,11 @@ def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
                     await eventually(healthy, 30, "a healthy liveness endpoint", tmp_path)
                     assert await eventually(reconciled_ok, 30, "an ok reconcile", tmp_path) >= 1
             finally:
+                # The operator exits within a couple of seconds of SIGTERM and kills
+                # itself after 20 s (operator/handlers.py); wait on the exit itself.
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=20)
+                    await asyncio.wait_for(proc.wait(), timeout=40)
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
