@@ -34,6 +34,15 @@ PARAMS = {
 }
 
 
+def kv_pull_fails(body: dict[str, Any]) -> tuple[int, bytes]:
+    """A decode engine's answer whose KV pulls all fail: a 500 for every leg
+    that carries ``kv_transfer_params``, a small completion otherwise."""
+    if body.get("kv_transfer_params"):
+        return 500, b'{"error": {"message": "KV pull failed"}}'
+    out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+    return 200, json.dumps(out).encode()
+
+
 @dataclass
 class Seen:
     method: str

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from gateway.fake_engine import PARAMS, FakeEngine
+from gateway.fake_engine import PARAMS, FakeEngine, kv_pull_fails
 from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 
@@ -91,13 +91,7 @@ def _serving(url: str) -> bool:
 def test_a_pair_whose_hand_offs_keep_failing_is_routed_decode_only_for_a_cooldown(fakes, tmp_path):
     prefill, decode = fakes
 
-    def decode_answer(body):
-        if body.get("kv_transfer_params"):
-            return 500, b'{"error": {"message": "KV pull failed"}}'
-        out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
-        return 200, json.dumps(out).encode()
-
-    decode.answer = decode_answer
+    decode.answer = kv_pull_fails
     gw = start_gateway(
         [
             "--prefill",

@@ -9,14 +9,13 @@ worker is replaced while the others keep serving, and SIGTERM stops them all.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from pathlib import Path
 
 import httpx
 import pytest
-from gateway.fake_engine import FakeEngine
+from gateway.fake_engine import FakeEngine, kv_pull_fails
 from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -166,13 +165,7 @@ def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
 def test_a_kv_pair_opened_by_one_worker_is_open_in_every_worker(tmp_path):
     prefill, decode = FakeEngine(), FakeEngine()
 
-    def decode_answer(body):
-        if body.get("kv_transfer_params"):
-            return 500, b'{"error": {"message": "KV pull failed"}}'
-        out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
-        return 200, json.dumps(out).encode()
-
-    decode.answer = decode_answer
+    decode.answer = kv_pull_fails
     args = ["--prefill", prefill.url, "--decode", decode.url, "--disaggregation-mode", "Always"]
     args += ["--scrape-interval", "0.2", "--kv-pair-failures", "2", "--kv-pair-cooldown", "120"]
     gw = start_gateway([*args, "--workers", str(WORKERS)], tmp_path)
