@@ -21,7 +21,7 @@ from pdfleet.operator.handlers import OperatorConfig
 SPEC: dict[str, Any] = {
     "model": {"name": "tiny"},
     "engine": {"device": "cpu", "tensorParallelSize": 2},
-    "kvTransfer": {"connector": "ZmqConnector"},
+    "kvTransfer": {"connector": "NixlConnector"},
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1, "nodesPerReplica": 2},
     "autoscaling": {"periodSeconds": 0.1, "decode": {"maxReplicas": 5}},
