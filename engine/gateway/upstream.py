@@ -80,7 +80,9 @@ class UpstreamResponse:
         status: int,
         reason: str,
     ) -> None:
-        self._client, self._key, self._conn = client, key, conn
+        self._client, self._key = client, key
+        self._conn: _Conn | None = conn
+        """The connection while the body is unread; None once it is released."""
         self.status_code = status
         self.reason_phrase = reason
         self.headers: dict[str, str] = {}
@@ -94,6 +96,8 @@ class UpstreamResponse:
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked encoding removed)."""
+        if self._conn is None:
+            raise RuntimeError("the response body was already released")
         reader = self._conn.reader
         try:
             if self._chunked:
@@ -148,7 +152,7 @@ class UpstreamResponse:
         self._release()
 
     def _release(self) -> None:
-        conn, self._conn = self._conn, None  # type: ignore[assignment]
+        conn, self._conn = self._conn, None
         if conn is None:
             return
         if self._done and not self._until_close and self.headers.get("connection") != "close":
