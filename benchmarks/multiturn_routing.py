@@ -16,8 +16,11 @@ between them (as behind a load balancer), one turn per user at a time:
 
 Then the offload comparison, on fresh engines whose device KV cache holds half
 of the working set (``--num-gpu-blocks-override``; the working set is the
-conversations' final length in blocks, per engine), with longer system
-prompts (``--offload-system-repeat``) so prefill is a real part of TTFT:
+conversations' final length in blocks, per engine), running a real model
+(``--offload-model``, SmolLM2-135M by default: the tiny model's prefill costs
+next to nothing, so its TTFT is the fixed HTTP and scheduling path) with
+longer system prompts (``--offload-system-repeat``) so prefill is a real part
+of TTFT:
 
 * ``exact_small_cache`` — exact routing, that small device cache, no host tier;
 * ``exact_offload`` — the same with ``--kv-offload-bytes`` (docs/kv_offload.md):
@@ -30,7 +33,10 @@ working set known before the engines start.
 
 Reported per policy: prefix hit rate (prompt tokens served from the engines'
 prefix caches, either tier / prompt tokens, from the engines' own counters),
-TTFT p50/p99 (streamed, as the client sees it) and requests/s, in one JSON.
+TTFT p50/p99 (streamed, as the client sees it) and requests/s, in one JSON;
+for the offload rows also the TTFT p50 of a one-line chat (the fixed path).
+The gateways run with ``--stall-timeout`` 120 s: at the 3 s default they eject
+a CPU engine busy with one long prefill step (docs/gateway.md, "Stalls").
 
     .venv/bin/python benchmarks/multiturn_routing.py [--users 12] [--turns 4]
         [--json benchmarks/results/multiturn_routing_cpu.json]
@@ -373,8 +379,11 @@ def main() -> None:
     out = Path(args.json)
     results: dict[str, object] = {}
     if args.skip_routing and out.exists():
-        # Only the offload rows are new: keep the routing rows already there.
+        # Only the offload rows are new: keep the routing rows already there
+        # (their config; the offload rows' is offload_config).
         results = json.loads(out.read_text())
+        config = results.get("config", {})
+        results["config"] = {k: v for k, v in config.items() if not k.startswith("offload")}
     if not args.skip_routing:
         model = resolve_model(args.model) if args.model else tiny_model()
         results["config"] = {k: v for k, v in vars(args).items() if not k.startswith("offload")} | {
