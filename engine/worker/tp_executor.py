@@ -162,6 +162,9 @@ class TPExecutor:
         self.ctl: Any = None
         self.broadcast_seconds = 0.0
         self.num_steps = 0
+        # Before the start: a failed start's shutdown broadcasts STOP with it.
+        self.opts = dist.BroadcastOptions()
+        self.opts.rootRank = 0
         try:
             self.conns, self.procs = spawn_ranks(
                 config, eos_token_ids, host, self.store.port, timeout, self.kv_agent
@@ -171,8 +174,6 @@ class TPExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.opts = dist.BroadcastOptions()
-        self.opts.rootRank = 0
         logger.info(
             "tensor parallelism: %d ranks (%d on this node: pids %s), %d KV blocks per shard",
             size,

@@ -132,7 +132,14 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     kv_agent = spec.kv_agent
     if spec.headless:
         # Set by the leader before its ranks start (bounded by the store's timeout).
-        kv_agent = msgpack.unpackb(store.get(KV_AGENT_KEY), raw=False)
+        try:
+            kv_agent = msgpack.unpackb(store.get(KV_AGENT_KEY), raw=False)
+        except RuntimeError as e:  # torch's store timeout
+            raise RuntimeError(
+                f"the leader at {spec.host}:{spec.port} published no KV agent spec within "
+                f"{spec.rendezvous_timeout:.0f}s (${rendezvous.RENDEZVOUS_TIMEOUT_ENV}); run "
+                f"the same pdfleet version on every node ({e})"
+            ) from None
     ctl = rendezvous.control_group(store, spec.rank + 1, spec.size + 1, rendezvous.IDLE_TIMEOUT)
     group = rendezvous.join_tp_group(store, spec.rank, spec.size, "nccl" if cuda else "gloo")
     set_tp_group(group)

@@ -214,3 +214,38 @@ def test_a_dead_node_takes_its_engine_down_with_a_clear_error_not_a_hang(engines
     with pytest.raises(RankFailed, match="rank"):
         run(decode, "after-death", prompt_of(20, 5), greedy(2))
     assert time.monotonic() - start < 60
+
+
+def test_a_node_whose_rank_cannot_set_up_its_kv_agent_fails_the_leaders_start_naming_it(
+    tiny_model_factory, tmp_path
+):
+    from helpers.server import ServerProcess, free_port
+
+    path = tiny_model_factory("llama", num_key_value_heads=2)
+    master, kv = free_port(), kv_config("kv_consumer", free_port())
+    flags = ["--device", "cpu", "--max-model-len", "256", "--block-size", str(BLOCK)]
+    nodes = ["-tp", "2", "--nnodes", "2", "--master-port", str(master)]
+    # UCX on an interface this host lacks: node 1's NIXL agent cannot start.
+    node = ServerProcess(
+        ["serve", path, *flags, *nodes, "--node-rank", "1", "--headless",
+         "--kv-transfer-config", json.dumps(kv)],
+        tmp_path,
+        "node1",
+        env={"UCX_NET_DEVICES": "no-such-nic0"},
+    )  # fmt: skip
+    try:
+        args = EngineArgs(
+            model=path,
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_port=master,
+            kv_transfer_config=kv,
+            **ENGINE,
+        )
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(node 1\) failed: .*NIXL"):
+            LLMEngine(args.create_engine_config())
+        assert time.monotonic() - start < 90
+        assert node.proc.wait(30) == 1, node.log()  # the node exits, so its group restarts
+    finally:
+        node.stop()
