@@ -4,9 +4,9 @@ interface of one ``ModelRunner`` (``num_blocks``, ``execute_model``, ``shutdown`
 Each step is packed once (``step_wire``) and broadcast once over the control
 group; rank 0 sends the result back on its pipe. With ``--nnodes > 1`` the
 ranks of the other nodes report ready (with their KV shard's metadata)
-through the rendezvous store, and a consumer's ranks on every node report
-their ended reads in one gather per step over the control group. Every wait is bounded and
-watches the ranks: a rank that dies, fails or never joins raises
+through the rendezvous store; a consumer's ranks, on every node, report
+their ended reads in one gather per step over the control group. Every wait
+is bounded and watches the ranks: a rank that dies, fails or never joins raises
 :class:`RankFailed`, which takes the engine down (it is not a per-request
 failure). See docs/parallelism.md.
 """

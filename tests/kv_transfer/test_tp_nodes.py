@@ -16,12 +16,15 @@ import signal
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
 from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import rank_heads
 from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV
 from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.metrics import EngineMetrics
 from pdfleet.engine.sampling_params import SamplingParams
 from pdfleet.engine.worker.tp_executor import RankFailed
 from pdfleet.engine.worker.tp_rank import KV_REPORT_SLOTS, ended_of, ended_tensor
@@ -142,6 +145,14 @@ def test_pd_with_an_engine_over_two_nodes_pulls_each_ranks_heads_and_matches_agg
     per_block = 2 * cfg.num_hidden_layers * BLOCK * heads * cfg.head_dim * 4  # float32
     moved = [a - b for a, b in zip(transport.rank_bytes, before, strict=True)]
     assert moved == [pulled_blocks * per_block] * tp
+    # ... and the leader exports it per rank, node 1's rank included.
+    metrics = EngineMetrics(decode.config)
+    metrics.update(decode)
+    samples = parse_metrics(generate_latest(metrics.registry).decode()).samples
+    exported = {
+        labels["rank"]: value for labels, value in samples[ENGINE_KV_TRANSFER_SHARD_BYTES.name]
+    }
+    assert exported == {str(r): float(b) for r, b in enumerate(transport.rank_bytes)}
     assert decode.connector.worker.connector.stats.failed_transfers == 0
     deadline = time.monotonic() + 10
     while prefill.core.scheduler.held_blocks and time.monotonic() < deadline:
