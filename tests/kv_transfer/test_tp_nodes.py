@@ -85,7 +85,10 @@ def engines(tiny_model_factory, tmp_path_factory):
             master, kv = free_port(), kv_config(role, free_port())
             multi[name] = master, kv
             nodes = ["-tp", "2", "--nnodes", "2", "--master-port", str(master)]
-            env = {READ_DELAY_ENV: str(delay)} if name == "d2n" else {}
+            # Node 1 picks its own UCX interface, from its own KV address (127.0.0.1: lo).
+            env = {"UCX_NET_DEVICES": ""}
+            if name == "d2n":
+                env[READ_DELAY_ENV] = str(delay)
             made["nodes"][name] = ServerProcess(
                 ["serve", path, *flags, *nodes, "--node-rank", "1", "--headless",
                  "--kv-transfer-config", json.dumps(kv)],
@@ -170,6 +173,8 @@ def test_the_leaders_handshake_lists_the_shard_of_every_node(engines):
     # Two agents, two registered buffers: node 1's shard is its own rank's memory.
     metadata = [s["agent_metadata"] for s in fields["shards"]]
     assert metadata[0] != metadata[1] and all(metadata)
+    # Node 1 bound its agents on its own KV address's interface.
+    assert "KV shards on 127.0.0.1 (UCX_NET_DEVICES=lo)" in engines["nodes"]["p2n"].log()
 
 
 def test_ended_reads_beyond_one_reports_slots_survive_the_wire():
