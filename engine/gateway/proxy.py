@@ -925,6 +925,11 @@ class Watched:
 
     async def __aenter__(self) -> asyncio.Timeout:
         cm = await self._cm.__aenter__()
+        if self._engine.stalled:
+            # Ejected for a stall after this leg was routed to it (a decode
+            # engine is chosen before the prefill leg runs): give up at once,
+            # as the legs already waiting did, instead of for the whole bound.
+            cm.reschedule(asyncio.get_running_loop().time())
         self._engine.waiters.add(cm)
         return cm
 
