@@ -436,7 +436,7 @@ class Proxy:
             return self._error(call, e.message, e.status, headers={"connection": "close"})
         # One watcher per request: a client that goes away cancels this task
         # (and so the legs); the answer of a request that finished is sent as is.
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request)
         handed = False
         try:
             response = await self._handle(call, raw)
@@ -959,20 +959,43 @@ class RelayResponse(Response):
         """The request's disconnect watcher, if the handler started one."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI: the relay as ``http.response.*`` messages (the tracing path)."""
+
+        def start(status: int, headers: list[tuple[bytes, bytes]]) -> Awaitable[None]:
+            return send({"type": "http.response.start", "status": status, "headers": headers})
+
+        def write(chunk: bytes) -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        def end() -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.stream_to(start, write, end, receive)
+
+    async def stream_to(
+        self,
+        start: Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None] | None],
+        write: Callable[[bytes], Awaitable[None] | None],
+        end: Callable[[], Awaitable[None] | None],
+        receive: Any = None,
+    ) -> None:
+        """Send the head (``start``), each chunk (``write``: an awaitable only
+        while the client's connection is paused for writing) and the end; the
+        gateway's server calls it with its connection's writers."""
         watch = self.watch or DisconnectWatch(receive)
         started = False
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.status_code,
-                    "headers": self.raw_headers,
-                }
-            )
-            started = True  # no await until the relay runs: its finally now cleans up
+            wait = start(self.status_code, self.raw_headers)
+            started = True  # the relay runs next: its finally now cleans up
+            if wait is not None:
+                await wait
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                wait = write(chunk)
+                if wait is not None:
+                    await wait
+            wait = end()
+            if wait is not None:
+                await wait
         except asyncio.CancelledError:
             if not watch.uncancel():
                 raise
@@ -987,20 +1010,35 @@ class RelayResponse(Response):
 
 
 class DisconnectWatch:
-    """Cancels the task that made it when the client disconnects: one task per
-    request, where ``asyncio.wait`` on two tasks (or Starlette's task group)
-    cost several times as much. Made after the body was read (it takes over
-    ``receive``); closed before the answer's last byte is sent (after it,
-    ``receive`` reports a disconnect)."""
+    """Cancels the task that made it when the client disconnects. The
+    gateway's server calls it back from the connection's loss (no task); an
+    ASGI request gets one watcher task (``asyncio.wait`` on two tasks, or
+    Starlette's task group, cost several times as much). Made after the body
+    was read (under ASGI it takes over ``receive``); closed before the
+    answer's last byte is sent (after it, ``receive`` reports a disconnect).
+    ``request``: a request (``watch_disconnect``) or an ASGI ``receive``."""
 
-    def __init__(self, receive: Any) -> None:
+    __slots__ = ("_closed", "_owner", "_task", "gone")
+
+    def __init__(self, request: Any) -> None:
         self.gone = False
+        self._closed = False
         self._owner = asyncio.current_task()
+        self._task: asyncio.Future | None = None
+        watch = getattr(request, "watch_disconnect", None)
+        if watch is not None and watch(self._lost):
+            return
+        receive = getattr(request, "receive", request)
         self._task = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive: Any) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._lost()
+
+    def _lost(self) -> None:
+        if self._closed or self.gone:
+            return
         self.gone = True
         if self._owner is not None:
             self._owner.cancel()
@@ -1014,4 +1052,6 @@ class DisconnectWatch:
         return False
 
     def close(self) -> None:
-        self._task.cancel()
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
