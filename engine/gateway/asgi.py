@@ -74,6 +74,19 @@ class Request:
                 return
 
 
+class BytesResponse(Response):
+    """A whole answer from bytes and raw headers: Starlette's ``Response``
+    without its per-response header rendering (``content-length`` is added
+    here). Sent by the gateway's server in one write, or as ASGI messages."""
+
+    def __init__(self, body: bytes, status_code: int, raw_headers: list[tuple[bytes, bytes]]):
+        self.status_code = status_code
+        self.body = body
+        self.background = None
+        raw_headers.append((b"content-length", b"%d" % len(body)))
+        self.raw_headers = raw_headers
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 

@@ -47,7 +47,7 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .activation import Activation
-from .asgi import Request
+from .asgi import BytesResponse, Request
 from .engines import EnginePool, EngineState
 from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
@@ -92,6 +92,7 @@ ERROR_CODES = {
 }
 DONE = b"data: [DONE]\n\n"
 SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
 # leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -127,12 +128,10 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    return Response(
-        json.dumps(error_body(message, status, param, code)),
-        status_code=status,
-        media_type="application/json",
-        headers={"x-request-id": request_id, **(headers or {})},
-    )
+    raw = [JSON_CONTENT_TYPE, (b"x-request-id", request_id.encode("latin-1"))]
+    for name, value in (headers or {}).items():
+        raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+    return BytesResponse(json.dumps(error_body(message, status, param, code)).encode(), status, raw)
 
 
 def sse_error(message: str, status: int, code: str | None = None) -> bytes:
@@ -264,6 +263,8 @@ class Proxy:
         """The request counter and latency histogram per (endpoint, status)."""
         self._ttft: dict[str, Any] = {}
         """The TTFT histogram per endpoint."""
+        self._decisions: dict[tuple[str, str], Any] = {}
+        """The routing-decision counter per (decision, reason)."""
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -338,11 +339,14 @@ class Proxy:
         if resp.status_code >= 300:
             return self._refused(call, resp)
         self._finish(call, resp.status_code)
-        return Response(
+        kind = resp.headers.get("content-type")
+        return BytesResponse(
             content,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "application/json"),
-            headers={"x-request-id": call.request_id},
+            resp.status_code,
+            [
+                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind.encode("latin-1")),
+                (b"x-request-id", call.request_id.encode("latin-1")),
+            ],
         )
 
     def _refused(self, call: Call, resp: UpstreamResponse) -> Response:
@@ -476,7 +480,11 @@ class Proxy:
         route = await self._route(call, info)
         if isinstance(route, Response):
             return route
-        self.metrics.decisions.labels(route.decision, route.reason).inc()
+        key = (route.decision, route.reason)
+        decided = self._decisions.get(key)
+        if decided is None:  # a few (decision, reason) pairs: never dropped
+            decided = self._decisions[key] = self.metrics.decisions.labels(*key)
+        decided.inc()
         tracing.route_chosen(route)
         if route.prefill is not None:
             outcome = await self._prefill(call, body, route, info)
@@ -831,8 +839,8 @@ class Proxy:
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
-                loop = asyncio.get_running_loop()
-                async with asyncio.timeout(idle) as cm:
+                async with asyncio.timeout(None) as cm:
+                    timer = IdleTimer(cm, idle)
                     engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
@@ -842,16 +850,17 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                cm.reschedule(loop.time() + idle)
+                                timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
-                            cm.reschedule(None)
+                            timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
-                            cm.reschedule(loop.time() + idle)
+                            timer.touch()
                     finally:
+                        timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
@@ -911,6 +920,43 @@ class Proxy:
             # A relayed leg answers a tuple or None, never a Response or a marker.
             assert isinstance(opened, tuple)
             return (nxt, *opened)
+
+
+class IdleTimer:
+    """Expires ``cm`` (an ``asyncio.timeout``) once ``idle`` seconds pass
+    without a ``touch``, and never while ``paused``. One timer handle per
+    stream, moved on only when it fires: ``Timeout.reschedule`` per chunk (a
+    timer cancelled and made twice per event) cost several percent of a
+    stream's time."""
+
+    __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
+
+    def __init__(self, cm: asyncio.Timeout, idle: float) -> None:
+        self._cm, self._idle = cm, idle
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self.paused = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle, self._fire)
+
+    def touch(self) -> None:
+        """Something arrived: the idle time starts again (and runs, if paused)."""
+        self._last = self._loop.time()
+        self.paused = False
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if self.paused or now - self._last < self._idle:
+            start = now if self.paused else self._last
+            self._handle = self._loop.call_at(start + self._idle, self._fire)
+            return
+        self._handle = None
+        if not self._cm.expired():  # (the stall watchdog may have expired it already)
+            self._cm.reschedule(now)  # the timeout expires: TimeoutError at its exit
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class Watched:

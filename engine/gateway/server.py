@@ -404,8 +404,10 @@ class HttpProtocol(asyncio.Protocol):
         """No complete request head yet on this connection (or since the last answer)."""
         self._buffered = 0
         """Bytes received while the head is incomplete (held by the parser)."""
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.head_since: float | None = None
+        """Loop time the current head began (None: no head under way)."""
+        self.idle_since: float | None = None
+        """Loop time the connection went idle after an answer (None: not idle)."""
         self._discarding = False
         self._too_large = False
 
@@ -419,16 +421,14 @@ class HttpProtocol(asyncio.Protocol):
         self.server_address = _address(transport.get_extra_info("sockname"))
         self.client_address = _address(transport.get_extra_info("peername"))
         self.server.connections.add(self)
-        self._arm_head()
+        self.head_since = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        if self._in_head and self._head_timer is None:
-            self._arm_head()  # a kept-alive connection's next request has begun
+        self.idle_since = None
+        if self._in_head and self.head_since is None:
+            self.head_since = self.loop.time()  # a kept-alive connection's next request
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -447,10 +447,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
-        self._disarm()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self.head_since = self.idle_since = None
         if self.cycle is not None:
             self.cycle._lost()
         for cycle in self.pipeline:
@@ -497,7 +494,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._buffered = 0
-        self._disarm()
+        self.head_since = None
         url = self._url
         path, _, query = url.partition(b"?")
         if b"%" in path:
@@ -552,7 +549,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         self._in_head = True
         self.resume_reading()
-        self._idle_timer = self.loop.call_later(KEEPALIVE_TIMEOUT, self._idle_expired)
+        self.idle_since = self.loop.time()
 
     @property
     def idle(self) -> bool:
@@ -590,28 +587,20 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- limits ---------------------------------------------------------------------------
 
-    def _arm_head(self) -> None:
+    def expire(self, now: float) -> None:
+        """The server's sweep: close a connection whose head is overdue
+        (``--header-timeout``) or that sat idle past KEEPALIVE_TIMEOUT (one
+        sweep for all connections, not a timer per request)."""
         transport = self.transport
-        if self._head_timer is None and transport is not None and not transport.is_closing():
-            self._head_timer = self.loop.call_later(self.server.header_timeout, self._head_expired)
-
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_expired(self) -> None:
-        self._head_timer = None
-        if self._in_head and self.idle and self.transport is not None:
-            self.transport.close()
-
-    def _idle_expired(self) -> None:
-        self._idle_timer = None
-        if self.idle and self.transport is not None:
-            self.transport.close()
+        if transport is None or not self.idle or self._discarding:
+            return
+        head, idle = self.head_since, self.idle_since
+        if (head is not None and self._in_head and now - head > self.server.header_timeout) or (
+            idle is not None and now - idle > KEEPALIVE_TIMEOUT
+        ):
+            transport.close()
 
     def _refuse_head(self) -> None:
-        self._disarm()
         self._refuse(
             b"431 Request Header Fields Too Large",
             f"the request head exceeds {self.server.max_head_bytes} bytes",
@@ -641,7 +630,7 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self._disarm()
+        self.head_since = self.idle_since = None
         if not lingering:
             transport.close()
             return
@@ -775,8 +764,10 @@ class HttpServer:
                 logger.error("the gateway cannot listen on %s:%d: %s", host, port, e)
                 return 1
             self._signals()
+            sweeper = asyncio.create_task(self._sweep(), name="pdfleet-gateway-http-sweep")
             logger.info("gateway serving HTTP on %s:%d", host, port)
             await self._stop.wait()
+            sweeper.cancel()
             await self._shutdown(server)
         finally:
             try:
@@ -784,6 +775,15 @@ class HttpServer:
             except Exception:
                 logger.exception("gateway shutdown failed")
         return 0
+
+    async def _sweep(self) -> None:
+        """Every fraction of the header deadline: close overdue and idle connections."""
+        period = max(0.05, min(1.0, self.header_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = self.loop.time()
+            for conn in list(self.connections):
+                conn.expire(now)
 
     def _signals(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
