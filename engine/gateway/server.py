@@ -318,19 +318,19 @@ class Cycle:
         self.response_started = True
         parts = self._head(status, raw_headers, True)
         parts.append(b"\r\n")
-        self._proto.write(b"".join(parts))
+        self._proto.write_soon(b"".join(parts))
 
     def write(self, chunk: bytes) -> Awaitable[None] | None:
         """One chunk; an awaitable while the client reads slower than the
         stream comes (the transport paused writing), else None."""
         if chunk and not self.disconnected:
-            self._proto.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self._proto.write_soon(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         if self._proto.write_paused and not self.disconnected:
             return self._proto.drain()
         return None
 
     def end_stream(self) -> None:
-        self._proto.write(LAST_CHUNK)
+        self._proto.write_soon(LAST_CHUNK)
         self._done()
 
     def _done(self) -> None:
@@ -393,6 +393,8 @@ class HttpProtocol(asyncio.Protocol):
         """The request whose body the parser is reading."""
         self.pipeline: deque[Cycle] = deque()
         self.write_paused = False
+        self._pending: list[bytes] | None = None
+        """What ``write_soon`` holds until the end of this turn of the loop."""
         self._drain: asyncio.Future | None = None
         self._reading_paused = False
         # The head of the request being parsed.
@@ -558,9 +560,30 @@ class HttpProtocol(asyncio.Protocol):
     # -- writing and flow control -------------------------------------------------------
 
     def write(self, data: bytes) -> None:
+        pending = self._pending
+        if pending is not None:  # what a stream wrote this turn of the loop goes first
+            pending.append(data)
+            data = b"".join(pending)
+            self._pending = None
         transport = self.transport
         if transport is not None and not self._discarding and not transport.is_closing():
             transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Write ``data`` at the end of this turn of the event loop, with what
+        else is written in it: a stream's head, its events and its end often
+        come in one turn, and go out in one send instead of three."""
+        if self._pending is None:
+            self._pending = [data]
+            self.loop.call_soon(self._flush)
+        else:
+            self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def drain(self) -> Awaitable[None]:
         if self._drain is None or self._drain.done():
@@ -598,7 +621,7 @@ class HttpProtocol(asyncio.Protocol):
         if (head is not None and self._in_head and now - head > self.server.header_timeout) or (
             idle is not None and now - idle > KEEPALIVE_TIMEOUT
         ):
-            transport.close()
+            self._close(lingering=False)
 
     def _refuse_head(self) -> None:
         self._refuse(
@@ -630,6 +653,7 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        self._flush()
         self.head_since = self.idle_since = None
         if not lingering:
             transport.close()
@@ -644,7 +668,7 @@ class HttpProtocol(asyncio.Protocol):
     def shutdown(self) -> None:
         """A graceful stop: close now if idle, else after the current answer."""
         if self.idle and self.transport is not None:
-            self.transport.close()
+            self._close(lingering=False)
             return
         for cycle in (self.cycle, *self.pipeline):
             if cycle is not None:
@@ -815,8 +839,7 @@ class HttpServer:
                 if cycle is not None and cycle.task is not None and not cycle.task.done():
                     cycle.task.cancel()
                     tasks.append(cycle.task)
-            if conn.transport is not None:
-                conn.transport.close()
+            conn._close(lingering=False)
         if tasks:
             await asyncio.wait(tasks, timeout=self.graceful_timeout)
         with contextlib.suppress(Exception):
