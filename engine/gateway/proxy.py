@@ -803,8 +803,11 @@ class Proxy:
         try:
             while first:  # until the first whole event: the engine may still change
                 try:
-                    async with self._watched(engine, first_bound):
+                    if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
+                    else:
+                        async with self._watched(engine, first_bound):
+                            data = await anext(chunks)
                 except StopAsyncIteration:
                     ended = True
                     break
@@ -840,7 +843,8 @@ class Proxy:
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
                 async with asyncio.timeout(None) as cm:
-                    timer = IdleTimer(cm, idle)
+                    # No timer when the engine's whole answer has arrived already.
+                    timer = None if resp.received() else IdleTimer(cm, idle)
                     engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
@@ -850,17 +854,21 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                timer.touch()
+                                if timer is not None:
+                                    timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
-                            timer.paused = True
+                            if timer is not None:
+                                timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
-                            timer.touch()
+                            if timer is not None:
+                                timer.touch()
                     finally:
-                        timer.cancel()
+                        if timer is not None:
+                            timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()

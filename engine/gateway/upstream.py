@@ -223,6 +223,16 @@ class UpstreamResponse:
         self._done = True
         self._release()
 
+    def buffered(self) -> bool:
+        """The next ``aiter_raw`` step needs no wait (body bytes, or its end, are here)."""
+        conn = self._conn
+        return conn is not None and (bool(conn.chunks) or conn.complete)
+
+    def received(self) -> bool:
+        """The whole answer has arrived (what is left of it needs no wait)."""
+        conn = self._conn
+        return conn is not None and conn.complete
+
     async def aread(self) -> bytes:
         conn = self._conn
         if conn is None:
