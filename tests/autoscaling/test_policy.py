@@ -490,3 +490,23 @@ def test_no_scale_down_on_the_short_falling_window_just_after_a_scale_up():
     assert down - up < 300  # the falling window undoes the scale-up early
     up, down = up_then_down(PolicyTuning(full_down_window_after_up=True))
     assert down - up >= 300
+
+
+def test_settled_decode_trend_ignores_the_transient_after_a_count_change():
+    def reasons(tuning):
+        state = None
+        for t in periods(0, 60):  # steady at 2 replicas
+            state = decide(
+                spec(), fleet(idle_prefill(t), decodes(t, 2, 0.2)), t, state, tuning
+            ).state
+        out = []
+        # At 1 replica the consolidating load raises the summed usage for a minute.
+        for i, t in enumerate(periods(75, 135)):
+            obs = fleet(idle_prefill(t), decodes(t, 1, 0.4 + 0.05 * i))
+            result = decide(spec(), obs, t, state, tuning)
+            state = result.state
+            out.append(result.decode.reason)
+        return out
+
+    assert "rising" in reasons(PolicyTuning())[-1]
+    assert not any("rising" in r for r in reasons(PolicyTuning(settle_decode_trend=True)))
