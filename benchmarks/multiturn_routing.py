@@ -16,8 +16,11 @@ between them (as behind a load balancer), one turn per user at a time:
 
 Then the offload comparison, on fresh engines whose device KV cache holds half
 of the working set (``--num-gpu-blocks-override``; the working set is the
-conversations' final length in blocks, per engine), with longer system
-prompts (``--offload-system-repeat``) so prefill is a real part of TTFT:
+conversations' final length in blocks, per engine), running a real model
+(``--offload-model``, SmolLM2-135M by default: the tiny model's prefill costs
+next to nothing, so its TTFT is the fixed HTTP and scheduling path) with
+longer system prompts (``--offload-system-repeat``) so prefill is a real part
+of TTFT:
 
 * ``exact_small_cache`` — exact routing, that small device cache, no host tier;
 * ``exact_offload`` — the same with ``--kv-offload-bytes`` (docs/kv_offload.md):
@@ -30,7 +33,10 @@ working set known before the engines start.
 
 Reported per policy: prefix hit rate (prompt tokens served from the engines'
 prefix caches, either tier / prompt tokens, from the engines' own counters),
-TTFT p50/p99 (streamed, as the client sees it) and requests/s, in one JSON.
+TTFT p50/p99 (streamed, as the client sees it) and requests/s, in one JSON;
+for the offload rows also the TTFT p50 of a one-line chat (the fixed path).
+The gateways run with ``--stall-timeout`` 120 s: at the 3 s default they eject
+a CPU engine busy with one long prefill step (docs/gateway.md, "Stalls").
 
     .venv/bin/python benchmarks/multiturn_routing.py [--users 12] [--turns 4]
         [--json benchmarks/results/multiturn_routing_cpu.json]
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +103,27 @@ def served(engines: list[str]) -> list[float]:
     return [metric(e, "pdfleet_engine_request_success_total") for e in engines]
 
 
+def resolve_model(name: str) -> str:
+    """A model directory: ``builtin://NAME`` prepared once (docs/models.md), else ``name``."""
+    if name.startswith("builtin://"):
+        from pdfleet.engine.tiny.registry import builtin_model_dir
+
+        return builtin_model_dir(name.removeprefix("builtin://"), print)
+    return name
+
+
+async def short_ttft(gateways: list[str], n: int) -> float:
+    """TTFT p50 of ``n`` fresh one-line chats through ``gateways``, one at a time:
+    the fixed path (HTTP, gateway, tokenizing, scheduling, one decode step) with
+    next to no prefill."""
+    ttfts = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"Hi {i}."}]
+            ttfts.append((await stream_ttft(client, gateways[i % len(gateways)], msgs, 1))[0])
+    return quantile(ttfts, 0.5)
+
+
 def first_messages(users: int, seed: int, system_repeat: int) -> list[list[dict]]:
     return [
         [
@@ -121,7 +149,7 @@ def fixed_reply(u: int) -> dict:
 
 
 def working_set_blocks(
-    model: str, args, system_repeat: int, turns: int, block_size: int = 16
+    model: str, args, users: int, system_repeat: int, turns: int, block_size: int = 16
 ) -> tuple[int, int]:
     """(blocks of every conversation at its last turn, tokens of the longest
     one), as the engines' chat template renders them (with fixed replies)."""
@@ -129,7 +157,7 @@ def working_set_blocks(
 
     tok = AutoTokenizer.from_pretrained(model)
     total = longest = 0
-    for u, conv in enumerate(first_messages(args.users, len(POLICIES) + 1, system_repeat)):
+    for u, conv in enumerate(first_messages(users, len(POLICIES) + 1, system_repeat)):
         for turn in range(turns):
             conv += [user_message(turn, u), fixed_reply(u)]
         text = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=False)
@@ -152,13 +180,16 @@ class PolicyRun:
         seed: int,
         system_repeat: int = 8,
         fixed_replies: bool = False,
+        users: int | None = None,
     ) -> None:
         self.policy, self.engines, self.gateways, self.args = policy, engines, gateways, args
         self.fixed_replies = fixed_replies
-        self.convs = first_messages(args.users, seed, system_repeat)
+        self.users = args.users if users is None else users
+        self.convs = first_messages(self.users, seed, system_repeat)
         self.home: dict[int, str] = {}
         self.ttfts: list[float] = []
         self.warm_ttfts: list[float] = []  # turns after the first (the prefix repeats)
+        self.cold_ttfts: list[float] = []  # first turns: a miss with any cache
         self.elapsed = 0.0
         self.h0, self.q0 = hit_counters(engines)
 
@@ -170,14 +201,13 @@ class PolicyRun:
             convs[u].append(user_message(turn, u))
             ttft, reply = await stream_ttft(client, url, convs[u], args.max_tokens)
             self.ttfts.append(ttft)
-            if turn:
-                self.warm_ttfts.append(ttft)
+            (self.warm_ttfts if turn else self.cold_ttfts).append(ttft)
             convs[u].append(
                 fixed_reply(u) if self.fixed_replies else {"role": "assistant", "content": reply}
             )
 
         targets = []
-        for u in range(args.users):
+        for u in range(self.users):
             if self.policy == "round_robin":
                 # Rotating: a user's next turn goes to the next engine.
                 targets.append(self.engines[(u + turn) % len(self.engines)])
@@ -205,6 +235,7 @@ class PolicyRun:
             "ttft_p50_s": round(quantile(self.ttfts, 0.5), 4),
             "ttft_p99_s": round(quantile(self.ttfts, 0.99), 4),
             "ttft_p50_after_first_turn_s": round(quantile(self.warm_ttfts, 0.5), 4),
+            "ttft_p50_first_turn_s": round(quantile(self.cold_ttfts, 0.5), 4),
             "requests_per_s": round(requests / self.elapsed, 3),
             "requests": requests,
         }
@@ -266,10 +297,17 @@ def start_engines(
 
 
 def start_gateways(
-    fleet: Fleet, model: str, engines: list[str], ports: list[tuple[int, int]], kind: str
+    fleet: Fleet,
+    model: str,
+    engines: list[str],
+    ports: list[tuple[int, int]],
+    kind: str,
+    stall_timeout: float,
 ) -> list[str]:
     """Two gateway replicas over ``engines``: ``exact`` follows their KV events,
-    ``approximate`` guesses from its own routing history."""
+    ``approximate`` guesses from its own routing history. ``stall_timeout``:
+    the gateway's --stall-timeout (its 3 s default ejects a CPU engine busy with
+    one long prefill step while another engine answers: a 504)."""
     entries = []
     for url, (pub, rep) in zip(engines, ports, strict=True):
         entry = {"url": url, "role": "decode"}
@@ -296,6 +334,8 @@ def start_gateways(
                 model,
                 "--scrape-interval",
                 "0.5",
+                "--stall-timeout",
+                str(stall_timeout),
             ],
         )
         for r in range(2)
@@ -309,7 +349,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="the routing rows' model (default: tiny)")
+    ap.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="the gateways' --stall-timeout: long enough for one CPU prefill step",
+    )
+    ap.add_argument(
+        "--offload-model",
+        default="builtin://smollm2-135m-instruct",
+        help="the offload rows' model: one whose prefill costs what a real one does",
+    )
+    ap.add_argument("--offload-users", type=int, default=9, help="users of the offload rows")
     ap.add_argument(
         "--offload-system-repeat",
         type=int,
@@ -323,14 +375,25 @@ def main() -> None:
     ap.add_argument("--skip-routing", action="store_true", help="run the offload rows only")
     ap.add_argument("--json", default="benchmarks/results/multiturn_routing_cpu.json")
     args = ap.parse_args()
-    model = args.model or tiny_model()
     log_dir = Path(tempfile.mkdtemp(prefix="pdfleet-multiturn-"))
-    results: dict[str, object] = {"config": vars(args) | {"engines": ENGINES, "gateways": 2}}
+    out = Path(args.json)
+    results: dict[str, object] = {}
+    if args.skip_routing and out.exists():
+        # Only the offload rows are new: keep the routing rows already there
+        # (their config; the offload rows' is offload_config).
+        results = json.loads(out.read_text())
+        config = results.get("config", {})
+        results["config"] = {k: v for k, v in config.items() if not k.startswith("offload")}
     if not args.skip_routing:
+        model = resolve_model(args.model) if args.model else tiny_model()
+        results["config"] = {k: v for k, v in vars(args).items() if not k.startswith("offload")} | {
+            "engines": ENGINES,
+            "gateways": 2,
+        }
         with Fleet(log_dir / "routing") as fleet:
             engines, ports = start_engines(fleet, model, args, [])
             gateways = {
-                kind: start_gateways(fleet, model, engines, ports, kind)
+                kind: start_gateways(fleet, model, engines, ports, kind, args.stall_timeout)
                 for kind in ("approximate", "exact")
             }
             fleet.wait_healthy(engines + [g for gs in gateways.values() for g in gs])
@@ -343,8 +406,9 @@ def main() -> None:
         results["exact_vs_oracle_hit_rate"] = round(exact / oracle, 4) if oracle else None
 
     # Row 4: a device cache of half the working set, with and without the host tier.
-    repeat = args.offload_system_repeat
-    total, longest = working_set_blocks(model, args, repeat, args.offload_turns)
+    model = resolve_model(args.offload_model)
+    repeat, users, turns = args.offload_system_repeat, args.offload_users, args.offload_turns
+    total, longest = working_set_blocks(model, args, users, repeat, turns)
     working_set = -(-total // ENGINES)
     device_blocks = -(-working_set // 2)
     # One request must fit the small cache (and the cache holds max_model_len).
@@ -352,15 +416,22 @@ def main() -> None:
     if max_len < longest:
         raise SystemExit(
             f"the longest conversation ({longest} tokens) does not fit half the "
-            f"working set ({max_len}); use more --users"
+            f"working set ({max_len}); use more --offload-users"
         )
     results["offload_config"] = {
+        "model": args.offload_model,
+        "users": users,
+        "turns": turns,
+        "system_repeat": repeat,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "threads": args.threads,
+        "gateway_stall_timeout_s": args.stall_timeout,
         "working_set_blocks_per_engine": working_set,
         "device_blocks_per_engine": device_blocks,
         "kv_offload_bytes": args.offload_bytes,
-        "system_repeat": repeat,
-        "turns": args.offload_turns,
         "longest_conversation_tokens": longest,
+        "load_average_before": round(os.getloadavg()[0], 2),
     }
     small = ["--num-gpu-blocks-override", str(device_blocks)]
     rows = {
@@ -371,27 +442,30 @@ def main() -> None:
         fleets = {}
         for policy, extra in rows.items():
             engines, ports = start_engines(fleet, model, args, extra, max_len, policy)
-            fleets[policy] = (engines, start_gateways(fleet, model, engines, ports, "exact"))
+            gws = start_gateways(fleet, model, engines, ports, "exact", args.stall_timeout)
+            fleets[policy] = (engines, gws)
         fleet.wait_healthy([u for engines, gws in fleets.values() for u in engines + gws])
+        # The fixed path, measured on the same fleets before the conversations.
+        fixed = {p: asyncio.run(short_ttft(gws, 6)) for p, (_e, gws) in fleets.items()}
         runs = [
-            PolicyRun("exact", engines, gws, args, len(POLICIES) + 1, repeat, fixed_replies=True)
+            PolicyRun("exact", engines, gws, args, len(POLICIES) + 1, repeat, True, users)
             for engines, gws in fleets.values()
         ]
-        played = asyncio.run(run_alternating(runs, args.offload_turns))
+        played = asyncio.run(run_alternating(runs, turns))
         for policy, row in zip(rows, played, strict=True):
-            results[policy] = row
-            print(policy, row, flush=True)
-    base = results["exact_small_cache"]["ttft_p50_s"]  # type: ignore[index]
-    off = results["exact_offload"]["ttft_p50_s"]  # type: ignore[index]
-    results["offload_ttft_p50_reduction"] = round(1 - off / base, 4) if base else None
-    base = results["exact_small_cache"]["ttft_p50_after_first_turn_s"]  # type: ignore[index]
-    off = results["exact_offload"]["ttft_p50_after_first_turn_s"]  # type: ignore[index]
-    results["offload_ttft_p50_after_first_turn_reduction"] = (
-        round(1 - off / base, 4) if base else None
-    )
+            results[policy] = row | {"ttft_p50_short_prompt_s": round(fixed[policy], 4)}
+            print(policy, results[policy], flush=True)
+    results["offload_config"]["load_average_after"] = round(os.getloadavg()[0], 2)  # type: ignore[index]
+    for key, field in (
+        ("offload_ttft_p50_reduction", "ttft_p50_s"),
+        ("offload_ttft_p50_after_first_turn_reduction", "ttft_p50_after_first_turn_s"),
+    ):
+        base = results["exact_small_cache"][field]  # type: ignore[index]
+        off = results["exact_offload"][field]  # type: ignore[index]
+        results[key] = round(1 - off / base, 4) if base else None
     print(json.dumps(results, indent=2))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -175,13 +175,19 @@ def _check_layout(
         )
     connector = spec.kv_transfer.connector if spec.kv_transfer else None
     if layout.tensor_parallel_size > 1 and disaggregating(spec) and connector == "ZmqConnector":
+        # Over several pods (nodesPerReplica > 1) the other pods' shards are not even
+        # in the leader's memory; NIXL reads every rank's shard on its own pod.
+        where = (
+            f" on {layout.nodes} pods (spec.{role}.nodesPerReplica)" if layout.multi_node else ""
+        )
         out.append(
             Violation(
                 "spec.kvTransfer.connector",
                 f"ZmqConnector moves KV from one process's memory and cannot reach the "
                 f"{layout.tensor_parallel_size} KV shards of {tp_field} "
-                f"{layout.tensor_parallel_size} (docs/parallelism.md)",
-                "use NixlConnector (every rank reads its own shard), or tensorParallelSize 1",
+                f"{layout.tensor_parallel_size}{where} (docs/parallelism.md)",
+                "use NixlConnector (every rank reads its own shard), or tensorParallelSize 1"
+                + (" and nodesPerReplica 1" if layout.multi_node else ""),
             )
         )
     if heads is not None:

@@ -11,7 +11,7 @@ padding entries of block tables point at it.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -106,6 +106,10 @@ class BlockPool:
         self.offload_candidates: collections.deque[tuple[KVBlock, bytes]] | None = None
         self.storing: dict[int, int] = {}
         self.overwrote_storing = False
+        self.before_evict: Callable[[KVBlock], None] | None = None
+        """Host tier only: called with a free cached block that ``allocate`` is
+        about to evict and reuse, so a block not yet copied to the host tier
+        can still be (the copy reads it before the step writes it)."""
 
     # -- queries ---------------------------------------------------------------
 
@@ -143,6 +147,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.before_evict is not None:
+                self.before_evict(block)
             if block.block_id in self.storing:
                 self.overwrote_storing = True
             self._evict(block)

@@ -65,6 +65,8 @@ class HostTier:
         # Ready and pending entries by hash, least recently used first.
         self.entries: OrderedDict[bytes, HostBlock] = OrderedDict()
         self.pending: dict[int, HostBlock] = {}
+        # Slots this step loads from: never evicted before the step's copies run.
+        self.pinned: set[int] = set()
         self.record_events = record_events
         self.events: list[KVCacheEvent] = []
         self.num_stored = 0
@@ -98,6 +100,15 @@ class HostTier:
         if block_hash in self.entries:
             self.entries.move_to_end(block_hash)
 
+    def pin(self, slot: int) -> None:
+        """Mutates: this step loads from ``slot``; keep it until :meth:`unpin_all`."""
+        self.pinned.add(slot)
+
+    def unpin_all(self) -> None:
+        """Mutates: the step's copies were handed to the worker (which issues
+        loads before any later step's stores)."""
+        self.pinned.clear()
+
     def reserve(
         self, block_hash: bytes, token_ids: tuple[int, ...], parent_hash: bytes | None
     ) -> HostBlock | None:
@@ -115,7 +126,7 @@ class HostTier:
 
     def _evict_one(self) -> bool:
         for block_hash, entry in self.entries.items():
-            if entry.ready:
+            if entry.ready and entry.slot not in self.pinned:
                 del self.entries[block_hash]
                 self.free_slots.append(entry.slot)
                 self.num_evictions += 1

@@ -70,6 +70,7 @@ class KVCacheManager:
         if num_host_blocks > 0 and enable_caching:
             self._host = HostTier(num_host_blocks, record_events)
             self._pool.offload_candidates = collections.deque(maxlen=num_blocks)
+            self._pool.before_evict = self._store_before_evict
         self.max_stores_per_step = max_stores_per_step
         self.max_stores_in_flight = max_stores_in_flight
         # Host slot -> device block id, for stores in flight.
@@ -236,13 +237,17 @@ class KVCacheManager:
             self._pool.touch(computed_blocks)
             held.extend(computed_blocks)
             self.num_cached_blocks[rid] = len(computed_blocks)
+        if host_hits:
+            assert self._host is not None
+            # Before allocating: a store it triggers must not take these slots.
+            for entry in host_hits:
+                self._host.pin(entry.slot)
+                self._host.touch(entry.block_hash)
         new = self._pool.allocate(num_new)
         held.extend(new)
         if host_hits:
-            assert self._host is not None
             for entry, block in zip(host_hits, new, strict=False):
                 self._ops.loads.append((entry.slot, block.block_id))
-                self._host.touch(entry.block_hash)
             self._num_loaded += len(host_hits)
             self.stats.host_hits += len(host_hits) * self.block_size
         if publish:
@@ -325,10 +330,29 @@ class KVCacheManager:
             storing[block.block_id] = storing.get(block.block_id, 0) + 1
             budget -= 1
 
+    def _store_before_evict(self, block: KVBlock) -> None:
+        """Mutates: ``block`` (free, cached) is being evicted for reuse by this
+        step; if the host tier lacks it, store it now (the step's copies run
+        before its forward pass, which waits for them: ``wait_stores``), so a
+        burst of frees larger than the per-step budget loses no block."""
+        host = self._host
+        block_hash = block.block_hash
+        assert host is not None and block_hash is not None and block.token_ids is not None
+        if block_hash in host:
+            return  # ready or pending there already
+        entry = host.reserve(block_hash, block.token_ids, block.parent_hash)
+        if entry is None:
+            return  # every host slot is in flight
+        self._ops.stores.append((block.block_id, entry.slot))
+        self._storing[entry.slot] = block.block_id
+        storing = self._pool.storing
+        storing[block.block_id] = storing.get(block.block_id, 0) + 1
+
     def take_offload_ops(self) -> KVOffloadOps | None:
         """Mutates: the step's host-tier copies for the worker (None: nothing to do)."""
         if self._host is None:
             return None
+        self._host.unpin_all()
         ops, self._ops = self._ops, KVOffloadOps()
         ops.wait_stores = self._pool.overwrote_storing
         self._pool.overwrote_storing = False

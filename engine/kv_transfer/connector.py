@@ -70,6 +70,23 @@ LEASE_FIELD = "pdfleet_lease_id"
 PARAMS_GRACE_SECONDS = 60.0
 
 
+def kv_addresses(kv: Any) -> tuple[str, str]:
+    """(the address consumers use, the address to bind) of this node's KV traffic.
+
+    ``$PDFLEET_KV_IP`` (the pod IP in Kubernetes, on every pod of a multi-node
+    group) wins over ``kv_transfer_config.kv_ip``; ``$PDFLEET_KV_BIND_IP`` binds
+    another one (behind NAT). A headless node (``--nnodes > 1``) uses the same
+    rule for its ranks' NIXL agents."""
+    host = os.environ.get(KV_IP_ENV) or kv.kv_ip
+    bind_ip = os.environ.get(BIND_IP_ENV) or host
+    if bind_ip in ("0.0.0.0", "::", "*", ""):
+        raise ValueError(
+            f"the KV side channel binds one address, not {bind_ip!r}: set "
+            f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"
+        )
+    return host, bind_ip
+
+
 @dataclass
 class Load:
     """Blocks to pull for one consumer request."""
@@ -190,15 +207,7 @@ class PDConnector:
         self.num_kv_heads = config.model_config.num_key_value_heads
         self.compat = config.compat_factors()
         self.compat_hash = config.compat_hash()
-        # The address consumers use; PDFLEET_KV_IP (the pod IP in Kubernetes) wins over
-        # kv_ip. PDFLEET_KV_BIND_IP binds another one (behind NAT).
-        self.host = os.environ.get(KV_IP_ENV) or kv.kv_ip
-        self.bind_ip = os.environ.get(BIND_IP_ENV) or self.host
-        if self.bind_ip in ("0.0.0.0", "::", "*", ""):
-            raise ValueError(
-                f"the KV side channel binds one address, not {self.bind_ip!r}: set "
-                f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"
-            )
+        self.host, self.bind_ip = kv_addresses(kv)
         self.port = kv.kv_port
         self.stats = ConnectorStats()
         self.lock = threading.Lock()
@@ -218,12 +227,6 @@ class PDConnector:
         self.errors: dict[str, str] = {}
         self.remotes: OrderedDict[tuple[str, str, str, int], tuple[Remote, float]] = OrderedDict()
         self.tp_size = config.parallel_config.tensor_parallel_size
-        if config.parallel_config.nnodes > 1:
-            raise ValueError(
-                "kv_transfer_config with --nnodes > 1 is not supported yet: the leader does "
-                "not reach the other nodes' KV shards; give each P/D engine one node "
-                "(--tensor-parallel-size up to its devices)"
-            )
         if kv.kv_connector == "NixlConnector":
             # Before the first agent, here or in a rank process (which inherits it).
             devices = restrict_ucx_to(self.bind_ip)

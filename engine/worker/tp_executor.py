@@ -2,8 +2,11 @@
 interface of one ``ModelRunner`` (``num_blocks``, ``execute_model``, ``shutdown``).
 
 Each step is packed once (``step_wire``) and broadcast once over the control
-group; rank 0 sends the result back on its pipe. Every wait is bounded and
-watches the ranks: a rank that dies, fails or never joins raises
+group; rank 0 sends the result back on its pipe. With ``--nnodes > 1`` the
+ranks of the other nodes report ready (with their KV shard's metadata)
+through the rendezvous store; a consumer's ranks, on every node, report
+their ended reads in one gather per step over the control group. Every wait
+is bounded and watches the ranks: a rank that dies, fails or never joins raises
 :class:`RankFailed`, which takes the engine down (it is not a per-request
 failure). See docs/parallelism.md.
 """
@@ -30,7 +33,19 @@ from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.layout import KVLayout
 from .step_wire import pack_step, unpack_result
-from .tp_rank import ERROR, KV, READY, RESULT, STEP, STOP, RankSpec, rank_main
+from .tp_rank import (
+    ERROR,
+    KV_AGENT_KEY,
+    KV_REPORT_SLOTS,
+    READY,
+    READY_KEY,
+    RESULT,
+    STEP,
+    STOP,
+    RankSpec,
+    ended_of,
+    rank_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +92,11 @@ def spawn_ranks(
     port: int,
     timeout: float,
     kv_agent: dict[str, Any] | None = None,
+    headless: bool = False,
 ) -> tuple[list[Any], list[Any]]:
-    """Start this node's rank processes; returns (their pipes, the processes)."""
+    """Start this node's rank processes; returns (their pipes, the processes).
+    ``headless``: the ranks of a node after the first (they learn ``kv_agent`` from
+    the leader's store)."""
     pc = config.parallel_config
     local = pc.ranks_per_node
     threads = max(1, torch.get_num_threads() // local)
@@ -98,6 +116,7 @@ def spawn_ranks(
             threads,
             os.getpid(),
             kv_agent,
+            headless,
         )
         proc = ctx.Process(
             target=rank_main, args=(spec, child), name=f"pdfleet-tp{rank}", daemon=True
@@ -136,11 +155,16 @@ class TPExecutor:
         timeout = rendezvous.rendezvous_timeout()
         host, port = _store_address(config)
         self.store = rendezvous.master_store(host, port, size + 1, timeout)
+        # The other nodes' ranks register their KV shards with agents named after ours.
+        self.store.set(KV_AGENT_KEY, msgpack.packb(self.kv_agent, use_bin_type=True))
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.ctl: Any = None
         self.broadcast_seconds = 0.0
         self.num_steps = 0
+        # Before the start: a failed start's shutdown broadcasts STOP with it.
+        self.opts = dist.BroadcastOptions()
+        self.opts.rootRank = 0
         try:
             self.conns, self.procs = spawn_ranks(
                 config, eos_token_ids, host, self.store.port, timeout, self.kv_agent
@@ -150,8 +174,6 @@ class TPExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.opts = dist.BroadcastOptions()
-        self.opts.rootRank = 0
         logger.info(
             "tensor parallelism: %d ranks (%d on this node: pids %s), %d KV blocks per shard",
             size,
@@ -192,16 +214,39 @@ class TPExecutor:
             pool.shutdown(wait=False)
 
     def _wait_ready(self, timeout: float) -> None:
+        """Every rank's READY: this node's on their pipes, the other nodes' in the store."""
         blocks: dict[int, tuple[int, int]] = {}
         shards: dict[int, tuple[Any, Any]] = {}
+        remote = set(range(len(self.procs), self.size))
         deadline = time.monotonic() + timeout
-        while len(blocks) < len(self.procs):
-            for rank, tag, body in self._messages(deadline, "load the model"):
+        while len(blocks) < self.size:
+            poll = 0.2 if remote else None
+            for rank, tag, body in self._messages(deadline, "load the model", poll):
                 if tag != READY:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} before ready")
                 num_blocks, max_len, info, layout = msgpack.unpackb(body, raw=False)
                 blocks[rank] = (num_blocks, max_len)
                 shards[rank] = (info, layout)
+            for rank in sorted(remote):
+                key = READY_KEY.format(rank=rank)
+                if not self.store.check([key]):
+                    continue
+                record = msgpack.unpackb(self.store.get(key), raw=False)
+                if isinstance(record, dict):
+                    raise RankFailed(
+                        f"tensor-parallel rank {rank} (node "
+                        f"{rank // self.config.parallel_config.ranks_per_node}) failed: "
+                        f"{record.get('error')}"
+                    )
+                num_blocks, max_len, info, layout = record
+                blocks[rank] = (num_blocks, max_len)
+                shards[rank] = (info, layout)
+                remote.discard(rank)
+            if remote and time.monotonic() > deadline:
+                raise RankFailed(
+                    f"tensor-parallel ranks {sorted(remote)} on the other nodes did not load "
+                    f"the model in time (${LOAD_TIMEOUT_ENV})"
+                )
         self.num_blocks = min(b for b, _ in blocks.values())
         max_len = min(m for _, m in blocks.values())
         if self.kv_agent is not None:
@@ -250,8 +295,12 @@ class TPExecutor:
         if dead is not None:
             raise dead
 
-    def _messages(self, deadline: float, what: str) -> list[tuple[int, bytes, bytes]]:
-        """The next messages from the ranks (at least one); raises for errors and deaths."""
+    def _messages(
+        self, deadline: float, what: str, poll: float | None = None
+    ) -> list[tuple[int, bytes, bytes]]:
+        """The next messages from the ranks (at least one; with ``poll``, maybe none
+        after that many seconds); raises for errors and deaths."""
+        until = time.monotonic() + poll if poll is not None else None
         while True:
             ready = multiprocessing.connection.wait(
                 self._watched(), timeout=max(0.0, min(0.5, deadline - time.monotonic()))
@@ -266,7 +315,7 @@ class TPExecutor:
                     if msg[:1] == ERROR:
                         raise self._failed(rank, msg[1:].decode())
                     got.append((rank, msg[:1], msg[1:]))
-            if got:
+            if got or (until is not None and time.monotonic() >= until):
                 return got
             dead = self._dead()
             if dead is not None:
@@ -299,25 +348,45 @@ class TPExecutor:
         # Packing and broadcasting the step (benchmarks/tp_overhead.py reports it).
         self.broadcast_seconds += time.perf_counter() - start
         self.num_steps += 1
+        # A consumer's ranks, on every node, each report the reads that ended.
+        reports = self._gather_reads() if self.kv_report else None
         deadline = time.monotonic() + self.step_timeout
         result: ModelRunnerOutput | None = None
-        # A consumer's ranks each report their ended reads; rank 0 also the result.
-        waiting = set(range(len(self.procs))) if self.kv_report else set()
-        while result is None or waiting:
+        while result is None:
             for rank, tag, body in self._messages(deadline, "finish the step"):
-                if rank == 0 and tag == RESULT and result is None:
+                if rank == 0 and tag == RESULT:
                     result = unpack_result(body)
-                elif tag == KV and rank in waiting:
-                    waiting.discard(rank)
-                    assert self.connector is not None
-                    self.connector.shard_reads_ended(rank, msgpack.unpackb(body, raw=False))
                 else:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
+        if reports is not None:
+            work, tensors = reports
+            try:
+                # The ranks gather before rank 0 sends the result: this is about done.
+                work.wait()
+            except RuntimeError as e:
+                self._check_ranks()
+                raise RankFailed(f"gathering the ranks' ended KV reads failed: {e}") from e
+            assert self.connector is not None
+            for rank in range(self.size):
+                self.connector.shard_reads_ended(rank, ended_of(tensors[rank + 1]))
         if self.connector is not None:
             sending, recving, failed = self.connector.get_finished()
             result.finished_sending, result.finished_recving = sending, recving
             result.failed_recving = failed
         return result
+
+    def _gather_reads(self) -> tuple[Any, list[torch.Tensor]]:
+        """Post this step's gather of the ranks' ended reads (``tp_rank.ended_tensor``)."""
+        tensors = [
+            torch.zeros(1 + 3 * KV_REPORT_SLOTS, dtype=torch.int64) for _ in range(self.size + 1)
+        ]
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        try:
+            return self.ctl.gather([tensors], [tensors[0].clone()], opts), tensors
+        except RuntimeError as e:
+            self._check_ranks()
+            raise RankFailed(f"gathering the ranks' ended KV reads failed: {e}") from e
 
     def shutdown(self) -> None:
         """Stop the ranks: ask, wait a little, then kill (bounded)."""
@@ -348,8 +417,19 @@ def run_headless(config: EngineConfig) -> int:
     import signal
 
     check_devices(config)
+    kv = config.kv_transfer_config
+    if kv is not None and kv.kv_connector == "NixlConnector":
+        from ..kv_transfer.connector import kv_addresses
+        from ..kv_transfer.transports import restrict_ucx_to
+
+        # This node's ranks read and serve KV on this node's own address: $PDFLEET_KV_IP
+        # (the pod IP in Kubernetes) or kv_transfer_config.kv_ip; the ranks inherit it.
+        _host, bind_ip = kv_addresses(kv)
+        logger.info("KV shards on %s (UCX_NET_DEVICES=%s)", bind_ip, restrict_ucx_to(bind_ip))
     host, port = _store_address(config)
-    conns, procs = spawn_ranks(config, (), host, port, rendezvous.rendezvous_timeout())
+    conns, procs = spawn_ranks(
+        config, (), host, port, rendezvous.rendezvous_timeout(), headless=True
+    )
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(0)
@@ -363,24 +443,31 @@ def run_headless(config: EngineConfig) -> int:
         host,
         port,
     )
+    first = config.parallel_config.node_rank * config.parallel_config.ranks_per_node
+    # Ranks that reported (ready or failed) to the leader themselves.
+    reported: set[int] = set()
     try:
         while True:
             ready = multiprocessing.connection.wait(
                 [*conns, *(p.sentinel for p in procs)], timeout=1.0
             )
-            for conn, proc in zip(conns, procs, strict=True):
+            for i, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
                 if conn in ready:
                     try:
                         msg = conn.recv_bytes()
                     except EOFError:
                         continue
                     if msg[:1] == ERROR:
+                        reported.add(first + i)
                         logger.error("%s failed: %s", proc.name, msg[1:].decode())
                     elif msg[:1] == READY:
+                        reported.add(first + i)
                         logger.info("%s ready", proc.name)
-            for proc in procs:
+            for i, proc in enumerate(procs):
                 if not proc.is_alive():
                     logger.error("%s exited with code %s", proc.name, proc.exitcode)
+                    if proc.exitcode != 0 and first + i not in reported:
+                        _report_death(host, port, config, first + i, proc.exitcode)
                     return 0 if proc.exitcode == 0 else 1  # 0: the leader said stop
     finally:
         for proc in procs:
@@ -388,3 +475,17 @@ def run_headless(config: EngineConfig) -> int:
                 proc.kill()
         for proc in procs:
             proc.join(5.0)
+
+
+def _report_death(host: str, port: int, config: EngineConfig, rank: int, code: Any) -> None:
+    """A headless rank died before it reported: tell the leader, which waits for it."""
+    try:
+        store = rendezvous.client_store(
+            host, port, config.parallel_config.tensor_parallel_size + 1, 10.0
+        )
+        store.set(
+            READY_KEY.format(rank=rank),
+            msgpack.packb({"error": f"exited with code {code} while starting"}),
+        )
+    except Exception as e:  # the leader is gone too
+        logger.debug("could not tell the leader about rank %d: %s", rank, e)

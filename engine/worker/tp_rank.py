@@ -6,6 +6,12 @@ slices and allocates this rank's KV heads), reports ready, then runs every
 step the main process broadcasts until told to stop. It ignores SIGINT and
 SIGTERM (the main process drains and then stops it) and exits by itself
 within half a second of the main process's death.
+
+A rank on a headless node (``--nnodes > 1``) has no pipe to the leader's
+main process: it learns the KV connector's agent from the rendezvous store
+and publishes its readiness (with its KV shard's metadata) or its failure
+there. Every rank of a consumer reports its ended reads after each step in a
+gather over the control group, so the leader hears from every node.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,11 +35,38 @@ from ..distributed import rendezvous
 from ..distributed.parallel_state import set_tp_group
 
 # Message tags on a rank's pipe to the main process.
-READY, RESULT, ERROR, KV = b"Y", b"R", b"E", b"K"
+READY, RESULT, ERROR = b"Y", b"R", b"E"
 # Kinds of control broadcasts.
 STEP, STOP = 0, 1
 # Test hook: the rank whose number this holds never joins the rendezvous.
 TEST_HANG_ENV = "PDFLEET_TP_TEST_HANG_RANK"
+# Rendezvous store keys: the leader's KV agent spec (msgpack, None without a connector),
+# and each headless rank's readiness (msgpack: the READY fields, or {"error": why}).
+KV_AGENT_KEY = "pdfleet/kv-agent"
+READY_KEY = "pdfleet/ready/{rank}"
+# Ended reads a rank reports per step (the rest wait for the next step): the gather
+# over the control group takes equal-sized tensors, [count, (token, state, bytes) * N].
+KV_REPORT_SLOTS = 64
+KV_STATES = {"DONE": 1, "ERR": 2}
+
+
+def ended_tensor(ended: list[list[Any]]) -> torch.Tensor:
+    """Up to ``KV_REPORT_SLOTS`` ended reads (``ShardAgent.poll`` rows) as one int64 tensor."""
+    assert len(ended) <= KV_REPORT_SLOTS
+    out = torch.zeros(1 + 3 * KV_REPORT_SLOTS, dtype=torch.int64)
+    out[0] = len(ended)
+    for i, (token, state, nbytes) in enumerate(ended):
+        out[1 + 3 * i : 4 + 3 * i] = torch.tensor([token, KV_STATES[state], nbytes])
+    return out
+
+
+def ended_of(report: torch.Tensor) -> list[list[Any]]:
+    """The ended reads in a tensor of ``ended_tensor``."""
+    names = {v: k for k, v in KV_STATES.items()}
+    rows = report.numpy()
+    count = int(rows[0])
+    triples = np.asarray(rows[1 : 1 + 3 * count]).reshape(count, 3)
+    return [[int(t), names.get(int(s), "ERR"), int(b)] for t, s, b in triples]
 
 
 @dataclass
@@ -48,6 +82,8 @@ class RankSpec:
     parent_pid: int
     # The KV connector's shard agent for this rank (``KVConnectorWorker.rank_agents``).
     kv_agent: dict[str, Any] | None = None
+    # On a headless node: the agent spec comes from the store, readiness goes there.
+    headless: bool = False
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -62,18 +98,26 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    stores: list[Any] = []
     try:
-        _serve(spec, conn)
+        _serve(spec, conn, stores)
     except BaseException as e:
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):
             conn.send_bytes(ERROR + detail.encode())
+        if spec.headless and stores:
+            # The leader waits for this key while it loads; tell it why, not a timeout.
+            with contextlib.suppress(Exception):
+                stores[0].set(
+                    READY_KEY.format(rank=spec.rank),
+                    msgpack.packb({"error": detail}, use_bin_type=True),
+                )
         traceback.print_exc()
         os._exit(1)
     os._exit(0)
 
 
-def _serve(spec: RankSpec, conn: Any) -> None:
+def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     from .model_runner import ModelRunner
     from .step_wire import pack_result, unpack_step
 
@@ -84,29 +128,45 @@ def _serve(spec: RankSpec, conn: Any) -> None:
     if cuda:
         torch.cuda.set_device(spec.rank % max(1, torch.cuda.device_count()))
     store = rendezvous.client_store(spec.host, spec.port, spec.size + 1, spec.rendezvous_timeout)
+    stores.append(store)
+    kv_agent = spec.kv_agent
+    if spec.headless:
+        # Set by the leader before its ranks start (bounded by the store's timeout).
+        try:
+            kv_agent = msgpack.unpackb(store.get(KV_AGENT_KEY), raw=False)
+        except RuntimeError as e:  # torch's store timeout
+            raise RuntimeError(
+                f"the leader at {spec.host}:{spec.port} published no KV agent spec within "
+                f"{spec.rendezvous_timeout:.0f}s (${rendezvous.RENDEZVOUS_TIMEOUT_ENV}); run "
+                f"the same pdfleet version on every node ({e})"
+            ) from None
     ctl = rendezvous.control_group(store, spec.rank + 1, spec.size + 1, rendezvous.IDLE_TIMEOUT)
     group = rendezvous.join_tp_group(store, spec.rank, spec.size, "nccl" if cuda else "gloo")
     set_tp_group(group)
     runner = ModelRunner(spec.config, None, spec.eos_token_ids)
     shard, info, layout, report = None, None, None, False
-    if spec.kv_agent is not None:
+    if kv_agent is not None:
         from ..kv_transfer.layout import KVLayout
         from ..kv_transfer.nixl_shard import ShardAgent
 
-        # This rank's KV shard, registered with its own agent (docs/kv_transfer.md).
-        shard = ShardAgent(f"{spec.kv_agent['name']}-r{spec.rank}", spec.kv_agent["backends"])
+        # This rank's KV shard, registered with its own agent (docs/kv_transfer.md); on
+        # a headless node the agent binds that node's address (run_headless set UCX).
+        shard = ShardAgent(f"{kv_agent['name']}-r{spec.rank}", kv_agent["backends"])
         info = shard.register(runner.kv_buffer, spec.rank)
         layout = KVLayout.of(runner.kv_buffer).to_dict()
-        report = bool(spec.kv_agent["report"])
-    conn.send_bytes(
-        READY
-        + msgpack.packb(
-            [runner.num_blocks, spec.config.scheduler_config.max_model_len, info, layout],
-            use_bin_type=True,
-        )
+        report = bool(kv_agent["report"])
+    ready = msgpack.packb(
+        [runner.num_blocks, spec.config.scheduler_config.max_model_len, info, layout],
+        use_bin_type=True,
     )
+    conn.send_bytes(READY + ready)
+    if spec.headless:
+        store.set(READY_KEY.format(rank=spec.rank), ready)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    gather = dist.GatherOptions()
+    gather.rootRank = 0
+    backlog: list[list[Any]] = []  # ended reads not reported yet
     header = torch.zeros(2, dtype=torch.int64)
     while True:
         ctl.broadcast([header], opts).wait()
@@ -121,8 +181,11 @@ def _serve(spec: RankSpec, conn: Any) -> None:
             shard.apply([c for rank, c in commands if rank == spec.rank])
         result = runner.execute_model(out)
         if report:
+            # Every rank, on every node, to the leader's main process (control rank 0).
             assert shard is not None
-            conn.send_bytes(KV + msgpack.packb(shard.poll()))
+            backlog += shard.poll()
+            sent, backlog = backlog[:KV_REPORT_SLOTS], backlog[KV_REPORT_SLOTS:]
+            ctl.gather([], [ended_tensor(sent)], gather).wait()
         if spec.rank == 0:
             conn.send_bytes(RESULT + pack_result(result))
     if shard is not None:

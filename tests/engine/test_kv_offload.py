@@ -101,6 +101,55 @@ def test_manager_stores_freed_blocks_and_loads_them_back_after_device_eviction()
     assert kv.get_computed_blocks(req("a3", list(range(100, 109))))[1] == 2 * BS
 
 
+def test_blocks_evicted_before_their_turn_to_store_are_stored_on_eviction():
+    # One store per step: a's 4 freed blocks would mostly be evicted unstored.
+    kv = KVCacheManager(
+        num_blocks=6, block_size=BS, enable_caching=True, num_host_blocks=8, max_stores_per_step=1
+    )
+    a = req("a", list(range(100, 117)))  # 4 full blocks + 1 token
+    kv.begin_step()
+    assert kv.allocate_slots(a, 17) is not None
+    kv.free(a)
+    kv.begin_step()  # the budget: one store queued
+    b = req("b", list(range(200, 217)))  # takes all 5 usable blocks: evicts a's 4
+    assert kv.allocate_slots(b, 17) is not None
+    ops = kv.take_offload_ops()
+    assert ops is not None and ops.wait_stores
+    assert len(ops.stores) == 4 and len({slot for _b, slot in ops.stores}) == 4
+    kv.stores_done([slot for _b, slot in ops.stores])
+    kv.free(b)
+    a2 = req("a2", list(range(100, 117)))
+    assert [h.block_hash for h in kv.get_host_hits(a2, 0)] == a2.block_hashes[:4]
+
+
+def test_a_store_on_eviction_never_reuses_a_slot_the_same_step_loads_from():
+    # A host tier of 2 slots holding a's 2 blocks; a2 loads them back into
+    # blocks whose eviction stores c's blocks: those stores must not take a's slots.
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True, num_host_blocks=2)
+    a = req("a", list(range(100, 109)))  # 2 full blocks + 1 token
+    kv.begin_step()
+    assert kv.allocate_slots(a, 9) is not None
+    kv.free(a)
+    kv.begin_step()
+    ops = kv.take_offload_ops()
+    assert ops is not None and len(ops.stores) == 2
+    kv.stores_done([slot for _b, slot in ops.stores])
+    c = req("c", list(range(300, 317)))  # all 5 usable blocks: evicts a's device copies
+    assert kv.allocate_slots(c, 17) is not None
+    kv.take_offload_ops()
+    kv.free(c)  # c's 4 cached blocks are free and not in the (full) host tier
+    a2 = req("a2", list(range(100, 109)))
+    assert kv.get_computed_blocks(a2) == ([], 0)
+    hits = kv.get_host_hits(a2, 0)
+    assert len(hits) == 2
+    loading = {h.slot for h in hits}
+    assert kv.allocate_slots(a2, 1, [], host_hits=hits) is not None  # evicts 3 of c's
+    ops = kv.take_offload_ops()
+    assert ops is not None and {s for s, _d in ops.loads} == loading
+    assert not loading & {slot for _b, slot in ops.stores}
+    assert kv.get_host_hits(req("a3", list(range(100, 109))), 0) == hits
+
+
 def test_reset_prefix_cache_forgets_both_tiers():
     kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True, num_host_blocks=4)
     a = req("a", list(range(9)))

@@ -53,6 +53,11 @@ def test_a_multi_node_role_is_a_leader_worker_set_scaled_and_reported_by_groups(
             lws = k.get(LEADER_WORKER_SETS, "demo-decode")
             assert lws["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
             assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+            # P/D across pods: the workers (headless) hold KV shards and pull over NIXL.
+            worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+            command = worker["containers"][0]["command"]
+            assert "--headless" in command and "--kv-transfer-config" in command
+            assert "PDFLEET_KV_IP" in {e["name"] for e in worker["containers"][0]["env"]}
             record = await k.wait_for(
                 lambda: (
                     (k.get(IS_RESOURCE, "demo").get("status") or {}).get("autoscaling") or {}

@@ -16,7 +16,7 @@ from helpers.lws_schema import validate_lws
 from pdfleet.engine.cli import build_parser, main
 from pdfleet.engine.gateway.discovery import GROUP_ROLE_LABEL, pod_endpoint
 from pdfleet.operator.compat import check_service
-from pdfleet.operator.manifests import LABEL_ROLE, build_children
+from pdfleet.operator.manifests import LABEL_ROLE, build_children, ucx_port_range
 from pdfleet.operator.parallelism import (
     BUILTIN_HEADS,
     LABEL_GROUP_ROLE,
@@ -356,3 +356,50 @@ def test_a_fleet_secret_rotation_finds_stale_leader_worker_set_templates():
 
     assert _stale_templates({"decode": lws("v1"), "prefill": None}, "v1") == []
     assert _stale_templates({"decode": lws("v1")}, "v2") == ["decode"]
+
+
+# P/D with both roles spanning pods: prefill TP2 over two pods, decode TP4 over two.
+MULTI_NODE_PD = {
+    **MULTI_NODE,
+    "prefill": {"replicas": 1, "nodesPerReplica": 2, "engine": {"tensorParallelSize": 2}},
+}
+
+
+def test_every_pod_of_a_multi_node_pd_group_gets_its_own_kv_address_ucx_ports_and_connector():
+    objects = objects_of(MULTI_NODE_PD)
+    kv_port = parse_spec(MULTI_NODE_PD).kv_transfer.port
+    first, last = ucx_port_range(parse_spec(MULTI_NODE_PD))
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        group = objects["LeaderWorkerSet", f"demo-{role}"]["spec"]["leaderWorkerTemplate"]
+        for template in (group["leaderTemplate"], group["workerTemplate"]):
+            c = engine_container(template["spec"])
+            env = {e["name"]: e for e in c["env"]}
+            # Each pod's ranks bind their NIXL agents on that pod's own IP.
+            assert env["PDFLEET_KV_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+            assert env["UCX_TCP_PORT_RANGE"]["value"] == f"{first}-{last}"
+            assert {p["name"]: p["containerPort"] for p in c["ports"]}["kv"] == kv_port
+            expanded = [
+                {"$(LWS_LEADER_ADDRESS)": "leader.demo", "$(LWS_WORKER_INDEX)": "1"}.get(x, x)
+                for x in c["command"][1:]
+            ]
+            kv = json.loads(expanded[expanded.index("--kv-transfer-config") + 1])
+            assert (kv["kv_connector"], kv["kv_role"]) == ("NixlConnector", kv_role)
+            assert kv["kv_ip"] == "$(PDFLEET_KV_IP)"
+        validate_lws(objects["LeaderWorkerSet", f"demo-{role}"])
+    # Every pod of one role (leaders and workers: the selector has no group role)
+    # may reach the other role's side channel and UCX ports.
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        ingress = objects["NetworkPolicy", f"demo-{role}"]["spec"]["ingress"]
+        peers = {"pdfleet.dev/service": "demo", LABEL_ROLE: other}
+        kv_rule = next(r for r in ingress if r["from"] == [{"podSelector": {"matchLabels": peers}}])
+        assert {"port": kv_port, "protocol": "TCP"} in kv_rule["ports"]
+        assert {"port": first, "endPort": last, "protocol": "TCP"} in kv_rule["ports"]
+        validate(objects["NetworkPolicy", f"demo-{role}"])
+    assert fields(MULTI_NODE_PD) == {}
+
+
+def test_zmq_connector_with_nodes_per_replica_over_one_is_refused_naming_the_connector():
+    spec = {**MULTI_NODE_PD, "kvTransfer": {"connector": "ZmqConnector"}}
+    violation = fields(spec)["spec.kvTransfer.connector"]
+    assert "spec.decode.nodesPerReplica" in violation.problem
+    assert "NixlConnector" in violation.fix and "nodesPerReplica 1" in violation.fix
