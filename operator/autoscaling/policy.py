@@ -45,6 +45,7 @@ from .signals import (
     RoleSignal,
     calibrate_prefill_rate,
     decode_signal,
+    noise,
     prefill_signal,
     split_samples,
 )
@@ -113,6 +114,26 @@ class PolicyTuning:
     """Plan for at least the highest demand measured in this many seconds
     (a short-horizon forecast of trend plus recent peak). None: the trend
     alone."""
+    fit_decode_level: bool = False
+    """Size decode on the robust (Theil-Sen) line through its recent KV
+    demand rather than on the latest snapshot alone (:func:`.signals.fitted_level`)."""
+    noise_band: float | None = None
+    """Widen the tolerance band to this many times the demand's own noise
+    (its spread about the recent trend, :func:`.signals.noise`), converted to
+    replicas. None: the relative tolerance alone."""
+    noise_band_up: bool = True
+    """Whether ``noise_band`` also delays scale-ups (False: it only keeps
+    scale-downs that the demand's noise would undo)."""
+    trend_noise_z: float | None = None
+    """Project a rise only when it exceeds this many times the demand's
+    noise over the trend window. None: every rise is projected."""
+    settle_decode_trend: bool = False
+    """Project decode's own trend only once its series at the current count
+    spans the trend window (before that, only prefill's growth)."""
+    full_down_window_after_up: bool = False
+    """Within one spec down window after a scale-up, scale down only on the
+    spec's window, never on the shorter falling window: a scale-up is not
+    undone by the next dip of a noisy signal."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -172,6 +193,8 @@ class RoleState:
     its down window; the next needs the load below what it was then."""
     idle_since: float | None = None
     """Since when the role has had no request arriving, queued or running."""
+    scaled_up: float | None = None
+    """Time of the latest scale-up."""
 
 
 @dataclass(frozen=True)
@@ -271,9 +294,19 @@ def _role_decision(
     else:
         raw, tol = signal.raw, tuning.tolerance
         why = f"{raw:.2f} replicas needed"
-        if current > 0 and abs(raw / current - 1) <= tol:
+        band = tol * current
+        if tuning.noise_band is not None and signal.demand and signal.demand > 1e-9:
+            # The demand's own spread, in replicas: noise that large crosses
+            # a relative band at a few replicas every few periods.
+            band = max(band, tuning.noise_band * noise(tuple(demand)) * raw / signal.demand)
+        if (
+            current > 0
+            and (raw - current <= band if tuning.noise_band_up else raw <= current * (1 + tol))
+            and current - raw <= band
+        ):
             up_rec = down_rec = current
-            code, why = "within_tolerance", f"{why}, within {tol:.0%} of {current}"
+            within = f"{tol:.0%}" if band <= tol * current + 1e-9 else f"{band:.2f} (noise)"
+            code, why = "within_tolerance", f"{why}, within {within} of {current}"
         else:
             up_rec = math.ceil(raw - 1e-9)
             # Going down, keep the tolerance as headroom: the count left must
@@ -291,7 +324,12 @@ def _role_decision(
         history.append((now, up_rec, down_rec, raw))
         up_window = [e[1] for e in history if now - e[0] < role.scale_up_stabilization_seconds]
         down_seconds = role.scale_down_stabilization_seconds
-        if signal.falling and tuning.falling_down_window_seconds is not None:
+        just_up = (
+            tuning.full_down_window_after_up
+            and state.scaled_up is not None
+            and now - state.scaled_up < role.scale_down_stabilization_seconds
+        )
+        if signal.falling and tuning.falling_down_window_seconds is not None and not just_up:
             down_seconds = min(down_seconds, tuning.falling_down_window_seconds)
         down_window = [e for e in history if now - e[0] < down_seconds]
         up = min([*up_window, up_rec])
@@ -369,6 +407,7 @@ def _role_decision(
         count=current,
         scaled_down=scaled_down,
         floor=floor,
+        scaled_up=now if desired > current else state.scaled_up,
     )
     return RoleDecision(name, current, desired, code, reason, now), new_state
 
@@ -576,6 +615,7 @@ def decide(
         tuning.prefill_target_utilization,
         tuning.backlog_drain_seconds,
         _recent_peak(state.prefill, now, tuning),
+        tuning.trend_noise_z,
     )
     ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
     ttft_high = None
@@ -593,21 +633,40 @@ def decide(
         ttft_high,
     )
 
-    _, d_starting = _current(observation.decode)
+    d_current, d_starting = _current(observation.decode)
     d_fresh, d_missing, d_draining = split_samples(observation.decode.replicas, now, stale)
+    d_history = tuple((t, v) for t, v in state.decode.demand if now - t < window)
+    if d_current != state.decode.count:
+        # The series restarts at a count change (see _role_decision): the
+        # first sample at the new count is not a trend against the old one
+        # (at one replica fewer, the same load shows more summed KV usage).
+        d_history = ()
+    if (
+        tuning.settle_decode_trend
+        and d_history
+        and now - d_history[0][0] < window - spec.period_seconds - 1e-6
+    ):
+        # After a count change decode's KV usage moves to its new level for
+        # a while (consolidating onto fewer replicas lengthens their steps):
+        # that transient is the policy's own doing, not a trend of the load.
+        # Until the series spans the trend window, decode follows prefill's
+        # growth only.
+        d_history = ()
     d_signal = decode_signal(
         spec.decode,
         d_fresh,
         d_draining,
         d_missing,
         d_starting,
-        tuple((t, v) for t, v in state.decode.demand if now - t < window),
+        d_history,
         now,
         ahead,
         tuning.backlog_drain_seconds,
         p_signal.growth,
         p_signal.falling,
         _recent_peak(state.decode, now, tuning),
+        tuning.fit_decode_level,
+        tuning.trend_noise_z,
     )
     d, d_state = _decide_role(
         "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale

@@ -8,6 +8,7 @@ and a line of measurements for the decision's reason. Pure functions.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,7 +75,12 @@ def split_samples(
 
 
 def project(
-    demand: float, history: Trend, now: float, ahead: float, quantile: float = 0.5
+    demand: float,
+    history: Trend,
+    now: float,
+    ahead: float,
+    quantile: float = 0.5,
+    noise_z: float | None = None,
 ) -> float:
     """``demand`` projected ``ahead`` seconds along its trend over ``history``
     plus now, never below ``demand`` (a falling load is left to the down
@@ -83,10 +89,19 @@ def project(
     The slope is a quantile of the slopes between every pair of samples (the
     median is the Theil-Sen estimator): one noisy sample moves it little,
     where a least-squares fit would project a single spike far ahead. A lower
-    ``quantile`` asks for a rise that more of the pairs agree on.
+    ``quantile`` asks for a rise that more of the pairs agree on. With
+    ``noise_z``, a rise over the window smaller than that many times the
+    series' noise (:func:`noise`) is not projected.
     """
-    slope = pairwise_slope((*history, (now, demand)), quantile)
-    return demand if slope is None else demand + max(slope, 0.0) * ahead
+    points = (*history, (now, demand))
+    slope = pairwise_slope(points, quantile)
+    if slope is None or slope <= 0:
+        return demand
+    if noise_z is not None and slope * (now - points[0][0]) < noise_z * noise(points):
+        # The rise over the window is within the series' own noise: on a
+        # steady load, projecting it would turn noise into scale-ups.
+        return demand
+    return demand + slope * ahead
 
 
 def pairwise_slope(points: Trend, quantile: float) -> float | None:
@@ -108,7 +123,34 @@ def pairwise_slope(points: Trend, quantile: float) -> float | None:
     return low + (high - low) * (position - math.floor(position))
 
 
-def falling(demand: float, history: Trend, now: float) -> bool:
+def fitted_level(demand: float, history: Trend, now: float) -> float:
+    """The demand now as the robust line through ``history`` plus now gives
+    it: the median of every sample carried to ``now`` along the median
+    pairwise slope (the Theil-Sen line's value at ``now``). A single noisy
+    sample then moves the level by a fraction of its noise, while a linear
+    ramp is followed without lag. ``demand`` itself with fewer than
+    :data:`MIN_TREND_POINTS` samples."""
+    points = (*history, (now, demand))
+    slope = pairwise_slope(points, 0.5)
+    if slope is None:
+        return demand
+    return statistics.median(v + slope * (now - t) for t, v in points)
+
+
+def noise(history: Trend) -> float:
+    """The spread of ``history`` about its Theil-Sen line: 1.4826 x the
+    median absolute residual (a standard deviation for Gaussian noise, not
+    moved by a few outliers); 0 with fewer than :data:`MIN_TREND_POINTS`."""
+    slope = pairwise_slope(history, 0.5)
+    if slope is None:
+        return 0.0
+    t0 = history[-1][0]
+    carried = [v + slope * (t0 - t) for t, v in history]
+    level = statistics.median(carried)
+    return 1.4826 * statistics.median(abs(c - level) for c in carried)
+
+
+def falling(demand: float, history: Trend, now: float, noise_z: float | None = None) -> bool:
     """Whether ``demand`` is falling decisively over ``history``: the
     :data:`FALL_QUANTILE` slope is negative and, over the history's span,
     amounts to at least :data:`FALL_SHARE` of the demand."""
@@ -117,7 +159,10 @@ def falling(demand: float, history: Trend, now: float) -> bool:
     if slope is None or slope >= 0:
         return False
     span = points[-1][0] - points[0][0]
-    return -slope * span >= FALL_SHARE * max(demand, 1e-9)
+    least = FALL_SHARE * max(demand, 1e-9)
+    if noise_z is not None:
+        least = max(least, noise_z * noise(points))
+    return -slope * span >= least
 
 
 def calibrate_prefill_rate(
@@ -155,6 +200,7 @@ def prefill_signal(
     target_utilization: float,
     drain_seconds: float,
     recent_peak: float = 0.0,
+    noise_z: float | None = None,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -188,10 +234,10 @@ def prefill_signal(
     planned = growth = 0.0
     is_falling = False
     if demand is not None:
-        is_falling = falling(demand, history, now)
-        planned = max(project(demand, history, now, ahead), recent_peak)
+        is_falling = falling(demand, history, now, noise_z)
+        planned = max(project(demand, history, now, ahead, noise_z=noise_z), recent_peak)
         if demand > 0:
-            growth = project(demand, history, now, ahead, GROWTH_QUANTILE) / demand
+            growth = project(demand, history, now, ahead, GROWTH_QUANTILE, noise_z) / demand
         if planned > demand + 1e-9:
             parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
     terms: list[tuple[float, str]] = []
@@ -237,6 +283,8 @@ def decode_signal(
     prefill_growth: float,
     prefill_falling: bool = False,
     recent_peak: float = 0.0,
+    fit_level: bool = False,
+    noise_z: float | None = None,
 ) -> RoleSignal:
     """Decode needs projected KV demand / ``targetKVCacheUsage``.
 
@@ -266,8 +314,19 @@ def decode_signal(
         f"KV usage {kv:.2f} summed (target {target:.2f} per replica)",
         f"{waiting:.0f} waiting (= {queued:.2f} KV to drain them)",
     ]
-    planned = max(project(demand, history, now, ahead), demand * prefill_growth, recent_peak)
-    if planned > demand + 1e-9:
+    level = demand
+    if fit_level:
+        # Summed KV usage is a snapshot of a few dozen requests of log-normal
+        # lengths: on a steady load it swings by a third from one period to
+        # the next. Sizing on the robust line through the recent samples
+        # keeps that noise from crossing the tolerance band.
+        level = fitted_level(demand, history, now)
+        if abs(level - demand) > 1e-9:
+            parts.append(f"level {level:.2f} on the recent trend")
+    planned = max(
+        project(level, history, now, ahead, noise_z=noise_z), level * prefill_growth, recent_peak
+    )
+    if planned > level + 1e-9:
         parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
     if starting:
         parts.append(f"{starting} starting")
@@ -286,5 +345,5 @@ def decode_signal(
         demand=demand,
         # Decode's own series restarts at each count change; prefill's fall
         # is the earlier and steadier sign that decode's load will follow.
-        falling=prefill_falling or falling(demand, history, now),
+        falling=prefill_falling or falling(demand, history, now, noise_z),
     )

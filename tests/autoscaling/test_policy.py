@@ -9,8 +9,10 @@ import pytest
 from pdfleet.operator.autoscaling.policy import (
     REASON_CODES,
     PolicyState,
+    PolicyTuning,
     decide,
 )
+from pdfleet.operator.autoscaling.signals import fitted_level, noise, project
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 
 from .helpers import PERIOD, decode, fleet, idle_prefill, prefill, starting
@@ -393,3 +395,118 @@ def test_every_code_is_a_known_reason_code():
         codes |= {d.code for d in result.decisions}
     assert codes <= set(REASON_CODES)
     assert len(codes) > 2
+
+
+# ---------------------------------------------------------------------------
+# the demand's own noise
+
+
+def test_noise_is_the_spread_about_the_trend_not_the_trend_itself():
+    ramp = tuple((15.0 * i, 1.0 + 0.1 * i) for i in range(7))
+    assert noise(ramp) == pytest.approx(0.0, abs=1e-9)
+    wobble = tuple((15.0 * i, 1.0 + (0.1 if i % 2 else -0.1)) for i in range(6))
+    assert noise(wobble) == pytest.approx(1.4826 * 0.1, rel=1e-6)
+    assert noise(wobble[:3]) == 0.0  # too few samples to tell
+
+
+def test_fitted_level_ignores_one_spike_and_follows_a_ramp():
+    flat = tuple((15.0 * i, 0.5) for i in range(6))
+    assert fitted_level(0.9, flat, 90.0) == pytest.approx(0.5)
+    ramp = tuple((15.0 * i, 0.5 + 0.01 * 15 * i) for i in range(6))
+    assert fitted_level(0.5 + 0.9, ramp, 90.0) == pytest.approx(1.4)
+
+
+def test_a_rise_within_the_noise_is_not_projected():
+    # Noise of +-0.1 around 1.0 with the last samples drifting up by 0.1.
+    history = ((0, 0.9), (15, 1.1), (30, 0.9), (45, 1.1), (60, 1.0))
+    now, demand = 75.0, 1.15
+    assert project(demand, history, now, 75) > demand  # a median slope > 0
+    assert project(demand, history, now, 75, noise_z=2.0) == demand
+    ramp = tuple((15.0 * i, 1.0 + 0.1 * i) for i in range(5))
+    assert project(1.5, ramp, 75, 75, noise_z=2.0) == pytest.approx(1.5 + 0.1 / 15 * 75)
+
+
+def test_noise_band_keeps_a_count_the_demand_noise_would_push_back():
+    # Decode needs 0.7-1.15 replicas at 1: peaks beyond the 10% tolerance,
+    # within twice the noise.
+    wobble = [0.85, 0.75, 0.8, 0.7, 1.15, 0.8, 0.75, 1.12]
+
+    def observe(t, counts):
+        n = counts[1] if counts else 1
+        need = wobble[int(t // PERIOD) % len(wobble)]
+        return fleet(idle_prefill(t), decodes(t, n, 0.7 * need / n))
+
+    plain = run(spec(), observe, periods(0, 1800))[0]
+    banded = []
+    state = None
+    counts = None
+    tuning = PolicyTuning(noise_band=2.0, trend_noise_z=2.0)
+    for t in periods(0, 1800):
+        result = decide(spec(), observe(t, counts), t, state, tuning)
+        state, counts = result.state, (result.prefill.desired, result.decode.desired)
+        banded.append(result)
+    assert max(r.decode.desired for r in plain) == 2  # a noise peak scales up
+    assert {r.decode.desired for r in banded} == {1}, [
+        r.decode.reason for r in banded if r.decode.direction != "none"
+    ]
+    assert any("(noise)" in r.decode.reason for r in banded)
+
+
+def test_decode_trend_restarts_at_a_count_change():
+    s = spec()
+    state = None
+    # At 2 replicas the summed KV usage rises slowly ...
+    for i, t in enumerate(periods(0, 90)):
+        obs = fleet(idle_prefill(t), decodes(t, 2, (0.30 + 0.01 * i) / 2))
+        state = decide(s, obs, t, state).state
+    # ... then the fleet is at 1 replica, whose first sample shows more.
+    obs = fleet(idle_prefill(105), decodes(105, 1, 0.45))
+    result = decide(s, obs, 105.0, state)
+    assert "rising" not in result.decode.reason, result.decode.reason
+    assert result.decode.desired == 1
+
+
+def test_no_scale_down_on_the_short_falling_window_just_after_a_scale_up():
+    # Decode needs 0.6 replicas, jumps to 1.6 at 400 s, then falls decisively.
+    def need(t):
+        return 0.6 if t < 400 else 1.6 if t < 420 else max(0.3, 1.6 - 0.0065 * (t - 420))
+
+    def observe(t, counts):
+        n = counts[1] if counts else 1
+        return fleet(idle_prefill(t), decodes(t, n, 0.7 * need(t) / n))
+
+    def up_then_down(tuning):
+        state, counts, up = None, None, None
+        for t in periods(0, 1800):
+            result = decide(spec(), observe(t, counts), t, state, tuning)
+            state, counts = result.state, (result.prefill.desired, result.decode.desired)
+            if result.decode.direction == "up":
+                up = t
+            elif result.decode.direction == "down":
+                return up, t
+        raise AssertionError("decode never scaled down")
+
+    up, down = up_then_down(PolicyTuning())
+    assert down - up < 300  # the falling window undoes the scale-up early
+    up, down = up_then_down(PolicyTuning(full_down_window_after_up=True))
+    assert down - up >= 300
+
+
+def test_settled_decode_trend_ignores_the_transient_after_a_count_change():
+    def reasons(tuning):
+        state = None
+        for t in periods(0, 60):  # steady at 2 replicas
+            state = decide(
+                spec(), fleet(idle_prefill(t), decodes(t, 2, 0.2)), t, state, tuning
+            ).state
+        out = []
+        # At 1 replica the consolidating load raises the summed usage for a minute.
+        for i, t in enumerate(periods(75, 135)):
+            obs = fleet(idle_prefill(t), decodes(t, 1, 0.4 + 0.05 * i))
+            result = decide(spec(), obs, t, state, tuning)
+            state = result.state
+            out.append(result.decode.reason)
+        return out
+
+    assert "rising" in reasons(PolicyTuning())[-1]
+    assert not any("rising" in r for r in reasons(PolicyTuning(settle_decode_trend=True)))
