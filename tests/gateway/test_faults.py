@@ -47,13 +47,13 @@ def test_requests_are_held_while_no_decode_engine_is_routable_then_served(fakes,
     try:
         assert wait_until(lambda: _serving(gw.url), 30)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            started = time.monotonic()
             held = pool.submit(complete, gw.url)
             assert wait_until(lambda: metric(gw.url, "pdfleet_gateway_held_requests") == 1, 10)
+            # Held, not answered, while no decode engine is routable.
+            assert not held.done()
             decode.health_status = 200  # the engine is ready: the held request goes
             resp = held.result(30)
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ok"
-        assert time.monotonic() - started >= 0.2
         assert metric(gw.url, "pdfleet_gateway_held_requests") == 0
         # The held request is the activation signal for a decode pool at zero.
         assert metric(gw.url, "pdfleet_gateway_activation_requests_total", role="decode") == 1
