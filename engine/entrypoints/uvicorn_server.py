@@ -1,8 +1,9 @@
 """uvicorn's server, exiting 0 after a graceful stop.
 
 uvicorn re-raises SIGINT/SIGTERM once its graceful shutdown is done, which
-makes a clean stop exit with -15. The engine server and the gateway both want
-status 0 for a stop that went well, so they take their server from here.
+makes a clean stop exit with -15. The engine server wants status 0 for a
+stop that went well, so it takes its server from here (the gateway has its
+own server: engine/gateway/server.py).
 """
 
 from __future__ import annotations

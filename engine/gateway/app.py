@@ -29,17 +29,16 @@ from pdfleet.engine.config.security import (
     fleet_token,
     key_matches,
 )
-from pdfleet.engine.entrypoints.uvicorn_server import graceful_server
 
 from .asgi import GatewayASGI, Request
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
-from .limits import http_protocol
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
 from .proxy import Proxy, client_request_id, error_response, upstream_message
 from .routing import KVPairBreaker, PrefixAffinity, Router
+from .server import HttpServer
 from .tls import PlaintextWarning, client_context
 from .upstream import UpstreamClient
 from .workers import Siblings, reuseport_socket, serve_workers
@@ -307,41 +306,17 @@ def build_app(
     return app
 
 
-def event_loop() -> str:
-    """uvloop where it is installed (a faster loop: docs/gateway.md), else asyncio."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
-
-
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:
     """Serve until SIGINT/SIGTERM; exit 0 after a graceful stop. With
     ``--workers N`` this process supervises N workers (engine/gateway/workers.py);
-    ``siblings`` is set in each of them."""
+    ``siblings`` is set in each of them. The HTTP server is the gateway's own
+    (engine/gateway/server.py)."""
     if config.workers > 1 and siblings is None:
         return serve_workers(config)
-    import uvicorn
-
     app = build_app(config, siblings=siblings)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.uvicorn_log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=75,
-        http=http_protocol(config.header_timeout),
-        loop=event_loop(),
-        lifespan="on",
-        proxy_headers=False,  # the gateway reads no client address: one layer less
-    )
-
     # httpx logs every engine call (health checks included) at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("pdfleet.gateway.http").setLevel(config.uvicorn_log_level.upper())
     logger.info("pdfleet gateway on %s:%d: %r", config.host, config.port, config)
-    sockets = None if siblings is None else [reuseport_socket(config.host, config.port)]
-    graceful_server(uv_config).run(sockets=sockets)
-    return 0
+    sock = None if siblings is None else reuseport_socket(config.host, config.port)
+    return HttpServer(app, config.header_timeout).run(config.host, config.port, sock)

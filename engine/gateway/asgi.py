@@ -52,6 +52,15 @@ class Request:
             self._headers = headers
         return self._headers
 
+    def ready_body(self) -> bytes | None:
+        """None: under ASGI the body is read with ``receive`` (the gateway's own
+        server, engine/gateway/server.py, hands a whole body over at once)."""
+        return None
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> bool:
+        """False: under ASGI a disconnect is watched for with ``receive``."""
+        return False
+
     async def stream(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive; ClientDisconnect if the client goes."""
         while True:
@@ -63,6 +72,19 @@ class Request:
                 yield body
             if not message.get("more_body", False):
                 return
+
+
+class BytesResponse(Response):
+    """A whole answer from bytes and raw headers: Starlette's ``Response``
+    without its per-response header rendering (``content-length`` is added
+    here). Sent by the gateway's server in one write, or as ASGI messages."""
+
+    def __init__(self, body: bytes, status_code: int, raw_headers: list[tuple[bytes, bytes]]):
+        self.status_code = status_code
+        self.body = body
+        self.background = None
+        raw_headers.append((b"content-length", b"%d" % len(body)))
+        self.raw_headers = raw_headers
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -102,6 +124,12 @@ class GatewayASGI:
             return handler
 
         return register
+
+    @property
+    def direct(self) -> bool:
+        """No middleware: the gateway's server calls the handlers itself
+        (engine/gateway/server.py), without ASGI messages."""
+        return self._entry == self._dispatch
 
     def add_middleware(self, cls: type, **options: Any) -> None:
         """Wrap the request path in a pure ASGI middleware (tracing uses it)."""

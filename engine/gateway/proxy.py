@@ -47,7 +47,7 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .activation import Activation
-from .asgi import Request
+from .asgi import BytesResponse, Request
 from .engines import EnginePool, EngineState
 from .limits import BodyRejected, read_body
 from .metrics import GatewayMetrics
@@ -92,6 +92,7 @@ ERROR_CODES = {
 }
 DONE = b"data: [DONE]\n\n"
 SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
 # leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -127,12 +128,10 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    return Response(
-        json.dumps(error_body(message, status, param, code)),
-        status_code=status,
-        media_type="application/json",
-        headers={"x-request-id": request_id, **(headers or {})},
-    )
+    raw = [JSON_CONTENT_TYPE, (b"x-request-id", request_id.encode("latin-1"))]
+    for name, value in (headers or {}).items():
+        raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+    return BytesResponse(json.dumps(error_body(message, status, param, code)).encode(), status, raw)
 
 
 def sse_error(message: str, status: int, code: str | None = None) -> bytes:
@@ -264,6 +263,8 @@ class Proxy:
         """The request counter and latency histogram per (endpoint, status)."""
         self._ttft: dict[str, Any] = {}
         """The TTFT histogram per endpoint."""
+        self._decisions: dict[tuple[str, str], Any] = {}
+        """The routing-decision counter per (decision, reason)."""
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -338,11 +339,14 @@ class Proxy:
         if resp.status_code >= 300:
             return self._refused(call, resp)
         self._finish(call, resp.status_code)
-        return Response(
+        kind = resp.headers.get("content-type")
+        return BytesResponse(
             content,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "application/json"),
-            headers={"x-request-id": call.request_id},
+            resp.status_code,
+            [
+                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind.encode("latin-1")),
+                (b"x-request-id", call.request_id.encode("latin-1")),
+            ],
         )
 
     def _refused(self, call: Call, resp: UpstreamResponse) -> Response:
@@ -436,7 +440,7 @@ class Proxy:
             return self._error(call, e.message, e.status, headers={"connection": "close"})
         # One watcher per request: a client that goes away cancels this task
         # (and so the legs); the answer of a request that finished is sent as is.
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request)
         handed = False
         try:
             response = await self._handle(call, raw)
@@ -476,7 +480,11 @@ class Proxy:
         route = await self._route(call, info)
         if isinstance(route, Response):
             return route
-        self.metrics.decisions.labels(route.decision, route.reason).inc()
+        key = (route.decision, route.reason)
+        decided = self._decisions.get(key)
+        if decided is None:  # a few (decision, reason) pairs: never dropped
+            decided = self._decisions[key] = self.metrics.decisions.labels(*key)
+        decided.inc()
         tracing.route_chosen(route)
         if route.prefill is not None:
             outcome = await self._prefill(call, body, route, info)
@@ -795,8 +803,11 @@ class Proxy:
         try:
             while first:  # until the first whole event: the engine may still change
                 try:
-                    async with self._watched(engine, first_bound):
+                    if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
+                    else:
+                        async with self._watched(engine, first_bound):
+                            data = await anext(chunks)
                 except StopAsyncIteration:
                     ended = True
                     break
@@ -831,8 +842,9 @@ class Proxy:
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
-                loop = asyncio.get_running_loop()
-                async with asyncio.timeout(idle) as cm:
+                async with asyncio.timeout(None) as cm:
+                    # No timer when the engine's whole answer has arrived already.
+                    timer = None if resp.received() else IdleTimer(cm, idle)
                     engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
@@ -842,16 +854,21 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                cm.reschedule(loop.time() + idle)
+                                if timer is not None:
+                                    timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
-                            cm.reschedule(None)
+                            if timer is not None:
+                                timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
-                            cm.reschedule(loop.time() + idle)
+                            if timer is not None:
+                                timer.touch()
                     finally:
+                        if timer is not None:
+                            timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
@@ -913,6 +930,43 @@ class Proxy:
             return (nxt, *opened)
 
 
+class IdleTimer:
+    """Expires ``cm`` (an ``asyncio.timeout``) once ``idle`` seconds pass
+    without a ``touch``, and never while ``paused``. One timer handle per
+    stream, moved on only when it fires: ``Timeout.reschedule`` per chunk (a
+    timer cancelled and made twice per event) cost several percent of a
+    stream's time."""
+
+    __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
+
+    def __init__(self, cm: asyncio.Timeout, idle: float) -> None:
+        self._cm, self._idle = cm, idle
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self.paused = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle, self._fire)
+
+    def touch(self) -> None:
+        """Something arrived: the idle time starts again (and runs, if paused)."""
+        self._last = self._loop.time()
+        self.paused = False
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if self.paused or now - self._last < self._idle:
+            start = now if self.paused else self._last
+            self._handle = self._loop.call_at(start + self._idle, self._fire)
+            return
+        self._handle = None
+        if not self._cm.expired():  # (the stall watchdog may have expired it already)
+            self._cm.reschedule(now)  # the timeout expires: TimeoutError at its exit
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class Watched:
     """``async with``: ``asyncio.timeout`` registered with an engine's waiters
     (a class, not a generator context manager: this is on every leg)."""
@@ -925,6 +979,11 @@ class Watched:
 
     async def __aenter__(self) -> asyncio.Timeout:
         cm = await self._cm.__aenter__()
+        if self._engine.stalled:
+            # Ejected for a stall after this leg was routed to it (a decode
+            # engine is chosen before the prefill leg runs): give up at once,
+            # as the legs already waiting did, instead of for the whole bound.
+            cm.reschedule(asyncio.get_running_loop().time())
         self._engine.waiters.add(cm)
         return cm
 
@@ -959,20 +1018,43 @@ class RelayResponse(Response):
         """The request's disconnect watcher, if the handler started one."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI: the relay as ``http.response.*`` messages (the tracing path)."""
+
+        def start(status: int, headers: list[tuple[bytes, bytes]]) -> Awaitable[None]:
+            return send({"type": "http.response.start", "status": status, "headers": headers})
+
+        def write(chunk: bytes) -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        def end() -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.stream_to(start, write, end, receive)
+
+    async def stream_to(
+        self,
+        start: Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None] | None],
+        write: Callable[[bytes], Awaitable[None] | None],
+        end: Callable[[], Awaitable[None] | None],
+        receive: Any = None,
+    ) -> None:
+        """Send the head (``start``), each chunk (``write``: an awaitable only
+        while the client's connection is paused for writing) and the end; the
+        gateway's server calls it with its connection's writers."""
         watch = self.watch or DisconnectWatch(receive)
         started = False
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.status_code,
-                    "headers": self.raw_headers,
-                }
-            )
-            started = True  # no await until the relay runs: its finally now cleans up
+            wait = start(self.status_code, self.raw_headers)
+            started = True  # the relay runs next: its finally now cleans up
+            if wait is not None:
+                await wait
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                wait = write(chunk)
+                if wait is not None:
+                    await wait
+            wait = end()
+            if wait is not None:
+                await wait
         except asyncio.CancelledError:
             if not watch.uncancel():
                 raise
@@ -987,20 +1069,35 @@ class RelayResponse(Response):
 
 
 class DisconnectWatch:
-    """Cancels the task that made it when the client disconnects: one task per
-    request, where ``asyncio.wait`` on two tasks (or Starlette's task group)
-    cost several times as much. Made after the body was read (it takes over
-    ``receive``); closed before the answer's last byte is sent (after it,
-    ``receive`` reports a disconnect)."""
+    """Cancels the task that made it when the client disconnects. The
+    gateway's server calls it back from the connection's loss (no task); an
+    ASGI request gets one watcher task (``asyncio.wait`` on two tasks, or
+    Starlette's task group, cost several times as much). Made after the body
+    was read (under ASGI it takes over ``receive``); closed before the
+    answer's last byte is sent (after it, ``receive`` reports a disconnect).
+    ``request``: a request (``watch_disconnect``) or an ASGI ``receive``."""
 
-    def __init__(self, receive: Any) -> None:
+    __slots__ = ("_closed", "_owner", "_task", "gone")
+
+    def __init__(self, request: Any) -> None:
         self.gone = False
+        self._closed = False
         self._owner = asyncio.current_task()
+        self._task: asyncio.Future | None = None
+        watch = getattr(request, "watch_disconnect", None)
+        if watch is not None and watch(self._lost):
+            return
+        receive = getattr(request, "receive", request)
         self._task = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive: Any) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._lost()
+
+    def _lost(self) -> None:
+        if self._closed or self.gone:
+            return
         self.gone = True
         if self._owner is not None:
             self._owner.cancel()
@@ -1014,4 +1111,6 @@ class DisconnectWatch:
         return False
 
     def close(self) -> None:
-        self._task.cancel()
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()

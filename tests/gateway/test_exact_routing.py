@@ -107,7 +107,16 @@ def where(engines, url: str, messages: list[dict], headers: dict | None = None) 
     before = served(engines)
     reply = chat(url, messages, headers)
     messages.append({"role": "assistant", "content": reply})
-    after = served(engines)
+    # An engine counts a finished request after the step that delivered its
+    # answer, so the count may move just after the client has the reply.
+    after = before
+
+    def counted() -> bool:
+        nonlocal after
+        after = served(engines)
+        return sum(after) > sum(before)
+
+    assert wait_until(counted, 10), (before, after)
     moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a]
     assert len(moved) == 1, (before, after)
     return moved[0]

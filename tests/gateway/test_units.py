@@ -3,6 +3,8 @@ health state machine and its configuration."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 import httpx
@@ -21,6 +23,7 @@ from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
 from pdfleet.engine.gateway.proxy import (
     PREFILL_KV_TRANSFER_PARAMS,
+    Watched,
     decode_body,
     prefill_body,
     sse_error,
@@ -407,6 +410,35 @@ def test_the_kv_pair_breaker_judges_pairs_by_the_decode_engines_pull_counters():
     assert not breaker.is_open("p2", "d") and ("p2", "d") not in breaker.failures
     breaker.forget("p")
     assert not breaker.is_open("p", "d") and breaker.open_until == {}
+
+
+def test_a_leg_that_starts_on_an_engine_already_ejected_for_a_stall_gives_up_at_once():
+    """A decode engine is chosen before the prefill leg; if the watchdog ejects
+    it meanwhile, the decode leg must fail over now, not after its 60 s bound."""
+    pool, engines = stall_pool()
+    a, b = engines["http://a"], engines["http://b"]
+    a.inflight, a.last_progress, b.last_progress = 1, 100.0, 103.5
+    assert pool.find_stalls(now=104.0) == [a]
+
+    async def leg(e: EngineState) -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.suppress(TimeoutError):
+            async with Watched(e, 60):
+                await asyncio.sleep(30)
+        return loop.time() - started
+
+    async def main() -> tuple[float, bool]:
+        gave_up = await leg(a)
+        other = asyncio.create_task(leg(b))  # a routable engine's leg still waits
+        await asyncio.sleep(0.2)
+        waits = not other.done()
+        other.cancel()
+        return gave_up, waits
+
+    gave_up, waits = asyncio.run(asyncio.wait_for(main(), 10))
+    assert gave_up < 1 and waits
+    assert a.waiters == set()
 
 
 def test_a_stall_seen_by_another_worker_ejects_the_engine_unless_it_answers_here():

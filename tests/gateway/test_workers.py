@@ -86,6 +86,10 @@ def test_a_killed_worker_is_replaced_while_the_other_serves(gateway):
     assert len(old) == WORKERS
     victim = min(old)
     os.kill(victim, signal.SIGKILL)
+    # Until the victim has exited, the kernel may still queue new connections on
+    # its listening socket, and they die with it: wait for its death (its
+    # sockets are closed before it turns zombie), then the survivor must serve.
+    assert wait_until(lambda: victim not in children(gateway.proc.pid), timeout=10)
     for _ in range(10):  # the survivor (and soon the replacement) answer meanwhile
         assert post(gateway.url).status_code == 200
 

@@ -1,0 +1,855 @@
+"""The gateway's HTTP/1.1 server: an ``asyncio.Protocol`` on uvloop, parsed by httptools.
+
+uvicorn's protocol and its ASGI cycle (a scope dict, a message dict per
+``receive`` and ``send``, a task per disconnect watch) were about a quarter
+of a core per request at a few thousand requests per second
+(docs/gateway.md has the profiles), so the gateway serves its routes itself:
+httptools (a C parser) calls back into :class:`HttpProtocol`, which builds
+one :class:`Cycle` per request, and the cycle *is* the handler's request
+(its path, a plain dict of its headers, its body). A handler's answer is
+written straight to the transport: a pre-encoded status line, the
+response's raw headers and its body in one write; a stream (the relay of
+``proxy.RelayResponse``) chunk by chunk, waiting only while the transport
+has paused writing. Only with tracing on does a request go through the ASGI
+app (``GatewayASGI`` and its middleware), with ``scope``/``receive``/``send``
+provided by the same cycle.
+
+What the server keeps from before (docs/gateway.md, "Throughput"):
+
+* keep-alive (75 s idle) and pipelining: a request that arrives while the
+  one before it is answered waits, reading paused, and is answered after it;
+* ``Content-Length`` and chunked bodies (the body limits are the handler's:
+  ``limits.read_body``), ``Expect: 100-continue`` answered when the handler
+  first reads the body;
+* a deadline on each request head (``--header-timeout``, from the
+  connection's opening or the first byte of a kept-alive connection's next
+  request) and a bound on its size (431), a malformed request a 400 in
+  OpenAI's shape, both with a lingering close;
+* a client that goes away cancels its handler (``watch_disconnect``, a
+  callback from ``connection_lost``: no task per request);
+* a graceful stop on SIGTERM/SIGINT: no new connections, idle ones closed,
+  running requests given ``GRACEFUL_TIMEOUT`` seconds (a second signal ends
+  them at once), then the app's lifespan ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import json
+import logging
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import httptools
+
+from .limits import LINGER_SECONDS, MAX_HEAD_BYTES
+
+if TYPE_CHECKING:
+    from .asgi import GatewayASGI
+
+logger = logging.getLogger("pdfleet.gateway.http")
+
+# Seconds an idle kept-alive connection stays open (above the 60 s idle
+# timeout of common load balancers, as uvicorn's was set here).
+KEEPALIVE_TIMEOUT = 75.0
+# Seconds running requests get to finish after SIGTERM before they are cancelled.
+GRACEFUL_TIMEOUT = 5.0
+# Request body bytes buffered (not yet read by the handler) before reading pauses.
+HIGH_WATER = 64 * 1024
+BACKLOG = 4096
+
+STATUS_LINES = {
+    code: b"HTTP/1.1 %d %s\r\n" % (code, http.HTTPStatus(code).phrase.encode())
+    for code in range(100, 600)
+    if code in http.HTTPStatus._value2member_map_
+}
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+CHUNKED = b"transfer-encoding: chunked\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+CLOSE = b"connection: close\r\n"
+NOT_FOUND = (404, [(b"content-type", b"application/json")], b'{"detail":"Not Found"}')
+NOT_ALLOWED = (405, [(b"content-type", b"application/json")], b'{"detail":"Method Not Allowed"}')
+DISCONNECT = {"type": "http.disconnect"}
+
+
+def status_line(status: int) -> bytes:
+    line = STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
+
+
+class _Clock:
+    """The ``date`` header, formatted once a second (not per answer)."""
+
+    __slots__ = ("_header", "_second")
+
+    def __init__(self) -> None:
+        self._second = 0
+        self._header = b""
+
+    def header(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._header = b"date: %s\r\n" % formatdate(now, usegmt=True).encode()
+        return self._header
+
+
+_clock = _Clock()
+
+
+class _HeadTooLarge(Exception):
+    """A request head past its bound (raised inside the parser's callbacks)."""
+
+
+def error_json(message: str, code: str) -> bytes:
+    """OpenAI's error shape, for what the server itself refuses."""
+    return json.dumps(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}}
+    ).encode()
+
+
+class Cycle:
+    """One request: what its handler reads (``path``, ``headers``, the body
+    through ``receive`` or ``ready_body``) and how its answer goes out.
+
+    ``headers`` has lower-case names and a repeated header's first value. The
+    ASGI ``scope`` is built only when asked for (the tracing middleware)."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_handed",
+        "_on_disconnect",
+        "_proto",
+        "_raw_headers",
+        "_scope",
+        "_sized",
+        "_start",
+        "_waiter",
+        "complete",
+        "continue_wanted",
+        "disconnected",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "response_complete",
+        "response_started",
+        "task",
+    )
+
+    def __init__(
+        self,
+        proto: HttpProtocol,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: dict[str, str],
+        raw_headers: list[tuple[bytes, bytes]] | None,
+        keep_alive: bool,
+    ) -> None:
+        self._proto = proto
+        self.method, self.path, self.query = method, path, query
+        self.headers = headers
+        self._raw_headers = raw_headers
+        self._scope: dict[str, Any] | None = None
+        self.keep_alive = keep_alive
+        self.continue_wanted = headers.get("expect", "").lower() == "100-continue"
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._handed = False
+        """The whole body went to the handler."""
+        self._start: tuple[int, Any] | None = None
+        """The ASGI path's ``http.response.start`` (status, headers), until the body comes."""
+        self._sized = False
+        """The ASGI path's answer has a Content-Length (its parts are written as is)."""
+        self.complete = False
+        """The whole body has arrived."""
+        self._waiter: asyncio.Future | None = None
+        self.disconnected = False
+        self._on_disconnect: Callable[[], None] | None = None
+        self.response_started = False
+        self.response_complete = False
+        self.task: asyncio.Task | None = None
+
+    # -- what the parser feeds -----------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self.response_complete:
+            return  # answered already (a refused body): the rest is dropped
+        self._body.append(data)
+        self._body_size += len(data)
+        if self._body_size > HIGH_WATER:
+            self._proto.pause_reading()
+        self._wake()
+
+    def _ended(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _lost(self) -> None:
+        self.disconnected = True
+        self._wake()
+        callback, self._on_disconnect = self._on_disconnect, None
+        if callback is not None:
+            callback()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the request, as a handler reads it ----------------------------------------
+
+    @property
+    def receive(self) -> Callable[[], Awaitable[dict[str, Any]]]:
+        return self._receive
+
+    def ready_body(self) -> bytes | None:
+        """The whole body when it has all arrived and none of it was read (the
+        usual case: one call, no message); else None (read it with ``receive``)."""
+        if not self.complete or self.continue_wanted or self._handed:
+            return None
+        self._handed = True
+        body = self._body
+        self._body = []
+        self._body_size = 0
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    async def _receive(self) -> dict[str, Any]:
+        """ASGI ``receive``: the body's chunks, then (once the answer is out or
+        the client has gone) ``http.disconnect``."""
+        if self.continue_wanted:
+            self.continue_wanted = False
+            if not self.response_started and not self.disconnected:
+                self._proto.write(CONTINUE)
+        while True:
+            if self.disconnected or self.response_complete:
+                return DISCONNECT
+            if not self._handed and (self._body or self.complete):
+                body = self._body
+                chunk = body[0] if len(body) == 1 else b"".join(body)
+                more = not self.complete
+                self._handed = not more
+                self._body = []
+                self._body_size = 0
+                self._proto.body_read(self)
+                return {"type": "http.request", "body": chunk, "more_body": more}
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (once) when the client goes away; replaces an earlier one."""
+        if self.disconnected:
+            callback()
+        else:
+            self._on_disconnect = callback
+        return True
+
+    @property
+    def scope(self) -> dict[str, Any]:
+        if self._scope is None:
+            proto = self._proto
+            raw = self._raw_headers
+            if raw is None:
+                raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+            self._scope = {
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": "1.1",
+                "method": self.method,
+                "scheme": "http",
+                "path": self.path,
+                "raw_path": self.path.encode("latin-1"),
+                "query_string": self.query,
+                "root_path": "",
+                "headers": raw,
+                "server": proto.server_address,
+                "client": proto.client_address,
+                "state": {},
+            }
+        return self._scope
+
+    # -- the answer ----------------------------------------------------------------
+
+    def _head(self, status: int, raw_headers: Any, chunked: bool) -> list[bytes]:
+        parts = [status_line(status), _clock.header()]
+        said_close = False
+        for name, value in raw_headers:
+            if name == b"connection" and value.lower() == b"close":
+                said_close = True
+            parts += (name, b": ", value, b"\r\n")
+        if chunked:
+            parts.append(CHUNKED)
+        if said_close or not self.keep_alive or self._proto.server.stopping:
+            self.keep_alive = False
+            if not said_close:
+                parts.append(CLOSE)
+        return parts
+
+    def respond(self, status: int, raw_headers: Any, body: bytes) -> None:
+        """The whole answer in one write (``raw_headers`` holds its content-length)."""
+        if self.response_started:
+            raise RuntimeError("the answer was already started")
+        self.response_started = True
+        parts = self._head(status, raw_headers, False)
+        parts.append(b"\r\n")
+        if self.method != "HEAD":
+            parts.append(body)
+        self._proto.write(b"".join(parts))
+        self._done()
+
+    def start_stream(self, status: int, raw_headers: Any) -> None:
+        """The head of a chunked answer; ``write`` each chunk, then ``end_stream``."""
+        if self.response_started:
+            raise RuntimeError("the answer was already started")
+        self.response_started = True
+        parts = self._head(status, raw_headers, True)
+        parts.append(b"\r\n")
+        self._proto.write_soon(b"".join(parts))
+
+    def write(self, chunk: bytes) -> Awaitable[None] | None:
+        """One chunk; an awaitable while the client reads slower than the
+        stream comes (the transport paused writing), else None."""
+        if chunk and not self.disconnected:
+            self._proto.write_soon(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        if self._proto.write_paused and not self.disconnected:
+            return self._proto.drain()
+        return None
+
+    def end_stream(self) -> None:
+        self._proto.write_soon(LAST_CHUNK)
+        self._done()
+
+    def _done(self) -> None:
+        self.response_complete = True
+        self._wake()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """ASGI ``send`` (the tracing middleware's path and other responses)."""
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._start = (message["status"], _lower(message.get("headers", ())))
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self._start is not None:
+            (status, headers), self._start = self._start, None
+            if not more or any(name == b"content-length" for name, _ in headers):
+                if not any(name == b"content-length" for name, _ in headers):
+                    headers.append((b"content-length", b"%d" % len(body)))
+                if not more:
+                    self.respond(status, headers, body)
+                    return
+                # A known length sent in parts: written as they come, not chunked.
+                self.response_started = True
+                self._proto.write(b"".join([*self._head(status, headers, False), b"\r\n"]))
+                self._sized = True
+            else:
+                self.start_stream(status, headers)
+        if self._sized:
+            self._proto.write(body)
+            if not more:
+                self._done()
+            return
+        wait = self.write(body)
+        if wait is not None:
+            await wait
+        if not more:
+            self.end_stream()
+
+
+def _lower(headers: Any) -> list[tuple[bytes, bytes]]:
+    return [(bytes(n).lower(), bytes(v)) for n, v in headers]
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection: parses requests and runs one at a time, in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.server_address: tuple[str, int] | None = None
+        self.client_address: tuple[str, int] | None = None
+        self.cycle: Cycle | None = None
+        """The request being answered."""
+        self.parsing: Cycle | None = None
+        """The request whose body the parser is reading."""
+        self.pipeline: deque[Cycle] = deque()
+        self.write_paused = False
+        self._pending: list[bytes] | None = None
+        """What ``write_soon`` holds until the end of this turn of the loop."""
+        self._drain: asyncio.Future | None = None
+        self._reading_paused = False
+        # The head of the request being parsed.
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._raw_headers: list[tuple[bytes, bytes]] | None = None
+        self._head_bytes = 0
+        self._in_head = True
+        """No complete request head yet on this connection (or since the last answer)."""
+        self._buffered = 0
+        """Bytes received while the head is incomplete (held by the parser)."""
+        self.head_since: float | None = None
+        """Loop time the current head began (None: no head under way)."""
+        self.idle_since: float | None = None
+        """Loop time the connection went idle after an answer (None: not idle)."""
+        self._discarding = False
+        self._too_large = False
+
+    # -- asyncio callbacks -----------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server_address = _address(transport.get_extra_info("sockname"))
+        self.client_address = _address(transport.get_extra_info("peername"))
+        self.server.connections.add(self)
+        self.head_since = self.loop.time()
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
+        self.idle_since = None
+        if self._in_head and self.head_since is None:
+            self.head_since = self.loop.time()  # a kept-alive connection's next request
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no upgrades (WebSocket, h2c): the request is served as HTTP/1.1
+        except httptools.HttpParserError:
+            if self._too_large:
+                self._refuse_head()
+            else:
+                self._refuse(b"400 Bad Request", "invalid HTTP/1.1 request", "invalid_request")
+            return
+        # A head still incomplete: count what httptools buffers of it.
+        if self._in_head and not self._discarding and self.transport is not None:
+            self._buffered += len(data)
+            if self._buffered > self.server.max_head_bytes:
+                self._refuse_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.head_since = self.idle_since = None
+        if self.cycle is not None:
+            self.cycle._lost()
+        for cycle in self.pipeline:
+            cycle._lost()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        self._url = b""
+        self._headers = {}
+        self._raw_headers = None if self.server.direct else []
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        name = name.lower()
+        key = name.decode("latin-1")
+        if key not in self._headers:
+            self._headers[key] = value.decode("latin-1")
+        if self._raw_headers is not None:
+            self._raw_headers.append((name, value))
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.server.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._buffered = 0
+        self.head_since = None
+        url = self._url
+        path, _, query = url.partition(b"?")
+        if b"%" in path:
+            text = unquote(path.decode("latin-1"))
+        else:
+            text = path.decode("latin-1")
+        cycle = Cycle(
+            self,
+            self.parser.get_method().decode("latin-1"),
+            text,
+            query,
+            self._headers,
+            self._raw_headers,
+            self.parser.should_keep_alive(),
+        )
+        self.parsing = cycle
+        if self.cycle is None:
+            self._run(cycle)
+        else:  # pipelined: answered after the one before it; read no further meanwhile
+            self.pipeline.append(cycle)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        if self.parsing is not None:
+            self.parsing._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self.parsing is not None:
+            self.parsing._ended()
+            self.parsing = None
+
+    # -- running requests --------------------------------------------------------------
+
+    def _run(self, cycle: Cycle) -> None:
+        self.cycle = cycle
+        cycle.task = self.loop.create_task(self.server.handle(cycle))
+
+    def finished(self, cycle: Cycle) -> None:
+        """After ``cycle``'s handler returned (its answer written, or not)."""
+        if self.cycle is not cycle:
+            return
+        self.cycle = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not cycle.response_complete or not cycle.keep_alive or self.server.stopping:
+            self._close(lingering=not cycle.complete)
+            return
+        if self.pipeline:
+            self._run(self.pipeline.popleft())
+            self.resume_reading()
+            return
+        self._in_head = True
+        self.resume_reading()
+        self.idle_since = self.loop.time()
+
+    @property
+    def idle(self) -> bool:
+        return self.cycle is None and not self.pipeline
+
+    # -- writing and flow control -------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        pending = self._pending
+        if pending is not None:  # what a stream wrote this turn of the loop goes first
+            pending.append(data)
+            data = b"".join(pending)
+            self._pending = None
+        transport = self.transport
+        if transport is not None and not self._discarding and not transport.is_closing():
+            transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Write ``data`` at the end of this turn of the event loop, with what
+        else is written in it: a stream's head, its events and its end often
+        come in one turn, and go out in one send instead of three."""
+        if self._pending is None:
+            self._pending = [data]
+            self.loop.call_soon(self._flush)
+        else:
+            self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def drain(self) -> Awaitable[None]:
+        if self._drain is None or self._drain.done():
+            self._drain = self.loop.create_future()
+        return self._drain
+
+    def body_read(self, cycle: Cycle) -> None:
+        """The handler took what was buffered of ``cycle``'s body: read on
+        (unless a pipelined request is waiting, which keeps reading paused)."""
+        if cycle is self.cycle and not self.pipeline:
+            self.resume_reading()
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            with contextlib.suppress(RuntimeError):
+                self.transport.resume_reading()
+
+    # -- limits ---------------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        """The server's sweep: close a connection whose head is overdue
+        (``--header-timeout``) or that sat idle past KEEPALIVE_TIMEOUT (one
+        sweep for all connections, not a timer per request)."""
+        transport = self.transport
+        if transport is None or not self.idle or self._discarding:
+            return
+        head, idle = self.head_since, self.idle_since
+        if (head is not None and self._in_head and now - head > self.server.header_timeout) or (
+            idle is not None and now - idle > KEEPALIVE_TIMEOUT
+        ):
+            self._close(lingering=False)
+
+    def _refuse_head(self) -> None:
+        self._refuse(
+            b"431 Request Header Fields Too Large",
+            f"the request head exceeds {self.server.max_head_bytes} bytes",
+            "request_header_fields_too_large",
+        )
+
+    def _refuse(self, status: bytes, message: str, code: str) -> None:
+        if self._discarding or self.transport is None:
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            body = error_json(message, code)
+            self.write(
+                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
+            )
+        # A request whose body broke off (or one mid-answer) ends here: its
+        # handler sees the client gone, and writes nothing more.
+        self._close(lingering=True)
+        for cycle in (self.cycle, *self.pipeline):
+            if cycle is not None:
+                cycle._lost()
+
+    def _close(self, lingering: bool) -> None:
+        """Close after what was written; ``lingering``: read and drop what the
+        client still sends for a moment first (closing with unread bytes would
+        reset the connection, and the client could lose the answer)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._flush()
+        self.head_since = self.idle_since = None
+        if not lingering:
+            transport.close()
+            return
+        self._discarding = True  # and nothing more is written
+        self.resume_reading()
+        if transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, transport.close)
+
+    def shutdown(self) -> None:
+        """A graceful stop: close now if idle, else after the current answer."""
+        if self.idle and self.transport is not None:
+            self._close(lingering=False)
+            return
+        for cycle in (self.cycle, *self.pipeline):
+            if cycle is not None:
+                cycle.keep_alive = False
+
+
+def _address(value: Any) -> tuple[str, int] | None:
+    if isinstance(value, tuple) and len(value) >= 2:
+        return str(value[0]), int(value[1])
+    return None
+
+
+class HttpServer:
+    """The gateway app's server: ``run`` serves until SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        app: GatewayASGI,
+        header_timeout: float,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        graceful_timeout: float = GRACEFUL_TIMEOUT,
+    ) -> None:
+        self.app = app
+        self.header_timeout = header_timeout
+        self.max_head_bytes = max_head_bytes
+        self.graceful_timeout = graceful_timeout
+        self.connections: set[HttpProtocol] = set()
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._stop: asyncio.Event | None = None
+        self._force = False
+
+    @property
+    def direct(self) -> bool:
+        """No middleware: handlers are called without ASGI messages."""
+        return self.app.direct
+
+    # -- one request ------------------------------------------------------------------
+
+    async def handle(self, cycle: Cycle) -> None:
+        app = self.app
+        proto = cycle._proto
+        try:
+            if not self.direct:
+                await app(cycle.scope, cycle.receive, cycle.send)
+            else:
+                handler = app.routes.get((cycle.method, cycle.path))
+                if handler is None:
+                    status, headers, body = NOT_ALLOWED if cycle.path in app.paths else NOT_FOUND
+                    cycle.respond(status, [*headers, (b"content-length", b"%d" % len(body))], body)
+                else:
+                    try:
+                        response = await handler(cycle)  # type: ignore[arg-type]
+                    except Exception as e:  # the client gets a 500; the log has the traceback
+                        response = app.on_error(cycle, e)  # type: ignore[arg-type]
+                    await self._answer(cycle, response)
+        except asyncio.CancelledError:
+            if not cycle.disconnected and not self._force:
+                raise
+        except Exception:
+            logger.exception("request %s %s: the answer failed", cycle.method, cycle.path)
+            if not cycle.response_started:
+                with contextlib.suppress(Exception):
+                    body = error_json("internal error of the gateway", "internal_error")
+                    cycle.respond(
+                        500,
+                        [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", b"%d" % len(body)),
+                        ],
+                        body,
+                    )
+            cycle.keep_alive = False
+        finally:
+            proto.finished(cycle)
+
+    async def _answer(self, cycle: Cycle, response: Any) -> None:
+        stream_to = getattr(response, "stream_to", None)
+        if stream_to is not None:
+            await stream_to(cycle.start_stream, cycle.write, cycle.end_stream)
+            return
+        body = getattr(response, "body", None)
+        if isinstance(body, bytes) and getattr(response, "background", None) is None:
+            if cycle.disconnected:
+                return
+            cycle.respond(response.status_code, response.raw_headers, body)
+            return
+        await response(cycle.scope, cycle.receive, cycle.send)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def run(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Serve until SIGTERM/SIGINT: 0 after a graceful stop, 1 if startup failed."""
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(self.serve(host, port, sock))
+
+    async def serve(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        lifespan = self.app.lifespan(self.app)
+        try:
+            await lifespan.__aenter__()
+        except Exception:
+            logger.exception("gateway startup failed")
+            return 1
+        try:
+            try:
+                if sock is not None:
+                    server = await self.loop.create_server(
+                        lambda: HttpProtocol(self), sock=sock, backlog=BACKLOG
+                    )
+                else:
+                    server = await self.loop.create_server(
+                        lambda: HttpProtocol(self), host, port, backlog=BACKLOG
+                    )
+            except OSError as e:
+                logger.error("the gateway cannot listen on %s:%d: %s", host, port, e)
+                return 1
+            self._signals()
+            sweeper = asyncio.create_task(self._sweep(), name="pdfleet-gateway-http-sweep")
+            logger.info("gateway serving HTTP on %s:%d", host, port)
+            await self._stop.wait()
+            sweeper.cancel()
+            await self._shutdown(server)
+        finally:
+            try:
+                await lifespan.__aexit__(None, None, None)
+            except Exception:
+                logger.exception("gateway shutdown failed")
+        return 0
+
+    async def _sweep(self) -> None:
+        """Every fraction of the header deadline: close overdue and idle connections."""
+        period = max(0.05, min(1.0, self.header_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = self.loop.time()
+            for conn in list(self.connections):
+                conn.expire(now)
+
+    def _signals(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                self.loop.add_signal_handler(sig, self.stop)
+
+    def stop(self) -> None:
+        """Begin a graceful stop (a second call: running requests end now)."""
+        if self.stopping:
+            self._force = True
+        self.stopping = True
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _shutdown(self, server: asyncio.AbstractServer) -> None:
+        server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        deadline = self.loop.time() + self.graceful_timeout
+        while (
+            any(not c.idle for c in self.connections)
+            and self.loop.time() < deadline
+            and not self._force
+        ):
+            await asyncio.sleep(0.05)
+        tasks = []
+        for conn in list(self.connections):
+            for cycle in (conn.cycle, *conn.pipeline):
+                if cycle is not None and cycle.task is not None and not cycle.task.done():
+                    cycle.task.cancel()
+                    tasks.append(cycle.task)
+            conn._close(lingering=False)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.graceful_timeout)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 1.0)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop where it is installed (a libuv loop: docs/gateway.md), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
