@@ -127,6 +127,13 @@ class PolicyTuning:
     trend_noise_z: float | None = None
     """Project a rise only when it exceeds this many times the demand's
     noise over the trend window. None: every rise is projected."""
+    min_trend_span_seconds: float = 20.0
+    """Project a rise only from samples spanning at least this many seconds
+    (and :data:`.signals.MIN_TREND_POINTS` of them). At a 2 s period four
+    samples span 6 s: a fleet's first seconds, or decode's series just after
+    a count change, then showed the first requests filling idle engines as a
+    rise, carried a whole startup ahead (docs/autoscaling.md, "The simulator
+    against the real fleet"). 0: the point count alone."""
     settle_decode_trend: bool = False
     """Project decode's own trend only once its series at the current count
     spans the trend window (before that, only prefill's growth)."""
@@ -145,6 +152,8 @@ class PolicyTuning:
             raise ValueError("tolerance must be in [0, 1)")
         if not 0 < self.calibration_smoothing <= 1:
             raise ValueError("calibration_smoothing must be in (0, 1]")
+        if self.min_trend_span_seconds < 0:
+            raise ValueError("min_trend_span_seconds must be >= 0")
         for name in ("backlog_drain_seconds", "trend_window_seconds", "default_startup_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -616,6 +625,7 @@ def decide(
         tuning.backlog_drain_seconds,
         _recent_peak(state.prefill, now, tuning),
         tuning.trend_noise_z,
+        tuning.min_trend_span_seconds,
     )
     ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
     ttft_high = None
@@ -667,6 +677,7 @@ def decide(
         _recent_peak(state.decode, now, tuning),
         tuning.fit_decode_level,
         tuning.trend_noise_z,
+        tuning.min_trend_span_seconds,
     )
     d, d_state = _decide_role(
         "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale

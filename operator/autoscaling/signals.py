@@ -81,6 +81,7 @@ def project(
     ahead: float,
     quantile: float = 0.5,
     noise_z: float | None = None,
+    min_span: float = 0.0,
 ) -> float:
     """``demand`` projected ``ahead`` seconds along its trend over ``history``
     plus now, never below ``demand`` (a falling load is left to the down
@@ -91,9 +92,15 @@ def project(
     where a least-squares fit would project a single spike far ahead. A lower
     ``quantile`` asks for a rise that more of the pairs agree on. With
     ``noise_z``, a rise over the window smaller than that many times the
-    series' noise (:func:`noise`) is not projected.
+    series' noise (:func:`noise`) is not projected. Nor is any rise while
+    the samples span less than ``min_span`` seconds: a few samples a few
+    seconds apart (a fleet that just started, or decode's series just after
+    a count change) see the first requests fill idle engines, and that
+    warm-up carried a whole startup ahead is a scale-up on no evidence.
     """
     points = (*history, (now, demand))
+    if now - points[0][0] < min_span - 1e-9:
+        return demand
     slope = pairwise_slope(points, quantile)
     if slope is None or slope <= 0:
         return demand
@@ -201,6 +208,7 @@ def prefill_signal(
     drain_seconds: float,
     recent_peak: float = 0.0,
     noise_z: float | None = None,
+    min_span: float = 0.0,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -235,9 +243,13 @@ def prefill_signal(
     is_falling = False
     if demand is not None:
         is_falling = falling(demand, history, now, noise_z)
-        planned = max(project(demand, history, now, ahead, noise_z=noise_z), recent_peak)
+        planned = max(
+            project(demand, history, now, ahead, noise_z=noise_z, min_span=min_span), recent_peak
+        )
         if demand > 0:
-            growth = project(demand, history, now, ahead, GROWTH_QUANTILE, noise_z) / demand
+            growth = (
+                project(demand, history, now, ahead, GROWTH_QUANTILE, noise_z, min_span) / demand
+            )
         if planned > demand + 1e-9:
             parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")
     terms: list[tuple[float, str]] = []
@@ -285,6 +297,7 @@ def decode_signal(
     recent_peak: float = 0.0,
     fit_level: bool = False,
     noise_z: float | None = None,
+    min_span: float = 0.0,
 ) -> RoleSignal:
     """Decode needs projected KV demand / ``targetKVCacheUsage``.
 
@@ -324,7 +337,9 @@ def decode_signal(
         if abs(level - demand) > 1e-9:
             parts.append(f"level {level:.2f} on the recent trend")
     planned = max(
-        project(level, history, now, ahead, noise_z=noise_z), level * prefill_growth, recent_peak
+        project(level, history, now, ahead, noise_z=noise_z, min_span=min_span),
+        level * prefill_growth,
+        recent_peak,
     )
     if planned > level + 1e-9:
         parts.append(f"rising: {planned:.2f} in {ahead:.0f} s")

@@ -510,3 +510,44 @@ def test_settled_decode_trend_ignores_the_transient_after_a_count_change():
 
     assert "rising" in reasons(PolicyTuning())[-1]
     assert not any("rising" in r for r in reasons(PolicyTuning(settle_decode_trend=True)))
+
+
+def _warm_up_decisions(tuning=None):
+    """The real fleet's first seconds (period 2 s, decode 1..3): idle, then
+    one request's KV (0.27 of the engine) at 6 s and 8 s, then steady."""
+    s = spec(periodSeconds=2, decode={"maxReplicas": 3, "maxScaleUpStep": 2})
+    state, out = None, []
+    for t in (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0):
+        kv = 0.0 if t < 6 else 0.27
+        obs = fleet(idle_prefill(t), [decode("d0", t, kv=kv, running=1 if kv else 0)])
+        result = decide(s, obs, t, state, tuning)
+        state = result.state
+        out.append(result.decode)
+    return out
+
+
+def test_warm_up_seconds_after_start_project_no_rise():
+    decisions = _warm_up_decisions()
+    assert {d.desired for d in decisions} == {1}, [d.reason for d in decisions]
+    assert not any("rising" in d.reason for d in decisions)
+    # The same samples with only the point count as evidence: a rise
+    # projected a default startup ahead takes decode straight to 3.
+    short = _warm_up_decisions(PolicyTuning(min_trend_span_seconds=0))
+    assert any(d.desired == 3 and "rising" in d.reason for d in short)
+
+
+def test_a_rise_over_the_minimum_span_is_still_projected():
+    s = spec(periodSeconds=2, decode={"maxReplicas": 8})
+    state, result = None, None
+    # Summed KV usage rising steadily for 24 s at 2 s periods.
+    for i, t in enumerate(2.0 * k for k in range(13)):
+        obs = fleet(idle_prefill(t), [decode("d0", t, kv=0.3 + 0.02 * i, running=10)])
+        result = decide(s, obs, t, state)
+        state = result.state
+    assert "rising" in result.decode.reason, result.decode.reason
+    assert result.decode.desired > 1
+
+
+def test_min_trend_span_must_not_be_negative():
+    with pytest.raises(ValueError, match="min_trend_span_seconds"):
+        PolicyTuning(min_trend_span_seconds=-1)
