@@ -16,26 +16,23 @@ import signal
 import time
 
 import pytest
-from prometheus_client import generate_latest
+from helpers.tp_pd import (
+    BLOCK,
+    ENGINE,
+    assert_quarantine_ends,
+    check_pair_matches_aggregated,
+    greedy,
+    prompt_of,
+    run,
+    start_pull,
+)
 
 from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
 from pdfleet.engine.kv_transfer.base import QUARANTINE
-from pdfleet.engine.kv_transfer.layout import rank_heads
 from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV
 from pdfleet.engine.llm_engine import LLMEngine
-from pdfleet.engine.metrics import EngineMetrics
-from pdfleet.engine.sampling_params import SamplingParams
 from pdfleet.engine.worker.tp_executor import RankFailed
 from pdfleet.engine.worker.tp_rank import KV_REPORT_SLOTS, ended_of, ended_tensor
-
-BLOCK = 16
-ENGINE = dict(device="cpu", max_model_len=256, block_size=BLOCK, max_num_seqs=4)
-LENGTHS = [33, 70]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def kv_config(role: str, port: int) -> dict:
@@ -45,23 +42,6 @@ def kv_config(role: str, port: int) -> dict:
         "kv_port": port,
         "kv_connector_extra_config": {"transfer_timeout_seconds": 20.0},
     }
-
-
-def run(llm: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams, params=None):
-    """Step one request to its end (bounded); its last output."""
-    llm.add_request(rid, {"prompt_token_ids": prompt}, sp, kv_transfer_params=params)
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, f"{rid} did not finish"
-        for out in llm.step():
-            if out.request_id == rid and out.finished:
-                return out
-        if llm.stats.num_scheduled_tokens == 0:
-            time.sleep(0.002)  # waiting for the pull: poll gently
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 900 + 20 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -125,43 +105,9 @@ PAIRS = ["p2n-d1", "p1-d2n", "p2n-d2n"]
 def test_pd_with_an_engine_over_two_nodes_pulls_each_ranks_heads_and_matches_aggregated(
     engines, pair
 ):
+    # The rank on node 1 is checked like the leader's: its bytes and its metric.
     prefill, decode = (engines[x] for x in pair.split("-"))
-    transport = decode.connector.worker.connector.transport
-    cfg = decode.config.model_config
-    tp = decode.config.parallel_config.tensor_parallel_size
-    before = list(transport.rank_bytes)
-    pulled_blocks = 0
-    for i, n in enumerate(LENGTHS):
-        prompt = prompt_of(n, 10 * PAIRS.index(pair) + i)
-        expected = run(engines["p1"], f"{pair}-agg-{i}", prompt, greedy(8))
-        first = run(
-            prefill, f"{pair}-pre-{i}", prompt, greedy(1), params={"do_remote_decode": True}
-        )
-        params = first.kv_transfer_params
-        assert len(params["remote_block_ids"]) == (n - 1) // BLOCK
-        got = run(decode, f"{pair}-dec-{i}", prompt, greedy(8), params=params)
-        assert got.outputs[0].token_ids == expected.outputs[0].token_ids, f"prompt of {n}"
-        pulled_blocks += len(params["remote_block_ids"])
-    assert pulled_blocks > 0
-    # Every rank, the one on node 1 included, moved exactly its own heads' share.
-    heads = rank_heads(0, tp, cfg.num_key_value_heads)[1]
-    per_block = 2 * cfg.num_hidden_layers * BLOCK * heads * cfg.head_dim * 4  # float32
-    moved = [a - b for a, b in zip(transport.rank_bytes, before, strict=True)]
-    assert moved == [pulled_blocks * per_block] * tp
-    # ... and the leader exports it per rank, node 1's rank included.
-    metrics = EngineMetrics(decode.config)
-    metrics.update(decode)
-    samples = parse_metrics(generate_latest(metrics.registry).decode()).samples
-    exported = {
-        labels["rank"]: value for labels, value in samples[ENGINE_KV_TRANSFER_SHARD_BYTES.name]
-    }
-    assert exported == {str(r): float(b) for r, b in enumerate(transport.rank_bytes)}
-    assert decode.connector.worker.connector.stats.failed_transfers == 0
-    deadline = time.monotonic() + 10
-    while prefill.core.scheduler.held_blocks and time.monotonic() < deadline:
-        prefill.step()
-        time.sleep(0.01)
-    assert not prefill.core.scheduler.held_blocks
+    check_pair_matches_aggregated(prefill, decode, engines["p1"], pair, 10 * PAIRS.index(pair))
 
 
 def test_the_leaders_handshake_lists_the_shard_of_every_node(engines):
@@ -185,20 +131,12 @@ def test_ended_reads_beyond_one_reports_slots_survive_the_wire():
 
 def test_an_abort_mid_pull_quarantines_the_blocks_until_the_other_nodes_rank_is_done(engines):
     prefill, decode = engines["p1"], engines["d2n"]
-    transport, sched = decode.connector.worker.connector.transport, decode.core.scheduler
+    transport = decode.connector.worker.connector.transport
     prompt = prompt_of(70, 77)
     params = run(prefill, "abort-pre", prompt, greedy(1), {"do_remote_decode": True})
     engines["delay"].write_text("2")  # node 1's READs posted from now on wait 2 s
     try:
-        tokens = transport.next_token
-        decode.add_request("abort-dec", {"prompt_token_ids": prompt}, greedy(4),
-                           kv_transfer_params=params.kv_transfer_params)  # fmt: skip
-        deadline = time.monotonic() + 20
-        while transport.next_token == tokens or transport.outbox:  # READs shipped to ranks
-            assert time.monotonic() < deadline, "the pull never started"
-            decode.step()
-            time.sleep(0.002)
-        token = transport.next_token - 1
+        token = start_pull(decode, "abort-dec", prompt, params.kv_transfer_params)
         # Rank 0 (the leader's node) finishes at once; rank 1 holds the pull open.
         deadline = time.monotonic() + 10
         while 0 not in transport.ended.get(token, {}):
@@ -207,18 +145,12 @@ def test_an_abort_mid_pull_quarantines_the_blocks_until_the_other_nodes_rank_is_
             time.sleep(0.005)
         assert 1 not in transport.ended[token]
         decode.abort_request("abort-dec")
-        held = sched.held_blocks.get(QUARANTINE + "abort-dec")
+        held = decode.core.scheduler.held_blocks.get(QUARANTINE + "abort-dec")
         assert held, "node 1 may still write the blocks: they must be quarantined"
     finally:
         engines["delay"].write_text("0")
-    # Once node 1's READ completed (its report came back in the gather), the blocks
-    # go back to the pool.
-    deadline = time.monotonic() + 20
-    while sched.held_blocks and time.monotonic() < deadline:
-        decode.step()
-        time.sleep(0.005)
-    assert not sched.held_blocks
-    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+    # Once node 1's READ completed (its report came back in the gather).
+    assert_quarantine_ends(decode)
 
 
 def test_a_dead_node_takes_its_engine_down_with_a_clear_error_not_a_hang(engines):
