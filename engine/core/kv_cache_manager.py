@@ -312,7 +312,6 @@ class KVCacheManager:
         if host is None or queue is None:
             return
         budget = min(self.max_stores_per_step, self.max_stores_in_flight - len(self._storing))
-        storing = self._pool.storing
         while budget > 0 and queue:
             block, block_hash = queue.popleft()
             if block.block_hash != block_hash:
@@ -325,9 +324,7 @@ class KVCacheManager:
             if entry is None:
                 queue.appendleft((block, block_hash))  # every host slot is in flight
                 break
-            self._ops.stores.append((block.block_id, entry.slot))
-            self._storing[entry.slot] = block.block_id
-            storing[block.block_id] = storing.get(block.block_id, 0) + 1
+            self._queue_store(block, entry.slot)
             budget -= 1
 
     def _store_before_evict(self, block: KVBlock) -> None:
@@ -343,8 +340,12 @@ class KVCacheManager:
         entry = host.reserve(block_hash, block.token_ids, block.parent_hash)
         if entry is None:
             return  # every host slot is in flight
-        self._ops.stores.append((block.block_id, entry.slot))
-        self._storing[entry.slot] = block.block_id
+        self._queue_store(block, entry.slot)
+
+    def _queue_store(self, block: KVBlock, slot: int) -> None:
+        """Mutates: this step copies ``block`` into host ``slot`` (reserved for it)."""
+        self._ops.stores.append((block.block_id, slot))
+        self._storing[slot] = block.block_id
         storing = self._pool.storing
         storing[block.block_id] = storing.get(block.block_id, 0) + 1
 
