@@ -33,7 +33,7 @@ import asyncio
 import functools
 import json
 import logging
-import os
+import random
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -91,6 +91,8 @@ ERROR_CODES = {
     504: "upstream_timeout",
 }
 DONE = b"data: [DONE]\n\n"
+# The prompt of a request routed without analysis (``Proxy._sole_route``).
+NOT_ANALYZED = PromptInfo(0, analyzed=False)
 SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
@@ -102,6 +104,9 @@ RETRY_AFTER_SECONDS = 5
 MAX_RELAYED_MESSAGE = 1000
 # A client X-Request-Id is echoed and logged only when it is this tame.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# Request ids: seeded from os.urandom at import (each worker of --workers N is
+# its own interpreter, so each has its own seed).
+_ids = random.Random()
 # A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -166,14 +171,19 @@ def client_request_id(header: str | None) -> str:
     """The client's X-Request-Id when it is a tame token, else a new id."""
     if header and _REQUEST_ID.fullmatch(header):
         return header
-    return os.urandom(16).hex()  # as random as uuid4, at a fraction of its cost
+    # 128 random bits from the process's generator (seeded from the OS at
+    # start): unique across processes and replicas like uuid4, without its
+    # system call per request.
+    return f"{_ids.getrandbits(128):032x}"
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or ValueError saying what is wrong
     (invalid UTF-8 or JSON, nested too deeply, a lone surrogate, not an object)."""
     try:
-        body = json.loads(raw)
+        # A UTF-8 object (the usual case) decoded here: json.loads(bytes) first
+        # guesses among UTF-8/16/32; anything else keeps that path.
+        body = json.loads(raw.decode() if raw[:1] == b"{" and raw[1:2] != b"\x00" else raw)
     except RecursionError:
         raise ValueError("the request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
@@ -206,12 +216,16 @@ class Call:
     request_id: str
     start: float
     headers: dict[str, str]
+    """What the legs add to the engine client's fixed headers (the request id)."""
     chat: bool
     prefill_url: str | None = None
     """The prefill engine whose KV the decode leg carries, if any."""
     plain_payload: bytes | None = None
     """The decode leg without kv_transfer_params (sent when the engine refuses
     the params: an expired lease, a restarted producer)."""
+    body: dict[str, Any] | None = None
+    """The parsed body (its prompt is analyzed on demand when it was routed
+    without, see ``Proxy._sole_route``)."""
 
 
 @dataclass
@@ -245,7 +259,6 @@ class Proxy:
         analyzer: PromptAnalyzer,
         metrics: GatewayMetrics,
         client: UpstreamClient,
-        engine_headers: dict[str, str] | None = None,
         breaker: KVPairBreaker | None = None,
     ) -> None:
         self.config = config
@@ -255,8 +268,8 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.client = client
-        self.engine_headers = dict(engine_headers or {})
-        """What every engine call carries besides the body (the fleet token)."""
+        """Sends the content type and the fleet token with every engine call
+        (its fixed headers); a call adds its request id."""
         self.breaker = breaker
         self.activation = Activation(metrics.activations)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -265,32 +278,34 @@ class Proxy:
         """The TTFT histogram per endpoint."""
         self._decisions: dict[tuple[str, str], Any] = {}
         """The routing-decision counter per (decision, reason)."""
+        metrics.on_collect(self._inflight_gauges)
 
     # -- bookkeeping -------------------------------------------------------------
 
     def _acquire(self, e: EngineState) -> None:
         self.pool.started(e)
         e.inflight += 1
-        self._inflight_gauge(e).set(e.inflight)
 
     def _release(self, e: EngineState) -> None:
         e.inflight -= 1
-        self._inflight_gauge(e).set(e.inflight)
 
-    def _inflight_gauge(self, e: EngineState) -> Any:
-        """The engine's in-flight series, kept on its state (a re-added engine
-        is a new state, so a removed series is never written again)."""
-        if e.inflight_gauge is None:
-            e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
-        return e.inflight_gauge
+    def _inflight_gauges(self) -> None:
+        """At each collection: the in-flight gauges from the engines' counts
+        (kept on the engine state, not written to the series per request)."""
+        for e in self.pool.engines.values():
+            if e.inflight_gauge is None:
+                # A re-added engine is a new state, so a removed series is never written again.
+                e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
+            e.inflight_gauge.set(e.inflight)
 
     def _finish(self, call: Call, status: int) -> None:
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped
+            m = self.metrics
             series = self._finished[key] = (
-                self.metrics.requests.labels(call.endpoint, str(status)),
-                self.metrics.e2e.labels(call.endpoint),
+                m.fast_counter(m.requests.labels(call.endpoint, str(status))),
+                m.fast_histogram(m.e2e.labels(call.endpoint)),
             )
         series[0].inc()
         series[1].observe(time.perf_counter() - call.start)
@@ -427,7 +442,7 @@ class Proxy:
             endpoint,
             client_request_id(request.headers.get("x-request-id")),
             time.perf_counter(),
-            {"content-type": "application/json", **self.engine_headers},
+            {},
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
@@ -470,20 +485,29 @@ class Proxy:
             # An internal protocol: only a prefill leg's answer may set it.
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
+        call.body = body
+        route = self._sole_route()
         try:
             # The engines' own admissibility check: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
             check_sampling(body)
-            info = self.analyzer.analyze(body, call.chat, self.pool.block_size)
+            info = (
+                NOT_ANALYZED
+                if route is not None
+                else self.analyzer.analyze(body, call.chat, self.pool.block_size)
+            )
         except (ValueError, TypeError, AttributeError) as e:
             return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
-        route = await self._route(call, info)
-        if isinstance(route, Response):
-            return route
+        if route is None:
+            route = await self._route(call, info)
+            if isinstance(route, Response):
+                return route
         key = (route.decision, route.reason)
         decided = self._decisions.get(key)
         if decided is None:  # a few (decision, reason) pairs: never dropped
-            decided = self._decisions[key] = self.metrics.decisions.labels(*key)
+            decided = self._decisions[key] = self.metrics.fast_counter(
+                self.metrics.decisions.labels(*key)
+            )
         decided.inc()
         tracing.route_chosen(route)
         if route.prefill is not None:
@@ -501,6 +525,33 @@ class Proxy:
         if body.get("stream") is True:
             return await self._decode_stream(call, route, info, payload)
         return await self._decode_json(call, route, info, payload)
+
+    def _sole_route(self) -> Route | None:
+        """The route when it cannot depend on the prompt: ``Disabled`` mode
+        and one routable decode engine (no prefill leg, no choice to score).
+        The prompt is then not analyzed (its block hashes feed only the
+        choice among several engines); None: route as usual."""
+        if self.config.disaggregation_mode != "Disabled":
+            return None
+        decode = self.pool.sole_candidate("decode")
+        if decode is None:
+            return None
+        self.router.count_pick()
+        return Route(decode, None, "decode_only", "disabled")
+
+    def _analyzed(self, call: Call, info: PromptInfo) -> PromptInfo:
+        """``info``, analyzed now if the request was routed without it."""
+        if info.analyzed or call.body is None:
+            return info
+        try:
+            return self.analyzer.analyze(call.body, call.chat, self.pool.block_size)
+        except (ValueError, TypeError, AttributeError):  # the engine refuses such a body
+            return PromptInfo(0)
+
+    def _record(self, info: PromptInfo, url: str) -> None:
+        """The affinity table learns that ``url`` now holds the prompt's blocks."""
+        if info.block_hashes:
+            self.affinity.record(info.block_hashes, url)
 
     async def _route(self, call: Call, info: PromptInfo) -> Route | Response:
         """The route, holding the request up to --hold-timeout while no decode
@@ -556,7 +607,7 @@ class Proxy:
                 continue
             if isinstance(result, Response):
                 return result
-            self.affinity.record(info.block_hashes, engine.url)
+            self._record(info, engine.url)
             params = result.get("kv_transfer_params")
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
@@ -577,7 +628,7 @@ class Proxy:
         bound = self._first_token_bound(e)
         self._acquire(e)
         try:
-            async with self._watched(e, bound):
+            with self._watched(e, bound):
                 # None: _watched bounds the call (one timer per leg, not two).
                 resp = await self.client.post(e.url + call.endpoint, payload, call.headers, None)
         except (UpstreamError, TimeoutError) as ex:
@@ -630,6 +681,7 @@ class Proxy:
                         await asyncio.sleep(self.config.scrape_interval)
             finally:
                 self.metrics.held.dec()
+        info = self._analyzed(call, info)
         picked = self.router.pick(found, info.block_hashes, info.exact_hashes)
         if picked is None:
             return None
@@ -646,7 +698,7 @@ class Proxy:
             tried.add(e.url)
             self._acquire(e)
             try:
-                async with self._watched(e, self.config.request_timeout):
+                with self._watched(e, self.config.request_timeout):
                     resp = await self.client.post(
                         e.url + call.endpoint, payload, call.headers, None
                     )
@@ -672,7 +724,7 @@ class Proxy:
                 continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
-                    self.affinity.record(info.block_hashes, e.url)
+                    self._record(info, e.url)
                 return self._passthrough(call, resp, resp.content)
             self._pair_failed(call, e)
             return self._leg_error(call, self._status_error(e, "decode", resp))
@@ -714,7 +766,7 @@ class Proxy:
                 return opened
             # Not relayed, so never None; "params_refused" was handled above.
             assert isinstance(opened, tuple)
-            self.affinity.record(info.block_hashes, e.url)
+            self._record(info, e.url)
             resp, chunks = opened
             return RelayResponse(
                 self._relay(call, e, resp, chunks, Resend(route, info, payload, tried, held)),
@@ -742,7 +794,7 @@ class Proxy:
         resp: UpstreamResponse | None = None
         handed = False
         try:
-            async with self._watched(e, bound):
+            with self._watched(e, bound):
                 resp = await self.client.stream(e.url + call.endpoint, payload, call.headers)
                 self.pool.progress(e)
                 if resp.status_code != 200:
@@ -806,7 +858,7 @@ class Proxy:
                     if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
                     else:
-                        async with self._watched(engine, first_bound):
+                        with self._watched(engine, first_bound):
                             data = await anext(chunks)
                 except StopAsyncIteration:
                     ended = True
@@ -833,7 +885,9 @@ class Proxy:
                 first = False
                 ttft = self._ttft.get(call.endpoint)
                 if ttft is None:
-                    ttft = self._ttft[call.endpoint] = self.metrics.ttft.labels(call.endpoint)
+                    ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(
+                        self.metrics.ttft.labels(call.endpoint)
+                    )
                 ttft.observe(time.perf_counter() - call.start)
                 done = out.endswith(DONE)
                 yield out
@@ -842,7 +896,7 @@ class Proxy:
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
-                async with asyncio.timeout(None) as cm:
+                with Deadline(None) as cm:
                     # No timer when the engine's whole answer has arrived already.
                     timer = None if resp.received() else IdleTimer(cm, idle)
                     engine.waiters.add(cm)
@@ -930,16 +984,75 @@ class Proxy:
             return (nxt, *opened)
 
 
+class Deadline:
+    """``with``: ``asyncio.timeout``'s contract (the task is cancelled at
+    ``when``, loop time, and the cancellation comes out as ``TimeoutError``;
+    ``reschedule``, ``expired``) as a plain context manager: no coroutine to
+    enter and leave, no state enum. A leg's deadline is on every request, and
+    ``asyncio.timeout`` cost several percent of one."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task")
+
+    def __init__(self, when: float | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a Deadline must be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self._handle: asyncio.Handle | None = (
+            None if when is None else self._loop.call_at(when, self._fire)
+        )
+
+    def __enter__(self) -> Deadline:
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+            self._handle = None
+        if (
+            self._expired
+            and self._task.uncancel() <= self._cancelling
+            and kind is asyncio.CancelledError
+        ):
+            raise TimeoutError from exc
+
+    def reschedule(self, when: float | None) -> None:
+        """A new deadline (None: none); one already past fires on the next turn."""
+        if self._expired:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if when is not None:
+            if when <= self._loop.time():
+                self._handle = self._loop.call_soon(self._fire)
+            else:
+                self._handle = self._loop.call_at(when, self._fire)
+
+    def expired(self) -> bool:
+        return self._expired
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._expired:
+            self._expired = True
+            self._task.cancel()
+
+
 class IdleTimer:
-    """Expires ``cm`` (an ``asyncio.timeout``) once ``idle`` seconds pass
+    """Expires ``cm`` (a :class:`Deadline`) once ``idle`` seconds pass
     without a ``touch``, and never while ``paused``. One timer handle per
-    stream, moved on only when it fires: ``Timeout.reschedule`` per chunk (a
-    timer cancelled and made twice per event) cost several percent of a
-    stream's time."""
+    stream, moved on only when it fires: a reschedule per chunk (a timer
+    cancelled and made twice per event) cost several percent of a stream's
+    time."""
 
     __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
 
-    def __init__(self, cm: asyncio.Timeout, idle: float) -> None:
+    def __init__(self, cm: Deadline, idle: float) -> None:
         self._cm, self._idle = cm, idle
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
@@ -959,7 +1072,7 @@ class IdleTimer:
             return
         self._handle = None
         if not self._cm.expired():  # (the stall watchdog may have expired it already)
-            self._cm.reschedule(now)  # the timeout expires: TimeoutError at its exit
+            self._cm.reschedule(now)  # the deadline passes: TimeoutError at its exit
 
     def cancel(self) -> None:
         if self._handle is not None:
@@ -968,28 +1081,39 @@ class IdleTimer:
 
 
 class Watched:
-    """``async with``: ``asyncio.timeout`` registered with an engine's waiters
-    (a class, not a generator context manager: this is on every leg)."""
+    """``with`` (or ``async with``): a :class:`Deadline` ``seconds`` from now,
+    registered with an engine's waiters, so that the stall watchdog, which
+    reschedules every registered deadline, ends the wait at once."""
 
-    __slots__ = ("_cm", "_engine")
+    __slots__ = ("_cm", "_engine", "_seconds")
 
     def __init__(self, engine: EngineState, seconds: float) -> None:
         self._engine = engine
-        self._cm = asyncio.timeout(seconds)
+        self._seconds = seconds
+        self._cm: Deadline | None = None
 
-    async def __aenter__(self) -> asyncio.Timeout:
-        cm = await self._cm.__aenter__()
-        if self._engine.stalled:
-            # Ejected for a stall after this leg was routed to it (a decode
-            # engine is chosen before the prefill leg runs): give up at once,
-            # as the legs already waiting did, instead of for the whole bound.
-            cm.reschedule(asyncio.get_running_loop().time())
-        self._engine.waiters.add(cm)
+    def __enter__(self) -> Deadline:
+        engine = self._engine
+        loop = asyncio.get_running_loop()
+        # Ejected for a stall after this leg was routed to it (a decode engine
+        # is chosen before the prefill leg runs): give up at once, as the legs
+        # already waiting did, instead of for the whole bound.
+        now = loop.time()
+        self._cm = cm = Deadline(now if engine.stalled else now + self._seconds)
+        engine.waiters.add(cm)
         return cm
 
+    def __exit__(self, *exc: Any) -> None:
+        cm = self._cm
+        assert cm is not None  # entered
+        self._engine.waiters.discard(cm)
+        cm.__exit__(*exc)  # raises TimeoutError for an expiry; never swallows
+
+    async def __aenter__(self) -> Deadline:
+        return self.__enter__()
+
     async def __aexit__(self, *exc: Any) -> None:
-        self._engine.waiters.discard(self._cm)
-        await self._cm.__aexit__(*exc)  # raises TimeoutError for an expiry; never swallows
+        self.__exit__(*exc)
 
 
 class RelayResponse(Response):

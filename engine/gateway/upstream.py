@@ -279,11 +279,17 @@ class UpstreamClient:
         connect_timeout: float,
         keepalive_expiry: float = 20.0,
         ssl_context: ssl.SSLContext | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_expiry = keepalive_expiry
+        self._fixed = "".join(
+            f"{k}: {v}\r\n" for k, v in (headers or {}).items() if k.lower() != "content-length"
+        )
+        """Headers of every request (the gateway's: the content type, the fleet
+        token), encoded once into each URL's request head."""
         self._idle: dict[tuple[str, int, bool], deque[_Conn]] = {}
-        self._targets: dict[str, tuple[tuple[str, int, bool], str]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], bytes]] = {}
         self._closed = False
         self._ssl = ssl_context
 
@@ -310,11 +316,16 @@ class UpstreamClient:
         target = self._targets.get(url)
         if target is None:
             target = self._target(url)
-        key, request_line = target
-        head = [request_line]
-        head += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-length"]
-        head.append(f"content-length: {len(content)}")
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + content
+        key, fixed = target
+        own = "".join(
+            [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "content-length"]
+        )
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (
+            fixed,
+            own.encode("latin-1"),
+            len(content),
+            content,
+        )
         conn = self._take(key)
         if conn is not None:
             try:
@@ -333,8 +344,8 @@ class UpstreamClient:
             conn.close()
             raise
 
-    def _target(self, url: str) -> tuple[tuple[str, int, bool], str]:
-        """(connection key, request line and host header) of ``url``, cached."""
+    def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
+        """(connection key, request line, host and fixed headers) of ``url``, cached."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamError(f"not an http(s) URL: {url!r}")
@@ -343,7 +354,8 @@ class UpstreamClient:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if len(self._targets) >= MAX_CACHED_URLS:
             self._targets.clear()  # engines come and go: the cache stays small
-        self._targets[url] = target = (key, f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}")
+        line = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n{self._fixed}"
+        self._targets[url] = target = (key, line.encode("latin-1"))
         return target
 
     async def _exchange(
