@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
-import random
+import os
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -48,8 +49,9 @@ from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .activation import Activation
 from .asgi import BytesResponse, Request
+from .deadlines import Deadline, IdleTimer
 from .engines import EnginePool, EngineState
-from .limits import BodyRejected, read_body
+from .limits import BodyRejected, read_body, ready_body
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer, PromptInfo
 from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
@@ -104,9 +106,11 @@ RETRY_AFTER_SECONDS = 5
 MAX_RELAYED_MESSAGE = 1000
 # A client X-Request-Id is echoed and logged only when it is this tame.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
-# Request ids: seeded from os.urandom at import (each worker of --workers N is
-# its own interpreter, so each has its own seed).
-_ids = random.Random()
+# New request ids: 64 random bits per process (each worker of --workers N is
+# its own interpreter) and a counter: unique across processes and replicas
+# like a uuid4, without a system call per request.
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count()
 # A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -171,10 +175,7 @@ def client_request_id(header: str | None) -> str:
     """The client's X-Request-Id when it is a tame token, else a new id."""
     if header and _REQUEST_ID.fullmatch(header):
         return header
-    # 128 random bits from the process's generator (seeded from the OS at
-    # start): unique across processes and replicas like uuid4, without its
-    # system call per request.
-    return f"{_ids.getrandbits(128):032x}"
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -279,6 +280,8 @@ class Proxy:
         self._decisions: dict[tuple[str, str], Any] = {}
         """The routing-decision counter per (decision, reason)."""
         metrics.on_collect(self._inflight_gauges)
+        self._fixed_first_token = config.first_token_timeout
+        """--first-token-timeout, when it fixes the bound (read once, not per leg)."""
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -312,6 +315,8 @@ class Proxy:
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""
+        if self._fixed_first_token is not None:
+            return self._fixed_first_token
         waiting = max(e.load.waiting, e.inflight - e.load.running)
         return self.config.first_token_bound(waiting)
 
@@ -354,12 +359,12 @@ class Proxy:
         if resp.status_code >= 300:
             return self._refused(call, resp)
         self._finish(call, resp.status_code)
-        kind = resp.headers.get("content-type")
+        kind = resp.header(b"content-type")
         return BytesResponse(
             content,
             resp.status_code,
             [
-                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind.encode("latin-1")),
+                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind),
                 (b"x-request-id", call.request_id.encode("latin-1")),
             ],
         )
@@ -447,7 +452,9 @@ class Proxy:
         )
         call.headers["x-request-id"] = call.request_id
         try:  # read before the watcher below takes over receive()
-            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
+            raw = ready_body(request, self.config.max_body_bytes)
+            if raw is None:
+                raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except BodyRejected as e:
             reason = {413: "body_too_large", 408: "body_timeout"}.get(e.status, "invalid_body")
             self.metrics.rejected.labels(reason).inc()
@@ -984,102 +991,6 @@ class Proxy:
             return (nxt, *opened)
 
 
-class Deadline:
-    """``with``: ``asyncio.timeout``'s contract (the task is cancelled at
-    ``when``, loop time, and the cancellation comes out as ``TimeoutError``;
-    ``reschedule``, ``expired``) as a plain context manager: no coroutine to
-    enter and leave, no state enum. A leg's deadline is on every request, and
-    ``asyncio.timeout`` cost several percent of one."""
-
-    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task")
-
-    def __init__(self, when: float | None) -> None:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("a Deadline must be used inside a task")
-        self._task = task
-        self._cancelling = task.cancelling()
-        self._expired = False
-        self._handle: asyncio.Handle | None = (
-            None if when is None else self._loop.call_at(when, self._fire)
-        )
-
-    def __enter__(self) -> Deadline:
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        handle = self._handle
-        if handle is not None:
-            handle.cancel()
-            self._handle = None
-        if (
-            self._expired
-            and self._task.uncancel() <= self._cancelling
-            and kind is asyncio.CancelledError
-        ):
-            raise TimeoutError from exc
-
-    def reschedule(self, when: float | None) -> None:
-        """A new deadline (None: none); one already past fires on the next turn."""
-        if self._expired:
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        if when is not None:
-            if when <= self._loop.time():
-                self._handle = self._loop.call_soon(self._fire)
-            else:
-                self._handle = self._loop.call_at(when, self._fire)
-
-    def expired(self) -> bool:
-        return self._expired
-
-    def _fire(self) -> None:
-        self._handle = None
-        if not self._expired:
-            self._expired = True
-            self._task.cancel()
-
-
-class IdleTimer:
-    """Expires ``cm`` (a :class:`Deadline`) once ``idle`` seconds pass
-    without a ``touch``, and never while ``paused``. One timer handle per
-    stream, moved on only when it fires: a reschedule per chunk (a timer
-    cancelled and made twice per event) cost several percent of a stream's
-    time."""
-
-    __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
-
-    def __init__(self, cm: Deadline, idle: float) -> None:
-        self._cm, self._idle = cm, idle
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self.paused = False
-        self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle, self._fire)
-
-    def touch(self) -> None:
-        """Something arrived: the idle time starts again (and runs, if paused)."""
-        self._last = self._loop.time()
-        self.paused = False
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        if self.paused or now - self._last < self._idle:
-            start = now if self.paused else self._last
-            self._handle = self._loop.call_at(start + self._idle, self._fire)
-            return
-        self._handle = None
-        if not self._cm.expired():  # (the stall watchdog may have expired it already)
-            self._cm.reschedule(now)  # the deadline passes: TimeoutError at its exit
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 class Watched:
     """``with`` (or ``async with``): a :class:`Deadline` ``seconds`` from now,
     registered with an engine's waiters, so that the stall watchdog, which
@@ -1094,12 +1005,14 @@ class Watched:
 
     def __enter__(self) -> Deadline:
         engine = self._engine
-        loop = asyncio.get_running_loop()
-        # Ejected for a stall after this leg was routed to it (a decode engine
-        # is chosen before the prefill leg runs): give up at once, as the legs
-        # already waiting did, instead of for the whole bound.
-        now = loop.time()
-        self._cm = cm = Deadline(now if engine.stalled else now + self._seconds)
+        if engine.stalled:
+            # Ejected for a stall after this leg was routed to it (a decode
+            # engine is chosen before the prefill leg runs): give up at once,
+            # as the legs already waiting did, instead of for the whole bound.
+            self._cm = cm = Deadline(None)
+            cm.reschedule(asyncio.get_running_loop().time())
+        else:
+            self._cm = cm = Deadline(asyncio.get_running_loop().time() + self._seconds)
         engine.waiters.add(cm)
         return cm
 

@@ -72,7 +72,8 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.head_bytes = 0
         self.reason = b""
-        self.headers: dict[str, str] = {}
+        self.raw_headers: dict[bytes, bytes] = {}
+        """Lower-case names; decoded only when asked (``UpstreamResponse.headers``)."""
         self.chunks: list[bytes] = []
         self.buffered = 0
 
@@ -112,7 +113,7 @@ class _Conn(asyncio.Protocol):
         self.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+        self.raw_headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         self.head_done = True
@@ -135,13 +136,13 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = self.head_done = self.complete = self.keep_alive = False
         self.head_bytes = 0
         self.reason = b""
-        self.headers = {}
+        self.raw_headers = {}
         self.chunks = []
         self.buffered = 0
 
     def until_close(self) -> bool:
-        h = self.headers
-        return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
+        h = self.raw_headers
+        return b"content-length" not in h and b"chunked" not in h.get(b"transfer-encoding", b"")
 
     def take(self) -> bytes:
         """What arrived of the body since the last call."""
@@ -197,9 +198,26 @@ class UpstreamResponse:
         """The connection while the body is unread; None once it is released."""
         self.status_code = status
         self.reason_phrase = reason
-        self.headers: dict[str, str] = conn.headers
+        self.raw_headers = conn.raw_headers
+        """Lower-case names, values as sent (``headers`` decodes them)."""
+        self._headers: dict[str, str] | None = None
         self.content = b""
         self._done = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Lower-case names, values stripped (decoded on first use)."""
+        if self._headers is None:
+            self._headers = {
+                k.decode("latin-1"): v.decode("latin-1").strip()
+                for k, v in self.raw_headers.items()
+            }
+        return self._headers
+
+    def header(self, name: bytes) -> bytes | None:
+        """One header's raw value (``name`` in lower case), without decoding the rest."""
+        value = self.raw_headers.get(name)
+        return None if value is None else value.strip()
 
     # -- body ---------------------------------------------------------------------
 
@@ -237,12 +255,17 @@ class UpstreamResponse:
         conn = self._conn
         if conn is None:
             raise RuntimeError("the response body was already released")
+        if conn.complete:  # (usually: the body came with the head)
+            return self._read_done(conn)
         while not conn.complete:
             if conn.error is not None:
                 raise conn.error
             if conn.closed:
                 raise UpstreamError("connection closed before the end of the body")
             await conn.wait()
+        return self._read_done(conn)
+
+    def _read_done(self, conn: _Conn) -> bytes:
         self.content = conn.take() if conn.chunks else b""
         self._done = True
         self._release()
@@ -250,6 +273,10 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         """Give the connection back when the body was read, else close it."""
+        self._release()
+
+    def close(self) -> None:
+        """``aclose`` without a coroutine (the proxy's hot path)."""
         self._release()
 
     def _release(self) -> None:
@@ -304,10 +331,14 @@ class UpstreamClient:
 
     async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
         resp = await self.stream(url, content, headers)
+        conn = resp._conn
         try:
-            await resp.aread()
+            if conn is not None and conn.complete:  # no wait: no coroutine
+                resp._read_done(conn)
+            else:
+                await resp.aread()
         finally:
-            await resp.aclose()
+            resp.close()
         return resp
 
     async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
