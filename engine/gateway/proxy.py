@@ -282,6 +282,9 @@ class Proxy:
         metrics.on_collect(self._inflight_gauges)
         self._fixed_first_token = config.first_token_timeout
         """--first-token-timeout, when it fixes the bound (read once, not per leg)."""
+        self._first_token_base = config.first_token_base_timeout
+        self._first_token_per = config.first_token_per_waiting
+        self._first_token_max = config.first_token_max_timeout
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -315,10 +318,13 @@ class Proxy:
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""
-        if self._fixed_first_token is not None:
-            return self._fixed_first_token
-        waiting = max(e.load.waiting, e.inflight - e.load.running)
-        return self.config.first_token_bound(waiting)
+        fixed = self._fixed_first_token
+        if fixed is not None:
+            return fixed
+        load = e.load
+        # GatewayConfig.first_token_bound, with its three numbers read once.
+        waiting = max(load.waiting, e.inflight - load.running, 0.0)
+        return min(self._first_token_max, self._first_token_base + self._first_token_per * waiting)
 
     def _watched(self, e: EngineState, seconds: float) -> Watched:
         """``asyncio.timeout(seconds)`` that also fires at once when the stall
@@ -856,7 +862,7 @@ class Proxy:
         first = True
         ended = False
         buf = b""
-        first_bound = self._first_token_bound(engine)
+        first_bound: float | None = None  # (sized when there is a wait to bound)
         limit = self.config.max_body_bytes
         idle = self.config.idle_timeout
         try:
@@ -865,6 +871,8 @@ class Proxy:
                     if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
                     else:
+                        if first_bound is None:
+                            first_bound = self._first_token_bound(engine)
                         with self._watched(engine, first_bound):
                             data = await anext(chunks)
                 except StopAsyncIteration:
@@ -879,7 +887,7 @@ class Proxy:
                     await resp.aclose()
                     self._release(engine)
                     engine, resp, chunks = moved
-                    first_bound = self._first_token_bound(engine)
+                    first_bound = None
                     continue
                 self.pool.progress(engine)
                 buf += data
@@ -898,14 +906,25 @@ class Proxy:
                 ttft.observe(time.perf_counter() - call.start)
                 done = out.endswith(DONE)
                 yield out
-            if not ended:
+            if not ended and resp.received():
+                # The engine's whole answer is here: the rest needs no wait to bound.
+                self.pool.progress(engine)
+                async for data in chunks:
+                    buf += data
+                    if len(buf) > limit:
+                        raise UpstreamError(f"an event of over {limit} bytes")
+                    cut = buf.rfind(b"\n\n")
+                    if cut >= 0:
+                        out, buf = buf[: cut + 2], buf[cut + 2 :]
+                        done = done or out.endswith(DONE)
+                        yield out
+            elif not ended:
                 # The rest under one idle timeout, pushed back as each chunk
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
                 with Deadline(None) as cm:
-                    # No timer when the engine's whole answer has arrived already.
-                    timer = None if resp.received() else IdleTimer(cm, idle)
+                    timer = IdleTimer(cm, idle)
                     engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
@@ -915,21 +934,17 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                if timer is not None:
-                                    timer.touch()
+                                timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
-                            if timer is not None:
-                                timer.paused = True
+                            timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
-                            if timer is not None:
-                                timer.touch()
+                            timer.touch()
                     finally:
-                        if timer is not None:
-                            timer.cancel()
+                        timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
@@ -948,7 +963,8 @@ class Proxy:
             status = failure.status
             if failure.kind == "timeout":
                 failure.message = (
-                    f"the decode engine sent no first token within {first_bound:g}s"
+                    f"the decode engine sent no first token within "
+                    f"{first_bound or self._first_token_bound(engine):g}s"
                     if first
                     else f"the decode engine sent nothing for {idle:g}s"
                 )
