@@ -227,6 +227,8 @@ class Call:
     body: dict[str, Any] | None = None
     """The parsed body (its prompt is analyzed on demand when it was routed
     without, see ``Proxy._sole_route``)."""
+    info: PromptInfo | None = None
+    """That analysis, once made."""
 
 
 @dataclass
@@ -556,13 +558,19 @@ class Proxy:
         """``info``, analyzed now if the request was routed without it."""
         if info.analyzed or call.body is None:
             return info
-        try:
-            return self.analyzer.analyze(call.body, call.chat, self.pool.block_size)
-        except (ValueError, TypeError, AttributeError):  # the engine refuses such a body
-            return PromptInfo(0)
+        if call.info is None:
+            try:
+                call.info = self.analyzer.analyze(call.body, call.chat, self.pool.block_size)
+            except (ValueError, TypeError, AttributeError):  # the engine refuses such a body
+                call.info = PromptInfo(0)
+        return call.info
 
-    def _record(self, info: PromptInfo, url: str) -> None:
-        """The affinity table learns that ``url`` now holds the prompt's blocks."""
+    def _record(self, call: Call, info: PromptInfo, url: str) -> None:
+        """The affinity table learns that ``url`` now holds the prompt's blocks
+        (when they were hashed: a request routed alone, and never failed over,
+        was not analyzed)."""
+        if not info.analyzed and call.info is not None:
+            info = call.info
         if info.block_hashes:
             self.affinity.record(info.block_hashes, url)
 
@@ -620,7 +628,7 @@ class Proxy:
                 continue
             if isinstance(result, Response):
                 return result
-            self._record(info, engine.url)
+            self._record(call, info, engine.url)
             params = result.get("kv_transfer_params")
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
@@ -737,7 +745,7 @@ class Proxy:
                 continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
-                    self._record(info, e.url)
+                    self._record(call, info, e.url)
                 return self._passthrough(call, resp, resp.content)
             self._pair_failed(call, e)
             return self._leg_error(call, self._status_error(e, "decode", resp))
@@ -779,7 +787,7 @@ class Proxy:
                 return opened
             # Not relayed, so never None; "params_refused" was handled above.
             assert isinstance(opened, tuple)
-            self._record(info, e.url)
+            self._record(call, info, e.url)
             resp, chunks = opened
             return RelayResponse(
                 self._relay(call, e, resp, chunks, Resend(route, info, payload, tried, held)),
