@@ -14,6 +14,7 @@ the bounds it serves are seconds to minutes long.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 # Seconds of loop time whose deadlines share one timer.
@@ -48,14 +49,14 @@ class _Wheel:
             deadline._fire()
 
 
-_wheel: _Wheel | None = None
+# The running loop's wheel, per thread (one running loop per thread).
+_local = threading.local()
 
 
 def _wheel_of(loop: asyncio.AbstractEventLoop) -> _Wheel:
-    global _wheel
-    wheel = _wheel
+    wheel = getattr(_local, "wheel", None)
     if wheel is None or wheel.loop is not loop:  # (a test runs several loops, one at a time)
-        wheel = _wheel = _Wheel(loop)
+        wheel = _local.wheel = _Wheel(loop)
     return wheel
 
 
