@@ -329,7 +329,7 @@ class Proxy:
         return min(self._first_token_max, self._first_token_base + self._first_token_per * waiting)
 
     def _watched(self, e: EngineState, seconds: float) -> Watched:
-        """``asyncio.timeout(seconds)`` that also fires at once when the stall
+        """A :class:`Deadline` ``seconds`` from now that also fires at once when the stall
         watchdog ejects ``e`` (it reschedules every registered timeout)."""
         return Watched(e, seconds)
 
