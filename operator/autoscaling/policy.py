@@ -183,6 +183,17 @@ class PolicyTuning:
             raise ValueError("calibration_smoothing must be in (0, 1]")
         if self.min_trend_span_seconds < 0:
             raise ValueError("min_trend_span_seconds must be >= 0")
+        for name in ("rise_recent_seconds", "decode_queue_drain_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        q = self.hold_decode_rising_quantile
+        if q is not None and not 0 <= q <= 1:
+            raise ValueError(f"hold_decode_rising_quantile must be in [0, 1] or None, got {q}")
+        if self.decode_load_floor is not None and self.decode_load_floor < 1:
+            raise ValueError(
+                f"decode_load_floor must be >= 1 or None, got {self.decode_load_floor}"
+            )
         for name in ("backlog_drain_seconds", "trend_window_seconds", "default_startup_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -4,6 +4,8 @@ while prefill rises, decode's own queue drain time."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdfleet.operator.autoscaling.policy import PolicyTuning, decide
 from pdfleet.operator.autoscaling.signals import project, project_rise
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -134,3 +136,17 @@ def test_decode_queue_drain_seconds_sizes_decode_for_its_queue_sooner():
     slow = decide(SPEC, obs, 0.0).decode
     fast = decide(SPEC, obs, 0.0, tuning=PolicyTuning(decode_queue_drain_seconds=5.0)).decode
     assert fast.desired > slow.desired
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rise_recent_seconds", 0.0, "rise_recent_seconds must be > 0"),
+        ("decode_queue_drain_seconds", -1.0, "decode_queue_drain_seconds must be > 0"),
+        ("hold_decode_rising_quantile", 1.5, "hold_decode_rising_quantile must be in [0, 1]"),
+        ("decode_load_floor", 0, "decode_load_floor must be >= 1"),
+    ],
+)
+def test_bad_scale_up_knobs_are_refused_with_the_field_named(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        PolicyTuning(**{field: value})
