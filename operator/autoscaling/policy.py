@@ -43,9 +43,11 @@ from typing import Literal
 from .samples import ReplicaSample
 from .signals import (
     RoleSignal,
+    Trend,
     calibrate_prefill_rate,
     decode_signal,
     noise,
+    pairwise_slope,
     prefill_signal,
     split_samples,
 )
@@ -75,6 +77,7 @@ REASON_CODES = (
     "activation",  # at zero replicas, the gateway saw requests for the role: start one
     "scaled_to_zero",  # at zero replicas and nothing wants the role: stay there
     "idle",  # minReplicas 0 and idle for scaleToZeroAfterSeconds: go to zero
+    "load_rising",  # decode: prefill's demand is rising, its requests reach decode next
 )
 
 
@@ -141,6 +144,32 @@ class PolicyTuning:
     """Within one spec down window after a scale-up, scale down only on the
     spec's window, never on the shorter falling window: a scale-up is not
     undone by the next dip of a noisy signal."""
+    rise_recent_seconds: float | None = None
+    """Once the trend window shows a rise, project prefill along the steeper
+    of the window's slope and that of only the last this many seconds
+    (:func:`.signals.project_rise`): a ramp's first minute is then projected
+    at its own slope, not at the window's, which still holds the samples
+    from before the ramp. None: the window's slope alone."""
+    rise_z: float | None = None
+    """With ``rise_recent_seconds``: the recent slope counts only where the
+    rise it makes over its samples exceeds this many times the window's noise
+    (:func:`.signals.noise`). None: any such rise."""
+    decode_queue_drain_seconds: float | None = None
+    """Decode requests waiting beyond ``targetWaitingPerReplica`` are planned
+    to be admitted within this many seconds. None: ``backlog_drain_seconds``."""
+    hold_decode_rising_quantile: float | None = None
+    """No decode scale-down while this quantile of the pairwise slopes of
+    prefill's recent demand is positive (0.25: three quarters of the pairs
+    agree on a rise): the requests rising at prefill reach decode a prefill
+    later. None: no such hold."""
+    decode_down_headroom: float | None = None
+    """Decode's own scale-down headroom. None: ``scale_down_headroom``."""
+    decode_load_floor: int | None = None
+    """Fewest decode replicas the load signals leave (above ``minReplicas``;
+    idle scale-to-zero still goes below). One decode replica carries the
+    whole base load, so a surge fills it within about a minute, before a
+    replica started then serves; two share it with room for a surge's first
+    minutes. None: ``minReplicas``."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -154,6 +183,17 @@ class PolicyTuning:
             raise ValueError("calibration_smoothing must be in (0, 1]")
         if self.min_trend_span_seconds < 0:
             raise ValueError("min_trend_span_seconds must be >= 0")
+        for name in ("rise_recent_seconds", "decode_queue_drain_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        q = self.hold_decode_rising_quantile
+        if q is not None and not 0 <= q <= 1:
+            raise ValueError(f"hold_decode_rising_quantile must be in [0, 1] or None, got {q}")
+        if self.decode_load_floor is not None and self.decode_load_floor < 1:
+            raise ValueError(
+                f"decode_load_floor must be >= 1 or None, got {self.decode_load_floor}"
+            )
         for name in ("backlog_drain_seconds", "trend_window_seconds", "default_startup_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -284,6 +324,7 @@ def _role_decision(
     tuning: PolicyTuning,
     trend_window: float,
     ttft_high: str | None = None,
+    load_rising: str | None = None,
 ) -> tuple[RoleDecision, RoleState]:
     since = state.since if state.since is not None else now
     floor = state.floor
@@ -321,6 +362,8 @@ def _role_decision(
             # Going down, keep the tolerance as headroom: the count left must
             # not be one that the next noise peak pushes straight back up.
             headroom = tol if tuning.scale_down_headroom is None else tuning.scale_down_headroom
+            if name == "decode" and tuning.decode_down_headroom is not None:
+                headroom = tuning.decode_down_headroom
             down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
@@ -367,6 +410,8 @@ def _role_decision(
                 hold = ("replicas_starting", f"{signal.starting} replicas still starting")
             elif ttft_high:
                 hold = ("ttft_above_target", ttft_high)
+            elif load_rising:
+                hold = ("load_rising", load_rising)
             elif floor is not None and desired < floor[0]:
                 if peak_raw <= floor[1]:
                     floor = None  # the load has fallen clearly below the failed attempt
@@ -429,6 +474,31 @@ def _recent_peak(state: RoleState, now: float, tuning: PolicyTuning) -> float:
     return max(recent, default=0.0)
 
 
+def _decode_floor(role: RoleScaling, tuning: PolicyTuning) -> int:
+    """Fewest decode replicas the load signals may leave
+    (``decode_load_floor``, within ``maxReplicas``); scale to zero still
+    goes below it once the role is idle."""
+    floor = int(tuning.decode_load_floor or 1)
+    return max(1, min(floor, role.max_replicas))
+
+
+def _prefill_rising(
+    history: Trend, demand: float | None, now: float, tuning: PolicyTuning
+) -> str | None:
+    """Why decode holds its count (``hold_decode_rising_quantile``): prefill's
+    demand is rising, and its requests reach decode next."""
+    q = tuning.hold_decode_rising_quantile
+    if q is None or demand is None:
+        return None
+    points = (*history, (now, demand))
+    if now - points[0][0] < tuning.min_trend_span_seconds - 1e-9:
+        return None
+    slope = pairwise_slope(points, q)
+    if slope is None or slope <= 0:
+        return None
+    return f"prefill's demand rising ({slope * 60:+.2f} replicas a minute)"
+
+
 def _current(obs: RoleObservation) -> tuple[int, int]:
     """(requested replicas, of which not ready)."""
     live = [r for r in obs.replicas if r.state != "draining"]
@@ -482,6 +552,8 @@ def _decide_role(
     tuning: PolicyTuning,
     stale: float,
     ttft_high: str | None = None,
+    load_rising: str | None = None,
+    load_floor: int = 1,
 ) -> tuple[RoleDecision, RoleState]:
     """One role's decision, with ``minReplicas: 0`` handled here and only here:
     at zero, only the gateway's activation signal starts a replica; above
@@ -490,13 +562,26 @@ def _decide_role(
     current, _ = _current(obs)
     window = tuning.trend_window_seconds
     if role.min_replicas > 0:
-        return _role_decision(name, role, signal, current, state, now, tuning, window, ttft_high)
+        if load_floor > role.min_replicas:
+            role = replace(role, min_replicas=load_floor)
+        return _role_decision(
+            name, role, signal, current, state, now, tuning, window, ttft_high, load_rising
+        )
     if current == 0:
         # Nothing to measure: forget the windows, so that the first replica
         # back starts from its own samples.
         return _at_zero(name, role, obs, now), RoleState(since=state.since, count=0)
     decision, new_state = _role_decision(
-        name, replace(role, min_replicas=1), signal, current, state, now, tuning, window, ttft_high
+        name,
+        replace(role, min_replicas=load_floor),
+        signal,
+        current,
+        state,
+        now,
+        tuning,
+        window,
+        ttft_high,
+        load_rising,
     )
     idle_since = None
     if _idle(obs, signal, now, stale):
@@ -605,6 +690,7 @@ def decide(
     window = tuning.trend_window_seconds
 
     _, p_starting = _current(observation.prefill)
+    p_history = tuple((t, v) for t, v in state.prefill.demand if now - t < window)
     p_fresh, p_missing, p_draining = split_samples(observation.prefill.replicas, now, stale)
     tokens_per_second = calibrate_prefill_rate(
         p_fresh + p_draining,
@@ -618,7 +704,7 @@ def decide(
         p_missing,
         p_starting,
         tokens_per_second,
-        tuple((t, v) for t, v in state.prefill.demand if now - t < window),
+        p_history,
         now,
         ahead,
         tuning.prefill_target_utilization,
@@ -626,6 +712,8 @@ def decide(
         _recent_peak(state.prefill, now, tuning),
         tuning.trend_noise_z,
         tuning.min_trend_span_seconds,
+        tuning.rise_recent_seconds,
+        tuning.rise_z,
     )
     ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
     ttft_high = None
@@ -671,7 +759,9 @@ def decide(
         d_history,
         now,
         ahead,
-        tuning.backlog_drain_seconds,
+        tuning.backlog_drain_seconds
+        if tuning.decode_queue_drain_seconds is None
+        else tuning.decode_queue_drain_seconds,
         p_signal.growth,
         p_signal.falling,
         _recent_peak(state.decode, now, tuning),
@@ -680,7 +770,16 @@ def decide(
         tuning.min_trend_span_seconds,
     )
     d, d_state = _decide_role(
-        "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale
+        "decode",
+        spec.decode,
+        observation.decode,
+        d_signal,
+        state.decode,
+        now,
+        tuning,
+        stale,
+        load_rising=_prefill_rising(p_history, p_signal.demand, now, tuning),
+        load_floor=_decode_floor(spec.decode, tuning),
     )
 
     p, d = _apply_ratio(spec, p, d)
