@@ -56,8 +56,8 @@ class FastHistogram:
         bounds = getattr(series, "_upper_bounds", None)
         buckets = getattr(series, "_buckets", None)
         ok = bounds is not None and buckets is not None and len(bounds) == len(buckets)
-        self._bounds: list[float] | None = list(bounds) if ok else None
-        self._counts = [0] * len(bounds) if ok else []
+        self._bounds: list[float] | None = list(bounds) if ok and bounds else None
+        self._counts = [0] * len(self._bounds) if self._bounds is not None else []
         self._sum = 0.0
 
     def observe(self, value: float) -> None:

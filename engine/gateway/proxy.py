@@ -514,9 +514,10 @@ class Proxy:
         except (ValueError, TypeError, AttributeError) as e:
             return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
         if route is None:
-            route = await self._route(call, info)
-            if isinstance(route, Response):
-                return route
+            routed = await self._route(call, info)
+            if isinstance(routed, Response):
+                return routed
+            route = routed
         key = (route.decision, route.reason)
         decided = self._decisions.get(key)
         if decided is None:  # a few (decision, reason) pairs: never dropped

@@ -726,10 +726,10 @@ class HttpServer:
                         response = await handler(cycle)  # type: ignore[arg-type]
                     except Exception as e:  # the client gets a 500; the log has the traceback
                         response = app.on_error(cycle, e)  # type: ignore[arg-type]
-                    body = getattr(response, "body", None)
-                    if type(body) is bytes and getattr(response, "background", None) is None:
+                    whole = getattr(response, "body", None)
+                    if type(whole) is bytes and getattr(response, "background", None) is None:
                         if not cycle.disconnected:  # a whole answer: no coroutine to run
-                            cycle.respond(response.status_code, response.raw_headers, body)
+                            cycle.respond(response.status_code, response.raw_headers, whole)
                     else:
                         await self._answer(cycle, response)
         except asyncio.CancelledError:
