@@ -322,10 +322,16 @@ def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, st
     def idle() -> bool:
         return metric(decode.url, "pdfleet_engine_num_requests_running") == 0
 
+    def generated() -> float:
+        return metric(decode.url, "pdfleet_engine_generation_tokens_total")
+
     # A finished request first: an engine's first step also reports its warm-up.
+    # The engine delivers the answer before its metrics count it, and its
+    # running gauge reads 0 meanwhile: wait for the count, not the gauge.
+    counted = finished_by_length()
     engine_client(decode.url).completions.create(model="tiny", prompt="x", max_tokens=1)
-    assert wait_until(idle, 10)
-    before = finished_by_length()
+    assert wait_until(lambda: finished_by_length() > counted and idle(), 10)
+    before, generated0 = finished_by_length(), generated()
     body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}
     url = gateways["disabled"].url + "/v1/completions"
     if stream:
@@ -341,5 +347,7 @@ def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, st
             conn.sendall(b"%scontent-length: %d\r\n\r\n%s" % (head.encode(), len(payload), payload))
             assert wait_until(lambda: not idle(), 10), "the request never ran on the engine"
     # The engine request ends without running to its 480 tokens: it was aborted.
-    assert wait_until(idle, 10)
+    # (Its tokens are read first: once they show, the gauge is of that step or later.)
+    assert wait_until(lambda: generated() > generated0 and idle(), 10)
     assert finished_by_length() == before
+    assert generated() - generated0 < 480
