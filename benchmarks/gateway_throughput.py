@@ -19,7 +19,8 @@ worker: with one engine pdfleet's gateway skips the prompt analysis (nothing
 to choose), with two it runs its general path (block hashes, approximate
 prefix affinity and load scoring; no KV events from a stub, so no exact
 index) and ``vllm-router`` runs ``cache_aware`` (its prefix-tree policy, the
-closest peer) instead of ``round_robin``.
+closest peer) instead of ``round_robin``; ``vllm-router-rr`` is the Rust
+router with ``round_robin`` over the same engines, its cheapest policy.
 
     .venv/bin/python benchmarks/gateway_throughput.py [--duration 10]
         [--repeat 1] [--router-cpus 0] [--load-cpus 1] [--workers 1 2]
@@ -369,8 +370,9 @@ def main() -> int:
                 cmd += ["--workers", str(workers)]
         else:
             # One worker: round_robin (nothing to choose). Several: cache_aware,
-            # its prefix-tree routing, the closest peer of prefix affinity.
-            policy = "round_robin" if engines == 1 else "cache_aware"
+            # its prefix-tree routing, the closest peer of prefix affinity
+            # ("vllm-router-rr": round_robin over them, the cheapest reference).
+            policy = "round_robin" if engines == 1 or kind == "vllm-router-rr" else "cache_aware"
             cmd = [
                 str(router_exe), "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *urls, "--policy", policy,
@@ -381,7 +383,7 @@ def main() -> int:
         wait_serving(url, proc)
         return proc, url, cpus
 
-    kinds = ["pdfleet"] + (["vllm-router"] if router_exe is not None else [])
+    kinds = ["pdfleet"] + (["vllm-router", "vllm-router-rr"] if router_exe is not None else [])
     # (kind, mode, workers, engines, connections): the single-engine cells at
     # every --workers, then the general path (several engines) at one worker.
     setups: list[tuple[str, str, int, int, list[int]]] = []
@@ -465,6 +467,12 @@ def main() -> int:
             ratios[key] = round(cell["rps"] / ref["rps"], 3)
             # Requests per CPU-second, pdfleet's over the Rust router's.
             cpu_ratios[key] = round(ref["cpu_us_per_request"] / cell["cpu_us_per_request"], 3)
+        rr = find("vllm-router-rr", cell["mode"], cell["connections"], 1, cell["engines"])
+        if rr:
+            ratios[key + "_vs_round_robin"] = round(cell["rps"] / rr["rps"], 3)
+            cpu_ratios[key + "_vs_round_robin"] = round(
+                rr["cpu_us_per_request"] / cell["cpu_us_per_request"], 3
+            )
     scaling = {}
     for mode, c in [("non-streamed", c) for c in args.connections] + [
         ("streamed", args.stream_connections)
@@ -486,6 +494,7 @@ def main() -> int:
         "policies": {
             "pdfleet": "one engine: the sole route; several: approximate prefix affinity + load",
             "vllm-router": "one engine: round_robin; several: cache_aware",
+            "vllm-router-rr": "several engines: round_robin",
         },
         "events_per_stream": NUM_EVENTS,
         "duration_s": args.duration,
