@@ -108,9 +108,17 @@ class PolicyTuning:
     """After a scale-down is undone within its window, the next one below
     that count waits for a load this share below the one that failed. None:
     the tolerance."""
-    flap_floor_full_window: bool = False
-    """Lift that floor only when the spec's whole down window stays below
-    it, not the shorter falling window."""
+    flap_floor_full_window: bool = True
+    """Lift decode's floor only when the spec's whole down window stays
+    below it, not the shorter falling window: a run of low snapshots of
+    decode's noisy KV usage met the 90 s window and let the next flap
+    through. On the target matrix it keeps every seed count and halves the
+    steady flaps; on the +30% prefill-rate case it lifts burst TTFT by a
+    seed (docs/autoscaling.md, "Telling a steady load from the start of a
+    ramp"). False: the down window in force, as before."""
+    prefill_flap_floor_full_window: bool = False
+    """The same for prefill's floor (measured with decode's: it took a +30%
+    prefill-rate seed past 1.25x the oracle)."""
     decode_scale_down_headroom: float | None = None
     """Decode's headroom going down, where it differs from
     ``scale_down_headroom``: consolidating a batch onto fewer decode
@@ -431,7 +439,7 @@ def _role_decision(
             elif ttft_high:
                 hold = ("ttft_above_target", ttft_high)
             elif floor is not None and desired < floor[0]:
-                if _floor_peak(history, peak_raw, now, role, tuning) <= floor[1]:
+                if _floor_peak(name, history, peak_raw, now, role, tuning) <= floor[1]:
                     floor = None  # the load has fallen clearly below the failed attempt
                 elif floor[0] < current:
                     desired = floor[0]
@@ -486,6 +494,7 @@ def _role_decision(
 
 
 def _floor_peak(
+    name: Role,
     history: Sequence[tuple[float, int, int, float]],
     peak: float,
     now: float,
@@ -493,9 +502,13 @@ def _floor_peak(
     tuning: PolicyTuning,
 ) -> float:
     """The load a flap-damping floor is compared with: the down window's
-    peak, or with ``flap_floor_full_window`` the spec's whole down window's
-    (a few low samples of a noisy signal meet the shorter falling window)."""
-    if not tuning.flap_floor_full_window:
+    peak, or with ``flap_floor_full_window`` (decode) /
+    ``prefill_flap_floor_full_window`` the spec's whole down window's (a few
+    low samples of a noisy signal meet the shorter falling window)."""
+    full = (
+        tuning.flap_floor_full_window if name == "decode" else tuning.prefill_flap_floor_full_window
+    )
+    if not full:
         return peak
     seconds = role.scale_down_stabilization_seconds
     return max((e[3] for e in history if now - e[0] < seconds), default=peak)

@@ -1,6 +1,6 @@
-"""The noise gates of the policy (``PolicyTuning`` knobs, off by default):
-each test drives ``decide()`` period by period and shows the knob changing
-the decision it is for, and the default leaving it as it was."""
+"""The noise gates of the policy (``PolicyTuning`` knobs; all but decode's
+flap floor off by default): each test drives ``decide()`` period by period
+and shows the knob changing the decision it is for."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_knobs_that_are_off_change_nothing():
     assert [d.desired for d in decisions(PolicyTuning(), kv)] == [
         d.desired
         for d in decisions(
-            PolicyTuning(rise_noise_window_seconds=300.0, flap_floor_full_window=False), kv
+            PolicyTuning(rise_noise_window_seconds=300.0, prefill_flap_floor_full_window=False), kv
         )
     ]
 
@@ -212,14 +212,16 @@ def _undone_then_dip(tuning: PolicyTuning):
     return out
 
 
-def test_flap_floor_full_window_is_not_lifted_by_a_short_dip():
-    plain = _undone_then_dip(PolicyTuning())
-    held = _undone_then_dip(PolicyTuning(flap_floor_full_window=True))
+def test_decode_flap_floor_is_not_lifted_by_a_short_dip():
+    # The default: decode's floor waits for the spec's whole down window.
+    held = _undone_then_dip(PolicyTuning())
+    plain = _undone_then_dip(PolicyTuning(flap_floor_full_window=False))
     for run in (plain, held):  # the first scale-down is undone in both
         moves = [d.direction for d in run if d.direction != "none"]
         assert moves[:2] == ["down", "up"], moves
-    # The default lifts the floor on the dip's 90 s falling window and goes
-    # down again; the full window still holds the 0.6 before the dip.
+    # On the down window in force the dip's 90 s falling window lifts the
+    # floor and decode goes down again; the full window still holds the 0.6
+    # before the dip.
     assert any(d.direction == "down" and d.time >= 1500 for d in plain)
     assert not any(d.direction == "down" and d.time >= 1500 for d in held), [
         d.reason for d in held if d.time >= 1500 and d.direction != "none"
