@@ -262,6 +262,13 @@ class _LegResponse:
             if self._span.is_recording():
                 self._span.end()
 
+    def close(self) -> None:
+        try:
+            self._resp.close()
+        finally:
+            if self._span.is_recording():
+                self._span.end()
+
 
 class TracedUpstream:
     """Wraps the gateway's upstream client: one CLIENT span per engine call (a

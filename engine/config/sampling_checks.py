@@ -78,6 +78,102 @@ def check_prompt_tokens(prompt: Any, vocab_size: int | None) -> None:
             _token_ids("prompt", p, vocab_size)
 
 
+def _check_best_of(f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None) -> None:
+    _int("best_of", f["best_of"], 1, MAX_N)
+    if _is_int(f["best_of"]) and _is_int(f.get("n")) and f["best_of"] < f["n"]:
+        raise ValueError(f"best_of ({f['best_of']}) must be >= n ({f['n']})")
+
+
+def _check_min_tokens(
+    f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None
+) -> None:
+    _int("min_tokens", f["min_tokens"], 0, INT32_MAX)
+    limit = f.get("max_completion_tokens")
+    if limit is None:
+        limit = f.get("max_tokens")
+    min_tokens = f["min_tokens"] or 0
+    if limit is not None and _is_int(limit) and min_tokens > limit:
+        name = (
+            "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
+        )
+        raise ValueError(f"min_tokens ({min_tokens}) must be <= {name} ({limit})")
+
+
+def _logprob_bound(max_logprobs: int | None) -> tuple[int, str]:
+    high = INT32_MAX if max_logprobs is None else max_logprobs
+    bound = "" if max_logprobs is None else f" (the engine's max_logprobs is {max_logprobs})"
+    return high, f"an integer 0..{high}{bound}"
+
+
+def _check_logprobs(f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None) -> None:
+    high, what = _logprob_bound(max_logprobs)
+    logprobs = f["logprobs"]
+    if isinstance(logprobs, bool):
+        _int("top_logprobs", f.get("top_logprobs"), 0, high, what=what)
+    else:
+        _int("logprobs", logprobs, 0, high, what=what)
+
+
+def _check_prompt_logprobs(
+    f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None
+) -> None:
+    high, what = _logprob_bound(max_logprobs)
+    _int("prompt_logprobs", f["prompt_logprobs"], 0, high, what=what)
+
+
+def _check_logit_bias(
+    f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None
+) -> None:
+    bias = f["logit_bias"]
+    if isinstance(bias, Mapping) and vocab_size:
+        for key in bias:
+            if not str(key).isdigit() or int(str(key)) >= vocab_size:
+                raise ValueError(f"logit_bias: token id {key!r} is outside the model's vocabulary")
+
+
+def _ints(name: str, low: int, high: int, what: str | None = None) -> Any:
+    return lambda f, vocab_size, max_logprobs: _int(name, f[name], low, high, what)
+
+
+def _floats(
+    name: str, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> Any:
+    return lambda f, vocab_size, max_logprobs: _float(name, f[name], low, high, low_open)
+
+
+_INT64 = "a 64-bit signed integer"
+# (field, its check) in the order the fields are checked: the first
+# inadmissible one is named. Checks of two fields (best_of and n, min_tokens
+# and the limit) sit under the field checked second.
+_CHECKS: tuple[tuple[str, Any], ...] = (
+    ("n", _ints("n", 1, MAX_N)),
+    ("best_of", _check_best_of),
+    ("temperature", _floats("temperature", low=0.0)),
+    ("top_p", _floats("top_p", low=0.0, high=1.0, low_open=True)),
+    (
+        "top_k",
+        _ints(
+            "top_k", -1, INT32_MAX, f"-1 or 0 (disabled) or a positive integer up to {INT32_MAX}"
+        ),
+    ),
+    ("min_p", _floats("min_p", low=0.0, high=1.0)),
+    ("presence_penalty", _floats("presence_penalty", low=-2.0, high=2.0)),
+    ("frequency_penalty", _floats("frequency_penalty", low=-2.0, high=2.0)),
+    ("repetition_penalty", _floats("repetition_penalty", low=0.0, low_open=True)),
+    ("seed", _ints("seed", INT64_MIN, INT64_MAX, _INT64)),
+    ("priority", _ints("priority", INT64_MIN, INT64_MAX, _INT64)),
+    ("max_tokens", _ints("max_tokens", 1, INT32_MAX)),
+    ("max_completion_tokens", _ints("max_completion_tokens", 1, INT32_MAX)),
+    ("min_tokens", _check_min_tokens),
+    ("stop_token_ids", lambda f, v, _: _token_ids("stop_token_ids", f["stop_token_ids"], v)),
+    ("logprobs", _check_logprobs),
+    ("prompt_logprobs", _check_prompt_logprobs),
+    ("logit_bias", _check_logit_bias),
+    ("prompt", lambda f, v, _: check_prompt_tokens(f["prompt"], v)),
+)
+_CHECKED = frozenset(name for name, _ in _CHECKS)
+
+
 def check_sampling(
     fields: Mapping[str, Any],
     vocab_size: int | None = None,
@@ -88,61 +184,27 @@ def check_sampling(
     ``fields`` is an OpenAI completion or chat request body (or the sampling
     part of it); unknown fields are ignored. ``vocab_size`` bounds token ids
     when known; ``max_logprobs`` bounds the logprob counts when known.
+
+    Only the fields a body holds are looked at (the gateway runs this on
+    every request, and most bodies hold three or four of the checked fields).
     """
-    f = fields
-    _int("n", f.get("n"), 1, MAX_N)
-    _int("best_of", f.get("best_of"), 1, MAX_N)
-    if _is_int(f.get("best_of")) and _is_int(f.get("n")) and f["best_of"] < f["n"]:
-        raise ValueError(f"best_of ({f['best_of']}) must be >= n ({f['n']})")
-    _float("temperature", f.get("temperature"), low=0.0)
-    _float("top_p", f.get("top_p"), low=0.0, high=1.0, low_open=True)
-    _int(
-        "top_k",
-        f.get("top_k"),
-        -1,
-        INT32_MAX,
-        what=f"-1 or 0 (disabled) or a positive integer up to {INT32_MAX}",
-    )
-    _float("min_p", f.get("min_p"), low=0.0, high=1.0)
-    _float("presence_penalty", f.get("presence_penalty"), low=-2.0, high=2.0)
-    _float("frequency_penalty", f.get("frequency_penalty"), low=-2.0, high=2.0)
-    _float("repetition_penalty", f.get("repetition_penalty"), low=0.0, low_open=True)
-    _int("seed", f.get("seed"), INT64_MIN, INT64_MAX, what="a 64-bit signed integer")
-    _int("priority", f.get("priority"), INT64_MIN, INT64_MAX, what="a 64-bit signed integer")
-    for name in ("max_tokens", "max_completion_tokens"):
-        _int(name, f.get(name), 1, INT32_MAX)
-    _int("min_tokens", f.get("min_tokens"), 0, INT32_MAX)
-    limit = f.get("max_completion_tokens")
-    if limit is None:
-        limit = f.get("max_tokens")
-    min_tokens = f.get("min_tokens") or 0
-    if limit is not None and _is_int(limit) and min_tokens > limit:
-        name = (
-            "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
-        )
-        raise ValueError(f"min_tokens ({min_tokens}) must be <= {name} ({limit})")
-    _token_ids("stop_token_ids", f.get("stop_token_ids"), vocab_size)
-    high = INT32_MAX if max_logprobs is None else max_logprobs
-    bound = "" if max_logprobs is None else f" (the engine's max_logprobs is {max_logprobs})"
-    logprobs = f.get("logprobs")
-    if isinstance(logprobs, bool):
-        _int("top_logprobs", f.get("top_logprobs"), 0, high, what=f"an integer 0..{high}{bound}")
-    else:
-        _int("logprobs", logprobs, 0, high, what=f"an integer 0..{high}{bound}")
-    _int("prompt_logprobs", f.get("prompt_logprobs"), 0, high, what=f"an integer 0..{high}{bound}")
-    bias = f.get("logit_bias")
-    if isinstance(bias, Mapping) and vocab_size:
-        for key in bias:
-            if not str(key).isdigit() or int(str(key)) >= vocab_size:
-                raise ValueError(f"logit_bias: token id {key!r} is outside the model's vocabulary")
-    check_prompt_tokens(f.get("prompt"), vocab_size)
-    check_structured(f)
+    present = _CHECKED.intersection(fields)
+    if present:
+        for name, check in _CHECKS:
+            if name in present:
+                check(fields, vocab_size, max_logprobs)
+    if not _STRUCTURED.isdisjoint(fields):
+        check_structured(fields)
 
 
 # vLLM's per-request constraint fields (older ``guided_*`` and newer ``structured_outputs``).
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 TOOL_CHOICES = ("none", "auto", "required")
+# The fields check_structured looks at (absent all of them, it has nothing to check).
+_STRUCTURED = frozenset(
+    ("response_format", *GUIDED_FIELDS, "structured_outputs", "tools", "tool_choice")
+)
 
 
 def _check_choice(name: str, value: Any) -> None:

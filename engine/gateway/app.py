@@ -88,7 +88,12 @@ class Gateway:
         )
         # Engine calls of the request path; health checks and scrapes use httpx.
         self.upstream = tracing.trace_upstream(
-            UpstreamClient(config.connect_timeout, KEEPALIVE_EXPIRY, tls)
+            UpstreamClient(
+                config.connect_timeout,
+                KEEPALIVE_EXPIRY,
+                tls,
+                headers={"content-type": "application/json", **self.engine_headers},
+            )
         )
         self.affinity = PrefixAffinity(config.prefix_table_size)
         self.breaker = KVPairBreaker(config.kv_pair_failures, config.kv_pair_cooldown, self.metrics)
@@ -124,7 +129,6 @@ class Gateway:
             self.analyzer,
             self.metrics,
             self.upstream,
-            self.engine_headers,
             self.breaker,
         )
         self.keys = list(config.api_key)

@@ -114,8 +114,9 @@ class EngineState:
     first in-flight request): the stall watchdog's clock."""
     stalled: bool = False
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
-    waiters: set[asyncio.Timeout] = field(default_factory=set)
-    """The timeouts of legs waiting on the engine; a stall fires them at once."""
+    waiters: set[Any] = field(default_factory=set)
+    """The deadlines (``proxy.Deadline``) of legs waiting on the engine; a
+    stall fires them at once."""
     inflight_gauge: Any = field(default=None, repr=False, compare=False)
     """Its in-flight metric series (the proxy's, made on first use)."""
 
@@ -208,6 +209,16 @@ class EnginePool:
 
     def candidates(self, role: str) -> list[EngineState]:
         return [e for e in self.engines.values() if e.routable and e.serves(role)]
+
+    def sole_candidate(self, role: str) -> EngineState | None:
+        """The one routable engine of ``role``; None when there are none or several."""
+        sole = None
+        for e in self.engines.values():
+            if e.state == "healthy" and (e.role == role or e.role == "both"):
+                if sole is not None:
+                    return None
+                sole = e
+        return sole
 
     def counts(self) -> dict[str, int]:
         out = {"prefill": 0, "decode": 0}

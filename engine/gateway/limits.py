@@ -35,8 +35,10 @@ class BodyRejected(Exception):
         self.message, self.status = message, status
 
 
-async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
-    """The whole body, or BodyRejected (nothing beyond ``max_bytes`` is kept)."""
+def ready_body(request: Request, max_bytes: int) -> bytes | None:
+    """The whole body when it has arrived with the head (the usual case: no
+    coroutine to run), None when it must be read (``read_body``); BodyRejected
+    as there."""
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -48,10 +50,16 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
                 f"the request body is {declared} bytes; the limit is {max_bytes}", 413
             )
     ready = request.ready_body()
-    if ready is not None and len(ready) <= max_bytes:
-        return ready  # the usual case: all of it arrived with the head
-    if ready is not None:
+    if ready is not None and len(ready) > max_bytes:
         raise BodyRejected(f"the request body exceeds the limit of {max_bytes} bytes", 413)
+    return ready
+
+
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole body, or BodyRejected (nothing beyond ``max_bytes`` is kept)."""
+    ready = ready_body(request, max_bytes)
+    if ready is not None:
+        return ready  # the usual case: all of it arrived with the head
     parts: list[bytes] = []
     size = 0
     receive = request.receive

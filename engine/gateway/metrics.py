@@ -3,15 +3,99 @@
 TTFT and E2E are measured as the client sees them: from the request's arrival
 at the gateway to the first relayed stream event / the last byte, so they
 include the prefill leg and KV transfer that an engine's own TTFT cannot see.
+
+The series every request touches (its answer's counter and latency, the TTFT,
+the routing decision, the in-flight gauges) are updated without a lock:
+``prometheus_client`` takes a lock per update, several times per request, so
+the request path adds to plain numbers (:class:`FastCounter`,
+:class:`FastHistogram`) that are folded into the real series whenever the
+registry is collected (a scrape, a worker's merge, a test reading it). One
+event loop per process makes the plain numbers safe.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pdfleet.engine.config import metrics as m
+
+
+class FastCounter:
+    """A counter series' increments, kept as a plain number until collected."""
+
+    __slots__ = ("_pending", "series")
+
+    def __init__(self, series: Any) -> None:
+        self.series = series
+        self._pending = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._pending += amount
+
+    def flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, 0.0
+            self.series.inc(pending)
+
+
+class FastHistogram:
+    """A histogram series' observations, counted per bucket until collected
+    (the same buckets: ``le`` is inclusive, as prometheus_client's)."""
+
+    __slots__ = ("_bounds", "_counts", "_sum", "series")
+
+    def __init__(self, series: Any) -> None:
+        self.series = series
+        # prometheus_client's own bucket bounds and values; without them (another
+        # version of the library) every observation goes straight to the series.
+        bounds = getattr(series, "_upper_bounds", None)
+        buckets = getattr(series, "_buckets", None)
+        ok = bounds is not None and buckets is not None and len(bounds) == len(buckets)
+        self._bounds: list[float] | None = list(bounds) if ok and bounds else None
+        self._counts = [0] * len(self._bounds) if self._bounds is not None else []
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        bounds = self._bounds
+        if bounds is None:
+            self.series.observe(value)
+            return
+        self._counts[bisect.bisect_left(bounds, value)] += 1
+        self._sum += value
+
+    def flush(self) -> None:
+        if self._bounds is None or not any(self._counts):
+            return
+        counts, self._counts = self._counts, [0] * len(self._counts)
+        total, self._sum = self._sum, 0.0
+        self.series._sum.inc(total)
+        for bucket, n in zip(self.series._buckets, counts, strict=True):
+            if n:
+                bucket.inc(n)
+
+
+class _Folder:
+    """Registered first on the registry: every collection folds the plain
+    numbers into their series before any series is read."""
+
+    def __init__(self) -> None:
+        self.series: list[FastCounter | FastHistogram] = []
+        self.hooks: list[Callable[[], None]] = []
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        for series in self.series:
+            series.flush()
+        for hook in self.hooks:
+            hook()
+        return iter(())
 
 
 class GatewayMetrics:
@@ -20,6 +104,8 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._folder = _Folder()
+        r.register(self._folder)  # before the series: collected (folded) first
         self.requests = m.GATEWAY_REQUESTS.create(r)
         self.ttft = m.GATEWAY_TTFT.create(r)
         self.e2e = m.GATEWAY_E2E.create(r)
@@ -40,6 +126,23 @@ class GatewayMetrics:
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
         self.activations = m.GATEWAY_ACTIVATIONS.create(r)
+
+    def fast_counter(self, series: Any) -> FastCounter:
+        """``series`` (a counter's labelled child) updated lock-free, folded at collection."""
+        fast = FastCounter(series)
+        self._folder.series.append(fast)
+        return fast
+
+    def fast_histogram(self, series: Any) -> FastHistogram:
+        """``series`` (a histogram's labelled child) updated lock-free, folded at collection."""
+        fast = FastHistogram(series)
+        self._folder.series.append(fast)
+        return fast
+
+    def on_collect(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` at each collection, before any series is read (gauges
+        whose value the gateway keeps elsewhere: in-flight requests)."""
+        self._folder.hooks.append(hook)
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""

@@ -41,6 +41,10 @@ class PromptInfo:
     """The leading full blocks' ids exactly as the engines' KV events name them
     (docs/kv_events.md), when the prompt's token ids are known (a tokenizer, or
     token ids given) and the exact prefix index is on; else None."""
+    analyzed: bool = True
+    """False for a request routed without looking at its prompt (one engine
+    could serve it: ``Proxy``'s single-engine route); whatever needs the
+    prompt later (a failover among several engines) analyzes it then."""
 
 
 def chain_hashes(items: list[Any] | str, block: int, max_blocks: int) -> list[int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import os
@@ -48,8 +49,9 @@ from pdfleet.engine.config.sampling_checks import check_sampling
 
 from .activation import Activation
 from .asgi import BytesResponse, Request
+from .deadlines import Deadline, IdleTimer
 from .engines import EnginePool, EngineState
-from .limits import BodyRejected, read_body
+from .limits import BodyRejected, read_body, ready_body
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer, PromptInfo
 from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
@@ -91,6 +93,8 @@ ERROR_CODES = {
     504: "upstream_timeout",
 }
 DONE = b"data: [DONE]\n\n"
+# The prompt of a request routed without analysis (``Proxy._sole_route``).
+NOT_ANALYZED = PromptInfo(0, analyzed=False)
 SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
@@ -102,6 +106,11 @@ RETRY_AFTER_SECONDS = 5
 MAX_RELAYED_MESSAGE = 1000
 # A client X-Request-Id is echoed and logged only when it is this tame.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# New request ids: 64 random bits per process (each worker of --workers N is
+# its own interpreter) and a counter: unique across processes and replicas
+# like a uuid4, without a system call per request.
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count()
 # A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -166,14 +175,16 @@ def client_request_id(header: str | None) -> str:
     """The client's X-Request-Id when it is a tame token, else a new id."""
     if header and _REQUEST_ID.fullmatch(header):
         return header
-    return os.urandom(16).hex()  # as random as uuid4, at a fraction of its cost
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or ValueError saying what is wrong
     (invalid UTF-8 or JSON, nested too deeply, a lone surrogate, not an object)."""
     try:
-        body = json.loads(raw)
+        # A UTF-8 object (the usual case) decoded here: json.loads(bytes) first
+        # guesses among UTF-8/16/32; anything else keeps that path.
+        body = json.loads(raw.decode() if raw[:1] == b"{" and raw[1:2] != b"\x00" else raw)
     except RecursionError:
         raise ValueError("the request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
@@ -206,12 +217,18 @@ class Call:
     request_id: str
     start: float
     headers: dict[str, str]
+    """What the legs add to the engine client's fixed headers (the request id)."""
     chat: bool
     prefill_url: str | None = None
     """The prefill engine whose KV the decode leg carries, if any."""
     plain_payload: bytes | None = None
     """The decode leg without kv_transfer_params (sent when the engine refuses
     the params: an expired lease, a restarted producer)."""
+    body: dict[str, Any] | None = None
+    """The parsed body (its prompt is analyzed on demand when it was routed
+    without, see ``Proxy._sole_route``)."""
+    info: PromptInfo | None = None
+    """That analysis, once made."""
 
 
 @dataclass
@@ -245,7 +262,6 @@ class Proxy:
         analyzer: PromptAnalyzer,
         metrics: GatewayMetrics,
         client: UpstreamClient,
-        engine_headers: dict[str, str] | None = None,
         breaker: KVPairBreaker | None = None,
     ) -> None:
         self.config = config
@@ -255,8 +271,8 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.client = client
-        self.engine_headers = dict(engine_headers or {})
-        """What every engine call carries besides the body (the fleet token)."""
+        """Sends the content type and the fleet token with every engine call
+        (its fixed headers); a call adds its request id."""
         self.breaker = breaker
         self.activation = Activation(metrics.activations)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -265,43 +281,55 @@ class Proxy:
         """The TTFT histogram per endpoint."""
         self._decisions: dict[tuple[str, str], Any] = {}
         """The routing-decision counter per (decision, reason)."""
+        metrics.on_collect(self._inflight_gauges)
+        self._fixed_first_token = config.first_token_timeout
+        """--first-token-timeout, when it fixes the bound (read once, not per leg)."""
+        self._first_token_base = config.first_token_base_timeout
+        self._first_token_per = config.first_token_per_waiting
+        self._first_token_max = config.first_token_max_timeout
 
     # -- bookkeeping -------------------------------------------------------------
 
     def _acquire(self, e: EngineState) -> None:
         self.pool.started(e)
         e.inflight += 1
-        self._inflight_gauge(e).set(e.inflight)
 
     def _release(self, e: EngineState) -> None:
         e.inflight -= 1
-        self._inflight_gauge(e).set(e.inflight)
 
-    def _inflight_gauge(self, e: EngineState) -> Any:
-        """The engine's in-flight series, kept on its state (a re-added engine
-        is a new state, so a removed series is never written again)."""
-        if e.inflight_gauge is None:
-            e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
-        return e.inflight_gauge
+    def _inflight_gauges(self) -> None:
+        """At each collection: the in-flight gauges from the engines' counts
+        (kept on the engine state, not written to the series per request)."""
+        for e in self.pool.engines.values():
+            if e.inflight_gauge is None:
+                # A re-added engine is a new state, so a removed series is never written again.
+                e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
+            e.inflight_gauge.set(e.inflight)
 
     def _finish(self, call: Call, status: int) -> None:
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped
+            m = self.metrics
             series = self._finished[key] = (
-                self.metrics.requests.labels(call.endpoint, str(status)),
-                self.metrics.e2e.labels(call.endpoint),
+                m.fast_counter(m.requests.labels(call.endpoint, str(status))),
+                m.fast_histogram(m.e2e.labels(call.endpoint)),
             )
         series[0].inc()
         series[1].observe(time.perf_counter() - call.start)
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""
-        waiting = max(e.load.waiting, e.inflight - e.load.running)
-        return self.config.first_token_bound(waiting)
+        fixed = self._fixed_first_token
+        if fixed is not None:
+            return fixed
+        load = e.load
+        # GatewayConfig.first_token_bound, with its three numbers read once.
+        waiting = max(load.waiting, e.inflight - load.running, 0.0)
+        return min(self._first_token_max, self._first_token_base + self._first_token_per * waiting)
 
     def _watched(self, e: EngineState, seconds: float) -> Watched:
-        """``asyncio.timeout(seconds)`` that also fires at once when the stall
+        """A :class:`Deadline` ``seconds`` from now that also fires at once when the stall
         watchdog ejects ``e`` (it reschedules every registered timeout)."""
         return Watched(e, seconds)
 
@@ -339,12 +367,12 @@ class Proxy:
         if resp.status_code >= 300:
             return self._refused(call, resp)
         self._finish(call, resp.status_code)
-        kind = resp.headers.get("content-type")
+        kind = resp.header(b"content-type")
         return BytesResponse(
             content,
             resp.status_code,
             [
-                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind.encode("latin-1")),
+                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind),
                 (b"x-request-id", call.request_id.encode("latin-1")),
             ],
         )
@@ -427,12 +455,14 @@ class Proxy:
             endpoint,
             client_request_id(request.headers.get("x-request-id")),
             time.perf_counter(),
-            {"content-type": "application/json", **self.engine_headers},
+            {},
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
         try:  # read before the watcher below takes over receive()
-            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
+            raw = ready_body(request, self.config.max_body_bytes)
+            if raw is None:
+                raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except BodyRejected as e:
             reason = {413: "body_too_large", 408: "body_timeout"}.get(e.status, "invalid_body")
             self.metrics.rejected.labels(reason).inc()
@@ -470,20 +500,30 @@ class Proxy:
             # An internal protocol: only a prefill leg's answer may set it.
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
+        call.body = body
+        route = self._sole_route()
         try:
             # The engines' own admissibility check: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
             check_sampling(body)
-            info = self.analyzer.analyze(body, call.chat, self.pool.block_size)
+            info = (
+                NOT_ANALYZED
+                if route is not None
+                else self.analyzer.analyze(body, call.chat, self.pool.block_size)
+            )
         except (ValueError, TypeError, AttributeError) as e:
             return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
-        route = await self._route(call, info)
-        if isinstance(route, Response):
-            return route
+        if route is None:
+            routed = await self._route(call, info)
+            if isinstance(routed, Response):
+                return routed
+            route = routed
         key = (route.decision, route.reason)
         decided = self._decisions.get(key)
         if decided is None:  # a few (decision, reason) pairs: never dropped
-            decided = self._decisions[key] = self.metrics.decisions.labels(*key)
+            decided = self._decisions[key] = self.metrics.fast_counter(
+                self.metrics.decisions.labels(*key)
+            )
         decided.inc()
         tracing.route_chosen(route)
         if route.prefill is not None:
@@ -501,6 +541,39 @@ class Proxy:
         if body.get("stream") is True:
             return await self._decode_stream(call, route, info, payload)
         return await self._decode_json(call, route, info, payload)
+
+    def _sole_route(self) -> Route | None:
+        """The route when it cannot depend on the prompt: ``Disabled`` mode
+        and one routable decode engine (no prefill leg, no choice to score).
+        The prompt is then not analyzed (its block hashes feed only the
+        choice among several engines); None: route as usual."""
+        if self.config.disaggregation_mode != "Disabled":
+            return None
+        decode = self.pool.sole_candidate("decode")
+        if decode is None:
+            return None
+        self.router.count_pick()
+        return Route(decode, None, "decode_only", "disabled")
+
+    def _analyzed(self, call: Call, info: PromptInfo) -> PromptInfo:
+        """``info``, analyzed now if the request was routed without it."""
+        if info.analyzed or call.body is None:
+            return info
+        if call.info is None:
+            try:
+                call.info = self.analyzer.analyze(call.body, call.chat, self.pool.block_size)
+            except (ValueError, TypeError, AttributeError):  # the engine refuses such a body
+                call.info = PromptInfo(0)
+        return call.info
+
+    def _record(self, call: Call, info: PromptInfo, url: str) -> None:
+        """The affinity table learns that ``url`` now holds the prompt's blocks
+        (when they were hashed: a request routed alone, and never failed over,
+        was not analyzed)."""
+        if not info.analyzed and call.info is not None:
+            info = call.info
+        if info.block_hashes:
+            self.affinity.record(info.block_hashes, url)
 
     async def _route(self, call: Call, info: PromptInfo) -> Route | Response:
         """The route, holding the request up to --hold-timeout while no decode
@@ -556,7 +629,7 @@ class Proxy:
                 continue
             if isinstance(result, Response):
                 return result
-            self.affinity.record(info.block_hashes, engine.url)
+            self._record(call, info, engine.url)
             params = result.get("kv_transfer_params")
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
@@ -577,7 +650,7 @@ class Proxy:
         bound = self._first_token_bound(e)
         self._acquire(e)
         try:
-            async with self._watched(e, bound):
+            with self._watched(e, bound):
                 # None: _watched bounds the call (one timer per leg, not two).
                 resp = await self.client.post(e.url + call.endpoint, payload, call.headers, None)
         except (UpstreamError, TimeoutError) as ex:
@@ -630,6 +703,7 @@ class Proxy:
                         await asyncio.sleep(self.config.scrape_interval)
             finally:
                 self.metrics.held.dec()
+        info = self._analyzed(call, info)
         picked = self.router.pick(found, info.block_hashes, info.exact_hashes)
         if picked is None:
             return None
@@ -646,7 +720,7 @@ class Proxy:
             tried.add(e.url)
             self._acquire(e)
             try:
-                async with self._watched(e, self.config.request_timeout):
+                with self._watched(e, self.config.request_timeout):
                     resp = await self.client.post(
                         e.url + call.endpoint, payload, call.headers, None
                     )
@@ -672,7 +746,7 @@ class Proxy:
                 continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
                 if resp.status_code == 200:
-                    self.affinity.record(info.block_hashes, e.url)
+                    self._record(call, info, e.url)
                 return self._passthrough(call, resp, resp.content)
             self._pair_failed(call, e)
             return self._leg_error(call, self._status_error(e, "decode", resp))
@@ -714,7 +788,7 @@ class Proxy:
                 return opened
             # Not relayed, so never None; "params_refused" was handled above.
             assert isinstance(opened, tuple)
-            self.affinity.record(info.block_hashes, e.url)
+            self._record(call, info, e.url)
             resp, chunks = opened
             return RelayResponse(
                 self._relay(call, e, resp, chunks, Resend(route, info, payload, tried, held)),
@@ -742,7 +816,7 @@ class Proxy:
         resp: UpstreamResponse | None = None
         handed = False
         try:
-            async with self._watched(e, bound):
+            with self._watched(e, bound):
                 resp = await self.client.stream(e.url + call.endpoint, payload, call.headers)
                 self.pool.progress(e)
                 if resp.status_code != 200:
@@ -797,7 +871,7 @@ class Proxy:
         first = True
         ended = False
         buf = b""
-        first_bound = self._first_token_bound(engine)
+        first_bound: float | None = None  # (sized when there is a wait to bound)
         limit = self.config.max_body_bytes
         idle = self.config.idle_timeout
         try:
@@ -806,7 +880,9 @@ class Proxy:
                     if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
                     else:
-                        async with self._watched(engine, first_bound):
+                        if first_bound is None:
+                            first_bound = self._first_token_bound(engine)
+                        with self._watched(engine, first_bound):
                             data = await anext(chunks)
                 except StopAsyncIteration:
                     ended = True
@@ -820,7 +896,7 @@ class Proxy:
                     await resp.aclose()
                     self._release(engine)
                     engine, resp, chunks = moved
-                    first_bound = self._first_token_bound(engine)
+                    first_bound = None
                     continue
                 self.pool.progress(engine)
                 buf += data
@@ -833,18 +909,31 @@ class Proxy:
                 first = False
                 ttft = self._ttft.get(call.endpoint)
                 if ttft is None:
-                    ttft = self._ttft[call.endpoint] = self.metrics.ttft.labels(call.endpoint)
+                    ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(
+                        self.metrics.ttft.labels(call.endpoint)
+                    )
                 ttft.observe(time.perf_counter() - call.start)
                 done = out.endswith(DONE)
                 yield out
-            if not ended:
+            if not ended and resp.received():
+                # The engine's whole answer is here: the rest needs no wait to bound.
+                self.pool.progress(engine)
+                async for data in chunks:
+                    buf += data
+                    if len(buf) > limit:
+                        raise UpstreamError(f"an event of over {limit} bytes")
+                    cut = buf.rfind(b"\n\n")
+                    if cut >= 0:
+                        out, buf = buf[: cut + 2], buf[cut + 2 :]
+                        done = done or out.endswith(DONE)
+                        yield out
+            elif not ended:
                 # The rest under one idle timeout, pushed back as each chunk
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
-                async with asyncio.timeout(None) as cm:
-                    # No timer when the engine's whole answer has arrived already.
-                    timer = None if resp.received() else IdleTimer(cm, idle)
+                with Deadline(None) as cm:
+                    timer = IdleTimer(cm, idle)
                     engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
@@ -854,21 +943,17 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                if timer is not None:
-                                    timer.touch()
+                                timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
-                            if timer is not None:
-                                timer.paused = True
+                            timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
-                            if timer is not None:
-                                timer.touch()
+                            timer.touch()
                     finally:
-                        if timer is not None:
-                            timer.cancel()
+                        timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
@@ -887,7 +972,8 @@ class Proxy:
             status = failure.status
             if failure.kind == "timeout":
                 failure.message = (
-                    f"the decode engine sent no first token within {first_bound:g}s"
+                    f"the decode engine sent no first token within "
+                    f"{first_bound or self._first_token_bound(engine):g}s"
                     if first
                     else f"the decode engine sent nothing for {idle:g}s"
                 )
@@ -930,66 +1016,42 @@ class Proxy:
             return (nxt, *opened)
 
 
-class IdleTimer:
-    """Expires ``cm`` (an ``asyncio.timeout``) once ``idle`` seconds pass
-    without a ``touch``, and never while ``paused``. One timer handle per
-    stream, moved on only when it fires: ``Timeout.reschedule`` per chunk (a
-    timer cancelled and made twice per event) cost several percent of a
-    stream's time."""
-
-    __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
-
-    def __init__(self, cm: asyncio.Timeout, idle: float) -> None:
-        self._cm, self._idle = cm, idle
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self.paused = False
-        self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle, self._fire)
-
-    def touch(self) -> None:
-        """Something arrived: the idle time starts again (and runs, if paused)."""
-        self._last = self._loop.time()
-        self.paused = False
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        if self.paused or now - self._last < self._idle:
-            start = now if self.paused else self._last
-            self._handle = self._loop.call_at(start + self._idle, self._fire)
-            return
-        self._handle = None
-        if not self._cm.expired():  # (the stall watchdog may have expired it already)
-            self._cm.reschedule(now)  # the timeout expires: TimeoutError at its exit
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 class Watched:
-    """``async with``: ``asyncio.timeout`` registered with an engine's waiters
-    (a class, not a generator context manager: this is on every leg)."""
+    """``with`` (or ``async with``): a :class:`Deadline` ``seconds`` from now,
+    registered with an engine's waiters, so that the stall watchdog, which
+    reschedules every registered deadline, ends the wait at once."""
 
-    __slots__ = ("_cm", "_engine")
+    __slots__ = ("_cm", "_engine", "_seconds")
 
     def __init__(self, engine: EngineState, seconds: float) -> None:
         self._engine = engine
-        self._cm = asyncio.timeout(seconds)
+        self._seconds = seconds
+        self._cm: Deadline | None = None
 
-    async def __aenter__(self) -> asyncio.Timeout:
-        cm = await self._cm.__aenter__()
-        if self._engine.stalled:
+    def __enter__(self) -> Deadline:
+        engine = self._engine
+        if engine.stalled:
             # Ejected for a stall after this leg was routed to it (a decode
             # engine is chosen before the prefill leg runs): give up at once,
             # as the legs already waiting did, instead of for the whole bound.
+            self._cm = cm = Deadline(None)
             cm.reschedule(asyncio.get_running_loop().time())
-        self._engine.waiters.add(cm)
+        else:
+            self._cm = cm = Deadline(asyncio.get_running_loop().time() + self._seconds)
+        engine.waiters.add(cm)
         return cm
 
+    def __exit__(self, *exc: Any) -> None:
+        cm = self._cm
+        assert cm is not None  # entered
+        self._engine.waiters.discard(cm)
+        cm.__exit__(*exc)  # raises TimeoutError for an expiry; never swallows
+
+    async def __aenter__(self) -> Deadline:
+        return self.__enter__()
+
     async def __aexit__(self, *exc: Any) -> None:
-        self._engine.waiters.discard(self._cm)
-        await self._cm.__aexit__(*exc)  # raises TimeoutError for an expiry; never swallows
+        self.__exit__(*exc)
 
 
 class RelayResponse(Response):

@@ -309,6 +309,11 @@ class Router:
         self._rr += 1
         return best[self._rr % len(best)]
 
+    def count_pick(self) -> None:
+        """A pick made without scoring (one candidate): the round-robin turns
+        on as it would have."""
+        self._rr += 1
+
     def pick_prefill(
         self, decode: EngineState, info: PromptInfo, exclude: set[str]
     ) -> EngineState | None:

@@ -472,7 +472,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0
         self._url = b""
         self._headers = {}
-        self._raw_headers = None if self.server.direct else []
+        self._raw_headers = None if self.server._direct else []
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -698,12 +698,14 @@ class HttpServer:
         self.connections: set[HttpProtocol] = set()
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._direct = app.direct
         self._stop: asyncio.Event | None = None
         self._force = False
 
     @property
     def direct(self) -> bool:
-        """No middleware: handlers are called without ASGI messages."""
+        """No middleware: handlers are called without ASGI messages (read once
+        per request; middleware is added before the server serves)."""
         return self.app.direct
 
     # -- one request ------------------------------------------------------------------
@@ -712,7 +714,7 @@ class HttpServer:
         app = self.app
         proto = cycle._proto
         try:
-            if not self.direct:
+            if not self._direct:
                 await app(cycle.scope, cycle.receive, cycle.send)
             else:
                 handler = app.routes.get((cycle.method, cycle.path))
@@ -724,7 +726,12 @@ class HttpServer:
                         response = await handler(cycle)  # type: ignore[arg-type]
                     except Exception as e:  # the client gets a 500; the log has the traceback
                         response = app.on_error(cycle, e)  # type: ignore[arg-type]
-                    await self._answer(cycle, response)
+                    whole = getattr(response, "body", None)
+                    if type(whole) is bytes and getattr(response, "background", None) is None:
+                        if not cycle.disconnected:  # a whole answer: no coroutine to run
+                            cycle.respond(response.status_code, response.raw_headers, whole)
+                    else:
+                        await self._answer(cycle, response)
         except asyncio.CancelledError:
             if not cycle.disconnected and not self._force:
                 raise
@@ -767,6 +774,7 @@ class HttpServer:
 
     async def serve(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         self.loop = asyncio.get_running_loop()
+        self._direct = self.app.direct  # (the app's middleware is in place by now)
         self._stop = asyncio.Event()
         lifespan = self.app.lifespan(self.app)
         try:

@@ -72,7 +72,8 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.head_bytes = 0
         self.reason = b""
-        self.headers: dict[str, str] = {}
+        self.raw_headers: dict[bytes, bytes] = {}
+        """Lower-case names; decoded only when asked (``UpstreamResponse.headers``)."""
         self.chunks: list[bytes] = []
         self.buffered = 0
 
@@ -112,7 +113,7 @@ class _Conn(asyncio.Protocol):
         self.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+        self.raw_headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         self.head_done = True
@@ -135,13 +136,13 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = self.head_done = self.complete = self.keep_alive = False
         self.head_bytes = 0
         self.reason = b""
-        self.headers = {}
+        self.raw_headers = {}
         self.chunks = []
         self.buffered = 0
 
     def until_close(self) -> bool:
-        h = self.headers
-        return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
+        h = self.raw_headers
+        return b"content-length" not in h and b"chunked" not in h.get(b"transfer-encoding", b"")
 
     def take(self) -> bytes:
         """What arrived of the body since the last call."""
@@ -197,9 +198,26 @@ class UpstreamResponse:
         """The connection while the body is unread; None once it is released."""
         self.status_code = status
         self.reason_phrase = reason
-        self.headers: dict[str, str] = conn.headers
+        self.raw_headers = conn.raw_headers
+        """Lower-case names, values as sent (``headers`` decodes them)."""
+        self._headers: dict[str, str] | None = None
         self.content = b""
         self._done = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Lower-case names, values stripped (decoded on first use)."""
+        if self._headers is None:
+            self._headers = {
+                k.decode("latin-1"): v.decode("latin-1").strip()
+                for k, v in self.raw_headers.items()
+            }
+        return self._headers
+
+    def header(self, name: bytes) -> bytes | None:
+        """One header's raw value (``name`` in lower case), without decoding the rest."""
+        value = self.raw_headers.get(name)
+        return None if value is None else value.strip()
 
     # -- body ---------------------------------------------------------------------
 
@@ -237,12 +255,17 @@ class UpstreamResponse:
         conn = self._conn
         if conn is None:
             raise RuntimeError("the response body was already released")
+        if conn.complete:  # (usually: the body came with the head)
+            return self._read_done(conn)
         while not conn.complete:
             if conn.error is not None:
                 raise conn.error
             if conn.closed:
                 raise UpstreamError("connection closed before the end of the body")
             await conn.wait()
+        return self._read_done(conn)
+
+    def _read_done(self, conn: _Conn) -> bytes:
         self.content = conn.take() if conn.chunks else b""
         self._done = True
         self._release()
@@ -250,6 +273,10 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         """Give the connection back when the body was read, else close it."""
+        self._release()
+
+    def close(self) -> None:
+        """``aclose`` without a coroutine (the proxy's hot path)."""
         self._release()
 
     def _release(self) -> None:
@@ -279,11 +306,17 @@ class UpstreamClient:
         connect_timeout: float,
         keepalive_expiry: float = 20.0,
         ssl_context: ssl.SSLContext | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_expiry = keepalive_expiry
+        self._fixed = "".join(
+            f"{k}: {v}\r\n" for k, v in (headers or {}).items() if k.lower() != "content-length"
+        )
+        """Headers of every request (the gateway's: the content type, the fleet
+        token), encoded once into each URL's request head."""
         self._idle: dict[tuple[str, int, bool], deque[_Conn]] = {}
-        self._targets: dict[str, tuple[tuple[str, int, bool], str]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], bytes]] = {}
         self._closed = False
         self._ssl = ssl_context
 
@@ -298,10 +331,14 @@ class UpstreamClient:
 
     async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
         resp = await self.stream(url, content, headers)
+        conn = resp._conn
         try:
-            await resp.aread()
+            if conn is not None and conn.complete:  # no wait: no coroutine
+                resp._read_done(conn)
+            else:
+                await resp.aread()
         finally:
-            await resp.aclose()
+            resp.close()
         return resp
 
     async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
@@ -310,11 +347,16 @@ class UpstreamClient:
         target = self._targets.get(url)
         if target is None:
             target = self._target(url)
-        key, request_line = target
-        head = [request_line]
-        head += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-length"]
-        head.append(f"content-length: {len(content)}")
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + content
+        key, fixed = target
+        own = "".join(
+            [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "content-length"]
+        )
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (
+            fixed,
+            own.encode("latin-1"),
+            len(content),
+            content,
+        )
         conn = self._take(key)
         if conn is not None:
             try:
@@ -333,8 +375,8 @@ class UpstreamClient:
             conn.close()
             raise
 
-    def _target(self, url: str) -> tuple[tuple[str, int, bool], str]:
-        """(connection key, request line and host header) of ``url``, cached."""
+    def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
+        """(connection key, request line, host and fixed headers) of ``url``, cached."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamError(f"not an http(s) URL: {url!r}")
@@ -343,7 +385,8 @@ class UpstreamClient:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if len(self._targets) >= MAX_CACHED_URLS:
             self._targets.clear()  # engines come and go: the cache stays small
-        self._targets[url] = target = (key, f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}")
+        line = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n{self._fixed}"
+        self._targets[url] = target = (key, line.encode("latin-1"))
         return target
 
     async def _exchange(

@@ -43,11 +43,13 @@ from typing import Literal
 from .samples import ReplicaSample
 from .signals import (
     RoleSignal,
+    Trend,
     calibrate_prefill_rate,
     decode_signal,
     decode_trend_confirmed,
     fall_confirmed,
     noise,
+    pairwise_slope,
     prefill_signal,
     rise_confirmed,
     split_samples,
@@ -78,6 +80,7 @@ REASON_CODES = (
     "activation",  # at zero replicas, the gateway saw requests for the role: start one
     "scaled_to_zero",  # at zero replicas and nothing wants the role: stay there
     "idle",  # minReplicas 0 and idle for scaleToZeroAfterSeconds: go to zero
+    "load_rising",  # decode: prefill's demand is rising, its requests reach decode next
 )
 
 
@@ -119,13 +122,6 @@ class PolicyTuning:
     prefill_flap_floor_full_window: bool = False
     """The same for prefill's floor (measured with decode's: it took a +30%
     prefill-rate seed past 1.25x the oracle)."""
-    decode_scale_down_headroom: float | None = None
-    """Decode's headroom going down, where it differs from
-    ``scale_down_headroom``: consolidating a batch onto fewer decode
-    replicas lengthens their steps, so the same request rate holds more KV
-    on fewer replicas (at 2 -> 1 about a quarter more here) and a count left
-    with the common headroom sits at its scale-up threshold. None: the
-    common headroom."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
@@ -204,6 +200,32 @@ class PolicyTuning:
     """The window over which the arrivals' noise is learned for the
     ``*_z`` gates: longer than the trend window, so that the noise is known
     before a ramp starts."""
+    rise_recent_seconds: float | None = None
+    """Once the trend window shows a rise, project prefill along the steeper
+    of the window's slope and that of only the last this many seconds
+    (:func:`.signals.project_rise`): a ramp's first minute is then projected
+    at its own slope, not at the window's, which still holds the samples
+    from before the ramp. None: the window's slope alone."""
+    rise_z: float | None = None
+    """With ``rise_recent_seconds``: the recent slope counts only where the
+    rise it makes over its samples exceeds this many times the window's noise
+    (:func:`.signals.noise`). None: any such rise."""
+    decode_queue_drain_seconds: float | None = None
+    """Decode requests waiting beyond ``targetWaitingPerReplica`` are planned
+    to be admitted within this many seconds. None: ``backlog_drain_seconds``."""
+    hold_decode_rising_quantile: float | None = None
+    """No decode scale-down while this quantile of the pairwise slopes of
+    prefill's recent demand is positive (0.25: three quarters of the pairs
+    agree on a rise): the requests rising at prefill reach decode a prefill
+    later. None: no such hold."""
+    decode_down_headroom: float | None = None
+    """Decode's own scale-down headroom. None: ``scale_down_headroom``."""
+    decode_load_floor: int | None = None
+    """Fewest decode replicas the load signals leave (above ``minReplicas``;
+    idle scale-to-zero still goes below). One decode replica carries the
+    whole base load, so a surge fills it within about a minute, before a
+    replica started then serves; two share it with room for a surge's first
+    minutes. None: ``minReplicas``."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -217,6 +239,17 @@ class PolicyTuning:
             raise ValueError("calibration_smoothing must be in (0, 1]")
         if self.min_trend_span_seconds < 0:
             raise ValueError("min_trend_span_seconds must be >= 0")
+        for name in ("rise_recent_seconds", "decode_queue_drain_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        q = self.hold_decode_rising_quantile
+        if q is not None and not 0 <= q <= 1:
+            raise ValueError(f"hold_decode_rising_quantile must be in [0, 1] or None, got {q}")
+        if self.decode_load_floor is not None and self.decode_load_floor < 1:
+            raise ValueError(
+                f"decode_load_floor must be >= 1 or None, got {self.decode_load_floor}"
+            )
         for name in (
             "backlog_drain_seconds",
             "trend_window_seconds",
@@ -355,6 +388,7 @@ def _role_decision(
     tuning: PolicyTuning,
     trend_window: float,
     ttft_high: str | None = None,
+    load_rising: str | None = None,
 ) -> tuple[RoleDecision, RoleState]:
     since = state.since if state.since is not None else now
     floor = state.floor
@@ -438,6 +472,8 @@ def _role_decision(
                 hold = ("replicas_starting", f"{signal.starting} replicas still starting")
             elif ttft_high:
                 hold = ("ttft_above_target", ttft_high)
+            elif load_rising:
+                hold = ("load_rising", load_rising)
             elif floor is not None and desired < floor[0]:
                 if _floor_peak(name, history, peak_raw, now, role, tuning) <= floor[1]:
                     floor = None  # the load has fallen clearly below the failed attempt
@@ -519,8 +555,8 @@ def _down_headroom(name: Role, tuning: PolicyTuning, falling: bool = False) -> f
     ``falling_down_headroom`` while the demand falls decisively."""
     if falling and tuning.falling_down_headroom is not None:
         return tuning.falling_down_headroom
-    if name == "decode" and tuning.decode_scale_down_headroom is not None:
-        return tuning.decode_scale_down_headroom
+    if name == "decode" and tuning.decode_down_headroom is not None:
+        return tuning.decode_down_headroom
     return tuning.tolerance if tuning.scale_down_headroom is None else tuning.scale_down_headroom
 
 
@@ -569,6 +605,31 @@ def _remember(
     if signal.demand is None or not signal.complete:
         return history
     return (*history, (now, signal.demand))
+
+
+def _decode_floor(role: RoleScaling, tuning: PolicyTuning) -> int:
+    """Fewest decode replicas the load signals may leave
+    (``decode_load_floor``, within ``maxReplicas``); scale to zero still
+    goes below it once the role is idle."""
+    floor = int(tuning.decode_load_floor or 1)
+    return max(1, min(floor, role.max_replicas))
+
+
+def _prefill_rising(
+    history: Trend, demand: float | None, now: float, tuning: PolicyTuning
+) -> str | None:
+    """Why decode holds its count (``hold_decode_rising_quantile``): prefill's
+    demand is rising, and its requests reach decode next."""
+    q = tuning.hold_decode_rising_quantile
+    if q is None or demand is None:
+        return None
+    points = (*history, (now, demand))
+    if now - points[0][0] < tuning.min_trend_span_seconds - 1e-9:
+        return None
+    slope = pairwise_slope(points, q)
+    if slope is None or slope <= 0:
+        return None
+    return f"prefill's demand rising ({slope * 60:+.2f} replicas a minute)"
 
 
 def _current(obs: RoleObservation) -> tuple[int, int]:
@@ -624,6 +685,8 @@ def _decide_role(
     tuning: PolicyTuning,
     stale: float,
     ttft_high: str | None = None,
+    load_rising: str | None = None,
+    load_floor: int = 1,
 ) -> tuple[RoleDecision, RoleState]:
     """One role's decision, with ``minReplicas: 0`` handled here and only here:
     at zero, only the gateway's activation signal starts a replica; above
@@ -632,13 +695,26 @@ def _decide_role(
     current, _ = _current(obs)
     window = tuning.trend_window_seconds
     if role.min_replicas > 0:
-        return _role_decision(name, role, signal, current, state, now, tuning, window, ttft_high)
+        if load_floor > role.min_replicas:
+            role = replace(role, min_replicas=load_floor)
+        return _role_decision(
+            name, role, signal, current, state, now, tuning, window, ttft_high, load_rising
+        )
     if current == 0:
         # Nothing to measure: forget the windows, so that the first replica
         # back starts from its own samples.
         return _at_zero(name, role, obs, now), RoleState(since=state.since, count=0)
     decision, new_state = _role_decision(
-        name, replace(role, min_replicas=1), signal, current, state, now, tuning, window, ttft_high
+        name,
+        replace(role, min_replicas=load_floor),
+        signal,
+        current,
+        state,
+        now,
+        tuning,
+        window,
+        ttft_high,
+        load_rising,
     )
     idle_since = None
     if _idle(obs, signal, now, stale):
@@ -747,6 +823,7 @@ def decide(
     window = tuning.trend_window_seconds
 
     _, p_starting = _current(observation.prefill)
+    p_history = tuple((t, v) for t, v in state.prefill.demand if now - t < window)
     p_fresh, p_missing, p_draining = split_samples(observation.prefill.replicas, now, stale)
     tokens_per_second = calibrate_prefill_rate(
         p_fresh + p_draining,
@@ -754,7 +831,6 @@ def decide(
         tuning.calibration_smoothing,
         tuning.min_calibration_busy,
     )
-    p_history = tuple((t, v) for t, v in state.prefill.demand if now - t < window)
 
     def prefill_now(rise: bool = True) -> RoleSignal:
         return prefill_signal(
@@ -771,6 +847,8 @@ def decide(
             _recent_peak(state.prefill, now, tuning),
             tuning.trend_noise_z,
             tuning.min_trend_span_seconds,
+            tuning.rise_recent_seconds,
+            tuning.rise_z,
             rise=rise,
         )
 
@@ -832,7 +910,9 @@ def decide(
         d_history,
         now,
         ahead,
-        tuning.backlog_drain_seconds,
+        tuning.backlog_drain_seconds
+        if tuning.decode_queue_drain_seconds is None
+        else tuning.decode_queue_drain_seconds,
         p_signal.growth if d_rise else 1.0,
         p_signal.falling,
         _recent_peak(state.decode, now, tuning),
@@ -843,7 +923,16 @@ def decide(
         own_fall=not tuning.decode_falls_with_arrivals,
     )
     d, d_state = _decide_role(
-        "decode", spec.decode, observation.decode, d_signal, state.decode, now, tuning, stale
+        "decode",
+        spec.decode,
+        observation.decode,
+        d_signal,
+        state.decode,
+        now,
+        tuning,
+        stale,
+        load_rising=_prefill_rising(p_history, p_signal.demand, now, tuning),
+        load_floor=_decode_floor(spec.decode, tuning),
     )
 
     if (

@@ -33,6 +33,9 @@ GROWTH_QUANTILE = 0.25
 # demand: noise on a steady load rarely satisfies both.
 FALL_QUANTILE = 0.75
 FALL_SHARE = 0.1
+# A rise starts (:func:`project_rise`) where the slope before the recent
+# samples is at most this share of theirs.
+KINK_SHARE = 0.5
 
 Trend = tuple[tuple[float, float], ...]
 
@@ -110,6 +113,56 @@ def project(
         # steady load, projecting it would turn noise into scale-ups.
         return demand
     return demand + slope * ahead
+
+
+def project_rise(
+    demand: float,
+    history: Trend,
+    now: float,
+    ahead: float,
+    recent_seconds: float,
+    quantile: float = 0.5,
+    noise_z: float | None = None,
+    min_span: float = 0.0,
+    rise_z: float | None = None,
+) -> float:
+    """:func:`project`, but once the whole window shows a rise, along the
+    steeper of its slope and the slope of the last ``recent_seconds`` alone.
+
+    At the start of a ramp most of the window's samples predate it, so the
+    window's median slope is a fraction of the ramp's: the projection then
+    lags the ramp by about half the window, which a cold start cannot make
+    up. The recent samples see the ramp's own slope. They are used only where
+    the whole window already shows a rise, and only at the lower of the
+    recent slope now and one period ago: a ramp is steep in both, while a
+    single noisy sample (on a steady load, or on a surge's plateau, where
+    the window still holds the ramp) is in only one.
+    """
+    base = project(demand, history, now, ahead, quantile, noise_z, min_span)
+    if base <= demand:
+        return base
+    points = (*history, (now, demand))
+    recent = tuple(p for p in points if now - p[0] <= recent_seconds + 1e-9)
+    older = points[: len(points) - len(recent) + 1]
+    slope = pairwise_slope(recent, quantile)
+    if slope is None or len(older) < 2:
+        return base
+    # The shape of a ramp's start: flat, then rising. On a surge's plateau
+    # the window's older samples hold the ramp, and a noisy recent slope is
+    # no steeper than theirs.
+    before = statistics.median(
+        (v2 - v1) / (t2 - t1)
+        for i, (t1, v1) in enumerate(older)
+        for t2, v2 in older[i + 1 :]
+        if t2 > t1
+    )
+    if before > KINK_SHARE * slope:
+        return base
+    if rise_z is not None and slope * (now - recent[0][0]) < rise_z * noise(points):
+        # A rise over the recent samples within the window's own noise: on a
+        # steady load, projecting it would turn noise into scale-ups.
+        return base
+    return max(base, demand + slope * ahead)
 
 
 def pairwise_slope(points: Trend, quantile: float) -> float | None:
@@ -210,6 +263,8 @@ def prefill_signal(
     recent_peak: float = 0.0,
     noise_z: float | None = None,
     min_span: float = 0.0,
+    rise_recent_seconds: float | None = None,
+    rise_z: float | None = None,
     rise: bool = True,
 ) -> RoleSignal:
     """Prefill needs the larger of
@@ -247,12 +302,23 @@ def prefill_signal(
     is_falling = False
     if demand is not None:
         is_falling = falling(demand, history, now, noise_z)
-        planned = max(
-            project(demand, history, now, ahead, noise_z=noise_z, min_span=min_span)
-            if rise
-            else demand,
-            recent_peak,
-        )
+        if not rise:
+            projected = demand
+        elif rise_recent_seconds is None:
+            projected = project(demand, history, now, ahead, noise_z=noise_z, min_span=min_span)
+        else:
+            projected = project_rise(
+                demand,
+                history,
+                now,
+                ahead,
+                rise_recent_seconds,
+                0.5,
+                noise_z,
+                min_span,
+                rise_z,
+            )
+        planned = max(projected, recent_peak)
         if demand > 0 and rise:
             growth = (
                 project(demand, history, now, ahead, GROWTH_QUANTILE, noise_z, min_span) / demand

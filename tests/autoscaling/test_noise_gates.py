@@ -141,13 +141,11 @@ def test_rise_noise_z_still_projects_a_rise_the_arrivals_share():
     assert result.decode.desired >= 2
 
 
-def test_decode_scale_down_headroom_keeps_the_count_a_noise_peak_would_restore():
+def test_decode_down_headroom_keeps_the_count_a_noise_peak_would_restore():
     # At 2 replicas decode needs 0.8: the common 20% headroom leaves 1 (0.96),
     # decode's own 40% keeps 2 (1.12).
     flat = decisions(PolicyTuning(), lambda i: 0.56, n_decode=2, end=600.0)
-    held = decisions(
-        PolicyTuning(decode_scale_down_headroom=0.4), lambda i: 0.56, n_decode=2, end=600.0
-    )
+    held = decisions(PolicyTuning(decode_down_headroom=0.4), lambda i: 0.56, n_decode=2, end=600.0)
     assert flat[-1].desired == 1
     assert {d.desired for d in held} == {2}
 

@@ -1,0 +1,205 @@
+"""The request path's shortcuts behave as the general path does.
+
+Leg deadlines (``deadlines.py``), lock-free metrics folded at collection
+(``metrics.py``), and the single-engine route that skips the prompt analysis
+(``Proxy._sole_route``): each is checked against what it replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from gateway.fake_engine import FakeEngine
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.gateway.app import Gateway
+from pdfleet.engine.gateway.deadlines import RESOLUTION, Deadline
+from pdfleet.engine.gateway.discovery import StaticDiscovery
+from pdfleet.engine.gateway.engines import EngineLoad
+from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.gateway.proxy import NOT_ANALYZED, Call
+
+PROMPT = "The harbor was quiet before dawn, and the boats rocked against the pier. " * 8
+
+
+def test_a_deadline_raises_timeout_error_after_its_time_and_never_before():
+    async def main() -> tuple[float, bool]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError), Deadline(start + 0.2) as d:
+            await asyncio.sleep(5)
+        waited = loop.time() - start
+        # Not fired: the block's own result, and nothing fires later.
+        with Deadline(loop.time() + 0.1) as quiet:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        return waited, d.expired() and not quiet.expired()
+
+    waited, ok = asyncio.run(asyncio.wait_for(main(), 10))
+    assert ok and 0.2 <= waited < 0.2 + RESOLUTION + 1.0
+
+
+def test_a_deadline_moved_to_now_fires_at_once_and_a_cancel_from_outside_stays_a_cancel():
+    async def rescheduled() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError), Deadline(start + 60) as d:
+            loop.call_later(0.05, d.reschedule, loop.time())  # as the stall watchdog does
+            await asyncio.sleep(30)
+        return loop.time() - start
+
+    async def cancelled() -> bool:
+        async def leg() -> None:
+            with Deadline(asyncio.get_running_loop().time() + 60):
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(leg())
+        await asyncio.sleep(0.05)
+        task.cancel()  # a client that went away: CancelledError, not a timeout
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(asyncio.wait_for(rescheduled(), 10)) < 1.0
+    assert asyncio.run(asyncio.wait_for(cancelled(), 10))
+
+
+def exported(registry: CollectorRegistry) -> list[str]:
+    """The exposition without its creation timestamps."""
+    text = generate_latest(registry).decode()
+    return [line for line in text.splitlines() if "_created" not in line]
+
+
+def test_lock_free_series_export_exactly_what_direct_updates_export():
+    buckets = (0.1, 0.5, 1.0)
+    values = [0.05, 0.1, 0.3, 0.5, 0.9, 1.0, 2.0, 7.5]  # bounds included: le is inclusive
+    direct, folded = CollectorRegistry(), CollectorRegistry()
+    for registry, fast in ((direct, False), (folded, True)):
+        metrics = GatewayMetrics(registry)
+        counter = Counter("c_total", "c", ["k"], registry=registry).labels("a")
+        hist = Histogram("h_seconds", "h", ["k"], registry=registry, buckets=buckets).labels("a")
+        if fast:
+            counter, hist = metrics.fast_counter(counter), metrics.fast_histogram(hist)
+        for v in values:
+            counter.inc()
+            hist.observe(v)
+        counter.inc(2.5)
+    assert exported(folded) == exported(direct)
+    # A second collection adds nothing twice.
+    assert exported(folded) == exported(direct)
+
+
+def healthy_gateway(mode: str, urls: list[str]) -> Gateway:
+    config = GatewayConfig(decode=urls, disaggregation_mode=mode, hold_timeout=10)
+    gw = Gateway(config, StaticDiscovery([]), fleet_secret=b"")
+    from pdfleet.engine.gateway.discovery import Endpoint
+
+    gw.pool.apply([Endpoint(u, "decode") for u in urls])
+    for e in gw.pool.engines.values():
+        gw.pool.record_success(e, EngineLoad())
+    return gw
+
+
+def test_the_single_engine_route_is_the_general_route_without_prompt_analysis():
+    gw = healthy_gateway("Disabled", ["http://d1"])
+    proxy, router = gw.proxy, gw.router
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    info = gw.analyzer.analyze(body, False, gw.pool.block_size)
+    general = router.route(info)
+    turn = router._rr
+    sole = proxy._sole_route()
+    assert sole is not None and router._rr == turn + 1  # the round-robin turns on as before
+    assert (sole.decode, sole.prefill, sole.decision, sole.reason) == (
+        general.decode,
+        general.prefill,
+        general.decision,
+        general.reason,
+    )
+    # Whatever needs the prompt later gets it analyzed then, exactly.
+    call = Call("/v1/completions", "r", 0.0, {}, False, body=body)
+    assert proxy._analyzed(call, NOT_ANALYZED) == info
+    # Not taken where the prompt can matter: several engines, or another mode.
+    assert healthy_gateway("Disabled", ["http://d1", "http://d2"]).proxy._sole_route() is None
+    assert healthy_gateway("Conditional", ["http://d1"]).proxy._sole_route() is None
+    assert healthy_gateway("Always", ["http://d1"]).proxy._sole_route() is None
+
+
+class BodyRequest:
+    """What ``Proxy.handle`` reads of a request: headers, the whole body."""
+
+    def __init__(self, body: dict) -> None:
+        raw = json.dumps(body).encode()
+        self.headers = {"content-type": "application/json", "content-length": str(len(raw))}
+        self._raw: bytes | None = raw
+
+    def ready_body(self) -> bytes | None:
+        raw, self._raw = self._raw, None
+        return raw
+
+    def watch_disconnect(self, callback) -> bool:
+        return True
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_request_on_the_single_engine_route_fails_over_and_counts_as_the_general_one():
+    """The sole routable engine refuses the connection: it is ejected, the
+    request is held, and it is served by the engine that becomes routable,
+    chosen with the prompt analyzed then; counted once as decode_only/disabled."""
+    engine = FakeEngine()
+    gone = closed_port_url()
+    gw = healthy_gateway("Disabled", [gone, engine.url])
+    back = gw.pool.engines[engine.url]
+    gw.pool.record_failure(back, "down for the test", definitive=True)  # not routable yet
+    assert gw.proxy._sole_route().decode.url == gone
+
+    async def main():
+        task = asyncio.create_task(
+            gw.proxy.handle(BodyRequest({"prompt": PROMPT, "max_tokens": 2}), "/v1/completions")
+        )
+        deadline = asyncio.get_running_loop().time() + 10
+        while gw.pool.engines[gone].routable:  # until the refusal ejected it
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        for _ in range(gw.config.readmit_after):
+            gw.pool.record_success(back, EngineLoad())
+        response = await asyncio.wait_for(task, 10)
+        await gw.upstream.aclose()
+        await gw.client.aclose()
+        return response
+
+    try:
+        response = asyncio.run(main())
+    finally:
+        engine.server.shutdown()
+    assert response.status_code == 200 and json.loads(response.body)["choices"][0]["text"] == "ok"
+    assert [s.path for s in engine.seen if s.method == "POST"] == ["/v1/completions"]
+
+    def sample(name: str, **labels: str) -> float:
+        for family in gw.metrics.registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    assert sample("pdfleet_gateway_disagg_decisions_total", reason="disabled") == 1
+    assert sample("pdfleet_gateway_retries_total", role="decode") == 1
+    assert sample("pdfleet_gateway_upstream_errors_total", engine=gone, kind="connect") == 1
+    assert sample("pdfleet_gateway_requests_total", status="200") == 1
+    assert sample("pdfleet_gateway_engine_inflight_requests", engine=engine.url) == 0
+    # The engine that served it learned the prompt's blocks, as on the general path.
+    info = gw.analyzer.analyze({"prompt": PROMPT}, False, gw.pool.block_size)
+    assert info.block_hashes
+    assert gw.affinity.matched(info.block_hashes, [engine.url])[engine.url] == len(
+        info.block_hashes
+    )
