@@ -10,11 +10,21 @@ requests at 16 and 64 connections, streams/s and events/s for streamed ones,
 pdfleet at ``--workers 1`` and ``--workers 2``, and pdfleet's ratio to the Rust
 router in the same run; and each router's CPU time per request (its process
 and workers, from /proc), whose ratio is the per-core comparison that a
-loaded machine's neighbours move least. ``vllm-router`` is installed by this script into a
-throwaway virtualenv under ``build/`` (cached there).
+loaded machine's neighbours move least. ``vllm-router`` is installed by this
+script into a throwaway virtualenv under ``build/`` (cached there).
+
+``--engines 1 2`` (the default) also puts two stub engines (two nginx server
+blocks) behind each router, non-streamed and streamed at 16 connections, one
+worker: with one engine pdfleet's gateway skips the prompt analysis (nothing
+to choose), with two it runs its general path (block hashes, approximate
+prefix affinity and load scoring; no KV events from a stub, so no exact
+index) and ``vllm-router`` runs ``cache_aware`` (its prefix-tree policy, the
+closest peer) instead of ``round_robin``; ``vllm-router-rr`` is the Rust
+router with ``round_robin`` over the same engines, its cheapest policy.
 
     .venv/bin/python benchmarks/gateway_throughput.py [--duration 10]
         [--repeat 1] [--router-cpus 0] [--load-cpus 1] [--workers 1 2]
+        [--engines 1 2] [--general-connections 16]
         [--json benchmarks/results/gateway_throughput_cpu.json]
 
 On a 2-core machine ``--workers 2`` shares its one router core (or, with
@@ -99,7 +109,7 @@ def _nginx_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\") + "'"
 
 
-def nginx_conf(run_dir: Path, json_port: int, sse_port: int) -> str:
+def nginx_conf(run_dir: Path, json_ports: list[int], sse_ports: list[int]) -> str:
     def server(port: int, body: str, media: str) -> str:
         return f"""
   server {{
@@ -126,8 +136,8 @@ http {{
   fastcgi_temp_path {tmp}/fastcgi;
   uwsgi_temp_path {tmp}/uwsgi;
   scgi_temp_path {tmp}/scgi;
-{server(json_port, COMPLETION, "application/json")}
-{server(sse_port, STREAM, "text/event-stream")}
+{"".join(server(port, COMPLETION, "application/json") for port in json_ports)}
+{"".join(server(port, STREAM, "text/event-stream") for port in sse_ports)}
 }}
 """
 
@@ -291,6 +301,20 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--connections", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--stream-connections", type=int, default=16)
+    ap.add_argument(
+        "--engines",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="stub engines behind each router; N > 1 runs the general routing path",
+    )
+    ap.add_argument(
+        "--general-connections",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="connections of the several-engine cells (non-streamed; streamed: its own)",
+    )
     ap.add_argument("--no-vllm-router", action="store_true", help="measure pdfleet only")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -306,105 +330,128 @@ def main() -> int:
     (run_dir / "nginx").mkdir()
     script = run_dir / "post.lua"
     script.write_text(WRK_SCRIPT)
-    json_port, sse_port = free_port(), free_port()
+    max_engines = max(args.engines)
+    ports = {mode: [free_port() for _ in range(max_engines)] for mode in ("json", "sse")}
     conf = run_dir / "nginx.conf"
-    conf.write_text(nginx_conf(run_dir, json_port, sse_port))
+    conf.write_text(nginx_conf(run_dir, ports["json"], ports["sse"]))
     procs = Procs(run_dir)
     procs.start("nginx", ["nginx", "-c", str(conf), "-p", str(run_dir / "nginx")], args.load_cpus)
-    stub = {"json": f"http://127.0.0.1:{json_port}", "sse": f"http://127.0.0.1:{sse_port}"}
+    # One nginx, one server block (a port) per stub engine of each kind.
+    stub = {mode: [f"http://127.0.0.1:{p}" for p in ports[mode]] for mode in ports}
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(stub["json"] + "/health", timeout=2).raise_for_status()
-            break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    for url in stub["json"] + stub["sse"]:
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     body = {"model": "stub", "prompt": PROMPT, "max_tokens": 16}
     stream_body = {**body, "max_tokens": 25, "stream": True}
     env = {"PDFLEET_API_KEY": "", "PDFLEET_API_KEY_FILE": ""}
 
-    def start_router(kind: str, mode: str, workers: int = 1):
+    def start_router(kind: str, mode: str, workers: int = 1, engines: int = 1):
         port = free_port()
         cpus = args.router_cpus if workers == 1 else (args.scale_cpus or args.router_cpus)
+        urls = stub[mode][:engines]
         if kind == "pdfleet":
+            # With several decode engines the gateway's default routing runs:
+            # the prompt analyzed (block hashes), approximate prefix affinity
+            # plus load scoring (no KV events from a stub, so no exact index).
             cmd = [
                 sys.executable, "-m", "pdfleet.engine.cli", "gateway",
-                "--host", "127.0.0.1", "--port", str(port), "--decode", stub[mode],
+                "--host", "127.0.0.1", "--port", str(port), "--decode", *urls,
                 "--disaggregation-mode", "Disabled",
             ]  # fmt: skip
             if workers != 1:
                 cmd += ["--workers", str(workers)]
         else:
+            # One worker: round_robin (nothing to choose). Several: cache_aware,
+            # its prefix-tree routing, the closest peer of prefix affinity
+            # ("vllm-router-rr": round_robin over them, the cheapest reference).
+            policy = "round_robin" if engines == 1 or kind == "vllm-router-rr" else "cache_aware"
             cmd = [
                 str(router_exe), "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", stub[mode], "--policy", "round_robin",
+                "--worker-urls", *urls, "--policy", policy,
                 "--log-level", "error", "--prometheus-port", str(free_port()),
             ]  # fmt: skip
-        proc = procs.start(f"{kind}-{mode}-w{workers}", cmd, cpus, env)
+        proc = procs.start(f"{kind}-{mode}-w{workers}-e{engines}", cmd, cpus, env)
         url = f"http://127.0.0.1:{port}"
         wait_serving(url, proc)
         return proc, url, cpus
 
-    routers = [("pdfleet", w) for w in args.workers]
-    if router_exe is not None:
-        routers.append(("vllm-router", 1))
+    kinds = ["pdfleet"] + (["vllm-router", "vllm-router-rr"] if router_exe is not None else [])
+    # (kind, mode, workers, engines, connections): the single-engine cells at
+    # every --workers, then the general path (several engines) at one worker.
+    setups: list[tuple[str, str, int, int, list[int]]] = []
+    for mode in ("json", "sse"):
+        conns = args.connections if mode == "json" else [args.stream_connections]
+        for engines in args.engines:
+            if engines == 1:
+                setups += [("pdfleet", mode, w, 1, conns) for w in args.workers]
+                if router_exe is not None:
+                    setups.append(("vllm-router", mode, 1, 1, conns))
+            else:
+                general = [c for c in conns if c in args.general_connections] or conns[:1]
+                setups += [(kind, mode, 1, engines, general) for kind in kinds]
     cells: list[dict] = []
     try:
-        for mode in ("json", "sse"):
-            conns = args.connections if mode == "json" else [args.stream_connections]
-            for kind, workers in routers:
-                proc, url, cpus = start_router(kind, mode, workers)
-                try:
-                    for c in conns:
-                        req = body if mode == "json" else stream_body
-                        if args.warmup > 0:
-                            run_wrk(url, req, c, args.warmup, args.load_cpus, script)
-                        runs = []
-                        for _ in range(args.repeat):
-                            cpu0 = cpu_seconds(proc.pid)
-                            run = run_wrk(url, req, c, args.duration, args.load_cpus, script)
-                            # CPU per request: the per-core cost, which a loaded
-                            # machine's neighbours move far less than req/s.
-                            run["cpu_us_per_request"] = (
-                                1e6 * (cpu_seconds(proc.pid) - cpu0) / max(1, run["requests"])
-                            )
-                            runs.append(run)
-                        best = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
-                        cell = {
-                            "router": kind,
-                            "workers": workers,
-                            "router_cpus": cpus,
-                            "mode": "streamed" if mode == "sse" else "non-streamed",
-                            "connections": c,
-                            **best,
-                            "rps_runs": [round(r["rps"]) for r in runs],
-                        }
-                        if mode == "sse":
-                            cell["events_per_s"] = best["rps"] * NUM_EVENTS
-                        cells.append(cell)
-                        print(
-                            f"{kind:12s} w{workers} cpus={cpus:5s} {cell['mode']:13s} c={c:3d} "
-                            f"{best['rps']:9.0f} req/s  p50 {best['p50_ms']:6.2f} ms  "
-                            f"p99 {best['p99_ms']:6.2f} ms  "
-                            f"{best['cpu_us_per_request']:6.0f} us CPU/req  errors {best['errors']}",
-                            flush=True,
+        for kind, mode, workers, engines, conns in setups:
+            proc, url, cpus = start_router(kind, mode, workers, engines)
+            try:
+                for c in conns:
+                    req = body if mode == "json" else stream_body
+                    if args.warmup > 0:
+                        run_wrk(url, req, c, args.warmup, args.load_cpus, script)
+                    runs = []
+                    for _ in range(args.repeat):
+                        cpu0 = cpu_seconds(proc.pid)
+                        run = run_wrk(url, req, c, args.duration, args.load_cpus, script)
+                        # CPU per request: the per-core cost, which a loaded
+                        # machine's neighbours move far less than req/s.
+                        run["cpu_us_per_request"] = (
+                            1e6 * (cpu_seconds(proc.pid) - cpu0) / max(1, run["requests"])
                         )
-                finally:
-                    procs.stop(proc)
+                        runs.append(run)
+                    best = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
+                    cell = {
+                        "router": kind,
+                        "workers": workers,
+                        "engines": engines,
+                        "router_cpus": cpus,
+                        "mode": "streamed" if mode == "sse" else "non-streamed",
+                        "connections": c,
+                        **best,
+                        "rps_runs": [round(r["rps"]) for r in runs],
+                        "cpu_us_runs": [round(r["cpu_us_per_request"], 1) for r in runs],
+                    }
+                    if mode == "sse":
+                        cell["events_per_s"] = best["rps"] * NUM_EVENTS
+                    cells.append(cell)
+                    print(
+                        f"{kind:12s} w{workers} e{engines} cpus={cpus:5s} {cell['mode']:13s} "
+                        f"c={c:3d} {best['rps']:9.0f} req/s  p50 {best['p50_ms']:6.2f} ms  "
+                        f"p99 {best['p99_ms']:6.2f} ms  "
+                        f"{best['cpu_us_per_request']:6.0f} us CPU/req  errors {best['errors']}",
+                        flush=True,
+                    )
+            finally:
+                procs.stop(proc)
     finally:
         procs.close()
 
-    def find(kind: str, mode: str, c: int, workers: int = 1) -> dict | None:
+    def find(kind: str, mode: str, c: int, workers: int = 1, engines: int = 1) -> dict | None:
         for cell in cells:
-            if (cell["router"], cell["mode"], cell["connections"], cell["workers"]) == (
-                kind,
-                mode,
-                c,
-                workers,
-            ):
+            if (
+                cell["router"],
+                cell["mode"],
+                cell["connections"],
+                cell["workers"],
+                cell["engines"],
+            ) == (kind, mode, c, workers, engines):
                 return cell
         return None
 
@@ -412,12 +459,20 @@ def main() -> int:
     for cell in cells:
         if cell["router"] != "pdfleet":
             continue
-        ref = find("vllm-router", cell["mode"], cell["connections"])
+        ref = find("vllm-router", cell["mode"], cell["connections"], 1, cell["engines"])
         key = f"{cell['mode']}_c{cell['connections']}_w{cell['workers']}"
+        if cell["engines"] != 1:
+            key += f"_e{cell['engines']}"
         if ref:
             ratios[key] = round(cell["rps"] / ref["rps"], 3)
             # Requests per CPU-second, pdfleet's over the Rust router's.
             cpu_ratios[key] = round(ref["cpu_us_per_request"] / cell["cpu_us_per_request"], 3)
+        rr = find("vllm-router-rr", cell["mode"], cell["connections"], 1, cell["engines"])
+        if rr:
+            ratios[key + "_vs_round_robin"] = round(cell["rps"] / rr["rps"], 3)
+            cpu_ratios[key + "_vs_round_robin"] = round(
+                rr["cpu_us_per_request"] / cell["cpu_us_per_request"], 3
+            )
     scaling = {}
     for mode, c in [("non-streamed", c) for c in args.connections] + [
         ("streamed", args.stream_connections)
@@ -435,6 +490,12 @@ def main() -> int:
     result = {
         "benchmark": "gateway_throughput",
         "stub": "nginx canned answers; streamed: 26 SSE events in one body",
+        "engines": args.engines,
+        "policies": {
+            "pdfleet": "one engine: the sole route; several: approximate prefix affinity + load",
+            "vllm-router": "one engine: round_robin; several: cache_aware",
+            "vllm-router-rr": "several engines: round_robin",
+        },
         "events_per_stream": NUM_EVENTS,
         "duration_s": args.duration,
         "repeat": args.repeat,

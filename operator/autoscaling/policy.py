@@ -46,9 +46,12 @@ from .signals import (
     Trend,
     calibrate_prefill_rate,
     decode_signal,
+    decode_trend_confirmed,
+    fall_confirmed,
     noise,
     pairwise_slope,
     prefill_signal,
+    rise_confirmed,
     split_samples,
 )
 from .spec import AutoscalingSpec, RoleScaling
@@ -99,6 +102,26 @@ class PolicyTuning:
     (1 + this). None: the tolerance. 0.2 rather than the tolerance's 0.1:
     fewer scale-downs that the next surge undoes (docs/autoscaling.md,
     "Variants tried")."""
+    falling_down_headroom: float | None = None
+    """The headroom going down while the role's demand falls decisively
+    (``signal.falling``, the condition of the falling down window): a load
+    that is leaving needs less room for its next noise peak. None: the
+    headroom of a steady load."""
+    flap_floor_share: float | None = None
+    """After a scale-down is undone within its window, the next one below
+    that count waits for a load this share below the one that failed. None:
+    the tolerance."""
+    flap_floor_full_window: bool = True
+    """Lift decode's floor only when the spec's whole down window stays
+    below it, not the shorter falling window: a run of low snapshots of
+    decode's noisy KV usage met the 90 s window and let the next flap
+    through. On the target matrix it keeps every seed count and halves the
+    steady flaps; on the +30% prefill-rate case it lifts burst TTFT by a
+    seed (docs/autoscaling.md, "Telling a steady load from the start of a
+    ramp"). False: the down window in force, as before."""
+    prefill_flap_floor_full_window: bool = False
+    """The same for prefill's floor (measured with decode's: it took a +30%
+    prefill-rate seed past 1.25x the oracle)."""
     trend_window_seconds: float = 90.0
     """Demand over this window gives the slope used to project it ahead."""
     default_startup_seconds: float = 60.0
@@ -144,6 +167,39 @@ class PolicyTuning:
     """Within one spec down window after a scale-up, scale down only on the
     spec's window, never on the shorter falling window: a scale-up is not
     undone by the next dip of a noisy signal."""
+    decode_trend_with_arrivals: bool = False
+    """Project decode's own KV trend only while prefill's prompt arrivals
+    rise too (their lower-quartile pairwise slope is positive,
+    :func:`.signals.decode_trend_confirmed`). On a steady request rate the
+    summed KV usage is a noisy snapshot whose fitted slope often points up,
+    while the arrivals stay flat. Decode still follows prefill's growth, and
+    its measured level still scales it up."""
+    decode_falls_with_arrivals: bool = False
+    """Give decode the shorter falling down window only while prefill's
+    prompt arrivals fall decisively, not on a run of low samples of decode's
+    own (noisy) KV series."""
+    rise_noise_z: float | None = None
+    """Decode projects a rise (its own trend or prefill's growth) only while
+    prefill's prompt arrivals stand more than this many times the noise of
+    one sample (learned over ``rise_noise_window_seconds``) above their
+    median of the trend window (:func:`.signals.rise_confirmed`): a steady
+    rate keeps decode on its measured level. None: every rise is projected."""
+    prefill_rise_noise_z: float | None = None
+    """The same test for prefill's own projection. None: every rise."""
+    rise_after_down_z: float | None = None
+    """Within one down window after a decode scale-down, decode projects a
+    rise only while prefill's arrivals stand this many times their noise
+    above their level (:func:`.signals.rise_confirmed`); its measured level
+    still scales it up. None: no such dwell."""
+    fall_noise_z: float | None = None
+    """Count prefill's fall as decisive (the shorter falling down window, for
+    both roles) only when it is also larger than this many times the
+    arrivals' noise over ``rise_noise_window_seconds``
+    (:func:`.signals.fall_confirmed`). None: :func:`.signals.falling` alone."""
+    rise_noise_window_seconds: float = 600.0
+    """The window over which the arrivals' noise is learned for the
+    ``*_z`` gates: longer than the trend window, so that the noise is known
+    before a ramp starts."""
     rise_recent_seconds: float | None = None
     """Once the trend window shows a rise, project prefill along the steeper
     of the window's slope and that of only the last this many seconds
@@ -194,7 +250,12 @@ class PolicyTuning:
             raise ValueError(
                 f"decode_load_floor must be >= 1 or None, got {self.decode_load_floor}"
             )
-        for name in ("backlog_drain_seconds", "trend_window_seconds", "default_startup_seconds"):
+        for name in (
+            "backlog_drain_seconds",
+            "trend_window_seconds",
+            "default_startup_seconds",
+            "rise_noise_window_seconds",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -244,6 +305,9 @@ class RoleState:
     """Since when the role has had no request arriving, queued or running."""
     scaled_up: float | None = None
     """Time of the latest scale-up."""
+    long_demand: tuple[tuple[float, float], ...] = ()
+    """(time, measured demand) within ``rise_noise_window_seconds``, kept
+    only while one of the arrivals' noise gates (``PolicyTuning.*_z``) is on."""
 
 
 @dataclass(frozen=True)
@@ -361,9 +425,7 @@ def _role_decision(
             up_rec = math.ceil(raw - 1e-9)
             # Going down, keep the tolerance as headroom: the count left must
             # not be one that the next noise peak pushes straight back up.
-            headroom = tol if tuning.scale_down_headroom is None else tuning.scale_down_headroom
-            if name == "decode" and tuning.decode_down_headroom is not None:
-                headroom = tuning.decode_down_headroom
+            headroom = _down_headroom(name, tuning, signal.falling)
             down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
@@ -413,7 +475,7 @@ def _role_decision(
             elif load_rising:
                 hold = ("load_rising", load_rising)
             elif floor is not None and desired < floor[0]:
-                if peak_raw <= floor[1]:
+                if _floor_peak(name, history, peak_raw, now, role, tuning) <= floor[1]:
                     floor = None  # the load has fallen clearly below the failed attempt
                 elif floor[0] < current:
                     desired = floor[0]
@@ -452,7 +514,8 @@ def _role_decision(
         # that looked as if it would (at a few replicas, consolidating a batch
         # lengthens its steps, so each request holds its KV longer). The next
         # scale-down below this count waits for a clearly lower load.
-        floor = (min(desired, scaled_down[1]), scaled_down[2] * (1 - tuning.tolerance))
+        share = tuning.tolerance if tuning.flap_floor_share is None else tuning.flap_floor_share
+        floor = (min(desired, scaled_down[1]), scaled_down[2] * (1 - share))
         scaled_down = None
     new_state = RoleState(
         since=since,
@@ -466,12 +529,82 @@ def _role_decision(
     return RoleDecision(name, current, desired, code, reason, now), new_state
 
 
+def _floor_peak(
+    name: Role,
+    history: Sequence[tuple[float, int, int, float]],
+    peak: float,
+    now: float,
+    role: RoleScaling,
+    tuning: PolicyTuning,
+) -> float:
+    """The load a flap-damping floor is compared with: the down window's
+    peak, or with ``flap_floor_full_window`` (decode) /
+    ``prefill_flap_floor_full_window`` the spec's whole down window's (a few
+    low samples of a noisy signal meet the shorter falling window)."""
+    full = (
+        tuning.flap_floor_full_window if name == "decode" else tuning.prefill_flap_floor_full_window
+    )
+    if not full:
+        return peak
+    seconds = role.scale_down_stabilization_seconds
+    return max((e[3] for e in history if now - e[0] < seconds), default=peak)
+
+
+def _down_headroom(name: Role, tuning: PolicyTuning, falling: bool = False) -> float:
+    """The headroom a scale-down keeps for ``name``: decode's own, where set;
+    ``falling_down_headroom`` while the demand falls decisively."""
+    if falling and tuning.falling_down_headroom is not None:
+        return tuning.falling_down_headroom
+    if name == "decode" and tuning.decode_down_headroom is not None:
+        return tuning.decode_down_headroom
+    return tuning.tolerance if tuning.scale_down_headroom is None else tuning.scale_down_headroom
+
+
 def _recent_peak(state: RoleState, now: float, tuning: PolicyTuning) -> float:
     """The highest demand (replicas) measured within ``recent_peak_seconds``."""
     if tuning.recent_peak_seconds is None:
         return 0.0
     recent = [v for t, v in state.demand if now - t < tuning.recent_peak_seconds]
     return max(recent, default=0.0)
+
+
+def _rise_after_down(
+    role: RoleScaling,
+    state: RoleState,
+    prefill: RoleSignal,
+    recent: tuple[tuple[float, float], ...],
+    long: tuple[tuple[float, float], ...],
+    now: float,
+    tuning: PolicyTuning,
+) -> bool:
+    """Whether decode may project a rise within one down window of its
+    latest scale-down: only while prefill's arrivals rise out of their noise
+    (``rise_after_down_z``). Consolidating a batch onto fewer replicas
+    lengthens their steps, so the summed KV usage climbs for a while after a
+    scale-down on an unchanged request rate; projected a startup ahead, that
+    climb undid the scale-down (docs/autoscaling.md, "Steady oscillation")."""
+    if tuning.rise_after_down_z is None or state.scaled_down is None:
+        return True
+    if now - state.scaled_down[0] >= role.scale_down_stabilization_seconds:
+        return True
+    return rise_confirmed(prefill.demand, recent, long, tuning.rise_after_down_z)
+
+
+def _long_history(
+    state: RoleState, now: float, tuning: PolicyTuning
+) -> tuple[tuple[float, float], ...]:
+    """The role's demand samples within ``rise_noise_window_seconds``."""
+    return tuple((t, v) for t, v in state.long_demand if now - t < tuning.rise_noise_window_seconds)
+
+
+def _remember(
+    history: tuple[tuple[float, float], ...], signal: RoleSignal, now: float
+) -> tuple[tuple[float, float], ...]:
+    """``history`` with the signal's demand of ``now`` (a complete one only:
+    a partial sum would read as a fall)."""
+    if signal.demand is None or not signal.complete:
+        return history
+    return (*history, (now, signal.demand))
 
 
 def _decode_floor(role: RoleScaling, tuning: PolicyTuning) -> int:
@@ -698,23 +831,40 @@ def decide(
         tuning.calibration_smoothing,
         tuning.min_calibration_busy,
     )
-    p_signal = prefill_signal(
-        spec.prefill,
-        p_fresh,
-        p_missing,
-        p_starting,
-        tokens_per_second,
-        p_history,
-        now,
-        ahead,
-        tuning.prefill_target_utilization,
-        tuning.backlog_drain_seconds,
-        _recent_peak(state.prefill, now, tuning),
-        tuning.trend_noise_z,
-        tuning.min_trend_span_seconds,
-        tuning.rise_recent_seconds,
-        tuning.rise_z,
-    )
+
+    def prefill_now(rise: bool = True) -> RoleSignal:
+        return prefill_signal(
+            spec.prefill,
+            p_fresh,
+            p_missing,
+            p_starting,
+            tokens_per_second,
+            p_history,
+            now,
+            ahead,
+            tuning.prefill_target_utilization,
+            tuning.backlog_drain_seconds,
+            _recent_peak(state.prefill, now, tuning),
+            tuning.trend_noise_z,
+            tuning.min_trend_span_seconds,
+            tuning.rise_recent_seconds,
+            tuning.rise_z,
+            rise=rise,
+        )
+
+    p_signal = prefill_now()
+    # The arrivals' noise gates (PolicyTuning, off by default): a rise or a
+    # fall counts only where it stands out of the arrivals' long-run noise.
+    p_long = _long_history(state.prefill, now, tuning)
+    if not rise_confirmed(p_signal.demand, p_history, p_long, tuning.prefill_rise_noise_z):
+        p_signal = prefill_now(rise=False)
+    if p_signal.falling and not fall_confirmed(
+        p_signal.demand, p_history, now, p_long, tuning.fall_noise_z
+    ):
+        p_signal = replace(p_signal, falling=False)
+    d_rise = rise_confirmed(
+        p_signal.demand, p_history, p_long, tuning.rise_noise_z
+    ) and _rise_after_down(spec.decode, state.decode, p_signal, p_history, p_long, now, tuning)
     ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
     ttft_high = None
     if ttfts and max(ttfts) > spec.prefill.ttft_target_seconds:
@@ -750,6 +900,7 @@ def decide(
         # Until the series spans the trend window, decode follows prefill's
         # growth only.
         d_history = ()
+    own_trend = d_rise and decode_trend_confirmed(p_signal, tuning.decode_trend_with_arrivals)
     d_signal = decode_signal(
         spec.decode,
         d_fresh,
@@ -762,12 +913,14 @@ def decide(
         tuning.backlog_drain_seconds
         if tuning.decode_queue_drain_seconds is None
         else tuning.decode_queue_drain_seconds,
-        p_signal.growth,
+        p_signal.growth if d_rise else 1.0,
         p_signal.falling,
         _recent_peak(state.decode, now, tuning),
         tuning.fit_decode_level,
         tuning.trend_noise_z,
         tuning.min_trend_span_seconds,
+        own_trend=own_trend,
+        own_fall=not tuning.decode_falls_with_arrivals,
     )
     d, d_state = _decide_role(
         "decode",
@@ -782,6 +935,13 @@ def decide(
         load_floor=_decode_floor(spec.decode, tuning),
     )
 
+    if (
+        tuning.rise_noise_z is not None
+        or tuning.prefill_rise_noise_z is not None
+        or tuning.fall_noise_z is not None
+        or tuning.rise_after_down_z is not None
+    ):
+        p_state = replace(p_state, long_demand=_remember(p_long, p_signal, now))
     p, d = _apply_ratio(spec, p, d)
     p, d = _apply_budget(spec, p, d)
     new_state = PolicyState(

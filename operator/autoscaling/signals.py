@@ -7,6 +7,7 @@ and a line of measurements for the decision's reason. Pure functions.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -264,6 +265,7 @@ def prefill_signal(
     min_span: float = 0.0,
     rise_recent_seconds: float | None = None,
     rise_z: float | None = None,
+    rise: bool = True,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -276,6 +278,8 @@ def prefill_signal(
       fleet to empty it at once would overshoot by the queue's depth;
     * waiting requests / ``targetWaitingPerReplica``, only where the engines
       do not export queued prompt tokens (vLLM).
+
+    Without ``rise`` the demand is not projected (nor its growth passed on).
     """
     no_rate = [f"{r.name} (first scrape)" for r in fresh if r.interval_seconds is None]
     rate = tokens_per_second if tokens_per_second is not None else role.prefill_tokens_per_second
@@ -298,7 +302,9 @@ def prefill_signal(
     is_falling = False
     if demand is not None:
         is_falling = falling(demand, history, now, noise_z)
-        if rise_recent_seconds is None:
+        if not rise:
+            projected = demand
+        elif rise_recent_seconds is None:
             projected = project(demand, history, now, ahead, noise_z=noise_z, min_span=min_span)
         else:
             projected = project_rise(
@@ -313,7 +319,7 @@ def prefill_signal(
                 rise_z,
             )
         planned = max(projected, recent_peak)
-        if demand > 0:
+        if demand > 0 and rise:
             growth = (
                 project(demand, history, now, ahead, GROWTH_QUANTILE, noise_z, min_span) / demand
             )
@@ -365,6 +371,8 @@ def decode_signal(
     fit_level: bool = False,
     noise_z: float | None = None,
     min_span: float = 0.0,
+    own_trend: bool = True,
+    own_fall: bool = True,
 ) -> RoleSignal:
     """Decode needs projected KV demand / ``targetKVCacheUsage``.
 
@@ -375,7 +383,9 @@ def decode_signal(
     needs queue x D / drain seconds of extra concurrency; D = running /
     admissions per second). It is projected along its own trend or along
     prefill's significant growth, whichever is larger: decode's load lags, as
-    the requests rising at prefill reach it after their prefill.
+    the requests rising at prefill reach it after their prefill. Without
+    ``own_trend`` only prefill's growth is projected; without ``own_fall``
+    only prefill's decisive fall counts as falling.
     """
     # Draining replicas still hold KV for their running requests; counting it
     # keeps the demand continuous across a scale-down (their load moves to
@@ -403,8 +413,11 @@ def decode_signal(
         level = fitted_level(demand, history, now)
         if abs(level - demand) > 1e-9:
             parts.append(f"level {level:.2f} on the recent trend")
+    own = level
+    if own_trend:
+        own = project(level, history, now, ahead, noise_z=noise_z, min_span=min_span)
     planned = max(
-        project(level, history, now, ahead, noise_z=noise_z, min_span=min_span),
+        own,
         level * prefill_growth,
         recent_peak,
     )
@@ -427,5 +440,72 @@ def decode_signal(
         demand=demand,
         # Decode's own series restarts at each count change; prefill's fall
         # is the earlier and steadier sign that decode's load will follow.
-        falling=prefill_falling or falling(demand, history, now, noise_z),
+        falling=prefill_falling or (own_fall and falling(demand, history, now, noise_z)),
     )
+
+
+def step_noise(history: Trend) -> float:
+    """The noise of one sample of ``history``, from its successive
+    differences: 1.4826 x their median absolute value / sqrt(2) (a standard
+    deviation for Gaussian noise). A trend, a surge's shape or a level
+    change moves only the few differences it spans, so a long window of a
+    varying load still gives the noise of one period's sample; 0 with fewer
+    than :data:`MIN_TREND_POINTS` samples."""
+    if len(history) < MIN_TREND_POINTS:
+        return 0.0
+    steps = [abs(b - a) for (_, a), (_, b) in itertools.pairwise(history)]
+    return 1.4826 * statistics.median(steps) / math.sqrt(2.0)
+
+
+def rise_confirmed(demand: float | None, history: Trend, long: Trend, z: float | None) -> bool:
+    """Whether ``demand`` stands out of its noise: above the median of the
+    trend window ``history`` by more than ``z`` times the noise of one sample
+    learned over the longer window ``long`` (:func:`step_noise`). True with
+    ``z`` None, without a demand, or with fewer than
+    :data:`MIN_TREND_POINTS` samples in either (nothing learned yet).
+
+    On a steady rate the slope fitted to a trend window's few samples points
+    up about half the time and projects noise a startup ahead; the level
+    itself rarely leaves a band of a few times its noise. A ramp leaves it
+    only after a few periods (docs/autoscaling.md, "Telling a steady load
+    from the start of a ramp")."""
+    if z is None or demand is None or len(long) < MIN_TREND_POINTS or not history:
+        return True
+    level = statistics.median(v for _, v in history)
+    return demand > level + z * step_noise(long)
+
+
+def fall_confirmed(
+    demand: float | None, history: Trend, now: float, long: Trend, z: float | None
+) -> bool:
+    """Whether ``demand`` falls over ``history`` plus now by more than ``z``
+    times the noise of one sample learned over ``long`` (:func:`step_noise`),
+    at the :data:`FALL_QUANTILE` slope. True with ``z`` None or fewer than
+    :data:`MIN_TREND_POINTS` long samples.
+
+    Six samples of a steady rate agree on a 10% fall now and then (the test
+    of :func:`falling`); a surge ebbing falls by many times the rate's
+    noise."""
+    if z is None or demand is None or len(long) < MIN_TREND_POINTS:
+        return True
+    points = (*history, (now, demand))
+    slope = pairwise_slope(points, FALL_QUANTILE)
+    if slope is None or slope >= 0:
+        return False
+    return -slope * (now - points[0][0]) >= z * step_noise(long)
+
+
+def decode_trend_confirmed(prefill: RoleSignal, needs_arrivals: bool) -> bool:
+    """Whether decode may project its own KV trend: always, or with
+    ``needs_arrivals`` only while prefill's prompt arrivals rise (their
+    growth, at the lower-quartile slope, is above 1).
+
+    Summed KV usage is a snapshot of a few dozen requests of log-normal
+    lengths: on a constant request rate it swings by a third from period to
+    period, and the Theil-Sen slope of six such samples points up half the
+    time. The prompt-token arrival rate sums every request of the period, so
+    its noise is a few percent. Measured, this gate also holds back decode
+    at the start of a surge, where its own trend is the earlier sign
+    (docs/autoscaling.md, "Telling a steady load from the start of a
+    ramp")."""
+    return not needs_arrivals or prefill.growth > 1.0 + 1e-9
