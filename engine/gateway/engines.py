@@ -214,7 +214,7 @@ class EnginePool:
         """The one routable engine of ``role``; None when there are none or several."""
         sole = None
         for e in self.engines.values():
-            if e.state == "healthy" and (e.role == role or e.role == "both"):
+            if e.routable and e.serves(role):
                 if sole is not None:
                     return None
                 sole = e

@@ -282,11 +282,6 @@ class Proxy:
         self._decisions: dict[tuple[str, str], Any] = {}
         """The routing-decision counter per (decision, reason)."""
         metrics.on_collect(self._inflight_gauges)
-        self._fixed_first_token = config.first_token_timeout
-        """--first-token-timeout, when it fixes the bound (read once, not per leg)."""
-        self._first_token_base = config.first_token_base_timeout
-        self._first_token_per = config.first_token_per_waiting
-        self._first_token_max = config.first_token_max_timeout
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -320,13 +315,8 @@ class Proxy:
 
     def _first_token_bound(self, e: EngineState) -> float:
         """The first-token wait for ``e``: grows with the requests queued ahead."""
-        fixed = self._fixed_first_token
-        if fixed is not None:
-            return fixed
         load = e.load
-        # GatewayConfig.first_token_bound, with its three numbers read once.
-        waiting = max(load.waiting, e.inflight - load.running, 0.0)
-        return min(self._first_token_max, self._first_token_base + self._first_token_per * waiting)
+        return self.config.first_token_bound(max(load.waiting, e.inflight - load.running))
 
     def _watched(self, e: EngineState, seconds: float) -> Watched:
         """A :class:`Deadline` ``seconds`` from now that also fires at once when the stall
@@ -915,26 +905,16 @@ class Proxy:
                 ttft.observe(time.perf_counter() - call.start)
                 done = out.endswith(DONE)
                 yield out
-            if not ended and resp.received():
-                # The engine's whole answer is here: the rest needs no wait to bound.
-                self.pool.progress(engine)
-                async for data in chunks:
-                    buf += data
-                    if len(buf) > limit:
-                        raise UpstreamError(f"an event of over {limit} bytes")
-                    cut = buf.rfind(b"\n\n")
-                    if cut >= 0:
-                        out, buf = buf[: cut + 2], buf[cut + 2 :]
-                        done = done or out.endswith(DONE)
-                        yield out
-            elif not ended:
+            if not ended:
                 # The rest under one idle timeout, pushed back as each chunk
                 # arrives and off while the client takes an event (a slow
                 # reader is not an idle engine; the stall watchdog, which
                 # reschedules the registered timeouts, waits on the engine only).
+                # None when the engine's whole answer is here: nothing to wait for.
                 with Deadline(None) as cm:
-                    timer = IdleTimer(cm, idle)
-                    engine.waiters.add(cm)
+                    timer = None if resp.received() else IdleTimer(cm, idle)
+                    if timer is not None:
+                        engine.waiters.add(cm)
                     try:
                         async for data in chunks:  # a stall-ejected engine ends its streams now
                             self.pool.progress(engine)
@@ -943,17 +923,22 @@ class Proxy:
                                 raise UpstreamError(f"an event of over {limit} bytes")
                             cut = buf.rfind(b"\n\n")
                             if cut < 0:
-                                timer.touch()
+                                if timer is not None:
+                                    timer.touch()
                                 continue
                             out, buf = buf[: cut + 2], buf[cut + 2 :]
                             done = done or out.endswith(DONE)
+                            if timer is None:
+                                yield out
+                                continue
                             timer.paused = True
                             engine.waiters.discard(cm)
                             yield out
                             engine.waiters.add(cm)
                             timer.touch()
                     finally:
-                        timer.cancel()
+                        if timer is not None:
+                            timer.cancel()
                         engine.waiters.discard(cm)
             if not done:
                 self.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
