@@ -97,11 +97,12 @@ class PolicyTuning:
     after the added replicas serve."""
     tolerance: float = 0.1
     """Relative band around the current count inside which the count is kept."""
-    scale_down_headroom: float | None = 0.2
+    scale_down_headroom: float | None = 0.3
     """Headroom kept when scaling down: the count left serves the load times
-    (1 + this). None: the tolerance. 0.2 rather than the tolerance's 0.1:
-    fewer scale-downs that the next surge undoes (docs/autoscaling.md,
-    "Variants tried")."""
+    (1 + this). None: the tolerance. 0.3 rather than the tolerance's 0.1:
+    fewer scale-downs that the next surge undoes; affordable since prefill
+    is sized on its request rate (``prefill_mix_seconds``;
+    docs/autoscaling.md, "Sizing prefill on its request rate")."""
     falling_down_headroom: float | None = None
     """The headroom going down while the role's demand falls decisively
     (``signal.falling``, the condition of the falling down window): a load
@@ -226,6 +227,19 @@ class PolicyTuning:
     whole base load, so a surge fills it within about a minute, before a
     replica started then serves; two share it with room for a surge's first
     minutes. None: ``minReplicas``."""
+    single_decode_headroom: float | None = 1.0
+    """Decode's headroom for a scale-down to one replica (1.0: the one left
+    must hold twice the load). One replica holds the whole batch, its steps
+    lengthen, and on a load it holds at half its target its noise peaks sit
+    at the scale-up threshold: going to one there was what made a steady
+    load flap. None: the usual headroom."""
+    prefill_mix_seconds: float | None = 450.0
+    """Size prefill on its request arrival rate times the prompt tokens per
+    request of this many seconds, rather than on each period's prompt-token
+    arrivals: a surge moves the request rate, while the prompt-length mix
+    of a period's ~200 requests only adds noise (a few long documents make
+    a period look 30% busier), which the trend then carried a cold start
+    ahead. None: each period's token arrivals."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -318,6 +332,9 @@ class PolicyState:
     """Calibrated prompt tokens per second of one prefill replica."""
     startup_seconds: float | None = None
     """Observed time from ``starting`` to ``ready``, smoothed."""
+    prefill_mix: tuple[tuple[float, float, float], ...] = ()
+    """(time, prompt tokens, requests) that arrived at prefill per period,
+    within ``PolicyTuning.prefill_mix_seconds``."""
     starting_since: tuple[tuple[str, float], ...] = ()
     """(replica, first time seen starting) for replicas not yet ready."""
 
@@ -427,6 +444,9 @@ def _role_decision(
             # not be one that the next noise peak pushes straight back up.
             headroom = _down_headroom(name, tuning, signal.falling)
             down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
+            single = tuning.single_decode_headroom
+            if name == "decode" and single is not None and down_rec <= 1:
+                down_rec = math.ceil(raw * (1 + single) - 1e-9)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
         wanted_down = down_rec
@@ -632,6 +652,24 @@ def _prefill_rising(
     return f"prefill's demand rising ({slope * 60:+.2f} replicas a minute)"
 
 
+def _prefill_mix(
+    mix: tuple[tuple[float, float, float], ...],
+    fresh: Sequence[ReplicaSample],
+    now: float,
+    seconds: float,
+) -> tuple[tuple[float, float, float], ...]:
+    """The prompt mix's window with this period's arrivals added."""
+    tokens = requests = 0.0
+    for r in fresh:
+        dt = r.interval_seconds
+        t_rate, r_rate = r.prompt_token_arrivals_per_second, r.request_arrivals_per_second
+        if dt and t_rate is not None and r_rate is not None:
+            tokens += t_rate * dt
+            requests += r_rate * dt
+    kept = tuple(m for m in mix if now - m[0] < seconds)
+    return (*kept, (now, tokens, requests)) if requests > 0 else kept
+
+
 def _current(obs: RoleObservation) -> tuple[int, int]:
     """(requested replicas, of which not ready)."""
     live = [r for r in obs.replicas if r.state != "draining"]
@@ -832,6 +870,14 @@ def decide(
         tuning.min_calibration_busy,
     )
 
+    mix = state.prefill_mix
+    tokens_per_request = None
+    if tuning.prefill_mix_seconds is not None:
+        mix = _prefill_mix(mix, p_fresh, now, tuning.prefill_mix_seconds)
+        requests = sum(m[2] for m in mix)
+        if requests > 0:
+            tokens_per_request = sum(m[1] for m in mix) / requests
+
     def prefill_now(rise: bool = True) -> RoleSignal:
         return prefill_signal(
             spec.prefill,
@@ -850,6 +896,7 @@ def decide(
             tuning.rise_recent_seconds,
             tuning.rise_z,
             rise=rise,
+            tokens_per_request=tokens_per_request,
         )
 
     p_signal = prefill_now()
@@ -950,5 +997,6 @@ def decide(
         prefill_tokens_per_second=tokens_per_second,
         startup_seconds=startup,
         starting_since=starting_since,
+        prefill_mix=mix,
     )
     return PolicyResult(prefill=p, decode=d, state=new_state)

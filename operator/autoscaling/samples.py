@@ -96,6 +96,10 @@ class ReplicaSample:
     saturated."""
     prefill_busy_fraction: float | None = None
     """Fraction of the interval spent running prefill work, 0 to 1."""
+    request_arrivals_per_second: float | None = None
+    """Requests that arrived per second: first tokens served plus the growth
+    of the requests running and waiting (on prefill, where a request's
+    first token ends its stay, the request arrival rate)."""
     first_tokens_per_second: float | None = None
     """Requests per second that got their first token over the interval (the
     TTFT histogram's count): on decode, the admission rate."""
@@ -147,6 +151,10 @@ def _delta(cur: float | None, prev: float | None) -> float | None:
     return cur - prev
 
 
+def _in_system(snapshot: EngineSnapshot) -> float:
+    return (snapshot.num_running or 0.0) + (snapshot.num_waiting or 0.0)
+
+
 def _mean(sum_delta: float | None, count_delta: float | None) -> float | None:
     if sum_delta is None or not count_delta:
         return None
@@ -195,6 +203,9 @@ def sample_from_snapshots(
         prompt_token_arrivals_per_second=arrivals,
         prefill_busy_fraction=None if busy is None else min(busy / dt, 1.0),
         first_tokens_per_second=None if first is None else first / dt,
+        request_arrivals_per_second=None
+        if first is None
+        else max(first + _in_system(current) - _in_system(previous), 0.0) / dt,
         ttft_seconds=_mean(_delta(current.ttft_sum, previous.ttft_sum), first),
         itl_seconds=_mean(
             _delta(current.itl_sum, previous.itl_sum),

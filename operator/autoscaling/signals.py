@@ -266,6 +266,7 @@ def prefill_signal(
     rise_recent_seconds: float | None = None,
     rise_z: float | None = None,
     rise: bool = True,
+    tokens_per_request: float | None = None,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -280,6 +281,9 @@ def prefill_signal(
       do not export queued prompt tokens (vLLM).
 
     Without ``rise`` the demand is not projected (nor its growth passed on).
+    With ``tokens_per_request`` (the prompt mix measured over a longer
+    window) the arrivals are the request arrival rate times it: the rate is
+    what a surge moves, the mix only adds per-period noise.
     """
     no_rate = [f"{r.name} (first scrape)" for r in fresh if r.interval_seconds is None]
     rate = tokens_per_second if tokens_per_second is not None else role.prefill_tokens_per_second
@@ -287,7 +291,14 @@ def prefill_signal(
     busy = [r.prefill_busy_fraction for r in fresh]
     parts: list[str] = []
     demand: float | None = None
-    if rate and any(a is not None for a in arrivals):
+    requests = [r.request_arrivals_per_second for r in fresh]
+    if rate and tokens_per_request and requests and all(q is not None for q in requests):
+        total = sum(q or 0.0 for q in requests) * tokens_per_request
+        demand = total / rate
+        parts.append(
+            f"{sum(q or 0.0 for q in requests):.1f} requests/s x {tokens_per_request:.0f} tokens"
+        )
+    elif rate and any(a is not None for a in arrivals):
         total = sum(a or 0.0 for a in arrivals)
         demand = total / rate
         source = "measured" if tokens_per_second is not None else "configured"

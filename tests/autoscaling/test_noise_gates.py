@@ -19,6 +19,10 @@ from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 
 from .helpers import PERIOD, decode, fleet, prefill
 
+# The headroom going down to one decode replica before it became 1.0
+# (``single_decode_headroom``), for the tests of the rules at that step.
+TO_ONE = {"single_decode_headroom": None, "scale_down_headroom": 0.2}
+
 
 def spec() -> AutoscalingSpec:
     return AutoscalingSpec.from_spec(
@@ -144,8 +148,10 @@ def test_rise_noise_z_still_projects_a_rise_the_arrivals_share():
 def test_decode_down_headroom_keeps_the_count_a_noise_peak_would_restore():
     # At 2 replicas decode needs 0.8: the common 20% headroom leaves 1 (0.96),
     # decode's own 40% keeps 2 (1.12).
-    flat = decisions(PolicyTuning(), lambda i: 0.56, n_decode=2, end=600.0)
-    held = decisions(PolicyTuning(decode_down_headroom=0.4), lambda i: 0.56, n_decode=2, end=600.0)
+    flat = decisions(PolicyTuning(**TO_ONE), lambda i: 0.56, n_decode=2, end=600.0)
+    held = decisions(
+        PolicyTuning(**TO_ONE, decode_down_headroom=0.4), lambda i: 0.56, n_decode=2, end=600.0
+    )
     assert flat[-1].desired == 1
     assert {d.desired for d in held} == {2}
 
@@ -164,11 +170,11 @@ def test_decode_falls_with_arrivals_waits_the_full_window_on_its_own_fall():
         raise AssertionError("decode never scaled down")
 
     # Decode's own decisive fall opens the 90 s falling window ...
-    assert first_down(PolicyTuning()) < 300.0 + 300.0
+    assert first_down(PolicyTuning(**TO_ONE)) < 300.0 + 300.0
     # ... and without a fall of the arrivals decode waits the spec's 300 s.
-    late = first_down(PolicyTuning(decode_falls_with_arrivals=True))
+    late = first_down(PolicyTuning(**TO_ONE, decode_falls_with_arrivals=True))
     assert late >= 300.0 + 300.0 - PERIOD
-    assert late > first_down(PolicyTuning())
+    assert late > first_down(PolicyTuning(**TO_ONE))
 
 
 def test_knobs_that_are_off_change_nothing():
@@ -212,8 +218,8 @@ def _undone_then_dip(tuning: PolicyTuning):
 
 def test_decode_flap_floor_is_not_lifted_by_a_short_dip():
     # The default: decode's floor waits for the spec's whole down window.
-    held = _undone_then_dip(PolicyTuning())
-    plain = _undone_then_dip(PolicyTuning(flap_floor_full_window=False))
+    held = _undone_then_dip(PolicyTuning(**TO_ONE))
+    plain = _undone_then_dip(PolicyTuning(**TO_ONE, flap_floor_full_window=False))
     for run in (plain, held):  # the first scale-down is undone in both
         moves = [d.direction for d in run if d.direction != "none"]
         assert moves[:2] == ["down", "up"], moves

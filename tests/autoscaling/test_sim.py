@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -72,9 +73,13 @@ def test_a_decisive_fall_scales_down_after_the_short_window_not_the_spec_window(
     # A surge from 200 s to 500 s, then quiet: the fall is decisive, so the
     # surge's replicas go after the falling window (90 s), not after the
     # spec's 300 s down window -- but not at once either.
+    # Prefill sized on each period's token arrivals: on the request-rate
+    # signal (the default) this instant drop meets the falling test only from
+    # 615 s, and its last step down waits for the spec's window (930 s).
+    tokens = PolicyTuning(prefill_mix_seconds=None)
     config = TraceConfig(kind="burst", duration_seconds=1500, base_rate=3)
     trace = make_trace(config, bursts=[Burst(start=200, factor=5, hold=300, ramp=0)])
-    _, result = simulate(trace)
+    _, result = simulate(trace, strategy=PolicyStrategy(SPEC, tokens))
     quiet = replicas_at(result, 1450)[0]
     assert replicas_at(result, 480)[0] > quiet + 1
     window = SPEC.prefill.scale_down_stabilization_seconds
@@ -83,7 +88,10 @@ def test_a_decisive_fall_scales_down_after_the_short_window_not_the_spec_window(
     assert 500 + falling <= reached < 500 + window
     # Without the falling window, the spec's window holds the surge's count.
     _, slow = simulate(
-        trace, strategy=PolicyStrategy(SPEC, PolicyTuning(falling_down_window_seconds=None))
+        trace,
+        strategy=PolicyStrategy(
+            SPEC, dataclasses.replace(tokens, falling_down_window_seconds=None)
+        ),
     )
     reached_slow = min(t for t, p, _, _ in slow.timeline if t >= 500 and p == quiet)
     assert reached_slow >= 500 + window
