@@ -12,6 +12,7 @@ from helpers.server import ServerProcess, fleet_headers
 
 from pdfleet.engine.config import metrics as names
 from pdfleet.operator.autoscaling.calibrate import least_squares, load_fleet_model
+from pdfleet.operator.autoscaling.samples import parse_engine_metrics, sample_from_snapshots
 
 
 def pdfleet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -133,3 +134,34 @@ def test_least_squares_recovers_exact_coefficients():
     ys = [0.002 + 0.0005 * b + 3e-6 * c for _, b, c in rows]
     a, b, c = least_squares(rows, ys)
     assert (a, b, c) == pytest.approx((0.002, 0.0005, 3e-6), rel=1e-6)
+
+
+def test_a_real_engine_exports_the_request_rate_and_prompt_mix_the_policy_sizes_prefill_on(
+    engine,
+):
+    # The policy sizes prefill on request arrivals times prompt tokens per
+    # request (PolicyTuning.prefill_mix_seconds); both come from a real
+    # engine's /metrics through the same parser and sample builder.
+    def scrape(t: float):
+        text = httpx.get(engine.url + "/metrics", headers=fleet_headers(), timeout=10).text
+        return parse_engine_metrics(text, t)
+
+    before = scrape(0.0)
+    for i in range(6):
+        prompt = [(97 * i + 13 * k) % 500 + 5 for k in range(40)]  # distinct: no cache hits
+        r = httpx.post(
+            engine.url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+            headers=fleet_headers(),
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    after = scrape(10.0)
+    sample = sample_from_snapshots("e0", after, before)
+    assert sample.request_arrivals_per_second is not None
+    assert sample.prompt_token_arrivals_per_second is not None
+    assert sample.request_arrivals_per_second * 10.0 == pytest.approx(6)
+    tokens_per_request = (
+        sample.prompt_token_arrivals_per_second / sample.request_arrivals_per_second
+    )
+    assert tokens_per_request == pytest.approx(40)
