@@ -292,7 +292,7 @@ def prefill_signal(
     parts: list[str] = []
     demand: float | None = None
     requests = [r.request_arrivals_per_second for r in fresh]
-    if rate and tokens_per_request and requests and all(q is not None for q in requests):
+    if rate and tokens_per_request and any(q is not None for q in requests):
         total = sum(q or 0.0 for q in requests) * tokens_per_request
         demand = total / rate
         parts.append(
