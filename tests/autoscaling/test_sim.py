@@ -13,11 +13,13 @@ from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling.sim import (
     FixedStrategy,
     FleetModel,
+    OracleStrategy,
     PolicyStrategy,
     SimResult,
     Simulation,
     compare,
     evaluate_targets,
+    replica_needs,
 )
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling.traces import Burst, TraceConfig, make_trace
@@ -229,3 +231,24 @@ def test_cli_table_names_its_targets_in_product_terms(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Targets of the pdfleet policy" in out and "issue" not in out.lower()
+
+
+def test_an_oracle_with_less_foresight_serves_a_surge_later():
+    # benchmarks/autoscaling_foresight.py: the oracle seeing the load a cold
+    # start plus a period ahead has its replicas ready when a surge arrives;
+    # seeing it later, it misses the surge's first seconds.
+    trace = make_trace(
+        TraceConfig(kind="burst", duration_seconds=900, base_rate=3),
+        bursts=[Burst(start=300, factor=5, hold=200, ramp=30)],
+    )
+    needs = replica_needs(trace, MODEL, SPEC)
+    full = MODEL.cold_start_seconds + SPEC.period_seconds
+    start = OracleStrategy(needs, SPEC.period_seconds, full).at(0.0)
+
+    def ttft(ahead: float) -> float:
+        oracle = OracleStrategy(needs, SPEC.period_seconds, ahead)
+        return Simulation(trace, MODEL, SPEC, oracle, start).run().ttft_attainment
+
+    seeing, blind = ttft(full), ttft(0.0)
+    assert seeing >= 0.99
+    assert blind < seeing - 0.02
