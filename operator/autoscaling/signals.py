@@ -292,16 +292,17 @@ def prefill_signal(
     parts: list[str] = []
     demand: float | None = None
     requests = [r.request_arrivals_per_second for r in fresh]
+    source = "measured" if tokens_per_second is not None else "configured"
     if rate and tokens_per_request and any(q is not None for q in requests):
-        total = sum(q or 0.0 for q in requests) * tokens_per_request
-        demand = total / rate
+        per_second = sum(q or 0.0 for q in requests)
+        demand = per_second * tokens_per_request / rate
         parts.append(
-            f"{sum(q or 0.0 for q in requests):.1f} requests/s x {tokens_per_request:.0f} tokens"
+            f"{per_second:.1f} requests/s x {tokens_per_request:.0f} prompt tokens = "
+            f"{demand:.2f} replicas at {rate:.0f} tok/s ({source})"
         )
     elif rate and any(a is not None for a in arrivals):
         total = sum(a or 0.0 for a in arrivals)
         demand = total / rate
-        source = "measured" if tokens_per_second is not None else "configured"
         parts.append(
             f"prompt arrivals {total:.0f} tok/s = {demand:.2f} replicas at {rate:.0f} tok/s "
             f"({source})"

@@ -117,3 +117,18 @@ def test_decode_keeps_two_replicas_for_a_load_one_holds_at_its_target_only():
     assert _run_decode(0.5, PolicyTuning(single_decode_headroom=None)) == 1
     # A load one replica holds twice over still goes down to one.
     assert _run_decode(0.3, PolicyTuning()) == 1
+
+
+def test_the_reason_names_the_request_rate_and_the_prompt_mix():
+    s, state = spec(), None
+    for i in range(3):
+        t = PERIOD * (i + 1)
+        obs = fleet(
+            _prefill_fleet(t, 1500.0), [decode("d0", t, kv=0.3, running=20)], prefill_requested=3
+        )
+        out = decide(s, obs, t, state)
+        state = out.state
+    # 3 replicas x 4 requests/s, 1,500 tokens each, at 10k tokens/s.
+    assert "12.0 requests/s x 1500 prompt tokens = 1.80 replicas" in out.prefill.reason, (
+        out.prefill.reason
+    )
