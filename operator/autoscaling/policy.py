@@ -440,13 +440,9 @@ def _role_decision(
             code, why = "within_tolerance", f"{why}, within {within} of {current}"
         else:
             up_rec = math.ceil(raw - 1e-9)
-            # Going down, keep the tolerance as headroom: the count left must
-            # not be one that the next noise peak pushes straight back up.
-            headroom = _down_headroom(name, tuning, signal.falling)
-            down_rec = math.ceil(raw * (1 + headroom) - 1e-9)
-            single = tuning.single_decode_headroom
-            if name == "decode" and single is not None and down_rec <= 1:
-                down_rec = math.ceil(raw * (1 + single) - 1e-9)
+            # Going down, keep headroom: the count left must not be one that
+            # the next noise peak pushes straight back up.
+            down_rec = _down_count(name, raw, tuning, signal.falling)
         up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
         down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
         wanted_down = down_rec
@@ -570,14 +566,24 @@ def _floor_peak(
     return max((e[3] for e in history if now - e[0] < seconds), default=peak)
 
 
-def _down_headroom(name: Role, tuning: PolicyTuning, falling: bool = False) -> float:
-    """The headroom a scale-down keeps for ``name``: decode's own, where set;
-    ``falling_down_headroom`` while the demand falls decisively."""
+def _down_count(name: Role, raw: float, tuning: PolicyTuning, falling: bool = False) -> int:
+    """The count a scale-down leaves for ``raw`` replicas needed, with the
+    headroom it keeps: decode's own, where set; ``falling_down_headroom``
+    while the demand falls decisively; ``single_decode_headroom`` for decode
+    going down to one replica."""
     if falling and tuning.falling_down_headroom is not None:
-        return tuning.falling_down_headroom
-    if name == "decode" and tuning.decode_down_headroom is not None:
-        return tuning.decode_down_headroom
-    return tuning.tolerance if tuning.scale_down_headroom is None else tuning.scale_down_headroom
+        headroom = tuning.falling_down_headroom
+    elif name == "decode" and tuning.decode_down_headroom is not None:
+        headroom = tuning.decode_down_headroom
+    elif tuning.scale_down_headroom is None:
+        headroom = tuning.tolerance
+    else:
+        headroom = tuning.scale_down_headroom
+    count = math.ceil(raw * (1 + headroom) - 1e-9)
+    single = tuning.single_decode_headroom
+    if name == "decode" and single is not None and count <= 1:
+        count = math.ceil(raw * (1 + single) - 1e-9)
+    return count
 
 
 def _recent_peak(state: RoleState, now: float, tuning: PolicyTuning) -> float:

@@ -7,6 +7,11 @@ from pdfleet.operator.autoscaling.samples import ReplicaSample
 
 PERIOD = 15.0
 
+# The headroom going down to one decode replica before it became 1.0
+# (``PolicyTuning.single_decode_headroom``), for the tests of the rules at
+# that step: ``PolicyTuning(**TO_ONE)``.
+TO_ONE = {"single_decode_headroom": None, "scale_down_headroom": 0.2}
+
 
 def decode(name: str, t: float, kv: float = 0.0, running: float = 0, waiting: float = 0, **kw):
     """A ready decode replica's sample taken at ``t``."""

@@ -17,11 +17,7 @@ from pdfleet.operator.autoscaling.signals import (
 )
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 
-from .helpers import PERIOD, decode, fleet, prefill
-
-# The headroom going down to one decode replica before it became 1.0
-# (``single_decode_headroom``), for the tests of the rules at that step.
-TO_ONE = {"single_decode_headroom": None, "scale_down_headroom": 0.2}
+from .helpers import PERIOD, TO_ONE, decode, fleet, prefill
 
 
 def spec() -> AutoscalingSpec:

@@ -15,7 +15,7 @@ from pdfleet.operator.autoscaling.policy import (
 from pdfleet.operator.autoscaling.signals import fitted_level, noise, project
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 
-from .helpers import PERIOD, decode, fleet, idle_prefill, prefill, starting
+from .helpers import PERIOD, TO_ONE, decode, fleet, idle_prefill, prefill, starting
 
 
 def spec(**section) -> AutoscalingSpec:
@@ -27,11 +27,6 @@ def spec(**section) -> AutoscalingSpec:
 
 def decodes(t: float, n: int, kv: float, running: float = 50, **kw):
     return [decode(f"d{i}", t, kv=kv, running=running, **kw) for i in range(n)]
-
-
-# The headroom going down to one decode replica before it became 1.0
-# (``single_decode_headroom``), for the tests of the rules at that step.
-TO_ONE = PolicyTuning(single_decode_headroom=None, scale_down_headroom=0.2)
 
 
 def run(s: AutoscalingSpec, observe, times, state=None, tuning=None):
@@ -363,7 +358,7 @@ def test_undoing_a_scale_down_raises_the_bar_for_the_next_one():
         need = 0.8 if n >= 2 else 1.15
         return fleet(idle_prefill(t), decodes(t, n, need * 0.7 / n))
 
-    results, _ = run(s, observe, periods(0, 3600), tuning=TO_ONE)
+    results, _ = run(s, observe, periods(0, 3600), tuning=PolicyTuning(**TO_ONE))
     changes = [(r.decode.time, r.decode.desired) for r in results if r.decode.direction != "none"]
     assert changes[:2] == [(300.0, 1), (315.0, 2)]  # one flap, then
     assert len(changes) == 2
@@ -491,9 +486,9 @@ def test_no_scale_down_on_the_short_falling_window_just_after_a_scale_up():
                 return up, t
         raise AssertionError("decode never scaled down")
 
-    up, down = up_then_down(TO_ONE)
+    up, down = up_then_down(PolicyTuning(**TO_ONE))
     assert down - up < 300  # the falling window undoes the scale-up early
-    up, down = up_then_down(dataclasses.replace(TO_ONE, full_down_window_after_up=True))
+    up, down = up_then_down(PolicyTuning(**TO_ONE, full_down_window_after_up=True))
     assert down - up >= 300
 
 

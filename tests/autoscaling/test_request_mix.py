@@ -31,7 +31,7 @@ def test_request_arrivals_are_first_tokens_plus_the_growth_of_the_requests_held(
     assert sample_from_snapshots("p0", drained, after).request_arrivals_per_second == (
         pytest.approx(1 / 15)
     )
-    # vLLM pods and first scrapes: no rate.
+    # A first scrape: no rate.
     assert sample_from_snapshots("p0", after).request_arrivals_per_second is None
 
 
