@@ -12,6 +12,12 @@ surge outruns a cold start.
 
     .venv/bin/python benchmarks/autoscaling_foresight.py --seeds 10 \
         --out benchmarks/results/autoscaling_foresight.json
+
+With a cold start twice as long (the sensitivity case):
+
+    .venv/bin/python benchmarks/autoscaling_foresight.py --seeds 5 --cold-start 120 \
+        --ahead 135,105,75,45,15,0 \
+        --out benchmarks/results/autoscaling_foresight_cold_start_x2.json
 """
 
 from __future__ import annotations
@@ -39,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
         default="75,60,45,30,15,0",
         help="the oracle's foresight, seconds, comma-separated",
     )
+    parser.add_argument(
+        "--cold-start",
+        type=float,
+        default=None,
+        help="the fleet model's cold start, seconds (default: the model's own)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     spec = AutoscalingSpec.from_spec(
         {role: {"maxReplicas": DEFAULT_MAX_REPLICAS} for role in ("prefill", "decode")}
     )
     model = FleetModel()
+    if args.cold_start is not None:
+        model = dataclasses.replace(model, cold_start_seconds=args.cold_start)
     period = spec.period_seconds
     full = model.cold_start_seconds + period
     aheads = [float(a) for a in args.ahead.split(",") if a]
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         doc = {
             "trace": args.trace,
+            "cold_start_seconds": model.cold_start_seconds,
             "full_foresight_seconds": full,
             "foresight_seconds": aheads,
             "seeds": rows,

@@ -80,6 +80,7 @@ class PolicyDecider:
                 snapshot_from_series({k: [v] for k, v in s.values.items()}, s.scraped_at)
                 if s.error is None and s.ready
                 else None,
+                s.startup_seconds,
             )
             for s in samples
             if s.role in ROLES

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -53,6 +54,8 @@ class PodSample:
     values: Mapping[str, float] = field(default_factory=dict)
     """Sample name -> value summed over label sets (``*_bucket`` dropped)."""
     error: str | None = None
+    startup_seconds: float | None = None
+    """Its creation to its Ready condition (:func:`pod_startup_seconds`)."""
 
 
 def activation_key(role: str) -> str:
@@ -91,6 +94,36 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def _timestamp(text: Any) -> datetime | None:
+    """An RFC 3339 time as the API server writes it (``2026-12-02T18:00:00Z``)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def pod_startup_seconds(pod: Mapping[str, Any]) -> float | None:
+    """Seconds from the pod's ``creationTimestamp`` to the ``lastTransitionTime``
+    of its Ready condition, while that condition is True: the cold start the
+    pod took (scheduling, image pull, model load, warm-up). None when the pod
+    is not ready or either time is missing or unreadable. The API server
+    writes both to the second, so this is whole seconds."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    ready = next(
+        (c for c in conditions if c.get("type") == "Ready" and c.get("status") == "True"), None
+    )
+    if ready is None:
+        return None
+    created = _timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
+    became = _timestamp(ready.get("lastTransitionTime"))
+    if created is None or became is None or became < created:
+        return None
+    return (became - created).total_seconds()
+
+
 async def scrape_pods(
     pods: Sequence[Mapping[str, Any]],
     *,
@@ -107,16 +140,21 @@ async def scrape_pods(
         name = meta.get("name", "?")
         role = (meta.get("labels") or {}).get(LABEL_ROLE, "?")
         ready = pod_ready(pod)
+        startup = pod_startup_seconds(pod)
         url = metrics_url(pod)
         if url is None:
-            return PodSample(name, role, ready, clock(), error="no pod IP yet")
+            return PodSample(
+                name, role, ready, clock(), error="no pod IP yet", startup_seconds=startup
+            )
         try:
             response = await http.get(url)
             response.raise_for_status()
             values = parse_metrics(response.text)
         except (httpx.HTTPError, ValueError) as e:
-            return PodSample(name, role, ready, clock(), error=f"{url}: {e!r}")
-        return PodSample(name, role, ready, clock(), values=values)
+            return PodSample(
+                name, role, ready, clock(), error=f"{url}: {e!r}", startup_seconds=startup
+            )
+        return PodSample(name, role, ready, clock(), values=values, startup_seconds=startup)
 
     def scraped(pod: Mapping[str, Any]) -> bool:
         labels = pod.get("metadata", {}).get("labels") or {}

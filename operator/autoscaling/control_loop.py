@@ -36,6 +36,8 @@ class ReplicaScrape:
     state: ReplicaState = "ready"
     snapshot: EngineSnapshot | None = None
     """Its metrics now; None when not scraped (starting) or the scrape failed."""
+    startup_seconds: float | None = None
+    """Creation to ready, as the platform recorded it (``ReplicaSample.startup_seconds``)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ class ScalingLoop:
         latest: dict[str, EngineSnapshot] = {}
         for r in replicas:
             previous = self.snapshots.get(r.name)
-            samples[r.role].append(sample_from_snapshots(r.name, r.snapshot, previous, r.state))
+            samples[r.role].append(
+                sample_from_snapshots(r.name, r.snapshot, previous, r.state, r.startup_seconds)
+            )
             kept = r.snapshot or previous
             if kept is not None:
                 latest[r.name] = kept

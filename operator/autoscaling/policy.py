@@ -15,7 +15,8 @@ Per role, in order:
    backlog against the TTFT target, decode from summed KV-cache usage and
    its queue. A rising load is projected one startup time plus one period
    ahead (the startup time is learned from replicas going from ``starting``
-   to ``ready``): replicas added now serve only then. Replicas still starting
+   to ``ready``, and until then from the startups serving replicas report):
+   replicas added now serve only then. Replicas still starting
    are part of the current count, so load a cold start is already answering
    starts no more replicas.
 2. **Tolerance**: within ``tolerance`` of the current count, keep it. Going
@@ -36,6 +37,7 @@ side first), then the total replica budget (taking back growth first).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -372,13 +374,33 @@ class PolicyResult:
 
 
 def _startups(
-    observation: FleetObservation, state: PolicyState, now: float, tuning: PolicyTuning
+    observation: FleetObservation,
+    state: PolicyState,
+    now: float,
+    tuning: PolicyTuning,
+    period: float,
 ) -> tuple[float | None, tuple[tuple[str, float], ...]]:
-    """Learn how long replicas take from ``starting`` to ``ready``."""
+    """Learn how long replicas take from ``starting`` to ``ready``.
+
+    Watched, a start is first seen a period after it was requested, so the
+    time learned is short by about a period (``decide`` adds it back). Until
+    one has been watched, the startups that serving replicas report
+    (``ReplicaSample.startup_seconds``: those of a fleet started before the
+    autoscaler saw it) give the estimate, their median less that period, so
+    that both sources project the same horizon."""
     since = dict(state.starting_since)
+    replicas = (*observation.prefill.replicas, *observation.decode.replicas)
     estimate = state.startup_seconds
+    if estimate is None:
+        reported = [
+            r.startup_seconds
+            for r in replicas
+            if r.state != "starting" and r.startup_seconds is not None
+        ]
+        if reported:
+            estimate = max(statistics.median(reported) - period, 0.0)
     seen: dict[str, float] = {}
-    for replica in (*observation.prefill.replicas, *observation.decode.replicas):
+    for replica in replicas:
         if replica.state == "starting":
             seen[replica.name] = since.get(replica.name, now)
         elif replica.state == "ready" and replica.name in since:
@@ -857,7 +879,7 @@ def decide(
     state = state or PolicyState()
     tuning = tuning or PolicyTuning()
     stale = spec.metrics_stale_seconds
-    startup, starting_since = _startups(observation, state, now, tuning)
+    startup, starting_since = _startups(observation, state, now, tuning, spec.period_seconds)
     # A start is first seen one period after it was requested, so the time
     # measured is short by a period; capacity requested now must also last
     # until the next decision's capacity serves, a period later.

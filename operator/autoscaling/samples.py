@@ -107,6 +107,12 @@ class ReplicaSample:
     """Mean time to first token of requests served in the interval."""
     itl_seconds: float | None = None
     """Mean inter-token latency over the interval."""
+    startup_seconds: float | None = None
+    """How long the replica took from creation to ready, as its platform
+    recorded it (a Pod: its ``creationTimestamp`` to its Ready condition's
+    ``lastTransitionTime``; a local engine: launch to its first healthy
+    ``/health``). None where not known. Replicas that started before the
+    autoscaler first saw them tell it their cold start this way."""
 
 
 def _families(text: str) -> dict[str, list[float]]:
@@ -166,6 +172,7 @@ def sample_from_snapshots(
     current: EngineSnapshot | None,
     previous: EngineSnapshot | None = None,
     state: ReplicaState = "ready",
+    startup_seconds: float | None = None,
 ) -> ReplicaSample:
     """The policy's sample of one replica from its two latest snapshots.
 
@@ -175,7 +182,7 @@ def sample_from_snapshots(
     restart) yields no rate rather than a negative one.
     """
     if current is None:
-        return ReplicaSample(name=name, state=state)
+        return ReplicaSample(name=name, state=state, startup_seconds=startup_seconds)
     waiting_tokens = current.waiting_prompt_tokens
     base = ReplicaSample(
         name=name,
@@ -185,6 +192,7 @@ def sample_from_snapshots(
         num_running=current.num_running or 0.0,
         kv_cache_usage=min(max(current.kv_cache_usage or 0.0, 0.0), 1.0),
         waiting_prompt_tokens=waiting_tokens,
+        startup_seconds=startup_seconds,
     )
     if previous is None or previous.time >= current.time:
         return base

@@ -564,7 +564,14 @@ class Simulation:
                     snap = r.snapshot(now, capacity) if isinstance(r, _Decode) else r.snapshot(now)
                     r.prev_snap, r.snap = r.snap, snap
                 state: ReplicaState = "ready" if r.state == READY else "draining"
-                samples.append(sample_from_snapshots(r.name, r.snap, r.prev_snap, state))
+                # Every replica took one cold start to become ready, the
+                # initial ones too (they were deployed before the trace), and
+                # reports it as a platform would (a Pod's Ready transition).
+                samples.append(
+                    sample_from_snapshots(
+                        r.name, r.snap, r.prev_snap, state, self.model.cold_start_seconds
+                    )
+                )
             roles[role] = RoleObservation(replicas=tuple(samples))
         return FleetObservation(prefill=roles["prefill"], decode=roles["decode"])
 

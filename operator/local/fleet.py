@@ -228,7 +228,7 @@ class LocalFleet:
                         f"{child.log_tail()}"
                     )
                 if child.healthy():
-                    child.ready = True
+                    child.mark_ready()
                     pending.remove(child)
                     self.say(f"  {child.name} ready in {time.monotonic() - child.started_at:.1f}s")
             if pending and time.monotonic() > deadline:
@@ -259,7 +259,7 @@ class LocalFleet:
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway did not become healthy")
             time.sleep(0.2)
-        self.gateway.ready = True
+        self.gateway.mark_ready()
 
     def tick(self) -> None:
         """Promote engines that became ready; report and restart dead children."""
@@ -284,7 +284,7 @@ class LocalFleet:
                 child.start()
                 changed = True
             elif not child.ready and child.healthy():
-                child.ready = True
+                child.mark_ready()
                 changed = True
                 self.say(f"  {child.name} ready")
         if changed:

@@ -63,6 +63,8 @@ class Child:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready: bool = False
+    ready_at: float | None = None
+    """When it first answered ``/health`` since its latest start (monotonic)."""
     draining: bool = False
     restarts: int = 0
     stopping: bool = False
@@ -86,6 +88,17 @@ class Child:
             log.close()
         self.started_at = time.monotonic()
         self.ready = False
+        self.ready_at = None
+
+    def mark_ready(self) -> None:
+        """It answered ``/health``: it serves from now on."""
+        self.ready = True
+        self.ready_at = time.monotonic()
+
+    @property
+    def startup_seconds(self) -> float | None:
+        """Launch to its first healthy ``/health``; None until it was ready."""
+        return None if self.ready_at is None else self.ready_at - self.started_at
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -117,6 +117,7 @@ class LocalAutoscaler:
                 role,
                 _state(child),
                 self._scrape(child, now) if child.ready else None,
+                child.startup_seconds,
             )
             for role in ROLES
             for child in self.fleet.engines_of(role)

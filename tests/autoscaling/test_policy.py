@@ -347,6 +347,45 @@ def test_a_rising_load_is_projected_one_startup_ahead():
     assert "rising" in result.prefill.reason
 
 
+def _rising_prefill(reported: float | None):
+    """The ramp of the test above, its replica reporting ``reported`` seconds of
+    startup; returns the last decision."""
+    s = spec()
+    state = None
+    for i, t in enumerate(periods(0, 60)):
+        ready = prefill("p0", t, arrivals=10_000 + 1_000 * i, busy=1.0, startup_seconds=reported)
+        result = decide(s, fleet([ready], decodes(t, 1, 0.3)), t, state)
+        state = result.state
+    return result
+
+
+def test_a_startup_reported_by_serving_replicas_sets_the_projection_horizon():
+    # A fleet deployed before the autoscaler saw it: no start was watched,
+    # but its replica says it took 195 s to become ready. The ramp is then
+    # projected 195 s + a period ahead, not the default 75 s.
+    long = _rising_prefill(195.0)
+    assert "rising: 2.80 in 210 s" in long.prefill.reason
+    assert long.prefill.desired == 4  # 14k + 67 tok/s/s x 210 s = 2.8 / 0.8 = 3.5
+    # The default startup (60 s) reported projects what nothing reported does.
+    assert "in 75 s" in _rising_prefill(60.0).prefill.reason
+    assert "in 75 s" in _rising_prefill(None).prefill.reason
+    assert _rising_prefill(None).prefill.desired == 3
+
+
+def test_a_watched_start_refines_a_reported_startup():
+    s = spec()
+    obs = fleet([prefill("p0", 0, startup_seconds=195.0), starting("p1")], decodes(0, 1, 0.3))
+    state = decide(s, obs, 0.0).state
+    assert state.startup_seconds == 180.0  # the report, less the period a watched start misses
+    # p1 turns ready 30 s after it was first seen starting: watched, that
+    # start moves the estimate (smoothed), and the reports no longer count.
+    for t in (15.0, 30.0):
+        replicas = [prefill("p0", t, startup_seconds=195.0)]
+        replicas.append(prefill("p1", t, startup_seconds=45.0) if t == 30.0 else starting("p1"))
+        state = decide(s, fleet(replicas, decodes(t, 1, 0.3)), t, state).state
+    assert state.startup_seconds == pytest.approx(180.0 + 0.3 * (30.0 - 180.0))
+
+
 def test_undoing_a_scale_down_raises_the_bar_for_the_next_one():
     s = spec()
 

@@ -71,6 +71,19 @@ def test_a_burst_is_answered_within_a_bounded_number_of_periods():
     assert result.ttft_attainment > 0.9
 
 
+@pytest.mark.parametrize("cold_start", [30.0, 120.0])
+def test_the_first_ramp_is_projected_over_the_fleets_own_cold_start(cold_start):
+    # The fleet's replicas were deployed before the trace (no start is
+    # watched before its first surge): they report their cold start, and the
+    # first surge's projection looks that far ahead plus a period.
+    config = TraceConfig(kind="burst", duration_seconds=900, base_rate=4)
+    trace = make_trace(config, bursts=[Burst(start=400, factor=4, hold=1e9, ramp=300)])
+    _, result = simulate(trace, model=dataclasses.replace(MODEL, cold_start_seconds=cold_start))
+    rising = [r for r in result.reasons if "rising:" in r and r.split()[1] == "prefill"]
+    assert rising, result.reasons
+    assert f" in {cold_start + SPEC.period_seconds:.0f} s" in rising[0]
+
+
 def test_a_decisive_fall_scales_down_after_the_short_window_not_the_spec_window():
     # A surge from 200 s to 500 s, then quiet: the fall is decisive, so the
     # surge's replicas go after the falling window (90 s), not after the

@@ -11,7 +11,7 @@ import threading
 from helpers.server import wait_until
 from helpers.up import is_dead
 
-from pdfleet.operator.local.process import spawn
+from pdfleet.operator.local.process import Child, spawn
 
 # A supervisor that starts a long sleep through spawn() from a thread that then
 # ends (as drains and autoscaler steps do), prints its pid and waits.
@@ -56,3 +56,16 @@ def test_spawn_runs_the_command_with_the_given_environment(tmp_path):
     )
     assert proc.wait(30) == 0
     assert out.read_text() == "from-spawn"
+
+
+def test_a_childs_startup_runs_from_its_launch_to_ready_and_restarts_with_it(tmp_path):
+    child = Child("decode-0", "decode", [sys.executable, "-c", "pass"], 1, tmp_path / "log")
+    child.start()
+    assert child.startup_seconds is None  # not ready yet
+    child.mark_ready()
+    assert child.ready and child.ready_at is not None
+    assert child.startup_seconds == child.ready_at - child.started_at >= 0
+    child.proc.wait(10)
+    child.start()  # a restart: a new startup, unknown until ready again
+    assert not child.ready and child.startup_seconds is None
+    child.proc.wait(10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.cluster_autoscaler import PolicyDecider
 from pdfleet.operator.scrape import PodSample
@@ -73,3 +75,14 @@ def test_failed_scrapes_never_scale_down_and_victims_are_the_least_loaded():
             break
     else:
         raise AssertionError("an idle decode pool never scaled down")
+
+
+def test_the_pods_startup_seeds_the_policys_projection_horizon():
+    decide = PolicyDecider()
+    samples = [
+        dataclasses.replace(pod("p-0", "prefill", 1000.0, 0.05, 1), startup_seconds=95.0),
+        dataclasses.replace(pod("d-0", "decode", 1000.0, 0.2, 4), startup_seconds=125.0),
+    ]
+    decide("ns/llama", SPEC, samples, {"prefill": 1, "decode": 1}, 1000.0)
+    # The median of the pods' cold starts, less the period a watched start misses.
+    assert decide.loops["ns/llama"].state.startup_seconds == 110.0 - 15.0

@@ -131,3 +131,19 @@ def test_scale_down_drains_the_replica_without_kv_leases(servers):
         if fleet.drained:
             break
     assert fleet.drained == ["prefill-1"]
+
+
+def test_the_engines_startup_reaches_the_policy(servers):
+    # An engine of the fleet, started before the autoscaler's first step,
+    # took 150 s to answer /health: the policy's projection horizon starts
+    # from that, not from its default.
+    prefill = servers(metrics(0.0, 0, 0))
+    decode = servers(metrics(0.1, 2, 0))
+    engines = [child("prefill-0", "prefill", prefill), child("decode-0", "decode", decode)]
+    for c in engines:
+        c.started_at, c.ready_at = 500.0, 650.0
+    scaler = LocalAutoscaler(FakeFleet(engines), AutoscalingSpec())
+    scaler.step(now=1000.0)
+    assert scaler.loop.state.startup_seconds == 150.0 - AutoscalingSpec().period_seconds
+    # Until an engine is ready, it has no startup to report.
+    assert Child("x", "decode", [], 1, Path("/dev/null")).startup_seconds is None

@@ -7,7 +7,13 @@ import socket
 import time
 
 from pdfleet.operator.resource import parse_spec
-from pdfleet.operator.scrape import KVHealth, PodSample, parse_metrics, scrape_pods
+from pdfleet.operator.scrape import (
+    KVHealth,
+    PodSample,
+    parse_metrics,
+    pod_startup_seconds,
+    scrape_pods,
+)
 from pdfleet.operator.status import build_status, rollout_done, set_condition
 
 SPEC = parse_spec({"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}})
@@ -196,3 +202,34 @@ def test_a_decode_engine_under_its_pull_bandwidth_floor_makes_kv_unhealthy():
     assert "d-1 2.5 GB/s" in verdict.message
     recovered = {**slow, "pdfleet_engine_kv_transfer_degraded": 0.0}
     assert health.update([PodSample("d-1", "decode", True, 20.0, recovered)]).healthy is True
+
+
+def _pod(created, ready_status="True", became="2026-12-02T10:01:35Z") -> dict:
+    conditions = [{"type": "PodScheduled", "status": "True"}]
+    if ready_status is not None:
+        conditions.append({"type": "Ready", "status": ready_status, "lastTransitionTime": became})
+    return {
+        "metadata": {
+            "name": "d-1",
+            "labels": {"pdfleet.dev/role": "decode"},
+            "creationTimestamp": created,
+        },
+        "status": {"conditions": conditions},
+    }
+
+
+def test_a_pods_startup_is_its_creation_to_its_ready_transition():
+    assert pod_startup_seconds(_pod("2026-12-02T10:00:00Z")) == 95.0
+    assert pod_startup_seconds(_pod("2026-12-02T10:00:00+00:00")) == 95.0
+    # Not ready (yet, or any more), never ready, or times that do not read: unknown.
+    assert pod_startup_seconds(_pod("2026-12-02T10:00:00Z", ready_status="False")) is None
+    assert pod_startup_seconds(_pod("2026-12-02T10:00:00Z", ready_status=None)) is None
+    assert pod_startup_seconds(_pod(None)) is None
+    assert pod_startup_seconds(_pod("yesterday")) is None
+    assert pod_startup_seconds(_pod("2026-12-02T10:00:00Z", became=None)) is None
+    assert pod_startup_seconds(_pod("2026-12-02T10:05:00Z")) is None  # ready before created
+
+
+def test_scraping_a_pod_carries_its_startup():
+    samples = asyncio.run(scrape_pods([_pod("2026-12-02T10:00:00Z")], timeout_seconds=0.3))
+    assert [(s.error, s.startup_seconds) for s in samples] == [("no pod IP yet", 95.0)]
