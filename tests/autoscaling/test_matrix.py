@@ -10,6 +10,7 @@ from pdfleet.operator.autoscaling.matrix import (
     cell_targets,
     format_matrix,
     run_matrix,
+    summarize_matrix,
 )
 from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling.sim_fleet import FleetModel, SimResult
@@ -60,6 +61,42 @@ def test_an_up_then_down_within_the_window_is_an_oscillation_on_steady_load():
     assert not missed["ttft_attainment"]["met"]
     assert not missed["vs_oracle"]["met"]  # 1200 / 900 > 1.25
     assert not missed["events_vs_hpa"]["met"]  # 4 is not fewer than 4
+
+
+def test_a_fixed_peak_miss_says_when_the_oracle_misses_it_too():
+    def cell(ours: float, oracle: float) -> dict:
+        results = {
+            "pdfleet": result("pdfleet", ours, 3),
+            "oracle": result("oracle", oracle, 5),
+            "fixed": result("fixed", 1000, 0),
+        }
+        return {
+            "trace": "diurnal",
+            "seed": 0,
+            "targets": cell_targets("diurnal", results, 300.0, MatrixTargets()),
+        }
+
+    beyond = cell(800, 750)["targets"]["vs_fixed_peak"]
+    assert beyond["met"] is False and beyond["oracle_misses"] == 0.75
+    assert (
+        "oracle_misses" not in cell(800, 650)["targets"]["vs_fixed_peak"]
+    )  # the policy's own miss
+    assert (
+        "oracle_misses" not in cell(690, 750)["targets"]["vs_fixed_peak"]
+    )  # met: nothing to explain
+    cells = [cell(800, 750), cell(800, 650), cell(690, 600)]
+    summary = summarize_matrix(cells)["diurnal"]["vs_fixed_peak"]
+    assert (summary["met"], summary["applies"], summary["oracle_misses"]) == (1, 3, 1)
+    text = format_matrix(
+        {
+            "summary": summarize_matrix(cells),
+            "targets": dataclasses.asdict(MatrixTargets()),
+            "cells": cells,
+            "model": dataclasses.asdict(FleetModel()),
+            "wall_seconds": 0.0,
+        }
+    )
+    assert "1/3 (max 0.800x) [1]" in text and "the oracle's own replica-seconds" in text
 
 
 def test_run_matrix_checks_every_cell_and_prints_seeds_met_per_trace():
