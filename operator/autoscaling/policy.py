@@ -333,7 +333,10 @@ class PolicyState:
     prefill_tokens_per_second: float | None = None
     """Calibrated prompt tokens per second of one prefill replica."""
     startup_seconds: float | None = None
-    """Observed time from ``starting`` to ``ready``, smoothed."""
+    """Observed time from ``starting`` to ``ready``, smoothed; until a start
+    has been watched, what the serving replicas report (``startup_watched``)."""
+    startup_watched: bool = False
+    """Whether ``startup_seconds`` comes from a watched start."""
     prefill_mix: tuple[tuple[float, float, float], ...] = ()
     """(time, prompt tokens, requests) that arrived at prefill per period,
     within ``PolicyTuning.prefill_mix_seconds``."""
@@ -379,26 +382,29 @@ def _startups(
     now: float,
     tuning: PolicyTuning,
     period: float,
-) -> tuple[float | None, tuple[tuple[str, float], ...]]:
-    """Learn how long replicas take from ``starting`` to ``ready``.
+) -> tuple[float | None, bool, tuple[tuple[str, float], ...]]:
+    """Learn how long replicas take from ``starting`` to ``ready``: (the
+    estimate, whether it comes from a watched start, replicas starting).
 
     Watched, a start is first seen a period after it was requested, so the
     time learned is short by about a period (``decide`` adds it back). Until
     one has been watched, the startups that serving replicas report
     (``ReplicaSample.startup_seconds``: those of a fleet started before the
-    autoscaler saw it) give the estimate, their median less that period, so
-    that both sources project the same horizon."""
+    autoscaler saw it) give the estimate, their low median less that period,
+    so that both sources project the same horizon. A Pod whose readiness
+    went away and came back reports the time to its latest Ready transition,
+    longer than its cold start: the low median of several keeps one such
+    report out, and the first watched start replaces the reports."""
     since = dict(state.starting_since)
     replicas = (*observation.prefill.replicas, *observation.decode.replicas)
-    estimate = state.startup_seconds
-    if estimate is None:
+    estimate, watched = state.startup_seconds, state.startup_watched
+    if not watched:
         reported = [
             r.startup_seconds
             for r in replicas
             if r.state != "starting" and r.startup_seconds is not None
         ]
-        if reported:
-            estimate = max(statistics.median(reported) - period, 0.0)
+        estimate = max(statistics.median_low(reported) - period, 0.0) if reported else None
     seen: dict[str, float] = {}
     for replica in replicas:
         if replica.state == "starting":
@@ -407,10 +413,11 @@ def _startups(
             took = now - since[replica.name]
             estimate = (
                 took
-                if estimate is None
+                if estimate is None or not watched
                 else (estimate + tuning.calibration_smoothing * (took - estimate))
             )
-    return estimate, tuple(sorted(seen.items()))
+            watched = True
+    return estimate, watched, tuple(sorted(seen.items()))
 
 
 # ---------------------------------------------------------------------------
@@ -879,7 +886,9 @@ def decide(
     state = state or PolicyState()
     tuning = tuning or PolicyTuning()
     stale = spec.metrics_stale_seconds
-    startup, starting_since = _startups(observation, state, now, tuning, spec.period_seconds)
+    startup, watched, starting_since = _startups(
+        observation, state, now, tuning, spec.period_seconds
+    )
     # A start is first seen one period after it was requested, so the time
     # measured is short by a period; capacity requested now must also last
     # until the next decision's capacity serves, a period later.
@@ -1024,6 +1033,7 @@ def decide(
         decode=d_state,
         prefill_tokens_per_second=tokens_per_second,
         startup_seconds=startup,
+        startup_watched=watched,
         starting_since=starting_since,
         prefill_mix=mix,
     )

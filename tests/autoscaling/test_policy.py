@@ -372,18 +372,32 @@ def test_a_startup_reported_by_serving_replicas_sets_the_projection_horizon():
     assert _rising_prefill(None).prefill.desired == 3
 
 
-def test_a_watched_start_refines_a_reported_startup():
+def test_a_watched_start_replaces_the_reported_startups():
     s = spec()
     obs = fleet([prefill("p0", 0, startup_seconds=195.0), starting("p1")], decodes(0, 1, 0.3))
     state = decide(s, obs, 0.0).state
-    assert state.startup_seconds == 180.0  # the report, less the period a watched start misses
-    # p1 turns ready 30 s after it was first seen starting: watched, that
-    # start moves the estimate (smoothed), and the reports no longer count.
+    assert (state.startup_seconds, state.startup_watched) == (180.0, False)  # less a period
+    # p1 turns ready 30 s after it was first seen starting: the watched start
+    # is the measurement from then on, and p0's report no longer counts.
     for t in (15.0, 30.0):
         replicas = [prefill("p0", t, startup_seconds=195.0)]
         replicas.append(prefill("p1", t, startup_seconds=45.0) if t == 30.0 else starting("p1"))
         state = decide(s, fleet(replicas, decodes(t, 1, 0.3)), t, state).state
-    assert state.startup_seconds == pytest.approx(180.0 + 0.3 * (30.0 - 180.0))
+    assert (state.startup_seconds, state.startup_watched) == (30.0, True)
+    # Later watched starts are smoothed into it.
+    for t, p2 in ((45.0, starting("p2")), (120.0, prefill("p2", 120.0))):
+        replicas = [prefill("p0", t, startup_seconds=195.0), prefill("p1", t), p2]
+        state = decide(s, fleet(replicas, decodes(t, 1, 0.3)), t, state).state
+    assert state.startup_seconds == pytest.approx(30.0 + 0.3 * (75.0 - 30.0))
+
+
+def test_one_pod_whose_readiness_came_back_late_does_not_set_the_startup():
+    # A Pod that went unready and back reports the time to its latest Ready
+    # transition (here an hour): the low median of the reports leaves it out.
+    s = spec()
+    for reports, want in (([95.0, 3600.0], 80.0), ([95.0, 3600.0, 110.0], 95.0)):
+        replicas = [prefill(f"p{i}", 0, startup_seconds=r) for i, r in enumerate(reports)]
+        assert decide(s, fleet(replicas, decodes(0, 1, 0.3)), 0.0).state.startup_seconds == want
 
 
 def test_undoing_a_scale_down_raises_the_bar_for_the_next_one():

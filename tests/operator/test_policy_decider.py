@@ -84,5 +84,5 @@ def test_the_pods_startup_seeds_the_policys_projection_horizon():
         dataclasses.replace(pod("d-0", "decode", 1000.0, 0.2, 4), startup_seconds=125.0),
     ]
     decide("ns/llama", SPEC, samples, {"prefill": 1, "decode": 1}, 1000.0)
-    # The median of the pods' cold starts, less the period a watched start misses.
-    assert decide.loops["ns/llama"].state.startup_seconds == 110.0 - 15.0
+    # The low median of the pods' cold starts, less the period a watched start misses.
+    assert decide.loops["ns/llama"].state.startup_seconds == 95.0 - 15.0
