@@ -14,6 +14,7 @@ the same token on ``/metrics``; their KV circuit breakers feed
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -89,9 +90,16 @@ def metrics_url(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pod_ready(pod: Mapping[str, Any]) -> bool:
+def _ready_condition(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod's Ready condition while it is True, else None."""
     conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return next(
+        (c for c in conditions if c.get("type") == "Ready" and c.get("status") == "True"), None
+    )
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    return _ready_condition(pod) is not None
 
 
 def _timestamp(text: Any) -> datetime | None:
@@ -111,10 +119,7 @@ def pod_startup_seconds(pod: Mapping[str, Any]) -> float | None:
     pod took (scheduling, image pull, model load, warm-up). None when the pod
     is not ready or either time is missing or unreadable. The API server
     writes both to the second, so this is whole seconds."""
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    ready = next(
-        (c for c in conditions if c.get("type") == "Ready" and c.get("status") == "True"), None
-    )
+    ready = _ready_condition(pod)
     if ready is None:
         return None
     created = _timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
@@ -139,22 +144,19 @@ async def scrape_pods(
         meta = pod.get("metadata") or {}
         name = meta.get("name", "?")
         role = (meta.get("labels") or {}).get(LABEL_ROLE, "?")
-        ready = pod_ready(pod)
-        startup = pod_startup_seconds(pod)
+        sample = functools.partial(
+            PodSample, name, role, pod_ready(pod), startup_seconds=pod_startup_seconds(pod)
+        )
         url = metrics_url(pod)
         if url is None:
-            return PodSample(
-                name, role, ready, clock(), error="no pod IP yet", startup_seconds=startup
-            )
+            return sample(clock(), error="no pod IP yet")
         try:
             response = await http.get(url)
             response.raise_for_status()
             values = parse_metrics(response.text)
         except (httpx.HTTPError, ValueError) as e:
-            return PodSample(
-                name, role, ready, clock(), error=f"{url}: {e!r}", startup_seconds=startup
-            )
-        return PodSample(name, role, ready, clock(), values=values, startup_seconds=startup)
+            return sample(clock(), error=f"{url}: {e!r}")
+        return sample(clock(), values=values)
 
     def scraped(pod: Mapping[str, Any]) -> bool:
         labels = pod.get("metadata", {}).get("labels") or {}

@@ -27,7 +27,7 @@ from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
 from .local.state import STATE_FILE
 from .manifests import LABEL_ROLE, LABEL_SERVICE
 from .parallelism import LABEL_GROUP_ROLE, WORKER
-from .scrape import parse_metrics
+from .scrape import parse_metrics, pod_ready
 
 WIDTH = 80
 RUNNING = m.ENGINE_NUM_REQUESTS_RUNNING.name
@@ -244,9 +244,7 @@ def pod_state(pod: Mapping[str, Any]) -> str:
         waiting = (c.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") == "CrashLoopBackOff":
             return "crashing"
-    conditions = status.get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return "ready" if ready else "starting"
+    return "ready" if pod_ready(pod) else "starting"
 
 
 def pod_port(pod: Mapping[str, Any]) -> int:

@@ -62,9 +62,9 @@ class Child:
     """Sent with every request to the child (the fleet token: engines want it)."""
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
-    ready: bool = False
     ready_at: float | None = None
-    """When it first answered ``/health`` since its latest start (monotonic)."""
+    """When it first answered ``/health`` since its latest start (monotonic);
+    None while it has not (:attr:`ready`)."""
     draining: bool = False
     restarts: int = 0
     stopping: bool = False
@@ -87,12 +87,14 @@ class Child:
         finally:
             log.close()
         self.started_at = time.monotonic()
-        self.ready = False
         self.ready_at = None
 
+    @property
+    def ready(self) -> bool:
+        """It answered ``/health`` since its latest start: it serves."""
+        return self.ready_at is not None
+
     def mark_ready(self) -> None:
-        """It answered ``/health``: it serves from now on."""
-        self.ready = True
         self.ready_at = time.monotonic()
 
     @property

@@ -196,7 +196,7 @@ def test_pdfleet_up_engines_get_the_serving_flags_and_their_own_event_ports(tmp_
     assert len(endpoints) == 6  # every engine binds its own two ports
     # The engines file names each ready engine's streams.
     for child in children:
-        child.ready = True
+        child.mark_ready()
         child.alive = lambda: True
     fleet.engines = children
     fleet.write_engines_file()

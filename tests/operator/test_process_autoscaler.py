@@ -96,7 +96,7 @@ def servers():
 
 def child(name: str, role: str, server: MetricsServer) -> Child:
     c = Child(name, role, [], server.port, Path("/dev/null"), headers=dict(TOKEN_HEADERS))
-    c.ready = True
+    c.mark_ready()
     return c
 
 
