@@ -242,6 +242,14 @@ class PolicyTuning:
     of a period's ~200 requests only adds noise (a few long documents make
     a period look 30% busier), which the trend then carried a cold start
     ahead. None: each period's token arrivals."""
+    prefill_outlier_z: float | None = 2.0
+    """Size prefill on at most this many standard deviations above the
+    robust line through its request rate over the trend window
+    (:func:`.signals.outlier_bound`): one busy period of a steady load (a
+    third above its rate on steady seed 6) otherwise set a scale-up that
+    the down window undid 270 s later. The deviation counts the Poisson
+    noise of the requests measured, so a ramp's steeper period is not
+    bounded. None: each period's rate as measured."""
     min_calibration_busy: float = 0.1
     """Least busy prefill time (in replica-periods, summed) that makes a
     tokens/s measurement: an idle fleet measures nothing."""
@@ -255,7 +263,7 @@ class PolicyTuning:
             raise ValueError("calibration_smoothing must be in (0, 1]")
         if self.min_trend_span_seconds < 0:
             raise ValueError("min_trend_span_seconds must be >= 0")
-        for name in ("rise_recent_seconds", "decode_queue_drain_seconds"):
+        for name in ("rise_recent_seconds", "decode_queue_drain_seconds", "prefill_outlier_z"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
@@ -934,6 +942,7 @@ def decide(
             tuning.rise_z,
             rise=rise,
             tokens_per_request=tokens_per_request,
+            outlier_z=tuning.prefill_outlier_z,
         )
 
     p_signal = prefill_now()

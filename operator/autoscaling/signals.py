@@ -198,6 +198,33 @@ def fitted_level(demand: float, history: Trend, now: float) -> float:
     return statistics.median(v + slope * (now - t) for t, v in points)
 
 
+def outlier_bound(demand: float, history: Trend, now: float, counted: float, z: float) -> float:
+    """The highest demand ``history`` plus now still counts as a rate of the
+    load rather than a noisy period: ``z`` standard deviations above the
+    robust line's value now (:func:`fitted_level`), where the deviation is
+    the larger of the series' own noise (:func:`noise`) and the Poisson
+    noise of the ``counted`` requests the demand was measured from
+    (``demand / sqrt(counted)``). The floor matters on a smooth ramp, whose
+    residuals are small: a period a little steeper than the last is the
+    ramp, not an outlier. ``demand`` itself (no bound) with fewer than
+    :data:`MIN_TREND_POINTS` samples, nothing counted, or the previous
+    sample above the bound too (a step holds one period at most)."""
+    points = (*history, (now, demand))
+    if len(points) < MIN_TREND_POINTS or counted <= 0:
+        return demand
+    sigma = max(noise(points), demand / math.sqrt(counted))
+    bound = fitted_level(demand, history, now) + z * sigma
+    if history[-1][1] > bound:
+        # Two periods in a row above it: a step of the load, not one noisy
+        # period.
+        return demand
+    return max(min(demand, bound), 0.0)
+
+
+def _span(history: Trend, now: float) -> int:
+    return round(now - history[0][0]) if history else 0
+
+
 def noise(history: Trend) -> float:
     """The spread of ``history`` about its Theil-Sen line: 1.4826 x the
     median absolute residual (a standard deviation for Gaussian noise, not
@@ -267,6 +294,7 @@ def prefill_signal(
     rise_z: float | None = None,
     rise: bool = True,
     tokens_per_request: float | None = None,
+    outlier_z: float | None = None,
 ) -> RoleSignal:
     """Prefill needs the larger of
 
@@ -283,7 +311,10 @@ def prefill_signal(
     Without ``rise`` the demand is not projected (nor its growth passed on).
     With ``tokens_per_request`` (the prompt mix measured over a longer
     window) the arrivals are the request arrival rate times it: the rate is
-    what a surge moves, the mix only adds per-period noise.
+    what a surge moves, the mix only adds per-period noise. With
+    ``outlier_z`` too, a request rate that stands out of its trend window
+    is sized at :func:`outlier_bound` (the demand series keeps what was
+    measured).
     """
     no_rate = [f"{r.name} (first scrape)" for r in fresh if r.interval_seconds is None]
     rate = tokens_per_second if tokens_per_second is not None else role.prefill_tokens_per_second
@@ -293,6 +324,13 @@ def prefill_signal(
     demand: float | None = None
     requests = [r.request_arrivals_per_second for r in fresh]
     source = "measured" if tokens_per_second is not None else "configured"
+    queued = [r.waiting_prompt_tokens for r in fresh]
+    backlog = excess = None
+    allowance = role.ttft_target_seconds * BACKLOG_SHARE_OF_TTFT
+    if rate and queued and all(q is not None for q in queued):
+        backlog = sum(q or 0.0 for q in queued) / rate
+        excess = max(backlog - allowance * len(fresh), 0.0)
+    level: float | None = None
     if rate and tokens_per_request and any(q is not None for q in requests):
         per_second = sum(q or 0.0 for q in requests)
         demand = per_second * tokens_per_request / rate
@@ -300,6 +338,19 @@ def prefill_signal(
             f"{per_second:.1f} requests/s x {tokens_per_request:.0f} prompt tokens = "
             f"{demand:.2f} replicas at {rate:.0f} tok/s ({source})"
         )
+        if outlier_z is not None and not excess:
+            # A queue beyond its allowance says the fleet is short already:
+            # that period's rate is not noise to discount.
+            counted = sum(
+                (q or 0.0) * (r.interval_seconds or 0.0)
+                for q, r in zip(requests, fresh, strict=True)
+            )
+            bound = outlier_bound(demand, history, now, counted, outlier_z)
+            if bound < demand:
+                level = bound
+                parts.append(
+                    f"an outlier of its {_span(history, now)} s trend: sized as {bound:.2f}"
+                )
     elif rate and any(a is not None for a in arrivals):
         total = sum(a or 0.0 for a in arrivals)
         demand = total / rate
@@ -330,6 +381,10 @@ def prefill_signal(
                 min_span,
                 rise_z,
             )
+        if level is not None:
+            # The rise is the measured series' own; only the level it starts
+            # from is the bound.
+            projected += level - demand
         planned = max(projected, recent_peak)
         if demand > 0 and rise:
             growth = (
@@ -340,11 +395,7 @@ def prefill_signal(
     terms: list[tuple[float, str]] = []
     if demand is not None:
         terms.append((planned / target_utilization, "prefill_load"))
-    queued = [r.waiting_prompt_tokens for r in fresh]
-    if rate and queued and all(q is not None for q in queued):
-        backlog = sum(q or 0.0 for q in queued) / rate
-        allowance = role.ttft_target_seconds * BACKLOG_SHARE_OF_TTFT
-        excess = max(backlog - allowance * len(fresh), 0.0)
+    if backlog is not None and excess is not None:
         terms.append((planned + excess / drain_seconds, "prefill_backlog"))
         parts.append(f"backlog {backlog:.2f} s ({allowance:.2f} s per replica allowed)")
     else:
