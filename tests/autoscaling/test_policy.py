@@ -539,9 +539,18 @@ def test_no_scale_down_on_the_short_falling_window_just_after_a_scale_up():
                 return up, t
         raise AssertionError("decode never scaled down")
 
+    # Decode's default: the spec's whole window after its own scale-up.
     up, down = up_then_down(PolicyTuning(**TO_ONE))
-    assert down - up < 300  # the falling window undoes the scale-up early
-    up, down = up_then_down(PolicyTuning(**TO_ONE, full_down_window_after_up=True))
+    assert down - up >= 300
+    # Without it the falling window undoes the scale-up early ...
+    early = PolicyTuning(**TO_ONE, decode_full_down_window_after_up=False)
+    up, down = up_then_down(early)
+    assert down - up < 300
+    # ... unless the rule is on for both roles.
+    both = PolicyTuning(
+        **TO_ONE, decode_full_down_window_after_up=False, full_down_window_after_up=True
+    )
+    up, down = up_then_down(both)
     assert down - up >= 300
 
 

@@ -265,3 +265,34 @@ def test_an_oracle_with_less_foresight_serves_a_surge_later():
     seeing, blind = ttft(full), ttft(0.0)
     assert seeing >= 0.99
     assert blind < seeing - 0.02
+
+
+def test_decode_is_not_scaled_down_on_a_documents_fall_just_after_its_scale_up():
+    # Heavytail seed 6: long documents finishing drop decode's summed KV
+    # usage 120 s after its 2 -> 3; on the falling window that undid the
+    # scale-up, the next rise restored it, and the flap floor then held the
+    # third replica for 1,350 s (docs/autoscaling.md, the matrix).
+    spec = AutoscalingSpec.from_spec(
+        {"prefill": {"maxReplicas": 64}, "decode": {"maxReplicas": 64}}
+    )
+    trace = make_trace(TraceConfig(kind="heavytail", seed=6))
+    window = spec.decode.scale_down_stabilization_seconds
+
+    def decode_run(tuning: PolicyTuning) -> tuple[list[tuple[float, int, int]], float]:
+        result = compare(trace, FleetModel(), spec, ("pdfleet",), tuning=tuning, seed=6)["pdfleet"]
+        steps = [(t, a, b) for t, role, a, b in result.scale_log if role == "decode"]
+        return steps, result.replica_seconds["decode"]
+
+    def undone_early(steps: list[tuple[float, int, int]]) -> int:
+        return sum(
+            1
+            for (t1, a1, b1), (t2, a2, b2) in itertools.pairwise(steps)
+            if b1 > a1 and b2 < a2 and t2 - t1 < window
+        )
+
+    steps, cost = decode_run(PolicyTuning())
+    assert undone_early(steps) == 0
+    early, early_cost = decode_run(PolicyTuning(decode_full_down_window_after_up=False))
+    assert undone_early(early) >= 1
+    # Holding the replica a few minutes costs less than the flap did.
+    assert cost < early_cost
