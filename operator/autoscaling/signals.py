@@ -221,10 +221,6 @@ def outlier_bound(demand: float, history: Trend, now: float, counted: float, z: 
     return max(min(demand, bound), 0.0)
 
 
-def _span(history: Trend, now: float) -> int:
-    return round(now - history[0][0]) if history else 0
-
-
 def noise(history: Trend) -> float:
     """The spread of ``history`` about its Theil-Sen line: 1.4826 x the
     median absolute residual (a standard deviation for Gaussian noise, not
@@ -325,11 +321,11 @@ def prefill_signal(
     requests = [r.request_arrivals_per_second for r in fresh]
     source = "measured" if tokens_per_second is not None else "configured"
     queued = [r.waiting_prompt_tokens for r in fresh]
-    backlog = excess = None
-    allowance = role.ttft_target_seconds * BACKLOG_SHARE_OF_TTFT
+    backlog = None
     if rate and queued and all(q is not None for q in queued):
         backlog = sum(q or 0.0 for q in queued) / rate
-        excess = max(backlog - allowance * len(fresh), 0.0)
+    allowance = role.ttft_target_seconds * BACKLOG_SHARE_OF_TTFT
+    excess = 0.0 if backlog is None else max(backlog - allowance * len(fresh), 0.0)
     level: float | None = None
     if rate and tokens_per_request and any(q is not None for q in requests):
         per_second = sum(q or 0.0 for q in requests)
@@ -349,7 +345,7 @@ def prefill_signal(
             if bound < demand:
                 level = bound
                 parts.append(
-                    f"an outlier of its {_span(history, now)} s trend: sized as {bound:.2f}"
+                    f"an outlier of its {now - history[0][0]:.0f} s trend: sized as {bound:.2f}"
                 )
     elif rate and any(a is not None for a in arrivals):
         total = sum(a or 0.0 for a in arrivals)
@@ -395,7 +391,7 @@ def prefill_signal(
     terms: list[tuple[float, str]] = []
     if demand is not None:
         terms.append((planned / target_utilization, "prefill_load"))
-    if backlog is not None and excess is not None:
+    if backlog is not None:
         terms.append((planned + excess / drain_seconds, "prefill_backlog"))
         parts.append(f"backlog {backlog:.2f} s ({allowance:.2f} s per replica allowed)")
     else:

@@ -21,6 +21,7 @@ from pdfleet.operator.autoscaling.sim import (
     evaluate_targets,
     replica_needs,
 )
+from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling.traces import Burst, TraceConfig, make_trace
 
@@ -273,7 +274,10 @@ def test_decode_is_not_scaled_down_on_a_documents_fall_just_after_its_scale_up()
     # scale-up, the next rise restored it, and the flap floor then held the
     # third replica for 1,350 s (docs/autoscaling.md, the matrix).
     spec = AutoscalingSpec.from_spec(
-        {"prefill": {"maxReplicas": 64}, "decode": {"maxReplicas": 64}}
+        {
+            "prefill": {"maxReplicas": DEFAULT_MAX_REPLICAS},
+            "decode": {"maxReplicas": DEFAULT_MAX_REPLICAS},
+        }
     )
     trace = make_trace(TraceConfig(kind="heavytail", seed=6))
     window = spec.decode.scale_down_stabilization_seconds
