@@ -13,13 +13,9 @@ import pytest
 
 from pdfleet.operator.autoscaling.policy import PolicyTuning, decide
 from pdfleet.operator.autoscaling.signals import fitted_level, outlier_bound
-from pdfleet.operator.autoscaling.sim import compare
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, make_trace
 
-from .helpers import PERIOD, decode, fleet, prefill
+from .helpers import PERIOD, SIM_SPEC, decode, fleet, policy_cell, prefill
 
 # Six periods of a steady load (1.8 replicas of prefill work), a little noise.
 FLAT = tuple((PERIOD * i, v) for i, v in enumerate([1.80, 1.76, 1.84, 1.78, 1.82, 1.79]))
@@ -131,18 +127,10 @@ def test_steady_seed_6_no_longer_flaps():
     # The flap the bound removed: one period a third above steady seed 6's
     # rate at 315 s set prefill 3 -> 4, undone at 585 s, within the 300 s
     # window (docs/autoscaling.md, the matrix).
-    spec = AutoscalingSpec.from_spec(
-        {
-            "prefill": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-            "decode": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-        }
-    )
-    trace = make_trace(TraceConfig(kind="steady", seed=6))
-    window = spec.prefill.scale_down_stabilization_seconds
+    window = SIM_SPEC.prefill.scale_down_stabilization_seconds
 
     def flaps(tuning: PolicyTuning) -> int:
-        result = compare(trace, FleetModel(), spec, ("pdfleet",), tuning=tuning, seed=6)
-        return result["pdfleet"].oscillations(window)["total"]
+        return policy_cell("steady", 6, tuning).oscillations(window)["total"]
 
     assert flaps(PolicyTuning()) == 0
     assert flaps(PolicyTuning(prefill_outlier_z=None)) == 1

@@ -21,9 +21,10 @@ from pdfleet.operator.autoscaling.sim import (
     evaluate_targets,
     replica_needs,
 )
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling.traces import Burst, TraceConfig, make_trace
+
+from .helpers import SIM_SPEC, policy_cell
 
 SPEC = AutoscalingSpec.from_spec({"prefill": {"maxReplicas": 32}, "decode": {"maxReplicas": 32}})
 MODEL = FleetModel(cold_start_seconds=30.0)
@@ -273,17 +274,10 @@ def test_decode_is_not_scaled_down_on_a_documents_fall_just_after_its_scale_up()
     # usage 120 s after its 2 -> 3; on the falling window that undid the
     # scale-up, the next rise restored it, and the flap floor then held the
     # third replica for 1,350 s (docs/autoscaling.md, the matrix).
-    spec = AutoscalingSpec.from_spec(
-        {
-            "prefill": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-            "decode": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-        }
-    )
-    trace = make_trace(TraceConfig(kind="heavytail", seed=6))
-    window = spec.decode.scale_down_stabilization_seconds
+    window = SIM_SPEC.decode.scale_down_stabilization_seconds
 
     def decode_run(tuning: PolicyTuning) -> tuple[list[tuple[float, int, int]], float]:
-        result = compare(trace, FleetModel(), spec, ("pdfleet",), tuning=tuning, seed=6)["pdfleet"]
+        result = policy_cell("heavytail", 6, tuning)
         steps = [(t, a, b) for t, role, a, b in result.scale_log if role == "decode"]
         return steps, result.replica_seconds["decode"]
 
