@@ -3,6 +3,7 @@
 * Triton kernels run under the interpreter when no GPU is present; the
   variable must be set before any ``@triton.jit`` module is imported.
 * Every process a test starts shares one fleet secret ($PDFLEET_FLEET_SECRET).
+* The checkout's root is not on ``sys.path`` (engine/config/launch.py says why).
 * ``tiny_model_factory`` builds (once per session and spec) small random-weight
   Hugging Face model directories for every supported family.
 * Tests marked ``cuda`` only make sense on a GPU: they are skipped without one.
@@ -14,8 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
+
+# `python -m pytest` puts the checkout's root first on sys.path, where its
+# kernels/ folder hides the installed `kernels` package transformers imports
+# (engine/config/launch.py). The suite needs nothing from there: tests/ is on the
+# path through pyproject's `pythonpath`.
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 try:
     import torch

@@ -36,7 +36,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import httpx
 import yaml
 from fleet import free_port, tiny_model
 
+from pdfleet.engine.config.launch import python_module
 from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_HELD_REQUESTS, parse_metrics
 from pdfleet.engine.config.security import fleet_token, generate_secret
 
@@ -109,7 +109,7 @@ class Bench:
         env.pop("PDFLEET_API_KEY", None)
         self.up = subprocess.Popen(
             [
-                *(sys.executable, "-m", "pdfleet.engine.cli", "up", str(path)),
+                *(*python_module("pdfleet.engine.cli"), "up", str(path)),
                 *("--port", str(self.port), "--run-dir", str(self.run_dir), "--timeout", "300"),
             ],
             stdout=self.out,

@@ -10,11 +10,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from pdfleet.engine.config.launch import python_module
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ class Fleet:
         port = free_port()
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in close())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfleet.engine.cli", *args, "--port", str(port)],
+            [*python_module("pdfleet.engine.cli"), *args, "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

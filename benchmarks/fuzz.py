@@ -32,6 +32,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from pdfleet.engine.config.launch import python_module
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,9 +51,7 @@ def start_engine(secret: str) -> tuple[subprocess.Popen, str]:
     log = open(os.path.join(tempfile.gettempdir(), "pdfleet-fuzz-engine.log"), "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "pdfleet.engine.cli",
+            *python_module("pdfleet.engine.cli"),
             "serve",
             model,
             "--port",

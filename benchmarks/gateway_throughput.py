@@ -48,6 +48,8 @@ from pathlib import Path
 import httpx
 from fleet import free_port
 
+from pdfleet.engine.config.launch import python_module
+
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / "build" / "vllm-router-venv"
 ROUTER_VERSION = "0.1.17"
@@ -362,7 +364,7 @@ def main() -> int:
             # the prompt analyzed (block hashes), approximate prefix affinity
             # plus load scoring (no KV events from a stub, so no exact index).
             cmd = [
-                sys.executable, "-m", "pdfleet.engine.cli", "gateway",
+                *python_module("pdfleet.engine.cli"), "gateway",
                 "--host", "127.0.0.1", "--port", str(port), "--decode", *urls,
                 "--disaggregation-mode", "Disabled",
             ]  # fmt: skip

@@ -27,13 +27,14 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from pdfleet.engine.config.launch import python_module
 
 # (spec, prompts, tokens per prompt, prompt lengths, P/D prompt length)
 GPU_MODEL = dict(
@@ -205,7 +206,7 @@ class EngineChecks:
                 port = _port()
                 log = open(logs / f"{role}.log", "wb")  # noqa: SIM115 (closed with the process)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "pdfleet.engine.cli", *base, *extra, "--port", str(port)],
+                    [*python_module("pdfleet.engine.cli"), *base, *extra, "--port", str(port)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )  # fmt: skip
                 procs[role] = (proc, f"http://127.0.0.1:{port}")

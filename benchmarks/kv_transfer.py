@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from pdfleet.engine.config.launch import python_module
+
 LAYOUT = {
     "num_hidden_layers": 16,
     "num_key_value_heads": 8,
@@ -227,9 +229,7 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
         procs.append(
             subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "pdfleet.engine.cli",
+                    *python_module("pdfleet.engine.cli"),
                     "serve",
                     model_dir,
                     "--port",

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config.launch import python_module
+
 QUESTION = "What is the capital of France?"
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -112,7 +114,7 @@ def main() -> int:
     args = parser.parse_args()
     cache = tempfile.mkdtemp(prefix="pdfleet-cache-")
     env = {**os.environ, "PDFLEET_CACHE_DIR": cache}
-    cli = [sys.executable, "-m", "pdfleet.engine.cli"]
+    cli = python_module("pdfleet.engine.cli")
 
     t0 = time.perf_counter()
     subprocess.run(

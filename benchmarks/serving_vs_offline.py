@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from pdfleet.engine.config.launch import python_module
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -83,9 +85,7 @@ def main() -> int:
     log = open(os.path.join(tempfile.gettempdir(), "pdfleet-serving-bench.log"), "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "pdfleet.engine.cli",
+            *python_module("pdfleet.engine.cli"),
             "serve",
             model,
             "--port",

@@ -41,6 +41,7 @@ import httpx
 import yaml
 
 from pdfleet.engine.config import security
+from pdfleet.engine.config.launch import python_module
 from pdfleet.operator.autoscaling.calibrate import CalibrateOptions, calibrate
 from pdfleet.operator.autoscaling.sim_fleet import FleetModel, Simulation
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -121,9 +122,7 @@ def run_calibration(model_dir: str, args: argparse.Namespace, tmp: Path) -> dict
     """Calibrate against one engine with the decode engine's arguments, timing
     a second one's cold start."""
     serve = [
-        sys.executable,
-        "-m",
-        "pdfleet.engine.cli",
+        *python_module("pdfleet.engine.cli"),
         "serve",
         model_dir,
         "--served-model-name",
@@ -260,9 +259,7 @@ def run_real(
     out = open(out_path, "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "pdfleet.engine.cli",
+            *python_module("pdfleet.engine.cli"),
             "up",
             str(file),
             "--port",

@@ -44,6 +44,7 @@ from typing import Any
 
 from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.launch import python_module
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -346,7 +347,7 @@ def serve_workers(config: GatewayConfig) -> int:
 
     def start(w: _Worker) -> None:
         w.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfleet.engine.gateway.workers"], stdin=subprocess.PIPE
+            python_module("pdfleet.engine.gateway.workers"), stdin=subprocess.PIPE
         )
         assert w.proc.stdin is not None
         job = {

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
+from pdfleet.engine.config.launch import python_module
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -56,7 +56,7 @@ def resolve_model(uri: str, revision: str | None, say) -> str:
             "file:///PATH, builtin://NAME or hf://ORG/NAME"
         )
     say(f"preparing {uri} ...")
-    command = [sys.executable, "-m", "pdfleet.engine.cli", "fetch-model", uri]
+    command = python_module("pdfleet.engine.cli", "fetch-model", uri)
     if revision and scheme == "hf":
         command += ["--revision", revision]
     # stderr (progress) goes to the terminal; stdout is the directory.

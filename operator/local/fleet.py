@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import httpx
 from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config import security
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.launch import python_module
 
 from ..resource import InferenceService
 from ..roles import disaggregating, engine_command, publishes_kv_events, role_engine_args
@@ -153,12 +153,10 @@ class LocalFleet:
             engine_id=f"{self.service.name}-{name}-{port}",
             kv_events=events,
         )
-        argv = [
-            sys.executable,
-            "-m",
+        argv = python_module(
             "pdfleet.engine.cli",
             *engine_command(args, host=self.host, port=port, serving=self.spec.serving)[1:],
-        ]
+        )
         return Child(
             name,
             role,
@@ -238,7 +236,7 @@ class LocalFleet:
             time.sleep(0.2)
         self.write_engines_file()
         gw = self.gateway_config()
-        argv = [sys.executable, "-m", "pdfleet.engine.cli", "gateway", *gw.to_cli_args()]
+        argv = python_module("pdfleet.engine.cli", "gateway", *gw.to_cli_args())
         self.gateway = Child(
             "gateway",
             "gateway",

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import httpx
 import pytest
 from helpers.server import ServerProcess, fleet_headers
 
 from pdfleet.engine.config import metrics as names
+from pdfleet.engine.config.launch import python_module
 from pdfleet.operator.autoscaling.calibrate import least_squares, load_fleet_model
 from pdfleet.operator.autoscaling.samples import parse_engine_metrics, sample_from_snapshots
 
 
 def pdfleet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pdfleet.engine.cli", *args],
+        [*python_module("pdfleet.engine.cli"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

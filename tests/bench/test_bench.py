@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 from helpers.fleet import start_engines
@@ -14,6 +13,7 @@ from tokenizers import Tokenizer
 from pdfleet.engine.bench import BenchConfig, RequestResult, run_benchmark
 from pdfleet.engine.bench.dataset import Workload, jsonl_items
 from pdfleet.engine.bench.report import percentile, summarize
+from pdfleet.engine.config.launch import python_module
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def engine(tiny_model, tmp_path_factory):
 
 def bench_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdfleet.engine.cli", "bench", *args],
+        [*python_module("pdfleet.engine.cli"), "bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-PDFLEET = [sys.executable, "-m", "pdfleet.engine.cli"]
+from pdfleet.engine.config.launch import python_module
+
+PDFLEET = python_module("pdfleet.engine.cli")
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -6,13 +6,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from pdfleet.engine.config import security
+from pdfleet.engine.config.launch import python_module
 
 from .device import engine_memory_args
 
@@ -59,7 +59,7 @@ class ServerProcess:
         # What a caller of this process presents (empty when it runs without a secret).
         self.headers = fleet_headers(environ)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfleet.engine.cli", *args, "--port", str(self.port)],
+            [*python_module("pdfleet.engine.cli"), *args, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=environ,

@@ -7,10 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from pdfleet.engine.config.launch import python_module
 
 from .device import engine_memory_spec
 from .server import free_port, wait_until
@@ -30,9 +31,7 @@ class Up:
         self.out = open(self.out_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "pdfleet.engine.cli",
+                *python_module("pdfleet.engine.cli"),
                 "up",
                 str(self.file),
                 "--port",

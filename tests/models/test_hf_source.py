@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 from helpers.fake_hub import FakeHub
 
+from pdfleet.engine.config.launch import python_module
 from pdfleet.operator.manifests import build_children
 from pdfleet.operator.resource import parse_spec
 
@@ -83,7 +83,7 @@ def run_in(container: dict, root, token: str | None = TOKEN) -> subprocess.Compl
     command = [local(c) for c in container["command"]]
     assert command[0] == "pdfleet"
     return subprocess.run(
-        [sys.executable, "-m", "pdfleet.engine.cli", *command[1:]],
+        [*python_module("pdfleet.engine.cli"), *command[1:]],
         env=env,
         capture_output=True,
         text=True,

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from urllib.parse import parse_qs
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import scrape_text
+from pdfleet.engine.config.launch import python_module
 from pdfleet.operator.status_cmd import (
     HEADER,
     EngineRow,
@@ -31,7 +31,7 @@ LONG = "[status] The harbor was quiet before dawn. Boats rocked against the pier
 
 def status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdfleet.engine.cli", "status", *args],
+        [*python_module("pdfleet.engine.cli"), "status", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -89,9 +89,7 @@ def test_status_counts_transfers_per_second_between_two_scrapes(fleet):
 def test_status_watch_refreshes_in_place_until_interrupted(fleet):
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "pdfleet.engine.cli",
+            *python_module("pdfleet.engine.cli"),
             "status",
             "--run-dir",
             str(fleet.run_dir.parent / fleet.run_dir.name),

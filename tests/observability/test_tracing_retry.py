@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from helpers.server import fleet_headers, free_port, wait_until
+
+from pdfleet.engine.config.launch import python_module
 
 METRICS = (
     "# TYPE pdfleet_engine_num_requests_running gauge\n"
@@ -90,7 +91,7 @@ def gateway(receiver, tmp_path):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 (closed below)
-    argv = [sys.executable, "-m", "pdfleet.engine.cli", "gateway", "--port", str(port)]
+    argv = [*python_module("pdfleet.engine.cli"), "gateway", "--port", str(port)]
     argv += ["--prefill", prefills[0].url, prefills[1].url, "--decode", decode.url]
     argv += ["--disaggregation-mode", "Always", "--retries", "1"]
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -8,11 +8,12 @@ each skipped for a stated reason (docs/operator.md repeats them).
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 from helpers.checkov_tool import checkov, failed
 from helpers.helm_tool import ROOT
+
+from pdfleet.engine.config.launch import python_module
 
 # Check id -> why it does not apply. Anything else that fails is a regression.
 NOT_APPLICABLE = {
@@ -48,9 +49,7 @@ def fleets_report(tmp_path_factory) -> dict:
     for example in EXAMPLES:
         rendered = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "pdfleet.engine.cli",
+                *python_module("pdfleet.engine.cli"),
                 "render",
                 str(ROOT / "examples" / example),
             ],

@@ -9,7 +9,6 @@ import os
 import pathlib
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,8 @@ import kmock
 import yaml
 from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_service, run
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdfleet.engine.config.launch import python_module
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
 
@@ -85,7 +86,7 @@ def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
             liveness, metrics = free_port(), free_port()
             log = (tmp_path / "operator.log").open("wb")
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdfleet.engine.cli", "operator",
+                *python_module("pdfleet.engine.cli"), "operator",
                 "--namespace", NAMESPACE,
                 "--liveness-port", str(liveness), "--metrics-port", str(metrics),
                 "--default-image", "reg/pdfleet:test",

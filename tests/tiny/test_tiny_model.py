@@ -6,11 +6,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from pdfleet.engine.config.launch import python_module
 from pdfleet.engine.tiny.builder import ARCHS, TinyModelSpec, build_tiny_model
 
 
@@ -77,9 +77,7 @@ def test_tokenizer_round_trips_any_utf8_and_has_a_chat_template(tiny_model):
 def test_cli_writes_a_model_directory(tmp_path):
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pdfleet.engine.cli",
+            *python_module("pdfleet.engine.cli"),
             "tiny-model",
             str(tmp_path / "m"),
             "--arch",
