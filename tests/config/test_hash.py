@@ -23,7 +23,7 @@ def test_hash_is_stable_across_processes(tiny_model):
     )
     outs = {
         subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-P", "-c", code],
             capture_output=True,
             text=True,
             check=True,

@@ -37,7 +37,7 @@ def probe(mode: str, **env: str) -> dict:
     import os
 
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode],
+        [sys.executable, "-P", "-c", PROBE, mode],
         capture_output=True,
         text=True,
         timeout=120,

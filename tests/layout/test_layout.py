@@ -139,7 +139,7 @@ def test_engine_config_imports_without_torch(tmp_path):
         "print(c.EngineArgs(max_num_seqs=3).to_cli_args())"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-P", "-c", code],
         capture_output=True,
         text=True,
         timeout=60,

@@ -49,4 +49,4 @@ def test_tracing_off_imports_no_sdk_or_exporter():
         "loaded = sorted(m for m in sys.modules if m.startswith(sdk))\n"
         "assert not loaded, loaded\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)

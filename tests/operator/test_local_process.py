@@ -19,7 +19,7 @@ SUPERVISOR = """
 import subprocess, sys, threading, time
 from pdfleet.operator.local.process import spawn
 pids = []
-t = threading.Thread(target=lambda: pids.append(spawn([sys.executable, "-c",
+t = threading.Thread(target=lambda: pids.append(spawn([sys.executable, "-P", "-c",
     "import time; time.sleep(120)"]).pid))
 t.start(); t.join()
 print(pids[0], flush=True)
@@ -29,7 +29,7 @@ time.sleep(120)
 
 def test_a_child_outlives_the_thread_that_asked_for_it_but_not_a_sigkilled_supervisor():
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-P", "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True
     )
     try:
         line = [None]
@@ -51,7 +51,7 @@ def test_a_child_outlives_the_thread_that_asked_for_it_but_not_a_sigkilled_super
 def test_spawn_runs_the_command_with_the_given_environment(tmp_path):
     out = tmp_path / "out"
     proc = spawn(
-        [sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(os.environ['X'])"],
+        [sys.executable, "-P", "-c", f"import os; open({str(out)!r}, 'w').write(os.environ['X'])"],
         env={**os.environ, "X": "from-spawn"},
     )
     assert proc.wait(30) == 0
@@ -59,7 +59,7 @@ def test_spawn_runs_the_command_with_the_given_environment(tmp_path):
 
 
 def test_a_childs_startup_runs_from_its_launch_to_ready_and_restarts_with_it(tmp_path):
-    child = Child("decode-0", "decode", [sys.executable, "-c", "pass"], 1, tmp_path / "log")
+    child = Child("decode-0", "decode", [sys.executable, "-P", "-c", "pass"], 1, tmp_path / "log")
     child.start()
     assert child.startup_seconds is None  # not ready yet
     child.mark_ready()
