@@ -3,12 +3,16 @@
 1. Calibrates the simulator's fleet model (``pdfleet sim calibrate``) against
    a real engine started with the fleet's decode engine arguments, timing its
    cold start with ``--cold-start-command``.
-2. Replays one short burst trace (open loop, arrival times from the trace,
+2. Chooses the trace's base rate, unless ``--rate`` is given: the lowest of
+   a ladder at which the simulator, on that calibration, takes decode to
+   ``--decode-peak`` replicas, so that both fleets have scaling to do
+   however fast this machine's engines are.
+3. Replays one short burst trace (open loop, arrival times from the trace,
    random-token prompts of the trace's lengths, ``ignore_eos`` outputs)
    through a real ``pdfleet up`` fleet with autoscaling on, recording each
    request's TTFT and mean inter-token latency, and the fleet's replicas per
    role from its ``fleet.json`` every half second.
-3. Runs the same trace through the simulator with the calibrated model and
+4. Runs the same trace through the simulator with the calibrated model and
    the same autoscaling section.
 
 It prints both side by side (SLO attainment, replica-seconds, scale events)
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -42,6 +47,7 @@ import yaml
 
 from pdfleet.engine.config import security
 from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.config.stats import percentile
 from pdfleet.operator.autoscaling.calibrate import CalibrateOptions, calibrate
 from pdfleet.operator.autoscaling.sim_fleet import FleetModel, Simulation
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -71,6 +77,9 @@ AUTOSCALING = {
     },
 }
 ROLES = ("prefill", "decode")
+# Decode step times, relative to the calibration's, of the simulator's
+# sensitivity band.
+STEP_FACTORS = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
 
 
 def free_port() -> int:
@@ -324,21 +333,30 @@ def real_figures(
     itl_ok = sum(1 for r in ok if r["itl"] <= model.itl_slo_seconds)
     replica_seconds = {role: 0.0 for role in ROLES}
     events = {role: 0 for role in ROLES}
+    scale_log = []
     inside = [(t, c) for t, c in samples if 0 <= t <= duration]
     for (t0, c0), (t1, c1) in itertools.pairwise(inside):
         for role in ROLES:
             replica_seconds[role] += c0[role] * (t1 - t0)
             if c1[f"{role}_live"] != c0[f"{role}_live"]:
                 events[role] += 1
+                scale_log.append((round(t1, 1), role, c0[f"{role}_live"], c1[f"{role}_live"]))
+    ttfts = sorted(r["ttft"] for r in ok)
+    itls = sorted(r["itl"] for r in ok if r["tokens"] > 1)
     return {
         "requests": n,
         "failed": n - len(ok),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(itls, 50),
+        "itl_p99": percentile(itls, 99),
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
         "ttft_attainment": ttft_ok / n if n else 0.0,
         "itl_attainment": itl_ok / n if n else 0.0,
         "replica_seconds": {**replica_seconds, "total": sum(replica_seconds.values())},
         "scale_events": {**events, "total": sum(events.values())},
         "peak_replicas": {role: max((c[role] for _, c in inside), default=0) for role in ROLES},
+        "scale_log": scale_log,
         "timeline": [(round(t, 1), c["prefill"], c["decode"]) for t, c in inside[::4]],
     }
 
@@ -348,10 +366,96 @@ def gap(sim: float, real: float) -> float | None:
     return abs(sim - real) / real if real else None
 
 
+def make_run_trace(args: argparse.Namespace, rate: float) -> tuple[TraceConfig, Burst, Any]:
+    """The short burst trace at ``rate`` base requests/s: one surge that ramps
+    up from a fifth in, holds for a third, and ramps down."""
+    config = TraceConfig(
+        kind="burst",
+        duration_seconds=args.duration,
+        base_rate=rate,
+        seed=args.seed,
+        prompt_tokens_mean=args.prompt_tokens,
+        prompt_tokens_sigma=0.3,
+        prompt_tokens_max=256,
+        output_tokens_mean=args.output_tokens,
+        output_tokens_sigma=0.3,
+        output_tokens_max=256,
+    )
+    d = args.duration
+    surge = Burst(start=0.2 * d, factor=args.burst_factor, hold=d / 3, ramp=0.1 * d)
+    return config, surge, make_trace(config, bursts=[surge])
+
+
+def simulate(trace: Any, model: FleetModel, spec: AutoscalingSpec, seed: int) -> Any:
+    return Simulation(trace, model, spec, PolicyStrategy(spec), (1, 1), seed).run()
+
+
+def sim_figures(result: Any) -> dict[str, Any]:
+    return {
+        "requests": result.requests,
+        "ttft_attainment": result.ttft_attainment,
+        "itl_attainment": result.itl_attainment,
+        "ttft_p50": result.ttft_p50,
+        "ttft_p99": result.ttft_p99,
+        "itl_p50": result.itl_p50,
+        "itl_p99": result.itl_p99,
+        "replica_seconds": result.replica_seconds,
+        "scale_events": result.scale_events,
+        "peak_replicas": result.peak_replicas,
+        "scale_log": result.scale_log,
+    }
+
+
+def at_real_itl(model: FleetModel, sim_itl: float, real_itl: float) -> FleetModel:
+    """The calibrated model with its decode step stretched so that the
+    simulated median ITL becomes the real fleet's: what the engines measured
+    alone against what they did beside the gateway, the load generator and
+    each other on the same cores."""
+    factor = real_itl / sim_itl if sim_itl > 0 and real_itl > 0 else 1.0
+    return dataclasses.replace(
+        model,
+        decode_step_seconds=model.decode_step_seconds * factor,
+        decode_step_seconds_per_seq=model.decode_step_seconds_per_seq * factor,
+        decode_step_seconds_per_token=model.decode_step_seconds_per_token * factor,
+    )
+
+
+def choose_rate(
+    args: argparse.Namespace, model: FleetModel, spec: AutoscalingSpec
+) -> tuple[float, list[dict[str, Any]]]:
+    """The lowest base rate of a geometric ladder at which the simulator,
+    on the calibrated model, takes decode to ``--decode-peak`` replicas: a
+    comparison that scales, whatever the machine's engines measure. The
+    ladder's top if none does."""
+    tried = []
+    rate = args.min_rate
+    while True:
+        result = simulate(make_run_trace(args, rate)[2], model, spec, args.seed)
+        peak = result.peak_replicas["decode"]
+        tried.append({"rate": round(rate, 3), "decode_peak": peak, "events": result.scale_events})
+        if peak >= args.decode_peak or rate * 1.25 > args.max_rate:
+            return rate, tried
+        rate *= 1.25
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="trace seconds")
-    parser.add_argument("--rate", type=float, default=0.5, help="base requests/s")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="base requests/s; default: chosen after calibrating (--decode-peak)",
+    )
+    parser.add_argument(
+        "--decode-peak",
+        type=int,
+        default=2,
+        help="without --rate: the lowest rate at which the simulated decode reaches this many "
+        "replicas",
+    )
+    parser.add_argument("--min-rate", type=float, default=0.5, help="the rate ladder's bottom")
+    parser.add_argument("--max-rate", type=float, default=6.0, help="the rate ladder's top")
     parser.add_argument("--burst-factor", type=float, default=3.0, help="surge: x base rate")
     parser.add_argument("--prompt-tokens", type=float, default=128.0)
     parser.add_argument("--output-tokens", type=float, default=96.0)
@@ -362,22 +466,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
-    config = TraceConfig(
-        kind="burst",
-        duration_seconds=args.duration,
-        base_rate=args.rate,
-        seed=args.seed,
-        prompt_tokens_mean=args.prompt_tokens,
-        prompt_tokens_sigma=0.3,
-        prompt_tokens_max=256,
-        output_tokens_mean=args.output_tokens,
-        output_tokens_sigma=0.3,
-        output_tokens_max=256,
-    )
-    # One surge: ramps up from a quarter in, holds for a third, ramps down.
-    d = args.duration
-    surge = Burst(start=0.2 * d, factor=args.burst_factor, hold=d / 3, ramp=0.1 * d)
-    trace = make_trace(config, bursts=[surge])
     spec = AutoscalingSpec.from_spec(AUTOSCALING)
     with tempfile.TemporaryDirectory(prefix="sim-vs-real-") as tmp_name:
         tmp = Path(tmp_name)
@@ -395,20 +483,34 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"calibrated in {time.monotonic() - t0:.0f} s: {calibration['fleet_model']}", flush=True
         )
+        ladder: list[dict[str, Any]] = []
+        rate = args.rate
+        if rate is None:
+            rate, ladder = choose_rate(args, fleet_model, spec)
+            print(f"rate {rate:.3f} requests/s (ladder {ladder})", flush=True)
+        config, surge, trace = make_run_trace(args, rate)
         t0 = time.monotonic()
         results, samples, log = run_real(model_dir, trace, args, tmp)
         real_wall = time.monotonic() - t0
     load_after = os.getloadavg()
     real = real_figures(results, samples, fleet_model, args.duration)
-    simulated = Simulation(trace, fleet_model, spec, PolicyStrategy(spec), (1, 1), args.seed).run()
-    sim = {
-        "requests": simulated.requests,
-        "ttft_attainment": simulated.ttft_attainment,
-        "itl_attainment": simulated.itl_attainment,
-        "replica_seconds": simulated.replica_seconds,
-        "scale_events": simulated.scale_events,
-        "peak_replicas": simulated.peak_replicas,
-    }
+    sim = sim_figures(simulate(trace, fleet_model, spec, args.seed))
+    stretched = at_real_itl(fleet_model, sim["itl_p50"], real["itl_p50"])
+    sim_at_real_itl = sim_figures(simulate(trace, stretched, spec, args.seed))
+    # How much the simulated figures move with the decode step alone: on a
+    # short trace one scale-up's timing is a threshold crossing of a noisy
+    # KV series, so the band says what one comparison's gap can mean.
+    band = []
+    for factor in STEP_FACTORS:
+        r = simulate(trace, at_real_itl(fleet_model, 1.0, factor), spec, args.seed)
+        band.append(
+            {
+                "decode_step_factor": factor,
+                "replica_seconds": r.replica_seconds["total"],
+                "ttft_attainment": r.ttft_attainment,
+                "scale_log": r.scale_log,
+            }
+        )
     gaps = {
         "ttft_attainment": gap(sim["ttft_attainment"], real["ttft_attainment"]),
         "itl_attainment": gap(sim["itl_attainment"], real["itl_attainment"]),
@@ -428,19 +530,39 @@ def main(argv: list[str] | None = None) -> int:
         f"real fleet: {real['failed']} of {real['requests']} failed; peaks {real['peak_replicas']}; "
         f"sim peaks {sim['peak_replicas']}; load average {load_before} -> {load_after}"
     )
+    print(f"scale events real {real['scale_log']}\n             sim  {sim['scale_log']}")
+    print(
+        f"median ITL real {real['itl_p50'] * 1e3:.2f} ms, sim {sim['itl_p50'] * 1e3:.2f} ms; "
+        f"the sim with decode steps x{stretched.decode_step_seconds / fleet_model.decode_step_seconds:.2f} "
+        f"(the real median ITL): replica-seconds {sim_at_real_itl['replica_seconds']['total']:.1f} "
+        f"(gap {gap(sim_at_real_itl['replica_seconds']['total'], real['replica_seconds']['total']):.1%}), "
+        f"TTFT {sim_at_real_itl['ttft_attainment']:.3f}, events {sim_at_real_itl['scale_log']}"
+    )
+    seconds = [b["replica_seconds"] for b in band]
+    print(
+        f"sim replica-seconds with decode steps x{STEP_FACTORS[0]:g}-{STEP_FACTORS[-1]:g}: "
+        f"{min(seconds):.0f}-{max(seconds):.0f}"
+    )
     if args.out:
         doc = {
             "what": "one burst trace through a real pdfleet up fleet and through the simulator "
             "with the fleet model calibrated from a real engine (benchmarks/sim_vs_real.py)",
             "command": "benchmarks/sim_vs_real.py " + " ".join(argv or sys.argv[1:]),
             "trace": {**vars(config), "bursts": [vars(surge)], "requests": len(trace)},
+            "rate_ladder": ladder,
             "autoscaling": AUTOSCALING,
             "engines": {"all": ENGINE, "decode": DECODE_ENGINE, "disaggregation": "Always"},
             "calibration": calibration,
             "fleet_model": vars(fleet_model),
             "real": real,
             "sim": sim,
+            "sim_at_real_itl": {
+                "decode_step_factor": stretched.decode_step_seconds
+                / fleet_model.decode_step_seconds,
+                **sim_at_real_itl,
+            },
             "gap": gaps,
+            "sim_decode_step_band": band,
             "real_wall_seconds": real_wall,
             "load_average": {"before": load_before, "after": load_after, "cores": os.cpu_count()},
             "autoscaler_lines": [ln for ln in log.splitlines() if "->" in ln][:40],
