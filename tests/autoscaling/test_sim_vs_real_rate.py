@@ -1,0 +1,78 @@
+"""benchmarks/sim_vs_real.py picks its trace's base rate from the
+calibration: the lowest rung of its ladder at which the simulated decode
+reaches ``--decode-peak`` replicas, so that the real and the simulated fleet
+both have scaling to do."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdfleet.operator.autoscaling.sim_fleet import FleetModel
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_real.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("sim_vs_real_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {
+        "duration": 180.0,
+        "seed": 0,
+        "prompt_tokens": 128.0,
+        "output_tokens": 96.0,
+        "burst_factor": 3.0,
+        "min_rate": 0.5,
+        "max_rate": 6.0,
+        "decode_peak": 2,
+    }
+    return argparse.Namespace(**{**base, **kw})
+
+
+# A calibration like the CPU runs' (docs/autoscaling.md, "The simulator
+# against the real fleet"): decode engines of 4 sequences and 768 KV tokens.
+MODEL = FleetModel(
+    prefill_tokens_per_second=50_000.0,
+    decode_step_seconds=0.0015,
+    decode_step_seconds_per_seq=0.0002,
+    kv_capacity_tokens=768,
+    max_num_seqs=4,
+    cold_start_seconds=5.0,
+    ttft_slo_seconds=2.0,
+    itl_slo_seconds=0.1,
+)
+
+
+def test_the_lowest_rung_that_scales_decode_is_chosen(bench):
+    spec = AutoscalingSpec.from_spec(bench.AUTOSCALING)
+    args = _args()
+    rate, ladder = bench.choose_rate(args, MODEL, spec)
+    assert ladder[-1]["rate"] == pytest.approx(rate, abs=1e-3)
+    assert ladder[-1]["decode_peak"] >= 2
+    assert len(ladder) >= 2 and all(r["decode_peak"] < 2 for r in ladder[:-1])
+    rungs = [r["rate"] for r in ladder]
+    assert rungs == sorted(rungs) and rungs[0] == args.min_rate
+    # The chosen rate's trace, simulated again, scales decode up.
+    result = bench.simulate(bench.make_run_trace(args, rate)[2], MODEL, spec, args.seed)
+    assert result.peak_replicas["decode"] >= 2 and result.scale_events["decode"] >= 1
+
+
+def test_a_peak_out_of_reach_stops_at_the_ladders_top(bench):
+    spec = AutoscalingSpec.from_spec(bench.AUTOSCALING)
+    rate, ladder = bench.choose_rate(_args(decode_peak=99, max_rate=2.0), MODEL, spec)
+    assert rate <= 2.0 < rate * 1.25
+    assert all(r["decode_peak"] < 99 for r in ladder)
