@@ -22,7 +22,10 @@ def test_operator_commands_run_without_torch_installed():
     )
     example = ROOT / "examples" / "inferenceservice-cpu.yaml"
     result = subprocess.run(
-        [sys.executable, "-P", "-c", code, str(example)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-P", "-c", code, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
 
