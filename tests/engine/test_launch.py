@@ -49,3 +49,17 @@ def test_a_child_started_from_the_checkout_loads_transformers_models(tmp_path):
     import name 'CUDAProperties' from 'kernels'")."""
     done = _where(tmp_path, "transformers.models.llama.modeling_llama")
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_pdfleet_starts_no_python_child_without_the_helper():
+    # Every `sys.executable` argv in the shipped code goes through
+    # python_module() (or names -P itself): a new bare `python -m` would bring
+    # the shadowing back for whoever runs pdfleet from a checkout.
+    offenders = []
+    for folder in ("engine", "operator"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            for number, line in enumerate(text.splitlines(), 1):
+                if "sys.executable" in line and "-P" not in line:
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
