@@ -406,12 +406,8 @@ def sim_figures(result: Any) -> dict[str, Any]:
     }
 
 
-def at_real_itl(model: FleetModel, sim_itl: float, real_itl: float) -> FleetModel:
-    """The calibrated model with its decode step stretched so that the
-    simulated median ITL becomes the real fleet's: what the engines measured
-    alone against what they did beside the gateway, the load generator and
-    each other on the same cores."""
-    factor = real_itl / sim_itl if sim_itl > 0 and real_itl > 0 else 1.0
+def decode_steps_times(model: FleetModel, factor: float) -> FleetModel:
+    """The calibrated model with every term of its decode step times ``factor``."""
     return dataclasses.replace(
         model,
         decode_step_seconds=model.decode_step_seconds * factor,
@@ -495,14 +491,19 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     real = real_figures(results, samples, fleet_model, args.duration)
     sim = sim_figures(simulate(trace, fleet_model, spec, args.seed))
-    stretched = at_real_itl(fleet_model, sim["itl_p50"], real["itl_p50"])
+    # Stretched so that the simulated median ITL becomes the real fleet's:
+    # the engines calibrated alone against the engines beside the gateway,
+    # the load generator and each other on the same cores.
+    measured = sim["itl_p50"] > 0 and real["itl_p50"] > 0  # False on NaN (no ITL)
+    itl_factor = real["itl_p50"] / sim["itl_p50"] if measured else 1.0
+    stretched = decode_steps_times(fleet_model, itl_factor)
     sim_at_real_itl = sim_figures(simulate(trace, stretched, spec, args.seed))
     # How much the simulated figures move with the decode step alone: on a
     # short trace one scale-up's timing is a threshold crossing of a noisy
     # KV series, so the band says what one comparison's gap can mean.
     band = []
     for factor in STEP_FACTORS:
-        r = simulate(trace, at_real_itl(fleet_model, 1.0, factor), spec, args.seed)
+        r = simulate(trace, decode_steps_times(fleet_model, factor), spec, args.seed)
         band.append(
             {
                 "decode_step_factor": factor,
@@ -533,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scale events real {real['scale_log']}\n             sim  {sim['scale_log']}")
     print(
         f"median ITL real {real['itl_p50'] * 1e3:.2f} ms, sim {sim['itl_p50'] * 1e3:.2f} ms; "
-        f"the sim with decode steps x{stretched.decode_step_seconds / fleet_model.decode_step_seconds:.2f} "
+        f"the sim with decode steps x{itl_factor:.2f} "
         f"(the real median ITL): replica-seconds {sim_at_real_itl['replica_seconds']['total']:.1f} "
         f"(gap {gap(sim_at_real_itl['replica_seconds']['total'], real['replica_seconds']['total']):.1%}), "
         f"TTFT {sim_at_real_itl['ttft_attainment']:.3f}, events {sim_at_real_itl['scale_log']}"
@@ -557,8 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             "real": real,
             "sim": sim,
             "sim_at_real_itl": {
-                "decode_step_factor": stretched.decode_step_seconds
-                / fleet_model.decode_step_seconds,
+                "decode_step_factor": itl_factor,
                 **sim_at_real_itl,
             },
             "gap": gaps,
