@@ -153,6 +153,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.num_in_flight = 0
+        # Adds put on the queue and not yet in the scheduler: with the engine's
+        # waiting count they make the queue bound exact under a burst.
+        self._admit_lock = threading.Lock()
+        self._num_queued_adds = 0
         self._thread = threading.Thread(target=self._loop, name="pdfleet-engine", daemon=True)
         self._thread.start()
 
@@ -218,7 +222,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
+                self._took_add()
                 cmd.sink(error)
+
+    def _took_add(self) -> None:
+        with self._admit_lock:
+            self._num_queued_adds -= 1
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         deliveries = []
@@ -286,15 +295,19 @@ class AsyncEngine:
             return
         if isinstance(cmd, _Add):
             try:
-                self.engine.add_request(
-                    cmd.request_id,
-                    {"prompt": cmd.prompt_text, "prompt_token_ids": cmd.prompt_ids},
-                    cmd.params,
-                    arrival_time=cmd.arrival,
-                    priority=cmd.priority,
-                    kv_transfer_params=cmd.kv_transfer_params,
-                    output_kind="delta",
-                )
+                # Under the lock, the request moves from the queued adds into the
+                # engine's waiting count in one step, as add_request sees it.
+                with self._admit_lock:
+                    self._num_queued_adds -= 1
+                    self.engine.add_request(
+                        cmd.request_id,
+                        {"prompt": cmd.prompt_text, "prompt_token_ids": cmd.prompt_ids},
+                        cmd.params,
+                        arrival_time=cmd.arrival,
+                        priority=cmd.priority,
+                        kv_transfer_params=cmd.kv_transfer_params,
+                        output_kind="delta",
+                    )
             except ValueError as e:  # bad input: nothing was queued
                 cmd.sink(e)
                 return
@@ -324,7 +337,8 @@ class AsyncEngine:
         )
 
     def num_waiting(self) -> int:
-        return self.engine.stats.num_waiting_reqs
+        """Requests waiting in the engine plus those queued to join it."""
+        return self.engine.stats.num_waiting_reqs + self._num_queued_adds
 
     async def add_request(
         self,
@@ -343,25 +357,27 @@ class AsyncEngine:
         generates it, never takes it from a client."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        if self.max_waiting_requests and self.num_waiting() >= self.max_waiting_requests:
-            raise QueueFullError(
-                f"the server has {self.num_waiting()} requests waiting (limit "
-                f"{self.max_waiting_requests}); retry later"
-            )
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._commands.put(
-            _Add(
-                request_id,
-                prompt_ids,
-                prompt_text,
-                params,
-                time.monotonic(),
-                priority,
-                kv_transfer_params,
-                _Sink(loop, q),
-            )
+        add = _Add(
+            request_id,
+            prompt_ids,
+            prompt_text,
+            params,
+            time.monotonic(),
+            priority,
+            kv_transfer_params,
+            _Sink(loop, q),
         )
+        with self._admit_lock:
+            waiting = self.num_waiting()
+            if self.max_waiting_requests and waiting >= self.max_waiting_requests:
+                raise QueueFullError(
+                    f"the server has {waiting} requests waiting (limit "
+                    f"{self.max_waiting_requests}); retry later"
+                )
+            self._num_queued_adds += 1
+            self._commands.put(add)
         stream = RequestStream(self, request_id, q)
         # The loop sets error (or _stop) before draining queued adds, so an add put
         # after the drain is seen here instead of waiting forever.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 from helpers.server import ServerProcess, fleet_token, scrape, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdfleet.engine import LLM, SamplingParams
 
@@ -288,7 +290,6 @@ def test_invalid_json_and_the_server_keeps_serving(http, server, client):
 
 def test_metrics_parse_and_hold_both_name_sets(http, server, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
-    from prometheus_client.parser import text_string_to_metric_families
 
     text = http.get("/metrics").text
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
@@ -345,7 +346,7 @@ def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
             "serve",
             tiny_model,
             "--max-model-len",
-            "512",
+            "4096",
             "--max-num-seqs",
             "1",
             "--max-waiting-requests",
@@ -360,22 +361,85 @@ def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
         assert httpx.get(proc.url + "/v1/models").status_code == 401
         headers = {"authorization": "Bearer sekret"}
 
+        def engine_state() -> tuple[float, float]:
+            text = httpx.get(proc.url + "/metrics", headers=headers, timeout=5).text
+            values = {
+                s.name: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+            }
+            return values["vllm:num_requests_running"], values["vllm:num_requests_waiting"]
+
         async def main():
             async with httpx.AsyncClient(timeout=120, headers=headers) as c:
-                # Long enough that the first still runs (and the second still waits)
-                # when the third arrives, also on a fast, idle machine.
-                body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True}
-                first = asyncio.ensure_future(c.post(proc.url + "/v1/completions", json=body))
-                await asyncio.sleep(0.3)
-                second = asyncio.ensure_future(c.post(proc.url + "/v1/completions", json=body))
-                await asyncio.sleep(0.3)
-                third = await c.post(proc.url + "/v1/completions", json=body)
-                return third, await first, await second
+                # Streams long enough that the first cannot finish while the test
+                # looks; they are closed (and so aborted) once the third is answered.
+                body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                url = proc.url + "/v1/completions"
+                async with c.stream("POST", url, json=body) as first:
+                    # Wait on the engine's own count, not on a sleep: the first runs.
+                    assert await asyncio.to_thread(
+                        wait_until, lambda: engine_state() == (1, 0), 60
+                    ), engine_state()
+                    async with c.stream("POST", url, json=body) as second:
+                        # The second waits behind it (max-num-seqs 1): the queue is full.
+                        assert await asyncio.to_thread(
+                            wait_until, lambda: engine_state() == (1, 1), 60
+                        ), engine_state()
+                        third = await c.post(url, json={**body, "stream": False})
+                        return third, first.status_code, second.status_code
 
         third, first, second = asyncio.run(main())
         assert third.status_code == 503, third.text
         assert third.json()["error"]["type"] == "ServiceUnavailableError"
-        assert first.status_code == second.status_code == 200
+        assert first == second == 200
+        # Closing the streams aborted both: nothing is left running or waiting.
+        assert wait_until(lambda: engine_state() == (0, 0), 60), engine_state()
+    finally:
+        proc.stop()
+
+
+def test_queue_bound_holds_for_a_burst_that_lands_between_two_steps(tiny_model, tmp_path):
+    # One runs and two wait at most: a burst of concurrent requests admits no more
+    # than that, although all of them arrive before the engine's next step.
+    proc = ServerProcess(
+        [
+            "serve",
+            tiny_model,
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "1",
+            "--max-waiting-requests",
+            "2",
+        ],
+        tmp_path,
+    )
+    try:
+        proc.wait_healthy()
+        body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+        async def main():
+            async with (
+                httpx.AsyncClient(timeout=120, headers=proc.headers) as c,
+                contextlib.AsyncExitStack() as streams,
+            ):
+                url = proc.url + "/v1/completions"
+                # The streams stay open (so none finishes) until every status is in.
+                responses = await asyncio.gather(
+                    *(
+                        streams.enter_async_context(c.stream("POST", url, json=body))
+                        for _ in range(12)
+                    )
+                )
+                return sorted(r.status_code for r in responses)
+
+        statuses = asyncio.run(main())
+        # Two are admitted before the engine steps; a third when a step moved the
+        # first into the batch while the burst still arrived. Never more.
+        admitted = statuses.count(200)
+        assert 2 <= admitted <= 3 and statuses.count(503) == 12 - admitted, statuses
     finally:
         proc.stop()
 
