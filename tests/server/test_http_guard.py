@@ -351,7 +351,11 @@ def test_large_lane_queue_is_bounded():
 
     async def main():
         held = [asyncio.ensure_future(lanes.run(100, release.wait, 10)) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # until both hold the large lane (bounded)
+            if lanes.num_large == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert lanes.num_large == 2
         with pytest.raises(APIError) as refused:
             await lanes.run(100, release.wait, 10)
         small = await lanes.run(5, lambda: "short ones still run")
