@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         }
                         for s, r in c["results"].items()
                     },
+                    "foresight_bound": c["foresight_bound"],
                 }
                 for c in result["cells"]
             ],

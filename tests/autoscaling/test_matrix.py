@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdfleet.operator.autoscaling.bounds import ForesightBound
 from pdfleet.operator.autoscaling.matrix import (
     MatrixTargets,
     all_met,
@@ -99,6 +100,49 @@ def test_a_fixed_peak_miss_says_when_the_oracle_misses_it_too():
     assert "1/3 (max 0.800x) [1]" in text and "the oracle's own replica-seconds" in text
 
 
+def test_a_miss_that_only_another_targets_miss_could_buy_is_marked_traded():
+    def cell(ours_rs: float, ours_events: int, joint: float) -> dict:
+        results = {
+            "pdfleet": result("pdfleet", ours_rs, ours_events),
+            "oracle": result("oracle", 600, 12),
+            "hpa": result("hpa", 650, 6),
+            "fixed": result("fixed", 1000, 0),
+        }
+        # The cheapest schedule with at most 5 events (fewer than HPA's 6).
+        bound = ForesightBound(
+            replica_seconds=580, max_events=5, replica_seconds_within_events=joint
+        )
+        targets = cell_targets("heavytail", results, 300.0, MatrixTargets(), bound)
+        return {"trace": "heavytail", "seed": 0, "targets": targets}
+
+    # 0.7x fixed met, events tied with HPA, and no schedule with 5 events stays
+    # within 0.7x fixed: the events miss is the price of the other target.
+    traded = cell(690, 6, 720)["targets"]
+    assert traded["events_vs_hpa"] == {"value": 0, "met": False, "traded": 0.72}
+    assert "traded" not in traded["vs_fixed_peak"]
+    # Such a schedule exists: the miss is the policy's own.
+    assert "traded" not in cell(690, 6, 680)["targets"]["events_vs_hpa"]
+    # Events met, 0.7x fixed missed where no schedule meets both: traded the other way.
+    other = cell(750, 5, 720)["targets"]
+    assert other["vs_fixed_peak"]["traded"] == 0.72 and "traded" not in other["events_vs_hpa"]
+    # Both missed: either could have been met alone, so neither is marked.
+    both = cell(750, 6, 720)["targets"]
+    assert "traded" not in both["vs_fixed_peak"] and "traded" not in both["events_vs_hpa"]
+    cells = [cell(690, 6, 720), cell(690, 6, 680), cell(750, 6, 720)]
+    summary = summarize_matrix(cells)
+    assert summary["heavytail"]["events_vs_hpa"]["traded"] == 1
+    text = format_matrix(
+        {
+            "summary": summary,
+            "targets": dataclasses.asdict(MatrixTargets()),
+            "cells": cells,
+            "model": dataclasses.asdict(FleetModel()),
+            "wall_seconds": 0.0,
+        }
+    )
+    assert "0/3 (worst +0) {1}" in text and "even with perfect foresight" in text
+
+
 def test_run_matrix_checks_every_cell_and_prints_seeds_met_per_trace():
     base = TraceConfig(duration_seconds=600, base_rate=3, burst_every_seconds=300)
     model = FleetModel(cold_start_seconds=30)
@@ -111,6 +155,17 @@ def test_run_matrix_checks_every_cell_and_prints_seeds_met_per_trace():
     ]
     # Each cell has its own baselines: fixed peak from that seed's oracle.
     assert out["cells"][0]["results"]["fixed"]["replica_seconds"]["total"] > 0
+    # Where the load varies, the perfect-foresight bound: dearer with fewer
+    # events than HPA than with any number, dearer within the spec's steps
+    # than with any step, and then no dearer than the oracle's run.
+    for c in out["cells"][:2]:
+        bound, oracle = c["foresight_bound"], c["results"]["oracle"]["replica_seconds"]["total"]
+        free = bound["any_steps"]
+        assert 0 < bound["replica_seconds"] <= bound["fewer_events_than_hpa"]
+        assert free["replica_seconds"] <= bound["replica_seconds"]
+        assert free["fewer_events_than_hpa"] <= bound["fewer_events_than_hpa"]
+        assert free["replica_seconds"] <= oracle
+    assert out["cells"][2]["foresight_bound"] is None  # steady: no peak to save
     summary = out["summary"]
     assert summary["steady"]["vs_fixed_peak"]["applies"] == 0
     assert summary["burst"]["ttft_attainment"]["applies"] == 2
