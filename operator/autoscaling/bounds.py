@@ -96,12 +96,24 @@ def cheapest_counts(
 @dataclass(frozen=True)
 class ForesightBound:
     """Least replica-seconds of a perfect-foresight schedule at the oracle's
-    sizing (both roles summed): with any number of scale events, and with
-    at most ``max_events`` of them (``inf`` where none exists)."""
+    sizing (both roles summed), within the spec's steps and with any step:
+    with any number of scale events, and with fewer than a given number
+    (``inf`` where none exists)."""
 
     replica_seconds: float
-    max_events: int
-    replica_seconds_within_events: float
+    fewer_events: float
+    any_step_replica_seconds: float
+    any_step_fewer_events: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "replica_seconds": self.replica_seconds,
+            "fewer_events_than_hpa": self.fewer_events,
+            "any_steps": {
+                "replica_seconds": self.any_step_replica_seconds,
+                "fewer_events_than_hpa": self.any_step_fewer_events,
+            },
+        }
 
 
 def foresight_bound(
@@ -109,30 +121,30 @@ def foresight_bound(
     model: FleetModel,
     spec: AutoscalingSpec,
     max_events: int,
-    steps: bool = True,
+    needs: tuple[list[int], list[int]] | None = None,
 ) -> ForesightBound:
     """The bound on one trace (module docstring). ``max_events`` counts both
-    roles' events together; ``steps=False`` lifts the spec's step limits
-    (any move in one period), which gives a bound for any policy, whatever
-    its spec."""
+    roles' events together (``fewer_events`` allows at most that many). The
+    ``any_step_*`` figures lift the spec's step limits (any move in one
+    period): a bound for any policy, whatever its spec. ``needs``: the
+    trace's :func:`.strategies.replica_needs`, when the caller has them."""
     if max_events < 0:
         raise ValueError(f"max_events must be >= 0, got {max_events}")
     period = spec.period_seconds
-    needs = replica_needs(trace, model, spec)
+    needs = needs or replica_needs(trace, model, spec)
     lead = int(model.cold_start_seconds // period)
     start = OracleStrategy(needs, period, model.cold_start_seconds + period).at(0.0)
     bins = math.ceil(trace.config.duration_seconds / period - 1e-9)
-    limited, unlimited = [], []
-    for i, role in enumerate((spec.prefill, spec.decode)):
-        lower = lower_counts(needs[i], lead, bins)
-        up = role.max_scale_up_step if steps else max(lower)
-        down = role.max_scale_down_step if steps else max(lower)
-        up, down = max(up, 1), max(down, 1)
-        limited.append(cheapest_counts(lower, start[i], max_events, up, down))
-        unlimited.append(cheapest_counts(lower, start[i], None, up, down)[0])
-    within = min(limited[0][k] + limited[1][max_events - k] for k in range(max_events + 1))
-    return ForesightBound(
-        replica_seconds=(unlimited[0] + unlimited[1]) * period,
-        max_events=max_events,
-        replica_seconds_within_events=within * period,
-    )
+    lowers = [lower_counts(need, lead, bins) for need in needs]
+    figures = []
+    for steps in (True, False):
+        limited, unlimited = [], []
+        for lower, first, role in zip(lowers, start, (spec.prefill, spec.decode), strict=True):
+            up = role.max_scale_up_step if steps else max(lower, default=1)
+            down = role.max_scale_down_step if steps else max(lower, default=1)
+            up, down = max(up, 1), max(down, 1)
+            limited.append(cheapest_counts(lower, first, max_events, up, down))
+            unlimited.append(cheapest_counts(lower, first, None, up, down)[0])
+        within = min(limited[0][k] + limited[1][max_events - k] for k in range(max_events + 1))
+        figures += [(unlimited[0] + unlimited[1]) * period, within * period]
+    return ForesightBound(*figures)

@@ -105,10 +105,9 @@ def cell_targets(
         met = ours_events < theirs or ours_events == theirs == 0
         out["events_vs_hpa"] = {"value": ours_events - theirs, "met": met}
     fixed_cell, events_cell = out.get("vs_fixed_peak"), out.get("events_vs_hpa")
-    if bound is not None and "fixed" in results and fixed_cell and events_cell:
-        fixed = max(results["fixed"].replica_seconds["total"], 1e-9)
-        joint = bound.replica_seconds_within_events / fixed
-        if fixed_cell["met"] is not None and joint > targets.max_fixed_ratio:
+    if bound is not None and fixed_cell and events_cell and fixed_cell["met"] is not None:
+        joint = bound.fewer_events / max(results["fixed"].replica_seconds["total"], 1e-9)
+        if joint > targets.max_fixed_ratio:
             if fixed_cell["met"] and not events_cell["met"]:
                 events_cell["traded"] = joint
             elif events_cell["met"] and not fixed_cell["met"]:
@@ -150,10 +149,10 @@ def _cell(
             scale_log=[],
             timeline=[],
         )
+    needs = replica_needs(trace, model, spec)
     if "fixed" in strategies:
         # Only fixed peak's cost enters a target, and it is known without
         # simulating: the oracle's peak counts, the whole trace long.
-        needs = replica_needs(trace, model, spec)
         duration = config.duration_seconds
         fixed = {"prefill": max(needs[0]) * duration, "decode": max(needs[1]) * duration}
         results["fixed"] = dataclasses.replace(
@@ -164,11 +163,10 @@ def _cell(
             scale_log=[],
             timeline=[],
         )
-    bound = any_steps = None
+    bound = None
     hpa_events = int(results["hpa"].scale_events["total"]) if "hpa" in results else 0
     if config.kind != "steady" and "fixed" in results and hpa_events > 0:
-        bound = foresight_bound(trace, model, spec, hpa_events - 1)
-        any_steps = foresight_bound(trace, model, spec, hpa_events - 1, steps=False)
+        bound = foresight_bound(trace, model, spec, hpa_events - 1, needs)
     window = spec.prefill.scale_down_stabilization_seconds
     shown: dict[str, Any] = {
         k: r.to_dict() for k, r in results.items() if k != "fixed" and k not in known
@@ -184,16 +182,7 @@ def _cell(
         "seed": config.seed,
         "targets": cell_targets(config.kind, results, window, targets, bound),
         "results": shown,
-        "foresight_bound": None
-        if bound is None or any_steps is None
-        else {
-            "replica_seconds": bound.replica_seconds,
-            "fewer_events_than_hpa": bound.replica_seconds_within_events,
-            "any_steps": {
-                "replica_seconds": any_steps.replica_seconds,
-                "fewer_events_than_hpa": any_steps.replica_seconds_within_events,
-            },
-        },
+        "foresight_bound": None if bound is None else bound.to_dict(),
         "wall_seconds": time.perf_counter() - started,
     }
 

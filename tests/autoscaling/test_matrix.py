@@ -110,7 +110,10 @@ def test_a_miss_that_only_another_targets_miss_could_buy_is_marked_traded():
         }
         # The cheapest schedule with at most 5 events (fewer than HPA's 6).
         bound = ForesightBound(
-            replica_seconds=580, max_events=5, replica_seconds_within_events=joint
+            replica_seconds=580,
+            fewer_events=joint,
+            any_step_replica_seconds=580,
+            any_step_fewer_events=joint,
         )
         targets = cell_targets("heavytail", results, 300.0, MatrixTargets(), bound)
         return {"trace": "heavytail", "seed": 0, "targets": targets}
