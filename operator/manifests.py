@@ -71,6 +71,7 @@ from .roles import (
     added_capabilities,
     disaggregating,
     engine_command,
+    gateway_request_bounds,
     model_source,
     publishes_kv_events,
     rdma_resources,
@@ -489,6 +490,8 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         selector=f"{LABEL_SERVICE}={name}",
         engine_port=ENGINE_PORT,
         **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+        **gateway_request_bounds(spec),
+        trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]

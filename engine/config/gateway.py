@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .admission import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
 from .http_limits import DEFAULT_LIMITS
 from .security import api_keys_from_env, split_keys
@@ -134,6 +135,15 @@ class GatewayConfig:
     """Seconds a client may take to send a request's headers."""
     body_timeout: float = DEFAULT_LIMITS.body_timeout
     """Seconds a client may take to send a request's body."""
+    max_n: int = DEFAULT_MAX_N
+    """Most completions one request may ask for (`n`, `best_of`); a larger
+    value is a 400 naming the field before any engine is called. Set it as the
+    engines' --max-n (the operator and `pdfleet up` do)."""
+    max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+    """Most output tokens one request may ask for (`n` × `max_tokens`, over
+    every prompt of a batch); a larger product is a 400 naming `max_tokens`.
+    Set it as the engines' --max-request-output-tokens (the operator and
+    `pdfleet up` do)."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
@@ -165,6 +175,11 @@ class GatewayConfig:
     kv_host_weight: float = 0.5
     """Weight of a prompt block an engine holds only in its host-memory tier
     (KV events with `medium: CPU`), relative to a device-tier block (1)."""
+    trust_client_trace_context: bool = False
+    """Continue the trace of a client's `traceparent`, sampled flag included
+    (tracing on, docs/observability.md). Off: each request starts a new trace,
+    which the configured sampler (`OTEL_TRACES_SAMPLER`) decides on, linked to
+    the client's span, so a client cannot force spans to be exported."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """Log level of the HTTP server."""
 
@@ -204,9 +219,12 @@ class GatewayConfig:
             "kv_index_max_blocks",
             "kv_pair_failures",
             "max_body_bytes",
+            "max_request_output_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_n <= DEFAULT_MAX_N:
+            raise ValueError(f"--max-n must be between 1 and {DEFAULT_MAX_N}, got {self.max_n}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:

@@ -38,6 +38,9 @@ API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
 FLEET_SECRET_ENV = "PDFLEET_FLEET_SECRET"
 FLEET_SECRET_FILE_ENV = "PDFLEET_FLEET_SECRET_FILE"
 
+# Who a forwarded request is for: the gateway names its client to the engines
+# (a key's digest or an address); engines honour it only from the fleet token.
+CALLER_HEADER = "x-pdfleet-caller"
 # The fields a signature adds to kv_transfer_params.
 SIG_FIELD = "pdfleet_sig"
 EXPIRES_FIELD = "pdfleet_expires"
@@ -117,6 +120,15 @@ def bearer_token(header: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def caller_id(token: str | None, address: str | None = None) -> str:
+    """Who a client is, for per-caller bounds: a digest of its key (never the
+    key itself; equal for the same key at the gateway and at an engine), else
+    its network address."""
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return f"addr:{address or 'unknown'}"
 
 
 def key_matches(presented: str | None, keys: Iterable[str]) -> bool:

@@ -62,8 +62,10 @@ class EngineAuth:
         self.api_keys = [k for k in api_keys if k]
         self.has_fleet_secret = fleet_secret is not None
         self._accepted = list(self.api_keys)
+        self._internal: list[str] = []
         if fleet_secret is not None:
-            self._accepted.append(security.fleet_token(fleet_secret))
+            self._internal.append(security.fleet_token(fleet_secret))
+            self._accepted.append(self._internal[0])
 
     @property
     def open(self) -> bool:
@@ -79,6 +81,10 @@ class EngineAuth:
                 security.FLEET_SECRET_FILE_ENV,
                 security.API_KEY_FILE_ENV,
             )
+
+    def is_internal(self, authorization: str | None) -> bool:
+        """Whether the credential is the fleet token (the gateway, the operator)."""
+        return security.key_matches(security.bearer_token(authorization), self._internal)
 
     def allows(self, authorization: str | None) -> bool:
         """Whether a request with this ``Authorization`` header may proceed."""

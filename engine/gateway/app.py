@@ -224,7 +224,9 @@ def build_app(
     # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
     # API is OpenAI's, documented in docs/).
     app = GatewayASGI(lifespan, internal_error)
-    tracing.instrument_app(app, "gateway")
+    tracing.instrument_app(
+        app, "gateway", trusted=(lambda _: True) if config.trust_client_trace_context else None
+    )
     app.state.gateway = gw
 
     def unauthorized(request: Request, admin: bool = False) -> Response | None:

@@ -46,6 +46,7 @@ from starlette.responses import Response
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
+from pdfleet.engine.config.security import CALLER_HEADER, bearer_token, caller_id
 
 from .activation import Activation
 from .asgi import BytesResponse, Request
@@ -176,6 +177,15 @@ def client_request_id(header: str | None) -> str:
     if header and _REQUEST_ID.fullmatch(header):
         return header
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
+
+
+def request_caller(request: Request, keyed: bool) -> str:
+    """Who the client is, as engines count per-caller bounds (``X-Pdfleet-Caller``):
+    its API key's digest when the gateway checks keys (the key was verified),
+    else its address (an unchecked key would let a client pose as many)."""
+    token = bearer_token(request.headers.get("authorization")) if keyed else None
+    client = request.scope.get("client")
+    return caller_id(token, client[0] if client else None)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -449,6 +459,8 @@ class Proxy:
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
+        # Engines count per-caller bounds against the client, not the gateway.
+        call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
         try:  # read before the watcher below takes over receive()
             raw = ready_body(request, self.config.max_body_bytes)
             if raw is None:
@@ -495,7 +507,11 @@ class Proxy:
         try:
             # The engines' own admissibility check: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
-            check_sampling(body)
+            check_sampling(
+                body,
+                max_n=self.config.max_n,
+                max_output_tokens=self.config.max_request_output_tokens,
+            )
             info = (
                 NOT_ANALYZED
                 if route is not None

@@ -769,6 +769,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         bs = self.connector.block_size
         remote_ids = p.get("remote_block_ids") or []
         usable = min(len(remote_ids), (request.num_tokens - 1) // bs)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed here: pull nothing.
+            usable = 0
         num_external = max(0, usable * bs - num_computed_tokens)
         if num_external == 0 and remote_ids:
             # Our own prefix cache covers it: the producer may free its blocks now.

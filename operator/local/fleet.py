@@ -34,7 +34,13 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.launch import python_module
 
 from ..resource import InferenceService
-from ..roles import disaggregating, engine_command, publishes_kv_events, role_engine_args
+from ..roles import (
+    disaggregating,
+    engine_command,
+    gateway_request_bounds,
+    publishes_kv_events,
+    role_engine_args,
+)
 from .process import Child
 
 logger = logging.getLogger("pdfleet.up")
@@ -187,6 +193,8 @@ class LocalFleet:
             tokenizer=self.model_path,
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+            **gateway_request_bounds(spec),
+            trust_client_trace_context=spec.gateway.trust_client_trace_context,
         )
 
     def gateway_metrics_text(self) -> str | None:

@@ -37,8 +37,10 @@ from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
+from ..caller import request_caller
 from ..http_guard import GuardMiddleware, guarded_h11_protocol
 from ..uvicorn_server import graceful_server
+from .grammar_gate import CompileGate
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -96,10 +98,11 @@ class ServerState:
             )
             names = engine.config.model_config.served_model_names
             max_len = engine.max_model_len
+            gate = CompileGate(lambda: engine.grammars, engine.config.admission_config)
             self.completions = CompletionServing(
-                self.engine, names, max_len, self.lanes, self.options
+                self.engine, names, max_len, self.lanes, self.options, gate
             )
-            self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options)
+            self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options, gate)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
         except BaseException as e:
@@ -185,7 +188,15 @@ def build_app(state: ServerState) -> FastAPI:
     # Outermost of the app's own layers: credentials and body size come first.
     app.add_middleware(GuardMiddleware, auth=state.auth, limits=state.limits)
     # Tracing wraps even that (a refused request is a span too); off: nothing added.
-    tracing.instrument_app(app, "engine", state.config.observability_config.otlp_traces_endpoint)
+    observability = state.config.observability_config
+
+    def trusted(headers: dict[str, str]) -> bool:
+        # The gateway's legs carry the fleet token: one trace across the P/D hop.
+        return observability.trust_client_trace_context or state.auth.is_internal(
+            headers.get("authorization")
+        )
+
+    tracing.instrument_app(app, "engine", observability.otlp_traces_endpoint, trusted)
 
     def ids(request: Request) -> str:
         rid = getattr(request.state, "request_id", None)
@@ -317,9 +328,14 @@ def build_app(state: ServerState) -> FastAPI:
                 await asyncio.gather(task, return_exceptions=True)
                 return JSONResponse({}, status_code=499)
 
+    def for_caller(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
+        client = request.client.host if request.client is not None else None
+        body.for_caller(request_caller(request.headers, client, state.auth))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         s, _ = serving(request)
+        for_caller(body, request)
         rid = request_id(request, "cmpl")
         out = response_id(request, "cmpl", rid)
         if body.stream:
@@ -329,6 +345,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _, s = serving(request)
+        for_caller(body, request)
         rid = request_id(request, "chatcmpl")
         out = response_id(request, "chatcmpl", rid)
         if body.stream:

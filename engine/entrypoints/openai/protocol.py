@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
 
@@ -28,6 +28,7 @@ class APIError(Exception):
         401: "AuthenticationError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
+        429: "RateLimitError",
         408: "RequestTimeoutError",
         413: "RequestTooLargeError",
         431: "RequestHeaderFieldsTooLargeError",
@@ -129,6 +130,17 @@ class _Sampling(_Checked):
     # Known OpenAI fields pdfleet does not implement: rejected when set.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # Who the request is for (set by the server from its credential, never from
+    # the body): per-caller bounds count against it (entrypoints/caller.py).
+    _caller: str = PrivateAttr(default="anonymous")
+
+    @property
+    def caller(self) -> str:
+        return self._caller
+
+    def for_caller(self, caller: str) -> None:
+        """Mutates: the request is for ``caller``."""
+        self._caller = caller
 
     def check_unsupported(self) -> None:
         if self.logit_bias:

@@ -90,13 +90,14 @@ class ChatServing(ServingBase):
         if schema is not None:
             spec = StructuredOutputsParams(json=schema)
         spec = await self.compile_constraint(
-            spec, "tools" if schema is not None else req.constraint_field()
+            spec, "tools" if schema is not None else req.constraint_field(), req.caller
         )
         text, ids = await self.chat_prompt(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         max_tokens = self.check_length(ids, max_tokens, "messages")
+        self.check_output_tokens(req, [max_tokens])
         params = req.sampling_params(self.defaults, max_tokens, k, structured=spec)
         return model, text, ids, params, k, parser
 
