@@ -159,6 +159,11 @@ class LLMEngine:
             )
 
     @property
+    def built_grammars(self) -> Any:
+        """The grammar compiler if a constrained request built it, else None."""
+        return self._grammars
+
+    @property
     def grammars(self) -> Any:
         """The grammar compiler and cache (built on first use; thread-safe)."""
         with self._grammars_lock:

@@ -67,6 +67,17 @@ _KV_GAUGES = (
 )
 
 
+# The grammar compiler's and the compile gate's figures (read at each scrape).
+_GRAMMAR = (
+    m.ENGINE_GRAMMAR_CACHE_BYTES,
+    m.ENGINE_GRAMMAR_COMPILES,
+    m.ENGINE_GRAMMAR_COMPILE_TIMEOUTS,
+    m.ENGINE_GRAMMAR_COMPILES_REFUSED,
+    m.ENGINE_GRAMMAR_COMPILES_RUNNING,
+    m.ENGINE_GRAMMAR_COMPILES_WAITING,
+)
+
+
 class EngineMetrics:
     """The engine's series on one registry; :meth:`update` runs after each step."""
 
@@ -82,6 +93,7 @@ class EngineMetrics:
             m.ENGINE_FAILED_STEPS,
             *_PER_STEP,
             *_LATENCIES,
+            *_GRAMMAR,
         ]
         if self.has_kv:
             table += [*_KV_COUNTERS, *_KV_GAUGES, m.ENGINE_KV_TRANSFER_SECONDS]
@@ -168,6 +180,19 @@ class EngineMetrics:
             self.request_success.labels(**self.labels, finished_reason=reason).inc()
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
+
+    def update_grammars(self, grammars: Any, gate: Any) -> None:
+        """The grammar cache's and the compile gate's state (event loop, at a
+        scrape: they change between engine steps). ``grammars`` may be None
+        (no constrained request yet)."""
+        if grammars is not None:
+            self._set(m.ENGINE_GRAMMAR_CACHE_BYTES, grammars.cache_bytes)
+            self._grow(m.ENGINE_GRAMMAR_COMPILES, grammars.num_compiled)
+            self._grow(m.ENGINE_GRAMMAR_COMPILE_TIMEOUTS, grammars.pool.num_timeouts)
+        if gate is not None:
+            self._grow(m.ENGINE_GRAMMAR_COMPILES_REFUSED, gate.num_refused)
+            self._set(m.ENGINE_GRAMMAR_COMPILES_RUNNING, gate.busy)
+            self._set(m.ENGINE_GRAMMAR_COMPILES_WAITING, len(gate.waiting))
 
     def _update_kv(self, connector: Any) -> None:
         with connector.lock:

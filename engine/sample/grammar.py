@@ -268,10 +268,11 @@ class GrammarCompiler:
         compiled = self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
         del data
         self._insert(spec.key(), compiled, size)
+        # Reading the grammar's JSON takes several times its size for a moment.
+        _trim_heap()
         return compiled
 
     def _insert(self, key: tuple, compiled: Any, size: int) -> None:
-        evicted = False
         with self._lock:
             self.num_compiled += 1
             old = self._cache.pop(key, None)
@@ -281,11 +282,8 @@ class GrammarCompiler:
                 _, (_, dropped) = self._cache.popitem(last=False)
                 self.cache_bytes -= dropped
                 self.num_evicted += 1
-                evicted = True
             self._cache[key] = (compiled, size)
             self.cache_bytes += size
-        if evicted:
-            _trim_heap()
 
     @staticmethod
     def _request(spec: StructuredOutputsParams) -> tuple[str, str]:

@@ -76,6 +76,7 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
+        self.gate: CompileGate | None = None
         self.metrics: EngineMetrics | None = None
         self.load_error: BaseException | None = None
         self.fatal: BaseException | None = None
@@ -98,7 +99,7 @@ class ServerState:
             )
             names = engine.config.model_config.served_model_names
             max_len = engine.max_model_len
-            gate = CompileGate(lambda: engine.grammars, engine.config.admission_config)
+            self.gate = gate = CompileGate(lambda: engine.grammars, engine.config.admission_config)
             self.completions = CompletionServing(
                 self.engine, names, max_len, self.lanes, self.options, gate
             )
@@ -283,6 +284,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         if state.metrics is None:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        if state.engine is not None:
+            state.metrics.update_grammars(state.engine.engine.built_grammars, state.gate)
         return PlainTextResponse(
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )

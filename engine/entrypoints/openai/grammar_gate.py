@@ -105,6 +105,8 @@ class CompileGate:
         self.waiting: list[_Waiter] = []
         self.pending: dict[str, int] = {}
         """caller -> its compiles waiting or running."""
+        self.num_refused = 0
+        """Compiles refused for a caller limit or for no free worker in time."""
         self.inflight: dict[tuple, asyncio.Future] = {}
         """spec key -> the compile under way (others with the same spec wait for it)."""
         self._seq = itertools.count()
@@ -146,6 +148,7 @@ class CompileGate:
     async def _compile_new(self, spec: StructuredOutputsParams, key: tuple, caller: str) -> Any:
         limit = self.limits.max_grammar_compiles_per_caller
         if self.pending.get(caller, 0) >= limit:
+            self.num_refused += 1
             raise CompileBusy(
                 f"{limit} grammar compiles of this caller are already waiting or running "
                 "(--max-grammar-compiles-per-caller); retry when they are done",
@@ -217,6 +220,7 @@ class CompileGate:
                 waiter.ready.cancel()
                 self.waiting.remove(waiter)
             if isinstance(e, TimeoutError):
+                self.num_refused += 1
                 raise CompileBusy(
                     f"no grammar compiler was free within {bound:g}s; retry later", status=503
                 ) from None
