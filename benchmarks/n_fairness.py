@@ -196,8 +196,8 @@ def main() -> int:
         "target_ratio": 3.0,
         "runs": runs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "logs": str(logs),
     }
+    print(f"process logs: {logs}", file=sys.stderr)
     print(json.dumps(result, indent=2))
     for run in runs:
         print(
