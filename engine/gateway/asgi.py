@@ -52,6 +52,11 @@ class Request:
             self._headers = headers
         return self._headers
 
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The client's (host, port), as the server gives it."""
+        return self.scope.get("client")
+
     def ready_body(self) -> bytes | None:
         """None: under ASGI the body is read with ``receive`` (the gateway's own
         server, engine/gateway/server.py, hands a whole body over at once)."""

@@ -184,8 +184,10 @@ def request_caller(request: Request, keyed: bool) -> str:
     its API key's digest when the gateway checks keys (the key was verified),
     else its address (an unchecked key would let a client pose as many)."""
     token = bearer_token(request.headers.get("authorization")) if keyed else None
-    client = request.scope.get("client")
-    return caller_id(token, client[0] if client else None)
+    if token is not None:
+        return caller_id(token)
+    client = getattr(request, "client", None)
+    return caller_id(None, client[0] if client else None)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -260,6 +260,11 @@ class Cycle:
         return True
 
     @property
+    def client(self) -> tuple[str, int] | None:
+        """The client's (host, port), without building the scope."""
+        return self._proto.client_address
+
+    @property
     def scope(self) -> dict[str, Any]:
         if self._scope is None:
             proto = self._proto

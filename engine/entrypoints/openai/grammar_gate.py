@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config.admission import AdmissionConfig
+from ...sample.grammar import check_bounds
 from ...sampling_params import StructuredOutputsParams
 
 # A compile waits for a worker at most this many compile budgets.
@@ -120,8 +121,6 @@ class CompileGate:
         """The compiled grammar of ``spec`` (also pinned on it). Raises
         ``ValueError`` for a constraint that is bad, over a bound or over its
         compile budget; ``CompileBusy`` for the caller limits."""
-        from ...sample.grammar import check_bounds
-
         if spec.compiled is not None:
             return spec.compiled
         check_bounds(spec, self.limits)
