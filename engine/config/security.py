@@ -8,6 +8,12 @@ are split the same way everywhere and every comparison is constant-time.
   an engine directly): ``Authorization: Bearer KEY``. They come from
   ``$PDFLEET_API_KEY`` (comma- or newline-separated) or, when that is unset,
   from the file ``$PDFLEET_API_KEY_FILE`` names (a mounted Secret).
+* **Internal API keys** are keys an operator hands to an internal caller that
+  is not a fleet member, such as vLLM's own P/D router (``vllm-router``, which
+  sends ``$OPENAI_API_KEY`` to the engines it drives). They come from
+  ``$PDFLEET_INTERNAL_API_KEY`` or the file ``$PDFLEET_INTERNAL_API_KEY_FILE``
+  names. Only the fleet token and internal keys may send internal fields
+  (``kv_transfer_params``) to an engine; a client API key never may.
 * **The fleet secret** is shared by the gateway and every engine of one
   fleet (the operator mounts it from a Secret; ``pdfleet up`` generates one
   per run). It never travels: each use derives its own key from it
@@ -35,6 +41,8 @@ from typing import Any
 
 API_KEY_ENV = "PDFLEET_API_KEY"
 API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
+INTERNAL_API_KEY_ENV = "PDFLEET_INTERNAL_API_KEY"
+INTERNAL_API_KEY_FILE_ENV = "PDFLEET_INTERNAL_API_KEY_FILE"
 FLEET_SECRET_ENV = "PDFLEET_FLEET_SECRET"
 FLEET_SECRET_FILE_ENV = "PDFLEET_FLEET_SECRET_FILE"
 
@@ -72,6 +80,17 @@ def api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     path = environ.get(API_KEY_FILE_ENV, "")
     if not text.strip() and path:
         text = _read_secret_file(API_KEY_FILE_ENV, path)
+    return split_keys(text)
+
+
+def internal_api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Internal keys from $PDFLEET_INTERNAL_API_KEY, else from the file
+    $PDFLEET_INTERNAL_API_KEY_FILE names."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(INTERNAL_API_KEY_ENV, "")
+    path = environ.get(INTERNAL_API_KEY_FILE_ENV, "")
+    if not text.strip() and path:
+        text = _read_secret_file(INTERNAL_API_KEY_FILE_ENV, path)
     return split_keys(text)
 
 

@@ -26,6 +26,7 @@ bound and an idle TTL. See docs/kv_transfer.md.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
@@ -40,6 +41,7 @@ import torch
 
 from .. import tracing
 from ..config import EngineConfig, security
+from ..core.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
@@ -66,6 +68,11 @@ FATAL = "fatal: "
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
 LEASE_FIELD = "pdfleet_lease_id"
+# The content a lease lends, signed with it: the chained hash of the last leased
+# block (hex), which covers every block before it and their token ids, and the
+# algorithm that produced it (docs/kv_events.md, "Block hashes").
+CHAIN_FIELD = "pdfleet_block_chain"
+CHAIN_ALGO_FIELD = "pdfleet_block_hash_algo"
 # How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
@@ -162,6 +169,7 @@ class ConnectorStats:
     transfers: int = 0
     failed_transfers: int = 0
     unconfirmed_transfers: int = 0
+    content_mismatches: int = 0
     expired_leases: int = 0
     handshakes: int = 0
     failed_handshakes: int = 0
@@ -191,6 +199,7 @@ class PDConnector:
         self.engine_id = str(kv.engine_id)
         self.instance_id = new_instance_id()
         self.block_size = config.cache_config.block_size
+        self.hash_algo = config.cache_config.prefix_caching_hash_algo
         extra = kv.kv_connector_extra_config
         self.lease_seconds = kv.lease_seconds
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 2.0))
@@ -742,6 +751,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
             port = p["remote_port"]
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError("kv_transfer_params: remote_port is not a port")
+            if ids:
+                # Signed params always name their content; these fields are checked
+                # against this engine's own tokens when the request is scheduled.
+                chain = p.get(CHAIN_FIELD)
+                if not isinstance(chain, str) or len(chain) != 64:
+                    raise ValueError(f"kv_transfer_params: {CHAIN_FIELD} is missing")
+                if p.get(CHAIN_ALGO_FIELD) not in HASH_FUNCTIONS:
+                    raise ValueError(
+                        f"kv_transfer_params: {CHAIN_ALGO_FIELD} must be one of "
+                        f"{sorted(HASH_FUNCTIONS)}"
+                    )
             why = compat_mismatch(self.connector.compat, p.get("pdfleet_compat"))
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
@@ -768,7 +788,26 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return 0, False
         bs = self.connector.block_size
         remote_ids = p.get("remote_block_ids") or []
-        usable = min(len(remote_ids), (request.num_tokens - 1) // bs)
+        why = self.content_mismatch(request, p)
+        if why is not None:
+            # Not this prompt's KV (another prompt's params, or the two roles
+            # tokenize differently): pull nothing and recompute. The lease is left
+            # alone: it may be the lawful decode leg's of another prompt, which may
+            # still claim it (else it expires).
+            with self.connector.lock:
+                self.connector.stats.content_mismatches += 1
+            logger.warning(
+                "request %s: the KV offered by prefill engine %s is not this prompt's (%s); "
+                "nothing pulled, recomputing",
+                request.request_id,
+                p.get("remote_engine_id"),
+                why,
+            )
+            request.kv_transfer_params = None
+            return 0, False
+        # Every remote block is verified (content_mismatch): the pulled blocks
+        # enter the prefix cache under this engine's own hashes of the same tokens.
+        usable = len(remote_ids)
         num_external = max(0, usable * bs - num_computed_tokens)
         if num_external == 0 and remote_ids:
             # Our own prefix cache covers it: the producer may free its blocks now.
@@ -776,6 +815,30 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 Load(request.request_id, dict(p), [], [], 0.0, release_only=True)
             )
         return num_external, True
+
+    def content_mismatch(self, request, p: dict[str, Any]) -> str | None:
+        """Why the leased blocks are not this request's prompt, or None when they are.
+
+        The producer signed the chained hash of its last leased block; equal chain
+        heads mean equal token ids in every leased block (the chain covers them all).
+        This engine hashes its own tokens, with the producer's algorithm."""
+        n = len(p.get("remote_block_ids") or [])
+        if n == 0:
+            return None
+        bs = self.connector.block_size
+        if (request.num_tokens - 1) // bs < n:
+            return (
+                f"this prompt has {(request.num_tokens - 1) // bs} full blocks before its last "
+                f"token, the lease {n}"
+            )
+        algo = str(p.get(CHAIN_ALGO_FIELD))
+        if algo == self.connector.hash_algo and len(request.block_hashes) >= n:
+            head = request.block_hashes[n - 1]
+        else:
+            head = prompt_block_hashes(request.all_token_ids, bs, get_hash_fn(algo), n)[n - 1]
+        if not hmac.compare_digest(head.hex().encode(), str(p.get(CHAIN_FIELD)).encode()):
+            return f"the block hash chain of its {n} leased blocks differs"
+        return None
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         p = request.kv_transfer_params or {}
@@ -818,6 +881,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         if duplicate:
             full = []
+        # The content of the lease: every leased block's tokens, through the chain.
+        chain = request.block_hashes[len(full) - 1].hex() if full else None
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -831,6 +896,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             LEASE_FIELD: lease_id,
             "pdfleet_compat": self.connector.compat,
             "pdfleet_compat_hash": self.connector.compat_hash,
+            CHAIN_FIELD: chain,
+            CHAIN_ALGO_FIELD: self.connector.hash_algo,
         }
         # The signature outlives the lease by a margin: a decode leg that arrives after
         # the lease recomputes (the producer refuses the pull) instead of failing;

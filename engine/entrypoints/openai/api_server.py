@@ -317,8 +317,22 @@ def build_app(state: ServerState) -> FastAPI:
                 await asyncio.gather(task, return_exceptions=True)
                 return JSONResponse({}, status_code=499)
 
+    def internal_fields_only_from_internal_callers(body: Any, request: Request) -> None:
+        """kv_transfer_params steer KV pulls and leases: only the fleet token or an
+        internal key may send them, never a client API key (docs/security.md)."""
+        if body.kv_transfer_params is not None and not state.auth.is_internal(
+            request.headers.get("authorization")
+        ):
+            raise APIError(
+                "kv_transfer_params: an internal field; only the fleet token or an internal "
+                "API key may send it, not a client API key",
+                status=403,
+                param="kv_transfer_params",
+            )
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         s, _ = serving(request)
         rid = request_id(request, "cmpl")
         out = response_id(request, "cmpl", rid)
@@ -328,6 +342,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         _, s = serving(request)
         rid = request_id(request, "chatcmpl")
         out = response_id(request, "chatcmpl", rid)
