@@ -24,6 +24,8 @@ are split the same way everywhere and every comparison is constant-time.
   - ``kv-params``: the HMAC key that signs ``kv_transfer_params``
     (:func:`sign_params` / :func:`verify_params`).
   - ``kv-side-channel``: the key of the KV side channel's challenge-response.
+  - ``kv-events``: the CURVE key pair of KV event publishers
+    (:func:`kv_events_server_key`).
 
 See docs/security.md for the trust model.
 """
@@ -182,6 +184,13 @@ def verify_params(
     if (time.time() if now is None else now) > float(expires):
         raise InvalidParams("kv_transfer_params have expired")
     return {k: v for k, v in params.items() if k not in (SIG_FIELD, EXPIRES_FIELD)}
+
+
+def kv_events_server_key(secret: bytes) -> bytes:
+    """The raw 32-byte CURVE secret key of every KV event publisher of a fleet.
+    Its public key is what a subscriber must know to complete the handshake,
+    so only holders of the fleet secret can subscribe (docs/kv_events.md)."""
+    return derive_key(secret, "kv-events")
 
 
 def challenge() -> bytes:

@@ -41,6 +41,7 @@ import torch
 
 from .. import tracing
 from ..config import EngineConfig, security
+from ..config.identity import fleet_identity_from_env
 from ..core.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
@@ -73,6 +74,9 @@ LEASE_FIELD = "pdfleet_lease_id"
 # algorithm that produced it (docs/kv_events.md, "Block hashes").
 CHAIN_FIELD = "pdfleet_block_chain"
 CHAIN_ALGO_FIELD = "pdfleet_block_hash_algo"
+# The producer's vouched identity (fleets with identities): the consumer pulls only
+# from a side channel that proves it.
+PRODUCER_FIELD = "pdfleet_producer"
 # How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
@@ -194,6 +198,8 @@ class PDConnector:
                 "(pdfleet up and the operator do this)"
             )
         self.secret = secret
+        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them.
+        self.identity = fleet_identity_from_env()
         self.config = config
         self.kv = kv
         self.engine_id = str(kv.engine_id)
@@ -299,6 +305,7 @@ class PDConnector:
                     "confirm": self._on_confirm,
                     "release": self._on_release,
                 },
+                self.identity,
             )
         if self.kv.is_kv_consumer:
             self.thread = threading.Thread(
@@ -345,6 +352,8 @@ class PDConnector:
 
     def _on_handshake(self, request: dict[str, Any], peer: Peer):
         assert self.layout is not None
+        if not peer.may_consume:
+            return self._refused(f"identity: {peer.identity} may not pull KV (not a consumer)")
         # The layout without addresses: a READ needs only the base (NIXL adds it).
         layout = {k: v for k, v in self.layout.to_dict().items() if k != "base_address"}
         return {
@@ -361,6 +370,8 @@ class PDConnector:
 
     def _lease_for(self, request: dict[str, Any], peer: Peer) -> tuple[Lease | None, str]:
         """The lease a claim/read names, bound to ``peer`` (caller holds the lock)."""
+        if not peer.may_consume:
+            return None, f"{peer.identity} may not pull KV (not a consumer)"
         lease = self.held.get(str(request.get("lease_id")))
         if lease is None:
             return None, "unknown or ended lease"
@@ -410,7 +421,7 @@ class PDConnector:
         with self.lock:
             lid = str(request.get("lease_id"))
             lease = self.held.get(lid)
-            if lease is not None and lease.consumer in (None, peer.identity):
+            if lease is not None and peer.may_consume and lease.consumer in (None, peer.identity):
                 del self.held[lid]
                 self.freed.append(lease.request_id)
             else:
@@ -493,6 +504,15 @@ class PDConnector:
                 f"the prefill engine uses the {reply.get('transport')} transport, this engine "
                 f"{self.transport.name}: use the same kv_connector on both"
             )
+        if self.identity.required:
+            # The side channel proved who answers; it must be who signed the params.
+            proven = client.peers.get((host, port))
+            named = p.get(PRODUCER_FIELD)
+            if proven is None or proven.subject != named:
+                raise RuntimeError(
+                    f"the KV side channel at {host}:{port} is "
+                    f"{proven.subject if proven else 'unidentified'}, the params name {named}"
+                )
         remote = Remote(str(reply["engine_id"]), str(reply["instance_id"]), host, port, layout)
         self.transport.connect(remote, reply)
         self.remotes[key] = (remote, time.monotonic())
@@ -515,7 +535,9 @@ class PDConnector:
                 self.unquarantined.append(request_id)
 
     def _transfer_loop(self) -> None:
-        client = SideChannelClient(self.secret, self.engine_id, self.instance_id, self.compat_hash)
+        client = SideChannelClient(
+            self.secret, self.engine_id, self.instance_id, self.compat_hash, self.identity
+        )
         if isinstance(self.transport, ZmqTransport):
             self.transport.client = client
         inflight: list[Load] = []
@@ -899,6 +921,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             CHAIN_FIELD: chain,
             CHAIN_ALGO_FIELD: self.connector.hash_algo,
         }
+        own = self.connector.identity.own
+        if own is not None:
+            params[PRODUCER_FIELD] = own.claims.subject
         # The signature outlives the lease by a margin: a decode leg that arrives after
         # the lease recomputes (the producer refuses the pull) instead of failing;
         # one that arrives later still is refused (400).

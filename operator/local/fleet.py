@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config import identity, security
 from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config import security
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.launch import python_module
 
@@ -45,6 +45,9 @@ logger = logging.getLogger("pdfleet.up")
 ROLES = ("prefill", "decode")
 # Give up restarting a child that keeps dying this many times in a row.
 MAX_RESTARTS = 5
+# Engine identity tokens of a run: the authority lives only in this process, so
+# the tokens are worthless after the run whatever their expiry.
+IDENTITY_TTL_SECONDS = 365 * 86400.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -136,6 +139,10 @@ class LocalFleet:
             self.child_env[security.API_KEY_ENV] = self.gateway_env[security.API_KEY_ENV]
         token = security.fleet_token(secret.encode())
         self.auth_headers = {"Authorization": f"Bearer {token}"}
+        # The identity authority of the run: its private key never leaves this
+        # process; each engine gets its own key and token (owner-only file) and
+        # the authority's public key (docs/security.md, "Identities").
+        self.authority = identity.Authority.generate()
 
     def replicas_in_spec(self, role: str) -> int:
         if role == "prefill" and not disaggregating(self.spec):
@@ -175,10 +182,33 @@ class LocalFleet:
             argv,
             port,
             self.run_dir / f"{name}.log",
-            env={**self.child_env, "OMP_NUM_THREADS": str(self.threads)},
+            env={
+                **self.child_env,
+                **self._identity_env(name, role),
+                "OMP_NUM_THREADS": str(self.threads),
+            },
             host=self.host,
             headers=self.auth_headers,
         )
+
+    def _identity_env(self, name: str, role: str) -> dict[str, str]:
+        """A new identity for engine ``name`` (its own key, vouched for by this run's
+        authority), in an owner-only file; the variables that point the engine at it."""
+        folder = self.run_dir / "identity"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"{name}.json"
+        engine = identity.EngineIdentity.issue(
+            self.authority,
+            f"{self.service.name}/{name}",
+            role,
+            self.service.name,
+            IDENTITY_TTL_SECONDS,
+        )
+        engine.write(path)
+        return {
+            identity.IDENTITY_FILE_ENV: str(path.resolve()),
+            identity.IDENTITY_AUTHORITY_ENV: self.authority.public_key,
+        }
 
     def add_engine(self, role: str) -> Child:
         child = self._engine_child(role)

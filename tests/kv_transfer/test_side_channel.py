@@ -100,8 +100,20 @@ def test_an_unauthenticated_peer_gets_nothing_and_frees_nothing(zmq_producer):
     hello = {"op": "hello", "version": PROTOCOL_VERSION, "compat_hash": c.compat_hash}
     reply = raw(port, pack({**hello, "nonce": b"n" * 32, "engine_id": "e", "instance_id": "i"}))
     assert reply["ok"] and "agent_metadata" not in reply and "layout" not in reply
-    auth = raw(port, pack({"op": "auth", "session": reply["session"], "proof": b"p" * 32}))
-    assert auth["ok"] is False and "authentication failed" in auth["error"]
+    hello_fields = {"engine_id": "e", "instance_id": "i", "compat_hash": c.compat_hash}
+    auth = {
+        "op": "auth",
+        "session": reply["session"],
+        "client_nonce": b"n" * 32,
+        "nonce": reply["nonce"],
+        "hello": pack({**hello_fields, "identity": None}),
+        "cookie": reply["cookie"],
+    }
+    refused = raw(port, pack({**auth, "proof": b"p" * 32}))
+    assert refused["ok"] is False and "authentication failed" in refused["error"]
+    # A cookie that does not match what the server answered: no session at all.
+    forged = raw(port, pack({**auth, "cookie": b"c" * 32, "proof": b"p" * 32}))
+    assert forged["ok"] is False and "unknown session" in forged["error"]
     assert "victim-lease" in c.held and not c.freed
 
 
@@ -244,10 +256,15 @@ def test_a_repeated_request_id_never_takes_over_held_blocks(zmq_producer):
 
     sched = PDConnectorScheduler(zmq_producer)
     request = SimpleNamespace(
-        request_id="same", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True}
+        request_id="same",
+        num_prompt_tokens=40,
+        kv_transfer_params={"do_remote_decode": True},
+        block_hashes=[bytes([i]) * 32 for i in range(2)],
     )
     hold, first = sched.request_finished(request, [0, 1, 2])
     assert hold and first["remote_block_ids"] == [0, 1]
+    # The lease names its content: the chain hash of its last block.
+    assert first["pdfleet_block_chain"] == (b"\x01" * 32).hex()
     hold, second = sched.request_finished(request, [3, 4, 5])
     # The second is not held (its blocks are freed at once); the first lease is intact.
     assert not hold and second["remote_block_ids"] == []
