@@ -30,12 +30,12 @@ def reference(pair, request: dict) -> str:
 def test_another_prompts_signed_params_are_not_used_nor_cached_and_its_lease_survives(pair):
     a, b = body(9101), body(9102)
     params_a = prefill_leg(pair, a)
-    assert len(params_a["remote_block_ids"]) == 6 and params_a["pdfleet_block_chain"]
+    assert len(params_a["remote_block_ids"]) == 6
+    want_b = reference(pair, b)
     before = {m: pair.metric("decode", m) for m in (MISMATCHES, TRANSFERS, PULLED)}
     # B's decode leg with A's genuine params, with the fleet token (an insider, or a
     # gateway bug): B's own answer, nothing pulled, the mismatch counted.
     got = text_of(post(pair.decode.url + "/v1/completions", {**b, "kv_transfer_params": params_a}))
-    want_b = reference(pair, b)
     assert got == want_b
     assert pair.metric("decode", MISMATCHES) == before[MISMATCHES] + 1
     assert pair.metric("decode", TRANSFERS) == before[TRANSFERS]
@@ -85,14 +85,8 @@ def test_roles_with_different_chat_templates_answer_right_never_with_the_other_r
     chat = {"messages": messages, "max_tokens": 10, "temperature": 0}
     params = prefill_leg(pair, chat, "/v1/chat/completions")
     assert params["remote_block_ids"]
-    before = pair.metric("decode", MISMATCHES), pair.metric("decode", PULLED)
-    got = text_of(
-        post(pair.decode.url + "/v1/chat/completions", {**chat, "kv_transfer_params": params})
-    )
-    assert pair.metric("decode", MISMATCHES) == before[0] + 1
-    assert pair.metric("decode", PULLED) == before[1]
     # What the decode engine's own template gives, computed by the other engine from
-    # the token ids (an engine whose cache the P/D leg could not have touched).
+    # the token ids (an engine whose cache the P/D leg cannot touch).
     tokens = post(pair.decode.url + "/tokenize", {"messages": messages}).json()["tokens"]
     want = text_of(
         post(
@@ -100,4 +94,10 @@ def test_roles_with_different_chat_templates_answer_right_never_with_the_other_r
             {"prompt": tokens, "max_tokens": 10, "temperature": 0},
         )
     )
+    before = pair.metric("decode", MISMATCHES), pair.metric("decode", PULLED)
+    got = text_of(
+        post(pair.decode.url + "/v1/chat/completions", {**chat, "kv_transfer_params": params})
+    )
     assert got == want
+    assert pair.metric("decode", MISMATCHES) == before[0] + 1
+    assert pair.metric("decode", PULLED) == before[1]

@@ -47,17 +47,20 @@ def batches(sub: zmq.Socket, timeout: float) -> list:
 def test_only_fleet_members_receive_events_and_they_carry_hashes_not_token_ids(pair):
     secret = security.fleet_secret_from_env()
     assert secret is not None
-    # The `*` endpoint binds the engine's KV address, never every interface.
-    bound = {a for a, p in listening_addresses(pair.prefill.proc.pid) if p == pair.events_port}
-    assert bound == {"127.0.0.1"}
     member = subscriber(pair.events_port, secret)
     strangers = [
         subscriber(pair.events_port, None),
         subscriber(pair.events_port, b"another-fleets-secret-0123456789"),
     ]
     try:
-        # Heartbeats every 0.2 s: the member hears them.
+        # Heartbeats every 0.2 s: a subscriber that may read them has some within
+        # 1.5 s; neither a subscriber without a credential nor another fleet's does.
+        for sub in strangers:
+            assert batches(sub, 1.5) == []
         assert batches(member, 10.0), "a fleet member received no KV events"
+        # The `*` endpoint binds the engine's KV address, never every interface.
+        bound = {a for a, p in listening_addresses(pair.prefill.proc.pid) if p == pair.events_port}
+        assert bound == {"127.0.0.1"}
         tokens = prompt(9501, 64)
         r = post(pair.prefill.url + "/v1/completions", {"prompt": tokens, "max_tokens": 1})
         assert r.status_code == 200, r.text
@@ -72,7 +75,6 @@ def test_only_fleet_members_receive_events_and_they_carry_hashes_not_token_ids(p
                 break
         assert want <= {h for e in stored for h in e["block_hashes"]}
         assert all(e["token_ids"] == [] for e in stored)
-        # Neither a subscriber without a credential nor another fleet's got a byte.
         for sub in strangers:
             assert batches(sub, 0.5) == []
     finally:
