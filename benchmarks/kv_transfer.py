@@ -270,7 +270,13 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
         handovers, prefills, recomputes = [], [], []
         # One client for the whole run: a new httpx client per request costs tens of
         # milliseconds here (TLS context setup), which would be counted as handover.
-        with httpx.Client(timeout=60) as client:
+        # The engines want the fleet token (what the gateway presents).
+        from pdfleet.engine.config import security
+
+        secret = security.fleet_secret_from_env()
+        assert secret is not None
+        token = {"authorization": f"Bearer {security.fleet_token(secret)}"}
+        with httpx.Client(timeout=60, headers=token) as client:
 
             def first_event(url: str, body: dict) -> float:
                 start = time.perf_counter()
