@@ -51,7 +51,7 @@ def test_leased_blocks_are_a_prompts_own_only_when_its_chain_matches():
     # A longer prompt that starts with the leased blocks may use them.
     assert sched.content_mismatch(request(tokens + [7] * 40), params(tokens, 6)) is None
     # One token changed in the first block, or too few blocks: not this prompt's KV.
-    other = [999] + tokens[1:]
+    other = [999, *tokens[1:]]
     assert "differs" in sched.content_mismatch(request(other), params(tokens, 6))
     assert "full blocks" in sched.content_mismatch(request(tokens[:80]), params(tokens, 6))
     assert sched.content_mismatch(request(tokens), {"remote_block_ids": []}) is None
