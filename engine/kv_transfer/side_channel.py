@@ -109,13 +109,16 @@ class Peer:
     engine_id: str
     instance_id: str
     claims: ident.IdentityClaims | None = None
+    address: str = ""  # the TCP peer address the session was opened from
 
     @property
     def identity(self) -> str:
-        """What a lease binds to: the vouched subject when there is one."""
+        """What a lease binds to: the vouched subject when there is one; else the
+        stated ids and the address they were stated from (another holder of the
+        fleet secret may state the same ids, but not from the same address)."""
         if self.claims is not None:
             return f"{self.claims.subject}#{self.instance_id}"
-        return f"{self.engine_id}/{self.instance_id}"
+        return f"{self.engine_id}/{self.instance_id}@{self.address}"
 
     @property
     def may_consume(self) -> bool:
@@ -229,7 +232,7 @@ class SideChannelServer:
             if not dict(poller.poll(50)):
                 continue
             try:
-                peer_id, frames = self._receive()
+                peer_id, frames, address = self._receive()
             except zmq.ZMQError as e:
                 logger.warning("side-channel receive failed: %s", e)
                 continue
@@ -237,7 +240,7 @@ class SideChannelServer:
                 self.num_rejected += 1
                 continue  # oversized: dropped unread, never answered
             try:
-                answer = self._handle(frames)
+                answer = self._handle(frames, address)
             except Exception as e:  # a bad peer must never take the engine down
                 logger.warning("bad side-channel request: %s", e)
                 self.num_rejected += 1
@@ -249,11 +252,12 @@ class SideChannelServer:
             except zmq.ZMQError as e:
                 logger.warning("side-channel reply failed: %s", e)
 
-    def _receive(self) -> tuple[bytes, list[bytes] | None]:
-        """One message, frame by frame: (the peer's routing id, its frames), or None
-        for frames when it has more than MAX_FRAMES (the rest are read and dropped,
-        so they are never held together)."""
-        peer_id = self.sock.recv()
+    def _receive(self) -> tuple[bytes, list[bytes] | None, str]:
+        """One message, frame by frame: (the peer's routing id, its frames, the peer's
+        TCP address); frames is None when there are more than MAX_FRAMES (the rest
+        are read and dropped, so they are never held together)."""
+        head = self.sock.recv(copy=False)
+        address = str(head.get("Peer-Address") or "")
         frames: list[bytes] | None = []
         while self.sock.getsockopt(zmq.RCVMORE):
             frame = self.sock.recv()
@@ -261,13 +265,13 @@ class SideChannelServer:
                 frames.append(frame)
             else:
                 frames = None
-        return peer_id, frames
+        return head.bytes, frames, address
 
     def _refuse(self, error: str) -> list[Any]:
         self.num_rejected += 1
         return [pack({"ok": False, "error": error})]
 
-    def _handle(self, frames: list[bytes]) -> list[Any] | None:
+    def _handle(self, frames: list[bytes], address: str = "") -> list[Any] | None:
         if len(frames) == 1:
             if len(frames[0]) > MAX_HELLO_BYTES:
                 return self._refuse(
@@ -278,7 +282,7 @@ class SideChannelServer:
             if op == "hello":
                 return self._hello(request)
             if op == "auth":
-                return self._auth(request)
+                return self._auth(request, address)
             return self._refuse("not authenticated: send hello and auth first")
         if len(frames) != 2:
             return self._refuse("malformed message")
@@ -288,6 +292,8 @@ class SideChannelServer:
         if not isinstance(sid, bytes) or sid not in self.sessions:
             return self._refuse("unknown session: authenticate again")
         session = self.sessions[sid]
+        if session.peer.address != address:
+            return self._refuse("the session was opened from another address")
         if not hmac.compare_digest(mac, _mac(session.key, b"req", body)):
             return self._refuse("bad message authentication code")
         seq = request.get("seq")
@@ -356,7 +362,7 @@ class SideChannelServer:
             mac.update(part)
         return mac.digest()
 
-    def _auth(self, request: dict[str, Any]) -> list[Any]:
+    def _auth(self, request: dict[str, Any], address: str = "") -> list[Any]:
         sid, nonce, server_nonce, hello, cookie = (
             request.get(k) for k in ("session", "client_nonce", "nonce", "hello", "cookie")
         )
@@ -400,7 +406,7 @@ class SideChannelServer:
                     claims.subject,
                 )
                 return self._refuse("identity: the peer does not hold the identity's key")
-        peer = Peer(str(who.get("engine_id")), str(who.get("instance_id")), claims)
+        peer = Peer(str(who.get("engine_id")), str(who.get("instance_id")), claims, address)
         key = _session_key(self.secret, nonce, server_nonce)
         self.sessions[sid] = _Session(key, peer, last_used=time.monotonic())
         self._trim_sessions()

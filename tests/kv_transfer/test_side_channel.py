@@ -169,6 +169,46 @@ def test_a_lease_binds_to_the_first_consumer_that_claims_it(zmq_producer):
         second.close()
 
 
+class FromAddress(SideChannelClient):
+    """A client whose connections leave from ``source`` (another loopback address)."""
+
+    source = "127.0.0.2"
+
+    def _sock(self, host, port):
+        if (host, port) not in self.socks:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://{self.source}:0;{host}:{port}")
+            self.socks[(host, port)] = s
+        return self.socks[(host, port)]
+
+
+def test_without_identities_a_lease_binds_to_the_stated_ids_and_their_address(zmq_producer):
+    # Another holder of the fleet secret states the real consumer's engine and
+    # instance ids, from another address: the lease is not its to read, confirm
+    # or release.
+    c = zmq_producer
+    from pdfleet.engine.kv_transfer.connector import Lease
+
+    c.held["L"] = Lease("victim", [0, 1], time.monotonic() + 60)
+    real = SideChannelClient(c.secret, "decode-a", "1", c.compat_hash)
+    poser = FromAddress(c.secret, "decode-a", "1", c.compat_hash)
+    try:
+        for client in (real, poser):
+            client.connect("127.0.0.1", c.port, 2.0)
+        real.call("127.0.0.1", c.port, {"op": "claim", "lease_id": "L", "block_ids": [0]}, 2.0)
+        with pytest.raises(RuntimeError, match="another consumer"):
+            poser.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [0]}, 2)
+        with pytest.raises(RuntimeError, match="ended"):
+            poser.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        poser.send_nowait("127.0.0.1", c.port, {"op": "release", "lease_id": "L"})
+        real.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        assert c.freed == ["victim"]
+    finally:
+        real.close()
+        poser.close()
+
+
 def test_a_replayed_message_is_refused(zmq_producer):
     c = zmq_producer
     from pdfleet.engine.kv_transfer.connector import Lease
