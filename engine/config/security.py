@@ -23,7 +23,8 @@ are split the same way everywhere and every comparison is constant-time.
     to engine HTTP routes (:func:`fleet_token`).
   - ``kv-params``: the HMAC key that signs ``kv_transfer_params``
     (:func:`sign_params` / :func:`verify_params`).
-  - ``kv-side-channel``: the key of the KV side channel's challenge-response.
+  - ``kv-side-channel``: the key of the KV side channel's challenge-response;
+    ``kv-side-channel-curve``: its sockets' CURVE key pair.
   - ``kv-events``: the CURVE key pair of KV event publishers
     (:func:`kv_events_server_key`).
 

@@ -22,6 +22,13 @@ A producer runs a ROUTER socket on ``kv_port``, bound to one address (never
    ``handshake`` handler's answer (layout and, for NIXL, the agent
    metadata), so NIXL metadata is only ever sent to an authenticated peer.
 
+The socket itself is a ZeroMQ CURVE server whose key pair derives from the
+fleet secret (:func:`curve_keys`): a peer that does not hold the secret
+cannot complete ZeroMQ's handshake, so it cannot send a single message (a
+ZeroMQ multipart message is buffered whole before the application sees any
+of it, so a size check in the application alone could not bound it), and
+the traffic (lease ids, block bytes of the ZMQ transport) is encrypted.
+
 Before authentication a message is one frame of at most ``MAX_HELLO_BYTES``;
 every message is at most ``MAX_MESSAGE_BYTES`` per frame (refused by ZeroMQ
 before it is buffered whole) and ``MAX_FRAMES`` frames, read frame by frame,
@@ -57,6 +64,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils import z85
 
 from ..config import identity as ident
 from ..config import security
@@ -157,6 +165,21 @@ def _session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> byt
     return security.prove(secret, PURPOSE, b"session", client_nonce, server_nonce)
 
 
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of every side-channel server of a fleet."""
+    private = z85.encode(security.derive_key(secret, "kv-side-channel-curve"))
+    return zmq.curve_public(private), private
+
+
+def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make ``sock`` a CURVE client of the fleet's side channels (a throwaway key
+    pair of its own: knowing the server's public key is what takes the secret)."""
+    public, private = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(secret)[0])
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+
+
 def _transcript(label: bytes, *parts: bytes) -> bytes:
     """What an identity key signs in a handshake: length-prefixed parts."""
     out = [b"pdfleet/kv-side-channel/identity/", label]
@@ -205,6 +228,10 @@ class SideChannelServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        public, private = curve_keys(secret)
+        self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+        self.sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        self.sock.setsockopt(zmq.CURVE_SECRETKEY, private)
         # A predecessor's socket on this port may still be closing: retry briefly.
         deadline = time.monotonic() + 3.0
         while True:
@@ -475,6 +502,7 @@ class SideChannelClient:
         if key not in self.socks:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            secure_client(s, self.secret)
             s.connect(f"tcp://{host}:{port}")
             self.socks[key] = s
         return self.socks[key]

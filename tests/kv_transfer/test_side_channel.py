@@ -11,13 +11,13 @@ import torch
 import zmq
 from helpers.server import free_port
 
-from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config import EngineArgs, security
 from pdfleet.engine.config.engine import pdfleet_version
 from pdfleet.engine.kv_transfer.connector import PDConnector
 from pdfleet.engine.kv_transfer.side_channel import (
     PROTOCOL_VERSION,
-    AuthError,
     SideChannelClient,
+    secure_client,
 )
 
 
@@ -68,9 +68,11 @@ def zmq_producer(tiny_model):
 
 
 def raw(port: int, *frames: bytes, timeout_ms: int = 2000) -> dict:
-    """One request from an unauthenticated DEALER; the decoded first reply frame."""
+    """One request from an unauthenticated DEALER (a CURVE client that knows the
+    fleet's side-channel key, as any holder of the secret); the first reply frame."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, security.fleet_secret_from_env())
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send_multipart(list(frames))
@@ -130,8 +132,10 @@ def test_a_peer_with_another_secret_fails_both_ways(zmq_producer):
     c = zmq_producer
     wrong = SideChannelClient(b"another-fleets-secret-0123456789", "e", "i", c.compat_hash)
     try:
-        with pytest.raises(AuthError):
-            wrong.connect("127.0.0.1", c.port, 2.0)
+        # Its CURVE handshake fails (the server's key derives from the secret): no
+        # answer at all, so it learns nothing.
+        with pytest.raises(TimeoutError):
+            wrong.connect("127.0.0.1", c.port, 1.0)
     finally:
         wrong.close()
     right = SideChannelClient(c.secret, "e", "i", c.compat_hash)
@@ -178,6 +182,7 @@ class FromAddress(SideChannelClient):
         if (host, port) not in self.socks:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            secure_client(s, self.secret)
             s.connect(f"tcp://{self.source}:0;{host}:{port}")
             self.socks[(host, port)] = s
         return self.socks[(host, port)]

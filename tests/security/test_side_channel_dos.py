@@ -2,7 +2,10 @@
 
 Before, one 400 MiB message raised the prefill engine's peak memory by
 800 MiB, and 300 unauthenticated hellos pushed a real peer's half-open
-handshake out of a 256-entry table (its pull then recomputed).
+handshake out of a 256-entry table (its pull then recomputed). A peer without
+the fleet secret now cannot even complete ZeroMQ's CURVE handshake; one that
+holds it (an insider without a session) meets the size bounds and the
+stateless cookies.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ import zmq
 from helpers.security_pair import post, prefill_leg, prompt, text_of
 
 from pdfleet.engine.config import identity, security
-from pdfleet.engine.kv_transfer.side_channel import PROTOCOL_VERSION, SideChannelClient
+from pdfleet.engine.kv_transfer.side_channel import (
+    PROTOCOL_VERSION,
+    SideChannelClient,
+    secure_client,
+)
 
 TRANSFERS = "pdfleet_engine_kv_transfers_total"
 
@@ -42,21 +49,30 @@ def pd_still_works(pair, seed: int) -> None:
 def test_an_oversized_message_before_authentication_costs_the_producer_no_memory(pair):
     pid = pair.prefill.proc.pid
     before = peak_rss_mib(pid)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{pair.kv_ports['prefill']}")
+    port = pair.kv_ports["prefill"]
+    hello = msgpack.packb({"op": "hello", "version": PROTOCOL_VERSION, "pad": "z" * 65536})
+    ctx = zmq.Context.instance()
+    outsider, insider = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    secure_client(insider, security.fleet_secret_from_env())
+    for sock in (outsider, insider):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
     try:
-        # 128 MiB, and a message of many 512 KiB frames (each under the frame bound).
-        sock.send(b"\x81" + b"x" * (128 << 20))
-        sock.send_multipart([b"y" * (512 << 10)] * 64)
-        sock.send(msgpack.packb({"op": "hello", "version": PROTOCOL_VERSION, "pad": "z" * 65536}))
-        assert sock.poll(10000), "the side channel did not answer the padded hello"
-        reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
-        # Every message before this answer was received (or dropped) by now.
+        # No fleet secret: 128 MiB in 128 frames (ZeroMQ would buffer a multipart
+        # message whole), then a hello; nothing gets past the CURVE handshake.
+        outsider.send_multipart([b"y" * (1 << 20)] * 128)
+        outsider.send(hello)
+        # With the secret but no session: one 128 MiB frame, then the padded hello.
+        insider.send(b"\x81" + b"x" * (128 << 20))
+        insider.send(hello)
+        assert insider.poll(10000), "the side channel did not answer the padded hello"
+        reply = msgpack.unpackb(insider.recv_multipart()[-1], raw=False)
+        assert not outsider.poll(1000), "a peer without the fleet secret got an answer"
         assert peak_rss_mib(pid) - before < 48, (before, peak_rss_mib(pid))
         assert reply["ok"] is False and "at most" in reply["error"]
     finally:
-        sock.close(0)
+        outsider.close(0)
+        insider.close(0)
     pd_still_works(pair, 9401)
 
 
@@ -69,7 +85,10 @@ class FloodedClient(SideChannelClient):
     def _exchange(self, host, port, frames, timeout):
         got = super()._exchange(host, port, frames, timeout)
         if frames and b"hello" in frames[0][:40] and self.flood:
+            # An insider (holds the fleet secret, has no session): an outsider
+            # cannot even reach the hello.
             attacker = self.ctx.socket(zmq.DEALER)
+            secure_client(attacker, self.secret)
             attacker.setsockopt(zmq.LINGER, 0)
             attacker.connect(f"tcp://{host}:{port}")
             hello = {
