@@ -55,9 +55,11 @@ def test_children_get_the_fleet_credentials_bind_loopback_and_die_with_a_sigkill
         env = process_environ(pid)
         # The session's secret (conftest sets it) reaches every child unchanged.
         assert env["PDFLEET_FLEET_SECRET"] == os.environ["PDFLEET_FLEET_SECRET"]
-        # One canonical list, split the same way everywhere.
-        assert env["PDFLEET_API_KEY"] == "ka,kb"
         argv = process_argv(pid)
+        # One canonical list, split the same way everywhere, for the gateway only:
+        # engines get no client key (pdfleet up --direct-engine-access gives them).
+        engine = "gateway" not in argv
+        assert env["PDFLEET_API_KEY"] == ("" if engine else "ka,kb")
         http = int(argv[argv.index("--port") + 1])
         listening = listening_addresses(pid)
         assert http in {port for _, port in listening}

@@ -102,9 +102,14 @@ class LLMEngine:
         self.kv_events = None
         ev = config.kv_events_config
         if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq":
+            from .config import security
             from .kv_events import KVEventPublisher
 
-            self.kv_events = KVEventPublisher(ev)
+            # The ports bind the engine's KV address when it has one (the pod IP).
+            kv_ip = os.environ.get("PDFLEET_KV_BIND_IP") or os.environ.get("PDFLEET_KV_IP")
+            if not kv_ip and kv is not None and kv.kv_connector is not None:
+                kv_ip = kv.kv_ip
+            self.kv_events = KVEventPublisher(ev, kv_ip, security.fleet_secret_from_env())
         self.iteration_stats = IterationStats()
         self._next_id = 0
         self._grammars: Any = None

@@ -54,6 +54,7 @@ _KV_COUNTERS = {
     m.ENGINE_KV_TRANSFER_HANDSHAKES: "handshakes",
     m.ENGINE_KV_TRANSFER_HANDSHAKE_FAILURES: "failed_handshakes",
     m.ENGINE_KV_TRANSFER_UNCONFIRMED: "unconfirmed_transfers",
+    m.ENGINE_KV_TRANSFER_CONTENT_MISMATCHES: "content_mismatches",
     m.ENGINE_KV_REMOTE_EVICTIONS: "remote_evictions",
     m.ENGINE_KV_SIDE_CHANNEL_REFUSED: "refused_reads",
 }

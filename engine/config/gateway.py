@@ -165,6 +165,11 @@ class GatewayConfig:
     """Port of the engines' KV event replay (ROUTER) sockets, likewise."""
     kv_events_topic: str = ""
     """Topic the engines publish KV events under (`kv_events_config.topic`)."""
+    kv_events_auth: Literal["fleet", "none"] = "fleet"
+    """How to subscribe to the engines' KV events (`kv_events_config.auth`):
+    `fleet` (ZeroMQ CURVE with the fleet secret's keys; the default, what
+    fleet engines publish with) or `none` (engines that publish to anyone,
+    e.g. for vLLM's router too)."""
     kv_index_max_blocks: int = 1_000_000
     """Block ids the exact prefix index holds at most (the least recently
     stored go first); about 150 bytes each."""

@@ -277,6 +277,13 @@ ENGINE_KV_TRANSFER_UNCONFIRMED = Metric(
     "Pulls whose lease ended before the producer confirmed them (recomputed).",
     _M,
 )
+ENGINE_KV_TRANSFER_CONTENT_MISMATCHES = Metric(
+    "pdfleet_engine_kv_transfer_content_mismatches_total",
+    "counter",
+    "Decode legs whose prompt does not hash to the block chain the prefill engine signed "
+    "(another prompt's params, or tokenizer/chat-template skew): nothing pulled, recomputed.",
+    _M,
+)
 ENGINE_KV_REMOTE_EVICTIONS = Metric(
     "pdfleet_engine_kv_remote_evictions_total",
     "counter",

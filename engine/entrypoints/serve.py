@@ -36,6 +36,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Read API keys from a file (one per line, or comma-separated); repeatable.",
     )
+    group.add_argument(
+        "--internal-api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="Read internal API keys from a file: keys of internal callers that are not "
+        "fleet members (vLLM's P/D router), which, like the fleet token, may send "
+        "kv_transfer_params; client API keys never may. Repeatable. Default: "
+        "$PDFLEET_INTERNAL_API_KEY, else the file $PDFLEET_INTERNAL_API_KEY_FILE names.",
+    )
     limits = RequestLimits()
     group.add_argument(
         "--max-request-body-bytes",
@@ -136,8 +146,13 @@ def run(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
     )
+    internal = keys_from_sources(
+        (), args.internal_api_key_file, environ={}, flag="--internal-api-key-file"
+    )
     auth = EngineAuth(
-        keys_from_sources(args.api_key, args.api_key_file), security.fleet_secret_from_env()
+        keys_from_sources(args.api_key, args.api_key_file),
+        security.fleet_secret_from_env(),
+        internal or security.internal_api_keys_from_env(),
     )
     return run_server(
         config,

@@ -119,7 +119,9 @@ class Gateway:
             config.kv_host_weight,
             self.metrics,
         )
-        self.kv_events = KVEventFollower(self.kv_index, self.metrics)
+        self.kv_events = KVEventFollower(
+            self.kv_index, self.metrics, secret if config.kv_events_auth == "fleet" else None
+        )
         self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
         self.proxy = Proxy(
             config,

@@ -80,6 +80,10 @@ class UpOptions:
     """Torch threads per engine (default: CPU cores / engines)."""
     timeout: float = 600.0
     """Seconds to wait for every process to become ready."""
+    direct_engine_access: bool = False
+    """Engines accept the client API keys too (for clients that call an engine
+    directly); without it only the gateway does. A client key never may send
+    internal fields (kv_transfer_params) to an engine."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -147,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         say=say,
         fleet_secret=fleet_secret,
         api_keys=api_keys,
+        direct_engine_access=args.direct_engine_access,
     )
     stop = threading.Event()
 

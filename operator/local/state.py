@@ -63,6 +63,8 @@ class FleetStateWriter:
         if text == self._last:
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner-only
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, self.path)
         self._last = text

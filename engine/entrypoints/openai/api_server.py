@@ -335,8 +335,22 @@ def build_app(state: ServerState) -> FastAPI:
         client = request.client.host if request.client is not None else None
         body.for_caller(request_caller(request.headers, client, state.auth))
 
+    def internal_fields_only_from_internal_callers(body: Any, request: Request) -> None:
+        """kv_transfer_params steer KV pulls and leases: only the fleet token or an
+        internal key may send them, never a client API key (docs/security.md)."""
+        if body.kv_transfer_params is not None and not state.auth.is_internal(
+            request.headers.get("authorization")
+        ):
+            raise APIError(
+                "kv_transfer_params: an internal field; only the fleet token or an internal "
+                "API key may send it, not a client API key",
+                status=403,
+                param="kv_transfer_params",
+            )
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         s, _ = serving(request)
         for_caller(body, request)
         rid = request_id(request, "cmpl")
@@ -347,6 +361,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         _, s = serving(request)
         for_caller(body, request)
         rid = request_id(request, "chatcmpl")

@@ -26,6 +26,7 @@ class APIError(Exception):
     TYPES = {
         400: "BadRequestError",
         401: "AuthenticationError",
+        403: "PermissionDeniedError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
         429: "RateLimitError",
