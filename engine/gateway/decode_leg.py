@@ -49,7 +49,7 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
-@dataclass
+@dataclass(slots=True)
 class Failover:
     """What a decode leg needs to go to another engine: its route and prompt,
     the payload, the engines tried, and whether it has held once already."""

@@ -442,6 +442,9 @@ class HttpProtocol(asyncio.Protocol):
         # read back from the wire, since the parser streams chunks and never
         # says it) and the end of the previous read, where its size line may begin.
         self._chunked = False
+        """A chunked body was being read in this read: check it when the read is parsed."""
+        self._chunked_body = False
+        """The body being parsed is chunked."""
         self._chunk_open = False
         """Between a chunk's size line and its end."""
         self._chunk_begun = False
@@ -483,12 +486,12 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 self._refuse(ErrorBody("invalid HTTP/1.1 request", 400))
             return
-        if self._chunked or self._chunk_over:  # (a whole body may have come in this read)
+        if self._chunked:
             self._check_chunk(data)
         # A head still incomplete: count what httptools buffers of it.
         if self._in_head and not self._discarding and self.transport is not None:
             self._buffered += len(data)
-            if self._buffered > self.server.limits.max_head_bytes:
+            if self._buffered > self.server.max_head_bytes:
                 self._refuse_head()
 
     def _check_chunk(self, data: bytes) -> None:
@@ -512,6 +515,7 @@ class HttpProtocol(asyncio.Protocol):
                 if announced > limit:
                     self._chunk_over = announced
         self._chunk_begun = False
+        self._chunked = self._chunked_body  # (a whole chunked body may have come in this read)
         if self._chunk_over:
             self._refuse(
                 ErrorBody(
@@ -521,7 +525,7 @@ class HttpProtocol(asyncio.Protocol):
                 )
             )
             return
-        self._chunk_tail = data[-CHUNK_LINE_TAIL:] if self._chunked else b""
+        self._chunk_tail = data[-CHUNK_LINE_TAIL:] if self._chunked_body else b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -546,7 +550,6 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._head_bytes = 0
-        self._chunk_tail = b""
         self._url = b""
         self._headers = {}
         self._raw_headers = None if self.server._direct else []
@@ -566,7 +569,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
-        if self._head_bytes > self.server.limits.max_head_bytes:
+        if self._head_bytes > self.server.max_head_bytes:
             self._too_large = True
             raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
 
@@ -574,8 +577,9 @@ class HttpProtocol(asyncio.Protocol):
         self._in_head = False
         self._buffered = 0
         self.head_since = None
-        # (The parser takes no other transfer coding: chunked is the last one.)
-        self._chunked = "transfer-encoding" in self._headers
+        if "transfer-encoding" in self._headers:  # (the parser takes no coding but chunked last)
+            self._chunked = self._chunked_body = True
+            self._chunk_tail = b""
         url = self._url
         path, _, query = url.partition(b"?")
         if b"%" in path:
@@ -614,7 +618,7 @@ class HttpProtocol(asyncio.Protocol):
         self._chunk_open = False
 
     def on_message_complete(self) -> None:
-        self._chunked = self._chunk_open = False
+        self._chunked_body = self._chunk_open = False
         if self.parsing is not None:
             self.parsing._ended()
             self.parsing = None
@@ -715,7 +719,7 @@ class HttpProtocol(asyncio.Protocol):
             self._close(lingering=False)
 
     def _refuse_head(self) -> None:
-        limit = self.server.limits.max_head_bytes
+        limit = self.server.max_head_bytes
         self._refuse(
             ErrorBody(f"the request head exceeds this server's limit of {limit} bytes", 431)
         )
@@ -789,7 +793,9 @@ class HttpServer:
     ) -> None:
         self.app = app
         self.limits = limits
+        # The two bounds read per request, one attribute away.
         self.header_timeout = limits.header_timeout
+        self.max_head_bytes = limits.max_head_bytes
         self.graceful_timeout = graceful_timeout
         self.name = name
         self.connections: set[HttpProtocol] = set()
