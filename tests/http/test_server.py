@@ -14,7 +14,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -134,6 +133,7 @@ def fastapi_app():
                 pass
             gone.append(name)
 
+        gone.append("waiting")
         await asyncio.gather(watch("a"), watch("b"))
         return {}
 
@@ -191,8 +191,8 @@ def test_a_client_that_goes_away_is_seen_by_every_receive(fastapi_app):
     try:
         with served.connect() as s:
             s.sendall(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
-            time.sleep(0.2)  # (no condition to wait on: the handler waits on the client)
-        assert wait_until(lambda: sorted(gone) == ["a", "b"], 10), gone
+            assert wait_until(lambda: gone == ["waiting"], 10), gone
+        assert wait_until(lambda: sorted(gone) == ["a", "b", "waiting"], 10), gone
     finally:
         served.stop()
 
