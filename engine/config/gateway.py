@@ -127,10 +127,13 @@ class GatewayConfig:
     kv_pair_cooldown: float = 30.0
     """Seconds a (prefill, decode) pair stays out of P/D routing once its
     breaker opened."""
-    # The three client limits default as the engine server's (engine/config/http_limits.py).
+    # The client limits default as the engine server's (engine/config/http_limits.py).
     max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
     """Largest request body accepted (413 beyond, refused on Content-Length
     before anything is read)."""
+    max_chunk_bytes: int = DEFAULT_LIMITS.max_chunk_bytes
+    """Largest chunk a chunked request body may announce or send (413, and
+    the connection closes)."""
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     """Seconds a client may take to send a request's headers."""
     body_timeout: float = DEFAULT_LIMITS.body_timeout
@@ -225,6 +228,7 @@ class GatewayConfig:
             "kv_pair_failures",
             "max_body_bytes",
             "max_request_output_tokens",
+            "max_chunk_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")

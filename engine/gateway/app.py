@@ -23,25 +23,28 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.http_limits import RequestLimits
 from pdfleet.engine.config.security import (
     bearer_token,
     fleet_secret_from_env,
     fleet_token,
     key_matches,
 )
+from pdfleet.engine.http.asgi import Request, RouteTable
+from pdfleet.engine.http.server import HttpServer
+from pdfleet.engine.http.upstream import UpstreamClient
 
-from .asgi import GatewayASGI, Request
+from .answers import error_response, upstream_message
+from .call import client_request_id
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
-from .proxy import Proxy, client_request_id, error_response, upstream_message
+from .proxy import Proxy
 from .routing import KVPairBreaker, PrefixAffinity, Router
-from .server import HttpServer
+from .siblings import Siblings, reuseport_socket
 from .tls import PlaintextWarning, client_context
-from .upstream import UpstreamClient
-from .workers import Siblings, reuseport_socket, serve_workers
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -207,11 +210,11 @@ def build_app(
     discovery: Discovery | None = None,
     fleet_secret: bytes | None = None,
     siblings: Siblings | None = None,
-) -> GatewayASGI:
+) -> RouteTable:
     gw = Gateway(config, discovery, fleet_secret, siblings)
 
     @asynccontextmanager
-    async def lifespan(app: GatewayASGI):
+    async def lifespan(app: RouteTable):
         await gw.start()
         try:
             yield
@@ -225,7 +228,7 @@ def build_app(
 
     # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
     # API is OpenAI's, documented in docs/).
-    app = GatewayASGI(lifespan, internal_error)
+    app = RouteTable(lifespan, internal_error)
     tracing.instrument_app(
         app, "gateway", trusted=(lambda _: True) if config.trust_client_trace_context else None
     )
@@ -314,17 +317,26 @@ def build_app(
     return app
 
 
+def request_limits(config: GatewayConfig) -> RequestLimits:
+    """The gateway's client limits, as the engine server's (one definition)."""
+    return RequestLimits(
+        max_body_bytes=config.max_body_bytes,
+        max_chunk_bytes=config.max_chunk_bytes,
+        header_timeout=config.header_timeout,
+        body_timeout=config.body_timeout,
+    )
+
+
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; exit 0 after a graceful stop. With
-    ``--workers N`` this process supervises N workers (engine/gateway/workers.py);
-    ``siblings`` is set in each of them. The HTTP server is the gateway's own
-    (engine/gateway/server.py)."""
-    if config.workers > 1 and siblings is None:
-        return serve_workers(config)
+    """Serve this process's gateway until SIGINT/SIGTERM; exit 0 after a
+    graceful stop. ``siblings``: the other workers of ``--workers N`` (their
+    supervisor is ``workers.serve``). The HTTP server is pdfleet's own
+    (engine/http/server.py), the engine server's too."""
     app = build_app(config, siblings=siblings)
     # httpx logs every engine call (health checks included) at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("pdfleet.gateway.http").setLevel(config.uvicorn_log_level.upper())
+    logging.getLogger("pdfleet.http").setLevel(config.uvicorn_log_level.upper())
     logger.info("pdfleet gateway on %s:%d: %r", config.host, config.port, config)
     sock = None if siblings is None else reuseport_socket(config.host, config.port)
-    return HttpServer(app, config.header_timeout).run(config.host, config.port, sock)
+    server = HttpServer(app, request_limits(config), name="gateway")
+    return server.run(config.host, config.port, sock)

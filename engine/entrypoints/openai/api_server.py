@@ -6,9 +6,11 @@ in-flight requests finish for up to ``--shutdown-timeout`` seconds, then
 exits 0. An engine whose loop broke (see ``async_engine``) exits 1 at once,
 for its supervisor to restart it: it is never alive with a failed health.
 
-Every route but the health probes needs a credential (``auth.py``); bodies,
-headers and chunks are bounded (``http_guard.py``). Request ids are the
-server's own; a client's ``X-Request-Id`` is only echoed and logged.
+Every route but the health probes needs a credential (``auth.py``); bodies
+are bounded (``http_guard.py``), heads and chunks by the HTTP server, which
+is the gateway's too (``engine/http/server.py``: keep-alive, pipelining,
+disconnects, the graceful stop). Request ids are the server's own; a
+client's ``X-Request-Id`` is only echoed and logged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,13 +35,14 @@ from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
 from ...config.http_limits import RequestLimits
+from ...contracts.errors import ErrorBody, method_not_allowed, not_found
+from ...http.server import HttpServer
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
 from ..caller import request_caller
-from ..http_guard import GuardMiddleware, guarded_h11_protocol
-from ..uvicorn_server import graceful_server
+from ..http_guard import GuardMiddleware
 from .grammar_gate import CompileGate
 from .protocol import (
     APIError,
@@ -170,8 +173,9 @@ async def until_disconnected(
         await events.aclose()
 
 
-def error_json(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_json(e: APIError | ErrorBody, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = e.body() if isinstance(e, APIError) else e.to_dict()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -224,7 +228,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
-        # FastAPI's own refusals (unparsable body, unknown route, wrong method).
+        # FastAPI's own refusals (unparsable body, unknown route, wrong method);
+        # an unknown route or method is answered as the gateway answers it.
+        if e.status_code == 404:
+            return error_json(not_found())
+        if e.status_code == 405:
+            return error_json(method_not_allowed(), headers=e.headers)
         detail = e.detail if isinstance(e.detail, str) else "invalid request"
         if e.status_code == 400 and "parsing the body" in detail:
             detail = "the body is not valid JSON (or is nested too deeply)"
@@ -414,34 +423,20 @@ def run_server(
     options: ChatOptions | None = None,
 ) -> int:
     """Serve until stopped; 0 after a clean stop, 1 when loading or the engine failed."""
-    import uvicorn
-
     auth = auth or EngineAuth()
     limits = limits or RequestLimits()
     auth.warn_if_open()
+    logging.getLogger("pdfleet.http").setLevel(log_level.upper())
     state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
     # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
     grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01
-    uv_config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        # uvicorn annotates int seconds but hands them to asyncio.wait_for (any float).
-        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-        timeout_keep_alive=75,
-        http=guarded_h11_protocol(limits),
-        h11_max_incomplete_event_size=limits.max_head_bytes,  # bounds a request's head
-    )
-    server = graceful_server(uv_config)
+    server = HttpServer(app, limits, graceful_timeout=grace, name="engine")
 
     def exit_for_restart() -> None:
         # Requests in flight were already failed; stop at once, and make sure the
         # process goes even if a connection holds the graceful stop open.
-        server.should_exit = True
-        server.force_exit = True
+        server.stop_threadsafe(force=True)
         timer = threading.Timer(10.0, lambda: os._exit(1))
         timer.daemon = True
         timer.start()
@@ -451,10 +446,10 @@ def run_server(
     def watch_load() -> None:
         while not state.ready.wait(0.2):
             if state.load_error is not None:
-                server.should_exit = True
+                server.stop_threadsafe()
                 return
 
     threading.Thread(target=watch_load, daemon=True).start()
-    server.run()
+    code = server.run(host, port)
     state.lanes.shutdown()
-    return 1 if state.load_error is not None or state.fatal is not None else 0
+    return 1 if code or state.load_error is not None or state.fatal is not None else 0
