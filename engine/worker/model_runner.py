@@ -33,6 +33,7 @@ from .kv_cache import (
     check_fits_max_model_len,
     determine_num_blocks,
     local_kv_heads,
+    weight_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class ModelRunner:
         self.tp = get_tp_group()
         # Block ids are global: every rank's shard has as many blocks as the smallest.
         self.num_blocks = self.tp.all_min(
-            determine_num_blocks(config, self.kv_dtype, self.device, peak)
+            determine_num_blocks(config, self.kv_dtype, self.device, peak, weight_bytes(self.model))
         )
         check_fits_max_model_len(config, self.num_blocks)
         self.max_model_len = config.scheduler_config.max_model_len
@@ -132,8 +133,10 @@ class ModelRunner:
             self.host_kv = HostKVCache(self.kv_buffer, num_host)
             config.cache_config.num_cpu_blocks = num_host
         logger.info(
-            "Model loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            "Model loaded in %.1fs (weights %.2f GiB); KV cache: %d blocks x %d tokens = %d "
+            "tokens (%.2f GiB, %s)",
             load_seconds,
+            weight_bytes(self.model) / (1 << 30),
             self.num_blocks - 1,
             self.block_size,
             (self.num_blocks - 1) * self.block_size,
