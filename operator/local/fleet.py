@@ -36,6 +36,7 @@ from pdfleet.engine.config.launch import python_module
 from ..resource import InferenceService
 from ..roles import disaggregating, engine_command, publishes_kv_events, role_engine_args
 from .process import Child
+from .state import SECRET_FILE, write_private
 
 logger = logging.getLogger("pdfleet.up")
 
@@ -118,6 +119,9 @@ class LocalFleet:
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
         secret = fleet_secret or security.generate_secret()
+        self.secret = secret
+        self.progress: Callable[[], None] = lambda: None
+        """Called while :meth:`start` waits (``pdfleet up`` rewrites fleet.json)."""
         # What every child gets: the secret and the keys (one comma-separated
         # list: engines and the gateway split it with security.split_keys).
         self.child_env = {security.FLEET_SECRET_ENV: secret}
@@ -210,8 +214,14 @@ class LocalFleet:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
+
     def start(self, timeout: float = 600.0) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # For `pdfleet status` run by the same user (0600: nobody else reads it).
+        write_private(self.run_dir / SECRET_FILE, self.secret)
         self.write_engines_file()
         for role in self.roles:
             for _ in range(self.replicas_in_spec(role)):
@@ -233,6 +243,7 @@ class LocalFleet:
                 raise TimeoutError(
                     f"engines not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}"
                 )
+            self.progress()
             time.sleep(0.2)
         self.write_engines_file()
         gw = self.gateway_config()
@@ -256,6 +267,7 @@ class LocalFleet:
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway did not become healthy")
+            self.progress()
             time.sleep(0.2)
         self.gateway.mark_ready()
 
