@@ -484,6 +484,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         host="0.0.0.0",
         port=spec.gateway.port,
         tokenizer=model_source(spec.model.uri).path,
+        served_model_name=[spec.model.name],
         disaggregation_mode=spec.disaggregation.mode,
         min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
         discovery="kubernetes",

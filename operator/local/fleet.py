@@ -189,6 +189,7 @@ class LocalFleet:
             disaggregation_mode=spec.disaggregation.mode,
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
             tokenizer=self.model_path,
+            served_model_name=[spec.model.name],
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
         )

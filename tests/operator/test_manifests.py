@@ -156,6 +156,8 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     assert flags.disaggregation_mode == "Conditional"
     assert flags.min_prompt_tokens == 256
     assert flags.port == 8000
+    # It answers to the model's name, as the engines do (/v1/models at zero replicas too).
+    assert flags.served_model_name == ["m"]
     # The key is a mounted file (checkov CKV_K8S_35), never an environment value.
     env = {e["name"]: e for e in c["env"]}
     assert "PDFLEET_API_KEY" not in env
