@@ -92,8 +92,6 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = m.vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
-        if self.device.type == "cpu":
-            cpu_allocator.tune()
         start = time.perf_counter()
         self.model = load_model(config, self.device)
         # The Triton backend brings the fused RMSNorm/RoPE/SiLU kernels with it.
@@ -126,6 +124,11 @@ class ModelRunner:
             config, self.num_blocks, self.kv_dtype, self.device
         )
         config.cache_config.num_gpu_blocks = self.num_blocks - 1
+        if self.device.type == "cpu":
+            # After loading: the loader's temporaries go back to the kernel rather
+            # than setting the peak the tuning keeps (cpu_allocator's docstring).
+            cpu_allocator.release()
+            cpu_allocator.tune()
         self.host_kv: HostKVCache | None = None
         offload = config.cache_config.kv_offload_bytes
         if offload is not None:
