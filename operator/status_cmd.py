@@ -218,7 +218,13 @@ class LocalSource:
         self.client = httpx.Client(timeout=SCRAPE_TIMEOUT, headers=metrics_headers(self.run))
 
     def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
-        state = json.loads((self.run / STATE_FILE).read_text())
+        try:
+            state = json.loads((self.run / STATE_FILE).read_text())
+        except PermissionError:
+            raise ValueError(
+                f"cannot read {self.run / STATE_FILE} (its owner's only): run `pdfleet status` "
+                "as the user who ran `pdfleet up`"
+            ) from None
         alive = supervisor_alive(state)
         rows = []
         for e in state["engines"]:

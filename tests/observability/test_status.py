@@ -298,3 +298,23 @@ def test_engines_that_refuse_the_token_say_so_with_what_to_set():
     assert lines[2].split()[2] == "denied"
     assert lines[-2].startswith("denied: run as the user who ran `pdfleet up`")
     assert "set PDFLEET_FLEET_SECRET" in lines[-1]
+
+
+def test_another_users_run_says_whose_it_is(tmp_path, monkeypatch):
+    from pdfleet.operator.status_cmd import LocalSource
+
+    run = _run_dir(tmp_path, os.getpid(), f"http://127.0.0.1:{free_port()}")
+    source = LocalSource(run)
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "fleet.json":
+            raise PermissionError(13, "Permission denied")  # as for a user without root
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    try:
+        with pytest.raises(ValueError, match="as the user who ran `pdfleet up`"):
+            source.views({})
+    finally:
+        source.close()
