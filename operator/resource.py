@@ -451,10 +451,13 @@ class ServingSpec(_Spec):
     with tools, `tools`."""
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     """How tool calls are read from the model's text (`--tool-call-parser`,
-    vLLM's parser names). Needed for `tool_choice: auto`."""
-    enable_auto_tool_choice: bool = False
+    vLLM's parser names). Needed for `tool_choice: auto`. Unset: the model's
+    own when it names one (the built-in smollm2-135m-instruct: hermes, with
+    its tools-aware chat template), else none."""
+    enable_auto_tool_choice: bool | None = None
     """Let the model decide when to call tools (`--enable-auto-tool-choice`);
-    needs toolCallParser."""
+    needs toolCallParser. Unset: on for a model that names its parser (the
+    built-in smollm2-135m-instruct), else off; false turns it off."""
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServingSpec:

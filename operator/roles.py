@@ -208,8 +208,10 @@ def serving_flags(serving: ServingSpec | None) -> list[str]:
         flags += ["--chat-template", serving.chat_template]
     if serving.tool_call_parser is not None:
         flags += ["--tool-call-parser", serving.tool_call_parser]
-    if serving.enable_auto_tool_choice:
-        flags.append("--enable-auto-tool-choice")
+    if serving.enable_auto_tool_choice is not None:
+        # Unset leaves the model directory's default (docs/tool_calling.md).
+        on = serving.enable_auto_tool_choice
+        flags.append("--enable-auto-tool-choice" if on else "--no-enable-auto-tool-choice")
     return flags
 
 

@@ -72,6 +72,12 @@ class GatewayConfig:
     tokenizer: str | None = None
     """Model directory whose tokenizer counts prompt tokens and cuts prefix
     blocks; without it a token is approximated as 4 characters."""
+    served_model_name: list[str] = field(default_factory=list)
+    """Model name(s) the gateway answers to, as vLLM's flag: `/v1/models` lists
+    them (also while no decode engine is up), and a request naming another
+    model is refused (404) before any engine is called. Requests are forwarded
+    as they are, so the engines must serve the same names (`pdfleet up` and
+    the operator give both `spec.model.name`). Default: the engines' names."""
     api_key: list[str] = field(default_factory=list)
     """Accepted `Authorization: Bearer KEY` keys (repeatable; each value split
     on commas; default: $PDFLEET_API_KEY, else the file $PDFLEET_API_KEY_FILE

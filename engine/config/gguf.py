@@ -83,12 +83,16 @@ def _prepared_path(gguf_path: str) -> Path:
 
 
 def prepare_gguf_dir(
-    gguf_path: str, say: Callable[[str], None] | None = None, out: str | None = None
+    gguf_path: str,
+    say: Callable[[str], None] | None = None,
+    out: str | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> str:
     """The model directory for ``gguf_path``: config, tokenizer and a link to
     the file, written on first use (a few seconds) into the cache, or into
-    ``out``, and reused after. Safe when several processes prepare the same
-    file at once."""
+    ``out``, and reused after. ``extra(directory)`` adds files before the
+    directory appears (a built-in model's chat template). Safe when several
+    processes prepare the same file at once."""
     if not is_gguf_file(gguf_path):
         raise ValueError(f"{gguf_path!r} is not a GGUF file")
     target = Path(out) if out is not None else _prepared_path(gguf_path)
@@ -103,6 +107,8 @@ def prepare_gguf_dir(
     tmp.chmod(0o755)  # a shared cache: other users read it
     try:
         _write_metadata(os.path.realpath(gguf_path), tmp)
+        if extra is not None:
+            extra(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

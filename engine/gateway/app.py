@@ -1,7 +1,9 @@
 """The gateway's HTTP app: OpenAI routes, health, engines, metrics; and its server.
 
 ``/v1/completions`` and ``/v1/chat/completions`` go through the P/D proxy;
-``/v1/models`` is answered by a healthy decode engine. ``/health`` is 200
+``/v1/models`` is answered by a healthy decode engine (with the gateway's own
+``--served-model-name`` names when it has them, and from those alone while no
+decode engine is routable). ``/health`` is 200
 while at least one decode engine is routable (so a load balancer stops
 sending traffic to a gateway that could not serve it) and says nothing else.
 ``/engines`` (the pool as the gateway sees it) and ``/metrics`` (Prometheus
@@ -13,6 +15,7 @@ or the fleet token the operator scrapes with); there is no ``/docs`` or
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -265,6 +268,8 @@ def build_app(
                 logger.warning("request %s: /v1/models on %s: %r", rid, e.url, ex)
                 continue
             if resp.status_code == 200:
+                if gw.config.served_model_name:
+                    return JSONResponse(models_named(gw.config, resp.json()))
                 return Response(resp.content, 200, media_type="application/json")
             logger.warning(
                 "request %s: /v1/models on %s answered %d: %s",
@@ -273,6 +278,8 @@ def build_app(
                 resp.status_code,
                 upstream_message(resp),
             )
+        if gw.config.served_model_name:
+            return JSONResponse(models_named(gw.config, None))
         return error_response("no healthy decode engine is available", 503, rid)
 
     @app.get("/health")
@@ -325,6 +332,25 @@ def request_limits(config: GatewayConfig) -> RequestLimits:
         header_timeout=config.header_timeout,
         body_timeout=config.body_timeout,
     )
+
+
+def models_named(config: GatewayConfig, engine_list: dict[str, Any] | None) -> dict[str, Any]:
+    """``/v1/models`` listing the gateway's names, each with what a decode engine
+    says of its first model (``root``, ``max_model_len``) when one answered."""
+    entries = (engine_list or {}).get("data") or [{}]
+    first = entries[0] if isinstance(entries[0], dict) else {}
+    created = int(time.time())
+    data = [
+        {
+            **first,
+            "id": name,
+            "object": "model",
+            "created": first.get("created", created),
+            "owned_by": first.get("owned_by", "pdfleet"),
+        }
+        for name in config.served_model_name
+    ]
+    return {"object": "list", "data": data}
 
 
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:

@@ -150,6 +150,12 @@ class Proxy:
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
         call.body = body
+        names = self.config.served_model_name
+        if names and body.get("model") is not None and body["model"] not in names:
+            self.metrics.rejected.labels("invalid_field").inc()
+            return self.legs.error(
+                call, f"The model `{body['model']}` does not exist.", 404, "model"
+            )
         route = self._sole_route()
         try:
             # The engines' own admissibility check: a body one engine would refuse

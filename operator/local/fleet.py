@@ -45,6 +45,7 @@ from ..roles import (
     role_engine_args,
 )
 from .process import Child
+from .state import SECRET_FILE, write_private
 
 logger = logging.getLogger("pdfleet.up")
 
@@ -132,6 +133,9 @@ class LocalFleet:
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
         secret = fleet_secret or security.generate_secret()
+        self.secret = secret
+        self.progress: Callable[[], None] = lambda: None
+        """Called while :meth:`start` waits (``pdfleet up`` rewrites fleet.json)."""
         # What every child gets: the secret; the gateway also the client keys (one
         # comma-separated list, split with security.split_keys), engines only when
         # asked for direct access. An empty value also hides a key this process has.
@@ -233,6 +237,7 @@ class LocalFleet:
             disaggregation_mode=spec.disaggregation.mode,
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
             tokenizer=self.model_path,
+            served_model_name=[spec.model.name],
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
             **gateway_request_bounds(spec),
@@ -263,11 +268,17 @@ class LocalFleet:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
+
     def start(self, timeout: float = 600.0) -> None:
         # The engines file, the state file and the logs name every port (and the
         # identity files hold private keys): only this user may read them.
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.run_dir, 0o700)
+        # For `pdfleet status` run by the same user (0600: nobody else reads it).
+        write_private(self.run_dir / SECRET_FILE, self.secret)
         self.write_engines_file()
         for role in self.roles:
             for _ in range(self.replicas_in_spec(role)):
@@ -289,6 +300,7 @@ class LocalFleet:
                 raise TimeoutError(
                     f"engines not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}"
                 )
+            self.progress()
             time.sleep(0.2)
         self.write_engines_file()
         gw = self.gateway_config()
@@ -312,6 +324,7 @@ class LocalFleet:
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway did not become healthy")
+            self.progress()
             time.sleep(0.2)
         self.gateway.mark_ready()
 

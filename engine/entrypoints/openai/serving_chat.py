@@ -66,7 +66,10 @@ class ChatServing(ServingBase):
             if not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
                 raise APIError(
                     '"auto" tool choice requires --enable-auto-tool-choice and '
-                    "--tool-call-parser to be set",
+                    "--tool-call-parser to be set (in an InferenceService: "
+                    "spec.serving.enableAutoToolChoice: true and spec.serving.toolCallParser; "
+                    'docs/tool_calling.md); tool_choice "none", "required" or a named '
+                    "function work without them",
                     param="tool_choice",
                 )
             return get_parser(self.options.tool_call_parser), None
