@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 # input would. BREAK: that step and every later one raise, as a broken device.
 FAULT_TOKEN_ENV = "PDFLEET_FAULT_RAISE_ON_TOKEN"
 FAULT_BREAK_ENV = "PDFLEET_FAULT_BREAK_ON_TOKEN"
+# Slow steps for tests of the gateway's stall watchdog: every step first sleeps
+# the seconds this file holds (read each step; missing or empty: no delay), as
+# a slow device or a loaded host would make it.
+FAULT_STEP_DELAY_ENV = "PDFLEET_FAULT_STEP_DELAY_FILE"
 
 
 class StepFailed(RuntimeError):
@@ -44,6 +48,15 @@ class StepFailed(RuntimeError):
 def _env_token(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value.isdigit() else None
+
+
+def _step_delay(path: str) -> float:
+    """Seconds the fault file asks each step to take longer (0 when unreadable)."""
+    try:
+        with open(path) as f:
+            return max(0.0, float(f.read().strip() or 0))
+    except (OSError, ValueError):
+        return 0.0
 
 
 @dataclass
@@ -89,14 +102,17 @@ class EngineCore:
         self.num_failed_steps = 0
         self.fault_token = _env_token(FAULT_TOKEN_ENV)
         self.break_token = _env_token(FAULT_BREAK_ENV)
+        self.step_delay_file = os.environ.get(FAULT_STEP_DELAY_ENV) or None
         self.broken = False
-        if self.fault_token is not None or self.break_token is not None:
+        if self.fault_token is not None or self.break_token is not None or self.step_delay_file:
             logger.warning(
-                "fault injection: $%s=%s $%s=%s",
+                "fault injection: $%s=%s $%s=%s $%s=%s",
                 FAULT_TOKEN_ENV,
                 self.fault_token,
                 FAULT_BREAK_ENV,
                 self.break_token,
+                FAULT_STEP_DELAY_ENV,
+                self.step_delay_file,
             )
 
     def add_request(self, request: Request) -> None:
@@ -154,6 +170,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step; a failure while running the model raises :class:`StepFailed`."""
         start = time.perf_counter()
+        if self.step_delay_file is not None:
+            time.sleep(_step_delay(self.step_delay_file))
         sched_out = self.scheduler.schedule()
         try:
             if self.fault_token is not None or self.break_token is not None:

@@ -92,6 +92,7 @@ class EngineMetrics:
             *_CUMULATIVE,
             m.ENGINE_PREFILL_BUSY_SECONDS,
             m.ENGINE_FAILED_STEPS,
+            m.ENGINE_STEP_DURATION,
             *_PER_STEP,
             *_LATENCIES,
             *_GRAMMAR,
@@ -171,6 +172,7 @@ class EngineMetrics:
             for metric, field in _PER_STEP.items():
                 for series in self._series[metric]:
                     series.inc(getattr(s, field))
+            self._observe(m.ENGINE_STEP_DURATION, [s.step_seconds])
         if self.has_kv and engine.connector is not None:
             scheduler_side: Any = engine.connector.scheduler  # the PD connector's
             self._update_kv(scheduler_side.connector)

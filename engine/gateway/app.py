@@ -139,6 +139,8 @@ class Gateway:
             self.upstream,
             self.breaker,
         )
+        self.pool.on_routable = self.proxy.admission.engines_changed
+        self.metrics.on_collect(self._engine_gauges)
         self.keys = list(config.api_key)
         if not self.keys:
             logger.warning(
@@ -154,6 +156,15 @@ class Gateway:
     def _scraped(self, e, old, new) -> None:
         if e.serves("decode"):
             self.breaker.scraped(e, old, new)
+        self.proxy.admission.scraped(e, old, new)
+
+    def _engine_gauges(self) -> None:
+        """At each collection: each engine's stall limit and learned capacity."""
+        now = time.monotonic()
+        for e in self.pool.engines.values():
+            self.metrics.stall_limit.labels(e.url, e.role).set(self.pool.stall_limit(e, now))
+            if e.capacity is not None:
+                self.metrics.capacity.labels(e.url, e.role).set(e.capacity)
 
     def authorized(self, request: Request, admin: bool = False) -> bool:
         """A client key (or, for the admin routes, the fleet token) in constant time."""
@@ -294,7 +305,9 @@ def build_app(
         denied = unauthorized(request, admin=True)
         if denied:
             return denied
+        now = time.monotonic()
         body: dict[str, Any] = {
+            "queued": gw.proxy.admission.queued,
             # "INDEX/N" with --workers N (this view is the answering worker's), else null.
             "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),
@@ -305,6 +318,11 @@ def build_app(
                     "state": e.state,
                     "inflight": e.inflight,
                     "stalled": e.stalled,
+                    # Its slots: requests routed to it, and its learned capacity (null: unbounded).
+                    "admitted": e.admitted,
+                    "capacity": e.capacity,
+                    "longest_step_s": round(e.steps.longest(now), 3),
+                    "stall_limit_s": round(gw.pool.stall_limit(e, now), 3),
                 }
                 for e in gw.pool.engines.values()
             ],

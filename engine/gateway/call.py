@@ -45,6 +45,12 @@ class Call:
     without, see ``Proxy._sole_route``)."""
     info: PromptInfo | None = None
     """That analysis, once made."""
+    slot: Any = None
+    """The decode engine (``EngineState``) whose slot the request holds from its
+    route to the end of its answer (``admission.py``); None before and after."""
+    prefill_slot: Any = None
+    """The prefill engine whose slot it holds from its route to the end of its
+    prefill leg; None before and after."""
 
 
 def client_request_id(header: str | None) -> str:

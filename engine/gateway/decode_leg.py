@@ -86,6 +86,7 @@ class DecodeLeg:
                 if failure.kind in ("connect", "stalled"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
+                        legs.move_slot(call, nxt)
                         e = nxt
                         continue
                 legs.pair_failed(call, e)
@@ -135,6 +136,7 @@ class DecodeLeg:
                 if failure.kind in ("connect", "stalled"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
+                        legs.move_slot(call, nxt)
                         e = nxt
                         continue
                 legs.pair_failed(call, e)

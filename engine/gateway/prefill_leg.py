@@ -63,6 +63,14 @@ class PrefillLeg:
     ) -> dict[str, Any] | Response | None:
         """The prefill leg with retries: the producer's kv_transfer_params; None
         to serve decode-only; a Response when the input itself was refused."""
+        try:
+            return await self._run(call, body, route, info)
+        finally:
+            self.legs.free_prefill_slot(call)  # the next request may prefill there
+
+    async def _run(
+        self, call: Call, body: dict[str, Any], route: Route, info: PromptInfo
+    ) -> dict[str, Any] | Response | None:
         legs = self.legs
         payload = json.dumps(prefill_body(body, call.chat)).encode()
         engine: EngineState | None = route.prefill
@@ -78,6 +86,7 @@ class PrefillLeg:
                 engine = legs.router.pick_prefill(route.decode, info, tried)
                 if engine is not None:
                     legs.metrics.retries.labels("prefill").inc()
+                    legs.move_slot(call, engine, prefill=True)
                 continue
             if isinstance(result, Response):
                 return result

@@ -90,6 +90,7 @@ async def relay(
                 await resp.aclose()
                 legs.release(engine)
                 engine, resp, chunks = moved
+                legs.move_slot(call, engine)
                 first_bound = None
                 continue
             pool.progress(engine)

@@ -1,0 +1,207 @@
+"""Overload answered as overload: each engine's capacity, learned from its
+scrapes, and the bounded queue of requests beyond it.
+
+A request takes a *slot* on the decode engine it is routed to, from its route
+(before its prefill leg, so a request that must wait pins no KV anywhere) to
+the end of its answer, and, when it prefills, one on its prefill engine until
+its prefill leg ends. An engine's capacity is learned from what it reports:
+while it queues requests of its own (``waiting`` less the KV pulls in flight,
+which wait for bytes, not for room), its capacity is the slots this gateway
+holds on it less that queue; while it has room and the gateway fills it, the
+capacity grows by a quarter per scrape (at least one). An engine that never
+queued has no capacity bound. A decode engine's slots include its requests
+still in their prefill leg, so they count the pipeline; the prefill engines'
+own capacities keep that part short.
+
+While every routable decode engine is at capacity (or the request should
+prefill and every prefill engine that could is), a request waits in a FIFO
+queue (``pdfleet_gateway_queued_requests``) for a slot, at most
+``--queue-timeout`` seconds; then it is a 503 with ``Retry-After``. It is
+refused at once, with a 429 and ``Retry-After``, when the queue holds
+``--max-queued-requests`` or when the rate at which requests ended over the
+last half minute says it could not get a slot within ``--queue-timeout``.
+So beyond the rate the fleet sustains, requests are held for a bounded time
+and then refused fast, and the engines keep serving what they can: nothing
+is ejected and no request times out on an engine for being one too many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Iterable
+
+from pdfleet.engine.config.gateway import GatewayConfig
+
+from .engines import EngineLoad, EngineState
+from .metrics import GatewayMetrics
+
+# Slots given back per second are counted over this many one-second buckets.
+RATE_WINDOW_S = 30
+# Retry-After bounds (seconds).
+MIN_RETRY_AFTER = 1
+MAX_RETRY_AFTER = 60
+
+
+class Overloaded(Exception):
+    """No slot for the request: answered ``status`` with ``Retry-After``."""
+
+    def __init__(self, status: int, message: str, retry_after: int, reason: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after, self.reason = (
+            status,
+            message,
+            retry_after,
+            reason,
+        )
+
+
+class FreedRate:
+    """Slots given back per second, over the last ``RATE_WINDOW_S`` seconds."""
+
+    def __init__(self) -> None:
+        self._buckets: collections.deque[list[int]] = collections.deque()
+        """[second, count] pairs, oldest first, within the window."""
+        self._started = time.monotonic()
+
+    def tick(self, now: float) -> None:
+        second = int(now)
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += 1
+        else:
+            self._buckets.append([second, 1])
+            self._trim(second)
+
+    def _trim(self, second: int) -> None:
+        while self._buckets and self._buckets[0][0] <= second - RATE_WINDOW_S:
+            self._buckets.popleft()
+
+    def per_second(self, now: float) -> float:
+        """0.0 when nothing came free within the window."""
+        self._trim(int(now))
+        freed = sum(n for _, n in self._buckets)
+        span = min(float(RATE_WINDOW_S), max(1.0, now - self._started))
+        return freed / span
+
+
+class Admission:
+    """Slots on engines and the queue of requests waiting for one."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.freed = FreedRate()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    # -- slots -----------------------------------------------------------------------
+
+    @staticmethod
+    def has_room(e: EngineState) -> bool:
+        return e.capacity is None or e.admitted < e.capacity
+
+    def full(self, candidates: Iterable[EngineState]) -> set[str]:
+        """URLs of the candidates at capacity (usually none: no set is made then)."""
+        out: set[str] = set()
+        for e in candidates:
+            if e.capacity is not None and e.admitted >= e.capacity:
+                out.add(e.url)
+        return out
+
+    def take(self, e: EngineState) -> None:
+        e.admitted += 1
+
+    def give_back(self, e: EngineState, ended: bool = True) -> None:
+        """A request routed to ``e`` ended (``ended``; else its leg there ended
+        or moved to another engine): its slot is free for the next one."""
+        e.admitted -= 1
+        if ended:
+            self.freed.tick(time.monotonic())
+        if self._waiters:
+            self._wake(1)
+
+    # -- learning capacity -----------------------------------------------------------------
+
+    def scraped(self, e: EngineState, old: EngineLoad, new: EngineLoad) -> None:
+        """An engine's scrape: its capacity follows whether it queues."""
+        queued = new.waiting - new.kv_pulls
+        if queued >= 1:
+            e.capacity = max(1, e.admitted - math.ceil(queued))
+        elif e.capacity is not None and e.admitted >= e.capacity:
+            # At capacity here and not queuing there: it can take more.
+            e.capacity += max(1, e.capacity // 4)
+            if self._waiters:
+                self._wake(e.capacity - e.admitted)
+
+    def engines_changed(self) -> None:
+        """An engine became routable (or one left): waiting requests look again."""
+        if self._waiters:
+            self._wake(len(self._waiters))
+
+    # -- the queue -----------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def retry_after(self, ahead: int) -> int:
+        """Seconds until a slot is likely free for a request with ``ahead`` before it."""
+        rate = self.freed.per_second(time.monotonic())
+        wait = (ahead + 1) / rate if rate > 0 else self.config.queue_timeout
+        return int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(wait))))
+
+    def check_queue(self) -> None:
+        """Raise :class:`Overloaded` (429) when a new request should not wait."""
+        ahead = len(self._waiters)
+        if ahead >= self.config.max_queued_requests:
+            raise Overloaded(
+                429,
+                f"the service is overloaded ({ahead} requests waiting); retry later",
+                self.retry_after(ahead),
+                "queue_full",
+            )
+        rate = self.freed.per_second(time.monotonic())
+        if rate > 0 and (ahead + 1) / rate > self.config.queue_timeout:
+            raise Overloaded(
+                429,
+                f"the service is overloaded: {ahead} requests are waiting and a slot frees "
+                f"every {1 / rate:.1f}s; retry later",
+                self.retry_after(ahead),
+                "overloaded",
+            )
+
+    async def wait(self, deadline: float, first: bool) -> bool:
+        """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
+        back at the head of the queue (woken, but another request took the slot)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if first:
+            self._waiters.appendleft(future)
+        else:
+            self._waiters.append(future)
+        self.metrics.queued.set(len(self._waiters))
+        try:
+            async with asyncio.timeout(left):
+                await future
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if not future.done():
+                future.cancel()
+            with contextlib.suppress(ValueError):  # woken: already off the queue
+                self._waiters.remove(future)
+            self.metrics.queued.set(len(self._waiters))
+
+    def _wake(self, n: int) -> None:
+        """Wake up to ``n`` waiting requests, oldest first."""
+        while n > 0 and self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                n -= 1
+        self.metrics.queued.set(len(self._waiters))
