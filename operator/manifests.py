@@ -496,6 +496,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         **gateway_request_bounds(spec),
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
+        **spec.gateway.overload_settings(),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
 

@@ -438,6 +438,31 @@ class GatewaySpec(PodPlacement):
     scores engines from that exact index. Off: engines publish nothing and the
     gateway estimates from its own routing history. An engine section that
     sets `kvEventsConfig` itself is left as it is."""
+    stall_timeout_seconds: float = Field(default=5.0, gt=0)
+    """The least time an engine with requests in flight may send nothing
+    before the gateway counts it as stalled (`--stall-timeout`); the limit
+    follows each engine: stallStepMultiple times its longest recent step
+    when that is longer. A stalled engine leaves routing only while another
+    engine of its role progresses, never as the last one of its role."""
+    stall_step_multiple: float = Field(default=4.0, ge=0)
+    """How many of an engine's longest recent steps without progress make a
+    stall (`--stall-step-multiple`); 0: stallTimeoutSeconds alone."""
+    queue_timeout_seconds: float = Field(default=60.0, ge=0)
+    """How long a request waits for a slot while every decode engine is at
+    capacity before a 503 with Retry-After (`--queue-timeout`); one that
+    could not get a slot in time is refused at once (429)."""
+    max_queued_requests: int = Field(default=1024, ge=0)
+    """Requests that may wait for a slot at once; more get a 429 with
+    Retry-After at once (`--max-queued-requests`)."""
+
+    def overload_settings(self) -> dict[str, Any]:
+        """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""
+        return {
+            "stall_timeout": self.stall_timeout_seconds,
+            "stall_step_multiple": self.stall_step_multiple,
+            "queue_timeout": self.queue_timeout_seconds,
+            "max_queued_requests": self.max_queued_requests,
+        }
 
 
 class ServingSpec(_Spec):

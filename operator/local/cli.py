@@ -88,6 +88,14 @@ class UpOptions:
     """Engines accept the client API keys too (for clients that call an engine
     directly); without it only the gateway does. A client key never may send
     internal fields (kv_transfer_params) to an engine."""
+    stall_timeout: float | None = None
+    """The gateway's least stall limit in seconds: an engine with requests in
+    flight that sends nothing for longer (and for --stall-step-multiple of its
+    longest recent steps) counts as stalled (spec.gateway.stallTimeoutSeconds,
+    which this overrides; default 5)."""
+    stall_step_multiple: float | None = None
+    """How many of an engine's longest recent steps without progress make a
+    stall (spec.gateway.stallStepMultiple, which this overrides; default 4)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
+    apply_gateway_overrides(service, args)
     fleet_secret, api_keys = fleet_credentials()
     model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
     port = args.port or service.spec.gateway.port
@@ -199,6 +208,21 @@ def run(args: argparse.Namespace) -> int:
     state.write(autoscaler, stopped=True)
     say("stopped")
     return 0
+
+
+def apply_gateway_overrides(service: Any, args: argparse.Namespace) -> None:
+    """Mutates: ``--stall-timeout`` / ``--stall-step-multiple`` replace the file's
+    ``spec.gateway`` values (bounded as the resource bounds them)."""
+    timeout = getattr(args, "stall_timeout", None)
+    multiple = getattr(args, "stall_step_multiple", None)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {timeout}")
+    if multiple is not None and not multiple >= 0:
+        raise ValueError(f"--stall-step-multiple must be >= 0, got {multiple}")
+    update = {"stall_timeout_seconds": timeout, "stall_step_multiple": multiple}
+    update = {k: v for k, v in update.items() if v is not None}
+    if update:
+        service.spec.gateway = service.spec.gateway.model_copy(update=update)
 
 
 def usage_lines(url: str, model: str, api_keys: list[str], environ: Mapping[str, str]) -> str:

@@ -242,6 +242,7 @@ class LocalFleet:
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
             **gateway_request_bounds(spec),
             trust_client_trace_context=spec.gateway.trust_client_trace_context,
+            **spec.gateway.overload_settings(),
         )
 
     def gateway_metrics_text(self) -> str | None:
