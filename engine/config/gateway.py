@@ -133,9 +133,11 @@ class GatewayConfig:
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""
     queue_timeout: float = 60.0
     """Seconds a request waits for a slot while every routable decode engine
-    is at capacity (learned from the engines' own queues) before a 503 with
-    Retry-After. A request that could not get one in time, by the rate at
-    which slots came free, is refused at once (429 with Retry-After)."""
+    is at capacity (learned from the engines' own queues, and from requests
+    waiting on an engine past a quarter of its first-token bound for their
+    first answer) before a 503 with Retry-After. A request that could not
+    get one in time, by the rate at which slots came free, is refused at
+    once (429 with Retry-After)."""
     max_queued_requests: int = 1024
     """Requests that may wait for a slot at once; more are refused at once
     (429 with Retry-After); 0: none wait."""

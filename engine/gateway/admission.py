@@ -18,8 +18,9 @@ prefill and every prefill engine that could is), a request waits in a FIFO
 queue (``pdfleet_gateway_queued_requests``) for a slot, at most
 ``--queue-timeout`` seconds; then it is a 503 with ``Retry-After``. It is
 refused at once, with a 429 and ``Retry-After``, when the queue holds
-``--max-queued-requests`` or when the rate at which requests ended over the
-last half minute says it could not get a slot within ``--queue-timeout``.
+``--max-queued-requests`` or when the rate at which slots came free while
+requests waited (over the last half minute) says it could not get a slot
+within ``--queue-timeout``.
 So beyond the rate the fleet sustains, requests are held for a bounded time
 and then refused fast, and the engines keep serving what they can: nothing
 is ejected and no request times out on an engine for being one too many.
@@ -60,12 +61,35 @@ class Overloaded(Exception):
 
 
 class FreedRate:
-    """Slots given back per second, over the last ``RATE_WINDOW_S`` seconds."""
+    """Slots given back per second while requests wait for one (the fleet's
+    service rate when saturated), over the last ``RATE_WINDOW_S`` seconds.
+
+    Only the saturated time counts: requests that ended while the engines
+    had room say nothing of how fast slots free up under load, and idle
+    seconds would make the rate look low (a burst after a quiet minute
+    would be refused for it)."""
 
     def __init__(self) -> None:
         self._buckets: collections.deque[list[int]] = collections.deque()
         """[second, count] pairs, oldest first, within the window."""
-        self._started = time.monotonic()
+        self.busy_since: float | None = None
+        """Monotonic start of the current saturated period (None: not saturated
+        within the window)."""
+        self._idle_since: float | None = None
+
+    def saturated(self, now: float) -> None:
+        """A request waits for a slot: a saturated period starts, unless one
+        ended less than a window ago (a queue that empties for a moment)."""
+        if self.busy_since is None or (
+            self._idle_since is not None and now - self._idle_since > RATE_WINDOW_S
+        ):
+            self.busy_since = now
+        self._idle_since = None
+
+    def drained(self, now: float) -> None:
+        """No request waits any more."""
+        if self._idle_since is None:
+            self._idle_since = now
 
     def tick(self, now: float) -> None:
         second = int(now)
@@ -80,10 +104,15 @@ class FreedRate:
             self._buckets.popleft()
 
     def per_second(self, now: float) -> float:
-        """0.0 when nothing came free within the window."""
+        """0.0 when not saturated, or when nothing came free since it began."""
         self._trim(int(now))
-        freed = sum(n for _, n in self._buckets)
-        span = min(float(RATE_WINDOW_S), max(1.0, now - self._started))
+        since = self.busy_since
+        if since is None or (
+            self._idle_since is not None and now - self._idle_since > RATE_WINDOW_S
+        ):
+            return 0.0
+        freed = sum(n for second, n in self._buckets if second >= int(since))
+        span = min(float(RATE_WINDOW_S), max(1.0, now - since))
         return freed / span
 
 
@@ -110,28 +139,58 @@ class Admission:
                 out.add(e.url)
         return out
 
-    def take(self, e: EngineState) -> None:
+    def take(self, e: EngineState, key: int | None = None) -> None:
+        """A slot on ``e``; ``key``: the gateway will see its first answer
+        (:meth:`answered`), so how long it waits for one is watched."""
         e.admitted += 1
+        if key is not None:
+            e.pending[key] = time.monotonic()
 
-    def give_back(self, e: EngineState, ended: bool = True) -> None:
+    def answered(self, e: EngineState, key: int) -> None:
+        """The slot's first answer came (a stream's first event)."""
+        e.pending.pop(key, None)
+
+    def give_back(self, e: EngineState, key: int | None = None, ended: bool = True) -> None:
         """A request routed to ``e`` ended (``ended``; else its leg there ended
         or moved to another engine): its slot is free for the next one."""
         e.admitted -= 1
+        if key is not None:
+            e.pending.pop(key, None)
         if ended:
             self.freed.tick(time.monotonic())
         if self._waiters:
             self._wake(1)
 
+    @property
+    def late_after(self) -> float:
+        """Seconds a slot may wait for its first answer before it counts as
+        queued: a quarter of the first-token bound of an idle engine."""
+        bound = self.config.first_token_timeout or self.config.first_token_base_timeout
+        return bound / 4
+
     # -- learning capacity -----------------------------------------------------------------
 
-    def scraped(self, e: EngineState, old: EngineLoad, new: EngineLoad) -> None:
-        """An engine's scrape: its capacity follows whether it queues."""
-        queued = new.waiting - new.kv_pulls
+    def scraped(
+        self, e: EngineState, old: EngineLoad, new: EngineLoad, now: float | None = None
+    ) -> None:
+        """An engine's scrape: its capacity follows whether it queues, by its
+        own count or by the gateway's watch (slots past :attr:`late_after`
+        without a first answer: an engine that runs every request at once
+        queues inside its steps, which only grow longer)."""
+        now = time.monotonic() if now is None else now
+        oldest = min(e.pending.values(), default=now)
+        late = sum(1 for at in e.pending.values() if now - at > self.late_after)
+        queued = max(new.waiting - new.kv_pulls, float(late))
         if queued >= 1:
             e.capacity = max(1, e.admitted - math.ceil(queued))
-        elif e.capacity is not None and e.admitted >= e.capacity:
-            # At capacity here and not queuing there: it can take more.
-            e.capacity += max(1, e.capacity // 4)
+        elif (
+            e.capacity is not None
+            and e.admitted >= e.capacity
+            and now - oldest <= self.late_after / 2
+        ):
+            # At capacity here, not queuing there, and first answers come in
+            # half the time that counts as late: it can take one more.
+            e.capacity += 1
             if self._waiters:
                 self._wake(e.capacity - e.admitted)
 
@@ -179,6 +238,7 @@ class Admission:
         if left <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.freed.saturated(time.monotonic())
         if first:
             self._waiters.appendleft(future)
         else:
@@ -196,6 +256,8 @@ class Admission:
             with contextlib.suppress(ValueError):  # woken: already off the queue
                 self._waiters.remove(future)
             self.metrics.queued.set(len(self._waiters))
+            if not self._waiters:
+                self.freed.drained(time.monotonic())
 
     def _wake(self, n: int) -> None:
         """Wake up to ``n`` waiting requests, oldest first."""

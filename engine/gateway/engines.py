@@ -182,6 +182,10 @@ class EngineState:
     ended: their slots (``admission.py``)."""
     capacity: int | None = None
     """Slots it has, learned from its scrapes; None until it first queues."""
+    pending: dict[int, float] = field(default_factory=dict)
+    """Slots on it still waiting for their first answer (a streamed decode
+    leg's first event, a prefill leg's end): the request's key to the
+    monotonic time it took the slot (``admission.py``)."""
     stalled: bool = False
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
     waiters: set[Any] = field(default_factory=set)

@@ -88,22 +88,28 @@ class Legs:
     def release(self, e: EngineState) -> None:
         e.inflight -= 1
 
+    @staticmethod
+    def _streamed(call: Call) -> bool:
+        """Whether its decode leg's first answer is a first event (a stream):
+        only then does the gateway see how long its slot waits for it."""
+        return bool(call.body and call.body.get("stream"))
+
     def take_slot(self, call: Call, e: EngineState) -> None:
         """The request's slot on its decode engine, until its answer ends."""
-        self.admission.take(e)
+        self.admission.take(e, id(call) if self._streamed(call) else None)
         call.slot = e
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
         """Its slot on its prefill engine, until its prefill leg ends."""
-        self.admission.take(e)
+        self.admission.take(e, id(call))
         call.prefill_slot = e
 
     def move_slot(self, call: Call, e: EngineState, prefill: bool = False) -> None:
         """A leg went to another engine (failover, a retry): so does its slot."""
         held = call.prefill_slot if prefill else call.slot
         if held is not None and held is not e:
-            self.admission.give_back(held, ended=False)
-            self.admission.take(e)
+            self.admission.give_back(held, id(call), ended=False)
+            self.admission.take(e, id(call) if prefill or self._streamed(call) else None)
             if prefill:
                 call.prefill_slot = e
             else:
@@ -114,7 +120,7 @@ class Legs:
         slot = call.prefill_slot
         if slot is not None:
             call.prefill_slot = None
-            self.admission.give_back(slot, ended=False)
+            self.admission.give_back(slot, id(call), ended=False)
 
     def free_slot(self, call: Call) -> None:
         """Give the request's slots back (once each; a no-op without them)."""
@@ -122,7 +128,7 @@ class Legs:
         slot = call.slot
         if slot is not None:
             call.slot = None
-            self.admission.give_back(slot)
+            self.admission.give_back(slot, id(call))
 
     def _inflight_gauges(self) -> None:
         """At each collection: the in-flight gauges from the engines' counts
@@ -151,7 +157,10 @@ class Legs:
         series[1].observe(time.perf_counter() - call.start)
 
     def first_token(self, call: Call) -> None:
-        """The request's first event reached the client (TTFT)."""
+        """The request's first event reached the client (TTFT); its decode
+        slot no longer waits for a first answer."""
+        if call.slot is not None:
+            self.admission.answered(call.slot, id(call))
         ttft = self._ttft.get(call.endpoint)
         if ttft is None:
             ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(

@@ -176,6 +176,53 @@ def test_an_engines_capacity_is_learned_from_its_own_queue():
     assert d.capacity == 3  # (only while the gateway fills it)
 
 
+def test_an_engine_that_never_queues_gets_a_capacity_from_slow_first_answers():
+    """An engine that runs every request at once (its own queue stays empty)
+    queues inside its ever longer steps: slots that wait past a quarter of the
+    first-token bound for their first answer count as its queue."""
+    adm, pool = admission(first_token_base_timeout=40)
+    d = pool.engines["http://d"]
+    assert adm.late_after == 10
+    for key in range(8):
+        adm.take(d, key)
+    for key in range(5):  # 5 answered at once, 3 are still waiting at t+11 s
+        adm.answered(d, key)
+    started = min(d.pending.values())
+    adm.scraped(d, EngineLoad(), EngineLoad(running=8), now=started + 5)
+    assert d.capacity is None  # not late yet: no bound
+    adm.scraped(d, EngineLoad(), EngineLoad(running=8), now=started + 11)
+    assert d.capacity == 5 and not adm.has_room(d)
+    # They answer; at capacity, first answers in time: one more slot per scrape.
+    for key in range(5, 8):
+        adm.answered(d, key)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=8), now=started + 12)
+    assert d.capacity == 6
+    adm.take(d, 100)  # a new slot, its first answer slow (over half of 10 s)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=9), now=d.pending[100] + 6)
+    assert d.capacity == 6  # no growth, no cut yet
+    for key in range(8):
+        adm.give_back(d, key)
+    adm.give_back(d, 100)
+    assert d.admitted == 0 and d.pending == {}
+
+
+def test_the_rate_slots_free_at_counts_only_saturated_time():
+    adm, _ = admission()
+    rate = adm.freed
+    for t in range(100, 110):  # requests end while nobody waits: no evidence
+        rate.tick(float(t))
+    assert rate.per_second(110.0) == 0.0
+    rate.saturated(110.0)  # a burst after a quiet spell: measured from here
+    for t in (110.5, 111.0, 111.5, 112.0):
+        rate.tick(t)
+    assert rate.per_second(112.0) == pytest.approx(2.0)
+    rate.drained(112.0)
+    rate.saturated(115.0)  # a queue that emptied for a moment: the same period
+    assert rate.busy_since == 110.0
+    rate.drained(116.0)
+    assert rate.per_second(116.0 + 31) == 0.0  # idle for a window: no rate
+
+
 def test_requests_beyond_capacity_wait_in_order_and_are_refused_fast_with_retry_after():
     async def main() -> None:
         adm, pool = admission(queue_timeout=0.5, max_queued_requests=2)
