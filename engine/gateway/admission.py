@@ -42,6 +42,9 @@ from .metrics import GatewayMetrics
 
 # Slots given back per second are counted over this many one-second buckets.
 RATE_WINDOW_S = 30
+# Seconds of saturation before the rate is trusted to refuse at once (a rate
+# from the first second of a burst is one or two completions: noise).
+MIN_RATE_SPAN_S = 5.0
 # Retry-After bounds (seconds).
 MIN_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 60
@@ -104,16 +107,18 @@ class FreedRate:
             self._buckets.popleft()
 
     def per_second(self, now: float) -> float:
-        """0.0 when not saturated, or when nothing came free since it began."""
+        """0.0 when not saturated for MIN_RATE_SPAN_S yet, or when nothing
+        came free since it began."""
         self._trim(int(now))
         since = self.busy_since
-        if since is None or (
-            self._idle_since is not None and now - self._idle_since > RATE_WINDOW_S
+        if (
+            since is None
+            or now - since < MIN_RATE_SPAN_S
+            or (self._idle_since is not None and now - self._idle_since > RATE_WINDOW_S)
         ):
             return 0.0
         freed = sum(n for second, n in self._buckets if second >= int(since))
-        span = min(float(RATE_WINDOW_S), max(1.0, now - since))
-        return freed / span
+        return freed / min(float(RATE_WINDOW_S), now - since)
 
 
 class Admission:

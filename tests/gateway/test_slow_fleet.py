@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
@@ -215,12 +216,15 @@ def test_the_rate_slots_free_at_counts_only_saturated_time():
     rate.saturated(110.0)  # a burst after a quiet spell: measured from here
     for t in (110.5, 111.0, 111.5, 112.0):
         rate.tick(t)
-    assert rate.per_second(112.0) == pytest.approx(2.0)
-    rate.drained(112.0)
-    rate.saturated(115.0)  # a queue that emptied for a moment: the same period
+    assert rate.per_second(112.0) == 0.0  # 2 s of a burst: not evidence enough yet
+    for t in range(112, 120):
+        rate.tick(t + 0.5)
+    assert rate.per_second(120.0) == pytest.approx(12 / 10)
+    rate.drained(120.0)
+    rate.saturated(123.0)  # a queue that emptied for a moment: the same period
     assert rate.busy_since == 110.0
-    rate.drained(116.0)
-    assert rate.per_second(116.0 + 31) == 0.0  # idle for a window: no rate
+    rate.drained(124.0)
+    assert rate.per_second(124.0 + 31) == 0.0  # idle for a window: no rate
 
 
 def test_requests_beyond_capacity_wait_in_order_and_are_refused_fast_with_retry_after():
@@ -249,14 +253,17 @@ def test_requests_beyond_capacity_wait_in_order_and_are_refused_fast_with_retry_
         assert await first and order == ["first"]
         adm.give_back(d)
         assert await second and order == ["first", "second"]
-        # Slots free at about 2/s now: a 30 s wait is more than --queue-timeout.
-        for _ in range(60):
-            adm.freed.tick(loop.time())
-        for _ in range(2):
-            adm._waiters.append(loop.create_future())
+        # Saturated for 10 s, slots freeing at 2/s: one request ahead means a
+        # 1 s wait, more than --queue-timeout (0.5 s): refused at once.
+        now = time.monotonic()
+        adm.freed.busy_since = now - 10
+        for _ in range(20):
+            adm.freed.tick(now)
+        adm._waiters.append(loop.create_future())
         with pytest.raises(Overloaded) as late:
             adm.check_queue()
-        assert late.value.reason in ("overloaded", "queue_full")
+        assert (late.value.status, late.value.reason) == (429, "overloaded")
+        assert late.value.retry_after == 1  # (1 ahead + itself) / 2 per s
         adm._waiters.clear()
         # A wait that times out says so (the proxy answers 503 with Retry-After).
         assert not await adm.wait(loop.time() + 0.05, first=False)
