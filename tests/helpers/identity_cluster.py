@@ -111,6 +111,8 @@ class IdentityCluster:
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._reviews_open = asyncio.Event()  # cleared: TokenReviews wait (hold_reviews)
+        self._reviews_open.set()
         objects = [inference_service(n, s, uid=f"uid-{n}") for n, s in self.specs.items()]
         async with running_operator(objects, self.config) as k:
             self.k = k
@@ -128,7 +130,7 @@ class IdentityCluster:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
-    def _review(self, request: Any) -> dict[str, Any]:
+    async def _review(self, request: Any) -> dict[str, Any]:
         # kmock stores every created object, and a TokenReview has no name: forget
         # it, or the next review would conflict with it.
         with contextlib.suppress(KeyError):
@@ -136,6 +138,7 @@ class IdentityCluster:
         spec = (request.data or {}).get("spec") or {}
         token = str(spec.get("token"))
         self.reviewed[token] += 1
+        await asyncio.wait_for(self._reviews_open.wait(), 30)
         status = self.reviews.get(token) or {"authenticated": False, "error": "invalid token"}
         if status.get("authenticated") and exchange.AUDIENCE not in (spec.get("audiences") or []):
             status = {"authenticated": False, "error": "token audiences are invalid"}
@@ -150,6 +153,10 @@ class IdentityCluster:
             return fn(*args)
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def hold_reviews(self, hold: bool) -> None:
+        """Make TokenReviews wait (a slow API server) until called with False."""
+        self.call(self._reviews_open.clear if hold else self._reviews_open.set)
 
     def put(self, resource: str, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]

@@ -8,6 +8,7 @@ client (``engine/kv_transfer/identity_client.py``) is the one engines run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ssl
 import time
 
@@ -182,6 +183,29 @@ def test_the_endpoint_speaks_tls_with_a_certificate_of_the_published_ca_only(clu
             httpx.post(data["endpoint"] + exchange.PATH, content=request(), verify=verify)
     # Another service gets the same endpoint and CA (one endpoint per operator).
     assert cluster.published("other")["ca.crt"] == data["ca.crt"]
+
+
+def test_requests_past_the_concurrency_bound_get_a_429_and_the_held_ones_complete(cluster):
+    # The API server is slow: every review waits. The endpoint serves at most
+    # max_concurrent requests at once; one more is told to come back, at once,
+    # without a review of its own.
+    bound = cluster.config.identity.max_concurrent
+    token = "sa-decode-a"
+    reviewed = cluster.reviewed[token]
+    busy = issued(cluster, "busy")
+    cluster.hold_reviews(True)
+    with concurrent.futures.ThreadPoolExecutor(bound) as pool:
+        try:
+            held = [pool.submit(ask, cluster, token, request()) for _ in range(bound)]
+            assert wait_until(lambda: cluster.reviewed[token] == reviewed + bound, timeout=30)
+            extra = ask(cluster, token, request())
+            assert extra.status_code == 429, extra.text
+            assert "busy" in exchange.error_of(extra.content)
+            assert cluster.reviewed[token] == reviewed + bound
+        finally:
+            cluster.hold_reviews(False)
+        assert [f.result(30).status_code for f in held] == [200] * bound
+    assert issued(cluster, "busy") == busy + 1
 
 
 def test_an_engine_waits_for_an_unreachable_endpoint_then_fails_saying_why(tmp_path):
