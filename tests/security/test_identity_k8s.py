@@ -52,7 +52,30 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, tiny_model, tmp_path_factory):
+def refused(cluster, tiny_model, tmp_path_factory):
+    """An engine that would be a decode engine, holding a prefill pod's ServiceAccount
+    token. Started with the fleet (its start overlaps theirs); it should exit."""
+    tmp = tmp_path_factory.mktemp("identity-refused")
+    engine = ServerProcess(
+        [
+            "serve",
+            tiny_model,
+            "--max-model-len",
+            "512",
+            *kv_config("ZmqConnector", "kv_consumer", free_port()),
+        ],
+        tmp,
+        "refused",
+        env=cluster.engine_env("demo", tmp, "refused", "sa-prefill-zmq"),
+    )
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, refused, tiny_model, tmp_path_factory):
     """A prefill/decode pair per connector, all four engines started at once."""
     tmp = tmp_path_factory.mktemp("identity-k8s")
     engines: dict[str, ServerProcess] = {}
@@ -236,25 +259,9 @@ def test_identities_renew_without_interrupting_transfers(cluster, fleet):
     assert {name: metric(engines[f"prefill-{name}"], REFUSED) for name in CONNECTORS} == refused
 
 
-def test_an_engine_the_operator_refuses_exits_at_start_saying_why(cluster, tiny_model, tmp_path):
-    # A prefill pod's ServiceAccount token on an engine that would be a decode engine.
-    engine = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            "512",
-            *kv_config("ZmqConnector", "kv_consumer", free_port()),
-        ],
-        tmp_path,
-        "refused",
-        env=cluster.engine_env("demo", tmp_path, "refused", "sa-prefill-zmq"),
-    )
-    try:
-        with pytest.raises(RuntimeError, match="exited"):
-            engine.wait_healthy(timeout=120)
-        log = engine.log()
-        assert "refused this engine an identity (403)" in log
-        assert "is a prefill engine, not decode" in log
-    finally:
-        engine.stop()
+def test_an_engine_the_operator_refuses_exits_at_start_saying_why(refused):
+    with pytest.raises(RuntimeError, match="exited"):
+        refused.wait_healthy(timeout=120)
+    log = refused.log()
+    assert "refused this engine an identity (403)" in log
+    assert "is a prefill engine, not decode" in log
