@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfleet.engine.config.hub import ENDPOINT_ENV, TOKEN_PATH_ENV
-
+from ..engine.config.hub import ENDPOINT_ENV, TOKEN_PATH_ENV
 from .resource import ModelSpec
 from .roles import MODELS_DIR, model_source, secret_file
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pdfleet.engine.config import EngineArgs, parse_human_int
+from ..config import EngineArgs, parse_human_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

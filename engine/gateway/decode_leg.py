@@ -30,10 +30,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.upstream import UpstreamError, UpstreamResponse
-
+from .. import tracing
+from ..contracts.errors import ErrorBody
+from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import upstream_message
 from .call import Call
 from .engines import EngineState

@@ -47,14 +47,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from pdfleet.engine.config.security import kv_events_server_key
-from pdfleet.engine.core.block_hash import external_block_hash
-
+from ..config.security import kv_events_server_key
+from ..core.block_hash import external_block_hash
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from pdfleet.engine.config.gateway import GatewayConfig
-
+    from ..config.gateway import GatewayConfig
     from .engines import EnginePool, EngineState
     from .prompt import PromptAnalyzer
 

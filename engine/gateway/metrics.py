@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.config import metrics as m
+from ..config import metrics as m
 
 
 class FastCounter:

@@ -18,9 +18,8 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.http.upstream import UpstreamError
-
+from .. import tracing
+from ..http.upstream import UpstreamError
 from .call import Call
 from .engines import EngineState
 from .legs import LegFailed, Legs

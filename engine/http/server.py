@@ -58,9 +58,8 @@ from urllib.parse import unquote
 
 import httptools
 
-from pdfleet.engine.config.http_limits import RequestLimits
-from pdfleet.engine.contracts.errors import ErrorBody
-
+from ..config.http_limits import RequestLimits
+from ..contracts.errors import ErrorBody
 from .asgi import Lifespan
 from .limits import LINGER_BYTES, LINGER_SECONDS
 

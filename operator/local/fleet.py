@@ -31,11 +31,10 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import identity, security
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.launch import python_module
-
+from ...engine.config import identity, security
+from ...engine.config import metrics as m
+from ...engine.config.gateway import GatewayConfig
+from ...engine.config.launch import python_module
 from ..resource import InferenceService
 from ..roles import (
     disaggregating,
