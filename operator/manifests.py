@@ -42,7 +42,7 @@ from ..engine.config.gateway import (
     KV_REPLAY_PORT_ANNOTATION,
     GatewayConfig,
 )
-from ..engine.config.security import FLEET_SECRET_FILE_ENV
+from ..engine.contracts.security import FLEET_SECRET_FILE_ENV
 from .compat import compat_hash
 from .model_source import InitStep, model_volumes
 from .parallelism import (

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import EngineArgs, security
-from ..config.http_limits import RequestLimits
+from ..config import EngineArgs
 from ..config.serving_defaults import (
     SERVING_DEFAULTS_FILE,
     TOOL_CALL_PARSERS,
     read_serving_defaults,
     resolve_tool_flags,
 )
+from ..contracts import security
+from ..contracts.http_limits import RequestLimits
 from .auth import EngineAuth, keys_from_sources
 
 

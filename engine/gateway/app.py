@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
-from ..config.http_limits import RequestLimits
-from ..config.security import (
+from ..contracts.http_limits import RequestLimits
+from ..contracts.security import (
     bearer_token,
     fleet_secret_from_env,
     fleet_token,

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from ..config import metrics as m
 from ..config.gateway import GatewayConfig
+from ..contracts import metrics as m
 from .discovery import Discovery, Endpoint
 from .metrics import GatewayMetrics
 

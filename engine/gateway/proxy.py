@@ -33,8 +33,8 @@ from starlette.responses import Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
-from ..config.sampling_checks import check_sampling
-from ..config.security import CALLER_HEADER, bearer_token, caller_id
+from ..contracts.sampling_checks import check_sampling
+from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
 from ..http.asgi import Request
 from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient

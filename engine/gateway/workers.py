@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from ..config.gateway import GatewayConfig
-from ..config.launch import python_module
+from ..contracts.launch import python_module
 from .app import run_gateway
 from .siblings import Siblings, reuseport_socket
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import httpx
 
-from ...engine.config import identity, security
-from ...engine.config import metrics as m
 from ...engine.config.gateway import GatewayConfig
-from ...engine.config.launch import python_module
+from ...engine.contracts import identity, security
+from ...engine.contracts import metrics as m
+from ...engine.contracts.launch import python_module
 from ..resource import InferenceService
 from ..roles import (
     disaggregating,
