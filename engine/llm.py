@@ -27,7 +27,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         args = EngineArgs(model=model, **engine_args)
-        self.engine = LLMEngine(args.create_engine_config(usage_context="llm"))
+        self.engine = LLMEngine.from_engine_args(args, usage_context="llm")
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

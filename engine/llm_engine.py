@@ -14,6 +14,7 @@ from .config import EngineArgs, EngineConfig, UsageContext
 from .contracts.kv_params import KVTransferParams
 from .engine_core import EngineCore, StepFailed, StepStats
 from .kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from .models.sources import create_engine_config
 from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
@@ -120,7 +121,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage_context: UsageContext = "llm") -> LLMEngine:
-        return cls(args.create_engine_config(usage_context=usage_context))
+        return cls(create_engine_config(args, usage_context=usage_context))
 
     @property
     def max_model_len(self) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..config.plotting import pyplot
-from ..config.stats import percentile
+from ..reports.plotting import pyplot
+from ..reports.stats import percentile
 from .runner import RequestResult
 
 MAX_BINS = 60

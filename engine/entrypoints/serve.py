@@ -13,6 +13,7 @@ from ..config.serving_defaults import (
 )
 from ..contracts import security
 from ..contracts.http_limits import RequestLimits
+from ..models.sources import create_engine_config
 from .auth import EngineAuth, keys_from_sources
 
 
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from .openai.serving_base import ChatOptions, load_chat_template
 
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context="server")
+    config = create_engine_config(engine_args, usage_context="server")
     if config.parallel_config.headless:
         from ..worker.tp_executor import run_headless
 

@@ -9,7 +9,7 @@ extra).
 
 from __future__ import annotations
 
-from ...engine.config.plotting import pyplot
+from ...engine.reports.plotting import pyplot
 from .sim_fleet import FleetModel, SimResult
 from .traces import Trace
 
