@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from .kv_transfer.base import KVConnector
 from .request import Request, RequestStatus
+from .worker.executor import Executor
 from .worker.model_runner import ModelRunner
 from .worker.tp_executor import RankFailed, TPExecutor
 
@@ -68,7 +69,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.connector = connector
-        self.runner: ModelRunner | TPExecutor
+        self.runner: Executor
         if config.parallel_config.tensor_parallel_size > 1:
             self.runner = TPExecutor(config, eos_token_ids, connector.worker if connector else None)
         else:
@@ -81,7 +82,7 @@ class EngineCore:
             self.runner.num_blocks,
             connector.scheduler if connector else None,
             record_kv_events=events,
-            num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
+            num_host_blocks=self.runner.num_host_blocks,
         )
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
@@ -164,7 +165,7 @@ class EngineCore:
         except Exception as e:
             self.num_failed_steps += 1
             ops = sched_out.kv_offload
-            if ops is not None and ops.stores and isinstance(self.runner, ModelRunner):
+            if ops is not None and ops.stores:
                 # Stores the worker never started will not land: forget them.
                 lost = self.runner.unissued_stores([slot for _b, slot in ops.stores])
                 self.scheduler.kv.stores_done(lost, failed=True)
@@ -182,17 +183,15 @@ class EngineCore:
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_scheduled_reqs=len(sched_out.num_scheduled_tokens),
         )
-        host_kv = getattr(self.runner, "host_kv", None)
-        if host_kv is not None:
-            self.last_stats.host_kv_stored_bytes = host_kv.stored_bytes
-            self.last_stats.host_kv_loaded_bytes = host_kv.loaded_bytes
+        stored, loaded = self.runner.host_kv_bytes()
+        self.last_stats.host_kv_stored_bytes = stored
+        self.last_stats.host_kv_loaded_bytes = loaded
         self.last_stats.step_prompt_tokens = prompt_tokens
         self.last_stats.step_generation_tokens = len(runner_out.sampled_token_ids)
         self.num_steps += 1
         return outputs
 
     def shutdown(self) -> None:
-        if isinstance(self.runner, TPExecutor):
-            self.runner.shutdown()
+        self.runner.shutdown()
         if self.connector is not None:
             self.connector.worker.shutdown()

@@ -19,7 +19,6 @@ from .output_processor import IterationStats, OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
-from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +193,7 @@ class LLMEngine:
                     self.eos_token_ids,
                     self.config.admission_config,
                 )
-                runner = self.core.runner
-                if not isinstance(runner, ModelRunner):  # TP executors refused above
-                    raise TypeError(f"grammars need an in-process ModelRunner, not {runner!r}")
-                runner.grammars = self._grammars
+                self.core.runner.attach_grammars(self._grammars)
             return self._grammars
 
     def new_request_id(self) -> str:
