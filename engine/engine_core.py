@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -16,17 +15,12 @@ from .config import EngineConfig
 from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from .kv_transfer.base import KVConnector
 from .request import Request, RequestStatus
+from .testing_hooks import StepFaults
 from .worker.executor import Executor
 from .worker.model_runner import ModelRunner
 from .worker.tp_executor import RankFailed, TPExecutor
 
 logger = logging.getLogger(__name__)
-
-# Fault injection for tests of the error paths. RAISE: a step that schedules a
-# request whose prompt holds this token id raises, as a model failing on one
-# input would. BREAK: that step and every later one raise, as a broken device.
-FAULT_TOKEN_ENV = "PDFLEET_FAULT_RAISE_ON_TOKEN"
-FAULT_BREAK_ENV = "PDFLEET_FAULT_BREAK_ON_TOKEN"
 
 
 class StepFailed(RuntimeError):
@@ -40,11 +34,6 @@ class StepFailed(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-def _env_token(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
 
 
 @dataclass
@@ -88,17 +77,11 @@ class EngineCore:
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
-        self.fault_token = _env_token(FAULT_TOKEN_ENV)
-        self.break_token = _env_token(FAULT_BREAK_ENV)
+        # Fault injection for tests of the error paths (testing_hooks.py).
+        self.faults = StepFaults.from_env()
         self.broken = False
-        if self.fault_token is not None or self.break_token is not None:
-            logger.warning(
-                "fault injection: $%s=%s $%s=%s",
-                FAULT_TOKEN_ENV,
-                self.fault_token,
-                FAULT_BREAK_ENV,
-                self.break_token,
-            )
+        if self.faults.active:
+            logger.warning("fault injection: %s", self.faults.describe())
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -145,19 +128,19 @@ class EngineCore:
         for rid in request_ids:
             request = self.scheduler.requests.get(rid)
             prompt = request.prompt_token_ids if request is not None else []
-            if self.break_token is not None and self.break_token in prompt:
+            if self.faults.break_on_token is not None and self.faults.break_on_token in prompt:
                 self.broken = True
-            if self.fault_token is not None and self.fault_token in prompt:
-                raise RuntimeError(f"injected fault (${FAULT_TOKEN_ENV}={self.fault_token})")
+            if self.faults.raise_on_token is not None and self.faults.raise_on_token in prompt:
+                raise RuntimeError(f"injected fault ({self.faults.describe()})")
         if self.broken:
-            raise RuntimeError(f"injected fault: the device is broken (${FAULT_BREAK_ENV})")
+            raise RuntimeError(f"injected fault: the device is broken ({self.faults.describe()})")
 
     def step(self) -> list[EngineCoreOutput]:
         """One step; a failure while running the model raises :class:`StepFailed`."""
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         try:
-            if self.fault_token is not None or self.break_token is not None:
+            if self.faults.active:
                 self._inject_fault(list(sched_out.num_scheduled_tokens))
             runner_out = self.runner.execute_model(sched_out)
         except RankFailed:

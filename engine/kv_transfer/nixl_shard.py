@@ -33,6 +33,7 @@ from ..contracts.kv_connector import (
     ShardReadEnded,
     ShardRelease,
 )
+from ..testing_hooks import kv_read_delay
 from .layout import HeadRun, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -250,8 +251,6 @@ class ShardAgent:
         return run.num_heads == self.layout.num_kv_heads == shard.layout.num_kv_heads
 
     def _read(self, token: int, key: str, local_ids: list[int], remote_ids: list[int]) -> None:
-        from .transports import read_delay
-
         assert self.layout is not None
         peer = self.peers.get(key)
         if peer is None or peer.error:
@@ -289,7 +288,7 @@ class ShardAgent:
                 * self.layout.head_dim
                 * self.layout.element_size
             )
-        delay = read_delay()
+        delay = kv_read_delay()
         if delay > 0:
             read.start_at = time.monotonic() + delay
         else:

@@ -4,10 +4,7 @@ Both read whole blocks of the remote engine into local blocks; the connector
 decides which, and checks the producer's lease before and after. A transport
 is used from the connector's transfer thread only.
 
-Test hook: when ``$PDFLEET_KV_TEST_READ_DELAY_FILE`` names a file holding a
-number of seconds, every READ started while it does is delayed by that much
-(NIXL: the READ is posted late and cannot be cancelled meanwhile; ZMQ: the
-bytes are written late). Tests use it to abort and time out requests mid-pull.
+Both honour the READ delay test hook (``testing_hooks.kv_read_delay``).
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from ..contracts.kv_connector import (
     ShardReadEnded,
     ShardRelease,
 )
+from ..testing_hooks import kv_read_delay
 from .layout import IncompatibleKV, KVLayout, head_plan, rank_heads, tp_layout_mismatch
 from .side_channel import SideChannelClient
 
@@ -50,21 +48,6 @@ class Remote:
     port: int
     layout: KVLayout
     handle: Any = None  # transport-specific (NIXL: agent name and prepped list)
-
-
-READ_DELAY_ENV = "PDFLEET_KV_TEST_READ_DELAY_FILE"
-
-
-def read_delay() -> float:
-    """Seconds to delay the next READ by (the test hook above); 0 normally."""
-    path = os.environ.get(READ_DELAY_ENV)
-    if not path:
-        return 0.0
-    try:
-        with open(path) as f:
-            return max(0.0, float(f.read().strip() or 0))
-    except (OSError, ValueError):
-        return 0.0
 
 
 def interface_of(ip: str) -> str:
@@ -323,7 +306,7 @@ class ZmqTransport(Transport):
             {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids)},
             timeout,
         )
-        delay = read_delay()
+        delay = kv_read_delay()
         if delay > 0:
             time.sleep(delay)  # the test hook: the bytes land late
         layout = self.layout

@@ -34,13 +34,12 @@ from ..config import EngineConfig
 from ..contracts.kv_connector import ShardReadEnded
 from ..distributed import rendezvous
 from ..distributed.parallel_state import set_tp_group
+from ..testing_hooks import tp_rank_hangs
 
 # Message tags on a rank's pipe to the main process.
 READY, RESULT, ERROR = b"Y", b"R", b"E"
 # Kinds of control broadcasts.
 STEP, STOP = 0, 1
-# Test hook: the rank whose number this holds never joins the rendezvous.
-TEST_HANG_ENV = "PDFLEET_TP_TEST_HANG_RANK"
 # Rendezvous store keys: the leader's KV agent spec (msgpack, None without a connector),
 # and each headless rank's readiness (msgpack: the READY fields, or {"error": why}).
 KV_AGENT_KEY = "pdfleet/kv-agent"
@@ -122,7 +121,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     from .model_runner import ModelRunner
     from .step_wire import pack_result, unpack_step
 
-    if os.environ.get(TEST_HANG_ENV, "") == str(spec.rank):
+    if tp_rank_hangs(spec.rank):  # the test hook: never join the rendezvous
         time.sleep(3600)
     torch.set_num_threads(spec.num_threads)
     cuda = spec.config.device_config.device == "cuda"

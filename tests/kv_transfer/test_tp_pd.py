@@ -22,8 +22,9 @@ from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.contracts import kv_params
 from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
-from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV, NixlTransport, Remote
+from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
 from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.testing_hooks import READ_DELAY_ENV
 
 
 def engine(path: str, tp: int, role: str | None, port: int = 0) -> LLMEngine:
