@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import EngineArgs
-from .llm_engine import LLMEngine, PromptType
+from .loop.llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import EngineConfig
 from .contracts import metrics as m
-from .llm_engine import LLMEngine
+from .loop.llm_engine import LLMEngine
 
 # Gauges set after each step: series -> field of the engine's StepStats.
 _GAUGES = {

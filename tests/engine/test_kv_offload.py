@@ -23,8 +23,8 @@ from pdfleet.engine.contracts.block_hash import (
 from pdfleet.engine.contracts.kv_events import EventBatch
 from pdfleet.engine.core.host_tier import HostTier
 from pdfleet.engine.core.kv_cache_manager import KVCacheManager
-from pdfleet.engine.engine_core import StepFailed
 from pdfleet.engine.gateway.kv_index import KVIndex
+from pdfleet.engine.loop.engine_core import StepFailed
 from pdfleet.engine.request import Request
 from pdfleet.engine.testing_hooks import FAULT_TOKEN_ENV
 from pdfleet.engine.worker.host_kv import physical_memory

@@ -23,7 +23,7 @@ from pdfleet.engine.contracts import kv_params
 from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
 from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
-from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.loop.llm_engine import LLMEngine
 from pdfleet.engine.testing_hooks import READ_DELAY_ENV
 
 

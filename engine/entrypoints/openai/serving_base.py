@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import tracing
-from ...async_engine import (
+from ...contracts.kv_params import KVTransferParams
+from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
+from ...loop.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStepError,
     QueueFullError,
     RequestStream,
 )
-from ...contracts.kv_params import KVTransferParams
-from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams

@@ -10,15 +10,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .config import EngineArgs, EngineConfig, UsageContext
-from .contracts.kv_params import KVTransferParams
+from ..config import EngineArgs, EngineConfig, UsageContext
+from ..contracts.kv_params import KVTransferParams
+from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from ..models.sources import create_engine_config
+from ..outputs import RequestOutput
+from ..request import Request
+from ..sampling_params import SamplingParams
 from .engine_core import EngineCore, StepFailed, StepStats
-from .kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
-from .models.sources import create_engine_config
 from .output_processor import IterationStats, OutputProcessor, RequestState
-from .outputs import RequestOutput
-from .request import Request
-from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LLMEngine:
         self.default_sampling.update(m.override_generation_config)
         kv = config.kv_transfer_config
         if connector is None and kv is not None and kv.kv_connector is not None:
-            from .kv_transfer.connector import create_connector
+            from ..kv_transfer.connector import create_connector
 
             connector = create_connector(config)
         self.connector: KVConnector | None = None if connector is None else KVConnector(*connector)
@@ -104,8 +104,8 @@ class LLMEngine:
         self.kv_events = None
         ev = config.kv_events_config
         if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq":
-            from .contracts import security
-            from .kv_events import KVEventPublisher
+            from ..contracts import security
+            from ..kv_events import KVEventPublisher
 
             # The ports bind the engine's KV address when it has one (the pod IP).
             kv_ip = os.environ.get("PDFLEET_KV_BIND_IP") or os.environ.get("PDFLEET_KV_IP")
@@ -185,7 +185,7 @@ class LLMEngine:
                         "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
                         "which grammars need"
                     )
-                from .sample.grammar import GrammarCompiler
+                from ..sample.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(
                     self.tokenizer,

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.sched_output import Logprobs
-from .core.scheduler import EngineCoreOutput
+from ..core.sched_output import Logprobs
+from ..core.scheduler import EngineCoreOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
 
 
 @dataclass

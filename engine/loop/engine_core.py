@@ -11,14 +11,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .config import EngineConfig
-from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
-from .kv_transfer.base import KVConnector
-from .request import Request, RequestStatus
-from .testing_hooks import StepFaults
-from .worker.executor import Executor
-from .worker.model_runner import ModelRunner
-from .worker.tp_executor import RankFailed, TPExecutor
+from ..config import EngineConfig
+from ..core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from ..kv_transfer.base import KVConnector
+from ..request import Request, RequestStatus
+from ..testing_hooks import StepFaults
+from ..worker.executor import Executor
+from ..worker.model_runner import ModelRunner
+from ..worker.tp_executor import RankFailed, TPExecutor
 
 logger = logging.getLogger(__name__)
 
