@@ -44,10 +44,10 @@ from .. import tracing
 from ..config import EngineConfig
 from ..contracts import kv_params, security
 from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
-from ..contracts.identity import fleet_identity_from_env
 from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
+from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
     PROTOCOL_VERSION,
@@ -213,8 +213,6 @@ class PDConnector:
                 "(pdfleet up and the operator do this)"
             )
         self.secret = secret
-        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them.
-        self.identity = fleet_identity_from_env()
         self.config = config
         self.kv = kv
         self.engine_id = str(kv.engine_id)
@@ -280,6 +278,10 @@ class PDConnector:
         self.server: SideChannelServer | None = None
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them:
+        # from the operator's endpoint (waited for here, before the model loads, and
+        # renewed until shutdown) or from a file.
+        self.identity, self.identity_renewer = engine_identity(str(kv.kv_role))
 
     # -- setup --------------------------------------------------------------------
 
@@ -361,6 +363,8 @@ class PDConnector:
             self.thread.join(5)
         if self.server is not None:
             self.server.close()
+        if self.identity_renewer is not None:
+            self.identity_renewer.stop()
         self.transport.shutdown()
 
     # -- producer: side-channel handlers (side-channel thread) -----------------------

@@ -107,3 +107,20 @@ def test_the_tools_template_renders_what_the_models_own_does_without_tools(smoll
             ) == own.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=generation
             )
+
+
+def test_a_directory_kept_from_another_install_is_relinked_to_this_ones_file(smollm2_dir, tmp_path):
+    from pdfleet.engine.models.sources.gguf import GGUF_LINK
+
+    # A directory prepared by an environment since removed: its link dangles.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in os.listdir(smollm2_dir):
+        if name != GGUF_LINK:
+            os.symlink(os.path.join(smollm2_dir, name), kept / name)
+    os.symlink(tmp_path / "gone" / "model.gguf", kept / GGUF_LINK)
+    assert registry.builtin_model_dir("smollm2-135m-instruct", out=str(kept)) == str(kept)
+    assert os.path.realpath(kept / GGUF_LINK) == os.path.realpath(
+        registry.packaged_gguf_path(registry.SMOLLM2)
+    )
+    assert [n for n in os.listdir(kept) if n.startswith(".")] == []

@@ -57,7 +57,8 @@ def test_create_makes_every_child_owned_by_the_service_and_writes_status():
                 what="status",
             )
             assert k.names("v1/services") == {"demo", "demo-prefill", "demo-decode"}
-            assert k.names("v1/configmaps") == {"demo-config"}
+            assert k.names("v1/configmaps") == {"demo-config", "demo-identity"}
+            assert k.names("v1/serviceaccounts") == {"demo-gateway", "demo-engine"}
             assert k.names("policy/v1/poddisruptionbudgets") == {
                 "demo-prefill",
                 "demo-decode",

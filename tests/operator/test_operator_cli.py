@@ -8,7 +8,6 @@ import inspect
 import os
 import pathlib
 import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,17 +16,12 @@ import httpx
 import kmock
 import yaml
 from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_service, run
+from helpers.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdfleet.engine.contracts.launch import python_module
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reconciles_ok(text: str) -> float:
@@ -83,12 +77,13 @@ def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
                     }
                 )
             )
-            liveness, metrics = free_port(), free_port()
+            liveness, metrics, identity = free_port(), free_port(), free_port()
             log = (tmp_path / "operator.log").open("wb")
             proc = await asyncio.create_subprocess_exec(
                 *python_module("pdfleet.engine.cli"), "operator",
                 "--namespace", NAMESPACE,
                 "--liveness-port", str(liveness), "--metrics-port", str(metrics),
+                "--identity-port", str(identity),
                 "--default-image", "reg/pdfleet:test",
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                 stdout=asyncio.subprocess.DEVNULL,

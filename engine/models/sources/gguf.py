@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def prepare_gguf_dir(
         raise ValueError(f"{gguf_path!r} is not a GGUF file")
     target = Path(out) if out is not None else _prepared_path(gguf_path)
     if (target / "config.json").is_file():
+        _repoint_link(target, os.path.realpath(gguf_path))
         return str(target)
     (say or logger.info)(
         f"reading config and tokenizer of {os.path.basename(gguf_path)} from its GGUF "
@@ -110,6 +112,22 @@ def prepare_gguf_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _repoint_link(directory: Path, gguf_path: str) -> None:
+    """Point a reused directory's link at ``gguf_path``. A directory keyed by name
+    (a built-in model) outlives the environment that prepared it: after a
+    reinstall elsewhere its link would dangle or name another copy."""
+    link = directory / GGUF_LINK
+    if os.path.realpath(link) == gguf_path:
+        return
+    fresh = directory / f".{GGUF_LINK}.{os.getpid()}.{secrets.token_hex(4)}"
+    os.symlink(gguf_path, fresh)
+    try:
+        os.replace(fresh, link)  # atomic: a concurrent reader sees one link or the other
+    except OSError:
+        fresh.unlink(missing_ok=True)
+        raise
 
 
 def _write_metadata(gguf_path: str, out: Path) -> None:
