@@ -47,9 +47,9 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config.launch import python_module
-from pdfleet.engine.config.metrics import parse_metrics
-from pdfleet.engine.config.security import fleet_token, generate_secret
+from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.contracts.metrics import parse_metrics
+from pdfleet.engine.contracts.security import fleet_token, generate_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"

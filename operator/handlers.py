@@ -29,9 +29,8 @@ from typing import Any
 import kopf
 from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config import security
-
+from ..engine.contracts import metrics as m
+from ..engine.contracts import security
 from .autoscaling.decisions import AutoscalerMetrics
 from .cluster_autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
 from .compat import compat_hash

@@ -1,7 +1,7 @@
 """The identity authority of an InferenceService: one Secret, created once, never patched.
 
 Each service with identities (``kvTransfer.identity: Required``) has its own
-authority, an Ed25519 key pair (``engine/config/identity.py``). Its private
+authority, an Ed25519 key pair (``engine/contracts/identity.py``). Its private
 key lives in the Secret ``NAME-identity`` (key ``authority``), which no pod
 mounts and no role but the operator's may read; the operator signs engine
 identity tokens with it (:mod:`.identity_issuer`). Its public key reaches the
@@ -21,8 +21,7 @@ import binascii
 import hashlib
 from typing import Any
 
-from pdfleet.engine.config import identity
-
+from ..engine.contracts import identity
 from .kube import KubeClient, KubeError
 from .manifests import (
     IDENTITY_SECRET_KEY,

@@ -1,7 +1,7 @@
 """The operator's identity endpoint: HTTPS, one route, engine pods its only callers.
 
 ``POST /v1/identity`` with ``Authorization: Bearer <projected ServiceAccount
-token>`` and an :class:`~pdfleet.engine.config.identity_exchange.IdentityRequest`
+token>`` and an :class:`~pdfleet.engine.contracts.identity_exchange.IdentityRequest`
 body answers an identity token (:mod:`.identity_issuer` decides), or a JSON
 ``{"error": ...}`` with 400 (the body), 401 (the token), 403 (the pod), 413
 (too large), 429 (too many requests at once) or 503 (try again later).
@@ -37,8 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pdfleet.engine.config import identity_exchange as exchange
-
+from ..engine.contracts import identity_exchange as exchange
 from .identity_issuer import IdentityRefused, issue_identity
 from .kube import KubeClient
 

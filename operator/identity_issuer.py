@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import identity_exchange as exchange
-
+from ..engine.contracts import identity_exchange as exchange
 from .identity_authority import IdentityAuthorityError, read_authority
 from .kube import KubeClient, KubeError
 from .manifests import LABEL_ROLE, LABEL_SERVICE, MANAGED_BY, engine_service_account_name

@@ -43,17 +43,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config import identity_exchange as exchange
-from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
-from pdfleet.engine.config.gateway import (
+from ..engine.config import EngineArgs
+from ..engine.config.fields import default_of, resolved_fields, to_jsonable
+from ..engine.config.gateway import (
     KV_EVENTS_PORT_ANNOTATION,
     KV_REPLAY_PORT_ANNOTATION,
     GatewayConfig,
 )
-from pdfleet.engine.config.identity import IDENTITY_AUTHORITY_ENV
-from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
-
+from ..engine.contracts import identity_exchange as exchange
+from ..engine.contracts.identity import IDENTITY_AUTHORITY_ENV
+from ..engine.contracts.security import FLEET_SECRET_FILE_ENV
 from .compat import compat_hash
 from .model_source import InitStep, model_volumes
 from .parallelism import (

@@ -33,8 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdfleet.engine.config.hub import parse_hf_uri
-
+from ..engine.contracts.model_source import parse_hf_uri
 from .autoscaling.spec import AutoscalingSpec, SpecValueError
 from .engine_spec import FieldPathError, camel, validate_engine_section
 

@@ -35,8 +35,7 @@ import math
 import time
 from collections.abc import Iterable
 
-from pdfleet.engine.config.gateway import GatewayConfig
-
+from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EngineState
 from .metrics import GatewayMetrics
 

@@ -3,7 +3,7 @@
 In Kubernetes (``$PDFLEET_IDENTITY_ENDPOINT`` set) the engine makes its own
 Ed25519 key pair at start, in memory, and never writes or sends the private
 key. It asks the operator's identity endpoint for a token naming the public
-key (``engine/config/identity_exchange.py`` has the exchange), presenting the
+key (``engine/contracts/identity_exchange.py`` has the exchange), presenting the
 pod's projected ServiceAccount token; TLS is verified against the CA file the
 operator publishes. The engine waits for the endpoint at most
 ``$PDFLEET_IDENTITY_WAIT_SECONDS`` (120 s), then exits with an error saying
@@ -36,8 +36,8 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from ..config import identity as ident
-from ..config import identity_exchange as exchange
+from ..contracts import identity as ident
+from ..contracts import identity_exchange as exchange
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def engine_identity(
     """This engine's identity and the renewer keeping it fresh (None: nothing to renew).
 
     ``$PDFLEET_IDENTITY_ENDPOINT`` set: from the operator (above). Otherwise as
-    :func:`~pdfleet.engine.config.identity.fleet_identity_from_env` says: the
+    :func:`~pdfleet.engine.contracts.identity.fleet_identity_from_env` says: the
     file ``$PDFLEET_IDENTITY_FILE`` names (``pdfleet up``), or no identities."""
     environ = os.environ if environ is None else environ
     endpoint = environ.get(exchange.ENDPOINT_ENV, "").strip()

@@ -5,7 +5,7 @@ A producer runs a ROUTER socket on ``kv_port``, bound to one address (never
 
 1. ``hello`` (client -> server): protocol version, the client's compat hash,
    its engine and instance ids, its identity token (when the fleet has
-   identities, ``engine/config/identity.py``) and a nonce. The server refuses
+   identities, ``engine/contracts/identity.py``) and a nonce. The server refuses
    a different ``version`` or ``compat_hash`` naming the field, else answers
    with its own nonce, a session id, a *cookie* and a proof (HMAC under the
    ``kv-side-channel`` key of the fleet secret over both nonces and the
@@ -74,8 +74,8 @@ import msgpack
 import zmq
 from zmq.utils import z85
 
-from ..config import identity as ident
-from ..config import security
+from ..contracts import identity as ident
+from ..contracts import security
 
 logger = logging.getLogger(__name__)
 

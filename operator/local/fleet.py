@@ -31,11 +31,10 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import identity, identity_exchange, security
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.launch import python_module
-
+from ...engine.config.gateway import GatewayConfig
+from ...engine.contracts import identity, identity_exchange, security
+from ...engine.contracts import metrics as m
+from ...engine.contracts.launch import python_module
 from ..resource import InferenceService
 from ..roles import (
     disaggregating,

@@ -23,11 +23,11 @@ from helpers.fleet import ENGINE_ARGS, engines_view, metric, start_gateway
 from helpers.server import ServerProcess, wait_until
 
 from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.engine_core import FAULT_STEP_DELAY_ENV
 from pdfleet.engine.gateway.admission import Admission, Overloaded
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
 from pdfleet.engine.gateway.engines import EngineLoad, EnginePool, longest_step
 from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
 # -- the pool: pace, slow fleets, the last engine ------------------------------------
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.kube_fake import NAMESPACE, PODS, inference_service, running_operator
-from pdfleet.engine.config import identity_exchange as exchange
+from pdfleet.engine.contracts import identity_exchange as exchange
 from pdfleet.operator.handlers import OperatorConfig
 from pdfleet.operator.identity_endpoint import IdentityEndpointConfig
 from pdfleet.operator.manifests import (

@@ -12,8 +12,9 @@ import torch
 import zmq
 from helpers.server import free_port, wait_until
 
-from pdfleet.engine.config import EngineArgs, security
+from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.engine import pdfleet_version
+from pdfleet.engine.contracts import kv_params, security
 from pdfleet.engine.kv_transfer.connector import PDConnector
 from pdfleet.engine.kv_transfer.side_channel import (
     PROTOCOL_VERSION,
@@ -259,12 +260,12 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
             producer = PDConnector(producer_config)
             producer.register(kv_buffer(producer_config))
             try:
-                params = {
-                    "remote_engine_id": producer.engine_id,
-                    "remote_instance_id": producer.instance_id,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": port,
-                }
+                params = kv_params.KVTransferParams(
+                    remote_engine_id=producer.engine_id,
+                    remote_instance_id=producer.instance_id,
+                    remote_host="127.0.0.1",
+                    remote_port=port,
+                )
                 consumer._handshake(client, params, time.monotonic() + 5)
                 # The producer's one shard agent (TP1), as the consumer added it.
                 names.append(getattr(producer.transport, "agent_name", None))
@@ -297,28 +298,25 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
 def test_a_repeated_request_id_never_takes_over_held_blocks(zmq_producer):
     from types import SimpleNamespace
 
-    from pdfleet.engine.config import security
     from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
 
     sched = PDConnectorScheduler(zmq_producer)
     request = SimpleNamespace(
         request_id="same",
         num_prompt_tokens=40,
-        kv_transfer_params={"do_remote_decode": True},
+        kv_transfer_params=kv_params.REMOTE_DECODE,
         block_hashes=[bytes([i]) * 32 for i in range(2)],
     )
     hold, first = sched.request_finished(request, [0, 1, 2])
-    assert hold and first["remote_block_ids"] == [0, 1]
+    assert hold and first.remote_block_ids == (0, 1)
     # The lease names its content: the chain hash of its last block.
-    assert first["pdfleet_block_chain"] == (b"\x01" * 32).hex()
+    assert first.to_wire()["pdfleet_block_chain"] == (b"\x01" * 32).hex()
     hold, second = sched.request_finished(request, [3, 4, 5])
     # The second is not held (its blocks are freed at once); the first lease is intact.
-    assert not hold and second["remote_block_ids"] == []
+    assert not hold and second.remote_block_ids == ()
     assert [x.block_ids for x in zmq_producer.held.values()] == [[0, 1]]
-    assert first["pdfleet_lease_id"] != second["pdfleet_lease_id"]
-    assert security.verify_params(zmq_producer.secret, first)["pdfleet_lease_id"] in (
-        zmq_producer.held
-    )
+    assert first.lease_id != second.lease_id
+    assert kv_params.verify(zmq_producer.secret, first.to_wire()).lease_id in zmq_producer.held
 
 
 def test_a_session_lasts_no_longer_than_its_identity_tokens_and_renewal_keeps_the_lease(
@@ -331,7 +329,7 @@ def test_a_session_lasts_no_longer_than_its_identity_tokens_and_renewal_keeps_th
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    from pdfleet.engine.config import identity
+    from pdfleet.engine.contracts import identity
     from pdfleet.engine.kv_transfer.connector import Lease
     from pdfleet.engine.kv_transfer.identity_client import RenewableIdentity
 

@@ -17,7 +17,7 @@ from helpers.kube_fake import (
     running_operator,
 )
 
-from pdfleet.engine.config import security
+from pdfleet.engine.contracts import security
 from pdfleet.operator.cluster_autoscaler import ScaleDecision
 from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig

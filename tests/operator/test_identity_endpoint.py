@@ -20,8 +20,8 @@ from helpers.identity_cluster import CONFIGMAPS, IdentityCluster, engine_pod, po
 from helpers.kube_fake import DEPLOYMENTS, PODS, SECRETS
 from helpers.server import free_port, wait_until
 
-from pdfleet.engine.config import identity
-from pdfleet.engine.config import identity_exchange as exchange
+from pdfleet.engine.contracts import identity
+from pdfleet.engine.contracts import identity_exchange as exchange
 from pdfleet.engine.kv_transfer.identity_client import EndpointClient, Renewer
 from pdfleet.operator.identity_endpoint import EndpointCertificate
 from pdfleet.operator.manifests import ANNOTATION_IDENTITY, identity_secret_name

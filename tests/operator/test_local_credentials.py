@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet.engine.config import security
+from pdfleet.engine.contracts import security
 from pdfleet.operator.local.fleet import LocalFleet, fleet_credentials
 from pdfleet.operator.resource import load_inference_service
 

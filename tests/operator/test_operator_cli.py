@@ -19,7 +19,7 @@ from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_ser
 from helpers.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
 

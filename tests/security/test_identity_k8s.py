@@ -20,7 +20,7 @@ from helpers.identity_cluster import IdentityCluster
 from helpers.security_pair import kv_config, post, prefill_leg, prompt, text_of
 from helpers.server import ServerProcess, free_port, scrape, wait_until
 
-from pdfleet.engine.config import identity, security
+from pdfleet.engine.contracts import identity, security
 from pdfleet.engine.kv_transfer.identity_client import EndpointClient
 from pdfleet.engine.kv_transfer.side_channel import AuthError, SideChannelClient
 

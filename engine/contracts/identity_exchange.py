@@ -6,7 +6,7 @@ endpoint (``POST https://.../v1/identity``, TLS verified against the CA the
 operator publishes), authenticated by the pod's projected ServiceAccount token
 (audience :data:`AUDIENCE`) as ``Authorization: Bearer``. The operator checks
 that token with a TokenReview, reads the pod it names, and answers a token of
-the identity authority (``engine/config/identity.py``) whose subject is the
+the identity authority (``engine/contracts/identity.py``) whose subject is the
 pod's name and whose role is the pod's role label. The engine renews it, for
 the same key, before it expires.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 # Variables of an engine pod (set by the operator; PDFLEET_* cannot be set by a
 # role's env). The authority's public key itself is $PDFLEET_IDENTITY_AUTHORITY
-# (engine/config/identity.py).
+# (engine/contracts/identity.py).
 ENDPOINT_ENV = "PDFLEET_IDENTITY_ENDPOINT"
 """The identity endpoint's URL (``https://HOST:PORT``)."""
 CA_FILE_ENV = "PDFLEET_IDENTITY_CA_FILE"
