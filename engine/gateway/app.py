@@ -259,6 +259,18 @@ def build_app(
     async def chat(request: Request) -> Response:
         return unauthorized(request) or await gw.proxy.handle(request, "/v1/chat/completions")
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a
+        completions body (``prompt``), answered as that endpoint answers it."""
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        raw = await bounded_body(request)
+        if isinstance(raw, Response):
+            return raw
+        return await gw.proxy.handle(request, invocation_endpoint(raw), raw)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         denied = unauthorized(request)
@@ -408,6 +420,18 @@ def build_app(
         return PlainTextResponse(await gw.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def invocation_endpoint(raw: bytes) -> str:
+    """The endpoint an ``/invocations`` body is for: chat when it is a JSON object
+    with ``messages``, else completions (whose checks answer a malformed body)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "/v1/completions"
+    if isinstance(body, dict) and "messages" in body:
+        return "/v1/chat/completions"
+    return "/v1/completions"
 
 
 def request_limits(config: GatewayConfig) -> RequestLimits:

@@ -102,9 +102,10 @@ class Proxy:
 
     # -- handle ------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: str, raw: bytes | None = None) -> Response:
         """Answer one completions/chat request; a client that goes away cancels it
-        (closing the upstream connections, which aborts the engine requests)."""
+        (closing the upstream connections, which aborts the engine requests).
+        ``raw``: the body, when the caller read it already (``/invocations``)."""
         call = Call(
             endpoint,
             client_request_id(request.headers.get("x-request-id")),
@@ -119,7 +120,8 @@ class Proxy:
         # Engines count per-caller bounds against the client, not the gateway.
         call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
         try:  # read before the watcher below takes over receive()
-            raw = ready_body(request, self.config.max_body_bytes)
+            if raw is None:
+                raw = ready_body(request, self.config.max_body_bytes)
             if raw is None:
                 raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except BodyRejected as e:

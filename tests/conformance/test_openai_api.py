@@ -650,3 +650,30 @@ def test_json_body_fields_pass_the_gateway_unchanged(target):
     assert len(plain["choices"][0]["prompt_token_ids"]) == (
         len(bare["choices"][0]["prompt_token_ids"]) + 1
     ), json.dumps([plain, bare])
+
+
+def test_invocations_routes_by_body(target):
+    """SageMaker's /invocations: a chat body is a chat completion, a prompt a
+    completion; anything else a 400."""
+    chat = httpx.post(
+        target + "/invocations",
+        json={"model": MODEL, "messages": USER, "max_tokens": 2},
+        headers=headers(),
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion"
+    completion = httpx.post(
+        target + "/invocations",
+        json={"model": MODEL, "prompt": "Once", "max_tokens": 2},
+        headers=headers(),
+        timeout=60,
+    )
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    bad = httpx.post(
+        target + "/invocations",
+        json={"model": MODEL, "prompt": "x", "use_beam_search": True},
+        headers=headers(),
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import tracing
@@ -388,6 +389,32 @@ def build_app(state: ServerState) -> FastAPI:
         if body.stream:
             return await respond(request, s.chat_stream(body, rid, out), True, rid)
         return await respond(request, s.chat(body, rid, out), False, rid)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a
+        completions body (``prompt``), answered as that endpoint answers it."""
+        try:
+            raw = await request.json()
+        except (ValueError, RecursionError):
+            raise APIError("the body is not valid JSON (or is nested too deeply)") from None
+        if not isinstance(raw, dict) or not ("messages" in raw or "prompt" in raw):
+            raise APIError(
+                "/invocations takes a chat body (messages) or a completions body (prompt)",
+                param="messages",
+            )
+        model_cls = ChatCompletionRequest if "messages" in raw else CompletionRequest
+        try:
+            body = model_cls.model_validate(raw)
+        except ValidationError as e:
+            errors = e.errors()
+            loc = errors[0]["loc"] if errors else ()
+            msg = errors[0]["msg"] if errors else "invalid request"
+            param = ".".join(str(x) for x in loc[:8]) or None
+            raise APIError(f"{param or 'body'}: {msg}", param=param) from None
+        if isinstance(body, ChatCompletionRequest):
+            return await chat(body, request)
+        return await completions(body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
