@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pdfleet.engine.config import FlexibleArgumentParser
+from .config import FlexibleArgumentParser
 
 COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",

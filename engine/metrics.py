@@ -1,5 +1,5 @@
 """Prometheus metrics of one engine, built from the metrics contract
-(``engine/config/metrics.py``, documented in docs/metrics.md).
+(``engine/contracts/metrics.py``, documented in docs/metrics.md).
 
 Each series is a row of a table below that says where its value comes from;
 the series that vLLM also names (the model-server-protocol subset and the NIXL
@@ -14,8 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from .config import EngineConfig
-from .config import metrics as m
-from .llm_engine import LLMEngine
+from .contracts import metrics as m
+from .loop.llm_engine import LLMEngine
 
 # Gauges set after each step: series -> field of the engine's StepStats.
 _GAUGES = {

@@ -6,7 +6,7 @@ import json as _json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .config.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
+from .contracts.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 
 _GREEDY_EPS = 1e-5
 

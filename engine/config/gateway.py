@@ -13,10 +13,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..contracts.http_limits import DEFAULT_LIMITS
+from ..contracts.security import api_keys_from_env, split_keys
 from .admission import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
-from .http_limits import DEFAULT_LIMITS
-from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -133,7 +133,7 @@ class GatewayConfig:
     kv_pair_cooldown: float = 30.0
     """Seconds a (prefill, decode) pair stays out of P/D routing once its
     breaker opened."""
-    # The client limits default as the engine server's (engine/config/http_limits.py).
+    # The client limits default as the engine server's (engine/contracts/http_limits.py).
     max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
     """Largest request body accepted (413 beyond, refused on Content-Length
     before anything is read)."""

@@ -27,20 +27,19 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.http_limits import RequestLimits
-from pdfleet.engine.config.security import (
+from .. import tracing
+from ..config.gateway import GatewayConfig
+from ..contracts.http_limits import RequestLimits
+from ..contracts.security import (
     bearer_token,
     fleet_secret_from_env,
     fleet_token,
     key_matches,
 )
-from pdfleet.engine.http.asgi import Request, RouteTable
-from pdfleet.engine.http.limits import BodyRejected, read_body, ready_body
-from pdfleet.engine.http.server import HttpServer
-from pdfleet.engine.http.upstream import UpstreamClient
-
+from ..http.asgi import Request, RouteTable
+from ..http.limits import BodyRejected, read_body, ready_body
+from ..http.server import HttpServer
+from ..http.upstream import UpstreamClient
 from .answers import error_response, upstream_message
 from .call import client_request_id
 from .discovery import Discovery, make_discovery

@@ -30,10 +30,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.upstream import UpstreamError, UpstreamResponse
-
+from .. import tracing
+from ..contracts.errors import ErrorBody
+from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import upstream_message
 from .call import Call
 from .engines import EngineState
@@ -75,7 +74,10 @@ class DecodeLeg:
             failover.tried.add(e.url)
             legs.acquire(e)
             try:
-                with legs.watched(e, legs.config.request_timeout):
+                with (
+                    legs.watched(e, legs.config.request_timeout),
+                    tracing.leg("decode", kv_transfer=call.prefill_url is not None),
+                ):
                     resp = await legs.client.post(
                         e.url + call.endpoint, failover.payload, call.headers, None
                     )
@@ -172,7 +174,10 @@ class DecodeLeg:
         resp: UpstreamResponse | None = None
         handed = False
         try:
-            with legs.watched(e, bound):
+            with (
+                legs.watched(e, bound),
+                tracing.leg("decode", kv_transfer=call.prefill_url is not None),
+            ):
                 resp = await legs.client.stream(e.url + call.endpoint, payload, call.headers)
                 legs.pool.progress(e)
                 if resp.status_code != 200:

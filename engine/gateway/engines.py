@@ -23,9 +23,8 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.gateway import GatewayConfig
-
+from ..config.gateway import GatewayConfig
+from ..contracts import metrics as m
 from .discovery import Discovery, Endpoint
 from .metrics import GatewayMetrics
 

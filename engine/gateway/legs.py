@@ -21,11 +21,10 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.asgi import JSON_CONTENT_TYPE, BytesResponse
-from pdfleet.engine.http.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
-
+from ..config.gateway import GatewayConfig
+from ..contracts.errors import ErrorBody
+from ..http.asgi import JSON_CONTENT_TYPE, BytesResponse
+from ..http.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
 from .answers import MAX_RELAYED_MESSAGE, error_response, upstream_message
 from .call import Call
 from .deadlines import Deadline

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.config import metrics as m
+from ..contracts import metrics as m
 
 
 class FastCounter:
@@ -99,7 +99,7 @@ class _Folder:
 
 
 class GatewayMetrics:
-    """The gateway's series (names and labels in ``engine/config/metrics.py``)."""
+    """The gateway's series (names and labels in ``engine/contracts/metrics.py``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

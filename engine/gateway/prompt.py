@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.core.block_hash import (
+from ..contracts.block_hash import (
     external_block_hash,
     get_hash_fn,
     prompt_block_hashes,

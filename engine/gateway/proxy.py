@@ -31,15 +31,14 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.sampling_checks import check_sampling
-from pdfleet.engine.config.security import CALLER_HEADER, bearer_token, caller_id
-from pdfleet.engine.contracts.request_fields import CHAT, COMPLETIONS, check_fields
-from pdfleet.engine.http.asgi import Request
-from pdfleet.engine.http.limits import BodyRejected, read_body, ready_body
-from pdfleet.engine.http.upstream import UpstreamClient
-
+from .. import tracing
+from ..config.gateway import GatewayConfig
+from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
+from ..contracts.sampling_checks import check_sampling
+from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
+from ..http.asgi import Request
+from ..http.limits import BodyRejected, read_body, ready_body
+from ..http.upstream import UpstreamClient
 from .activation import Activation
 from .call import (
     NOT_ANALYZED,

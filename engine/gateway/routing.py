@@ -32,9 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-
+from .. import tracing
+from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EnginePool, EngineState
 from .kv_index import KVIndex
 from .metrics import GatewayMetrics

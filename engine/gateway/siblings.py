@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.config import metrics as m
+from ..contracts import metrics as m
 
 logger = logging.getLogger("pdfleet.gateway")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.contracts.errors import ErrorBody, method_not_allowed, not_found
+from ..contracts.errors import ErrorBody, method_not_allowed, not_found
 
 logger = logging.getLogger("pdfleet.http")
 

@@ -236,6 +236,18 @@ class ModelRunner:
             return list(slots)
         return [s for s in slots if not self.host_kv.issued(s)]
 
+    def host_kv_bytes(self) -> tuple[int, int]:
+        """Bytes copied to and from the host tier since the start (stored, loaded)."""
+        if self.host_kv is None:
+            return 0, 0
+        return self.host_kv.stored_bytes, self.host_kv.loaded_bytes
+
+    def attach_grammars(self, grammars: Any) -> None:
+        self.grammars = grammars
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives and dies with this process."""
+
     @property
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.config, self.kv_dtype)

@@ -9,8 +9,7 @@ extra).
 
 from __future__ import annotations
 
-from pdfleet.engine.config.plotting import pyplot
-
+from ...engine.reports.plotting import pyplot
 from .sim_fleet import FleetModel, SimResult
 from .traces import Trace
 

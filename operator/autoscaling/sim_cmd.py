@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
-
+from ...engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
 from .sim_fleet import FleetModel, SimResult
 from .traces import TraceConfig
 

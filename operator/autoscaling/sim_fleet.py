@@ -39,8 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdfleet.engine.config.stats import percentile
-
+from ...engine.reports.stats import percentile
 from .policy import FleetObservation, RoleObservation
 from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
 from .spec import AutoscalingSpec

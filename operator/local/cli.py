@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.config import security
-from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
-from pdfleet.engine.config.launch import python_module
-
+from ...engine.config.dataclass_cli import add_dataclass_arguments
+from ...engine.contracts import security
+from ...engine.contracts.launch import python_module
 from .process import GiB, resident_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -263,7 +262,7 @@ def kv_cache_tokens(metrics_text: str | None) -> int | None:
     """Tokens an engine's KV cache holds, from its cache_config_info series."""
     if not metrics_text:
         return None
-    from pdfleet.engine.config import metrics as m
+    from ...engine.contracts import metrics as m
 
     labels = m.parse_metrics(metrics_text).labels(
         m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name

@@ -4,7 +4,7 @@ salt's root, so they agree with each other and with no other namespace."""
 
 from __future__ import annotations
 
-from pdfleet.engine.core.block_hash import (
+from pdfleet.engine.contracts.block_hash import (
     ROOT_HASH,
     extend_block_hashes,
     external_block_hash,

@@ -127,7 +127,7 @@ def test_logprob_counts_take_minus_one_within_max_logprobs():
     """-1 asks for the whole vocabulary: allowed where max_logprobs allows that
     many (-1: no bound), else a 400 naming the field and the bound; the gateway
     (no bound known) leaves it to the engine."""
-    from pdfleet.engine.config.sampling_checks import check_sampling
+    from pdfleet.engine.contracts.sampling_checks import check_sampling
 
     for body in ({"logprobs": -1}, {"prompt_logprobs": -1}, {"logprobs": True, "top_logprobs": -1}):
         check_sampling(body, vocab_size=1000, max_logprobs=-1)

@@ -23,7 +23,7 @@ from pdfleet.engine.gateway.engines import (
 )
 from pdfleet.engine.gateway.legs import Watched
 from pdfleet.engine.gateway.metrics import GatewayMetrics
-from pdfleet.engine.gateway.prefill_leg import PREFILL_KV_TRANSFER_PARAMS, prefill_body
+from pdfleet.engine.gateway.prefill_leg import prefill_body
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
 from pdfleet.engine.gateway.routing import KVPairBreaker
 
@@ -64,7 +64,7 @@ def test_prefill_leg_body_follows_the_protocol():
     assert "max_completion_tokens" not in completion and completion["max_tokens"] == 1
     # Each leg gets its own params dict: mutating one never leaks into the next.
     completion["kv_transfer_params"]["remote_host"] = "h"
-    assert PREFILL_KV_TRANSFER_PARAMS["remote_host"] is None
+    assert prefill_body({"prompt": "x"}, chat=False)["kv_transfer_params"]["remote_host"] is None
 
 
 def test_decode_leg_is_the_original_body_plus_the_producer_params():

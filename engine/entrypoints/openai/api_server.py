@@ -33,12 +33,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import tracing
-from ...async_engine import AsyncEngine
 from ...config import EngineConfig
-from ...config.http_limits import RequestLimits
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
+from ...contracts.http_limits import RequestLimits
 from ...http.server import HttpServer
-from ...llm_engine import LLMEngine
+from ...loop.async_engine import AsyncEngine
+from ...loop.llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth

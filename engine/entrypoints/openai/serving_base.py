@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import tracing
-from ...async_engine import (
+from ...contracts.kv_params import KVTransferParams
+from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
+from ...loop.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStepError,
     QueueFullError,
     RequestStream,
 )
-from ...config.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
@@ -439,7 +440,9 @@ class ServingBase:
                     # A batch's prompts share one group's share of the engine.
                     group=request_id if len(jobs) > 1 else None,
                 )
-                streams.append(tracing.trace_request(stream, rid, kv_params))
+                # The engine accepted (decoded) them: they decode here too.
+                leg = KVTransferParams.from_wire(kv_params) if kv_params else None
+                streams.append(tracing.trace_request(stream, rid, leg))
         except BaseException as e:
             for stream in streams:
                 stream.close()

@@ -548,6 +548,19 @@ OPERATOR_FLEET_SECRETS_CREATED = Metric(
     "counter",
     "Fleet Secrets the operator created (first reconcile, or after a rotation).",
 )
+OPERATOR_IDENTITY_AUTHORITIES_CREATED = Metric(
+    "pdfleet_operator_identity_authorities_created_total",
+    "counter",
+    "Identity authorities (Secrets NAME-identity) the operator created (first reconcile, "
+    "or after a rotation).",
+)
+OPERATOR_IDENTITY_REQUESTS = Metric(
+    "pdfleet_operator_identity_requests_total",
+    "counter",
+    "Requests to the identity endpoint by result: issued, refused (the token or the pod "
+    "did not qualify), busy (429), error (503: the API server or the operator not ready).",
+    ("result",),
+)
 AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",
     "gauge",

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.sched_output import Logprobs
-from .core.scheduler import EngineCoreOutput
+from ..core.sched_output import Logprobs
+from ..core.scheduler import EngineCoreOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -234,7 +234,8 @@ class OutputProcessor:
             if co.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
             if co.kv_transfer_params is not None:
-                child.kv_transfer_params = co.kv_transfer_params
+                # The engine's one encoding of the params it lends (the API's JSON).
+                child.kv_transfer_params = co.kv_transfer_params.to_wire()
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
