@@ -186,7 +186,8 @@ class ModelConfig:
     enforce_eager: bool = False
     """Always run eagerly: no CUDA-graph capture."""
     max_logprobs: int = 20
-    """Maximum number of log probabilities a request may ask for."""
+    """Maximum number of log probabilities a request may ask for (per token, of
+    the output or the prompt); -1: no bound (the whole vocabulary)."""
     disable_sliding_window: bool = False
     """Ignore the model's sliding window (and cap max_model_len to it)."""
     skip_tokenizer_init: bool = False
@@ -301,8 +302,10 @@ class ModelConfig:
             window if uses_window and not config.disable_sliding_window else None
         )
         config._resolve_max_model_len(window if uses_window else None)
-        if not config.max_logprobs >= 1:
-            raise ValueError(f"max_logprobs must be >= 1, got {config.max_logprobs}")
+        if not (config.max_logprobs >= 1 or config.max_logprobs == -1):
+            raise ValueError(
+                f"max_logprobs must be >= 1 or -1 (no bound), got {config.max_logprobs}"
+            )
         return config
 
     def _resolve_max_model_len(self, window: int | None) -> None:

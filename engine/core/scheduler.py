@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import EngineConfig
-from ..contracts.block_hash import extend_block_hashes
+from ..contracts.block_hash import extend_block_hashes, root_hash
 from ..contracts.kv_params import KVTransferParams
 from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
@@ -129,7 +129,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            self.kv.hash_fn,
+            root_hash(request.sampling_params.cache_salt),
         )
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -444,7 +448,11 @@ class Scheduler:
                 continue  # a partial prefill chunk: nothing sampled yet
             request.append_output_token(token)
             extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                self.kv.hash_fn,
+                root_hash(request.sampling_params.cache_salt),
             )
             if request.first_token_time is None:
                 request.first_token_time = now

@@ -103,6 +103,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "theirs), when no --chat-template is given.",
     )
     group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="Split a thinking model's <think>...</think> text from its answer: chat "
+        "answers carry it as message.reasoning (and reasoning_content), streamed as "
+        "their own deltas (vLLM's parser names).",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=parser,
         enable_auto_tool_choice=auto,
+        reasoning_parser=args.reasoning_parser,
     )
     limits = RequestLimits(
         max_body_bytes=args.max_request_body_bytes,

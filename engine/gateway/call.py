@@ -51,6 +51,13 @@ class Call:
     prefill_slot: Any = None
     """The prefill engine whose slot it holds from its route to the end of its
     prefill leg; None before and after."""
+    id_from_body: bool = False
+    """The client sent no X-Request-Id: a body's ``request_id`` names the call."""
+
+
+def tame_request_id(value: Any) -> bool:
+    """A request id the gateway passes on as it is (logs and headers take it)."""
+    return isinstance(value, str) and _REQUEST_ID.fullmatch(value) is not None
 
 
 def client_request_id(header: str | None) -> str:

@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
+from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
 from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
 from ..http.asgi import Request
@@ -42,7 +43,14 @@ from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient
 from .activation import Activation
 from .admission import Admission, Overloaded
-from .call import NOT_ANALYZED, Call, client_request_id, field_of, parse_body
+from .call import (
+    NOT_ANALYZED,
+    Call,
+    client_request_id,
+    field_of,
+    parse_body,
+    tame_request_id,
+)
 from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
 from .legs import Legs
@@ -99,9 +107,10 @@ class Proxy:
 
     # -- handle ------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: str, raw: bytes | None = None) -> Response:
         """Answer one completions/chat request; a client that goes away cancels it
-        (closing the upstream connections, which aborts the engine requests)."""
+        (closing the upstream connections, which aborts the engine requests).
+        ``raw``: the body, when the caller read it already (``/invocations``)."""
         call = Call(
             endpoint,
             client_request_id(request.headers.get("x-request-id")),
@@ -110,10 +119,14 @@ class Proxy:
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
+        # Without an X-Request-Id of the client's, a body's request_id names the
+        # response (the engines answer PREFIX-<request_id>, as vLLM does).
+        call.id_from_body = not request.headers.get("x-request-id")
         # Engines count per-caller bounds against the client, not the gateway.
         call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
         try:  # read before the watcher below takes over receive()
-            raw = ready_body(request, self.config.max_body_bytes)
+            if raw is None:
+                raw = ready_body(request, self.config.max_body_bytes)
             if raw is None:
                 raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except BodyRejected as e:
@@ -157,6 +170,9 @@ class Proxy:
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
         call.body = body
+        given = body.get("request_id")
+        if call.id_from_body and isinstance(given, str) and tame_request_id(given):
+            call.request_id = call.headers["x-request-id"] = given
         names = self.config.served_model_name
         if names and body.get("model") is not None and body["model"] not in names:
             self.metrics.rejected.labels("invalid_field").inc()
@@ -165,8 +181,9 @@ class Proxy:
             )
         route = self._sole_route()
         try:
-            # The engines' own admissibility check: a body one engine would refuse
+            # The engines' own admissibility checks: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
+            check_fields(body, CHAT if call.chat else COMPLETIONS)
             check_sampling(
                 body,
                 max_n=self.config.max_n,

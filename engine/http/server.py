@@ -826,7 +826,7 @@ class HttpServer:
             if not self._direct:
                 await app(cycle.scope, cycle.receive, cycle.send)
             else:
-                handler = app.routes.get((cycle.method, cycle.path))
+                handler = app.lookup(cycle.method, cycle.path)
                 if handler is None:
                     response = app.unrouted(cycle.path)
                     cycle.respond(response.status_code, response.raw_headers, response.body)

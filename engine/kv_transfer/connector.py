@@ -884,7 +884,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if algo == self.connector.hash_algo and len(request.block_hashes) >= n:
             head = request.block_hashes[n - 1]
         else:
-            head = prompt_block_hashes(request.all_token_ids, bs, get_hash_fn(algo), n)[n - 1]
+            head = prompt_block_hashes(
+                request.all_token_ids,
+                bs,
+                get_hash_fn(algo),
+                n,
+                request.sampling_params.cache_salt,
+            )[n - 1]
         if not hmac.compare_digest(head.hex().encode(), str(p.block_chain).encode()):
             return f"the block hash chain of its {n} leased blocks differs"
         return None

@@ -92,7 +92,11 @@ class LLMEngine:
             for theirs_key, ours in _GENERATION_DEFAULTS.items()
             if theirs_key in gen
         }
-        self.default_sampling.update(m.override_generation_config)
+        # The override speaks the generation config's names (max_new_tokens), as
+        # vLLM's --override-generation-config does; ours are the sampling names.
+        self.default_sampling.update(
+            {_GENERATION_DEFAULTS.get(k, k): v for k, v in m.override_generation_config.items()}
+        )
         kv = config.kv_transfer_config
         if connector is None and kv is not None and kv.kv_connector is not None:
             from ..kv_transfer.connector import create_connector
@@ -221,7 +225,8 @@ class LLMEngine:
         ``kv_transfer_params``: the request's JSON object, decoded (and for a
         decode leg verified) here by the KV connector."""
         params = params if params is not None else self.default_sampling_params()
-        params.verify(self.config.model_config.max_logprobs)
+        bound = self.config.model_config.max_logprobs
+        params.verify(None if bound == -1 else bound)
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )

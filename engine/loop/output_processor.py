@@ -59,6 +59,8 @@ class ChildState:
         # How much has been handed out already (for delta outputs).
         self.sent_tokens = 0
         self.sent_text = 0
+        # Delta outputs: this sequence's finish was handed out (it is never sent again).
+        self.sent_finish = False
         # Text withheld while it could still turn out to start a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -124,6 +126,10 @@ class RequestState:
         delta = self.output_kind == "delta"
         outs = []
         for c in self.children.values():
+            if delta and c.sent_finish:
+                # A finished sequence of an n > 1 request: its end was sent once;
+                # the steps of its siblings add nothing to it.
+                continue
             text = c.visible_text()
             t0, s0 = (c.sent_tokens, c.sent_text) if delta else (0, 0)
             outs.append(
@@ -138,6 +144,7 @@ class RequestState:
                 )
             )
             c.sent_tokens, c.sent_text = len(c.token_ids), len(text)
+            c.sent_finish = c.finish_reason is not None
         first = next(iter(self.children.values()))
         t = self.timing
         return RequestOutput(

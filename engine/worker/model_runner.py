@@ -365,6 +365,15 @@ class ModelRunner:
                     ids += list(self.eos_token_ids)
                 if ids:
                     banned[row] = ids
+        biased: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for row, p in enumerate(params):
+            # Ids outside the vocabulary were refused at admission; never index with one.
+            pairs = [(t, b) for t, b in p.logit_bias or () if 0 <= t < self.vocab_size]
+            if pairs:
+                biased[row] = (
+                    torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=d),
+                    torch.tensor([b for _, b in pairs], dtype=torch.float32, device=d),
+                )
         max_logprobs = None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
@@ -387,6 +396,7 @@ class ModelRunner:
             else None,
             generators=generators,
             banned_token_ids=banned or None,
+            logit_bias=biased or None,
             max_num_logprobs=max_logprobs,
         )
         if any(p.uses_penalties for p in params):
