@@ -106,7 +106,11 @@ class AuthError(RuntimeError):
 
 class Refused(RuntimeError):
     """An authenticated refusal from the producer (e.g. an ended lease): the session
-    itself is fine."""
+    itself is fine. ``code`` names the kind of refusal where the caller acts on it."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class IncompatibleHello(RuntimeError):
@@ -681,7 +685,10 @@ class SideChannelClient:
                 break
             # A late answer to an earlier call that timed out: skip it.
         if not reply.get("ok", False):
-            raise Refused(str(reply.get("error", "request failed")))
+            code = reply.get("code")
+            raise Refused(
+                str(reply.get("error", "request failed")), code if isinstance(code, str) else None
+            )
         return reply, extra
 
     def send_nowait(self, host: str, port: int, request: dict[str, Any]) -> None:
