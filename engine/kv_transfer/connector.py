@@ -7,7 +7,10 @@ response carries ``kv_transfer_params`` (``contracts/kv_params.py``: vLLM's
 ``remote_block_ids``, ``remote_request_id``, ``tp_size``, plus ``pdfleet_*``
 fields) signed with the fleet secret. A lease binds to the first authenticated consumer that claims
 it; only that consumer may read, confirm or release it. Blocks are freed when
-the consumer confirms or releases, or when the lease expires.
+the consumer confirms or releases, or when the lease expires. The lease keeps
+the block hash chain the producer computed: a claim or read must name the same
+chain, hashed by the consumer from its own tokens (signed params alone would
+let any holder of the fleet secret pair one prompt's lease with another's chain).
 
 Consumer (``do_remote_prefill``): verifies the signature before anything is
 dialled, matches its own prefix cache, then pulls only the missing full
