@@ -10,9 +10,16 @@ medians is the figure: target within 3x.
 The same is run with ``--max-request-share 1`` (one request may keep every
 slot whatever waits: the behaviour before the bound) for comparison; with
 ``--gateway`` both go through a ``pdfleet gateway`` in front of the engine.
+
+``--two-groups`` runs the case where the share alone is not enough: an engine
+with 16 slots, two ``n=8`` requests (two groups, each at exactly its share of
+0.5, together holding every slot) and the small request next to them. Slots
+are shared max-min fairly, so one of the two gives a slot back.
 Rerun:
 
     .venv/bin/python -P benchmarks/n_fairness.py --json benchmarks/results/n_fairness_cpu.json
+    .venv/bin/python -P benchmarks/n_fairness.py --two-groups --no-baseline \
+        --json benchmarks/results/n_fairness_two_groups_cpu.json
 """
 
 from __future__ import annotations
@@ -110,11 +117,24 @@ def running(engine_url: str) -> float:
     return 0.0
 
 
-def measure(model: str, share: float, repeats: int, gateway: bool, logs: Path) -> dict:
+def measure(
+    model: str,
+    share: float,
+    repeats: int,
+    gateway: bool,
+    logs: Path,
+    bigs: int = 1,
+    big_n: int = BIG_N,
+    big_tokens: int = BIG_TOKENS,
+    max_num_seqs: int | None = None,
+) -> dict:
+    """The small request's TTFT alone, then next to ``bigs`` concurrent requests of
+    ``n = big_n`` (each its own group) once they hold ``bigs * big_n`` slots."""
+    seqs = [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
     engine = Process(
         ["serve", model, "--served-model-name", "tiny", "--max-model-len", "1024",
-         "--disable-log-stats", "--max-request-share", str(share)],
-        logs / f"engine-share-{share}.log",
+         "--disable-log-stats", "--max-request-share", str(share), *seqs],
+        logs / f"engine-share-{share}-bigs-{bigs}.log",
     )  # fmt: skip
     front: Process | None = None
     try:
@@ -131,10 +151,10 @@ def measure(model: str, share: float, repeats: int, gateway: bool, logs: Path) -
         ttft(url)  # warm up
         alone = [ttft(url) for _ in range(repeats)]
         big_body = {
-            "model": "tiny", "prompt": "Once upon a time", "n": BIG_N,
-            "max_tokens": BIG_TOKENS, "ignore_eos": True, "temperature": 1.0,
+            "model": "tiny", "prompt": "Once upon a time", "n": big_n,
+            "max_tokens": big_tokens, "ignore_eos": True, "temperature": 1.0,
         }  # fmt: skip
-        big_done = threading.Event()
+        big_done = threading.Event()  # set when the first big request ends
         big_seconds: list[float] = []
 
         def big() -> None:
@@ -145,9 +165,11 @@ def measure(model: str, share: float, repeats: int, gateway: bool, logs: Path) -
                 big_seconds.append(time.perf_counter() - start)
                 big_done.set()
 
-        threading.Thread(target=big, daemon=True).start()
+        threads = [threading.Thread(target=big, daemon=True) for _ in range(bigs)]
+        for t in threads:
+            t.start()
         deadline = time.monotonic() + 300
-        while running(engine.url) < BIG_N and time.monotonic() < deadline:
+        while running(engine.url) < bigs * big_n and time.monotonic() < deadline:
             time.sleep(0.2)
         full = running(engine.url)
         loaded = []
@@ -156,14 +178,17 @@ def measure(model: str, share: float, repeats: int, gateway: bool, logs: Path) -
                 break
             loaded.append(ttft(url))
         still_running = not big_done.is_set()
-        big_done.wait(1800)
+        for t in threads:
+            t.join(1800)
         return {
             "max_request_share": share,
+            "max_num_seqs": max_num_seqs or "default",
+            "big_requests": f"{bigs} x n={big_n}, {big_tokens} tokens",
             "slots_taken_before_small_requests": full,
             "ttft_alone_s": [round(x, 4) for x in alone],
-            "ttft_next_to_n128_s": [round(x, 4) for x in loaded],
-            "n128_still_running_after": still_running,
-            "n128_seconds": round(big_seconds[0], 2) if big_seconds else None,
+            "ttft_next_to_big_s": [round(x, 4) for x in loaded],
+            "big_still_running_after": still_running,
+            "big_seconds": sorted(round(x, 2) for x in big_seconds),
             "ratio_median": round(statistics.median(loaded) / statistics.median(alone), 2)
             if loaded
             else None,
@@ -180,15 +205,23 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gateway", action="store_true", help="through a pdfleet gateway")
     ap.add_argument("--no-baseline", action="store_true", help="skip --max-request-share 1")
+    ap.add_argument(
+        "--two-groups",
+        action="store_true",
+        help="two n=8 requests on 16 slots (each at its share) instead of one n=128",
+    )
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
     from pdfleet.engine.tiny.builder import ensure_tiny_model
 
     model = args.model or ensure_tiny_model()
     logs = Path(tempfile.mkdtemp(prefix="n-fairness-"))
-    runs = [measure(model, 0.5, args.repeats, args.gateway, logs)]
+    shape = (
+        {"bigs": 2, "big_n": 8, "big_tokens": 1000, "max_num_seqs": 16} if args.two_groups else {}
+    )
+    runs = [measure(model, 0.5, args.repeats, args.gateway, logs, **shape)]
     if not args.no_baseline:
-        runs.append(measure(model, 1.0, args.repeats, args.gateway, logs))
+        runs.append(measure(model, 1.0, args.repeats, args.gateway, logs, **shape))
     result = {
         "benchmark": "n_fairness",
         "model": args.model or "built-in tiny (default size)",
@@ -201,8 +234,8 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     for run in runs:
         print(
-            f"max_request_share {run['max_request_share']}: small-request TTFT next to n=128 / "
-            f"alone = {run['ratio_median']}x (target <= 3x)",
+            f"max_request_share {run['max_request_share']}: small-request TTFT next to "
+            f"{run['big_requests']} / alone = {run['ratio_median']}x (target <= 3x)",
             file=sys.stderr,
         )
     if args.json:

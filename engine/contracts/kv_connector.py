@@ -44,6 +44,10 @@ class KVLoad:
     deadline: float
     """Monotonic seconds by which the pull must have finished."""
     release_only: bool = False
+    chain: str | None = None
+    """The hex chained hash of the leased blocks, hashed from this engine's own
+    tokens: the claim or read names it, and the producer refuses it unless it is
+    the chain of the blocks it leased."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,13 @@ the prefix cache).
 One client request may be many scheduler requests (the ``n`` completions of
 an ``n > 1`` request, the prompts of a batch: a *group*). While requests of
 other groups wait, one group holds at most ``max_request_share`` of
-``max_num_seqs`` and of the step's token budget: its further requests wait,
-and when every slot is taken its newest sequences beyond the share are
-preempted, as many as the others can use. Alone, a group may use everything.
+``max_num_seqs`` and of the step's token budget: its further requests wait.
+When every slot is taken and a request of group g waits, slots are shared
+max-min fairly: the group h with the most sequences gives one back (its newest
+is preempted, and the slot is promised to g's request) whenever it has more
+than one more than g, so two groups at their share still make room for a
+third, and groups one apart never trade slots back and forth. Alone, a group
+may use everything.
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ class Scheduler:
         # Blocks of finished requests held for a remote consumer (KV transfer).
         self.held_blocks: dict[str, list[Any]] = {}
         self.finished_req_ids: set[str] = set()
+        # Waiting requests promised a slot that another group gave back (_yield_slots):
+        # until they are admitted, no other waiting request takes a free slot.
+        self.slot_promised: set[str] = set()
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0
 
@@ -236,31 +243,65 @@ class Scheduler:
                     break
         return groups
 
+    def _prune_promises(self) -> None:
+        """Forget promised slots of requests admitted, finished or waiting for
+        something else than a slot."""
+        for rid in list(self.slot_promised):
+            r = self.requests.get(rid)
+            waiting = r is not None and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if r is None or not waiting or not self._schedulable(r):
+                self.slot_promised.discard(rid)
+
     def _yield_slots(self, group_running: dict[str, int]) -> None:
-        """Every slot is taken while other groups wait: groups over their share
-        give back, newest sequences first, as many slots as the waiting
-        requests of the other groups can use. Mutates ``group_running``."""
-        over = {
-            g: n - self.group_seq_cap for g, n in group_running.items() if n > self.group_seq_cap
-        }
-        if not over:
-            return
-        wanted = 0
-        limit = sum(over.values())
+        """Every slot is taken (or promised) while requests wait: max-min fair
+        sharing. While the poorest group g with a schedulable waiting request has
+        at least two sequences fewer than the richest running group h, h's newest
+        sequence is preempted and its slot promised to one of g's requests
+        (sequences counted running or promised). Groups one apart keep their
+        slots: no request is preempted only to take a slot back. A group that has
+        its ``max_request_share`` is promised nothing (admission would hold it
+        back). Mutates ``group_running``."""
+        counts = dict(group_running)
+        for rid in self.slot_promised:
+            g = self.requests[rid].group
+            counts[g] = counts.get(g, 0) + 1
+        # Requests that may be promised a slot, by group (at most a slot each).
+        wanting: dict[str, list[Request]] = {}
         for r in self.waiting.unordered():
-            if self._schedulable(r) and r.group not in over:
-                wanted += 1
-                if wanted >= limit:
-                    break
-        for request in reversed(list(self.running)):
-            if wanted <= 0:
-                break
-            group = request.group
-            if over.get(group, 0) > 0:
-                self._preempt(request)
-                over[group] -= 1
-                group_running[group] -= 1
-                wanted -= 1
+            if not self._schedulable(r) or r.request_id in self.slot_promised:
+                continue
+            queued = wanting.setdefault(r.group, [])
+            if len(queued) < self.max_num_seqs:
+                queued.append(r)
+        while wanting:
+            g = min(wanting, key=lambda x: counts.get(x, 0))
+            request = wanting[g][0]
+            if request.group_id is not None and counts.get(g, 0) >= self.group_seq_cap:
+                del wanting[g]
+                continue
+            top = max((counts[x] for x, n in group_running.items() if n > 0), default=0)
+            if top <= counts.get(g, 0) + 1:
+                break  # the poorest waiting group is within one of every group
+            # Never for a request of lower priority (a larger value) than the victim's.
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if counts[r.group] == top and r.priority >= request.priority
+                ),
+                None,
+            )
+            if victim is None:
+                del wanting[g]
+                continue
+            self._preempt(victim)
+            counts[victim.group] -= 1
+            group_running[victim.group] -= 1
+            wanting[g].pop(0)
+            if not wanting[g]:
+                del wanting[g]
+            self.slot_promised.add(request.request_id)
+            counts[g] = counts.get(g, 0) + 1
 
     # -- the step ------------------------------------------------------------------
 
@@ -277,10 +318,12 @@ class Scheduler:
         contenders = self._contending_groups()
         group_running: dict[str, int] = {}
         group_tokens: dict[str, int] = {}
+        if self.slot_promised:
+            self._prune_promises()
         if contenders:
             for r in self.running:
                 group_running[r.group] = group_running.get(r.group, 0) + 1
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) + len(self.slot_promised) >= self.max_num_seqs:
                 self._yield_slots(group_running)
 
         def held(request: Request) -> bool:
@@ -333,6 +376,13 @@ class Scheduler:
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
                 continue
+            if (
+                self.slot_promised
+                and request.request_id not in self.slot_promised
+                and len(self.running) + len(self.slot_promised) >= self.max_num_seqs
+            ):
+                skipped.append(self.waiting.pop())  # the free slots are promised to others
+                continue
             group = request.group
             limit = budget
             if held(request):
@@ -365,6 +415,7 @@ class Scheduler:
                     request.num_computed_tokens = num_hit
                     request.num_cached_tokens = num_hit
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.slot_promised.discard(request.request_id)
                     self.connector.update_state_after_alloc(
                         request, self.kv.block_ids(request.request_id), num_external
                     )
@@ -392,6 +443,7 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = now
             self.running.append(request)
+            self.slot_promised.discard(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             group_running[group] = group_running.get(group, 0) + 1

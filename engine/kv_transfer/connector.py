@@ -7,7 +7,10 @@ response carries ``kv_transfer_params`` (``contracts/kv_params.py``: vLLM's
 ``remote_block_ids``, ``remote_request_id``, ``tp_size``, plus ``pdfleet_*``
 fields) signed with the fleet secret. A lease binds to the first authenticated consumer that claims
 it; only that consumer may read, confirm or release it. Blocks are freed when
-the consumer confirms or releases, or when the lease expires.
+the consumer confirms or releases, or when the lease expires. The lease keeps
+the block hash chain the producer computed: a claim or read must name the same
+chain, hashed by the consumer from its own tokens (signed params alone would
+let any holder of the fleet secret pair one prompt's lease with another's chain).
 
 Consumer (``do_remote_prefill``): verifies the signature before anything is
 dialled, matches its own prefix cache, then pulls only the missing full
@@ -70,6 +73,11 @@ logger = logging.getLogger(__name__)
 
 # Failures that no policy may paper over (incompatible engines) carry this prefix.
 FATAL = "fatal: "
+# Failures because the leased blocks are not this prompt's (the producer refused the
+# consumer's chain) carry this one: always recomputed, whatever the failure policy.
+CONTENT = "content: "
+# The code of a producer's refusal of a claim or read whose chain is not the lease's.
+CHAIN_REFUSED = "chain"
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
 # How long signed params stay valid after their lease ends (default).
@@ -142,6 +150,12 @@ class Lease:
     block_ids: list[int]
     expires: float  # monotonic
     consumer: str | None = None  # Peer.identity once claimed
+    # The hex chained hash of the last leased block, as this producer computed it from
+    # its own tokens: the content it vouches for. A claim or read must name the same
+    # chain, recomputed by the consumer from its own tokens. The signed params carry
+    # it too, but any holder of the fleet secret can re-sign those; only the producer
+    # holds this copy.
+    chain: str | None = None
 
 
 # Pulls smaller than this are latency, not bandwidth: they are not measured.
@@ -387,39 +401,57 @@ class PDConnector:
             **self.transport.handshake_fields(),
         }, []
 
-    def _lease_for(self, request: dict[str, Any], peer: Peer) -> tuple[Lease | None, str]:
-        """The lease a claim/read names, bound to ``peer`` (caller holds the lock)."""
+    def _lease_for(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[Lease | None, str, str | None]:
+        """The lease a claim/read names, bound to ``peer`` (caller holds the lock); else
+        (None, why, the refusal's code)."""
         if not peer.may_consume:
-            return None, f"{peer.identity} may not pull KV (not a consumer)"
+            return None, f"{peer.identity} may not pull KV (not a consumer)", None
         lease = self.held.get(str(request.get("lease_id")))
         if lease is None:
-            return None, "unknown or ended lease"
+            return None, "unknown or ended lease", None
         if lease.expires < time.monotonic():
-            return None, "the lease has expired"
+            return None, "the lease has expired", None
         if lease.consumer is not None and lease.consumer != peer.identity:
-            return None, "the lease is bound to another consumer"
+            return None, "the lease is bound to another consumer", None
         wanted = request.get("block_ids")
         if not isinstance(wanted, list) or not set(wanted) <= set(lease.block_ids):
-            return None, "the blocks named are not held under this lease"
+            return None, "the blocks named are not held under this lease", None
+        if lease.chain is not None:
+            # Checked before the lease is bound: a consumer with another prompt leaves
+            # the lease to its lawful decode leg.
+            chain = request.get("chain")
+            if not isinstance(chain, str) or not hmac.compare_digest(
+                chain.encode(), lease.chain.encode()
+            ):
+                return (
+                    None,
+                    "the block hash chain named is not the leased blocks' (another prompt's KV)",
+                    CHAIN_REFUSED,
+                )
         lease.consumer = peer.identity
-        return lease, ""
+        return lease, "", None
 
-    def _refused(self, why: str):
+    def _refused(self, why: str, code: str | None = None):
         self.stats.refused_reads += 1
-        return {"ok": False, "error": why}, []
+        reply: dict[str, Any] = {"ok": False, "error": why}
+        if code is not None:
+            reply["code"] = code
+        return reply, []
 
     def _on_claim(self, request: dict[str, Any], peer: Peer):
         with self.lock:
-            lease, why = self._lease_for(request, peer)
+            lease, why, code = self._lease_for(request, peer)
             if lease is None:
-                return self._refused(why)
+                return self._refused(why, code)
         return {"ok": True}, []
 
     def _on_read(self, request: dict[str, Any], peer: Peer):
         with self.lock:
-            lease, why = self._lease_for(request, peer)
+            lease, why, code = self._lease_for(request, peer)
             if lease is None:
-                return self._refused(why)
+                return self._refused(why, code)
             wanted = [int(b) for b in request["block_ids"]]
             frames = self.transport.serve_read(request, wanted)
             self.stats.bytes_transferred += sum(len(f) for f in frames)
@@ -648,16 +680,50 @@ class PDConnector:
                 client.call(
                     remote.host,
                     remote.port,
-                    {"op": "claim", "lease_id": load.lease_id, "block_ids": load.remote_ids},
+                    {
+                        "op": "claim",
+                        "lease_id": load.lease_id,
+                        "block_ids": load.remote_ids,
+                        "chain": load.job.chain,
+                    },
                     max(0.05, load.deadline - time.monotonic()),
                 )
             load.token = self.transport.start_read(
-                remote, load.local_ids, load.remote_ids, load.lease_id, load.deadline
+                remote,
+                load.local_ids,
+                load.remote_ids,
+                load.lease_id,
+                load.deadline,
+                chain=load.job.chain,
             )
             if load.token == "DONE" and time.monotonic() > load.deadline:
                 self._finish(load, False, client, "the transfer timed out")
                 return
             inflight.append(load)
+        except Refused as e:
+            if e.code == CHAIN_REFUSED:
+                # The producer computed other blocks than this prompt's (params re-signed
+                # by a fleet-secret holder): nothing was read; recompute.
+                with self.lock:
+                    self.stats.content_mismatches += 1
+                logger.warning(
+                    "request %s: the KV offered by prefill engine %s is not this prompt's "
+                    "(the producer refused this prompt's block hash chain: %s); nothing "
+                    "pulled, recomputing",
+                    load.request_id,
+                    p.remote_engine_id,
+                    e,
+                )
+                self._finish(load, False, client, CONTENT + str(e))
+                return
+            logger.warning(
+                "KV pull for %s from %s:%s refused: %s",
+                load.request_id,
+                p.remote_host,
+                p.remote_port,
+                e,
+            )
+            self._finish(load, False, client, str(e))
         except Exception as e:
             logger.warning(
                 "KV pull for %s from %s:%s failed: %s",
@@ -666,8 +732,7 @@ class PDConnector:
                 p.remote_port,
                 e,
             )
-            if not isinstance(e, Refused):
-                self._forget(load, client)
+            self._forget(load, client)
             self._finish(
                 load, False, client, (FATAL if isinstance(e, IncompatibleKV) else "") + str(e)
             )
@@ -723,8 +788,10 @@ class PDConnector:
         tracing.kv_pull(
             load.request_id, load.started, nbytes, len(load.local_ids), load.params, ok, why
         )
-        if not ok:
-            # Tell the producer it may free the blocks now (best effort).
+        if not ok and not why.startswith(CONTENT):
+            # Tell the producer it may free the blocks now (best effort). Not after a
+            # content refusal: the lease is another prompt's, whose decode leg may
+            # still claim it (else it expires).
             self._send_release(client, load.params)
         if target_done:
             self._target_done(load.request_id)
@@ -880,10 +947,23 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"this prompt has {(request.num_tokens - 1) // bs} full blocks before its last "
                 f"token, the lease {n}"
             )
+        if not hmac.compare_digest(
+            self.own_chain(request, p).encode(), str(p.block_chain).encode()
+        ):
+            return f"the block hash chain of its {n} leased blocks differs"
+        return None
+
+    def own_chain(self, request, p: KVTransferParams) -> str:
+        """The hex chained hash of this request's first ``p.num_blocks`` blocks (which
+        it has: ``content_mismatch`` checked), hashed from this engine's own tokens
+        with the producer's algorithm. The claim or read sends it: the producer
+        compares it with the chain it computed itself."""
+        n = p.num_blocks
         algo = str(p.block_hash_algo)
         if algo == self.connector.hash_algo and len(request.block_hashes) >= n:
             head = request.block_hashes[n - 1]
         else:
+            bs = self.connector.block_size
             head = prompt_block_hashes(
                 request.all_token_ids,
                 bs,
@@ -891,9 +971,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 n,
                 request.sampling_params.cache_salt,
             )[n - 1]
-        if not hmac.compare_digest(head.hex().encode(), str(p.block_chain).encode()):
-            return f"the block hash chain of its {n} leased blocks differs"
-        return None
+        return head.hex()
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         p = request.kv_transfer_params
@@ -911,6 +989,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 local_ids,
                 remote_ids,
                 deadline=time.monotonic() + budget,
+                chain=self.own_chain(request, p) if p.num_blocks else None,
             )
         )
 
@@ -970,7 +1049,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return False, signed
         with self.connector.lock:
             self.connector.held[lease_id] = Lease(
-                request.request_id, list(full), time.monotonic() + self.connector.lease_seconds
+                request.request_id,
+                list(full),
+                time.monotonic() + self.connector.lease_seconds,
+                chain=params.block_chain,
             )
         return True, signed
 
@@ -990,6 +1072,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         why = self.connector.errors.pop(request.request_id, "the transfer failed")
         if why.startswith(FATAL):
             return why[len(FATAL) :]
+        if why.startswith(CONTENT):
+            return None  # not this prompt's KV: recomputing is the only right answer
         if self.connector.fail_policy == "fail":
             return (
                 f"pulling the prompt's KV from the prefill engine failed ({why}); "

@@ -31,8 +31,12 @@ the traffic (lease ids, block bytes of the ZMQ transport) is encrypted.
 
 Before authentication a message is one frame of at most ``MAX_HELLO_BYTES``;
 every message is at most ``MAX_MESSAGE_BYTES`` per frame (refused by ZeroMQ
-before it is buffered whole) and ``MAX_FRAMES`` frames, read frame by frame,
-so one peer can make the server hold at most a few MiB.
+before it is buffered whole) and ``MAX_FRAMES`` frames, read frame by frame.
+A peer without the fleet secret can make the server hold nothing. One with
+it can still send a message of many ``MAX_MESSAGE_BYTES`` frames, which
+ZeroMQ buffers whole before the first frame is read (ZeroMQ has no byte
+bound per message or per connection): for that the fleet secret is the
+boundary.
 
 Every later message is ``[body, mac]``: ``body`` carries the session id and a
 strictly increasing ``seq`` (a replayed or reordered message is dropped), and
@@ -106,7 +110,11 @@ class AuthError(RuntimeError):
 
 class Refused(RuntimeError):
     """An authenticated refusal from the producer (e.g. an ended lease): the session
-    itself is fine."""
+    itself is fine. ``code`` names the kind of refusal where the caller acts on it."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class IncompatibleHello(RuntimeError):
@@ -681,7 +689,10 @@ class SideChannelClient:
                 break
             # A late answer to an earlier call that timed out: skip it.
         if not reply.get("ok", False):
-            raise Refused(str(reply.get("error", "request failed")))
+            code = reply.get("code")
+            raise Refused(
+                str(reply.get("error", "request failed")), code if isinstance(code, str) else None
+            )
         return reply, extra
 
     def send_nowait(self, host: str, port: int, request: dict[str, Any]) -> None:

@@ -101,8 +101,10 @@ class Transport:
         remote_ids: list[int],
         lease_id: str,
         deadline: float,
+        chain: str | None = None,
     ) -> Any:
-        """Start reading ``remote_ids`` (held under ``lease_id``) into ``local_ids``."""
+        """Start reading ``remote_ids`` (held under ``lease_id``, whose blocks this
+        engine's tokens hash to ``chain``) into ``local_ids``."""
         raise NotImplementedError
 
     def check(self, token: Any) -> str:
@@ -230,7 +232,8 @@ class NixlTransport(Transport):
                 self._send(rank, ShardForget(remote.handle))
             remote.handle = None
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
+    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
+        # The claim (on the side channel, before any READ) named the chain.
         with self.lock:
             token = self.next_token
             self.next_token += 1
@@ -296,14 +299,14 @@ class ZmqTransport(Transport):
                     frames.append(view.contiguous().view(torch.uint8).numpy().data)
         return frames
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
+    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
         """Synchronous: the bytes are in the local blocks when it returns."""
         assert self.client is not None
         timeout = max(0.05, deadline - time.monotonic())
         _reply, frames = self.client.call(
             remote.host,
             remote.port,
-            {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids)},
+            {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids), "chain": chain},
             timeout,
         )
         delay = kv_read_delay()

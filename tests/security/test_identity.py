@@ -102,7 +102,13 @@ def test_a_lease_binds_to_a_vouched_identity_not_to_a_stated_engine_id(pair):
         c.call(
             "127.0.0.1",
             pair.kv_ports["prefill"],
-            {"op": "claim", "lease_id": lease, "block_ids": blocks},
+            # The chain of the leased blocks (in the params): the producer checks it.
+            {
+                "op": "claim",
+                "lease_id": lease,
+                "block_ids": blocks,
+                "chain": params["pdfleet_block_chain"],
+            },
             5.0,
         )
     finally:

@@ -220,6 +220,7 @@ def test_a_lease_binds_to_the_operator_vouched_subject_not_to_a_stated_engine_id
                 "op": "claim",
                 "lease_id": params["pdfleet_lease_id"],
                 "block_ids": params["remote_block_ids"],
+                "chain": params["pdfleet_block_chain"],  # the leased blocks' chain
             },
             5.0,
         )

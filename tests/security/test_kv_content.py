@@ -11,7 +11,12 @@ with different templates.
 
 from __future__ import annotations
 
+import dataclasses
+
 from helpers.security_pair import CLIENT_KEY, post, prefill_leg, prompt, text_of
+
+from pdfleet.engine.contracts import kv_params, security
+from pdfleet.engine.contracts.block_hash import get_hash_fn, prompt_block_hashes
 
 MISMATCHES = "pdfleet_engine_kv_transfer_content_mismatches_total"
 TRANSFERS = "pdfleet_engine_kv_transfers_total"
@@ -53,6 +58,46 @@ def test_another_prompts_signed_params_are_not_used_nor_cached_and_its_lease_sur
     assert got_a == reference(pair, a)
     assert pair.metric("decode", TRANSFERS) == before[TRANSFERS] + 1
     assert "is not this prompt's" in pair.decode.log_path.read_text(errors="replace")
+
+
+def test_params_re_signed_with_another_prompts_chain_pull_nothing_and_cache_nothing(pair):
+    """An insider with the fleet secret (the gateway pod, say) re-signs A's params
+    with B's block hash chain: the decode engine's own check passes, but the
+    producer vouches only for the chain it computed itself and refuses the claim
+    (NIXL) or read (ZMQ) naming B's."""
+    a, b = body(9131), body(9132)
+    params_a = prefill_leg(pair, a)
+    secret = security.fleet_secret_from_env()
+    assert secret is not None
+    p = kv_params.verify(secret, params_a)
+    n = p.num_blocks
+    assert n == 6
+    chain_b = prompt_block_hashes(b["prompt"], 16, get_hash_fn(str(p.block_hash_algo)), n)
+    forged = kv_params.sign(
+        secret, dataclasses.replace(p, block_chain=chain_b[n - 1].hex()), ttl=60
+    ).to_wire()
+    want_b = reference(pair, b)
+    before = {m: pair.metric("decode", m) for m in (MISMATCHES, TRANSFERS, PULLED)}
+    got = text_of(post(pair.decode.url + "/v1/completions", {**b, "kv_transfer_params": forged}))
+    assert got == want_b
+    assert pair.metric("decode", MISMATCHES) == before[MISMATCHES] + 1
+    assert pair.metric("decode", TRANSFERS) == before[TRANSFERS]
+    assert pair.metric("decode", PULLED) == before[PULLED]
+    assert "the producer refused this prompt's block hash chain" in (
+        pair.decode.log_path.read_text(errors="replace")
+    )
+    # Only B's own KV is cached under B's hashes.
+    for _ in range(2):
+        r = post(pair.decode.url + "/v1/completions", b)
+        assert text_of(r) == want_b
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    # The refused consumer neither bound nor released A's lease: A's decode leg pulls it.
+    got_a = text_of(
+        post(pair.decode.url + "/v1/completions", {**a, "kv_transfer_params": params_a})
+    )
+    assert got_a == reference(pair, a)
+    assert pair.metric("decode", TRANSFERS) == before[TRANSFERS] + 1
+    assert pair.metric("decode", PULLED) == before[PULLED] + n
 
 
 def test_a_client_api_key_cannot_send_kv_transfer_params(pair):

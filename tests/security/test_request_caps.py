@@ -123,6 +123,62 @@ def test_a_group_takes_at_most_its_share_of_the_token_budget_while_others_wait()
     assert big <= 32 and out.num_scheduled_tokens.get("small") == 20
 
 
+def test_two_groups_each_at_its_share_still_make_room_for_a_third_without_thrashing():
+    s = scheduler(seqs=8)
+    for i in range(8):
+        s.add_request(req(f"a-{i}", group="a", max_tokens=1000))
+    step(s)
+    for i in range(8):
+        s.add_request(req(f"b-{i}", group="b", max_tokens=1000))
+    for _ in range(2):
+        step(s)
+    assert (running_of(s, "a"), running_of(s, "b")) == (4, 4)  # every slot, each at its share
+    preemptions = s.num_preemptions
+    s.add_request(req("small", max_tokens=30))
+    out = step(s)
+    assert "small" in out.num_scheduled_tokens, "two groups at their share kept every slot"
+    # One slot given back, by the newest group's newest sequence.
+    assert s.num_preemptions == preemptions + 1
+    assert (running_of(s, "a"), running_of(s, "b")) == (4, 3)
+    assert s.requests["b-3"].status == RequestStatus.PREEMPTED
+    # Groups one apart keep their slots: nothing more is preempted while the small
+    # request runs, and the freed slot goes back to b when it ends.
+    while "small" in s.requests:
+        assert running_of(s, "a") + running_of(s, "b") == 7
+        step(s)
+    step(s)
+    assert (running_of(s, "a"), running_of(s, "b")) == (4, 4)
+    assert s.num_preemptions == preemptions + 1
+
+
+def test_the_group_with_most_slots_gives_back_until_every_waiting_group_is_within_one():
+    s = scheduler(seqs=8, share=0.75)
+    for i in range(8):
+        s.add_request(req(f"a-{i}", group="a", max_tokens=1000))
+    step(s)
+    for i in range(2):
+        s.add_request(req(f"b-{i}", group="b", max_tokens=1000))
+    out = step(s)
+    # b's two requests: a (8, over 2 + 1) gives back two slots, newest first.
+    assert {"b-0", "b-1"} <= set(out.num_scheduled_tokens)
+    assert (running_of(s, "a"), running_of(s, "b")) == (6, 2)
+    assert {r for r in ("a-6", "a-7") if s.requests[r].status == RequestStatus.PREEMPTED} == {
+        "a-6",
+        "a-7",
+    }
+    # A third group with three requests: a (the most) gives back until no group is
+    # more than one ahead of c; b, already within one, keeps its two.
+    s.add_request(req("c-0", group="c", max_tokens=1000))
+    s.add_request(req("c-1", group="c", max_tokens=1000))
+    s.add_request(req("c-2", group="c", max_tokens=1000))
+    step(s)
+    counts = (running_of(s, "a"), running_of(s, "b"), running_of(s, "c"))
+    assert counts == (3, 2, 3), counts  # max-min: nobody more than one ahead of c
+    for _ in range(5):
+        step(s)
+        assert (running_of(s, "a"), running_of(s, "b"), running_of(s, "c")) == counts
+
+
 def test_share_one_turns_the_bound_off():
     s = scheduler(seqs=8, share=1.0)
     for i in range(8):

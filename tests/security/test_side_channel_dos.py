@@ -135,7 +135,10 @@ def test_a_flood_of_hellos_cannot_push_out_a_real_peers_handshake(pair):
         # The session works: this peer may now claim the lease it was given (and
         # gives it back).
         lease = {"lease_id": params["pdfleet_lease_id"], "block_ids": []}
-        client.call("127.0.0.1", pair.kv_ports["prefill"], {"op": "claim", **lease}, 5.0)
+        chain = params["pdfleet_block_chain"]  # the leased blocks' (the producer checks it)
+        client.call(
+            "127.0.0.1", pair.kv_ports["prefill"], {"op": "claim", **lease, "chain": chain}, 5.0
+        )
         client.send_nowait("127.0.0.1", pair.kv_ports["prefill"], {"op": "release", **lease})
     finally:
         client.close()

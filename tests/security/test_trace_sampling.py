@@ -2,7 +2,8 @@
 and trace id) continues a trace only when the operator trusts clients' trace
 context; by default each request starts a new trace, which the configured
 sampler decides on, linked to the client's span. The gateway's own legs (the
-fleet token) are always continued, so a P/D request stays one trace."""
+fleet token) are always continued, so a P/D request stays one trace; so are the
+requests of an internal key (vLLM's router), trusted as the fleet token is."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from otlp_receiver import OTLPReceiver
 # Sample nothing that starts here, follow a parent's decision (OpenTelemetry's names).
 RATIO_ZERO = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}
 CLIENT_KEY = "trace-client-key"
+INTERNAL_KEY = "trace-internal-key"
 BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 
 
@@ -54,7 +56,7 @@ def engine(tiny_model, tmp_path_factory, receiver):
         ["serve", tiny_model, *ENGINE_ARGS, "--api-key", CLIENT_KEY],
         tmp_path_factory.mktemp("trace-engine"),
         "engine",
-        env=otel_env(receiver, **RATIO_ZERO),
+        env=otel_env(receiver, PDFLEET_INTERNAL_API_KEY=INTERNAL_KEY, **RATIO_ZERO),
     )
     try:
         yield proc.wait_healthy(180)
@@ -140,3 +142,11 @@ def test_an_untrusted_traceparent_is_linked_not_continued(engine, receiver, tmp_
     )
     assert not any(s.trace_id == trace_id for s in receiver.spans)
     assert any(s.service == "pdfleet-engine" for s in engine_spans)
+
+
+def test_an_internal_keys_trace_context_is_continued(engine, receiver):
+    header, trace_id, caller_span = traceparent()
+    post(engine.url, header, {"authorization": f"Bearer {INTERNAL_KEY}"})
+    spans = receiver.wait_for(trace_id, lambda s: any(x.name == "end" for x in s))
+    roots = [s for s in spans if s.parent_id == caller_span]
+    assert roots and all(s.service == "pdfleet-engine" for s in roots)
