@@ -506,6 +506,13 @@ class ServingSpec(_Spec):
     """Let the model decide when to call tools (`--enable-auto-tool-choice`);
     needs toolCallParser. Unset: on for a model that names its parser (the
     built-in smollm2-135m-instruct), else off; false turns it off."""
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    """How a thinking model's `<think>…</think>` text is split from its answer
+    (`--reasoning-parser`, vLLM's names): returned as `message.reasoning`
+    (and `reasoning_content`), streamed apart from the content. `qwen3`:
+    output without `</think>` is all answer (thinking switched off);
+    `deepseek_r1`: it is all reasoning. Unset: no split. Every engine gets it
+    (any engine may answer a whole request)."""
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServingSpec:
