@@ -28,12 +28,12 @@ import json
 import sys
 from pathlib import Path
 
-from pdfleet.operator.autoscaling.sim import OracleStrategy, PolicyStrategy, Simulation
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.strategies import replica_needs
-from pdfleet.operator.autoscaling.traces import TRACE_KINDS, TraceConfig, make_trace
+from pdfleet.operator.autoscaling_lab.sim import OracleStrategy, PolicyStrategy, Simulation
+from pdfleet.operator.autoscaling_lab.sim_cmd import DEFAULT_MAX_REPLICAS
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
+from pdfleet.operator.autoscaling_lab.strategies import replica_needs
+from pdfleet.operator.autoscaling_lab.traces import TRACE_KINDS, TraceConfig, make_trace
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,12 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-from pdfleet.operator.autoscaling.matrix import all_met, format_matrix, run_matrix
 from pdfleet.operator.autoscaling.policy import PolicyTuning
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TRACE_KINDS, TraceConfig
+from pdfleet.operator.autoscaling_lab.matrix import all_met, format_matrix, run_matrix
+from pdfleet.operator.autoscaling_lab.sim_cmd import DEFAULT_MAX_REPLICAS
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
+from pdfleet.operator.autoscaling_lab.traces import TRACE_KINDS, TraceConfig
 
 
 def cases(model: FleetModel) -> dict[str, tuple[FleetModel, float | None]]:

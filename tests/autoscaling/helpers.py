@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pdfleet.operator.autoscaling.policy import FleetObservation, PolicyTuning, RoleObservation
 from pdfleet.operator.autoscaling.samples import ReplicaSample
-from pdfleet.operator.autoscaling.sim import SimResult, compare
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, TraceKind, make_trace
+from pdfleet.operator.autoscaling_lab.sim import SimResult, compare
+from pdfleet.operator.autoscaling_lab.sim_cmd import DEFAULT_MAX_REPLICAS
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
+from pdfleet.operator.autoscaling_lab.traces import TraceConfig, TraceKind, make_trace
 
 PERIOD = 15.0
 

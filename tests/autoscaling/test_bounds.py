@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from pdfleet.operator.autoscaling.bounds import cheapest_counts, foresight_bound, lower_counts
-from pdfleet.operator.autoscaling.sim import compare
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, make_trace
+from pdfleet.operator.autoscaling_lab.bounds import cheapest_counts, foresight_bound, lower_counts
+from pdfleet.operator.autoscaling_lab.sim import compare
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
+from pdfleet.operator.autoscaling_lab.traces import TraceConfig, make_trace
 
 
 def brute_force(lower, start, max_events, up, down):

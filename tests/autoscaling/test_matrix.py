@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdfleet.operator.autoscaling.bounds import ForesightBound
-from pdfleet.operator.autoscaling.matrix import (
+from pdfleet.operator.autoscaling.policy import PolicyTuning
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling_lab.bounds import ForesightBound
+from pdfleet.operator.autoscaling_lab.matrix import (
     MatrixTargets,
     all_met,
     cell_targets,
@@ -13,10 +15,8 @@ from pdfleet.operator.autoscaling.matrix import (
     run_matrix,
     summarize_matrix,
 )
-from pdfleet.operator.autoscaling.policy import PolicyTuning
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel, SimResult
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, make_trace
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel, SimResult
+from pdfleet.operator.autoscaling_lab.traces import TraceConfig, make_trace
 
 SPEC = AutoscalingSpec.from_spec({"prefill": {"maxReplicas": 16}, "decode": {"maxReplicas": 16}})
 

@@ -10,7 +10,8 @@ import pytest
 
 from pdfleet.engine.cli import COMMANDS, main
 from pdfleet.operator.autoscaling.policy import PolicyTuning
-from pdfleet.operator.autoscaling.sim import (
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling_lab.sim import (
     FixedStrategy,
     FleetModel,
     OracleStrategy,
@@ -21,8 +22,7 @@ from pdfleet.operator.autoscaling.sim import (
     evaluate_targets,
     replica_needs,
 )
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import Burst, TraceConfig, make_trace
+from pdfleet.operator.autoscaling_lab.traces import Burst, TraceConfig, make_trace
 
 from .helpers import SIM_SPEC, policy_cell
 
@@ -171,7 +171,7 @@ def test_compare_runs_every_strategy_on_the_same_trace():
 
 
 def test_sim_is_a_pdfleet_command():
-    assert COMMANDS["sim"] == "pdfleet.operator.autoscaling.sim_cmd"
+    assert COMMANDS["sim"] == "pdfleet.operator.autoscaling_lab.sim_cmd"
 
 
 def test_cli_json(capsys):
@@ -229,7 +229,7 @@ def test_every_trace_fleet_and_run_field_has_a_sim_flag_with_its_default():
     import argparse
     import dataclasses
 
-    from pdfleet.operator.autoscaling import sim_cmd
+    from pdfleet.operator.autoscaling_lab import sim_cmd
 
     parser = sim_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
     args = parser.parse_args([])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_real.py"
 

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .policy import PolicyTuning
+from pdfleet.operator.autoscaling.policy import PolicyTuning
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+
 from .sim_fleet import FleetModel, SimResult, Simulation, Strategy
-from .spec import AutoscalingSpec
 from .strategies import FixedStrategy, HPAStrategy, OracleStrategy, PolicyStrategy, replica_needs
 from .traces import Trace
 

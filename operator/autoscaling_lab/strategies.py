@@ -11,10 +11,17 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .policy import FleetObservation, PolicyState, PolicyTuning, RoleObservation, decide
-from .samples import ReplicaSample
+from pdfleet.operator.autoscaling.policy import (
+    FleetObservation,
+    PolicyState,
+    PolicyTuning,
+    RoleObservation,
+    decide,
+)
+from pdfleet.operator.autoscaling.samples import ReplicaSample
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec, RoleScaling
+
 from .sim_fleet import FleetModel
-from .spec import AutoscalingSpec, RoleScaling
 from .traces import Trace
 
 # The baselines' sizing targets: the oracle and fixed peak size prefill at

@@ -122,7 +122,7 @@ def fleet_model_from_arguments(args: argparse.Namespace) -> FleetModel:
 
 
 def _load_spec(path: str | None, max_replicas: int | None) -> Any:
-    from .spec import AutoscalingSpec
+    from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 
     section: dict[str, Any] = {}
     if path:

@@ -33,8 +33,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+
 from .sim_fleet import FleetModel
-from .spec import AutoscalingSpec
 from .strategies import OracleStrategy, replica_needs
 from .traces import Trace
 

@@ -40,12 +40,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdfleet.engine.config.stats import percentile
+from pdfleet.operator.autoscaling.policy import FleetObservation, RoleObservation
+from pdfleet.operator.autoscaling.samples import (
+    EngineSnapshot,
+    ReplicaSample,
+    ReplicaState,
+    sample_from_snapshots,
+)
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling.victims import ReplicaLoad, choose_victims
 
-from .policy import FleetObservation, RoleObservation
-from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
-from .spec import AutoscalingSpec
 from .traces import Trace
-from .victims import ReplicaLoad, choose_victims
 
 DRAIN_LIMIT_SECONDS = 900.0
 

@@ -29,11 +29,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
+from pdfleet.operator.autoscaling.policy import PolicyTuning
+from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+
 from .bounds import ForesightBound, foresight_bound
-from .policy import PolicyTuning
 from .sim import compare, replica_needs
 from .sim_fleet import FleetModel, SimResult
-from .spec import AutoscalingSpec
 from .traces import TRACE_KINDS, TraceConfig, TraceKind, make_trace
 
 
