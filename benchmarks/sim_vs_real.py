@@ -50,8 +50,8 @@ from pdfleet.engine.config.launch import python_module
 from pdfleet.engine.config.stats import percentile
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling_lab.calibrate import CalibrateOptions, calibrate
+from pdfleet.operator.autoscaling_lab.sim import PolicyStrategy
 from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel, Simulation
-from pdfleet.operator.autoscaling_lab.strategies import PolicyStrategy
 from pdfleet.operator.autoscaling_lab.traces import Burst, TraceConfig, make_trace
 
 # The fleet: small decode engines (4 sequences, 48 blocks of 16 tokens) so a

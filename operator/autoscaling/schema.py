@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pdfleet.engine.config.fields import attr_docs, resolved_fields
 
@@ -54,6 +54,10 @@ def section_schema(cls: type) -> Schema:
             assert isinstance(bare, type)
             prop = section_schema(bare)
             prop["default"] = {}  # the API server then fills the nested defaults
+        elif get_origin(bare) is Literal:
+            prop = {"type": "string", "enum": list(get_args(bare))}
+            if f.default is not dataclasses.MISSING:
+                prop["default"] = f.default
         else:
             kind = {bool: "boolean", int: "integer", float: "number", str: "string"}[bare]
             prop = {"type": kind, **_bound_keywords(field_bounds(f))}

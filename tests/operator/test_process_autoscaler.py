@@ -147,3 +147,19 @@ def test_the_engines_startup_reaches_the_policy(servers):
     assert scaler.loop.state.startup_seconds == 150.0 - AutoscalingSpec().period_seconds
     # Until an engine is ready, it has no startup to report.
     assert Child("x", "decode", [], 1, Path("/dev/null")).startup_seconds is None
+
+
+def test_advisory_mode_records_every_decision_and_starts_nothing(servers):
+    prefill = servers(metrics(0.0, 0, 0))
+    decode = servers(metrics(0.95, 30, 6))
+    fleet = FakeFleet([child("prefill-0", "prefill", prefill), child("decode-0", "decode", decode)])
+    scaler = LocalAutoscaler(fleet, AutoscalingSpec.from_spec({"mode": "Advisory"}))
+    advised = []
+    for i in range(3):
+        advised += scaler.step(now=1000.0 + 15 * i)
+    # The same load that starts a decode engine in mode Active (above): the
+    # decision is made, recorded as not applied, and the fleet is untouched.
+    assert fleet.added == [] and fleet.drained == []
+    assert advised and all(not r.applied for r in advised)
+    assert any(r.role == "decode" and r.to_replicas > r.from_replicas for r in advised)
+    assert scaler.log.history.latest()[-1].to_dict()["applied"] is False
