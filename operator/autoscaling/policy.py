@@ -844,8 +844,8 @@ def step_limit(
                 f"{tuning.reversal_band:.0%} (and a replica) more"
             )
         elif up > current:
-            extra = tuning.scale_up_extra if rising else 0.0
-            desired = min(max(math.ceil(up * (1 + extra) - 1e-9), up), hi)
+            extra = round(up * tuning.scale_up_extra) if rising else 0
+            desired = min(up + extra, hi)
             if up < wanted:
                 code, why = "stabilization_window", f"{why}; {up} is the up window's lowest"
             elif desired > up:

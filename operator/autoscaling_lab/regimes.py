@@ -110,7 +110,11 @@ GPU_SPEC: dict[str, Any] = {
         "targetKVCacheUsage": 0.9,
     },
 }
-CPU_SPEC: dict[str, Any] = {role: {"maxReplicas": 64} for role in ("prefill", "decode")}
+CPU_SPEC: dict[str, Any] = {
+    "prefill": {"maxReplicas": 64},
+    # The KV ceiling where the SLOs leave decode to its KV: most of it.
+    "decode": {"maxReplicas": 64, "targetKVCacheUsage": 0.95},
+}
 
 
 @dataclass(frozen=True)
