@@ -172,3 +172,27 @@ def test_bstars_fewest_events_schedule_costs_at_most_one_percent_more(small_bsta
     frontier = found.frontier
     assert frontier["prefill"]["1.01"] == events(fewest.schedule[0])
     assert frontier["decode"]["1.3"] <= frontier["decode"]["1.01"]
+
+
+def test_the_onset_bound_blinds_each_surge_for_a_cold_start(small_bstar):
+    from pdfleet.operator.autoscaling_lab.onset import STEADY_ROOM, onset_bound
+
+    cell, found = small_bstar
+    bound = onset_bound(cell, found.best.sizing)
+    assert bound is not None and bound["onsets"]
+    none = bound["without_headroom"]
+    # Blind at every onset, the fleet does worse than B* (which saw them coming).
+    assert none["ttft_attainment"] < found.best.result["ttft_attainment"]
+    least = bound["least"]
+    if least is not None:
+        assert least["met"] and least["headroom"] > 0
+        assert all(not r["met"] for r in bound["tried"] if r["headroom"] < least["headroom"])
+    first = bound["first_surge"]
+    # Only the first surge blind: no worse than every surge blind, and the
+    # standing room helps; the schedule given is the one simulated.
+    assert first["without_headroom"]["ttft_attainment"] >= none["ttft_attainment"] - 1e-3
+    room = first["at_steady_room"]
+    assert room["headroom"] == STEADY_ROOM
+    assert room["ttft_attainment"] >= first["without_headroom"]["ttft_attainment"] - 1e-3
+    again = cell.schedule(*room["schedule"])
+    assert again.replica_seconds["total"] == pytest.approx(room["replica_seconds"])
