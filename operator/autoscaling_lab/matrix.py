@@ -518,6 +518,31 @@ def format_matrix(result: dict[str, Any]) -> str:
             + mark("no_flap", str(t.get("no_flap", {}).get("value", "-"))).rjust(7)
             + f"  {sizing}"
         )
+    onsets = [c for c in result["cells"] if c.get("onset_bound")]
+    if onsets:
+        lines += [
+            "",
+            "surges blind for a cold start (the onset bound, at B*'s sizing): the least "
+            "standing room that meets 99% and its cost x B*; TTFT with every surge blind and "
+            "no room; TTFT with only the first surge blind and the room the steady cost "
+            "target allows (a policy cannot tell a bursty trace from a steady one before it)",
+        ]
+        for c in onsets:
+            o = c["onset_bound"]
+            best = c["bstar"]["best"]
+            least = o["least"]
+            first = o["first_surge"]["at_steady_room"]
+            room = (
+                f"{least['headroom']:.1f} at {least['replica_seconds'] / best['replica_seconds']['total']:.3f}x"
+                if least and best
+                else "none on the grid"
+            )
+            lines.append(
+                f"  {c['case']:<18}{c['trace']:<10}{c['seed']:>5}  least room {room}; "
+                f"no room {_pct(o['without_headroom']['ttft_attainment'])}; first surge at "
+                f"{first['headroom']:.2f} room {_pct(first['ttft_attainment'])} TTFT, "
+                f"{_pct(first['itl_attainment'])} ITL"
+            )
     lines += ["", "per trace:"]
     for t in result["traces"]:
         parts = []

@@ -130,6 +130,22 @@ def test_run_matrix_reports_bstar_tuned_hpa_and_every_target(tiny):
     assert ("all targets met" in text) == result["all_met"]
 
 
+def test_the_matrix_prints_each_surges_onset_bound(tiny):
+    import copy
+
+    _, _, first = tiny
+    result = copy.deepcopy(first)
+    cost = result["cells"][0]["bstar"]["best"]["replica_seconds"]["total"]
+    figures = {"replica_seconds": cost * 1.2, "ttft_attainment": 0.995, "itl_attainment": 1.0}
+    result["cells"][0]["onset_bound"] = {
+        "least": {"headroom": 0.4, **figures},
+        "without_headroom": {**figures, "ttft_attainment": 0.62},
+        "first_surge": {"at_steady_room": {"headroom": 0.1, **figures, "ttft_attainment": 0.93}},
+    }
+    text = format_matrix(result)
+    assert "least room 0.4 at 1.200x; no room 62.00%; first surge at 0.10 room 93.00% TTFT" in text
+
+
 def test_a_rerun_reads_bstar_and_hpa_from_the_cache(tiny):
     small, cache, first = tiny
     again = run_matrix(small, ["steady"], [0], [0], [], cache=cache)
