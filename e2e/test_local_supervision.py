@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 
 import pytest
 from helpers.server import wait_until
@@ -17,6 +18,8 @@ from helpers.up import (
     process_argv,
     process_environ,
 )
+
+from pdfleet.engine.config.launch import python_module
 
 
 def nothing_listens(port: int) -> bool:
@@ -55,9 +58,11 @@ def test_children_get_the_fleet_credentials_bind_loopback_and_die_with_a_sigkill
         env = process_environ(pid)
         # The session's secret (conftest sets it) reaches every child unchanged.
         assert env["PDFLEET_FLEET_SECRET"] == os.environ["PDFLEET_FLEET_SECRET"]
-        # One canonical list, split the same way everywhere.
-        assert env["PDFLEET_API_KEY"] == "ka,kb"
         argv = process_argv(pid)
+        # One canonical list, split the same way everywhere, for the gateway only:
+        # engines get no client key (pdfleet up --direct-engine-access gives them).
+        engine = "gateway" not in argv
+        assert env["PDFLEET_API_KEY"] == ("" if engine else "ka,kb")
         http = int(argv[argv.index("--port") + 1])
         listening = listening_addresses(pid)
         assert http in {port for _, port in listening}
@@ -69,6 +74,13 @@ def test_children_get_the_fleet_credentials_bind_loopback_and_die_with_a_sigkill
         # Every port a child listens on (UCX's included) must be free afterwards.
         ports |= {port for _, port in listening}
     assert fleet.port in ports
+    # Its sample requests carry the key header, never a key (two keys: a placeholder).
+    assert wait_until(lambda: "Ctrl-C stops" in fleet.output(), 30.0, 0.1)
+    printed = fleet.output()
+    assert printed.count('-H "Authorization: Bearer $KEY"') == 2
+    assert "set KEY to one of the API keys in PDFLEET_API_KEY" in printed
+    assert "warning: no API key" not in printed
+    assert "memory: " in printed and " GiB resident in all" in printed
 
     # SIGKILL: the supervisor gets no chance to stop anything itself.
     os.kill(fleet.proc.pid, signal.SIGKILL)
@@ -77,3 +89,14 @@ def test_children_get_the_fleet_credentials_bind_loopback_and_die_with_a_sigkill
         p for p in pids if not is_dead(p)
     ]
     assert wait_until(lambda: all(nothing_listens(p) for p in ports), 10.0, 0.1)
+    # Its run still says "ready" in fleet.json, but `pdfleet status` knows better.
+    status = subprocess.run(
+        [*python_module("pdfleet.engine.cli"), "status", "--run-dir", str(fleet.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0].endswith(" stopped"), lines
+    assert all(" stopped " in line for line in lines if line.startswith(("prefill-", "decode-")))

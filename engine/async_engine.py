@@ -95,6 +95,7 @@ class _Add:
     priority: int
     kv_transfer_params: dict[str, Any] | None
     sink: Callable[[_Delivery], None]
+    group: str | None = None
 
 
 @dataclass
@@ -307,6 +308,7 @@ class AsyncEngine:
                         priority=cmd.priority,
                         kv_transfer_params=cmd.kv_transfer_params,
                         output_kind="delta",
+                        group=cmd.group,
                     )
             except ValueError as e:  # bad input: nothing was queued
                 cmd.sink(e)
@@ -348,6 +350,7 @@ class AsyncEngine:
         prompt_text: str | None = None,
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
+        group: str | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
@@ -368,6 +371,7 @@ class AsyncEngine:
             priority,
             kv_transfer_params,
             _Sink(loop, q),
+            group,
         )
         with self._admit_lock:
             waiting = self.num_waiting()

@@ -22,6 +22,12 @@ engine drops what it knew; an idle publisher sends an empty batch every
 lost stream. A replay socket (ROUTER) answers a sequence number with every
 buffered batch from there on, then ``[-1, b""]``. Publishing runs on its own
 thread behind a bounded queue, so a slow subscriber never blocks the engine.
+
+By default ``token_ids`` are empty (the hashes say which prefixes are cached
+without carrying the prompt); ``include_token_ids`` puts them back for vLLM's
+router. With a fleet secret, both sockets are ZeroMQ CURVE servers whose key
+pair derives from it (:func:`curve_server_keys`): a subscriber that does not
+hold the secret cannot complete the handshake and receives nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from typing import Any
 
 import msgpack
 import zmq
+import zmq.utils.z85
 
-from .config import KVEventsConfig
+from .config import KVEventsConfig, security
 from .core.block_hash import external_block_hash
 from .core.block_pool import KVCacheEvent
 
@@ -46,10 +53,27 @@ logger = logging.getLogger(__name__)
 END_SEQ = struct.pack(">q", -1)
 
 
-def encode_events(events: list[KVCacheEvent]) -> list[dict[str, Any]]:
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of a fleet's KV event publishers."""
+    private = zmq.utils.z85.encode(security.kv_events_server_key(secret))
+    return zmq.curve_public(private), private
+
+
+def bind_endpoint(endpoint: str, kv_ip: str | None) -> str:
+    """``endpoint`` with a ``*`` host replaced by the engine's KV address."""
+    if kv_ip and endpoint.startswith("tcp://*:"):
+        host = f"[{kv_ip}]" if ":" in kv_ip else kv_ip
+        return f"tcp://{host}:{endpoint.removeprefix('tcp://*:')}"
+    return endpoint
+
+
+def encode_events(
+    events: list[KVCacheEvent], include_token_ids: bool = True
+) -> list[dict[str, Any]]:
     """vLLM's tagged-map events for one step; consecutive stores that chain
     (each block's parent is the previous block) on one tier become one
-    ``BlockStored``, consecutive removals on one tier one ``BlockRemoved``."""
+    ``BlockStored``, consecutive removals on one tier one ``BlockRemoved``.
+    Without ``include_token_ids`` every ``token_ids`` is empty."""
     out: list[dict[str, Any]] = []
     last_hash: bytes | None = None
     for e in events:
@@ -65,7 +89,8 @@ def encode_events(events: list[KVCacheEvent]) -> list[dict[str, Any]]:
                 and e.parent_hash == last_hash
             ):
                 prev["block_hashes"].append(h)
-                prev["token_ids"].extend(e.token_ids)
+                if include_token_ids:
+                    prev["token_ids"].extend(e.token_ids)
             else:
                 out.append(
                     {
@@ -74,7 +99,7 @@ def encode_events(events: list[KVCacheEvent]) -> list[dict[str, Any]]:
                         "parent_block_hash": (
                             None if e.parent_hash is None else external_block_hash(e.parent_hash)
                         ),
-                        "token_ids": list(e.token_ids),
+                        "token_ids": list(e.token_ids) if include_token_ids else [],
                         "block_size": e.block_size,
                         "lora_id": None,
                         "medium": e.medium,
@@ -104,8 +129,19 @@ def encode_batch(ts: float, events: list[dict[str, Any]], data_parallel_rank: in
 
 
 class KVEventPublisher:
-    def __init__(self, config: KVEventsConfig) -> None:
+    def __init__(
+        self, config: KVEventsConfig, kv_ip: str | None = None, secret: bytes | None = None
+    ) -> None:
+        """``kv_ip``: what a ``*`` host binds (the engine's KV address); ``secret``:
+        the fleet secret (CURVE keys, unless ``config.auth`` is ``none``)."""
         self.config = config
+        auth = config.auth or ("fleet" if secret is not None else "none")
+        if auth == "fleet" and secret is None:
+            raise ValueError(
+                "kv_events_config.auth fleet needs the fleet secret ($PDFLEET_FLEET_SECRET "
+                "or $PDFLEET_FLEET_SECRET_FILE)"
+            )
+        self.auth = auth
         self.topic = config.topic.encode()
         self.queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -118,27 +154,52 @@ class KVEventPublisher:
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.replay: zmq.Socket[bytes] | None = None
+        self.endpoint = bind_endpoint(config.endpoint, kv_ip)
+        self.replay_endpoint = (
+            bind_endpoint(config.replay_endpoint, kv_ip) if config.replay_endpoint else None
+        )
         try:
-            self.pub.bind(config.endpoint)
-            if config.replay_endpoint:
+            self._secure(self.pub, secret)
+            self.pub.bind(self.endpoint)
+            if self.replay_endpoint:
                 self.replay = ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.bind(config.replay_endpoint)
+                self._secure(self.replay, secret)
+                self.replay.bind(self.replay_endpoint)
         except zmq.ZMQError as e:
             self.pub.close(0)
-            raise ValueError(f"kv_events_config: cannot bind {config.endpoint}: {e}") from None
+            if self.replay is not None:
+                self.replay.close(0)
+            raise ValueError(f"kv_events_config: cannot bind {self.endpoint}: {e}") from None
+        logger.info(
+            "KV events on %s (replay %s), subscribers: %s, token ids %s",
+            self.endpoint,
+            self.replay_endpoint,
+            "fleet members only (CURVE)" if auth == "fleet" else "anyone who reaches the port",
+            "included" if config.include_token_ids else "left out",
+        )
         self._stop = threading.Event()
         # A new instance: subscribers drop what an earlier one published.
         self.queue.put_nowait((time.time(), [{"type": "AllBlocksCleared"}]))
         self.thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.thread.start()
 
+    def _secure(self, sock: zmq.Socket[bytes], secret: bytes | None) -> None:
+        if self.auth == "fleet":
+            assert secret is not None
+            public, private = curve_server_keys(secret)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events (called on the engine thread; never blocks)."""
         if not events:
             return
         try:
-            self.queue.put_nowait((time.time(), encode_events(events)))
+            self.queue.put_nowait(
+                (time.time(), encode_events(events, self.config.include_token_ids))
+            )
         except queue.Full:
             self.dropped += 1
 

@@ -102,9 +102,14 @@ class LLMEngine:
         self.kv_events = None
         ev = config.kv_events_config
         if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq":
+            from .config import security
             from .kv_events import KVEventPublisher
 
-            self.kv_events = KVEventPublisher(ev)
+            # The ports bind the engine's KV address when it has one (the pod IP).
+            kv_ip = os.environ.get("PDFLEET_KV_BIND_IP") or os.environ.get("PDFLEET_KV_IP")
+            if not kv_ip and kv is not None and kv.kv_connector is not None:
+                kv_ip = kv.kv_ip
+            self.kv_events = KVEventPublisher(ev, kv_ip, security.fleet_secret_from_env())
         self.iteration_stats = IterationStats()
         self._next_id = 0
         self._grammars: Any = None
@@ -159,6 +164,11 @@ class LLMEngine:
             )
 
     @property
+    def built_grammars(self) -> Any:
+        """The grammar compiler if a constrained request built it, else None."""
+        return self._grammars
+
+    @property
     def grammars(self) -> Any:
         """The grammar compiler and cache (built on first use; thread-safe)."""
         with self._grammars_lock:
@@ -176,7 +186,10 @@ class LLMEngine:
                 from .sample.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(
-                    self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids
+                    self.tokenizer,
+                    self.config.model_config.vocab_size,
+                    self.eos_token_ids,
+                    self.config.admission_config,
                 )
                 runner = self.core.runner
                 if not isinstance(runner, ModelRunner):  # TP executors refused above
@@ -198,11 +211,14 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         add_special_tokens: bool = True,
         output_kind: str = "cumulative",
+        group: str | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input.
 
         ``output_kind``: ``cumulative``, ``delta`` (streaming) or ``final`` (see
-        :class:`RequestState`)."""
+        :class:`RequestState`). ``group``: the client request this one is part
+        of (a prompt of a batch); the children of an ``n > 1`` request form a
+        group on their own. The scheduler bounds a group's share of a step."""
         params = params if params is not None else self.default_sampling_params()
         params.verify(self.config.model_config.max_logprobs)
         child_ids = (
@@ -224,7 +240,8 @@ class LLMEngine:
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
         if params.structured_outputs is not None:
-            # Cached after the first compile (the server compiles before admission).
+            # The server compiles before admission (off this thread) and pins the
+            # result on the spec; offline callers compile here.
             self.grammars.compile(params.structured_outputs)
         if kv_transfer_params:
             if self.connector is None:
@@ -258,6 +275,7 @@ class LLMEngine:
                     wait_for=child_ids[0]
                     if i and self.config.cache_config.enable_prefix_caching
                     else None,
+                    group_id=group if group is not None or params.n == 1 else request_id,
                 )
             )
         self.output.add(
@@ -340,6 +358,8 @@ class LLMEngine:
         return left
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
         self.core.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()

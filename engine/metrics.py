@@ -54,6 +54,7 @@ _KV_COUNTERS = {
     m.ENGINE_KV_TRANSFER_HANDSHAKES: "handshakes",
     m.ENGINE_KV_TRANSFER_HANDSHAKE_FAILURES: "failed_handshakes",
     m.ENGINE_KV_TRANSFER_UNCONFIRMED: "unconfirmed_transfers",
+    m.ENGINE_KV_TRANSFER_CONTENT_MISMATCHES: "content_mismatches",
     m.ENGINE_KV_REMOTE_EVICTIONS: "remote_evictions",
     m.ENGINE_KV_SIDE_CHANNEL_REFUSED: "refused_reads",
 }
@@ -64,6 +65,17 @@ _KV_GAUGES = (
     m.ENGINE_KV_REMOTE_ENGINES,
     m.ENGINE_KV_PULL_BANDWIDTH,
     m.ENGINE_KV_TRANSFER_DEGRADED,
+)
+
+
+# The grammar compiler's and the compile gate's figures (read at each scrape).
+_GRAMMAR = (
+    m.ENGINE_GRAMMAR_CACHE_BYTES,
+    m.ENGINE_GRAMMAR_COMPILES,
+    m.ENGINE_GRAMMAR_COMPILE_TIMEOUTS,
+    m.ENGINE_GRAMMAR_COMPILES_REFUSED,
+    m.ENGINE_GRAMMAR_COMPILES_RUNNING,
+    m.ENGINE_GRAMMAR_COMPILES_WAITING,
 )
 
 
@@ -82,6 +94,7 @@ class EngineMetrics:
             m.ENGINE_FAILED_STEPS,
             *_PER_STEP,
             *_LATENCIES,
+            *_GRAMMAR,
         ]
         if self.has_kv:
             table += [*_KV_COUNTERS, *_KV_GAUGES, m.ENGINE_KV_TRANSFER_SECONDS]
@@ -168,6 +181,19 @@ class EngineMetrics:
             self.request_success.labels(**self.labels, finished_reason=reason).inc()
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
+
+    def update_grammars(self, grammars: Any, gate: Any) -> None:
+        """The grammar cache's and the compile gate's state (event loop, at a
+        scrape: they change between engine steps). ``grammars`` may be None
+        (no constrained request yet)."""
+        if grammars is not None:
+            self._set(m.ENGINE_GRAMMAR_CACHE_BYTES, grammars.cache_bytes)
+            self._grow(m.ENGINE_GRAMMAR_COMPILES, grammars.num_compiled)
+            self._grow(m.ENGINE_GRAMMAR_COMPILE_TIMEOUTS, grammars.pool.num_timeouts)
+        if gate is not None:
+            self._grow(m.ENGINE_GRAMMAR_COMPILES_REFUSED, gate.num_refused)
+            self._set(m.ENGINE_GRAMMAR_COMPILES_RUNNING, gate.busy)
+            self._set(m.ENGINE_GRAMMAR_COMPILES_WAITING, len(gate.waiting))
 
     def _update_kv(self, connector: Any) -> None:
         with connector.lock:

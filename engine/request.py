@@ -49,6 +49,10 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
     # Children of an n > 1 request wait for the leader's prefill, then share its blocks.
     wait_for: str | None = None
+    # The client request this one is part of (the n children of an n > 1 request,
+    # the prompts of a batch): the scheduler bounds the share of a step one group
+    # takes while others wait. None: the request is its own group.
+    group_id: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -65,6 +69,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def group(self) -> str:
+        return self.group_id if self.group_id is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,9 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    compiled: Any = field(default=None, compare=False, repr=False)
+    """The compiled grammar, once the engine compiled (or found) it: a request
+    holds its grammar until it ends, whatever the grammar cache drops."""
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):

@@ -8,7 +8,8 @@ and ``OTEL_TRACES_EXPORTER=none`` turn it off. While off nothing of
 OpenTelemetry is imported and every hook below returns at its first line.
 
 One P/D request is one trace (W3C ``traceparent`` carries it between
-processes)::
+processes; a client's own ``traceparent`` is only linked, unless the operator
+trusts clients' trace context: ``_ServerSpans``)::
 
     gateway: POST /v1/completions       routing decision, scores, fallback
       gateway: prefill leg              one per attempt (a failed one is an error)
@@ -128,12 +129,22 @@ def _ns(monotonic_s: float) -> int:
 
 
 class _ServerSpans:
-    """Pure ASGI middleware: one SERVER span per POST, the parent taken from the
-    client's ``traceparent``; current for the whole request, streamed body included."""
+    """Pure ASGI middleware: one SERVER span per POST, current for the whole
+    request, streamed body included.
 
-    def __init__(self, app: Any, component: str) -> None:
+    A caller's ``traceparent`` is the span's parent only when ``trusted`` says
+    so for its headers (an engine: the fleet token, i.e. the gateway; either:
+    the operator's opt-in). Anyone else's starts a new trace, which the
+    configured sampler (``OTEL_TRACES_SAMPLER``) decides on, linked to the
+    caller's span: a client can neither force spans to be exported with its
+    sampled flag nor pick the trace id a ratio sampler decides on."""
+
+    def __init__(
+        self, app: Any, component: str, trusted: Callable[[dict[str, str]], bool] | None = None
+    ) -> None:
         self.app = app
         self.component = component
+        self.trusted = trusted
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -144,10 +155,17 @@ class _ServerSpans:
 
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         parent = TraceContextTextMapPropagator().extract(carrier)
+        links = None
+        if self.trusted is None or not self.trusted(carrier):
+            caller = trace.get_current_span(parent).get_span_context()
+            if caller.is_valid:
+                links = [trace.Link(caller, {"pdfleet.link": "caller"})]
+            parent = context.Context()  # a root: the configured sampler decides
         path = scope.get("path", "")
         span = _tracer.start_span(
             f"{self.component} POST {path}",
             context=parent,
+            links=links,
             kind=trace.SpanKind.SERVER,
             attributes={
                 "http.request.method": "POST",
@@ -179,10 +197,18 @@ class _ServerSpans:
             span.end()
 
 
-def instrument_app(app: Any, component: str, endpoint: str | None = None) -> None:
-    """Trace ``app``'s POST requests when tracing is requested (else nothing)."""
+def instrument_app(
+    app: Any,
+    component: str,
+    endpoint: str | None = None,
+    trusted: Callable[[dict[str, str]], bool] | None = None,
+) -> None:
+    """Trace ``app``'s POST requests when tracing is requested (else nothing).
+
+    ``trusted(headers)``: whether a request's ``traceparent`` may continue its
+    trace (see ``_ServerSpans``); None trusts no caller."""
     if init_tracing(component, endpoint):
-        app.add_middleware(_ServerSpans, component=component)
+        app.add_middleware(_ServerSpans, component=component, trusted=trusted)
 
 
 def set_attributes(**attributes: Any) -> None:

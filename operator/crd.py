@@ -50,7 +50,29 @@ def _layout_rules(role: str) -> list[Schema]:
     ]
 
 
+# A role's (or the gateway's) env never carries pdfleet's own variables or a
+# fleet secret (resource.check_env_var makes the same checks, with messages).
+ENV_RULES: list[Schema] = [
+    {
+        "rule": f"!has(self.env) || self.env.all(e, !e.name.startsWith('{r.RESERVED_ENV_PREFIX}'))",
+        "message": f"env: variables named {r.RESERVED_ENV_PREFIX}* are set by pdfleet itself",
+        "fieldPath": ".env",
+        "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": "!has(self.env) || self.env.all(e, !has(e.valueFrom) || "
+        "!has(e.valueFrom.secretKeyRef) || !has(e.valueFrom.secretKeyRef.name) || "
+        f"!e.valueFrom.secretKeyRef.name.endsWith('{r.FLEET_SECRET_SUFFIX}'))",
+        "message": f"env: a variable may not read a fleet secret (a Secret named "
+        f"*{r.FLEET_SECRET_SUFFIX})",
+        "fieldPath": ".env",
+        "reason": "FieldValueForbidden",
+    },
+]
+
 CEL_RULES: dict[type, list[Schema]] = {
+    r.RoleSpec: ENV_RULES,
+    r.GatewaySpec: ENV_RULES,
     r.InferenceServiceSpec: [
         *_layout_rules("prefill"),
         *_layout_rules("decode"),

@@ -91,7 +91,7 @@ class OperatorConfig:
     decide: DecideFn = decide_scaling
     """The autoscaling policy (the seam)."""
     install: OperatorInstall = field(default_factory=OperatorInstall)
-    """Where the operator runs and the gateway ClusterRole (for NetworkPolicies, RBAC)."""
+    """Where the operator runs and the gateway role (for NetworkPolicies, RBAC)."""
     kv_window_seconds: float = 300.0
     """Window of the KVTransferHealthy condition (failed vs all KV pulls)."""
     kv_max_failure_ratio: float = 0.05

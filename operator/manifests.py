@@ -71,6 +71,7 @@ from .roles import (
     added_capabilities,
     disaggregating,
     engine_command,
+    gateway_request_bounds,
     model_source,
     publishes_kv_events,
     rdma_resources,
@@ -130,9 +131,10 @@ class OperatorInstall:
     gateway_role: str = "pdfleet-gateway"
     """The role (pods get/list/watch) that each gateway's RoleBinding names; the
     chart creates it."""
-    gateway_role_kind: str = "ClusterRole"
-    """``ClusterRole`` (cluster-wide install) or ``Role`` (namespaced install: one
-    in each watched namespace, so the chart needs no cluster-scoped rights)."""
+    gateway_role_kind: str = "Role"
+    """``Role`` (namespaced install, the chart's default: one in each watched
+    namespace, so the chart needs no cluster-scoped rights) or ``ClusterRole``
+    (cluster-wide install)."""
     leader_worker_set: bool = True
     """Whether roles with ``nodesPerReplica > 1`` may run (LeaderWorkerSets). The
     operator's default is off (its RBAC covers LeaderWorkerSets only when the
@@ -151,15 +153,16 @@ def add_gateway_role_args(parser: argparse.ArgumentParser) -> None:
         "--gateway-role-kind",
         choices=["ClusterRole", "Role"],
         default=OperatorInstall.gateway_role_kind,
-        help="Kind of --gateway-role: ClusterRole (cluster-wide install) or Role (namespaced "
-        "install, one per watched namespace). Default %(default)s.",
+        help="Kind of --gateway-role: Role (namespaced install, the chart's default: one per "
+        "watched namespace) or ClusterRole (cluster-wide install). Default %(default)s.",
     )
     parser.add_argument(
         "--gateway-role",
         default=OperatorInstall.gateway_role,
         metavar="NAME",
         help="Role or ClusterRole (pods get/list/watch) bound to each gateway's "
-        "ServiceAccount; the Helm chart creates it. Default %(default)s.",
+        "ServiceAccount; the Helm chart creates it as RELEASE-gateway (the default is "
+        "the name of a release called pdfleet). Default %(default)s.",
     )
 
 
@@ -482,6 +485,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         host="0.0.0.0",
         port=spec.gateway.port,
         tokenizer=model_source(spec.model.uri).path,
+        served_model_name=[spec.model.name],
         disaggregation_mode=spec.disaggregation.mode,
         min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
         discovery="kubernetes",
@@ -489,6 +493,8 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         selector=f"{LABEL_SERVICE}={name}",
         engine_port=ENGINE_PORT,
         **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+        **gateway_request_bounds(spec),
+        trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
@@ -746,7 +752,8 @@ def build_gateway_rbac(
 ) -> list[dict[str, Any]]:
     """ServiceAccount and RoleBinding letting the gateway watch the pods of its
     namespace (it filters to its own service by label). The binding names the
-    chart's ClusterRole, so the operator never writes a Role's rules."""
+    chart's gateway role (a Role in the namespace, or a ClusterRole), so the
+    operator never writes a role's rules."""
     sa_name = child_name(name, "gateway")
     labels = common_labels(name, "gateway")
     return [

@@ -21,7 +21,13 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config.fields import attr_docs, default_of, flag_name, resolved_fields
+from pdfleet.engine.config.fields import (
+    HUMAN_READABLE_INT_FIELDS,
+    attr_docs,
+    default_of,
+    flag_name,
+    resolved_fields,
+)
 from pdfleet.engine.config.fields import to_jsonable as dataclass_jsonable
 
 from .autoscaling.schema import section_schema
@@ -32,9 +38,7 @@ Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
 INT_OR_STRING = "x-kubernetes-int-or-string"
 # Engine fields whose values may be written with size suffixes ("2K", "80m").
-HUMAN_READABLE_ENGINE_FIELDS = frozenset(
-    {"max_num_batched_tokens", "kv_cache_memory_bytes", "kv_offload_bytes"}
-)
+HUMAN_READABLE_ENGINE_FIELDS = HUMAN_READABLE_INT_FIELDS
 
 
 def _alternatives(tp: Any) -> list[Any]:
@@ -58,8 +62,9 @@ def schema_for_type(
     tp, meta = _markers(tp)
     if any(isinstance(m, EngineSection) for m in meta):
         return engine_schema()
-    if any(isinstance(m, PassThrough) for m in meta):
-        return {"type": "object", PRESERVE: True}
+    passthrough = [m for m in meta if isinstance(m, PassThrough)]
+    if passthrough:
+        return {"type": "object", PRESERVE: True, **passthrough[0].known}
     if any(isinstance(m, SpecSection) for m in meta):
         return section_schema(tp)
     alts = _alternatives(tp)
@@ -106,8 +111,16 @@ def schema_for_type(
     raise TypeError(f"no structural schema for {tp!r}")
 
 
-def _constraints(info: FieldInfo) -> Schema:
+def _constraints(info: FieldInfo, kind: str | None = None) -> Schema:
+    """The field's bounds; a length bound of an array bounds its items."""
     out: Schema = {}
+    if kind == "array":
+        for m in info.metadata:
+            if isinstance(m, annotated_types.MinLen):
+                out["minItems"] = m.min_length
+            elif isinstance(m, annotated_types.MaxLen):
+                out["maxItems"] = m.max_length
+        return out
     for m in info.metadata:
         if isinstance(m, annotated_types.Ge):
             out["minimum"] = m.ge
@@ -164,7 +177,7 @@ def model_schema(
         prop = schema_for_type(annotation, rules=rules, defaults=defaults)
         if info.description:
             prop = {"description": " ".join(info.description.split()), **prop}
-        prop.update(_constraints(info))
+        prop.update(_constraints(info, prop.get("type")))
         default = _field_default(info)
         if default is PydanticUndefined:
             required.append(key)

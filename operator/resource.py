@@ -53,6 +53,21 @@ ROLES = ("prefill", "decode")
 MAX_NAME_LENGTH = 45
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MODEL_URI_SCHEMES = ("builtin", "file", "pvc", "hf")
+# A model revision: a branch, tag or commit (Hub refs such as refs/pr/1 too).
+# It becomes a command-line value, so it never starts with "-".
+REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$"
+# The name clients use: letters, digits and . _ - / : @ + (never a leading "-").
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}$"
+# Kubernetes object names (DNS subdomains) and Secret keys.
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# The operator names each service's fleet Secret NAME-fleet: no spec field may
+# name a Secret so (it would hand one fleet's secret to a pod or a variable).
+FLEET_SECRET_SUFFIX = "-fleet"
+# Variables pdfleet itself reads (the fleet secret's file, API keys, the KV
+# address): a role's env may not set them.
+RESERVED_ENV_PREFIX = "PDFLEET_"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # The same names as pdfleet.engine.tiny.registry.BUILTIN_MODELS (a test keeps them equal).
 BUILTIN_MODELS = ("tiny", "smollm2-135m-instruct")
 
@@ -79,8 +94,10 @@ class PassThrough:
     keeps its unknown fields.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, known: dict[str, Any] | None = None) -> None:
         self.kind = kind
+        self.known = known or {}
+        """Properties the CRD declares (for its CEL rules); the rest stay unknown."""
 
 
 EngineSettings = Annotated[dict[str, Any], EngineSection()]
@@ -108,19 +125,37 @@ class _Spec(BaseModel):
 # spec
 
 
+def _not_a_fleet_secret(name: str) -> str:
+    if name.endswith(FLEET_SECRET_SUFFIX):
+        raise ValueError(
+            f"{name!r}: Secret names ending in {FLEET_SECRET_SUFFIX} are reserved for fleet "
+            "secrets (the operator's NAME-fleet)"
+        )
+    return name
+
+
+SecretName = Annotated[str, Field(min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN)]
+SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)]
+
+
 class HubTokenSecret(_Spec):
     """A key of a Secret in the InferenceService's namespace holding a Hugging Face token."""
 
-    name: str = Field(min_length=1)
-    """Name of the Secret."""
-    key: str = "token"
+    name: SecretName
+    """Name of the Secret (not a fleet secret: names ending in -fleet are refused)."""
+    key: SecretKey = "token"
     """Key within the Secret."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return _not_a_fleet_secret(name)
 
 
 class ModelCacheSpec(_Spec):
     """Where `hf://` downloads are kept."""
 
-    claim: str = Field(min_length=1)
+    claim: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN)
     """PersistentVolumeClaim holding the Hugging Face cache (ReadWriteMany to share
     it between pods: a pod that finds the files there downloads nothing)."""
 
@@ -128,9 +163,10 @@ class ModelCacheSpec(_Spec):
 class ModelSpec(_Spec):
     """The model to serve."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256, pattern=MODEL_NAME_PATTERN)
     """Model name clients use (the OpenAI `model` field); every role serves it
-    under this name."""
+    under this name. Letters, digits and `. _ - / : @ +`, not starting with
+    `-`."""
     uri: str = "builtin://tiny"
     """Where the weights are: `file:///path` (a Hugging Face model directory
     inside the image or a mounted volume), `pvc://CLAIM/path` (a directory on
@@ -140,11 +176,12 @@ class ModelSpec(_Spec):
     repository), or a built-in model: `builtin://tiny` (pdfleet's small
     random-weight test model) or `builtin://smollm2-135m-instruct`
     (SmolLM2-135M-Instruct, shipped in the image), prepared when a pod starts."""
-    revision: str | None = None
+    revision: str | None = Field(default=None, max_length=128, pattern=REVISION_PATTERN)
     """Model revision (a commit or tag). Part of the compatibility hash, so
     prefill and decode engines serving different weights never exchange KV.
     For `hf://`, the branch, tag or commit to download (default main); a
-    40-character commit is checked against what the Hub serves."""
+    40-character commit is checked against what the Hub serves. Letters,
+    digits and `. _ - /`, not starting with `-` and without `..`."""
     token_secret: HubTokenSecret | None = None
     """`hf://` only: Secret holding a Hugging Face token (private or gated models)."""
     cache: ModelCacheSpec | None = None
@@ -153,6 +190,13 @@ class ModelSpec(_Spec):
     hf_endpoint: str | None = None
     """`hf://` only: base URL of the Hub or a mirror (the HF_ENDPOINT variable);
     the public Hub when unset."""
+
+    @field_validator("revision")
+    @classmethod
+    def _check_revision(cls, revision: str | None) -> str | None:
+        if revision is not None and (".." in revision or "//" in revision):
+            raise ValueError(f"{revision!r}: a revision holds no '..' or '//'")
+        return revision
 
     @field_validator("uri")
     @classmethod
@@ -165,8 +209,13 @@ class ModelSpec(_Spec):
             )
         if scheme == "file" and not rest.startswith("/"):
             raise ValueError(f"{uri!r}: a file URI needs an absolute path (file:///models/x)")
-        if scheme == "pvc" and not rest.split("/", 1)[0]:
-            raise ValueError(f"{uri!r}: name the claim, e.g. pvc://models/llama-3.1-8b")
+        if scheme == "pvc" and not re.fullmatch(OBJECT_NAME_PATTERN, rest.split("/", 1)[0]):
+            raise ValueError(
+                f"{uri!r}: name the claim (a Kubernetes object name), e.g. "
+                "pvc://models/llama-3.1-8b"
+            )
+        if scheme in ("file", "pvc") and "/../" in f"{rest}/":
+            raise ValueError(f"{uri!r}: the path holds '..'")
         if scheme == "builtin" and rest not in BUILTIN_MODELS:
             raise ValueError(f"{uri!r}: the built-in models are {', '.join(BUILTIN_MODELS)}")
         if scheme == "hf":
@@ -230,10 +279,15 @@ class KVTransferSpec(_Spec):
 class SecretKeyRef(_Spec):
     """A key of a Secret in the InferenceService's namespace."""
 
-    name: str = Field(min_length=1)
-    """Name of the Secret."""
-    key: str = "api-key"
+    name: SecretName
+    """Name of the Secret (not a fleet secret: names ending in -fleet are refused)."""
+    key: SecretKey = "api-key"
     """Key within the Secret."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return _not_a_fleet_secret(name)
 
 
 class Resources(_Spec):
@@ -243,6 +297,48 @@ class Resources(_Spec):
     """Limits, e.g. {cpu: "8", memory: 64Gi, nvidia.com/gpu: 1}."""
     requests: dict[str, Quantity] = Field(default_factory=dict)
     """Requests; default to the limits for extended resources such as GPUs."""
+
+
+# What the CRD declares of an EnvVar (for the rules in crd.py); the API server
+# checks the rest when it creates the pod.
+ENV_VAR_KNOWN: dict[str, Any] = {
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 256},
+        "valueFrom": {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {
+                "secretKeyRef": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "properties": {"name": {"type": "string", "maxLength": 253}},
+                }
+            },
+        },
+    },
+}
+
+
+def check_env_var(var: Any, where: str) -> None:
+    """``ValueError`` for an EnvVar a role may not set: a pdfleet variable, or a
+    reference to a fleet secret (either would move the fleet's credential)."""
+    if not isinstance(var, dict) or not isinstance(var.get("name"), str):
+        raise ValueError(f"{where}: an EnvVar needs a name")
+    name = var["name"]
+    if not re.fullmatch(ENV_NAME_PATTERN, name):
+        raise ValueError(f"{where}: {name!r} is not a variable name")
+    if name.startswith(RESERVED_ENV_PREFIX):
+        raise ValueError(
+            f"{where}: {name} is reserved (pdfleet sets its {RESERVED_ENV_PREFIX}* variables "
+            "itself: the fleet secret's file, API keys, the KV address)"
+        )
+    ref = (var.get("valueFrom") or {}).get("secretKeyRef") if "valueFrom" in var else None
+    if isinstance(ref, dict) and str(ref.get("name", "")).endswith(FLEET_SECRET_SUFFIX):
+        raise ValueError(
+            f"{where}: {name} may not read the Secret {ref.get('name')!r} (names ending in "
+            f"{FLEET_SECRET_SUFFIX} are fleet secrets)"
+        )
 
 
 class PodPlacement(_Spec):
@@ -260,11 +356,20 @@ class PodPlacement(_Spec):
         default_factory=dict
     )
     """Affinity of the pods (a core/v1 Affinity object)."""
-    env: list[Annotated[dict[str, Any], PassThrough("core/v1 EnvVar")]] = Field(
-        default_factory=list
+    env: list[Annotated[dict[str, Any], PassThrough("core/v1 EnvVar", ENV_VAR_KNOWN)]] = Field(
+        default_factory=list, max_length=256
     )
     """Extra environment variables of the main container (core/v1 EnvVar
-    objects), e.g. UCX_TLS or UCX_NET_DEVICES."""
+    objects), e.g. UCX_TLS or UCX_NET_DEVICES. Names starting with PDFLEET_
+    (pdfleet's own settings and credentials) and references to a fleet
+    secret (a Secret named NAME-fleet) are refused."""
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, var in enumerate(env):
+            check_env_var(var, f"env[{i}]")
+        return env
 
 
 class RoleSpec(PodPlacement):
@@ -322,6 +427,11 @@ class GatewaySpec(PodPlacement):
     api_key_secret: SecretKeyRef | None = None
     """Secret holding the API key clients must send as a Bearer token; no
     authentication when unset."""
+    trust_client_trace_context: bool = False
+    """Continue the trace of a client's `traceparent`, sampled flag included
+    (`--trust-client-trace-context`, when tracing is on). Off: each request
+    starts a new trace that the configured sampler decides on, linked to the
+    client's span."""
     kv_events: bool = True
     """Route on the engines' KV event streams (docs/kv_events.md): every engine
     whose prefix cache is on publishes the blocks it caches, and the gateway
@@ -341,10 +451,13 @@ class ServingSpec(_Spec):
     with tools, `tools`."""
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     """How tool calls are read from the model's text (`--tool-call-parser`,
-    vLLM's parser names). Needed for `tool_choice: auto`."""
-    enable_auto_tool_choice: bool = False
+    vLLM's parser names). Needed for `tool_choice: auto`. Unset: the model's
+    own when it names one (the built-in smollm2-135m-instruct: hermes, with
+    its tools-aware chat template), else none."""
+    enable_auto_tool_choice: bool | None = None
     """Let the model decide when to call tools (`--enable-auto-tool-choice`);
-    needs toolCallParser."""
+    needs toolCallParser. Unset: on for a model that names its parser (the
+    built-in smollm2-135m-instruct), else off; false turns it off."""
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServingSpec:

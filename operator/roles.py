@@ -185,6 +185,18 @@ def role_engine_args(
     )
 
 
+def gateway_request_bounds(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The gateway's ``max_n`` and ``max_request_output_tokens``: the smallest
+    any engine role has, so the gateway refuses (400) what an engine would,
+    before a prefill leg runs."""
+    roles = ("decode",) if not disaggregating(spec) else ROLES
+    args = [role_engine_args(spec, role) for role in roles]
+    return {
+        "max_n": min(a.max_n for a in args),
+        "max_request_output_tokens": min(a.max_request_output_tokens for a in args),
+    }
+
+
 def serving_flags(serving: ServingSpec | None) -> list[str]:
     """``spec.serving`` as ``pdfleet serve`` server flags (docs/tool_calling.md);
     an inline chat template is passed as the flag's value (``--chat-template``
@@ -196,8 +208,10 @@ def serving_flags(serving: ServingSpec | None) -> list[str]:
         flags += ["--chat-template", serving.chat_template]
     if serving.tool_call_parser is not None:
         flags += ["--tool-call-parser", serving.tool_call_parser]
-    if serving.enable_auto_tool_choice:
-        flags.append("--enable-auto-tool-choice")
+    if serving.enable_auto_tool_choice is not None:
+        # Unset leaves the model directory's default (docs/tool_calling.md).
+        on = serving.enable_auto_tool_choice
+        flags.append("--enable-auto-tool-choice" if on else "--no-enable-auto-tool-choice")
     return flags
 
 

@@ -1,7 +1,10 @@
 """``pdfleet status``: one line per engine of a local or Kubernetes fleet.
 
 Local: the newest run of ``--run-dir`` (``pdfleet up``'s), from its
-``fleet.json`` and each engine's ``/metrics``. Cluster (``--namespace``): the
+``fleet.json`` and each engine's ``/metrics``, with the token of the run's
+``fleet-secret`` file (owner-only; ``$PDFLEET_FLEET_SECRET`` wins when set). A
+run whose ``pdfleet up`` is gone is shown ``stopped``, whatever its file last
+said; a gateway that refuses connections is ``down``. Cluster (``--namespace``): the
 InferenceServices' status, and each engine pod's ``/metrics`` through the API
 server's pod proxy. Two scrapes (``--interval`` apart, or consecutive
 ``--watch`` refreshes) give the per-second figures. See docs/observability.md.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +28,7 @@ import httpx
 from pdfleet.engine.config import metrics as m
 from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
 
-from .local.state import STATE_FILE
+from .local.state import SECRET_FILE, STATE_FILE, STOPPED, supervisor_alive
 from .manifests import LABEL_ROLE, LABEL_SERVICE
 from .parallelism import LABEL_GROUP_ROLE, WORKER
 from .scrape import parse_metrics, pod_ready
@@ -39,6 +43,7 @@ TRANSFERS = m.ENGINE_KV_TRANSFERS.name
 SCRAPE_TIMEOUT = 3.0
 ENGINE_PORT = 8000  # the container port named http (operator/manifests.py)
 GROUP, VERSION, PLURAL = "pdfleet.dev", "v1alpha1", "inferenceservices"
+EVERY_INTERVAL = "interval"  # `--watch` without SECONDS: refresh every --interval
 
 
 @dataclass
@@ -152,16 +157,26 @@ def render(views: list[FleetView], width: int = WIDTH) -> str:
         last = "none yet" if view.decision is None else describe_decision(view.decision)
         lines.append(f"autoscaler: {last}")
         if any(r.sample is not None and r.sample.error == UNAUTHORIZED for r in view.rows):
-            lines.append("denied: set PDFLEET_FLEET_SECRET to the fleet's secret (its token)")
+            lines.append(
+                f"denied: run as the user who ran `pdfleet up` (its run's {SECRET_FILE} file)"
+            )
+            lines.append("        or set PDFLEET_FLEET_SECRET to the fleet's secret")
     return "\n".join(line if len(line) <= width else line[: width - 1] + "…" for line in lines)
 
 
 # -- scraping ---------------------------------------------------------------------------
 
 
-def metrics_headers() -> dict[str, str]:
-    """The engines' bearer token (the fleet secret's derived key), when one is set."""
+def metrics_headers(run: Path | None = None) -> dict[str, str]:
+    """The engines' bearer token (the fleet secret's derived key): from
+    $PDFLEET_FLEET_SECRET (or its _FILE) when set, else from the run directory's
+    secret file (readable by the user who ran `pdfleet up` only); none otherwise."""
     secret = fleet_secret_from_env()
+    if secret is None and run is not None:
+        try:
+            secret = (run / SECRET_FILE).read_bytes().strip() or None
+        except OSError:  # another user's run, or a run from before the file existed
+            secret = None
     return {"authorization": f"Bearer {fleet_token(secret)}"} if secret else {}
 
 
@@ -200,27 +215,47 @@ def find_run(run_dir: Path) -> Path:
 class LocalSource:
     def __init__(self, run_dir: Path) -> None:
         self.run = find_run(run_dir)
-        self.client = httpx.Client(timeout=SCRAPE_TIMEOUT, headers=metrics_headers())
+        self.client = httpx.Client(timeout=SCRAPE_TIMEOUT, headers=metrics_headers(self.run))
 
     def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
-        state = json.loads((self.run / STATE_FILE).read_text())
+        try:
+            state = json.loads((self.run / STATE_FILE).read_text())
+        except PermissionError:
+            raise ValueError(
+                f"cannot read {self.run / STATE_FILE} (its owner's only): run `pdfleet status` "
+                "as the user who ran `pdfleet up`"
+            ) from None
+        alive = supervisor_alive(state)
         rows = []
         for e in state["engines"]:
-            row = EngineRow(e["name"], e["role"], e["state"], previous=previous.get(e["name"]))
-            if e["state"] in ("ready", "draining"):
+            engine_state = e["state"] if alive else STOPPED
+            row = EngineRow(e["name"], e["role"], engine_state, previous=previous.get(e["name"]))
+            if engine_state in ("ready", "draining"):
                 row.sample = scrape(functools.partial(self._get, e["url"]))
             rows.append(row)
         gw = state.get("gateway") or {}
+        gw_state = gw.get("state", "") if alive else STOPPED
+        if gw_state == "ready" and gw.get("url") and not self._answers(gw["url"]):
+            gw_state = "down"
         decisions = state.get("lastDecisions") or []
         return [
             FleetView(
                 state["service"],
                 self.run.name,  # the run's directory name: fits the line
-                f"gateway {gw.get('url') or '-'} {gw.get('state', '')}".rstrip(),
+                f"gateway {gw.get('url') or '-'} {gw_state}".rstrip(),
                 rows,
                 decisions[-1] if decisions else None,
             )
         ]
+
+    def _answers(self, url: str) -> bool:
+        """Whether the gateway accepts a connection and answers /health (any status:
+        503 there means no routable decode engine, which the rows show)."""
+        try:
+            self.client.get(url + "/health")
+        except httpx.HTTPError:
+            return False
+        return True
 
     def _get(self, url: str) -> str:
         resp = self.client.get(url + "/metrics")
@@ -420,20 +455,32 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--name", default=None, help="Only this InferenceService (--namespace).")
     parser.add_argument(
-        "--watch", action="store_true", help="Refresh in place every --interval seconds."
+        "--watch",
+        nargs="?",
+        type=float,
+        const=EVERY_INTERVAL,  # given without SECONDS
+        default=None,
+        metavar="SECONDS",
+        help="Refresh in place every SECONDS (default: --interval) until Ctrl-C.",
     )
     parser.add_argument(
         "--interval",
         type=float,
         default=2.0,
-        help="Seconds between refreshes with --watch; without it, the two scrapes that give "
-        "XFER/S are min(1, interval) apart (default 2).",
+        help="Seconds between refreshes with a bare --watch; without --watch, the two "
+        "scrapes that give XFER/S are min(1, interval) apart (default 2).",
     )
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    # httpx logs every scrape at INFO, which would scroll the table away.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.watch is not None and args.watch is not EVERY_INTERVAL:
+        if args.watch <= 0:
+            raise ValueError(f"--watch SECONDS must be > 0, got {args.watch:g}")
+        args.interval = args.watch
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval}")
     if args.name and not args.namespace:
@@ -445,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
     )
     previous: dict[str, Sample] = {}
     try:
-        if not args.watch:
+        if args.watch is None:
             collect(source, previous)
             time.sleep(min(1.0, args.interval))
             print(render(collect(source, previous)))

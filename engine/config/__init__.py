@@ -4,6 +4,7 @@ Imports without torch: the operator resolves engine configurations on
 machines that have no accelerator and no torch.
 """
 
+from .admission import AdmissionConfig
 from .args import UNSUPPORTED, EngineArgs, UsageContext
 from .cache import CacheConfig
 from .compilation import CompilationConfig
@@ -28,6 +29,7 @@ __all__ = [
     "KNOWN_CONNECTORS",
     "SUPPORTED_ARCHITECTURES",
     "UNSUPPORTED",
+    "AdmissionConfig",
     "CacheConfig",
     "CompilationConfig",
     "ConfigValueError",

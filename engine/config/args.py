@@ -18,6 +18,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .admission import AdmissionConfig
 from .cache import DEFAULT_BLOCK_SIZE, CacheConfig, CacheDType, PrefixCachingHashAlgo
 from .compilation import CompilationConfig
 from .device import AttentionBackend, Device, DeviceConfig, detect_device, query_device
@@ -141,11 +142,25 @@ class EngineArgs:
     max_num_partial_prefills: int = _from(SchedulerConfig, "max_num_partial_prefills")
     max_long_partial_prefills: int = _from(SchedulerConfig, "max_long_partial_prefills")
     scheduling_policy: SchedulerPolicy = _from(SchedulerConfig, "policy")
+    max_request_share: float = _from(SchedulerConfig, "max_request_share")
+    # AdmissionConfig
+    max_n: int = _from(AdmissionConfig, "max_n")
+    max_request_output_tokens: int = _from(AdmissionConfig, "max_request_output_tokens")
+    max_grammar_choices: int = _from(AdmissionConfig, "max_grammar_choices")
+    max_schema_enum_values: int = _from(AdmissionConfig, "max_schema_enum_values")
+    max_schema_bytes: int = _from(AdmissionConfig, "max_schema_bytes")
+    max_grammar_chars: int = _from(AdmissionConfig, "max_grammar_chars")
+    grammar_cache_bytes: int = _from(AdmissionConfig, "grammar_cache_bytes")
+    max_grammar_memory_bytes: int = _from(AdmissionConfig, "max_grammar_memory_bytes")
+    grammar_compile_timeout: float = _from(AdmissionConfig, "grammar_compile_timeout")
+    grammar_compile_workers: int = _from(AdmissionConfig, "grammar_compile_workers")
+    max_grammar_compiles_per_caller: int = _from(AdmissionConfig, "max_grammar_compiles_per_caller")
     # CompilationConfig
     cudagraph_capture_sizes: list[int] | None = _from(CompilationConfig, "cudagraph_capture_sizes")
     max_cudagraph_capture_size: int | None = _from(CompilationConfig, "max_cudagraph_capture_size")
     # ObservabilityConfig
     otlp_traces_endpoint: str | None = _from(ObservabilityConfig, "otlp_traces_endpoint")
+    trust_client_trace_context: bool = _from(ObservabilityConfig, "trust_client_trace_context")
     # EngineConfig (nested configs as JSON)
     compilation_config: CompilationConfig = _own("EngineConfig", factory=CompilationConfig)
     """CUDA-graph configuration as JSON, e.g. {"cudagraph_capture_sizes": [1, 2, 4, 8]}.
@@ -455,6 +470,10 @@ class EngineArgs:
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_long_partial_prefills=args.max_long_partial_prefills,
             policy=args.scheduling_policy,
+            max_request_share=args.max_request_share,
+        )
+        admission_config = AdmissionConfig(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(AdmissionConfig)}
         )
         compilation_config = copy.deepcopy(args.compilation_config)
         if args.cudagraph_capture_sizes is not None:
@@ -476,6 +495,7 @@ class EngineArgs:
             cache_config=cache_config,
             parallel_config=parallel_config,
             scheduler_config=scheduler_config,
+            admission_config=admission_config,
             device_config=device_config,
             load_config=LoadConfig(
                 load_format=args.load_format, use_tqdm_on_load=args.use_tqdm_on_load
@@ -483,6 +503,7 @@ class EngineArgs:
             observability_config=ObservabilityConfig(
                 log_stats=not args.disable_log_stats,
                 otlp_traces_endpoint=args.otlp_traces_endpoint,
+                trust_client_trace_context=args.trust_client_trace_context,
             ),
             compilation_config=compilation_config,
             kv_transfer_config=copy.deepcopy(args.kv_transfer_config),

@@ -26,8 +26,10 @@ class CacheConfig:
     `kv_cache_memory_bytes` is set. On CPU see `kv_cache_memory_bytes`."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of memory for the KV cache, overriding `gpu_memory_utilization`.
-    On CPU, when unset, the engine takes a quarter of the available RAM,
-    capped at 4 GiB."""
+    On CPU, when unset, the cache is sized from the model and the machine: a
+    quarter of the weights' bytes (at least 64 MiB and one max_model_len
+    sequence), within a quarter of the available memory (a container's limit
+    included) and what max_num_seqs full-length sequences need."""
     kv_offload_bytes: int | None = None
     """Bytes of host memory for a second KV-cache tier: blocks evicted from the
     device cache are kept there (pinned memory when the cache is on CUDA) and

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .admission import AdmissionConfig
 from .cache import CacheConfig
 from .compilation import CompilationConfig
 from .device import DeviceConfig
@@ -56,6 +57,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

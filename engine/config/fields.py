@@ -24,7 +24,16 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 # Fields whose CLI values accept human-readable integers (2k, 2K, 1G, ...).
 HUMAN_READABLE_INT_FIELDS = frozenset(
-    {"max_num_batched_tokens", "kv_cache_memory_bytes", "kv_offload_bytes"}
+    {
+        "max_num_batched_tokens",
+        "kv_cache_memory_bytes",
+        "kv_offload_bytes",
+        "max_request_output_tokens",
+        "max_schema_bytes",
+        "max_grammar_chars",
+        "grammar_cache_bytes",
+        "max_grammar_memory_bytes",
+    }
 )
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .admission import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
 from .http_limits import DEFAULT_LIMITS
 from .security import api_keys_from_env, split_keys
@@ -71,6 +72,12 @@ class GatewayConfig:
     tokenizer: str | None = None
     """Model directory whose tokenizer counts prompt tokens and cuts prefix
     blocks; without it a token is approximated as 4 characters."""
+    served_model_name: list[str] = field(default_factory=list)
+    """Model name(s) the gateway answers to, as vLLM's flag: `/v1/models` lists
+    them (also while no decode engine is up), and a request naming another
+    model is refused (404) before any engine is called. Requests are forwarded
+    as they are, so the engines must serve the same names (`pdfleet up` and
+    the operator give both `spec.model.name`). Default: the engines' names."""
     api_key: list[str] = field(default_factory=list)
     """Accepted `Authorization: Bearer KEY` keys (repeatable; each value split
     on commas; default: $PDFLEET_API_KEY, else the file $PDFLEET_API_KEY_FILE
@@ -126,14 +133,26 @@ class GatewayConfig:
     kv_pair_cooldown: float = 30.0
     """Seconds a (prefill, decode) pair stays out of P/D routing once its
     breaker opened."""
-    # The three client limits default as the engine server's (engine/config/http_limits.py).
+    # The client limits default as the engine server's (engine/config/http_limits.py).
     max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
     """Largest request body accepted (413 beyond, refused on Content-Length
     before anything is read)."""
+    max_chunk_bytes: int = DEFAULT_LIMITS.max_chunk_bytes
+    """Largest chunk a chunked request body may announce or send (413, and
+    the connection closes)."""
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     """Seconds a client may take to send a request's headers."""
     body_timeout: float = DEFAULT_LIMITS.body_timeout
     """Seconds a client may take to send a request's body."""
+    max_n: int = DEFAULT_MAX_N
+    """Most completions one request may ask for (`n`, `best_of`); a larger
+    value is a 400 naming the field before any engine is called. Set it as the
+    engines' --max-n (the operator and `pdfleet up` do)."""
+    max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+    """Most output tokens one request may ask for (`n` × `max_tokens`, over
+    every prompt of a batch); a larger product is a 400 naming `max_tokens`.
+    Set it as the engines' --max-request-output-tokens (the operator and
+    `pdfleet up` do)."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
@@ -155,6 +174,11 @@ class GatewayConfig:
     """Port of the engines' KV event replay (ROUTER) sockets, likewise."""
     kv_events_topic: str = ""
     """Topic the engines publish KV events under (`kv_events_config.topic`)."""
+    kv_events_auth: Literal["fleet", "none"] = "fleet"
+    """How to subscribe to the engines' KV events (`kv_events_config.auth`):
+    `fleet` (ZeroMQ CURVE with the fleet secret's keys; the default, what
+    fleet engines publish with) or `none` (engines that publish to anyone,
+    e.g. for vLLM's router too)."""
     kv_index_max_blocks: int = 1_000_000
     """Block ids the exact prefix index holds at most (the least recently
     stored go first); about 150 bytes each."""
@@ -165,6 +189,11 @@ class GatewayConfig:
     kv_host_weight: float = 0.5
     """Weight of a prompt block an engine holds only in its host-memory tier
     (KV events with `medium: CPU`), relative to a device-tier block (1)."""
+    trust_client_trace_context: bool = False
+    """Continue the trace of a client's `traceparent`, sampled flag included
+    (tracing on, docs/observability.md). Off: each request starts a new trace,
+    which the configured sampler (`OTEL_TRACES_SAMPLER`) decides on, linked to
+    the client's span, so a client cannot force spans to be exported."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """Log level of the HTTP server."""
 
@@ -204,9 +233,13 @@ class GatewayConfig:
             "kv_index_max_blocks",
             "kv_pair_failures",
             "max_body_bytes",
+            "max_request_output_tokens",
+            "max_chunk_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_n <= DEFAULT_MAX_N:
+            raise ValueError(f"--max-n must be between 1 and {DEFAULT_MAX_N}, got {self.max_n}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -83,16 +84,21 @@ def _prepared_path(gguf_path: str) -> Path:
 
 
 def prepare_gguf_dir(
-    gguf_path: str, say: Callable[[str], None] | None = None, out: str | None = None
+    gguf_path: str,
+    say: Callable[[str], None] | None = None,
+    out: str | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> str:
     """The model directory for ``gguf_path``: config, tokenizer and a link to
     the file, written on first use (a few seconds) into the cache, or into
-    ``out``, and reused after. Safe when several processes prepare the same
-    file at once."""
+    ``out``, and reused after. ``extra(directory)`` adds files before the
+    directory appears (a built-in model's chat template). Safe when several
+    processes prepare the same file at once."""
     if not is_gguf_file(gguf_path):
         raise ValueError(f"{gguf_path!r} is not a GGUF file")
     target = Path(out) if out is not None else _prepared_path(gguf_path)
     if (target / "config.json").is_file():
+        _repoint_link(target, os.path.realpath(gguf_path))
         return str(target)
     (say or logger.info)(
         f"reading config and tokenizer of {os.path.basename(gguf_path)} from its GGUF "
@@ -103,6 +109,8 @@ def prepare_gguf_dir(
     tmp.chmod(0o755)  # a shared cache: other users read it
     try:
         _write_metadata(os.path.realpath(gguf_path), tmp)
+        if extra is not None:
+            extra(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -112,6 +120,22 @@ def prepare_gguf_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _repoint_link(directory: Path, gguf_path: str) -> None:
+    """Point a reused directory's link at ``gguf_path``. A directory keyed by name
+    (a built-in model) outlives the environment that prepared it: after a
+    reinstall elsewhere its link would dangle or name another copy."""
+    link = directory / GGUF_LINK
+    if os.path.realpath(link) == gguf_path:
+        return
+    fresh = directory / f".{GGUF_LINK}.{os.getpid()}.{secrets.token_hex(4)}"
+    os.symlink(gguf_path, fresh)
+    try:
+        os.replace(fresh, link)  # atomic: a concurrent reader sees one link or the other
+    except OSError:
+        fresh.unlink(missing_ok=True)
+        raise
 
 
 def _write_metadata(gguf_path: str, out: Path) -> None:

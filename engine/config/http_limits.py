@@ -1,13 +1,12 @@
 """What one HTTP request may cost a pdfleet server: body and head sizes, and the
 time a client may take to send them.
 
-One definition for both servers that face clients: the engine's API server
-(``pdfleet serve``: its h11 protocol and body guard in
-``engine/entrypoints/http_guard.py``, docs/serving.md) and the gateway
-(``pdfleet gateway``: its httptools protocol and body reader in
-``engine/gateway/limits.py``, docs/gateway.md). Each server's flags take
-their defaults from :class:`RequestLimits`, so a request the gateway accepts
-is one its engines would accept too.
+One definition for both servers that face clients, the engine's API server
+(``pdfleet serve``, docs/serving.md) and the gateway (``pdfleet gateway``,
+docs/gateway.md), which serve through one HTTP server (``engine/http/``: the
+head and chunk bounds are its own, the body bounds its body readers').
+Each server's flags take their defaults from :class:`RequestLimits`, so a
+request the gateway accepts is one its engines would accept too.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ class RequestLimits:
     """Largest request body: a larger ``Content-Length`` is a 413 before a byte
     of the body is read; a chunked body is counted as it arrives."""
     max_chunk_bytes: int = 1 * MiB
-    """Largest chunk a chunked body's size line may announce (413, then the
-    connection closes). The engine's h11 parser waits for a whole chunk; the
-    gateway's parser streams chunks, so only the body bound applies there."""
+    """Largest chunk a chunked body's size line may announce, or a chunk may
+    hold (413, then the connection closes): refused on its size line, before
+    its bytes arrive."""
     max_head_bytes: int = 64 * KiB
     """Largest request line plus headers."""
     header_timeout: float = 10.0

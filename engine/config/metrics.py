@@ -169,6 +169,40 @@ ENGINE_FAILED_STEPS = Metric(
     "Engine steps that raised and failed their requests.",
     _M,
 )
+# Structured outputs: the grammar cache and the compile workers (docs/structured_outputs.md).
+ENGINE_GRAMMAR_CACHE_BYTES = Metric(
+    "pdfleet_engine_grammar_cache_bytes",
+    "gauge",
+    "Bytes of compiled grammars in the cache (bounded by --grammar-cache-bytes).",
+    _M,
+)
+ENGINE_GRAMMAR_COMPILES = Metric(
+    "pdfleet_engine_grammar_compiles_total", "counter", "Grammars compiled (cache misses).", _M
+)
+ENGINE_GRAMMAR_COMPILE_TIMEOUTS = Metric(
+    "pdfleet_engine_grammar_compile_timeouts_total",
+    "counter",
+    "Grammar compiles stopped at --grammar-compile-timeout (their requests got a 400).",
+    _M,
+)
+ENGINE_GRAMMAR_COMPILES_REFUSED = Metric(
+    "pdfleet_engine_grammar_compiles_refused_total",
+    "counter",
+    "Grammar compiles refused for a caller limit (429) or no free worker in time (503).",
+    _M,
+)
+ENGINE_GRAMMAR_COMPILES_RUNNING = Metric(
+    "pdfleet_engine_grammar_compiles_running",
+    "gauge",
+    "Grammar compiles running in the compile workers.",
+    _M,
+)
+ENGINE_GRAMMAR_COMPILES_WAITING = Metric(
+    "pdfleet_engine_grammar_compiles_waiting",
+    "gauge",
+    "Grammar compiles waiting for a compile worker.",
+    _M,
+)
 ENGINE_REQUEST_SUCCESS = Metric(
     "pdfleet_engine_request_success_total",
     "counter",
@@ -241,6 +275,13 @@ ENGINE_KV_TRANSFER_UNCONFIRMED = Metric(
     "pdfleet_engine_kv_transfer_unconfirmed_total",
     "counter",
     "Pulls whose lease ended before the producer confirmed them (recomputed).",
+    _M,
+)
+ENGINE_KV_TRANSFER_CONTENT_MISMATCHES = Metric(
+    "pdfleet_engine_kv_transfer_content_mismatches_total",
+    "counter",
+    "Decode legs whose prompt does not hash to the block chain the prefill engine signed "
+    "(another prompt's params, or tokenizer/chat-template skew): nothing pulled, recomputed.",
     _M,
 )
 ENGINE_KV_REMOTE_EVICTIONS = Metric(

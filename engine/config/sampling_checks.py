@@ -178,12 +178,16 @@ def check_sampling(
     fields: Mapping[str, Any],
     vocab_size: int | None = None,
     max_logprobs: int | None = None,
+    max_n: int = MAX_N,
+    max_output_tokens: int | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first inadmissible sampling field.
 
     ``fields`` is an OpenAI completion or chat request body (or the sampling
     part of it); unknown fields are ignored. ``vocab_size`` bounds token ids
     when known; ``max_logprobs`` bounds the logprob counts when known.
+    ``max_n`` and ``max_output_tokens`` are the server's request bounds
+    (``--max-n``, ``--max-request-output-tokens``; :func:`check_output_bounds`).
 
     Only the fields a body holds are looked at (the gateway runs this on
     every request, and most bodies hold three or four of the checked fields).
@@ -193,8 +197,70 @@ def check_sampling(
         for name, check in _CHECKS:
             if name in present:
                 check(fields, vocab_size, max_logprobs)
+        if max_n < MAX_N or max_output_tokens is not None:
+            check_output_bounds(fields, max_n, max_output_tokens)
     if not _STRUCTURED.isdisjoint(fields):
         check_structured(fields)
+
+
+def num_prompts(prompt: Any) -> int:
+    """Prompts in a completions ``prompt`` (a batch is a list of strings or of
+    token-id lists; anything else is one prompt)."""
+    if isinstance(prompt, list) and prompt and not all(_is_int(p) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def num_sequences(fields: Mapping[str, Any]) -> int:
+    """The sequences one prompt of the request runs: ``best_of`` when larger
+    than ``n`` (each is generated), else ``n``."""
+    n = fields.get("n")
+    best_of = fields.get("best_of")
+    count = n if isinstance(n, int) and not isinstance(n, bool) else 1
+    if isinstance(best_of, int) and not isinstance(best_of, bool):
+        return max(count, best_of)
+    return count
+
+
+def check_output_tokens(
+    num_seqs: int, max_tokens: list[int], cap: int, name: str = "max_tokens"
+) -> None:
+    """``ValueError`` naming ``name`` when ``num_seqs`` completions of each
+    prompt, ``max_tokens[i]`` tokens long for prompt i, exceed ``cap`` tokens
+    in all (what one request may ask the engine to generate)."""
+    total = num_seqs * sum(max_tokens)
+    if total > cap:
+        over = f" over {len(max_tokens)} prompts" if len(max_tokens) > 1 else ""
+        raise ValueError(
+            f"{name}: n × {name}{over} asks for up to {total} output tokens (n = "
+            f"{num_seqs}), more than this server's limit of {cap} per request "
+            f"(--max-request-output-tokens); lower n or {name}"
+        )
+
+
+def check_output_bounds(
+    fields: Mapping[str, Any], max_n: int, max_output_tokens: int | None
+) -> None:
+    """The server's bounds on what one request may generate: ``n`` and
+    ``best_of`` at most ``max_n``, and ``n × max_tokens`` (summed over a
+    batch's prompts) at most ``max_output_tokens`` tokens when the body gives
+    ``max_tokens`` (the engine checks again with the value it resolves)."""
+    for name in ("n", "best_of"):
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
+            raise ValueError(
+                f"{name} must be at most {max_n} on this server (--max-n), got {value}"
+            )
+    if max_output_tokens is None:
+        return
+    name = (
+        "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    limit = fields.get(name)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return
+    count = num_prompts(fields.get("prompt"))
+    check_output_tokens(num_sequences(fields), [limit] * count, max_output_tokens, name)
 
 
 # vLLM's per-request constraint fields (older ``guided_*`` and newer ``structured_outputs``).

@@ -41,6 +41,12 @@ class SchedulerConfig:
     """Scheduling policy: `fcfs` (first come, first served) or `priority`
     (lower `priority` value first, ties by arrival). Under `priority`,
     preemption evicts the lowest-priority running request."""
+    max_request_share: float = 0.5
+    """Largest share of `max_num_seqs`, and of a step's token budget, that the
+    sequences of one request (the `n` completions of an `n > 1` request) may
+    hold while other requests wait: its other sequences wait, and running ones
+    beyond the share are preempted, until the others are scheduled. Alone, a
+    request may use every slot. 1 turns the bound off."""
     chunked_prefill_enabled: bool = True
     """Resolved: whether chunked prefill is in effect."""
 
@@ -72,6 +78,10 @@ class SchedulerConfig:
                 "the excess is never used.",
                 self.max_num_batched_tokens,
                 self.max_num_seqs * self.max_model_len,
+            )
+        if not 0.0 < self.max_request_share <= 1.0:
+            raise ValueError(
+                f"max_request_share must be within (0, 1], got {self.max_request_share}"
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(

@@ -8,6 +8,12 @@ are split the same way everywhere and every comparison is constant-time.
   an engine directly): ``Authorization: Bearer KEY``. They come from
   ``$PDFLEET_API_KEY`` (comma- or newline-separated) or, when that is unset,
   from the file ``$PDFLEET_API_KEY_FILE`` names (a mounted Secret).
+* **Internal API keys** are keys an operator hands to an internal caller that
+  is not a fleet member, such as vLLM's own P/D router (``vllm-router``, which
+  sends ``$OPENAI_API_KEY`` to the engines it drives). They come from
+  ``$PDFLEET_INTERNAL_API_KEY`` or the file ``$PDFLEET_INTERNAL_API_KEY_FILE``
+  names. Only the fleet token and internal keys may send internal fields
+  (``kv_transfer_params``) to an engine; a client API key never may.
 * **The fleet secret** is shared by the gateway and every engine of one
   fleet (the operator mounts it from a Secret; ``pdfleet up`` generates one
   per run). It never travels: each use derives its own key from it
@@ -17,7 +23,10 @@ are split the same way everywhere and every comparison is constant-time.
     to engine HTTP routes (:func:`fleet_token`).
   - ``kv-params``: the HMAC key that signs ``kv_transfer_params``
     (:func:`sign_params` / :func:`verify_params`).
-  - ``kv-side-channel``: the key of the KV side channel's challenge-response.
+  - ``kv-side-channel``: the key of the KV side channel's challenge-response;
+    ``kv-side-channel-curve``: its sockets' CURVE key pair.
+  - ``kv-events``: the CURVE key pair of KV event publishers
+    (:func:`kv_events_server_key`).
 
 See docs/security.md for the trust model.
 """
@@ -35,9 +44,14 @@ from typing import Any
 
 API_KEY_ENV = "PDFLEET_API_KEY"
 API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
+INTERNAL_API_KEY_ENV = "PDFLEET_INTERNAL_API_KEY"
+INTERNAL_API_KEY_FILE_ENV = "PDFLEET_INTERNAL_API_KEY_FILE"
 FLEET_SECRET_ENV = "PDFLEET_FLEET_SECRET"
 FLEET_SECRET_FILE_ENV = "PDFLEET_FLEET_SECRET_FILE"
 
+# Who a forwarded request is for: the gateway names its client to the engines
+# (a key's digest or an address); engines honour it only from the fleet token.
+CALLER_HEADER = "x-pdfleet-caller"
 # The fields a signature adds to kv_transfer_params.
 SIG_FIELD = "pdfleet_sig"
 EXPIRES_FIELD = "pdfleet_expires"
@@ -72,6 +86,17 @@ def api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     path = environ.get(API_KEY_FILE_ENV, "")
     if not text.strip() and path:
         text = _read_secret_file(API_KEY_FILE_ENV, path)
+    return split_keys(text)
+
+
+def internal_api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Internal keys from $PDFLEET_INTERNAL_API_KEY, else from the file
+    $PDFLEET_INTERNAL_API_KEY_FILE names."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(INTERNAL_API_KEY_ENV, "")
+    path = environ.get(INTERNAL_API_KEY_FILE_ENV, "")
+    if not text.strip() and path:
+        text = _read_secret_file(INTERNAL_API_KEY_FILE_ENV, path)
     return split_keys(text)
 
 
@@ -119,6 +144,15 @@ def bearer_token(header: str | None) -> str | None:
     return value.strip()
 
 
+def caller_id(token: str | None, address: str | None = None) -> str:
+    """Who a client is, for per-caller bounds: a digest of its key (never the
+    key itself; equal for the same key at the gateway and at an engine), else
+    its network address."""
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return f"addr:{address or 'unknown'}"
+
+
 def key_matches(presented: str | None, keys: Iterable[str]) -> bool:
     """Whether ``presented`` is one of ``keys``, compared in constant time
     (every key is compared, so the timing says nothing about which matched)."""
@@ -163,6 +197,13 @@ def verify_params(
     if (time.time() if now is None else now) > float(expires):
         raise InvalidParams("kv_transfer_params have expired")
     return {k: v for k, v in params.items() if k not in (SIG_FIELD, EXPIRES_FIELD)}
+
+
+def kv_events_server_key(secret: bytes) -> bytes:
+    """The raw 32-byte CURVE secret key of every KV event publisher of a fleet.
+    Its public key is what a subscriber must know to complete the handshake,
+    so only holders of the fleet secret can subscribe (docs/kv_events.md)."""
+    return derive_key(secret, "kv-events")
 
 
 def challenge() -> bytes:

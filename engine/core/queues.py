@@ -48,6 +48,10 @@ class FCFSQueue:
     def __iter__(self) -> Iterator[Request]:
         return (r for r in self._q if not r.is_finished)
 
+    def unordered(self) -> Iterator[Request]:
+        """The requests in no particular order (no sorting: cheap to scan)."""
+        return iter(self)
+
 
 class PriorityQueue:
     """Lower ``priority`` first, then earlier arrival."""
@@ -84,6 +88,10 @@ class PriorityQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._h) if not e[3].is_finished)
+
+    def unordered(self) -> Iterator[Request]:
+        """The requests in heap order (no sorting: cheap to scan)."""
+        return (e[3] for e in self._h if not e[3].is_finished)
 
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:

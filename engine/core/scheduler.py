@@ -7,6 +7,13 @@ gives running requests, then waiting ones, a share of the token budget
 the lowest-priority running request is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed (its prefix usually hits
 the prefix cache).
+
+One client request may be many scheduler requests (the ``n`` completions of
+an ``n > 1`` request, the prompts of a batch: a *group*). While requests of
+other groups wait, one group holds at most ``max_request_share`` of
+``max_num_seqs`` and of the step's token budget: its further requests wait,
+and when every slot is taken its newest sequences beyond the share are
+preempted, as many as the others can use. Alone, a group may use everything.
 """
 
 from __future__ import annotations
@@ -92,6 +99,10 @@ class Scheduler:
         self.chunked_prefill = sched.chunked_prefill_enabled
         self.long_prefill_threshold = sched.long_prefill_token_threshold
         self.policy = sched.policy
+        self.max_request_share = sched.max_request_share
+        # What one group may hold while other groups wait (see the module docstring).
+        self.group_seq_cap = max(1, int(sched.max_request_share * self.max_num_seqs))
+        self.group_token_cap = max(1, int(sched.max_request_share * self.max_num_batched_tokens))
         self.block_size = cache.block_size
         self.kv = KVCacheManager(
             num_blocks,
@@ -200,6 +211,54 @@ class Scheduler:
             request.wait_for = None
         return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
+    # -- sharing between groups ----------------------------------------------------
+
+    @staticmethod
+    def _schedulable(request: Request) -> bool:
+        """Waiting for a slot (not for remote KV, not for its leader's prefill)."""
+        return request.status != RequestStatus.WAITING_FOR_REMOTE_KVS and request.wait_for is None
+
+    def _contending_groups(self) -> set[str]:
+        """Groups of schedulable waiting requests; the scan stops at the second
+        (two are enough to tell, for any group, whether another one waits)."""
+        groups: set[str] = set()
+        if self.max_request_share >= 1.0:
+            return groups
+        for r in self.waiting.unordered():
+            if self._schedulable(r):
+                groups.add(r.group)
+                if len(groups) > 1:
+                    break
+        return groups
+
+    def _yield_slots(self, group_running: dict[str, int]) -> None:
+        """Every slot is taken while other groups wait: groups over their share
+        give back, newest sequences first, as many slots as the waiting
+        requests of the other groups can use. Mutates ``group_running``."""
+        over = {
+            g: n - self.group_seq_cap for g, n in group_running.items() if n > self.group_seq_cap
+        }
+        if not over:
+            return
+        wanted = 0
+        limit = sum(over.values())
+        for r in self.waiting.unordered():
+            if self._schedulable(r) and r.group not in over:
+                wanted += 1
+                if wanted >= limit:
+                    break
+        for request in reversed(list(self.running)):
+            if wanted <= 0:
+                break
+            group = request.group
+            if over.get(group, 0) > 0:
+                self._preempt(request)
+                over[group] -= 1
+                group_running[group] -= 1
+                wanted -= 1
+
+    # -- the step ------------------------------------------------------------------
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -208,12 +267,31 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
         self.kv.begin_step()
+        # Groups of waiting requests: a group that is not the only one among them
+        # is held to its share of the step.
+        contenders = self._contending_groups()
+        group_running: dict[str, int] = {}
+        group_tokens: dict[str, int] = {}
+        if contenders:
+            for r in self.running:
+                group_running[r.group] = group_running.get(r.group, 0) + 1
+            if len(self.running) >= self.max_num_seqs:
+                self._yield_slots(group_running)
+
+        def held(request: Request) -> bool:
+            """A request of a group (not one on its own) while another group waits."""
+            if request.group_id is None or not contenders:
+                return False
+            return len(contenders) > 1 or request.group_id not in contenders
 
         # 1. Running requests keep going (decode, or the next chunk of a prompt).
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            group = request.group
+            if num_new > 0 and held(request):
+                num_new = min(num_new, self.group_token_cap - group_tokens.get(group, 0))
             if num_new <= 0:
                 i += 1
                 continue
@@ -234,6 +312,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_blocks_of[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
+            group_tokens[group] = group_tokens.get(group, 0) + num_new
             i += 1
         cached_reqs = [
             CachedRequestData(rid, new_blocks_of[rid], self.requests[rid].num_computed_tokens)
@@ -249,6 +328,13 @@ class Scheduler:
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
                 continue
+            group = request.group
+            limit = budget
+            if held(request):
+                limit = min(budget, self.group_token_cap - group_tokens.get(group, 0))
+                if group_running.get(group, 0) >= self.group_seq_cap or limit <= 0:
+                    skipped.append(self.waiting.pop())  # its share is taken: others first
+                    continue
             computed_blocks: list[KVBlock] = []
             host_hits: list[HostBlock] = []
             num_hit = 0
@@ -280,9 +366,12 @@ class Scheduler:
                     skipped.append(request)
                     continue
             remaining = request.num_tokens - request.num_computed_tokens - num_hit
-            if not self.chunked_prefill and remaining > budget:
+            if not self.chunked_prefill and remaining > limit:
+                if limit < budget:  # over its group's share only: the others may fit
+                    skipped.append(self.waiting.pop())
+                    continue
                 break  # without chunking the whole prompt must fit one step
-            num_new = self._cap(remaining, budget)
+            num_new = self._cap(remaining, limit)
             if (
                 self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
                 is None
@@ -300,6 +389,8 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            group_running[group] = group_running.get(group, 0) + 1
+            group_tokens[group] = group_tokens.get(group, 0) + num_new
             new_reqs.append(
                 NewRequestData(
                     request.request_id,

@@ -2,8 +2,12 @@
 
 An engine accepts ``Authorization: Bearer T`` (scheme case-insensitive) where
 ``T`` is the fleet token derived from the fleet secret (what the gateway and
-the operator present) or one of the engine's own API keys (for clients that
-call an engine directly). Every comparison is constant-time
+the operator present), one of its internal keys (an internal caller that is
+not a fleet member, e.g. vLLM's P/D router), or one of the engine's own API
+keys (for clients that call an engine directly). The first two are
+*internal* callers: only they may send internal fields such as
+``kv_transfer_params`` (:meth:`EngineAuth.is_internal`); a client API key
+never may. Every comparison is constant-time
 (``security.key_matches``). Health probes stay open so that kubelets and
 supervisors need no credential. An engine with neither a fleet secret nor an
 API key is open (single-engine development) and says so once in its log.
@@ -29,6 +33,7 @@ def keys_from_sources(
     flag_values: Iterable[str] = (),
     key_files: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
+    flag: str = "--api-key-file",
 ) -> list[str]:
     """API keys from ``--api-key`` values (comma-separated, repeatable),
     ``--api-key-file`` paths, and ``$PDFLEET_API_KEY`` / ``$PDFLEET_API_KEY_FILE``.
@@ -45,10 +50,10 @@ def keys_from_sources(
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
+            raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
         found = security.split_keys(text)
         if not found:
-            raise ValueError(f"--api-key-file: {path} holds no key")
+            raise ValueError(f"{flag}: {path} holds no key")
         keys += found
     if not keys:
         keys = security.api_keys_from_env(os.environ if environ is None else environ)
@@ -58,12 +63,18 @@ def keys_from_sources(
 class EngineAuth:
     """The credentials an engine accepts."""
 
-    def __init__(self, api_keys: Iterable[str] = (), fleet_secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        api_keys: Iterable[str] = (),
+        fleet_secret: bytes | None = None,
+        internal_keys: Iterable[str] = (),
+    ) -> None:
         self.api_keys = [k for k in api_keys if k]
         self.has_fleet_secret = fleet_secret is not None
-        self._accepted = list(self.api_keys)
+        self._internal = [k for k in internal_keys if k]
         if fleet_secret is not None:
-            self._accepted.append(security.fleet_token(fleet_secret))
+            self._internal.append(security.fleet_token(fleet_secret))
+        self._accepted = [*self.api_keys, *self._internal]
 
     @property
     def open(self) -> bool:
@@ -85,3 +96,10 @@ class EngineAuth:
         if self.open:
             return True
         return security.key_matches(security.bearer_token(authorization), self._accepted)
+
+    def is_internal(self, authorization: str | None) -> bool:
+        """Whether the caller is internal (fleet token or an internal key), and so may
+        send internal fields. An open engine (no credential at all) trusts everyone."""
+        if self.open:
+            return True
+        return security.key_matches(security.bearer_token(authorization), self._internal)

@@ -6,6 +6,12 @@ import argparse
 
 from pdfleet.engine.config import EngineArgs, security
 from pdfleet.engine.config.http_limits import RequestLimits
+from pdfleet.engine.config.serving_defaults import (
+    SERVING_DEFAULTS_FILE,
+    TOOL_CALL_PARSERS,
+    read_serving_defaults,
+    resolve_tool_flags,
+)
 from pdfleet.engine.entrypoints.auth import EngineAuth, keys_from_sources
 
 
@@ -35,6 +41,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="PATH",
         help="Read API keys from a file (one per line, or comma-separated); repeatable.",
+    )
+    group.add_argument(
+        "--internal-api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="Read internal API keys from a file: keys of internal callers that are not "
+        "fleet members (vLLM's P/D router), which, like the fleet token, may send "
+        "kv_transfer_params; client API keys never may. Repeatable. Default: "
+        "$PDFLEET_INTERNAL_API_KEY, else the file $PDFLEET_INTERNAL_API_KEY_FILE names.",
     )
     limits = RequestLimits()
     group.add_argument(
@@ -79,14 +95,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "mistral"],
-        help="How tool calls are read from the model's text (vLLM's parser names).",
+        choices=list(TOOL_CALL_PARSERS),
+        help="How tool calls are read from the model's text (vLLM's parser names). Default: "
+        f"the model directory's ({SERVING_DEFAULTS_FILE}; pdfleet's built-in models name "
+        "theirs), when no --chat-template is given.",
     )
     group.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
-        help='Let the model decide when to call tools (tool_choice "auto"); needs '
-        "--tool-call-parser.",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help='Let the model decide when to call tools (tool_choice "auto"); needs a tool '
+        "parser. Default: on when the model directory names its parser, else off.",
     )
     group.add_argument(
         "--uvicorn-log-level",
@@ -123,12 +142,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be >= 0")
     if args.large_prompt_chars < 1:
         raise ValueError("--large-prompt-chars must be >= 1")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
+    parser, auto = resolve_tool_flags(
+        args.chat_template,
+        args.tool_call_parser,
+        args.enable_auto_tool_choice,
+        read_serving_defaults(config.model_config.model_dir),
+    )
+    if auto and not parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     options = ChatOptions(
         chat_template=load_chat_template(args.chat_template),
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=parser,
+        enable_auto_tool_choice=auto,
     )
     limits = RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
@@ -136,8 +161,13 @@ def run(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
     )
+    internal = keys_from_sources(
+        (), args.internal_api_key_file, environ={}, flag="--internal-api-key-file"
+    )
     auth = EngineAuth(
-        keys_from_sources(args.api_key, args.api_key_file), security.fleet_secret_from_env()
+        keys_from_sources(args.api_key, args.api_key_file),
+        security.fleet_secret_from_env(),
+        internal or security.internal_api_keys_from_env(),
     )
     return run_server(
         config,

@@ -1,7 +1,9 @@
 """The gateway's HTTP app: OpenAI routes, health, engines, metrics; and its server.
 
 ``/v1/completions`` and ``/v1/chat/completions`` go through the P/D proxy;
-``/v1/models`` is answered by a healthy decode engine. ``/health`` is 200
+``/v1/models`` is answered by a healthy decode engine (with the gateway's own
+``--served-model-name`` names when it has them, and from those alone while no
+decode engine is routable). ``/health`` is 200
 while at least one decode engine is routable (so a load balancer stops
 sending traffic to a gateway that could not serve it) and says nothing else.
 ``/engines`` (the pool as the gateway sees it) and ``/metrics`` (Prometheus
@@ -13,6 +15,7 @@ or the fleet token the operator scrapes with); there is no ``/docs`` or
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,25 +26,28 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pdfleet.engine import tracing
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.config.http_limits import RequestLimits
 from pdfleet.engine.config.security import (
     bearer_token,
     fleet_secret_from_env,
     fleet_token,
     key_matches,
 )
+from pdfleet.engine.http.asgi import Request, RouteTable
+from pdfleet.engine.http.server import HttpServer
+from pdfleet.engine.http.upstream import UpstreamClient
 
-from .asgi import GatewayASGI, Request
+from .answers import error_response, upstream_message
+from .call import client_request_id
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
-from .proxy import Proxy, client_request_id, error_response, upstream_message
+from .proxy import Proxy
 from .routing import KVPairBreaker, PrefixAffinity, Router
-from .server import HttpServer
+from .siblings import Siblings, reuseport_socket
 from .tls import PlaintextWarning, client_context
-from .upstream import UpstreamClient
-from .workers import Siblings, reuseport_socket, serve_workers
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -119,7 +125,9 @@ class Gateway:
             config.kv_host_weight,
             self.metrics,
         )
-        self.kv_events = KVEventFollower(self.kv_index, self.metrics)
+        self.kv_events = KVEventFollower(
+            self.kv_index, self.metrics, secret if config.kv_events_auth == "fleet" else None
+        )
         self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
         self.proxy = Proxy(
             config,
@@ -205,11 +213,11 @@ def build_app(
     discovery: Discovery | None = None,
     fleet_secret: bytes | None = None,
     siblings: Siblings | None = None,
-) -> GatewayASGI:
+) -> RouteTable:
     gw = Gateway(config, discovery, fleet_secret, siblings)
 
     @asynccontextmanager
-    async def lifespan(app: GatewayASGI):
+    async def lifespan(app: RouteTable):
         await gw.start()
         try:
             yield
@@ -223,8 +231,10 @@ def build_app(
 
     # The routes below and nothing else (no /docs, /redoc or /openapi.json: the
     # API is OpenAI's, documented in docs/).
-    app = GatewayASGI(lifespan, internal_error)
-    tracing.instrument_app(app, "gateway")
+    app = RouteTable(lifespan, internal_error)
+    tracing.instrument_app(
+        app, "gateway", trusted=(lambda _: True) if config.trust_client_trace_context else None
+    )
     app.state.gateway = gw
 
     def unauthorized(request: Request, admin: bool = False) -> Response | None:
@@ -258,6 +268,8 @@ def build_app(
                 logger.warning("request %s: /v1/models on %s: %r", rid, e.url, ex)
                 continue
             if resp.status_code == 200:
+                if gw.config.served_model_name:
+                    return JSONResponse(models_named(gw.config, resp.json()))
                 return Response(resp.content, 200, media_type="application/json")
             logger.warning(
                 "request %s: /v1/models on %s answered %d: %s",
@@ -266,6 +278,8 @@ def build_app(
                 resp.status_code,
                 upstream_message(resp),
             )
+        if gw.config.served_model_name:
+            return JSONResponse(models_named(gw.config, None))
         return error_response("no healthy decode engine is available", 503, rid)
 
     @app.get("/health")
@@ -310,17 +324,45 @@ def build_app(
     return app
 
 
+def request_limits(config: GatewayConfig) -> RequestLimits:
+    """The gateway's client limits, as the engine server's (one definition)."""
+    return RequestLimits(
+        max_body_bytes=config.max_body_bytes,
+        max_chunk_bytes=config.max_chunk_bytes,
+        header_timeout=config.header_timeout,
+        body_timeout=config.body_timeout,
+    )
+
+
+def models_named(config: GatewayConfig, engine_list: dict[str, Any] | None) -> dict[str, Any]:
+    """``/v1/models`` listing the gateway's names, each with what a decode engine
+    says of its first model (``root``, ``max_model_len``) when one answered."""
+    entries = (engine_list or {}).get("data") or [{}]
+    first = entries[0] if isinstance(entries[0], dict) else {}
+    created = int(time.time())
+    data = [
+        {
+            **first,
+            "id": name,
+            "object": "model",
+            "created": first.get("created", created),
+            "owned_by": first.get("owned_by", "pdfleet"),
+        }
+        for name in config.served_model_name
+    ]
+    return {"object": "list", "data": data}
+
+
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; exit 0 after a graceful stop. With
-    ``--workers N`` this process supervises N workers (engine/gateway/workers.py);
-    ``siblings`` is set in each of them. The HTTP server is the gateway's own
-    (engine/gateway/server.py)."""
-    if config.workers > 1 and siblings is None:
-        return serve_workers(config)
+    """Serve this process's gateway until SIGINT/SIGTERM; exit 0 after a
+    graceful stop. ``siblings``: the other workers of ``--workers N`` (their
+    supervisor is ``workers.serve``). The HTTP server is pdfleet's own
+    (engine/http/server.py), the engine server's too."""
     app = build_app(config, siblings=siblings)
     # httpx logs every engine call (health checks included) at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("pdfleet.gateway.http").setLevel(config.uvicorn_log_level.upper())
+    logging.getLogger("pdfleet.http").setLevel(config.uvicorn_log_level.upper())
     logger.info("pdfleet gateway on %s:%d: %r", config.host, config.port, config)
     sock = None if siblings is None else reuseport_socket(config.host, config.port)
-    return HttpServer(app, config.header_timeout).run(config.host, config.port, sock)
+    server = HttpServer(app, request_limits(config), name="gateway")
+    return server.run(config.host, config.port, sock)

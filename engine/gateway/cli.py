@@ -23,6 +23,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_cli_args(args)
-    from pdfleet.engine.gateway.app import run_gateway
+    from pdfleet.engine.gateway.workers import serve
 
-    return run_gateway(config)
+    return serve(config)

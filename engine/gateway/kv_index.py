@@ -45,7 +45,9 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
+from pdfleet.engine.config.security import kv_events_server_key
 from pdfleet.engine.core.block_hash import external_block_hash
 
 from .metrics import GatewayMetrics
@@ -383,9 +385,17 @@ class KVEventFollower:
     replays.
     """
 
-    def __init__(self, index: KVIndex, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        metrics: GatewayMetrics | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        """``secret``: the fleet secret, to subscribe with CURVE (publishers whose
+        key pair derives from it); None subscribes in the clear."""
         self.index = index
         self.metrics = metrics
+        self.secret = secret
         self.ctx = zmq.asyncio.Context()
         self.sources: dict[str, Source] = {}
         self.tasks: dict[str, asyncio.Task] = {}
@@ -452,6 +462,7 @@ class KVEventFollower:
 
     async def _follow(self, src: Source) -> None:
         sub = self.ctx.socket(zmq.SUB)
+        self._secure(sub)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
@@ -470,6 +481,17 @@ class KVEventFollower:
             logger.exception("KV event stream of %s failed; its entries stop counting", src.url)
         finally:
             sub.close(0)
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """A CURVE client of the fleet's publishers (a throwaway key pair of its own:
+        knowing the server's public key, derived from the secret, is the proof)."""
+        if self.secret is None:
+            return
+        public, private = zmq.curve_keypair()
+        server = zmq.curve_public(z85.encode(kv_events_server_key(self.secret)))
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, private)
 
     async def _on_batch(self, src: Source, seq: int, payload: bytes) -> None:
         entry = self.index.engine(src.url)
@@ -505,6 +527,7 @@ class KVEventFollower:
         outcome, got = "failed", start
         if src.replay:
             dealer = self.ctx.socket(zmq.DEALER)
+            self._secure(dealer)
             dealer.setsockopt(zmq.LINGER, 0)
             try:
                 dealer.connect(src.replay)

@@ -41,10 +41,25 @@ class PromptInfo:
     """The leading full blocks' ids exactly as the engines' KV events name them
     (docs/kv_events.md), when the prompt's token ids are known (a tokenizer, or
     token ids given) and the exact prefix index is on; else None."""
+    prompt_logprobs: bool = False
+    """The request asks for the prompt's logprobs (``needs_prompt_logprobs``):
+    one engine computes the whole prompt, so it is never split into legs."""
     analyzed: bool = True
     """False for a request routed without looking at its prompt (one engine
     could serve it: ``Proxy``'s single-engine route); whatever needs the
     prompt later (a failover among several engines) analyzes it then."""
+
+
+def needs_prompt_logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the answer holds the prompt's logprobs: a completion with ``echo``
+    and ``logprobs``, or vLLM's ``prompt_logprobs`` field (either endpoint).
+
+    A decode engine that receives the prompt's KV computes only the last
+    prompt token, so only the engine that computes the whole prompt has its
+    logprobs: such a request runs on one engine."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 def chain_hashes(items: list[Any] | str, block: int, max_blocks: int) -> list[int]:
@@ -180,8 +195,14 @@ class PromptAnalyzer:
         )
 
     def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
-        """Length and block hashes of the request's prompt. Malformed prompts
-        give an empty PromptInfo: the engine will answer them with a 400."""
+        """Length and block hashes of the request's prompt, and whether it needs
+        the prompt's logprobs. Malformed prompts give an empty PromptInfo: the
+        engine will answer them with a 400."""
+        info = self._analyze(body, chat, block_size)
+        info.prompt_logprobs = needs_prompt_logprobs(body, chat)
+        return info
+
+    def _analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
         batch = False
         text = ""
         special = True  # the engine adds special tokens to a completions prompt

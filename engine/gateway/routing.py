@@ -248,7 +248,7 @@ class Route:
     """prefill_decode or decode_only."""
     reason: str
     """always, long_prompt, short_prompt, cached_prefix, disabled, batch,
-    no_prefill_engine or kv_pair_open."""
+    prompt_logprobs, no_prefill_engine or kv_pair_open."""
 
 
 class Router:
@@ -348,6 +348,9 @@ class Router:
         if info.batch:
             # One kv_transfer_params slot per response: several prompts cannot share it.
             return Route(decode, None, "decode_only", "batch")
+        if info.prompt_logprobs:
+            # Only an engine that computes the whole prompt has its logprobs.
+            return Route(decode, None, "decode_only", "prompt_logprobs")
         reason = "always"
         if mode == "Conditional":
             threshold = self.config.min_prompt_tokens

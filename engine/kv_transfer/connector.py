@@ -26,6 +26,7 @@ bound and an idle TTL. See docs/kv_transfer.md.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
@@ -40,6 +41,8 @@ import torch
 
 from .. import tracing
 from ..config import EngineConfig, security
+from ..config.identity import fleet_identity_from_env
+from ..core.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
@@ -66,6 +69,14 @@ FATAL = "fatal: "
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
 LEASE_FIELD = "pdfleet_lease_id"
+# The content a lease lends, signed with it: the chained hash of the last leased
+# block (hex), which covers every block before it and their token ids, and the
+# algorithm that produced it (docs/kv_events.md, "Block hashes").
+CHAIN_FIELD = "pdfleet_block_chain"
+CHAIN_ALGO_FIELD = "pdfleet_block_hash_algo"
+# The producer's vouched identity (fleets with identities): the consumer pulls only
+# from a side channel that proves it.
+PRODUCER_FIELD = "pdfleet_producer"
 # How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
@@ -162,6 +173,7 @@ class ConnectorStats:
     transfers: int = 0
     failed_transfers: int = 0
     unconfirmed_transfers: int = 0
+    content_mismatches: int = 0
     expired_leases: int = 0
     handshakes: int = 0
     failed_handshakes: int = 0
@@ -186,11 +198,14 @@ class PDConnector:
                 "(pdfleet up and the operator do this)"
             )
         self.secret = secret
+        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them.
+        self.identity = fleet_identity_from_env()
         self.config = config
         self.kv = kv
         self.engine_id = str(kv.engine_id)
         self.instance_id = new_instance_id()
         self.block_size = config.cache_config.block_size
+        self.hash_algo = config.cache_config.prefix_caching_hash_algo
         extra = kv.kv_connector_extra_config
         self.lease_seconds = kv.lease_seconds
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 2.0))
@@ -290,6 +305,7 @@ class PDConnector:
                     "confirm": self._on_confirm,
                     "release": self._on_release,
                 },
+                self.identity,
             )
         if self.kv.is_kv_consumer:
             self.thread = threading.Thread(
@@ -336,6 +352,8 @@ class PDConnector:
 
     def _on_handshake(self, request: dict[str, Any], peer: Peer):
         assert self.layout is not None
+        if not peer.may_consume:
+            return self._refused(f"identity: {peer.identity} may not pull KV (not a consumer)")
         # The layout without addresses: a READ needs only the base (NIXL adds it).
         layout = {k: v for k, v in self.layout.to_dict().items() if k != "base_address"}
         return {
@@ -352,6 +370,8 @@ class PDConnector:
 
     def _lease_for(self, request: dict[str, Any], peer: Peer) -> tuple[Lease | None, str]:
         """The lease a claim/read names, bound to ``peer`` (caller holds the lock)."""
+        if not peer.may_consume:
+            return None, f"{peer.identity} may not pull KV (not a consumer)"
         lease = self.held.get(str(request.get("lease_id")))
         if lease is None:
             return None, "unknown or ended lease"
@@ -401,7 +421,7 @@ class PDConnector:
         with self.lock:
             lid = str(request.get("lease_id"))
             lease = self.held.get(lid)
-            if lease is not None and lease.consumer in (None, peer.identity):
+            if lease is not None and peer.may_consume and lease.consumer in (None, peer.identity):
                 del self.held[lid]
                 self.freed.append(lease.request_id)
             else:
@@ -484,6 +504,15 @@ class PDConnector:
                 f"the prefill engine uses the {reply.get('transport')} transport, this engine "
                 f"{self.transport.name}: use the same kv_connector on both"
             )
+        if self.identity.required:
+            # The side channel proved who answers; it must be who signed the params.
+            proven = client.peers.get((host, port))
+            named = p.get(PRODUCER_FIELD)
+            if proven is None or proven.subject != named:
+                raise RuntimeError(
+                    f"the KV side channel at {host}:{port} is "
+                    f"{proven.subject if proven else 'unidentified'}, the params name {named}"
+                )
         remote = Remote(str(reply["engine_id"]), str(reply["instance_id"]), host, port, layout)
         self.transport.connect(remote, reply)
         self.remotes[key] = (remote, time.monotonic())
@@ -506,7 +535,9 @@ class PDConnector:
                 self.unquarantined.append(request_id)
 
     def _transfer_loop(self) -> None:
-        client = SideChannelClient(self.secret, self.engine_id, self.instance_id, self.compat_hash)
+        client = SideChannelClient(
+            self.secret, self.engine_id, self.instance_id, self.compat_hash, self.identity
+        )
         if isinstance(self.transport, ZmqTransport):
             self.transport.client = client
         inflight: list[Load] = []
@@ -742,6 +773,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
             port = p["remote_port"]
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError("kv_transfer_params: remote_port is not a port")
+            if ids:
+                # Signed params always name their content; these fields are checked
+                # against this engine's own tokens when the request is scheduled.
+                chain = p.get(CHAIN_FIELD)
+                if not isinstance(chain, str) or len(chain) != 64:
+                    raise ValueError(f"kv_transfer_params: {CHAIN_FIELD} is missing")
+                if p.get(CHAIN_ALGO_FIELD) not in HASH_FUNCTIONS:
+                    raise ValueError(
+                        f"kv_transfer_params: {CHAIN_ALGO_FIELD} must be one of "
+                        f"{sorted(HASH_FUNCTIONS)}"
+                    )
             why = compat_mismatch(self.connector.compat, p.get("pdfleet_compat"))
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
@@ -768,7 +810,29 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return 0, False
         bs = self.connector.block_size
         remote_ids = p.get("remote_block_ids") or []
-        usable = min(len(remote_ids), (request.num_tokens - 1) // bs)
+        why = self.content_mismatch(request, p)
+        if why is not None:
+            # Not this prompt's KV (another prompt's params, or the two roles
+            # tokenize differently): pull nothing and recompute. The lease is left
+            # alone: it may be the lawful decode leg's of another prompt, which may
+            # still claim it (else it expires).
+            with self.connector.lock:
+                self.connector.stats.content_mismatches += 1
+            logger.warning(
+                "request %s: the KV offered by prefill engine %s is not this prompt's (%s); "
+                "nothing pulled, recomputing",
+                request.request_id,
+                p.get("remote_engine_id"),
+                why,
+            )
+            request.kv_transfer_params = None
+            return 0, False
+        # Every remote block is verified (content_mismatch): the pulled blocks
+        # enter the prefix cache under this engine's own hashes of the same tokens.
+        usable = len(remote_ids)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed here: pull nothing.
+            usable = 0
         num_external = max(0, usable * bs - num_computed_tokens)
         if num_external == 0 and remote_ids:
             # Our own prefix cache covers it: the producer may free its blocks now.
@@ -776,6 +840,30 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 Load(request.request_id, dict(p), [], [], 0.0, release_only=True)
             )
         return num_external, True
+
+    def content_mismatch(self, request, p: dict[str, Any]) -> str | None:
+        """Why the leased blocks are not this request's prompt, or None when they are.
+
+        The producer signed the chained hash of its last leased block; equal chain
+        heads mean equal token ids in every leased block (the chain covers them all).
+        This engine hashes its own tokens, with the producer's algorithm."""
+        n = len(p.get("remote_block_ids") or [])
+        if n == 0:
+            return None
+        bs = self.connector.block_size
+        if (request.num_tokens - 1) // bs < n:
+            return (
+                f"this prompt has {(request.num_tokens - 1) // bs} full blocks before its last "
+                f"token, the lease {n}"
+            )
+        algo = str(p.get(CHAIN_ALGO_FIELD))
+        if algo == self.connector.hash_algo and len(request.block_hashes) >= n:
+            head = request.block_hashes[n - 1]
+        else:
+            head = prompt_block_hashes(request.all_token_ids, bs, get_hash_fn(algo), n)[n - 1]
+        if not hmac.compare_digest(head.hex().encode(), str(p.get(CHAIN_FIELD)).encode()):
+            return f"the block hash chain of its {n} leased blocks differs"
+        return None
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         p = request.kv_transfer_params or {}
@@ -818,6 +906,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         if duplicate:
             full = []
+        # The content of the lease: every leased block's tokens, through the chain.
+        chain = request.block_hashes[len(full) - 1].hex() if full else None
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -831,7 +921,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             LEASE_FIELD: lease_id,
             "pdfleet_compat": self.connector.compat,
             "pdfleet_compat_hash": self.connector.compat_hash,
+            CHAIN_FIELD: chain,
+            CHAIN_ALGO_FIELD: self.connector.hash_algo,
         }
+        own = self.connector.identity.own
+        if own is not None:
+            params[PRODUCER_FIELD] = own.claims.subject
         # The signature outlives the lease by a margin: a decode leg that arrives after
         # the lease recomputes (the producer refuses the pull) instead of failing;
         # one that arrives later still is refused (400).

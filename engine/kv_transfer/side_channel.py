@@ -4,14 +4,35 @@ A producer runs a ROUTER socket on ``kv_port``, bound to one address (never
 ``0.0.0.0``). Nothing is served before a peer proves it holds the fleet secret:
 
 1. ``hello`` (client -> server): protocol version, the client's compat hash,
-   its engine and instance ids and a nonce. The server refuses a different
-   ``version`` or ``compat_hash`` naming the field, else answers with its own
-   nonce, a session id and a proof (HMAC under the ``kv-side-channel`` key of
-   the fleet secret over both nonces and the client's hello).
-2. ``auth`` (client -> server): the client's proof over the same parts. The
-   session is now open; the reply is the ``handshake`` handler's answer
-   (layout and, for NIXL, the agent metadata), so NIXL metadata is only ever
-   sent to an authenticated peer.
+   its engine and instance ids, its identity token (when the fleet has
+   identities, ``engine/config/identity.py``) and a nonce. The server refuses
+   a different ``version`` or ``compat_hash`` naming the field, else answers
+   with its own nonce, a session id, a *cookie* and a proof (HMAC under the
+   ``kv-side-channel`` key of the fleet secret over both nonces and the
+   client's hello), plus its own token and a signature of the same parts
+   under its identity key. The server keeps nothing: the cookie (an HMAC
+   under a key only this server process knows, over the session id, which
+   starts with a timestamp, both nonces and the hello) lets it recognise its
+   own answer in step 2, as SYN cookies do. So no number of hellos can push a
+   real peer's half-open handshake out of a table: there is none.
+2. ``auth`` (client -> server): the hello again, the server's values, and the
+   client's proof over the same parts (and its identity signature). The
+   server checks the cookie (and that it is under ``COOKIE_SECONDS`` old),
+   the proof and the identity; the session is now open; the reply is the
+   ``handshake`` handler's answer (layout and, for NIXL, the agent
+   metadata), so NIXL metadata is only ever sent to an authenticated peer.
+
+The socket itself is a ZeroMQ CURVE server whose key pair derives from the
+fleet secret (:func:`curve_keys`): a peer that does not hold the secret
+cannot complete ZeroMQ's handshake, so it cannot send a single message (a
+ZeroMQ multipart message is buffered whole before the application sees any
+of it, so a size check in the application alone could not bound it), and
+the traffic (lease ids, block bytes of the ZMQ transport) is encrypted.
+
+Before authentication a message is one frame of at most ``MAX_HELLO_BYTES``;
+every message is at most ``MAX_MESSAGE_BYTES`` per frame (refused by ZeroMQ
+before it is buffered whole) and ``MAX_FRAMES`` frames, read frame by frame,
+so one peer can make the server hold at most a few MiB.
 
 Every later message is ``[body, mac]``: ``body`` carries the session id and a
 strictly increasing ``seq`` (a replayed or reordered message is dropped), and
@@ -43,17 +64,29 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils import z85
 
+from ..config import identity as ident
 from ..config import security
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PURPOSE = "kv-side-channel"
-# Bounds on the server's session table (authenticated) and on half-open hellos.
+# Bound on the server's session table (authenticated peers only).
 MAX_SESSIONS = 1024
-MAX_PENDING = 256
 SESSION_IDLE_SECONDS = 600.0
+# How long a hello's cookie stays good for its auth (seconds).
+COOKIE_SECONDS = 30.0
+# Size bounds (bytes): any frame (ZeroMQ refuses a larger one before buffering it:
+# a claim naming the blocks of a 1M-token prompt is about 320 KiB); a message
+# before authentication (hello and auth are a few hundred bytes).
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_HELLO_BYTES = 8 << 10
+# Frames of a request: a single frame before authentication, body + MAC after.
+MAX_FRAMES = 2
+# Messages ZeroMQ queues per peer before it stops reading that peer's socket.
+RCVHWM = 16
 
 
 class AuthError(RuntimeError):
@@ -75,14 +108,30 @@ class IncompatibleHello(RuntimeError):
 
 @dataclass
 class Peer:
-    """An authenticated client of the side channel (a consumer engine instance)."""
+    """An authenticated client of the side channel (a consumer engine instance).
+
+    With fleet identities, ``claims`` are what the operator vouched for (the
+    peer proved it holds the key the token names); without, only the fleet
+    secret was proven and the ids are the peer's own word."""
 
     engine_id: str
     instance_id: str
+    claims: ident.IdentityClaims | None = None
+    address: str = ""  # the TCP peer address the session was opened from
 
     @property
     def identity(self) -> str:
-        return f"{self.engine_id}/{self.instance_id}"
+        """What a lease binds to: the vouched subject when there is one; else the
+        stated ids and the address they were stated from (another holder of the
+        fleet secret may state the same ids, but not from the same address)."""
+        if self.claims is not None:
+            return f"{self.claims.subject}#{self.instance_id}"
+        return f"{self.engine_id}/{self.instance_id}@{self.address}"
+
+    @property
+    def may_consume(self) -> bool:
+        """Whether this peer may claim, read, confirm or release leases."""
+        return self.claims is None or self.claims.consumes
 
 
 @dataclass
@@ -116,6 +165,36 @@ def _session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> byt
     return security.prove(secret, PURPOSE, b"session", client_nonce, server_nonce)
 
 
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of every side-channel server of a fleet."""
+    private = z85.encode(security.derive_key(secret, "kv-side-channel-curve"))
+    return zmq.curve_public(private), private
+
+
+def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make ``sock`` a CURVE client of the fleet's side channels (a throwaway key
+    pair of its own: knowing the server's public key is what takes the secret)."""
+    public, private = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(secret)[0])
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+
+
+def _transcript(label: bytes, *parts: bytes) -> bytes:
+    """What an identity key signs in a handshake: length-prefixed parts."""
+    out = [b"pdfleet/kv-side-channel/identity/", label]
+    for part in parts:
+        out += [len(part).to_bytes(4, "big"), part]
+    return b"".join(out)
+
+
+def _hello_fields(request: dict[str, Any]) -> bytes:
+    """The hello's identifying fields, canonically packed (what proofs cover)."""
+    return pack(
+        {k: request.get(k) for k in ("engine_id", "instance_id", "compat_hash", "identity")}
+    )
+
+
 class SideChannelServer:
     """Serves authenticated side-channel requests on a thread until ``close()``."""
 
@@ -127,6 +206,7 @@ class SideChannelServer:
         compat: dict[str, Any],
         compat_hash: str,
         handlers: dict[str, Handler],
+        identity: ident.FleetIdentity | None = None,
     ) -> None:
         if host in ("0.0.0.0", "::", "*", ""):
             raise ValueError(
@@ -137,12 +217,21 @@ class SideChannelServer:
         self.compat = compat
         self.compat_hash = compat_hash
         self.handlers = handlers
+        self.identity = identity or ident.FleetIdentity()
         self.sessions: OrderedDict[bytes, _Session] = OrderedDict()
-        self.pending: OrderedDict[bytes, tuple[bytes, bytes, bytes]] = OrderedDict()
+        # Keys the hello cookies; known to this process only, so a restarted
+        # server (or another one) never takes an old cookie.
+        self._cookie_key = secrets.token_bytes(32)
         self.num_rejected = 0
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        public, private = curve_keys(secret)
+        self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+        self.sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        self.sock.setsockopt(zmq.CURVE_SECRETKEY, private)
         # A predecessor's socket on this port may still be closing: retry briefly.
         deadline = time.monotonic() + 3.0
         while True:
@@ -170,12 +259,15 @@ class SideChannelServer:
             if not dict(poller.poll(50)):
                 continue
             try:
-                ident, *frames = self.sock.recv_multipart()
+                peer_id, frames, address = self._receive()
             except zmq.ZMQError as e:
                 logger.warning("side-channel receive failed: %s", e)
                 continue
+            if frames is None:
+                self.num_rejected += 1
+                continue  # oversized: dropped unread, never answered
             try:
-                answer = self._handle(frames)
+                answer = self._handle(frames, address)
             except Exception as e:  # a bad peer must never take the engine down
                 logger.warning("bad side-channel request: %s", e)
                 self.num_rejected += 1
@@ -183,22 +275,41 @@ class SideChannelServer:
             if answer is None:
                 continue
             try:
-                self.sock.send_multipart([ident, *answer], copy=False)
+                self.sock.send_multipart([peer_id, *answer], copy=False)
             except zmq.ZMQError as e:
                 logger.warning("side-channel reply failed: %s", e)
+
+    def _receive(self) -> tuple[bytes, list[bytes] | None, str]:
+        """One message, frame by frame: (the peer's routing id, its frames, the peer's
+        TCP address); frames is None when there are more than MAX_FRAMES (the rest
+        are read and dropped, so they are never held together)."""
+        head = self.sock.recv(copy=False)
+        address = str(head.get("Peer-Address") or "")
+        frames: list[bytes] | None = []
+        while self.sock.getsockopt(zmq.RCVMORE):
+            frame = self.sock.recv()
+            if frames is not None and len(frames) < MAX_FRAMES:
+                frames.append(frame)
+            else:
+                frames = None
+        return head.bytes, frames, address
 
     def _refuse(self, error: str) -> list[Any]:
         self.num_rejected += 1
         return [pack({"ok": False, "error": error})]
 
-    def _handle(self, frames: list[bytes]) -> list[Any] | None:
+    def _handle(self, frames: list[bytes], address: str = "") -> list[Any] | None:
         if len(frames) == 1:
+            if len(frames[0]) > MAX_HELLO_BYTES:
+                return self._refuse(
+                    f"not authenticated: a message before auth is at most {MAX_HELLO_BYTES} bytes"
+                )
             request = unpack(frames[0])
             op = request.get("op")
             if op == "hello":
                 return self._hello(request)
             if op == "auth":
-                return self._auth(request)
+                return self._auth(request, address)
             return self._refuse("not authenticated: send hello and auth first")
         if len(frames) != 2:
             return self._refuse("malformed message")
@@ -208,6 +319,8 @@ class SideChannelServer:
         if not isinstance(sid, bytes) or sid not in self.sessions:
             return self._refuse("unknown session: authenticate again")
         session = self.sessions[sid]
+        if session.peer.address != address:
+            return self._refuse("the session was opened from another address")
         if not hmac.compare_digest(mac, _mac(session.key, b"req", body)):
             return self._refuse("bad message authentication code")
         seq = request.get("seq")
@@ -247,23 +360,54 @@ class SideChannelServer:
             )
             return [pack({"ok": False, "error": error, "compat": self.compat})]
         nonce = request.get("nonce")
-        if not isinstance(nonce, bytes) or len(nonce) < 16:
-            return self._refuse("nonce: missing or too short")
-        sid = secrets.token_bytes(16)
+        if not isinstance(nonce, bytes) or not 16 <= len(nonce) <= 64:
+            return self._refuse("nonce: missing, too short or too long")
+        # Stateless: the session id starts with the time; the cookie lets auth
+        # prove these values came from this server (nothing is stored).
+        sid = int(time.time() * 1000).to_bytes(8, "big") + secrets.token_bytes(8)
         server_nonce = security.challenge()
-        hello = pack({k: request.get(k) for k in ("engine_id", "instance_id", "compat_hash")})
-        self.pending[sid] = (nonce, server_nonce, hello)
-        while len(self.pending) > MAX_PENDING:
-            self.pending.popitem(last=False)
+        hello = _hello_fields(request)
+        cookie = self._cookie(sid, nonce, server_nonce, hello)
         proof = security.prove(self.secret, PURPOSE, b"server", nonce, server_nonce, hello)
-        return [pack({"ok": True, "session": sid, "nonce": server_nonce, "proof": proof})]
+        reply: dict[str, Any] = {
+            "ok": True,
+            "session": sid,
+            "nonce": server_nonce,
+            "cookie": cookie,
+            "proof": proof,
+        }
+        own = self.identity.own
+        if own is not None:
+            reply["identity"] = own.token
+            reply["identity_sig"] = own.sign(_transcript(b"server", nonce, server_nonce, hello))
+        return [pack(reply)]
 
-    def _auth(self, request: dict[str, Any]) -> list[Any]:
-        sid = request.get("session")
-        pending = self.pending.pop(sid, None) if isinstance(sid, bytes) else None
-        if not isinstance(sid, bytes) or pending is None:
+    def _cookie(self, sid: bytes, nonce: bytes, server_nonce: bytes, hello: bytes) -> bytes:
+        mac = hmac.new(self._cookie_key, digestmod=hashlib.sha256)
+        for part in (sid, nonce, server_nonce, hello):
+            mac.update(len(part).to_bytes(4, "big"))
+            mac.update(part)
+        return mac.digest()
+
+    def _auth(self, request: dict[str, Any], address: str = "") -> list[Any]:
+        sid, nonce, server_nonce, hello, cookie = (
+            request.get(k) for k in ("session", "client_nonce", "nonce", "hello", "cookie")
+        )
+        if not (
+            isinstance(sid, bytes)
+            and len(sid) == 16
+            and all(isinstance(x, bytes) for x in (nonce, server_nonce, hello, cookie))
+        ):
             return self._refuse("unknown session: send hello first")
-        nonce, server_nonce, hello = pending
+        assert isinstance(nonce, bytes) and isinstance(server_nonce, bytes)
+        assert isinstance(hello, bytes) and isinstance(cookie, bytes)
+        age = time.time() - int.from_bytes(sid[:8], "big") / 1000
+        if not hmac.compare_digest(cookie, self._cookie(sid, nonce, server_nonce, hello)):
+            return self._refuse("unknown session: send hello first")
+        if not 0 <= age <= COOKIE_SECONDS:
+            return self._refuse("the hello is too old: send hello again")
+        if sid in self.sessions:
+            return self._refuse("replayed auth")
         proof = request.get("proof")
         if not isinstance(proof, bytes) or not security.proof_ok(
             self.secret, PURPOSE, proof, b"client", server_nonce, nonce, hello
@@ -271,7 +415,25 @@ class SideChannelServer:
             logger.warning("KV side channel: a peer failed authentication")
             return self._refuse("authentication failed: this peer does not hold the fleet secret")
         who = unpack(hello)
-        peer = Peer(str(who.get("engine_id")), str(who.get("instance_id")))
+        claims = None
+        if self.identity.required:
+            assert self.identity.authority is not None
+            try:
+                claims = ident.verify_token(self.identity.authority, who.get("identity"))
+            except ident.InvalidIdentity as e:
+                logger.warning("KV side channel: a peer's identity was refused: %s", e)
+                return self._refuse(f"identity: {e}")
+            if not ident.signature_ok(
+                claims.public_key,
+                request.get("identity_sig"),
+                _transcript(b"client", server_nonce, nonce, hello),
+            ):
+                logger.warning(
+                    "KV side channel: a peer presented %s's identity without its key",
+                    claims.subject,
+                )
+                return self._refuse("identity: the peer does not hold the identity's key")
+        peer = Peer(str(who.get("engine_id")), str(who.get("instance_id")), claims, address)
         key = _session_key(self.secret, nonce, server_nonce)
         self.sessions[sid] = _Session(key, peer, last_used=time.monotonic())
         self._trim_sessions()
@@ -312,13 +474,25 @@ class SideChannelClient:
     fresh one next time, so a dead or restarted peer never wedges later calls.
     """
 
-    def __init__(self, secret: bytes, engine_id: str, instance_id: str, compat_hash: str) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        engine_id: str,
+        instance_id: str,
+        compat_hash: str,
+        identity: ident.FleetIdentity | None = None,
+    ) -> None:
         self.secret = secret
+        self.identity = identity or ident.FleetIdentity()
+        own = self.identity.own
         self.hello = {
             "engine_id": engine_id,
             "instance_id": instance_id,
             "compat_hash": compat_hash,
+            "identity": own.token if own is not None else None,
         }
+        # The vouched identity of each authenticated producer (fleets with identities).
+        self.peers: dict[tuple[str, int], ident.IdentityClaims] = {}
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}
         self.sessions: dict[tuple[str, int], _ClientSession] = {}
@@ -328,12 +502,14 @@ class SideChannelClient:
         if key not in self.socks:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            secure_client(s, self.secret)
             s.connect(f"tcp://{host}:{port}")
             self.socks[key] = s
         return self.socks[key]
 
     def drop(self, host: str, port: int) -> None:
         self.sessions.pop((host, port), None)
+        self.peers.pop((host, port), None)
         sock = self.socks.pop((host, port), None)
         if sock is not None:
             sock.close(0)
@@ -371,25 +547,53 @@ class SideChannelClient:
             if error.startswith(("version:", "compat_hash:")):
                 raise IncompatibleHello(error, reply.get("compat"))
             raise RuntimeError(error)
-        sid, server_nonce, proof = reply.get("session"), reply.get("nonce"), reply.get("proof")
-        hello = pack(self.hello)
+        sid, server_nonce, proof, cookie = (
+            reply.get(k) for k in ("session", "nonce", "proof", "cookie")
+        )
+        hello = _hello_fields(self.hello)
         if not (
             isinstance(sid, bytes)
             and isinstance(server_nonce, bytes)
             and isinstance(proof, bytes)
+            and isinstance(cookie, bytes)
             and security.proof_ok(
                 self.secret, PURPOSE, proof, b"server", nonce, server_nonce, hello
             )
         ):
             self.drop(host, port)
             raise AuthError(f"the peer at {host}:{port} does not hold the fleet secret")
+        claims = None
+        if self.identity.required:
+            assert self.identity.authority is not None
+            try:
+                claims = ident.verify_token(self.identity.authority, reply.get("identity"))
+            except ident.InvalidIdentity as e:
+                self.drop(host, port)
+                raise AuthError(f"the peer at {host}:{port}: identity: {e}") from None
+            if not ident.signature_ok(
+                claims.public_key,
+                reply.get("identity_sig"),
+                _transcript(b"server", nonce, server_nonce, hello),
+            ):
+                self.drop(host, port)
+                raise AuthError(
+                    f"the peer at {host}:{port} presented {claims.subject}'s identity "
+                    "without its key"
+                )
         mine = security.prove(self.secret, PURPOSE, b"client", server_nonce, nonce, hello)
-        frames = self._exchange(
-            host,
-            port,
-            [pack({"op": "auth", "session": sid, "proof": mine})],
-            max(0.05, deadline - time.monotonic()),
-        )
+        auth: dict[str, Any] = {
+            "op": "auth",
+            "session": sid,
+            "client_nonce": nonce,
+            "nonce": server_nonce,
+            "hello": hello,
+            "cookie": cookie,
+            "proof": mine,
+        }
+        own = self.identity.own
+        if own is not None:
+            auth["identity_sig"] = own.sign(_transcript(b"client", server_nonce, nonce, hello))
+        frames = self._exchange(host, port, [pack(auth)], max(0.05, deadline - time.monotonic()))
         key = _session_key(self.secret, nonce, server_nonce)
         if len(frames) < 2:
             self.drop(host, port)
@@ -399,6 +603,8 @@ class SideChannelClient:
             self.drop(host, port)
             raise AuthError(f"a forged handshake reply from {host}:{port}")
         self.sessions[(host, port)] = _ClientSession(sid, key)
+        if claims is not None:
+            self.peers[(host, port)] = claims
         reply = unpack(head.buffer)
         if not reply.get("ok", False):
             raise RuntimeError(str(reply.get("error", "handshake refused")))

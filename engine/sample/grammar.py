@@ -16,8 +16,10 @@ advances it over them, so no grammar state crosses a process boundary.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
-import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,10 +27,8 @@ from typing import Any
 
 import torch
 
+from ..config.admission import AdmissionConfig
 from ..sampling_params import StructuredOutputsParams
-
-# Distinct compiled grammars kept per engine (each a few KB to a few MB).
-DEFAULT_CACHE_SIZE = 256
 
 # JSON Schema keywords the library accepts but does not enforce: refused, so a
 # client never gets output that silently violates its schema.
@@ -56,12 +56,13 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
 
-_LIB_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
-
-def _lib_message(e: BaseException) -> str:
-    """The library's error without its timestamp and C++ source location."""
-    return _LIB_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else repr(e)
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc keeps them otherwise, so a
+    process's RSS would stay at its high-water mark after grammars are evicted)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 def check_schema_keywords(schema: Any, path: str = "$") -> None:
@@ -108,11 +109,84 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
+class GrammarTooLarge(ValueError):
+    """A constraint over one of the server's bounds (docs/structured_outputs.md)."""
+
+
+class GrammarTimeout(ValueError):
+    """A constraint whose compile ran past ``grammar_compile_timeout``."""
+
+
+def _count_enum_values(schema: Any) -> int:
+    """``enum`` values and ``const``s anywhere in a JSON schema."""
+    count = 0
+    pending = [schema]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            enum = item.get("enum")
+            if isinstance(enum, list):
+                count += len(enum)
+            if "const" in item:
+                count += 1
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return count
+
+
+def choice_grammar(choice: Sequence[str]) -> str:
+    """The EBNF grammar whose strings are exactly ``choice``."""
+    return "root ::= " + " | ".join(_ebnf_literal(s) for s in choice)
+
+
+def check_bounds(spec: StructuredOutputsParams, limits: AdmissionConfig) -> None:
+    """``GrammarTooLarge`` when ``spec`` exceeds the server's input bounds; cheap
+    (no compile), run before a constraint is compiled or looked up."""
+    if spec.choice is not None and len(spec.choice) > limits.max_grammar_choices:
+        raise GrammarTooLarge(
+            f"the choice list has {len(spec.choice)} strings, more than this server's limit "
+            f"of {limits.max_grammar_choices} (--max-grammar-choices)"
+        )
+    if spec.json is not None:
+        size = len(spec.json.encode())
+        if size > limits.max_schema_bytes:
+            raise GrammarTooLarge(
+                f"the JSON schema is {size} bytes, more than this server's limit of "
+                f"{limits.max_schema_bytes} (--max-schema-bytes)"
+            )
+        try:
+            num = _count_enum_values(json.loads(spec.json))
+        except json.JSONDecodeError:
+            return  # the compile says what is wrong with it
+        if num > limits.max_schema_enum_values:
+            raise GrammarTooLarge(
+                f"the JSON schema has {num} enum values, more than this server's limit of "
+                f"{limits.max_schema_enum_values} (--max-schema-enum-values)"
+            )
+    text = spec.regex if spec.regex is not None else spec.grammar
+    if spec.choice is not None:
+        text = choice_grammar(spec.choice)
+    if text is not None and len(text) > limits.max_grammar_chars:
+        raise GrammarTooLarge(
+            f"the {spec.kind} is {len(text)} characters{' as a grammar' if spec.choice else ''}, "
+            f"more than this server's limit of {limits.max_grammar_chars} (--max-grammar-chars)"
+        )
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer and caches the results (thread-safe).
 
     ``vocab_size`` is the model's logits width (it may exceed the tokenizer's
     length); ``stop_token_ids`` are the tokens that may end a finished grammar.
+
+    Compiles run in worker processes (``grammar_worker.py``) under
+    ``limits.grammar_compile_timeout``; the cache holds at most
+    ``limits.grammar_cache_bytes`` of compiled grammars (xgrammar's own
+    measure), least recently used dropped first, and refuses one grammar over
+    ``limits.max_grammar_memory_bytes``. A request keeps its compiled grammar
+    on its spec (``StructuredOutputsParams.compiled``) until it ends, so an
+    eviction never makes the engine thread compile.
     """
 
     def __init__(
@@ -120,76 +194,120 @@ class GrammarCompiler:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: tuple[int, ...] | list[int],
-        max_cached: int = DEFAULT_CACHE_SIZE,
-        max_threads: int = 1,
+        limits: AdmissionConfig | None = None,
     ) -> None:
         import xgrammar as xgr
 
+        from .grammar_worker import CompilePool
+
         self._xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.limits = limits or AdmissionConfig()
+        self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        # The library's own cache is off: this one is bounded by entry count and
-        # keyed by spec kind too (a regex and a grammar with equal text differ).
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-        self.max_cached = max_cached
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self.pool = CompilePool(
+            self.info.serialize_json().encode(), self.limits.grammar_compile_workers
+        )
+        self.pool.warm()
+        # Keyed by spec kind too (a regex and a grammar with equal text differ);
+        # values are (compiled grammar, its bytes).
+        self._cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self.cache_bytes = 0
         self._lock = threading.Lock()
         self.num_compiled = 0
+        self.num_evicted = 0
 
     def __len__(self) -> int:
         return len(self._cache)
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar for ``spec``; ``ValueError`` saying what is wrong."""
+    def lookup(self, spec: StructuredOutputsParams) -> Any | None:
+        """The cached grammar of ``spec`` (touched as most recently used), or None."""
         key = spec.key()
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile(spec)
-        with self._lock:
-            self.num_compiled += 1
-            self._cache[key] = compiled
+            if hit is None:
+                return None
             self._cache.move_to_end(key)
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+            return hit[0]
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar for ``spec`` (pinned on it, cached); ``ValueError``
+        saying what is wrong. Blocks while a worker compiles."""
+        if spec.compiled is not None:
+            return spec.compiled
+        check_bounds(spec, self.limits)
+        compiled = self.lookup(spec)
+        if compiled is None:
+            compiled = self.build(spec)
+        object.__setattr__(spec, "compiled", compiled)
         return compiled
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
-        c = self._compiler
+    def build(self, spec: StructuredOutputsParams) -> Any:
+        """Compile ``spec`` in a worker (no cache lookup) and cache the result."""
+        from .grammar_worker import CompiledTooLarge, CompileFailed, CompileTimeout
+
+        kind, text = self._request(spec)
+        limits = self.limits
         try:
-            if spec.json is not None:
-                try:
-                    schema = json.loads(spec.json)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-                check_schema_keywords(schema)
-                # Compact separators and no free whitespace: whitespace is never
-                # needed, and a model allowed it can spend max_tokens on it.
-                return c.compile_json_schema(
-                    json.dumps(bounded_strings_as_patterns(schema)),
-                    any_whitespace=False,
-                    strict_mode=True,
-                )
-            if spec.json_object:
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.regex is not None:
-                return c.compile_regex(spec.regex)
-            if spec.choice is not None:
-                alternatives = " | ".join(_ebnf_literal(s) for s in spec.choice)
-                return c.compile_grammar(f"root ::= {alternatives}")
-            if spec.grammar is not None:
-                if "::=" in spec.grammar:
-                    return c.compile_grammar(spec.grammar)
-                return c.compile_lark(spec.grammar)
-        except ValueError:
-            raise
-        except Exception as e:  # the library reports bad specs as RuntimeError
-            raise ValueError(f"cannot compile the {spec.kind}: {_lib_message(e)}") from None
+            data, size = self.pool.compile(
+                kind, text, limits.max_grammar_memory_bytes, limits.grammar_compile_timeout
+            )
+        except CompileTimeout:
+            raise GrammarTimeout(
+                f"compiling the {spec.kind} took longer than this server's limit of "
+                f"{limits.grammar_compile_timeout:g}s (--grammar-compile-timeout); simplify it"
+            ) from None
+        except CompiledTooLarge as e:
+            raise GrammarTooLarge(
+                f"the {spec.kind} compiles to {e.size} bytes, more than this server's limit "
+                f"of {limits.max_grammar_memory_bytes} (--max-grammar-memory-bytes)"
+            ) from None
+        except CompileFailed as e:
+            raise ValueError(f"cannot compile the {spec.kind}: {e}") from None
+        compiled = self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
+        del data
+        self._insert(spec.key(), compiled, size)
+        # Reading the grammar's JSON takes several times its size for a moment.
+        _trim_heap()
+        return compiled
+
+    def _insert(self, key: tuple, compiled: Any, size: int) -> None:
+        with self._lock:
+            self.num_compiled += 1
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self.cache_bytes -= old[1]
+            while self._cache and self.cache_bytes + size > self.limits.grammar_cache_bytes:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cache_bytes -= dropped
+                self.num_evicted += 1
+            self._cache[key] = (compiled, size)
+            self.cache_bytes += size
+
+    @staticmethod
+    def _request(spec: StructuredOutputsParams) -> tuple[str, str]:
+        """(worker kind, text) of a spec; schema problems found here are ``ValueError``s."""
+        if spec.json is not None:
+            try:
+                schema = json.loads(spec.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            check_schema_keywords(schema)
+            return "json_schema", json.dumps(bounded_strings_as_patterns(schema))
+        if spec.json_object:
+            return "json_object", ""
+        if spec.regex is not None:
+            return "regex", spec.regex
+        if spec.choice is not None:
+            return "grammar", choice_grammar(spec.choice)
+        if spec.grammar is not None:
+            return ("grammar" if "::=" in spec.grammar else "lark"), spec.grammar
         raise ValueError("structured outputs: no constraint given")
+
+    def close(self) -> None:
+        """Stop the compile workers (a later compile starts them again)."""
+        self.pool.close()
 
     def matcher(self, spec: StructuredOutputsParams, token_ids: Sequence[int] = ()) -> Any:
         """A fresh matcher for ``spec``, advanced over ``token_ids`` (tokens a

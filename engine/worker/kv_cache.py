@@ -13,7 +13,14 @@ from ..distributed import get_tp_group
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-CPU_KV_CACHE_CAP = 4 * GiB
+MiB = 1 << 20
+# CPU default (no --kv-cache-memory-bytes): the cache takes at most this
+# fraction of the model's weights, at least CPU_KV_CACHE_FLOOR (a small model
+# still gets a usable cache), and at most CPU_AVAILABLE_SHARE of the memory
+# available when the engine starts.
+CPU_KV_WEIGHT_FRACTION = 0.25
+CPU_KV_CACHE_FLOOR = 64 * MiB
+CPU_AVAILABLE_SHARE = 0.25
 
 
 def local_kv_heads(config: EngineConfig) -> int:
@@ -35,6 +42,15 @@ def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
 
 
 def available_ram() -> int:
+    """Bytes this process may still allocate: the kernel's MemAvailable, lowered
+    to the headroom of the memory cgroup when it has a limit (a container's
+    limit, which MemAvailable, a host-wide figure, does not see)."""
+    host = _meminfo_available()
+    headroom = cgroup_headroom()
+    return host if headroom is None else min(host, headroom)
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -45,21 +61,68 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def cpu_kv_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
-    """CPU default: a quarter of available RAM, at most 4 GiB, and no more than
-    max_num_seqs full-length sequences need."""
+def cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1), or None
+    when there is no limit (or no cgroup file to read)."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                limit_text = f.read().strip()
+            with open(os.path.join(root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        try:
+            limit = int(limit_text)
+        except ValueError:
+            continue
+        # cgroup v1 reports "no limit" as a huge number near 2**63.
+        if limit >= 1 << 60:
+            return None
+        return max(0, limit - usage)
+    return None
+
+
+def cpu_kv_cache_bytes(config: EngineConfig, dtype: torch.dtype, weight_bytes: int) -> int:
+    """CPU default, sized from the model and the machine: a quarter of this
+    rank's weights (at least 64 MiB, and at least one ``max_model_len``
+    sequence), no more than ``max_num_seqs`` full-length sequences need, and no
+    more than a quarter of the memory available now (the ranks of one engine
+    share the host). A CPU engine's throughput is bound by its weights'
+    matmuls, so a cache far larger than the weights buys concurrency it cannot
+    serve; a host shared with other engines keeps most of its free memory.
+    ``--kv-cache-memory-bytes`` (``spec.engine.kvCacheMemoryBytes``) replaces it."""
     s = config.scheduler_config
-    full = bytes_per_block(config, dtype) * (
-        s.max_num_seqs * -(-s.max_model_len // config.cache_config.block_size) + 1
-    )
-    ranks = get_tp_group().size  # the ranks of one engine share the host's memory
-    return min(CPU_KV_CACHE_CAP // ranks, available_ram() // 4 // ranks, full)
+    bs = config.cache_config.block_size
+    per_block = bytes_per_block(config, dtype)
+    full = per_block * (s.max_num_seqs * -(-s.max_model_len // bs) + 1)
+    one_sequence = per_block * (-(-s.max_model_len // bs) + 1)
+    by_model = max(int(weight_bytes * CPU_KV_WEIGHT_FRACTION), CPU_KV_CACHE_FLOOR, one_sequence)
+    ranks = get_tp_group().size
+    by_machine = int(available_ram() * CPU_AVAILABLE_SHARE) // ranks
+    return min(full, by_model, by_machine)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (this rank's shard)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def determine_num_blocks(
-    config: EngineConfig, dtype: torch.dtype, device: torch.device, profiled_peak: int = 0
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    profiled_peak: int = 0,
+    weights: int = 0,
 ) -> int:
-    """Blocks for the cache (block 0, the null block, included)."""
+    """Blocks for the cache (block 0, the null block, included). ``weights``:
+    bytes of this rank's model (the CPU default is sized from it)."""
     cache = config.cache_config
     per_block = bytes_per_block(config, dtype)
     if cache.num_gpu_blocks_override is not None:
@@ -78,7 +141,7 @@ def determine_num_blocks(
                 f"({used_by_others / GiB:.1f} GiB); raise --gpu-memory-utilization"
             )
     else:
-        budget = cpu_kv_cache_bytes(config, dtype)
+        budget = cpu_kv_cache_bytes(config, dtype, weights)
     return max(2, budget // per_block)
 
 

@@ -33,6 +33,7 @@ from .kv_cache import (
     check_fits_max_model_len,
     determine_num_blocks,
     local_kv_heads,
+    weight_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = m.vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
-        if self.device.type == "cpu":
-            cpu_allocator.tune()
         start = time.perf_counter()
         self.model = load_model(config, self.device)
         # The Triton backend brings the fused RMSNorm/RoPE/SiLU kernels with it.
@@ -117,7 +116,7 @@ class ModelRunner:
         self.tp = get_tp_group()
         # Block ids are global: every rank's shard has as many blocks as the smallest.
         self.num_blocks = self.tp.all_min(
-            determine_num_blocks(config, self.kv_dtype, self.device, peak)
+            determine_num_blocks(config, self.kv_dtype, self.device, peak, weight_bytes(self.model))
         )
         check_fits_max_model_len(config, self.num_blocks)
         self.max_model_len = config.scheduler_config.max_model_len
@@ -125,6 +124,11 @@ class ModelRunner:
             config, self.num_blocks, self.kv_dtype, self.device
         )
         config.cache_config.num_gpu_blocks = self.num_blocks - 1
+        if self.device.type == "cpu":
+            # After loading: the loader's temporaries go back to the kernel rather
+            # than setting the peak the tuning keeps (cpu_allocator's docstring).
+            cpu_allocator.release()
+            cpu_allocator.tune()
         self.host_kv: HostKVCache | None = None
         offload = config.cache_config.kv_offload_bytes
         if offload is not None:
@@ -132,8 +136,10 @@ class ModelRunner:
             self.host_kv = HostKVCache(self.kv_buffer, num_host)
             config.cache_config.num_cpu_blocks = num_host
         logger.info(
-            "Model loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            "Model loaded in %.1fs (weights %.2f GiB); KV cache: %d blocks x %d tokens = %d "
+            "tokens (%.2f GiB, %s)",
             load_seconds,
+            weight_bytes(self.model) / (1 << 30),
             self.num_blocks - 1,
             self.block_size,
             (self.num_blocks - 1) * self.block_size,

@@ -32,6 +32,7 @@ from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.layout import KVLayout
+from .main_guard import check_main_guard
 from .step_wire import pack_step, unpack_result
 from .tp_rank import (
     ERROR,
@@ -143,6 +144,9 @@ class TPExecutor:
         eos_token_ids: tuple[int, ...] = (),
         connector: KVConnectorWorker | None = None,
     ) -> None:
+        # A spawned rank imports the main file again: refuse an unguarded one now,
+        # not after the rendezvous timeout.
+        check_main_guard(f"tensor_parallel_size={config.parallel_config.tensor_parallel_size}")
         check_devices(config)
         self.config = config
         # The KV connector's worker side stays here; each rank reads into its own

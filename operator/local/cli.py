@@ -10,12 +10,16 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdfleet.engine.config import security
 from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
 from pdfleet.engine.config.launch import python_module
+
+from .process import GiB, resident_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -80,6 +84,10 @@ class UpOptions:
     """Torch threads per engine (default: CPU cores / engines)."""
     timeout: float = 600.0
     """Seconds to wait for every process to become ready."""
+    direct_engine_access: bool = False
+    """Engines accept the client API keys too (for clients that call an engine
+    directly); without it only the gateway does. A client key never may send
+    internal fields (kv_transfer_params) to an engine."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         say=say,
         fleet_secret=fleet_secret,
         api_keys=api_keys,
+        direct_engine_access=args.direct_engine_access,
     )
     stop = threading.Event()
 
@@ -155,24 +164,19 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     say(f"pdfleet up: {service.name} ({service.spec.model.name}) — logs in {run_dir}")
+    state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
+    fleet.progress = state.write
+    autoscaler = None
     try:
         fleet.start(timeout=args.timeout)
+        state.write()
         url = f"http://{args.host}:{port}"
         say(f"\nready: {url}/v1  (model {service.spec.model.name!r})")
-        say(
-            f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{service.spec.model.name}", "prompt": "Hello", '
-            f'"max_tokens": 16}}\''
-        )
-        say(
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{service.spec.model.name}", "messages": [{{"role": "user", '
-            f'"content": "What is the capital of France?"}}]}}\''
-        )
+        say(memory_report(fleet))
+        say(usage_lines(url, service.spec.model.name, api_keys, os.environ))
         say("Ctrl-C stops every process.\n")
         scaling = service.spec.autoscaling
         autoscaler = LocalAutoscaler(fleet, scaling) if scaling is not None else None
-        state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
         next_scale = time.monotonic()
         while not stop.wait(0.5):
             fleet.tick()
@@ -185,11 +189,86 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as e:
         say(f"pdfleet up: {e}")
         fleet.stop()
+        state.write(autoscaler, stopped=True)
         return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     say("stopping ...")
     fleet.stop()
+    state.write(autoscaler, stopped=True)
     say("stopped")
     return 0
+
+
+def usage_lines(url: str, model: str, api_keys: list[str], environ: Mapping[str, str]) -> str:
+    """The sample requests printed once the fleet is ready. With API keys they
+    carry the key header, naming $PDFLEET_API_KEY when it holds the one key (else a
+    $KEY placeholder): a key itself is never printed. Without keys, the warning
+    that anyone who can reach the gateway may use it."""
+    lines = []
+    if not api_keys:
+        lines.append(
+            f"warning: no API key: anyone who can reach {url} may use it (set "
+            f"{security.API_KEY_ENV} or {security.API_KEY_FILE_ENV} before `pdfleet up`)"
+        )
+        auth = ""
+    else:
+        one_in_env = security.split_keys(environ.get(security.API_KEY_ENV, "")) == api_keys[:1]
+        var = f"${security.API_KEY_ENV}" if one_in_env and len(api_keys) == 1 else "$KEY"
+        auth = f' -H "Authorization: Bearer {var}"'
+        if var == "$KEY":
+            source = (
+                security.API_KEY_ENV
+                if environ.get(security.API_KEY_ENV)
+                else f"the file ${security.API_KEY_FILE_ENV}"
+            )
+            lines.append(f"(set KEY to one of the API keys in {source})")
+    lines.append(
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f'    -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
+    )
+    lines.append(
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", '
+        f'"content": "What is the capital of France?"}}]}}\''
+    )
+    return "\n".join(lines)
+
+
+def memory_report(fleet: Any) -> str:
+    """Resident memory of every process of the fleet and each engine's KV cache."""
+    own = resident_bytes(os.getpid(), tree=False)
+    parts, total, caches = [], own, []
+    for child in fleet.all_children():
+        rss = resident_bytes(child.pid) if child.pid else 0
+        total += rss
+        parts.append(f"{child.name} {rss / GiB:.2f}")
+        tokens = kv_cache_tokens(child.metrics_text()) if child.role != "gateway" else None
+        if tokens is not None:
+            caches.append(f"{child.name} {tokens:,}")
+    text = (
+        f"memory: {total / GiB:.2f} GiB resident in all ({', '.join(parts)}, "
+        f"pdfleet up {own / GiB:.2f})"
+    )
+    if caches:
+        text += (
+            f"\nKV cache (tokens): {', '.join(caches)}; sized from the model and the free "
+            "memory, set spec.engine.kvCacheMemoryBytes to choose (docs/local.md)"
+        )
+    return text
+
+
+def kv_cache_tokens(metrics_text: str | None) -> int | None:
+    """Tokens an engine's KV cache holds, from its cache_config_info series."""
+    if not metrics_text:
+        return None
+    from pdfleet.engine.config import metrics as m
+
+    labels = m.parse_metrics(metrics_text).labels(
+        m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name
+    )
+    try:
+        return int(labels["block_size"]) * int(labels["num_gpu_blocks"]) if labels else None
+    except (KeyError, ValueError):
+        return None

@@ -8,10 +8,13 @@ file, the fleet waits (bounded) until it has no running or waiting requests
 and no KV leases held for decode engines, then stops it. The autoscaler
 (``process_autoscaler.py``, handed this fleet by ``pdfleet up``) decides when.
 
-Every child gets the fleet's credentials in its environment: the fleet
-secret (``$PDFLEET_FLEET_SECRET``, given or generated per run) and the API
-keys (``$PDFLEET_API_KEY``, split as every component splits them). The
-fleet's own scrapes present the fleet token. Every process binds ``host``
+Every child gets the fleet secret in its environment (``$PDFLEET_FLEET_SECRET``,
+given or generated per run); the gateway also gets the client API keys
+(``$PDFLEET_API_KEY``, split as every component splits them). Engines get
+the client keys only with ``direct_engine_access`` (``pdfleet up
+--direct-engine-access``): a client key may then call an engine, but never
+send it internal fields (docs/security.md). The fleet's own scrapes present
+the fleet token. Every process binds ``host``
 (loopback by default), the KV side channel included (docs/local.md).
 """
 
@@ -28,20 +31,30 @@ from pathlib import Path
 
 import httpx
 
+from pdfleet.engine.config import identity, security
 from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config import security
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.config.launch import python_module
 
 from ..resource import InferenceService
-from ..roles import disaggregating, engine_command, publishes_kv_events, role_engine_args
+from ..roles import (
+    disaggregating,
+    engine_command,
+    gateway_request_bounds,
+    publishes_kv_events,
+    role_engine_args,
+)
 from .process import Child
+from .state import SECRET_FILE, write_private
 
 logger = logging.getLogger("pdfleet.up")
 
 ROLES = ("prefill", "decode")
 # Give up restarting a child that keeps dying this many times in a row.
 MAX_RESTARTS = 5
+# Engine identity tokens of a run: the authority lives only in this process, so
+# the tokens are worthless after the run whatever their expiry.
+IDENTITY_TTL_SECONDS = 365 * 86400.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,9 +108,11 @@ class LocalFleet:
         say: Callable[[str], None] = print,
         fleet_secret: str | None = None,
         api_keys: list[str] | None = None,
+        direct_engine_access: bool = False,
     ) -> None:
         """``fleet_secret`` and ``api_keys``: see :func:`fleet_credentials`
-        (a new secret when None)."""
+        (a new secret when None); ``direct_engine_access``: engines accept the
+        client API keys too (else only the gateway does)."""
         self.service = service
         self.spec = service.spec
         self.model_path = model_path
@@ -118,12 +133,26 @@ class LocalFleet:
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
         secret = fleet_secret or security.generate_secret()
-        # What every child gets: the secret and the keys (one comma-separated
-        # list: engines and the gateway split it with security.split_keys).
-        self.child_env = {security.FLEET_SECRET_ENV: secret}
-        self.child_env[security.API_KEY_ENV] = ",".join(api_keys or [])
+        self.secret = secret
+        self.progress: Callable[[], None] = lambda: None
+        """Called while :meth:`start` waits (``pdfleet up`` rewrites fleet.json)."""
+        # What every child gets: the secret; the gateway also the client keys (one
+        # comma-separated list, split with security.split_keys), engines only when
+        # asked for direct access. An empty value also hides a key this process has.
+        self.child_env = {
+            security.FLEET_SECRET_ENV: secret,
+            security.API_KEY_ENV: "",
+            security.API_KEY_FILE_ENV: "",
+        }
+        self.gateway_env = {**self.child_env, security.API_KEY_ENV: ",".join(api_keys or [])}
+        if direct_engine_access:
+            self.child_env[security.API_KEY_ENV] = self.gateway_env[security.API_KEY_ENV]
         token = security.fleet_token(secret.encode())
         self.auth_headers = {"Authorization": f"Bearer {token}"}
+        # The identity authority of the run: its private key never leaves this
+        # process; each engine gets its own key and token (owner-only file) and
+        # the authority's public key (docs/security.md, "Identities").
+        self.authority = identity.Authority.generate()
 
     def replicas_in_spec(self, role: str) -> int:
         if role == "prefill" and not disaggregating(self.spec):
@@ -163,10 +192,33 @@ class LocalFleet:
             argv,
             port,
             self.run_dir / f"{name}.log",
-            env={**self.child_env, "OMP_NUM_THREADS": str(self.threads)},
+            env={
+                **self.child_env,
+                **self._identity_env(name, role),
+                "OMP_NUM_THREADS": str(self.threads),
+            },
             host=self.host,
             headers=self.auth_headers,
         )
+
+    def _identity_env(self, name: str, role: str) -> dict[str, str]:
+        """A new identity for engine ``name`` (its own key, vouched for by this run's
+        authority), in an owner-only file; the variables that point the engine at it."""
+        folder = self.run_dir / "identity"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"{name}.json"
+        engine = identity.EngineIdentity.issue(
+            self.authority,
+            f"{self.service.name}/{name}",
+            role,
+            self.service.name,
+            IDENTITY_TTL_SECONDS,
+        )
+        engine.write(path)
+        return {
+            identity.IDENTITY_FILE_ENV: str(path.resolve()),
+            identity.IDENTITY_AUTHORITY_ENV: self.authority.public_key,
+        }
 
     def add_engine(self, role: str) -> Child:
         child = self._engine_child(role)
@@ -185,8 +237,11 @@ class LocalFleet:
             disaggregation_mode=spec.disaggregation.mode,
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
             tokenizer=self.model_path,
+            served_model_name=[spec.model.name],
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+            **gateway_request_bounds(spec),
+            trust_client_trace_context=spec.gateway.trust_client_trace_context,
         )
 
     def gateway_metrics_text(self) -> str | None:
@@ -205,13 +260,25 @@ class LocalFleet:
                     entry["kv_events"], entry["kv_events_replay"] = self.kv_events[c.name]
                 engines.append(entry)
             tmp = self.engines_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"engines": engines}, indent=2))
+            # Owner-only, as the whole run directory: it names every port.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"engines": engines}, indent=2))
             os.replace(tmp, self.engines_file)
 
     # -- lifecycle --------------------------------------------------------------------
 
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
+
     def start(self, timeout: float = 600.0) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The engines file, the state file and the logs name every port (and the
+        # identity files hold private keys): only this user may read them.
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.run_dir, 0o700)
+        # For `pdfleet status` run by the same user (0600: nobody else reads it).
+        write_private(self.run_dir / SECRET_FILE, self.secret)
         self.write_engines_file()
         for role in self.roles:
             for _ in range(self.replicas_in_spec(role)):
@@ -233,6 +300,7 @@ class LocalFleet:
                 raise TimeoutError(
                     f"engines not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}"
                 )
+            self.progress()
             time.sleep(0.2)
         self.write_engines_file()
         gw = self.gateway_config()
@@ -243,7 +311,7 @@ class LocalFleet:
             argv,
             self.gateway_port,
             self.run_dir / "gateway.log",
-            env=self.child_env,
+            env=self.gateway_env,
             host=self.host,
             headers=self.auth_headers,
         )
@@ -256,6 +324,7 @@ class LocalFleet:
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway did not become healthy")
+            self.progress()
             time.sleep(0.2)
         self.gateway.mark_ready()
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+GiB = 1 << 30
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 # One thread forks every child and lives as long as the process (see above).
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
@@ -47,6 +48,35 @@ def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(argv, preexec_fn=lambda: die_with_parent(parent), **kwargs)
 
     return _SPAWNER.submit(start).result(timeout=60)
+
+
+def resident_bytes(pid: int, tree: bool = True) -> int:
+    """Resident memory (VmRSS) of ``pid`` and (``tree``) of every process below it
+    (an engine's tensor-parallel ranks), from /proc; 0 for a process that is gone."""
+    parents: dict[int, int] = {}
+    if not tree:
+        return _vm_rss(pid)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = f"/proc/{entry}/stat"
+            with contextlib.suppress(OSError, IndexError, ValueError), open(stat) as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                found.add(child)
+                frontier.append(child)
+    return sum(_vm_rss(p) for p in found)
+
+
+def _vm_rss(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 @dataclass(eq=False)

@@ -1,14 +1,21 @@
-"""The run directory's ``fleet.json``: what `pdfleet status` reads of a local fleet.
+"""The run directory's ``fleet.json`` and ``fleet-secret``: what `pdfleet status`
+reads of a local fleet.
 
 ``engines.json`` (the gateway's discovery file) lists only routable engines;
 ``fleet.json`` lists every child with its state (starting, ready, draining,
-down) and the autoscaler's latest decisions, rewritten only when it changes.
+down; all ``stopped`` once ``pdfleet up`` has stopped them), the autoscaler's
+latest decisions and the supervisor's pid and start time, rewritten only when
+it changes. A reader tells a fleet whose supervisor died (SIGKILL, a reboot)
+from a live one by that pid: :func:`supervisor_alive`. ``fleet-secret`` holds
+the run's fleet secret, readable by its owner only (0600), so that `pdfleet
+status` run by the same user presents the engines' token with no setup.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `pdfleet status` imports STATE_FILE without the fleet's imports
@@ -16,6 +23,45 @@ if TYPE_CHECKING:  # `pdfleet status` imports STATE_FILE without the fleet's imp
     from .process import Child
 
 STATE_FILE = "fleet.json"
+SECRET_FILE = "fleet-secret"
+STOPPED = "stopped"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, readable and writable by the owner only
+    (0600 from creation: the bytes are never readable by anyone else)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an old tmp file keeps its mode through O_CREAT
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None
+    when there is no such process: with the pid it names one process, never a
+    later process that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return None
+    return int(fields[19])
+
+
+def supervisor_alive(state: dict[str, Any]) -> bool:
+    """Whether the ``pdfleet up`` that wrote ``state`` still runs."""
+    sup = state.get("supervisor") or {}
+    pid, ticks = sup.get("pid"), sup.get("startTicks")
+    if not isinstance(pid, int):
+        return True  # an older file: nothing to check, trust its states
+    now = process_start_ticks(pid)
+    return now is not None and (ticks is None or now == ticks)
 
 
 def child_state(child: Child) -> str:
@@ -26,20 +72,28 @@ def child_state(child: Child) -> str:
     return "ready" if child.ready else "starting"
 
 
-def fleet_state(fleet: LocalFleet, decisions: list[dict[str, Any]]) -> dict[str, Any]:
+def fleet_state(
+    fleet: LocalFleet, decisions: list[dict[str, Any]], stopped: bool = False
+) -> dict[str, Any]:
     gateway = fleet.gateway
+    pid = os.getpid()
+
+    def state(child: Child) -> str:
+        return STOPPED if stopped else child_state(child)
+
     return {
         "service": fleet.service.name,
+        "supervisor": {"pid": pid, "startTicks": process_start_ticks(pid)},
         "gateway": {
-            "url": gateway.url if gateway else None,
-            "state": child_state(gateway) if gateway else "starting",
+            "url": gateway.url if gateway else fleet.gateway_url,
+            "state": state(gateway) if gateway else (STOPPED if stopped else "starting"),
         },
         "engines": [
             {
                 "name": c.name,
                 "role": c.role,
                 "url": c.url,
-                "state": child_state(c),
+                "state": state(c),
                 "restarts": c.restarts,
             }
             for c in fleet.all_children()
@@ -57,12 +111,15 @@ class FleetStateWriter:
         self.path = fleet.run_dir / STATE_FILE
         self._last = ""
 
-    def write(self, autoscaler: Any = None) -> None:
+    def write(self, autoscaler: Any = None, stopped: bool = False) -> None:
+        """Rewrite the file when its content changed; ``stopped``: every process
+        of the fleet has been stopped (the last write of a run)."""
+        if not self.path.parent.is_dir():
+            return  # the fleet has not created its run directory yet
         history = autoscaler.log.history.latest(10) if autoscaler is not None else []
-        text = json.dumps(fleet_state(self.fleet, [r.to_dict() for r in history]), indent=2)
+        decisions = [r.to_dict() for r in history]
+        text = json.dumps(fleet_state(self.fleet, decisions, stopped), indent=2)
         if text == self._last:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)
+        write_private(self.path, text)
         self._last = text

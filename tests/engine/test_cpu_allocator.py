@@ -60,3 +60,36 @@ def test_disabled_by_environment_or_preloaded_allocator():
     assert probe("tune", PDFLEET_CPU_MALLOC_TUNING="0")["tuned"] is False
     # A preloaded allocator is left alone (the name is all that is checked).
     assert probe("tune", LD_PRELOAD="/nonexistent/libtcmalloc.so")["tuned"] is False
+
+
+# Under the tuning, 256 MiB freed stays resident until release() trims the heap.
+RELEASE = r"""
+import json, torch
+from pdfleet.engine.worker import cpu_allocator
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+assert cpu_allocator.tune()
+a = torch.ones(64 << 20)  # 256 MiB, from the heap under the tuning
+del a
+kept = rss()
+released = cpu_allocator.release()
+print(json.dumps({"released": released, "kept": kept, "after": rss()}))
+"""
+
+
+def test_release_hands_back_what_the_tuning_would_keep():
+    import os
+
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", RELEASE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["released"]
+    assert result["kept"] - result["after"] > 200 << 20, result

@@ -88,6 +88,9 @@ def test_events_are_vllm_tagged_maps_with_hashes_reproducible_from_token_ids(tin
             "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
             "topic": "kv",
             "heartbeat_interval": 0.2,
+            # What vLLM's router subscribes to: in the clear, with token ids.
+            "auth": "none",
+            "include_token_ids": True,
         },
     )
     try:

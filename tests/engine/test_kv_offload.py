@@ -260,7 +260,12 @@ def test_kv_events_say_which_tier_holds_a_block(tiny_model):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(f"tcp://127.0.0.1:{port}")
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    # A plain subscriber (auth none): what the events say, not who may read them.
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "auth": "none",
+    }
     llm = LLM(
         tiny_model,
         max_model_len=128,

@@ -27,6 +27,10 @@ def events_config(pub: int, replay: int) -> list[str]:
         "endpoint": f"tcp://127.0.0.1:{pub}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay}",
         "heartbeat_interval": 0.5,
+        # vLLM's router reads these streams too: in the clear, with token ids
+        # (the pdfleet gateways below subscribe with --kv-events-auth none).
+        "auth": "none",
+        "include_token_ids": True,
     }
     return ["--kv-events-config", json.dumps(config)]
 
@@ -76,6 +80,8 @@ def kv_gateways(kv_engines, tiny_model, tmp_path_factory):
         tiny_model,
         "--scrape-interval",
         "0.2",
+        "--kv-events-auth",
+        "none",
     ]
     procs = []
     try:

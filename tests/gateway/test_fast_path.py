@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.app import Gateway
+from pdfleet.engine.gateway.call import NOT_ANALYZED, Call
 from pdfleet.engine.gateway.deadlines import RESOLUTION, Deadline
 from pdfleet.engine.gateway.discovery import StaticDiscovery
 from pdfleet.engine.gateway.engines import EngineLoad
 from pdfleet.engine.gateway.metrics import GatewayMetrics
-from pdfleet.engine.gateway.proxy import NOT_ANALYZED, Call
 
 PROMPT = "The harbor was quiet before dawn, and the boats rocked against the pier. " * 8
 
@@ -123,7 +123,7 @@ def test_the_single_engine_route_is_the_general_route_without_prompt_analysis():
     )
     # Whatever needs the prompt later gets it analyzed then, exactly.
     call = Call("/v1/completions", "r", 0.0, {}, False, body=body)
-    assert proxy._analyzed(call, NOT_ANALYZED) == info
+    assert proxy.legs.analyzed(call, NOT_ANALYZED) == info
     # Not taken where the prompt can matter: several engines, or another mode.
     assert healthy_gateway("Disabled", ["http://d1", "http://d2"]).proxy._sole_route() is None
     assert healthy_gateway("Conditional", ["http://d1"]).proxy._sole_route() is None

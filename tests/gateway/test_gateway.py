@@ -233,6 +233,45 @@ def test_bad_input_gets_an_openai_shaped_4xx(gateways, mode):
     assert metric(url, "pdfleet_gateway_requests_total", status="400") >= 4
 
 
+def test_engines_and_the_gateway_answer_one_error_body(gateways, engines):
+    """OpenAI's error shape with the HTTP status as an integer ``code`` (as vLLM
+    sends it), the same from an engine and from the gateway in front of it: for
+    a refused input, an unknown route and an unknown method."""
+    direct, via = engine_client(engines[1].url), client_for(gateways["disabled"].url)
+    bodies = []
+    for client in (direct, via):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="no-such-model", prompt=SHORT, max_tokens=2)
+        assert err.value.status_code == 404 and err.value.code == "404"  # the client's str()
+        bodies.append(err.value.body)
+    assert (
+        bodies[0]
+        == bodies[1]
+        == {
+            "message": "The model `no-such-model` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    )
+    engine = {"authorization": f"Bearer {fleet_token()}"}
+    for method, path, status, kind in (
+        ("GET", "/v1/no-such-route", 404, "NotFoundError"),
+        ("POST", "/health", 405, "MethodNotAllowedError"),
+    ):
+        answers = [
+            httpx.request(method, engines[1].url + path, headers=engine, timeout=10),
+            httpx.request(method, gateways["disabled"].url + path, timeout=10),
+        ]
+        for r in answers:
+            assert r.status_code == status and r.headers["content-type"] == "application/json"
+            assert r.json() == {
+                "error": {"message": r.reason_phrase, "type": kind, "param": None, "code": status}
+            }
+        if status == 405:
+            assert [r.headers["allow"] for r in answers] == ["GET", "GET"]
+
+
 def test_models_health_engines_and_metrics(gateways, engines):
     url = gateways["always"].url
     assert [m.id for m in client_for(url).models.list().data] == ["tiny"]

@@ -1,4 +1,4 @@
-"""The gateway's own HTTP/1.1 server (engine/gateway/server.py) against raw sockets.
+"""The gateway's HTTP/1.1 server (engine/http/server.py, the engines' too) against raw sockets.
 
 A real gateway process in front of recording engines (``fake_engine.py``):
 pipelined requests are answered in order, chunked and ``Expect:
@@ -195,7 +195,12 @@ def test_a_malformed_request_line_is_an_openai_shaped_400(gateway):
         s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         status, headers, body = Reader(s).answer()
     assert status == 400 and headers["connection"] == "close"
-    assert json.loads(body)["error"]["code"] == "invalid_request"
+    assert json.loads(body)["error"] == {
+        "message": "invalid HTTP/1.1 request",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
 
 
 def test_unknown_paths_and_methods_are_404_and_405(gateway):

@@ -153,7 +153,7 @@ def test_stalled_decode_engine_hits_the_idle_first_token_and_request_timeouts(fl
         assert 0.9 < waited < 4, waited
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert error["code"] == "upstream_timeout" and "sent nothing for 1s" in error["message"]
+        assert error["code"] == 504 and "sent nothing for 1s" in error["message"]
 
         # An engine that does not even accept the request: a stream's first-token
         # timeout, and a JSON answer's request timeout, are plain 504s.
@@ -207,7 +207,7 @@ def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fle
     assert time.monotonic() - killed_at < 5, "the client's stream did not end within 5 s"
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["code"] == "upstream_error" and error["type"] == "BadGatewayError"
+    assert error["code"] == 502 and error["type"] == "BadGatewayError"
     assert "decode engine" in error["message"] and "127.0.0.1" not in error["message"]
     assert len(events) < 480  # it ended early, not after the full answer
     assert metric(gw.url, "pdfleet_gateway_requests_total", status="502") >= 1
@@ -339,6 +339,6 @@ def test_a_decode_engine_that_died_between_checks_gets_a_502_then_a_held_503(fle
         )
         assert 0.9 < time.monotonic() - started < 5
         assert none_left.status_code == 503 and none_left.headers["retry-after"] == "5"
-        assert none_left.json()["error"]["code"] == "no_engine_available"
+        assert none_left.json()["error"]["code"] == 503
     finally:
         gw.stop()

@@ -23,7 +23,7 @@ from gateway.fake_engine import PARAMS, FakeEngine, make_ca, make_client_cert
 from helpers.fleet import auth_headers, engines_view, start_gateway
 from helpers.server import wait_until
 
-from pdfleet.engine.gateway.proxy import PREFILL_KV_TRANSFER_PARAMS
+from pdfleet.engine.gateway.prefill_leg import PREFILL_KV_TRANSFER_PARAMS
 
 CLIENT_KEY = "client-key-abc"
 LONG = "word " * 400  # over --min-prompt-tokens (chars / 4)
@@ -139,7 +139,7 @@ def test_inadmissible_sampling_is_a_400_before_any_leg(gateway, fakes, fields, p
     resp = post(gateway, {"model": "tiny", "prompt": long_prompt(), **fields})
     assert resp.status_code == 400
     error = resp.json()["error"]
-    assert error["param"] == param and error["code"] == "invalid_request"
+    assert error["param"] == param and error["code"] == 400
     # No prefill leg ran, so no KV is pinned for a request decode would refuse.
     assert fakes[0].posts() == [] and fakes[1].posts() == []
 
@@ -155,22 +155,24 @@ def test_engine_errors_reach_the_client_without_urls_bodies_or_traces(gateway, f
         "message": "the decode engine answered 500",
         "type": "BadGatewayError",
         "param": None,
-        "code": "upstream_error",
+        "code": 502,
     }
     # A refusal that is not OpenAI-shaped: its status, not its body.
     decode.answer = lambda body: (400, trace)
     resp = post(gateway, {"model": "tiny", "prompt": "hi", "max_tokens": 3})
     assert resp.status_code == 400
     assert resp.json()["error"]["message"] == "the request was refused (400)"
-    # An OpenAI-shaped refusal: what the client must change, nothing more.
+    # An OpenAI-shaped refusal: what the client must change, nothing more (its
+    # code is the status, as every pdfleet error's, whatever the engine's said).
     shaped = {"error": {"message": "prompt is too long", "param": "prompt", "code": "too_long"}}
     decode.answer = lambda body: (400, json.dumps({**shaped, "trace": trace.decode()}).encode())
     resp = post(gateway, {"model": "tiny", "prompt": "hi", "max_tokens": 3})
     error = resp.json()["error"]
-    assert (error["message"], error["param"], error["code"]) == (
+    assert (error["message"], error["type"], error["param"], error["code"]) == (
         "prompt is too long",
+        "BadRequestError",
         "prompt",
-        "too_long",
+        400,
     )
     assert "Traceback" not in resp.text
     for answer in (resp,):
@@ -240,7 +242,8 @@ def test_a_body_over_the_limit_is_refused_on_its_content_length_before_it_is_rea
     # 50 MB announced, nothing sent: the 413 comes back at once.
     out = raw_exchange(gateway, head(content_length="50000000", content_type="application/json"))
     assert out.startswith(b"HTTP/1.1 413"), out[:200]
-    assert b'"request_too_large"' in out and time.monotonic() - started < 3
+    assert b'"RequestTooLargeError"' in out and b'"code": 413' in out
+    assert time.monotonic() - started < 3
 
 
 def test_a_chunked_body_over_the_limit_and_a_huge_chunk_size_are_cut_off(gateway):
@@ -248,22 +251,28 @@ def test_a_chunked_body_over_the_limit_and_a_huge_chunk_size_are_cut_off(gateway
     body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
     out = raw_exchange(gateway, head(transfer_encoding="chunked") + body)
     assert out.startswith(b"HTTP/1.1 413"), out[:200]
-    # A chunk of 2^56 - 1 bytes announced and never sent: the body timeout ends it.
+    # A chunk of 2^56 - 1 bytes announced and never sent: past --max-chunk-bytes
+    # (the engine server's bound too), a 413 at once.
     started = time.monotonic()
     out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"ffffffffffffff\r\nab")
+    assert out.startswith(b"HTTP/1.1 413"), out[:200]
+    assert b"--max-chunk-bytes" in out and time.monotonic() - started < 3
+    # A chunk within the bound announced and never sent: the body timeout ends it.
+    started = time.monotonic()
+    out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"400\r\nab")
     assert out.startswith(b"HTTP/1.1 408"), out[:200]
     assert time.monotonic() - started < 5
     # A chunk size past 64 bits is not HTTP/1.1: an OpenAI-shaped 400 at once.
     started = time.monotonic()
     out = raw_exchange(gateway, head(transfer_encoding="chunked") + b"ffffffffffffffffffff\r\nab")
     assert out.startswith(b"HTTP/1.1 400"), out[:200]
-    assert b'"invalid_request"' in out and time.monotonic() - started < 3
+    assert b'"code": 400' in out and time.monotonic() - started < 3
 
 
 def test_a_request_head_over_64_kib_is_a_431(gateway):
     out = raw_exchange(gateway, head(x_big="a" * 70000, content_length="0"))
     assert out.startswith(b"HTTP/1.1 431"), out[:200]
-    assert b'"request_header_fields_too_large"' in out
+    assert b'"RequestHeaderFieldsTooLargeError"' in out and b'"code": 431' in out
 
 
 def test_headers_trickled_past_the_header_timeout_close_the_connection(gateway):

@@ -12,6 +12,8 @@ import pytest
 
 from pdfleet.engine.config import FlexibleArgumentParser
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.gateway.answers import sse_error
+from pdfleet.engine.gateway.decode_leg import decode_body
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
 from pdfleet.engine.gateway.engines import (
     EngineLoad,
@@ -19,15 +21,10 @@ from pdfleet.engine.gateway.engines import (
     EngineState,
     parse_engine_metrics,
 )
+from pdfleet.engine.gateway.legs import Watched
 from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.gateway.prefill_leg import PREFILL_KV_TRANSFER_PARAMS, prefill_body
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
-from pdfleet.engine.gateway.proxy import (
-    PREFILL_KV_TRANSFER_PARAMS,
-    Watched,
-    decode_body,
-    prefill_body,
-    sse_error,
-)
 from pdfleet.engine.gateway.routing import KVPairBreaker
 
 # -- the two legs ------------------------------------------------------------------
@@ -85,7 +82,7 @@ def test_sse_error_is_an_openai_error_event_then_done():
         "message": "the decode engine failed",
         "type": "BadGatewayError",
         "param": None,
-        "code": "upstream_error",
+        "code": 502,
     }
 
 

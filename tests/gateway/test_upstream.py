@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from pdfleet.engine.gateway import upstream
-from pdfleet.engine.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
+from pdfleet.engine.http import upstream
+from pdfleet.engine.http.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
 
 class Server:

@@ -21,7 +21,7 @@ from helpers.server import wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet.engine.gateway.workers import Siblings, merge_expositions
+from pdfleet.engine.gateway.siblings import Siblings, merge_expositions
 
 WORKERS = 2
 

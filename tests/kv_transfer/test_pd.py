@@ -531,8 +531,13 @@ def test_forged_altered_or_expired_params_are_a_400_and_nothing_is_dialled(fleet
 
 
 def raw_dealer(port: int, message: dict, timeout_ms: int = 2000) -> dict:
+    """One message from a peer that holds the fleet secret (it passes the side
+    channel's CURVE handshake) but has no session."""
+    from pdfleet.engine.kv_transfer.side_channel import secure_client
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, security.fleet_secret_from_env())
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send(msgpack.packb(message, use_bin_type=True))

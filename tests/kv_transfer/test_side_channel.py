@@ -11,13 +11,13 @@ import torch
 import zmq
 from helpers.server import free_port
 
-from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.config import EngineArgs, security
 from pdfleet.engine.config.engine import pdfleet_version
 from pdfleet.engine.kv_transfer.connector import PDConnector
 from pdfleet.engine.kv_transfer.side_channel import (
     PROTOCOL_VERSION,
-    AuthError,
     SideChannelClient,
+    secure_client,
 )
 
 
@@ -68,9 +68,11 @@ def zmq_producer(tiny_model):
 
 
 def raw(port: int, *frames: bytes, timeout_ms: int = 2000) -> dict:
-    """One request from an unauthenticated DEALER; the decoded first reply frame."""
+    """One request from an unauthenticated DEALER (a CURVE client that knows the
+    fleet's side-channel key, as any holder of the secret); the first reply frame."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, security.fleet_secret_from_env())
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send_multipart(list(frames))
@@ -100,8 +102,20 @@ def test_an_unauthenticated_peer_gets_nothing_and_frees_nothing(zmq_producer):
     hello = {"op": "hello", "version": PROTOCOL_VERSION, "compat_hash": c.compat_hash}
     reply = raw(port, pack({**hello, "nonce": b"n" * 32, "engine_id": "e", "instance_id": "i"}))
     assert reply["ok"] and "agent_metadata" not in reply and "layout" not in reply
-    auth = raw(port, pack({"op": "auth", "session": reply["session"], "proof": b"p" * 32}))
-    assert auth["ok"] is False and "authentication failed" in auth["error"]
+    hello_fields = {"engine_id": "e", "instance_id": "i", "compat_hash": c.compat_hash}
+    auth = {
+        "op": "auth",
+        "session": reply["session"],
+        "client_nonce": b"n" * 32,
+        "nonce": reply["nonce"],
+        "hello": pack({**hello_fields, "identity": None}),
+        "cookie": reply["cookie"],
+    }
+    refused = raw(port, pack({**auth, "proof": b"p" * 32}))
+    assert refused["ok"] is False and "authentication failed" in refused["error"]
+    # A cookie that does not match what the server answered: no session at all.
+    forged = raw(port, pack({**auth, "cookie": b"c" * 32, "proof": b"p" * 32}))
+    assert forged["ok"] is False and "unknown session" in forged["error"]
     assert "victim-lease" in c.held and not c.freed
 
 
@@ -118,8 +132,10 @@ def test_a_peer_with_another_secret_fails_both_ways(zmq_producer):
     c = zmq_producer
     wrong = SideChannelClient(b"another-fleets-secret-0123456789", "e", "i", c.compat_hash)
     try:
-        with pytest.raises(AuthError):
-            wrong.connect("127.0.0.1", c.port, 2.0)
+        # Its CURVE handshake fails (the server's key derives from the secret): no
+        # answer at all, so it learns nothing.
+        with pytest.raises(TimeoutError):
+            wrong.connect("127.0.0.1", c.port, 1.0)
     finally:
         wrong.close()
     right = SideChannelClient(c.secret, "e", "i", c.compat_hash)
@@ -155,6 +171,47 @@ def test_a_lease_binds_to_the_first_consumer_that_claims_it(zmq_producer):
     finally:
         first.close()
         second.close()
+
+
+class FromAddress(SideChannelClient):
+    """A client whose connections leave from ``source`` (another loopback address)."""
+
+    source = "127.0.0.2"
+
+    def _sock(self, host, port):
+        if (host, port) not in self.socks:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            secure_client(s, self.secret)
+            s.connect(f"tcp://{self.source}:0;{host}:{port}")
+            self.socks[(host, port)] = s
+        return self.socks[(host, port)]
+
+
+def test_without_identities_a_lease_binds_to_the_stated_ids_and_their_address(zmq_producer):
+    # Another holder of the fleet secret states the real consumer's engine and
+    # instance ids, from another address: the lease is not its to read, confirm
+    # or release.
+    c = zmq_producer
+    from pdfleet.engine.kv_transfer.connector import Lease
+
+    c.held["L"] = Lease("victim", [0, 1], time.monotonic() + 60)
+    real = SideChannelClient(c.secret, "decode-a", "1", c.compat_hash)
+    poser = FromAddress(c.secret, "decode-a", "1", c.compat_hash)
+    try:
+        for client in (real, poser):
+            client.connect("127.0.0.1", c.port, 2.0)
+        real.call("127.0.0.1", c.port, {"op": "claim", "lease_id": "L", "block_ids": [0]}, 2.0)
+        with pytest.raises(RuntimeError, match="another consumer"):
+            poser.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [0]}, 2)
+        with pytest.raises(RuntimeError, match="ended"):
+            poser.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        poser.send_nowait("127.0.0.1", c.port, {"op": "release", "lease_id": "L"})
+        real.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        assert c.freed == ["victim"]
+    finally:
+        real.close()
+        poser.close()
 
 
 def test_a_replayed_message_is_refused(zmq_producer):
@@ -244,10 +301,15 @@ def test_a_repeated_request_id_never_takes_over_held_blocks(zmq_producer):
 
     sched = PDConnectorScheduler(zmq_producer)
     request = SimpleNamespace(
-        request_id="same", num_prompt_tokens=40, kv_transfer_params={"do_remote_decode": True}
+        request_id="same",
+        num_prompt_tokens=40,
+        kv_transfer_params={"do_remote_decode": True},
+        block_hashes=[bytes([i]) * 32 for i in range(2)],
     )
     hold, first = sched.request_finished(request, [0, 1, 2])
     assert hold and first["remote_block_ids"] == [0, 1]
+    # The lease names its content: the chain hash of its last block.
+    assert first["pdfleet_block_chain"] == (b"\x01" * 32).hex()
     hold, second = sched.request_finished(request, [3, 4, 5])
     # The second is not held (its blocks are freed at once); the first lease is intact.
     assert not hold and second["remote_block_ids"] == []

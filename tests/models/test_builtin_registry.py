@@ -4,6 +4,7 @@ package, checked against its pinned sha256, and named the same way by the operat
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -71,3 +72,55 @@ def test_install_steps_pin_the_registry_version_without_dependencies():
     line = f"--no-deps {registry.SMOLLM2.distribution}=={registry.SMOLLM2.version}"
     assert line in (root / "Makefile").read_text()
     assert line in (root / "docker" / "engine.Dockerfile").read_text()
+
+
+def test_prepared_directory_ships_a_tools_template_and_names_its_parser(smollm2_dir):
+    from pdfleet.engine.config.serving_defaults import read_serving_defaults
+
+    assert read_serving_defaults(smollm2_dir).tool_call_parser == "hermes"
+    template = open(os.path.join(smollm2_dir, "chat_template.jinja")).read()  # noqa: SIM115
+    assert "<tool_call>" in template and "<tools>" in template
+    # Its own directory: serving the GGUF file itself keeps the file's template.
+    assert "/builtin/" in smollm2_dir
+
+
+def test_the_tools_template_renders_what_the_models_own_does_without_tools(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from pdfleet.engine.config.gguf import prepare_gguf_dir
+
+    ours = AutoTokenizer.from_pretrained(smollm2_dir)
+    own = AutoTokenizer.from_pretrained(prepare_gguf_dir(os.path.join(smollm2_dir, "model.gguf")))
+    assert "tool" not in own.chat_template
+    for conversation in (
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and?"},
+        ],
+    ):
+        for generation in (True, False):
+            assert ours.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=generation
+            ) == own.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=generation
+            )
+
+
+def test_a_directory_kept_from_another_install_is_relinked_to_this_ones_file(smollm2_dir, tmp_path):
+    from pdfleet.engine.config.gguf import GGUF_LINK
+
+    # A directory prepared by an environment since removed: its link dangles.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in os.listdir(smollm2_dir):
+        if name != GGUF_LINK:
+            os.symlink(os.path.join(smollm2_dir, name), kept / name)
+    os.symlink(tmp_path / "gone" / "model.gguf", kept / GGUF_LINK)
+    assert registry.builtin_model_dir("smollm2-135m-instruct", out=str(kept)) == str(kept)
+    assert os.path.realpath(kept / GGUF_LINK) == os.path.realpath(
+        registry.packaged_gguf_path(registry.SMOLLM2)
+    )
+    assert [n for n in os.listdir(kept) if n.startswith(".")] == []

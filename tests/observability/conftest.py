@@ -37,7 +37,10 @@ def fleet(tiny_model, tmp_path_factory, receiver):
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans reach the receiver at once
     }
     with mock.patch.dict(os.environ, env):
-        up = Up(fleet_spec(tiny_model), tmp_path_factory.mktemp("obs-fleet"))
+        # The tests follow a client's traceparent through the fleet: trusted here
+        # (tests/security/test_trace_sampling.py covers the default, untrusted).
+        spec = fleet_spec(tiny_model, gateway={"trustClientTraceContext": True})
+        up = Up(spec, tmp_path_factory.mktemp("obs-fleet"))
     try:
         yield up.wait_ready()
     finally:

@@ -27,6 +27,8 @@ class Span:
     end_ns: int
     attributes: dict[str, Any] = field(default_factory=dict)
     error: bool = False
+    links: list[tuple[str, str]] = field(default_factory=list)
+    """(trace id, span id) of each linked span."""
 
     @property
     def seconds(self) -> float:
@@ -92,6 +94,7 @@ class OTLPReceiver:
                             end_ns=s.end_time_unix_nano,
                             attributes={a.key: _value(a.value) for a in s.attributes},
                             error=s.status.code == 2,
+                            links=[(x.trace_id.hex(), x.span_id.hex()) for x in s.links],
                         )
                     )
         with self.lock:

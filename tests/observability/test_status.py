@@ -9,10 +9,12 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import httpx
 import pytest
+from helpers.server import free_port
 
 from conftest import scrape_text
 from pdfleet.engine.config.launch import python_module
@@ -29,13 +31,25 @@ from pdfleet.operator.status_cmd import (
 LONG = "[status] The harbor was quiet before dawn. Boats rocked against the pier. " * 6
 
 
-def status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def status(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*python_module("pdfleet.engine.cli"), "status", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
+
+
+def without_fleet_secret() -> dict[str, str]:
+    """This environment less the fleet secret the test session shares."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PDFLEET_FLEET_SECRET", "PDFLEET_FLEET_SECRET_FILE")
+    }
 
 
 def complete(fleet, prompt: str, max_tokens: int = 4) -> None:
@@ -94,7 +108,6 @@ def test_status_watch_refreshes_in_place_until_interrupted(fleet):
             "--run-dir",
             str(fleet.run_dir.parent / fleet.run_dir.name),
             "--watch",
-            "--interval",
             "0.3",
         ],
         stdout=subprocess.PIPE,
@@ -122,6 +135,55 @@ def test_status_watch_refreshes_in_place_until_interrupted(fleet):
         assert "decode-0" in frame and "prefill-0" in frame
         # From the second refresh on, XFER/S is a number.
     assert rows_by_name(frames[1])["decode-0"][6] != "-"
+
+
+def test_status_needs_no_setup_it_reads_the_runs_owner_only_secret(fleet):
+    (run,) = fleet.run_dir.glob("*/fleet.json")
+    secret_file = run.parent / "fleet-secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    assert (run.stat().st_mode & 0o777) == 0o600
+    out = status("--run-dir", str(fleet.run_dir), env=without_fleet_secret())
+    assert out.returncode == 0, out.stderr
+    rows = rows_by_name(out.stdout)
+    assert rows["prefill-0"][2] == rows["decode-0"][2] == "ready", out.stdout
+    assert "denied" not in out.stdout
+    assert "HTTP Request" not in out.stderr  # no httpx line per scrape
+
+
+def _run_dir(tmp_path, supervisor_pid: int, gateway_url: str):
+    run = tmp_path / "tiny-20260101-000000"
+    run.mkdir()
+    start = Path(f"/proc/{supervisor_pid}/stat")
+    ticks = int(start.read_text().rsplit(")", 1)[1].split()[19]) if start.exists() else 1
+    state = {
+        "service": "tiny",
+        "supervisor": {"pid": supervisor_pid, "startTicks": ticks},
+        "gateway": {"url": gateway_url, "state": "ready"},
+        "engines": [
+            {"name": "decode-0", "role": "decode", "url": gateway_url, "state": "ready"},
+        ],
+        "lastDecisions": [],
+    }
+    (run / "fleet.json").write_text(json.dumps(state))
+    return run
+
+
+def test_a_run_whose_pdfleet_up_is_gone_is_stopped_whatever_its_file_says(tmp_path):
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs
+    dead.wait(10)
+    run = _run_dir(tmp_path, dead.pid, f"http://127.0.0.1:{free_port()}")
+    out = status("--run-dir", str(run))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith(" stopped"), lines
+    assert rows_by_name(out.stdout)["decode-0"][2] == "stopped"
+
+
+def test_a_live_run_whose_gateway_refuses_connections_shows_it_down(tmp_path):
+    run = _run_dir(tmp_path, os.getpid(), f"http://127.0.0.1:{free_port()}")
+    out = status("--run-dir", str(run))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].endswith(" down"), out.stdout
 
 
 def test_status_of_a_missing_run_is_a_clear_error(tmp_path):
@@ -234,4 +296,25 @@ def test_engines_that_refuse_the_token_say_so_with_what_to_set():
     row = EngineRow("decode-0", "decode", "ready", scrape(get))
     lines = render([FleetView("tiny", "run", "gateway - ready", [row])]).splitlines()
     assert lines[2].split()[2] == "denied"
-    assert lines[-1].startswith("denied: set PDFLEET_FLEET_SECRET")
+    assert lines[-2].startswith("denied: run as the user who ran `pdfleet up`")
+    assert "set PDFLEET_FLEET_SECRET" in lines[-1]
+
+
+def test_another_users_run_says_whose_it_is(tmp_path, monkeypatch):
+    from pdfleet.operator.status_cmd import LocalSource
+
+    run = _run_dir(tmp_path, os.getpid(), f"http://127.0.0.1:{free_port()}")
+    source = LocalSource(run)
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "fleet.json":
+            raise PermissionError(13, "Permission denied")  # as for a user without root
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    try:
+        with pytest.raises(ValueError, match="as the user who ran `pdfleet up`"):
+            source.views({})
+    finally:
+        source.close()

@@ -93,7 +93,7 @@ def gateway(receiver, tmp_path):
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 (closed below)
     argv = [*python_module("pdfleet.engine.cli"), "gateway", "--port", str(port)]
     argv += ["--prefill", prefills[0].url, prefills[1].url, "--decode", decode.url]
-    argv += ["--disaggregation-mode", "Always", "--retries", "1"]
+    argv += ["--disaggregation-mode", "Always", "--retries", "1", "--trust-client-trace-context"]
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 

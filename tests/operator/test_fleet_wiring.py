@@ -149,6 +149,13 @@ def test_serving_defaults_add_no_flags():
         assert name not in command
 
 
+def test_auto_tool_choice_false_turns_a_models_default_off():
+    objects = render({**SPEC, "serving": {"enableAutoToolChoice": False}})
+    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
+    assert "--no-enable-auto-tool-choice" in command
+    assert "--enable-auto-tool-choice" not in command
+
+
 @pytest.mark.parametrize(
     ("serving", "field"),
     [

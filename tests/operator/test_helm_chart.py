@@ -153,22 +153,69 @@ def test_chart_templates_use_the_namespaced_helpers():
         assert f'define "pdfleet.{name}"' in helpers
 
 
-def test_notes_render(tmp_path):
-    # helm renders NOTES.txt only on install (which needs a cluster): render a copy.
+def notes(tmp_path, *flags: str) -> str:
+    """NOTES.txt as `helm install` prints it (helm renders it only on install,
+    which needs a cluster: a copy is rendered into a ConfigMap)."""
     chart = tmp_path / "pdfleet"
-    shutil.copytree(CHART, chart)
-    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
-    (chart / "templates" / "notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
-        'data: {notes: {{ tpl (.Files.Get "notes.txt") . | quote }}}\n'
-    )
-    out = helm("template", "demo", str(chart), "--show-only", "templates/notes.yaml")
-    out = yaml.safe_load(out)["data"]["notes"]
+    if not chart.exists():
+        shutil.copytree(CHART, chart)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+        (chart / "templates" / "notes.yaml").write_text(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+            'data: {notes: {{ tpl (.Files.Get "notes.txt") . | quote }}}\n'
+        )
+    out = helm("template", "demo", str(chart), "--show-only", "templates/notes.yaml", *flags)
+    return yaml.safe_load(out)["data"]["notes"]
+
+
+def test_notes_render(tmp_path):
+    out = notes(tmp_path)
     assert "watches InferenceServices in: default" in out
-    assert "kubectl apply -n default -f" in out and "kubectl wait pdsvc/tiny" in out
-    flags = ("--show-only", "templates/notes.yaml", *CLUSTER_WIDE)
-    out = yaml.safe_load(helm("template", "demo", str(chart), *flags))["data"]["notes"]
+    assert "kubectl apply -n default -f" in out and "kubectl wait pdsvc/tiny -n default" in out
+    out = notes(tmp_path, *CLUSTER_WIDE)
     assert "watches InferenceServices in every namespace" in out
+
+
+def test_notes_name_the_namespace_on_every_kubectl_line_and_hold_no_placeholder(tmp_path):
+    from pdfleet.operator.resource import load_inference_service
+
+    out = notes(tmp_path, "--namespace", "ops", "--set", "watchNamespaces={team-a,team-b}")
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("kubectl ")]
+    assert len(commands) >= 5
+    for command in commands:
+        assert re.search(r" -n \S+", command), command
+    assert "kubectl get deployment demo-pdfleet -n ops" in commands
+    # InferenceServices go where the operator watches: the first watched namespace.
+    assert all(" -n team-a" in c for c in commands if "pdsvc" in c or "svc/" in c)
+    assert "OWNER" not in out and "https://" not in out  # nothing to fill in, no dead link
+    # The example it applies is a valid InferenceService.
+    # A here-document a shell ends: its EOF line stands alone, unindented.
+    manifest = out.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    service = load_inference_service(yaml.safe_load(manifest))
+    assert service.name == "tiny" and service.spec.model.uri == "builtin://tiny"
+    assert (
+        "pdfleet render FILE.yaml --operator-namespace ops --gateway-role demo-pdfleet-gateway"
+        in out
+    )
+
+
+def test_pdfleet_render_defaults_are_a_default_install_of_the_chart():
+    # `helm install pdfleet charts/pdfleet -n pdfleet`: what the operator is told ...
+    out = helm("template", "pdfleet", str(CHART), "--namespace", "pdfleet")
+    objects = [d for d in yaml.safe_load_all(out) if d]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    operator = build_parser().parse_args(command[1:])
+    # ... is what `pdfleet render` assumes without flags.
+    rendered = build_parser().parse_args(["render", "svc.yaml"])
+    assert (rendered.gateway_role_kind, rendered.gateway_role) == (
+        operator.gateway_role_kind,
+        operator.gateway_role,
+    )
+    assert rendered.operator_namespace == "pdfleet" == deployment["metadata"]["namespace"]
+    # And the role it binds exists in that install.
+    assert (operator.gateway_role_kind, operator.gateway_role) == ("Role", "pdfleet-gateway")
+    assert any(o["kind"] == "Role" and o["metadata"]["name"] == "pdfleet-gateway" for o in objects)
 
 
 def pod(labels=None, annotations=None, image="pdfleet:0.1.0"):
@@ -254,3 +301,24 @@ def test_leader_worker_set_rights_and_flag_come_only_with_the_chart_value(mode):
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert build_parser().parse_args(command[1:]).leader_worker_set is False
+
+
+def _leaf_keys(values: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        # A section of named settings is explained key by key; free-form maps (labels,
+        # selectors: empty by default) and resources are one value each.
+        if isinstance(value, dict) and value and key != "resources":
+            keys |= _leaf_keys(value, path + ".")
+        else:
+            keys.add(path)
+    return keys
+
+
+def test_the_chart_readme_explains_every_value_and_no_other():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    table = readme.split("## Values", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([A-Za-z][\w.]*)` \|", table, re.M))
+    assert documented == _leaf_keys(values)

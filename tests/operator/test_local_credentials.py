@@ -49,10 +49,26 @@ def test_children_get_the_secret_and_one_canonical_key_list_and_present_the_toke
     )
     child = fleet._engine_child("decode")
     assert child.env["PDFLEET_FLEET_SECRET"] == "s" * 40
-    assert child.env["PDFLEET_API_KEY"] == "ka,kb"
-    assert security.split_keys(child.env["PDFLEET_API_KEY"]) == keys
+    # The client keys go to the gateway only; engines get none (nor a key file
+    # this process's environment may name).
+    assert child.env["PDFLEET_API_KEY"] == "" and child.env["PDFLEET_API_KEY_FILE"] == ""
+    assert fleet.gateway_env["PDFLEET_API_KEY"] == "ka,kb"
+    assert security.split_keys(fleet.gateway_env["PDFLEET_API_KEY"]) == keys
     token = security.fleet_token(b"s" * 40)
     assert child.headers == {"Authorization": f"Bearer {token}"}
     # The KV side channel binds the fleet's host (loopback by default).
     kv = child.argv[child.argv.index("--kv-transfer-config") + 1]
     assert '"kv_ip": "127.0.0.1"' in kv
+
+
+def test_engines_get_the_client_keys_only_with_direct_engine_access(tmp_path):
+    fleet = LocalFleet(
+        load_inference_service(SERVICE),
+        str(tmp_path),
+        tmp_path,
+        say=lambda _: None,
+        fleet_secret="s" * 40,
+        api_keys=["ka", "kb"],
+        direct_engine_access=True,
+    )
+    assert fleet._engine_child("prefill").env["PDFLEET_API_KEY"] == "ka,kb"

@@ -156,6 +156,8 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     assert flags.disaggregation_mode == "Conditional"
     assert flags.min_prompt_tokens == 256
     assert flags.port == 8000
+    # It answers to the model's name, as the engines do (/v1/models at zero replicas too).
+    assert flags.served_model_name == ["m"]
     # The key is a mounted file (checkov CKV_K8S_35), never an environment value.
     env = {e["name"]: e for e in c["env"]}
     assert "PDFLEET_API_KEY" not in env
@@ -169,12 +171,13 @@ def test_gateway_discovers_engines_by_label_and_reads_the_api_key_from_the_secre
     (volume,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
     assert volume["secret"]["secretName"] == "keys"
     assert volume["secret"]["items"] == [{"key": "api-key", "path": key_file.rsplit("/", 1)[1]}]
-    # The gateway's pod discovery goes through the chart's ClusterRole: no Role here.
-    assert not [o for o in objects if o["kind"] == "Role"]
+    # The gateway's pod discovery goes through the chart's gateway Role (its default,
+    # namespaced install): the operator writes no role of its own.
+    assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole")]
     binding = by_kind_name(objects)["RoleBinding", "demo-gateway"]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
+        "kind": "Role",
         "name": "pdfleet-gateway",
     }
     assert binding["subjects"] == [

@@ -8,7 +8,6 @@ import inspect
 import os
 import pathlib
 import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,17 +16,12 @@ import httpx
 import kmock
 import yaml
 from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_service, run
+from helpers.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdfleet.engine.config.launch import python_module
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reconciles_ok(text: str) -> float:

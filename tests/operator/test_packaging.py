@@ -88,3 +88,22 @@ def test_the_operator_image_ships_no_autoscaling_lab_and_runs_without_it(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pdfleet sim: error: pdfleet.operator.autoscaling_lab is not installed" in result.stderr
+
+
+def test_make_echoes_no_comments_and_the_install_shows_its_progress():
+    # -n prints each recipe line make would echo; -B as if nothing were built yet.
+    result = subprocess.run(
+        ["make", "-n", "-B", "install", "run", "lint", "test"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert not [line for line in lines if line.lstrip().startswith("#")]
+    installs = [line for line in lines if "pip install" in line]
+    assert len(installs) == 2
+    assert not [line for line in installs if " -q" in line or "--quiet" in line]
+    steps = [line for line in lines if line.startswith('echo "==> [')]
+    assert len(steps) == 3  # one line per install step

@@ -470,3 +470,18 @@ def test_sigterm_lets_the_stream_finish_then_exits_zero(tiny_model, tmp_path):
         assert proc.proc.returncode == 0, proc.log()
     finally:
         proc.stop()
+
+
+def test_auto_tool_choice_on_a_model_without_a_parser_names_the_flag_and_the_resource_field(
+    client,
+):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools, max_tokens=4
+        )
+    error = refused.value.body
+    assert error["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in error["message"]
+    assert "spec.serving.enableAutoToolChoice" in error["message"]
+    assert "spec.serving.toolCallParser" in error["message"]

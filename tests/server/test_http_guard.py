@@ -270,7 +270,7 @@ def test_request_head_over_the_shared_head_limit_is_a_431_and_closes(server):
         )
         return raw(server, head.encode(), wait=5.0)
 
-    # Within the limit (past h11's own 16 KiB): served.
+    # Within the limit (past the 16 KiB some servers stop at): served.
     ok = health_with_header(limit // 2)
     assert status_of(ok) == 200, ok[:200]
     # Past it, though it arrives whole: refused and closed (read_until_closed returns;

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from pdfleet.engine.config.admission import AdmissionConfig
 from pdfleet.engine.config.sampling_checks import check_sampling
 from pdfleet.engine.entrypoints.openai.tool_parsers import (
     ForcedParser,
@@ -26,7 +27,9 @@ def tokenizer(tiny_model):
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), max_cached=2)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    yield compiler
+    compiler.close()
 
 
 def allowed_ids(compiler, matcher) -> list[int]:
@@ -35,15 +38,21 @@ def allowed_ids(compiler, matcher) -> list[int]:
     return [i for i in range(compiler.vocab_size) if (int(bm[0, i // 32]) >> (i % 32)) & 1]
 
 
-def test_cache_compiles_each_spec_once_and_stays_bounded(compiler):
+def test_cache_compiles_each_spec_once_and_stays_bounded_in_bytes(compiler, monkeypatch):
+    # Room for two of the small grammars below (0.5 to 1.2 KB each here), not three.
+    limits = AdmissionConfig(grammar_cache_bytes=2100, max_grammar_memory_bytes=2100)
+    monkeypatch.setattr(compiler, "limits", limits)
     n0 = compiler.num_compiled
     a, b, c = Spec(regex="a+"), Spec(regex="b+"), Spec(choice=("x", "y"))
     assert compiler.compile(a) is compiler.compile(Spec(regex="a+"))
     assert compiler.num_compiled == n0 + 1
     compiler.compile(b)
     compiler.compile(c)
-    assert len(compiler) == 2  # max_cached
-    compiler.compile(a)  # evicted: compiled again
+    assert compiler.cache_bytes <= 2100
+    assert compiler.num_evicted >= 1
+    assert compiler.lookup(Spec(regex="a+")) is None  # the least recently used went first
+    assert compiler.compile(a) is a.compiled  # a request keeps its own grammar
+    compiler.compile(Spec(regex="a+"))  # evicted: compiled again
     assert compiler.num_compiled == n0 + 4
 
 

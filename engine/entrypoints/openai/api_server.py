@@ -6,9 +6,11 @@ in-flight requests finish for up to ``--shutdown-timeout`` seconds, then
 exits 0. An engine whose loop broke (see ``async_engine``) exits 1 at once,
 for its supervisor to restart it: it is never alive with a failed health.
 
-Every route but the health probes needs a credential (``auth.py``); bodies,
-headers and chunks are bounded (``http_guard.py``). Request ids are the
-server's own; a client's ``X-Request-Id`` is only echoed and logged.
+Every route but the health probes needs a credential (``auth.py``); bodies
+are bounded (``http_guard.py``), heads and chunks by the HTTP server, which
+is the gateway's too (``engine/http/server.py``: keep-alive, pipelining,
+disconnects, the graceful stop). Request ids are the server's own; a
+client's ``X-Request-Id`` is only echoed and logged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,12 +35,15 @@ from ... import tracing
 from ...async_engine import AsyncEngine
 from ...config import EngineConfig
 from ...config.http_limits import RequestLimits
+from ...contracts.errors import ErrorBody, method_not_allowed, not_found
+from ...http.server import HttpServer
 from ...llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
-from ..http_guard import GuardMiddleware, guarded_h11_protocol
-from ..uvicorn_server import graceful_server
+from ..caller import request_caller
+from ..http_guard import GuardMiddleware
+from .grammar_gate import CompileGate
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -74,6 +79,7 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
+        self.gate: CompileGate | None = None
         self.metrics: EngineMetrics | None = None
         self.load_error: BaseException | None = None
         self.fatal: BaseException | None = None
@@ -96,10 +102,11 @@ class ServerState:
             )
             names = engine.config.model_config.served_model_names
             max_len = engine.max_model_len
+            self.gate = gate = CompileGate(lambda: engine.grammars, engine.config.admission_config)
             self.completions = CompletionServing(
-                self.engine, names, max_len, self.lanes, self.options
+                self.engine, names, max_len, self.lanes, self.options, gate
             )
-            self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options)
+            self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options, gate)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
         except BaseException as e:
@@ -166,8 +173,9 @@ async def until_disconnected(
         await events.aclose()
 
 
-def error_json(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def error_json(e: APIError | ErrorBody, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = e.body() if isinstance(e, APIError) else e.to_dict()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -185,7 +193,15 @@ def build_app(state: ServerState) -> FastAPI:
     # Outermost of the app's own layers: credentials and body size come first.
     app.add_middleware(GuardMiddleware, auth=state.auth, limits=state.limits)
     # Tracing wraps even that (a refused request is a span too); off: nothing added.
-    tracing.instrument_app(app, "engine", state.config.observability_config.otlp_traces_endpoint)
+    observability = state.config.observability_config
+
+    def trusted(headers: dict[str, str]) -> bool:
+        # The gateway's legs carry the fleet token: one trace across the P/D hop.
+        return observability.trust_client_trace_context or state.auth.is_internal(
+            headers.get("authorization")
+        )
+
+    tracing.instrument_app(app, "engine", observability.otlp_traces_endpoint, trusted)
 
     def ids(request: Request) -> str:
         rid = getattr(request.state, "request_id", None)
@@ -212,7 +228,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
-        # FastAPI's own refusals (unparsable body, unknown route, wrong method).
+        # FastAPI's own refusals (unparsable body, unknown route, wrong method);
+        # an unknown route or method is answered as the gateway answers it.
+        if e.status_code == 404:
+            return error_json(not_found())
+        if e.status_code == 405:
+            return error_json(method_not_allowed(), headers=e.headers)
         detail = e.detail if isinstance(e.detail, str) else "invalid request"
         if e.status_code == 400 and "parsing the body" in detail:
             detail = "the body is not valid JSON (or is nested too deeply)"
@@ -272,6 +293,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         if state.metrics is None:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        if state.engine is not None:
+            state.metrics.update_grammars(state.engine.engine.built_grammars, state.gate)
         return PlainTextResponse(
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
@@ -317,9 +340,28 @@ def build_app(state: ServerState) -> FastAPI:
                 await asyncio.gather(task, return_exceptions=True)
                 return JSONResponse({}, status_code=499)
 
+    def for_caller(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
+        client = request.client.host if request.client is not None else None
+        body.for_caller(request_caller(request.headers, client, state.auth))
+
+    def internal_fields_only_from_internal_callers(body: Any, request: Request) -> None:
+        """kv_transfer_params steer KV pulls and leases: only the fleet token or an
+        internal key may send them, never a client API key (docs/security.md)."""
+        if body.kv_transfer_params is not None and not state.auth.is_internal(
+            request.headers.get("authorization")
+        ):
+            raise APIError(
+                "kv_transfer_params: an internal field; only the fleet token or an internal "
+                "API key may send it, not a client API key",
+                status=403,
+                param="kv_transfer_params",
+            )
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         s, _ = serving(request)
+        for_caller(body, request)
         rid = request_id(request, "cmpl")
         out = response_id(request, "cmpl", rid)
         if body.stream:
@@ -328,7 +370,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
         _, s = serving(request)
+        for_caller(body, request)
         rid = request_id(request, "chatcmpl")
         out = response_id(request, "chatcmpl", rid)
         if body.stream:
@@ -379,34 +423,20 @@ def run_server(
     options: ChatOptions | None = None,
 ) -> int:
     """Serve until stopped; 0 after a clean stop, 1 when loading or the engine failed."""
-    import uvicorn
-
     auth = auth or EngineAuth()
     limits = limits or RequestLimits()
     auth.warn_if_open()
+    logging.getLogger("pdfleet.http").setLevel(log_level.upper())
     state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
     # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
     grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01
-    uv_config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        # uvicorn annotates int seconds but hands them to asyncio.wait_for (any float).
-        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-        timeout_keep_alive=75,
-        http=guarded_h11_protocol(limits),
-        h11_max_incomplete_event_size=limits.max_head_bytes,  # bounds a request's head
-    )
-    server = graceful_server(uv_config)
+    server = HttpServer(app, limits, graceful_timeout=grace, name="engine")
 
     def exit_for_restart() -> None:
         # Requests in flight were already failed; stop at once, and make sure the
         # process goes even if a connection holds the graceful stop open.
-        server.should_exit = True
-        server.force_exit = True
+        server.stop_threadsafe(force=True)
         timer = threading.Timer(10.0, lambda: os._exit(1))
         timer.daemon = True
         timer.start()
@@ -416,10 +446,10 @@ def run_server(
     def watch_load() -> None:
         while not state.ready.wait(0.2):
             if state.load_error is not None:
-                server.should_exit = True
+                server.stop_threadsafe()
                 return
 
     threading.Thread(target=watch_load, daemon=True).start()
-    server.run()
+    code = server.run(host, port)
     state.lanes.shutdown()
-    return 1 if state.load_error is not None or state.fatal is not None else 0
+    return 1 if code or state.load_error is not None or state.fatal is not None else 0

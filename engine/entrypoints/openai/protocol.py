@@ -7,8 +7,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from ...contracts.errors import ErrorBody
 from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
 
 
@@ -21,33 +22,15 @@ def now() -> int:
 
 
 class APIError(Exception):
-    """An error with an HTTP status, rendered in OpenAI's error shape."""
-
-    TYPES = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        405: "MethodNotAllowedError",
-        408: "RequestTimeoutError",
-        413: "RequestTooLargeError",
-        431: "RequestHeaderFieldsTooLargeError",
-        500: "InternalServerError",
-        503: "ServiceUnavailableError",
-    }
+    """An error with an HTTP status, answered as OpenAI's error body
+    (engine/contracts/errors.py: the gateway's too)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.TYPES.get(self.status, "Error"),
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+        return ErrorBody(self.message, self.status, self.param).to_dict()
 
 
 def check_text(body: Any) -> Any:
@@ -129,6 +112,17 @@ class _Sampling(_Checked):
     # Known OpenAI fields pdfleet does not implement: rejected when set.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # Who the request is for (set by the server from its credential, never from
+    # the body): per-caller bounds count against it (entrypoints/caller.py).
+    _caller: str = PrivateAttr(default="anonymous")
+
+    @property
+    def caller(self) -> str:
+        return self._caller
+
+    def for_caller(self, caller: str) -> None:
+        """Mutates: the request is for ``caller``."""
+        self._caller = caller
 
     def check_unsupported(self) -> None:
         if self.logit_bias:

@@ -23,9 +23,11 @@ from ...async_engine import (
     QueueFullError,
     RequestStream,
 )
-from ...config.sampling_checks import check_sampling
+from ...config.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...outputs import Logprob, RequestOutput
+from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
+from .grammar_gate import CompileBusy, CompileGate
 from .protocol import APIError, ChatCompletionRequest, now
 
 logger = logging.getLogger("pdfleet.serve")
@@ -164,9 +166,13 @@ class ServingBase:
         max_model_len: int,
         lanes: TokenizerLanes | None = None,
         options: ChatOptions | None = None,
+        gate: CompileGate | None = None,
     ) -> None:
         self.options = options or ChatOptions()
         self.engine = engine
+        self.admission = engine.engine.config.admission_config
+        # One gate per engine: the server passes the same one to every endpoint.
+        self.gate = gate or CompileGate(lambda: engine.engine.grammars, self.admission)
         self.served_names = served_names
         self.max_model_len = max_model_len
         self.tokenizer = engine.engine.tokenizer
@@ -192,6 +198,8 @@ class ServingBase:
                 req.model_dump(exclude_none=True),
                 vocab_size=self.vocab_size,
                 max_logprobs=self.max_logprobs,
+                max_n=self.admission.max_n,
+                max_output_tokens=self.admission.max_request_output_tokens,
             )
         except ValueError as e:
             m = re.match(r"[a-z_]+", str(e))
@@ -219,18 +227,40 @@ class ServingBase:
             return self._need_tokenizer()(prompt, add_special_tokens=add_special_tokens).input_ids
         return list(prompt)
 
+    def check_output_tokens(self, req: Any, max_tokens: list[int]) -> None:
+        """``n × max_tokens`` as resolved (one entry per prompt) within the
+        server's bound; a 400 naming the length field otherwise."""
+        name = (
+            "max_completion_tokens"
+            if getattr(req, "max_completion_tokens", None) is not None
+            else "max_tokens"
+        )
+        try:
+            check_output_tokens(
+                num_sequences(req.model_dump(include={"n", "best_of"}, exclude_none=True)),
+                max_tokens,
+                self.admission.max_request_output_tokens,
+                name,
+            )
+        except ValueError as e:
+            raise APIError(str(e), param=name) from None
+
     async def compile_constraint(
-        self, spec: StructuredOutputsParams | None, param: str | None = None
+        self, spec: StructuredOutputsParams | None, param: str | None = None, caller: str = ""
     ) -> StructuredOutputsParams | None:
         """Compile (or find cached) the request's grammar before admission, off the
-        event loop, so a bad schema is a 400 and the engine thread never compiles."""
+        event loop and the engine thread, under the per-caller bounds
+        (``grammar_gate.py``), so a bad or too costly constraint is a 4xx."""
         if spec is None:
             return None
         try:
-            grammars = self.engine.engine.grammars
-            await self.lanes.run(0, grammars.compile, spec)
+            await self.gate.compile(spec, caller or "anonymous")
+        except (GrammarTooLarge, GrammarTimeout) as e:
+            raise APIError(f"{param}: {e}" if param else str(e), param=param) from None
         except ValueError as e:
             raise APIError(str(e), param=param) from None
+        except CompileBusy as e:
+            raise APIError(str(e), status=e.status, param=param) from None
         return spec
 
     def apply_chat_template(self, req: ChatCompletionRequest | Any) -> tuple[str, list[int]]:
@@ -334,6 +364,8 @@ class ServingBase:
                     prompt_text=text,
                     priority=priority,
                     kv_transfer_params=kv_params,
+                    # A batch's prompts share one group's share of the engine.
+                    group=request_id if len(jobs) > 1 else None,
                 )
                 streams.append(tracing.trace_request(stream, rid, kv_params))
         except BaseException as e:

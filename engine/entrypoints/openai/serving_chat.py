@@ -66,7 +66,10 @@ class ChatServing(ServingBase):
             if not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
                 raise APIError(
                     '"auto" tool choice requires --enable-auto-tool-choice and '
-                    "--tool-call-parser to be set",
+                    "--tool-call-parser to be set (in an InferenceService: "
+                    "spec.serving.enableAutoToolChoice: true and spec.serving.toolCallParser; "
+                    'docs/tool_calling.md); tool_choice "none", "required" or a named '
+                    "function work without them",
                     param="tool_choice",
                 )
             return get_parser(self.options.tool_call_parser), None
@@ -90,13 +93,14 @@ class ChatServing(ServingBase):
         if schema is not None:
             spec = StructuredOutputsParams(json=schema)
         spec = await self.compile_constraint(
-            spec, "tools" if schema is not None else req.constraint_field()
+            spec, "tools" if schema is not None else req.constraint_field(), req.caller
         )
         text, ids = await self.chat_prompt(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         max_tokens = self.check_length(ids, max_tokens, "messages")
+        self.check_output_tokens(req, [max_tokens])
         params = req.sampling_params(self.defaults, max_tokens, k, structured=spec)
         return model, text, ids, params, k, parser
 

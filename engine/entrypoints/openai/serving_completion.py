@@ -63,11 +63,14 @@ class CompletionServing(ServingBase):
             raise APIError("suffix is not supported by pdfleet", param="suffix")
         self.check_sampling(req)
         self.check_logprobs(req.logprobs, "logprobs")
-        structured = await self.compile_constraint(req.structured_spec(), req.constraint_field())
+        structured = await self.compile_constraint(
+            req.structured_spec(), req.constraint_field(), req.caller
+        )
         prompts = await self.tokenize_prompts(req.prompts())
+        lengths = [self.check_length(ids, req.max_tokens, "prompt") for _, ids in prompts]
+        self.check_output_tokens(req, lengths)
         jobs = []
-        for text, ids in prompts:
-            max_tokens = self.check_length(ids, req.max_tokens, "prompt")
+        for (text, ids), max_tokens in zip(prompts, lengths, strict=True):
             params = req.sampling_params(
                 self.defaults,
                 max_tokens,

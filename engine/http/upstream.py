@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the gateway's calls to engines (the hot path).
+"""A lean HTTP/1.1 client for the gateway's calls to engines (its hot path).
 
 The gateway adds one client hop to every request. On the development VM an
 ``httpx.AsyncClient`` took ~1.4 ms to the first byte of a streamed answer from

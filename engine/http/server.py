@@ -1,35 +1,43 @@
-"""The gateway's HTTP/1.1 server: an ``asyncio.Protocol`` on uvloop, parsed by httptools.
+"""pdfleet's HTTP/1.1 server: an ``asyncio.Protocol`` on uvloop, parsed by httptools.
+
+Both servers that face clients serve through it: the gateway (``pdfleet
+gateway``, its route table) and the engine (``pdfleet serve``, its FastAPI
+app), under the same limits (:class:`RequestLimits`, engine/config/http_limits.py).
 
 uvicorn's protocol and its ASGI cycle (a scope dict, a message dict per
 ``receive`` and ``send``, a task per disconnect watch) were about a quarter
 of a core per request at a few thousand requests per second
-(docs/gateway.md has the profiles), so the gateway serves its routes itself:
-httptools (a C parser) calls back into :class:`HttpProtocol`, which builds
-one :class:`Cycle` per request, and the cycle *is* the handler's request
-(its path, a plain dict of its headers, its body). A handler's answer is
-written straight to the transport: a pre-encoded status line, the
-response's raw headers and its body in one write; a stream (the relay of
-``proxy.RelayResponse``) chunk by chunk, waiting only while the transport
-has paused writing. Only with tracing on does a request go through the ASGI
-app (``GatewayASGI`` and its middleware), with ``scope``/``receive``/``send``
-provided by the same cycle.
+(docs/gateway.md has the profiles), so this server runs a route table
+(``asgi.RouteTable``) itself: httptools (a C parser) calls back into
+:class:`HttpProtocol`, which builds one :class:`Cycle` per request, and the
+cycle *is* the handler's request (its path, a plain dict of its headers, its
+body). A handler's answer is written straight to the transport: a
+pre-encoded status line, the response's raw headers and its body in one
+write; a stream (the gateway's relay, ``gateway/relay.py``) chunk by chunk,
+waiting only while the transport has paused writing. Any other ASGI app (the
+engine's FastAPI app), and a route table wrapped in middleware (tracing), is
+served through ``scope``/``receive``/``send`` provided by the same cycle, and
+its ``lifespan`` is run as ASGI servers do (``asgi.Lifespan``).
 
-What the server keeps from before (docs/gateway.md, "Throughput"):
+What the server does (docs/gateway.md, "Throughput"; docs/serving.md, "Limits"):
 
 * keep-alive (75 s idle) and pipelining: a request that arrives while the
   one before it is answered waits, reading paused, and is answered after it;
-* ``Content-Length`` and chunked bodies (the body limits are the handler's:
-  ``limits.read_body``), ``Expect: 100-continue`` answered when the handler
-  first reads the body;
-* a deadline on each request head (``--header-timeout``, from the
-  connection's opening or the first byte of a kept-alive connection's next
-  request) and a bound on its size (431), a malformed request a 400 in
-  OpenAI's shape, both with a lingering close;
+* ``Content-Length`` and chunked bodies (the body's size and time limits are
+  the handler's: ``limits.read_body`` and ``limits.receive_body``), ``Expect:
+  100-continue`` answered when the handler first reads the body;
+* a deadline on each request head (``header_timeout``, from the connection's
+  opening or the first byte of a kept-alive connection's next request) and a
+  bound on its size (``max_head_bytes``, 431), a bound on the size of one
+  chunk of a chunked body (``max_chunk_bytes``, 413: announced or counted),
+  a malformed request a 400; every refusal in OpenAI's error shape
+  (engine/contracts/errors.py), with a lingering close;
 * a client that goes away cancels its handler (``watch_disconnect``, a
-  callback from ``connection_lost``: no task per request);
-* a graceful stop on SIGTERM/SIGINT: no new connections, idle ones closed,
-  running requests given ``GRACEFUL_TIMEOUT`` seconds (a second signal ends
-  them at once), then the app's lifespan ends.
+  callback from ``connection_lost``: no task per request), or, under ASGI,
+  gets ``http.disconnect`` from ``receive``;
+* a graceful stop on SIGTERM/SIGINT (or ``stop_threadsafe``): no new
+  connections, idle ones closed, running requests given ``graceful_timeout``
+  seconds (a second signal ends them at once), then the app's lifespan ends.
 """
 
 from __future__ import annotations
@@ -38,7 +46,6 @@ import asyncio
 import contextlib
 import gc
 import http
-import json
 import logging
 import signal
 import socket
@@ -46,17 +53,18 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 import httptools
 
-from .limits import LINGER_SECONDS, MAX_HEAD_BYTES
+from pdfleet.engine.config.http_limits import RequestLimits
+from pdfleet.engine.contracts.errors import ErrorBody
 
-if TYPE_CHECKING:
-    from .asgi import GatewayASGI
+from .asgi import Lifespan
+from .limits import LINGER_BYTES, LINGER_SECONDS
 
-logger = logging.getLogger("pdfleet.gateway.http")
+logger = logging.getLogger("pdfleet.http")
 
 # Seconds an idle kept-alive connection stays open (above the 60 s idle
 # timeout of common load balancers, as uvicorn's was set here).
@@ -76,9 +84,10 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 CHUNKED = b"transfer-encoding: chunked\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 CLOSE = b"connection: close\r\n"
-NOT_FOUND = (404, [(b"content-type", b"application/json")], b'{"detail":"Not Found"}')
-NOT_ALLOWED = (405, [(b"content-type", b"application/json")], b'{"detail":"Method Not Allowed"}')
 DISCONNECT = {"type": "http.disconnect"}
+# Bytes of the previous read kept while a chunked body arrives: a chunk-size
+# line (16 hex digits and a short extension) that spans two reads is read whole.
+CHUNK_LINE_TAIL = 256
 
 
 def status_line(status: int) -> bytes:
@@ -110,11 +119,17 @@ class _HeadTooLarge(Exception):
     """A request head past its bound (raised inside the parser's callbacks)."""
 
 
-def error_json(message: str, code: str) -> bytes:
-    """OpenAI's error shape, for what the server itself refuses."""
-    return json.dumps(
-        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}}
-    ).encode()
+def error_head(status: int, body: bytes, *headers: bytes) -> bytes:
+    """A whole JSON error answer that closes the connection."""
+    return b"".join(
+        [
+            status_line(status),
+            b"content-type: application/json\r\nconnection: close\r\n",
+            *headers,
+            b"content-length: %d\r\n\r\n" % len(body),
+            body,
+        ]
+    )
 
 
 class Cycle:
@@ -206,8 +221,12 @@ class Cycle:
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # One future for every reader: under ASGI a response may wait on
+            # ``receive`` (a disconnect) while the handler does too.
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- the request, as a handler reads it ----------------------------------------
 
@@ -245,11 +264,12 @@ class Cycle:
                 self._body_size = 0
                 self._proto.body_read(self)
                 return {"type": "http.request", "body": chunk, "more_body": more}
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            waiter = self._waiter
+            if waiter is None:
+                waiter = self._waiter = asyncio.get_running_loop().create_future()
+            # A reader cancelled while waiting (Starlette's is_disconnected polls
+            # so) leaves the future to the others.
+            await asyncio.shield(waiter)
 
     def watch_disconnect(self, callback: Callable[[], None]) -> bool:
         """Call ``callback`` (once) when the client goes away; replaces an earlier one."""
@@ -258,6 +278,11 @@ class Cycle:
         else:
             self._on_disconnect = callback
         return True
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The client's (host, port), without building the scope."""
+        return self._proto.client_address
 
     @property
     def scope(self) -> dict[str, Any]:
@@ -342,7 +367,15 @@ class Cycle:
         """ASGI ``send`` (the tracing middleware's path and other responses)."""
         kind = message["type"]
         if kind == "http.response.start":
-            self._start = (message["status"], _lower(message.get("headers", ())))
+            status, headers = message["status"], _lower(message.get("headers", ()))
+            if status in (204, 304) or any(name == b"content-length" for name, _ in headers):
+                # Written with the body, in one write (204 and 304 have none).
+                self._start = (status, headers)
+            else:
+                # A stream: its head goes out now (at the end of this turn of the
+                # loop, with what follows in it), not with its first chunk, which
+                # may be far off (an engine's first token behind a queue).
+                self.start_stream(status, headers)
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -350,18 +383,13 @@ class Cycle:
         more = message.get("more_body", False)
         if self._start is not None:
             (status, headers), self._start = self._start, None
-            if not more or any(name == b"content-length" for name, _ in headers):
-                if not any(name == b"content-length" for name, _ in headers):
-                    headers.append((b"content-length", b"%d" % len(body)))
-                if not more:
-                    self.respond(status, headers, body)
-                    return
-                # A known length sent in parts: written as they come, not chunked.
-                self.response_started = True
-                self._proto.write(b"".join([*self._head(status, headers, False), b"\r\n"]))
-                self._sized = True
-            else:
-                self.start_stream(status, headers)
+            if not more:
+                self.respond(status, headers, body)
+                return
+            # A known length sent in parts: written as they come, not chunked.
+            self.response_started = True
+            self._proto.write(b"".join([*self._head(status, headers, False), b"\r\n"]))
+            self._sized = True
         if self._sized:
             self._proto.write(body)
             if not more:
@@ -412,7 +440,25 @@ class HttpProtocol(asyncio.Protocol):
         self.idle_since: float | None = None
         """Loop time the connection went idle after an answer (None: not idle)."""
         self._discarding = False
+        self._discarded = 0
+        """Bytes dropped while lingering (``_close``)."""
         self._too_large = False
+        # A chunked body being received: the chunk under way (announced size
+        # read back from the wire, since the parser streams chunks and never
+        # says it) and the end of the previous read, where its size line may begin.
+        self._chunked = False
+        """A chunked body was being read in this read: check it when the read is parsed."""
+        self._chunked_body = False
+        """The body being parsed is chunked."""
+        self._chunk_open = False
+        """Between a chunk's size line and its end."""
+        self._chunk_begun = False
+        """A chunk's size line ended in the read being parsed."""
+        self._chunk_got = 0
+        """Body bytes of the open chunk received so far."""
+        self._chunk_over = 0
+        """A chunk past ``max_chunk_bytes`` (its size), to refuse after the read."""
+        self._chunk_tail = b""
 
     # -- asyncio callbacks -----------------------------------------------------------
 
@@ -428,6 +474,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
+            self._discarded += len(data)
+            if self._discarded > LINGER_BYTES and self.transport is not None:
+                self.transport.close()
             return
         self.idle_since = None
         if self._in_head and self.head_since is None:
@@ -440,13 +489,48 @@ class HttpProtocol(asyncio.Protocol):
             if self._too_large:
                 self._refuse_head()
             else:
-                self._refuse(b"400 Bad Request", "invalid HTTP/1.1 request", "invalid_request")
+                self._refuse(ErrorBody("invalid HTTP/1.1 request", 400))
             return
+        if self._chunked:
+            self._check_chunk(data)
         # A head still incomplete: count what httptools buffers of it.
         if self._in_head and not self._discarding and self.transport is not None:
             self._buffered += len(data)
             if self._buffered > self.server.max_head_bytes:
                 self._refuse_head()
+
+    def _check_chunk(self, data: bytes) -> None:
+        """After a read of a chunked body: refuse (413) a chunk whose size line
+        announced more than ``max_chunk_bytes``, without waiting for its bytes.
+
+        The open chunk's bytes so far are the read's last ``_chunk_got`` bytes
+        (nothing of the framing follows them yet), so its size line is the line
+        just before them: hex digits, an optional ``;extension``, CRLF."""
+        limit = self.server.limits.max_chunk_bytes
+        if self._chunk_begun and self._chunk_open and not self._chunk_over:
+            wire = self._chunk_tail + data
+            end = len(wire) - self._chunk_got - 2  # where the size line's CRLF begins
+            start = wire.rfind(b"\n", 0, max(end, 0)) + 1
+            if end > 0 and start > 0 and wire[end : end + 2] == b"\r\n":
+                digits = wire[start:end].split(b";", 1)[0].strip()
+                try:
+                    announced = int(digits, 16)
+                except ValueError:  # not what the parser read: leave it to the other bounds
+                    announced = 0
+                if announced > limit:
+                    self._chunk_over = announced
+        self._chunk_begun = False
+        self._chunked = self._chunked_body  # (a whole chunked body may have come in this read)
+        if self._chunk_over:
+            self._refuse(
+                ErrorBody(
+                    f"a body chunk of {self._chunk_over} bytes exceeds this server's limit of "
+                    f"{limit} bytes (--max-chunk-bytes)",
+                    413,
+                )
+            )
+            return
+        self._chunk_tail = data[-CHUNK_LINE_TAIL:] if self._chunked_body else b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -498,6 +582,9 @@ class HttpProtocol(asyncio.Protocol):
         self._in_head = False
         self._buffered = 0
         self.head_since = None
+        if "transfer-encoding" in self._headers:  # (the parser takes no coding but chunked last)
+            self._chunked = self._chunked_body = True
+            self._chunk_tail = b""
         url = self._url
         path, _, query = url.partition(b"?")
         if b"%" in path:
@@ -521,10 +608,22 @@ class HttpProtocol(asyncio.Protocol):
             self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
+        if self._chunk_open:
+            self._chunk_got += len(body)
         if self.parsing is not None:
             self.parsing._feed(body)
 
+    def on_chunk_header(self) -> None:
+        self._chunk_open = self._chunk_begun = True
+        self._chunk_got = 0
+
+    def on_chunk_complete(self) -> None:
+        if self._chunk_got > self.server.limits.max_chunk_bytes:
+            self._chunk_over = self._chunk_got  # refused once the read is parsed
+        self._chunk_open = False
+
     def on_message_complete(self) -> None:
+        self._chunked_body = self._chunk_open = False
         if self.parsing is not None:
             self.parsing._ended()
             self.parsing = None
@@ -625,21 +724,21 @@ class HttpProtocol(asyncio.Protocol):
             self._close(lingering=False)
 
     def _refuse_head(self) -> None:
+        limit = self.server.max_head_bytes
         self._refuse(
-            b"431 Request Header Fields Too Large",
-            f"the request head exceeds {self.server.max_head_bytes} bytes",
-            "request_header_fields_too_large",
+            ErrorBody(f"the request head exceeds this server's limit of {limit} bytes", 431)
         )
 
-    def _refuse(self, status: bytes, message: str, code: str) -> None:
+    def _refuse(self, error: ErrorBody) -> None:
+        """Answer ``error`` (unless an answer has begun) and close: what the
+        server itself refuses of a connection's bytes."""
         if self._discarding or self.transport is None:
             return
+        logger.info(
+            "refused a request from %s: %d %s", self.client_address, error.status, error.message
+        )
         if self.cycle is None or not self.cycle.response_started:
-            body = error_json(message, code)
-            self.write(
-                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
-            )
+            self.write(error_head(error.status, error.encode()))
         # A request whose body broke off (or one mid-answer) ends here: its
         # handler sees the client gone, and writes nothing more.
         self._close(lingering=True)
@@ -683,31 +782,41 @@ def _address(value: Any) -> tuple[str, int] | None:
 
 
 class HttpServer:
-    """The gateway app's server: ``run`` serves until SIGTERM/SIGINT."""
+    """Serves one ASGI app (a ``RouteTable`` or any other) until SIGTERM/SIGINT
+    or ``stop_threadsafe``: ``run``, or ``serve`` on a running loop.
+
+    ``name`` says which server it is in its logs and its 500s ("gateway",
+    "engine"); ``graceful_timeout`` is the time running requests get after a
+    stop before they are cancelled."""
 
     def __init__(
         self,
-        app: GatewayASGI,
-        header_timeout: float,
-        max_head_bytes: int = MAX_HEAD_BYTES,
+        app: Any,
+        limits: RequestLimits,
         graceful_timeout: float = GRACEFUL_TIMEOUT,
+        name: str = "server",
     ) -> None:
         self.app = app
-        self.header_timeout = header_timeout
-        self.max_head_bytes = max_head_bytes
+        self.limits = limits
+        # The two bounds read per request, one attribute away.
+        self.header_timeout = limits.header_timeout
+        self.max_head_bytes = limits.max_head_bytes
         self.graceful_timeout = graceful_timeout
+        self.name = name
         self.connections: set[HttpProtocol] = set()
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self._direct = app.direct
+        self._direct = self.direct
         self._stop: asyncio.Event | None = None
         self._force = False
+        self._stop_asked = False
+        """``stop_threadsafe`` before the loop ran: stop as soon as it does."""
 
     @property
     def direct(self) -> bool:
-        """No middleware: handlers are called without ASGI messages (read once
-        per request; middleware is added before the server serves)."""
-        return self.app.direct
+        """A route table without middleware: handlers are called without ASGI
+        messages (read when serving starts: middleware is added before)."""
+        return bool(getattr(self.app, "direct", False))
 
     # -- one request ------------------------------------------------------------------
 
@@ -720,13 +829,13 @@ class HttpServer:
             else:
                 handler = app.routes.get((cycle.method, cycle.path))
                 if handler is None:
-                    status, headers, body = NOT_ALLOWED if cycle.path in app.paths else NOT_FOUND
-                    cycle.respond(status, [*headers, (b"content-length", b"%d" % len(body))], body)
+                    response = app.unrouted(cycle.path)
+                    cycle.respond(response.status_code, response.raw_headers, response.body)
                 else:
                     try:
-                        response = await handler(cycle)  # type: ignore[arg-type]
+                        response = await handler(cycle)
                     except Exception as e:  # the client gets a 500; the log has the traceback
-                        response = app.on_error(cycle, e)  # type: ignore[arg-type]
+                        response = app.on_error(cycle, e)
                     whole = getattr(response, "body", None)
                     if type(whole) is bytes and getattr(response, "background", None) is None:
                         if not cycle.disconnected:  # a whole answer: no coroutine to run
@@ -740,7 +849,7 @@ class HttpServer:
             logger.exception("request %s %s: the answer failed", cycle.method, cycle.path)
             if not cycle.response_started:
                 with contextlib.suppress(Exception):
-                    body = error_json("internal error of the gateway", "internal_error")
+                    body = ErrorBody(f"internal error of the {self.name}", 500).encode()
                     cycle.respond(
                         500,
                         [
@@ -769,19 +878,19 @@ class HttpServer:
     # -- serving --------------------------------------------------------------------------
 
     def run(self, host: str, port: int, sock: socket.socket | None = None) -> int:
-        """Serve until SIGTERM/SIGINT: 0 after a graceful stop, 1 if startup failed."""
+        """Serve until stopped: 0 after a graceful stop, 1 if startup failed."""
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(self.serve(host, port, sock))
 
     async def serve(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         self.loop = asyncio.get_running_loop()
-        self._direct = self.app.direct  # (the app's middleware is in place by now)
+        self._direct = self.direct  # (the app's middleware is in place by now)
         self._stop = asyncio.Event()
-        lifespan = self.app.lifespan(self.app)
-        try:
-            await lifespan.__aenter__()
-        except Exception:
-            logger.exception("gateway startup failed")
+        if self._stop_asked:
+            self._stop.set()
+        lifespan = Lifespan(self.app)
+        if not await lifespan.startup():
+            logger.error("%s startup failed", self.name)
             return 1
         try:
             try:
@@ -794,7 +903,7 @@ class HttpServer:
                         lambda: HttpProtocol(self), host, port, backlog=BACKLOG
                     )
             except OSError as e:
-                logger.error("the gateway cannot listen on %s:%d: %s", host, port, e)
+                logger.error("the %s cannot listen on %s:%d: %s", self.name, host, port, e)
                 return 1
             self._signals()
             # What startup built (the app, its modules, the engine pool) lives as
@@ -802,16 +911,13 @@ class HttpServer:
             # an old-generation collection walks only what requests left behind.
             gc.collect()
             gc.freeze()
-            sweeper = asyncio.create_task(self._sweep(), name="pdfleet-gateway-http-sweep")
-            logger.info("gateway serving HTTP on %s:%d", host, port)
+            sweeper = asyncio.create_task(self._sweep(), name="pdfleet-http-sweep")
+            logger.info("%s serving HTTP on %s:%d", self.name, host, port)
             await self._stop.wait()
             sweeper.cancel()
             await self._shutdown(server)
         finally:
-            try:
-                await lifespan.__aexit__(None, None, None)
-            except Exception:
-                logger.exception("gateway shutdown failed")
+            await lifespan.shutdown()
         return 0
 
     async def _sweep(self) -> None:
@@ -828,13 +934,23 @@ class HttpServer:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 self.loop.add_signal_handler(sig, self.stop)
 
-    def stop(self) -> None:
-        """Begin a graceful stop (a second call: running requests end now)."""
-        if self.stopping:
+    def stop(self, force: bool = False) -> None:
+        """Begin a graceful stop (a second call, or ``force``: running requests end now)."""
+        if self.stopping or force:
             self._force = True
         self.stopping = True
         if self._stop is not None:
             self._stop.set()
+
+    def stop_threadsafe(self, force: bool = False) -> None:
+        """``stop`` from another thread (the engine's loader or engine thread)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            self._stop_asked = True
+            self._force = self._force or force
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self.stop, force)
 
     async def _shutdown(self, server: asyncio.AbstractServer) -> None:
         server.close()
@@ -855,7 +971,8 @@ class HttpServer:
                     tasks.append(cycle.task)
             conn._close(lingering=False)
         if tasks:
-            await asyncio.wait(tasks, timeout=self.graceful_timeout)
+            # Cancelled handlers only clean up: a few seconds at most.
+            await asyncio.wait(tasks, timeout=min(self.graceful_timeout, GRACEFUL_TIMEOUT))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 1.0)
 

@@ -1,16 +1,23 @@
-"""The gateway's ASGI app: a route table and nothing else on the request path.
+"""ASGI pieces of the HTTP stack: a route-table app, what its handlers read and
+answer, and the lifespan protocol run for any ASGI app.
 
 The gateway serves seven fixed routes. FastAPI's stack (a dozen middleware
 layers, dependency solving, exception wrappers) cost about a third of a core
 per request at a few thousand requests per second (docs/gateway.md has the
-profile), so the app is a plain ASGI callable: one dict lookup of
+profile), so its app is a :class:`RouteTable`: one dict lookup of
 ``(method, path)``, the handler (a :class:`Request` in, a Starlette
 ``Response`` out), a 500 in OpenAI's shape for anything a handler raises.
-Unknown paths are 404 and known paths with another method 405, as before.
+Unknown paths are 404 and known paths with another method 405, in OpenAI's
+error shape (engine/contracts/errors.py), as the engine's FastAPI app answers
+them. The server (``server.py``) calls a route table's handlers itself when no
+middleware wraps it; any other ASGI app (the engine's FastAPI app) is served
+through ``scope``/``receive``/``send``, and :class:`Lifespan` runs its
+``lifespan`` messages.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -18,7 +25,11 @@ from typing import Any
 
 from starlette.responses import Response
 
-logger = logging.getLogger("pdfleet.gateway")
+from pdfleet.engine.contracts.errors import ErrorBody, method_not_allowed, not_found
+
+logger = logging.getLogger("pdfleet.http")
+
+JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 
 
 class ClientDisconnect(Exception):
@@ -52,9 +63,14 @@ class Request:
             self._headers = headers
         return self._headers
 
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The client's (host, port), as the server gives it."""
+        return self.scope.get("client")
+
     def ready_body(self) -> bytes | None:
-        """None: under ASGI the body is read with ``receive`` (the gateway's own
-        server, engine/gateway/server.py, hands a whole body over at once)."""
+        """None: under ASGI the body is read with ``receive`` (the server's own
+        request, ``server.Cycle``, hands a whole body over at once)."""
         return None
 
     def watch_disconnect(self, callback: Callable[[], None]) -> bool:
@@ -77,7 +93,7 @@ class Request:
 class BytesResponse(Response):
     """A whole answer from bytes and raw headers: Starlette's ``Response``
     without its per-response header rendering (``content-length`` is added
-    here). Sent by the gateway's server in one write, or as ASGI messages."""
+    here). Sent by the server in one write, or as ASGI messages."""
 
     def __init__(self, body: bytes, status_code: int, raw_headers: list[tuple[bytes, bytes]]):
         self.status_code = status_code
@@ -85,6 +101,13 @@ class BytesResponse(Response):
         self.background = None
         raw_headers.append((b"content-length", b"%d" % len(body)))
         self.raw_headers = raw_headers
+
+
+def error_answer(
+    error: ErrorBody, headers: list[tuple[bytes, bytes]] | None = None
+) -> BytesResponse:
+    """``error`` as a whole JSON answer (its status, OpenAI's body)."""
+    return BytesResponse(error.encode(), error.status, [JSON_CONTENT_TYPE, *(headers or ())])
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -96,7 +119,7 @@ class State:
     gateway: Any = None
 
 
-class GatewayASGI:
+class RouteTable:
     """ASGI app: ``(method, path)`` → handler, a lifespan, an error handler."""
 
     def __init__(
@@ -105,7 +128,8 @@ class GatewayASGI:
         on_error: Callable[[Request, Exception], Response],
     ) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
-        self.paths: set[str] = set()
+        self.paths: dict[str, list[str]] = {}
+        """Each path's methods (the ``Allow`` header of a 405)."""
         self.lifespan = lifespan
         self.on_error = on_error
         self.state = State()
@@ -120,15 +144,23 @@ class GatewayASGI:
     def _route(self, method: str, path: str) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             self.routes[(method, path)] = handler
-            self.paths.add(path)
+            self.paths.setdefault(path, []).append(method)
             return handler
 
         return register
 
+    def unrouted(self, path: str) -> BytesResponse:
+        """The answer to a request no route takes: 405 (with ``Allow``) for a
+        known path, else 404."""
+        methods = self.paths.get(path)
+        if methods is None:
+            return error_answer(not_found())
+        return error_answer(method_not_allowed(), [(b"allow", ", ".join(methods).encode())])
+
     @property
     def direct(self) -> bool:
-        """No middleware: the gateway's server calls the handlers itself
-        (engine/gateway/server.py), without ASGI messages."""
+        """No middleware: the server calls the handlers itself (``server.py``),
+        without ASGI messages."""
         return self._entry == self._dispatch
 
     def add_middleware(self, cls: type, **options: Any) -> None:
@@ -147,12 +179,7 @@ class GatewayASGI:
         handler = self.routes.get((scope["method"], path))
         request = Request(scope, receive)
         if handler is None:
-            if path in self.paths:
-                response = Response(
-                    b'{"detail":"Method Not Allowed"}', 405, media_type="application/json"
-                )
-            else:
-                response = Response(b'{"detail":"Not Found"}', 404, media_type="application/json")
+            response: Response = self.unrouted(path)
         else:
             try:
                 response = await handler(request)
@@ -167,7 +194,7 @@ class GatewayASGI:
         try:
             await manager.__aenter__()
         except Exception as e:
-            logger.exception("gateway startup failed")
+            logger.exception("startup failed")
             await send({"type": "lifespan.startup.failed", "message": repr(e)})
             return
         await send({"type": "lifespan.startup.complete"})
@@ -175,7 +202,53 @@ class GatewayASGI:
         try:
             await manager.__aexit__(None, None, None)
         except Exception as e:
-            logger.exception("gateway shutdown failed")
+            logger.exception("shutdown failed")
             await send({"type": "lifespan.shutdown.failed", "message": repr(e)})
             return
         await send({"type": "lifespan.shutdown.complete"})
+
+
+class Lifespan:
+    """An ASGI app's ``lifespan`` protocol, run by the server: ``startup``
+    before it listens, ``shutdown`` after its last request.
+
+    An app that does not speak the protocol (it raises at the first message)
+    is served without one, as ASGI servers do."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+        self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._unsupported = False
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+        try:
+            await self._app(scope, self._inbox.get, self._outbox.put)
+        except Exception:
+            self._unsupported = True
+            logger.debug("the app does not speak the ASGI lifespan protocol", exc_info=True)
+        finally:
+            # Whatever waits on an answer gets one (the app returned without it).
+            self._outbox.put_nowait({"type": "lifespan.ended"})
+
+    async def startup(self) -> bool:
+        """True when the app started (or has no lifespan); False when it failed."""
+        self._task = asyncio.create_task(self._run(), name="pdfleet-http-lifespan")
+        await self._inbox.put({"type": "lifespan.startup"})
+        answer = await self._outbox.get()
+        if answer["type"] == "lifespan.startup.failed":
+            logger.error("startup failed: %s", answer.get("message", ""))
+            return False
+        return answer["type"] == "lifespan.startup.complete" or self._unsupported
+
+    async def shutdown(self) -> None:
+        task = self._task
+        if task is None or task.done():
+            return
+        await self._inbox.put({"type": "lifespan.shutdown"})
+        answer = await self._outbox.get()
+        if answer["type"] == "lifespan.shutdown.failed":
+            logger.error("shutdown failed: %s", answer.get("message", ""))
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,85 @@
+"""One client request as the gateway carries it through the legs, and what is
+checked of it before any leg: its id and its body."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .prompt import PromptInfo
+
+# A client X-Request-Id is echoed and logged only when it is this tame.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# New request ids: 64 random bits per process (each worker of --workers N is
+# its own interpreter) and a counter: unique across processes and replicas
+# like a uuid4, without a system call per request.
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count()
+# A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# The prompt of a request routed without analysis (``Proxy._sole_route``).
+NOT_ANALYZED = PromptInfo(0, analyzed=False)
+
+
+@dataclass
+class Call:
+    """One request of the client, as it goes through the legs."""
+
+    endpoint: str
+    request_id: str
+    start: float
+    headers: dict[str, str]
+    """What the legs add to the engine client's fixed headers (the request id)."""
+    chat: bool
+    prefill_url: str | None = None
+    """The prefill engine whose KV the decode leg carries, if any."""
+    plain_payload: bytes | None = None
+    """The decode leg without kv_transfer_params (sent when the engine refuses
+    the params: an expired lease, a restarted producer)."""
+    body: dict[str, Any] | None = None
+    """The parsed body (its prompt is analyzed on demand when it was routed
+    without, see ``Proxy._sole_route``)."""
+    info: PromptInfo | None = None
+    """That analysis, once made."""
+
+
+def client_request_id(header: str | None) -> str:
+    """The client's X-Request-Id when it is a tame token, else a new id."""
+    if header and _REQUEST_ID.fullmatch(header):
+        return header
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or ValueError saying what is wrong
+    (invalid UTF-8 or JSON, nested too deeply, a lone surrogate, not an object)."""
+    try:
+        # A UTF-8 object (the usual case) decoded here: json.loads(bytes) first
+        # guesses among UTF-8/16/32; anything else keeps that path.
+        body = json.loads(raw.decode() if raw[:1] == b"{" and raw[1:2] != b"\x00" else raw)
+    except RecursionError:
+        raise ValueError("the request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not text"
+            ) from None
+    return body
+
+
+def field_of(message: str, body: dict[str, Any]) -> str | None:
+    """The request field a check_sampling message names (its first word)."""
+    name = re.split(r"[\s:(]", message, maxsplit=1)[0]
+    # A nested field (response_format.json_schema.schema, tools[0].function.name).
+    return name if re.split(r"[.\[]", name, maxsplit=1)[0] in body else None

@@ -1,0 +1,271 @@
+"""What every engine call of a request shares, whichever leg makes it.
+
+:class:`Legs` holds the gateway's state that both legs and the relay use:
+an engine taken and given back (its in-flight count), the bounds of a wait
+on it (the first-token bound sized from its queue, a :class:`Watched`
+deadline that the stall watchdog can end at once), a failed call classified
+(:class:`LegFailed`: a message for the client, a detail for the log, a
+refused connection ejecting the engine), an engine's answer passed on or its
+refusal re-shaped (no engine body reaches a client), the request's final
+status and latency, and the prefix-affinity table learning where a prompt's
+blocks now are. The steps of the protocol are elsewhere: ``proxy`` (check,
+route), ``prefill_leg``, ``decode_leg``, ``relay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from starlette.responses import Response
+
+from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.contracts.errors import ErrorBody
+from pdfleet.engine.http.asgi import JSON_CONTENT_TYPE, BytesResponse
+from pdfleet.engine.http.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
+
+from .answers import MAX_RELAYED_MESSAGE, error_response, upstream_message
+from .call import Call
+from .deadlines import Deadline
+from .engines import EnginePool, EngineState
+from .metrics import GatewayMetrics
+from .prompt import PromptAnalyzer, PromptInfo
+from .routing import KVPairBreaker, PrefixAffinity, Router
+
+logger = logging.getLogger("pdfleet.gateway")
+
+
+class LegFailed(Exception):
+    """An engine call failed in a way another engine might not. ``message`` is
+    for the client (no URL, no engine body); ``detail`` is for the log."""
+
+    def __init__(self, message: str, status: int, kind: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.message, self.status, self.kind = message, status, kind
+        self.detail = detail or message
+
+
+class Legs:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: EnginePool,
+        router: Router,
+        affinity: PrefixAffinity,
+        analyzer: PromptAnalyzer,
+        metrics: GatewayMetrics,
+        client: UpstreamClient,
+        breaker: KVPairBreaker | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.router = router
+        self.affinity = affinity
+        self.analyzer = analyzer
+        self.metrics = metrics
+        self.client = client
+        """Sends the content type and the fleet token with every engine call
+        (its fixed headers); a call adds its request id."""
+        self.breaker = breaker
+        self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
+        """The request counter and latency histogram per (endpoint, status)."""
+        self._ttft: dict[str, Any] = {}
+        """The TTFT histogram per endpoint."""
+        metrics.on_collect(self._inflight_gauges)
+
+    # -- an engine taken and given back --------------------------------------------
+
+    def acquire(self, e: EngineState) -> None:
+        self.pool.started(e)
+        e.inflight += 1
+
+    def release(self, e: EngineState) -> None:
+        e.inflight -= 1
+
+    def _inflight_gauges(self) -> None:
+        """At each collection: the in-flight gauges from the engines' counts
+        (kept on the engine state, not written to the series per request)."""
+        for e in self.pool.engines.values():
+            if e.inflight_gauge is None:
+                # A re-added engine is a new state, so a removed series is never written again.
+                e.inflight_gauge = self.metrics.engine_inflight.labels(e.url, e.role)
+            e.inflight_gauge.set(e.inflight)
+
+    # -- the request's outcome -------------------------------------------------------
+
+    def finish(self, call: Call, status: int) -> None:
+        """The request's final status and its latency (once per request)."""
+        key = (call.endpoint, status)
+        series = self._finished.get(key)
+        if series is None:  # a few (endpoint, status) pairs: never dropped
+            m = self.metrics
+            series = self._finished[key] = (
+                m.fast_counter(m.requests.labels(call.endpoint, str(status))),
+                m.fast_histogram(m.e2e.labels(call.endpoint)),
+            )
+        series[0].inc()
+        series[1].observe(time.perf_counter() - call.start)
+
+    def first_token(self, call: Call) -> None:
+        """The request's first event reached the client (TTFT)."""
+        ttft = self._ttft.get(call.endpoint)
+        if ttft is None:
+            ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(
+                self.metrics.ttft.labels(call.endpoint)
+            )
+        ttft.observe(time.perf_counter() - call.start)
+
+    def error(
+        self,
+        call: Call,
+        message: str,
+        status: int,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        self.finish(call, status)
+        return error_response(message, status, call.request_id, param, headers)
+
+    def leg_error(self, call: Call, failure: LegFailed) -> Response:
+        logger.warning("request %s: %s", call.request_id, failure.detail)
+        return self.error(call, failure.message, failure.status)
+
+    def passthrough(self, call: Call, resp: UpstreamResponse, content: bytes) -> Response:
+        """A 2xx answer as is; a refusal (4xx) re-shaped so no engine body leaks."""
+        if resp.status_code >= 300:
+            return self.refused(call, resp)
+        self.finish(call, resp.status_code)
+        kind = resp.header(b"content-type")
+        return BytesResponse(
+            content,
+            resp.status_code,
+            [
+                JSON_CONTENT_TYPE if kind is None else (b"content-type", kind),
+                (b"x-request-id", call.request_id.encode("latin-1")),
+            ],
+        )
+
+    def refused(self, call: Call, resp: UpstreamResponse) -> Response:
+        """An engine's 4xx for the client's input: its OpenAI message and field
+        (what the client must change) under its status, nothing else of its body."""
+        status = resp.status_code
+        message, param = f"the request was refused ({status})", None
+        error = ErrorBody.decode(resp.content, status)
+        if error is not None:
+            message, param = error.message[:MAX_RELAYED_MESSAGE], error.param
+        else:  # not OpenAI-shaped: logged, not relayed
+            logger.info(
+                "request %s: engine refusal %d: %r", call.request_id, status, resp.text[:200]
+            )
+        headers = {}
+        if "retry-after" in resp.headers:
+            headers["retry-after"] = resp.headers["retry-after"]
+        return self.error(call, message, status, param, headers)
+
+    # -- bounds and failures of a call -----------------------------------------------
+
+    def first_token_bound(self, e: EngineState) -> float:
+        """The first-token wait for ``e``: grows with the requests queued ahead."""
+        load = e.load
+        return self.config.first_token_bound(max(load.waiting, e.inflight - load.running))
+
+    def watched(self, e: EngineState, seconds: float) -> Watched:
+        """A :class:`Deadline` ``seconds`` from now that also fires at once when the stall
+        watchdog ejects ``e`` (it reschedules every registered timeout)."""
+        return Watched(e, seconds)
+
+    def failed(self, e: EngineState, role: str, ex: Exception) -> LegFailed:
+        """Classify a transport error; a refused connection ejects the engine at once."""
+        detail = f"{role} engine {e.url}: {type(ex).__name__}: {ex}"
+        if isinstance(ex, UpstreamConnectError):
+            kind, status = "connect", 502
+            self.pool.refused(e, f"connection refused: {ex}")
+            msg = f"the {role} engine could not be reached"
+        elif isinstance(ex, TimeoutError) and e.stalled:
+            kind, status = "stalled", 504
+            msg = f"the {role} engine stopped making progress"
+        elif isinstance(ex, TimeoutError):
+            kind, status = "timeout", 504
+            msg = f"the {role} engine did not answer in time"
+        else:
+            kind, status = "broken", 502
+            msg = f"the {role} engine failed"
+        self.metrics.upstream_errors.labels(e.url, e.role, kind).inc()
+        return LegFailed(msg, status, kind, detail)
+
+    def status_error(self, e: EngineState, role: str, resp: UpstreamResponse) -> LegFailed:
+        self.metrics.upstream_errors.labels(e.url, e.role, "status").inc()
+        status = 503 if resp.status_code == 503 else 502
+        return LegFailed(
+            f"the {role} engine answered {resp.status_code}",
+            status,
+            "status",
+            f"{role} engine {e.url} answered {resp.status_code}: {upstream_message(resp)}",
+        )
+
+    def pair_failed(self, call: Call, decode: EngineState) -> None:
+        """The KV hand-off over (the call's prefill engine, ``decode``) failed."""
+        if self.breaker is not None and call.prefill_url is not None:
+            self.breaker.leg_failed(call.prefill_url, decode.url)
+
+    # -- the prompt ----------------------------------------------------------------------
+
+    def analyzed(self, call: Call, info: PromptInfo) -> PromptInfo:
+        """``info``, analyzed now if the request was routed without it."""
+        if info.analyzed or call.body is None:
+            return info
+        if call.info is None:
+            try:
+                call.info = self.analyzer.analyze(call.body, call.chat, self.pool.block_size)
+            except (ValueError, TypeError, AttributeError):  # the engine refuses such a body
+                call.info = PromptInfo(0)
+        return call.info
+
+    def record(self, call: Call, info: PromptInfo, url: str) -> None:
+        """The affinity table learns that ``url`` now holds the prompt's blocks
+        (when they were hashed: a request routed alone, and never failed over,
+        was not analyzed)."""
+        if not info.analyzed and call.info is not None:
+            info = call.info
+        if info.block_hashes:
+            self.affinity.record(info.block_hashes, url)
+
+
+class Watched:
+    """``with`` (or ``async with``): a :class:`Deadline` ``seconds`` from now,
+    registered with an engine's waiters, so that the stall watchdog, which
+    reschedules every registered deadline, ends the wait at once."""
+
+    __slots__ = ("_cm", "_engine", "_seconds")
+
+    def __init__(self, engine: EngineState, seconds: float) -> None:
+        self._engine = engine
+        self._seconds = seconds
+        self._cm: Deadline | None = None
+
+    def __enter__(self) -> Deadline:
+        engine = self._engine
+        if engine.stalled:
+            # Ejected for a stall after this leg was routed to it (a decode
+            # engine is chosen before the prefill leg runs): give up at once,
+            # as the legs already waiting did, instead of for the whole bound.
+            self._cm = cm = Deadline(None)
+            cm.reschedule(asyncio.get_running_loop().time())
+        else:
+            self._cm = cm = Deadline(asyncio.get_running_loop().time() + self._seconds)
+        engine.waiters.add(cm)
+        return cm
+
+    def __exit__(self, *exc: Any) -> None:
+        cm = self._cm
+        assert cm is not None  # entered
+        self._engine.waiters.discard(cm)
+        cm.__exit__(*exc)  # raises TimeoutError for an expiry; never swallows
+
+    async def __aenter__(self) -> Deadline:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.__exit__(*exc)

@@ -1,0 +1,128 @@
+"""The prefill leg of the two-leg P/D protocol (docs/gateway.md).
+
+The client's body with ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for
+chat), ``stream: false``, without ``stream_options`` / ``min_tokens`` /
+``min_completion_tokens``, and ``kv_transfer_params`` asking for a remote
+decode — vLLM's names, so either project's engines can be driven. Its answer's
+``kv_transfer_params`` go to the decode leg. A failed leg (a transport error,
+a 5xx, a 408/429, a stall) is retried on another compatible prefill engine
+(``--retries``; a stalled one always), then the request is served
+decode-only; a 4xx (bad input) is the client's answer as is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.responses import Response
+
+from pdfleet.engine import tracing
+from pdfleet.engine.http.upstream import UpstreamError
+
+from .call import Call
+from .engines import EngineState
+from .legs import LegFailed, Legs
+from .prompt import PromptInfo
+from .routing import Route
+
+logger = logging.getLogger("pdfleet.gateway")
+
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Prefill-leg statuses that say "this engine, now" rather than "this input": the
+# leg is worth another engine (a decode leg passes them to the client).
+RETRYABLE_STATUS = frozenset({408, 429})
+
+
+def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    if chat:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        out.pop(key, None)
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+class PrefillLeg:
+    def __init__(self, legs: Legs) -> None:
+        self.legs = legs
+
+    async def run(
+        self, call: Call, body: dict[str, Any], route: Route, info: PromptInfo
+    ) -> dict[str, Any] | Response | None:
+        """The prefill leg with retries: the producer's kv_transfer_params; None
+        to serve decode-only; a Response when the input itself was refused."""
+        legs = self.legs
+        payload = json.dumps(prefill_body(body, call.chat)).encode()
+        engine: EngineState | None = route.prefill
+        tried: set[str] = set()
+        while engine is not None:
+            tried.add(engine.url)
+            try:
+                result = await self._once(call, engine, payload)
+            except LegFailed as e:
+                logger.warning("request %s: %s", call.request_id, e.detail)
+                if len(tried) > legs.config.retries and e.kind != "stalled":
+                    break
+                engine = legs.router.pick_prefill(route.decode, info, tried)
+                if engine is not None:
+                    legs.metrics.retries.labels("prefill").inc()
+                continue
+            if isinstance(result, Response):
+                return result
+            legs.record(call, info, engine.url)
+            params = result.get("kv_transfer_params")
+            if not isinstance(params, dict) or not params:
+                # A producer without a connector: the decode engine recomputes.
+                legs.metrics.fallbacks.labels("no_kv_transfer_params").inc()
+                tracing.fallback("no_kv_transfer_params")
+                return None
+            call.prefill_url = engine.url
+            if legs.breaker is not None:
+                legs.breaker.handed_off(engine.url, route.decode.url)
+            return params
+        legs.metrics.fallbacks.labels("prefill_failed").inc()
+        tracing.fallback("prefill_failed")
+        return None
+
+    async def _once(self, call: Call, e: EngineState, payload: bytes) -> dict[str, Any] | Response:
+        """One prefill call: its answer's JSON; a Response for a refused input;
+        LegFailed for anything another engine might do better."""
+        legs = self.legs
+        bound = legs.first_token_bound(e)
+        legs.acquire(e)
+        try:
+            with legs.watched(e, bound):
+                # None: ``watched`` bounds the call (one timer per leg, not two).
+                resp = await legs.client.post(e.url + call.endpoint, payload, call.headers, None)
+        except (UpstreamError, TimeoutError) as ex:
+            raise legs.failed(e, "prefill", ex) from None
+        finally:
+            legs.release(e)
+        legs.pool.progress(e)
+        if resp.status_code == 200:
+            try:
+                data = resp.json()
+            except ValueError:
+                legs.metrics.upstream_errors.labels(e.url, e.role, "status").inc()
+                raise LegFailed(
+                    "the prefill engine sent an invalid answer",
+                    502,
+                    "status",
+                    f"prefill engine {e.url} sent invalid JSON",
+                ) from None
+            return data if isinstance(data, dict) else {}
+        if 400 <= resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
+            return legs.refused(call, resp)
+        raise legs.status_error(e, "prefill", resp)

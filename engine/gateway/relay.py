@@ -1,0 +1,296 @@
+"""The relay of a streamed decode leg: SSE framing, deadlines, disconnects.
+
+A streamed answer is relayed event by event as bytes, never re-serialized:
+what arrives is cut at its last event boundary (``\\n\\n``), so an error event
+never lands mid-event; the relay watches only for the first event (TTFT)
+and the ``data: [DONE]`` that ends a stream. If the engine fails mid-stream
+the client gets an SSE error event in OpenAI's shape and ``data: [DONE]`` at
+once. A stall before the first event moves the leg to another engine (the
+decode leg's ``resend``); a client that goes away ends the relay, which
+closes the engine's connection and so aborts its request
+(:class:`DisconnectWatch`, :class:`RelayResponse`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from pdfleet.engine.http.upstream import UpstreamError, UpstreamResponse
+
+from .answers import DONE, sse_error
+from .call import Call
+from .deadlines import Deadline, IdleTimer
+from .engines import EngineState
+from .legs import Legs
+
+logger = logging.getLogger("pdfleet.gateway")
+
+SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+Opened = tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]]
+"""A decode leg accepted by an engine: the engine, its response, its chunks."""
+Resend = Callable[[EngineState], Awaitable[Opened | None]]
+"""The decode leg sent again after ``stalled`` (None when no engine took it)."""
+
+
+async def relay(
+    legs: Legs,
+    call: Call,
+    engine: EngineState,
+    resp: UpstreamResponse,
+    chunks: AsyncIterator[bytes],
+    resend: Resend | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """Relay whole SSE events (so an error event never lands mid-event).
+
+    Bytes are forwarded as they come, cut only at the last event boundary
+    of what arrived (never parsed or re-serialized); the relay watches
+    only for the first event (TTFT) and the ``[DONE]`` that ends a stream.
+
+    An engine ejected for a stall before its first event is replaced: the
+    client has only seen headers, so the decode leg is sent to another
+    engine (``resend``) and that engine's stream is relayed instead. After
+    the first event a stall ends the stream with an error event at once
+    (the client can retry) rather than after the stopped engine resumes.
+    The relay holds ``engine`` (its in-flight count) and ``resp`` until it ends.
+    """
+    status = 200
+    done = False
+    first = True
+    ended = False
+    buf = b""
+    first_bound: float | None = None  # (sized when there is a wait to bound)
+    limit = legs.config.max_body_bytes
+    idle = legs.config.idle_timeout
+    pool = legs.pool
+    try:
+        while first:  # until the first whole event: the engine may still change
+            try:
+                if resp.buffered():  # already here: there is no wait to bound
+                    data = await anext(chunks)
+                else:
+                    if first_bound is None:
+                        first_bound = legs.first_token_bound(engine)
+                    with legs.watched(engine, first_bound):
+                        data = await anext(chunks)
+            except StopAsyncIteration:
+                ended = True
+                break
+            except TimeoutError:
+                if not (engine.stalled and resend is not None):
+                    raise
+                moved = await resend(engine)
+                if moved is None:
+                    raise
+                await resp.aclose()
+                legs.release(engine)
+                engine, resp, chunks = moved
+                first_bound = None
+                continue
+            pool.progress(engine)
+            buf += data
+            if len(buf) > limit:
+                raise UpstreamError(f"an event of over {limit} bytes")
+            cut = buf.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            out, buf = buf[: cut + 2], buf[cut + 2 :]
+            first = False
+            legs.first_token(call)
+            done = out.endswith(DONE)
+            yield out
+        if not ended:
+            # The rest under one idle timeout, pushed back as each chunk
+            # arrives and off while the client takes an event (a slow
+            # reader is not an idle engine; the stall watchdog, which
+            # reschedules the registered timeouts, waits on the engine only).
+            # None when the engine's whole answer is here: nothing to wait for.
+            with Deadline(None) as cm:
+                timer = None if resp.received() else IdleTimer(cm, idle)
+                if timer is not None:
+                    engine.waiters.add(cm)
+                try:
+                    async for data in chunks:  # a stall-ejected engine ends its streams now
+                        pool.progress(engine)
+                        buf += data
+                        if len(buf) > limit:
+                            raise UpstreamError(f"an event of over {limit} bytes")
+                        cut = buf.rfind(b"\n\n")
+                        if cut < 0:
+                            if timer is not None:
+                                timer.touch()
+                            continue
+                        out, buf = buf[: cut + 2], buf[cut + 2 :]
+                        done = done or out.endswith(DONE)
+                        if timer is None:
+                            yield out
+                            continue
+                        timer.paused = True
+                        engine.waiters.discard(cm)
+                        yield out
+                        engine.waiters.add(cm)
+                        timer.touch()
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                    engine.waiters.discard(cm)
+        if not done:
+            legs.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
+            status = 502
+            logger.warning(
+                "request %s: decode engine %s ended the stream early",
+                call.request_id,
+                engine.url,
+            )
+            legs.pair_failed(call, engine)
+            yield sse_error("the decode engine ended the stream early", status)
+    except (UpstreamError, TimeoutError) as ex:
+        if done:  # the client has its whole answer; only the connection's end failed
+            return
+        failure = legs.failed(engine, "decode", ex)
+        status = failure.status
+        if failure.kind == "timeout":
+            failure.message = (
+                f"the decode engine sent no first token within "
+                f"{first_bound or legs.first_token_bound(engine):g}s"
+                if first
+                else f"the decode engine sent nothing for {idle:g}s"
+            )
+        logger.warning(
+            "request %s: %s mid-stream (%s)", call.request_id, failure.message, failure.detail
+        )
+        legs.pair_failed(call, engine)
+        yield sse_error(failure.message, status)
+    finally:
+        await resp.aclose()
+        legs.release(engine)
+        legs.finish(call, status)
+
+
+class RelayResponse(Response):
+    """A streamed answer that always closes its relay (and so the upstream
+    connection), also when the client disconnects mid-stream.
+
+    Starlette's StreamingResponse runs a task group of two tasks per stream to
+    notice a disconnect; here one watcher task cancels the relay instead (the
+    one ``Proxy.handle`` started for the request, handed over as ``watch``).
+    Its headers are built here, not by Starlette's per-response header code."""
+
+    def __init__(
+        self,
+        relay: AsyncGenerator[bytes, None],
+        abandon: Callable[[], Awaitable[None]],
+        request_id: str,
+    ) -> None:
+        # Not Response.__init__: no body to render, and the headers are fixed.
+        self.status_code = 200
+        self.background = None
+        self.body_iterator = relay
+        self.raw_headers = [SSE_CONTENT_TYPE, (b"x-request-id", request_id.encode("latin-1"))]
+        self.abandon = abandon
+        """Releases what the relay holds if it never starts (its finally would)."""
+        self.watch: DisconnectWatch | None = None
+        """The request's disconnect watcher, if the handler started one."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI: the relay as ``http.response.*`` messages (the tracing path)."""
+
+        def start(status: int, headers: list[tuple[bytes, bytes]]) -> Awaitable[None]:
+            return send({"type": "http.response.start", "status": status, "headers": headers})
+
+        def write(chunk: bytes) -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        def end() -> Awaitable[None]:
+            return send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.stream_to(start, write, end, receive)
+
+    async def stream_to(
+        self,
+        start: Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None] | None],
+        write: Callable[[bytes], Awaitable[None] | None],
+        end: Callable[[], Awaitable[None] | None],
+        receive: Any = None,
+    ) -> None:
+        """Send the head (``start``), each chunk (``write``: an awaitable only
+        while the client's connection is paused for writing) and the end; the
+        HTTP server calls it with its connection's writers."""
+        watch = self.watch or DisconnectWatch(receive)
+        started = False
+        try:
+            wait = start(self.status_code, self.raw_headers)
+            started = True  # the relay runs next: its finally now cleans up
+            if wait is not None:
+                await wait
+            async for chunk in self.body_iterator:
+                wait = write(chunk)
+                if wait is not None:
+                    await wait
+            wait = end()
+            if wait is not None:
+                await wait
+        except asyncio.CancelledError:
+            if not watch.uncancel():
+                raise
+        except OSError:  # the client's connection broke mid-write
+            pass
+        finally:
+            watch.close()
+            if started:
+                await self.body_iterator.aclose()
+            else:
+                await self.abandon()
+
+
+class DisconnectWatch:
+    """Cancels the task that made it when the client disconnects. The HTTP
+    server calls it back from the connection's loss (no task); an ASGI
+    request gets one watcher task (``asyncio.wait`` on two tasks, or
+    Starlette's task group, cost several times as much). Made after the body
+    was read (under ASGI it takes over ``receive``); closed before the
+    answer's last byte is sent (after it, ``receive`` reports a disconnect).
+    ``request``: a request (``watch_disconnect``) or an ASGI ``receive``."""
+
+    __slots__ = ("_closed", "_owner", "_task", "gone")
+
+    def __init__(self, request: Any) -> None:
+        self.gone = False
+        self._closed = False
+        self._owner = asyncio.current_task()
+        self._task: asyncio.Future | None = None
+        watch = getattr(request, "watch_disconnect", None)
+        if watch is not None and watch(self._lost):
+            return
+        receive = getattr(request, "receive", request)
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._lost()
+
+    def _lost(self) -> None:
+        if self._closed or self.gone:
+            return
+        self.gone = True
+        if self._owner is not None:
+            self._owner.cancel()
+
+    def uncancel(self) -> bool:
+        """In the owner's ``except CancelledError``: True (and the cancellation
+        taken back) when the client's disconnect caused it."""
+        if self.gone and self._owner is not None:
+            self._owner.uncancel()
+            return True
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,103 @@
+"""KV is only ever used for the prompt it was computed from.
+
+The attack: a decode leg for prompt B carrying the signed params of prompt A's
+prefill leg. Before content binding the decode engine pulled A's blocks, used
+them as B's prefix (wrong output) and cached them under B's hashes, so every
+later request for B got A's KV. Now the params carry A's block hash chain,
+the decode engine hashes B's own tokens, finds they differ, pulls nothing and
+recomputes. The same check catches honest skew: two roles rendering a chat
+with different templates.
+"""
+
+from __future__ import annotations
+
+from helpers.security_pair import CLIENT_KEY, post, prefill_leg, prompt, text_of
+
+MISMATCHES = "pdfleet_engine_kv_transfer_content_mismatches_total"
+TRANSFERS = "pdfleet_engine_kv_transfers_total"
+PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
+
+
+def body(seed: int, **extra) -> dict:
+    return {"prompt": prompt(seed), "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def reference(pair, request: dict) -> str:
+    """The prompt computed on the prefill engine alone (no params: plain serving)."""
+    return text_of(post(pair.prefill.url + "/v1/completions", request))
+
+
+def test_another_prompts_signed_params_are_not_used_nor_cached_and_its_lease_survives(pair):
+    a, b = body(9101), body(9102)
+    params_a = prefill_leg(pair, a)
+    assert len(params_a["remote_block_ids"]) == 6
+    want_b = reference(pair, b)
+    before = {m: pair.metric("decode", m) for m in (MISMATCHES, TRANSFERS, PULLED)}
+    # B's decode leg with A's genuine params, with the fleet token (an insider, or a
+    # gateway bug): B's own answer, nothing pulled, the mismatch counted.
+    got = text_of(post(pair.decode.url + "/v1/completions", {**b, "kv_transfer_params": params_a}))
+    assert got == want_b
+    assert pair.metric("decode", MISMATCHES) == before[MISMATCHES] + 1
+    assert pair.metric("decode", TRANSFERS) == before[TRANSFERS]
+    assert pair.metric("decode", PULLED) == before[PULLED]
+    # Nothing was cached under B's hashes but B's own KV: later plain requests for B
+    # (anyone's, and with the decode engine's cache hit) are right.
+    for _ in range(2):
+        r = post(pair.decode.url + "/v1/completions", b)
+        assert text_of(r) == want_b
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    # A's lease was left alone: A's lawful decode leg still pulls it.
+    got_a = text_of(
+        post(pair.decode.url + "/v1/completions", {**a, "kv_transfer_params": params_a})
+    )
+    assert got_a == reference(pair, a)
+    assert pair.metric("decode", TRANSFERS) == before[TRANSFERS] + 1
+    assert "is not this prompt's" in pair.decode.log_path.read_text(errors="replace")
+
+
+def test_a_client_api_key_cannot_send_kv_transfer_params(pair):
+    a, b = body(9201), body(9202)
+    params_a = prefill_leg(pair, a)
+    before = pair.metric("decode", MISMATCHES), pair.metric("decode", TRANSFERS)
+    for url, params in (
+        (pair.decode.url, params_a),  # the cross-prompt injection
+        (pair.prefill.url, {"do_remote_decode": True}),  # leasing blocks at will
+    ):
+        for stream in (False, True):
+            r = post(
+                url + "/v1/completions",
+                {**b, "stream": stream, "kv_transfer_params": params},
+                key=CLIENT_KEY,
+            )
+            assert r.status_code == 403, r.text
+            error = r.json()["error"]
+            assert error["param"] == "kv_transfer_params"
+            assert "kv_transfer_params" in error["message"]
+    assert (pair.metric("decode", MISMATCHES), pair.metric("decode", TRANSFERS)) == before
+    # The same key may still call the engine directly without internal fields.
+    assert text_of(post(pair.decode.url + "/v1/completions", b, key=CLIENT_KEY)) == reference(
+        pair, b
+    )
+
+
+def test_roles_with_different_chat_templates_answer_right_never_with_the_other_roles_kv(pair):
+    messages = [{"role": "user", "content": "the harbor was quiet before dawn " * 8}]
+    chat = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    params = prefill_leg(pair, chat, "/v1/chat/completions")
+    assert params["remote_block_ids"]
+    # What the decode engine's own template gives, computed by the other engine from
+    # the token ids (an engine whose cache the P/D leg cannot touch).
+    tokens = post(pair.decode.url + "/tokenize", {"messages": messages}).json()["tokens"]
+    want = text_of(
+        post(
+            pair.prefill.url + "/v1/completions",
+            {"prompt": tokens, "max_tokens": 10, "temperature": 0},
+        )
+    )
+    before = pair.metric("decode", MISMATCHES), pair.metric("decode", PULLED)
+    got = text_of(
+        post(pair.decode.url + "/v1/chat/completions", {**chat, "kv_transfer_params": params})
+    )
+    assert got == want
+    assert pair.metric("decode", MISMATCHES) == before[0] + 1
+    assert pair.metric("decode", PULLED) == before[1]
