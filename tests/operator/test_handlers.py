@@ -340,7 +340,21 @@ def test_advisory_mode_reports_the_policys_decisions_and_patches_no_replicas(mon
                 assert (
                     'pdfleet_autoscaler_desired_replicas{mode="Advisory",role="decode"}' in exported
                 )
-                await asyncio.sleep(1.5)  # a few more decisions: still nothing applied
+
+                def advisory_decisions() -> float:
+                    return sum(
+                        sample.value
+                        for metric in k.state.metrics.collect()
+                        for sample in metric.samples
+                        if sample.name == "pdfleet_autoscaler_decisions_total"
+                        and sample.labels.get("mode") == "Advisory"
+                    )
+
+                # Several more periods decided (each counted): still nothing applied.
+                seen = advisory_decisions()
+                await k.wait_for(
+                    lambda: advisory_decisions() >= seen + 4, what="more advisory decisions"
+                )
                 assert k.get(DEPLOYMENTS, "demo-decode")["spec"]["replicas"] == 1
                 assert k.state.scale_changes.labels("decode")._value.get() == 0
         finally:
