@@ -107,12 +107,12 @@ class PolicyTuning:
     default_startup_seconds: float = 60.0
     """The startup the lead assumes before one has been observed."""
     rise_z: float = 3.0
-    fall_z: float = 3.5
-    """A fall counts as decisive (the spec's short down window) when it
-    stands this many times its noise out of a window's line."""
     """A rise is projected when it amounts, over the forecast window, to
     this many times its own noise (the Poisson noise of one period's rate,
     through a line of the window's periods)."""
+    fall_z: float = 3.5
+    """A fall counts as decisive (the spec's short down window) when it
+    stands this many times its noise out of a window's line."""
     rate_z: float = 0.5
     """Size for the forecast plus this many times the Poisson noise of the
     arrivals over :attr:`noise_horizon_seconds`."""

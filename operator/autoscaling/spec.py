@@ -93,15 +93,16 @@ class RoleScaling:
 
 @dataclass
 class PrefillScaling(RoleScaling):
-    """Prefill scales on its backlog: queued uncached prompt tokens divided by
-    the prompt tokens per second one replica processes, against a target
-    derived from the TTFT objective; and on its waiting queue."""
+    """Prefill scales on a queueing model of its TTFT: the fewest replicas
+    at which, at the forecast arrival rate and the measured service time per
+    request, few enough requests wait past the TTFT objective; more while a
+    queue beyond what the model expects drains. Engines without the
+    service-time series scale on their waiting queue."""
 
     ttft_target_seconds: float = bounded(2.0, POSITIVE)
-    """Time-to-first-token objective in seconds. Half of it is the backlog
-    (seconds of queued prefill work per replica) the policy allows before
-    adding replicas; the other half is left for the request's own prefill,
-    the KV transfer and the first decode step."""
+    """Time-to-first-token objective in seconds. The prefill queueing model
+    sizes for it, less decode's first step and a small reserve for the KV
+    transfer and the gateway."""
     prefill_tokens_per_second: float | None = bounded(None, POSITIVE)
     """Prompt tokens per second one prefill replica processes, used until the
     engines' metrics have measured it (prompt tokens processed / busy prefill
