@@ -9,6 +9,11 @@ every claim rests on) and the summary figure per regime.
     .venv/bin/python benchmarks/autoscaling_matrix.py --jobs 2 \\
         --out benchmarks/results/autoscaling_matrix.json --figures docs
 
+On a shared machine, run one trace at a time (``--traces burst --out
+burst.json``, ...) and merge them (``--merge burst.json steady.json ...
+--out all.json --figures docs``): each run's JSON lands as it ends, and
+the merge scores the cells again with this version's targets.
+
 B* and the HPA runs come from the matrix's cache (~/.cache/pdfleet/sim by
 default) when they were computed before: a first run on one core takes
 hours (about fifteen simulations per cell), a rerun after a change to the
@@ -21,9 +26,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from pdfleet.operator.autoscaling_lab.cache import default_directory
-from pdfleet.operator.autoscaling_lab.matrix import CASES, format_matrix, run_matrix
+from pdfleet.operator.autoscaling_lab.matrix import CASES, format_matrix, merge, run_matrix
 from pdfleet.operator.autoscaling_lab.plot import plot_matrix
 from pdfleet.operator.autoscaling_lab.sim_cmd import parse_seeds
 from pdfleet.operator.autoscaling_lab.traces import TRACE_KINDS
@@ -40,9 +46,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=str(default_directory()))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--figures", type=Path, default=None, help="directory for the PNGs")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="instead of running: merge these outputs (runs of one regime and seed range over "
+        "different traces), score them again with this version's targets and print them",
+    )
     args = parser.parse_args(argv)
     out: dict[str, object] = {}
     ok = True
+    if args.merge:
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for path in args.merge:
+            for key, result in json.loads(path.read_text()).items():
+                runs.setdefault(key, []).append(result)
+        for key, results in runs.items():
+            merged = merge(results)
+            print(f"== {key} (merged from {len(results)})")
+            print(format_matrix(merged), flush=True)
+            ok = ok and not merged["unproven_misses"]
+            out[key] = merged
+            if args.figures is not None:
+                name, seeds = key.split("/")
+                suffix = seeds.replace("-", "_")
+                plot_matrix(merged, str(args.figures / f"autoscaling_matrix_{name}_{suffix}.png"))
+        if args.out:
+            args.out.write_text(json.dumps(out, sort_keys=True) + "\n")
+            print(f"wrote {args.out}")
+        return 0 if ok else 1
     for name in filter(None, args.regimes.split(",")):
         for seeds in filter(None, args.seeds.split(";")):
             result = run_matrix(

@@ -282,6 +282,41 @@ def first_surge_proof(cell: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def trace_summary(cells: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy over the cells of one trace and case: replica-seconds
+    summed over the seeds over B*'s (the mean cost ratio), and the lowest
+    TTFT and ITL attainment of any seed. Cells without a B* are left out
+    of the ratio (``seeds_with_bstar`` says how many count)."""
+    with_best = [c for c in cells if c["bstar"]["best"] is not None]
+    best = sum(c["bstar"]["best"]["replica_seconds"]["total"] for c in with_best)
+    out: dict[str, dict[str, Any]] = {}
+    names = ["pdfleet", "hpa_tuned", "hpa"]
+    rows = {n: [c["results"][n] for c in cells if n in c["results"]] for n in names}
+    rows["bstar"] = [c["bstar"]["best"] for c in with_best]
+    for name, results in rows.items():
+        if not results:
+            continue
+        paid = [
+            c["results"][name]["replica_seconds"]["total"]
+            if name != "bstar"
+            else c["bstar"]["best"]["replica_seconds"]["total"]
+            for c in with_best
+            if name == "bstar" or name in c["results"]
+        ]
+        out[name] = {
+            "x_bstar": sum(paid) / best if best and len(paid) == len(with_best) else None,
+            "min_ttft_attainment": min(r["ttft_attainment"] for r in results),
+            "min_itl_attainment": min(r["itl_attainment"] for r in results),
+            "seeds_meeting_slos": sum(
+                r["ttft_attainment"] >= MIN_ATTAINMENT and r["itl_attainment"] >= MIN_ATTAINMENT
+                for r in results
+            ),
+            "seeds": len(results),
+        }
+    out["seeds_with_bstar"] = {"value": len(with_best), "of": len(cells)}
+    return out
+
+
 def trace_targets(cells: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per trace (cells of one trace and case): the policy cheaper than
     tuned HPA in the mean over seeds and on at least :data:`CHEAPER_SHARE`
@@ -435,13 +470,6 @@ def run_matrix(
             pool.shutdown()
     if not policy:
         return {"hpa_tuning": tuned, "cells": [], "wall_seconds": time.perf_counter() - started}
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for c in cells:
-        groups.setdefault((c["case"], c["trace"]), []).append(c)
-    traces = [
-        {"case": case, "trace": kind, "targets": trace_targets(group)}
-        for (case, kind), group in groups.items()
-    ]
     result = {
         "regime": base.to_dict(),
         "seeds": list(seeds),
@@ -449,12 +477,54 @@ def run_matrix(
         "hpa_tuning": tuned,
         "tuning": dataclasses.asdict(tuning or PolicyTuning()),
         "cells": cells,
-        "traces": traces,
         "wall_seconds": time.perf_counter() - started,
     }
+    return score(result)
+
+
+def score(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with every target, summary and verdict computed again
+    from its cells' figures (a result written by an older version, or
+    merged from several runs: :func:`merge`)."""
+    duration = result["regime"]["trace"]["duration_seconds"]
+    cells = result["cells"]
+    for c in cells:
+        c["targets"] = cell_targets(c, duration)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["case"], c["trace"]), []).append(c)
+    result["traces"] = [
+        {
+            "case": case,
+            "trace": kind,
+            "targets": trace_targets(group),
+            "summary": trace_summary(group),
+        }
+        for (case, kind), group in groups.items()
+    ]
     result["all_met"] = all_met(result)
     result["unproven_misses"] = misses(result)
     return result
+
+
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs of the same regime and seeds over
+    different traces or cases (run one trace at a time, merged after),
+    scored again (:func:`score`)."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    for r in results[1:]:
+        for key in ("regime", "seeds", "tune_seeds", "tuning"):
+            if r[key] != first[key]:
+                raise ValueError(f"cannot merge results whose {key} differ")
+    merged = {
+        **first,
+        "hpa_tuning": {k: v for r in results for k, v in r["hpa_tuning"].items()},
+        "cells": [c for r in results for c in r["cells"]],
+        "wall_seconds": sum(r["wall_seconds"] for r in results),
+    }
+    return score(merged)
 
 
 def all_met(result: dict[str, Any]) -> bool:
@@ -584,6 +654,23 @@ def format_matrix(result: dict[str, Any]) -> str:
                 f"no room {_pct(o['without_headroom']['ttft_attainment'])}; first surge at "
                 f"{first['headroom']:.2f} room {_pct(first['ttft_attainment'])} TTFT, "
                 f"{_pct(first['itl_attainment'])} ITL"
+            )
+    lines += [
+        "",
+        "per trace, over its seeds: replica-seconds summed / B*'s; lowest TTFT and ITL "
+        "attainment of any seed; seeds meeting both SLOs",
+        f"  {'case':<18}{'trace':<10} {'strategy':<10} {'x B*':>7} {'TTFT min':>9} "
+        f"{'ITL min':>9} {'SLOs met':>9}",
+    ]
+    for t in result["traces"]:
+        for name, v in t.get("summary", {}).items():
+            if name == "seeds_with_bstar":
+                continue
+            ratio = "-" if v["x_bstar"] is None else f"{v['x_bstar']:.3f}"
+            lines.append(
+                f"  {t['case']:<18}{t['trace']:<10} {name:<10} {ratio:>7} "
+                f"{_pct(v['min_ttft_attainment']):>9} {_pct(v['min_itl_attainment']):>9} "
+                f"{v['seeds_meeting_slos']:>5}/{v['seeds']}"
             )
     lines += ["", "per trace:"]
     for t in result["traces"]:

@@ -13,8 +13,10 @@ from pdfleet.operator.autoscaling_lab.matrix import (
     case_spec,
     cell_targets,
     format_matrix,
+    merge,
     misses,
     run_matrix,
+    trace_summary,
     trace_targets,
 )
 from pdfleet.operator.autoscaling_lab.regimes import REGIMES, regime
@@ -222,3 +224,38 @@ def test_sim_matrix_exits_nonzero_when_a_target_is_missed(tmp_path, capsys):
     assert code == (1 if result["unproven_misses"] else 0)
     assert result["unproven_misses"] == misses(result)
     assert "B* sizing" in capsys.readouterr().out
+
+
+def test_runs_of_one_trace_each_merge_into_one_scored_matrix(tiny):
+    import copy
+
+    _, _, first = tiny
+    other = copy.deepcopy(first)
+    other["cells"][0]["trace"] = "diurnal"
+    other["hpa_tuning"] = {"diurnal": other["hpa_tuning"]["steady"]}
+    merged = merge([copy.deepcopy(first), other])
+    assert [t["trace"] for t in merged["traces"]] == ["steady", "diurnal"]
+    assert set(merged["hpa_tuning"]) == {"steady", "diurnal"}
+    # Scored again under the diurnal trace's cost target, not steady's.
+    assert merged["cells"][1]["targets"]["vs_bstar"]["limit"] == 1.15
+    assert merged["cells"][1]["targets"]["no_flap"]["met"] is None
+    assert merged["unproven_misses"] == misses(merged)
+    text = format_matrix(merged)
+    assert "per trace, over its seeds" in text and "diurnal" in text
+    bad = copy.deepcopy(other)
+    bad["seeds"] = [7]
+    with pytest.raises(ValueError, match="seeds differ"):
+        merge([first, bad])
+
+
+def test_the_trace_summary_is_each_strategys_cost_over_bstars_and_its_worst_seed():
+    cells = [_cell(cost=120.0, tuned=130.0), _cell(cost=110.0, tuned=100.0, ttft=0.98)]
+    for c in cells:
+        c["results"]["hpa"] = _result(150.0, ttft=0.9)
+    s = trace_summary(cells)
+    assert s["pdfleet"]["x_bstar"] == pytest.approx(1.15)  # 230 over 200
+    assert s["hpa_tuned"]["x_bstar"] == pytest.approx(1.15)
+    assert s["hpa"]["x_bstar"] == pytest.approx(1.5)
+    assert s["bstar"]["x_bstar"] == pytest.approx(1.0)
+    assert s["pdfleet"]["min_ttft_attainment"] == 0.98
+    assert (s["pdfleet"]["seeds_meeting_slos"], s["hpa"]["seeds_meeting_slos"]) == (1, 0)
