@@ -18,6 +18,7 @@ from pdfleet.operator.autoscaling_lab.matrix import (
     run_matrix,
     trace_summary,
     trace_targets,
+    tune_hpa,
 )
 from pdfleet.operator.autoscaling_lab.regimes import REGIMES, regime
 
@@ -259,3 +260,25 @@ def test_the_trace_summary_is_each_strategys_cost_over_bstars_and_its_worst_seed
     assert s["bstar"]["x_bstar"] == pytest.approx(1.0)
     assert s["pdfleet"]["min_ttft_attainment"] == 0.98
     assert (s["pdfleet"]["seeds_meeting_slos"], s["hpa"]["seeds_meeting_slos"]) == (1, 0)
+
+
+def test_hpa_is_tuned_with_its_other_role_at_the_coolest_target():
+    # A fleet where decode above 0.4 KV usage misses ITL whatever prefill
+    # does, and prefill above 0.7 busy misses TTFT: tuned, HPA is (0.7, 0.4),
+    # not stuck at the coolest prefill by a decode partner that misses.
+    def runs(batch):
+        out = []
+        for _, t in batch:
+            ok = t.prefill_utilization <= 0.7 and t.decode_kv_usage <= 0.4
+            out.append(
+                {
+                    "ttft_attainment": 1.0 if t.prefill_utilization <= 0.7 else 0.9,
+                    "itl_attainment": 1.0 if ok or t.decode_kv_usage <= 0.4 else 0.9,
+                    "replica_seconds": {"total": 1.0},
+                }
+            )
+        return out
+
+    tuned = tune_hpa(regime("cpu"), "steady", [0, 1], runs)
+    assert tuned["targets"] == {"prefill_utilization": 0.7, "decode_kv_usage": 0.4}
+    assert tuned["met"] is True
