@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         nargs="+",
         default=None,
-        help="instead of running: merge these outputs (runs of one regime and seed range over "
-        "different traces), score them again with this version's targets and print them",
+        help="instead of running: merge these outputs (runs of one regime over different traces "
+        "or seeds; one result per regime), score them again with this version's targets and "
+        "print them",
     )
     args = parser.parse_args(argv)
     out: dict[str, object] = {}
@@ -61,16 +62,20 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict[str, Any]]] = {}
         for path in args.merge:
             for key, result in json.loads(path.read_text()).items():
-                runs.setdefault(key, []).append(result)
-        for key, results in runs.items():
+                runs.setdefault(key.split("/")[0], []).append(result)
+        for name, results in runs.items():
             merged = merge(results)
+            seeds = merged["seeds"]
+            span = (
+                f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else None
+            )
+            key = f"{name}/{span or ','.join(map(str, seeds))}"
             print(f"== {key} (merged from {len(results)})")
             print(format_matrix(merged), flush=True)
             ok = ok and not merged["unproven_misses"]
             out[key] = merged
             if args.figures is not None:
-                name, seeds = key.split("/")
-                suffix = seeds.replace("-", "_")
+                suffix = (span or "merged").replace("-", "_")
                 plot_matrix(merged, str(args.figures / f"autoscaling_matrix_{name}_{suffix}.png"))
         if args.out:
             args.out.write_text(json.dumps(out, sort_keys=True) + "\n")

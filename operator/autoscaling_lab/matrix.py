@@ -512,20 +512,41 @@ def score(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One result from several runs of the same regime and seeds over
-    different traces or cases (run one trace at a time, merged after),
-    scored again (:func:`score`)."""
+    """One result from several runs of one regime over different traces or
+    seeds (run one trace or seed range at a time, merged after), scored
+    again (:func:`score`). The runs must share the regime, the policy's
+    tuning, the HPA tuning seeds and each trace's tuned HPA, so that their
+    cells are what one run over everything would have made."""
     if not results:
         raise ValueError("nothing to merge")
     first = results[0]
-    for r in results[1:]:
-        for key in ("regime", "seeds", "tune_seeds", "tuning"):
+    tuned: dict[str, Any] = {}
+    seen: set[tuple[str, str, int]] = set()
+    for r in results:
+        for key in ("regime", "tune_seeds", "tuning"):
             if r[key] != first[key]:
                 raise ValueError(f"cannot merge results whose {key} differ")
+        for kind, t in r["hpa_tuning"].items():
+            if tuned.setdefault(kind, t)["targets"] != t["targets"]:
+                raise ValueError(f"cannot merge results whose tuned HPA on {kind} differs")
+        for c in r["cells"]:
+            cell = (c["case"], c["trace"], c["seed"])
+            if cell in seen:
+                raise ValueError(f"cell {cell} is in more than one result")
+            seen.add(cell)
     merged = {
         **first,
-        "hpa_tuning": {k: v for r in results for k, v in r["hpa_tuning"].items()},
-        "cells": [c for r in results for c in r["cells"]],
+        "seeds": sorted({s for r in results for s in r["seeds"]}),
+        "hpa_tuning": tuned,
+        "cells": sorted(
+            (c for r in results for c in r["cells"]),
+            key=lambda c: (
+                c["case"] != "default",
+                c["case"],
+                TRACE_KINDS.index(c["trace"]),
+                c["seed"],
+            ),
+        ),
         "wall_seconds": sum(r["wall_seconds"] for r in results),
     }
     return score(merged)

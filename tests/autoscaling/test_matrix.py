@@ -235,17 +235,23 @@ def test_runs_of_one_trace_each_merge_into_one_scored_matrix(tiny):
     other["cells"][0]["trace"] = "diurnal"
     other["hpa_tuning"] = {"diurnal": other["hpa_tuning"]["steady"]}
     merged = merge([copy.deepcopy(first), other])
-    assert [t["trace"] for t in merged["traces"]] == ["steady", "diurnal"]
+    assert [t["trace"] for t in merged["traces"]] == ["diurnal", "steady"]  # the traces' order
     assert set(merged["hpa_tuning"]) == {"steady", "diurnal"}
     # Scored again under the diurnal trace's cost target, not steady's.
-    assert merged["cells"][1]["targets"]["vs_bstar"]["limit"] == 1.15
-    assert merged["cells"][1]["targets"]["no_flap"]["met"] is None
+    assert merged["cells"][0]["targets"]["vs_bstar"]["limit"] == 1.15
+    assert merged["cells"][0]["targets"]["no_flap"]["met"] is None
     assert merged["unproven_misses"] == misses(merged)
     text = format_matrix(merged)
     assert "per trace, over its seeds" in text and "diurnal" in text
-    bad = copy.deepcopy(other)
-    bad["seeds"] = [7]
-    with pytest.raises(ValueError, match="seeds differ"):
+    # Seeds merge too; a cell twice, or a different tuned HPA, does not.
+    later = copy.deepcopy(first)
+    later["seeds"], later["cells"][0]["seed"] = [7], 7
+    assert merge([copy.deepcopy(first), later])["seeds"] == [0, 7]
+    with pytest.raises(ValueError, match="more than one result"):
+        merge([first, copy.deepcopy(first)])
+    bad = copy.deepcopy(later)
+    bad["hpa_tuning"]["steady"]["targets"] = {"prefill_utilization": 0.1, "decode_kv_usage": 0.1}
+    with pytest.raises(ValueError, match="tuned HPA on steady"):
         merge([first, bad])
 
 
