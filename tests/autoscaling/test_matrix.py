@@ -76,6 +76,11 @@ def test_an_slo_miss_is_proven_infeasible_only_where_the_first_surge_bound_misse
     assert t["ttft_attainment"]["met"] is False
     assert t["ttft_attainment"]["infeasible"]["ttft_attainment"] == 0.95
     assert "infeasible" not in t["itl_attainment"]  # met: nothing to prove
+    # The bound meets ITL (1.0): the policy's ITL miss is its own.
+    both = _cell(kind="burst", ttft=0.97, itl=0.98)
+    both["onset_bound"] = onset(False, 0.95)
+    t = cell_targets(both, 3600)
+    assert "infeasible" in t["ttft_attainment"] and "infeasible" not in t["itl_attainment"]
     # Where the bound meets the SLO, a causal policy could too: a plain miss.
     seen = _cell(kind="burst", ttft=0.97)
     seen["onset_bound"] = onset(True, 0.995)
