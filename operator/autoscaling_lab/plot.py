@@ -129,6 +129,8 @@ def plot_matrix(result: dict[str, Any], path: str) -> None:
         f"regime {reg['name']}: seeds {seeds[0]}-{seeds[-1]}, mean over seeds (label: x B*)",
         fontsize=10,
     )
+    # Room above the tallest bar for its label and the legend.
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     ax.legend(fontsize=8, ncol=4, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
