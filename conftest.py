@@ -3,7 +3,7 @@
 * Triton kernels run under the interpreter when no GPU is present; the
   variable must be set before any ``@triton.jit`` module is imported.
 * Every process a test starts shares one fleet secret ($PDFLEET_FLEET_SECRET).
-* The checkout's root is not on ``sys.path`` (engine/config/launch.py says why).
+* The checkout's root is not on ``sys.path`` (engine/contracts/launch.py says why).
 * ``tiny_model_factory`` builds (once per session and spec) small random-weight
   Hugging Face model directories for every supported family.
 * Tests marked ``cuda`` only make sense on a GPU: they are skipped without one.
@@ -21,7 +21,7 @@ import pytest
 
 # `python -m pytest` puts the checkout's root first on sys.path, where its
 # kernels/ folder hides the installed `kernels` package transformers imports
-# (engine/config/launch.py). The suite needs nothing from there: tests/ is on the
+# (engine/contracts/launch.py). The suite needs nothing from there: tests/ is on the
 # path through pyproject's `pythonpath`.
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
@@ -38,7 +38,7 @@ if not _HAS_CUDA or os.environ.get("PDFLEET_TEST_DEVICE") == "cpu":
 
 # One fleet secret for every process a test starts (engines, gateways, `pdfleet
 # up`), as the operator mounts one per InferenceService. Tests of missing or
-# wrong secrets override it per process. See engine/config/security.py.
+# wrong secrets override it per process. See engine/contracts/security.py.
 os.environ.setdefault("PDFLEET_FLEET_SECRET", "pdfleet-tests-fleet-secret-0123456789abcdef")
 
 

@@ -45,9 +45,9 @@ import httpx
 import yaml
 from fleet import free_port, tiny_model
 
-from pdfleet.engine.config.launch import python_module
-from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_HELD_REQUESTS, parse_metrics
-from pdfleet.engine.config.security import fleet_token, generate_secret
+from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.contracts.metrics import ENGINE_KV_TRANSFER_HELD_REQUESTS, parse_metrics
+from pdfleet.engine.contracts.security import fleet_token, generate_secret
 
 LEASE_SECONDS = 5
 STORY = (

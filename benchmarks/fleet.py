@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 
 def free_port() -> int:
@@ -90,8 +90,8 @@ def engine_env(threads: int) -> dict[str, str]:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of the ``name`` samples on ``url``/metrics whose labels include
-    ``labels`` (names from engine/config/metrics.py, read by its parser)."""
-    from pdfleet.engine.config.metrics import parse_metrics
+    ``labels`` (names from engine/contracts/metrics.py, read by its parser)."""
+    from pdfleet.engine.contracts.metrics import parse_metrics
 
     scrape = parse_metrics(httpx.get(url + "/metrics", timeout=5).text, only=[name])
     return sum(

@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 
 def free_port() -> int:
@@ -166,7 +166,7 @@ def main() -> int:
     import schemathesis
     from schemathesis import GenerationMode
 
-    from pdfleet.engine.config import security
+    from pdfleet.engine.contracts import security
 
     proc = None
     if args.url:

@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 from fleet import free_port
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / "build" / "vllm-router-venv"

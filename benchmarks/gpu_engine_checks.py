@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 # (spec, prompts, tokens per prompt, prompt lengths, P/D prompt length)
 GPU_MODEL = dict(
@@ -179,7 +179,7 @@ class EngineChecks:
     def pd_pair(self, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, Any]:
         """Section 4: a P/D pair and an aggregated engine as processes. With TP sizes
         (section 5, two GPUs or more) each decode rank pulls its KV heads' slice."""
-        from pdfleet.engine.config import security
+        from pdfleet.engine.contracts import security
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.setdefault("PDFLEET_FLEET_SECRET", security.generate_secret())
@@ -227,7 +227,7 @@ class EngineChecks:
                     proc.wait(10)
 
     def _pd_requests(self, urls: dict[str, str], headers: dict[str, str]) -> dict[str, Any]:
-        from pdfleet.engine.config.metrics import (
+        from pdfleet.engine.contracts.metrics import (
             ENGINE_KV_TRANSFER_BYTES,
             ENGINE_KV_TRANSFER_SECONDS,
             parse_metrics,

@@ -19,8 +19,13 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from pdfleet.engine.core.block_hash import external_block_hash, get_hash_fn, prompt_block_hashes
-from pdfleet.engine.gateway.kv_index import Event, KVIndex
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+from pdfleet.engine.contracts.kv_events import BlockStored
+from pdfleet.engine.gateway.kv_index import KVIndex
 
 
 def main() -> None:
@@ -39,7 +44,7 @@ def main() -> None:
     per_batch = 256
     for start in range(0, args.blocks, per_batch):
         ids = [rng.getrandbits(64) for _ in range(min(per_batch, args.blocks - start))]
-        index.apply(urls[(start // per_batch) % len(urls)], [Event("stored", ids)])
+        index.apply(urls[(start // per_batch) % len(urls)], [BlockStored(ids)])
     current, _peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 
@@ -51,9 +56,9 @@ def main() -> None:
         prompt = [external_block_hash(h) for h in prompt_block_hashes(tokens, 16, hash_fn)]
         hash_times.append(time.perf_counter() - t0)
     # One engine holds the whole prompt, a few hold leading parts, the rest nothing.
-    index.apply(urls[0], [Event("stored", prompt)])
+    index.apply(urls[0], [BlockStored(prompt)])
     for i, url in enumerate(urls[1:6], 1):
-        index.apply(url, [Event("stored", prompt[: len(prompt) * i // 8])])
+        index.apply(url, [BlockStored(prompt[: len(prompt) * i // 8])])
     lookup_times = []
     for _ in range(args.lookups):
         t0 = time.perf_counter()

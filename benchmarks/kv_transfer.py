@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 LAYOUT = {
     "num_hidden_layers": 16,
@@ -271,7 +271,7 @@ def handover(model_dir: str, connector: str, n_prompts: int) -> dict:
         # One client for the whole run: a new httpx client per request costs tens of
         # milliseconds here (TLS context setup), which would be counted as handover.
         # The engines want the fleet token (what the gateway presents).
-        from pdfleet.engine.config import security
+        from pdfleet.engine.contracts import security
 
         secret = security.fleet_secret_from_env()
         assert secret is not None
@@ -333,7 +333,7 @@ def content_check() -> dict:
     """Microseconds per decode leg of the consumer's content check (median of 50)."""
     from types import SimpleNamespace
 
-    from pdfleet.engine.core.block_hash import get_hash_fn, prompt_block_hashes
+    from pdfleet.engine.contracts.block_hash import get_hash_fn, prompt_block_hashes
     from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
 
     sched = PDConnectorScheduler(SimpleNamespace(block_size=BLOCK, hash_algo="sha256"))  # type: ignore[arg-type]
@@ -380,7 +380,7 @@ def main() -> int:
     parser.add_argument("--skip-handover", action="store_true")
     parser.add_argument("--handover-prompts", type=int, default=21)
     args = parser.parse_args()
-    from pdfleet.engine.config import security
+    from pdfleet.engine.contracts import security
     from pdfleet.engine.tiny.builder import ensure_tiny_model
 
     # Connectors need the fleet secret; the child processes inherit this one.

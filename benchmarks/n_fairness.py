@@ -33,8 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import security
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.launch import python_module
 
 SMALL = {"model": "tiny", "prompt": "The weather today is", "max_tokens": 4, "stream": True}
 BIG_N = 128

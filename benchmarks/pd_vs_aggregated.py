@@ -39,7 +39,7 @@ from pathlib import Path
 from fleet import Fleet, engine_env, metric, tiny_model
 
 from pdfleet.engine.bench import BenchConfig, BenchResult, arun_benchmark
-from pdfleet.engine.config.metrics import GATEWAY_DISAGG_DECISIONS, GATEWAY_FALLBACKS
+from pdfleet.engine.contracts.metrics import GATEWAY_DISAGG_DECISIONS, GATEWAY_FALLBACKS
 
 
 async def mixed_load(url: str, args: argparse.Namespace) -> dict[str, BenchResult]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 QUESTION = "What is the capital of France?"
 PROMPTS = [

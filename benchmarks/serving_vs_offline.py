@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 
 def free_port() -> int:

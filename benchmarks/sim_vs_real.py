@@ -50,9 +50,9 @@ from typing import Any
 import httpx
 import yaml
 
-from pdfleet.engine.config import security
-from pdfleet.engine.config.launch import python_module
-from pdfleet.engine.config.stats import percentile
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.reports.stats import percentile
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling_lab.calibrate import CalibrateOptions, calibrate
 from pdfleet.operator.autoscaling_lab.sim import PolicyStrategy

@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 from fleet import Fleet, engine_env, free_port, tiny_model
 
-from pdfleet.engine.config.metrics import GATEWAY_FALLBACKS, GATEWAY_REQUESTS
-from pdfleet.engine.config.security import fleet_token, generate_secret
+from pdfleet.engine.contracts.metrics import GATEWAY_FALLBACKS, GATEWAY_REQUESTS
+from pdfleet.engine.contracts.security import fleet_token, generate_secret
 
 WORDS = ["the", "harbor", "was", "quiet", "before", "dawn", "and", "fishing", "boats", "rocked"]
 

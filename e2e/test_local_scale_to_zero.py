@@ -14,7 +14,7 @@ import pytest
 from helpers.server import wait_until
 from helpers.up import Up, fleet_spec
 
-from pdfleet.engine.config import metrics as m
+from pdfleet.engine.contracts import metrics as m
 
 ACTIVATION_TIMEOUT = 90.0
 

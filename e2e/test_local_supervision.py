@@ -19,7 +19,7 @@ from helpers.up import (
     process_environ,
 )
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 
 def nothing_listens(port: int) -> bool:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pdfleet.engine.config import FlexibleArgumentParser
+from .config import FlexibleArgumentParser
 
 COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import EngineArgs
-from .llm_engine import LLMEngine, PromptType
+from .loop.llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -27,7 +27,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         args = EngineArgs(model=model, **engine_args)
-        self.engine = LLMEngine(args.create_engine_config(usage_context="llm"))
+        self.engine = LLMEngine.from_engine_args(args, usage_context="llm")
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

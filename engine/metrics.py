@@ -1,5 +1,5 @@
 """Prometheus metrics of one engine, built from the metrics contract
-(``engine/config/metrics.py``, documented in docs/metrics.md).
+(``engine/contracts/metrics.py``, documented in docs/metrics.md).
 
 Each series is a row of a table below that says where its value comes from;
 the series that vLLM also names (the model-server-protocol subset and the NIXL
@@ -14,8 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from .config import EngineConfig
-from .config import metrics as m
-from .llm_engine import LLMEngine
+from .contracts import metrics as m
+from .loop.llm_engine import LLMEngine
 
 # Gauges set after each step: series -> field of the engine's StepStats.
 _GAUGES = {
@@ -92,6 +92,7 @@ class EngineMetrics:
             *_CUMULATIVE,
             m.ENGINE_PREFILL_BUSY_SECONDS,
             m.ENGINE_FAILED_STEPS,
+            m.ENGINE_STEP_DURATION,
             *_PER_STEP,
             *_LATENCIES,
             *_GRAMMAR,
@@ -171,6 +172,7 @@ class EngineMetrics:
             for metric, field in _PER_STEP.items():
                 for series in self._series[metric]:
                     series.inc(getattr(s, field))
+            self._observe(m.ENGINE_STEP_DURATION, [s.step_seconds])
         if self.has_kv and engine.connector is not None:
             scheduler_side: Any = engine.connector.scheduler  # the PD connector's
             self._update_kv(scheduler_side.connector)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from .contracts.kv_params import KVTransferParams
 from .sampling_params import SamplingParams
 
 
@@ -46,7 +46,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # Children of an n > 1 request wait for the leader's prefill, then share its blocks.
     wait_for: str | None = None
     # The client request this one is part of (the n children of an n > 1 request,

@@ -6,7 +6,7 @@ import json as _json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .config.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
+from .contracts.sampling_checks import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 
 _GREEDY_EPS = 1e-5
 
@@ -110,6 +110,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Grammar-constrained output (None: free).
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before sampling: (token id, bias)
+    # pairs (a mapping is accepted and kept as pairs, which msgpack carries to
+    # the workers unchanged). Biases are clamped to [-100, 100] as OpenAI's.
+    logit_bias: list[tuple[int, float]] | None = None
+    # A prefix-cache namespace: the request's block hashes start from a digest of
+    # it (engine/core/block_hash.py), so it shares KV only with the same salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +127,17 @@ class SamplingParams:
             self.top_k = -1
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            pairs = (
+                self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            )
+            try:
+                bias = [(int(t), max(-100.0, min(100.0, float(b)))) for t, b in pairs]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "logit_bias must map token ids to numbers between -100 and 100"
+                ) from None
+            self.logit_bias = bias or None
         self.verify()
 
     def verify(self, max_logprobs: int | None = None) -> None:
@@ -177,6 +195,9 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} ({value}) exceeds the engine's max_logprobs ({max_logprobs})"
                 )
+        for tid, b in self.logit_bias or ():
+            if not 0 <= tid <= INT32_MAX or b != b:
+                raise ValueError(f"logit_bias: token id {tid} is not a valid token id")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(

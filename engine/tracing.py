@@ -32,12 +32,16 @@ the pull ends.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
+
+from .contracts.kv_params import KVTransferParams
 
 logger = logging.getLogger("pdfleet.tracing")
 
@@ -296,6 +300,23 @@ class _LegResponse:
                 self._span.end()
 
 
+_LEG: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "pdfleet_leg", default=("decode", False)
+)
+
+
+@contextlib.contextmanager
+def leg(kind: str, kv_transfer: bool = False) -> Iterator[None]:
+    """The engine calls made inside are one ``kind`` leg (``prefill`` or
+    ``decode``); ``kv_transfer``: a decode leg that carries a producer's
+    kv_transfer_params. Named on the leg's CLIENT span (cheap when tracing is off)."""
+    token = _LEG.set((kind, kv_transfer))
+    try:
+        yield
+    finally:
+        _LEG.reset(token)
+
+
 class TracedUpstream:
     """Wraps the gateway's upstream client: one CLIENT span per engine call (a
     leg attempt), whose context travels to the engine as ``traceparent``."""
@@ -310,12 +331,9 @@ class TracedUpstream:
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        # The leg is told apart by its body (docs/gateway.md): the prefill leg asks
-        # for a remote decode, a decode leg after it carries the producer's params.
-        if b'"do_remote_decode": true' in content:
-            leg = "prefill"
-        else:
-            leg = "decode"
+        # The leg the gateway names (``leg``): the prefill leg asks for a remote
+        # decode, a decode leg after it carries the producer's params.
+        leg, kv_transfer = _LEG.get()
         span = _tracer.start_span(
             f"{leg} leg",
             kind=trace.SpanKind.CLIENT,
@@ -323,7 +341,7 @@ class TracedUpstream:
                 "pdfleet.leg": leg,
                 "pdfleet.engine": url.rsplit("/v1/", 1)[0],
                 "url.full": url,
-                "pdfleet.kv_transfer": b'"do_remote_prefill": true' in content,
+                "pdfleet.kv_transfer": kv_transfer,
             },
         )
         out = dict(headers)
@@ -377,30 +395,28 @@ def trace_upstream(client: Any, component: str = "gateway") -> Any:
 # -- engine ----------------------------------------------------------------------------
 
 
-def trace_request(
-    stream: Any, request_id: str, kv_transfer_params: Mapping[str, Any] | None
-) -> Any:
+def trace_request(stream: Any, request_id: str, kv_params: KVTransferParams | None) -> Any:
     """Wrap an admitted engine request's output stream (returned as is when off).
 
     Called at admission, in the request's server span, so a KV pull that ends
     before the first output still finds its parent."""
     if _tracer is None:
         return stream
-    return _TracedStream(stream, request_id, dict(kv_transfer_params or {}))
+    return _TracedStream(stream, request_id, kv_params or KVTransferParams())
 
 
 class _TracedStream:
     """A ``RequestStream`` whose iteration ends with the request's engine spans."""
 
-    def __init__(self, stream: Any, request_id: str, kv: dict[str, Any]) -> None:
+    def __init__(self, stream: Any, request_id: str, kv: KVTransferParams) -> None:
         from opentelemetry import trace
 
         self._stream, self.request_id = stream, request_id
         self._server = trace.get_current_span()
         self._parent = trace.set_span_in_context(self._server)
-        if kv.get("do_remote_decode"):
+        if kv.do_remote_decode:
             self._leg = "prefill"
-        elif kv.get("do_remote_prefill"):
+        elif kv.do_remote_prefill:
             self._leg = "decode"
             _parents[request_id] = self._parent
         else:
@@ -484,7 +500,7 @@ def kv_pull(
     started: float,
     num_bytes: int,
     num_blocks: int,
-    params: Mapping[str, Any],
+    params: KVTransferParams,
     ok: bool,
     why: str,
 ) -> None:
@@ -507,10 +523,8 @@ def kv_pull(
     span.set_attribute("pdfleet.kv.blocks", num_blocks)
     span.set_attribute("pdfleet.kv.seconds", seconds)
     span.set_attribute("pdfleet.kv.gbps", (num_bytes / seconds / 1e9) if ok else 0.0)
-    span.set_attribute("pdfleet.kv.peer_engine_id", str(params.get("remote_engine_id") or ""))
-    span.set_attribute(
-        "pdfleet.kv.peer", f"{params.get('remote_host')}:{params.get('remote_port')}"
-    )
+    span.set_attribute("pdfleet.kv.peer_engine_id", params.remote_engine_id or "")
+    span.set_attribute("pdfleet.kv.peer", f"{params.remote_host}:{params.remote_port}")
     if not ok:
         span.set_status(trace.Status(trace.StatusCode.ERROR, why))
         span.set_attribute("pdfleet.kv.failure", why)

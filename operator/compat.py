@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import UNSUPPORTED, CacheConfig, EngineArgs
-from pdfleet.engine.config.cache import DEFAULT_BLOCK_SIZE
-from pdfleet.engine.config.hashing import hash_factors
-
+from ..engine.config import UNSUPPORTED, CacheConfig, EngineArgs
+from ..engine.config.cache import DEFAULT_BLOCK_SIZE
+from ..engine.config.hashing import hash_factors
 from .engine_spec import camel
 from .parallelism import (
     MAX_GROUP_SET_NAME,

@@ -68,6 +68,15 @@ ENV_RULES: list[Schema] = [
         "fieldPath": ".env",
         "reason": "FieldValueForbidden",
     },
+    {
+        "rule": "!has(self.env) || self.env.all(e, !has(e.valueFrom) || "
+        "!has(e.valueFrom.secretKeyRef) || !has(e.valueFrom.secretKeyRef.name) || "
+        f"!e.valueFrom.secretKeyRef.name.endsWith('{r.IDENTITY_SECRET_SUFFIX}'))",
+        "message": f"env: a variable may not read an identity authority (a Secret named "
+        f"*{r.IDENTITY_SECRET_SUFFIX})",
+        "fieldPath": ".env",
+        "reason": "FieldValueForbidden",
+    },
 ]
 
 CEL_RULES: dict[type, list[Schema]] = {

@@ -11,8 +11,8 @@ import dataclasses
 import difflib
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config.fields import ConfigValueError, coerce, resolved_fields, to_jsonable
+from ..engine.config import EngineArgs
+from ..engine.config.fields import ConfigValueError, coerce, resolved_fields, to_jsonable
 
 # Fields the resource sets elsewhere (spec.model, per-role KV transfer), or that
 # only make sense on a command line, with where to set them instead.

@@ -15,8 +15,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from pdfleet.engine.config import security
-
+from ..engine.contracts import security
 from .kube import KubeClient, KubeError
 from .manifests import FLEET_SECRET_KEY, Owner, build_fleet_secret, fleet_secret_name
 

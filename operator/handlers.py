@@ -8,6 +8,8 @@
   actuate, and refresh the status.
 * deletion only forgets the service's in-memory state: every child has an
   owner reference, and the garbage collector removes them with it.
+* startup / cleanup start and stop the identity endpoint
+  (:mod:`.identity_endpoint`), where engine pods get their identities.
 
 ``register()`` adds the handlers to a registry, so tests run them against an
 in-memory API server and the CLI against a real one.
@@ -27,9 +29,8 @@ from typing import Any
 import kopf
 from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config import security
-
+from ..engine.contracts import metrics as m
+from ..engine.contracts import security
 from .autoscaling.decisions import AutoscalerMetrics
 from .cluster_autoscaler import (
     DecideFn,
@@ -42,13 +43,22 @@ from .cluster_autoscaler import (
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
 from .headline import merge_role_load
+from .identity_authority import (
+    IdentityAuthorityError,
+    authority_version,
+    ensure_identity_authority,
+)
+from .identity_endpoint import IdentityEndpoint, IdentityEndpointConfig
 from .kube import KubeClient, KubeError
 from .manifests import (
     ANNOTATION_FLEET_SECRET,
+    ANNOTATION_IDENTITY,
     LABEL_SERVICE,
     OperatorInstall,
     Owner,
+    build_identity_configmap,
     desired_replicas,
+    identity_enabled,
     service_url,
 )
 from .reconcile import (
@@ -98,6 +108,8 @@ class OperatorConfig:
     """Above this share of failed KV pulls in the window, KVTransferHealthy is False."""
     login: Callable[..., Any] | None = None
     """kopf login function; kopf.login_via_client when unset."""
+    identity: IdentityEndpointConfig = field(default_factory=IdentityEndpointConfig)
+    """The identity endpoint engine pods get their identities from."""
 
 
 @dataclass
@@ -109,12 +121,17 @@ class OperatorState:
     kv_verdict: dict[str, KVVerdict] = field(default_factory=dict)
     last_decision_at: dict[str, float] = field(default_factory=dict)
     metrics: CollectorRegistry = field(default_factory=CollectorRegistry)
+    identity_endpoint: IdentityEndpoint | None = None
 
     def __post_init__(self) -> None:
         self.reconciles = m.OPERATOR_RECONCILES.create(self.metrics)
         self.scale_changes = m.OPERATOR_SCALE_CHANGES.create(self.metrics)
         self.scrape_failures = m.OPERATOR_SCRAPE_FAILURES.create(self.metrics)
         self.fleet_secrets_created = m.OPERATOR_FLEET_SECRETS_CREATED.create(self.metrics)
+        self.identity_authorities_created = m.OPERATOR_IDENTITY_AUTHORITIES_CREATED.create(
+            self.metrics
+        )
+        self.identity_requests = m.OPERATOR_IDENTITY_REQUESTS.create(self.metrics)
 
     def client(self) -> KubeClient:
         if self.kube is None:
@@ -157,6 +174,7 @@ async def reconcile(
     autoscaled = autoscaled_replicas(body.get("status")) if spec.autoscaling else None
     try:
         secret = await _fleet_secret(state, body)
+        identity_version = await _identity(state, spec, body) if identity_enabled(spec) else None
         await apply_children(
             client,
             name,
@@ -167,12 +185,13 @@ async def reconcile(
             autoscaled=autoscaled,
             install=config.install,
             secret_version=secret_version(secret),
+            identity_version=identity_version,
         )
     except WaitingForRollout as e:
         state.reconciles.labels("waiting").inc()
         await _write_status(state, spec, body, patch, generation=None, autoscaled=autoscaled)
         raise kopf.TemporaryError(str(e), delay=config.rollout_poll_seconds) from None
-    except (KubeError, FleetSecretError) as e:
+    except (KubeError, FleetSecretError, IdentityAuthorityError) as e:
         state.reconciles.labels("error").inc()
         kopf.warn(body, reason="ApplyFailed", message=str(e))
         raise kopf.TemporaryError(str(e), delay=config.retry_seconds) from None
@@ -191,15 +210,59 @@ async def _fleet_secret(state: OperatorState, body: kopf.Body) -> bytes:
     return secret
 
 
-def _stale_templates(deployments: dict[str, dict[str, Any] | None], version: str) -> list[str]:
-    """Workloads whose pods run with another fleet secret than ``version``."""
+async def _identity(
+    state: OperatorState, spec: InferenceServiceSpec, body: kopf.Body, *, always: bool = True
+) -> str:
+    """The service's identity authority (created when absent: first run, rotation)
+    and its ConfigMap (applied when ``always`` or the authority is new); returns
+    the authority's fingerprint."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    client = state.client()
+    endpoint = state.identity_endpoint
+    if endpoint is None:
+        raise kopf.TemporaryError("the identity endpoint is not serving yet", delay=5)
+    authority, created = await ensure_identity_authority(
+        client, name, namespace, owner=_owner(body)
+    )
+    if created:
+        state.identity_authorities_created.inc()
+        kopf.info(
+            body,
+            reason="IdentityAuthorityCreated",
+            message=f"created Secret {name}-identity (the engines' identity authority)",
+        )
+    if always or created:
+        await client.apply(
+            build_identity_configmap(
+                name,
+                namespace=namespace,
+                owner=_owner(body),
+                authority=authority.public_key,
+                ca_pem=endpoint.ca_pem,
+                endpoint=endpoint.url,
+            )
+        )
+    return authority_version(authority)
+
+
+def _stale_templates(
+    deployments: dict[str, dict[str, Any] | None],
+    version: str,
+    identity_version: str | None = None,
+) -> list[str]:
+    """Workloads whose pods run with another fleet secret than ``version``, or
+    (engine roles) another identity authority than ``identity_version``."""
     stale = []
     for role, deployment in deployments.items():
         if deployment is None:
             continue
         for template in pod_templates(deployment):
             annotations = (template.get("metadata") or {}).get("annotations") or {}
-            if annotations.get(ANNOTATION_FLEET_SECRET) != version:
+            if annotations.get(ANNOTATION_FLEET_SECRET) != version or (
+                role != "gateway"
+                and identity_version is not None
+                and annotations.get(ANNOTATION_IDENTITY) != identity_version
+            ):
                 stale.append(role)
                 break
     return stale
@@ -263,12 +326,19 @@ async def refresh(
         kopf.warn(body, reason="FleetSecretInvalid", message=str(e))
         return
     version = secret_version(secret)
+    identity_version = None
+    if identity_enabled(spec):
+        try:
+            identity_version = await _identity(state, spec, body, always=False)
+        except IdentityAuthorityError as e:
+            kopf.warn(body, reason="IdentityAuthorityInvalid", message=str(e))
+            return
     deployments: dict[str, dict[str, Any] | None] | None
     deployments = await read_deployments(client, name, namespace, spec)
-    stale = _stale_templates(deployments, version)
+    stale = _stale_templates(deployments, version, identity_version)
     if stale:
-        # The Secret was replaced (rotation): roll every pod onto the new one.
-        logger.info("fleet secret changed; rolling %s", ", ".join(stale))
+        # A Secret was replaced (rotation): roll the pods onto the new one.
+        logger.info("fleet secret or identity authority changed; rolling %s", ", ".join(stale))
         # While prefill waits for decode, a later tick applies it.
         with contextlib.suppress(WaitingForRollout):
             await apply_children(
@@ -281,6 +351,7 @@ async def refresh(
                 autoscaled=autoscaled,
                 install=config.install,
                 secret_version=version,
+                identity_version=identity_version,
             )
         deployments = None  # read again after the apply
     pods = await client.list("Pod", namespace, {LABEL_SERVICE: name})
@@ -398,8 +469,24 @@ def register(
             state.kube = KubeClient.from_connection_info(info)
         return info
 
+    @kopf.on.startup(registry=registry)
+    async def start_identity_endpoint(**_: Any) -> None:
+        # Before any service is handled: their ConfigMaps carry its URL and CA.
+        if state.identity_endpoint is None:
+            endpoint = IdentityEndpoint(
+                config.identity,
+                state.client,
+                namespace=config.install.namespace,
+                counter=state.identity_requests,
+            )
+            await endpoint.start()
+            state.identity_endpoint = endpoint
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if state.identity_endpoint is not None:
+            await state.identity_endpoint.stop()
+            state.identity_endpoint = None
         if state.kube is not None:
             await state.kube.aclose()
             state.kube = None

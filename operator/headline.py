@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pdfleet.engine.config import metrics as m
-
+from ..engine.contracts import metrics as m
 from .scrape import PodSample
 
 RUNNING = m.ENGINE_NUM_REQUESTS_RUNNING.name

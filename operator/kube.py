@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import ssl
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -150,6 +151,15 @@ class KubeClient:
                 params={"fieldManager": FIELD_MANAGER},
                 json=obj,
             )
+            if response.status_code == 409:
+                # Created meanwhile (by a concurrent handler): apply over it.
+                response = await self._request(
+                    "PATCH",
+                    path,
+                    params={"fieldManager": FIELD_MANAGER, "force": "true"},
+                    content=json.dumps(obj),
+                    headers={"Content-Type": "application/apply-patch+yaml"},
+                )
         return self._check(response)
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +172,19 @@ class KubeClient:
             json=obj,
         )
         return self._check(response)
+
+    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+        """A TokenReview of ``token`` for ``audiences``: the API server's
+        ``status`` (``authenticated``, ``user``, ``audiences``, ``error``)."""
+        review = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": list(audiences)},
+        }
+        response = await self._request(
+            "POST", "/apis/authentication.k8s.io/v1/tokenreviews", json=review
+        )
+        return self._check(response).get("status") or {}
 
     async def merge_patch(
         self, kind: str, namespace: str, name: str, patch: dict[str, Any]

@@ -13,6 +13,14 @@ Children of an InferenceService NAME (namespace NS):
 * ServiceAccount, RoleBinding ``NAME-gateway``: the gateway lists and watches
   the service's pods to discover engines, through the chart's gateway role
   (the operator creates no Roles).
+* ServiceAccount ``NAME-engine``: the engine pods' own, bound to no role and
+  never mounted; with identities, a projected token of it (audience
+  ``pdfleet.dev/identity``) is what a pod presents to the operator's identity
+  endpoint.
+* With identities (``kvTransfer.identity: Required``), Secret and ConfigMap
+  ``NAME-identity``: the identity authority's private key, and its public key
+  with the endpoint's URL and CA. Not built by :func:`build_children` (they
+  hold random values); :mod:`.identity_authority` creates them.
 * NetworkPolicies ``NAME-prefill``, ``NAME-decode``, ``NAME-gateway``: engine
   HTTP only from the gateway and the operator, KV ports only from the other
   role, the gateway's port from anywhere.
@@ -35,15 +43,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config.fields import default_of, resolved_fields, to_jsonable
-from pdfleet.engine.config.gateway import (
+from ..engine.config import EngineArgs
+from ..engine.config.fields import default_of, resolved_fields, to_jsonable
+from ..engine.config.gateway import (
     KV_EVENTS_PORT_ANNOTATION,
     KV_REPLAY_PORT_ANNOTATION,
     GatewayConfig,
 )
-from pdfleet.engine.config.security import FLEET_SECRET_FILE_ENV
-
+from ..engine.contracts import identity_exchange as exchange
+from ..engine.contracts.identity import IDENTITY_AUTHORITY_ENV
+from ..engine.contracts.security import FLEET_SECRET_FILE_ENV
 from .compat import compat_hash
 from .model_source import InitStep, model_volumes
 from .parallelism import (
@@ -383,9 +392,12 @@ def engine_pod_template(
     compat: str,
     secret_version: str | None = None,
     group_role: str | None = None,
+    identity_version: str | None = None,
 ) -> dict[str, Any]:
     """One engine pod; ``group_role`` (``leader`` or ``worker``) for a pod of a
-    multi-node group: a worker runs ranks only (no API server, no probes)."""
+    multi-node group: a worker runs ranks only (no API server, no probes).
+    ``identity_version``: the identity authority's fingerprint (a new authority
+    rolls the pods, which read it once, at start)."""
     role_spec = spec.role(role)
     args = pod_engine_args(spec, role)
     layout = role_layout(role_spec, args)
@@ -412,6 +424,13 @@ def engine_pod_template(
             first, last = ucx_port_range(spec)
             kv_env.append({"name": ENV_UCX_PORT_RANGE, "value": f"{first}-{last}"})
             kv_env.extend(ucx_env(spec, role, pod_resources(role_spec, args)))
+    identity_volumes: list[dict[str, Any]] = []
+    identity_mounts: list[dict[str, Any]] = []
+    if args.kv_transfer_config is not None and group_role != WORKER and identity_enabled(spec):
+        volume, mount, identity_env = engine_identity_parts(name)
+        identity_volumes.append(volume)
+        identity_mounts.append(mount)
+        kv_env.extend(identity_env)
     env = [
         {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -436,6 +455,7 @@ def engine_pod_template(
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
             secret_mount,
+            *identity_mounts,
             *model_mounts,
         ],
         **(_probes() if group_role != WORKER else {}),
@@ -451,6 +471,9 @@ def engine_pod_template(
     if engine_resources:
         container["resources"] = engine_resources
     pod_spec: dict[str, Any] = {
+        # The service's engine account, bound to no role: its token is never
+        # mounted, only projected for the identity endpoint's audience.
+        "serviceAccountName": engine_service_account_name(name),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec, role, args),
@@ -464,6 +487,7 @@ def engine_pod_template(
             },
             {"name": "tmp", "emptyDir": {}},
             secret_volume,
+            *identity_volumes,
             *volumes,
         ],
     }
@@ -473,6 +497,8 @@ def engine_pod_template(
     if group_role is not None:
         labels[LABEL_GROUP_ROLE] = group_role
     meta: dict[str, Any] = {"labels": labels, **_template_annotations(secret_version)}
+    if identity_version is not None and identity_enabled(spec):
+        annotations[ANNOTATION_IDENTITY] = identity_version
     if annotations:
         meta["annotations"] = {**meta.get("annotations", {}), **annotations}
     return {"metadata": meta, "spec": pod_spec}
@@ -496,6 +522,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         **gateway_request_bounds(spec),
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
+        **spec.gateway.overload_settings(),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
 
@@ -598,6 +625,7 @@ def build_deployment(
     replicas: int,
     owner: Owner | None = None,
     secret_version: str | None = None,
+    identity_version: str | None = None,
 ) -> dict[str, Any]:
     if role == "gateway":
         template = gateway_pod_template(
@@ -606,7 +634,13 @@ def build_deployment(
         labels = common_labels(name, role)
     else:
         template = engine_pod_template(
-            name, spec, role, image=image, compat=compat, secret_version=secret_version
+            name,
+            spec,
+            role,
+            image=image,
+            compat=compat,
+            secret_version=secret_version,
+            identity_version=identity_version,
         )
         labels = {**common_labels(name, role), LABEL_COMPAT: compat}
     return {
@@ -648,6 +682,7 @@ def build_leader_worker_set(
     replicas: int,
     owner: Owner | None = None,
     secret_version: str | None = None,
+    identity_version: str | None = None,
 ) -> dict[str, Any]:
     """A multi-node role: ``replicas`` groups of ``nodesPerReplica`` pods each.
 
@@ -666,6 +701,7 @@ def build_leader_worker_set(
             compat=compat,
             secret_version=secret_version,
             group_role=group_role,
+            identity_version=identity_version,
         )
         for group_role in (LEADER, WORKER)
     }
@@ -918,6 +954,7 @@ def build_children(
     autoscaled: Mapping[str, int] | None = None,
     install: OperatorInstall | None = None,
     secret_version: str | None = None,
+    identity_version: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order (workloads last: gateway, decode, prefill).
 
@@ -927,13 +964,15 @@ def build_children(
     ``image`` is the default when ``spec.image`` is unset; ``autoscaled``
     holds the replicas the autoscaler chose (used when autoscaling is on);
     ``install`` says where the operator runs; ``secret_version`` is the fleet
-    secret's fingerprint (a change rolls every pod).
+    secret's fingerprint (a change rolls every pod), ``identity_version`` the
+    identity authority's (a change rolls the engine pods).
     The spec must pass :func:`pdfleet.operator.compat.check_service`.
     """
     image = spec.image or image or DEFAULT_IMAGE
     install = install or OperatorInstall()
     compat = compat_hash(spec)
     objects = build_gateway_rbac(name, namespace=namespace, owner=owner, install=install)
+    objects.append(build_engine_service_account(name, namespace=namespace, owner=owner))
     objects += build_network_policies(name, spec, namespace=namespace, owner=owner, install=install)
     objects.append(build_configmap(name, spec, namespace=namespace, compat=compat, owner=owner))
     for role in ROLES:
@@ -954,6 +993,7 @@ def build_children(
                 replicas=desired_replicas(spec, role, autoscaled),
                 owner=owner,
                 secret_version=secret_version,
+                **({} if role == "gateway" else {"identity_version": identity_version}),
             )
         )
     return objects
@@ -962,3 +1002,140 @@ def build_children(
 def service_url(name: str, spec: InferenceServiceSpec, namespace: str) -> str:
     """The OpenAI base URL of the gateway Service, inside the cluster."""
     return f"http://{name}.{namespace}.svc:{spec.gateway.port}/v1"
+
+
+# --------------------------------------------------------------------------
+# identities (docs/security.md, "Identities")
+
+IDENTITY_SECRET_KEY = "authority"
+# Keys of the ConfigMap NAME-identity (all public).
+IDENTITY_AUTHORITY_KEY = "authority"
+IDENTITY_CA_KEY = "ca.crt"
+IDENTITY_ENDPOINT_KEY = "endpoint"
+IDENTITY_DIR = "/var/run/secrets/pdfleet/identity"
+# Lifetime of the projected ServiceAccount token (seconds; the kubelet renews
+# it at 80%). It only ever reaches the operator's endpoint.
+IDENTITY_SA_TOKEN_SECONDS = 600
+# The identity authority's fingerprint on engine pod templates: a new authority
+# (rotation) rolls the engine pods, which read its public key once, at start.
+ANNOTATION_IDENTITY = "pdfleet.dev/identity-authority-version"
+
+
+def identity_enabled(spec: InferenceServiceSpec) -> bool:
+    """Whether the service's engines get identities: a KV connector runs, and
+    ``kvTransfer.identity`` is ``Required``."""
+    return (
+        spec.kv_transfer.identity == "Required"
+        and disaggregating(spec)
+        and spec.kv_transfer.connector is not None
+    )
+
+
+def identity_secret_name(name: str) -> str:
+    return f"{name}-identity"
+
+
+def identity_configmap_name(name: str) -> str:
+    return f"{name}-identity"
+
+
+def engine_service_account_name(name: str) -> str:
+    return child_name(name, "engine")
+
+
+def build_engine_service_account(
+    name: str, *, namespace: str, owner: Owner | None
+) -> dict[str, Any]:
+    """The engine pods' ServiceAccount: no RoleBinding names it (engines call no
+    API), its token is never mounted; the identity endpoint accepts projected
+    tokens of this account only."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(engine_service_account_name(name), namespace, common_labels(name), owner),
+        "automountServiceAccountToken": False,
+    }
+
+
+def engine_identity_parts(name: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+    """(volume, read-only mount, env vars) that let an engine pod obtain its identity.
+
+    One projected volume: the pod's ServiceAccount token for the identity
+    audience (short-lived, rotated by the kubelet) and the CA of the operator's
+    endpoint (updated in place when the operator restarts with a new one). The
+    authority's public key and the endpoint's URL are variables, read once.
+    """
+    volume = {
+        "name": "identity",
+        "projected": {
+            "defaultMode": 0o440,
+            "sources": [
+                {
+                    "serviceAccountToken": {
+                        "audience": exchange.AUDIENCE,
+                        "expirationSeconds": IDENTITY_SA_TOKEN_SECONDS,
+                        "path": "token",
+                    }
+                },
+                {
+                    "configMap": {
+                        "name": identity_configmap_name(name),
+                        "items": [{"key": IDENTITY_CA_KEY, "path": IDENTITY_CA_KEY}],
+                    }
+                },
+            ],
+        },
+    }
+    mount = {"name": "identity", "mountPath": IDENTITY_DIR, "readOnly": True}
+
+    def from_configmap(var: str, key: str) -> dict[str, Any]:
+        ref = {"name": identity_configmap_name(name), "key": key}
+        return {"name": var, "valueFrom": {"configMapKeyRef": ref}}
+
+    env = [
+        from_configmap(IDENTITY_AUTHORITY_ENV, IDENTITY_AUTHORITY_KEY),
+        from_configmap(exchange.ENDPOINT_ENV, IDENTITY_ENDPOINT_KEY),
+        {"name": exchange.CA_FILE_ENV, "value": f"{IDENTITY_DIR}/{IDENTITY_CA_KEY}"},
+        {"name": exchange.SA_TOKEN_FILE_ENV, "value": f"{IDENTITY_DIR}/token"},
+        {"name": exchange.SERVICE_ENV, "value": name},
+    ]
+    return volume, mount, env
+
+
+def build_identity_secret(
+    name: str, *, namespace: str, owner: Owner | None, value: str
+) -> dict[str, Any]:
+    """The Secret holding the identity authority's private key (``value``:
+    base64url of the raw key; random, drawn once by the caller). No pod mounts
+    it; only the operator reads it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(identity_secret_name(name), namespace, common_labels(name), owner),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {IDENTITY_SECRET_KEY: base64.b64encode(value.encode()).decode()},
+    }
+
+
+def build_identity_configmap(
+    name: str,
+    *,
+    namespace: str,
+    owner: Owner | None,
+    authority: str,
+    ca_pem: str,
+    endpoint: str,
+) -> dict[str, Any]:
+    """What engine pods read about identities, all public: the authority's
+    public key, the endpoint's URL and the CA its certificate chains to."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(identity_configmap_name(name), namespace, common_labels(name), owner),
+        "data": {
+            IDENTITY_AUTHORITY_KEY: authority,
+            IDENTITY_CA_KEY: ca_pem,
+            IDENTITY_ENDPOINT_KEY: endpoint,
+        },
+    }

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdfleet.engine.config.hub import ENDPOINT_ENV, TOKEN_PATH_ENV
-
+from ..engine.contracts.model_source import CACHE_DIR_ENV, ENDPOINT_ENV, TOKEN_PATH_ENV
 from .resource import ModelSpec
 from .roles import MODELS_DIR, model_source, secret_file
 
@@ -87,7 +86,7 @@ def _hf_volumes(
         command += ["--revision", model.revision]
     env: list[dict[str, Any]] = [
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        {"name": "PDFLEET_CACHE_DIR", "value": "/tmp/pdfleet"},
+        {"name": CACHE_DIR_ENV, "value": "/tmp/pdfleet"},
     ]
     if model.hf_endpoint:
         env.append({"name": ENDPOINT_ENV, "value": model.hf_endpoint})

@@ -20,16 +20,15 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from pdfleet.engine.config import EngineArgs
-from pdfleet.engine.config.fields import (
+from ..engine.config import EngineArgs
+from ..engine.config.fields import (
     HUMAN_READABLE_INT_FIELDS,
     attr_docs,
     default_of,
     flag_name,
     resolved_fields,
 )
-from pdfleet.engine.config.fields import to_jsonable as dataclass_jsonable
-
+from ..engine.config.fields import to_jsonable as dataclass_jsonable
 from .autoscaling.schema import section_schema
 from .engine_spec import spec_fields
 from .resource import EngineSection, PassThrough, SpecSection

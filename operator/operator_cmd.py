@@ -61,6 +61,27 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "adds with leaderWorkerSet.enabled. Without it such specs get Ready=False. "
         "Default off.",
     )
+    parser.add_argument(
+        "--identity-port",
+        type=int,
+        default=8443,
+        help="Port of the identity endpoint (HTTPS), where engine pods get their identity "
+        'tokens (docs/security.md, "Identities"). Default 8443.',
+    )
+    parser.add_argument(
+        "--identity-service",
+        default="pdfleet-identity",
+        metavar="NAME",
+        help="The Service in the operator's namespace that fronts the identity endpoint on "
+        "the same port: engines are told https://NAME.NAMESPACE.svc:PORT. The Helm chart "
+        "creates it as RELEASE-identity. Default %(default)s.",
+    )
+    parser.add_argument(
+        "--identity-ttl-seconds",
+        type=float,
+        default=3600.0,
+        help="Lifetime of an engine's identity token; engines renew it at half that. Default 3600.",
+    )
     add_gateway_role_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -74,10 +95,15 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from .handlers import OperatorConfig, configure_settings, register
+    from .identity_endpoint import IdentityEndpointConfig
     from .manifests import DEFAULT_IMAGE, OperatorInstall
 
     if args.refresh_seconds <= 0:
         raise ValueError("--refresh-seconds must be positive")
+    if not 60 <= args.identity_ttl_seconds <= 86400:
+        raise ValueError("--identity-ttl-seconds must be between 60 and 86400")
+    if not 1 <= args.identity_port <= 65535:
+        raise ValueError("--identity-port must be a port number")
     registry = kopf.OperatorRegistry()
     config = OperatorConfig(
         default_image=args.default_image or DEFAULT_IMAGE,
@@ -87,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
             gateway_role=args.gateway_role,
             gateway_role_kind=args.gateway_role_kind,
             leader_worker_set=args.leader_worker_set,
+        ),
+        identity=IdentityEndpointConfig(
+            host="0.0.0.0",
+            port=args.identity_port,
+            service=args.identity_service,
+            ttl_seconds=args.identity_ttl_seconds,
         ),
     )
     state = register(registry, config)

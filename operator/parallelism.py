@@ -21,8 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs
-
+from ..engine.config import EngineArgs
 from .resource import InferenceServiceSpec, RoleSpec
 
 # Environment the LeaderWorkerSet controller sets in every container of a group.
@@ -189,7 +188,7 @@ def local_model_heads(spec: InferenceServiceSpec) -> ModelHeads | None:
     scheme, _, path = spec.model.uri.partition("://")
     if scheme != "file" or not os.path.isfile(os.path.join(path, "config.json")):
         return None
-    from pdfleet.engine.config.model import load_hf_config
+    from ..engine.config.model import load_hf_config
 
     try:
         hf = load_hf_config(path, spec.engine.get("hfOverrides") or None)

@@ -137,6 +137,7 @@ async def apply_children(
     autoscaled: Mapping[str, int] | None,
     install: OperatorInstall | None = None,
     secret_version: str | None = None,
+    identity_version: str | None = None,
 ) -> None:
     """Create or update every child (idempotent); raises
     :class:`WaitingForRollout` while prefill waits for decode."""
@@ -149,6 +150,7 @@ async def apply_children(
         autoscaled=autoscaled,
         install=install,
         secret_version=secret_version,
+        identity_version=identity_version,
     )
     install = install or OperatorInstall()
     workloads = {

@@ -33,8 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdfleet.engine.config.hub import parse_hf_uri
-
+from ..engine.contracts.model_source import parse_hf_uri
 from .autoscaling.spec import AutoscalingSpec, SpecValueError
 from .engine_spec import FieldPathError, camel, validate_engine_section
 
@@ -64,6 +63,8 @@ SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 # The operator names each service's fleet Secret NAME-fleet: no spec field may
 # name a Secret so (it would hand one fleet's secret to a pod or a variable).
 FLEET_SECRET_SUFFIX = "-fleet"
+# Nor NAME-identity, which holds the private key of a service's identity authority.
+IDENTITY_SECRET_SUFFIX = "-identity"
 # Variables pdfleet itself reads (the fleet secret's file, API keys, the KV
 # address): a role's env may not set them.
 RESERVED_ENV_PREFIX = "PDFLEET_"
@@ -131,6 +132,11 @@ def _not_a_fleet_secret(name: str) -> str:
             f"{name!r}: Secret names ending in {FLEET_SECRET_SUFFIX} are reserved for fleet "
             "secrets (the operator's NAME-fleet)"
         )
+    if name.endswith(IDENTITY_SECRET_SUFFIX):
+        raise ValueError(
+            f"{name!r}: Secret names ending in {IDENTITY_SECRET_SUFFIX} are reserved for "
+            "identity authorities (the operator's NAME-identity)"
+        )
     return name
 
 
@@ -142,7 +148,8 @@ class HubTokenSecret(_Spec):
     """A key of a Secret in the InferenceService's namespace holding a Hugging Face token."""
 
     name: SecretName
-    """Name of the Secret (not a fleet secret: names ending in -fleet are refused)."""
+    """Name of the Secret (not one of the operator's: names ending in -fleet or
+    -identity are refused)."""
     key: SecretKey = "token"
     """Key within the Secret."""
 
@@ -274,13 +281,23 @@ class KVTransferSpec(_Spec):
     )
     """More connector options, merged into `kv_connector_extra_config`
     (snake_case keys, as the engine reads them)."""
+    identity: Literal["Required", "Disabled"] = "Required"
+    """Per-engine identities on the KV side channel (docs/security.md,
+    "Identities"). `Required`: each engine pod generates its own key at start
+    and gets a short-lived token for it from the operator's identity endpoint
+    (checked against the pod's ServiceAccount token and role label); a lease
+    binds to that identity, and peers without one are refused. An engine that
+    cannot reach the endpoint within 2 minutes exits, saying why. `Disabled`:
+    engines run with the fleet secret alone, and leases bind to the stated
+    engine ids and the claimant's address."""
 
 
 class SecretKeyRef(_Spec):
     """A key of a Secret in the InferenceService's namespace."""
 
     name: SecretName
-    """Name of the Secret (not a fleet secret: names ending in -fleet are refused)."""
+    """Name of the Secret (not one of the operator's: names ending in -fleet or
+    -identity are refused)."""
     key: SecretKey = "api-key"
     """Key within the Secret."""
 
@@ -339,6 +356,11 @@ def check_env_var(var: Any, where: str) -> None:
             f"{where}: {name} may not read the Secret {ref.get('name')!r} (names ending in "
             f"{FLEET_SECRET_SUFFIX} are fleet secrets)"
         )
+    if isinstance(ref, dict) and str(ref.get("name", "")).endswith(IDENTITY_SECRET_SUFFIX):
+        raise ValueError(
+            f"{where}: {name} may not read the Secret {ref.get('name')!r} (names ending in "
+            f"{IDENTITY_SECRET_SUFFIX} hold identity authorities)"
+        )
 
 
 class PodPlacement(_Spec):
@@ -362,7 +384,8 @@ class PodPlacement(_Spec):
     """Extra environment variables of the main container (core/v1 EnvVar
     objects), e.g. UCX_TLS or UCX_NET_DEVICES. Names starting with PDFLEET_
     (pdfleet's own settings and credentials) and references to a fleet
-    secret (a Secret named NAME-fleet) are refused."""
+    secret (a Secret named NAME-fleet) or an identity authority (NAME-identity)
+    are refused."""
 
     @field_validator("env")
     @classmethod
@@ -438,6 +461,31 @@ class GatewaySpec(PodPlacement):
     scores engines from that exact index. Off: engines publish nothing and the
     gateway estimates from its own routing history. An engine section that
     sets `kvEventsConfig` itself is left as it is."""
+    stall_timeout_seconds: float = Field(default=5.0, gt=0)
+    """The least time an engine with requests in flight may send nothing
+    before the gateway counts it as stalled (`--stall-timeout`); the limit
+    follows each engine: stallStepMultiple times its longest recent step
+    when that is longer. A stalled engine leaves routing only while another
+    engine of its role progresses, never as the last one of its role."""
+    stall_step_multiple: float = Field(default=4.0, ge=0)
+    """How many of an engine's longest recent steps without progress make a
+    stall (`--stall-step-multiple`); 0: stallTimeoutSeconds alone."""
+    queue_timeout_seconds: float = Field(default=60.0, ge=0)
+    """How long a request waits for a slot while every decode engine is at
+    capacity before a 503 with Retry-After (`--queue-timeout`); one that
+    could not get a slot in time is refused at once (429)."""
+    max_queued_requests: int = Field(default=1024, ge=0)
+    """Requests that may wait for a slot at once; more get a 429 with
+    Retry-After at once (`--max-queued-requests`)."""
+
+    def overload_settings(self) -> dict[str, Any]:
+        """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""
+        return {
+            "stall_timeout": self.stall_timeout_seconds,
+            "stall_step_multiple": self.stall_step_multiple,
+            "queue_timeout": self.queue_timeout_seconds,
+            "max_queued_requests": self.max_queued_requests,
+        }
 
 
 class ServingSpec(_Spec):

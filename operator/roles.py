@@ -12,8 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import EngineArgs, KVEventsConfig, KVTransferConfig
-
+from ..engine.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from .engine_spec import engine_args_from_spec
 from .resource import ROLES, InferenceServiceSpec, ServingSpec
 

@@ -24,8 +24,7 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config import metrics as m
-
+from ..engine.contracts import metrics as m
 from .manifests import LABEL_ROLE
 from .parallelism import LABEL_GROUP_ROLE, WORKER
 

@@ -25,9 +25,8 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
-
+from ..engine.contracts import metrics as m
+from ..engine.contracts.security import fleet_secret_from_env, fleet_token
 from .local.state import SECRET_FILE, STATE_FILE, STOPPED, supervisor_alive
 from .manifests import LABEL_ROLE, LABEL_SERVICE
 from .parallelism import LABEL_GROUP_ROLE, WORKER

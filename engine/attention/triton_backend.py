@@ -24,7 +24,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not _torch.cuda.is_available():
             # Without a GPU the kernels run under Triton's interpreter (slow; for tests).
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from pdfleet import kernels
+        from ... import kernels
 
         self.kernels = kernels
 

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from pdfleet.engine.config.fields import argparse_kwargs, attr_docs, default_of, resolved_fields
+from ..config.fields import argparse_kwargs, attr_docs, default_of, resolved_fields
 
 
 @dataclass

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pdfleet.engine.config.plotting import pyplot
-from pdfleet.engine.config.stats import percentile
-
+from ..reports.plotting import pyplot
+from ..reports.stats import percentile
 from .runner import RequestResult
 
 MAX_BINS = 60

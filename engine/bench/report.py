@@ -6,8 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdfleet.engine.config.stats import percentile
-
+from ..reports.stats import percentile
 from .config import BenchConfig
 from .runner import RequestResult
 

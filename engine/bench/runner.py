@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from ..config.security import fleet_secret_from_env, fleet_token
+from ..contracts.security import fleet_secret_from_env, fleet_token
 from .config import BenchConfig
 from .dataset import BenchRequest, Workload
 

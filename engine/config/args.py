@@ -314,11 +314,12 @@ class EngineArgs:
                     f"remove --{flag_name(name)}"
                 )
 
-    def create_model_config(self, device: str) -> ModelConfig:
+    def create_model_config(self, device: str, model_dir: str | None = None) -> ModelConfig:
         if not self.model:
             raise ValueError("no model given: pass a local model directory (MODEL or --model)")
         return ModelConfig.from_model_dir(
             device,
+            model_dir,
             model=self.model,
             tokenizer=self.tokenizer,
             revision=self.revision,
@@ -405,12 +406,16 @@ class EngineArgs:
         device: Device | None = None,
         device_memory_bytes: int | None = None,
         device_name: str | None = None,
+        model_dir: str | None = None,
     ) -> EngineConfig:
         """Resolve the arguments into a checked :class:`EngineConfig`.
 
         ``device`` overrides ``self.device`` and may name a device that is not
         present; ``device_memory_bytes`` / ``device_name`` describe it when it
-        cannot be queried (they select the batch-size defaults).
+        cannot be queried (they select the batch-size defaults). ``model_dir``:
+        where the model's config.json and tokenizer are when that is not the
+        ``model`` path itself (a GGUF file's directory, prepared by the model
+        layer: ``models.sources.gguf.resolve_model_dir``).
         """
         args = copy.deepcopy(self)
         args.__post_init__()
@@ -424,7 +429,7 @@ class EngineArgs:
         device_config = DeviceConfig(device=target, attention_backend=args.attention_backend)
         memory, name = query_device(target, device_memory_bytes, device_name)
 
-        model_config = args.create_model_config(target)
+        model_config = args.create_model_config(target, model_dir)
         args._set_default_chunked_prefill_and_prefix_caching()
         cache_config = CacheConfig(
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,

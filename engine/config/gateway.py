@@ -13,10 +13,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..contracts.http_limits import DEFAULT_LIMITS
+from ..contracts.security import api_keys_from_env, split_keys
 from .admission import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
-from .http_limits import DEFAULT_LIMITS
-from .security import api_keys_from_env, split_keys
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -115,13 +115,32 @@ class GatewayConfig:
     """Seconds a non-streamed response may take in total."""
     scrape_interval: float = 1.0
     """Seconds between two health checks and metric scrapes of each engine."""
-    stall_timeout: float = 3.0
-    """Seconds an engine with requests in flight may send nothing while other
-    engines make progress before it is ejected from routing (a stopped or
-    wedged process); it comes back after --readmit-after good checks."""
+    stall_timeout: float = 5.0
+    """The least time (seconds) an engine with requests in flight may send
+    nothing before it counts as stalled: a stopped or wedged process. The
+    limit follows the engine: --stall-step-multiple times its longest step
+    of the last minutes, when that is longer. A stalled engine is ejected
+    from routing while another engine of its role makes progress (a fleet
+    that is slow as a whole ejects nothing), never when it is the last
+    routable engine of a role (its requests wait instead); it comes back
+    after --readmit-after good checks."""
+    stall_step_multiple: float = 4.0
+    """An engine counts as stalled only after this many times its longest
+    recent step (from its `pdfleet_engine_step_duration_seconds` histogram)
+    without progress, plus --scrape-interval; 0: --stall-timeout alone."""
     hold_timeout: float = 10.0
     """Seconds a new request waits for a decode engine while none is routable
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""
+    queue_timeout: float = 60.0
+    """Seconds a request waits for a slot while every routable decode engine
+    is at capacity (learned from the engines' own queues, and from requests
+    waiting on an engine past a quarter of its first-token bound for their
+    first answer) before a 503 with Retry-After. A request that could not
+    get one in time, by the rate at which slots came free, is refused at
+    once (429 with Retry-After)."""
+    max_queued_requests: int = 1024
+    """Requests that may wait for a slot at once; more are refused at once
+    (429 with Retry-After); 0: none wait."""
     scale_to_zero: bool = False
     """Decode may be scaled to zero (minReplicas 0): /health stays 200 with no
     decode engine, so load balancers keep sending requests, which the gateway
@@ -133,7 +152,7 @@ class GatewayConfig:
     kv_pair_cooldown: float = 30.0
     """Seconds a (prefill, decode) pair stays out of P/D routing once its
     breaker opened."""
-    # The client limits default as the engine server's (engine/config/http_limits.py).
+    # The client limits default as the engine server's (engine/contracts/http_limits.py).
     max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
     """Largest request body accepted (413 beyond, refused on Content-Length
     before anything is read)."""
@@ -217,6 +236,10 @@ class GatewayConfig:
             raise ValueError(f"--first-token-timeout must be > 0, got {self.first_token_timeout}")
         if self.first_token_per_waiting < 0 or self.hold_timeout < 0:
             raise ValueError("--first-token-per-waiting and --hold-timeout must be >= 0")
+        if min(self.stall_step_multiple, self.queue_timeout, self.max_queued_requests) < 0:
+            raise ValueError(
+                "--stall-step-multiple, --queue-timeout and --max-queued-requests must be >= 0"
+            )
         if not 0.0 <= self.kv_host_weight <= 1.0:
             raise ValueError(f"--kv-host-weight must be within [0, 1], got {self.kv_host_weight}")
         for name in ("kv_events_port", "kv_events_replay_port"):

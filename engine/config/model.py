@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .gguf import resolve_model_dir
 from .hashing import hash_factors
 
 logger = logging.getLogger(__name__)
@@ -46,6 +45,16 @@ _DTYPE_ALIASES: dict[str, ResolvedDType] = {
     "float32": "float32",
     "fp32": "float32",
 }
+
+
+def _is_gguf_source(path: str) -> bool:
+    """A GGUF file, or a directory holding one and no config.json: a model whose
+    config and tokenizer the model layer prepares (``models/sources/gguf.py``)."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return True
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return any(name.endswith(".gguf") for name in os.listdir(path))
 
 
 def load_hf_config(model: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -177,7 +186,8 @@ class ModelConfig:
     enforce_eager: bool = False
     """Always run eagerly: no CUDA-graph capture."""
     max_logprobs: int = 20
-    """Maximum number of log probabilities a request may ask for."""
+    """Maximum number of log probabilities a request may ask for (per token, of
+    the output or the prompt); -1: no bound (the whole vocabulary)."""
     disable_sliding_window: bool = False
     """Ignore the model's sliding window (and cap max_model_len to it)."""
     skip_tokenizer_init: bool = False
@@ -232,10 +242,20 @@ class ModelConfig:
         return self.tokenizer or self.model_dir or self.model
 
     @classmethod
-    def from_model_dir(cls, device: str, **user: Any) -> ModelConfig:
-        """Read the model directory and derive shapes, dtype and max length."""
+    def from_model_dir(cls, device: str, model_dir: str | None = None, **user: Any) -> ModelConfig:
+        """Read the model directory and derive shapes, dtype and max length.
+
+        ``model_dir``: where config.json and the tokenizer are, when not in the
+        ``model`` directory itself (a GGUF file's prepared directory)."""
         config = cls(**user)
-        config.model_dir = resolve_model_dir(config.model)
+        path = os.path.expanduser(config.model)
+        if model_dir is None and _is_gguf_source(path):
+            raise ValueError(
+                f"model {config.model!r} is a GGUF file: its config and tokenizer are prepared "
+                "from it first (pdfleet serve, LLM and pdfleet config do; from code, use "
+                "pdfleet.engine.models.sources.create_engine_config(args))"
+            )
+        config.model_dir = model_dir or path
         hf = load_hf_config(config.model_dir, config.hf_overrides)
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else ""
@@ -282,8 +302,10 @@ class ModelConfig:
             window if uses_window and not config.disable_sliding_window else None
         )
         config._resolve_max_model_len(window if uses_window else None)
-        if not config.max_logprobs >= 1:
-            raise ValueError(f"max_logprobs must be >= 1, got {config.max_logprobs}")
+        if not (config.max_logprobs >= 1 or config.max_logprobs == -1):
+            raise ValueError(
+                f"max_logprobs must be >= 1 or -1 (no bound), got {config.max_logprobs}"
+            )
         return config
 
     def _resolve_max_model_len(self, window: int | None) -> None:

@@ -2,10 +2,26 @@
 encode and one decode.
 
 Every pdfleet process that talks to another (an engine and its clients, the
-gateway and its engines) builds and reads these messages here, so a sender
-and a receiver cannot drift apart. The package imports no torch and nothing
-of pdfleet but its configuration (an import-linter contract): a gateway pod
-and the operator may use it.
+gateway and its engines, the operator and the pods it starts) builds and
+reads these messages here, so a sender and a receiver cannot drift apart.
+The package imports no torch and nothing else of pdfleet (import-linter
+contracts): a gateway pod, the operator and the configuration use it.
 
 * ``errors`` — OpenAI's error body, answered by engines and the gateway alike.
+* ``kv_params`` — ``kv_transfer_params`` (``KVTransferParams``), and their signing.
+* ``kv_connector`` — the KV connector's metadata between its sides, and the
+  tensor-parallel shard commands.
+* ``kv_events`` — the KV-cache events an engine publishes and the gateway's
+  index reads.
+* ``block_hash`` — the chained block hashes both sides of a prefix match compute.
+* ``metrics`` — every metric name and label pdfleet exports or reads, and the
+  one ``/metrics`` parser.
+* ``http_limits`` — what one HTTP request may cost a server.
+* ``sampling_checks`` — the sampling fields' admissibility, checked alike by
+  engines and the gateway.
+* ``security``, ``identity`` — credentials: API keys, the fleet secret, signed
+  fields, fleet identities.
+* ``model_source`` — the ``hf://`` grammar, the variables a model fetch reads,
+  pdfleet's one cache directory.
+* ``launch`` — the command line pdfleet starts its own processes with.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from ..contracts.block_hash import get_hash_fn
 from ..request import Request
-from .block_hash import get_hash_fn
 from .block_pool import BlockPool, KVBlock, KVCacheEvent
 from .host_tier import HostBlock, HostTier, KVOffloadOps
 

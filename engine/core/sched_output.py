@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from ..contracts.kv_connector import KVConnectorMetadata
 from ..sampling_params import SamplingParams
 from .host_tier import KVOffloadOps
 
@@ -51,8 +52,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose runner state must be dropped (finished, aborted, preempted).
     finished_req_ids: set[str] = field(default_factory=set)
-    # Opaque data for the worker side of a KV connector.
-    kv_connector_metadata: Any = None
+    # The KV connector's scheduler side to its worker side: the pulls to start.
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # Copies between the device cache and the host tier (--kv-offload-bytes).
     kv_offload: KVOffloadOps | None = None
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import EngineConfig
+from ..contracts.block_hash import extend_block_hashes, root_hash
+from ..contracts.kv_params import KVTransferParams
 from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
-from .block_hash import extend_block_hashes
 from .block_pool import KVBlock, KVCacheEvent
 from .host_tier import HostBlock
 from .kv_cache_manager import KVCacheManager
@@ -53,7 +54,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     scheduled_time: float | None = None
 
 
@@ -128,7 +129,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            self.kv.hash_fn,
+            root_hash(request.sampling_params.cache_salt),
         )
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -153,7 +158,7 @@ class Scheduler:
             done.append(request)
         return done
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
         """Release a finished request; a connector may take its blocks instead."""
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
@@ -443,7 +448,11 @@ class Scheduler:
                 continue  # a partial prefill chunk: nothing sampled yet
             request.append_output_token(token)
             extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, self.kv.hash_fn
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                self.kv.hash_fn,
+                root_hash(request.sampling_params.cache_salt),
             )
             if request.first_token_time is None:
                 request.first_token_time = now

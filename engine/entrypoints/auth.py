@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
-from ..config import security
+from ..contracts import security
 
 logger = logging.getLogger("pdfleet.serve")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..config import security
+from ..contracts import security
 from .auth import EngineAuth
 
 # What a named caller may look like (the gateway sends "key:<hex>" or "addr:<host>").

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pdfleet.engine.config import EngineArgs, parse_human_int
+from ..config import EngineArgs, parse_human_int
+from ..models.sources import create_engine_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(
+    config = create_engine_config(
+        engine_args,
         usage_context=args.usage_context,
         device_memory_bytes=args.device_memory,
         device_name=args.device_name,

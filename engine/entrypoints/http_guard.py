@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config.http_limits import RequestLimits
 from ..contracts.errors import ErrorBody
+from ..contracts.http_limits import RequestLimits
 from ..http.asgi import ClientDisconnect
 from ..http.limits import BodyRejected, check_length, receive_body
 from .auth import PROBE_PATHS, EngineAuth

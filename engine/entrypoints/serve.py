@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from pdfleet.engine.config import EngineArgs, security
-from pdfleet.engine.config.http_limits import RequestLimits
-from pdfleet.engine.config.serving_defaults import (
+from ..config import EngineArgs
+from ..config.serving_defaults import (
     SERVING_DEFAULTS_FILE,
     TOOL_CALL_PARSERS,
     read_serving_defaults,
     resolve_tool_flags,
 )
-from pdfleet.engine.entrypoints.auth import EngineAuth, keys_from_sources
+from ..contracts import security
+from ..contracts.http_limits import RequestLimits
+from ..models.sources import create_engine_config
+from .auth import EngineAuth, keys_from_sources
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +103,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "theirs), when no --chat-template is given.",
     )
     group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="Split a thinking model's <think>...</think> text from its answer: chat "
+        "answers carry it as message.reasoning (and reasoning_content), streamed as "
+        "their own deltas (vLLM's parser names).",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -129,13 +139,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdfleet.engine.entrypoints.openai.api_server import run_server
-    from pdfleet.engine.entrypoints.openai.serving_base import ChatOptions, load_chat_template
+    from .openai.api_server import run_server
+    from .openai.serving_base import ChatOptions, load_chat_template
 
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context="server")
+    config = create_engine_config(engine_args, usage_context="server")
     if config.parallel_config.headless:
-        from pdfleet.engine.worker.tp_executor import run_headless
+        from ..worker.tp_executor import run_headless
 
         return run_headless(config)
     if args.max_waiting_requests < 0:
@@ -154,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=parser,
         enable_auto_tool_choice=auto,
+        reasoning_parser=args.reasoning_parser,
     )
     limits = RequestLimits(
         max_body_bytes=args.max_request_body_bytes,

@@ -8,8 +8,8 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.asgi import JSON_CONTENT_TYPE, BytesResponse
+from ..contracts.errors import ErrorBody
+from ..http.asgi import JSON_CONTENT_TYPE, BytesResponse
 
 DONE = b"data: [DONE]\n\n"
 # The longest engine error message relayed for a refused (4xx) input, or logged.

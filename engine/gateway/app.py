@@ -3,7 +3,8 @@
 ``/v1/completions`` and ``/v1/chat/completions`` go through the P/D proxy;
 ``/v1/models`` is answered by a healthy decode engine (with the gateway's own
 ``--served-model-name`` names when it has them, and from those alone while no
-decode engine is routable). ``/health`` is 200
+decode engine is routable); ``/v1/models/{id}``, ``/tokenize`` and
+``/detokenize`` by a healthy decode engine too. ``/health`` is 200
 while at least one decode engine is routable (so a load balancer stops
 sending traffic to a gateway that could not serve it) and says nothing else.
 ``/engines`` (the pool as the gateway sees it) and ``/metrics`` (Prometheus
@@ -14,29 +15,31 @@ or the fleet token the operator scrapes with); there is no ``/docs`` or
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.http_limits import RequestLimits
-from pdfleet.engine.config.security import (
+from .. import tracing
+from ..config.gateway import GatewayConfig
+from ..contracts.http_limits import RequestLimits
+from ..contracts.security import (
     bearer_token,
     fleet_secret_from_env,
     fleet_token,
     key_matches,
 )
-from pdfleet.engine.http.asgi import Request, RouteTable
-from pdfleet.engine.http.server import HttpServer
-from pdfleet.engine.http.upstream import UpstreamClient
-
+from ..http.asgi import Request, RouteTable
+from ..http.limits import BodyRejected, read_body, ready_body
+from ..http.server import HttpServer
+from ..http.upstream import UpstreamClient
 from .answers import error_response, upstream_message
 from .call import client_request_id
 from .discovery import Discovery, make_discovery
@@ -139,6 +142,8 @@ class Gateway:
             self.upstream,
             self.breaker,
         )
+        self.pool.on_routable = self.proxy.admission.engines_changed
+        self.metrics.on_collect(self._engine_gauges)
         self.keys = list(config.api_key)
         if not self.keys:
             logger.warning(
@@ -154,6 +159,15 @@ class Gateway:
     def _scraped(self, e, old, new) -> None:
         if e.serves("decode"):
             self.breaker.scraped(e, old, new)
+        self.proxy.admission.scraped(e, old, new)
+
+    def _engine_gauges(self) -> None:
+        """At each collection: each engine's stall limit and learned capacity."""
+        now = time.monotonic()
+        for e in self.pool.engines.values():
+            self.metrics.stall_limit.labels(e.url, e.role).set(self.pool.stall_limit(e, now))
+            if e.capacity is not None:
+                self.metrics.capacity.labels(e.url, e.role).set(e.capacity)
 
     def authorized(self, request: Request, admin: bool = False) -> bool:
         """A client key (or, for the admin routes, the fleet token) in constant time."""
@@ -255,6 +269,18 @@ def build_app(
     async def chat(request: Request) -> Response:
         return unauthorized(request) or await gw.proxy.handle(request, "/v1/chat/completions")
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a
+        completions body (``prompt``), answered as that endpoint answers it."""
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        raw = await bounded_body(request)
+        if isinstance(raw, Response):
+            return raw
+        return await gw.proxy.handle(request, invocation_endpoint(raw), raw)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         denied = unauthorized(request)
@@ -282,6 +308,88 @@ def build_app(
             return JSONResponse(models_named(gw.config, None))
         return error_response("no healthy decode engine is available", 503, rid)
 
+    async def on_a_decode_engine(
+        request: Request, method: str, path: str, body: bytes | None = None
+    ) -> Response:
+        """The answer of the first healthy decode engine that answers ``method
+        path`` (the model-retrieval and tokenizer routes: every engine serves the
+        same model and tokenizer). An engine's 4xx is the answer; a 5xx or a
+        connection failure tries the next; none: a 503."""
+        rid = client_request_id(request.headers.get("x-request-id"))
+        for e in gw.pool.candidates("decode"):
+            try:
+                resp = await gw.client.request(
+                    method,
+                    e.url + path,
+                    content=body,
+                    headers={"content-type": "application/json"} if body is not None else None,
+                    timeout=gw.pool.check_timeout,
+                )
+            except httpx.HTTPError as ex:
+                logger.warning("request %s: %s on %s: %r", rid, path, e.url, ex)
+                continue
+            if resp.status_code < 500:
+                return Response(resp.content, resp.status_code, media_type="application/json")
+            logger.warning(
+                "request %s: %s on %s answered %d: %s",
+                rid,
+                path,
+                e.url,
+                resp.status_code,
+                upstream_message(resp),
+            )
+        return error_response("no healthy decode engine is available", 503, rid)
+
+    @app.get_prefix("/v1/models/")
+    async def model(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        name = request.path[len("/v1/models/") :]
+        if gw.config.served_model_name:
+            listing = await models(request)
+            if listing.status_code != 200:
+                return listing
+            data = json.loads(bytes(listing.body))["data"]
+            card = next((m for m in data if m.get("id") == name), None)
+            if card is None:
+                rid = client_request_id(request.headers.get("x-request-id"))
+                return error_response(
+                    f"The model `{name}` does not exist.", 404, rid, param="model"
+                )
+            return JSONResponse(card)
+        return await on_a_decode_engine(request, "GET", "/v1/models/" + quote(name, safe=""))
+
+    async def bounded_body(request: Request) -> bytes | Response:
+        try:
+            raw = ready_body(request, gw.config.max_body_bytes)
+            if raw is None:
+                raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout)
+        except BodyRejected as e:
+            rid = client_request_id(request.headers.get("x-request-id"))
+            return error_response(e.message, e.status, rid, headers={"connection": "close"})
+        return raw
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        raw = await bounded_body(request)
+        if isinstance(raw, Response):
+            return raw
+        return await on_a_decode_engine(request, "POST", "/tokenize", raw)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        raw = await bounded_body(request)
+        if isinstance(raw, Response):
+            return raw
+        return await on_a_decode_engine(request, "POST", "/detokenize", raw)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         ok = gw.config.scale_to_zero or bool(gw.pool.candidates("decode"))
@@ -294,7 +402,9 @@ def build_app(
         denied = unauthorized(request, admin=True)
         if denied:
             return denied
+        now = time.monotonic()
         body: dict[str, Any] = {
+            "queued": gw.proxy.admission.queued,
             # "INDEX/N" with --workers N (this view is the answering worker's), else null.
             "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),
@@ -305,6 +415,11 @@ def build_app(
                     "state": e.state,
                     "inflight": e.inflight,
                     "stalled": e.stalled,
+                    # Its slots: requests routed to it, and its learned capacity (null: unbounded).
+                    "admitted": e.admitted,
+                    "capacity": e.capacity,
+                    "longest_step_s": round(e.steps.longest(now), 3),
+                    "stall_limit_s": round(gw.pool.stall_limit(e, now), 3),
                 }
                 for e in gw.pool.engines.values()
             ],
@@ -322,6 +437,18 @@ def build_app(
         return PlainTextResponse(await gw.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def invocation_endpoint(raw: bytes) -> str:
+    """The endpoint an ``/invocations`` body is for: chat when it is a JSON object
+    with ``messages``, else completions (whose checks answer a malformed body)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "/v1/completions"
+    if isinstance(body, dict) and "messages" in body:
+        return "/v1/chat/completions"
+    return "/v1/completions"
 
 
 def request_limits(config: GatewayConfig) -> RequestLimits:

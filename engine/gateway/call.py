@@ -45,6 +45,19 @@ class Call:
     without, see ``Proxy._sole_route``)."""
     info: PromptInfo | None = None
     """That analysis, once made."""
+    slot: Any = None
+    """The decode engine (``EngineState``) whose slot the request holds from its
+    route to the end of its answer (``admission.py``); None before and after."""
+    prefill_slot: Any = None
+    """The prefill engine whose slot it holds from its route to the end of its
+    prefill leg; None before and after."""
+    id_from_body: bool = False
+    """The client sent no X-Request-Id: a body's ``request_id`` names the call."""
+
+
+def tame_request_id(value: Any) -> bool:
+    """A request id the gateway passes on as it is (logs and headers take it)."""
+    return isinstance(value, str) and _REQUEST_ID.fullmatch(value) is not None
 
 
 def client_request_id(header: str | None) -> str:

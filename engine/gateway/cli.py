@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdfleet.engine.config.gateway import GatewayConfig
+from ..config.gateway import GatewayConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,6 +23,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_cli_args(args)
-    from pdfleet.engine.gateway.workers import serve
+    from .workers import serve
 
     return serve(config)

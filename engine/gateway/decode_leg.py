@@ -30,10 +30,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.upstream import UpstreamError, UpstreamResponse
-
+from .. import tracing
+from ..contracts.errors import ErrorBody
+from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import upstream_message
 from .call import Call
 from .engines import EngineState
@@ -75,7 +74,10 @@ class DecodeLeg:
             failover.tried.add(e.url)
             legs.acquire(e)
             try:
-                with legs.watched(e, legs.config.request_timeout):
+                with (
+                    legs.watched(e, legs.config.request_timeout),
+                    tracing.leg("decode", kv_transfer=call.prefill_url is not None),
+                ):
                     resp = await legs.client.post(
                         e.url + call.endpoint, failover.payload, call.headers, None
                     )
@@ -86,6 +88,7 @@ class DecodeLeg:
                 if failure.kind in ("connect", "stalled"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
+                        legs.move_slot(call, nxt)
                         e = nxt
                         continue
                 legs.pair_failed(call, e)
@@ -135,6 +138,7 @@ class DecodeLeg:
                 if failure.kind in ("connect", "stalled"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
+                        legs.move_slot(call, nxt)
                         e = nxt
                         continue
                 legs.pair_failed(call, e)
@@ -172,7 +176,10 @@ class DecodeLeg:
         resp: UpstreamResponse | None = None
         handed = False
         try:
-            with legs.watched(e, bound):
+            with (
+                legs.watched(e, bound),
+                tracing.leg("decode", kv_transfer=call.prefill_url is not None),
+            ):
                 resp = await legs.client.stream(e.url + call.endpoint, payload, call.headers)
                 legs.pool.progress(e)
                 if resp.status_code != 200:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pdfleet.engine.config.gateway import (
+from ..config.gateway import (
     KV_EVENTS_PORT_ANNOTATION,
     KV_REPLAY_PORT_ANNOTATION,
     ROLES,

@@ -8,6 +8,21 @@ its port closed; it comes back after ``readmit_after`` consecutive good
 checks. Load (waiting, running, KV usage) and the P/D compatibility hash come
 from the scrape: the pdfleet names first, the vLLM names as a fallback, so
 vLLM pods can be driven too.
+
+Ejection for anything but a definitive answer (a refused connection, a 503)
+is relative, so that a fleet slow as a whole ejects nothing:
+
+* a **stall** (in-flight requests, nothing received) counts against the
+  engine's own pace: nothing for ``max(--stall-timeout, --stall-step-multiple
+  × its longest step in the last STEP_WINDOW_S seconds + --scrape-interval)``,
+  the longest step read from its ``pdfleet_engine_step_duration_seconds``
+  histogram at each scrape, while an engine that serves the same role made
+  progress since;
+* **failed checks** (timeouts, errors) eject only while an engine of the same
+  role passes its checks;
+* the **last routable engine of a role** is never ejected for either: the
+  requests on it wait, each within its own bounds (first token, idle,
+  request timeouts).
 """
 
 from __future__ import annotations
@@ -15,17 +30,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.gateway import GatewayConfig
-
+from ..config.gateway import GatewayConfig
+from ..contracts import metrics as m
 from .discovery import Discovery, Endpoint
 from .metrics import GatewayMetrics
 
@@ -48,7 +63,15 @@ _COUNTERS = {
     "kv_failures": m.names(m.ENGINE_KV_TRANSFER_FAILURES),
 }
 _INFO = m.names(m.ENGINE_CACHE_CONFIG)
-_WANTED = tuple(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names)
+# The step-time histogram (pdfleet engines only): the stall watchdog's sense of pace.
+_STEP = m.ENGINE_STEP_DURATION
+_STEP_BUCKET = _STEP.name + "_bucket"
+_WANTED = (
+    *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
+    _STEP.name,
+)
+# Seconds over which an engine's longest step is remembered.
+STEP_WINDOW_S = 300.0
 
 
 @dataclass
@@ -68,6 +91,32 @@ class EngineLoad:
     kv_transfers: float = 0.0
     kv_failures: float = 0.0
     """Completed and failed KV pulls so far (decode engines with a connector)."""
+    kv_pulls: float = 0.0
+    """KV pulls in flight: requests that wait for bytes, not for room."""
+    steps: float = 0.0
+    """Engine steps so far (the step histogram's count; 0 for vLLM engines)."""
+    step_seconds: float = 0.0
+    """Their total wall time (the histogram's sum)."""
+    step_buckets: tuple[tuple[float, float], ...] = ()
+    """The histogram's cumulative buckets: (upper bound in seconds, steps)."""
+
+
+def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
+    """An upper bound (seconds) of the longest step between two scrapes, from
+    the step histogram: the smallest bucket bound that holds every new step,
+    and at most their summed time. None when no step completed, at the
+    first scrape (those steps may be hours old), or when the engine
+    restarted (its counts went back)."""
+    steps = new.steps - old.steps
+    if steps <= 0 or len(old.step_buckets) != len(new.step_buckets):
+        return None
+    bound = math.inf
+    before = dict(old.step_buckets)
+    for le, count in new.step_buckets:
+        if count - before.get(le, 0.0) >= steps:
+            bound = le
+            break
+    return min(bound, max(0.0, new.step_seconds - old.step_seconds))
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -84,6 +133,15 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         value = scrape.total(*names)
         if value is not None:
             setattr(load, attr, value)
+    load.kv_pulls = scrape.total(*m.names(m.ENGINE_KV_PULLS_IN_FLIGHT)) or 0.0
+    load.steps = scrape.total(_STEP.count) or 0.0
+    load.step_seconds = scrape.total(_STEP.sum) or 0.0
+    buckets: dict[float, float] = {}
+    for labels_of, value in scrape.samples.get(_STEP_BUCKET, ()):
+        with contextlib.suppress(KeyError, ValueError):
+            le = float(labels_of["le"])  # "+Inf" parses too
+            buckets[le] = buckets.get(le, 0.0) + value
+    load.step_buckets = tuple(sorted(buckets.items()))
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None
@@ -110,8 +168,23 @@ class EngineState:
     successes: int = 0
     last_error: str = ""
     last_progress: float = 0.0
-    """monotonic time of the last byte from the engine (or of the start of its
-    first in-flight request): the stall watchdog's clock."""
+    """monotonic time of the last byte from the engine, of its last completed
+    step or computed token seen in a scrape, or of the start of its first
+    in-flight request: the stall watchdog's clock."""
+    steps: StepWindow = field(default_factory=lambda: StepWindow(STEP_WINDOW_S))
+    """Its longest recent steps (the stall watchdog's sense of its pace)."""
+    spared: bool = False
+    """Silent past its stall limit but kept (last of its role, or no engine of
+    its role progressed): logged once per silence."""
+    admitted: int = 0
+    """Requests routed to it (as their decode engine) whose answers have not
+    ended: their slots (``admission.py``)."""
+    capacity: int | None = None
+    """Slots it has, learned from its scrapes; None until it first queues."""
+    pending: dict[int, float] = field(default_factory=dict)
+    """Slots on it still waiting for their first answer (a streamed decode
+    leg's first event, a prefill leg's end): the request's key to the
+    monotonic time it took the slot (``admission.py``)."""
     stalled: bool = False
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
     waiters: set[Any] = field(default_factory=set)
@@ -131,6 +204,41 @@ class EngineState:
         """Requests on the engine: the scrape, or the gateway's own count when
         larger (the scrape lags a burst by up to one interval)."""
         return max(self.load.running + self.load.waiting, float(self.inflight))
+
+    def roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.role == "both" else (self.role,)
+
+
+class StepWindow:
+    """The longest step an engine reported in the last ``window`` seconds: a
+    monotonic deque (values decreasing from the left), O(1) per scrape."""
+
+    __slots__ = ("_items", "window")
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._items: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, seconds: float) -> None:
+        items = self._items
+        while items and items[-1][1] <= seconds:
+            items.pop()
+        items.append((now, seconds))
+
+    def longest(self, now: float) -> float:
+        """0.0 when no step was seen within the window."""
+        items = self._items
+        while items and items[0][0] < now - self.window:
+            items.popleft()
+        return items[0][1] if items else 0.0
+
+    def longest_since(self, since: float) -> float | None:
+        """The longest step reported after the monotonic ``since`` (every entry
+        the deque dropped had a later one at least as long); None if none was."""
+        for at, seconds in self._items:
+            if at > since:
+                return seconds
+        return None
 
 
 class EnginePool:
@@ -166,6 +274,9 @@ class EnginePool:
         self.on_stall: Callable[[EngineState], None] = lambda e: None
         """Called for each engine this process ejects for a stall (``--workers
         N``: the other workers are told, ``stalled_elsewhere``)."""
+        self.on_routable: Callable[[], None] = lambda: None
+        """Called whenever an engine becomes routable (requests waiting for a
+        slot look again)."""
         self.on_refused: Callable[[EngineState], None] = lambda e: None
         """Called for each engine this process ejects for a refused connection
         (``--workers N``: the other workers are told, ``refused_elsewhere``)."""
@@ -247,17 +358,23 @@ class EnginePool:
             e.last_progress = time.monotonic()
             self._routable.set()
             self._routable = asyncio.Event()
+            self.on_routable()
         e.state = state
         e.successes = e.failures = 0
         self.metrics.engine_healthy.labels(e.url, e.role).set(1 if state == "healthy" else 0)
 
     def record_success(self, e: EngineState, load: EngineLoad) -> None:
         old, e.load = e.load, load
-        if (load.prompt_tokens, load.generation_tokens) != (
+        now = time.monotonic()
+        longest = longest_step(old, load)
+        if longest is not None:
+            e.steps.add(now, longest)
+        if (load.prompt_tokens, load.generation_tokens, load.steps) != (
             old.prompt_tokens,
             old.generation_tokens,
+            old.steps,
         ):
-            self.progress(e)  # computing, even if no answer has come back yet
+            self.progress(e)  # stepping, even if no answer has come back yet
         self.on_scrape(e, old, load)
         e.failures = 0
         e.successes += 1
@@ -268,12 +385,45 @@ class EnginePool:
 
     def record_failure(self, e: EngineState, reason: str, definitive: bool = False) -> None:
         """A failed check (or request). ``definitive``: the engine said it is
-        not ready, or refused the connection: eject without waiting."""
+        not ready, or refused the connection: eject without waiting. Otherwise
+        (a timeout, an error) only while another engine of its role passes
+        its checks, and never the last routable one of a role."""
         e.last_error = reason
         e.successes = 0
         e.failures += 1
-        if e.state == "healthy" and (definitive or e.failures >= self.config.eject_after):
+        if e.state != "healthy":
+            return
+        if definitive:
             self._set_state(e, "ejected", reason)
+        elif e.failures >= self.config.eject_after:
+            if self.others_serve(e) and any(o.failures == 0 for o in self.peers(e)):
+                self._set_state(e, "ejected", reason)
+            elif e.failures == self.config.eject_after:
+                logger.warning(
+                    "engine %s (%s): %d failed checks (%s), but no other %s engine passes "
+                    "its checks: kept in routing",
+                    e.url,
+                    e.role,
+                    e.failures,
+                    reason,
+                    e.role,
+                )
+
+    def peers(self, e: EngineState) -> list[EngineState]:
+        """Routable engines other than ``e`` that serve a role it serves."""
+        roles = e.roles()
+        return [
+            o
+            for o in self.engines.values()
+            if o is not e and o.routable and any(o.serves(r) for r in roles)
+        ]
+
+    def others_serve(self, e: EngineState) -> bool:
+        """Whether every role ``e`` serves keeps a routable engine without it."""
+        return all(
+            any(o is not e and o.routable and o.serves(r) for o in self.engines.values())
+            for r in e.roles()
+        )
 
     def refused(self, e: EngineState, reason: str) -> None:
         """A request's connection to ``e`` was refused: ejected at once."""
@@ -296,52 +446,100 @@ class EnginePool:
     def progress(self, e: EngineState) -> None:
         """The engine sent something (an answer's head, an event, a whole answer)."""
         e.last_progress = time.monotonic()
+        e.spared = False
 
     def started(self, e: EngineState) -> None:
         """A request went to ``e``: an idle engine's stall clock starts now."""
         if e.inflight == 0:
             e.last_progress = time.monotonic()
 
+    def stall_limit(self, e: EngineState, now: float | None = None) -> float:
+        """Seconds ``e`` may send nothing with requests in flight: a multiple of
+        its longest recent step (plus the scrape interval, the lag of the
+        evidence that a step ended), never under --stall-timeout."""
+        now = time.monotonic() if now is None else now
+        config = self.config
+        paced = config.stall_step_multiple * e.steps.longest(now) + config.scrape_interval
+        return max(config.stall_timeout, paced)
+
     def find_stalls(self, now: float | None = None) -> list[EngineState]:
         """Mutates: eject engines whose in-flight requests have made no progress
-        for --stall-timeout while another engine made progress since (so a
-        fleet that is slow as a whole ejects nothing)."""
+        for their stall limit while an engine of the same role kept a pace that
+        rules out a slow fleet (:meth:`keeps_pace`), unless the engine is the
+        last routable one of a role it serves."""
         now = time.monotonic() if now is None else now
-        limit = self.config.stall_timeout
-        stalled = [
-            e
-            for e in self.engines.values()
-            if e.routable and e.inflight > 0 and now - e.last_progress > limit
-        ]
         out = []
-        for e in stalled:
-            # Another engine moved since this one last did: not a slow fleet.
-            if not any(
-                o is not e and o.last_progress > e.last_progress for o in self.engines.values()
+        for e in list(self.engines.values()):
+            if not (e.routable and e.inflight > 0):
+                continue
+            silent = now - e.last_progress
+            limit = self.stall_limit(e, now)
+            if silent <= limit:
+                continue
+            last = not self.others_serve(e)
+            if last or not any(
+                self.keeps_pace(o, e.last_progress, silent, now) for o in self.peers(e)
             ):
+                if not e.spared:
+                    e.spared = True
+                    logger.warning(
+                        "engine %s (%s): %d requests in flight, nothing for %.1fs (its limit "
+                        "%.1fs), but %s: kept in routing, its requests wait",
+                        e.url,
+                        e.role,
+                        e.inflight,
+                        silent,
+                        limit,
+                        "it is the last routable engine of its role"
+                        if last
+                        else f"no other {e.role} engine kept a faster pace (a slow fleet)",
+                    )
                 continue
             self._eject_stalled(
                 e,
                 f"stalled: {e.inflight} requests in flight, nothing received for "
-                f"{now - e.last_progress:.1f}s while other engines progressed",
+                f"{silent:.1f}s (its limit {limit:.1f}s) while another {e.role} engine "
+                "kept its pace",
             )
             self.on_stall(e)
             out.append(e)
         return out
 
+    def keeps_pace(self, o: EngineState, since: float, silent: float, now: float) -> bool:
+        """Whether ``o`` shows that a silence of ``silent`` seconds (since the
+        monotonic ``since``) is not the whole fleet's slowness: it passes its
+        checks; with requests in flight, it is not nearly as silent itself (its
+        own silence, times --stall-step-multiple, is shorter than ``silent``);
+        and its steps are as short (the longest it reported since, or in its
+        window when idle). An engine without a step histogram (vLLM) shows its
+        pace by its progress since alone. With --stall-step-multiple 0, any progress
+        since counts."""
+        k = self.config.stall_step_multiple
+        if k <= 0:
+            return o.last_progress > since
+        if o.failures:
+            return False  # (a stopped host: its checks time out too)
+        if o.inflight > 0 and (o.last_progress <= since or k * (now - o.last_progress) >= silent):
+            return False  # as stuck as the other: everything stopped
+        if not o.load.step_buckets:
+            return o.last_progress > since  # (idle: it answered after the other went quiet)
+        longest = o.steps.longest_since(since) if o.inflight > 0 else o.steps.longest(now)
+        return longest is not None and k * longest < silent
+
     def stalled_elsewhere(self, url: str, since: float, now: float | None = None) -> bool:
         """Mutates: another worker ejected ``url`` for a stall (nothing from it
         since the monotonic ``since``, a clock every process on the host
         shares). Ejected here too, unless this process has received from it
-        within --stall-timeout; True when it was ejected."""
+        within its stall limit or it is the last routable engine of a role;
+        True when it was ejected."""
         e = self.engines.get(url)
-        if e is None or not e.routable:
+        if e is None or not e.routable or not self.others_serve(e):
             return False
         now = time.monotonic() if now is None else now
         if (
             e.inflight > 0
             and e.last_progress > since
-            and now - e.last_progress <= (self.config.stall_timeout)
+            and now - e.last_progress <= self.stall_limit(e, now)
         ):
             return False  # it answers this worker: not wedged as far as it can tell
         self._eject_stalled(e, "stalled (seen by another gateway worker)")

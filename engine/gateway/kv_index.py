@@ -5,7 +5,7 @@ leaving its prefix cache (docs/kv_events.md). The gateway subscribes to each
 engine's stream (the endpoint comes with the engine's discovery entry, or
 ``--kv-events-port`` on the engine's host) and keeps one table: block id ->
 the engines holding it, on the device tier or the host tier. A request's
-prompt is hashed with the engines' own function (``core.block_hash``), and an
+prompt is hashed with the engines' own function (``contracts/block_hash.py``), and an
 engine's score is the number of leading prompt blocks it holds, a host-tier
 block counting ``--kv-host-weight`` of a device one (it must be copied back).
 
@@ -34,122 +34,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import msgpack
 import zmq
 import zmq.asyncio
-from zmq.utils import z85
 
-from pdfleet.engine.config.security import kv_events_server_key
-from pdfleet.engine.core.block_hash import external_block_hash
-
+from ..contracts.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    curve_server_keys,
+    pack_seq,
+    unpack_seq,
+)
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from pdfleet.engine.config.gateway import GatewayConfig
-
+    from ..config.gateway import GatewayConfig
     from .engines import EnginePool, EngineState
     from .prompt import PromptAnalyzer
 
 logger = logging.getLogger("pdfleet.gateway")
 
-HOST_MEDIA = frozenset({"CPU", "cpu", "host", "HOST"})
-"""Tier names counted as host memory (vLLM's is ``CPU``); anything else is the device."""
 REPLAY_TIMEOUT = 2.0
 """Seconds a replay may take before it counts as failed."""
 SWEEP_CHUNK = 20_000
 """Entries cleared of retired slots per sweep step (one event-loop turn)."""
-
-
-@dataclass
-class Event:
-    """One decoded event: ``kind`` is stored, removed or cleared."""
-
-    kind: str
-    hashes: list[int] = field(default_factory=list)
-    host: bool = False
-    parent: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    block_size: int = 0
-
-
-def _block_id(value: Any) -> int:
-    """An event's block hash as the 64-bit id (engines send ints; vLLM can send bytes)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value & 0xFFFF_FFFF_FFFF_FFFF
-    if isinstance(value, bytes | bytearray):
-        return external_block_hash(bytes(value))
-    raise ValueError(f"block hash must be an int or bytes, got {type(value).__name__}")
-
-
-def decode_batch(payload: bytes) -> list[Event]:
-    """Events of one batch payload: vLLM's tagged maps, or its older arrays.
-
-    Raises ValueError on anything else (the caller logs and skips the batch).
-    """
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise ValueError(f"not msgpack: {e}") from None
-    if isinstance(batch, dict):
-        raw_events = batch.get("events")
-    elif isinstance(batch, list) and len(batch) >= 2:
-        raw_events = batch[1]
-    else:
-        raise ValueError("a batch must be a map {ts, events, ...} or an array [ts, events, ...]")
-    if not isinstance(raw_events, list):
-        raise ValueError("a batch's events must be a list")
-    out = []
-    for raw in raw_events:
-        if isinstance(raw, dict):
-            kind = raw.get("type")
-            get = raw.get
-        elif isinstance(raw, list) and raw:
-            kind = raw[0]
-            names = (
-                (
-                    "block_hashes",
-                    "parent_block_hash",
-                    "token_ids",
-                    "block_size",
-                    "lora_id",
-                    "medium",
-                )
-                if kind == "BlockStored"
-                else ("block_hashes", "medium")
-            )
-            fields = dict(zip(names, raw[1:], strict=False))
-            get = fields.get
-        else:
-            raise ValueError(f"an event must be a tagged map, got {type(raw).__name__}")
-        if kind == "AllBlocksCleared":
-            out.append(Event("cleared"))
-            continue
-        if kind not in ("BlockStored", "BlockRemoved"):
-            continue  # a newer event type: not ours to judge
-        hashes = get("block_hashes")
-        if not isinstance(hashes, list):
-            raise ValueError(f"{kind}: block_hashes must be a list")
-        medium = get("medium")
-        ev = Event(
-            "stored" if kind == "BlockStored" else "removed",
-            [_block_id(h) for h in hashes],
-            host=medium in HOST_MEDIA,
-        )
-        if kind == "BlockStored":
-            parent = get("parent_block_hash")
-            ev.parent = None if parent is None else _block_id(parent)
-            ev.token_ids = list(get("token_ids") or [])
-            ev.block_size = int(get("block_size") or 0)
-        out.append(ev)
-    return out
 
 
 @dataclass
@@ -263,21 +179,21 @@ class KVIndex:
 
     # -- events ------------------------------------------------------------------
 
-    def apply(self, url: str, events: Iterable[Event]) -> None:
+    def apply(self, url: str, events: Iterable[KVEvent]) -> None:
         """Mutates: apply one batch of ``url``'s events."""
         entry = self.engine(url)
         table = self.table
         for ev in events:
-            if ev.kind == "cleared":
+            if isinstance(ev, AllBlocksCleared):
                 self.drop(url, "cleared")
                 continue
             bit = 1 << (2 * entry.slot + (1 if ev.host else 0))
-            if ev.kind == "stored":
-                for h in ev.hashes:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
                     table[h] = table.get(h, 0) | bit
                     table.move_to_end(h)
             else:
-                for h in ev.hashes:
+                for h in ev.block_hashes:
                     bits = table.get(h)
                     if bits is None:
                         continue
@@ -287,8 +203,7 @@ class KVIndex:
                     else:
                         del table[h]
             if self.metrics is not None:
-                kind = {"stored": "BlockStored", "removed": "BlockRemoved"}[ev.kind]
-                self.metrics.kv_index_events.labels(url, kind).inc()
+                self.metrics.kv_index_events.labels(url, type(ev).__name__).inc()
         while len(table) > self.max_blocks:
             table.popitem(last=False)
             self.evictions += 1
@@ -473,8 +388,7 @@ class KVEventFollower:
                     _topic, seq_bytes, payload = await sub.recv_multipart()
                 except ValueError:
                     continue  # not a 3-frame message
-                (seq,) = struct.unpack(">q", seq_bytes)
-                await self._on_batch(src, seq, payload)
+                await self._on_batch(src, unpack_seq(seq_bytes), payload)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -488,7 +402,7 @@ class KVEventFollower:
         if self.secret is None:
             return
         public, private = zmq.curve_keypair()
-        server = zmq.curve_public(z85.encode(kv_events_server_key(self.secret)))
+        server = curve_server_keys(self.secret)[0]
         sock.setsockopt(zmq.CURVE_SERVERKEY, server)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, private)
@@ -512,7 +426,7 @@ class KVEventFollower:
 
     def _apply(self, src: Source, payload: bytes) -> None:
         try:
-            events = decode_batch(payload)
+            events = EventBatch.decode(payload).events
         except ValueError as e:
             if src.url not in self._warned:
                 self._warned.add(src.url)
@@ -531,7 +445,7 @@ class KVEventFollower:
             dealer.setsockopt(zmq.LINGER, 0)
             try:
                 dealer.connect(src.replay)
-                await dealer.send_multipart([b"", struct.pack(">q", start)])
+                await dealer.send_multipart([b"", pack_seq(start)])
                 deadline = time.monotonic() + REPLAY_TIMEOUT
                 first = True
                 while True:
@@ -540,7 +454,7 @@ class KVEventFollower:
                         break
                     frames = await dealer.recv_multipart()
                     seq_bytes, payload = frames[-2], frames[-1]
-                    (seq,) = struct.unpack(">q", seq_bytes)
+                    seq = unpack_seq(seq_bytes)
                     if seq == -1:
                         outcome = "ok" if got >= until else "partial"
                         break

@@ -21,11 +21,11 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.contracts.errors import ErrorBody
-from pdfleet.engine.http.asgi import JSON_CONTENT_TYPE, BytesResponse
-from pdfleet.engine.http.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
-
+from ..config.gateway import GatewayConfig
+from ..contracts.errors import ErrorBody
+from ..http.asgi import JSON_CONTENT_TYPE, BytesResponse
+from ..http.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
+from .admission import Admission
 from .answers import MAX_RELAYED_MESSAGE, error_response, upstream_message
 from .call import Call
 from .deadlines import Deadline
@@ -58,6 +58,7 @@ class Legs:
         metrics: GatewayMetrics,
         client: UpstreamClient,
         breaker: KVPairBreaker | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -65,6 +66,8 @@ class Legs:
         self.affinity = affinity
         self.analyzer = analyzer
         self.metrics = metrics
+        self.admission = admission or Admission(config, metrics)
+        """Slots on decode engines: taken at the route, given back at ``finish``."""
         self.client = client
         """Sends the content type and the fleet token with every engine call
         (its fixed headers); a call adds its request id."""
@@ -84,6 +87,48 @@ class Legs:
     def release(self, e: EngineState) -> None:
         e.inflight -= 1
 
+    @staticmethod
+    def _streamed(call: Call) -> bool:
+        """Whether its decode leg's first answer is a first event (a stream):
+        only then does the gateway see how long its slot waits for it."""
+        return bool(call.body and call.body.get("stream"))
+
+    def take_slot(self, call: Call, e: EngineState) -> None:
+        """The request's slot on its decode engine, until its answer ends."""
+        self.admission.take(e, id(call) if self._streamed(call) else None)
+        call.slot = e
+
+    def take_prefill_slot(self, call: Call, e: EngineState) -> None:
+        """Its slot on its prefill engine, until its prefill leg ends."""
+        self.admission.take(e, id(call))
+        call.prefill_slot = e
+
+    def move_slot(self, call: Call, e: EngineState, prefill: bool = False) -> None:
+        """A leg went to another engine (failover, a retry): so does its slot."""
+        held = call.prefill_slot if prefill else call.slot
+        if held is not None and held is not e:
+            self.admission.give_back(held, id(call), ended=False)
+            self.admission.take(e, id(call) if prefill or self._streamed(call) else None)
+            if prefill:
+                call.prefill_slot = e
+            else:
+                call.slot = e
+
+    def free_prefill_slot(self, call: Call) -> None:
+        """The prefill leg ended: its slot is free (once; a no-op without one)."""
+        slot = call.prefill_slot
+        if slot is not None:
+            call.prefill_slot = None
+            self.admission.give_back(slot, id(call), ended=False)
+
+    def free_slot(self, call: Call) -> None:
+        """Give the request's slots back (once each; a no-op without them)."""
+        self.free_prefill_slot(call)
+        slot = call.slot
+        if slot is not None:
+            call.slot = None
+            self.admission.give_back(slot, id(call))
+
     def _inflight_gauges(self) -> None:
         """At each collection: the in-flight gauges from the engines' counts
         (kept on the engine state, not written to the series per request)."""
@@ -96,7 +141,9 @@ class Legs:
     # -- the request's outcome -------------------------------------------------------
 
     def finish(self, call: Call, status: int) -> None:
-        """The request's final status and its latency (once per request)."""
+        """The request's final status and its latency (once per request); its slot is free."""
+        if call.slot is not None or call.prefill_slot is not None:
+            self.free_slot(call)
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped
@@ -109,7 +156,10 @@ class Legs:
         series[1].observe(time.perf_counter() - call.start)
 
     def first_token(self, call: Call) -> None:
-        """The request's first event reached the client (TTFT)."""
+        """The request's first event reached the client (TTFT); its decode
+        slot no longer waits for a first answer."""
+        if call.slot is not None:
+            self.admission.answered(call.slot, id(call))
         ttft = self._ttft.get(call.endpoint)
         if ttft is None:
             ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(

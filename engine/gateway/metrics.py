@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdfleet.engine.config import metrics as m
+from ..contracts import metrics as m
 
 
 class FastCounter:
@@ -99,7 +99,7 @@ class _Folder:
 
 
 class GatewayMetrics:
-    """The gateway's series (names and labels in ``engine/config/metrics.py``)."""
+    """The gateway's series (names and labels in ``engine/contracts/metrics.py``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -117,6 +117,9 @@ class GatewayMetrics:
         self.engine_inflight = m.GATEWAY_ENGINE_INFLIGHT.create(r)
         self.ejections = m.GATEWAY_ENGINE_EJECTIONS.create(r)
         self.stalls = m.GATEWAY_ENGINE_STALLS.create(r)
+        self.stall_limit = m.GATEWAY_ENGINE_STALL_LIMIT.create(r)
+        self.capacity = m.GATEWAY_ENGINE_CAPACITY.create(r)
+        self.queued = m.GATEWAY_QUEUED_REQUESTS.create(r)
         self.kv_pair_open = m.GATEWAY_KV_PAIR_OPEN.create(r)
         self.held = m.GATEWAY_HELD_REQUESTS.create(r)
         self.rejected = m.GATEWAY_REJECTED_REQUESTS.create(r)
@@ -146,7 +149,14 @@ class GatewayMetrics:
 
     def forget_engine(self, url: str, role: str) -> None:
         """Drop a removed engine's series so no stale gauge outlives it."""
-        for metric in (self.engine_healthy, self.engine_inflight, self.ejections, self.stalls):
+        for metric in (
+            self.engine_healthy,
+            self.engine_inflight,
+            self.ejections,
+            self.stalls,
+            self.stall_limit,
+            self.capacity,
+        ):
             with contextlib.suppress(KeyError):
                 metric.remove(url, role)
         with contextlib.suppress(KeyError):

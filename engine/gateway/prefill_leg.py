@@ -18,9 +18,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.http.upstream import UpstreamError
-
+from .. import tracing
+from ..contracts.kv_params import REMOTE_DECODE
+from ..http.upstream import UpstreamError
 from .call import Call
 from .engines import EngineState
 from .legs import LegFailed, Legs
@@ -29,14 +29,6 @@ from .routing import Route
 
 logger = logging.getLogger("pdfleet.gateway")
 
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 # Prefill-leg statuses that say "this engine, now" rather than "this input": the
 # leg is worth another engine (a decode leg passes them to the client).
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -50,7 +42,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     out["stream"] = False
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
         out.pop(key, None)
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    out["kv_transfer_params"] = REMOTE_DECODE.to_wire()
     return out
 
 
@@ -63,6 +55,14 @@ class PrefillLeg:
     ) -> dict[str, Any] | Response | None:
         """The prefill leg with retries: the producer's kv_transfer_params; None
         to serve decode-only; a Response when the input itself was refused."""
+        try:
+            return await self._run(call, body, route, info)
+        finally:
+            self.legs.free_prefill_slot(call)  # the next request may prefill there
+
+    async def _run(
+        self, call: Call, body: dict[str, Any], route: Route, info: PromptInfo
+    ) -> dict[str, Any] | Response | None:
         legs = self.legs
         payload = json.dumps(prefill_body(body, call.chat)).encode()
         engine: EngineState | None = route.prefill
@@ -78,6 +78,7 @@ class PrefillLeg:
                 engine = legs.router.pick_prefill(route.decode, info, tried)
                 if engine is not None:
                     legs.metrics.retries.labels("prefill").inc()
+                    legs.move_slot(call, engine, prefill=True)
                 continue
             if isinstance(result, Response):
                 return result
@@ -103,7 +104,7 @@ class PrefillLeg:
         bound = legs.first_token_bound(e)
         legs.acquire(e)
         try:
-            with legs.watched(e, bound):
+            with legs.watched(e, bound), tracing.leg("prefill"):
                 # None: ``watched`` bounds the call (one timer per leg, not two).
                 resp = await legs.client.post(e.url + call.endpoint, payload, call.headers, None)
         except (UpstreamError, TimeoutError) as ex:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.core.block_hash import (
+from ..contracts.block_hash import (
     external_block_hash,
     get_hash_fn,
     prompt_block_hashes,
@@ -167,14 +167,21 @@ class PromptAnalyzer:
         self.hash_algo = "sha256"
         """The engines' ``prefix_caching_hash_algo`` (the pool sets it from scrapes)."""
 
-    def exact_hashes(self, ids: list[int], block_size: int) -> list[int] | None:
-        """The engine's block ids of the leading ``max_blocks`` full blocks of ``ids``."""
+    def exact_hashes(
+        self, ids: list[int], block_size: int, cache_salt: str | None = None
+    ) -> list[int] | None:
+        """The engine's block ids of the leading ``max_blocks`` full blocks of ``ids``
+        (in the request's ``cache_salt`` namespace, as the engine hashes them)."""
         if not self.exact:
             return None
-        digests = prompt_block_hashes(ids, block_size, get_hash_fn(self.hash_algo), self.max_blocks)
+        digests = prompt_block_hashes(
+            ids, block_size, get_hash_fn(self.hash_algo), self.max_blocks, cache_salt
+        )
         return [external_block_hash(d) for d in digests]
 
-    def _tokenized(self, text: str, special: bool, block_size: int) -> PromptInfo:
+    def _tokenized(
+        self, text: str, special: bool, block_size: int, salt: str | None = None
+    ) -> PromptInfo:
         assert self.tokenizer is not None
         head_tokens = max(self.max_blocks * block_size, self.min_prompt_tokens) + self.HEAD_MARGIN
         head_chars = head_tokens * self.MAX_CHARS_PER_TOKEN
@@ -183,7 +190,7 @@ class PromptAnalyzer:
             return PromptInfo(
                 len(ids),
                 chain_hashes(ids, block_size, self.max_blocks),
-                exact_hashes=self.exact_hashes(ids, block_size),
+                exact_hashes=self.exact_hashes(ids, block_size, salt),
             )
         ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
         rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
@@ -191,7 +198,7 @@ class PromptAnalyzer:
         return PromptInfo(
             len(ids) + rest,
             chain_hashes(hashed, block_size, self.max_blocks),
-            exact_hashes=self.exact_hashes(hashed, block_size),
+            exact_hashes=self.exact_hashes(hashed, block_size, salt),
         )
 
     def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
@@ -200,12 +207,19 @@ class PromptAnalyzer:
         engine will answer them with a 400."""
         info = self._analyze(body, chat, block_size)
         info.prompt_logprobs = needs_prompt_logprobs(body, chat)
+        salt = body.get("cache_salt")
+        if isinstance(salt, str) and salt:
+            # Another prefix-cache namespace: affinity keys differ from the
+            # unsalted prompt's as the engines' block hashes do.
+            info.block_hashes = [hash((salt, h)) for h in info.block_hashes]
         return info
 
     def _analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         batch = False
         text = ""
-        special = True  # the engine adds special tokens to a completions prompt
+        # The engine adds special tokens to a completions prompt unless told not to.
+        special = body.get("add_special_tokens") is not False
         exact = self.tokenizer is not None
         if chat:
             raw = body.get("messages")
@@ -220,7 +234,8 @@ class PromptAnalyzer:
             )
             rendered = self.tokenizer.chat_text(messages) if self.tokenizer else None
             if rendered is not None:
-                text, special = rendered, False  # the template holds the special tokens
+                # The template holds the special tokens (unless the request adds more).
+                text, special = rendered, body.get("add_special_tokens") is True
             else:
                 text, exact = "".join(f"{m['role']}\n{m['content']}\n" for m in messages), False
         else:
@@ -234,12 +249,12 @@ class PromptAnalyzer:
                     len(ids),
                     chain_hashes(ids, block_size, self.max_blocks),
                     batch,
-                    self.exact_hashes(ids, block_size),
+                    self.exact_hashes(ids, block_size, salt),
                 )
             if isinstance(prompt, str):
                 text = prompt
         if exact and text:
-            info = self._tokenized(text, special, block_size)
+            info = self._tokenized(text, special, block_size, salt)
             info.batch = batch
             return info
         return PromptInfo(

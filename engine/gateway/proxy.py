@@ -5,9 +5,11 @@
    admissible sampling fields (the same check the engines run, so prefill and
    decode never disagree), and the client's own ``kv_transfer_params`` are
    dropped: only what a prefill leg returned goes to a decode engine.
-2. **route**: the router picks a decode engine and, when the prompt is worth
-   it, a prefill engine (``routing.py``); while no decode engine is routable
-   the request is held (``--hold-timeout``) and activation is signalled.
+2. **route**: the router picks a decode engine with a free slot and, when
+   the prompt is worth it, a prefill engine (``routing.py``); while no decode
+   engine is routable the request is held (``--hold-timeout``) and activation
+   is signalled; while every routable one is at capacity it waits for a slot
+   (``--queue-timeout``) or is refused at once as overload (``admission.py``).
 3. **legs**: the prefill leg (``prefill_leg.py``: retries, then decode-only),
    then the decode leg (``decode_leg.py``: failover, hold, refused params, the
    KV-pair breaker), whose stream the relay (``relay.py``) forwards.
@@ -31,16 +33,24 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.sampling_checks import check_sampling
-from pdfleet.engine.config.security import CALLER_HEADER, bearer_token, caller_id
-from pdfleet.engine.http.asgi import Request
-from pdfleet.engine.http.limits import BodyRejected, read_body, ready_body
-from pdfleet.engine.http.upstream import UpstreamClient
-
+from .. import tracing
+from ..config.gateway import GatewayConfig
+from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
+from ..contracts.sampling_checks import check_sampling
+from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
+from ..http.asgi import Request
+from ..http.limits import BodyRejected, read_body, ready_body
+from ..http.upstream import UpstreamClient
 from .activation import Activation
-from .call import NOT_ANALYZED, Call, client_request_id, field_of, parse_body
+from .admission import Admission, Overloaded
+from .call import (
+    NOT_ANALYZED,
+    Call,
+    client_request_id,
+    field_of,
+    parse_body,
+    tame_request_id,
+)
 from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
 from .legs import Legs
@@ -85,7 +95,10 @@ class Proxy:
         self.analyzer = analyzer
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
-        self.legs = Legs(config, pool, router, affinity, analyzer, metrics, client, breaker)
+        self.admission = Admission(config, metrics)
+        self.legs = Legs(
+            config, pool, router, affinity, analyzer, metrics, client, breaker, self.admission
+        )
         """What the legs and the relay share (engine bookkeeping, failures, answers)."""
         self.prefill = PrefillLeg(self.legs)
         self.decode = DecodeLeg(self.legs)
@@ -94,9 +107,10 @@ class Proxy:
 
     # -- handle ------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: str, raw: bytes | None = None) -> Response:
         """Answer one completions/chat request; a client that goes away cancels it
-        (closing the upstream connections, which aborts the engine requests)."""
+        (closing the upstream connections, which aborts the engine requests).
+        ``raw``: the body, when the caller read it already (``/invocations``)."""
         call = Call(
             endpoint,
             client_request_id(request.headers.get("x-request-id")),
@@ -105,10 +119,14 @@ class Proxy:
             endpoint.endswith("/chat/completions"),
         )
         call.headers["x-request-id"] = call.request_id
+        # Without an X-Request-Id of the client's, a body's request_id names the
+        # response (the engines answer PREFIX-<request_id>, as vLLM does).
+        call.id_from_body = not request.headers.get("x-request-id")
         # Engines count per-caller bounds against the client, not the gateway.
         call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
         try:  # read before the watcher below takes over receive()
-            raw = ready_body(request, self.config.max_body_bytes)
+            if raw is None:
+                raw = ready_body(request, self.config.max_body_bytes)
             if raw is None:
                 raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
         except BodyRejected as e:
@@ -133,6 +151,8 @@ class Proxy:
         finally:
             if not handed:
                 watch.close()
+                if call.slot is not None or call.prefill_slot is not None:
+                    self.legs.free_slot(call)  # an answer that did not go through finish
 
     def _invalid(self, call: Call, reason: str, message: str, param: str | None = None) -> Response:
         self.metrics.rejected.labels(reason).inc()
@@ -150,6 +170,9 @@ class Proxy:
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
         call.body = body
+        given = body.get("request_id")
+        if call.id_from_body and isinstance(given, str) and tame_request_id(given):
+            call.request_id = call.headers["x-request-id"] = given
         names = self.config.served_model_name
         if names and body.get("model") is not None and body["model"] not in names:
             self.metrics.rejected.labels("invalid_field").inc()
@@ -158,8 +181,9 @@ class Proxy:
             )
         route = self._sole_route()
         try:
-            # The engines' own admissibility check: a body one engine would refuse
+            # The engines' own admissibility checks: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
+            check_fields(body, CHAT if call.chat else COMPLETIONS)
             check_sampling(
                 body,
                 max_n=self.config.max_n,
@@ -177,6 +201,9 @@ class Proxy:
             if isinstance(routed, Response):
                 return routed
             route = routed
+        self.legs.take_slot(call, route.decode)
+        if route.prefill is not None:
+            self.legs.take_prefill_slot(call, route.prefill)
         key = (route.decision, route.reason)
         decided = self._decisions.get(key)
         if decided is None:  # a few (decision, reason) pairs: never dropped
@@ -205,33 +232,93 @@ class Proxy:
 
     def _sole_route(self) -> Route | None:
         """The route when it cannot depend on the prompt: ``Disabled`` mode
-        and one routable decode engine (no prefill leg, no choice to score).
-        The prompt is then not analyzed (its block hashes feed only the
-        choice among several engines); None: route as usual."""
+        and one routable decode engine with a free slot and nobody waiting
+        for one (no prefill leg, no choice to score). The prompt is then not
+        analyzed (its block hashes feed only the choice among several
+        engines); None: route as usual."""
         if self.config.disaggregation_mode != "Disabled":
             return None
         decode = self.pool.sole_candidate("decode")
-        if decode is None:
+        if decode is None or self.admission.queued or not self.admission.has_room(decode):
             return None
         self.router.count_pick()
         return Route(decode, None, "decode_only", "disabled")
 
+    def _routed(self, info: PromptInfo) -> Route | None:
+        """A route to engines with a free slot; None while every routable decode
+        engine is at capacity, or the request should prefill and every prefill
+        engine that could is. NoEngineError: no decode engine is routable."""
+        candidates = self.pool.candidates("decode")
+        full = self.admission.full(self.pool.engines.values())
+        if full and candidates and all(e.url in full for e in candidates):
+            return None
+        route = self.router.route(info, full or None, full or None)
+        if (
+            full
+            and route.reason == "no_prefill_engine"
+            and any(p.url in full for p in self.pool.candidates("prefill"))
+        ):
+            return None  # a prefill engine could take it, once it has room
+        return route
+
     async def _route(self, call: Call, info: PromptInfo) -> Route | Response:
-        """The route, holding the request up to --hold-timeout while no decode
-        engine is routable (all down, restarting, or scaled to zero)."""
-        try:
-            return self.router.route(info)
-        except NoEngineError:
-            pass
-        deadline = time.monotonic() + self.config.hold_timeout
-        self.activation.wanted("decode")
+        """The route. While no decode engine is routable (all down, restarting,
+        or scaled to zero) the request is held up to --hold-timeout; while
+        every routable one is at capacity (or requests wait ahead of it) it
+        waits for a slot up to --queue-timeout, or is refused at once when it
+        could not get one in time (``admission.py``)."""
+        admission = self.admission
+        queue_deadline: float | None = None
+        hold_deadline: float | None = None
+        woken = False
+        while True:
+            route: Route | Response | None = None
+            if woken or not admission.queued:  # newcomers wait behind the queue
+                try:
+                    route = self._routed(info)
+                except NoEngineError:
+                    if hold_deadline is None:
+                        hold_deadline = time.monotonic() + self.config.hold_timeout
+                        self.activation.wanted("decode")
+                    route = await self._hold(call, hold_deadline)
+                    if route is None:
+                        continue  # a decode engine is routable again: look for a slot
+            if route is not None:
+                return route
+            if queue_deadline is None:
+                try:
+                    admission.check_queue()
+                except Overloaded as o:
+                    return self._overloaded(call, o)
+                queue_deadline = time.monotonic() + self.config.queue_timeout
+            if not await admission.wait(queue_deadline, first=woken):
+                return self._overloaded(
+                    call,
+                    Overloaded(
+                        503,
+                        f"no engine could take the request within {self.config.queue_timeout:g}s "
+                        "(the service is overloaded); retry later",
+                        admission.retry_after(admission.queued),
+                        "queue_timeout",
+                    ),
+                )
+            woken = True
+
+    def _overloaded(self, call: Call, o: Overloaded) -> Response:
+        self.metrics.rejected.labels(o.reason).inc()
+        logger.info("request %s: %s (%d)", call.request_id, o.message, o.status)
+        return self.legs.error(
+            call, o.message, o.status, headers={"retry-after": str(o.retry_after)}
+        )
+
+    async def _hold(self, call: Call, deadline: float) -> Response | None:
+        """No decode engine is routable: wait until the monotonic ``deadline``
+        (--hold-timeout after the request first found none) for one (None
+        when one is), else the 503."""
         self.metrics.held.inc()
         try:
-            while await self.pool.wait_routable("decode", deadline):
-                try:
-                    return self.router.route(info)
-                except NoEngineError:
-                    continue
+            if await self.pool.wait_routable("decode", deadline):
+                return None
         finally:
             self.metrics.held.dec()
         logger.warning(

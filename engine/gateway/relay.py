@@ -20,8 +20,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.http.upstream import UpstreamError, UpstreamResponse
-
+from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import DONE, sse_error
 from .call import Call
 from .deadlines import Deadline, IdleTimer
@@ -90,6 +89,7 @@ async def relay(
                 await resp.aclose()
                 legs.release(engine)
                 engine, resp, chunks = moved
+                legs.move_slot(call, engine)
                 first_bound = None
                 continue
             pool.progress(engine)

@@ -32,9 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine import tracing
-from pdfleet.engine.config.gateway import GatewayConfig
-
+from .. import tracing
+from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EnginePool, EngineState
 from .kv_index import KVIndex
 from .metrics import GatewayMetrics
@@ -330,8 +329,14 @@ class Router:
         picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         return picked[0] if picked else None
 
-    def route(self, info: PromptInfo, exclude_decode: set[str] | None = None) -> Route:
-        """Choose the decode engine, then whether (and where) to prefill first."""
+    def route(
+        self,
+        info: PromptInfo,
+        exclude_decode: set[str] | None = None,
+        exclude_prefill: set[str] | None = None,
+    ) -> Route:
+        """Choose the decode engine, then whether (and where) to prefill first
+        (never on an engine of ``exclude_prefill``: those at capacity)."""
         candidates = [
             e for e in self.pool.candidates("decode") if e.url not in (exclude_decode or ())
         ]
@@ -360,7 +365,7 @@ class Router:
             if uncached < threshold:
                 return Route(decode, None, "decode_only", "cached_prefix")
             reason = "long_prompt"
-        prefill = self.pick_prefill(decode, info, set())
+        prefill = self.pick_prefill(decode, info, exclude_prefill or set())
         if prefill is None:
             blocked = self.breaker is not None and any(
                 self.breaker.is_open(p.url, decode.url) for p in self.pool.candidates("prefill")

@@ -13,8 +13,9 @@ the engines' own queue gauges.
 ``/metrics`` must not depend on which worker a scrape lands on: each worker
 also serves its own exposition on a unix socket in a private directory, and
 whichever worker answers ``/metrics`` adds its siblings' series to its own
-(:func:`merge_expositions`: counters and histograms summed; in-flight and
-held requests summed; health and breaker gauges, and the ejection and stall
+(:func:`merge_expositions`: counters and histograms summed; in-flight,
+held and queued requests and each worker's share of an engine's capacity
+summed; health and breaker gauges, stall limits, and the ejection and stall
 counts of an engine, which every worker observes, the largest). ``/engines``
 is the answering worker's view. What a worker learns from its own requests
 (a stall ejection, a failed KV hand-off, a pair used) it passes to the
@@ -36,14 +37,21 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.config import metrics as m
+from ..contracts import metrics as m
 
 logger = logging.getLogger("pdfleet.gateway")
 
 # Seconds a sibling has to hand over its metrics.
 SIBLING_TIMEOUT = 2.0
 # Gauges whose workers' values add up (the rest: the largest value).
-SUMMED_GAUGES = frozenset({m.GATEWAY_ENGINE_INFLIGHT.family, m.GATEWAY_HELD_REQUESTS.family})
+SUMMED_GAUGES = frozenset(
+    {
+        m.GATEWAY_ENGINE_INFLIGHT.family,
+        m.GATEWAY_HELD_REQUESTS.family,
+        m.GATEWAY_QUEUED_REQUESTS.family,
+        m.GATEWAY_ENGINE_CAPACITY.family,
+    }
+)
 # Counters of what happened to an engine (not to a request): every worker sees
 # the same event, so the workers' largest count is the engine's.
 ENGINE_EVENT_COUNTERS = frozenset(

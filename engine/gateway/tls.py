@@ -15,7 +15,7 @@ import logging
 import ssl
 from urllib.parse import urlsplit
 
-from pdfleet.engine.config.gateway import GatewayConfig
+from ..config.gateway import GatewayConfig
 
 logger = logging.getLogger("pdfleet.gateway")
 

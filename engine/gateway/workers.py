@@ -24,9 +24,8 @@ import sys
 import tempfile
 import time
 
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.launch import python_module
-
+from ..config.gateway import GatewayConfig
+from ..contracts.launch import python_module
 from .app import run_gateway
 from .siblings import Siblings, reuseport_socket
 

@@ -9,7 +9,7 @@
 * ``limits`` — a request body's size and time limits, as a handler reads it;
 * ``upstream`` — the gateway's lean client for its calls to engines.
 
-The limits are ``RequestLimits`` (engine/config/http_limits.py); every refusal
+The limits are ``RequestLimits`` (engine/contracts/http_limits.py); every refusal
 is OpenAI's error body (engine/contracts/errors.py). Imports no torch and
 nothing of pdfleet but its config and contracts (import-linter).
 """

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pdfleet.engine.contracts.errors import ErrorBody, method_not_allowed, not_found
+from ..contracts.errors import ErrorBody, method_not_allowed, not_found
 
 logger = logging.getLogger("pdfleet.http")
 
@@ -128,6 +128,9 @@ class RouteTable:
         on_error: Callable[[Request, Exception], Response],
     ) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
+        self.prefixes: list[tuple[str, str, Handler]] = []
+        """(method, path prefix, handler): a route for every path under the
+        prefix (``/v1/models/`` takes ``/v1/models/{id}``)."""
         self.paths: dict[str, list[str]] = {}
         """Each path's methods (the ``Allow`` header of a 405)."""
         self.lifespan = lifespan
@@ -149,10 +152,30 @@ class RouteTable:
 
         return register
 
+    def get_prefix(self, prefix: str) -> Callable[[Handler], Handler]:
+        """GET of every path that starts with ``prefix`` (the handler reads the rest)."""
+
+        def register(handler: Handler) -> Handler:
+            self.prefixes.append(("GET", prefix, handler))
+            return handler
+
+        return register
+
+    def lookup(self, method: str, path: str) -> Handler | None:
+        """The handler of ``method path``: its exact route, else a prefix route."""
+        handler = self.routes.get((method, path))
+        if handler is None:
+            for m, prefix, h in self.prefixes:
+                if m == method and path.startswith(prefix) and len(path) > len(prefix):
+                    return h
+        return handler
+
     def unrouted(self, path: str) -> BytesResponse:
         """The answer to a request no route takes: 405 (with ``Allow``) for a
         known path, else 404."""
         methods = self.paths.get(path)
+        if methods is None:
+            methods = [m for m, prefix, _ in self.prefixes if path.startswith(prefix)] or None
         if methods is None:
             return error_answer(not_found())
         return error_answer(method_not_allowed(), [(b"allow", ", ".join(methods).encode())])
@@ -176,7 +199,7 @@ class RouteTable:
 
     async def _dispatch(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"]
-        handler = self.routes.get((scope["method"], path))
+        handler = self.lookup(scope["method"], path)
         request = Request(scope, receive)
         if handler is None:
             response: Response = self.unrouted(path)

@@ -2,7 +2,7 @@
 
 The head's deadline and size bound (431) and the chunk-size bound (413) are
 the server's (``server.py``), since only the wire sees them; the limits
-themselves are :class:`RequestLimits` (engine/config/http_limits.py), one
+themselves are :class:`RequestLimits` (engine/contracts/http_limits.py), one
 definition for the engine server and the gateway. A body is refused on its
 ``Content-Length`` before a byte of it is read (413), counted as it arrives
 (a chunked body: 413 as soon as it passes ``max_body_bytes``, so a refused

@@ -2,7 +2,7 @@
 
 Both servers that face clients serve through it: the gateway (``pdfleet
 gateway``, its route table) and the engine (``pdfleet serve``, its FastAPI
-app), under the same limits (:class:`RequestLimits`, engine/config/http_limits.py).
+app), under the same limits (:class:`RequestLimits`, engine/contracts/http_limits.py).
 
 uvicorn's protocol and its ASGI cycle (a scope dict, a message dict per
 ``receive`` and ``send``, a task per disconnect watch) were about a quarter
@@ -58,9 +58,8 @@ from urllib.parse import unquote
 
 import httptools
 
-from pdfleet.engine.config.http_limits import RequestLimits
-from pdfleet.engine.contracts.errors import ErrorBody
-
+from ..contracts.errors import ErrorBody
+from ..contracts.http_limits import RequestLimits
 from .asgi import Lifespan
 from .limits import LINGER_BYTES, LINGER_SECONDS
 
@@ -827,7 +826,7 @@ class HttpServer:
             if not self._direct:
                 await app(cycle.scope, cycle.receive, cycle.send)
             else:
-                handler = app.routes.get((cycle.method, cycle.path))
+                handler = app.lookup(cycle.method, cycle.path)
                 if handler is None:
                     response = app.unrouted(cycle.path)
                     cycle.respond(response.status_code, response.raw_headers, response.body)

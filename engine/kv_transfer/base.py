@@ -12,8 +12,11 @@ The defaults do nothing, so an engine without a connector runs unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ..contracts.kv_connector import KVConnectorMetadata, RankCommand, ShardReadEnded
+from ..contracts.kv_params import KVTransferParams
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 
@@ -35,13 +38,13 @@ class KVConnectorScheduler:
     ) -> None:
         """Blocks for the external tokens are allocated: remember what to load."""
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         """Metadata for the worker side for this step (loads to start)."""
         return None
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """(hold the blocks until the worker reports the send finished,
         kv_transfer_params to return to the client)."""
         return False, None
@@ -67,8 +70,17 @@ class KVConnectorScheduler:
         to recompute the prompt locally."""
         return None
 
-    def validate(self, params: dict[str, Any] | None) -> None:
-        """Raise ValueError for kv_transfer_params this engine cannot honour."""
+    def accept(self, raw: Mapping[str, Any]) -> KVTransferParams | None:
+        """A request's ``kv_transfer_params`` as it arrived, decoded (and, for a
+        decode leg, verified): what the request carries from now on. ValueError
+        (HTTP 400, nothing queued) for params this engine cannot honour."""
+        return None
+
+    def wait_for_leases(self, timeout: float | None = None) -> int:
+        """Block until every lease this engine holds for a consumer is claimed or
+        expired (bounded); the engine loop keeps stepping meanwhile. Returns the
+        leases left."""
+        return 0
 
 
 class KVConnectorWorker:
@@ -84,15 +96,15 @@ class KVConnectorWorker:
     def register_shards(self, layout: Any, shards: list[dict[str, Any]]) -> None:
         """At TP>1: the ranks registered their KV shards (rank order)."""
 
-    def shard_commands(self) -> list[list[Any]]:
-        """At TP>1: ``[rank, command]`` for the ranks, shipped with the next step.
+    def shard_commands(self) -> list[RankCommand]:
+        """At TP>1: the commands for the ranks' shards, shipped with the next step.
         Drains (mutates)."""
         return []
 
-    def shard_reads_ended(self, rank: int, ended: list[list[Any]]) -> None:
-        """At TP>1: a rank's reads that ended during the step (``[token, state, bytes]``)."""
+    def shard_reads_ended(self, rank: int, ended: list[ShardReadEnded]) -> None:
+        """At TP>1: a rank's reads that ended during the step."""
 
-    def start_load_kv(self, metadata: Any) -> None:
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Start the loads in ``metadata`` (non-blocking)."""
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:

@@ -2,10 +2,10 @@
 
 Producer (``do_remote_decode``): after the prefill, the request's blocks are
 held under a lease with a random, unguessable ``pdfleet_lease_id``, and the
-response carries ``kv_transfer_params`` (``do_remote_prefill``,
-``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids``,
-``remote_request_id``, ``tp_size``, plus ``pdfleet_*`` fields) signed with the
-fleet secret. A lease binds to the first authenticated consumer that claims
+response carries ``kv_transfer_params`` (``contracts/kv_params.py``: vLLM's
+``do_remote_prefill``, ``remote_engine_id``, ``remote_host``, ``remote_port``,
+``remote_block_ids``, ``remote_request_id``, ``tp_size``, plus ``pdfleet_*``
+fields) signed with the fleet secret. A lease binds to the first authenticated consumer that claims
 it; only that consumer may read, confirm or release it. Blocks are freed when
 the consumer confirms or releases, or when the lease expires.
 
@@ -34,16 +34,20 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import tracing
-from ..config import EngineConfig, security
-from ..config.identity import fleet_identity_from_env
-from ..core.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
+from ..config import EngineConfig
+from ..contracts import kv_params, security
+from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
+from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
+from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
+from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
     PROTOCOL_VERSION,
@@ -68,15 +72,6 @@ logger = logging.getLogger(__name__)
 FATAL = "fatal: "
 BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
 KV_IP_ENV = "PDFLEET_KV_IP"
-LEASE_FIELD = "pdfleet_lease_id"
-# The content a lease lends, signed with it: the chained hash of the last leased
-# block (hex), which covers every block before it and their token ids, and the
-# algorithm that produced it (docs/kv_events.md, "Block hashes").
-CHAIN_FIELD = "pdfleet_block_chain"
-CHAIN_ALGO_FIELD = "pdfleet_block_hash_algo"
-# The producer's vouched identity (fleets with identities): the consumer pulls only
-# from a side channel that proves it.
-PRODUCER_FIELD = "pdfleet_producer"
 # How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
@@ -100,23 +95,43 @@ def kv_addresses(kv: Any) -> tuple[str, str]:
 
 @dataclass
 class Load:
-    """Blocks to pull for one consumer request."""
+    """One pull on the transfer thread: what the scheduler side asked for, and
+    how far it got."""
 
-    request_id: str
-    params: dict[str, Any]
-    local_ids: list[int]
-    remote_ids: list[int]
-    deadline: float
+    job: KVLoad
     started: float = 0.0
     token: Any = None
     remote: Remote | None = None
-    # Nothing to pull (all blocks local): only tell the producer to free its blocks.
-    release_only: bool = False
     parked_since: float = 0.0
 
     @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def params(self) -> KVTransferParams:
+        return self.job.params
+
+    @property
+    def local_ids(self) -> list[int]:
+        return self.job.local_ids
+
+    @property
+    def remote_ids(self) -> list[int]:
+        return self.job.remote_ids
+
+    @property
+    def deadline(self) -> float:
+        return self.job.deadline
+
+    @property
+    def release_only(self) -> bool:
+        """Nothing to pull (all blocks local): only tell the producer to free its blocks."""
+        return self.job.release_only
+
+    @property
     def lease_id(self) -> str:
-        return str(self.params.get(LEASE_FIELD, ""))
+        return self.job.params.lease_id or ""
 
 
 @dataclass
@@ -198,8 +213,6 @@ class PDConnector:
                 "(pdfleet up and the operator do this)"
             )
         self.secret = secret
-        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them.
-        self.identity = fleet_identity_from_env()
         self.config = config
         self.kv = kv
         self.engine_id = str(kv.engine_id)
@@ -265,6 +278,10 @@ class PDConnector:
         self.server: SideChannelServer | None = None
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        # Operator-vouched identities ($PDFLEET_IDENTITY_*), when the fleet has them:
+        # from the operator's endpoint (waited for here, before the model loads, and
+        # renewed until shutdown) or from a file.
+        self.identity, self.identity_renewer = engine_identity(str(kv.kv_role))
 
     # -- setup --------------------------------------------------------------------
 
@@ -346,6 +363,8 @@ class PDConnector:
             self.thread.join(5)
         if self.server is not None:
             self.server.close()
+        if self.identity_renewer is not None:
+            self.identity_renewer.stop()
         self.transport.shutdown()
 
     # -- producer: side-channel handlers (side-channel thread) -----------------------
@@ -430,13 +449,9 @@ class PDConnector:
 
     # -- consumer: handshake cache (transfer thread) ----------------------------------
 
-    def _remote_key(self, p: dict[str, Any]) -> tuple[str, str, str, int]:
-        return (
-            str(p.get("remote_engine_id")),
-            str(p.get("remote_instance_id", "")),
-            str(p["remote_host"]),
-            int(p["remote_port"]),
-        )
+    def _remote_key(self, p: KVTransferParams) -> tuple[str, str, str, int]:
+        assert p.remote_host is not None and p.remote_port is not None  # accept() checked
+        return (str(p.remote_engine_id), p.remote_instance_id or "", p.remote_host, p.remote_port)
 
     def _drop_remote(self, key: tuple[str, str, str, int], client: SideChannelClient) -> None:
         entry = self.remotes.pop(key, None)
@@ -459,7 +474,7 @@ class PDConnector:
             with self.lock:
                 self.stats.remote_evictions += 1
 
-    def _handshake(self, client: SideChannelClient, p: dict[str, Any], deadline: float) -> Remote:
+    def _handshake(self, client: SideChannelClient, p: KVTransferParams, deadline: float) -> Remote:
         key = self._remote_key(p)
         entry = self.remotes.get(key)
         if entry is not None:
@@ -487,7 +502,7 @@ class PDConnector:
         why = compat_mismatch(self.compat, reply.get("compat"))
         if why is not None:
             raise IncompatibleKV(why)
-        wanted = p.get("remote_instance_id")
+        wanted = p.remote_instance_id
         if wanted and reply.get("instance_id") != wanted:
             # The producer restarted on the same address: the blocks named are gone.
             raise RuntimeError(
@@ -507,7 +522,7 @@ class PDConnector:
         if self.identity.required:
             # The side channel proved who answers; it must be who signed the params.
             proven = client.peers.get((host, port))
-            named = p.get(PRODUCER_FIELD)
+            named = p.producer
             if proven is None or proven.subject != named:
                 raise RuntimeError(
                     f"the KV side channel at {host}:{port} is "
@@ -521,7 +536,7 @@ class PDConnector:
         return remote
 
     def _forget(self, load: Load, client: SideChannelClient) -> None:
-        if load.params.get("remote_host") is not None:
+        if load.params.remote_host is not None:
             self._drop_remote(self._remote_key(load.params), client)
 
     # -- consumer: transfer thread --------------------------------------------------
@@ -647,8 +662,8 @@ class PDConnector:
             logger.warning(
                 "KV pull for %s from %s:%s failed: %s",
                 load.request_id,
-                p.get("remote_host"),
-                p.get("remote_port"),
+                p.remote_host,
+                p.remote_port,
                 e,
             )
             if not isinstance(e, Refused):
@@ -675,11 +690,11 @@ class PDConnector:
             return
         self._finish(load, True, client, "")
 
-    def _send_release(self, client: SideChannelClient, p: dict[str, Any]) -> None:
-        host, port = p.get("remote_host"), p.get("remote_port")
-        if host is None or port is None or (str(host), int(port)) not in client.sessions:
+    def _send_release(self, client: SideChannelClient, p: KVTransferParams) -> None:
+        host, port = p.remote_host, p.remote_port
+        if host is None or port is None or (host, port) not in client.sessions:
             return  # never authenticated there: nothing of ours is held
-        client.send_nowait(str(host), int(port), {"op": "release", "lease_id": p[LEASE_FIELD]})
+        client.send_nowait(host, port, {"op": "release", "lease_id": p.lease_id})
 
     def _finish(
         self, load: Load, ok: bool, client: SideChannelClient, why: str, target_done: bool = True
@@ -735,81 +750,90 @@ class PDConnector:
 class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(self, connector: PDConnector) -> None:
         self.connector = connector
-        self.pending: list[Load] = []
+        self.pending: list[KVLoad] = []
 
-    def _verified(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _verified(self, raw: Mapping[str, Any]) -> KVTransferParams:
         try:
-            return security.verify_params(self.connector.secret, params)
-        except security.InvalidParams as e:
+            return kv_params.verify(self.connector.secret, raw)
+        except kv_params.InvalidParams as e:
             message = str(e).replace("kv_transfer_params ", "the params ", 1)
             raise ValueError(f"kv_transfer_params: {message}") from None
 
-    def validate(self, params: dict[str, Any] | None) -> None:
-        """Reject unusable kv_transfer_params before a request is queued (HTTP 400):
-        nothing is dialled, pulled, freed or cached for params that fail here."""
-        if not params:
-            return
-        if params.get("do_remote_prefill"):
+    def accept(self, raw: Mapping[str, Any]) -> KVTransferParams | None:
+        """Decode (and for a decode leg verify) a request's kv_transfer_params before
+        it is queued; ValueError (HTTP 400) for unusable ones: nothing is dialled,
+        pulled, freed or cached for params that fail here."""
+        if raw.get("do_remote_prefill"):
             if not self.connector.kv.is_kv_consumer:
                 raise ValueError(
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
-            p = self._verified(params)
-            for name in (
-                "remote_host",
-                "remote_port",
-                "remote_block_ids",
-                "remote_request_id",
-                LEASE_FIELD,
+            params = self._verified(raw)
+        else:
+            params = KVTransferParams.from_wire(raw)
+        self.check(params)
+        return params if params.do_remote_prefill or params.do_remote_decode else None
+
+    def check(self, p: KVTransferParams) -> None:
+        """ValueError for (verified) params this engine cannot honour."""
+        if p.do_remote_prefill:
+            if not self.connector.kv.is_kv_consumer:
+                raise ValueError(
+                    "kv_transfer_params: this engine is not a KV consumer "
+                    f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
+                )
+            for name, value in (
+                ("remote_host", p.remote_host),
+                ("remote_port", p.remote_port),
+                ("remote_block_ids", p.remote_block_ids),
+                ("remote_request_id", p.remote_request_id),
+                (kv_params.LEASE_FIELD, p.lease_id),
             ):
-                if p.get(name) is None:
+                if value is None:
                     raise ValueError(f"kv_transfer_params: {name} is missing")
-            ids = p["remote_block_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
-            ):
-                raise ValueError("kv_transfer_params: remote_block_ids must be block ids")
-            port = p["remote_port"]
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                raise ValueError("kv_transfer_params: remote_port is not a port")
-            if ids:
+            if p.num_blocks:
                 # Signed params always name their content; these fields are checked
                 # against this engine's own tokens when the request is scheduled.
-                chain = p.get(CHAIN_FIELD)
-                if not isinstance(chain, str) or len(chain) != 64:
+                if p.block_chain is None or len(p.block_chain) != 64:
                     raise ValueError(f"kv_transfer_params: {CHAIN_FIELD} is missing")
-                if p.get(CHAIN_ALGO_FIELD) not in HASH_FUNCTIONS:
+                if p.block_hash_algo not in HASH_FUNCTIONS:
                     raise ValueError(
                         f"kv_transfer_params: {CHAIN_ALGO_FIELD} must be one of "
                         f"{sorted(HASH_FUNCTIONS)}"
                     )
-            why = compat_mismatch(self.connector.compat, p.get("pdfleet_compat"))
+            why = compat_mismatch(self.connector.compat, p.compat)
             if why is not None:
                 raise ValueError(f"kv_transfer_params: {why}")
-            if p.get("tp_size") is not None:
+            if p.tp_size is not None:
                 # Any TP size maps onto this engine's shards, if it can hold the heads.
-                why = tp_layout_mismatch(p["tp_size"], self.connector.num_kv_heads)
+                why = tp_layout_mismatch(p.tp_size, self.connector.num_kv_heads)
                 if why is not None:
                     raise ValueError(f"kv_transfer_params: {why}")
-        if params.get("do_remote_decode") and not self.connector.kv.is_kv_producer:
+        if p.do_remote_decode and not self.connector.kv.is_kv_producer:
             raise ValueError(
                 "kv_transfer_params: this engine is not a KV producer "
                 f"(kv_role {self.connector.kv.kv_role})"
             )
 
+    def wait_for_leases(self, timeout: float | None = None) -> int:
+        if not self.connector.kv.is_kv_producer:
+            return 0
+        return self.connector.wait_for_leases(timeout)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        p = request.kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or not self.connector.kv.is_kv_consumer:
+        p = request.kv_transfer_params
+        if p is None or not p.do_remote_prefill or not self.connector.kv.is_kv_consumer:
             return 0, False
         try:
-            self.validate(p)  # also for requests that did not come through add_request
+            # Also for requests that did not come through add_request: the params
+            # must still verify (their signature covers their wire form).
+            self.check(self._verified(p.to_wire()))
         except ValueError as e:
             logger.warning("request %s: ignoring its kv_transfer_params: %s", request.request_id, e)
             request.kv_transfer_params = None
             return 0, False
         bs = self.connector.block_size
-        remote_ids = p.get("remote_block_ids") or []
         why = self.content_mismatch(request, p)
         if why is not None:
             # Not this prompt's KV (another prompt's params, or the two roles
@@ -822,32 +846,32 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 "request %s: the KV offered by prefill engine %s is not this prompt's (%s); "
                 "nothing pulled, recomputing",
                 request.request_id,
-                p.get("remote_engine_id"),
+                p.remote_engine_id,
                 why,
             )
             request.kv_transfer_params = None
             return 0, False
         # Every remote block is verified (content_mismatch): the pulled blocks
         # enter the prefix cache under this engine's own hashes of the same tokens.
-        usable = len(remote_ids)
+        usable = p.num_blocks
         if request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed here: pull nothing.
             usable = 0
         num_external = max(0, usable * bs - num_computed_tokens)
-        if num_external == 0 and remote_ids:
+        if num_external == 0 and p.num_blocks:
             # Our own prefix cache covers it: the producer may free its blocks now.
             self.connector.new_loads.put(
-                Load(request.request_id, dict(p), [], [], 0.0, release_only=True)
+                Load(KVLoad(request.request_id, p, [], [], 0.0, release_only=True))
             )
         return num_external, True
 
-    def content_mismatch(self, request, p: dict[str, Any]) -> str | None:
+    def content_mismatch(self, request, p: KVTransferParams) -> str | None:
         """Why the leased blocks are not this request's prompt, or None when they are.
 
         The producer signed the chained hash of its last leased block; equal chain
         heads mean equal token ids in every leased block (the chain covers them all).
         This engine hashes its own tokens, with the producer's algorithm."""
-        n = len(p.get("remote_block_ids") or [])
+        n = p.num_blocks
         if n == 0:
             return None
         bs = self.connector.block_size
@@ -856,43 +880,52 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"this prompt has {(request.num_tokens - 1) // bs} full blocks before its last "
                 f"token, the lease {n}"
             )
-        algo = str(p.get(CHAIN_ALGO_FIELD))
+        algo = str(p.block_hash_algo)
         if algo == self.connector.hash_algo and len(request.block_hashes) >= n:
             head = request.block_hashes[n - 1]
         else:
-            head = prompt_block_hashes(request.all_token_ids, bs, get_hash_fn(algo), n)[n - 1]
-        if not hmac.compare_digest(head.hex().encode(), str(p.get(CHAIN_FIELD)).encode()):
+            head = prompt_block_hashes(
+                request.all_token_ids,
+                bs,
+                get_hash_fn(algo),
+                n,
+                request.sampling_params.cache_salt,
+            )[n - 1]
+        if not hmac.compare_digest(head.hex().encode(), str(p.block_chain).encode()):
             return f"the block hash chain of its {n} leased blocks differs"
         return None
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        p = request.kv_transfer_params or {}
+        p = request.kv_transfer_params
+        assert p is not None and p.remote_block_ids is not None
         bs = self.connector.block_size
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
-        remote_ids = [int(b) for b in p["remote_block_ids"]][first : first + count]
+        remote_ids = list(p.remote_block_ids[first : first + count])
         budget = self.connector.handshake_timeout + self.connector.transfer_timeout
         local_ids = list(block_ids[first : first + count])
         self.pending.append(
-            Load(
+            KVLoad(
                 request.request_id,
-                dict(p),
+                p,
                 local_ids,
                 remote_ids,
                 deadline=time.monotonic() + budget,
             )
         )
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata | None:
+        if not self.pending:
+            return None
         loads, self.pending = self.pending, []
         with self.connector.lock:
             for load in loads:
                 self.connector.active[load.request_id] = len(load.local_ids)
-        return loads
+        return KVConnectorMetadata(tuple(loads))
 
     def request_finished(self, request, block_ids):
-        p = request.kv_transfer_params or {}
-        if not p.get("do_remote_decode") or not self.connector.kv.is_kv_producer:
+        p = request.kv_transfer_params
+        if p is None or not p.do_remote_decode or not self.connector.kv.is_kv_producer:
             return False, None
         bs = self.connector.block_size
         # Full blocks before the last prompt token: the consumer recomputes that token
@@ -906,31 +939,29 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         if duplicate:
             full = []
-        # The content of the lease: every leased block's tokens, through the chain.
-        chain = request.block_hashes[len(full) - 1].hex() if full else None
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.connector.engine_id,
-            "remote_instance_id": self.connector.instance_id,
-            "remote_host": self.connector.host,
-            "remote_port": self.connector.port,
-            "remote_block_ids": list(full),
-            "remote_request_id": request.request_id,
-            "tp_size": self.connector.config.parallel_config.tensor_parallel_size,
-            LEASE_FIELD: lease_id,
-            "pdfleet_compat": self.connector.compat,
-            "pdfleet_compat_hash": self.connector.compat_hash,
-            CHAIN_FIELD: chain,
-            CHAIN_ALGO_FIELD: self.connector.hash_algo,
-        }
         own = self.connector.identity.own
-        if own is not None:
-            params[PRODUCER_FIELD] = own.claims.subject
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.connector.engine_id,
+            remote_instance_id=self.connector.instance_id,
+            remote_host=self.connector.host,
+            remote_port=self.connector.port,
+            remote_block_ids=tuple(full),
+            remote_request_id=request.request_id,
+            tp_size=self.connector.config.parallel_config.tensor_parallel_size,
+            lease_id=lease_id,
+            compat=self.connector.compat,
+            compat_hash=self.connector.compat_hash,
+            # The content of the lease: every leased block's tokens, through the chain.
+            block_chain=request.block_hashes[len(full) - 1].hex() if full else None,
+            block_hash_algo=self.connector.hash_algo,
+            producer=None if own is None else own.claims.subject,
+        )
         # The signature outlives the lease by a margin: a decode leg that arrives after
         # the lease recomputes (the producer refuses the pull) instead of failing;
         # one that arrives later still is refused (400).
-        signed = security.sign_params(
+        signed = kv_params.sign(
             self.connector.secret,
             params,
             ttl=self.connector.lease_seconds + self.connector.params_grace,
@@ -992,18 +1023,18 @@ class PDConnectorWorker(KVConnectorWorker):
             "report": self.connector.kv.is_kv_consumer,
         }
 
-    def shard_commands(self) -> list[list[Any]]:
+    def shard_commands(self) -> list[RankCommand]:
         transport = self.connector.transport
         return transport.drain() if isinstance(transport, NixlTransport) else []
 
-    def shard_reads_ended(self, rank: int, ended: list[list[Any]]) -> None:
+    def shard_reads_ended(self, rank: int, ended: list[ShardReadEnded]) -> None:
         transport = self.connector.transport
         if isinstance(transport, NixlTransport):
             transport.deliver(rank, ended)
 
-    def start_load_kv(self, metadata) -> None:
-        for load in metadata or ():
-            self.connector.new_loads.put(load)
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        for load in metadata.loads if metadata is not None else ():
+            self.connector.new_loads.put(Load(load))
 
     def get_finished(self):
         connector = self.connector

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -157,7 +158,7 @@ def head_plan(local_rank: int, local_tp: int, remote_tp: int, num_kv_heads: int)
     return runs
 
 
-def compat_mismatch(ours: dict[str, Any], theirs: dict[str, Any] | None) -> str | None:
+def compat_mismatch(ours: Mapping[str, Any], theirs: Mapping[str, Any] | None) -> str | None:
     """A message naming the first factor that differs, or None."""
     if not theirs:
         return None

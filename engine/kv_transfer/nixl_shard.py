@@ -3,14 +3,8 @@
 Every process that holds KV memory owns one: the engine process at TP=1, each
 rank process at TP>1 (its own agent, its own registered shard). The control
 plane (side channel, leases, handshakes) stays in the engine's main process
-(``connector.py``), which drives the shard agents with plain-data commands:
-
-* ``["connect", key, remote_shards, runs]`` - add the remote shards this shard
-  reads from (their agent metadata and layouts) and the head runs to read
-  (``layout.head_plan``);
-* ``["read", token, key, local_ids, remote_ids]`` - post the READs that fill the
-  local blocks' heads from the remote blocks;
-* ``["release", token]``, ``["forget", key]``.
+(``connector.py``), which drives the shard agents with the shard commands
+of ``contracts/kv_connector.py`` (connect, read, release, forget).
 
 A read whose runs cover whole blocks on both sides (equal shards) uses one
 descriptor per (layer, K/V, block) from prepared lists. A head slice of a
@@ -31,6 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contracts.kv_connector import (
+    ShardCommand,
+    ShardConnect,
+    ShardForget,
+    ShardRead,
+    ShardReadEnded,
+    ShardRelease,
+)
+from ..testing_hooks import kv_read_delay
 from .layout import HeadRun, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -193,19 +196,29 @@ class ShardAgent:
         )
         return shard_info(layout, self.agent.get_agent_metadata(), self.dev, rank)
 
-    def apply(self, commands: list[list[Any]]) -> None:
+    def apply(self, commands: list[ShardCommand]) -> None:
         """Run the control plane's commands (in order). A failing one marks what it
         concerns as failed; it never raises."""
-        for op, *args in commands:
+        for command in commands:
             try:
-                getattr(self, f"_{op}")(*args)
+                match command:
+                    case ShardConnect():
+                        self._connect(command.key, command.remote_shards, command.runs)
+                    case ShardRead():
+                        self._read(
+                            command.token, command.key, command.local_ids, command.remote_ids
+                        )
+                    case ShardRelease():
+                        self._release(command.token)
+                    case ShardForget():
+                        self._forget(command.key)
             except Exception as e:
-                logger.warning("KV shard %s: %s failed: %s", self.name, op, e)
-                if op == "read":
-                    self._release(int(args[0]))  # nothing of it was posted
-                    self.reads[int(args[0])] = _Read([], 0, posted=True, error=True)
-                elif op == "connect":
-                    self.peers[str(args[0])] = _Peer({}, [], error=str(e))
+                logger.warning("KV shard %s: %s failed: %s", self.name, type(command).__name__, e)
+                if isinstance(command, ShardRead):
+                    self._release(command.token)  # nothing of it was posted
+                    self.reads[command.token] = _Read([], 0, posted=True, error=True)
+                elif isinstance(command, ShardConnect):
+                    self.peers[command.key] = _Peer({}, [], error=str(e))
 
     def _connect(self, key: str, remotes: list[dict[str, Any]], runs: list[list[int]]) -> None:
         assert self.layout is not None
@@ -238,8 +251,6 @@ class ShardAgent:
         return run.num_heads == self.layout.num_kv_heads == shard.layout.num_kv_heads
 
     def _read(self, token: int, key: str, local_ids: list[int], remote_ids: list[int]) -> None:
-        from .transports import read_delay
-
         assert self.layout is not None
         peer = self.peers.get(key)
         if peer is None or peer.error:
@@ -277,7 +288,7 @@ class ShardAgent:
                 * self.layout.head_dim
                 * self.layout.element_size
             )
-        delay = read_delay()
+        delay = kv_read_delay()
         if delay > 0:
             read.start_at = time.monotonic() + delay
         else:
@@ -325,8 +336,8 @@ class ShardAgent:
             return PROC
         return ERR if read.error or any(s != DONE for s in states) else DONE
 
-    def poll(self) -> list[list[Any]]:
-        """``[token, state, bytes]`` of each read that ended since the last poll."""
+    def poll(self) -> list[ShardReadEnded]:
+        """Each read that ended since the last poll."""
         ended = []
         for token, read in self.reads.items():
             if read.reported:
@@ -334,7 +345,7 @@ class ShardAgent:
             s = self.state(token)
             if s != PROC:
                 read.reported = True
-                ended.append([token, s, read.nbytes if s == DONE else 0])
+                ended.append(ShardReadEnded(token, s, read.nbytes if s == DONE else 0))
         return ended
 
     def shutdown(self) -> None:

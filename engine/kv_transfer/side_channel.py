@@ -5,7 +5,7 @@ A producer runs a ROUTER socket on ``kv_port``, bound to one address (never
 
 1. ``hello`` (client -> server): protocol version, the client's compat hash,
    its engine and instance ids, its identity token (when the fleet has
-   identities, ``engine/config/identity.py``) and a nonce. The server refuses
+   identities, ``engine/contracts/identity.py``) and a nonce. The server refuses
    a different ``version`` or ``compat_hash`` naming the field, else answers
    with its own nonce, a session id, a *cookie* and a proof (HMAC under the
    ``kv-side-channel`` key of the fleet secret over both nonces and the
@@ -47,6 +47,13 @@ forged answers. Ops after ``auth``:
 * ``release`` - the consumer gave up on a lease (one-way).
 
 Handlers get the request and the authenticated :class:`Peer`.
+
+Identity tokens are short-lived and renewed (``identity_client.py``). A
+session lasts no longer than the tokens it was opened with: the server
+refuses a request on a session whose client token has expired, and a client
+re-authenticates (a new hello and auth, with its current token) before either
+side's token from the session's handshake expires, so a renewal never fails a
+transfer. Leases bind to the subject, which a renewal keeps.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
@@ -66,8 +74,8 @@ import msgpack
 import zmq
 from zmq.utils import z85
 
-from ..config import identity as ident
-from ..config import security
+from ..contracts import identity as ident
+from ..contracts import security
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,9 @@ MAX_HELLO_BYTES = 8 << 10
 MAX_FRAMES = 2
 # Messages ZeroMQ queues per peer before it stops reading that peer's socket.
 RCVHWM = 16
+# A client re-authenticates this long (seconds; at most half the time left at its
+# handshake) before the soonest expiry of the identity tokens the session rests on.
+RENEW_MARGIN_SECONDS = 60.0
 
 
 class AuthError(RuntimeError):
@@ -323,6 +334,14 @@ class SideChannelServer:
             return self._refuse("the session was opened from another address")
         if not hmac.compare_digest(mac, _mac(session.key, b"req", body)):
             return self._refuse("bad message authentication code")
+        claims = session.peer.claims
+        if claims is not None and time.time() > claims.expires:
+            # The session rested on that token: the peer authenticates again with
+            # its renewed one (an expired identity may do nothing more).
+            del self.sessions[sid]
+            return self._refuse(
+                "identity: the peer's identity token has expired: authenticate again"
+            )
         seq = request.get("seq")
         if not isinstance(seq, int) or seq <= session.seq:
             return self._refuse("replayed or reordered message")
@@ -464,6 +483,7 @@ class _ClientSession:
     sid: bytes
     key: bytes
     seq: int = 0
+    renew_at: float = math.inf  # Unix seconds: re-authenticate from then on
 
 
 class SideChannelClient:
@@ -484,12 +504,11 @@ class SideChannelClient:
     ) -> None:
         self.secret = secret
         self.identity = identity or ident.FleetIdentity()
-        own = self.identity.own
         self.hello = {
             "engine_id": engine_id,
             "instance_id": instance_id,
             "compat_hash": compat_hash,
-            "identity": own.token if own is not None else None,
+            "identity": None,  # this engine's current token, set at each connect
         }
         # The vouched identity of each authenticated producer (fleets with identities).
         self.peers: dict[tuple[str, int], ident.IdentityClaims] = {}
@@ -534,6 +553,10 @@ class SideChannelClient:
         """Authenticate to ``host:port`` (mutually); the producer's handshake reply."""
         deadline = time.monotonic() + timeout
         self.drop(host, port)
+        own = self.identity.own
+        # The current token and its claims, read once: a renewal may swap them.
+        own_token, own_claims = (own.token, own.claims) if own is not None else (None, None)
+        self.hello = {**self.hello, "identity": own_token}
         nonce = security.challenge()
         head, *_ = self._exchange(
             host,
@@ -590,7 +613,6 @@ class SideChannelClient:
             "cookie": cookie,
             "proof": mine,
         }
-        own = self.identity.own
         if own is not None:
             auth["identity_sig"] = own.sign(_transcript(b"client", server_nonce, nonce, hello))
         frames = self._exchange(host, port, [pack(auth)], max(0.05, deadline - time.monotonic()))
@@ -602,7 +624,9 @@ class SideChannelClient:
         if not hmac.compare_digest(mac.bytes, _mac(key, b"rep", head.bytes)):
             self.drop(host, port)
             raise AuthError(f"a forged handshake reply from {host}:{port}")
-        self.sessions[(host, port)] = _ClientSession(sid, key)
+        self.sessions[(host, port)] = _ClientSession(
+            sid, key, renew_at=_renew_at(own_claims, claims)
+        )
         if claims is not None:
             self.peers[(host, port)] = claims
         reply = unpack(head.buffer)
@@ -618,9 +642,26 @@ class SideChannelClient:
         body = pack({**request, "session": session.sid, "seq": session.seq})
         return [body, _mac(session.key, b"req", body)], session.seq
 
+    def _reauthenticate(self, host: str, port: int, timeout: float) -> None:
+        """A new session with the same producer, on this engine's current token."""
+        before = self.peers.get((host, port))
+        self.connect(host, port, timeout)
+        after = self.peers.get((host, port))
+        if before is not None and (after is None or after.subject != before.subject):
+            self.drop(host, port)
+            raise AuthError(
+                f"the peer at {host}:{port} was {before.subject}, now "
+                f"{after.subject if after else 'unidentified'}"
+            )
+
     def call(
         self, host: str, port: int, request: dict[str, Any], timeout: float
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        session = self.sessions.get((host, port))
+        if session is not None and time.time() >= session.renew_at:
+            deadline = time.monotonic() + timeout
+            self._reauthenticate(host, port, timeout)
+            timeout = max(0.05, deadline - time.monotonic())
         frames, seq = self._signed(host, port, request)
         key = self.sessions[(host, port)].key
         deadline = time.monotonic() + timeout
@@ -654,3 +695,14 @@ class SideChannelClient:
     def close(self) -> None:
         for key in list(self.socks):
             self.drop(*key)
+
+
+def _renew_at(*tokens: ident.IdentityClaims | None) -> float:
+    """When a session resting on ``tokens`` (the client's and the server's claims)
+    should be renewed: ``RENEW_MARGIN_SECONDS`` (at most half the time left)
+    before the soonest expiry; never, without identities."""
+    expiries = [t.expires for t in tokens if t is not None]
+    if not expiries:
+        return math.inf
+    soonest = min(expiries)
+    return soonest - min(RENEW_MARGIN_SECONDS, max(0.0, soonest - time.time()) / 2)

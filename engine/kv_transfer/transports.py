@@ -4,10 +4,7 @@ Both read whole blocks of the remote engine into local blocks; the connector
 decides which, and checks the producer's lease before and after. A transport
 is used from the connector's transfer thread only.
 
-Test hook: when ``$PDFLEET_KV_TEST_READ_DELAY_FILE`` names a file holding a
-number of seconds, every READ started while it does is delayed by that much
-(NIXL: the READ is posted late and cannot be cancelled meanwhile; ZMQ: the
-bytes are written late). Tests use it to abort and time out requests mid-pull.
+Both honour the READ delay test hook (``testing_hooks.kv_read_delay``).
 """
 
 from __future__ import annotations
@@ -25,6 +22,16 @@ from typing import Any
 
 import torch
 
+from ..contracts.kv_connector import (
+    RankCommand,
+    ShardCommand,
+    ShardConnect,
+    ShardForget,
+    ShardRead,
+    ShardReadEnded,
+    ShardRelease,
+)
+from ..testing_hooks import kv_read_delay
 from .layout import IncompatibleKV, KVLayout, head_plan, rank_heads, tp_layout_mismatch
 from .side_channel import SideChannelClient
 
@@ -41,21 +48,6 @@ class Remote:
     port: int
     layout: KVLayout
     handle: Any = None  # transport-specific (NIXL: agent name and prepped list)
-
-
-READ_DELAY_ENV = "PDFLEET_KV_TEST_READ_DELAY_FILE"
-
-
-def read_delay() -> float:
-    """Seconds to delay the next READ by (the test hook above); 0 normally."""
-    path = os.environ.get(READ_DELAY_ENV)
-    if not path:
-        return 0.0
-    try:
-        with open(path) as f:
-            return max(0.0, float(f.read().strip() or 0))
-    except (OSError, ValueError):
-        return 0.0
 
 
 def interface_of(ip: str) -> str:
@@ -153,7 +145,7 @@ class NixlTransport(Transport):
         self.local = ShardAgent(self.agent_name, backends) if tp_size == 1 else None
         self.shards: list[dict[str, Any]] = []
         self.lock = threading.Lock()
-        self.outbox: list[list[Any]] = []  # [rank, command] for the rank processes
+        self.outbox: list[RankCommand] = []  # for the rank processes
         self.ended: dict[int, dict[int, str]] = {}  # token -> rank -> DONE / ERR
         self.rank_bytes = [0] * tp_size  # bytes each shard pulled (finished reads)
         self.next_token = 0
@@ -179,29 +171,29 @@ class NixlTransport(Transport):
         # address and memory keys), where its buffer starts, and its KV heads.
         return {"tp_size": self.tp_size, "shards": self.shards}
 
-    def _send(self, rank: int, command: list[Any]) -> None:
+    def _send(self, rank: int, command: ShardCommand) -> None:
         if self.local is not None:
             self.local.apply([command])
         else:
             with self.lock:
-                self.outbox.append([rank, command])
+                self.outbox.append(RankCommand(rank, command))
 
-    def drain(self) -> list[list[Any]]:
+    def drain(self) -> list[RankCommand]:
         """TP>1: the commands for the ranks since the last step (engine thread)."""
         with self.lock:
             out, self.outbox = self.outbox, []
         return out
 
-    def deliver(self, rank: int, ended: list[list[Any]]) -> None:
+    def deliver(self, rank: int, ended: list[ShardReadEnded]) -> None:
         """TP>1: rank ``rank``'s reads that ended during the last step (engine thread)."""
         with self.lock:
             self._ended(rank, ended)
 
-    def _ended(self, rank: int, ended: list[list[Any]]) -> None:
-        for token, state, nbytes in ended:
-            if token in self.ended:
-                self.ended[token][rank] = state
-                self.rank_bytes[rank] += int(nbytes)
+    def _ended(self, rank: int, ended: list[ShardReadEnded]) -> None:
+        for read in ended:
+            if read.token in self.ended:
+                self.ended[read.token][rank] = read.state
+                self.rank_bytes[rank] += read.nbytes
 
     def connect(self, remote: Remote, reply: dict[str, Any]) -> None:
         remote_tp, shards = reply.get("tp_size"), reply.get("shards")
@@ -228,14 +220,14 @@ class NixlTransport(Transport):
             needed = sorted({run.remote_rank for run in runs})
             self._send(
                 rank,
-                ["connect", key, [shards[i] for i in needed], [list(astuple(r)) for r in runs]],
+                ShardConnect(key, [shards[i] for i in needed], [list(astuple(r)) for r in runs]),
             )
         remote.handle = key
 
     def forget(self, remote: Remote) -> None:
         if remote.handle is not None:
             for rank in range(self.tp_size):
-                self._send(rank, ["forget", remote.handle])
+                self._send(rank, ShardForget(remote.handle))
             remote.handle = None
 
     def start_read(self, remote, local_ids, remote_ids, lease_id, deadline):
@@ -244,7 +236,7 @@ class NixlTransport(Transport):
             self.next_token += 1
             self.ended[token] = {}
         for rank in range(self.tp_size):
-            self._send(rank, ["read", token, remote.handle, list(local_ids), list(remote_ids)])
+            self._send(rank, ShardRead(token, remote.handle, list(local_ids), list(remote_ids)))
         return token
 
     def check(self, token: Any) -> str:
@@ -264,7 +256,7 @@ class NixlTransport(Transport):
         with self.lock:
             self.ended.pop(token, None)
         for rank in range(self.tp_size):
-            self._send(rank, ["release", token])
+            self._send(rank, ShardRelease(token))
 
     def shutdown(self) -> None:
         if self.local is not None:
@@ -314,7 +306,7 @@ class ZmqTransport(Transport):
             {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids)},
             timeout,
         )
-        delay = read_delay()
+        delay = kv_read_delay()
         if delay > 0:
             time.sleep(delay)  # the test hook: the bytes land late
         layout = self.layout

@@ -1,5 +1,6 @@
-"""Model definitions (Hugging Face weight names) and their loader."""
+"""Model definitions (Hugging Face weight names), their loader, and where models
+come from (``sources/``: Hub downloads, GGUF files prepared into a directory).
 
-from .registry import get_model_class
-
-__all__ = ["get_model_class"]
+Nothing is imported here, so the torch-free ``sources`` (what ``pdfleet
+fetch-model`` runs in an init container) do not pull in the model classes.
+"""

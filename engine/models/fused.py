@@ -29,7 +29,7 @@ def kernels() -> ModuleType:
     under Triton's interpreter, which must be chosen before the first import."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from pdfleet import kernels as module
+    from ... import kernels as module
 
     return module
 

@@ -6,7 +6,7 @@ tensor at a time: the peak beyond the model itself is one float32 tensor.
 llama.cpp stores the query and key projections of Llama-family models with
 their rows permuted for its RoPE layout; they are permuted back here, as
 transformers does. Config and tokenizer come from the file's metadata
-(``pdfleet.engine.config.gguf``). Supported types are listed in
+(``pdfleet.engine.models.sources.gguf``). Supported types are listed in
 docs/models.md.
 """
 
@@ -92,7 +92,7 @@ def _read_tensors(path: str) -> tuple[str | None, list[tuple[str, str, np.ndarra
     """
     import gguf
 
-    from ..config.gguf import TENSOR_INDEX
+    from .sources.gguf import TENSOR_INDEX
 
     index_path = os.path.join(os.path.dirname(path), TENSOR_INDEX)
     st = os.stat(path)

@@ -99,7 +99,7 @@ def load_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
 
 def _checkpoint(config: EngineConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in ``dtype``, from safetensors or a GGUF file."""
-    from ..config.gguf import gguf_in_dir
+    from .sources.gguf import gguf_in_dir
 
     m = config.model_config
     directory = m.model_dir or m.model

@@ -180,7 +180,7 @@ class CompileWorker:
             return self.proc
 
     def _start(self) -> subprocess.Popen:
-        from ..config.launch import python_module
+        from ..contracts.launch import python_module
 
         parent = os.getpid()
 

@@ -46,6 +46,8 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None
     # min_tokens not reached yet: row -> token ids that must not be sampled.
     banned_token_ids: dict[int, list[int]] | None = None
+    # logit_bias: row -> (token ids [k] int64, biases [k] float32) added to its logits.
+    logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     max_num_logprobs: int | None = None  # None: no row wants logprobs
     # Grammar-constrained rows and their allowed tokens, [len(rows), ceil(V / 32)]
     # int32 bits (engine/sample/grammar.py); None when no row is constrained.
@@ -125,6 +127,9 @@ class Sampler:
                 ids = [t for t in ids if 0 <= t < vocab]
                 if ids:
                     logits[row, ids] = _NEG_INF
+        if meta.logit_bias:
+            for row, (bias_ids, bias) in meta.logit_bias.items():
+                logits[row].index_add_(0, bias_ids, bias)
         if meta.output_token_ids is not None:
             logits = apply_penalties(logits, meta)
         if meta.grammar_bitmask is not None and meta.grammar_rows:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
+from ..contracts.model_source import cache_dir
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -196,11 +198,8 @@ def build_tiny_model(directory: str, spec: TinyModelSpec | None = None, **overri
 
 
 def default_tiny_model_dir() -> str:
-    """Cache location of the built-in tiny model (``PDFLEET_CACHE`` overrides)."""
-    root = os.environ.get("PDFLEET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdfleet"
-    )
-    return os.path.join(root, "tiny-llama")
+    """Cache location of the built-in tiny model (in pdfleet's one cache directory)."""
+    return str(cache_dir() / "tiny-llama")
 
 
 def ensure_tiny_model(directory: str | None = None, **overrides: Any) -> str:

@@ -56,8 +56,9 @@ def fetch_model(
     cache_dir: str | None = None,
     output: str | None = None,
 ) -> str:
-    from ..config.gguf import is_gguf_file, prepare_gguf_dir
-    from ..config.hub import HF_SCHEME, download_hf_model
+    from ..contracts.model_source import HF_SCHEME
+    from ..models.sources.gguf import is_gguf_file, prepare_gguf_dir
+    from ..models.sources.hub import download_hf_model
 
     scheme, _, rest = uri.partition("://")
     if scheme == "builtin":

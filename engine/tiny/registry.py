@@ -99,12 +99,13 @@ def builtin_model_dir(
 ) -> str:
     """A model directory for ``builtin://NAME``, prepared once (into ``out``,
     else pdfleet's cache) and reused after."""
-    from ..config.gguf import cache_dir, prepare_gguf_dir
+    from ..contracts.model_source import cache_dir
+    from ..models.sources.gguf import prepare_gguf_dir
 
     if name == "tiny":
-        from .builder import ensure_tiny_model
+        from .builder import default_tiny_model_dir, ensure_tiny_model
 
-        directory = out or str(cache_dir() / "tiny-llama")
+        directory = out or default_tiny_model_dir()
         if say is not None and not os.path.exists(os.path.join(directory, "config.json")):
             say(f"building the built-in tiny model in {directory} ...")
         return ensure_tiny_model(directory)

@@ -236,6 +236,18 @@ class ModelRunner:
             return list(slots)
         return [s for s in slots if not self.host_kv.issued(s)]
 
+    def host_kv_bytes(self) -> tuple[int, int]:
+        """Bytes copied to and from the host tier since the start (stored, loaded)."""
+        if self.host_kv is None:
+            return 0, 0
+        return self.host_kv.stored_bytes, self.host_kv.loaded_bytes
+
+    def attach_grammars(self, grammars: Any) -> None:
+        self.grammars = grammars
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives and dies with this process."""
+
     @property
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.config, self.kv_dtype)
@@ -353,6 +365,15 @@ class ModelRunner:
                     ids += list(self.eos_token_ids)
                 if ids:
                     banned[row] = ids
+        biased: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for row, p in enumerate(params):
+            # Ids outside the vocabulary were refused at admission; never index with one.
+            pairs = [(t, b) for t, b in p.logit_bias or () if 0 <= t < self.vocab_size]
+            if pairs:
+                biased[row] = (
+                    torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=d),
+                    torch.tensor([b for _, b in pairs], dtype=torch.float32, device=d),
+                )
         max_logprobs = None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
@@ -375,6 +396,7 @@ class ModelRunner:
             else None,
             generators=generators,
             banned_token_ids=banned or None,
+            logit_bias=biased or None,
             max_num_logprobs=max_logprobs,
         )
         if any(p.uses_penalties for p in params):

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 
+from ..contracts.kv_connector import RankCommand, decode_rank_commands, encode_rank_commands
 from ..core.sched_output import (
     CachedRequestData,
     Logprobs,
@@ -26,9 +27,8 @@ def _params(p: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
 
 
-def pack_step(out: SchedulerOutput, connector_meta: Any = None) -> bytes:
-    """``connector_meta``: plain data for the ranks' KV shard agents, ``[rank, command]``
-    pairs (``kv_transfer/nixl_shard.py``), or None."""
+def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -> bytes:
+    """``commands``: for the ranks' KV shard agents (``contracts/kv_connector.py``)."""
     return msgpack.packb(
         [
             [
@@ -46,14 +46,14 @@ def pack_step(out: SchedulerOutput, connector_meta: Any = None) -> bytes:
             out.num_scheduled_tokens,
             out.total_num_scheduled_tokens,
             sorted(out.finished_req_ids),
-            connector_meta,
+            encode_rank_commands(commands) if commands else None,
         ],
         use_bin_type=True,
     )
 
 
-def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, Any]:
-    new, cached, num, total, finished, meta = msgpack.unpackb(data, raw=False)
+def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCommand]]:
+    new, cached, num, total, finished, commands = msgpack.unpackb(data, raw=False)
     out = SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData(rid, prompt, output, SamplingParams(**params), blocks, computed)
@@ -64,7 +64,7 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, Any]:
         total_num_scheduled_tokens=total,
         finished_req_ids=set(finished),
     )
-    return out, meta
+    return out, decode_rank_commands(commands or [])
 
 
 def _lp(x: Logprobs | None) -> list[Any] | None:

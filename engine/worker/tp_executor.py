@@ -379,6 +379,21 @@ class TPExecutor:
             result.failed_recving = failed
         return result
 
+    # The rest of the Executor protocol: a TP engine has no host KV tier and no
+    # grammars (the configuration and the engine refuse both before a step).
+    @property
+    def num_host_blocks(self) -> int:
+        return 0
+
+    def unissued_stores(self, slots: list[int]) -> list[int]:
+        return list(slots)
+
+    def host_kv_bytes(self) -> tuple[int, int]:
+        return 0, 0
+
+    def attach_grammars(self, grammars: Any) -> None:
+        raise TypeError("structured outputs need an in-process model runner (TP=1)")
+
     def _gather_reads(self) -> tuple[Any, list[torch.Tensor]]:
         """Post this step's gather of the ranks' ended reads (``tp_rank.ended_tensor``)."""
         tensors = [

@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
+from ..contracts.kv_connector import ShardReadEnded
 from ..distributed import rendezvous
 from ..distributed.parallel_state import set_tp_group
+from ..testing_hooks import tp_rank_hangs
 
 # Message tags on a rank's pipe to the main process.
 READY, RESULT, ERROR = b"Y", b"R", b"E"
 # Kinds of control broadcasts.
 STEP, STOP = 0, 1
-# Test hook: the rank whose number this holds never joins the rendezvous.
-TEST_HANG_ENV = "PDFLEET_TP_TEST_HANG_RANK"
 # Rendezvous store keys: the leader's KV agent spec (msgpack, None without a connector),
 # and each headless rank's readiness (msgpack: the READY fields, or {"error": why}).
 KV_AGENT_KEY = "pdfleet/kv-agent"
@@ -50,23 +50,23 @@ KV_REPORT_SLOTS = 64
 KV_STATES = {"DONE": 1, "ERR": 2}
 
 
-def ended_tensor(ended: list[list[Any]]) -> torch.Tensor:
-    """Up to ``KV_REPORT_SLOTS`` ended reads (``ShardAgent.poll`` rows) as one int64 tensor."""
+def ended_tensor(ended: list[ShardReadEnded]) -> torch.Tensor:
+    """Up to ``KV_REPORT_SLOTS`` ended reads as one int64 tensor."""
     assert len(ended) <= KV_REPORT_SLOTS
     out = torch.zeros(1 + 3 * KV_REPORT_SLOTS, dtype=torch.int64)
     out[0] = len(ended)
-    for i, (token, state, nbytes) in enumerate(ended):
-        out[1 + 3 * i : 4 + 3 * i] = torch.tensor([token, KV_STATES[state], nbytes])
+    for i, read in enumerate(ended):
+        out[1 + 3 * i : 4 + 3 * i] = torch.tensor([read.token, KV_STATES[read.state], read.nbytes])
     return out
 
 
-def ended_of(report: torch.Tensor) -> list[list[Any]]:
+def ended_of(report: torch.Tensor) -> list[ShardReadEnded]:
     """The ended reads in a tensor of ``ended_tensor``."""
     names = {v: k for k, v in KV_STATES.items()}
     rows = report.numpy()
     count = int(rows[0])
     triples = np.asarray(rows[1 : 1 + 3 * count]).reshape(count, 3)
-    return [[int(t), names.get(int(s), "ERR"), int(b)] for t, s, b in triples]
+    return [ShardReadEnded(int(t), names.get(int(s), "ERR"), int(b)) for t, s, b in triples]
 
 
 @dataclass
@@ -121,7 +121,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     from .model_runner import ModelRunner
     from .step_wire import pack_result, unpack_step
 
-    if os.environ.get(TEST_HANG_ENV, "") == str(spec.rank):
+    if tp_rank_hangs(spec.rank):  # the test hook: never join the rendezvous
         time.sleep(3600)
     torch.set_num_threads(spec.num_threads)
     cuda = spec.config.device_config.device == "cuda"
@@ -166,7 +166,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     opts.rootRank = 0
     gather = dist.GatherOptions()
     gather.rootRank = 0
-    backlog: list[list[Any]] = []  # ended reads not reported yet
+    backlog: list[ShardReadEnded] = []  # ended reads not reported yet
     header = torch.zeros(2, dtype=torch.int64)
     while True:
         ctl.broadcast([header], opts).wait()
@@ -178,7 +178,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
         out, commands = unpack_step(payload.numpy().data)
         if shard is not None and commands:
             # Post this rank's READs before the forward: they move while it runs.
-            shard.apply([c for rank, c in commands if rank == spec.rank])
+            shard.apply([c.command for c in commands if c.rank == spec.rank])
         result = runner.execute_model(out)
         if report:
             # Every rank, on every node, to the leader's main process (control rank 0).

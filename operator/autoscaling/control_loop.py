@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdfleet.engine.config import metrics as m
-
+from ...engine.contracts import metrics as m
 from .policy import (
     FleetObservation,
     PolicyResult,

@@ -15,8 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet.engine.config import metrics as m
-
+from ...engine.contracts import metrics as m
 from .policy import RoleDecision
 
 logger = logging.getLogger(__name__)

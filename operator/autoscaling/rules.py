@@ -100,7 +100,7 @@ def key_path(cls: type, path: str) -> list[str]:
 
 
 def _field_type(cls: type, name: str) -> type:
-    from pdfleet.engine.config.fields import resolved_fields
+    from ...engine.config.fields import resolved_fields
 
     tp = next(tp for f, tp in resolved_fields(cls) if f.name == name)
     assert isinstance(tp, type) and dataclasses.is_dataclass(tp), (cls, name)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pdfleet.engine.config import metrics as m
+from ...engine.contracts import metrics as m
 
 ReplicaState = Literal["starting", "ready", "draining"]
 

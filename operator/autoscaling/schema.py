@@ -15,8 +15,7 @@ import dataclasses
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pdfleet.engine.config.fields import attr_docs, resolved_fields
-
+from ...engine.config.fields import attr_docs, resolved_fields
 from .rules import Bound, NotBelow, field_at, field_bounds, key_path, rules_of, spec_key
 
 Schema = dict[str, Any]

@@ -16,8 +16,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pdfleet.engine.config.fields import ConfigValueError, coerce, resolved_fields
-
+from ...engine.config.fields import ConfigValueError, coerce, resolved_fields
 from .rules import BOUNDS, Bound, NotBelow, SpecValueError, check_section, spec_key
 
 __all__ = [

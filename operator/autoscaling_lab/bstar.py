@@ -43,8 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-
+from ..autoscaling.spec import AutoscalingSpec
 from .sim_fleet import FleetModel
 from .strategies import Sizing, TraceLoad, replica_needs
 

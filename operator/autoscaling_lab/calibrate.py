@@ -42,10 +42,9 @@ from typing import Any
 
 import httpx
 
-from pdfleet.engine.config import metrics as names
-from pdfleet.engine.config import security
-from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
-
+from ...engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
+from ...engine.contracts import metrics as names
+from ...engine.contracts import security
 from .sim_fleet import FleetModel
 
 

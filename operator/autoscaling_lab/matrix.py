@@ -38,9 +38,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
-from pdfleet.operator.autoscaling.policy import PolicyTuning
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-
+from ..autoscaling.policy import PolicyTuning
+from ..autoscaling.spec import AutoscalingSpec
 from .bstar import hottest as gallop
 from .cache import Cache
 from .onset import onset_bound

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfleet.engine.config.plotting import pyplot
-
+from ...engine.reports.plotting import pyplot
 from .sim_fleet import FleetModel, SimResult
 from .traces import Trace
 

@@ -15,9 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from pdfleet.operator.autoscaling.policy import FleetObservation, PolicyState, PolicyTuning, decide
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-
+from ..autoscaling.policy import FleetObservation, PolicyState, PolicyTuning, decide
+from ..autoscaling.spec import AutoscalingSpec
 from .bstar import BStar, Searcher, search
 from .sim_fleet import FleetModel, SimResult, Simulation, Strategy
 from .strategies import (

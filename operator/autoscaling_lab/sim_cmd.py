@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
-
+from ...engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
 from .sim_fleet import FleetModel, SimResult
 from .traces import TraceConfig
 
@@ -201,7 +200,7 @@ def _read_section(path: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+    from ..autoscaling.spec import AutoscalingSpec
 
     base = regime_from_arguments(args)
     spec = AutoscalingSpec.from_spec(base.section())

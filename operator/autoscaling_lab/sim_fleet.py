@@ -39,17 +39,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdfleet.engine.config.stats import percentile
-from pdfleet.operator.autoscaling.policy import FleetObservation, RoleObservation
-from pdfleet.operator.autoscaling.samples import (
+from ...engine.reports.stats import percentile
+from ..autoscaling.policy import FleetObservation, RoleObservation
+from ..autoscaling.samples import (
     EngineSnapshot,
     ReplicaSample,
     ReplicaState,
     sample_from_snapshots,
 )
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.victims import ReplicaLoad, choose_victims
-
+from ..autoscaling.spec import AutoscalingSpec
+from ..autoscaling.victims import ReplicaLoad, choose_victims
 from .traces import Trace
 
 DRAIN_LIMIT_SECONDS = 900.0

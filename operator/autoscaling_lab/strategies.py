@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdfleet.operator.autoscaling.policy import FleetObservation, RoleObservation
-from pdfleet.operator.autoscaling.samples import ReplicaSample
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec, RoleScaling
-
+from ..autoscaling.policy import FleetObservation, RoleObservation
+from ..autoscaling.samples import ReplicaSample
+from ..autoscaling.spec import AutoscalingSpec, RoleScaling
 from .sim_fleet import FleetModel
 from .traces import Trace
 

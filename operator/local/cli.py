@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfleet.engine.config import security
-from pdfleet.engine.config.dataclass_cli import add_dataclass_arguments
-from pdfleet.engine.config.launch import python_module
-
+from ...engine.config.dataclass_cli import add_dataclass_arguments
+from ...engine.contracts import security
+from ...engine.contracts.launch import python_module
 from .process import GiB, resident_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -88,6 +87,14 @@ class UpOptions:
     """Engines accept the client API keys too (for clients that call an engine
     directly); without it only the gateway does. A client key never may send
     internal fields (kv_transfer_params) to an engine."""
+    stall_timeout: float | None = None
+    """The gateway's least stall limit in seconds: an engine with requests in
+    flight that sends nothing for longer (and for --stall-step-multiple of its
+    longest recent steps) counts as stalled (spec.gateway.stallTimeoutSeconds,
+    which this overrides; default 5)."""
+    stall_step_multiple: float | None = None
+    """How many of an engine's longest recent steps without progress make a
+    stall (spec.gateway.stallStepMultiple, which this overrides; default 4)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
+    apply_gateway_overrides(service, args)
     fleet_secret, api_keys = fleet_credentials()
     model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
     port = args.port or service.spec.gateway.port
@@ -199,6 +207,21 @@ def run(args: argparse.Namespace) -> int:
     state.write(autoscaler, stopped=True)
     say("stopped")
     return 0
+
+
+def apply_gateway_overrides(service: Any, args: argparse.Namespace) -> None:
+    """Mutates: ``--stall-timeout`` / ``--stall-step-multiple`` replace the file's
+    ``spec.gateway`` values (bounded as the resource bounds them)."""
+    timeout = getattr(args, "stall_timeout", None)
+    multiple = getattr(args, "stall_step_multiple", None)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {timeout}")
+    if multiple is not None and not multiple >= 0:
+        raise ValueError(f"--stall-step-multiple must be >= 0, got {multiple}")
+    update = {"stall_timeout_seconds": timeout, "stall_step_multiple": multiple}
+    update = {k: v for k, v in update.items() if v is not None}
+    if update:
+        service.spec.gateway = service.spec.gateway.model_copy(update=update)
 
 
 def usage_lines(url: str, model: str, api_keys: list[str], environ: Mapping[str, str]) -> str:
@@ -263,7 +286,7 @@ def kv_cache_tokens(metrics_text: str | None) -> int | None:
     """Tokens an engine's KV cache holds, from its cache_config_info series."""
     if not metrics_text:
         return None
-    from pdfleet.engine.config import metrics as m
+    from ...engine.contracts import metrics as m
 
     labels = m.parse_metrics(metrics_text).labels(
         m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name

@@ -31,11 +31,10 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import identity, security
-from pdfleet.engine.config import metrics as m
-from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.launch import python_module
-
+from ...engine.config.gateway import GatewayConfig
+from ...engine.contracts import identity, identity_exchange, security
+from ...engine.contracts import metrics as m
+from ...engine.contracts.launch import python_module
 from ..resource import InferenceService
 from ..roles import (
     disaggregating,
@@ -203,7 +202,17 @@ class LocalFleet:
 
     def _identity_env(self, name: str, role: str) -> dict[str, str]:
         """A new identity for engine ``name`` (its own key, vouched for by this run's
-        authority), in an owner-only file; the variables that point the engine at it."""
+        authority), in an owner-only file; the variables that point the engine at it.
+        With ``kvTransfer.identity: Disabled`` no identity (the fleet secret alone).
+        Either way, empty values hide identity variables this process's
+        environment may hold."""
+        hidden = {
+            identity.IDENTITY_FILE_ENV: "",
+            identity.IDENTITY_AUTHORITY_ENV: "",
+            identity_exchange.ENDPOINT_ENV: "",
+        }
+        if self.spec.kv_transfer.identity == "Disabled":
+            return hidden
         folder = self.run_dir / "identity"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = folder / f"{name}.json"
@@ -216,6 +225,7 @@ class LocalFleet:
         )
         engine.write(path)
         return {
+            **hidden,
             identity.IDENTITY_FILE_ENV: str(path.resolve()),
             identity.IDENTITY_AUTHORITY_ENV: self.authority.public_key,
         }
@@ -242,6 +252,7 @@ class LocalFleet:
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
             **gateway_request_bounds(spec),
             trust_client_trace_context=spec.gateway.trust_client_trace_context,
+            **spec.gateway.overload_settings(),
         )
 
     def gateway_metrics_text(self) -> str | None:

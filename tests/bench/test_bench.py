@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from pdfleet.engine.bench import BenchConfig, RequestResult, run_benchmark
 from pdfleet.engine.bench.dataset import Workload, jsonl_items
 from pdfleet.engine.bench.report import percentile, summarize
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 PDFLEET = python_module("pdfleet.engine.cli")
 

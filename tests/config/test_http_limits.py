@@ -1,12 +1,12 @@
 """One definition of the HTTP request limits for the engine server and the gateway
-(engine/config/http_limits.py)."""
+(engine/contracts/http_limits.py)."""
 
 import argparse
 
 import pytest
 
 from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.config.http_limits import DEFAULT_LIMITS, RequestLimits
+from pdfleet.engine.contracts.http_limits import DEFAULT_LIMITS, RequestLimits
 from pdfleet.engine.entrypoints.serve import add_server_args
 
 

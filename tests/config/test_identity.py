@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from pdfleet.engine.config import identity
+from pdfleet.engine.contracts import identity
 
 
 def test_a_token_verifies_only_under_its_authority_and_until_it_expires():

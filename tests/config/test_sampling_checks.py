@@ -1,8 +1,8 @@
-"""Sampling fields are admissible or refused by name (engine/config/sampling_checks.py)."""
+"""Sampling fields are admissible or refused by name (engine/contracts/sampling_checks.py)."""
 
 import pytest
 
-from pdfleet.engine.config.sampling_checks import check_sampling
+from pdfleet.engine.contracts.sampling_checks import check_sampling
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,8 @@
-"""The credential helpers every component shares (engine/config/security.py)."""
-
-import time
+"""The credential helpers every component shares (engine/contracts/security.py)."""
 
 import pytest
 
-from pdfleet.engine.config import security as sec
+from pdfleet.engine.contracts import security as sec
 
 SECRET = b"s" * 32
 
@@ -42,21 +40,6 @@ def test_derived_keys_differ_per_purpose_and_per_secret():
     assert sec.derive_key(SECRET, "a") != sec.derive_key(SECRET, "b")
     assert sec.derive_key(SECRET, "a") != sec.derive_key(b"t" * 32, "a")
     assert sec.fleet_token(SECRET) != sec.fleet_token(b"t" * 32)
-
-
-def test_signed_params_verify_and_any_change_or_expiry_is_refused():
-    params = {"remote_block_ids": [1, 2], "remote_request_id": "r", "remote_port": 5}
-    signed = sec.sign_params(SECRET, params, ttl=30)
-    assert sec.verify_params(SECRET, signed) == params
-    for field, value in [("remote_block_ids", [1, 3]), ("remote_port", 6), ("extra", 1)]:
-        with pytest.raises(sec.InvalidParams, match="signature"):
-            sec.verify_params(SECRET, {**signed, field: value})
-    with pytest.raises(sec.InvalidParams, match="signature"):
-        sec.verify_params(b"t" * 32, signed)
-    with pytest.raises(sec.InvalidParams, match="not signed"):
-        sec.verify_params(SECRET, params)
-    with pytest.raises(sec.InvalidParams, match="expired"):
-        sec.verify_params(SECRET, signed, now=time.time() + 31)
 
 
 def test_challenge_proofs_bind_every_part():

@@ -6,8 +6,13 @@ import pytest
 from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
 
 from pdfleet.engine import LLM, SamplingParams
-from pdfleet.engine.core import block_hash
-from pdfleet.engine.core.block_hash import ROOT_HASH, cbor_encode, extend_block_hashes, get_hash_fn
+from pdfleet.engine.contracts import block_hash
+from pdfleet.engine.contracts.block_hash import (
+    ROOT_HASH,
+    cbor_encode,
+    extend_block_hashes,
+    get_hash_fn,
+)
 from pdfleet.engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from pdfleet.engine.core.kv_cache_manager import KVCacheManager
 from pdfleet.engine.request import Request

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet.engine.detokenizer import IncrementalDetokenizer
+from pdfleet.engine.loop.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

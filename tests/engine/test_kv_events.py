@@ -10,9 +10,13 @@ import zmq
 from helpers.server import free_port
 
 from pdfleet.engine import LLM, SamplingParams
-from pdfleet.engine.core.block_hash import external_block_hash, get_hash_fn, prompt_block_hashes
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
 from pdfleet.engine.core.block_pool import KVCacheEvent
-from pdfleet.engine.kv_events import encode_events
+from pdfleet.engine.kv_events import kv_events_of
 
 STORED_KEYS = {
     "type",
@@ -28,7 +32,7 @@ STORED_KEYS = {
 
 def test_a_chain_stored_in_one_step_is_one_tagged_block_stored_event():
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
-    events = encode_events(
+    events = kv_events_of(
         [
             KVCacheEvent("stored", a, None, (1, 2), 2),
             KVCacheEvent("stored", b, a, (3, 4), 2),
@@ -39,7 +43,7 @@ def test_a_chain_stored_in_one_step_is_one_tagged_block_stored_event():
         ]
     )
     ia, ib, ic = (int.from_bytes(x[-8:], "big") for x in (a, b, c))
-    assert events == [
+    assert [e.to_wire() for e in events] == [
         {
             "type": "BlockStored",
             "block_hashes": [ia, ib],
@@ -167,7 +171,7 @@ def test_fast_sha256_path_hashes_exactly_as_the_per_block_function():
         slow.append(parent)
     assert fast == slow and len(fast) == 9
     # Incremental extension (the scheduler's way) gives the same chain.
-    from pdfleet.engine.core.block_hash import extend_block_hashes
+    from pdfleet.engine.contracts.block_hash import extend_block_hashes
 
     grown: list[bytes] = []
     for n in range(0, len(tokens) + 1, 5):

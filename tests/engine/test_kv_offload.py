@@ -14,17 +14,19 @@ from helpers.server import free_port
 
 from pdfleet.engine import LLM, SamplingParams
 from pdfleet.engine.config import CacheConfig, EngineArgs
-from pdfleet.engine.core.block_hash import (
+from pdfleet.engine.contracts.block_hash import (
     extend_block_hashes,
     external_block_hash,
     get_hash_fn,
     prompt_block_hashes,
 )
+from pdfleet.engine.contracts.kv_events import EventBatch
 from pdfleet.engine.core.host_tier import HostTier
 from pdfleet.engine.core.kv_cache_manager import KVCacheManager
-from pdfleet.engine.engine_core import FAULT_TOKEN_ENV, StepFailed
-from pdfleet.engine.gateway.kv_index import KVIndex, decode_batch
+from pdfleet.engine.gateway.kv_index import KVIndex
+from pdfleet.engine.loop.engine_core import StepFailed
 from pdfleet.engine.request import Request
+from pdfleet.engine.testing_hooks import FAULT_TOKEN_ENV
 from pdfleet.engine.worker.host_kv import physical_memory
 
 BS = 4
@@ -294,7 +296,7 @@ def test_kv_events_say_which_tier_holds_a_block(tiny_model):
             for ev in batch:
                 if ev["type"] != "AllBlocksCleared":
                     seen.add((ev["type"], ev["medium"]))
-            index.apply("e", decode_batch(payload))
+            index.apply("e", EventBatch.decode(payload).events)
             idle = not batch and ts > done
     finally:
         llm.engine.shutdown()

@@ -1,5 +1,5 @@
 """pdfleet's own Python processes, started from the checkout's root, import
-installed packages, not the checkout's top-level folders (engine/config/launch.py)."""
+installed packages, not the checkout's top-level folders (engine/contracts/launch.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The metrics contract (engine/config/metrics.py): names are written once, the
+"""The metrics contract (engine/contracts/metrics.py): names are written once, the
 engine exports what it declares, and the one parser reads what consumers need."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdfleet.engine.config import metrics as m
+from pdfleet.engine.contracts import metrics as m
 from pdfleet.engine.gateway.engines import parse_engine_metrics
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTRACT = ROOT / "engine" / "config" / "metrics.py"
+CONTRACT = ROOT / "engine" / "contracts" / "metrics.py"
 # A metric name, or the start of one that code would concatenate.
 METRIC_NAME = re.compile(r"(pdfleet_(engine|gateway|operator|autoscaler)_|vllm:)[a-z0-9_:]*")
 
@@ -60,7 +60,7 @@ def test_no_metric_name_is_written_outside_the_contract():
                     and METRIC_NAME.fullmatch(node.value)
                 ):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
-    assert not offenders, "metric names belong in engine/config/metrics.py:\n" + "\n".join(
+    assert not offenders, "metric names belong in engine/contracts/metrics.py:\n" + "\n".join(
         offenders
     )
 
@@ -126,6 +126,9 @@ def test_gateway_exports_every_gateway_series():
     metrics.engine_inflight.labels("http://e", "decode").set(2)
     metrics.ejections.labels("http://e", "decode").inc()
     metrics.stalls.labels("http://e", "decode").inc()
+    metrics.stall_limit.labels("http://e", "decode").set(5)
+    metrics.capacity.labels("http://e", "decode").set(8)
+    metrics.queued.set(0)
     metrics.kv_pair_open.labels("http://p", "http://e").set(1)
     metrics.held.set(0)
     metrics.rejected.labels("invalid_json").inc()

@@ -11,6 +11,7 @@ from pdfleet.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from pdfleet.engine.contracts.kv_params import KVTransferParams
 from pdfleet.engine.core.sched_output import ModelRunnerOutput
 from pdfleet.engine.core.scheduler import Scheduler
 from pdfleet.engine.kv_transfer.base import KVConnectorScheduler
@@ -155,7 +156,7 @@ class FakeRemote(KVConnectorScheduler):
         self.finished = []
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+        if request.kv_transfer_params and request.kv_transfer_params.do_remote_prefill:
             return (request.num_tokens - 1) // 8 * 8 - num_computed_tokens, True
         return 0, False
 
@@ -164,17 +165,15 @@ class FakeRemote(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         self.finished.append(request.request_id)
-        hold = bool(
-            request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode")
-        )
-        return hold, {"held": hold} if hold else None
+        hold = bool(request.kv_transfer_params and request.kv_transfer_params.do_remote_decode)
+        return hold, KVTransferParams(do_remote_prefill=True) if hold else None
 
 
 def test_waiting_for_remote_kv_does_not_block_other_requests():
     remote = FakeRemote()
     s = make(connector=remote)
     r = request("remote", 18)
-    r.kv_transfer_params = {"do_remote_prefill": True}
+    r.kv_transfer_params = KVTransferParams(do_remote_prefill=True)
     s.add_request(r)
     s.add_request(request("local", 5))
     out = s.schedule()
@@ -192,7 +191,7 @@ def test_failed_remote_load_falls_back_to_local_recompute():
     remote = FakeRemote()
     s = make(connector=remote)
     r = request("remote", 18)
-    r.kv_transfer_params = {"do_remote_prefill": True}
+    r.kv_transfer_params = KVTransferParams(do_remote_prefill=True)
     s.add_request(r)
     out = s.schedule()
     s.update_from_output(out, ModelRunnerOutput(failed_recving={"remote"}))
@@ -206,7 +205,7 @@ def test_finished_requests_can_hand_their_blocks_to_a_connector():
     remote = FakeRemote()
     s = make(connector=remote)
     r = request("p", 9, max_tokens=1)
-    r.kv_transfer_params = {"do_remote_decode": True}
+    r.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     s.add_request(r)
     outs = run_all(s)
     assert outs and "p" in s.held_blocks

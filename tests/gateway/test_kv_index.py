@@ -13,18 +13,21 @@ from helpers.server import free_port
 
 from pdfleet.engine.config import KVEventsConfig
 from pdfleet.engine.config.gateway import GatewayConfig
-from pdfleet.engine.core.block_hash import external_block_hash, get_hash_fn, prompt_block_hashes
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+from pdfleet.engine.contracts.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from pdfleet.engine.core.block_pool import KVCacheEvent
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery, parse_engines
 from pdfleet.engine.gateway.engines import EngineLoad, EnginePool
-from pdfleet.engine.gateway.kv_index import (
-    Event,
-    KVEventFollower,
-    KVIndex,
-    Source,
-    decode_batch,
-    sources_for,
-)
+from pdfleet.engine.gateway.kv_index import KVEventFollower, KVIndex, Source, sources_for
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.prompt import PromptAnalyzer, PromptInfo, chain_hashes
 from pdfleet.engine.gateway.routing import PrefixAffinity, Router
@@ -37,8 +40,22 @@ def ids_of(tokens: list[int]) -> list[int]:
     return [external_block_hash(h) for h in prompt_block_hashes(tokens, 16, SHA)]
 
 
-def stored(ids: list[int], host: bool = False) -> Event:
-    return Event("stored", list(ids), host=host)
+def stored(ids: list[int], host: bool = False) -> BlockStored:
+    return BlockStored(list(ids), medium="CPU" if host else "GPU")
+
+
+def removed(ids: list[int], host: bool = False) -> BlockRemoved:
+    return BlockRemoved(list(ids), medium="CPU" if host else "GPU")
+
+
+def decode_batch(payload: bytes):
+    return EventBatch.decode(payload).events
+
+
+def kind_of(event) -> str:
+    return {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}[
+        type(event)
+    ]
 
 
 def conversation(seed: int, blocks: int) -> list[int]:
@@ -55,9 +72,9 @@ def test_an_engine_scores_the_leading_prompt_blocks_it_holds_host_blocks_weighte
     # b's run ends at its missing fifth block; two of its four are host-tier blocks.
     assert got == {"a": (6, 6.0), "b": (4, 3.0), "c": (0, 0.0)}
     # A block removed from the device tier (moved to the host tier) still counts, lower.
-    index.apply("a", [Event("removed", [prompt[0]]), stored([prompt[0]], host=True)])
+    index.apply("a", [removed([prompt[0]]), stored([prompt[0]], host=True)])
     assert index.matched(prompt, ["a"]) == {"a": (6, 5.5)}
-    index.apply("a", [Event("removed", [prompt[0]], host=True)])
+    index.apply("a", [removed([prompt[0]], host=True)])
     assert index.matched(prompt, ["a"]) == {"a": (0, 0.0)}
 
 
@@ -78,7 +95,7 @@ def test_cleared_engine_entries_stop_counting_at_once_and_the_sweep_frees_its_sl
     index.apply("a", [stored(p1)])
     index.apply("b", [stored(p1), stored(p2)])
     old_slot = index.engines["a"].slot
-    index.apply("a", [Event("cleared"), stored(p2[:1])])
+    index.apply("a", [AllBlocksCleared(), stored(p2[:1])])
     assert index.matched(p1, ["a", "b"]) == {"a": (0, 0.0), "b": (4, 4.0)}
     assert index.matched(p2, ["a"]) == {"a": (1, 1.0)}
     while index.sweep(budget=3):
@@ -123,13 +140,17 @@ def test_batches_decode_from_tagged_maps_and_from_the_older_arrays():
         }
     )
     events = decode_batch(maps)
-    assert [(e.kind, e.hashes, e.host) for e in events] == [
+    assert [
+        (kind_of(e), getattr(e, "block_hashes", []), getattr(e, "host", False)) for e in events
+    ] == [
         ("stored", [5, 7], True),
         ("removed", [5], False),
         ("cleared", [], False),
     ]
     arrays = msgpack.packb([1.0, [["BlockStored", [h], None, [1] * 16, 16, None, "GPU"]], 0])
-    assert [(e.kind, e.hashes, e.host) for e in decode_batch(arrays)] == [("stored", [7], False)]
+    assert [(kind_of(e), e.block_hashes, e.host) for e in decode_batch(arrays)] == [
+        ("stored", [7], False)
+    ]
     with pytest.raises(ValueError, match="tagged map"):
         decode_batch(msgpack.packb({"ts": 1.0, "events": [3]}))
 
@@ -275,7 +296,7 @@ def test_follower_replays_a_late_join_and_a_gap_and_drops_a_restarted_engine():
 
             def stored_seq() -> int | None:
                 for seq, payload in list(pub.buffer):
-                    if any(e.kind == "stored" for e in decode_batch(payload)) and seq > 1:
+                    if any(isinstance(e, BlockStored) for e in decode_batch(payload)) and seq > 1:
                         return seq
                 return None
 
@@ -287,7 +308,7 @@ def test_follower_replays_a_late_join_and_a_gap_and_drops_a_restarted_engine():
             src = follower.sources.pop("http://e")
             live.cancel()  # the rest is driven by hand, free of races with live batches
             entry.next_seq = lost
-            index.apply("http://e", [Event("removed", [ids[2]])])
+            index.apply("http://e", [removed([ids[2]])])
             assert index.matched(ids, ["http://e"])["http://e"][0] == 2
             heartbeat = msgpack.packb({"ts": 0.0, "events": [], "data_parallel_rank": 0})
             await follower._on_batch(src, lost + 1, heartbeat)

@@ -23,8 +23,6 @@ from gateway.fake_engine import PARAMS, FakeEngine, make_ca, make_client_cert
 from helpers.fleet import auth_headers, engines_view, start_gateway
 from helpers.server import wait_until
 
-from pdfleet.engine.gateway.prefill_leg import PREFILL_KV_TRANSFER_PARAMS
-
 CLIENT_KEY = "client-key-abc"
 LONG = "word " * 400  # over --min-prompt-tokens (chars / 4)
 
@@ -115,7 +113,14 @@ def test_client_kv_transfer_params_never_reach_an_engine(gateway, fakes):
         {"model": "tiny", "prompt": long_prompt(), "max_tokens": 3, "kv_transfer_params": FORGED},
     )
     assert resp.status_code == 200, resp.text
-    assert prefill.posts()[-1].body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    assert prefill.posts()[-1].body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert decode.posts()[-1].body["kv_transfer_params"] == PARAMS
     # A short prompt goes straight to decode: with no params at all.
     resp = post(

@@ -23,7 +23,7 @@ from pdfleet.engine.gateway.engines import (
 )
 from pdfleet.engine.gateway.legs import Watched
 from pdfleet.engine.gateway.metrics import GatewayMetrics
-from pdfleet.engine.gateway.prefill_leg import PREFILL_KV_TRANSFER_PARAMS, prefill_body
+from pdfleet.engine.gateway.prefill_leg import prefill_body
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
 from pdfleet.engine.gateway.routing import KVPairBreaker
 
@@ -64,7 +64,7 @@ def test_prefill_leg_body_follows_the_protocol():
     assert "max_completion_tokens" not in completion and completion["max_tokens"] == 1
     # Each leg gets its own params dict: mutating one never leaks into the next.
     completion["kv_transfer_params"]["remote_host"] = "h"
-    assert PREFILL_KV_TRANSFER_PARAMS["remote_host"] is None
+    assert prefill_body({"prompt": "x"}, chat=False)["kv_transfer_params"]["remote_host"] is None
 
 
 def test_decode_leg_is_the_original_body_plus_the_producer_params():
@@ -176,24 +176,25 @@ def test_engine_metrics_are_read_by_native_name_with_vllm_fallback():
     assert parse_engine_metrics("") == EngineLoad()  # an engine that has not stepped yet
 
 
-def make_pool(eject_after: int = 3, readmit_after: int = 2) -> tuple[EnginePool, list[str]]:
-    config = GatewayConfig(
-        decode=["http://d"], eject_after=eject_after, readmit_after=readmit_after
-    )
+def make_pool(
+    eject_after: int = 3, readmit_after: int = 2, urls: tuple[str, ...] = ("http://d",)
+) -> tuple[EnginePool, list[str]]:
+    config = GatewayConfig(decode=list(urls), eject_after=eject_after, readmit_after=readmit_after)
     ejected: list[str] = []
     pool = EnginePool(
         config, StaticDiscovery([]), GatewayMetrics(), httpx.AsyncClient(), ejected.append
     )
-    pool.apply([Endpoint("http://d", "decode")])
+    pool.apply([Endpoint(url, "decode") for url in urls])
     return pool, ejected
 
 
 def test_engine_health_state_machine():
-    pool, ejected = make_pool(eject_after=3, readmit_after=2)
+    pool, ejected = make_pool(eject_after=3, readmit_after=2, urls=("http://d", "http://d2"))
     e = pool.engines["http://d"]
     assert e.state == "pending" and not pool.candidates("decode")
     pool.record_success(e, EngineLoad())
     assert e.state == "healthy" and pool.candidates("decode") == [e]
+    pool.record_success(pool.engines["http://d2"], EngineLoad())  # a peer that passes
     pool.record_failure(e, "timeout")
     pool.record_failure(e, "timeout")
     pool.record_success(e, EngineLoad())  # a success resets the count
@@ -209,10 +210,36 @@ def test_engine_health_state_machine():
     pool.record_failure(e, "/health answered 503", definitive=True)
     assert e.state == "ejected"
     samples = {
-        s.name: s.value for m in pool.metrics.registry.collect() for s in m.samples if s.labels
+        s.name: s.value
+        for m in pool.metrics.registry.collect()
+        for s in m.samples
+        if s.labels.get("engine") == "http://d"
     }
     assert samples["pdfleet_gateway_engine_ejections_total"] == 2
     assert samples["pdfleet_gateway_engine_healthy"] == 0
+
+
+def test_failed_checks_eject_only_while_another_engine_of_the_role_passes():
+    pool, ejected = make_pool(eject_after=2, urls=("http://d", "http://d2"))
+    d, d2 = pool.engines["http://d"], pool.engines["http://d2"]
+    for e in (d, d2):
+        pool.record_success(e, EngineLoad())
+    # Every engine of the role times out (a fleet slow as a whole): none is ejected.
+    for _ in range(4):
+        pool.record_failure(d, "timeout")
+        pool.record_failure(d2, "timeout")
+    assert d.routable and d2.routable and ejected == []
+    # d2 answers again: d, still failing, now leaves routing.
+    pool.record_success(d2, EngineLoad())
+    pool.record_failure(d, "timeout")
+    assert not d.routable and ejected == ["http://d"]
+    # The last routable engine of its role stays, however many checks fail...
+    for _ in range(5):
+        pool.record_failure(d2, "timeout")
+    assert d2.routable
+    # ...but a definitive answer (draining, a refused connection) ejects it.
+    pool.record_failure(d2, "/health answered 503", definitive=True)
+    assert not d2.routable
 
 
 def test_removed_engines_leave_no_metric_series():

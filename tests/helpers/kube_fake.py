@@ -173,6 +173,8 @@ async def running_operator(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, timeout=15)
+            if state.identity_endpoint is not None:  # cancelled kopf runs no cleanup
+                await state.identity_endpoint.stop()
             if state.kube is not None:
                 await state.kube.aclose()
 

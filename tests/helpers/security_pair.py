@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import identity
+from pdfleet.engine.contracts import identity
 
 from .server import ServerProcess, fleet_headers, free_port, scrape
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet.engine.config import security
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.launch import python_module
 
 from .device import engine_memory_args
 

@@ -9,9 +9,9 @@ import time
 
 from prometheus_client import generate_latest
 
-from pdfleet.engine.config.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
+from pdfleet.engine.contracts.metrics import ENGINE_KV_TRANSFER_SHARD_BYTES, parse_metrics
 from pdfleet.engine.kv_transfer.layout import rank_heads
-from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.loop.llm_engine import LLMEngine
 from pdfleet.engine.metrics import EngineMetrics
 from pdfleet.engine.sampling_params import SamplingParams
 

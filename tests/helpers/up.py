@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 from .device import engine_memory_spec
 from .server import free_port, wait_until

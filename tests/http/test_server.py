@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from helpers.server import free_port, wait_until
 
-from pdfleet.engine.config.http_limits import RequestLimits
+from pdfleet.engine.contracts.http_limits import RequestLimits
 from pdfleet.engine.http.asgi import BytesResponse, RouteTable
 from pdfleet.engine.http.server import HttpServer
 

@@ -18,7 +18,8 @@ import pytest
 import zmq
 from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
-from pdfleet.engine.config import security
+from pdfleet.engine.contracts import kv_params, security
+from pdfleet.engine.contracts.kv_params import KVTransferParams
 
 MAX_LEN = 512
 
@@ -468,6 +469,11 @@ def trap_port():
         yield trap
 
 
+def sign(secret: bytes, wire: dict, ttl: float) -> dict:
+    """``wire`` signed as a producer with ``secret`` would."""
+    return kv_params.sign(secret, KVTransferParams.from_wire(wire), ttl).to_wire()
+
+
 def dialled(trap: socket.socket) -> bool:
     try:
         conn, _ = trap.accept()
@@ -513,8 +519,8 @@ def test_forged_altered_or_expired_params_are_a_400_and_nothing_is_dialled(fleet
         }
         for params, why in (
             (ssrf, "not signed"),
-            (security.sign_params(b"another-fleet-secret-0123456789", ssrf, 30), "signature"),
-            (security.sign_params(secret, ssrf, ttl=-1), "expired"),
+            (sign(b"another-fleet-secret-0123456789", ssrf, 30), "signature"),
+            (sign(secret, ssrf, ttl=-1), "expired"),
         ):
             for stream in (False, True):
                 r = decode(fleet["decode"], {**body, "stream": stream}, params)

@@ -3,16 +3,18 @@ connector objects (real ZMQ sockets, real NIXL agents in host memory)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgpack
 import pytest
 import torch
 import zmq
-from helpers.server import free_port
+from helpers.server import free_port, wait_until
 
-from pdfleet.engine.config import EngineArgs, security
+from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.engine import pdfleet_version
+from pdfleet.engine.contracts import kv_params, security
 from pdfleet.engine.kv_transfer.connector import PDConnector
 from pdfleet.engine.kv_transfer.side_channel import (
     PROTOCOL_VERSION,
@@ -258,12 +260,12 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
             producer = PDConnector(producer_config)
             producer.register(kv_buffer(producer_config))
             try:
-                params = {
-                    "remote_engine_id": producer.engine_id,
-                    "remote_instance_id": producer.instance_id,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": port,
-                }
+                params = kv_params.KVTransferParams(
+                    remote_engine_id=producer.engine_id,
+                    remote_instance_id=producer.instance_id,
+                    remote_host="127.0.0.1",
+                    remote_port=port,
+                )
                 consumer._handshake(client, params, time.monotonic() + 5)
                 # The producer's one shard agent (TP1), as the consumer added it.
                 names.append(getattr(producer.transport, "agent_name", None))
@@ -296,25 +298,84 @@ def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, conn
 def test_a_repeated_request_id_never_takes_over_held_blocks(zmq_producer):
     from types import SimpleNamespace
 
-    from pdfleet.engine.config import security
     from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
 
     sched = PDConnectorScheduler(zmq_producer)
     request = SimpleNamespace(
         request_id="same",
         num_prompt_tokens=40,
-        kv_transfer_params={"do_remote_decode": True},
+        kv_transfer_params=kv_params.REMOTE_DECODE,
         block_hashes=[bytes([i]) * 32 for i in range(2)],
     )
     hold, first = sched.request_finished(request, [0, 1, 2])
-    assert hold and first["remote_block_ids"] == [0, 1]
+    assert hold and first.remote_block_ids == (0, 1)
     # The lease names its content: the chain hash of its last block.
-    assert first["pdfleet_block_chain"] == (b"\x01" * 32).hex()
+    assert first.to_wire()["pdfleet_block_chain"] == (b"\x01" * 32).hex()
     hold, second = sched.request_finished(request, [3, 4, 5])
     # The second is not held (its blocks are freed at once); the first lease is intact.
-    assert not hold and second["remote_block_ids"] == []
+    assert not hold and second.remote_block_ids == ()
     assert [x.block_ids for x in zmq_producer.held.values()] == [[0, 1]]
-    assert first["pdfleet_lease_id"] != second["pdfleet_lease_id"]
-    assert security.verify_params(zmq_producer.secret, first)["pdfleet_lease_id"] in (
-        zmq_producer.held
-    )
+    assert first.lease_id != second.lease_id
+    assert kv_params.verify(zmq_producer.secret, first.to_wire()).lease_id in zmq_producer.held
+
+
+def test_a_session_lasts_no_longer_than_its_identity_tokens_and_renewal_keeps_the_lease(
+    tiny_model, tmp_path, monkeypatch
+):
+    # Short-lived tokens (1 s here, an hour in a cluster): the consumer's renewed
+    # token replaces its old one; the client re-authenticates on it before the old
+    # one expires, and its lease, bound to the subject, stays its own. A session
+    # still resting on an expired token is refused.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from pdfleet.engine.contracts import identity
+    from pdfleet.engine.kv_transfer.connector import Lease
+    from pdfleet.engine.kv_transfer.identity_client import RenewableIdentity
+
+    authority = identity.Authority.generate()
+    path = tmp_path / "prefill.json"
+    identity.EngineIdentity.issue(authority, "svc-prefill-0", "prefill", "svc", 3600).write(path)
+    monkeypatch.setenv(identity.IDENTITY_AUTHORITY_ENV, authority.public_key)
+    monkeypatch.setenv(identity.IDENTITY_FILE_ENV, str(path))
+    config = engine_config(tiny_model, "kv_producer", "ZmqConnector")
+    c = PDConnector(config)
+    c.register(kv_buffer(config))
+
+    def consumer(subject: str, ttl: float) -> RenewableIdentity:
+        key = Ed25519PrivateKey.generate()
+        raw_key = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        token = authority.issue(subject, "decode", "svc", raw_key, ttl)
+        return RenewableIdentity(key, token, identity.verify_token(authority.public_key, token))
+
+    renewed, stale = consumer("svc-decode-0", 1.0), consumer("svc-decode-1", 1.0)
+    clients = [
+        SideChannelClient(
+            c.secret, f"d{i}", "1", c.compat_hash, identity.FleetIdentity(authority.public_key, own)
+        )
+        for i, own in enumerate((renewed, stale))
+    ]
+    c.held["L"] = Lease("victim", [0], time.monotonic() + 60)
+    try:
+        for client in clients:
+            client.connect("127.0.0.1", c.port, 2.0)
+        clients[0].call("127.0.0.1", c.port, {"op": "claim", "lease_id": "L", "block_ids": [0]}, 2)
+        first = renewed.claims.expires
+        # The renewal: a new token for the same key and subject.
+        token = authority.issue("svc-decode-0", "decode", "svc", renewed.claims.public_key, 60)
+        renewed.renew(token, identity.verify_token(authority.public_key, token))
+        # An old client that would never re-authenticate.
+        clients[1].sessions["127.0.0.1", c.port].renew_at = math.inf
+        assert wait_until(lambda: time.time() > first + 0.05, timeout=5)
+        reply, _ = clients[0].call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
+        assert reply["ok"] and c.freed == ["victim"]
+        with pytest.raises(RuntimeError, match="identity token has expired"):
+            clients[1].call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "M"}, 2.0)
+        # A renewal for another subject (or key) is not a renewal.
+        other = authority.issue("svc-decode-9", "decode", "svc", renewed.claims.public_key, 60)
+        with pytest.raises(ValueError, match="svc-decode-9"):
+            renewed.renew(other, identity.verify_token(authority.public_key, other))
+    finally:
+        for client in clients:
+            client.close()
+        c.shutdown()

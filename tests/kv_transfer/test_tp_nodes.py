@@ -28,9 +28,10 @@ from helpers.tp_pd import (
 )
 
 from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.contracts.kv_connector import ShardReadEnded
 from pdfleet.engine.kv_transfer.base import QUARANTINE
-from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV
-from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.loop.llm_engine import LLMEngine
+from pdfleet.engine.testing_hooks import READ_DELAY_ENV
 from pdfleet.engine.worker.tp_executor import RankFailed
 from pdfleet.engine.worker.tp_rank import KV_REPORT_SLOTS, ended_of, ended_tensor
 
@@ -124,7 +125,7 @@ def test_the_leaders_handshake_lists_the_shard_of_every_node(engines):
 
 
 def test_ended_reads_beyond_one_reports_slots_survive_the_wire():
-    ended = [[t, "DONE" if t % 3 else "ERR", t * 10] for t in range(KV_REPORT_SLOTS)]
+    ended = [ShardReadEnded(t, "DONE" if t % 3 else "ERR", t * 10) for t in range(KV_REPORT_SLOTS)]
     assert ended_of(ended_tensor(ended)) == ended
     assert ended_of(ended_tensor([])) == []
 

@@ -4,6 +4,7 @@ shards that hold them, and the output equals aggregated serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -17,11 +18,13 @@ from helpers.tp_pd import (
     start_pull,
 )
 
-from pdfleet.engine.config import EngineArgs, security
+from pdfleet.engine.config import EngineArgs
+from pdfleet.engine.contracts import kv_params
 from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
-from pdfleet.engine.kv_transfer.transports import READ_DELAY_ENV, NixlTransport, Remote
-from pdfleet.engine.llm_engine import LLMEngine
+from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
+from pdfleet.engine.loop.llm_engine import LLMEngine
+from pdfleet.engine.testing_hooks import READ_DELAY_ENV
 
 
 def engine(path: str, tp: int, role: str | None, port: int = 0) -> LLMEngine:
@@ -103,8 +106,8 @@ def test_params_whose_tp_size_cannot_hold_the_kv_heads_are_refused_naming_tp_siz
     prefill, decode = engines["p1"], engines["d2"]
     first = run(prefill, "bad-tp-pre", prompt_of(40, 99), greedy(1), {"do_remote_decode": True})
     secret = decode.connector.worker.connector.secret
-    params = security.verify_params(secret, first.kv_transfer_params)
-    forged = security.sign_params(secret, {**params, "tp_size": 3}, ttl=60)
+    params = kv_params.verify(secret, first.kv_transfer_params)
+    forged = kv_params.sign(secret, dataclasses.replace(params, tp_size=3), ttl=60).to_wire()
     with pytest.raises(ValueError, match="kv_transfer_params: tp_size 3 cannot hold"):
         decode.add_request("bad-tp-dec", {"prompt_token_ids": prompt_of(40, 99)}, greedy(2),
                            kv_transfer_params=forged)  # fmt: skip
@@ -124,7 +127,7 @@ def test_a_handshake_whose_shards_do_not_fit_its_tp_size_is_refused_naming_tp_si
     # A TP1 producer: each rank connects to its one shard and reads its own head.
     transport.connect(remote, {"tp_size": 1, "shards": [{**shard, "num_kv_heads": 2}]})
     commands = transport.drain()
-    assert [(rank, c[0], c[3]) for rank, c in commands] == [
+    assert [(c.rank, c.command.to_wire()[0], c.command.to_wire()[3]) for c in commands] == [
         (0, "connect", [[0, 0, 0, 1]]),
         (1, "connect", [[0, 1, 0, 1]]),
     ]

@@ -147,3 +147,29 @@ def test_engine_config_imports_without_torch(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "--max-num-seqs" in out.stdout
+
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_architecture_doc_draws_the_layers_the_contracts_check():
+    tool = _tool("layers_picture")
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert tool.embedded(doc) == tool.picture(), "run tools/layers_picture.py --write"
+
+
+def test_the_relative_import_rewrite_finds_nothing_left_to_rewrite(tmp_path):
+    tool = _tool("relative_imports")
+    src = ROOT / "engine" / "gateway" / "x.py"
+    new, bare = tool.rewrite(
+        src, "from pdfleet.engine.config import A\nfrom pdfleet.engine.gateway.app import B\n"
+    )
+    assert new == "from ..config import A\nfrom .app import B\n" and bare == []
+    assert tool.main(["--check"]) == 0, "run tools/relative_imports.py"

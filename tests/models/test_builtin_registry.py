@@ -49,7 +49,7 @@ def test_prepared_directory_holds_config_tokenizer_template_and_the_file(smollm2
     import json
     import os
 
-    from pdfleet.engine.config.gguf import GGUF_LINK, TENSOR_INDEX
+    from pdfleet.engine.models.sources.gguf import GGUF_LINK, TENSOR_INDEX
 
     config = json.load(open(os.path.join(smollm2_dir, "config.json")))  # noqa: SIM115
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -87,7 +87,7 @@ def test_prepared_directory_ships_a_tools_template_and_names_its_parser(smollm2_
 def test_the_tools_template_renders_what_the_models_own_does_without_tools(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from pdfleet.engine.config.gguf import prepare_gguf_dir
+    from pdfleet.engine.models.sources.gguf import prepare_gguf_dir
 
     ours = AutoTokenizer.from_pretrained(smollm2_dir)
     own = AutoTokenizer.from_pretrained(prepare_gguf_dir(os.path.join(smollm2_dir, "model.gguf")))
@@ -110,7 +110,7 @@ def test_the_tools_template_renders_what_the_models_own_does_without_tools(smoll
 
 
 def test_a_directory_kept_from_another_install_is_relinked_to_this_ones_file(smollm2_dir, tmp_path):
-    from pdfleet.engine.config.gguf import GGUF_LINK
+    from pdfleet.engine.models.sources.gguf import GGUF_LINK
 
     # A directory prepared by an environment since removed: its link dangles.
     kept = tmp_path / "kept"

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 from helpers.fake_hub import FakeHub
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 from pdfleet.operator.manifests import build_children
 from pdfleet.operator.resource import parse_spec
 

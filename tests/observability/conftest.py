@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from otlp_receiver import OTLPReceiver
 from promql import exposed_names
 
-from pdfleet.engine.config.security import fleet_secret_from_env, fleet_token
+from pdfleet.engine.contracts.security import fleet_secret_from_env, fleet_token
 
 
 @pytest.fixture(scope="package")

@@ -17,7 +17,7 @@ import pytest
 from helpers.server import free_port
 
 from conftest import scrape_text
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 from pdfleet.operator.status_cmd import (
     HEADER,
     EngineRow,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers.server import fleet_headers, free_port, wait_until
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 METRICS = (
     "# TYPE pdfleet_engine_num_requests_running gauge\n"

@@ -13,7 +13,7 @@ import pytest
 from helpers.checkov_tool import checkov, failed
 from helpers.helm_tool import ROOT
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 # Check id -> why it does not apply. Anything else that fails is a regression.
 NOT_APPLICABLE = {

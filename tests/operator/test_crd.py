@@ -117,6 +117,15 @@ def test_defaults_fill_nested_sections():
         ({"engine": {"dtype": "int4"}}, "is not one of"),
         ({"disaggregation": {"mode": "Sometimes"}}, "is not one of"),
         ({"autoscaling": {"decode": {"targetKVCacheUsage": 1.5}}}, "maximum"),
+        ({"kvTransfer": {"connector": "ZmqConnector", "identity": "Maybe"}}, "is not one of"),
+        (
+            {
+                "decode": {
+                    "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "a-identity"}}}]
+                }
+            },
+            "may not read an identity authority",
+        ),
     ],
 )
 def test_the_api_server_rejects_what_the_rules_forbid(spec, message):

@@ -218,3 +218,78 @@ def test_pdfleet_up_without_kv_events_lists_no_streams(tmp_path):
     child = fleet._engine_child("decode")
     assert "--kv-events-config" not in child.argv
     assert fleet.kv_events == {}
+
+
+# -- spec.gateway: the stall watchdog and the overload queue -------------------------
+
+GATEWAY_OVERLOAD = {
+    "stallTimeoutSeconds": 7.5,
+    "stallStepMultiple": 6,
+    "queueTimeoutSeconds": 20,
+    "maxQueuedRequests": 32,
+}
+
+
+def test_spec_gateway_stall_and_queue_settings_reach_both_gateways(tmp_path):
+    from pdfleet.engine.cli import build_parser
+
+    spec = {**SPEC, "gateway": GATEWAY_OVERLOAD}
+    wanted = (7.5, 6.0, 20.0, 32)
+    # The cluster's gateway: its rendered command line, parsed by the real CLI.
+    pod = next(
+        o
+        for o in build_children("svc", parse_spec(spec), namespace="ns")
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "svc-gateway"
+    )
+    args = build_parser().parse_args(
+        pod["spec"]["template"]["spec"]["containers"][0]["command"][1:]
+    )
+    assert (
+        args.stall_timeout,
+        args.stall_step_multiple,
+        args.queue_timeout,
+        args.max_queued_requests,
+    ) == wanted
+    # pdfleet up's gateway.
+    config = local_fleet(tmp_path, spec).gateway_config()
+    assert (
+        config.stall_timeout,
+        config.stall_step_multiple,
+        config.queue_timeout,
+        config.max_queued_requests,
+    ) == wanted
+    # The defaults follow the engines (a floor of 5 s, 4 of its longest steps).
+    default = local_fleet(tmp_path, SPEC).gateway_config()
+    assert (default.stall_timeout, default.stall_step_multiple) == (5.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("stallTimeoutSeconds", 0), ("stallStepMultiple", -1), ("maxQueuedRequests", -2)],
+)
+def test_bad_gateway_overload_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        parse_spec({**SPEC, "gateway": {field: value}})
+
+
+def test_pdfleet_up_flags_override_spec_gateway(tmp_path):
+    import argparse
+
+    from pdfleet.operator.local.cli import add_parser, apply_gateway_overrides
+
+    parser = add_parser(argparse.ArgumentParser().add_subparsers())
+    service = load_inference_service(
+        {
+            "apiVersion": "pdfleet.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc"},
+            "spec": {**SPEC, "gateway": GATEWAY_OVERLOAD},
+        }
+    )
+    apply_gateway_overrides(service, parser.parse_args(["--stall-timeout", "12"]))
+    assert service.spec.gateway.stall_timeout_seconds == 12
+    assert service.spec.gateway.stall_step_multiple == 6  # the file's, not overridden
+    apply_gateway_overrides(service, parser.parse_args([]))  # no flag: unchanged
+    assert service.spec.gateway.stall_timeout_seconds == 12
+    with pytest.raises(ValueError, match="--stall-timeout"):
+        apply_gateway_overrides(service, parser.parse_args(["--stall-timeout", "0"]))

@@ -19,7 +19,7 @@ from helpers.kube_fake import (
 )
 from prometheus_client import generate_latest
 
-from pdfleet.engine.config import security
+from pdfleet.engine.contracts import security
 from pdfleet.operator.cluster_autoscaler import PolicyDecider, ScaleDecision
 from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig
@@ -59,7 +59,8 @@ def test_create_makes_every_child_owned_by_the_service_and_writes_status():
                 what="status",
             )
             assert k.names("v1/services") == {"demo", "demo-prefill", "demo-decode"}
-            assert k.names("v1/configmaps") == {"demo-config"}
+            assert k.names("v1/configmaps") == {"demo-config", "demo-identity"}
+            assert k.names("v1/serviceaccounts") == {"demo-gateway", "demo-engine"}
             assert k.names("policy/v1/poddisruptionbudgets") == {
                 "demo-prefill",
                 "demo-decode",

@@ -80,15 +80,40 @@ OPERATOR_RULES = {
     "networkpolicies": (["create", "get", "patch"], None),
     "secrets": (["create", "get"], None),
     "rolebindings": (["create", "get", "patch"], None),
-    "pods": (["list", "patch"], None),
+    "pods": (["get", "list", "patch"], None),
     "events": (["create"], None),
 }
+
+
+def tokenreview_only(objects: list[dict]) -> None:
+    """The one cluster-wide right of a namespaced install: TokenReviews (the identity
+    endpoint), bound to the operator's account."""
+    roles = [o for o in objects if o["kind"] == "ClusterRole" and "tokenreview" in str(o)]
+    assert [r["rules"] for r in roles] == [
+        [
+            {
+                "apiGroups": ["authentication.k8s.io"],
+                "resources": ["tokenreviews"],
+                "verbs": ["create"],
+            }
+        ]
+    ]
+    binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == roles[0]["metadata"]["name"] == "demo-pdfleet-tokenreview"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-pdfleet", "namespace": "ops"}
+    ]
 
 
 def test_namespaced_mode_is_the_default_and_creates_nothing_cluster_wide_but_the_policy():
     objects = render("--set", "watchNamespaces={a,b}")
     kinds = {(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")) for o in objects}
-    assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _, _ in kinds)
+    cluster_wide = {(k, n) for k, n, _ in kinds if k in ("ClusterRole", "ClusterRoleBinding")}
+    assert cluster_wide == {
+        ("ClusterRole", "demo-pdfleet-tokenreview"),
+        ("ClusterRoleBinding", "demo-pdfleet-tokenreview"),
+    }
+    tokenreview_only(objects)
     for ns in ("a", "b"):
         assert {("Role", "demo-pdfleet", ns), ("RoleBinding", "demo-pdfleet", ns)} <= kinds
         assert ("Role", "demo-pdfleet-gateway", ns) in kinds
@@ -109,7 +134,7 @@ def test_namespaced_mode_is_the_default_and_creates_nothing_cluster_wide_but_the
 def test_cluster_wide_mode_grants_the_same_rules_and_a_gateway_cluster_role():
     objects = render(*CLUSTER_WIDE)
     roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
-    assert set(roles) == {"demo-pdfleet", "demo-pdfleet-gateway"}
+    assert set(roles) == {"demo-pdfleet", "demo-pdfleet-gateway", "demo-pdfleet-tokenreview"}
     rules = rules_by_resource(roles["demo-pdfleet"])
     assert rules.pop("clusterroles") == (["bind"], ["demo-pdfleet-gateway"])
     assert rules == OPERATOR_RULES
@@ -322,3 +347,54 @@ def test_the_chart_readme_explains_every_value_and_no_other():
     table = readme.split("## Values", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([A-Za-z][\w.]*)` \|", table, re.M))
     assert documented == _leaf_keys(values)
+
+
+@pytest.mark.parametrize("mode", [(), CLUSTER_WIDE], ids=["namespaced", "cluster-wide"])
+def test_the_identity_endpoint_is_a_service_admitting_engine_pods_only(mode):
+    from pdfleet.operator.manifests import build_children
+    from pdfleet.operator.resource import parse_spec
+
+    objects = render("--set", "watchNamespaces={a,b}", *mode)
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["command"][1:])
+    port = next(p for p in container["ports"] if p["name"] == "identity")["containerPort"]
+    assert port == args.identity_port == 8443
+    service = next(o for o in objects if o["kind"] == "Service")
+    # The URL engines are told (https://SERVICE.NAMESPACE.svc:PORT) reaches that port.
+    assert service["metadata"]["name"] == args.identity_service == "demo-pdfleet-identity"
+    assert service["metadata"]["namespace"] == args.operator_namespace == "ops"
+    assert service["spec"]["ports"] == [
+        {"name": "identity", "port": port, "targetPort": "identity", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"].items() <= (
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy")
+    rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == port)
+    (peer,) = rule["from"]
+    # Engine pods as the operator builds them match; the gateway's do not.
+    children = build_children(
+        "svc",
+        parse_spec({"model": {"name": "m"}, "kvTransfer": {"connector": "ZmqConnector"}}),
+        namespace="a",
+    )
+    templates = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+        for o in children
+        if o["kind"] == "Deployment"
+    }
+
+    def admitted(labels: dict) -> bool:
+        return all(
+            labels.get(e["key"]) in e["values"] for e in peer["podSelector"]["matchExpressions"]
+        )
+
+    assert admitted(templates["svc-decode"]) and admitted(templates["svc-prefill"])
+    assert not admitted(templates["svc-gateway"])
+    if mode:
+        assert peer["namespaceSelector"] == {}
+    else:
+        assert peer["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}
+        ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet.engine.config import security
+from pdfleet.engine.contracts import security
 from pdfleet.operator.local.fleet import LocalFleet, fleet_credentials
 from pdfleet.operator.resource import load_inference_service
 
@@ -72,3 +72,24 @@ def test_engines_get_the_client_keys_only_with_direct_engine_access(tmp_path):
         direct_engine_access=True,
     )
     assert fleet._engine_child("prefill").env["PDFLEET_API_KEY"] == "ka,kb"
+
+
+@pytest.mark.parametrize("mode", ["Required", "Disabled"])
+def test_engines_get_identities_unless_the_service_disables_them(tmp_path, mode):
+    doc = {**SERVICE, "spec": {**SERVICE["spec"], "kvTransfer": {"connector": "ZmqConnector"}}}
+    doc["spec"]["kvTransfer"]["identity"] = mode
+    fleet = LocalFleet(
+        load_inference_service(doc),
+        str(tmp_path),
+        tmp_path,
+        say=lambda _: None,
+        fleet_secret="s" * 40,
+    )
+    env = fleet._engine_child("decode").env
+    # Set (or hidden, when empty) whatever this process's environment holds.
+    given = {k for k in env if k.startswith("PDFLEET_IDENTITY") and env[k]}
+    assert env["PDFLEET_IDENTITY_ENDPOINT"] == ""
+    if mode == "Required":
+        assert given == {"PDFLEET_IDENTITY_FILE", "PDFLEET_IDENTITY_AUTHORITY"}
+    else:
+        assert given == set() and not (tmp_path / "identity").exists()

@@ -23,6 +23,8 @@ from pdfleet.operator.manifests import (
     Owner,
     build_children,
     build_fleet_secret,
+    build_identity_configmap,
+    build_identity_secret,
     desired_replicas,
 )
 from pdfleet.operator.resource import load_inference_service, parse_spec
@@ -54,8 +56,21 @@ def container(objects, name):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_child_of_the_examples_is_a_valid_kubernetes_object(path):
     svc = load_inference_service(path)
-    objects = build_children(svc.name, svc.spec, namespace="default", owner=Owner(svc.name, "u1"))
-    assert len(objects) == 15
+    owner = Owner(svc.name, "u1")
+    objects = build_children(svc.name, svc.spec, namespace="default", owner=owner)
+    assert len(objects) == 16
+    # What the operator creates besides (random values): the identity Secret and ConfigMap.
+    objects += [
+        build_identity_secret(svc.name, namespace="default", owner=owner, value="k" * 43),
+        build_identity_configmap(
+            svc.name,
+            namespace="default",
+            owner=owner,
+            authority="a" * 43,
+            ca_pem="-----BEGIN CERTIFICATE-----\n",
+            endpoint="https://pdfleet-identity.pdfleet.svc:8443",
+        ),
+    ]
     for obj in objects:
         validate_lws(obj) if obj["kind"] == "LeaderWorkerSet" else validate(obj)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
@@ -432,3 +447,95 @@ def test_fleet_secret_is_immutable_owned_and_holds_the_value():
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "u1"
     assert secret["immutable"] is True
     assert base64.b64decode(secret["data"]["fleet-secret"]) == b"s" * 43
+
+
+def test_engine_pods_get_their_identity_through_their_own_account_and_nothing_else():
+    objects = children(identity_version="v1")
+    found = by_kind_name(objects)
+    account = found["ServiceAccount", "demo-engine"]
+    assert account["automountServiceAccountToken"] is False
+    # No binding grants the engine account anything: its token opens no API.
+    bound = [s["name"] for o in objects if o["kind"] == "RoleBinding" for s in o["subjects"]]
+    assert "demo-engine" not in bound
+    for role in ("prefill", "decode"):
+        template = found["Deployment", f"demo-{role}"]["spec"]["template"]
+        pod = template["spec"]
+        assert pod["serviceAccountName"] == "demo-engine"
+        assert pod["automountServiceAccountToken"] is False
+        volume = next(v for v in pod["volumes"] if v["name"] == "identity")
+        token, ca = volume["projected"]["sources"]
+        assert token["serviceAccountToken"] == {
+            "audience": "pdfleet.dev/identity",
+            "expirationSeconds": 600,
+            "path": "token",
+        }
+        assert ca["configMap"] == {
+            "name": "demo-identity",
+            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+        }
+        engine = pod["containers"][0]
+        mount = next(m for m in engine["volumeMounts"] if m["name"] == "identity")
+        assert mount["readOnly"] is True
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["PDFLEET_IDENTITY_AUTHORITY"]["valueFrom"]["configMapKeyRef"] == {
+            "name": "demo-identity",
+            "key": "authority",
+        }
+        assert env["PDFLEET_IDENTITY_ENDPOINT"]["valueFrom"]["configMapKeyRef"]["key"] == (
+            "endpoint"
+        )
+        assert env["PDFLEET_IDENTITY_SERVICE"]["value"] == "demo"
+        # The authority's private key reaches no pod.
+        assert not any("demo-identity" in str(v.get("secret")) for v in pod["volumes"])
+        assert template["metadata"]["annotations"]["pdfleet.dev/identity-authority-version"] == "v1"
+    gateway = found["Deployment", "demo-gateway"]["spec"]["template"]
+    assert "identity" not in str(gateway["spec"]["volumes"])
+    assert "pdfleet.dev/identity-authority-version" not in str(gateway["metadata"])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kvTransfer": {**SPEC["kvTransfer"], "identity": "Disabled"}},
+        {"disaggregation": {"mode": "Disabled"}},
+    ],
+    ids=["identity Disabled", "no KV transfer"],
+)
+def test_engines_without_identities_get_no_identity_wiring(change):
+    found = by_kind_name(children({**SPEC, **change}, identity_version="v1"))
+    for role in ("prefill", "decode"):
+        template = found["Deployment", f"demo-{role}"]["spec"]["template"]
+        assert template["spec"]["serviceAccountName"] == "demo-engine"
+        assert "identity" not in str(template["spec"]["volumes"])
+        assert "PDFLEET_IDENTITY" not in str(template["spec"]["containers"][0]["env"])
+        assert "pdfleet.dev/identity-authority-version" not in (
+            template["metadata"].get("annotations") or {}
+        )
+
+
+def test_only_the_leader_of_a_multi_node_engine_gets_an_identity():
+    svc = load_inference_service(ROOT / "examples" / "inferenceservice-multinode.yaml")
+    found = by_kind_name(build_children(svc.name, svc.spec, namespace="ns1"))
+    lws = found["LeaderWorkerSet", f"{svc.name}-decode"]["spec"]["leaderWorkerTemplate"]
+    assert "PDFLEET_IDENTITY_ENDPOINT" in str(lws["leaderTemplate"]["spec"]["containers"][0])
+    assert "PDFLEET_IDENTITY" not in str(lws["workerTemplate"]["spec"]["containers"][0])
+
+
+def test_no_spec_field_may_reach_an_identity_authority():
+    for bad in (
+        {
+            "decode": {
+                "env": [
+                    {
+                        "name": "X",
+                        "valueFrom": {
+                            "secretKeyRef": {"name": "demo-identity", "key": "authority"}
+                        },
+                    }
+                ]
+            }
+        },
+        {"gateway": {"apiKeySecret": {"name": "demo-identity"}}},
+    ):
+        with pytest.raises(ValueError, match="identity"):
+            parse_spec({**SPEC, **bad})

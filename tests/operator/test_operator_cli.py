@@ -19,7 +19,7 @@ from helpers.kube_fake import DEPLOYMENTS, IS_RESOURCE, NAMESPACE, inference_ser
 from helpers.server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 
 SPEC = {"model": {"name": "tiny"}, "kvTransfer": {"connector": "ZmqConnector"}}
 
@@ -77,12 +77,13 @@ def test_operator_command_reconciles_and_exposes_health_and_metrics(tmp_path):
                     }
                 )
             )
-            liveness, metrics = free_port(), free_port()
+            liveness, metrics, identity = free_port(), free_port(), free_port()
             log = (tmp_path / "operator.log").open("wb")
             proc = await asyncio.create_subprocess_exec(
                 *python_module("pdfleet.engine.cli"), "operator",
                 "--namespace", NAMESPACE,
                 "--liveness-port", str(liveness), "--metrics-port", str(metrics),
+                "--identity-port", str(identity),
                 "--default-image", "reg/pdfleet:test",
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                 stdout=asyncio.subprocess.DEVNULL,

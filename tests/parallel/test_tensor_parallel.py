@@ -15,6 +15,7 @@ from helpers.server import ServerProcess, free_port, wait_until
 from pdfleet.engine import LLM, SamplingParams
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.sampling_params import StructuredOutputsParams
+from pdfleet.engine.testing_hooks import TP_HANG_RANK_ENV
 from pdfleet.engine.worker.tp_executor import RankFailed
 
 # One model per family, chosen to cover each split: untied Llama with KV heads
@@ -181,7 +182,7 @@ def _alive(pid: int) -> bool:
 def test_a_rank_that_never_joins_fails_the_start_within_the_rendezvous_timeout(
     tiny_model, monkeypatch
 ):
-    monkeypatch.setenv("PDFLEET_TP_TEST_HANG_RANK", "1")
+    monkeypatch.setenv(TP_HANG_RANK_ENV, "1")
     monkeypatch.setenv("PDFLEET_TP_RENDEZVOUS_TIMEOUT", "4")
     start = time.monotonic()
     with pytest.raises(RankFailed, match="not every tensor-parallel rank joined within 4s"):

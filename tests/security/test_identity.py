@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.security_pair import post, prefill_leg, prompt, text_of
 
-from pdfleet.engine.config import identity, security
+from pdfleet.engine.contracts import identity, security
 from pdfleet.engine.kv_transfer.side_channel import AuthError, SideChannelClient
 
 TRANSFERS = "pdfleet_engine_kv_transfers_total"

@@ -14,9 +14,13 @@ import zmq
 from helpers.security_pair import post, prompt
 from helpers.up import listening_addresses
 
-from pdfleet.engine.config import security
-from pdfleet.engine.core.block_hash import external_block_hash, get_hash_fn, prompt_block_hashes
-from pdfleet.engine.kv_events import curve_server_keys
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+from pdfleet.engine.contracts.kv_events import curve_server_keys
 
 
 def subscriber(port: int, secret: bytes | None) -> zmq.Socket:

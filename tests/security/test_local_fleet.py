@@ -16,7 +16,7 @@ from helpers.security_pair import CLIENT_KEY, prompt
 from helpers.server import fleet_headers, scrape
 from helpers.up import Up, fleet_spec, process_argv, process_environ
 
-from pdfleet.engine.config import identity
+from pdfleet.engine.contracts import identity
 
 
 @pytest.fixture(scope="module")

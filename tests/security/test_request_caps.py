@@ -20,7 +20,7 @@ from pdfleet.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from pdfleet.engine.config.sampling_checks import check_sampling
+from pdfleet.engine.contracts.sampling_checks import check_sampling
 from pdfleet.engine.core.sched_output import ModelRunnerOutput
 from pdfleet.engine.core.scheduler import Scheduler
 from pdfleet.engine.request import Request, RequestStatus

@@ -17,7 +17,7 @@ import msgpack
 import zmq
 from helpers.security_pair import post, prefill_leg, prompt, text_of
 
-from pdfleet.engine.config import identity, security
+from pdfleet.engine.contracts import identity, security
 from pdfleet.engine.kv_transfer.side_channel import (
     PROTOCOL_VERSION,
     SideChannelClient,

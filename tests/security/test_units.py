@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdfleet.engine.config import security
-from pdfleet.engine.core.block_hash import get_hash_fn, prompt_block_hashes
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.block_hash import get_hash_fn, prompt_block_hashes
+from pdfleet.engine.contracts.kv_params import KVTransferParams
 from pdfleet.engine.entrypoints.auth import EngineAuth
 from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
 
@@ -37,13 +38,11 @@ def test_leased_blocks_are_a_prompts_own_only_when_its_chain_matches():
         hashes = prompt_block_hashes(ids, 16, get_hash_fn("sha256"))
         return SimpleNamespace(num_tokens=len(ids), block_hashes=hashes, all_token_ids=ids)
 
-    def params(ids: list[int], n: int, algo: str = "sha256") -> dict:
+    def params(ids: list[int], n: int, algo: str = "sha256") -> KVTransferParams:
         chain = prompt_block_hashes(ids, 16, get_hash_fn(algo))[n - 1].hex()
-        return {
-            "remote_block_ids": list(range(n)),
-            "pdfleet_block_chain": chain,
-            "pdfleet_block_hash_algo": algo,
-        }
+        return KVTransferParams(
+            remote_block_ids=tuple(range(n)), block_chain=chain, block_hash_algo=algo
+        )
 
     assert sched.content_mismatch(request(tokens), params(tokens, 6)) is None
     # The producer hashed with another algorithm: the consumer hashes again with it.
@@ -54,4 +53,4 @@ def test_leased_blocks_are_a_prompts_own_only_when_its_chain_matches():
     other = [999, *tokens[1:]]
     assert "differs" in sched.content_mismatch(request(other), params(tokens, 6))
     assert "full blocks" in sched.content_mismatch(request(tokens[:80]), params(tokens, 6))
-    assert sched.content_mismatch(request(tokens), {"remote_block_ids": []}) is None
+    assert sched.content_mismatch(request(tokens), KVTransferParams(remote_block_ids=())) is None

@@ -247,7 +247,10 @@ def test_client_disconnect_aborts_and_frees_blocks(http, server):
         ({"prompt": []}, 400, "prompt"),
         ({"prompt": [99999999]}, 400, "prompt"),
         ({"max_tokens": 3}, 400, "prompt"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+        ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+        ({"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ],
 )
@@ -263,7 +266,7 @@ def test_bad_completion_requests_get_openai_shaped_4xx(http, server, body, statu
     ("body", "status"),
     [
         ({"messages": []}, 400),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ({"messages": [{"role": "", "content": "x"}]}, 400),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),

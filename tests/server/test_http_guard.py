@@ -11,7 +11,7 @@ import httpx
 import pytest
 from helpers.server import ServerProcess, fleet_token
 
-from pdfleet.engine.config.http_limits import DEFAULT_LIMITS
+from pdfleet.engine.contracts.http_limits import DEFAULT_LIMITS
 
 BODY_LIMIT = 1 << 20  # 1 MiB
 CHUNK_LIMIT = 4096

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdfleet.engine.config.admission import AdmissionConfig
-from pdfleet.engine.config.sampling_checks import check_sampling
+from pdfleet.engine.contracts.sampling_checks import check_sampling
 from pdfleet.engine.entrypoints.openai.tool_parsers import (
     ForcedParser,
     get_parser,

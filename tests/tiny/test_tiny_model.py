@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfleet.engine.config.launch import python_module
+from pdfleet.engine.contracts.launch import python_module
 from pdfleet.engine.tiny.builder import ARCHS, TinyModelSpec, build_tiny_model
 
 

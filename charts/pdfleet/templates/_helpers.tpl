@@ -49,3 +49,8 @@ app.kubernetes.io/component: operator
 {{- define "pdfleet.serviceAccountUser" -}}
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "pdfleet.fullname" .) }}
 {{- end }}
+
+{{/* The Service in front of the operator's identity endpoint. */}}
+{{- define "pdfleet.identityService" -}}
+{{- printf "%s-identity" (include "pdfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}

@@ -29,15 +29,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import tracing
-from ...async_engine import AsyncEngine
 from ...config import EngineConfig
-from ...config.http_limits import RequestLimits
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
+from ...contracts.http_limits import RequestLimits
 from ...http.server import HttpServer
-from ...llm_engine import LLMEngine
+from ...loop.async_engine import AsyncEngine
+from ...loop.llm_engine import LLMEngine
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
@@ -269,10 +270,15 @@ def build_app(state: ServerState) -> FastAPI:
     def echo_headers(request: Request, rid: str) -> dict[str, str]:
         return {"x-request-id": getattr(request.state, "client_request_id", None) or rid}
 
-    def response_id(request: Request, prefix: str, rid: str) -> str:
-        """The body's ``id``: ``PREFIX-<X-Request-Id>`` as vLLM answers, else the
-        internal id. Only a label: the engine keys requests by the internal id."""
-        given = getattr(request.state, "client_request_id", None)
+    def response_id(request: Request, prefix: str, rid: str, body: Any = None) -> str:
+        """The body's ``id``: ``PREFIX-<X-Request-Id>`` as vLLM answers, else
+        ``PREFIX-<request_id>`` from the body, else the internal id. Only a label:
+        the engine keys requests by the internal id."""
+        given = getattr(request.state, "client_request_id", None) or getattr(
+            body, "request_id", None
+        )
+        if getattr(body, "user", None) is not None:
+            logger.info("request %s is for user %r", rid, body.user[:256])
         return f"{prefix}-{given}" if given else rid
 
     @app.get("/health")
@@ -299,23 +305,28 @@ def build_app(state: ServerState) -> FastAPI:
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
 
+    def model_card(s: CompletionServing, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "pdfleet",
+            "root": state.config.model_config.model,
+            "parent": None,
+            "max_model_len": s.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request):
         s, _ = serving(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pdfleet",
-                    "root": state.config.model_config.model,
-                    "max_model_len": s.max_model_len,
-                }
-                for name in s.served_names
-            ],
-        }
+        return {"object": "list", "data": [model_card(s, name) for name in s.served_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        s, _ = serving(request)
+        if model_id not in s.served_names:
+            raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model")
+        return model_card(s, model_id)
 
     @app.get("/version")
     async def version():
@@ -363,7 +374,7 @@ def build_app(state: ServerState) -> FastAPI:
         s, _ = serving(request)
         for_caller(body, request)
         rid = request_id(request, "cmpl")
-        out = response_id(request, "cmpl", rid)
+        out = response_id(request, "cmpl", rid, body)
         if body.stream:
             return await respond(request, s.completion_stream(body, rid, out), True, rid)
         return await respond(request, s.completion(body, rid, out), False, rid)
@@ -374,10 +385,36 @@ def build_app(state: ServerState) -> FastAPI:
         _, s = serving(request)
         for_caller(body, request)
         rid = request_id(request, "chatcmpl")
-        out = response_id(request, "chatcmpl", rid)
+        out = response_id(request, "chatcmpl", rid, body)
         if body.stream:
             return await respond(request, s.chat_stream(body, rid, out), True, rid)
         return await respond(request, s.chat(body, rid, out), False, rid)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a
+        completions body (``prompt``), answered as that endpoint answers it."""
+        try:
+            raw = await request.json()
+        except (ValueError, RecursionError):
+            raise APIError("the body is not valid JSON (or is nested too deeply)") from None
+        if not isinstance(raw, dict) or not ("messages" in raw or "prompt" in raw):
+            raise APIError(
+                "/invocations takes a chat body (messages) or a completions body (prompt)",
+                param="messages",
+            )
+        model_cls = ChatCompletionRequest if "messages" in raw else CompletionRequest
+        try:
+            body = model_cls.model_validate(raw)
+        except ValidationError as e:
+            errors = e.errors()
+            loc = errors[0]["loc"] if errors else ()
+            msg = errors[0]["msg"] if errors else "invalid request"
+            param = ".".join(str(x) for x in loc[:8]) or None
+            raise APIError(f"{param or 'body'}: {msg}", param=param) from None
+        if isinstance(body, ChatCompletionRequest):
+            return await chat(body, request)
+        return await completions(body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -388,13 +425,17 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = body.prompt
         if prompt is not None and body.messages is None:
             ids = await s.lanes.run(
-                len(prompt), lambda: s.tokenize(prompt, body.add_special_tokens)
+                len(prompt), lambda: s.tokenize(prompt, body.add_special_tokens is not False)
             )
         elif body.messages is not None and prompt is None:
             _, ids = await s.chat_prompt(body, bounded=False)
         else:
             raise APIError("give exactly one of prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            tok = s._need_tokenizer()
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):

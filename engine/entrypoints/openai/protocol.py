@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from ...contracts import request_fields
 from ...contracts.errors import ErrorBody
 from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
 
@@ -60,15 +61,27 @@ def check_text(body: Any) -> Any:
 
 
 class _Checked(BaseModel):
-    """A request body whose every string is valid Unicode."""
+    """A request body whose every string is valid Unicode and whose every field
+    is served by its route (``contracts/request_fields.py``: a field pdfleet
+    does not implement is a 400 naming it, never ignored)."""
+
+    # The route whose fields the body may hold (request_fields.ROUTES).
+    route: ClassVar[str] = ""
 
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
-        return check_text(data)
+        data = check_text(data)
+        if isinstance(data, dict) and cls.route:
+            try:
+                request_fields.check_fields(data, cls.route)
+            except ValueError as e:
+                raise APIError(str(e), param=str(e).split(" ")[0]) from None
+        return data
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -106,12 +119,22 @@ class _Sampling(_Checked):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None  # accepted, ignored: one backend
-    guided_whitespace_pattern: str | None = None  # accepted, ignored
+    # The one backend there is: "xgrammar" (or "auto", or unset); another is a 400.
+    guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    # Known OpenAI fields pdfleet does not implement: rejected when set.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool = True
+    # Keep only this many prompt tokens (-1: as many as the context holds), cut
+    # from ``truncation_side`` (default left: the prompt's end is kept).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    # The response's id (as X-Request-Id does); never an engine key.
+    request_id: str | None = Field(default=None, max_length=256)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # A prefix-cache namespace: requests with different salts share no KV.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Who the request is for (set by the server from its credential, never from
     # the body): per-caller bounds count against it (entrypoints/caller.py).
     _caller: str = PrivateAttr(default="anonymous")
@@ -125,13 +148,19 @@ class _Sampling(_Checked):
         self._caller = caller
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by pdfleet", param="logit_bias")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of is not supported by pdfleet (use n)", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise APIError(
+                f"guided_decoding_backend must be xgrammar or auto (the one backend), got "
+                f"{self.guided_decoding_backend!r}",
+                param="guided_decoding_backend",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
             )
 
     def constraint_field(self) -> str | None:
@@ -210,6 +239,9 @@ class _Sampling(_Checked):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                logit_bias=[(int(t), b) for t, b in (self.logit_bias or {}).items()] or None,
+                cache_salt=self.cache_salt,
                 **values,
             )
         except ValueError as e:
@@ -218,11 +250,12 @@ class _Sampling(_Checked):
 
 
 class CompletionRequest(_Sampling):
+    route: ClassVar[str] = request_fields.COMPLETIONS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -262,7 +295,9 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles (system, developer, user, assistant, tool) or any other the
+    # chat template renders (vLLM passes custom roles to the template as they are).
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -312,6 +347,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    route: ClassVar[str] = request_fields.CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -323,6 +359,15 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # On top of what the chat template adds (vLLM's default: nothing more).
+    add_special_tokens: bool = False
+    # Passed to the chat template as it is (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # The template's RAG documents (templates without them ignore them, as vLLM's).
+    documents: list[dict[str, str]] | None = None
+    return_prompt_text: bool | None = None
+    # With --reasoning-parser: return the reasoning (false: the answer alone).
+    include_reasoning: bool = True
 
     def effective_tool_choice(self) -> str | dict[str, Any]:
         """OpenAI's default: ``auto`` with tools, ``none`` without."""
@@ -332,15 +377,22 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Checked):
+    route: ClassVar[str] = request_fields.TOKENIZE
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # Default: true for a prompt, false for messages (the template adds them).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Checked):
+    route: ClassVar[str] = request_fields.DETOKENIZE
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import tracing
-from ...async_engine import (
+from ...contracts.kv_params import KVTransferParams
+from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
+from ...loop.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStepError,
     QueueFullError,
     RequestStream,
 )
-from ...config.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
@@ -134,6 +135,25 @@ def max_token_chars(tokenizer: Any) -> int:
         return 0
 
 
+# Arguments of the chat template call that request fields set (a request's
+# chat_template_kwargs may not override them).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
+
+
 @dataclass
 class ChatOptions:
     """Server flags that shape chat serving (vLLM's names; docs/tool_calling.md)."""
@@ -142,6 +162,8 @@ class ChatOptions:
     """A Jinja chat template (the text; ``load_chat_template`` reads a file)."""
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    """``--reasoning-parser``: splits thinking from the answer (reasoning_parsers.py)."""
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -177,8 +199,11 @@ class ServingBase:
         self.max_model_len = max_model_len
         self.tokenizer = engine.engine.tokenizer
         self.defaults = dict(engine.engine.default_sampling)
-        self.max_logprobs = engine.engine.config.model_config.max_logprobs
         self.vocab_size = engine.engine.config.model_config.vocab_size
+        self.policy = engine.engine.config.scheduler_config.policy
+        # The configured bound (-1: none) as the checks read it, and as a count.
+        self.logprobs_bound = engine.engine.config.model_config.max_logprobs
+        self.max_logprobs = self.vocab_size if self.logprobs_bound == -1 else self.logprobs_bound
         self.lanes = lanes or TokenizerLanes(large_chars=1 << 16)
         per_token = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
         # No prompt with more characters than this fits in max_model_len tokens (0: unknown).
@@ -193,11 +218,17 @@ class ServingBase:
 
     def check_sampling(self, req: Any) -> None:
         """Every sampling field against the model, before anything is tokenized."""
+        if getattr(req, "priority", 0) and self.policy != "priority":
+            raise APIError(
+                f"priority {req.priority} needs --scheduling-policy priority (this engine "
+                f"schedules {self.policy}); send 0 or leave it out",
+                param="priority",
+            )
         try:
             check_sampling(
                 req.model_dump(exclude_none=True),
                 vocab_size=self.vocab_size,
-                max_logprobs=self.max_logprobs,
+                max_logprobs=self.logprobs_bound,
                 max_n=self.admission.max_n,
                 max_output_tokens=self.admission.max_request_output_tokens,
             )
@@ -221,6 +252,23 @@ class ServingBase:
                 param="prompt",
             )
         return self.tokenizer
+
+    def truncate(self, ids: list[int], keep: int | None, side: str | None) -> list[int]:
+        """``truncate_prompt_tokens``: the last ``keep`` tokens (``side`` left, the
+        default) or the first (right); -1 keeps what the context holds."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise APIError(
+                f"truncate_prompt_tokens ({keep}) must be <= max_model_len "
+                f"({self.max_model_len}), or -1",
+                param="truncate_prompt_tokens",
+            )
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if side == "right" else ids[len(ids) - keep :]
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -267,6 +315,16 @@ class ServingBase:
         tok = self._need_tokenizer()
         messages = [m.template_dict() for m in req.messages]
         extra: dict[str, Any] = {}
+        kwargs = getattr(req, "chat_template_kwargs", None) or {}
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs: {reserved[0]} is set by the request's own fields",
+                param="chat_template_kwargs",
+            )
+        extra.update(kwargs)
+        if getattr(req, "documents", None):
+            extra["documents"] = req.documents
         if getattr(req, "tools", None):
             extra["tools"] = req.tools
         if self.options.chat_template is not None:
@@ -282,10 +340,11 @@ class ServingBase:
             )
         except Exception as e:  # a template that rejects the conversation is bad input
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-        return text, tok(text, add_special_tokens=False).input_ids
+        add_special = bool(getattr(req, "add_special_tokens", False))
+        return text, tok(text, add_special_tokens=add_special).input_ids
 
     async def tokenize_prompts(
-        self, prompts: list[str | list[int]], bounded: bool = True
+        self, prompts: list[str | list[int]], bounded: bool = True, add_special_tokens: bool = True
     ) -> list[tuple[str | None, list[int]]]:
         """(text, ids) per prompt, tokenized in the lane its size calls for.
 
@@ -298,7 +357,7 @@ class ServingBase:
         out: list[tuple[str | None, list[int]]] = []
         for p in prompts:
             if isinstance(p, str):
-                out.append((p, await self.lanes.run(len(p), self.tokenize, p)))
+                out.append((p, await self.lanes.run(len(p), self.tokenize, p, add_special_tokens)))
             else:
                 out.append((None, list(p)))
         return out
@@ -321,8 +380,13 @@ class ServingBase:
                 f"your request has {n} input tokens. Please reduce the length of the input.",
                 param=what,
             )
+        # The generation config's max_new_tokens (or --override-generation-config's)
+        # caps the output like the context does: the smallest bound wins, whether
+        # or not the request names its own.
+        default = self.defaults.get("max_tokens")
         if max_tokens is None:
-            return self.max_model_len - n
+            left = self.max_model_len - n
+            return min(left, default) if isinstance(default, int) and default > 0 else left
         if max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if n + max_tokens > self.max_model_len:
@@ -332,13 +396,22 @@ class ServingBase:
                 "completion). Please reduce the length of the input or completion.",
                 param="max_tokens",
             )
-        return max_tokens
+        return min(max_tokens, default) if isinstance(default, int) and default > 0 else max_tokens
 
-    def check_logprobs(self, k: int | None, param: str) -> None:
-        if k is not None and not 0 <= k <= self.max_logprobs:
+    def check_logprobs(self, k: int | None, param: str) -> int | None:
+        """The number of logprobs ``k`` asks for (-1: the whole vocabulary), within
+        the engine's max_logprobs."""
+        if k is None:
+            return None
+        if k == -1:
+            k = self.vocab_size
+        if not 0 <= k <= self.max_logprobs:
             raise APIError(
-                f"{param} must be between 0 and {self.max_logprobs}, got {k}", param=param
+                f"{param} must be -1 or between 0 and {self.max_logprobs} (the engine's "
+                f"max_logprobs), got {k}",
+                param=param,
             )
+        return k
 
     # -- running ------------------------------------------------------------------
 
@@ -367,7 +440,9 @@ class ServingBase:
                     # A batch's prompts share one group's share of the engine.
                     group=request_id if len(jobs) > 1 else None,
                 )
-                streams.append(tracing.trace_request(stream, rid, kv_params))
+                # The engine accepted (decoded) them: they decode here too.
+                leg = KVTransferParams.from_wire(kv_params) if kv_params else None
+                streams.append(tracing.trace_request(stream, rid, leg))
         except BaseException as e:
             for stream in streams:
                 stream.close()
@@ -427,8 +502,48 @@ class ServingBase:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
-    def _token_str(lp: Logprob, tid: int) -> str:
-        return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+    def _token_str(lp: Logprob, tid: int, as_ids: bool = False) -> str:
+        """A token as logprobs name it: its text, or ``token_id:N`` (with
+        ``return_tokens_as_token_ids``, or when it has no text)."""
+        if as_ids or lp.decoded_token is None:
+            return f"token_id:{tid}"
+        return lp.decoded_token
+
+    @staticmethod
+    def prompt_logprobs_body(
+        ids: list[int], entries: list[dict[int, Logprob] | None] | None, k: int, as_ids: bool
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its
+        own logprob and the ``k`` most likely, keyed by token id."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for tid, entry in zip(ids, entries, strict=False):
+            if entry is None:
+                out.append(None)
+                continue
+            keep = {t: x for t, x in entry.items() if t == tid or (x.rank or 0) <= k}
+            out.append(
+                {
+                    str(t): {
+                        "logprob": x.logprob,
+                        "rank": x.rank,
+                        "decoded_token": f"token_id:{t}" if as_ids else x.decoded_token,
+                    }
+                    for t, x in keep.items()
+                }
+            )
+        return out
+
+    @staticmethod
+    def usage_so_far(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+        return ServingBase._usage(
+            {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "cached": cached,
+            }
+        )
 
     @classmethod
     def response_body(

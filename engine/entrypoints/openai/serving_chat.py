@@ -3,12 +3,14 @@ out (JSON or SSE)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ...outputs import Logprob
 from ...sampling_params import StructuredOutputsParams
 from .protocol import APIError, ChatCompletionRequest, now
+from .reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
 from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 from .tool_parsers import (
     ForcedParser,
@@ -32,18 +34,33 @@ def tool_call_dicts(calls: list[ParsedCall], ids: list[str]) -> list[dict[str, A
 
 
 class ChatServing(ServingBase):
+    def reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:
+        """The server's reasoning parser for this request: none when its output is
+        constrained (a grammar or a forced tool call holds from the first token,
+        so the model does not think first)."""
+        parser = get_reasoning_parser(self.options.reasoning_parser)
+        if parser is None or req.constraint_field() is not None:
+            return None
+        if req.tools and req.effective_tool_choice() not in ("none", "auto"):
+            return None
+        return parser
+
     def chat_logprobs(
-        self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int
+        self,
+        token_ids: list[int],
+        entries: list[dict[int, Logprob]],
+        k: int,
+        as_ids: bool = False,
     ) -> dict[str, Any]:
         content = []
         for tid, entry in zip(token_ids, entries, strict=True):
             lp = entry[tid]
-            text = self._token_str(lp, tid)
+            text = self._token_str(lp, tid, as_ids)
             top = [
                 {
-                    "token": self._token_str(x, t),
+                    "token": self._token_str(x, t, as_ids),
                     "logprob": x.logprob,
-                    "bytes": list(self._token_str(x, t).encode()),
+                    "bytes": list(self._token_str(x, t, as_ids).encode()),
                 }
                 for t, x in sorted(entry.items(), key=lambda kv: -kv[1].logprob)
             ][:k]
@@ -85,8 +102,17 @@ class ChatServing(ServingBase):
         req.check_unsupported()
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        self.check_logprobs(k, "top_logprobs")
+        k = self.check_logprobs((req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
+        pk = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if (
+            req.add_generation_prompt
+            and req.continue_final_message
+            and "add_generation_prompt" in (req.model_fields_set)
+        ):
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
         self.check_sampling(req)
         parser, schema = self.tool_parser(req)
         spec = req.structured_spec()
@@ -95,13 +121,18 @@ class ChatServing(ServingBase):
         spec = await self.compile_constraint(
             spec, "tools" if schema is not None else req.constraint_field(), req.caller
         )
-        text, ids = await self.chat_prompt(req)
+        text, ids = await self.chat_prompt(req, bounded=req.truncate_prompt_tokens is None)
+        cut = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
+        if len(cut) != len(ids):
+            text, ids = self._need_tokenizer().decode(cut), cut
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         max_tokens = self.check_length(ids, max_tokens, "messages")
         self.check_output_tokens(req, [max_tokens])
-        params = req.sampling_params(self.defaults, max_tokens, k, structured=spec)
+        params = req.sampling_params(
+            self.defaults, max_tokens, k, prompt_logprobs=pk, structured=spec
+        )
         return model, text, ids, params, k, parser
 
     async def chat(
@@ -115,15 +146,21 @@ class ChatServing(ServingBase):
         )
         try:
             return await self._chat_body(
-                req, response_id or request_id, model, ids, k, stream, parser
+                req, response_id or request_id, model, text, ids, k, stream, parser
             )
         finally:
             stream.close()
 
-    async def _chat_body(self, req, request_id, model, ids, k, stream, parser) -> dict[str, Any]:
+    async def _chat_body(
+        self, req, request_id, model, prompt_text, ids, k, stream, parser
+    ) -> dict[str, Any]:
         choices = {i: Choice(i) for i in range(req.n)}
-        cached, kv_out = 0, None
+        cached, kv_out, prompt_lps = 0, None, None
+        as_ids = bool(req.return_tokens_as_token_ids)
+        echo = echoed_content(req)
         async for out in self.outputs(stream):
+            if out.prompt_logprobs is not None:
+                prompt_lps = out.prompt_logprobs
             if out.finished:
                 cached, kv_out = out.num_cached_tokens, out.kv_transfer_params
             for o in out.outputs:
@@ -135,34 +172,53 @@ class ChatServing(ServingBase):
                 if o.finish_reason is not None:
                     c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         result = []
+        thinking = self.reasoning_parser(req)
         for idx, c in sorted(choices.items()):
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text, reasoning = c.text, ""
+            if thinking is not None:
+                reasoning, text = thinking.split(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": echo + text}
+            if reasoning and req.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
             reason = finish_reason(c.finish_reason)
             if parser is not None:
-                content, calls = parser.parse(c.text, final=True)
+                content, calls = parser.parse(text, final=True)
+                if reason == "length" and not all(complete_arguments(x) for x in calls):
+                    # Cut off inside a call: no call is returned (its arguments are
+                    # not JSON); the text stays in content and finish_reason says why.
+                    calls = []
                 if calls:
-                    message["content"] = content.strip() or None
+                    message["content"] = (echo + content).strip() or None
                     ids_ = [tool_call_id(self.options.tool_call_parser) for _ in calls]
                     message["tool_calls"] = tool_call_dicts(calls, ids_)
                     if reason == "stop":
                         reason = "tool_calls"
-            result.append(
-                {
-                    "index": idx,
-                    "message": message,
-                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, k or 0)
-                    if k is not None
-                    else None,
-                    "finish_reason": reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice: dict[str, Any] = {
+                "index": idx,
+                "message": message,
+                "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, k or 0, as_ids)
+                if k is not None
+                else None,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            result.append(choice)
         usage = {
             "prompt_tokens": len(ids),
             "completion_tokens": sum(len(c.token_ids) for c in choices.values()),
             "cached": cached,
         }
-        return self.response_body("chat.completion", request_id, model, result, usage, kv_out)
+        body = self.response_body("chat.completion", request_id, model, result, usage, kv_out)
+        if req.prompt_logprobs is not None:
+            pk = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs") or 0
+            body["prompt_logprobs"] = self.prompt_logprobs_body(ids, prompt_lps, pk, as_ids)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        if req.return_prompt_text:
+            body["prompt_text"] = prompt_text
+        return body
 
     async def chat_stream(
         self, req: ChatCompletionRequest, request_id: str, response_id: str | None = None
@@ -171,32 +227,53 @@ class ChatServing(ServingBase):
         (stream,) = await self.admit(
             request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
         )
-        return self._chat_events(req, response_id or request_id, model, ids, k, stream, parser)
+        return self._chat_events(
+            req, response_id or request_id, model, text, ids, k, stream, parser
+        )
 
-    async def _chat_events(self, req, request_id, model, ids, k, stream, parser):
+    async def _chat_events(self, req, request_id, model, prompt_text, ids, k, stream, parser):
         created = now()
         completion_tokens, cached = 0, 0
         started: set[int] = set()
         tools = {i: _ToolStream(parser, self.options.tool_call_parser) for i in range(req.n)}
+        as_ids = bool(req.return_tokens_as_token_ids)
+        echo = echoed_content(req)
+        options = req.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        first_chunk = True
+        thinking = self.reasoning_parser(req)
+        thoughts = {i: ReasoningStream(thinking) for i in range(req.n)} if thinking else {}
 
-        def chunk(idx: int, delta: dict, lp=None, finish=None, stop_reason=None) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": idx,
-                            "delta": delta,
-                            "logprobs": lp,
-                            "finish_reason": finish,
-                            "stop_reason": stop_reason,
-                        }
-                    ],
-                }
-            )
+        def chunk(
+            idx: int, delta: dict, lp=None, finish=None, stop_reason=None, token_ids=None
+        ) -> str:
+            nonlocal first_chunk
+            choice: dict[str, Any] = {
+                "index": idx,
+                "delta": delta,
+                "logprobs": lp,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = token_ids or []
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+            if first_chunk:
+                # The prompt once, on the stream's first chunk (vLLM's placement).
+                if req.return_token_ids:
+                    body["prompt_token_ids"] = ids
+                if req.return_prompt_text:
+                    body["prompt_text"] = prompt_text
+                first_chunk = False
+            if continuous:
+                body["usage"] = self.usage_so_far(len(ids), completion_tokens, cached)
+            return sse(body)
 
         try:
             async for out in self.outputs(stream):
@@ -207,19 +284,33 @@ class ChatServing(ServingBase):
                     if o.index not in started:
                         started.add(o.index)
                         yield chunk(o.index, {"role": "assistant", "content": ""})
+                        if echo:
+                            yield chunk(o.index, {"content": echo})
                     completion_tokens += len(o.token_ids)
                     if not o.text and o.finish_reason is None and not o.token_ids:
                         continue
                     lp = (
-                        self.chat_logprobs(o.token_ids, o.logprobs or [], k or 0)
+                        self.chat_logprobs(o.token_ids, o.logprobs or [], k or 0, as_ids)
                         if k is not None and o.token_ids
                         else None
                     )
                     reason = finish_reason(o.finish_reason)
+                    text = o.text
+                    if thinking is not None:
+                        # Reasoning goes out as its own deltas; the answer goes on.
+                        reasoning, text = thoughts[o.index].feed(
+                            o.text, o.finish_reason is not None
+                        )
+                        if reasoning and req.include_reasoning:
+                            yield chunk(
+                                o.index, {"reasoning": reasoning, "reasoning_content": reasoning}
+                            )
+                        if not text and o.finish_reason is None and lp is None:
+                            continue
                     if parser is not None:
                         ts = tools[o.index]
                         final = o.finish_reason is not None
-                        deltas = ts.feed(o.text, final)
+                        deltas = ts.feed(text, final)
                         for d in deltas[:-1]:
                             yield chunk(o.index, d)
                         delta = deltas[-1] if deltas else {}
@@ -228,8 +319,8 @@ class ChatServing(ServingBase):
                         if not delta and not final and lp is None:
                             continue
                     else:
-                        delta = {"content": o.text} if o.text or o.finish_reason is None else {}
-                    yield chunk(o.index, delta, lp, reason, o.stop_reason)
+                        delta = {"content": text} if text or o.finish_reason is None else {}
+                    yield chunk(o.index, delta, lp, reason, o.stop_reason, o.token_ids)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
@@ -253,6 +344,23 @@ class ChatServing(ServingBase):
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
+
+
+def echoed_content(req: ChatCompletionRequest) -> str:
+    """Chat ``echo``: the last message's text when it is the assistant's (the role
+    the answer continues), prepended to each choice's content; else nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    return req.messages[-1].text()
+
+
+def complete_arguments(call: ParsedCall) -> bool:
+    """A parsed call whose arguments are whole JSON."""
+    try:
+        json.loads(call.arguments)
+    except ValueError:
+        return False
+    return call.complete and call.name is not None
 
 
 class _ToolStream:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ...outputs import Logprob
-from .protocol import APIError, CompletionRequest, now
+from .protocol import CompletionRequest, now
 from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 
 
@@ -17,6 +17,7 @@ class CompletionServing(ServingBase):
         entries: Sequence[dict[int, Logprob] | None],
         k: int,
         offset: int,
+        as_ids: bool = False,
     ) -> dict[str, Any]:
         tokens: list[str] = []
         token_lps: list[float | None] = []
@@ -24,21 +25,26 @@ class CompletionServing(ServingBase):
         offsets: list[int] = []
         for tid, entry in zip(token_ids, entries, strict=True):
             if entry is None:  # first prompt token: nothing predicts it
-                text = self.tokenizer.decode([tid]) if self.tokenizer else f"token_id:{tid}"
+                text = (
+                    self.tokenizer.decode([tid])
+                    if self.tokenizer and not as_ids
+                    else f"token_id:{tid}"
+                )
                 tokens.append(text)
                 token_lps.append(None)
                 tops.append(None)
             else:
                 lp = entry[tid]
-                text = self._token_str(lp, tid)
+                text = self._token_str(lp, tid, as_ids)
                 tokens.append(text)
                 token_lps.append(lp.logprob)
+                # The k most likely tokens, and the chosen one always (logprobs 0:
+                # just the chosen one), as OpenAI's legacy completions answer.
                 top: dict[str, float] = {}
                 for t, x in entry.items():
                     if t != tid and len(top) < k:
-                        top[self._token_str(x, t)] = x.logprob
-                if k:
-                    top[text] = lp.logprob
+                        top[self._token_str(x, t, as_ids)] = x.logprob
+                top[text] = lp.logprob
                 tops.append(top)
             offsets.append(offset)
             offset += len(text)
@@ -59,23 +65,33 @@ class CompletionServing(ServingBase):
     async def prepare_completion(self, req: CompletionRequest):
         model = self.check_model(req.model)
         req.check_unsupported()
-        if req.suffix:
-            raise APIError("suffix is not supported by pdfleet", param="suffix")
         self.check_sampling(req)
-        self.check_logprobs(req.logprobs, "logprobs")
+        k = self.check_logprobs(req.logprobs, "logprobs")
+        pk = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         structured = await self.compile_constraint(
             req.structured_spec(), req.constraint_field(), req.caller
         )
-        prompts = await self.tokenize_prompts(req.prompts())
+        # A prompt cut by truncate_prompt_tokens is known by its ids alone (echo
+        # returns what the model saw, decoded).
+        bounded = req.truncate_prompt_tokens is None
+        prompts = [
+            (text if len(cut) == len(ids) else None, cut)
+            for text, ids in await self.tokenize_prompts(
+                req.prompts(), bounded=bounded, add_special_tokens=req.add_special_tokens
+            )
+            for cut in [self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)]
+        ]
         lengths = [self.check_length(ids, req.max_tokens, "prompt") for _, ids in prompts]
         self.check_output_tokens(req, lengths)
+        # The prompt's logprobs: for prompt_logprobs, and for echo with logprobs.
+        wanted = [x for x in (pk, k if req.echo else None) if x is not None]
         jobs = []
         for (text, ids), max_tokens in zip(prompts, lengths, strict=True):
             params = req.sampling_params(
                 self.defaults,
                 max_tokens,
-                req.logprobs,
-                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                k,
+                prompt_logprobs=max(wanted) if wanted else None,
                 structured=structured,
             )
             jobs.append((text, ids, params))
@@ -119,21 +135,30 @@ class CompletionServing(ServingBase):
             text_in, ids, _ = jobs[idx // n]
             prefix = self._echoed(text_in, ids) if req.echo else ""
             lp = None
-            if req.logprobs is not None:
+            as_ids = bool(req.return_tokens_as_token_ids)
+            k = self.check_logprobs(req.logprobs, "logprobs")
+            if k is not None:
                 all_ids, entries = c.token_ids, list(c.logprobs)
                 if req.echo:
                     all_ids = ids + c.token_ids
                     entries = list(prompt_lps.get(idx // n) or [None] * len(ids)) + entries
-                lp = self.completion_logprobs(all_ids, entries, req.logprobs, 0)
-            result_choices.append(
-                {
-                    "index": idx,
-                    "text": prefix + c.text,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(c.finish_reason),
-                    "stop_reason": c.stop_reason,
-                }
-            )
+                lp = self.completion_logprobs(all_ids, entries, k, 0, as_ids)
+            choice: dict[str, Any] = {
+                "index": idx,
+                "text": prefix + c.text,
+                "logprobs": lp,
+                "finish_reason": finish_reason(c.finish_reason),
+                "stop_reason": c.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                pk = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs") or 0
+                choice["prompt_logprobs"] = self.prompt_logprobs_body(
+                    ids, prompt_lps.get(idx // n), pk, as_ids
+                )
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = ids
+                choice["token_ids"] = c.token_ids
+            result_choices.append(choice)
             usage["completion_tokens"] += len(c.token_ids)
         usage["prompt_tokens"] = sum(len(ids) for _, ids, _ in jobs)
         return self.response_body(
@@ -157,6 +182,10 @@ class CompletionServing(ServingBase):
         }
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
+        k = self.check_logprobs(req.logprobs, "logprobs")
+        as_ids = bool(req.return_tokens_as_token_ids)
+        options = req.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
@@ -167,38 +196,46 @@ class CompletionServing(ServingBase):
                     text = o.text
                     lp = None
                     ids_for_lp, entries = o.token_ids, list(o.logprobs or [])
-                    if req.echo and idx not in echoed:
-                        echoed.add(idx)
+                    first = idx not in echoed  # this choice's first chunk
+                    if req.echo and first:
                         text_in, ids, _ = jobs[j]
                         text = self._echoed(text_in, ids) + text
-                        if req.logprobs is not None:
+                        if k is not None:
                             ids_for_lp = ids + o.token_ids
                             entries = list(out.prompt_logprobs or [None] * len(ids)) + entries
-                    if req.logprobs is not None and ids_for_lp:
+                    if k is not None and ids_for_lp:
                         lp = self.completion_logprobs(
-                            ids_for_lp, entries, req.logprobs, offsets.get(idx, 0)
+                            ids_for_lp, entries, k, offsets.get(idx, 0), as_ids
                         )
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     usage["completion_tokens"] += len(o.token_ids)
                     if not text and o.finish_reason is None and not o.token_ids:
                         continue
+                    choice: dict[str, Any] = {
+                        "index": idx,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(o.finish_reason),
+                        "stop_reason": o.stop_reason,
+                    }
+                    if req.return_token_ids:
+                        # The prompt's ids once per choice (its first chunk), then
+                        # each chunk's new ids.
+                        if first:
+                            choice["prompt_token_ids"] = jobs[j][1]
+                        choice["token_ids"] = o.token_ids
                     chunk = {
                         "id": request_id,
                         "object": "text_completion",
                         "created": created,
                         "model": model,
-                        "choices": [
-                            {
-                                "index": idx,
-                                "text": text,
-                                "logprobs": lp,
-                                "finish_reason": finish_reason(o.finish_reason),
-                                "stop_reason": o.stop_reason,
-                            }
-                        ],
+                        "choices": [choice],
                     }
+                    if continuous:
+                        chunk["usage"] = self._usage(usage)
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
+                    echoed.add(idx)
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(

@@ -8,24 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
-from .config import EngineConfig
-from .core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
-from .kv_transfer.base import KVConnector
-from .request import Request, RequestStatus
-from .worker.model_runner import ModelRunner
-from .worker.tp_executor import RankFailed, TPExecutor
+from ..config import EngineConfig
+from ..core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from ..kv_transfer.base import KVConnector
+from ..request import Request, RequestStatus
+from ..testing_hooks import StepFaults
+from ..worker.executor import Executor
+from ..worker.model_runner import ModelRunner
+from ..worker.tp_executor import RankFailed, TPExecutor
 
 logger = logging.getLogger(__name__)
-
-# Fault injection for tests of the error paths. RAISE: a step that schedules a
-# request whose prompt holds this token id raises, as a model failing on one
-# input would. BREAK: that step and every later one raise, as a broken device.
-FAULT_TOKEN_ENV = "PDFLEET_FAULT_RAISE_ON_TOKEN"
-FAULT_BREAK_ENV = "PDFLEET_FAULT_BREAK_ON_TOKEN"
 
 
 class StepFailed(RuntimeError):
@@ -39,11 +34,6 @@ class StepFailed(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-def _env_token(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
 
 
 @dataclass
@@ -68,7 +58,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.connector = connector
-        self.runner: ModelRunner | TPExecutor
+        self.runner: Executor
         if config.parallel_config.tensor_parallel_size > 1:
             self.runner = TPExecutor(config, eos_token_ids, connector.worker if connector else None)
         else:
@@ -81,23 +71,17 @@ class EngineCore:
             self.runner.num_blocks,
             connector.scheduler if connector else None,
             record_kv_events=events,
-            num_host_blocks=getattr(self.runner, "num_host_blocks", 0),
+            num_host_blocks=self.runner.num_host_blocks,
         )
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
-        self.fault_token = _env_token(FAULT_TOKEN_ENV)
-        self.break_token = _env_token(FAULT_BREAK_ENV)
+        # Fault injection for tests of the error paths (testing_hooks.py).
+        self.faults = StepFaults.from_env()
         self.broken = False
-        if self.fault_token is not None or self.break_token is not None:
-            logger.warning(
-                "fault injection: $%s=%s $%s=%s",
-                FAULT_TOKEN_ENV,
-                self.fault_token,
-                FAULT_BREAK_ENV,
-                self.break_token,
-            )
+        if self.faults.active or self.faults.step_delay_file is not None:
+            logger.warning("fault injection: %s", self.faults.describe())
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -144,19 +128,21 @@ class EngineCore:
         for rid in request_ids:
             request = self.scheduler.requests.get(rid)
             prompt = request.prompt_token_ids if request is not None else []
-            if self.break_token is not None and self.break_token in prompt:
+            if self.faults.break_on_token is not None and self.faults.break_on_token in prompt:
                 self.broken = True
-            if self.fault_token is not None and self.fault_token in prompt:
-                raise RuntimeError(f"injected fault (${FAULT_TOKEN_ENV}={self.fault_token})")
+            if self.faults.raise_on_token is not None and self.faults.raise_on_token in prompt:
+                raise RuntimeError(f"injected fault ({self.faults.describe()})")
         if self.broken:
-            raise RuntimeError(f"injected fault: the device is broken (${FAULT_BREAK_ENV})")
+            raise RuntimeError(f"injected fault: the device is broken ({self.faults.describe()})")
 
     def step(self) -> list[EngineCoreOutput]:
         """One step; a failure while running the model raises :class:`StepFailed`."""
         start = time.perf_counter()
+        if self.faults.step_delay_file is not None:
+            time.sleep(self.faults.step_delay())
         sched_out = self.scheduler.schedule()
         try:
-            if self.fault_token is not None or self.break_token is not None:
+            if self.faults.active:
                 self._inject_fault(list(sched_out.num_scheduled_tokens))
             runner_out = self.runner.execute_model(sched_out)
         except RankFailed:
@@ -164,7 +150,7 @@ class EngineCore:
         except Exception as e:
             self.num_failed_steps += 1
             ops = sched_out.kv_offload
-            if ops is not None and ops.stores and isinstance(self.runner, ModelRunner):
+            if ops is not None and ops.stores:
                 # Stores the worker never started will not land: forget them.
                 lost = self.runner.unissued_stores([slot for _b, slot in ops.stores])
                 self.scheduler.kv.stores_done(lost, failed=True)
@@ -182,17 +168,15 @@ class EngineCore:
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_scheduled_reqs=len(sched_out.num_scheduled_tokens),
         )
-        host_kv = getattr(self.runner, "host_kv", None)
-        if host_kv is not None:
-            self.last_stats.host_kv_stored_bytes = host_kv.stored_bytes
-            self.last_stats.host_kv_loaded_bytes = host_kv.loaded_bytes
+        stored, loaded = self.runner.host_kv_bytes()
+        self.last_stats.host_kv_stored_bytes = stored
+        self.last_stats.host_kv_loaded_bytes = loaded
         self.last_stats.step_prompt_tokens = prompt_tokens
         self.last_stats.step_generation_tokens = len(runner_out.sampled_token_ids)
         self.num_steps += 1
         return outputs
 
     def shutdown(self) -> None:
-        if isinstance(self.runner, TPExecutor):
-            self.runner.shutdown()
+        self.runner.shutdown()
         if self.connector is not None:
             self.connector.worker.shutdown()

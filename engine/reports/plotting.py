@@ -1,8 +1,7 @@
 """matplotlib for the `--plot` options of `pdfleet bench` and `pdfleet sim`.
 
-Torch-free and beside the config, so both the engine's benchmark and the
-operator's simulator use this one loader (the operator may import only
-`pdfleet.engine.config`)."""
+Torch-free and importing nothing else of pdfleet, so both the engine's
+benchmark and the operator's simulator use this one loader."""
 
 from __future__ import annotations
 

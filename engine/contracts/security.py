@@ -22,7 +22,7 @@ are split the same way everywhere and every comparison is constant-time.
   - ``engine-http``: the bearer token the gateway (and the operator) present
     to engine HTTP routes (:func:`fleet_token`).
   - ``kv-params``: the HMAC key that signs ``kv_transfer_params``
-    (:func:`sign_params` / :func:`verify_params`).
+    (``kv_params.sign`` / ``kv_params.verify``).
   - ``kv-side-channel``: the key of the KV side channel's challenge-response;
     ``kv-side-channel-curve``: its sockets' CURVE key pair.
   - ``kv-events``: the CURVE key pair of KV event publishers
@@ -35,12 +35,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
-import time
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 API_KEY_ENV = "PDFLEET_API_KEY"
 API_KEY_FILE_ENV = "PDFLEET_API_KEY_FILE"
@@ -52,15 +49,8 @@ FLEET_SECRET_FILE_ENV = "PDFLEET_FLEET_SECRET_FILE"
 # Who a forwarded request is for: the gateway names its client to the engines
 # (a key's digest or an address); engines honour it only from the fleet token.
 CALLER_HEADER = "x-pdfleet-caller"
-# The fields a signature adds to kv_transfer_params.
-SIG_FIELD = "pdfleet_sig"
-EXPIRES_FIELD = "pdfleet_expires"
 # Smallest secret accepted (bytes): shorter ones are guessable.
 MIN_SECRET_BYTES = 16
-
-
-class InvalidParams(ValueError):
-    """kv_transfer_params that are unsigned, forged, altered or expired."""
 
 
 def split_keys(text: str) -> list[str]:
@@ -163,40 +153,6 @@ def key_matches(presented: str | None, keys: Iterable[str]) -> bool:
     for key in keys:
         found |= hmac.compare_digest(given, key.encode())
     return found
-
-
-def _canonical(params: Mapping[str, Any]) -> bytes:
-    body = {k: v for k, v in params.items() if k != SIG_FIELD}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
-
-
-def sign_params(secret: bytes, params: Mapping[str, Any], ttl: float) -> dict[str, Any]:
-    """``params`` with an expiry (wall-clock seconds) and an HMAC over every field."""
-    signed = dict(params)
-    signed.pop(SIG_FIELD, None)
-    signed[EXPIRES_FIELD] = round(time.time() + ttl, 3)
-    key = derive_key(secret, "kv-params")
-    signed[SIG_FIELD] = hmac.new(key, _canonical(signed), hashlib.sha256).hexdigest()
-    return signed
-
-
-def verify_params(
-    secret: bytes, params: Mapping[str, Any], now: float | None = None
-) -> dict[str, Any]:
-    """The params without their signature fields, or InvalidParams naming why."""
-    sig = params.get(SIG_FIELD)
-    if not isinstance(sig, str):
-        raise InvalidParams("kv_transfer_params are not signed by a prefill engine of this fleet")
-    key = derive_key(secret, "kv-params")
-    want = hmac.new(key, _canonical(params), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(sig.encode(), want.encode()):
-        raise InvalidParams("kv_transfer_params have a bad signature (forged or altered)")
-    expires = params.get(EXPIRES_FIELD)
-    if not isinstance(expires, int | float) or isinstance(expires, bool):
-        raise InvalidParams("kv_transfer_params carry no expiry")
-    if (time.time() if now is None else now) > float(expires):
-        raise InvalidParams("kv_transfer_params have expired")
-    return {k: v for k, v in params.items() if k not in (SIG_FIELD, EXPIRES_FIELD)}
 
 
 def kv_events_server_key(secret: bytes) -> bytes:

@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ...contracts.model_source import cache_dir
+
 logger = logging.getLogger(__name__)
 
 GGUF_LINK = "model.gguf"
@@ -42,16 +44,6 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-
-
-def cache_dir() -> Path:
-    """pdfleet's cache: ``$PDFLEET_CACHE_DIR``, else ``$XDG_CACHE_HOME/pdfleet``,
-    else ``~/.cache/pdfleet``. (``$PDFLEET_CACHE`` is read too, for older setups.)"""
-    explicit = os.environ.get("PDFLEET_CACHE_DIR") or os.environ.get("PDFLEET_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(xdg) / "pdfleet"
 
 
 def is_gguf_file(path: str) -> bool:

@@ -7,16 +7,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from .config import EngineArgs, EngineConfig, UsageContext
+from ..config import EngineArgs, EngineConfig, UsageContext
+from ..contracts.kv_params import KVTransferParams
+from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from ..models.sources import create_engine_config
+from ..outputs import RequestOutput
+from ..request import Request
+from ..sampling_params import SamplingParams
 from .engine_core import EngineCore, StepFailed, StepStats
-from .kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from .output_processor import IterationStats, OutputProcessor, RequestState
-from .outputs import RequestOutput
-from .request import Request
-from .sampling_params import SamplingParams
-from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +92,14 @@ class LLMEngine:
             for theirs_key, ours in _GENERATION_DEFAULTS.items()
             if theirs_key in gen
         }
-        self.default_sampling.update(m.override_generation_config)
+        # The override speaks the generation config's names (max_new_tokens), as
+        # vLLM's --override-generation-config does; ours are the sampling names.
+        self.default_sampling.update(
+            {_GENERATION_DEFAULTS.get(k, k): v for k, v in m.override_generation_config.items()}
+        )
         kv = config.kv_transfer_config
         if connector is None and kv is not None and kv.kv_connector is not None:
-            from .kv_transfer.connector import create_connector
+            from ..kv_transfer.connector import create_connector
 
             connector = create_connector(config)
         self.connector: KVConnector | None = None if connector is None else KVConnector(*connector)
@@ -102,8 +108,8 @@ class LLMEngine:
         self.kv_events = None
         ev = config.kv_events_config
         if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq":
-            from .config import security
-            from .kv_events import KVEventPublisher
+            from ..contracts import security
+            from ..kv_events import KVEventPublisher
 
             # The ports bind the engine's KV address when it has one (the pod IP).
             kv_ip = os.environ.get("PDFLEET_KV_BIND_IP") or os.environ.get("PDFLEET_KV_IP")
@@ -118,7 +124,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage_context: UsageContext = "llm") -> LLMEngine:
-        return cls(args.create_engine_config(usage_context=usage_context))
+        return cls(create_engine_config(args, usage_context=usage_context))
 
     @property
     def max_model_len(self) -> int:
@@ -183,7 +189,7 @@ class LLMEngine:
                         "structured_outputs: this engine has no tokenizer (skip_tokenizer_init), "
                         "which grammars need"
                     )
-                from .sample.grammar import GrammarCompiler
+                from ..sample.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(
                     self.tokenizer,
@@ -191,10 +197,7 @@ class LLMEngine:
                     self.eos_token_ids,
                     self.config.admission_config,
                 )
-                runner = self.core.runner
-                if not isinstance(runner, ModelRunner):  # TP executors refused above
-                    raise TypeError(f"grammars need an in-process ModelRunner, not {runner!r}")
-                runner.grammars = self._grammars
+                self.core.runner.attach_grammars(self._grammars)
             return self._grammars
 
     def new_request_id(self) -> str:
@@ -208,7 +211,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
         add_special_tokens: bool = True,
         output_kind: str = "cumulative",
         group: str | None = None,
@@ -218,9 +221,12 @@ class LLMEngine:
         ``output_kind``: ``cumulative``, ``delta`` (streaming) or ``final`` (see
         :class:`RequestState`). ``group``: the client request this one is part
         of (a prompt of a batch); the children of an ``n > 1`` request form a
-        group on their own. The scheduler bounds a group's share of a step."""
+        group on their own. The scheduler bounds a group's share of a step.
+        ``kv_transfer_params``: the request's JSON object, decoded (and for a
+        decode leg verified) here by the KV connector."""
         params = params if params is not None else self.default_sampling_params()
-        params.verify(self.config.model_config.max_logprobs)
+        bound = self.config.model_config.max_logprobs
+        params.verify(None if bound == -1 else bound)
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
@@ -243,13 +249,13 @@ class LLMEngine:
             # The server compiles before admission (off this thread) and pins the
             # result on the spec; offline callers compile here.
             self.grammars.compile(params.structured_outputs)
+        kv_params: KVTransferParams | None = None
         if kv_transfer_params:
             if self.connector is None:
-                if kv_transfer_params.get("do_remote_prefill"):
-                    # Not a consumer: compute the prompt here (aggregated serving).
-                    kv_transfer_params = None
+                # No connector: compute the prompt here (aggregated serving), hold nothing.
+                KVTransferParams.from_wire(kv_transfer_params)
             else:
-                self.connector.scheduler.validate(kv_transfer_params)
+                kv_params = self.connector.scheduler.accept(kv_transfer_params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -270,7 +276,7 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival,
                     priority=priority,
-                    kv_transfer_params=kv_transfer_params,
+                    kv_transfer_params=kv_params,
                     # Siblings wait for the first one's prefill and then share its cached blocks.
                     wait_for=child_ids[0]
                     if i and self.config.cache_config.enable_prefix_caching
@@ -348,11 +354,9 @@ class LLMEngine:
         """Prefill drain: wait (bounded by the lease) until the KV blocks held for
         decode engines are claimed or expired; the engine loop must keep running.
         Returns the leases still held."""
-        scheduler_side = self.connector.scheduler if self.connector is not None else None
-        connector = getattr(scheduler_side, "connector", None)  # the PD connectors' shared core
-        if connector is None or not connector.kv.is_kv_producer:
+        if self.connector is None:
             return 0
-        left = connector.wait_for_leases()
+        left = self.connector.scheduler.wait_for_leases()
         if left:
             logger.warning("shutting down with %d KV leases unclaimed", left)
         return left

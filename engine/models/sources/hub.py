@@ -14,9 +14,15 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
-HF_SCHEME = "hf"
+from ...contracts.model_source import (
+    ENDPOINT_ENV,
+    TOKEN_ENV,
+    TOKEN_PATH_ENV,
+    HFSource,
+    parse_hf_uri,
+)
+
 # What the engine reads from a safetensors checkpoint (nothing else is fetched).
 SAFETENSORS_FILES = (
     "config.json",
@@ -33,42 +39,12 @@ SAFETENSORS_FILES = (
     "model.safetensors.index.json",
     "*.safetensors",
 )
-TOKEN_ENV = "HF_TOKEN"
-TOKEN_PATH_ENV = "HF_TOKEN_PATH"
-"""A file holding the token (how the operator passes a Secret); huggingface_hub reads it."""
-ENDPOINT_ENV = "HF_ENDPOINT"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-@dataclass(frozen=True)
-class HFSource:
-    repo_id: str
-    """ORG/NAME."""
-    filename: str | None = None
-    """One GGUF file of the repository, or None for a safetensors checkpoint."""
-
-    @property
-    def allow_patterns(self) -> list[str]:
-        return [self.filename] if self.filename else list(SAFETENSORS_FILES)
-
-
-def parse_hf_uri(uri: str) -> HFSource:
-    """``hf://ORG/NAME`` or ``hf://ORG/NAME/FILE.gguf``."""
-    scheme, sep, rest = uri.partition("://")
-    if scheme != HF_SCHEME or not sep:
-        raise ValueError(f"{uri!r} is not an hf:// URI (hf://ORG/NAME)")
-    parts = rest.strip("/").split("/")
-    repo = "/".join(parts[:2])
-    if not _REPO.match(repo) or len(parts) > 3:
-        raise ValueError(
-            f"{uri!r}: name a Hub repository, hf://ORG/NAME, or one GGUF file in it, "
-            "hf://ORG/NAME/FILE.gguf"
-        )
-    filename = parts[2] if len(parts) == 3 else None
-    if filename is not None and not filename.endswith(".gguf"):
-        raise ValueError(f"{uri!r}: only a .gguf file may follow the repository name")
-    return HFSource(repo, filename)
+def allow_patterns(source: HFSource) -> list[str]:
+    """The files of ``source`` a download fetches."""
+    return [source.filename] if source.filename else list(SAFETENSORS_FILES)
 
 
 def _explain(source: HFSource, revision: str, endpoint: str, error: BaseException) -> str:
@@ -148,7 +124,7 @@ def download_hf_model(
             source.repo_id,
             revision=revision,
             cache_dir=cache_dir,
-            allow_patterns=source.allow_patterns,
+            allow_patterns=allow_patterns(source),
             token=token,
             endpoint=endpoint,
         )

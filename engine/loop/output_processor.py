@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.sched_output import Logprobs
-from .core.scheduler import EngineCoreOutput
+from ..core.sched_output import Logprobs
+from ..core.scheduler import EngineCoreOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -59,6 +59,8 @@ class ChildState:
         # How much has been handed out already (for delta outputs).
         self.sent_tokens = 0
         self.sent_text = 0
+        # Delta outputs: this sequence's finish was handed out (it is never sent again).
+        self.sent_finish = False
         # Text withheld while it could still turn out to start a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -124,6 +126,10 @@ class RequestState:
         delta = self.output_kind == "delta"
         outs = []
         for c in self.children.values():
+            if delta and c.sent_finish:
+                # A finished sequence of an n > 1 request: its end was sent once;
+                # the steps of its siblings add nothing to it.
+                continue
             text = c.visible_text()
             t0, s0 = (c.sent_tokens, c.sent_text) if delta else (0, 0)
             outs.append(
@@ -138,6 +144,7 @@ class RequestState:
                 )
             )
             c.sent_tokens, c.sent_text = len(c.token_ids), len(text)
+            c.sent_finish = c.finish_reason is not None
         first = next(iter(self.children.values()))
         t = self.timing
         return RequestOutput(
@@ -227,7 +234,8 @@ class OutputProcessor:
             if co.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
             if co.kv_transfer_params is not None:
-                child.kv_transfer_params = co.kv_transfer_params
+                # The engine's one encoding of the params it lends (the API's JSON).
+                child.kv_transfer_params = co.kv_transfer_params.to_wire()
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():

@@ -63,7 +63,9 @@ def _token_ids(name: str, ids: Any, vocab_size: int | None) -> None:
     high = (vocab_size - 1) if vocab_size else INT32_MAX
     for t in ids:
         if not _is_int(t) or not 0 <= t <= high:
-            where = f"the model's vocabulary (0..{high})" if vocab_size else f"0..{high}"
+            where = (
+                f"the model's vocabulary (must be < {vocab_size})" if vocab_size else f"0..{high}"
+            )
             raise ValueError(f"{name}: token id {t!r} is outside {where}")
 
 
@@ -99,26 +101,35 @@ def _check_min_tokens(
         raise ValueError(f"min_tokens ({min_tokens}) must be <= {name} ({limit})")
 
 
-def _logprob_bound(max_logprobs: int | None) -> tuple[int, str]:
-    high = INT32_MAX if max_logprobs is None else max_logprobs
-    bound = "" if max_logprobs is None else f" (the engine's max_logprobs is {max_logprobs})"
-    return high, f"an integer 0..{high}{bound}"
+def _logprob_count(name: str, value: Any, vocab_size: int | None, max_logprobs: int | None) -> None:
+    """A logprob count: 0..max_logprobs, or -1 for the whole vocabulary where the
+    engine's bound allows that many (``--max-logprobs -1``: no bound)."""
+    bound = max_logprobs if max_logprobs is not None and max_logprobs != -1 else None
+    if _is_int(value) and value == -1:
+        if bound is not None and vocab_size and vocab_size > bound:
+            raise ValueError(
+                f"{name}: -1 asks for the whole vocabulary ({vocab_size} tokens), more than "
+                f"the engine's max_logprobs ({max_logprobs}); ask for at most {max_logprobs} "
+                "or serve with --max-logprobs -1"
+            )
+        return
+    high = INT32_MAX if bound is None else bound
+    note = "" if bound is None else f" (the engine's max_logprobs is {bound})"
+    _int(name, value, 0, high, what=f"-1 or an integer 0..{high}{note}")
 
 
 def _check_logprobs(f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None) -> None:
-    high, what = _logprob_bound(max_logprobs)
     logprobs = f["logprobs"]
     if isinstance(logprobs, bool):
-        _int("top_logprobs", f.get("top_logprobs"), 0, high, what=what)
+        _logprob_count("top_logprobs", f.get("top_logprobs"), vocab_size, max_logprobs)
     else:
-        _int("logprobs", logprobs, 0, high, what=what)
+        _logprob_count("logprobs", logprobs, vocab_size, max_logprobs)
 
 
 def _check_prompt_logprobs(
     f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None
 ) -> None:
-    high, what = _logprob_bound(max_logprobs)
-    _int("prompt_logprobs", f["prompt_logprobs"], 0, high, what=what)
+    _logprob_count("prompt_logprobs", f["prompt_logprobs"], vocab_size, max_logprobs)
 
 
 def _check_logit_bias(
@@ -128,7 +139,15 @@ def _check_logit_bias(
     if isinstance(bias, Mapping) and vocab_size:
         for key in bias:
             if not str(key).isdigit() or int(str(key)) >= vocab_size:
-                raise ValueError(f"logit_bias: token id {key!r} is outside the model's vocabulary")
+                raise ValueError(
+                    f"logit_bias: token id {key!r} is outside the model's vocabulary "
+                    f"(must be < {vocab_size})"
+                )
+    if isinstance(bias, Mapping):
+        for key, value in bias.items():
+            if not str(key).isdigit():
+                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+            _float(f"logit_bias: the bias of token {key}", value, low=-100.0, high=100.0)
 
 
 def _ints(name: str, low: int, high: int, what: str | None = None) -> Any:

@@ -163,6 +163,18 @@ ENGINE_PREFILL_BUSY_SECONDS = Metric(
     "Seconds of engine steps that computed prompt tokens.",
     _M,
 )
+STEP_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+ENGINE_STEP_DURATION = Metric(
+    "pdfleet_engine_step_duration_seconds",
+    "histogram",
+    "Wall time of one engine step (schedule, model run, sampling). The gateway's stall "
+    "watchdog learns each engine's longest recent step from it.",
+    _M,
+    STEP_BUCKETS,
+)
 ENGINE_FAILED_STEPS = Metric(
     "pdfleet_engine_failed_steps_total",
     "counter",
@@ -468,8 +480,28 @@ GATEWAY_ENGINE_STALLS = Metric(
     "pdfleet_gateway_engine_stalls_total",
     "counter",
     "Times an engine was ejected because its in-flight requests made no "
-    "progress while other engines did.",
+    "progress for its stall limit while another engine of its role did.",
     ("engine", "role"),
+)
+GATEWAY_ENGINE_STALL_LIMIT = Metric(
+    "pdfleet_gateway_engine_stall_limit_seconds",
+    "gauge",
+    "Seconds an engine may send nothing with requests in flight before it counts as "
+    "stalled: --stall-step-multiple times its longest recent step, at least --stall-timeout.",
+    ("engine", "role"),
+)
+GATEWAY_ENGINE_CAPACITY = Metric(
+    "pdfleet_gateway_engine_capacity",
+    "gauge",
+    "Requests the gateway routes to an engine at once, learned from the engine's queue: "
+    "its own count, or requests waiting on it past a quarter of the first-token bound "
+    "for their first answer (no series until the engine first queues requests).",
+    ("engine", "role"),
+)
+GATEWAY_QUEUED_REQUESTS = Metric(
+    "pdfleet_gateway_queued_requests",
+    "gauge",
+    "Requests waiting for a slot on a decode engine (every routable one at capacity).",
 )
 GATEWAY_KV_PAIR_OPEN = Metric(
     "pdfleet_gateway_kv_pair_open",
@@ -487,7 +519,8 @@ GATEWAY_REJECTED_REQUESTS = Metric(
     "pdfleet_gateway_rejected_requests_total",
     "counter",
     "Requests refused before routing, by reason (body_too_large, body_timeout, "
-    "invalid_json, invalid_field, unauthorized).",
+    "invalid_json, invalid_field, unauthorized; overload: overloaded, queue_full, "
+    "queue_timeout).",
     ("reason",),
 )
 
@@ -547,6 +580,19 @@ OPERATOR_FLEET_SECRETS_CREATED = Metric(
     "pdfleet_operator_fleet_secrets_created_total",
     "counter",
     "Fleet Secrets the operator created (first reconcile, or after a rotation).",
+)
+OPERATOR_IDENTITY_AUTHORITIES_CREATED = Metric(
+    "pdfleet_operator_identity_authorities_created_total",
+    "counter",
+    "Identity authorities (Secrets NAME-identity) the operator created (first reconcile, "
+    "or after a rotation).",
+)
+OPERATOR_IDENTITY_REQUESTS = Metric(
+    "pdfleet_operator_identity_requests_total",
+    "counter",
+    "Requests to the identity endpoint by result: issued, refused (the token or the pod "
+    "did not qualify), busy (429), error (503: the API server or the operator not ready).",
+    ("result",),
 )
 AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",

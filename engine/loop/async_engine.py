@@ -31,10 +31,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .engine_core import StepFailed
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

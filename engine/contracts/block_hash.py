@@ -24,6 +24,16 @@ ROOT_HASH = b"\x00" * 32
 HashFn = Callable[[bytes, Sequence[int]], bytes]
 
 
+def root_hash(cache_salt: str | None = None) -> bytes:
+    """The parent of a prompt's first block: ``ROOT_HASH``, or, for a request
+    with a ``cache_salt``, a digest of the salt. Requests with different salts
+    (or one with and one without) share no block hash, so no prefix-cache
+    block, KV event id or gateway index entry."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.sha256(b"pdfleet cache_salt\x00" + cache_salt.encode()).digest()
+
+
 def _sha256(parent: bytes, token_ids: Sequence[int]) -> bytes:
     # Canonical bytes: the parent hash, the count, then each id as signed 64-bit little-endian.
     payload = parent + struct.pack(f"<q{len(token_ids)}q", len(token_ids), *token_ids)
@@ -77,9 +87,14 @@ def _int64_le(token_ids: Sequence[int]) -> bytes:
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, hash_fn: HashFn
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn: HashFn,
+    root: bytes = ROOT_HASH,
 ) -> None:
-    """Append hashes for every newly completed full block of ``token_ids``."""
+    """Append hashes for every newly completed full block of ``token_ids``
+    (``root``: the first block's parent, see :func:`root_hash`)."""
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
         return
@@ -89,26 +104,30 @@ def extend_block_hashes(
         raw = _int64_le(token_ids[start * block_size : end * block_size])
         count = struct.pack("<q", block_size)
         step = 8 * block_size
-        parent = hashes[-1] if start else ROOT_HASH
+        parent = hashes[-1] if start else root
         sha256 = hashlib.sha256
         for off in range(0, len(raw), step):
             parent = sha256(parent + count + raw[off : off + step]).digest()
             hashes.append(parent)
         return
     for i in range(start, end):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size]))
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, hash_fn: HashFn, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn: HashFn,
+    max_blocks: int | None = None,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """Hashes of the leading full blocks of a prompt (at most ``max_blocks``),
     exactly as the engine's prefix cache hashes them."""
     if max_blocks is not None:
         token_ids = token_ids[: max_blocks * block_size]
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, token_ids, block_size, hash_fn)
+    extend_block_hashes(hashes, token_ids, block_size, hash_fn, root_hash(cache_salt))
     return hashes
 
 

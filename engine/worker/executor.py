@@ -1,0 +1,46 @@
+"""What the engine step needs of whatever runs the model.
+
+Two implementations: :class:`~.model_runner.ModelRunner` (the model in this
+process) and :class:`~.tp_executor.TPExecutor` (tensor-parallel ranks in child
+processes, driven by broadcast steps). ``EngineCore`` holds one as an
+``Executor`` and calls nothing else of it, so neither is probed by type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks per layer the scheduler may hand out (block 0 included)."""
+        ...
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier (0: none)."""
+        ...
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; raises if the model (or a rank) failed."""
+        ...
+
+    def unissued_stores(self, slots: list[int]) -> list[int]:
+        """Of a failed step's host-tier store slots, those never started."""
+        ...
+
+    def host_kv_bytes(self) -> tuple[int, int]:
+        """Bytes copied to and from the host tier since the start (stored, loaded)."""
+        ...
+
+    def attach_grammars(self, grammars: Any) -> None:
+        """Hand over the grammar compiler that constrained requests' matchers come
+        from; raises ``TypeError`` where grammars cannot run."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (rank processes); idempotent."""
+        ...

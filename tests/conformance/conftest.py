@@ -1,0 +1,77 @@
+"""One `pdfleet serve` and one `pdfleet up` P/D fleet for the whole conformance
+suite: every case runs against both, with the official `openai` client.
+
+Both serve the tiny model (the server with ``--reasoning-parser qwen3``) with a
+generation-config default of
+``DEFAULT_MAX_TOKENS`` output tokens (``--override-generation-config``), so a
+request without ``max_tokens`` proves that default wins over the context.
+The fleet runs NIXL between one prefill and one decode engine, ``Always``
+disaggregated: every request that can take two legs does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from helpers.fleet import ENGINE_ARGS
+from helpers.server import ServerProcess, fleet_token
+from helpers.up import Up, fleet_spec
+
+DEFAULT_MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def _processes(tiny_model, tmp_path_factory):
+    """The server and the fleet, started together (their start-ups overlap) on
+    first use and stopped at the session's end."""
+    logs = tmp_path_factory.mktemp("conformance")
+    server = ServerProcess(
+        [
+            "serve",
+            tiny_model,
+            *ENGINE_ARGS,
+            "--override-generation-config",
+            json.dumps({"max_new_tokens": DEFAULT_MAX_TOKENS}),
+            # The tiny model never thinks: its chat answers must pass through whole.
+            "--reasoning-parser",
+            "qwen3",
+        ],
+        logs,
+        "serve",
+    )
+    spec = fleet_spec(tiny_model, disaggregation={"mode": "Always"})
+    spec["spec"]["engine"]["overrideGenerationConfig"] = {"max_new_tokens": DEFAULT_MAX_TOKENS}
+    up = Up(spec, logs, "fleet")
+    try:
+        server.wait_healthy(300)
+        up.wait_ready(300)
+        yield {"serve": server.url, "fleet": up.url}
+    finally:
+        server.stop()
+        up.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_url(_processes) -> str:
+    return _processes["serve"]
+
+
+@pytest.fixture(scope="session")
+def fleet_url(_processes) -> str:
+    return _processes["fleet"]
+
+
+@pytest.fixture(params=["serve", "fleet"])
+def target(request) -> str:
+    """The base URL of the engine, or of the fleet's gateway."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def client(target) -> openai.OpenAI:
+    # The fleet token: the engine requires it; the fleet's gateway has no keys.
+    return openai.OpenAI(
+        base_url=target + "/v1", api_key=fleet_token() or "none", max_retries=0, timeout=120
+    )
