@@ -667,6 +667,9 @@ class ScalingRecord(BaseModel):
     """Why, in the policy's words (metric, value and target)."""
     time: str
     """When (RFC 3339)."""
+    applied: bool = True
+    """False in mode Advisory: the autoscaler computed the change and left
+    the replicas as they were."""
 
 
 class AutoscalingStatus(BaseModel):
@@ -674,8 +677,11 @@ class AutoscalingStatus(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
 
+    mode: Literal["Active", "Advisory"] | None = None
+    """The mode of the latest decisions recorded (spec.autoscaling.mode)."""
     last_decisions: list[ScalingRecord] = Field(default_factory=list)
-    """The most recent replica changes, newest last."""
+    """The most recent replica changes (applied or, in mode Advisory, advised),
+    newest last."""
     last_scale_time: str | None = None
     """When replicas last changed (RFC 3339)."""
 
