@@ -36,7 +36,12 @@ def test_leased_blocks_are_a_prompts_own_only_when_its_chain_matches():
 
     def request(ids: list[int]) -> SimpleNamespace:
         hashes = prompt_block_hashes(ids, 16, get_hash_fn("sha256"))
-        return SimpleNamespace(num_tokens=len(ids), block_hashes=hashes, all_token_ids=ids)
+        return SimpleNamespace(
+            num_tokens=len(ids),
+            block_hashes=hashes,
+            all_token_ids=ids,
+            sampling_params=SimpleNamespace(cache_salt=None),
+        )
 
     def params(ids: list[int], n: int, algo: str = "sha256") -> KVTransferParams:
         chain = prompt_block_hashes(ids, 16, get_hash_fn(algo))[n - 1].hex()
