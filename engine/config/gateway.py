@@ -128,6 +128,13 @@ class GatewayConfig:
     """An engine counts as stalled only after this many times its longest
     recent step (from its `pdfleet_engine_step_duration_seconds` histogram)
     without progress, plus --scrape-interval; 0: --stall-timeout alone."""
+    stall_max_step: float | None = None
+    """Seconds one engine step may run before the engine counts as stalled
+    even though it answers its checks. An engine that reports a step in
+    progress (pdfleet engines, `pdfleet_engine_step_running_seconds`) at a
+    check within the last interval is busy, not stalled, however long its
+    silence, until that step is this old; default max(120, --stall-timeout ×
+    --stall-step-multiple)."""
     hold_timeout: float = 10.0
     """Seconds a new request waits for a decode engine while none is routable
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""

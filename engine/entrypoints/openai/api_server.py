@@ -301,6 +301,7 @@ def build_app(state: ServerState) -> FastAPI:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
         if state.engine is not None:
             state.metrics.update_grammars(state.engine.engine.built_grammars, state.gate)
+            state.metrics.update_step(state.engine.engine.core)
         return PlainTextResponse(
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
