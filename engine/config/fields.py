@@ -292,6 +292,11 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_optional
 
 
+def optional_of(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, with ``None`` (or ``none``, ``null``, empty) read as None."""
+    return _optional(parse)
+
+
 def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     def parse_arg(text: str) -> Any:
         try:
@@ -312,7 +317,9 @@ def finite_float(text: str) -> float:
     return value
 
 
-def bounded_seconds(low: float, high: float, *, open_low: bool = False) -> Callable[[str], float]:
+def bounded_seconds(
+    low: float, high: float, *, open_low: bool = False, unit: str = "seconds"
+) -> Callable[[str], float]:
     """An argparse ``type`` for a number of seconds within [``low``, ``high``]
     (``(low, high]`` with ``open_low``); the error names the bounds, argparse
     prefixes the flag."""
@@ -321,13 +328,11 @@ def bounded_seconds(low: float, high: float, *, open_low: bool = False) -> Calla
         try:
             value = finite_float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a finite number of seconds"
-            ) from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number ({unit})") from None
         if value < low or (open_low and value == low) or value > high:
             bracket = "(" if open_low else "["
             raise argparse.ArgumentTypeError(
-                f"{text} is out of range: seconds within {bracket}{low:g}, {high:g}]"
+                f"{text} is out of range: {unit} within {bracket}{low:g}, {high:g}]"
             )
         return value
 
