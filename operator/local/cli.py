@@ -281,23 +281,52 @@ def memory_report(fleet: Any) -> str:
     """Resident memory of every process of the fleet and each engine's KV cache."""
     own = resident_bytes(os.getpid(), tree=False)
     parts, total, caches = [], own, []
+    sized = chosen = 0
     for child in fleet.all_children():
         rss = resident_bytes(child.pid) if child.pid else 0
         total += rss
         parts.append(f"{child.name} {rss / GiB:.2f}")
         tokens = kv_cache_tokens(child.metrics_text()) if child.role != "gateway" else None
         if tokens is not None:
-            caches.append(f"{child.name} {tokens:,}")
+            budget = kv_cache_budget(child.argv)
+            if budget is None:
+                sized += 1
+                caches.append(f"{child.name} {tokens:,}")
+            else:
+                chosen += 1
+                caches.append(f"{child.name} {tokens:,} ({budget / GiB:.2f} GiB set)")
     text = (
         f"memory: {total / GiB:.2f} GiB resident in all ({', '.join(parts)}, "
         f"pdfleet up {own / GiB:.2f})"
     )
     if caches:
-        text += (
-            f"\nKV cache (tokens): {', '.join(caches)}; sized from the model and the free "
-            "memory, set spec.engine.kvCacheMemoryBytes to choose (docs/local.md)"
-        )
+        how = []
+        if chosen:
+            how.append("set by kvCacheMemoryBytes" + (" where marked" if sized else ""))
+        if sized:
+            how.append(
+                ("the others " if chosen else "")
+                + "sized from the model and the free memory, set spec.engine.kvCacheMemoryBytes "
+                "to choose"
+            )
+        text += f"\nKV cache (tokens): {', '.join(caches)}; {'; '.join(how)} (docs/local.md)"
     return text
+
+
+def kv_cache_budget(argv: list[str]) -> int | None:
+    """The KV cache bytes an engine's command line sets (`--kv-cache-memory-bytes`,
+    from kvCacheMemoryBytes); None when it leaves the size to the engine."""
+    from ...engine.config.fields import parse_human_int
+
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        if flag == "--kv-cache-memory-bytes":
+            text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                return parse_human_int(text)
+            except ValueError:
+                return None
+    return None
 
 
 def kv_cache_tokens(metrics_text: str | None) -> int | None:

@@ -357,3 +357,35 @@ def test_a_gateway_config_built_in_code_refuses_what_its_flag_refuses(value):
 
     with pytest.raises(ValueError, match="--stall-timeout"):
         GatewayConfig(decode=["http://e"], stall_timeout=value)
+
+
+def test_pdfleet_up_says_which_kv_caches_were_set_and_which_were_sized(tmp_path, monkeypatch):
+    """The memory line names the budget a role's kvCacheMemoryBytes set, and
+    says "sized from the model and the free memory" only of the others."""
+    from pdfleet.operator.local import cli
+
+    spec = {
+        **SPEC,
+        "prefill": {"engine": {"kvCacheMemoryBytes": 256 * 2**20}},
+    }
+    fleet = local_fleet(tmp_path, spec)
+    children = [fleet._engine_child(r) for r in ("prefill", "decode")]
+    info = 'pdfleet_engine_cache_config_info{block_size="16",num_gpu_blocks="%d"} 1.0\n'
+    for child, blocks in zip(children, (100, 200), strict=True):
+        child.metrics_text = lambda blocks=blocks: info % blocks  # type: ignore[method-assign]
+    monkeypatch.setattr(cli, "resident_bytes", lambda pid, tree=True: 0)
+    monkeypatch.setattr(fleet, "all_children", lambda: children)
+    text = cli.memory_report(fleet)
+    assert "prefill-0 1,600 (0.25 GiB set)" in text, text
+    assert "decode-0 3,200;" in text, text
+    assert "set by kvCacheMemoryBytes where marked" in text, text
+    assert "the others sized from the model" in text, text
+    # Every engine set: nothing is said to be sized from the free memory.
+    spec["decode"] = {"engine": {"kvCacheMemoryBytes": 2**30}}
+    fleet = local_fleet(tmp_path, spec)
+    children = [fleet._engine_child(r) for r in ("prefill", "decode")]
+    for child in children:
+        child.metrics_text = lambda: info % 10  # type: ignore[method-assign]
+    monkeypatch.setattr(fleet, "all_children", lambda: children)
+    text = cli.memory_report(fleet)
+    assert "decode-0 160 (1.00 GiB set)" in text and "free memory" not in text, text
