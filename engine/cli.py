@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .config import FlexibleArgumentParser
 
@@ -24,12 +25,15 @@ COMMANDS = {
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",
     "fetch-model": "pdfleet.engine.tiny.fetch_cmd",
-    "sim": "pdfleet.operator.autoscaling.sim_cmd",
+    "sim": "pdfleet.operator.autoscaling_lab.sim_cmd",
     "crd": "pdfleet.operator.crd_cmd",
     "render": "pdfleet.operator.render_cmd",
     "operator": "pdfleet.operator.operator_cmd",
     "status": "pdfleet.operator.status_cmd",
 }
+# Commands whose package an image may leave out (the operator image ships no
+# autoscaling lab): without it the command is listed and says so when run.
+OPTIONAL_COMMANDS = {"sim": "pdfleet.operator.autoscaling_lab"}
 
 
 def version() -> str:
@@ -54,9 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="Logging level (default INFO).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in COMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    for command, module in COMMANDS.items():
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as e:
+            package = OPTIONAL_COMMANDS.get(command)
+            if package is None or e.name != package:
+                raise
+            _add_missing(sub, command, package)
     return parser
+
+
+def _add_missing(sub: argparse._SubParsersAction[Any], command: str, package: str) -> None:
+    """A command whose package is not installed here: it takes any arguments
+    and fails with one line naming the package."""
+
+    def missing(args: argparse.Namespace) -> int:
+        raise ValueError(
+            f"{package} is not installed in this image (the operator image ships no lab)"
+        )
+
+    # No option prefix: every argument, "--help" included, is taken as given.
+    parser = sub.add_parser(
+        command, help=f"(not installed: {package})", add_help=False, prefix_chars="\x00"
+    )
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=missing)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

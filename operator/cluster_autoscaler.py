@@ -95,7 +95,7 @@ class PolicyDecider:
         step = loop.step(policy, scrapes, now, requested=replicas, activations=activations)
         if self.metrics is not None:
             for d in step.result.decisions:
-                self.metrics.observe(d)
+                self.metrics.observe(d, policy.mode)
         return [ScaleDecision(a.role, a.desired, a.reason, a.victims) for a in step.actions]
 
     def forget(self, service: str) -> None:
@@ -109,7 +109,8 @@ decide_scaling: DecideFn = PolicyDecider()
 # One replica change, as status.autoscaling.lastDecisions records it ("from" is a
 # keyword, hence the functional form).
 ScaleRecord = TypedDict(
-    "ScaleRecord", {"role": str, "from": int, "to": int, "reason": str, "time": str}
+    "ScaleRecord",
+    {"role": str, "from": int, "to": int, "reason": str, "time": str, "applied": bool},
 )
 
 
@@ -155,8 +156,35 @@ async def actuate(
                 "to": after,
                 "reason": decision.reason,
                 "time": now,
+                "applied": True,
             }
         )
+    return records
+
+
+def advise(
+    spec: InferenceServiceSpec,
+    decisions: Sequence[ScaleDecision],
+    replicas: Mapping[str, int],
+    now: str,
+) -> list[ScaleRecord]:
+    """Mode Advisory: the status records of what :func:`actuate` would do,
+    marked not applied; nothing is patched."""
+    records: list[ScaleRecord] = []
+    for decision in decisions:
+        before = replicas[decision.role]
+        after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})
+        if after != before:
+            records.append(
+                {
+                    "role": decision.role,
+                    "from": before,
+                    "to": after,
+                    "reason": decision.reason,
+                    "time": now,
+                    "applied": False,
+                }
+            )
     return records
 
 

@@ -32,7 +32,14 @@ from prometheus_client import CollectorRegistry
 from ..engine.contracts import metrics as m
 from ..engine.contracts import security
 from .autoscaling.decisions import AutoscalerMetrics
-from .cluster_autoscaler import DecideFn, PolicyDecider, actuate, decide_scaling, merge_records
+from .cluster_autoscaler import (
+    DecideFn,
+    PolicyDecider,
+    actuate,
+    advise,
+    decide_scaling,
+    merge_records,
+)
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
 from .headline import merge_role_load
@@ -402,6 +409,23 @@ async def _autoscale(
     decisions = config.decide(f"{namespace}/{name}", spec.autoscaling, samples, replicas, now)
     if not decisions:
         return autoscaled
+    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions") or []
+    if spec.autoscaling.mode == "Advisory":
+        # Computed and reported (status, events, metrics), not carried out.
+        advised = advise(spec, decisions, replicas, now_rfc3339())
+        if advised:
+            patch.setdefault("status", {})["autoscaling"] = {
+                "mode": "Advisory",
+                "lastDecisions": merge_records(previous, advised),
+            }
+        for record in advised:
+            message = (
+                f"{record['role']} {record['from']} -> {record['to']} (advisory, not applied): "
+                f"{record['reason']}"
+            )
+            kopf.info(body, reason="ScaleAdvised", message=message)
+            logger.info("advised %s", message)
+        return autoscaled
     records = await actuate(
         state.client(),
         name=name,
@@ -413,8 +437,8 @@ async def _autoscale(
     )
     if not records:
         return autoscaled
-    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions") or []
     patch.setdefault("status", {})["autoscaling"] = {
+        "mode": "Active",
         "lastDecisions": merge_records(previous, records),
         "lastScaleTime": records[-1]["time"],
     }

@@ -528,6 +528,13 @@ class ServingSpec(_Spec):
     """Let the model decide when to call tools (`--enable-auto-tool-choice`);
     needs toolCallParser. Unset: on for a model that names its parser (the
     built-in smollm2-135m-instruct), else off; false turns it off."""
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    """How a thinking model's `<think>…</think>` text is split from its answer
+    (`--reasoning-parser`, vLLM's names): returned as `message.reasoning`
+    (and `reasoning_content`), streamed apart from the content. `qwen3`:
+    output without `</think>` is all answer (thinking switched off);
+    `deepseek_r1`: it is all reasoning. Unset: no split. Every engine gets it
+    (any engine may answer a whole request)."""
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServingSpec:
@@ -682,6 +689,9 @@ class ScalingRecord(BaseModel):
     """Why, in the policy's words (metric, value and target)."""
     time: str
     """When (RFC 3339)."""
+    applied: bool = True
+    """False in mode Advisory: the autoscaler computed the change and left
+    the replicas as they were."""
 
 
 class AutoscalingStatus(BaseModel):
@@ -689,8 +699,11 @@ class AutoscalingStatus(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
 
+    mode: Literal["Active", "Advisory"] | None = None
+    """The mode of the latest decisions recorded (spec.autoscaling.mode)."""
     last_decisions: list[ScalingRecord] = Field(default_factory=list)
-    """The most recent replica changes, newest last."""
+    """The most recent replica changes (applied or, in mode Advisory, advised),
+    newest last."""
     last_scale_time: str | None = None
     """When replicas last changed (RFC 3339)."""
 

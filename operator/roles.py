@@ -207,6 +207,8 @@ def serving_flags(serving: ServingSpec | None) -> list[str]:
         flags += ["--chat-template", serving.chat_template]
     if serving.tool_call_parser is not None:
         flags += ["--tool-call-parser", serving.tool_call_parser]
+    if serving.reasoning_parser is not None:
+        flags += ["--reasoning-parser", serving.reasoning_parser]
     if serving.enable_auto_tool_choice is not None:
         # Unset leaves the model directory's default (docs/tool_calling.md).
         on = serving.enable_auto_tool_choice

@@ -611,14 +611,15 @@ OPERATOR_IDENTITY_REQUESTS = Metric(
 AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",
     "gauge",
-    "Replicas of each role the autoscaler wants.",
-    ("role",),
+    "Replicas of each role the autoscaler wants (mode Advisory: advises, and leaves as they are).",
+    ("role", "mode"),
 )
 AUTOSCALER_DECISIONS = Metric(
     "pdfleet_autoscaler_decisions_total",
     "counter",
-    "Autoscaling decisions by role, direction (up, down, none) and reason code.",
-    ("role", "direction", "reason"),
+    "Autoscaling decisions by role, direction (up, down, none), reason code and mode "
+    "(Active: carried out; Advisory: reported only).",
+    ("role", "direction", "reason", "mode"),
 )
 
 

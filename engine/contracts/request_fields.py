@@ -147,7 +147,7 @@ REFUSED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
         _values(*_NONE),
         "a request may not bring its own template (the server's --chat-template is used)",
     ),
-    # Reasoning models (no reasoning parser yet).
+    # Reasoning controls (the reasoning parsers split thinking; these would steer it).
     "reasoning_effort": (_values(*_NONE), "use chat_template_kwargs (e.g. enable_thinking)"),
     "thinking_token_budget": (_values(None, -1), "reasoning length is bounded by max_tokens"),
     # Extensions of vLLM's server that pdfleet does not serve.
@@ -155,8 +155,8 @@ REFUSED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "ec_transfer_params": (_values(*_NONE), "no encoder-cache transfer"),
     "vllm_xargs": (_empty, "no custom request extensions"),
     "routed_experts_prompt_start": (_values(None, 0), "routed-expert data is not returned"),
-    "return_token_offsets": (_values(*_OFF), "no render routes"),
-    "return_mm_kwargs": (_values(None, True), "no render routes"),
+    "return_token_offsets": (_values(*_OFF), "renders return token ids, not offsets"),
+    "return_mm_kwargs": (_values(None, True), "pdfleet serves text models"),
     # What vLLM's router (vllm-router) adds to every body it forwards, at these
     # no-op defaults.
     "no_stop_trim": (_values(*_OFF), "use include_stop_str_in_output"),
@@ -173,7 +173,7 @@ REFUSED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "web_search_options": (_values(*_NONE), "no web search"),
     "functions": (_values(*_NONE), "deprecated by OpenAI: use tools"),
     "function_call": (_values(*_NONE), "deprecated by OpenAI: use tool_choice"),
-    "verbosity": (_values(*_NONE), "no reasoning models"),
+    "verbosity": (_values(*_NONE), "no verbosity control"),
     "prompt_cache_key": (_values(*_NONE), "use cache_salt to separate prefix caches"),
     "safety_identifier": (_values(*_NONE), "no safety service (user is logged)"),
 }

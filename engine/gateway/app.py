@@ -41,7 +41,7 @@ from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.server import HttpServer
 from ..http.upstream import UpstreamClient
 from .answers import error_response, upstream_message
-from .call import client_request_id
+from .call import client_request_id, parse_body
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
 from .kv_index import KVEventFollower, KVIndex
@@ -309,7 +309,11 @@ def build_app(
         return error_response("no healthy decode engine is available", 503, rid)
 
     async def on_a_decode_engine(
-        request: Request, method: str, path: str, body: bytes | None = None
+        request: Request,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        timeout: httpx.Timeout | None = None,
     ) -> Response:
         """The answer of the first healthy decode engine that answers ``method
         path`` (the model-retrieval and tokenizer routes: every engine serves the
@@ -323,7 +327,7 @@ def build_app(
                     e.url + path,
                     content=body,
                     headers={"content-type": "application/json"} if body is not None else None,
-                    timeout=gw.pool.check_timeout,
+                    timeout=timeout or gw.pool.check_timeout,
                 )
             except httpx.HTTPError as ex:
                 logger.warning("request %s: %s on %s: %r", rid, path, e.url, ex)
@@ -389,6 +393,48 @@ def build_app(
         if isinstance(raw, Response):
             return raw
         return await on_a_decode_engine(request, "POST", "/detokenize", raw)
+
+    # vLLM's render routes (a request's token ids and sampling parameters, not
+    # generated) and its tokenizer settings: every engine renders alike, so a
+    # decode engine answers.
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        return await forwarded_post(request, "/v1/completions/render")
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> Response:
+        return await forwarded_post(request, "/v1/chat/completions/render")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        return await on_a_decode_engine(request, "GET", "/tokenizer_info")
+
+    async def forwarded_post(request: Request, path: str) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        raw = await bounded_body(request)
+        if isinstance(raw, Response):
+            return raw
+        if b"kv_transfer_params" in raw:
+            # An internal field, as on the generation routes: a client's is dropped
+            # (the engine would take it from the fleet token the gateway sends).
+            try:
+                body = parse_body(raw)
+            except ValueError:
+                body = None  # not JSON: the engine answers the 400
+            if isinstance(body, dict) and "kv_transfer_params" in body:
+                del body["kv_transfer_params"]
+                raw = json.dumps(body).encode()
+        # A render tokenizes and compiles the request's grammar, as a first token
+        # would: bounded by the first-token timeout, not the health checks'.
+        timeout = httpx.Timeout(
+            gw.config.first_token_base_timeout, connect=gw.config.connect_timeout
+        )
+        return await on_a_decode_engine(request, "POST", path, raw, timeout)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

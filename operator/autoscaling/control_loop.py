@@ -18,10 +18,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...engine.contracts import metrics as m
-from .policy import FleetObservation, PolicyResult, PolicyState, Role, RoleObservation, decide
+from .policy import (
+    FleetObservation,
+    PolicyResult,
+    PolicyState,
+    Role,
+    RoleObservation,
+    choose_victims,
+    decide,
+)
 from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
 from .spec import AutoscalingSpec
-from .victims import ReplicaLoad, choose_victims
+from .victims import ReplicaLoad
 
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
@@ -91,13 +99,37 @@ class ScalingLoop:
     state: PolicyState = field(default_factory=PolicyState)
     snapshots: dict[str, EngineSnapshot] = field(default_factory=dict)
     """Each replica's latest successful snapshot (the ``previous`` of its next)."""
+    starting: dict[str, float] = field(default_factory=dict)
+    """Replicas seen starting at the previous step, and when."""
 
-    def observe(self, replicas: Sequence[ReplicaScrape]) -> dict[Role, list[ReplicaSample]]:
-        """The policy's samples per role; remembers this period's snapshots."""
+    def observe(
+        self, replicas: Sequence[ReplicaScrape], now: float | None = None
+    ) -> dict[Role, list[ReplicaSample]]:
+        """The policy's samples per role; remembers this period's snapshots.
+
+        A replica first scraped ready after it was seen starting counts from
+        zero: its engine's counters started then, and it became ready
+        between the two steps (taken as midway), so its first sample already
+        has rates (a fleet scaling up every period would otherwise always
+        miss its newest replicas' arrivals)."""
         samples: dict[Role, list[ReplicaSample]] = {role: [] for role in ROLES}
         latest: dict[str, EngineSnapshot] = {}
         for r in replicas:
             previous = self.snapshots.get(r.name)
+            seen = self.starting.get(r.name)
+            if previous is None and r.snapshot is not None and seen is not None:
+                previous = EngineSnapshot(
+                    time=(seen + r.snapshot.time) / 2,
+                    num_running=0.0,
+                    num_waiting=0.0,
+                    waiting_prompt_tokens=0.0,
+                    prompt_tokens_total=0.0,
+                    prefill_busy_seconds_total=0.0,
+                    ttft_sum=0.0,
+                    ttft_count=0.0,
+                    itl_sum=0.0,
+                    itl_count=0.0,
+                )
             samples[r.role].append(
                 sample_from_snapshots(r.name, r.snapshot, previous, r.state, r.startup_seconds)
             )
@@ -105,6 +137,8 @@ class ScalingLoop:
             if kept is not None:
                 latest[r.name] = kept
         self.snapshots = latest  # replicas gone since drop out
+        if now is not None:
+            self.starting = {r.name: now for r in replicas if r.state == "starting"}
         return samples
 
     def step(
@@ -120,7 +154,7 @@ class ScalingLoop:
         when that is not simply the replicas seen; ``activations`` the
         requests the gateways found no replica of a role for since the last
         step (:class:`ActivationCounter`)."""
-        samples = self.observe(replicas)
+        samples = self.observe(replicas, now)
         requested = requested or {}
         activations = activations or {}
         observation = FleetObservation(

@@ -32,9 +32,11 @@ class DecisionRecord:
     code: str
     time: float
     """Seconds since the epoch (or the caller's clock)."""
+    applied: bool = True
+    """False in mode Advisory: computed and reported, not carried out."""
 
     @classmethod
-    def of(cls, decision: RoleDecision) -> DecisionRecord:
+    def of(cls, decision: RoleDecision, applied: bool = True) -> DecisionRecord:
         return cls(
             role=decision.role,
             from_replicas=decision.current,
@@ -42,6 +44,7 @@ class DecisionRecord:
             reason=decision.reason,
             code=decision.code,
             time=decision.time,
+            applied=applied,
         )
 
     @property
@@ -51,7 +54,7 @@ class DecisionRecord:
         return "down" if self.to_replicas < self.from_replicas else "none"
 
     def to_dict(self) -> dict[str, Any]:
-        """The status shape: ``{role, from, to, reason, code, time}``."""
+        """The status shape: ``{role, from, to, reason, code, time, applied}``."""
         return {
             "role": self.role,
             "from": self.from_replicas,
@@ -59,6 +62,7 @@ class DecisionRecord:
             "reason": self.reason,
             "code": self.code,
             "time": self.time,
+            "applied": self.applied,
         }
 
 
@@ -88,19 +92,23 @@ class DecisionHistory:
 class AutoscalerMetrics:
     """The autoscaler's series, registered on the registry the caller owns.
 
-    * ``pdfleet_autoscaler_desired_replicas{role}`` (gauge)
-    * ``pdfleet_autoscaler_decisions_total{role,direction,reason}`` (counter;
-      every decision, ``direction="none"`` included, so holds are visible)
+    * ``pdfleet_autoscaler_desired_replicas{role,mode}`` (gauge)
+    * ``pdfleet_autoscaler_decisions_total{role,direction,reason,mode}``
+      (counter; every decision, ``direction="none"`` included, so holds are
+      visible)
+
+    ``mode`` is the spec's: ``Active`` (carried out) or ``Advisory``
+    (reported only).
     """
 
     def __init__(self, registry: Any) -> None:
         self.desired_replicas = m.AUTOSCALER_DESIRED_REPLICAS.create(registry)
         self.decisions = m.AUTOSCALER_DECISIONS.create(registry)
 
-    def observe(self, decision: RoleDecision) -> None:
-        self.desired_replicas.labels(role=decision.role).set(decision.desired)
+    def observe(self, decision: RoleDecision, mode: str = "Active") -> None:
+        self.desired_replicas.labels(role=decision.role, mode=mode).set(decision.desired)
         self.decisions.labels(
-            role=decision.role, direction=decision.direction, reason=decision.code
+            role=decision.role, direction=decision.direction, reason=decision.code, mode=mode
         ).inc()
 
 
@@ -115,17 +123,24 @@ class DecisionLog:
         self.metrics = metrics
         self.history = DecisionHistory(capacity)
 
-    def record(self, decisions: Iterable[RoleDecision]) -> list[DecisionRecord]:
-        """Record decisions; returns the records added to the history."""
+    def record(
+        self, decisions: Iterable[RoleDecision], mode: str = "Active"
+    ) -> list[DecisionRecord]:
+        """Record decisions; returns the records added to the history. In mode
+        ``Advisory`` the records say they were not applied."""
         added = []
+        applied = mode != "Advisory"
         for decision in decisions:
             if self.metrics is not None:
-                self.metrics.observe(decision)
+                self.metrics.observe(decision, mode)
             if decision.direction == "none":
                 logger.debug("autoscaler: %s", decision.reason)
                 continue
-            logger.info("autoscaler: %s", decision.reason)
-            record = DecisionRecord.of(decision)
+            if applied:
+                logger.info("autoscaler: %s", decision.reason)
+            else:
+                logger.info("autoscaler (advisory, not applied): %s", decision.reason)
+            record = DecisionRecord.of(decision, applied)
             self.history.append(record)
             added.append(record)
         return added

@@ -8,30 +8,35 @@ One call per period decides both roles::
     state = result.state          # keep for the next period
     result.prefill.desired, result.decode.desired, result.prefill.reason
 
-Per role, in order:
+The phases, in order (each a function below):
 
-1. **Signal** (:mod:`.signals`): the replicas the load needs, from fresh
-   samples of ready replicas -- prefill from prompt-token arrivals and its
-   backlog against the TTFT target, decode from summed KV-cache usage and
-   its queue. A rising load is projected one startup time plus one period
-   ahead (the startup time is learned from replicas going from ``starting``
-   to ``ready``, and until then from the startups serving replicas report):
-   replicas added now serve only then. Replicas still starting
-   are part of the current count, so load a cold start is already answering
-   starts no more replicas.
-2. **Tolerance**: within ``tolerance`` of the current count, keep it. Going
-   down, the count is chosen with the tolerance as headroom, so that the
-   next noise peak does not push it straight back up.
-3. **Stabilization** (as Kubernetes' HPA): scale up to the lowest
-   recommendation of the up window, down to the highest of the down window;
-   no scale-down in the first down window after the policy starts.
-4. **Holds**: no scale-down while a ready replica has missing or stale
-   metrics, while replicas are starting, or while prefill's measured TTFT is
-   above its target.
-5. **Steps** per period, then min/max.
+1. **observe** (:func:`observe`): from the fresh samples of ready replicas,
+   the request arrival rate at prefill, prefill's service time per request
+   (its mean and spread, over a window of several minutes), its backlog, and
+   decode's KV usage, running and waiting requests and mean step time.
+2. **forecast** (:func:`forecast`): the arrival rate one startup plus one
+   period ahead (the lead, 15-120 s): a robust line through the last two
+   minutes of rates, its rise projected only where it stands out of the
+   rate's Poisson noise, plus a margin for that noise over the next minute.
+3. **size** (:func:`size_prefill`, :func:`size_decode`): replicas from the
+   SLOs. Prefill: the fewest replicas whose queueing model (M/G/c, Erlang C)
+   keeps the share of requests that miss the TTFT target because they
+   waited below :attr:`PolicyTuning.ttft_miss_share`. Decode: the KV usage
+   per replica at which its step-time model (fitted to the replicas' own
+   inter-token latencies) meets the ITL target, capped by
+   ``targetKVCacheUsage``; the KV the forecast rate will hold at that step
+   time, over that usage.
+4. **step-limit** (:func:`step_limit`): up at once to what is needed; down
+   only once everything sized over the down window (``scaleDownStabilizationSeconds``),
+   with a few percent of headroom, is below the current count, to the most of it; no
+   scale-down while a replica's metrics are missing or replicas are
+   starting; the spec's steps per period and bounds.
+5. **choose victims** (:func:`choose_victims`): which replicas a scale-down
+   drains (the actuators call it through the control loop).
 
-Then across roles: the prefill:decode ratio guardrail (raising the short
-side first), then the total replica budget (taking back growth first).
+Then across roles: the prefill:decode ratio guardrail (raising the short side
+first) and the total replica budget (taking back growth first); and scale to
+zero (``minReplicas: 0``), decided in :func:`_decide_role`.
 """
 
 from __future__ import annotations
@@ -42,37 +47,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .models import fit_step_model, replicas_for_ttft, theil_sen
 from .samples import ReplicaSample
-from .signals import (
-    RoleSignal,
-    Trend,
-    calibrate_prefill_rate,
-    decode_signal,
-    decode_trend_confirmed,
-    fall_confirmed,
-    noise,
-    pairwise_slope,
-    prefill_signal,
-    rise_confirmed,
-    split_samples,
-)
 from .spec import AutoscalingSpec, RoleScaling
+from .victims import ReplicaLoad
+from .victims import choose_victims as _choose_victims
 
 Role = Literal["prefill", "decode"]
 Direction = Literal["up", "down", "none"]
 
 # Machine reason codes (the `reason` label of the decisions counter).
 REASON_CODES = (
-    "prefill_load",  # prompt-token arrivals (or busy time) against target utilization
-    "prefill_backlog",  # queued prefill work beyond the TTFT-derived allowance
-    "waiting_queue",  # waiting requests against targetWaitingPerReplica
-    "kv_cache",  # decode KV-cache usage (plus its queue) against targetKVCacheUsage
-    "within_tolerance",  # recommendation within the tolerance of the current count
-    "stabilization_window",  # a lower recommendation not yet stable for the down window
+    "ttft_model",  # prefill: the queueing model's replicas for the TTFT target
+    "prefill_backlog",  # prefill: queued work beyond what the model expects, drained
+    "waiting_queue",  # waiting requests against targetWaitingPerReplica (engines without a backlog series)
+    "itl_model",  # decode: the step-time model's replicas for the ITL target
+    "kv_cache",  # decode: KV usage against targetKVCacheUsage (the ceiling)
+    "within_tolerance",  # fewer replicas needed, but not with the scale-down headroom
+    "stabilization_window",  # a lower count not yet needed for the whole down window
     "metrics_missing",  # a ready replica has missing or stale metrics: no scale-down
     "replicas_starting",  # replicas still starting: no scale-down
-    "ttft_above_target",  # prefill TTFT above target: no scale-down
-    "flap_damping",  # a recent scale-down was undone: not below that count for a while
     "step_limit",  # change cut to maxScaleUpStep / maxScaleDownStep
     "min_replicas",
     "max_replicas",
@@ -82,7 +76,6 @@ REASON_CODES = (
     "activation",  # at zero replicas, the gateway saw requests for the role: start one
     "scaled_to_zero",  # at zero replicas and nothing wants the role: stay there
     "idle",  # minReplicas 0 and idle for scaleToZeroAfterSeconds: go to zero
-    "load_rising",  # decode: prefill's demand is rising, its requests reach decode next
 )
 
 
@@ -90,206 +83,124 @@ REASON_CODES = (
 class PolicyTuning:
     """Constants of the policy that are not part of the resource."""
 
-    prefill_target_utilization: float = 0.8
-    """Fraction of a prefill replica's measured token throughput the policy
-    plans to use; the rest absorbs arrival noise until the next period."""
-    backlog_drain_seconds: float = 60.0
-    """A queue (prefill work beyond the TTFT allowance; decode requests beyond
-    ``targetWaitingPerReplica``) is planned to be gone this many seconds
-    after the added replicas serve."""
-    tolerance: float = 0.1
-    """Relative band around the current count inside which the count is kept."""
-    scale_down_headroom: float | None = 0.3
-    """Headroom kept when scaling down: the count left serves the load times
-    (1 + this). None: the tolerance. 0.3 rather than the tolerance's 0.1:
-    fewer scale-downs that the next surge undoes; affordable since prefill
-    is sized on its request rate (``prefill_mix_seconds``;
-    docs/autoscaling.md, "Sizing prefill on its request rate")."""
-    falling_down_headroom: float | None = None
-    """The headroom going down while the role's demand falls decisively
-    (``signal.falling``, the condition of the falling down window): a load
-    that is leaving needs less room for its next noise peak. None: the
-    headroom of a steady load."""
-    flap_floor_share: float | None = None
-    """After a scale-down is undone within its window, the next one below
-    that count waits for a load this share below the one that failed. None:
-    the tolerance."""
-    flap_floor_full_window: bool = True
-    """Lift decode's floor only when the spec's whole down window stays
-    below it, not the shorter falling window: a run of low snapshots of
-    decode's noisy KV usage met the 90 s window and let the next flap
-    through. On the target matrix it keeps every seed count and halves the
-    steady flaps; on the +30% prefill-rate case it lifts burst TTFT by a
-    seed (docs/autoscaling.md, "Telling a steady load from the start of a
-    ramp"). False: the down window in force, as before."""
-    prefill_flap_floor_full_window: bool = False
-    """The same for prefill's floor (measured with decode's: it took a +30%
-    prefill-rate seed past 1.25x the oracle)."""
-    trend_window_seconds: float = 90.0
-    """Demand over this window gives the slope used to project it ahead."""
+    ttft_miss_share: float = 0.02
+    """Share of requests the prefill model may let miss the TTFT target
+    because they waited (below the SLO's 1%: the rest is the forecast's
+    error and the model's)."""
+    itl_margin: float = 0.93
+    """Decode plans its replicas' step time at this share of the ITL target
+    (a request's ITL is the mean over its steps; replicas differ a little)."""
+    ttft_reserve: float = 0.05
+    """Share of the TTFT target kept for what the models do not see: the KV
+    transfer and the gateway."""
+    level_window_seconds: float = 300.0
+    """The arrival rates the forecast's level is fitted to."""
+    forecast_window_seconds: float = 120.0
+    """The arrival rates a rise (or a surge's start or end) is read from."""
+    min_trend_span_seconds: float = 20.0
+    """A rise is projected only from rates spanning at least this long (a
+    fleet's first seconds fill idle engines)."""
+    min_lead_seconds: float = 15.0
+    max_lead_seconds: float = 120.0
+    """Bounds on how far ahead the forecast looks (one startup plus one
+    period, learned from the replicas' starts)."""
     default_startup_seconds: float = 60.0
-    """Projection horizon until a replica start has been observed."""
+    """The startup the lead assumes before one has been observed."""
+    rise_z: float = 3.0
+    """A rise is projected when it amounts, over the forecast window, to
+    this many times its own noise (the Poisson noise of one period's rate,
+    through a line of the window's periods)."""
+    fall_z: float = 3.5
+    """A fall counts as decisive (the spec's short down window) when it
+    stands this many times its noise out of a window's line."""
+    rate_z: float = 0.5
+    """Size for the forecast plus this many times the Poisson noise of the
+    arrivals over :attr:`noise_horizon_seconds`."""
+    noise_horizon_seconds: float = 60.0
+    service_window_seconds: float = 450.0
+    """Prefill's service time per request (mean and spread) is measured over
+    this window: a period's couple of hundred requests only add noise."""
+    itl_near: float = 0.5
+    """Decode's step model sizes it only once the step time is this share of
+    the goal, or the model is fitted (a light load's steps say little)."""
+    unfitted_fixed_share: float = 0.5
+    """Before decode's step model is fitted, the share of the measured step
+    time taken as its fixed part (streaming the weights)."""
+    step_window_seconds: float = 1800.0
+    """Decode's step-time model is fitted to the samples of this window."""
+    warmup_seconds: float = 60.0
+    """Decode's first samples, as a fleet fills from idle, do not enter the
+    step-time model."""
+    step_min_spread: float = 0.1
+    """Least spread of KV usage (10th to 90th percentile) that tells the
+    step model's fixed part from its per-KV part."""
+    decode_window_seconds: float = 300.0
+    """Decode's KV per unit of load (KV usage / (arrival rate x step time))
+    is the median over this window."""
+    scale_up_extra: float = 0.06
+    scale_down_least: float = 0.08
+    """Scale events come in chunks: a scale-up adds this share more than
+    needed (a rising load soon needs it), a scale-down removes at least this
+    share of the count (and one replica). A load that moves by a replica at
+    a time would otherwise make an event for every replica it crosses."""
+    scale_down_headroom: float = 0.03
+    """A scale-down leaves replicas for this much more load than measured:
+    the count left is not one the load's noise takes straight back up."""
+    steady_down_factor: float = 10 / 3
+    """The down window while the load does not fall decisively, as a
+    multiple of the spec's (which applies while it does): 300 s for the
+    default 90 s."""
+    dwell_seconds: float = 600.0
+    decisive_fall: float = 0.15
+    reversal_band: float = 0.05
+    """Within ``dwell_seconds`` of a scale-up, scale down only once the need
+    has fallen by ``decisive_fall`` of the count; within it after a
+    scale-down, scale up only once the need is ``reversal_band`` above the
+    count (the models' margins cover less): no reversal on noise."""
+    backlog_drain_seconds: float = 60.0
+    """Queued prefill work beyond what the model expects is planned to be
+    gone this long after the added replicas serve."""
     calibration_smoothing: float = 0.3
     """Weight of a new measurement in a running estimate (tokens/s, startup)."""
-    falling_down_window_seconds: float | None = 90.0
-    """Down window while the role's demand falls decisively (most of its
-    recent samples agree on a fall of at least 10%): a surge's replicas go as
-    the surge ebbs rather than a whole down window later. None: always the
-    spec's window."""
-    horizon_factor: float = 1.0
-    """The projection looks this many times one startup plus two periods
-    ahead (more than 1 starts replicas earlier on a ramp)."""
-    recent_peak_seconds: float | None = None
-    """Plan for at least the highest demand measured in this many seconds
-    (a short-horizon forecast of trend plus recent peak). None: the trend
-    alone."""
-    fit_decode_level: bool = False
-    """Size decode on the robust (Theil-Sen) line through its recent KV
-    demand rather than on the latest snapshot alone (:func:`.signals.fitted_level`)."""
-    noise_band: float | None = None
-    """Widen the tolerance band to this many times the demand's own noise
-    (its spread about the recent trend, :func:`.signals.noise`), converted to
-    replicas. None: the relative tolerance alone."""
-    noise_band_up: bool = True
-    """Whether ``noise_band`` also delays scale-ups (False: it only keeps
-    scale-downs that the demand's noise would undo)."""
-    trend_noise_z: float | None = None
-    """Project a rise only when it exceeds this many times the demand's
-    noise over the trend window. None: every rise is projected."""
-    min_trend_span_seconds: float = 20.0
-    """Project a rise only from samples spanning at least this many seconds
-    (and :data:`.signals.MIN_TREND_POINTS` of them). At a 2 s period four
-    samples span 6 s: a fleet's first seconds, or decode's series just after
-    a count change, then showed the first requests filling idle engines as a
-    rise, carried a whole startup ahead (docs/autoscaling.md, "The simulator
-    against the real fleet"). 0: the point count alone."""
-    settle_decode_trend: bool = False
-    """Project decode's own trend only once its series at the current count
-    spans the trend window (before that, only prefill's growth)."""
-    full_down_window_after_up: bool = False
-    """Within one spec down window after a scale-up, scale down only on the
-    spec's window, never on the shorter falling window: a scale-up is not
-    undone by the next dip of a noisy signal. Both roles; decode's own
-    default is ``decode_full_down_window_after_up``."""
-    decode_full_down_window_after_up: bool = True
-    """``full_down_window_after_up`` for decode alone. Its summed KV usage
-    falls whenever a few long documents finish: on heavytail seed 6 that
-    fall took decode 3 -> 2 on the falling window 120 s after its scale-up,
-    the next rise undid it, and the flap floor then held the third replica
-    for 1,350 s (1.252x the oracle; 1.194x with this). Prefill keeps the
-    falling window after a scale-up: it is what ends a surge's cost."""
-    decode_trend_with_arrivals: bool = False
-    """Project decode's own KV trend only while prefill's prompt arrivals
-    rise too (their lower-quartile pairwise slope is positive,
-    :func:`.signals.decode_trend_confirmed`). On a steady request rate the
-    summed KV usage is a noisy snapshot whose fitted slope often points up,
-    while the arrivals stay flat. Decode still follows prefill's growth, and
-    its measured level still scales it up."""
-    decode_falls_with_arrivals: bool = False
-    """Give decode the shorter falling down window only while prefill's
-    prompt arrivals fall decisively, not on a run of low samples of decode's
-    own (noisy) KV series."""
-    rise_noise_z: float | None = None
-    """Decode projects a rise (its own trend or prefill's growth) only while
-    prefill's prompt arrivals stand more than this many times the noise of
-    one sample (learned over ``rise_noise_window_seconds``) above their
-    median of the trend window (:func:`.signals.rise_confirmed`): a steady
-    rate keeps decode on its measured level. None: every rise is projected."""
-    prefill_rise_noise_z: float | None = None
-    """The same test for prefill's own projection. None: every rise."""
-    rise_after_down_z: float | None = None
-    """Within one down window after a decode scale-down, decode projects a
-    rise only while prefill's arrivals stand this many times their noise
-    above their level (:func:`.signals.rise_confirmed`); its measured level
-    still scales it up. None: no such dwell."""
-    fall_noise_z: float | None = None
-    """Count prefill's fall as decisive (the shorter falling down window, for
-    both roles) only when it is also larger than this many times the
-    arrivals' noise over ``rise_noise_window_seconds``
-    (:func:`.signals.fall_confirmed`). None: :func:`.signals.falling` alone."""
-    rise_noise_window_seconds: float = 600.0
-    """The window over which the arrivals' noise is learned for the
-    ``*_z`` gates: longer than the trend window, so that the noise is known
-    before a ramp starts."""
-    rise_recent_seconds: float | None = None
-    """Once the trend window shows a rise, project prefill along the steeper
-    of the window's slope and that of only the last this many seconds
-    (:func:`.signals.project_rise`): a ramp's first minute is then projected
-    at its own slope, not at the window's, which still holds the samples
-    from before the ramp. None: the window's slope alone."""
-    rise_z: float | None = None
-    """With ``rise_recent_seconds``: the recent slope counts only where the
-    rise it makes over its samples exceeds this many times the window's noise
-    (:func:`.signals.noise`). None: any such rise."""
-    decode_queue_drain_seconds: float | None = None
-    """Decode requests waiting beyond ``targetWaitingPerReplica`` are planned
-    to be admitted within this many seconds. None: ``backlog_drain_seconds``."""
-    hold_decode_rising_quantile: float | None = None
-    """No decode scale-down while this quantile of the pairwise slopes of
-    prefill's recent demand is positive (0.25: three quarters of the pairs
-    agree on a rise): the requests rising at prefill reach decode a prefill
-    later. None: no such hold."""
-    decode_down_headroom: float | None = None
-    """Decode's own scale-down headroom. None: ``scale_down_headroom``."""
-    decode_load_floor: int | None = None
-    """Fewest decode replicas the load signals leave (above ``minReplicas``;
-    idle scale-to-zero still goes below). One decode replica carries the
-    whole base load, so a surge fills it within about a minute, before a
-    replica started then serves; two share it with room for a surge's first
-    minutes. None: ``minReplicas``."""
-    single_decode_headroom: float | None = 1.0
-    """Decode's headroom for a scale-down to one replica (1.0: the one left
-    must hold twice the load). One replica holds the whole batch, its steps
-    lengthen, and on a load it holds at half its target its noise peaks sit
-    at the scale-up threshold: going to one there was what made a steady
-    load flap. None: the usual headroom."""
-    prefill_mix_seconds: float | None = 450.0
-    """Size prefill on its request arrival rate times the prompt tokens per
-    request of this many seconds, rather than on each period's prompt-token
-    arrivals: a surge moves the request rate, while the prompt-length mix
-    of a period's ~200 requests only adds noise (a few long documents make
-    a period look 30% busier), which the trend then carried a cold start
-    ahead. None: each period's token arrivals."""
-    prefill_outlier_z: float | None = 2.0
-    """Size prefill on at most this many standard deviations above the
-    robust line through its request rate over the trend window
-    (:func:`.signals.outlier_bound`): one busy period of a steady load (a
-    third above its rate on steady seed 6) otherwise set a scale-up that
-    the down window undid 270 s later. The deviation counts the Poisson
-    noise of the requests measured, so a ramp's steeper period is not
-    bounded. None: each period's rate as measured."""
     min_calibration_busy: float = 0.1
-    """Least busy prefill time (in replica-periods, summed) that makes a
-    tokens/s measurement: an idle fleet measures nothing."""
+    """Least busy prefill time (replica-periods, summed) that measures
+    anything: an idle fleet measures nothing."""
+    min_scv: float = 0.1
+    max_scv: float = 4.0
+    """Bounds on the measured squared coefficient of variation of prefill's
+    service times."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.prefill_target_utilization <= 1:
-            raise ValueError("prefill_target_utilization must be in (0, 1]")
-        if not 0 <= self.tolerance < 1:
-            raise ValueError("tolerance must be in [0, 1)")
+        for name in ("ttft_miss_share", "ttft_reserve"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {value}")
+        if not 0 < self.itl_margin <= 1:
+            raise ValueError(f"itl_margin must be in (0, 1], got {self.itl_margin}")
+        if not 0 <= self.scale_down_headroom < 1:
+            raise ValueError("scale_down_headroom must be in [0, 1)")
+        if self.steady_down_factor < 1:
+            raise ValueError("steady_down_factor must be >= 1")
         if not 0 < self.calibration_smoothing <= 1:
             raise ValueError("calibration_smoothing must be in (0, 1]")
-        if self.min_trend_span_seconds < 0:
-            raise ValueError("min_trend_span_seconds must be >= 0")
-        for name in ("rise_recent_seconds", "decode_queue_drain_seconds", "prefill_outlier_z"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value}")
-        q = self.hold_decode_rising_quantile
-        if q is not None and not 0 <= q <= 1:
-            raise ValueError(f"hold_decode_rising_quantile must be in [0, 1] or None, got {q}")
-        if self.decode_load_floor is not None and self.decode_load_floor < 1:
-            raise ValueError(
-                f"decode_load_floor must be >= 1 or None, got {self.decode_load_floor}"
-            )
+        if not 0 < self.min_lead_seconds <= self.max_lead_seconds:
+            raise ValueError("need 0 < min_lead_seconds <= max_lead_seconds")
         for name in (
-            "backlog_drain_seconds",
-            "trend_window_seconds",
+            "forecast_window_seconds",
+            "level_window_seconds",
             "default_startup_seconds",
-            "rise_noise_window_seconds",
+            "noise_horizon_seconds",
+            "service_window_seconds",
+            "step_window_seconds",
+            "decode_window_seconds",
+            "backlog_drain_seconds",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+
+# ---------------------------------------------------------------------------
+# what the actuator observes, what the policy remembers, what it returns
 
 
 @dataclass(frozen=True)
@@ -315,47 +226,63 @@ class FleetObservation:
     decode: RoleObservation = field(default_factory=RoleObservation)
 
 
+Series = tuple[tuple[float, float], ...]
+# The shortest windows a rise is read from, besides the forecast window: a
+# surge's first periods stand out of a large fleet's noise within them.
+RISE_WINDOWS = (50.0,)
+# A fall is read only from windows of at least this many periods.
+MIN_FALL_POINTS = 8
+
+
 @dataclass(frozen=True)
 class RoleState:
     """What one role remembers between periods."""
 
     since: float | None = None
     """Time of this role's first decision."""
-    recommendations: tuple[tuple[float, int, int, float], ...] = ()
-    """(time, count to scale up to, count to scale down to, replicas needed)
-    within the longest stabilization window."""
-    demand: tuple[tuple[float, float], ...] = ()
-    """(time, measured demand in replicas) within the trend window."""
+    needs: Series = ()
+    """(time, replicas needed) within the longest stabilization window."""
     count: int | None = None
     """Requested replicas when this state was made."""
-    scaled_down: tuple[float, int, float] | None = None
-    """(time, count before, replicas needed then) of the latest scale-down."""
-    floor: tuple[int, float] | None = None
-    """(count, replicas needed): a scale-down below ``count`` was undone within
-    its down window; the next needs the load below what it was then."""
+    scaled_up: float | None = None
+    """When the role last scaled up."""
+    up_need: float | None = None
+    """The replicas needed at the latest scale-up."""
+    scaled_down: float | None = None
+    """When the role last scaled down."""
     idle_since: float | None = None
     """Since when the role has had no request arriving, queued or running."""
-    scaled_up: float | None = None
-    """Time of the latest scale-up."""
-    long_demand: tuple[tuple[float, float], ...] = ()
-    """(time, measured demand) within ``rise_noise_window_seconds``, kept
-    only while one of the arrivals' noise gates (``PolicyTuning.*_z``) is on."""
 
 
 @dataclass(frozen=True)
 class PolicyState:
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
+    rates: Series = ()
+    """(time, requests arriving per second at prefill) within the level window."""
+    service: tuple[tuple[float, float, float, float], ...] = ()
+    """(time, requests served, busy seconds, sum of n x (busy / n)^2) of
+    each prefill replica-period within the service window: the mean service
+    time and its spread."""
     prefill_tokens_per_second: float | None = None
     """Calibrated prompt tokens per second of one prefill replica."""
+    kv_usage: tuple[tuple[str, float], ...] = ()
+    """(replica, KV usage) of each decode replica at the previous period."""
+    steps: Series = ()
+    """(mean KV usage, mean step seconds) of the decode fleet per period
+    within the step window, with their times in :attr:`step_times`."""
+    step_times: tuple[float, ...] = ()
+    step_model: tuple[float, float] | None = None
+    """The latest (a, b) of decode's step-time model."""
+    decode_load: Series = ()
+
+    """(time, KV usage / (arrival rate x step seconds)) within the decode
+    window: decode's KV per unit of load."""
     startup_seconds: float | None = None
     """Observed time from ``starting`` to ``ready``, smoothed; until a start
     has been watched, what the serving replicas report (``startup_watched``)."""
     startup_watched: bool = False
     """Whether ``startup_seconds`` comes from a watched start."""
-    prefill_mix: tuple[tuple[float, float, float], ...] = ()
-    """(time, prompt tokens, requests) that arrived at prefill per period,
-    within ``PolicyTuning.prefill_mix_seconds``."""
     starting_since: tuple[tuple[str, float], ...] = ()
     """(replica, first time seen starting) for replicas not yet ready."""
 
@@ -371,6 +298,9 @@ class RoleDecision:
     reason: str
     """One line for people: what was measured and why this count."""
     time: float
+    needed: float | None = None
+    """Replicas the sizing asked for this period (before the windows and
+    steps; None with nothing measured)."""
 
     @property
     def direction(self) -> Direction:
@@ -392,6 +322,619 @@ class PolicyResult:
         return (self.prefill, self.decode)
 
 
+# ---------------------------------------------------------------------------
+# phase 1: observe
+
+
+@dataclass(frozen=True)
+class RoleView:
+    """The samples of one role this period."""
+
+    fresh: tuple[ReplicaSample, ...]
+    """Ready replicas with a fresh sample."""
+    missing: tuple[str, ...]
+    """Ready replicas without a usable sample."""
+    draining: tuple[ReplicaSample, ...]
+    """Draining replicas with a fresh sample (decode's KV is still theirs)."""
+    current: int
+    """Replicas requested (ready + starting)."""
+    starting: int
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """What prefill's samples say."""
+
+    rate: float | None
+    """Requests arriving per second (None: not measurable)."""
+    service_seconds: float | None
+    """Mean prefill time of one request, over the service window."""
+    scv: float
+    """Squared coefficient of variation of the service times."""
+    backlog_seconds: float | None
+    """Queued prefill work, in seconds of one replica."""
+    waiting: float
+    ttft_seconds: float | None
+    """Mean time to the first token at prefill over the period."""
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What decode's samples say."""
+
+    usage: float
+    """KV usage summed over the replicas (draining ones included)."""
+    running: float
+    waiting: float
+    step_seconds: float | None
+    """Mean step time (inter-token latency) over the period."""
+    first_token_seconds: float | None
+    """Mean time from arriving at decode to the first token."""
+    step_model: tuple[float, float] | None
+    """(a, b) of step seconds = a + b x KV usage, per replica."""
+    step_fitted: bool
+    """Whether the model was fitted to enough spread in the usage this
+    period (not carried over from an earlier fit or drawn through 0)."""
+    usage_per_replica: float | None
+    """The KV usage the running requests see, on average over the period
+    (the replicas' usage weighted by their running requests)."""
+    load_ratio: float | None
+    """KV usage per (request per second x step second): the KV one unit of
+    load holds, median over the decode window."""
+
+
+def _view(obs: RoleObservation, now: float, stale: float) -> RoleView:
+    def fresh(r: ReplicaSample) -> bool:
+        return r.time is not None and now - r.time <= stale
+
+    live = [r for r in obs.replicas if r.state != "draining"]
+    requested = obs.requested if obs.requested is not None else len(live)
+    ready = [r for r in live if r.state == "ready"]
+    # A replica seen once has no rate yet: it is missing for the sums.
+    usable = [r for r in ready if fresh(r) and r.interval_seconds is not None]
+    missing = tuple(
+        f"{r.name} (first scrape)" if fresh(r) else r.name for r in ready if r not in usable
+    )
+    draining = tuple(r for r in obs.replicas if r.state == "draining" and fresh(r))
+    return RoleView(tuple(usable), missing, draining, requested, max(requested - len(ready), 0))
+
+
+def observe(
+    spec: AutoscalingSpec,
+    prefill: RoleView,
+    decode: RoleView,
+    state: PolicyState,
+    now: float,
+    tuning: PolicyTuning,
+) -> tuple[PrefillLoad, DecodeLoad, PolicyState]:
+    """Phase 1: the load of each role, and the windows updated with this
+    period's samples."""
+    # Prefill: arrivals, service time (mean and spread), backlog.
+    rate = None
+    rates = [r.request_arrivals_per_second for r in prefill.fresh]
+    if rates and all(x is not None for x in rates):
+        rate = sum(x or 0.0 for x in rates)
+    service = tuple(e for e in state.service if now - e[0] < tuning.service_window_seconds)
+    for r in (*prefill.fresh, *prefill.draining):
+        dt, busy, first = r.interval_seconds, r.prefill_busy_fraction, r.first_tokens_per_second
+        if dt and busy is not None and first is not None and first * dt >= 1:
+            n, b = first * dt, busy * dt
+            service = (*service, (now, n, b, b * b / n))
+    tokens_per_second = _calibrate_tokens(prefill, state, tuning)
+    served = sum(e[1] for e in service)
+    mean = scv = None
+    if served >= 1 and sum(e[2] for e in service) > 0:
+        mean = sum(e[2] for e in service) / served
+        # Each replica-period's mean service time varies by sigma^2 / n about
+        # the mean: n (m - mean)^2 estimates sigma^2 (summed: n m^2 - ...).
+        count = len(service)
+        if count >= 2:
+            variance = (sum(e[3] for e in service) - served * mean * mean) / (count - 1)
+            scv = variance / (mean * mean)
+    if mean is None and tokens_per_second:
+        # Before anything was served: the prompts that arrived at the
+        # configured (or measured) tokens/s.
+        tokens = [r.prompt_token_arrivals_per_second for r in prefill.fresh]
+        if rate and all(t is not None for t in tokens):
+            mean = sum(t or 0.0 for t in tokens) / rate / tokens_per_second
+    scv = min(max(scv if scv is not None else 1.0, tuning.min_scv), tuning.max_scv)
+    backlog = None
+    queued = [r.waiting_prompt_tokens for r in prefill.fresh]
+    if tokens_per_second and queued and all(q is not None for q in queued):
+        backlog = sum(q or 0.0 for q in queued) / tokens_per_second
+    ttfts = [r.ttft_seconds for r in prefill.fresh if r.ttft_seconds is not None]
+    p_load = PrefillLoad(
+        rate=rate,
+        service_seconds=mean,
+        scv=scv,
+        backlog_seconds=backlog,
+        waiting=sum(r.num_waiting for r in prefill.fresh),
+        ttft_seconds=statistics.fmean(ttfts) if ttfts else None,
+    )
+    rates_kept = tuple(p for p in state.rates if now - p[0] < tuning.level_window_seconds)
+    if rate is not None and prefill.complete:
+        rates_kept = (*rates_kept, (now, rate))
+
+    # Decode: KV usage, steps, the step-time model.
+    holders = (*decode.fresh, *decode.draining)
+    usage = sum(r.kv_cache_usage for r in holders)
+    running = sum(r.num_running for r in holders)
+    previous = dict(state.kv_usage)
+    keep = [i for i, t in enumerate(state.step_times) if now - t < tuning.step_window_seconds]
+    steps = [state.steps[i] for i in keep]
+    times = [state.step_times[i] for i in keep]
+    weighted = weight = usage_sum = 0.0
+    for r in decode.fresh:
+        if r.itl_seconds is None or r.num_running <= 0:
+            continue
+        # Weighted by running requests, as the steps are (each request
+        # takes its replica's step): a replica just started, nearly empty,
+        # dilutes neither. The period's usage: the mean at its two ends.
+        weighted += r.itl_seconds * r.num_running
+        usage_sum += (previous.get(r.name, r.kv_cache_usage) + r.kv_cache_usage) / 2 * r.num_running
+        weight += r.num_running
+    step_now = weighted / weight if weight else None
+    usage_now = usage_sum / weight if weight else None
+    warm = state.decode.since is not None and now - state.decode.since >= tuning.warmup_seconds
+    if step_now is not None and decode.complete and warm:
+        # One point per period for the whole fleet: a replica's snapshot of
+        # its KV usage is noisy against its period's steps (its requests come
+        # and go), and that noise would flatten the fitted slope; the fleet's
+        # mean averages it out, and moves with the load.
+        steps.append((usage_sum / weight, step_now))
+        times.append(now)
+    fitted = fit_step_model(steps, tuning.step_min_spread, state.step_model)
+    model = None if fitted is None else (fitted[0], fitted[1])
+    firsts = [r.ttft_seconds for r in decode.fresh if r.ttft_seconds is not None]
+    load_series = tuple(p for p in state.decode_load if now - p[0] < tuning.decode_window_seconds)
+    if rate and step_now and decode.complete and prefill.complete and usage > 0:
+        load_series = (*load_series, (now, usage / (rate * step_now)))
+    d_load = DecodeLoad(
+        usage=usage,
+        running=running,
+        waiting=sum(r.num_waiting for r in decode.fresh),
+        step_seconds=step_now,
+        first_token_seconds=statistics.fmean(firsts) if firsts else None,
+        step_model=model,
+        step_fitted=fitted is not None and fitted[2],
+        usage_per_replica=usage_now,
+        # Until decode has run for a while its KV is still filling (the
+        # longest outputs last minutes): the snapshot, not a median that
+        # lags it, sizes decode then.
+        load_ratio=(
+            statistics.median(v for _, v in load_series)
+            if load_series and now - (state.decode.since or now) >= tuning.decode_window_seconds
+            else None
+        ),
+    )
+    new_state = replace(
+        state,
+        rates=rates_kept,
+        service=service,
+        prefill_tokens_per_second=tokens_per_second,
+        kv_usage=tuple((r.name, r.kv_cache_usage) for r in holders),
+        steps=tuple(steps),
+        step_times=tuple(times),
+        step_model=model,
+        decode_load=load_series,
+    )
+    return p_load, d_load, new_state
+
+
+def _calibrate_tokens(view: RoleView, state: PolicyState, tuning: PolicyTuning) -> float | None:
+    """Prompt tokens one prefill replica computes per busy second, smoothed:
+    the samples' summed prompt-token rate over their summed busy fraction,
+    once the fleet is busy enough to measure; else the previous estimate."""
+    pairs = [
+        (r.prompt_tokens_per_second, r.prefill_busy_fraction)
+        for r in (*view.fresh, *view.draining)
+        if r.prompt_tokens_per_second is not None and r.prefill_busy_fraction is not None
+    ]
+    busy = sum(b for _, b in pairs)
+    previous = state.prefill_tokens_per_second
+    if busy < tuning.min_calibration_busy:
+        return previous
+    measured = sum(t for t, _ in pairs) / busy
+    if measured <= 0:
+        return previous
+    if previous is None:
+        return measured
+    return previous + tuning.calibration_smoothing * (measured - previous)
+
+
+# ---------------------------------------------------------------------------
+# phase 2: forecast
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The arrival rate now and ``lead`` seconds ahead."""
+
+    level: float
+    """The rate now: the robust line's value (one noisy period moves it little)."""
+    ahead: float
+    """What to size for: the rate ``lead`` ahead, plus the noise margin."""
+    projected: float
+    """The rate ``lead`` ahead, without the margins."""
+    lead: float
+    rising: bool
+    detail: str
+    slope: float = 0.0
+    """The rise projected, in requests per second per second (0: none)."""
+    falling: bool = False
+    """The rate falls by more than its noise over one of the windows."""
+
+
+def forecast(rates: Series, now: float, lead: float, tuning: PolicyTuning) -> Forecast | None:
+    """Phase 2: the arrival rate ``lead`` seconds ahead (module docstring).
+    None without a measured rate.
+
+    Robust (Theil-Sen) lines through the rates of several windows, from the
+    level window (minutes: its noise is small) down to the last 45 s (a
+    surge's first periods): the level is the longest window's value now,
+    unless a shorter one's disagrees by more than the noise allows (a
+    surge's start or end); a rise is the steepest slope of a window whose
+    rise stands out of its noise, carried ``lead`` ahead."""
+    if not rates:
+        return None
+    measured = rates[-1][1]
+    fits = []
+    for window in (tuning.level_window_seconds, tuning.forecast_window_seconds, *RISE_WINDOWS):
+        points = tuple(p for p in rates if now - p[0] < window)
+        fit = theil_sen(points, now)
+        if fit is not None:
+            fits.append((fit, points))
+    if not fits:
+        return Forecast(measured, measured, measured, lead, False, f"{measured:.1f} requests/s")
+    (level, _), points = fits[0]
+    # One period's Poisson noise, and that of a line through n of them: its
+    # value now about sqrt(4 / n) of it, its rise over its span sqrt(12 / n).
+    span0 = now - points[0][0]
+    period = span0 / max(len(points) - 1, 1)
+    sample = math.sqrt(max(level, measured, 1e-9) / max(period, 1e-9))
+    slope = 0.0
+    falling = False
+    for (value, window_slope), pts in fits:
+        n, span = len(pts), now - pts[0][0]
+        if span < tuning.min_trend_span_seconds - 1e-9:
+            continue
+        noise = sample * math.sqrt(12.0 / n)
+        if window_slope * span > tuning.rise_z * noise:
+            # A rise out of the noise: project it, from this window's level
+            # if that is higher (a surge's start).
+            slope = max(slope, window_slope)
+            level = max(level, value)
+        elif window_slope * span < -tuning.fall_z * noise and n >= MIN_FALL_POINTS:
+            # A fall out of the noise, over enough periods that a few low
+            # ones are not one: the short down window (the level stays the
+            # long window's line, which follows a steady decline).
+            falling = True
+    level = max(level, 0.0)
+    ahead = level + slope * lead
+    margin = tuning.rate_z * math.sqrt(max(ahead, 0.0) / tuning.noise_horizon_seconds)
+    detail = f"{measured:.1f} requests/s (level {level:.1f}"
+    detail += f", rising to {ahead:.1f} in {lead:.0f} s" if slope > 0 else ""
+    detail += ")"
+    return Forecast(level, ahead + margin, ahead, lead, slope > 0, detail, slope, falling)
+
+
+# ---------------------------------------------------------------------------
+# phase 3: size
+
+
+@dataclass(frozen=True)
+class Need:
+    """Replicas a role needs, as sized this period."""
+
+    replicas: float | None
+    """None: nothing measured (hold)."""
+    code: str
+    detail: str
+    down: float | None = None
+    """Replicas for the load times (1 + ``scale_down_headroom``): what a
+    scale-down must leave, so that the load's noise does not take it
+    straight back up. None: ``replicas``."""
+
+
+def size_prefill(
+    spec: AutoscalingSpec,
+    load: PrefillLoad,
+    decode: DecodeLoad,
+    ahead: Forecast | None,
+    view: RoleView,
+    tuning: PolicyTuning,
+    factor: float = 1.0,
+) -> Need:
+    """Phase 3, prefill: the fewest replicas that keep the share of requests
+    that miss the TTFT target because they waited at most
+    ``ttft_miss_share`` (:func:`.models.replicas_for_ttft`), at the forecast
+    rate and the measured service time; more while a queue beyond what the
+    model expects is drained. Engines without the service-time series (vLLM)
+    size on their waiting requests."""
+    role = spec.prefill
+    if not view.fresh:
+        return Need(None, "no_metrics", "no fresh metrics from any ready replica")
+    if load.service_seconds is None or ahead is None:
+        waiting = load.waiting
+        need = waiting / role.target_waiting_per_replica
+        return Need(max(need, 1.0 if waiting else 0.0), "waiting_queue", f"{waiting:.0f} waiting")
+    # The TTFT budget of prefill: the target less decode's first token and
+    # a reserve for what no model here sees (the KV transfer, the gateway).
+    first = decode.first_token_seconds or 0.0
+    budget = role.ttft_target_seconds * (1 - tuning.ttft_reserve) - 2 * first
+    replicas = replicas_for_ttft(
+        ahead.ahead * factor,
+        load.service_seconds,
+        load.scv,
+        budget,
+        tuning.ttft_miss_share,
+        role.max_replicas * 4,
+    )
+    code = "ttft_model"
+    detail = (
+        f"{ahead.detail} x {load.service_seconds * 1000:.0f} ms a request "
+        f"(scv {load.scv:.2f}) = {ahead.level * load.service_seconds:.1f} busy: "
+        f"{replicas} for TTFT {role.ttft_target_seconds:g} s"
+    )
+    if load.backlog_seconds is not None:
+        # The model expects about one request's service queued per replica;
+        # more is lateness to drain.
+        expected = view.current * load.service_seconds * 2
+        excess = load.backlog_seconds - expected
+        if excess > 0:
+            drained = (
+                ahead.ahead * factor * load.service_seconds + excess / tuning.backlog_drain_seconds
+            )
+            if drained > replicas:
+                replicas, code = math.ceil(drained), "prefill_backlog"
+            detail += f", backlog {load.backlog_seconds:.1f} s"
+    return Need(float(replicas), code, detail)
+
+
+def size_decode(
+    spec: AutoscalingSpec,
+    load: DecodeLoad,
+    ahead: Forecast | None,
+    view: RoleView,
+    tuning: PolicyTuning,
+    factor: float = 1.0,
+) -> Need:
+    """Phase 3, decode: the replicas at which the step time meets
+    ``itl_margin`` x the ITL target, at the forecast rate; at least those
+    that keep the KV usage at most ``targetKVCacheUsage``.
+
+    A replica's step time is ``a + b u`` at KV usage ``u`` (the fixed part
+    streams the weights, the rest reads the KV), and the KV the fleet holds
+    is, by Little's law, the arrival rate times the step time times the KV
+    one request holds per step. From where the fleet is now (``c0``
+    replicas at step time ``s0``), the replicas that bring the step time to
+    the goal ``g`` are ``c0 (g / s0) (s0 - a) / (g - a)``, times the rate's
+    growth. Only ``a`` must be known: it comes from the step-time model
+    fitted to the fleet's own periods (:func:`.models.fit_step_model`).
+    Without a fit, ``unfitted_fixed_share`` of the measured step is taken
+    as fixed."""
+    role = spec.decode
+    if not view.fresh:
+        return Need(None, "no_metrics", "no fresh metrics from any ready replica")
+    growth = 1.0
+    if ahead is not None and ahead.level > 0:
+        growth = max(ahead.ahead / ahead.level, 0.0)
+    cap = role.target_kv_cache_usage
+    kv = load.usage * growth
+    detail = f"KV usage {load.usage:.2f} summed"
+    if ahead is not None:
+        detail = f"{ahead.detail}: {detail}"
+    if load.waiting > 0:
+        per_request = load.usage / load.running if load.running else cap
+        kv += load.waiting * per_request
+        detail += f", {load.waiting:.0f} waiting"
+    replicas, code = kv / cap, "kv_cache"
+    goal = role.itl_target_seconds * tuning.itl_margin
+    u0, s0 = load.usage_per_replica, load.step_seconds
+    fitted = load.step_model is not None and load.step_fitted
+    # Steps far below the goal (a light load) say nothing of where the
+    # goal's usage is: the KV ceiling sizes decode until they come nearer or
+    # the model is fitted.
+    near = s0 is not None and s0 >= tuning.itl_near * goal
+    if u0 and s0 and u0 > 0 and load.usage > 0 and (fitted or near):
+        if fitted:
+            assert load.step_model is not None
+            a, b = load.step_model
+            source = f"steps {a * 1000:.1f} + {b * 1000:.1f} ms x usage (fitted)"
+        else:
+            a = tuning.unfitted_fixed_share * s0
+            b = (s0 - a) / u0
+            source = f"{tuning.unfitted_fixed_share:.0%} of the step fixed (not fitted yet)"
+        # The usage a replica runs at: where the step meets the goal, at
+        # most the KV ceiling; the KV held scales with the step time there
+        # (Little's law), from what is held now at step s0.
+        target = min(max((goal - a) / b, 0.05), cap) if b > 0 else cap
+        step_at = a + b * target
+        itl = growth * load.usage * (step_at / s0) / target
+        if load.load_ratio is not None and ahead is not None and s0 <= role.itl_target_seconds:
+            # While the steps meet the target, the KV per unit of load over
+            # the decode window is steadier than one period's snapshot of
+            # the usage; past it, the snapshot says how far behind the
+            # fleet is.
+            itl = ahead.ahead * load.load_ratio * step_at / target
+        source += f", {target:.2f} a replica"
+        if load.waiting > 0 and load.running > 0:
+            itl *= 1 + load.waiting / load.running
+        detail += f"; steps {s0 * 1000:.1f} ms at {u0:.2f}, {source}"
+        if itl > replicas and target < cap:
+            replicas, code = itl, "itl_model"
+        elif itl > replicas:
+            replicas = itl
+    detail += f"; ITL goal {goal * 1000:.1f} ms, KV at most {cap:.2f}"
+    return Need(replicas * factor, code, detail)
+
+
+# ---------------------------------------------------------------------------
+# phase 4: step-limit
+
+
+def step_limit(
+    name: Role,
+    role: RoleScaling,
+    need: Need,
+    view: RoleView,
+    state: RoleState,
+    now: float,
+    tuning: PolicyTuning,
+    floor: int,
+    falling: bool = False,
+    rising: bool = False,
+) -> tuple[RoleDecision, RoleState]:
+    """Phase 4: from the replicas needed to the count to run now.
+
+    Up at once (within the up window's lowest, ``scaleUpStabilizationSeconds``,
+    0 by default); down only when the down window's largest need with
+    ``scale_down_headroom`` (:attr:`Need.down`) is below the current count,
+    to that need; no
+    scale-down while a replica's metrics are missing or replicas are
+    starting (a missing sample's need is remembered as the current count,
+    so a gap never shortens the window); never down in the first down window
+    after the policy starts; then the steps per period and the bounds."""
+    current = view.current
+    since = state.since if state.since is not None else now
+    # The down window: the spec's while the load falls decisively (a surge
+    # ebbing, a day's decline), a longer one otherwise, so that a load that
+    # only wanders is not followed down and back up.
+    down_seconds = role.scale_down_stabilization_seconds
+    if not falling:
+        down_seconds *= tuning.steady_down_factor
+    horizon = max(
+        role.scale_up_stabilization_seconds,
+        role.scale_down_stabilization_seconds * max(tuning.steady_down_factor, 1.0),
+    )
+    needs = [(t, v) for t, v in state.needs if now - t < horizon]
+    code, why = need.code, ""
+    desired = current
+    lo, hi = max(role.min_replicas, floor), role.max_replicas
+    if need.replicas is None:
+        code, why = need.code, need.detail
+    else:
+        wanted = min(max(math.ceil(need.replicas - 1e-9), lo), hi)
+        kept = need.down if need.down is not None else need.replicas
+        leave = min(max(math.ceil(kept - 1e-9), wanted, lo), hi)
+        # A missing sample's need is at least the current count: a gap never
+        # shortens the down window.
+        needs.append((now, float(leave if view.complete else max(leave, current))))
+        why = f"{need.replicas:.2f} replicas needed"
+        up_window = [v for t, v in needs if now - t < role.scale_up_stabilization_seconds]
+        up = int(min([*up_window, wanted]))
+        down = int(max(v for t, v in needs if now - t < down_seconds))
+        reversal = (
+            not rising
+            and state.scaled_down is not None
+            and now - state.scaled_down < tuning.dwell_seconds
+            and need.replicas <= current + max(tuning.reversal_band * current, 1.0)
+        )
+        if up > current and reversal:
+            # Within the dwell after a scale-down, and with no rise out of
+            # the noise, only a need clearly above the count undoes it (the
+            # models' margins cover a little more).
+            code = "stabilization_window"
+            why = (
+                f"{why}; within {tuning.dwell_seconds:.0f} s of a scale-down, up only past "
+                f"{tuning.reversal_band:.0%} (and a replica) more"
+            )
+        elif up > current:
+            extra = round(up * tuning.scale_up_extra) if rising else 0
+            desired = min(up + extra, hi)
+            if up < wanted:
+                code, why = "stabilization_window", f"{why}; {up} is the up window's lowest"
+            elif desired > up:
+                why = f"{why}; {desired - up} more for what comes next"
+        elif down < current:
+            least = max(1, math.floor(current * tuning.scale_down_least))
+            if current - down < least:
+                code = "within_tolerance"
+                why = f"{why}; {down} would do, but a scale-down removes at least {least}"
+            elif now - since < role.scale_down_stabilization_seconds:
+                code = "stabilization_window"
+                why = f"{why}; no scale-down in the first {role.scale_down_stabilization_seconds:.0f} s"
+            elif view.missing:
+                code = "metrics_missing"
+                why = f"{why}; holding: no fresh metrics from {', '.join(view.missing)}"
+            elif view.starting:
+                code = "replicas_starting"
+                why = f"{why}; holding: {view.starting} replicas still starting"
+            elif (
+                state.scaled_up is not None
+                and now - state.scaled_up < tuning.dwell_seconds
+                and down > (state.up_need or current) * (1 - tuning.decisive_fall)
+            ):
+                # A scale-up is not undone within the dwell unless the load
+                # has clearly fallen (a surge ebbing): the need's own noise
+                # would otherwise reverse it.
+                code = "stabilization_window"
+                why = (
+                    f"{why}; {down} would do, but within {tuning.dwell_seconds:.0f} s of a "
+                    f"scale-up only a fall of {tuning.decisive_fall:.0%} scales down"
+                )
+            else:
+                desired = down
+                why = f"{why}; {down} hold {tuning.scale_down_headroom:.0%} more"
+        elif wanted < current:
+            code = "within_tolerance" if leave >= current else "stabilization_window"
+            why = (
+                f"{why}; {current} hold {tuning.scale_down_headroom:.0%} more"
+                if leave >= current
+                else f"{why}; the down window still needs {down}"
+            )
+        if desired > current + role.max_scale_up_step:
+            desired = current + role.max_scale_up_step
+            code, why = "step_limit", f"{why}; at most +{role.max_scale_up_step} per period"
+        elif desired < current - role.max_scale_down_step:
+            desired = current - role.max_scale_down_step
+            code, why = "step_limit", f"{why}; at most -{role.max_scale_down_step} per period"
+        if desired == hi and need.replicas > hi + 1e-9:
+            code, why = "max_replicas", f"{why}; at maxReplicas {hi}"
+        elif desired == lo and need.replicas < lo and desired != current:
+            code, why = "min_replicas", f"{why}; at minReplicas {lo}"
+        why = f"{why} ({need.detail})"
+    if desired < lo or desired > hi:
+        bound = lo if desired < lo else hi
+        code = "min_replicas" if desired < lo else "max_replicas"
+        desired, why = bound, f"{why}; clamped to {code.replace('_', ' ')} {bound}"
+    decision = RoleDecision(
+        name, current, desired, code, f"{name} {current} -> {desired}: {why}", now, need.replicas
+    )
+    scaled_up, up_need = state.scaled_up, state.up_need
+    if desired > current:
+        scaled_up, up_need = now, need.replicas
+    scaled_down = now if desired < current else state.scaled_down
+    return decision, RoleState(
+        since=since,
+        needs=tuple(needs),
+        count=current,
+        scaled_up=scaled_up,
+        up_need=up_need,
+        scaled_down=scaled_down,
+    )
+
+
+# ---------------------------------------------------------------------------
+# phase 5: choose victims
+
+
+def choose_victims(loads: Sequence[ReplicaLoad], count: int) -> list[str]:
+    """Phase 5: the ``count`` replicas a scale-down drains: starting ones
+    first, then idle ones, then the least loaded (in-flight work, KV, queued
+    tokens); one with work in flight never while an idle one remains
+    (:func:`.victims.choose_victims`)."""
+    return _choose_victims(loads, count)
+
+
+# ---------------------------------------------------------------------------
+# startups (the forecast's lead)
+
+
 def _startups(
     observation: FleetObservation,
     state: PolicyState,
@@ -399,18 +942,17 @@ def _startups(
     tuning: PolicyTuning,
     period: float,
 ) -> tuple[float | None, bool, tuple[tuple[str, float], ...]]:
-    """Learn how long replicas take from ``starting`` to ``ready``: (the
-    estimate, whether it comes from a watched start, replicas starting).
+    """How long replicas take from ``starting`` to ``ready``: (the estimate,
+    whether it comes from a watched start, replicas starting).
 
     Watched, a start is first seen a period after it was requested, so the
-    time learned is short by about a period (``decide`` adds it back). Until
+    time learned is short by about a period (the lead adds it back). Until
     one has been watched, the startups that serving replicas report
-    (``ReplicaSample.startup_seconds``: those of a fleet started before the
-    autoscaler saw it) give the estimate, their low median less that period,
-    so that both sources project the same horizon. A Pod whose readiness
-    went away and came back reports the time to its latest Ready transition,
-    longer than its cold start: the low median of several keeps one such
-    report out, and the first watched start replaces the reports."""
+    (``ReplicaSample.startup_seconds``, for a fleet started before the
+    autoscaler saw it) give it, their low median less that period. A Pod
+    whose readiness went away and came back reports the time to its latest
+    Ready transition, longer than its cold start: the low median of several
+    keeps one such report out, and the first watched start replaces them."""
     since = dict(state.starting_since)
     replicas = (*observation.prefill.replicas, *observation.decode.replicas)
     estimate, watched = state.startup_seconds, state.startup_watched
@@ -437,309 +979,13 @@ def _startups(
 
 
 # ---------------------------------------------------------------------------
-# per-role decision
-
-
-def _role_decision(
-    name: Role,
-    role: RoleScaling,
-    signal: RoleSignal,
-    current: int,
-    state: RoleState,
-    now: float,
-    tuning: PolicyTuning,
-    trend_window: float,
-    ttft_high: str | None = None,
-    load_rising: str | None = None,
-) -> tuple[RoleDecision, RoleState]:
-    since = state.since if state.since is not None else now
-    floor = state.floor
-    horizon = max(role.scale_up_stabilization_seconds, role.scale_down_stabilization_seconds)
-    history = [entry for entry in state.recommendations if now - entry[0] < horizon]
-    demand = [(t, v) for t, v in state.demand if now - t < trend_window]
-    if name == "decode" and current != state.count:
-        # Decode's KV usage depends on its replica count (a batch spread over
-        # more replicas runs faster steps, so requests hold KV for less time):
-        # a trend across a count change is partly the policy's own doing.
-        demand = []
-    if signal.demand is not None and signal.complete:
-        demand.append((now, signal.demand))
-    code, why = signal.code, ""
-    if signal.raw is None:
-        desired, code, why = current, "no_metrics", "no fresh metrics from any ready replica"
-    else:
-        raw, tol = signal.raw, tuning.tolerance
-        why = f"{raw:.2f} replicas needed"
-        band = tol * current
-        if tuning.noise_band is not None and signal.demand and signal.demand > 1e-9:
-            # The demand's own spread, in replicas: noise that large crosses
-            # a relative band at a few replicas every few periods.
-            band = max(band, tuning.noise_band * noise(tuple(demand)) * raw / signal.demand)
-        if (
-            current > 0
-            and (raw - current <= band if tuning.noise_band_up else raw <= current * (1 + tol))
-            and current - raw <= band
-        ):
-            up_rec = down_rec = current
-            within = f"{tol:.0%}" if band <= tol * current + 1e-9 else f"{band:.2f} (noise)"
-            code, why = "within_tolerance", f"{why}, within {within} of {current}"
-        else:
-            up_rec = math.ceil(raw - 1e-9)
-            # Going down, keep headroom: the count left must not be one that
-            # the next noise peak pushes straight back up.
-            down_rec = _down_count(name, raw, tuning, signal.falling)
-        up_rec = min(max(up_rec, role.min_replicas), role.max_replicas)
-        down_rec = min(max(down_rec, role.min_replicas), role.max_replicas)
-        wanted_down = down_rec
-        if not signal.complete:
-            # With a replica's sample missing the sums are lower bounds: the
-            # window then remembers "at least the current count", so the gap
-            # never shortens the down window.
-            down_rec = max(down_rec, current)
-        history.append((now, up_rec, down_rec, raw))
-        up_window = [e[1] for e in history if now - e[0] < role.scale_up_stabilization_seconds]
-        down_seconds = role.scale_down_stabilization_seconds
-        just_up = (
-            (
-                tuning.full_down_window_after_up
-                or (name == "decode" and tuning.decode_full_down_window_after_up)
-            )
-            and state.scaled_up is not None
-            and now - state.scaled_up < role.scale_down_stabilization_seconds
-        )
-        if signal.falling and tuning.falling_down_window_seconds is not None and not just_up:
-            down_seconds = min(down_seconds, tuning.falling_down_window_seconds)
-        down_window = [e for e in history if now - e[0] < down_seconds]
-        up = min([*up_window, up_rec])
-        down = max(e[2] for e in down_window)
-        peak_raw = max(e[3] for e in down_window)
-        desired = current
-        if current < up:
-            desired = up
-            if up < up_rec:
-                code, why = "stabilization_window", f"{why}; {up} is the up window's lowest"
-        elif current > down:
-            desired = down
-            if now - since < role.scale_down_stabilization_seconds:
-                desired = current
-                code = "stabilization_window"
-                why = f"{why}; no scale-down in the first {role.scale_down_stabilization_seconds:.0f} s"
-            elif down > down_rec:
-                code, why = "stabilization_window", f"{why}; {down} is the down window's highest"
-        elif down_rec < current:
-            code, why = "stabilization_window", f"{why}; the down window still holds {down}"
-        if desired < current or (wanted_down < current and not signal.complete):
-            hold = None
-            if signal.missing:
-                hold = ("metrics_missing", f"no fresh metrics from {', '.join(signal.missing)}")
-            elif signal.starting:
-                hold = ("replicas_starting", f"{signal.starting} replicas still starting")
-            elif ttft_high:
-                hold = ("ttft_above_target", ttft_high)
-            elif load_rising:
-                hold = ("load_rising", load_rising)
-            elif floor is not None and desired < floor[0]:
-                if _floor_peak(name, history, peak_raw, now, role, tuning) <= floor[1]:
-                    floor = None  # the load has fallen clearly below the failed attempt
-                elif floor[0] < current:
-                    desired = floor[0]
-                else:
-                    hold = (
-                        "flap_damping",
-                        f"going below {floor[0]} was undone at {floor[1] / (1 - tol):.2f} "
-                        f"replicas needed; waiting for {floor[1]:.2f}",
-                    )
-            if hold:
-                desired = current
-                code, why = hold[0], f"{why}; holding: {hold[1]}"
-        if desired > current + role.max_scale_up_step:
-            desired = current + role.max_scale_up_step
-            code, why = "step_limit", f"{why}; at most +{role.max_scale_up_step} per period"
-        elif desired < current - role.max_scale_down_step:
-            desired = current - role.max_scale_down_step
-            code, why = "step_limit", f"{why}; at most -{role.max_scale_down_step} per period"
-    if desired < role.min_replicas or desired > role.max_replicas:
-        bound = role.min_replicas if desired < role.min_replicas else role.max_replicas
-        code = "min_replicas" if desired < role.min_replicas else "max_replicas"
-        desired, why = bound, f"{why}; clamped to {code.replace('_', ' ')} {bound}"
-    elif signal.raw is not None and desired == role.max_replicas and signal.raw > desired + 1e-9:
-        code = "max_replicas"
-        why = f"{why}; at maxReplicas {role.max_replicas}"
-    reason = f"{name} {current} -> {desired}: {why} ({signal.detail})"
-    scaled_down = state.scaled_down
-    if desired < current and signal.raw is not None:
-        scaled_down = (now, current, peak_raw)
-    elif (
-        desired > current
-        and scaled_down is not None
-        and now - scaled_down[0] < role.scale_down_stabilization_seconds
-    ):
-        # Up again soon after going down: the lower count did not hold a load
-        # that looked as if it would (at a few replicas, consolidating a batch
-        # lengthens its steps, so each request holds its KV longer). The next
-        # scale-down below this count waits for a clearly lower load.
-        share = tuning.tolerance if tuning.flap_floor_share is None else tuning.flap_floor_share
-        floor = (min(desired, scaled_down[1]), scaled_down[2] * (1 - share))
-        scaled_down = None
-    new_state = RoleState(
-        since=since,
-        recommendations=tuple(history),
-        demand=tuple(demand),
-        count=current,
-        scaled_down=scaled_down,
-        floor=floor,
-        scaled_up=now if desired > current else state.scaled_up,
-    )
-    return RoleDecision(name, current, desired, code, reason, now), new_state
-
-
-def _floor_peak(
-    name: Role,
-    history: Sequence[tuple[float, int, int, float]],
-    peak: float,
-    now: float,
-    role: RoleScaling,
-    tuning: PolicyTuning,
-) -> float:
-    """The load a flap-damping floor is compared with: the down window's
-    peak, or with ``flap_floor_full_window`` (decode) /
-    ``prefill_flap_floor_full_window`` the spec's whole down window's (a few
-    low samples of a noisy signal meet the shorter falling window)."""
-    full = (
-        tuning.flap_floor_full_window if name == "decode" else tuning.prefill_flap_floor_full_window
-    )
-    if not full:
-        return peak
-    seconds = role.scale_down_stabilization_seconds
-    return max((e[3] for e in history if now - e[0] < seconds), default=peak)
-
-
-def _down_count(name: Role, raw: float, tuning: PolicyTuning, falling: bool = False) -> int:
-    """The count a scale-down leaves for ``raw`` replicas needed, with the
-    headroom it keeps: decode's own, where set; ``falling_down_headroom``
-    while the demand falls decisively; ``single_decode_headroom`` for decode
-    going down to one replica."""
-    if falling and tuning.falling_down_headroom is not None:
-        headroom = tuning.falling_down_headroom
-    elif name == "decode" and tuning.decode_down_headroom is not None:
-        headroom = tuning.decode_down_headroom
-    elif tuning.scale_down_headroom is None:
-        headroom = tuning.tolerance
-    else:
-        headroom = tuning.scale_down_headroom
-    count = math.ceil(raw * (1 + headroom) - 1e-9)
-    single = tuning.single_decode_headroom
-    if name == "decode" and single is not None and count <= 1:
-        count = math.ceil(raw * (1 + single) - 1e-9)
-    return count
-
-
-def _recent_peak(state: RoleState, now: float, tuning: PolicyTuning) -> float:
-    """The highest demand (replicas) measured within ``recent_peak_seconds``."""
-    if tuning.recent_peak_seconds is None:
-        return 0.0
-    recent = [v for t, v in state.demand if now - t < tuning.recent_peak_seconds]
-    return max(recent, default=0.0)
-
-
-def _rise_after_down(
-    role: RoleScaling,
-    state: RoleState,
-    prefill: RoleSignal,
-    recent: tuple[tuple[float, float], ...],
-    long: tuple[tuple[float, float], ...],
-    now: float,
-    tuning: PolicyTuning,
-) -> bool:
-    """Whether decode may project a rise within one down window of its
-    latest scale-down: only while prefill's arrivals rise out of their noise
-    (``rise_after_down_z``). Consolidating a batch onto fewer replicas
-    lengthens their steps, so the summed KV usage climbs for a while after a
-    scale-down on an unchanged request rate; projected a startup ahead, that
-    climb undid the scale-down (docs/autoscaling.md, "Steady oscillation")."""
-    if tuning.rise_after_down_z is None or state.scaled_down is None:
-        return True
-    if now - state.scaled_down[0] >= role.scale_down_stabilization_seconds:
-        return True
-    return rise_confirmed(prefill.demand, recent, long, tuning.rise_after_down_z)
-
-
-def _long_history(
-    state: RoleState, now: float, tuning: PolicyTuning
-) -> tuple[tuple[float, float], ...]:
-    """The role's demand samples within ``rise_noise_window_seconds``."""
-    return tuple((t, v) for t, v in state.long_demand if now - t < tuning.rise_noise_window_seconds)
-
-
-def _remember(
-    history: tuple[tuple[float, float], ...], signal: RoleSignal, now: float
-) -> tuple[tuple[float, float], ...]:
-    """``history`` with the signal's demand of ``now`` (a complete one only:
-    a partial sum would read as a fall)."""
-    if signal.demand is None or not signal.complete:
-        return history
-    return (*history, (now, signal.demand))
-
-
-def _decode_floor(role: RoleScaling, tuning: PolicyTuning) -> int:
-    """Fewest decode replicas the load signals may leave
-    (``decode_load_floor``, within ``maxReplicas``); scale to zero still
-    goes below it once the role is idle."""
-    floor = int(tuning.decode_load_floor or 1)
-    return max(1, min(floor, role.max_replicas))
-
-
-def _prefill_rising(
-    history: Trend, demand: float | None, now: float, tuning: PolicyTuning
-) -> str | None:
-    """Why decode holds its count (``hold_decode_rising_quantile``): prefill's
-    demand is rising, and its requests reach decode next."""
-    q = tuning.hold_decode_rising_quantile
-    if q is None or demand is None:
-        return None
-    points = (*history, (now, demand))
-    if now - points[0][0] < tuning.min_trend_span_seconds - 1e-9:
-        return None
-    slope = pairwise_slope(points, q)
-    if slope is None or slope <= 0:
-        return None
-    return f"prefill's demand rising ({slope * 60:+.2f} replicas a minute)"
-
-
-def _prefill_mix(
-    mix: tuple[tuple[float, float, float], ...],
-    fresh: Sequence[ReplicaSample],
-    now: float,
-    seconds: float,
-) -> tuple[tuple[float, float, float], ...]:
-    """The prompt mix's window with this period's arrivals added."""
-    tokens = requests = 0.0
-    for r in fresh:
-        dt = r.interval_seconds
-        t_rate, r_rate = r.prompt_token_arrivals_per_second, r.request_arrivals_per_second
-        if dt and t_rate is not None and r_rate is not None:
-            tokens += t_rate * dt
-            requests += r_rate * dt
-    kept = tuple(m for m in mix if now - m[0] < seconds)
-    return (*kept, (now, tokens, requests)) if requests > 0 else kept
-
-
-def _current(obs: RoleObservation) -> tuple[int, int]:
-    """(requested replicas, of which not ready)."""
-    live = [r for r in obs.replicas if r.state != "draining"]
-    requested = obs.requested if obs.requested is not None else len(live)
-    ready = sum(1 for r in live if r.state == "ready")
-    return requested, max(requested - ready, 0)
-
-
-# ---------------------------------------------------------------------------
 # scale to zero
 
 
-def _idle(obs: RoleObservation, signal: RoleSignal, now: float, stale: float) -> bool:
+def _idle(obs: RoleObservation, view: RoleView, now: float, stale: float) -> bool:
     """No request arriving, queued or running on any replica of the role, and
     every replica ready with a fresh sample saying so."""
-    if not signal.complete or signal.starting or obs.activations > 0:
+    if not view.complete or view.starting or obs.activations > 0:
         return False
     live = [r for r in obs.replicas if r.state != "draining"]
     if any(r.state != "ready" or r.time is None or now - r.time > stale for r in live):
@@ -771,51 +1017,38 @@ def _decide_role(
     name: Role,
     role: RoleScaling,
     obs: RoleObservation,
-    signal: RoleSignal,
+    view: RoleView,
+    need: Need,
     state: RoleState,
     now: float,
     tuning: PolicyTuning,
     stale: float,
-    ttft_high: str | None = None,
-    load_rising: str | None = None,
-    load_floor: int = 1,
+    falling: bool = False,
+    rising: bool = False,
 ) -> tuple[RoleDecision, RoleState]:
     """One role's decision, with ``minReplicas: 0`` handled here and only here:
     at zero, only the gateway's activation signal starts a replica; above
-    zero, the load signals never go below one replica, and the role goes to
-    zero once idle for ``scaleToZeroAfterSeconds``."""
-    current, _ = _current(obs)
-    window = tuning.trend_window_seconds
+    zero, the load never takes the role below one replica, and the role goes
+    to zero once idle for ``scaleToZeroAfterSeconds``."""
     if role.min_replicas > 0:
-        if load_floor > role.min_replicas:
-            role = replace(role, min_replicas=load_floor)
-        return _role_decision(
-            name, role, signal, current, state, now, tuning, window, ttft_high, load_rising
+        return step_limit(
+            name, role, need, view, state, now, tuning, role.min_replicas, falling, rising
         )
-    if current == 0:
+    if view.current == 0:
         # Nothing to measure: forget the windows, so that the first replica
         # back starts from its own samples.
         return _at_zero(name, role, obs, now), RoleState(since=state.since, count=0)
-    decision, new_state = _role_decision(
-        name,
-        replace(role, min_replicas=load_floor),
-        signal,
-        current,
-        state,
-        now,
-        tuning,
-        window,
-        ttft_high,
-        load_rising,
-    )
+    decision, new_state = step_limit(name, role, need, view, state, now, tuning, 1, falling, rising)
     idle_since = None
-    if _idle(obs, signal, now, stale):
+    if _idle(obs, view, now, stale):
         idle_since = state.idle_since if state.idle_since is not None else now
     new_state = replace(new_state, idle_since=idle_since)
     if idle_since is not None and now - idle_since >= role.scale_to_zero_after_seconds:
         why = f"idle for {now - idle_since:.0f} s (scaleToZeroAfterSeconds {role.scale_to_zero_after_seconds:g})"
-        decision = replace(decision, desired=0, code="idle", reason=f"{name} {current} -> 0: {why}")
-        new_state = RoleState(since=new_state.since, count=current)
+        decision = replace(
+            decision, desired=0, code="idle", reason=f"{name} {view.current} -> 0: {why}"
+        )
+        new_state = RoleState(since=new_state.since, count=view.current)
     return decision, new_state
 
 
@@ -904,157 +1137,67 @@ def decide(
     """
     state = state or PolicyState()
     tuning = tuning or PolicyTuning()
-    stale = spec.metrics_stale_seconds
-    startup, watched, starting_since = _startups(
-        observation, state, now, tuning, spec.period_seconds
+    stale, period = spec.metrics_stale_seconds, spec.period_seconds
+    startup, watched, starting_since = _startups(observation, state, now, tuning, period)
+    # A start is first seen a period after it was requested (the time
+    # learned is short by one), and capacity requested now must last until
+    # the next decision's serves, a period later.
+    lead = (startup + period if startup is not None else tuning.default_startup_seconds) + period
+    lead = min(max(lead, tuning.min_lead_seconds), tuning.max_lead_seconds)
+
+    p_view = _view(observation.prefill, now, stale)
+    d_view = _view(observation.decode, now, stale)
+    p_load, d_load, state = observe(spec, p_view, d_view, state, now, tuning)
+    ahead = forecast(state.rates, now, lead, tuning)
+    up = 1 + tuning.scale_down_headroom
+    ahead_d = ahead
+    if ahead is not None and p_load.waiting > 0 and ahead.level > 0:
+        # Requests queued at prefill reach decode as prefill catches up:
+        # decode plans for them as arrivals over the backlog's drain.
+        surplus = p_load.waiting / tuning.backlog_drain_seconds
+        ahead_d = replace(ahead, ahead=ahead.ahead + surplus)
+    p_need = size_prefill(spec, p_load, d_load, ahead, p_view, tuning)
+    p_need = replace(
+        p_need, down=size_prefill(spec, p_load, d_load, ahead, p_view, tuning, up).replicas
     )
-    # A start is first seen one period after it was requested, so the time
-    # measured is short by a period; capacity requested now must also last
-    # until the next decision's capacity serves, a period later.
-    period = spec.period_seconds
-    ahead = (startup + period if startup is not None else tuning.default_startup_seconds) + period
-    ahead *= tuning.horizon_factor
-    window = tuning.trend_window_seconds
-
-    _, p_starting = _current(observation.prefill)
-    p_history = tuple((t, v) for t, v in state.prefill.demand if now - t < window)
-    p_fresh, p_missing, p_draining = split_samples(observation.prefill.replicas, now, stale)
-    tokens_per_second = calibrate_prefill_rate(
-        p_fresh + p_draining,
-        state.prefill_tokens_per_second,
-        tuning.calibration_smoothing,
-        tuning.min_calibration_busy,
-    )
-
-    mix = state.prefill_mix
-    tokens_per_request = None
-    if tuning.prefill_mix_seconds is not None:
-        mix = _prefill_mix(mix, p_fresh, now, tuning.prefill_mix_seconds)
-        requests = sum(m[2] for m in mix)
-        if requests > 0:
-            tokens_per_request = sum(m[1] for m in mix) / requests
-
-    def prefill_now(rise: bool = True) -> RoleSignal:
-        return prefill_signal(
-            spec.prefill,
-            p_fresh,
-            p_missing,
-            p_starting,
-            tokens_per_second,
-            p_history,
-            now,
-            ahead,
-            tuning.prefill_target_utilization,
-            tuning.backlog_drain_seconds,
-            _recent_peak(state.prefill, now, tuning),
-            tuning.trend_noise_z,
-            tuning.min_trend_span_seconds,
-            tuning.rise_recent_seconds,
-            tuning.rise_z,
-            rise=rise,
-            tokens_per_request=tokens_per_request,
-            outlier_z=tuning.prefill_outlier_z,
-        )
-
-    p_signal = prefill_now()
-    # The arrivals' noise gates (PolicyTuning, off by default): a rise or a
-    # fall counts only where it stands out of the arrivals' long-run noise.
-    p_long = _long_history(state.prefill, now, tuning)
-    if not rise_confirmed(p_signal.demand, p_history, p_long, tuning.prefill_rise_noise_z):
-        p_signal = prefill_now(rise=False)
-    if p_signal.falling and not fall_confirmed(
-        p_signal.demand, p_history, now, p_long, tuning.fall_noise_z
-    ):
-        p_signal = replace(p_signal, falling=False)
-    d_rise = rise_confirmed(
-        p_signal.demand, p_history, p_long, tuning.rise_noise_z
-    ) and _rise_after_down(spec.decode, state.decode, p_signal, p_history, p_long, now, tuning)
-    ttfts = [r.ttft_seconds for r in p_fresh if r.ttft_seconds is not None]
-    ttft_high = None
-    if ttfts and max(ttfts) > spec.prefill.ttft_target_seconds:
-        ttft_high = f"prefill TTFT {max(ttfts):.2f} s above the {spec.prefill.ttft_target_seconds:g} s target"
+    d_need = size_decode(spec, d_load, ahead_d, d_view, tuning)
+    d_need = replace(d_need, down=size_decode(spec, d_load, ahead_d, d_view, tuning, up).replicas)
+    falling = ahead is not None and ahead.falling
+    rising = ahead is not None and ahead.rising
     p, p_state = _decide_role(
         "prefill",
         spec.prefill,
         observation.prefill,
-        p_signal,
+        p_view,
+        p_need,
         state.prefill,
         now,
         tuning,
         stale,
-        ttft_high,
-    )
-
-    d_current, d_starting = _current(observation.decode)
-    d_fresh, d_missing, d_draining = split_samples(observation.decode.replicas, now, stale)
-    d_history = tuple((t, v) for t, v in state.decode.demand if now - t < window)
-    if d_current != state.decode.count:
-        # The series restarts at a count change (see _role_decision): the
-        # first sample at the new count is not a trend against the old one
-        # (at one replica fewer, the same load shows more summed KV usage).
-        d_history = ()
-    if (
-        tuning.settle_decode_trend
-        and d_history
-        and now - d_history[0][0] < window - spec.period_seconds - 1e-6
-    ):
-        # After a count change decode's KV usage moves to its new level for
-        # a while (consolidating onto fewer replicas lengthens their steps):
-        # that transient is the policy's own doing, not a trend of the load.
-        # Until the series spans the trend window, decode follows prefill's
-        # growth only.
-        d_history = ()
-    own_trend = d_rise and decode_trend_confirmed(p_signal, tuning.decode_trend_with_arrivals)
-    d_signal = decode_signal(
-        spec.decode,
-        d_fresh,
-        d_draining,
-        d_missing,
-        d_starting,
-        d_history,
-        now,
-        ahead,
-        tuning.backlog_drain_seconds
-        if tuning.decode_queue_drain_seconds is None
-        else tuning.decode_queue_drain_seconds,
-        p_signal.growth if d_rise else 1.0,
-        p_signal.falling,
-        _recent_peak(state.decode, now, tuning),
-        tuning.fit_decode_level,
-        tuning.trend_noise_z,
-        tuning.min_trend_span_seconds,
-        own_trend=own_trend,
-        own_fall=not tuning.decode_falls_with_arrivals,
+        falling,
+        rising,
     )
     d, d_state = _decide_role(
         "decode",
         spec.decode,
         observation.decode,
-        d_signal,
+        d_view,
+        d_need,
         state.decode,
         now,
         tuning,
         stale,
-        load_rising=_prefill_rising(p_history, p_signal.demand, now, tuning),
-        load_floor=_decode_floor(spec.decode, tuning),
+        falling,
+        rising,
     )
-
-    if (
-        tuning.rise_noise_z is not None
-        or tuning.prefill_rise_noise_z is not None
-        or tuning.fall_noise_z is not None
-        or tuning.rise_after_down_z is not None
-    ):
-        p_state = replace(p_state, long_demand=_remember(p_long, p_signal, now))
     p, d = _apply_ratio(spec, p, d)
     p, d = _apply_budget(spec, p, d)
-    new_state = PolicyState(
+    new_state = replace(
+        state,
         prefill=p_state,
         decode=d_state,
-        prefill_tokens_per_second=tokens_per_second,
         startup_seconds=startup,
         startup_watched=watched,
         starting_since=starting_since,
-        prefill_mix=mix,
     )
     return PolicyResult(prefill=p, decode=d, state=new_state)

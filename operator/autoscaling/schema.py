@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from ...engine.config.fields import attr_docs, resolved_fields
 from .rules import Bound, NotBelow, field_at, field_bounds, key_path, rules_of, spec_key
@@ -53,6 +53,10 @@ def section_schema(cls: type) -> Schema:
             assert isinstance(bare, type)
             prop = section_schema(bare)
             prop["default"] = {}  # the API server then fills the nested defaults
+        elif get_origin(bare) is Literal:
+            prop = {"type": "string", "enum": list(get_args(bare))}
+            if f.default is not dataclasses.MISSING:
+                prop["default"] = f.default
         else:
             kind = {bool: "boolean", int: "integer", float: "number", str: "string"}[bare]
             prop = {"type": kind, **_bound_keywords(field_bounds(f))}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from ...engine.config.fields import ConfigValueError, coerce, resolved_fields
 from .rules import BOUNDS, Bound, NotBelow, SpecValueError, check_section, spec_key
@@ -75,9 +75,12 @@ class RoleScaling:
     scale_up_stabilization_seconds: float = bounded(0, NOT_NEGATIVE)
     """Window over which scale-up takes the lowest recommendation (0: act on
     the latest one at once)."""
-    scale_down_stabilization_seconds: float = bounded(300, NOT_NEGATIVE)
+    scale_down_stabilization_seconds: float = bounded(90, NOT_NEGATIVE)
     """Window over which scale-down takes the highest recommendation: replicas
-    are removed only after the load has stayed low for this long."""
+    are removed only after the load has stayed low for this long. The policy
+    sizes from models with their own margins (and a scale-down keeps a few
+    percent of headroom), so this window only has to outlast the load's
+    noise, not the whole variability of a metric against a fixed target."""
     max_scale_up_step: int = bounded(4, AT_LEAST_ONE)
     """Most replicas added in one period."""
     max_scale_down_step: int = bounded(1, AT_LEAST_ONE)
@@ -89,15 +92,16 @@ class RoleScaling:
 
 @dataclass
 class PrefillScaling(RoleScaling):
-    """Prefill scales on its backlog: queued uncached prompt tokens divided by
-    the prompt tokens per second one replica processes, against a target
-    derived from the TTFT objective; and on its waiting queue."""
+    """Prefill scales on a queueing model of its TTFT: the fewest replicas
+    at which, at the forecast arrival rate and the measured service time per
+    request, few enough requests wait past the TTFT objective; more while a
+    queue beyond what the model expects drains. Engines without the
+    service-time series scale on their waiting queue."""
 
     ttft_target_seconds: float = bounded(2.0, POSITIVE)
-    """Time-to-first-token objective in seconds. Half of it is the backlog
-    (seconds of queued prefill work per replica) the policy allows before
-    adding replicas; the other half is left for the request's own prefill,
-    the KV transfer and the first decode step."""
+    """Time-to-first-token objective in seconds. The prefill queueing model
+    sizes for it, less decode's first step and a small reserve for the KV
+    transfer and the gateway."""
     prefill_tokens_per_second: float | None = bounded(None, POSITIVE)
     """Prompt tokens per second one prefill replica processes, used until the
     engines' metrics have measured it (prompt tokens processed / busy prefill
@@ -107,14 +111,20 @@ class PrefillScaling(RoleScaling):
 
 @dataclass
 class DecodeScaling(RoleScaling):
-    """Decode scales on KV-cache usage summed over its replicas (not averaged),
-    against a per-replica target; queued requests beyond
-    `targetWaitingPerReplica` count as KV demand at the measured KV share of a
-    running request."""
+    """Decode scales on the KV its requests hold, summed over its replicas:
+    each replica runs at the KV usage at which its step time (fitted to the
+    replicas' measured inter-token latency against their KV usage) meets the
+    ITL target, at most targetKVCacheUsage; queued requests add the KV they
+    would hold."""
 
+    itl_target_seconds: float = bounded(0.05, POSITIVE)
+    """Inter-token latency objective in seconds (a request's mean gap between
+    output tokens). The policy keeps each decode replica's step time under
+    it, with a small margin."""
     target_kv_cache_usage: float = bounded(0.7, FRACTION, key="targetKVCacheUsage")
-    """Fraction of each decode replica's KV cache (0 to 1) the policy aims to
-    fill; desired replicas = total usage over all replicas / this target."""
+    """The most of each decode replica's KV cache (0 to 1) the policy plans to
+    fill, whatever the ITL target allows: room for the requests admitted
+    before the next replica serves."""
 
 
 @dataclass
@@ -126,6 +136,11 @@ class AutoscalingSpec:
         NotBelow("max_total_replicas", ("prefill.min_replicas", "decode.min_replicas")),
     )
 
+    mode: Literal["Active", "Advisory"] = "Active"
+    """Active: the autoscaler sets the roles' replicas. Advisory: it computes
+    and reports every decision (status.autoscaling, Kubernetes events, its
+    metrics, pdfleet up's log and fleet.json) and changes nothing, so its
+    decisions can be judged before it is trusted."""
     period_seconds: float = bounded(15, POSITIVE)
     """Seconds between two decisions (and two metric scrapes)."""
     max_total_replicas: int | None = bounded(None, AT_LEAST_ONE)

@@ -5,7 +5,8 @@ gateway's activation counter (requests that found no engine of a role), run one 
 of the same :class:`~pdfleet.operator.autoscaling.control_loop.ScalingLoop`
 the operator runs, record the decisions (log, metrics, bounded history),
 then start engines or drain the victims the loop names (stop routing, wait
-for in-flight work and KV leases, bounded, then stop).
+for in-flight work and KV leases, bounded, then stop). In mode ``Advisory``
+it records them as not applied and changes nothing.
 
 The fleet is reached only through :class:`ScalableFleet`, so this module and
 ``fleet.py`` do not import each other: ``pdfleet up`` hands the fleet in.
@@ -124,7 +125,9 @@ class LocalAutoscaler:
         ]
         activations = self.activations.update(self._gateway_totals())
         step = self.loop.step(self.spec, scrapes, now, activations=activations)
-        records = self.log.record(step.result.decisions)
+        records = self.log.record(step.result.decisions, self.spec.mode)
+        if self.spec.mode == "Advisory":
+            return records  # computed and reported (log, metrics, fleet.json), not carried out
         by_name = {c.name: c for role in self.fleet.roles for c in self.fleet.engines_of(role)}
         for action in step.actions:
             if action.role not in self.fleet.roles:

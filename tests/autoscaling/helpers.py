@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from pdfleet.operator.autoscaling.policy import FleetObservation, PolicyTuning, RoleObservation
+from pdfleet.operator.autoscaling.policy import FleetObservation, RoleObservation
 from pdfleet.operator.autoscaling.samples import ReplicaSample
-from pdfleet.operator.autoscaling.sim import SimResult, compare
-from pdfleet.operator.autoscaling.sim_cmd import DEFAULT_MAX_REPLICAS
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, TraceKind, make_trace
 
 PERIOD = 15.0
-
-# The headroom going down to one decode replica before it became 1.0
-# (``PolicyTuning.single_decode_headroom``), for the tests of the rules at
-# that step: ``PolicyTuning(**TO_ONE)``.
-TO_ONE = {"single_decode_headroom": None, "scale_down_headroom": 0.2}
 
 
 def decode(name: str, t: float, kv: float = 0.0, running: float = 0, waiting: float = 0, **kw):
@@ -70,19 +60,3 @@ def idle_prefill(t: float, n: int = 1):
     """``n`` idle prefill replicas: keeps the prefill role steady while a test
     exercises decode."""
     return [prefill(f"p{i}", t) for i in range(n)]
-
-
-# The spec `pdfleet sim` and the matrix run with (docs/autoscaling.md).
-SIM_SPEC = AutoscalingSpec.from_spec(
-    {
-        "prefill": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-        "decode": {"maxReplicas": DEFAULT_MAX_REPLICAS},
-    }
-)
-
-
-def policy_cell(kind: TraceKind, seed: int, tuning: PolicyTuning) -> SimResult:
-    """The policy alone on one cell of the matrix (default trace and fleet
-    model)."""
-    trace = make_trace(TraceConfig(kind=kind, seed=seed))
-    return compare(trace, FleetModel(), SIM_SPEC, ("pdfleet",), tuning=tuning, seed=seed)["pdfleet"]

@@ -11,8 +11,8 @@ from helpers.server import ServerProcess, fleet_headers
 
 from pdfleet.engine.contracts import metrics as names
 from pdfleet.engine.contracts.launch import python_module
-from pdfleet.operator.autoscaling.calibrate import least_squares, load_fleet_model
 from pdfleet.operator.autoscaling.samples import parse_engine_metrics, sample_from_snapshots
+from pdfleet.operator.autoscaling_lab.calibrate import least_squares, load_fleet_model
 
 
 def pdfleet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -27,8 +27,10 @@ def test_record_has_the_status_shape():
         "reason": "decode 2 -> 3: x",
         "code": "kv_cache",
         "time": 10.0,
+        "applied": True,
     }
     assert record.direction == "up"
+    assert DecisionRecord.of(decision(), applied=False).to_dict()["applied"] is False
 
 
 def test_history_keeps_only_the_latest_records():
@@ -53,16 +55,25 @@ def test_metrics_expose_desired_replicas_and_decisions_by_direction_and_reason()
     )
     log.record([decision(current=3, desired=2, code="kv_cache")])
     text = generate_latest(registry).decode()
-    assert 'pdfleet_autoscaler_desired_replicas{role="decode"} 2.0' in text
-    assert 'pdfleet_autoscaler_desired_replicas{role="prefill"} 2.0' in text
+    assert 'pdfleet_autoscaler_desired_replicas{mode="Active",role="decode"} 2.0' in text
+    assert 'pdfleet_autoscaler_desired_replicas{mode="Active",role="prefill"} 2.0' in text
     assert (
-        'pdfleet_autoscaler_decisions_total{direction="up",reason="kv_cache",role="decode"} 1.0'
-        in text
+        'pdfleet_autoscaler_decisions_total{direction="up",mode="Active",reason="kv_cache",'
+        'role="decode"} 1.0' in text
     )
     assert (
-        'pdfleet_autoscaler_decisions_total{direction="none",reason="within_tolerance",'
-        'role="prefill"} 1.0' in text
+        'pdfleet_autoscaler_decisions_total{direction="none",mode="Active",'
+        'reason="within_tolerance",role="prefill"} 1.0' in text
     )
+
+
+def test_advisory_decisions_are_counted_and_recorded_as_not_applied():
+    registry = CollectorRegistry()
+    log = DecisionLog(AutoscalerMetrics(registry))
+    added = log.record([decision()], mode="Advisory")
+    assert [r.applied for r in added] == [False]
+    text = generate_latest(registry).decode()
+    assert 'pdfleet_autoscaler_desired_replicas{mode="Advisory",role="decode"} 3.0' in text
 
 
 def test_log_keeps_changes_only():

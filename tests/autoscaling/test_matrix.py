@@ -1,238 +1,295 @@
-"""The target matrix: every target checked per seed and trace, none averaged away."""
+"""The target matrix: each target against B* and the tuned HPA, and the run."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
-from pdfleet.operator.autoscaling.bounds import ForesightBound
-from pdfleet.operator.autoscaling.matrix import (
-    MatrixTargets,
-    all_met,
+import pytest
+
+from pdfleet.engine.cli import main
+from pdfleet.operator.autoscaling_lab.matrix import (
+    case_spec,
     cell_targets,
     format_matrix,
+    merge,
+    misses,
     run_matrix,
-    summarize_matrix,
+    trace_summary,
+    trace_targets,
+    tune_hpa,
 )
-from pdfleet.operator.autoscaling.policy import PolicyTuning
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel, SimResult
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
-from pdfleet.operator.autoscaling.traces import TraceConfig, make_trace
-
-SPEC = AutoscalingSpec.from_spec({"prefill": {"maxReplicas": 16}, "decode": {"maxReplicas": 16}})
+from pdfleet.operator.autoscaling_lab.regimes import REGIMES, regime
 
 
-def result(name: str, rs: float, events: int, ttft: float = 1.0, log=()) -> SimResult:
-    return SimResult(
-        strategy=name,
-        requests=10,
-        completed=10,
-        ttft_attainment=ttft,
-        itl_attainment=1.0,
-        ttft_p50=0.1,
-        ttft_p99=0.5,
-        itl_p50=0.01,
-        itl_p99=0.02,
-        replica_seconds={"prefill": rs / 2, "decode": rs / 2, "total": rs},
-        mean_replicas={},
-        peak_replicas={},
-        scale_events={"prefill": events, "decode": 0, "total": events},
-        replicas_started={},
-        replicas_stopped={},
-        wall_seconds=0.0,
-        scale_log=list(log),
-    )
-
-
-def test_an_up_then_down_within_the_window_is_an_oscillation_on_steady_load():
-    flap = [(100.0, "decode", 1, 2), (300.0, "decode", 2, 1), (900.0, "decode", 1, 2)]
-    results = {
-        "pdfleet": result("pdfleet", 1000, 3, log=flap),
-        "oracle": result("oracle", 900, 5),
-        "hpa": result("hpa", 800, 4),
-        "fixed": result("fixed", 2000, 0),
+def _result(cost, ttft=0.995, itl=0.999, events=(5, 5), flips=0):
+    return {
+        "replica_seconds": {"total": cost},
+        "ttft_attainment": ttft,
+        "itl_attainment": itl,
+        "scale_events": {"prefill": events[0], "decode": events[1]},
+        "oscillations": {"total": flips},
     }
-    steady = cell_targets("steady", results, 300.0, MatrixTargets())
-    assert steady["oscillations"] == {"value": 1, "met": False}  # 300 - 100 < 300
-    assert steady["vs_fixed_peak"]["met"] is None  # no peak to save on a flat load
-    assert steady["vs_oracle"]["met"] is True and steady["events_vs_hpa"]["met"] is True
-    burst = cell_targets("burst", results, 300.0, MatrixTargets())
-    assert burst["oscillations"]["met"] is None and burst["vs_fixed_peak"]["met"] is True
-    results["pdfleet"] = result("pdfleet", 1200, 4, ttft=0.985)
-    missed = cell_targets("burst", results, 300.0, MatrixTargets())
-    assert not missed["ttft_attainment"]["met"]
-    assert not missed["vs_oracle"]["met"]  # 1200 / 900 > 1.25
-    assert not missed["events_vs_hpa"]["met"]  # 4 is not fewer than 4
 
 
-def test_a_fixed_peak_miss_says_when_the_oracle_misses_it_too():
-    def cell(ours: float, oracle: float) -> dict:
-        results = {
-            "pdfleet": result("pdfleet", ours, 3),
-            "oracle": result("oracle", oracle, 5),
-            "fixed": result("fixed", 1000, 0),
-        }
-        return {
-            "trace": "diurnal",
-            "seed": 0,
-            "targets": cell_targets("diurnal", results, 300.0, MatrixTargets()),
-        }
+def _cell(kind="diurnal", cost=110.0, tuned=120.0, case="default", **kw):
+    best = {**_result(100.0), "sizing": {"prefill_utilization": 1.0, "decode_kv_usage": 0.8}}
+    return {
+        "trace": kind,
+        "seed": 0,
+        "case": case,
+        "results": {"pdfleet": _result(cost, **kw), "hpa_tuned": _result(tuned)},
+        "bstar": {"best": best, "fewest_events": _result(101.0, events=(4, 3))},
+    }
 
-    beyond = cell(800, 750)["targets"]["vs_fixed_peak"]
-    assert beyond["met"] is False and beyond["oracle_misses"] == 0.75
-    assert (
-        "oracle_misses" not in cell(800, 650)["targets"]["vs_fixed_peak"]
-    )  # the policy's own miss
-    assert (
-        "oracle_misses" not in cell(690, 750)["targets"]["vs_fixed_peak"]
-    )  # met: nothing to explain
-    cells = [cell(800, 750), cell(800, 650), cell(690, 600)]
-    summary = summarize_matrix(cells)["diurnal"]["vs_fixed_peak"]
-    assert (summary["met"], summary["applies"], summary["oracle_misses"]) == (1, 3, 1)
-    text = format_matrix(
-        {
-            "summary": summarize_matrix(cells),
-            "targets": dataclasses.asdict(MatrixTargets()),
-            "cells": cells,
-            "model": dataclasses.asdict(FleetModel()),
-            "wall_seconds": 0.0,
-        }
+
+def test_every_target_of_a_cell_is_checked_against_bstar():
+    t = cell_targets(_cell(cost=114.0), 3600)
+    assert t["vs_bstar"]["met"] and t["vs_bstar"]["value"] == pytest.approx(1.14)
+    assert t["ttft_attainment"]["met"] and t["itl_attainment"]["met"]
+    assert t["events"]["met"] and t["events"]["value"] == 2  # 5 - 3 on decode
+    assert t["no_flap"]["met"] is None  # only on steady load
+    assert not cell_targets(_cell(cost=116.0), 3600)["vs_bstar"]["met"]  # 1.15x on diurnal
+    assert not cell_targets(_cell(kind="burst", cost=131.0), 3600)["vs_bstar"]["met"]
+    assert not cell_targets(_cell(kind="steady", cost=111.0), 3600)["vs_bstar"]["met"]
+    assert not cell_targets(_cell(events=(5, 6)), 3600)["events"]["met"]  # 3 more
+    assert not cell_targets(_cell(ttft=0.989), 3600)["ttft_attainment"]["met"]
+    assert not cell_targets(_cell(kind="steady", cost=105.0, flips=1), 3600)["no_flap"]["met"]
+
+
+def test_a_cost_target_without_bstar_is_missed():
+    cell = _cell()
+    cell["bstar"] = {"best": None, "fewest_events": None}
+    t = cell_targets(cell, 3600)
+    assert t["vs_bstar"]["met"] is False and t["events"]["met"] is False
+
+
+def test_an_slo_miss_is_proven_infeasible_only_where_the_first_surge_bound_misses_too():
+    def onset(met, ttft):
+        brief = {"headroom": 0.1, "replica_seconds": 120.0, "itl_attainment": 1.0}
+        return {"first_surge": {"at_steady_room": {**brief, "met": met, "ttft_attainment": ttft}}}
+
+    blind = _cell(kind="burst", ttft=0.97)
+    blind["onset_bound"] = onset(False, 0.95)
+    t = cell_targets(blind, 3600)
+    assert t["ttft_attainment"]["met"] is False
+    assert t["ttft_attainment"]["infeasible"]["ttft_attainment"] == 0.95
+    assert "infeasible" not in t["itl_attainment"]  # met: nothing to prove
+    # The bound meets ITL (1.0): the policy's ITL miss is its own.
+    both = _cell(kind="burst", ttft=0.97, itl=0.98)
+    both["onset_bound"] = onset(False, 0.95)
+    t = cell_targets(both, 3600)
+    assert "infeasible" in t["ttft_attainment"] and "infeasible" not in t["itl_attainment"]
+    # Where the bound meets the SLO, a causal policy could too: a plain miss.
+    seen = _cell(kind="burst", ttft=0.97)
+    seen["onset_bound"] = onset(True, 0.995)
+    assert "infeasible" not in cell_targets(seen, 3600)["ttft_attainment"]
+    cells = []
+    for c in (blind, seen):
+        c["targets"] = cell_targets(c, 3600)
+        cells.append(c)
+    result = {"cells": cells, "traces": []}
+    assert misses(result) == ["default/burst/0: ttft_attainment"]
+    assert len(misses(result, proven=True)) == 2
+    blind["targets"] = cell_targets(blind, 3600)
+    assert misses({"cells": [blind], "traces": []}) == []
+
+
+def test_the_robustness_cases_need_the_slos_within_1_3x_their_bstar():
+    ok = cell_targets(_cell(kind="burst", cost=129.0, case="cold_start_x2"), 3600)
+    assert ok["robust"]["met"] and "events" not in ok
+    slow = cell_targets(_cell(kind="burst", cost=129.0, ttft=0.98, case="cold_start_x2"), 3600)
+    assert not slow["robust"]["met"]
+    cells = [_cell(case="cold_start_x2", cost=c) for c in (120, 125, 129, 135, 140)]
+    for c in cells:
+        c["targets"] = cell_targets(c, 3600)
+    assert trace_targets(cells)["robust_seeds"] == {"value": 3, "of": 5, "met": False}
+
+
+def test_the_policy_must_be_cheaper_than_tuned_hpa_in_the_mean_and_on_most_seeds():
+    cells = [_cell(cost=c, tuned=100.0 + 10 * (i > 0)) for i, c in enumerate([105.0] + [100.0] * 9)]
+    t = trace_targets(cells)
+    assert t["seeds_cheaper_than_hpa_tuned"] == {"value": 9, "of": 10, "met": True}
+    assert t["mean_vs_hpa_tuned"]["met"]
+    worse = [_cell(cost=115.0, tuned=110.0) for _ in range(10)]
+    assert not trace_targets(worse)["mean_vs_hpa_tuned"]["met"]
+
+
+def test_the_robustness_cases_change_only_what_they_say():
+    base = regime("gpu")
+    slow = case_spec(base, "burst", 3, "cold_start_x2")
+    assert slow.model.cold_start_seconds == 2 * base.model.cold_start_seconds
+    fast = case_spec(base, "diurnal", 3, "prefill_rate_+30%")
+    assert fast.model.prefill_tokens_per_second == pytest.approx(
+        1.3 * base.model.prefill_tokens_per_second
     )
-    assert "1/3 (max 0.800x) [1]" in text and "the oracle's own replica-seconds" in text
+    # The policy is configured with the nominal rate: it is mis-calibrated.
+    assert fast.section["prefill"]["prefillTokensPerSecond"] == base.model.prefill_tokens_per_second
+    assert fast.key != case_spec(base, "diurnal", 3, "default").key
+    with pytest.raises(ValueError, match="unknown case"):
+        case_spec(base, "burst", 0, "magic")
 
 
-def test_a_miss_that_only_another_targets_miss_could_buy_is_marked_traded():
-    def cell(ours_rs: float, ours_events: int, joint: float) -> dict:
-        results = {
-            "pdfleet": result("pdfleet", ours_rs, ours_events),
-            "oracle": result("oracle", 600, 12),
-            "hpa": result("hpa", 650, 6),
-            "fixed": result("fixed", 1000, 0),
-        }
-        # The cheapest schedule with at most 5 events (fewer than HPA's 6).
-        bound = ForesightBound(
-            replica_seconds=580,
-            fewer_events=joint,
-            any_step_replica_seconds=580,
-            any_step_fewer_events=joint,
-        )
-        targets = cell_targets("heavytail", results, 300.0, MatrixTargets(), bound)
-        return {"trace": "heavytail", "seed": 0, "targets": targets}
+def test_the_gpu_regime_is_derived_from_its_published_numbers():
+    model = REGIMES["gpu"].model
+    # 989 TFLOPS x 55% over 2 FLOPs per parameter of 6.98e9.
+    assert model.prefill_tokens_per_second == pytest.approx(38_965, rel=0.001)
+    # 128 KiB of KV a token read at 75% of 3.35 TB/s.
+    assert model.decode_step_seconds_per_token == pytest.approx(131072 / 2.5125e12)
+    assert model.kv_capacity_tokens == 400_000
+    # A 2k-token prefill in about 55 ms (attention's quadratic term included).
+    assert model.prefill_seconds(2048) == pytest.approx(0.065, abs=0.005)
 
-    # 0.7x fixed met, events tied with HPA, and no schedule with 5 events stays
-    # within 0.7x fixed: the events miss is the price of the other target.
-    traded = cell(690, 6, 720)["targets"]
-    assert traded["events_vs_hpa"] == {"value": 0, "met": False, "traded": 0.72}
-    assert "traded" not in traded["vs_fixed_peak"]
-    # Such a schedule exists: the miss is the policy's own.
-    assert "traded" not in cell(690, 6, 680)["targets"]["events_vs_hpa"]
-    # Events met, 0.7x fixed missed where no schedule meets both: traded the other way.
-    other = cell(750, 5, 720)["targets"]
-    assert other["vs_fixed_peak"]["traded"] == 0.72 and "traded" not in other["events_vs_hpa"]
-    # Both missed: either could have been met alone, so neither is marked.
-    both = cell(750, 6, 720)["targets"]
-    assert "traded" not in both["vs_fixed_peak"] and "traded" not in both["events_vs_hpa"]
-    cells = [cell(690, 6, 720), cell(690, 6, 680), cell(750, 6, 720)]
-    summary = summarize_matrix(cells)
-    assert summary["heavytail"]["events_vs_hpa"]["traded"] == 1
-    text = format_matrix(
-        {
-            "summary": summary,
-            "targets": dataclasses.asdict(MatrixTargets()),
-            "cells": cells,
-            "model": dataclasses.asdict(FleetModel()),
-            "wall_seconds": 0.0,
-        }
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small regime a matrix runs in seconds: the CPU fleet, 5 minutes."""
+    base = regime("cpu")
+    small = dataclasses.replace(
+        base, trace=dataclasses.replace(base.trace, duration_seconds=300, base_rate=6)
     )
-    assert "0/3 (worst +0) {1}" in text and "even with perfect foresight" in text
+    cache = str(tmp_path_factory.mktemp("cache"))
+    result = run_matrix(small, ["steady"], [0], [0], [], cache=cache)
+    return small, cache, result
 
 
-def test_run_matrix_checks_every_cell_and_prints_seeds_met_per_trace():
-    base = TraceConfig(duration_seconds=600, base_rate=3, burst_every_seconds=300)
-    model = FleetModel(cold_start_seconds=30)
-    out = run_matrix(base, model, SPEC, ("burst", "steady"), range(2))
-    assert [(c["trace"], c["seed"]) for c in out["cells"]] == [
-        ("burst", 0),
-        ("burst", 1),
-        ("steady", 0),
-        ("steady", 1),
+def test_run_matrix_reports_bstar_tuned_hpa_and_every_target(tiny):
+    _, _, result = tiny
+    (cell,) = result["cells"]
+    assert set(cell["results"]) >= {"pdfleet", "hpa", "hpa_tuned", "fixed"}
+    assert cell["bstar"]["best"]["schedule"]["prefill"]
+    assert set(cell["targets"]) >= {"ttft_attainment", "vs_bstar", "events", "no_flap"}
+    assert result["hpa_tuning"]["steady"]["probes"]
+    text = format_matrix(result)
+    assert "HPA tuned per trace" in text and "B*" in text and "per trace:" in text
+    assert ("all targets met" in text) == result["all_met"]
+
+
+def test_the_matrix_prints_each_surges_onset_bound(tiny):
+    import copy
+
+    _, _, first = tiny
+    result = copy.deepcopy(first)
+    cost = result["cells"][0]["bstar"]["best"]["replica_seconds"]["total"]
+    figures = {"replica_seconds": cost * 1.2, "ttft_attainment": 0.995, "itl_attainment": 1.0}
+    result["cells"][0]["onset_bound"] = {
+        "least": {"headroom": 0.4, **figures},
+        "without_headroom": {**figures, "ttft_attainment": 0.62},
+        "first_surge": {"at_steady_room": {"headroom": 0.1, **figures, "ttft_attainment": 0.93}},
+    }
+    text = format_matrix(result)
+    assert "least room 0.4 at 1.200x; no room 62.00%; first surge at 0.10 room 93.00% TTFT" in text
+
+
+def test_a_rerun_reads_bstar_and_hpa_from_the_cache(tiny):
+    small, cache, first = tiny
+    entries = {p: p.stat().st_mtime_ns for p in pathlib.Path(cache).rglob("*.json")}
+    assert entries
+    again = run_matrix(small, ["steady"], [0], [0], [], cache=cache)
+    assert again["cells"][0]["bstar"] == json.loads(json.dumps(first["cells"][0]["bstar"]))
+    # Nothing computed again: no entry written, none rewritten.
+    assert {p: p.stat().st_mtime_ns for p in pathlib.Path(cache).rglob("*.json")} == entries
+
+
+def test_the_matrix_summary_figure_is_drawn(tiny, tmp_path):
+    from helpers.pictures import assert_picture
+
+    from pdfleet.operator.autoscaling_lab.plot import plot_matrix
+
+    _, _, result = tiny
+    out = tmp_path / "matrix.png"
+    plot_matrix(result, str(out))
+    assert_picture(out, (810, 378))
+
+
+def test_sim_matrix_exits_nonzero_when_a_target_is_missed(tmp_path, capsys):
+    argv = [
+        "sim",
+        "--regime",
+        "cpu",
+        "--matrix",
+        "1",
+        "--matrix-traces",
+        "steady",
+        "--matrix-cases",
+        "",
+        "--hpa-tune-seeds",
+        "0",
+        "--duration",
+        "300",
+        "--rate",
+        "6",
+        "--cache",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "m.json"),
     ]
-    # Each cell has its own baselines: fixed peak from that seed's oracle.
-    assert out["cells"][0]["results"]["fixed"]["replica_seconds"]["total"] > 0
-    # Where the load varies, the perfect-foresight bound: dearer with fewer
-    # events than HPA than with any number, dearer within the spec's steps
-    # than with any step, and then no dearer than the oracle's run.
-    for c in out["cells"][:2]:
-        bound, oracle = c["foresight_bound"], c["results"]["oracle"]["replica_seconds"]["total"]
-        free = bound["any_steps"]
-        assert 0 < bound["replica_seconds"] <= bound["fewer_events_than_hpa"]
-        assert free["replica_seconds"] <= bound["replica_seconds"]
-        assert free["fewer_events_than_hpa"] <= bound["fewer_events_than_hpa"]
-        assert free["replica_seconds"] <= oracle
-    assert out["cells"][2]["foresight_bound"] is None  # steady: no peak to save
-    summary = out["summary"]
-    assert summary["steady"]["vs_fixed_peak"]["applies"] == 0
-    assert summary["burst"]["ttft_attainment"]["applies"] == 2
-    text = format_matrix(out)
-    assert "burst" in text and "steady" in text and "TTFT>=99%" in text
-    assert ("all targets met" in text) == all_met(summary)
+    code = main(argv)
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert code == (1 if result["unproven_misses"] else 0)
+    assert result["unproven_misses"] == misses(result)
+    assert "B* sizing" in capsys.readouterr().out
 
 
-def test_heavytail_prompts_mix_short_turns_and_long_documents():
-    trace = make_trace(TraceConfig(kind="heavytail", duration_seconds=1800, base_rate=5))
-    prompts = sorted(trace.prompt_tokens)
-    n = len(prompts)
-    share_long = sum(1 for p in prompts if p > 4000) / n
-    assert 0.10 < share_long < 0.20
-    assert prompts[n // 2] < 700  # the median request is a chat turn
-    assert 1100 < sum(prompts) / n < 2000  # a mean like the other traces'
-    steady = make_trace(dataclasses.replace(trace.config, kind="steady"))
-    assert sum(1 for p in steady.prompt_tokens if p > 4000) / len(steady) < share_long
+def test_runs_of_one_trace_each_merge_into_one_scored_matrix(tiny):
+    import copy
+
+    _, _, first = tiny
+    other = copy.deepcopy(first)
+    other["cells"][0]["trace"] = "diurnal"
+    other["hpa_tuning"] = {"diurnal": other["hpa_tuning"]["steady"]}
+    merged = merge([copy.deepcopy(first), other])
+    assert [t["trace"] for t in merged["traces"]] == ["diurnal", "steady"]  # the traces' order
+    assert set(merged["hpa_tuning"]) == {"steady", "diurnal"}
+    # Scored again under the diurnal trace's cost target, not steady's.
+    assert merged["cells"][0]["targets"]["vs_bstar"]["limit"] == 1.15
+    assert merged["cells"][0]["targets"]["no_flap"]["met"] is None
+    assert merged["unproven_misses"] == misses(merged)
+    text = format_matrix(merged)
+    assert "per trace, over its seeds" in text and "diurnal" in text
+    # Seeds merge too; a cell twice, or a different tuned HPA, does not.
+    later = copy.deepcopy(first)
+    later["seeds"], later["cells"][0]["seed"] = [7], 7
+    assert merge([copy.deepcopy(first), later])["seeds"] == [0, 7]
+    with pytest.raises(ValueError, match="more than one result"):
+        merge([first, copy.deepcopy(first)])
+    bad = copy.deepcopy(later)
+    bad["hpa_tuning"]["steady"]["targets"] = {"prefill_utilization": 0.1, "decode_kv_usage": 0.1}
+    with pytest.raises(ValueError, match="tuned HPA on steady"):
+        merge([first, bad])
 
 
-def test_policy_meets_slo_and_cost_targets_on_seed_0_of_every_trace():
-    # The full 10-seed matrix is a benchmark (benchmarks/autoscaling_matrix.py,
-    # docs/autoscaling.md); here one seed per trace, the default fleet model,
-    # the targets it meets on every trace: SLO attainment and replica-seconds
-    # against the oracle and (where the load varies enough) fixed peak.
-    spec = AutoscalingSpec.from_spec(
-        {"prefill": {"maxReplicas": 64}, "decode": {"maxReplicas": 64}}
-    )
-    out = run_matrix(
-        TraceConfig(), FleetModel(), spec, strategies=("pdfleet", "fixed", "oracle"), seeds=[0]
-    )
-    for cell in out["cells"]:
-        t = cell["targets"]
-        where = (cell["trace"], {k: v["value"] for k, v in t.items()})
-        assert t["ttft_attainment"]["met"] and t["itl_attainment"]["met"], where
-        assert t["vs_oracle"]["met"], where
-        if cell["trace"] == "burst":
-            assert t["vs_fixed_peak"]["met"], where
+def test_the_trace_summary_is_each_strategys_cost_over_bstars_and_its_worst_seed():
+    cells = [_cell(cost=120.0, tuned=130.0), _cell(cost=110.0, tuned=100.0, ttft=0.98)]
+    for c in cells:
+        c["results"]["hpa"] = _result(150.0, ttft=0.9)
+    s = trace_summary(cells)
+    assert s["pdfleet"]["x_bstar"] == pytest.approx(1.15)  # 230 over 200
+    assert s["hpa_tuned"]["x_bstar"] == pytest.approx(1.15)
+    assert s["hpa"]["x_bstar"] == pytest.approx(1.5)
+    assert s["bstar"]["x_bstar"] == pytest.approx(1.0)
+    assert s["pdfleet"]["min_ttft_attainment"] == 0.98
+    assert (s["pdfleet"]["seeds_meeting_slos"], s["hpa"]["seeds_meeting_slos"]) == (1, 0)
 
 
-def test_a_variant_run_reuses_the_baselines_and_reaches_the_same_targets():
-    base = TraceConfig(kind="burst", duration_seconds=600, base_rate=3, burst_every_seconds=300)
-    model = FleetModel(cold_start_seconds=30)
-    full = run_matrix(base, model, SPEC, ("burst",), [0])
-    (cell,) = full["cells"]
-    known = {
-        ("burst", 0): {
-            name: {
-                "replica_seconds": cell["results"][name]["replica_seconds"]["total"],
-                "scale_events": cell["results"][name]["scale_events"]["total"],
-            }
-            for name in ("hpa", "oracle")
-        }
-    }
-    reused = run_matrix(base, model, SPEC, ("burst",), [0], baselines=known)
-    assert reused["cells"][0]["targets"] == cell["targets"]
-    # Only the policy was simulated again: the baselines carry no SLO figures.
-    assert "ttft_attainment" not in reused["cells"][0]["results"]["hpa"]
-    assert "ttft_attainment" in cell["results"]["hpa"]
-    # A tuning reaches the policy: no headroom going down changes the run.
-    looser = PolicyTuning(scale_down_headroom=0.0, tolerance=0.0)
-    varied = run_matrix(base, model, SPEC, ("burst",), [0], baselines=known, tuning=looser)
-    assert varied["tuning"]["scale_down_headroom"] == 0.0
-    assert (
-        varied["cells"][0]["results"]["pdfleet"]["replica_seconds"]
-        != cell["results"]["pdfleet"]["replica_seconds"]
-    )
+def test_hpa_is_tuned_with_its_other_role_at_the_coolest_target():
+    # A fleet where decode above 0.4 KV usage misses ITL whatever prefill
+    # does, and prefill above 0.7 busy misses TTFT: tuned, HPA is (0.7, 0.4),
+    # not stuck at the coolest prefill by a decode partner that misses.
+    def runs(batch):
+        out = []
+        for _, t in batch:
+            ok = t.prefill_utilization <= 0.7 and t.decode_kv_usage <= 0.4
+            out.append(
+                {
+                    "ttft_attainment": 1.0 if t.prefill_utilization <= 0.7 else 0.9,
+                    "itl_attainment": 1.0 if ok or t.decode_kv_usage <= 0.4 else 0.9,
+                    "replica_seconds": {"total": 1.0},
+                }
+            )
+        return out
+
+    tuned = tune_hpa(regime("cpu"), "steady", [0, 1], runs)
+    assert tuned["targets"] == {"prefill_utilization": 0.7, "decode_kv_usage": 0.4}
+    assert tuned["met"] is True

@@ -9,7 +9,8 @@ from pdfleet.engine.cli import main
 
 def test_sim_plot_writes_a_picture_of_rate_replicas_and_ttft(tmp_path, capsys):
     out = tmp_path / "sim.png"
-    argv = ["sim", "--duration", "900", "--rate", "4", "--burst-every", "400", "--plot", str(out)]
+    argv = ["sim", "--regime", "cpu", "--duration", "900", "--rate", "4", "--burst-every", "400"]
+    argv += ["--plot", str(out)]
     assert main(argv) == 0
     assert "pdfleet" in capsys.readouterr().out
     assert_picture(out, (720, 680))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdfleet.operator.autoscaling.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
+from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_real.py"
 
@@ -76,3 +76,34 @@ def test_a_peak_out_of_reach_stops_at_the_ladders_top(bench):
     rate, ladder = bench.choose_rate(_args(decode_peak=99, max_rate=2.0), MODEL, spec)
     assert rate <= 2.0 < rate * 1.25
     assert all(r["decode_peak"] < 99 for r in ladder)
+
+
+def test_slos_at_the_real_fleets_own_percentile_compare_both_sides(bench):
+    # Requests in replay()'s shape: the real fleet's p99 sets the SLO, so its
+    # attainment sits at 99% and the simulator's is read at the same SLO.
+    real = [{"ttft": 0.1 + i / 1000, "itl": 0.01, "tokens": 10, "error": None} for i in range(100)]
+    real[5] = {"ttft": None, "itl": 0.0, "tokens": 0, "error": "status 503"}
+    slo = bench.percentile(sorted(r["ttft"] for r in real if r["ttft"] is not None), 99)
+    figures = bench.slo_figures(real, slo, 0.02)
+    assert figures["ttft_attainment"] == pytest.approx(0.98)  # 1 late, 1 failed
+    assert figures["itl_attainment"] == pytest.approx(0.99)
+    sim = {**figures, "ttft_attainment": 0.95, "replica_seconds": {"total": 110.0}}
+    out = bench.fidelity({**figures, "replica_seconds": {"total": 100.0}}, sim)
+    assert not out["ttft_attainment"]["met"] and out["itl_attainment"]["met"]
+    assert out["ttft_p99"]["met"] and out["replica_seconds"]["met"]
+    far = bench.fidelity(
+        {**figures, "replica_seconds": {"total": 100.0}},
+        {**figures, "ttft_p50": figures["ttft_p50"] * 1.3, "replica_seconds": {"total": 120.0}},
+    )
+    assert not far["ttft_p50"]["met"] and not far["replica_seconds"]["met"]
+
+
+def test_the_simulators_requests_are_read_like_the_replays(bench):
+    spec = AutoscalingSpec.from_spec(bench.AUTOSCALING)
+    trace = bench.make_run_trace(_args(duration=60.0), 1.0)[2]
+    result, sim = bench.run_sim(trace, MODEL, spec, 0)
+    rows = bench.sim_latencies(sim)
+    assert len(rows) == result.requests
+    figures = bench.slo_figures(rows, MODEL.ttft_slo_seconds, MODEL.itl_slo_seconds)
+    assert figures["ttft_attainment"] == pytest.approx(result.ttft_attainment)
+    assert figures["ttft_p99"] == pytest.approx(result.ttft_p99)

@@ -16,6 +16,7 @@ from pdfleet.operator.autoscaling.spec import (
 
 # The keys the CRD and `pdfleet up` read; renaming one breaks them.
 EXPECTED = {
+    "mode": "Active",
     "periodSeconds": 15,
     "maxTotalReplicas": None,
     "prefillDecodeRatio": {"min": None, "max": None},
@@ -27,7 +28,7 @@ EXPECTED = {
         "ttftTargetSeconds": 2.0,
         "prefillTokensPerSecond": None,
         "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 300,
+        "scaleDownStabilizationSeconds": 90,
         "maxScaleUpStep": 4,
         "maxScaleDownStep": 1,
         "scaleToZeroAfterSeconds": 300,
@@ -36,10 +37,11 @@ EXPECTED = {
     "decode": {
         "minReplicas": 1,
         "maxReplicas": 4,
+        "itlTargetSeconds": 0.05,
         "targetKVCacheUsage": 0.7,
         "targetWaitingPerReplica": 4,
         "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 300,
+        "scaleDownStabilizationSeconds": 90,
         "maxScaleUpStep": 4,
         "maxScaleDownStep": 1,
         "scaleToZeroAfterSeconds": 300,

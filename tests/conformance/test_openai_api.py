@@ -433,6 +433,30 @@ def test_chat_echo_custom_roles_and_prompt_text(client):
         for ch in chunk.choices:
             streamed += ch.delta.content or ""
     assert streamed.startswith("Once upon")
+    # The echoed message has no sampled logprobs: echo with logprobs is a 400
+    # naming echo (streamed or not), never logprobs silently missing.
+    for stream in (False, True):
+        message = refused(
+            lambda stream=stream: client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=3,
+                logprobs=True,
+                stream=stream,
+                extra_body={
+                    "echo": True,
+                    "continue_final_message": True,
+                    "add_generation_prompt": False,
+                },
+            ),
+            "echo",
+        )
+        assert "logprobs" in message and "prompt_logprobs" in message
+    # Echo with nothing to echo (the last message is the user's) leaves logprobs alone.
+    plain = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2, logprobs=True, extra_body={"echo": True}
+    )
+    assert plain.choices[0].logprobs is not None
     custom = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "narrator", "content": "The sea was calm."}, *USER],

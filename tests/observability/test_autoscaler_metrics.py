@@ -48,11 +48,13 @@ def test_register_exports_every_decision_of_the_policy_on_the_operator_registry(
         ]
         decide("ns/llama", SPEC, samples, replicas, t)
     values = samples_of(state)
-    assert values[("pdfleet_autoscaler_desired_replicas", (("role", "decode"),))] == 4
+    desired = ("pdfleet_autoscaler_desired_replicas", (("mode", "Active"), ("role", "decode")))
+    assert values[desired] == 4
     capped = [
         v
         for (name, labels), v in values.items()
         if name == "pdfleet_autoscaler_decisions_total"
-        and dict(labels) == {"role": "decode", "direction": "none", "reason": "max_replicas"}
+        and dict(labels)
+        == {"role": "decode", "direction": "none", "reason": "max_replicas", "mode": "Active"}
     ]
     assert capped and capped[0] >= 1, values

@@ -161,6 +161,7 @@ def test_auto_tool_choice_false_turns_a_models_default_off():
     [
         ({"enableAutoToolChoice": True}, "spec.serving: enableAutoToolChoice needs toolCallParser"),
         ({"toolCallParser": "json"}, "spec.serving.toolCallParser"),
+        ({"reasoningParser": "qwen"}, "spec.serving.reasoningParser: .*qwen3.*deepseek_r1"),
         ({"chatTemplate": ""}, "spec.serving.chatTemplate"),
         ({"template": "x"}, "spec.serving.template: unknown field"),
     ],
@@ -168,6 +169,34 @@ def test_auto_tool_choice_false_turns_a_models_default_off():
 def test_bad_serving_settings_are_refused_naming_the_field(serving, field):
     with pytest.raises(ValueError, match=field):
         parse_spec({"model": {"name": "m"}, "serving": serving})
+
+
+def test_reasoning_parser_reaches_every_engine_pod_and_names_the_engines_parsers():
+    """spec.serving.reasoningParser is --reasoning-parser on each engine (prefill,
+    decode; the aggregated engine below), never on the gateway; the resource
+    takes exactly the parsers the engine has."""
+    import typing
+
+    from pdfleet.engine.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from pdfleet.operator.resource import ServingSpec
+
+    allowed = typing.get_args(
+        typing.get_args(ServingSpec.model_fields["reasoning_parser"].annotation)[0]
+    )
+    assert sorted(allowed) == sorted(REASONING_PARSERS)
+    objects = render({**SPEC, "serving": {"reasoningParser": "deepseek_r1"}})
+    for role in ("prefill", "decode"):
+        command = pod(objects, role)["spec"]["containers"][0]["command"]
+        assert flag(command, "--reasoning-parser") == "deepseek_r1"
+    assert "--reasoning-parser" not in pod(objects, "gateway")["spec"]["containers"][0]["command"]
+    # Aggregated (no KV transfer): one engine role, the decode Deployment.
+    objects = render({"model": {"name": "m"}, "serving": {"reasoningParser": "qwen3"}})
+    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
+    assert flag(command, "--reasoning-parser") == "qwen3"
+    # Unset: no flag.
+    assert (
+        "--reasoning-parser" not in pod(render(SPEC), "decode")["spec"]["containers"][0]["command"]
+    )
 
 
 # -- pdfleet up --------------------------------------------------------------------
@@ -211,6 +240,12 @@ def test_pdfleet_up_engines_get_the_serving_flags_and_their_own_event_ports(tmp_
     assert [(e["kv_events"], e["kv_events_replay"]) for e in listed] == [
         fleet.kv_events[c.name] for c in children
     ]
+
+
+def test_pdfleet_up_engines_get_the_reasoning_parser(tmp_path):
+    fleet = local_fleet(tmp_path, {**SPEC, "serving": {"reasoningParser": "qwen3"}})
+    for role in ("prefill", "decode"):
+        assert flag(fleet._engine_child(role).argv, "--reasoning-parser") == "qwen3"
 
 
 def test_pdfleet_up_without_kv_events_lists_no_streams(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import kopf
 from aiohttp import web
 from helpers.kube_fake import (
     DEPLOYMENTS,
@@ -16,9 +17,10 @@ from helpers.kube_fake import (
     run,
     running_operator,
 )
+from prometheus_client import generate_latest
 
 from pdfleet.engine.contracts import security
-from pdfleet.operator.cluster_autoscaler import ScaleDecision
+from pdfleet.operator.cluster_autoscaler import PolicyDecider, ScaleDecision
 from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig
 from pdfleet.operator.manifests import ANNOTATION_FLEET_SECRET, LABEL_COMPAT
@@ -263,6 +265,101 @@ def test_timer_scrapes_engine_pods_and_patches_replicas_from_the_policy_decision
         assert set(by_pod) == {"demo-decode-a", "demo-prefill-a", "demo-gateway-a"}
         assert by_pod["demo-decode-a"].role == "decode"
         assert by_pod["demo-decode-a"].values["vllm:kv_cache_usage_perc"] == 0.9
+
+    run(scenario())
+
+
+def test_advisory_mode_reports_the_policys_decisions_and_patches_no_replicas(monkeypatch):
+    # The real policy on a decode engine whose KV is full and queue long: it
+    # decides to scale decode up, and in mode Advisory says so in the status,
+    # an event and the metrics, and leaves the Deployment's replicas alone.
+    spec = {
+        **SPEC,
+        "autoscaling": {"mode": "Advisory", "periodSeconds": 0.5, "decode": {"maxReplicas": 5}},
+    }
+    clusters: list[Any] = []
+    # kmock keeps one event of a kind per object (kopf's event names repeat),
+    # so the events are read where the operator posts them.
+    events: list[tuple[str, str]] = []
+    post = kopf.info
+
+    def info(body: Any, *, reason: str, message: str) -> None:
+        events.append((reason, message))
+        post(body, reason=reason, message=message)
+
+    monkeypatch.setattr(kopf, "info", info)
+
+    async def metrics(request: web.Request) -> web.Response:
+        secret = secret_value(clusters[0].get(SECRETS, "demo-fleet"))
+        token = security.bearer_token(request.headers.get("Authorization"))
+        if not security.key_matches(token, [security.fleet_token(secret)]):
+            return web.json_response({"error": {"code": 401}}, status=401)
+        text = (
+            "pdfleet_engine_kv_cache_usage_ratio 0.95\n"
+            "pdfleet_engine_num_requests_running 30\n"
+            "pdfleet_engine_num_requests_waiting 6\n"
+            "pdfleet_engine_waiting_prompt_tokens 0\n"
+        )
+        return web.Response(text=text)
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        pods = [engine_pod("demo-decode-a", "decode", port)]
+        decider = PolicyDecider()
+        try:
+            objects = [inference_service("demo", spec), *pods]
+            async with running_operator(objects, fast_config(decide=decider)) as k:
+                clusters.append(k)
+                svc = await k.wait_for(
+                    lambda: (
+                        ((k.get(IS_RESOURCE, "demo") or {}).get("status") or {})
+                        .get("autoscaling", {})
+                        .get("lastDecisions")
+                        and k.get(IS_RESOURCE, "demo")
+                    ),
+                    what="an advised decision in the status",
+                )
+                status = svc["status"]["autoscaling"]
+                record = status["lastDecisions"][-1]
+                assert status["mode"] == "Advisory"
+                assert (record["role"], record["from"], record["applied"]) == ("decode", 1, False)
+                assert record["to"] > 1 and "KV" in record["reason"]
+                advised = await k.wait_for(
+                    lambda: [m for r, m in events if r == "ScaleAdvised"],
+                    what="a ScaleAdvised event",
+                )
+                assert advised[0].startswith("decode 1 -> ")
+                assert "(advisory, not applied)" in advised[0]
+                assert not [r for r, _ in events if r == "Scaled"]
+                exported = generate_latest(k.state.metrics).decode()
+                assert (
+                    'pdfleet_autoscaler_desired_replicas{mode="Advisory",role="decode"}' in exported
+                )
+
+                def advisory_decisions() -> float:
+                    return sum(
+                        sample.value
+                        for metric in k.state.metrics.collect()
+                        for sample in metric.samples
+                        if sample.name == "pdfleet_autoscaler_decisions_total"
+                        and sample.labels.get("mode") == "Advisory"
+                    )
+
+                # Several more periods decided (each counted): still nothing applied.
+                seen = advisory_decisions()
+                await k.wait_for(
+                    lambda: advisory_decisions() >= seen + 4, what="more advisory decisions"
+                )
+                assert k.get(DEPLOYMENTS, "demo-decode")["spec"]["replicas"] == 1
+                assert k.state.scale_changes.labels("decode")._value.get() == 0
+        finally:
+            await runner.cleanup()
 
     run(scenario())
 

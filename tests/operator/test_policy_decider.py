@@ -61,7 +61,7 @@ def test_failed_scrapes_never_scale_down_and_victims_are_the_least_loaded():
         out = decide("ns/llama", SPEC, samples, replicas, t)
         assert not [d for d in out if d.role == "decode" and d.replicas < 3], out
     # With every scrape healthy and the window passed, decode may come down, idle first.
-    for t in (1090.0, 1105.0, 1120.0, 1135.0, 1150.0):
+    for t in range(1090, 1400, 15):
         samples = [
             pod("p-0", "prefill", t, 0.0, 0),
             pod("d-0", "decode", t, 0.0, 0),

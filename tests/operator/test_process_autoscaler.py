@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.local.process import Child
 from pdfleet.operator.local.process_autoscaler import LocalAutoscaler
+from pdfleet.operator.local.state import STATE_FILE, FleetStateWriter
 
 TOKEN_HEADERS = {"Authorization": "Bearer fleet-token"}
 
@@ -85,6 +90,15 @@ class FakeFleet:
     def gateway_metrics_text(self) -> str | None:
         return None  # no gateway: no activation signal
 
+    # What fleet.json's writer reads of a LocalFleet besides the protocol.
+    service = SimpleNamespace(name="demo")
+    gateway = None
+    gateway_url = "http://127.0.0.1:1"
+    run_dir = Path("/nonexistent")
+
+    def all_children(self) -> list[Child]:
+        return list(self.children)
+
 
 @pytest.fixture
 def servers():
@@ -147,3 +161,32 @@ def test_the_engines_startup_reaches_the_policy(servers):
     assert scaler.loop.state.startup_seconds == 150.0 - AutoscalingSpec().period_seconds
     # Until an engine is ready, it has no startup to report.
     assert Child("x", "decode", [], 1, Path("/dev/null")).startup_seconds is None
+
+
+def test_advisory_mode_records_every_decision_and_starts_nothing(servers, tmp_path, caplog):
+    prefill = servers(metrics(0.0, 0, 0))
+    decode = servers(metrics(0.95, 30, 6))
+    fleet = FakeFleet([child("prefill-0", "prefill", prefill), child("decode-0", "decode", decode)])
+    scaler = LocalAutoscaler(fleet, AutoscalingSpec.from_spec({"mode": "Advisory"}))
+    advised = []
+    with caplog.at_level(logging.INFO, logger="pdfleet.operator.autoscaling.decisions"):
+        for i in range(3):
+            advised += scaler.step(now=1000.0 + 15 * i)
+    # The same load that starts a decode engine in mode Active (above): the
+    # decision is made, recorded as not applied, and the fleet is untouched.
+    assert fleet.added == [] and fleet.drained == []
+    assert [c.draining for c in fleet.children] == [False, False]
+    assert advised and all(not r.applied for r in advised)
+    assert any(r.role == "decode" and r.to_replicas > r.from_replicas for r in advised)
+    assert scaler.log.history.latest()[-1].to_dict()["applied"] is False
+    # pdfleet up's log and fleet.json (what `pdfleet status` reads) say so.
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("autoscaler (advisory, not applied): ") for line in lines)
+    assert not [line for line in lines if line.startswith("autoscaler: ")]
+    fleet.run_dir = tmp_path
+    FleetStateWriter(cast(Any, fleet)).write(scaler)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    decisions = state["lastDecisions"]
+    assert decisions and all(d["applied"] is False for d in decisions)
+    assert decisions[-1]["role"] == "decode" and decisions[-1]["to"] > decisions[-1]["from"]
+    assert [e["name"] for e in state["engines"]] == ["prefill-0", "decode-0"]

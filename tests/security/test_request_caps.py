@@ -29,7 +29,7 @@ from pdfleet.engine.sampling_params import SamplingParams
 # -- the scheduler on its own ------------------------------------------------------------
 
 
-def scheduler(seqs=8, tokens=64, caching=True, share=0.5) -> Scheduler:
+def scheduler(seqs=8, tokens=64, caching=True, share=0.5, policy="fcfs") -> Scheduler:
     config = EngineConfig(
         model_config=ModelConfig(model="m", max_model_len=256),
         cache_config=CacheConfig(block_size=8, enable_prefix_caching=caching),
@@ -38,6 +38,7 @@ def scheduler(seqs=8, tokens=64, caching=True, share=0.5) -> Scheduler:
             max_num_seqs=seqs,
             max_model_len=256,
             max_request_share=share,
+            policy=policy,
         ),
         device_config=DeviceConfig(device="cpu"),
     )
@@ -299,3 +300,19 @@ def test_the_gateway_refuses_them_before_any_engine_is_called(engine, tmp_path):
         assert ok.status_code == 200, ok.text
     finally:
         gateway.stop()
+
+
+def test_a_lower_priority_request_takes_no_slot_from_a_higher_priority_group():
+    s = scheduler(seqs=4, share=0.5, policy="priority")
+    for i in range(4):
+        r = req(f"hi-{i}", group="hi", max_tokens=1000)
+        r.priority = 0
+        s.add_request(r)
+    step(s)
+    low = req("low", max_tokens=10)
+    low.priority = 5  # larger: lower priority
+    s.add_request(low)
+    for _ in range(3):
+        out = step(s)
+        assert "low" not in out.num_scheduled_tokens
+    assert running_of(s, "hi") == 4 and s.num_preemptions == 0

@@ -16,6 +16,7 @@ client's ``X-Request-Id`` is only echoed and logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -420,6 +421,32 @@ def build_app(state: ServerState) -> FastAPI:
             return await chat(body, request)
         return await completions(body, request)
 
+    # vLLM's render routes: what a completions or chat request becomes (its
+    # prompt's token ids and resolved sampling parameters) without generating.
+    # vLLM's P/D routers call them to tokenize once before routing. Every check
+    # of the generation route runs (fields, lengths, logprob bounds, grammars),
+    # so a body that renders is one the generation route admits.
+    @app.post("/v1/completions/render")
+    async def completions_render(body: CompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
+        s, _ = serving(request)
+        for_caller(body, request)
+        model, jobs = await s.prepare_completion(body)
+        return [rendered(body, random_id("cmpl"), model, ids, params) for _, ids, params in jobs]
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(body: ChatCompletionRequest, request: Request):
+        internal_fields_only_from_internal_callers(body, request)
+        _, s = serving(request)
+        for_caller(body, request)
+        model, _text, ids, params, _k, _parser = await s.prepare_chat(body)
+        return rendered(body, random_id("chatcmpl"), model, ids, params)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        s, _ = serving(request)
+        return tokenizer_config(s._need_tokenizer(), s.options.chat_template)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         s, _ = serving(request)
@@ -454,6 +481,84 @@ def build_app(state: ServerState) -> FastAPI:
         return {"prompt": s._need_tokenizer().decode(body.tokens)}
 
     return app
+
+
+def sampling_dict(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as JSON, vLLM's names: ``logit_bias`` a token-id map, the
+    grammar (``structured_outputs``) with only the fields it sets."""
+    # Field by field, not asdict: asdict would deep-copy a compiled grammar.
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    out["stop"], out["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    out["logit_bias"] = {str(t): b for t, b in params.logit_bias} if params.logit_bias else None
+    grammar = params.structured_outputs
+    out["structured_outputs"] = (
+        {
+            f.name: getattr(grammar, f.name)
+            for f in dataclasses.fields(grammar)
+            if f.name != "compiled" and getattr(grammar, f.name) not in (None, False)
+        }
+        if grammar is not None
+        else None
+    )
+    return out
+
+
+def rendered(
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    ids: list[int],
+    params: SamplingParams,
+) -> dict[str, Any]:
+    """One rendered prompt in the shape of vLLM's render routes (its
+    ``GenerateRequest``): what the generation route would run, not run."""
+    return {
+        "request_id": request_id,
+        "token_ids": ids,
+        "features": None,  # multimodal features: pdfleet serves text models
+        "sampling_params": sampling_dict(params),
+        "model": body.model if body.model is not None else model,
+        "stream": bool(body.stream),
+        "stream_options": body.stream_options.model_dump()
+        if body.stream and body.stream_options
+        else None,
+        "cache_salt": body.cache_salt,
+        "priority": body.priority,
+        "kv_transfer_params": body.kv_transfer_params,
+        "token_offsets": None,  # return_token_offsets is refused (request_fields.py)
+    }
+
+
+# Tokenizer settings that name files on the server: not part of the answer.
+_LOCAL_KEYS = ("name_or_path", "_file", "_dir")
+
+
+def tokenizer_config(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """``GET /tokenizer_info`` as vLLM answers it: the tokenizer's settings (its
+    ``tokenizer_config.json``), ``tokenizer_class`` and the chat template the
+    server applies; special tokens as their text. Settings that name files on
+    the server are left out."""
+
+    def plain(value: Any, depth: int = 0) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if depth < 8 and isinstance(value, dict):
+            return {str(k): plain(v, depth + 1) for k, v in value.items()}
+        if depth < 8 and isinstance(value, (list, tuple)):
+            return [plain(v, depth + 1) for v in value]
+        content = getattr(value, "content", None)  # an AddedToken
+        return content if isinstance(content, str) else str(value)
+
+    config = {
+        k: plain(v)
+        for k, v in dict(getattr(tokenizer, "init_kwargs", {}) or {}).items()
+        if not any(k.endswith(x) for x in _LOCAL_KEYS)
+    }
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return config
 
 
 def run_server(

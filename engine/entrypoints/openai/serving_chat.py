@@ -103,6 +103,16 @@ class ChatServing(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         k = self.check_logprobs((req.top_logprobs or 0) if req.logprobs else None, "top_logprobs")
+        if req.logprobs and echoed_content(req):
+            # The echoed message is part of the prompt: its tokens have no sampled
+            # logprobs, and a response whose logprobs cover only part of its
+            # content would misalign them. Refused, never dropped.
+            raise APIError(
+                "echo with logprobs is not supported for chat (the echoed message's "
+                "logprobs are not computed); use prompt_logprobs for the prompt's "
+                "tokens, or drop echo or logprobs",
+                param="echo",
+            )
         pk = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if (
             req.add_generation_prompt

@@ -10,8 +10,8 @@ after a cold start; scale-down drains (a victim chosen by
 
 The model, per replica:
 
-* prefill -- first come first served at ``prefill_tokens_per_second`` plus a
-  fixed overhead per request; the gateway routes each request to the ready
+* prefill -- first come first served: a fixed overhead per request plus the
+  prompt at ``prefill_tokens_per_second`` plus attention's quadratic term; the gateway routes each request to the ready
   prefill replica with the fewest outstanding prompt tokens.
 * KV transfer -- ``transfer_seconds_per_token`` times the prompt length.
 * decode -- continuous batching: every running request gets one token per
@@ -40,11 +40,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...engine.reports.stats import percentile
-from .policy import FleetObservation, RoleObservation
-from .samples import EngineSnapshot, ReplicaSample, ReplicaState, sample_from_snapshots
-from .spec import AutoscalingSpec
+from ..autoscaling.policy import FleetObservation, RoleObservation
+from ..autoscaling.samples import (
+    EngineSnapshot,
+    ReplicaSample,
+    ReplicaState,
+    sample_from_snapshots,
+)
+from ..autoscaling.spec import AutoscalingSpec
+from ..autoscaling.victims import ReplicaLoad, choose_victims
 from .traces import Trace
-from .victims import ReplicaLoad, choose_victims
 
 DRAIN_LIMIT_SECONDS = 900.0
 
@@ -57,6 +62,11 @@ class FleetModel:
     """Prompt tokens one prefill replica computes per second."""
     prefill_overhead_seconds: float = 0.015
     """Fixed cost per prefill request (scheduling, sampling, KV registration)."""
+    prefill_seconds_per_token_squared: float = 0.0
+    """Attention's share of prefill time, which grows with the square of the
+    prompt (causal self-attention over T tokens costs about
+    2 x layers x T^2 x hidden FLOPs): seconds per token squared. 0 for a
+    prompt cost linear in its length."""
     decode_step_seconds: float = 0.010
     """Decode step time with an empty batch (the ``a`` of ``a + b*batch + c*ctx``)."""
     decode_step_seconds_per_seq: float = 6e-5
@@ -88,12 +98,20 @@ class FleetModel:
             elif (
                 f.name in ("cold_start_seconds", "transfer_seconds_per_token")
                 or f.name.startswith("decode_step_seconds_per")
-                or f.name == "prefill_overhead_seconds"
+                or f.name in ("prefill_overhead_seconds", "prefill_seconds_per_token_squared")
             ):
                 if value < 0:
                     raise ValueError(f"{f.name} must be >= 0, got {value}")
             elif value <= 0:
                 raise ValueError(f"{f.name} must be > 0, got {value}")
+
+    def prefill_seconds(self, prompt_tokens: float) -> float:
+        """Seconds one prefill replica computes a prompt of this length."""
+        return (
+            self.prefill_overhead_seconds
+            + prompt_tokens / self.prefill_tokens_per_second
+            + self.prefill_seconds_per_token_squared * prompt_tokens * prompt_tokens
+        )
 
     def step_seconds(self, batch: float, context_tokens: float) -> float:
         return (
@@ -230,16 +248,23 @@ class _Decode(_Replica):
         self.waiting_prompt = 0
         self.waiting_tokens = 0
         self.version = 0
-        self.ttft_sum = self.itl_sum = 0.0
-        self.ttft_count = self.itl_count = 0
+        self.ttft_sum = self.itl_sum = self.itl_count = 0.0
+        self.ttft_count = 0
 
     def context(self) -> float:
         """KV tokens in use: prompts plus tokens generated so far."""
         return self.prompt_sum + self.n * self.steps - self.start_sum
 
     def advance(self, now: float) -> None:
+        """Run the batch's steps up to ``now``: each running request got a
+        token every step, and each gap is one inter-token latency (the
+        engine's ITL histogram observes them as they happen)."""
         if self.n and self.step_time > 0:
-            self.steps += (now - self.updated) / self.step_time
+            elapsed = now - self.updated
+            steps = elapsed / self.step_time
+            self.steps += steps
+            self.itl_sum += self.n * elapsed
+            self.itl_count += self.n * steps
         self.updated = now
 
     def load(self) -> float:
@@ -380,6 +405,11 @@ class Simulation:
         seed: int = 0,
     ) -> None:
         self.trace, self.model, self.spec, self.strategy = trace, model, spec, strategy
+        # The hot paths read these as plain attributes.
+        self._kv_capacity, self._max_seqs = model.kv_capacity_tokens, model.max_num_seqs
+        self._step_a = model.decode_step_seconds
+        self._step_b = model.decode_step_seconds_per_seq
+        self._step_c = model.decode_step_seconds_per_token
         self.rng = random.Random(seed + 7919)
         self.events: list[tuple[float, int, int, Any, int]] = []
         self.seq = 0
@@ -444,11 +474,7 @@ class Simulation:
         replica.queued_tokens -= req.prompt
         replica.serving = req
         replica.serve_start = now
-        replica.serve_end = (
-            now
-            + self.model.prefill_overhead_seconds
-            + req.prompt / self.model.prefill_tokens_per_second
-        )
+        replica.serve_end = now + self.model.prefill_seconds(req.prompt)
         self._push(replica.serve_end, _PREFILL_DONE, replica)
 
     def _prefill_done(self, replica: _Prefill, now: float) -> None:
@@ -470,8 +496,7 @@ class Simulation:
     # -- decode ------------------------------------------------------------
 
     def _route_decode(self, req: _Request, now: float) -> None:
-        router = self.routers["decode"]
-        replica = router.pick()
+        replica = self.routers["decode"].pick()
         if replica is None:
             self.pending["decode"].append(req)
             return
@@ -485,56 +510,70 @@ class Simulation:
 
     def _admit(self, replica: _Decode, now: float) -> None:
         """Admit waiting requests that fit, then reschedule (``advance`` done)."""
-        capacity, max_seqs = self.model.kv_capacity_tokens, self.model.max_num_seqs
-        admitted = []
         waiting = replica.waiting
-        while waiting and replica.n < max_seqs:
-            req = waiting[0]
-            size = req.prompt + req.output
-            if replica.reserved + size > capacity:
-                break
-            waiting.popleft()
-            replica.waiting_prompt -= req.prompt
-            replica.waiting_tokens -= size
-            replica.reserved += size
-            replica.n += 1
-            replica.prompt_sum += req.prompt
-            replica.start_sum += replica.steps
-            req.start_step = replica.steps
-            heapq.heappush(replica.finish, (replica.steps + req.output, req.index, req))
-            admitted.append(req)
+        admitted: list[_Request] | None = None
+        if waiting:
+            capacity, max_seqs = self._kv_capacity, self._max_seqs
+            finish = replica.finish
+            steps = replica.steps
+            while waiting and replica.n < max_seqs:
+                req = waiting[0]
+                size = req.prompt + req.output
+                if replica.reserved + size > capacity:
+                    break
+                waiting.popleft()
+                replica.waiting_prompt -= req.prompt
+                replica.waiting_tokens -= size
+                replica.reserved += size
+                replica.n += 1
+                replica.prompt_sum += req.prompt
+                replica.start_sum += steps
+                req.start_step = steps
+                heapq.heappush(finish, (steps + req.output, req.index, req))
+                if admitted is None:
+                    admitted = [req]
+                else:
+                    admitted.append(req)
         self._reschedule(replica, now)
         if admitted:
             first = now + replica.step_time
             for req in admitted:
                 req.first = first
                 replica.ttft_sum += first - req.decode_in
-                replica.ttft_count += 1
+            replica.ttft_count += len(admitted)
         if replica.state == READY:
-            self.routers["decode"].set(replica, replica.load())
+            self.routers["decode"].set(replica, replica.reserved + replica.waiting_tokens)
 
     def _reschedule(self, replica: _Decode, now: float) -> None:
-        replica.step_time = self.model.step_seconds(replica.n, replica.context())
+        n = replica.n
+        context = replica.prompt_sum + n * replica.steps - replica.start_sum
+        step = self._step_a + self._step_b * n + self._step_c * context
+        replica.step_time = step
         replica.version += 1
-        if replica.finish:
-            steps_left = max(replica.finish[0][0] - replica.steps, 0.0)
-            self._push(now + steps_left * replica.step_time, _DECODE_STEP, replica, replica.version)
+        finish = replica.finish
+        if finish:
+            steps_left = finish[0][0] - replica.steps
+            if steps_left < 0.0:
+                steps_left = 0.0
+            self.seq += 1
+            heapq.heappush(
+                self.events,
+                (now + steps_left * step, self.seq, _DECODE_STEP, replica, replica.version),
+            )
 
     def _decode_step(self, replica: _Decode, version: int, now: float) -> None:
         if version != replica.version:
             return
         replica.advance(now)
         finish = replica.finish
-        while finish and finish[0][0] <= replica.steps + 1e-6:
+        edge = replica.steps + 1e-6
+        while finish and finish[0][0] <= edge:
             _, _, req = heapq.heappop(finish)
             req.done = now
             replica.n -= 1
             replica.prompt_sum -= req.prompt
             replica.start_sum -= req.start_step
             replica.reserved -= req.prompt + req.output
-            if req.output > 1:
-                replica.itl_sum += now - req.first
-                replica.itl_count += req.output - 1
         if not replica.n:
             # Exact zero: floating sums would otherwise drift across requests.
             replica.start_sum = 0.0
@@ -627,6 +666,23 @@ class Simulation:
         replica.state = READY
         if isinstance(replica, _Decode):
             replica.updated = now
+        # Its engine's counters start at zero when it starts serving: the
+        # first scrape after this has rates over the time since (as the
+        # control loop measures a replica it saw starting); a millisecond
+        # before, so that a scrape at this very instant has an interval too.
+        replica.snap = EngineSnapshot(
+            time=now - 1e-3,
+            num_running=0.0,
+            num_waiting=0.0,
+            kv_cache_usage=0.0,
+            waiting_prompt_tokens=0.0,
+            prompt_tokens_total=0.0,
+            prefill_busy_seconds_total=0.0,
+            ttft_sum=0.0,
+            ttft_count=0.0,
+            itl_sum=0.0,
+            itl_count=0.0,
+        )
         self.routers[replica.role].add(replica, 0.0)
         pending = self.pending[replica.role]
         route = self._route_prefill if replica.role == "prefill" else self._route_decode

@@ -9,6 +9,8 @@ extra).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...engine.reports.plotting import pyplot
 from .sim_fleet import FleetModel, SimResult
 from .traces import Trace
@@ -74,6 +76,62 @@ def plot_sim(trace: Trace, model: FleetModel, results: dict[str, SimResult], pat
     ttft_ax.legend(loc="upper left", fontsize=8, ncol=3)
     for ax in axes:
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_matrix(result: dict[str, Any], path: str) -> None:
+    """The matrix's summary: per trace, the mean replica-seconds over the
+    seeds of the policy, HPA tuned per trace, B* and fixed peak (B*'s peak
+    counts held all trace long), each bar labelled with its multiple of B*,
+    and the policy's worst TTFT and ITL attainment over the seeds."""
+    plt = pyplot()
+    cells = [c for c in result["cells"] if c["case"] == "default" and c["bstar"]["best"]]
+    kinds = list(dict.fromkeys(c["trace"] for c in cells))
+    bars = (
+        ("pdfleet", "policy", "tab:blue"),
+        ("hpa_tuned", "HPA tuned per trace", "tab:orange"),
+        ("bstar", "B*", "tab:green"),
+        ("fixed", "fixed peak", "tab:gray"),
+    )
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=90)
+    width = 0.8 / len(bars)
+    for i, (name, label, color) in enumerate(bars):
+        means, ratios = [], []
+        for kind in kinds:
+            group = [c for c in cells if c["trace"] == kind]
+            values = [
+                (c["bstar"]["best"] if name == "bstar" else c["results"][name])["replica_seconds"][
+                    "total"
+                ]
+                for c in group
+            ]
+            bstar = [c["bstar"]["best"]["replica_seconds"]["total"] for c in group]
+            means.append(sum(values) / len(values) / 3600)
+            ratios.append(sum(values) / sum(bstar))
+        xs = [k + (i - (len(bars) - 1) / 2) * width for k in range(len(kinds))]
+        ax.bar(xs, means, width, label=label, color=color)
+        for x, y, r in zip(xs, means, ratios, strict=True):
+            ax.text(x, y, f"{r:.2f}", ha="center", va="bottom", fontsize=7)
+    labels = []
+    for kind in kinds:
+        group = [c for c in cells if c["trace"] == kind]
+        ttft = min(c["results"]["pdfleet"]["ttft_attainment"] for c in group)
+        itl = min(c["results"]["pdfleet"]["itl_attainment"] for c in group)
+        labels.append(f"{kind}\npolicy's worst seed:\nTTFT {ttft:.2%}, ITL {itl:.2%}")
+    ax.set_xticks(range(len(kinds)), labels, fontsize=8)
+    ax.set_ylabel("mean replicas (replica-seconds / 3600)")
+    reg = result["regime"]
+    seeds = result["seeds"]
+    ax.set_title(
+        f"regime {reg['name']}: seeds {seeds[0]}-{seeds[-1]}, mean over seeds (label: x B*)",
+        fontsize=10,
+    )
+    # Room above the tallest bar for its label and the legend.
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=8, ncol=4, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

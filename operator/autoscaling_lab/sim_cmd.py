@@ -19,7 +19,6 @@ from ...engine.config.dataclass_cli import add_dataclass_arguments, dataclass_fr
 from .sim_fleet import FleetModel, SimResult
 from .traces import TraceConfig
 
-DEFAULT_MAX_REPLICAS = 64
 # Short flags for the trace and fleet fields people set most (the rest are
 # the field names with dashes).
 TRACE_FLAGS = {
@@ -43,17 +42,22 @@ class SimOptions:
     """What to run and how to print it (the trace and the fleet have their own
     dataclasses)."""
 
+    regime: Literal["gpu", "cpu"] = "gpu"
+    """The trace, fleet model and spec the run starts from (docs/autoscaling.md,
+    "Regimes"): gpu (an 8B model on H100s, 15-75 replicas per role, SLOs that
+    bind) or cpu (the simulator's defaults, 3-11 replicas). Trace and
+    fleet-model flags that differ from their defaults override its values."""
     seeds: int = 1
     """Run N seeds from --seed on and print means and targets met per seed."""
     strategies: str = "pdfleet,fixed,hpa,oracle"
-    """Comma-separated subset of pdfleet, fixed, hpa, oracle."""
+    """Comma-separated subset of pdfleet, fixed, hpa, oracle, bstar (bstar: the
+    cheapest perfect-foresight schedule the simulator shows meets the SLOs,
+    found by a search of about fifteen runs)."""
     spec: str | None = None
     """YAML with the autoscaling section (an InferenceService, its spec, or the
-    section itself). Default: the spec's defaults with maxReplicas 64 per role."""
+    section itself). Default: the regime's."""
     max_replicas: int | None = None
     """maxReplicas of both roles."""
-    hpa_prefill_metric: Literal["utilization", "waiting"] = "utilization"
-    """The HPA baseline's prefill metric (decode uses KV-cache usage)."""
     json: bool = False
     """Print JSON instead of a table."""
     timeline: bool = False
@@ -62,17 +66,35 @@ class SimOptions:
     """Also print the first N scaling decisions of the pdfleet policy with reasons."""
     matrix: int = 0
     """Run the target matrix instead: N seeds (from --seed) of every trace in
-    --matrix-traces, each target checked per seed (docs/autoscaling.md)."""
+    --matrix-traces against B* and HPA tuned per trace, plus the robustness
+    cases; exit 1 when a target is missed that the first-surge onset bound
+    does not prove infeasible (docs/autoscaling.md)."""
     matrix_traces: str = "burst,diurnal,steady,heavytail"
     """Comma-separated trace kinds the matrix runs."""
+    matrix_cases: str = "cold_start_x2,prefill_rate_-30%,prefill_rate_+30%"
+    """Comma-separated robustness cases the matrix runs on burst and diurnal
+    (its first five seeds); empty for none."""
+    hpa_tune_seeds: str = "0-9"
+    """Seeds HPA's targets are tuned on, per trace (FIRST-LAST or a comma list),
+    whatever seeds the matrix evaluates."""
     jobs: int = 1
     """Processes the matrix runs its cells in."""
+    cache: str | None = None
+    """Directory of the matrix's cache of B* and HPA runs (they do not depend on
+    the policy). Default: $XDG_CACHE_HOME/pdfleet/sim (~/.cache/pdfleet/sim)."""
+    no_cache: bool = False
+    """Compute everything, keep nothing."""
     fleet_model: str | None = None
     """Read the fleet model from this JSON (``pdfleet sim calibrate`` writes it);
     fleet-model flags that differ from their defaults still win."""
     plot: str | None = None
     """Write a PNG of the run to this path: request rate, replicas per role for
     each strategy, TTFT p99 against the SLO, the policy's scale events."""
+    figure: str | None = None
+    """With --matrix: write the matrix's summary figure (replica-seconds of the
+    policy, tuned HPA, B* and fixed peak per trace) to this PNG."""
+    out: str | None = None
+    """With --matrix: also write the whole result as JSON to this file."""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -81,8 +103,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="simulate a prefill/decode fleet under autoscaling strategies",
         description="Discrete-event simulation of a prefill/decode fleet under a seeded "
         "synthetic trace, running the pdfleet autoscaling policy (the same code as the "
-        "operator) against fixed peak provisioning, an HPA-style baseline and an oracle "
-        "that knows the trace. See docs/autoscaling.md.",
+        "operator) against fixed peak provisioning, Kubernetes' HPA, an oracle that "
+        "knows the trace and B* (the cheapest perfect-foresight schedule that meets the "
+        "SLOs). See docs/autoscaling.md.",
     )
     add_dataclass_arguments(
         parser.add_argument_group("trace"),
@@ -99,91 +122,133 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     return parser
 
 
-def fleet_model_from_arguments(args: argparse.Namespace) -> FleetModel:
-    """The fleet-model flags, over the ``--fleet-model`` file's values where one
-    is given (a flag left at its default takes the file's value)."""
+def _overridden(cls: type, base: Any, args: argparse.Namespace) -> Any:
+    """``base`` with the flags of ``cls`` that differ from their defaults."""
     import dataclasses
 
-    flags = dataclass_from_arguments(FleetModel, args)
-    if not getattr(args, "fleet_model", None):
-        return flags
-    from .calibrate import load_fleet_model
-
-    values = load_fleet_model(args.fleet_model)
-    default = FleetModel()
-    for f in dataclasses.fields(FleetModel):
-        if getattr(flags, f.name) != getattr(default, f.name):
-            values[f.name] = getattr(flags, f.name)
-    try:
-        return FleetModel(**values)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--fleet-model: {args.fleet_model}: {e}") from None
+    flags: Any = dataclass_from_arguments(cls, args)
+    default = cls()
+    changed = {
+        f.name: getattr(flags, f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(flags, f.name) != getattr(default, f.name)
+    }
+    return dataclasses.replace(base, **changed)
 
 
-def _load_spec(path: str | None, max_replicas: int | None) -> Any:
-    from .spec import AutoscalingSpec
-
-    section: dict[str, Any] = {}
-    if path:
-        import yaml
+def fleet_model_from_arguments(
+    args: argparse.Namespace, base: FleetModel | None = None
+) -> FleetModel:
+    """The fleet model: the regime's (``base``), or the ``--fleet-model``
+    file's, with the flags that differ from their defaults over it."""
+    if getattr(args, "fleet_model", None):
+        from .calibrate import load_fleet_model
 
         try:
-            with open(path) as f:
-                doc = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ValueError(f"--spec: cannot read {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"--spec: {path} is not YAML: {e}") from None
-        if not isinstance(doc, dict):
-            raise ValueError(f"--spec: {path} must hold a mapping")
-        doc = doc.get("spec", doc)
-        section = doc.get("autoscaling", doc) if isinstance(doc, dict) else {}
-        section = section or {}
-    elif max_replicas is None:
-        max_replicas = DEFAULT_MAX_REPLICAS
-    if max_replicas is not None:
+            base = FleetModel(**load_fleet_model(args.fleet_model))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--fleet-model: {args.fleet_model}: {e}") from None
+    try:
+        model: FleetModel = _overridden(FleetModel, base or FleetModel(), args)
+    except (TypeError, ValueError) as e:
+        if getattr(args, "fleet_model", None):
+            raise ValueError(f"--fleet-model: {args.fleet_model}: {e}") from None
+        raise
+    return model
+
+
+def regime_from_arguments(args: argparse.Namespace) -> Any:
+    """The named regime with the trace and fleet-model flags over it, and
+    ``--spec`` / ``--max-replicas`` over its spec."""
+    import dataclasses
+
+    from .regimes import regime
+
+    base = regime(args.regime)
+    section = base.spec
+    if args.spec:
+        section = _read_section(args.spec)
+    if args.max_replicas is not None:
         for role in ("prefill", "decode"):
-            section = {**section, role: {**(section.get(role) or {}), "maxReplicas": max_replicas}}
-    return AutoscalingSpec.from_spec(section)
+            section = {
+                **section,
+                role: {**(section.get(role) or {}), "maxReplicas": args.max_replicas},
+            }
+    return dataclasses.replace(
+        base,
+        trace=_overridden(TraceConfig, base.trace, args),
+        model=fleet_model_from_arguments(args, base.model),
+        spec=section,
+    )
+
+
+def _read_section(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"--spec: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--spec: {path} is not YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--spec: {path} must hold a mapping")
+    doc = doc.get("spec", doc)
+    section = doc.get("autoscaling", doc) if isinstance(doc, dict) else {}
+    return dict(section or {})
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = _load_spec(args.spec, args.max_replicas)
-    trace_config = dataclass_from_arguments(TraceConfig, args)
-    model = fleet_model_from_arguments(args)
+    from ..autoscaling.spec import AutoscalingSpec
+
+    base = regime_from_arguments(args)
+    spec = AutoscalingSpec.from_spec(base.section())
+    trace_config, model = base.trace, base.model
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     if args.plot and (args.seeds > 1 or args.matrix):
         raise ValueError("--plot draws one run: use it without --seeds and --matrix")
     if args.matrix:
-        return _run_matrix(args, trace_config, model, spec, strategies)
+        return _run_matrix(args, base)
+    if args.figure or args.out:
+        raise ValueError("--figure and --out go with --matrix")
     if args.seeds > 1:
         return _run_seeds(args, trace_config, model, spec, strategies)
     from .sim import compare, evaluate_targets
     from .traces import make_trace
 
     trace = make_trace(trace_config)
-    results = compare(
-        trace, model, spec, strategies, hpa_prefill_metric=args.hpa_prefill_metric, seed=args.seed
-    )
-    targets = evaluate_targets(results)
+    results, found = compare(trace, model, spec, strategies)
+    targets = evaluate_targets(results, trace_config.kind)
     if args.plot:
         from .plot import plot_sim
 
         plot_sim(trace, model, results, args.plot)
     if args.json:
         out = {
+            "regime": args.regime,
             "trace": {**vars(trace_config), "requests": len(trace), "bursts": len(trace.bursts)},
             "model": vars(model),
             "spec": spec.to_spec(),
             "results": {k: r.to_dict(timeline=args.timeline) for k, r in results.items()},
             "targets": targets,
         }
+        if found is not None:
+            out["bstar"] = found.to_dict(schedules=args.timeline)
         json.dump(out, sys.stdout, indent=2, default=list)
         print()
         return 0
     print(format_table(trace, model, results, targets))
+    if found is not None and found.best is not None:
+        s = found.best.sizing
+        print(
+            f"\nB*: prefill at {s.prefill_utilization:.3f} of its compute, decode at "
+            f"{s.decode_kv_usage:.3f} of its KV ({len(found.candidates)} schedules simulated)"
+        )
+    elif found is not None:
+        print("\nB*: no schedule searched met the SLOs")
     if args.reasons and "pdfleet" in results:
         print()
         for line in results["pdfleet"].reasons[: args.reasons]:
@@ -191,29 +256,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_matrix(
-    args: argparse.Namespace, trace_config: Any, model: Any, spec: Any, strategies: list[str]
-) -> int:
-    from .matrix import all_met, format_matrix, run_matrix
+def parse_seeds(text: str) -> list[int]:
+    """``FIRST-LAST`` or ``A,B,C``."""
+    text = text.strip()
+    try:
+        if "-" in text and "," not in text:
+            first, last = (int(x) for x in text.split("-", 1))
+            if last < first:
+                raise ValueError
+            return list(range(first, last + 1))
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"seeds must be FIRST-LAST or a comma list, got {text!r}") from None
+
+
+def _run_matrix(args: argparse.Namespace, base: Any) -> int:
+    from .cache import default_directory
+    from .matrix import format_matrix, run_matrix
 
     if args.matrix < 1 or args.jobs < 1:
         raise ValueError("--matrix and --jobs must be >= 1")
     kinds = [k.strip() for k in args.matrix_traces.split(",") if k.strip()]
+    cases = [c.strip() for c in args.matrix_cases.split(",") if c.strip()]
+    cache = None if args.no_cache else str(args.cache or default_directory())
     result = run_matrix(
-        trace_config,
-        model,
-        spec,
+        base,
         kinds,
         range(args.seed, args.seed + args.matrix),
-        strategies,
+        parse_seeds(args.hpa_tune_seeds),
+        cases,
         jobs=args.jobs,
+        cache=cache,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
     )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+            f.write("\n")
+    if args.figure:
+        from .plot import plot_matrix
+
+        plot_matrix(result, args.figure)
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=list)
         print()
     else:
         print(format_matrix(result))
-    return 0 if all_met(result["summary"]) else 1
+    # Nonzero when a target is missed that the onset bound does not prove
+    # infeasible (matrix.misses).
+    return 1 if result["unproven_misses"] else 0
 
 
 def _run_seeds(
@@ -229,18 +320,12 @@ def _run_seeds(
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
         config = dataclasses.replace(trace_config, seed=seed)
-        results = compare(
-            make_trace(config),
-            model,
-            spec,
-            strategies,
-            hpa_prefill_metric=args.hpa_prefill_metric,
-            seed=seed,
-        )
-        runs.append((seed, results, evaluate_targets(results)))
+        results, _ = compare(make_trace(config), model, spec, strategies)
+        runs.append((seed, results, evaluate_targets(results, config.kind)))
     summary = summarize(runs)
     if args.json:
         out = {
+            "regime": args.regime,
             "trace": vars(trace_config),
             "model": vars(model),
             "spec": spec.to_spec(),
