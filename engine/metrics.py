@@ -9,6 +9,7 @@ dashboards work against pdfleet pods unchanged.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -93,6 +94,8 @@ class EngineMetrics:
             m.ENGINE_PREFILL_BUSY_SECONDS,
             m.ENGINE_FAILED_STEPS,
             m.ENGINE_STEP_DURATION,
+            m.ENGINE_STEP_RUNNING,
+            m.ENGINE_STEP_SCHEDULED_TOKENS,
             *_PER_STEP,
             *_LATENCIES,
             *_GRAMMAR,
@@ -183,6 +186,15 @@ class EngineMetrics:
             self.request_success.labels(**self.labels, finished_reason=reason).inc()
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
+
+    def update_step(self, core: Any) -> None:
+        """The step in progress (event loop, at a scrape: the engine thread may
+        be inside a step): its age in seconds and its scheduled tokens, 0 between
+        steps. ``core`` is the engine's ``EngineCore``."""
+        started = core.step_started  # read once: the engine thread clears it
+        running = 0.0 if started is None else max(0.0, time.monotonic() - started)
+        self._set(m.ENGINE_STEP_RUNNING, running)
+        self._set(m.ENGINE_STEP_SCHEDULED_TOKENS, core.step_scheduled_tokens if running else 0)
 
     def update_grammars(self, grammars: Any, gate: Any) -> None:
         """The grammar cache's and the compile gate's state (event loop, at a

@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..engine.config.gateway import FLOAT_BOUNDS
 from ..engine.contracts.model_source import parse_hf_uri
 from .autoscaling.spec import AutoscalingSpec, SpecValueError
 from .engine_spec import FieldPathError, camel, validate_engine_section
@@ -440,6 +441,21 @@ class DisaggregationSpec(_Spec):
     """Conditional mode: shorter prompts go straight to a decode engine."""
 
 
+def _bounded(flag_field: str, default: float | None) -> Any:
+    """A gateway setting's Field, bounded as its flag is (``FLOAT_BOUNDS``):
+    finite, within range, and a number (a boolean or a string is refused,
+    not converted)."""
+    low, high, open_low = FLOAT_BOUNDS[flag_field]
+    return Field(
+        default=default,
+        gt=low if open_low else None,
+        ge=None if open_low else low,
+        le=high,
+        allow_inf_nan=False,
+        strict=True,
+    )
+
+
 class GatewaySpec(PodPlacement):
     """The OpenAI-compatible gateway in front of the engines."""
 
@@ -461,20 +477,25 @@ class GatewaySpec(PodPlacement):
     scores engines from that exact index. Off: engines publish nothing and the
     gateway estimates from its own routing history. An engine section that
     sets `kvEventsConfig` itself is left as it is."""
-    stall_timeout_seconds: float = Field(default=5.0, gt=0)
+    stall_timeout_seconds: float = _bounded("stall_timeout", 5.0)
     """The least time an engine with requests in flight may send nothing
     before the gateway counts it as stalled (`--stall-timeout`); the limit
     follows each engine: stallStepMultiple times its longest recent step
     when that is longer. A stalled engine leaves routing only while another
     engine of its role progresses, never as the last one of its role."""
-    stall_step_multiple: float = Field(default=4.0, ge=0)
+    stall_step_multiple: float = _bounded("stall_step_multiple", 4.0)
     """How many of an engine's longest recent steps without progress make a
     stall (`--stall-step-multiple`); 0: stallTimeoutSeconds alone."""
-    queue_timeout_seconds: float = Field(default=60.0, ge=0)
+    stall_max_step_seconds: float | None = _bounded("stall_max_step", None)
+    """How long one engine step may run before the engine counts as stalled
+    although it answers its checks (`--stall-max-step`): an engine busy in a
+    step it reports is not stalled until then. Default max(120,
+    stallTimeoutSeconds × stallStepMultiple)."""
+    queue_timeout_seconds: float = _bounded("queue_timeout", 60.0)
     """How long a request waits for a slot while every decode engine is at
     capacity before a 503 with Retry-After (`--queue-timeout`); one that
     could not get a slot in time is refused at once (429)."""
-    max_queued_requests: int = Field(default=1024, ge=0)
+    max_queued_requests: int = Field(default=1024, ge=0, le=1_000_000, strict=True)
     """Requests that may wait for a slot at once; more get a 429 with
     Retry-After at once (`--max-queued-requests`)."""
 
@@ -483,6 +504,7 @@ class GatewaySpec(PodPlacement):
         return {
             "stall_timeout": self.stall_timeout_seconds,
             "stall_step_multiple": self.stall_step_multiple,
+            "stall_max_step": self.stall_max_step_seconds,
             "queue_timeout": self.queue_timeout_seconds,
             "max_queued_requests": self.max_queued_requests,
         }

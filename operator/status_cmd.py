@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from ..engine.config.fields import bounded_seconds
 from ..engine.contracts import metrics as m
 from ..engine.contracts.security import fleet_secret_from_env, fleet_token
 from .local.state import SECRET_FILE, STATE_FILE, STOPPED, supervisor_alive
@@ -42,7 +43,23 @@ TRANSFERS = m.ENGINE_KV_TRANSFERS.name
 SCRAPE_TIMEOUT = 3.0
 ENGINE_PORT = 8000  # the container port named http (operator/manifests.py)
 GROUP, VERSION, PLURAL = "pdfleet.dev", "v1alpha1", "inferenceservices"
-EVERY_INTERVAL = "interval"  # `--watch` without SECONDS: refresh every --interval
+
+
+class _EveryInterval:
+    """`--watch` without SECONDS: refresh every --interval. Not a string, so
+    argparse never runs it through the flag's ``type``."""
+
+    def __repr__(self) -> str:
+        return "EVERY_INTERVAL"
+
+
+EVERY_INTERVAL = _EveryInterval()
+# Exit statuses (docs/observability.md): 0 shown (a running fleet, whatever its
+# engines' states), 2 a usage error or no run to show, 3 the run is stopped
+# (as `systemctl status` answers for a unit that is not running).
+EXIT_STOPPED = 3
+# Refresh periods a user may ask for: a tenth of a second to a day.
+WATCH_SECONDS = bounded_seconds(0.1, 86400.0)
 
 
 @dataclass
@@ -98,6 +115,8 @@ class FleetView:
     gateway: str
     rows: list[EngineRow]
     decision: Mapping[str, Any] | None = None
+    stopped: bool = False
+    """A local run whose ``pdfleet up`` is gone (the exit status says so)."""
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -244,6 +263,7 @@ class LocalSource:
                 f"gateway {gw.get('url') or '-'} {gw_state}".rstrip(),
                 rows,
                 decisions[-1] if decisions else None,
+                stopped=not alive,
             )
         ]
 
@@ -456,7 +476,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=WATCH_SECONDS,
         const=EVERY_INTERVAL,  # given without SECONDS
         default=None,
         metavar="SECONDS",
@@ -464,7 +484,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--interval",
-        type=float,
+        type=WATCH_SECONDS,
         default=2.0,
         help="Seconds between refreshes with a bare --watch; without --watch, the two "
         "scrapes that give XFER/S are min(1, interval) apart (default 2).",
@@ -477,11 +497,7 @@ def run(args: argparse.Namespace) -> int:
     # httpx logs every scrape at INFO, which would scroll the table away.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.watch is not None and args.watch is not EVERY_INTERVAL:
-        if args.watch <= 0:
-            raise ValueError(f"--watch SECONDS must be > 0, got {args.watch:g}")
-        args.interval = args.watch
-    if args.interval <= 0:
-        raise ValueError(f"--interval must be > 0 seconds, got {args.interval}")
+        args.interval = args.watch  # (both bounded by their argparse type)
     if args.name and not args.namespace:
         raise ValueError("--name needs --namespace (it names an InferenceService)")
     source: Any = (
@@ -494,8 +510,9 @@ def run(args: argparse.Namespace) -> int:
         if args.watch is None:
             collect(source, previous)
             time.sleep(min(1.0, args.interval))
-            print(render(collect(source, previous)))
-            return 0
+            views = collect(source, previous)
+            print(render(views))
+            return EXIT_STOPPED if views and all(v.stopped for v in views) else 0
         while True:
             text = render(collect(source, previous))
             stamp = time.strftime("%H:%M:%S")

@@ -15,6 +15,7 @@ import functools
 import inspect
 import itertools
 import json
+import math
 import re
 import textwrap
 import types
@@ -291,6 +292,11 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_optional
 
 
+def optional_of(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, with ``None`` (or ``none``, ``null``, empty) read as None."""
+    return _optional(parse)
+
+
 def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     def parse_arg(text: str) -> Any:
         try:
@@ -300,6 +306,38 @@ def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
 
     parse_arg.__name__ = name
     return parse_arg
+
+
+def finite_float(text: str) -> float:
+    """A float flag value; ``inf`` and ``nan`` are refused (every setting is a
+    bound or a weight, and an infinite one is an unbounded wait)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def bounded_seconds(
+    low: float, high: float, *, open_low: bool = False, unit: str = "seconds"
+) -> Callable[[str], float]:
+    """An argparse ``type`` for a number of seconds within [``low``, ``high``]
+    (``(low, high]`` with ``open_low``); the error names the bounds, argparse
+    prefixes the flag."""
+
+    def parse_seconds(text: str) -> float:
+        try:
+            value = finite_float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number ({unit})") from None
+        if value < low or (open_low and value == low) or value > high:
+            bracket = "(" if open_low else "["
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: {unit} within {bracket}{low:g}, {high:g}]"
+            )
+        return value
+
+    parse_seconds.__name__ = "seconds"
+    return parse_seconds
 
 
 def json_parser(tp: Any, name: str) -> Callable[[str], Any]:
@@ -375,7 +413,7 @@ def argparse_kwargs(name: str, tp: Any, default: Any, help_text: str) -> dict[st
         kw["type"] = _argtype(_optional(parse) if optional else parse, "int")
         return kw
     if _has(hints, float):
-        kw["type"] = _argtype(_optional(float) if optional else float, "float")
+        kw["type"] = _argtype(_optional(finite_float) if optional else finite_float, "float")
         return kw
     if _has(hints, str):
         kw["type"] = _argtype(_optional(str) if optional else str, "str")

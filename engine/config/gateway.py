@@ -10,13 +10,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..contracts.http_limits import DEFAULT_LIMITS
 from ..contracts.security import api_keys_from_env, split_keys
 from .admission import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
-from .fields import argparse_kwargs, attr_docs, default_of, flag_name, resolved_fields, to_jsonable
+from .fields import (
+    argparse_kwargs,
+    attr_docs,
+    bounded_seconds,
+    default_of,
+    flag_name,
+    optional_of,
+    resolved_fields,
+    to_jsonable,
+)
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -24,6 +34,45 @@ ROLES = ("prefill", "decode", "both")
 # (docs/kv_events.md); the operator sets them, Kubernetes discovery reads them.
 KV_EVENTS_PORT_ANNOTATION = "pdfleet.dev/kv-events-port"
 KV_REPLAY_PORT_ANNOTATION = "pdfleet.dev/kv-events-replay-port"
+
+
+DAY = 86400.0
+# The float settings' ranges: (least, most, least excluded). Every one is
+# finite (an infinite wait is no bound) and within what a fleet can mean: a
+# watchdog or scrape period under its least would spin, a wait over a day is
+# a hang. The flags' argparse types and ``__post_init__`` both apply them.
+FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "discovery_interval": (0.1, 3600.0, False),
+    "connect_timeout": (0.01, 3600.0, False),
+    "first_token_timeout": (0.01, DAY, False),
+    "first_token_base_timeout": (0.01, DAY, False),
+    "first_token_per_waiting": (0.0, 3600.0, False),
+    "first_token_max_timeout": (0.01, DAY, False),
+    "idle_timeout": (0.01, DAY, False),
+    "request_timeout": (0.01, DAY, False),
+    "scrape_interval": (0.05, 300.0, False),
+    "stall_timeout": (0.1, DAY, False),
+    "stall_step_multiple": (0.0, 1000.0, False),
+    "stall_max_step": (0.1, DAY, False),
+    "hold_timeout": (0.0, DAY, False),
+    "queue_timeout": (0.0, DAY, False),
+    "kv_pair_cooldown": (0.01, DAY, False),
+    "header_timeout": (0.01, 3600.0, False),
+    "body_timeout": (0.01, DAY, False),
+    "kv_index_stale_after": (0.01, DAY, False),
+    "kv_host_weight": (0.0, 1.0, False),
+}
+
+
+def check_float(flag: str, value: Any, low: float, high: float, open_low: bool = False) -> float:
+    """``value`` as a finite float within the bounds; else a ValueError naming ``flag``
+    (booleans and strings are refused, not converted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{flag} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < low or (open_low and value == low) or value > high:
+        bracket = "(" if open_low else "["
+        raise ValueError(f"{flag} must be within {bracket}{low:g}, {high:g}], got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -128,6 +177,13 @@ class GatewayConfig:
     """An engine counts as stalled only after this many times its longest
     recent step (from its `pdfleet_engine_step_duration_seconds` histogram)
     without progress, plus --scrape-interval; 0: --stall-timeout alone."""
+    stall_max_step: float | None = None
+    """Seconds one engine step may run before the engine counts as stalled
+    even though it answers its checks. An engine that reports a step in
+    progress (pdfleet engines, `pdfleet_engine_step_running_seconds`) at a
+    check within the last interval is busy, not stalled, however long its
+    silence, until that step is this old; default max(120, --stall-timeout ×
+    --stall-step-multiple)."""
     hold_timeout: float = 10.0
     """Seconds a new request waits for a decode engine while none is routable
     (all down, restarting or scaled to zero) before a 503 with Retry-After."""
@@ -217,6 +273,10 @@ class GatewayConfig:
     """Log level of the HTTP server."""
 
     def __post_init__(self) -> None:
+        for name, (low, high, open_low) in FLOAT_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, check_float(f"--{flag_name(name)}", value, low, high, open_low))
         positive = (
             "connect_timeout",
             "idle_timeout",
@@ -293,6 +353,15 @@ class GatewayConfig:
         group = parser.add_argument_group("Gateway")
         for f, tp in resolved_fields(cls):
             kwargs = argparse_kwargs(f.name, tp, default_of(f), docs.get(f.name, ""))
+            if f.name in FLOAT_BOUNDS:
+                low, high, open_low = FLOAT_BOUNDS[f.name]
+                seconds = f.name not in ("stall_step_multiple", "kv_host_weight")
+                unit = {"stall_step_multiple": "a multiple", "kv_host_weight": "a weight"}.get(
+                    f.name, "seconds"
+                )
+                parse = bounded_seconds(low, high, open_low=open_low, unit=unit)
+                kwargs["type"] = optional_of(parse) if default_of(f) is None else parse
+                kwargs["metavar"] = "SECONDS" if seconds else "N"
             if kwargs.get("nargs") == "+":
                 # Repeatable (`--decode A --decode B`) as well as `--decode A B`.
                 kwargs.update(action="extend", default=None)

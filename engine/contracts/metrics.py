@@ -175,6 +175,20 @@ ENGINE_STEP_DURATION = Metric(
     _M,
     STEP_BUCKETS,
 )
+ENGINE_STEP_RUNNING = Metric(
+    "pdfleet_engine_step_running_seconds",
+    "gauge",
+    "Age of the engine step in progress at the scrape (0 between steps). Answered by the "
+    "HTTP loop while the step runs: the gateway's stall watchdog tells a long step from a "
+    "wedged engine by it.",
+    _M,
+)
+ENGINE_STEP_SCHEDULED_TOKENS = Metric(
+    "pdfleet_engine_step_scheduled_tokens",
+    "gauge",
+    "Tokens the engine step in progress scheduled (0 between steps, and until it scheduled).",
+    _M,
+)
 ENGINE_FAILED_STEPS = Metric(
     "pdfleet_engine_failed_steps_total",
     "counter",

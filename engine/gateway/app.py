@@ -466,6 +466,11 @@ def build_app(
                     "capacity": e.capacity,
                     "longest_step_s": round(e.steps.longest(now), 3),
                     "stall_limit_s": round(gw.pool.stall_limit(e, now), 3),
+                    # Age of the step in progress at its last check (null: none,
+                    # or an engine that reports none); a step this young is no stall.
+                    "step_running_s": None
+                    if e.step_started is None
+                    else round(now - e.step_started, 3),
                 }
                 for e in gw.pool.engines.values()
             ],

@@ -17,7 +17,11 @@ is relative, so that a fleet slow as a whole ejects nothing:
   × its longest step in the last STEP_WINDOW_S seconds + --scrape-interval)``,
   the longest step read from its ``pdfleet_engine_step_duration_seconds``
   histogram at each scrape, while an engine that serves the same role made
-  progress since;
+  progress since; but an engine whose last check (recent, none failed since)
+  reported a step in progress (``pdfleet_engine_step_running_seconds``) is
+  busy in a long step, not stalled, until that step is ``--stall-max-step``
+  old: its HTTP loop answers while the engine thread steps, which a stopped
+  process's does not;
 * **failed checks** (timeouts, errors) eject only while an engine of the same
   role passes its checks;
 * the **last routable engine of a role** is never ejected for either: the
@@ -66,9 +70,14 @@ _INFO = m.names(m.ENGINE_CACHE_CONFIG)
 # The step-time histogram (pdfleet engines only): the stall watchdog's sense of pace.
 _STEP = m.ENGINE_STEP_DURATION
 _STEP_BUCKET = _STEP.name + "_bucket"
+# The step in progress (pdfleet engines only): its age, answered while it runs.
+_STEP_RUNNING = m.ENGINE_STEP_RUNNING.name
+_STEP_TOKENS = m.ENGINE_STEP_SCHEDULED_TOKENS.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
     _STEP.name,
+    _STEP_RUNNING,
+    _STEP_TOKENS,
 )
 # Seconds over which an engine's longest step is remembered.
 STEP_WINDOW_S = 300.0
@@ -99,6 +108,11 @@ class EngineLoad:
     """Their total wall time (the histogram's sum)."""
     step_buckets: tuple[tuple[float, float], ...] = ()
     """The histogram's cumulative buckets: (upper bound in seconds, steps)."""
+    step_running: float | None = None
+    """Age (seconds) of the step in progress at the scrape, 0 between steps;
+    None for engines that do not report it (vLLM)."""
+    step_tokens: float = 0.0
+    """Tokens that step scheduled."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -142,6 +156,8 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             le = float(labels_of["le"])  # "+Inf" parses too
             buckets[le] = buckets.get(le, 0.0) + value
     load.step_buckets = tuple(sorted(buckets.items()))
+    load.step_running = scrape.total(_STEP_RUNNING)
+    load.step_tokens = scrape.total(_STEP_TOKENS) or 0.0
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None
@@ -173,6 +189,12 @@ class EngineState:
     in-flight request: the stall watchdog's clock."""
     steps: StepWindow = field(default_factory=lambda: StepWindow(STEP_WINDOW_S))
     """Its longest recent steps (the stall watchdog's sense of its pace)."""
+    step_started: float | None = None
+    """monotonic time (the gateway's clock) at which the step in progress at
+    its last good check began, by the age it reported; None between steps,
+    and for engines that report no step in progress (vLLM)."""
+    checked: float = 0.0
+    """monotonic time of its last good check (health and scrape answered)."""
     spared: bool = False
     """Silent past its stall limit but kept (last of its role, or no engine of
     its role progressed): logged once per silence."""
@@ -366,6 +388,9 @@ class EnginePool:
     def record_success(self, e: EngineState, load: EngineLoad) -> None:
         old, e.load = e.load, load
         now = time.monotonic()
+        e.checked = now
+        running = load.step_running
+        e.step_started = now - running if running is not None and running > 0 else None
         longest = longest_step(old, load)
         if longest is not None:
             e.steps.add(now, longest)
@@ -462,6 +487,36 @@ class EnginePool:
         paced = config.stall_step_multiple * e.steps.longest(now) + config.scrape_interval
         return max(config.stall_timeout, paced)
 
+    def max_step(self) -> float:
+        """Seconds one step may run before its engine counts as wedged even
+        though it answers its checks (--stall-max-step, by default
+        max(120, --stall-timeout × --stall-step-multiple))."""
+        config = self.config
+        if config.stall_max_step is not None:
+            return config.stall_max_step
+        return max(120.0, config.stall_timeout * config.stall_step_multiple)
+
+    def probe_bound(self) -> float:
+        """Seconds since its last good check within which an engine's report
+        of a step in progress still counts: one interval plus the two
+        requests of a check (health, metrics), each bounded by the check's
+        timeout. A stopped process (SIGSTOP, a frozen host) answers no check,
+        so its report goes stale within this bound."""
+        read = self.check_timeout.read or self.config.scrape_interval
+        return self.config.scrape_interval + 2 * read
+
+    def in_step(self, e: EngineState, now: float) -> bool:
+        """Whether ``e`` is busy in one long step rather than stalled: its
+        last good check (at most :meth:`probe_bound` ago, with no failed
+        check since) reported a step in progress, younger than
+        :meth:`max_step` now. Engines that report no step (vLLM) never are."""
+        return (
+            e.step_started is not None
+            and e.failures == 0
+            and now - e.checked <= self.probe_bound()
+            and now - e.step_started <= self.max_step()
+        )
+
     def find_stalls(self, now: float | None = None) -> list[EngineState]:
         """Mutates: eject engines whose in-flight requests have made no progress
         for their stall limit while an engine of the same role kept a pace that
@@ -474,7 +529,7 @@ class EnginePool:
                 continue
             silent = now - e.last_progress
             limit = self.stall_limit(e, now)
-            if silent <= limit:
+            if silent <= limit or self.in_step(e, now):
                 continue
             last = not self.others_serve(e)
             if last or not any(

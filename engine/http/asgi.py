@@ -175,7 +175,12 @@ class RouteTable:
         known path, else 404."""
         methods = self.paths.get(path)
         if methods is None:
-            methods = [m for m, prefix, _ in self.prefixes if path.startswith(prefix)] or None
+            # As :meth:`lookup` matches: the prefix itself (`/v1/models/`) is no route.
+            methods = [
+                m
+                for m, prefix, _ in self.prefixes
+                if path.startswith(prefix) and len(path) > len(prefix)
+            ] or None
         if methods is None:
             return error_answer(not_found())
         return error_answer(method_not_allowed(), [(b"allow", ", ".join(methods).encode())])

@@ -77,6 +77,12 @@ class EngineCore:
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
+        # The step in progress, read by the HTTP loop (another thread) at each
+        # scrape so the gateway can tell a long step from a wedged engine:
+        # its start (time.monotonic()) or None between steps, and the tokens
+        # it scheduled (0 until scheduled). Plain attribute stores: atomic.
+        self.step_started: float | None = None
+        self.step_scheduled_tokens = 0
         # Fault injection for tests of the error paths (testing_hooks.py).
         self.faults = StepFaults.from_env()
         self.broken = False
@@ -138,9 +144,19 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step; a failure while running the model raises :class:`StepFailed`."""
         start = time.perf_counter()
+        self.step_scheduled_tokens = 0
+        self.step_started = time.monotonic()
+        try:
+            return self._step(start)
+        finally:
+            self.step_started = None
+            self.step_scheduled_tokens = 0
+
+    def _step(self, start: float) -> list[EngineCoreOutput]:
         if self.faults.step_delay_file is not None:
             time.sleep(self.faults.step_delay())
         sched_out = self.scheduler.schedule()
+        self.step_scheduled_tokens = sched_out.total_num_scheduled_tokens
         try:
             if self.faults.active:
                 self._inject_fault(list(sched_out.num_scheduled_tokens))

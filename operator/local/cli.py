@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.config.dataclass_cli import add_dataclass_arguments
+from ...engine.config.fields import bounded_seconds, optional_of
+from ...engine.config.gateway import FLOAT_BOUNDS, check_float
 from ...engine.contracts import security
 from ...engine.contracts.launch import python_module
 from .process import GiB, resident_bytes
@@ -95,6 +97,10 @@ class UpOptions:
     stall_step_multiple: float | None = None
     """How many of an engine's longest recent steps without progress make a
     stall (spec.gateway.stallStepMultiple, which this overrides; default 4)."""
+    stall_max_step: float | None = None
+    """Seconds one engine step may run before the engine counts as stalled
+    although it answers its checks (spec.gateway.stallMaxStepSeconds, which
+    this overrides; default max(120, stall timeout × multiple))."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -108,6 +114,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
     add_dataclass_arguments(parser, UpOptions)
+    # The gateway overrides are bounded as the gateway's own flags are.
+    for action in parser._actions:
+        bounds = FLOAT_BOUNDS.get(action.dest)
+        if bounds is not None:
+            low, high, open_low = bounds
+            unit = "a multiple" if action.dest == "stall_step_multiple" else "seconds"
+            action.type = optional_of(bounded_seconds(low, high, open_low=open_low, unit=unit))
     parser.set_defaults(func=run)
     return parser
 
@@ -210,16 +223,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def apply_gateway_overrides(service: Any, args: argparse.Namespace) -> None:
-    """Mutates: ``--stall-timeout`` / ``--stall-step-multiple`` replace the file's
-    ``spec.gateway`` values (bounded as the resource bounds them)."""
-    timeout = getattr(args, "stall_timeout", None)
-    multiple = getattr(args, "stall_step_multiple", None)
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"--stall-timeout must be > 0 seconds, got {timeout}")
-    if multiple is not None and not multiple >= 0:
-        raise ValueError(f"--stall-step-multiple must be >= 0, got {multiple}")
-    update = {"stall_timeout_seconds": timeout, "stall_step_multiple": multiple}
-    update = {k: v for k, v in update.items() if v is not None}
+    """Mutates: ``--stall-timeout`` / ``--stall-step-multiple`` /
+    ``--stall-max-step`` replace the file's ``spec.gateway`` values (bounded as
+    the gateway's flags and the resource bound them)."""
+    fields = {
+        "stall_timeout": "stall_timeout_seconds",
+        "stall_step_multiple": "stall_step_multiple",
+        "stall_max_step": "stall_max_step_seconds",
+    }
+    update = {}
+    for flag_field, spec_field in fields.items():
+        value = getattr(args, flag_field, None)
+        if value is not None:
+            low, high, open_low = FLOAT_BOUNDS[flag_field]
+            flag = "--" + flag_field.replace("_", "-")
+            update[spec_field] = check_float(flag, value, low, high, open_low)
     if update:
         service.spec.gateway = service.spec.gateway.model_copy(update=update)
 
@@ -263,23 +281,52 @@ def memory_report(fleet: Any) -> str:
     """Resident memory of every process of the fleet and each engine's KV cache."""
     own = resident_bytes(os.getpid(), tree=False)
     parts, total, caches = [], own, []
+    sized = chosen = 0
     for child in fleet.all_children():
         rss = resident_bytes(child.pid) if child.pid else 0
         total += rss
         parts.append(f"{child.name} {rss / GiB:.2f}")
         tokens = kv_cache_tokens(child.metrics_text()) if child.role != "gateway" else None
         if tokens is not None:
-            caches.append(f"{child.name} {tokens:,}")
+            budget = kv_cache_budget(child.argv)
+            if budget is None:
+                sized += 1
+                caches.append(f"{child.name} {tokens:,}")
+            else:
+                chosen += 1
+                caches.append(f"{child.name} {tokens:,} ({budget / GiB:.2f} GiB set)")
     text = (
         f"memory: {total / GiB:.2f} GiB resident in all ({', '.join(parts)}, "
         f"pdfleet up {own / GiB:.2f})"
     )
     if caches:
-        text += (
-            f"\nKV cache (tokens): {', '.join(caches)}; sized from the model and the free "
-            "memory, set spec.engine.kvCacheMemoryBytes to choose (docs/local.md)"
-        )
+        how = []
+        if chosen:
+            how.append("set by kvCacheMemoryBytes" + (" where marked" if sized else ""))
+        if sized:
+            how.append(
+                ("the others " if chosen else "")
+                + "sized from the model and the free memory, set spec.engine.kvCacheMemoryBytes "
+                "to choose"
+            )
+        text += f"\nKV cache (tokens): {', '.join(caches)}; {'; '.join(how)} (docs/local.md)"
     return text
+
+
+def kv_cache_budget(argv: list[str]) -> int | None:
+    """The KV cache bytes an engine's command line sets (`--kv-cache-memory-bytes`,
+    from kvCacheMemoryBytes); None when it leaves the size to the engine."""
+    from ...engine.config.fields import parse_human_int
+
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        if flag == "--kv-cache-memory-bytes":
+            text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                return parse_human_int(text)
+            except ValueError:
+                return None
+    return None
 
 
 def kv_cache_tokens(metrics_text: str | None) -> int | None:

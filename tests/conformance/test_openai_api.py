@@ -544,6 +544,9 @@ def test_error_shape_and_unknown_routes(target):
         ("GET", "/v1/no-such-route", 404),
         ("POST", "/v1/models", 405),
         ("GET", "/v1/models/no-such-model", 404),
+        # A trailing slash is another (unknown) route, never a redirect.
+        ("POST", "/v1/chat/completions/", 404),
+        ("GET", "/v1/models/", 404),
     ):
         r = httpx.request(method, target + path, headers=headers(), timeout=30)
         assert r.status_code == status, r.text

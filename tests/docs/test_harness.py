@@ -76,6 +76,10 @@ def test_blocks_their_lines_languages_and_marks(tmp_path):
         ("pdfleet up [FILE.yaml] [--port N] [--stall-timeout S]", None),
         ("pdfleet bench --url URL [--concurrency N | --request-rate R] [--json out.json]", None),
         ("pdfleet status [--run-dir DIR | --namespace NS] [--watch [SECONDS]]", None),
+        ("pdfleet status [--watch [SECONDS]] [--run-dir DIR]", None),
+        ("pdfleet status --watch", None),
+        ("pdfleet status --watch inf", "not a finite number"),
+        ("pdfleet status --watch 0", "out of range"),
         ("pdfleet sim --trace burst|steady|diurnal|heavytail", None),
         ("pdfleet crd | kubectl apply -f -", None),
         ("OTEL_X=1 pdfleet serve MODEL_DIR [engine flags] --port 8101 &", None),
@@ -99,3 +103,20 @@ def test_inline_mentions_name_real_subcommands_and_flags(parser):
     assert docs.check_reference(parser, ["serve"]) is None  # a name, not a command line
     assert "no flag --interval-s" in docs.check_reference(parser, ["status", "--interval-s"])
     assert "no subcommand" in docs.check_reference(parser, ["deploy"])
+
+
+def test_a_bare_optional_value_is_checked_as_documented(parser):
+    """``--watch [SECONDS]`` documents the bare ``--watch`` too: both forms are
+    parsed, so a flag whose bare form the CLI refuses is caught."""
+    import argparse
+
+    variants = docs._expand_synopsis(["status", "[--watch", "[SECONDS]]", "[--run-dir", "DIR]"])
+    assert ["status", "--watch", "--run-dir", "DIR"] in variants
+    assert ["status", "--watch", "SECONDS", "--run-dir", "DIR"] in variants
+    broken = argparse.ArgumentParser(prog="pdfleet")
+    sub = broken.add_subparsers().add_parser("status")
+    sub.add_argument("--watch", nargs="?", type=float, const="interval")
+    sub.add_argument("--run-dir")
+    assert "invalid float value" in (
+        docs.check_command(broken, ["status", "[--watch", "[SECONDS]]", "[--run-dir", "DIR]"]) or ""
+    )

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -361,7 +364,8 @@ def test_a_whole_fleet_slowed_down_ejects_nothing_and_serves_every_request(
 def test_one_engine_stalled_against_its_own_pace_is_ejected_and_its_requests_move(
     slowable, delays, tmp_path
 ):
-    gw = gateway(slowable, tmp_path, ("a", "b"))
+    # A step may run 2 s before its engine counts as wedged, however it answers.
+    gw = gateway(slowable, tmp_path, ("a", "b"), "--stall-max-step", "2")
     try:
         warm(gw.url)
         delays(4, "a")  # a's steps go from milliseconds to 4 s; b keeps its pace
@@ -386,10 +390,13 @@ def test_the_last_engine_of_a_role_stays_while_it_is_slow_and_its_requests_wait(
         tmp_path,
         ("a",),
         *("--prefill", slowable["b"][0].url, "--disaggregation-mode", "Always"),
+        # Its 2 s steps are past this bound, and past the 1 s floor whatever
+        # steps it ran before: only the last-engine rule keeps it.
+        *("--stall-max-step", "0.5", "--stall-step-multiple", "0"),
     )
     try:
         warm(gw.url)
-        delays(1.5, "a")
+        delays(2, "a")
         answers = burst(gw.url, 2, max_tokens=2)
         assert [r.status_code for r in answers] == [200, 200]
         assert metric(gw.url, "pdfleet_gateway_engine_ejections_total") == 0
@@ -423,5 +430,105 @@ def test_load_beyond_the_engines_capacity_is_refused_with_retry_after_never_a_50
         view = engines_view(gw.url)
         assert view["queued"] == 0 and view["engines"][0]["admitted"] == 0
         assert metric(gw.url, "pdfleet_gateway_engine_ejections_total") == 0
+    finally:
+        gw.stop()
+
+
+def step_running(engine_url: str) -> float:
+    """The age of the engine's step in progress, as its /metrics says."""
+    return metric(engine_url, "pdfleet_engine_step_running_seconds")
+
+
+def stream(url: str, max_tokens: int, first: threading.Event) -> tuple[str, list[str]]:
+    """A streamed completion: (its finish reason, the error events it got);
+    ``first`` is set at its first token."""
+    errors: list[str] = []
+    finish = ""
+    body = {"model": "tiny", "prompt": "The harbor", "max_tokens": max_tokens, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(str(event["error"]))
+                continue
+            first.set()
+            finish = event["choices"][0].get("finish_reason") or finish
+    return finish, errors
+
+
+def streams_on_both(slowable, gw_url: str, n: int, max_tokens: int):
+    """``n`` streams started through the gateway, waited for until every one
+    relays and both engines carry some: (their futures, the executor)."""
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+    firsts = [threading.Event() for _ in range(n)]
+    futures = [pool.submit(stream, gw_url, max_tokens, f) for f in firsts]
+    urls = {slowable[name][0].url for name in ("a", "b")}
+    assert wait_until(lambda: all(f.is_set() for f in firsts), 60)
+    assert wait_until(
+        lambda: {e["url"] for e in engines_view(gw_url)["engines"] if e["inflight"]} == urls, 30
+    )
+    return futures, pool
+
+
+def test_one_long_step_of_a_healthy_engine_is_no_stall_and_its_streams_go_on(
+    slowable, delays, tmp_path
+):
+    """Steps of 0.2 s teach the gateway a stall limit of about 1.2 s; one step
+    of a then runs 6 s while b keeps stepping. a reports its step in progress
+    at each check (its HTTP loop answers while the step runs): it stays, and
+    the streams it relays finish without an error."""
+    gw = gateway(slowable, tmp_path, ("a", "b"))
+    a_url = slowable["a"][0].url
+    try:
+        warm(gw.url)
+        delays(0.2, "a", "b")
+        futures, pool = streams_on_both(slowable, gw.url, 4, max_tokens=40)
+        with pool:
+            delays(6, "a")  # the next step of a sleeps 6 s first
+            assert wait_until(lambda: step_running(a_url) >= 1.5, 30)
+            delays(0.2, "a")  # only that one step is long
+            view = engines_view(gw.url)["engines"]
+            assert any(e["url"] == a_url and (e["step_running_s"] or 0) > 0 for e in view)
+            results = [f.result(120) for f in futures]
+        assert results == [("length", [])] * 4, results
+        assert metric(gw.url, "pdfleet_gateway_engine_stalls_total") == 0
+        assert metric(gw.url, "pdfleet_gateway_engine_ejections_total") == 0
+    finally:
+        gw.stop()
+
+
+def test_a_stopped_engine_is_still_ejected_though_it_was_in_a_step(slowable, delays, tmp_path):
+    """SIGSTOP in the middle of a step: its last check said it was stepping,
+    but no check answers any more, so its silence counts again: ejected, and
+    its requests finish on the other engine."""
+    gw = gateway(slowable, tmp_path, ("a", "b"))
+    a_proc = slowable["a"][0]
+    try:
+        warm(gw.url)
+        delays(0.2, "a", "b")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(complete, gw.url, 10) for _ in range(4)]
+            assert wait_until(
+                lambda: all(e["inflight"] for e in engines_view(gw.url)["engines"]), 30
+            )
+            delays(3, "a")
+            assert wait_until(lambda: step_running(a_proc.url) >= 0.5, 30)
+            a_proc.signal(signal.SIGSTOP)
+            try:
+                assert wait_until(
+                    lambda: (
+                        metric(gw.url, "pdfleet_gateway_engine_stalls_total", engine=a_proc.url)
+                        >= 1
+                    ),
+                    60,
+                )
+                statuses = [f.result(120).status_code for f in answers]
+            finally:
+                a_proc.signal(signal.SIGCONT)
+        assert statuses == [200] * 4
     finally:
         gw.stop()

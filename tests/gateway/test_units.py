@@ -320,7 +320,10 @@ def test_api_keys_from_a_mounted_secret_file(monkeypatch, tmp_path):
     [
         ({}, "give the engines"),
         ({"decode": ["d:8000"]}, "must start with http"),
-        ({"decode": ["http://d"], "idle_timeout": 0}, "--idle-timeout must be > 0"),
+        (
+            {"decode": ["http://d"], "idle_timeout": 0},
+            r"--idle-timeout must be within \[0.01, 86400\]",
+        ),
         ({"discovery": "kubernetes"}, "needs --selector"),
         (
             {"discovery": "kubernetes", "selector": "a=b", "decode": ["http://d"]},

@@ -235,7 +235,8 @@ def _sample(action: argparse.Action, value: str) -> str:
 
 def _expand_synopsis(tokens: list[str]) -> list[list[str]]:
     """A usage line's variants: ``[...]`` groups opened, ``a | b`` inside a group
-    giving one variant each, prose groups (``[engine flags]``) and ``...`` dropped."""
+    giving one variant each, an optional value (``[SECONDS]``) both given and
+    left out, prose groups (``[engine flags]``) and ``...`` dropped."""
     text = " ".join(tokens)
     variants = [text]
     group = re.compile(r"\[([^\[\]]*)\]")
@@ -252,6 +253,10 @@ def _expand_synopsis(tokens: list[str]) -> list[list[str]]:
             if re.fullmatch(r"[a-z][a-z ]*", inner) and " " in inner:
                 new.append(v[: m.start()] + v[m.end() :])  # prose: "engine flags"
                 continue
+            if PLACEHOLDER.fullmatch(inner):
+                # An optional value ("--watch [SECONDS]"): the bare flag is a
+                # documented form too, so it is parsed as well.
+                new.append(v[: m.start()] + v[m.end() :])
             for alternative in re.split(r"\s\|\s", inner):
                 new.append(v[: m.start()] + alternative + v[m.end() :])
         variants = new

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
-from helpers.server import free_port
+from helpers.server import free_port, wait_until
 
 from conftest import scrape_text
 from pdfleet.engine.contracts.launch import python_module
@@ -173,10 +173,38 @@ def test_a_run_whose_pdfleet_up_is_gone_is_stopped_whatever_its_file_says(tmp_pa
     dead.wait(10)
     run = _run_dir(tmp_path, dead.pid, f"http://127.0.0.1:{free_port()}")
     out = status("--run-dir", str(run))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # a stopped run: scripts can tell
     lines = out.stdout.splitlines()
     assert lines[0].endswith(" stopped"), lines
     assert rows_by_name(out.stdout)["decode-0"][2] == "stopped"
+
+
+def test_a_bare_watch_refreshes_every_interval(tmp_path):
+    """`--watch` with no SECONDS (as documented) refreshes every --interval."""
+    dead = subprocess.Popen(["true"])
+    dead.wait(10)
+    run = _run_dir(tmp_path, dead.pid, f"http://127.0.0.1:{free_port()}")
+    argv = [*python_module("pdfleet.engine.cli"), "status", "--run-dir", str(run)]
+    proc = subprocess.Popen(
+        [*argv, "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    chunks: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b""))
+    )
+    reader.start()
+    try:
+        assert wait_until(
+            lambda: b"".join(chunks).count(b"(every 0.2s") >= 2 or proc.poll() is not None, 30
+        )
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        reader.join(5)
+    assert b"".join(chunks).count(b"(every 0.2s") >= 2
 
 
 def test_a_live_run_whose_gateway_refuses_connections_shows_it_down(tmp_path):

@@ -262,6 +262,7 @@ GATEWAY_OVERLOAD = {
     "stallStepMultiple": 6,
     "queueTimeoutSeconds": 20,
     "maxQueuedRequests": 32,
+    "stallMaxStepSeconds": 90,
 }
 
 
@@ -285,6 +286,7 @@ def test_spec_gateway_stall_and_queue_settings_reach_both_gateways(tmp_path):
         args.queue_timeout,
         args.max_queued_requests,
     ) == wanted
+    assert args.stall_max_step == 90
     # pdfleet up's gateway.
     config = local_fleet(tmp_path, spec).gateway_config()
     assert (
@@ -293,6 +295,7 @@ def test_spec_gateway_stall_and_queue_settings_reach_both_gateways(tmp_path):
         config.queue_timeout,
         config.max_queued_requests,
     ) == wanted
+    assert config.stall_max_step == 90
     # The defaults follow the engines (a floor of 5 s, 4 of its longest steps).
     default = local_fleet(tmp_path, SPEC).gateway_config()
     assert (default.stall_timeout, default.stall_step_multiple) == (5.0, 4.0)
@@ -300,7 +303,25 @@ def test_spec_gateway_stall_and_queue_settings_reach_both_gateways(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("stallTimeoutSeconds", 0), ("stallStepMultiple", -1), ("maxQueuedRequests", -2)],
+    [
+        ("stallTimeoutSeconds", 0),
+        ("stallStepMultiple", -1),
+        ("maxQueuedRequests", -2),
+        ("stallTimeoutSeconds", float("inf")),
+        ("stallTimeoutSeconds", float("nan")),
+        ("stallTimeoutSeconds", 1e-9),
+        ("stallTimeoutSeconds", True),
+        ("stallTimeoutSeconds", "5"),
+        ("stallStepMultiple", float("inf")),
+        ("stallStepMultiple", 1e9),
+        ("stallMaxStepSeconds", 0),
+        ("stallMaxStepSeconds", float("nan")),
+        ("queueTimeoutSeconds", float("inf")),
+        ("queueTimeoutSeconds", 1e9),
+        ("queueTimeoutSeconds", False),
+        ("maxQueuedRequests", True),
+        ("maxQueuedRequests", 10**12),
+    ],
 )
 def test_bad_gateway_overload_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -326,5 +347,80 @@ def test_pdfleet_up_flags_override_spec_gateway(tmp_path):
     assert service.spec.gateway.stall_step_multiple == 6  # the file's, not overridden
     apply_gateway_overrides(service, parser.parse_args([]))  # no flag: unchanged
     assert service.spec.gateway.stall_timeout_seconds == 12
+    apply_gateway_overrides(service, parser.parse_args(["--stall-max-step", "30"]))
+    assert service.spec.gateway.stall_max_step_seconds == 30
+    with pytest.raises(ValueError, match="--stall-timeout"):  # (a caller past argparse)
+        apply_gateway_overrides(service, argparse.Namespace(stall_timeout=float("inf")))
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("up", "--stall-timeout", "0"),
+        ("up", "--stall-timeout", "inf"),
+        ("up", "--stall-timeout", "1e-9"),
+        ("up", "--stall-step-multiple", "nan"),
+        ("up", "--stall-max-step", "-inf"),
+        ("gateway", "--stall-timeout", "inf"),
+        ("gateway", "--stall-step-multiple", "nan"),
+        ("gateway", "--stall-max-step", "0"),
+        ("gateway", "--queue-timeout", "inf"),
+        ("gateway", "--hold-timeout", "nan"),
+        ("gateway", "--hold-timeout", "1e9"),
+        ("gateway", "--idle-timeout", "inf"),
+        ("gateway", "--request-timeout", "0"),
+        ("gateway", "--scrape-interval", "1e-9"),
+        ("gateway", "--first-token-timeout", "inf"),
+        ("gateway", "--kv-host-weight", "nan"),
+    ],
+)
+def test_out_of_range_gateway_flags_are_refused_naming_the_flag(command, flag, value, capsys):
+    from pdfleet.engine.cli import build_parser
+
+    argv = [command, flag, value]
+    if command == "gateway":
+        argv += ["--decode", "http://e"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [True, "5", float("inf"), float("nan"), 1e-9, -1.0])
+def test_a_gateway_config_built_in_code_refuses_what_its_flag_refuses(value):
+    from pdfleet.engine.config.gateway import GatewayConfig
+
     with pytest.raises(ValueError, match="--stall-timeout"):
-        apply_gateway_overrides(service, parser.parse_args(["--stall-timeout", "0"]))
+        GatewayConfig(decode=["http://e"], stall_timeout=value)
+
+
+def test_pdfleet_up_says_which_kv_caches_were_set_and_which_were_sized(tmp_path, monkeypatch):
+    """The memory line names the budget a role's kvCacheMemoryBytes set, and
+    says "sized from the model and the free memory" only of the others."""
+    from pdfleet.operator.local import cli
+
+    spec = {
+        **SPEC,
+        "prefill": {"engine": {"kvCacheMemoryBytes": 256 * 2**20}},
+    }
+    fleet = local_fleet(tmp_path, spec)
+    children = [fleet._engine_child(r) for r in ("prefill", "decode")]
+    info = 'pdfleet_engine_cache_config_info{block_size="16",num_gpu_blocks="%d"} 1.0\n'
+    for child, blocks in zip(children, (100, 200), strict=True):
+        child.metrics_text = lambda blocks=blocks: info % blocks  # type: ignore[method-assign]
+    monkeypatch.setattr(cli, "resident_bytes", lambda pid, tree=True: 0)
+    monkeypatch.setattr(fleet, "all_children", lambda: children)
+    text = cli.memory_report(fleet)
+    assert "prefill-0 1,600 (0.25 GiB set)" in text, text
+    assert "decode-0 3,200;" in text, text
+    assert "set by kvCacheMemoryBytes where marked" in text, text
+    assert "the others sized from the model" in text, text
+    # Every engine set: nothing is said to be sized from the free memory.
+    spec["decode"] = {"engine": {"kvCacheMemoryBytes": 2**30}}
+    fleet = local_fleet(tmp_path, spec)
+    children = [fleet._engine_child(r) for r in ("prefill", "decode")]
+    for child in children:
+        child.metrics_text = lambda: info % 10  # type: ignore[method-assign]
+    monkeypatch.setattr(fleet, "all_children", lambda: children)
+    text = cli.memory_report(fleet)
+    assert "decode-0 160 (1.00 GiB set)" in text and "free memory" not in text, text

@@ -191,7 +191,10 @@ def build_app(state: ServerState) -> FastAPI:
             # (AsyncEngine.shutdown waits, bounded by the lease).
             await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="pdfleet engine", lifespan=lifespan)
+    # No redirect to the path without a trailing slash (Starlette's default,
+    # a 307 that POST clients do not follow): `/v1/chat/completions/` is an
+    # unknown route, the OpenAI 404 body, as the gateway answers it.
+    app = FastAPI(title="pdfleet engine", lifespan=lifespan, redirect_slashes=False)
     # Outermost of the app's own layers: credentials and body size come first.
     app.add_middleware(GuardMiddleware, auth=state.auth, limits=state.limits)
     # Tracing wraps even that (a refused request is a span too); off: nothing added.
@@ -302,6 +305,7 @@ def build_app(state: ServerState) -> FastAPI:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
         if state.engine is not None:
             state.metrics.update_grammars(state.engine.engine.built_grammars, state.gate)
+            state.metrics.update_step(state.engine.engine.core)
         return PlainTextResponse(
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
