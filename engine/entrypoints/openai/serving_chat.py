@@ -10,7 +10,12 @@ from typing import Any
 from ...outputs import Logprob
 from ...sampling_params import StructuredOutputsParams
 from .protocol import APIError, ChatCompletionRequest, now
-from .reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
+from .reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+    prompt_opens_thought,
+)
 from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 from .tool_parsers import (
     ForcedParser,
@@ -183,10 +188,11 @@ class ChatServing(ServingBase):
                     c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         result = []
         thinking = self.reasoning_parser(req)
+        opened = prompt_opens_thought(prompt_text)
         for idx, c in sorted(choices.items()):
             text, reasoning = c.text, ""
             if thinking is not None:
-                reasoning, text = thinking.split(c.text, final=True)
+                reasoning, text = thinking.split(c.text, final=True, opened=opened)
             message: dict[str, Any] = {"role": "assistant", "content": echo + text}
             if reasoning and req.include_reasoning:
                 message["reasoning"] = message["reasoning_content"] = reasoning
@@ -252,7 +258,8 @@ class ChatServing(ServingBase):
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         first_chunk = True
         thinking = self.reasoning_parser(req)
-        thoughts = {i: ReasoningStream(thinking) for i in range(req.n)} if thinking else {}
+        opened = prompt_opens_thought(prompt_text)
+        thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
 
         def chunk(
             idx: int, delta: dict, lp=None, finish=None, stop_reason=None, token_ids=None
@@ -306,6 +313,11 @@ class ChatServing(ServingBase):
                     )
                     reason = finish_reason(o.finish_reason)
                     text = o.text
+                    # This step's new token ids ride on the first chunk it sends;
+                    # a step whose text is held back (a partial tag) still sends
+                    # them, on a chunk with an empty delta.
+                    new_ids = [list(o.token_ids)]
+                    hold = False
                     if thinking is not None:
                         # Reasoning goes out as its own deltas; the answer goes on.
                         reasoning, text = thoughts[o.index].feed(
@@ -313,24 +325,28 @@ class ChatServing(ServingBase):
                         )
                         if reasoning and req.include_reasoning:
                             yield chunk(
-                                o.index, {"reasoning": reasoning, "reasoning_content": reasoning}
+                                o.index,
+                                {"reasoning": reasoning, "reasoning_content": reasoning},
+                                token_ids=_take(new_ids),
                             )
-                        if not text and o.finish_reason is None and lp is None:
-                            continue
-                    if parser is not None:
+                        hold = not text and o.finish_reason is None and lp is None
+                    if parser is not None and not hold:
                         ts = tools[o.index]
                         final = o.finish_reason is not None
                         deltas = ts.feed(text, final)
                         for d in deltas[:-1]:
-                            yield chunk(o.index, d)
+                            yield chunk(o.index, d, token_ids=_take(new_ids))
                         delta = deltas[-1] if deltas else {}
                         if final and ts.num_calls and reason == "stop":
                             reason = "tool_calls"
-                        if not delta and not final and lp is None:
-                            continue
-                    else:
+                        hold = not delta and not final and lp is None
+                    elif parser is None:
                         delta = {"content": text} if text or o.finish_reason is None else {}
-                    yield chunk(o.index, delta, lp, reason, o.stop_reason, o.token_ids)
+                    if hold:
+                        if req.return_token_ids and new_ids[0]:
+                            yield chunk(o.index, {}, token_ids=_take(new_ids))
+                        continue
+                    yield chunk(o.index, delta, lp, reason, o.stop_reason, _take(new_ids))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
@@ -354,6 +370,12 @@ class ChatServing(ServingBase):
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
+
+
+def _take(box: list[list[int]]) -> list[int]:
+    """The ids in ``box``, which is left empty (each id goes out once)."""
+    taken, box[0] = box[0], []
+    return taken
 
 
 def echoed_content(req: ChatCompletionRequest) -> str:
