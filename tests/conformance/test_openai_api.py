@@ -479,6 +479,41 @@ def test_named_tool_choice_cut_by_max_tokens_returns_no_call(client):
     assert not choice.message.tool_calls
 
 
+PING = {
+    "type": "function",
+    "function": {
+        "name": "p",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def test_required_tool_choice_cut_by_max_tokens_returns_no_call(client):
+    """``required`` writes a JSON array of calls; cut off before the array
+    closes, the whole response is no tool call (finish_reason ``length``), even
+    when some items of the array are complete. Streamed, the calls go out as
+    they are written (vLLM's streaming): names once complete, arguments as
+    fragments, so a cut-off stream may end inside a call's arguments."""
+    kw = dict(model=MODEL, messages=USER, tools=[PING], tool_choice="required", temperature=0)
+    seen_complete_item = False
+    for limit in (20, 21, 22, 23, 24):
+        choice = client.chat.completions.create(**kw, max_tokens=limit).choices[0]
+        if choice.finish_reason != "length":
+            continue
+        assert not choice.message.tool_calls, (limit, choice)
+        seen_complete_item |= '"p"' in (choice.message.content or "") and "}}" in (
+            choice.message.content or ""
+        )
+        streamed = list(client.chat.completions.create(**kw, max_tokens=limit, stream=True))
+        deltas = [c.choices[0] for c in streamed if c.choices]
+        assert deltas[-1].finish_reason == "length"
+        for d in deltas:
+            for call in d.delta.tool_calls or []:
+                if call.function and call.function.name is not None:
+                    assert call.function.name == "p"
+    assert seen_complete_item  # the cut-off kept a complete item out of tool_calls
+
+
 def test_guided_choice_and_response_format(client):
     chat = client.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}

@@ -199,9 +199,15 @@ class ChatServing(ServingBase):
             reason = finish_reason(c.finish_reason)
             if parser is not None:
                 content, calls = parser.parse(text, final=True)
-                if reason == "length" and not all(complete_arguments(x) for x in calls):
+                if reason == "length" and (
+                    isinstance(parser, ForcedParser)
+                    or not all(complete_arguments(x) for x in calls)
+                ):
                     # Cut off inside a call: no call is returned (its arguments are
                     # not JSON); the text stays in content and finish_reason says why.
+                    # A forced tool_choice cut off is unfinished JSON as a whole
+                    # (``required``: an array not closed), even when some of its
+                    # items are complete.
                     calls = []
                 if calls:
                     message["content"] = (echo + content).strip() or None
