@@ -736,3 +736,40 @@ def test_invocations_routes_by_body(target):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
+
+
+def test_explicit_null_of_an_optional_field_means_its_default(target):
+    """vLLM types these Optional: ``null`` is their default, not a 400 (fields
+    vLLM does not type Optional still refuse ``null``)."""
+    chat = httpx.post(
+        target + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": USER,
+            "max_tokens": 2,
+            "n": None,
+            "stream": None,
+            "logprobs": None,
+            "parallel_tool_calls": None,
+        },
+        headers=headers(),
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    completion = httpx.post(
+        target + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": None, "echo": None},
+        headers=headers(),
+        timeout=60,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["object"] == "text_completion"
+    bad = httpx.post(
+        target + "/v1/chat/completions",
+        json={"model": MODEL, "messages": USER, "max_tokens": 2, "include_reasoning": None},
+        headers=headers(),
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "include_reasoning"

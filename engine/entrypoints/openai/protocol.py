@@ -67,6 +67,9 @@ class _Checked(BaseModel):
 
     # The route whose fields the body may hold (request_fields.ROUTES).
     route: ClassVar[str] = ""
+    # Fields whose explicit ``null`` means their default (vLLM types them
+    # Optional with a default): the null is dropped before validation.
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +80,8 @@ class _Checked(BaseModel):
                 request_fields.check_fields(data, cls.route)
             except ValueError as e:
                 raise APIError(str(e), param=str(e).split(" ")[0]) from None
+        if isinstance(data, dict) and cls.null_is_default:
+            data = {k: v for k, v in data.items() if not (v is None and k in cls.null_is_default)}
         return data
 
 
@@ -250,6 +255,7 @@ class _Sampling(_Checked):
 
 
 class CompletionRequest(_Sampling):
+    null_is_default: ClassVar[frozenset[str]] = frozenset({"stream", "echo"})
     route: ClassVar[str] = request_fields.COMPLETIONS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -348,6 +354,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     route: ClassVar[str] = request_fields.CHAT
+    null_is_default: ClassVar[frozenset[str]] = frozenset(
+        {"n", "stream", "logprobs", "parallel_tool_calls"}
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
