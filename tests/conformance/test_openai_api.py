@@ -375,8 +375,8 @@ def test_truncate_prompt_tokens(client):
 
 
 def test_logit_bias(client):
-    """A +100 bias makes greedy sampling pick that token; out-of-vocabulary ids and
-    biases out of [-100, 100] are 400s naming logit_bias and the range."""
+    """A +100 bias makes greedy sampling pick that token; out-of-vocabulary ids
+    are 400s naming logit_bias and the bound."""
     c = client.completions.create(
         model=MODEL,
         prompt=IDS,
@@ -402,12 +402,44 @@ def test_logit_bias(client):
         "logit_bias",
     )
     assert re.search(r"must be < \d+", message), message
-    refused(
-        lambda: client.completions.create(
-            model=MODEL, prompt="x", max_tokens=1, logit_bias={"1": 101}
-        ),
-        "logit_bias",
+    # A bias past +-100 is clamped to it (vLLM's behaviour), not refused.
+    clamped = client.completions.create(
+        model=MODEL,
+        prompt=IDS,
+        max_tokens=2,
+        temperature=0,
+        logit_bias={"777": 1e6},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
     )
+    assert clamped.choices[0].token_ids == [777] * 2
+
+
+# Bad logit_bias keys and values: the same message on the engine and the gateway.
+BAD_BIAS = [
+    ({"abc": 1}, "logit_bias: key 'abc' is not a token id"),
+    ({"-1": 1}, "logit_bias: token id '-1' is outside the model's vocabulary (must be >= 0)"),
+    ({"4096": 1}, "logit_bias: token id '4096' is outside the model's vocabulary (must be < "),
+    ({"7": "x"}, "logit_bias: the bias of token 7 must be a number, got 'x'"),
+]
+
+
+@pytest.mark.parametrize(("bias", "message"), BAD_BIAS)
+def test_a_bad_logit_bias_is_worded_alike_on_engine_and_gateway(
+    serve_url, fleet_url, bias, message
+):
+    got = []
+    for url in (serve_url, fleet_url):
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1, "logit_bias": bias},
+            headers=headers(),
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "logit_bias" and err["message"].startswith(message), err
+        got.append(err["message"])
+    assert got[0] == got[1]
 
 
 # -- chat specifics ----------------------------------------------------------------------------

@@ -127,7 +127,9 @@ class _Sampling(_Checked):
     # The one backend there is: "xgrammar" (or "auto", or unset); another is a 400.
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    # Checked (and each bias clamped to [-100, 100]) by the shared sampling
+    # checks, so the engine and the gateway word a bad key or value alike.
+    logit_bias: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
     # Keep only this many prompt tokens (-1: as many as the context holds), cut
