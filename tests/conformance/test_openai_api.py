@@ -267,14 +267,17 @@ def test_chat_logprobs_and_top_logprobs_bounds(client):
         ),
         "top_logprobs",
     )
-    assert "max_logprobs" in message and "20" in message
+    # Names what was sent (-1: the whole vocabulary) and the bound, never a
+    # number the client did not send.
+    assert message.startswith("top_logprobs: -1 asks for the whole vocabulary"), message
+    assert "max_logprobs (20)" in message and "got" not in message
     message = refused(
         lambda: client.chat.completions.create(
             model=MODEL, messages=USER, max_tokens=3, logprobs=True, top_logprobs=21
         ),
         "top_logprobs",
     )
-    assert "20" in message
+    assert "0..20" in message and message.endswith("got 21"), message
 
 
 def test_prompt_logprobs(client):

@@ -404,11 +404,19 @@ class ServingBase:
         if k is None:
             return None
         if k == -1:
-            k = self.vocab_size
+            if self.vocab_size > self.max_logprobs:
+                # Worded as the shared sampling checks word it (the gateway's too).
+                raise APIError(
+                    f"{param}: -1 asks for the whole vocabulary ({self.vocab_size} tokens), "
+                    f"more than the engine's max_logprobs ({self.max_logprobs}); ask for at "
+                    f"most {self.max_logprobs} or serve with --max-logprobs -1",
+                    param=param,
+                )
+            return self.vocab_size
         if not 0 <= k <= self.max_logprobs:
             raise APIError(
-                f"{param} must be -1 or between 0 and {self.max_logprobs} (the engine's "
-                f"max_logprobs), got {k}",
+                f"{param} must be -1 or an integer 0..{self.max_logprobs} (the engine's "
+                f"max_logprobs is {self.max_logprobs}), got {k}",
                 param=param,
             )
         return k
