@@ -177,6 +177,53 @@ def test_stop_and_stop_token_ids(client):
 # -- usage and stream options -------------------------------------------------------
 
 
+def test_continuous_usage_is_per_choice_with_n_and_batched_prompts(client):
+    """vLLM's per-chunk usage: the chunk's own prompt's tokens and the tokens
+    its own choice has generated so far (never the request's sums)."""
+    cont = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            n=2,
+            max_tokens=3,
+            stream=True,
+            stream_options=cont,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    so_far: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        so_far[choice.index] = so_far.get(choice.index, 0) + len(choice.token_ids)
+        assert c.usage.prompt_tokens == len(prompts[choice.index // 2]), c
+        assert c.usage.completion_tokens == so_far[choice.index], c
+    assert sorted(so_far.values()) == [3, 3, 3, 3]
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == 3 + 7  # each prompt once, whatever n
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            n=2,
+            max_tokens=3,
+            stream=True,
+            stream_options=cont,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    chat_so_far: dict[int, int] = {}
+    for c in chat[:-1]:
+        (choice,) = c.choices
+        chat_so_far[choice.index] = chat_so_far.get(choice.index, 0) + len(
+            choice.model_extra.get("token_ids") or []
+        )
+        assert c.usage.completion_tokens == chat_so_far[choice.index], c
+        assert c.usage.prompt_tokens == chat[-1].usage.prompt_tokens
+    assert chat[-1].usage.completion_tokens == 6
+
+
 def test_stream_options_usage_and_continuous_usage_stats(client):
     stream = client.completions.create(
         model=MODEL,

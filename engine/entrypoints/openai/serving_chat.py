@@ -256,6 +256,7 @@ class ChatServing(ServingBase):
     async def _chat_events(self, req, request_id, model, prompt_text, ids, k, stream, parser):
         created = now()
         completion_tokens, cached = 0, 0
+        generated: dict[int, int] = {}  # per choice: tokens so far
         started: set[int] = set()
         tools = {i: _ToolStream(parser, self.options.tool_call_parser) for i in range(req.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
@@ -295,7 +296,8 @@ class ChatServing(ServingBase):
                     body["prompt_text"] = prompt_text
                 first_chunk = False
             if continuous:
-                body["usage"] = self.usage_so_far(len(ids), completion_tokens, cached)
+                # This choice's own tokens so far (vLLM's), not the request's sum.
+                body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
             return sse(body)
 
         try:
@@ -310,6 +312,7 @@ class ChatServing(ServingBase):
                         if echo:
                             yield chunk(o.index, {"content": echo})
                     completion_tokens += len(o.token_ids)
+                    generated[o.index] = generated.get(o.index, 0) + len(o.token_ids)
                     if not o.text and o.finish_reason is None and not o.token_ids:
                         continue
                     lp = (
