@@ -331,6 +331,16 @@ def _check_schema(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a JSON schema (an object)")
 
 
+def _known_keys(path: str, obj: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """A key of a nested object that nothing reads is refused by its path, never
+    ignored."""
+    for key in obj:
+        if key not in known:
+            raise ValueError(
+                f"{path}.{key} is not a field of {path} (its fields: {', '.join(known)})"
+            )
+
+
 def check_structured(fields: Mapping[str, Any]) -> None:
     """Shape of the structured-output and tool fields; ``ValueError`` naming the field.
 
@@ -342,6 +352,7 @@ def check_structured(fields: Mapping[str, Any]) -> None:
     if rf is not None:
         if not isinstance(rf, Mapping):
             raise ValueError("response_format must be an object with a type")
+        _known_keys("response_format", rf, ("type", "json_schema"))
         kind = rf.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(
@@ -351,6 +362,11 @@ def check_structured(fields: Mapping[str, Any]) -> None:
             js = rf.get("json_schema")
             if not isinstance(js, Mapping):
                 raise ValueError("response_format.json_schema must be an object with a schema")
+            # OpenAI's JSON-schema format object; "strict" is accepted as the
+            # grammar enforces the schema strictly anyway.
+            _known_keys(
+                "response_format.json_schema", js, ("name", "description", "schema", "strict")
+            )
             if "schema" not in js:
                 raise ValueError("response_format.json_schema.schema is required")
             _check_schema("response_format.json_schema.schema", js["schema"])

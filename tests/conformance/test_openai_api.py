@@ -855,3 +855,55 @@ def test_explicit_null_of_an_optional_field_means_its_default(target):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "include_reasoning"
+
+
+NESTED_UNKNOWN = [
+    ({"response_format": {"type": "json_object", "bogus": 1}}, "response_format.bogus"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}, "bogus": 1},
+            }
+        },
+        "response_format.json_schema.bogus",
+    ),
+    ({"messages": [{"role": "user", "content": "hi", "bogus_key": 1}]}, "messages.0.bogus_key"),
+    ({"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages.0.refusal"),
+]
+
+
+@pytest.mark.parametrize(("extra", "path"), NESTED_UNKNOWN)
+def test_an_unknown_nested_key_is_refused_by_its_path(target, extra, path):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, **extra}
+    r = httpx.post(target + "/v1/chat/completions", json=body, headers=headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == path and path in err["message"], err
+
+
+def test_what_clients_send_in_messages_passes(client):
+    """The keys of the official client's message types, and an assistant
+    message sent back as a response gave it (null refusal, audio,
+    function_call, annotations; its reasoning), all pass."""
+    first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    echoed = first.choices[0].message.model_dump()
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+        echoed,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "refusal": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning_content": "thought",
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "user", "content": "and?"},
+    ]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.choices[0].message.role == "assistant"

@@ -302,7 +302,11 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A key no message type has is refused by its path (messages.0.key), never
+    # ignored. The keys the official clients send (an assistant message sent back
+    # as the response gave it included) are declared: those with no effect here
+    # pass only at their empty value.
+    model_config = ConfigDict(extra="forbid")
     # OpenAI's roles (system, developer, user, assistant, tool) or any other the
     # chat template renders (vLLM passes custom roles to the template as they are).
     role: str = Field(min_length=1, max_length=64)
@@ -310,6 +314,16 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An earlier turn's thinking (our responses' reasoning / reasoning_content):
+    # reaches the template as reasoning_content (Qwen3's templates read it).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    # Output-only fields of an assistant message sent back as it came: no effect
+    # here, so only their empty values pass.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (tool call arguments as objects)."""
@@ -318,6 +332,9 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            out["reasoning_content"] = thought
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:

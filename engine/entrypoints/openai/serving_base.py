@@ -233,8 +233,10 @@ class ServingBase:
                 max_output_tokens=self.admission.max_request_output_tokens,
             )
         except ValueError as e:
-            m = re.match(r"[a-z_]+", str(e))
-            raise APIError(str(e), param=m.group(0) if m else None) from None
+            # The field the message starts with, a nested one by its path
+            # (response_format.json_schema.bogus), as the gateway names it.
+            m = re.match(r"[a-z_]+(?:[.\[][A-Za-z0-9_\]]+)*", str(e))
+            raise APIError(str(e), param=m.group(0).rstrip(".") if m else None) from None
 
     def check_chars(self, num_chars: int, what: str) -> None:
         """Refuse, before tokenizing, a prompt too long to fit whatever its tokens."""
