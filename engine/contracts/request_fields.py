@@ -106,7 +106,10 @@ WORKS["model"] = frozenset(ROUTES)
 WORKS["add_special_tokens"] = frozenset((COMPLETIONS, CHAT, TOKENIZE))
 WORKS["tools"] = frozenset((CHAT, TOKENIZE))
 
-# What makes a refused field harmless: its value is one of these.
+# What makes a refused field harmless: its value is one of these. A list
+# field's empty list asks for nothing too (``functions: []``, no functions),
+# except where vLLM gives ``[]`` a meaning (``allowed_token_ids: []`` would
+# allow no token: vLLM refuses it, and so is it refused here).
 _NONE: tuple[Any, ...] = (None,)
 _OFF: tuple[Any, ...] = (None, False)
 
@@ -132,7 +135,7 @@ REFUSED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (_best_of_is_n, "use n (best_of must equal n)"),
     "allowed_token_ids": (_values(*_NONE), "use logit_bias"),
     "bad_words": (_empty, "use logit_bias or stop"),
-    "logprob_token_ids": (_values(*_NONE), "use logprobs / top_logprobs"),
+    "logprob_token_ids": (_values(None, []), "use logprobs / top_logprobs"),
     "watermarking": (_values(*_OFF), "watermarking is not implemented"),
     "repetition_detection": (_values(*_NONE), "use repetition_penalty or stop"),
     "stream_interval": (_values(None, 1), "streams send every step's tokens"),
@@ -171,7 +174,7 @@ REFUSED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "audio": (_values(*_NONE), "text output only"),
     "prediction": (_values(*_NONE), "predicted outputs are not implemented"),
     "web_search_options": (_values(*_NONE), "no web search"),
-    "functions": (_values(*_NONE), "deprecated by OpenAI: use tools"),
+    "functions": (_values(None, []), "deprecated by OpenAI: use tools"),
     "function_call": (_values(*_NONE), "deprecated by OpenAI: use tool_choice"),
     "verbosity": (_values(*_NONE), "no verbosity control"),
     "prompt_cache_key": (_values(*_NONE), "use cache_salt to separate prefix caches"),

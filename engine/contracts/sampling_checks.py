@@ -13,6 +13,7 @@ tensors, int32 for counts), so no client value can overflow a kernel.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,22 +133,38 @@ def _check_prompt_logprobs(
     _logprob_count("prompt_logprobs", f["prompt_logprobs"], vocab_size, max_logprobs)
 
 
+_TOKEN_KEY = re.compile(r"-?[0-9]+")
+
+
 def _check_logit_bias(
     f: Mapping[str, Any], vocab_size: int | None, max_logprobs: int | None
 ) -> None:
+    """Keys are token ids (integers as strings, inside the vocabulary); values
+    finite numbers. A bias outside [-100, 100] is clamped to it (vLLM's
+    behaviour), never refused. Each key is checked whole (id, then value)
+    before the next, so the engine and the gateway name the same first fault."""
     bias = f["logit_bias"]
-    if isinstance(bias, Mapping) and vocab_size:
-        for key in bias:
-            if not str(key).isdigit() or int(str(key)) >= vocab_size:
-                raise ValueError(
-                    f"logit_bias: token id {key!r} is outside the model's vocabulary "
-                    f"(must be < {vocab_size})"
-                )
-    if isinstance(bias, Mapping):
-        for key, value in bias.items():
-            if not str(key).isdigit():
-                raise ValueError(f"logit_bias: key {key!r} is not a token id")
-            _float(f"logit_bias: the bias of token {key}", value, low=-100.0, high=100.0)
+    if bias is None:
+        return
+    if not isinstance(bias, Mapping):
+        raise ValueError(
+            f"logit_bias must be an object mapping token ids to biases, got {type(bias).__name__}"
+        )
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(str(key)):
+            raise ValueError(f"logit_bias: key {key!r} is not a token id")
+        tid = int(str(key))
+        if tid < 0 or (vocab_size and tid >= vocab_size):
+            where = "must be >= 0" if tid < 0 else f"must be < {vocab_size}"
+            raise ValueError(
+                f"logit_bias: token id {key!r} is outside the model's vocabulary ({where})"
+            )
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"logit_bias: the bias of token {key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(
+                f"logit_bias: the bias of token {key} must be a finite number, got {value!r}"
+            )
 
 
 def _ints(name: str, low: int, high: int, what: str | None = None) -> Any:
@@ -314,6 +331,16 @@ def _check_schema(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a JSON schema (an object)")
 
 
+def _known_keys(path: str, obj: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """A key of a nested object that nothing reads is refused by its path, never
+    ignored."""
+    for key in obj:
+        if key not in known:
+            raise ValueError(
+                f"{path}.{key} is not a field of {path} (its fields: {', '.join(known)})"
+            )
+
+
 def check_structured(fields: Mapping[str, Any]) -> None:
     """Shape of the structured-output and tool fields; ``ValueError`` naming the field.
 
@@ -325,6 +352,7 @@ def check_structured(fields: Mapping[str, Any]) -> None:
     if rf is not None:
         if not isinstance(rf, Mapping):
             raise ValueError("response_format must be an object with a type")
+        _known_keys("response_format", rf, ("type", "json_schema"))
         kind = rf.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(
@@ -334,6 +362,11 @@ def check_structured(fields: Mapping[str, Any]) -> None:
             js = rf.get("json_schema")
             if not isinstance(js, Mapping):
                 raise ValueError("response_format.json_schema must be an object with a schema")
+            # OpenAI's JSON-schema format object; "strict" is accepted as the
+            # grammar enforces the schema strictly anyway.
+            _known_keys(
+                "response_format.json_schema", js, ("name", "description", "schema", "strict")
+            )
             if "schema" not in js:
                 raise ValueError("response_format.json_schema.schema is required")
             _check_schema("response_format.json_schema.schema", js["schema"])

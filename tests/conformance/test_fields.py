@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,6 +80,21 @@ def test_a_refused_field_is_a_400_naming_it(name):
         refused += 1
     assert refused, f"{name} is refused for none of {SET_VALUES}"
     rf.check_fields({"prompt": "x", name: None}, rf.COMPLETIONS)
+
+
+@pytest.mark.parametrize("name", ["functions", "logprob_token_ids", "bad_words", "suffix"])
+def test_an_empty_value_of_a_refused_field_is_a_no_op(name):
+    """An empty list (or string) asks for nothing: it passes, on both routes'
+    models, as null does; a non-empty value is still refused by name."""
+    empty: Any = "" if name == "suffix" else []
+    rf.check_fields({"prompt": "x", name: empty}, rf.COMPLETIONS)
+    ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], name: empty}
+    )
+    with pytest.raises(ValueError, match=rf"^{name} is not supported by pdfleet"):
+        rf.check_fields({"prompt": "x", name: "x" if name == "suffix" else [1]}, rf.COMPLETIONS)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids is not supported"):
+        rf.check_fields({"prompt": "x", "allowed_token_ids": []}, rf.COMPLETIONS)
 
 
 def test_unknown_fields_and_fields_of_another_route_are_refused_by_name():

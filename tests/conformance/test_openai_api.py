@@ -177,6 +177,53 @@ def test_stop_and_stop_token_ids(client):
 # -- usage and stream options -------------------------------------------------------
 
 
+def test_continuous_usage_is_per_choice_with_n_and_batched_prompts(client):
+    """vLLM's per-chunk usage: the chunk's own prompt's tokens and the tokens
+    its own choice has generated so far (never the request's sums)."""
+    cont = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            n=2,
+            max_tokens=3,
+            stream=True,
+            stream_options=cont,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    so_far: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        so_far[choice.index] = so_far.get(choice.index, 0) + len(choice.token_ids)
+        assert c.usage.prompt_tokens == len(prompts[choice.index // 2]), c
+        assert c.usage.completion_tokens == so_far[choice.index], c
+    assert sorted(so_far.values()) == [3, 3, 3, 3]
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == 3 + 7  # each prompt once, whatever n
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            n=2,
+            max_tokens=3,
+            stream=True,
+            stream_options=cont,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    chat_so_far: dict[int, int] = {}
+    for c in chat[:-1]:
+        (choice,) = c.choices
+        chat_so_far[choice.index] = chat_so_far.get(choice.index, 0) + len(
+            choice.model_extra.get("token_ids") or []
+        )
+        assert c.usage.completion_tokens == chat_so_far[choice.index], c
+        assert c.usage.prompt_tokens == chat[-1].usage.prompt_tokens
+    assert chat[-1].usage.completion_tokens == 6
+
+
 def test_stream_options_usage_and_continuous_usage_stats(client):
     stream = client.completions.create(
         model=MODEL,
@@ -267,14 +314,17 @@ def test_chat_logprobs_and_top_logprobs_bounds(client):
         ),
         "top_logprobs",
     )
-    assert "max_logprobs" in message and "20" in message
+    # Names what was sent (-1: the whole vocabulary) and the bound, never a
+    # number the client did not send.
+    assert message.startswith("top_logprobs: -1 asks for the whole vocabulary"), message
+    assert "max_logprobs (20)" in message and "got" not in message
     message = refused(
         lambda: client.chat.completions.create(
             model=MODEL, messages=USER, max_tokens=3, logprobs=True, top_logprobs=21
         ),
         "top_logprobs",
     )
-    assert "20" in message
+    assert "0..20" in message and message.endswith("got 21"), message
 
 
 def test_prompt_logprobs(client):
@@ -375,8 +425,8 @@ def test_truncate_prompt_tokens(client):
 
 
 def test_logit_bias(client):
-    """A +100 bias makes greedy sampling pick that token; out-of-vocabulary ids and
-    biases out of [-100, 100] are 400s naming logit_bias and the range."""
+    """A +100 bias makes greedy sampling pick that token; out-of-vocabulary ids
+    are 400s naming logit_bias and the bound."""
     c = client.completions.create(
         model=MODEL,
         prompt=IDS,
@@ -402,12 +452,44 @@ def test_logit_bias(client):
         "logit_bias",
     )
     assert re.search(r"must be < \d+", message), message
-    refused(
-        lambda: client.completions.create(
-            model=MODEL, prompt="x", max_tokens=1, logit_bias={"1": 101}
-        ),
-        "logit_bias",
+    # A bias past +-100 is clamped to it (vLLM's behaviour), not refused.
+    clamped = client.completions.create(
+        model=MODEL,
+        prompt=IDS,
+        max_tokens=2,
+        temperature=0,
+        logit_bias={"777": 1e6},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
     )
+    assert clamped.choices[0].token_ids == [777] * 2
+
+
+# Bad logit_bias keys and values: the same message on the engine and the gateway.
+BAD_BIAS = [
+    ({"abc": 1}, "logit_bias: key 'abc' is not a token id"),
+    ({"-1": 1}, "logit_bias: token id '-1' is outside the model's vocabulary (must be >= 0)"),
+    ({"4096": 1}, "logit_bias: token id '4096' is outside the model's vocabulary (must be < "),
+    ({"7": "x"}, "logit_bias: the bias of token 7 must be a number, got 'x'"),
+]
+
+
+@pytest.mark.parametrize(("bias", "message"), BAD_BIAS)
+def test_a_bad_logit_bias_is_worded_alike_on_engine_and_gateway(
+    serve_url, fleet_url, bias, message
+):
+    got = []
+    for url in (serve_url, fleet_url):
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1, "logit_bias": bias},
+            headers=headers(),
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "logit_bias" and err["message"].startswith(message), err
+        got.append(err["message"])
+    assert got[0] == got[1]
 
 
 # -- chat specifics ----------------------------------------------------------------------------
@@ -477,6 +559,41 @@ def test_named_tool_choice_cut_by_max_tokens_returns_no_call(client):
     choice = chat.choices[0]
     assert choice.finish_reason == "length"
     assert not choice.message.tool_calls
+
+
+PING = {
+    "type": "function",
+    "function": {
+        "name": "p",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def test_required_tool_choice_cut_by_max_tokens_returns_no_call(client):
+    """``required`` writes a JSON array of calls; cut off before the array
+    closes, the whole response is no tool call (finish_reason ``length``), even
+    when some items of the array are complete. Streamed, the calls go out as
+    they are written (vLLM's streaming): names once complete, arguments as
+    fragments, so a cut-off stream may end inside a call's arguments."""
+    kw = dict(model=MODEL, messages=USER, tools=[PING], tool_choice="required", temperature=0)
+    seen_complete_item = False
+    for limit in (20, 21, 22, 23, 24):
+        choice = client.chat.completions.create(**kw, max_tokens=limit).choices[0]
+        if choice.finish_reason != "length":
+            continue
+        assert not choice.message.tool_calls, (limit, choice)
+        seen_complete_item |= '"p"' in (choice.message.content or "") and "}}" in (
+            choice.message.content or ""
+        )
+        streamed = list(client.chat.completions.create(**kw, max_tokens=limit, stream=True))
+        deltas = [c.choices[0] for c in streamed if c.choices]
+        assert deltas[-1].finish_reason == "length"
+        for d in deltas:
+            for call in d.delta.tool_calls or []:
+                if call.function and call.function.name is not None:
+                    assert call.function.name == "p"
+    assert seen_complete_item  # the cut-off kept a complete item out of tool_calls
 
 
 def test_guided_choice_and_response_format(client):
@@ -704,3 +821,92 @@ def test_invocations_routes_by_body(target):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
+
+
+def test_explicit_null_of_an_optional_field_means_its_default(target):
+    """vLLM types these Optional: ``null`` is their default, not a 400 (fields
+    vLLM does not type Optional still refuse ``null``)."""
+    chat = httpx.post(
+        target + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": USER,
+            "max_tokens": 2,
+            "n": None,
+            "stream": None,
+            "logprobs": None,
+            "parallel_tool_calls": None,
+        },
+        headers=headers(),
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    completion = httpx.post(
+        target + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": None, "echo": None},
+        headers=headers(),
+        timeout=60,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["object"] == "text_completion"
+    bad = httpx.post(
+        target + "/v1/chat/completions",
+        json={"model": MODEL, "messages": USER, "max_tokens": 2, "include_reasoning": None},
+        headers=headers(),
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "include_reasoning"
+
+
+NESTED_UNKNOWN = [
+    ({"response_format": {"type": "json_object", "bogus": 1}}, "response_format.bogus"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}, "bogus": 1},
+            }
+        },
+        "response_format.json_schema.bogus",
+    ),
+    ({"messages": [{"role": "user", "content": "hi", "bogus_key": 1}]}, "messages.0.bogus_key"),
+    ({"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages.0.refusal"),
+]
+
+
+@pytest.mark.parametrize(("extra", "path"), NESTED_UNKNOWN)
+def test_an_unknown_nested_key_is_refused_by_its_path(target, extra, path):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, **extra}
+    r = httpx.post(target + "/v1/chat/completions", json=body, headers=headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == path and path in err["message"], err
+
+
+def test_what_clients_send_in_messages_passes(client):
+    """The keys of the official client's message types, and an assistant
+    message sent back as a response gave it (null refusal, audio,
+    function_call, annotations; its reasoning), all pass."""
+    first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    echoed = first.choices[0].message.model_dump()
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+        echoed,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "refusal": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning_content": "thought",
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "user", "content": "and?"},
+    ]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.choices[0].message.role == "assistant"

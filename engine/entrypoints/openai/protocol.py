@@ -67,6 +67,9 @@ class _Checked(BaseModel):
 
     # The route whose fields the body may hold (request_fields.ROUTES).
     route: ClassVar[str] = ""
+    # Fields whose explicit ``null`` means their default (vLLM types them
+    # Optional with a default): the null is dropped before validation.
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +80,8 @@ class _Checked(BaseModel):
                 request_fields.check_fields(data, cls.route)
             except ValueError as e:
                 raise APIError(str(e), param=str(e).split(" ")[0]) from None
+        if isinstance(data, dict) and cls.null_is_default:
+            data = {k: v for k, v in data.items() if not (v is None and k in cls.null_is_default)}
         return data
 
 
@@ -122,7 +127,9 @@ class _Sampling(_Checked):
     # The one backend there is: "xgrammar" (or "auto", or unset); another is a 400.
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    # Checked (and each bias clamped to [-100, 100]) by the shared sampling
+    # checks, so the engine and the gateway word a bad key or value alike.
+    logit_bias: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
     # Keep only this many prompt tokens (-1: as many as the context holds), cut
@@ -250,6 +257,7 @@ class _Sampling(_Checked):
 
 
 class CompletionRequest(_Sampling):
+    null_is_default: ClassVar[frozenset[str]] = frozenset({"stream", "echo"})
     route: ClassVar[str] = request_fields.COMPLETIONS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -294,7 +302,11 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A key no message type has is refused by its path (messages.0.key), never
+    # ignored. The keys the official clients send (an assistant message sent back
+    # as the response gave it included) are declared: those with no effect here
+    # pass only at their empty value.
+    model_config = ConfigDict(extra="forbid")
     # OpenAI's roles (system, developer, user, assistant, tool) or any other the
     # chat template renders (vLLM passes custom roles to the template as they are).
     role: str = Field(min_length=1, max_length=64)
@@ -302,6 +314,16 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An earlier turn's thinking (our responses' reasoning / reasoning_content):
+    # reaches the template as reasoning_content (Qwen3's templates read it).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    # Output-only fields of an assistant message sent back as it came: no effect
+    # here, so only their empty values pass.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (tool call arguments as objects)."""
@@ -310,6 +332,9 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            out["reasoning_content"] = thought
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:
@@ -348,6 +373,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     route: ClassVar[str] = request_fields.CHAT
+    null_is_default: ClassVar[frozenset[str]] = frozenset(
+        {"n", "stream", "logprobs", "parallel_tool_calls"}
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

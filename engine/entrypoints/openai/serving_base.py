@@ -233,8 +233,10 @@ class ServingBase:
                 max_output_tokens=self.admission.max_request_output_tokens,
             )
         except ValueError as e:
-            m = re.match(r"[a-z_]+", str(e))
-            raise APIError(str(e), param=m.group(0) if m else None) from None
+            # The field the message starts with, a nested one by its path
+            # (response_format.json_schema.bogus), as the gateway names it.
+            m = re.match(r"[a-z_]+(?:[.\[][A-Za-z0-9_\]]+)*", str(e))
+            raise APIError(str(e), param=m.group(0).rstrip(".") if m else None) from None
 
     def check_chars(self, num_chars: int, what: str) -> None:
         """Refuse, before tokenizing, a prompt too long to fit whatever its tokens."""
@@ -404,11 +406,19 @@ class ServingBase:
         if k is None:
             return None
         if k == -1:
-            k = self.vocab_size
+            if self.vocab_size > self.max_logprobs:
+                # Worded as the shared sampling checks word it (the gateway's too).
+                raise APIError(
+                    f"{param}: -1 asks for the whole vocabulary ({self.vocab_size} tokens), "
+                    f"more than the engine's max_logprobs ({self.max_logprobs}); ask for at "
+                    f"most {self.max_logprobs} or serve with --max-logprobs -1",
+                    param=param,
+                )
+            return self.vocab_size
         if not 0 <= k <= self.max_logprobs:
             raise APIError(
-                f"{param} must be -1 or between 0 and {self.max_logprobs} (the engine's "
-                f"max_logprobs), got {k}",
+                f"{param} must be -1 or an integer 0..{self.max_logprobs} (the engine's "
+                f"max_logprobs is {self.max_logprobs}), got {k}",
                 param=param,
             )
         return k

@@ -10,7 +10,12 @@ from typing import Any
 from ...outputs import Logprob
 from ...sampling_params import StructuredOutputsParams
 from .protocol import APIError, ChatCompletionRequest, now
-from .reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
+from .reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+    prompt_opens_thought,
+)
 from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
 from .tool_parsers import (
     ForcedParser,
@@ -183,19 +188,26 @@ class ChatServing(ServingBase):
                     c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         result = []
         thinking = self.reasoning_parser(req)
+        opened = prompt_opens_thought(prompt_text)
         for idx, c in sorted(choices.items()):
             text, reasoning = c.text, ""
             if thinking is not None:
-                reasoning, text = thinking.split(c.text, final=True)
+                reasoning, text = thinking.split(c.text, final=True, opened=opened)
             message: dict[str, Any] = {"role": "assistant", "content": echo + text}
             if reasoning and req.include_reasoning:
                 message["reasoning"] = message["reasoning_content"] = reasoning
             reason = finish_reason(c.finish_reason)
             if parser is not None:
                 content, calls = parser.parse(text, final=True)
-                if reason == "length" and not all(complete_arguments(x) for x in calls):
+                if reason == "length" and (
+                    isinstance(parser, ForcedParser)
+                    or not all(complete_arguments(x) for x in calls)
+                ):
                     # Cut off inside a call: no call is returned (its arguments are
                     # not JSON); the text stays in content and finish_reason says why.
+                    # A forced tool_choice cut off is unfinished JSON as a whole
+                    # (``required``: an array not closed), even when some of its
+                    # items are complete.
                     calls = []
                 if calls:
                     message["content"] = (echo + content).strip() or None
@@ -244,6 +256,7 @@ class ChatServing(ServingBase):
     async def _chat_events(self, req, request_id, model, prompt_text, ids, k, stream, parser):
         created = now()
         completion_tokens, cached = 0, 0
+        generated: dict[int, int] = {}  # per choice: tokens so far
         started: set[int] = set()
         tools = {i: _ToolStream(parser, self.options.tool_call_parser) for i in range(req.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
@@ -252,7 +265,8 @@ class ChatServing(ServingBase):
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         first_chunk = True
         thinking = self.reasoning_parser(req)
-        thoughts = {i: ReasoningStream(thinking) for i in range(req.n)} if thinking else {}
+        opened = prompt_opens_thought(prompt_text)
+        thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
 
         def chunk(
             idx: int, delta: dict, lp=None, finish=None, stop_reason=None, token_ids=None
@@ -282,7 +296,8 @@ class ChatServing(ServingBase):
                     body["prompt_text"] = prompt_text
                 first_chunk = False
             if continuous:
-                body["usage"] = self.usage_so_far(len(ids), completion_tokens, cached)
+                # This choice's own tokens so far (vLLM's), not the request's sum.
+                body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
             return sse(body)
 
         try:
@@ -297,6 +312,7 @@ class ChatServing(ServingBase):
                         if echo:
                             yield chunk(o.index, {"content": echo})
                     completion_tokens += len(o.token_ids)
+                    generated[o.index] = generated.get(o.index, 0) + len(o.token_ids)
                     if not o.text and o.finish_reason is None and not o.token_ids:
                         continue
                     lp = (
@@ -306,6 +322,11 @@ class ChatServing(ServingBase):
                     )
                     reason = finish_reason(o.finish_reason)
                     text = o.text
+                    # This step's new token ids ride on the first chunk it sends;
+                    # a step whose text is held back (a partial tag) still sends
+                    # them, on a chunk with an empty delta.
+                    new_ids = [list(o.token_ids)]
+                    hold = False
                     if thinking is not None:
                         # Reasoning goes out as its own deltas; the answer goes on.
                         reasoning, text = thoughts[o.index].feed(
@@ -313,24 +334,28 @@ class ChatServing(ServingBase):
                         )
                         if reasoning and req.include_reasoning:
                             yield chunk(
-                                o.index, {"reasoning": reasoning, "reasoning_content": reasoning}
+                                o.index,
+                                {"reasoning": reasoning, "reasoning_content": reasoning},
+                                token_ids=_take(new_ids),
                             )
-                        if not text and o.finish_reason is None and lp is None:
-                            continue
-                    if parser is not None:
+                        hold = not text and o.finish_reason is None and lp is None
+                    if parser is not None and not hold:
                         ts = tools[o.index]
                         final = o.finish_reason is not None
                         deltas = ts.feed(text, final)
                         for d in deltas[:-1]:
-                            yield chunk(o.index, d)
+                            yield chunk(o.index, d, token_ids=_take(new_ids))
                         delta = deltas[-1] if deltas else {}
                         if final and ts.num_calls and reason == "stop":
                             reason = "tool_calls"
-                        if not delta and not final and lp is None:
-                            continue
-                    else:
+                        hold = not delta and not final and lp is None
+                    elif parser is None:
                         delta = {"content": text} if text or o.finish_reason is None else {}
-                    yield chunk(o.index, delta, lp, reason, o.stop_reason, o.token_ids)
+                    if hold:
+                        if req.return_token_ids and new_ids[0]:
+                            yield chunk(o.index, {}, token_ids=_take(new_ids))
+                        continue
+                    yield chunk(o.index, delta, lp, reason, o.stop_reason, _take(new_ids))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
@@ -354,6 +379,12 @@ class ChatServing(ServingBase):
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
+
+
+def _take(box: list[list[int]]) -> list[int]:
+    """The ids in ``box``, which is left empty (each id goes out once)."""
+    taken, box[0] = box[0], []
+    return taken
 
 
 def echoed_content(req: ChatCompletionRequest) -> str:

@@ -186,10 +186,15 @@ class CompletionServing(ServingBase):
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        # Per choice, for continuous usage (vLLM's): its own prompt's tokens and
+        # the tokens it has generated so far, not the request's totals.
+        generated: dict[int, int] = {}
+        cached_of: dict[int, int] = {}
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
                     usage["cached"] += out.num_cached_tokens
+                    cached_of[j] = out.num_cached_tokens
                 for o in out.outputs:
                     raise_if_error(o)
                     idx = j * n + o.index
@@ -209,6 +214,7 @@ class CompletionServing(ServingBase):
                         )
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     usage["completion_tokens"] += len(o.token_ids)
+                    generated[idx] = generated.get(idx, 0) + len(o.token_ids)
                     if not text and o.finish_reason is None and not o.token_ids:
                         continue
                     choice: dict[str, Any] = {
@@ -232,7 +238,9 @@ class CompletionServing(ServingBase):
                         "choices": [choice],
                     }
                     if continuous:
-                        chunk["usage"] = self._usage(usage)
+                        chunk["usage"] = self.usage_so_far(
+                            len(jobs[j][1]), generated[idx], cached_of.get(j, 0)
+                        )
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                     echoed.add(idx)
