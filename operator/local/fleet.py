@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -56,10 +57,38 @@ MAX_RESTARTS = 5
 IDENTITY_TTL_SECONDS = 365 * 86400.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on for a child to bind, below the kernel's
+    ephemeral range: a port ``bind(0)`` picks can be taken as the local port of
+    an outgoing connection before the child binds it. Never the same port twice
+    in one run."""
+    low = _ephemeral_low()
+    if low > 11000:
+        for _ in range(200):
+            port = random.randrange(10000, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def fleet_credentials(environ: dict[str, str] | None = None) -> tuple[str, list[str]]:
