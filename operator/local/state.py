@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # `pdfleet status` imports STATE_FILE without the fleet's imports
-    from .fleet import LocalFleet
+    from ..resource import InferenceService
     from .process import Child
 
 STATE_FILE = "fleet.json"
@@ -64,6 +65,25 @@ def supervisor_alive(state: dict[str, Any]) -> bool:
     return now is not None and (ticks is None or now == ticks)
 
 
+class FleetView(Protocol):
+    """What the state file reads of a fleet (``fleet.LocalFleet`` is one; the
+    fleet imports this module, not the other way round)."""
+
+    @property
+    def service(self) -> InferenceService: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def gateway(self) -> Child | None: ...
+
+    @property
+    def gateway_url(self) -> str: ...
+
+    def all_children(self) -> Sequence[Child]: ...
+
+
 def child_state(child: Child) -> str:
     if child.stopping or not child.alive():
         return "down"
@@ -73,7 +93,7 @@ def child_state(child: Child) -> str:
 
 
 def fleet_state(
-    fleet: LocalFleet, decisions: list[dict[str, Any]], stopped: bool = False
+    fleet: FleetView, decisions: list[dict[str, Any]], stopped: bool = False
 ) -> dict[str, Any]:
     gateway = fleet.gateway
     pid = os.getpid()
@@ -106,7 +126,7 @@ def fleet_state(
 class FleetStateWriter:
     """Writes ``fleet.json`` in the run directory, only when its content changed."""
 
-    def __init__(self, fleet: LocalFleet) -> None:
+    def __init__(self, fleet: FleetView) -> None:
         self.fleet = fleet
         self.path = fleet.run_dir / STATE_FILE
         self._last = ""
