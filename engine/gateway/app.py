@@ -374,22 +374,23 @@ def build_app(
             return error_response(e.message, e.status, rid, headers={"connection": "close"})
         return raw
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
+    async def authorized_body(request: Request) -> bytes | Response:
+        """The request's body within its bounds, or the answer refusing it."""
         denied = unauthorized(request)
         if denied:
             return denied
-        raw = await bounded_body(request)
+        return await bounded_body(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        raw = await authorized_body(request)
         if isinstance(raw, Response):
             return raw
         return await on_a_decode_engine(request, "POST", "/tokenize", raw)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        denied = unauthorized(request)
-        if denied:
-            return denied
-        raw = await bounded_body(request)
+        raw = await authorized_body(request)
         if isinstance(raw, Response):
             return raw
         return await on_a_decode_engine(request, "POST", "/detokenize", raw)
@@ -413,10 +414,7 @@ def build_app(
         return await on_a_decode_engine(request, "GET", "/tokenizer_info")
 
     async def forwarded_post(request: Request, path: str) -> Response:
-        denied = unauthorized(request)
-        if denied:
-            return denied
-        raw = await bounded_body(request)
+        raw = await authorized_body(request)
         if isinstance(raw, Response):
             return raw
         if b"kv_transfer_params" in raw:
