@@ -742,7 +742,9 @@ def load_inference_service(source: str | os.PathLike[str] | dict[str, Any]) -> I
     try:
         return InferenceService.model_validate(data, by_name=False)
     except ValidationError as e:
-        raise ValueError(f"{where}:\n{format_validation_error(e, model=InferenceService)}") from None
+        raise ValueError(
+            f"{where}:\n{format_validation_error(e, model=InferenceService)}"
+        ) from None
 
 
 def is_valid_name(name: str) -> bool:

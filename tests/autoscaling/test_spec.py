@@ -77,7 +77,10 @@ def test_empty_or_missing_section_gives_the_defaults():
             {"prefill": {"minReplicas": 5}},
             "autoscaling.prefill.maxReplicas: must be at least minReplicas (5), got 4",
         ),
-        ({"decode": {"minReplicas": -1}}, "autoscaling.decode.minReplicas: Input should be greater than or equal to 0"),
+        (
+            {"decode": {"minReplicas": -1}},
+            "autoscaling.decode.minReplicas: Input should be greater than or equal to 0",
+        ),
         (
             {"decode": {"targetKVCacheUsage": 1.5}},
             "autoscaling.decode.targetKVCacheUsage: Input should be less than or equal to 1",
@@ -91,8 +94,14 @@ def test_empty_or_missing_section_gives_the_defaults():
             "autoscaling.prefill.ttftTargetSeconds: Input should be greater than 0",
         ),
         ({"prefill": {"prefillTokensPerSecond": -1}}, "autoscaling.prefill.prefillTokensPerSecond"),
-        ({"prefill": {"maxScaleUpStep": 0}}, "autoscaling.prefill.maxScaleUpStep: Input should be greater than or equal to 1"),
-        ({"decode": {"maxScaleDownStep": 0}}, "autoscaling.decode.maxScaleDownStep: Input should be greater than or equal to 1"),
+        (
+            {"prefill": {"maxScaleUpStep": 0}},
+            "autoscaling.prefill.maxScaleUpStep: Input should be greater than or equal to 1",
+        ),
+        (
+            {"decode": {"maxScaleDownStep": 0}},
+            "autoscaling.decode.maxScaleDownStep: Input should be greater than or equal to 1",
+        ),
         (
             {"decode": {"scaleDownStabilizationSeconds": -1}},
             "autoscaling.decode.scaleDownStabilizationSeconds",
@@ -107,14 +116,20 @@ def test_empty_or_missing_section_gives_the_defaults():
             {"prefillDecodeRatio": {"min": 2, "max": 1}},
             "autoscaling.prefillDecodeRatio.max: must be at least min (2), got 1",
         ),
-        ({"prefillDecodeRatio": {"max": 0}}, "autoscaling.prefillDecodeRatio.max: Input should be greater than 0"),
+        (
+            {"prefillDecodeRatio": {"max": 0}},
+            "autoscaling.prefillDecodeRatio.max: Input should be greater than 0",
+        ),
         (
             {"maxTotalReplicas": 1},
             "autoscaling.maxTotalReplicas: must be at least prefill.minReplicas + decode.minReplicas (2)",
         ),
         ({"decode": {"maxReplicas": "many"}}, "autoscaling.decode.maxReplicas"),
         ({"decode": {"targetKvCacheUsage": 0.5}}, "did you mean targetKVCacheUsage?"),
-        ({"prefill": {"min_replicas": 2}}, "autoscaling.prefill.min_replicas: unknown field (did you mean minReplicas?)"),
+        (
+            {"prefill": {"min_replicas": 2}},
+            "autoscaling.prefill.min_replicas: unknown field (did you mean minReplicas?)",
+        ),
         ({"prefill": 3}, "autoscaling.prefill: Input should be a valid dictionary"),
     ],
 )

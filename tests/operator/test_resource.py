@@ -106,7 +106,10 @@ def test_autoscaling_section_is_the_policy_spec_with_its_keys_and_defaults():
 
 def test_bad_autoscaling_values_name_the_field_under_spec():
     # 0 is allowed (scale to zero); below it is named under spec.
-    with pytest.raises(ValueError, match=r"spec\.autoscaling\.decode\.minReplicas: Input should be greater than or equal to 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"spec\.autoscaling\.decode\.minReplicas: Input should be greater than or equal to 0",
+    ):
         parse_spec({"model": {"name": "m"}, "autoscaling": {"decode": {"minReplicas": -1}}})
 
 
@@ -123,7 +126,9 @@ def test_values_are_typed_as_the_api_server_types_them():
         with pytest.raises(ValueError) as e:
             parse_spec({**base, **bad})
         assert where in str(e.value)
-    assert parse_spec({**base, "autoscaling": {"periodSeconds": 20}}).autoscaling.period_seconds == 20
+    assert (
+        parse_spec({**base, "autoscaling": {"periodSeconds": 20}}).autoscaling.period_seconds == 20
+    )
 
 
 def test_role_lookup_rejects_unknown_roles():
