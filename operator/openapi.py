@@ -29,9 +29,8 @@ from ..engine.config.fields import (
     resolved_fields,
 )
 from ..engine.config.fields import to_jsonable as dataclass_jsonable
-from .autoscaling.schema import section_schema
 from .engine_spec import spec_fields
-from .resource import EngineSection, PassThrough, SpecSection
+from .resource import EngineSection, PassThrough
 
 Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
@@ -64,8 +63,6 @@ def schema_for_type(
     passthrough = [m for m in meta if isinstance(m, PassThrough)]
     if passthrough:
         return {"type": "object", PRESERVE: True, **passthrough[0].known}
-    if any(isinstance(m, SpecSection) for m in meta):
-        return section_schema(tp)
     alts = _alternatives(tp)
     if len(alts) > 1:
         kinds = {get_origin(a) or a for a in alts}

@@ -4,15 +4,10 @@ One schema, read three ways: ``pdfleet up`` loads a YAML file with
 :func:`load_inference_service`, the operator validates ``spec`` of live
 objects, and :mod:`pdfleet.operator.crd` generates the CRD's OpenAPI schema
 from these classes (the field docstrings become ``kubectl explain`` text).
-The ``autoscaling`` section is the policy's own dataclasses
-(:mod:`pdfleet.operator.autoscaling.spec`): their keys, defaults, bounds and
-cross-field rules are the only definition, for the CRD and for the policy.
-
-Keys are camelCase (Kubernetes convention); Python attributes are
-snake_case. ``null`` means "not set", as on the API server, which prunes
-nulls of non-nullable fields before applying defaults: a null value takes the
-field's default here too, so a file means the same to ``pdfleet up`` and to a
-cluster.
+Every section derives from :class:`pdfleet.operator.spec_model.SpecModel`
+(camelCase keys, unknown keys refused, null = unset); the ``autoscaling``
+section is the policy's own models (:mod:`pdfleet.operator.autoscaling.spec`),
+in the same system.
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PlainSerializer,
-    PlainValidator,
     ValidationError,
     field_validator,
     model_validator,
@@ -35,8 +28,9 @@ from pydantic import (
 
 from ..engine.config.gateway import FLOAT_BOUNDS
 from ..engine.contracts.model_source import parse_hf_uri
-from .autoscaling.spec import AutoscalingSpec, SpecValueError
-from .engine_spec import FieldPathError, camel, validate_engine_section
+from .autoscaling.spec import AutoscalingSpec
+from .engine_spec import camel, validate_engine_section
+from .spec_model import SpecModel, format_validation_error
 
 GROUP = "pdfleet.dev"
 VERSION = "v1alpha1"
@@ -81,14 +75,6 @@ class EngineSection:
     """
 
 
-class SpecSection:
-    """Marks a field holding a camelCase spec dataclass (``autoscaling``).
-
-    The dataclass parses it (``from_spec``, its own ``validate()``); the CRD
-    generator emits :func:`pdfleet.operator.autoscaling.schema.section_schema`.
-    """
-
-
 class PassThrough:
     """Marks a field copied verbatim into a Kubernetes object (e.g. a Toleration).
 
@@ -104,23 +90,6 @@ class PassThrough:
 
 EngineSettings = Annotated[dict[str, Any], EngineSection()]
 Quantity = int | str
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        use_attribute_docstrings=True,
-        alias_generator=camel,
-        validate_default=True,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
 
 # --------------------------------------------------------------------------
@@ -145,7 +114,7 @@ SecretName = Annotated[str, Field(min_length=1, max_length=253, pattern=OBJECT_N
 SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)]
 
 
-class HubTokenSecret(_Spec):
+class HubTokenSecret(SpecModel):
     """A key of a Secret in the InferenceService's namespace holding a Hugging Face token."""
 
     name: SecretName
@@ -160,7 +129,7 @@ class HubTokenSecret(_Spec):
         return _not_a_fleet_secret(name)
 
 
-class ModelCacheSpec(_Spec):
+class ModelCacheSpec(SpecModel):
     """Where `hf://` downloads are kept."""
 
     claim: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN)
@@ -168,7 +137,7 @@ class ModelCacheSpec(_Spec):
     it between pods: a pod that finds the files there downloads nothing)."""
 
 
-class ModelSpec(_Spec):
+class ModelSpec(SpecModel):
     """The model to serve."""
 
     name: str = Field(min_length=1, max_length=256, pattern=MODEL_NAME_PATTERN)
@@ -245,7 +214,7 @@ class ModelSpec(_Spec):
         return self
 
 
-class KVTransferSpec(_Spec):
+class KVTransferSpec(SpecModel):
     """How prefill engines hand KV blocks to decode engines."""
 
     connector: Literal["NixlConnector", "ZmqConnector"] | None = None
@@ -293,7 +262,7 @@ class KVTransferSpec(_Spec):
     engine ids and the claimant's address."""
 
 
-class SecretKeyRef(_Spec):
+class SecretKeyRef(SpecModel):
     """A key of a Secret in the InferenceService's namespace."""
 
     name: SecretName
@@ -308,7 +277,7 @@ class SecretKeyRef(_Spec):
         return _not_a_fleet_secret(name)
 
 
-class Resources(_Spec):
+class Resources(SpecModel):
     """Compute resources of one container (core/v1 ResourceRequirements)."""
 
     limits: dict[str, Quantity] = Field(default_factory=dict)
@@ -364,7 +333,7 @@ def check_env_var(var: Any, where: str) -> None:
         )
 
 
-class PodPlacement(_Spec):
+class PodPlacement(SpecModel):
     """Where and with what a role's pods run."""
 
     resources: Resources = Field(default_factory=Resources)
@@ -429,7 +398,7 @@ class RoleSpec(PodPlacement):
         return validate_engine_section(engine)
 
 
-class DisaggregationSpec(_Spec):
+class DisaggregationSpec(SpecModel):
     """When the gateway splits a request into a prefill leg and a decode leg."""
 
     mode: Literal["Always", "Conditional", "Disabled"] = "Conditional"
@@ -510,7 +479,7 @@ class GatewaySpec(PodPlacement):
         }
 
 
-class ServingSpec(_Spec):
+class ServingSpec(SpecModel):
     """OpenAI server settings of every engine, prefill and decode alike (the
     `pdfleet serve` flags that are not engine settings; docs/tool_calling.md)."""
 
@@ -546,33 +515,10 @@ class ServingSpec(_Spec):
 
 
 # --------------------------------------------------------------------------
-# autoscaling: defined once, as the policy's dataclasses (their keys, defaults,
-# bounds and cross-field rules); see docs/autoscaling.md.
-
-
-def _parse_autoscaling(value: Any) -> AutoscalingSpec:
-    if isinstance(value, AutoscalingSpec):
-        return value
-    try:
-        return AutoscalingSpec.from_spec(value)
-    except SpecValueError as e:
-        if e.key:
-            raise FieldPathError(e.key, e.problem) from None
-        raise ValueError(e.problem) from None
-
-
-AutoscalingSection = Annotated[
-    AutoscalingSpec,
-    SpecSection(),
-    PlainValidator(_parse_autoscaling),
-    PlainSerializer(AutoscalingSpec.to_spec),
-]
-
-
 # --------------------------------------------------------------------------
 
 
-class InferenceServiceSpec(_Spec):
+class InferenceServiceSpec(SpecModel):
     """A model served by a prefill pool and a decode pool behind a gateway."""
 
     model: ModelSpec
@@ -595,7 +541,7 @@ class InferenceServiceSpec(_Spec):
     """The gateway."""
     serving: ServingSpec = Field(default_factory=ServingSpec)
     """OpenAI server settings shared by every engine: chat template and tool calling."""
-    autoscaling: AutoscalingSection | None = None
+    autoscaling: AutoscalingSpec | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
 
     @field_validator("engine")
@@ -760,29 +706,12 @@ class InferenceService(BaseModel):
         return self.metadata.name
 
 
-def format_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """One line per problem, each starting with the field path."""
-    lines = []
-    for err in error.errors():
-        path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field; remove it (`pdfleet crd` or kubectl explain lists the fields)"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        nested = (err.get("ctx") or {}).get("error")
-        if isinstance(nested, FieldPathError):
-            path, msg = f"{path}.{nested.subpath}", nested.problem
-        lines.append(f"{path}: {msg}")
-    return "\n".join(lines)
-
-
 def parse_spec(spec: dict[str, Any] | None) -> InferenceServiceSpec:
     """Validate a live object's ``spec``; ``ValueError`` names each bad field."""
     try:
-        return InferenceServiceSpec.model_validate(spec or {})
+        return InferenceServiceSpec.model_validate(spec or {}, by_name=False)
     except ValidationError as e:
-        raise ValueError(format_validation_error(e, "spec")) from None
+        raise ValueError(format_validation_error(e, "spec", InferenceServiceSpec)) from None
 
 
 def load_inference_service(source: str | os.PathLike[str] | dict[str, Any]) -> InferenceService:
@@ -811,9 +740,11 @@ def load_inference_service(source: str | os.PathLike[str] | dict[str, Any]) -> I
             )
         data = found[0]
     try:
-        return InferenceService.model_validate(data)
+        return InferenceService.model_validate(data, by_name=False)
     except ValidationError as e:
-        raise ValueError(f"{where}:\n{format_validation_error(e)}") from None
+        raise ValueError(
+            f"{where}:\n{format_validation_error(e, model=InferenceService)}"
+        ) from None
 
 
 def is_valid_name(name: str) -> bool:

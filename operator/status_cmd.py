@@ -41,7 +41,7 @@ PREFIX_HITS = m.ENGINE_PREFIX_CACHE_HITS.name
 PREFIX_QUERIES = m.ENGINE_PREFIX_CACHE_QUERIES.name
 TRANSFERS = m.ENGINE_KV_TRANSFERS.name
 SCRAPE_TIMEOUT = 3.0
-ENGINE_PORT = 8000  # the container port named http (operator/manifests.py)
+ENGINE_PORT = 8000  # the container port named http (operator/manifests/pods.py)
 GROUP, VERSION, PLURAL = "pdfleet.dev", "v1alpha1", "inferenceservices"
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from pdfleet.engine.config.fields import attr_docs
 from pdfleet.operator.autoscaling.spec import (
     AutoscalingSpec,
     DecodeScaling,
@@ -78,47 +75,62 @@ def test_empty_or_missing_section_gives_the_defaults():
     [
         (
             {"prefill": {"minReplicas": 5}},
-            "autoscaling.prefill.maxReplicas must be at least minReplicas (5), got 4",
+            "autoscaling.prefill.maxReplicas: must be at least minReplicas (5), got 4",
         ),
-        ({"decode": {"minReplicas": -1}}, "autoscaling.decode.minReplicas must be >= 0"),
+        (
+            {"decode": {"minReplicas": -1}},
+            "autoscaling.decode.minReplicas: Input should be greater than or equal to 0",
+        ),
         (
             {"decode": {"targetKVCacheUsage": 1.5}},
-            "autoscaling.decode.targetKVCacheUsage must be in (0, 1]",
+            "autoscaling.decode.targetKVCacheUsage: Input should be less than or equal to 1",
         ),
         (
             {"decode": {"targetKVCacheUsage": 0}},
-            "autoscaling.decode.targetKVCacheUsage must be in (0, 1]",
+            "autoscaling.decode.targetKVCacheUsage: Input should be greater than 0",
         ),
         (
             {"prefill": {"ttftTargetSeconds": 0}},
-            "autoscaling.prefill.ttftTargetSeconds must be > 0",
+            "autoscaling.prefill.ttftTargetSeconds: Input should be greater than 0",
         ),
         ({"prefill": {"prefillTokensPerSecond": -1}}, "autoscaling.prefill.prefillTokensPerSecond"),
-        ({"prefill": {"maxScaleUpStep": 0}}, "autoscaling.prefill.maxScaleUpStep must be >= 1"),
-        ({"decode": {"maxScaleDownStep": 0}}, "autoscaling.decode.maxScaleDownStep must be >= 1"),
+        (
+            {"prefill": {"maxScaleUpStep": 0}},
+            "autoscaling.prefill.maxScaleUpStep: Input should be greater than or equal to 1",
+        ),
+        (
+            {"decode": {"maxScaleDownStep": 0}},
+            "autoscaling.decode.maxScaleDownStep: Input should be greater than or equal to 1",
+        ),
         (
             {"decode": {"scaleDownStabilizationSeconds": -1}},
             "autoscaling.decode.scaleDownStabilizationSeconds",
         ),
         ({"decode": {"targetWaitingPerReplica": 0}}, "autoscaling.decode.targetWaitingPerReplica"),
-        ({"periodSeconds": 0}, "autoscaling.periodSeconds must be > 0"),
+        ({"periodSeconds": 0}, "autoscaling.periodSeconds: Input should be greater than 0"),
         (
             {"metricsStaleSeconds": 5},
-            "autoscaling.metricsStaleSeconds must be at least periodSeconds (15), got 5",
+            "autoscaling.metricsStaleSeconds: must be at least periodSeconds (15), got 5",
         ),
         (
             {"prefillDecodeRatio": {"min": 2, "max": 1}},
-            "autoscaling.prefillDecodeRatio.max must be at least min (2), got 1",
+            "autoscaling.prefillDecodeRatio.max: must be at least min (2), got 1",
         ),
-        ({"prefillDecodeRatio": {"max": 0}}, "autoscaling.prefillDecodeRatio.max must be > 0"),
+        (
+            {"prefillDecodeRatio": {"max": 0}},
+            "autoscaling.prefillDecodeRatio.max: Input should be greater than 0",
+        ),
         (
             {"maxTotalReplicas": 1},
-            "autoscaling.maxTotalReplicas must be at least prefill.minReplicas + decode.minReplicas (2)",
+            "autoscaling.maxTotalReplicas: must be at least prefill.minReplicas + decode.minReplicas (2)",
         ),
         ({"decode": {"maxReplicas": "many"}}, "autoscaling.decode.maxReplicas"),
         ({"decode": {"targetKvCacheUsage": 0.5}}, "did you mean targetKVCacheUsage?"),
-        ({"prefill": {"min_replicas": 2}}, "autoscaling.prefill.min_replicas: unknown setting"),
-        ({"prefill": 3}, "autoscaling.prefill: expected an object"),
+        (
+            {"prefill": {"min_replicas": 2}},
+            "autoscaling.prefill.min_replicas: unknown field (did you mean minReplicas?)",
+        ),
+        ({"prefill": 3}, "autoscaling.prefill: Input should be a valid dictionary"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_key(section, message):
@@ -134,6 +146,5 @@ def test_constructing_in_python_validates_too():
 
 @pytest.mark.parametrize("cls", [AutoscalingSpec, PrefillScaling, DecodeScaling, RatioBounds])
 def test_every_field_has_a_docstring_for_the_generated_schema(cls):
-    docs = attr_docs(cls)
-    undocumented = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+    undocumented = [name for name, f in cls.model_fields.items() if not f.description]
     assert undocumented == []

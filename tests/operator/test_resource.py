@@ -94,7 +94,7 @@ def test_engine_values_are_coerced_to_the_engine_field_types():
 
 
 def test_autoscaling_section_is_the_policy_spec_with_its_keys_and_defaults():
-    # One definition: the resource holds the policy's own dataclass, and dumps it
+    # One definition: the resource holds the policy's own model, and dumps it
     # with the keys and defaults tests/autoscaling/test_spec.py pins.
     expected = AutoscalingSpec().to_spec()
     spec = InferenceServiceSpec.model_validate({"model": {"name": "m"}, "autoscaling": {}})
@@ -106,8 +106,29 @@ def test_autoscaling_section_is_the_policy_spec_with_its_keys_and_defaults():
 
 def test_bad_autoscaling_values_name_the_field_under_spec():
     # 0 is allowed (scale to zero); below it is named under spec.
-    with pytest.raises(ValueError, match=r"spec\.autoscaling\.decode\.minReplicas: must be >= 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"spec\.autoscaling\.decode\.minReplicas: Input should be greater than or equal to 0",
+    ):
         parse_spec({"model": {"name": "m"}, "autoscaling": {"decode": {"minReplicas": -1}}})
+
+
+def test_values_are_typed_as_the_api_server_types_them():
+    # Strict, as the CRD's structural schema: no "3" for 3, no true for 1, and a
+    # snake_case key is unknown (the API server would prune it), with a hint.
+    base = {"model": {"name": "m"}}
+    for bad, where in (
+        ({"prefill": {"replicas": "3"}}, "spec.prefill.replicas: Input should be a valid integer"),
+        ({"prefill": {"replicas": True}}, "spec.prefill.replicas: Input should be a valid integer"),
+        ({"kv_transfer": {}}, "spec.kv_transfer: unknown field (did you mean kvTransfer?)"),
+        ({"autoscaling": {"periodSeconds": "20"}}, "spec.autoscaling.periodSeconds"),
+    ):
+        with pytest.raises(ValueError) as e:
+            parse_spec({**base, **bad})
+        assert where in str(e.value)
+    assert (
+        parse_spec({**base, "autoscaling": {"periodSeconds": 20}}).autoscaling.period_seconds == 20
+    )
 
 
 def test_role_lookup_rejects_unknown_roles():

@@ -1,0 +1,458 @@
+"""Pod templates: the engine pods' and the gateway's, with their volumes, probes and init steps."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...engine.config import EngineArgs
+from ...engine.config.gateway import (
+    KV_EVENTS_PORT_ANNOTATION,
+    KV_REPLAY_PORT_ANNOTATION,
+    GatewayConfig,
+)
+from ...engine.contracts import identity_exchange as exchange
+from ...engine.contracts.identity import IDENTITY_AUTHORITY_ENV
+from ...engine.contracts.security import FLEET_SECRET_FILE_ENV
+from ..model_source import InitStep, model_volumes
+from ..parallelism import (
+    LABEL_GROUP_ROLE,
+    WORKER,
+    parallel_env,
+    pod_resources,
+    rendezvous_flags,
+    role_layout,
+    shm_size,
+)
+from ..resource import (
+    InferenceServiceSpec,
+    PodPlacement,
+)
+from ..roles import (
+    ENGINE_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
+    added_capabilities,
+    disaggregating,
+    engine_command,
+    gateway_request_bounds,
+    model_source,
+    publishes_kv_events,
+    rdma_resources,
+    secret_file,
+    ucx_env,
+)
+from .common import (
+    ANNOTATION_FLEET_SECRET,
+    ANNOTATION_IDENTITY,
+    API_KEY_DIR,
+    ENV_API_KEY_FILE,
+    ENV_KV_IP,
+    ENV_POD_NAME,
+    ENV_UCX_PORT_RANGE,
+    FLEET_SECRET_DIR,
+    FLEET_SECRET_KEY,
+    GRACE_MARGIN_SECONDS,
+    IDENTITY_AUTHORITY_KEY,
+    IDENTITY_CA_KEY,
+    IDENTITY_DIR,
+    IDENTITY_ENDPOINT_KEY,
+    IDENTITY_SA_TOKEN_SECONDS,
+    LABEL_COMPAT,
+    LABEL_SERVICE,
+    RUN_AS_USER,
+    STARTUP_FAILURES,
+    STARTUP_PERIOD_SECONDS,
+    child_name,
+    common_labels,
+    engine_service_account_name,
+    fleet_secret_name,
+    identity_configmap_name,
+    identity_enabled,
+    pod_engine_args,
+    pod_serving,
+    ucx_port_range,
+)
+
+
+def _pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security_context(add: list[str] | None = None) -> dict[str, Any]:
+    capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = list(add)
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": capabilities,
+    }
+
+
+def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[InitStep]]:
+    """(volumes, read-only mounts for the main container, init steps)."""
+    parts = model_volumes(spec.model)
+    return parts.volumes, parts.mounts, parts.init
+
+
+def _init_containers(
+    image: str, steps: list[InitStep], main_resources: dict[str, Any]
+) -> list[dict[str, Any]]:
+    # The model writer runs before the main container: it may use the same CPU and
+    # memory (the pod's request does not grow), never its accelerators.
+    resources = {
+        kind: {k: v for k, v in amounts.items() if k in ("cpu", "memory")}
+        for kind, amounts in main_resources.items()
+    }
+    resources = {kind: amounts for kind, amounts in resources.items() if amounts}
+    return [
+        {
+            "name": step.name,
+            "image": image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": list(step.command),
+            "env": [{"name": "HOME", "value": "/tmp"}, *step.env],
+            "volumeMounts": [*step.mounts, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _container_security_context(),
+            **({"resources": resources} if resources else {}),
+        }
+        for step in steps
+    ]
+
+
+def _resources(placement: PodPlacement) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if placement.resources.limits:
+        out["limits"] = dict(placement.resources.limits)
+    if placement.resources.requests:
+        out["requests"] = dict(placement.resources.requests)
+    return out
+
+
+def _placement(placement: PodPlacement) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if placement.node_selector:
+        out["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        out["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        out["affinity"] = dict(placement.affinity)
+    return out
+
+
+def _fleet_secret_volume(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(volume, read-only mount, env var) of the fleet secret file."""
+    return secret_file(
+        "fleet-secret",
+        fleet_secret_name(name),
+        FLEET_SECRET_KEY,
+        FLEET_SECRET_DIR,
+        "secret",
+        FLEET_SECRET_FILE_ENV,
+    )
+
+
+def _template_annotations(secret_version: str | None) -> dict[str, Any]:
+    if secret_version is None:
+        return {}
+    return {"annotations": {ANNOTATION_FLEET_SECRET: secret_version}}
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _probes() -> dict[str, Any]:
+    # The server answers /health only once the model is loaded, so readiness
+    # (and liveness, which starts after the startup probe) never see a loading pod.
+    return {
+        "startupProbe": _probe("/health", period=STARTUP_PERIOD_SECONDS, failures=STARTUP_FAILURES),
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+    }
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> int:
+    """At least the engine's drain time; a prefill engine also waits out the KV
+    lease so a decode engine can still pull the blocks it holds."""
+    drain = float(args.shutdown_timeout)
+    if role == "prefill" and disaggregating(spec):
+        drain = max(drain, spec.kv_transfer.lease_seconds)
+    return math.ceil(drain) + GRACE_MARGIN_SECONDS
+
+
+def engine_pod_template(
+    name: str,
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    image: str,
+    compat: str,
+    secret_version: str | None = None,
+    group_role: str | None = None,
+    identity_version: str | None = None,
+) -> dict[str, Any]:
+    """One engine pod; ``group_role`` (``leader`` or ``worker``) for a pod of a
+    multi-node group: a worker runs ranks only (no API server, no probes).
+    ``identity_version``: the identity authority's fingerprint (a new authority
+    rolls the pods, which read it once, at start)."""
+    role_spec = spec.role(role)
+    args = pod_engine_args(spec, role)
+    layout = role_layout(role_spec, args)
+    volumes, model_mounts, model_steps = _model_volumes(spec)
+    secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
+    ports = []
+    annotations: dict[str, str] = {}
+    if group_role != WORKER:
+        ports.append({"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"})
+        if publishes_kv_events(spec, role):
+            ports += [
+                {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
+            ]
+            # How the gateway finds the streams (engine/gateway/discovery.py).
+            annotations = {
+                KV_EVENTS_PORT_ANNOTATION: str(KV_EVENTS_PORT),
+                KV_REPLAY_PORT_ANNOTATION: str(KV_EVENTS_REPLAY_PORT),
+            }
+    kv_env: list[dict[str, Any]] = []
+    if args.kv_transfer_config is not None:
+        ports.append({"name": "kv", "containerPort": spec.kv_transfer.port, "protocol": "TCP"})
+        if spec.kv_transfer.connector == "NixlConnector":
+            first, last = ucx_port_range(spec)
+            kv_env.append({"name": ENV_UCX_PORT_RANGE, "value": f"{first}-{last}"})
+            kv_env.extend(ucx_env(spec, role, pod_resources(role_spec, args)))
+    identity_volumes: list[dict[str, Any]] = []
+    identity_mounts: list[dict[str, Any]] = []
+    if args.kv_transfer_config is not None and group_role != WORKER and identity_enabled(spec):
+        volume, mount, identity_env = engine_identity_parts(name)
+        identity_volumes.append(volume)
+        identity_mounts.append(mount)
+        kv_env.extend(identity_env)
+    env = [
+        {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_KV_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+        secret_env,
+        *kv_env,
+        *parallel_env(role_spec, args, role_spec.env),
+        *[dict(e) for e in role_spec.env],
+    ]
+    command = engine_command(args, serving=pod_serving(spec))
+    if group_role is not None:
+        command += rendezvous_flags(layout, group_role)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "ports": ports,
+        "env": env,
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            secret_mount,
+            *identity_mounts,
+            *model_mounts,
+        ],
+        **(_probes() if group_role != WORKER else {}),
+        "securityContext": _container_security_context(added_capabilities(spec)),
+    }
+    resources = pod_resources(role_spec, args)
+    # The RDMA device goes to the engine container only, not to init steps.
+    engine_resources = {
+        kind: {**resources.get(kind, {}), **rdma_resources(spec)}
+        for kind in ("limits", "requests")
+        if resources.get(kind) or rdma_resources(spec)
+    }
+    if engine_resources:
+        container["resources"] = engine_resources
+    pod_spec: dict[str, Any] = {
+        # The service's engine account, bound to no role: its token is never
+        # mounted, only projected for the identity endpoint's audience.
+        "serviceAccountName": engine_service_account_name(name),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, role, args),
+        "securityContext": _pod_security_context(),
+        **_placement(role_spec),
+        "containers": [container],
+        "volumes": [
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(role_spec, args)},
+            },
+            {"name": "tmp", "emptyDir": {}},
+            secret_volume,
+            *identity_volumes,
+            *volumes,
+        ],
+    }
+    if model_steps:
+        pod_spec["initContainers"] = _init_containers(image, model_steps, resources)
+    labels = {**common_labels(name, role), LABEL_COMPAT: compat}
+    if group_role is not None:
+        labels[LABEL_GROUP_ROLE] = group_role
+    meta: dict[str, Any] = {"labels": labels, **_template_annotations(secret_version)}
+    if identity_version is not None and identity_enabled(spec):
+        annotations[ANNOTATION_IDENTITY] = identity_version
+    if annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
+    return {"metadata": meta, "spec": pod_spec}
+
+
+def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> list[str]:
+    """``pdfleet gateway`` finding the service's engine pods by label, rendered from the
+    gateway's own typed settings (the flags it parses)."""
+    config = GatewayConfig(
+        host="0.0.0.0",
+        port=spec.gateway.port,
+        tokenizer=model_source(spec.model.uri).path,
+        served_model_name=[spec.model.name],
+        disaggregation_mode=spec.disaggregation.mode,
+        min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
+        discovery="kubernetes",
+        namespace=namespace,
+        selector=f"{LABEL_SERVICE}={name}",
+        engine_port=ENGINE_PORT,
+        **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
+        **gateway_request_bounds(spec),
+        trust_client_trace_context=spec.gateway.trust_client_trace_context,
+        workers=gateway_workers(spec.gateway),
+        **spec.gateway.overload_settings(),
+    )
+    return ["pdfleet", "gateway", *config.to_cli_args()]
+
+
+def gateway_workers(gateway: PodPlacement) -> int:
+    """``--workers``: one gateway process per whole CPU of the pod's limit (else
+    its request; 1 without either), so a pod uses every core it may."""
+    cpu = gateway.resources.limits.get("cpu") or gateway.resources.requests.get("cpu")
+    if cpu is None:
+        return 1
+    text = str(cpu).strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return 1
+    return max(1, int(cores))
+
+
+def gateway_pod_template(
+    name: str,
+    spec: InferenceServiceSpec,
+    *,
+    namespace: str,
+    image: str,
+    secret_version: str | None = None,
+) -> dict[str, Any]:
+    gateway = spec.gateway
+    volumes, model_mounts, model_steps = _model_volumes(spec)
+    secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
+    volumes.append(secret_volume)
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, secret_env]
+    secret_mounts: list[dict[str, Any]] = [secret_mount]
+    if gateway.api_key_secret is not None:
+        key_volume, key_mount, key_env = secret_file(
+            "api-key",
+            gateway.api_key_secret.name,
+            gateway.api_key_secret.key,
+            API_KEY_DIR,
+            "api-key",
+            ENV_API_KEY_FILE,
+        )
+        env.append(key_env)
+        volumes.append(key_volume)
+        secret_mounts.append(key_mount)
+    env += [dict(e) for e in gateway.env]
+    container: dict[str, Any] = {
+        "name": "gateway",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": gateway_command(name, spec, namespace),
+        "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
+        "env": env,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts, *secret_mounts],
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+        "securityContext": _container_security_context(),
+    }
+    resources = _resources(gateway)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": child_name(name, "gateway"),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": _pod_security_context(),
+        **_placement(gateway),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
+    }
+    if model_steps:
+        pod_spec["initContainers"] = _init_containers(image, model_steps, resources)
+    return {
+        "metadata": {
+            "labels": common_labels(name, "gateway"),
+            **_template_annotations(secret_version),
+        },
+        "spec": pod_spec,
+    }
+
+
+def engine_identity_parts(name: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+    """(volume, read-only mount, env vars) that let an engine pod obtain its identity.
+
+    One projected volume: the pod's ServiceAccount token for the identity
+    audience (short-lived, rotated by the kubelet) and the CA of the operator's
+    endpoint (updated in place when the operator restarts with a new one). The
+    authority's public key and the endpoint's URL are variables, read once.
+    """
+    volume = {
+        "name": "identity",
+        "projected": {
+            "defaultMode": 0o440,
+            "sources": [
+                {
+                    "serviceAccountToken": {
+                        "audience": exchange.AUDIENCE,
+                        "expirationSeconds": IDENTITY_SA_TOKEN_SECONDS,
+                        "path": "token",
+                    }
+                },
+                {
+                    "configMap": {
+                        "name": identity_configmap_name(name),
+                        "items": [{"key": IDENTITY_CA_KEY, "path": IDENTITY_CA_KEY}],
+                    }
+                },
+            ],
+        },
+    }
+    mount = {"name": "identity", "mountPath": IDENTITY_DIR, "readOnly": True}
+
+    def from_configmap(var: str, key: str) -> dict[str, Any]:
+        ref = {"name": identity_configmap_name(name), "key": key}
+        return {"name": var, "valueFrom": {"configMapKeyRef": ref}}
+
+    env = [
+        from_configmap(IDENTITY_AUTHORITY_ENV, IDENTITY_AUTHORITY_KEY),
+        from_configmap(exchange.ENDPOINT_ENV, IDENTITY_ENDPOINT_KEY),
+        {"name": exchange.CA_FILE_ENV, "value": f"{IDENTITY_DIR}/{IDENTITY_CA_KEY}"},
+        {"name": exchange.SA_TOKEN_FILE_ENV, "value": f"{IDENTITY_DIR}/token"},
+        {"name": exchange.SERVICE_ENV, "value": name},
+    ]
+    return volume, mount, env
