@@ -98,7 +98,8 @@ def check_head_dim(head_dim: int) -> None:
 def head_tile(head_dim: int) -> int:
     """The head dim as the attention kernels tile it: the next power of two,
     at least 16 (``tl.dot``'s smallest K); the padding lanes are masked."""
-    return max(16, triton.next_power_of_2(head_dim))
+    tile: int = triton.next_power_of_2(head_dim)  # triton ships no types
+    return max(16, tile)
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:

@@ -18,8 +18,8 @@ from ._common import check_rows, check_same_device, check_same_dtype, check_tens
 _MAX_HIDDEN = 65536
 
 
-@triton.jit
-def _rms_norm_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     x_ptr,
     residual_ptr,
     weight_ptr,
