@@ -53,6 +53,7 @@ from ..engine.config.gateway import (
 from ..engine.contracts import identity_exchange as exchange
 from ..engine.contracts.identity import IDENTITY_AUTHORITY_ENV
 from ..engine.contracts.security import FLEET_SECRET_FILE_ENV
+from .autoscaling.spec import RoleScaling
 from .compat import compat_hash
 from .model_source import InitStep, model_volumes
 from .parallelism import (
@@ -227,7 +228,7 @@ def desired_replicas(
     replicas = spec.role(role).replicas
     if spec.autoscaling is None:
         return replicas
-    policy = getattr(spec.autoscaling, role)
+    policy: RoleScaling = getattr(spec.autoscaling, role)
     wanted = (autoscaled or {}).get(role, replicas)
     return max(policy.min_replicas, min(policy.max_replicas, wanted))
 
@@ -257,7 +258,9 @@ def _container_security_context(add: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[InitStep]]:
+def _model_volumes(
+    spec: InferenceServiceSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[InitStep]]:
     """(volumes, read-only mounts for the main container, init steps)."""
     parts = model_volumes(spec.model)
     return parts.volumes, parts.mounts, parts.init
@@ -607,7 +610,7 @@ def gateway_pod_template(
 # objects
 
 
-def _meta(name: str, namespace: str, labels: dict[str, str], owner: Owner | None) -> dict:
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: Owner | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
     if owner is not None:
         meta["ownerReferences"] = [owner.reference()]
@@ -1057,7 +1060,9 @@ def build_engine_service_account(
     }
 
 
-def engine_identity_parts(name: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+def engine_identity_parts(
+    name: str,
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
     """(volume, read-only mount, env vars) that let an engine pod obtain its identity.
 
     One projected volume: the pod's ServiceAccount token for the identity
