@@ -124,7 +124,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "serve",
         help="serve a model over the OpenAI-compatible HTTP API",

@@ -82,7 +82,7 @@ def _die_with_parent() -> None:
 class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
         self.quick_exits = 0
 
@@ -155,7 +155,7 @@ def serve_workers(config: GatewayConfig) -> int:
     return 0 if all(c in (0, -signal.SIGTERM, -signal.SIGINT) for c in codes) else 1
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> list[int]:
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):

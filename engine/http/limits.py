@@ -15,7 +15,7 @@ its bodies with :func:`read_body`, the engine's ASGI guard with
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from .asgi import ClientDisconnect
@@ -75,7 +75,7 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 
 
 async def receive_body(
-    receive: Callable[[], Awaitable[dict[str, Any]]], max_bytes: int, timeout: float
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], max_bytes: int, timeout: float
 ) -> bytes:
     """The body from ASGI ``receive`` messages: BodyRejected past ``max_bytes``
     (what arrived is dropped) or after ``timeout`` seconds; ClientDisconnect
@@ -88,7 +88,7 @@ async def receive_body(
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect
-                chunk = message.get("body", b"")
+                chunk: bytes = message.get("body", b"")
                 size += len(chunk)
                 if size > max_bytes:
                     parts.clear()

@@ -63,7 +63,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.error: UpstreamError | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         # The answer being read.
         self.got_bytes = False

@@ -66,7 +66,9 @@ class _Peer:
     error: str = ""
 
 
-def shard_info(layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int) -> dict:
+def shard_info(
+    layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int
+) -> dict[str, Any]:
     """What a consumer's shard needs to read this shard (sent in the handshake)."""
     return {
         "rank": rank,

@@ -166,7 +166,8 @@ Handler = Callable[[dict[str, Any], Peer], tuple[dict[str, Any], list[Any]] | No
 
 
 def pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    return packed
 
 
 def unpack(data: bytes | memoryview) -> dict[str, Any]:
@@ -190,7 +191,7 @@ def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(private), private
 
 
-def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+def secure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
     """Make ``sock`` a CURVE client of the fleet's side channels (a throwaway key
     pair of its own: knowing the server's public key is what takes the secret)."""
     public, private = zmq.curve_keypair()

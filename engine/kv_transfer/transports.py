@@ -232,7 +232,15 @@ class NixlTransport(Transport):
                 self._send(rank, ShardForget(remote.handle))
             remote.handle = None
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
+    def start_read(
+        self,
+        remote: Remote,
+        local_ids: list[int],
+        remote_ids: list[int],
+        lease_id: str,
+        deadline: float,
+        chain: str | None = None,
+    ) -> int:
         # The claim (on the side channel, before any READ) named the chain.
         with self.lock:
             token = self.next_token
@@ -299,7 +307,15 @@ class ZmqTransport(Transport):
                     frames.append(view.contiguous().view(torch.uint8).numpy().data)
         return frames
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
+    def start_read(
+        self,
+        remote: Remote,
+        local_ids: list[int],
+        remote_ids: list[int],
+        lease_id: str,
+        deadline: float,
+        chain: str | None = None,
+    ) -> str:
         """Synchronous: the bytes are in the local blocks when it returns."""
         assert self.client is not None
         timeout = max(0.05, deadline - time.monotonic())
@@ -342,7 +358,8 @@ class ZmqTransport(Transport):
         return out
 
     def check(self, token: Any) -> str:
-        return token
+        state: str = token  # start_read's answer: always DONE
+        return state
 
     def shutdown(self) -> None:
         pass

@@ -108,7 +108,8 @@ class Attention(nn.Module):
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -125,4 +126,5 @@ class MLP(nn.Module):
         self.fused = False  # see fused.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.fused))
+        down: torch.Tensor = self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.fused))
+        return down

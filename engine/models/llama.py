@@ -120,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        normed: torch.Tensor
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
