@@ -35,7 +35,8 @@ def check_tensor(
     """``t`` is a tensor of ``len(shape)`` dims whose sizes match ``shape``
     (``None`` = any size) and whose dtype is one of ``dtypes``."""
     require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    assert isinstance(t, torch.Tensor)
+    if not isinstance(t, torch.Tensor):  # (require raised already: this narrows the type)
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     require(
         t.dim() == len(shape)

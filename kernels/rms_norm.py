@@ -127,7 +127,8 @@ def fused_add_rms_norm(
     read whole before it is written), which makes the call in place.
     """
     result, new_residual = _launch(x, residual, weight, eps, out, residual_out)
-    assert new_residual is not None
+    if new_residual is None:
+        raise RuntimeError("broken invariant: new_residual is not None")
     return result, new_residual
 
 

@@ -356,7 +356,8 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 continue  # it was the victim; try the others with the blocks freed
-            assert blocks is not None  # the loop ends with blocks or with the request preempted
+            if blocks is None:  # the loop ends with blocks or with the request preempted
+                raise RuntimeError("broken invariant: blocks is not None")
             num_scheduled[request.request_id] = num_new
             new_blocks_of[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new

@@ -107,7 +107,8 @@ def serve_workers(config: GatewayConfig) -> int:
         w.proc = subprocess.Popen(
             python_module("pdfleet.engine.gateway.workers"), stdin=subprocess.PIPE
         )
-        assert w.proc.stdin is not None
+        if w.proc.stdin is None:
+            raise RuntimeError("broken invariant: w.proc.stdin is not None")
         job = {
             "config": dataclasses.asdict(config),  # API keys included: a private pipe
             "index": w.index,
@@ -126,7 +127,8 @@ def serve_workers(config: GatewayConfig) -> int:
         while not stopping:
             time.sleep(0.2)
             for w in workers:
-                assert w.proc is not None
+                if w.proc is None:
+                    raise RuntimeError("broken invariant: w.proc is not None")
                 code = w.proc.poll()
                 if code is None or stopping:
                     continue

@@ -219,7 +219,10 @@ class RouteTable:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
-        assert message["type"] == "lifespan.startup"
+        if message["type"] != "lifespan.startup":
+            raise RuntimeError(
+                f"the first lifespan message must be lifespan.startup, not {message['type']!r}"
+            )
         manager = self.lifespan(self)
         try:
             await manager.__aenter__()

@@ -220,7 +220,8 @@ class PDConnector:
 
     def __init__(self, config: EngineConfig) -> None:
         kv = config.kv_transfer_config
-        assert kv is not None and kv.kv_connector is not None
+        if kv is None or kv.kv_connector is None:
+            raise RuntimeError("broken invariant: kv is not None and kv.kv_connector is not None")
         secret = security.fleet_secret_from_env()
         if secret is None:
             raise ValueError(
@@ -310,7 +311,8 @@ class PDConnector:
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
         """TP>1: the rank processes registered their shards with their own agents
         (``nixl_shard.shard_info``, rank order; ``layout``: rank 0's)."""
-        assert isinstance(self.transport, NixlTransport)
+        if not isinstance(self.transport, NixlTransport):
+            raise TypeError("broken invariant: isinstance(self.transport, NixlTransport)")
         self.layout = layout
         self.transport.register_shards(layout, shards)
         self._start()
@@ -320,7 +322,8 @@ class PDConnector:
         """Bytes a pull moves per block (every shard, layer, K and V)."""
         if isinstance(self.transport, NixlTransport):
             return self.transport.bytes_per_block
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         return self.layout.block_bytes * 2 * self.layout.num_layers
 
     def _start(self) -> None:
@@ -388,7 +391,8 @@ class PDConnector:
     def _on_handshake(
         self, request: dict[str, Any], peer: Peer
     ) -> tuple[dict[str, Any], list[Any]] | None:
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         if not peer.may_consume:
             return self._refused(f"identity: {peer.identity} may not pull KV (not a consumer)")
         # The layout without addresses: a READ needs only the base (NIXL adds it).
@@ -494,7 +498,10 @@ class PDConnector:
     # -- consumer: handshake cache (transfer thread) ----------------------------------
 
     def _remote_key(self, p: KVTransferParams) -> tuple[str, str, str, int]:
-        assert p.remote_host is not None and p.remote_port is not None  # accept() checked
+        if p.remote_host is None or p.remote_port is None:  # accept() checked
+            raise RuntimeError(
+                "broken invariant: p.remote_host is not None and p.remote_port is not None"
+            )
         return (str(p.remote_engine_id), p.remote_instance_id or "", p.remote_host, p.remote_port)
 
     def _drop_remote(self, key: tuple[str, str, str, int], client: SideChannelClient) -> None:
@@ -553,7 +560,8 @@ class PDConnector:
                 f"the prefill engine at {host}:{port} restarted (instance "
                 f"{reply.get('instance_id')}, params from {wanted})"
             )
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         layout = KVLayout(**{"base_address": 0, **reply["layout"]})
         shape = self.layout.shape_mismatch(layout)
         if shape is not None:
@@ -751,7 +759,8 @@ class PDConnector:
 
     def _confirm(self, client: SideChannelClient, load: Load) -> None:
         """The bytes landed: use them only if the lease was held for all of the transfer."""
-        assert load.remote is not None
+        if load.remote is None:
+            raise RuntimeError("broken invariant: load.remote is not None")
         try:
             client.call(
                 load.remote.host,
@@ -991,7 +1000,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         p = request.kv_transfer_params
-        assert p is not None and p.remote_block_ids is not None
+        if p is None or p.remote_block_ids is None:
+            raise RuntimeError("broken invariant: p is not None and p.remote_block_ids is not None")
         bs = self.connector.block_size
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
@@ -1108,7 +1118,8 @@ class PDConnectorWorker(KVConnectorWorker):
         self.connector = connector
 
     def register_kv_caches(self, kv_caches: list[tuple[Any, Any]], buffer: Any = None) -> None:
-        assert buffer is not None, "the connector needs the contiguous KV buffer"
+        if buffer is None:
+            raise RuntimeError("the connector needs the contiguous KV buffer")
         self.connector.register(buffer)
 
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:

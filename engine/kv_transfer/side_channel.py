@@ -427,8 +427,14 @@ class SideChannelServer:
             and all(isinstance(x, bytes) for x in (nonce, server_nonce, hello, cookie))
         ):
             return self._refuse("unknown session: send hello first")
-        assert isinstance(nonce, bytes) and isinstance(server_nonce, bytes)
-        assert isinstance(hello, bytes) and isinstance(cookie, bytes)
+        if not isinstance(nonce, bytes) or not isinstance(server_nonce, bytes):
+            raise TypeError(
+                "broken invariant: isinstance(nonce, bytes) and isinstance(server_nonce, bytes)"
+            )
+        if not isinstance(hello, bytes) or not isinstance(cookie, bytes):
+            raise TypeError(
+                "broken invariant: isinstance(hello, bytes) and isinstance(cookie, bytes)"
+            )
         age = time.time() - int.from_bytes(sid[:8], "big") / 1000
         if not hmac.compare_digest(cookie, self._cookie(sid, nonce, server_nonce, hello)):
             return self._refuse("unknown session: send hello first")
@@ -445,7 +451,8 @@ class SideChannelServer:
         who = unpack(hello)
         claims = None
         if self.identity.required:
-            assert self.identity.authority is not None
+            if self.identity.authority is None:
+                raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
                 claims = ident.verify_token(self.identity.authority, who.get("identity"))
             except ident.InvalidIdentity as e:
@@ -596,7 +603,8 @@ class SideChannelClient:
             raise AuthError(f"the peer at {host}:{port} does not hold the fleet secret")
         claims = None
         if self.identity.required:
-            assert self.identity.authority is not None
+            if self.identity.authority is None:
+                raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
                 claims = ident.verify_token(self.identity.authority, reply.get("identity"))
             except ident.InvalidIdentity as e:

@@ -397,7 +397,8 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             stream.done = True  # refused: there is nothing to abort
             raise first
-        assert first is _ADMITTED
+        if first is not _ADMITTED:
+            raise RuntimeError("broken invariant: first is _ADMITTED")
         return stream
 
     async def generate(

@@ -45,7 +45,8 @@ class MergedLinear(nn.Module):
     def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]
         target = self.weight if param == "weight" else self.bias
-        assert target is not None, f"no {param} to load for shard {shard}"
+        if target is None:
+            raise RuntimeError(f"no {param} to load for shard {shard}")
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}.{param}: expected {size} rows, got {tensor.shape[0]}")
         with torch.no_grad():

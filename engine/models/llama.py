@@ -154,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
                 merged, shard = self._merged[parts[-2]]
                 module_name = ".".join([*parts[:-2], merged])
                 module = self.get_submodule(module_name)
-                assert isinstance(module, MergedLinear), module_name  # _merged names only those
+                if not isinstance(module, MergedLinear):  # _merged names only those
+                    raise TypeError(f"{module_name} is not a MergedLinear")
                 module.load_shard(shard, parts[-1], tensor)
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue

@@ -208,7 +208,8 @@ class CompileWorker:
 
     @staticmethod
     def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
-        assert proc.stdin is not None
+        if proc.stdin is None:
+            raise RuntimeError("broken invariant: proc.stdin is not None")
         proc.stdin.write(len(data).to_bytes(_HEADER, "big") + data)
         proc.stdin.flush()
 
@@ -231,7 +232,8 @@ class CompileWorker:
         return b"".join(chunks)
 
     def _receive(self, proc: subprocess.Popen[bytes], deadline: float) -> bytes:
-        assert proc.stdout is not None
+        if proc.stdout is None:
+            raise RuntimeError("broken invariant: proc.stdout is not None")
         fd = proc.stdout.fileno()
         size = int.from_bytes(self._read(fd, _HEADER, deadline), "big")
         return self._read(fd, size, deadline)

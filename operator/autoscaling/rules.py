@@ -103,7 +103,8 @@ def _field_type(cls: type, name: str) -> type:
     from ...engine.config.fields import resolved_fields
 
     tp = next(tp for f, tp in resolved_fields(cls) if f.name == name)
-    assert isinstance(tp, type) and dataclasses.is_dataclass(tp), (cls, name)
+    if not isinstance(tp, type) or not dataclasses.is_dataclass(tp):
+        raise TypeError(f"{cls.__name__}.{name} is not a dataclass field")
     return tp
 
 

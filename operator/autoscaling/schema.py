@@ -25,7 +25,8 @@ def _bare(tp: Any) -> tuple[Any, bool]:
     """(the type without ``None``, whether it was optional)."""
     if get_origin(tp) in (Union, types.UnionType):
         alts = [a for a in get_args(tp) if a is not type(None)]
-        assert len(alts) == 1, tp
+        if len(alts) != 1:
+            raise TypeError(f"{tp!r}: only X | None unions are supported")
         return alts[0], True
     return tp, False
 
@@ -50,7 +51,8 @@ def section_schema(cls: type) -> Schema:
         bare, _ = _bare(tp)
         prop: Schema
         if dataclasses.is_dataclass(bare):
-            assert isinstance(bare, type)
+            if not isinstance(bare, type):
+                raise TypeError("broken invariant: isinstance(bare, type)")
             prop = section_schema(bare)
             prop["default"] = {}  # the API server then fills the nested defaults
         elif get_origin(bare) is Literal:

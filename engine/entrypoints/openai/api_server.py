@@ -123,7 +123,8 @@ class ServerState:
             self.on_exit()
 
     def on_step(self, engine: LLMEngine) -> None:
-        assert self.metrics is not None
+        if self.metrics is None:
+            raise RuntimeError("broken invariant: self.metrics is not None")
         self.metrics.update(engine)
         if engine.config.observability_config.log_stats and time.monotonic() - self.last_log >= 10:
             self.last_log = time.monotonic()

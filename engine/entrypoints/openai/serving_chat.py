@@ -447,7 +447,8 @@ class _ToolStream:
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The deltas that the text so far adds (OpenAI's shape: a call's id and
         name first, then fragments of its arguments)."""
-        assert self.parser is not None
+        if self.parser is None:
+            raise RuntimeError("broken invariant: self.parser is not None")
         self.text += text
         content, calls = self.parser.parse(self.text, final)
         out: list[dict[str, Any]] = []
