@@ -234,7 +234,7 @@ def test_a_replayed_message_is_refused(zmq_producer):
         client.close()
 
 
-@pytest.mark.parametrize("connector, instances", [("ZmqConnector", 100), ("NixlConnector", 20)])
+@pytest.mark.parametrize(("connector", "instances"), [("ZmqConnector", 100), ("NixlConnector", 20)])
 def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, connector, instances):
     bound = 8 if instances > 20 else 4
     consumer_config = engine_config(tiny_model, "kv_consumer", connector, max_remote_engines=bound)

@@ -43,7 +43,7 @@ def test_loader_errors_name_every_bad_field_path():
             "decod": {},
         }
     )
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match=r"spec\.") as e:
         load_inference_service(bad)
     lines = str(e.value).splitlines()[1:]
     fields = {line.split(":")[0] for line in lines}
