@@ -511,7 +511,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
     """``pdfleet gateway`` finding the service's engine pods by label, rendered from the
     gateway's own typed settings (the flags it parses)."""
     config = GatewayConfig(
-        host="0.0.0.0",
+        host="0.0.0.0",  # noqa: S104 (the gateway pod serves every interface)
         port=spec.gateway.port,
         tokenizer=model_source(spec.model.uri).path,
         served_model_name=[spec.model.name],

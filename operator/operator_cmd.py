@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             leader_worker_set=args.leader_worker_set,
         ),
         identity=IdentityEndpointConfig(
-            host="0.0.0.0",
+            host="0.0.0.0",  # noqa: S104 (the identity endpoint serves every interface of its pod)
             port=args.identity_port,
             service=args.identity_service,
             ttl_seconds=args.identity_ttl_seconds,

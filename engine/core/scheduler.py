@@ -305,7 +305,7 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:  # noqa: C901 (the one step loop: running, then waiting, then KV loads)
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[int]] = {}

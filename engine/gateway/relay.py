@@ -38,7 +38,7 @@ Resend = Callable[[EngineState], Awaitable[Opened | None]]
 """The decode leg sent again after ``stalled`` (None when no engine took it)."""
 
 
-async def relay(
+async def relay(  # noqa: C901 (one relay loop: stall, idle, disconnect and error exits)
     legs: Legs,
     call: Call,
     engine: EngineState,

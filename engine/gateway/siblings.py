@@ -144,7 +144,7 @@ class Siblings:
         # together); one that does not come up within LINK_TIMEOUT is left to
         # the reconnecting link.
         deadline = time.monotonic() + LINK_TIMEOUT
-        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:
+        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded by LINK_TIMEOUT; the link tasks fill _peers)
             await asyncio.sleep(0.02)
         if len(self._peers) < self.count - 1:
             missing = sorted(set(range(self.count)) - {self.index} - set(self._peers))

@@ -66,7 +66,7 @@ def ready_body(request: Request, max_bytes: int) -> bytes | None:
     return ready
 
 
-async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:  # noqa: ASYNC109 (the per-call bound goes to asyncio.timeout)
     """The whole body, or BodyRejected (nothing beyond ``max_bytes`` is kept)."""
     ready = ready_body(request, max_bytes)
     if ready is not None:
@@ -75,7 +75,9 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 
 
 async def receive_body(
-    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], max_bytes: int, timeout: float
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+    max_bytes: int,
+    timeout: float,  # noqa: ASYNC109 (the per-call bound goes to asyncio.timeout)
 ) -> bytes:
     """The body from ASGI ``receive`` messages: BodyRejected past ``max_bytes``
     (what arrived is dropped) or after ``timeout`` seconds; ClientDisconnect

@@ -956,7 +956,7 @@ class HttpServer:
         for conn in list(self.connections):
             conn.shutdown()
         deadline = self.loop.time() + self.graceful_timeout
-        while (
+        while (  # noqa: ASYNC110 (bounded by graceful_timeout; connections go idle on their own)
             any(not c.idle for c in self.connections)
             and self.loop.time() < deadline
             and not self._force

@@ -95,7 +95,7 @@ def kv_addresses(kv: Any) -> tuple[str, str]:
     rule for its ranks' NIXL agents."""
     host = os.environ.get(KV_IP_ENV) or kv.kv_ip
     bind_ip = os.environ.get(BIND_IP_ENV) or host
-    if bind_ip in ("0.0.0.0", "::", "*", ""):
+    if bind_ip in ("0.0.0.0", "::", "*", ""):  # noqa: S104 (the address refused here)
         raise ValueError(
             f"the KV side channel binds one address, not {bind_ip!r}: set "
             f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"

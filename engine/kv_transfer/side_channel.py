@@ -228,7 +228,7 @@ class SideChannelServer:
         handlers: dict[str, Handler],
         identity: ident.FleetIdentity | None = None,
     ) -> None:
-        if host in ("0.0.0.0", "::", "*", ""):
+        if host in ("0.0.0.0", "::", "*", ""):  # noqa: S104 (the address refused here)
             raise ValueError(
                 "the KV side channel binds one address, never all of them; set "
                 "kv_transfer_config.kv_ip (or $PDFLEET_KV_BIND_IP) to this host's address"

@@ -55,7 +55,7 @@ def test_a_connector_refuses_to_start_without_a_fleet_secret(tiny_model, monkeyp
 
 def test_a_connector_refuses_to_bind_every_interface(tiny_model, monkeypatch):
     config = engine_config(tiny_model, "kv_producer", "ZmqConnector")
-    monkeypatch.setenv("PDFLEET_KV_BIND_IP", "0.0.0.0")
+    monkeypatch.setenv("PDFLEET_KV_BIND_IP", "0.0.0.0")  # noqa: S104 (the refused address under test)
     with pytest.raises(ValueError, match="kv_ip"):
         PDConnector(config)
 

@@ -264,7 +264,7 @@ class ChatServing(ServingBase):
             req, response_id or request_id, model, text, ids, k, stream, parser
         )
 
-    async def _chat_events(
+    async def _chat_events(  # noqa: C901 (one SSE loop: reasoning, tools and holds per chunk)
         self,
         req: ChatCompletionRequest,
         request_id: str,
