@@ -290,7 +290,7 @@ def run_wrk(url: str, body: dict, connections: int, duration: float, cpus: str, 
     raise RuntimeError(f"wrk gave no result: {out.stdout[-500:]} {out.stderr[-500:]}")
 
 
-def main() -> int:
+def main() -> int:  # noqa: C901 (a script's main: one phase after another)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of wrk before each run")

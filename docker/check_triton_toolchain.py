@@ -34,7 +34,8 @@ def main() -> int:
             print(f"Triton cannot build its launchers here: {e}", file=sys.stderr)
             return 1
         spec = importlib.util.spec_from_file_location("pdfleet_toolchain_check", so)
-        assert spec is not None and spec.loader is not None
+        if spec is None or spec.loader is None:
+            raise RuntimeError("broken invariant: spec is not None and spec.loader is not None")
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     print("Triton launcher toolchain: ok")
     return 0

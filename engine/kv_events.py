@@ -160,7 +160,8 @@ class KVEventPublisher:
 
     def _secure(self, sock: zmq.Socket[bytes], secret: bytes | None) -> None:
         if self.auth == "fleet":
-            assert secret is not None
+            if secret is None:
+                raise RuntimeError("broken invariant: secret is not None")
             public, private = curve_server_keys(secret)
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
@@ -208,7 +209,8 @@ class KVEventPublisher:
             self.dropped += 1
 
     def _serve_replay(self) -> None:
-        assert self.replay is not None  # only called when replay is configured
+        if self.replay is None:  # only called when replay is configured
+            raise RuntimeError("broken invariant: self.replay is not None")
         ident, *frames = self.replay.recv_multipart()
         try:
             start = unpack_seq(frames[-1])

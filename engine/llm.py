@@ -88,7 +88,14 @@ class LLM:
             return [list(prompts)]
         return list(prompts)
 
-    def _run(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens):
+    def _run(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
         engine = self.engine
         if sampling_params is None:
             params_list = [engine.default_sampling_params()] * len(prompts)

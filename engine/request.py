@@ -88,7 +88,8 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        assert self.sampling_params.max_tokens is not None
+        if self.sampling_params.max_tokens is None:
+            raise RuntimeError("broken invariant: self.sampling_params.max_tokens is not None")
         return self.sampling_params.max_tokens
 
     @property

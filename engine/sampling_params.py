@@ -221,7 +221,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def clone(self, **changes) -> SamplingParams:
+    def clone(self, **changes: Any) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)

@@ -38,10 +38,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .contracts.kv_params import KVTransferParams
+
+if TYPE_CHECKING:
+    from starlette.types import Message, Receive, Send
 
 logger = logging.getLogger("pdfleet.tracing")
 
@@ -150,7 +153,7 @@ class _ServerSpans:
         self.component = component
         self.trusted = trusted
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
@@ -180,7 +183,7 @@ class _ServerSpans:
         )
         status = 0
 
-        async def traced_send(message: dict) -> None:
+        async def traced_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
@@ -242,7 +245,14 @@ def route_chosen(route: Any) -> None:
     )
 
 
-def route_scores(scored: list) -> None:
+class ScoredEngine(Protocol):
+    """What the request span names of an engine ``Router.pick`` scored."""
+
+    url: str
+    role: str
+
+
+def route_scores(scored: Sequence[tuple[float, ScoredEngine, int]]) -> None:
     """``Router.pick``'s (score, engine, matched blocks) triples on the request span."""
     if _tracer is None or not scored:
         return
@@ -327,7 +337,9 @@ class TracedUpstream:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
-    def _start(self, url: str, content: bytes, headers: dict[str, str]):
+    def _start(
+        self, url: str, content: bytes, headers: dict[str, str]
+    ) -> tuple[Any, dict[str, str]]:
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -364,7 +376,7 @@ class TracedUpstream:
         if status >= 400:
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"HTTP {status}"))
 
-    async def post(self, url: str, content: bytes, headers: dict[str, str], timeout: float):
+    async def post(self, url: str, content: bytes, headers: dict[str, str], timeout: float) -> Any:  # noqa: ASYNC109 (passed through to the wrapped client)
         span, headers = self._start(url, content, headers)
         try:
             resp = await self._client.post(url, content, headers, timeout)
@@ -375,7 +387,7 @@ class TracedUpstream:
         span.end()
         return resp
 
-    async def stream(self, url: str, content: bytes, headers: dict[str, str]):
+    async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> _LegResponse:
         span, headers = self._start(url, content, headers)
         started = time.perf_counter()
         try:

@@ -35,7 +35,8 @@ def check_tensor(
     """``t`` is a tensor of ``len(shape)`` dims whose sizes match ``shape``
     (``None`` = any size) and whose dtype is one of ``dtypes``."""
     require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    assert isinstance(t, torch.Tensor)
+    if not isinstance(t, torch.Tensor):  # (require raised already: this narrows the type)
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     require(
         t.dim() == len(shape)
@@ -98,7 +99,8 @@ def check_head_dim(head_dim: int) -> None:
 def head_tile(head_dim: int) -> int:
     """The head dim as the attention kernels tile it: the next power of two,
     at least 16 (``tl.dot``'s smallest K); the padding lanes are masked."""
-    return max(16, triton.next_power_of_2(head_dim))
+    tile: int = triton.next_power_of_2(head_dim)  # triton ships no types
+    return max(16, tile)
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:

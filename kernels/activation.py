@@ -17,8 +17,8 @@ from ._common import check_rows, check_tensor, require
 _BLOCK = 1024
 
 
-@triton.jit
-def _silu_and_mul_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     x_ptr,
     out_ptr,
     x_stride,  # elements between rows

@@ -48,8 +48,8 @@ _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 128
 
 
-@triton.jit
-def _decode_split_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _decode_split_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -145,8 +145,8 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_ok)
 
 
-@triton.jit
-def _decode_reduce_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -205,8 +205,9 @@ def choose_num_splits(
     to give each of ``sm_count`` SMs about two, no split shorter than a few
     tiles of the widest context the block table holds (``max_context``)."""
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(2 * sm_count, programs)
-    useful = triton.cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, _config(head_dim)["BLOCK_N"]))
+    # triton ships no types: its cdiv returns an int here.
+    wanted: int = triton.cdiv(2 * sm_count, programs)
+    useful: int = triton.cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, _config(head_dim)["BLOCK_N"]))
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 

@@ -41,8 +41,8 @@ from ._common import (
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     """The last sequence whose first tile index is <= ``tile``."""
     lo = 0
     hi = num_seqs
@@ -56,8 +56,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _attend_tiles(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _attend_tiles(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     acc,
     m_i,
     l_i,
@@ -114,8 +114,8 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
-def _prefill_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,

@@ -18,8 +18,8 @@ from ._common import check_rows, check_same_device, check_same_dtype, check_tens
 _MAX_HIDDEN = 65536
 
 
-@triton.jit
-def _rms_norm_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     x_ptr,
     residual_ptr,
     weight_ptr,
@@ -127,7 +127,8 @@ def fused_add_rms_norm(
     read whole before it is written), which makes the call in place.
     """
     result, new_residual = _launch(x, residual, weight, eps, out, residual_out)
-    assert new_residual is not None
+    if new_residual is None:
+        raise RuntimeError("broken invariant: new_residual is not None")
     return result, new_residual
 
 

@@ -13,7 +13,7 @@ first ``rot_dim`` elements of each head are rotated, the rest left as they are.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import triton
@@ -22,8 +22,8 @@ import triton.language as tl
 from ._common import check_rows, check_same_device, check_tensor, require
 
 
-@triton.jit
-def _rotate_heads(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _rotate_heads(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     x_ptr,
     stride,  # elements between tokens
     token,
@@ -55,8 +55,8 @@ def _rotate_heads(
         tl.store(base + second, o2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _rotary_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _rotary_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     positions_ptr,
     q_ptr,
     k_ptr,
@@ -197,7 +197,7 @@ def rope_inv_freq(
         return inv_freq
     if rope_type == "linear":
         require("factor" in scaling, "linear rope scaling needs a 'factor'")
-        return inv_freq / scaling["factor"]
+        return cast(torch.Tensor, inv_freq / scaling["factor"])
     if rope_type == "llama3":
         missing = [key for key in _LLAMA3_KEYS if key not in scaling]
         require(not missing, f"llama3 rope scaling lacks {', '.join(missing)}")

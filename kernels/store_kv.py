@@ -24,8 +24,8 @@ from ._common import (
 _MAX_BLOCK = 2048
 
 
-@triton.jit
-def _store_kv_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # triton reads parameter annotations (only tl.constexpr)
     key_ptr,
     value_ptr,
     k_cache_ptr,

@@ -39,7 +39,7 @@ def camel(name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
-def spec_fields() -> dict[str, tuple[dataclasses.Field, Any]]:
+def spec_fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
     """camelCase key -> (EngineArgs field, resolved type)."""
     return {
         camel(f.name): (f, tp) for f, tp in resolved_fields(EngineArgs) if f.name not in NOT_IN_SPEC

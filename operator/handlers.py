@@ -394,7 +394,8 @@ async def _autoscale(
     now: float,
     logger: Any,
 ) -> dict[str, int]:
-    assert spec.autoscaling is not None
+    if spec.autoscaling is None:
+        raise RuntimeError("broken invariant: spec.autoscaling is not None")
     name, namespace, uid = (body["metadata"][k] for k in ("name", "namespace", "uid"))
     last = state.last_decision_at.get(uid)
     replicas = {r: desired_replicas(spec, r, autoscaled) for r in ("prefill", "decode")}

@@ -217,7 +217,7 @@ class IdentityEndpoint:
         """What engine pods are told (``$PDFLEET_IDENTITY_ENDPOINT``)."""
         if self.config.service is not None and self._namespace is not None:
             return f"https://{self.config.service}.{self._namespace}.svc:{self.port}"
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host  # noqa: S104 (compared, not bound)
         return f"https://{host}:{self.port}"
 
     async def start(self) -> None:

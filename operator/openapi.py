@@ -211,7 +211,7 @@ def dataclass_schema(cls: type) -> Schema:
     return schema
 
 
-def _default_text(f: dataclasses.Field) -> str:
+def _default_text(f: dataclasses.Field[Any]) -> str:
     default = dataclass_jsonable(default_of(f))
     if default is None or default == {} or default == []:
         return ""

@@ -7,7 +7,7 @@ import argparse
 from .manifests import add_gateway_role_args
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "operator",
         help="run the Kubernetes operator for InferenceService resources",
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             leader_worker_set=args.leader_worker_set,
         ),
         identity=IdentityEndpointConfig(
-            host="0.0.0.0",
+            host="0.0.0.0",  # noqa: S104 (the identity endpoint serves every interface of its pod)
             port=args.identity_port,
             service=args.identity_service,
             ttl_seconds=args.identity_ttl_seconds,

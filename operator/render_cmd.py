@@ -7,7 +7,7 @@ import argparse
 from .manifests import add_gateway_role_args
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "render",
         help="print the Kubernetes objects an InferenceService becomes",

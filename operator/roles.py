@@ -219,7 +219,7 @@ def serving_flags(serving: ServingSpec | None) -> list[str]:
 def engine_command(
     args: EngineArgs,
     *,
-    host: str = "0.0.0.0",
+    host: str = "0.0.0.0",  # noqa: S104 (an engine pod serves every interface)
     port: int = ENGINE_PORT,
     serving: ServingSpec | None = None,
 ) -> list[str]:

@@ -395,7 +395,7 @@ class ClusterSource:
         self.namespace, self.name = namespace, name
 
     def _get(self, path: str) -> str:
-        from kubernetes.client.rest import ApiException
+        from kubernetes.client.exceptions import ApiException
 
         try:
             status, reason, data = self._request(path)
@@ -444,7 +444,7 @@ class ClusterSource:
 
 def collect(source: Any, previous: dict[str, Sample]) -> list[FleetView]:
     """One refresh; remembers each engine's sample for the next one's rates."""
-    views = source.views(previous)
+    views: list[FleetView] = source.views(previous)
     previous.clear()
     for view in views:
         for row in view.rows:
@@ -453,7 +453,7 @@ def collect(source: Any, previous: dict[str, Sample]) -> list[FleetView]:
     return views
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "status",
         help="one line per engine of a local or Kubernetes fleet",

@@ -67,7 +67,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta.cache["prefill_slots"] = slots
 
     @staticmethod
-    def _decode_mask(meta: AttentionMetadata, window: int | None, dtype) -> torch.Tensor:
+    def _decode_mask(
+        meta: AttentionMetadata, window: int | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         masks = meta.cache["decode_masks"]
         key = (window, dtype)
         if key not in masks:
@@ -76,9 +78,20 @@ class TorchAttentionBackend(AttentionBackend):
                 valid = valid & (meta.cache["decode_pos"] < window)
             mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
             masks[key] = mask.masked_fill(~valid, float("-inf"))[:, None, None, :]
-        return masks[key]
+        cached: torch.Tensor = masks[key]
+        return cached
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if "starts" not in meta.cache:
             self.prepare(meta, k_cache.shape[1])

@@ -68,13 +68,15 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kernels = self.kernels
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # self.kernels is the pdfleet.kernels module: its functions return tensors.
         if meta.is_decode_only:
-            return kernels.paged_decode_attention(
+            decoded: torch.Tensor = kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale, sliding_window
             )
+            return decoded
         mixed = meta.cache.get("mixed")
         if mixed is None:
-            return kernels.paged_prefill_attention(
+            prefilled: torch.Tensor = kernels.paged_prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -84,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 sliding_window,
             )
+            return prefilled
         out = torch.empty_like(q)
         dec_tokens = mixed["dec_tokens"]
         out[dec_tokens] = kernels.paged_decode_attention(

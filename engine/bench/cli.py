@@ -7,7 +7,7 @@ import argparse
 from .config import BenchConfig
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, E2E, goodput)",

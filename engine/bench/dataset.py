@@ -49,7 +49,8 @@ def _random_ids(tok: Any, rng: random.Random, n: int) -> list[int]:
     if n <= 0:
         return []
     words = " ".join(rng.choice(WORDS) for _ in range(2 * n + 8))
-    return tok.encode(words, add_special_tokens=False).ids[:n]
+    ids: list[int] = tok.encode(words, add_special_tokens=False).ids[:n]
+    return ids
 
 
 class Workload:
@@ -93,7 +94,7 @@ class Workload:
         if self.tok is not None:
             want = max(1, self.input_len - self.special)
             ids = self.prefix_ids + _random_ids(self.tok, rng, want - len(self.prefix_ids))
-            text = self.tok.decode(ids)
+            text: str = self.tok.decode(ids)
             # Decoding then re-encoding can merge tokens across word boundaries: refit.
             for _ in range(4):
                 got = self.tok.encode(text, add_special_tokens=False).ids

@@ -49,7 +49,8 @@ class BenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types; NaN (no sample) becomes null."""
-        return _no_nan(asdict(self))
+        plain: dict[str, Any] = _no_nan(asdict(self))
+        return plain
 
 
 def _no_nan(value: Any) -> Any:

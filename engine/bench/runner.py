@@ -123,7 +123,8 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchConfig) -> str:
     try:
         resp = await client.get(config.base_url + "/v1/models", timeout=30)
         resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+        model: str = resp.json()["data"][0]["id"]
+        return model
     except Exception as e:
         raise ValueError(
             f"cannot list models at {config.base_url}/v1/models ({e}); pass --model"

@@ -389,7 +389,8 @@ class EngineArgs:
             if orig_seqs is None:
                 self.max_num_seqs *= 2
         max_len = model_config.max_model_len
-        assert max_len is not None
+        if max_len is None:
+            raise RuntimeError("broken invariant: max_len is not None")
         if orig_tokens is None:
             if not self.enable_chunked_prefill:
                 # Without chunking a whole prompt must fit one step.
@@ -464,8 +465,12 @@ class EngineArgs:
         )
         args._set_default_batch_limits(usage_context, model_config, target, memory, name)
         # Resolved above: the model's length and the batch limits are set now.
-        assert model_config.max_model_len is not None
-        assert args.max_num_batched_tokens is not None and args.max_num_seqs is not None
+        if model_config.max_model_len is None:
+            raise RuntimeError("broken invariant: model_config.max_model_len is not None")
+        if args.max_num_batched_tokens is None or args.max_num_seqs is None:
+            raise RuntimeError(
+                "broken invariant: args.max_num_batched_tokens is not None and args.max_num_seqs is not None"
+            )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

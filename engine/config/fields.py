@@ -201,7 +201,7 @@ def _alt_rank(tp: Any) -> int:
     return order.get(get_origin(tp) or tp, 7)
 
 
-def _coerce_one(tp: Any, value: Any, path: str) -> Any:
+def _coerce_one(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 (one branch per supported field type)
     origin = get_origin(tp)
     if tp is Any:
         return value

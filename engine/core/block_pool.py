@@ -41,14 +41,18 @@ class FreeBlockQueue:
 
     def append(self, block: KVBlock) -> None:
         last = self.tail.prev_free
-        assert last is not None and block.prev_free is None and block.next_free is None
+        if last is None or block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(
+                f"block {block.block_id} is already free (or the free list is corrupt)"
+            )
         last.next_free, block.prev_free = block, last
         block.next_free, self.tail.prev_free = self.tail, block
         self.num_free += 1
 
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
+        if prev is None or nxt is None:
+            raise RuntimeError(f"block {block.block_id} is not free")
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
@@ -159,7 +163,8 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop a reference; blocks reaching zero go to the free-list tail in order."""
         for block in blocks:
-            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:

@@ -129,7 +129,8 @@ class KVCacheManager:
             return False
         if self._host is not None:
             self._host.clear()
-            assert self._pool.offload_candidates is not None
+            if self._pool.offload_candidates is None:
+                raise RuntimeError("broken invariant: self._pool.offload_candidates is not None")
             self._pool.offload_candidates.clear()
         return True
 
@@ -231,14 +232,15 @@ class KVCacheManager:
         num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks, len(host_hits))
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
-        if computed_blocks or host_hits:
-            assert not held, "prefix hits are only taken at first scheduling"
+        if (computed_blocks or host_hits) and held:
+            raise RuntimeError("prefix hits are only taken at first scheduling")
         if computed_blocks:
             self._pool.touch(computed_blocks)
             held.extend(computed_blocks)
             self.num_cached_blocks[rid] = len(computed_blocks)
         if host_hits:
-            assert self._host is not None
+            if self._host is None:
+                raise RuntimeError("broken invariant: self._host is not None")
             # Before allocating: a store it triggers must not take these slots.
             for entry in host_hits:
                 self._host.pin(entry.slot)
@@ -319,7 +321,8 @@ class KVCacheManager:
             if block_hash in host:
                 host.touch(block_hash)
                 continue
-            assert block.token_ids is not None  # a cached block has its tokens
+            if block.token_ids is None:  # a cached block has its tokens
+                raise RuntimeError("broken invariant: block.token_ids is not None")
             entry = host.reserve(block_hash, block.token_ids, block.parent_hash)
             if entry is None:
                 queue.appendleft((block, block_hash))  # every host slot is in flight
@@ -334,7 +337,10 @@ class KVCacheManager:
         burst of frees larger than the per-step budget loses no block."""
         host = self._host
         block_hash = block.block_hash
-        assert host is not None and block_hash is not None and block.token_ids is not None
+        if host is None or block_hash is None or block.token_ids is None:
+            raise RuntimeError(
+                "broken invariant: host is not None and block_hash is not None and block.token_ids is not None"
+            )
         if block_hash in host:
             return  # ready or pending there already
         entry = host.reserve(block_hash, block.token_ids, block.parent_hash)

@@ -305,7 +305,7 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:  # noqa: C901 (the one step loop: running, then waiting, then KV loads)
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[int]] = {}
@@ -356,7 +356,8 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 continue  # it was the victim; try the others with the blocks freed
-            assert blocks is not None  # the loop ends with blocks or with the request preempted
+            if blocks is None:  # the loop ends with blocks or with the request preempted
+                raise RuntimeError("broken invariant: blocks is not None")
             num_scheduled[request.request_id] = num_new
             new_blocks_of[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new

@@ -9,7 +9,7 @@ from ..config import EngineArgs, parse_human_int
 from ..models.sources import create_engine_config
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "config",
         help="print the fully resolved engine configuration as JSON",

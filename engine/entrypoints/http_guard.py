@@ -28,7 +28,7 @@ logger = logging.getLogger("pdfleet.serve")
 
 
 async def _send_error(
-    send: Any, error: ErrorBody, close: bool, headers: list | None = None
+    send: Any, error: ErrorBody, close: bool, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     body = error.encode()
     out = [
@@ -48,7 +48,7 @@ class GuardMiddleware:
     def __init__(self, app: Any, auth: EngineAuth, limits: RequestLimits) -> None:
         self.app, self.auth, self.limits = app, auth, limits
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -86,9 +86,9 @@ class GuardMiddleware:
             return
         except ClientDisconnect:
             return
-        replay: list[dict] = [{"type": "http.request", "body": body, "more_body": False}]
+        replay: list[dict[str, Any]] = [{"type": "http.request", "body": body, "more_body": False}]
 
-        async def replayed() -> dict:
+        async def replayed() -> dict[str, Any]:
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replayed, send)

@@ -19,7 +19,7 @@ from .auth import EngineAuth, keys_from_sources
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Server")
-    group.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
+    group.add_argument("--host", default="0.0.0.0", help="Address to listen on.")  # noqa: S104 (an engine serves every interface of its pod)
     group.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     group.add_argument(
         "--max-waiting-requests",
@@ -124,7 +124,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "serve",
         help="serve a model over the OpenAI-compatible HTTP API",

@@ -41,4 +41,5 @@ def upstream_message(resp: Any) -> str:
     error = ErrorBody.decode(resp.content, resp.status_code)
     if error is not None:
         return error.message[:MAX_RELAYED_MESSAGE]
-    return resp.text[:200] or resp.reason_phrase  # not OpenAI-shaped: the body's start
+    text: str = resp.text[:200] or resp.reason_phrase  # not OpenAI-shaped: the body's start
+    return text

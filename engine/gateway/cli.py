@@ -7,7 +7,7 @@ import argparse
 from ..config.gateway import GatewayConfig
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "gateway",
         help="route OpenAI requests over prefill and decode engines",

@@ -129,7 +129,8 @@ class DecodeLeg:
             try:
                 opened = await self._open(call, e, failover.payload)
                 if opened == "params_refused":
-                    assert call.plain_payload is not None
+                    if call.plain_payload is None:
+                        raise RuntimeError("broken invariant: call.plain_payload is not None")
                     failover.payload = call.plain_payload
                     failover.tried.discard(e.url)
                     continue
@@ -146,7 +147,8 @@ class DecodeLeg:
             if isinstance(opened, Response):
                 return opened
             # Not relayed, so never None; "params_refused" was handled above.
-            assert isinstance(opened, tuple)
+            if not isinstance(opened, tuple):
+                raise TypeError("broken invariant: isinstance(opened, tuple)")
             legs.record(call, info, e.url)
             resp, chunks = opened
             return RelayResponse(
@@ -232,7 +234,8 @@ class DecodeLeg:
             if opened is None:
                 return None
             # A relayed leg answers a tuple or None, never a Response or a marker.
-            assert isinstance(opened, tuple)
+            if not isinstance(opened, tuple):
+                raise TypeError("broken invariant: isinstance(opened, tuple)")
             return (nxt, *opened)
 
     # -- failover --------------------------------------------------------------------
@@ -294,5 +297,6 @@ class DecodeLeg:
         tracing.fallback("kv_params_refused")
         legs.pair_failed(call, e)
         call.prefill_url = None  # refused once: the plain leg is final
-        assert call.plain_payload is not None  # _params_refused checked it
+        if call.plain_payload is None:  # _params_refused checked it
+            raise RuntimeError("broken invariant: call.plain_payload is not None")
         return call.plain_payload

@@ -255,7 +255,8 @@ class KubernetesDiscovery:
 
 def make_discovery(config: GatewayConfig) -> Discovery:
     if config.discovery == "kubernetes":
-        assert config.selector is not None  # checked by GatewayConfig
+        if config.selector is None:  # checked by GatewayConfig
+            raise RuntimeError("broken invariant: config.selector is not None")
         return KubernetesDiscovery(
             config.namespace, config.selector, config.engine_port, config.discovery_interval
         )

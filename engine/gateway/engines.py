@@ -286,8 +286,8 @@ class EnginePool:
         self.check_timeout = httpx.Timeout(
             max(2.0, 2 * config.scrape_interval), connect=config.connect_timeout
         )
-        self._task: asyncio.Task | None = None
-        self._watchdog: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         # Set (and replaced) whenever an engine becomes routable: held requests wait on it.
         self._routable = asyncio.Event()
         self.on_scrape: Callable[[EngineState, EngineLoad, EngineLoad], None] = lambda e, old, new: (

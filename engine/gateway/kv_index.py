@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -313,9 +313,9 @@ class KVEventFollower:
         self.secret = secret
         self.ctx = zmq.asyncio.Context()
         self.sources: dict[str, Source] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
-        self._sweeper: asyncio.Task | None = None
-        self._syncer: asyncio.Task | None = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
 
     def start(self, pool: EnginePool, analyzer: PromptAnalyzer, config: GatewayConfig) -> None:
@@ -369,7 +369,7 @@ class KVEventFollower:
     async def _sweep(self) -> None:
         """Clears retired slots a chunk per turn, and keeps the freshness gauges true."""
         while True:
-            while self.index.sweep():
+            while self.index.sweep():  # noqa: ASYNC110 (yields to the loop between chunks of work; not a wait)
                 await asyncio.sleep(0)
             for url in self.sources:
                 self._set_fresh(url, self.index.is_fresh(url))
@@ -396,7 +396,7 @@ class KVEventFollower:
         finally:
             sub.close(0)
 
-    def _secure(self, sock: zmq.Socket) -> None:
+    def _secure(self, sock: zmq.Socket[Any]) -> None:
         """A CURVE client of the fleet's publishers (a throwaway key pair of its own:
         knowing the server's public key, derived from the secret, is the proof)."""
         if self.secret is None:

@@ -310,7 +310,8 @@ class Watched:
 
     def __exit__(self, *exc: Any) -> None:
         cm = self._cm
-        assert cm is not None  # entered
+        if cm is None:  # entered
+            raise RuntimeError("broken invariant: cm is not None")
         self._engine.waiters.discard(cm)
         cm.__exit__(*exc)  # raises TimeoutError for an expiry; never swallows
 

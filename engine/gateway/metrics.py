@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from ..contracts import metrics as m
 
@@ -87,7 +88,7 @@ class _Folder:
         self.series: list[FastCounter | FastHistogram] = []
         self.hooks: list[Callable[[], None]] = []
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Any]:

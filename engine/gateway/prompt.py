@@ -182,7 +182,8 @@ class PromptAnalyzer:
     def _tokenized(
         self, text: str, special: bool, block_size: int, salt: str | None = None
     ) -> PromptInfo:
-        assert self.tokenizer is not None
+        if self.tokenizer is None:
+            raise RuntimeError("broken invariant: self.tokenizer is not None")
         head_tokens = max(self.max_blocks * block_size, self.min_prompt_tokens) + self.HEAD_MARGIN
         head_chars = head_tokens * self.MAX_CHARS_PER_TOKEN
         if len(text) <= head_chars:

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
+from starlette.types import Send
 
 from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import DONE, sse_error
@@ -37,7 +38,7 @@ Resend = Callable[[EngineState], Awaitable[Opened | None]]
 """The decode leg sent again after ``stalled`` (None when no engine took it)."""
 
 
-async def relay(
+async def relay(  # noqa: C901 (one relay loop: stall, idle, disconnect and error exits)
     legs: Legs,
     call: Call,
     engine: EngineState,
@@ -197,7 +198,7 @@ class RelayResponse(Response):
         self.watch: DisconnectWatch | None = None
         """The request's disconnect watcher, if the handler started one."""
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Send) -> None:
         """ASGI: the relay as ``http.response.*`` messages (the tracing path)."""
 
         def start(status: int, headers: list[tuple[bytes, bytes]]) -> Awaitable[None]:
@@ -263,7 +264,7 @@ class DisconnectWatch:
         self.gone = False
         self._closed = False
         self._owner = asyncio.current_task()
-        self._task: asyncio.Future | None = None
+        self._task: asyncio.Future[None] | None = None
         watch = getattr(request, "watch_disconnect", None)
         if watch is not None and watch(self._lost):
             return

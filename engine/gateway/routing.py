@@ -291,7 +291,8 @@ class Router:
             queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
             kv_score = 1.0 - min(1.0, max(0.0, c.load.kv_usage))
             if c.url in held:
-                assert exact is not None  # held is only filled from exact ids
+                if exact is None:  # held is only filled from exact ids
+                    raise RuntimeError("broken invariant: exact is not None")
                 blocks, weight = held[c.url]
                 fraction = weight / len(exact)
             else:

@@ -100,7 +100,7 @@ class Siblings:
         self.index, self.count = index, count
         self._servers: list[asyncio.AbstractServer] = []
         self._peers: dict[int, asyncio.StreamWriter] = {}
-        self._links: list[asyncio.Task] = []
+        self._links: list[asyncio.Task[None]] = []
         self._on_event: Callable[[dict[str, Any]], None] = lambda event: None
 
     def path(self, index: int) -> str:
@@ -144,7 +144,7 @@ class Siblings:
         # together); one that does not come up within LINK_TIMEOUT is left to
         # the reconnecting link.
         deadline = time.monotonic() + LINK_TIMEOUT
-        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:
+        while len(self._peers) < self.count - 1 and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded by LINK_TIMEOUT; the link tasks fill _peers)
             await asyncio.sleep(0.02)
         if len(self._peers) < self.count - 1:
             missing = sorted(set(range(self.count)) - {self.index} - set(self._peers))
@@ -241,7 +241,7 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
     largest kept (other gauges); ``*_created`` series dropped."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    families: dict[str, tuple[str, str, dict[tuple, float]]] = {}
+    families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
     for text in texts:
         for fam in text_string_to_metric_families(text.decode("utf-8")):
             _, _, samples = families.setdefault(fam.name, (fam.type, fam.documentation, {}))

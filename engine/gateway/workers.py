@@ -82,7 +82,7 @@ def _die_with_parent() -> None:
 class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
         self.quick_exits = 0
 
@@ -107,7 +107,8 @@ def serve_workers(config: GatewayConfig) -> int:
         w.proc = subprocess.Popen(
             python_module("pdfleet.engine.gateway.workers"), stdin=subprocess.PIPE
         )
-        assert w.proc.stdin is not None
+        if w.proc.stdin is None:
+            raise RuntimeError("broken invariant: w.proc.stdin is not None")
         job = {
             "config": dataclasses.asdict(config),  # API keys included: a private pipe
             "index": w.index,
@@ -126,7 +127,8 @@ def serve_workers(config: GatewayConfig) -> int:
         while not stopping:
             time.sleep(0.2)
             for w in workers:
-                assert w.proc is not None
+                if w.proc is None:
+                    raise RuntimeError("broken invariant: w.proc is not None")
                 code = w.proc.poll()
                 if code is None or stopping:
                     continue
@@ -155,7 +157,7 @@ def serve_workers(config: GatewayConfig) -> int:
     return 0 if all(c in (0, -signal.SIGTERM, -signal.SIGINT) for c in codes) else 1
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> list[int]:
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):

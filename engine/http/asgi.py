@@ -24,6 +24,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from starlette.responses import Response
+from starlette.types import Receive, Send
 
 from ..contracts.errors import ErrorBody, method_not_allowed, not_found
 
@@ -44,13 +45,14 @@ class Request:
 
     __slots__ = ("_headers", "receive", "scope")
 
-    def __init__(self, scope: dict, receive: Callable) -> None:
+    def __init__(self, scope: dict[str, Any], receive: Receive) -> None:
         self.scope, self.receive = scope, receive
         self._headers: dict[str, str] | None = None
 
     @property
     def path(self) -> str:
-        return self.scope["path"]
+        path: str = self.scope["path"]
+        return path
 
     @property
     def headers(self) -> dict[str, str]:
@@ -195,14 +197,14 @@ class RouteTable:
         """Wrap the request path in a pure ASGI middleware (tracing uses it)."""
         self._entry = cls(self._entry, **options)
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             await self._entry(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _dispatch(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _dispatch(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         path = scope["path"]
         handler = self.lookup(scope["method"], path)
         request = Request(scope, receive)
@@ -215,9 +217,12 @@ class RouteTable:
                 response = self.on_error(request, e)
         await response(scope, receive, send)
 
-    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
-        assert message["type"] == "lifespan.startup"
+        if message["type"] != "lifespan.startup":
+            raise RuntimeError(
+                f"the first lifespan message must be lifespan.startup, not {message['type']!r}"
+            )
         manager = self.lifespan(self)
         try:
             await manager.__aenter__()
@@ -247,7 +252,7 @@ class Lifespan:
         self._app = app
         self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._unsupported = False
 
     async def _run(self) -> None:

@@ -189,12 +189,12 @@ class Cycle:
         """The ASGI path's answer has a Content-Length (its parts are written as is)."""
         self.complete = False
         """The whole body has arrived."""
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self.disconnected = False
         self._on_disconnect: Callable[[], None] | None = None
         self.response_started = False
         self.response_complete = False
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
 
     # -- what the parser feeds -----------------------------------------------------
 
@@ -423,7 +423,7 @@ class HttpProtocol(asyncio.Protocol):
         self.write_paused = False
         self._pending: list[bytes] | None = None
         """What ``write_soon`` holds until the end of this turn of the loop."""
-        self._drain: asyncio.Future | None = None
+        self._drain: asyncio.Future[None] | None = None
         self._reading_paused = False
         # The head of the request being parsed.
         self._url = b""
@@ -956,7 +956,7 @@ class HttpServer:
         for conn in list(self.connections):
             conn.shutdown()
         deadline = self.loop.time() + self.graceful_timeout
-        while (
+        while (  # noqa: ASYNC110 (bounded by graceful_timeout; connections go idle on their own)
             any(not c.idle for c in self.connections)
             and self.loop.time() < deadline
             and not self._force

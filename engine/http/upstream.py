@@ -63,7 +63,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.error: UpstreamError | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         # The answer being read.
         self.got_bytes = False
@@ -321,7 +321,11 @@ class UpstreamClient:
         self._ssl = ssl_context
 
     async def post(
-        self, url: str, content: bytes, headers: dict[str, str], timeout: float | None
+        self,
+        url: str,
+        content: bytes,
+        headers: dict[str, str],
+        timeout: float | None,  # noqa: ASYNC109 (the per-call bound goes to the read)
     ) -> UpstreamResponse:
         """A whole answer, read within ``timeout`` seconds (None: the caller bounds it)."""
         if timeout is None:

@@ -49,6 +49,8 @@ from ..contracts import kv_params, security
 from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
+from ..core.sched_output import SchedulerOutput
+from ..request import Request
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
@@ -93,7 +95,7 @@ def kv_addresses(kv: Any) -> tuple[str, str]:
     rule for its ranks' NIXL agents."""
     host = os.environ.get(KV_IP_ENV) or kv.kv_ip
     bind_ip = os.environ.get(BIND_IP_ENV) or host
-    if bind_ip in ("0.0.0.0", "::", "*", ""):
+    if bind_ip in ("0.0.0.0", "::", "*", ""):  # noqa: S104 (the address refused here)
         raise ValueError(
             f"the KV side channel binds one address, not {bind_ip!r}: set "
             f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"
@@ -218,7 +220,8 @@ class PDConnector:
 
     def __init__(self, config: EngineConfig) -> None:
         kv = config.kv_transfer_config
-        assert kv is not None and kv.kv_connector is not None
+        if kv is None or kv.kv_connector is None:
+            raise RuntimeError("broken invariant: kv is not None and kv.kv_connector is not None")
         secret = security.fleet_secret_from_env()
         if secret is None:
             raise ValueError(
@@ -308,7 +311,8 @@ class PDConnector:
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
         """TP>1: the rank processes registered their shards with their own agents
         (``nixl_shard.shard_info``, rank order; ``layout``: rank 0's)."""
-        assert isinstance(self.transport, NixlTransport)
+        if not isinstance(self.transport, NixlTransport):
+            raise TypeError("broken invariant: isinstance(self.transport, NixlTransport)")
         self.layout = layout
         self.transport.register_shards(layout, shards)
         self._start()
@@ -318,7 +322,8 @@ class PDConnector:
         """Bytes a pull moves per block (every shard, layer, K and V)."""
         if isinstance(self.transport, NixlTransport):
             return self.transport.bytes_per_block
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         return self.layout.block_bytes * 2 * self.layout.num_layers
 
     def _start(self) -> None:
@@ -383,8 +388,11 @@ class PDConnector:
 
     # -- producer: side-channel handlers (side-channel thread) -----------------------
 
-    def _on_handshake(self, request: dict[str, Any], peer: Peer):
-        assert self.layout is not None
+    def _on_handshake(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[dict[str, Any], list[Any]] | None:
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         if not peer.may_consume:
             return self._refused(f"identity: {peer.identity} may not pull KV (not a consumer)")
         # The layout without addresses: a READ needs only the base (NIXL adds it).
@@ -433,21 +441,25 @@ class PDConnector:
         lease.consumer = peer.identity
         return lease, "", None
 
-    def _refused(self, why: str, code: str | None = None):
+    def _refused(self, why: str, code: str | None = None) -> tuple[dict[str, Any], list[Any]]:
         self.stats.refused_reads += 1
         reply: dict[str, Any] = {"ok": False, "error": why}
         if code is not None:
             reply["code"] = code
         return reply, []
 
-    def _on_claim(self, request: dict[str, Any], peer: Peer):
+    def _on_claim(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[dict[str, Any], list[Any]] | None:
         with self.lock:
             lease, why, code = self._lease_for(request, peer)
             if lease is None:
                 return self._refused(why, code)
         return {"ok": True}, []
 
-    def _on_read(self, request: dict[str, Any], peer: Peer):
+    def _on_read(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[dict[str, Any], list[Any]] | None:
         with self.lock:
             lease, why, code = self._lease_for(request, peer)
             if lease is None:
@@ -457,7 +469,9 @@ class PDConnector:
             self.stats.bytes_transferred += sum(len(f) for f in frames)
         return {"ok": True}, frames
 
-    def _on_confirm(self, request: dict[str, Any], peer: Peer):
+    def _on_confirm(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[dict[str, Any], list[Any]] | None:
         """Was the lease held (its blocks never freed) for the whole transfer? It ends now."""
         with self.lock:
             lid = str(request.get("lease_id"))
@@ -468,7 +482,9 @@ class PDConnector:
             self.freed.append(lease.request_id)
         return {"ok": True}, []
 
-    def _on_release(self, request: dict[str, Any], peer: Peer):
+    def _on_release(
+        self, request: dict[str, Any], peer: Peer
+    ) -> tuple[dict[str, Any], list[Any]] | None:
         with self.lock:
             lid = str(request.get("lease_id"))
             lease = self.held.get(lid)
@@ -482,7 +498,10 @@ class PDConnector:
     # -- consumer: handshake cache (transfer thread) ----------------------------------
 
     def _remote_key(self, p: KVTransferParams) -> tuple[str, str, str, int]:
-        assert p.remote_host is not None and p.remote_port is not None  # accept() checked
+        if p.remote_host is None or p.remote_port is None:  # accept() checked
+            raise RuntimeError(
+                "broken invariant: p.remote_host is not None and p.remote_port is not None"
+            )
         return (str(p.remote_engine_id), p.remote_instance_id or "", p.remote_host, p.remote_port)
 
     def _drop_remote(self, key: tuple[str, str, str, int], client: SideChannelClient) -> None:
@@ -541,7 +560,8 @@ class PDConnector:
                 f"the prefill engine at {host}:{port} restarted (instance "
                 f"{reply.get('instance_id')}, params from {wanted})"
             )
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         layout = KVLayout(**{"base_address": 0, **reply["layout"]})
         shape = self.layout.shape_mismatch(layout)
         if shape is not None:
@@ -739,7 +759,8 @@ class PDConnector:
 
     def _confirm(self, client: SideChannelClient, load: Load) -> None:
         """The bytes landed: use them only if the lease was held for all of the transfer."""
-        assert load.remote is not None
+        if load.remote is None:
+            raise RuntimeError("broken invariant: load.remote is not None")
         try:
             client.call(
                 load.remote.host,
@@ -888,7 +909,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return 0
         return self.connector.wait_for_leases(timeout)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         p = request.kv_transfer_params
         if p is None or not p.do_remote_prefill or not self.connector.kv.is_kv_consumer:
             return 0, False
@@ -932,7 +955,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         return num_external, True
 
-    def content_mismatch(self, request, p: KVTransferParams) -> str | None:
+    def content_mismatch(self, request: Request, p: KVTransferParams) -> str | None:
         """Why the leased blocks are not this request's prompt, or None when they are.
 
         The producer signed the chained hash of its last leased block; equal chain
@@ -953,7 +976,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return f"the block hash chain of its {n} leased blocks differs"
         return None
 
-    def own_chain(self, request, p: KVTransferParams) -> str:
+    def own_chain(self, request: Request, p: KVTransferParams) -> str:
         """The hex chained hash of this request's first ``p.num_blocks`` blocks (which
         it has: ``content_mismatch`` checked), hashed from this engine's own tokens
         with the producer's algorithm. The claim or read sends it: the producer
@@ -973,9 +996,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )[n - 1]
         return head.hex()
 
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         p = request.kv_transfer_params
-        assert p is not None and p.remote_block_ids is not None
+        if p is None or p.remote_block_ids is None:
+            raise RuntimeError("broken invariant: p is not None and p.remote_block_ids is not None")
         bs = self.connector.block_size
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
@@ -993,7 +1019,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         )
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         if not self.pending:
             return None
         loads, self.pending = self.pending, []
@@ -1002,7 +1028,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 self.connector.active[load.request_id] = len(load.local_ids)
         return KVConnectorMetadata(tuple(loads))
 
-    def request_finished(self, request, block_ids):
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
         p = request.kv_transfer_params
         if p is None or not p.do_remote_decode or not self.connector.kv.is_kv_producer:
             return False, None
@@ -1056,7 +1084,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         return True, signed
 
-    def request_aborted(self, request) -> bool:
+    def request_aborted(self, request: Request) -> bool:
         """Drop the request's pending load; True when a transfer may still write its
         blocks (the scheduler then quarantines them)."""
         self.pending = [x for x in self.pending if x.request_id != request.request_id]
@@ -1065,10 +1093,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return True
         return False
 
-    def pull_in_flight(self, request) -> bool:
+    def pull_in_flight(self, request: Request) -> bool:
         return self.connector.pull_in_flight(request.request_id)
 
-    def load_failed(self, request):
+    def load_failed(self, request: Request) -> str | None:
         why = self.connector.errors.pop(request.request_id, "the transfer failed")
         if why.startswith(FATAL):
             return why[len(FATAL) :]
@@ -1089,8 +1117,9 @@ class PDConnectorWorker(KVConnectorWorker):
     def __init__(self, connector: PDConnector) -> None:
         self.connector = connector
 
-    def register_kv_caches(self, kv_caches, buffer=None) -> None:
-        assert buffer is not None, "the connector needs the contiguous KV buffer"
+    def register_kv_caches(self, kv_caches: list[tuple[Any, Any]], buffer: Any = None) -> None:
+        if buffer is None:
+            raise RuntimeError("the connector needs the contiguous KV buffer")
         self.connector.register(buffer)
 
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
@@ -1120,7 +1149,7 @@ class PDConnectorWorker(KVConnectorWorker):
         for load in metadata.loads if metadata is not None else ():
             self.connector.new_loads.put(Load(load))
 
-    def get_finished(self):
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         connector = self.connector
         sending: set[str] = set()
         recving: set[str] = set()

@@ -46,7 +46,10 @@ class KVLayout:
     @classmethod
     def of(cls, buffer: torch.Tensor) -> KVLayout:
         layers, two, blocks, bs, heads, dim = buffer.shape
-        assert two == 2 and buffer.is_contiguous()
+        if two != 2 or not buffer.is_contiguous():
+            raise ValueError(
+                "the KV buffer must be contiguous [layers, 2, blocks, block_size, heads, dim]"
+            )
         return cls(
             layers,
             blocks,

@@ -66,7 +66,9 @@ class _Peer:
     error: str = ""
 
 
-def shard_info(layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int) -> dict:
+def shard_info(
+    layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int
+) -> dict[str, Any]:
     """What a consumer's shard needs to read this shard (sent in the handshake)."""
     return {
         "rank": rank,
@@ -221,7 +223,8 @@ class ShardAgent:
                     self.peers[command.key] = _Peer({}, [], error=str(e))
 
     def _connect(self, key: str, remotes: list[dict[str, Any]], runs: list[list[int]]) -> None:
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         self._forget(key)
         peer = _Peer({}, [HeadRun(*r) for r in runs])
         self.peers[key] = peer
@@ -247,11 +250,13 @@ class ShardAgent:
                 )
 
     def _whole(self, run: HeadRun, shard: _RemoteShard) -> bool:
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         return run.num_heads == self.layout.num_kv_heads == shard.layout.num_kv_heads
 
     def _read(self, token: int, key: str, local_ids: list[int], remote_ids: list[int]) -> None:
-        assert self.layout is not None
+        if self.layout is None:
+            raise RuntimeError("broken invariant: self.layout is not None")
         peer = self.peers.get(key)
         if peer is None or peer.error:
             raise RuntimeError(f"no connection to {key}: {peer.error if peer else 'unknown'}")

@@ -166,7 +166,8 @@ Handler = Callable[[dict[str, Any], Peer], tuple[dict[str, Any], list[Any]] | No
 
 
 def pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    return packed
 
 
 def unpack(data: bytes | memoryview) -> dict[str, Any]:
@@ -190,7 +191,7 @@ def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(private), private
 
 
-def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+def secure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
     """Make ``sock`` a CURVE client of the fleet's side channels (a throwaway key
     pair of its own: knowing the server's public key is what takes the secret)."""
     public, private = zmq.curve_keypair()
@@ -227,7 +228,7 @@ class SideChannelServer:
         handlers: dict[str, Handler],
         identity: ident.FleetIdentity | None = None,
     ) -> None:
-        if host in ("0.0.0.0", "::", "*", ""):
+        if host in ("0.0.0.0", "::", "*", ""):  # noqa: S104 (the address refused here)
             raise ValueError(
                 "the KV side channel binds one address, never all of them; set "
                 "kv_transfer_config.kv_ip (or $PDFLEET_KV_BIND_IP) to this host's address"
@@ -426,8 +427,14 @@ class SideChannelServer:
             and all(isinstance(x, bytes) for x in (nonce, server_nonce, hello, cookie))
         ):
             return self._refuse("unknown session: send hello first")
-        assert isinstance(nonce, bytes) and isinstance(server_nonce, bytes)
-        assert isinstance(hello, bytes) and isinstance(cookie, bytes)
+        if not isinstance(nonce, bytes) or not isinstance(server_nonce, bytes):
+            raise TypeError(
+                "broken invariant: isinstance(nonce, bytes) and isinstance(server_nonce, bytes)"
+            )
+        if not isinstance(hello, bytes) or not isinstance(cookie, bytes):
+            raise TypeError(
+                "broken invariant: isinstance(hello, bytes) and isinstance(cookie, bytes)"
+            )
         age = time.time() - int.from_bytes(sid[:8], "big") / 1000
         if not hmac.compare_digest(cookie, self._cookie(sid, nonce, server_nonce, hello)):
             return self._refuse("unknown session: send hello first")
@@ -444,7 +451,8 @@ class SideChannelServer:
         who = unpack(hello)
         claims = None
         if self.identity.required:
-            assert self.identity.authority is not None
+            if self.identity.authority is None:
+                raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
                 claims = ident.verify_token(self.identity.authority, who.get("identity"))
             except ident.InvalidIdentity as e:
@@ -595,7 +603,8 @@ class SideChannelClient:
             raise AuthError(f"the peer at {host}:{port} does not hold the fleet secret")
         claims = None
         if self.identity.required:
-            assert self.identity.authority is not None
+            if self.identity.authority is None:
+                raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
                 claims = ident.verify_token(self.identity.authority, reply.get("identity"))
             except ident.InvalidIdentity as e:

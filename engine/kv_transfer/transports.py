@@ -154,7 +154,8 @@ class NixlTransport(Transport):
 
     def register(self, buffer: torch.Tensor, layout: KVLayout) -> None:
         super().register(buffer, layout)
-        assert self.local is not None
+        if self.local is None:
+            raise RuntimeError("broken invariant: self.local is not None")
         self.shards = [self.local.register(buffer, 0)]
 
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
@@ -205,7 +206,10 @@ class NixlTransport(Transport):
         if why is not None:
             raise IncompatibleKV(f"the prefill engine's {why}")
         # Both checks above passed: tp_size is a rank count and shards a list of that length.
-        assert isinstance(remote_tp, int) and isinstance(shards, list)
+        if not isinstance(remote_tp, int) or not isinstance(shards, list):
+            raise TypeError(
+                "broken invariant: isinstance(remote_tp, int) and isinstance(shards, list)"
+            )
         for rank, info in enumerate(shards):
             want = rank_heads(rank, remote_tp, self.num_kv_heads)[1]
             if int(info.get("rank", -1)) != rank or int(info.get("num_kv_heads", -1)) != want:
@@ -232,7 +236,15 @@ class NixlTransport(Transport):
                 self._send(rank, ShardForget(remote.handle))
             remote.handle = None
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
+    def start_read(
+        self,
+        remote: Remote,
+        local_ids: list[int],
+        remote_ids: list[int],
+        lease_id: str,
+        deadline: float,
+        chain: str | None = None,
+    ) -> int:
         # The claim (on the side channel, before any READ) named the chain.
         with self.lock:
             token = self.next_token
@@ -299,9 +311,18 @@ class ZmqTransport(Transport):
                     frames.append(view.contiguous().view(torch.uint8).numpy().data)
         return frames
 
-    def start_read(self, remote, local_ids, remote_ids, lease_id, deadline, chain=None):
+    def start_read(
+        self,
+        remote: Remote,
+        local_ids: list[int],
+        remote_ids: list[int],
+        lease_id: str,
+        deadline: float,
+        chain: str | None = None,
+    ) -> str:
         """Synchronous: the bytes are in the local blocks when it returns."""
-        assert self.client is not None
+        if self.client is None:
+            raise RuntimeError("broken invariant: self.client is not None")
         timeout = max(0.05, deadline - time.monotonic())
         _reply, frames = self.client.call(
             remote.host,
@@ -342,7 +363,8 @@ class ZmqTransport(Transport):
         return out
 
     def check(self, token: Any) -> str:
-        return token
+        state: str = token  # start_read's answer: always DONE
+        return state
 
     def shutdown(self) -> None:
         pass

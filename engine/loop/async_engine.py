@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -44,14 +44,14 @@ class _Sink:
 
     __slots__ = ("loop", "queue")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[_Delivery]) -> None:
         self.loop, self.queue = loop, q
 
     def __call__(self, item: _Delivery) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def _put_all(deliveries: list) -> None:
+def _put_all(deliveries: list[tuple[_Sink, RequestOutput]]) -> None:
     for sink, item in deliveries:
         sink.queue.put_nowait(item)
 
@@ -94,7 +94,7 @@ class _Add:
     arrival: float
     priority: int
     kv_transfer_params: dict[str, Any] | None
-    sink: Callable[[_Delivery], None]
+    sink: _Sink
     group: str | None = None
 
 
@@ -110,7 +110,7 @@ class RequestStream:
     iterated (a sibling's admission failed, a client left before the first
     chunk)."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue[_Delivery]) -> None:
         self.engine, self.request_id, self._queue = engine, request_id, q
         self.done = False
 
@@ -124,8 +124,10 @@ class RequestStream:
                 if isinstance(item, BaseException):
                     self.done = True  # the engine already dropped the request
                     raise item
-                yield item
-                if item.finished:
+                # add() took the admission off the queue before handing out the stream.
+                output = cast(RequestOutput, item)
+                yield output
+                if output.finished:
                     self.done = True
                     return
         finally:
@@ -149,8 +151,8 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self.on_fatal = on_fatal
-        self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, Callable[[_Delivery], None]] = {}
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.num_in_flight = 0
@@ -284,7 +286,7 @@ class AsyncEngine:
                 sink(EngineStepError("the engine failed while computing this request"))
         self.num_in_flight = len(self._sinks)
 
-    def _deliver(self, deliveries: list) -> None:
+    def _deliver(self, deliveries: list[tuple[_Sink, RequestOutput]]) -> None:
         """Hand a step's outputs to the event loop in one wake-up."""
         if not deliveries:
             return
@@ -361,7 +363,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[_Delivery] = asyncio.Queue()
         add = _Add(
             request_id,
             prompt_ids,
@@ -395,7 +397,8 @@ class AsyncEngine:
         if isinstance(first, BaseException):
             stream.done = True  # refused: there is nothing to abort
             raise first
-        assert first is _ADMITTED
+        if first is not _ADMITTED:
+            raise RuntimeError("broken invariant: first is _ADMITTED")
         return stream
 
     async def generate(

@@ -31,12 +31,13 @@ class IncrementalDetokenizer:
         self.output_text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
+        text: str = self.tokenizer.decode(
             ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        return text
 
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text (may be empty)."""

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import EngineArgs, EngineConfig, UsageContext
+from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
 from ..contracts.kv_params import KVTransferParams
 from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from ..models.sources import create_engine_config
@@ -44,7 +44,7 @@ def load_tokenizer(path: str, revision: str | None = None) -> Any:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
 
 
-def read_generation_config(model_config) -> dict[str, Any]:
+def read_generation_config(model_config: ModelConfig) -> dict[str, Any]:
     source = model_config.generation_config
     if source == "vllm":
         return {}
@@ -55,7 +55,8 @@ def read_generation_config(model_config) -> dict[str, Any]:
             raise ValueError(f"--generation-config {source!r} has no generation_config.json")
         return {}
     with open(path) as f:
-        return json.load(f)
+        config: dict[str, Any] = json.load(f)
+        return config
 
 
 def _child_seed(seed: int, index: int) -> int:

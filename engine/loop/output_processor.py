@@ -116,7 +116,7 @@ class RequestState:
             cid: ChildState(i, params, prompt_ids, tokenizer) for i, cid in enumerate(child_ids)
         }
         self.timing = RequestTiming(arrival)
-        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

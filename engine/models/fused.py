@@ -58,12 +58,19 @@ def rms_norm(
     k = kernels()
     if not fused:
         if residual is None:
-            return k.rms_norm_reference(x, weight, eps)
-        return k.fused_add_rms_norm_reference(x, residual, weight, eps)
+            normed: torch.Tensor = k.rms_norm_reference(x, weight, eps)
+            return normed
+        both: tuple[torch.Tensor, torch.Tensor] = k.fused_add_rms_norm_reference(
+            x, residual, weight, eps
+        )
+        return both
     shape = x.shape
     rows = x.reshape(-1, shape[-1])  # [tokens (* heads), width]; copies only a strided q/k
     if residual is None:
-        return k.rms_norm(rows, weight, eps).view(shape)
+        normed = k.rms_norm(rows, weight, eps)
+        return normed.view(shape)
+    out: torch.Tensor
+    new_residual: torch.Tensor
     out, new_residual = k.fused_add_rms_norm(rows, residual.reshape(-1, shape[-1]), weight, eps)
     return out.view(shape), new_residual.view(shape)
 
@@ -90,4 +97,5 @@ def rotary(
 def silu_and_mul(x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``silu(gate) * up`` for ``x`` ``[tokens, 2 * intermediate]`` = ``[gate | up]``."""
     k = kernels()
-    return k.silu_and_mul(x) if fused else k.silu_and_mul_reference(x)
+    out: torch.Tensor = k.silu_and_mul(x) if fused else k.silu_and_mul_reference(x)
+    return out

@@ -45,7 +45,8 @@ class MergedLinear(nn.Module):
     def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]
         target = self.weight if param == "weight" else self.bias
-        assert target is not None, f"no {param} to load for shard {shard}"
+        if target is None:
+            raise RuntimeError(f"no {param} to load for shard {shard}")
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}.{param}: expected {size} rows, got {tensor.shape[0]}")
         with torch.no_grad():
@@ -108,7 +109,8 @@ class Attention(nn.Module):
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -125,4 +127,5 @@ class MLP(nn.Module):
         self.fused = False  # see fused.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.fused))
+        down: torch.Tensor = self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.fused))
+        return down

@@ -120,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        normed: torch.Tensor
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -153,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
                 merged, shard = self._merged[parts[-2]]
                 module_name = ".".join([*parts[:-2], merged])
                 module = self.get_submodule(module_name)
-                assert isinstance(module, MergedLinear), module_name  # _merged names only those
+                if not isinstance(module, MergedLinear):  # _merged names only those
+                    raise TypeError(f"{module_name} is not a MergedLinear")
                 module.load_shard(shard, parts[-1], tensor)
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue

@@ -18,7 +18,7 @@ the plain one. See docs/parallelism.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -112,6 +112,12 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> to
     return tp.all_gather(logits, dim=-1)[:, :vocab_size]
 
 
+class Sliceable(Protocol):
+    """A torch tensor or a safetensors slice (``get_slice``): indexing it reads a tensor."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
 class WeightSlicer:
     """Cuts one rank's slice out of each checkpoint tensor.
 
@@ -136,7 +142,7 @@ class WeightSlicer:
         self.vocab_size = vocab_size
         self.vocab_rows = vocab_per_rank(vocab_size, tp.size)
 
-    def __call__(self, name: str, tensor: Any) -> torch.Tensor:
+    def __call__(self, name: str, tensor: Sliceable) -> torch.Tensor:
         parts = name.split(".")
         module, param = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
         r, d, h = self.tp.rank, self.head_dim, self.heads

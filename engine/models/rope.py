@@ -18,7 +18,10 @@ def cos_sin_cache(head_dim: int, max_position: int, rope: dict[str, Any]) -> tor
     """float32 [max_position, head_dim]: cos in the first half, sin in the second."""
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     theta = float(rope.get("rope_theta", 10000.0))
-    return fused.kernels().build_cos_sin_cache(head_dim, max_position, theta, scaling)
+    cache: torch.Tensor = fused.kernels().build_cos_sin_cache(
+        head_dim, max_position, theta, scaling
+    )
+    return cache
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -212,7 +212,7 @@ class GrammarCompiler:
         self.pool.warm()
         # Keyed by spec kind too (a regex and a grammar with equal text differ);
         # values are (compiled grammar, its bytes).
-        self._cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
         self.cache_bytes = 0
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -272,7 +272,7 @@ class GrammarCompiler:
         _trim_heap()
         return compiled
 
-    def _insert(self, key: tuple, compiled: Any, size: int) -> None:
+    def _insert(self, key: tuple[Any, ...], compiled: Any, size: int) -> None:
         with self._lock:
             self.num_compiled += 1
             old = self._cache.pop(key, None)

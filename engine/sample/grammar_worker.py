@@ -165,13 +165,13 @@ class CompileWorker:
 
     def __init__(self, tokenizer_json: bytes) -> None:
         self.tokenizer_json = tokenizer_json
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.num_started = 0
         self.closed = False
         self._lock = threading.Lock()
         """Held while the child starts (a warm-up and a compile may race)."""
 
-    def ensure_started(self) -> subprocess.Popen:
+    def ensure_started(self) -> subprocess.Popen[bytes]:
         with self._lock:
             if self.closed:
                 raise CompileFailed("the grammar compiler is shut down")
@@ -179,12 +179,12 @@ class CompileWorker:
                 self.proc = self._start()
             return self.proc
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self) -> subprocess.Popen[bytes]:
         from ..contracts.launch import python_module
 
         parent = os.getpid()
 
-        def start() -> subprocess.Popen:
+        def start() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 python_module("pdfleet.engine.sample.grammar_worker"),
                 stdin=subprocess.PIPE,
@@ -207,8 +207,9 @@ class CompileWorker:
         return proc
 
     @staticmethod
-    def _send(proc: subprocess.Popen, data: bytes) -> None:
-        assert proc.stdin is not None
+    def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
+        if proc.stdin is None:
+            raise RuntimeError("broken invariant: proc.stdin is not None")
         proc.stdin.write(len(data).to_bytes(_HEADER, "big") + data)
         proc.stdin.flush()
 
@@ -230,14 +231,15 @@ class CompileWorker:
             left -= len(chunk)
         return b"".join(chunks)
 
-    def _receive(self, proc: subprocess.Popen, deadline: float) -> bytes:
-        assert proc.stdout is not None
+    def _receive(self, proc: subprocess.Popen[bytes], deadline: float) -> bytes:
+        if proc.stdout is None:
+            raise RuntimeError("broken invariant: proc.stdout is not None")
         fd = proc.stdout.fileno()
         size = int.from_bytes(self._read(fd, _HEADER, deadline), "big")
         return self._read(fd, size, deadline)
 
     @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(OSError):
             proc.kill()
         with contextlib.suppress(Exception):

@@ -67,9 +67,16 @@ class SamplerOutput:
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     batch, vocab = logits.shape
     # The runner sets the five penalty fields together (or none of them).
-    assert meta.output_token_ids is not None and meta.prompt_token_ids is not None
-    assert meta.repetition_penalties is not None
-    assert meta.frequency_penalties is not None and meta.presence_penalties is not None
+    if meta.output_token_ids is None or meta.prompt_token_ids is None:
+        raise RuntimeError(
+            "broken invariant: meta.output_token_ids is not None and meta.prompt_token_ids is not None"
+        )
+    if meta.repetition_penalties is None:
+        raise RuntimeError("broken invariant: meta.repetition_penalties is not None")
+    if meta.frequency_penalties is None or meta.presence_penalties is None:
+        raise RuntimeError(
+            "broken invariant: meta.frequency_penalties is not None and meta.presence_penalties is not None"
+        )
     # Scatter into vocab + 1 columns so the padding id lands in a dropped column.
     out_counts = torch.zeros(batch, vocab + 1, device=logits.device, dtype=logits.dtype)
     out_counts.scatter_add_(

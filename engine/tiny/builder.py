@@ -95,7 +95,7 @@ def train_tokenizer(vocab_size: int) -> Any:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: unannotated
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -182,12 +182,12 @@ def build_tiny_model(directory: str, spec: TinyModelSpec | None = None, **overri
     # Weights are a pure function of the seed: fork the RNG so callers' state is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # (as above)
     model = model.to(dtype)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
-    GenerationConfig(
+    GenerationConfig(  # type: ignore[no-untyped-call]  # (as above)
         bos_token_id=ids[BOS],
         eos_token_id=[ids[EOS], ids[IM_END]],
         pad_token_id=ids[PAD],

@@ -8,7 +8,7 @@ import dataclasses
 from .builder import ARCHS, TinyModelSpec
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "tiny-model",
         help="write a small random-weight model directory (no download)",

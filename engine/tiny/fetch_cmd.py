@@ -14,7 +14,7 @@ import os
 import sys
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "fetch-model",
         help="download or prepare a model (builtin://, hf://) and print its directory",

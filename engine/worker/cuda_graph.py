@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,8 @@ logger = logging.getLogger(__name__)
 class DecodeGraphs:
     def __init__(
         self,
-        model,
-        kv_caches,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         sizes: list[int],
         max_blocks: int,

@@ -170,7 +170,8 @@ class ModelRunner:
 
     def _attention_backend_name(self) -> str:
         name = self.config.device_config.attention_backend
-        assert name is not None, "DeviceConfig resolves the backend when it is created"
+        if name is None:
+            raise RuntimeError("DeviceConfig resolves the backend when it is created")
         return name
 
     def _profile_peak_memory(self) -> int:

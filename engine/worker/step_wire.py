@@ -29,7 +29,7 @@ def _params(p: SamplingParams) -> dict[str, Any]:
 
 def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -> bytes:
     """``commands``: for the ranks' KV shard agents (``contracts/kv_connector.py``)."""
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         [
             [
                 [
@@ -50,6 +50,7 @@ def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -
         ],
         use_bin_type=True,
     )
+    return packed
 
 
 def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCommand]]:
@@ -76,7 +77,7 @@ def _unlp(x: list[Any] | None) -> Logprobs | None:
 
 
 def pack_result(r: ModelRunnerOutput) -> bytes:
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         [
             r.sampled_token_ids,
             {k: _lp(v) for k, v in r.logprobs.items()},
@@ -88,6 +89,7 @@ def pack_result(r: ModelRunnerOutput) -> bytes:
         ],
         use_bin_type=True,
     )
+    return packed
 
 
 def unpack_result(data: bytes) -> ModelRunnerOutput:

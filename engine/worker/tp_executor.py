@@ -254,7 +254,8 @@ class TPExecutor:
         self.num_blocks = min(b for b, _ in blocks.values())
         max_len = min(m for _, m in blocks.values())
         if self.kv_agent is not None:
-            assert self.connector is not None
+            if self.connector is None:
+                raise RuntimeError("broken invariant: self.connector is not None")
             self.connector.register_shards(
                 KVLayout(**shards[0][1]), [shards[r][0] for r in sorted(shards)]
             )
@@ -370,7 +371,8 @@ class TPExecutor:
             except RuntimeError as e:
                 self._check_ranks()
                 raise RankFailed(f"gathering the ranks' ended KV reads failed: {e}") from e
-            assert self.connector is not None
+            if self.connector is None:
+                raise RuntimeError("broken invariant: self.connector is not None")
             for rank in range(self.size):
                 self.connector.shard_reads_ended(rank, ended_of(tensors[rank + 1]))
         if self.connector is not None:

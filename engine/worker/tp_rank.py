@@ -52,7 +52,8 @@ KV_STATES = {"DONE": 1, "ERR": 2}
 
 def ended_tensor(ended: list[ShardReadEnded]) -> torch.Tensor:
     """Up to ``KV_REPORT_SLOTS`` ended reads as one int64 tensor."""
-    assert len(ended) <= KV_REPORT_SLOTS
+    if len(ended) > KV_REPORT_SLOTS:
+        raise ValueError(f"{len(ended)} ended reads, more than the {KV_REPORT_SLOTS} report slots")
     out = torch.zeros(1 + 3 * KV_REPORT_SLOTS, dtype=torch.int64)
     out[0] = len(ended)
     for i, read in enumerate(ended):
@@ -182,7 +183,8 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
         result = runner.execute_model(out)
         if report:
             # Every rank, on every node, to the leader's main process (control rank 0).
-            assert shard is not None
+            if shard is None:
+                raise RuntimeError("broken invariant: shard is not None")
             backlog += shard.poll()
             sent, backlog = backlog[:KV_REPORT_SLOTS], backlog[KV_REPORT_SLOTS:]
             ctl.gather([], [ended_tensor(sent)], gather).wait()

@@ -742,7 +742,8 @@ def size_decode(
     near = s0 is not None and s0 >= tuning.itl_near * goal
     if u0 and s0 and u0 > 0 and load.usage > 0 and (fitted or near):
         if fitted:
-            assert load.step_model is not None
+            if load.step_model is None:
+                raise RuntimeError("broken invariant: load.step_model is not None")
             a, b = load.step_model
             source = f"steps {a * 1000:.1f} + {b * 1000:.1f} ms x usage (fitted)"
         else:

@@ -462,7 +462,8 @@ class Simulation:
         if replica is None:
             self.pending["prefill"].append(req)
             return
-        assert isinstance(replica, _Prefill)
+        if not isinstance(replica, _Prefill):
+            raise TypeError("broken invariant: isinstance(replica, _Prefill)")
         replica.queue.append(req)
         replica.queued_tokens += req.prompt
         router.set(replica, replica.load())
@@ -479,7 +480,8 @@ class Simulation:
 
     def _prefill_done(self, replica: _Prefill, now: float) -> None:
         req = replica.serving
-        assert req is not None
+        if req is None:
+            raise RuntimeError("broken invariant: req is not None")
         replica.serving = None
         replica.tokens_done += req.prompt
         replica.busy_done += now - replica.serve_start
@@ -500,7 +502,8 @@ class Simulation:
         if replica is None:
             self.pending["decode"].append(req)
             return
-        assert isinstance(replica, _Decode)
+        if not isinstance(replica, _Decode):
+            raise TypeError("broken invariant: isinstance(replica, _Decode)")
         req.decode_in = now
         replica.advance(now)
         replica.waiting.append(req)
@@ -598,7 +601,8 @@ class Simulation:
                     r.advance(now)
                     self._reschedule(r, now)  # the context grew: refresh the step time
                 if not fail or self.rng.random() >= fail:
-                    assert isinstance(r, (_Decode, _Prefill))
+                    if not isinstance(r, (_Decode, _Prefill)):
+                        raise TypeError("broken invariant: isinstance(r, (_Decode, _Prefill))")
                     snap = r.snapshot(now, capacity) if isinstance(r, _Decode) else r.snapshot(now)
                     r.prev_snap, r.snap = r.snap, snap
                 state: ReplicaState = "ready" if r.state == READY else "draining"

@@ -187,7 +187,7 @@ def make_trace(config: TraceConfig, bursts: Sequence[Burst] | None = None) -> Tr
     elif bursts:
 
         def rate(t: float) -> float:
-            return base * (1 + sum(b.extra(t) for b in bursts))
+            return base * (1 + sum(b.extra(t) for b in bursts))  # noqa: S610 (a burst's own extra(), not Django's)
 
         # The rate is piecewise linear: its maximum is at a breakpoint (just
         # before one, where a surge without ramp ends).

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ...engine.config.dataclass_cli import add_dataclass_arguments
@@ -45,7 +46,7 @@ def default_service() -> dict[str, Any]:
     }
 
 
-def resolve_model(uri: str, revision: str | None, say) -> str:
+def resolve_model(uri: str, revision: str | None, say: Callable[[str], None]) -> str:
     """A local model directory for ``spec.model.uri``: ``builtin://`` models are
     prepared and ``hf://`` models downloaded (into pdfleet's and the Hugging Face
     cache) once, by ``pdfleet fetch-model``, whose progress is shown."""
@@ -103,7 +104,7 @@ class UpOptions:
     this overrides; default max(120, stall timeout × multiple))."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "up",
         help="run an InferenceService on this machine (gateway + prefill + decode engines)",
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

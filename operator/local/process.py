@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -40,11 +41,11 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **kwargs)`` whose process dies with this one."""
     parent = os.getpid()
 
-    def start() -> subprocess.Popen:
+    def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, preexec_fn=lambda: die_with_parent(parent), **kwargs)
 
     return _SPAWNER.submit(start).result(timeout=60)
@@ -90,7 +91,7 @@ class Child:
     host: str = "127.0.0.1"
     headers: dict[str, str] = field(default_factory=dict)
     """Sent with every request to the child (the fleet token: engines want it)."""
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_at: float | None = None
     """When it first answered ``/health`` since its latest start (monotonic);

@@ -212,7 +212,9 @@ def pod_serving(spec: InferenceServiceSpec) -> ServingSpec:
     return spec.serving.model_copy(update={"chat_template": template.replace("$(", "$$(")})
 
 
-def object_meta(name: str, namespace: str, labels: dict[str, str], owner: Owner | None) -> dict:
+def object_meta(
+    name: str, namespace: str, labels: dict[str, str], owner: Owner | None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
     if owner is not None:
         meta["ownerReferences"] = [owner.reference()]

@@ -96,7 +96,9 @@ def _container_security_context(add: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[InitStep]]:
+def _model_volumes(
+    spec: InferenceServiceSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[InitStep]]:
     """(volumes, read-only mounts for the main container, init steps)."""
     parts = model_volumes(spec.model)
     return parts.volumes, parts.mounts, parts.init
@@ -318,7 +320,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
     """``pdfleet gateway`` finding the service's engine pods by label, rendered from the
     gateway's own typed settings (the flags it parses)."""
     config = GatewayConfig(
-        host="0.0.0.0",
+        host="0.0.0.0",  # noqa: S104 (the gateway pod serves every interface)
         port=spec.gateway.port,
         tokenizer=model_source(spec.model.uri).path,
         served_model_name=[spec.model.name],
@@ -413,7 +415,9 @@ def gateway_pod_template(
     }
 
 
-def engine_identity_parts(name: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+def engine_identity_parts(
+    name: str,
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
     """(volume, read-only mount, env vars) that let an engine pod obtain its identity.
 
     One projected volume: the pod's ServiceAccount token for the identity

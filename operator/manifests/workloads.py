@@ -40,7 +40,7 @@ def desired_replicas(
     replicas = spec.role(role).replicas
     if spec.autoscaling is None:
         return replicas
-    policy = getattr(spec.autoscaling, role)
+    policy = spec.autoscaling.role(role)
     wanted = (autoscaled or {}).get(role, replicas)
     return max(policy.min_replicas, min(policy.max_replicas, wanted))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -157,7 +158,7 @@ def test_human_readable_ints(text, value):
 
 @pytest.mark.parametrize("text", ["1.5K", "abc", "1.5", "-3", "2kb", ""])
 def test_human_readable_int_errors(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape(repr(text))):  # each message starts with it
         parse_human_int(text)
 
 

@@ -49,7 +49,7 @@ def test_the_wire_form_decodes_back_to_the_same_params_and_names_the_lease_field
 
 
 @pytest.mark.parametrize(
-    "field, value, message",
+    ("field", "value", "message"),
     [
         ("remote_port", "5600", "remote_port is not a port"),
         ("remote_port", 70000, "remote_port is not a port"),

@@ -188,7 +188,7 @@ def test_kv_offload_with_tensor_parallelism_is_refused(tiny_model):
 
 def test_offload_larger_than_host_memory_is_refused_with_the_numbers(tiny_model):
     too_big = physical_memory() + (1 << 30)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="--kv-offload-bytes") as err:
         LLM(tiny_model, max_model_len=256, kv_offload_bytes=too_big)
     message = str(err.value)
     assert f"--kv-offload-bytes {too_big}" in message

@@ -258,7 +258,7 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(fakes, tmp_path):
             reader.until(b"\n\n")
             gw.signal(signal.SIGTERM)
             rest = b""
-            with pytest.raises(EOFError):  # the stream ends, then the connection
+            with pytest.raises(EOFError):  # noqa: PT012 (reads until the connection ends; the stream ends, then the connection)
                 while True:
                     rest += reader.until(b"\r\n")
         assert b"data: [DONE]" in rest

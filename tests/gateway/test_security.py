@@ -132,7 +132,7 @@ def test_client_kv_transfer_params_never_reach_an_engine(gateway, fakes):
 
 
 @pytest.mark.parametrize(
-    "fields, param",
+    ("fields", "param"),
     [
         ({"max_tokens": 5, "min_tokens": 10}, "min_tokens"),
         ({"max_tokens": "5"}, "max_tokens"),
@@ -287,7 +287,7 @@ def test_headers_trickled_past_the_header_timeout_close_the_connection(gateway):
 
 
 @pytest.mark.parametrize(
-    "raw, what",
+    ("raw", "what"),
     [
         (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply"),
         (b'{"prompt": "\\ud800 lone", "max_tokens": 2}', "surrogate"),

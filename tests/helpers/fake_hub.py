@@ -90,7 +90,7 @@ class FakeHub:
             "type": "file",
             "path": path,
             "size": len(data),
-            "oid": hashlib.sha1(data).hexdigest(),
+            "oid": hashlib.sha1(data, usedforsecurity=False).hexdigest(),  # git's object id
         }
         if path.endswith(".safetensors"):
             entry["lfs"] = {

@@ -244,7 +244,7 @@ def test_unclaimed_lease_frees_the_producers_blocks(fleet):
 
 
 @pytest.mark.parametrize(
-    "params, message",
+    ("params", "message"),
     [
         ({"do_remote_prefill": True}, "not signed"),
         ({"do_remote_decode": True}, "not a KV producer"),

@@ -55,7 +55,7 @@ def test_a_connector_refuses_to_start_without_a_fleet_secret(tiny_model, monkeyp
 
 def test_a_connector_refuses_to_bind_every_interface(tiny_model, monkeypatch):
     config = engine_config(tiny_model, "kv_producer", "ZmqConnector")
-    monkeypatch.setenv("PDFLEET_KV_BIND_IP", "0.0.0.0")
+    monkeypatch.setenv("PDFLEET_KV_BIND_IP", "0.0.0.0")  # noqa: S104 (the refused address under test)
     with pytest.raises(ValueError, match="kv_ip"):
         PDConnector(config)
 
@@ -234,7 +234,7 @@ def test_a_replayed_message_is_refused(zmq_producer):
         client.close()
 
 
-@pytest.mark.parametrize("connector, instances", [("ZmqConnector", 100), ("NixlConnector", 20)])
+@pytest.mark.parametrize(("connector", "instances"), [("ZmqConnector", 100), ("NixlConnector", 20)])
 def test_the_handshake_cache_stays_bounded_under_producer_churn(tiny_model, connector, instances):
     bound = 8 if instances > 20 else 4
     consumer_config = engine_config(tiny_model, "kv_consumer", connector, max_remote_engines=bound)

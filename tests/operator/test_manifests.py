@@ -139,7 +139,7 @@ def test_builtin_model_is_written_by_an_init_container_and_pvc_models_are_mounte
 
 
 @pytest.mark.parametrize(
-    "resources, workers",
+    ("resources", "workers"),
     [
         ({}, 1),
         ({"limits": {"cpu": "4"}}, 4),

@@ -97,7 +97,7 @@ def test_grammar_memory_stays_within_the_cache_bound_in_rss(engines):
 
 
 @pytest.mark.parametrize(
-    "body, field, needle",
+    ("body", "field", "needle"),
     [
         ({"guided_choice": [f"c{i}" for i in range(100_001)]}, "guided_choice", "choice list"),
         (

@@ -194,7 +194,7 @@ def test_share_one_turns_the_bound_off():
 
 
 @pytest.mark.parametrize(
-    "body, field",
+    ("body", "field"),
     [
         ({"n": 9}, "n"),
         ({"n": 2, "best_of": 9}, "best_of"),
@@ -204,7 +204,7 @@ def test_share_one_turns_the_bound_off():
     ],
 )
 def test_the_shared_check_names_the_field_over_the_bound(body, field):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match=f"^{field}") as e:
         check_sampling(body, max_n=8, max_output_tokens=64)
     assert str(e.value).split()[0].rstrip(":") == field
     check_sampling({"n": 8, "max_tokens": 8}, max_n=8, max_output_tokens=64)
@@ -232,7 +232,7 @@ def refused(resp: httpx.Response) -> str:
 
 
 @pytest.mark.parametrize(
-    "path, body, field",
+    ("path", "body", "field"),
     [
         ("/v1/completions", {"prompt": "Hi", "n": 5, "max_tokens": 1}, "n"),
         ("/v1/completions", {"prompt": "Hi", "n": 4, "max_tokens": 17}, "max_tokens"),

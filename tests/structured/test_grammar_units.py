@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_matcher_is_advanced_over_tokens_already_produced(compiler, tokenizer):
 
 
 @pytest.mark.parametrize(
-    "spec, needle",
+    ("spec", "needle"),
     [
         (Spec(json={"type": "strin"}), "Unsupported type"),
         (Spec(json='{"type": '), "not valid JSON"),
@@ -87,9 +88,8 @@ def test_matcher_is_advanced_over_tokens_already_produced(compiler, tokenizer):
     ],
 )
 def test_bad_specs_are_value_errors_naming_the_problem(compiler, spec, needle):
-    with pytest.raises(ValueError, match=None) as e:
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
         compiler.compile(spec)
-    assert needle in str(e.value)
     assert "/project/" not in str(e.value)  # no C++ source locations
 
 
@@ -110,7 +110,7 @@ def test_apply_bitmask_masks_only_the_given_rows():
 
 
 @pytest.mark.parametrize(
-    "body, needle",
+    ("body", "needle"),
     [
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "schema is required"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
@@ -130,9 +130,8 @@ def test_apply_bitmask_masks_only_the_given_rows():
     ],
 )
 def test_check_sampling_refuses_bad_structured_and_tool_fields(body, needle):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match=re.escape(needle)):
         check_sampling(body)
-    assert needle in str(e.value)
 
 
 # -- tool parsers ------------------------------------------------------------------
@@ -152,7 +151,7 @@ def stream_parse(parser, text: str, step: int = 3):
 
 
 @pytest.mark.parametrize(
-    "name, text, content",
+    ("name", "text", "content"),
     [
         (
             "hermes",

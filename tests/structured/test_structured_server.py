@@ -300,7 +300,7 @@ def test_json_object_and_json_schema_strict(client):
 
 
 @pytest.mark.parametrize(
-    "response_format, needle",
+    ("response_format", "needle"),
     [
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
         (

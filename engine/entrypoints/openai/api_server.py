@@ -21,13 +21,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -123,7 +123,8 @@ class ServerState:
             self.on_exit()
 
     def on_step(self, engine: LLMEngine) -> None:
-        assert self.metrics is not None
+        if self.metrics is None:
+            raise RuntimeError("broken invariant: self.metrics is not None")
         self.metrics.update(engine)
         if engine.config.observability_config.log_stats and time.monotonic() - self.last_log >= 10:
             self.last_log = time.monotonic()
@@ -180,9 +181,9 @@ def error_json(e: APIError | ErrorBody, headers: Mapping[str, str] | None = None
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: each route is a closure counted here)
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         threading.Thread(target=state.load, name="pdfleet-loader", daemon=True).start()
         yield
         state.draining = True
@@ -214,13 +215,13 @@ def build_app(state: ServerState) -> FastAPI:
         return f"{rid} (client id {given!r})" if given else str(rid or "-")
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
         if e.status >= 500:
             logger.warning("request %s: %d %s", ids(request), e.status, e.message)
         return error_json(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -232,7 +233,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own refusals (unparsable body, unknown route, wrong method);
         # an unknown route or method is answered as the gateway answers it.
         if e.status_code == 404:
@@ -245,11 +246,11 @@ def build_app(state: ServerState) -> FastAPI:
         return error_json(APIError(detail, status=e.status_code))
 
     @app.exception_handler(RecursionError)
-    async def _too_deep(_: Request, e: RecursionError):
+    async def _too_deep(_: Request, e: RecursionError) -> JSONResponse:
         return error_json(APIError("the JSON body is nested too deeply"))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
         # The client learns nothing of the internals; the log has the traceback.
         logger.error("request %s: internal error", ids(request), exc_info=e)
         return error_json(APIError("internal server error; the server log has the details", 500))
@@ -285,8 +286,10 @@ def build_app(state: ServerState) -> FastAPI:
             logger.info("request %s is for user %r", rid, body.user[:256])
         return f"{prefix}-{given}" if given else rid
 
-    @app.get("/health")
-    async def health():
+    # Routes that answer plain JSON say response_model=None: FastAPI would
+    # otherwise take their return annotation as a response model to validate.
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse | dict[str, str]:
         if (
             state.load_error is not None
             or state.fatal is not None
@@ -300,7 +303,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> PlainTextResponse:
         if state.metrics is None:
             return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
         if state.engine is not None:
@@ -321,25 +324,25 @@ def build_app(state: ServerState) -> FastAPI:
             "max_model_len": s.max_model_len,
         }
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    @app.get("/v1/models", response_model=None)
+    async def models(request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         return {"object": "list", "data": [model_card(s, name) for name in s.served_names]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request):
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         if model_id not in s.served_names:
             raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model")
         return model_card(s, model_id)
 
-    @app.get("/version")
-    async def version():
+    @app.get("/version", response_model=None)
+    async def version() -> dict[str, str]:
         from importlib.metadata import version as v
 
         return {"version": v("pdfleet")}
 
-    async def respond(request: Request, coro_or_stream: Any, stream: bool, rid: str):
+    async def respond(request: Request, coro_or_stream: Any, stream: bool, rid: str) -> Response:
         headers = echo_headers(request, rid)
         if stream:
             events = await coro_or_stream
@@ -374,7 +377,7 @@ def build_app(state: ServerState) -> FastAPI:
             )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         internal_fields_only_from_internal_callers(body, request)
         s, _ = serving(request)
         for_caller(body, request)
@@ -385,7 +388,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await respond(request, s.completion(body, rid, out), False, rid)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         internal_fields_only_from_internal_callers(body, request)
         _, s = serving(request)
         for_caller(body, request)
@@ -396,7 +399,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await respond(request, s.chat(body, rid, out), False, rid)
 
     @app.post("/invocations")
-    async def invocations(request: Request):
+    async def invocations(request: Request) -> Response:
         """SageMaker's route, as vLLM serves it: a chat body (``messages``) or a
         completions body (``prompt``), answered as that endpoint answers it."""
         try:
@@ -426,29 +429,29 @@ def build_app(state: ServerState) -> FastAPI:
     # vLLM's P/D routers call them to tokenize once before routing. Every check
     # of the generation route runs (fields, lengths, logprob bounds, grammars),
     # so a body that renders is one the generation route admits.
-    @app.post("/v1/completions/render")
-    async def completions_render(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions/render", response_model=None)
+    async def completions_render(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
         internal_fields_only_from_internal_callers(body, request)
         s, _ = serving(request)
         for_caller(body, request)
         model, jobs = await s.prepare_completion(body)
         return [rendered(body, random_id("cmpl"), model, ids, params) for _, ids, params in jobs]
 
-    @app.post("/v1/chat/completions/render")
-    async def chat_render(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions/render", response_model=None)
+    async def chat_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         internal_fields_only_from_internal_callers(body, request)
         _, s = serving(request)
         for_caller(body, request)
         model, _text, ids, params, _k, _parser = await s.prepare_chat(body)
         return rendered(body, random_id("chatcmpl"), model, ids, params)
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request):
+    @app.get("/tokenizer_info", response_model=None)
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         return tokenizer_config(s._need_tokenizer(), s.options.chat_template)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request):
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         s.check_model(body.model)
         # Not bounded by the context (counting a too-long prompt is what it is for):
@@ -468,8 +471,8 @@ def build_app(state: ServerState) -> FastAPI:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
         return out
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request):
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         s.check_model(body.model)
         vocab = state.config.model_config.vocab_size

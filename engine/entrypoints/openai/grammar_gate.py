@@ -89,7 +89,7 @@ class FairShare:
 class _Waiter:
     caller: str
     seq: int
-    ready: asyncio.Future = field(repr=False)
+    ready: asyncio.Future[None] = field(repr=False)
 
 
 class CompileGate:
@@ -108,7 +108,7 @@ class CompileGate:
         """caller -> its compiles waiting or running."""
         self.num_refused = 0
         """Compiles refused for a caller limit or for no free worker in time."""
-        self.inflight: dict[tuple, asyncio.Future] = {}
+        self.inflight: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
         """spec key -> the compile under way (others with the same spec wait for it)."""
         self._seq = itertools.count()
         self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="pdfleet-grammar")
@@ -144,7 +144,9 @@ class CompileGate:
         object.__setattr__(spec, "compiled", hit)
         return hit
 
-    async def _compile_new(self, spec: StructuredOutputsParams, key: tuple, caller: str) -> Any:
+    async def _compile_new(
+        self, spec: StructuredOutputsParams, key: tuple[Any, ...], caller: str
+    ) -> Any:
         limit = self.limits.max_grammar_compiles_per_caller
         if self.pending.get(caller, 0) >= limit:
             self.num_refused += 1
@@ -154,7 +156,7 @@ class CompileGate:
                 status=429,
             )
         loop = asyncio.get_running_loop()
-        result: asyncio.Future = loop.create_future()
+        result: asyncio.Future[Any] = loop.create_future()
         # Nobody may be waiting on it when it fails: never "exception not retrieved".
         result.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.inflight[key] = result
@@ -176,7 +178,7 @@ class CompileGate:
         started = time.monotonic()
         job = loop.run_in_executor(self._threads, self._build, spec)
 
-        def done(job: asyncio.Future) -> None:
+        def done(job: asyncio.Future[Any]) -> None:
             # The slot and the caller's count are freed when the compile really
             # ended, even if the request that asked for it went away meanwhile;
             # requests waiting for the same spec get its outcome.

@@ -13,7 +13,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ... import tracing
 from ...contracts.kv_params import KVTransferParams
@@ -32,6 +32,8 @@ from .grammar_gate import CompileBusy, CompileGate
 from .protocol import APIError, ChatCompletionRequest, now
 
 logger = logging.getLogger("pdfleet.serve")
+
+_T = TypeVar("_T")
 
 # (prompt text or None, prompt token ids, sampling params): one engine request.
 Job = tuple[str | None, list[int], SamplingParams]
@@ -102,7 +104,7 @@ class TokenizerLanes:
         self.small = ThreadPoolExecutor(workers, thread_name_prefix="pdfleet-tokenize")
         self.large = ThreadPoolExecutor(large_workers, thread_name_prefix="pdfleet-tokenize-large")
 
-    async def run(self, num_chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
         if num_chars < self.large_chars:
             return await loop.run_in_executor(self.small, fn, *args)
@@ -274,7 +276,10 @@ class ServingBase:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self._need_tokenizer()(prompt, add_special_tokens=add_special_tokens).input_ids
+            ids: list[int] = self._need_tokenizer()(
+                prompt, add_special_tokens=add_special_tokens
+            ).input_ids
+            return ids
         return list(prompt)
 
     def check_output_tokens(self, req: Any, max_tokens: list[int]) -> None:
@@ -483,7 +488,7 @@ class ServingBase:
             async for item in streams[0]:
                 yield 0, item
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done = object()
 
         async def pump(i: int, it: AsyncIterator[Any]) -> None:

@@ -7,8 +7,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
-from ...sampling_params import StructuredOutputsParams
+from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .protocol import APIError, ChatCompletionRequest, now
 from .reasoning_parsers import (
     ReasoningParser,
@@ -102,7 +103,9 @@ class ChatServing(ServingBase):
             raise APIError(str(e), param="tools") from None
         return ForcedParser(named), schema
 
-    async def prepare_chat(self, req: ChatCompletionRequest):
+    async def prepare_chat(
+        self, req: ChatCompletionRequest
+    ) -> tuple[str, str, list[int], SamplingParams, int | None, ToolParser | None]:
         model = self.check_model(req.model)
         req.check_unsupported()
         if req.top_logprobs is not None and not req.logprobs:
@@ -167,7 +170,15 @@ class ChatServing(ServingBase):
             stream.close()
 
     async def _chat_body(
-        self, req, request_id, model, prompt_text, ids, k, stream, parser
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        prompt_text: str,
+        ids: list[int],
+        k: int | None,
+        stream: RequestStream,
+        parser: ToolParser | None,
     ) -> dict[str, Any]:
         choices = {i: Choice(i) for i in range(req.n)}
         cached, kv_out, prompt_lps = 0, None, None
@@ -253,7 +264,17 @@ class ChatServing(ServingBase):
             req, response_id or request_id, model, text, ids, k, stream, parser
         )
 
-    async def _chat_events(self, req, request_id, model, prompt_text, ids, k, stream, parser):
+    async def _chat_events(  # noqa: C901 (one SSE loop: reasoning, tools and holds per chunk)
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        prompt_text: str,
+        ids: list[int],
+        k: int | None,
+        stream: RequestStream,
+        parser: ToolParser | None,
+    ) -> AsyncIterator[str]:
         created = now()
         completion_tokens, cached = 0, 0
         generated: dict[int, int] = {}  # per choice: tokens so far
@@ -269,7 +290,12 @@ class ChatServing(ServingBase):
         thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
 
         def chunk(
-            idx: int, delta: dict, lp=None, finish=None, stop_reason=None, token_ids=None
+            idx: int,
+            delta: dict[str, Any],
+            lp: dict[str, Any] | None = None,
+            finish: str | None = None,
+            stop_reason: int | str | None = None,
+            token_ids: list[int] | None = None,
         ) -> str:
             nonlocal first_chunk
             choice: dict[str, Any] = {
@@ -421,7 +447,8 @@ class _ToolStream:
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The deltas that the text so far adds (OpenAI's shape: a call's id and
         name first, then fragments of its arguments)."""
-        assert self.parser is not None
+        if self.parser is None:
+            raise RuntimeError("broken invariant: self.parser is not None")
         self.text += text
         content, calls = self.parser.parse(self.text, final)
         out: list[dict[str, Any]] = []

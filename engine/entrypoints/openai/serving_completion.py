@@ -5,9 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
 from .protocol import CompletionRequest, now
-from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
+from .serving_base import (
+    Choice,
+    Job,
+    ServingBase,
+    error_event,
+    finish_reason,
+    raise_if_error,
+    sse,
+)
 
 
 class CompletionServing(ServingBase):
@@ -62,7 +71,7 @@ class CompletionServing(ServingBase):
             return text_in
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    async def prepare_completion(self, req: CompletionRequest):
+    async def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Job]]:
         model = self.check_model(req.model)
         req.check_unsupported()
         self.check_sampling(req)
@@ -85,7 +94,7 @@ class CompletionServing(ServingBase):
         self.check_output_tokens(req, lengths)
         # The prompt's logprobs: for prompt_logprobs, and for echo with logprobs.
         wanted = [x for x in (pk, k if req.echo else None) if x is not None]
-        jobs = []
+        jobs: list[Job] = []
         for (text, ids), max_tokens in zip(prompts, lengths, strict=True):
             params = req.sampling_params(
                 self.defaults,
@@ -110,11 +119,18 @@ class CompletionServing(ServingBase):
             for stream in streams:
                 stream.close()
 
-    async def _completion_body(self, req, request_id, model, jobs, streams) -> dict[str, Any]:
+    async def _completion_body(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        jobs: list[Job],
+        streams: list[RequestStream],
+    ) -> dict[str, Any]:
         n = req.n
         choices = {i: Choice(i) for i in range(len(jobs) * n)}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
-        prompt_lps: dict[int, list] = {}
+        prompt_lps: dict[int, list[dict[int, Logprob] | None]] = {}
         kv_out = None
         async for j, out in self.merge([self.outputs(s) for s in streams]):
             if out.prompt_logprobs is not None:
@@ -138,6 +154,7 @@ class CompletionServing(ServingBase):
             as_ids = bool(req.return_tokens_as_token_ids)
             k = self.check_logprobs(req.logprobs, "logprobs")
             if k is not None:
+                entries: list[dict[int, Logprob] | None]  # None: a prompt token without one
                 all_ids, entries = c.token_ids, list(c.logprobs)
                 if req.echo:
                     all_ids = ids + c.token_ids
@@ -172,7 +189,14 @@ class CompletionServing(ServingBase):
         streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
         return self._completion_events(req, response_id or request_id, model, jobs, streams)
 
-    async def _completion_events(self, req, request_id, model, jobs, streams) -> AsyncIterator[str]:
+    async def _completion_events(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        jobs: list[Job],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
         n = req.n
         created = now()
         usage = {
