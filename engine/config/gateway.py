@@ -264,6 +264,15 @@ class GatewayConfig:
     kv_host_weight: float = 0.5
     """Weight of a prompt block an engine holds only in its host-memory tier
     (KV events with `medium: CPU`), relative to a device-tier block (1)."""
+    peer_pull: bool = False
+    """Peer pulls (docs/peer-pull.md): per request, serve a cached prefix on the
+    engine that holds it, or have another engine pull it from the holder over
+    the KV connector, or recompute it, whichever the measured costs predict is
+    fastest. Needs the exact prefix index (KV events) and engines whose
+    `kv_role` is `kv_both`; engines without a connector are never pulled into."""
+    peer_pull_lend_timeout: float = 2.0
+    """Seconds a holder has to answer a lend request (it lends from its cache
+    ahead of its queue); past them the request is recomputed elsewhere."""
     trust_client_trace_context: bool = False
     """Continue the trace of a client's `traceparent`, sampled flag included
     (tracing on, docs/observability.md). Off: each request starts a new trace,
@@ -288,6 +297,7 @@ class GatewayConfig:
             "header_timeout",
             "body_timeout",
             "kv_index_stale_after",
+            "peer_pull_lend_timeout",
         )
         for name in (*positive, "scrape_interval", "discovery_interval"):
             if getattr(self, name) <= 0:

@@ -397,10 +397,14 @@ class Scheduler:
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and budget > 0:
             if not self.waiting:
                 break
             request = self.waiting.peek()
+            if len(self.running) >= self.max_num_seqs and not _lend_blocks(request):
+                # Every slot is taken. A lend request (at the head of the queue) still
+                # goes: it computes one token and finishes in this step.
+                break
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
                 continue
