@@ -80,8 +80,11 @@ from .roles import (
     added_capabilities,
     disaggregating,
     engine_command,
+    gateway_peer_pull_settings,
     gateway_request_bounds,
     model_source,
+    moves_kv,
+    peer_pulls,
     publishes_kv_events,
     rdma_resources,
     role_engine_args,
@@ -523,6 +526,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
         **spec.gateway.overload_settings(),
+        **gateway_peer_pull_settings(spec),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
 
@@ -732,7 +736,7 @@ def build_engine_service(
     name: str, spec: InferenceServiceSpec, role: str, *, namespace: str, owner: Owner | None
 ) -> dict[str, Any]:
     ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
-    if disaggregating(spec) and spec.kv_transfer.connector is not None:
+    if moves_kv(spec):
         ports.append(
             {"name": "kv", "port": spec.kv_transfer.port, "targetPort": "kv", "protocol": "TCP"}
         )
@@ -841,7 +845,8 @@ def build_network_policies(
     Engines: HTTP only from the service's gateway pods and the operator pod;
     the KV event ports (when the role publishes) only from the gateway pods;
     the KV side channel and the UCX port range only from the other role's
-    pods; for multi-node roles, any port from the role's own pods (the
+    pods, and from the role's own pods when it pulls from its peers
+    (``peerPull``); for multi-node roles, any port from the role's own pods (the
     rendezvous, NCCL and gloo pick their ports at run time). The gateway: its
     port from anywhere (it checks API keys itself).
     Policies add up, so a cluster admin may admit more (e.g. a Prometheus).
@@ -849,6 +854,9 @@ def build_network_policies(
     policies = []
     kv = disaggregating(spec) and spec.kv_transfer.connector is not None
     other = {"prefill": "decode", "decode": "prefill"}
+    kv_ports = [_tcp(spec.kv_transfer.port)]
+    if spec.kv_transfer.connector == "NixlConnector":
+        kv_ports.append(_tcp(*ucx_port_range(spec)))
     for role in ("prefill", "decode"):
         ingress: list[dict[str, Any]] = [
             {
@@ -867,13 +875,18 @@ def build_network_policies(
                 }
             )
         if kv:
-            ports = [_tcp(spec.kv_transfer.port)]
-            if spec.kv_transfer.connector == "NixlConnector":
-                ports.append(_tcp(*ucx_port_range(spec)))
             ingress.append(
                 {
                     "from": [{"podSelector": {"matchLabels": selector_labels(name, other[role])}}],
-                    "ports": ports,
+                    "ports": kv_ports,
+                }
+            )
+        if peer_pulls(spec, role):
+            # Peer pulls: the role's engines pull cached prefixes from each other.
+            ingress.append(
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(name, role)}}],
+                    "ports": kv_ports,
                 }
             )
         if multi_node(spec, role):
@@ -1024,11 +1037,7 @@ ANNOTATION_IDENTITY = "pdfleet.dev/identity-authority-version"
 def identity_enabled(spec: InferenceServiceSpec) -> bool:
     """Whether the service's engines get identities: a KV connector runs, and
     ``kvTransfer.identity`` is ``Required``."""
-    return (
-        spec.kv_transfer.identity == "Required"
-        and disaggregating(spec)
-        and spec.kv_transfer.connector is not None
-    )
+    return spec.kv_transfer.identity == "Required" and moves_kv(spec)
 
 
 def identity_secret_name(name: str) -> str:

@@ -710,7 +710,8 @@ GATEWAY_PEER_PULL_CROSSOVER = Metric(
 GATEWAY_PEER_PULL_FLEET_CROSSOVER = Metric(
     "pdfleet_gateway_peer_pull_fleet_crossover_tokens",
     "gauge",
-    "The crossover of the median measured pair (-1 before any pair is measured).",
+    "The crossover of the median measured pair (-1 before any pair is measured, 0 while "
+    "peer pulls are off).",
 )
 GATEWAY_PEER_PULL_BANDWIDTH = Metric(
     "pdfleet_gateway_peer_pull_bandwidth_bytes_per_second",

@@ -132,7 +132,6 @@ class GatewayMetrics:
         self.peer_pull_decisions = m.GATEWAY_PEER_PULL_DECISIONS.create(r)
         self.peer_pull_crossover = m.GATEWAY_PEER_PULL_CROSSOVER.create(r)
         self.peer_pull_fleet_crossover = m.GATEWAY_PEER_PULL_FLEET_CROSSOVER.create(r)
-        self.peer_pull_fleet_crossover.set(-1)
         self.peer_pull_bandwidth = m.GATEWAY_PEER_PULL_BANDWIDTH.create(r)
         self.peer_pull_prefill_rate = m.GATEWAY_PEER_PULL_PREFILL_RATE.create(r)
         self.peer_pull_lend_seconds = m.GATEWAY_PEER_PULL_LEND_SECONDS.create(r)

@@ -152,6 +152,7 @@ class PeerPull:
         self.bandwidth: dict[tuple[str, str], Ewma] = {}
         """(holder url, puller url) -> bytes/s."""
         self._decided: dict[tuple[str, str], Any] = {}
+        metrics.peer_pull_fleet_crossover.set(-1)  # on, nothing measured yet (0: off)
 
     def _costs(self, url: str) -> EngineCosts:
         costs = self.engines.get(url)
