@@ -61,6 +61,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "body_timeout": (0.01, DAY, False),
     "kv_index_stale_after": (0.01, DAY, False),
     "kv_host_weight": (0.0, 1.0, False),
+    "peer_pull_lend_timeout": (0.01, 3600.0, False),
 }
 
 
@@ -297,7 +298,6 @@ class GatewayConfig:
             "header_timeout",
             "body_timeout",
             "kv_index_stale_after",
-            "peer_pull_lend_timeout",
         )
         for name in (*positive, "scrape_interval", "discovery_interval"):
             if getattr(self, name) <= 0:
