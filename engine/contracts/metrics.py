@@ -694,9 +694,10 @@ GATEWAY_PEER_PULL_DECISIONS = Metric(
     "pdfleet_gateway_peer_pull_decisions_total",
     "counter",
     "Requests whose prompt prefix another engine held, by what the gateway did: holder "
-    "(served there), pull (another engine pulled the prefix from it), recompute; and why "
-    "(cost: the predicted fastest, explore: no pair measured yet, lend_refused / "
-    "lend_failed: the holder did not lend, so recomputed).",
+    "(served there), pull (the holder lent the prefix, another engine pulls it), "
+    "recompute; and why (cost: the predicted fastest, explore: no pair measured yet, "
+    "lend_refused / lend_failed: a pull was chosen but the holder did not lend, so "
+    "recomputed).",
     ("decision", "reason"),
 )
 GATEWAY_PEER_PULL_CROSSOVER = Metric(

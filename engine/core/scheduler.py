@@ -88,6 +88,10 @@ class SchedulerStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+# Lend requests a step may run past ``max_num_seqs`` (each computes one token).
+LEND_SLOTS = 8
+
+
 def _lend_blocks(request: Request) -> int:
     """The blocks a lend request (peer pull, docs/peer-pull.md) must find cached; 0
     for every other request."""
@@ -401,9 +405,12 @@ class Scheduler:
             if not self.waiting:
                 break
             request = self.waiting.peek()
-            if len(self.running) >= self.max_num_seqs and not _lend_blocks(request):
+            if len(self.running) >= self.max_num_seqs and not (
+                _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
+            ):
                 # Every slot is taken. A lend request (at the head of the queue) still
-                # goes: it computes one token and finishes in this step.
+                # goes, up to LEND_SLOTS past the bound: it computes one token and
+                # finishes in this step.
                 break
             if self._blocked(request):
                 skipped.append(self.waiting.pop())

@@ -226,6 +226,16 @@ class PeerPull:
             "kv_block_bytes": c.block_bytes,
         }
 
+    def routed_request(self, e: EngineState, info: PromptInfo) -> None:
+        """Mutates: a request routed to ``e`` without a plan; its tokens less the
+        leading blocks ``e`` holds count as ``e``'s queue until its next scrape."""
+        if info.num_tokens <= 0 or not info.analyzed:
+            return
+        held = 0
+        if info.exact_hashes:
+            held = self.kv_index.matched(info.exact_hashes, [e.url]).get(e.url, (0, 0.0))[0]
+        self.routed(e, max(0, info.num_tokens - held * self.block_size))
+
     # -- predicting -----------------------------------------------------------------
 
     def _rate(self, url: str) -> float | None:
@@ -423,6 +433,7 @@ class PeerPull:
             return None
         engine_id = params.get("remote_engine_id")
         self.lent(plan.holder, seconds, engine_id if isinstance(engine_id, str) else None)
+        self.count("pull", plan.reason)
         return params
 
 

@@ -256,10 +256,13 @@ class Proxy:
         plan = self.peer_pull.plan(
             info, route.decode, self.pool.candidates("decode"), full, self.pool.block_size
         )
-        if plan is not None:
+        if plan is None:
+            self.peer_pull.routed_request(route.decode, info)
+            return None
+        if plan.decision != "pull":  # a pull is counted once its lend is answered
             self.peer_pull.count(plan.decision, plan.reason)
-            served = next(o for o in plan.options if o.decision == plan.decision)
-            self.peer_pull.routed(plan.engine, served.tokens)
+        served = next(o for o in plan.options if o.decision == plan.decision)
+        self.peer_pull.routed(plan.engine, served.tokens)
         return plan
 
     def _sole_route(self) -> Route | None:

@@ -146,11 +146,14 @@ def peers(wide_model, tmp_path_factory):
         *events_args(*ports["puller"]),
         env={"PDFLEET_KV_TEST_READ_DELAY_FILE": str(delay)},
     )
+    # Killed by a test; started with the others, which it would otherwise wait for.
+    doomed = both(wide_model, logs, "doomed")
     forwarder = PausableForwarder(ports["holder"][0])
     gateway = None
     try:
         holder.wait_healthy()
         puller.wait_healthy()
+        doomed.wait_healthy()
         events = {"holder": forwarder.port, "puller": ports["puller"][0]}
         engines_file = logs / "engines.json"
         engines_file.write_text(
@@ -193,13 +196,14 @@ def peers(wide_model, tmp_path_factory):
             "logs": logs,
             "delay": delay,
             "forwarder": forwarder,
+            "doomed": doomed,
         }
     finally:
         if gateway is not None:
             gateway.stop()
         forwarder.close()
-        holder.stop()
-        puller.stop()
+        for proc in (holder, puller, doomed):
+            proc.stop()
 
 
 def complete(url: str, body: dict, **extra) -> str:
@@ -271,8 +275,8 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
 
 
-def test_holder_killed_mid_pull_recomputes_correctly(wide_model, peers):
-    doomed = both(wide_model, peers["logs"], "doomed").wait_healthy()
+def test_holder_killed_mid_pull_recomputes_correctly(peers):
+    doomed = peers["doomed"]
     body = body_of(4)
     try:
         complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
@@ -292,7 +296,6 @@ def test_holder_killed_mid_pull_recomputes_correctly(wide_model, peers):
             text = fut.result(timeout=60)
     finally:
         peers["delay"].write_text("0")
-        doomed.stop()
     assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
     assert text == recomputed(peers["puller"], body)
 
@@ -377,7 +380,7 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
     for tokens in (*ladder.values(), explore):
         primed(peers, tokens)
     tail = prompt_of(40, 99)
-    with Busy(peers, queued=3):
+    with Busy(peers, queued=2):
         # No pair measured yet: the first long prefix is pulled to measure it.
         body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         explored = decisions(gw, "pull", "explore")
@@ -422,7 +425,7 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
         for seed in range(6):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
         body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
-        with Busy(peers, queued=3):
+        with Busy(peers, queued=2):
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
