@@ -24,7 +24,8 @@ leading blocks ``e`` holds, and every figure measured, none configured:
   growth of ``pdfleet_engine_prompt_tokens_total`` and
   ``pdfleet_engine_prefill_busy_seconds_total`` between scrapes;
 * ``step(e)``: the engine's mean step time between scrapes (a new request
-  waits for the step in progress);
+  waits for the step in progress; 0 for an engine idle at its last scrape and
+  sent nothing since);
 * ``wait(e)``: the prompt tokens queued there (``pdfleet_engine_waiting_prompt_tokens``
   at the last scrape, plus what this gateway routed there since) over ``rate(e)``;
 * ``bw(h, c)``: bytes per second of the confirmed pulls from ``h`` into
@@ -135,6 +136,8 @@ class EngineCosts:
     """Its KV engine id, learned from its lend answers (the pull counters name it)."""
     routed: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time, tokens to compute) routed here since its last scrape."""
+    busy: bool = False
+    """It had requests at its last scrape (an idle engine starts a new one at once)."""
     scraped_at: float = 0.0
 
 
@@ -175,6 +178,7 @@ class PeerPull:
         c.scraped_at = now
         c.routed = []  # the scrape's waiting tokens hold what was routed before it
         c.waiting_tokens = new.waiting_prompt_tokens
+        c.busy = new.running + new.waiting > 0
         c.block_bytes = new.kv_block_bytes
         tokens = new.prompt_tokens - old.prompt_tokens
         busy = new.prefill_busy_seconds - old.prefill_busy_seconds
@@ -261,10 +265,12 @@ class PeerPull:
 
     def compute_seconds(self, e: EngineState, tokens: int, rate: float) -> float:
         """Predicted seconds until ``e`` has computed ``tokens`` more prompt tokens of
-        a new request: its queue, the step in progress, then the tokens."""
+        a new request: its queue, the step in progress (when it is busy), then the
+        tokens."""
         c = self._costs(e.url)
         queued = c.waiting_tokens + sum(n for _, n in c.routed)
-        return queued / rate + (c.step.value or 0.0) + tokens / rate
+        step = (c.step.value or 0.0) if c.busy or c.routed else 0.0
+        return queued / rate + step + tokens / rate
 
     def crossover(self, holder: str, puller: str) -> float | None:
         """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
