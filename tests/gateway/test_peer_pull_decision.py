@@ -159,7 +159,7 @@ def test_a_lend_body_asks_for_one_token_and_the_blocks():
 
 
 def test_a_busy_engine_costs_its_step_in_progress_an_idle_one_does_not(fleet):
-    pp, h, p, _ = fleet
+    pp, h, _, _ = fleet
     slow = load(20_000, 2.0, steps=20, step_seconds=10.1)  # 1 s steps since the last scrape
     pp.scraped(h, load(10_000, 1.0), slow)
     assert pp.compute_seconds(h, 1000, 10_000) == pytest.approx(0.1)  # idle: no wait
