@@ -317,13 +317,14 @@ class Busy:
 
     def __init__(self, peers, queued: int) -> None:
         self.peers = peers
+        self.queued = queued
         self.pool = ThreadPoolExecutor(1 + queued)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
         long = {"prompt": prompt_of(16, 777), "max_tokens": MAX_LEN - 32, "ignore_eos": True}
         self.futures = [self.pool.submit(self._post, long)]
         for i in range(queued):
             self.futures.append(
-                self.pool.submit(self._post, {"prompt": prompt_of(1500, 900 + i), "max_tokens": 1})
+                self.pool.submit(self._post, {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1})
             )
 
     def _post(self, body: dict) -> int:
@@ -332,7 +333,8 @@ class Busy:
     def __enter__(self) -> Busy:
         gw, holder = self.peers["gateway"], self.peers["holder"]
         assert wait_until(
-            lambda: engine_view(gw, holder)["queued_prompt_tokens"] >= 1500, timeout=60
+            lambda: engine_view(gw, holder)["queued_prompt_tokens"] >= 1900 * self.queued,
+            timeout=60,
         ), engine_view(gw, holder)
         return self
 
@@ -380,7 +382,7 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
     for tokens in (*ladder.values(), explore):
         primed(peers, tokens)
     tail = prompt_of(40, 99)
-    with Busy(peers, queued=2):
+    with Busy(peers, queued=4):
         # No pair measured yet: the first long prefix is pulled to measure it.
         body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         explored = decisions(gw, "pull", "explore")
@@ -409,7 +411,12 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
             counted = decisions(gw, decision, "cost")
             before = scrape(puller).get(PULLED, 0.0)
             assert via_gateway(gw, body) == recomputed(puller, body)
-            assert decisions(gw, decision, "cost") == counted + 1, (n, crossover)
+            assert decisions(gw, decision, "cost") == counted + 1, (
+                n,
+                crossover,
+                {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
+                engines_view(gw),
+            )
             moved = scrape(puller)[PULLED] - before
             assert moved == (n // BLOCK if decision == "pull" else 0)
 
@@ -425,7 +432,7 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
         for seed in range(6):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
         body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
-        with Busy(peers, queued=2):
+        with Busy(peers, queued=4):
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
