@@ -114,6 +114,21 @@ class EngineMetrics:
             self.shard_bytes = m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry)
             self.shard_bytes.labels(**self.labels, rank="0")
         self._last_shard_bytes: list[int] = []
+        # Labelled by producer engine id as pulls complete (peer pulls' cost model).
+        self.peer_pulls: tuple[Any, ...] = ()
+        self._last_peer: dict[tuple[int, str], float] = {}
+        if self.has_kv:
+            self.peer_pulls = tuple(
+                metric.create(self.registry)
+                for metric in (
+                    m.ENGINE_KV_PEER_PULLS,
+                    m.ENGINE_KV_PEER_PULL_BYTES,
+                    m.ENGINE_KV_PEER_PULL_SECONDS,
+                )
+            )
+            self._series[m.ENGINE_KV_BLOCK_BYTES] = tuple(
+                f.labels(**self.labels) for f in self._register(m.ENGINE_KV_BLOCK_BYTES)
+            )
         # Labelled by finish reason as requests finish, so not touched up front.
         self.request_success = m.ENGINE_REQUEST_SUCCESS.create(self.registry)
         cache = config.cache_config
@@ -217,6 +232,7 @@ class EngineMetrics:
             num_remotes = len(connector.remotes)
             in_flight = len(connector.active)
             bandwidth, degraded = stats.pull_bandwidth, stats.degraded
+            per_producer = {k: list(v) for k, v in stats.per_producer.items()}
         if connector.server is not None:
             values[m.ENGINE_KV_SIDE_CHANNEL_REFUSED] += connector.server.num_rejected
         self._set(m.ENGINE_KV_QUARANTINED_BLOCKS, connector.num_quarantined_blocks)
@@ -227,6 +243,14 @@ class EngineMetrics:
         for metric, value in values.items():
             self._grow(metric, value)
         self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)
+        if connector.layout is not None:
+            self._set(m.ENGINE_KV_BLOCK_BYTES, connector.bytes_per_block)
+        for producer, row in per_producer.items():
+            for i, (family, value) in enumerate(zip(self.peer_pulls, row, strict=True)):
+                delta = value - self._last_peer.get((i, producer), 0.0)
+                self._last_peer[(i, producer)] = value
+                if delta > 0:
+                    family.labels(**self.labels, producer=producer).inc(delta)
         by_rank = list(getattr(connector.transport, "rank_bytes", ()))
         last = self._last_shard_bytes + [0] * (len(by_rank) - len(self._last_shard_bytes))
         for rank, (now, before) in enumerate(zip(by_rank, last, strict=True)):

@@ -138,6 +138,42 @@ def _check_kv_transfer(spec: InferenceServiceSpec) -> list[Violation]:
                 "or set disaggregation.mode: Disabled",
             )
         )
+    if spec.prefill.peer_pull:
+        out.append(
+            Violation(
+                "spec.prefill.peerPull",
+                "prefill engines do not pull cached prefixes from their peers yet",
+                "set peerPull on the decode role of an aggregated fleet "
+                "(disaggregation.mode: Disabled)",
+            )
+        )
+    if spec.decode.peer_pull:
+        if disaggregating(spec):
+            out.append(
+                Violation(
+                    "spec.decode.peerPull",
+                    f"peer pulls serve aggregated fleets; disaggregation.mode is "
+                    f"{spec.disaggregation.mode}",
+                    "set disaggregation.mode: Disabled, or leave peerPull off",
+                )
+            )
+        elif kv.connector is None:
+            out.append(
+                Violation(
+                    "spec.kvTransfer.connector",
+                    "spec.decode.peerPull moves KV between engines and needs a KV connector",
+                    "set kvTransfer.connector to NixlConnector (or ZmqConnector without NIXL)",
+                )
+            )
+        if not spec.gateway.kv_events:
+            out.append(
+                Violation(
+                    "spec.gateway.kvEvents",
+                    "spec.decode.peerPull needs the exact prefix index (which engine holds "
+                    "which blocks)",
+                    "set gateway.kvEvents: true",
+                )
+            )
     for key in sorted(TYPED_EXTRA_KEYS & set(kv.extra_config)):
         out.append(
             Violation(

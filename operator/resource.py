@@ -391,6 +391,14 @@ class RoleSpec(PodPlacement):
     """Extended resource of one accelerator. When the engine runs more than one
     rank (or the resources already name it), the operator requests
     tensorParallelSize / nodesPerReplica of it per pod."""
+    peer_pull: bool = False
+    """Peer pulls (docs/peer-pull.md): the role's engines lend the prefix blocks
+    they cache (device or host tier) to each other over the KV connector
+    (`kv_role: kv_both`), and the gateway serves a request whose prefix one
+    engine holds on that engine, on another that pulls the prefix from it, or
+    on another that recomputes it, whichever its measured costs predict is
+    fastest. For the decode role of an aggregated fleet (`disaggregation.mode:
+    Disabled`); needs `kvTransfer.connector` and `gateway.kvEvents`."""
 
     @field_validator("engine")
     @classmethod

@@ -104,20 +104,24 @@ def role_kv_transfer_config(
     kv_port: int | None = None,
     engine_id: str | None = None,
 ) -> KVTransferConfig | None:
-    """The role's ``kv_transfer_config``: prefill produces KV, decode consumes it.
+    """The role's ``kv_transfer_config``: prefill produces KV, decode consumes it;
+    with peer pulls (an aggregated fleet) the decode role does both.
 
-    ``None`` when disaggregation is Disabled or no connector is set.
+    ``None`` when disaggregation is Disabled without peer pulls, or no connector
+    is set.
     ``kv_ip``/``kv_port``/``engine_id`` override what the spec gives (the
     operator passes the pod's IP and name; ``pdfleet up`` a free local port).
     """
     if role not in KV_ROLES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     kv = spec.kv_transfer
-    if not disaggregating(spec) or kv.connector is None:
+    lends = peer_pulls(spec, role)
+    if not (disaggregating(spec) or lends) or kv.connector is None:
         return None
     values: dict[str, Any] = {
         "kv_connector": kv.connector,
-        "kv_role": KV_ROLES[role],
+        # A peer-pull engine lends its cached blocks and pulls its peers'.
+        "kv_role": "kv_both" if lends else KV_ROLES[role],
         "kv_port": kv.port if kv_port is None else kv_port,
         "kv_connector_extra_config": connector_extra_config(spec),
         "kv_load_failure_policy": kv.load_failure_policy,
@@ -126,6 +130,37 @@ def role_kv_transfer_config(
     if kv_ip is not None:
         values["kv_ip"] = kv_ip
     return KVTransferConfig(**values)
+
+
+def peer_pulls(spec: InferenceServiceSpec, role: str) -> bool:
+    """Whether the role's engines lend cached prefixes to each other and pull
+    them (``spec.<role>.peerPull``, aggregated fleets; docs/peer-pull.md)."""
+    return (
+        role == "decode"
+        and spec.decode.peer_pull
+        and not disaggregating(spec)
+        and spec.kv_transfer.connector is not None
+    )
+
+
+def moves_kv(spec: InferenceServiceSpec) -> bool:
+    """Whether engines of the service exchange KV (a KV connector runs): P/D, or
+    peer pulls in an aggregated fleet."""
+    return spec.kv_transfer.connector is not None and (
+        disaggregating(spec) or peer_pulls(spec, "decode")
+    )
+
+
+# Leading prompt blocks the gateway hashes when peer pulls are on: a lend covers at
+# most these (4096 tokens at 16 per block).
+PEER_PULL_PREFIX_BLOCKS = 256
+
+
+def gateway_peer_pull_settings(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The gateway's peer-pull flags (``GatewayConfig`` keyword arguments)."""
+    if not peer_pulls(spec, "decode"):
+        return {}
+    return {"peer_pull": True, "prefix_blocks": PEER_PULL_PREFIX_BLOCKS}
 
 
 def publishes_kv_events(spec: InferenceServiceSpec, role: str) -> bool:

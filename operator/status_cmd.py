@@ -117,6 +117,8 @@ class FleetView:
     decision: Mapping[str, Any] | None = None
     stopped: bool = False
     """A local run whose ``pdfleet up`` is gone (the exit status says so)."""
+    peer_pull: str | None = None
+    """The gateway's peer-pull line (``--peer-pull``; None: off or not read)."""
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -174,12 +176,37 @@ def render(views: list[FleetView], width: int = WIDTH) -> str:
             lines.append("(no engines)")
         last = "none yet" if view.decision is None else describe_decision(view.decision)
         lines.append(f"autoscaler: {last}")
+        if view.peer_pull is not None:
+            lines.append(view.peer_pull)
         if any(r.sample is not None and r.sample.error == UNAUTHORIZED for r in view.rows):
             lines.append(
                 f"denied: run as the user who ran `pdfleet up` (its run's {SECRET_FILE} file)"
             )
             lines.append("        or set PDFLEET_FLEET_SECRET to the fleet's secret")
     return "\n".join(line if len(line) <= width else line[: width - 1] + "…" for line in lines)
+
+
+def peer_pull_line(text: str) -> str | None:
+    """``peer pulls: crossover N tokens; pull a, holder b, recompute c`` from a
+    gateway's /metrics (docs/peer-pull.md); None when its peer pulls are off."""
+    scrape = m.parse_metrics(
+        text, only=(m.GATEWAY_PEER_PULL_FLEET_CROSSOVER.name, m.GATEWAY_PEER_PULL_DECISIONS.name)
+    )
+    crossover = scrape.total(m.GATEWAY_PEER_PULL_FLEET_CROSSOVER.name)
+    if not crossover:  # absent, or 0: the gateway's peer pulls are off
+        return None
+    counts: dict[str, float] = {}
+    for labels, value in scrape.samples.get(m.GATEWAY_PEER_PULL_DECISIONS.name, ()):
+        decision = labels.get("decision", "?")
+        counts[decision] = counts.get(decision, 0.0) + value
+    if crossover < 0:
+        where = "crossover not measured yet"
+    elif crossover == float("inf"):
+        where = "crossover: pulling never wins"
+    else:
+        where = f"crossover {crossover:.0f} tokens"
+    done = ", ".join(f"{d} {counts.get(d, 0.0):.0f}" for d in ("pull", "holder", "recompute"))
+    return f"peer pulls: {where}; {done}"
 
 
 # -- scraping ---------------------------------------------------------------------------
@@ -256,6 +283,12 @@ class LocalSource:
         if gw_state == "ready" and gw.get("url") and not self._answers(gw["url"]):
             gw_state = "down"
         decisions = state.get("lastDecisions") or []
+        peer = None
+        if gw_state == "ready" and gw.get("url"):
+            try:
+                peer = peer_pull_line(self._get(gw["url"]))
+            except (httpx.HTTPError, ValueError):
+                peer = None
         return [
             FleetView(
                 state["service"],
@@ -264,6 +297,7 @@ class LocalSource:
                 rows,
                 decisions[-1] if decisions else None,
                 stopped=not alive,
+                peer_pull=peer,
             )
         ]
 

@@ -61,6 +61,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "body_timeout": (0.01, DAY, False),
     "kv_index_stale_after": (0.01, DAY, False),
     "kv_host_weight": (0.0, 1.0, False),
+    "peer_pull_lend_timeout": (0.01, 3600.0, False),
 }
 
 
@@ -264,6 +265,15 @@ class GatewayConfig:
     kv_host_weight: float = 0.5
     """Weight of a prompt block an engine holds only in its host-memory tier
     (KV events with `medium: CPU`), relative to a device-tier block (1)."""
+    peer_pull: bool = False
+    """Peer pulls (docs/peer-pull.md): per request, serve a cached prefix on the
+    engine that holds it, or have another engine pull it from the holder over
+    the KV connector, or recompute it, whichever the measured costs predict is
+    fastest. Needs the exact prefix index (KV events) and engines whose
+    `kv_role` is `kv_both`; engines without a connector are never pulled into."""
+    peer_pull_lend_timeout: float = 2.0
+    """Seconds a holder has to answer a lend request (it lends from its cache
+    ahead of its queue); past them the request is recomputed elsewhere."""
     trust_client_trace_context: bool = False
     """Continue the trace of a client's `traceparent`, sampled flag included
     (tracing on, docs/observability.md). Off: each request starts a new trace,

@@ -48,6 +48,11 @@ CHAIN_ALGO_FIELD = "pdfleet_block_hash_algo"
 # The producer's vouched identity (fleets with identities): the consumer pulls only
 # from a side channel that proves it.
 PRODUCER_FIELD = "pdfleet_producer"
+# A lend request (an engine that holds a cached prefix lends it to a peer): how many
+# leading full blocks of the prompt to lease. The lending engine leases them only if
+# its prefix cache (device or host tier) holds every one, and refuses otherwise; it
+# computes only the one token after them (the lease is a prefill leg's).
+LEND_FIELD = "pdfleet_lend_blocks"
 # The fields a signature adds.
 SIG_FIELD = "pdfleet_sig"
 EXPIRES_FIELD = "pdfleet_expires"
@@ -105,6 +110,9 @@ class KVTransferParams:
     """``pdfleet_expires``: wall-clock seconds after which the signature is refused."""
     signature: str | None = None
     """``pdfleet_sig``: HMAC-SHA256 (hex) over every other field."""
+    lend_blocks: int | None = None
+    """``pdfleet_lend_blocks`` (with ``do_remote_decode``): lease this many leading
+    full blocks of the prompt from the prefix cache, or refuse if it lacks one."""
 
     @classmethod
     def from_wire(cls, raw: Mapping[str, Any]) -> KVTransferParams:
@@ -150,6 +158,7 @@ class KVTransferParams:
             producer=_text(raw, PRODUCER_FIELD),
             expires=expires,
             signature=_text(raw, SIG_FIELD),
+            lend_blocks=_integer(raw, LEND_FIELD),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -175,6 +184,7 @@ class KVTransferParams:
             PRODUCER_FIELD: self.producer,
             EXPIRES_FIELD: self.expires,
             SIG_FIELD: self.signature,
+            LEND_FIELD: self.lend_blocks,
         }
         keep = set(_VLLM_REQUEST_FIELDS)
         if self.lease_id is not None:

@@ -689,6 +689,51 @@ def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
 
 # --- Gateway: activation of pools scaled to zero ----------------------------
 
+# Peer pulls (docs/peer-pull.md): the gateway's decisions and its measured costs.
+GATEWAY_PEER_PULL_DECISIONS = Metric(
+    "pdfleet_gateway_peer_pull_decisions_total",
+    "counter",
+    "Requests whose prompt prefix another engine held, by what the gateway did: holder "
+    "(served there), pull (the holder lent the prefix, another engine pulls it), "
+    "recompute; and why (cost: the predicted fastest, explore: no pair measured yet, "
+    "lend_refused / lend_failed: a pull was chosen but the holder did not lend, so "
+    "recomputed).",
+    ("decision", "reason"),
+)
+GATEWAY_PEER_PULL_CROSSOVER = Metric(
+    "pdfleet_gateway_peer_pull_crossover_tokens",
+    "gauge",
+    "Prefix tokens from which pulling them from `holder` into `puller` is predicted "
+    "faster than `puller` recomputing them (measured lend time, pair bandwidth and "
+    "prefill rate); +Inf when pulling never wins.",
+    ("holder", "puller"),
+)
+GATEWAY_PEER_PULL_FLEET_CROSSOVER = Metric(
+    "pdfleet_gateway_peer_pull_fleet_crossover_tokens",
+    "gauge",
+    "The crossover of the median measured pair (-1 before any pair is measured, 0 while "
+    "peer pulls are off).",
+)
+GATEWAY_PEER_PULL_BANDWIDTH = Metric(
+    "pdfleet_gateway_peer_pull_bandwidth_bytes_per_second",
+    "gauge",
+    "Measured KV pull bandwidth from `holder` into `puller` (an average over recent "
+    "scrapes of the puller's per-producer pull counters).",
+    ("holder", "puller"),
+)
+GATEWAY_PEER_PULL_PREFILL_RATE = Metric(
+    "pdfleet_gateway_peer_pull_prefill_tokens_per_second",
+    "gauge",
+    "An engine's measured prefill rate (prompt tokens per second of prefill forward "
+    "time, averaged over recent scrapes).",
+    ("url",),
+)
+GATEWAY_PEER_PULL_LEND_SECONDS = Metric(
+    "pdfleet_gateway_peer_pull_lend_seconds",
+    "gauge",
+    "Average time a holder took to answer a lend request (its lease of cached blocks).",
+    ("url",),
+)
 GATEWAY_ACTIVATIONS = Metric(
     "pdfleet_gateway_activation_requests_total",
     "counter",
@@ -708,6 +753,36 @@ ENGINE_KV_TRANSFER_SHARD_BYTES = Metric(
     "KV bytes each tensor-parallel rank of a NIXL consumer read into its own shard "
     "(its KV heads' share of every pulled block).",
     (MODEL_NAME, KV_SHARD),
+)
+
+# --- Engine: KV pulls per producer (peer pulls' cost model, docs/peer-pull.md) --
+
+KV_PRODUCER = "producer"
+ENGINE_KV_PEER_PULLS = Metric(
+    "pdfleet_engine_kv_peer_pulls_total",
+    "counter",
+    "Confirmed KV pulls from each producer (its engine id); at most 256 producers are "
+    "named, the rest count under `other`.",
+    (MODEL_NAME, KV_PRODUCER),
+)
+ENGINE_KV_PEER_PULL_BYTES = Metric(
+    "pdfleet_engine_kv_peer_pull_bytes_total",
+    "counter",
+    "KV bytes of the confirmed pulls from each producer.",
+    (MODEL_NAME, KV_PRODUCER),
+)
+ENGINE_KV_PEER_PULL_SECONDS = Metric(
+    "pdfleet_engine_kv_peer_pull_seconds_total",
+    "counter",
+    "Wall seconds of the confirmed pulls from each producer (claim, READ and confirm; "
+    "not the handshake).",
+    (MODEL_NAME, KV_PRODUCER),
+)
+ENGINE_KV_BLOCK_BYTES = Metric(
+    "pdfleet_engine_kv_block_bytes",
+    "gauge",
+    "Bytes a KV pull moves per block (every layer, K and V, every shard).",
+    _M,
 )
 
 # --- Engine: the host KV tier (--kv-offload-bytes, docs/kv_offload.md) --------

@@ -88,6 +88,17 @@ class SchedulerStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+# Lend requests a step may run past ``max_num_seqs`` (each computes one token).
+LEND_SLOTS = 8
+
+
+def _lend_blocks(request: Request) -> int:
+    """The blocks a lend request (peer pull, docs/peer-pull.md) must find cached; 0
+    for every other request."""
+    p = request.kv_transfer_params
+    return int(p.lend_blocks or 0) if p is not None and p.do_remote_decode else 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -129,6 +140,9 @@ class Scheduler:
         self.slot_promised: set[str] = set()
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0
+        # Lend requests refused in ``schedule`` (their blocks left the cache): their
+        # error outputs go out with the step's.
+        self.refused: list[EngineCoreOutput] = []
 
     # -- requests ---------------------------------------------------------------
 
@@ -143,7 +157,11 @@ class Scheduler:
             root_hash(request.sampling_params.cache_salt),
         )
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        if _lend_blocks(request):
+            # A lend request computes one token and unblocks a peer: it goes first.
+            self.waiting.push_front(request)
+        else:
+            self.waiting.push(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort/stop requests by id (unknown ids are ignored). Frees their blocks."""
@@ -179,6 +197,20 @@ class Scheduler:
                 return params
         self.kv.free(request)
         return params
+
+    def _refuse_lend(self, request: Request, held: int, wanted: int) -> None:
+        message = (
+            f"kv_transfer_params: pdfleet_lend_blocks: this engine holds {held} of the "
+            f"{wanted} blocks named (evicted since); nothing leased"
+        )
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = message
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self.refused.append(
+            EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=message)
+        )
 
     def _quarantine(self, request: Request) -> None:
         """A pull may still write the request's blocks: keep them out of the free pool
@@ -370,10 +402,17 @@ class Scheduler:
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and budget > 0:
             if not self.waiting:
                 break
             request = self.waiting.peek()
+            if len(self.running) >= self.max_num_seqs and not (
+                _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
+            ):
+                # Every slot is taken. A lend request (at the head of the queue) still
+                # goes, up to LEND_SLOTS past the bound: it computes one token and
+                # finishes in this step.
+                break
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
                 continue
@@ -398,6 +437,13 @@ class Scheduler:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
                 host_hits = self.kv.get_host_hits(request, len(computed_blocks))
                 num_hit += len(host_hits) * self.block_size
+                lend = _lend_blocks(request)
+                if lend and len(computed_blocks) + len(host_hits) < lend:
+                    # The blocks the lend names left this engine's cache (evicted, or
+                    # never held): refuse it rather than compute them.
+                    self.waiting.pop()
+                    self._refuse_lend(request, len(computed_blocks) + len(host_hits), lend)
+                    continue
             if (
                 self.connector is not None
                 and request.kv_transfer_params
@@ -525,6 +571,9 @@ class Scheduler:
                 out.kv_transfer_params = self._free_request(request)
             outputs.append(out)
         outputs.extend(self._update_kv_transfers(runner_out))
+        if self.refused:
+            outputs.extend(self.refused)
+            self.refused = []
         return outputs
 
     def _update_kv_transfers(self, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -47,6 +47,7 @@ from .discovery import Discovery, make_discovery
 from .engines import EngineLoad, EnginePool, EngineState
 from .kv_index import KVEventFollower, KVIndex
 from .metrics import GatewayMetrics
+from .peer_pull import PeerPull
 from .prompt import PromptAnalyzer
 from .proxy import Proxy
 from .routing import KVPairBreaker, PrefixAffinity, Router
@@ -112,6 +113,8 @@ class Gateway:
         def forget(url: str) -> None:
             self.affinity.forget(url)
             self.breaker.forget(url)
+            if self.peer_pull is not None:
+                self.peer_pull.forget(url)
 
         self.pool = EnginePool(
             config,
@@ -133,6 +136,14 @@ class Gateway:
             self.kv_index, self.metrics, secret if config.kv_events_auth == "fleet" else None
         )
         self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
+        # Peer pulls (--peer-pull, docs/peer-pull.md): measured costs, per-request choice.
+        self.peer_pull = (
+            PeerPull(
+                self.metrics, self.kv_index, self.pool.block_size, config.peer_pull_lend_timeout
+            )
+            if config.peer_pull
+            else None
+        )
         self.proxy = Proxy(
             config,
             self.pool,
@@ -142,6 +153,7 @@ class Gateway:
             self.metrics,
             self.upstream,
             self.breaker,
+            self.peer_pull,
         )
         self.pool.on_routable = self.proxy.admission.engines_changed
         self.metrics.on_collect(self._engine_gauges)
@@ -161,6 +173,8 @@ class Gateway:
         if e.serves("decode"):
             self.breaker.scraped(e, old, new)
         self.proxy.admission.scraped(e, old, new)
+        if self.peer_pull is not None:
+            self.peer_pull.scraped(e, old, new)
 
     def _engine_gauges(self) -> None:
         """At each collection: each engine's stall limit and learned capacity."""
@@ -470,6 +484,8 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                     "step_running_s": None
                     if e.step_started is None
                     else round(now - e.step_started, 3),
+                    # Peer pulls' measured costs of it (--peer-pull; else null).
+                    "peer_pull": None if gw.peer_pull is None else gw.peer_pull.view(e.url),
                 }
                 for e in gw.pool.engines.values()
             ],

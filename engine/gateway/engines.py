@@ -73,11 +73,25 @@ _STEP_BUCKET = _STEP.name + "_bucket"
 # The step in progress (pdfleet engines only): its age, answered while it runs.
 _STEP_RUNNING = m.ENGINE_STEP_RUNNING.name
 _STEP_TOKENS = m.ENGINE_STEP_SCHEDULED_TOKENS.name
+# What peer pulls' cost model reads (docs/peer-pull.md): prefill rate, backlog, KV
+# bytes per block, and each producer's confirmed pulls into this engine.
+_PEER_PULL = {
+    "prefill_busy_seconds": m.ENGINE_PREFILL_BUSY_SECONDS.name,
+    "waiting_prompt_tokens": m.ENGINE_WAITING_PROMPT_TOKENS.name,
+    "kv_block_bytes": m.ENGINE_KV_BLOCK_BYTES.name,
+}
+_PEER_ROWS = (
+    m.ENGINE_KV_PEER_PULLS.name,
+    m.ENGINE_KV_PEER_PULL_BYTES.name,
+    m.ENGINE_KV_PEER_PULL_SECONDS.name,
+)
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
+    *_PEER_PULL.values(),
+    *_PEER_ROWS,
 )
 # Seconds over which an engine's longest step is remembered.
 STEP_WINDOW_S = 300.0
@@ -113,6 +127,14 @@ class EngineLoad:
     None for engines that do not report it (vLLM)."""
     step_tokens: float = 0.0
     """Tokens that step scheduled."""
+    prefill_busy_seconds: float = 0.0
+    """Forward seconds of steps that computed prompt tokens (pdfleet engines)."""
+    waiting_prompt_tokens: float = 0.0
+    """Prompt tokens not yet computed of the requests not running."""
+    kv_block_bytes: float = 0.0
+    """Bytes a KV pull moves per block (0: no KV connector, cannot lend or pull)."""
+    peer_pulls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -158,6 +180,15 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     load.step_buckets = tuple(sorted(buckets.items()))
     load.step_running = scrape.total(_STEP_RUNNING)
     load.step_tokens = scrape.total(_STEP_TOKENS) or 0.0
+    for attr, name in _PEER_PULL.items():
+        setattr(load, attr, scrape.total(name) or 0.0)
+    rows: dict[str, list[float]] = {}
+    for i, name in enumerate(_PEER_ROWS):
+        for labels_of, value in scrape.samples.get(name, ()):
+            producer = labels_of.get(m.KV_PRODUCER)
+            if producer:
+                rows.setdefault(producer, [0.0, 0.0, 0.0])[i] += value
+    load.peer_pulls = {k: (v[0], v[1], v[2]) for k, v in rows.items()}
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None

@@ -130,6 +130,12 @@ class GatewayMetrics:
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
         self.activations = m.GATEWAY_ACTIVATIONS.create(r)
+        self.peer_pull_decisions = m.GATEWAY_PEER_PULL_DECISIONS.create(r)
+        self.peer_pull_crossover = m.GATEWAY_PEER_PULL_CROSSOVER.create(r)
+        self.peer_pull_fleet_crossover = m.GATEWAY_PEER_PULL_FLEET_CROSSOVER.create(r)
+        self.peer_pull_bandwidth = m.GATEWAY_PEER_PULL_BANDWIDTH.create(r)
+        self.peer_pull_prefill_rate = m.GATEWAY_PEER_PULL_PREFILL_RATE.create(r)
+        self.peer_pull_lend_seconds = m.GATEWAY_PEER_PULL_LEND_SECONDS.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""
@@ -162,6 +168,14 @@ class GatewayMetrics:
                 metric.remove(url, role)
         with contextlib.suppress(KeyError):
             self.kv_index_fresh.remove(url)
+        for metric in (self.peer_pull_prefill_rate, self.peer_pull_lend_seconds):
+            with contextlib.suppress(KeyError):
+                metric.remove(url)
+        for metric in (self.peer_pull_crossover, self.peer_pull_bandwidth):
+            for holder, puller in list(metric._metrics):
+                if url in (holder, puller):
+                    with contextlib.suppress(KeyError):
+                        metric.remove(holder, puller)
         for prefill, decode in list(self.kv_pair_open._metrics):
             if url in (prefill, decode):
                 with contextlib.suppress(KeyError):

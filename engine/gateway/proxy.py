@@ -55,6 +55,7 @@ from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
 from .legs import Legs
 from .metrics import GatewayMetrics
+from .peer_pull import PeerPull, Plan
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
 from .relay import DisconnectWatch, RelayResponse
@@ -88,8 +89,12 @@ class Proxy:
         metrics: GatewayMetrics,
         client: UpstreamClient,
         breaker: KVPairBreaker | None = None,
+        peer_pull: PeerPull | None = None,
     ) -> None:
         self.config = config
+        self.peer_pull = peer_pull
+        """Peer pulls (``--peer-pull``): serve a held prefix on its holder, pull it, or
+        recompute it, by measured cost (``peer_pull.py``)."""
         self.pool = pool
         self.router = router
         self.analyzer = analyzer
@@ -201,6 +206,9 @@ class Proxy:
             if isinstance(routed, Response):
                 return routed
             route = routed
+        plan = self._peer_plan(route, info)
+        if plan is not None:
+            route = Route(plan.engine, None, route.decision, route.reason)
         self.legs.take_slot(call, route.decode)
         if route.prefill is not None:
             self.legs.take_prefill_slot(call, route.prefill)
@@ -219,6 +227,16 @@ class Proxy:
             if outcome is not None:
                 call.plain_payload = payload
                 payload = json.dumps(decode_body(body, outcome)).encode()
+        elif plan is not None and plan.decision == "pull":
+            if self.peer_pull is None:
+                raise RuntimeError("broken invariant: a pull plan without a peer-pull planner")
+            params = await self.peer_pull.lend(
+                self.legs.client, plan, call.endpoint, body, call.chat, call.headers
+            )
+            if params is not None:
+                # As a decode leg: refused params fall back to the plain body.
+                call.plain_payload, call.prefill_url = payload, plan.holder.url
+                payload = json.dumps(decode_body(body, params)).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
             if route.reason == "no_prefill_engine":
                 self.activation.wanted("prefill")
@@ -229,6 +247,24 @@ class Proxy:
         return await self.decode.json(call, route, info, payload)
 
     # -- route -------------------------------------------------------------------
+
+    def _peer_plan(self, route: Route, info: PromptInfo) -> Plan | None:
+        """Peer pulls: where to serve a request whose prefix another engine holds
+        (None: as routed). Only for a route without a prefill leg."""
+        if self.peer_pull is None or route.prefill is not None:
+            return None
+        full = self.admission.full(self.pool.engines.values())
+        plan = self.peer_pull.plan(
+            info, route.decode, self.pool.candidates("decode"), full, self.pool.block_size
+        )
+        if plan is None:
+            self.peer_pull.routed_request(route.decode, info)
+            return None
+        if plan.decision != "pull":  # a pull is counted once its lend is answered
+            self.peer_pull.count(plan.decision, plan.reason)
+        served = next(o for o in plan.options if o.decision == plan.decision)
+        self.peer_pull.routed(plan.engine, served.tokens)
+        return plan
 
     def _sole_route(self) -> Route | None:
         """The route when it cannot depend on the prompt: ``Disabled`` mode

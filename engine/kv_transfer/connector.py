@@ -160,6 +160,8 @@ class Lease:
     chain: str | None = None
 
 
+# Producers named in the per-producer pull counters (a bounded label set).
+MAX_PEERS_NAMED = 256
 # Pulls smaller than this are latency, not bandwidth: they are not measured.
 BANDWIDTH_MIN_PULL_BYTES = 4 << 20
 BANDWIDTH_WINDOW = 8
@@ -211,6 +213,9 @@ class ConnectorStats:
     remote_evictions: int = 0
     refused_reads: int = 0
     transfer_seconds: list[float] = field(default_factory=list)  # drained by the exporter
+    # Confirmed pulls per producer engine id: [pulls, bytes, seconds] (the gateway's
+    # measure of each pair's bandwidth); at most MAX_PEERS_NAMED ids, then "other".
+    per_producer: dict[str, list[float]] = field(default_factory=dict)
     pull_bandwidth: float = 0.0  # bytes/s, mean of the recent measured pulls
     degraded: bool = False  # KVTransferDegraded: pull_bandwidth under the floor
 
@@ -793,6 +798,14 @@ class PDConnector:
                 self.stats.bytes_transferred += nbytes
                 seconds = time.monotonic() - load.started
                 self.stats.transfer_seconds.append(seconds)
+                peers = self.stats.per_producer
+                producer = str(load.params.remote_engine_id)
+                if producer not in peers and len(peers) >= MAX_PEERS_NAMED:
+                    producer = "other"
+                row = peers.setdefault(producer, [0.0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += nbytes
+                row[2] += seconds
                 was_degraded = self.stats.degraded
                 if self.bandwidth.add(nbytes, seconds):
                     self.stats.pull_bandwidth = self.bandwidth.mean

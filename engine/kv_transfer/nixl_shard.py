@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,9 @@ class _Read:
     posted: bool = False
     error: bool = False
     reported: bool = False
+    # The READs NIXL accepted: only those may still write (one it refused, e.g. to
+    # a peer that disconnected since the read was prepared, never started).
+    live: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -302,7 +305,14 @@ class ShardAgent:
     def _post(self, read: _Read) -> None:
         read.posted = True
         for xfer in read.xfers:
-            if self.agent.transfer(xfer) == "ERR":
+            try:
+                status = self.agent.transfer(xfer)
+            except Exception as e:  # the peer went away: NIXL raises, not "ERR"
+                logger.warning("a KV READ could not be posted: %s", e)
+                read.error = True
+                continue
+            read.live.append(xfer)
+            if status == "ERR":
                 read.error = True
 
     def _release(self, token: int) -> None:
@@ -336,10 +346,18 @@ class ShardAgent:
             if time.monotonic() < read.start_at:
                 return PROC
             self._post(read)
-        states = [self.agent.check_xfer_state(x) for x in read.xfers]
+        states = [self._xfer_state(x) for x in read.live]
         if any(s == "PROC" for s in states):
             return PROC
         return ERR if read.error or any(s != DONE for s in states) else DONE
+
+    def _xfer_state(self, xfer: Any) -> str:
+        try:
+            state: str = self.agent.check_xfer_state(xfer)
+            return state
+        except Exception as e:  # a disconnected peer: the READ ended in error
+            logger.warning("a KV READ failed: %s", e)
+            return ERR
 
     def poll(self) -> list[ShardReadEnded]:
         """Each read that ended since the last poll."""

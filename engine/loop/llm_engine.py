@@ -20,6 +20,9 @@ from ..sampling_params import SamplingParams
 from .engine_core import EngineCore, StepFailed, StepStats
 from .output_processor import IterationStats, OutputProcessor, RequestState
 
+# Lend requests (peer pulls) go ahead of every queued request: they compute one token.
+LEND_PRIORITY = -(2**31)
+
 logger = logging.getLogger(__name__)
 
 # generation_config.json keys that become default sampling parameters.
@@ -257,6 +260,8 @@ class LLMEngine:
                 KVTransferParams.from_wire(kv_transfer_params)
             else:
                 kv_params = self.connector.scheduler.accept(kv_transfer_params)
+        if kv_params is not None and kv_params.lend_blocks is not None:
+            prompt_ids, params, priority = self._lend(kv_params, prompt_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(prompt_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -299,6 +304,34 @@ class LLMEngine:
         )
         for r in requests:
             self.core.add_request(r)
+
+    def _lend(
+        self, p: KVTransferParams, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams, int]:
+        """A lend request (docs/peer-pull.md): the first ``lend_blocks`` full blocks of
+        the prompt and the one token after them, one output token, ahead of every
+        queued request. The scheduler refuses it unless its prefix cache holds all
+        of those blocks; when it finishes they are leased as a prefill leg's."""
+        n = p.lend_blocks
+        bs = self.config.cache_config.block_size
+        if not p.do_remote_decode:
+            raise ValueError("kv_transfer_params: pdfleet_lend_blocks needs do_remote_decode")
+        if n is None or n < 1:
+            raise ValueError("kv_transfer_params: pdfleet_lend_blocks must be at least 1")
+        if not self.config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "kv_transfer_params: pdfleet_lend_blocks needs prefix caching on this engine"
+            )
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise ValueError(
+                "kv_transfer_params: pdfleet_lend_blocks takes n=1, no prompt_logprobs"
+            )
+        if len(prompt_ids) < n * bs + 1:
+            raise ValueError(
+                f"kv_transfer_params: pdfleet_lend_blocks {n} needs at least {n * bs + 1} prompt "
+                f"tokens, the prompt has {len(prompt_ids)}"
+            )
+        return prompt_ids[: n * bs + 1], params.clone(max_tokens=1, min_tokens=0), LEND_PRIORITY
 
     def fail_step(self, failure: StepFailed) -> list[str]:
         """Fail every request of a step that raised; returns their (parent) ids.

@@ -40,6 +40,7 @@ from ..resource import InferenceService
 from ..roles import (
     disaggregating,
     engine_command,
+    gateway_peer_pull_settings,
     gateway_request_bounds,
     publishes_kv_events,
     role_engine_args,
@@ -282,6 +283,7 @@ class LocalFleet:
             **gateway_request_bounds(spec),
             trust_client_trace_context=spec.gateway.trust_client_trace_context,
             **spec.gateway.overload_settings(),
+            **gateway_peer_pull_settings(spec),
         )
 
     def gateway_metrics_text(self) -> str | None:

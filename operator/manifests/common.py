@@ -17,7 +17,7 @@ from ..resource import (
     ServingSpec,
 )
 from ..roles import (
-    disaggregating,
+    moves_kv,
     role_engine_args,
 )
 
@@ -260,11 +260,7 @@ ANNOTATION_IDENTITY = "pdfleet.dev/identity-authority-version"
 def identity_enabled(spec: InferenceServiceSpec) -> bool:
     """Whether the service's engines get identities: a KV connector runs, and
     ``kvTransfer.identity`` is ``Required``."""
-    return (
-        spec.kv_transfer.identity == "Required"
-        and disaggregating(spec)
-        and spec.kv_transfer.connector is not None
-    )
+    return spec.kv_transfer.identity == "Required" and moves_kv(spec)
 
 
 def identity_secret_name(name: str) -> str:

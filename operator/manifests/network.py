@@ -12,6 +12,7 @@ from ..roles import (
     KV_EVENTS_PORT,
     KV_EVENTS_REPLAY_PORT,
     disaggregating,
+    peer_pulls,
     publishes_kv_events,
 )
 from .common import (
@@ -55,7 +56,8 @@ def build_network_policies(
     Engines: HTTP only from the service's gateway pods and the operator pod;
     the KV event ports (when the role publishes) only from the gateway pods;
     the KV side channel and the UCX port range only from the other role's
-    pods; for multi-node roles, any port from the role's own pods (the
+    pods, and from the role's own pods when it pulls from its peers
+    (``peerPull``); for multi-node roles, any port from the role's own pods (the
     rendezvous, NCCL and gloo pick their ports at run time). The gateway: its
     port from anywhere (it checks API keys itself).
     Policies add up, so a cluster admin may admit more (e.g. a Prometheus).
@@ -63,6 +65,9 @@ def build_network_policies(
     policies = []
     kv = disaggregating(spec) and spec.kv_transfer.connector is not None
     other = {"prefill": "decode", "decode": "prefill"}
+    kv_ports = [_tcp(spec.kv_transfer.port)]
+    if spec.kv_transfer.connector == "NixlConnector":
+        kv_ports.append(_tcp(*ucx_port_range(spec)))
     for role in ("prefill", "decode"):
         ingress: list[dict[str, Any]] = [
             {
@@ -81,13 +86,18 @@ def build_network_policies(
                 }
             )
         if kv:
-            ports = [_tcp(spec.kv_transfer.port)]
-            if spec.kv_transfer.connector == "NixlConnector":
-                ports.append(_tcp(*ucx_port_range(spec)))
             ingress.append(
                 {
                     "from": [{"podSelector": {"matchLabels": selector_labels(name, other[role])}}],
-                    "ports": ports,
+                    "ports": kv_ports,
+                }
+            )
+        if peer_pulls(spec, role):
+            # Peer pulls: the role's engines pull cached prefixes from each other.
+            ingress.append(
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(name, role)}}],
+                    "ports": kv_ports,
                 }
             )
         if multi_node(spec, role):

@@ -35,6 +35,7 @@ from ..roles import (
     added_capabilities,
     disaggregating,
     engine_command,
+    gateway_peer_pull_settings,
     gateway_request_bounds,
     model_source,
     publishes_kv_events,
@@ -335,6 +336,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
         **spec.gateway.overload_settings(),
+        **gateway_peer_pull_settings(spec),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
 

@@ -9,7 +9,7 @@ from ..resource import (
 )
 from ..roles import (
     ENGINE_PORT,
-    disaggregating,
+    moves_kv,
 )
 from .common import Owner, child_name, common_labels, multi_node, object_meta, selector_labels
 
@@ -18,7 +18,7 @@ def build_engine_service(
     name: str, spec: InferenceServiceSpec, role: str, *, namespace: str, owner: Owner | None
 ) -> dict[str, Any]:
     ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
-    if disaggregating(spec) and spec.kv_transfer.connector is not None:
+    if moves_kv(spec):
         ports.append(
             {"name": "kv", "port": spec.kv_transfer.port, "targetPort": "kv", "protocol": "TCP"}
         )

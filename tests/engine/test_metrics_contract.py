@@ -89,6 +89,8 @@ def test_histograms_and_only_histograms_take_buckets():
 def test_engine_exports_every_declared_series_under_both_names():
     metrics = EngineMetrics(engine_config("NixlConnector"))
     metrics.request_success.labels(model_name="tiny", finished_reason="stop").inc()
+    for family in metrics.peer_pulls:  # labelled by producer as pulls complete
+        family.labels(model_name="tiny", producer="p").inc()
     exported = exported_families(metrics.registry)
     engine = [
         x
@@ -137,6 +139,11 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_index_resets.labels("http://e", "restart").inc()
     metrics.kv_index_fresh.labels("http://e").set(1)
     metrics.activations.labels("decode").inc()
+    metrics.peer_pull_decisions.labels("pull", "cost").inc()
+    metrics.peer_pull_crossover.labels("http://h", "http://e").set(100)
+    metrics.peer_pull_bandwidth.labels("http://h", "http://e").set(1e9)
+    metrics.peer_pull_prefill_rate.labels("http://e").set(1e4)
+    metrics.peer_pull_lend_seconds.labels("http://h").set(0.01)
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):

@@ -219,3 +219,30 @@ def test_duplicate_request_ids_are_rejected():
     s.add_request(request("a", 3))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(request("a", 3))
+
+
+def lend_request(rid, prompt, blocks) -> Request:
+    params = KVTransferParams(do_remote_decode=True, lend_blocks=blocks)
+    return Request(rid, list(prompt), SamplingParams(max_tokens=1), kv_transfer_params=params)
+
+
+def test_a_lend_goes_first_past_max_num_seqs_and_is_refused_without_its_blocks():
+    s = make(seqs=1)
+    s.add_request(request("cached", 25, max_tokens=1))  # 3 full blocks of 8 enter the cache
+    run_all(s)
+    s.add_request(request("busy", 4, max_tokens=50, first=500))
+    step(s)  # the only slot is taken
+    s.add_request(request("queued", 4, first=600))
+    s.add_request(lend_request("lend", range(25), 3))
+    out = step(s)
+    # Ahead of "queued", past the slot bound, computing only the token after the blocks.
+    assert out.num_scheduled_tokens.get("lend") == 1 and "queued" not in out.num_scheduled_tokens
+    assert "lend" not in s.requests
+    # Blocks no cache holds: refused before any forward, with an error output.
+    s.add_request(lend_request("gone", range(900, 925), 3))
+    out = s.schedule()
+    assert "gone" not in out.num_scheduled_tokens
+    outputs = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={}))
+    refused = [o for o in outputs if o.request_id == "gone"]
+    assert refused and refused[0].finish_reason == "error"
+    assert "pdfleet_lend_blocks" in str(refused[0].stop_reason)

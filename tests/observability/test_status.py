@@ -346,3 +346,23 @@ def test_another_users_run_says_whose_it_is(tmp_path, monkeypatch):
             source.views({})
     finally:
         source.close()
+
+
+def test_the_gateways_peer_pull_crossover_and_decisions_are_one_line():
+    from pdfleet.operator.status_cmd import peer_pull_line
+
+    text = (
+        "pdfleet_gateway_peer_pull_fleet_crossover_tokens 812.4\n"
+        'pdfleet_gateway_peer_pull_decisions_total{decision="pull",reason="cost"} 3\n'
+        'pdfleet_gateway_peer_pull_decisions_total{decision="pull",reason="explore"} 1\n'
+        'pdfleet_gateway_peer_pull_decisions_total{decision="recompute",reason="cost"} 2\n'
+    )
+    assert peer_pull_line(text) == "peer pulls: crossover 812 tokens; pull 4, holder 0, recompute 2"
+    unmeasured = "pdfleet_gateway_peer_pull_fleet_crossover_tokens -1\n"
+    assert peer_pull_line(unmeasured) == (
+        "peer pulls: crossover not measured yet; pull 0, holder 0, recompute 0"
+    )
+    assert peer_pull_line("pdfleet_gateway_queued_requests 0\n") is None
+    assert peer_pull_line("pdfleet_gateway_peer_pull_fleet_crossover_tokens 0\n") is None
+    view = FleetView("svc", "run", "gateway http://g ready", [], peer_pull=peer_pull_line(text))
+    assert render([view]).splitlines()[-1].startswith("peer pulls: crossover 812 tokens")

@@ -145,3 +145,22 @@ def test_compat_hash_changes_with_what_must_match_only():
     assert compat_hash(spec(engine={"blockSize": 32})) != base
     assert compat_hash(spec(model={"name": "m", "revision": "r2"})) != base
     assert compat_hash(spec(kvTransfer={"connector": "ZmqConnector"})) != base
+
+
+def test_peer_pulls_serve_the_decode_role_of_an_aggregated_fleet_with_a_connector():
+    aggregated = {"disaggregation": {"mode": "Disabled"}}
+    assert check_service(spec(decode={"peerPull": True}, **aggregated)) == []
+    assert fields(check_service(spec(decode={"peerPull": True}))) == {"spec.decode.peerPull"}
+    assert fields(check_service(spec(prefill={"peerPull": True}, **aggregated))) == {
+        "spec.prefill.peerPull"
+    }
+    assert fields(check_service(spec(decode={"peerPull": True}, kvTransfer={}, **aggregated))) == {
+        "spec.kvTransfer.connector"
+    }
+    no_index = spec(decode={"peerPull": True}, gateway={"kvEvents": False}, **aggregated)
+    assert fields(check_service(no_index)) == {"spec.gateway.kvEvents"}
+    # The decode engines lend and pull: kv_both, on the connector's port.
+    args = role_engine_args(spec(decode={"peerPull": True}, **aggregated), "decode")
+    assert args.kv_transfer_config is not None
+    assert args.kv_transfer_config.kv_role == "kv_both"
+    assert role_engine_args(spec(**aggregated), "decode").kv_transfer_config is None

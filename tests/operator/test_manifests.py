@@ -440,6 +440,33 @@ def test_engines_take_http_only_from_gateway_and_operator_and_kv_only_from_the_o
     assert "namespaceSelector" not in network_policy(local, "decode")["ingress"][0]["from"][1]
 
 
+def test_peer_pull_engines_take_kv_from_their_own_role_and_the_gateway_pulls():
+    spec = {**SPEC, "disaggregation": {"mode": "Disabled"}, "decode": {"peerPull": True}}
+    objects = children(spec)
+    ingress = network_policy(objects, "decode")["ingress"]
+    own = {"podSelector": {"matchLabels": {LABEL_SERVICE: "demo", LABEL_ROLE: "decode"}}}
+    kv = [rule for rule in ingress if rule.get("from") == [own]]
+    assert kv == [
+        {
+            "from": [own],
+            "ports": [
+                {"port": 14579, "protocol": "TCP"},
+                {"port": 14580, "endPort": 14611, "protocol": "TCP"},
+            ],
+        }
+    ]
+    c = container(objects, "demo-decode")
+    command = c["command"]
+    assert json.loads(command[command.index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
+    assert "kv" in {p["name"] for p in c["ports"]}
+    gateway = container(objects, "demo-gateway")["command"]
+    assert "--peer-pull" in gateway
+    assert gateway[gateway.index("--prefix-blocks") + 1] == "256"
+    # Off, the gateway does not pull and no engine takes KV from its own role.
+    plain = children({**SPEC, "disaggregation": {"mode": "Disabled"}})
+    assert "--peer-pull" not in container(plain, "demo-gateway")["command"]
+
+
 def test_fleet_secret_is_immutable_owned_and_holds_the_value():
     secret = build_fleet_secret("demo", namespace="ns1", owner=Owner("demo", "u1"), value="s" * 43)
     validate(secret)

@@ -1,0 +1,417 @@
+"""Peer pulls: a fleet-wide prefix cache against exact routing and holder-only routing.
+
+Three ``pdfleet up`` fleets of N aggregated engines (the same resource file but
+for ``spec.decode.peerPull``) run the same three traces, built from a seed so
+every setup sends the same requests (token-id prompts, streamed completions,
+TTFT measured at the client):
+
+* ``multiturn`` — users in conversation: each turn is the previous prompt plus
+  an answer and a new question, one turn per user at a time;
+* ``forks`` — agent forks: families start every ``--family-gap`` seconds with a
+  parent request holding a long prefix; once it is answered a burst of
+  ``--forks`` requests sharing that prefix (each with its own tail) arrives at
+  once, while other families' parents and bursts keep engines busy;
+* ``tenants`` — tenants' shared system prompts: requests arrive at random
+  (Poisson, ``--rate`` per second), each a tenant's long system prompt plus a
+  short user message.
+
+Setups:
+
+* ``exact`` — the gateway's exact prefix routing (KV events), no peer pulls:
+  a burst beyond the holder's share goes to engines that recompute the prefix;
+* ``pull`` — the same with ``spec.decode.peerPull: true``: per request the
+  gateway serves on the holder, pulls the prefix into another engine, or
+  recomputes, by measured cost (docs/peer-pull.md);
+* ``holder`` — holder-only routing: the client sends every request to the
+  engine that first computed its prefix (directly, with the fleet token).
+
+Reported per trace and setup: TTFT p50/p90/max, prompt tokens the engines
+computed (``pdfleet_engine_prompt_tokens_total``), KV bytes pulled
+(``pdfleet_engine_kv_peer_pull_bytes_total``), the gateway's decisions and its
+measured crossover; per trace the ratio of the ``pull`` p90 to the ``exact``
+p90 and, request by request, how many were more than 10% slower with pulls
+than without. The three fleets run one after the other on the same machine;
+the machine's load average is recorded.
+
+    .venv/bin/python benchmarks/peer_pull.py [--engines 3] [--json benchmarks/results/peer_pull_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fleet import free_port
+
+from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.contracts.security import fleet_token
+from pdfleet.engine.reports.stats import percentile as _percentile
+
+SETUPS = ("exact", "pull", "holder")
+TRACES = ("multiturn", "forks", "tenants")
+PROMPT_TOKENS = "pdfleet_engine_prompt_tokens_total"
+PULL_BYTES = "pdfleet_engine_kv_peer_pull_bytes_total"
+DECISIONS = "pdfleet_gateway_peer_pull_decisions_total"
+CROSSOVER = "pdfleet_gateway_peer_pull_fleet_crossover_tokens"
+
+
+def percentile(xs: list[float], p: float) -> float:
+    return _percentile(sorted(xs), p)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(20, 1700) for _ in range(n)]
+
+
+# -- traces: lists of (start offset s, key, prefix key, prompt, after) ---------------
+# ``after``: the index of the request this one waits for (a conversation's previous
+# turn, a fork's parent), or None. ``prefix``: what holder-only routing keys on.
+
+
+def multiturn(args, rng: random.Random) -> list[dict[str, Any]]:
+    out = []
+    for user in range(args.users):
+        prompt = tokens(rng, args.system_tokens)
+        prev = None
+        for turn in range(args.turns):
+            prompt = prompt + tokens(rng, args.turn_tokens)
+            out.append(
+                {
+                    "at": user * 0.4 if turn == 0 else 0.2,
+                    "prefix": f"user{user}",
+                    "prompt": list(prompt),
+                    "after": prev,
+                }
+            )
+            prev = len(out) - 1
+    return out
+
+
+def forks(args, rng: random.Random) -> list[dict[str, Any]]:
+    out = []
+    for family in range(args.families):
+        prefix = tokens(rng, args.fork_prefix)
+        out.append(
+            {
+                "at": family * args.family_gap,
+                "prefix": f"family{family}",
+                "prompt": prefix + tokens(rng, 16),
+                "after": None,
+            }
+        )
+        parent = len(out) - 1
+        for _ in range(args.forks):
+            out.append(
+                {
+                    "at": 0.0,
+                    "prefix": f"family{family}",
+                    "prompt": prefix + tokens(rng, args.fork_tail),
+                    "after": parent,
+                }
+            )
+    return out
+
+
+def tenants(args, rng: random.Random) -> list[dict[str, Any]]:
+    systems = [tokens(rng, args.tenant_prompt) for _ in range(args.tenants)]
+    out = []
+    t = 0.0
+    for _ in range(args.tenant_requests):
+        t += rng.expovariate(args.rate)
+        tenant = min(int(rng.paretovariate(1.2)) - 1, args.tenants - 1)
+        out.append(
+            {
+                "at": t,
+                "prefix": f"tenant{tenant}",
+                "prompt": systems[tenant] + tokens(rng, 60),
+                "after": None,
+            }
+        )
+    return out
+
+
+# -- a fleet --------------------------------------------------------------------------
+
+
+def resource(args, peer_pull: bool) -> str:
+    return json.dumps(
+        {
+            "apiVersion": "pdfleet.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "peerpull"},
+            "spec": {
+                "model": {"name": "tiny", "uri": args.model},
+                "engine": {
+                    "device": "cpu",
+                    "dtype": "float32",
+                    "maxModelLen": args.max_model_len,
+                    "maxNumSeqs": 16,
+                },
+                "kvTransfer": {"connector": "NixlConnector", "identity": "Disabled"},
+                "decode": {"replicas": args.engines, "peerPull": peer_pull},
+                "disaggregation": {"mode": "Disabled"},
+                "gateway": {"kvEvents": True},
+            },
+        }
+    )
+
+
+class UpFleet:
+    def __init__(self, args, name: str, peer_pull: bool) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"pdfleet-peerpull-{name}-"))
+        spec = self.dir / "service.json"
+        spec.write_text(resource(args, peer_pull))
+        self.port = free_port()
+        self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            [
+                *python_module("pdfleet.engine.cli"),
+                "up",
+                str(spec),
+                "--port",
+                str(self.port),
+                "--run-dir",
+                str(self.dir / "runs"),
+                "--threads-per-engine",
+                "1",
+                "--stall-timeout",
+                "120",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            text = (self.dir / "up.log").read_text(errors="replace")
+            if "ready: " in text:
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(text[-3000:])
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise TimeoutError("pdfleet up did not become ready in 900 s")
+        run = max((self.dir / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+        self.run = run
+        secret = (run / "fleet-secret").read_bytes().strip()
+        self.headers = {"authorization": f"Bearer {fleet_token(secret)}"}
+        state = json.loads((run / "fleet.json").read_text())
+        self.engines = [e["url"] for e in state["engines"] if e["role"] == "decode"]
+
+    def metric(self, url: str, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(url + "/metrics", headers=self.headers, timeout=10).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def engines_total(self, name: str) -> float:
+        return sum(self.metric(u, name) for u in self.engines)
+
+    def status_line(self) -> str:
+        out = subprocess.run(
+            [*python_module("pdfleet.engine.cli"), "status", "--run-dir", str(self.dir / "runs")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        return next((line for line in out.splitlines() if line.startswith("peer pulls")), "")
+
+    def stop(self) -> None:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+# -- running a trace ---------------------------------------------------------------------
+
+
+async def ttft(client: httpx.AsyncClient, url: str, headers: dict, prompt: list[int]) -> float:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+async def run_trace(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> list[float]:
+    done = [asyncio.Event() for _ in reqs]
+    out = [0.0] * len(reqs)
+    holder: dict[str, str] = {}
+    inflight = dict.fromkeys(fleet.engines, 0)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            r = reqs[i]
+            if r["after"] is not None:
+                await done[r["after"]].wait()
+                await asyncio.sleep(r["at"])
+            else:
+                await asyncio.sleep(max(0.0, start + r["at"] - time.perf_counter()))
+            if setup == "holder":
+                # Holder-only: the engine that first computed this prefix, always.
+                url = holder.get(r["prefix"])
+                if url is None:
+                    url = holder[r["prefix"]] = min(inflight, key=inflight.__getitem__)
+                headers = fleet.headers
+            else:
+                url, headers = fleet.url, {}
+            inflight[url] = inflight.get(url, 0) + 1
+            try:
+                out[i] = await ttft(client, url, headers, r["prompt"])
+            finally:
+                inflight[url] -= 1
+                done[i].set()
+
+        await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    return out
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    return {
+        "ttft_p50_s": round(percentile(xs, 50), 4),
+        "ttft_p90_s": round(percentile(xs, 90), 4),
+        "ttft_max_s": round(max(xs), 4),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--model", default="builtin://tiny")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--users", type=int, default=6)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-tokens", type=int, default=800)
+    p.add_argument("--turn-tokens", type=int, default=400)
+    p.add_argument("--families", type=int, default=6)
+    p.add_argument("--forks", type=int, default=8)
+    p.add_argument("--fork-prefix", type=int, default=3000)
+    p.add_argument("--fork-tail", type=int, default=64)
+    p.add_argument("--family-gap", type=float, default=1.0)
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--tenant-prompt", type=int, default=2000)
+    p.add_argument("--tenant-requests", type=int, default=48)
+    p.add_argument("--rate", type=float, default=8.0)
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--traces", default=",".join(TRACES))
+    p.add_argument("--json", default="benchmarks/results/peer_pull_cpu.json")
+    args = p.parse_args()
+    builders = {"multiturn": multiturn, "forks": forks, "tenants": tenants}
+    traces = [t for t in args.traces.split(",") if t]
+    setups = [s for s in args.setups.split(",") if s]
+    results: dict[str, Any] = {t: {} for t in traces}
+    ttfts: dict[str, dict[str, list[float]]] = {t: {} for t in traces}
+    load = [os.getloadavg()[0]]
+    for setup in setups:
+        fleet = UpFleet(args, setup, peer_pull=setup == "pull")
+        try:
+            # The same warm-up for every setup: each engine computes something, so
+            # the gateway's figures (and the engines' first-step costs) are in place.
+            asyncio.run(
+                run_trace(
+                    fleet,
+                    "exact",
+                    [
+                        {"at": 0.0, "prefix": f"w{i}", "prompt": tokens(random.Random(i), 600)}
+                        | {"after": None}
+                        for i in range(2 * args.engines)
+                    ],
+                )
+            )
+            time.sleep(2.5)  # two scrapes of the gateway: its rates are measured
+            for trace in traces:
+                reqs = builders[trace](args, random.Random(f"{args.seed}-{trace}"))
+                before_tokens = fleet.engines_total(PROMPT_TOKENS)
+                before_bytes = fleet.engines_total(PULL_BYTES)
+                before_dec = {
+                    d: fleet.metric(fleet.url, DECISIONS, decision=d)
+                    for d in ("holder", "pull", "recompute")
+                }
+                t0 = time.perf_counter()
+                xs = asyncio.run(run_trace(fleet, setup, reqs))
+                wall = time.perf_counter() - t0
+                time.sleep(1.5)  # the engines' counters of the last steps
+                row = {
+                    **summarize(xs),
+                    "requests": len(xs),
+                    "wall_s": round(wall, 2),
+                    "prefill_tokens_computed": int(
+                        fleet.engines_total(PROMPT_TOKENS) - before_tokens
+                    ),
+                    "prompt_tokens_sent": sum(len(r["prompt"]) for r in reqs),
+                    "bytes_pulled": int(fleet.engines_total(PULL_BYTES) - before_bytes),
+                }
+                if setup == "pull":
+                    row["decisions"] = {
+                        d: int(fleet.metric(fleet.url, DECISIONS, decision=d) - before_dec[d])
+                        for d in before_dec
+                    }
+                    row["crossover_tokens"] = round(fleet.metric(fleet.url, CROSSOVER), 1)
+                    row["status_line"] = fleet.status_line()
+                results[trace][setup] = row
+                ttfts[trace][setup] = xs
+                load.append(os.getloadavg()[0])
+                print(trace, setup, json.dumps(row), flush=True)
+        finally:
+            fleet.stop()
+    for trace in traces:
+        got = ttfts[trace]
+        if "pull" in got and "exact" in got:
+            exact, pull = got["exact"], got["pull"]
+            ratios = [b / a for a, b in zip(exact, pull, strict=True) if a > 0]
+            results[trace]["pull_vs_exact"] = {
+                "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
+                "p90_reduction_pct": round(
+                    100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1
+                ),
+                "p50_ratio": round(percentile(pull, 50) / percentile(exact, 50), 3),
+                "requests_over_10pct_slower": sum(1 for r in ratios if r > 1.1),
+                "worst_request_ratio": round(max(ratios), 3),
+            }
+    out = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": f"{os.cpu_count()} CPU cores, shared with other work; load average "
+        f"{min(load):.1f}-{max(load):.1f} during the run",
+        "engines": args.engines,
+        "model": args.model,
+        "results": results,
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""Peer pulls: a fleet-wide prefix cache (docs/peer-pull.md).
+
+When an engine other than the routed one holds more of a prompt's leading
+blocks (the exact prefix index says so, device or host tier), the gateway
+predicts three costs and takes the cheapest:
+
+* **holder**: serve it where the blocks are::
+
+      wait(h) + step(h) + (N − cached(h)) / rate(h)
+
+* **pull**: the routed engine ``c`` pulls the holder's blocks, then computes the tail::
+
+      lend(h) + (cached(h) − cached(c)) · block_bytes / bw(h, c)
+      + wait(c) + step(c) + (N − cached(h)) / rate(c)
+
+* **recompute**: ``c`` computes everything it lacks::
+
+      wait(c) + step(c) + (N − cached(c)) / rate(c)
+
+with N the prompt's tokens (block-rounded), ``cached(e)`` the tokens of the
+leading blocks ``e`` holds, and every figure measured, none configured:
+
+* ``rate(e)``: prompt tokens per second of prefill forward time, from the
+  growth of ``pdfleet_engine_prompt_tokens_total`` and
+  ``pdfleet_engine_prefill_busy_seconds_total`` between scrapes;
+* ``step(e)``: the engine's mean step time between scrapes (a new request
+  waits for the step in progress; 0 for an engine idle at its last scrape and
+  sent nothing since);
+* ``wait(e)``: the prompt tokens queued there (``pdfleet_engine_waiting_prompt_tokens``
+  at the last scrape, plus what this gateway routed there since) over ``rate(e)``;
+* ``bw(h, c)``: bytes per second of the confirmed pulls from ``h`` into
+  ``c``, from ``c``'s per-producer counters (``pdfleet_engine_kv_peer_pull_*``);
+* ``lend(h)``: how long ``h`` took to answer its lend requests, timed here.
+
+Each is an exponentially weighted average (``ALPHA``) over its samples. A
+pair that has never pulled borrows the mean of the measured pairs; before any
+pair is measured the gateway *explores*: it pulls when the prefix is at least
+``EXPLORE_MIN_BLOCKS`` blocks and the other two options are not predicted
+cheaper than the pull's tail alone, so the first pulls measure the pairs.
+
+The crossover of a pair, the prefix length from which pulling beats
+recomputing, is ``lend(h) / (1 / rate(c) − bytes_per_token / bw(h, c))``
+(+Inf when the denominator is not positive); the gateway exports it per pair
+and for the median pair (``pdfleet status`` shows that one).
+
+A pull is one lend request to the holder (the client's body with one output
+token and ``kv_transfer_params: {do_remote_decode, pdfleet_lend_blocks}``): the
+holder leases the blocks from its cache (refusing when it no longer holds them)
+and answers with signed params, which go to ``c`` with the client's body; ``c``
+pulls, verifies the content chain, confirms, and computes the tail. A refused or
+failed lend recomputes on ``c``; a pull that fails on ``c`` recomputes there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..contracts.kv_params import LEND_FIELD, REMOTE_DECODE
+from ..http.upstream import UpstreamClient, UpstreamError
+from .engines import EngineLoad, EngineState
+from .kv_index import KVIndex
+from .metrics import GatewayMetrics
+from .prompt import PromptInfo
+
+logger = logging.getLogger("pdfleet.gateway")
+
+ALPHA = 0.3
+"""Weight of the newest sample in every moving average."""
+EXPLORE_MIN_BLOCKS = 4
+"""Before any pair is measured, pull only prefixes of at least this many blocks."""
+MIN_RATE_TOKENS = 16
+"""Scrape intervals that computed fewer prompt tokens do not measure a rate."""
+ROUTED_MEMORY_S = 30.0
+"""Routed-since-the-scrape entries older than this are dropped (a stopped scrape)."""
+
+
+class Ewma:
+    """An exponentially weighted moving average (None before the first sample)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        """Mutates."""
+        self.value = sample if self.value is None else ALPHA * sample + (1 - ALPHA) * self.value
+
+
+@dataclass
+class Option:
+    """One way to serve the request and its predicted seconds to the first token."""
+
+    decision: str
+    """holder, pull or recompute."""
+    engine: EngineState
+    """The engine that serves the request."""
+    seconds: float
+    tokens: int = 0
+    """Prompt tokens that engine computes."""
+
+
+@dataclass
+class Plan:
+    """What the gateway does with a request whose prefix another engine holds."""
+
+    decision: str
+    """holder, pull or recompute."""
+    reason: str
+    """cost or explore."""
+    engine: EngineState
+    """The engine that serves the request."""
+    holder: EngineState
+    lend_blocks: int = 0
+    """pull: the leading blocks the holder leases."""
+    options: list[Option] = field(default_factory=list)
+
+
+@dataclass
+class EngineCosts:
+    """What has been measured of one engine."""
+
+    rate: Ewma = field(default_factory=Ewma)
+    step: Ewma = field(default_factory=Ewma)
+    lend: Ewma = field(default_factory=Ewma)
+    waiting_tokens: float = 0.0
+    block_bytes: float = 0.0
+    engine_id: str | None = None
+    """Its KV engine id, learned from its lend answers (the pull counters name it)."""
+    routed: list[tuple[float, int]] = field(default_factory=list)
+    """(monotonic time, tokens to compute) routed here since its last scrape."""
+    busy: bool = False
+    """It had requests at its last scrape (an idle engine starts a new one at once)."""
+    scraped_at: float = 0.0
+
+
+class PeerPull:
+    """The measured costs and the per-request decision; one per gateway process."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, kv_index: KVIndex, block_size: int, lend_timeout: float
+    ) -> None:
+        self.metrics = metrics
+        self.kv_index = kv_index
+        self.block_size = block_size
+        self.lend_timeout = lend_timeout
+        self.engines: dict[str, EngineCosts] = {}
+        self.bandwidth: dict[tuple[str, str], Ewma] = {}
+        """(holder url, puller url) -> bytes/s."""
+        self._decided: dict[tuple[str, str], Any] = {}
+        metrics.peer_pull_fleet_crossover.set(-1)  # on, nothing measured yet (0: off)
+
+    def _costs(self, url: str) -> EngineCosts:
+        costs = self.engines.get(url)
+        if costs is None:
+            costs = self.engines[url] = EngineCosts()
+        return costs
+
+    def forget(self, url: str) -> None:
+        """Mutates: an engine left the pool."""
+        self.engines.pop(url, None)
+        for pair in [p for p in self.bandwidth if url in p]:
+            del self.bandwidth[pair]
+
+    # -- measuring ------------------------------------------------------------------
+
+    def scraped(self, e: EngineState, old: EngineLoad, new: EngineLoad) -> None:
+        """Mutates: one scrape of ``e`` (the pool's hook) updates its figures."""
+        c = self._costs(e.url)
+        now = time.monotonic()
+        c.scraped_at = now
+        c.routed = []  # the scrape's waiting tokens hold what was routed before it
+        c.waiting_tokens = new.waiting_prompt_tokens
+        c.busy = new.running + new.waiting > 0
+        c.block_bytes = new.kv_block_bytes
+        tokens = new.prompt_tokens - old.prompt_tokens
+        busy = new.prefill_busy_seconds - old.prefill_busy_seconds
+        if tokens >= MIN_RATE_TOKENS and busy > 0:
+            c.rate.add(tokens / busy)
+        steps = new.steps - old.steps
+        if steps > 0 and new.step_seconds >= old.step_seconds:
+            c.step.add((new.step_seconds - old.step_seconds) / steps)
+        if c.rate.value is not None:
+            self.metrics.peer_pull_prefill_rate.labels(e.url).set(c.rate.value)
+        by_id = {x.engine_id: url for url, x in self.engines.items() if x.engine_id}
+        for producer, (pulls, nbytes, seconds) in new.peer_pulls.items():
+            before = old.peer_pulls.get(producer, (0.0, 0.0, 0.0))
+            holder = by_id.get(producer)
+            d_bytes, d_seconds = nbytes - before[1], seconds - before[2]
+            if holder is None or pulls <= before[0] or d_bytes <= 0 or d_seconds <= 0:
+                continue
+            bw = self.bandwidth.setdefault((holder, e.url), Ewma())
+            bw.add(d_bytes / d_seconds)
+            if bw.value is None:
+                raise RuntimeError("broken invariant: an Ewma has a value once a sample is added")
+            self.metrics.peer_pull_bandwidth.labels(holder, e.url).set(bw.value)
+        self._export_crossovers()
+
+    def lent(self, holder: EngineState, seconds: float, engine_id: str | None) -> None:
+        """Mutates: a lend request answered in ``seconds``."""
+        c = self._costs(holder.url)
+        c.lend.add(seconds)
+        if engine_id:
+            c.engine_id = engine_id
+        if c.lend.value is None:
+            raise RuntimeError("broken invariant: an Ewma has a value once a sample is added")
+        self.metrics.peer_pull_lend_seconds.labels(holder.url).set(c.lend.value)
+        self._export_crossovers()
+
+    def routed(self, e: EngineState, tokens: int) -> None:
+        """Mutates: ``tokens`` to compute were sent to ``e`` (counted until its next scrape)."""
+        c = self._costs(e.url)
+        now = time.monotonic()
+        c.routed = [(t, n) for t, n in c.routed if now - t < ROUTED_MEMORY_S]
+        c.routed.append((now, tokens))
+
+    def view(self, url: str) -> dict[str, Any]:
+        """What is measured of one engine (the gateway's ``/engines``)."""
+        c = self._costs(url)
+        return {
+            "prefill_tokens_per_s": _rounded(c.rate.value),
+            "step_s": _rounded(c.step.value, 4),
+            "lend_s": _rounded(c.lend.value, 4),
+            "queued_prompt_tokens": c.waiting_tokens + sum(n for _, n in c.routed),
+            "kv_block_bytes": c.block_bytes,
+        }
+
+    def routed_request(self, e: EngineState, info: PromptInfo) -> None:
+        """Mutates: a request routed to ``e`` without a plan; its tokens less the
+        leading blocks ``e`` holds count as ``e``'s queue until its next scrape."""
+        if info.num_tokens <= 0 or not info.analyzed:
+            return
+        held = 0
+        if info.exact_hashes:
+            held = self.kv_index.matched(info.exact_hashes, [e.url]).get(e.url, (0, 0.0))[0]
+        self.routed(e, max(0, info.num_tokens - held * self.block_size))
+
+    # -- predicting -----------------------------------------------------------------
+
+    def _rate(self, url: str) -> float | None:
+        own = self._costs(url).rate.value
+        if own is not None:
+            return own
+        known = [x.rate.value for x in self.engines.values() if x.rate.value is not None]
+        return statistics.fmean(known) if known else None
+
+    def _bandwidth(self, holder: str, puller: str) -> float | None:
+        own = self.bandwidth.get((holder, puller))
+        if own is not None and own.value is not None:
+            return own.value
+        known = [b.value for b in self.bandwidth.values() if b.value is not None]
+        return statistics.fmean(known) if known else None
+
+    def _lend(self, holder: str) -> float:
+        own = self._costs(holder).lend.value
+        if own is not None:
+            return own
+        known = [x.lend.value for x in self.engines.values() if x.lend.value is not None]
+        return statistics.fmean(known) if known else 0.0
+
+    def compute_seconds(self, e: EngineState, tokens: int, rate: float) -> float:
+        """Predicted seconds until ``e`` has computed ``tokens`` more prompt tokens of
+        a new request: its queue, the step in progress (when it is busy), then the
+        tokens."""
+        c = self._costs(e.url)
+        queued = c.waiting_tokens + sum(n for _, n in c.routed)
+        step = (c.step.value or 0.0) if c.busy or c.routed else 0.0
+        return queued / rate + step + tokens / rate
+
+    def crossover(self, holder: str, puller: str) -> float | None:
+        """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
+        recomputing there; inf when it never does; None while unmeasured."""
+        rate = self._costs(puller).rate.value
+        bw = self.bandwidth.get((holder, puller))
+        block_bytes = self._costs(puller).block_bytes or self._costs(holder).block_bytes
+        if rate is None or bw is None or bw.value is None or not block_bytes:
+            return None
+        margin = 1.0 / rate - block_bytes / self.block_size / bw.value
+        if margin <= 0:
+            return math.inf
+        return self._lend(holder) / margin
+
+    def _export_crossovers(self) -> None:
+        values = []
+        for holder, puller in self.bandwidth:
+            x = self.crossover(holder, puller)
+            if x is None:
+                continue
+            values.append(x)
+            self.metrics.peer_pull_crossover.labels(holder, puller).set(x)
+        if values:
+            self.metrics.peer_pull_fleet_crossover.set(statistics.median(values))
+
+    def plan(
+        self,
+        info: PromptInfo,
+        routed: EngineState,
+        candidates: Iterable[EngineState],
+        full: set[str],
+        block_size: int,
+    ) -> Plan | None:
+        """The cheapest way to serve a request routed to ``routed``, when another
+        candidate holds more of its leading blocks; None to keep the route (no
+        such holder, the costs unmeasured, or engines that cannot pull)."""
+        self.block_size = block_size
+        exact = info.exact_hashes
+        if not exact or info.batch or info.prompt_logprobs:
+            return None
+        pool = [e for e in candidates if e.routable]
+        if routed not in pool:
+            pool.append(routed)
+        held = self.kv_index.matched(exact, [e.url for e in pool])
+        if not held:
+            return None
+        holder = max(pool, key=lambda e: (held.get(e.url, (0, 0.0))[0], e is routed))
+        bs = self.block_size
+        held_blocks = held.get(holder.url, (0, 0.0))[0]
+        # The lend leases whole blocks before the prompt's last token.
+        held_blocks = min(held_blocks, (info.num_tokens - 1) // bs)
+        target = routed
+        if target is holder:
+            # The router chose the holder: the alternative is the engine that
+            # would compute soonest.
+            others = [e for e in pool if e is not holder and e.url not in full]
+            if not others:
+                return None
+            target = min(others, key=lambda e: self._costs(e.url).waiting_tokens)
+        own = min(held.get(target.url, (0, 0.0))[0], held_blocks)
+        if held_blocks <= own:
+            return None
+        if not (self._costs(holder.url).block_bytes and self._costs(target.url).block_bytes):
+            return None  # one of them has no KV connector: no pull between them
+        rate_t, rate_h = self._rate(target.url), self._rate(holder.url)
+        if rate_t is None or rate_h is None:
+            return None  # nothing measured yet: the router's choice stands
+        n = info.num_tokens
+        options = [
+            Option(
+                "recompute",
+                target,
+                self.compute_seconds(target, n - own * bs, rate_t),
+                n - own * bs,
+            ),
+        ]
+        if holder.url not in full:
+            options.append(
+                Option(
+                    "holder",
+                    holder,
+                    self.compute_seconds(holder, n - held_blocks * bs, rate_h),
+                    n - held_blocks * bs,
+                )
+            )
+        bw = self._bandwidth(holder.url, target.url)
+        moved = (held_blocks - own) * self._costs(holder.url).block_bytes
+        tail = self.compute_seconds(target, n - held_blocks * bs, rate_t)
+        reason = "cost"
+        if bw is None:
+            # No pair measured yet: explore when the prefix is worth measuring on.
+            if held_blocks - own < EXPLORE_MIN_BLOCKS:
+                return self._chosen(
+                    min(options, key=lambda o: o.seconds), holder, "cost", 0, options
+                )
+            pull = Option("pull", target, self._lend(holder.url) + tail, n - held_blocks * bs)
+            reason = "explore"
+        else:
+            pull = Option(
+                "pull", target, self._lend(holder.url) + moved / bw + tail, n - held_blocks * bs
+            )
+        options.append(pull)
+        best = min(options, key=lambda o: o.seconds)
+        return self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
+
+    def _chosen(
+        self, best: Option, holder: EngineState, reason: str, blocks: int, options: list[Option]
+    ) -> Plan:
+        return Plan(
+            best.decision,
+            reason,
+            best.engine,
+            holder,
+            blocks if best.decision == "pull" else 0,
+            options,
+        )
+
+    def count(self, decision: str, reason: str) -> None:
+        key = (decision, reason)
+        counter = self._decided.get(key)
+        if counter is None:
+            counter = self._decided[key] = self.metrics.fast_counter(
+                self.metrics.peer_pull_decisions.labels(decision, reason)
+            )
+        counter.inc()
+
+    # -- lending --------------------------------------------------------------------
+
+    async def lend(
+        self,
+        client: UpstreamClient,
+        plan: Plan,
+        endpoint: str,
+        body: dict[str, Any],
+        chat: bool,
+        headers: dict[str, str],
+    ) -> dict[str, Any] | None:
+        """Ask the holder to lease ``plan.lend_blocks`` cached blocks; its signed
+        params, or None (refused: the blocks left its cache; failed; timed out)."""
+        payload = json.dumps(lend_body(body, chat, plan.lend_blocks)).encode()
+        start = time.monotonic()
+        try:
+            resp = await client.post(
+                plan.holder.url + endpoint, payload, headers, self.lend_timeout
+            )
+        except (UpstreamError, TimeoutError, OSError) as e:
+            logger.info("peer pull: lend from %s failed: %s", plan.holder.url, e)
+            self.count("recompute", "lend_failed")
+            return None
+        seconds = time.monotonic() - start
+        params: Any = None
+        if resp.status_code == 200:
+            try:
+                params = resp.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                params = None
+        if not isinstance(params, dict) or not params.get("remote_block_ids"):
+            logger.info(
+                "peer pull: %s did not lend %d blocks (%d): %s",
+                plan.holder.url,
+                plan.lend_blocks,
+                resp.status_code,
+                resp.content[:300],
+            )
+            self.count("recompute", "lend_refused")
+            return None
+        engine_id = params.get("remote_engine_id")
+        self.lent(plan.holder, seconds, engine_id if isinstance(engine_id, str) else None)
+        self.count("pull", plan.reason)
+        return params
+
+
+def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
+    """A lend request: the client's prompt (rendered and tokenized by the holder
+    exactly as the puller will), one output token, no stream, the lend params."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if chat:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["n"] = 1
+    for key in (
+        "stream_options",
+        "min_tokens",
+        "min_completion_tokens",
+        "prompt_logprobs",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ):
+        out.pop(key, None)
+    out["kv_transfer_params"] = {**REMOTE_DECODE.to_wire(), LEND_FIELD: blocks}
+    return out
+
+
+def _rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)

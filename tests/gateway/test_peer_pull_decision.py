@@ -1,0 +1,169 @@
+"""The peer-pull decision (engine/gateway/peer_pull.py) from measured figures: what
+each scrape and lend teaches it, the crossover, and the choice on either side."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdfleet.engine.contracts.kv_events import BlockStored
+from pdfleet.engine.gateway.engines import EngineLoad, EngineState
+from pdfleet.engine.gateway.kv_index import KVIndex
+from pdfleet.engine.gateway.metrics import GatewayMetrics
+from pdfleet.engine.gateway.peer_pull import PeerPull, lend_body
+from pdfleet.engine.gateway.prompt import PromptInfo
+
+BS = 16
+BLOCK_BYTES = 16 * 1024  # 1 KiB per token
+HOLDER, PULLER = "http://h", "http://p"
+
+
+def engine(url: str) -> EngineState:
+    e = EngineState(url, "decode")
+    e.state = "healthy"
+    return e
+
+
+def load(
+    prompt_tokens: float,
+    busy: float,
+    steps: float = 10,
+    step_seconds: float = 0.1,
+    waiting: float = 0,
+    pulls: dict | None = None,
+) -> EngineLoad:
+    return EngineLoad(
+        prompt_tokens=prompt_tokens,
+        prefill_busy_seconds=busy,
+        steps=steps,
+        step_seconds=step_seconds,
+        waiting_prompt_tokens=waiting,
+        kv_block_bytes=BLOCK_BYTES,
+        peer_pulls=pulls or {},
+    )
+
+
+@pytest.fixture
+def fleet():
+    """Two engines prefilling 10,000 tokens/s with 10 ms steps; the holder caches
+    the first 100 blocks of the prompt."""
+    index = KVIndex()
+    hashes = list(range(1000, 1100))
+    index.apply(HOLDER, [BlockStored(hashes)])
+    index.apply(PULLER, [])
+    pp = PeerPull(GatewayMetrics(), index, BS, lend_timeout=2.0)
+    h, p = engine(HOLDER), engine(PULLER)
+    for e in (h, p):
+        pp.scraped(e, EngineLoad(), load(10_000, 1.0))
+    return pp, h, p, hashes
+
+
+def info(hashes: list[int], blocks: int, tail: int = 40) -> PromptInfo:
+    return PromptInfo(blocks * BS + tail, exact_hashes=hashes[:blocks])
+
+
+def measure_pair(pp: PeerPull, h: EngineState, p: EngineState, lend_s: float, bw: float) -> None:
+    """One lend answered in ``lend_s``, then a scrape of the puller showing pulls
+    from the holder at ``bw`` bytes/s."""
+    pp.lent(h, lend_s, "holder-id")
+    before = load(10_000, 1.0)
+    after = load(20_000, 2.0, pulls={"holder-id": (1.0, bw, 1.0)})
+    pp.scraped(p, before, after)
+
+
+def test_the_crossover_is_lend_time_over_the_per_token_margin(fleet):
+    pp, h, p, _ = fleet
+    assert pp.crossover(HOLDER, PULLER) is None  # no pair measured yet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)
+    # 1/rate = 100 µs per token; pulling costs 1 KiB / 1 GB/s ≈ 1 µs per token.
+    expected = 0.02 / (1 / 10_000 - BLOCK_BYTES / BS / 1e9)
+    assert pp.crossover(HOLDER, PULLER) == pytest.approx(expected)
+    assert pp.metrics.peer_pull_fleet_crossover._value.get() == pytest.approx(expected)
+    # A pair whose bandwidth cannot beat the prefill rate never pulls.
+    pp.bandwidth[(HOLDER, PULLER)].value = 1e6  # 1 ms per token to pull, 0.1 to compute
+    assert math.isinf(pp.crossover(HOLDER, PULLER) or 0.0)
+
+
+def test_either_side_of_the_crossover_with_a_busy_holder(fleet):
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)
+    crossover = pp.crossover(HOLDER, PULLER)
+    assert crossover is not None and 150 < crossover < 250
+    # The holder has 5 s of queued prompt tokens: serving there is out.
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))
+    below = pp.plan(info(hashes, 4), h, [h, p], set(), BS)  # 64 tokens < crossover
+    assert below is not None and (below.decision, below.engine) == ("recompute", p)
+    above = pp.plan(info(hashes, 40), h, [h, p], set(), BS)  # 640 tokens > crossover
+    assert above is not None and (above.decision, above.engine, above.reason) == ("pull", p, "cost")
+    assert above.lend_blocks == 40 and above.holder is h
+
+
+def test_an_idle_holder_serves_its_own_prefix(fleet):
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)
+    plan = pp.plan(info(hashes, 40), p, [h, p], set(), BS)
+    assert plan is not None and (plan.decision, plan.engine) == ("holder", h)
+    # ... unless the gateway has it at capacity: then pull.
+    plan = pp.plan(info(hashes, 40), p, [h, p], {HOLDER}, BS)
+    assert plan is not None and plan.decision == "pull"
+
+
+def test_tokens_routed_since_the_last_scrape_count_as_the_holders_queue(fleet):
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)
+    assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "holder"
+    pp.routed(h, 30_000)  # a burst went there, the scrape has not seen it
+    assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "pull"
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0))  # it drained
+    assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "holder"
+
+
+def test_before_any_pair_is_measured_a_long_prefix_is_pulled_to_measure_it(fleet):
+    pp, h, p, hashes = fleet
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))
+    plan = pp.plan(info(hashes, 40), h, [h, p], set(), BS)
+    assert plan is not None and (plan.decision, plan.reason) == ("pull", "explore")
+    short = pp.plan(info(hashes, 2), h, [h, p], set(), BS)
+    assert short is not None and short.decision == "recompute"
+
+
+def test_no_plan_without_a_holder_or_measurements(tmp_path):
+    index = KVIndex()
+    index.apply(HOLDER, [BlockStored([1, 2, 3, 4])])
+    index.apply(PULLER, [])
+    pp = PeerPull(GatewayMetrics(), index, BS, lend_timeout=2.0)
+    h, p = engine(HOLDER), engine(PULLER)
+    # Nothing measured: the router's choice stands.
+    assert pp.plan(info([1, 2, 3, 4], 4), p, [h, p], set(), BS) is None
+    for e in (h, p):
+        pp.scraped(e, EngineLoad(), load(10_000, 1.0))
+    # A prompt nobody holds, and a batch, are left to the router.
+    assert pp.plan(info([7, 8], 2), p, [h, p], set(), BS) is None
+    batch = info([1, 2, 3, 4], 4)
+    batch.batch = True
+    assert pp.plan(batch, p, [h, p], set(), BS) is None
+    # An engine without a KV connector is never pulled into.
+    pp.scraped(p, load(10_000, 1.0), EngineLoad(prompt_tokens=20_000, prefill_busy_seconds=2.0))
+    assert pp.plan(info([1, 2, 3, 4], 4), p, [h, p], set(), BS) is None
+
+
+def test_a_lend_body_asks_for_one_token_and_the_blocks():
+    body = {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "n": 3, "response_format": {}}
+    out = lend_body(body, chat=False, blocks=7)
+    assert (out["max_tokens"], out["stream"], out["n"]) == (1, False, 1)
+    assert "response_format" not in out
+    assert out["kv_transfer_params"]["do_remote_decode"] is True
+    assert out["kv_transfer_params"]["pdfleet_lend_blocks"] == 7
+    assert lend_body(body, chat=True, blocks=7)["max_completion_tokens"] == 1
+
+
+def test_a_busy_engine_costs_its_step_in_progress_an_idle_one_does_not(fleet):
+    pp, h, _, _ = fleet
+    slow = load(20_000, 2.0, steps=20, step_seconds=10.1)  # 1 s steps since the last scrape
+    pp.scraped(h, load(10_000, 1.0), slow)
+    assert pp.compute_seconds(h, 1000, 10_000) == pytest.approx(0.1)  # idle: no wait
+    busy = load(20_000, 2.0, steps=20, step_seconds=10.1)
+    busy.running = 1
+    pp.scraped(h, load(10_000, 1.0), busy)
+    assert pp.compute_seconds(h, 1000, 10_000) > 0.5

@@ -1,0 +1,441 @@
+"""Peer pulls between aggregated ``kv_both`` engines (real processes, NIXL in host
+memory): a holder lends the cached prefix blocks it holds, from its device or its
+host tier, under a prefill leg's lease; a puller pulls them and computes the tail.
+Then the gateway (``--peer-pull``) choosing holder, pull or recompute by measured
+cost, and falling back to recomputing when the holder no longer has the blocks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from helpers.fleet import engines_view, metric, start_gateway
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
+
+MAX_LEN = 2048
+BLOCK = 16
+LOADED = "pdfleet_engine_kv_offload_loaded_bytes_total"
+PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
+DECISIONS = "pdfleet_gateway_peer_pull_decisions_total"
+
+
+def post(url: str, **kw) -> httpx.Response:
+    return httpx.post(url, headers=fleet_headers(), **kw)
+
+
+def kv_args(role: str, **extra) -> list[str]:
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port()}
+    cfg["kv_connector_extra_config"] = extra
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+def events_args(pub: int, replay: int) -> list[str]:
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "heartbeat_interval": 0.5,
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 131 + i * 17) % 1700 + 20 for i in range(n)]
+
+
+def both(model: str, logs, name: str, *extra: str, env: dict | None = None) -> ServerProcess:
+    return ServerProcess(
+        [
+            "serve",
+            model,
+            "--max-model-len",
+            str(MAX_LEN),
+            "--disable-log-stats",
+            *extra,
+            *kv_args("kv_both", lease_seconds=10),
+        ],
+        logs,
+        name,
+        env={"OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+class PausableForwarder:
+    """A TCP forwarder in front of an engine's KV event stream: while paused it
+    holds what the engine publishes, so the gateway's index keeps what it saw."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = threading.Event()
+        self.open.set()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            upstream.settimeout(None)
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if gated:
+                    self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.open.set()
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def wide_model(tiny_model_factory) -> str:
+    """A tiny model eight times the default's compute per token: its prefill is slow
+    enough next to a lend that the pull/recompute crossover falls inside MAX_LEN
+    on a CPU."""
+    return tiny_model_factory("llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def peers(wide_model, tmp_path_factory):
+    """A holder (one request at a time, 400 device blocks, a host tier behind them)
+    and a puller whose READs can be delayed (the transports' test hook), both
+    publishing KV events, and a gateway with peer pulls over them; the holder's
+    event stream passes a forwarder the tests can pause."""
+    logs = tmp_path_factory.mktemp("peer-pull")
+    delay = logs / "read-delay"
+    delay.write_text("0")
+    ports = {name: (free_port(), free_port()) for name in ("holder", "puller")}
+    holder = both(
+        wide_model,
+        logs,
+        "holder",
+        "--max-num-seqs",
+        "1",
+        "--num-gpu-blocks-override",
+        "400",
+        "--kv-offload-bytes",
+        "8M",
+        *events_args(*ports["holder"]),
+    )
+    puller = both(
+        wide_model,
+        logs,
+        "puller",
+        *events_args(*ports["puller"]),
+        env={"PDFLEET_KV_TEST_READ_DELAY_FILE": str(delay)},
+    )
+    # Killed by a test; started with the others, which it would otherwise wait for.
+    doomed = both(wide_model, logs, "doomed")
+    forwarder = PausableForwarder(ports["holder"][0])
+    gateway = None
+    try:
+        holder.wait_healthy()
+        puller.wait_healthy()
+        doomed.wait_healthy()
+        events = {"holder": forwarder.port, "puller": ports["puller"][0]}
+        engines_file = logs / "engines.json"
+        engines_file.write_text(
+            json.dumps(
+                {
+                    "engines": [
+                        {
+                            "url": p.url,
+                            "role": "decode",
+                            "kv_events": f"tcp://127.0.0.1:{events[name]}",
+                            "kv_events_replay": f"tcp://127.0.0.1:{ports[name][1]}",
+                        }
+                        for name, p in (("holder", holder), ("puller", puller))
+                    ]
+                }
+            )
+        )
+        gateway = start_gateway(
+            [
+                "--engines-file",
+                str(engines_file),
+                "--disaggregation-mode",
+                "Disabled",
+                "--scrape-interval",
+                "0.2",
+                "--prefix-blocks",
+                "128",
+                "--kv-index-stale-after",
+                "120",
+                "--peer-pull",
+                "--workers",
+                "1",
+            ],
+            logs,
+        )
+        yield {
+            "holder": holder.url,
+            "puller": puller.url,
+            "gateway": gateway.url,
+            "logs": logs,
+            "delay": delay,
+            "forwarder": forwarder,
+            "doomed": doomed,
+        }
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        forwarder.close()
+        for proc in (holder, puller, doomed):
+            proc.stop()
+
+
+def complete(url: str, body: dict, **extra) -> str:
+    r = post(url + "/v1/completions", json={**body, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def lend(url: str, body: dict, blocks: int) -> httpx.Response:
+    return post(
+        url + "/v1/completions",
+        timeout=60,
+        json={
+            **body,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "pdfleet_lend_blocks": blocks},
+        },
+    )
+
+
+def body_of(seed: int, prefix: int = 200, tail: int = 60) -> dict:
+    prompt = prompt_of(prefix, seed) + prompt_of(tail, seed + 1000)
+    return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def recomputed(url: str, body: dict) -> str:
+    """The same prompt computed from scratch there (another cache namespace)."""
+    return complete(url, body, cache_salt="reference")
+
+
+def pulled(peers, body: dict, blocks: int) -> tuple[str, float]:
+    before = scrape(peers["puller"]).get(PULLED, 0.0)
+    r = lend(peers["holder"], body, blocks)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert len(params["remote_block_ids"]) == blocks
+    text = complete(peers["puller"], body, kv_transfer_params=params)
+    return text, scrape(peers["puller"])[PULLED] - before
+
+
+def test_pull_from_a_peers_device_tier_is_token_identical(peers):
+    body = body_of(1)
+    complete(peers["holder"], {"prompt": body["prompt"][:200], "max_tokens": 1})
+    text, blocks = pulled(peers, body, 200 // BLOCK)
+    assert blocks == 200 // BLOCK
+    assert text == recomputed(peers["puller"], body)
+
+
+def test_pull_from_a_peers_host_tier_is_token_identical(peers):
+    holder = peers["holder"]
+    body = body_of(2)
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    loaded = scrape(holder).get(LOADED, 0.0)
+    # Other prompts take the 400 device blocks: the prefix lives on in the host tier.
+    for seed in range(4):
+        complete(holder, {"prompt": prompt_of(1900, 500 + seed), "max_tokens": 1})
+    text, blocks = pulled(peers, body, 200 // BLOCK)
+    assert blocks == 200 // BLOCK
+    assert scrape(holder)[LOADED] > loaded  # lent from the host tier, through the device
+    assert text == recomputed(peers["puller"], body)
+
+
+def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
+    before = scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0)
+    r = lend(peers["holder"], body_of(3), 200 // BLOCK)  # never computed there
+    assert r.status_code == 502, r.text
+    assert "pdfleet_lend_blocks" in r.json()["error"]["message"]
+    # Refused before any forward: a refused lend computes nothing on the holder.
+    assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
+
+
+def test_holder_killed_mid_pull_recomputes_correctly(peers):
+    doomed = peers["doomed"]
+    body = body_of(4)
+    try:
+        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
+        r = lend(doomed.url, body, 200 // BLOCK)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
+            assert wait_until(
+                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
+                timeout=30,
+                interval=0.02,
+            )
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            text = fut.result(timeout=60)
+    finally:
+        peers["delay"].write_text("0")
+    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert text == recomputed(peers["puller"], body)
+
+
+# -- the gateway -----------------------------------------------------------------------
+
+
+def decisions(gateway: str, decision: str, reason: str) -> float:
+    return metric(gateway, DECISIONS, decision=decision, reason=reason)
+
+
+def engine_view(gateway: str, url: str) -> dict:
+    return next(e for e in engines_view(gateway)["engines"] if e["url"] == url)["peer_pull"]
+
+
+class Busy:
+    """The holder busy: one long decode in its only slot and prompts queued behind
+    it (direct requests: the gateway sees them only through its scrapes)."""
+
+    def __init__(self, peers, queued: int) -> None:
+        self.peers = peers
+        self.queued = queued
+        self.pool = ThreadPoolExecutor(1 + queued)
+        self.client = httpx.Client(headers=fleet_headers(), timeout=120)
+        long = {"prompt": prompt_of(16, 777), "max_tokens": MAX_LEN - 32, "ignore_eos": True}
+        self.futures = [self.pool.submit(self._post, long)]
+        for i in range(queued):
+            self.futures.append(
+                self.pool.submit(self._post, {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1})
+            )
+
+    def _post(self, body: dict) -> int:
+        return self.client.post(self.peers["holder"] + "/v1/completions", json=body).status_code
+
+    def __enter__(self) -> Busy:
+        gw, holder = self.peers["gateway"], self.peers["holder"]
+        assert wait_until(
+            lambda: engine_view(gw, holder)["queued_prompt_tokens"] >= 1900 * self.queued,
+            timeout=60,
+        ), engine_view(gw, holder)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()  # aborts the long decode (client gone)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def measured(peers) -> None:
+    """Both engines' prefill rates known to the gateway."""
+    gw = peers["gateway"]
+    for seed, url in enumerate((peers["holder"], peers["puller"])):
+        if engine_view(gw, url)["prefill_tokens_per_s"] is None:
+            complete(url, {"prompt": prompt_of(600, 7100 + seed), "max_tokens": 1})
+    assert wait_until(
+        lambda: all(
+            engine_view(gw, u)["prefill_tokens_per_s"] for u in (peers["holder"], peers["puller"])
+        ),
+        timeout=30,
+    )
+
+
+def via_gateway(gateway: str, body: dict) -> str:
+    r = httpx.post(gateway + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def primed(peers, tokens: list[int]) -> None:
+    """``tokens`` cached on the holder and stored in the gateway's index."""
+    gw, holder = peers["gateway"], peers["holder"]
+    before = metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder)
+    complete(holder, {"prompt": tokens, "max_tokens": 1})
+    assert wait_until(
+        lambda: metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder) > before,
+        timeout=30,
+    )
+
+
+def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(peers):
+    gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
+    measured(peers)
+    ladder = {n: prompt_of(n, 3000 + n) for n in (32, 64, 128, 256, 512, 1024, 1536)}
+    explore = prompt_of(1024, 4242)
+    for tokens in (*ladder.values(), explore):
+        primed(peers, tokens)
+    tail = prompt_of(40, 99)
+    with Busy(peers, queued=4):
+        # No pair measured yet: the first long prefix is pulled to measure it.
+        body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        explored = decisions(gw, "pull", "explore")
+        before = scrape(puller).get(PULLED, 0.0)
+        assert via_gateway(gw, body) == recomputed(puller, body)
+        assert decisions(gw, "pull", "explore") == explored + 1
+        assert scrape(puller)[PULLED] - before == 1024 // BLOCK
+        assert wait_until(
+            lambda: (
+                metric(
+                    gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
+                )
+                > 0
+            ),
+            timeout=30,
+        )
+        crossover = metric(
+            gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
+        )
+        assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
+        below = [n for n in ladder if n <= crossover / 2]
+        above = [n for n in ladder if n >= 2 * crossover]
+        assert below and above, (crossover, engines_view(gw))
+        for n, decision in ((below[-1], "recompute"), (above[0], "pull")):
+            body = {"prompt": ladder[n] + tail, "max_tokens": 6, "temperature": 0}
+            counted = decisions(gw, decision, "cost")
+            before = scrape(puller).get(PULLED, 0.0)
+            assert via_gateway(gw, body) == recomputed(puller, body)
+            assert decisions(gw, decision, "cost") == counted + 1, (
+                n,
+                crossover,
+                {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
+                engines_view(gw),
+            )
+            moved = scrape(puller)[PULLED] - before
+            assert moved == (n // BLOCK if decision == "pull" else 0)
+
+
+def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
+    gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
+    measured(peers)
+    gone = prompt_of(1536, 5151)
+    primed(peers, gone)
+    peers["forwarder"].open.clear()  # the index keeps seeing the blocks
+    try:
+        # Other prompts take the device blocks and the host tier: `gone` leaves both.
+        for seed in range(6):
+            complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
+        body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
+        with Busy(peers, queued=4):
+            refused = decisions(gw, "recompute", "lend_refused")
+            assert via_gateway(gw, body) == recomputed(puller, body)
+            assert decisions(gw, "recompute", "lend_refused") == refused + 1
+    finally:
+        peers["forwarder"].open.set()
+    assert not math.isnan(metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens"))
