@@ -14,8 +14,10 @@ still in their prefill leg, so they count the pipeline; the prefill engines'
 own capacities keep that part short.
 
 While every routable decode engine is at capacity (or the request should
-prefill and every prefill engine that could is), a request waits in a FIFO
-queue (``pdfleet_gateway_queued_requests``) for a slot, at most
+prefill and every prefill engine that could is), a request waits in the
+flow-control queue (``flow/queue.py``: strict priority bands, weighted fair
+share by tokens between tenants within a band;
+``pdfleet_gateway_queued_requests``) for a slot, at most
 ``--queue-timeout`` seconds; then it is a 503 with ``Retry-After``. It is
 refused at once, with a 429 and ``Retry-After``, when the queue holds
 ``--max-queued-requests`` or when the rate at which slots came free while
@@ -30,13 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import time
 from collections.abc import Iterable
 
 from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EngineState
+from .flow.queue import FairQueue, Waiter
 from .metrics import GatewayMetrics
 
 # Slots given back per second are counted over this many one-second buckets.
@@ -127,7 +129,7 @@ class Admission:
         self.config = config
         self.metrics = metrics
         self.freed = FreedRate()
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = FairQueue()
 
     # -- slots -----------------------------------------------------------------------
 
@@ -215,6 +217,12 @@ class Admission:
         wait = (ahead + 1) / rate if rate > 0 else self.config.queue_timeout
         return int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(wait))))
 
+    def queued_by_tenant(self) -> dict[str, int]:
+        return dict(self._waiters.by_tenant)
+
+    def queued_of(self, tenant: str) -> int:
+        return self._waiters.by_tenant.get(tenant, 0)
+
     def check_queue(self) -> None:
         """Raise :class:`Overloaded` (429) when a new request should not wait."""
         ahead = len(self._waiters)
@@ -235,18 +243,25 @@ class Admission:
                 "overloaded",
             )
 
-    async def wait(self, deadline: float, first: bool) -> bool:
+    async def wait(
+        self,
+        deadline: float,
+        first: bool,
+        tenant: str = "",
+        band: int = 0,
+        cost: float = 0.0,
+    ) -> bool:
         """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
-        back at the head of the queue (woken, but another request took the slot)."""
+        back at the head of its tenant's queue (woken, but another request took
+        the slot). ``tenant``, ``band``, ``cost`` (tokens over the tenant's
+        weight): its place in the fair queue."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.freed.saturated(time.monotonic())
-        if first:
-            self._waiters.appendleft(future)
-        else:
-            self._waiters.append(future)
+        waiter = Waiter(future, tenant, band, cost, charged=first)
+        self._waiters.push(waiter, first)
         self.metrics.queued.set(len(self._waiters))
         try:
             async with asyncio.timeout(left):
@@ -257,17 +272,18 @@ class Admission:
         finally:
             if not future.done():
                 future.cancel()
-            with contextlib.suppress(ValueError):  # woken: already off the queue
-                self._waiters.remove(future)
+            self._waiters.remove(waiter)  # a no-op when woken: already off the queue
             self.metrics.queued.set(len(self._waiters))
             if not self._waiters:
                 self.freed.drained(time.monotonic())
 
     def _wake(self, n: int) -> None:
-        """Wake up to ``n`` waiting requests, oldest first."""
-        while n > 0 and self._waiters:
-            future = self._waiters.popleft()
-            if not future.done():
-                future.set_result(None)
+        """Wake up to ``n`` waiting requests, in the fair queue's order."""
+        while n > 0:
+            waiter = self._waiters.pop()
+            if waiter is None:
+                break
+            if not waiter.future.done():
+                waiter.future.set_result(None)
                 n -= 1
         self.metrics.queued.set(len(self._waiters))

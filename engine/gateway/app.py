@@ -44,6 +44,8 @@ from .answers import error_response, upstream_message
 from .call import client_request_id, parse_body
 from .discovery import Discovery, make_discovery
 from .engines import EnginePool
+from .flow.gate import BATCH_HEADER
+from .flow.tenants import Tenants
 from .kv_index import KVEventFollower, KVIndex
 from .metrics import GatewayMetrics
 from .prompt import PromptAnalyzer
@@ -132,6 +134,7 @@ class Gateway:
             self.kv_index, self.metrics, secret if config.kv_events_auth == "fleet" else None
         )
         self.router = Router(config, self.pool, self.affinity, self.breaker, self.kv_index)
+        self.tenants = Tenants.load(config.tenants_file) if config.tenants_file else Tenants()
         self.proxy = Proxy(
             config,
             self.pool,
@@ -141,10 +144,12 @@ class Gateway:
             self.metrics,
             self.upstream,
             self.breaker,
+            self.tenants,
+            self.fleet_token,
         )
         self.pool.on_routable = self.proxy.admission.engines_changed
         self.metrics.on_collect(self._engine_gauges)
-        self.keys = list(config.api_key)
+        self.keys = list(dict.fromkeys([*config.api_key, *self.tenants.keys]))
         if not self.keys:
             logger.warning(
                 "no API key configured: anyone who can reach the gateway may use it and read "
@@ -252,7 +257,8 @@ def build_app(
     app.state.gateway = gw
 
     def unauthorized(request: Request, admin: bool = False) -> Response | None:
-        if gw.authorized(request, admin):
+        # The batch runner's requests carry the fleet token (flow/gate.py).
+        if gw.authorized(request, admin or BATCH_HEADER in request.headers):
             return None
         rid = client_request_id(request.headers.get("x-request-id"))
         gw.metrics.rejected.labels("unauthorized").inc()
@@ -449,6 +455,8 @@ def build_app(
         now = time.monotonic()
         body: dict[str, Any] = {
             "queued": gw.proxy.admission.queued,
+            # Each tenant seen: its band, weight, requests (tokens) in flight, queued.
+            "tenants": gw.proxy.flow.view(),
             # "INDEX/N" with --workers N (this view is the answering worker's), else null.
             "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),

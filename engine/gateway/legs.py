@@ -144,6 +144,8 @@ class Legs:
         """The request's final status and its latency (once per request); its slot is free."""
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
+        if call.ticket is not None:
+            call.ticket.release()
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped

@@ -129,6 +129,13 @@ class GatewayMetrics:
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
         self.activations = m.GATEWAY_ACTIVATIONS.create(r)
+        self.tenant_requests = m.GATEWAY_TENANT_REQUESTS.create(r)
+        self.tenant_tokens = m.GATEWAY_TENANT_TOKENS.create(r)
+        self.tenant_inflight = m.GATEWAY_TENANT_INFLIGHT.create(r)
+        self.tenant_inflight_tokens = m.GATEWAY_TENANT_INFLIGHT_TOKENS.create(r)
+        self.tenant_queued = m.GATEWAY_TENANT_QUEUED.create(r)
+        self.tenant_queue_seconds = m.GATEWAY_TENANT_QUEUE_SECONDS.create(r)
+        self.batch_requests = m.GATEWAY_BATCH_REQUESTS.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -37,7 +38,7 @@ from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
-from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
+from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
 from ..http.asgi import Request
 from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient
@@ -53,6 +54,8 @@ from .call import (
 )
 from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
+from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
+from .flow.tenants import Tenants
 from .legs import Legs
 from .metrics import GatewayMetrics
 from .prefill_leg import PrefillLeg
@@ -62,6 +65,8 @@ from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
 
 logger = logging.getLogger("pdfleet.gateway")
 
+# A batch owner as the batch runner names it: a caller id (an API key's digest).
+BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
 
@@ -88,6 +93,8 @@ class Proxy:
         metrics: GatewayMetrics,
         client: UpstreamClient,
         breaker: KVPairBreaker | None = None,
+        tenants: Tenants | None = None,
+        fleet_token: str | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -96,6 +103,10 @@ class Proxy:
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
         self.admission = Admission(config, metrics)
+        self.flow = FlowGate(config, tenants or Tenants(), self.admission, metrics)
+        """Tenants, their limits and their queue (``flow/``)."""
+        self.keyed = bool(config.api_key or self.flow.tenants.keys)
+        self.fleet_token = fleet_token
         self.legs = Legs(
             config, pool, router, affinity, analyzer, metrics, client, breaker, self.admission
         )
@@ -123,7 +134,17 @@ class Proxy:
         # response (the engines answer PREFIX-<request_id>, as vLLM does).
         call.id_from_body = not request.headers.get("x-request-id")
         # Engines count per-caller bounds against the client, not the gateway.
-        call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
+        call.headers[CALLER_HEADER] = request_caller(request, self.keyed)
+        owner = request.headers.get(BATCH_HEADER)
+        if (
+            owner is not None
+            and self.fleet_token is not None
+            and key_matches(bearer_token(request.headers.get("authorization")), [self.fleet_token])
+        ):
+            # The batch runner's request (the fleet token): it runs in the batch
+            # band as its batch's owner (a caller id), whose tenant it counts to.
+            call.batch = True
+            call.headers[CALLER_HEADER] = owner if BATCH_OWNER.fullmatch(owner) else "addr:batch"
         try:  # read before the watcher below takes over receive()
             if raw is None:
                 raw = ready_body(request, self.config.max_body_bytes)
@@ -153,6 +174,8 @@ class Proxy:
                 watch.close()
                 if call.slot is not None or call.prefill_slot is not None:
                     self.legs.free_slot(call)  # an answer that did not go through finish
+                if call.ticket is not None:
+                    call.ticket.release()
 
     def _invalid(self, call: Call, reason: str, message: str, param: str | None = None) -> Response:
         self.metrics.rejected.labels(reason).inc()
@@ -180,15 +203,13 @@ class Proxy:
                 call, f"The model `{body['model']}` does not exist.", 404, "model"
             )
         route = self._sole_route()
+        tenant = self.flow.tenant(call.headers[CALLER_HEADER])
+        max_n, max_output = self.flow.caps(tenant)
         try:
             # The engines' own admissibility checks: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
             check_fields(body, CHAT if call.chat else COMPLETIONS)
-            check_sampling(
-                body,
-                max_n=self.config.max_n,
-                max_output_tokens=self.config.max_request_output_tokens,
-            )
+            check_sampling(body, max_n=max_n, max_output_tokens=max_output)
             info = (
                 NOT_ANALYZED
                 if route is not None
@@ -196,6 +217,17 @@ class Proxy:
             )
         except (ValueError, TypeError, AttributeError) as e:
             return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
+        try:
+            admitted = self.flow.admit(
+                tenant, body, info.num_tokens if info.analyzed else None, len(raw), call.batch
+            )
+        except FlowRefused as r:
+            if r.overloaded is not None:
+                return self._overloaded(call, r.overloaded)
+            return self._invalid(call, "invalid_field", r.message, r.param)
+        call.ticket = admitted.ticket
+        if admitted.changed:
+            payload = json.dumps(body).encode()
         if route is None:
             routed = await self._route(call, info)
             if isinstance(routed, Response):
@@ -268,7 +300,9 @@ class Proxy:
         waits for a slot up to --queue-timeout, or is refused at once when it
         could not get one in time (``admission.py``)."""
         admission = self.admission
+        ticket = call.ticket
         queue_deadline: float | None = None
+        waited_since: float | None = None
         hold_deadline: float | None = None
         woken = False
         while True:
@@ -284,6 +318,8 @@ class Proxy:
                     if route is None:
                         continue  # a decode engine is routable again: look for a slot
             if route is not None:
+                if waited_since is not None and ticket is not None:
+                    ticket.queued(time.monotonic() - waited_since)
                 return route
             if queue_deadline is None:
                 try:
@@ -291,7 +327,9 @@ class Proxy:
                 except Overloaded as o:
                     return self._overloaded(call, o)
                 queue_deadline = time.monotonic() + self.config.queue_timeout
-            if not await admission.wait(queue_deadline, first=woken):
+                waited_since = time.monotonic()
+            placed = (ticket.tenant, ticket.band, ticket.weighted_cost) if ticket else ("", 0, 0.0)
+            if not await admission.wait(queue_deadline, woken, *placed):
                 return self._overloaded(
                     call,
                     Overloaded(
@@ -306,6 +344,8 @@ class Proxy:
 
     def _overloaded(self, call: Call, o: Overloaded) -> Response:
         self.metrics.rejected.labels(o.reason).inc()
+        if call.ticket is not None and o.reason in ("queue_full", "overloaded", "queue_timeout"):
+            self.flow.control.refused(call.ticket, o.reason)
         logger.info("request %s: %s (%d)", call.request_id, o.message, o.status)
         return self.legs.error(
             call, o.message, o.status, headers={"retry-after": str(o.retry_after)}

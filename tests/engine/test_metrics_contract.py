@@ -137,6 +137,13 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_index_resets.labels("http://e", "restart").inc()
     metrics.kv_index_fresh.labels("http://e").set(1)
     metrics.activations.labels("decode").inc()
+    metrics.tenant_requests.labels("t", "admitted").inc()
+    metrics.tenant_tokens.labels("t").inc(10)
+    metrics.tenant_inflight.labels("t").set(1)
+    metrics.tenant_inflight_tokens.labels("t").set(10)
+    metrics.tenant_queued.labels("t").set(0)
+    metrics.tenant_queue_seconds.labels("t").observe(0.1)
+    metrics.batch_requests.labels("pending").set(0)
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):
