@@ -91,9 +91,9 @@ class FakeEngine:
                     self._send(engine.health_status, b"{}")
                 elif self.path == "/metrics":
                     engine.tokens += engine.tokens_per_scrape
-                    text = METRICS.replace(
-                        "waiting 0.0", f"waiting {float(engine.waiting)}"
-                    ) + (f"pdfleet_engine_generation_tokens_total {engine.tokens}\n")
+                    text = METRICS.replace("waiting 0.0", f"waiting {float(engine.waiting)}") + (
+                        f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
+                    )
                     self._send(200, text.encode(), "text/plain")
                 elif self.path == "/v1/models":
                     self._send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())

@@ -76,18 +76,16 @@ def engine():
 def gateway(engine, tmp_path_factory):
     d = tmp_path_factory.mktemp("flow")
     (d / "tenants.json").write_text(json.dumps(TENANTS))
-    gw = start_gateway(
-        [
-            "--decode", engine.url,
-            "--disaggregation-mode", "Disabled",
-            "--api-key", f"{KEY_A},{KEY_B}",
-            "--tenants-file", str(d / "tenants.json"),
-            "--engine-priority",
-            "--scrape-interval", "0.1",
-            "--queue-timeout", "3",
-        ],  # fmt: skip
-        d,
-    )
+    args = [
+        "--decode", engine.url,
+        "--disaggregation-mode", "Disabled",
+        "--api-key", f"{KEY_A},{KEY_B}",
+        "--tenants-file", str(d / "tenants.json"),
+        "--engine-priority",
+        "--scrape-interval", "0.1",
+        "--queue-timeout", "3",
+    ]  # fmt: skip
+    gw = start_gateway(args, d)
     yield gw
     gw.stop()
 
@@ -103,9 +101,7 @@ def _fresh(engine, gateway):
 
 def post(gw, key: str, prompt: str = "hi", **fields) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": 16, **fields}
-    return httpx.post(
-        gw.url + "/v1/completions", json=body, headers=auth_headers(key), timeout=30
-    )
+    return httpx.post(gw.url + "/v1/completions", json=body, headers=auth_headers(key), timeout=30)
 
 
 def queued(gw) -> int:
@@ -125,7 +121,9 @@ def test_bands_first_then_fair_share_by_tokens_between_keys(gateway, engine):
     requests cost four times key B's n=1, so B gets four requests to A's one."""
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         held = blocked(gateway, engine, pool)
-        futures = [pool.submit(post, gateway, KEY_A, f"a{i}", n=4, max_tokens=1000) for i in range(3)]
+        futures = [
+            pool.submit(post, gateway, KEY_A, f"a{i}", n=4, max_tokens=1000) for i in range(3)
+        ]
         futures += [pool.submit(post, gateway, KEY_B, f"b{i}", max_tokens=1000) for i in range(6)]
         assert wait_until(lambda: queued(gateway) == 9, 10)
         futures.append(pool.submit(post, gateway, GOLD, "gold", max_tokens=1000))
@@ -153,9 +151,15 @@ def test_tenant_limits_are_429s_with_retry_after(gateway, engine):
     assert second.status_code == 429
     assert "requests_per_second" in second.json()["error"]["message"]
     assert 1 <= int(second.headers["retry-after"]) <= 60
-    assert metric(
-        gateway.url, "pdfleet_gateway_tenant_requests_total", tenant="capped", outcome="rate_limited"
-    ) >= 1
+    assert (
+        metric(
+            gateway.url,
+            "pdfleet_gateway_tenant_requests_total",
+            tenant="capped",
+            outcome="rate_limited",
+        )
+        >= 1
+    )
 
 
 def test_a_tenants_full_queue_is_refused_at_once(gateway, engine):
@@ -182,7 +186,9 @@ def test_queue_time_is_bounded_and_counted(gateway, engine):
         assert held.result().status_code == 200
     key_b = engines_view(gateway.url)["tenants"]
     assert any(t["tenant"].startswith("key:") and t["inflight"] == 0 for t in key_b)
-    assert metric(gateway.url, "pdfleet_gateway_tenant_requests_total", outcome="queue_timeout") >= 1
+    assert (
+        metric(gateway.url, "pdfleet_gateway_tenant_requests_total", outcome="queue_timeout") >= 1
+    )
 
 
 def test_a_clients_own_priority_is_refused_unless_its_tenant_allows_it(gateway, engine):
