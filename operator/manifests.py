@@ -72,6 +72,7 @@ from .resource import (
     InferenceServiceSpec,
     PodPlacement,
     ServingSpec,
+    TenantsSource,
 )
 from .roles import (
     ENGINE_PORT,
@@ -104,6 +105,8 @@ ENV_API_KEY_FILE = "PDFLEET_API_KEY_FILE"
 # The gateway's API keys come from its Secret mounted as a file (not an
 # environment variable: those leak into crash dumps and `kubectl describe`).
 API_KEY_DIR = "/etc/pdfleet/api-key"
+# Where the gateway's tenants file (spec.gateway.tenants) is mounted.
+TENANTS_DIR = "/etc/pdfleet/tenants"
 # Seconds added to the engine's drain time before the kubelet kills it.
 GRACE_MARGIN_SECONDS = 15
 # Model loading may take long (large weights, cold caches): the startup probe
@@ -522,9 +525,24 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         **gateway_request_bounds(spec),
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
+        tenants_file=f"{TENANTS_DIR}/tenants.yaml" if spec.gateway.tenants else None,
         **spec.gateway.overload_settings(),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
+
+
+def tenants_volume(source: TenantsSource) -> dict[str, Any]:
+    """The tenants file's volume: one key of a Secret or a ConfigMap, as ``tenants.yaml``."""
+    items = [{"key": source.key, "path": "tenants.yaml"}]
+    if source.secret is not None:
+        return {
+            "name": "tenants",
+            "secret": {"secretName": source.secret, "items": items, "defaultMode": 0o440},
+        }
+    return {
+        "name": "tenants",
+        "configMap": {"name": source.config_map, "items": items, "defaultMode": 0o440},
+    }
 
 
 def gateway_workers(gateway: PodPlacement) -> int:
@@ -567,6 +585,9 @@ def gateway_pod_template(
         env.append(key_env)
         volumes.append(key_volume)
         secret_mounts.append(key_mount)
+    if gateway.tenants is not None:
+        volumes.append(tenants_volume(gateway.tenants))
+        secret_mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",

@@ -68,6 +68,10 @@ class TenantState:
     tokens: TokenBucket | None = None
     service_s: float = DEFAULT_SERVICE_S
     """Moving mean of its requests' time from admission to their end."""
+    queue_s: float = 0.0
+    """Moving mean of the time its requests that waited for a slot waited."""
+    waited: int = 0
+    """Its requests that waited for a slot."""
     series: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,6 +94,11 @@ class Ticket:
 
     def queued(self, seconds: float) -> None:
         """The request waited ``seconds`` for a slot (counted per tenant)."""
+        if self._flow is None:
+            return
+        s = self.state
+        s.queue_s = seconds if not s.waited else 0.8 * s.queue_s + 0.2 * seconds
+        s.waited += 1
         self._flow.metrics.tenant_queue_seconds.labels(self.tenant).observe(seconds)
 
     def release(self) -> None:
@@ -215,6 +224,9 @@ class FlowControl:
                     "inflight": s.inflight if s else 0,
                     "inflight_tokens": round(s.inflight_tokens) if s else 0,
                     "queued": queued.get(name, 0),
+                    # Requests that waited for a slot, and their recent mean wait.
+                    "waited": s.waited if s else 0,
+                    "queue_s": round(s.queue_s, 3) if s else 0.0,
                 }
             )
         return out
