@@ -37,6 +37,7 @@ TENANTS = {
             "max_inflight_requests": 1,
             "requests_per_second": 0.01,
             "max_n": 2,
+            "max_request_output_tokens": 100,
         },
         {"name": "queue1", "keys": [QUEUE1], "max_queued": 1},
         {"name": "private", "keys": [PRIVATE], "share_cache": False, "client_priority": "allow"},
@@ -205,7 +206,11 @@ def test_a_clients_own_priority_is_refused_unless_its_tenant_allows_it(gateway, 
 
 
 def test_per_tenant_request_caps_are_400s_naming_the_field(gateway, engine):
-    for fields, param in (({"n": 3}, "n"), ({"best_of": 3}, "best_of")):
+    for fields, param in (
+        ({"n": 3}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"n": 2, "max_tokens": 60}, "max_tokens"),
+    ):
         resp = post(gateway, CAPPED, **fields)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == param
