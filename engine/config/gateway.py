@@ -249,6 +249,8 @@ class GatewayConfig:
     batch_concurrency: int = 4
     """Batch requests the gateway runs at once at most (each only while no
     online request waits for a slot)."""
+    batch_max_file_bytes: int = 100 * 1024 * 1024
+    """Largest file /v1/files takes (413 beyond)."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
@@ -341,6 +343,7 @@ class GatewayConfig:
             "max_chunk_bytes",
             "flow_default_max_tokens",
             "batch_concurrency",
+            "batch_max_file_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")

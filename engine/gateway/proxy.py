@@ -94,7 +94,7 @@ class Proxy:
         client: UpstreamClient,
         breaker: KVPairBreaker | None = None,
         tenants: Tenants | None = None,
-        fleet_token: str | None = None,
+        batch_token: str | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -106,7 +106,8 @@ class Proxy:
         self.flow = FlowGate(config, tenants or Tenants(), self.admission, metrics)
         """Tenants, their limits and their queue (``flow/``)."""
         self.keyed = bool(config.api_key or self.flow.tenants.keys)
-        self.fleet_token = fleet_token
+        self.batch_token = batch_token
+        """What the batch runner's requests present (the fleet token, or the process's)."""
         self.legs = Legs(
             config, pool, router, affinity, analyzer, metrics, client, breaker, self.admission
         )
@@ -138,10 +139,10 @@ class Proxy:
         owner = request.headers.get(BATCH_HEADER)
         if (
             owner is not None
-            and self.fleet_token is not None
-            and key_matches(bearer_token(request.headers.get("authorization")), [self.fleet_token])
+            and self.batch_token is not None
+            and key_matches(bearer_token(request.headers.get("authorization")), [self.batch_token])
         ):
-            # The batch runner's request (the fleet token): it runs in the batch
+            # The batch runner's request (its token): it runs in the batch
             # band as its batch's owner (a caller id), whose tenant it counts to.
             call.batch = True
             call.headers[CALLER_HEADER] = owner if BATCH_OWNER.fullmatch(owner) else "addr:batch"
