@@ -223,13 +223,17 @@ class Admission:
     def queued_of(self, tenant: str) -> int:
         return self._waiters.by_tenant.get(tenant, 0)
 
-    def check_queue(self) -> None:
-        """Raise :class:`Overloaded` (429) when a new request should not wait."""
-        ahead = len(self._waiters)
-        if ahead >= self.config.max_queued_requests:
+    def check_queue(self, band: int = 0) -> None:
+        """Raise :class:`Overloaded` (429) when a new request (of ``band``)
+        should not wait: the queue is full, or the requests it would wait
+        behind (its band's and the bands before it) could not all get a slot
+        within --queue-timeout at the rate slots came free."""
+        total = len(self._waiters)
+        ahead = self._waiters.ahead_of(band)
+        if total >= self.config.max_queued_requests:
             raise Overloaded(
                 429,
-                f"the service is overloaded ({ahead} requests waiting); retry later",
+                f"the service is overloaded ({total} requests waiting); retry later",
                 self.retry_after(ahead),
                 "queue_full",
             )
@@ -249,19 +253,19 @@ class Admission:
         first: bool,
         tenant: str = "",
         band: int = 0,
-        cost: float = 0.0,
+        tag: float = 0.0,
     ) -> bool:
         """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
-        back at the head of its tenant's queue (woken, but another request took
-        the slot). ``tenant``, ``band``, ``cost`` (tokens over the tenant's
-        weight): its place in the fair queue."""
+        woken before, but another request took the slot (it goes back at its
+        place: its tag). ``tenant``, ``band``, ``tag``: its place in the fair
+        queue (``flow/queue.py``)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.freed.saturated(time.monotonic())
-        waiter = Waiter(future, tenant, band, cost, charged=first)
-        self._waiters.push(waiter, first)
+        waiter = Waiter(future, tenant, band, tag)
+        self._waiters.push(waiter)
         self.metrics.queued.set(len(self._waiters))
         try:
             async with asyncio.timeout(left):

@@ -235,6 +235,8 @@ class Proxy:
                 return routed
             route = routed
         self.legs.take_slot(call, route.decode)
+        if call.ticket is not None:
+            call.ticket.started()  # its band's fair-share clock moves on
         if route.prefill is not None:
             self.legs.take_prefill_slot(call, route.prefill)
         key = (route.decision, route.reason)
@@ -324,12 +326,12 @@ class Proxy:
                 return route
             if queue_deadline is None:
                 try:
-                    admission.check_queue()
+                    admission.check_queue(ticket.band if ticket is not None else 0)
                 except Overloaded as o:
                     return self._overloaded(call, o)
                 queue_deadline = time.monotonic() + self.config.queue_timeout
                 waited_since = time.monotonic()
-            placed = (ticket.tenant, ticket.band, ticket.weighted_cost) if ticket else ("", 0, 0.0)
+            placed = (ticket.tenant, ticket.band, ticket.tag) if ticket else ("", 0, 0.0)
             if not await admission.wait(queue_deadline, woken, *placed):
                 return self._overloaded(
                     call,

@@ -20,6 +20,8 @@ from gateway.fake_engine import FakeEngine
 from helpers.fleet import metric, start_gateway
 from helpers.server import wait_until
 
+from pdfleet.engine.gateway.flow.tenants import BATCH_BAND
+
 KEY, OTHER = "batch-key", "other-key"
 
 
@@ -139,7 +141,7 @@ def test_a_batch_runs_through_the_official_client_with_per_line_errors(gateway, 
     assert errors[2]["response"]["body"]["error"]["param"] == "n"
     # Batch requests reach the engines in the batch band (the lowest priority).
     sent = [s.body for s in engine.posts() if s.body.get("prompt") == "p0"]
-    assert sent and sent[0]["priority"] == 1 << 30
+    assert sent and sent[0]["priority"] >> 40 == BATCH_BAND
     # Listing, and another key sees none of it.
     assert batch.id in [b.id for b in c.batches.list()]
     assert file_id in [f.id for f in c.files.list()]

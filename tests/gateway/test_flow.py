@@ -138,9 +138,12 @@ def test_bands_first_then_fair_share_by_tokens_between_keys(gateway, engine):
     assert order[0] == "g", order
     assert order[1:6].count("b") == 4, order  # A pays 4× per request
     assert sorted(order) == sorted("gaaabbbbbb")
-    # The band reaches the engines as a trusted priority (band 0 is the default: not sent).
-    sent = {s.body["prompt"]: s.body.get("priority") for s in engine.posts()}
-    assert sent["gold"] is None and sent["a0"] == 1 and sent["b0"] == 1
+    # The engines get a trusted priority: the band in the high bits, the
+    # fair-share tag (tokens over weight) in the low ones.
+    sent = {s.body["prompt"]: s.body["priority"] for s in engine.posts()}
+    assert sent["gold"] >> 40 == 0 and sent["a0"] >> 40 == 1 and sent["b0"] >> 40 == 1
+    tags = sorted(sent[f"a{i}"] for i in range(3))
+    assert all(b - a >= 4000 for a, b in zip(tags, tags[1:], strict=False))  # n=4 × 1000
     assert metric(gateway.url, "pdfleet_gateway_tenant_queue_seconds_count", tenant="gold") >= 1
 
 
@@ -200,7 +203,7 @@ def test_a_clients_own_priority_is_refused_unless_its_tenant_allows_it(gateway, 
     allowed = post(gateway, PRIVATE, "mine", priority=-5, cache_salt="s")
     assert allowed.status_code == 200
     body = engine.posts()[-1].body
-    assert body["priority"] == -5
+    assert body["priority"] >> 40 == -5  # its own band, then its tag
     # share_cache: false — the tenant's own salt, the client's appended.
     assert body["cache_salt"].startswith("tenant-") and body["cache_salt"].endswith(":s")
 

@@ -34,6 +34,35 @@ from .tenants import Tenant
 DEFAULT_SERVICE_S = 1.0
 
 
+# A request's engine priority: its band in the high bits, its fair-share tag
+# (tokens over weight, from this process's start) in the low ones, so an
+# engine scheduling by priority orders its own queue as the gateway's.
+TAG_BITS = 40
+MAX_TAG = (1 << TAG_BITS) - 1
+
+
+class FairClock:
+    """Start-time fair queuing by tokens within one band: a request's tag is
+    ``max(its tenant's finish, the band's clock)``, its tenant's finish then
+    grows by ``cost / weight``, and the clock follows the tags of the requests
+    that start. A tenant that was idle starts at the clock: it banks no credit."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.finish: dict[str, float] = {}
+
+    def tag(self, tenant: str, weighted_cost: float) -> float:
+        start = max(self.finish.get(tenant, 0.0), self.clock)
+        self.finish[tenant] = start + weighted_cost
+        if len(self.finish) > 4096:  # only tenants ahead of the clock carry debt
+            self.finish = {t: f for t, f in self.finish.items() if f > self.clock}
+        return start
+
+    def started(self, tag: float) -> None:
+        if tag > self.clock:
+            self.clock = tag
+
+
 class TokenBucket:
     """``rate`` per second, holding at most ``burst``; ``take`` may go into debt
     when the bucket is full (a cost larger than the burst still passes)."""
@@ -78,19 +107,28 @@ class TenantState:
 class Ticket:
     """An admitted request's hold on its tenant's in-flight limits."""
 
-    __slots__ = ("_admitted", "_flow", "band", "cost", "state")
+    __slots__ = ("_admitted", "_clock", "_flow", "band", "cost", "state", "tag")
 
-    def __init__(self, flow: FlowControl, state: TenantState, cost: float, band: int) -> None:
+    def __init__(
+        self, flow: FlowControl, state: TenantState, cost: float, band: int, clock: FairClock
+    ) -> None:
         self._flow, self.state, self.cost, self.band = flow, state, cost, band
+        self._clock = clock
+        self.tag = clock.tag(state.tenant.name, cost / state.tenant.policy.weight)
         self._admitted = time.monotonic()
+
+    @property
+    def engine_priority(self) -> int:
+        """What an engine scheduling by priority gets: band, then tag."""
+        return (self.band << TAG_BITS) + min(int(self.tag), MAX_TAG)
+
+    def started(self) -> None:
+        """It got its slot: the band's clock moves to its tag."""
+        self._clock.started(self.tag)
 
     @property
     def tenant(self) -> str:
         return self.state.tenant.name
-
-    @property
-    def weighted_cost(self) -> float:
-        return self.cost / self.state.tenant.policy.weight
 
     def queued(self, seconds: float) -> None:
         """The request waited ``seconds`` for a slot (counted per tenant)."""
@@ -116,6 +154,8 @@ class FlowControl:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
         self.states: dict[str, TenantState] = {}
+        self.clocks: dict[int, FairClock] = {}
+        """Each band's fair-share clock."""
         metrics.on_collect(self._gauges)
 
     def state(self, tenant: Tenant) -> TenantState:
@@ -129,14 +169,20 @@ class FlowControl:
                 s.tokens = TokenBucket(p.tokens_per_second, p.tokens_per_second)
         return s
 
-    def admit(self, tenant: Tenant, cost: float, band: int, queued: int) -> Ticket:
+    def admit(
+        self, tenant: Tenant, cost: float, band: int, queued: int, limited: bool = True
+    ) -> Ticket:
         """A ticket for a request of ``cost`` tokens, or :class:`Overloaded` (429)
-        naming the limit; ``queued``: the tenant's requests waiting now."""
+        naming the limit; ``queued``: the tenant's requests waiting now.
+        ``limited``: False for a batch request (the batch runner paces those:
+        idle capacity, --batch-concurrency), which counts but is never refused."""
         s = self.state(tenant)
         p = tenant.policy
         now = time.monotonic()
         refusal: tuple[str, str, float] | None = None
-        if p.max_inflight_requests is not None and s.inflight >= p.max_inflight_requests:
+        if not limited:
+            pass
+        elif p.max_inflight_requests is not None and s.inflight >= p.max_inflight_requests:
             refusal = (
                 "inflight_limit",
                 f"{p.max_inflight_requests} requests in flight (max_inflight_requests)",
@@ -177,9 +223,9 @@ class FlowControl:
                 int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(retry)))),
                 reason,
             )
-        if s.requests is not None:
+        if s.requests is not None and limited:
             s.requests.take(1.0)
-        if s.tokens is not None:
+        if s.tokens is not None and limited:
             s.tokens.take(cost)
         s.inflight += 1
         s.inflight_tokens += cost
@@ -190,7 +236,10 @@ class FlowControl:
                 self.metrics.tenant_tokens.labels(tenant.name)
             )
         tokens.inc(cost)
-        return Ticket(self, s, cost, band)
+        clock = self.clocks.get(band)
+        if clock is None:
+            clock = self.clocks[band] = FairClock()
+        return Ticket(self, s, cost, band, clock)
 
     def refused(self, ticket: Ticket, reason: str) -> None:
         """An admitted request was refused later (the fleet's queue: full or timed out)."""

@@ -14,7 +14,7 @@ from ..admission import Admission, Overloaded
 from ..metrics import GatewayMetrics
 from ..prompt import CHARS_PER_TOKEN
 from .control import FlowControl, Ticket
-from .tenants import BATCH_BAND, Tenant, Tenants
+from .tenants import BATCH_BAND, MAX_BAND, Tenant, Tenants
 
 # The header a batch runner's requests carry (with the fleet token) to run in
 # the batch band; a client's own is ignored (only the fleet token may set it).
@@ -101,12 +101,9 @@ class FlowGate:
                     "send 0 or leave it out",
                     "priority",
                 )
-            band = max(-(1 << 29), min((1 << 29) - 1, int(given)))
+            band = max(-MAX_BAND, min(MAX_BAND, int(given)))
         if batch:
             band = BATCH_BAND
-        if self.config.engine_priority and band and body.get("priority") != band:
-            body["priority"] = band
-            changed = True
         if tenant.cache_salt is not None:
             own = body.get("cache_salt")
             body["cache_salt"] = (
@@ -119,6 +116,9 @@ class FlowGate:
             ticket = self.control.admit(tenant, cost, band, self.admission.queued_of(tenant.name))
         except Overloaded as o:
             raise FlowRefused(o.message, overloaded=o) from None
+        if self.config.engine_priority:
+            body["priority"] = ticket.engine_priority
+            changed = True
         return Admitted(ticket, changed)
 
     def _queued_gauges(self) -> None:

@@ -1,23 +1,24 @@
 """The queue of requests waiting for a slot: strict priority across bands,
 weighted fair share by tokens within a band.
 
-Within a band each tenant has its own FIFO. The next request served is the
-head of the tenant with the smallest start tag (start-time fair queuing):
-``start = max(tenant's finish, band's clock)``, then ``finish = start +
-cost / weight``, and the band's clock moves to ``start``. A tenant that was
-idle starts at the clock (it banks no credit while away); a tenant sending
-``n=64`` requests pays 64 × max_tokens per request, so two backlogged
-tenants of equal weight receive equal tokens, not equal requests.
+Each request carries its band and its fair-share tag (``control.FairClock``:
+start-time fair queuing by tokens, given at admission), and the queue serves
+the smallest (band, tag) first, arrival breaking ties. Within a tenant tags
+grow with each request's cost over the tenant's weight, so two backlogged
+tenants of equal weight receive equal tokens, not equal requests; a request
+woken for a slot that another request took goes back with its tag, so at
+its place.
 
-Picking is linear in the band's tenants with waiters (tens, not thousands:
-tenants are configured keys); pushing and removing a waiter are O(1) and
-O(queue of its tenant).
+A heap with lazy removal: push and pop O(log n), remove O(1) (the entry is
+skipped when it reaches the top).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -28,99 +29,63 @@ class Waiter:
     future: asyncio.Future[None]
     tenant: str
     band: int
-    cost: float
-    """Tokens (prompt + n × max_tokens) divided by the tenant's weight."""
-    charged: bool = False
-    """Its cost was counted at a previous pick (woken, then back at the head)."""
-
-
-@dataclass
-class _Band:
-    queues: dict[str, collections.deque[Waiter]] = field(default_factory=dict)
-    finish: dict[str, float] = field(default_factory=dict)
-    clock: float = 0.0
-    size: int = 0
+    tag: float
+    """Its fair-share tag within the band (smaller: sooner)."""
+    queued: bool = field(default=False, repr=False)
 
 
 class FairQueue:
     def __init__(self) -> None:
-        self._bands: dict[int, _Band] = {}
+        self._heap: list[tuple[int, float, int, Waiter]] = []
+        self._seq = itertools.count()
         self._size = 0
         self.by_tenant: collections.Counter[str] = collections.Counter()
         """Waiters per tenant (tenants with none are dropped)."""
+        self.by_band: collections.Counter[int] = collections.Counter()
 
     def __len__(self) -> int:
         return self._size
 
-    def push(self, waiter: Waiter, first: bool = False) -> None:
-        """``first``: back at the head of its tenant's queue (it was woken but
-        another request took the slot)."""
-        band = self._bands.get(waiter.band)
-        if band is None:
-            band = self._bands[waiter.band] = _Band()
-        queue = band.queues.get(waiter.tenant)
-        if queue is None:
-            queue = band.queues[waiter.tenant] = collections.deque()
-        if first:
-            queue.appendleft(waiter)
-        else:
-            queue.append(waiter)
-        band.size += 1
+    def push(self, waiter: Waiter) -> None:
+        waiter.queued = True
+        heapq.heappush(self._heap, (waiter.band, waiter.tag, next(self._seq), waiter))
         self._size += 1
         self.by_tenant[waiter.tenant] += 1
+        self.by_band[waiter.band] += 1
 
     def pop(self) -> Waiter | None:
-        """The next waiter by band, then fair share; None when empty."""
-        if not self._size:
-            return None
-        number = min(b for b, band in self._bands.items() if band.size)
-        band = self._bands[number]
-        best: str | None = None
-        best_start = 0.0
-        for tenant in band.queues:  # insertion order breaks ties
-            start = max(band.finish.get(tenant, 0.0), band.clock)
-            if best is None or start < best_start:
-                best, best_start = tenant, start
-        assert best is not None
-        queue = band.queues[best]
-        waiter = queue.popleft()
-        if not waiter.charged:
-            waiter.charged = True
-            band.clock = best_start
-            band.finish[best] = best_start + waiter.cost
-        self._drop(band, number, best, queue)
-        return waiter
+        """The next waiter by band, then tag; None when empty."""
+        while self._heap:
+            waiter = heapq.heappop(self._heap)[3]
+            if waiter.queued:
+                self._left(waiter)
+                return waiter
+        return None
 
     def remove(self, waiter: Waiter) -> bool:
         """Take a waiter off the queue (it timed out or went away); False when
         it was not on it (already popped)."""
-        band = self._bands.get(waiter.band)
-        queue = band.queues.get(waiter.tenant) if band is not None else None
-        if band is None or queue is None:
+        if not waiter.queued:
             return False
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return False
-        self._drop(band, waiter.band, waiter.tenant, queue)
+        self._left(waiter)
+        if len(self._heap) > 2 * self._size + 64:  # drop the skipped entries
+            self._heap = [e for e in self._heap if e[3].queued]
+            heapq.heapify(self._heap)
         return True
 
-    def _drop(self, band: _Band, number: int, tenant: str, queue: collections.deque) -> None:
-        """Bookkeeping after a waiter left ``queue``."""
-        band.size -= 1
+    def ahead_of(self, band: int) -> int:
+        """Waiters a request of ``band`` would wait behind: its band's and the
+        bands served before it."""
+        if len(self.by_band) == 1 and band in self.by_band:
+            return self._size
+        return sum(n for b, n in self.by_band.items() if b <= band)
+
+    def _left(self, waiter: Waiter) -> None:
+        waiter.queued = False
         self._size -= 1
-        self.by_tenant[tenant] -= 1
-        if not self.by_tenant[tenant]:
-            del self.by_tenant[tenant]
-        if not queue:
-            del band.queues[tenant]
-            # A finish tag at or behind the clock carries no debt: forget it, so
-            # the table holds only tenants that are waiting or recently served.
-            if band.finish.get(tenant, 0.0) <= band.clock:
-                band.finish.pop(tenant, None)
-        if not band.size and not band.finish:
-            del self._bands[number]
-        elif len(band.finish) > 4 * (len(band.queues) + 16):
-            behind = [t for t, f in band.finish.items() if f <= band.clock]
-            for t in behind:
-                del band.finish[t]
+        self.by_tenant[waiter.tenant] -= 1
+        if not self.by_tenant[waiter.tenant]:
+            del self.by_tenant[waiter.tenant]
+        self.by_band[waiter.band] -= 1
+        if not self.by_band[waiter.band]:
+            del self.by_band[waiter.band]

@@ -22,8 +22,10 @@ import yaml
 from ...contracts.security import caller_id
 
 ClientPriority = Literal["refuse", "allow"]
+# Bands are within ±MAX_BAND (an engine priority holds the band and a 40-bit tag).
+MAX_BAND = (1 << 19) - 1
 # Priority band of batch requests (the OpenAI Batch API): below every online band.
-BATCH_BAND = 1 << 30
+BATCH_BAND = MAX_BAND + 1
 # The tenant of requests without an API key (a gateway without keys).
 ANONYMOUS = "anonymous"
 
@@ -67,8 +69,8 @@ class TenantPolicy:
             raise ValueError(f"weight must be > 0, got {self.weight}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
-        if not -(1 << 29) <= self.priority < (1 << 29):
-            raise ValueError(f"priority must be within ±2^29, got {self.priority}")
+        if not -MAX_BAND <= self.priority <= MAX_BAND:
+            raise ValueError(f"priority must be within ±{MAX_BAND}, got {self.priority}")
         for name in (
             "max_inflight_requests",
             "max_inflight_tokens",
