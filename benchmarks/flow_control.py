@@ -144,6 +144,21 @@ class Fleet:
     def view(self) -> dict:
         return httpx.get(self.url + "/engines", headers=self.admin, timeout=10).json()
 
+    def refusals(self) -> dict[str, float]:
+        """The gateway's refusals so far, by tenant and outcome, and by reason."""
+        text = httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(
+                (
+                    "pdfleet_gateway_tenant_requests_total{",
+                    "pdfleet_gateway_rejected_requests_total{",
+                )
+            ):
+                name, value = line.rsplit(" ", 1)
+                out[name.replace("pdfleet_gateway_", "")] = float(value)
+        return out
+
     def drained(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -228,6 +243,7 @@ async def closed_loop(client, url, key, body, concurrency: int, seconds: float, 
 
 
 async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
+    before = fleet.refusals()
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         noisy = asyncio.create_task(
             open_loop(
@@ -252,7 +268,11 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         )
         noisy_results = await noisy
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
+    after = fleet.refusals()
     return {
+        "gateway_counts": {
+            k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
+        },
         "protected_ttft_p90_s": p90(ttfts),
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),

@@ -145,10 +145,13 @@ class Admission:
                 out.add(e.url)
         return out
 
-    def take(self, e: EngineState, key: int | None = None) -> None:
+    def take(self, e: EngineState, key: int | None = None, seqs: int = 1) -> None:
         """A slot on ``e``; ``key``: the gateway will see its first answer
-        (:meth:`answered`), so how long it waits for one is watched."""
-        e.admitted += 1
+        (:meth:`answered`), so how long it waits for one is watched. ``seqs``:
+        the sequences the request runs (``n`` × prompts): slots are counted in
+        sequences, as the engines count their queue, so an ``n=64`` request
+        takes what it uses."""
+        e.admitted += seqs
         if key is not None:
             e.pending[key] = time.monotonic()
 
@@ -156,16 +159,18 @@ class Admission:
         """The slot's first answer came (a stream's first event)."""
         e.pending.pop(key, None)
 
-    def give_back(self, e: EngineState, key: int | None = None, ended: bool = True) -> None:
+    def give_back(
+        self, e: EngineState, key: int | None = None, ended: bool = True, seqs: int = 1
+    ) -> None:
         """A request routed to ``e`` ended (``ended``; else its leg there ended
-        or moved to another engine): its slot is free for the next one."""
-        e.admitted -= 1
+        or moved to another engine): its ``seqs`` slots are free for the next ones."""
+        e.admitted -= seqs
         if key is not None:
             e.pending.pop(key, None)
         if ended:
             self.freed.tick(time.monotonic())
         if self._waiters:
-            self._wake(1)
+            self._wake(seqs)
 
     @property
     def late_after(self) -> float:

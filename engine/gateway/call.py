@@ -57,6 +57,9 @@ class Call:
     """Its tenant's hold (``flow.control.Ticket``) from admission to its end."""
     batch: bool = False
     """A Batch API request: runs in the batch band."""
+    seqs: int = 1
+    """Sequences it runs on its decode engine (``n`` or ``best_of``, × prompts):
+    the slots it takes there (``admission.py``)."""
 
 
 def tame_request_id(value: Any) -> bool:

@@ -226,7 +226,7 @@ class Proxy:
             if r.overloaded is not None:
                 return self._overloaded(call, r.overloaded)
             return self._invalid(call, "invalid_field", r.message, r.param)
-        call.ticket = admitted.ticket
+        call.ticket, call.seqs = admitted.ticket, admitted.seqs
         if admitted.changed:
             payload = json.dumps(body).encode()
         if route is None:

@@ -36,6 +36,8 @@ class Admitted:
     ticket: Ticket
     changed: bool
     """The body was changed (``priority``, ``cache_salt``): re-serialize it."""
+    seqs: int
+    """Sequences the request runs (``n`` or ``best_of``, × prompts)."""
 
 
 class FlowGate:
@@ -66,6 +68,12 @@ class FlowGate:
             out = min(out, p.max_request_output_tokens)
         return max_n, out
 
+    @staticmethod
+    def seqs(body: dict[str, Any]) -> int:
+        """Sequences the request runs: ``n`` (``best_of`` when larger) per prompt."""
+        prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
+        return prompts * num_sequences(body)
+
     def cost(self, body: dict[str, Any], prompt_tokens: int) -> float:
         """Prompt tokens plus ``n × max_tokens`` for every prompt (the tokens the
         request may make the engines compute)."""
@@ -74,8 +82,7 @@ class FlowGate:
             limit = body.get("max_tokens")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.config.flow_default_max_tokens
-        prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
-        return float(prompt_tokens + prompts * num_sequences(body) * limit)
+        return float(prompt_tokens + self.seqs(body) * limit)
 
     def admit(
         self,
@@ -119,7 +126,7 @@ class FlowGate:
         if self.config.engine_priority:
             body["priority"] = ticket.engine_priority
             changed = True
-        return Admitted(ticket, changed)
+        return Admitted(ticket, changed, self.seqs(body))
 
     def _queued_gauges(self) -> None:
         queued = self.admission.queued_by_tenant()
