@@ -257,6 +257,19 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             )
         )
         await asyncio.sleep(2.0)  # the flood first builds its queue
+        seen: list[dict] = []
+
+        async def watch() -> None:
+            """The gateway's view each second: its queue, the engine's slots."""
+            while True:
+                view = (await client.get(fleet.url + "/engines", headers=fleet.admin)).json()
+                e = view["engines"][0]
+                seen.append(
+                    {"queued": view["queued"], "admitted": e["admitted"], "capacity": e["capacity"]}
+                )
+                await asyncio.sleep(1.0)
+
+        watcher = asyncio.create_task(watch())
         protected = await open_loop(
             client,
             fleet.url,
@@ -267,9 +280,13 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             args.timeout,
         )
         noisy_results = await noisy
+        watcher.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
+    capacities = [x["capacity"] for x in seen if x["capacity"] is not None]
     return {
+        "engine_capacity_min_max": [min(capacities), max(capacities)] if capacities else None,
+        "gateway_queued_max": max((x["queued"] for x in seen), default=0),
         "gateway_counts": {
             k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
         },
@@ -329,7 +346,15 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         little = noisy_body(args.fair_tokens)
         a, b = await asyncio.gather(
             closed_loop(client, fleet.url, KEY_A, big, 4, args.phase_seconds, args.timeout),
-            closed_loop(client, fleet.url, KEY_B, little, 32, args.phase_seconds, args.timeout),
+            closed_loop(
+                client,
+                fleet.url,
+                KEY_B,
+                little,
+                args.n1_concurrency,
+                args.phase_seconds,
+                args.timeout,
+            ),
         )
     tput_a = sum(t for _, _, t in a) / args.phase_seconds
     tput_b = sum(t for _, _, t in b) / args.phase_seconds
@@ -401,6 +426,12 @@ def main() -> None:
     ap.add_argument("--noisy-tokens", type=int, default=32)
     ap.add_argument("--noisy-max-queued", type=int, default=8)
     ap.add_argument("--fair-tokens", type=int, default=16)
+    ap.add_argument(
+        "--n1-concurrency",
+        type=int,
+        default=128,
+        help="the n=1 key's requests in flight: enough to want its share (the n=64 key has 4)",
+    )
     ap.add_argument("--capacity-concurrency", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--batch-requests", type=int, default=1000)

@@ -507,7 +507,8 @@ GATEWAY_ENGINE_STALL_LIMIT = Metric(
 GATEWAY_ENGINE_CAPACITY = Metric(
     "pdfleet_gateway_engine_capacity",
     "gauge",
-    "Requests the gateway routes to an engine at once, learned from the engine's queue: "
+    "Sequences (a request's n × prompts) the gateway routes to an engine at once, learned "
+    "from the engine's queue: "
     "its own count, or requests waiting on it past a quarter of the first-token bound "
     "for their first answer (no series until the engine first queues requests).",
     ("engine", "role"),

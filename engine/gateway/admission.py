@@ -1,7 +1,8 @@
 """Overload answered as overload: each engine's capacity, learned from its
 scrapes, and the bounded queue of requests beyond it.
 
-A request takes a *slot* on the decode engine it is routed to, from its route
+A request takes a *slot* per sequence it runs (``n`` × prompts, as engines
+count their queue) on the decode engine it is routed to, from its route
 (before its prefill leg, so a request that must wait pins no KV anywhere) to
 the end of its answer, and, when it prefills, one on its prefill engine until
 its prefill leg ends. An engine's capacity is learned from what it reports:
