@@ -328,24 +328,43 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         out["unloaded_ttft_p90_s"] = unloaded
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
-    fleet.drained()
-    out["without_flow_control"] = await flood(fleet, args, capacity, SHARED, SHARED)
-    print("without flow control:", out["without_flow_control"], flush=True)
-    fleet.drained()
-    out["with_flow_control"] = await flood(fleet, args, capacity, NOISY, PROTECTED)
-    print("with flow control:", out["with_flow_control"], flush=True)
-    for key in ("without_flow_control", "with_flow_control"):
+    floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
+    for key in floods:
+        fleet.drained()
+        keys = (SHARED, SHARED) if key == "without_flow_control" else (NOISY, PROTECTED)
+        out[key] = await flood(fleet, args, capacity, *keys)
+        print(f"{key}:", out[key], flush=True)
+    for key in floods:
         got = out[key]["protected_ttft_p90_s"]
         out[key]["ratio_to_unloaded"] = (
             round(got / unloaded, 2) if got is not None and unloaded else None
         )
     fleet.drained()
-    # 5. n=64 vs n=1
+    if "fair" in args.phases:
+        out["fair_share"] = await fair_share(fleet, args)
+        print("n=64 vs n=1:", out["fair_share"], flush=True)
+        fleet.drained()
+    if "batch" in args.phases:
+        out["batch"] = await batch_beside_online(fleet, args, unloaded)
+        print("batch:", out["batch"], flush=True)
+    return out
+
+
+async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
+    """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests."""
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         big = {**noisy_body(args.fair_tokens), "n": 64}
         little = noisy_body(args.fair_tokens)
         a, b = await asyncio.gather(
-            closed_loop(client, fleet.url, KEY_A, big, 4, args.phase_seconds, args.timeout),
+            closed_loop(
+                client,
+                fleet.url,
+                KEY_A,
+                big,
+                args.n64_concurrency,
+                args.phase_seconds,
+                args.timeout,
+            ),
             closed_loop(
                 client,
                 fleet.url,
@@ -358,7 +377,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         )
     tput_a = sum(t for _, _, t in a) / args.phase_seconds
     tput_b = sum(t for _, _, t in b) / args.phase_seconds
-    out["fair_share"] = {
+    return {
         "n64_tokens_per_s": round(tput_a, 1),
         "n1_tokens_per_s": round(tput_b, 1),
         "ratio_min_max": round(min(tput_a, tput_b) / max(tput_a, tput_b), 3)
@@ -367,9 +386,10 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         "n64_outcomes": dict(Counter(o for o, _, _ in a)),
         "n1_outcomes": dict(Counter(o for o, _, _ in b)),
     }
-    print("n=64 vs n=1:", out["fair_share"], flush=True)
-    fleet.drained()
-    # 6. a batch on idle capacity, with the protected light load beside it
+
+
+async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) -> dict:
+    """6. A batch on idle capacity, with the protected light load beside it."""
     oc = openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY_B, max_retries=2, timeout=60)
     lines = [
         json.dumps(
@@ -404,7 +424,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
             await asyncio.sleep(args.protected_interval)
     wall = time.monotonic() - started
     during = p90(ttfts)
-    out["batch"] = {
+    return {
         "requests": args.batch_requests,
         "status": status.status,
         "completed": status.request_counts.completed if status.request_counts else None,
@@ -414,8 +434,6 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         "protected_samples": len(ttfts),
         "ratio_to_unloaded": round(during / unloaded, 2) if during and unloaded else None,
     }
-    print("batch:", out["batch"], flush=True)
-    return out
 
 
 def main() -> None:
@@ -426,6 +444,7 @@ def main() -> None:
     ap.add_argument("--noisy-tokens", type=int, default=32)
     ap.add_argument("--noisy-max-queued", type=int, default=8)
     ap.add_argument("--fair-tokens", type=int, default=16)
+    ap.add_argument("--n64-concurrency", type=int, default=4)
     ap.add_argument(
         "--n1-concurrency",
         type=int,
@@ -437,6 +456,11 @@ def main() -> None:
     ap.add_argument("--batch-requests", type=int, default=1000)
     ap.add_argument("--batch-timeout", type=float, default=600.0)
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout per request")
+    ap.add_argument(
+        "--phases",
+        default="flood,fair,batch",
+        help="which of flood, fair, batch to run (capacity and unloaded always run)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     load_start = os.getloadavg()
