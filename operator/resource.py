@@ -433,6 +433,31 @@ def _bounded(flag_field: str, default: float | None) -> Any:
     )
 
 
+class TenantsSource(SpecModel):
+    """Where the gateway's tenants file comes from: one key of a Secret (when
+    it lists API keys, as it usually does) or of a ConfigMap."""
+
+    secret: SecretName | None = None
+    """Name of a Secret holding the file."""
+    config_map: SecretName | None = None
+    """Name of a ConfigMap holding the file (keys in a ConfigMap are readable by
+    whoever may read ConfigMaps: prefer a Secret)."""
+    key: SecretKey = "tenants.yaml"
+    """Key of the Secret or ConfigMap whose value is the file (YAML or JSON,
+    docs/flow-control.md)."""
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, name: str | None) -> str | None:
+        return None if name is None else _not_a_fleet_secret(name)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TenantsSource:
+        if (self.secret is None) == (self.config_map is None):
+            raise ValueError("tenants: give exactly one of secret or configMap")
+        return self
+
+
 class GatewaySpec(PodPlacement):
     """The OpenAI-compatible gateway in front of the engines."""
 
@@ -475,6 +500,16 @@ class GatewaySpec(PodPlacement):
     max_queued_requests: int = Field(default=1024, ge=0, le=1_000_000, strict=True)
     """Requests that may wait for a slot at once; more get a 429 with
     Retry-After at once (`--max-queued-requests`)."""
+    tenants: TenantsSource | None = None
+    """The tenants file (`--tenants-file`): API keys grouped into tenants with
+    a weight, a priority band, in-flight, queue and rate limits and cache
+    sharing (docs/flow-control.md). Its keys are accepted API keys. Unset:
+    every API key is its own tenant of equal weight. Read when a gateway pod
+    starts: roll the gateway after changing it."""
+    engine_priority: bool = False
+    """Pass each request's priority band to the engines (`--engine-priority`),
+    and run the engines with `--scheduling-policy priority` so that they admit
+    and preempt by it."""
 
     def overload_settings(self) -> dict[str, Any]:
         """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""
@@ -484,6 +519,7 @@ class GatewaySpec(PodPlacement):
             "stall_max_step": self.stall_max_step_seconds,
             "queue_timeout": self.queue_timeout_seconds,
             "max_queued_requests": self.max_queued_requests,
+            "engine_priority": self.engine_priority,
         }
 
 
@@ -556,6 +592,19 @@ class InferenceServiceSpec(SpecModel):
     @classmethod
     def _check_engine(cls, engine: dict[str, Any]) -> dict[str, Any]:
         return validate_engine_section(engine)
+
+    @model_validator(mode="after")
+    def _engine_priority_needs_the_priority_policy(self) -> InferenceServiceSpec:
+        if self.gateway.engine_priority:
+            for role in ROLES:
+                section = {**self.engine, **self.role(role).engine}
+                if section.get("schedulingPolicy") != "priority":
+                    raise ValueError(
+                        "gateway.enginePriority: the engines must schedule by priority: set "
+                        f"engine.schedulingPolicy: priority (the {role} engines run "
+                        f"{section.get('schedulingPolicy', 'fcfs')})"
+                    )
+        return self
 
     def role(self, role: str) -> RoleSpec:
         if role not in ROLES:

@@ -119,6 +119,8 @@ class FleetView:
     """A local run whose ``pdfleet up`` is gone (the exit status says so)."""
     peer_pull: str | None = None
     """The gateway's peer-pull line (``--peer-pull``; None: off or not read)."""
+    tenants: list[dict[str, Any]] | None = None
+    """The gateway's tenants (its ``/engines``): in flight, queued, queue time."""
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -157,6 +159,27 @@ HEADER = (
 )
 
 
+TENANT_HEADER = (
+    f"{'TENANT':<26} {'BAND':>4} {'WEIGHT':>6} {'INFLIGHT':>8} {'TOKENS':>8} {'QUEUED':>6} "
+    f"{'QUEUE-S':>7}"
+)
+
+
+def render_tenant(t: Mapping[str, Any]) -> str:
+    """One tenant of the gateway: its band and weight, what it has in flight
+    (requests, tokens), waiting, and the recent mean wait of its queued requests."""
+
+    def num(v: Any, fmt: str = "{:.0f}") -> str:
+        return "-" if not isinstance(v, (int, float)) else fmt.format(v)
+
+    return (
+        f"{_fit(str(t.get('tenant')), 26):<26} {num(t.get('priority')):>4} "
+        f"{num(t.get('weight'), '{:g}'):>6} {num(t.get('inflight')):>8} "
+        f"{num(t.get('inflight_tokens')):>8} {num(t.get('queued')):>6} "
+        f"{num(t.get('queue_s'), '{:.2f}'):>7}"
+    ).rstrip()
+
+
 def describe_decision(d: Mapping[str, Any]) -> str:
     when = d.get("time")
     if isinstance(when, (int, float)):
@@ -174,6 +197,9 @@ def render(views: list[FleetView], width: int = WIDTH) -> str:
         lines.extend(render_row(r) for r in view.rows)
         if not view.rows:
             lines.append("(no engines)")
+        if view.tenants:
+            lines.append(TENANT_HEADER)
+            lines.extend(render_tenant(t) for t in view.tenants)
         last = "none yet" if view.decision is None else describe_decision(view.decision)
         lines.append(f"autoscaler: {last}")
         if view.peer_pull is not None:
@@ -282,6 +308,7 @@ class LocalSource:
         gw_state = gw.get("state", "") if alive else STOPPED
         if gw_state == "ready" and gw.get("url") and not self._answers(gw["url"]):
             gw_state = "down"
+        tenants = self._tenants(gw["url"]) if gw_state == "ready" else None
         decisions = state.get("lastDecisions") or []
         peer = None
         if gw_state == "ready" and gw.get("url"):
@@ -298,8 +325,19 @@ class LocalSource:
                 decisions[-1] if decisions else None,
                 stopped=not alive,
                 peer_pull=peer,
+                tenants=tenants,
             )
         ]
+
+    def _tenants(self, url: str) -> list[dict[str, Any]] | None:
+        """The gateway's tenants (its /engines, which the fleet token may read)."""
+        try:
+            resp = self.client.get(url + "/engines")
+            resp.raise_for_status()
+            tenants = resp.json().get("tenants")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return tenants if isinstance(tenants, list) else None
 
     def _answers(self, url: str) -> bool:
         """Whether the gateway accepts a connection and answers /health (any status:

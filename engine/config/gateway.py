@@ -229,6 +229,29 @@ class GatewayConfig:
     every prompt of a batch); a larger product is a 400 naming `max_tokens`.
     Set it as the engines' --max-request-output-tokens (the operator and
     `pdfleet up` do)."""
+    tenants_file: str | None = None
+    """JSON or YAML file grouping API keys into tenants and setting each one's
+    weight, priority band, in-flight, queue and rate limits and cache sharing
+    (docs/flow-control.md); its keys are accepted API keys. Without it every
+    API key is its own tenant of weight 1."""
+    engine_priority: bool = False
+    """Send each request's priority band to the engines as `priority` (with the
+    fleet token, the only caller engines take it from), so their scheduler
+    admits and preempts by it: the engines must run `--scheduling-policy
+    priority`. Off: bands order only the gateway's queue."""
+    flow_default_max_tokens: int = 256
+    """Output tokens a request without `max_tokens` is assumed to ask for when
+    its cost (prompt tokens + n × max_tokens) is counted for fair share and
+    token limits."""
+    data_dir: str | None = None
+    """Directory of the gateway's durable state: the OpenAI Batch API's files
+    and its SQLite database (`batches.sqlite3`). Without it /v1/files and
+    /v1/batches answer 404."""
+    batch_concurrency: int = 4
+    """Batch requests the gateway runs at once at most (each only while no
+    online request waits for a slot)."""
+    batch_max_file_bytes: int = 100 * 1024 * 1024
+    """Largest file /v1/files takes (413 beyond)."""
     eject_after: int = 3
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
@@ -328,6 +351,9 @@ class GatewayConfig:
             "max_body_bytes",
             "max_request_output_tokens",
             "max_chunk_bytes",
+            "flow_default_max_tokens",
+            "batch_concurrency",
+            "batch_max_file_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")

@@ -507,7 +507,8 @@ GATEWAY_ENGINE_STALL_LIMIT = Metric(
 GATEWAY_ENGINE_CAPACITY = Metric(
     "pdfleet_gateway_engine_capacity",
     "gauge",
-    "Requests the gateway routes to an engine at once, learned from the engine's queue: "
+    "Sequences (a request's n × prompts) the gateway routes to an engine at once, learned "
+    "from the engine's queue: "
     "its own count, or requests waiting on it past a quarter of the first-token bound "
     "for their first answer (no series until the engine first queues requests).",
     ("engine", "role"),
@@ -536,6 +537,52 @@ GATEWAY_REJECTED_REQUESTS = Metric(
     "invalid_json, invalid_field, unauthorized; overload: overloaded, queue_full, "
     "queue_timeout).",
     ("reason",),
+)
+
+GATEWAY_TENANT_REQUESTS = Metric(
+    "pdfleet_gateway_tenant_requests_total",
+    "counter",
+    "Requests by tenant (an API key, or a tenants-file tenant) and outcome: admitted, "
+    "or refused (inflight_limit, rate_limited, queue_full, queue_timeout).",
+    ("tenant", "outcome"),
+)
+GATEWAY_TENANT_TOKENS = Metric(
+    "pdfleet_gateway_tenant_tokens_total",
+    "counter",
+    "Tokens admitted by tenant, counted as scheduled: prompt tokens + n × max_tokens.",
+    ("tenant",),
+)
+GATEWAY_TENANT_INFLIGHT = Metric(
+    "pdfleet_gateway_tenant_inflight_requests",
+    "gauge",
+    "Requests of a tenant admitted and not finished (queued or on an engine).",
+    ("tenant",),
+)
+GATEWAY_TENANT_INFLIGHT_TOKENS = Metric(
+    "pdfleet_gateway_tenant_inflight_tokens",
+    "gauge",
+    "Tokens (prompt + n × max_tokens) of a tenant's admitted, unfinished requests.",
+    ("tenant",),
+)
+GATEWAY_TENANT_QUEUED = Metric(
+    "pdfleet_gateway_tenant_queued_requests",
+    "gauge",
+    "Requests of a tenant waiting for a slot (every routable decode engine at capacity).",
+    ("tenant",),
+)
+GATEWAY_TENANT_QUEUE_SECONDS = Metric(
+    "pdfleet_gateway_tenant_queue_seconds",
+    "histogram",
+    "Seconds a tenant's requests waited for a slot (only requests that waited).",
+    ("tenant",),
+    TTFT_BUCKETS,
+)
+GATEWAY_BATCH_REQUESTS = Metric(
+    "pdfleet_gateway_batch_requests",
+    "gauge",
+    "Requests of OpenAI Batch API jobs not yet run, by state (pending: waiting for idle "
+    "capacity; running). Deferrable demand: the autoscaler does not scale up for it.",
+    ("state",),
 )
 
 GATEWAY_KV_INDEX_BLOCKS = Metric(

@@ -1,7 +1,8 @@
 """Overload answered as overload: each engine's capacity, learned from its
 scrapes, and the bounded queue of requests beyond it.
 
-A request takes a *slot* on the decode engine it is routed to, from its route
+A request takes a *slot* per sequence it runs (``n`` × prompts, as engines
+count their queue) on the decode engine it is routed to, from its route
 (before its prefill leg, so a request that must wait pins no KV anywhere) to
 the end of its answer, and, when it prefills, one on its prefill engine until
 its prefill leg ends. An engine's capacity is learned from what it reports:
@@ -14,8 +15,10 @@ still in their prefill leg, so they count the pipeline; the prefill engines'
 own capacities keep that part short.
 
 While every routable decode engine is at capacity (or the request should
-prefill and every prefill engine that could is), a request waits in a FIFO
-queue (``pdfleet_gateway_queued_requests``) for a slot, at most
+prefill and every prefill engine that could is), a request waits in the
+flow-control queue (``flow/queue.py``: strict priority bands, weighted fair
+share by tokens between tenants within a band;
+``pdfleet_gateway_queued_requests``) for a slot, at most
 ``--queue-timeout`` seconds; then it is a 503 with ``Retry-After``. It is
 refused at once, with a 429 and ``Retry-After``, when the queue holds
 ``--max-queued-requests`` or when the rate at which slots came free while
@@ -30,13 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import time
 from collections.abc import Iterable
 
 from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EngineState
+from .flow.queue import FairQueue, Waiter
 from .metrics import GatewayMetrics
 
 # Slots given back per second are counted over this many one-second buckets.
@@ -127,7 +130,7 @@ class Admission:
         self.config = config
         self.metrics = metrics
         self.freed = FreedRate()
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = FairQueue()
 
     # -- slots -----------------------------------------------------------------------
 
@@ -143,10 +146,13 @@ class Admission:
                 out.add(e.url)
         return out
 
-    def take(self, e: EngineState, key: int | None = None) -> None:
+    def take(self, e: EngineState, key: int | None = None, seqs: int = 1) -> None:
         """A slot on ``e``; ``key``: the gateway will see its first answer
-        (:meth:`answered`), so how long it waits for one is watched."""
-        e.admitted += 1
+        (:meth:`answered`), so how long it waits for one is watched. ``seqs``:
+        the sequences the request runs (``n`` × prompts): slots are counted in
+        sequences, as the engines count their queue, so an ``n=64`` request
+        takes what it uses."""
+        e.admitted += seqs
         if key is not None:
             e.pending[key] = time.monotonic()
 
@@ -154,16 +160,18 @@ class Admission:
         """The slot's first answer came (a stream's first event)."""
         e.pending.pop(key, None)
 
-    def give_back(self, e: EngineState, key: int | None = None, ended: bool = True) -> None:
+    def give_back(
+        self, e: EngineState, key: int | None = None, ended: bool = True, seqs: int = 1
+    ) -> None:
         """A request routed to ``e`` ended (``ended``; else its leg there ended
-        or moved to another engine): its slot is free for the next one."""
-        e.admitted -= 1
+        or moved to another engine): its ``seqs`` slots are free for the next ones."""
+        e.admitted -= seqs
         if key is not None:
             e.pending.pop(key, None)
         if ended:
             self.freed.tick(time.monotonic())
         if self._waiters:
-            self._wake(1)
+            self._wake(seqs)
 
     @property
     def late_after(self) -> float:
@@ -215,13 +223,23 @@ class Admission:
         wait = (ahead + 1) / rate if rate > 0 else self.config.queue_timeout
         return int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(wait))))
 
-    def check_queue(self) -> None:
-        """Raise :class:`Overloaded` (429) when a new request should not wait."""
-        ahead = len(self._waiters)
-        if ahead >= self.config.max_queued_requests:
+    def queued_by_tenant(self) -> dict[str, int]:
+        return dict(self._waiters.by_tenant)
+
+    def queued_of(self, tenant: str) -> int:
+        return self._waiters.by_tenant.get(tenant, 0)
+
+    def check_queue(self, band: int = 0) -> None:
+        """Raise :class:`Overloaded` (429) when a new request (of ``band``)
+        should not wait: the queue is full, or the requests it would wait
+        behind (its band's and the bands before it) could not all get a slot
+        within --queue-timeout at the rate slots came free."""
+        total = len(self._waiters)
+        ahead = self._waiters.ahead_of(band)
+        if total >= self.config.max_queued_requests:
             raise Overloaded(
                 429,
-                f"the service is overloaded ({ahead} requests waiting); retry later",
+                f"the service is overloaded ({total} requests waiting); retry later",
                 self.retry_after(ahead),
                 "queue_full",
             )
@@ -235,18 +253,25 @@ class Admission:
                 "overloaded",
             )
 
-    async def wait(self, deadline: float, first: bool) -> bool:
+    async def wait(
+        self,
+        deadline: float,
+        first: bool,
+        tenant: str = "",
+        band: int = 0,
+        tag: float = 0.0,
+    ) -> bool:
         """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
-        back at the head of the queue (woken, but another request took the slot)."""
+        woken before, but another request took the slot (it goes back at its
+        place: its tag). ``tenant``, ``band``, ``tag``: its place in the fair
+        queue (``flow/queue.py``)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.freed.saturated(time.monotonic())
-        if first:
-            self._waiters.appendleft(future)
-        else:
-            self._waiters.append(future)
+        waiter = Waiter(future, tenant, band, tag)
+        self._waiters.push(waiter)
         self.metrics.queued.set(len(self._waiters))
         try:
             async with asyncio.timeout(left):
@@ -257,17 +282,18 @@ class Admission:
         finally:
             if not future.done():
                 future.cancel()
-            with contextlib.suppress(ValueError):  # woken: already off the queue
-                self._waiters.remove(future)
+            self._waiters.remove(waiter)  # a no-op when woken: already off the queue
             self.metrics.queued.set(len(self._waiters))
             if not self._waiters:
                 self.freed.drained(time.monotonic())
 
     def _wake(self, n: int) -> None:
-        """Wake up to ``n`` waiting requests, oldest first."""
-        while n > 0 and self._waiters:
-            future = self._waiters.popleft()
-            if not future.done():
-                future.set_result(None)
+        """Wake up to ``n`` waiting requests, in the fair queue's order."""
+        while n > 0:
+            waiter = self._waiters.pop()
+            if waiter is None:
+                break
+            if not waiter.future.done():
+                waiter.future.set_result(None)
                 n -= 1
         self.metrics.queued.set(len(self._waiters))

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
@@ -42,14 +43,19 @@ from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.server import HttpServer
 from ..http.upstream import UpstreamClient
 from .answers import error_response, upstream_message
+from .batch.api import BatchAPI
+from .batch.runner import BatchRunner
+from .batch.store import BatchStore
 from .call import client_request_id, parse_body
 from .discovery import Discovery, make_discovery
 from .engines import EngineLoad, EnginePool, EngineState
+from .flow.gate import BATCH_HEADER
+from .flow.tenants import Tenants
 from .kv_index import KVEventFollower, KVIndex
 from .metrics import GatewayMetrics
 from .peer_pull import PeerPull
 from .prompt import PromptAnalyzer
-from .proxy import Proxy
+from .proxy import Proxy, request_caller
 from .routing import KVPairBreaker, PrefixAffinity, Router
 from .siblings import Siblings, reuseport_socket
 from .tls import PlaintextWarning, client_context
@@ -144,6 +150,10 @@ class Gateway:
             if config.peer_pull
             else None
         )
+        self.tenants = Tenants.load(config.tenants_file) if config.tenants_file else Tenants()
+        # What the batch runner's requests present with the batch header (the
+        # fleet token; without a fleet secret, a token of this process).
+        self.batch_token = self.fleet_token or secrets.token_urlsafe(32)
         self.proxy = Proxy(
             config,
             self.pool,
@@ -154,10 +164,31 @@ class Gateway:
             self.upstream,
             self.breaker,
             self.peer_pull,
+            self.tenants,
+            self.batch_token,
         )
+        self.batches: BatchAPI | None = None
+        """The Batch API (``--data-dir``); its runner runs in worker 0 only."""
+        if config.data_dir:
+            store = BatchStore(config.data_dir)
+            runner = None
+            if siblings is None or siblings.index == 0:
+                # The runner calls this gateway: on loopback when it listens everywhere.
+                everywhere = ("0.0.0.0", "::", "")  # noqa: S104 (compared, not bound)
+                host = config.host if config.host not in everywhere else "127.0.0.1"
+                runner = BatchRunner(
+                    store,
+                    f"http://{f'[{host}]' if ':' in host else host}:{config.port}",
+                    self.batch_token,
+                    config.batch_concurrency,
+                    self._idle,
+                    config.request_timeout,
+                    self._batch_counts,
+                )
+            self.batches = BatchAPI(store, runner, config.batch_max_file_bytes)
         self.pool.on_routable = self.proxy.admission.engines_changed
         self.metrics.on_collect(self._engine_gauges)
-        self.keys = list(config.api_key)
+        self.keys = list(dict.fromkeys([*config.api_key, *self.tenants.keys]))
         if not self.keys:
             logger.warning(
                 "no API key configured: anyone who can reach the gateway may use it and read "
@@ -168,6 +199,17 @@ class Gateway:
                 "no fleet secret ($PDFLEET_FLEET_SECRET / $PDFLEET_FLEET_SECRET_FILE): engine "
                 "calls carry no credential, so only engines without authentication answer them"
             )
+
+    def _idle(self) -> bool:
+        """Capacity online traffic leaves idle: no request waits for a slot here,
+        and no routable decode engine reports a queue of its own."""
+        return not self.proxy.admission.queued and all(
+            e.load.waiting < 1 for e in self.pool.candidates("decode")
+        )
+
+    def _batch_counts(self, counts: dict[str, int]) -> None:
+        for state in ("pending", "running"):
+            self.metrics.batch_requests.labels(state).set(counts.get(state, 0))
 
     def _scraped(self, e: EngineState, old: EngineLoad, new: EngineLoad) -> None:
         if e.serves("decode"):
@@ -222,6 +264,8 @@ class Gateway:
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
         self.kv_events.start(self.pool, self.analyzer, self.config)
+        if self.batches is not None and self.batches.runner is not None:
+            self.batches.runner.start()
 
     async def metrics_text(self) -> bytes:
         """This process's series, plus the other workers' with ``--workers N``."""
@@ -229,6 +273,10 @@ class Gateway:
         return own if self.siblings is None else await self.siblings.merged(own)
 
     async def close(self) -> None:
+        if self.batches is not None:
+            if self.batches.runner is not None:
+                await self.batches.runner.stop()
+            self.batches.store.close()
         await self.kv_events.stop()
         if self.siblings is not None:
             await self.siblings.close()
@@ -269,6 +317,10 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
     def unauthorized(request: Request, admin: bool = False) -> Response | None:
         if gw.authorized(request, admin):
             return None
+        if BATCH_HEADER in request.headers and key_matches(
+            bearer_token(request.headers.get("authorization")), [gw.batch_token]
+        ):
+            return None  # the batch runner's request (batch/runner.py)
         rid = client_request_id(request.headers.get("x-request-id"))
         gw.metrics.rejected.labels("unauthorized").inc()
         gw.metrics.requests.labels(request.path, "401").inc()
@@ -449,6 +501,9 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
         )
         return await on_a_decode_engine(request, "POST", path, raw, timeout)
 
+    if gw.batches is not None:
+        add_batch_routes(app, gw, unauthorized)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         ok = gw.config.scale_to_zero or bool(gw.pool.candidates("decode"))
@@ -464,6 +519,8 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
         now = time.monotonic()
         body: dict[str, Any] = {
             "queued": gw.proxy.admission.queued,
+            # Each tenant seen: its band, weight, requests (tokens) in flight, queued.
+            "tenants": gw.proxy.flow.view(),
             # "INDEX/N" with --workers N (this view is the answering worker's), else null.
             "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
             "routable": gw.pool.counts(),
@@ -503,6 +560,59 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
         return PlainTextResponse(await gw.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_batch_routes(
+    app: RouteTable, gw: Gateway, unauthorized: Callable[[Request], Response | None]
+) -> None:
+    """``/v1/files`` and ``/v1/batches`` (batch/api.py): each object is its
+    caller's (the caller id of its API key)."""
+    api = gw.batches
+    if api is None:
+        raise RuntimeError("broken invariant: batch routes without a batch store")
+
+    def owner(request: Request) -> str:
+        return request_caller(request, gw.proxy.keyed)
+
+    @app.post("/v1/files")
+    async def upload(request: Request) -> Response:
+        return unauthorized(request) or await api.upload(
+            request, owner(request), gw.config.body_timeout
+        )
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> Response:
+        return unauthorized(request) or await api.list_files(request, owner(request))
+
+    async def file_route(request: Request) -> Response:
+        return unauthorized(request) or await api.file_route(request, owner(request))
+
+    app.get_prefix("/v1/files/")(file_route)
+    app.get_prefix("/v1/files/", "DELETE")(file_route)
+
+    @app.post("/v1/batches")
+    async def create(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied:
+            return denied
+        try:
+            raw = ready_body(request, gw.config.max_body_bytes)
+            if raw is None:
+                raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout)
+        except BodyRejected as e:
+            rid = client_request_id(request.headers.get("x-request-id"))
+            return error_response(e.message, e.status, rid, headers={"connection": "close"})
+        return await api.create(raw, owner(request))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> Response:
+        return unauthorized(request) or await api.list_batches(request, owner(request))
+
+    async def batch_route(request: Request) -> Response:
+        return unauthorized(request) or await api.batch_route(request, owner(request))
+
+    app.get_prefix("/v1/batches/")(batch_route)
+    app.get_prefix("/v1/batches/", "POST")(batch_route)
 
 
 def invocation_endpoint(raw: bytes) -> str:

@@ -53,6 +53,13 @@ class Call:
     prefill leg; None before and after."""
     id_from_body: bool = False
     """The client sent no X-Request-Id: a body's ``request_id`` names the call."""
+    ticket: Any = None
+    """Its tenant's hold (``flow.control.Ticket``) from admission to its end."""
+    batch: bool = False
+    """A Batch API request: runs in the batch band."""
+    seqs: int = 1
+    """Sequences it runs on its decode engine (``n`` or ``best_of``, × prompts):
+    the slots it takes there (``admission.py``)."""
 
 
 def tame_request_id(value: Any) -> bool:

@@ -95,7 +95,7 @@ class Legs:
 
     def take_slot(self, call: Call, e: EngineState) -> None:
         """The request's slot on its decode engine, until its answer ends."""
-        self.admission.take(e, id(call) if self._streamed(call) else None)
+        self.admission.take(e, id(call) if self._streamed(call) else None, call.seqs)
         call.slot = e
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
@@ -107,8 +107,9 @@ class Legs:
         """A leg went to another engine (failover, a retry): so does its slot."""
         held = call.prefill_slot if prefill else call.slot
         if held is not None and held is not e:
-            self.admission.give_back(held, id(call), ended=False)
-            self.admission.take(e, id(call) if prefill or self._streamed(call) else None)
+            seqs = 1 if prefill else call.seqs
+            self.admission.give_back(held, id(call), ended=False, seqs=seqs)
+            self.admission.take(e, id(call) if prefill or self._streamed(call) else None, seqs)
             if prefill:
                 call.prefill_slot = e
             else:
@@ -127,7 +128,7 @@ class Legs:
         slot = call.slot
         if slot is not None:
             call.slot = None
-            self.admission.give_back(slot, id(call))
+            self.admission.give_back(slot, id(call), seqs=call.seqs)
 
     def _inflight_gauges(self) -> None:
         """At each collection: the in-flight gauges from the engines' counts
@@ -144,6 +145,8 @@ class Legs:
         """The request's final status and its latency (once per request); its slot is free."""
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
+        if call.ticket is not None:
+            call.ticket.release()
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped

@@ -136,6 +136,13 @@ class GatewayMetrics:
         self.peer_pull_bandwidth = m.GATEWAY_PEER_PULL_BANDWIDTH.create(r)
         self.peer_pull_prefill_rate = m.GATEWAY_PEER_PULL_PREFILL_RATE.create(r)
         self.peer_pull_lend_seconds = m.GATEWAY_PEER_PULL_LEND_SECONDS.create(r)
+        self.tenant_requests = m.GATEWAY_TENANT_REQUESTS.create(r)
+        self.tenant_tokens = m.GATEWAY_TENANT_TOKENS.create(r)
+        self.tenant_inflight = m.GATEWAY_TENANT_INFLIGHT.create(r)
+        self.tenant_inflight_tokens = m.GATEWAY_TENANT_INFLIGHT_TOKENS.create(r)
+        self.tenant_queued = m.GATEWAY_TENANT_QUEUED.create(r)
+        self.tenant_queue_seconds = m.GATEWAY_TENANT_QUEUE_SECONDS.create(r)
+        self.batch_requests = m.GATEWAY_BATCH_REQUESTS.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""

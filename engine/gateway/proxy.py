@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -37,7 +38,7 @@ from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
-from ..contracts.security import CALLER_HEADER, bearer_token, caller_id
+from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
 from ..http.asgi import Request
 from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient
@@ -53,6 +54,8 @@ from .call import (
 )
 from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
+from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
+from .flow.tenants import Tenants
 from .legs import Legs
 from .metrics import GatewayMetrics
 from .peer_pull import PeerPull, Plan
@@ -63,6 +66,8 @@ from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
 
 logger = logging.getLogger("pdfleet.gateway")
 
+# A batch owner as the batch runner names it: a caller id (an API key's digest).
+BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
 
@@ -90,6 +95,8 @@ class Proxy:
         client: UpstreamClient,
         breaker: KVPairBreaker | None = None,
         peer_pull: PeerPull | None = None,
+        tenants: Tenants | None = None,
+        batch_token: str | None = None,
     ) -> None:
         self.config = config
         self.peer_pull = peer_pull
@@ -101,6 +108,11 @@ class Proxy:
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
         self.admission = Admission(config, metrics)
+        self.flow = FlowGate(config, tenants or Tenants(), self.admission, metrics)
+        """Tenants, their limits and their queue (``flow/``)."""
+        self.keyed = bool(config.api_key or self.flow.tenants.keys)
+        self.batch_token = batch_token
+        """What the batch runner's requests present (the fleet token, or the process's)."""
         self.legs = Legs(
             config, pool, router, affinity, analyzer, metrics, client, breaker, self.admission
         )
@@ -128,7 +140,17 @@ class Proxy:
         # response (the engines answer PREFIX-<request_id>, as vLLM does).
         call.id_from_body = not request.headers.get("x-request-id")
         # Engines count per-caller bounds against the client, not the gateway.
-        call.headers[CALLER_HEADER] = request_caller(request, bool(self.config.api_key))
+        call.headers[CALLER_HEADER] = request_caller(request, self.keyed)
+        owner = request.headers.get(BATCH_HEADER)
+        if (
+            owner is not None
+            and self.batch_token is not None
+            and key_matches(bearer_token(request.headers.get("authorization")), [self.batch_token])
+        ):
+            # The batch runner's request (its token): it runs in the batch
+            # band as its batch's owner (a caller id), whose tenant it counts to.
+            call.batch = True
+            call.headers[CALLER_HEADER] = owner if BATCH_OWNER.fullmatch(owner) else "addr:batch"
         try:  # read before the watcher below takes over receive()
             if raw is None:
                 raw = ready_body(request, self.config.max_body_bytes)
@@ -158,6 +180,8 @@ class Proxy:
                 watch.close()
                 if call.slot is not None or call.prefill_slot is not None:
                     self.legs.free_slot(call)  # an answer that did not go through finish
+                if call.ticket is not None:
+                    call.ticket.release()
 
     def _invalid(self, call: Call, reason: str, message: str, param: str | None = None) -> Response:
         self.metrics.rejected.labels(reason).inc()
@@ -165,6 +189,43 @@ class Proxy:
 
     async def _handle(self, call: Call, raw: bytes) -> Response:
         """Check the body, route it, run the legs."""
+        checked = self._check(call, raw)
+        if isinstance(checked, Response):
+            return checked
+        body, payload, info, route = checked
+        if route is None:
+            routed = await self._route(call, info)
+            if isinstance(routed, Response):
+                return routed
+            route = routed
+        plan = self._peer_plan(route, info)
+        if plan is not None:
+            route = Route(plan.engine, None, route.decision, route.reason)
+        self.legs.take_slot(call, route.decode)
+        if call.ticket is not None:
+            call.ticket.started()  # its band's fair-share clock moves on
+        if route.prefill is not None:
+            self.legs.take_prefill_slot(call, route.prefill)
+        key = (route.decision, route.reason)
+        decided = self._decisions.get(key)
+        if decided is None:  # a few (decision, reason) pairs: never dropped
+            decided = self._decisions[key] = self.metrics.fast_counter(
+                self.metrics.decisions.labels(*key)
+            )
+        decided.inc()
+        tracing.route_chosen(route)
+        first = await self._first_leg(call, body, route, info, plan, payload)
+        if isinstance(first, Response):
+            return first
+        if body.get("stream") is True:
+            return await self.decode.stream(call, route, info, first)
+        return await self.decode.json(call, route, info, first)
+
+    def _check(
+        self, call: Call, raw: bytes
+    ) -> tuple[dict[str, Any], bytes, PromptInfo, Route | None] | Response:
+        """Parse, check and admit a body: (body, payload to forward, prompt
+        analysis, the one route when there is no choice), or the refusal."""
         try:
             body = parse_body(raw)
         except ValueError as e:
@@ -185,15 +246,13 @@ class Proxy:
                 call, f"The model `{body['model']}` does not exist.", 404, "model"
             )
         route = self._sole_route()
+        tenant = self.flow.tenant(call.headers[CALLER_HEADER])
+        max_n, max_output = self.flow.caps(tenant)
         try:
             # The engines' own admissibility checks: a body one engine would refuse
             # never reaches a prefill engine (no KV pinned for a doomed request).
             check_fields(body, CHAT if call.chat else COMPLETIONS)
-            check_sampling(
-                body,
-                max_n=self.config.max_n,
-                max_output_tokens=self.config.max_request_output_tokens,
-            )
+            check_sampling(body, max_n=max_n, max_output_tokens=max_output)
             info = (
                 NOT_ANALYZED
                 if route is not None
@@ -201,25 +260,30 @@ class Proxy:
             )
         except (ValueError, TypeError, AttributeError) as e:
             return self._invalid(call, "invalid_field", str(e), field_of(str(e), body))
-        if route is None:
-            routed = await self._route(call, info)
-            if isinstance(routed, Response):
-                return routed
-            route = routed
-        plan = self._peer_plan(route, info)
-        if plan is not None:
-            route = Route(plan.engine, None, route.decision, route.reason)
-        self.legs.take_slot(call, route.decode)
-        if route.prefill is not None:
-            self.legs.take_prefill_slot(call, route.prefill)
-        key = (route.decision, route.reason)
-        decided = self._decisions.get(key)
-        if decided is None:  # a few (decision, reason) pairs: never dropped
-            decided = self._decisions[key] = self.metrics.fast_counter(
-                self.metrics.decisions.labels(*key)
+        try:
+            admitted = self.flow.admit(
+                tenant, body, info.num_tokens if info.analyzed else None, len(raw), call.batch
             )
-        decided.inc()
-        tracing.route_chosen(route)
+        except FlowRefused as r:
+            if r.overloaded is not None:
+                return self._overloaded(call, r.overloaded)
+            return self._invalid(call, "invalid_field", r.message, r.param)
+        call.ticket, call.seqs = admitted.ticket, admitted.seqs
+        if admitted.changed:
+            payload = json.dumps(body).encode()
+        return body, payload, info, route
+
+    async def _first_leg(
+        self,
+        call: Call,
+        body: dict[str, Any],
+        route: Route,
+        info: PromptInfo,
+        plan: Plan | None,
+        payload: bytes,
+    ) -> bytes | Response:
+        """What precedes the decode leg: a prefill leg, a peer's lend, or nothing;
+        returns the decode leg's payload (or the prefill leg's refusal)."""
         if route.prefill is not None:
             outcome = await self.prefill.run(call, body, route, info)
             if isinstance(outcome, Response):
@@ -242,9 +306,7 @@ class Proxy:
                 self.activation.wanted("prefill")
             self.metrics.fallbacks.labels(route.reason).inc()
             tracing.fallback(route.reason)
-        if body.get("stream") is True:
-            return await self.decode.stream(call, route, info, payload)
-        return await self.decode.json(call, route, info, payload)
+        return payload
 
     # -- route -------------------------------------------------------------------
 
@@ -304,7 +366,9 @@ class Proxy:
         waits for a slot up to --queue-timeout, or is refused at once when it
         could not get one in time (``admission.py``)."""
         admission = self.admission
+        ticket = call.ticket
         queue_deadline: float | None = None
+        waited_since: float | None = None
         hold_deadline: float | None = None
         woken = False
         while True:
@@ -320,14 +384,18 @@ class Proxy:
                     if route is None:
                         continue  # a decode engine is routable again: look for a slot
             if route is not None:
+                if waited_since is not None and ticket is not None:
+                    ticket.queued(time.monotonic() - waited_since)
                 return route
             if queue_deadline is None:
                 try:
-                    admission.check_queue()
+                    admission.check_queue(ticket.band if ticket is not None else 0)
                 except Overloaded as o:
                     return self._overloaded(call, o)
                 queue_deadline = time.monotonic() + self.config.queue_timeout
-            if not await admission.wait(queue_deadline, first=woken):
+                waited_since = time.monotonic()
+            placed = (ticket.tenant, ticket.band, ticket.tag) if ticket else ("", 0, 0.0)
+            if not await admission.wait(queue_deadline, woken, *placed):
                 return self._overloaded(
                     call,
                     Overloaded(
@@ -342,6 +410,8 @@ class Proxy:
 
     def _overloaded(self, call: Call, o: Overloaded) -> Response:
         self.metrics.rejected.labels(o.reason).inc()
+        if call.ticket is not None and o.reason in ("queue_full", "overloaded", "queue_timeout"):
+            self.flow.control.refused(call.ticket, o.reason)
         logger.info("request %s: %s (%d)", call.request_id, o.message, o.status)
         return self.legs.error(
             call, o.message, o.status, headers={"retry-after": str(o.retry_after)}

@@ -146,6 +146,9 @@ class RouteTable:
     def get(self, path: str) -> Callable[[Handler], Handler]:
         return self._route("GET", path)
 
+    def delete(self, path: str) -> Callable[[Handler], Handler]:
+        return self._route("DELETE", path)
+
     def _route(self, method: str, path: str) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             self.routes[(method, path)] = handler
@@ -154,11 +157,12 @@ class RouteTable:
 
         return register
 
-    def get_prefix(self, prefix: str) -> Callable[[Handler], Handler]:
-        """GET of every path that starts with ``prefix`` (the handler reads the rest)."""
+    def get_prefix(self, prefix: str, method: str = "GET") -> Callable[[Handler], Handler]:
+        """``method`` (GET by default) of every path that starts with ``prefix``
+        (the handler reads the rest)."""
 
         def register(handler: Handler) -> Handler:
-            self.prefixes.append(("GET", prefix, handler))
+            self.prefixes.append((method, prefix, handler))
             return handler
 
         return register

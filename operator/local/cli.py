@@ -90,6 +90,10 @@ class UpOptions:
     """Engines accept the client API keys too (for clients that call an engine
     directly); without it only the gateway does. A client key never may send
     internal fields (kv_transfer_params) to an engine."""
+    tenants_file: str | None = None
+    """The gateway's tenants file (YAML or JSON, docs/flow-control.md): what
+    spec.gateway.tenants names in Kubernetes, a Secret or ConfigMap, which
+    `pdfleet up` cannot read."""
     stall_timeout: float | None = None
     """The gateway's least stall limit in seconds: an engine with requests in
     flight that sends nothing for longer (and for --stall-step-multiple of its
@@ -161,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     apply_gateway_overrides(service, args)
+    if service.spec.gateway.tenants is not None and not args.tenants_file:
+        raise ValueError(
+            "spec.gateway.tenants names a Secret or ConfigMap, which only exists in "
+            "Kubernetes: give the file itself with --tenants-file"
+        )
     fleet_secret, api_keys = fleet_credentials()
     model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
     port = args.port or service.spec.gateway.port
@@ -179,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         direct_engine_access=args.direct_engine_access,
     )
+    if args.tenants_file:
+        fleet.tenants_file = str(Path(args.tenants_file).resolve())
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -149,6 +149,8 @@ class LocalFleet:
         self.host = host
         self.say = say
         self.engines_file = run_dir / "engines.json"
+        self.tenants_file: str | None = None
+        """The gateway's tenants file (``pdfleet up --tenants-file``)."""
         self.roles = ROLES if disaggregating(self.spec) else ("decode",)
         self.engines: list[Child] = []
         self.counters = dict.fromkeys(ROLES, 0)
@@ -282,6 +284,9 @@ class LocalFleet:
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
             **gateway_request_bounds(spec),
             trust_client_trace_context=spec.gateway.trust_client_trace_context,
+            tenants_file=self.tenants_file,
+            # The Batch API's files and database live with the run.
+            data_dir=str((self.run_dir / "gateway-data").resolve()),
             **spec.gateway.overload_settings(),
             **gateway_peer_pull_settings(spec),
         )

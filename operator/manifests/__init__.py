@@ -74,6 +74,7 @@ from .common import (
     RUN_AS_USER,
     STARTUP_FAILURES,
     STARTUP_PERIOD_SECONDS,
+    TENANTS_DIR,
     UCX_PORT_COUNT,
     OperatorInstall,
     Owner,
@@ -99,6 +100,7 @@ from .pods import (
     gateway_command,
     gateway_pod_template,
     gateway_workers,
+    tenants_volume,
     termination_grace_seconds,
 )
 from .services import build_engine_service, build_gateway_service, build_pdb, service_url
@@ -135,6 +137,7 @@ __all__ = [
     "RUN_AS_USER",
     "STARTUP_FAILURES",
     "STARTUP_PERIOD_SECONDS",
+    "TENANTS_DIR",
     "UCX_PORT_COUNT",
     "OperatorInstall",
     "Owner",
@@ -171,6 +174,7 @@ __all__ = [
     "pod_serving",
     "selector_labels",
     "service_url",
+    "tenants_volume",
     "termination_grace_seconds",
     "ucx_port_range",
     "workload_kind",

@@ -54,6 +54,8 @@ ENV_API_KEY_FILE = "PDFLEET_API_KEY_FILE"
 # The gateway's API keys come from its Secret mounted as a file (not an
 # environment variable: those leak into crash dumps and `kubectl describe`).
 API_KEY_DIR = "/etc/pdfleet/api-key"
+# Where the gateway's tenants file (spec.gateway.tenants) is mounted.
+TENANTS_DIR = "/etc/pdfleet/tenants"
 
 
 # Seconds added to the engine's drain time before the kubelet kills it.

@@ -27,6 +27,7 @@ from ..parallelism import (
 from ..resource import (
     InferenceServiceSpec,
     PodPlacement,
+    TenantsSource,
 )
 from ..roles import (
     ENGINE_PORT,
@@ -64,6 +65,7 @@ from .common import (
     RUN_AS_USER,
     STARTUP_FAILURES,
     STARTUP_PERIOD_SECONDS,
+    TENANTS_DIR,
     child_name,
     common_labels,
     engine_service_account_name,
@@ -335,10 +337,25 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         **gateway_request_bounds(spec),
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
+        tenants_file=f"{TENANTS_DIR}/tenants.yaml" if spec.gateway.tenants else None,
         **spec.gateway.overload_settings(),
         **gateway_peer_pull_settings(spec),
     )
     return ["pdfleet", "gateway", *config.to_cli_args()]
+
+
+def tenants_volume(source: TenantsSource) -> dict[str, Any]:
+    """The tenants file's volume: one key of a Secret or a ConfigMap, as ``tenants.yaml``."""
+    items = [{"key": source.key, "path": "tenants.yaml"}]
+    if source.secret is not None:
+        return {
+            "name": "tenants",
+            "secret": {"secretName": source.secret, "items": items, "defaultMode": 0o440},
+        }
+    return {
+        "name": "tenants",
+        "configMap": {"name": source.config_map, "items": items, "defaultMode": 0o440},
+    }
 
 
 def gateway_workers(gateway: PodPlacement) -> int:
@@ -381,6 +398,9 @@ def gateway_pod_template(
         env.append(key_env)
         volumes.append(key_volume)
         secret_mounts.append(key_mount)
+    if gateway.tenants is not None:
+        volumes.append(tenants_volume(gateway.tenants))
+        secret_mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",

@@ -5,7 +5,7 @@ Cheap checks over every block, whatever its marks: the info string follows the
 convention, every `pdfleet ...` command line (in blocks and in inline code)
 parses with the real CLI parser, every Python block compiles, every YAML or
 JSON block parses (an InferenceService, or a part of one, through the resource
-model; an engines file through the gateway's parser). Then each runnable block
+model; an engines file or a tenants file through the gateway's parser). Then each runnable block
 runs against one `pdfleet up` fleet of the tiny model (``doc_fleet``), its
 address and model directory substituted for the docs' (docs/testing.md,
 "The docs are tested", says how to mark a block).
@@ -84,6 +84,7 @@ def test_every_python_block_compiles():
 
 def test_every_yaml_and_json_block_parses_and_resources_validate():
     from pdfleet.engine.gateway.discovery import parse_engines
+    from pdfleet.engine.gateway.flow.tenants import Tenants
     from pdfleet.operator.local.cli import default_service
     from pdfleet.operator.resource import InferenceServiceSpec, load_inference_service
 
@@ -102,6 +103,8 @@ def test_every_yaml_and_json_block_parses_and_resources_validate():
         try:
             if "engines" in data:
                 parse_engines(data, b.where)
+            elif "tenants" in data and "spec" not in data:
+                Tenants.parse(data, b.where)  # a gateway's tenants file
             elif "spec" in data or set(data) <= spec_fields:
                 part = data.get("spec", data) if "kind" not in data else data["spec"]
                 service = default_service()

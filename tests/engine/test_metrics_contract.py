@@ -144,6 +144,13 @@ def test_gateway_exports_every_gateway_series():
     metrics.peer_pull_bandwidth.labels("http://h", "http://e").set(1e9)
     metrics.peer_pull_prefill_rate.labels("http://e").set(1e4)
     metrics.peer_pull_lend_seconds.labels("http://h").set(0.01)
+    metrics.tenant_requests.labels("t", "admitted").inc()
+    metrics.tenant_tokens.labels("t").inc(10)
+    metrics.tenant_inflight.labels("t").set(1)
+    metrics.tenant_inflight_tokens.labels("t").set(10)
+    metrics.tenant_queued.labels("t").set(0)
+    metrics.tenant_queue_seconds.labels("t").observe(0.1)
+    metrics.batch_requests.labels("pending").set(0)
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):

@@ -59,6 +59,8 @@ class FakeEngine:
     tokens_per_scrape: int = 0
     """Generated tokens added per /metrics read: an engine that computes."""
     tokens: int = 0
+    waiting: int = 0
+    """The queue length its /metrics reports (a gateway learns its capacity from it)."""
     answer: Callable[[dict[str, Any]], tuple[int, Any]] | None = None
     """(status, body) for a completion request, the body as bytes or an
     iterator of SSE events (streamed); default: a small completion."""
@@ -89,7 +91,9 @@ class FakeEngine:
                     self._send(engine.health_status, b"{}")
                 elif self.path == "/metrics":
                     engine.tokens += engine.tokens_per_scrape
-                    text = METRICS + f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
+                    text = METRICS.replace("waiting 0.0", f"waiting {float(engine.waiting)}") + (
+                        f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
+                    )
                     self._send(200, text.encode(), "text/plain")
                 elif self.path == "/v1/models":
                     self._send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())

@@ -29,6 +29,7 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.admission import Admission, Overloaded
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
 from pdfleet.engine.gateway.engines import EngineLoad, EnginePool, longest_step
+from pdfleet.engine.gateway.flow.queue import Waiter
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
@@ -262,12 +263,15 @@ def test_requests_beyond_capacity_wait_in_order_and_are_refused_fast_with_retry_
         adm.freed.busy_since = now - 10
         for _ in range(20):
             adm.freed.tick(now)
-        adm._waiters.append(loop.create_future())
+        ahead = Waiter(loop.create_future(), "", 0, 0.0)
+        adm._waiters.push(ahead)
         with pytest.raises(Overloaded) as late:
             adm.check_queue()
         assert (late.value.status, late.value.reason) == (429, "overloaded")
         assert late.value.retry_after == 1  # (1 ahead + itself) / 2 per s
-        adm._waiters.clear()
+        # A request of a band served before it waits behind nobody: not refused.
+        adm.check_queue(band=-1)
+        adm._waiters.remove(ahead)
         # A wait that times out says so (the proxy answers 503 with Retry-After).
         assert not await adm.wait(loop.time() + 0.05, first=False)
         assert adm.queued == 0

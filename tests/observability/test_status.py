@@ -20,6 +20,7 @@ from conftest import scrape_text
 from pdfleet.engine.contracts.launch import python_module
 from pdfleet.operator.status_cmd import (
     HEADER,
+    TENANT_HEADER,
     EngineRow,
     FleetView,
     Sample,
@@ -63,7 +64,7 @@ def rows_by_name(out: str) -> dict[str, list[str]]:
     start = lines.index(HEADER) + 1
     rows = {}
     for line in lines[start:]:
-        if line.startswith("autoscaler:"):
+        if line.startswith(("autoscaler:", "TENANT ")):
             break
         rows[line.split()[0]] = line.split()
     return rows
@@ -86,6 +87,9 @@ def test_status_shows_one_line_per_engine_of_the_local_fleet(fleet):
         assert kv.endswith("%") and prefix.endswith("%") and float(xfer) >= 0
     # The second request found the first one's blocks in the decode engine's cache.
     assert int(rows["decode-0"][5].rstrip("%")) > 0
+    # The gateway's tenants: requests without a key are one anonymous tenant.
+    tenants = lines[lines.index(TENANT_HEADER) + 1 :]
+    assert tenants[0].split()[:6] == ["anonymous", "0", "1", "0", "0", "0"], tenants
     assert lines[-1] == "autoscaler: none yet"  # the fleet has no spec.autoscaling
 
 

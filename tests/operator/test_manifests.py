@@ -566,3 +566,38 @@ def test_no_spec_field_may_reach_an_identity_authority():
     ):
         with pytest.raises(ValueError, match="identity"):
             parse_spec({**SPEC, **bad})
+
+
+@pytest.mark.parametrize(
+    ("source", "kind"), [({"secret": "tenants"}, "secret"), ({"configMap": "tenants"}, "configMap")]
+)
+def test_gateway_mounts_its_tenants_file_from_a_secret_or_a_configmap(source, kind):
+    spec = {
+        **SPEC,
+        "engine": {"schedulingPolicy": "priority"},
+        "gateway": {"tenants": {**source, "key": "t.yaml"}, "enginePriority": True},
+    }
+    objects = children(spec)
+    c = container(objects, "demo-gateway")
+    from pdfleet.engine.cli import build_parser
+
+    flags = build_parser().parse_args(c["command"][1:])
+    assert flags.engine_priority is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert flags.tenants_file == mounts["tenants"]["mountPath"] + "/tenants.yaml"
+    pod = by_kind_name(objects)["Deployment", "demo-gateway"]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tenants"]
+    assert volume[kind]["items"] == [{"key": "t.yaml", "path": "tenants.yaml"}]
+
+
+@pytest.mark.parametrize(
+    ("gateway", "match"),
+    [
+        ({"tenants": {"secret": "a", "configMap": "b"}}, "exactly one"),
+        ({"tenants": {"key": "t.yaml"}}, "exactly one"),
+        ({"enginePriority": True}, "schedulingPolicy"),
+    ],
+)
+def test_bad_tenants_sources_and_engine_priority_without_the_policy_are_refused(gateway, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec({**SPEC, "gateway": gateway})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from helpers.security_pair import CLIENT_KEY, post, prefill_leg, prompt, text_of
+from helpers.security_pair import CLIENT_KEY, INTERNAL_KEY, post, prefill_leg, prompt, text_of
 
 from pdfleet.engine.contracts import kv_params, security
 from pdfleet.engine.contracts.block_hash import get_hash_fn, prompt_block_hashes
@@ -146,3 +146,17 @@ def test_roles_with_different_chat_templates_answer_right_never_with_the_other_r
     assert got == want
     assert pair.metric("decode", MISMATCHES) == before[0] + 1
     assert pair.metric("decode", PULLED) == before[1]
+
+
+def test_only_internal_callers_may_set_a_priority(pair):
+    """A client API key's non-zero priority is a 403 naming it (a client cannot
+    jump the engine's queue); the same field from an internal caller passes the
+    gate (this fcfs engine then refuses it for its policy); 0 is anyone's."""
+    b = body(9301)
+    r = post(pair.decode.url + "/v1/completions", {**b, "priority": -10}, key=CLIENT_KEY)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["param"] == "priority"
+    r = post(pair.decode.url + "/v1/completions", {**b, "priority": -10}, key=INTERNAL_KEY)
+    assert r.status_code == 400 and "scheduling-policy priority" in r.json()["error"]["message"]
+    ok = post(pair.decode.url + "/v1/completions", {**b, "priority": 0}, key=CLIENT_KEY)
+    assert ok.status_code == 200, ok.text

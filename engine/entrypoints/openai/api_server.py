@@ -364,17 +364,26 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         body.for_caller(request_caller(request.headers, client, state.auth))
 
     def internal_fields_only_from_internal_callers(body: Any, request: Request) -> None:
-        """kv_transfer_params steer KV pulls and leases: only the fleet token or an
-        internal key may send them, never a client API key (docs/security.md)."""
-        if body.kv_transfer_params is not None and not state.auth.is_internal(
-            request.headers.get("authorization")
+        """kv_transfer_params steer KV pulls and leases, and a non-zero priority
+        orders admission and preemption: only the fleet token (the gateway, which
+        sets the priority from the caller's tenant) or an internal key may send
+        them, never a client API key (docs/security.md, docs/flow-control.md)."""
+        internal = None
+        for name, given in (
+            ("kv_transfer_params", body.kv_transfer_params is not None),
+            ("priority", bool(body.priority)),
         ):
-            raise APIError(
-                "kv_transfer_params: an internal field; only the fleet token or an internal "
-                "API key may send it, not a client API key",
-                status=403,
-                param="kv_transfer_params",
-            )
+            if not given:
+                continue
+            if internal is None:
+                internal = state.auth.is_internal(request.headers.get("authorization"))
+            if not internal:
+                raise APIError(
+                    f"{name}: an internal field; only the fleet token or an internal "
+                    "API key may send it, not a client API key",
+                    status=403,
+                    param=name,
+                )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -1,0 +1,488 @@
+"""Flow control on a ``pdfleet up`` fleet: protected TTFT under a flood, fair
+share by tokens between keys, and a batch on idle capacity.
+
+The fleet: the built-in tiny model, one aggregated engine (``Disabled``
+mode) scheduling by priority, the gateway passing each request's band to it,
+and a tenants file with two tenants: ``protected`` (band 0) and ``noisy``
+(band 1, at most ``--noisy-max-queued`` requests queued). Other keys are
+their own tenants (weight 1, band 1). Measured, in this order:
+
+1. **capacity**: completions per second of the noisy request shape with
+   ``--capacity-concurrency`` requests in flight (closed loop);
+2. **unloaded**: the protected tenant's TTFT p90 alone (streamed, one
+   request per ``--protected-interval`` seconds);
+3. **flood without flow control**: the noisy load at ``--flood`` × capacity
+   (open loop) and the protected load, both with one shared key (one tenant:
+   the gateway cannot tell them apart, so they queue together, first come
+   first served): the protected TTFT p90 and the noisy outcomes;
+4. **flood with flow control**: the same, each with its own key; the ratio
+   of the protected TTFT p90 to its unloaded value is the figure (target
+   1.5x), and the noisy requests' outcomes (429s, not timeouts);
+5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
+   requests, the other ``n=1``; their completion-token throughputs and ratio
+   (target within 20%);
+6. **batch**: ``--batch-requests`` requests through the Batch API (the
+   official ``openai`` client), while the protected tenant's light load
+   runs: the batch's wall time and the protected TTFT p90 meanwhile, against
+   its unloaded value.
+
+    .venv/bin/python benchmarks/flow_control.py [--flood 5] [--phase-seconds 20]
+        [--batch-requests 1000] [--json benchmarks/results/flow_control_cpu.json]
+
+Numbers from a shared 2-core VM are noisy: the load average is printed with
+them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import yaml
+
+from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.launch import python_module
+
+SECRET = "flow-control-benchmark-secret-0123456789"
+PROTECTED, NOISY, SHARED, KEY_A, KEY_B = "k-protected", "k-noisy", "k-shared", "k-a", "k-b"
+PROMPT = "The harbor was quiet before dawn, and the boats"
+
+
+def service(max_num_seqs: int) -> dict:
+    return {
+        "apiVersion": "pdfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "flow"},
+        "spec": {
+            "model": {"name": "tiny", "uri": "builtin://tiny"},
+            "engine": {
+                "device": "cpu",
+                "dtype": "float32",
+                "maxModelLen": 512,
+                "maxNumSeqs": max_num_seqs,
+                "schedulingPolicy": "priority",
+            },
+            "prefill": {"replicas": 0},
+            "decode": {"replicas": 1},
+            "disaggregation": {"mode": "Disabled"},
+            "gateway": {"enginePriority": True, "queueTimeoutSeconds": 20},
+        },
+    }
+
+
+def tenants(noisy_max_queued: int) -> dict:
+    return {
+        "default": {"priority": 1},
+        "tenants": [
+            {"name": "protected", "keys": [PROTECTED], "priority": 0},
+            {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued},
+        ],
+    }
+
+
+def p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+class Fleet:
+    def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
+        (tmp / "flow.yaml").write_text(yaml.safe_dump(service(args.max_num_seqs)))
+        (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args.noisy_max_queued)))
+        env = {
+            **os.environ,
+            security.FLEET_SECRET_ENV: SECRET,
+            "PDFLEET_API_KEY": ",".join((SHARED, KEY_A, KEY_B)),
+        }
+        env.pop("PDFLEET_API_KEY_FILE", None)
+        self.log_path = tmp / "up.log"
+        log = open(self.log_path, "wb")  # noqa: SIM115 (the child holds it)
+        self.proc = subprocess.Popen(
+            [
+                *python_module("pdfleet.engine.cli"),
+                "up",
+                str(tmp / "flow.yaml"),
+                "--run-dir",
+                str(tmp / "runs"),
+                "--tenants-file",
+                str(tmp / "tenants.yaml"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 600
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            if "Ctrl-C stops" in text:
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdfleet up did not become ready:\n{text[-3000:]}")
+            time.sleep(0.5)
+        found = re.search(r"ready: (http://[\d.:]+)/v1", text)
+        assert found is not None
+        self.url = found.group(1)
+        self.admin = {"authorization": f"Bearer {security.fleet_token(SECRET.encode())}"}
+
+    def view(self) -> dict:
+        return httpx.get(self.url + "/engines", headers=self.admin, timeout=10).json()
+
+    def refusals(self) -> dict[str, float]:
+        """The gateway's refusals so far, by tenant and outcome, and by reason."""
+        text = httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(
+                (
+                    "pdfleet_gateway_tenant_requests_total{",
+                    "pdfleet_gateway_rejected_requests_total{",
+                )
+            ):
+                name, value = line.rsplit(" ", 1)
+                out[name.replace("pdfleet_gateway_", "")] = float(value)
+        return out
+
+    def drained(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = self.view()
+            if not v["queued"] and not any(e["admitted"] for e in v["engines"]):
+                return
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+async def one(
+    client: httpx.AsyncClient, url: str, key: str, body: dict, timeout: float
+) -> tuple[str, float | None, int]:
+    """(outcome, TTFT of a streamed request, completion tokens of a JSON one)."""
+    start = time.perf_counter()
+    headers = {"authorization": f"Bearer {key}"}
+    try:
+        if body.get("stream"):
+            async with client.stream(
+                "POST", url + "/v1/completions", json=body, headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return str(resp.status_code), None, 0
+                first = None
+                async for chunk in resp.aiter_lines():
+                    if chunk.startswith("data: ") and first is None and '"text"' in chunk:
+                        first = time.perf_counter() - start
+                return "200", first, 0
+        resp = await client.post(
+            url + "/v1/completions", json=body, headers=headers, timeout=timeout
+        )
+        if resp.status_code != 200:
+            return str(resp.status_code), None, 0
+        return "200", None, int(resp.json()["usage"]["completion_tokens"])
+    except httpx.TimeoutException:
+        return "timeout", None, 0
+    except httpx.HTTPError as e:
+        return type(e).__name__, None, 0
+
+
+def small(max_tokens: int = 8) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+
+
+def noisy_body(max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+async def open_loop(
+    client, url, key, body, rate: float, seconds: float, timeout: float
+) -> list[tuple[str, float | None, int]]:
+    tasks = []
+    start = time.monotonic()
+    i = 0
+    while time.monotonic() - start < seconds:
+        tasks.append(asyncio.create_task(one(client, url, key, body, timeout)))
+        i += 1
+        await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(client, url, key, body, concurrency: int, seconds: float, timeout: float):
+    deadline = time.monotonic() + seconds
+    results: list[tuple[str, float | None, int]] = []
+
+    async def worker() -> None:
+        while time.monotonic() < deadline:
+            results.append(await one(client, url, key, body, timeout))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
+    before = fleet.refusals()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        noisy = asyncio.create_task(
+            open_loop(
+                client,
+                fleet.url,
+                noisy_key,
+                noisy_body(args.noisy_tokens),
+                args.flood * capacity,
+                args.phase_seconds,
+                args.timeout,
+            )
+        )
+        await asyncio.sleep(2.0)  # the flood first builds its queue
+        seen: list[dict] = []
+
+        async def watch() -> None:
+            """The gateway's view each second: its queue, the engine's slots."""
+            while True:
+                view = (await client.get(fleet.url + "/engines", headers=fleet.admin)).json()
+                e = view["engines"][0]
+                seen.append(
+                    {"queued": view["queued"], "admitted": e["admitted"], "capacity": e["capacity"]}
+                )
+                await asyncio.sleep(1.0)
+
+        watcher = asyncio.create_task(watch())
+        protected = await open_loop(
+            client,
+            fleet.url,
+            protected_key,
+            small(),
+            1 / args.protected_interval,
+            args.phase_seconds - 2.0,
+            args.timeout,
+        )
+        noisy_results = await noisy
+        watcher.cancel()
+    ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
+    after = fleet.refusals()
+    capacities = [x["capacity"] for x in seen if x["capacity"] is not None]
+    return {
+        "engine_capacity_min_max": [min(capacities), max(capacities)] if capacities else None,
+        "gateway_queued_max": max((x["queued"] for x in seen), default=0),
+        "gateway_counts": {
+            k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
+        },
+        "protected_ttft_p90_s": p90(ttfts),
+        "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
+        "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
+    }
+
+
+async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
+    out: dict = {}
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        # 1. capacity
+        done = await closed_loop(
+            client,
+            fleet.url,
+            KEY_A,
+            noisy_body(args.noisy_tokens),
+            args.capacity_concurrency,
+            args.phase_seconds / 2,
+            args.timeout,
+        )
+        ok = sum(1 for o, _, _ in done if o == "200")
+        capacity = ok / (args.phase_seconds / 2)
+        out["capacity_rps"] = round(capacity, 2)
+        print(f"capacity: {capacity:.2f} completions/s", flush=True)
+        fleet.drained()
+        # 2. unloaded
+        alone = await open_loop(
+            client,
+            fleet.url,
+            PROTECTED,
+            small(),
+            1 / args.protected_interval,
+            args.phase_seconds / 2,
+            args.timeout,
+        )
+        unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
+        out["unloaded_ttft_p90_s"] = unloaded
+        print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
+    # 3. and 4. the flood, without then with flow control
+    floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
+    for key in floods:
+        fleet.drained()
+        keys = (SHARED, SHARED) if key == "without_flow_control" else (NOISY, PROTECTED)
+        out[key] = await flood(fleet, args, capacity, *keys)
+        print(f"{key}:", out[key], flush=True)
+    for key in floods:
+        got = out[key]["protected_ttft_p90_s"]
+        out[key]["ratio_to_unloaded"] = (
+            round(got / unloaded, 2) if got is not None and unloaded else None
+        )
+    fleet.drained()
+    if "fair" in args.phases:
+        out["fair_share"] = await fair_share(fleet, args)
+        print("n=64 vs n=1:", out["fair_share"], flush=True)
+        fleet.drained()
+    if "batch" in args.phases:
+        out["batch"] = await batch_beside_online(fleet, args, unloaded)
+        print("batch:", out["batch"], flush=True)
+    return out
+
+
+async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
+    """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        big = {**noisy_body(args.fair_tokens), "n": 64}
+        little = noisy_body(args.fair_tokens)
+        a, b = await asyncio.gather(
+            closed_loop(
+                client,
+                fleet.url,
+                KEY_A,
+                big,
+                args.n64_concurrency,
+                args.phase_seconds,
+                args.timeout,
+            ),
+            closed_loop(
+                client,
+                fleet.url,
+                KEY_B,
+                little,
+                args.n1_concurrency,
+                args.phase_seconds,
+                args.timeout,
+            ),
+        )
+    tput_a = sum(t for _, _, t in a) / args.phase_seconds
+    tput_b = sum(t for _, _, t in b) / args.phase_seconds
+    return {
+        "n64_tokens_per_s": round(tput_a, 1),
+        "n1_tokens_per_s": round(tput_b, 1),
+        "ratio_min_max": round(min(tput_a, tput_b) / max(tput_a, tput_b), 3)
+        if max(tput_a, tput_b)
+        else None,
+        "n64_outcomes": dict(Counter(o for o, _, _ in a)),
+        "n1_outcomes": dict(Counter(o for o, _, _ in b)),
+    }
+
+
+async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) -> dict:
+    """6. A batch on idle capacity, with the protected light load beside it."""
+    oc = openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY_B, max_retries=2, timeout=60)
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {**noisy_body(8), "prompt": f"{i} {PROMPT}"},
+            }
+        )
+        for i in range(args.batch_requests)
+    ]
+    file_id = oc.files.create(
+        file=("batch.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch"
+    ).id
+    started = time.monotonic()
+    batch = oc.batches.create(
+        input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+    )
+    ttfts: list[float] = []
+    async with httpx.AsyncClient() as client:
+        while True:
+            status = oc.batches.retrieve(batch.id)
+            if status.status not in ("in_progress", "validating", "finalizing"):
+                break
+            if time.monotonic() - started > args.batch_timeout:
+                oc.batches.cancel(batch.id)
+                break
+            o, t, _ = await one(client, fleet.url, PROTECTED, small(), args.timeout)
+            if o == "200" and t is not None:
+                ttfts.append(t)
+            await asyncio.sleep(args.protected_interval)
+    wall = time.monotonic() - started
+    during = p90(ttfts)
+    return {
+        "requests": args.batch_requests,
+        "status": status.status,
+        "completed": status.request_counts.completed if status.request_counts else None,
+        "failed": status.request_counts.failed if status.request_counts else None,
+        "wall_s": round(wall, 1),
+        "protected_ttft_p90_during_s": during,
+        "protected_samples": len(ttfts),
+        "ratio_to_unloaded": round(during / unloaded, 2) if during and unloaded else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--flood", type=float, default=5.0, help="noisy load, × the capacity")
+    ap.add_argument("--phase-seconds", type=float, default=20.0)
+    ap.add_argument("--protected-interval", type=float, default=1.0)
+    ap.add_argument("--noisy-tokens", type=int, default=32)
+    ap.add_argument("--noisy-max-queued", type=int, default=8)
+    ap.add_argument("--fair-tokens", type=int, default=16)
+    ap.add_argument("--n64-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--n1-concurrency",
+        type=int,
+        default=128,
+        help="the n=1 key's requests in flight: enough to want its share (the n=64 key has 4)",
+    )
+    ap.add_argument("--capacity-concurrency", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--batch-requests", type=int, default=1000)
+    ap.add_argument("--batch-timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=60.0, help="client timeout per request")
+    ap.add_argument(
+        "--phases",
+        default="flood,fair,batch",
+        help="which of flood, fair, batch to run (capacity and unloaded always run)",
+    )
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="pdfleet-flow-") as tmp:
+        fleet = Fleet(Path(tmp), args)
+        try:
+            result = asyncio.run(run(args, fleet))
+        finally:
+            fleet.stop()
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "load_average_start": [round(x, 1) for x in load_start],
+        "load_average_end": [round(x, 1) for x in os.getloadavg()],
+    }
+    result["args"] = vars(args)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,281 @@
+"""Admission by tenant: limits checked before a request may queue or run.
+
+A request's cost is its prompt tokens plus ``n × max_tokens`` (``best_of``
+when larger; without ``max_tokens``, ``--flow-default-max-tokens``), so an
+``n=128`` request counts as what it asks of the engines. Before it queues,
+its tenant's limits are checked; over any of them it is refused at once with
+a 429 and a ``Retry-After`` saying when the limit will let it through:
+
+* ``max_inflight_requests`` / ``max_inflight_tokens``: requests (cost) the
+  tenant has admitted and not finished;
+* ``requests_per_second`` / ``tokens_per_second``: token buckets holding one
+  second's worth (a request costing more than one second's tokens passes when
+  the bucket is full and leaves it in debt);
+* ``max_queued``: the tenant's requests already waiting for a slot.
+
+An admitted request holds a :class:`Ticket` until its answer ends. Every
+number here is this process's: with ``--workers N`` each worker keeps its
+own, so a tenant's limits apply per worker.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..admission import MAX_RETRY_AFTER, MIN_RETRY_AFTER, Overloaded
+from ..metrics import GatewayMetrics
+from .tenants import Tenant
+
+# Seconds a tenant's Retry-After suggests when it is at its in-flight limit
+# and none of its requests finished yet to measure how long they take.
+DEFAULT_SERVICE_S = 1.0
+
+
+# A request's engine priority: its band in the high bits, its fair-share tag
+# (tokens over weight, from this process's start) in the low ones, so an
+# engine scheduling by priority orders its own queue as the gateway's.
+TAG_BITS = 40
+MAX_TAG = (1 << TAG_BITS) - 1
+
+
+class FairClock:
+    """Start-time fair queuing by tokens within one band: a request's tag is
+    ``max(its tenant's finish, the band's clock)``, its tenant's finish then
+    grows by ``cost / weight``, and the clock follows the tags of the requests
+    that start. A tenant that was idle starts at the clock: it banks no credit."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.finish: dict[str, float] = {}
+
+    def tag(self, tenant: str, weighted_cost: float) -> float:
+        start = max(self.finish.get(tenant, 0.0), self.clock)
+        self.finish[tenant] = start + weighted_cost
+        if len(self.finish) > 4096:  # only tenants ahead of the clock carry debt
+            self.finish = {t: f for t, f in self.finish.items() if f > self.clock}
+        return start
+
+    def started(self, tag: float) -> None:
+        if tag > self.clock:
+            self.clock = tag
+
+
+class TokenBucket:
+    """``rate`` per second, holding at most ``burst``; ``take`` may go into debt
+    when the bucket is full (a cost larger than the burst still passes)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.level = burst
+        self.at = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.burst, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` may be taken (0: now)."""
+        self._refill(now)
+        need = min(amount, self.burst)
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
+
+    def take(self, amount: float) -> None:
+        self.level -= amount
+
+
+@dataclass
+class TenantState:
+    """What one tenant has in flight, and its series."""
+
+    tenant: Tenant
+    inflight: int = 0
+    inflight_tokens: float = 0.0
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    service_s: float = DEFAULT_SERVICE_S
+    """Moving mean of its requests' time from admission to their end."""
+    queue_s: float = 0.0
+    """Moving mean of the time its requests that waited for a slot waited."""
+    waited: int = 0
+    """Its requests that waited for a slot."""
+    series: dict[str, Any] = field(default_factory=dict)
+
+
+class Ticket:
+    """An admitted request's hold on its tenant's in-flight limits."""
+
+    __slots__ = ("_admitted", "_clock", "_flow", "band", "cost", "state", "tag")
+
+    def __init__(
+        self, flow: FlowControl, state: TenantState, cost: float, band: int, clock: FairClock
+    ) -> None:
+        self._flow, self.state, self.cost, self.band = flow, state, cost, band
+        self._clock = clock
+        self.tag = clock.tag(state.tenant.name, cost / state.tenant.policy.weight)
+        self._admitted = time.monotonic()
+
+    @property
+    def engine_priority(self) -> int:
+        """What an engine scheduling by priority gets: band, then tag."""
+        return (self.band << TAG_BITS) + min(int(self.tag), MAX_TAG)
+
+    def started(self) -> None:
+        """It got its slot: the band's clock moves to its tag."""
+        self._clock.started(self.tag)
+
+    @property
+    def tenant(self) -> str:
+        return self.state.tenant.name
+
+    def queued(self, seconds: float) -> None:
+        """The request waited ``seconds`` for a slot (counted per tenant)."""
+        if self._flow is None:
+            return
+        s = self.state
+        s.queue_s = seconds if not s.waited else 0.8 * s.queue_s + 0.2 * seconds
+        s.waited += 1
+        self._flow.metrics.tenant_queue_seconds.labels(self.tenant).observe(seconds)
+
+    def release(self) -> None:
+        """The answer ended (once; later calls do nothing)."""
+        flow, self._flow = self._flow, None  # type: ignore[assignment]
+        if flow is None:
+            return
+        s = self.state
+        s.inflight -= 1
+        s.inflight_tokens -= self.cost
+        s.service_s = 0.8 * s.service_s + 0.2 * (time.monotonic() - self._admitted)
+
+
+class FlowControl:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.states: dict[str, TenantState] = {}
+        self.clocks: dict[int, FairClock] = {}
+        """Each band's fair-share clock."""
+        metrics.on_collect(self._gauges)
+
+    def state(self, tenant: Tenant) -> TenantState:
+        s = self.states.get(tenant.name)
+        if s is None:
+            p = tenant.policy
+            s = self.states[tenant.name] = TenantState(tenant)
+            if p.requests_per_second is not None:
+                s.requests = TokenBucket(p.requests_per_second, max(1.0, p.requests_per_second))
+            if p.tokens_per_second is not None:
+                s.tokens = TokenBucket(p.tokens_per_second, p.tokens_per_second)
+        return s
+
+    def admit(
+        self, tenant: Tenant, cost: float, band: int, queued: int, limited: bool = True
+    ) -> Ticket:
+        """A ticket for a request of ``cost`` tokens, or :class:`Overloaded` (429)
+        naming the limit; ``queued``: the tenant's requests waiting now.
+        ``limited``: False for a batch request (the batch runner paces those:
+        idle capacity, --batch-concurrency), which counts but is never refused."""
+        s = self.state(tenant)
+        p = tenant.policy
+        now = time.monotonic()
+        refusal: tuple[str, str, float] | None = None
+        if not limited:
+            pass
+        elif p.max_inflight_requests is not None and s.inflight >= p.max_inflight_requests:
+            refusal = (
+                "inflight_limit",
+                f"{p.max_inflight_requests} requests in flight (max_inflight_requests)",
+                s.service_s,
+            )
+        elif (
+            p.max_inflight_tokens is not None
+            and s.inflight
+            and s.inflight_tokens + cost > p.max_inflight_tokens
+        ):
+            refusal = (
+                "inflight_limit",
+                f"{s.inflight_tokens:.0f} + {cost:.0f} tokens in flight exceed "
+                f"max_inflight_tokens ({p.max_inflight_tokens})",
+                s.service_s,
+            )
+        elif p.max_queued is not None and queued >= p.max_queued:
+            refusal = (
+                "queue_full",
+                f"{queued} requests waiting (max_queued)",
+                s.service_s * (queued + 1) / max(1, s.inflight),
+            )
+        else:
+            wait = s.requests.wait_for(1.0, now) if s.requests is not None else 0.0
+            what = "requests_per_second"
+            if s.tokens is not None:
+                token_wait = s.tokens.wait_for(cost, now)
+                if token_wait > wait:
+                    wait, what = token_wait, "tokens_per_second"
+            if wait > 0:
+                refusal = ("rate_limited", f"over its rate limit ({what})", wait)
+        if refusal is not None:
+            reason, detail, retry = refusal
+            self._count(s, reason)
+            raise Overloaded(
+                429,
+                f"tenant {tenant.name!r} is at its limit: {detail}; retry later",
+                int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(retry)))),
+                reason,
+            )
+        if s.requests is not None and limited:
+            s.requests.take(1.0)
+        if s.tokens is not None and limited:
+            s.tokens.take(cost)
+        s.inflight += 1
+        s.inflight_tokens += cost
+        self._count(s, "admitted")
+        tokens = s.series.get("tokens")
+        if tokens is None:
+            tokens = s.series["tokens"] = self.metrics.fast_counter(
+                self.metrics.tenant_tokens.labels(tenant.name)
+            )
+        tokens.inc(cost)
+        clock = self.clocks.get(band)
+        if clock is None:
+            clock = self.clocks[band] = FairClock()
+        return Ticket(self, s, cost, band, clock)
+
+    def refused(self, ticket: Ticket, reason: str) -> None:
+        """An admitted request was refused later (the fleet's queue: full or timed out)."""
+        self._count(ticket.state, reason)
+        ticket.release()
+
+    def _count(self, s: TenantState, outcome: str) -> None:
+        counter = s.series.get(outcome)
+        if counter is None:
+            counter = s.series[outcome] = self.metrics.fast_counter(
+                self.metrics.tenant_requests.labels(s.tenant.name, outcome)
+            )
+        counter.inc()
+
+    def _gauges(self) -> None:
+        for name, s in self.states.items():
+            self.metrics.tenant_inflight.labels(name).set(s.inflight)
+            self.metrics.tenant_inflight_tokens.labels(name).set(s.inflight_tokens)
+
+    def view(self, queued: dict[str, int]) -> list[dict[str, Any]]:
+        """Each tenant as ``/engines`` (and ``pdfleet status``) show it."""
+        out = []
+        for name in sorted(set(self.states) | set(queued)):
+            s = self.states.get(name)
+            p = s.tenant.policy if s is not None else None
+            out.append(
+                {
+                    "tenant": name,
+                    "priority": p.priority if p else None,
+                    "weight": p.weight if p else None,
+                    "inflight": s.inflight if s else 0,
+                    "inflight_tokens": round(s.inflight_tokens) if s else 0,
+                    "queued": queued.get(name, 0),
+                    # Requests that waited for a slot, and their recent mean wait.
+                    "waited": s.waited if s else 0,
+                    "queue_s": round(s.queue_s, 3) if s else 0.0,
+                }
+            )
+        return out

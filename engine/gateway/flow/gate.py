@@ -1,0 +1,140 @@
+"""What the proxy asks of flow control for each request: its tenant, its
+checks (per-tenant caps, a client's own ``priority``), its cost and band, the
+fields the gateway sets on its behalf (``priority`` for the engines,
+``cache_salt`` for a tenant that shares no cache), and its admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...config.gateway import GatewayConfig
+from ...contracts.sampling_checks import num_prompts, num_sequences
+from ..admission import Admission, Overloaded
+from ..metrics import GatewayMetrics
+from ..prompt import CHARS_PER_TOKEN
+from .control import FlowControl, Ticket
+from .tenants import BATCH_BAND, MAX_BAND, Tenant, Tenants
+
+# The header a batch runner's requests carry (with the fleet token) to run in
+# the batch band; a client's own is ignored (only the fleet token may set it).
+BATCH_HEADER = "x-pdfleet-batch"
+
+
+class FlowRefused(Exception):
+    """A 400 naming a field (``param``) or a tenant limit's 429 (``overloaded``)."""
+
+    def __init__(
+        self, message: str, param: str | None = None, overloaded: Overloaded | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.overloaded = message, param, overloaded
+
+
+@dataclass
+class Admitted:
+    ticket: Ticket
+    changed: bool
+    """The body was changed (``priority``, ``cache_salt``): re-serialize it."""
+    seqs: int
+    """Sequences the request runs (``n`` or ``best_of``, × prompts)."""
+
+
+class FlowGate:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tenants: Tenants,
+        admission: Admission,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.admission = admission
+        self.control = FlowControl(metrics)
+        self.metrics = metrics
+        metrics.on_collect(self._queued_gauges)
+        self._queued_seen: set[str] = set()
+
+    def tenant(self, caller: str) -> Tenant:
+        return self.tenants.tenant(caller)
+
+    def caps(self, tenant: Tenant) -> tuple[int, int]:
+        """(max n / best_of, max n × max_tokens) of one request of this tenant."""
+        p = tenant.policy
+        max_n = self.config.max_n if p.max_n is None else min(p.max_n, self.config.max_n)
+        out = self.config.max_request_output_tokens
+        if p.max_request_output_tokens is not None:
+            out = min(out, p.max_request_output_tokens)
+        return max_n, out
+
+    @staticmethod
+    def seqs(body: dict[str, Any]) -> int:
+        """Sequences the request runs: ``n`` (``best_of`` when larger) per prompt."""
+        prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
+        return prompts * num_sequences(body)
+
+    def cost(self, body: dict[str, Any], prompt_tokens: int) -> float:
+        """Prompt tokens plus ``n × max_tokens`` for every prompt (the tokens the
+        request may make the engines compute)."""
+        limit = body.get("max_completion_tokens")
+        if limit is None:
+            limit = body.get("max_tokens")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = self.config.flow_default_max_tokens
+        return float(prompt_tokens + self.seqs(body) * limit)
+
+    def admit(
+        self,
+        tenant: Tenant,
+        body: dict[str, Any],
+        prompt_tokens: int | None,
+        body_bytes: int,
+        batch: bool = False,
+    ) -> Admitted:
+        """Check and admit one request (its body already passed the sampling
+        checks); FlowRefused otherwise. ``prompt_tokens``: counted when the
+        prompt was analyzed, else estimated from the body's size. ``batch``:
+        a Batch API request (the batch band)."""
+        p = tenant.policy
+        changed = False
+        band = p.priority
+        given = body.get("priority", 0)
+        if given:  # the sampling checks made it an int
+            if p.client_priority != "allow":
+                raise FlowRefused(
+                    f"priority: tenant {tenant.name!r} may not set a request priority (the "
+                    "gateway schedules by tenant: its band is set in the tenants file); "
+                    "send 0 or leave it out",
+                    "priority",
+                )
+            band = max(-MAX_BAND, min(MAX_BAND, int(given)))
+        if batch:
+            band = BATCH_BAND
+        if tenant.cache_salt is not None:
+            own = body.get("cache_salt")
+            body["cache_salt"] = (
+                tenant.cache_salt if not isinstance(own, str) else f"{tenant.cache_salt}:{own}"
+            )
+            changed = True
+        tokens = prompt_tokens if prompt_tokens else -(-body_bytes // CHARS_PER_TOKEN)
+        cost = self.cost(body, tokens)
+        try:
+            ticket = self.control.admit(tenant, cost, band, self.admission.queued_of(tenant.name))
+        except Overloaded as o:
+            raise FlowRefused(o.message, overloaded=o) from None
+        if self.config.engine_priority:
+            body["priority"] = ticket.engine_priority
+            changed = True
+        return Admitted(ticket, changed, self.seqs(body))
+
+    def _queued_gauges(self) -> None:
+        queued = self.admission.queued_by_tenant()
+        for name in self._queued_seen - set(queued):
+            self.metrics.tenant_queued.labels(name).set(0)
+        for name, n in queued.items():
+            self.metrics.tenant_queued.labels(name).set(n)
+        self._queued_seen |= set(queued)
+
+    def view(self) -> list[dict[str, Any]]:
+        return self.control.view(self.admission.queued_by_tenant())

@@ -1,0 +1,143 @@
+"""Flow control's pure parts: the fair queue's order, the tenants file's
+checks, the token bucket, a ticket's release, a request's cost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.contracts.security import caller_id
+from pdfleet.engine.gateway.admission import Admission, Overloaded
+from pdfleet.engine.gateway.flow.control import FairClock, FlowControl, TokenBucket
+from pdfleet.engine.gateway.flow.gate import FlowGate, FlowRefused
+from pdfleet.engine.gateway.flow.queue import FairQueue, Waiter
+from pdfleet.engine.gateway.flow.tenants import ANONYMOUS, Tenants
+from pdfleet.engine.gateway.metrics import GatewayMetrics
+
+
+def order(pushes: list[tuple[str, int, float]], pops: int, started: bool = True) -> list[str]:
+    """Tenants in the order the queue serves requests pushed as (tenant, band,
+    cost over weight), each tagged by its band's fair clock at push."""
+
+    async def run() -> list[str]:
+        q = FairQueue()
+        clocks: dict[int, FairClock] = {}
+        loop = asyncio.get_running_loop()
+        for tenant, band, cost in pushes:
+            clock = clocks.setdefault(band, FairClock())
+            q.push(Waiter(loop.create_future(), tenant, band, clock.tag(tenant, cost)))
+        out = []
+        for _ in range(pops):
+            w = q.pop()
+            assert w is not None
+            clocks[w.band].started(w.tag)
+            out.append(w.tenant)
+        assert len(q) == len(pushes) - pops
+        return out
+
+    return asyncio.run(run())
+
+
+def test_bands_are_strict_and_weights_share_by_cost():
+    pushes = [("a", 1, 1.0)] * 6 + [("b", 1, 0.5)] * 6 + [("vip", 0, 100.0)]
+    got = order(pushes, 10)
+    assert got[0] == "vip"
+    # b's requests cost half of a's: two of b's per one of a's.
+    assert got[1:10].count("b") == 6 and got[1:10].count("a") == 3
+
+
+def test_an_idle_tenant_banks_no_credit():
+    clock = FairClock()
+    for _ in range(8):
+        clock.started(clock.tag("busy", 1.0))
+    # A newcomer starts at the clock (7), not at 0, where the busy tenant's
+    # next request (8) is: they alternate, the newcomer does not take every slot.
+    assert clock.tag("new", 1.0) == 7.0
+    assert clock.tag("busy", 1.0) == 8.0
+
+
+def test_a_removed_waiter_leaves_the_counts_right():
+    async def run() -> None:
+        q = FairQueue()
+        w = Waiter(asyncio.get_running_loop().create_future(), "t", 0, 1.0)
+        q.push(w)
+        assert q.by_tenant == {"t": 1} and q.ahead_of(0) == 1 and q.ahead_of(-1) == 0
+        assert q.remove(w) and not q.remove(w)
+        assert len(q) == 0 and q.pop() is None and not q.by_tenant
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"tenants": [{"name": "x", "keys": ["k"], "wieght": 2}]}, "wieght"),
+        ({"tenants": [{"name": "x", "keys": []}]}, "keys"),
+        ({"tenants": [{"name": "x", "keys": ["k"], "weight": 0}]}, "weight"),
+        ({"tenants": [{"name": "x", "keys": ["k"], "priority": 1.5}]}, "priority"),
+        (
+            {"tenants": [{"name": "x", "keys": ["k"], "client_priority": "maybe"}]},
+            "client_priority",
+        ),
+        ({"tenants": [{"name": "x", "keys": ["k"]}, {"name": "y", "keys": ["k"]}]}, "twice"),
+        ({"tenants": [{"name": "anonymous", "keys": ["k"]}]}, "reserved"),
+        ({"default": {"tokens_per_second": -1}}, "tokens_per_second"),
+        ({"tenant": []}, "tenant"),
+    ],
+)
+def test_a_bad_tenants_file_names_what_is_wrong(data, match):
+    with pytest.raises(ValueError, match=match):
+        Tenants.parse(data)
+
+
+def test_keys_map_to_their_tenant_and_unlisted_keys_are_their_own():
+    t = Tenants.parse(
+        {"default": {"weight": 2}, "tenants": [{"name": "g", "keys": ["k1", "k2"], "priority": -1}]}
+    )
+    assert t.tenant(caller_id("k1")).name == t.tenant(caller_id("k2")).name == "g"
+    other = t.tenant(caller_id("k3"))
+    assert other.name == caller_id("k3") and other.policy.weight == 2
+    assert t.tenant("addr:10.0.0.1").name == ANONYMOUS
+    assert t.keys == ["k1", "k2"]
+
+
+def test_a_token_bucket_refuses_past_its_rate_and_lets_a_large_cost_through_when_full():
+    b = TokenBucket(rate=10.0, burst=10.0)
+    now = b.at
+    assert b.wait_for(50.0, now) == 0.0  # larger than the burst: passes when full
+    b.take(50.0)
+    assert b.wait_for(1.0, now) == pytest.approx(4.1)  # 41 tokens of debt at 10/s
+
+
+def test_inflight_limits_refuse_with_retry_after_and_release_gives_room():
+    config = GatewayConfig(decode=["http://e"])
+    metrics = GatewayMetrics()
+    tenants = Tenants.parse({"tenants": [{"name": "t", "keys": ["k"], "max_inflight_tokens": 300}]})
+    gate = FlowGate(config, tenants, Admission(config, metrics), metrics)
+    tenant = gate.tenant(caller_id("k"))
+    body = {"prompt": "x", "max_tokens": 100, "n": 2}
+    assert gate.cost(body, 10) == 210.0
+    first = gate.admit(tenant, dict(body), 10, 0)
+    with pytest.raises(FlowRefused) as refused:
+        gate.admit(tenant, dict(body), 10, 0)
+    overloaded = refused.value.overloaded
+    assert isinstance(overloaded, Overloaded) and overloaded.status == 429
+    assert "max_inflight_tokens" in overloaded.message and overloaded.retry_after >= 1
+    first.ticket.release()
+    first.ticket.release()  # once only
+    assert gate.control.states["t"].inflight == 0
+    gate.admit(tenant, dict(body), 10, 0)
+
+
+def test_flow_control_counts_outcomes_per_tenant():
+    metrics = GatewayMetrics()
+    control = FlowControl(metrics)
+    tenants = Tenants.parse({"tenants": [{"name": "t", "keys": ["k"], "max_queued": 0}]})
+    with pytest.raises(Overloaded):
+        control.admit(tenants.tenant(caller_id("k")), 1.0, 0, queued=0)
+    text = metrics.registry.get_sample_value(
+        "pdfleet_gateway_tenant_requests_total", {"tenant": "t", "outcome": "queue_full"}
+    )
+    assert text == 1.0
