@@ -109,7 +109,7 @@ def sgmv_lora(
     check_tensor("bt", bt, (num_slots * r, None), (x.dtype,))
     n = bt.shape[1]
     check_tensor("y", y, (num_tokens, None), (x.dtype,))
-    require(0 <= y_offset and y_offset + n <= y.shape[1], "y is narrower than y_offset + N")
+    require(y_offset >= 0 and y_offset + n <= y.shape[1], "y is narrower than y_offset + N")
     require(x.stride(1) == 1 and y.stride(1) == 1, "x and y rows must be contiguous")
     require(a.is_contiguous() and bt.is_contiguous(), "a and bt must be contiguous")
     num_segs = seg_start.shape[0]

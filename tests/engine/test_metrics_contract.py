@@ -39,6 +39,7 @@ def engine_config(kv_connector: str | None) -> SimpleNamespace:
         kv_cache_dtype="auto",
         compat_hash=lambda: "c0ffee",
         kv_transfer_config=SimpleNamespace(kv_connector=kv_connector) if kv_connector else None,
+        lora_config=SimpleNamespace(max_loras=2) if kv_connector else None,
     )
 
 
@@ -89,6 +90,7 @@ def test_histograms_and_only_histograms_take_buckets():
 def test_engine_exports_every_declared_series_under_both_names():
     metrics = EngineMetrics(engine_config("NixlConnector"))
     metrics.request_success.labels(model_name="tiny", finished_reason="stop").inc()
+    metrics.lora_requests.labels(model_name="tiny", lora_name="a").inc()
     exported = exported_families(metrics.registry)
     engine = [
         x
