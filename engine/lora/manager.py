@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +74,7 @@ class LoRAManager:
                 ("self_attn.qkv_proj", {"q": "q_proj", "k": "k_proj", "v": "v_proj"}),
                 ("mlp.gate_up_proj", {"gate": "gate_proj", "up": "up_proj"}),
             ):
-                module = layer.get_submodule(proj)
+                module: Any = layer.get_submodule(proj)  # a MergedLinear
                 shards = []
                 for shard, hf in names.items():
                     off, size = module.shard_offsets[shard]
@@ -82,7 +83,7 @@ class LoRAManager:
                     shards.append(s)
                 module.lora = (shards, self.context)
             for proj, hf in (("self_attn.o_proj", "o_proj"), ("mlp.down_proj", "down_proj")):
-                module = layer.get_submodule(proj)
+                module = layer.get_submodule(proj)  # a RowParallelLinear
                 out_f, in_f = module.weight.shape
                 s = LoRAShard(0, out_f, in_f, n, self.rank, dtype, device)
                 self.shards[(i, hf)] = s
