@@ -158,3 +158,26 @@ def test_lora_flags_are_checked(tiny_model):
         LLM(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="not of the form name=path"):
         LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
+
+
+def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factory, peft_factory):
+    # One KV head replicated on both ranks, the other projections sharded.
+    base = tiny_model_factory("mistral", num_key_value_heads=1)
+    a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
+    llm = LLM(
+        base,
+        tensor_parallel_size=2,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    try:
+        vocab = llm.engine.config.model_config.vocab_size
+        prompts = random_prompts(vocab, [21, 6, 30], seed=8)
+        check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)])
+        with pytest.raises(LoRAError, match="'big'.*exceeds --max-lora-rank 8"):
+            llm.engine.add_lora("big", adapter_factory(base, 4, r=16))
+    finally:
+        llm.engine.shutdown()
