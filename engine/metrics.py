@@ -150,6 +150,8 @@ class EngineMetrics:
                 self.lora_evictions.labels(**self.labels, tier=tier)
             self.lora_requests = m.ENGINE_LORA_REQUESTS.create(self.registry)
             self.lora_info = m.VLLM_LORA_REQUESTS_INFO.create(self.registry)
+            self.adapter_info = m.ENGINE_LORA_ADAPTER_INFO.create(self.registry)
+            self._adapters: dict[str, tuple[str, str]] = {}
             self._lora_info_labels: tuple[str, str, str] | None = None
             self._lora_counts: dict[str, float] = {}
             self._update_lora_info((), ())
@@ -228,6 +230,18 @@ class EngineMetrics:
             self._lora_counts[key] = count
         s = engine.stats
         self._update_lora_info(s.running_lora_adapters, s.waiting_lora_adapters)
+        served = {
+            name: (engine.lora_identities.get(name, ""), lora.lora_path)
+            for name, lora in list(engine.loras.items())
+        }
+        if served != self._adapters:
+            for name, (identity, path) in self._adapters.items():
+                self.adapter_info.remove(self.labels[m.MODEL_NAME], name, identity, path)
+            for name, (identity, path) in served.items():
+                self.adapter_info.labels(
+                    **self.labels, lora_name=name, lora_identity=identity, lora_path=path
+                ).set(1)
+            self._adapters = served
 
     def _update_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         """One series, as vLLM's: the current adapters as labels, the time of the

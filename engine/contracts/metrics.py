@@ -234,6 +234,14 @@ ENGINE_LORA_REQUESTS = Metric(
     "Requests admitted per LoRA adapter.",
     (*_M, LORA_NAME),
 )
+ENGINE_LORA_ADAPTER_INFO = Metric(
+    # What the gateway routes by: which engine serves which adapter, its
+    # prefix-cache identity (engine/contracts/block_hash.py) and directory.
+    "pdfleet_engine_lora_adapter_info",
+    "gauge",
+    "1 per LoRA adapter the engine serves, labelled by its name, identity and directory.",
+    (*_M, LORA_NAME, "lora_identity", "lora_path"),
+)
 LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 VLLM_LORA_REQUESTS_INFO = Metric(
     # vLLM's: one series whose labels name the adapters of running and waiting
@@ -737,6 +745,13 @@ def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
 
 # --- Gateway: activation of pools scaled to zero ----------------------------
 
+GATEWAY_LORA_LOADS = Metric(
+    "pdfleet_gateway_lora_loads_total",
+    "counter",
+    "LoRA adapters the gateway loaded on an engine that did not serve them (a request "
+    "named one and the engines serving it were busier).",
+    ("engine",),
+)
 GATEWAY_ACTIVATIONS = Metric(
     "pdfleet_gateway_activation_requests_total",
     "counter",

@@ -73,8 +73,10 @@ _STEP_BUCKET = _STEP.name + "_bucket"
 # The step in progress (pdfleet engines only): its age, answered while it runs.
 _STEP_RUNNING = m.ENGINE_STEP_RUNNING.name
 _STEP_TOKENS = m.ENGINE_STEP_SCHEDULED_TOKENS.name
+_ADAPTERS = m.ENGINE_LORA_ADAPTER_INFO.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
+    _ADAPTERS,
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
@@ -113,6 +115,8 @@ class EngineLoad:
     None for engines that do not report it (vLLM)."""
     step_tokens: float = 0.0
     """Tokens that step scheduled."""
+    adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """LoRA adapters the engine serves: name -> (prefix-cache identity, directory)."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -158,6 +162,13 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     load.step_buckets = tuple(sorted(buckets.items()))
     load.step_running = scrape.total(_STEP_RUNNING)
     load.step_tokens = scrape.total(_STEP_TOKENS) or 0.0
+    for labels_of, value in scrape.samples.get(_ADAPTERS, ()):
+        name = labels_of.get(m.LORA_NAME)
+        if name and value:
+            load.adapters[name] = (
+                labels_of.get("lora_identity", ""),
+                labels_of.get("lora_path", ""),
+            )
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None
@@ -342,6 +353,15 @@ class EnginePool:
 
     def candidates(self, role: str) -> list[EngineState]:
         return [e for e in self.engines.values() if e.routable and e.serves(role)]
+
+    def adapter(self, name: str) -> tuple[str, str] | None:
+        """(identity, directory) of a LoRA adapter some known engine serves; None
+        when none does (the name is the base model's, or unknown)."""
+        for e in self.engines.values():
+            found = e.load.adapters.get(name)
+            if found is not None:
+                return found
+        return None
 
     def sole_candidate(self, role: str) -> EngineState | None:
         """The one routable engine of ``role``; None when there are none or several."""

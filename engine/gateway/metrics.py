@@ -129,6 +129,7 @@ class GatewayMetrics:
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
         self.activations = m.GATEWAY_ACTIVATIONS.create(r)
+        self.lora_loads = m.GATEWAY_LORA_LOADS.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""

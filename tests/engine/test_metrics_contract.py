@@ -91,6 +91,9 @@ def test_engine_exports_every_declared_series_under_both_names():
     metrics = EngineMetrics(engine_config("NixlConnector"))
     metrics.request_success.labels(model_name="tiny", finished_reason="stop").inc()
     metrics.lora_requests.labels(model_name="tiny", lora_name="a").inc()
+    metrics.adapter_info.labels(
+        model_name="tiny", lora_name="a", lora_identity="a@0", lora_path="/a"
+    ).set(1)
     exported = exported_families(metrics.registry)
     engine = [
         x
@@ -139,6 +142,7 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_index_resets.labels("http://e", "restart").inc()
     metrics.kv_index_fresh.labels("http://e").set(1)
     metrics.activations.labels("decode").inc()
+    metrics.lora_loads.labels("http://e").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):

@@ -1,24 +1,29 @@
-"""A real `pdfleet serve --enable-lora` process: adapters named by `model`,
+"""Real `pdfleet serve --enable-lora` processes: adapters named by `model`,
 listed by /v1/models, loaded and unloaded at run time behind the fleet token,
-bad adapters refused by name while the engine keeps serving, and the metrics."""
+bad adapters refused by name while the engine keeps serving, the metrics; and
+a gateway in front of two of them that routes an adapter to the engine that
+serves it."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 from helpers.engine import hf_greedy, random_prompts
-from helpers.server import ServerProcess, fleet_headers, scrape
+from helpers.fleet import metric, start_gateway
+from helpers.server import ServerProcess, fleet_headers, scrape, wait_until
+
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
 PROMPT = random_prompts(1800, [13], seed=11)[0]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model, adapter_factory, tmp_path_factory):
-    a = adapter_factory(tiny_model, 1, r=8)
-    tmp = tmp_path_factory.mktemp("lora-server")
-    keys = tmp / "keys"
-    keys.write_text("client-key\n")
-    proc = ServerProcess(
+def engine(tiny_model, tmp, name, *flags):
+    return ServerProcess(
         [
             "serve",
             tiny_model,
@@ -32,18 +37,40 @@ def setup(tiny_model, adapter_factory, tmp_path_factory):
             "2",
             "--max-lora-rank",
             "8",
-            "--lora-modules",
-            f"a={a}",
             "--api-key-file",
-            str(keys),
+            str(tmp / "keys"),
+            *flags,
         ],
         tmp,
-        env={"PDFLEET_API_KEY": ""},
+        name,
+        env={"PDFLEET_API_KEY": "", "OMP_NUM_THREADS": "1"},
     )
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, adapter_factory, tmp_path_factory):
+    """Engine A serves adapter a from the start, engine B none."""
+    a = adapter_factory(tiny_model, 1, r=8)
+    tmp = tmp_path_factory.mktemp("lora-server")
+    (tmp / "keys").write_text("client-key\n")
+    procs = [engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}"), engine(tiny_model, tmp, "b")]
+    gateway = None
     try:
-        yield proc.wait_healthy(), a
+        for p in procs:
+            p.wait_healthy()
+        gateway = start_gateway(
+            ["--decode", procs[0].url, "--decode", procs[1].url, "--scrape-interval", "0.2"], tmp
+        )
+        yield procs, gateway, a
     finally:
-        proc.stop()
+        for p in [*procs, *([gateway] if gateway else [])]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(fleet):
+    procs, _, a = fleet
+    return procs[0], a
 
 
 def complete(url: str, model: str, headers: dict[str, str]) -> httpx.Response:
@@ -126,3 +153,37 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
     assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 2.0' in text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
+
+
+def test_the_gateway_routes_an_adapter_to_the_engine_that_serves_it(
+    fleet, tiny_model, peft_factory
+):
+    (a_engine, b_engine), gateway, a = fleet
+    fleet_h = fleet_headers()
+
+    def listed() -> set[str]:
+        r = httpx.get(gateway.url + "/v1/models", headers=fleet_h, timeout=10)
+        return {c["id"] for c in r.json()["data"]} if r.status_code == 200 else set()
+
+    assert wait_until(lambda: "a" in listed(), timeout=30)
+    before_a = metric(a_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a")
+    want = hf_greedy(peft_factory(tiny_model, a), PROMPT, 8)
+    for _ in range(4):
+        assert tokens(complete(gateway.url, "a", fleet_h)) == want
+    assert metric(a_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a") == before_a + 4
+    assert metric(b_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a") == 0
+    # A name no engine serves is the gateway's own 404.
+    assert complete(gateway.url, "nope", fleet_h).status_code == 404
+
+
+def test_exact_prefix_keys_are_the_engines_per_adapter():
+    analyzer = PromptAnalyzer(None, max_blocks=8, exact=True)
+    analyzer.lora_identity = {"a": "a@0123456789abcdef"}.get
+    ids = list(range(100, 164))
+    base = analyzer.analyze({"model": "tiny", "prompt": ids}, False, 16)
+    lora = analyzer.analyze({"model": "a", "prompt": ids}, False, 16)
+    assert lora.adapter == "a" and base.adapter is None
+    want = prompt_block_hashes(ids, 16, get_hash_fn("sha256"), 8, None, "a@0123456789abcdef")
+    assert lora.exact_hashes == [external_block_hash(d) for d in want]
+    assert not set(lora.exact_hashes or []) & set(base.exact_hashes or [])
+    assert not set(lora.block_hashes) & set(base.block_hashes)
