@@ -1,16 +1,20 @@
 """Real `pdfleet serve --enable-lora` processes: adapters named by `model`,
 listed by /v1/models, loaded and unloaded at run time behind the fleet token,
-bad adapters refused by name while the engine keeps serving, the metrics; and
-a gateway in front of two of them that routes an adapter to the engine that
-serves it."""
+bad adapters refused by name while the engine keeps serving, the metrics; a
+gateway in front of two of them that routes an adapter to the engine that
+serves it; and the P/D split between the same two (a ZMQ producer and
+consumer): both legs run the adapter, and KV computed under the adapter is
+never used for a base-model decode leg."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
 from helpers.engine import hf_greedy, random_prompts
 from helpers.fleet import metric, start_gateway
-from helpers.server import ServerProcess, fleet_headers, scrape, wait_until
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
 from pdfleet.engine.contracts.block_hash import (
     external_block_hash,
@@ -20,6 +24,11 @@ from pdfleet.engine.contracts.block_hash import (
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
 PROMPT = random_prompts(1800, [13], seed=11)[0]
+
+
+def kv(role: str) -> list[str]:
+    cfg = {"kv_connector": "ZmqConnector", "kv_role": role, "kv_port": free_port()}
+    return ["--kv-transfer-config", json.dumps(cfg)]
 
 
 def engine(tiny_model, tmp, name, *flags):
@@ -53,7 +62,10 @@ def fleet(tiny_model, adapter_factory, tmp_path_factory):
     a = adapter_factory(tiny_model, 1, r=8)
     tmp = tmp_path_factory.mktemp("lora-server")
     (tmp / "keys").write_text("client-key\n")
-    procs = [engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}"), engine(tiny_model, tmp, "b")]
+    procs = [
+        engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}", *kv("kv_producer")),
+        engine(tiny_model, tmp, "b", *kv("kv_consumer")),
+    ]
     gateway = None
     try:
         for p in procs:
@@ -187,3 +199,56 @@ def test_exact_prefix_keys_are_the_engines_per_adapter():
     assert lora.exact_hashes == [external_block_hash(d) for d in want]
     assert not set(lora.exact_hashes or []) & set(base.exact_hashes or [])
     assert not set(lora.block_hashes) & set(base.block_hashes)
+
+
+PD_PROMPT = [(7 * 131 + i * 17) % 1700 + 20 for i in range(70)]
+
+
+def prefill(url: str, model: str) -> dict:
+    body = {
+        "model": model,
+        "prompt": PD_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    r = httpx.post(url + "/v1/completions", json=body, headers=fleet_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def decode(url: str, model: str, params: dict) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": PD_PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    r = httpx.post(url + "/v1/completions", json=body, headers=fleet_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_pd_both_legs_run_the_adapter_and_other_kv_is_never_used(fleet, tiny_model, peft_factory):
+    (producer, consumer), _, a = fleet
+    p_url, d_url = producer.url, consumer.url
+    load = {"lora_name": "a", "lora_path": a}
+    r = httpx.post(d_url + "/v1/load_lora_adapter", json=load, headers=fleet_headers())
+    assert r.status_code == 200, r.text
+    params = prefill(p_url, "a")
+    assert len(params["remote_block_ids"]) == 4
+    pulled = scrape(d_url).get("pdfleet_engine_kv_transfer_blocks_pulled_total", 0)
+    assert decode(d_url, "a", params) == hf_greedy(peft_factory(tiny_model, a), PD_PROMPT, 8)
+    assert scrape(d_url)["pdfleet_engine_kv_transfer_blocks_pulled_total"] >= pulled + 4
+
+    # The adapter's KV offered to a base-model decode leg: its block chain does
+    # not match the base model's, so the decode engine refuses it and computes
+    # the prompt itself; the answer is the base model's.
+    params = prefill(p_url, "a")
+    before = scrape(d_url).get("pdfleet_engine_kv_transfer_blocks_pulled_total", 0)
+    got = decode(d_url, "tiny", params)
+    assert got == hf_greedy(peft_factory(tiny_model, None), PD_PROMPT, 8)
+    assert scrape(d_url)["pdfleet_engine_kv_transfer_blocks_pulled_total"] == before
