@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -62,6 +63,9 @@ from .relay import DisconnectWatch, RelayResponse
 from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
 
 logger = logging.getLogger("pdfleet.gateway")
+
+# Seconds a LoRA load on an engine may take (it reads and checks the adapter).
+LORA_LOAD_TIMEOUT = 120.0
 
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
@@ -256,11 +260,17 @@ class Proxy:
             if pending is None:
                 pending = asyncio.ensure_future(self._load_adapter(e, adapter, source))
                 self._loading[key] = pending
-                pending.add_done_callback(lambda _f, key=key: self._loading.pop(key, None))
+                pending.add_done_callback(self._loaded(key))
             error = await asyncio.shield(pending)
             if error is not None:
                 return self.legs.error(call, error, 503, "model")
         return None
+
+    def _loaded(self, key: tuple[str, str]) -> Callable[[asyncio.Future], None]:
+        def forget(_: asyncio.Future) -> None:
+            self._loading.pop(key, None)
+
+        return forget
 
     async def _load_adapter(
         self, e: EngineState, adapter: str, source: tuple[str, str]
@@ -272,7 +282,7 @@ class Proxy:
                 e.url + "/v1/load_lora_adapter",
                 body,
                 {"content-type": "application/json"},
-                self.pool.check_timeout * 10,
+                LORA_LOAD_TIMEOUT,
             )
         except Exception as ex:  # a connection failure or timeout
             return f"could not load LoRA adapter {adapter!r} on {e.url}: {type(ex).__name__}"
