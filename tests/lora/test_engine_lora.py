@@ -181,3 +181,20 @@ def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factor
             llm.engine.add_lora("big", adapter_factory(base, 4, r=16))
     finally:
         llm.engine.shutdown()
+
+
+def test_triton_backend_runs_the_sgmv_kernel_in_the_model(llama, peft_factory):
+    # Under Triton's interpreter on CPU: the segmented kernel inside every projection.
+    base, a, b = llama
+    llm = LLM(
+        base,
+        max_model_len=64,
+        attention_backend="triton",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = random_prompts(vocab, [6, 4, 5], seed=9)
+    check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)], max_tokens=3)
+    assert llm.engine.core.runner.lora.context.batch is None  # cleared after each step

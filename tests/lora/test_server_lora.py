@@ -27,7 +27,10 @@ PROMPT = random_prompts(1800, [13], seed=11)[0]
 
 
 def kv(role: str) -> list[str]:
-    cfg = {"kv_connector": "ZmqConnector", "kv_role": role, "kv_port": free_port()}
+    cfg: dict = {"kv_connector": "ZmqConnector", "kv_role": role, "kv_port": free_port()}
+    if role == "kv_producer":
+        # The lease the base-model decode leg refuses expires soon: a stop waits for it.
+        cfg["kv_connector_extra_config"] = {"lease_seconds": 3}
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
