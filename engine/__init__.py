@@ -16,6 +16,7 @@ _LAZY = {
     "CompletionOutput": "pdfleet.engine.outputs",
     "EngineArgs": "pdfleet.engine.config",
     "EngineConfig": "pdfleet.engine.config",
+    "LoRARequest": "pdfleet.engine.lora.adapter",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,6 +8,7 @@ from typing import Any
 
 from .config import EngineArgs
 from .loop.llm_engine import LLMEngine, PromptType
+from .lora.adapter import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -41,11 +42,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a token-id list, or a dict with
-        ``prompt_token_ids``); outputs come back in prompt order."""
+        ``prompt_token_ids``); outputs come back in prompt order.
+        ``lora_request``: one adapter for every prompt, or one (or None) per
+        prompt (needs ``enable_lora=True``)."""
         prompt_list = self._as_list(prompts)
-        return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
+        return self._run(
+            prompt_list, sampling_params, use_tqdm, priority, True, lora_request=lora_request
+        )
 
     def chat(
         self,
@@ -95,8 +101,15 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
         add_special_tokens: bool,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         engine = self.engine
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         if sampling_params is None:
             params_list = [engine.default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -118,6 +131,7 @@ class LLM:
                     priority=priority[i] if priority else 0,
                     add_special_tokens=add_special_tokens,
                     output_kind="final",
+                    lora_request=loras[i],
                 )
                 ids.append(rid)
         except Exception:

@@ -102,6 +102,15 @@ class EngineMetrics:
         ]
         if self.has_kv:
             table += [*_KV_COUNTERS, *_KV_GAUGES, m.ENGINE_KV_TRANSFER_SECONDS]
+        lora = getattr(config, "lora_config", None)
+        self.max_lora = lora.max_loras if lora is not None else 0
+        if lora is not None:
+            table += [
+                m.ENGINE_LORA_ADAPTERS,
+                m.ENGINE_LORA_ADAPTERS_ON_DEVICE,
+                m.ENGINE_LORA_LOADS,
+                m.ENGINE_LORA_LOAD_SECONDS,
+            ]
         self._series: dict[m.Metric, tuple[Any, ...]] = {}
         for metric in table:
             # Every series is touched so it is exported (as 0) from the start.
@@ -150,6 +159,17 @@ class EngineMetrics:
         m.VLLM_CACHE_CONFIG_INFO.create(self.registry).labels(**cache_labels).set(1)
         self._last: dict[m.Metric, float] = {}
         self._last_step = 0
+        if lora is not None:
+            self.lora_evictions = m.ENGINE_LORA_EVICTIONS.create(self.registry)
+            for tier in ("device", "host"):
+                self.lora_evictions.labels(**self.labels, tier=tier)
+            self.lora_requests = m.ENGINE_LORA_REQUESTS.create(self.registry)
+            self.lora_info = m.VLLM_LORA_REQUESTS_INFO.create(self.registry)
+            self.adapter_info = m.ENGINE_LORA_ADAPTER_INFO.create(self.registry)
+            self._adapters: dict[str, tuple[str, str]] = {}
+            self._lora_info_labels: tuple[str, str, str] | None = None
+            self._lora_counts: dict[str, float] = {}
+            self._update_lora_info((), ())
 
     def _register(self, metric: m.Metric) -> list[Any]:
         """The native family and, where vLLM names it too, its vLLM twin."""
@@ -194,6 +214,8 @@ class EngineMetrics:
         if self.has_kv and engine.connector is not None:
             scheduler_side: Any = engine.connector.scheduler  # the PD connector's
             self._update_kv(scheduler_side.connector)
+        if self.max_lora:
+            self._update_lora(engine)
         it = engine.take_iteration_stats()
         self._observe(m.ENGINE_TTFT, it.time_to_first_token)
         self._observe(m.ENGINE_ITL, it.inter_token_latency)
@@ -201,6 +223,50 @@ class EngineMetrics:
             self.request_success.labels(**self.labels, finished_reason=reason).inc()
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
+
+    def _update_lora(self, engine: LLMEngine) -> None:
+        self._set(m.ENGINE_LORA_ADAPTERS, len(engine.loras))
+        stats = engine.core.runner.lora_stats()
+        if stats is not None:  # tensor-parallel engines keep them in the ranks
+            self._set(m.ENGINE_LORA_ADAPTERS_ON_DEVICE, len(stats.loaded))
+            self._grow(m.ENGINE_LORA_LOADS, stats.loads)
+            self._grow(m.ENGINE_LORA_LOAD_SECONDS, stats.load_seconds)
+            for tier, value in (("device", stats.gpu_evictions), ("host", stats.cpu_evictions)):
+                key = f"evictions:{tier}"
+                delta = value - self._lora_counts.get(key, 0)
+                if delta > 0:
+                    self.lora_evictions.labels(**self.labels, tier=tier).inc(delta)
+                self._lora_counts[key] = value
+        for name, count in engine.lora_requests.items():
+            key = f"requests:{name}"
+            delta = count - self._lora_counts.get(key, 0)
+            if delta > 0:
+                self.lora_requests.labels(**self.labels, lora_name=name).inc(delta)
+            self._lora_counts[key] = count
+        s = engine.stats
+        self._update_lora_info(s.running_lora_adapters, s.waiting_lora_adapters)
+        served = {
+            name: (engine.lora_identities.get(name, ""), lora.lora_path)
+            for name, lora in list(engine.loras.items())
+        }
+        if served != self._adapters:
+            for name, (identity, path) in self._adapters.items():
+                self.adapter_info.remove(self.labels[m.MODEL_NAME], name, identity, path)
+            for name, (identity, path) in served.items():
+                self.adapter_info.labels(
+                    **self.labels, lora_name=name, lora_identity=identity, lora_path=path
+                ).set(1)
+            self._adapters = served
+
+    def _update_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        """One series, as vLLM's: the current adapters as labels, the time of the
+        update as value; the previous label set is removed when it changes."""
+        labels = (",".join(running), ",".join(waiting), str(self.max_lora))
+        if labels != self._lora_info_labels:
+            if self._lora_info_labels is not None:
+                self.lora_info.remove(*self._lora_info_labels)
+            self._lora_info_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def update_step(self, core: Any) -> None:
         """The step in progress (event loop, at a scrape: the engine thread may

@@ -53,6 +53,14 @@ class Request:
     # the prompts of a batch): the scheduler bounds the share of a step one group
     # takes while others wait. None: the request is its own group.
     group_id: str | None = None
+    # The LoRA adapter the request runs with (None: the base model): its served
+    # name, the id of its load (the runner's caches key by it), the PEFT
+    # directory the runner reads it from when it is not cached, and its
+    # identity (name and weights digest), which keys its prefix-cache blocks.
+    lora_name: str | None = None
+    lora_path: str | None = None
+    lora_id: int = 0
+    lora_identity: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

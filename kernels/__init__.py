@@ -23,6 +23,7 @@ from .decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from .lora import sgmv_lora, sgmv_lora_reference
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import (
     fused_add_rms_norm,
@@ -52,6 +53,8 @@ __all__ = [
     "rope_inv_freq",
     "rotary_embedding",
     "rotary_embedding_reference",
+    "sgmv_lora",
+    "sgmv_lora_reference",
     "silu_and_mul",
     "silu_and_mul_reference",
     "store_kv",

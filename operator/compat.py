@@ -7,6 +7,7 @@ condition and events, ``pdfleet up`` and ``pdfleet render`` into an error.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,14 @@ def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> li
                     f"remove {key}",
                 )
             )
+    try:
+        args.create_lora_config()
+    except ValueError as e:
+        flag = re.search(r"--([a-z-]+)", str(e))
+        key = camel(flag.group(1).replace("-", "_")) if flag else "enableLora"
+        out.append(
+            Violation(_where(spec, role, key), str(e), "set enableLora, or remove the LoRA fields")
+        )
     try:
         CacheConfig(
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,

@@ -19,6 +19,7 @@ from .fields import (
 from .kv_events import KVEventsConfig
 from .kv_transfer import KNOWN_CONNECTORS, KVTransferConfig
 from .load import LoadConfig
+from .lora import LoRAConfig
 from .model import SUPPORTED_ARCHITECTURES, ModelConfig
 from .observability import ObservabilityConfig
 from .parallel import ParallelConfig
@@ -39,6 +40,7 @@ __all__ = [
     "FlexibleArgumentParser",
     "KVEventsConfig",
     "KVTransferConfig",
+    "LoRAConfig",
     "LoadConfig",
     "ModelConfig",
     "ObservabilityConfig",

@@ -36,6 +36,7 @@ from .fields import (
 from .kv_events import KVEventsConfig
 from .kv_transfer import KVTransferConfig
 from .load import LoadConfig, LoadFormat
+from .lora import LoRAConfig, parse_lora_modules
 from .model import ModelConfig, ModelDType
 from .observability import ObservabilityConfig
 from .parallel import ParallelConfig
@@ -80,7 +81,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("max_num_partial_prefills", 1, "concurrent partial prefills"),
     ("max_long_partial_prefills", 1, "concurrent partial prefills"),
     ("speculative_config", None, "speculative decoding"),
-    ("enable_lora", False, "LoRA"),
     ("cpu_offload_gb", 0.0, "CPU weight offloading"),
     ("enable_expert_parallel", False, "expert parallelism (MoE models)"),
     ("limit_mm_per_prompt", {}, "multimodal inputs"),
@@ -161,6 +161,16 @@ class EngineArgs:
     # ObservabilityConfig
     otlp_traces_endpoint: str | None = _from(ObservabilityConfig, "otlp_traces_endpoint")
     trust_client_trace_context: bool = _from(ObservabilityConfig, "trust_client_trace_context")
+    # LoRAConfig
+    enable_lora: bool = _own("LoRAConfig", False)
+    """Serve LoRA adapters (PEFT directories) on top of the base model: a request
+    names one by `model`. See --lora-modules and /v1/load_lora_adapter."""
+    max_loras: int | None = _from(LoRAConfig, "max_loras", None)
+    max_lora_rank: int | None = _from(LoRAConfig, "max_lora_rank", None)
+    max_cpu_loras: int | None = _from(LoRAConfig, "max_cpu_loras", None)
+    lora_modules: list[str] | None = _own("LoRAConfig")
+    """Adapters to load at start, as name=path (a PEFT directory with
+    adapter_config.json and adapter_model.safetensors); needs --enable-lora."""
     # EngineConfig (nested configs as JSON)
     compilation_config: CompilationConfig = _own("EngineConfig", factory=CompilationConfig)
     """CUDA-graph configuration as JSON, e.g. {"cudagraph_capture_sizes": [1, 2, 4, 8]}.
@@ -183,8 +193,6 @@ class EngineArgs:
     # Accepted for compatibility with vLLM command lines; rejected when used.
     speculative_config: dict[str, Any] | None = _own("Unsupported")
     """Speculative decoding configuration. Not supported by pdfleet."""
-    enable_lora: bool = _own("Unsupported", False)
-    """Serve LoRA adapters. Not supported by pdfleet."""
     cpu_offload_gb: float = _own("Unsupported", 0.0)
     """GiB of weights to offload to CPU memory. Not supported by pdfleet."""
     enable_expert_parallel: bool = _own("Unsupported", False)
@@ -314,6 +322,21 @@ class EngineArgs:
                     f"remove --{flag_name(name)}"
                 )
 
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits, or None without --enable-lora (then no LoRA flag may be set)."""
+        given = {
+            name: getattr(self, name)
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules")
+            if getattr(self, name) is not None
+        }
+        if not self.enable_lora:
+            if given:
+                flags = ", ".join(f"--{flag_name(n)}" for n in given)
+                raise ValueError(f"{flags} need --enable-lora")
+            return None
+        lora_modules = parse_lora_modules(given.pop("lora_modules", None))
+        return LoRAConfig(**given, lora_modules=lora_modules)
+
     def create_model_config(self, device: str, model_dir: str | None = None) -> ModelConfig:
         if not self.model:
             raise ValueError("no model given: pass a local model directory (MODEL or --model)")
@@ -431,6 +454,7 @@ class EngineArgs:
         memory, name = query_device(target, device_memory_bytes, device_name)
 
         model_config = args.create_model_config(target, model_dir)
+        lora_config = args.create_lora_config()
         args._set_default_chunked_prefill_and_prefix_caching()
         cache_config = CacheConfig(
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,
@@ -520,4 +544,5 @@ class EngineArgs:
             kv_events_config=copy.deepcopy(args.kv_events_config),
             performance_mode=args.performance_mode,
             shutdown_timeout=args.shutdown_timeout,
+            lora_config=lora_config,
         )

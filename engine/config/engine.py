@@ -17,6 +17,7 @@ from .hashing import hash_factors
 from .kv_events import KVEventsConfig
 from .kv_transfer import KVTransferConfig
 from .load import LoadConfig
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .observability import ObservabilityConfig
 from .parallel import ParallelConfig
@@ -67,6 +68,7 @@ class EngineConfig:
     performance_mode: PerformanceMode = "balanced"
     shutdown_timeout: int = 0
     instance_id: str = ""
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.instance_id:

@@ -24,14 +24,29 @@ ROOT_HASH = b"\x00" * 32
 HashFn = Callable[[bytes, Sequence[int]], bytes]
 
 
-def root_hash(cache_salt: str | None = None) -> bytes:
+def root_hash(cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
     """The parent of a prompt's first block: ``ROOT_HASH``, or, for a request
-    with a ``cache_salt``, a digest of the salt. Requests with different salts
-    (or one with and one without) share no block hash, so no prefix-cache
-    block, KV event id or gateway index entry."""
-    if not cache_salt:
+    with a ``cache_salt`` or a LoRA adapter, a digest of them. Requests with
+    different salts or adapters (or one with and one without) share no block
+    hash, so no prefix-cache block, KV event id or gateway index entry: the KV
+    of a prompt depends on the adapter that computed it. ``lora_name`` is the
+    adapter's identity as ``/v1/models`` lists it (``lora_identity``: its
+    name and a digest of its weights, :func:`lora_identity`), so an adapter
+    loaded again under its name with other weights shares nothing either."""
+    if not cache_salt and not lora_name:
         return ROOT_HASH
-    return hashlib.sha256(b"pdfleet cache_salt\x00" + cache_salt.encode()).digest()
+    if not lora_name:
+        return hashlib.sha256(b"pdfleet cache_salt\x00" + (cache_salt or "").encode()).digest()
+    # Length-prefixed fields: no (salt, adapter) pair reads as another.
+    salt, name = (cache_salt or "").encode(), lora_name.encode()
+    payload = b"pdfleet lora\x00" + struct.pack("<q", len(name)) + name + salt
+    return hashlib.sha256(payload).digest()
+
+
+def lora_identity(name: str, digest: str) -> str:
+    """An adapter's prefix-cache identity: ``name@`` and the first 16 hex
+    digits of the sha256 of its adapter_model.safetensors."""
+    return f"{name}@{digest[:16]}"
 
 
 def _sha256(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -121,13 +136,15 @@ def prompt_block_hashes(
     hash_fn: HashFn,
     max_blocks: int | None = None,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> list[bytes]:
     """Hashes of the leading full blocks of a prompt (at most ``max_blocks``),
-    exactly as the engine's prefix cache hashes them."""
+    exactly as the engine's prefix cache hashes them (``lora_name``: the
+    adapter the request names, None for the base model)."""
     if max_blocks is not None:
         token_ids = token_ids[: max_blocks * block_size]
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, token_ids, block_size, hash_fn, root_hash(cache_salt))
+    extend_block_hashes(hashes, token_ids, block_size, hash_fn, root_hash(cache_salt, lora_name))
     return hashes
 
 

@@ -195,6 +195,62 @@ ENGINE_FAILED_STEPS = Metric(
     "Engine steps that raised and failed their requests.",
     _M,
 )
+# LoRA adapters (docs/lora.md), on engines started with --enable-lora.
+LORA_NAME = "lora_name"
+LORA_TIER = "tier"
+ENGINE_LORA_ADAPTERS = Metric(
+    "pdfleet_engine_lora_adapters",
+    "gauge",
+    "LoRA adapters the engine serves (loaded by --lora-modules or /v1/load_lora_adapter).",
+    _M,
+)
+ENGINE_LORA_ADAPTERS_ON_DEVICE = Metric(
+    "pdfleet_engine_lora_adapters_on_device",
+    "gauge",
+    "LoRA adapters in device slots (at most --max-loras).",
+    _M,
+)
+ENGINE_LORA_LOADS = Metric(
+    "pdfleet_engine_lora_loads_total",
+    "counter",
+    "LoRA adapters read from disk (a load, or a reload after a host-cache eviction).",
+    _M,
+)
+ENGINE_LORA_LOAD_SECONDS = Metric(
+    "pdfleet_engine_lora_load_seconds_total",
+    "counter",
+    "Seconds spent reading LoRA adapters from disk.",
+    _M,
+)
+ENGINE_LORA_EVICTIONS = Metric(
+    "pdfleet_engine_lora_evictions_total",
+    "counter",
+    "LoRA adapters evicted, least recently used first, by tier (device slot or host cache).",
+    (*_M, LORA_TIER),
+)
+ENGINE_LORA_REQUESTS = Metric(
+    "pdfleet_engine_lora_requests_total",
+    "counter",
+    "Requests admitted per LoRA adapter.",
+    (*_M, LORA_NAME),
+)
+ENGINE_LORA_ADAPTER_INFO = Metric(
+    # What the gateway routes by: which engine serves which adapter, its
+    # prefix-cache identity (engine/contracts/block_hash.py) and directory.
+    "pdfleet_engine_lora_adapter_info",
+    "gauge",
+    "1 per LoRA adapter the engine serves, labelled by its name, identity and directory.",
+    (*_M, LORA_NAME, "lora_identity", "lora_path"),
+)
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+VLLM_LORA_REQUESTS_INFO = Metric(
+    # vLLM's: one series whose labels name the adapters of running and waiting
+    # requests (comma-separated), set to the time of the last update.
+    "vllm:lora_requests_info",
+    "gauge",
+    "Running stats on lora requests.",
+    LORA_INFO_LABELS,
+)
 # Structured outputs: the grammar cache and the compile workers (docs/structured_outputs.md).
 ENGINE_GRAMMAR_CACHE_BYTES = Metric(
     "pdfleet_engine_grammar_cache_bytes",
@@ -780,6 +836,13 @@ GATEWAY_PEER_PULL_LEND_SECONDS = Metric(
     "gauge",
     "Average time a holder took to answer a lend request (its lease of cached blocks).",
     ("url",),
+)
+GATEWAY_LORA_LOADS = Metric(
+    "pdfleet_gateway_lora_loads_total",
+    "counter",
+    "LoRA adapters the gateway loaded on an engine that did not serve them (a request "
+    "named one and the engines serving it were busier).",
+    ("engine",),
 )
 GATEWAY_ACTIVATIONS = Metric(
     "pdfleet_gateway_activation_requests_total",

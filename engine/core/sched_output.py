@@ -32,6 +32,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's LoRA adapter (name, PEFT directory), None for the base model.
+    lora_name: str | None = None
+    lora_path: str | None = None
+    lora_id: int = 0
 
 
 @dataclass

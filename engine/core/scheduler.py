@@ -85,6 +85,9 @@ class SchedulerStats:
     host_kv_stored_blocks: int = 0
     host_kv_loaded_blocks: int = 0
     host_kv_evicted_blocks: int = 0
+    # LoRA: the adapters of running and of waiting requests (sorted names).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -120,6 +123,9 @@ class Scheduler:
         self.group_seq_cap = max(1, int(sched.max_request_share * self.max_num_seqs))
         self.group_token_cap = max(1, int(sched.max_request_share * self.max_num_batched_tokens))
         self.block_size = cache.block_size
+        # Most distinct LoRA adapters among running requests (0: LoRA is off), so
+        # every step finds a device slot for each of its adapters.
+        self.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         self.kv = KVCacheManager(
             num_blocks,
             cache.block_size,
@@ -154,7 +160,7 @@ class Scheduler:
             request.all_token_ids,
             self.block_size,
             self.kv.hash_fn,
-            root_hash(request.sampling_params.cache_salt),
+            root_hash(request.sampling_params.cache_salt, request.lora_identity),
         )
         self.requests[request.request_id] = request
         if _lend_blocks(request):
@@ -402,6 +408,7 @@ class Scheduler:
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
+        running_loras = {r.lora_id for r in self.running if r.lora_id}
         while not preempted and budget > 0:
             if not self.waiting:
                 break
@@ -422,6 +429,13 @@ class Scheduler:
                 and len(self.running) + len(self.slot_promised) >= self.max_num_seqs
             ):
                 skipped.append(self.waiting.pop())  # the free slots are promised to others
+                continue
+            if (
+                request.lora_id
+                and request.lora_id not in running_loras
+                and len(running_loras) >= self.max_loras
+            ):
+                skipped.append(self.waiting.pop())  # every adapter slot is taken
                 continue
             group = request.group
             limit = budget
@@ -490,6 +504,8 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = now
             self.running.append(request)
+            if request.lora_id:
+                running_loras.add(request.lora_id)
             self.slot_promised.discard(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -503,6 +519,9 @@ class Scheduler:
                     request.sampling_params,
                     self.kv.block_ids(request.request_id),
                     request.num_computed_tokens,
+                    request.lora_name,
+                    request.lora_path,
+                    request.lora_id,
                 )
             )
         self.waiting.prepend_all(skipped)
@@ -551,7 +570,7 @@ class Scheduler:
                 request.all_token_ids,
                 self.block_size,
                 self.kv.hash_fn,
-                root_hash(request.sampling_params.cache_salt),
+                root_hash(request.sampling_params.cache_salt, request.lora_identity),
             )
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -645,4 +664,16 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             waiting_prompt_tokens=waiting_prompt,
             num_held_blocks_reqs=sum(1 for k in self.held_blocks if not k.startswith(QUARANTINE)),
+            running_lora_adapters=tuple(
+                sorted({r.lora_name for r in self.running if r.lora_name is not None})
+            ),
+            waiting_lora_adapters=tuple(
+                sorted(
+                    {
+                        r.lora_name
+                        for r in self.requests.values()
+                        if r.lora_name is not None and r.status != RequestStatus.RUNNING
+                    }
+                )
+            ),
         )

@@ -361,9 +361,10 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                 logger.warning("request %s: /v1/models on %s: %r", rid, e.url, ex)
                 continue
             if resp.status_code == 200:
+                listing = resp.json()
                 if gw.config.served_model_name:
-                    return JSONResponse(models_named(gw.config, resp.json()))
-                return Response(resp.content, 200, media_type="application/json")
+                    listing = models_named(gw.config, listing)
+                return JSONResponse(with_adapters(listing, gw.pool))
             logger.warning(
                 "request %s: /v1/models on %s answered %d: %s",
                 rid,
@@ -372,7 +373,7 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                 upstream_message(resp),
             )
         if gw.config.served_model_name:
-            return JSONResponse(models_named(gw.config, None))
+            return JSONResponse(with_adapters(models_named(gw.config, None), gw.pool))
         return error_response("no healthy decode engine is available", 503, rid)
 
     async def on_a_decode_engine(
@@ -654,6 +655,28 @@ def models_named(config: GatewayConfig, engine_list: dict[str, Any] | None) -> d
         for name in config.served_model_name
     ]
     return {"object": "list", "data": data}
+
+
+def with_adapters(listing: dict[str, Any], pool: EnginePool) -> dict[str, Any]:
+    """A ``/v1/models`` listing plus every LoRA adapter some engine of the pool
+    serves (the one engine that answered may not serve them all), each with
+    ``parent``: the listing's first (base) model, as vLLM lists adapters."""
+    data = [c for c in listing.get("data") or [] if isinstance(c, dict)]
+    listed = {c.get("id") for c in data}
+    base = next((c for c in data if c.get("parent") is None), {})
+    names = sorted({n for e in pool.engines.values() for n in e.load.adapters} - listed)
+    for name in names:
+        source = pool.adapter(name)
+        data.append(
+            {
+                **base,
+                "id": name,
+                "root": source[1] if source else None,
+                "parent": base.get("id"),
+                "lora_identity": source[0] if source else None,
+            }
+        )
+    return {**listing, "data": data}
 
 
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:

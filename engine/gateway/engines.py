@@ -85,8 +85,10 @@ _PEER_ROWS = (
     m.ENGINE_KV_PEER_PULL_BYTES.name,
     m.ENGINE_KV_PEER_PULL_SECONDS.name,
 )
+_ADAPTERS = m.ENGINE_LORA_ADAPTER_INFO.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
+    _ADAPTERS,
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
@@ -135,6 +137,8 @@ class EngineLoad:
     """Bytes a KV pull moves per block (0: no KV connector, cannot lend or pull)."""
     peer_pulls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
+    adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """LoRA adapters the engine serves: name -> (prefix-cache identity, directory)."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -189,6 +193,13 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             if producer:
                 rows.setdefault(producer, [0.0, 0.0, 0.0])[i] += value
     load.peer_pulls = {k: (v[0], v[1], v[2]) for k, v in rows.items()}
+    for labels_of, value in scrape.samples.get(_ADAPTERS, ()):
+        lora_name = labels_of.get(m.LORA_NAME)
+        if lora_name and value:
+            load.adapters[lora_name] = (
+                labels_of.get("lora_identity", ""),
+                labels_of.get("lora_path", ""),
+            )
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None
@@ -373,6 +384,15 @@ class EnginePool:
 
     def candidates(self, role: str) -> list[EngineState]:
         return [e for e in self.engines.values() if e.routable and e.serves(role)]
+
+    def adapter(self, name: str) -> tuple[str, str] | None:
+        """(identity, directory) of a LoRA adapter some known engine serves; None
+        when none does (the name is the base model's, or unknown)."""
+        for e in self.engines.values():
+            found = e.load.adapters.get(name)
+            if found is not None:
+                return found
+        return None
 
     def sole_candidate(self, role: str) -> EngineState | None:
         """The one routable engine of ``role``; None when there are none or several."""

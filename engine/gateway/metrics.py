@@ -143,6 +143,7 @@ class GatewayMetrics:
         self.tenant_queued = m.GATEWAY_TENANT_QUEUED.create(r)
         self.tenant_queue_seconds = m.GATEWAY_TENANT_QUEUE_SECONDS.create(r)
         self.batch_requests = m.GATEWAY_BATCH_REQUESTS.create(r)
+        self.lora_loads = m.GATEWAY_LORA_LOADS.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""

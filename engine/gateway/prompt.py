@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class PromptInfo:
     prompt_logprobs: bool = False
     """The request asks for the prompt's logprobs (``needs_prompt_logprobs``):
     one engine computes the whole prompt, so it is never split into legs."""
+    adapter: str | None = None
+    """The LoRA adapter the request names (None: the base model)."""
     analyzed: bool = True
     """False for a request routed without looking at its prompt (one engine
     could serve it: ``Proxy``'s single-engine route); whatever needs the
@@ -166,21 +169,39 @@ class PromptAnalyzer:
         """Also compute ``exact_hashes`` (the exact prefix index is on)."""
         self.hash_algo = "sha256"
         """The engines' ``prefix_caching_hash_algo`` (the pool sets it from scrapes)."""
+        self.lora_identity: Callable[[str], str | None] = lambda name: None
+        """A served LoRA adapter's prefix-cache identity by name (None: not an
+        adapter); the proxy reads it from the engines' scrapes."""
 
     def exact_hashes(
-        self, ids: list[int], block_size: int, cache_salt: str | None = None
+        self,
+        ids: list[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_identity: str | None = None,
     ) -> list[int] | None:
         """The engine's block ids of the leading ``max_blocks`` full blocks of ``ids``
-        (in the request's ``cache_salt`` namespace, as the engine hashes them)."""
+        (in the request's ``cache_salt`` and LoRA adapter namespace, as the engine
+        hashes them)."""
         if not self.exact:
             return None
         digests = prompt_block_hashes(
-            ids, block_size, get_hash_fn(self.hash_algo), self.max_blocks, cache_salt
+            ids,
+            block_size,
+            get_hash_fn(self.hash_algo),
+            self.max_blocks,
+            cache_salt,
+            lora_identity,
         )
         return [external_block_hash(d) for d in digests]
 
     def _tokenized(
-        self, text: str, special: bool, block_size: int, salt: str | None = None
+        self,
+        text: str,
+        special: bool,
+        block_size: int,
+        salt: str | None = None,
+        lora: str | None = None,
     ) -> PromptInfo:
         if self.tokenizer is None:
             raise RuntimeError("broken invariant: self.tokenizer is not None")
@@ -191,7 +212,7 @@ class PromptAnalyzer:
             return PromptInfo(
                 len(ids),
                 chain_hashes(ids, block_size, self.max_blocks),
-                exact_hashes=self.exact_hashes(ids, block_size, salt),
+                exact_hashes=self.exact_hashes(ids, block_size, salt, lora),
             )
         ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
         rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
@@ -199,7 +220,7 @@ class PromptAnalyzer:
         return PromptInfo(
             len(ids) + rest,
             chain_hashes(hashed, block_size, self.max_blocks),
-            exact_hashes=self.exact_hashes(hashed, block_size, salt),
+            exact_hashes=self.exact_hashes(hashed, block_size, salt, lora),
         )
 
     def analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
@@ -208,6 +229,11 @@ class PromptAnalyzer:
         engine will answer them with a 400."""
         info = self._analyze(body, chat, block_size)
         info.prompt_logprobs = needs_prompt_logprobs(body, chat)
+        model = body.get("model")
+        if isinstance(model, str) and self.lora_identity(model) is not None:
+            # A LoRA adapter's KV is its own: keys apart from the base model's.
+            info.adapter = model
+            info.block_hashes = [hash(("lora", model, h)) for h in info.block_hashes]
         salt = body.get("cache_salt")
         if isinstance(salt, str) and salt:
             # Another prefix-cache namespace: affinity keys differ from the
@@ -217,6 +243,8 @@ class PromptAnalyzer:
 
     def _analyze(self, body: dict[str, Any], chat: bool, block_size: int) -> PromptInfo:
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        model = body.get("model")
+        lora = self.lora_identity(model) if isinstance(model, str) else None
         batch = False
         text = ""
         # The engine adds special tokens to a completions prompt unless told not to.
@@ -250,12 +278,12 @@ class PromptAnalyzer:
                     len(ids),
                     chain_hashes(ids, block_size, self.max_blocks),
                     batch,
-                    self.exact_hashes(ids, block_size, salt),
+                    self.exact_hashes(ids, block_size, salt, lora),
                 )
             if isinstance(prompt, str):
                 text = prompt
         if exact and text:
-            info = self._tokenized(text, special, block_size, salt)
+            info = self._tokenized(text, special, block_size, salt, lora)
             info.batch = batch
             return info
         return PromptInfo(

@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -44,6 +45,7 @@ from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient
 from .activation import Activation
 from .admission import Admission, Overloaded
+from .answers import upstream_message
 from .call import (
     NOT_ANALYZED,
     Call,
@@ -53,7 +55,7 @@ from .call import (
     tame_request_id,
 )
 from .decode_leg import DecodeLeg, decode_body
-from .engines import EnginePool
+from .engines import EnginePool, EngineState
 from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
 from .flow.tenants import Tenants
 from .legs import Legs
@@ -68,6 +70,9 @@ logger = logging.getLogger("pdfleet.gateway")
 
 # A batch owner as the batch runner names it: a caller id (an API key's digest).
 BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
+# Seconds a LoRA load on an engine may take (it reads and checks the adapter).
+LORA_LOAD_TIMEOUT = 120.0
+
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
 
@@ -105,6 +110,11 @@ class Proxy:
         self.pool = pool
         self.router = router
         self.analyzer = analyzer
+        self.client = client
+        # A served LoRA adapter's prefix-cache identity, from the engines' scrapes.
+        analyzer.lora_identity = lambda name: (pool.adapter(name) or (None,))[0]
+        self._loading: dict[tuple[str, str], asyncio.Future[Any]] = {}
+        """Adapter loads in flight per (engine URL, adapter): one POST each."""
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
         self.admission = Admission(config, metrics)
@@ -201,6 +211,10 @@ class Proxy:
         plan = self._peer_plan(route, info)
         if plan is not None:
             route = Route(plan.engine, None, route.decision, route.reason)
+        if info.adapter is not None:
+            failed = await self._ensure_adapter(call, route, info.adapter)
+            if failed is not None:
+                return failed
         self.legs.take_slot(call, route.decode)
         if call.ticket is not None:
             call.ticket.started()  # its band's fair-share clock moves on
@@ -240,7 +254,8 @@ class Proxy:
         if call.id_from_body and isinstance(given, str) and tame_request_id(given):
             call.request_id = call.headers["x-request-id"] = given
         names = self.config.served_model_name
-        if names and body.get("model") is not None and body["model"] not in names:
+        model = body.get("model")
+        if names and model is not None and model not in names and self.pool.adapter(model) is None:
             self.metrics.rejected.labels("invalid_field").inc()
             return self.legs.error(
                 call, f"The model `{body['model']}` does not exist.", 404, "model"
@@ -307,6 +322,59 @@ class Proxy:
             self.metrics.fallbacks.labels(route.reason).inc()
             tracing.fallback(route.reason)
         return payload
+
+    # -- LoRA adapters -------------------------------------------------------------
+
+    async def _ensure_adapter(self, call: Call, route: Route, adapter: str) -> Response | None:
+        """Load ``adapter`` on the route's engines that do not serve it yet (both
+        legs of a P/D route run it), from the directory the engines that serve it
+        name. None when every leg has it; else the error answer."""
+        source = self.pool.adapter(adapter)
+        if source is None:
+            return None  # unloaded meanwhile: the engine answers 404
+        for e in (route.decode, route.prefill):
+            if e is None or adapter in e.load.adapters:
+                continue
+            key = (e.url, adapter)
+            pending = self._loading.get(key)
+            if pending is None:
+                pending = asyncio.ensure_future(self._load_adapter(e, adapter, source))
+                self._loading[key] = pending
+                pending.add_done_callback(self._loaded(key))
+            error = await asyncio.shield(pending)
+            if error is not None:
+                return self.legs.error(call, error, 503, "model")
+        return None
+
+    def _loaded(self, key: tuple[str, str]) -> Callable[[asyncio.Future[Any]], None]:
+        def forget(_: asyncio.Future[Any]) -> None:
+            self._loading.pop(key, None)
+
+        return forget
+
+    async def _load_adapter(
+        self, e: EngineState, adapter: str, source: tuple[str, str]
+    ) -> str | None:
+        """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""
+        body = json.dumps({"lora_name": adapter, "lora_path": source[1]}).encode()
+        try:
+            resp = await self.client.post(
+                e.url + "/v1/load_lora_adapter",
+                body,
+                {"content-type": "application/json"},
+                LORA_LOAD_TIMEOUT,
+            )
+        except Exception as ex:  # a connection failure or timeout
+            return f"could not load LoRA adapter {adapter!r} on {e.url}: {type(ex).__name__}"
+        if resp.status_code != 200 and "already loaded" not in resp.text:
+            return (
+                f"could not load LoRA adapter {adapter!r} on {e.url}: "
+                f"{resp.status_code} {upstream_message(resp)}"
+            )
+        e.load.adapters[adapter] = source  # until the next scrape says so itself
+        self.metrics.lora_loads.labels(e.url).inc()
+        logger.info("loaded LoRA adapter %r on %s", adapter, e.url)
+        return None
 
     # -- route -------------------------------------------------------------------
 

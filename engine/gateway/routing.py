@@ -327,6 +327,7 @@ class Router:
             and e.load.compat_hash == want
             and not (self.breaker and self.breaker.is_open(e.url, decode.url))
         ]
+        candidates = prefer_adapter_holders(candidates, info.adapter)
         picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         return picked[0] if picked else None
 
@@ -341,6 +342,7 @@ class Router:
         candidates = [
             e for e in self.pool.candidates("decode") if e.url not in (exclude_decode or ())
         ]
+        candidates = prefer_adapter_holders(candidates, info.adapter)
         picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         if picked is None:
             known = sum(1 for e in self.pool.engines.values() if e.serves("decode"))
@@ -375,3 +377,21 @@ class Router:
                 decode, None, "decode_only", "kv_pair_open" if blocked else "no_prefill_engine"
             )
         return Route(decode, prefill, "prefill_decode", reason)
+
+
+def prefer_adapter_holders(candidates: list[EngineState], adapter: str | None) -> list[EngineState]:
+    """LoRA-aware routing: for a request that names ``adapter``, the candidates
+    that serve it, unless the least busy of them has more requests than the
+    least busy candidate by more than the prefix slack (``max(4, min_q / 2)``);
+    then all candidates, scored as usual, and the proxy loads the adapter on
+    the chosen engine (``Proxy._ensure_adapter``). A hot adapter thus spreads
+    to more engines under load instead of queueing on the few that hold it."""
+    if adapter is None:
+        return candidates
+    holders = [c for c in candidates if adapter in c.load.adapters]
+    if not holders or len(holders) == len(candidates):
+        return candidates
+    lo = min(c.queue() for c in candidates)
+    if min(c.queue() for c in holders) - lo <= max(IMBALANCE_ABS, IMBALANCE_REL * lo):
+        return holders
+    return candidates

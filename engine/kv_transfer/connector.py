@@ -1006,6 +1006,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 get_hash_fn(algo),
                 n,
                 request.sampling_params.cache_salt,
+                request.lora_identity,
             )[n - 1]
         return head.hex()
 

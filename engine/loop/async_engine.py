@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..lora.adapter import LoRAError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine_core import StepFailed
@@ -54,6 +55,15 @@ class _Sink:
 def _put_all(deliveries: list[tuple[_Sink, RequestOutput]]) -> None:
     for sink, item in deliveries:
         sink.queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class EngineDeadError(RuntimeError):
@@ -96,11 +106,20 @@ class _Add:
     kv_transfer_params: dict[str, Any] | None
     sink: _Sink
     group: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread (LoRA loads touch the runner)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
 
 
 class RequestStream:
@@ -151,7 +170,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self.on_fatal = on_fatal
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -227,6 +246,8 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._took_add()
                 cmd.sink(error)
+            elif isinstance(cmd, _Call):
+                cmd.future.get_loop().call_soon_threadsafe(_settle, cmd.future, None, error)
 
     def _took_add(self) -> None:
         with self._admit_lock:
@@ -302,6 +323,11 @@ class AsyncEngine:
                 # engine's waiting count in one step, as add_request sees it.
                 with self._admit_lock:
                     self._num_queued_adds -= 1
+                    lora = None
+                    if cmd.lora_name is not None:
+                        lora = self.engine.resolve_lora(cmd.lora_name)
+                        if lora is None:  # unloaded since the server checked it
+                            raise LoRAError(f"The model `{cmd.lora_name}` does not exist.")
                     self.engine.add_request(
                         cmd.request_id,
                         {"prompt": cmd.prompt_text, "prompt_token_ids": cmd.prompt_ids},
@@ -311,6 +337,7 @@ class AsyncEngine:
                         kv_transfer_params=cmd.kv_transfer_params,
                         output_kind="delta",
                         group=cmd.group,
+                        lora_request=lora,
                     )
             except ValueError as e:  # bad input: nothing was queued
                 cmd.sink(e)
@@ -327,6 +354,14 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
             self.engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _Call):
+            loop = cmd.future.get_loop()
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, cmd.future, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, cmd.future, result, None)
         self.num_in_flight = len(self._sinks)
 
     # -- asyncio side ---------------------------------------------------------------
@@ -353,6 +388,7 @@ class AsyncEngine:
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
         group: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
@@ -374,6 +410,7 @@ class AsyncEngine:
             kv_transfer_params,
             _Sink(loop, q),
             group,
+            lora_name,
         )
         with self._admit_lock:
             waiting = self.num_waiting()
@@ -419,6 +456,19 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
+
+    async def call(
+        self,
+        fn: Callable[[LLMEngine], Any],
+        timeout: float = 600.0,  # noqa: ASYNC109 (bounds the engine thread's answer)
+    ) -> Any:
+        """``fn(engine)`` on the engine thread, between steps; its result or its
+        exception. Bounded: a wedged engine thread raises TimeoutError."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wait_for(future, timeout)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

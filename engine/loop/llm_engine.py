@@ -11,8 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
+from ..config.lora import check_adapter_name
+from ..contracts.block_hash import lora_identity
 from ..contracts.kv_params import KVTransferParams
 from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from ..lora.adapter import LoRAError, LoRARequest, weights_digest
 from ..models.sources import create_engine_config
 from ..outputs import RequestOutput
 from ..request import Request
@@ -124,6 +127,15 @@ class LLMEngine:
         self._next_id = 0
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
+        # Served LoRA adapters by name, each with its load id and prefix-cache
+        # identity; requests per adapter since the start (metrics).
+        self.loras: dict[str, LoRARequest] = {}
+        self.lora_identities: dict[str, str] = {}
+        self.lora_requests: dict[str, int] = {}
+        self._next_lora_id = 0
+        if config.lora_config is not None:
+            for name, path in config.lora_config.lora_modules.items():
+                self.add_lora(name, path)
         logger.info("Engine ready: %s", config.summary())
 
     @classmethod
@@ -204,6 +216,48 @@ class LLMEngine:
                 self.core.runner.attach_grammars(self._grammars)
             return self._grammars
 
+    # -- LoRA adapters --------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter under ``name``; raises LoRAError (a ValueError) naming it
+        when it cannot be served, and then nothing changes."""
+        lc = self.config.lora_config
+        if lc is None:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: LoRA is not enabled on this engine (--enable-lora)"
+            )
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise LoRAError(str(e)) from None
+        if name in self.config.model_config.served_model_names:
+            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
+        if name in self.loras:
+            raise LoRAError(
+                f"LoRA adapter {name!r} is already loaded; unload it first to load other weights"
+            )
+        self._next_lora_id += 1
+        request = LoRARequest(name, self._next_lora_id, os.path.abspath(path))
+        self.core.runner.add_lora(request)  # reads and checks it (LoRAError)
+        self.loras[name] = request
+        self.lora_identities[name] = lora_identity(name, weights_digest(request.lora_path))
+        logger.info("LoRA adapter %r loaded from %s", name, request.lora_path)
+        return request
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter: new requests naming it are refused; requests
+        already running with it finish with it."""
+        request = self.loras.pop(name, None)
+        if request is None:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        self.lora_identities.pop(name, None)
+        self.core.runner.remove_lora(request.lora_int_id)
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def resolve_lora(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model or unknown)."""
+        return self.loras.get(model) if model else None
+
     def new_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id)
@@ -219,6 +273,7 @@ class LLMEngine:
         add_special_tokens: bool = True,
         output_kind: str = "cumulative",
         group: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input.
 
@@ -226,6 +281,8 @@ class LLMEngine:
         :class:`RequestState`). ``group``: the client request this one is part
         of (a prompt of a batch); the children of an ``n > 1`` request form a
         group on their own. The scheduler bounds a group's share of a step.
+        ``lora_request``: the adapter to run with (loaded by :meth:`add_lora`,
+        or loaded now).
         ``kv_transfer_params``: the request's JSON object, decoded (and for a
         decode leg verified) here by the KV connector."""
         params = params if params is not None else self.default_sampling_params()
@@ -247,6 +304,7 @@ class LLMEngine:
                 f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
                 f"(0..{vocab - 1})"
             )
+        lora = self._request_lora(lora_request)
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
         if params.structured_outputs is not None:
@@ -288,6 +346,10 @@ class LLMEngine:
                     if i and self.config.cache_config.enable_prefix_caching
                     else None,
                     group_id=group if group is not None or params.n == 1 else request_id,
+                    lora_name=lora.lora_name if lora is not None else None,
+                    lora_path=lora.lora_path if lora is not None else None,
+                    lora_id=lora.lora_int_id if lora is not None else 0,
+                    lora_identity=self.lora_identities[lora.lora_name] if lora else None,
                 )
             )
         self.output.add(
@@ -304,6 +366,23 @@ class LLMEngine:
         )
         for r in requests:
             self.core.add_request(r)
+        if lora is not None:
+            self.lora_requests[lora.lora_name] = self.lora_requests.get(lora.lora_name, 0) + 1
+
+    def _request_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The loaded adapter a request runs with (an offline caller's new
+        LoRARequest is loaded first, as vLLM's LLM does)."""
+        if lora_request is None:
+            return None
+        loaded = self.loras.get(lora_request.lora_name)
+        if loaded is None:
+            return self.add_lora(lora_request.lora_name, lora_request.lora_path)
+        if os.path.abspath(lora_request.lora_path) != loaded.lora_path:
+            raise LoRAError(
+                f"LoRA adapter {lora_request.lora_name!r} is loaded from {loaded.lora_path!r}, "
+                f"not {lora_request.lora_path!r}"
+            )
+        return loaded
 
     def _lend(
         self, p: KVTransferParams, prompt_ids: list[int], params: SamplingParams

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..distributed import get_tp_group
+from ..lora.ops import LoRAContext, LoRAShard, apply_lora
 from . import fused
 from .parallel import HeadSplit, RowParallelLinear
 
@@ -41,6 +42,8 @@ class MergedLinear(nn.Module):
             offset += size
         self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(offset, dtype=dtype)) if bias else None
+        # LoRA slots per shard and the step's adapter batch (engine/lora/manager.py).
+        self.lora: tuple[list[LoRAShard], LoRAContext] | None = None
 
     def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]
@@ -53,7 +56,10 @@ class MergedLinear(nn.Module):
             target[start : start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora[1].batch is not None:
+            apply_lora(x, y, self.lora[0], self.lora[1].batch)
+        return y
 
 
 class Attention(nn.Module):

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config.parallel import check_heads_split
 from ..distributed import TPGroup, get_tp_group
+from ..lora.ops import LoRAContext, LoRAShard, apply_lora
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,22 @@ class RowParallelLinear(nn.Module):
         local = in_features // self.tp.size
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        # LoRA slots and the step's adapter batch (engine/lora/manager.py). Each
+        # rank's A holds its slice of the input features: its partial delta joins
+        # its partial output before the all-reduce sums them.
+        self.lora: tuple[list[LoRAShard], LoRAContext] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora[1].batch if self.lora is not None else None
         if self.tp.size == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+            y = nn.functional.linear(x, self.weight, self.bias)
+            if lora is not None and self.lora is not None:
+                apply_lora(x, y, self.lora[0], lora)
+            return y
+        y = nn.functional.linear(x, self.weight)
+        if lora is not None and self.lora is not None:
+            apply_lora(x, y, self.lora[0], lora)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ..lora.adapter import LoRARequest
+from ..lora.manager import LoRAStats
 
 
 class Executor(Protocol):
@@ -39,6 +41,18 @@ class Executor(Protocol):
     def attach_grammars(self, grammars: Any) -> None:
         """Hand over the grammar compiler that constrained requests' matchers come
         from; raises ``TypeError`` where grammars cannot run."""
+        ...
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check a LoRA adapter now (raises LoRAError naming it)."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an unloaded adapter from the caches."""
+        ...
+
+    def lora_stats(self) -> LoRAStats | None:
+        """The adapter caches' counters (None: not known here)."""
         ...
 
     def shutdown(self) -> None:

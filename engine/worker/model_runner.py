@@ -20,8 +20,11 @@ from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..distributed import get_tp_group
 from ..kv_transfer.base import KVConnectorWorker
+from ..lora.adapter import LoRARequest, module_shapes
+from ..lora.manager import LoRAManager
 from ..models.fused import use_kernels
 from ..models.loader import load_model, torch_dtype
+from ..models.parallel import WeightSlicer
 from ..sample.sampler import Sampler, SamplingMetadata, step_seed
 from ..sampling_params import SamplingParams
 from . import cpu_allocator
@@ -70,10 +73,16 @@ class CachedRequestState:
     # The grammar matcher of a constrained request (None: free), advanced over
     # every output token (engine/sample/grammar.py).
     matcher: Any = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora: LoRARequest | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def lora_id_or_zero(self) -> int:
+        return self.lora.lora_int_id if self.lora is not None else 0
 
 
 class ModelRunner:
@@ -96,6 +105,10 @@ class ModelRunner:
         self.model = load_model(config, self.device)
         # The Triton backend brings the fused RMSNorm/RoPE/SiLU kernels with it.
         use_kernels(self.model, self._attention_backend_name() == "triton")
+        # LoRA slots before the KV cache is sized: they take device memory too.
+        self.lora: LoRAManager | None = None
+        if config.lora_config is not None:
+            self.lora = self._lora_manager()
         load_seconds = time.perf_counter() - start
         peak = 0
         cc = config.compilation_config
@@ -167,6 +180,48 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+
+    def _lora_manager(self) -> LoRAManager:
+        """LoRA slots on every target projection (one slot per --max-loras)."""
+        lc = self.config.lora_config
+        if lc is None:
+            raise RuntimeError("broken invariant: lc is not None")
+        m = self.config.model_config
+        tp = get_tp_group()
+        slicer = None
+        if tp.size > 1:
+            slicer = WeightSlicer(
+                m.num_attention_heads,
+                m.num_key_value_heads,
+                m.head_dim,
+                int(m.hf_config["intermediate_size"]),
+                m.vocab_size,
+                tp,
+            )
+        triton = self._attention_backend_name() == "triton"
+        return LoRAManager(
+            self.model,
+            lc,
+            m.num_hidden_layers,
+            module_shapes(m),
+            self.dtype,
+            self.device,
+            slicer,
+            use_triton=lambda: triton,
+        )
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read an adapter into the host cache now (raises LoRAError naming it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        self.lora.add(self.lora.read(request))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
+
+    def lora_stats(self) -> Any:
+        return self.lora.snapshot() if self.lora is not None else None
 
     def _attention_backend_name(self) -> str:
         name = self.config.device_config.attention_backend
@@ -266,6 +321,9 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora=LoRARequest(new.lora_name, new.lora_id, new.lora_path or "")
+                if new.lora_name is not None
+                else None,
             )
             spec = new.sampling_params.structured_outputs
             if spec is not None:
@@ -285,6 +343,9 @@ class ModelRunner:
     def _prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         req_ids = list(out.num_scheduled_tokens)
+        if self.lora is not None:
+            # Each adapter's rows together (base rows first): one segment each.
+            req_ids.sort(key=lambda r: self.states[r].lora_id_or_zero)
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         states = [self.states[r] for r in req_ids]
         num_tokens = sum(counts)
@@ -331,6 +392,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         self.backend.prepare(meta, bs)
+        if self.lora is not None:
+            self._lora_segments(states, counts, num_tokens)
         return ModelInput(
             req_ids=req_ids,
             states=states,
@@ -340,6 +403,26 @@ class ModelRunner:
             logits_rows=logits_rows,
             logits_indices=logits_indices,
         )
+
+    def _lora_segments(
+        self, states: list[CachedRequestState], counts: list[int], num_tokens: int
+    ) -> None:
+        """Put the step's adapters in device slots and set their token segments."""
+        if self.lora is None:
+            raise RuntimeError("broken invariant: self.lora is not None")
+        wanted = [s.lora for s in states if s.lora is not None]
+        slots = self.lora.activate(wanted) if wanted else {}
+        segments: list[tuple[int, int, int]] = []
+        offset = 0
+        for state, n in zip(states, counts, strict=True):
+            if state.lora is not None:
+                slot = slots[state.lora.lora_int_id]
+                if segments and segments[-1][2] == slot and segments[-1][1] == offset:
+                    segments[-1] = (segments[-1][0], offset + n, slot)
+                else:
+                    segments.append((offset, offset + n, slot))
+            offset += n
+        self.lora.begin_step(segments, num_tokens)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         d = self.device
@@ -436,7 +519,11 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.start_load_kv(out.kv_connector_metadata)
         if out.total_num_scheduled_tokens:
-            self._run(out, result)
+            try:
+                self._run(out, result)
+            finally:
+                if self.lora is not None:
+                    self.lora.end_step()
         if self.connector is not None:
             sending, recving, failed = self.connector.get_finished()
             result.finished_sending, result.finished_recving = sending, recving
@@ -451,8 +538,10 @@ class ModelRunner:
         input_ids, positions = batch.input_ids, batch.positions
         start = time.perf_counter()
         graphs = self.graphs
+        lora_step = self.lora is not None and self.lora.context.batch is not None
         if (
             graphs is not None
+            and not lora_step
             and meta.is_decode_only
             and graphs.fits(meta.num_seqs)
             and not any(s.sampling_params.prompt_logprobs is not None for s in states)

@@ -39,6 +39,9 @@ def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -
                     _params(r.sampling_params),
                     r.block_ids,
                     r.num_computed_tokens,
+                    r.lora_name,
+                    r.lora_path,
+                    r.lora_id,
                 ]
                 for r in out.scheduled_new_reqs
             ],
@@ -57,8 +60,10 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCom
     new, cached, num, total, finished, commands = msgpack.unpackb(data, raw=False)
     out = SchedulerOutput(
         scheduled_new_reqs=[
-            NewRequestData(rid, prompt, output, SamplingParams(**params), blocks, computed)
-            for rid, prompt, output, params, blocks, computed in new
+            NewRequestData(
+                rid, prompt, output, SamplingParams(**params), blocks, computed, name, path, lid
+            )
+            for rid, prompt, output, params, blocks, computed, name, path, lid in new
         ],
         scheduled_cached_reqs=[CachedRequestData(*c) for c in cached],
         num_scheduled_tokens=num,

@@ -32,6 +32,8 @@ from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.layout import KVLayout
+from ..lora.adapter import LoRARequest, load_adapter, module_shapes
+from ..lora.manager import LoRAStats
 from .main_guard import check_main_guard
 from .step_wire import pack_step, unpack_result
 from .tp_rank import (
@@ -395,6 +397,24 @@ class TPExecutor:
 
     def attach_grammars(self, grammars: Any) -> None:
         raise TypeError("structured outputs need an in-process model runner (TP=1)")
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Check the adapter here, whole; each rank reads its own shard of it when
+        a step first needs it (the step names the directory)."""
+        lc = self.config.lora_config
+        if lc is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        m = self.config.model_config
+        load_adapter(
+            request, m.num_hidden_layers, module_shapes(m), lc.max_lora_rank, torch.float32
+        )
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Nothing to tell the ranks: their caches key by load id, which an
+        unloaded adapter's never comes back as, and evict it in time."""
+
+    def lora_stats(self) -> LoRAStats | None:
+        return None
 
     def _gather_reads(self) -> tuple[Any, list[torch.Tensor]]:
         """Post this step's gather of the ranks' ended reads (``tp_rank.ended_tensor``)."""

@@ -39,6 +39,7 @@ def engine_config(kv_connector: str | None) -> SimpleNamespace:
         kv_cache_dtype="auto",
         compat_hash=lambda: "c0ffee",
         kv_transfer_config=SimpleNamespace(kv_connector=kv_connector) if kv_connector else None,
+        lora_config=SimpleNamespace(max_loras=2) if kv_connector else None,
     )
 
 
@@ -91,6 +92,10 @@ def test_engine_exports_every_declared_series_under_both_names():
     metrics.request_success.labels(model_name="tiny", finished_reason="stop").inc()
     for family in metrics.peer_pulls:  # labelled by producer as pulls complete
         family.labels(model_name="tiny", producer="p").inc()
+    metrics.lora_requests.labels(model_name="tiny", lora_name="a").inc()
+    metrics.adapter_info.labels(
+        model_name="tiny", lora_name="a", lora_identity="a@0", lora_path="/a"
+    ).set(1)
     exported = exported_families(metrics.registry)
     engine = [
         x
@@ -151,6 +156,7 @@ def test_gateway_exports_every_gateway_series():
     metrics.tenant_queued.labels("t").set(0)
     metrics.tenant_queue_seconds.labels("t").observe(0.1)
     metrics.batch_requests.labels("pending").set(0)
+    metrics.lora_loads.labels("http://e").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):

@@ -65,13 +65,13 @@ def test_tensor_parallelism_may_differ_between_the_roles_in_both_directions():
 
 def test_unsupported_engine_features_and_bad_values_are_reported_where_set():
     violations = check_service(
-        spec(engine={"enableLora": True, "blockSize": 12}, decode={"engine": {"maxNumSeqs": 0}})
+        spec(engine={"maxLoras": 2, "blockSize": 12}, decode={"engine": {"maxNumSeqs": 0}})
     )
-    assert "spec.engine.enableLora" in fields(violations)
+    assert "spec.engine.maxLoras" in fields(violations)
     assert "spec.decode.engine.maxNumSeqs" in fields(violations)
     assert any("block_size must be one of" in v.problem for v in violations)
     # A problem of spec.engine is reported once, not once per role.
-    assert len([v for v in violations if v.field == "spec.engine.enableLora"]) == 1
+    assert len([v for v in violations if v.field == "spec.engine.maxLoras"]) == 1
 
 
 @pytest.mark.parametrize(

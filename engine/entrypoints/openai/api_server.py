@@ -40,6 +40,7 @@ from ...contracts.http_limits import RequestLimits
 from ...http.server import HttpServer
 from ...loop.async_engine import AsyncEngine
 from ...loop.llm_engine import LLMEngine
+from ...lora.adapter import LoRAError
 from ...metrics import EngineMetrics
 from ...sampling_params import SamplingParams
 from ..auth import EngineAuth
@@ -324,17 +325,95 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             "max_model_len": s.max_model_len,
         }
 
+    def adapter_cards(s: CompletionServing) -> dict[str, dict[str, Any]]:
+        """One card per loaded LoRA adapter, as vLLM lists them (``parent``: the
+        base model), plus its prefix-cache identity (engine/contracts/block_hash.py)."""
+        if state.engine is None:
+            raise RuntimeError("broken invariant: state.engine is not None")
+        engine = state.engine.engine
+        cards = {}
+        for name, lora in list(engine.loras.items()):
+            card = model_card(s, name)
+            card.update(
+                root=lora.lora_path,
+                parent=s.served_names[0],
+                lora_identity=engine.lora_identities.get(name),
+            )
+            cards[name] = card
+        return cards
+
     @app.get("/v1/models", response_model=None)
     async def models(request: Request) -> dict[str, Any]:
         s, _ = serving(request)
-        return {"object": "list", "data": [model_card(s, name) for name in s.served_names]}
+        data = [model_card(s, name) for name in s.served_names]
+        return {"object": "list", "data": data + list(adapter_cards(s).values())}
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         s, _ = serving(request)
-        if model_id not in s.served_names:
+        if model_id in s.served_names:
+            return model_card(s, model_id)
+        card = adapter_cards(s).get(model_id)
+        if card is None:
             raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model")
-        return model_card(s, model_id)
+        return card
+
+    def internal_only(request: Request, route: str) -> None:
+        """Routes that change what an engine serves: the fleet token or an internal
+        key only, never a client API key (docs/security.md)."""
+        if not state.auth.is_internal(request.headers.get("authorization")):
+            raise APIError(
+                f"{route}: only the fleet token or an internal API key may call it",
+                status=403,
+            )
+
+    async def lora_body(request: Request, route: str) -> tuple[str, str | None]:
+        try:
+            raw = await request.json()
+        except (ValueError, RecursionError):
+            raise APIError("the body is not valid JSON (or is nested too deeply)") from None
+        if not isinstance(raw, dict):
+            raise APIError(f"{route}: the body must be a JSON object")
+        allowed = {"lora_name", "lora_path"}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise APIError(f"{unknown[0]}: unknown field", param=unknown[0])
+        name, path = raw.get("lora_name"), raw.get("lora_path")
+        if not isinstance(name, str) or not name:
+            raise APIError("lora_name: a non-empty string is required", param="lora_name")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise APIError("lora_path: must be a non-empty string", param="lora_path")
+        return name, path
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's run-time load: {"lora_name", "lora_path"}; 400 naming the adapter
+        when it cannot be served (the engine keeps serving)."""
+        internal_only(request, "/v1/load_lora_adapter")
+        serving(request)
+        name, path = await lora_body(request, "/v1/load_lora_adapter")
+        if path is None:
+            raise APIError("lora_path: required", param="lora_path")
+        if state.engine is None:
+            raise RuntimeError("broken invariant: state.engine is not None")
+        try:
+            await state.engine.call(lambda engine: engine.add_lora(name, path))
+        except LoRAError as e:
+            raise APIError(str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(request: Request) -> Response:
+        internal_only(request, "/v1/unload_lora_adapter")
+        serving(request)
+        name, _ = await lora_body(request, "/v1/unload_lora_adapter")
+        if state.engine is None:
+            raise RuntimeError("broken invariant: state.engine is not None")
+        try:
+            await state.engine.call(lambda engine: engine.remove_lora(name))
+        except LoRAError as e:
+            raise APIError(str(e), status=404, param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/version", response_model=None)
     async def version() -> dict[str, str]:

@@ -214,9 +214,17 @@ class ServingBase:
     # -- checks -------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
+        """The model a request names: a served name of the base model, or a
+        loaded LoRA adapter's name (None: the base model)."""
         if model is None or model in self.served_names:
             return self.served_names[0]
+        if self.engine.engine.resolve_lora(model) is not None:
+            return model
         raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    def lora_of(self, model: str) -> str | None:
+        """The adapter ``model`` (a checked name) runs with; None for the base model."""
+        return None if model in self.served_names else model
 
     def check_sampling(self, req: Any) -> None:
         """Every sampling field against the model, before anything is tokenized."""
@@ -436,6 +444,7 @@ class ServingBase:
         jobs: list[Job],
         priority: int,
         kv_params: dict[str, Any] | None,
+        lora: str | None = None,
     ) -> list[RequestStream]:
         """One engine request per job, all admitted or none (a refusal closes the rest).
 
@@ -454,6 +463,7 @@ class ServingBase:
                     kv_transfer_params=kv_params,
                     # A batch's prompts share one group's share of the engine.
                     group=request_id if len(jobs) > 1 else None,
+                    lora_name=lora,
                 )
                 # The engine accepted (decoded) them: they decode here too.
                 leg = KVTransferParams.from_wire(kv_params) if kv_params else None

@@ -160,7 +160,11 @@ class ChatServing(ServingBase):
         ``response_id`` is the body's ``id`` (default: the request id)."""
         model, text, ids, params, k, parser = await self.prepare_chat(req)
         (stream,) = await self.admit(
-            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+            request_id,
+            [(text, ids, params)],
+            req.priority,
+            req.kv_transfer_params,
+            self.lora_of(model),
         )
         try:
             return await self._chat_body(
@@ -258,7 +262,11 @@ class ChatServing(ServingBase):
     ) -> AsyncIterator[str]:
         model, text, ids, params, k, parser = await self.prepare_chat(req)
         (stream,) = await self.admit(
-            request_id, [(text, ids, params)], req.priority, req.kv_transfer_params
+            request_id,
+            [(text, ids, params)],
+            req.priority,
+            req.kv_transfer_params,
+            self.lora_of(model),
         )
         return self._chat_events(
             req, response_id or request_id, model, text, ids, k, stream, parser

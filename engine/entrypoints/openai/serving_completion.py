@@ -112,7 +112,9 @@ class CompletionServing(ServingBase):
         """``request_id`` keys the engine requests (unique, the server's own);
         ``response_id`` is the body's ``id`` (default: the request id)."""
         model, jobs = await self.prepare_completion(req)
-        streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
+        streams = await self.admit(
+            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
+        )
         try:
             return await self._completion_body(req, response_id or request_id, model, jobs, streams)
         finally:
@@ -186,7 +188,9 @@ class CompletionServing(ServingBase):
         self, req: CompletionRequest, request_id: str, response_id: str | None = None
     ) -> AsyncIterator[str]:
         model, jobs = await self.prepare_completion(req)
-        streams = await self.admit(request_id, jobs, req.priority, req.kv_transfer_params)
+        streams = await self.admit(
+            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
+        )
         return self._completion_events(req, response_id or request_id, model, jobs, streams)
 
     async def _completion_events(

@@ -1,0 +1,274 @@
+"""Reading a PEFT LoRA directory: ``adapter_config.json`` plus
+``adapter_model.safetensors`` (or ``adapter_model.bin`` is refused: nothing is
+unpickled).
+
+PEFT names a tensor ``base_model.model.model.layers.{i}.{self_attn|mlp}.
+{module}.lora_{A|B}.weight``; ``lora_A`` is [r, in_features], ``lora_B``
+[out_features, r]. The delta a module adds is ``x A^T B^T * scaling`` with
+``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` under ``use_rslora``);
+the scaling is folded into B here, once. Every way an adapter can be wrong
+raises :class:`LoRAError` naming the adapter and what is wrong, before
+anything of it reaches a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The projections an adapter may target, by their Hugging Face names.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Column-parallel modules split their outputs over TP ranks (B's rows); the
+# row-parallel ones split their inputs (A's columns).
+COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_MODULES = ("o_proj", "down_proj")
+
+_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
+    r"lora_([AB])(?:\.default)?\.weight$"
+)
+
+# (module name, tensor) -> this TP rank's part of it (models/parallel.WeightSlicer).
+Slicer = Callable[[str, Any], torch.Tensor]
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served (the message names it)."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs with (vLLM's ``LoRARequest``): its served
+    name, a unique positive id (a new id for every load, so a name loaded
+    again with other weights is never served from a stale cache) and its
+    PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int):
+            raise LoRAError(f"LoRA adapter {self.lora_name!r}: lora_int_id must be an integer")
+        if self.lora_int_id < 1:
+            raise LoRAError(f"LoRA adapter {self.lora_name!r}: lora_int_id must be >= 1")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights for this rank: per (layer, module) the pair
+    (A [r, in], B [out, r] with the scaling folded in)."""
+
+    name: str
+    int_id: int
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _pattern_value(patterns: dict[str, Any], layer: int, module: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern: a key matches a module whose dotted
+    name ends with it (keys are regular expressions)."""
+    full = f"model.layers.{layer}.{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}"
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", full):
+            return value
+    return default
+
+
+def read_adapter_config(name: str, path: str) -> dict[str, Any]:
+    """The checked ``adapter_config.json`` of ``path``."""
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} is not a directory")
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(cfg_path):
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no adapter_config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoRAError(
+            f"LoRA adapter {name!r}: adapter_config.json is not readable JSON ({e})"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(
+            f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not supported (LORA only)"
+        )
+    unsupported = {
+        "use_dora": "DoRA",
+        "modules_to_save": "modules_to_save (full copies of base modules)",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D layouts)",
+        "layer_replication": "layer_replication",
+        "trainable_token_indices": "trainable_token_indices",
+        "target_parameters": "target_parameters",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {what} is not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise LoRAError(f"LoRA adapter {name!r}: LoRA biases are not supported (bias must be none)")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json r must be a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise LoRAError(f"LoRA adapter {name!r}: lora_alpha must be a number")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        bad = [t for t in targets if str(t).split(".")[-1] not in TARGET_MODULES]
+        if bad:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: target module(s) {', '.join(map(str, bad))} are not "
+                f"supported (supported: {', '.join(TARGET_MODULES)})"
+            )
+    return cfg
+
+
+def load_adapter(
+    request: LoRARequest,
+    num_layers: int,
+    shapes: dict[str, tuple[int, int]],
+    max_rank: int,
+    dtype: torch.dtype,
+    slicer: Slicer | None = None,
+) -> LoRAAdapter:
+    """Read, check and (with ``slicer``) shard one adapter, on the CPU.
+
+    ``shapes``: each target module's full (in_features, out_features) in the
+    base model; an adapter for another model's shapes is refused."""
+    name, path = request.lora_name, request.lora_path
+    cfg = read_adapter_config(name, path)
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: only adapter_model.bin (pickle) is present; "
+                "convert it to adapter_model.safetensors"
+            )
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no adapter_model.safetensors")
+    from safetensors import safe_open
+
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    base_r, base_alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
+    rslora = bool(cfg.get("use_rslora", False))
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        f = safe_open(weights_path, framework="pt")
+    except Exception as e:  # a truncated or foreign file
+        raise LoRAError(
+            f"LoRA adapter {name!r}: adapter_model.safetensors is unreadable ({e})"
+        ) from None
+    with f:
+        for key in f.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 (safe_open is not a dict)
+            m = _TENSOR.match(key)
+            if m is None:
+                module = key.rsplit(".", 3)[-3] if key.count(".") >= 3 else key
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: tensor {key!r} targets {module!r}, which is not "
+                    f"supported (supported: {', '.join(TARGET_MODULES)})"
+                )
+            layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+            if module not in TARGET_MODULES:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: target module {module!r} is not supported "
+                    f"(supported: {', '.join(TARGET_MODULES)})"
+                )
+            if layer >= num_layers:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the base "
+                    f"model has {num_layers}"
+                )
+            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)  # type: ignore[no-untyped-call]
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {where} lacks lora_{'B' if 'A' in ab else 'A'}"
+            )
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]
+        if r > max_rank:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: rank {r} ({where}) exceeds --max-lora-rank {max_rank}"
+            )
+        expect_r = int(_pattern_value(rank_pattern, layer, module, base_r))
+        in_f, out_f = shapes[module]
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or tuple(a.shape) != (r, in_f)
+            or tuple(b.shape) != (out_f, r)
+        ):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}; the base model needs ({r}, {in_f}) and ({out_f}, {r}) "
+                "(an adapter of another model?)"
+            )
+        if r != expect_r:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {where} has rank {r}, adapter_config.json says {expect_r}"
+            )
+        alpha = float(_pattern_value(alpha_pattern, layer, module, base_alpha))
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        a = a.to(torch.float32)
+        b = b.to(torch.float32) * scaling
+        if slicer is not None:
+            # The rank's part: B's rows for column-parallel modules, A's columns
+            # for row-parallel ones (the partial deltas sum in the all-reduce).
+            if module in COLUMN_MODULES:
+                b = slicer(f"{module}.weight", b)
+            else:
+                a = slicer(f"{module}.weight", a)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"LoRA adapter {name!r}: {where} holds non-finite values")
+        out[(layer, module)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        rank = max(rank, r)
+    return LoRAAdapter(name, request.lora_int_id, path, rank, out)
+
+
+def weights_digest(path: str) -> str:
+    """The hex sha256 of an adapter's adapter_model.safetensors (its identity in
+    the prefix cache, with its name: engine/contracts/block_hash.py)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(os.path.join(path, "adapter_model.safetensors"), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def module_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
+    """Each target module's full (in_features, out_features) in a base model
+    (a ``ModelConfig``)."""
+    m = model_config
+    hidden, inter = m.hidden_size, int(m.hf_config["intermediate_size"])
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }

@@ -1,0 +1,200 @@
+"""Greedy output per LoRA adapter equals transformers + peft on the same adapter,
+whatever shares the batch: base rows and other adapters in one step, chunked
+prefill, the prefix cache, preemption, evictions from both adapter caches."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
+
+from pdfleet.engine import LLM, LoRARequest, SamplingParams
+from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
+from pdfleet.engine.lora import LoRAError
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def check(llm, peft_factory, base, prompts, adapters, max_tokens=8):
+    """Generate every prompt with its adapter (None: base) in one call and
+    compare each with the peft reference."""
+    loras = [LoRARequest(name, 1, path) if name else None for name, path in adapters]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), lora_request=loras
+    )
+    for prompt, (name, path), out in zip(prompts, adapters, outs, strict=True):
+        want = hf_greedy(peft_factory(base, path), prompt, max_tokens)
+        assert out.outputs[0].token_ids == want, f"adapter {name}, prompt len {len(prompt)}"
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_mixed_batch_matches_peft_per_family(
+    tiny_model_factory, adapter_factory, peft_factory, arch
+):
+    base = tiny_model_factory(arch)
+    a = adapter_factory(base, 1, r=8)
+    # Lower rank than the slots (zero-padded), fewer targets, rsLoRA scaling.
+    b = adapter_factory(base, 2, r=4, targets=["q_proj", "v_proj", "down_proj"], rslora=True)
+    llm = LLM(base, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = random_prompts(vocab, [5, 17, 9, 40, 3, 23], seed=3)
+    adapters = [("a", a), (None, None), ("b", b), ("a", a), ("b", b), (None, None)]
+    outs = check(llm, peft_factory, base, prompts, adapters)
+    # The adapters change the output (else the comparison proves little).
+    by = {n: o.outputs[0].token_ids for (n, _), o in zip(adapters, outs, strict=True)}
+    assert len({tuple(v) for v in by.values()}) == 3
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory, adapter_factory):
+    base = tiny_model_factory("llama")
+    return base, adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=8)
+
+
+def test_chunked_prefill_and_preemption(llama, peft_factory):
+    base, a, b = llama
+    # A 16-token budget chunks every prompt; 12 blocks of 16 cannot hold all at once.
+    llm = LLM(
+        base,
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=12,
+        max_num_seqs=6,
+    )
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = random_prompts(vocab, [60, 45, 70, 33, 50, 64], seed=4)
+    adapters = [("a", a), ("b", b), (None, None), ("b", b), ("a", a), ("a", a)]
+    check(llm, peft_factory, base, prompts, adapters, max_tokens=12)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_prefix_cache_is_keyed_by_adapter(llama, peft_factory):
+    base, a, b = llama
+    llm = LLM(base, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [64], seed=5)
+    check(llm, peft_factory, base, [prompt], [("a", a)])
+    hits = llm.engine.stats.prefix_cache_hits
+    # The same prompt under another adapter and under the base model: no block shared.
+    check(llm, peft_factory, base, [prompt, prompt], [("b", b), (None, None)])
+    assert llm.engine.stats.prefix_cache_hits == hits
+    # Under the same adapter again: its blocks are hits.
+    check(llm, peft_factory, base, [prompt], [("a", a)])
+    assert llm.engine.stats.prefix_cache_hits >= hits + 48
+    ids = llm.engine.lora_identities
+    assert ids["a"] != ids["b"] and ids["a"].startswith("a@")
+    chains = {
+        name: prompt_block_hashes(prompt, 16, llm.engine.core.scheduler.kv.hash_fn, lora_name=name)
+        for name in (None, ids["a"], ids["b"])
+    }
+    assert len({c[0] for c in chains.values()}) == 3
+    assert root_hash(None, None) != root_hash("x", None) != root_hash(None, "x")
+    assert_no_leaks(llm)
+
+
+def test_slot_and_host_evictions_keep_outputs(llama, adapter_factory, peft_factory):
+    base, a, b = llama
+    c = adapter_factory(base, 3, r=8)
+    # One device slot and one host copy for three adapters: every switch evicts.
+    llm = LLM(base, max_model_len=256, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = random_prompts(vocab, [9, 12, 20, 7, 15], seed=6)
+    adapters = [("a", a), ("b", b), ("c", c), (None, None), ("a", a)]
+    check(llm, peft_factory, base, prompts, adapters)
+    stats = llm.engine.core.runner.lora_stats()
+    assert stats.gpu_evictions >= 2 and stats.cpu_evictions >= 2
+    assert stats.loads >= 4  # a came back from disk
+    assert llm.engine.lora_requests == {"a": 2, "b": 1, "c": 1}
+    assert_no_leaks(llm)
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
+    llama, tiny_model_factory, adapter_factory, peft_factory, tmp_path
+):
+    base, a, _ = llama
+    llm = LLM(base, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    big = adapter_factory(base, 4, r=16)
+    with pytest.raises(LoRAError, match=r"'big'.*rank 16 .*exceeds --max-lora-rank 8"):
+        llm.engine.add_lora("big", big)
+    head = adapter_factory(base, 5, r=8, targets=["q_proj", "lm_head"])
+    with pytest.raises(LoRAError, match=r"'head'.*lm_head.*not supported"):
+        llm.engine.add_lora("head", head)
+    with pytest.raises(LoRAError, match=r"'missing'.*is not a directory"):
+        llm.engine.add_lora("missing", str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    with pytest.raises(LoRAError, match=r"'empty'.*no adapter_model.safetensors"):
+        llm.engine.add_lora("empty", str(empty))
+    other = adapter_factory(
+        tiny_model_factory("llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=1), 6
+    )
+    with pytest.raises(LoRAError, match=r"'other'.*another model"):
+        llm.engine.add_lora("other", other)
+    llm.engine.add_lora("a", a)
+    with pytest.raises(LoRAError, match="already loaded"):
+        llm.engine.add_lora("a", a)
+    assert sorted(llm.engine.loras) == ["a"]
+    (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
+    check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])
+    llm.engine.remove_lora("a")
+    with pytest.raises(LoRAError, match="not loaded"):
+        llm.engine.remove_lora("a")
+    assert_no_leaks(llm)
+
+
+def test_lora_flags_are_checked(tiny_model):
+    with pytest.raises(ValueError, match="--max-loras need --enable-lora"):
+        LLM(tiny_model, max_loras=2)
+    with pytest.raises(ValueError, match="--max-lora-rank must be one of"):
+        LLM(tiny_model, enable_lora=True, max_lora_rank=7)
+    with pytest.raises(ValueError, match=r"--max-cpu-loras \(1\) must be at least --max-loras"):
+        LLM(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="not of the form name=path"):
+        LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
+
+
+def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factory, peft_factory):
+    # One KV head replicated on both ranks, the other projections sharded.
+    base = tiny_model_factory("mistral", num_key_value_heads=1)
+    a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
+    llm = LLM(
+        base,
+        tensor_parallel_size=2,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    try:
+        vocab = llm.engine.config.model_config.vocab_size
+        prompts = random_prompts(vocab, [21, 6, 30], seed=8)
+        check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)])
+        with pytest.raises(LoRAError, match="'big'.*exceeds --max-lora-rank 8"):
+            llm.engine.add_lora("big", adapter_factory(base, 4, r=16))
+    finally:
+        llm.engine.shutdown()
+
+
+def test_triton_backend_runs_the_sgmv_kernel_in_the_model(llama, peft_factory):
+    # Under Triton's interpreter on CPU: the segmented kernel inside every projection.
+    base, a, b = llama
+    llm = LLM(
+        base,
+        max_model_len=64,
+        attention_backend="triton",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = random_prompts(vocab, [6, 4, 5], seed=9)
+    check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)], max_tokens=3)
+    assert llm.engine.core.runner.lora.context.batch is None  # cleared after each step

@@ -1,0 +1,257 @@
+"""Real `pdfleet serve --enable-lora` processes: adapters named by `model`,
+listed by /v1/models, loaded and unloaded at run time behind the fleet token,
+bad adapters refused by name while the engine keeps serving, the metrics; a
+gateway in front of two of them that routes an adapter to the engine that
+serves it; and the P/D split between the same two (a ZMQ producer and
+consumer): both legs run the adapter, and KV computed under the adapter is
+never used for a base-model decode leg."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from helpers.engine import hf_greedy, random_prompts
+from helpers.fleet import metric, start_gateway
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
+
+from pdfleet.engine.contracts.block_hash import (
+    external_block_hash,
+    get_hash_fn,
+    prompt_block_hashes,
+)
+from pdfleet.engine.gateway.prompt import PromptAnalyzer
+
+PROMPT = random_prompts(1800, [13], seed=11)[0]
+
+
+def kv(role: str) -> list[str]:
+    cfg: dict = {"kv_connector": "ZmqConnector", "kv_role": role, "kv_port": free_port()}
+    if role == "kv_producer":
+        # The lease the base-model decode leg refuses expires soon: a stop waits for it.
+        cfg["kv_connector_extra_config"] = {"lease_seconds": 3}
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+def engine(tiny_model, tmp, name, *flags):
+    return ServerProcess(
+        [
+            "serve",
+            tiny_model,
+            "--max-model-len",
+            "256",
+            "--served-model-name",
+            "tiny",
+            "--disable-log-stats",
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--api-key-file",
+            str(tmp / "keys"),
+            *flags,
+        ],
+        tmp,
+        name,
+        env={"PDFLEET_API_KEY": "", "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, adapter_factory, tmp_path_factory):
+    """Engine A serves adapter a from the start, engine B none."""
+    a = adapter_factory(tiny_model, 1, r=8)
+    tmp = tmp_path_factory.mktemp("lora-server")
+    (tmp / "keys").write_text("client-key\n")
+    procs = [
+        engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}", *kv("kv_producer")),
+        engine(tiny_model, tmp, "b", *kv("kv_consumer")),
+    ]
+    gateway = None
+    try:
+        for p in procs:
+            p.wait_healthy()
+        gateway = start_gateway(
+            ["--decode", procs[0].url, "--decode", procs[1].url, "--scrape-interval", "0.2"], tmp
+        )
+        yield procs, gateway, a
+    finally:
+        for p in [*procs, *([gateway] if gateway else [])]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(fleet):
+    procs, _, a = fleet
+    return procs[0], a
+
+
+def complete(url: str, model: str, headers: dict[str, str]) -> httpx.Response:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def tokens(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_adapters_are_listed_served_loaded_and_unloaded(
+    setup, tiny_model, adapter_factory, peft_factory
+):
+    server, a = setup
+    fleet = fleet_headers()
+    client = {"Authorization": "Bearer client-key"}
+    models = httpx.get(server.url + "/v1/models", headers=client, timeout=10).json()["data"]
+    cards = {c["id"]: c for c in models}
+    assert set(cards) == {"tiny", "a"}
+    assert cards["a"]["parent"] == "tiny" and cards["a"]["root"] == a
+    assert cards["a"]["lora_identity"].startswith("a@")
+    assert cards["tiny"]["parent"] is None
+
+    # A client key may use an adapter, and gets what peft computes.
+    assert tokens(complete(server.url, "a", client)) == hf_greedy(
+        peft_factory(tiny_model, a), PROMPT, 8
+    )
+    assert tokens(complete(server.url, "tiny", client)) == hf_greedy(
+        peft_factory(tiny_model, None), PROMPT, 8
+    )
+
+    b = adapter_factory(tiny_model, 2, r=8)
+    load = {"lora_name": "b", "lora_path": b}
+    url = server.url + "/v1/load_lora_adapter"
+    refused = httpx.post(url, json=load, headers=client, timeout=30)
+    assert refused.status_code == 403 and "fleet token" in refused.text
+    loaded = httpx.post(url, json=load, headers=fleet, timeout=30)
+    assert loaded.status_code == 200, loaded.text
+    assert tokens(complete(server.url, "b", client)) == hf_greedy(
+        peft_factory(tiny_model, b), PROMPT, 8
+    )
+
+    # Bad adapters: a 400 naming the adapter and what is wrong; nothing changes.
+    big = adapter_factory(tiny_model, 4, r=16)
+    bad = httpx.post(url, json={"lora_name": "big", "lora_path": big}, headers=fleet, timeout=30)
+    assert bad.status_code == 400
+    assert "'big'" in bad.json()["error"]["message"] and "--max-lora-rank" in bad.text
+    missing = httpx.post(
+        url, json={"lora_name": "gone", "lora_path": "/nonexistent"}, headers=fleet, timeout=30
+    )
+    assert missing.status_code == 400 and "'gone'" in missing.text
+    dup = httpx.post(url, json=load, headers=fleet, timeout=30)
+    assert dup.status_code == 400 and "already loaded" in dup.text
+    unknown = httpx.post(url, json={**load, "x": 1}, headers=fleet, timeout=30)
+    assert unknown.status_code == 400 and "x: unknown field" in unknown.text
+    assert tokens(complete(server.url, "a", client))  # still serving
+
+    unload = server.url + "/v1/unload_lora_adapter"
+    assert httpx.post(unload, json={"lora_name": "b"}, headers=client).status_code == 403
+    assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 200
+    assert complete(server.url, "b", client).status_code == 404
+    assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 404
+    ids = {c["id"] for c in httpx.get(server.url + "/v1/models", headers=client).json()["data"]}
+    assert ids == {"tiny", "a"}
+
+    samples = scrape(server.url)
+    assert samples["pdfleet_engine_lora_adapters"] == 1
+    assert samples["pdfleet_engine_lora_loads_total"] >= 2
+    assert samples["pdfleet_engine_lora_requests_total"] >= 3
+    text = httpx.get(server.url + "/metrics", headers=fleet, timeout=10).text
+    assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 2.0' in text
+    info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0]
+
+
+def test_the_gateway_routes_an_adapter_to_the_engine_that_serves_it(
+    fleet, tiny_model, peft_factory
+):
+    (a_engine, b_engine), gateway, a = fleet
+    fleet_h = fleet_headers()
+
+    def listed() -> set[str]:
+        r = httpx.get(gateway.url + "/v1/models", headers=fleet_h, timeout=10)
+        return {c["id"] for c in r.json()["data"]} if r.status_code == 200 else set()
+
+    assert wait_until(lambda: "a" in listed(), timeout=30)
+    before_a = metric(a_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a")
+    want = hf_greedy(peft_factory(tiny_model, a), PROMPT, 8)
+    for _ in range(4):
+        assert tokens(complete(gateway.url, "a", fleet_h)) == want
+    assert metric(a_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a") == before_a + 4
+    assert metric(b_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a") == 0
+    # A name no engine serves is the gateway's own 404.
+    assert complete(gateway.url, "nope", fleet_h).status_code == 404
+
+
+def test_exact_prefix_keys_are_the_engines_per_adapter():
+    analyzer = PromptAnalyzer(None, max_blocks=8, exact=True)
+    analyzer.lora_identity = {"a": "a@0123456789abcdef"}.get
+    ids = list(range(100, 164))
+    base = analyzer.analyze({"model": "tiny", "prompt": ids}, False, 16)
+    lora = analyzer.analyze({"model": "a", "prompt": ids}, False, 16)
+    assert lora.adapter == "a" and base.adapter is None
+    want = prompt_block_hashes(ids, 16, get_hash_fn("sha256"), 8, None, "a@0123456789abcdef")
+    assert lora.exact_hashes == [external_block_hash(d) for d in want]
+    assert not set(lora.exact_hashes or []) & set(base.exact_hashes or [])
+    assert not set(lora.block_hashes) & set(base.block_hashes)
+
+
+PD_PROMPT = [(7 * 131 + i * 17) % 1700 + 20 for i in range(70)]
+
+
+def prefill(url: str, model: str) -> dict:
+    body = {
+        "model": model,
+        "prompt": PD_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    r = httpx.post(url + "/v1/completions", json=body, headers=fleet_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def decode(url: str, model: str, params: dict) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": PD_PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    r = httpx.post(url + "/v1/completions", json=body, headers=fleet_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_pd_both_legs_run_the_adapter_and_other_kv_is_never_used(fleet, tiny_model, peft_factory):
+    (producer, consumer), _, a = fleet
+    p_url, d_url = producer.url, consumer.url
+    load = {"lora_name": "a", "lora_path": a}
+    r = httpx.post(d_url + "/v1/load_lora_adapter", json=load, headers=fleet_headers())
+    assert r.status_code == 200, r.text
+    params = prefill(p_url, "a")
+    assert len(params["remote_block_ids"]) == 4
+    pulled = scrape(d_url).get("pdfleet_engine_kv_transfer_blocks_pulled_total", 0)
+    assert decode(d_url, "a", params) == hf_greedy(peft_factory(tiny_model, a), PD_PROMPT, 8)
+    assert scrape(d_url)["pdfleet_engine_kv_transfer_blocks_pulled_total"] >= pulled + 4
+
+    # The adapter's KV offered to a base-model decode leg: its block chain does
+    # not match the base model's, so the decode engine refuses it and computes
+    # the prompt itself; the answer is the base model's.
+    params = prefill(p_url, "a")
+    before = scrape(d_url).get("pdfleet_engine_kv_transfer_blocks_pulled_total", 0)
+    got = decode(d_url, "tiny", params)
+    assert got == hf_greedy(peft_factory(tiny_model, None), PD_PROMPT, 8)
+    assert scrape(d_url)["pdfleet_engine_kv_transfer_blocks_pulled_total"] == before
