@@ -498,6 +498,11 @@ class GatewaySpec(PodPlacement):
     max_queued_requests: int = Field(default=1024, ge=0, le=1_000_000, strict=True)
     """Requests that may wait for a slot at once; more get a 429 with
     Retry-After at once (`--max-queued-requests`)."""
+    max_migrations: int = Field(default=3, ge=0, le=100, strict=True)
+    """Times one request may move to another decode engine when its decode
+    engine dies, stalls or drains mid-answer, resumed from the tokens the
+    client already has (`--max-migrations`, docs/migration.md); then it fails
+    with a clear error. 0: no migration."""
 
     def overload_settings(self) -> dict[str, Any]:
         """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""
@@ -507,6 +512,7 @@ class GatewaySpec(PodPlacement):
             "stall_max_step": self.stall_max_step_seconds,
             "queue_timeout": self.queue_timeout_seconds,
             "max_queued_requests": self.max_queued_requests,
+            "max_migrations": self.max_migrations,
         }
 
 

@@ -53,6 +53,9 @@ class Call:
     prefill leg; None before and after."""
     id_from_body: bool = False
     """The client sent no X-Request-Id: a body's ``request_id`` names the call."""
+    migration: Any = None
+    """A migratable request's state across decode legs (``migration.Migration``);
+    None when it cannot move."""
 
 
 def tame_request_id(value: Any) -> bool:

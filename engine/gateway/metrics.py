@@ -129,6 +129,9 @@ class GatewayMetrics:
         self.kv_index_resets = m.GATEWAY_KV_INDEX_RESETS.create(r)
         self.kv_index_fresh = m.GATEWAY_KV_INDEX_FRESH.create(r)
         self.activations = m.GATEWAY_ACTIVATIONS.create(r)
+        self.migrations = m.GATEWAY_MIGRATIONS.create(r)
+        self.migration_replayed = m.GATEWAY_MIGRATION_REPLAYED_TOKENS.create(r)
+        self.migration_resume = m.GATEWAY_MIGRATION_RESUME.create(r)
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""

@@ -55,6 +55,7 @@ from .decode_leg import DecodeLeg, decode_body
 from .engines import EnginePool
 from .legs import Legs
 from .metrics import GatewayMetrics
+from .migration import Migration, add_state, migratable, with_state
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
 from .relay import DisconnectWatch, RelayResponse
@@ -169,6 +170,14 @@ class Proxy:
             # An internal protocol: only a prefill leg's answer may set it.
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
+        if "migration" in body:
+            self.metrics.rejected.labels("invalid_field").inc()
+            return self.legs.error(
+                call,
+                "migration: an internal field of pdfleet's decode legs; clients may not send it",
+                403,
+                "migration",
+            )
         call.body = body
         given = body.get("request_id")
         if call.id_from_body and isinstance(given, str) and tame_request_id(given):
@@ -212,13 +221,18 @@ class Proxy:
             )
         decided.inc()
         tracing.route_chosen(route)
+        if migratable(body, call.chat, self.config.max_migrations):
+            # Its decode legs can move between engines (migration.py).
+            call.migration = Migration(body)
+            payload = with_state(payload)
         if route.prefill is not None:
             outcome = await self.prefill.run(call, body, route, info)
             if isinstance(outcome, Response):
                 return outcome
             if outcome is not None:
                 call.plain_payload = payload
-                payload = json.dumps(decode_body(body, outcome)).encode()
+                leg = decode_body(body, outcome)
+                payload = json.dumps(add_state(leg) if call.migration else leg).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
             if route.reason == "no_prefill_engine":
                 self.activation.wanted("prefill")
