@@ -541,7 +541,7 @@ GATEWAY_MIGRATIONS = Metric(
     "pdfleet_gateway_migrations_total",
     "counter",
     "Decode legs resumed on another decode engine after the client had part of the "
-    "answer, by reason (drain, died, stalled, broken, refused); exhausted: requests that "
+    "answer, by reason (drain, died, stalled, refused); exhausted: requests that "
     "failed because they reached --max-migrations.",
     ("reason",),
 )

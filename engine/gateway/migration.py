@@ -52,7 +52,7 @@ from .legs import LegFailed, Legs
 
 logger = logging.getLogger("pdfleet.gateway")
 
-_CREATED = re.compile(rb'"created":(\d+)')
+_CREATED = re.compile(rb'"created":\s*(\d+)')
 _MIGRATE = MIGRATE_EVENT[:-2]
 
 
@@ -249,7 +249,7 @@ class Migrator:
             while True:  # one leg per turn
                 got = False  # this leg sent an event
                 done = handed_back = False
-                reason = "broken"
+                reason = "died"
                 buf = b""
                 error: LegFailed | None = None
                 try:
@@ -292,7 +292,7 @@ class Migrator:
                     pass
                 except (UpstreamError, TimeoutError) as ex:
                     error = legs.failed(engine, "decode", ex)
-                    reason = {"connect": "died", "stalled": "stalled"}.get(error.kind, "broken")
+                    reason = "stalled" if error.kind == "stalled" else "died"
                 if done:
                     return
                 if handed_back:
