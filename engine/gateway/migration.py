@@ -92,11 +92,14 @@ def migratable(body: dict[str, Any], chat: bool, max_migrations: int) -> bool:
     return True
 
 
-def with_state(payload: bytes) -> bytes:
-    """``payload`` (a JSON object's bytes) with an empty migration state: the
-    first decode leg (the engine annotates its stream for migration)."""
-    body = payload.lstrip()
-    rest = body[1:].lstrip()
+def with_state(payload: bytes, body: dict[str, Any]) -> bytes:
+    """``payload`` (``body``'s JSON bytes) with an empty migration state: the
+    first decode leg (the engine annotates its stream for migration). UTF-8
+    bytes are spliced (no second serialization); others are encoded again."""
+    text = payload.lstrip()
+    if text[:1] != b"{":  # UTF-16/32 JSON, which the body parser also takes
+        return json.dumps(add_state(body)).encode()
+    rest = text[1:].lstrip()
     sep = b"" if rest.startswith(b"}") else b","
     return b'{"' + FIELD.encode() + b'":{}' + sep + rest
 
@@ -271,7 +274,15 @@ class Migrator:
                         out, handed_back = split_events(block, state.sent)
                         got = True
                         if failed_at is not None:
-                            self._resume.observe(time.perf_counter() - failed_at)
+                            took = time.perf_counter() - failed_at
+                            self._resume.observe(took)
+                            logger.info(
+                                "request %s: resumed on %s in %.3fs (%d tokens replayed)",
+                                call.request_id,
+                                engine.url,
+                                took,
+                                replayed,
+                            )
                             tracing.migrated(
                                 reason_of_move, moved_from, engine.url, replayed, failed_at
                             )

@@ -224,7 +224,7 @@ class Proxy:
         if migratable(body, call.chat, self.config.max_migrations):
             # Its decode legs can move between engines (migration.py).
             call.migration = Migration(body)
-            payload = with_state(payload)
+            payload = with_state(payload, body)
         if route.prefill is not None:
             outcome = await self.prefill.run(call, body, route, info)
             if isinstance(outcome, Response):
