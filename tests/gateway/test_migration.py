@@ -30,6 +30,7 @@ from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, 
 from helpers.server import ServerProcess, fleet_headers, wait_until
 
 from pdfleet.engine.contracts.migration import IDS_PREFIX
+from pdfleet.engine.gateway.migration import split_events, with_state
 
 PROMPT = "Once upon a time, in a harbor town by the sea,"
 STEP_DELAY = "0.03"
@@ -472,3 +473,22 @@ def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_pat
             gw.stop()
         for f in fakes:
             f.close()
+
+
+# -- the wire, without processes --------------------------------------------------------
+
+
+def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
+    sent: list[int] = []
+    block = b': ids 5 6\ndata: {"a":1}\n\n: ids 7\n\ndata: {"b":2}\n\n'
+    assert split_events(block, sent) == (b'data: {"a":1}\n\ndata: {"b":2}\n\n', False)
+    assert sent == [5, 6, 7]
+    assert split_events(b"data: [DONE]\n\n", sent) == (b"data: [DONE]\n\n", False)
+    assert split_events(b': ids 8\ndata: {"c":3}\n\n: migrate\n\n', sent) == (
+        b'data: {"c":3}\n\n',
+        True,
+    )
+    assert sent == [5, 6, 7, 8]
+    for raw in (b'{"prompt": "x"}', b' {"prompt":"x"} ', '{"prompt": "x"}'.encode("utf-16")):
+        assert json.loads(with_state(raw, {"prompt": "x"})) == {"migration": {}, "prompt": "x"}
+    assert json.loads(with_state(b"{ }", {})) == {"migration": {}}
