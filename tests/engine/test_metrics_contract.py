@@ -137,6 +137,7 @@ def test_gateway_exports_every_gateway_series():
     metrics.kv_index_resets.labels("http://e", "restart").inc()
     metrics.kv_index_fresh.labels("http://e").set(1)
     metrics.activations.labels("decode").inc()
+    metrics.migrations.labels("drain").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():
         if metric.name.startswith("pdfleet_gateway_"):
