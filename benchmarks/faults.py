@@ -277,6 +277,7 @@ class Bench:
     async def phase(self, name: str, fault) -> dict:
         first = len(self.results)
         resumed = len(self.resume_latencies())
+        moved = self.migrations()
         started = time.monotonic()
         extra = await fault()
         await asyncio.sleep(self.args.settle)
@@ -284,12 +285,27 @@ class Bench:
         latencies = self.resume_latencies()[resumed:]
         out = (
             self.summarize(self.results[first:])
-            | {"phase_s": round(took, 1), "migrations": len(latencies)}
+            | {
+                "phase_s": round(took, 1),
+                "migrations": {
+                    k: v - moved.get(k, 0)
+                    for k, v in self.migrations().items()
+                    if v > moved.get(k, 0)
+                },
+            }
             | ({"resume_s": percentiles(latencies)} if latencies else {})
             | extra
         )
         print(f"{name}: {out}", flush=True)
         return out
+
+    def migrations(self) -> dict[str, float]:
+        """The gateway's pdfleet_gateway_migrations_total by reason."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
+        found = re.findall(
+            r'^pdfleet_gateway_migrations_total\{reason="(\w+)"\} ([0-9.e+]+)$', text, re.M
+        )
+        return {reason: float(v) for reason, v in found}
 
     def resume_latencies(self) -> list[float]:
         """Seconds from a decode leg's failure to its resumed leg's first event,
@@ -316,9 +332,9 @@ class Bench:
             return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
 
         deadline = time.monotonic() + 10
-        while inflight() == 0 and time.monotonic() < deadline:  # kill it while it works
-            await asyncio.sleep(0.01)
-        busy = inflight()
+        while await asyncio.to_thread(inflight) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # kill it while it works
+        busy = await asyncio.to_thread(inflight)
         os.kill(self.engine_pids()[url], signal.SIGKILL)
         killed = time.monotonic()
         await asyncio.sleep(0.5)
@@ -339,9 +355,9 @@ class Bench:
             return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
 
         deadline = time.monotonic() + 10
-        while inflight() == 0 and time.monotonic() < deadline:  # while it works
-            await asyncio.sleep(0.01)
-        busy = inflight()
+        while await asyncio.to_thread(inflight) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # while it works
+        busy = await asyncio.to_thread(inflight)
         pid = self.engine_pids()[url]
         os.kill(pid, signal.SIGTERM)
         signalled = time.monotonic()
@@ -466,7 +482,7 @@ class Bench:
                     json={**body, "kv_transfer_params": params},
                 )
                 if dec.status_code == 200:
-                    right = dec.json()["choices"][0]["text"] == self.reference[i]
+                    right = dec.json()["choices"][0]["text"] == self.reference[i, False]
                     outcomes.append("right" if right else "WRONG")
                 elif dec.status_code == 400 and "kv_transfer_params" in dec.text:
                     outcomes.append("refused_expired")
@@ -544,7 +560,7 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--settle", type=float, default=5, help="seconds of load after a fault")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per load request")
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per load request")
     parser.add_argument("--long-streams", type=int, default=4, help="streams of scale_down")
     parser.add_argument("--long-tokens", type=int, default=400, help="tokens per long stream")
     parser.add_argument("--json", help="write the numbers to this file")

@@ -102,7 +102,7 @@ class DecodeLeg:
                 logger.warning("request %s: %s", call.request_id, failure.detail)
                 if call.migration is not None and failure.kind in ("stalled", "broken"):
                     legs.pair_failed(call, e)
-                    moved = await self.migrator.move_json(
+                    moved = await self.migrator.move_unsent(
                         call, e, "stalled" if failure.kind == "stalled" else "died", want
                     )
                     if moved is not None:
@@ -126,7 +126,7 @@ class DecodeLeg:
             if stopping(resp):
                 # Handed back (or refused) by a stopping engine: nothing was sent.
                 moved = (
-                    await self.migrator.move_json(call, e, "drain", want)
+                    await self.migrator.move_unsent(call, e, "drain", want)
                     if call.migration is not None
                     else None
                 )
@@ -178,6 +178,18 @@ class DecodeLeg:
                     continue
             except LegFailed as failure:
                 logger.warning("request %s: %s", call.request_id, failure.detail)
+                if call.migration is not None and failure.kind == "broken":
+                    # The engine went away before it answered: a migratable
+                    # request goes again whole to another engine.
+                    legs.pair_failed(call, e)
+                    moved = await self.migrator.move_unsent(
+                        call, e, "died", route.decode.load.compat_hash
+                    )
+                    if moved is not None:
+                        e, failover.payload = moved
+                        legs.move_slot(call, e)
+                        continue
+                    return legs.error(call, failure.message, failure.status)
                 if failure.kind in ("connect", "stalled", "stopping"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:

@@ -187,18 +187,19 @@ class Migrator:
             m.migration_replayed.inc(len(state.sent))
         return True
 
-    # -- a non-streamed leg ---------------------------------------------------------
+    # -- a leg that sent the client nothing ---------------------------------------
 
     def handed_back(self, resp: UpstreamResponse) -> bool:
         """A non-streamed leg a stopping engine handed back (503 + the header)."""
         return resp.status_code == 503 and resp.header(MIGRATE_HEADER.encode()) is not None
 
-    async def move_json(
+    async def move_unsent(
         self, call: Call, e: EngineState, reason: str, want: str | None
     ) -> tuple[EngineState, bytes] | None:
-        """The next engine for a non-streamed leg that failed on ``e`` (nothing
-        reached the client: the leg goes again whole, decode-only), and its
-        payload; None when it may not move (the cap, no engine)."""
+        """The next engine for a leg that failed on ``e`` before the client got
+        any of it (a non-streamed leg; a stream before its headers): the leg
+        goes again whole, decode-only. With its payload; None when it may not
+        move (the cap, no engine)."""
         state = call.migration
         if state is None:
             return None
