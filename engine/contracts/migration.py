@@ -7,8 +7,11 @@ fleet token or an internal key). Its stream then carries, as SSE comments
 that no SSE client dispatches (the gateway strips them anyway):
 
 * ``: ids 17 42`` as the first line of every event that sends output tokens
-  (an event of that line alone when their text is still held back), so the
-  gateway knows which tokens the client has received;
+  (an event of that line alone when their text is still held back), and of
+  the stream's first event (``: ids`` with none: a chat stream's role chunk),
+  so the gateway knows which tokens the client has received, and that the
+  engine speaks this at all (it moves no stream whose first event lacks it:
+  an engine that does not could not resume it without repeating text);
 * ``: migrate`` as the last event of a stream a stopping engine hands back
   (no ``data: [DONE]``): the gateway resumes it elsewhere, it is no error.
 

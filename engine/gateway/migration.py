@@ -252,6 +252,7 @@ class Migrator:
         try:
             while True:  # one leg per turn
                 got = False  # this leg sent an event
+                capable = False  # its first event named token ids (see contracts)
                 done = handed_back = False
                 reason = "died"
                 buf = b""
@@ -272,6 +273,8 @@ class Migrator:
                         if cut < 0:
                             continue
                         block, buf = buf[: cut + 2], buf[cut + 2 :]
+                        if not got:
+                            capable = block.startswith(IDS_PREFIX)
                         out, handed_back = split_events(block, state.sent)
                         got = True
                         if failed_at is not None:
@@ -320,6 +323,12 @@ class Migrator:
                 )
                 if reason != "drain":
                     legs.pair_failed(call, engine)
+                if got and not capable:
+                    # The engine does not name the tokens it sends (not a
+                    # pdfleet engine): no exact resume; the stream ends here.
+                    status = 502 if error is None else error.status
+                    yield sse_error(failure_message, status)
+                    return
                 if error is not None and error.kind == "timeout":
                     # Slow, not stalled: moving it would only do the work twice.
                     status = error.status

@@ -280,6 +280,7 @@ class ChatServing(ServingBase):
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         first_chunk = not prior
+        annotated: list[bool] = []  # an event of this stream named its token ids
         thinking = self.reasoning_parser(req)
         opened = prompt_opens_thought(prompt_text)
         thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
@@ -322,8 +323,11 @@ class ChatServing(ServingBase):
             if continuous:
                 # This choice's own tokens so far (vLLM's), not the request's sum.
                 body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
-            if migration is not None and token_ids:
-                return ids_comment(token_ids) + sse(body)
+            if migration is not None and (token_ids or not annotated):
+                # (The stream's first event says so even without tokens: the
+                # gateway moves only a stream that speaks this from its start.)
+                annotated.append(True)
+                return ids_comment(token_ids or []) + sse(body)
             return sse(body)
 
         try:

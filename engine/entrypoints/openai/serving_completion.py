@@ -207,6 +207,7 @@ class CompletionServing(ServingBase):
         # A resumed stream's echo went out from the first engine.
         echoed: set[int] = {0} if prior else set()
         offsets: dict[int, int] = {0: len(resumed)} if prior else {}
+        annotated = False  # an event of this stream named its token ids
         k = self.check_logprobs(req.logprobs, "logprobs")
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
@@ -269,7 +270,8 @@ class CompletionServing(ServingBase):
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                     echoed.add(idx)
-                    if migration is not None and o.token_ids:
+                    if migration is not None and (o.token_ids or not annotated):
+                        annotated = True  # (the first event always: see serving_chat)
                         yield ids_comment(o.token_ids) + sse(chunk)
                         continue
                     yield sse(chunk)
