@@ -115,6 +115,11 @@ def split_events(block: bytes, sent: list[int]) -> tuple[bytes, bool]:
     engine's ``: migrate``."""
     if IDS_PREFIX not in block and _MIGRATE not in block:
         return block, False
+    if block.startswith(IDS_PREFIX) and block.find(b"\n\n") == len(block) - 2:
+        # One event (the usual block: an engine writes each event as it comes).
+        line_end = block.find(b"\n")
+        sent.extend(map(int, block[len(IDS_PREFIX) : line_end].split()))
+        return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:
