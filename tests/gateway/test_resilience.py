@@ -3,9 +3,8 @@
 The module owns two prefill and two decode engines, joined by the real ZMQ
 connector, and breaks them in file order: stall (SIGSTOP) a decode engine
 under load and revive it, stall one past the gateway's timeouts, kill one
-decode engine mid-stream (its stream resumes on the other), kill both prefill
-engines under load, and finally
-kill the last decode engine.
+decode engine mid-stream (its stream resumes on the other), kill both
+prefill engines under load, and finally kill the last decode engine.
 """
 
 from __future__ import annotations
