@@ -384,11 +384,14 @@ class Bench:
                     *(self.one(client, i, True, i % 2 == 1, max_tokens=tokens) for i in range(n))
                 )
 
+            def decode_view() -> list[dict]:
+                return [e for e in self.view()["engines"] if e["role"] == "decode"]
+
             async def all_running() -> float:
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
-                    view = self.view()["engines"]
-                    if sum(e["inflight"] for e in view if e["role"] == "decode") >= n:
+                    view = await asyncio.to_thread(decode_view)
+                    if sum(e["inflight"] for e in view) >= n:
                         break
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(1.0)  # well into the streams
@@ -399,29 +402,39 @@ class Bench:
             t0 = await all_running()
             reference = await task
             waited_s = max(r.end for r in reference) - t0
-            # After: SIGTERM the decode engine holding the most of them.
-            task = asyncio.create_task(streams())
-            await all_running()
-            view = self.view()["engines"]
-            busiest = max((e for e in view if e["role"] == "decode"), key=lambda e: e["inflight"])
-            pid = self.engine_pids()[busiest["url"]]
-            os.kill(pid, signal.SIGTERM)
-            signalled = time.monotonic()
-            while time.monotonic() < signalled + 120 and pid_alive(pid):
-                await asyncio.sleep(0.02)
-            exited_s = time.monotonic() - signalled
-            moved = await task
-        await self.wait_return(busiest["url"])
-        failed = [r for r in moved if not r.ok]
-        wrong = [r for r, ref in zip(moved, reference, strict=True) if r.ok and r.text != ref.text]
+            # After: SIGTERM the decode engine holding the most of them, --rounds times.
+            exits: list[float] = []
+            on_engine: list[int] = []
+            failed = wrong = 0
+            resumed = len(self.resume_latencies())
+            for _ in range(self.args.rounds):
+                task = asyncio.create_task(streams())
+                await all_running()
+                view = await asyncio.to_thread(decode_view)
+                busiest = max(view, key=lambda e: e["inflight"])
+                pid = self.engine_pids()[busiest["url"]]
+                os.kill(pid, signal.SIGTERM)
+                signalled = time.monotonic()
+                while time.monotonic() < signalled + 120 and pid_alive(pid):
+                    await asyncio.sleep(0.02)
+                exits.append(round(time.monotonic() - signalled, 2))
+                on_engine.append(busiest["inflight"])
+                moved = await task
+                failed += sum(not r.ok for r in moved)
+                wrong += sum(
+                    r.ok and r.text != ref.text for r, ref in zip(moved, reference, strict=True)
+                )
+                await self.wait_return(busiest["url"])
+        latencies = self.resume_latencies()[resumed:]
         return {
             "long_streams": n,
             "long_tokens": tokens,
-            "streams_on_drained_engine": busiest["inflight"],
+            "streams_on_drained_engine": on_engine,
             "before_wait_for_streams_s": round(waited_s, 2),
-            "after_sigterm_to_exit_s": round(exited_s, 2),
-            "long_failed": len(failed),
-            "long_wrong": len(wrong),
+            "after_sigterm_to_exit_s": exits,
+            "long_failed": failed,
+            "long_wrong": wrong,
+            "resume_s": percentiles(latencies) if latencies else None,
         }
 
     async def sigstop(self) -> dict:
@@ -461,12 +474,7 @@ class Bench:
         outcomes = []
         async with httpx.AsyncClient(timeout=60, headers=self.headers) as client:
             for i in (1, 2, 3):
-                body = {
-                    "model": "tiny",
-                    "prompt": self.prompts[i],
-                    "max_tokens": 16,
-                    "temperature": 0,
-                }
+                body = self.body(i, False)
                 pre = await client.post(
                     engines["prefill"][0] + "/v1/completions",
                     json={
@@ -562,7 +570,8 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=5, help="seconds of load after a fault")
     parser.add_argument("--max-tokens", type=int, default=160, help="tokens per load request")
     parser.add_argument("--long-streams", type=int, default=4, help="streams of scale_down")
-    parser.add_argument("--long-tokens", type=int, default=400, help="tokens per long stream")
+    parser.add_argument("--long-tokens", type=int, default=700, help="tokens per long stream")
+    parser.add_argument("--rounds", type=int, default=3, help="SIGTERMs of scale_down")
     parser.add_argument("--json", help="write the numbers to this file")
     args = parser.parse_args()
     bench = Bench(args, Path(tempfile.mkdtemp(prefix="pdfleet-faults-")))
