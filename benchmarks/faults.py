@@ -4,25 +4,35 @@
 ``--model``) joined by NIXL behind its gateway (``Always`` disaggregation, a
 5 s lease), and ``--concurrency`` clients send temperature-0 requests in a
 loop (half streamed, prompts from a fixed set, most long enough for a real
-KV hand-off). Every answer is compared with the same prompt's answer from a
-clean run before the faults. Then, one after the other:
+KV hand-off). Half the requests are greedy, half seeded sampling
+(``temperature`` 0.8, ``top_p`` 0.95, a seed per prompt), each streamed or
+not, ``--max-tokens`` long. Every answer is compared with the same request's
+answer from a clean run before the faults. Then, one after the other:
 
 1. ``kill_prefill``: SIGKILL a prefill engine; `pdfleet up` restarts it.
-2. ``kill_decode``: SIGKILL a decode engine; streams in flight on it must end
-   with an error event within 5 s.
-3. ``sigstop``: SIGSTOP the other decode engine for 10 s, then SIGCONT.
-4. ``restart_producer_mid_transfer``: SIGKILL a prefill engine while it holds
+2. ``kill_decode``: SIGKILL a decode engine while it streams; its requests
+   migrate to the other decode engine (docs/migration.md).
+3. ``sigstop``: SIGSTOP the other decode engine for 10 s, then SIGCONT; the
+   stall watchdog ejects it and its streams migrate.
+4. ``sigterm_decode``: SIGTERM a decode engine while it streams: it hands
+   its streams back (drain by migration); `pdfleet up` restarts it.
+5. ``restart_producer_mid_transfer``: SIGKILL a prefill engine while it holds
    leases of finished prefills whose decode legs are pulling.
-5. ``lease_expiry``: the two legs by hand, the decode leg delayed past the
+6. ``lease_expiry``: the two legs by hand, the decode leg delayed past the
    lease: the answer must still be right (recomputed) or a 400 naming
    ``kv_transfer_params``, never someone else's KV.
+7. ``scale_down``: ``--long-streams`` streams of ``--long-tokens`` tokens on
+   the fleet; the time a drain that waits for them would take (until they
+   end: what a decode scale-down took before migration) against the time a
+   decode engine that has them takes to exit on SIGTERM (after), the streams
+   compared with the unfaulted ones.
 
 Per phase: requests sent, failed, wrong, the longest request (stall), the
 slowest error event after a kill, the engine's restart time and the time
-the gateway took to route to it again after it came back. Targets: 0 wrong;
-0 failed for prefill faults; decode faults fail only the streams in flight
-on the dead engine, each with an error event within 5 s; routing recovered
-within 10 s. Rerun:
+the gateway took to route to it again after it came back; the migrations
+the gateway counted and their resume latency (p50/p99 of the gateway's
+``resumed ... in Xs`` log lines). Targets: 0 failed, 0 wrong in every
+phase; resume p99 < 2 s; routing recovered within 10 s. Rerun:
 
     .venv/bin/python benchmarks/faults.py --json benchmarks/results/faults_cpu.json
 """
@@ -60,6 +70,7 @@ STORY = (
 class Result:
     prompt: int
     stream: bool
+    seeded: bool
     start: float
     end: float = 0.0
     ok: bool = False
@@ -75,7 +86,7 @@ class Bench:
         self.secret = generate_secret()
         self.headers = {"authorization": f"Bearer {fleet_token(self.secret.encode())}"}
         self.prompts = [f"Story {i}: " + STORY * (3 if i % 4 else 1) for i in range(16)]
-        self.reference: dict[int, str] = {}
+        self.reference: dict[tuple[int, bool], str] = {}
         self.results: list[Result] = []
         self.stop_load = False
 
@@ -175,9 +186,23 @@ class Bench:
 
     # -- load -----------------------------------------------------------------------
 
-    async def one(self, client: httpx.AsyncClient, i: int, stream: bool) -> Result:
-        r = Result(i, stream, time.monotonic())
-        body = {"model": "tiny", "prompt": self.prompts[i], "max_tokens": 16, "temperature": 0}
+    def body(self, i: int, seeded: bool, max_tokens: int | None = None) -> dict:
+        body = {
+            "model": "tiny",
+            "prompt": self.prompts[i],
+            "max_tokens": max_tokens or self.args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        if seeded:
+            body |= {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+        return body
+
+    async def one(
+        self, client: httpx.AsyncClient, i: int, stream: bool, seeded: bool = False, **kw
+    ) -> Result:
+        r = Result(i, stream, seeded, time.monotonic())
+        body = self.body(i, seeded, **kw)
         try:
             if stream:
                 async with client.stream(
@@ -215,17 +240,20 @@ class Bench:
                 k = w
                 while not self.stop_load:
                     k += self.args.concurrency
-                    self.results.append(await self.one(client, k % len(self.prompts), k % 2 == 0))
+                    self.results.append(
+                        await self.one(client, k % len(self.prompts), k % 2 == 0, k % 4 >= 2)
+                    )
 
             await asyncio.gather(*(worker(w) for w in range(self.args.concurrency)))
 
     async def clean_run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=120) as client:
             for i in range(len(self.prompts)):
-                r = await self.one(client, i, False)
-                if not r.ok:
-                    raise RuntimeError(f"clean run failed: {r.error}")
-                self.reference[i] = r.text
+                for seeded in (False, True):
+                    r = await self.one(client, i, False, seeded)
+                    if not r.ok:
+                        raise RuntimeError(f"clean run failed: {r.error}")
+                    self.reference[i, seeded] = r.text
 
     # -- faults ---------------------------------------------------------------------
 
@@ -248,16 +276,46 @@ class Bench:
 
     async def phase(self, name: str, fault) -> dict:
         first = len(self.results)
+        resumed = len(self.resume_latencies())
+        moved = self.migrations()
         started = time.monotonic()
         extra = await fault()
         await asyncio.sleep(self.args.settle)
         took = time.monotonic() - started
-        out = self.summarize(self.results[first:]) | {"phase_s": round(took, 1)} | extra
+        latencies = self.resume_latencies()[resumed:]
+        out = (
+            self.summarize(self.results[first:])
+            | {
+                "phase_s": round(took, 1),
+                "migrations": {
+                    k: v - moved.get(k, 0)
+                    for k, v in self.migrations().items()
+                    if v > moved.get(k, 0)
+                },
+            }
+            | ({"resume_s": percentiles(latencies)} if latencies else {})
+            | extra
+        )
         print(f"{name}: {out}", flush=True)
         return out
 
+    def migrations(self) -> dict[str, float]:
+        """The gateway's pdfleet_gateway_migrations_total by reason."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
+        found = re.findall(
+            r'^pdfleet_gateway_migrations_total\{reason="(\w+)"\} ([0-9.e+]+)$', text, re.M
+        )
+        return {reason: float(v) for reason, v in found}
+
+    def resume_latencies(self) -> list[float]:
+        """Seconds from a decode leg's failure to its resumed leg's first event,
+        from the gateway's log, in order."""
+        (log,) = self.run_dir.glob("*/gateway.log")
+        text = log.read_text(errors="replace")
+        return [float(x) for x in re.findall(r"resumed on \S+ in ([0-9.]+)s", text)]
+
     def summarize(self, results: list[Result]) -> dict:
-        wrong = [r for r in results if r.ok and r.text != self.reference[r.prompt]]
+        wrong = [r for r in results if r.ok and r.text != self.reference[r.prompt, r.seeded]]
         failed = [r for r in results if not r.ok]
         return {
             "sent": len(results),
@@ -274,9 +332,9 @@ class Bench:
             return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
 
         deadline = time.monotonic() + 10
-        while inflight() == 0 and time.monotonic() < deadline:  # kill it while it works
-            await asyncio.sleep(0.01)
-        busy = inflight()
+        while await asyncio.to_thread(inflight) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # kill it while it works
+        busy = await asyncio.to_thread(inflight)
         os.kill(self.engine_pids()[url], signal.SIGKILL)
         killed = time.monotonic()
         await asyncio.sleep(0.5)
@@ -288,6 +346,95 @@ class Bench:
             "slowest_error_event_s": round(max(late, default=0), 2),
             "restart_s": round(restart_s, 1),
             "routing_recovered_s": round(recovery_s, 1),
+        }
+
+    async def sigterm(self, role: str, index: int) -> dict:
+        url = self.engines()[role][index]
+
+        def inflight() -> int:
+            return next(e["inflight"] for e in self.view()["engines"] if e["url"] == url)
+
+        deadline = time.monotonic() + 10
+        while await asyncio.to_thread(inflight) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # while it works
+        busy = await asyncio.to_thread(inflight)
+        pid = self.engine_pids()[url]
+        os.kill(pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        while time.monotonic() < signalled + 60 and pid_alive(pid):
+            await asyncio.sleep(0.02)
+        exited_s = time.monotonic() - signalled
+        restart_s, recovery_s = await self.wait_return(url)
+        return {
+            "engine": url,
+            "inflight_at_sigterm": busy,
+            "exited_s": round(exited_s, 2),
+            "restart_s": round(restart_s, 1),
+            "routing_recovered_s": round(recovery_s, 1),
+        }
+
+    async def scale_down(self) -> dict:
+        """Long streams: how long a drain that waits for them takes (before),
+        and how long a decode engine holding them takes to leave on SIGTERM."""
+        n, tokens = self.args.long_streams, self.args.long_tokens
+        async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
+
+            async def streams() -> list[Result]:
+                return await asyncio.gather(
+                    *(self.one(client, i, True, i % 2 == 1, max_tokens=tokens) for i in range(n))
+                )
+
+            def decode_view() -> list[dict]:
+                return [e for e in self.view()["engines"] if e["role"] == "decode"]
+
+            async def all_running() -> float:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    view = await asyncio.to_thread(decode_view)
+                    if sum(e["inflight"] for e in view) >= n:
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # well into the streams
+                return time.monotonic()
+
+            # Before: a drain waits until the streams end.
+            task = asyncio.create_task(streams())
+            t0 = await all_running()
+            reference = await task
+            waited_s = max(r.end for r in reference) - t0
+            # After: SIGTERM the decode engine holding the most of them, --rounds times.
+            exits: list[float] = []
+            on_engine: list[int] = []
+            failed = wrong = 0
+            resumed = len(self.resume_latencies())
+            for _ in range(self.args.rounds):
+                task = asyncio.create_task(streams())
+                await all_running()
+                view = await asyncio.to_thread(decode_view)
+                busiest = max(view, key=lambda e: e["inflight"])
+                pid = self.engine_pids()[busiest["url"]]
+                os.kill(pid, signal.SIGTERM)
+                signalled = time.monotonic()
+                while time.monotonic() < signalled + 120 and pid_alive(pid):
+                    await asyncio.sleep(0.02)
+                exits.append(round(time.monotonic() - signalled, 2))
+                on_engine.append(busiest["inflight"])
+                moved = await task
+                failed += sum(not r.ok for r in moved)
+                wrong += sum(
+                    r.ok and r.text != ref.text for r, ref in zip(moved, reference, strict=True)
+                )
+                await self.wait_return(busiest["url"])
+        latencies = self.resume_latencies()[resumed:]
+        return {
+            "long_streams": n,
+            "long_tokens": tokens,
+            "streams_on_drained_engine": on_engine,
+            "before_wait_for_streams_s": round(waited_s, 2),
+            "after_sigterm_to_exit_s": exits,
+            "long_failed": failed,
+            "long_wrong": wrong,
+            "resume_s": percentiles(latencies) if latencies else None,
         }
 
     async def sigstop(self) -> dict:
@@ -327,12 +474,7 @@ class Bench:
         outcomes = []
         async with httpx.AsyncClient(timeout=60, headers=self.headers) as client:
             for i in (1, 2, 3):
-                body = {
-                    "model": "tiny",
-                    "prompt": self.prompts[i],
-                    "max_tokens": 16,
-                    "temperature": 0,
-                }
+                body = self.body(i, False)
                 pre = await client.post(
                     engines["prefill"][0] + "/v1/completions",
                     json={
@@ -348,7 +490,7 @@ class Bench:
                     json={**body, "kv_transfer_params": params},
                 )
                 if dec.status_code == 200:
-                    right = dec.json()["choices"][0]["text"] == self.reference[i]
+                    right = dec.json()["choices"][0]["text"] == self.reference[i, False]
                     outcomes.append("right" if right else "WRONG")
                 elif dec.status_code == 400 and "kv_transfer_params" in dec.text:
                     outcomes.append("refused_expired")
@@ -367,6 +509,9 @@ class Bench:
             )
             report["kill_decode"] = await self.phase("kill_decode", lambda: self.kill("decode", 0))
             report["sigstop"] = await self.phase("sigstop", self.sigstop)
+            report["sigterm_decode"] = await self.phase(
+                "sigterm_decode", lambda: self.sigterm("decode", 0)
+            )
             report["restart_producer_mid_transfer"] = await self.phase(
                 "restart_producer_mid_transfer", self.restart_producer_mid_transfer
             )
@@ -375,11 +520,38 @@ class Bench:
             self.stop_load = True
             await asyncio.wait_for(load, 180)
         report["total"] = self.summarize(self.results)
+        all_resumes = self.resume_latencies()
+        if all_resumes:
+            report["total"]["resume_s"] = percentiles(all_resumes)
+        report["scale_down"] = await self.scale_down()
+        print(f"scale_down: {report['scale_down']}", flush=True)
         return report
 
     async def _nothing(self) -> dict:
         await asyncio.sleep(self.args.settle)
         return {}
+
+
+def percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"n": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 3)}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by pdfleet up) has left.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def listener_pid(port: int) -> int | None:
@@ -396,6 +568,10 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--settle", type=float, default=5, help="seconds of load after a fault")
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per load request")
+    parser.add_argument("--long-streams", type=int, default=4, help="streams of scale_down")
+    parser.add_argument("--long-tokens", type=int, default=700, help="tokens per long stream")
+    parser.add_argument("--rounds", type=int, default=3, help="SIGTERMs of scale_down")
     parser.add_argument("--json", help="write the numbers to this file")
     args = parser.parse_args()
     bench = Bench(args, Path(tempfile.mkdtemp(prefix="pdfleet-faults-")))

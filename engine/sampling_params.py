@@ -117,12 +117,20 @@ class SamplingParams:
     # A prefix-cache namespace: the request's block hashes start from a digest of
     # it (engine/core/block_hash.py), so it shares KV only with the same salt.
     cache_salt: str | None = None
+    # A migrated request (docs/migration.md): the output tokens another engine
+    # already sent to the client. The request starts as if it had sampled them
+    # (a preempted request resumed): they are computed with the prompt, count
+    # against max_tokens and min_tokens, feed penalties, advance the grammar
+    # matcher and the detokenizer (stop strings), and a seeded request draws
+    # its next token from (seed, len(resumed_token_ids)). They are not sent again.
+    resumed_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.resumed_token_ids = list(self.resumed_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
         if isinstance(self.structured_outputs, dict):
@@ -208,6 +216,14 @@ class SamplingParams:
                 f"stop_token_ids must be token ids (integers 0..{INT32_MAX}), "
                 f"got {self.stop_token_ids!r}"
             )
+        if self.resumed_token_ids:
+            if self.n != 1:
+                raise ValueError("migration: a resumed request has n = 1")
+            if self.max_tokens is not None and len(self.resumed_token_ids) >= self.max_tokens:
+                raise ValueError(
+                    f"migration: {len(self.resumed_token_ids)} tokens already sent leave none "
+                    f"of max_tokens ({self.max_tokens})"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -276,6 +276,26 @@ def fallback(reason: str) -> None:
     span.add_event("fallback", {"pdfleet.fallback": reason})
 
 
+def migrated(reason: str, source: str, target: str, replayed: int, since: float) -> None:
+    """A decode leg moved from engine ``source`` to ``target`` (docs/migration.md):
+    one span in the request's trace from the failure (``since``, a
+    ``perf_counter`` time) to now (the resumed leg's first event)."""
+    if _tracer is None:
+        return
+    start = time.time_ns() - int((time.perf_counter() - since) * 1e9)
+    span = _tracer.start_span(
+        "migration",
+        start_time=start,
+        attributes={
+            "pdfleet.migration.reason": reason,
+            "pdfleet.migration.from": source,
+            "pdfleet.migration.to": target,
+            "pdfleet.migration.replayed_tokens": replayed,
+        },
+    )
+    span.end()
+
+
 class _LegResponse:
     """An upstream streamed response whose leg span ends when it is closed."""
 

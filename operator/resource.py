@@ -510,6 +510,11 @@ class GatewaySpec(PodPlacement):
     """Pass each request's priority band to the engines (`--engine-priority`),
     and run the engines with `--scheduling-policy priority` so that they admit
     and preempt by it."""
+    max_migrations: int = Field(default=3, ge=0, le=100, strict=True)
+    """Times one request may move to another decode engine when its decode
+    engine dies, stalls or drains mid-answer, resumed from the tokens the
+    client already has (`--max-migrations`, docs/migration.md); then it fails
+    with a clear error. 0: no migration."""
 
     def overload_settings(self) -> dict[str, Any]:
         """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""
@@ -520,6 +525,7 @@ class GatewaySpec(PodPlacement):
             "queue_timeout": self.queue_timeout_seconds,
             "max_queued_requests": self.max_queued_requests,
             "engine_priority": self.engine_priority,
+            "max_migrations": self.max_migrations,
         }
 
 

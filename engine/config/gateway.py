@@ -256,6 +256,11 @@ class GatewayConfig:
     """Consecutive failed health checks that eject an engine from routing."""
     readmit_after: int = 2
     """Consecutive good health checks that bring an ejected engine back."""
+    max_migrations: int = 3
+    """Times one request may move to another decode engine after its decode
+    leg failed (the engine died, stalled, drained, or its stream broke),
+    resumed from the tokens the client already has (docs/migration.md); then
+    it fails with an error event (a stream) or a 502. 0: no migration."""
     retries: int = 1
     """Other engines to try after a failed prefill leg (then decode-only), or
     after a decode engine that refuses the connection."""
@@ -365,6 +370,8 @@ class GatewayConfig:
             raise ValueError("--workers above 1 needs a fixed --port (each worker binds it)")
         if self.retries < 0 or self.min_prompt_tokens < 0:
             raise ValueError("--retries and --min-prompt-tokens must be >= 0")
+        if not 0 <= self.max_migrations <= 100:
+            raise ValueError(f"--max-migrations must be within [0, 100], got {self.max_migrations}")
         for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL {url!r} must start with http:// or https://")

@@ -594,6 +594,27 @@ GATEWAY_REJECTED_REQUESTS = Metric(
     "queue_timeout).",
     ("reason",),
 )
+GATEWAY_MIGRATIONS = Metric(
+    "pdfleet_gateway_migrations_total",
+    "counter",
+    "Decode legs resumed on another decode engine after the client had part of the "
+    "answer, by reason (drain, died, stalled, refused); exhausted: requests that "
+    "failed because they reached --max-migrations.",
+    ("reason",),
+)
+GATEWAY_MIGRATION_REPLAYED_TOKENS = Metric(
+    "pdfleet_gateway_migration_replayed_tokens_total",
+    "counter",
+    "Output tokens already sent to clients that resumed decode legs carried to their new "
+    "engine (recomputed there, or found in its prefix cache).",
+)
+GATEWAY_MIGRATION_RESUME = Metric(
+    "pdfleet_gateway_migration_resume_seconds",
+    "histogram",
+    "From a decode leg's failure to the first event of its resumed leg.",
+    (),
+    TTFT_BUCKETS,
+)
 
 GATEWAY_TENANT_REQUESTS = Metric(
     "pdfleet_gateway_tenant_requests_total",

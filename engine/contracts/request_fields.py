@@ -61,6 +61,8 @@ WORKS: dict[str, frozenset[str]] = {
             "priority",
             "request_id",
             "kv_transfer_params",
+            # pdfleet's own, internal: a decode leg the gateway can migrate.
+            "migration",
             "response_format",
             "guided_json",
             "guided_regex",

@@ -60,6 +60,9 @@ class Call:
     seqs: int = 1
     """Sequences it runs on its decode engine (``n`` or ``best_of``, × prompts):
     the slots it takes there (``admission.py``)."""
+    migration: Any = None
+    """A migratable request's state across decode legs (``migration.Migration``);
+    None when it cannot move."""
 
 
 def tame_request_id(value: Any) -> bool:

@@ -14,6 +14,9 @@ The client's body plus the ``kv_transfer_params`` the prefill engine returned
   (an expired lease, a restarted producer) gets the leg again without them;
 * the KV-pair breaker hears of every failed hand-off over a (prefill, decode)
   pair;
+* a stopping engine (its 503 says so) is left for the next one at once;
+* a migratable request whose leg fails after it started moves to another
+  decode engine (``migration.py``, ``--max-migrations``);
 * a 4xx (also 408/429) is the client's answer; a 5xx or a transport failure
   an error in OpenAI's shape with no engine detail.
 """
@@ -32,11 +35,13 @@ from starlette.responses import Response
 
 from .. import tracing
 from ..contracts.errors import ErrorBody
+from ..contracts.migration import MIGRATE_HEADER
 from ..http.upstream import UpstreamError, UpstreamResponse
 from .answers import upstream_message
 from .call import Call
 from .engines import EngineState
 from .legs import LegFailed, Legs
+from .migration import Migrator
 from .prompt import PromptInfo
 from .relay import Opened, RelayResponse, relay
 from .routing import Route
@@ -60,9 +65,18 @@ class Failover:
     held: list[bool]
 
 
+_STOPPING = MIGRATE_HEADER.encode()
+
+
+def stopping(resp: UpstreamResponse) -> bool:
+    """A stopping engine's 503 (a new leg refused, or a leg handed back)."""
+    return resp.status_code == 503 and resp.header(_STOPPING) is not None
+
+
 class DecodeLeg:
     def __init__(self, legs: Legs) -> None:
         self.legs = legs
+        self.migrator = Migrator(legs)
 
     # -- a JSON answer ---------------------------------------------------------------
 
@@ -70,6 +84,7 @@ class DecodeLeg:
         legs = self.legs
         e: EngineState | None = route.decode
         failover = Failover(route, info, payload, set(), [False])
+        want = route.decode.load.compat_hash
         while e is not None:
             failover.tried.add(e.url)
             legs.acquire(e)
@@ -85,6 +100,16 @@ class DecodeLeg:
                 legs.release(e)
                 failure = legs.failed(e, "decode", ex)
                 logger.warning("request %s: %s", call.request_id, failure.detail)
+                if call.migration is not None and failure.kind in ("stalled", "broken"):
+                    legs.pair_failed(call, e)
+                    moved = await self.migrator.move_unsent(
+                        call, e, "stalled" if failure.kind == "stalled" else "died", want
+                    )
+                    if moved is not None:
+                        e, failover.payload = moved
+                        legs.move_slot(call, e)
+                        continue
+                    return legs.error(call, failure.message, failure.status)
                 if failure.kind in ("connect", "stalled"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
@@ -98,6 +123,24 @@ class DecodeLeg:
                 raise
             legs.release(e)
             legs.pool.progress(e)
+            if stopping(resp):
+                # Handed back (or refused) by a stopping engine: nothing was sent.
+                moved = (
+                    await self.migrator.move_unsent(call, e, "drain", want)
+                    if call.migration is not None
+                    else None
+                )
+                if moved is not None:
+                    e, failover.payload = moved
+                    legs.move_slot(call, e)
+                    continue
+                failover.tried.add(e.url)
+                nxt = await self.next_engine(call, failover) if call.migration is None else None
+                if nxt is not None:
+                    legs.move_slot(call, nxt)
+                    e = nxt
+                    continue
+                return legs.leg_error(call, legs.status_error(e, "decode", resp))
             if self._params_refused(call, resp):
                 failover.payload = self._without_params(call, e, resp)
                 failover.tried.discard(e.url)
@@ -136,7 +179,19 @@ class DecodeLeg:
                     continue
             except LegFailed as failure:
                 logger.warning("request %s: %s", call.request_id, failure.detail)
-                if failure.kind in ("connect", "stalled"):
+                if call.migration is not None and failure.kind == "broken":
+                    # The engine went away before it answered: a migratable
+                    # request goes again whole to another engine.
+                    legs.pair_failed(call, e)
+                    moved = await self.migrator.move_unsent(
+                        call, e, "died", route.decode.load.compat_hash
+                    )
+                    if moved is not None:
+                        e, failover.payload = moved
+                        legs.move_slot(call, e)
+                        continue
+                    return legs.error(call, failure.message, failure.status)
+                if failure.kind in ("connect", "stalled", "stopping"):
                     nxt = await self.next_engine(call, failover)
                     if nxt is not None:
                         legs.move_slot(call, nxt)
@@ -151,6 +206,12 @@ class DecodeLeg:
                 raise TypeError("broken invariant: isinstance(opened, tuple)")
             legs.record(call, info, e.url)
             resp, chunks = opened
+            if call.migration is not None:
+                return RelayResponse(
+                    self.migrator.relay(call, e, resp, chunks, self._open_resumed),
+                    functools.partial(self._abandon, call, e, resp),
+                    call.request_id,
+                )
             return RelayResponse(
                 relay(legs, call, e, resp, chunks, functools.partial(self._resend, call, failover)),
                 functools.partial(self._abandon, call, e, resp),
@@ -186,6 +247,13 @@ class DecodeLeg:
                 legs.pool.progress(e)
                 if resp.status_code != 200:
                     content = await resp.aread()
+                    if stopping(resp):
+                        raise LegFailed(
+                            "the decode engine is stopping",
+                            503,
+                            "stopping",
+                            f"decode engine {e.url} is stopping",
+                        )
                     if relayed:
                         logger.warning(
                             "request %s: resent decode leg answered %d: %s",
@@ -210,6 +278,15 @@ class DecodeLeg:
                 if resp is not None:
                     await resp.aclose()
                 legs.release(e)
+
+    async def _open_resumed(
+        self, call: Call, e: EngineState, payload: bytes
+    ) -> tuple[UpstreamResponse, AsyncIterator[bytes]] | None:
+        """A migrated leg opened on ``e`` (the migrating relay's opener)."""
+        opened = await self._open(call, e, payload, relayed=True)
+        if not (opened is None or isinstance(opened, tuple)):  # relayed: no Response
+            raise TypeError("broken invariant: a relayed leg opens to a stream or nothing")
+        return opened
 
     async def _resend(self, call: Call, failover: Failover, stalled: EngineState) -> Opened | None:
         """The relay's ``resend``: the decode leg on another engine after

@@ -60,6 +60,7 @@ from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
 from .flow.tenants import Tenants
 from .legs import Legs
 from .metrics import GatewayMetrics
+from .migration import Migration, add_state, migratable, with_state
 from .peer_pull import PeerPull, Plan
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
@@ -228,6 +229,10 @@ class Proxy:
             )
         decided.inc()
         tracing.route_chosen(route)
+        if migratable(body, call.chat, self.config.max_migrations):
+            # Its decode legs can move between engines (migration.py).
+            call.migration = Migration(body)
+            payload = with_state(payload, body)
         first = await self._first_leg(call, body, route, info, plan, payload)
         if isinstance(first, Response):
             return first
@@ -249,6 +254,14 @@ class Proxy:
             # An internal protocol: only a prefill leg's answer may set it.
             del body["kv_transfer_params"]
             payload = json.dumps(body).encode()
+        if "migration" in body:
+            self.metrics.rejected.labels("invalid_field").inc()
+            return self.legs.error(
+                call,
+                "migration: an internal field of pdfleet's decode legs; clients may not send it",
+                403,
+                "migration",
+            )
         call.body = body
         given = body.get("request_id")
         if call.id_from_body and isinstance(given, str) and tame_request_id(given):
@@ -305,7 +318,8 @@ class Proxy:
                 return outcome
             if outcome is not None:
                 call.plain_payload = payload
-                payload = json.dumps(decode_body(body, outcome)).encode()
+                leg = decode_body(body, outcome)
+                payload = json.dumps(add_state(leg) if call.migration else leg).encode()
         elif plan is not None and plan.decision == "pull":
             if self.peer_pull is None:
                 raise RuntimeError("broken invariant: a pull plan without a peer-pull planner")
@@ -315,7 +329,8 @@ class Proxy:
             if params is not None:
                 # As a decode leg: refused params fall back to the plain body.
                 call.plain_payload, call.prefill_url = payload, plan.holder.url
-                payload = json.dumps(decode_body(body, params)).encode()
+                leg = decode_body(body, params)
+                payload = json.dumps(add_state(leg) if call.migration else leg).encode()
         elif route.reason in ("no_prefill_engine", "kv_pair_open"):
             if route.reason == "no_prefill_engine":
                 self.activation.wanted("prefill")

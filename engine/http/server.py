@@ -810,6 +810,9 @@ class HttpServer:
         self._force = False
         self._stop_asked = False
         """``stop_threadsafe`` before the loop ran: stop as soon as it does."""
+        self.on_stop: Callable[[], None] | None = None
+        """Called (on the loop) when a graceful stop begins, before the wait for
+        running requests (the engine hands its migratable streams back then)."""
 
     @property
     def direct(self) -> bool:
@@ -937,6 +940,8 @@ class HttpServer:
         """Begin a graceful stop (a second call, or ``force``: running requests end now)."""
         if self.stopping or force:
             self._force = True
+        elif self.on_stop is not None:
+            self.on_stop()
         self.stopping = True
         if self._stop is not None:
             self._stop.set()

@@ -307,6 +307,13 @@ class LLMEngine:
         lora = self._request_lora(lora_request)
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         self.validate_prompt(prompt_ids)
+        resumed = params.resumed_token_ids
+        if resumed:
+            # A migrated request: its sent tokens are checked as a prompt is.
+            try:
+                self.validate_prompt(prompt_ids + resumed)
+            except ValueError as e:
+                raise ValueError(f"migration: {str(e).removeprefix('prompt: ')}") from None
         if params.structured_outputs is not None:
             # The server compiles before admission (off this thread) and pins the
             # result on the spec; offline callers compile here.
@@ -337,6 +344,9 @@ class LLMEngine:
                     request_id=cid,
                     prompt_token_ids=prompt_ids,
                     sampling_params=child_params,
+                    # A resumed request starts as a preempted one: its sent
+                    # tokens are recomputed (or found in the prefix cache).
+                    output_token_ids=list(resumed),
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival,
                     priority=priority,

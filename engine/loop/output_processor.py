@@ -63,6 +63,26 @@ class ChildState:
         self.sent_finish = False
         # Text withheld while it could still turn out to start a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        if params.resumed_token_ids:
+            self.replay(params.resumed_token_ids)
+
+    def replay(self, token_ids: list[int]) -> None:
+        """A migrated request: take the tokens another engine already sent,
+        token by token as that engine did, so that the detokenizer, the text
+        withheld for stop strings and the sent offsets are what they were
+        there; nothing of them is handed out again. Their logprobs went out
+        with them: empty entries keep the lists aligned."""
+        for token in token_ids:
+            self.token_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append({})
+            if self.detok is not None:
+                new_text = self.detok.add(token)
+                self.text += new_text
+                # The other engine found no stop string in these (it went on).
+                self.check_stop_strings(new_text)
+        self.sent_tokens = len(self.token_ids)
+        self.sent_text = len(self.visible_text())
 
     def visible_text(self) -> str:
         if self.finish_reason is not None or not self.holdback:

@@ -4,8 +4,10 @@ The fleet writes the gateway's engines file (atomically) whenever an engine
 becomes ready, starts draining or goes away; the gateway re-reads it, so
 engines join and leave routing at runtime. A child that dies unexpectedly is
 reported and restarted. Scale-down drains: the victim leaves the engines
-file, the fleet waits (bounded) until it has no running or waiting requests
-and no KV leases held for decode engines, then stops it. The autoscaler
+file; a prefill engine is stopped once it has no running or waiting requests
+and no KV leases held for decode engines (a bounded wait), a decode engine
+at once (SIGTERM: it hands its streams back to the gateway, which migrates
+them; with ``maxMigrations: 0`` it too waits until idle). The autoscaler
 (``process_autoscaler.py``, handed this fleet by ``pdfleet up``) decides when.
 
 Every child gets the fleet secret in its environment (``$PDFLEET_FLEET_SECRET``,
@@ -419,11 +421,15 @@ class LocalFleet:
         self.write_engines_file()
         self.say(f"  draining {child.name}")
 
+        # A decode engine hands its streams back to the gateway on SIGTERM, which
+        # resumes them elsewhere (docs/migration.md): no wait for them to end.
+        migrates = child.role == "decode" and self.spec.gateway.max_migrations > 0
+
         def finish() -> None:
             deadline = time.monotonic() + self.drain_timeout
             # The gateway re-reads the engines file within a second; then wait for idle.
             time.sleep(1.5)
-            while time.monotonic() < deadline and child.alive():
+            while not migrates and time.monotonic() < deadline and child.alive():
                 if in_flight(scrape(child.url, headers=child.headers)) == 0:
                     break
                 time.sleep(0.5)

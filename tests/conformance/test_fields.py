@@ -154,3 +154,35 @@ def test_logprob_counts_take_minus_one_within_max_logprobs():
             check_sampling(body, vocab_size=1000, max_logprobs=20)
     with pytest.raises(ValueError, match=r"^logprobs must be -1 or an integer 0\.\.20"):
         check_sampling({"logprobs": -2}, vocab_size=1000, max_logprobs=20)
+
+
+def test_migration_is_an_internal_resume_state():
+    """``migration`` (a decode leg the gateway resumes, docs/migration.md) is a
+    field of both generation routes, shaped strictly, for one sequence only;
+    that only the fleet token may send it is tests/gateway/test_migration.py's
+    and tests/security/test_kv_content.py's."""
+    from pdfleet.engine.entrypoints.openai.protocol import (
+        APIError,
+        ChatCompletionRequest,
+        CompletionRequest,
+    )
+
+    for route in (rf.CHAT, rf.COMPLETIONS):
+        rf.check_fields({"migration": {"output_token_ids": [1]}}, route)
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "migration": {"output_token_ids": [3, 4], "created": 7}}
+    )
+    params = req.sampling_params({}, 16, None)
+    assert params.resumed_token_ids == [3, 4]
+    with pytest.raises(ValueError, match="bogus"):
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "migration": {"bogus": 1}}
+        )
+    with pytest.raises(APIError, match="^migration: "):
+        CompletionRequest.model_validate({"prompt": "x", "n": 2, "migration": {}}).sampling_params(
+            {}, 16, None
+        )
+    with pytest.raises(APIError, match="^migration: 2 tokens already sent"):
+        CompletionRequest.model_validate(
+            {"prompt": "x", "migration": {"output_token_ids": [1, 2]}}
+        ).sampling_params({}, 2, None)

@@ -3,8 +3,8 @@
 The module owns two prefill and two decode engines, joined by the real ZMQ
 connector, and breaks them in file order: stall (SIGSTOP) a decode engine
 under load and revive it, stall one past the gateway's timeouts, kill one
-decode engine mid-stream, kill both prefill engines under load, and finally
-kill the last decode engine.
+decode engine mid-stream (its stream resumes on the other), kill both
+prefill engines under load, and finally kill the last decode engine.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def test_stalled_decode_engine_hits_the_idle_first_token_and_request_timeouts(fl
         gw.stop()
 
 
-def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
+def test_decode_engine_killed_mid_stream_the_stream_resumes_on_the_other_one(fleet):
     gw = fleet["gateway"]
     body = {
         "model": "tiny",
@@ -183,34 +183,40 @@ def test_decode_engine_killed_mid_stream_ends_the_stream_with_an_error_event(fle
         "max_tokens": 480,
         "ignore_eos": True,
         "stream": True,
+        "temperature": 0,
     }
-    events: list[str] = []
-    killed_at = None
-    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[len("data: ") :])
-            if killed_at is None and len(events) == 3:
-                # The merged metric: every worker's in-flight requests (/engines
-                # is one worker's view with --workers N).
-                serving = [
-                    fleet[n]
-                    for n in ("d1", "d2")
-                    if metric(gw.url, INFLIGHT, engine=fleet[n].url, role="decode")
-                ]
-                assert len(serving) == 1
-                serving[0].signal(signal.SIGKILL)
-                killed_at = time.monotonic()
-    assert killed_at is not None
-    assert time.monotonic() - killed_at < 5, "the client's stream did not end within 5 s"
+
+    def stream(kill_after: int | None) -> list[str]:
+        events: list[str] = []
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if len(events) == kill_after:
+                    # The merged metric: every worker's in-flight requests (/engines
+                    # is one worker's view with --workers N).
+                    serving = [
+                        fleet[n]
+                        for n in ("d1", "d2")
+                        if metric(gw.url, INFLIGHT, engine=fleet[n].url, role="decode")
+                    ]
+                    assert len(serving) == 1
+                    serving[0].signal(signal.SIGKILL)
+        return events
+
+    def text(events: list[str]) -> str:
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    reference = stream(None)
+    events = stream(1)  # at the first event: the engine is still generating
+    # One answer: the other engine went on from the tokens the client had
+    # (docs/migration.md), no error event, the unfaulted text.
     assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == 502 and error["type"] == "BadGatewayError"
-    assert "decode engine" in error["message"] and "127.0.0.1" not in error["message"]
-    assert len(events) < 480  # it ended early, not after the full answer
-    assert metric(gw.url, "pdfleet_gateway_requests_total", status="502") >= 1
+    assert not any('"error"' in e for e in events)
+    assert text(events) == text(reference)
+    assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") >= 1
 
 
 async def _load(url: str, n: int, offset: int = 0) -> list[int]:

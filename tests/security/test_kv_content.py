@@ -119,6 +119,10 @@ def test_a_client_api_key_cannot_send_kv_transfer_params(pair):
             assert error["param"] == "kv_transfer_params"
             assert "kv_transfer_params" in error["message"]
     assert (pair.metric("decode", MISMATCHES), pair.metric("decode", TRANSFERS)) == before
+    # Nor a migration state (a stream resumed as if its tokens were the engine's).
+    resumed = {**b, "migration": {"output_token_ids": [1, 2, 3]}}
+    r = post(pair.decode.url + "/v1/completions", resumed, key=CLIENT_KEY)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "migration", r.text
     # The same key may still call the engine directly without internal fields.
     assert text_of(post(pair.decode.url + "/v1/completions", b, key=CLIENT_KEY)) == reference(
         pair, b

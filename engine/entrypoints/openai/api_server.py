@@ -1,9 +1,10 @@
 """The engine's HTTP server: OpenAI API, health, metrics, tokenize.
 
 The port opens at once; ``/health`` answers 503 until the model is loaded and
-a warm-up step ran, then 200. SIGTERM stops accepting connections, lets
-in-flight requests finish for up to ``--shutdown-timeout`` seconds, then
-exits 0. An engine whose loop broke (see ``async_engine``) exits 1 at once,
+a warm-up step ran, then 200. SIGTERM stops accepting connections and
+requests (503), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, then hands the ones the gateway can migrate
+back to it (``contracts/migration.py``), aborts the rest, and exits 0. An engine whose loop broke (see ``async_engine``) exits 1 at once,
 for its supervisor to restart it: it is never alive with a failed health.
 
 Every route but the health probes needs a credential (``auth.py``); bodies
@@ -37,6 +38,7 @@ from ... import tracing
 from ...config import EngineConfig
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
 from ...contracts.http_limits import RequestLimits
+from ...contracts.migration import MIGRATE_EVENT, MIGRATE_HEADER
 from ...http.server import HttpServer
 from ...loop.async_engine import AsyncEngine
 from ...loop.llm_engine import LLMEngine
@@ -89,6 +91,9 @@ class ServerState:
         self.on_exit: Any = None  # set by run_server: stops the HTTP server
         self.ready = threading.Event()
         self.draining = False
+        self.handoff: asyncio.Event | None = None
+        """Set when a stopping engine hands its migratable streams back to the
+        gateway (``--shutdown-timeout`` after SIGTERM); made on the server's loop."""
         self.last_log = time.monotonic()
 
     def load(self) -> None:
@@ -140,22 +145,34 @@ class ServerState:
             )
 
 
+# Seconds a stopping engine gives its handed-back streams to write ``: migrate``
+# and end, after --shutdown-timeout, before it cancels what is left.
+HANDOFF_SECONDS = 1.0
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 async def until_disconnected(
-    events: AsyncGenerator[str, None], request: Request
+    events: AsyncGenerator[str, None], request: Request, handoff: asyncio.Event | None = None
 ) -> AsyncGenerator[str, None]:
     """Relay SSE events; stop (aborting the engine request) when the client goes away.
 
     A watcher task waits for the disconnect message and cancels the task that
     iterates the stream; the cancellation runs the generators' cleanup, which
     aborts the engine request. Chunks themselves flow with no extra tasks.
+
+    ``handoff`` (a stream the gateway can migrate): when it is set (the engine
+    is stopping) the stream ends with ``: migrate`` at its next event, or at
+    once while it waits for one, and the engine request is aborted: the
+    gateway resumes it elsewhere from the tokens it has relayed.
     """
     consumer = asyncio.current_task()
     gone = False
+    handing_off = False
+    waiting = False  # the consumer awaits the next event (not a write)
 
     async def watch() -> None:
         nonlocal gone
@@ -164,16 +181,40 @@ async def until_disconnected(
         if consumer is not None:
             consumer.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    async def watch_handoff(event: asyncio.Event) -> None:
+        nonlocal handing_off
+        await event.wait()
+        handing_off = True
+        if waiting and consumer is not None:
+            consumer.cancel()
+
+    watchers = [asyncio.ensure_future(watch())]
+    if handoff is not None:
+        watchers.append(asyncio.ensure_future(watch_handoff(handoff)))
     try:
-        async for item in events:
+        while True:
+            waiting = True
+            try:
+                item = await anext(events)
+            except StopAsyncIteration:
+                break
+            finally:
+                waiting = False
+            if handing_off:
+                yield MIGRATE_EVENT.decode()
+                return
             yield item
     except asyncio.CancelledError:
-        if not gone:
+        if gone:
+            return
+        if not handing_off or consumer is None:
             raise
+        consumer.uncancel()
+        yield MIGRATE_EVENT.decode()
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         await events.aclose()
 
 
@@ -186,6 +227,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         threading.Thread(target=state.load, name="pdfleet-loader", daemon=True).start()
+        state.handoff = asyncio.Event()
         yield
         state.draining = True
         if state.engine is not None:
@@ -219,7 +261,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         if e.status >= 500:
             logger.warning("request %s: %d %s", ids(request), e.status, e.message)
-        return error_json(e)
+        return error_json(e, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -258,7 +300,10 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
 
     def serving(request: Request) -> tuple[CompletionServing, ChatServing]:
         if state.draining or state.fatal is not None:
-            raise APIError("the server is shutting down", status=503)
+            # A gateway sends the request to another engine at once.
+            raise APIError(
+                "the server is shutting down", status=503, headers={MIGRATE_HEADER: "stopping"}
+            )
         if state.completions is None or state.chat is None:
             raise APIError("the model is still loading", status=503)
         return state.completions, state.chat
@@ -421,12 +466,17 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
 
         return {"version": v("pdfleet")}
 
-    async def respond(request: Request, coro_or_stream: Any, stream: bool, rid: str) -> Response:
+    async def respond(
+        request: Request, coro_or_stream: Any, stream: bool, rid: str, migratable: bool = False
+    ) -> Response:
         headers = echo_headers(request, rid)
+        handoff = state.handoff if migratable else None
         if stream:
             events = await coro_or_stream
             return StreamingResponse(
-                until_disconnected(events, request), media_type="text/event-stream", headers=headers
+                until_disconnected(events, request, handoff),
+                media_type="text/event-stream",
+                headers=headers,
             )
         task = asyncio.ensure_future(coro_or_stream)
         while True:
@@ -437,20 +487,30 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 task.cancel()  # aborts the engine request and frees its blocks
                 await asyncio.gather(task, return_exceptions=True)
                 return JSONResponse({}, status_code=499)
+            if handoff is not None and handoff.is_set():
+                # Stopping: the gateway sends the request to another engine.
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return error_json(
+                    APIError("the engine is stopping; migrate the request", status=503),
+                    {MIGRATE_HEADER: "drain"},
+                )
 
     def for_caller(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
         client = request.client.host if request.client is not None else None
         body.for_caller(request_caller(request.headers, client, state.auth))
 
     def internal_fields_only_from_internal_callers(body: Any, request: Request) -> None:
-        """kv_transfer_params steer KV pulls and leases, and a non-zero priority
-        orders admission and preemption: only the fleet token (the gateway, which
-        sets the priority from the caller's tenant) or an internal key may send
-        them, never a client API key (docs/security.md, docs/flow-control.md)."""
+        """kv_transfer_params steer KV pulls and leases, a non-zero priority orders
+        admission and preemption, and migration resumes a stream as if its tokens
+        were the engine's own: only the fleet token (the gateway, which sets the
+        priority from the caller's tenant) or an internal key may send them, never
+        a client API key (docs/security.md, docs/flow-control.md, docs/migration.md)."""
         internal = None
         for name, given in (
             ("kv_transfer_params", body.kv_transfer_params is not None),
             ("priority", bool(body.priority)),
+            ("migration", body.migration is not None),
         ):
             if not given:
                 continue
@@ -471,9 +531,12 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         for_caller(body, request)
         rid = request_id(request, "cmpl")
         out = response_id(request, "cmpl", rid, body)
+        migratable = body.migration is not None
         if body.stream:
-            return await respond(request, s.completion_stream(body, rid, out), True, rid)
-        return await respond(request, s.completion(body, rid, out), False, rid)
+            return await respond(
+                request, s.completion_stream(body, rid, out), True, rid, migratable
+            )
+        return await respond(request, s.completion(body, rid, out), False, rid, migratable)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -482,9 +545,10 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         for_caller(body, request)
         rid = request_id(request, "chatcmpl")
         out = response_id(request, "chatcmpl", rid, body)
+        migratable = body.migration is not None
         if body.stream:
-            return await respond(request, s.chat_stream(body, rid, out), True, rid)
-        return await respond(request, s.chat(body, rid, out), False, rid)
+            return await respond(request, s.chat_stream(body, rid, out), True, rid, migratable)
+        return await respond(request, s.chat(body, rid, out), False, rid, migratable)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
@@ -670,9 +734,25 @@ def run_server(
     logging.getLogger("pdfleet.http").setLevel(log_level.upper())
     state = ServerState(config, max_waiting_requests, auth, limits, large_prompt_chars, options)
     app = build_app(state)
-    # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's).
-    grace = config.shutdown_timeout if config.shutdown_timeout > 0 else 0.01
+    # --shutdown-timeout 0 aborts in-flight requests at once (as vLLM's); a
+    # stream the gateway can migrate is handed back to it then (": migrate"),
+    # which takes it up to HANDOFF_SECONDS more to write and end.
+    grace = config.shutdown_timeout + HANDOFF_SECONDS
     server = HttpServer(app, limits, graceful_timeout=grace, name="engine")
+
+    def stopping() -> None:
+        # New requests get a 503 from now on (the gateway sends them elsewhere);
+        # the streams in flight get --shutdown-timeout to end, then go back.
+        state.draining = True
+        handoff = state.handoff
+        if handoff is not None:
+            asyncio.get_running_loop().call_later(config.shutdown_timeout, handoff.set)
+            logger.info(
+                "stopping: migratable requests are handed back to the gateway in %ds",
+                config.shutdown_timeout,
+            )
+
+    server.on_stop = stopping
 
     def exit_for_restart() -> None:
         # Requests in flight were already failed; stop at once, and make sure the

@@ -26,9 +26,16 @@ class APIError(Exception):
     """An error with an HTTP status, answered as OpenAI's error body
     (engine/contracts/errors.py: the gateway's too)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return ErrorBody(self.message, self.status, self.param).to_dict()
@@ -91,6 +98,21 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class Migration(BaseModel):
+    """The gateway's migration state of a decode leg (an internal field: only
+    from the fleet token or an internal key; docs/migration.md). Its presence
+    asks for a stream the gateway can move: each event that carries output
+    tokens starts with an SSE comment ``: ids ID ID...`` (clients never see it:
+    the gateway takes it off), and a draining engine ends the stream with
+    ``: migrate`` instead of an error. ``output_token_ids``: the tokens another
+    engine already sent (the request resumes after them, not sending them
+    again); ``created``: the first engine's ``created``, kept for the client."""
+
+    model_config = ConfigDict(extra="forbid")
+    output_token_ids: list[int] = Field(default_factory=list, max_length=1 << 20)
+    created: int | None = None
+
+
 class _Sampling(_Checked):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
 
@@ -117,6 +139,7 @@ class _Sampling(_Checked):
     user: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    migration: Migration | None = None
     # Output constraints (docs/structured_outputs.md): OpenAI's response_format,
     # vLLM's guided_* fields and its newer structured_outputs object.
     response_format: dict[str, Any] | None = None
@@ -222,6 +245,8 @@ class _Sampling(_Checked):
         prompt_logprobs: int | None = None,
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        if self.migration is not None and self.n != 1:
+            raise APIError("migration: a migratable request has n = 1", param="migration")
         values: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -249,6 +274,7 @@ class _Sampling(_Checked):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logit_bias=[(int(t), b) for t, b in (self.logit_bias or {}).items()] or None,
                 cache_salt=self.cache_salt,
+                resumed_token_ids=self.migration.output_token_ids if self.migration else [],
                 **values,
             )
         except ValueError as e:

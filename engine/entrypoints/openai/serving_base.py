@@ -25,6 +25,7 @@ from ...loop.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from ...loop.output_processor import ChildState
 from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
@@ -256,6 +257,13 @@ class ServingBase:
                 f"(this model's maximum context length) can hold; shorten it",
                 param=what,
             )
+
+    def resumed_text(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        """The text a migrated request's sent tokens put before the client: the
+        output processor's replay of them (the same detokenizer and stop-string
+        holdback the first engine ran), up to what it had handed out."""
+        child = ChildState(0, params, prompt_ids, self._need_tokenizer())
+        return child.visible_text()[: child.sent_text]
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ...contracts.migration import ids_comment
 from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
 from ...sampling_params import SamplingParams, StructuredOutputsParams
@@ -17,7 +18,14 @@ from .reasoning_parsers import (
     get_reasoning_parser,
     prompt_opens_thought,
 )
-from .serving_base import Choice, ServingBase, error_event, finish_reason, raise_if_error, sse
+from .serving_base import (
+    Choice,
+    ServingBase,
+    error_event,
+    finish_reason,
+    raise_if_error,
+    sse,
+)
 from .tool_parsers import (
     ForcedParser,
     ParsedCall,
@@ -268,8 +276,9 @@ class ChatServing(ServingBase):
             req.kv_transfer_params,
             self.lora_of(model),
         )
+        resumed = self.resumed_text(ids, params) if params.resumed_token_ids else ""
         return self._chat_events(
-            req, response_id or request_id, model, text, ids, k, stream, parser
+            req, response_id or request_id, model, text, ids, k, stream, parser, resumed
         )
 
     async def _chat_events(  # noqa: C901 (one SSE loop: reasoning, tools and holds per chunk)
@@ -282,20 +291,35 @@ class ChatServing(ServingBase):
         k: int | None,
         stream: RequestStream,
         parser: ToolParser | None,
+        resumed: str = "",
     ) -> AsyncIterator[str]:
-        created = now()
-        completion_tokens, cached = 0, 0
-        generated: dict[int, int] = {}  # per choice: tokens so far
-        started: set[int] = set()
+        """``resumed``: a migrated stream's text already sent by another engine
+        (fed to the tool and reasoning parsers without being sent again)."""
+        migration = req.migration
+        created = migration.created if migration and migration.created else now()
+        prior = len(migration.output_token_ids) if migration else 0
+        completion_tokens, cached = prior, 0
+        generated: dict[int, int] = {0: prior} if prior else {}  # per choice: tokens so far
+        # A resumed stream's role chunk (and echo) went out from the first engine.
+        started: set[int] = {0} if prior else set()
         tools = {i: _ToolStream(parser, self.options.tool_call_parser) for i in range(req.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
         echo = echoed_content(req)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-        first_chunk = True
+        first_chunk = not prior
+        annotated: list[bool] = []  # an event of this stream named its token ids
         thinking = self.reasoning_parser(req)
         opened = prompt_opens_thought(prompt_text)
         thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
+        if resumed:
+            # The parsers' state as the first engine left it (what they return
+            # for this text went out from there).
+            text_for_tools = resumed
+            if thinking is not None:
+                text_for_tools = thoughts[0].feed(resumed, False)[1]
+            if parser is not None:
+                tools[0].feed(text_for_tools, False)
 
         def chunk(
             idx: int,
@@ -332,6 +356,11 @@ class ChatServing(ServingBase):
             if continuous:
                 # This choice's own tokens so far (vLLM's), not the request's sum.
                 body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
+            if migration is not None and (token_ids or not annotated):
+                # (The stream's first event says so even without tokens: the
+                # gateway moves only a stream that speaks this from its start.)
+                annotated.append(True)
+                return ids_comment(token_ids or []) + sse(body)
             return sse(body)
 
         try:
@@ -388,6 +417,9 @@ class ChatServing(ServingBase):
                     if hold:
                         if req.return_token_ids and new_ids[0]:
                             yield chunk(o.index, {}, token_ids=_take(new_ids))
+                        elif migration is not None and new_ids[0]:
+                            # Their text is held back: the gateway still counts them sent.
+                            yield ids_comment(_take(new_ids)) + "\n"
                         continue
                     yield chunk(o.index, delta, lp, reason, o.stop_reason, _take(new_ids))
             if req.stream_options and req.stream_options.include_usage:

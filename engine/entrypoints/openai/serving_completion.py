@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ...contracts.migration import ids_comment
 from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
-from .protocol import CompletionRequest, now
+from .protocol import APIError, CompletionRequest, now
 from .serving_base import (
     Choice,
     Job,
@@ -188,10 +189,20 @@ class CompletionServing(ServingBase):
         self, req: CompletionRequest, request_id: str, response_id: str | None = None
     ) -> AsyncIterator[str]:
         model, jobs = await self.prepare_completion(req)
+        if req.migration is not None and len(jobs) > 1:
+            raise APIError("migration: a migratable request has one prompt", param="migration")
+        resumed = ""
+        if req.migration is not None and req.migration.output_token_ids:
+            text_in, ids, params = jobs[0]
+            resumed = self.resumed_text(ids, params)
+            if req.echo:
+                resumed = self._echoed(text_in, ids) + resumed
         streams = await self.admit(
             request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
         )
-        return self._completion_events(req, response_id or request_id, model, jobs, streams)
+        return self._completion_events(
+            req, response_id or request_id, model, jobs, streams, resumed
+        )
 
     async def _completion_events(
         self,
@@ -200,23 +211,30 @@ class CompletionServing(ServingBase):
         model: str,
         jobs: list[Job],
         streams: list[RequestStream],
+        resumed: str = "",
     ) -> AsyncIterator[str]:
+        """``resumed``: a migrated stream's text already sent by another engine
+        (where the logprobs' text offsets go on from)."""
         n = req.n
-        created = now()
+        migration = req.migration
+        created = migration.created if migration and migration.created else now()
+        prior = len(migration.output_token_ids) if migration else 0
         usage = {
             "prompt_tokens": sum(len(ids) for _, ids, _ in jobs),
-            "completion_tokens": 0,
+            "completion_tokens": prior,
             "cached": 0,
         }
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
+        # A resumed stream's echo went out from the first engine.
+        echoed: set[int] = {0} if prior else set()
+        offsets: dict[int, int] = {0: len(resumed)} if prior else {}
+        annotated = False  # an event of this stream named its token ids
         k = self.check_logprobs(req.logprobs, "logprobs")
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         # Per choice, for continuous usage (vLLM's): its own prompt's tokens and
         # the tokens it has generated so far, not the request's totals.
-        generated: dict[int, int] = {}
+        generated: dict[int, int] = {0: prior} if prior else {}
         cached_of: dict[int, int] = {}
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
@@ -272,6 +290,10 @@ class CompletionServing(ServingBase):
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                     echoed.add(idx)
+                    if migration is not None and (o.token_ids or not annotated):
+                        annotated = True  # (the first event always: see serving_chat)
+                        yield ids_comment(o.token_ids) + sse(chunk)
+                        continue
                     yield sse(chunk)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(

@@ -1,0 +1,494 @@
+"""Request migration (docs/migration.md) with real engine processes.
+
+Two decode engines of this module's own (NIXL consumers of the package's
+prefill engine, ``Always`` disaggregation: a first decode leg carries the
+producer's KV) behind a gateway. First the engine's side alone, called as the
+gateway calls it: a request resumed after any number of sent tokens (the
+first, the middle, all but the last) continues token for token as the
+unfaulted run, greedy and seeded, with stop strings, logprobs and a JSON
+schema grammar. Then the gateway under real faults, each compared with an
+unfaulted run of the same request: a stopped process (SIGSTOP, ejected by the
+stall watchdog), a drained one (SIGTERM) and a killed one (SIGKILL, a
+non-streamed request). The migration cap runs over recording engines.
+
+The engines' steps are slowed (the step-delay test hook) while a fault test
+streams, so that the fault lands mid-stream; conditions, not sleeps, decide
+when to strike.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway.fake_engine import FakeEngine
+from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, start_gateway
+from helpers.server import ServerProcess, fleet_headers, wait_until
+
+from pdfleet.engine.contracts.migration import IDS_PREFIX
+from pdfleet.engine.gateway.migration import split_events, with_state
+
+PROMPT = "Once upon a time, in a harbor town by the sea,"
+STEP_DELAY = "0.03"
+
+
+class Fleet:
+    def __init__(self, prefill: ServerProcess, tiny_model: str, log_dir: Path) -> None:
+        self.prefill = prefill
+        self.model = tiny_model
+        self.log_dir = log_dir
+        self.delay = log_dir / "step-delay"
+        self.delay.write_text("")
+        self.decode: list[ServerProcess] = []
+        self.gateway: ServerProcess | None = None
+
+    def start_decode(self, n: int) -> list[ServerProcess]:
+        return start_engines(
+            self.model,
+            self.log_dir,
+            [f"decode{i}" for i in range(n)],
+            extra=[],
+            per_engine=[kv_transfer_args("NixlConnector", "kv_consumer") for _ in range(n)],
+        )
+
+    def replace(self, dead: ServerProcess) -> ServerProcess:
+        """A new decode engine on the dead one's port (the gateway's URL for it)."""
+        dead.stop()
+        proc = ServerProcess(
+            ["serve", self.model, *ENGINE_ARGS, *kv_transfer_args("NixlConnector", "kv_consumer")],
+            self.log_dir,
+            "decode-again",
+            env={"OMP_NUM_THREADS": "1", "PDFLEET_FAULT_STEP_DELAY_FILE": str(self.delay)},
+            port=dead.port,
+        )
+        self.decode[self.decode.index(dead)] = proc
+        return proc
+
+    def serving(self, generated: dict[str, float] | None = None) -> ServerProcess:
+        """The decode engine the gateway has the request on (bounded wait); with
+        ``generated`` (each engine's generated tokens before the request), once
+        that engine has generated a few tokens of it."""
+        assert self.gateway is not None
+        found: list[ServerProcess] = []
+
+        def look() -> bool:
+            view = httpx.get(self.gateway.url + "/engines", headers=fleet_headers(), timeout=5)
+            busy = {e["url"] for e in view.json()["engines"] if e["inflight"] > 0}
+            found[:] = [d for d in self.decode if d.url in busy]
+            if len(found) != 1 or generated is None:
+                return len(found) == 1
+            now = metric(found[0].url, "pdfleet_engine_generation_tokens_total")
+            return now >= generated.get(found[0].url, 0.0) + 3
+
+        assert wait_until(look, 30), "the gateway has the request on no decode engine"
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def fleet(engines, tiny_model, tmp_path_factory, monkeypatch_module):
+    prefill, _ = engines
+    log_dir = tmp_path_factory.mktemp("migration")
+    f = Fleet(prefill, tiny_model, log_dir)
+    monkeypatch_module.setenv("PDFLEET_FAULT_STEP_DELAY_FILE", str(f.delay))
+    f.decode = f.start_decode(2)
+    try:
+        f.gateway = start_gateway(
+            [
+                "--prefill",
+                prefill.url,
+                *(x for d in f.decode for x in ("--decode", d.url)),
+                "--disaggregation-mode",
+                "Always",
+                "--scrape-interval",
+                "0.2",
+                "--stall-timeout",
+                "1",
+                "--hold-timeout",
+                "30",
+            ],
+            log_dir,
+        )
+        yield f
+    finally:
+        if f.gateway is not None:
+            f.gateway.stop()
+        for d in f.decode:
+            if d.proc.poll() is None:
+                d.signal(signal.SIGCONT)
+            d.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+# -- reading streams ---------------------------------------------------------------
+
+
+def events_of(raw: bytes) -> list[tuple[list[int], dict | None]]:
+    """(token ids named by the event's comment, its JSON) per event."""
+    out: list[tuple[list[int], dict | None]] = []
+    for event in raw.split(b"\n\n")[:-1]:
+        ids: list[int] = []
+        if event.startswith(IDS_PREFIX):
+            line, _, event = event.partition(b"\n")
+            ids = [int(x) for x in line[len(IDS_PREFIX) :].split()]
+        data = json.loads(event[6:]) if event.startswith(b"data: {") else None
+        out.append((ids, data))
+    return out
+
+
+def text_of(data: dict) -> str:
+    choice = data["choices"][0] if data.get("choices") else {}
+    if "text" in choice:
+        return choice["text"]
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+class Answer:
+    def __init__(self, events: list[tuple[list[int], dict | None]]) -> None:
+        self.events = events
+        self.ids = [t for ids, _ in events for t in ids]
+        datas = [d for _, d in events if d is not None]
+        self.text = "".join(text_of(d) for d in datas)
+        self.finish = [
+            c["finish_reason"]
+            for d in datas
+            for c in d.get("choices", [])
+            if c.get("finish_reason")
+        ]
+        self.usage = next((d["usage"] for d in datas if d.get("usage")), None)
+        self.errors = [d for d in datas if "error" in d]
+        self.logprobs = [
+            lp
+            for d in datas
+            for c in d.get("choices", [])
+            for lp in ((c.get("logprobs") or {}).get("token_logprobs") or [])
+        ]
+        self.created = {d["created"] for d in datas if "created" in d}
+
+    def sent_text(self, k: int) -> str:
+        """The text the client had when the first ``k`` tokens had been sent."""
+        out, n = "", 0
+        for ids, data in self.events:
+            if n >= k:
+                break
+            n += len(ids)
+            if data is not None:
+                out += text_of(data)
+        return out
+
+
+def engine_stream(url: str, path: str, body: dict) -> Answer:
+    """A decode leg as the gateway sends it, straight to an engine."""
+    with httpx.stream("POST", url + path, json=body, headers=fleet_headers(), timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        return Answer(events_of(resp.read()))
+
+
+def client_stream(url: str, body: dict, on_event=None) -> Answer:
+    """A client's stream through the gateway; ``on_event(n)`` after the n-th event."""
+    raw, n = b"", 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for chunk in resp.iter_raw():
+            raw += chunk
+            while raw.count(b"\n\n") > n:
+                n += 1
+                if on_event is not None:
+                    on_event(n)
+    assert b"\n: " not in raw and not raw.startswith(b":"), "a comment reached the client"
+    return Answer(events_of(raw))
+
+
+# -- the engine resumes exactly --------------------------------------------------------
+
+BASE = {
+    "model": "tiny",
+    "prompt": PROMPT,
+    "max_tokens": 24,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 1234, "top_p": 0.9}]
+)
+def test_a_resumed_request_continues_token_for_token_at_any_point(fleet, sampling):
+    url = fleet.decode[0].url
+    body = {**BASE, **sampling, "logprobs": 2}
+    ref = engine_stream(url, "/v1/completions", {**body, "migration": {}})
+    n = len(ref.ids)
+    assert n == 24 and ref.finish == ["length"] and len(ref.logprobs) == n
+    for k in (1, n // 2, n - 1):
+        state = {"output_token_ids": ref.ids[:k], "created": 1234}
+        got = engine_stream(url, "/v1/completions", {**body, "migration": state})
+        assert ref.ids[:k] + got.ids == ref.ids, k
+        assert ref.sent_text(k) + got.text == ref.text, k
+        assert got.finish == ["length"] and not got.errors
+        # usage counts every token the client got; logprobs go on from k.
+        assert got.usage["completion_tokens"] == n
+        assert got.logprobs == pytest.approx(ref.logprobs[k:], abs=1e-4)
+        assert got.created == {1234}
+
+
+def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
+    url = fleet.decode[0].url
+    free = engine_stream(url, "/v1/completions", {**BASE, "temperature": 0, "migration": {}})
+    # A stop string that starts in the text of token 9 and ends after it.
+    k = 10
+    at = len(free.sent_text(k))
+    stop = free.text[at - 2 : at + 3]
+    assert len(stop) == 5 and free.text.index(stop) == at - 2
+    body = {**BASE, "temperature": 0, "stop": [stop]}
+    ref = engine_stream(url, "/v1/completions", {**body, "migration": {}})
+    assert ref.finish == ["stop"] and ref.text == free.text[: at - 2]
+    got = engine_stream(
+        url, "/v1/completions", {**body, "migration": {"output_token_ids": ref.ids[:k]}}
+    )
+    # The first engine held back what could start the stop string: the client
+    # sees the same text, cut at the same place, whichever engine finished it.
+    assert ref.sent_text(k) + got.text == ref.text and got.finish == ["stop"]
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "A person as JSON"}],
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 5,
+        "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    }
+    ref = engine_stream(url, "/v1/chat/completions", {**chat, "migration": {}})
+    k = len(ref.ids) // 2
+    got = engine_stream(
+        url, "/v1/chat/completions", {**chat, "migration": {"output_token_ids": ref.ids[:k]}}
+    )
+    # The matcher replayed the sent tokens: the rest is the same constrained text.
+    assert ref.ids[:k] + got.ids == ref.ids
+    assert ref.sent_text(k) + got.text == ref.text
+    if ref.finish == ["stop"]:
+        assert set(json.loads(ref.text)) >= {"name", "age"}
+
+
+def test_migration_is_an_internal_field(fleet):
+    assert fleet.gateway is not None
+    resp = httpx.post(
+        fleet.gateway.url + "/v1/completions",
+        json={"model": "tiny", "prompt": PROMPT, "migration": {"output_token_ids": [1, 2]}},
+        timeout=30,
+    )
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "migration"
+    resp = httpx.post(
+        fleet.decode[0].url + "/v1/completions",
+        json={"model": "tiny", "prompt": PROMPT, "n": 2, "migration": {}},
+        headers=fleet_headers(),
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "migration"
+
+
+# -- the gateway moves failed legs ---------------------------------------------------
+
+
+def faulted(fleet: Fleet, body: dict, fault, after: int = 6) -> tuple[Answer, Answer]:
+    """(the unfaulted answer, the answer with ``fault(engine)`` struck at the
+    ``after``-th event of the stream), both through the gateway."""
+    assert fleet.gateway is not None
+    url = fleet.gateway.url
+    ref = client_stream(url, body)
+    fleet.delay.write_text(STEP_DELAY)
+    try:
+
+        def strike(n: int) -> None:
+            if n == after:
+                fault(fleet.serving())
+
+        got = client_stream(url, body, strike)
+    finally:
+        fleet.delay.write_text("")
+    return ref, got
+
+
+def assert_same(ref: Answer, got: Answer) -> None:
+    assert not got.errors, got.errors
+    assert got.text == ref.text
+    assert got.finish == ref.finish == ["length"]
+    assert got.usage["completion_tokens"] == ref.usage["completion_tokens"] == 40
+    assert len(got.created) == 1  # one answer, as the client sees it
+
+
+def test_a_stopped_engine_s_stream_moves_when_the_watchdog_ejects_it(fleet):
+    assert fleet.gateway is not None
+    stopped: list[ServerProcess] = []
+
+    def sigstop(engine: ServerProcess) -> None:
+        engine.signal(signal.SIGSTOP)
+        stopped.append(engine)
+
+    body = {**BASE, "max_tokens": 40, "temperature": 0}
+    try:
+        ref, got = faulted(fleet, body, sigstop)
+    finally:
+        for engine in stopped:
+            engine.signal(signal.SIGCONT)
+    assert_same(ref, got)
+    gw = fleet.gateway.url
+    assert metric(gw, "pdfleet_gateway_migrations_total", reason="stalled") == 1
+    assert metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") >= 5
+    assert metric(gw, "pdfleet_gateway_migration_resume_seconds_count") == 1
+    # The stopped engine comes back into routing once it answers again.
+    assert wait_until(lambda: _routable(gw) == 2, 30)
+
+
+def test_sigterm_drains_a_decode_engine_by_handing_its_streams_back(fleet):
+    assert fleet.gateway is not None
+    drained: list[ServerProcess] = []
+
+    def sigterm(engine: ServerProcess) -> None:
+        engine.signal(signal.SIGTERM)
+        drained.append(engine)
+
+    body = {**BASE, "max_tokens": 40, "temperature": 1.0, "seed": 99}
+    replayed = metric(fleet.gateway.url, "pdfleet_gateway_migration_replayed_tokens_total")
+    ref, got = faulted(fleet, body, sigterm)
+    assert_same(ref, got)
+    engine = drained[0]
+    # The engine left without finishing the stream (another engine sent its
+    # last tokens), and without failing it: it exited cleanly.
+    engine.proc.wait(30)
+    assert engine.proc.returncode == 0
+    gw = fleet.gateway.url
+    assert metric(gw, "pdfleet_gateway_migrations_total", reason="drain") == 1
+    # Some of the 40 tokens came from the engine it moved to.
+    replayed = metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") - replayed
+    assert 6 <= replayed < 40
+    assert "handed back to the gateway" in engine.log()
+    fleet.replace(engine).wait_healthy(120)
+    assert wait_until(lambda: _routable(fleet.gateway.url) == 2, 30)
+
+
+def test_a_non_streamed_request_moves_when_its_engine_is_killed(fleet):
+    assert fleet.gateway is not None
+    url = fleet.gateway.url
+    body = {**BASE, "max_tokens": 40, "temperature": 0, "stream": False}
+    body.pop("stream_options")
+    ref = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    fleet.delay.write_text(STEP_DELAY)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            before = {
+                d.url: metric(d.url, "pdfleet_engine_generation_tokens_total") for d in fleet.decode
+            }
+            pending = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120)
+            victim = fleet.serving(before)
+            victim.signal(signal.SIGKILL)
+            resp = pending.result(120)
+    finally:
+        fleet.delay.write_text("")
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert got["usage"]["completion_tokens"] == 40
+    # The engine had generated tokens of it but sent none (a non-streamed answer
+    # comes whole): the gateway sent it again, as a migration, or as a leg whose
+    # connection was refused (the engine's socket was gone by the time it noticed).
+    moved = metric(url, "pdfleet_gateway_migrations_total", reason="died") + metric(
+        url, "pdfleet_gateway_retries_total", role="decode"
+    )
+    assert moved >= 1
+
+
+def _routable(gateway_url: str) -> int:
+    view = httpx.get(gateway_url + "/engines", headers=fleet_headers(), timeout=5).json()
+    return view["routable"]["decode"]
+
+
+# -- the cap ---------------------------------------------------------------------------
+
+
+def handing_back(body: dict) -> tuple[int, object]:
+    """A decode engine that sends two tokens, then hands the stream back."""
+    sent = len((body.get("migration") or {}).get("output_token_ids", []))
+
+    def events():
+        for t in (sent, sent + 1):
+            data = {"id": "c", "created": 7, "choices": [{"index": 0, "text": f"t{t} "}]}
+            yield b": ids %d\ndata: %s\n\n" % (100 + t, json.dumps(data).encode())
+        yield b": migrate\n\n"
+
+    return 200, events()
+
+
+def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_path):
+    fakes = [FakeEngine(answer=handing_back), FakeEngine(answer=handing_back)]
+    gw = None
+    try:
+        gw = start_gateway(
+            [
+                *(x for f in fakes for x in ("--decode", f.url)),
+                "--disaggregation-mode",
+                "Disabled",
+                "--scrape-interval",
+                "0.2",
+                "--max-migrations",
+                "2",
+            ],
+            tmp_path,
+        )
+        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True})
+        # Three legs (the first and two moves), two tokens each, then the error.
+        assert got.text == "t0 t1 t2 t3 t4 t5 "
+        assert len(got.errors) == 1
+        assert "--max-migrations" in got.errors[0]["error"]["message"]
+        legs = [s.body for f in fakes for s in f.posts()]
+        sent = sorted(len(b["migration"].get("output_token_ids", [])) for b in legs)
+        assert sent == [0, 2, 4]
+        resumed = [b["migration"] for b in legs if b["migration"].get("output_token_ids")]
+        assert all(m["created"] == 7 for m in resumed)
+        assert max(resumed, key=lambda m: len(m["output_token_ids"]))["output_token_ids"] == [
+            100,
+            101,
+            102,
+            103,
+        ]
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 2
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="exhausted") == 1
+    finally:
+        if gw is not None:
+            gw.stop()
+        for f in fakes:
+            f.close()
+
+
+# -- the wire, without processes --------------------------------------------------------
+
+
+def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
+    sent: list[int] = []
+    block = b': ids 5 6\ndata: {"a":1}\n\n: ids 7\n\ndata: {"b":2}\n\n'
+    assert split_events(block, sent) == (b'data: {"a":1}\n\ndata: {"b":2}\n\n', False)
+    assert sent == [5, 6, 7]
+    assert split_events(b"data: [DONE]\n\n", sent) == (b"data: [DONE]\n\n", False)
+    assert split_events(b': ids 8\ndata: {"c":3}\n\n: migrate\n\n', sent) == (
+        b'data: {"c":3}\n\n',
+        True,
+    )
+    assert sent == [5, 6, 7, 8]
+    for raw in (b'{"prompt": "x"}', b' {"prompt":"x"} ', '{"prompt": "x"}'.encode("utf-16")):
+        assert json.loads(with_state(raw, {"prompt": "x"})) == {"migration": {}, "prompt": "x"}
+    assert json.loads(with_state(b"{ }", {})) == {"migration": {}}
