@@ -613,6 +613,13 @@ def forecast(rates: Series, now: float, lead: float, tuning: PolicyTuning) -> Fo
             # ones are not one: the short down window (the level stays the
             # long window's line, which follows a steady decline).
             falling = True
+        if value > level + tuning.rise_z * sample * math.sqrt(4.0 / n):
+            # A shorter window stands above the longer one's line now: a
+            # fall that has ended (the long line, drawn through the fall and
+            # the flat after it, runs on below the rate), or a rise. Its
+            # value is the level; sizing below it would undershoot the load
+            # and build a queue a cold start long.
+            level = value
     level = max(level, 0.0)
     ahead = level + slope * lead
     margin = tuning.rate_z * math.sqrt(max(ahead, 0.0) / tuning.noise_horizon_seconds)

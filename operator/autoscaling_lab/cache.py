@@ -11,6 +11,7 @@ an unreadable one is computed again.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
@@ -39,12 +40,30 @@ SOURCES = {
 }
 
 
+def code_of(source: str) -> str:
+    """What a source file computes: its syntax tree without the import
+    statements (``from ..x import y`` and ``from pdfleet.x import y`` bind
+    the same names) and without docstrings, so without comments, prose or
+    formatting either: a change to those recomputes nothing."""
+    tree = ast.parse(source)
+    tree.body = [n for n in tree.body if not isinstance(n, ast.Import | ast.ImportFrom)]
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [
+                n
+                for n in body
+                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            ] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 @cache
 def fingerprint(kind: str) -> str:
     digest = hashlib.sha256(kind.encode())
     for path in SOURCES[kind]:
         digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+        digest.update(code_of(path.read_text()).encode())
     return digest.hexdigest()[:16]
 
 
