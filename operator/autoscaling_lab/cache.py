@@ -36,7 +36,7 @@ _SIMULATOR = (
 SOURCES = {
     "hpa": _SIMULATOR,
     "bstar": (*_SIMULATOR, _LAB / "bstar.py"),
-    "onset": (*_SIMULATOR, _LAB / "bstar.py", _LAB / "onset.py"),
+    "ceiling": (*_SIMULATOR, _LAB / "bstar.py", _LAB / "ceiling.py"),
 }
 
 
