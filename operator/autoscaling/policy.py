@@ -138,7 +138,7 @@ class PolicyTuning:
     """Decode's KV per unit of load (KV usage / (arrival rate x step time))
     is the median over this window."""
     scale_up_extra: float = 0.06
-    scale_down_least: float = 0.08
+    scale_down_least: float = 0.11
     """Scale events come in chunks: a scale-up adds this share more than
     needed (a rising load soon needs it), a scale-down removes at least this
     share of the count (and one replica). A load that moves by a replica at
