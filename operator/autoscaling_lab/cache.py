@@ -47,14 +47,15 @@ def code_of(source: str) -> str:
     formatting either: a change to those recomputes nothing."""
     tree = ast.parse(source)
     tree.body = [n for n in tree.body if not isinstance(n, ast.Import | ast.ImportFrom)]
+    bodied = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list):
-            node.body = [
+        if isinstance(node, bodied):
+            kept = [
                 n
-                for n in body
+                for n in node.body
                 if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
-            ] or [ast.Pass()]
+            ]
+            node.body = kept or [ast.Pass()]
     return ast.dump(tree)
 
 

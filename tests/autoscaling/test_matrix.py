@@ -69,7 +69,13 @@ def test_an_slo_miss_is_proven_infeasible_only_where_the_first_surge_ceiling_mis
     def ceiling(ttft, itl=1.0):
         met = ttft >= 0.99 and itl >= 0.99
         room = {"prefill": 0.2, "decode": 0.2}
-        return {"room": room, "replica_seconds": 300.0, "met": met, "ttft_attainment": ttft, "itl_attainment": itl}
+        return {
+            "room": room,
+            "replica_seconds": 300.0,
+            "met": met,
+            "ttft_attainment": ttft,
+            "itl_attainment": itl,
+        }
 
     blind = _cell(kind="burst", ttft=0.97)
     blind["first_surge_ceiling"] = ceiling(0.95)
