@@ -138,7 +138,7 @@ class PolicyTuning:
     """Decode's KV per unit of load (KV usage / (arrival rate x step time))
     is the median over this window."""
     scale_up_extra: float = 0.06
-    scale_down_least: float = 0.08
+    scale_down_least: float = 0.11
     """Scale events come in chunks: a scale-up adds this share more than
     needed (a rising load soon needs it), a scale-down removes at least this
     share of the count (and one replica). A load that moves by a replica at
@@ -613,6 +613,13 @@ def forecast(rates: Series, now: float, lead: float, tuning: PolicyTuning) -> Fo
             # ones are not one: the short down window (the level stays the
             # long window's line, which follows a steady decline).
             falling = True
+        if value > level + tuning.rise_z * sample * math.sqrt(4.0 / n):
+            # A shorter window stands above the longer one's line now: a
+            # fall that has ended (the long line, drawn through the fall and
+            # the flat after it, runs on below the rate), or a rise. Its
+            # value is the level; sizing below it would undershoot the load
+            # and build a queue a cold start long.
+            level = value
     level = max(level, 0.0)
     ahead = level + slope * lead
     margin = tuning.rate_z * math.sqrt(max(ahead, 0.0) / tuning.noise_horizon_seconds)

@@ -11,6 +11,7 @@ an unreadable one is computed again.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
@@ -35,8 +36,27 @@ _SIMULATOR = (
 SOURCES = {
     "hpa": _SIMULATOR,
     "bstar": (*_SIMULATOR, _LAB / "bstar.py"),
-    "onset": (*_SIMULATOR, _LAB / "bstar.py", _LAB / "onset.py"),
+    "ceiling": (*_SIMULATOR, _LAB / "bstar.py", _LAB / "ceiling.py"),
 }
+
+
+def code_of(source: str) -> str:
+    """What a source file computes: its syntax tree without the import
+    statements (``from ..x import y`` and ``from pdfleet.x import y`` bind
+    the same names) and without docstrings, so without comments, prose or
+    formatting either: a change to those recomputes nothing."""
+    tree = ast.parse(source)
+    tree.body = [n for n in tree.body if not isinstance(n, ast.Import | ast.ImportFrom)]
+    bodied = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(tree):
+        if isinstance(node, bodied):
+            kept = [
+                n
+                for n in node.body
+                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            ]
+            node.body = kept or [ast.Pass()]
+    return ast.dump(tree)
 
 
 @cache
@@ -44,7 +64,7 @@ def fingerprint(kind: str) -> str:
     digest = hashlib.sha256(kind.encode())
     for path in SOURCES[kind]:
         digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+        digest.update(code_of(path.read_text()).encode())
     return digest.hexdigest()[:16]
 
 

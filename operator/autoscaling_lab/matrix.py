@@ -42,7 +42,7 @@ from ..autoscaling.policy import PolicyTuning
 from ..autoscaling.spec import AutoscalingSpec
 from .bstar import hottest as gallop
 from .cache import Cache
-from .onset import onset_bound
+from .ceiling import first_surge_ceiling
 from .regimes import Regime, regime
 from .sim import COST_TARGETS, MIN_ATTAINMENT, Cell, summary
 from .sim_fleet import FleetModel
@@ -147,13 +147,13 @@ def _cell_run(
         return cell.bstar().to_dict()
 
     found: dict[str, Any] = cache.get_or_compute("bstar", spec.key, bstar)
-    onset = None
+    ceiling = None
     if found["best"] is not None and spec.case == "default" and spec.trace.kind == "burst":
         sizing = Sizing(**found["best"]["sizing"])
-        onset = cache.get_or_compute(
-            "onset",
+        ceiling = cache.get_or_compute(
+            "ceiling",
             {**spec.key, "sizing": found["best"]["sizing"]},
-            lambda: onset_bound(cell, sizing),
+            lambda: first_surge_ceiling(cell, sizing),
         )
     # The robustness cases compare the policy with that case's B* only.
     baselines = (("hpa", HPATargets()), ("hpa_tuned", tuned)) if spec.case == "default" else ()
@@ -175,7 +175,7 @@ def _cell_run(
         "start": list(cell.start),
         "results": {"pdfleet": policy, **hpa},
         "bstar": found,
-        "onset_bound": onset,
+        "first_surge_ceiling": ceiling,
         "hpa_tuned_targets": tuned.to_dict(),
     }
     best = found["best"]
@@ -265,25 +265,22 @@ def cell_targets(cell: dict[str, Any], duration: float) -> dict[str, dict[str, A
 
 
 def first_surge_proof(cell: dict[str, Any]) -> dict[str, Any] | None:
-    """The onset bound's first-surge schedule where it misses the SLOs (None
-    where it meets them or was not computed): only the first surge blind for
-    a cold start and a period, the standing room the steady cost target
-    allows before it, every later surge met with perfect foresight, played
-    in the simulator. Where even that misses 99%, no causal policy meets
-    this seed's SLOs and the steady trace's cost target both (:mod:`.onset`),
-    so the policy's SLO miss there is proven infeasible, not a defect."""
-    onset = cell.get("onset_bound")
-    if not onset:
-        return None
-    first = onset["first_surge"]["at_steady_room"]
-    if first["met"]:
+    """The first-surge ceiling's figures where it misses an SLO (None where
+    it meets both or was not computed): the first surge blind for a cold
+    start, the whole steady cost budget as standing room on each role
+    before it, every replica the step limits allow after it, played in the
+    simulator (:mod:`.ceiling`). Where even that misses 99%, no causal
+    policy meets that SLO on this seed and the steady trace's cost target
+    both, so the policy's miss of it there is proven infeasible."""
+    ceiling = cell.get("first_surge_ceiling")
+    if not ceiling or ceiling["met"]:
         return None
     return {
-        "by": "first_surge_onset_bound",
-        "headroom": first["headroom"],
-        "ttft_attainment": first["ttft_attainment"],
-        "itl_attainment": first["itl_attainment"],
-        "replica_seconds": first["replica_seconds"],
+        "by": "first_surge_ceiling",
+        "room": ceiling["room"],
+        "ttft_attainment": ceiling["ttft_attainment"],
+        "itl_attainment": ceiling["itl_attainment"],
+        "replica_seconds": ceiling["replica_seconds"],
     }
 
 
@@ -561,7 +558,7 @@ def all_met(result: dict[str, Any]) -> bool:
 def misses(result: dict[str, Any], proven: bool = False) -> list[str]:
     """The targets missed, as ``case/trace/seed: target`` (``case/trace:
     target`` per trace); with ``proven`` False, without those the first-
-    surge onset bound proves infeasible (:func:`first_surge_proof`).
+    surge ceiling proves infeasible (:func:`first_surge_proof`).
     ``pdfleet sim --matrix`` exits nonzero when this list is not empty."""
     out = []
     for c in result["cells"]:
@@ -656,30 +653,21 @@ def format_matrix(result: dict[str, Any]) -> str:
             + mark("no_flap", str(t.get("no_flap", {}).get("value", "-"))).rjust(7)
             + f"  {sizing}"
         )
-    onsets = [c for c in result["cells"] if c.get("onset_bound")]
-    if onsets:
+    ceilings = [c for c in result["cells"] if c.get("first_surge_ceiling")]
+    if ceilings:
         lines += [
             "",
-            "surges blind for a cold start (the onset bound, at B*'s sizing): the least "
-            "standing room that meets 99% and its cost x B*; TTFT with every surge blind and "
-            "no room; TTFT with only the first surge blind and the room the steady cost "
-            "target allows (a policy cannot tell a bursty trace from a steady one before it)",
+            "the first-surge ceiling (the first surge blind for a cold start, the steady cost "
+            "budget as room on each role before it, every replica the step limits allow after "
+            "it): TTFT and ITL; where it misses 99%, so must any causal policy within the "
+            "steady cost target",
         ]
-        for c in onsets:
-            o = c["onset_bound"]
-            best = c["bstar"]["best"]
-            least = o["least"]
-            first = o["first_surge"]["at_steady_room"]
-            room = (
-                f"{least['headroom']:.1f} at {least['replica_seconds'] / best['replica_seconds']['total']:.3f}x"
-                if least and best
-                else "none on the grid"
-            )
+        for c in ceilings:
+            o = c["first_surge_ceiling"]
             lines.append(
-                f"  {c['case']:<18}{c['trace']:<10}{c['seed']:>5}  least room {room}; "
-                f"no room {_pct(o['without_headroom']['ttft_attainment'])}; first surge at "
-                f"{first['headroom']:.2f} room {_pct(first['ttft_attainment'])} TTFT, "
-                f"{_pct(first['itl_attainment'])} ITL"
+                f"  {c['case']:<18}{c['trace']:<10}{c['seed']:>5}  room "
+                f"{o['room']['prefill']:.0%}/{o['room']['decode']:.0%}: "
+                f"{_pct(o['ttft_attainment'])} TTFT, {_pct(o['itl_attainment'])} ITL"
             )
     lines += [
         "",
@@ -719,7 +707,7 @@ def format_matrix(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "! marks a target missed; ~ one missed where the first-surge onset bound misses "
+        "! marks a target missed; ~ one missed where the first-surge ceiling misses "
         "it too (no causal policy meets it and the steady cost target both). " + verdict,
     ]
     return "\n".join(lines)

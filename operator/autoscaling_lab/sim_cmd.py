@@ -67,7 +67,7 @@ class SimOptions:
     matrix: int = 0
     """Run the target matrix instead: N seeds (from --seed) of every trace in
     --matrix-traces against B* and HPA tuned per trace, plus the robustness
-    cases; exit 1 when a target is missed that the first-surge onset bound
+    cases; exit 1 when a target is missed that the first-surge ceiling
     does not prove infeasible (docs/autoscaling.md)."""
     matrix_traces: str = "burst,diurnal,steady,heavytail"
     """Comma-separated trace kinds the matrix runs."""
@@ -302,7 +302,7 @@ def _run_matrix(args: argparse.Namespace, base: Any) -> int:
         print()
     else:
         print(format_matrix(result))
-    # Nonzero when a target is missed that the onset bound does not prove
+    # Nonzero when a target is missed that the first-surge ceiling does not prove
     # infeasible (matrix.misses).
     return 1 if result["unproven_misses"] else 0
 

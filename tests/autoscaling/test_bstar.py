@@ -174,25 +174,29 @@ def test_bstars_fewest_events_schedule_costs_at_most_one_percent_more(small_bsta
     assert frontier["decode"]["1.3"] <= frontier["decode"]["1.01"]
 
 
-def test_the_onset_bound_blinds_each_surge_for_a_cold_start(small_bstar):
-    from pdfleet.operator.autoscaling_lab.onset import STEADY_ROOM, onset_bound
+def test_the_first_surge_ceiling_is_blind_only_until_a_cold_start_after_the_first_surge(
+    small_bstar,
+):
+    from pdfleet.operator.autoscaling_lab.ceiling import STEADY_ROOM, first_surge_ceiling
 
     cell, found = small_bstar
-    bound = onset_bound(cell, found.best.sizing)
-    assert bound is not None and bound["onsets"]
-    none = bound["without_headroom"]
-    # Blind at every onset, the fleet does worse than B* (which saw them coming).
-    assert none["ttft_attainment"] < found.best.result["ttft_attainment"]
-    least = bound["least"]
-    if least is not None:
-        assert least["met"] and least["headroom"] > 0
-        assert all(not r["met"] for r in bound["tried"] if r["headroom"] < least["headroom"])
-    first = bound["first_surge"]
-    # Only the first surge blind: no worse than every surge blind, and the
-    # standing room helps; the schedule given is the one simulated.
-    assert first["without_headroom"]["ttft_attainment"] >= none["ttft_attainment"] - 1e-3
-    room = first["at_steady_room"]
-    assert room["headroom"] == STEADY_ROOM
-    assert room["ttft_attainment"] >= first["without_headroom"]["ttft_attainment"] - 1e-3
-    again = cell.schedule(*room["schedule"])
-    assert again.replica_seconds["total"] == pytest.approx(room["replica_seconds"])
+    ceiling = first_surge_ceiling(cell, found.best.sizing)
+    assert ceiling is not None
+    period, lead = cell.period, int(cell.model.cold_start_seconds // cell.period)
+    first = int(ceiling["onset"] // period)
+    base = ceiling["base"]
+    for role in ("prefill", "decode"):
+        scaling = cell.spec.role(role)
+        schedule = ceiling["schedule"][role]
+        # Each role gets the whole steady budget as room before the surge.
+        assert ceiling["room"][role] == pytest.approx(STEADY_ROOM * sum(base.values()) / base[role])
+        # Nothing requested in the surge's period knows of it ...
+        assert schedule[first] <= max(schedule[max(first - lead - 1, 0) : first])
+        # ... and from the next period on, every replica the steps allow.
+        for k in range(first + 1, len(schedule)):
+            step = min(schedule[k - 1] + scaling.max_scale_up_step, scaling.max_replicas)
+            assert schedule[k] == step
+    # The schedule given is the one simulated.
+    again = cell.schedule(ceiling["schedule"]["prefill"], ceiling["schedule"]["decode"])
+    assert again.replica_seconds["total"] == pytest.approx(ceiling["replica_seconds"])
+    assert again.ttft_attainment == pytest.approx(ceiling["ttft_attainment"])

@@ -65,25 +65,32 @@ def test_a_cost_target_without_bstar_is_missed():
     assert t["vs_bstar"]["met"] is False and t["events"]["met"] is False
 
 
-def test_an_slo_miss_is_proven_infeasible_only_where_the_first_surge_bound_misses_too():
-    def onset(met, ttft):
-        brief = {"headroom": 0.1, "replica_seconds": 120.0, "itl_attainment": 1.0}
-        return {"first_surge": {"at_steady_room": {**brief, "met": met, "ttft_attainment": ttft}}}
+def test_an_slo_miss_is_proven_infeasible_only_where_the_first_surge_ceiling_misses_too():
+    def ceiling(ttft, itl=1.0):
+        met = ttft >= 0.99 and itl >= 0.99
+        room = {"prefill": 0.2, "decode": 0.2}
+        return {
+            "room": room,
+            "replica_seconds": 300.0,
+            "met": met,
+            "ttft_attainment": ttft,
+            "itl_attainment": itl,
+        }
 
     blind = _cell(kind="burst", ttft=0.97)
-    blind["onset_bound"] = onset(False, 0.95)
+    blind["first_surge_ceiling"] = ceiling(0.95)
     t = cell_targets(blind, 3600)
     assert t["ttft_attainment"]["met"] is False
     assert t["ttft_attainment"]["infeasible"]["ttft_attainment"] == 0.95
     assert "infeasible" not in t["itl_attainment"]  # met: nothing to prove
-    # The bound meets ITL (1.0): the policy's ITL miss is its own.
+    # The ceiling meets ITL (1.0): the policy's ITL miss is its own.
     both = _cell(kind="burst", ttft=0.97, itl=0.98)
-    both["onset_bound"] = onset(False, 0.95)
+    both["first_surge_ceiling"] = ceiling(0.95)
     t = cell_targets(both, 3600)
     assert "infeasible" in t["ttft_attainment"] and "infeasible" not in t["itl_attainment"]
-    # Where the bound meets the SLO, a causal policy could too: a plain miss.
+    # Where the ceiling meets the SLOs, a causal policy could too: a plain miss.
     seen = _cell(kind="burst", ttft=0.97)
-    seen["onset_bound"] = onset(True, 0.995)
+    seen["first_surge_ceiling"] = ceiling(0.995)
     assert "infeasible" not in cell_targets(seen, 3600)["ttft_attainment"]
     cells = []
     for c in (blind, seen):
@@ -166,20 +173,20 @@ def test_run_matrix_reports_bstar_tuned_hpa_and_every_target(tiny):
     assert ("all targets met" in text) == result["all_met"]
 
 
-def test_the_matrix_prints_each_surges_onset_bound(tiny):
+def test_the_matrix_prints_each_surges_first_surge_ceiling(tiny):
     import copy
 
     _, _, first = tiny
     result = copy.deepcopy(first)
-    cost = result["cells"][0]["bstar"]["best"]["replica_seconds"]["total"]
-    figures = {"replica_seconds": cost * 1.2, "ttft_attainment": 0.995, "itl_attainment": 1.0}
-    result["cells"][0]["onset_bound"] = {
-        "least": {"headroom": 0.4, **figures},
-        "without_headroom": {**figures, "ttft_attainment": 0.62},
-        "first_surge": {"at_steady_room": {"headroom": 0.1, **figures, "ttft_attainment": 0.93}},
+    result["cells"][0]["first_surge_ceiling"] = {
+        "room": {"prefill": 0.2, "decode": 0.25},
+        "replica_seconds": 1000.0,
+        "ttft_attainment": 0.93,
+        "itl_attainment": 1.0,
+        "met": False,
     }
     text = format_matrix(result)
-    assert "least room 0.4 at 1.200x; no room 62.00%; first surge at 0.10 room 93.00% TTFT" in text
+    assert "room 20%/25%: 93.00% TTFT, 100.00% ITL" in text
 
 
 def test_a_rerun_reads_bstar_and_hpa_from_the_cache(tiny):

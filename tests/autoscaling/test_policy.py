@@ -113,6 +113,19 @@ def test_a_decline_is_falling():
     assert forecast(rates, rates[-1][0], 75.0, TUNING).falling
 
 
+def test_the_level_after_a_surges_fall_is_the_flat_rate_not_the_falls_line():
+    # The rates a simulated fleet measured over the end of a surge (the GPU
+    # regime's burst seed 0): a ramp down from 167 to 60 requests/s, then a
+    # minute flat at about 60. The level window's line, drawn through both,
+    # runs on at about 35 now; sized on that, the fleet undershot its base
+    # load by a third and queued for minutes.
+    measured = [167, 162, 154, 146, 141, 134, 126, 115, 109, 104, 96, 86, 77, 73, 68]
+    rates = _rates([*measured, 59, 63, 59, 64, 61])
+    f = forecast(rates, rates[-1][0], 90.0, TUNING)
+    assert f.level == pytest.approx(60.0, abs=3.0)
+    assert not f.rising
+
+
 # ---------------------------------------------------------------------------
 # size: prefill's queueing model
 
