@@ -135,8 +135,60 @@ AUTOSCALING_RULES: dict[type, list[Schema]] = {
     ],
 }
 
+
+def _policy_of(role: str) -> str:
+    """CEL: the role's schedulingPolicy (its own, else spec.engine's, else fcfs)."""
+    return (
+        f"(has(self.{role}) && has(self.{role}.engine) && "
+        f"has(self.{role}.engine.schedulingPolicy) ? self.{role}.engine.schedulingPolicy : "
+        "(has(self.engine) && has(self.engine.schedulingPolicy) ? "
+        "self.engine.schedulingPolicy : 'fcfs'))"
+    )
+
+
+# The CEL twins of the resource's other cross-field validators (resource.py).
+MODEL_RULES: list[Schema] = [
+    {
+        "rule": "(has(self.uri) && self.uri.startsWith('hf://')) || "
+        "(!has(self.tokenSecret) && !has(self.cache) && !has(self.hfEndpoint))",
+        "message": "tokenSecret, cache and hfEndpoint apply to hf:// models only",
+        "fieldPath": ".uri",
+    },
+    {
+        "rule": "!has(self.hfEndpoint) || ((self.hfEndpoint.startsWith('http://') || "
+        "self.hfEndpoint.startsWith('https://')) && !self.hfEndpoint.contains(' '))",
+        "message": "hfEndpoint must be an http(s) URL",
+        "fieldPath": ".hfEndpoint",
+    },
+]
+TENANTS_RULES: list[Schema] = [
+    {
+        "rule": "has(self.secret) != has(self.configMap)",
+        "message": "tenants: give exactly one of secret or configMap",
+    },
+]
+SERVING_RULES: list[Schema] = [
+    {
+        "rule": "!has(self.enableAutoToolChoice) || !self.enableAutoToolChoice || "
+        "has(self.toolCallParser)",
+        "message": "enableAutoToolChoice needs toolCallParser (hermes, llama3_json or mistral)",
+        "fieldPath": ".enableAutoToolChoice",
+    },
+]
+ENGINE_PRIORITY_RULE: Schema = {
+    "rule": "!has(self.gateway) || !has(self.gateway.enginePriority) || "
+    f"!self.gateway.enginePriority || ({_policy_of('prefill')} == 'priority' && "
+    f"{_policy_of('decode')} == 'priority')",
+    "message": "gateway.enginePriority: the engines must schedule by priority: set "
+    "engine.schedulingPolicy: priority",
+    "fieldPath": ".gateway.enginePriority",
+}
+
 CEL_RULES: dict[type, list[Schema]] = {
     **AUTOSCALING_RULES,
+    r.ModelSpec: MODEL_RULES,
+    r.TenantsSource: TENANTS_RULES,
+    r.ServingSpec: SERVING_RULES,
     r.RoleSpec: ENV_RULES,
     r.GatewaySpec: ENV_RULES,
     r.InferenceServiceSpec: [
@@ -151,6 +203,7 @@ CEL_RULES: dict[type, list[Schema]] = {
             "fieldPath": ".kvTransfer",
             "reason": "FieldValueRequired",
         },
+        ENGINE_PRIORITY_RULE,
     ],
 }
 

@@ -16,7 +16,7 @@ own capacities keep that part short.
 
 While every routable decode engine is at capacity (or the request should
 prefill and every prefill engine that could is), a request waits in the
-flow-control queue (``flow/queue.py``: strict priority bands, weighted fair
+flow-control queue (``fair_queue.py``: strict priority bands, weighted fair
 share by tokens between tenants within a band;
 ``pdfleet_gateway_queued_requests``) for a slot, at most
 ``--queue-timeout`` seconds; then it is a 503 with ``Retry-After``. It is
@@ -39,7 +39,7 @@ from collections.abc import Iterable
 
 from ..config.gateway import GatewayConfig
 from .engines import EngineLoad, EngineState
-from .flow.queue import FairQueue, Waiter
+from .fair_queue import FairQueue, Waiter
 from .metrics import GatewayMetrics
 
 # Slots given back per second are counted over this many one-second buckets.
@@ -264,7 +264,7 @@ class Admission:
         """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
         woken before, but another request took the slot (it goes back at its
         place: its tag). ``tenant``, ``band``, ``tag``: its place in the fair
-        queue (``flow/queue.py``)."""
+        queue (``fair_queue.py``)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False

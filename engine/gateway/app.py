@@ -66,6 +66,9 @@ logger = logging.getLogger("pdfleet.gateway")
 # ends, so the gateway never reuses a connection the engine is closing.
 KEEPALIVE_EXPIRY = 20.0
 MAX_CONNECTIONS = 4096
+# Fields only pdfleet's own legs may send an engine (the fleet token carries them):
+# dropped from what a client asks a render route to forward.
+INTERNAL_FIELDS = frozenset({"kv_transfer_params", "migration", "priority"})
 
 
 class Gateway:
@@ -485,16 +488,17 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
         raw = await authorized_body(request)
         if isinstance(raw, Response):
             return raw
-        if b"kv_transfer_params" in raw:
-            # An internal field, as on the generation routes: a client's is dropped
-            # (the engine would take it from the fleet token the gateway sends).
-            try:
-                body = parse_body(raw)
-            except ValueError:
-                body = None  # not JSON: the engine answers the 400
-            if isinstance(body, dict) and "kv_transfer_params" in body:
-                del body["kv_transfer_params"]
-                raw = json.dumps(body).encode()
+        # Internal fields, as on the generation routes: a client's are dropped (the
+        # engine would take them from the fleet token the gateway sends). Parsed,
+        # not searched for: a JSON-escaped key names the same field.
+        try:
+            body = parse_body(raw)
+        except ValueError:
+            body = None  # not JSON: the engine answers the 400
+        if isinstance(body, dict) and INTERNAL_FIELDS & body.keys():
+            for name in INTERNAL_FIELDS & body.keys():
+                del body[name]
+            raw = json.dumps(body).encode()
         # A render tokenizes and compiles the request's grammar, as a first token
         # would: bounded by the first-token timeout, not the health checks'.
         timeout = httpx.Timeout(

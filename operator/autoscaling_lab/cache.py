@@ -22,6 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ...engine.contracts.model_source import cache_dir
+
 _LAB = Path(__file__).resolve().parent
 _RUNTIME = _LAB.parent / "autoscaling"
 # What each kind of entry is computed by: the fleet simulator, the victims it
@@ -69,8 +71,9 @@ def fingerprint(kind: str) -> str:
 
 
 def default_directory() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdfleet" / "sim"
+    """``sim/`` in pdfleet's one cache directory (``$PDFLEET_CACHE_DIR``, else the
+    XDG cache's ``pdfleet/``)."""
+    return cache_dir() / "sim"
 
 
 class Cache:

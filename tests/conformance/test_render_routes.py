@@ -8,6 +8,8 @@ the ones ``/tokenize`` gives, and its bad input is the generation route's 400.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from helpers.server import fleet_token
 
@@ -86,6 +88,19 @@ def test_chat_completions_render(target, serve_url):
         target,
         "/v1/chat/completions/render",
         {"model": MODEL, "messages": USER, "kv_transfer_params": kv},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["kv_transfer_params"] == (kv if target == serve_url else None)
+    # The same key JSON-escaped names the same field: the gateway drops it too.
+    token = fleet_token()
+    escaped = json.dumps({"model": MODEL, "messages": USER}).rstrip("}")
+    escaped += ', "kv_transfer_param\\u0073": ' + json.dumps(kv) + "}"
+    r = httpx.post(
+        target + "/v1/chat/completions/render",
+        content=escaped.encode(),
+        headers={"content-type": "application/json"}
+        | ({"authorization": f"Bearer {token}"} if token else {}),
+        timeout=60,
     )
     assert r.status_code == 200, r.text
     assert r.json()["kv_transfer_params"] == (kv if target == serve_url else None)

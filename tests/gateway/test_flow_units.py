@@ -10,9 +10,9 @@ import pytest
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.contracts.security import caller_id
 from pdfleet.engine.gateway.admission import Admission, Overloaded
+from pdfleet.engine.gateway.fair_queue import FairQueue, Waiter
 from pdfleet.engine.gateway.flow.control import FairClock, FlowControl, TokenBucket
 from pdfleet.engine.gateway.flow.gate import FlowGate, FlowRefused
-from pdfleet.engine.gateway.flow.queue import FairQueue, Waiter
 from pdfleet.engine.gateway.flow.tenants import ANONYMOUS, Tenants
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 

@@ -29,7 +29,7 @@ from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.admission import Admission, Overloaded
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
 from pdfleet.engine.gateway.engines import EngineLoad, EnginePool, longest_step
-from pdfleet.engine.gateway.flow.queue import Waiter
+from pdfleet.engine.gateway.fair_queue import Waiter
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
