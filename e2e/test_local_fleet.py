@@ -227,7 +227,7 @@ def kill_role(fleet: Up, role: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_decode_engine_killed_mid_stream_ends_the_stream_promptly(fleet):
+def test_decode_engine_killed_mid_stream_ends_the_stream_within_the_hold(fleet):
     body = {"model": "tiny", "prompt": SHORT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     lines: list[str] = []
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=60) as r:
@@ -242,9 +242,16 @@ def test_decode_engine_killed_mid_stream_ends_the_stream_promptly(fleet):
         for line in it:
             if line:
                 lines.append(line)
-    assert time.monotonic() - killed < 5.0
+    # The only decode engine is gone: the stream waits (bounded by the gateway's
+    # hold, 10 s) for a decode engine to move to (docs/migration.md): the
+    # restarted one if it is back in time, else it ends with an error event.
+    assert time.monotonic() - killed < 10.0 + 15.0
     assert lines[-1] == "data: [DONE]"
-    assert "error" in json.loads(lines[-2][6:])
+    last = json.loads(lines[-2][6:])
+    if "error" not in last:
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert not any("error" in e for e in events)
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) <= 400
     # The fleet restarts the decode engine and serves again.
     assert wait_until(lambda: "decode-0 exited" in fleet.output(), 20)
     assert wait_until(

@@ -216,7 +216,12 @@ def test_decode_engine_killed_mid_stream_the_stream_resumes_on_the_other_one(fle
     assert events[-1] == "[DONE]"
     assert not any('"error"' in e for e in events)
     assert text(events) == text(reference)
-    assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") >= 1
+    # A SIGKILL shows as a reset or an early end (died), or, when the next read
+    # finds the port closed first, as a refused connection.
+    moved = sum(
+        metric(gw.url, "pdfleet_gateway_migrations_total", reason=r) for r in ("died", "refused")
+    )
+    assert moved >= 1
 
 
 async def _load(url: str, n: int, offset: int = 0) -> list[int]:

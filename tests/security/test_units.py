@@ -41,6 +41,7 @@ def test_leased_blocks_are_a_prompts_own_only_when_its_chain_matches():
             block_hashes=hashes,
             all_token_ids=ids,
             sampling_params=SimpleNamespace(cache_salt=None),
+            lora_identity=None,
         )
 
     def params(ids: list[int], n: int, algo: str = "sha256") -> KVTransferParams:
