@@ -8,7 +8,9 @@ those the pod started with (its template's annotation), file:// adapters, and
 pvc:// adapters on a claim the pod mounts. An hf:// adapter the pod did not
 start with is not there: its template changes (an init step fetches it), and
 the new pods start with it. Adapters a pod serves that spec.adapters does not
-list are unloaded (the list is the whole truth for a managed service).
+list are unloaded (the list is the whole truth for a managed service). Only
+pods made from a template rendered with spec.adapters are synced: a service
+without them (adapters in its engine section, or none) is left as it is.
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ def loadable(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
 
 
 def _synced(pod: Mapping[str, Any]) -> bool:
+    """An engine pod that serves the API and was made from a template rendered
+    with spec.adapters (annotated). Pods of a service without spec.adapters
+    (whose engine section may load adapters itself) are left alone."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
     return (
-        labels.get(LABEL_ROLE) in ("prefill", "decode")
+        template_adapters(pod) is not None
+        and labels.get(LABEL_ROLE) in ("prefill", "decode")
         and labels.get(LABEL_GROUP_ROLE) != WORKER
         and pod_ready(pod)
         and metrics_url(pod) is not None

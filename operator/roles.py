@@ -116,7 +116,9 @@ def lora_extra(
     section = role_engine_section(spec, role)
     extra: dict[str, Any] = {"enable_lora": True}
     if section.get("maxLoras") is None:
-        extra["max_loras"] = ADAPTER_DEFAULT_MAX_LORAS
+        # Never above a maxCpuLoras the section sets (it must hold maxLoras).
+        cpu = section.get("maxCpuLoras")
+        extra["max_loras"] = min(ADAPTER_DEFAULT_MAX_LORAS, cpu or ADAPTER_DEFAULT_MAX_LORAS)
     if modules:
         extra["lora_modules"] = [f"{name}={path}" for name, path in modules.items()]
     return extra

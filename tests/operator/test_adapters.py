@@ -150,6 +150,10 @@ def test_adapters_turn_lora_on_in_both_roles_and_are_passed_as_lora_modules():
     spec["engine"]["maxLoras"] = 8
     cmd = command(children(spec), "decode")
     assert cmd[cmd.index("--max-loras") + 1] == "8"
+    del spec["engine"]["maxLoras"]
+    spec["engine"]["maxCpuLoras"] = 2
+    cmd = command(children(spec), "decode")
+    assert cmd[cmd.index("--max-loras") + 1] == "2"
     assert "--enable-lora" not in command(children(BASE), "decode")
 
 
@@ -280,13 +284,18 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
         "decode": FakeEngine({**started, "stray": "/tmp/stray"}, secret),
         "prefill": FakeEngine(started, secret),
     }
+    # A pod from a template without spec.adapters (LoRA set in its engine section).
+    legacy = FakeEngine({"manual": "/opt/manual"}, secret)
 
     async def scenario():
-        runners = [await e.start() for e in engines.values()]
+        runners = [await e.start() for e in [*engines.values(), legacy]]
         pods = [
             engine_pod(f"demo-{role}-a", role, e.port, template(rendered, role))
             for role, e in engines.items()
         ]
+        pods.append(
+            engine_pod("demo-decode-old", "decode", legacy.port, template(children(BASE), "decode"))
+        )
         try:
             config = OperatorConfig(timer_interval_seconds=1.0, rollout_poll_seconds=0.3)
             async with running_operator([inference_service("demo", v1), *pods], config) as k:
@@ -350,5 +359,6 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
             assert ("load", "hub2") not in engine.calls
             assert "hub2" not in engine.served
         assert ("unload", "stray") in engines["decode"].calls
+        assert legacy.calls == [] and legacy.served == {"manual": "/opt/manual"}
 
     run(scenario())
