@@ -103,6 +103,35 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, extra, problem):
         parse_spec(spec)
 
 
+CEL_CASES = [
+    (spec_with(FILE_A, FILE_B), True),
+    (spec_with(FILE_A, {**FILE_B, "name": "sql"}), False),
+    (spec_with({**FILE_A, "name": "tiny"}), False),
+    (spec_with({**FILE_A, "source": "builtin://x"}), False),
+    (spec_with({**FILE_A, "revision": "v1"}), False),
+    (spec_with(HUB), True),
+    (spec_with(FILE_A, engine={"enableLora": False}), False),
+    (spec_with(FILE_A, engine={"enableLora": True}), True),
+    (spec_with(FILE_A, decode={"engine": {"enableLora": False}}), False),
+    (spec_with(FILE_A, prefill={"engine": {"loraModules": ["x=/y"]}}), False),
+    (spec_with(engine={"enableLora": False}), True),
+]
+
+
+@pytest.mark.parametrize(("spec", "ok"), CEL_CASES)
+def test_the_crd_admits_and_refuses_the_same_adapters_as_the_model(spec, ok):
+    from helpers.crd_checks import admit
+
+    obj = {"apiVersion": "pdfleet.dev/v1alpha1", "kind": "InferenceService"}
+    _, errors = admit({**obj, "metadata": {"name": "demo"}, "spec": spec})
+    try:
+        parse_spec(spec)
+        parsed = True
+    except ValueError:
+        parsed = False
+    assert (not errors, parsed) == (ok, ok), errors
+
+
 def test_hub_fields_are_accepted_for_hf_adapters_of_a_builtin_model():
     spec = spec_with(HUB)
     spec["model"] = {"name": "tiny", "tokenSecret": {"name": "hf"}, "cache": {"claim": "hub"}}
