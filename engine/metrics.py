@@ -224,6 +224,13 @@ class EngineMetrics:
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
 
+    def update_adapters(self, engine: LLMEngine) -> None:
+        """Publish the LoRA series alone: at start, so the adapters of
+        --lora-modules are in /metrics (where the gateway learns which engine
+        serves which adapter) before the first step."""
+        if self.max_lora:
+            self._update_lora(engine)
+
     def _update_lora(self, engine: LLMEngine) -> None:
         self._set(m.ENGINE_LORA_ADAPTERS, len(engine.loras))
         stats = engine.core.runner.lora_stats()

@@ -149,12 +149,6 @@ def _policy_of(role: str) -> str:
 # The CEL twins of the resource's other cross-field validators (resource.py).
 MODEL_RULES: list[Schema] = [
     {
-        "rule": "(has(self.uri) && self.uri.startsWith('hf://')) || "
-        "(!has(self.tokenSecret) && !has(self.cache) && !has(self.hfEndpoint))",
-        "message": "tokenSecret, cache and hfEndpoint apply to hf:// models only",
-        "fieldPath": ".uri",
-    },
-    {
         "rule": "!has(self.hfEndpoint) || ((self.hfEndpoint.startsWith('http://') || "
         "self.hfEndpoint.startsWith('https://')) && !self.hfEndpoint.contains(' '))",
         "message": "hfEndpoint must be an http(s) URL",
@@ -184,8 +178,66 @@ ENGINE_PRIORITY_RULE: Schema = {
     "fieldPath": ".gateway.enginePriority",
 }
 
+
+def _lora_not(role_path: str, test: str) -> str:
+    """CEL: ``test`` (on the section's field) does not hold in ``role_path``'s engine."""
+    return f"!has({role_path}) || !has({role_path}.engine) || !({test.format(e=f'{role_path}.engine')})"
+
+
+# The CEL twins of the adapter validators (resource.py); names are unique by
+# the list's map keys (x-kubernetes-list-map-keys, below).
+ADAPTER_RULES: list[Schema] = [
+    {
+        "rule": "self.source.startsWith('hf://') || self.source.startsWith('file:///') || "
+        "self.source.startsWith('pvc://')",
+        "message": "an adapter source is hf://ORG/NAME, file:///path or pvc://CLAIM/path "
+        "(pdfleet ships no built-in adapters)",
+        "fieldPath": ".source",
+    },
+    {
+        "rule": "!has(self.revision) || self.source.startsWith('hf://')",
+        "message": "revision applies to hf:// adapters only",
+        "fieldPath": ".revision",
+    },
+]
+_ENABLE_OFF = "has({e}.enableLora) && !{e}.enableLora"
+_MODULES = "has({e}.loraModules) && size({e}.loraModules) > 0"
+_NO_ADAPTERS = "!has(self.adapters) || size(self.adapters) == 0"
+ADAPTER_SPEC_RULES: list[Schema] = [
+    {
+        "rule": f"{_NO_ADAPTERS} || self.adapters.all(a, a.name != self.model.name)",
+        "message": "an adapter may not have the model's name (spec.model.name)",
+        "fieldPath": ".adapters",
+    },
+    {
+        "rule": f"{_NO_ADAPTERS} || ((!has(self.engine) || !({_ENABLE_OFF.format(e='self.engine')}))"
+        f" && ({_lora_not('self.prefill', _ENABLE_OFF)})"
+        f" && ({_lora_not('self.decode', _ENABLE_OFF)}))",
+        "message": "spec.adapters need LoRA: remove enableLora: false (the adapters turn it on)",
+        "fieldPath": ".adapters",
+    },
+    {
+        "rule": f"{_NO_ADAPTERS} || ((!has(self.engine) || !({_MODULES.format(e='self.engine')}))"
+        f" && ({_lora_not('self.prefill', _MODULES)})"
+        f" && ({_lora_not('self.decode', _MODULES)}))",
+        "message": "loraModules: with spec.adapters, list every adapter there",
+        "fieldPath": ".adapters",
+    },
+]
+
+# The model's Hub fields need an hf:// model or an hf:// adapter (spec level).
+HUB_FIELDS_RULE: Schema = {
+    "rule": "(has(self.model.uri) && self.model.uri.startsWith('hf://')) || "
+    "(has(self.adapters) && self.adapters.exists(a, a.source.startsWith('hf://'))) || "
+    "(!has(self.model.tokenSecret) && !has(self.model.cache) && !has(self.model.hfEndpoint))",
+    "message": "model.tokenSecret, cache and hfEndpoint apply to hf:// models and hf:// "
+    "adapters only",
+    "fieldPath": ".model",
+}
+
 CEL_RULES: dict[type, list[Schema]] = {
     **AUTOSCALING_RULES,
+    r.AdapterSpec: ADAPTER_RULES,
     r.ModelSpec: MODEL_RULES,
     r.TenantsSource: TENANTS_RULES,
     r.ServingSpec: SERVING_RULES,
@@ -204,6 +256,8 @@ CEL_RULES: dict[type, list[Schema]] = {
             "reason": "FieldValueRequired",
         },
         ENGINE_PRIORITY_RULE,
+        HUB_FIELDS_RULE,
+        *ADAPTER_SPEC_RULES,
     ],
 }
 
@@ -266,6 +320,10 @@ PRINTER_COLUMNS: list[Schema] = [
 def build_crd() -> dict[str, Any]:
     """The CRD object (apiextensions.k8s.io/v1)."""
     spec_schema = model_schema(r.InferenceServiceSpec, rules=CEL_RULES)
+    # Adapter names are unique: the API server refuses a repeated key itself.
+    adapters = spec_schema["properties"]["adapters"]
+    adapters["x-kubernetes-list-type"] = "map"
+    adapters["x-kubernetes-list-map-keys"] = ["name"]
     # No defaults in status: it holds only what the operator observed.
     status_schema = model_schema(r.InferenceServiceStatus, defaults=False)
     root: Schema = {

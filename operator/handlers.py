@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from ..engine.contracts import metrics as m
 from ..engine.contracts import security
+from .adapter_sync import sync_adapters
 from .autoscaling.decisions import AutoscalerMetrics
 from .cluster_autoscaler import (
     DecideFn,
@@ -106,6 +107,9 @@ class OperatorConfig:
     """Window of the KVTransferHealthy condition (failed vs all KV pulls)."""
     kv_max_failure_ratio: float = 0.05
     """Above this share of failed KV pulls in the window, KVTransferHealthy is False."""
+    adapter_timeout_seconds: float = 30.0
+    """Bound on each adapter load or unload call to an engine pod (a load reads
+    the adapter from disk)."""
     login: Callable[..., Any] | None = None
     """kopf login function; kopf.login_via_client when unset."""
     identity: IdentityEndpointConfig = field(default_factory=IdentityEndpointConfig)
@@ -132,6 +136,7 @@ class OperatorState:
             self.metrics
         )
         self.identity_requests = m.OPERATOR_IDENTITY_REQUESTS.create(self.metrics)
+        self.adapter_changes = m.OPERATOR_ADAPTER_CHANGES.create(self.metrics)
 
     def client(self) -> KubeClient:
         if self.kube is None:
@@ -365,6 +370,7 @@ async def refresh(
     for sample in scraped:
         if sample.error is not None:
             state.scrape_failures.inc()
+    await _sync_adapters(state, config, spec, body, pods, security.fleet_token(secret), logger)
     samples = [s for s in scraped if s.role != "gateway"]  # what the autoscaler sees
     health = state.kv_health.get(uid)
     if health is None:
@@ -381,6 +387,46 @@ async def refresh(
         state, spec, body, patch, generation=None, autoscaled=autoscaled, deployments=deployments
     )
     merge_role_load(patch, samples)  # status.roles.*: the headline load figures
+
+
+async def _sync_adapters(
+    state: OperatorState,
+    config: OperatorConfig,
+    spec: InferenceServiceSpec,
+    body: kopf.Body,
+    pods: list[dict[str, Any]],
+    token: str,
+    logger: Any,
+) -> None:
+    """Load and unload spec.adapters on the running engines (no restart);
+    an event per change, a warning event per failure (it is tried again on
+    the next tick)."""
+    changes = await sync_adapters(
+        pods, spec, token=token, timeout_seconds=config.adapter_timeout_seconds
+    )
+    for change in changes:
+        state.adapter_changes.labels(change.action, "error" if change.error else "ok").inc()
+        verb = "loaded" if change.action == "load" else "unloaded"
+        if change.error is None:
+            logger.info("LoRA adapter %s %s on %s", change.adapter, verb, change.pod)
+            kopf.info(
+                body,
+                reason=f"Adapter{change.action.title()}ed",
+                message=f"{change.adapter} {verb} on {change.pod}",
+            )
+        else:
+            logger.warning(
+                "LoRA adapter %s: %s on %s failed: %s",
+                change.adapter,
+                change.action,
+                change.pod,
+                change.error,
+            )
+            kopf.warn(
+                body,
+                reason=f"Adapter{change.action.title()}Failed",
+                message=f"{change.adapter}: {change.action} on {change.pod} failed: {change.error}",
+            )
 
 
 async def _autoscale(

@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.contracts.model_source import CACHE_DIR_ENV, ENDPOINT_ENV, TOKEN_PATH_ENV
-from .resource import ModelSpec
-from .roles import MODELS_DIR, model_source, secret_file
+from .resource import AdapterSpec, ModelSpec
+from .roles import (
+    ADAPTERS_DIR,
+    MODELS_DIR,
+    adapter_claim,
+    adapter_key,
+    adapter_path,
+    model_source,
+    secret_file,
+)
 
 HF_CACHE_DIR = "/hf-cache"
 """Where the Hugging Face cache is mounted (init container read-write, others read-only)."""
@@ -76,22 +84,35 @@ def _hf_volumes(
     models_ro: dict[str, Any],
     writable: list[dict[str, Any]],
 ) -> ModelVolumes:
-    if model.cache is not None:
-        cache = {"name": "hf-cache", "persistentVolumeClaim": {"claimName": model.cache.claim}}
-    else:
-        cache = {"name": "hf-cache", "emptyDir": {}}
     command = ["pdfleet", "fetch-model", model.uri, "--cache-dir", HF_CACHE_DIR]
     command += ["--output", path]
     if model.revision:
         command += ["--revision", model.revision]
+    hub_volumes, env, hub_mounts = _hub_parts(model)
+    volumes = [models, *hub_volumes]
+    step = InitStep("fetch-model", command, env, [*writable, *hub_mounts])
+    # The engine follows the link in /models into the cache, so it mounts both.
+    mounts = [models_ro, {"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True}]
+    return ModelVolumes(volumes, mounts, [step])
+
+
+def _hub_parts(
+    model: ModelSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, env, init mounts) every hf:// download shares: the cache
+    (spec.model.cache or an emptyDir), the endpoint and the token Secret."""
+    if model.cache is not None:
+        cache = {"name": "hf-cache", "persistentVolumeClaim": {"claimName": model.cache.claim}}
+    else:
+        cache = {"name": "hf-cache", "emptyDir": {}}
     env: list[dict[str, Any]] = [
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
         {"name": CACHE_DIR_ENV, "value": "/tmp/pdfleet"},
     ]
     if model.hf_endpoint:
         env.append({"name": ENDPOINT_ENV, "value": model.hf_endpoint})
-    volumes = [models, cache]
-    init_mounts = [*writable, {"name": "hf-cache", "mountPath": HF_CACHE_DIR}]
+    volumes = [cache]
+    mounts = [{"name": "hf-cache", "mountPath": HF_CACHE_DIR}]
     if model.token_secret is not None:
         token_volume, token_mount, token_env = secret_file(
             "hf-token",
@@ -103,8 +124,47 @@ def _hf_volumes(
         )
         env.append(token_env)
         volumes.append(token_volume)
-        init_mounts.append(token_mount)
-    step = InitStep("fetch-model", command, env, init_mounts)
-    # The engine follows the link in /models into the cache, so it mounts both.
-    mounts = [models_ro, {"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True}]
-    return ModelVolumes(volumes, mounts, [step])
+        mounts.append(token_mount)
+    return volumes, env, mounts
+
+
+def adapter_claim_volume(claim: str) -> str:
+    """The pod volume of an adapter claim (a DNS label whatever the claim's length)."""
+    return f"adapters-{adapter_key(claim)[:12]}"
+
+
+def pod_volumes(model: ModelSpec, adapters: list[AdapterSpec]) -> ModelVolumes:
+    """The model's volumes and init steps, plus the adapters': each pvc://
+    claim mounted read-only under ADAPTERS_DIR/pvc/CLAIM, and one init step per
+    hf:// adapter, which fetches it (``pdfleet fetch-model --adapter``) into
+    the model's Hugging Face cache with its token and links it at
+    :func:`adapter_path`. file:// adapters need nothing."""
+    base = model_volumes(model)
+    volumes, mounts, init = list(base.volumes), list(base.mounts), list(base.init)
+    for claim in dict.fromkeys(c for a in adapters if (c := adapter_claim(a)) is not None):
+        volume = adapter_claim_volume(claim)
+        volumes.append(
+            {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        )
+        mounts.append(
+            {"name": volume, "mountPath": f"{ADAPTERS_DIR}/pvc/{claim}", "readOnly": True}
+        )
+    hub = [a for a in adapters if a.source.startswith("hf://")]
+    if not hub:
+        return ModelVolumes(volumes, mounts, init)
+    names = {v["name"] for v in volumes}
+    hub_volumes, env, hub_mounts = _hub_parts(model)
+    volumes += [v for v in hub_volumes if v["name"] not in names]
+    volumes.append({"name": "adapters-hf", "emptyDir": {}})
+    if not any(m["name"] == "hf-cache" for m in mounts):
+        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True})
+    mounts.append({"name": "adapters-hf", "mountPath": f"{ADAPTERS_DIR}/hf", "readOnly": True})
+    writable = {"name": "adapters-hf", "mountPath": f"{ADAPTERS_DIR}/hf"}
+    for adapter in hub:
+        command = ["pdfleet", "fetch-model", adapter.source, "--adapter"]
+        command += ["--cache-dir", HF_CACHE_DIR, "--output", adapter_path(adapter)]
+        if adapter.revision:
+            command += ["--revision", adapter.revision]
+        step_name = f"fetch-adapter-{adapter_key(adapter.name)[:12]}"
+        init.append(InitStep(step_name, command, list(env), [writable, *hub_mounts]))
+    return ModelVolumes(volumes, mounts, init)

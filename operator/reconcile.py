@@ -141,6 +141,10 @@ async def apply_children(
 ) -> None:
     """Create or update every child (idempotent); raises
     :class:`WaitingForRollout` while prefill waits for decode."""
+    live = {
+        role: await client.get(workload_kind(spec, role), namespace, child_name(name, role))
+        for role in ROLES
+    }
     children = build_children(
         name,
         spec,
@@ -151,6 +155,9 @@ async def apply_children(
         install=install,
         secret_version=secret_version,
         identity_version=identity_version,
+        live_templates={
+            role: templates[0] for role in ROLES if (templates := pod_templates(live[role]))
+        },
     )
     install = install or OperatorInstall()
     workloads = {
@@ -163,9 +170,7 @@ async def apply_children(
             await client.apply(obj)
     await client.apply(workloads["gateway"])
     new_compat = workloads["prefill"]["metadata"]["labels"][LABEL_COMPAT]
-    live_prefill = await client.get(
-        workloads["prefill"]["kind"], namespace, child_name(name, "prefill")
-    )
+    live_prefill = live["prefill"]
     old_compat = ((live_prefill or {}).get("metadata", {}).get("labels") or {}).get(LABEL_COMPAT)
     decode = await client.apply(workloads["decode"])
     await _retire_other_kind(client, workloads["decode"], install)

@@ -160,13 +160,14 @@ class ModelSpec(SpecModel):
     40-character commit is checked against what the Hub serves. Letters,
     digits and `. _ - /`, not starting with `-` and without `..`."""
     token_secret: HubTokenSecret | None = None
-    """`hf://` only: Secret holding a Hugging Face token (private or gated models)."""
+    """`hf://` models and adapters only: Secret holding a Hugging Face token
+    (private or gated repositories)."""
     cache: ModelCacheSpec | None = None
-    """`hf://` only: PersistentVolumeClaim for the download cache; each pod
-    downloads into its own emptyDir when unset."""
+    """`hf://` models and adapters only: PersistentVolumeClaim for the
+    download cache; each pod downloads into its own emptyDir when unset."""
     hf_endpoint: str | None = None
-    """`hf://` only: base URL of the Hub or a mirror (the HF_ENDPOINT variable);
-    the public Hub when unset."""
+    """`hf://` models and adapters only: base URL of the Hub or a mirror (the
+    HF_ENDPOINT variable); the public Hub when unset."""
 
     @field_validator("revision")
     @classmethod
@@ -199,18 +200,84 @@ class ModelSpec(SpecModel):
             parse_hf_uri(uri)  # its ValueError names the expected shape
         return uri
 
+    def hub_fields_set(self) -> list[str]:
+        """The hf://-only fields that are set (checked against spec.adapters too)."""
+        values = (
+            ("tokenSecret", self.token_secret),
+            ("cache", self.cache),
+            ("hfEndpoint", self.hf_endpoint),
+        )
+        return [field for field, value in values if value is not None]
+
     @model_validator(mode="after")
-    def _hub_fields_need_hf(self) -> ModelSpec:
-        if not self.uri.startswith("hf://"):
-            for field, value in (
-                ("tokenSecret", self.token_secret),
-                ("cache", self.cache),
-                ("hfEndpoint", self.hf_endpoint),
-            ):
-                if value is not None:
-                    raise ValueError(f"{field} applies to hf:// models only (uri is {self.uri})")
+    def _check_endpoint(self) -> ModelSpec:
         if self.hf_endpoint is not None and not re.match(r"^https?://[^\s]+$", self.hf_endpoint):
             raise ValueError(f"hfEndpoint {self.hf_endpoint!r} is not an http(s) URL")
+        return self
+
+
+ADAPTER_SOURCE_SCHEMES = ("file", "pvc", "hf")
+
+
+class AdapterSpec(SpecModel):
+    """A LoRA adapter served on top of the model (a PEFT directory:
+    adapter_config.json and adapter_model.safetensors)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+    """The name clients give as `model` to use the adapter. Letters, digits and
+    `. _ : / -`, starting with a letter or digit; unique in the list and not
+    the model's name."""
+    source: str
+    """Where the adapter is: `hf://ORG/NAME` (downloaded by the init container
+    that fetches the model, with spec.model.tokenSecret, spec.model.cache and
+    spec.model.hfEndpoint), `file:///path` (a directory inside the image or a
+    volume) or `pvc://CLAIM/path` (a directory on a PersistentVolumeClaim,
+    mounted read-only)."""
+    revision: str | None = Field(default=None, max_length=128, pattern=REVISION_PATTERN)
+    """`hf://` only: the branch, tag or commit to download (default main)."""
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, source: str) -> str:
+        scheme, sep, rest = source.partition("://")
+        if scheme == "builtin":
+            raise ValueError(
+                f"{source!r}: pdfleet ships no built-in LoRA adapters; use hf://ORG/NAME, "
+                "file:///path or pvc://CLAIM/path"
+            )
+        if not sep or scheme not in ADAPTER_SOURCE_SCHEMES:
+            raise ValueError(
+                f"{source!r} is not a supported adapter location; use hf://ORG/NAME, "
+                "file:///path or pvc://CLAIM/path"
+            )
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"{source!r}: a file URI needs an absolute path (file:///adapters/x)")
+        if scheme == "pvc":
+            claim = rest.partition("/")[0]
+            if not re.fullmatch(OBJECT_NAME_PATTERN, claim):
+                raise ValueError(
+                    f"{source!r}: name the claim (a Kubernetes object name), e.g. "
+                    "pvc://adapters/sql"
+                )
+        if scheme in ("file", "pvc") and "/../" in f"{rest}/":
+            raise ValueError(f"{source!r}: the path holds '..'")
+        if scheme == "hf":
+            hf = parse_hf_uri(source)  # its ValueError names the expected shape
+            if hf.filename is not None:
+                raise ValueError(f"{source!r}: an adapter is a repository (hf://ORG/NAME)")
+        return source
+
+    @field_validator("revision")
+    @classmethod
+    def _check_revision(cls, revision: str | None) -> str | None:
+        if revision is not None and (".." in revision or "//" in revision):
+            raise ValueError(f"{revision!r}: a revision holds no '..' or '//'")
+        return revision
+
+    @model_validator(mode="after")
+    def _revision_needs_hf(self) -> AdapterSpec:
+        if self.revision is not None and not self.source.startswith("hf://"):
+            raise ValueError(f"revision applies to hf:// adapters only (source is {self.source})")
         return self
 
 
@@ -593,11 +660,54 @@ class InferenceServiceSpec(SpecModel):
     """OpenAI server settings shared by every engine: chat template and tool calling."""
     autoscaling: AutoscalingSpec | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=256)
+    """LoRA adapters served on top of the model; a request names one by
+    `model`. A non-empty list turns LoRA on in both roles (enableLora, with
+    maxLoras 4 and maxLoraRank 16 unless spec.engine sets them). Adding or
+    removing a file:// adapter, or a pvc:// one on a claim the pods already
+    mount, loads or unloads it on the running engines; an hf:// adapter or a
+    new claim changes the pods, which roll."""
 
     @field_validator("engine")
     @classmethod
     def _check_engine(cls, engine: dict[str, Any]) -> dict[str, Any]:
         return validate_engine_section(engine)
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> InferenceServiceSpec:
+        hub = self.model.uri.startswith("hf://") or any(
+            a.source.startswith("hf://") for a in self.adapters
+        )
+        for field in self.model.hub_fields_set() if not hub else []:
+            raise ValueError(
+                f"model.{field} applies to hf:// models only (uri is {self.model.uri}) "
+                "and hf:// adapters (spec.adapters has none)"
+            )
+        if not self.adapters:
+            return self
+        seen: set[str] = set()
+        for i, adapter in enumerate(self.adapters):
+            if adapter.name in seen:
+                raise ValueError(f"adapters[{i}].name: {adapter.name!r} is given twice")
+            if adapter.name == self.model.name:
+                raise ValueError(
+                    f"adapters[{i}].name: {adapter.name!r} is the model's name (spec.model.name)"
+                )
+            seen.add(adapter.name)
+        sections = {"engine": self.engine}
+        sections.update({f"{r}.engine": self.role(r).engine for r in ROLES})
+        for where, section in sections.items():
+            if section.get("enableLora") is False:
+                raise ValueError(
+                    f"{where}.enableLora is false but spec.adapters lists adapters, which need "
+                    "LoRA: remove enableLora (the adapters turn it on) or the adapters"
+                )
+            if section.get("loraModules"):
+                raise ValueError(
+                    f"{where}.loraModules: with spec.adapters, list every adapter there "
+                    "(spec.adapters is fetched into the pods and kept loaded)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _engine_priority_needs_the_priority_policy(self) -> InferenceServiceSpec:

@@ -9,16 +9,24 @@ node with the model resolves them when the engine starts).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from .engine_spec import engine_args_from_spec
-from .resource import ROLES, InferenceServiceSpec, ServingSpec
+from .resource import ROLES, AdapterSpec, InferenceServiceSpec, ServingSpec
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Where model volumes are mounted in pods.
 MODELS_DIR = "/models"
+# Where adapters are in pods: pvc:// claims mounted read-only under
+# ADAPTERS_DIR/pvc/CLAIM, hf:// downloads linked at ADAPTERS_DIR/hf/KEY.
+ADAPTERS_DIR = "/adapters"
+# LoRA limits spec.adapters implies when spec.engine leaves them unset. They do
+# not depend on how many adapters are listed, so adding one does not change
+# the engines' command line (which would restart them).
+ADAPTER_DEFAULT_MAX_LORAS = 4
 ENGINE_PORT = 8000
 # The KV event PUB socket and its replay ROUTER socket on every engine pod.
 KV_EVENTS_PORT = 5557
@@ -73,6 +81,47 @@ def model_source(uri: str) -> ModelSource:
         # The init container links the downloaded snapshot (or prepared GGUF) here.
         return ModelSource("hf", f"{MODELS_DIR}/hf")
     raise ValueError(f"spec.model.uri: unsupported scheme in {uri!r}")
+
+
+def adapter_key(name: str) -> str:
+    """A path component for an adapter name (names may hold '/', ':' or '..')."""
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def adapter_claim(adapter: AdapterSpec) -> str | None:
+    """The PersistentVolumeClaim of a pvc:// adapter, else None."""
+    scheme, _, rest = adapter.source.partition("://")
+    return rest.partition("/")[0] if scheme == "pvc" else None
+
+
+def adapter_path(adapter: AdapterSpec) -> str:
+    """The adapter's directory inside a pod."""
+    scheme, _, rest = adapter.source.partition("://")
+    if scheme == "file":
+        return rest
+    if scheme == "pvc":
+        claim, _, sub = rest.partition("/")
+        return f"{ADAPTERS_DIR}/pvc/{claim}" + (f"/{sub.strip('/')}" if sub.strip("/") else "")
+    return f"{ADAPTERS_DIR}/hf/{adapter_key(adapter.name)}"
+
+
+def lora_extra(
+    spec: InferenceServiceSpec, role: str, modules: dict[str, str] | None
+) -> dict[str, Any]:
+    """The LoRA engine arguments spec.adapters implies: LoRA on (with the
+    default limits unless the engine section sets them) and ``modules``
+    (name -> directory) loaded at start. Nothing without adapters."""
+    if not spec.adapters:
+        return {}
+    section = role_engine_section(spec, role)
+    extra: dict[str, Any] = {"enable_lora": True}
+    if section.get("maxLoras") is None:
+        # Never above a maxCpuLoras the section sets (it must hold maxLoras).
+        cpu = section.get("maxCpuLoras")
+        extra["max_loras"] = min(ADAPTER_DEFAULT_MAX_LORAS, cpu or ADAPTER_DEFAULT_MAX_LORAS)
+    if modules:
+        extra["lora_modules"] = [f"{name}={path}" for name, path in modules.items()]
+    return extra
 
 
 def disaggregating(spec: InferenceServiceSpec) -> bool:
@@ -186,8 +235,15 @@ def role_engine_args(
     kv_port: int | None = None,
     engine_id: str | None = None,
     kv_events: tuple[str, str] | None = None,
+    adapters: list[AdapterSpec] | None = None,
+    adapter_paths: dict[str, str] | None = None,
 ) -> EngineArgs:
     """The role's complete ``EngineArgs`` (not resolved against the model).
+
+    ``adapters``: the adapters loaded at start (default spec.adapters; a
+    pod template may hold the list it was first rendered with), at
+    :func:`adapter_path` unless ``adapter_paths`` (name -> local directory,
+    ``pdfleet up``) says otherwise.
 
     ``model_path`` defaults to where the pod sees the model
     (:func:`model_source`); ``pdfleet up`` passes a local directory.
@@ -205,6 +261,10 @@ def role_engine_args(
             enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay
         )
     path = model_path if model_path is not None else model_source(spec.model.uri).path
+    modules = {
+        a.name: (adapter_paths or {}).get(a.name) or adapter_path(a)
+        for a in (spec.adapters if adapters is None else adapters)
+    }
     where = "spec.engine" if not spec.role(role).engine else f"spec.engine + spec.{role}.engine"
     return engine_args_from_spec(
         section,
@@ -216,6 +276,7 @@ def role_engine_args(
             spec, role, kv_ip=kv_ip, kv_port=kv_port, engine_id=engine_id
         ),
         **extra,
+        **lora_extra(spec, role, modules),
     )
 
 

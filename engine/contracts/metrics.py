@@ -732,6 +732,13 @@ OPERATOR_IDENTITY_REQUESTS = Metric(
     "did not qualify), busy (429), error (503: the API server or the operator not ready).",
     ("result",),
 )
+OPERATOR_ADAPTER_CHANGES = Metric(
+    "pdfleet_operator_adapter_changes_total",
+    "counter",
+    "LoRA adapter loads and unloads the operator made on running engine pods to follow "
+    "spec.adapters, by action (load, unload) and result (ok, error).",
+    ("action", "result"),
+)
 AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",
     "gauge",

@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="also make the model available at this path (a prepared directory, or a link "
         "to the downloaded snapshot)",
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="hf:// only: the repository is a LoRA adapter (fetch adapter_config.json and "
+        "adapter_model.safetensors)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -55,18 +61,21 @@ def fetch_model(
     revision: str | None = None,
     cache_dir: str | None = None,
     output: str | None = None,
+    adapter: bool = False,
 ) -> str:
     from ..contracts.model_source import HF_SCHEME
     from ..models.sources.gguf import is_gguf_file, prepare_gguf_dir
     from ..models.sources.hub import download_hf_model
 
     scheme, _, rest = uri.partition("://")
+    if adapter and scheme != HF_SCHEME:
+        raise ValueError(f"{uri!r}: --adapter takes hf://ORG/NAME")
     if scheme == "builtin":
         from .registry import builtin_model_dir
 
         return builtin_model_dir(rest, _say, out=output)
     if scheme == HF_SCHEME:
-        path = download_hf_model(uri, revision, cache_dir=cache_dir, say=_say)
+        path = download_hf_model(uri, revision, cache_dir=cache_dir, say=_say, adapter=adapter)
         if is_gguf_file(path):
             return prepare_gguf_dir(path, _say, out=output)
         return _link(path, output) if output else path
@@ -83,5 +92,6 @@ def run(args: argparse.Namespace) -> int:
     # One line per HTTP request would bury the progress lines.
     for name in ("httpx", "httpx2", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    print(fetch_model(args.uri, args.revision, args.cache_dir, args.output), flush=True)
+    path = fetch_model(args.uri, args.revision, args.cache_dir, args.output, args.adapter)
+    print(path, flush=True)
     return 0

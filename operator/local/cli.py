@@ -21,6 +21,7 @@ from ...engine.config.fields import bounded_seconds, optional_of
 from ...engine.config.gateway import FLOAT_BOUNDS, check_float
 from ...engine.contracts import security
 from ...engine.contracts.launch import python_module
+from ..resource import AdapterSpec
 from .process import GiB, resident_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -70,6 +71,35 @@ def resolve_model(uri: str, revision: str | None, say: Callable[[str], None]) ->
     if done.returncode != 0:
         raise ValueError(f"spec.model.uri: cannot prepare {uri} (see the message above)")
     return done.stdout.strip().splitlines()[-1]
+
+
+def resolve_adapters(adapters: list[AdapterSpec], say: Callable[[str], None]) -> dict[str, str]:
+    """A local directory for each of spec.adapters: file:// as it is (it must
+    exist), hf:// downloaded into the Hugging Face cache by ``pdfleet
+    fetch-model --adapter``; pvc:// only exists in Kubernetes."""
+    paths: dict[str, str] = {}
+    for i, adapter in enumerate(adapters):
+        scheme, _, rest = adapter.source.partition("://")
+        where = f"spec.adapters[{i}].source"
+        if scheme == "file":
+            if not os.path.isdir(rest):
+                raise ValueError(f"{where}: {rest!r} is not a directory on this machine")
+            paths[adapter.name] = rest
+            continue
+        if scheme != "hf":
+            raise ValueError(
+                f"{where}: {adapter.source!r} only exists in Kubernetes; `pdfleet up` needs "
+                "file:///PATH or hf://ORG/NAME"
+            )
+        say(f"fetching adapter {adapter.name} ({adapter.source}) ...")
+        command = python_module("pdfleet.engine.cli", "fetch-model", adapter.source, "--adapter")
+        if adapter.revision:
+            command += ["--revision", adapter.revision]
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise ValueError(f"{where}: cannot fetch {adapter.source} (see the message above)")
+        paths[adapter.name] = done.stdout.strip().splitlines()[-1]
+    return paths
 
 
 @dataclass(frozen=True)
@@ -172,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         )
     fleet_secret, api_keys = fleet_credentials()
     model_path = resolve_model(service.spec.model.uri, service.spec.model.revision, say)
+    adapter_paths = resolve_adapters(service.spec.adapters, say)
     port = args.port or service.spec.gateway.port
     if args.port is None and not _port_free(args.host, port):
         port = free_port(args.host)
@@ -187,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         fleet_secret=fleet_secret,
         api_keys=api_keys,
         direct_engine_access=args.direct_engine_access,
+        adapter_paths=adapter_paths,
     )
     if args.tenants_file:
         fleet.tenants_file = str(Path(args.tenants_file).resolve())

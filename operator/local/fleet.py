@@ -140,13 +140,17 @@ class LocalFleet:
         fleet_secret: str | None = None,
         api_keys: list[str] | None = None,
         direct_engine_access: bool = False,
+        adapter_paths: dict[str, str] | None = None,
     ) -> None:
         """``fleet_secret`` and ``api_keys``: see :func:`fleet_credentials`
         (a new secret when None); ``direct_engine_access``: engines accept the
-        client API keys too (else only the gateway does)."""
+        client API keys too (else only the gateway does); ``adapter_paths``:
+        the local directory of each of spec.adapters (every engine loads them
+        at start)."""
         self.service = service
         self.spec = service.spec
         self.model_path = model_path
+        self.adapter_paths = dict(adapter_paths or {})
         self.run_dir = run_dir
         self.host = host
         self.say = say
@@ -214,6 +218,7 @@ class LocalFleet:
             kv_port=free_port(self.host),
             engine_id=f"{self.service.name}-{name}-{port}",
             kv_events=events,
+            adapter_paths=self.adapter_paths,
         )
         argv = python_module(
             "pdfleet.engine.cli",

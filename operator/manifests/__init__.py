@@ -49,6 +49,8 @@ from .access import (
 )
 from .children import build_children
 from .common import (
+    ANNOTATION_ADAPTERS,
+    ANNOTATION_ADAPTERS_KEY,
     ANNOTATION_FLEET_SECRET,
     ANNOTATION_IDENTITY,
     API_KEY_DIR,
@@ -100,6 +102,8 @@ from .pods import (
     gateway_command,
     gateway_pod_template,
     gateway_workers,
+    pod_shaping_adapters,
+    template_adapters,
     tenants_volume,
     termination_grace_seconds,
 )
@@ -112,6 +116,8 @@ from .workloads import (
 )
 
 __all__ = [
+    "ANNOTATION_ADAPTERS",
+    "ANNOTATION_ADAPTERS_KEY",
     "ANNOTATION_FLEET_SECRET",
     "ANNOTATION_IDENTITY",
     "API_KEY_DIR",
@@ -172,8 +178,10 @@ __all__ = [
     "non_default_args",
     "pod_engine_args",
     "pod_serving",
+    "pod_shaping_adapters",
     "selector_labels",
     "service_url",
+    "template_adapters",
     "tenants_volume",
     "termination_grace_seconds",
     "ucx_port_range",

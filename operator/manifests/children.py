@@ -28,6 +28,7 @@ def build_children(
     install: OperatorInstall | None = None,
     secret_version: str | None = None,
     identity_version: str | None = None,
+    live_templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order (workloads last: gateway, decode, prefill).
 
@@ -38,7 +39,9 @@ def build_children(
     holds the replicas the autoscaler chose (used when autoscaling is on);
     ``install`` says where the operator runs; ``secret_version`` is the fleet
     secret's fingerprint (a change rolls every pod), ``identity_version`` the
-    identity authority's (a change rolls the engine pods).
+    identity authority's (a change rolls the engine pods); ``live_templates``
+    each engine role's pod template as it runs (it keeps the adapters the pods
+    started with when nothing else changes, see engine_pod_template).
     The spec must pass :func:`pdfleet.operator.compat.check_service`.
     """
     image = spec.image or image or DEFAULT_IMAGE
@@ -55,6 +58,12 @@ def build_children(
         objects.append(build_pdb(name, role, namespace=namespace, owner=owner))
     for role in ("gateway", "decode", "prefill"):
         build = build_leader_worker_set if multi_node(spec, role) else build_deployment
+        engine: dict[str, Any] = {}
+        if role != "gateway":
+            engine = {
+                "identity_version": identity_version,
+                "live": (live_templates or {}).get(role),
+            }
         objects.append(
             build(
                 name,
@@ -66,7 +75,7 @@ def build_children(
                 replicas=desired_replicas(spec, role, autoscaled),
                 owner=owner,
                 secret_version=secret_version,
-                **({} if role == "gateway" else {"identity_version": identity_version}),
+                **engine,
             )
         )
     return objects

@@ -13,6 +13,7 @@ from ..resource import (
     API_VERSION,
     KIND,
     ROLES,
+    AdapterSpec,
     InferenceServiceSpec,
     ServingSpec,
 )
@@ -198,10 +199,19 @@ def ucx_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
     return port - UCX_PORT_COUNT, port - 1
 
 
-def pod_engine_args(spec: InferenceServiceSpec, role: str) -> EngineArgs:
+def pod_engine_args(
+    spec: InferenceServiceSpec, role: str, adapters: list[AdapterSpec] | None = None
+) -> EngineArgs:
     """The role's arguments as a pod runs them: KV side channel on the pod IP,
-    engine id = pod name (both expanded by Kubernetes from the environment)."""
-    return role_engine_args(spec, role, kv_ip=f"$({ENV_KV_IP})", engine_id=f"$({ENV_POD_NAME})")
+    engine id = pod name (both expanded by Kubernetes from the environment);
+    ``adapters`` loaded at start (default spec.adapters)."""
+    return role_engine_args(
+        spec,
+        role,
+        kv_ip=f"$({ENV_KV_IP})",
+        engine_id=f"$({ENV_POD_NAME})",
+        adapters=adapters,
+    )
 
 
 def pod_serving(spec: InferenceServiceSpec) -> ServingSpec:
@@ -257,6 +267,14 @@ IDENTITY_SA_TOKEN_SECONDS = 600
 # The identity authority's fingerprint on engine pod templates: a new authority
 # (rotation) rolls the engine pods, which read its public key once, at start.
 ANNOTATION_IDENTITY = "pdfleet.dev/identity-authority-version"
+
+
+# On engine pod templates with spec.adapters: the adapters the pods start with
+# (a JSON list of spec.adapters entries), and the hash of the template without
+# the adapters the operator can load at run time. While the hash stays, a
+# reconcile keeps the template's adapters (no restart) and loads the rest.
+ANNOTATION_ADAPTERS = "pdfleet.dev/adapters"
+ANNOTATION_ADAPTERS_KEY = "pdfleet.dev/adapters-template-hash"
 
 
 def identity_enabled(spec: InferenceServiceSpec) -> bool:

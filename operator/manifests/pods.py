@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from ...engine.config import EngineArgs
 from ...engine.config.gateway import (
@@ -11,10 +15,11 @@ from ...engine.config.gateway import (
     KV_REPLAY_PORT_ANNOTATION,
     GatewayConfig,
 )
+from ...engine.config.hashing import hash_factors
 from ...engine.contracts import identity_exchange as exchange
 from ...engine.contracts.identity import IDENTITY_AUTHORITY_ENV
 from ...engine.contracts.security import FLEET_SECRET_FILE_ENV
-from ..model_source import InitStep, model_volumes
+from ..model_source import InitStep, model_volumes, pod_volumes
 from ..parallelism import (
     LABEL_GROUP_ROLE,
     WORKER,
@@ -25,6 +30,7 @@ from ..parallelism import (
     shm_size,
 )
 from ..resource import (
+    AdapterSpec,
     InferenceServiceSpec,
     PodPlacement,
     TenantsSource,
@@ -33,6 +39,7 @@ from ..roles import (
     ENGINE_PORT,
     KV_EVENTS_PORT,
     KV_EVENTS_REPLAY_PORT,
+    adapter_claim,
     added_capabilities,
     disaggregating,
     engine_command,
@@ -45,6 +52,8 @@ from ..roles import (
     ucx_env,
 )
 from .common import (
+    ANNOTATION_ADAPTERS,
+    ANNOTATION_ADAPTERS_KEY,
     ANNOTATION_FLEET_SECRET,
     ANNOTATION_IDENTITY,
     API_KEY_DIR,
@@ -198,6 +207,36 @@ def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: Engin
     return math.ceil(drain) + GRACE_MARGIN_SECONDS
 
 
+def pod_shaping_adapters(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
+    """The adapters that change an engine pod beyond its --lora-modules: every
+    hf:// adapter (an init step fetches it) and one pvc:// adapter per claim (a
+    volume). The others (file://, more pvc:// adapters on a mounted claim) can
+    be loaded into a running engine."""
+    claims: set[str] = set()
+    out = []
+    for adapter in adapters:
+        claim = adapter_claim(adapter)
+        if adapter.source.startswith("hf://") or (claim is not None and claim not in claims):
+            out.append(adapter)
+        if claim is not None:
+            claims.add(claim)
+    return out
+
+
+def template_adapters(template: Mapping[str, Any] | None) -> tuple[str, list[AdapterSpec]] | None:
+    """(key, adapters) a live engine pod template was rendered with (its
+    annotations), or None (no adapters, or annotations it cannot read)."""
+    annotations = ((template or {}).get("metadata") or {}).get("annotations") or {}
+    key, listed = annotations.get(ANNOTATION_ADAPTERS_KEY), annotations.get(ANNOTATION_ADAPTERS)
+    if not isinstance(key, str) or not isinstance(listed, str):
+        return None
+    try:
+        items = json.loads(listed)
+        return key, [AdapterSpec.model_validate(a, by_name=False) for a in items]
+    except (ValueError, TypeError, ValidationError):
+        return None
+
+
 def engine_pod_template(
     name: str,
     spec: InferenceServiceSpec,
@@ -208,15 +247,65 @@ def engine_pod_template(
     secret_version: str | None = None,
     group_role: str | None = None,
     identity_version: str | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One engine pod; ``group_role`` (``leader`` or ``worker``) for a pod of a
     multi-node group: a worker runs ranks only (no API server, no probes).
     ``identity_version``: the identity authority's fingerprint (a new authority
-    rolls the pods, which read it once, at start)."""
+    rolls the pods, which read it once, at start).
+
+    ``live``: the role's pod template as it runs now. Its adapters (annotated)
+    stay in the new template when the two differ in nothing but adapters the
+    operator loads into running engines (:func:`pod_shaping_adapters`): the
+    template, and so the pods, stay the same, and the operator loads and
+    unloads the difference through each engine's API. Any other change
+    renders spec.adapters, and the new pods start with all of them."""
+    kwargs: dict[str, Any] = {
+        "image": image,
+        "compat": compat,
+        "secret_version": secret_version,
+        "group_role": group_role,
+        "identity_version": identity_version,
+    }
+    if not spec.adapters:
+        return _engine_pod_template(name, spec, role, adapters=[], **kwargs)
+    base = _engine_pod_template(
+        name, spec, role, adapters=pod_shaping_adapters(spec.adapters), **kwargs
+    )
+    key = hash_factors(base, length=16)
+    running = template_adapters(live)
+    adapters = running[1] if running is not None and running[0] == key else spec.adapters
+    template = _engine_pod_template(name, spec, role, adapters=adapters, **kwargs)
+    template["metadata"].setdefault("annotations", {}).update(
+        {
+            ANNOTATION_ADAPTERS_KEY: key,
+            ANNOTATION_ADAPTERS: json.dumps(
+                [a.model_dump(by_alias=True, exclude_none=True) for a in adapters],
+                separators=(",", ":"),
+            ),
+        }
+    )
+    return template
+
+
+def _engine_pod_template(
+    name: str,
+    spec: InferenceServiceSpec,
+    role: str,
+    *,
+    adapters: list[AdapterSpec],
+    image: str,
+    compat: str,
+    secret_version: str | None = None,
+    group_role: str | None = None,
+    identity_version: str | None = None,
+) -> dict[str, Any]:
+    """One engine pod, starting with ``adapters``."""
     role_spec = spec.role(role)
-    args = pod_engine_args(spec, role)
+    args = pod_engine_args(spec, role, adapters=adapters)
     layout = role_layout(role_spec, args)
-    volumes, model_mounts, model_steps = _model_volumes(spec)
+    parts = pod_volumes(spec.model, adapters)
+    volumes, model_mounts, model_steps = parts.volumes, parts.mounts, parts.init
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     ports = []
     annotations: dict[str, str] = {}

@@ -57,7 +57,9 @@ def build_deployment(
     owner: Owner | None = None,
     secret_version: str | None = None,
     identity_version: str | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``live``: the role's pod template as it runs (see engine_pod_template)."""
     if role == "gateway":
         template = gateway_pod_template(
             name, spec, namespace=namespace, image=image, secret_version=secret_version
@@ -72,6 +74,7 @@ def build_deployment(
             compat=compat,
             secret_version=secret_version,
             identity_version=identity_version,
+            live=live,
         )
         labels = {**common_labels(name, role), LABEL_COMPAT: compat}
     return {
@@ -109,6 +112,7 @@ def build_leader_worker_set(
     owner: Owner | None = None,
     secret_version: str | None = None,
     identity_version: str | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A multi-node role: ``replicas`` groups of ``nodesPerReplica`` pods each.
 
@@ -128,6 +132,7 @@ def build_leader_worker_set(
             secret_version=secret_version,
             group_role=group_role,
             identity_version=identity_version,
+            live=live,
         )
         for group_role in (LEADER, WORKER)
     }

@@ -51,6 +51,14 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
         for key, prop in (schema.get("properties") or {}).items():
             if key in value:
                 errors += cel_errors(prop, value[key], f"{path}.{key}")
+    if schema.get("type") == "array" and isinstance(value, list):
+        if schema.get("x-kubernetes-list-type") == "map":
+            keys = schema["x-kubernetes-list-map-keys"]
+            seen = [tuple(item.get(k) for k in keys) for item in value]
+            if len(set(seen)) != len(seen):
+                errors.append(f"{path}: Duplicate value")
+        for i, item in enumerate(value):
+            errors += cel_errors(schema.get("items") or {}, item, f"{path}[{i}]")
     return errors
 
 

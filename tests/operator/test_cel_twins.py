@@ -38,6 +38,13 @@ CASES = [
         False,
     ),
     (_spec(model={"name": "m", "hfEndpoint": "https://hub.example"}), False),
+    (
+        _spec(
+            model={"name": "m", "hfEndpoint": "https://hub.example"},
+            adapters=[{"name": "a", "source": "hf://o/a"}],
+        ),
+        True,
+    ),
     (_spec(model={"name": "m", "uri": "hf://o/n", "hfEndpoint": "https://hub.example"}), True),
     (_spec(model={"name": "m", "uri": "hf://o/n", "hfEndpoint": "ftp://hub"}), False),
     (_spec(model={"name": "m", "uri": "builtin://tiny", "tokenSecret": {"name": "s"}}), False),

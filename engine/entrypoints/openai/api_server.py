@@ -105,6 +105,7 @@ class ServerState:
             while engine.has_unfinished_requests():
                 engine.step()
             self.metrics = EngineMetrics(engine.config)
+            self.metrics.update_adapters(engine)
             self.engine = AsyncEngine(
                 engine, self.max_waiting_requests, self.on_step, on_fatal=self.on_fatal
             )

@@ -42,8 +42,14 @@ SAFETENSORS_FILES = (
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def allow_patterns(source: HFSource) -> list[str]:
-    """The files of ``source`` a download fetches."""
+# What a LoRA adapter repository holds that the engine reads (PEFT's format).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def allow_patterns(source: HFSource, adapter: bool = False) -> list[str]:
+    """The files of ``source`` a download fetches (``adapter``: a PEFT LoRA adapter's)."""
+    if adapter:
+        return list(ADAPTER_FILES)
     return [source.filename] if source.filename else list(SAFETENSORS_FILES)
 
 
@@ -86,9 +92,12 @@ def download_hf_model(
     token: str | None = None,
     endpoint: str | None = None,
     say: Callable[[str], None] | None = None,
+    adapter: bool = False,
 ) -> str:
     """Download what the engine needs; return the model directory (or the
-    GGUF file) in the cache. Raises ``ValueError`` with the reason."""
+    GGUF file) in the cache. ``adapter``: the repository is a LoRA adapter
+    (adapter_config.json and adapter_model.safetensors). Raises
+    ``ValueError`` with the reason."""
     from huggingface_hub import HfApi, snapshot_download
 
     source = parse_hf_uri(uri)
@@ -96,7 +105,9 @@ def download_hf_model(
     token = token or _token_from_env()
     endpoint = (endpoint or os.environ.get(ENDPOINT_ENV) or "https://huggingface.co").rstrip("/")
     if say is not None:
-        files = source.filename or "config, tokenizer and safetensors"
+        files = source.filename or (
+            "LoRA adapter" if adapter else "config, tokenizer and safetensors"
+        )
         say(f"fetching {files} of hf://{source.repo_id}@{revision} from {endpoint} ...")
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(source.repo_id, revision=revision)
@@ -113,6 +124,11 @@ def download_hf_model(
         names = {s.rfilename for s in info.siblings or ()}
         if source.filename is not None and source.filename not in names:
             raise ValueError(f"hf://{source.repo_id}@{revision} has no file {source.filename!r}")
+        if adapter and "adapter_model.safetensors" not in names:
+            raise ValueError(
+                f"hf://{source.repo_id}@{revision} is not a LoRA adapter in safetensors "
+                "(no adapter_model.safetensors)"
+            )
         if source.filename is None and not any(n.endswith(".safetensors") for n in names):
             raise ValueError(
                 f"hf://{source.repo_id}@{revision} has no *.safetensors weights; name one of "
@@ -124,7 +140,7 @@ def download_hf_model(
             source.repo_id,
             revision=revision,
             cache_dir=cache_dir,
-            allow_patterns=allow_patterns(source),
+            allow_patterns=allow_patterns(source, adapter),
             token=token,
             endpoint=endpoint,
         )

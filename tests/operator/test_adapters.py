@@ -1,0 +1,393 @@
+"""spec.adapters: validation, rendering (init steps, volumes, --lora-modules), and
+the operator loading and unloading them on running engines (kmock) without
+changing the pod templates."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from aiohttp import web
+from helpers.kube_fake import (
+    DEPLOYMENTS,
+    IS_RESOURCE,
+    NAMESPACE,
+    SECRETS,
+    inference_service,
+    run,
+    running_operator,
+)
+
+from pdfleet.engine.contracts import security
+from pdfleet.operator.fleet_secret import secret_value
+from pdfleet.operator.handlers import OperatorConfig
+from pdfleet.operator.manifests import (
+    ANNOTATION_ADAPTERS,
+    ANNOTATION_ADAPTERS_KEY,
+    build_children,
+    template_adapters,
+)
+from pdfleet.operator.resource import parse_spec
+from pdfleet.operator.roles import adapter_path
+
+BASE: dict[str, Any] = {
+    "model": {"name": "tiny"},
+    "engine": {"device": "cpu", "blockSize": 16},
+    "kvTransfer": {"connector": "ZmqConnector"},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+}
+FILE_A = {"name": "sql", "source": "file:///adapters/sql"}
+FILE_B = {"name": "chat/v2", "source": "file:///adapters/chat"}
+PVC = {"name": "pvc-one", "source": "pvc://loras/team/one"}
+PVC_SAME_CLAIM = {"name": "pvc-two", "source": "pvc://loras/team/two"}
+HUB = {"name": "hub", "source": "hf://org/hub-lora", "revision": "v1"}
+
+
+def spec_with(*adapters: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {**copy.deepcopy(BASE), "adapters": [dict(a) for a in adapters], **extra}
+
+
+def children(spec: dict[str, Any], live: dict[str, Any] | None = None) -> dict[Any, Any]:
+    objects = build_children(
+        "demo", parse_spec(spec), namespace=NAMESPACE, live_templates=live or {}
+    )
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def template(objects: dict[Any, Any], role: str) -> dict[str, Any]:
+    return objects["Deployment", f"demo-{role}"]["spec"]["template"]
+
+
+def command(objects: dict[Any, Any], role: str) -> list[str]:
+    return template(objects, role)["spec"]["containers"][0]["command"]
+
+
+def lora_modules(cmd: list[str]) -> list[str]:
+    i = cmd.index("--lora-modules") + 1
+    out = []
+    while i < len(cmd) and not cmd[i].startswith("--"):
+        out.append(cmd[i])
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("adapters", "extra", "problem"),
+    [
+        ([FILE_A, {**FILE_B, "name": "sql"}], {}, r"adapters\[1\].name: 'sql' is given twice"),
+        ([{**FILE_A, "name": "tiny"}], {}, "is the model's name"),
+        ([{**FILE_A, "name": "-x"}], {}, r"adapters.0.name"),
+        ([{**FILE_A, "source": "builtin://tiny-lora"}], {}, "ships no built-in LoRA adapters"),
+        ([{**FILE_A, "source": "s3://bucket/x"}], {}, "not a supported adapter location"),
+        ([{**FILE_A, "source": "file://relative"}], {}, "needs an absolute path"),
+        ([{**FILE_A, "source": "file:///a/../b"}], {}, "holds '..'"),
+        ([{**FILE_A, "source": "pvc://Bad_Claim/x"}], {}, "name the claim"),
+        ([{**FILE_A, "source": "hf://org/r/model.gguf"}], {}, "an adapter is a repository"),
+        ([{**FILE_A, "revision": "v1"}], {}, "revision applies to hf:// adapters only"),
+        ([FILE_A], {"engine": {"enableLora": False}}, "engine.enableLora is false"),
+        (
+            [FILE_A],
+            {"decode": {"engine": {"loraModules": ["x=/y"]}}},
+            r"decode.engine.loraModules: with spec.adapters",
+        ),
+        ([{**FILE_A, "extra": 1}], {}, r"adapters.0.extra"),
+    ],
+)
+def test_bad_adapters_are_refused_naming_the_field(adapters, extra, problem):
+    spec = spec_with(*adapters)
+    for key, value in extra.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    with pytest.raises(ValueError, match=problem):
+        parse_spec(spec)
+
+
+CEL_CASES = [
+    (spec_with(FILE_A, FILE_B), True),
+    (spec_with(FILE_A, {**FILE_B, "name": "sql"}), False),
+    (spec_with({**FILE_A, "name": "tiny"}), False),
+    (spec_with({**FILE_A, "source": "builtin://x"}), False),
+    (spec_with({**FILE_A, "revision": "v1"}), False),
+    (spec_with(HUB), True),
+    (spec_with(FILE_A, engine={"enableLora": False}), False),
+    (spec_with(FILE_A, engine={"enableLora": True}), True),
+    (spec_with(FILE_A, decode={"engine": {"enableLora": False}}), False),
+    (spec_with(FILE_A, prefill={"engine": {"loraModules": ["x=/y"]}}), False),
+    (spec_with(engine={"enableLora": False}), True),
+]
+
+
+@pytest.mark.parametrize(("spec", "ok"), CEL_CASES)
+def test_the_crd_admits_and_refuses_the_same_adapters_as_the_model(spec, ok):
+    from helpers.crd_checks import admit
+
+    obj = {"apiVersion": "pdfleet.dev/v1alpha1", "kind": "InferenceService"}
+    _, errors = admit({**obj, "metadata": {"name": "demo"}, "spec": spec})
+    try:
+        parse_spec(spec)
+        parsed = True
+    except ValueError:
+        parsed = False
+    assert (not errors, parsed) == (ok, ok), errors
+
+
+def test_hub_fields_are_accepted_for_hf_adapters_of_a_builtin_model():
+    spec = spec_with(HUB)
+    spec["model"] = {"name": "tiny", "tokenSecret": {"name": "hf"}, "cache": {"claim": "hub"}}
+    parse_spec(spec)  # an hf:// adapter uses them
+    spec["adapters"] = [FILE_A]
+    with pytest.raises(ValueError, match="tokenSecret applies to hf:// models only"):
+        parse_spec(spec)
+
+
+def test_adapters_turn_lora_on_in_both_roles_and_are_passed_as_lora_modules():
+    spec = spec_with(FILE_A, PVC, HUB)
+    spec["model"] = {"name": "tiny", "tokenSecret": {"name": "hf", "key": "t"}}
+    spec["model"]["cache"] = {"claim": "hub-cache"}
+    objects = children(spec)
+    for role in ("prefill", "decode"):
+        cmd = command(objects, role)
+        assert "--enable-lora" in cmd
+        assert cmd[cmd.index("--max-loras") + 1] == "4"
+        assert lora_modules(cmd) == [
+            "sql=/adapters/sql",
+            "pvc-one=/adapters/pvc/loras/team/one",
+            f"hub={adapter_path(parse_spec(spec).adapters[2])}",
+        ]
+        pod = template(objects, role)["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        claims = [v for v in volumes.values() if "persistentVolumeClaim" in v]
+        assert {v["persistentVolumeClaim"]["claimName"] for v in claims} == {"loras", "hub-cache"}
+        assert volumes["hf-token"]["secret"]["secretName"] == "hf"
+        (fetch,) = [c for c in pod["initContainers"] if c["name"].startswith("fetch-adapter-")]
+        assert fetch["command"][:4] == ["pdfleet", "fetch-model", "hf://org/hub-lora", "--adapter"]
+        assert fetch["command"][fetch["command"].index("--revision") + 1] == "v1"
+        assert fetch["command"][fetch["command"].index("--cache-dir") + 1] == "/hf-cache"
+        init_mounts = {m["name"]: m for m in fetch["volumeMounts"]}
+        assert {"hf-cache", "hf-token", "adapters-hf"} <= set(init_mounts)
+        env = {e["name"]: e.get("value") for e in fetch["env"]}
+        assert env["HF_TOKEN_PATH"] == "/etc/pdfleet/hf-token/token"
+        main = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert main["adapters-hf"]["readOnly"] and main["hf-cache"]["readOnly"]
+        assert "hf-token" not in main
+    # The gateway needs none of it.
+    gateway = template(objects, "gateway")["spec"]
+    assert not [c for c in gateway["initContainers"] if c["name"].startswith("fetch-adapter-")]
+    assert "--lora-modules" not in gateway["containers"][0]["command"]
+    # maxLoras from the engine section wins; no adapters, no LoRA.
+    spec["engine"]["maxLoras"] = 8
+    cmd = command(children(spec), "decode")
+    assert cmd[cmd.index("--max-loras") + 1] == "8"
+    del spec["engine"]["maxLoras"]
+    spec["engine"]["maxCpuLoras"] = 2
+    cmd = command(children(spec), "decode")
+    assert cmd[cmd.index("--max-loras") + 1] == "2"
+    assert "--enable-lora" not in command(children(BASE), "decode")
+
+
+def test_a_loadable_adapter_change_keeps_the_template_a_fetched_one_changes_it():
+    first = children(spec_with(FILE_A, PVC, HUB))
+    live = {role: template(first, role) for role in ("prefill", "decode")}
+    # Remove a file:// adapter, add one, add a pvc:// one on the mounted claim.
+    second = children(spec_with(FILE_B, PVC, PVC_SAME_CLAIM, HUB), live)
+    for role in ("prefill", "decode"):
+        assert template(second, role) == live[role]
+    # Without the running template (a first rollout), the spec's list is rendered.
+    fresh = children(spec_with(FILE_B, PVC, PVC_SAME_CLAIM, HUB))
+    assert lora_modules(command(fresh, "decode"))[0] == "chat/v2=/adapters/chat"
+    # An hf:// adapter needs an init step: the template changes, with every adapter.
+    third = children(spec_with(FILE_B, PVC), live)
+    decode = template(third, "decode")
+    assert decode != live["decode"]
+    assert [m.split("=")[0] for m in lora_modules(command(third, "decode"))] == [
+        "chat/v2",
+        "pvc-one",
+    ]
+    assert (
+        template_adapters(decode)[0] == decode["metadata"]["annotations"][ANNOTATION_ADAPTERS_KEY]
+    )
+    # Another change to the pods (here the engine flags) renders the spec's list too.
+    changed = spec_with(FILE_B, PVC, HUB)
+    changed["engine"]["maxNumSeqs"] = 7
+    rolled = template(children(changed, live), "decode")
+    assert [a.name for a in template_adapters(rolled)[1]] == ["chat/v2", "pvc-one", "hub"]
+
+
+# --------------------------------------------------------------------------
+# the operator, against kmock and two fake engines
+
+
+class FakeEngine:
+    """An engine's adapter API: /v1/models, load and unload, fleet token only."""
+
+    def __init__(self, served: dict[str, str], secret_of: Any) -> None:
+        self.served = dict(served)
+        self.calls: list[tuple[str, str]] = []
+        self.polls = 0
+        self.secret_of = secret_of
+        self.port = 0
+
+    def _authorized(self, request: web.Request) -> bool:
+        token = security.bearer_token(request.headers.get("Authorization"))
+        return security.key_matches(token, [security.fleet_token(self.secret_of())])
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"code": 401}}, status=401)
+        self.polls += 1
+        cards = [{"id": "tiny", "parent": None, "root": "/models/tiny"}]
+        cards += [{"id": n, "parent": "tiny", "root": r} for n, r in self.served.items()]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def load(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"code": 403}}, status=403)
+        body = await request.json()
+        self.calls.append(("load", body["lora_name"]))
+        if body["lora_name"] in self.served:
+            return web.json_response({"error": {"message": "already loaded"}}, status=400)
+        self.served[body["lora_name"]] = body["lora_path"]
+        return web.Response(text="Success")
+
+    async def unload(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"code": 403}}, status=403)
+        body = await request.json()
+        self.calls.append(("unload", body["lora_name"]))
+        if self.served.pop(body["lora_name"], None) is None:
+            return web.json_response({"error": {"message": "not loaded"}}, status=404)
+        return web.Response(text="Success")
+
+    async def start(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/load_lora_adapter", self.load)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return runner
+
+
+def engine_pod(name: str, role: str, port: int, rendered: dict[str, Any]) -> dict[str, Any]:
+    """A running pod made from the role's rendered template (its annotations and
+    volumes), answering on ``port``."""
+    meta = rendered["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": dict(meta["labels"]),
+            "annotations": dict(meta.get("annotations") or {}),
+        },
+        "spec": {
+            "volumes": rendered["spec"]["volumes"],
+            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}],
+        },
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def reconciles(k: Any) -> float:
+    """Successful reconciles so far (each patch of the spec makes one)."""
+    return k.state.reconciles.labels("ok")._value.get()
+
+
+def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_them():
+    v1 = spec_with(FILE_A, HUB)
+    rendered = children(v1)
+    parsed = parse_spec(v1)
+    started = {a.name: adapter_path(a) for a in parsed.adapters}
+    clusters: list[Any] = []
+
+    def secret() -> bytes:
+        return secret_value(clusters[0].get(SECRETS, "demo-fleet"))
+
+    # Both engines started with the template's adapters; one also serves a stray one.
+    engines = {
+        "decode": FakeEngine({**started, "stray": "/tmp/stray"}, secret),
+        "prefill": FakeEngine(started, secret),
+    }
+    # A pod from a template without spec.adapters (LoRA set in its engine section).
+    legacy = FakeEngine({"manual": "/opt/manual"}, secret)
+
+    async def scenario():
+        runners = [await e.start() for e in [*engines.values(), legacy]]
+        pods = [
+            engine_pod(f"demo-{role}-a", role, e.port, template(rendered, role))
+            for role, e in engines.items()
+        ]
+        pods.append(
+            engine_pod("demo-decode-old", "decode", legacy.port, template(children(BASE), "decode"))
+        )
+        try:
+            config = OperatorConfig(timer_interval_seconds=1.0, rollout_poll_seconds=0.3)
+            async with running_operator([inference_service("demo", v1), *pods], config) as k:
+                clusters.append(k)
+                await k.wait_for(
+                    lambda: set(engines["decode"].served) == {"sql", "hub"}, what="stray unloaded"
+                )
+                await k.wait_for(
+                    lambda: k.names(DEPLOYMENTS) >= {"demo-prefill", "demo-decode"},
+                    what="engine deployments",
+                )
+                lives = {
+                    role: copy.deepcopy(k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"])
+                    for role in ("prefill", "decode")
+                }
+                live = lives["decode"]
+                assert (
+                    live["metadata"]["annotations"][ANNOTATION_ADAPTERS]
+                    == (
+                        template(rendered, "decode")["metadata"]["annotations"][ANNOTATION_ADAPTERS]
+                    )
+                )
+                # Remove sql, add chat/v2 (file://): loaded and unloaded in place.
+                done = reconciles(k)
+                await k.patch(IS_RESOURCE, "demo", {"spec": {"adapters": [HUB, FILE_B]}})
+                for engine in engines.values():
+                    await k.wait_for(
+                        lambda e=engine: (
+                            e.served == {"hub": started["hub"], "chat/v2": "/adapters/chat"}
+                        ),
+                        what="chat/v2 loaded, sql unloaded",
+                    )
+                await k.wait_for(lambda: reconciles(k) > done, what="the patch reconciled")
+                # The pods were not rolled: the templates are what they were.
+                for role in ("prefill", "decode"):
+                    assert k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"] == lives[role]
+                # A new hf:// adapter is not in the running pods: the template
+                # changes (its init step fetches it); nothing is loaded where it is absent.
+                extra = {"name": "hub2", "source": "hf://org/other"}
+                await k.patch(IS_RESOURCE, "demo", {"spec": {"adapters": [HUB, FILE_B, extra]}})
+                rolled = await k.wait_for(
+                    lambda: (
+                        (t := k.get(DEPLOYMENTS, "demo-decode")["spec"]["template"]) != live and t
+                    ),
+                    what="decode template with hub2",
+                )
+                names = [a.name for a in template_adapters(rolled)[1]]
+                assert names == ["hub", "chat/v2", "hub2"]
+                inits = [c["name"] for c in rolled["spec"]["initContainers"]]
+                assert sum(n.startswith("fetch-adapter-") for n in inits) == 2
+                # Two more refreshes of every engine: none loads hub2.
+                polls = {role: e.polls for role, e in engines.items()}
+                await k.wait_for(
+                    lambda: all(e.polls >= polls[role] + 2 for role, e in engines.items()),
+                    what="two more refreshes",
+                )
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        for engine in engines.values():
+            assert ("load", "hub2") not in engine.calls
+            assert "hub2" not in engine.served
+        assert ("unload", "stray") in engines["decode"].calls
+        assert legacy.calls == [] and legacy.served == {"manual": "/opt/manual"}
+
+    run(scenario())
