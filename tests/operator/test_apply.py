@@ -90,6 +90,12 @@ def test_a_file_for_another_service_or_an_invalid_one_changes_nothing(up):
     broken["spec"]["decode"]["replicas"] = -1
     done = apply(up, broken, "broken")
     assert done.returncode != 0 and "spec.decode.replicas" in done.stderr
+    # Valid, but only a new gateway could take it: the supervisor refuses it.
+    gateway = yaml.safe_load(up.file.read_text())
+    gateway["spec"]["gateway"] = {"maxMigrations": 1}
+    done = apply(up, gateway, "gateway")
+    assert done.returncode == 1
+    assert "needs a new gateway (max_migrations)" in done.stdout
     assert engine_pids(up) == before
 
 
