@@ -30,14 +30,18 @@ def up(tiny_model, tmp_path_factory):
 
 
 def apply(up: Up, resource: dict, name: str) -> subprocess.CompletedProcess[str]:
+    """`pdfleet apply` of ``resource``; once applied it is the fleet's file (up.file)."""
     path = up.file.with_name(f"{name}.yaml")
     path.write_text(yaml.safe_dump(resource))
-    return subprocess.run(
+    done = subprocess.run(
         [*python_module("pdfleet.engine.cli"), "apply", str(path), "--run-dir", str(up.run_dir)],
         capture_output=True,
         text=True,
         timeout=300,
     )
+    if done.returncode == 0:
+        up.file.write_text(path.read_text())
+    return done
 
 
 def engine_pids(up: Up) -> dict[str, int]:
@@ -163,16 +167,15 @@ def migrations(up: Up) -> float:
     return m.parse_metrics(text).totals().get(m.GATEWAY_MIGRATIONS.name, 0.0)
 
 
-def test_an_engine_setting_outside_the_compat_hash_drains_decode_by_migration(up):
-    """The old decode engine's streams move to the new one of the same hash."""
+def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up):
+    """The old decode engine's streams move to the new one of the same hash;
+    prefill, unchanged, keeps running."""
     # Streams that outlast the drain's first seconds (a few seconds each here).
     long = {"max_tokens": 1500, "ignore_eos": True}
     prompts = ["Once upon a time", "The answer is"]
     baseline = {p: stream(up.url, p, **long) for p in prompts}
     assert all(finish == "length" for _, finish in baseline.values())
-    (decode,) = [pid for pid in up.child_pids() if "decode" in " ".join(process_argv(pid))]
-    argv = process_argv(decode)
-    length = int(argv[argv.index("--max-model-len") + 1])
+    prefill_url = up.engine_url("prefill")
     moved = migrations(up)
 
     failures: list[str] = []
@@ -192,9 +195,8 @@ def test_an_engine_setting_outside_the_compat_hash_drains_decode_by_migration(up
     try:
         assert wait_until(lambda: len(answers) >= 1, 60, 0.05)
         changed = yaml.safe_load(up.file.read_text())
-        changed["spec"]["engine"]["maxModelLen"] = length + 256
-        changed["spec"]["model"]["revision"] = "v2"  # as the previous test left it
-        result = apply(up, changed, "longer")
+        changed["spec"]["decode"]["engine"] = {"maxNumSeqs": 48}
+        result = apply(up, changed, "decode")
         served = len(answers)
         assert wait_until(lambda: len(answers) >= served + 1, 60, 0.05)
     finally:
@@ -203,6 +205,8 @@ def test_an_engine_setting_outside_the_compat_hash_drains_decode_by_migration(up
             t.join(180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "(by migration)" in result.stdout, result.stdout
+    assert "prefill-" not in result.stdout  # no prefill engine started or drained
+    assert up.engine_url("prefill") == prefill_url
     assert failures == []
     for prompt, answer in answers:
         assert answer == baseline[prompt]
