@@ -21,7 +21,13 @@ answer from a clean run before the faults. Then, one after the other:
 6. ``lease_expiry``: the two legs by hand, the decode leg delayed past the
    lease: the answer must still be right (recomputed) or a 400 naming
    ``kv_transfer_params``, never someone else's KV.
-7. ``scale_down``: ``--long-streams`` streams of ``--long-tokens`` tokens on
+7. ``rolling_upgrade``: ``pdfleet apply`` of the file with another
+   ``maxModelLen`` (same compatibility hash): every engine replaced, decode
+   first, one at a time; the old decode engines drain by migration.
+8. ``rolling_upgrade_compat``: ``pdfleet apply`` of a new ``model.revision``
+   (a new compatibility hash): every engine replaced again; the last
+   old-hash decode engine drains once idle (docs/local.md).
+9. ``scale_down``: ``--long-streams`` streams of ``--long-tokens`` tokens on
    the fleet; the time a drain that waits for them would take (until they
    end: what a decode scale-down took before migration) against the time a
    decode engine that has them takes to exit on SIGTERM (after), the streams
@@ -35,6 +41,8 @@ the gateway counted and their resume latency (p50/p99 of the gateway's
 phase; resume p99 < 2 s; routing recovered within 10 s. Rerun:
 
     .venv/bin/python benchmarks/faults.py --json benchmarks/results/faults_cpu.json
+
+``--upgrade-only``: the clean run, ``steady`` and the two rolling upgrades.
 """
 
 from __future__ import annotations
@@ -111,6 +119,7 @@ class Bench:
             spec["spec"]["model"] = {"name": "tiny", "uri": f"file://{tiny_model()}"}
         path = self.tmp / "faults.yaml"
         path.write_text(yaml.safe_dump(spec))
+        self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = self.tmp / "run"
@@ -498,10 +507,55 @@ class Bench:
                     outcomes.append(f"HTTP {dec.status_code}")
         return {"delayed_decode_legs": outcomes, "wrong_delayed": outcomes.count("WRONG")}
 
+    async def upgrade(self, change: dict) -> dict:
+        """``pdfleet apply`` of the fleet's file with ``change`` merged into its
+        spec (one level deep), under the running load."""
+        spec = json.loads(json.dumps(self.spec))
+        for key, value in change.items():
+            spec["spec"][key] = {**spec["spec"].get(key, {}), **value}
+        self.spec = spec
+        path = self.tmp / f"upgrade-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        before = set(self.engine_pids().values())
+        started = time.monotonic()
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *python_module("pdfleet.engine.cli"),
+                "apply",
+                str(path),
+                "--run-dir",
+                str(self.run_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "PDFLEET_FLEET_SECRET": self.secret},
+        )
+        took = time.monotonic() - started
+        after = set(self.engine_pids().values())
+        return {
+            "apply_rc": done.returncode,
+            "apply_s": round(took, 1),
+            "engines_replaced": len(before - after),
+            "engines_now": len(after),
+            "drains": re.findall(r"draining \S+ \(([^)]+)\)", done.stdout),
+            **({"apply_error": (done.stdout + done.stderr)[-500:]} if done.returncode else {}),
+        }
+
     async def run(self) -> dict:
         await self.clean_run()
         load = asyncio.create_task(self.load())
         report: dict = {}
+        if self.args.upgrade_only:
+            try:
+                report["steady"] = await self.phase("steady", self._nothing)
+                await self.upgrade_phases(report)
+            finally:
+                self.stop_load = True
+                await asyncio.wait_for(load, 180)
+            report["total"] = self.summarize(self.results)
+            return report
         try:
             report["steady"] = await self.phase("steady", self._nothing)
             report["kill_prefill"] = await self.phase(
@@ -516,6 +570,7 @@ class Bench:
                 "restart_producer_mid_transfer", self.restart_producer_mid_transfer
             )
             report["lease_expiry"] = await self.phase("lease_expiry", self.lease_expiry)
+            await self.upgrade_phases(report)
         finally:
             self.stop_load = True
             await asyncio.wait_for(load, 180)
@@ -526,6 +581,14 @@ class Bench:
         report["scale_down"] = await self.scale_down()
         print(f"scale_down: {report['scale_down']}", flush=True)
         return report
+
+    async def upgrade_phases(self, report: dict) -> None:
+        report["rolling_upgrade"] = await self.phase(
+            "rolling_upgrade", lambda: self.upgrade({"engine": {"maxModelLen": 1280}})
+        )
+        report["rolling_upgrade_compat"] = await self.phase(
+            "rolling_upgrade_compat", lambda: self.upgrade({"model": {"revision": "v2"}})
+        )
 
     async def _nothing(self) -> dict:
         await asyncio.sleep(self.args.settle)
@@ -573,6 +636,11 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=700, help="tokens per long stream")
     parser.add_argument("--rounds", type=int, default=3, help="SIGTERMs of scale_down")
     parser.add_argument("--json", help="write the numbers to this file")
+    parser.add_argument(
+        "--upgrade-only",
+        action="store_true",
+        help="only the clean run, steady and the rolling upgrades (pdfleet apply)",
+    )
     args = parser.parse_args()
     bench = Bench(args, Path(tempfile.mkdtemp(prefix="pdfleet-faults-")))
     started = time.monotonic()

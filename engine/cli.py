@@ -21,6 +21,7 @@ COMMANDS = {
     "serve": "pdfleet.engine.entrypoints.serve",
     "gateway": "pdfleet.engine.gateway.cli",
     "up": "pdfleet.operator.local.cli",
+    "apply": "pdfleet.operator.local.apply_cmd",
     "bench": "pdfleet.engine.bench.cli",
     "config": "pdfleet.engine.entrypoints.config_cmd",
     "tiny-model": "pdfleet.engine.tiny.cli",

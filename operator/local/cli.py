@@ -172,10 +172,10 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compat import check_service
     from ..resource import load_inference_service
     from .fleet import LocalFleet, fleet_credentials, free_port
     from .process_autoscaler import LocalAutoscaler
+    from .rollout import service_problems
     from .state import FleetStateWriter
 
     def say(msg: str) -> None:
@@ -185,13 +185,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     service = load_inference_service(args.file if args.file else default_service())
-    problems = [str(p) for p in check_service(service.spec)]
-    problems += [
-        f"spec.{role}.nodesPerReplica: pdfleet up runs every engine on this machine "
-        "(its tensor-parallel ranks as local processes); set nodesPerReplica: 1"
-        for role in ("prefill", "decode")
-        if service.spec.role(role).nodes_per_replica > 1
-    ]
+    problems = service_problems(service)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     apply_gateway_overrides(service, args)
@@ -223,11 +217,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tenants_file:
         fleet.tenants_file = str(Path(args.tenants_file).resolve())
     stop = threading.Event()
+    reload = threading.Event()  # SIGHUP: `pdfleet apply` left a new resource
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        (reload if signum == signal.SIGHUP else stop).set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     say(f"pdfleet up: {service.name} ({service.spec.model.name}) — logs in {run_dir}")
     state = FleetStateWriter(fleet)  # fleet.json, for `pdfleet status`
     fleet.progress = state.write
@@ -243,8 +240,15 @@ def run(args: argparse.Namespace) -> int:
         scaling = service.spec.autoscaling
         autoscaler = LocalAutoscaler(fleet, scaling) if scaling is not None else None
         next_scale = time.monotonic()
+        rollout = None
         while not stop.wait(0.5):
             fleet.tick()
+            if reload.is_set():
+                reload.clear()
+                rollout = take_apply(fleet, state, rollout, args, autoscaler is not None, say)
+            if rollout is not None and rollout.is_alive():
+                state.write(autoscaler)
+                continue  # the autoscaler waits for the rollout
             if autoscaler is not None and (
                 time.monotonic() >= next_scale or autoscaler.activation_pending()
             ):
@@ -264,6 +268,52 @@ def run(args: argparse.Namespace) -> int:
     state.write(autoscaler, stopped=True)
     say("stopped")
     return 0
+
+
+def take_apply(
+    fleet: Any,
+    state: Any,
+    running: Any,
+    args: argparse.Namespace,
+    autoscaling: bool,
+    say: Callable[[str], None],
+) -> Any:
+    """Start the rollout `pdfleet apply` asked for (its request file in the run
+    directory), or record why it is refused (the fleet untouched). The
+    rollout that runs afterwards (``running`` when one still runs)."""
+    from ..resource import load_inference_service
+    from .rollout import ApplyStatus, Rollout, plan, read_request
+    from .state import APPLY_FILE
+
+    path = fleet.run_dir / APPLY_FILE
+    try:
+        text = path.read_text()
+        path.unlink()
+    except OSError:
+        return running  # a stray SIGHUP
+    status = ApplyStatus()
+    state.apply = status
+    try:
+        status.id, resource = read_request(text)
+        if running is not None and running.is_alive():
+            raise ValueError("another apply is still rolling the fleet; wait for it")
+        service = load_inference_service(resource)
+        # The gateway flags `pdfleet up` was given still override the file.
+        apply_gateway_overrides(service, args)
+
+        def resolve(s: Any) -> str:
+            return resolve_model(s.spec.model.uri, s.spec.model.revision, say)
+
+        todo = plan(fleet, service, resolve, autoscaling)
+    except ValueError as e:
+        status.state, status.message = "failed", str(e)
+        say(f"! apply refused: {e}")
+        state.write()
+        return running
+    say(f"apply: {todo.summary()}")
+    rollout = Rollout(fleet, todo, status, ready_timeout=args.timeout)
+    rollout.start()
+    return rollout
 
 
 def apply_gateway_overrides(service: Any, args: argparse.Namespace) -> None:

@@ -277,15 +277,18 @@ class LocalFleet:
         self.say(f"  starting {child.name} on {child.url} (log: {child.log_path})")
         return child
 
-    def gateway_config(self) -> GatewayConfig:
-        spec = self.spec
+    def gateway_config(
+        self, service: InferenceService | None = None, model_path: str | None = None
+    ) -> GatewayConfig:
+        """The gateway's settings for ``service`` (default: the fleet's)."""
+        spec = (service or self.service).spec
         return GatewayConfig(
             host=self.host,
             port=self.gateway_port,
             engines_file=str(self.engines_file),
             disaggregation_mode=spec.disaggregation.mode,
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
-            tokenizer=self.model_path,
+            tokenizer=model_path or self.model_path,
             served_model_name=[spec.model.name],
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),
@@ -420,15 +423,17 @@ class LocalFleet:
         with self.lock:
             return [c for c in self.engines if c.role == role and not c.stopping]
 
-    def drain(self, child: Child) -> threading.Thread:
-        """Stop routing to ``child``; stop it once idle (bounded wait)."""
+    def drain(self, child: Child, migrate: bool = True) -> threading.Thread:
+        """Stop routing to ``child``; stop it once idle (bounded wait).
+        ``migrate=False``: a decode engine too is stopped only once idle (its
+        streams have no engine of their compatibility hash to move to)."""
         child.draining = True
         self.write_engines_file()
         self.say(f"  draining {child.name}")
 
         # A decode engine hands its streams back to the gateway on SIGTERM, which
         # resumes them elsewhere (docs/migration.md): no wait for them to end.
-        migrates = child.role == "decode" and self.spec.gateway.max_migrations > 0
+        migrates = migrate and child.role == "decode" and self.spec.gateway.max_migrations > 0
 
         def finish() -> None:
             deadline = time.monotonic() + self.drain_timeout
@@ -448,6 +453,24 @@ class LocalFleet:
         t = threading.Thread(target=finish, name=f"drain-{child.name}", daemon=True)
         t.start()
         return t
+
+    def discard(self, child: Child, grace: float = 15.0) -> None:
+        """Stop ``child`` and forget it (an engine that never became ready)."""
+        child.stopping = True
+        child.stop(grace)
+        with self.lock:
+            if child in self.engines:
+                self.engines.remove(child)
+            self.kv_events.pop(child.name, None)
+        self.write_engines_file()
+
+    def use(self, service: InferenceService, model_path: str) -> None:
+        """Engines started from now on run ``service`` (from ``model_path``);
+        running ones keep their command lines, restarts included."""
+        with self.lock:
+            self.service = service
+            self.spec = service.spec
+            self.model_path = model_path
 
     def stop(self, grace: float = 15.0) -> None:
         """Stop every child (gateway first, then engines in parallel), bounded."""

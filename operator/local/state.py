@@ -25,7 +25,23 @@ if TYPE_CHECKING:  # `pdfleet status` imports STATE_FILE without the fleet's imp
 
 STATE_FILE = "fleet.json"
 SECRET_FILE = "fleet-secret"
+APPLY_FILE = "apply-request.json"
+"""Where `pdfleet apply` leaves the new resource (owner-only) before it sends the
+supervisor SIGHUP; the supervisor reports in fleet.json's ``apply``."""
 STOPPED = "stopped"
+
+
+def find_run(run_dir: Path) -> Path:
+    """``run_dir`` itself when it is a run, else its newest run (ValueError if none)."""
+    if (run_dir / STATE_FILE).exists():
+        return run_dir
+    runs = sorted(run_dir.glob(f"*/{STATE_FILE}"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise ValueError(
+            f"no pdfleet up run in {run_dir} (no */{STATE_FILE}); give --run-dir the "
+            "directory `pdfleet up --run-dir` used"
+        )
+    return runs[-1].parent
 
 
 def write_private(path: Path, text: str) -> None:
@@ -93,7 +109,10 @@ def child_state(child: Child) -> str:
 
 
 def fleet_state(
-    fleet: FleetView, decisions: list[dict[str, Any]], stopped: bool = False
+    fleet: FleetView,
+    decisions: list[dict[str, Any]],
+    stopped: bool = False,
+    apply: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     gateway = fleet.gateway
     pid = os.getpid()
@@ -120,6 +139,7 @@ def fleet_state(
             if c.role != "gateway"
         ],
         "lastDecisions": decisions,
+        "apply": apply,
     }
 
 
@@ -130,6 +150,8 @@ class FleetStateWriter:
         self.fleet = fleet
         self.path = fleet.run_dir / STATE_FILE
         self._last = ""
+        self.apply: Any = None
+        """The latest apply's status (an object with ``to_dict()``), or None."""
 
     def write(self, autoscaler: Any = None, stopped: bool = False) -> None:
         """Rewrite the file when its content changed; ``stopped``: every process
@@ -138,7 +160,8 @@ class FleetStateWriter:
             return  # the fleet has not created its run directory yet
         history = autoscaler.log.history.latest(10) if autoscaler is not None else []
         decisions = [r.to_dict() for r in history]
-        text = json.dumps(fleet_state(self.fleet, decisions, stopped), indent=2)
+        apply = self.apply.to_dict() if self.apply is not None else None
+        text = json.dumps(fleet_state(self.fleet, decisions, stopped, apply), indent=2)
         if text == self._last:
             return
         write_private(self.path, text)

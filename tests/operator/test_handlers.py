@@ -23,7 +23,11 @@ from pdfleet.engine.contracts import security
 from pdfleet.operator.cluster_autoscaler import PolicyDecider, ScaleDecision
 from pdfleet.operator.fleet_secret import secret_value, secret_version
 from pdfleet.operator.handlers import OperatorConfig
-from pdfleet.operator.manifests import ANNOTATION_FLEET_SECRET, LABEL_COMPAT
+from pdfleet.operator.manifests import (
+    ANNOTATION_FLEET_SECRET,
+    GRACE_MARGIN_SECONDS,
+    LABEL_COMPAT,
+)
 
 SPEC: dict[str, Any] = {
     "model": {"name": "tiny"},
@@ -118,6 +122,48 @@ def test_compat_change_rolls_decode_before_prefill():
             rolled = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1}
             await k.patch(DEPLOYMENTS, "demo-decode", {"status": {**rolled, "readyReplicas": 1}})
             await k.wait_for(lambda: compat("prefill") == compat("decode"), what="prefill")
+
+    run(scenario())
+
+
+def test_an_engine_upgrade_rolls_decode_first_surging_with_a_grace_that_covers_the_drain():
+    """A decode pod of the old spec leaves by SIGTERM once its replacement is
+    ready (surge 1, none unavailable): the engine hands its streams to the
+    gateway after --shutdown-timeout, within the pod's grace period; prefill
+    rolls only after decode."""
+    spec = {**SPEC, "gateway": {"maxMigrations": 2}}
+
+    async def scenario():
+        async with running_operator([inference_service("demo", spec)], fast_config()) as k:
+            await k.wait_for(lambda: k.names(DEPLOYMENTS) >= CHILD_DEPLOYMENTS, what="deployments")
+
+            def compat(role: str) -> str:
+                return k.get(DEPLOYMENTS, f"demo-{role}")["metadata"]["labels"][LABEL_COMPAT]
+
+            def pod(role: str) -> dict[str, Any]:
+                return k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"]["spec"]
+
+            gateway = pod("gateway")["containers"][0]["command"]
+            assert gateway[gateway.index("--max-migrations") + 1] == "2"
+            old = compat("prefill")
+            engine = {"blockSize": 32, "shutdownTimeout": 20}
+            await k.patch(IS_RESOURCE, "demo", {"spec": {"engine": engine}})
+            await k.wait_for(lambda: compat("decode") != old, what="decode updated")
+            decode = k.get(DEPLOYMENTS, "demo-decode")["spec"]
+            assert decode["strategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            }
+            command = pod("decode")["containers"][0]["command"]
+            assert command[command.index("--shutdown-timeout") + 1] == "20"
+            assert pod("decode")["terminationGracePeriodSeconds"] == 20 + GRACE_MARGIN_SECONDS
+            await asyncio.sleep(1.0)  # a few reconciles: prefill waits for decode
+            assert compat("prefill") == old
+            rolled = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1}
+            await k.patch(DEPLOYMENTS, "demo-decode", {"status": {**rolled, "readyReplicas": 1}})
+            await k.wait_for(lambda: compat("prefill") == compat("decode"), what="prefill")
+            # A prefill engine also waits out the KV lease for the decode engines' pulls.
+            assert pod("prefill")["terminationGracePeriodSeconds"] >= 20 + GRACE_MARGIN_SECONDS
 
     run(scenario())
 

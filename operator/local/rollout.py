@@ -1,0 +1,315 @@
+"""``pdfleet apply``'s other half: a changed InferenceService applied to a running
+local fleet, without a failed request.
+
+:func:`plan` compares the running service with the new one: it refuses a file
+for another service, an invalid one, or a change only a restart of ``pdfleet
+up`` can make (the gateway's settings, autoscaling); it lists the roles whose
+engines must be replaced (their command line changes: engine args, model,
+revision, serving flags) and the replica counts to reach. :class:`Rollout`
+carries a plan out in a thread while the supervisor keeps supervising:
+
+* decode first, then prefill (as the operator rolls pods), one engine at a
+  time per role: start an engine of the new config, wait until it is ready,
+  then drain an old one;
+* a decode engine is drained by migration (SIGTERM: the gateway resumes its
+  streams on another decode engine of the same compatibility hash) while
+  such an engine remains; the last one of its hash is instead taken out of
+  routing and stopped once idle (bounded), since its streams would have
+  nowhere to go; a prefill engine is always stopped once idle;
+* the gateway pairs a prefill leg only with a decode engine of the same
+  compatibility hash, so while the hashes of the two roles differ requests
+  are served by decode alone (no mixed pair is ever made);
+* a change that needs no new engine (replica counts) only scales.
+
+Every wait is bounded: an engine that is not ready within the fleet's start
+timeout, or that keeps exiting, fails the rollout (it is stopped, the engines
+not yet replaced keep running, and the message names its log).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..compat import check_service
+from ..resource import InferenceService
+from ..roles import engine_command, publishes_kv_events, role_engine_args
+from .fleet import MAX_RESTARTS, LocalFleet
+from .process import Child
+
+ORDER = ("decode", "prefill")
+"""Rollout order: decode first (as the operator), so a new prefill engine never
+waits for a decode engine it can pair with."""
+
+
+def service_problems(service: InferenceService) -> list[str]:
+    """Why ``pdfleet up`` cannot run ``service`` (empty when it can)."""
+    problems = [str(p) for p in check_service(service.spec)]
+    problems += [
+        f"spec.{role}.nodesPerReplica: pdfleet up runs every engine on this machine "
+        "(its tensor-parallel ranks as local processes); set nodesPerReplica: 1"
+        for role in ("prefill", "decode")
+        if service.spec.role(role).nodes_per_replica > 1
+    ]
+    return problems
+
+
+def engine_signature(service: InferenceService, role: str, model_path: str) -> list[str]:
+    """An engine's command line for ``role`` with placeholder ports and names: two
+    configs whose signatures differ need new engines."""
+    spec = service.spec
+    events = ("tcp://h:1", "tcp://h:2") if publishes_kv_events(spec, role) else None
+    args = role_engine_args(
+        spec, role, model_path=model_path, kv_ip="h", kv_port=1, engine_id="e", kv_events=events
+    )
+    return engine_command(args, host="h", port=1, serving=spec.serving)
+
+
+def changed_paths(old: Any, new: Any, path: str = "spec") -> list[str]:
+    """The field paths (camelCase, as in the file) where ``old`` and ``new`` differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += changed_paths(old.get(key), new.get(key), f"{path}.{key}")
+        return out
+    return [] if old == new else [path]
+
+
+@dataclass
+class Plan:
+    service: InferenceService
+    model_path: str
+    roll: list[str]
+    """Roles whose engines are replaced, in rollout order."""
+    replicas: dict[str, int]
+    """Engines per role to end with."""
+    changed: list[str]
+    """Every field path the new file changes."""
+
+    def summary(self) -> str:
+        if not self.changed:
+            return "no change"
+        what = [f"rolling {role}" for role in self.roll]
+        what += [f"{role} to {n} replica(s)" for role, n in self.replicas.items()]
+        return f"changed {', '.join(self.changed)}: {'; '.join(what) or 'nothing to restart'}"
+
+
+def plan(
+    fleet: LocalFleet,
+    service: InferenceService,
+    resolve: Callable[[InferenceService], str],
+    autoscaling: bool,
+) -> Plan:
+    """What applying ``service`` to ``fleet`` takes; ValueError (the fleet
+    untouched) when it may not be applied. ``resolve``: the model directory of
+    a service whose model changed; ``autoscaling``: an autoscaler owns the
+    replica counts."""
+    old = fleet.service
+    if service.name != old.name:
+        raise ValueError(
+            f"metadata.name: this fleet runs {old.name!r}, the file is for {service.name!r}"
+        )
+    problems = service_problems(service)
+    if problems:
+        raise ValueError("; ".join(problems))
+    dump_old = old.spec.model_dump(mode="json", by_alias=True)
+    dump_new = service.spec.model_dump(mode="json", by_alias=True)
+    changed = changed_paths(dump_old, dump_new)
+    model_path = fleet.model_path
+    if (service.spec.model.uri, service.spec.model.revision) != (
+        old.spec.model.uri,
+        old.spec.model.revision,
+    ):
+        model_path = resolve(service)
+    if service.spec.gateway.tenants is not None and fleet.tenants_file is None:
+        raise ValueError(
+            "spec.gateway.tenants names a Secret or ConfigMap, which only exists in "
+            "Kubernetes: give the file itself with `pdfleet up --tenants-file`"
+        )
+    before, after = fleet.gateway_config(), fleet.gateway_config(service, model_path)
+    if before != after:
+        fields = [
+            name
+            for name in before.__dataclass_fields__
+            if getattr(before, name) != getattr(after, name)
+        ]
+        raise ValueError(
+            f"the change needs a new gateway ({', '.join(fields)}), which would cut the "
+            "requests in flight: stop `pdfleet up` and start it with the new file"
+        )
+    if (old.spec.autoscaling is None) != (service.spec.autoscaling is None) or (
+        autoscaling and old.spec.autoscaling != service.spec.autoscaling
+    ):
+        raise ValueError(
+            "spec.autoscaling: the local autoscaler is set up when `pdfleet up` starts; "
+            "restart it with the new file"
+        )
+    roll, replicas = [], {}
+    for role in ORDER:
+        if role not in fleet.roles:
+            continue
+        if engine_signature(old, role, fleet.model_path) != engine_signature(
+            service, role, model_path
+        ):
+            roll.append(role)
+        want = service.spec.role(role).replicas
+        if want != old.spec.role(role).replicas:
+            if autoscaling:
+                raise ValueError(
+                    f"spec.{role}.replicas: the autoscaler owns the replica count while "
+                    "spec.autoscaling is set"
+                )
+            replicas[role] = want
+    return Plan(service, model_path, roll, replicas, changed)
+
+
+def engine_compat_hash(child: Child) -> str | None:
+    """The P/D compatibility hash an engine reports (its cache-config series)."""
+    from ...engine.contracts import metrics as m
+
+    text = child.metrics_text()
+    if not text:
+        return None
+    labels = m.parse_metrics(text).labels(m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name)
+    return (labels or {}).get("compat_hash") or None
+
+
+@dataclass
+class ApplyStatus:
+    """What fleet.json says of the latest apply (``pdfleet apply`` follows it)."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: str = "rolling"
+    """rolling, done or failed."""
+    message: str = ""
+    steps: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state, "message": self.message, "steps": self.steps}
+
+
+class Rollout(threading.Thread):
+    """Carries out a :class:`Plan` (see the module); ``status`` tells how far."""
+
+    def __init__(
+        self, fleet: LocalFleet, todo: Plan, status: ApplyStatus, ready_timeout: float
+    ) -> None:
+        super().__init__(name="pdfleet-apply", daemon=True)
+        self.fleet = fleet
+        self.plan = todo
+        self.status = status
+        self.ready_timeout = ready_timeout
+        self._hashes: dict[str, str | None] = {}
+
+    def step(self, text: str) -> None:
+        self.status.steps.append(text)
+        self.fleet.say(f"  apply: {text}")
+
+    def run(self) -> None:
+        fleet, todo = self.fleet, self.plan
+        old_service, old_path = fleet.service, fleet.model_path
+        replaced = False
+        try:
+            self.step(todo.summary())
+            fleet.use(todo.service, todo.model_path)
+            for role in ORDER:
+                if role not in fleet.roles:
+                    continue
+                target = todo.service.spec.role(role).replicas
+                if role in todo.roll:
+                    replaced = self._roll(role, target) or replaced
+                else:
+                    self._scale(role, target)
+        except (RuntimeError, TimeoutError) as e:
+            if not replaced:  # nothing new runs: later engines keep the old config
+                fleet.use(old_service, old_path)
+            self.status.message = str(e)
+            self.status.state = "failed"
+            self.fleet.say(f"! apply failed: {e}")
+            return
+        self.status.message = todo.summary()
+        self.status.state = "done"
+        self.fleet.say("  apply: done")
+
+    # -- steps --------------------------------------------------------------------
+
+    def _hash(self, child: Child) -> str | None:
+        if self._hashes.get(child.name) is None:
+            self._hashes[child.name] = engine_compat_hash(child)
+        return self._hashes[child.name]
+
+    def _start(self, role: str) -> Child:
+        """A new engine of ``role``, ready (bounded); RuntimeError/TimeoutError
+        after stopping it when it does not become ready."""
+        child = self.fleet.add_engine(role)
+        deadline = time.monotonic() + self.ready_timeout
+        while not child.ready:  # the supervisor's tick marks it ready
+            if child.restarts >= MAX_RESTARTS or child.stopping:
+                self.fleet.discard(child)
+                raise RuntimeError(
+                    f"{child.name} of the new config keeps exiting (log: {child.log_path}):\n"
+                    f"{child.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.fleet.discard(child)
+                raise TimeoutError(
+                    f"{child.name} of the new config was not ready after "
+                    f"{self.ready_timeout:.0f}s (log: {child.log_path})"
+                )
+            time.sleep(0.2)
+        self._hash(child)
+        self.step(f"{child.name} ready")
+        return child
+
+    def _retire(self, victim: Child) -> None:
+        """Drain ``victim`` and wait until it stopped (bounded)."""
+        fleet = self.fleet
+        migrate = False
+        if victim.role == "decode":
+            mine = self._hash(victim)
+            migrate = mine is not None and any(
+                c is not victim and c.ready and self._hash(c) == mine
+                for c in fleet.role_engines("decode")
+            )
+        how = "by migration" if migrate else "once idle"
+        self.step(f"draining {victim.name} ({how})")
+        fleet.drain(victim, migrate=migrate).join(fleet.drain_timeout + 30.0)
+        if victim.alive():
+            raise TimeoutError(f"{victim.name} did not stop after its drain")
+        self.step(f"{victim.name} stopped")
+
+    def _roll(self, role: str, target: int) -> bool:
+        """Replace every engine of ``role`` (one at a time) and end with
+        ``target`` of them; True once one was replaced."""
+        old = list(self.fleet.engines_of(role))
+        for c in old:
+            self._hash(c)
+        for i in range(max(len(old), target)):
+            if i < target:
+                self._start(role)
+            if i < len(old):
+                self._retire(old[i])
+        return bool(old)
+
+    def _scale(self, role: str, target: int) -> None:
+        while len(self.fleet.role_engines(role)) < target:
+            self._start(role)
+        for victim in self.fleet.role_engines(role)[target:]:
+            self._retire(victim)
+
+
+def read_request(text: str) -> tuple[str, dict[str, Any]]:
+    """(id, resource) of an apply request file (JSON), ValueError when malformed."""
+    try:
+        data = json.loads(text)
+        ident, resource = data["id"], data["resource"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed apply request: {e}") from None
+    if not isinstance(ident, str) or not isinstance(resource, dict):
+        raise ValueError("malformed apply request")
+    return ident, resource
