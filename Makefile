@@ -46,7 +46,7 @@ promtool:
 		else echo "promtool missing: sudo apt-get install prometheus (its tests skip until then)"; fi; }
 
 test: lint promtool
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=60
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
