@@ -149,6 +149,9 @@ class ServerState:
 # Seconds a stopping engine gives its handed-back streams to write ``: migrate``
 # and end, after --shutdown-timeout, before it cancels what is left.
 HANDOFF_SECONDS = 1.0
+# Seconds an engine that must exit after a failed step gives its connections to
+# write the error answers of the requests that step failed, before it closes them.
+EXIT_FLUSH_SECONDS = 2.0
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -756,9 +759,14 @@ def run_server(
     server.on_stop = stopping
 
     def exit_for_restart() -> None:
-        # Requests in flight were already failed; stop at once, and make sure the
-        # process goes even if a connection holds the graceful stop open.
-        server.stop_threadsafe(force=True)
+        # Requests in flight were already failed: a graceful stop ends as soon as
+        # their error answers are written (a forced one could close a connection
+        # before its 500). Forced after a moment, and the process goes even if a
+        # connection holds the stop open.
+        server.stop_threadsafe()
+        force = threading.Timer(EXIT_FLUSH_SECONDS, lambda: server.stop_threadsafe(force=True))
+        force.daemon = True
+        force.start()
         timer = threading.Timer(10.0, lambda: os._exit(1))
         timer.daemon = True
         timer.start()
