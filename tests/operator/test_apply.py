@@ -16,13 +16,24 @@ from helpers.up import Up, fleet_spec, process_argv
 
 from pdfleet.engine.contracts import metrics as m
 from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
 
 @pytest.fixture(scope="module")
-def up(tiny_model, tmp_path_factory):
+def step_delay(tmp_path_factory):
+    """Engines sleep the seconds this file holds before each step (empty: none)."""
+    path = tmp_path_factory.mktemp("apply-delay") / "step-delay"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model, tmp_path_factory, step_delay):
     spec = fleet_spec(tiny_model)
     spec["spec"]["engine"]["maxModelLen"] = 4096  # room for streams that outlast a drain
-    fleet = Up(spec, tmp_path_factory.mktemp("apply-up"))
+    fleet = Up(
+        spec, tmp_path_factory.mktemp("apply-up"), env={FAULT_STEP_DELAY_ENV: str(step_delay)}
+    )
     try:
         yield fleet.wait_ready()
     finally:
@@ -167,13 +178,18 @@ def migrations(up: Up) -> float:
     return m.parse_metrics(text).totals().get(m.GATEWAY_MIGRATIONS.name, 0.0)
 
 
-def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up):
+def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up, step_delay):
     """The old decode engine's streams move to the new one of the same hash;
     prefill, unchanged, keeps running."""
-    # Streams that outlast the drain's first seconds (a few seconds each here).
-    long = {"max_tokens": 1500, "ignore_eos": True}
+    # The drain signals the old engine about 1.5 s after it stops getting new
+    # streams; each client always has a stream in flight, which is there to move
+    # unless it ended within those 1.5 s. Engines slowed to 10 ms a step make a
+    # stream last over 6 s, so all five clients' streams end in that window with
+    # probability under (1.5/6)^5: the assert on the migrations counter relies on it.
+    long = {"max_tokens": 600, "ignore_eos": True}
     prompts = ["Once upon a time", "The answer is"]
     baseline = {p: stream(up.url, p, **long) for p in prompts}
+    step_delay.write_text("0.01")
     assert all(finish == "length" for _, finish in baseline.values())
     prefill_url = up.engine_url("prefill")
     moved = migrations(up)
@@ -189,7 +205,7 @@ def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up)
             except Exception as e:
                 failures.append(repr(e))
 
-    clients = [threading.Thread(target=load, args=(p,)) for p in [*prompts, prompts[0]]]
+    clients = [threading.Thread(target=load, args=(p,)) for p in [*prompts, *prompts, prompts[0]]]
     for t in clients:
         t.start()
     try:
@@ -201,6 +217,7 @@ def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up)
         assert wait_until(lambda: len(answers) >= served + 1, 60, 0.05)
     finally:
         done.set()
+        step_delay.write_text("")
         for t in clients:
             t.join(180)
     assert result.returncode == 0, result.stdout + result.stderr
