@@ -49,13 +49,13 @@ from ..contracts import kv_params, security
 from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
+from ..contracts.kv_side_channel import PROTOCOL_VERSION
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
-    PROTOCOL_VERSION,
     IncompatibleHello,
     Peer,
     Refused,
