@@ -50,6 +50,7 @@ from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_has
 from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
 from ..contracts.kv_side_channel import PROTOCOL_VERSION
+from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
@@ -1137,16 +1138,14 @@ class PDConnectorWorker(KVConnectorWorker):
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
         self.connector.register_shards(layout, shards)
 
-    def rank_agents(self) -> dict[str, Any] | None:
+    def rank_agents(self) -> KVAgentSpec | None:
         transport = self.connector.transport
         if not isinstance(transport, NixlTransport):
             return None
-        return {
-            "name": transport.agent_name,
-            "backends": transport.backends,
-            # Only a consumer's ranks read, and report the reads that ended.
-            "report": self.connector.kv.is_kv_consumer,
-        }
+        # Only a consumer's ranks read, and report the reads that ended.
+        return KVAgentSpec(
+            transport.agent_name, list(transport.backends), self.connector.kv.is_kv_consumer
+        )
 
     def shard_commands(self) -> list[RankCommand]:
         transport = self.connector.transport
