@@ -22,6 +22,11 @@
   rank's :class:`RankReady`, or ``{"error": why}`` (:class:`RankFailure`),
   under :data:`READY_KEY`.
 
+The rows (:class:`StepRequest`, :class:`StepCached`, :class:`StepLogprobs`)
+are named tuples, packed as the arrays they are; :class:`StepCached` is the
+scheduler's ``CachedRequestData`` itself, so the running requests, the bulk
+of every step, cross without a copy.
+
 Decoders raise ``ValueError`` naming what is malformed. They check every
 field's shape and scalar types; the lists of token and block ids inside are
 taken as lists (checking each id would cost the step a pass over its tokens).
@@ -30,7 +35,7 @@ taken as lists (checking each id would cost the step a pass over its tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -90,9 +95,10 @@ def _map(value: Any, what: str) -> dict[Any, Any]:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class StepRequest:
-    """A request a step schedules for the first time (``NewRequestData``)."""
+class StepRequest(NamedTuple):
+    """A request a step schedules for the first time (``NewRequestData``). A
+    tuple, packed as the array it is: the step is packed once per engine step,
+    so its rows cost no more than the lists they replace."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -105,56 +111,60 @@ class StepRequest:
     lora_path: str | None = None
     lora_id: int = 0
 
-    def to_wire(self) -> list[Any]:
-        return [
-            self.req_id,
-            self.prompt_token_ids,
-            self.output_token_ids,
-            self.sampling,
-            self.block_ids,
-            self.num_computed_tokens,
-            self.lora_name,
-            self.lora_path,
-            self.lora_id,
-        ]
 
-    @classmethod
-    def from_wire(cls, wire: Any) -> StepRequest:
-        rid, prompt, output, sampling, blocks, computed, name, path, lid = _row(
-            wire, 9, "step request"
-        )
-        return cls(
-            _str(rid, "step request id"),
-            _list(prompt, "step prompt_token_ids"),
-            _list(output, "step output_token_ids"),
-            _map(sampling, "step sampling"),
-            _list(blocks, "step block_ids"),
-            _int(computed, "step num_computed_tokens"),
-            _str(name, "step lora_name", optional=True),
-            _str(path, "step lora_path", optional=True),
-            _int(lid, "step lora_id"),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StepCached:
+class StepCached(NamedTuple):
     """A request a step continues (``CachedRequestData``)."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
 
-    def to_wire(self) -> list[Any]:
-        return [self.req_id, self.new_block_ids, self.num_computed_tokens]
 
-    @classmethod
-    def from_wire(cls, wire: Any) -> StepCached:
-        rid, blocks, computed = _row(wire, 3, "cached request")
-        return cls(
-            _str(rid, "cached request id"),
-            _list(blocks, "cached new_block_ids"),
-            _int(computed, "cached num_computed_tokens"),
-        )
+_tuple_new = tuple.__new__
+"""Builds a row's carrier from the checked list without another pass over its fields."""
+
+
+def _new_rows(rows: Any) -> list[StepRequest]:
+    out: list[StepRequest] = []
+    append = out.append
+    for row in _list(rows, "step new requests"):
+        # Exact types (``type(x) is int`` also refuses a bool), one test each: a
+        # step carries every running request, so this loop is on every step's path.
+        if type(row) is not list or len(row) != 9:
+            raise ValueError("malformed step request: not a list of 9 items")
+        rid, prompt, output, sampling, blocks, computed, name, path, lid = row
+        if (
+            type(rid) is not str
+            or type(prompt) is not list
+            or type(output) is not list
+            or type(sampling) is not dict
+            or type(blocks) is not list
+            or type(computed) is not int
+            or not (name is None or type(name) is str)
+            or not (path is None or type(path) is str)
+            or type(lid) is not int
+        ):
+            raise ValueError(
+                "malformed step request: not [req_id, prompt_token_ids, output_token_ids, "
+                "sampling, block_ids, num_computed_tokens, lora_name, lora_path, lora_id]"
+            )
+        append(_tuple_new(StepRequest, row))
+    return out
+
+
+def _cached_rows(rows: Any) -> list[StepCached]:
+    out: list[StepCached] = []
+    append = out.append
+    for row in _list(rows, "step cached requests"):
+        if type(row) is not list or len(row) != 3:
+            raise ValueError("malformed cached request: not a list of 3 items")
+        rid, blocks, computed = row
+        if type(rid) is not str or type(blocks) is not list or type(computed) is not int:
+            raise ValueError(
+                "malformed cached request: not [req_id, new_block_ids, num_computed_tokens]"
+            )
+        append(_tuple_new(StepCached, row))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +183,8 @@ class Step:
     def encode(self) -> bytes:
         return _pack(
             [
-                [r.to_wire() for r in self.new],
-                [c.to_wire() for c in self.cached],
+                self.new,
+                self.cached,
                 self.num_scheduled_tokens,
                 self.total_num_scheduled_tokens,
                 self.finished,
@@ -186,8 +196,8 @@ class Step:
     def decode(cls, data: bytes | memoryview) -> Step:
         new, cached, num, total, finished, commands = _row(_unpack(data, "step"), 6, "step")
         return cls(
-            [StepRequest.from_wire(r) for r in _list(new, "step new requests")],
-            [StepCached.from_wire(c) for c in _list(cached, "step cached requests")],
+            _new_rows(new),
+            _cached_rows(cached),
             _map(num, "step num_scheduled_tokens"),
             _int(total, "step total_num_scheduled_tokens"),
             _list(finished, "step finished"),
@@ -195,29 +205,20 @@ class Step:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class StepLogprobs:
+class StepLogprobs(NamedTuple):
     """``Logprobs``: the top token ids, their logprobs, the sampled token's rank."""
 
     token_ids: list[int]
     logprobs: list[float]
     rank: int
 
-    def to_wire(self) -> list[Any]:
-        return [self.token_ids, self.logprobs, self.rank]
 
-    @classmethod
-    def from_wire(cls, wire: Any) -> StepLogprobs:
-        ids, lps, rank = _row(wire, 3, "logprobs")
-        return cls(_list(ids, "logprobs token_ids"), _list(lps, "logprobs"), _int(rank, "rank"))
-
-
-def _lp(x: StepLogprobs | None) -> list[Any] | None:
-    return None if x is None else x.to_wire()
-
-
-def _unlp(x: Any) -> StepLogprobs | None:
-    return None if x is None else StepLogprobs.from_wire(x)
+def _lps(row: Any) -> StepLogprobs:
+    if type(row) is not list or len(row) != 3:
+        raise ValueError("malformed logprobs: not a list of 3 items")
+    if type(row[0]) is not list or type(row[1]) is not list or type(row[2]) is not int:
+        raise ValueError("malformed logprobs: not [token_ids, logprobs, rank]")
+    return _tuple_new(StepLogprobs, row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +237,8 @@ class StepResult:
         return _pack(
             [
                 self.sampled_token_ids,
-                {k: v.to_wire() for k, v in self.logprobs.items()},
-                {k: [_lp(x) for x in v] for k, v in self.prompt_logprobs.items()},
+                self.logprobs,
+                self.prompt_logprobs,
                 self.finished_sending,
                 self.finished_recving,
                 self.failed_recving,
@@ -254,9 +255,9 @@ class StepResult:
             raise ValueError("malformed step result: forward_seconds is not a number")
         return cls(
             _map(sampled, "sampled_token_ids"),
-            {k: StepLogprobs.from_wire(v) for k, v in _map(lps, "logprobs").items()},
+            {k: _lps(v) for k, v in _map(lps, "logprobs").items()},
             {
-                k: [_unlp(x) for x in _list(v, "prompt logprobs")]
+                k: [None if x is None else _lps(x) for x in _list(v, "prompt logprobs")]
                 for k, v in _map(prompt_lps, "prompt_logprobs").items()
             },
             _list(sending, "finished_sending"),

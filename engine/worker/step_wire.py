@@ -13,9 +13,8 @@ import dataclasses
 from typing import Any
 
 from ..contracts.kv_connector import RankCommand
-from ..contracts.tp_wire import Step, StepCached, StepLogprobs, StepRequest, StepResult
+from ..contracts.tp_wire import Step, StepLogprobs, StepRequest, StepResult
 from ..core.sched_output import (
-    CachedRequestData,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -45,10 +44,7 @@ def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -
             )
             for r in out.scheduled_new_reqs
         ],
-        [
-            StepCached(c.req_id, c.new_block_ids, c.num_computed_tokens)
-            for c in out.scheduled_cached_reqs
-        ],
+        out.scheduled_cached_reqs,  # already the wire's rows (``StepCached``)
         out.num_scheduled_tokens,
         out.total_num_scheduled_tokens,
         sorted(out.finished_req_ids),
@@ -78,9 +74,7 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCom
         raise ValueError(f"malformed step sampling: {e}") from None
     out = SchedulerOutput(
         scheduled_new_reqs=new,
-        scheduled_cached_reqs=[
-            CachedRequestData(c.req_id, c.new_block_ids, c.num_computed_tokens) for c in step.cached
-        ],
+        scheduled_cached_reqs=step.cached,
         num_scheduled_tokens=step.num_scheduled_tokens,
         total_num_scheduled_tokens=step.total_num_scheduled_tokens,
         finished_req_ids=set(step.finished),
@@ -89,17 +83,17 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCom
 
 
 def _lp(x: Logprobs | None) -> StepLogprobs | None:
-    return None if x is None else StepLogprobs(x.token_ids, x.logprobs, x.rank)
+    return None if x is None else StepLogprobs(*x)
 
 
 def _unlp(x: StepLogprobs | None) -> Logprobs | None:
-    return None if x is None else Logprobs(x.token_ids, x.logprobs, x.rank)
+    return None if x is None else Logprobs(*x)
 
 
 def pack_result(r: ModelRunnerOutput) -> bytes:
     return StepResult(
         r.sampled_token_ids,
-        {k: StepLogprobs(v.token_ids, v.logprobs, v.rank) for k, v in r.logprobs.items()},
+        {k: StepLogprobs(*v) for k, v in r.logprobs.items()},
         {k: [_lp(x) for x in v] for k, v in r.prompt_logprobs.items()},
         sorted(r.finished_sending),
         sorted(r.finished_recving),
@@ -112,7 +106,7 @@ def unpack_result(data: bytes) -> ModelRunnerOutput:
     r = StepResult.decode(data)
     return ModelRunnerOutput(
         sampled_token_ids=r.sampled_token_ids,
-        logprobs={k: Logprobs(v.token_ids, v.logprobs, v.rank) for k, v in r.logprobs.items()},
+        logprobs={k: Logprobs(*v) for k, v in r.logprobs.items()},
         prompt_logprobs={k: [_unlp(x) for x in v] for k, v in r.prompt_logprobs.items()},
         finished_sending=set(r.finished_sending),
         finished_recving=set(r.finished_recving),
