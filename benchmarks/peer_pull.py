@@ -55,6 +55,7 @@ import httpx
 from fleet import free_port
 
 from pdfleet.engine.contracts.launch import python_module
+from pdfleet.engine.contracts.metrics import parse_metrics
 from pdfleet.engine.contracts.security import fleet_token
 from pdfleet.engine.reports.stats import percentile as _percentile
 
@@ -212,15 +213,9 @@ class UpFleet:
         self.engines = [e["url"] for e in state["engines"] if e["role"] == "decode"]
 
     def metric(self, url: str, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
         text = httpx.get(url + "/metrics", headers=self.headers, timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        series = parse_metrics(text, only=[name]).samples.get(name, ())
+        return sum(v for found, v in series if all(found.get(k) == x for k, x in labels.items()))
 
     def engines_total(self, name: str) -> float:
         return sum(self.metric(u, name) for u in self.engines)

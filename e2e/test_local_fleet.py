@@ -16,6 +16,7 @@ from helpers.server import scrape, wait_until
 from helpers.up import Up, fleet_spec
 
 from pdfleet.engine import LLM, SamplingParams
+from pdfleet.engine.contracts.metrics import parse_metrics
 
 SHORT = "Hello there"
 LONG = "The harbor was quiet before dawn. Boats rocked against the pier. " * 6
@@ -47,14 +48,9 @@ def client(fleet):
 
 
 def gateway_metric(url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    text = httpx.get(url + "/metrics", timeout=5).text
+    series = parse_metrics(text, only=[name]).samples.get(name, ())
+    return sum(v for found, v in series if all(found.get(k) == x for k, x in labels.items()))
 
 
 def test_openai_client_through_the_fleet_equals_a_single_engine(fleet, client, reference):

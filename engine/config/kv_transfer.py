@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -12,6 +13,28 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVLoadFailurePolicy = Literal["recompute", "fail"]
 KNOWN_CONNECTORS = ("NixlConnector", "ZmqConnector")
 DEFAULT_LEASE_SECONDS = 30.0
+KV_IP_ENV = "PDFLEET_KV_IP"
+"""This node's address for KV traffic (the operator sets the pod's IP on every
+engine pod); it wins over ``kv_transfer_config.kv_ip``."""
+KV_BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
+"""The address to bind KV traffic's sockets on, when it is not the advertised one
+(behind NAT)."""
+
+
+def kv_host(kv: KVTransferConfig | None) -> str | None:
+    """The address consumers reach this node's KV traffic at: ``$PDFLEET_KV_IP``,
+    else a configured connector's ``kv_ip``; None for an engine with neither."""
+    if os.environ.get(KV_IP_ENV):
+        return os.environ[KV_IP_ENV]
+    if kv is not None and kv.kv_connector is not None:
+        return kv.kv_ip
+    return None
+
+
+def kv_bind_host(kv: KVTransferConfig | None) -> str | None:
+    """The address this node's KV sockets (the side channel, the KV-event
+    publisher) bind: ``$PDFLEET_KV_BIND_IP``, else :func:`kv_host`."""
+    return os.environ.get(KV_BIND_IP_ENV) or kv_host(kv)
 
 
 @dataclass

@@ -11,11 +11,17 @@ contracts): a gateway pod, the operator and the configuration use it.
 * ``kv_params`` — ``kv_transfer_params`` (``KVTransferParams``), and their signing.
 * ``kv_connector`` — the KV connector's metadata between its sides, and the
   tensor-parallel shard commands.
+* ``kv_side_channel`` — the KV side channel's handshake (hello, its reply,
+  auth, refusals) and the envelope of its later messages.
+* ``tp_wire`` — what the tensor-parallel main process and its rank processes
+  exchange: the step, its result, READY and errors, the rendezvous store's
+  records.
 * ``kv_events`` — the KV-cache events an engine publishes and the gateway's
   index reads.
+* ``gateway_events`` — the events the workers of one gateway pass each other.
 * ``block_hash`` — the chained block hashes both sides of a prefix match compute.
 * ``metrics`` — every metric name and label pdfleet exports or reads, and the
-  one ``/metrics`` parser.
+  one ``/metrics`` parser (the gateway workers' merged exposition reads with it too).
 * ``http_limits`` — what one HTTP request may cost a server.
 * ``sampling_checks`` — the sampling fields' admissibility, checked alike by
   engines and the gateway.

@@ -105,6 +105,8 @@ ShardCommand = ShardConnect | ShardRead | ShardRelease | ShardForget
 
 def shard_command_from_wire(wire: Sequence[Any]) -> ShardCommand:
     """The command of a wire list; ValueError for an unknown or malformed one."""
+    if not isinstance(wire, list | tuple) or not wire:
+        raise ValueError("malformed shard command: not a non-empty list")
     op, *args = wire
     try:
         if op == "connect":
@@ -138,7 +140,11 @@ def encode_rank_commands(commands: Sequence[RankCommand]) -> list[list[Any]]:
 
 
 def decode_rank_commands(wire: Sequence[Sequence[Any]]) -> list[RankCommand]:
-    return [RankCommand(int(rank), shard_command_from_wire(cmd)) for rank, cmd in wire]
+    """ValueError for anything but ``[rank, command]`` pairs of known commands."""
+    try:
+        return [RankCommand(int(rank), shard_command_from_wire(cmd)) for rank, cmd in wire]
+    except TypeError as e:
+        raise ValueError(f"malformed rank commands: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -756,11 +756,27 @@ AUTOSCALER_DECISIONS = Metric(
 
 # --- The one parser ----------------------------------------------------------
 @dataclass(frozen=True)
+class Family:
+    """One metric family of an exposition, as it came: its samples in order."""
+
+    name: str
+    """The family's name (a counter's without ``_total``, an info's without ``_info``)."""
+    kind: str
+    """``counter``, ``gauge``, ``histogram``, ``info``, ``summary`` or ``unknown``."""
+    documentation: str
+    samples: tuple[tuple[str, Mapping[str, str], float], ...]
+    """(sample name, labels, value), in the text's order."""
+
+
+@dataclass(frozen=True)
 class Scrape:
     """One ``/metrics`` text, parsed: sample name -> its samples, one per label set."""
 
     samples: Mapping[str, tuple[tuple[Mapping[str, str], float], ...]]
     """Sample name -> ((labels, value), ...)."""
+    families: tuple[Family, ...] = ()
+    """The same samples by family, with each family's type and help (what a
+    merge of several expositions needs, ``gateway/siblings.py``)."""
 
     def values(self, *names: str) -> list[float]:
         """The values of the first of ``names`` that is present ([] if none)."""
@@ -809,13 +825,18 @@ def parse_metrics(text: str, only: Iterable[str] | None = None) -> Scrape:
         prefixes = tuple(only)
         text = "\n".join(ln for ln in text.splitlines() if ln.startswith(prefixes)) + "\n"
     samples: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+    families: list[Family] = []
     try:
         for family in text_string_to_metric_families(text):
+            rows = []
             for s in family.samples:
-                samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+                labels, value = dict(s.labels), float(s.value)
+                samples.setdefault(s.name, []).append((labels, value))
+                rows.append((s.name, labels, value))
+            families.append(Family(family.name, family.type, family.documentation, tuple(rows)))
     except ValueError as e:
         raise ValueError(f"unreadable Prometheus metrics text: {e}") from None
-    return Scrape({name: tuple(series) for name, series in samples.items()})
+    return Scrape({name: tuple(series) for name, series in samples.items()}, tuple(families))
 
 
 # --- Gateway: activation of pools scaled to zero ----------------------------

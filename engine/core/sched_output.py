@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..contracts.kv_connector import KVConnectorMetadata
+from ..contracts.tp_wire import StepCached
 from ..sampling_params import SamplingParams
 from .host_tier import KVOffloadOps
 
@@ -38,13 +39,11 @@ class NewRequestData:
     lora_id: int = 0
 
 
-@dataclass
-class CachedRequestData:
-    """A request the runner already tracks: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+CachedRequestData = StepCached
+"""A request the runner already tracks: only what changed (``req_id``,
+``new_block_ids``, ``num_computed_tokens``). It is the tensor-parallel step's
+row itself (``contracts/tp_wire.py``), so a step carries every running request
+without a copy."""
 
 
 @dataclass

@@ -57,6 +57,13 @@ def client_store(host: str, port: int, world_size: int, timeout: float) -> dist.
     )
 
 
+def store_bytes(store: dist.Store, key: str, value: bytes) -> None:
+    """Set ``key`` to the bytes ``value`` (a msgpack record of
+    ``contracts/tp_wire.py``). torch's stub types the value ``str``; its binding
+    takes bytes as they are (a C++ ``std::string``), and ``get`` returns them."""
+    store.set(key, cast(str, value))
+
+
 def control_group(
     store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> dist.ProcessGroup:

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
+from ..contracts.gateway_events import EngineRefused, EngineStalled, SiblingEvent
 from ..contracts.http_limits import RequestLimits
 from ..contracts.security import (
     bearer_token,
@@ -237,21 +238,17 @@ class Gateway:
         keys = [*self.keys, self.fleet_token] if admin and self.fleet_token else self.keys
         return key_matches(given, keys)
 
-    def _sibling_event(self, event: dict[str, Any]) -> None:
+    def _sibling_event(self, event: SiblingEvent) -> None:
         """Another worker's ejection (a stall, a refused connection) or KV
         hand-off (``--workers N``)."""
-        kind = event["kind"]
-        if kind == "stall":
-            self.pool.stalled_elsewhere(str(event["url"]), float(event["since"]))
-        elif kind == "refused":
-            self.pool.refused_elsewhere(str(event["url"]))
-        elif kind in ("kv_pair_used", "kv_pair_failed"):
+        if isinstance(event, EngineStalled):
+            self.pool.stalled_elsewhere(event.url, event.since)
+        elif isinstance(event, EngineRefused):
+            self.pool.refused_elsewhere(event.url)
+        elif event.prefill in self.pool.engines and event.decode in self.pool.engines:
             # Only pairs of engines this worker knows: its tables stay bounded
             # by the fleet (a worker that has not discovered one yet skips it).
-            if event["prefill"] in self.pool.engines and event["decode"] in self.pool.engines:
-                self.breaker.apply_shared(event)
-        else:
-            raise ValueError(f"unknown sibling event {kind!r}")
+            self.breaker.apply_shared(event)
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -260,10 +257,8 @@ class Gateway:
                 lambda: generate_latest(self.metrics.registry), self._sibling_event
             )
             self.breaker.share = siblings.publish
-            self.pool.on_stall = lambda e: siblings.publish(
-                {"kind": "stall", "url": e.url, "since": e.last_progress}
-            )
-            self.pool.on_refused = lambda e: siblings.publish({"kind": "refused", "url": e.url})
+            self.pool.on_stall = lambda e: siblings.publish(EngineStalled(e.url, e.last_progress))
+            self.pool.on_refused = lambda e: siblings.publish(EngineRefused(e.url))
         await self.pool.tick()  # know the engines before the first request
         self.pool.start()
         self.kv_events.start(self.pool, self.analyzer, self.config)

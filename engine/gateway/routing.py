@@ -30,10 +30,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
+from ..contracts.gateway_events import KVPairEvent, KVPairFailed, KVPairUsed
 from .engines import EngineLoad, EnginePool, EngineState
 from .kv_index import KVIndex
 from .metrics import GatewayMetrics
@@ -153,7 +153,7 @@ class KVPairBreaker:
         self.open_until: dict[tuple[str, str], float] = {}
         self.used: dict[str, set[str]] = {}
         """decode URL -> prefill URLs that handed it KV since its last scrape."""
-        self.share: Callable[[dict[str, Any]], None] | None = None
+        self.share: Callable[[KVPairEvent], None] | None = None
         """Sends an event to the other workers (None: one process)."""
 
     def is_open(self, prefill: str, decode: str, now: float | None = None) -> bool:
@@ -176,22 +176,21 @@ class KVPairBreaker:
             return
         used.add(prefill)
         if self.share is not None and not shared:
-            self.share({"kind": "kv_pair_used", "prefill": prefill, "decode": decode})
+            self.share(KVPairUsed(prefill, decode))
 
     def leg_failed(self, prefill: str, decode: str, shared: bool = False) -> None:
         """Mutates: a decode leg after the pair's prefill leg failed (here, or
         in another worker when ``shared``)."""
         self.record(prefill, decode, ok=False)
         if self.share is not None and not shared:
-            self.share({"kind": "kv_pair_failed", "prefill": prefill, "decode": decode})
+            self.share(KVPairFailed(prefill, decode))
 
-    def apply_shared(self, event: dict[str, Any]) -> None:
+    def apply_shared(self, event: KVPairEvent) -> None:
         """Mutates: another worker's ``share`` event."""
-        prefill, decode = str(event["prefill"]), str(event["decode"])
-        if event["kind"] == "kv_pair_used":
-            self.handed_off(prefill, decode, shared=True)
-        elif event["kind"] == "kv_pair_failed":
-            self.leg_failed(prefill, decode, shared=True)
+        if isinstance(event, KVPairUsed):
+            self.handed_off(event.prefill, event.decode, shared=True)
+        else:
+            self.leg_failed(event.prefill, event.decode, shared=True)
 
     def record(self, prefill: str, decode: str, ok: bool, now: float | None = None) -> None:
         """Mutates: one hand-off's outcome over the pair."""

@@ -19,7 +19,8 @@ summed; health and breaker gauges, stall limits, and the ejection and stall
 counts of an engine, which every worker observes, the largest). ``/engines``
 is the answering worker's view. What a worker learns from its own requests
 (a stall ejection, a failed KV hand-off, a pair used) it passes to the
-others as events (:class:`Siblings`), so stall ejections and the KV-pair
+others as events (:class:`Siblings`; the events are
+``contracts/gateway_events.py``), so stall ejections and the KV-pair
 breaker agree across workers. The processes themselves are started and
 supervised by ``workers.py``.
 """
@@ -28,16 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from ..contracts import metrics as m
+from ..contracts.gateway_events import MAX_EVENT_BYTES, SiblingEvent, decode_event, encode_event
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -57,9 +57,8 @@ SUMMED_GAUGES = frozenset(
 ENGINE_EVENT_COUNTERS = frozenset(
     {m.GATEWAY_ENGINE_EJECTIONS.family, m.GATEWAY_ENGINE_STALLS.family}
 )
-# The longest event line a worker accepts from a sibling, and the unread
-# backlog after which a sibling that does not read is dropped.
-MAX_EVENT_BYTES = 64 * 1024
+# The unread event backlog (bytes) after which a sibling that does not read is
+# dropped (the longest event line is the contract's MAX_EVENT_BYTES).
 MAX_EVENT_BACKLOG = 1 << 20
 # Seconds a starting worker waits for its event links to the others, and the
 # longest pause between tries of a link to a sibling that is (re)starting.
@@ -101,7 +100,7 @@ class Siblings:
         self._servers: list[asyncio.AbstractServer] = []
         self._peers: dict[int, asyncio.StreamWriter] = {}
         self._links: list[asyncio.Task[None]] = []
-        self._on_event: Callable[[dict[str, Any]], None] = lambda event: None
+        self._on_event: Callable[[SiblingEvent], None] = lambda event: None
 
     def path(self, index: int) -> str:
         return str(self.run_dir / f"metrics-{index}.sock")
@@ -112,7 +111,7 @@ class Siblings:
     async def serve(
         self,
         exposition: Callable[[], bytes],
-        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[SiblingEvent], None] | None = None,
     ) -> None:
         """Hand ``exposition()`` to every sibling that connects; apply their
         events with ``on_event``; keep a connection to each sibling for ours."""
@@ -157,7 +156,16 @@ class Siblings:
         try:
             while line := await reader.readline():
                 try:
-                    event = json.loads(line)
+                    event = decode_event(line)
+                except ValueError as e:  # refused, logged; the stream reads on
+                    logger.warning(
+                        "gateway worker %d: refused a sibling event (%s): %r",
+                        self.index,
+                        e,
+                        line[:200],
+                    )
+                    continue
+                try:
                     self._on_event(event)
                 except Exception:  # a bad event never stops the stream or the worker
                     logger.exception(
@@ -190,9 +198,9 @@ class Siblings:
                     del self._peers[index]
                 writer.close()
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: SiblingEvent) -> None:
         """Send ``event`` to every connected sibling now (no await)."""
-        line = json.dumps(event).encode() + b"\n"
+        line = encode_event(event)
         for index, writer in list(self._peers.items()):
             transport = writer.transport
             if writer.is_closing() or transport.get_write_buffer_size() > MAX_EVENT_BACKLOG:
@@ -238,25 +246,25 @@ class Siblings:
 def merge_expositions(texts: Iterable[bytes]) -> bytes:
     """Prometheus text of several processes of one kind as one: samples with
     equal name and labels summed (counters, histograms, SUMMED_GAUGES) or the
-    largest kept (other gauges); ``*_created`` series dropped."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    largest kept (other gauges); ``*_created`` series dropped. Read with the
+    one ``/metrics`` parser (``contracts/metrics.py``); ValueError for a text
+    that is not Prometheus exposition format."""
     families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
     for text in texts:
-        for fam in text_string_to_metric_families(text.decode("utf-8")):
-            _, _, samples = families.setdefault(fam.name, (fam.type, fam.documentation, {}))
-            for s in fam.samples:
-                if s.name.endswith("_created"):
+        for fam in m.parse_metrics(text.decode("utf-8")).families:
+            _, _, samples = families.setdefault(fam.name, (fam.kind, fam.documentation, {}))
+            for name, found, value in fam.samples:
+                if name.endswith("_created"):
                     continue
-                key = (s.name, tuple(sorted(s.labels.items())))
+                key = (name, tuple(sorted(found.items())))
                 if key not in samples:
-                    samples[key] = s.value
-                elif (fam.type == "gauge" and fam.name not in SUMMED_GAUGES) or (
+                    samples[key] = value
+                elif (fam.kind == "gauge" and fam.name not in SUMMED_GAUGES) or (
                     fam.name in ENGINE_EVENT_COUNTERS
                 ):
-                    samples[key] = max(samples[key], s.value)
-                elif fam.type != "info":
-                    samples[key] += s.value
+                    samples[key] = max(samples[key], value)
+                elif fam.kind != "info":
+                    samples[key] += value
     out: list[str] = []
     for name, (kind, doc, samples) in families.items():
         shown = name + {"counter": "_total", "info": "_info"}.get(kind, "")

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from ..contracts.kv_connector import KVConnectorMetadata, RankCommand, ShardReadEnded
 from ..contracts.kv_params import KVTransferParams
+from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 
@@ -87,10 +88,9 @@ class KVConnectorWorker:
     def register_kv_caches(self, kv_caches: list[tuple[Any, Any]], buffer: Any = None) -> None:
         """The per-layer (key, value) cache views and the contiguous buffer behind them."""
 
-    def rank_agents(self) -> dict[str, Any] | None:
+    def rank_agents(self) -> KVAgentSpec | None:
         """At TP>1: how each rank process sets up its own shard's transfer agent
-        (``nixl_shard.ShardAgent``: ``name`` prefix, ``backends``, whether it
-        ``report``s ended reads each step), or None when the connector needs none."""
+        (``nixl_shard.ShardAgent``), or None when the connector needs none."""
         return None
 
     def register_shards(self, layout: Any, shards: list[dict[str, Any]]) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -45,17 +44,19 @@ import torch
 
 from .. import tracing
 from ..config import EngineConfig
+from ..config.kv_transfer import KV_BIND_IP_ENV, KV_IP_ENV, kv_bind_host, kv_host
 from ..contracts import kv_params, security
 from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
 from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
+from ..contracts.kv_side_channel import PROTOCOL_VERSION
+from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
-    PROTOCOL_VERSION,
     IncompatibleHello,
     Peer,
     Refused,
@@ -80,8 +81,6 @@ FATAL = "fatal: "
 CONTENT = "content: "
 # The code of a producer's refusal of a claim or read whose chain is not the lease's.
 CHAIN_REFUSED = "chain"
-BIND_IP_ENV = "PDFLEET_KV_BIND_IP"
-KV_IP_ENV = "PDFLEET_KV_IP"
 # How long signed params stay valid after their lease ends (default).
 PARAMS_GRACE_SECONDS = 60.0
 
@@ -93,12 +92,12 @@ def kv_addresses(kv: Any) -> tuple[str, str]:
     group) wins over ``kv_transfer_config.kv_ip``; ``$PDFLEET_KV_BIND_IP`` binds
     another one (behind NAT). A headless node (``--nnodes > 1``) uses the same
     rule for its ranks' NIXL agents."""
-    host = os.environ.get(KV_IP_ENV) or kv.kv_ip
-    bind_ip = os.environ.get(BIND_IP_ENV) or host
+    host = kv_host(kv) or kv.kv_ip
+    bind_ip = kv_bind_host(kv) or host
     if bind_ip in ("0.0.0.0", "::", "*", ""):  # noqa: S104 (the address refused here)
         raise ValueError(
             f"the KV side channel binds one address, not {bind_ip!r}: set "
-            f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${BIND_IP_ENV} behind NAT)"
+            f"kv_transfer_config.kv_ip (or ${KV_IP_ENV}, or ${KV_BIND_IP_ENV} behind NAT)"
         )
     return host, bind_ip
 
@@ -1139,16 +1138,14 @@ class PDConnectorWorker(KVConnectorWorker):
     def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
         self.connector.register_shards(layout, shards)
 
-    def rank_agents(self) -> dict[str, Any] | None:
+    def rank_agents(self) -> KVAgentSpec | None:
         transport = self.connector.transport
         if not isinstance(transport, NixlTransport):
             return None
-        return {
-            "name": transport.agent_name,
-            "backends": transport.backends,
-            # Only a consumer's ranks read, and report the reads that ended.
-            "report": self.connector.kv.is_kv_consumer,
-        }
+        # Only a consumer's ranks read, and report the reads that ended.
+        return KVAgentSpec(
+            transport.agent_name, list(transport.backends), self.connector.kv.is_kv_consumer
+        )
 
     def shard_commands(self) -> list[RankCommand]:
         transport = self.connector.transport

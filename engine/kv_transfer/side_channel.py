@@ -50,7 +50,9 @@ forged answers. Ops after ``auth``:
   released by the same answer);
 * ``release`` - the consumer gave up on a lease (one-way).
 
-Handlers get the request and the authenticated :class:`Peer`.
+Handlers get the request and the authenticated :class:`Peer`. The messages
+themselves (hello, its reply, auth, refusals, the envelope) and their bounds
+are ``engine/contracts/kv_side_channel.py``.
 
 Identity tokens are short-lived and renewed (``identity_client.py``). A
 session lasts no longer than the tokens it was opened with: the server
@@ -62,6 +64,7 @@ transfer. Leases bind to the subject, which a renewal keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -74,29 +77,36 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils import z85
 
 from ..contracts import identity as ident
 from ..contracts import security
+from ..contracts.kv_side_channel import (
+    MAX_FRAMES,
+    MAX_HELLO_BYTES,
+    MAX_MESSAGE_BYTES,
+    PURPOSE,
+    Auth,
+    Envelope,
+    Hello,
+    HelloFields,
+    HelloReply,
+    Refusal,
+    mac,
+    pack,
+    session_key,
+    transcript,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 4
-PURPOSE = "kv-side-channel"
 # Bound on the server's session table (authenticated peers only).
 MAX_SESSIONS = 1024
 SESSION_IDLE_SECONDS = 600.0
 # How long a hello's cookie stays good for its auth (seconds).
 COOKIE_SECONDS = 30.0
-# Size bounds (bytes): any frame (ZeroMQ refuses a larger one before buffering it:
-# a claim naming the blocks of a 1M-token prompt is about 320 KiB); a message
-# before authentication (hello and auth are a few hundred bytes).
-MAX_MESSAGE_BYTES = 1 << 20
-MAX_HELLO_BYTES = 8 << 10
-# Frames of a request: a single frame before authentication, body + MAC after.
-MAX_FRAMES = 2
 # Messages ZeroMQ queues per peer before it stops reading that peer's socket.
 RCVHWM = 16
 # A client re-authenticates this long (seconds; at most half the time left at its
@@ -165,26 +175,6 @@ class _Session:
 Handler = Callable[[dict[str, Any], Peer], tuple[dict[str, Any], list[Any]] | None]
 
 
-def pack(obj: dict[str, Any]) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
-    return packed
-
-
-def unpack(data: bytes | memoryview) -> dict[str, Any]:
-    obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
-    if not isinstance(obj, dict):
-        raise ValueError("side-channel message is not a map")
-    return obj
-
-
-def _mac(key: bytes, label: bytes, body: bytes) -> bytes:
-    return hmac.new(key, label + body, hashlib.sha256).digest()
-
-
-def _session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    return security.prove(secret, PURPOSE, b"session", client_nonce, server_nonce)
-
-
 def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
     """(public, secret) Z85 CURVE keys of every side-channel server of a fleet."""
     private = z85.encode(security.derive_key(secret, "kv-side-channel-curve"))
@@ -198,21 +188,6 @@ def secure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(secret)[0])
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, private)
-
-
-def _transcript(label: bytes, *parts: bytes) -> bytes:
-    """What an identity key signs in a handshake: length-prefixed parts."""
-    out = [b"pdfleet/kv-side-channel/identity/", label]
-    for part in parts:
-        out += [len(part).to_bytes(4, "big"), part]
-    return b"".join(out)
-
-
-def _hello_fields(request: dict[str, Any]) -> bytes:
-    """The hello's identifying fields, canonically packed (what proofs cover)."""
-    return pack(
-        {k: request.get(k) for k in ("engine_id", "instance_id", "compat_hash", "identity")}
-    )
 
 
 class SideChannelServer:
@@ -291,7 +266,7 @@ class SideChannelServer:
             except Exception as e:  # a bad peer must never take the engine down
                 logger.warning("bad side-channel request: %s", e)
                 self.num_rejected += 1
-                answer = [pack({"ok": False, "error": "bad request"})]
+                answer = [Refusal("bad request").encode()]
             if answer is None:
                 continue
             try:
@@ -316,7 +291,7 @@ class SideChannelServer:
 
     def _refuse(self, error: str) -> list[Any]:
         self.num_rejected += 1
-        return [pack({"ok": False, "error": error})]
+        return [Refusal(error).encode()]
 
     def _handle(self, frames: list[bytes], address: str = "") -> list[Any] | None:
         if len(frames) == 1:
@@ -324,24 +299,36 @@ class SideChannelServer:
                 return self._refuse(
                     f"not authenticated: a message before auth is at most {MAX_HELLO_BYTES} bytes"
                 )
-            request = unpack(frames[0])
+            try:
+                request = unpack(frames[0], MAX_HELLO_BYTES)
+            except ValueError as e:
+                return self._refuse(f"not authenticated: {e}")
             op = request.get("op")
-            if op == "hello":
-                return self._hello(request)
-            if op == "auth":
-                return self._auth(request, address)
+            try:
+                if op == "hello":
+                    # Its refusal names the field (``version:`` first), unprefixed:
+                    # the client tells an incompatible peer by it.
+                    return self._hello(Hello.decode(request))
+                if op == "auth":
+                    return self._auth(Auth.decode(request), address)
+            except ValueError as e:
+                return self._refuse(str(e) if op == "hello" else f"not authenticated: auth: {e}")
             return self._refuse("not authenticated: send hello and auth first")
         if len(frames) != 2:
             return self._refuse("malformed message")
-        body, mac = frames
-        request = unpack(body)
-        sid = request.get("session")
-        if not isinstance(sid, bytes) or sid not in self.sessions:
+        body, code = frames
+        try:
+            request = unpack(body)
+            envelope = Envelope.of(request)
+        except ValueError as e:
+            return self._refuse(f"malformed message: {e}")
+        sid = envelope.session
+        if sid not in self.sessions:
             return self._refuse("unknown session: authenticate again")
         session = self.sessions[sid]
         if session.peer.address != address:
             return self._refuse("the session was opened from another address")
-        if not hmac.compare_digest(mac, _mac(session.key, b"req", body)):
+        if not hmac.compare_digest(code, mac(session.key, b"req", body)):
             return self._refuse("bad message authentication code")
         claims = session.peer.claims
         if claims is not None and time.time() > claims.expires:
@@ -351,8 +338,8 @@ class SideChannelServer:
             return self._refuse(
                 "identity: the peer's identity token has expired: authenticate again"
             )
-        seq = request.get("seq")
-        if not isinstance(seq, int) or seq <= session.seq:
+        seq = envelope.seq
+        if seq <= session.seq:
             return self._refuse("replayed or reordered message")
         session.seq = seq
         session.last_used = time.monotonic()
@@ -369,16 +356,10 @@ class SideChannelServer:
             head, extra = answer
         head["seq"] = seq
         packed = pack(head)
-        return [packed, _mac(session.key, b"rep", packed), *extra]
+        return [packed, mac(session.key, b"rep", packed), *extra]
 
-    def _hello(self, request: dict[str, Any]) -> list[Any]:
-        version = request.get("version")
-        if version != PROTOCOL_VERSION:
-            return self._refuse(
-                f"version: side-channel protocol {version!r} is not this engine's "
-                f"{PROTOCOL_VERSION}; run the same pdfleet version on prefill and decode"
-            )
-        theirs = request.get("compat_hash")
+    def _hello(self, request: Hello) -> list[Any]:
+        theirs = request.fields.compat_hash
         if theirs != self.compat_hash:
             # The factors (not secret) let the consumer name the field that differs.
             self.num_rejected += 1
@@ -386,29 +367,21 @@ class SideChannelServer:
                 f"compat_hash: {theirs!r} differs from this prefill engine's "
                 f"{self.compat_hash!r} (model, dtype, KV layout or pdfleet version differ)"
             )
-            return [pack({"ok": False, "error": error, "compat": self.compat})]
-        nonce = request.get("nonce")
-        if not isinstance(nonce, bytes) or not 16 <= len(nonce) <= 64:
-            return self._refuse("nonce: missing, too short or too long")
+            return [Refusal(error, compat=self.compat).encode()]
+        nonce = request.nonce
         # Stateless: the session id starts with the time; the cookie lets auth
         # prove these values came from this server (nothing is stored).
         sid = int(time.time() * 1000).to_bytes(8, "big") + secrets.token_bytes(8)
         server_nonce = security.challenge()
-        hello = _hello_fields(request)
+        hello = request.fields.packed()
         cookie = self._cookie(sid, nonce, server_nonce, hello)
         proof = security.prove(self.secret, PURPOSE, b"server", nonce, server_nonce, hello)
-        reply: dict[str, Any] = {
-            "ok": True,
-            "session": sid,
-            "nonce": server_nonce,
-            "cookie": cookie,
-            "proof": proof,
-        }
         own = self.identity.own
+        reply = HelloReply(sid, server_nonce, cookie, proof)
         if own is not None:
-            reply["identity"] = own.token
-            reply["identity_sig"] = own.sign(_transcript(b"server", nonce, server_nonce, hello))
-        return [pack(reply)]
+            sig = own.sign(transcript(b"server", nonce, server_nonce, hello))
+            reply = HelloReply(sid, server_nonce, cookie, proof, own.token, sig)
+        return [reply.encode()]
 
     def _cookie(self, sid: bytes, nonce: bytes, server_nonce: bytes, hello: bytes) -> bytes:
         mac = hmac.new(self._cookie_key, digestmod=hashlib.sha256)
@@ -417,24 +390,9 @@ class SideChannelServer:
             mac.update(part)
         return mac.digest()
 
-    def _auth(self, request: dict[str, Any], address: str = "") -> list[Any]:
-        sid, nonce, server_nonce, hello, cookie = (
-            request.get(k) for k in ("session", "client_nonce", "nonce", "hello", "cookie")
-        )
-        if not (
-            isinstance(sid, bytes)
-            and len(sid) == 16
-            and all(isinstance(x, bytes) for x in (nonce, server_nonce, hello, cookie))
-        ):
-            return self._refuse("unknown session: send hello first")
-        if not isinstance(nonce, bytes) or not isinstance(server_nonce, bytes):
-            raise TypeError(
-                "broken invariant: isinstance(nonce, bytes) and isinstance(server_nonce, bytes)"
-            )
-        if not isinstance(hello, bytes) or not isinstance(cookie, bytes):
-            raise TypeError(
-                "broken invariant: isinstance(hello, bytes) and isinstance(cookie, bytes)"
-            )
+    def _auth(self, request: Auth, address: str = "") -> list[Any]:
+        sid, nonce, server_nonce = request.session, request.client_nonce, request.nonce
+        hello, cookie = request.hello, request.cookie
         age = time.time() - int.from_bytes(sid[:8], "big") / 1000
         if not hmac.compare_digest(cookie, self._cookie(sid, nonce, server_nonce, hello)):
             return self._refuse("unknown session: send hello first")
@@ -442,43 +400,46 @@ class SideChannelServer:
             return self._refuse("the hello is too old: send hello again")
         if sid in self.sessions:
             return self._refuse("replayed auth")
-        proof = request.get("proof")
-        if not isinstance(proof, bytes) or not security.proof_ok(
-            self.secret, PURPOSE, proof, b"client", server_nonce, nonce, hello
+        if not security.proof_ok(
+            self.secret, PURPOSE, request.proof, b"client", server_nonce, nonce, hello
         ):
             logger.warning("KV side channel: a peer failed authentication")
             return self._refuse("authentication failed: this peer does not hold the fleet secret")
-        who = unpack(hello)
+        try:
+            who = HelloFields.unpacked(hello)
+        except ValueError as e:  # the cookie covers it, so this server made it: never
+            return self._refuse(f"malformed hello: {e}")
         claims = None
         if self.identity.required:
             if self.identity.authority is None:
                 raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
-                claims = ident.verify_token(self.identity.authority, who.get("identity"))
+                claims = ident.verify_token(self.identity.authority, who.identity)
             except ident.InvalidIdentity as e:
                 logger.warning("KV side channel: a peer's identity was refused: %s", e)
                 return self._refuse(f"identity: {e}")
             if not ident.signature_ok(
                 claims.public_key,
-                request.get("identity_sig"),
-                _transcript(b"client", server_nonce, nonce, hello),
+                request.identity_sig,
+                transcript(b"client", server_nonce, nonce, hello),
             ):
                 logger.warning(
                     "KV side channel: a peer presented %s's identity without its key",
                     claims.subject,
                 )
                 return self._refuse("identity: the peer does not hold the identity's key")
-        peer = Peer(str(who.get("engine_id")), str(who.get("instance_id")), claims, address)
-        key = _session_key(self.secret, nonce, server_nonce)
+        peer = Peer(who.engine_id, who.instance_id, claims, address)
+        key = session_key(self.secret, nonce, server_nonce)
         self.sessions[sid] = _Session(key, peer, last_used=time.monotonic())
         self._trim_sessions()
         handler = self.handlers.get("handshake")
         # auth always answers: a missing handshake handler, or one with nothing
         # to add (None), confirms the session with a bare ok.
-        answer = handler(request, peer) if handler else None
+        # (It reads nothing of the request: the auth's fields are the channel's.)
+        answer = handler({"op": "handshake"}, peer) if handler else None
         head, extra = answer if answer is not None else ({"ok": True}, [])
         packed = pack(head)
-        return [packed, _mac(key, b"rep", packed), *extra]
+        return [packed, mac(key, b"rep", packed), *extra]
 
     def _trim_sessions(self) -> None:
         cutoff = time.monotonic() - SESSION_IDLE_SECONDS
@@ -520,12 +481,9 @@ class SideChannelClient:
     ) -> None:
         self.secret = secret
         self.identity = identity or ident.FleetIdentity()
-        self.hello = {
-            "engine_id": engine_id,
-            "instance_id": instance_id,
-            "compat_hash": compat_hash,
-            "identity": None,  # this engine's current token, set at each connect
-        }
+        # Who this engine says it is; ``identity``, its current token, is set at
+        # each connect.
+        self.hello = HelloFields(engine_id, instance_id, compat_hash)
         # The vouched identity of each authenticated producer (fleets with identities).
         self.peers: dict[tuple[str, int], ident.IdentityClaims] = {}
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -572,32 +530,24 @@ class SideChannelClient:
         own = self.identity.own
         # The current token and its claims, read once: a renewal may swap them.
         own_token, own_claims = (own.token, own.claims) if own is not None else (None, None)
-        self.hello = {**self.hello, "identity": own_token}
+        self.hello = dataclasses.replace(self.hello, identity=own_token)
         nonce = security.challenge()
-        head, *_ = self._exchange(
-            host,
-            port,
-            [pack({"op": "hello", "version": PROTOCOL_VERSION, "nonce": nonce, **self.hello})],
-            timeout,
-        )
-        reply = unpack(head.buffer)
-        if not reply.get("ok", False):
-            error = str(reply.get("error", "hello refused"))
-            if error.startswith(("version:", "compat_hash:")):
-                raise IncompatibleHello(error, reply.get("compat"))
-            raise RuntimeError(error)
-        sid, server_nonce, proof, cookie = (
-            reply.get(k) for k in ("session", "nonce", "proof", "cookie")
-        )
-        hello = _hello_fields(self.hello)
-        if not (
-            isinstance(sid, bytes)
-            and isinstance(server_nonce, bytes)
-            and isinstance(proof, bytes)
-            and isinstance(cookie, bytes)
-            and security.proof_ok(
-                self.secret, PURPOSE, proof, b"server", nonce, server_nonce, hello
-            )
+        head, *_ = self._exchange(host, port, [Hello(nonce, self.hello).encode()], timeout)
+        reply = self._unpack(host, port, head.buffer)
+        refusal = Refusal.of(reply, "hello refused")
+        if refusal is not None:
+            if refusal.error.startswith(("version:", "compat_hash:")):
+                raise IncompatibleHello(refusal.error, refusal.compat)
+            raise RuntimeError(refusal.error)
+        hello = self.hello.packed()
+        try:
+            answer = HelloReply.decode(reply)
+        except ValueError as e:
+            self.drop(host, port)
+            raise AuthError(f"a malformed hello reply from {host}:{port}: {e}") from None
+        sid, server_nonce, cookie = answer.session, answer.nonce, answer.cookie
+        if not security.proof_ok(
+            self.secret, PURPOSE, answer.proof, b"server", nonce, server_nonce, hello
         ):
             self.drop(host, port)
             raise AuthError(f"the peer at {host}:{port} does not hold the fleet secret")
@@ -606,14 +556,14 @@ class SideChannelClient:
             if self.identity.authority is None:
                 raise RuntimeError("broken invariant: self.identity.authority is not None")
             try:
-                claims = ident.verify_token(self.identity.authority, reply.get("identity"))
+                claims = ident.verify_token(self.identity.authority, answer.identity)
             except ident.InvalidIdentity as e:
                 self.drop(host, port)
                 raise AuthError(f"the peer at {host}:{port}: identity: {e}") from None
             if not ident.signature_ok(
                 claims.public_key,
-                reply.get("identity_sig"),
-                _transcript(b"server", nonce, server_nonce, hello),
+                answer.identity_sig,
+                transcript(b"server", nonce, server_nonce, hello),
             ):
                 self.drop(host, port)
                 raise AuthError(
@@ -621,24 +571,16 @@ class SideChannelClient:
                     "without its key"
                 )
         mine = security.prove(self.secret, PURPOSE, b"client", server_nonce, nonce, hello)
-        auth: dict[str, Any] = {
-            "op": "auth",
-            "session": sid,
-            "client_nonce": nonce,
-            "nonce": server_nonce,
-            "hello": hello,
-            "cookie": cookie,
-            "proof": mine,
-        }
-        if own is not None:
-            auth["identity_sig"] = own.sign(_transcript(b"client", server_nonce, nonce, hello))
-        frames = self._exchange(host, port, [pack(auth)], max(0.05, deadline - time.monotonic()))
-        key = _session_key(self.secret, nonce, server_nonce)
+        sig = own.sign(transcript(b"client", server_nonce, nonce, hello)) if own else None
+        auth = Auth(sid, nonce, server_nonce, hello, cookie, mine, sig)
+        frames = self._exchange(host, port, [auth.encode()], max(0.05, deadline - time.monotonic()))
+        key = session_key(self.secret, nonce, server_nonce)
         if len(frames) < 2:
             self.drop(host, port)
-            raise RuntimeError(str(unpack(frames[0].buffer).get("error", "auth refused")))
-        head, mac, *extra = frames
-        if not hmac.compare_digest(mac.bytes, _mac(key, b"rep", head.bytes)):
+            refused = Refusal.of(self._unpack(host, port, frames[0].buffer), "auth refused")
+            raise RuntimeError(refused.error if refused else "auth refused")
+        head, code, *extra = frames
+        if not hmac.compare_digest(code.bytes, mac(key, b"rep", head.bytes)):
             self.drop(host, port)
             raise AuthError(f"a forged handshake reply from {host}:{port}")
         self.sessions[(host, port)] = _ClientSession(
@@ -646,18 +588,28 @@ class SideChannelClient:
         )
         if claims is not None:
             self.peers[(host, port)] = claims
-        reply = unpack(head.buffer)
-        if not reply.get("ok", False):
-            raise RuntimeError(str(reply.get("error", "handshake refused")))
+        reply = self._unpack(host, port, head.buffer)
+        refusal = Refusal.of(reply, "handshake refused")
+        if refusal is not None:
+            raise RuntimeError(refusal.error)
         return reply, extra
+
+    def _unpack(self, host: str, port: int, data: bytes | memoryview) -> dict[str, Any]:
+        """A reply's map; a malformed one drops the session (AuthError: the peer
+        is not speaking this protocol)."""
+        try:
+            return unpack(data)
+        except ValueError as e:
+            self.drop(host, port)
+            raise AuthError(f"a malformed reply from {host}:{port}: {e}") from None
 
     def _signed(self, host: str, port: int, request: dict[str, Any]) -> tuple[list[bytes], int]:
         session = self.sessions.get((host, port))
         if session is None:
             raise RuntimeError(f"no authenticated session with {host}:{port}")
         session.seq += 1
-        body = pack({**request, "session": session.sid, "seq": session.seq})
-        return [body, _mac(session.key, b"req", body)], session.seq
+        body = Envelope(session.sid, session.seq).seal(request)
+        return [body, mac(session.key, b"req", body)], session.seq
 
     def _reauthenticate(self, host: str, port: int, timeout: float) -> None:
         """A new session with the same producer, on this engine's current token."""
@@ -686,22 +638,20 @@ class SideChannelClient:
             got = self._exchange(host, port, frames, max(0.01, deadline - time.monotonic()))
             frames = []  # sent once; later rounds only receive
             if len(got) < 2:
-                reply = unpack(got[0].buffer)
+                refused = Refusal.of(self._unpack(host, port, got[0].buffer), "request refused")
                 self.drop(host, port)
-                raise RuntimeError(str(reply.get("error", "request refused")))
-            head, mac, *extra = got
-            if not hmac.compare_digest(mac.bytes, _mac(key, b"rep", head.bytes)):
+                raise RuntimeError(refused.error if refused else "request refused")
+            head, code, *extra = got
+            if not hmac.compare_digest(code.bytes, mac(key, b"rep", head.bytes)):
                 self.drop(host, port)
                 raise AuthError(f"a forged reply from {host}:{port}")
-            reply = unpack(head.buffer)
+            reply = self._unpack(host, port, head.buffer)
             if reply.get("seq") == seq:
                 break
             # A late answer to an earlier call that timed out: skip it.
-        if not reply.get("ok", False):
-            code = reply.get("code")
-            raise Refused(
-                str(reply.get("error", "request failed")), code if isinstance(code, str) else None
-            )
+        refusal = Refusal.of(reply, "request failed")
+        if refusal is not None:
+            raise Refused(refusal.error, refusal.code)
         return reply, extra
 
     def send_nowait(self, host: str, port: int, request: dict[str, Any]) -> None:

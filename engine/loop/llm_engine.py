@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
+from ..config.kv_transfer import kv_bind_host
 from ..config.lora import check_adapter_name
 from ..contracts.block_hash import lora_identity
 from ..contracts.kv_params import KVTransferParams
@@ -119,9 +120,7 @@ class LLMEngine:
             from ..kv_events import KVEventPublisher
 
             # The ports bind the engine's KV address when it has one (the pod IP).
-            kv_ip = os.environ.get("PDFLEET_KV_BIND_IP") or os.environ.get("PDFLEET_KV_IP")
-            if not kv_ip and kv is not None and kv.kv_connector is not None:
-                kv_ip = kv.kv_ip
+            kv_ip = kv_bind_host(kv)
             self.kv_events = KVEventPublisher(ev, kv_ip, security.fleet_secret_from_env())
         self.iteration_stats = IterationStats()
         self._next_id = 0

@@ -8,6 +8,7 @@ into merged projections).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -130,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------
 
-    _merged = {
+    # Hugging Face projection -> (this model's merged projection, its shard).
+    _merged: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

@@ -23,11 +23,25 @@ import os
 import time
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
+from ..contracts.tp_wire import (
+    ERROR,
+    KV_AGENT_KEY,
+    READY,
+    READY_KEY,
+    RESULT,
+    STEP,
+    STOP,
+    KVAgentSpec,
+    RankFailure,
+    RankReady,
+    error_text,
+    read_rank_message,
+    ready_record,
+)
 from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
@@ -36,19 +50,7 @@ from ..lora.adapter import LoRARequest, load_adapter, module_shapes
 from ..lora.manager import LoRAStats
 from .main_guard import check_main_guard
 from .step_wire import pack_step, unpack_result
-from .tp_rank import (
-    ERROR,
-    KV_AGENT_KEY,
-    KV_REPORT_SLOTS,
-    READY,
-    READY_KEY,
-    RESULT,
-    STEP,
-    STOP,
-    RankSpec,
-    ended_of,
-    rank_main,
-)
+from .tp_rank import KV_REPORT_SLOTS, RankSpec, ended_of, rank_main
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def spawn_ranks(
     host: str,
     port: int,
     timeout: float,
-    kv_agent: dict[str, Any] | None = None,
+    kv_agent: KVAgentSpec | None = None,
     headless: bool = False,
 ) -> tuple[list[Any], list[Any]]:
     """Start this node's rank processes; returns (their pipes, the processes).
@@ -155,14 +157,14 @@ class TPExecutor:
         # shard with its own agent, driven by commands that travel with the step.
         self.connector = connector
         self.kv_agent = connector.rank_agents() if connector is not None else None
-        self.kv_report = bool(self.kv_agent and self.kv_agent["report"])
+        self.kv_report = bool(self.kv_agent and self.kv_agent.report)
         self.size = size = config.parallel_config.tensor_parallel_size
         self.step_timeout = _seconds(STEP_TIMEOUT_ENV, 600.0)
         timeout = rendezvous.rendezvous_timeout()
         host, port = _store_address(config)
         self.store = rendezvous.master_store(host, port, size + 1, timeout)
         # The other nodes' ranks register their KV shards with agents named after ours.
-        self.store.set(KV_AGENT_KEY, msgpack.packb(self.kv_agent, use_bin_type=True))
+        rendezvous.store_bytes(self.store, KV_AGENT_KEY, KVAgentSpec.encode(self.kv_agent))
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.ctl: Any = None
@@ -230,23 +232,27 @@ class TPExecutor:
             for rank, tag, body in self._messages(deadline, "load the model", poll):
                 if tag != READY:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} before ready")
-                num_blocks, max_len, info, layout = msgpack.unpackb(body, raw=False)
-                blocks[rank] = (num_blocks, max_len)
-                shards[rank] = (info, layout)
+                try:
+                    ready = RankReady.decode(body)
+                except ValueError as e:
+                    raise RankFailed(f"tensor-parallel rank {rank}: {e}") from None
+                blocks[rank] = (ready.num_blocks, ready.max_model_len)
+                shards[rank] = (ready.shard_info, ready.layout)
             for rank in sorted(remote):
                 key = READY_KEY.format(rank=rank)
                 if not self.store.check([key]):
                     continue
-                record = msgpack.unpackb(self.store.get(key), raw=False)
-                if isinstance(record, dict):
+                node = rank // self.config.parallel_config.ranks_per_node
+                try:
+                    record = ready_record(self.store.get(key))
+                except ValueError as e:
+                    raise RankFailed(f"tensor-parallel rank {rank} (node {node}): {e}") from None
+                if isinstance(record, RankFailure):
                     raise RankFailed(
-                        f"tensor-parallel rank {rank} (node "
-                        f"{rank // self.config.parallel_config.ranks_per_node}) failed: "
-                        f"{record.get('error')}"
+                        f"tensor-parallel rank {rank} (node {node}) failed: {record.error}"
                     )
-                num_blocks, max_len, info, layout = record
-                blocks[rank] = (num_blocks, max_len)
-                shards[rank] = (info, layout)
+                blocks[rank] = (record.num_blocks, record.max_model_len)
+                shards[rank] = (record.shard_info, record.layout)
                 remote.discard(rank)
             if remote and time.monotonic() > deadline:
                 raise RankFailed(
@@ -297,7 +303,7 @@ class TPExecutor:
                     dead = self._failed(rank, "its pipe closed")
                     break
                 if msg[:1] == ERROR:
-                    raise self._failed(rank, msg[1:].decode())
+                    raise self._failed(rank, error_text(msg[1:]))
                 raise RankFailed(f"tensor-parallel rank {rank} sent an unexpected message")
         if dead is not None:
             raise dead
@@ -319,9 +325,13 @@ class TPExecutor:
                         msg = conn.recv_bytes()
                     except EOFError:
                         raise self._failed(rank, "its pipe closed") from None
-                    if msg[:1] == ERROR:
-                        raise self._failed(rank, msg[1:].decode())
-                    got.append((rank, msg[:1], msg[1:]))
+                    try:
+                        tag, body = read_rank_message(msg)
+                    except ValueError as e:
+                        raise RankFailed(f"tensor-parallel rank {rank}: {e}") from None
+                    if tag == ERROR:
+                        raise self._failed(rank, error_text(body))
+                    got.append((rank, tag, body))
             if got or (until is not None and time.monotonic() >= until):
                 return got
             dead = self._dead()
@@ -362,7 +372,10 @@ class TPExecutor:
         while result is None:
             for rank, tag, body in self._messages(deadline, "finish the step"):
                 if rank == 0 and tag == RESULT:
-                    result = unpack_result(body)
+                    try:
+                        result = unpack_result(body)
+                    except ValueError as e:
+                        raise RankFailed(f"tensor-parallel rank 0: {e}") from None
                 else:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
         if reports is not None:
@@ -500,7 +513,7 @@ def run_headless(config: EngineConfig) -> int:
                         continue
                     if msg[:1] == ERROR:
                         reported.add(first + i)
-                        logger.error("%s failed: %s", proc.name, msg[1:].decode())
+                        logger.error("%s failed: %s", proc.name, error_text(msg[1:]))
                     elif msg[:1] == READY:
                         reported.add(first + i)
                         logger.info("%s ready", proc.name)
@@ -524,9 +537,10 @@ def _report_death(host: str, port: int, config: EngineConfig, rank: int, code: A
         store = rendezvous.client_store(
             host, port, config.parallel_config.tensor_parallel_size + 1, 10.0
         )
-        store.set(
+        rendezvous.store_bytes(
+            store,
             READY_KEY.format(rank=rank),
-            msgpack.packb({"error": f"exited with code {code} while starting"}),
+            RankFailure(f"exited with code {code} while starting").encode(),
         )
     except Exception as e:  # the leader is gone too
         logger.debug("could not tell the leader about rank %d: %s", rank, e)

@@ -25,25 +25,30 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..contracts.kv_connector import ShardReadEnded
+from ..contracts.tp_wire import (
+    KV_AGENT_KEY,
+    READY,
+    READY_KEY,
+    RESULT,
+    STOP,
+    KVAgentSpec,
+    RankFailure,
+    RankReady,
+    rank_error,
+    rank_message,
+)
 from ..distributed import rendezvous
 from ..distributed.parallel_state import set_tp_group
 from ..testing_hooks import tp_rank_hangs
 
-# Message tags on a rank's pipe to the main process.
-READY, RESULT, ERROR = b"Y", b"R", b"E"
-# Kinds of control broadcasts.
-STEP, STOP = 0, 1
-# Rendezvous store keys: the leader's KV agent spec (msgpack, None without a connector),
-# and each headless rank's readiness (msgpack: the READY fields, or {"error": why}).
-KV_AGENT_KEY = "pdfleet/kv-agent"
-READY_KEY = "pdfleet/ready/{rank}"
+# The messages on a rank's pipe, its broadcasts and its store records are
+# ``contracts/tp_wire.py``.
 # Ended reads a rank reports per step (the rest wait for the next step): the gather
 # over the control group takes equal-sized tensors, [count, (token, state, bytes) * N].
 KV_REPORT_SLOTS = 64
@@ -82,7 +87,7 @@ class RankSpec:
     num_threads: int
     parent_pid: int
     # The KV connector's shard agent for this rank (``KVConnectorWorker.rank_agents``).
-    kv_agent: dict[str, Any] | None = None
+    kv_agent: KVAgentSpec | None = None
     # On a headless node: the agent spec comes from the store, readiness goes there.
     headless: bool = False
 
@@ -105,13 +110,12 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
     except BaseException as e:
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         with contextlib.suppress(OSError):
-            conn.send_bytes(ERROR + detail.encode())
+            conn.send_bytes(rank_error(detail))
         if spec.headless and stores:
             # The leader waits for this key while it loads; tell it why, not a timeout.
             with contextlib.suppress(Exception):
-                stores[0].set(
-                    READY_KEY.format(rank=spec.rank),
-                    msgpack.packb({"error": detail}, use_bin_type=True),
+                rendezvous.store_bytes(
+                    stores[0], READY_KEY.format(rank=spec.rank), RankFailure(detail).encode()
                 )
         traceback.print_exc()
         os._exit(1)
@@ -134,7 +138,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     if spec.headless:
         # Set by the leader before its ranks start (bounded by the store's timeout).
         try:
-            kv_agent = msgpack.unpackb(store.get(KV_AGENT_KEY), raw=False)
+            kv_agent = KVAgentSpec.decode(store.get(KV_AGENT_KEY))
         except RuntimeError as e:  # torch's store timeout
             raise RuntimeError(
                 f"the leader at {spec.host}:{spec.port} published no KV agent spec within "
@@ -152,17 +156,16 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
 
         # This rank's KV shard, registered with its own agent (docs/kv_transfer.md); on
         # a headless node the agent binds that node's address (run_headless set UCX).
-        shard = ShardAgent(f"{kv_agent['name']}-r{spec.rank}", kv_agent["backends"])
+        shard = ShardAgent(f"{kv_agent.name}-r{spec.rank}", kv_agent.backends)
         info = shard.register(runner.kv_buffer, spec.rank)
         layout = KVLayout.of(runner.kv_buffer).to_dict()
-        report = bool(kv_agent["report"])
-    ready = msgpack.packb(
-        [runner.num_blocks, spec.config.scheduler_config.max_model_len, info, layout],
-        use_bin_type=True,
-    )
-    conn.send_bytes(READY + ready)
+        report = kv_agent.report
+    ready = RankReady(
+        runner.num_blocks, spec.config.scheduler_config.max_model_len, info, layout
+    ).encode()
+    conn.send_bytes(rank_message(READY, ready))
     if spec.headless:
-        store.set(READY_KEY.format(rank=spec.rank), ready)
+        rendezvous.store_bytes(store, READY_KEY.format(rank=spec.rank), ready)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     gather = dist.GatherOptions()
@@ -189,7 +192,7 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
             sent, backlog = backlog[:KV_REPORT_SLOTS], backlog[KV_REPORT_SLOTS:]
             ctl.gather([], [ended_tensor(sent)], gather).wait()
         if spec.rank == 0:
-            conn.send_bytes(RESULT + pack_result(result))
+            conn.send_bytes(rank_message(RESULT, pack_result(result)))
     if shard is not None:
         shard.shutdown()
     dist.destroy_process_group()

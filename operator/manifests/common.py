@@ -9,6 +9,7 @@ from typing import Any
 
 from ...engine.config import EngineArgs
 from ...engine.config.fields import default_of, resolved_fields, to_jsonable
+from ...engine.config.kv_transfer import KV_IP_ENV
 from ..resource import (
     API_VERSION,
     KIND,
@@ -43,7 +44,7 @@ MANAGED_BY = "pdfleet-operator"
 # Environment variables every engine pod gets from the downward API. Kubernetes
 # expands $(VAR) in a container's command, so the KV side channel advertises
 # the pod's own IP and each engine is identified by its pod name.
-ENV_KV_IP = "PDFLEET_KV_IP"
+ENV_KV_IP = KV_IP_ENV
 
 
 ENV_POD_NAME = "POD_NAME"

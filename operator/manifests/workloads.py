@@ -45,6 +45,32 @@ def desired_replicas(
     return max(policy.min_replicas, min(policy.max_replicas, wanted))
 
 
+# Rollouts add a pod (a group, for a LeaderWorkerSet) before removing one:
+# serving capacity never drops.
+SURGE_ONE = {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def _workload(
+    api_version: str,
+    kind: str,
+    name: str,
+    role: str,
+    namespace: str,
+    labels: dict[str, str],
+    owner: Owner | None,
+    replicas: int,
+    body: dict[str, Any],
+) -> dict[str, Any]:
+    """What every workload of a role shares: its name, labels, owner and replicas;
+    ``body``, the rest of its spec."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": object_meta(child_name(name, role), namespace, labels, owner),
+        "spec": {"replicas": replicas, **body},
+    }
+
+
 def build_deployment(
     name: str,
     spec: InferenceServiceSpec,
@@ -77,22 +103,13 @@ def build_deployment(
             live=live,
         )
         labels = {**common_labels(name, role), LABEL_COMPAT: compat}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": object_meta(child_name(name, role), namespace, labels, owner),
-        "spec": {
-            "replicas": replicas,
-            "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": selector_labels(name, role)},
-            # Add a pod before removing one: serving capacity never drops in a rollout.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
-            "template": template,
-        },
+    body = {
+        "revisionHistoryLimit": 3,
+        "selector": {"matchLabels": selector_labels(name, role)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(SURGE_ONE)},
+        "template": template,
     }
+    return _workload("apps/v1", "Deployment", name, role, namespace, labels, owner, replicas, body)
 
 
 def workload_kind(spec: InferenceServiceSpec, role: str) -> str:
@@ -121,7 +138,6 @@ def build_leader_worker_set(
     of one engine live and die together). Rollouts add a new group before
     removing an old one, as the Deployments do with pods.
     """
-    role_spec = spec.role(role)
     templates = {
         group_role: engine_pod_template(
             name,
@@ -137,23 +153,20 @@ def build_leader_worker_set(
         for group_role in (LEADER, WORKER)
     }
     labels = {**common_labels(name, role), LABEL_COMPAT: compat}
-    return {
-        "apiVersion": LWS_API_VERSION,
-        "kind": "LeaderWorkerSet",
-        "metadata": object_meta(child_name(name, role), namespace, labels, owner),
-        "spec": {
-            "replicas": replicas,
-            "startupPolicy": "LeaderCreated",
-            "rolloutStrategy": {
-                "type": "RollingUpdate",
-                "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
-            },
-            "networkConfig": {"subdomainPolicy": "Shared"},
-            "leaderWorkerTemplate": {
-                "size": role_spec.nodes_per_replica,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": templates[LEADER],
-                "workerTemplate": templates[WORKER],
-            },
+    body = {
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": dict(SURGE_ONE),
+        },
+        "networkConfig": {"subdomainPolicy": "Shared"},
+        "leaderWorkerTemplate": {
+            "size": spec.role(role).nodes_per_replica,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": templates[LEADER],
+            "workerTemplate": templates[WORKER],
         },
     }
+    return _workload(
+        LWS_API_VERSION, "LeaderWorkerSet", name, role, namespace, labels, owner, replicas, body
+    )

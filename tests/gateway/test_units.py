@@ -12,6 +12,13 @@ import pytest
 
 from pdfleet.engine.config import FlexibleArgumentParser
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.contracts.gateway_events import (
+    KVPairEvent,
+    KVPairFailed,
+    KVPairUsed,
+    decode_event,
+    encode_event,
+)
 from pdfleet.engine.gateway.answers import sse_error
 from pdfleet.engine.gateway.decode_leg import decode_body
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
@@ -483,19 +490,21 @@ def test_a_stall_seen_by_another_worker_ejects_the_engine_unless_it_answers_here
 
 def test_breakers_of_two_workers_open_together_on_each_others_failed_hand_offs():
     (one, metrics_one), (two, metrics_two) = breaker_setup(), breaker_setup()
-    sent: list[dict] = []
+    sent: list[KVPairEvent] = []
 
     def link(to: KVPairBreaker):
-        def share(event: dict) -> None:
+        def share(event: KVPairEvent) -> None:
             sent.append(event)
-            to.apply_shared(json.loads(json.dumps(event)))  # as it crosses the socket
+            crossed = decode_event(encode_event(event))  # as it crosses the socket
+            assert isinstance(crossed, KVPairUsed | KVPairFailed)
+            to.apply_shared(crossed)
 
         return share
 
     one.share, two.share = link(two), link(one)
     one.handed_off("p", "d")
     one.handed_off("p", "d")  # once per scrape interval is enough for the others
-    assert sent == [{"kind": "kv_pair_used", "prefill": "p", "decode": "d"}]
+    assert sent == [KVPairUsed("p", "d")]
     assert two.used == {"d": {"p"}}
     one.leg_failed("p", "d")
     assert not one.is_open("p", "d") and not two.is_open("p", "d")

@@ -21,6 +21,7 @@ from helpers.server import wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdfleet.engine.contracts.gateway_events import EngineStalled
 from pdfleet.engine.gateway.siblings import Siblings, merge_expositions
 
 WORKERS = 2
@@ -141,8 +142,8 @@ def test_merged_exposition_sums_requests_and_keeps_the_largest_engine_state():
 
 
 def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
-    async def main() -> list[list[dict]]:
-        got: list[list[dict]] = [[], [], []]
+    async def main() -> list[list[EngineStalled]]:
+        got: list[list[EngineStalled]] = [[], [], []]
         workers = [Siblings(str(tmp_path), i, 3) for i in range(3)]
         # They start together, as the supervisor's workers do; each serves
         # once it has a link to every other.
@@ -153,7 +154,9 @@ def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
         try:
             async with asyncio.timeout(10):
                 assert all(len(w._peers) == 2 for w in workers)
-                workers[0].publish({"kind": "stall", "url": "http://e", "since": 1.0})
+                # A hostile line first: refused and logged, the stream reads on.
+                workers[0]._peers[1].write(b'{"kind": "stall", "url": 7}\n')
+                workers[0].publish(EngineStalled("http://e", 1.0))
                 while not (got[1] and got[2]):
                     await asyncio.sleep(0.02)
         finally:
@@ -162,7 +165,7 @@ def test_sibling_events_reach_every_other_worker_over_their_sockets(tmp_path):
         return got
 
     got = asyncio.run(main())
-    event = {"kind": "stall", "url": "http://e", "since": 1.0}
+    event = EngineStalled("http://e", 1.0)
     assert got == [[], [event], [event]]
 
 

@@ -15,12 +15,9 @@ from helpers.server import free_port, wait_until
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.engine import pdfleet_version
 from pdfleet.engine.contracts import kv_params, security
+from pdfleet.engine.contracts.kv_side_channel import PROTOCOL_VERSION
 from pdfleet.engine.kv_transfer.connector import PDConnector
-from pdfleet.engine.kv_transfer.side_channel import (
-    PROTOCOL_VERSION,
-    SideChannelClient,
-    secure_client,
-)
+from pdfleet.engine.kv_transfer.side_channel import SideChannelClient, secure_client
 
 
 def engine_config(model: str, role: str, connector: str = "NixlConnector", **extra):

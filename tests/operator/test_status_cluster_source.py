@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+from typing import ClassVar
 
 import pytest
 
@@ -14,7 +15,7 @@ TOKEN = "status-test-token"
 
 
 class _API(http.server.BaseHTTPRequestHandler):
-    seen: list[tuple[str, str | None]] = []
+    seen: ClassVar[list[tuple[str, str | None]]] = []
 
     def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("authorization")))

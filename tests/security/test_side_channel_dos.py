@@ -18,11 +18,8 @@ import zmq
 from helpers.security_pair import post, prefill_leg, prompt, text_of
 
 from pdfleet.engine.contracts import identity, security
-from pdfleet.engine.kv_transfer.side_channel import (
-    PROTOCOL_VERSION,
-    SideChannelClient,
-    secure_client,
-)
+from pdfleet.engine.contracts.kv_side_channel import PROTOCOL_VERSION
+from pdfleet.engine.kv_transfer.side_channel import SideChannelClient, secure_client
 
 TRANSFERS = "pdfleet_engine_kv_transfers_total"
 
@@ -100,7 +97,7 @@ class FloodedClient(SideChannelClient):
             hello = {
                 "op": "hello",
                 "version": PROTOCOL_VERSION,
-                "compat_hash": self.hello["compat_hash"],
+                "compat_hash": self.hello.compat_hash,
                 "engine_id": "flood",
                 "instance_id": "flood",
                 "identity": None,

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from ...contracts.errors import ErrorBody
 from ..flow.gate import BATCH_HEADER
 from .store import BatchStore, line_error, new_id
 
@@ -147,10 +148,13 @@ class BatchRunner:
         if resp.status_code in (408, 429) or resp.status_code >= 500:
             await self._retry_or_fail(batch, row, f"answered {resp.status_code}")
             return
+        ok = resp.status_code < 300
         try:
             answer: Any = resp.json()
         except ValueError:
-            answer = {"error": {"message": resp.text[:1000]}}
+            # Not JSON: OpenAI's error body (a 2xx that is not JSON is a bad gateway's).
+            status = resp.status_code if resp.status_code >= 400 else 502
+            answer, ok = ErrorBody(resp.text[:1000], status).to_dict(), False
         result = {
             "id": request_id,
             "custom_id": custom_id,
@@ -161,7 +165,7 @@ class BatchRunner:
             },
             "error": None,
         }
-        state = "done" if resp.status_code < 300 else "failed"
+        state = "done" if ok else "failed"
         await self.db(self.store.finish, batch["id"], line, state, result)
 
     async def _retry_or_fail(self, batch: dict[str, Any], row: Any, why: str) -> None:

@@ -1,0 +1,370 @@
+"""What the tensor-parallel main process and its rank processes exchange
+(msgpack: nothing is unpickled). ``worker/tp_executor.py`` sends, and
+``worker/tp_rank.py`` answers, these:
+
+* :class:`Step`, once per engine step to every rank (one broadcast over the
+  control group, after a ``[nbytes, STEP]`` header; ``[0, STOP]`` ends the
+  ranks): msgpack ``[new, cached, num_scheduled_tokens, total, finished,
+  commands]``, a new request ``[req_id, prompt_token_ids, output_token_ids,
+  sampling, block_ids, num_computed_tokens, lora_name, lora_path, lora_id]``
+  (``sampling``: the ``SamplingParams`` fields by name), a cached one
+  ``[req_id, new_block_ids, num_computed_tokens]``, ``commands`` the KV shard
+  commands (``kv_connector.py``) or nil;
+* :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
+  ``[sampled, logprobs, prompt_logprobs, finished_sending, finished_recving,
+  failed_recving, forward_seconds]``, logprobs ``[token_ids, logprobs, rank]``;
+* on a rank's pipe, one tagged message at a time (:func:`rank_message`):
+  :data:`READY` + :class:`RankReady` (``[num_blocks, max_model_len,
+  shard_info, layout]``), :data:`RESULT` + a :class:`StepResult`,
+  :data:`ERROR` + why (UTF-8);
+* in the rendezvous store, for ranks on other nodes: the leader's
+  :class:`KVAgentSpec` (or nil) under :data:`KV_AGENT_KEY`, and each headless
+  rank's :class:`RankReady`, or ``{"error": why}`` (:class:`RankFailure`),
+  under :data:`READY_KEY`.
+
+The rows (:class:`StepRequest`, :class:`StepCached`, :class:`StepLogprobs`)
+are named tuples, packed as the arrays they are; :class:`StepCached` is the
+scheduler's ``CachedRequestData`` itself, so the running requests, the bulk
+of every step, cross without a copy.
+
+Decoders raise ``ValueError`` naming what is malformed. They check every
+field's shape and scalar types; the lists of token and block ids inside are
+taken as lists (checking each id would cost the step a pass over its tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+
+from .kv_connector import RankCommand, decode_rank_commands, encode_rank_commands
+
+READY, RESULT, ERROR = b"Y", b"R", b"E"
+"""Tags of a rank's pipe messages (the first byte)."""
+STEP, STOP = 0, 1
+"""Kinds of the control broadcast's header ``[nbytes, kind]``."""
+KV_AGENT_KEY = "pdfleet/kv-agent"
+"""Store key of the leader's :class:`KVAgentSpec` (msgpack; nil without a connector)."""
+READY_KEY = "pdfleet/ready/{rank}"
+"""Store key of a headless rank's readiness (:class:`RankReady` or :class:`RankFailure`)."""
+MAX_ERROR_CHARS = 64 * 1024
+"""A rank's error text is cut to this (a traceback's last line is what it sends)."""
+
+
+def _pack(obj: Any) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    return packed
+
+
+def _unpack(data: bytes | memoryview, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several kinds for bad bytes
+        raise ValueError(f"malformed {what}: not msgpack ({e})") from None
+
+
+def _row(value: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) != n:
+        raise ValueError(f"malformed {what}: not a list of {n} items")
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"malformed {what}: not an integer")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"malformed {what}: not a list")
+    return value
+
+
+def _str(value: Any, what: str, optional: bool = False) -> Any:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise ValueError(f"malformed {what}: not a string")
+    return value
+
+
+def _map(value: Any, what: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"malformed {what}: not a map")
+    return value
+
+
+class StepRequest(NamedTuple):
+    """A request a step schedules for the first time (``NewRequestData``). A
+    tuple, packed as the array it is: the step is packed once per engine step,
+    so its rows cost no more than the lists they replace."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: dict[str, Any]
+    """The ``SamplingParams`` fields the constructor takes, by name."""
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_name: str | None = None
+    lora_path: str | None = None
+    lora_id: int = 0
+
+
+class StepCached(NamedTuple):
+    """A request a step continues (``CachedRequestData``)."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+_tuple_new = tuple.__new__
+"""Builds a row's carrier from the checked list without another pass over its fields."""
+
+
+def _new_rows(rows: Any) -> list[StepRequest]:
+    out: list[StepRequest] = []
+    append = out.append
+    for row in _list(rows, "step new requests"):
+        # Exact types (``type(x) is int`` also refuses a bool), one test each: a
+        # step carries every running request, so this loop is on every step's path.
+        if type(row) is not list or len(row) != 9:
+            raise ValueError("malformed step request: not a list of 9 items")
+        rid, prompt, output, sampling, blocks, computed, name, path, lid = row
+        if (
+            type(rid) is not str
+            or type(prompt) is not list
+            or type(output) is not list
+            or type(sampling) is not dict
+            or type(blocks) is not list
+            or type(computed) is not int
+            or not (name is None or type(name) is str)
+            or not (path is None or type(path) is str)
+            or type(lid) is not int
+        ):
+            raise ValueError(
+                "malformed step request: not [req_id, prompt_token_ids, output_token_ids, "
+                "sampling, block_ids, num_computed_tokens, lora_name, lora_path, lora_id]"
+            )
+        append(_tuple_new(StepRequest, row))
+    return out
+
+
+def _cached_rows(rows: Any) -> list[StepCached]:
+    out: list[StepCached] = []
+    append = out.append
+    for row in _list(rows, "step cached requests"):
+        if type(row) is not list or len(row) != 3:
+            raise ValueError("malformed cached request: not a list of 3 items")
+        rid, blocks, computed = row
+        if type(rid) is not str or type(blocks) is not list or type(computed) is not int:
+            raise ValueError(
+                "malformed cached request: not [req_id, new_block_ids, num_computed_tokens]"
+            )
+        append(_tuple_new(StepCached, row))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One engine step, as every rank runs it."""
+
+    new: list[StepRequest]
+    cached: list[StepCached]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished: list[str]
+    """Request ids finished since the last step (sorted)."""
+    commands: list[RankCommand]
+    """For the ranks' KV shard agents."""
+
+    def encode(self) -> bytes:
+        return _pack(
+            [
+                self.new,
+                self.cached,
+                self.num_scheduled_tokens,
+                self.total_num_scheduled_tokens,
+                self.finished,
+                encode_rank_commands(self.commands) if self.commands else None,
+            ]
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Step:
+        new, cached, num, total, finished, commands = _row(_unpack(data, "step"), 6, "step")
+        return cls(
+            _new_rows(new),
+            _cached_rows(cached),
+            _map(num, "step num_scheduled_tokens"),
+            _int(total, "step total_num_scheduled_tokens"),
+            _list(finished, "step finished"),
+            decode_rank_commands(_list(commands or [], "step commands")),
+        )
+
+
+class StepLogprobs(NamedTuple):
+    """``Logprobs``: the top token ids, their logprobs, the sampled token's rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+def _lps(row: Any) -> StepLogprobs:
+    if type(row) is not list or len(row) != 3:
+        raise ValueError("malformed logprobs: not a list of 3 items")
+    if type(row[0]) is not list or type(row[1]) is not list or type(row[2]) is not int:
+        raise ValueError("malformed logprobs: not [token_ids, logprobs, rank]")
+    return _tuple_new(StepLogprobs, row)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What rank 0 answers a step with (``ModelRunnerOutput``)."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, StepLogprobs]
+    prompt_logprobs: dict[str, list[StepLogprobs | None]]
+    finished_sending: list[str]
+    finished_recving: list[str]
+    failed_recving: list[str]
+    forward_seconds: float
+
+    def encode(self) -> bytes:
+        return _pack(
+            [
+                self.sampled_token_ids,
+                self.logprobs,
+                self.prompt_logprobs,
+                self.finished_sending,
+                self.finished_recving,
+                self.failed_recving,
+                self.forward_seconds,
+            ]
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> StepResult:
+        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(
+            _unpack(data, "step result"), 7, "step result"
+        )
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+            raise ValueError("malformed step result: forward_seconds is not a number")
+        return cls(
+            _map(sampled, "sampled_token_ids"),
+            {k: _lps(v) for k, v in _map(lps, "logprobs").items()},
+            {
+                k: [None if x is None else _lps(x) for x in _list(v, "prompt logprobs")]
+                for k, v in _map(prompt_lps, "prompt_logprobs").items()
+            },
+            _list(sending, "finished_sending"),
+            _list(recving, "finished_recving"),
+            _list(failed, "failed_recving"),
+            float(seconds),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KVAgentSpec:
+    """How each rank process sets up its own KV shard's transfer agent
+    (``kv_transfer/nixl_shard.ShardAgent``): its name prefix, its backends,
+    whether it reports its ended reads each step (a consumer's)."""
+
+    name: str
+    backends: list[str]
+    report: bool
+
+    @staticmethod
+    def encode(spec: KVAgentSpec | None) -> bytes:
+        """The store record: a map, or nil without a connector's agent."""
+        if spec is None:
+            return _pack(None)
+        return _pack({"name": spec.name, "backends": spec.backends, "report": spec.report})
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> KVAgentSpec | None:
+        wire = _unpack(data, "KV agent spec")
+        if wire is None:
+            return None
+        wire = _map(wire, "KV agent spec")
+        backends = _list(wire.get("backends"), "KV agent backends")
+        if not all(isinstance(b, str) for b in backends):
+            raise ValueError("malformed KV agent backends: not strings")
+        report = wire.get("report")
+        if not isinstance(report, bool):
+            raise ValueError("malformed KV agent report: not a boolean")
+        return cls(_str(wire.get("name"), "KV agent name"), backends, report)
+
+
+@dataclass(frozen=True, slots=True)
+class RankReady:
+    """A rank that loaded its shard: its KV blocks, the longest sequence they
+    hold, and (with a connector's agent) its KV shard's agent info and layout."""
+
+    num_blocks: int
+    max_model_len: int
+    shard_info: dict[str, Any] | None = None
+    layout: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        return _pack([self.num_blocks, self.max_model_len, self.shard_info, self.layout])
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> RankReady:
+        blocks, max_len, info, layout = _row(wire, 4, "ready message")
+        return cls(
+            _int(blocks, "ready num_blocks"),
+            _int(max_len, "ready max_model_len"),
+            None if info is None else _map(info, "ready shard info"),
+            None if layout is None else _map(layout, "ready layout"),
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> RankReady:
+        return cls.from_wire(_unpack(data, "ready message"))
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """A headless rank that failed to start, as its store record says."""
+
+    error: str
+
+    def encode(self) -> bytes:
+        return _pack({"error": self.error[:MAX_ERROR_CHARS]})
+
+
+def ready_record(data: bytes | memoryview) -> RankReady | RankFailure:
+    """A headless rank's store record (:data:`READY_KEY`)."""
+    wire = _unpack(data, "ready record")
+    if isinstance(wire, dict):
+        return RankFailure(str(wire.get("error"))[:MAX_ERROR_CHARS])
+    return RankReady.from_wire(wire)
+
+
+def rank_message(tag: bytes, body: bytes = b"") -> bytes:
+    """One message on a rank's pipe: the tag byte, then the body."""
+    if tag not in (READY, RESULT, ERROR):
+        raise ValueError(f"unknown rank message tag {tag!r}")
+    return tag + body
+
+
+def rank_error(detail: str) -> bytes:
+    """An :data:`ERROR` message: why the rank failed."""
+    return rank_message(ERROR, detail[:MAX_ERROR_CHARS].encode())
+
+
+def read_rank_message(msg: bytes) -> tuple[bytes, bytes]:
+    """(tag, body) of a pipe message; ValueError for an unknown tag."""
+    tag = msg[:1]
+    if tag not in (READY, RESULT, ERROR):
+        raise ValueError(f"unknown rank message tag {tag!r}")
+    return tag, msg[1:]
+
+
+def error_text(body: bytes) -> str:
+    """The detail of an :data:`ERROR` message's body."""
+    return body[:MAX_ERROR_CHARS].decode(errors="replace")

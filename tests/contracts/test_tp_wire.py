@@ -1,0 +1,136 @@
+"""The tensor-parallel wire: the step, its result, the ranks' READY and store
+records keep their msgpack shapes, round-trip, and refuse malformed bytes."""
+
+import msgpack
+import pytest
+
+from pdfleet.engine.contracts import tp_wire as w
+from pdfleet.engine.contracts.kv_connector import RankCommand, ShardRead, ShardRelease
+from pdfleet.engine.core.sched_output import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pdfleet.engine.sampling_params import SamplingParams
+from pdfleet.engine.worker.step_wire import pack_result, pack_step, unpack_result, unpack_step
+
+
+def packed(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+NEW = w.StepRequest("a", [1, 2, 3], [4], {"temperature": 0.5}, [0, 1], 2, "lora", "/p", 3)
+STEP = w.Step(
+    [NEW],
+    [w.StepCached("b", [5], 9)],
+    {"a": 3, "b": 1},
+    4,
+    ["c", "z"],
+    [RankCommand(0, ShardRead(3, "k", [1], [2])), RankCommand(1, ShardRelease(3))],
+)
+
+
+def test_the_step_keeps_its_array_shape_and_round_trips():
+    assert STEP.encode() == packed(
+        [
+            [["a", [1, 2, 3], [4], {"temperature": 0.5}, [0, 1], 2, "lora", "/p", 3]],
+            [["b", [5], 9]],
+            {"a": 3, "b": 1},
+            4,
+            ["c", "z"],
+            [[0, ["read", 3, "k", [1], [2]]], [1, ["release", 3]]],
+        ]
+    )
+    assert w.Step.decode(STEP.encode()) == STEP
+    # No commands travel as nil.
+    bare = w.Step([], [], {}, 0, [], [])
+    assert msgpack.unpackb(bare.encode())[5] is None
+    assert w.Step.decode(bare.encode()) == bare
+
+
+def test_the_engine_s_step_and_result_map_onto_the_wire_and_back():
+    out = SchedulerOutput(
+        [NewRequestData("a", [1, 2], [], SamplingParams(temperature=0.5), [0], 0, None, None, 0)],
+        [CachedRequestData("b", [5], 9)],
+        {"a": 2, "b": 1},
+        3,
+        {"z", "c"},
+    )
+    back, commands = unpack_step(pack_step(out, STEP.commands))
+    assert back == out and commands == STEP.commands
+    result = ModelRunnerOutput(
+        {"a": 5},
+        {"a": Logprobs([1, 2], [-0.1, -0.2], 1)},
+        {"a": [None, Logprobs([3], [-1.0], 2)]},
+        {"x"},
+        {"y", "w"},
+        set(),
+        forward_seconds=0.25,
+    )
+    assert unpack_result(pack_result(result)) == result
+    assert msgpack.unpackb(pack_result(result))[4] == ["w", "y"]  # sets travel sorted
+
+
+@pytest.mark.parametrize(
+    ("wire", "why"),
+    [
+        (b"\xc1", "malformed step: not msgpack"),
+        (packed({"new": []}), "malformed step: not a list of 6 items"),
+        (packed([[], [], {}, 0, []]), "not a list of 6 items"),
+        (packed([[["a"]], [], {}, 0, [], None]), "malformed step request: not a list of 9 items"),
+        (packed([[], [["b", [5], "9"]], {}, 0, [], None]), "malformed cached request"),
+        (packed([[], [], [], 0, [], None]), "num_scheduled_tokens: not a map"),
+        (packed([[], [], {}, True, [], None]), "total_num_scheduled_tokens: not an integer"),
+        (packed([[], [], {}, 0, [], [[0, ["explode"]]]]), "unknown shard command"),
+        (packed([[], [], {}, 0, [], [7]]), "malformed rank commands"),
+        (packed([[], [], {}, 0, [], [[0, 7]]]), "malformed shard command"),
+    ],
+)
+def test_a_malformed_step_is_refused_naming_what(wire, why):
+    with pytest.raises(ValueError, match=why):
+        w.Step.decode(wire)
+
+
+def test_a_step_with_an_unknown_sampling_field_is_refused():
+    bad = w.Step([w.StepRequest("a", [1], [], {"nope": 1}, [0], 0)], [], {}, 1, [], [])
+    with pytest.raises(ValueError, match="malformed step sampling"):
+        unpack_step(bad.encode())
+
+
+def test_a_malformed_result_is_refused():
+    with pytest.raises(ValueError, match="not a list of 7 items"):
+        w.StepResult.decode(packed([{}, {}, {}, [], [], []]))
+    with pytest.raises(ValueError, match="forward_seconds is not a number"):
+        w.StepResult.decode(packed([{}, {}, {}, [], [], [], "0"]))
+    with pytest.raises(ValueError, match="malformed logprobs: not a list of 3 items"):
+        w.StepResult.decode(packed([{}, {"a": [1]}, {}, [], [], [], 0.0]))
+
+
+def test_ready_records_agent_specs_and_pipe_messages():
+    ready = w.RankReady(17, 256, {"agent": b"md"}, {"num_layers": 2})
+    assert ready.encode() == packed([17, 256, {"agent": b"md"}, {"num_layers": 2}])
+    assert w.RankReady.decode(ready.encode()) == ready
+    assert w.ready_record(ready.encode()) == ready
+    assert w.ready_record(w.RankFailure("boom").encode()) == w.RankFailure("boom")
+    assert w.RankFailure("boom").encode() == packed({"error": "boom"})
+    with pytest.raises(ValueError, match="ready num_blocks: not an integer"):
+        w.RankReady.decode(packed(["17", 256, None, None]))
+    with pytest.raises(ValueError, match="not a list of 4 items"):
+        w.ready_record(packed([1, 2]))
+
+    spec = w.KVAgentSpec("agent", ["UCX"], True)
+    assert spec.encode(spec) == packed({"name": "agent", "backends": ["UCX"], "report": True})
+    assert w.KVAgentSpec.decode(spec.encode(spec)) == spec
+    assert w.KVAgentSpec.decode(w.KVAgentSpec.encode(None)) is None
+    with pytest.raises(ValueError, match="KV agent report: not a boolean"):
+        w.KVAgentSpec.decode(packed({"name": "a", "backends": [], "report": 1}))
+    with pytest.raises(ValueError, match="KV agent backends: not strings"):
+        w.KVAgentSpec.decode(packed({"name": "a", "backends": [7], "report": False}))
+
+    assert w.read_rank_message(w.rank_message(w.READY, b"x")) == (w.READY, b"x")
+    assert w.read_rank_message(w.rank_error("x" * 70000)) == (w.ERROR, b"x" * w.MAX_ERROR_CHARS)
+    with pytest.raises(ValueError, match="unknown rank message tag b'Q'"):
+        w.read_rank_message(b"Qhello")
+    assert w.error_text(b"bad \xff") == "bad \ufffd"
