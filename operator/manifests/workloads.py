@@ -85,14 +85,20 @@ def build_deployment(
             "replicas": replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name, role)},
-            # Add a pod before removing one: serving capacity never drops in a rollout.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": _strategy(spec, role),
             "template": template,
         },
     }
+
+
+def _strategy(spec: InferenceServiceSpec, role: str) -> dict[str, Any]:
+    """Add a pod before removing one: serving capacity never drops in a rollout.
+    Except a gateway whose Batch API state is on a claim: SQLite has one writer
+    and a ReadWriteOnce claim one node, so its old pod goes before the new one
+    opens the claim (a short gap in the gateway's service)."""
+    if role == "gateway" and spec.gateway.batch is not None and spec.gateway.batch.claim_name:
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 def workload_kind(spec: InferenceServiceSpec, role: str) -> str:
