@@ -94,6 +94,10 @@ def tenants(noisy_max_queued: int) -> dict:
     }
 
 
+def p50(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
 def p90(values: list[float]) -> float | None:
     if not values:
         return None
@@ -242,8 +246,13 @@ async def closed_loop(client, url, key, body, concurrency: int, seconds: float, 
     return results
 
 
+def tenant_view(fleet: Fleet, name: str) -> dict:
+    return next((t for t in fleet.view()["tenants"] if t["tenant"] == name), {})
+
+
 async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
     before = fleet.refusals()
+    waited_before = tenant_view(fleet, "protected").get("waited", 0)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         noisy = asyncio.create_task(
             open_loop(
@@ -283,6 +292,9 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         watcher.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
+    # Where the protected requests waited: in the gateway's queue (how many of
+    # them, and the recent mean wait); the rest of their TTFT is the engine's.
+    mine = tenant_view(fleet, "protected")
     capacities = [x["capacity"] for x in seen if x["capacity"] is not None]
     return {
         "engine_capacity_min_max": [min(capacities), max(capacities)] if capacities else None,
@@ -291,6 +303,13 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
         },
         "protected_ttft_p90_s": p90(ttfts),
+        "protected_ttft_p50_s": p50(ttfts),
+        "protected_waited_in_gateway_queue": mine.get("waited", 0) - waited_before
+        if protected_key == PROTECTED
+        else None,
+        "protected_gateway_queue_s_recent_mean": mine.get("queue_s")
+        if protected_key == PROTECTED
+        else None,
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
     }
@@ -314,18 +333,21 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         out["capacity_rps"] = round(capacity, 2)
         print(f"capacity: {capacity:.2f} completions/s", flush=True)
         fleet.drained()
-        # 2. unloaded
+        # 2. unloaded (after a few requests that warm the path up, not counted)
+        for _ in range(3):
+            await one(client, fleet.url, PROTECTED, small(), args.timeout)
         alone = await open_loop(
             client,
             fleet.url,
             PROTECTED,
             small(),
             1 / args.protected_interval,
-            args.phase_seconds / 2,
+            args.phase_seconds,
             args.timeout,
         )
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
+        out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
     floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
@@ -405,6 +427,23 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
     file_id = oc.files.create(
         file=("batch.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch"
     ).id
+    # The protected TTFT just before the batch (the machine's load drifts: the
+    # ratio compares it with the same minutes).
+    async with httpx.AsyncClient() as client:
+        before = [
+            t
+            for o, t, _ in await open_loop(
+                client,
+                fleet.url,
+                PROTECTED,
+                small(),
+                1 / args.protected_interval,
+                args.phase_seconds,
+                args.timeout,
+            )
+            if o == "200" and t is not None
+        ]
+    just_before = p90(before)
     started = time.monotonic()
     batch = oc.batches.create(
         input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
@@ -431,8 +470,11 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
         "failed": status.request_counts.failed if status.request_counts else None,
         "wall_s": round(wall, 1),
         "protected_ttft_p90_during_s": during,
+        "protected_ttft_p50_during_s": p50(ttfts),
         "protected_samples": len(ttfts),
         "ratio_to_unloaded": round(during / unloaded, 2) if during and unloaded else None,
+        "protected_ttft_p90_just_before_s": just_before,
+        "ratio_to_just_before": round(during / just_before, 2) if during and just_before else None,
     }
 
 

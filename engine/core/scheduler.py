@@ -24,8 +24,8 @@ Under the ``priority`` policy, requests also have a *band*
 band above a fair-share tag; a client's small priorities are all one band).
 Bands are strict where a better one would otherwise wait on a worse one: a
 step in which a request of band b prefills (a prompt chunk, or the waiting
-request at the head of the queue) schedules no request of a worse band (its
-first token does not share the step with their decodes), and a waiting
+request at the head of the queue) schedules no running request of a worse
+band (its first token does not share the step with their decodes), and a waiting
 request that finds every slot or the KV taken preempts the running request
 of the worst band below its own (the newest of it). Within a band nothing
 is preempted for priority (the tag orders the queue only), so fair share
@@ -263,8 +263,11 @@ class Scheduler:
     def _prefill_band(self) -> int | None:
         """The best band among the requests that prefill this step (running ones
         with prompt left, and the waiting request at the head of the queue),
-        when some running request is of a worse band: the step leaves those out.
-        None: no band is held back (not the ``priority`` policy, or one band)."""
+        when some running request is of a worse band: the step leaves those
+        running requests out. Waiting requests of worse bands still start on
+        free slots (held back, they would look like a queue to the gateway,
+        which learns an engine's capacity from its queue). None: no band is
+        held back (not the ``priority`` policy, or one band)."""
         if self.policy != "priority" or not self.running:
             return None
         best: int | None = None
@@ -488,8 +491,6 @@ class Scheduler:
             if not self.waiting:
                 break
             request = self.waiting.peek()
-            if top_band is not None and band_of(request.priority) > top_band:
-                break  # the queue is in priority order: the rest are of worse bands too
             if len(self.running) >= self.max_num_seqs and not (
                 _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
             ):

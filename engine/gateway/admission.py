@@ -50,6 +50,8 @@ MIN_RATE_SPAN_S = 5.0
 # The share of an engine's capacity that requests of the best band may take
 # beyond it (the engine preempts a worse band's request for them).
 TOP_BAND_OVERFLOW = 1 / 8
+# Slots that wake every waiting request (however wide).
+WAKE_ALL = 1 << 62
 # Retry-After bounds (seconds).
 MIN_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 60
@@ -234,9 +236,9 @@ class Admission:
                 self._wake(e.capacity - e.admitted)
 
     def engines_changed(self) -> None:
-        """An engine became routable (or one left): waiting requests look again."""
+        """An engine became routable (or one left): every waiting request looks again."""
         if self._waiters:
-            self._wake(len(self._waiters))
+            self._wake(WAKE_ALL)
 
     # -- the queue -----------------------------------------------------------------------
 

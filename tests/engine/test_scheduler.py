@@ -165,7 +165,7 @@ def test_a_better_band_prefills_alone_and_takes_a_worse_bands_slot():
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
 
 
-def test_batch_band_requests_sit_out_an_online_prefill_step():
+def test_running_batch_band_requests_sit_out_an_online_prefill_step():
     from pdfleet.engine.contracts.priority import BATCH_BAND
 
     s = make(num_blocks=64, tokens=64, seqs=8, policy="priority")
@@ -174,10 +174,14 @@ def test_batch_band_requests_sit_out_an_online_prefill_step():
                               arrival=float(i), first=100 * i))  # fmt: skip
     step(s)
     s.add_request(request("online", 30, max_tokens=4, priority=BAND, arrival=5.0, first=900))
+    s.add_request(request("b3", 7, max_tokens=4, priority=BATCH_BAND * BAND, arrival=6.0,
+                          first=700))  # fmt: skip
     out = step(s)
-    assert list(out.num_scheduled_tokens) == ["online"]
+    # The running batch requests sit it out; a waiting one still starts on a free
+    # slot (held back, it would look like a queue to the gateway).
+    assert list(out.num_scheduled_tokens) == ["online", "b3"]
     assert s.num_preemptions == 0  # slots were free: nothing preempted
-    assert len(step(s).num_scheduled_tokens) == 4  # then all decode together
+    assert len(step(s).num_scheduled_tokens) == 5  # then all decode together
 
 
 def test_small_client_priorities_are_one_band_as_in_vllm():
