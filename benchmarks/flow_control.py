@@ -20,7 +20,8 @@ their own tenants (weight 1, band 1). Measured, in this order:
    1.5x), and the noisy requests' outcomes (429s, not timeouts);
 5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
    requests, the other ``n=1``; their completion-token throughputs and ratio
-   (target within 20%);
+   (target within 20%), and their prompt-plus-output throughputs (the
+   gateway's cost, what its fair share equalizes) and ratio;
 6. **batch**: ``--batch-requests`` requests through the Batch API (the
    official ``openai`` client), while the protected tenant's light load
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
@@ -205,11 +206,18 @@ async def one(
         )
         if resp.status_code != 200:
             return str(resp.status_code), None, 0
-        return "200", None, int(resp.json()["usage"]["completion_tokens"])
+        usage = resp.json()["usage"]
+        PROMPT_TOKENS[key] = PROMPT_TOKENS.get(key, 0) + int(usage["prompt_tokens"])
+        return "200", None, int(usage["completion_tokens"])
     except httpx.TimeoutException:
         return "timeout", None, 0
     except httpx.HTTPError as e:
         return type(e).__name__, None, 0
+
+
+# Prompt tokens of the answered JSON requests, by key (the fair-share phase
+# reports them: the gateway's cost counts them besides the output).
+PROMPT_TOKENS: dict[str, int] = {}
 
 
 def small(max_tokens: int = 8) -> dict:
@@ -375,6 +383,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
 async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
     """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests."""
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        prompts_before = (PROMPT_TOKENS.get(KEY_A, 0), PROMPT_TOKENS.get(KEY_B, 0))
         big = {**noisy_body(args.fair_tokens), "n": 64}
         little = noisy_body(args.fair_tokens)
         a, b = await asyncio.gather(
@@ -399,12 +408,21 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         )
     tput_a = sum(t for _, _, t in a) / args.phase_seconds
     tput_b = sum(t for _, _, t in b) / args.phase_seconds
+    # What fair share equalizes: the gateway's cost, prompt plus output tokens
+    # (a prompt counted once per request, whatever its n).
+    cost_a = tput_a + (PROMPT_TOKENS.get(KEY_A, 0) - prompts_before[0]) / args.phase_seconds
+    cost_b = tput_b + (PROMPT_TOKENS.get(KEY_B, 0) - prompts_before[1]) / args.phase_seconds
+
+    def ratio(x: float, y: float) -> float | None:
+        return round(min(x, y) / max(x, y), 3) if max(x, y) else None
+
     return {
         "n64_tokens_per_s": round(tput_a, 1),
         "n1_tokens_per_s": round(tput_b, 1),
-        "ratio_min_max": round(min(tput_a, tput_b) / max(tput_a, tput_b), 3)
-        if max(tput_a, tput_b)
-        else None,
+        "ratio_min_max": ratio(tput_a, tput_b),
+        "n64_prompt_plus_output_tokens_per_s": round(cost_a, 1),
+        "n1_prompt_plus_output_tokens_per_s": round(cost_b, 1),
+        "ratio_prompt_plus_output_min_max": ratio(cost_a, cost_b),
         "n64_outcomes": dict(Counter(o for o, _, _ in a)),
         "n1_outcomes": dict(Counter(o for o, _, _ in b)),
     }
