@@ -20,7 +20,8 @@ their own tenants (weight 1, band 1). Measured, in this order:
    1.5x), and the noisy requests' outcomes (429s, not timeouts);
 5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
    requests, the other ``n=1``; their completion-token throughputs and ratio
-   (target within 20%);
+   (target within 20%), and their prompt-plus-output throughputs (the
+   gateway's cost, what its fair share equalizes) and ratio;
 6. **batch**: ``--batch-requests`` requests through the Batch API (the
    official ``openai`` client), while the protected tenant's light load
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
@@ -92,6 +93,10 @@ def tenants(noisy_max_queued: int) -> dict:
             {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued},
         ],
     }
+
+
+def p50(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def p90(values: list[float]) -> float | None:
@@ -201,11 +206,18 @@ async def one(
         )
         if resp.status_code != 200:
             return str(resp.status_code), None, 0
-        return "200", None, int(resp.json()["usage"]["completion_tokens"])
+        usage = resp.json()["usage"]
+        PROMPT_TOKENS[key] = PROMPT_TOKENS.get(key, 0) + int(usage["prompt_tokens"])
+        return "200", None, int(usage["completion_tokens"])
     except httpx.TimeoutException:
         return "timeout", None, 0
     except httpx.HTTPError as e:
         return type(e).__name__, None, 0
+
+
+# Prompt tokens of the answered JSON requests, by key (the fair-share phase
+# reports them: the gateway's cost counts them besides the output).
+PROMPT_TOKENS: dict[str, int] = {}
 
 
 def small(max_tokens: int = 8) -> dict:
@@ -242,8 +254,13 @@ async def closed_loop(client, url, key, body, concurrency: int, seconds: float, 
     return results
 
 
+def tenant_view(fleet: Fleet, name: str) -> dict:
+    return next((t for t in fleet.view()["tenants"] if t["tenant"] == name), {})
+
+
 async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
     before = fleet.refusals()
+    waited_before = tenant_view(fleet, "protected").get("waited", 0)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         noisy = asyncio.create_task(
             open_loop(
@@ -283,6 +300,9 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         watcher.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
+    # Where the protected requests waited: in the gateway's queue (how many of
+    # them, and the recent mean wait); the rest of their TTFT is the engine's.
+    mine = tenant_view(fleet, "protected")
     capacities = [x["capacity"] for x in seen if x["capacity"] is not None]
     return {
         "engine_capacity_min_max": [min(capacities), max(capacities)] if capacities else None,
@@ -291,6 +311,13 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
         },
         "protected_ttft_p90_s": p90(ttfts),
+        "protected_ttft_p50_s": p50(ttfts),
+        "protected_waited_in_gateway_queue": mine.get("waited", 0) - waited_before
+        if protected_key == PROTECTED
+        else None,
+        "protected_gateway_queue_s_recent_mean": mine.get("queue_s")
+        if protected_key == PROTECTED
+        else None,
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
     }
@@ -314,18 +341,21 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         out["capacity_rps"] = round(capacity, 2)
         print(f"capacity: {capacity:.2f} completions/s", flush=True)
         fleet.drained()
-        # 2. unloaded
+        # 2. unloaded (after a few requests that warm the path up, not counted)
+        for _ in range(3):
+            await one(client, fleet.url, PROTECTED, small(), args.timeout)
         alone = await open_loop(
             client,
             fleet.url,
             PROTECTED,
             small(),
             1 / args.protected_interval,
-            args.phase_seconds / 2,
+            args.phase_seconds,
             args.timeout,
         )
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
+        out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
     floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
@@ -353,6 +383,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
 async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
     """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests."""
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        prompts_before = (PROMPT_TOKENS.get(KEY_A, 0), PROMPT_TOKENS.get(KEY_B, 0))
         big = {**noisy_body(args.fair_tokens), "n": 64}
         little = noisy_body(args.fair_tokens)
         a, b = await asyncio.gather(
@@ -377,12 +408,21 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         )
     tput_a = sum(t for _, _, t in a) / args.phase_seconds
     tput_b = sum(t for _, _, t in b) / args.phase_seconds
+    # What fair share equalizes: the gateway's cost, prompt plus output tokens
+    # (a prompt counted once per request, whatever its n).
+    cost_a = tput_a + (PROMPT_TOKENS.get(KEY_A, 0) - prompts_before[0]) / args.phase_seconds
+    cost_b = tput_b + (PROMPT_TOKENS.get(KEY_B, 0) - prompts_before[1]) / args.phase_seconds
+
+    def ratio(x: float, y: float) -> float | None:
+        return round(min(x, y) / max(x, y), 3) if max(x, y) else None
+
     return {
         "n64_tokens_per_s": round(tput_a, 1),
         "n1_tokens_per_s": round(tput_b, 1),
-        "ratio_min_max": round(min(tput_a, tput_b) / max(tput_a, tput_b), 3)
-        if max(tput_a, tput_b)
-        else None,
+        "ratio_min_max": ratio(tput_a, tput_b),
+        "n64_prompt_plus_output_tokens_per_s": round(cost_a, 1),
+        "n1_prompt_plus_output_tokens_per_s": round(cost_b, 1),
+        "ratio_prompt_plus_output_min_max": ratio(cost_a, cost_b),
         "n64_outcomes": dict(Counter(o for o, _, _ in a)),
         "n1_outcomes": dict(Counter(o for o, _, _ in b)),
     }
@@ -405,6 +445,23 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
     file_id = oc.files.create(
         file=("batch.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch"
     ).id
+    # The protected TTFT just before the batch (the machine's load drifts: the
+    # ratio compares it with the same minutes).
+    async with httpx.AsyncClient() as client:
+        before = [
+            t
+            for o, t, _ in await open_loop(
+                client,
+                fleet.url,
+                PROTECTED,
+                small(),
+                1 / args.protected_interval,
+                args.phase_seconds,
+                args.timeout,
+            )
+            if o == "200" and t is not None
+        ]
+    just_before = p90(before)
     started = time.monotonic()
     batch = oc.batches.create(
         input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
@@ -431,8 +488,11 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
         "failed": status.request_counts.failed if status.request_counts else None,
         "wall_s": round(wall, 1),
         "protected_ttft_p90_during_s": during,
+        "protected_ttft_p50_during_s": p50(ttfts),
         "protected_samples": len(ttfts),
         "ratio_to_unloaded": round(during / unloaded, 2) if during and unloaded else None,
+        "protected_ttft_p90_just_before_s": just_before,
+        "ratio_to_just_before": round(during / just_before, 2) if during and just_before else None,
     }
 
 

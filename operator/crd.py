@@ -161,6 +161,18 @@ TENANTS_RULES: list[Schema] = [
         "message": "tenants: give exactly one of secret or configMap",
     },
 ]
+GATEWAY_BATCH_RULES: list[Schema] = [
+    {
+        "rule": "has(self.claimName) != (has(self.emptyDir) && self.emptyDir)",
+        "message": "gateway.batch: give exactly one of claimName or emptyDir: true",
+    },
+]
+GATEWAY_BATCH_REPLICAS_RULE: Schema = {
+    "rule": "!has(self.batch) || !has(self.replicas) || self.replicas <= 1",
+    "message": "gateway.batch: the Batch API keeps its state in one SQLite database, which "
+    "one gateway replica may open: set gateway.replicas to 1 or remove gateway.batch",
+    "fieldPath": ".replicas",
+}
 SERVING_RULES: list[Schema] = [
     {
         "rule": "!has(self.enableAutoToolChoice) || !self.enableAutoToolChoice || "
@@ -242,7 +254,8 @@ CEL_RULES: dict[type, list[Schema]] = {
     r.TenantsSource: TENANTS_RULES,
     r.ServingSpec: SERVING_RULES,
     r.RoleSpec: ENV_RULES,
-    r.GatewaySpec: ENV_RULES,
+    r.GatewayBatchSpec: GATEWAY_BATCH_RULES,
+    r.GatewaySpec: [*ENV_RULES, GATEWAY_BATCH_REPLICAS_RULE],
     r.InferenceServiceSpec: [
         *_layout_rules("prefill"),
         *_layout_rules("decode"),

@@ -525,11 +525,35 @@ class TenantsSource(SpecModel):
         return self
 
 
+class GatewayBatchSpec(SpecModel):
+    """The OpenAI Batch API on the gateway (`/v1/files`, `/v1/batches`): where its
+    state lives (`--data-dir`: a SQLite database and the uploaded and result
+    files). SQLite is one writer's database, so a gateway with it runs as one
+    replica (several need a shared database, which pdfleet does not offer yet)."""
+
+    claim_name: SecretName | None = None
+    """A PersistentVolumeClaim the gateway mounts as its data directory
+    (ReadWriteOnce is enough): batches and files survive gateway restarts,
+    rollouts and rescheduling. The gateway then rolls by recreating its pod
+    (the old pod lets go of the claim before the new one opens it)."""
+    empty_dir: bool = False
+    """An emptyDir instead of a claim: the state is the pod's own and is lost
+    with the pod (a rollout, an eviction, a node failure loses every batch and
+    file). For trials only."""
+
+    @model_validator(mode="after")
+    def _one_storage(self) -> GatewayBatchSpec:
+        if (self.claim_name is None) == (not self.empty_dir):
+            raise ValueError("gateway.batch: give exactly one of claimName or emptyDir: true")
+        return self
+
+
 class GatewaySpec(PodPlacement):
     """The OpenAI-compatible gateway in front of the engines."""
 
     replicas: int = Field(default=1, ge=0)
-    """Number of gateway pods (stateless; any number works)."""
+    """Number of gateway pods (stateless; any number works, but with `batch` at
+    most 1)."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Port of the gateway Service and its pods."""
     api_key_secret: SecretKeyRef | None = None
@@ -573,6 +597,10 @@ class GatewaySpec(PodPlacement):
     sharing (docs/flow-control.md). Its keys are accepted API keys. Unset:
     every API key is its own tenant of equal weight. Read when a gateway pod
     starts: roll the gateway after changing it."""
+    batch: GatewayBatchSpec | None = None
+    """The OpenAI Batch API and where its state lives (a PersistentVolumeClaim,
+    or an emptyDir whose state is the pod's own). Unset: the Batch API is off
+    (`/v1/files` and `/v1/batches` answer 404). Needs replicas at most 1."""
     engine_priority: bool = False
     """Pass each request's priority band to the engines (`--engine-priority`),
     and run the engines with `--scheduling-policy priority` so that they admit
@@ -582,6 +610,16 @@ class GatewaySpec(PodPlacement):
     engine dies, stalls or drains mid-answer, resumed from the tokens the
     client already has (`--max-migrations`, docs/migration.md); then it fails
     with a clear error. 0: no migration."""
+
+    @model_validator(mode="after")
+    def _batch_on_one_replica(self) -> GatewaySpec:
+        if self.batch is not None and self.replicas > 1:
+            raise ValueError(
+                f"gateway.batch: the Batch API keeps its state in one SQLite database, "
+                f"which one gateway replica may open: set gateway.replicas to 1 (it is "
+                f"{self.replicas}) or remove gateway.batch"
+            )
+        return self
 
     def overload_settings(self) -> dict[str, Any]:
         """The gateway flags of these fields (``GatewayConfig`` keyword arguments)."""

@@ -18,6 +18,18 @@ is preempted, and the slot is promised to g's request) whenever it has more
 than one more than g, so two groups at their share still make room for a
 third, and groups one apart never trade slots back and forth. Alone, a group
 may use everything.
+
+Under the ``priority`` policy, requests also have a *band*
+(``contracts/priority.py``: the gateway's trusted priority holds a tenant's
+band above a fair-share tag; a client's small priorities are all one band).
+Bands are strict where a better one would otherwise wait on a worse one: a
+step in which a request of band b prefills (a prompt chunk, or the waiting
+request at the head of the queue) schedules no running request of a worse
+band (its first token does not share the step with their decodes), and a waiting
+request that finds every slot or the KV taken preempts the running request
+of the worst band below its own (the newest of it). Within a band nothing
+is preempted for priority (the tag orders the queue only), so fair share
+never churns.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..contracts.block_hash import extend_block_hashes, root_hash
 from ..contracts.kv_params import KVTransferParams
+from ..contracts.priority import band_of
 from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
 from .block_pool import KVBlock, KVCacheEvent
@@ -247,6 +260,66 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
         self.waiting.push_front(request)
 
+    def _prefill_band(self) -> int | None:
+        """The best band among the requests that prefill this step (running ones
+        with prompt left, and the waiting request at the head of the queue),
+        when some running request is of a worse band: the step leaves those
+        running requests out. Waiting requests of worse bands still start on
+        free slots (held back, they would look like a queue to the gateway,
+        which learns an engine's capacity from its queue). None: no band is
+        held back (not the ``priority`` policy, or one band)."""
+        if self.policy != "priority" or not self.running:
+            return None
+        best: int | None = None
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                band = band_of(r.priority)
+                if best is None or band < best:
+                    best = band
+        if self.waiting and self._head_may_start(self.waiting.peek()):
+            band = band_of(self.waiting.peek().priority)
+            if best is None or band < best:
+                best = band
+        if best is None or all(band_of(r.priority) <= best for r in self.running):
+            return None
+        return best
+
+    def _head_may_start(self, head: Request) -> bool:
+        """Whether the waiting request at the head of the queue can start this
+        step, but for slots and KV (which a worse band gives up to it): not
+        waiting for anything else, no slot promised to others, an adapter slot."""
+        if not self._schedulable(head) or _lend_blocks(head):
+            return False
+        if (
+            self.slot_promised
+            and head.request_id not in self.slot_promised
+            and len(self.running) + len(self.slot_promised) >= self.max_num_seqs
+        ):
+            return False
+        if head.lora_id and all(r.lora_id != head.lora_id for r in self.running):
+            loras = {r.lora_id for r in self.running if r.lora_id}
+            if len(loras) >= self.max_loras:
+                return False
+        return True
+
+    def _band_victim(self, request: Request, scheduled: dict[str, int]) -> Request | None:
+        """The running request to preempt so that ``request`` (waiting) gets a
+        slot or KV: the newest of the worst band below its own that has no
+        tokens in this step; None when no running request is of a worse band."""
+        if self.policy != "priority":
+            return None
+        band = band_of(request.priority)
+        victim: Request | None = None
+        for r in self.running:
+            if r.request_id in scheduled or band_of(r.priority) <= band:
+                continue
+            if victim is None or (r.priority, r.arrival_time) > (
+                victim.priority,
+                victim.arrival_time,
+            ):
+                victim = r
+        return victim
+
     def _cap(self, num_new: int, budget: int) -> int:
         if 0 < self.long_prefill_threshold < num_new:
             num_new = self.long_prefill_threshold
@@ -364,6 +437,9 @@ class Scheduler:
             if len(self.running) + len(self.slot_promised) >= self.max_num_seqs:
                 self._yield_slots(group_running)
 
+        # A request of a better band prefills: worse bands sit this step out.
+        top_band = self._prefill_band()
+
         def held(request: Request) -> bool:
             """A request of a group (not one on its own) while another group waits."""
             if request.group_id is None or not contenders:
@@ -376,7 +452,9 @@ class Scheduler:
             request = self.running[i]
             num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
             group = request.group
-            if num_new > 0 and held(request):
+            if top_band is not None and band_of(request.priority) > top_band:
+                num_new = 0  # it keeps its slot and KV; it steps once the better band has
+            elif num_new > 0 and held(request):
                 num_new = min(num_new, self.group_token_cap - group_tokens.get(group, 0))
             if num_new <= 0:
                 i += 1
@@ -416,6 +494,10 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs and not (
                 _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
             ):
+                loser = self._band_victim(request, num_scheduled)
+                if loser is not None:  # a worse band's slot: it waits, this one runs
+                    self._preempt(loser)
+                    continue
                 # Every slot is taken. A lend request (at the head of the queue) still
                 # goes, up to LEND_SLOTS past the bound: it computes one token and
                 # finishes in this step.
@@ -493,7 +575,13 @@ class Scheduler:
                 self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
                 is None
             ):
-                break
+                loser = self._band_victim(request, num_scheduled)
+                if loser is None:
+                    break
+                # A worse band's KV: it goes back to the queue; look at the head again
+                # (its cache hits are read anew: the victim's blocks are free now).
+                self._preempt(loser)
+                continue
             self.waiting.pop()
             if computed_blocks or host_hits or request.num_computed_tokens == 0:
                 self.kv.record_lookup(request, num_hit)

@@ -47,6 +47,11 @@ RATE_WINDOW_S = 30
 # Seconds of saturation before the rate is trusted to refuse at once (a rate
 # from the first second of a burst is one or two completions: noise).
 MIN_RATE_SPAN_S = 5.0
+# The share of an engine's capacity that requests of the best band may take
+# beyond it (the engine preempts a worse band's request for them).
+TOP_BAND_OVERFLOW = 1 / 8
+# Slots that wake every waiting request (however wide).
+WAKE_ALL = 1 << 62
 # Retry-After bounds (seconds).
 MIN_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 60
@@ -131,18 +136,42 @@ class Admission:
         self.metrics = metrics
         self.freed = FreedRate()
         self._waiters = FairQueue()
+        self.top_band: int | None = None
+        """The best band of several (set by flow control when engines schedule by
+        the gateway's priority): its requests may overflow capacity a little."""
 
     # -- slots -----------------------------------------------------------------------
 
-    @staticmethod
-    def has_room(e: EngineState) -> bool:
-        return e.capacity is None or e.admitted < e.capacity
+    def limit(self, e: EngineState, band: int | None) -> int | None:
+        """The slots requests of ``band`` may fill on ``e``: its capacity, and for
+        the best band (:attr:`top_band`) a share more, which the engine makes
+        room for by preempting a worse band's request (so a protected request
+        never waits for one of them to end). None: no bound."""
+        cap = e.capacity
+        if cap is None or band is None or self.top_band is None or band > self.top_band:
+            return cap
+        return cap + max(1, math.ceil(cap * TOP_BAND_OVERFLOW))
 
-    def full(self, candidates: Iterable[EngineState]) -> set[str]:
-        """URLs of the candidates at capacity (usually none: no set is made then)."""
+    def has_room(self, e: EngineState, seqs: int = 1, band: int | None = None) -> bool:
+        """Whether a request of ``seqs`` sequences (and ``band``) may start on
+        ``e`` now: all of its sequences fit its limit, or, when it is wider than
+        the limit, the engine has nothing of this gateway's on it. So a wide
+        request waits until the slots it needs are free (the ones freed meanwhile
+        stay free for it when it is at the head of the queue) rather than
+        overflowing the engine by its width."""
+        cap = self.limit(e, band)
+        if cap is None:
+            return True
+        return e.admitted + min(seqs, cap) <= cap
+
+    def full(
+        self, candidates: Iterable[EngineState], seqs: int = 1, band: int | None = None
+    ) -> set[str]:
+        """URLs of the candidates without room for the request (usually none: no
+        set is made then)."""
         out: set[str] = set()
         for e in candidates:
-            if e.capacity is not None and e.admitted >= e.capacity:
+            if e.capacity is not None and not self.has_room(e, seqs, band):
                 out.add(e.url)
         return out
 
@@ -207,9 +236,9 @@ class Admission:
                 self._wake(e.capacity - e.admitted)
 
     def engines_changed(self) -> None:
-        """An engine became routable (or one left): waiting requests look again."""
+        """An engine became routable (or one left): every waiting request looks again."""
         if self._waiters:
-            self._wake(len(self._waiters))
+            self._wake(WAKE_ALL)
 
     # -- the queue -----------------------------------------------------------------------
 
@@ -228,6 +257,12 @@ class Admission:
 
     def queued_of(self, tenant: str) -> int:
         return self._waiters.by_tenant.get(tenant, 0)
+
+    def queued_ahead(self, band: int) -> int:
+        """Requests waiting that a newcomer of ``band`` waits behind (its band's
+        and better ones): a request of a better band than every waiter's need
+        not queue behind them."""
+        return self._waiters.ahead_of(band) if self._waiters else 0
 
     def check_queue(self, band: int = 0) -> None:
         """Raise :class:`Overloaded` (429) when a new request (of ``band``)
@@ -260,17 +295,18 @@ class Admission:
         tenant: str = "",
         band: int = 0,
         tag: float = 0.0,
+        seqs: int = 1,
     ) -> bool:
         """Wait (until the monotonic ``deadline``) to be woken for a slot; ``first``:
         woken before, but another request took the slot (it goes back at its
         place: its tag). ``tenant``, ``band``, ``tag``: its place in the fair
-        queue (``fair_queue.py``)."""
+        queue (``fair_queue.py``); ``seqs``: the slots it needs."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.freed.saturated(time.monotonic())
-        waiter = Waiter(future, tenant, band, tag)
+        waiter = Waiter(future, tenant, band, tag, seqs)
         self._waiters.push(waiter)
         self.metrics.queued.set(len(self._waiters))
         try:
@@ -288,12 +324,14 @@ class Admission:
                 self.freed.drained(time.monotonic())
 
     def _wake(self, n: int) -> None:
-        """Wake up to ``n`` waiting requests, in the fair queue's order."""
+        """Wake waiting requests for ``n`` free slots, in the fair queue's order,
+        each taking the slots it needs (a wide request at the head that finds
+        too few goes back to its place, and the slots stay free for it)."""
         while n > 0:
             waiter = self._waiters.pop()
             if waiter is None:
                 break
             if not waiter.future.done():
                 waiter.future.set_result(None)
-                n -= 1
+                n -= waiter.seqs
         self.metrics.queued.set(len(self._waiters))

@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
@@ -571,30 +571,24 @@ def add_batch_routes(
     if api is None:
         raise RuntimeError("broken invariant: batch routes without a batch store")
 
-    def owner(request: Request) -> str:
-        return request_caller(request, gw.proxy.keyed)
+    def owned(
+        handler: Callable[[Request, str], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """The route: the caller's credentials checked, then ``handler`` with the
+        caller id that owns the objects it reads or makes."""
 
-    @app.post("/v1/files")
-    async def upload(request: Request) -> Response:
-        return unauthorized(request) or await api.upload(
-            request, owner(request), gw.config.body_timeout
-        )
+        async def route(request: Request) -> Response:
+            denied = unauthorized(request)
+            if denied is not None:
+                return denied
+            return await handler(request, request_caller(request, gw.proxy.keyed))
 
-    @app.get("/v1/files")
-    async def list_files(request: Request) -> Response:
-        return unauthorized(request) or await api.list_files(request, owner(request))
+        return route
 
-    async def file_route(request: Request) -> Response:
-        return unauthorized(request) or await api.file_route(request, owner(request))
+    async def upload(request: Request, owner: str) -> Response:
+        return await api.upload(request, owner, gw.config.body_timeout)
 
-    app.get_prefix("/v1/files/")(file_route)
-    app.get_prefix("/v1/files/", "DELETE")(file_route)
-
-    @app.post("/v1/batches")
-    async def create(request: Request) -> Response:
-        denied = unauthorized(request)
-        if denied:
-            return denied
+    async def create(request: Request, owner: str) -> Response:
         try:
             raw = ready_body(request, gw.config.max_body_bytes)
             if raw is None:
@@ -602,17 +596,19 @@ def add_batch_routes(
         except BodyRejected as e:
             rid = client_request_id(request.headers.get("x-request-id"))
             return error_response(e.message, e.status, rid, headers={"connection": "close"})
-        return await api.create(raw, owner(request))
+        return await api.create(raw, owner)
 
-    @app.get("/v1/batches")
-    async def list_batches(request: Request) -> Response:
-        return unauthorized(request) or await api.list_batches(request, owner(request))
-
-    async def batch_route(request: Request) -> Response:
-        return unauthorized(request) or await api.batch_route(request, owner(request))
-
-    app.get_prefix("/v1/batches/")(batch_route)
-    app.get_prefix("/v1/batches/", "POST")(batch_route)
+    app.post("/v1/files")(owned(upload))
+    app.get("/v1/files")(owned(api.list_files))
+    app.post("/v1/batches")(owned(create))
+    app.get("/v1/batches")(owned(api.list_batches))
+    # One object's routes (retrieve, content, delete, cancel): the API tells them apart.
+    for prefix, methods, handler in (
+        ("/v1/files/", ("GET", "DELETE"), api.file_route),
+        ("/v1/batches/", ("GET", "POST"), api.batch_route),
+    ):
+        for method in methods:
+            app.get_prefix(prefix, method)(owned(handler))
 
 
 def invocation_endpoint(raw: bytes) -> str:

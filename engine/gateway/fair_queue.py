@@ -31,6 +31,8 @@ class Waiter:
     band: int
     tag: float
     """Its fair-share tag within the band (smaller: sooner)."""
+    seqs: int = 1
+    """The slots it needs (its sequences)."""
     queued: bool = field(default=False, repr=False)
 
 

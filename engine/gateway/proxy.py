@@ -209,7 +209,7 @@ class Proxy:
             if isinstance(routed, Response):
                 return routed
             route = routed
-        plan = self._peer_plan(route, info)
+        plan = self._peer_plan(call, route, info)
         if plan is not None:
             route = Route(plan.engine, None, route.decision, route.reason)
         if info.adapter is not None:
@@ -297,6 +297,10 @@ class Proxy:
                 return self._overloaded(call, r.overloaded)
             return self._invalid(call, "invalid_field", r.message, r.param)
         call.ticket, call.seqs = admitted.ticket, admitted.seqs
+        if route is not None and not self.admission.has_room(
+            route.decode, admitted.seqs, admitted.ticket.band
+        ):
+            route = None  # a wide request: it waits until all its slots are free
         if admitted.changed:
             payload = json.dumps(body).encode()
         return body, payload, info, route
@@ -393,12 +397,17 @@ class Proxy:
 
     # -- route -------------------------------------------------------------------
 
-    def _peer_plan(self, route: Route, info: PromptInfo) -> Plan | None:
+    @staticmethod
+    def _need(call: Call) -> tuple[int, int | None]:
+        """(slots, band) of a request: what it needs of an engine's room."""
+        return call.seqs, call.ticket.band if call.ticket is not None else None
+
+    def _peer_plan(self, call: Call, route: Route, info: PromptInfo) -> Plan | None:
         """Peer pulls: where to serve a request whose prefix another engine holds
         (None: as routed). Only for a route without a prefill leg."""
         if self.peer_pull is None or route.prefill is not None:
             return None
-        full = self.admission.full(self.pool.engines.values())
+        full = self.admission.full(self.pool.engines.values(), *self._need(call))
         plan = self.peer_pull.plan(
             info, route.decode, self.pool.candidates("decode"), full, self.pool.block_size
         )
@@ -425,12 +434,13 @@ class Proxy:
         self.router.count_pick()
         return Route(decode, None, "decode_only", "disabled")
 
-    def _routed(self, info: PromptInfo) -> Route | None:
-        """A route to engines with a free slot; None while every routable decode
-        engine is at capacity, or the request should prefill and every prefill
-        engine that could is. NoEngineError: no decode engine is routable."""
+    def _routed(self, call: Call, info: PromptInfo) -> Route | None:
+        """A route to engines with room for the request (its slots, its band);
+        None while every routable decode engine is full, or the request should
+        prefill and every prefill engine that could is. NoEngineError: no
+        decode engine is routable."""
         candidates = self.pool.candidates("decode")
-        full = self.admission.full(self.pool.engines.values())
+        full = self.admission.full(self.pool.engines.values(), *self._need(call))
         if full and candidates and all(e.url in full for e in candidates):
             return None
         route = self.router.route(info, full or None, full or None)
@@ -456,9 +466,11 @@ class Proxy:
         woken = False
         while True:
             route: Route | Response | None = None
-            if woken or not admission.queued:  # newcomers wait behind the queue
+            band = ticket.band if ticket is not None else 0
+            # Newcomers wait behind the queue (its requests of their band and better).
+            if woken or not admission.queued_ahead(band):
                 try:
-                    route = self._routed(info)
+                    route = self._routed(call, info)
                 except NoEngineError:
                     if hold_deadline is None:
                         hold_deadline = time.monotonic() + self.config.hold_timeout
@@ -477,8 +489,8 @@ class Proxy:
                     return self._overloaded(call, o)
                 queue_deadline = time.monotonic() + self.config.queue_timeout
                 waited_since = time.monotonic()
-            placed = (ticket.tenant, ticket.band, ticket.tag) if ticket else ("", 0, 0.0)
-            if not await admission.wait(queue_deadline, woken, *placed):
+            tenant, tag = (ticket.tenant, ticket.tag) if ticket else ("", 0.0)
+            if not await admission.wait(queue_deadline, woken, tenant, band, tag, call.seqs):
                 return self._overloaded(
                     call,
                     Overloaded(

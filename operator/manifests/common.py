@@ -58,6 +58,9 @@ ENV_API_KEY_FILE = "PDFLEET_API_KEY_FILE"
 API_KEY_DIR = "/etc/pdfleet/api-key"
 # Where the gateway's tenants file (spec.gateway.tenants) is mounted.
 TENANTS_DIR = "/etc/pdfleet/tenants"
+# The gateway's data directory (--data-dir: the Batch API's database and files)
+# when spec.gateway.batch gives it a volume.
+GATEWAY_DATA_DIR = "/var/lib/pdfleet/gateway"
 
 
 # Seconds added to the engine's drain time before the kubelet kills it.

@@ -31,6 +31,7 @@ from ..parallelism import (
 )
 from ..resource import (
     AdapterSpec,
+    GatewayBatchSpec,
     InferenceServiceSpec,
     PodPlacement,
     TenantsSource,
@@ -63,6 +64,7 @@ from .common import (
     ENV_UCX_PORT_RANGE,
     FLEET_SECRET_DIR,
     FLEET_SECRET_KEY,
+    GATEWAY_DATA_DIR,
     GRACE_MARGIN_SECONDS,
     IDENTITY_AUTHORITY_KEY,
     IDENTITY_CA_KEY,
@@ -427,6 +429,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
         tenants_file=f"{TENANTS_DIR}/tenants.yaml" if spec.gateway.tenants else None,
+        data_dir=GATEWAY_DATA_DIR if spec.gateway.batch is not None else None,
         **spec.gateway.overload_settings(),
         **gateway_peer_pull_settings(spec),
     )
@@ -445,6 +448,14 @@ def tenants_volume(source: TenantsSource) -> dict[str, Any]:
         "name": "tenants",
         "configMap": {"name": source.config_map, "items": items, "defaultMode": 0o440},
     }
+
+
+def gateway_data_volume(batch: GatewayBatchSpec) -> dict[str, Any]:
+    """The gateway's data directory (the Batch API's state): the claim it names,
+    or an emptyDir (the pod's own: lost with the pod)."""
+    if batch.claim_name is not None:
+        return {"name": "gateway-data", "persistentVolumeClaim": {"claimName": batch.claim_name}}
+    return {"name": "gateway-data", "emptyDir": {}}
 
 
 def gateway_workers(gateway: PodPlacement) -> int:
@@ -490,6 +501,10 @@ def gateway_pod_template(
     if gateway.tenants is not None:
         volumes.append(tenants_volume(gateway.tenants))
         secret_mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+    data_mounts: list[dict[str, Any]] = []
+    if gateway.batch is not None:
+        volumes.append(gateway_data_volume(gateway.batch))
+        data_mounts.append({"name": "gateway-data", "mountPath": GATEWAY_DATA_DIR})
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",
@@ -498,7 +513,12 @@ def gateway_pod_template(
         "command": gateway_command(name, spec, namespace),
         "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
         "env": env,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts, *secret_mounts],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
+            *secret_mounts,
+            *data_mounts,
+        ],
         "readinessProbe": _probe("/health", period=5, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
         "securityContext": _container_security_context(),

@@ -106,10 +106,20 @@ def build_deployment(
     body = {
         "revisionHistoryLimit": 3,
         "selector": {"matchLabels": selector_labels(name, role)},
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(SURGE_ONE)},
+        "strategy": _strategy(spec, role),
         "template": template,
     }
     return _workload("apps/v1", "Deployment", name, role, namespace, labels, owner, replicas, body)
+
+
+def _strategy(spec: InferenceServiceSpec, role: str) -> dict[str, Any]:
+    """Add a pod before removing one: serving capacity never drops in a rollout.
+    Except a gateway whose Batch API state is on a claim: SQLite has one writer
+    and a ReadWriteOnce claim one node, so its old pod goes before the new one
+    opens the claim (a short gap in the gateway's service)."""
+    if role == "gateway" and spec.gateway.batch is not None and spec.gateway.batch.claim_name:
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": dict(SURGE_ONE)}
 
 
 def workload_kind(spec: InferenceServiceSpec, role: str) -> str:

@@ -139,6 +139,60 @@ def test_priority_policy_orders_waiting_and_preempts_the_lowest_priority():
     assert s.requests["high"].num_preemptions == 0
 
 
+BAND = 1 << 40  # contracts/priority.py: the band sits above a 40-bit fair-share tag
+
+
+def test_a_better_band_prefills_alone_and_takes_a_worse_bands_slot():
+    """Bands are strict on the engine: a band-0 request arriving while every slot
+    runs band-1 requests preempts the newest of them, and its prefill step
+    schedules no band-1 request; within a band nothing is preempted."""
+    s = make(num_blocks=64, tokens=64, seqs=2, policy="priority")
+    s.add_request(request("w1", 7, max_tokens=16, priority=BAND + 1, arrival=0.0))
+    s.add_request(request("w2", 7, max_tokens=16, priority=BAND + 2, arrival=1.0, first=100))
+    step(s)
+    step(s)
+    # The same band, a smaller tag: it waits for a slot, preempting no one.
+    s.add_request(request("tag", 7, max_tokens=4, priority=BAND, arrival=2.0, first=200))
+    step(s)
+    assert s.num_preemptions == 0
+    s.add_request(request("p", 7, max_tokens=4, priority=5, arrival=3.0, first=300))
+    out = step(s)
+    assert list(out.num_scheduled_tokens) == ["p"]  # alone in its prefill step
+    assert s.requests["w2"].num_preemptions == 1 and s.requests["w1"].num_preemptions == 0
+    out = step(s)  # p decodes: the worse band steps again beside it
+    assert set(out.num_scheduled_tokens) == {"p", "w1"}
+    run_all(s)
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+
+
+def test_running_batch_band_requests_sit_out_an_online_prefill_step():
+    from pdfleet.engine.contracts.priority import BATCH_BAND
+
+    s = make(num_blocks=64, tokens=64, seqs=8, policy="priority")
+    for i in range(3):
+        s.add_request(request(f"b{i}", 7, max_tokens=16, priority=BATCH_BAND * BAND + i,
+                              arrival=float(i), first=100 * i))  # fmt: skip
+    step(s)
+    s.add_request(request("online", 30, max_tokens=4, priority=BAND, arrival=5.0, first=900))
+    s.add_request(request("b3", 7, max_tokens=4, priority=BATCH_BAND * BAND, arrival=6.0,
+                          first=700))  # fmt: skip
+    out = step(s)
+    # The running batch requests sit it out; a waiting one still starts on a free
+    # slot (held back, it would look like a queue to the gateway).
+    assert list(out.num_scheduled_tokens) == ["online", "b3"]
+    assert s.num_preemptions == 0  # slots were free: nothing preempted
+    assert len(step(s).num_scheduled_tokens) == 5  # then all decode together
+
+
+def test_small_client_priorities_are_one_band_as_in_vllm():
+    """vLLM-style priorities (0, 1, 5) are one band: no step is held back for them."""
+    s = make(num_blocks=64, tokens=64, seqs=2, policy="priority")
+    s.add_request(request("a", 7, max_tokens=8, priority=5, arrival=0.0))
+    step(s)
+    s.add_request(request("b", 7, max_tokens=8, priority=0, arrival=1.0, first=100))
+    assert set(step(s).num_scheduled_tokens) == {"a", "b"}
+
+
 def test_abort_frees_blocks_of_running_and_waiting_requests():
     s = make(seqs=1)
     s.add_request(request("a", 10))

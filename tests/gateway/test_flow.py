@@ -22,6 +22,8 @@ from gateway.fake_engine import FakeEngine
 from helpers.fleet import auth_headers, engines_view, metric, start_gateway
 from helpers.server import wait_until
 
+from pdfleet.engine.contracts.security import caller_id
+
 GOLD = "gold-key"  # a tenant of band 0 (the default band is 1)
 KEY_A, KEY_B = "key-a", "key-b"  # no tenant entry: each its own tenant
 CAPPED = "capped-key"  # one request in flight, a slow rate, small caps
@@ -128,8 +130,11 @@ def test_bands_first_then_fair_share_by_tokens_between_keys(gateway, engine):
         ]
         futures += [pool.submit(post, gateway, KEY_B, f"b{i}", max_tokens=1000) for i in range(6)]
         assert wait_until(lambda: queued(gateway) == 9, 10)
+        # The best band may overflow the engine's capacity (the engine preempts a
+        # worse band for it): it goes straight to the engine, past the queue.
         futures.append(pool.submit(post, gateway, GOLD, "gold", max_tokens=1000))
-        assert wait_until(lambda: queued(gateway) == 10, 10)
+        assert wait_until(lambda: "gold" in engine.arrived, 10)
+        assert queued(gateway) == 9
         view = {t["tenant"]: t for t in engines_view(gateway.url)["tenants"]}
         assert view["gold"]["priority"] == 0 and view["gold"]["weight"] == 2
         engine.hold.set()
@@ -145,7 +150,10 @@ def test_bands_first_then_fair_share_by_tokens_between_keys(gateway, engine):
     assert sent["gold"] >> 40 == 0 and sent["a0"] >> 40 == 1 and sent["b0"] >> 40 == 1
     tags = sorted(sent[f"a{i}"] for i in range(3))
     assert all(b - a >= 4000 for a, b in itertools.pairwise(tags))  # n=4 × 1000 tokens
-    assert metric(gateway.url, "pdfleet_gateway_tenant_queue_seconds_count", tenant="gold") >= 1
+    waited = metric(
+        gateway.url, "pdfleet_gateway_tenant_queue_seconds_count", tenant=caller_id(KEY_B)
+    )
+    assert waited >= 1
 
 
 def test_tenant_limits_are_429s_with_retry_after(gateway, engine):

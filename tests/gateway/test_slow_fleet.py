@@ -181,6 +181,62 @@ def test_an_engines_capacity_is_learned_from_its_own_queue():
     assert d.capacity == 3  # (only while the gateway fills it)
 
 
+def test_a_wide_request_at_the_head_keeps_the_freed_slots_and_the_best_band_overflows():
+    """Slots count sequences: an n=8 request on an engine of capacity 4 waits until
+    the engine is free of this gateway's requests (it never overflows it by its
+    width), and the slots freed meanwhile wake it alone, not the narrow requests
+    behind it. The best of several bands may fill an eighth more than capacity
+    (the engine preempts a worse band for it); other bands may not."""
+    adm, pool = admission()
+    d = pool.engines["http://d"]
+    for _ in range(5):
+        adm.take(d)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=4, waiting=1))
+    assert d.capacity == 4
+    adm.give_back(d)
+    adm.give_back(d)
+    assert adm.has_room(d) and not adm.has_room(d, seqs=8)  # 3 of 4 taken
+
+    async def scenario() -> list[str]:
+        woken: list[str] = []
+
+        async def wait(name: str, tag: float, seqs: int) -> None:
+            if await adm.wait(time.monotonic() + 5, False, name, 0, tag, seqs):
+                woken.append(name)
+
+        tasks = [
+            asyncio.create_task(wait("wide", 0.0, 8)),
+            asyncio.create_task(wait("narrow", 1.0, 1)),
+        ]
+        await wait_for(lambda: adm.queued == 2)
+        adm.give_back(d)  # one slot frees: the wide request at the head is woken alone
+        await wait_for(lambda: woken == ["wide"])
+        assert adm.queued_by_tenant() == {"narrow": 1}
+        assert not adm.has_room(d, seqs=8)  # 2 of 4 taken: it would go back to its place
+        for _ in range(2):
+            adm.give_back(d)
+        assert adm.has_room(d, seqs=8)  # nothing of this gateway's on it: all of it
+        await wait_for(lambda: len(woken) == 2)
+        await asyncio.gather(*tasks)
+        return woken
+
+    assert asyncio.run(scenario()) == ["wide", "narrow"]
+    for _ in range(4):
+        adm.take(d)
+    assert not adm.has_room(d, band=0)  # no best band: capacity bounds every band
+    adm.top_band = 0
+    assert adm.has_room(d, band=0) and not adm.has_room(d, band=1)
+    adm.take(d)
+    assert not adm.has_room(d, band=0)  # ceil(4 / 8) = 1 over capacity, no more
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
 def test_an_engine_that_never_queues_gets_a_capacity_from_slow_first_answers():
     """An engine that runs every request at once (its own queue stays empty)
     queues inside its ever longer steps: slots that wait past a quarter of the

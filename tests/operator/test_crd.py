@@ -114,6 +114,8 @@ def test_defaults_fill_nested_sections():
         ({"autoscaling": {"prefillDecodeRatio": {"min": 2, "max": 1}}}, "prefillDecodeRatio"),
         ({"autoscaling": {"maxTotalReplicas": 1}}, "maxTotalReplicas"),
         ({"prefill": {"replicas": -1}}, "minimum"),
+        ({"gateway": {"batch": {"emptyDir": True}, "replicas": 2}}, "one SQLite database"),
+        ({"gateway": {"batch": {}}}, "exactly one of claimName"),
         ({"engine": {"dtype": "int4"}}, "is not one of"),
         ({"disaggregation": {"mode": "Sometimes"}}, "is not one of"),
         ({"autoscaling": {"decode": {"targetKVCacheUsage": 1.5}}}, "maximum"),

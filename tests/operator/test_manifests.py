@@ -601,3 +601,45 @@ def test_gateway_mounts_its_tenants_file_from_a_secret_or_a_configmap(source, ki
 def test_bad_tenants_sources_and_engine_priority_without_the_policy_are_refused(gateway, match):
     with pytest.raises(ValueError, match=match):
         parse_spec({**SPEC, "gateway": gateway})
+
+
+@pytest.mark.parametrize(
+    ("batch", "volume", "strategy"),
+    [
+        ({"claimName": "batches"}, {"persistentVolumeClaim": {"claimName": "batches"}}, "Recreate"),
+        ({"emptyDir": True}, {"emptyDir": {}}, "RollingUpdate"),
+    ],
+)
+def test_gateway_batch_storage_is_its_data_directory(batch, volume, strategy):
+    """spec.gateway.batch turns the Batch API on: the gateway's --data-dir is the
+    claim it names (its pod then rolls by recreation: one SQLite writer) or an
+    emptyDir (the pod's own state)."""
+    objects = children({**SPEC, "gateway": {"batch": batch}})
+    c = container(objects, "demo-gateway")
+    from pdfleet.engine.cli import build_parser
+
+    flags = build_parser().parse_args(c["command"][1:])
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert flags.data_dir == mounts["gateway-data"]["mountPath"]
+    deployment = by_kind_name(objects)["Deployment", "demo-gateway"]
+    pod = deployment["spec"]["template"]["spec"]
+    (found,) = [v for v in pod["volumes"] if v["name"] == "gateway-data"]
+    assert found == {"name": "gateway-data", **volume}
+    assert deployment["spec"]["strategy"]["type"] == strategy
+    plain = children(SPEC)
+    assert (
+        build_parser().parse_args(container(plain, "demo-gateway")["command"][1:]).data_dir is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("gateway", "match"),
+    [
+        ({"batch": {}}, "exactly one of claimName"),
+        ({"batch": {"claimName": "a", "emptyDir": True}}, "exactly one of claimName"),
+        ({"batch": {"emptyDir": True}, "replicas": 2}, "one SQLite database"),
+    ],
+)
+def test_gateway_batch_needs_one_storage_and_one_replica(gateway, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec({**SPEC, "gateway": gateway})

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...contracts.priority import MAX_TAG, TAG_BITS
 from ..admission import MAX_RETRY_AFTER, MIN_RETRY_AFTER, Overloaded
 from ..metrics import GatewayMetrics
 from .tenants import Tenant
@@ -32,13 +33,6 @@ from .tenants import Tenant
 # Seconds a tenant's Retry-After suggests when it is at its in-flight limit
 # and none of its requests finished yet to measure how long they take.
 DEFAULT_SERVICE_S = 1.0
-
-
-# A request's engine priority: its band in the high bits, its fair-share tag
-# (tokens over weight, from this process's start) in the low ones, so an
-# engine scheduling by priority orders its own queue as the gateway's.
-TAG_BITS = 40
-MAX_TAG = (1 << TAG_BITS) - 1
 
 
 class FairClock:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config.gateway import GatewayConfig
+from ...contracts.priority import BATCH_BAND, MAX_BAND
 from ...contracts.sampling_checks import num_prompts, num_sequences
 from ..admission import Admission, Overloaded
 from ..metrics import GatewayMetrics
 from ..prompt import CHARS_PER_TOKEN
 from .control import FlowControl, Ticket
-from .tenants import BATCH_BAND, MAX_BAND, Tenant, Tenants
+from .tenants import Tenant, Tenants
 
 # The header a batch runner's requests carry (with the fleet token) to run in
 # the batch band; a client's own is ignored (only the fleet token may set it).
@@ -55,6 +56,14 @@ class FlowGate:
         self.metrics = metrics
         metrics.on_collect(self._queued_gauges)
         self._queued_seen: set[str] = set()
+        if config.engine_priority:
+            # Engines preempt a worse band for a better one: the best band may
+            # overflow their capacity a little, when there is a worse band at all.
+            bands = {tenants.default.priority, *(t.policy.priority for t in tenants.named.values())}
+            if config.data_dir is not None:
+                bands.add(BATCH_BAND)
+            if len(bands) > 1:
+                admission.top_band = min(bands)
 
     def tenant(self, caller: str) -> Tenant:
         return self.tenants.tenant(caller)

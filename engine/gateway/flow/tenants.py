@@ -19,13 +19,11 @@ from typing import Any, Literal
 
 import yaml
 
+from ...contracts.priority import BATCH_BAND as BATCH_BAND  # where the tests look
+from ...contracts.priority import MAX_BAND
 from ...contracts.security import caller_id
 
 ClientPriority = Literal["refuse", "allow"]
-# Bands are within ±MAX_BAND (an engine priority holds the band and a 40-bit tag).
-MAX_BAND = (1 << 19) - 1
-# Priority band of batch requests (the OpenAI Batch API): below every online band.
-BATCH_BAND = MAX_BAND + 1
 # The tenant of requests without an API key (a gateway without keys).
 ANONYMOUS = "anonymous"
 
