@@ -58,10 +58,11 @@ def postgres_server(timeout: float = 60.0) -> Iterator[str]:
     )
     port = free_port()
     log = open(tmp / "postgres.log", "wb")  # noqa: SIM115 (closed below)
+    # Unix socket only (no TCP listener), fsync off (-F): a test's throwaway server.
+    settings = ["-c", "listen_addresses=", "-c", "max_connections=50"]
     proc = subprocess.Popen(
         _as_server_user(
-            [postgres, "-D", str(data), "-k", str(sock), "-p", str(port), "-F"]
-            + ["-c", "listen_addresses=", "-c", "max_connections=50"]
+            [postgres, "-D", str(data), "-k", str(sock), "-p", str(port), "-F", *settings]
         ),
         stdout=log,
         stderr=subprocess.STDOUT,
