@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +31,9 @@ from .fields import (
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
+BATCH_DATABASE_ENV = "PDFLEET_BATCH_DATABASE_URL"
+# Never printed nor passed on as flags (the environment carries them).
+SECRET_FIELDS = ("api_key", "batch_database_url")
 # Engine pod annotations naming the ports of its KV event streams
 # (docs/kv_events.md); the operator sets them, Kubernetes discovery reads them.
 KV_EVENTS_PORT_ANNOTATION = "pdfleet.dev/kv-events-port"
@@ -245,8 +249,13 @@ class GatewayConfig:
     token limits."""
     data_dir: str | None = None
     """Directory of the gateway's durable state: the OpenAI Batch API's files
-    and its SQLite database (`batches.sqlite3`). Without it /v1/files and
-    /v1/batches answer 404."""
+    and its SQLite database (`batches.sqlite3`). Without it (and without a
+    batch database) /v1/files and /v1/batches answer 404."""
+    batch_database_url: str | None = None
+    """PostgreSQL URL (`postgresql://user:password@host/db`) of the Batch API's
+    store, which several gateway replicas can share, instead of --data-dir.
+    Default: $PDFLEET_BATCH_DATABASE_URL, which keeps the password out of the
+    process list."""
     batch_concurrency: int = 4
     """Batch requests the gateway runs at once at most (each only while no
     online request waits for a slot)."""
@@ -366,6 +375,17 @@ class GatewayConfig:
             raise ValueError(f"--max-n must be between 1 and {DEFAULT_MAX_N}, got {self.max_n}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.batch_database_url is not None:
+            if self.data_dir:
+                raise ValueError(
+                    "--data-dir and --batch-database-url are two stores for the Batch API: "
+                    "give one (the database for several gateway replicas)"
+                )
+            if not self.batch_database_url.startswith(("postgresql://", "postgres://")):
+                raise ValueError(
+                    "--batch-database-url must be a PostgreSQL URL (postgresql://...), got "
+                    f"one starting {self.batch_database_url.split(':', 1)[0][:20]!r}"
+                )
         if self.workers > 1 and self.port == 0:
             raise ValueError("--workers above 1 needs a fixed --port (each worker binds it)")
         if self.retries < 0 or self.min_prompt_tokens < 0:
@@ -422,6 +442,8 @@ class GatewayConfig:
         values["api_key"] = [k for v in values["api_key"] for k in split_keys(v)]
         if not values["api_key"]:
             values["api_key"] = keys_from_env()
+        if not values["batch_database_url"]:
+            values["batch_database_url"] = os.environ.get(BATCH_DATABASE_ENV) or None
         return cls(**values)
 
     def to_cli_args(self) -> list[str]:
@@ -430,7 +452,7 @@ class GatewayConfig:
         out: list[str] = []
         for f, _tp in resolved_fields(type(self)):
             value = getattr(self, f.name)
-            if f.name == "api_key" or to_jsonable(value) == to_jsonable(default_of(f)):
+            if f.name in SECRET_FIELDS or to_jsonable(value) == to_jsonable(default_of(f)):
                 continue
             flag = f"--{flag_name(f.name)}"
             if isinstance(value, bool):
@@ -455,6 +477,8 @@ class GatewayConfig:
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = to_jsonable(self)
         data["api_key"] = ["***"] * len(self.api_key)
+        if self.batch_database_url:
+            data["batch_database_url"] = "***"
         return data
 
     def __repr__(self) -> str:  # never print keys

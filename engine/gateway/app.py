@@ -46,7 +46,7 @@ from ..http.upstream import UpstreamClient
 from .answers import error_response, upstream_message
 from .batch.api import BatchAPI
 from .batch.runner import BatchRunner
-from .batch.store import BatchStore
+from .batch.store import open_store
 from .call import client_request_id, parse_body
 from .discovery import Discovery, make_discovery
 from .engines import EngineLoad, EnginePool, EngineState
@@ -172,9 +172,10 @@ class Gateway:
             self.batch_token,
         )
         self.batches: BatchAPI | None = None
-        """The Batch API (``--data-dir``); its runner runs in worker 0 only."""
-        if config.data_dir:
-            store = BatchStore(config.data_dir)
+        """The Batch API (``--data-dir`` or ``--batch-database-url``); its runner
+        runs in worker 0 only (one per gateway replica)."""
+        store = open_store(config.data_dir, config.batch_database_url)
+        if store is not None:
             runner = None
             if siblings is None or siblings.index == 0:
                 # The runner calls this gateway: on loopback when it listens everywhere.

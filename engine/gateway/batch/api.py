@@ -168,7 +168,7 @@ class BatchAPI:
         if request.scope["method"] == "GET" and not tail:
             return JSONResponse(found)
         if request.scope["method"] == "GET" and tail == "content":
-            content = await self.db(self.store.path_of(file_id).read_bytes)
+            content = await self.db(self.store.read_file, file_id)
             return BytesResponse(content, 200, [(b"content-type", b"application/octet-stream")])
         return error(BatchError(f"no route {request.scope['method']} {request.path}", 404))
 
@@ -224,7 +224,7 @@ class BatchAPI:
                 raise BatchError(
                     f"input_file_id: no batch file {file_id!r}", 404, param="input_file_id"
                 )
-            content = await self.db(self.store.path_of(file_id).read_bytes)
+            content = await self.db(self.store.read_file, file_id)
             rows = parse_input(content, endpoint)
         except BatchError as e:
             return error(e)

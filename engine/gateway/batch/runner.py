@@ -13,6 +13,11 @@ an online request that arrives while it waits for a slot goes first.
 A request answered 429, 503 or 5xx (or not at all) is tried again later, at
 most ``MAX_ATTEMPTS`` times; any other answer is its result (a 2xx to the
 output file, a 4xx to the error file).
+
+Gateway replicas sharing a PostgreSQL store each run their own runner on the
+same batches: each claims requests under a lease it renews while it runs
+them (so the requests of a runner that stopped run again elsewhere within
+``LEASE_S``), and one runner at a time finalizes a batch.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,12 +36,18 @@ import httpx
 
 from ...contracts.errors import ErrorBody
 from ..flow.gate import BATCH_HEADER
-from .store import BatchStore, line_error, new_id
+from .store import ACTIVE, BatchStore, line_error, new_id
 
 logger = logging.getLogger("pdfleet.gateway.batch")
 
 TICK_S = 0.2
 MAX_ATTEMPTS = 5
+# A claimed request's lease, renewed every LEASE_RENEW_S while its runner
+# lives: a stopped runner's requests run again elsewhere within LEASE_S.
+LEASE_S = 6.0
+LEASE_RENEW_S = 1.5
+# A finalizing runner's hold on its batch (writing two files takes far less).
+FINALIZE_LEASE_S = 60.0
 T = TypeVar("T")
 
 
@@ -56,6 +69,9 @@ class BatchRunner:
         self.idle = idle
         self.on_counts = on_counts
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0))
+        self.who = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        """This runner, as the batches it finalizes name it."""
+        self._renewed_at = time.monotonic()
         self.db_thread = concurrent.futures.ThreadPoolExecutor(1, "pdfleet-batch-db")
         """Every database call runs here, never on the event loop."""
         self.running: set[asyncio.Task[None]] = set()
@@ -98,6 +114,11 @@ class BatchRunner:
 
     async def tick(self) -> None:
         now = int(time.time())
+        if time.monotonic() - self._renewed_at >= LEASE_RENEW_S:
+            self._renewed_at = time.monotonic()
+            await self.db(self.store.renew, self.who, LEASE_S)
+            if reclaimed := await self.db(self.store.reclaim):
+                logger.info("batch: %d request(s) whose runner stopped run again", reclaimed)
         self.on_counts(await self.db(self.store.pending_demand))
         for batch in await self.db(self.store.active_batches):
             counts = await self.db(self.store.counts, batch["id"])
@@ -117,7 +138,7 @@ class BatchRunner:
                 await self.finalize(batch, "completed")
                 continue
             while len(self.running) < self.concurrency and self.idle():
-                rows = await self.db(self.store.claim, batch["id"], 1)
+                rows = await self.db(self.store.claim, batch["id"], 1, self.who, LEASE_S)
                 if not rows:
                     break
                 task = asyncio.create_task(self.run_one(batch, rows[0]), name=batch["id"])
@@ -179,9 +200,12 @@ class BatchRunner:
             await asyncio.sleep(1.0)  # this slot of the runner backs off a second
 
     async def finalize(self, batch: dict[str, Any], status: str) -> None:
-        """Write the output and error files, then the batch's final state."""
+        """Write the output and error files, then the batch's final state (by
+        one runner: another replica's may be finalizing it)."""
+        if not await self.db(self.store.claim_finalize, batch["id"], self.who, FINALIZE_LEASE_S):
+            return
         fresh = await self.db(self.store.batch, None, batch["id"])
-        if fresh is None:
+        if fresh is None or fresh["status"] not in ACTIVE:
             return
         batch = {**fresh, "_owner": batch["_owner"]}
         batch["status"] = "finalizing" if status == "completed" else batch["status"]
@@ -190,7 +214,7 @@ class BatchRunner:
             ("done", "output_file_id", "output"),
             ("failed", "error_file_id", "errors"),
         ):
-            lines = await self.db(lambda s=state: list(self.store.results(batch["id"], s)))
+            lines = await self.db(self.store.results, batch["id"], state)
             if lines:
                 content = ("\n".join(lines) + "\n").encode()
                 f = await self.db(
