@@ -163,14 +163,17 @@ TENANTS_RULES: list[Schema] = [
 ]
 GATEWAY_BATCH_RULES: list[Schema] = [
     {
-        "rule": "has(self.claimName) != (has(self.emptyDir) && self.emptyDir)",
-        "message": "gateway.batch: give exactly one of claimName or emptyDir: true",
+        "rule": "(has(self.claimName) ? 1 : 0) + (has(self.emptyDir) && self.emptyDir ? 1 : 0)"
+        " + (has(self.databaseSecret) ? 1 : 0) == 1",
+        "message": "gateway.batch: give exactly one of claimName, emptyDir: true or databaseSecret",
     },
 ]
 GATEWAY_BATCH_REPLICAS_RULE: Schema = {
-    "rule": "!has(self.batch) || !has(self.replicas) || self.replicas <= 1",
+    "rule": "!has(self.batch) || has(self.batch.databaseSecret) || !has(self.replicas) || "
+    "self.replicas <= 1",
     "message": "gateway.batch: the Batch API keeps its state in one SQLite database, which "
-    "one gateway replica may open: set gateway.replicas to 1 or remove gateway.batch",
+    "one gateway replica may open: set gateway.replicas to 1, or give batch.databaseSecret "
+    "(PostgreSQL, shared by the replicas)",
     "fieldPath": ".replicas",
 }
 SERVING_RULES: list[Schema] = [

@@ -525,11 +525,18 @@ class TenantsSource(SpecModel):
         return self
 
 
+class DatabaseSecretRef(SecretKeyRef):
+    """A key of a Secret holding a PostgreSQL URL."""
+
+    key: SecretKey = "url"
+    """Key within the Secret: `postgresql://user:password@host:5432/db`."""
+
+
 class GatewayBatchSpec(SpecModel):
-    """The OpenAI Batch API on the gateway (`/v1/files`, `/v1/batches`): where its
-    state lives (`--data-dir`: a SQLite database and the uploaded and result
-    files). SQLite is one writer's database, so a gateway with it runs as one
-    replica (several need a shared database, which pdfleet does not offer yet)."""
+    """The OpenAI Batch API on the gateway (`/v1/files`, `/v1/batches`) and
+    where its state lives: a SQLite database and the files in a data directory
+    (a claim or an emptyDir; one gateway replica), or a PostgreSQL database that
+    any number of gateway replicas share."""
 
     claim_name: SecretName | None = None
     """A PersistentVolumeClaim the gateway mounts as its data directory
@@ -540,11 +547,18 @@ class GatewayBatchSpec(SpecModel):
     """An emptyDir instead of a claim: the state is the pod's own and is lost
     with the pod (a rollout, an eviction, a node failure loses every batch and
     file). For trials only."""
+    database_secret: DatabaseSecretRef | None = None
+    """A Secret key holding a PostgreSQL URL: the gateway replicas share that
+    database (files included), run its batches together, and roll like any
+    Deployment. The database is yours to run and back up."""
 
     @model_validator(mode="after")
     def _one_storage(self) -> GatewayBatchSpec:
-        if (self.claim_name is None) == (not self.empty_dir):
-            raise ValueError("gateway.batch: give exactly one of claimName or emptyDir: true")
+        given = [self.claim_name is not None, self.empty_dir, self.database_secret is not None]
+        if sum(given) != 1:
+            raise ValueError(
+                "gateway.batch: give exactly one of claimName, emptyDir: true or databaseSecret"
+            )
         return self
 
 
@@ -552,8 +566,8 @@ class GatewaySpec(PodPlacement):
     """The OpenAI-compatible gateway in front of the engines."""
 
     replicas: int = Field(default=1, ge=0)
-    """Number of gateway pods (stateless; any number works, but with `batch` at
-    most 1)."""
+    """Number of gateway pods (stateless; any number works, but with `batch` on
+    a claim or an emptyDir at most 1)."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Port of the gateway Service and its pods."""
     api_key_secret: SecretKeyRef | None = None
@@ -599,8 +613,9 @@ class GatewaySpec(PodPlacement):
     starts: roll the gateway after changing it."""
     batch: GatewayBatchSpec | None = None
     """The OpenAI Batch API and where its state lives (a PersistentVolumeClaim,
-    or an emptyDir whose state is the pod's own). Unset: the Batch API is off
-    (`/v1/files` and `/v1/batches` answer 404). Needs replicas at most 1."""
+    an emptyDir whose state is the pod's own, or a PostgreSQL database). Unset:
+    the Batch API is off (`/v1/files` and `/v1/batches` answer 404). A claim or
+    an emptyDir needs replicas at most 1."""
     engine_priority: bool = False
     """Pass each request's priority band to the engines (`--engine-priority`),
     and run the engines with `--scheduling-policy priority` so that they admit
@@ -613,11 +628,12 @@ class GatewaySpec(PodPlacement):
 
     @model_validator(mode="after")
     def _batch_on_one_replica(self) -> GatewaySpec:
-        if self.batch is not None and self.replicas > 1:
+        if self.batch is not None and self.batch.database_secret is None and self.replicas > 1:
             raise ValueError(
                 f"gateway.batch: the Batch API keeps its state in one SQLite database, "
                 f"which one gateway replica may open: set gateway.replicas to 1 (it is "
-                f"{self.replicas}) or remove gateway.batch"
+                f"{self.replicas}), or give batch.databaseSecret (PostgreSQL, shared by "
+                f"the replicas)"
             )
         return self
 

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from ...engine.config import EngineArgs
 from ...engine.config.gateway import (
+    BATCH_DATABASE_ENV,
     KV_EVENTS_PORT_ANNOTATION,
     KV_REPLAY_PORT_ANNOTATION,
     GatewayConfig,
@@ -429,7 +430,7 @@ def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> li
         trust_client_trace_context=spec.gateway.trust_client_trace_context,
         workers=gateway_workers(spec.gateway),
         tenants_file=f"{TENANTS_DIR}/tenants.yaml" if spec.gateway.tenants else None,
-        data_dir=GATEWAY_DATA_DIR if spec.gateway.batch is not None else None,
+        data_dir=GATEWAY_DATA_DIR if uses_data_dir(spec.gateway.batch) else None,
         **spec.gateway.overload_settings(),
         **gateway_peer_pull_settings(spec),
     )
@@ -448,6 +449,12 @@ def tenants_volume(source: TenantsSource) -> dict[str, Any]:
         "name": "tenants",
         "configMap": {"name": source.config_map, "items": items, "defaultMode": 0o440},
     }
+
+
+def uses_data_dir(batch: GatewayBatchSpec | None) -> bool:
+    """Whether the Batch API keeps its state in the gateway's data directory
+    (a claim or an emptyDir; a PostgreSQL database needs none)."""
+    return batch is not None and batch.database_secret is None
 
 
 def gateway_data_volume(batch: GatewayBatchSpec) -> dict[str, Any]:
@@ -502,9 +509,19 @@ def gateway_pod_template(
         volumes.append(tenants_volume(gateway.tenants))
         secret_mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
     data_mounts: list[dict[str, Any]] = []
-    if gateway.batch is not None:
+    if gateway.batch is not None and uses_data_dir(gateway.batch):
         volumes.append(gateway_data_volume(gateway.batch))
         data_mounts.append({"name": "gateway-data", "mountPath": GATEWAY_DATA_DIR})
+    if gateway.batch is not None and gateway.batch.database_secret is not None:
+        # The URL holds a password: from the Secret into the variable the
+        # gateway reads, never onto its command line.
+        ref = gateway.batch.database_secret
+        env.append(
+            {
+                "name": BATCH_DATABASE_ENV,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
     env += [dict(e) for e in gateway.env]
     container: dict[str, Any] = {
         "name": "gateway",

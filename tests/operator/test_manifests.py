@@ -632,12 +632,37 @@ def test_gateway_batch_storage_is_its_data_directory(batch, volume, strategy):
     )
 
 
+def test_gateway_batch_on_postgresql_takes_the_url_from_the_secret_on_any_replicas():
+    """batch.databaseSecret: no data directory, the URL from the Secret into
+    $PDFLEET_BATCH_DATABASE_URL (not the command line), several replicas, a
+    rolling update."""
+    ref = {"name": "batch-db", "key": "dsn"}
+    objects = children({**SPEC, "gateway": {"batch": {"databaseSecret": ref}, "replicas": 3}})
+    c = container(objects, "demo-gateway")
+    from pdfleet.engine.cli import build_parser
+
+    assert build_parser().parse_args(c["command"][1:]).data_dir is None
+    assert not any("batch-db" in part or "postgres" in part for part in c["command"])
+    (env,) = [e for e in c["env"] if e["name"] == "PDFLEET_BATCH_DATABASE_URL"]
+    assert env["valueFrom"] == {"secretKeyRef": ref}
+    deployment = by_kind_name(objects)["Deployment", "demo-gateway"]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "gateway-data" not in {
+        v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+    }
+    default = children({**SPEC, "gateway": {"batch": {"databaseSecret": {"name": "db"}}}})
+    (env,) = [e for e in container(default, "demo-gateway")["env"] if "BATCH" in e["name"]]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "db", "key": "url"}
+
+
 @pytest.mark.parametrize(
     ("gateway", "match"),
     [
         ({"batch": {}}, "exactly one of claimName"),
         ({"batch": {"claimName": "a", "emptyDir": True}}, "exactly one of claimName"),
         ({"batch": {"emptyDir": True}, "replicas": 2}, "one SQLite database"),
+        ({"batch": {"claimName": "a", "databaseSecret": {"name": "db"}}}, "exactly one of"),
     ],
 )
 def test_gateway_batch_needs_one_storage_and_one_replica(gateway, match):
