@@ -71,6 +71,8 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    read_seconds: float = 0.0
+    """How long reading and checking it took."""
 
     @property
     def nbytes(self) -> int:
