@@ -4,11 +4,19 @@ prefill, the prefix cache, preemption, evictions from both adapter caches."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
+import threading
+
 import pytest
+import torch
 from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
 
 from pdfleet.engine import LLM, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
+from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
 
 
@@ -137,6 +145,21 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     )
     with pytest.raises(LoRAError, match=r"'other'.*another model"):
         llm.engine.add_lora("other", other)
+    # A config PEFT could not have written, and integer "weights".
+    for key, value, match in (
+        ("rank_pattern", {"[": 4}, "rank_pattern key '\\[' is not a regular expression"),
+        ("alpha_pattern", ["x"], "alpha_pattern must be a JSON object"),
+    ):
+        bad = shutil.copytree(a, tmp_path / key)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
+            llm.engine.add_lora(key, str(bad))
+    ints = shutil.copytree(a, tmp_path / "ints")
+    weights = load_file(ints / "adapter_model.safetensors")
+    save_file({k: v.to(torch.int8) for k, v in weights.items()}, ints / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="'ints'.*torch.int8.*floating point"):
+        llm.engine.add_lora("ints", str(ints))
     llm.engine.add_lora("a", a)
     with pytest.raises(LoRAError, match="already loaded"):
         llm.engine.add_lora("a", a)
@@ -203,11 +226,6 @@ def test_triton_backend_runs_the_sgmv_kernel_in_the_model(llama, peft_factory):
 def test_run_time_load_reads_off_the_engine_thread(llama):
     """While a load's read is held up, the engine keeps stepping: a request runs
     to its end; the adapter is served once the read completes."""
-    import asyncio
-    import threading
-
-    from pdfleet.engine.loop.async_engine import AsyncEngine
-
     base, a, _ = llama
     llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
     runner = llm.engine.core.runner
@@ -251,8 +269,6 @@ def test_unload_while_running_keeps_the_adapter_until_its_requests_finish(
     """An unloaded adapter whose directory is gone at once: its running request
     still finishes with it (and matches peft), no step fails, the base request
     beside it is untouched, and the adapter's copies go once it is done."""
-    import shutil
-
     base, a, _ = llama
     copy = shutil.copytree(a, tmp_path / "a")
     llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1)
