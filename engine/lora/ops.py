@@ -169,8 +169,8 @@ def _grouped_rows(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     num_segs = len(batch.segments)
     if batch.row_index is None:
         start = batch.row_start
-        return x[start : start + num_segs * batch.group_len].view(num_segs, batch.group_len, -1)
-    return x.index_select(0, batch.row_index).view(num_segs, batch.group_len, -1)
+        return x[start : start + num_segs * batch.group_len].reshape(num_segs, batch.group_len, -1)
+    return x.index_select(0, batch.row_index).reshape(num_segs, batch.group_len, -1)
 
 
 def grouped_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
