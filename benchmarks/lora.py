@@ -6,11 +6,15 @@ and the hit rate of adapter-aware routing.
    same 32 requests on the base model, on the same engine, in the same run.
    Reported: the median (and the minimum: on a shared machine the least
    disturbed step) forward time of the decode steps (all 32 rows scheduled),
-   and its ratio to the baseline (target on the torch path:
-   <= 1.3x at 16 adapters). Configurations take turns over several rounds so
+   the median CPU time of the engine thread over those steps (with one torch
+   thread all the compute runs there; on a loaded machine it is far less
+   noisy than wall time), and their ratios to the baseline (target on the
+   torch path: <= 1.3x at 16 adapters). Configurations take turns over several rounds so
    a shared machine's load falls on all of them alike.
-2. **Adapter load time.** ``/v1/load_lora_adapter``'s work: read, check and
-   cache one adapter (all seven projections of every layer), median of 5.
+2. **Adapter load time.** ``/v1/load_lora_adapter``'s work on one adapter
+   (all seven projections of every layer), median of 5: the read (read, check,
+   hash; off the step loop) and the install into the host cache (the step
+   loop's pause).
 3. **Routing hit rate.** A simulated fleet of engines, each holding at most
    ``--max-cpu-loras`` adapters (LRU), serves a trace of 20 adapters with a
    Zipf popularity; requests arrive one per tick and occupy their engine for a
@@ -80,10 +84,12 @@ def decode_step_times(llm, prompts, loras, max_tokens: int) -> list[float]:
         )
     times = []
     while engine.has_unfinished_requests():
+        cpu = time.thread_time()
         engine.step()
+        cpu = time.thread_time() - cpu
         s = engine.stats
         if s.num_scheduled_reqs == len(prompts) and s.num_scheduled_tokens == len(prompts):
-            times.append(s.forward_seconds)
+            times.append((s.forward_seconds, cpu))
     return times
 
 
@@ -96,35 +102,46 @@ def bench_steps(args, llm, adapters) -> dict:
     configs = {"base": [None] * 32}
     for n in (1, 4, 16):
         configs[f"{n}_adapters"] = [LoRARequest(f"a{i % n}", 1, adapters[i % n]) for i in range(32)]
-    times: dict[str, list[float]] = {k: [] for k in configs}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
     for _ in range(args.rounds):
         for name, loras in configs.items():
             times[name] += decode_step_times(llm, prompts, loras, args.decode_steps)
-    base = statistics.median(times["base"])
-    base_min = min(times["base"])
+    base = statistics.median(w for w, _ in times["base"])
+    base_min = min(w for w, _ in times["base"])
+    base_cpu = statistics.median(c for _, c in times["base"])
     out = {}
     for name, values in times.items():
-        med = statistics.median(values)
+        med = statistics.median(w for w, _ in values)
+        cpu = statistics.median(c for _, c in values)
         out[name] = {
             "median_step_ms": round(1000 * med, 2),
-            "min_step_ms": round(1000 * min(values), 2),
+            "min_step_ms": round(1000 * min(w for w, _ in values), 2),
+            "median_step_cpu_ms": round(1000 * cpu, 2),
             "steps": len(values),
             "ratio_to_base": round(med / base, 3),
-            "min_ratio_to_base": round(min(values) / base_min, 3),
+            "min_ratio_to_base": round(min(w for w, _ in values) / base_min, 3),
+            "cpu_ratio_to_base": round(cpu / base_cpu, 3),
         }
     return out
 
 
 def bench_load(llm, adapters) -> dict:
-    seconds = []
+    """A run-time load in its two halves: the read (read, check, hash: on the
+    server's reader thread, the engine keeps stepping) and the install (the
+    only part between two steps: the pause a load costs the step loop)."""
+    read, install = [], []
     for i in range(5):
         start = time.perf_counter()
-        llm.engine.add_lora(f"load{i}", adapters[i])
-        seconds.append(time.perf_counter() - start)
+        prepared = llm.engine.prepare_lora(f"load{i}", adapters[i])
+        read.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        llm.engine.install_lora(prepared)
+        install.append(time.perf_counter() - start)
         llm.engine.remove_lora(f"load{i}")
     size = os.path.getsize(os.path.join(adapters[0], "adapter_model.safetensors"))
     return {
-        "median_ms": round(1000 * statistics.median(seconds), 1),
+        "read_median_ms": round(1000 * statistics.median(read), 1),
+        "step_loop_pause_median_ms": round(1000 * statistics.median(install), 3),
         "adapter_mib": round(size / (1 << 20), 2),
     }
 

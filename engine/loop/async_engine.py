@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -179,6 +180,9 @@ class AsyncEngine:
         # waiting count they make the queue bound exact under a burst.
         self._admit_lock = threading.Lock()
         self._num_queued_adds = 0
+        # Run-time LoRA loads read and check adapters here, one at a time, so
+        # the step loop only waits for the final swap into the caches.
+        self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="pdfleet-lora-read")
         self._thread = threading.Thread(target=self._loop, name="pdfleet-engine", daemon=True)
         self._thread.start()
 
@@ -470,6 +474,17 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await asyncio.wait_for(future, timeout)
 
+    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> None:  # noqa: ASYNC109 (bounds the read and the swap)
+        """Load an adapter while the engine keeps stepping: read and check it on
+        the reader thread, then install it between two steps. Raises LoRAError
+        naming it (and nothing changes) when it cannot be served."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        read = loop.run_in_executor(self._lora_reader, self.engine.prepare_lora, name, path)
+        prepared = await asyncio.wait_for(read, timeout)
+        await self.call(lambda engine: engine.install_lora(prepared), timeout)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -479,5 +494,6 @@ class AsyncEngine:
             self.engine.wait_for_kv_leases()
         self._stop.set()
         self._commands.put(None)
+        self._lora_reader.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout)
         self.engine.shutdown()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
@@ -71,6 +73,17 @@ def _child_seed(seed: int, index: int) -> int:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
+@dataclass(frozen=True)
+class PreparedLoRA:
+    """An adapter read and checked, not yet served (:meth:`LLMEngine.prepare_lora`)."""
+
+    request: LoRARequest
+    identity: str
+    """Its prefix-cache identity (``lora_identity``)."""
+    read: Any
+    """What the executor read (``read_lora``), handed back to ``install_lora``."""
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -131,7 +144,8 @@ class LLMEngine:
         self.loras: dict[str, LoRARequest] = {}
         self.lora_identities: dict[str, str] = {}
         self.lora_requests: dict[str, int] = {}
-        self._next_lora_id = 0
+        # Load ids (any thread may draw one: a run-time load reads off the engine thread).
+        self._lora_ids = itertools.count(1)
         if config.lora_config is not None:
             for name, path in config.lora_config.lora_modules.items():
                 self.add_lora(name, path)
@@ -220,6 +234,13 @@ class LLMEngine:
     def add_lora(self, name: str, path: str) -> LoRARequest:
         """Load an adapter under ``name``; raises LoRAError (a ValueError) naming it
         when it cannot be served, and then nothing changes."""
+        return self.install_lora(self.prepare_lora(name, path))
+
+    def prepare_lora(self, name: str, path: str) -> PreparedLoRA:
+        """The slow half of a load: check the name, read and check the adapter and
+        hash its weights. Changes nothing, so it may run on any thread while the
+        engine keeps stepping (the server's loads do); :meth:`install_lora` then
+        makes it servable on the engine thread. Raises LoRAError naming it."""
         lc = self.config.lora_config
         if lc is None:
             raise LoRAError(
@@ -231,17 +252,30 @@ class LLMEngine:
             raise LoRAError(str(e)) from None
         if name in self.config.model_config.served_model_names:
             raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
+        self._check_not_loaded(name)
+        request = LoRARequest(name, next(self._lora_ids), os.path.abspath(path))
+        read = self.core.runner.read_lora(request)  # LoRAError when it cannot be served
+        try:
+            identity = lora_identity(name, weights_digest(request.lora_path))
+        except OSError as e:  # removed since it was read
+            raise LoRAError(f"LoRA adapter {name!r}: its weights are unreadable ({e})") from None
+        return PreparedLoRA(request, identity, read)
+
+    def install_lora(self, prepared: PreparedLoRA) -> LoRARequest:
+        """Serve a prepared adapter (the engine thread only; quick: no disk)."""
+        request = prepared.request
+        self._check_not_loaded(request.lora_name)
+        self.core.runner.install_lora(prepared.read)
+        self.loras[request.lora_name] = request
+        self.lora_identities[request.lora_name] = prepared.identity
+        logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+        return request
+
+    def _check_not_loaded(self, name: str) -> None:
         if name in self.loras:
             raise LoRAError(
                 f"LoRA adapter {name!r} is already loaded; unload it first to load other weights"
             )
-        self._next_lora_id += 1
-        request = LoRARequest(name, self._next_lora_id, os.path.abspath(path))
-        self.core.runner.add_lora(request)  # reads and checks it (LoRAError)
-        self.loras[name] = request
-        self.lora_identities[name] = lora_identity(name, weights_digest(request.lora_path))
-        logger.info("LoRA adapter %r loaded from %s", name, request.lora_path)
-        return request
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests naming it are refused; requests

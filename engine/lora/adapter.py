@@ -71,6 +71,8 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    read_seconds: float = 0.0
+    """How long reading and checking it took."""
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +129,21 @@ def read_adapter_config(name: str, path: str) -> dict[str, Any]:
     alpha = cfg.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise LoRAError(f"LoRA adapter {name!r}: lora_alpha must be a number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise LoRAError(f"LoRA adapter {name!r}: {key} must be a JSON object")
+        for regex, value in pattern.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: {key}[{regex!r}] must be a positive number"
+                )
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: {key} key {regex!r} is not a regular expression ({e})"
+                ) from None
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         bad = [t for t in targets if str(t).split(".")[-1] not in TARGET_MODULES]
@@ -205,6 +222,11 @@ def load_adapter(
                 f"LoRA adapter {name!r}: {where} lacks lora_{'B' if 'A' in ab else 'A'}"
             )
         a, b = ab["A"], ab["B"]
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {where} holds {a.dtype}/{b.dtype} tensors; LoRA "
+                "weights are floating point"
+            )
         r = a.shape[0]
         if r > max_rank:
             raise LoRAError(

@@ -57,12 +57,19 @@ class LoRAManager:
         device: torch.device,
         slicer: Slicer | None = None,
         use_triton: Callable[[], bool] = lambda: False,
+        in_use: Callable[[], set[int]] = set,
     ) -> None:
         self.config = config
         self.num_layers, self.shapes = num_layers, shapes
         self.dtype, self.device, self.slicer = dtype, device, slicer
         self.rank = config.max_lora_rank
         self.use_triton = use_triton
+        # The load ids of the adapters the runner's requests run with: their host
+        # copies are never evicted (nor dropped by an unload until they finish),
+        # so a running request never needs its directory again.
+        self.in_use = in_use
+        self.retired: set[int] = set()
+        """Unloaded adapters kept until their running requests finish."""
         self.context = LoRAContext()
         # (layer, HF module name) -> the shard that module's delta goes to.
         self.shards: dict[tuple[int, str], LoRAShard] = {}
@@ -97,29 +104,45 @@ class LoRAManager:
     # -- host cache ----------------------------------------------------------------
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check an adapter from disk (raises LoRAError naming it)."""
+        """Read and check an adapter from disk (raises LoRAError naming it).
+
+        Touches nothing of the manager: safe off the engine thread (a run-time
+        load reads there, so the step loop never waits on the disk)."""
         start = time.perf_counter()
         adapter = load_adapter(
             request, self.num_layers, self.shapes, self.rank, self.dtype, self.slicer
         )
-        self.stats.loads += 1
-        self.stats.load_seconds += time.perf_counter() - start
+        adapter.read_seconds = time.perf_counter() - start
         return adapter
 
     def add(self, adapter: LoRAAdapter) -> None:
-        """Keep an adapter in host memory (evicting the least recently used)."""
+        """Keep a read adapter in host memory (evicting the least recently used);
+        the engine thread only."""
+        self.stats.loads += 1
+        self.stats.load_seconds += adapter.read_seconds
         self.host[adapter.int_id] = adapter
         self.host.move_to_end(adapter.int_id)
         limit = self.config.max_cpu_loras or self.config.max_loras
-        while len(self.host) > limit:
-            victim, _ = next(iter(self.host.items()))
-            if victim == adapter.int_id:
-                break
+        if len(self.host) <= limit:
+            return
+        # The least recently used copies no running request needs. The limit
+        # is passed by at most this one adapter: the scheduler runs at most
+        # --max-loras adapters at once, and --max-cpu-loras >= --max-loras.
+        pinned = self.in_use() | {adapter.int_id}
+        for victim in [i for i in self.host if i not in pinned][: len(self.host) - limit]:
             del self.host[victim]
             self.stats.cpu_evictions += 1
 
     def remove(self, int_id: int) -> None:
-        """Forget an adapter (unloaded): host copy and device slot."""
+        """Forget an adapter (unloaded): host copy and device slot, at once when
+        no running request uses it, else once the last of them has finished."""
+        if int_id in self.in_use():
+            self.retired.add(int_id)
+            return
+        self._drop(int_id)
+
+    def _drop(self, int_id: int) -> None:
+        self.retired.discard(int_id)
         self.host.pop(int_id, None)
         for slot, held in enumerate(self.slots):
             if held == int_id:
@@ -148,6 +171,10 @@ class LoRAManager:
     def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
         """Device slots for a step's adapters: {lora_int_id: slot}."""
         wanted = {r.lora_int_id: r for r in requests}
+        if self.retired:
+            running = self.in_use()
+            for int_id in [i for i in self.retired if i not in running]:
+                self._drop(int_id)
         if len(wanted) > len(self.slots):
             raise RuntimeError(
                 f"a step holds {len(wanted)} LoRA adapters, more than --max-loras {len(self.slots)}"

@@ -12,11 +12,18 @@ module an adapter does not target is all zeros in its slot).
 
 Two torch forms compute it, with the same weights:
 
-* :func:`segmented_lora` loops over segments (the reference; cost follows the
-  tokens of each adapter, used for prefill-sized steps);
-* :func:`dense_lora` multiplies every token by the first ``k`` slots at once
-  and masks each token's other slots out: three ops per projection whatever
-  the number of adapters, the fast form for decode steps (few tokens).
+* :func:`segmented_lora` loops over segments (the reference; two matmuls per
+  segment, cost proportional to each adapter's tokens; used for large steps
+  whose segments differ much in length: prefill);
+* :func:`grouped_lora` runs all segments at once as two batched matmuls: the
+  step's adapter rows as ``[S, L, in]`` (S segments padded to the longest, L),
+  each segment against its own slot's ``A`` and ``Bt`` only. Its work is the
+  adapter rows' own (plus padding), never every token through every slot, and
+  it reads each slot's weights in place (a view) when the step's slots are a
+  contiguous range in segment order (the runner orders rows by slot for that);
+  when the segments are the adapter rows back to back and equally long it
+  needs no gather or scatter either. Used for decode-sized steps and for any
+  step whose padding stays small.
 
 ``pdfleet.kernels.lora`` holds the Triton kernel of the segmented form.
 """
@@ -27,8 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Steps of at most this many tokens use the dense (masked) form.
-DENSE_MAX_TOKENS = 256
+# Steps of at most this many tokens use the grouped form whatever its padding
+# (its padded work is still at most every token through every slot of the step).
+GROUPED_MAX_TOKENS = 256
+# Larger steps use it while the padded rows are at most this many times the
+# adapter rows; past that the segment loop does less work.
+GROUPED_MAX_PADDING = 1.25
 
 
 @dataclass
@@ -38,21 +49,28 @@ class LoRABatch:
     segments: list[tuple[int, int, int]]
     """(first token, end token, slot) per adapter run, host-side; base rows have none."""
     num_tokens: int
-    num_slots: int
-    """Slots the dense form covers: 1 + the largest slot in use."""
     rank: int
-    mask: torch.Tensor | None = None
-    """[num_tokens, num_slots * rank]: 1 where a token's own slot's columns are
-    (the dense form only)."""
+    grouped: bool = False
+    """The grouped form (the fields below); else the segment loop."""
+    group_len: int = 0
+    """L: the longest segment; the grouped rows are [S, L]."""
+    row_start: int = 0
+    """With ``row_index`` None: the grouped rows are x[row_start : row_start + S * L]."""
+    row_index: torch.Tensor | None = None
+    """int64 [S * L]: the token of each grouped row (a padding row repeats its
+    segment's first token); None when the rows are a plain range."""
+    row_valid: torch.Tensor | None = None
+    """[S, L, 1] of x's dtype: 0 on padding rows (their delta is dropped); None
+    when no segment is padded."""
+    slot_start: int = 0
+    """With ``slot_index`` None: segment i uses slot slot_start + i."""
+    slot_index: torch.Tensor | None = None
+    """int64 [S]: each segment's slot, when they are not a contiguous range."""
     seg_start: torch.Tensor | None = None
     seg_len: torch.Tensor | None = None
     seg_slot: torch.Tensor | None = None
     """int32 [num_segments] each, on the device (the Triton kernel only)."""
     use_triton: bool = False
-
-    @property
-    def dense(self) -> bool:
-        return self.mask is not None
 
 
 def make_batch(
@@ -66,8 +84,7 @@ def make_batch(
     """The batch of a step, or None when no token runs an adapter."""
     if not segments:
         return None
-    num_slots = 1 + max(s for _, _, s in segments)
-    batch = LoRABatch(segments, num_tokens, num_slots, rank, use_triton=use_triton)
+    batch = LoRABatch(segments, num_tokens, rank, use_triton=use_triton)
     if use_triton:
         batch.seg_start = torch.tensor(
             [a for a, _, _ in segments], dtype=torch.int32, device=device
@@ -76,11 +93,33 @@ def make_batch(
             [b - a for a, b, _ in segments], dtype=torch.int32, device=device
         )
         batch.seg_slot = torch.tensor([s for _, _, s in segments], dtype=torch.int32, device=device)
-    elif num_tokens <= DENSE_MAX_TOKENS:
-        mask = torch.zeros(num_tokens, num_slots, rank, dtype=dtype)
-        for start, end, slot in segments:
-            mask[start:end, slot] = 1
-        batch.mask = mask.view(num_tokens, num_slots * rank).to(device)
+        return batch
+    lengths = [b - a for a, b, _ in segments]
+    num_segs, longest = len(segments), max(lengths)
+    padded = num_segs * longest
+    if num_tokens > GROUPED_MAX_TOKENS and padded > GROUPED_MAX_PADDING * sum(lengths):
+        return batch
+    batch.grouped, batch.group_len = True, longest
+    back_to_back = all(segments[i][1] == segments[i + 1][0] for i in range(num_segs - 1))
+    if back_to_back and all(n == longest for n in lengths):
+        batch.row_start = segments[0][0]
+    else:
+        rows = [
+            start + min(j, n - 1)
+            for (start, _, _), n in zip(segments, lengths, strict=True)
+            for j in range(longest)
+        ]
+        batch.row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        if padded != sum(lengths):
+            valid = torch.tensor(
+                [[[float(j < n)] for j in range(longest)] for n in lengths], dtype=dtype
+            )
+            batch.row_valid = valid.to(device)
+    slots = [s for _, _, s in segments]
+    if slots == list(range(slots[0], slots[0] + num_segs)):
+        batch.slot_start = slots[0]
+    else:
+        batch.slot_index = torch.tensor(slots, dtype=torch.int64, device=device)
     return batch
 
 
@@ -125,15 +164,42 @@ def segmented_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: Lo
         y[start:end, off : off + shard.size] += t @ shard.bt[slot * r : (slot + 1) * r]
 
 
-def dense_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
-    """Every token through slots [0, k) at once, the other slots' columns masked."""
-    if batch.mask is None:
-        raise RuntimeError("broken invariant: batch.mask is not None")
-    cols = batch.num_slots * shard.rank
-    t = x @ shard.a.view(-1, shard.a.shape[-1])[:cols].t()
-    t.mul_(batch.mask)
+def _grouped_rows(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """The step's adapter rows of ``x`` as [S, L, in] (a view when they are a range)."""
+    num_segs = len(batch.segments)
+    if batch.row_index is None:
+        start = batch.row_start
+        return x[start : start + num_segs * batch.group_len].reshape(num_segs, batch.group_len, -1)
+    return x.index_select(0, batch.row_index).reshape(num_segs, batch.group_len, -1)
+
+
+def grouped_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
+    """Every segment against its own slot at once: two batched matmuls."""
+    if not batch.grouped:
+        raise RuntimeError("broken invariant: batch.grouped")
+    rows = _grouped_rows(x, batch)
+    _grouped_shard(rows, y, shard, batch)
+
+
+def _grouped_shard(rows: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
+    num_segs, r = len(batch.segments), shard.rank
+    bt = shard.bt.view(-1, r, shard.size)  # [slots, R, size]
+    if batch.slot_index is None:
+        a = shard.a[batch.slot_start : batch.slot_start + num_segs]
+        bt = bt[batch.slot_start : batch.slot_start + num_segs]
+    else:
+        a = shard.a.index_select(0, batch.slot_index)
+        bt = bt.index_select(0, batch.slot_index)
+    t = torch.bmm(rows, a.transpose(1, 2))  # [S, L, R]
+    if batch.row_valid is not None:
+        t.mul_(batch.row_valid)
+    delta = torch.bmm(t, bt).view(num_segs * batch.group_len, shard.size)
     view = y[:, shard.offset : shard.offset + shard.size]
-    view.addmm_(t, shard.bt[:cols])
+    if batch.row_index is None:
+        start = batch.row_start
+        view[start : start + delta.shape[0]] += delta
+    else:
+        view.index_add_(0, batch.row_index, delta)
 
 
 def apply_lora(x: torch.Tensor, y: torch.Tensor, shards: list[LoRAShard], batch: LoRABatch) -> None:
@@ -160,9 +226,13 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, shards: list[LoRAShard], batch:
                 max(e - s for s, e, _ in batch.segments),
             )
         return
-    fn = dense_lora if batch.dense else segmented_lora
+    if batch.grouped:
+        rows = _grouped_rows(x, batch)  # once for all the shards of one input
+        for shard in shards:
+            _grouped_shard(rows, y, shard, batch)
+        return
     for shard in shards:
-        fn(x, y, shard, batch)
+        segmented_lora(x, y, shard, batch)
 
 
 class LoRAContext:

@@ -43,8 +43,13 @@ class Executor(Protocol):
         from; raises ``TypeError`` where grammars cannot run."""
         ...
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Read and check a LoRA adapter now (raises LoRAError naming it)."""
+    def read_lora(self, request: LoRARequest) -> Any:
+        """Read and check a LoRA adapter (raises LoRAError naming it). Changes
+        nothing: callable from any thread."""
+        ...
+
+    def install_lora(self, read: Any) -> None:
+        """Keep what :meth:`read_lora` returned in the caches (the engine thread)."""
         ...
 
     def remove_lora(self, lora_int_id: int) -> None:

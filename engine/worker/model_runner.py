@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..distributed import get_tp_group
 from ..kv_transfer.base import KVConnectorWorker
-from ..lora.adapter import LoRARequest, module_shapes
+from ..lora.adapter import LoRAAdapter, LoRARequest, module_shapes
 from ..lora.manager import LoRAManager
 from ..models.fused import use_kernels
 from ..models.loader import load_model, torch_dtype
@@ -79,10 +79,6 @@ class CachedRequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def lora_id_or_zero(self) -> int:
-        return self.lora.lora_int_id if self.lora is not None else 0
 
 
 class ModelRunner:
@@ -208,13 +204,20 @@ class ModelRunner:
             self.device,
             slicer,
             use_triton=lambda: triton,
+            in_use=lambda: {s.lora.lora_int_id for s in self.states.values() if s.lora is not None},
         )
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Read an adapter into the host cache now (raises LoRAError naming it)."""
+    def read_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter (raises LoRAError naming it); any thread."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
-        self.lora.add(self.lora.read(request))
+        return self.lora.read(request)
+
+    def install_lora(self, read: LoRAAdapter) -> None:
+        """Keep a read adapter in the host cache."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        self.lora.add(read)
 
     def remove_lora(self, lora_int_id: int) -> None:
         if self.lora is not None:
@@ -343,9 +346,15 @@ class ModelRunner:
     def _prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         req_ids = list(out.num_scheduled_tokens)
+        lora_slots: dict[int, int] = {}
         if self.lora is not None:
-            # Each adapter's rows together (base rows first): one segment each.
-            req_ids.sort(key=lambda r: self.states[r].lora_id_or_zero)
+            # The step's adapters into device slots, then each adapter's rows
+            # together in slot order (base rows first): one segment per
+            # adapter, and segments whose slots are usually a contiguous range
+            # (the grouped LoRA form then reads the slots' weights in place).
+            wanted = [self.states[r].lora for r in req_ids]
+            lora_slots = self.lora.activate([w for w in wanted if w is not None])
+            req_ids.sort(key=lambda r: self._lora_sort_key(r, lora_slots))
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         states = [self.states[r] for r in req_ids]
         num_tokens = sum(counts)
@@ -393,7 +402,7 @@ class ModelRunner:
         )
         self.backend.prepare(meta, bs)
         if self.lora is not None:
-            self._lora_segments(states, counts, num_tokens)
+            self._lora_segments(states, counts, num_tokens, lora_slots)
         return ModelInput(
             req_ids=req_ids,
             states=states,
@@ -404,14 +413,20 @@ class ModelRunner:
             logits_indices=logits_indices,
         )
 
+    def _lora_sort_key(self, req_id: str, slots: dict[int, int]) -> int:
+        lora = self.states[req_id].lora
+        return 0 if lora is None else 1 + slots[lora.lora_int_id]
+
     def _lora_segments(
-        self, states: list[CachedRequestState], counts: list[int], num_tokens: int
+        self,
+        states: list[CachedRequestState],
+        counts: list[int],
+        num_tokens: int,
+        slots: dict[int, int],
     ) -> None:
-        """Put the step's adapters in device slots and set their token segments."""
+        """Set the step's token segments (its adapters are in ``slots``)."""
         if self.lora is None:
             raise RuntimeError("broken invariant: self.lora is not None")
-        wanted = [s.lora for s in states if s.lora is not None]
-        slots = self.lora.activate(wanted) if wanted else {}
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for state, n in zip(states, counts, strict=True):

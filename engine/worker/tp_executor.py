@@ -411,7 +411,7 @@ class TPExecutor:
     def attach_grammars(self, grammars: Any) -> None:
         raise TypeError("structured outputs need an in-process model runner (TP=1)")
 
-    def add_lora(self, request: LoRARequest) -> None:
+    def read_lora(self, request: LoRARequest) -> None:
         """Check the adapter here, whole; each rank reads its own shard of it when
         a step first needs it (the step names the directory)."""
         lc = self.config.lora_config
@@ -421,6 +421,9 @@ class TPExecutor:
         load_adapter(
             request, m.num_hidden_layers, module_shapes(m), lc.max_lora_rank, torch.float32
         )
+
+    def install_lora(self, read: None) -> None:
+        """Nothing to keep here (the ranks read their shards)."""
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Nothing to tell the ranks: their caches key by load id, which an

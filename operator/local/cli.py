@@ -304,7 +304,7 @@ def take_apply(
         def resolve(s: Any) -> str:
             return resolve_model(s.spec.model.uri, s.spec.model.revision, say)
 
-        todo = plan(fleet, service, resolve, autoscaling)
+        todo = plan(fleet, service, resolve, autoscaling, lambda new: resolve_adapters(new, say))
     except ValueError as e:
         status.state, status.message = "failed", str(e)
         say(f"! apply refused: {e}")

@@ -464,13 +464,21 @@ class LocalFleet:
             self.kv_events.pop(child.name, None)
         self.write_engines_file()
 
-    def use(self, service: InferenceService, model_path: str) -> None:
-        """Engines started from now on run ``service`` (from ``model_path``);
+    def use(
+        self,
+        service: InferenceService,
+        model_path: str,
+        adapter_paths: dict[str, str] | None = None,
+    ) -> None:
+        """Engines started from now on run ``service`` (from ``model_path``,
+        with ``adapter_paths`` when given: each of its adapters' directory);
         running ones keep their command lines, restarts included."""
         with self.lock:
             self.service = service
             self.spec = service.spec
             self.model_path = model_path
+            if adapter_paths is not None:
+                self.adapter_paths = dict(adapter_paths)
 
     def stop(self, grace: float = 15.0) -> None:
         """Stop every child (gateway first, then engines in parallel), bounded."""

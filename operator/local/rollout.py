@@ -19,7 +19,15 @@ carries a plan out in a thread while the supervisor keeps supervising:
 * the gateway pairs a prefill leg only with a decode engine of the same
   compatibility hash, so while the hashes of the two roles differ requests
   are served by decode alone (no mixed pair is ever made);
-* a change that needs no new engine (replica counts) only scales.
+* a change that needs no new engine (replica counts) only scales;
+* spec.adapters never needs one: the new list's directories are resolved
+  first (``hf://`` fetched once into the Hugging Face cache, as ``pdfleet up``
+  does; a fetch that fails refuses the file), engines started from then on
+  get them in ``--lora-modules``, and once the roles are rolled or scaled
+  every running engine is told through its load and unload API (fleet token):
+  adapters the file no longer lists, or whose directory changed, are
+  unloaded, new ones loaded. Requests running on an unloaded adapter finish
+  with it.
 
 Every wait is bounded: an engine that is not ready within the fleet's start
 timeout, or that keeps exiting, fails the rollout (it is stopped, the engines
@@ -36,9 +44,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from ..compat import check_service
-from ..resource import InferenceService
-from ..roles import engine_command, publishes_kv_events, role_engine_args
+from ..resource import AdapterSpec, InferenceService
+from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
 from .fleet import MAX_RESTARTS, LocalFleet
 from .process import Child
 
@@ -64,8 +74,18 @@ def engine_signature(service: InferenceService, role: str, model_path: str) -> l
     configs whose signatures differ need new engines."""
     spec = service.spec
     events = ("tcp://h:1", "tcp://h:2") if publishes_kv_events(spec, role) else None
+    # Without the adapters loaded at start: those are loaded and unloaded on
+    # running engines instead (LoRA's own flags, which spec.adapters being
+    # non-empty implies, still count).
     args = role_engine_args(
-        spec, role, model_path=model_path, kv_ip="h", kv_port=1, engine_id="e", kv_events=events
+        spec,
+        role,
+        model_path=model_path,
+        kv_ip="h",
+        kv_port=1,
+        engine_id="e",
+        kv_events=events,
+        adapters=[],
     )
     return engine_command(args, host="h", port=1, serving=spec.serving)
 
@@ -90,6 +110,10 @@ class Plan:
     """Engines per role to end with."""
     changed: list[str]
     """Every field path the new file changes."""
+    adapter_paths: dict[str, str] = field(default_factory=dict)
+    """The local directory of each of the new spec.adapters."""
+    sync_adapters: bool = False
+    """spec.adapters changed: load and unload on the running engines."""
 
     def summary(self) -> str:
         if not self.changed:
@@ -104,11 +128,14 @@ def plan(
     service: InferenceService,
     resolve: Callable[[InferenceService], str],
     autoscaling: bool,
+    resolve_adapters: Callable[[list[AdapterSpec]], dict[str, str]] | None = None,
 ) -> Plan:
     """What applying ``service`` to ``fleet`` takes; ValueError (the fleet
     untouched) when it may not be applied. ``resolve``: the model directory of
     a service whose model changed; ``autoscaling``: an autoscaler owns the
-    replica counts."""
+    replica counts; ``resolve_adapters``: the local directories of adapters
+    the fleet does not have yet (ValueError when one cannot be had; default:
+    the path a ``file://`` source names)."""
     old = fleet.service
     if service.name != old.name:
         raise ValueError(
@@ -165,7 +192,29 @@ def plan(
                     "spec.autoscaling is set"
                 )
             replicas[role] = want
-    return Plan(service, model_path, roll, replicas, changed)
+    adapter_paths, sync = _plan_adapters(fleet, service, resolve_adapters)
+    return Plan(service, model_path, roll, replicas, changed, adapter_paths, sync)
+
+
+def _plan_adapters(
+    fleet: LocalFleet,
+    service: InferenceService,
+    resolve: Callable[[list[AdapterSpec]], dict[str, str]] | None,
+) -> tuple[dict[str, str], bool]:
+    """(the local directory of each new adapter, whether the list changed)."""
+    old = {a.name: a for a in fleet.service.spec.adapters}
+    new = service.spec.adapters
+    kept = {
+        a.name: fleet.adapter_paths[a.name]
+        for a in new
+        if old.get(a.name) == a and a.name in fleet.adapter_paths
+    }
+    missing = [a for a in new if a.name not in kept]
+    fetched = (
+        resolve(missing) if resolve is not None else {a.name: adapter_path(a) for a in missing}
+    )
+    paths = {a.name: kept.get(a.name) or fetched[a.name] for a in new}
+    return paths, list(old.values()) != list(new)
 
 
 def engine_compat_hash(child: Child) -> str | None:
@@ -214,9 +263,10 @@ class Rollout(threading.Thread):
         fleet, todo = self.fleet, self.plan
         old_service, old_path = fleet.service, fleet.model_path
         replaced = False
+        old_adapters = dict(fleet.adapter_paths)
         try:
             self.step(todo.summary())
-            fleet.use(todo.service, todo.model_path)
+            fleet.use(todo.service, todo.model_path, todo.adapter_paths)
             for role in ORDER:
                 if role not in fleet.roles:
                     continue
@@ -225,9 +275,11 @@ class Rollout(threading.Thread):
                     replaced = self._roll(role, target) or replaced
                 else:
                     self._scale(role, target)
+            if todo.sync_adapters:
+                self._sync_adapters()
         except (RuntimeError, TimeoutError) as e:
             if not replaced:  # nothing new runs: later engines keep the old config
-                fleet.use(old_service, old_path)
+                fleet.use(old_service, old_path, old_adapters)
             self.status.message = str(e)
             self.status.state = "failed"
             self.fleet.say(f"! apply failed: {e}")
@@ -295,6 +347,44 @@ class Rollout(threading.Thread):
             if i < len(old):
                 self._retire(old[i])
         return bool(old)
+
+    def _sync_adapters(self) -> None:
+        """Every running engine serves exactly the plan's adapters (bounded
+        calls; RuntimeError naming the engine and adapter on a failure)."""
+        wanted = self.plan.adapter_paths
+        headers = self.fleet.auth_headers
+        for role in ORDER:
+            for child in self.fleet.role_engines(role):
+                try:
+                    r = httpx.get(child.url + "/v1/models", headers=headers, timeout=10)
+                    r.raise_for_status()
+                    cards = r.json()["data"]
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    raise RuntimeError(f"{child.name}: cannot list its adapters ({e})") from None
+                served = {c["id"]: c.get("root") for c in cards if c.get("parent") is not None}
+                calls = [
+                    ("unload", {"lora_name": name})
+                    for name, root in served.items()
+                    if wanted.get(name) != root
+                ]
+                calls += [
+                    ("load", {"lora_name": name, "lora_path": path})
+                    for name, path in wanted.items()
+                    if served.get(name) != path
+                ]
+                for action, body in calls:
+                    url = f"{child.url}/v1/{action}_lora_adapter"
+                    try:
+                        r = httpx.post(url, json=body, headers=headers, timeout=120)
+                        error = r.text.strip()[:500] if r.status_code >= 400 else None
+                    except httpx.HTTPError as e:
+                        error = repr(e)
+                    if error is not None:
+                        raise RuntimeError(
+                            f"{child.name}: {action} of adapter {body['lora_name']!r} "
+                            f"failed: {error}"
+                        )
+                    self.step(f"{child.name}: adapter {body['lora_name']} {action}ed")
 
     def _scale(self, role: str, target: int) -> None:
         while len(self.fleet.role_engines(role)) < target:

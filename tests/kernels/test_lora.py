@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdfleet.engine.lora.ops import LoRAShard, dense_lora, make_batch, segmented_lora
+from pdfleet.engine.lora.ops import (
+    GROUPED_MAX_TOKENS,
+    LoRAShard,
+    apply_lora,
+    grouped_lora,
+    make_batch,
+    segmented_lora,
+)
 from pdfleet.kernels.lora import sgmv_lora, sgmv_lora_reference
 
 
@@ -37,21 +44,38 @@ def test_sgmv_matches_reference(device, segments, dtype):
     torch.testing.assert_close(got[:, :5], y[:, :5])
 
 
-def test_engine_torch_forms_match_the_kernel_reference():
-    segments = [(0, 3, 1), (3, 4, 0), (9, 5, 2)]
+# Segments (first, end, slot) as the engine forms see them: gaps of base rows,
+# slots out of order, unequal lengths; back to back over a contiguous slot
+# range, equal and unequal (the in-place views); one segment; a large step.
+ENGINE_SEGMENTS = [
+    ([(0, 3, 1), (3, 7, 0), (9, 14, 2)], 16),
+    ([(4, 8, 0), (8, 12, 1), (12, 16, 2)], 16),
+    ([(2, 3, 1), (3, 9, 2)], 16),
+    ([(5, 16, 2)], 16),
+    ([(0, 200, 0), (200, 300, 2), (300, 301, 1)], 301),
+]
+
+
+@pytest.mark.parametrize(("segments", "num_tokens"), ENGINE_SEGMENTS)
+def test_engine_torch_forms_match_the_kernel_reference(segments, num_tokens):
     x, a, bt, y, (start, length, slot) = _case(
-        "cpu", torch.float32, [(s, e - s, sl) for s, e, sl in segments], 16
+        "cpu", torch.float32, [(s, e - s, sl) for s, e, sl in segments], num_tokens
     )
     want = sgmv_lora_reference(x, a, bt, y.clone(), start, length, slot, y_offset=5)
     shard = LoRAShard(5, bt.shape[1], x.shape[1], 3, 8, torch.float32, torch.device("cpu"))
     shard.a.copy_(a)
     shard.bt.copy_(bt)
-    for dense in (False, True):
-        batch = make_batch(segments, 16, 8, torch.float32, torch.device("cpu"))
-        assert batch is not None and batch.dense
+    batch = make_batch(segments, num_tokens, 8, torch.float32, torch.device("cpu"))
+    assert batch is not None
+    for form in (segmented_lora, grouped_lora) if batch.grouped else (segmented_lora,):
         got = y.clone()
-        (dense_lora if dense else segmented_lora)(x, got, shard, batch)
+        form(x, got, shard, batch)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = y.clone()
+    apply_lora(x, got, [shard], batch)  # the form make_batch chose
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # A large step with much padding takes the segment loop.
+    assert batch.grouped == (num_tokens <= GROUPED_MAX_TOKENS)
 
 
 def test_sgmv_refuses_bad_shapes(device):

@@ -4,11 +4,19 @@ prefill, the prefix cache, preemption, evictions from both adapter caches."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
+import threading
+
 import pytest
+import torch
 from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
 
 from pdfleet.engine import LLM, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
+from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
 
 
@@ -137,6 +145,21 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     )
     with pytest.raises(LoRAError, match=r"'other'.*another model"):
         llm.engine.add_lora("other", other)
+    # A config PEFT could not have written, and integer "weights".
+    for key, value, match in (
+        ("rank_pattern", {"[": 4}, "rank_pattern key '\\[' is not a regular expression"),
+        ("alpha_pattern", ["x"], "alpha_pattern must be a JSON object"),
+    ):
+        bad = shutil.copytree(a, tmp_path / key)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
+            llm.engine.add_lora(key, str(bad))
+    ints = shutil.copytree(a, tmp_path / "ints")
+    weights = load_file(ints / "adapter_model.safetensors")
+    save_file({k: v.to(torch.int8) for k, v in weights.items()}, ints / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="'ints'.*torch.int8.*floating point"):
+        llm.engine.add_lora("ints", str(ints))
     llm.engine.add_lora("a", a)
     with pytest.raises(LoRAError, match="already loaded"):
         llm.engine.add_lora("a", a)
@@ -198,3 +221,73 @@ def test_triton_backend_runs_the_sgmv_kernel_in_the_model(llama, peft_factory):
     prompts = random_prompts(vocab, [6, 4, 5], seed=9)
     check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)], max_tokens=3)
     assert llm.engine.core.runner.lora.context.batch is None  # cleared after each step
+
+
+def test_run_time_load_reads_off_the_engine_thread(llama):
+    """While a load's read is held up, the engine keeps stepping: a request runs
+    to its end; the adapter is served once the read completes."""
+    base, a, _ = llama
+    llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
+    runner = llm.engine.core.runner
+    release, reading = threading.Event(), threading.Event()
+    real_read = runner.read_lora
+
+    def slow_read(request):
+        reading.set()
+        assert threading.current_thread().name.startswith("pdfleet-lora-read")
+        assert release.wait(30)
+        return real_read(request)
+
+    runner.read_lora = slow_read
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        load = asyncio.create_task(engine.load_lora("a", a))
+        assert await asyncio.to_thread(reading.wait, 30)
+        stream = await engine.add_request("r1", [5, 6, 7], greedy(4))
+        outs = [o async for o in stream]
+        assert outs[-1].finished and not load.done()
+        assert "a" not in llm.engine.loras
+        release.set()
+        await asyncio.wait_for(load, 30)
+        assert "a" in llm.engine.loras
+        stream = await engine.add_request("r2", [5, 6, 7], greedy(2), lora_name="a")
+        assert [o async for o in stream][-1].finished
+        with pytest.raises(LoRAError, match="already loaded"):
+            await engine.load_lora("a", a)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_unload_while_running_keeps_the_adapter_until_its_requests_finish(
+    llama, peft_factory, tmp_path
+):
+    """An unloaded adapter whose directory is gone at once: its running request
+    still finishes with it (and matches peft), no step fails, the base request
+    beside it is untouched, and the adapter's copies go once it is done."""
+    base, a, _ = llama
+    copy = shutil.copytree(a, tmp_path / "a")
+    llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    lora = engine.add_lora("a", str(copy))
+    (prompt,) = random_prompts(engine.config.model_config.vocab_size, [9], seed=10)
+    engine.add_request(
+        "x", {"prompt_token_ids": prompt}, greedy(8), output_kind="final", lora_request=lora
+    )
+    engine.add_request("y", {"prompt_token_ids": prompt}, greedy(8), output_kind="final")
+    engine.step()
+    engine.remove_lora("a")
+    shutil.rmtree(copy)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert outs["x"] == hf_greedy(peft_factory(base, a), prompt, 8)
+    assert outs["y"] == hf_greedy(peft_factory(base, None), prompt, 8)
+    llm.generate([{"prompt_token_ids": prompt}], greedy(1))  # the next step drops them
+    manager = engine.core.runner.lora
+    assert manager.host == {} and manager.slots == [None] and manager.retired == set()
+    assert_no_leaks(llm)

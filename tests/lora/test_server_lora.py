@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from helpers.engine import hf_greedy, random_prompts
 from helpers.fleet import metric, start_gateway
@@ -119,9 +120,21 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
     assert cards["tiny"]["parent"] is None
 
     # A client key may use an adapter, and gets what peft computes.
-    assert tokens(complete(server.url, "a", client)) == hf_greedy(
-        peft_factory(tiny_model, a), PROMPT, 8
+    want_a = hf_greedy(peft_factory(tiny_model, a), PROMPT, 8)
+    assert tokens(complete(server.url, "a", client)) == want_a
+    # The official client: the adapter is a model it lists and can name.
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="client-key", max_retries=0)
+    assert {"tiny", "a"} <= {m.id for m in oai.models.list()}
+    done = oai.completions.create(
+        model="a",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
+    assert done.model == "a" and done.choices[0].model_extra["token_ids"] == want_a
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt=PROMPT, max_tokens=1)
     assert tokens(complete(server.url, "tiny", client)) == hf_greedy(
         peft_factory(tiny_model, None), PROMPT, 8
     )
@@ -163,9 +176,9 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
     samples = scrape(server.url)
     assert samples["pdfleet_engine_lora_adapters"] == 1
     assert samples["pdfleet_engine_lora_loads_total"] >= 2
-    assert samples["pdfleet_engine_lora_requests_total"] >= 3
+    assert samples["pdfleet_engine_lora_requests_total"] >= 4
     text = httpx.get(server.url + "/metrics", headers=fleet, timeout=10).text
-    assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 2.0' in text
+    assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 3.0' in text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
 

@@ -1,15 +1,22 @@
 """`pdfleet up` with spec.adapters: both engines of a P/D fleet start with the
 adapter, and a request naming it through the gateway gives transformers +
-peft's greedy tokens."""
+peft's greedy tokens; `pdfleet apply` of a file whose adapters changed loads
+and unloads them on the running engines, restarting none."""
 
 from __future__ import annotations
 
+import copy
+import subprocess
+
 import httpx
 import pytest
+import yaml
 from helpers.engine import hf_greedy, random_prompts
 from helpers.fleet import metric
 from helpers.server import fleet_headers, wait_until
-from helpers.up import Up, fleet_spec
+from helpers.up import Up, fleet_spec, process_argv
+
+from pdfleet.engine.contracts.launch import python_module
 
 PROMPT = random_prompts(1000, [48], seed=5)[0]
 
@@ -25,13 +32,13 @@ def up(tiny_model, adapter_factory, tmp_path_factory):
     spec["spec"]["engine"]["maxLoraRank"] = 8
     fleet = Up(spec, tmp_path_factory.mktemp("up-lora"), "lora")
     try:
-        yield fleet.wait_ready(), adapter
+        yield fleet.wait_ready(), adapter, spec
     finally:
         fleet.stop()
 
 
 def test_up_starts_both_roles_with_the_adapters_and_serves_them(up, tiny_model, peft_factory):
-    fleet, adapter = up
+    fleet, adapter, _ = up
     headers = fleet_headers()
     engines = {e["role"]: e["url"] for e in fleet.engines()}
     assert set(engines) == {"prefill", "decode"}
@@ -65,3 +72,67 @@ def test_up_starts_both_roles_with_the_adapters_and_serves_them(up, tiny_model, 
     for role, url in engines.items():
         count = metric(url, "pdfleet_engine_lora_requests_total", lora_name="team/sql")
         assert count == 1, role
+
+
+def served(fleet: Up) -> dict[str, dict[str, str]]:
+    """Engine role -> {adapter: directory} it serves."""
+    out = {}
+    for e in fleet.engines():
+        r = httpx.get(e["url"] + "/v1/models", headers=fleet_headers(), timeout=10)
+        out[e["role"]] = {c["id"]: c["root"] for c in r.json()["data"] if c.get("parent")}
+    return out
+
+
+def test_apply_loads_and_unloads_adapters_without_restarts(
+    up, tiny_model, adapter_factory, peft_factory, tmp_path
+):
+    fleet, adapter, spec = up
+    engines = sorted(p for p in fleet.child_pids() if "serve" in process_argv(p))
+    other = adapter_factory(tiny_model, 7, r=8)
+    run_dir = ["--run-dir", str(fleet.run_dir), "--timeout", "120"]
+
+    def apply(adapters: list[dict]) -> None:
+        changed = copy.deepcopy(spec)
+        changed["spec"]["adapters"] = adapters
+        path = tmp_path / f"apply-{len(adapters)}.yaml"
+        path.write_text(yaml.safe_dump(changed))
+        done = subprocess.run(
+            [*python_module("pdfleet.engine.cli"), "apply", str(path), *run_dir],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr + fleet.output()[-3000:]
+
+    both = [
+        {"name": "team/sql", "source": f"file://{adapter}"},
+        {"name": "other", "source": f"file://{other}"},
+    ]
+    apply(both)
+    assert served(fleet) == {
+        r: {"team/sql": adapter, "other": other} for r in ("prefill", "decode")
+    }
+    body = {
+        "model": "other",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    assert wait_until(
+        lambda: (
+            httpx.post(
+                fleet.url + "/v1/completions", json=body, headers=fleet_headers(), timeout=120
+            ).status_code
+            == 200
+        ),
+        timeout=30,
+    )
+    r = httpx.post(fleet.url + "/v1/completions", json=body, headers=fleet_headers(), timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(
+        peft_factory(tiny_model, other), PROMPT, 8
+    )
+    apply(both[1:])  # team/sql removed
+    assert served(fleet) == {r: {"other": other} for r in ("prefill", "decode")}
+    assert sorted(p for p in fleet.child_pids() if "serve" in process_argv(p)) == engines

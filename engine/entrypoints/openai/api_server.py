@@ -446,7 +446,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")
         try:
-            await state.engine.call(lambda engine: engine.add_lora(name, path))
+            await state.engine.load_lora(name, path)
         except LoRAError as e:
             raise APIError(str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
