@@ -523,19 +523,24 @@ def _routable(gateway_url: str) -> int:
 
 
 def handing_back(body: dict) -> tuple[int, object]:
-    """A decode engine that sends two tokens, then hands the stream back."""
+    """A decode engine that sends two tokens, then hands the stream back (or,
+    for a leg without migration state, ends it early: it died)."""
     sent = len((body.get("migration") or {}).get("output_token_ids", []))
 
     def events():
         for t in (sent, sent + 1):
             data = {"id": "c", "created": 7, "choices": [{"index": 0, "text": f"t{t} "}]}
+            if "migration" not in body:
+                yield b"data: %s\n\n" % json.dumps(data).encode()
+                continue
             yield b": ids %d\ndata: %s\n\n" % (100 + t, json.dumps(data).encode())
-        yield b": migrate\n\n"
+        if "migration" in body:
+            yield b": migrate\n\n"
 
     return 200, events()
 
 
-def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_path):
+def test_a_request_moves_at_most_max_migrations_times_and_n_above_1_never_moves(tmp_path):
     fakes = [FakeEngine(answer=handing_back), FakeEngine(answer=handing_back)]
     gw = None
     try:
@@ -569,6 +574,16 @@ def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_pat
         ]
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 2
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="exhausted") == 1
+
+        # Several sequences (n > 1; best_of, which must equal n) do not migrate:
+        # their legs carry no migration state, and a leg that fails ends the
+        # stream with an error event.
+        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True, "n": 2})
+        assert got.text == "t0 t1 " and len(got.errors) == 1
+        assert "ended the stream early" in got.errors[0]["error"]["message"]
+        posts = [s.body for f in fakes for s in f.posts()]
+        assert sum("migration" not in b for b in posts) == 1
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") == 0
     finally:
         if gw is not None:
             gw.stop()
