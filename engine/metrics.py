@@ -83,7 +83,14 @@ _GRAMMAR = (
 class EngineMetrics:
     """The engine's series on one registry; :meth:`update` runs after each step."""
 
-    def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        registry: CollectorRegistry | None = None,
+        resume_identity: str | None = None,
+    ) -> None:
+        """``resume_identity``: the server's (its chat options are factors);
+        the engine config's alone when None."""
         self.registry = registry or CollectorRegistry()
         self.labels = {m.MODEL_NAME: config.model_config.name}
         kv = config.kv_transfer_config
@@ -141,6 +148,7 @@ class EngineMetrics:
         # Labelled by finish reason as requests finish, so not touched up front.
         self.request_success = m.ENGINE_REQUEST_SUCCESS.create(self.registry)
         cache = config.cache_config
+        self.resume_identity = resume_identity or config.resume_identity()
         cache_labels = dict(
             zip(
                 m.CACHE_CONFIG_LABELS,
@@ -151,6 +159,7 @@ class EngineMetrics:
                     str(cache.enable_prefix_caching),
                     config.compat_hash(),
                     cache.prefix_caching_hash_algo,
+                    self.resume_identity,
                 ),
                 strict=True,
             )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .admission import AdmissionConfig
@@ -48,6 +50,43 @@ def pdfleet_version() -> str:
         return version("pdfleet")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+SAMPLER_VERSION = 1
+"""Bumped when the seeded draw (``sample/sampler.py``, ``step_seed``) or the
+order of the sampling steps changes what a seed and position draw: engines of
+two versions must not continue each other's seeded requests."""
+
+# The files of a tokenizer directory that decide its ids, its text and its
+# chat template (and the model's default sampling parameters).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+@functools.cache
+def tokenizer_digest(directory: str) -> str:
+    """A digest of ``directory``'s tokenizer files by name and content (the same
+    tokenizer copied to another path digests the same); the path itself when
+    it is no directory (a hub name)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return directory
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:32]
 
 
 @dataclass
@@ -201,6 +240,43 @@ class EngineConfig:
     def compat_hash(self) -> str:
         """P/D compatibility hash (the gateway pairs only engines that share it)."""
         return hash_factors(self.compat_factors(), length=16)
+
+    def resume_factors(self, serving: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What must be equal for a request migrated between two engines to
+        go on with the tokens (and text) it would have had on the first: the
+        weights (name, revision, architecture, config.json, dtype), the KV
+        cache's dtype (an fp8 cache changes the logits), the tokenizer and its
+        template (by their files' content, not their path), the default
+        sampling parameters, the context length (a request's default
+        ``max_tokens``), the sampler's seeded draw, and ``serving``: the
+        server's chat template and parsers (what renders the prompt and cuts
+        the text). Unlike the compat hash, it leaves out the KV layout (block
+        size), the pdfleet version and every scheduling setting: a request
+        resumes by recomputing its tokens, never by reading the other
+        engine's blocks, so a rollout that changes only those keeps its
+        streams (docs/migration.md)."""
+        m = self.model_config
+        return {
+            "model": m.name,
+            "revision": m.revision,
+            "architecture": m.architecture,
+            "hf_config": {k: v for k, v in m.hf_config.items() if not k.startswith("_")},
+            "dtype": m.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "tokenizer": None if m.skip_tokenizer_init else tokenizer_digest(m.tokenizer_path),
+            "generation_config": m.generation_config
+            if m.generation_config in ("auto", "vllm")
+            else tokenizer_digest(m.generation_config),
+            "override_generation_config": m.override_generation_config,
+            "max_model_len": m.max_model_len,
+            "sampler": SAMPLER_VERSION,
+            "serving": serving or {},
+        }
+
+    def resume_identity(self, serving: dict[str, Any] | None = None) -> str:
+        """The migration resume identity (``resume_factors``): the gateway
+        resumes a request only on an engine that shares it."""
+        return hash_factors(self.resume_factors(serving), length=16)
 
     @property
     def kv_cache_dtype(self) -> str:

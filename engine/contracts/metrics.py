@@ -101,10 +101,13 @@ CACHE_CONFIG_LABELS = (
     "enable_prefix_caching",
     "compat_hash",
     "prefix_caching_hash_algo",
+    "resume_identity",
 )
 """Labels of the cache-config info series (both names); the gateway pairs
-engines by ``compat_hash``, sizes prompt blocks by ``block_size`` and hashes
-them with ``prefix_caching_hash_algo`` (docs/kv_events.md)."""
+engines by ``compat_hash``, sizes prompt blocks by ``block_size``, hashes
+them with ``prefix_caching_hash_algo`` (docs/kv_events.md) and resumes a
+migrated request only on an engine of its first engine's ``resume_identity``
+(docs/migration.md)."""
 
 _M = (MODEL_NAME,)
 

@@ -43,7 +43,7 @@ from .engines import EngineState
 from .legs import LegFailed, Legs
 from .migration import Migrator
 from .prompt import PromptInfo
-from .relay import Opened, RelayResponse, relay
+from .relay import Opened, RelayResponse, Resend, relay
 from .routing import Route
 
 logger = logging.getLogger("pdfleet.gateway")
@@ -84,7 +84,6 @@ class DecodeLeg:
         legs = self.legs
         e: EngineState | None = route.decode
         failover = Failover(route, info, payload, set(), [False])
-        want = route.decode.load.compat_hash
         while e is not None:
             failover.tried.add(e.url)
             legs.acquire(e)
@@ -103,7 +102,7 @@ class DecodeLeg:
                 if call.migration is not None and failure.kind in ("stalled", "broken"):
                     legs.pair_failed(call, e)
                     moved = await self.migrator.move_unsent(
-                        call, e, "stalled" if failure.kind == "stalled" else "died", want
+                        call, e, "stalled" if failure.kind == "stalled" else "died", route.decode
                     )
                     if moved is not None:
                         e, failover.payload = moved
@@ -126,7 +125,7 @@ class DecodeLeg:
             if stopping(resp):
                 # Handed back (or refused) by a stopping engine: nothing was sent.
                 moved = (
-                    await self.migrator.move_unsent(call, e, "drain", want)
+                    await self.migrator.move_unsent(call, e, "drain", route.decode)
                     if call.migration is not None
                     else None
                 )
@@ -183,9 +182,7 @@ class DecodeLeg:
                     # The engine went away before it answered: a migratable
                     # request goes again whole to another engine.
                     legs.pair_failed(call, e)
-                    moved = await self.migrator.move_unsent(
-                        call, e, "died", route.decode.load.compat_hash
-                    )
+                    moved = await self.migrator.move_unsent(call, e, "died", route.decode)
                     if moved is not None:
                         e, failover.payload = moved
                         legs.move_slot(call, e)
@@ -206,14 +203,13 @@ class DecodeLeg:
                 raise TypeError("broken invariant: isinstance(opened, tuple)")
             legs.record(call, info, e.url)
             resp, chunks = opened
-            if call.migration is not None:
-                return RelayResponse(
-                    self.migrator.relay(call, e, resp, chunks, self._open_resumed),
-                    functools.partial(self._abandon, call, e, resp),
-                    call.request_id,
-                )
+            recovery = (
+                self.migrator.recovery(call, e, self._open_resumed)
+                if call.migration is not None
+                else Resend(legs, call, functools.partial(self._resend, call, failover))
+            )
             return RelayResponse(
-                relay(legs, call, e, resp, chunks, functools.partial(self._resend, call, failover)),
+                relay(legs, call, e, resp, chunks, recovery),
                 functools.partial(self._abandon, call, e, resp),
                 call.request_id,
             )
@@ -290,9 +286,8 @@ class DecodeLeg:
 
     async def _resend(self, call: Call, failover: Failover, stalled: EngineState) -> Opened | None:
         """The relay's ``resend``: the decode leg on another engine after
-        ``stalled`` (ejected before its first event); None when none took it."""
-        legs = self.legs
-        legs.metrics.upstream_errors.labels(stalled.url, stalled.role, "stalled").inc()
+        ``stalled`` (ejected before its first event, counted by the relay);
+        None when none took it."""
         logger.warning(
             "request %s: decode engine %s stalled before its first event; resending",
             call.request_id,

@@ -108,6 +108,9 @@ class EngineLoad:
     kv_usage: float = 0.0
     compat_hash: str | None = None
     """None for engines that publish none (vLLM): those pair only with each other."""
+    resume_identity: str | None = None
+    """What a migrated request may resume across (docs/migration.md); None for
+    engines that publish none: their requests move only within a compat hash."""
     block_size: int | None = None
     hash_algo: str | None = None
     """The engine's ``prefix_caching_hash_algo`` (pdfleet engines publish it)."""
@@ -203,6 +206,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None
+        load.resume_identity = labels.get("resume_identity") or None
         with contextlib.suppress(KeyError, ValueError):
             load.block_size = int(labels["block_size"])
         load.hash_algo = labels.get("prefix_caching_hash_algo") or None

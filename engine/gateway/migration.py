@@ -7,9 +7,10 @@ and ``--max-migrations`` is above 0. Its decode legs carry the internal field
 comment on each event, the output token ids that event sends, and a stopping
 engine ends the stream with ``: migrate`` instead of cutting it.
 
-The migrating relay (:func:`Migrator.relay`) forwards a stream event by event
-(the comments taken off, the bytes of the events otherwise unchanged) and
-keeps the token ids the client has received. When the leg fails before its
+The relay (``relay.py``, the one loop of every stream) forwards a migratable
+stream event by event under :class:`Migrating`, its recovery here: the
+comments are taken off (the bytes of the events otherwise unchanged) and the
+token ids the client has received are kept. When the leg fails before its
 ``data: [DONE]`` (the engine died: connection refused, reset, or the stream
 ended early; it stalled and the watchdog ejected it; it drained), the
 request goes to another decode engine of the same compatibility hash as the
@@ -38,17 +39,17 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import tracing
 from ..contracts.migration import FIELD, IDS_PREFIX, MIGRATE_EVENT, MIGRATE_HEADER, parse_ids
-from ..http.upstream import UpstreamError, UpstreamResponse
-from .answers import DONE, sse_error
+from ..http.upstream import UpstreamResponse
 from .call import NOT_ANALYZED, Call
 from .engines import EngineState
 from .legs import LegFailed, Legs
+from .relay import LegEnd, Opened, Recovery, StreamEnd
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -69,12 +70,38 @@ class Migration:
     moves: int = 0
     failed: set[str] = field(default_factory=set)
     """Decode engines whose leg of this request failed."""
+    pinned: bool = False
+    identity: str | None = None
+    """The first decode engine's resume identity: a leg resumes only on an
+    engine of the same one (None: it published none)."""
+    compat: str | None = None
+    """The first decode engine's compat hash: what a leg resumes within when
+    that engine published no resume identity."""
+
+    def pin(self, first: EngineState) -> None:
+        """Take the resume identity of the request's first decode engine (once)."""
+        if not self.pinned:
+            self.pinned = True
+            self.identity = first.load.resume_identity
+            self.compat = first.load.compat_hash
+
+    def accepts(self, e: EngineState) -> bool:
+        """Whether a leg of this request may resume on ``e``: the same resume
+        identity (whatever its compat hash: the leg recomputes its tokens and
+        reads no KV of the first engine); behind engines that publish none,
+        the same compat hash."""
+        if self.identity is not None:
+            return e.load.resume_identity == self.identity
+        return self.compat is None or e.load.compat_hash == self.compat
 
     def payload(self) -> bytes:
-        """A resumed (decode-only) leg: the body plus the tokens already sent."""
+        """A resumed (decode-only) leg: the body plus the tokens already sent
+        (and the identity the engine must have to continue them)."""
         state: dict[str, Any] = {"output_token_ids": self.sent}
         if self.created is not None:
             state["created"] = self.created
+        if self.identity is not None:
+            state["resume_identity"] = self.identity
         return json.dumps({**self.body, FIELD: state}, separators=(",", ":")).encode()
 
 
@@ -140,23 +167,22 @@ class Migrator:
     def __init__(self, legs: Legs) -> None:
         self.legs = legs
         self.max_migrations = legs.config.max_migrations
-        self._resume = legs.metrics.fast_histogram(legs.metrics.migration_resume)
+        self.resume = legs.metrics.fast_histogram(legs.metrics.migration_resume)
 
     # -- choosing the next engine -------------------------------------------------
 
-    async def next_engine(
-        self, call: Call, state: Migration, want: str | None
-    ) -> EngineState | None:
-        """A routable decode engine of compat hash ``want`` whose leg of this request
-        did not fail; while there is none, up to --hold-timeout for one (a
-        restarted engine comes back under its old URL: then it is taken too)."""
+    async def next_engine(self, call: Call, state: Migration) -> EngineState | None:
+        """A routable decode engine that can continue the request
+        (``Migration.accepts``) and whose leg of it did not fail; while there
+        is none, up to --hold-timeout for one (a restarted engine comes back
+        under its old URL: then it is taken too)."""
         legs = self.legs
 
         def candidates(exclude: set[str]) -> list[EngineState]:
             return [
                 e
                 for e in legs.pool.candidates("decode")
-                if e.url not in exclude and (want is None or e.load.compat_hash == want)
+                if e.url not in exclude and state.accepts(e)
             ]
 
         found = candidates(state.failed)
@@ -180,7 +206,7 @@ class Migrator:
         picked = legs.router.pick(found, info.block_hashes, info.exact_hashes)
         return picked[0] if picked is not None else None
 
-    def _moved(self, state: Migration, reason: str) -> bool:
+    def moved(self, state: Migration, reason: str) -> bool:
         """Count a move; False when the request has used its last one."""
         m = self.legs.metrics
         if state.moves >= self.max_migrations:
@@ -199,20 +225,22 @@ class Migrator:
         return resp.status_code == 503 and resp.header(MIGRATE_HEADER.encode()) is not None
 
     async def move_unsent(
-        self, call: Call, e: EngineState, reason: str, want: str | None
+        self, call: Call, e: EngineState, reason: str, first: EngineState
     ) -> tuple[EngineState, bytes] | None:
         """The next engine for a leg that failed on ``e`` before the client got
-        any of it (a non-streamed leg; a stream before its headers): the leg
-        goes again whole, decode-only. With its payload; None when it may not
-        move (the cap, no engine)."""
+        any of it (a non-streamed leg; a stream before its headers; ``first``:
+        the request's first decode engine): the leg goes again whole,
+        decode-only. With its payload; None when it may not move (the cap, no
+        engine)."""
         state = call.migration
         if state is None:
             return None
+        state.pin(first)
         state.failed.add(e.url)
-        if not self._moved(state, reason):
+        if not self.moved(state, reason):
             return None
         started = time.perf_counter()
-        nxt = await self.next_engine(call, state, want)
+        nxt = await self.next_engine(call, state)
         if nxt is None:
             return None
         logger.warning(
@@ -227,172 +255,127 @@ class Migrator:
 
     # -- a stream -------------------------------------------------------------------
 
-    async def relay(  # noqa: C901 (one loop over the legs' events: strip, forward, end or move)
-        self,
-        call: Call,
-        engine: EngineState,
-        resp: UpstreamResponse,
-        chunks: AsyncIterator[bytes],
-        opener: Any,
-    ) -> AsyncGenerator[bytes, None]:
-        """Relay a migratable stream, moving it when its leg fails (see the module).
+    def recovery(self, call: Call, engine: EngineState, opener: Opener) -> Migrating:
+        """The relay's recovery for a migratable stream first on ``engine``."""
+        return Migrating(self, call, engine, opener)
 
-        ``opener(call, engine, payload)``: a decode leg opened on ``engine``
-        (``DecodeLeg._open`` with ``relayed=True``), holding it: (response,
-        chunks), None for an HTTP error, LegFailed for a transport failure.
-        The relay holds ``engine`` (its in-flight count) and ``resp`` until
-        the leg ends, and finishes the call."""
-        legs = self.legs
+
+Opener = Callable[
+    [Call, EngineState, bytes], Awaitable["tuple[UpstreamResponse, AsyncIterator[bytes]] | None"]
+]
+"""``opener(call, engine, payload)``: a decode leg opened on ``engine``
+(``DecodeLeg._open`` with ``relayed=True``), holding it: (response, chunks),
+None for an HTTP error; raises LegFailed for a transport failure."""
+
+
+class Migrating(Recovery):
+    """The relay's recovery for a migratable stream (see the module): takes
+    the migration comments off the events (keeping the sent token ids), and
+    moves a leg that ends short of its ``[DONE]`` to another decode engine."""
+
+    def __init__(self, migrator: Migrator, call: Call, engine: EngineState, opener: Opener) -> None:
+        super().__init__(migrator.legs, call)
         state = call.migration
         if state is None:
             raise RuntimeError("broken invariant: a migrating relay on a call that cannot move")
-        want = engine.load.compat_hash
-        status = 200
-        first_client_event = True
-        limit = legs.config.max_body_bytes
-        idle = legs.config.idle_timeout
-        pool = legs.pool
-        failed_at: float | None = None  # perf_counter of the failure being resumed
-        moved_from, reason_of_move, replayed = "", "", 0
-        holding = True  # the relay holds ``engine`` and ``resp``
-        try:
-            while True:  # one leg per turn
-                got = False  # this leg sent an event
-                capable = False  # its first event named token ids (see contracts)
-                done = handed_back = False
-                reason = "died"
-                buf = b""
-                error: LegFailed | None = None
-                try:
-                    while True:
-                        bound = idle if got else legs.first_token_bound(engine)
-                        if resp.buffered():
-                            data = await anext(chunks)
-                        else:
-                            with legs.watched(engine, bound):
-                                data = await anext(chunks)
-                        pool.progress(engine)
-                        buf += data
-                        if len(buf) > limit:
-                            raise UpstreamError(f"an event of over {limit} bytes")
-                        cut = buf.rfind(b"\n\n")
-                        if cut < 0:
-                            continue
-                        block, buf = buf[: cut + 2], buf[cut + 2 :]
-                        if not got:
-                            capable = block.startswith(IDS_PREFIX)
-                        out, handed_back = split_events(block, state.sent)
-                        got = True
-                        if failed_at is not None:
-                            took = time.perf_counter() - failed_at
-                            self._resume.observe(took)
-                            logger.info(
-                                "request %s: resumed on %s in %.3fs (%d tokens replayed)",
-                                call.request_id,
-                                engine.url,
-                                took,
-                                replayed,
-                            )
-                            tracing.migrated(
-                                reason_of_move, moved_from, engine.url, replayed, failed_at
-                            )
-                            failed_at = None
-                        if out:
-                            if state.created is None:
-                                found = _CREATED.search(out)
-                                if found is not None:
-                                    state.created = int(found.group(1))
-                            if first_client_event:
-                                first_client_event = False
-                                legs.first_token(call)
-                            done = out.endswith(DONE)
-                            yield out
-                        if done or handed_back:
-                            break
-                except StopAsyncIteration:
-                    pass
-                except (UpstreamError, TimeoutError) as ex:
-                    error = legs.failed(engine, "decode", ex)
-                    reason = "stalled" if error.kind == "stalled" else "died"
-                if done:
-                    return
-                if handed_back:
-                    reason = "drain"
-                elif error is None:
-                    # Ended without [DONE]: the engine went away mid-stream.
-                    legs.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
-                    reason = "died"
-                failure_message = (
-                    error.message
-                    if error is not None
-                    else "the decode engine ended the stream early"
-                )
-                if reason != "drain":
-                    legs.pair_failed(call, engine)
-                if got and not capable:
-                    # The engine does not name the tokens it sends (not a
-                    # pdfleet engine): no exact resume; the stream ends here.
-                    status = 502 if error is None else error.status
-                    yield sse_error(failure_message, status)
-                    return
-                if error is not None and error.kind == "timeout":
-                    # Slow, not stalled: moving it would only do the work twice.
-                    status = error.status
-                    yield sse_error(
-                        f"the decode engine sent nothing for {idle:g}s"
-                        if got or not first_client_event
-                        else "the decode engine sent no first token in time",
-                        status,
-                    )
-                    return
-                # Move the leg: this engine's stream ends here.
-                failed_at = time.perf_counter()
-                moved_from = engine.url
-                reason_of_move = reason
-                replayed = len(state.sent)
-                holding = False
-                await resp.aclose()
-                legs.release(engine)
-                state.failed.add(engine.url)
-                opened = await self._reopen(call, state, engine, reason, want, opener)
-                if opened is None:
-                    status = 502
-                    capped = state.moves >= self.max_migrations
-                    yield sse_error(
-                        f"{failure_message}; the request was moved {state.moves} times "
-                        "(the most --max-migrations allows)"
-                        if capped
-                        else f"{failure_message}, and no other decode engine could take it",
-                        status,
-                    )
-                    return
-                engine, resp, chunks = opened
-                holding = True
-                legs.move_slot(call, engine)
-        except (UpstreamError, TimeoutError) as ex:  # pragma: no cover (handled per leg)
-            status = 502
-            yield sse_error(f"the decode engine failed: {ex}", status)
-        finally:
-            if holding:
-                await resp.aclose()
-                legs.release(engine)
-            legs.finish(call, status)
+        self.migrator = migrator
+        self.state: Migration = state
+        self.opener = opener
+        state.pin(engine)
+        self.engine = engine
+        """The engine of the leg being relayed."""
+        self.capable = False
+        """The leg's first event named token ids (see contracts/migration.py)."""
+        self.failed_at: float | None = None
+        """perf_counter of the failure being resumed (until the resumed leg's first event)."""
+        self.moved_from, self.reason_of_move, self.replayed = "", "", 0
 
-    async def _reopen(
-        self,
-        call: Call,
-        state: Migration,
-        failed: EngineState,
-        reason: str,
-        want: str | None,
-        opener: Any,
-    ) -> tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]] | None:
-        """The resumed leg on another engine: (engine, response, chunks), or None
-        (the cap reached, no engine took it within the bounds)."""
+    def events(self, block: bytes, first: bool) -> tuple[bytes, bool]:
+        """The block without its comments (the ids kept), and whether it ends
+        with ``: migrate``; the first event of a resumed leg ends its move."""
+        state = self.state
+        if first:
+            self.capable = block.startswith(IDS_PREFIX)
+            if self.failed_at is not None:
+                took = time.perf_counter() - self.failed_at
+                self.migrator.resume.observe(took)
+                logger.info(
+                    "request %s: resumed on %s in %.3fs (%d tokens replayed)",
+                    self.call.request_id,
+                    self.engine.url,
+                    took,
+                    self.replayed,
+                )
+                tracing.migrated(
+                    self.reason_of_move,
+                    self.moved_from,
+                    self.engine.url,
+                    self.replayed,
+                    self.failed_at,
+                )
+                self.failed_at = None
+        out, handed_back = split_events(block, state.sent)
+        if out and state.created is None:
+            found = _CREATED.search(out)
+            if found is not None:
+                state.created = int(found.group(1))
+        return out, handed_back
+
+    async def recover(self, end: LegEnd) -> Opened | StreamEnd:
+        legs, engine, error, state = self.legs, end.engine, end.error, self.state
+        if end.handed_back:
+            reason = "drain"
+        elif error is not None and error.kind == "stalled":
+            reason = "stalled"
+        else:
+            reason = "died"
+        failure_message = (
+            error.message if error is not None else "the decode engine ended the stream early"
+        )
+        if reason != "drain":
+            legs.pair_failed(self.call, engine)
+        if end.got and not self.capable:
+            # The engine does not name the tokens it sends (not a pdfleet
+            # engine): no exact resume; the stream ends here.
+            return StreamEnd(failure_message, 502 if error is None else error.status)
+        if error is not None and error.kind == "timeout":
+            # Slow, not stalled: moving it would only do the work twice.
+            return StreamEnd(
+                f"the decode engine sent nothing for {legs.config.idle_timeout:g}s"
+                if end.got or end.client_started
+                else "the decode engine sent no first token in time",
+                error.status,
+            )
+        # Move the leg: this engine's stream has ended.
+        self.failed_at = time.perf_counter()
+        self.moved_from, self.reason_of_move, self.replayed = engine.url, reason, len(state.sent)
+        state.failed.add(engine.url)
+        opened = await self._reopen(engine, reason)
+        if opened is None:
+            capped = state.moves >= self.migrator.max_migrations
+            return StreamEnd(
+                f"{failure_message}; the request was moved {state.moves} times "
+                "(the most --max-migrations allows)"
+                if capped
+                else f"{failure_message}, and no other decode engine could take it"
+                + (
+                    f" (none of its resume identity {state.identity})"
+                    if state.identity is not None
+                    else ""
+                ),
+                502,
+            )
+        self.engine = opened[0]
+        return opened
+
+    async def _reopen(self, failed: EngineState, reason: str) -> Opened | None:
+        """The resumed leg on another engine, or None (the cap reached, no
+        engine took it within the bounds)."""
+        call, state, migrator = self.call, self.state, self.migrator
         while True:
-            if not self._moved(state, reason):
+            if not migrator.moved(state, reason):
                 return None
-            nxt = await self.next_engine(call, state, want)
+            nxt = await migrator.next_engine(call, state)
             if nxt is None:
                 return None
             logger.warning(
@@ -404,13 +387,13 @@ class Migrator:
                 nxt.url,
             )
             try:
-                opened = await opener(call, nxt, state.payload())
+                opened = await self.opener(call, nxt, state.payload())
             except LegFailed as failure:
                 logger.warning("request %s: %s", call.request_id, failure.detail)
-                state.failed.add(nxt.url)
-                failed, reason = nxt, "refused"
-                continue
-            if opened is None:  # an HTTP error (a draining engine's 503, a refusal)
+                opened = None
+            if (
+                opened is None
+            ):  # refused: an HTTP error (a draining engine's 503), a transport failure
                 state.failed.add(nxt.url)
                 failed, reason = nxt, "refused"
                 continue

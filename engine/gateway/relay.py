@@ -3,12 +3,20 @@
 A streamed answer is relayed event by event as bytes, never re-serialized:
 what arrives is cut at its last event boundary (``\\n\\n``), so an error event
 never lands mid-event; the relay watches only for the first event (TTFT)
-and the ``data: [DONE]`` that ends a stream. If the engine fails mid-stream
-the client gets an SSE error event in OpenAI's shape and ``data: [DONE]`` at
-once. A stall before the first event moves the leg to another engine (the
-decode leg's ``resend``); a client that goes away ends the relay, which
-closes the engine's connection and so aborts its request
+and the ``data: [DONE]`` that ends a stream. A client that goes away ends the
+relay, which closes the engine's connection and so aborts its request
 (:class:`DisconnectWatch`, :class:`RelayResponse`).
+
+One loop (:func:`relay`) relays every stream; what happens when a leg ends
+short of its ``[DONE]`` is its :class:`Recovery`'s to decide:
+
+* :class:`Resend` (a request that cannot migrate): a stall before the first
+  event moves the leg to another engine (the client has only seen headers);
+  any later failure ends the stream with an SSE error event in OpenAI's shape
+  and ``data: [DONE]`` at once;
+* ``migration.Migrating`` (a migratable request): the leg resumes on another
+  decode engine after the tokens the client has (docs/migration.md); it also
+  takes the migration comments off the events.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from starlette.responses import Response
 from starlette.types import Send
@@ -26,7 +35,7 @@ from .answers import DONE, sse_error
 from .call import Call
 from .deadlines import Deadline, IdleTimer
 from .engines import EngineState
-from .legs import Legs
+from .legs import LegFailed, Legs
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -34,142 +43,229 @@ SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 Opened = tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]]
 """A decode leg accepted by an engine: the engine, its response, its chunks."""
-Resend = Callable[[EngineState], Awaitable[Opened | None]]
+Resender = Callable[[EngineState], Awaitable[Opened | None]]
 """The decode leg sent again after ``stalled`` (None when no engine took it)."""
 
 
-async def relay(  # noqa: C901 (one relay loop: stall, idle, disconnect and error exits)
+class StreamEnd(NamedTuple):
+    """The error event that ends a stream no other leg continues."""
+
+    message: str
+    status: int
+
+
+@dataclass(slots=True)
+class LegEnd:
+    """How a relayed leg ended short of its ``data: [DONE]``."""
+
+    engine: EngineState
+    got: bool
+    """The leg sent a whole event (not necessarily one the client saw)."""
+    client_started: bool
+    """The client has had an event of this answer (from this leg or an earlier one)."""
+    handed_back: bool
+    """The leg ended with a stopping engine's ``: migrate``."""
+    error: LegFailed | None
+    """Its transport failure or timeout, classified; None: the stream just ended."""
+    first_bound: float | None
+    """The leg's first-event bound, when it waited under one."""
+
+
+class Recovery:
+    """What the relay does besides forwarding bytes. This base forwards the
+    events unchanged and ends a failed stream with an error event."""
+
+    events: Callable[[bytes, bool], tuple[bytes, bool]] | None = None
+    """``events(block, first)``: what of ``block`` (whole events; ``first``:
+    the leg's first) goes to the client, and whether the block ends with a
+    stopping engine's ``: migrate``; None forwards blocks unchanged (the plain
+    stream's hot path makes no call per event)."""
+
+    def __init__(self, legs: Legs, call: Call) -> None:
+        self.legs = legs
+        self.call = call
+
+    async def recover(self, end: LegEnd) -> Opened | StreamEnd:
+        """After the leg ``end`` describes (already closed and released): the
+        next leg to relay, or the error event that ends the stream."""
+        legs, engine, failure = self.legs, end.engine, end.error
+        if failure is None:
+            logger.warning(
+                "request %s: decode engine %s ended the stream early",
+                self.call.request_id,
+                engine.url,
+            )
+            legs.pair_failed(self.call, engine)
+            return StreamEnd("the decode engine ended the stream early", 502)
+        if failure.kind == "timeout":
+            failure.message = (
+                f"the decode engine sent no first token within "
+                f"{end.first_bound or legs.first_token_bound(engine):g}s"
+                if not end.got
+                else f"the decode engine sent nothing for {legs.config.idle_timeout:g}s"
+            )
+        logger.warning(
+            "request %s: %s mid-stream (%s)", self.call.request_id, failure.message, failure.detail
+        )
+        legs.pair_failed(self.call, engine)
+        return StreamEnd(failure.message, failure.status)
+
+
+class Resend(Recovery):
+    """A stream that cannot migrate: an engine ejected for a stall before its
+    first event is replaced (``resend``: the decode leg on another engine;
+    the client has only seen headers). After the first event a failure ends
+    the stream with an error event at once (the client can retry) rather
+    than after a stopped engine resumes."""
+
+    def __init__(self, legs: Legs, call: Call, resend: Resender | None) -> None:
+        super().__init__(legs, call)
+        self.resend = resend
+
+    async def recover(self, end: LegEnd) -> Opened | StreamEnd:
+        error = end.error
+        if error is not None and error.kind == "stalled" and not end.got and self.resend:
+            moved = await self.resend(end.engine)
+            if moved is not None:
+                return moved
+        return await super().recover(end)
+
+
+async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handback, error exits)
     legs: Legs,
     call: Call,
     engine: EngineState,
     resp: UpstreamResponse,
     chunks: AsyncIterator[bytes],
-    resend: Resend | None = None,
+    recovery: Recovery,
 ) -> AsyncGenerator[bytes, None]:
     """Relay whole SSE events (so an error event never lands mid-event).
 
     Bytes are forwarded as they come, cut only at the last event boundary
-    of what arrived (never parsed or re-serialized); the relay watches
-    only for the first event (TTFT) and the ``[DONE]`` that ends a stream.
-
-    An engine ejected for a stall before its first event is replaced: the
-    client has only seen headers, so the decode leg is sent to another
-    engine (``resend``) and that engine's stream is relayed instead. After
-    the first event a stall ends the stream with an error event at once
-    (the client can retry) rather than after the stopped engine resumes.
-    The relay holds ``engine`` (its in-flight count) and ``resp`` until it ends.
+    of what arrived (never parsed or re-serialized; ``recovery.events`` may
+    take comment lines off); the relay watches only for each leg's first
+    event (TTFT, under the engine's first-token bound and the stall
+    watchdog) and the ``[DONE]`` that ends a stream, then the rest under
+    ``--idle-timeout``. A leg that ends without ``[DONE]`` (the engine died,
+    stalled, timed out, or handed the stream back) is closed and released,
+    and ``recovery`` names the next leg or the error event that ends the
+    stream. The relay holds the current leg's engine (its in-flight count)
+    and response until it ends, and finishes the call.
     """
     status = 200
-    done = False
-    first = True
-    ended = False
-    buf = b""
-    first_bound: float | None = None  # (sized when there is a wait to bound)
+    client_started = False
     limit = legs.config.max_body_bytes
     idle = legs.config.idle_timeout
     pool = legs.pool
+    events = recovery.events
+    holding = True  # the relay holds ``engine`` and ``resp``
     try:
-        while first:  # until the first whole event: the engine may still change
+        while True:  # one leg per turn
+            got = done = handed_back = False
+            buf = b""
+            first_bound: float | None = None  # (sized when there is a wait to bound)
+            error: LegFailed | None = None
             try:
-                if resp.buffered():  # already here: there is no wait to bound
-                    data = await anext(chunks)
-                else:
-                    if first_bound is None:
-                        first_bound = legs.first_token_bound(engine)
-                    with legs.watched(engine, first_bound):
+                while not got:  # until the leg's first whole event
+                    if resp.buffered():  # already here: there is no wait to bound
                         data = await anext(chunks)
-            except StopAsyncIteration:
-                ended = True
-                break
-            except TimeoutError:
-                if not (engine.stalled and resend is not None):
-                    raise
-                moved = await resend(engine)
-                if moved is None:
-                    raise
-                await resp.aclose()
-                legs.release(engine)
-                engine, resp, chunks = moved
-                legs.move_slot(call, engine)
-                first_bound = None
-                continue
-            pool.progress(engine)
-            buf += data
-            if len(buf) > limit:
-                raise UpstreamError(f"an event of over {limit} bytes")
-            cut = buf.rfind(b"\n\n")
-            if cut < 0:
-                continue
-            out, buf = buf[: cut + 2], buf[cut + 2 :]
-            first = False
-            legs.first_token(call)
-            done = out.endswith(DONE)
-            yield out
-        if not ended:
-            # The rest under one idle timeout, pushed back as each chunk
-            # arrives and off while the client takes an event (a slow
-            # reader is not an idle engine; the stall watchdog, which
-            # reschedules the registered timeouts, waits on the engine only).
-            # None when the engine's whole answer is here: nothing to wait for.
-            with Deadline(None) as cm:
-                timer = None if resp.received() else IdleTimer(cm, idle)
-                if timer is not None:
-                    engine.waiters.add(cm)
-                try:
-                    async for data in chunks:  # a stall-ejected engine ends its streams now
-                        pool.progress(engine)
-                        buf += data
-                        if len(buf) > limit:
-                            raise UpstreamError(f"an event of over {limit} bytes")
-                        cut = buf.rfind(b"\n\n")
-                        if cut < 0:
-                            if timer is not None:
-                                timer.touch()
-                            continue
-                        out, buf = buf[: cut + 2], buf[cut + 2 :]
-                        done = done or out.endswith(DONE)
-                        if timer is None:
-                            yield out
-                            continue
-                        timer.paused = True
-                        engine.waiters.discard(cm)
+                    else:
+                        if first_bound is None:
+                            first_bound = legs.first_token_bound(engine)
+                        with legs.watched(engine, first_bound):
+                            data = await anext(chunks)
+                    pool.progress(engine)
+                    buf += data
+                    if len(buf) > limit:
+                        raise UpstreamError(f"an event of over {limit} bytes")
+                    cut = buf.rfind(b"\n\n")
+                    if cut < 0:
+                        continue
+                    out, buf = buf[: cut + 2], buf[cut + 2 :]
+                    got = True
+                    if events is not None:
+                        out, handed_back = events(out, True)
+                    if out:
+                        if not client_started:
+                            client_started = True
+                            legs.first_token(call)
+                        done = out.endswith(DONE)
                         yield out
-                        engine.waiters.add(cm)
-                        timer.touch()
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-                    engine.waiters.discard(cm)
-        if not done:
-            legs.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
-            status = 502
-            logger.warning(
-                "request %s: decode engine %s ended the stream early",
-                call.request_id,
-                engine.url,
-            )
-            legs.pair_failed(call, engine)
-            yield sse_error("the decode engine ended the stream early", status)
-    except (UpstreamError, TimeoutError) as ex:
-        if done:  # the client has its whole answer; only the connection's end failed
-            return
-        failure = legs.failed(engine, "decode", ex)
-        status = failure.status
-        if failure.kind == "timeout":
-            failure.message = (
-                f"the decode engine sent no first token within "
-                f"{first_bound or legs.first_token_bound(engine):g}s"
-                if first
-                else f"the decode engine sent nothing for {idle:g}s"
-            )
-        logger.warning(
-            "request %s: %s mid-stream (%s)", call.request_id, failure.message, failure.detail
-        )
-        legs.pair_failed(call, engine)
-        yield sse_error(failure.message, status)
+                if not handed_back:
+                    # The rest under one idle timeout, pushed back as each chunk
+                    # arrives and off while the client takes an event (a slow
+                    # reader is not an idle engine; the stall watchdog, which
+                    # reschedules the registered timeouts, waits on the engine
+                    # only). None when the engine's whole answer is here.
+                    with Deadline(None) as cm:
+                        timer = None if resp.received() else IdleTimer(cm, idle)
+                        if timer is not None:
+                            engine.waiters.add(cm)
+                        try:
+                            async for data in chunks:  # a stall-ejected engine ends its streams now
+                                pool.progress(engine)
+                                buf += data
+                                if len(buf) > limit:
+                                    raise UpstreamError(f"an event of over {limit} bytes")
+                                cut = buf.rfind(b"\n\n")
+                                if cut < 0:
+                                    if timer is not None:
+                                        timer.touch()
+                                    continue
+                                out, buf = buf[: cut + 2], buf[cut + 2 :]
+                                if events is not None:
+                                    out, handed_back = events(out, False)
+                                    if not out:
+                                        if handed_back:
+                                            break
+                                        if timer is not None:
+                                            timer.touch()
+                                        continue
+                                    if not client_started:
+                                        client_started = True
+                                        legs.first_token(call)
+                                done = done or out.endswith(DONE)
+                                if timer is None:
+                                    yield out
+                                else:
+                                    timer.paused = True
+                                    engine.waiters.discard(cm)
+                                    yield out
+                                    engine.waiters.add(cm)
+                                    timer.touch()
+                                if handed_back:
+                                    break
+                        finally:
+                            if timer is not None:
+                                timer.cancel()
+                            engine.waiters.discard(cm)
+            except StopAsyncIteration:  # the leg ended before its first event
+                pass
+            except (UpstreamError, TimeoutError) as ex:
+                if done:  # the client has its whole answer; only the connection's end failed
+                    return
+                error = legs.failed(engine, "decode", ex)
+            if done:
+                return
+            if error is None and not handed_back:
+                # Ended without [DONE]: the engine went away mid-stream.
+                legs.metrics.upstream_errors.labels(engine.url, engine.role, "broken").inc()
+            end = LegEnd(engine, got, client_started, handed_back, error, first_bound)
+            holding = False
+            await resp.aclose()
+            legs.release(engine)
+            nxt = await recovery.recover(end)
+            if isinstance(nxt, StreamEnd):
+                status = nxt.status
+                yield sse_error(nxt.message, status)
+                return
+            engine, resp, chunks = nxt
+            holding = True
+            legs.move_slot(call, engine)
     finally:
-        await resp.aclose()
-        legs.release(engine)
+        if holding:
+            await resp.aclose()
+            legs.release(engine)
         legs.finish(call, status)
 
 

@@ -18,7 +18,10 @@ _MASK64 = (1 << 63) - 1
 
 
 def step_seed(seed: int, output_index: int) -> int:
-    """Mix a request seed and its output index into a 63-bit generator seed."""
+    """Mix a request seed and its output index into a 63-bit generator seed.
+    A change to what it returns changes every seeded draw: bump
+    ``config.engine.SAMPLER_VERSION`` (migrated requests resume only between
+    engines that draw alike)."""
     x = seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB
     x &= (1 << 64) - 1
     x ^= x >> 31

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -82,3 +83,40 @@ def test_compat_hash_tracks_what_kv_exchange_needs(tiny_model, tiny_model_factor
         assert config(tiny_model, **kw).compat_hash() != base, kw
     other = tiny_model_factory("llama", num_hidden_layers=3)
     assert config(other, served_model_name=[tiny_model]).compat_hash() != base
+
+
+def test_the_resume_identity_tracks_what_makes_the_tokens_and_not_the_kv_layout(
+    tiny_model, tmp_path, monkeypatch
+):
+    base = config(tiny_model, max_model_len=256)
+    ident = base.resume_identity()
+    # Another KV layout or scheduling: another compat hash, the same tokens.
+    for kw in ({"block_size": 32}, {"max_num_seqs": 7}):
+        other = config(tiny_model, max_model_len=256, **kw)
+        assert other.resume_identity() == ident, kw
+    assert config(tiny_model, max_model_len=256, block_size=32).compat_hash() != base.compat_hash()
+    # An image of another pdfleet version resumes the same requests.
+    monkeypatch.setattr("pdfleet.engine.config.engine.pdfleet_version", lambda: "9.9.9")
+    assert base.resume_identity() == ident and base.compat_hash() != ident
+    # What changes the tokens or their text changes it.
+    for kw in (
+        {"dtype": "float16"},
+        {"max_model_len": 128},
+        {"override_generation_config": {"temperature": 0.5}},
+        {"kv_cache_dtype": "float16"},
+    ):
+        changed = config(tiny_model, **{"max_model_len": 256, **kw})
+        assert changed.resume_identity() != ident, kw
+    assert base.resume_identity({"chat_template": "{{ messages }}"}) != ident
+    # The tokenizer by its files' content, not its path: a copy is the same one.
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    assert (
+        config(str(copy), max_model_len=256).resume_factors()["tokenizer"]
+        == (base.resume_factors()["tokenizer"])
+    )
+    changed_copy = tmp_path / "changed"
+    shutil.copytree(tiny_model, changed_copy)
+    config_file = changed_copy / "tokenizer_config.json"
+    config_file.write_text(config_file.read_text().replace("{", '{"x_changed": 1, ', 1))
+    assert config(str(changed_copy), max_model_len=256).resume_identity() != ident

@@ -38,6 +38,7 @@ def engine_config(kv_connector: str | None) -> SimpleNamespace:
         ),
         kv_cache_dtype="auto",
         compat_hash=lambda: "c0ffee",
+        resume_identity=lambda: "5eed",
         kv_transfer_config=SimpleNamespace(kv_connector=kv_connector) if kv_connector else None,
         lora_config=SimpleNamespace(max_loras=2) if kv_connector else None,
     )
@@ -175,6 +176,7 @@ def test_gateway_reads_its_routing_inputs_from_an_engine_scrape():
     load = parse_engine_metrics(generate_latest(metrics.registry).decode())
     assert (load.waiting, load.running, load.kv_usage) == (3, 5, 0.25)
     assert (load.compat_hash, load.block_size) == ("c0ffee", 16)
+    assert load.resume_identity == "5eed"
 
 
 def test_parser_falls_back_to_vllm_names_and_sums_label_sets():

@@ -64,6 +64,9 @@ class FakeEngine:
     answer: Callable[[dict[str, Any]], tuple[int, Any]] | None = None
     """(status, body) for a completion request, the body as bytes or an
     iterator of SSE events (streamed); default: a small completion."""
+    compat_hash: str = "fake"
+    resume_identity: str | None = None
+    """Published with the compat hash when set (a pdfleet engine's)."""
 
     def __post_init__(self) -> None:
         engine = self
@@ -91,8 +94,14 @@ class FakeEngine:
                     self._send(engine.health_status, b"{}")
                 elif self.path == "/metrics":
                     engine.tokens += engine.tokens_per_scrape
-                    text = METRICS.replace("waiting 0.0", f"waiting {float(engine.waiting)}") + (
-                        f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
+                    info = f'compat_hash="{engine.compat_hash}"'
+                    if engine.resume_identity is not None:
+                        info += f',resume_identity="{engine.resume_identity}"'
+                    text = (
+                        METRICS.replace("waiting 0.0", f"waiting {float(engine.waiting)}").replace(
+                            'compat_hash="fake"', info
+                        )
+                        + f"pdfleet_engine_generation_tokens_total {engine.tokens}\n"
                     )
                     self._send(200, text.encode(), "text/plain")
                 elif self.path == "/v1/models":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -193,10 +194,10 @@ def engine_stream(url: str, path: str, body: dict) -> Answer:
         return Answer(events_of(resp.read()))
 
 
-def client_stream(url: str, body: dict, on_event=None) -> Answer:
+def client_stream(url: str, body: dict, on_event=None, path: str = "/v1/completions") -> Answer:
     """A client's stream through the gateway; ``on_event(n)`` after the n-th event."""
     raw, n = b"", 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         for chunk in resp.iter_raw():
             raw += chunk
@@ -413,6 +414,106 @@ def test_a_non_streamed_request_moves_when_its_engine_is_killed(fleet):
     assert moved >= 1
 
 
+def cache_info(url: str) -> dict[str, str]:
+    """An engine's cache-config info labels (its compat hash, its resume identity)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", headers=fleet_headers(), timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdfleet_engine_cache_config_info":
+                return sample.labels
+    raise AssertionError("no cache-config info")
+
+
+def test_a_killed_engine_s_chat_stream_resumes_on_an_engine_of_another_compat_hash(fleet):
+    # (Runs after the fleet's other fault tests: it kills an engine for good.)
+    # An engine that differs from the fleet's only in its KV block size: another
+    # compat hash (it could not exchange KV blocks with them), the same resume
+    # identity (the same tokens: a resumed request recomputes its KV).
+    alive = next(d for d in fleet.decode if d.proc.poll() is None)
+    (other,) = start_engines(
+        fleet.model, fleet.log_dir, ["decode-b32"], extra=["--block-size", "32"]
+    )
+    gw = None
+    try:
+        mine, theirs = cache_info(alive.url), cache_info(other.url)
+        assert mine["compat_hash"] != theirs["compat_hash"]
+        assert mine["resume_identity"] == theirs["resume_identity"]
+        identity = mine["resume_identity"]
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Tell me about the harbor town."}],
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        # The engines' side: the other engine continues a seeded stream of
+        # this one's token for token; it refuses a leg of another identity by name.
+        seeded = {**chat, "temperature": 1.0, "seed": 7}
+        ref = engine_stream(alive.url, "/v1/chat/completions", {**seeded, "migration": {}})
+        k = len(ref.ids) // 2
+        state = {"output_token_ids": ref.ids[:k], "resume_identity": identity}
+        got = engine_stream(other.url, "/v1/chat/completions", {**seeded, "migration": state})
+        assert ref.ids[:k] + got.ids == ref.ids and ref.sent_text(k) + got.text == ref.text
+        refused = httpx.post(
+            other.url + "/v1/chat/completions",
+            json={**seeded, "migration": {**state, "resume_identity": "0123456789abcdef"}},
+            headers=fleet_headers(),
+            timeout=30,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "migration.resume_identity"
+
+        # The gateway's side: a greedy chat stream whose engine is killed
+        # mid-stream ends as the unfaulted one, whichever engine it started on.
+        gw = start_gateway(
+            [
+                *(x for d in (alive, other) for x in ("--decode", d.url)),
+                "--disaggregation-mode",
+                "Disabled",
+                "--scrape-interval",
+                "0.2",
+                "--hold-timeout",
+                "30",
+            ],
+            fleet.log_dir,
+        )
+        body = {**chat, "temperature": 0}
+        unfaulted = client_stream(gw.url, body, path="/v1/chat/completions")
+        fleet.delay.write_text(STEP_DELAY)
+        killed: list[ServerProcess] = []
+
+        def strike(n: int) -> None:
+            if n != 6:
+                return
+
+            def serving() -> bool:
+                view = httpx.get(gw.url + "/engines", headers=fleet_headers(), timeout=5).json()
+                busy = {e["url"] for e in view["engines"] if e["inflight"] > 0}
+                killed[:] = [d for d in (alive, other) if d.url in busy]
+                return len(killed) == 1
+
+            assert wait_until(serving, 30)
+            killed[0].signal(signal.SIGKILL)
+
+        try:
+            faulted = client_stream(gw.url, body, strike, path="/v1/chat/completions")
+        finally:
+            fleet.delay.write_text("")
+        assert len(killed) == 1
+        assert not faulted.errors, faulted.errors
+        assert faulted.text == unfaulted.text and faulted.finish == ["length"]
+        assert faulted.usage["completion_tokens"] == unfaulted.usage["completion_tokens"] == 40
+        assert len(faulted.created) == 1
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") == 1
+    finally:
+        if gw is not None:
+            gw.stop()
+        other.stop()
+
+
 def _routable(gateway_url: str) -> int:
     view = httpx.get(gateway_url + "/engines", headers=fleet_headers(), timeout=5).json()
     return view["routable"]["decode"]
@@ -422,19 +523,24 @@ def _routable(gateway_url: str) -> int:
 
 
 def handing_back(body: dict) -> tuple[int, object]:
-    """A decode engine that sends two tokens, then hands the stream back."""
+    """A decode engine that sends two tokens, then hands the stream back (or,
+    for a leg without migration state, ends it early: it died)."""
     sent = len((body.get("migration") or {}).get("output_token_ids", []))
 
     def events():
         for t in (sent, sent + 1):
             data = {"id": "c", "created": 7, "choices": [{"index": 0, "text": f"t{t} "}]}
+            if "migration" not in body:
+                yield b"data: %s\n\n" % json.dumps(data).encode()
+                continue
             yield b": ids %d\ndata: %s\n\n" % (100 + t, json.dumps(data).encode())
-        yield b": migrate\n\n"
+        if "migration" in body:
+            yield b": migrate\n\n"
 
     return 200, events()
 
 
-def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_path):
+def test_a_request_moves_at_most_max_migrations_times_and_n_above_1_never_moves(tmp_path):
     fakes = [FakeEngine(answer=handing_back), FakeEngine(answer=handing_back)]
     gw = None
     try:
@@ -468,6 +574,80 @@ def test_a_request_moves_at_most_max_migrations_times_then_fails_clearly(tmp_pat
         ]
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 2
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="exhausted") == 1
+
+        # Several sequences (n > 1; best_of, which must equal n) do not migrate:
+        # their legs carry no migration state, and a leg that fails ends the
+        # stream with an error event.
+        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True, "n": 2})
+        assert got.text == "t0 t1 " and len(got.errors) == 1
+        assert "ended the stream early" in got.errors[0]["error"]["message"]
+        posts = [s.body for f in fakes for s in f.posts()]
+        assert sum("migration" not in b for b in posts) == 1
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") == 0
+    finally:
+        if gw is not None:
+            gw.stop()
+        for f in fakes:
+            f.close()
+
+
+def handing_back_once(body: dict) -> tuple[int, object]:
+    """A decode engine that hands a request's first leg back after two tokens
+    and finishes a resumed one with two more."""
+    sent = (body.get("migration") or {}).get("output_token_ids", [])
+
+    def events():
+        for t in (len(sent), len(sent) + 1):
+            data = {"id": "c", "created": 7, "choices": [{"index": 0, "text": f"t{t} "}]}
+            yield b": ids %d\ndata: %s\n\n" % (100 + t, json.dumps(data).encode())
+        if sent:
+            yield b"data: [DONE]\n\n"
+        else:
+            yield b": migrate\n\n"
+
+    return 200, events()
+
+
+def test_a_leg_resumes_on_an_engine_of_its_resume_identity_whatever_its_compat_hash(tmp_path):
+    # The first leg goes to ``first`` (the shortest queue); of the two others,
+    # ``same_hash`` shares its compat hash but not its resume identity (other
+    # weights or sampling defaults: its tokens would differ) and has the
+    # shorter queue; ``other_hash`` has the same resume identity under another
+    # compat hash (a rollout that changed only the KV layout or the version).
+    first = FakeEngine(answer=handing_back_once, compat_hash="h1", resume_identity="r1")
+    same_hash = FakeEngine(
+        answer=handing_back_once, compat_hash="h1", resume_identity="r2", waiting=1
+    )
+    other_hash = FakeEngine(
+        answer=handing_back_once, compat_hash="h2", resume_identity="r1", waiting=3
+    )
+    fakes = [first, same_hash, other_hash]
+    gw = None
+    try:
+        gw = start_gateway(
+            [
+                *(x for f in fakes for x in ("--decode", f.url)),
+                "--disaggregation-mode",
+                "Disabled",
+                "--scrape-interval",
+                "0.2",
+            ],
+            tmp_path,
+        )
+
+        # The gateway knows each queue once it scraped each engine twice (the
+        # first answer was read when the second was asked for), in each worker.
+        scrapes = 2 * int(os.environ.get("PDFLEET_TEST_GATEWAY_WORKERS") or 1)
+        assert wait_until(
+            lambda: all(sum(s.path == "/metrics" for s in f.seen) >= scrapes for f in fakes), 30
+        )
+        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True})
+        assert not got.errors and got.text == "t0 t1 t2 t3 "
+        assert [len(p.body["migration"]) for p in first.posts()] == [0]
+        assert same_hash.posts() == []
+        (resumed,) = [p.body["migration"] for p in other_hash.posts()]
+        assert resumed == {"output_token_ids": [100, 101], "created": 7, "resume_identity": "r1"}
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 1
     finally:
         if gw is not None:
             gw.stop()

@@ -96,6 +96,27 @@ class ServerState:
         gateway (``--shutdown-timeout`` after SIGTERM); made on the server's loop."""
         self.last_log = time.monotonic()
 
+    def resume_serving(self) -> dict[str, Any]:
+        """The server's factors of its resume identity (``EngineConfig.resume_factors``)."""
+        o = self.options
+        return {
+            "chat_template": o.chat_template,
+            "tool_call_parser": o.tool_call_parser,
+            "reasoning_parser": o.reasoning_parser,
+        }
+
+    def check_resume(self, identity: str | None) -> None:
+        """Refuse a migrated leg from an engine of another resume identity: its
+        tokens would not continue the stream (docs/migration.md)."""
+        mine = self.metrics.resume_identity if self.metrics is not None else None
+        if identity is not None and mine is not None and identity != mine:
+            raise APIError(
+                f"migration.resume_identity: {identity!r} differs from this engine's "
+                f"{mine!r} (model weights, tokenizer, chat template or sampling defaults "
+                "differ): it cannot continue the request's tokens",
+                param="migration.resume_identity",
+            )
+
     def load(self) -> None:
         """Build the engine, run a warm-up step, then start serving (loader thread)."""
         try:
@@ -104,7 +125,9 @@ class ServerState:
             engine.add_request("warmup", {"prompt_token_ids": [0]}, warm, output_kind="final")
             while engine.has_unfinished_requests():
                 engine.step()
-            self.metrics = EngineMetrics(engine.config)
+            self.metrics = EngineMetrics(
+                engine.config, resume_identity=engine.config.resume_identity(self.resume_serving())
+            )
             self.metrics.update_adapters(engine)
             self.engine = AsyncEngine(
                 engine, self.max_waiting_requests, self.on_step, on_fatal=self.on_fatal
@@ -527,6 +550,8 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                     status=403,
                     param=name,
                 )
+        if body.migration is not None:
+            state.check_resume(body.migration.resume_identity)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -106,11 +106,15 @@ class Migration(BaseModel):
     the gateway takes it off), and a draining engine ends the stream with
     ``: migrate`` instead of an error. ``output_token_ids``: the tokens another
     engine already sent (the request resumes after them, not sending them
-    again); ``created``: the first engine's ``created``, kept for the client."""
+    again); ``created``: the first engine's ``created``, kept for the client;
+    ``resume_identity``: the first engine's (``EngineConfig.resume_identity``):
+    an engine of another one refuses the leg (400 naming the field), since its
+    tokens would not continue the stream."""
 
     model_config = ConfigDict(extra="forbid")
     output_token_ids: list[int] = Field(default_factory=list, max_length=1 << 20)
     created: int | None = None
+    resume_identity: str | None = Field(default=None, max_length=64)
 
 
 class _Sampling(_Checked):

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ... import tracing
 from ...contracts.kv_params import KVTransferParams
+from ...contracts.migration import ids_comment
 from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...loop.async_engine import (
     AsyncEngine,
@@ -30,7 +31,7 @@ from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .grammar_gate import CompileBusy, CompileGate
-from .protocol import APIError, ChatCompletionRequest, now
+from .protocol import APIError, ChatCompletionRequest, Migration, now
 
 logger = logging.getLogger("pdfleet.serve")
 
@@ -86,6 +87,49 @@ def error_event(e: BaseException, request_id: str) -> str:
         logger.error("request %s failed mid-stream", request_id, exc_info=e)
         error = APIError("internal error while streaming the response", status=500)
     return sse(error.body())
+
+
+class Resume:
+    """A migratable stream's side of migration (docs/migration.md), shared by
+    the completions and chat streams: the answer keeps the first engine's
+    ``created``; the tokens another engine already sent count as this
+    stream's output (``prior``) on its one choice, whose opening chunk (a
+    role chunk, an echo) went out from there; and every event that sends
+    token ids names them in an ``: ids`` comment, the stream's first event
+    too (the gateway moves only a stream that speaks this from its start)."""
+
+    __slots__ = ("annotated", "created", "migratable", "prior")
+
+    def __init__(self, migration: Migration | None) -> None:
+        self.migratable = migration is not None
+        self.created = migration.created if migration and migration.created else now()
+        self.prior = len(migration.output_token_ids) if migration else 0
+        """Output tokens another engine sent before this leg."""
+        self.annotated = False
+
+    def generated(self) -> dict[int, int]:
+        """Per choice, the output tokens so far (the sent ones on choice 0)."""
+        return {0: self.prior} if self.prior else {}
+
+    def opened(self) -> set[int]:
+        """The choices whose opening chunk (role, echo) already went out."""
+        return {0} if self.prior else set()
+
+    def event(self, token_ids: list[int] | None, event: str) -> str:
+        """``event`` (an SSE event) as this stream sends it: after the ``: ids``
+        comment naming ``token_ids`` on a migratable stream."""
+        if self.migratable and (token_ids or not self.annotated):
+            self.annotated = True
+            return ids_comment(token_ids or []) + event
+        return event
+
+    def held(self, token_ids: list[int]) -> str | None:
+        """The event for tokens whose text is held back (a stop string's or a
+        parser's): the ``: ids`` comment alone, so the gateway counts them
+        sent; None on a stream that is not migratable or when there are none."""
+        if self.migratable and token_ids:
+            return ids_comment(token_ids) + "\n"
+        return None
 
 
 class TokenizerLanes:

@@ -7,11 +7,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...contracts.migration import ids_comment
 from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
 from ...sampling_params import SamplingParams, StructuredOutputsParams
-from .protocol import APIError, ChatCompletionRequest, now
+from .protocol import APIError, ChatCompletionRequest
 from .reasoning_parsers import (
     ReasoningParser,
     ReasoningStream,
@@ -20,6 +19,7 @@ from .reasoning_parsers import (
 )
 from .serving_base import (
     Choice,
+    Resume,
     ServingBase,
     error_event,
     finish_reason,
@@ -295,20 +295,17 @@ class ChatServing(ServingBase):
     ) -> AsyncIterator[str]:
         """``resumed``: a migrated stream's text already sent by another engine
         (fed to the tool and reasoning parsers without being sent again)."""
-        migration = req.migration
-        created = migration.created if migration and migration.created else now()
-        prior = len(migration.output_token_ids) if migration else 0
-        completion_tokens, cached = prior, 0
-        generated: dict[int, int] = {0: prior} if prior else {}  # per choice: tokens so far
-        # A resumed stream's role chunk (and echo) went out from the first engine.
-        started: set[int] = {0} if prior else set()
+        resume = Resume(req.migration)
+        created = resume.created
+        completion_tokens, cached = resume.prior, 0
+        generated = resume.generated()  # per choice: tokens so far
+        started = resume.opened()  # choices whose role chunk (and echo) went out
         tools = {i: _ToolStream(parser, self.options.tool_call_parser) for i in range(req.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
         echo = echoed_content(req)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-        first_chunk = not prior
-        annotated: list[bool] = []  # an event of this stream named its token ids
+        first_chunk = not resume.prior
         thinking = self.reasoning_parser(req)
         opened = prompt_opens_thought(prompt_text)
         thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
@@ -356,12 +353,7 @@ class ChatServing(ServingBase):
             if continuous:
                 # This choice's own tokens so far (vLLM's), not the request's sum.
                 body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
-            if migration is not None and (token_ids or not annotated):
-                # (The stream's first event says so even without tokens: the
-                # gateway moves only a stream that speaks this from its start.)
-                annotated.append(True)
-                return ids_comment(token_ids or []) + sse(body)
-            return sse(body)
+            return resume.event(token_ids, sse(body))
 
         try:
             async for out in self.outputs(stream):
@@ -417,9 +409,12 @@ class ChatServing(ServingBase):
                     if hold:
                         if req.return_token_ids and new_ids[0]:
                             yield chunk(o.index, {}, token_ids=_take(new_ids))
-                        elif migration is not None and new_ids[0]:
+                        else:
                             # Their text is held back: the gateway still counts them sent.
-                            yield ids_comment(_take(new_ids)) + "\n"
+                            held = resume.held(new_ids[0])
+                            if held is not None:
+                                _take(new_ids)
+                                yield held
                         continue
                     yield chunk(o.index, delta, lp, reason, o.stop_reason, _take(new_ids))
             if req.stream_options and req.stream_options.include_usage:

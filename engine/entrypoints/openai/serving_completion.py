@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ...contracts.migration import ids_comment
 from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
-from .protocol import APIError, CompletionRequest, now
+from .protocol import APIError, CompletionRequest
 from .serving_base import (
     Choice,
     Job,
+    Resume,
     ServingBase,
     error_event,
     finish_reason,
@@ -216,25 +216,22 @@ class CompletionServing(ServingBase):
         """``resumed``: a migrated stream's text already sent by another engine
         (where the logprobs' text offsets go on from)."""
         n = req.n
-        migration = req.migration
-        created = migration.created if migration and migration.created else now()
-        prior = len(migration.output_token_ids) if migration else 0
+        resume = Resume(req.migration)
+        created = resume.created
         usage = {
             "prompt_tokens": sum(len(ids) for _, ids, _ in jobs),
-            "completion_tokens": prior,
+            "completion_tokens": resume.prior,
             "cached": 0,
         }
-        # A resumed stream's echo went out from the first engine.
-        echoed: set[int] = {0} if prior else set()
-        offsets: dict[int, int] = {0: len(resumed)} if prior else {}
-        annotated = False  # an event of this stream named its token ids
+        echoed = resume.opened()  # choices whose echo went out
+        offsets: dict[int, int] = {0: len(resumed)} if resume.prior else {}
         k = self.check_logprobs(req.logprobs, "logprobs")
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         # Per choice, for continuous usage (vLLM's): its own prompt's tokens and
         # the tokens it has generated so far, not the request's totals.
-        generated: dict[int, int] = {0: prior} if prior else {}
+        generated = resume.generated()
         cached_of: dict[int, int] = {}
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
@@ -290,11 +287,7 @@ class CompletionServing(ServingBase):
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                     echoed.add(idx)
-                    if migration is not None and (o.token_ids or not annotated):
-                        annotated = True  # (the first event always: see serving_chat)
-                        yield ids_comment(o.token_ids) + sse(chunk)
-                        continue
-                    yield sse(chunk)
+                    yield resume.event(o.token_ids, sse(chunk))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
