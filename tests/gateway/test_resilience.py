@@ -20,6 +20,8 @@ import pytest
 from helpers.fleet import engines_view, kv_transfer_args, metric, start_engines, start_gateway
 from helpers.server import wait_until
 
+from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
+
 PROMPT = "Ships left the harbor one by one as the fog lifted over the grey water. " * 12
 
 
@@ -32,7 +34,16 @@ def fleet(tiny_model, tmp_path_factory):
         kv_transfer_args("ZmqConnector", "kv_consumer"),
         kv_transfer_args("ZmqConnector", "kv_consumer"),
     ]
-    procs = start_engines(tiny_model, log_dir, ["p1", "p2", "d1", "d2"], per_engine=kv)
+    # Engines sleep the seconds this file holds before each step (empty: none).
+    delay = log_dir / "step-delay"
+    delay.write_text("")
+    procs = start_engines(
+        tiny_model,
+        log_dir,
+        ["p1", "p2", "d1", "d2"],
+        per_engine=kv,
+        env={FAULT_STEP_DELAY_ENV: str(delay)},
+    )
     p1, p2, d1, d2 = procs
     gateway = None
     try:
@@ -41,7 +52,11 @@ def fleet(tiny_model, tmp_path_factory):
         assert wait_until(
             lambda: health(gateway.url)["routable"] == {"prefill": 2, "decode": 2}, 20
         )
-        yield {"gateway": gateway, "p1": p1, "p2": p2, "d1": d1, "d2": d2, "all": procs}
+        yield {
+            "gateway": gateway,
+            **{"p1": p1, "p2": p2, "d1": d1, "d2": d2, "all": procs},
+            "step_delay": delay,
+        }
     finally:
         if gateway is not None:
             gateway.stop()
@@ -204,13 +219,20 @@ def test_decode_engine_killed_mid_stream_the_stream_resumes_on_the_other_one(fle
                     ]
                     assert len(serving) == 1
                     serving[0].signal(signal.SIGKILL)
+                    fleet["step_delay"].write_text("")  # the other engine ends it at speed
         return events
 
     def text(events: list[str]) -> str:
         return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
     reference = stream(None)
-    events = stream(1)  # at the first event: the engine is still generating
+    # Engines slowed to 20 ms a step until the kill: the stream (480 tokens) is
+    # surely still on its engine when the client has looked it up.
+    fleet["step_delay"].write_text("0.02")
+    try:
+        events = stream(1)  # at the first event: the engine is still generating
+    finally:
+        fleet["step_delay"].write_text("")
     # One answer: the other engine went on from the tokens the client had
     # (docs/migration.md), no error event, the unfaulted text.
     assert events[-1] == "[DONE]"

@@ -35,12 +35,14 @@ def start_engines(
     names: list[str],
     extra: list[str] | None = None,
     per_engine: list[list[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[ServerProcess]:
     """Start engines in parallel and wait for all of them (stopping all on failure);
-    ``per_engine[i]`` are more flags of engine ``i`` (its KV connector)."""
+    ``per_engine[i]`` are more flags of engine ``i`` (its KV connector); ``env``:
+    more environment for every engine."""
     # One torch thread per engine: several engines share the machine's cores, and
     # OpenMP threads spinning at barriers on shared cores make every step slower.
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
     own = per_engine or [[] for _ in names]
     procs = [
         ServerProcess(
