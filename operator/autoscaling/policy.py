@@ -141,7 +141,8 @@ class PolicyTuning:
     scale_down_least: float = 0.11
     """Scale events come in chunks: a scale-up adds this share more than
     needed (a rising load soon needs it), a scale-down removes at least this
-    share of the count (and one replica). A load that moves by a replica at
+    share of the count, rounded to the nearest replica (and one replica: 2
+    from 14 replicas on). A load that moves by a replica at
     a time would otherwise make an event for every replica it crosses."""
     scale_down_headroom: float = 0.03
     """A scale-down leaves replicas for this much more load than measured:
@@ -859,7 +860,7 @@ def step_limit(
             elif desired > up:
                 why = f"{why}; {desired - up} more for what comes next"
         elif down < current:
-            least = max(1, math.floor(current * tuning.scale_down_least))
+            least = max(1, round(current * tuning.scale_down_least))
             if current - down < least:
                 code = "within_tolerance"
                 why = f"{why}; {down} would do, but a scale-down removes at least {least}"

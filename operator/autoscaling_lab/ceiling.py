@@ -48,9 +48,20 @@ from .strategies import Sizing, replica_needs
 STEADY_ROOM = round(COST_TARGETS["steady"] - 1, 2)
 
 
-def first_surge_ceiling(cell: Cell, sizing: Sizing) -> dict[str, Any] | None:
+def first_surge_ceiling(cell: Cell, sizing: Sizing, blind: int = 0) -> dict[str, Any] | None:
     """The ceiling's simulated figures and schedule (module docstring); None
-    for a trace without surges."""
+    for a trace without surges.
+
+    ``blind``: periods after the surge's own during which the schedule still
+    holds the count before it (0, the matrix's proof: it climbs from the
+    first period a policy could act in). A causal policy must see a surge in
+    its measured rate before it can tell it from noise: with ``blind`` 1 it
+    climbs once one whole period of the surge has been measured, with 2 once
+    two have. Those are not proofs (a policy may bet on less evidence); they
+    say how much of the ceiling's attainment rests on reacting to a surge
+    before its rate stands out."""
+    if blind < 0:
+        raise ValueError(f"blind must be >= 0 periods, got {blind}")
     onsets = [b.start for b in cell.trace.bursts if b.start < cell.config.duration_seconds]
     if not onsets:
         return None
@@ -68,11 +79,12 @@ def first_surge_ceiling(cell: Cell, sizing: Sizing) -> dict[str, Any] | None:
         need = [max(n, floor) for n in needs[i]]
         before = need[max(first - 1, 0)]
         # A request serves ``lead`` periods later: those of periods up to and
-        # including the surge's own see only the count before it.
-        for k in range(first, min(first + lead + 1, len(need))):
+        # including the surge's own (and the blind ones after it) see only
+        # the count before it.
+        for k in range(first, min(first + blind + lead + 1, len(need))):
             need[k] = min(need[k], before)
         head = cheapest_schedule(
-            lower_counts(need, lead)[: first + 1],
+            lower_counts(need, lead)[: first + blind + 1],
             cell.start[i],
             scaling.max_scale_up_step,
             scaling.max_scale_down_step,
@@ -85,6 +97,7 @@ def first_surge_ceiling(cell: Cell, sizing: Sizing) -> dict[str, Any] | None:
     return {
         "by": "first_surge_ceiling",
         "onset": onsets[0],
+        "blind_periods": blind,
         "base": {"prefill": base[0], "decode": base[1]},
         "room": {"prefill": rooms[0], "decode": rooms[1]},
         "ttft_attainment": result["ttft_attainment"],

@@ -200,3 +200,24 @@ def test_the_first_surge_ceiling_is_blind_only_until_a_cold_start_after_the_firs
     again = cell.schedule(ceiling["schedule"]["prefill"], ceiling["schedule"]["decode"])
     assert again.replica_seconds["total"] == pytest.approx(ceiling["replica_seconds"])
     assert again.ttft_attainment == pytest.approx(ceiling["ttft_attainment"])
+
+
+def test_a_blind_ceiling_holds_the_count_before_the_surge_for_its_blind_periods(small_bstar):
+    from pdfleet.operator.autoscaling_lab.ceiling import first_surge_ceiling
+
+    cell, found = small_bstar
+    blind = first_surge_ceiling(cell, found.best.sizing, blind=2)
+    assert blind is not None and blind["blind_periods"] == 2
+    first = int(blind["onset"] // cell.period)
+    for role in ("prefill", "decode"):
+        scaling = cell.spec.role(role)
+        schedule = blind["schedule"][role]
+        # Nothing requested until two whole periods of the surge were
+        # measured knows of it; then the same climb.
+        lead = int(cell.model.cold_start_seconds // cell.period)
+        before = max(schedule[max(first - lead - 1, 0) : first])
+        assert max(schedule[first : first + 3]) <= before
+        k = first + 3
+        assert schedule[k] == min(schedule[k - 1] + scaling.max_scale_up_step, scaling.max_replicas)
+    with pytest.raises(ValueError, match="blind"):
+        first_surge_ceiling(cell, found.best.sizing, blind=-1)

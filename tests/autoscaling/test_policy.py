@@ -369,3 +369,30 @@ def test_tuning_is_validated():
         PolicyTuning(itl_margin=1.5)
     with pytest.raises(ValueError, match="min_lead_seconds"):
         PolicyTuning(min_lead_seconds=200.0)
+
+
+@pytest.mark.parametrize(
+    ("current", "need", "desired", "code"),
+    [
+        (13, 12.0, 12, "kv_cache"),  # 11% of 13 rounds to 1: one replica goes
+        (14, 13.0, 14, "within_tolerance"),  # 11% of 14 rounds to 2: one is not enough
+        (14, 12.0, 12, "kv_cache"),
+    ],
+)
+def test_a_scale_down_removes_at_least_its_share_of_the_count_rounded(current, need, desired, code):
+    from pdfleet.operator.autoscaling.policy import Need, RoleView, step_limit
+
+    role = AutoscalingSpec.from_spec({"decode": {"maxReplicas": 40, "maxScaleDownStep": 8}}).decode
+    view = RoleView(fresh=(), missing=(), draining=(), current=current, starting=0)
+    decision, _ = step_limit(
+        "decode",
+        role,
+        Need(need, "kv_cache", "test", down=need),
+        view,
+        RoleState(since=0.0),
+        1000.0,
+        PolicyTuning(),
+        1,
+        falling=True,
+    )
+    assert (decision.desired, decision.code) == (desired, code)
