@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..lora.adapter import LoRAError
+from ..lora.hub import fetch_hub_adapter, is_hub_source
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine_core import StepFailed
@@ -183,6 +184,10 @@ class AsyncEngine:
         # Run-time LoRA loads read and check adapters here, one at a time, so
         # the step loop only waits for the final swap into the caches.
         self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="pdfleet-lora-read")
+        # Adapters loaded from the Hub at run time: name -> (hf:// source, the
+        # revision asked for, None for the default branch). /v1/models shows
+        # them, so the operator can tell which revision an engine serves.
+        self.lora_sources: dict[str, tuple[str, str | None]] = {}
         self._thread = threading.Thread(target=self._loop, name="pdfleet-engine", daemon=True)
         self._thread.start()
 
@@ -474,16 +479,36 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await asyncio.wait_for(future, timeout)
 
-    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> None:  # noqa: ASYNC109 (bounds the read and the swap)
-        """Load an adapter while the engine keeps stepping: read and check it on
-        the reader thread, then install it between two steps. Raises LoRAError
-        naming it (and nothing changes) when it cannot be served."""
+    async def load_lora(
+        self,
+        name: str,
+        path: str,
+        timeout: float = 600.0,  # noqa: ASYNC109 (bounds the fetch, the read and the swap)
+        revision: str | None = None,
+    ) -> None:
+        """Load an adapter while the engine keeps stepping: an ``hf://ORG/NAME``
+        ``path`` is first downloaded (at ``revision``) into the Hugging Face
+        cache by a child process (lora/hub.py), then the directory is read and
+        checked on the reader thread and installed between two steps. Raises
+        LoRAError naming it (and nothing changes) when it cannot be served."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        source = None
+        if is_hub_source(path):
+            if name in self.engine.loras:
+                raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+            source = (path, revision)
+            path = await fetch_hub_adapter(name, path, revision, timeout)
+        elif revision is not None:
+            raise LoRAError(f"LoRA adapter {name!r}: a revision needs an hf://ORG/NAME source")
         loop = asyncio.get_running_loop()
         read = loop.run_in_executor(self._lora_reader, self.engine.prepare_lora, name, path)
         prepared = await asyncio.wait_for(read, timeout)
         await self.call(lambda engine: engine.install_lora(prepared), timeout)
+        if source is not None:
+            self.lora_sources[name] = source
+        else:
+            self.lora_sources.pop(name, None)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
