@@ -57,7 +57,11 @@ async def fetch_hub_adapter(
     )
     try:
         out, err = await asyncio.wait_for(child.communicate(), timeout)
-    except (TimeoutError, asyncio.CancelledError):
+    except asyncio.CancelledError:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        raise
+    except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
         await child.wait()

@@ -8,6 +8,7 @@ never used for a base-model decode leg."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -212,8 +213,14 @@ def test_an_hf_adapter_is_fetched_when_it_is_loaded_and_a_failed_fetch_is_refuse
     fleet_h = fleet_headers()
     url = server.url + "/v1/load_lora_adapter"
     body = {"lora_name": "c", "lora_path": "hf://acme/c-lora", "revision": "v1"}
-    loaded = httpx.post(url, json=body, headers=fleet_h, timeout=120)
-    assert loaded.status_code == 200, loaded.text
+
+    async def twice() -> list[httpx.Response]:
+        # A caller asking again while the download runs joins it (one fetch).
+        async with httpx.AsyncClient(headers=fleet_h, timeout=120) as http:
+            return await asyncio.gather(*(http.post(url, json=body) for _ in range(2)))
+
+    for loaded in asyncio.run(twice()):
+        assert loaded.status_code == 200, loaded.text
     assert tokens(complete(server.url, "c", fleet_h)) == hf_greedy(
         peft_factory(tiny_model, c), PROMPT, 8
     )
