@@ -394,14 +394,13 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
                 for role in ("prefill", "decode"):
                     assert k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"] == lives[role]
                 # A new hf:// adapter: the engines fetch it, given its source
-                # (no pod rolls); a new revision of one they serve: unloaded and
-                # loaded again at that revision; one removed: unloaded.
+                # (no pod rolls); then a new revision of one they serve (unloaded
+                # and loaded again at that revision) and hub2 removed (unloaded).
                 extra = {"name": "hub2", "source": "hf://org/other"}
                 moved = {**HUB, "revision": "v2"}
                 for adapters, want in [
                     ([HUB, FILE_B, extra], {"hub2": "hf://org/other"}),
-                    ([moved, FILE_B, extra], {"hub": "hf://org/hub-lora@v2"}),
-                    ([moved, FILE_B], {}),
+                    ([moved, FILE_B], {"hub": "hf://org/hub-lora@v2"}),
                 ]:
                     await k.patch(IS_RESOURCE, "demo", {"spec": {"adapters": adapters}})
                     names = {a["name"] for a in adapters}
