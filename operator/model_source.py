@@ -48,7 +48,8 @@ class ModelVolumes:
     volumes: list[dict[str, Any]]
     """Pod volumes the model needs."""
     mounts: list[dict[str, Any]]
-    """Read-only mounts of the main container."""
+    """Mounts of the main container: read-only, but for the Hugging Face cache
+    of a pod that may download adapters at run time (:func:`pod_volumes`)."""
     init: list[InitStep]
     """Init containers that write the model before the main container starts."""
     env: list[dict[str, Any]] = field(default_factory=list)
