@@ -3,14 +3,18 @@
 Each refresh compares what every ready engine pod serves (its ``/v1/models``:
 adapters are the cards with a ``parent``) with ``spec.adapters``, and calls
 the pod's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with the
-fleet token for the difference. An adapter is loaded only where its files are:
-those the pod started with (its template's annotation), file:// adapters, and
-pvc:// adapters on a claim the pod mounts. An hf:// adapter the pod did not
-start with is not there: its template changes (an init step fetches it), and
-the new pods start with it. Adapters a pod serves that spec.adapters does not
-list are unloaded (the list is the whole truth for a managed service). Only
-pods made from a template rendered with spec.adapters are synced: a service
-without them (adapters in its engine section, or none) is left as it is.
+fleet token for the difference. An adapter is loaded only where its files are
+or can be fetched: those the pod started with (its template's annotation),
+file:// adapters, pvc:// adapters on a claim the pod mounts, and hf://
+adapters where the engine container can download them itself (its cache,
+token and endpoint: ``lora_path`` is then the hf:// source, with the
+revision). An hf:// adapter is served as wanted when the engine reports the
+same source and revision, or when the pod started with exactly it (its init
+step fetched it); otherwise it is unloaded and loaded again. Adapters a pod
+serves that spec.adapters does not list are unloaded (the list is the whole
+truth for a managed service). Only pods made from a template rendered with
+spec.adapters are synced: a service without them (adapters in its engine
+section, or none) is left as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import httpx
 
 from .manifests import LABEL_ROLE, template_adapters
-from .model_source import adapter_claim_volume
+from .model_source import adapter_claim_volume, hub_access
 from .parallelism import LABEL_GROUP_ROLE, WORKER
 from .resource import AdapterSpec, InferenceServiceSpec
 from .roles import adapter_claim, adapter_path
@@ -41,18 +45,52 @@ class AdapterChange:
     error: str | None = None
 
 
-def loadable(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
-    """Whether ``adapter``'s files are inside ``pod``."""
+def _started_with(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod`` started with exactly ``adapter`` (source and revision)."""
     started = template_adapters(pod)
-    if started is not None and any(a == adapter for a in started[1]):
+    return started is not None and any(a == adapter for a in started[1])
+
+
+def _engine_container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return next((c for c in containers if c.get("name") == "engine"), {})
+
+
+def loadable(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
+    """Whether ``adapter``'s files are inside ``pod``, or its engine can fetch them."""
+    if _started_with(adapter, pod) or adapter.source.startswith("file://"):
         return True
-    if adapter.source.startswith("file://"):
-        return True
+    if adapter.source.startswith("hf://"):
+        return hub_access(dict(_engine_container(pod)))
     claim = adapter_claim(adapter)
     if claim is None:
-        return False  # hf:// adapters are fetched by the pod's init steps only
+        return False
     volumes = (pod.get("spec") or {}).get("volumes") or []
     return any(v.get("name") == adapter_claim_volume(claim) for v in volumes)
+
+
+def _serves(adapter: AdapterSpec, card: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether the adapter card an engine lists is ``adapter`` as spec.adapters says."""
+    if adapter.source.startswith("hf://"):
+        if card.get("source") is not None:
+            return bool(
+                card.get("source") == adapter.source and card.get("revision") == adapter.revision
+            )
+        # Loaded from the init step's link: the revision is the template's.
+        return card.get("root") == adapter_path(adapter) and _started_with(adapter, pod)
+    return card.get("root") == adapter_path(adapter)
+
+
+def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> dict[str, str]:
+    """The /v1/load_lora_adapter body for ``adapter`` on ``pod``: its directory,
+    or for an hf:// adapter the pod did not start with, its source and revision
+    (the engine downloads it)."""
+    body = {"lora_name": adapter.name, "lora_path": adapter_path(adapter)}
+    if adapter.source.startswith("hf://") and not _started_with(adapter, pod):
+        body["lora_path"] = adapter.source
+        if adapter.revision:
+            body["revision"] = adapter.revision
+    return body
 
 
 def _synced(pod: Mapping[str, Any]) -> bool:
@@ -90,7 +128,7 @@ async def sync_adapters(
             cards = response.json().get("data") or []
         except (httpx.HTTPError, ValueError, AttributeError):
             return []  # not answering now: the next refresh tries again
-        served = {c.get("id"): c.get("root") for c in cards if c.get("parent") is not None}
+        served = {c.get("id"): c for c in cards if c.get("parent") is not None}
         changes: list[AdapterChange] = []
 
         async def call(action: str, adapter: str, body: dict[str, str]) -> bool:
@@ -106,20 +144,19 @@ async def sync_adapters(
             return True
 
         present = set()
-        for adapter, root in served.items():
+        for adapter, card in served.items():
             spec_adapter = wanted.get(adapter)
             if spec_adapter is None:
                 await call("unload", adapter, {"lora_name": adapter})
                 continue
-            # Served from another directory (its source changed): loaded again below.
-            moved = root != adapter_path(spec_adapter) and loadable(spec_adapter, pod)
+            # Served from another directory, source or revision: loaded again below.
+            moved = not _serves(spec_adapter, card, pod) and loadable(spec_adapter, pod)
             if moved and await call("unload", adapter, {"lora_name": adapter}):
                 continue
             present.add(adapter)
         for adapter in spec.adapters:
             if adapter.name not in present and loadable(adapter, pod):
-                body = {"lora_name": adapter.name, "lora_path": adapter_path(adapter)}
-                await call("load", adapter.name, body)
+                await call("load", adapter.name, load_body(adapter, pod))
         return changes
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -48,9 +48,12 @@ class ModelVolumes:
     volumes: list[dict[str, Any]]
     """Pod volumes the model needs."""
     mounts: list[dict[str, Any]]
-    """Read-only mounts of the main container."""
+    """Mounts of the main container: read-only, but for the Hugging Face cache
+    of a pod that may download adapters at run time (:func:`pod_volumes`)."""
     init: list[InitStep]
     """Init containers that write the model before the main container starts."""
+    env: list[dict[str, Any]] = field(default_factory=list)
+    """Variables of the main container (its run-time adapter downloads)."""
 
 
 def model_volumes(model: ModelSpec) -> ModelVolumes:
@@ -133,14 +136,38 @@ def adapter_claim_volume(claim: str) -> str:
     return f"adapters-{adapter_key(claim)[:12]}"
 
 
-def pod_volumes(model: ModelSpec, adapters: list[AdapterSpec]) -> ModelVolumes:
+HUB_CACHE_ENV = "HF_HUB_CACHE"
+"""huggingface_hub's cache directory: set in an engine container that may
+download hf:// adapters at run time (what :func:`hub_access` looks for)."""
+
+
+def hub_access(container: dict[str, Any]) -> bool:
+    """Whether an engine container can download hf:// adapters itself."""
+    return any(e.get("name") == HUB_CACHE_ENV for e in container.get("env") or [])
+
+
+def pod_volumes(model: ModelSpec, adapters: list[AdapterSpec], hub: bool = False) -> ModelVolumes:
     """The model's volumes and init steps, plus the adapters': each pvc://
     claim mounted read-only under ADAPTERS_DIR/pvc/CLAIM, and one init step per
     hf:// adapter, which fetches it (``pdfleet fetch-model --adapter``) into
     the model's Hugging Face cache with its token and links it at
-    :func:`adapter_path`. file:// adapters need nothing."""
+    :func:`adapter_path`. file:// adapters need nothing.
+
+    ``hub`` (a service with spec.adapters): the engine container itself may
+    download hf:// adapters loaded at run time, so it gets the same cache
+    (read-write, as ``HF_HUB_CACHE``), token file and endpoint as the init
+    steps, whatever adapters the pod starts with: adding an hf:// adapter then
+    changes nothing in the pod."""
     base = model_volumes(model)
     volumes, mounts, init = list(base.volumes), list(base.mounts), list(base.init)
+    engine_env: list[dict[str, Any]] = []
+    if hub:
+        hub_volumes, env, hub_mounts = _hub_parts(model)
+        names = {v["name"] for v in volumes}
+        volumes += [v for v in hub_volumes if v["name"] not in names]
+        mounts = [m for m in mounts if m["name"] != "hf-cache"] + hub_mounts
+        engine_env = [e for e in env if e["name"] != CACHE_DIR_ENV]
+        engine_env.append({"name": HUB_CACHE_ENV, "value": HF_CACHE_DIR})
     for claim in dict.fromkeys(c for a in adapters if (c := adapter_claim(a)) is not None):
         volume = adapter_claim_volume(claim)
         volumes.append(
@@ -149,9 +176,9 @@ def pod_volumes(model: ModelSpec, adapters: list[AdapterSpec]) -> ModelVolumes:
         mounts.append(
             {"name": volume, "mountPath": f"{ADAPTERS_DIR}/pvc/{claim}", "readOnly": True}
         )
-    hub = [a for a in adapters if a.source.startswith("hf://")]
-    if not hub:
-        return ModelVolumes(volumes, mounts, init)
+    fetched = [a for a in adapters if a.source.startswith("hf://")]
+    if not fetched:
+        return ModelVolumes(volumes, mounts, init, engine_env)
     names = {v["name"] for v in volumes}
     hub_volumes, env, hub_mounts = _hub_parts(model)
     volumes += [v for v in hub_volumes if v["name"] not in names]
@@ -160,11 +187,11 @@ def pod_volumes(model: ModelSpec, adapters: list[AdapterSpec]) -> ModelVolumes:
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_DIR, "readOnly": True})
     mounts.append({"name": "adapters-hf", "mountPath": f"{ADAPTERS_DIR}/hf", "readOnly": True})
     writable = {"name": "adapters-hf", "mountPath": f"{ADAPTERS_DIR}/hf"}
-    for adapter in hub:
+    for adapter in fetched:
         command = ["pdfleet", "fetch-model", adapter.source, "--adapter"]
         command += ["--cache-dir", HF_CACHE_DIR, "--output", adapter_path(adapter)]
         if adapter.revision:
             command += ["--revision", adapter.revision]
         step_name = f"fetch-adapter-{adapter_key(adapter.name)[:12]}"
         init.append(InitStep(step_name, command, list(env), [writable, *hub_mounts]))
-    return ModelVolumes(volumes, mounts, init)
+    return ModelVolumes(volumes, mounts, init, engine_env)

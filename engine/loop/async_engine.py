@@ -22,6 +22,7 @@ called, so the server can exit non-zero for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..lora.adapter import LoRAError
+from ..lora.hub import fetch_hub_adapter, is_hub_source
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine_core import StepFailed
@@ -183,6 +185,11 @@ class AsyncEngine:
         # Run-time LoRA loads read and check adapters here, one at a time, so
         # the step loop only waits for the final swap into the caches.
         self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="pdfleet-lora-read")
+        # Adapters loaded from the Hub at run time: name -> (hf:// source, the
+        # revision asked for, None for the default branch). /v1/models shows
+        # them, so the operator can tell which revision an engine serves.
+        self.lora_sources: dict[str, tuple[str, str | None]] = {}
+        self._hub_loads: dict[tuple[str, str, str | None], asyncio.Future[None]] = {}
         self._thread = threading.Thread(target=self._loop, name="pdfleet-engine", daemon=True)
         self._thread.start()
 
@@ -474,12 +481,50 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await asyncio.wait_for(future, timeout)
 
-    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> None:  # noqa: ASYNC109 (bounds the read and the swap)
-        """Load an adapter while the engine keeps stepping: read and check it on
-        the reader thread, then install it between two steps. Raises LoRAError
-        naming it (and nothing changes) when it cannot be served."""
+    async def load_lora(
+        self,
+        name: str,
+        path: str,
+        timeout: float = 600.0,  # noqa: ASYNC109 (bounds the fetch, the read and the swap)
+        revision: str | None = None,
+    ) -> None:
+        """Load an adapter while the engine keeps stepping: an ``hf://ORG/NAME``
+        ``path`` is first downloaded (at ``revision``) into the Hugging Face
+        cache by a child process (lora/hub.py), then the directory is read and
+        checked on the reader thread and installed between two steps. Raises
+        LoRAError naming it (and nothing changes) when it cannot be served."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if is_hub_source(path):
+            # One download per (name, source, revision): a caller that gave up
+            # (the operator bounds its calls) and asks again joins the load
+            # still running, which goes on to install the adapter.
+            key = (name, path, revision)
+            task = self._hub_loads.get(key)
+            if task is None:
+                if name in self.engine.loras:
+                    raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+                task = asyncio.ensure_future(self._load_hub(name, path, revision, timeout))
+                self._hub_loads[key] = task
+                task.add_done_callback(functools.partial(self._hub_load_done, key))
+            await asyncio.shield(task)
+            return
+        if revision is not None:
+            raise LoRAError(f"LoRA adapter {name!r}: a revision needs an hf://ORG/NAME source")
+        await self._load_dir(name, path, timeout)
+        self.lora_sources.pop(name, None)
+
+    async def _load_hub(self, name: str, source: str, revision: str | None, timeout: float) -> None:  # noqa: ASYNC109
+        path = await fetch_hub_adapter(name, source, revision, timeout)
+        await self._load_dir(name, path, timeout)
+        self.lora_sources[name] = (source, revision)
+
+    def _hub_load_done(self, key: tuple[str, str, str | None], task: asyncio.Future[None]) -> None:
+        self._hub_loads.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that left is not told, the next one is
+
+    async def _load_dir(self, name: str, path: str, timeout: float) -> None:  # noqa: ASYNC109
         loop = asyncio.get_running_loop()
         read = loop.run_in_executor(self._lora_reader, self.engine.prepare_lora, name, path)
         prepared = await asyncio.wait_for(read, timeout)

@@ -405,6 +405,8 @@ class LocalFleet:
                     f"! {child.name} exited with code {code}; restarting "
                     f"(#{child.restarts}, log: {child.log_path})"
                 )
+                if child is not self.gateway:
+                    child.argv = self.restart_argv(child.argv)
                 child.start()
                 changed = True
             elif not child.ready and child.healthy():
@@ -413,6 +415,32 @@ class LocalFleet:
                 self.say(f"  {child.name} ready")
         if changed:
             self.write_engines_file()
+
+    def restart_argv(self, argv: list[str]) -> list[str]:
+        """An engine's command line for a restart: as it first started, but
+        loading the adapters spec.adapters lists now (``pdfleet apply`` loads
+        and unloads them on running engines without changing their command
+        lines). Untouched for a service without spec.adapters, whose engine
+        section may set --lora-modules itself."""
+        with self.lock:
+            if not self.spec.adapters or "--enable-lora" not in argv:
+                return argv
+            modules = [
+                f"{a.name}={self.adapter_paths[a.name]}"
+                for a in self.spec.adapters
+                if a.name in self.adapter_paths
+            ]
+        out = list(argv)
+        if "--lora-modules" in out:
+            # Its values run up to the next flag (names and paths never start with "--").
+            i = out.index("--lora-modules")
+            j = i + 1
+            while j < len(out) and not out[j].startswith("--"):
+                j += 1
+            del out[i:j]
+        if modules:
+            out += ["--lora-modules", *modules]
+        return out
 
     def role_engines(self, role: str) -> list[Child]:
         with self.lock:
@@ -472,7 +500,8 @@ class LocalFleet:
     ) -> None:
         """Engines started from now on run ``service`` (from ``model_path``,
         with ``adapter_paths`` when given: each of its adapters' directory);
-        running ones keep their command lines, restarts included."""
+        running ones keep their command lines, restarts included, except for
+        the adapters they load at start (:meth:`restart_argv`)."""
         with self.lock:
             self.service = service
             self.spec = service.spec

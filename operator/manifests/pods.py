@@ -211,15 +211,16 @@ def termination_grace_seconds(spec: InferenceServiceSpec, role: str, args: Engin
 
 
 def pod_shaping_adapters(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
-    """The adapters that change an engine pod beyond its --lora-modules: every
-    hf:// adapter (an init step fetches it) and one pvc:// adapter per claim (a
-    volume). The others (file://, more pvc:// adapters on a mounted claim) can
-    be loaded into a running engine."""
+    """The adapters that change an engine pod beyond its --lora-modules: one
+    pvc:// adapter per claim (a volume). The others can be loaded into a
+    running engine: file://, more pvc:// adapters on a mounted claim, and
+    hf:// ones, which the engine downloads itself (its container has the
+    cache, token and endpoint whenever spec.adapters is set)."""
     claims: set[str] = set()
     out = []
     for adapter in adapters:
         claim = adapter_claim(adapter)
-        if adapter.source.startswith("hf://") or (claim is not None and claim not in claims):
+        if claim is not None and claim not in claims:
             out.append(adapter)
         if claim is not None:
             claims.add(claim)
@@ -307,7 +308,7 @@ def _engine_pod_template(
     role_spec = spec.role(role)
     args = pod_engine_args(spec, role, adapters=adapters)
     layout = role_layout(role_spec, args)
-    parts = pod_volumes(spec.model, adapters)
+    parts = pod_volumes(spec.model, adapters, hub=bool(spec.adapters))
     volumes, model_mounts, model_steps = parts.volumes, parts.mounts, parts.init
     secret_volume, secret_mount, secret_env = _fleet_secret_volume(name)
     ports = []
@@ -344,6 +345,7 @@ def _engine_pod_template(
         {"name": ENV_KV_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"},
         secret_env,
+        *parts.env,
         *kv_env,
         *parallel_env(role_spec, args, role_spec.env),
         *[dict(e) for e in role_spec.env],

@@ -115,3 +115,19 @@ def test_pdfleet_up_takes_file_and_refuses_pvc_adapters_naming_them(tmp_path):
         ValueError, match=r"spec.adapters\[0\].source: '/no/such' is not a directory"
     ):
         resolve_adapters(missing.adapters, print)
+
+
+def test_an_engine_side_fetch_is_bounded_and_refused_by_name():
+    """The engine's run-time download (lora/hub.py): a bad source never starts
+    one; one past its deadline is killed, and both errors name the adapter."""
+    import asyncio
+
+    from pdfleet.engine.lora.adapter import LoRAError
+    from pdfleet.engine.lora.hub import fetch_hub_adapter
+
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'x': .* an adapter is a repository"):
+        asyncio.run(fetch_hub_adapter("x", "hf://org/repo/model.gguf"))
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'y': 'hf://nope': name a Hub repository"):
+        asyncio.run(fetch_hub_adapter("y", "hf://nope"))
+    with pytest.raises(LoRAError, match=r"LoRA adapter 's': fetching hf://org/slow took longer"):
+        asyncio.run(fetch_hub_adapter("s", "hf://org/slow", timeout=0.05))

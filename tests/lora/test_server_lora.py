@@ -8,12 +8,14 @@ never used for a base-model decode leg."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import openai
 import pytest
 from helpers.engine import hf_greedy, random_prompts
+from helpers.fake_hub import FakeHub
 from helpers.fleet import metric, start_gateway
 from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
@@ -35,7 +37,7 @@ def kv(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
-def engine(tiny_model, tmp, name, *flags):
+def engine(tiny_model, tmp, name, *flags, env=None):
     return ServerProcess(
         [
             "serve",
@@ -56,19 +58,39 @@ def engine(tiny_model, tmp, name, *flags):
         ],
         tmp,
         name,
-        env={"PDFLEET_API_KEY": "", "OMP_NUM_THREADS": "1"},
+        env={"PDFLEET_API_KEY": "", "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HUB_TOKEN = "hf_engine_token"
+
+
 @pytest.fixture(scope="module")
-def fleet(tiny_model, adapter_factory, tmp_path_factory):
-    """Engine A serves adapter a from the start, engine B none."""
+def hub(tiny_model, adapter_factory):
+    """A fake Hub serving adapter c as acme/c-lora (token required)."""
+    c = adapter_factory(tiny_model, 3, r=8)
+    with FakeHub("acme/c-lora", c, HUB_COMMIT, token=HUB_TOKEN, branches=("main", "v1")) as h:
+        yield h, c
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, adapter_factory, tmp_path_factory, hub):
+    """Engine A serves adapter a from the start, engine B none; B reaches the
+    fake Hub as a pod's engine does (endpoint, token file, cache directory)."""
     a = adapter_factory(tiny_model, 1, r=8)
     tmp = tmp_path_factory.mktemp("lora-server")
     (tmp / "keys").write_text("client-key\n")
+    (tmp / "hf-token").write_text(HUB_TOKEN + "\n")
+    hub_env = {
+        "HF_ENDPOINT": hub[0].url,
+        "HF_TOKEN_PATH": str(tmp / "hf-token"),
+        "HF_TOKEN": "",
+        "HF_HUB_CACHE": str(tmp / "hf-cache"),
+    }
     procs = [
         engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}", *kv("kv_producer")),
-        engine(tiny_model, tmp, "b", *kv("kv_consumer")),
+        engine(tiny_model, tmp, "b", *kv("kv_consumer"), env=hub_env),
     ]
     gateway = None
     try:
@@ -181,6 +203,59 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
     assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 3.0' in text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
+
+
+def test_an_hf_adapter_is_fetched_when_it_is_loaded_and_a_failed_fetch_is_refused_by_name(
+    fleet, hub, tiny_model, peft_factory
+):
+    (_, server), _, _ = fleet
+    fake, c = hub
+    fleet_h = fleet_headers()
+    url = server.url + "/v1/load_lora_adapter"
+    body = {"lora_name": "c", "lora_path": "hf://acme/c-lora", "revision": "v1"}
+
+    async def twice() -> list[httpx.Response]:
+        # A caller asking again while the download runs joins it (one fetch).
+        async with httpx.AsyncClient(headers=fleet_h, timeout=120) as http:
+            return await asyncio.gather(*(http.post(url, json=body) for _ in range(2)))
+
+    for loaded in asyncio.run(twice()):
+        assert loaded.status_code == 200, loaded.text
+    assert tokens(complete(server.url, "c", fleet_h)) == hf_greedy(
+        peft_factory(tiny_model, c), PROMPT, 8
+    )
+    card = httpx.get(server.url + "/v1/models/c", headers=fleet_h, timeout=10).json()
+    assert card["source"] == "hf://acme/c-lora" and card["revision"] == "v1"
+    assert card["root"].endswith(f"models--acme--c-lora/snapshots/{HUB_COMMIT}")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fake.downloads()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+
+    # Failed fetches: a 400 naming the adapter and the Hub's reason; nothing changes.
+    for name, source, revision, reason in [
+        ("gone", "hf://acme/no-such-lora", None, "repository not found"),
+        ("old", "hf://acme/c-lora", "v9", "revision 'v9' does not exist"),
+    ]:
+        body = {
+            "lora_name": name,
+            "lora_path": source,
+            **({"revision": revision} if revision else {}),
+        }
+        refused = httpx.post(url, json=body, headers=fleet_h, timeout=120)
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert f"LoRA adapter {name!r}" in message and reason in message, message
+    bad = {"lora_name": "x", "lora_path": "/some/dir", "revision": "v1"}
+    refused = httpx.post(url, json=bad, headers=fleet_h, timeout=30)
+    assert refused.status_code == 400 and "revision" in refused.text
+    ids = {c["id"] for c in httpx.get(server.url + "/v1/models", headers=fleet_h).json()["data"]}
+    assert "c" in ids and not ids & {"gone", "old", "x"}
+    assert tokens(complete(server.url, "tiny", fleet_h))  # still serving
+
+    unload = server.url + "/v1/unload_lora_adapter"
+    assert httpx.post(unload, json={"lora_name": "c"}, headers=fleet_h).status_code == 200
+    assert complete(server.url, "c", fleet_h).status_code == 404
 
 
 def test_the_gateway_routes_an_adapter_to_the_engine_that_serves_it(

@@ -17,6 +17,8 @@ from helpers.server import fleet_headers, wait_until
 from helpers.up import Up, fleet_spec, process_argv
 
 from pdfleet.engine.contracts.launch import python_module
+from pdfleet.operator.local.fleet import LocalFleet
+from pdfleet.operator.resource import InferenceService, load_inference_service
 
 PROMPT = random_prompts(1000, [48], seed=5)[0]
 
@@ -136,3 +138,36 @@ def test_apply_loads_and_unloads_adapters_without_restarts(
     apply(both[1:])  # team/sql removed
     assert served(fleet) == {r: {"other": other} for r in ("prefill", "decode")}
     assert sorted(p for p in fleet.child_pids() if "serve" in process_argv(p)) == engines
+
+
+def test_an_engine_restarted_after_apply_starts_with_the_current_adapters(tmp_path):
+    """The restart itself is `LocalFleet.tick` re-running the child's command
+    line (its process is gone here), so no engine process is needed."""
+
+    def service(adapters: list[dict]) -> InferenceService:
+        body = {"apiVersion": "pdfleet.dev/v1alpha1", "kind": "InferenceService"}
+        spec = {"model": {"name": "tiny"}, "disaggregation": {"mode": "Disabled"}}
+        return load_inference_service(
+            {**body, "metadata": {"name": "lora"}, "spec": {**spec, "adapters": adapters}}
+        )
+
+    first = [{"name": "a", "source": "file:///lora/a"}, {"name": "b", "source": "file:///lora/b"}]
+    fleet = LocalFleet(
+        service(first), "/m", tmp_path, adapter_paths={"a": "/lora/a", "b": "/lora/b"}
+    )
+    child = fleet._engine_child("decode")
+    original = list(child.argv)
+    i = original.index("--lora-modules")
+    assert original[i : i + 3] == ["--lora-modules", "a=/lora/a", "b=/lora/b"]
+    started: list[list[str]] = []
+    child.start = lambda: started.append(list(child.argv))  # type: ignore[method-assign]
+    fleet.engines.append(child)
+    # `pdfleet apply`: b removed, c added (loaded on running engines by the API).
+    second = [{"name": "a", "source": "file:///lora/a"}, {"name": "c", "source": "file:///lora/c"}]
+    fleet.use(service(second), "/m", {"a": "/lora/a", "c": "/lora/c"})
+    fleet.tick()  # the engine's process is not running: restarted
+    (argv,) = started
+    j = argv.index("--lora-modules")
+    assert argv[j:] == ["--lora-modules", "a=/lora/a", "c=/lora/c"]
+    # Everything else is the command line it first started with.
+    assert argv[:j] == original[:i] + original[i + 3 :]

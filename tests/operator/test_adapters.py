@@ -169,8 +169,13 @@ def test_adapters_turn_lora_on_in_both_roles_and_are_passed_as_lora_modules():
         env = {e["name"]: e.get("value") for e in fetch["env"]}
         assert env["HF_TOKEN_PATH"] == "/etc/pdfleet/hf-token/token"
         main = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
-        assert main["adapters-hf"]["readOnly"] and main["hf-cache"]["readOnly"]
-        assert "hf-token" not in main
+        assert main["adapters-hf"]["readOnly"]
+        # The engine may fetch hf:// adapters loaded at run time: the same cache
+        # (writable), token file and endpoint as the init step.
+        assert not main["hf-cache"].get("readOnly") and main["hf-token"]["readOnly"]
+        engine_env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert engine_env["HF_HUB_CACHE"] == "/hf-cache"
+        assert engine_env["HF_TOKEN_PATH"] == "/etc/pdfleet/hf-token/token"
     # The gateway needs none of it.
     gateway = template(objects, "gateway")["spec"]
     assert not [c for c in gateway["initContainers"] if c["name"].startswith("fetch-adapter-")]
@@ -186,7 +191,7 @@ def test_adapters_turn_lora_on_in_both_roles_and_are_passed_as_lora_modules():
     assert "--enable-lora" not in command(children(BASE), "decode")
 
 
-def test_a_loadable_adapter_change_keeps_the_template_a_fetched_one_changes_it():
+def test_an_adapter_change_keeps_the_template_a_new_claim_changes_it():
     first = children(spec_with(FILE_A, PVC, HUB))
     live = {role: template(first, role) for role in ("prefill", "decode")}
     # Remove a file:// adapter, add one, add a pvc:// one on the mounted claim.
@@ -196,13 +201,26 @@ def test_a_loadable_adapter_change_keeps_the_template_a_fetched_one_changes_it()
     # Without the running template (a first rollout), the spec's list is rendered.
     fresh = children(spec_with(FILE_B, PVC, PVC_SAME_CLAIM, HUB))
     assert lora_modules(command(fresh, "decode"))[0] == "chat/v2=/adapters/chat"
-    # An hf:// adapter needs an init step: the template changes, with every adapter.
-    third = children(spec_with(FILE_B, PVC), live)
+    # Removing an hf:// adapter, adding one or changing its revision: the
+    # engines fetch it themselves, so the template stays too.
+    other = {"name": "hub2", "source": "hf://org/other"}
+    for adapters in [
+        (FILE_B, PVC),
+        (FILE_B, PVC, HUB, other),
+        (FILE_A, PVC, {**HUB, "revision": "v2"}),
+    ]:
+        for role in ("prefill", "decode"):
+            assert template(children(spec_with(*adapters), live), role) == live[role]
+    # A new claim is a new volume: the template changes, with every adapter.
+    third = children(
+        spec_with(FILE_B, PVC, {**PVC, "name": "pvc-two", "source": "pvc://more/x"}), live
+    )
     decode = template(third, "decode")
     assert decode != live["decode"]
     assert [m.split("=")[0] for m in lora_modules(command(third, "decode"))] == [
         "chat/v2",
         "pvc-one",
+        "pvc-two",
     ]
     assert (
         template_adapters(decode)[0] == decode["metadata"]["annotations"][ANNOTATION_ADAPTERS_KEY]
@@ -237,7 +255,12 @@ class FakeEngine:
             return web.json_response({"error": {"code": 401}}, status=401)
         self.polls += 1
         cards = [{"id": "tiny", "parent": None, "root": "/models/tiny"}]
-        cards += [{"id": n, "parent": "tiny", "root": r} for n, r in self.served.items()]
+        for n, r in self.served.items():
+            card = {"id": n, "parent": "tiny", "root": r}
+            if r.startswith("hf://"):  # fetched: the engine reports source and revision
+                source, _, revision = r.partition("@")
+                card.update(root=f"/hf-cache/{source}", source=source, revision=revision or None)
+            cards.append(card)
         return web.json_response({"object": "list", "data": cards})
 
     async def load(self, request: web.Request) -> web.Response:
@@ -247,7 +270,10 @@ class FakeEngine:
         self.calls.append(("load", body["lora_name"]))
         if body["lora_name"] in self.served:
             return web.json_response({"error": {"message": "already loaded"}}, status=400)
-        self.served[body["lora_name"]] = body["lora_path"]
+        path = body["lora_path"]
+        if body.get("revision"):
+            path += "@" + body["revision"]
+        self.served[body["lora_name"]] = path
         return web.Response(text="Success")
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -287,7 +313,13 @@ def engine_pod(name: str, role: str, port: int, rendered: dict[str, Any]) -> dic
         },
         "spec": {
             "volumes": rendered["spec"]["volumes"],
-            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}],
+            "containers": [
+                {
+                    "name": "engine",
+                    "env": rendered["spec"]["containers"][0].get("env", []),
+                    "ports": [{"name": "http", "containerPort": port}],
+                }
+            ],
         },
         "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
     }
@@ -361,32 +393,41 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
                 # The pods were not rolled: the templates are what they were.
                 for role in ("prefill", "decode"):
                     assert k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"] == lives[role]
-                # A new hf:// adapter is not in the running pods: the template
-                # changes (its init step fetches it); nothing is loaded where it is absent.
+                # A new hf:// adapter: the engines fetch it, given its source
+                # (no pod rolls); then a new revision of one they serve (unloaded
+                # and loaded again at that revision) and hub2 removed (unloaded).
                 extra = {"name": "hub2", "source": "hf://org/other"}
-                await k.patch(IS_RESOURCE, "demo", {"spec": {"adapters": [HUB, FILE_B, extra]}})
-                rolled = await k.wait_for(
-                    lambda: (
-                        (t := k.get(DEPLOYMENTS, "demo-decode")["spec"]["template"]) != live and t
-                    ),
-                    what="decode template with hub2",
-                )
-                names = [a.name for a in template_adapters(rolled)[1]]
-                assert names == ["hub", "chat/v2", "hub2"]
-                inits = [c["name"] for c in rolled["spec"]["initContainers"]]
-                assert sum(n.startswith("fetch-adapter-") for n in inits) == 2
-                # Two more refreshes of every engine: none loads hub2.
+                moved = {**HUB, "revision": "v2"}
+                for adapters, want in [
+                    ([HUB, FILE_B, extra], {"hub2": "hf://org/other"}),
+                    ([moved, FILE_B], {"hub": "hf://org/hub-lora@v2"}),
+                ]:
+                    await k.patch(IS_RESOURCE, "demo", {"spec": {"adapters": adapters}})
+                    names = {a["name"] for a in adapters}
+                    for engine in engines.values():
+                        await k.wait_for(
+                            lambda e=engine, n=names, w=want: (
+                                set(e.served) == n and all(e.served[a] == p for a, p in w.items())
+                            ),
+                            what=f"engines serve {sorted(names)}",
+                        )
+                # Two more refreshes of every engine: nothing more changes, and
+                # the pods were never rolled.
                 polls = {role: e.polls for role, e in engines.items()}
+                calls = {role: len(e.calls) for role, e in engines.items()}
                 await k.wait_for(
                     lambda: all(e.polls >= polls[role] + 2 for role, e in engines.items()),
                     what="two more refreshes",
                 )
+                assert {role: len(e.calls) for role, e in engines.items()} == calls
+                for role in ("prefill", "decode"):
+                    assert k.get(DEPLOYMENTS, f"demo-{role}")["spec"]["template"] == lives[role]
         finally:
             for runner in runners:
                 await runner.cleanup()
         for engine in engines.values():
-            assert ("load", "hub2") not in engine.calls
-            assert "hub2" not in engine.served
+            assert ("load", "hub2") in engine.calls and ("unload", "hub2") in engine.calls
+            assert engine.served == {"hub": "hf://org/hub-lora@v2", "chat/v2": "/adapters/chat"}
         assert ("unload", "stray") in engines["decode"].calls
         assert legacy.calls == [] and legacy.served == {"manual": "/opt/manual"}
 

@@ -411,6 +411,10 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 parent=s.served_names[0],
                 lora_identity=engine.lora_identities.get(name),
             )
+            hub = state.engine.lora_sources.get(name)
+            if hub is not None:
+                # Loaded from the Hub: root is its snapshot in the cache.
+                card.update(source=hub[0], revision=hub[1])
             cards[name] = card
         return cards
 
@@ -439,37 +443,50 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 status=403,
             )
 
-    async def lora_body(request: Request, route: str) -> tuple[str, str | None]:
+    async def lora_body(
+        request: Request, route: str, allowed: frozenset[str]
+    ) -> tuple[str, str | None, str | None]:
+        """(lora_name, lora_path, revision) of a load or unload body."""
         try:
             raw = await request.json()
         except (ValueError, RecursionError):
             raise APIError("the body is not valid JSON (or is nested too deeply)") from None
         if not isinstance(raw, dict):
             raise APIError(f"{route}: the body must be a JSON object")
-        allowed = {"lora_name", "lora_path"}
         unknown = sorted(set(raw) - allowed)
         if unknown:
             raise APIError(f"{unknown[0]}: unknown field", param=unknown[0])
-        name, path = raw.get("lora_name"), raw.get("lora_path")
+        name, path, revision = raw.get("lora_name"), raw.get("lora_path"), raw.get("revision")
         if not isinstance(name, str) or not name:
             raise APIError("lora_name: a non-empty string is required", param="lora_name")
         if path is not None and (not isinstance(path, str) or not path):
             raise APIError("lora_path: must be a non-empty string", param="lora_path")
-        return name, path
+        if revision is not None:
+            if not isinstance(revision, str) or not revision:
+                raise APIError("revision: must be a non-empty string", param="revision")
+            if not (path or "").startswith("hf://"):
+                raise APIError(
+                    "revision: only an hf://ORG/NAME lora_path has one", param="revision"
+                )
+        return name, path, revision
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(request: Request) -> Response:
         """vLLM's run-time load: {"lora_name", "lora_path"}; 400 naming the adapter
-        when it cannot be served (the engine keeps serving)."""
+        when it cannot be served (the engine keeps serving). ``lora_path`` may be
+        ``hf://ORG/NAME``, with an optional ``revision``: the engine downloads it
+        first (lora/hub.py)."""
         internal_only(request, "/v1/load_lora_adapter")
         serving(request)
-        name, path = await lora_body(request, "/v1/load_lora_adapter")
+        name, path, revision = await lora_body(
+            request, "/v1/load_lora_adapter", frozenset({"lora_name", "lora_path", "revision"})
+        )
         if path is None:
             raise APIError("lora_path: required", param="lora_path")
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")
         try:
-            await state.engine.load_lora(name, path)
+            await state.engine.load_lora(name, path, revision=revision)
         except LoRAError as e:
             raise APIError(str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -478,13 +495,16 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
     async def unload_lora_adapter(request: Request) -> Response:
         internal_only(request, "/v1/unload_lora_adapter")
         serving(request)
-        name, _ = await lora_body(request, "/v1/unload_lora_adapter")
+        name, _, _ = await lora_body(
+            request, "/v1/unload_lora_adapter", frozenset({"lora_name", "lora_path"})
+        )
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")
         try:
             await state.engine.call(lambda engine: engine.remove_lora(name))
         except LoRAError as e:
             raise APIError(str(e), status=404, param="lora_name") from None
+        state.engine.lora_sources.pop(name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/version", response_model=None)
