@@ -12,10 +12,11 @@ carries a plan out in a thread while the supervisor keeps supervising:
   time per role: start an engine of the new config, wait until it is ready,
   then drain an old one;
 * a decode engine is drained by migration (SIGTERM: the gateway resumes its
-  streams on another decode engine of the same compatibility hash) while
-  such an engine remains; the last one of its hash is instead taken out of
-  routing and stopped once idle (bounded), since its streams would have
-  nowhere to go; a prefill engine is always stopped once idle;
+  streams on another decode engine of the same resume identity, whatever its
+  compatibility hash) while such an engine remains; the last one of its
+  identity is instead taken out of routing and stopped once idle (bounded),
+  since its streams would have nowhere to go; a prefill engine is always
+  stopped once idle;
 * the gateway pairs a prefill leg only with a decode engine of the same
   compatibility hash, so while the hashes of the two roles differ requests
   are served by decode alone (no mixed pair is ever made);
@@ -217,15 +218,17 @@ def _plan_adapters(
     return paths, list(old.values()) != list(new)
 
 
-def engine_compat_hash(child: Child) -> str | None:
-    """The P/D compatibility hash an engine reports (its cache-config series)."""
+def engine_identity(child: Child) -> str | None:
+    """What an engine's streams may resume on (its cache-config series): its
+    resume identity, or its P/D compatibility hash when it reports none."""
     from ...engine.contracts import metrics as m
 
     text = child.metrics_text()
     if not text:
         return None
     labels = m.parse_metrics(text).labels(m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name)
-    return (labels or {}).get("compat_hash") or None
+    labels = labels or {}
+    return labels.get("resume_identity") or labels.get("compat_hash") or None
 
 
 @dataclass
@@ -253,7 +256,7 @@ class Rollout(threading.Thread):
         self.plan = todo
         self.status = status
         self.ready_timeout = ready_timeout
-        self._hashes: dict[str, str | None] = {}
+        self._identities: dict[str, str | None] = {}
 
     def step(self, text: str) -> None:
         self.status.steps.append(text)
@@ -290,10 +293,10 @@ class Rollout(threading.Thread):
 
     # -- steps --------------------------------------------------------------------
 
-    def _hash(self, child: Child) -> str | None:
-        if self._hashes.get(child.name) is None:
-            self._hashes[child.name] = engine_compat_hash(child)
-        return self._hashes[child.name]
+    def _identity(self, child: Child) -> str | None:
+        if self._identities.get(child.name) is None:
+            self._identities[child.name] = engine_identity(child)
+        return self._identities[child.name]
 
     def _start(self, role: str) -> Child:
         """A new engine of ``role``, ready (bounded); RuntimeError/TimeoutError
@@ -314,7 +317,7 @@ class Rollout(threading.Thread):
                     f"{self.ready_timeout:.0f}s (log: {child.log_path})"
                 )
             time.sleep(0.2)
-        self._hash(child)
+        self._identity(child)
         self.step(f"{child.name} ready")
         return child
 
@@ -323,9 +326,9 @@ class Rollout(threading.Thread):
         fleet = self.fleet
         migrate = False
         if victim.role == "decode":
-            mine = self._hash(victim)
+            mine = self._identity(victim)
             migrate = mine is not None and any(
-                c is not victim and c.ready and self._hash(c) == mine
+                c is not victim and c.ready and self._identity(c) == mine
                 for c in fleet.role_engines("decode")
             )
         how = "by migration" if migrate else "once idle"
@@ -340,7 +343,7 @@ class Rollout(threading.Thread):
         ``target`` of them; True once one was replaced."""
         old = list(self.fleet.engines_of(role))
         for c in old:
-            self._hash(c)
+            self._identity(c)
         for i in range(max(len(old), target)):
             if i < target:
                 self._start(role)

@@ -178,9 +178,10 @@ def migrations(up: Up) -> float:
     return m.parse_metrics(text).totals().get(m.GATEWAY_MIGRATIONS.name, 0.0)
 
 
-def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up, step_delay):
-    """The old decode engine's streams move to the new one of the same hash;
-    prefill, unchanged, keeps running."""
+def test_a_new_compat_hash_of_the_same_resume_identity_drains_decode_by_migration(up, step_delay):
+    """A block size changes the P/D compatibility hash but not what the tokens
+    are (the resume identity): the old decode engine's streams move to the new
+    one of the other hash, and no stream fails or changes."""
     # The drain signals the old engine about 1.5 s after it stops getting new
     # streams; each client always has a stream in flight, which is there to move
     # unless it ended within those 1.5 s. Engines slowed to 10 ms a step make a
@@ -191,7 +192,7 @@ def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up,
     baseline = {p: stream(up.url, p, **long) for p in prompts}
     step_delay.write_text("0.01")
     assert all(finish == "length" for _, finish in baseline.values())
-    prefill_url = up.engine_url("prefill")
+    old_hash = compat_hash(up.engine_url("decode"))
     moved = migrations(up)
 
     failures: list[str] = []
@@ -211,8 +212,8 @@ def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up,
     try:
         assert wait_until(lambda: len(answers) >= 1, 60, 0.05)
         changed = yaml.safe_load(up.file.read_text())
-        changed["spec"]["decode"]["engine"] = {"maxNumSeqs": 48}
-        result = apply(up, changed, "decode")
+        changed["spec"]["engine"]["blockSize"] = 32
+        result = apply(up, changed, "block-size")
         served = len(answers)
         assert wait_until(lambda: len(answers) >= served + 1, 60, 0.05)
     finally:
@@ -222,8 +223,7 @@ def test_a_decode_setting_outside_the_compat_hash_drains_decode_by_migration(up,
             t.join(180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "(by migration)" in result.stdout, result.stdout
-    assert "prefill-" not in result.stdout  # no prefill engine started or drained
-    assert up.engine_url("prefill") == prefill_url
+    assert compat_hash(up.engine_url("decode")) != old_hash
     assert failures == []
     for prompt, answer in answers:
         assert answer == baseline[prompt]
