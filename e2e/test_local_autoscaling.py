@@ -60,7 +60,7 @@ def test_load_scales_decode_up_and_quiet_scales_it_back_without_failures(scaled_
     heavy = threading.Thread(
         target=load,
         args=("heavy",),
-        kwargs={"concurrency": 16, "duration": 40.0, "num_requests": None},
+        kwargs={"concurrency": 16, "duration": 20.0, "num_requests": None},
     )
     heavy.start()
     try:
