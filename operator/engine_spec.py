@@ -34,6 +34,14 @@ class FieldPathError(ValueError):
         self.problem = problem
 
 
+class FieldPathErrors(ValueError):
+    """Several problems found below the field being validated, all reported."""
+
+    def __init__(self, errors: list[FieldPathError]) -> None:
+        super().__init__("; ".join(map(str, errors)))
+        self.errors = errors
+
+
 def camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
