@@ -106,18 +106,6 @@ def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> li
         )
     except ValueError as e:
         out.append(Violation(f"spec.{role}.engine", str(e), "change the value named"))
-    for name, minimum in (
-        ("max_num_seqs", 1),
-        ("max_num_batched_tokens", 1),
-        ("seed", 0),
-        ("tensor_parallel_size", 1),
-    ):
-        value = getattr(args, name)
-        if value is not None and value < minimum:
-            key = camel(name)
-            out.append(
-                Violation(_where(spec, role, key), f"must be >= {minimum}, got {value}", "raise it")
-            )
     return out
 
 
@@ -171,7 +159,7 @@ def _check_layout(
     layout = role_layout(role_spec, args)
     tp_field = _where(spec, role, "tensorParallelSize")
     if layout.tensor_parallel_size < 1:
-        return out  # reported by _check_engine
+        return out  # refused by the resource model (engine_spec.ENGINE_BOUNDS)
     if layout.tensor_parallel_size % layout.nodes:
         out.append(
             Violation(
