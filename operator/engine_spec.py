@@ -117,26 +117,29 @@ ENGINE_BOUNDS: dict[str, EngineBound] = {
 def _json_type_problem(tp: Any, value: Any, human: bool) -> str | None:
     """Why ``value`` does not have the JSON type the CRD declares for ``tp``
     (an integer for int, no "3"; a number for float; a string only for
-    ``human`` size fields), or None. Nested values are checked by ``coerce``."""
+    ``human`` size fields), looking into lists, maps and nested
+    configurations, or None. Everything else is ``coerce``'s to refuse."""
     hints = flatten_type(tp) - {type(None)}
     origins = {typing.get_origin(h) or h for h in hints}
-    if isinstance(value, bool):
-        return None  # a boolean for another type is coerce's to refuse
-    if isinstance(value, str) and int in origins and not human and str not in origins:
-        return f"expected an integer, got {value!r}"
-    if isinstance(value, str) and float in origins and str not in origins and int not in origins:
-        return f"expected a number, got {value!r}"
-    if isinstance(value, list) and list in origins:
-        elems = [
-            typing.get_args(h)[0]
-            for h in hints
-            if typing.get_origin(h) is list and typing.get_args(h)
-        ]
-        for elem in elems:
-            for item in value:
-                problem = _json_type_problem(elem, item, human=False)
-                if problem:
-                    return problem
+    if isinstance(value, str) and str not in origins and not (human and int in origins):
+        if int in origins:
+            return f"expected an integer, got {value!r}"
+        if float in origins:
+            return f"expected a number, got {value!r}"
+    nested: list[tuple[Any, Any]] = []
+    for hint in hints:
+        args = typing.get_args(hint)
+        if isinstance(value, list) and typing.get_origin(hint) is list and args:
+            nested += [(args[0], item) for item in value]
+        elif isinstance(value, dict) and typing.get_origin(hint) is dict and len(args) == 2:
+            nested += [(args[1], item) for item in value.values()]
+        elif isinstance(value, dict) and isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            known = {f.name: t for f, t in resolved_fields(hint)}
+            nested += [(known[k], v) for k, v in value.items() if k in known]
+    for inner_tp, inner in nested:
+        problem = _json_type_problem(inner_tp, inner, human=False)
+        if problem:
+            return problem
     return None
 
 

@@ -110,6 +110,10 @@ def test_every_bound_is_the_engines_own(name):
         ({"tensorParallelSize": "2"}, "spec.engine.tensorParallelSize: expected an integer"),
         ({"cudagraphCaptureSizes": [1, "2"]}, "spec.engine.cudagraphCaptureSizes: expected an"),
         ({"gpuMemoryUtilization": "0.5"}, "spec.engine.gpuMemoryUtilization: expected a number"),
+        (
+            {"compilationConfig": {"cudagraph_capture_sizes": ["4"]}},
+            "spec.engine.compilationConfig: expected an integer",
+        ),
         ({"maxNumBatchedTokens": "-1K"}, "spec.engine.maxNumBatchedTokens: "),
     ],
 )
