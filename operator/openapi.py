@@ -29,7 +29,7 @@ from ..engine.config.fields import (
     resolved_fields,
 )
 from ..engine.config.fields import to_jsonable as dataclass_jsonable
-from .engine_spec import spec_fields
+from .engine_spec import ENGINE_BOUNDS, EngineBound, spec_fields
 from .resource import EngineSection, PassThrough
 
 Schema = dict[str, Any]
@@ -220,6 +220,20 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return f" Default: {default}."
 
 
+def _bound_schema(bound: EngineBound) -> Schema:
+    """An engine bound as OpenAPI v3 (draft 4: a boolean exclusiveMinimum)."""
+    out: Schema = {}
+    if bound.enum is not None:
+        out["enum"] = list(bound.enum)
+    if bound.minimum is not None:
+        out["minimum"] = bound.minimum
+        if bound.exclusive:
+            out["exclusiveMinimum"] = True
+    if bound.maximum is not None:
+        out["maximum"] = bound.maximum
+    return out
+
+
 def engine_schema() -> Schema:
     """The schema of an engine section: one property per ``EngineArgs`` field,
     camelCase, described by the field's docstring and its flag. No defaults:
@@ -229,6 +243,13 @@ def engine_schema() -> Schema:
         prop = schema_for_type(tp)
         if f.name in HUMAN_READABLE_ENGINE_FIELDS:
             prop = {INT_OR_STRING: True}
+        bound = ENGINE_BOUNDS.get(f.name)
+        if bound is not None and bound.items:
+            prop["items"] = {**prop["items"], **_bound_schema(bound)}
+        elif bound is not None:
+            # Of a size field, the bound applies to an integer; a string ("2K")
+            # is parsed and bounded by the resource model and the engine.
+            prop.update(_bound_schema(bound))
         help_text = " ".join(EngineArgs.field_help(f).split())
         text = f"{help_text}{_default_text(f)} Flag: --{flag_name(f.name)}.".strip()
         properties[key] = {"description": text, **prop}

@@ -29,7 +29,7 @@ from pydantic import (
 from ..engine.config.gateway import FLOAT_BOUNDS
 from ..engine.contracts.model_source import parse_hf_uri
 from .autoscaling.spec import AutoscalingSpec
-from .engine_spec import camel, validate_engine_section
+from .engine_spec import FieldPathError, FieldPathErrors, camel, validate_engine_section
 from .spec_model import SpecModel, format_validation_error
 
 GROUP = "pdfleet.dev"
@@ -42,6 +42,23 @@ SHORT_NAMES = ("pdsvc",)
 CATEGORIES = ("pdfleet", "llm")
 
 ROLES = ("prefill", "decode")
+# Engine settings whose values decide the shape and meaning of KV blocks: the
+# two roles of a disaggregated fleet must agree on them. (key, value when
+# neither the role nor spec.engine sets it, why). hfOverrides must match too;
+# compat.check_service checks it (CEL cannot see inside a free-form object).
+KV_SHAPE_KEYS = (
+    ("blockSize", 16, "KV blocks move between the roles block by block"),
+    ("kvCacheDtype", "auto", "KV bytes are copied as they are, without conversion"),
+    ("dtype", "auto", "both roles must compute the same activations"),
+)
+# kvTransfer fields that kvTransfer.extraConfig must not repeat (snake_case, as
+# the engine reads extraConfig).
+TYPED_EXTRA_KEYS = (
+    "backends",
+    "handshake_timeout_seconds",
+    "lease_seconds",
+    "transfer_timeout_seconds",
+)
 # A name leaves room for the longest child name (``NAME-gateway``) within the
 # 63 characters of a DNS label, which Service names must be.
 MAX_NAME_LENGTH = 45
@@ -313,9 +330,18 @@ class KVTransferSpec(SpecModel):
     from the RDMA shared device plugin): when set, every engine pod requests
     one and gets the `IPC_LOCK` capability that RDMA memory registration
     needs (outside the `restricted` Pod Security profile)."""
-    extra_config: Annotated[dict[str, Any], PassThrough("kv_connector_extra_config")] = Field(
-        default_factory=dict
-    )
+    extra_config: Annotated[
+        dict[str, Any],
+        # The typed keys are declared so that the CRD's CEL rules can see them.
+        PassThrough(
+            "kv_connector_extra_config",
+            {
+                "properties": {
+                    k: {"x-kubernetes-preserve-unknown-fields": True} for k in TYPED_EXTRA_KEYS
+                }
+            },
+        ),
+    ] = Field(default_factory=dict)
     """More connector options, merged into `kv_connector_extra_config`
     (snake_case keys, as the engine reads them)."""
     identity: Literal["Required", "Disabled"] = "Required"
@@ -327,6 +353,17 @@ class KVTransferSpec(SpecModel):
     cannot reach the endpoint within 2 minutes exits, saying why. `Disabled`:
     engines run with the fleet secret alone, and leases bind to the stated
     engine ids and the claimant's address."""
+
+    @model_validator(mode="after")
+    def _extra_config_repeats_no_field(self) -> KVTransferSpec:
+        for key in TYPED_EXTRA_KEYS:
+            if key in self.extra_config:
+                raise FieldPathError(
+                    f"extraConfig.{key}",
+                    f"repeats a setting kvTransfer has a field for; set kvTransfer.{camel(key)} "
+                    "instead",
+                )
+        return self
 
 
 class SecretKeyRef(SpecModel):
@@ -775,6 +812,101 @@ class InferenceServiceSpec(SpecModel):
                         f"{section.get('schedulingPolicy', 'fcfs')})"
                     )
         return self
+
+    @property
+    def disaggregating(self) -> bool:
+        """Whether requests are split into a prefill and a decode leg."""
+        return self.disaggregation.mode != "Disabled"
+
+    def engine_value(self, role: str, key: str, default: Any = None) -> Any:
+        """The role's engine setting ``key``: its own, else spec.engine's, else ``default``."""
+        return self.role(role).engine.get(key, self.engine.get(key, default))
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> InferenceServiceSpec:
+        # All of them at once: a spec that breaks several learns of every one.
+        errors = [*self._connector_problems(), *self._kv_shape_problems()]
+        if errors:
+            raise FieldPathErrors(errors)
+        return self
+
+    def _connector_problems(self) -> list[FieldPathError]:
+        """The KV connector and peer pulls: what moves KV between engines."""
+        out = []
+        connector = self.kv_transfer.connector
+        if self.prefill.peer_pull:
+            out.append(
+                FieldPathError(
+                    "prefill.peerPull",
+                    "prefill engines do not pull cached prefixes from their peers yet; set "
+                    "peerPull on the decode role of an aggregated fleet (disaggregation.mode: "
+                    "Disabled)",
+                )
+            )
+        if self.decode.peer_pull and self.disaggregating:
+            out.append(
+                FieldPathError(
+                    "decode.peerPull",
+                    "peer pulls serve aggregated fleets; disaggregation.mode is "
+                    f"{self.disaggregation.mode}: set disaggregation.mode: Disabled, or leave "
+                    "peerPull off",
+                )
+            )
+        if self.decode.peer_pull and not self.disaggregating and connector is None:
+            out.append(
+                FieldPathError(
+                    "kvTransfer.connector",
+                    "decode.peerPull moves KV between engines and needs a KV connector: set "
+                    "kvTransfer.connector to NixlConnector (or ZmqConnector without NIXL)",
+                )
+            )
+        if self.decode.peer_pull and not self.gateway.kv_events:
+            out.append(
+                FieldPathError(
+                    "gateway.kvEvents",
+                    "decode.peerPull needs the exact prefix index (which engine holds which "
+                    "blocks): set gateway.kvEvents: true",
+                )
+            )
+        if self.disaggregating and connector == "ZmqConnector":
+            for role in ROLES:
+                tp = self.engine_value(role, "tensorParallelSize", 1)
+                if tp > 1:
+                    out.append(self._zmq_problem(role, tp))
+                    break
+        return out
+
+    def _zmq_problem(self, role: str, tp: int) -> FieldPathError:
+        # Each rank holds its KV heads' shard in its own process (over several
+        # pods, on its own pod); ZMQ reads one process's memory.
+        nodes = self.role(role).nodes_per_replica
+        where = f" on {nodes} pods (spec.{role}.nodesPerReplica)" if nodes > 1 else ""
+        return FieldPathError(
+            "kvTransfer.connector",
+            f"ZmqConnector moves KV from one process's memory and cannot reach the "
+            f"{tp} KV shards of {role} tensorParallelSize {tp}{where} "
+            "(docs/parallelism.md): use NixlConnector (every rank reads its own shard), "
+            "or tensorParallelSize 1" + (" and nodesPerReplica 1" if nodes > 1 else ""),
+        )
+
+    def _kv_shape_problems(self) -> list[FieldPathError]:
+        """What the two roles of a disaggregated fleet must agree on."""
+        if not self.disaggregating:
+            return []  # no KV moves between the roles
+        out = []
+        for key, default, why in KV_SHAPE_KEYS:
+            p = self.engine_value("prefill", key, default)
+            d = self.engine_value("decode", key, default)
+            if p != d:
+                role = "decode" if key in self.decode.engine else "prefill"
+                out.append(
+                    FieldPathError(
+                        f"{role}.engine.{key}",
+                        f"prefill has {p!r} but decode has {d!r} ({why}); set {key} once in "
+                        "spec.engine, not per role",
+                    )
+                )
+        return out
 
     def role(self, role: str) -> RoleSpec:
         if role not in ROLES:

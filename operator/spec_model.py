@@ -21,7 +21,7 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from .engine_spec import FieldPathError, camel
+from .engine_spec import FieldPathError, FieldPathErrors, camel
 
 UNKNOWN_FIELD = "unknown field; remove it (`pdfleet crd` or kubectl explain lists the fields)"
 
@@ -99,6 +99,9 @@ def format_validation_error(
         elif err["type"] == "missing":
             msg = "required field is missing"
         nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, FieldPathErrors):
+            lines += [f"{path}.{e.subpath}: {e.problem}" for e in nested.errors]
+            continue
         if isinstance(nested, FieldPathError):
             path, msg = f"{path}.{nested.subpath}", nested.problem
         lines.append(f"{path}: {msg}")

@@ -10,6 +10,9 @@ from helpers.crd_checks import admit
 from pdfleet.operator.resource import parse_spec
 
 BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
+AGGREGATED = {"mode": "Disabled"}
+ZMQ = {"connector": "ZmqConnector"}
+TP1 = {"tensorParallelSize": 1}
 
 
 def _spec(**sections: object) -> dict:
@@ -56,6 +59,46 @@ CASES = [
     (_spec(model={"name": "m", "uri": "hf://o/n", "hfEndpoint": "https://hub.example"}), True),
     (_spec(model={"name": "m", "uri": "hf://o/n", "hfEndpoint": "ftp://hub"}), False),
     (_spec(model={"name": "m", "uri": "builtin://tiny", "tokenSecret": {"name": "s"}}), False),
+    # Peer pulls: the decode role of an aggregated fleet, with a connector and kvEvents.
+    (_spec(decode={"peerPull": True}, disaggregation=AGGREGATED), True),
+    (_spec(decode={"peerPull": False}), True),
+    (_spec(decode={"peerPull": True}), False),
+    (_spec(prefill={"peerPull": True}, disaggregation=AGGREGATED), False),
+    ({**_spec(decode={"peerPull": True}, disaggregation=AGGREGATED), "kvTransfer": {}}, False),
+    (
+        _spec(decode={"peerPull": True}, disaggregation=AGGREGATED, gateway={"kvEvents": False}),
+        False,
+    ),
+    (_spec(decode={"peerPull": True}, disaggregation=AGGREGATED, gateway={"kvEvents": True}), True),
+    # What decides the KV blocks' shape matches across the roles of a disaggregated fleet.
+    (_spec(engine={"blockSize": 32}, decode={"engine": {"maxNumSeqs": 8}}), True),
+    (_spec(prefill={"engine": {"blockSize": 32}}, decode={"engine": {"blockSize": 32}}), True),
+    (_spec(decode={"engine": {"blockSize": 32}}), False),
+    (_spec(engine={"blockSize": 32}, prefill={"engine": {"blockSize": 16}}), False),
+    (_spec(decode={"engine": {"blockSize": 16}}), True),  # the default, written out
+    (_spec(decode={"engine": {"blockSize": 32}}, disaggregation=AGGREGATED), True),
+    (_spec(decode={"engine": {"kvCacheDtype": "float16"}}), False),
+    (_spec(engine={"kvCacheDtype": "float16"}), True),
+    (_spec(prefill={"engine": {"dtype": "bfloat16"}}), False),
+    (_spec(prefill={"engine": {"dtype": "auto"}}), True),
+    # extraConfig does not repeat a typed kvTransfer field.
+    (_spec(kvTransfer={"extraConfig": {"lease_seconds": 5}}), False),
+    (_spec(kvTransfer={"extraConfig": {"backends": ["UCX"]}}), False),
+    (_spec(kvTransfer={"extraConfig": {"transfer_timeout_seconds": 1}}), False),
+    (_spec(kvTransfer={"extraConfig": {"handshake_timeout_seconds": 1}}), False),
+    (_spec(kvTransfer={"extraConfig": {"num_threads": 4}}), True),
+    # ZmqConnector reaches one process's KV: tensor parallelism 1 while disaggregating.
+    (_spec(kvTransfer=ZMQ, decode={"engine": {"tensorParallelSize": 2}}), False),
+    (_spec(kvTransfer=ZMQ, engine={"tensorParallelSize": 2}), False),
+    (_spec(kvTransfer=ZMQ, engine={"tensorParallelSize": 2}, prefill={"engine": TP1}), False),
+    (_spec(kvTransfer=ZMQ, engine={"tensorParallelSize": 1}), True),
+    (
+        _spec(
+            kvTransfer=ZMQ, decode={"engine": {"tensorParallelSize": 2}}, disaggregation=AGGREGATED
+        ),
+        True,
+    ),
+    (_spec(decode={"engine": {"tensorParallelSize": 2}}), True),
 ]
 
 

@@ -33,21 +33,27 @@ def test_connector_is_required_while_disaggregating():
     assert check_service(spec(kvTransfer={}, disaggregation={"mode": "Disabled"})) == []
 
 
+def test_every_cross_field_problem_is_reported_at_once():
+    with pytest.raises(ValueError, match="peerPull") as e:
+        spec(prefill={"peerPull": True}, decode={"engine": {"blockSize": 32}})
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("spec.prefill.peerPull: prefill engines do not pull")
+    assert lines[1].startswith("spec.decode.engine.blockSize: prefill has 16 but decode has 32")
+
+
 def test_kv_shape_settings_must_match_across_roles():
-    violations = check_service(
-        spec(
-            decode={"engine": {"blockSize": 32, "kvCacheDtype": "float16"}},
-            prefill={"engine": {"dtype": "float16"}},
-        )
-    )
-    assert fields(violations) == {
-        "spec.decode.engine.blockSize",
-        "spec.decode.engine.kvCacheDtype",
-        "spec.prefill.engine.dtype",
-    }
+    # blockSize, kvCacheDtype and dtype are the resource model's rules (and the
+    # CRD's); hfOverrides, a free-form object, is checked here.
+    with pytest.raises(ValueError, match=r"spec\.decode\.engine\.blockSize: prefill has 16"):
+        spec(decode={"engine": {"blockSize": 32}})
+    violations = check_service(spec(decode={"engine": {"hfOverrides": {"num_layers": 2}}}))
+    assert fields(violations) == {"spec.decode.engine.hfOverrides"}
     # No KV moves when disaggregation is off: the roles may differ.
     assert not check_service(
-        spec(disaggregation={"mode": "Disabled"}, decode={"engine": {"blockSize": 32}})
+        spec(
+            disaggregation={"mode": "Disabled"},
+            decode={"engine": {"blockSize": 32, "hfOverrides": {"num_layers": 2}}},
+        )
     )
 
 
@@ -58,18 +64,16 @@ def test_tensor_parallelism_may_differ_between_the_roles_in_both_directions():
             decode={"engine": {"tensorParallelSize": decode_tp}},
         )
         assert check_service(service) == []
-    assert "spec.decode.engine.tensorParallelSize" in fields(
-        check_service(spec(decode={"engine": {"tensorParallelSize": 0}}))
-    )
+    with pytest.raises(ValueError, match=r"spec\.decode\.engine\.tensorParallelSize: must be >= 1"):
+        spec(decode={"engine": {"tensorParallelSize": 0}})
 
 
 def test_unsupported_engine_features_and_bad_values_are_reported_where_set():
-    violations = check_service(
-        spec(engine={"maxLoras": 2, "blockSize": 12}, decode={"engine": {"maxNumSeqs": 0}})
-    )
+    violations = check_service(spec(engine={"maxLoras": 2}, decode={"engine": {"maxNumSeqs": 1}}))
     assert "spec.engine.maxLoras" in fields(violations)
-    assert "spec.decode.engine.maxNumSeqs" in fields(violations)
-    assert any("block_size must be one of" in v.problem for v in violations)
+    # The engine's constant bounds are the resource model's (and the CRD's).
+    with pytest.raises(ValueError, match=r"spec\.decode\.engine\.maxNumSeqs: must be >= 1"):
+        spec(decode={"engine": {"maxNumSeqs": 0}})
     # A problem of spec.engine is reported once, not once per role.
     assert len([v for v in violations if v.field == "spec.engine.maxLoras"]) == 1
 
@@ -93,10 +97,8 @@ def test_autoscaling_rules_reject_the_spec_before_any_check_runs(autoscaling, fi
 
 
 def test_extra_config_may_not_repeat_typed_kv_settings():
-    violations = check_service(
+    with pytest.raises(ValueError, match=r"spec\.kvTransfer\.extraConfig\.lease_seconds: repeats"):
         spec(kvTransfer={"connector": "NixlConnector", "extraConfig": {"lease_seconds": 5}})
-    )
-    assert fields(violations) == {"spec.kvTransfer.extraConfig.lease_seconds"}
 
 
 def test_roles_get_producer_and_consumer_kv_configs_from_kv_transfer():
@@ -150,15 +152,21 @@ def test_compat_hash_changes_with_what_must_match_only():
 def test_peer_pulls_serve_the_decode_role_of_an_aggregated_fleet_with_a_connector():
     aggregated = {"disaggregation": {"mode": "Disabled"}}
     assert check_service(spec(decode={"peerPull": True}, **aggregated)) == []
-    assert fields(check_service(spec(decode={"peerPull": True}))) == {"spec.decode.peerPull"}
-    assert fields(check_service(spec(prefill={"peerPull": True}, **aggregated))) == {
-        "spec.prefill.peerPull"
-    }
-    assert fields(check_service(spec(decode={"peerPull": True}, kvTransfer={}, **aggregated))) == {
-        "spec.kvTransfer.connector"
-    }
-    no_index = spec(decode={"peerPull": True}, gateway={"kvEvents": False}, **aggregated)
-    assert fields(check_service(no_index)) == {"spec.gateway.kvEvents"}
+    # The other cases are the resource model's rules (and the CRD's).
+    for bad, field in (
+        ({"decode": {"peerPull": True}}, "spec.decode.peerPull"),
+        ({"prefill": {"peerPull": True}, **aggregated}, "spec.prefill.peerPull"),
+        (
+            {"decode": {"peerPull": True}, "kvTransfer": {}, **aggregated},
+            "spec.kvTransfer.connector",
+        ),
+        (
+            {"decode": {"peerPull": True}, "gateway": {"kvEvents": False}, **aggregated},
+            "spec.gateway.kvEvents",
+        ),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"{field}: ")):
+            spec(**bad)
     # The decode engines lend and pull: kv_both, on the connector's port.
     args = role_engine_args(spec(decode={"peerPull": True}, **aggregated), "decode")
     assert args.kv_transfer_config is not None

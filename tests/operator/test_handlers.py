@@ -169,7 +169,8 @@ def test_an_engine_upgrade_rolls_decode_first_surging_with_a_grace_that_covers_t
 
 
 def test_invalid_spec_sets_ready_false_with_the_fix_and_creates_nothing():
-    spec = {**SPEC, "kvTransfer": {}, "decode": {"engine": {"blockSize": 32}}}
+    overrides = {"engine": {"hfOverrides": {"num_hidden_layers": 1}}}
+    spec = {**SPEC, "kvTransfer": {}, "decode": overrides}
 
     async def scenario():
         async with running_operator([inference_service("demo", spec)], fast_config()) as k:
@@ -182,7 +183,7 @@ def test_invalid_spec_sets_ready_false_with_the_fix_and_creates_nothing():
             ready = condition(svc, "Ready")
             assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
             assert "spec.kvTransfer.connector" in ready["message"]
-            assert "spec.decode.engine.blockSize" in ready["message"]
+            assert "spec.decode.engine.hfOverrides" in ready["message"]
             assert svc["status"]["phase"] == "Failed"
             events = await k.wait_for(
                 lambda: [

@@ -242,11 +242,11 @@ def test_pdfleet_render_exits_2_listing_every_violation(tmp_path):
     path = tmp_path / "bad.yaml"
     doc = yaml.safe_load(EXAMPLES[0].read_text())
     doc["spec"]["kvTransfer"] = {}
-    doc["spec"]["decode"]["engine"] = {"blockSize": 32}
+    doc["spec"]["decode"]["engine"] = {"hfOverrides": {"num_hidden_layers": 1}}
     path.write_text(yaml.safe_dump(doc))
     code, out, err = run_cli("render", str(path))
     assert code == 2 and out == ""
-    assert "spec.kvTransfer.connector" in err and "spec.decode.engine.blockSize" in err
+    assert "spec.kvTransfer.connector" in err and "spec.decode.engine.hfOverrides" in err
 
 
 def test_pdfleet_crd_prints_the_crd():

@@ -1,0 +1,149 @@
+"""The engine sections carry the engine's constant bounds: the CRD's schema
+(minimum/maximum/enum, checked by ``helpers.crd_checks.admit``) and the
+resource model refuse the same values, each naming the path, and every bound
+is one the engine's own configuration makes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers.crd_checks import admit
+
+from pdfleet.engine.config import EngineArgs
+from pdfleet.operator.engine_spec import ENGINE_BOUNDS, EngineBound, camel, spec_fields
+from pdfleet.operator.resource import parse_spec
+
+BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
+# Bounds the engine checks where a sub-configuration cannot be built alone
+# (the model's configuration), or that are the resource's own.
+# max_cudagraph_capture_size is checked by EngineConfig when CUDA graphs are used.
+NOT_A_SUB_CONFIG_CHECK = {"seed", "max_model_len", "max_logprobs", "max_cudagraph_capture_size"}
+
+
+def _outside(bound: EngineBound, is_float: bool) -> list[float]:
+    """Values just outside the bound (items for a list bound)."""
+    out: list[float] = []
+    if bound.enum is not None:
+        out += [max(bound.enum) + 1, 3 if 3 not in bound.enum else 2]
+    if bound.minimum is not None:
+        out.append(bound.minimum if bound.exclusive else bound.minimum - (0.5 if is_float else 1))
+    if bound.maximum is not None:
+        out.append(bound.maximum + (0.5 if is_float else 1))
+    return out
+
+
+def _inside(bound: EngineBound) -> float:
+    if bound.enum is not None:
+        return bound.enum[-1]
+    if bound.maximum is not None:
+        return bound.maximum
+    return bound.minimum + 1 if bound.exclusive else bound.minimum  # type: ignore[operator]
+
+
+def _fields():
+    by_name = {f.name: (key, tp) for key, (f, tp) in spec_fields().items()}
+    for name, bound in ENGINE_BOUNDS.items():
+        key, tp = by_name[name]
+        yield name, key, bound, float in getattr(tp, "__args__", (tp,))
+
+
+def _object(spec: dict) -> dict:
+    kind = {"apiVersion": "pdfleet.dev/v1alpha1", "kind": "InferenceService"}
+    return {**kind, "metadata": {"name": "demo"}, "spec": spec}
+
+
+def _problem(spec: dict) -> str | None:
+    try:
+        parse_spec(spec)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _value(bound: EngineBound, value: float) -> object:
+    return [value] if bound.items else value
+
+
+def test_the_model_refuses_every_value_out_of_bounds_naming_the_path():
+    for _, key, bound, is_float in _fields():
+        for value in _outside(bound, is_float):
+            engine = {key: _value(bound, value)}
+            problem = _problem({**BASE, "engine": engine})
+            assert problem and problem.startswith(f"spec.engine.{key}: must be"), (key, problem)
+            problem = _problem({**BASE, "decode": {"engine": engine}})
+            assert problem and f"spec.decode.engine.{key}: must be" in problem, (key, problem)
+        inside = {key: _value(bound, _inside(bound))}
+        assert _problem({**BASE, "engine": inside}) is None, key
+
+
+def test_the_crd_refuses_and_admits_the_same_values():
+    # One object per round of bad values (admission is the slow part).
+    rounds: list[dict] = [{}, {}, {}]
+    for _, key, bound, is_float in _fields():
+        for i, value in enumerate(_outside(bound, is_float)):
+            rounds[i][key] = _value(bound, value)
+    for engine in rounds:
+        errors = admit(_object({**BASE, "engine": engine}))[1]
+        refused = {e.split(":")[0].removesuffix(".0") for e in errors}
+        assert refused == {f"spec.engine.{key}" for key in engine}, errors
+    inside = {key: _value(bound, _inside(bound)) for _, key, bound, _ in _fields()}
+    assert admit(_object({**BASE, "engine": inside}))[1] == []
+
+
+@pytest.mark.parametrize("name", sorted(set(ENGINE_BOUNDS) - NOT_A_SUB_CONFIG_CHECK), ids=str)
+def test_every_bound_is_the_engines_own(name):
+    f = {f.name: f for f in dataclasses.fields(EngineArgs)}[name]
+    source, attr = f.metadata["source"]
+    bound = ENGINE_BOUNDS[name]
+    is_float = isinstance(getattr(source(), attr), float)
+    for value in _outside(bound, is_float):
+        bad = [int(value)] if bound.items else (value if is_float else int(value))
+        with pytest.raises(ValueError):  # noqa: PT011 (each sub-configuration words its own)
+            source(**{attr: bad})
+
+
+@pytest.mark.parametrize(
+    ("engine", "problem"),
+    [
+        ({"maxNumSeqs": "3"}, "spec.engine.maxNumSeqs: expected an integer, got '3'"),
+        ({"tensorParallelSize": "2"}, "spec.engine.tensorParallelSize: expected an integer"),
+        ({"cudagraphCaptureSizes": [1, "2"]}, "spec.engine.cudagraphCaptureSizes: expected an"),
+        ({"gpuMemoryUtilization": "0.5"}, "spec.engine.gpuMemoryUtilization: expected a number"),
+        (
+            {"compilationConfig": {"cudagraph_capture_sizes": ["4"]}},
+            "spec.engine.compilationConfig: expected an integer",
+        ),
+        ({"maxNumBatchedTokens": "-1K"}, "spec.engine.maxNumBatchedTokens: "),
+    ],
+)
+def test_engine_values_have_the_crds_types_strictly(engine, problem):
+    with pytest.raises(ValueError, match="^" + problem.replace(".", r"\.").replace("[", r"\[")):
+        parse_spec({**BASE, "engine": engine})
+    # The CRD types a size as int-or-string: a string's bound is the model's.
+    assert admit(_object({**BASE, "engine": engine}))[1] or "-1K" in str(engine)
+
+
+def test_size_fields_still_take_suffixes():
+    spec = parse_spec({**BASE, "engine": {"maxNumBatchedTokens": "8K", "maxNumSeqs": 3}})
+    assert spec.engine == {"maxNumBatchedTokens": 8192, "maxNumSeqs": 3}
+    assert not admit(_object({**BASE, "engine": {"maxNumBatchedTokens": "8K"}}))[1]
+
+
+def test_the_crd_schema_carries_the_bounds():
+    from helpers.crd_checks import crd_schema
+
+    engine = crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert engine["maxNumSeqs"]["minimum"] == 1
+    assert engine["gpuMemoryUtilization"] == {
+        **engine["gpuMemoryUtilization"],
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 1,
+    }
+    assert engine["blockSize"]["enum"] == [1, 8, 16, 32, 64, 128, 256]
+    assert engine["cudagraphCaptureSizes"]["items"]["minimum"] == 1
+    for name, bound in ENGINE_BOUNDS.items():
+        prop = engine[camel(name)]
+        prop = prop["items"] if bound.items else prop
+        assert {"minimum", "maximum", "enum"} & set(prop), name
