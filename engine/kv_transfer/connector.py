@@ -55,7 +55,7 @@ from ..contracts.kv_connector import (
     ShardInfo,
     ShardReadEnded,
 )
-from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
+from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams, RefusedParams
 from ..contracts.kv_side_channel import PROTOCOL_VERSION
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
@@ -869,7 +869,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return kv_params.verify(self.connector.secret, raw)
         except kv_params.InvalidParams as e:
             message = str(e).replace("kv_transfer_params ", "the params ", 1)
-            raise ValueError(f"kv_transfer_params: {message}") from None
+            raise RefusedParams(f"kv_transfer_params: {message}") from None
 
     def accept(self, raw: Mapping[str, Any]) -> KVTransferParams | None:
         """Decode (and for a decode leg verify) a request's kv_transfer_params before
@@ -877,7 +877,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         pulled, freed or cached for params that fail here."""
         if raw.get("do_remote_prefill"):
             if not self.connector.kv.is_kv_consumer:
-                raise ValueError(
+                raise RefusedParams(
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
@@ -891,7 +891,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """ValueError for (verified) params this engine cannot honour."""
         if p.do_remote_prefill:
             if not self.connector.kv.is_kv_consumer:
-                raise ValueError(
+                raise RefusedParams(
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
@@ -903,27 +903,27 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 (kv_params.LEASE_FIELD, p.lease_id),
             ):
                 if value is None:
-                    raise ValueError(f"kv_transfer_params: {name} is missing")
+                    raise RefusedParams(f"kv_transfer_params: {name} is missing")
             if p.num_blocks:
                 # Signed params always name their content; these fields are checked
                 # against this engine's own tokens when the request is scheduled.
                 if p.block_chain is None or len(p.block_chain) != 64:
-                    raise ValueError(f"kv_transfer_params: {CHAIN_FIELD} is missing")
+                    raise RefusedParams(f"kv_transfer_params: {CHAIN_FIELD} is missing")
                 if p.block_hash_algo not in HASH_FUNCTIONS:
-                    raise ValueError(
+                    raise RefusedParams(
                         f"kv_transfer_params: {CHAIN_ALGO_FIELD} must be one of "
                         f"{sorted(HASH_FUNCTIONS)}"
                     )
             why = compat_mismatch(self.connector.compat, p.compat)
             if why is not None:
-                raise ValueError(f"kv_transfer_params: {why}")
+                raise RefusedParams(f"kv_transfer_params: {why}")
             if p.tp_size is not None:
                 # Any TP size maps onto this engine's shards, if it can hold the heads.
                 why = tp_layout_mismatch(p.tp_size, self.connector.num_kv_heads)
                 if why is not None:
-                    raise ValueError(f"kv_transfer_params: {why}")
+                    raise RefusedParams(f"kv_transfer_params: {why}")
         if p.do_remote_decode and not self.connector.kv.is_kv_producer:
-            raise ValueError(
+            raise RefusedParams(
                 "kv_transfer_params: this engine is not a KV producer "
                 f"(kv_role {self.connector.kv.kv_role})"
             )

@@ -36,8 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import tracing
 from ...config import EngineConfig
+from ...contracts import lora as lora_contract
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
 from ...contracts.http_limits import RequestLimits
+from ...contracts.lora import LoRABodyError, LoRALoad
 from ...contracts.migration import MIGRATE_EVENT, MIGRATE_HEADER
 from ...http.server import HttpServer
 from ...loop.async_engine import AsyncEngine
@@ -421,18 +423,11 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             raw = await request.json()
         except (ValueError, RecursionError):
             raise APIError("the body is not valid JSON (or is nested too deeply)") from None
-        if not isinstance(raw, dict):
-            raise APIError(f"{route}: the body must be a JSON object")
-        allowed = {"lora_name", "lora_path"}
-        unknown = sorted(set(raw) - allowed)
-        if unknown:
-            raise APIError(f"{unknown[0]}: unknown field", param=unknown[0])
-        name, path = raw.get("lora_name"), raw.get("lora_path")
-        if not isinstance(name, str) or not name:
-            raise APIError("lora_name: a non-empty string is required", param="lora_name")
-        if path is not None and (not isinstance(path, str) or not path):
-            raise APIError("lora_path: must be a non-empty string", param="lora_path")
-        return name, path
+        try:
+            body = LoRALoad.from_json(raw, route)
+        except LoRABodyError as e:
+            raise APIError(str(e), param=e.param) from None
+        return body.lora_name, body.lora_path
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(request: Request) -> Response:
@@ -448,6 +443,9 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         try:
             await state.engine.load_lora(name, path)
         except LoRAError as e:
+            if e.already_loaded:  # the gateway counts this answer a success
+                done = lora_contract.already_loaded(name)
+                raise APIError(done.message, done.status, done.param) from None
             raise APIError(str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
