@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
 
 from .block_hash import external_block_hash
 from .security import kv_events_server_key
@@ -195,7 +195,7 @@ class EventBatch:
     def encode(self) -> bytes:
         """The payload: msgpack ``[ts, events, data_parallel_rank]`` (vLLM's
         array-like batch; hashes are integers, never pickles)."""
-        payload: bytes = msgpack.packb(
+        payload: bytes = _msgpack.packb(
             [self.ts, [e.to_wire() for e in self.events], self.data_parallel_rank],
             use_bin_type=True,
         )
@@ -207,7 +207,7 @@ class EventBatch:
         ...]``); ValueError, naming the field, for anything else: a malformed
         batch is skipped by the subscriber, and never raises another error."""
         try:
-            batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            batch = _msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except Exception as e:
             raise ValueError(f"not msgpack: {e}") from None
         if isinstance(batch, dict):

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import msgpack
+import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
 
 from .kv_connector import RankCommand, ShardInfo, decode_rank_commands, encode_rank_commands
 
@@ -54,13 +54,13 @@ MAX_ERROR_CHARS = 64 * 1024
 
 
 def _pack(obj: Any) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    packed: bytes = _msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
     return packed
 
 
 def _unpack(data: bytes | memoryview, what: str) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return _msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several kinds for bad bytes
         raise ValueError(f"malformed {what}: not msgpack ({e})") from None
 
