@@ -8,9 +8,14 @@ The package imports no torch and nothing else of pdfleet (import-linter
 contracts): a gateway pod, the operator and the configuration use it.
 
 * ``errors`` — OpenAI's error body, answered by engines and the gateway alike.
-* ``kv_params`` — ``kv_transfer_params`` (``KVTransferParams``), and their signing.
-* ``kv_connector`` — the KV connector's metadata between its sides, and the
-  tensor-parallel shard commands.
+* ``kv_params`` — ``kv_transfer_params`` (``KVTransferParams``), their signing,
+  and their refusal (``RefusedParams``: a 400 with ``param`` the field, which
+  the gateway reads).
+* ``lora`` — the run-time LoRA routes' body (``LoRALoad``) and what a load's
+  answer means (``load_succeeded``).
+* ``kv_connector`` — the KV connector's metadata between its sides, the
+  producer's handshake reply (``HandshakeReply``: its ``KVLayoutWire`` and, for
+  NIXL, one ``ShardInfo`` per rank), and the tensor-parallel shard commands.
 * ``kv_side_channel`` — the KV side channel's handshake (hello, its reply,
   auth, refusals) and the envelope of its later messages.
 * ``tp_wire`` — what the tensor-parallel main process and its rank processes

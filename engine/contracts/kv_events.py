@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
 
 from .block_hash import external_block_hash
 from .security import kv_events_server_key
@@ -124,24 +124,36 @@ _ARRAY_FIELDS = {
 }
 
 
-def _block_id(value: Any) -> int:
+def _block_id(value: Any, name: str = "block_hashes") -> int:
     """An event's block hash as the 64-bit id (engines send ints; vLLM can send bytes)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value & 0xFFFF_FFFF_FFFF_FFFF
     if isinstance(value, bytes | bytearray):
         return external_block_hash(bytes(value))
-    raise ValueError(f"block hash must be an int or bytes, got {type(value).__name__}")
+    raise ValueError(f"{name}: a block hash must be an int or bytes, got {type(value).__name__}")
+
+
+def _int_field(kind: str, name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{kind}: {name} must be a non-negative integer")
+    return value
 
 
 def _event_from_wire(raw: Any) -> KVEvent | None:
-    """One event; None for a type this decoder does not know (a newer vLLM's)."""
+    """One event; None for a type this decoder does not know (a newer vLLM's).
+    ValueError naming the field for a known event whose fields have the wrong
+    types (the subscriber skips the whole batch)."""
     if isinstance(raw, dict):
         kind, fields = raw.get("type"), raw
     elif isinstance(raw, list) and raw:
         kind = raw[0]
+        if not isinstance(kind, str):
+            raise ValueError(f"an event's type must be a string, got {type(kind).__name__}")
         fields = dict(zip(_ARRAY_FIELDS.get(kind, ()), raw[1:], strict=False))
     else:
         raise ValueError(f"an event must be a tagged map, got {type(raw).__name__}")
+    if not isinstance(kind, str):
+        raise ValueError(f"an event's type must be a string, got {type(kind).__name__}")
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     if kind not in ("BlockStored", "BlockRemoved"):
@@ -151,14 +163,23 @@ def _event_from_wire(raw: Any) -> KVEvent | None:
         raise ValueError(f"{kind}: block_hashes must be a list")
     ids = [_block_id(h) for h in hashes]
     medium = fields.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise ValueError(f"{kind}: medium must be a string or null")
     if kind == "BlockRemoved":
         return BlockRemoved(ids, medium)
     parent = fields.get("parent_block_hash")
+    tokens = fields.get("token_ids")
+    if tokens is None:
+        tokens = []
+    if not isinstance(tokens, list):
+        raise ValueError(f"{kind}: token_ids must be a list of integers")
+    token_ids = [_int_field(kind, "token_ids", t) for t in tokens]
+    size = fields.get("block_size")
     return BlockStored(
         ids,
-        None if parent is None else _block_id(parent),
-        list(fields.get("token_ids") or []),
-        int(fields.get("block_size") or 0),
+        None if parent is None else _block_id(parent, "parent_block_hash"),
+        token_ids,
+        0 if size is None else _int_field(kind, "block_size", size),
         medium,
     )
 
@@ -174,7 +195,7 @@ class EventBatch:
     def encode(self) -> bytes:
         """The payload: msgpack ``[ts, events, data_parallel_rank]`` (vLLM's
         array-like batch; hashes are integers, never pickles)."""
-        payload: bytes = msgpack.packb(
+        payload: bytes = _msgpack.packb(
             [self.ts, [e.to_wire() for e in self.events], self.data_parallel_rank],
             use_bin_type=True,
         )
@@ -183,9 +204,10 @@ class EventBatch:
     @classmethod
     def decode(cls, payload: bytes) -> EventBatch:
         """A batch payload (a map ``{ts, events, ...}`` or an array ``[ts, events,
-        ...]``); ValueError for anything else (the subscriber skips it)."""
+        ...]``); ValueError, naming the field, for anything else: a malformed
+        batch is skipped by the subscriber, and never raises another error."""
         try:
-            batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            batch = _msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except Exception as e:
             raise ValueError(f"not msgpack: {e}") from None
         if isinstance(batch, dict):

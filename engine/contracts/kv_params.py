@@ -70,7 +70,21 @@ _VLLM_REQUEST_FIELDS = (
 _LEASE_FIELDS = (LEASE_FIELD, COMPAT_FIELD, COMPAT_HASH_FIELD, CHAIN_FIELD, CHAIN_ALGO_FIELD)
 
 
-class InvalidParams(ValueError):
+FIELD = "kv_transfer_params"
+"""The request and response field the params travel in."""
+
+
+class RefusedParams(ValueError):
+    """kv_transfer_params an engine refuses (malformed, unusable here, or
+    failing verification). The engine answers 400 with ``param`` :data:`FIELD`
+    (the message starts with the field), which is how the gateway tells a
+    refusal of the producer's params, worth a decode-only leg, from any other
+    400."""
+
+    param = FIELD
+
+
+class InvalidParams(RefusedParams):
     """kv_transfer_params that are unsigned, forged, altered or expired."""
 
 
@@ -119,27 +133,27 @@ class KVTransferParams:
         """The params a JSON object carries; ValueError naming a field of the wrong
         type. Fields it does not know are left out (vLLM's own are ignored too)."""
         if not isinstance(raw, Mapping):
-            raise ValueError("kv_transfer_params must be an object")
+            raise RefusedParams("kv_transfer_params must be an object")
         ids = raw.get("remote_block_ids")
         if ids is not None:
             if not isinstance(ids, list | tuple) or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
             ):
-                raise ValueError("kv_transfer_params: remote_block_ids must be block ids")
+                raise RefusedParams("kv_transfer_params: remote_block_ids must be block ids")
             ids = tuple(ids)
         port = raw.get("remote_port")
         if port is not None and (
             isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
         ):
-            raise ValueError("kv_transfer_params: remote_port is not a port")
+            raise RefusedParams("kv_transfer_params: remote_port is not a port")
         compat = raw.get(COMPAT_FIELD)
         if compat is not None and not isinstance(compat, Mapping):
-            raise ValueError(f"kv_transfer_params: {COMPAT_FIELD} must be an object")
+            raise RefusedParams(f"kv_transfer_params: {COMPAT_FIELD} must be an object")
         expires = raw.get(EXPIRES_FIELD)
         if expires is not None and (
             isinstance(expires, bool) or not isinstance(expires, int | float)
         ):
-            raise ValueError(f"kv_transfer_params: {EXPIRES_FIELD} must be a number")
+            raise RefusedParams(f"kv_transfer_params: {EXPIRES_FIELD} must be a number")
         return cls(
             do_remote_decode=bool(raw.get("do_remote_decode")),
             do_remote_prefill=bool(raw.get("do_remote_prefill")),
@@ -204,14 +218,14 @@ REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
 def _text(raw: Mapping[str, Any], name: str) -> str | None:
     value = raw.get(name)
     if value is not None and not isinstance(value, str):
-        raise ValueError(f"kv_transfer_params: {name} must be a string")
+        raise RefusedParams(f"kv_transfer_params: {name} must be a string")
     return value
 
 
 def _integer(raw: Mapping[str, Any], name: str) -> int | None:
     value = raw.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"kv_transfer_params: {name} must be an integer")
+        raise RefusedParams(f"kv_transfer_params: {name} must be an integer")
     return value
 
 

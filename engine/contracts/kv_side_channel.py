@@ -32,7 +32,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
 
 from . import security
 
@@ -57,7 +57,7 @@ MAX_COMPAT_HASH_CHARS = 128
 
 
 def pack(obj: dict[str, Any]) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    packed: bytes = _msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
     return packed
 
 
@@ -66,7 +66,7 @@ def unpack(data: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> dict[str
     if len(data) > limit:
         raise ValueError(f"a side-channel message is at most {limit} bytes")
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
+        obj = _msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several kinds for bad bytes
         raise ValueError(f"side-channel message is not msgpack: {e}") from None
     if not isinstance(obj, dict):

@@ -37,9 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import msgpack
+import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
 
-from .kv_connector import RankCommand, decode_rank_commands, encode_rank_commands
+from .kv_connector import RankCommand, ShardInfo, decode_rank_commands, encode_rank_commands
 
 READY, RESULT, ERROR = b"Y", b"R", b"E"
 """Tags of a rank's pipe messages (the first byte)."""
@@ -54,13 +54,13 @@ MAX_ERROR_CHARS = 64 * 1024
 
 
 def _pack(obj: Any) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
+    packed: bytes = _msgpack.packb(obj, use_bin_type=True)  # msgpack ships no types
     return packed
 
 
 def _unpack(data: bytes | memoryview, what: str) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return _msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several kinds for bad bytes
         raise ValueError(f"malformed {what}: not msgpack ({e})") from None
 
@@ -306,11 +306,12 @@ class RankReady:
 
     num_blocks: int
     max_model_len: int
-    shard_info: dict[str, Any] | None = None
+    shard_info: ShardInfo | None = None
     layout: dict[str, Any] | None = None
 
     def encode(self) -> bytes:
-        return _pack([self.num_blocks, self.max_model_len, self.shard_info, self.layout])
+        info = None if self.shard_info is None else self.shard_info.to_wire()
+        return _pack([self.num_blocks, self.max_model_len, info, self.layout])
 
     @classmethod
     def from_wire(cls, wire: Any) -> RankReady:
@@ -318,7 +319,7 @@ class RankReady:
         return cls(
             _int(blocks, "ready num_blocks"),
             _int(max_len, "ready max_model_len"),
-            None if info is None else _map(info, "ready shard info"),
+            None if info is None else ShardInfo.from_wire(info, "ready shard info"),
             None if layout is None else _map(layout, "ready layout"),
         )
 

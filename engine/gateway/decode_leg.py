@@ -34,6 +34,7 @@ from typing import Any
 from starlette.responses import Response
 
 from .. import tracing
+from ..contracts import kv_params
 from ..contracts.errors import ErrorBody
 from ..contracts.migration import MIGRATE_HEADER
 from ..http.upstream import UpstreamError, UpstreamResponse
@@ -354,7 +355,7 @@ class DecodeLeg:
         if resp.status_code != 400 or call.plain_payload is None or call.prefill_url is None:
             return False
         error = ErrorBody.decode(resp.content, resp.status_code)
-        return error is not None and error.message.startswith("kv_transfer_params")
+        return error is not None and error.param == kv_params.FIELD
 
     def _without_params(self, call: Call, e: EngineState, resp: UpstreamResponse) -> bytes:
         """Mutates: the call goes on decode-only (the engine computes the prompt)."""

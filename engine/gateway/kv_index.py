@@ -64,6 +64,10 @@ logger = logging.getLogger("pdfleet.gateway")
 
 REPLAY_TIMEOUT = 2.0
 """Seconds a replay may take before it counts as failed."""
+FOLLOW_RETRY_BASE = 0.5
+"""Seconds before a failed stream is followed again; doubled per failure in a row."""
+FOLLOW_RETRY_MAX = 30.0
+"""The longest wait before following a failed stream again."""
 SWEEP_CHUNK = 20_000
 """Entries cleared of retired slots per sweep step (one event-loop turn)."""
 
@@ -317,6 +321,10 @@ class KVEventFollower:
         self._sweeper: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
+        self._failures: dict[str, int] = {}
+        """Failures in a row of each URL's follow task (reset by a batch applied)."""
+        self._retry_at: dict[str, float] = {}
+        """monotonic time before which a failed URL's task is not restarted."""
 
     def start(self, pool: EnginePool, analyzer: PromptAnalyzer, config: GatewayConfig) -> None:
         """Follow the pool's engines from now on (re-synced every scrape interval);
@@ -345,10 +353,20 @@ class KVEventFollower:
             if wanted.get(url) != self.sources.get(url):
                 self.tasks.pop(url).cancel()
                 self.sources.pop(url, None)
+                self._failures.pop(url, None)
+                self._retry_at.pop(url, None)
                 if url not in wanted:
                     self.index.drop(url, "removed", forget=True)
                     self._set_fresh(url, None)
+        now = time.monotonic()
         for url, src in wanted.items():
+            task = self.tasks.get(url)
+            if task is not None and task.done():
+                # Its stream ended with an error: follow it again, after a
+                # backoff that grows with the failures in a row.
+                if now < self._retry_at.get(url, 0.0):
+                    continue
+                del self.tasks[url]
             if url not in self.tasks:
                 self.sources[url] = src
                 self.tasks[url] = asyncio.create_task(
@@ -386,13 +404,22 @@ class KVEventFollower:
             while True:
                 try:
                     _topic, seq_bytes, payload = await sub.recv_multipart()
+                    seq = unpack_seq(seq_bytes)
                 except ValueError:
-                    continue  # not a 3-frame message
-                await self._on_batch(src, unpack_seq(seq_bytes), payload)
+                    continue  # not a 3-frame message, or no sequence frame
+                await self._on_batch(src, seq, payload)
         except asyncio.CancelledError:
             raise
         except Exception:
-            logger.exception("KV event stream of %s failed; its entries stop counting", src.url)
+            n = self._failures.get(src.url, 0) + 1
+            self._failures[src.url] = n
+            delay = min(FOLLOW_RETRY_MAX, FOLLOW_RETRY_BASE * 2 ** (n - 1))
+            self._retry_at[src.url] = time.monotonic() + delay
+            logger.exception(
+                "KV event stream of %s failed; its entries stop counting, following again in %.1fs",
+                src.url,
+                delay,
+            )
         finally:
             sub.close(0)
 
@@ -434,6 +461,7 @@ class KVEventFollower:
             self.index.engine(src.url).last_event = time.monotonic()
             return
         self.index.apply(src.url, events)
+        self._failures.pop(src.url, None)
 
     async def _replay(self, src: Source, start: int, until: int) -> None:
         """Fetch batches ``start .. until-1`` from the replay socket and apply them;

@@ -37,6 +37,7 @@ from starlette.responses import Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
+from ..contracts.lora import LoRALoad, load_succeeded
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
 from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
@@ -375,7 +376,7 @@ class Proxy:
         self, e: EngineState, adapter: str, source: tuple[str, str]
     ) -> str | None:
         """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""
-        body = json.dumps({"lora_name": adapter, "lora_path": source[1]}).encode()
+        body = LoRALoad(adapter, source[1]).encode()
         try:
             resp = await self.client.post(
                 e.url + "/v1/load_lora_adapter",
@@ -385,7 +386,7 @@ class Proxy:
             )
         except Exception as ex:  # a connection failure or timeout
             return f"could not load LoRA adapter {adapter!r} on {e.url}: {type(ex).__name__}"
-        if resp.status_code != 200 and "already loaded" not in resp.text:
+        if not load_succeeded(resp.status_code, resp.content):
             return (
                 f"could not load LoRA adapter {adapter!r} on {e.url}: "
                 f"{resp.status_code} {upstream_message(resp)}"

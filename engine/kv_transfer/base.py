@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..contracts.kv_connector import KVConnectorMetadata, RankCommand, ShardReadEnded
+from ..contracts.kv_connector import KVConnectorMetadata, RankCommand, ShardInfo, ShardReadEnded
 from ..contracts.kv_params import KVTransferParams
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
@@ -93,7 +93,7 @@ class KVConnectorWorker:
         (``nixl_shard.ShardAgent``), or None when the connector needs none."""
         return None
 
-    def register_shards(self, layout: Any, shards: list[dict[str, Any]]) -> None:
+    def register_shards(self, layout: Any, shards: list[ShardInfo]) -> None:
         """At TP>1: the ranks registered their KV shards (rank order)."""
 
     def shard_commands(self) -> list[RankCommand]:

@@ -47,8 +47,15 @@ from ..config import EngineConfig
 from ..config.kv_transfer import KV_BIND_IP_ENV, KV_IP_ENV, kv_bind_host, kv_host
 from ..contracts import kv_params, security
 from ..contracts.block_hash import HASH_FUNCTIONS, get_hash_fn, prompt_block_hashes
-from ..contracts.kv_connector import KVConnectorMetadata, KVLoad, RankCommand, ShardReadEnded
-from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams
+from ..contracts.kv_connector import (
+    HandshakeReply,
+    KVConnectorMetadata,
+    KVLoad,
+    RankCommand,
+    ShardInfo,
+    ShardReadEnded,
+)
+from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams, RefusedParams
 from ..contracts.kv_side_channel import PROTOCOL_VERSION
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
@@ -312,7 +319,7 @@ class PDConnector:
         self.transport.register(buffer, self.layout)
         self._start()
 
-    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+    def register_shards(self, layout: KVLayout, shards: list[ShardInfo]) -> None:
         """TP>1: the rank processes registered their shards with their own agents
         (``nixl_shard.shard_info``, rank order; ``layout``: rank 0's)."""
         if not isinstance(self.transport, NixlTransport):
@@ -400,18 +407,19 @@ class PDConnector:
         if not peer.may_consume:
             return self._refused(f"identity: {peer.identity} may not pull KV (not a consumer)")
         # The layout without addresses: a READ needs only the base (NIXL adds it).
-        layout = {k: v for k, v in self.layout.to_dict().items() if k != "base_address"}
-        return {
-            "ok": True,
-            "version": PROTOCOL_VERSION,
-            "engine_id": self.engine_id,
-            "instance_id": self.instance_id,
-            "compat": self.compat,
-            "compat_hash": self.compat_hash,
-            "layout": layout,
-            "transport": self.transport.name,
-            **self.transport.handshake_fields(),
-        }, []
+        tp_size, shards = self.transport.handshake_shards() or (None, None)
+        reply = HandshakeReply(
+            PROTOCOL_VERSION,
+            self.engine_id,
+            self.instance_id,
+            self.compat,
+            self.compat_hash,
+            self.layout.wire(),
+            self.transport.name,
+            tp_size,
+            shards,
+        )
+        return reply.to_wire(), []
 
     def _lease_for(
         self, request: dict[str, Any], peer: Peer
@@ -544,7 +552,11 @@ class PDConnector:
             with self.lock:
                 self.stats.remote_evictions += 1
         try:
-            reply, _ = client.connect(host, port, timeout)
+            raw, _ = client.connect(host, port, timeout)
+            try:
+                reply = HandshakeReply.from_wire(raw)
+            except ValueError as e:
+                raise RuntimeError(f"a malformed handshake reply from {host}:{port}: {e}") from None
         except IncompatibleHello as e:
             with self.lock:
                 self.stats.failed_handshakes += 1
@@ -554,25 +566,25 @@ class PDConnector:
             with self.lock:
                 self.stats.failed_handshakes += 1
             raise
-        why = compat_mismatch(self.compat, reply.get("compat"))
+        why = compat_mismatch(self.compat, reply.compat)
         if why is not None:
             raise IncompatibleKV(why)
         wanted = p.remote_instance_id
-        if wanted and reply.get("instance_id") != wanted:
+        if wanted and reply.instance_id != wanted:
             # The producer restarted on the same address: the blocks named are gone.
             raise RuntimeError(
                 f"the prefill engine at {host}:{port} restarted (instance "
-                f"{reply.get('instance_id')}, params from {wanted})"
+                f"{reply.instance_id}, params from {wanted})"
             )
         if self.layout is None:
             raise RuntimeError("broken invariant: self.layout is not None")
-        layout = KVLayout(**{"base_address": 0, **reply["layout"]})
+        layout = KVLayout.of_wire(reply.layout)
         shape = self.layout.shape_mismatch(layout)
         if shape is not None:
             raise IncompatibleKV(f"KV layout mismatch with the prefill engine: {shape}")
-        if reply.get("transport") != self.transport.name:
+        if reply.transport != self.transport.name:
             raise IncompatibleKV(
-                f"the prefill engine uses the {reply.get('transport')} transport, this engine "
+                f"the prefill engine uses the {reply.transport} transport, this engine "
                 f"{self.transport.name}: use the same kv_connector on both"
             )
         if self.identity.required:
@@ -584,7 +596,7 @@ class PDConnector:
                     f"the KV side channel at {host}:{port} is "
                     f"{proven.subject if proven else 'unidentified'}, the params name {named}"
                 )
-        remote = Remote(str(reply["engine_id"]), str(reply["instance_id"]), host, port, layout)
+        remote = Remote(reply.engine_id, reply.instance_id, host, port, layout)
         self.transport.connect(remote, reply)
         self.remotes[key] = (remote, time.monotonic())
         with self.lock:
@@ -857,7 +869,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return kv_params.verify(self.connector.secret, raw)
         except kv_params.InvalidParams as e:
             message = str(e).replace("kv_transfer_params ", "the params ", 1)
-            raise ValueError(f"kv_transfer_params: {message}") from None
+            raise RefusedParams(f"kv_transfer_params: {message}") from None
 
     def accept(self, raw: Mapping[str, Any]) -> KVTransferParams | None:
         """Decode (and for a decode leg verify) a request's kv_transfer_params before
@@ -865,7 +877,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         pulled, freed or cached for params that fail here."""
         if raw.get("do_remote_prefill"):
             if not self.connector.kv.is_kv_consumer:
-                raise ValueError(
+                raise RefusedParams(
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
@@ -879,7 +891,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """ValueError for (verified) params this engine cannot honour."""
         if p.do_remote_prefill:
             if not self.connector.kv.is_kv_consumer:
-                raise ValueError(
+                raise RefusedParams(
                     "kv_transfer_params: this engine is not a KV consumer "
                     f"(kv_role {self.connector.kv.kv_role}) and cannot pull remote KV"
                 )
@@ -891,27 +903,27 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 (kv_params.LEASE_FIELD, p.lease_id),
             ):
                 if value is None:
-                    raise ValueError(f"kv_transfer_params: {name} is missing")
+                    raise RefusedParams(f"kv_transfer_params: {name} is missing")
             if p.num_blocks:
                 # Signed params always name their content; these fields are checked
                 # against this engine's own tokens when the request is scheduled.
                 if p.block_chain is None or len(p.block_chain) != 64:
-                    raise ValueError(f"kv_transfer_params: {CHAIN_FIELD} is missing")
+                    raise RefusedParams(f"kv_transfer_params: {CHAIN_FIELD} is missing")
                 if p.block_hash_algo not in HASH_FUNCTIONS:
-                    raise ValueError(
+                    raise RefusedParams(
                         f"kv_transfer_params: {CHAIN_ALGO_FIELD} must be one of "
                         f"{sorted(HASH_FUNCTIONS)}"
                     )
             why = compat_mismatch(self.connector.compat, p.compat)
             if why is not None:
-                raise ValueError(f"kv_transfer_params: {why}")
+                raise RefusedParams(f"kv_transfer_params: {why}")
             if p.tp_size is not None:
                 # Any TP size maps onto this engine's shards, if it can hold the heads.
                 why = tp_layout_mismatch(p.tp_size, self.connector.num_kv_heads)
                 if why is not None:
-                    raise ValueError(f"kv_transfer_params: {why}")
+                    raise RefusedParams(f"kv_transfer_params: {why}")
         if p.do_remote_decode and not self.connector.kv.is_kv_producer:
-            raise ValueError(
+            raise RefusedParams(
                 "kv_transfer_params: this engine is not a KV producer "
                 f"(kv_role {self.connector.kv.kv_role})"
             )
@@ -1135,7 +1147,7 @@ class PDConnectorWorker(KVConnectorWorker):
             raise RuntimeError("the connector needs the contiguous KV buffer")
         self.connector.register(buffer)
 
-    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+    def register_shards(self, layout: KVLayout, shards: list[ShardInfo]) -> None:
         self.connector.register_shards(layout, shards)
 
     def rank_agents(self) -> KVAgentSpec | None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..contracts.kv_connector import KVLayoutWire
+
 
 class IncompatibleKV(Exception):
     """Two engines cannot exchange KV (different model, dtype, layout...)."""
@@ -99,6 +101,34 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def wire(self) -> KVLayoutWire:
+        """The layout as a handshake states it (no address)."""
+        return KVLayoutWire(
+            self.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.element_size,
+            self.device,
+        )
+
+    @classmethod
+    def of_wire(cls, wire: KVLayoutWire, base_address: int = 0) -> KVLayout:
+        """A peer's layout from its handshake (``base_address``: unknown, 0)."""
+        return cls(
+            wire.num_layers,
+            wire.num_blocks,
+            wire.block_size,
+            wire.num_kv_heads,
+            wire.head_dim,
+            wire.dtype,
+            wire.element_size,
+            base_address,
+            wire.device,
+        )
 
 
 def rank_heads(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:

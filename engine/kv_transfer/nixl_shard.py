@@ -16,6 +16,7 @@ that read only. Either way a shard reads its own heads' bytes and no more;
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from ..contracts.kv_connector import (
     ShardCommand,
     ShardConnect,
     ShardForget,
+    ShardInfo,
     ShardRead,
     ShardReadEnded,
     ShardRelease,
@@ -69,18 +71,11 @@ class _Peer:
     error: str = ""
 
 
-def shard_info(
-    layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int
-) -> dict[str, Any]:
+def shard_info(layout: KVLayout, agent_metadata: bytes, device_id: int, rank: int) -> ShardInfo:
     """What a consumer's shard needs to read this shard (sent in the handshake)."""
-    return {
-        "rank": rank,
-        "agent_metadata": agent_metadata,
-        "base_address": layout.base_address,
-        "device_id": device_id,
-        "num_blocks": layout.num_blocks,
-        "num_kv_heads": layout.num_kv_heads,
-    }
+    return ShardInfo(
+        rank, agent_metadata, layout.base_address, device_id, layout.num_blocks, layout.num_kv_heads
+    )
 
 
 def row_descs(
@@ -190,7 +185,7 @@ class ShardAgent:
 
     # -- setup ----------------------------------------------------------------------
 
-    def register(self, buffer: torch.Tensor, rank: int = 0) -> dict[str, Any]:
+    def register(self, buffer: torch.Tensor, rank: int = 0) -> ShardInfo:
         """Register the shard; returns its ``shard_info``."""
         self.layout = layout = KVLayout.of(buffer)
         self.mem_type = "DRAM" if buffer.device.type == "cpu" else "VRAM"
@@ -225,26 +220,24 @@ class ShardAgent:
                 elif isinstance(command, ShardConnect):
                     self.peers[command.key] = _Peer({}, [], error=str(e))
 
-    def _connect(self, key: str, remotes: list[dict[str, Any]], runs: list[list[int]]) -> None:
+    def _connect(self, key: str, remotes: list[ShardInfo], runs: list[list[int]]) -> None:
         if self.layout is None:
             raise RuntimeError("broken invariant: self.layout is not None")
         self._forget(key)
         peer = _Peer({}, [HeadRun(*r) for r in runs])
         self.peers[key] = peer
         for info in remotes:
-            name = self.agent.add_remote_agent(info["agent_metadata"])
+            name = self.agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
-            layout = KVLayout(
-                **{
-                    **self.layout.to_dict(),
-                    "num_blocks": int(info["num_blocks"]),
-                    "num_kv_heads": int(info["num_kv_heads"]),
-                    "base_address": int(info["base_address"]),
-                    "device": "remote",
-                }
+            layout = dataclasses.replace(
+                self.layout,
+                num_blocks=info.num_blocks,
+                num_kv_heads=info.num_kv_heads,
+                base_address=info.base_address,
+                device="remote",
             )
-            shard = _RemoteShard(name, layout, int(info.get("device_id", 0)))
-            peer.shards[int(info["rank"])] = shard
+            shard = _RemoteShard(name, layout, info.device_id)
+            peer.shards[info.rank] = shard
         for run in peer.runs:
             shard = peer.shards[run.remote_rank]
             if self._whole(run, shard) and shard.blocks is None:

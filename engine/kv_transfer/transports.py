@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from ..contracts.kv_connector import (
+    HandshakeReply,
     RankCommand,
     ShardCommand,
     ShardConnect,
     ShardForget,
+    ShardInfo,
     ShardRead,
     ShardReadEnded,
     ShardRelease,
@@ -85,10 +87,12 @@ class Transport:
     def register(self, buffer: torch.Tensor, layout: KVLayout) -> None:
         self.buffer, self.layout = buffer, layout
 
-    def handshake_fields(self) -> dict[str, Any]:
-        return {}
+    def handshake_shards(self) -> tuple[int, list[ShardInfo]] | None:
+        """(tp_size, one ShardInfo per rank) for the handshake reply, when the
+        consumer reads this engine's memory itself; None otherwise."""
+        return None
 
-    def connect(self, remote: Remote, reply: dict[str, Any]) -> None:
+    def connect(self, remote: Remote, reply: HandshakeReply) -> None:
         """Prepare reads from ``remote`` after its handshake reply."""
 
     def forget(self, remote: Remote) -> None:
@@ -145,7 +149,7 @@ class NixlTransport(Transport):
         self.num_kv_heads = num_kv_heads
         # TP=1: this process's shard. TP>1: none here, the ranks hold them.
         self.local = ShardAgent(self.agent_name, backends) if tp_size == 1 else None
-        self.shards: list[dict[str, Any]] = []
+        self.shards: list[ShardInfo] = []
         self.lock = threading.Lock()
         self.outbox: list[RankCommand] = []  # for the rank processes
         self.ended: dict[int, dict[int, str]] = {}  # token -> rank -> DONE / ERR
@@ -158,21 +162,21 @@ class NixlTransport(Transport):
             raise RuntimeError("broken invariant: self.local is not None")
         self.shards = [self.local.register(buffer, 0)]
 
-    def register_shards(self, layout: KVLayout, shards: list[dict[str, Any]]) -> None:
+    def register_shards(self, layout: KVLayout, shards: list[ShardInfo]) -> None:
         """TP>1: the ranks registered their shards (``shard_info``, rank order)."""
         self.layout, self.shards = layout, shards
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block over every shard, every layer, K and V."""
-        heads = sum(int(s["num_kv_heads"]) for s in self.shards)
+        heads = sum(s.num_kv_heads for s in self.shards)
         per_head = self.layout.block_size * self.layout.head_dim * self.layout.element_size
         return 2 * self.layout.num_layers * heads * per_head
 
-    def handshake_fields(self) -> dict[str, Any]:
+    def handshake_shards(self) -> tuple[int, list[ShardInfo]]:
         # What a one-sided READ needs and nothing more: each shard's agent (its UCX
         # address and memory keys), where its buffer starts, and its KV heads.
-        return {"tp_size": self.tp_size, "shards": self.shards}
+        return self.tp_size, self.shards
 
     def _send(self, rank: int, command: ShardCommand) -> None:
         if self.local is not None:
@@ -198,23 +202,21 @@ class NixlTransport(Transport):
                 self.ended[read.token][rank] = read.state
                 self.rank_bytes[rank] += read.nbytes
 
-    def connect(self, remote: Remote, reply: dict[str, Any]) -> None:
-        remote_tp, shards = reply.get("tp_size"), reply.get("shards")
+    def connect(self, remote: Remote, reply: HandshakeReply) -> None:
+        remote_tp, shards = reply.tp_size, reply.shards
         why = tp_layout_mismatch(remote_tp, self.num_kv_heads)
-        if why is None and (not isinstance(shards, list) or len(shards) != remote_tp):
+        if why is None and (shards is None or len(shards) != remote_tp):
             why = f"tp_size {remote_tp} but {len(shards or [])} KV shards in the handshake"
         if why is not None:
             raise IncompatibleKV(f"the prefill engine's {why}")
         # Both checks above passed: tp_size is a rank count and shards a list of that length.
-        if not isinstance(remote_tp, int) or not isinstance(shards, list):
-            raise TypeError(
-                "broken invariant: isinstance(remote_tp, int) and isinstance(shards, list)"
-            )
+        if remote_tp is None or shards is None:
+            raise TypeError("broken invariant: remote_tp is not None and shards is not None")
         for rank, info in enumerate(shards):
             want = rank_heads(rank, remote_tp, self.num_kv_heads)[1]
-            if int(info.get("rank", -1)) != rank or int(info.get("num_kv_heads", -1)) != want:
+            if info.rank != rank or info.num_kv_heads != want:
                 why = (
-                    f"shard {rank} holds {info.get('num_kv_heads')} KV heads, but tp_size "
+                    f"shard {rank} holds {info.num_kv_heads} KV heads, but tp_size "
                     f"{remote_tp} of {self.num_kv_heads} heads means {want}"
                 )
                 break

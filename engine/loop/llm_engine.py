@@ -16,7 +16,7 @@ from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
 from ..config.kv_transfer import kv_bind_host
 from ..config.lora import check_adapter_name
 from ..contracts.block_hash import lora_identity
-from ..contracts.kv_params import KVTransferParams
+from ..contracts.kv_params import KVTransferParams, RefusedParams
 from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from ..lora.adapter import LoRAError, LoRARequest, weights_digest
 from ..models.sources import create_engine_config
@@ -252,7 +252,12 @@ class LLMEngine:
             raise LoRAError(str(e)) from None
         if name in self.config.model_config.served_model_names:
             raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
-        self._check_not_loaded(name)
+        if name in self.loras:
+            try:
+                identity = lora_identity(name, weights_digest(os.path.abspath(path)))
+            except OSError:
+                identity = None  # unreadable: not the same weights
+            self._check_not_loaded(name, identity)
         request = LoRARequest(name, next(self._lora_ids), os.path.abspath(path))
         read = self.core.runner.read_lora(request)  # LoRAError when it cannot be served
         try:
@@ -264,18 +269,26 @@ class LLMEngine:
     def install_lora(self, prepared: PreparedLoRA) -> LoRARequest:
         """Serve a prepared adapter (the engine thread only; quick: no disk)."""
         request = prepared.request
-        self._check_not_loaded(request.lora_name)
+        self._check_not_loaded(request.lora_name, prepared.identity)
         self.core.runner.install_lora(prepared.read)
         self.loras[request.lora_name] = request
         self.lora_identities[request.lora_name] = prepared.identity
         logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
         return request
 
-    def _check_not_loaded(self, name: str) -> None:
-        if name in self.loras:
+    def _check_not_loaded(self, name: str, identity: str | None) -> None:
+        """LoRAError when ``name`` is loaded: ``already_loaded`` when from the
+        weights of ``identity`` (``lora_identity``: name and weights digest)."""
+        if name not in self.loras:
+            return
+        if identity is not None and self.lora_identities.get(name) == identity:
             raise LoRAError(
-                f"LoRA adapter {name!r} is already loaded; unload it first to load other weights"
+                f"LoRA adapter {name!r} is already loaded from the same weights",
+                already_loaded=True,
             )
+        raise LoRAError(
+            f"LoRA adapter {name!r} is already loaded with other weights; unload it first"
+        )
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests naming it are refused; requests
@@ -437,19 +450,19 @@ class LLMEngine:
         n = p.lend_blocks
         bs = self.config.cache_config.block_size
         if not p.do_remote_decode:
-            raise ValueError("kv_transfer_params: pdfleet_lend_blocks needs do_remote_decode")
+            raise RefusedParams("kv_transfer_params: pdfleet_lend_blocks needs do_remote_decode")
         if n is None or n < 1:
-            raise ValueError("kv_transfer_params: pdfleet_lend_blocks must be at least 1")
+            raise RefusedParams("kv_transfer_params: pdfleet_lend_blocks must be at least 1")
         if not self.config.cache_config.enable_prefix_caching:
-            raise ValueError(
+            raise RefusedParams(
                 "kv_transfer_params: pdfleet_lend_blocks needs prefix caching on this engine"
             )
         if params.n != 1 or params.prompt_logprobs is not None:
-            raise ValueError(
+            raise RefusedParams(
                 "kv_transfer_params: pdfleet_lend_blocks takes n=1, no prompt_logprobs"
             )
         if len(prompt_ids) < n * bs + 1:
-            raise ValueError(
+            raise RefusedParams(
                 f"kv_transfer_params: pdfleet_lend_blocks {n} needs at least {n * bs + 1} prompt "
                 f"tokens, the prompt has {len(prompt_ids)}"
             )

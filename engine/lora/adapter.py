@@ -40,7 +40,12 @@ Slicer = Callable[[str, Any], torch.Tensor]
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served (the message names it)."""
+    """An adapter that cannot be served (the message names it). ``already_loaded``:
+    the name is loaded from these very weights, so what was asked for holds."""
+
+    def __init__(self, message: str, already_loaded: bool = False) -> None:
+        super().__init__(message)
+        self.already_loaded = already_loaded
 
 
 @dataclass(frozen=True)

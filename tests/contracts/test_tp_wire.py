@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from pdfleet.engine.contracts import tp_wire as w
-from pdfleet.engine.contracts.kv_connector import RankCommand, ShardRead, ShardRelease
+from pdfleet.engine.contracts.kv_connector import RankCommand, ShardInfo, ShardRead, ShardRelease
 from pdfleet.engine.core.sched_output import (
     CachedRequestData,
     Logprobs,
@@ -109,8 +109,9 @@ def test_a_malformed_result_is_refused():
 
 
 def test_ready_records_agent_specs_and_pipe_messages():
-    ready = w.RankReady(17, 256, {"agent": b"md"}, {"num_layers": 2})
-    assert ready.encode() == packed([17, 256, {"agent": b"md"}, {"num_layers": 2}])
+    info = ShardInfo(1, b"md", 4096, 0, 17, 2)
+    ready = w.RankReady(17, 256, info, {"num_layers": 2})
+    assert ready.encode() == packed([17, 256, info.to_wire(), {"num_layers": 2}])
     assert w.RankReady.decode(ready.encode()) == ready
     assert w.ready_record(ready.encode()) == ready
     assert w.ready_record(w.RankFailure("boom").encode()) == w.RankFailure("boom")

@@ -17,6 +17,8 @@ from gateway.fake_engine import PARAMS, FakeEngine, kv_pull_fails
 from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import wait_until
 
+from pdfleet.engine.contracts.errors import ErrorBody
+
 LONG = "word " * 400
 
 
@@ -182,7 +184,8 @@ def test_a_decode_engine_refusing_the_producers_params_gets_the_prompt_decode_on
 
     def decode_answer(body):
         if body.get("kv_transfer_params"):
-            return 400, b'{"error": {"message": "kv_transfer_params have expired"}}'
+            # As an engine refuses them: param names the field (the message is prose).
+            return 400, ErrorBody("the params have expired", 400, "kv_transfer_params").encode()
         out = {"id": "c", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
         if body.get("stream"):
             return 200, b"data: " + json.dumps(out).encode() + b"\n\ndata: [DONE]\n\n"

@@ -384,3 +384,71 @@ def test_pod_annotations_name_the_engines_kv_event_sockets():
     ep = pod_endpoint(pod, 8000)
     assert ep is not None
     assert (ep.kv_events, ep.kv_events_replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
+
+
+def test_a_malformed_batch_is_skipped_and_a_failed_stream_is_followed_again(caplog):
+    import zmq
+    import zmq.asyncio
+
+    async def main() -> None:
+        port = free_port()
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        index = KVIndex()
+        follower = KVEventFollower(index)
+        src = Source("http://e", f"tcp://127.0.0.1:{port}")
+        seq = 0
+
+        async def send(payload: bytes) -> None:
+            nonlocal seq
+            await pub.send_multipart([b"", struct.pack(">q", seq), payload])
+            seq += 1
+
+        try:
+            follower.sync([src])
+            # Until the subscription is up, heartbeats are what may be lost.
+            heartbeat = EventBatch(0.0).encode()
+            while (
+                index.engines.get("http://e") is None or index.engines["http://e"].next_seq is None
+            ):
+                await send(heartbeat)
+                await asyncio.sleep(0.02)
+            await send(msgpack.packb([0.0, [["BlockStored", [1], None, 5, 16]], 0]))
+            await send(msgpack.packb([0.0, [[["x"], 1]], 0]))
+            await send(EventBatch(0.0, [stored([41, 42])]).encode())
+            await _until(lambda: index.matched([41, 42], ["http://e"])["http://e"][0] == 2)
+            assert not follower.tasks["http://e"].done()
+            assert "undecodable batch skipped (BlockStored: token_ids" in caplog.text
+
+            # A stream whose task ends with an error (here: one batch raises out
+            # of the follower) is followed again by a sync once its backoff has
+            # passed, and not before.
+            real = follower._on_batch
+
+            async def broken(*_args) -> None:
+                follower._on_batch = real  # type: ignore[method-assign]
+                raise RuntimeError("boom")
+
+            follower._on_batch = broken  # type: ignore[method-assign]
+            failed = follower.tasks["http://e"]
+            await send(heartbeat)
+            await _until(failed.done)
+            assert follower._failures["http://e"] == 1
+            assert follower._retry_at["http://e"] > time.monotonic()
+            follower.sync([src])
+            assert follower.tasks["http://e"] is failed  # still backing off
+            follower._retry_at["http://e"] = 0.0
+            follower.sync([src])
+            assert not follower.tasks["http://e"].done()
+            while index.matched([43], ["http://e"])["http://e"][0] != 1:  # until subscribed
+                await send(EventBatch(0.0, [stored([43])]).encode())
+                await asyncio.sleep(0.02)
+            assert "http://e" not in follower._failures  # reset by a batch applied
+        finally:
+            pub.close(0)
+            await follower.stop()
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -257,6 +257,7 @@ def test_bad_kv_transfer_params_are_a_400(fleet, params, message):
         json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
     )
     assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_transfer_params"  # what the gateway checks
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from helpers.server import free_port, wait_until
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.config.engine import pdfleet_version
 from pdfleet.engine.contracts import kv_params, security
+from pdfleet.engine.contracts.kv_connector import HandshakeReply
 from pdfleet.engine.contracts.kv_side_channel import PROTOCOL_VERSION
 from pdfleet.engine.kv_transfer.connector import PDConnector
 from pdfleet.engine.kv_transfer.side_channel import SideChannelClient, secure_client
@@ -142,6 +143,9 @@ def test_a_peer_with_another_secret_fails_both_ways(zmq_producer):
         reply, _ = right.connect("127.0.0.1", c.port, 2.0)
         # Only what a READ needs: no buffer address for the ZMQ transport.
         assert reply["engine_id"] == c.engine_id and "base_address" not in reply["layout"]
+        typed = HandshakeReply.from_wire(reply)
+        assert (typed.transport, typed.shards) == ("zmq", None)
+        assert typed.to_wire() == reply  # one encoding, both ways
     finally:
         right.close()
 

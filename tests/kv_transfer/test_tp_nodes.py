@@ -114,11 +114,11 @@ def test_pd_with_an_engine_over_two_nodes_pulls_each_ranks_heads_and_matches_agg
 def test_the_leaders_handshake_lists_the_shard_of_every_node(engines):
     prefill = engines["p2n"]
     assert len(prefill.core.runner.procs) == 1  # rank 1 runs on node 1
-    fields = prefill.connector.worker.connector.transport.handshake_fields()
-    assert fields["tp_size"] == 2
-    assert [s["rank"] for s in fields["shards"]] == [0, 1]
+    tp_size, shards = prefill.connector.worker.connector.transport.handshake_shards()
+    assert tp_size == 2
+    assert [s.rank for s in shards] == [0, 1]
     # Two agents, two registered buffers: node 1's shard is its own rank's memory.
-    metadata = [s["agent_metadata"] for s in fields["shards"]]
+    metadata = [s.agent_metadata for s in shards]
     assert metadata[0] != metadata[1] and all(metadata)
     # Node 1 bound its agents on its own KV address's interface.
     assert "KV shards on 127.0.0.1 (UCX_NET_DEVICES=lo)" in engines["nodes"]["p2n"].log()

@@ -20,6 +20,7 @@ from helpers.tp_pd import (
 
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.contracts import kv_params
+from pdfleet.engine.contracts.kv_connector import HandshakeReply, KVLayoutWire, ShardInfo
 from pdfleet.engine.kv_transfer.base import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
 from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
@@ -118,14 +119,22 @@ def test_a_handshake_whose_shards_do_not_fit_its_tp_size_is_refused_naming_tp_si
     # The control plane of a TP2 consumer (no agent in this process: the ranks hold them).
     transport = NixlTransport("d", "i", ["UCX"], tp_size=2, num_kv_heads=2)
     remote = Remote("p", "j", "127.0.0.1", 1, layout=None)  # type: ignore[arg-type]
-    shard = {"rank": 0, "agent_metadata": b"m", "base_address": 0, "num_blocks": 4}
+    layout = KVLayoutWire(2, 4, 16, 2, 8, "float32", 4, "cpu")
+
+    def reply(tp_size: int, heads: int) -> HandshakeReply:
+        wire = HandshakeReply(
+            4, "p", "j", {}, "h", layout, "nixl", tp_size,
+            [ShardInfo(r, b"m", 0, 0, 4, heads) for r in range(tp_size)],
+        ).to_wire()  # fmt: skip
+        return HandshakeReply.from_wire(wire)  # what the consumer decodes
+
     with pytest.raises(IncompatibleKV, match="tp_size 3 cannot hold the model's 2 KV heads"):
-        transport.connect(remote, {"tp_size": 3, "shards": [shard] * 3})
+        transport.connect(remote, reply(3, 1))
     with pytest.raises(IncompatibleKV, match="shard 0 holds 2 KV heads, but tp_size 2 .* 1"):
-        transport.connect(remote, {"tp_size": 2, "shards": [{**shard, "num_kv_heads": 2}] * 2})
+        transport.connect(remote, reply(2, 2))
     assert not transport.drain()  # nothing reached the ranks
     # A TP1 producer: each rank connects to its one shard and reads its own head.
-    transport.connect(remote, {"tp_size": 1, "shards": [{**shard, "num_kv_heads": 2}]})
+    transport.connect(remote, reply(1, 2))
     commands = transport.drain()
     assert [(c.rank, c.command.to_wire()[0], c.command.to_wire()[3]) for c in commands] == [
         (0, "connect", [[0, 0, 0, 1]]),

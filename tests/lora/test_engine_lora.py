@@ -161,8 +161,12 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     with pytest.raises(LoRAError, match="'ints'.*torch.int8.*floating point"):
         llm.engine.add_lora("ints", str(ints))
     llm.engine.add_lora("a", a)
-    with pytest.raises(LoRAError, match="already loaded"):
+    with pytest.raises(LoRAError, match="already loaded from the same weights") as same:
         llm.engine.add_lora("a", a)
+    assert same.value.already_loaded
+    with pytest.raises(LoRAError, match="already loaded with other weights") as other:
+        llm.engine.add_lora("a", str(ints))
+    assert not other.value.already_loaded
     assert sorted(llm.engine.loras) == ["a"]
     (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
     check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])

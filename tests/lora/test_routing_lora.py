@@ -43,7 +43,7 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
         async def post(self, url, content, headers, timeout):
             posts.append((url, json.loads(content)))
             await asyncio.sleep(0)
-            return SimpleNamespace(status_code=200, text="ok")
+            return SimpleNamespace(status_code=200, content=b"ok", text="ok")
 
     proxy = Proxy.__new__(Proxy)
     proxy.pool = EnginePool.__new__(EnginePool)
@@ -65,3 +65,43 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
         ("http://p/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
     ]
     assert "a" in other.load.adapters and "a" in prefill.load.adapters and not proxy._loading
+
+
+def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights():
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdfleet.engine.contracts.errors import ErrorBody
+    from pdfleet.engine.contracts.lora import already_loaded
+    from pdfleet.engine.gateway.proxy import Proxy
+
+    answers = {
+        "http://same": (409, already_loaded("a").encode()),
+        "http://other": (
+            400,
+            ErrorBody(
+                "LoRA adapter 'a' is already loaded with other weights", 400, "lora_path"
+            ).encode(),
+        ),
+        # Prose that says "already loaded" is no success unless the contract says so.
+        "http://prose": (409, ErrorBody("'a' already loaded", 409, None).encode()),
+    }
+
+    class Client:
+        async def post(self, url, content, headers, timeout):
+            status, body = answers[url.removesuffix("/v1/load_lora_adapter")]
+            return SimpleNamespace(status_code=status, content=body, text=body.decode())
+
+    proxy = Proxy.__new__(Proxy)
+    proxy.client = Client()
+    proxy.metrics = SimpleNamespace(
+        lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
+    )
+
+    async def load(url: str) -> str | None:
+        return await proxy._load_adapter(engine(url, 0), "a", ("h", "/a"))
+
+    assert asyncio.run(load("http://same")) is None
+    error = asyncio.run(load("http://other"))
+    assert error is not None and "400 LoRA adapter 'a' is already loaded with other" in error
+    assert asyncio.run(load("http://prose")) is not None

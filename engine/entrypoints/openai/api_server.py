@@ -36,8 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import tracing
 from ...config import EngineConfig
+from ...contracts import lora as lora_contract
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
 from ...contracts.http_limits import RequestLimits
+from ...contracts.lora import LoRABodyError, LoRALoad
 from ...contracts.migration import MIGRATE_EVENT, MIGRATE_HEADER
 from ...http.server import HttpServer
 from ...loop.async_engine import AsyncEngine
@@ -451,24 +453,11 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             raw = await request.json()
         except (ValueError, RecursionError):
             raise APIError("the body is not valid JSON (or is nested too deeply)") from None
-        if not isinstance(raw, dict):
-            raise APIError(f"{route}: the body must be a JSON object")
-        unknown = sorted(set(raw) - allowed)
-        if unknown:
-            raise APIError(f"{unknown[0]}: unknown field", param=unknown[0])
-        name, path, revision = raw.get("lora_name"), raw.get("lora_path"), raw.get("revision")
-        if not isinstance(name, str) or not name:
-            raise APIError("lora_name: a non-empty string is required", param="lora_name")
-        if path is not None and (not isinstance(path, str) or not path):
-            raise APIError("lora_path: must be a non-empty string", param="lora_path")
-        if revision is not None:
-            if not isinstance(revision, str) or not revision:
-                raise APIError("revision: must be a non-empty string", param="revision")
-            if not (path or "").startswith("hf://"):
-                raise APIError(
-                    "revision: only an hf://ORG/NAME lora_path has one", param="revision"
-                )
-        return name, path, revision
+        try:
+            body = LoRALoad.from_json(raw, route, allowed)
+        except LoRABodyError as e:
+            raise APIError(str(e), param=e.param) from None
+        return body.lora_name, body.lora_path, body.revision
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(request: Request) -> Response:
@@ -479,7 +468,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         internal_only(request, "/v1/load_lora_adapter")
         serving(request)
         name, path, revision = await lora_body(
-            request, "/v1/load_lora_adapter", frozenset({"lora_name", "lora_path", "revision"})
+            request, "/v1/load_lora_adapter", lora_contract.LOAD_FIELDS
         )
         if path is None:
             raise APIError("lora_path: required", param="lora_path")
@@ -488,6 +477,9 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         try:
             await state.engine.load_lora(name, path, revision=revision)
         except LoRAError as e:
+            if e.already_loaded:  # the gateway counts this answer a success
+                done = lora_contract.already_loaded(name)
+                raise APIError(done.message, done.status, done.param) from None
             raise APIError(str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -496,7 +488,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         internal_only(request, "/v1/unload_lora_adapter")
         serving(request)
         name, _, _ = await lora_body(
-            request, "/v1/unload_lora_adapter", frozenset({"lora_name", "lora_path"})
+            request, "/v1/unload_lora_adapter", lora_contract.UNLOAD_FIELDS
         )
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")

@@ -74,7 +74,11 @@ def api_error(e: BaseException) -> APIError | None:
     if isinstance(e, EngineStepError):
         return APIError(f"{e}; retry the request", status=500)
     if isinstance(e, ValueError):
-        # Engine and connector messages start with the field they refuse.
+        # A refusal that names its field (RefusedParams: kv_transfer_params) says
+        # so; other engine and connector messages start with the field they refuse.
+        param = getattr(e, "param", None)
+        if isinstance(param, str):
+            return APIError(str(e), param=param)
         m = re.match(r"[A-Za-z_][A-Za-z0-9_.]*", str(e))
         return APIError(str(e), param=m.group(0) if m and ":" in str(e) else None)
     return None

@@ -1,0 +1,106 @@
+"""The run-time LoRA routes' body and answers (vLLM's ``/v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter``), as the gateway, ``pdfleet up`` and the
+operator call them and an engine reads them.
+
+Body: a JSON object ``{"lora_name": str, "lora_path": str, "revision": str}``
+(``lora_path`` only on a load; ``revision`` only with an ``hf://ORG/NAME``
+path); any other field is refused naming it. A load answers 200
+(plain text, as vLLM) when it loaded the adapter; an error body
+(``errors.py``) otherwise, whose status and ``param`` say what went wrong:
+
+* 409 with ``param: "lora_name"`` (:data:`ALREADY_LOADED_STATUS`): the adapter
+  is already loaded under that name from the same weights: the load's outcome
+  holds, so a caller that wanted it served may count it a success
+  (:func:`load_succeeded`);
+* 400 with ``param: "lora_path"``: it cannot be served, or the name is
+  already loaded with other weights (unload it first);
+* 400 with ``param`` the field: a malformed body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ErrorBody
+
+ALREADY_LOADED_STATUS = 409
+"""The status of a load whose adapter is already loaded from the same weights."""
+NAME = "lora_name"
+PATH = "lora_path"
+REVISION = "revision"
+LOAD_FIELDS = frozenset({NAME, PATH, REVISION})
+UNLOAD_FIELDS = frozenset({NAME, PATH})  # vLLM's unload body may repeat the path
+
+
+class LoRABodyError(ValueError):
+    """A malformed body; ``param`` names the field at fault (None: the body itself)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class LoRALoad:
+    """A load (with ``lora_path``, and a ``revision`` for an ``hf://`` one) or an
+    unload (the name alone) of one adapter."""
+
+    lora_name: str
+    lora_path: str | None = None
+    revision: str | None = None
+
+    def encode(self) -> bytes:
+        """The JSON body."""
+        body: dict[str, str] = {NAME: self.lora_name}
+        if self.lora_path is not None:
+            body[PATH] = self.lora_path
+        if self.revision is not None:
+            body[REVISION] = self.revision
+        return json.dumps(body).encode()
+
+    @classmethod
+    def from_json(cls, raw: Any, route: str, fields: frozenset[str] = LOAD_FIELDS) -> LoRALoad:
+        """The body of a request to ``route`` (already parsed from JSON), which
+        takes ``fields``; LoRABodyError naming the field for anything else."""
+        if not isinstance(raw, dict):
+            raise LoRABodyError(f"{route}: the body must be a JSON object")
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise LoRABodyError(f"{unknown[0]}: unknown field", unknown[0])
+        name, path, revision = raw.get(NAME), raw.get(PATH), raw.get(REVISION)
+        if not isinstance(name, str) or not name:
+            raise LoRABodyError(f"{NAME}: a non-empty string is required", NAME)
+        if path is not None and (not isinstance(path, str) or not path):
+            raise LoRABodyError(f"{PATH}: must be a non-empty string", PATH)
+        if revision is not None:
+            if not isinstance(revision, str) or not revision:
+                raise LoRABodyError(f"{REVISION}: must be a non-empty string", REVISION)
+            if not (path or "").startswith("hf://"):
+                raise LoRABodyError(
+                    f"{REVISION}: only an hf://ORG/NAME lora_path has one", REVISION
+                )
+        return cls(name, path, revision)
+
+
+def already_loaded(name: str) -> ErrorBody:
+    """The answer to a load of an adapter already loaded from the same weights."""
+    return ErrorBody(
+        f"LoRA adapter {name!r} is already loaded from the same weights",
+        ALREADY_LOADED_STATUS,
+        NAME,
+    )
+
+
+def load_succeeded(status: int, body: bytes | str) -> bool:
+    """Whether a load's answer means the adapter is now served from the weights
+    asked for: loaded now (200), or already loaded from them (409 naming
+    ``lora_name``). Anything else, "already loaded with other weights"
+    included, is a failure."""
+    if status == 200:
+        return True
+    if status != ALREADY_LOADED_STATUS:
+        return False
+    error = ErrorBody.decode(body, status)
+    return error is not None and error.param == NAME
