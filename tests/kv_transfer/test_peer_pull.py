@@ -19,7 +19,7 @@ import pytest
 from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
-MAX_LEN = 2048
+MAX_LEN = 4096
 BLOCK = 16
 LOADED = "pdfleet_engine_kv_offload_loaded_bytes_total"
 PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
@@ -311,35 +311,67 @@ def engine_view(gateway: str, url: str) -> dict:
     return next(e for e in engines_view(gateway)["engines"] if e["url"] == url)["peer_pull"]
 
 
+PIN = prompt_of(64, 8888)
+"""A prefix cached on the holder only: the gateway's router sends a request that
+starts with it there."""
+
+
 class Busy:
-    """The holder busy: one long decode in its only slot and prompts queued behind
-    it (direct requests: the gateway sees them only through its scrapes)."""
+    """The holder at the gateway's capacity for it, so serving there is not an
+    option and the gateway chooses between pulling and recomputing alone: one long
+    decode in the holder's only slot, sent through the gateway (its router sends
+    it to the engine that caches ``PIN``; ``prompt_logprobs`` keeps the peer-pull
+    decision out of it), and prompts queued behind it sent to the holder directly.
+    The holder queues while the gateway has one request there, so the gateway
+    learns its capacity as one and counts it full."""
 
     def __init__(self, peers, queued: int) -> None:
         self.peers = peers
-        self.queued = queued
+        gw, holder = peers["gateway"], peers["holder"]
         self.pool = ThreadPoolExecutor(1 + queued)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
-        long = {"prompt": prompt_of(16, 777), "max_tokens": MAX_LEN - 32, "ignore_eos": True}
-        self.futures = [self.pool.submit(self._post, long)]
+        self.gw_client = httpx.Client(timeout=120)
+        complete(holder, {"prompt": PIN, "max_tokens": 1})
+        long = {
+            "prompt": [*PIN, 7],
+            # Long enough to outlast a decision at any load, short enough that its
+            # blocks and a prefix of MAX_LEN fit the holder's device blocks together.
+            "max_tokens": 1024,
+            "ignore_eos": True,
+            "prompt_logprobs": 0,
+        }
+        self.futures = [self.pool.submit(self._post, self.gw_client, gw, long)]
+        assert wait_until(lambda: self._view()["admitted"] == 1, timeout=60), self._view()
         for i in range(queued):
             self.futures.append(
-                self.pool.submit(self._post, {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1})
+                self.pool.submit(
+                    self._post,
+                    self.client,
+                    holder,
+                    {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1},
+                )
             )
 
-    def _post(self, body: dict) -> int:
-        return self.client.post(self.peers["holder"] + "/v1/completions", json=body).status_code
+    def _view(self) -> dict:
+        gw, holder = self.peers["gateway"], self.peers["holder"]
+        return next(e for e in engines_view(gw)["engines"] if e["url"] == holder)
+
+    @staticmethod
+    def _post(client: httpx.Client, url: str, body: dict) -> int:
+        return client.post(url + "/v1/completions", json=body).status_code
 
     def __enter__(self) -> Busy:
-        gw, holder = self.peers["gateway"], self.peers["holder"]
-        assert wait_until(
-            lambda: engine_view(gw, holder)["queued_prompt_tokens"] >= 1900 * self.queued,
-            timeout=60,
-        ), engine_view(gw, holder)
+        def full() -> bool:
+            view = self._view()
+            return view["capacity"] is not None and view["admitted"] >= view["capacity"]
+
+        assert wait_until(full, timeout=60), self._view()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.client.close()  # aborts the long decode (client gone)
+        # Closing the clients aborts the long decode and the queued prompts.
+        self.client.close()
+        self.gw_client.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -374,14 +406,31 @@ def primed(peers, tokens: list[int]) -> None:
     )
 
 
-@pytest.mark.skip(reason="flaky in a clean-clone run: the measured costs can make the holder win")
+CROSSOVER = "pdfleet_gateway_peer_pull_crossover_tokens"
+MARGIN = 1.25
+"""How far from the crossover (a factor) each side's prefix length lies."""
+
+
+def settled_crossover(gw: str, holder: str, puller: str) -> float:
+    """The pair's crossover once nothing moves it: three reads, scrapes apart, agree
+    (its figures change only with new samples: the engines' prefills, pulls, lends)."""
+    reads: list[float] = []
+
+    def steady() -> bool:
+        reads.append(metric(gw, CROSSOVER, holder=holder, puller=puller))
+        return len(reads) >= 3 and reads[-1] == reads[-2] == reads[-3] > 0
+
+    assert wait_until(steady, timeout=60, interval=0.5), reads[-5:]
+    # +Inf: pulling never wins here (the measured bandwidth is below the prefill rate).
+    assert math.isfinite(reads[-1]), reads[-1]
+    return reads[-1]
+
+
 def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
-    ladder = {n: prompt_of(n, 3000 + n) for n in (32, 64, 128, 256, 512, 1024, 1536)}
     explore = prompt_of(1024, 4242)
-    for tokens in (*ladder.values(), explore):
-        primed(peers, tokens)
+    primed(peers, explore)
     tail = prompt_of(40, 99)
     with Busy(peers, queued=4):
         # No pair measured yet: the first long prefix is pulled to measure it.
@@ -391,24 +440,25 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
         assert via_gateway(gw, body) == recomputed(puller, body)
         assert decisions(gw, "pull", "explore") == explored + 1
         assert scrape(puller)[PULLED] - before == 1024 // BLOCK
-        assert wait_until(
-            lambda: (
-                metric(
-                    gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
-                )
-                > 0
-            ),
-            timeout=30,
+    assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
+    # With the holder at capacity the choice is the puller's alone: recompute a
+    # prefix MARGIN times shorter than the crossover, pull one MARGIN times longer.
+    # The crossover is read once its figures have settled, and nothing measured of
+    # the pair changes before the request (priming and the busy holder move only
+    # the holder's own prefill rate), so the prediction cannot cross over meanwhile.
+    for decision in ("recompute", "pull"):
+        crossover = settled_crossover(gw, holder, puller)
+        blocks = (
+            math.floor(crossover / MARGIN / BLOCK)
+            if decision == "recompute"
+            else math.ceil(crossover * MARGIN / BLOCK)
         )
-        crossover = metric(
-            gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
-        )
-        assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
-        below = [n for n in ladder if n <= crossover / 2]
-        above = [n for n in ladder if n >= 2 * crossover]
-        assert below and above, (crossover, engines_view(gw))
-        for n, decision in ((below[-1], "recompute"), (above[0], "pull")):
-            body = {"prompt": ladder[n] + tail, "max_tokens": 6, "temperature": 0}
+        n = blocks * BLOCK
+        assert 0 < n <= MAX_LEN - 2 * len(tail), (decision, crossover, engines_view(gw))
+        prefix = prompt_of(n, 3000 + n)
+        primed(peers, prefix)
+        body = {"prompt": prefix + tail, "max_tokens": 6, "temperature": 0}
+        with Busy(peers, queued=4):
             counted = decisions(gw, decision, "cost")
             before = scrape(puller).get(PULLED, 0.0)
             assert via_gateway(gw, body) == recomputed(puller, body)
@@ -419,18 +469,24 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
                 engines_view(gw),
             )
             moved = scrape(puller)[PULLED] - before
-            assert moved == (n // BLOCK if decision == "pull" else 0)
+            assert moved == (blocks if decision == "pull" else 0)
 
 
 def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
-    gone = prompt_of(1536, 5151)
+    # Long enough that the pair's crossover (once measured) says pull: the lend is
+    # asked for, and refused.
+    crossover = metric(gw, CROSSOVER, holder=holder, puller=puller)
+    assert math.isfinite(crossover), crossover
+    n = 1536 if not crossover else max(1536, math.ceil(crossover * MARGIN / BLOCK) * BLOCK)
+    assert n <= MAX_LEN - 80, crossover
+    gone = prompt_of(n, 5151)
     primed(peers, gone)
     peers["forwarder"].open.clear()  # the index keeps seeing the blocks
     try:
         # Other prompts take the device blocks and the host tier: `gone` leaves both.
-        for seed in range(6):
+        for seed in range(8):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
         body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
         with Busy(peers, queued=4):
