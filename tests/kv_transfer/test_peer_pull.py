@@ -321,7 +321,8 @@ class Busy:
     option and the gateway chooses between pulling and recomputing alone: one long
     decode in the holder's only slot, sent through the gateway (its router sends
     it to the engine that caches ``PIN``; ``prompt_logprobs`` keeps the peer-pull
-    decision out of it), and prompts queued behind it sent to the holder directly.
+    decision out of it), and short prompts queued behind it sent to the holder
+    directly.
     The holder queues while the gateway has one request there, so the gateway
     learns its capacity as one and counts it full."""
 
@@ -348,7 +349,7 @@ class Busy:
                     self._post,
                     self.client,
                     holder,
-                    {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1},
+                    {"prompt": prompt_of(32, 900 + i), "max_tokens": 1},
                 )
             )
 
@@ -373,6 +374,15 @@ class Busy:
         self.client.close()
         self.gw_client.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        holder = self.peers["holder"]
+        assert wait_until(
+            lambda: (
+                scrape(holder).get("pdfleet_engine_num_requests_running", 0)
+                + scrape(holder).get("pdfleet_engine_num_requests_waiting", 0)
+                == 0
+            ),
+            timeout=60,
+        )
 
 
 def measured(peers) -> None:
@@ -407,7 +417,7 @@ def primed(peers, tokens: list[int]) -> None:
 
 
 CROSSOVER = "pdfleet_gateway_peer_pull_crossover_tokens"
-MARGIN = 1.25
+MARGIN = 2.0
 """How far from the crossover (a factor) each side's prefix length lies."""
 
 
@@ -440,56 +450,82 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
         assert via_gateway(gw, body) == recomputed(puller, body)
         assert decisions(gw, "pull", "explore") == explored + 1
         assert scrape(puller)[PULLED] - before == 1024 // BLOCK
+    # With the holder at capacity the choice is the puller's alone. The exported
+    # crossover is an idle holder's; at a busy one a lend also waits for the step
+    # in progress (the gateway's step_s of it), which moves the crossover up by
+    # (lend_s + step_s) / lend_s. Recompute a prefix MARGIN times shorter than the
+    # idle crossover (lower still than the busy one); pull one MARGIN times longer
+    # than the busy crossover, read in the busy holder's state. The crossover is
+    # read once its figures have settled: nothing measured of the pair moves
+    # before the request (priming and the busy holder move the holder's own rate
+    # and step only, and MARGIN covers the step's drift).
+    crossover = settled_crossover(gw, holder, puller)
     assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
-    # With the holder at capacity the choice is the puller's alone: recompute a
-    # prefix MARGIN times shorter than the crossover, pull one MARGIN times longer.
-    # The crossover is read once its figures have settled, and nothing measured of
-    # the pair changes before the request (priming and the busy holder move only
-    # the holder's own prefill rate), so the prediction cannot cross over meanwhile.
-    for decision in ("recompute", "pull"):
-        crossover = settled_crossover(gw, holder, puller)
-        blocks = (
-            math.floor(crossover / MARGIN / BLOCK)
-            if decision == "recompute"
-            else math.ceil(crossover * MARGIN / BLOCK)
-        )
-        n = blocks * BLOCK
-        assert 0 < n <= MAX_LEN - 2 * len(tail), (decision, crossover, engines_view(gw))
-        prefix = prompt_of(n, 3000 + n)
-        primed(peers, prefix)
-        body = {"prompt": prefix + tail, "max_tokens": 6, "temperature": 0}
-        with Busy(peers, queued=4):
-            counted = decisions(gw, decision, "cost")
-            before = scrape(puller).get(PULLED, 0.0)
-            assert via_gateway(gw, body) == recomputed(puller, body)
-            assert decisions(gw, decision, "cost") == counted + 1, (
-                n,
-                crossover,
-                {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
-                engines_view(gw),
-            )
-            moved = scrape(puller)[PULLED] - before
-            assert moved == (blocks if decision == "pull" else 0)
+    n = math.floor(crossover / MARGIN / BLOCK) * BLOCK
+    assert n > 0, (crossover, engines_view(gw))
+    short = prompt_of(n, 3000 + n)
+    primed(peers, short)
+    with Busy(peers, queued=4):
+        decided(peers, short + tail, "recompute", 0, crossover)
+    crossover = settled_crossover(gw, holder, puller)
+    # Primed last, so the holder's cache keeps all of it: its leading blocks serve
+    # a prompt of any length.
+    longest = prompt_of(MAX_LEN - 2 * len(tail), 3001)
+    primed(peers, longest)
+    with Busy(peers, queued=4):
+        figures = engine_view(gw, holder)
+        busy = crossover * (figures["lend_s"] + figures["step_s"]) / figures["lend_s"]
+        blocks = math.ceil(busy * MARGIN / BLOCK)
+        assert blocks * BLOCK <= len(longest), (busy, engines_view(gw))
+        decided(peers, longest[: blocks * BLOCK] + tail, "pull", blocks, busy)
+
+
+def decided(peers, prompt: list[int], decision: str, blocks: int, crossover: float) -> None:
+    """The gateway serves ``prompt`` by ``decision`` (its cost), pulling ``blocks``,
+    token-identical to computing it from scratch."""
+    gw, puller = peers["gateway"], peers["puller"]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    counted = decisions(gw, decision, "cost")
+    before = scrape(puller).get(PULLED, 0.0)
+    assert via_gateway(gw, body) == recomputed(puller, body)
+    assert decisions(gw, decision, "cost") == counted + 1, (
+        len(prompt),
+        crossover,
+        {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
+        {r: decisions(gw, "recompute", r) for r in ("lend_refused", "lend_failed")},
+        engines_view(gw),
+    )
+    assert scrape(puller)[PULLED] - before == blocks
 
 
 def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
-    # Long enough that the pair's crossover (once measured) says pull: the lend is
-    # asked for, and refused.
-    crossover = metric(gw, CROSSOVER, holder=holder, puller=puller)
-    assert math.isfinite(crossover), crossover
-    n = 1536 if not crossover else max(1536, math.ceil(crossover * MARGIN / BLOCK) * BLOCK)
-    assert n <= MAX_LEN - 80, crossover
-    gone = prompt_of(n, 5151)
+    gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
+    primed(peers, PIN)  # in the index before it stops seeing events (Busy routes by it)
     peers["forwarder"].open.clear()  # the index keeps seeing the blocks
     try:
         # Other prompts take the device blocks and the host tier: `gone` leaves both.
         for seed in range(8):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
-        body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
         with Busy(peers, queued=4):
+            # A prefix long enough that the pair's crossover at the busy holder (once
+            # measured; before, a first pull explores) says pull: the lend is asked
+            # for, and refused.
+            blocks = 1536 // BLOCK
+            crossover = metric(gw, CROSSOVER, holder=holder, puller=puller)
+            if crossover:
+                assert math.isfinite(crossover), crossover
+                figures = engine_view(gw, holder)
+                busy = crossover * (figures["lend_s"] + figures["step_s"]) / figures["lend_s"]
+                blocks = max(blocks, math.ceil(busy * MARGIN / BLOCK))
+                assert blocks * BLOCK <= len(gone), (busy, engines_view(gw))
+            body = {
+                "prompt": gone[: blocks * BLOCK] + prompt_of(40, 98),
+                "max_tokens": 6,
+                "temperature": 0,
+            }
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
