@@ -126,6 +126,8 @@ def peers(wide_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("peer-pull")
     delay = logs / "read-delay"
     delay.write_text("0")
+    step_delay = logs / "step-delay"
+    step_delay.write_text("0")
     ports = {name: (free_port(), free_port()) for name in ("holder", "puller")}
     holder = both(
         wide_model,
@@ -138,6 +140,7 @@ def peers(wide_model, tmp_path_factory):
         "--kv-offload-bytes",
         "8M",
         *events_args(*ports["holder"]),
+        env={"PDFLEET_FAULT_STEP_DELAY_FILE": str(step_delay)},
     )
     puller = both(
         wide_model,
@@ -180,7 +183,7 @@ def peers(wide_model, tmp_path_factory):
                 "--scrape-interval",
                 "0.2",
                 "--prefix-blocks",
-                "128",
+                "256",
                 "--kv-index-stale-after",
                 "120",
                 "--peer-pull",
@@ -195,6 +198,7 @@ def peers(wide_model, tmp_path_factory):
             "gateway": gateway.url,
             "logs": logs,
             "delay": delay,
+            "step_delay": step_delay,
             "forwarder": forwarder,
             "doomed": doomed,
         }
@@ -311,33 +315,38 @@ def engine_view(gateway: str, url: str) -> dict:
     return next(e for e in engines_view(gateway)["engines"] if e["url"] == url)["peer_pull"]
 
 
-PIN = prompt_of(64, 8888)
-"""A prefix cached on the holder only: the gateway's router sends a request that
-starts with it there."""
+def pin(seed: int) -> list[int]:
+    """A prefix for :class:`Busy`, cached on the holder only (``primed`` first: the
+    gateway's router sends a request that starts with it there)."""
+    return prompt_of(64, seed)
 
 
 class Busy:
     """The holder at the gateway's capacity for it, so serving there is not an
     option and the gateway chooses between pulling and recomputing alone: one long
     decode in the holder's only slot, sent through the gateway (its router sends
-    it to the engine that caches ``PIN``; ``prompt_logprobs`` keeps the peer-pull
+    it to the engine that caches ``pinned``; ``prompt_logprobs`` keeps the peer-pull
     decision out of it), and short prompts queued behind it sent to the holder
     directly.
     The holder queues while the gateway has one request there, so the gateway
     learns its capacity as one and counts it full."""
 
-    def __init__(self, peers, queued: int) -> None:
+    def __init__(self, peers, pinned: list[int], queued: int = 4, step_delay: float = 0.0) -> None:
         self.peers = peers
+        # Every holder step first sleeps this long (the step-delay test hook):
+        # the step a lend waits for, so the crossover at the busy holder is set
+        # by it rather than by this machine's load.
+        peers["step_delay"].write_text(str(step_delay))
         gw, holder = peers["gateway"], peers["holder"]
         self.pool = ThreadPoolExecutor(1 + queued)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
         self.gw_client = httpx.Client(timeout=120)
-        complete(holder, {"prompt": PIN, "max_tokens": 1})
+        complete(holder, {"prompt": pinned, "max_tokens": 1})  # kept fresh in its cache
         long = {
-            "prompt": [*PIN, 7],
+            "prompt": [*pinned, 7],
             # Long enough to outlast a decision at any load, short enough that its
             # blocks and a prefix of MAX_LEN fit the holder's device blocks together.
-            "max_tokens": 1024,
+            "max_tokens": 512,
             "ignore_eos": True,
             "prompt_logprobs": 0,
         }
@@ -371,6 +380,7 @@ class Busy:
 
     def __exit__(self, *exc) -> None:
         # Closing the clients aborts the long decode and the queued prompts.
+        self.peers["step_delay"].write_text("0")
         self.client.close()
         self.gw_client.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -417,6 +427,7 @@ def primed(peers, tokens: list[int]) -> None:
 
 
 CROSSOVER = "pdfleet_gateway_peer_pull_crossover_tokens"
+BANDWIDTH = "pdfleet_gateway_peer_pull_bandwidth_bytes_per_second"
 MARGIN = 2.0
 """How far from the crossover (a factor) each side's prefix length lies."""
 
@@ -428,7 +439,8 @@ def settled_crossover(gw: str, holder: str, puller: str) -> float:
 
     def steady() -> bool:
         reads.append(metric(gw, CROSSOVER, holder=holder, puller=puller))
-        return len(reads) >= 3 and reads[-1] == reads[-2] == reads[-3] > 0
+        measured = metric(gw, BANDWIDTH, holder=holder, puller=puller) > 0
+        return measured and len(reads) >= 3 and reads[-1] == reads[-2] == reads[-3]
 
     assert wait_until(steady, timeout=60, interval=0.5), reads[-5:]
     # +Inf: pulling never wins here (the measured bandwidth is below the prefill rate).
@@ -441,8 +453,10 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
     measured(peers)
     explore = prompt_of(1024, 4242)
     primed(peers, explore)
+    pinned = pin(8888)
+    primed(peers, pinned)
     tail = prompt_of(40, 99)
-    with Busy(peers, queued=4):
+    with Busy(peers, pinned):
         # No pair measured yet: the first long prefix is pulled to measure it.
         body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         explored = decisions(gw, "pull", "explore")
@@ -450,34 +464,55 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
         assert via_gateway(gw, body) == recomputed(puller, body)
         assert decisions(gw, "pull", "explore") == explored + 1
         assert scrape(puller)[PULLED] - before == 1024 // BLOCK
-    # With the holder at capacity the choice is the puller's alone. The exported
-    # crossover is an idle holder's; at a busy one a lend also waits for the step
-    # in progress (the gateway's step_s of it), which moves the crossover up by
-    # (lend_s + step_s) / lend_s. Recompute a prefix MARGIN times shorter than the
-    # idle crossover (lower still than the busy one); pull one MARGIN times longer
-    # than the busy crossover, read in the busy holder's state. The crossover is
-    # read once its figures have settled: nothing measured of the pair moves
-    # before the request (priming and the busy holder move the holder's own rate
-    # and step only, and MARGIN covers the step's drift).
-    crossover = settled_crossover(gw, holder, puller)
-    assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
-    n = math.floor(crossover / MARGIN / BLOCK) * BLOCK
-    assert n > 0, (crossover, engines_view(gw))
-    short = prompt_of(n, 3000 + n)
-    primed(peers, short)
-    with Busy(peers, queued=4):
-        decided(peers, short + tail, "recompute", 0, crossover)
-    crossover = settled_crossover(gw, holder, puller)
-    # Primed last, so the holder's cache keeps all of it: its leading blocks serve
-    # a prompt of any length.
+    # With the holder at capacity the choice is the puller's alone: pull iff the
+    # prefix is longer than the crossover at the busy holder, (lend(h) + step(h))
+    # over the per-token margin (1/rate(c) - bytes per token / bw(h, c)). The
+    # holder's steps each sleep STEP_DELAY, so step(h) dominates the lend and the
+    # crossover sits far inside the model's length whatever this machine's load;
+    # each side's prefix lies MARGIN times from it, computed from the gateway's
+    # figures read in the state the decision sees (nothing measured of the pair
+    # moves in between: the puller is idle, the holder's step has settled).
+    settled_crossover(gw, holder, puller)
+    assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") >= 0
+    mid = prompt_of(1024, 3002)
+    primed(peers, mid)
     longest = prompt_of(MAX_LEN - 2 * len(tail), 3001)
     primed(peers, longest)
-    with Busy(peers, queued=4):
-        figures = engine_view(gw, holder)
-        busy = crossover * (figures["lend_s"] + figures["step_s"]) / figures["lend_s"]
-        blocks = math.ceil(busy * MARGIN / BLOCK)
-        assert blocks * BLOCK <= len(longest), (busy, engines_view(gw))
-        decided(peers, longest[: blocks * BLOCK] + tail, "pull", blocks, busy)
+    with Busy(peers, pinned, step_delay=STEP_DELAY):
+        crossover = busy_crossover(peers)
+        blocks = min(len(mid) // BLOCK, math.floor(crossover / MARGIN / BLOCK))
+        assert blocks > 0, (crossover, engines_view(gw))
+        decided(peers, mid[: blocks * BLOCK] + tail, "recompute", 0, crossover)
+    settled_crossover(gw, holder, puller)
+    with Busy(peers, pinned, step_delay=STEP_DELAY):
+        crossover = busy_crossover(peers)
+        blocks = math.ceil(crossover * MARGIN / BLOCK)
+        assert blocks * BLOCK <= len(longest), (crossover, engines_view(gw))
+        decided(peers, longest[: blocks * BLOCK] + tail, "pull", blocks, crossover)
+
+
+STEP_DELAY = 0.02
+
+
+def busy_crossover(peers) -> float:
+    """The pair's crossover in tokens at the busy holder, from the gateway's own
+    figures, once the holder's step time has settled on its delayed decode steps
+    (an average over scrapes: longer steps before, such as a long prefill's, leave
+    it slowly)."""
+    gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
+    steps: list[float] = []
+
+    def settled() -> bool:
+        steps.append(engine_view(gw, holder)["step_s"] or 0.0)
+        last = steps[-4:]
+        return len(last) == 4 and min(last) >= 0.8 * STEP_DELAY and max(last) <= 1.2 * min(last)
+
+    assert wait_until(settled, timeout=60, interval=0.3), steps[-8:]
+    h, p = engine_view(gw, holder), engine_view(gw, puller)
+    bw = metric(gw, BANDWIDTH, holder=holder, puller=puller)
+    margin = 1 / p["prefill_tokens_per_s"] - h["kv_block_bytes"] / BLOCK / bw
+    assert margin > 0, (h, p, bw)
+    return (h["lend_s"] + h["step_s"]) / margin
 
 
 def decided(peers, prompt: list[int], decision: str, blocks: int, crossover: float) -> None:
@@ -503,24 +538,22 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
     measured(peers)
     gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
-    primed(peers, PIN)  # in the index before it stops seeing events (Busy routes by it)
+    pinned = pin(8889)
+    primed(peers, pinned)  # in the index before it stops seeing events (Busy routes by it)
     peers["forwarder"].open.clear()  # the index keeps seeing the blocks
     try:
         # Other prompts take the device blocks and the host tier: `gone` leaves both.
         for seed in range(8):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
-        with Busy(peers, queued=4):
+        with Busy(peers, pinned, step_delay=STEP_DELAY):
             # A prefix long enough that the pair's crossover at the busy holder (once
             # measured; before, a first pull explores) says pull: the lend is asked
             # for, and refused.
             blocks = 1536 // BLOCK
-            crossover = metric(gw, CROSSOVER, holder=holder, puller=puller)
-            if crossover:
-                assert math.isfinite(crossover), crossover
-                figures = engine_view(gw, holder)
-                busy = crossover * (figures["lend_s"] + figures["step_s"]) / figures["lend_s"]
-                blocks = max(blocks, math.ceil(busy * MARGIN / BLOCK))
-                assert blocks * BLOCK <= len(gone), (busy, engines_view(gw))
+            if metric(gw, BANDWIDTH, holder=holder, puller=puller) > 0:
+                crossover = busy_crossover(peers)
+                blocks = max(blocks, math.ceil(crossover * MARGIN / BLOCK))
+                assert blocks * BLOCK <= len(gone), (crossover, engines_view(gw))
             body = {
                 "prompt": gone[: blocks * BLOCK] + prompt_of(40, 98),
                 "max_tokens": 6,
