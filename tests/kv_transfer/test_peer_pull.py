@@ -331,7 +331,14 @@ class Busy:
     The holder queues while the gateway has one request there, so the gateway
     learns its capacity as one and counts it full."""
 
-    def __init__(self, peers, pinned: list[int], queued: int = 4, step_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        peers,
+        pinned: list[int],
+        queued: int = 4,
+        step_delay: float = 0.0,
+        decode_tokens: int = 512,
+    ) -> None:
         self.peers = peers
         # Every holder step first sleeps this long (the step-delay test hook):
         # the step a lend waits for, so the crossover at the busy holder is set
@@ -344,9 +351,10 @@ class Busy:
         complete(holder, {"prompt": pinned, "max_tokens": 1})  # kept fresh in its cache
         long = {
             "prompt": [*pinned, 7],
-            # Long enough to outlast a decision at any load, short enough that its
-            # blocks and a prefix of MAX_LEN fit the holder's device blocks together.
-            "max_tokens": 512,
+            # Long enough to outlast a decision (with undelayed steps, take more),
+            # short enough that its blocks and a prefix of MAX_LEN fit the holder's
+            # device blocks together.
+            "max_tokens": decode_tokens,
             "ignore_eos": True,
             "prompt_logprobs": 0,
         }
@@ -451,12 +459,17 @@ def settled_crossover(gw: str, holder: str, puller: str) -> float:
 def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
+    # One pull straight between the two first: the pair's first READ sets up its
+    # connection, which the gateway's first measured pull must not pay.
+    warm = body_of(5)
+    complete(holder, {"prompt": warm["prompt"][:200], "max_tokens": 1})
+    pulled(peers, warm, 200 // BLOCK)
     explore = prompt_of(1024, 4242)
     primed(peers, explore)
     pinned = pin(8888)
     primed(peers, pinned)
     tail = prompt_of(40, 99)
-    with Busy(peers, pinned):
+    with Busy(peers, pinned, decode_tokens=2048):
         # No pair measured yet: the first long prefix is pulled to measure it.
         body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         explored = decisions(gw, "pull", "explore")
