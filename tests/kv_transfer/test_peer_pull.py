@@ -347,7 +347,6 @@ class Busy:
         gw, holder = peers["gateway"], peers["holder"]
         self.pool = ThreadPoolExecutor(1 + queued)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
-        self.gw_client = httpx.Client(timeout=120)
         complete(holder, {"prompt": pinned, "max_tokens": 1})  # kept fresh in its cache
         long = {
             "prompt": [*pinned, 7],
@@ -358,8 +357,19 @@ class Busy:
             "ignore_eos": True,
             "prompt_logprobs": 0,
         }
-        self.futures = [self.pool.submit(self._post, self.gw_client, gw, long)]
-        assert wait_until(lambda: self._view()["admitted"] == 1, timeout=60), self._view()
+        # The router sends it to the holder once the index has the pin; the pin was
+        # just refreshed there (recomputed if it had been evicted), and its event may
+        # still be on the way: a decode the router sent elsewhere is aborted, and
+        # sent again (the index has the event by then).
+        for _ in range(5):
+            self.gw_client = httpx.Client(timeout=120)
+            self.futures = [self.pool.submit(self._post, self.gw_client, gw, long)]
+            assert wait_until(lambda: self._admitted() > 0, timeout=60), engines_view(gw)
+            if self._view()["admitted"] == 1:
+                break
+            self.gw_client.close()
+            assert wait_until(lambda: self._admitted() == 0, timeout=60), engines_view(gw)
+        assert self._view()["admitted"] == 1, engines_view(gw)
         for i in range(queued):
             self.futures.append(
                 self.pool.submit(
@@ -369,6 +379,9 @@ class Busy:
                     {"prompt": prompt_of(32, 900 + i), "max_tokens": 1},
                 )
             )
+
+    def _admitted(self) -> int:
+        return sum(e["admitted"] for e in engines_view(self.peers["gateway"])["engines"])
 
     def _view(self) -> dict:
         gw, holder = self.peers["gateway"], self.peers["holder"]
