@@ -23,17 +23,23 @@ Setups:
   gateway serves on the holder, pulls the prefix into another engine, or
   recomputes, by measured cost (docs/peer-pull.md);
 * ``holder`` — holder-only routing: the client sends every request to the
-  engine that first computed its prefix (directly, with the fleet token).
+  engine that first computed its prefix (directly, with the fleet token), on
+  the ``exact`` fleet's engines with prompts of its own (same shape).
 
-Reported per trace and setup: TTFT p50/p90/max, prompt tokens the engines
-computed (``pdfleet_engine_prompt_tokens_total``), KV bytes pulled
-(``pdfleet_engine_kv_peer_pull_bytes_total``), the gateway's decisions and its
-measured crossover; per trace the ratio of the ``pull`` p90 to the ``exact``
-p90 and, request by request, how many were more than 10% slower with pulls
-than without. The three fleets run one after the other on the same machine;
-the machine's load average is recorded.
+Both fleets are up for the whole run. Each of ``--rounds`` rounds runs every
+trace once per setup, one setup right after the other (the order rotates
+between rounds), on the round's own prompts, so the setups of a round share
+the machine's load and see the same requests (``holder`` the same shape).
 
-    .venv/bin/python benchmarks/peer_pull.py [--engines 3] [--json benchmarks/results/peer_pull_cpu.json]
+Reported per trace and setup, over all rounds: TTFT p50/p90/max, prompt
+tokens the engines computed (``pdfleet_engine_prompt_tokens_total``), KV bytes
+pulled (``pdfleet_engine_kv_peer_pull_bytes_total``), the gateway's decisions
+and its measured crossover; per trace and round the ratio of the ``pull`` p90
+to the ``exact`` p90 and, request by request, how many were more than 10%
+slower with pulls than without; the load average at the start of every run.
+
+    .venv/bin/python benchmarks/peer_pull.py [--engines 3] [--rounds 3] [--traces forks]
+        [--json benchmarks/results/peer_pull_cpu.json]
 """
 
 from __future__ import annotations
@@ -298,12 +304,67 @@ def summarize(xs: list[float]) -> dict[str, float]:
     }
 
 
+def warm(fleet: UpFleet, engines: int) -> None:
+    """The same warm-up for every setup: each engine computes something, so the
+    gateway's figures (and the engines' first-step costs) are in place."""
+    asyncio.run(
+        run_trace(
+            fleet,
+            "exact",
+            [
+                {"at": 0.0, "prefix": f"w{i}", "prompt": tokens(random.Random(i), 600)}
+                | {"after": None}
+                for i in range(2 * engines)
+            ],
+        )
+    )
+
+
+def one_run(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> tuple[dict, list[float]]:
+    """One trace on one fleet: its TTFTs and what the engines and gateway counted."""
+    before_tokens = fleet.engines_total(PROMPT_TOKENS)
+    before_bytes = fleet.engines_total(PULL_BYTES)
+    before_dec = {
+        d: fleet.metric(fleet.url, DECISIONS, decision=d) for d in ("holder", "pull", "recompute")
+    }
+    t0 = time.perf_counter()
+    xs = asyncio.run(run_trace(fleet, setup, reqs))
+    wall = time.perf_counter() - t0
+    time.sleep(1.5)  # the engines' counters of the last steps
+    row: dict[str, Any] = {
+        "wall_s": round(wall, 2),
+        "prefill_tokens_computed": int(fleet.engines_total(PROMPT_TOKENS) - before_tokens),
+        "prompt_tokens_sent": sum(len(r["prompt"]) for r in reqs),
+        "bytes_pulled": int(fleet.engines_total(PULL_BYTES) - before_bytes),
+    }
+    if setup == "pull":
+        row["decisions"] = {
+            d: int(fleet.metric(fleet.url, DECISIONS, decision=d) - before_dec[d])
+            for d in before_dec
+        }
+        row["crossover_tokens"] = round(fleet.metric(fleet.url, CROSSOVER), 1)
+    return row, xs
+
+
+def compare(exact: list[float], pull: list[float]) -> dict[str, Any]:
+    """Pull against exact routing over the same requests."""
+    ratios = [b / a for a, b in zip(exact, pull, strict=True) if a > 0]
+    return {
+        "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
+        "p90_reduction_pct": round(100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1),
+        "p50_ratio": round(percentile(pull, 50) / percentile(exact, 50), 3),
+        "requests_over_10pct_slower": sum(1 for r in ratios if r > 1.1),
+        "worst_request_ratio": round(max(ratios), 3),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--model", default="builtin://tiny")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=800)
@@ -324,84 +385,99 @@ def main() -> int:
     builders = {"multiturn": multiturn, "forks": forks, "tenants": tenants}
     traces = [t for t in args.traces.split(",") if t]
     setups = [s for s in args.setups.split(",") if s]
-    results: dict[str, Any] = {t: {} for t in traces}
-    ttfts: dict[str, dict[str, list[float]]] = {t: {} for t in traces}
+    # Every setup's fleet is up for the whole run, and each round runs each trace
+    # once per setup, one setup after the other in an order that rotates between
+    # rounds, with the round's own prompts (a new seed: no setup finds them cached
+    # from an earlier round). So the setups share the machine's load minute by
+    # minute, and each round's ratios compare runs seconds apart on the same requests.
+    fleets: dict[str, UpFleet] = {}
     load = [os.getloadavg()[0]]
-    for setup in setups:
-        fleet = UpFleet(args, setup, peer_pull=setup == "pull")
-        try:
-            # The same warm-up for every setup: each engine computes something, so
-            # the gateway's figures (and the engines' first-step costs) are in place.
-            asyncio.run(
-                run_trace(
-                    fleet,
-                    "exact",
-                    [
-                        {"at": 0.0, "prefix": f"w{i}", "prompt": tokens(random.Random(i), 600)}
-                        | {"after": None}
-                        for i in range(2 * args.engines)
-                    ],
-                )
-            )
-            time.sleep(2.5)  # two scrapes of the gateway: its rates are measured
+    rows: dict[str, dict[str, list[dict]]] = {t: {s: [] for s in setups} for t in traces}
+    ttfts: dict[str, dict[str, list[list[float]]]] = {t: {s: [] for s in setups} for t in traces}
+    rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in traces}
+    try:
+        # Holder-only routing goes straight to the engines of the exact-routing
+        # fleet (it uses none of its gateway), with prompts of its own: two fleets
+        # of engines at once, not three, on this machine's memory.
+        for name in dict.fromkeys("pull" if s == "pull" else "exact" for s in setups):
+            fleets[name] = UpFleet(args, name, peer_pull=name == "pull")
+            warm(fleets[name], args.engines)
+        time.sleep(2.5)  # two scrapes of the gateways: their rates are measured
+        for r in range(args.rounds):
+            order = setups[r % len(setups) :] + setups[: r % len(setups)]
             for trace in traces:
-                reqs = builders[trace](args, random.Random(f"{args.seed}-{trace}"))
-                before_tokens = fleet.engines_total(PROMPT_TOKENS)
-                before_bytes = fleet.engines_total(PULL_BYTES)
-                before_dec = {
-                    d: fleet.metric(fleet.url, DECISIONS, decision=d)
+                reqs = builders[trace](args, random.Random(f"{args.seed}-{trace}-{r}"))
+                entry: dict[str, Any] = {"round": r, "order": order}
+                for setup in order:
+                    start_load = os.getloadavg()[0]
+                    if setup == "holder":
+                        # The same trace shape, other tokens: the fleet's caches
+                        # hold nothing of it from the exact run of this round.
+                        mine = builders[trace](args, random.Random(f"{args.seed}-{trace}-{r}-h"))
+                        row, xs = one_run(fleets["exact"], setup, mine)
+                    else:
+                        row, xs = one_run(fleets[setup], setup, reqs)
+                    row.update(summarize(xs), load_average=round(start_load, 2))
+                    rows[trace][setup].append(row)
+                    ttfts[trace][setup].append(xs)
+                    entry[setup] = {
+                        **{k: row[k] for k in ("ttft_p50_s", "ttft_p90_s", "load_average")},
+                        # Request by request, in trace order (for a fork family: the
+                        # parent, then its forks).
+                        "ttft_s": [round(x, 4) for x in xs],
+                    }
+                    load.append(os.getloadavg()[0])
+                    print(trace, r, setup, json.dumps(row), flush=True)
+                if "pull" in entry and "exact" in entry:
+                    entry["pull_vs_exact"] = compare(
+                        ttfts[trace]["exact"][-1], ttfts[trace]["pull"][-1]
+                    )
+                rounds[trace].append(entry)
+        status = fleets["pull"].status_line() if "pull" in fleets else ""
+    finally:
+        for fleet in fleets.values():
+            fleet.stop()
+    results: dict[str, Any] = {}
+    for trace in traces:
+        out: dict[str, Any] = {"rounds": rounds[trace]}
+        for setup in setups:
+            pooled = [x for xs in ttfts[trace][setup] for x in xs]
+            got = rows[trace][setup]
+            summary: dict[str, Any] = {
+                **summarize(pooled),
+                "requests": len(pooled),
+                **{
+                    k: sum(row[k] for row in got)
+                    for k in ("prefill_tokens_computed", "prompt_tokens_sent", "bytes_pulled")
+                },
+            }
+            if setup == "pull":
+                summary["decisions"] = {
+                    d: sum(row["decisions"][d] for row in got)
                     for d in ("holder", "pull", "recompute")
                 }
-                t0 = time.perf_counter()
-                xs = asyncio.run(run_trace(fleet, setup, reqs))
-                wall = time.perf_counter() - t0
-                time.sleep(1.5)  # the engines' counters of the last steps
-                row = {
-                    **summarize(xs),
-                    "requests": len(xs),
-                    "wall_s": round(wall, 2),
-                    "prefill_tokens_computed": int(
-                        fleet.engines_total(PROMPT_TOKENS) - before_tokens
-                    ),
-                    "prompt_tokens_sent": sum(len(r["prompt"]) for r in reqs),
-                    "bytes_pulled": int(fleet.engines_total(PULL_BYTES) - before_bytes),
-                }
-                if setup == "pull":
-                    row["decisions"] = {
-                        d: int(fleet.metric(fleet.url, DECISIONS, decision=d) - before_dec[d])
-                        for d in before_dec
-                    }
-                    row["crossover_tokens"] = round(fleet.metric(fleet.url, CROSSOVER), 1)
-                    row["status_line"] = fleet.status_line()
-                results[trace][setup] = row
-                ttfts[trace][setup] = xs
-                load.append(os.getloadavg()[0])
-                print(trace, setup, json.dumps(row), flush=True)
-        finally:
-            fleet.stop()
-    for trace in traces:
-        got = ttfts[trace]
-        if "pull" in got and "exact" in got:
-            exact, pull = got["exact"], got["pull"]
-            ratios = [b / a for a, b in zip(exact, pull, strict=True) if a > 0]
-            results[trace]["pull_vs_exact"] = {
-                "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
-                "p90_reduction_pct": round(
-                    100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1
-                ),
-                "p50_ratio": round(percentile(pull, 50) / percentile(exact, 50), 3),
-                "requests_over_10pct_slower": sum(1 for r in ratios if r > 1.1),
-                "worst_request_ratio": round(max(ratios), 3),
+                summary["crossover_tokens"] = [row["crossover_tokens"] for row in got]
+            out[setup] = summary
+        if "pull" in setups and "exact" in setups:
+            pooled_exact = [x for xs in ttfts[trace]["exact"] for x in xs]
+            pooled_pull = [x for xs in ttfts[trace]["pull"] for x in xs]
+            per_round = [e["pull_vs_exact"]["p90_ratio"] for e in rounds[trace]]
+            out["pull_vs_exact"] = {
+                **compare(pooled_exact, pooled_pull),
+                "p90_ratio_per_round": per_round,
             }
-    out = {
+        results[trace] = out
+    out_doc = {
         "command": "python " + " ".join(sys.argv),
         "machine": f"{os.cpu_count()} CPU cores, shared with other work; load average "
         f"{min(load):.1f}-{max(load):.1f} during the run",
         "engines": args.engines,
         "model": args.model,
+        "rounds": args.rounds,
+        "status_line": status,
         "results": results,
     }
-    text = json.dumps(out, indent=2)
+    text = json.dumps(out_doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(text + "\n")

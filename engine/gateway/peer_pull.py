@@ -10,7 +10,7 @@ predicts three costs and takes the cheapest:
 
 * **pull**: the routed engine ``c`` pulls the holder's blocks, then computes the tail::
 
-      lend(h) + (cached(h) − cached(c)) · block_bytes / bw(h, c)
+      lend(h) + step(h) + (cached(h) − cached(c)) · block_bytes / bw(h, c)
       + wait(c) + step(c) + (N − cached(h)) / rate(c)
 
 * **recompute**: ``c`` computes everything it lacks::
@@ -30,16 +30,18 @@ leading blocks ``e`` holds, and every figure measured, none configured:
   at the last scrape, plus what this gateway routed there since) over ``rate(e)``;
 * ``bw(h, c)``: bytes per second of the confirmed pulls from ``h`` into
   ``c``, from ``c``'s per-producer counters (``pdfleet_engine_kv_peer_pull_*``);
-* ``lend(h)``: how long ``h`` took to answer its lend requests, timed here.
+* ``lend(h)``: how long ``h`` took to answer its lend requests, timed here,
+  less the step in progress each one waited for (``step(h)`` above stands for
+  that wait: a lend runs in the holder's next step).
 
 Each is an exponentially weighted average (``ALPHA``) over its samples. A
 pair that has never pulled borrows the mean of the measured pairs; before any
 pair is measured the gateway *explores*: it pulls when the prefix is at least
 ``EXPLORE_MIN_BLOCKS`` blocks and the other two options are not predicted
-cheaper than the pull's tail alone, so the first pulls measure the pairs.
+cheaper than the pull without its transfer, so the first pulls measure the pairs.
 
 The crossover of a pair, the prefix length from which pulling beats
-recomputing, is ``lend(h) / (1 / rate(c) − bytes_per_token / bw(h, c))``
+recomputing at an idle holder, is ``lend(h) / (1 / rate(c) − bytes_per_token / bw(h, c))``
 (+Inf when the denominator is not positive); the gateway exports it per pair
 and for the median pair (``pdfleet status`` shows that one).
 
@@ -271,8 +273,15 @@ class PeerPull:
         tokens."""
         c = self._costs(e.url)
         queued = c.waiting_tokens + sum(n for _, n in c.routed)
-        step = (c.step.value or 0.0) if c.busy or c.routed else 0.0
-        return queued / rate + step + tokens / rate
+        return queued / rate + self.in_progress(e.url) + tokens / rate
+
+    def in_progress(self, url: str) -> float:
+        """Predicted seconds a request arriving at ``url`` now waits for the step in
+        progress there: its mean step time while it is busy (requests at its last
+        scrape, or sent some since), else 0. A lend waits for it too: a lend runs
+        in the holder's next step, ahead of its queue but not of the step running."""
+        c = self._costs(url)
+        return (c.step.value or 0.0) if c.busy or c.routed else 0.0
 
     def crossover(self, holder: str, puller: str) -> float | None:
         """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
@@ -368,12 +377,12 @@ class PeerPull:
                 return self._chosen(
                     min(options, key=lambda o: o.seconds), holder, "cost", 0, options
                 )
-            pull = Option("pull", target, self._lend(holder.url) + tail, n - held_blocks * bs)
+            lend = self._lend(holder.url) + self.in_progress(holder.url)
+            pull = Option("pull", target, lend + tail, n - held_blocks * bs)
             reason = "explore"
         else:
-            pull = Option(
-                "pull", target, self._lend(holder.url) + moved / bw + tail, n - held_blocks * bs
-            )
+            lend = self._lend(holder.url) + self.in_progress(holder.url)
+            pull = Option("pull", target, lend + moved / bw + tail, n - held_blocks * bs)
         options.append(pull)
         best = min(options, key=lambda o: o.seconds)
         return self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
@@ -413,6 +422,11 @@ class PeerPull:
         """Ask the holder to lease ``plan.lend_blocks`` cached blocks; its signed
         params, or None (refused: the blocks left its cache; failed; timed out)."""
         payload = json.dumps(lend_body(body, chat, plan.lend_blocks)).encode()
+        # What the lend waits for the holder's step in progress is predicted from
+        # the holder's state (in_progress); lend(h) learns the rest (the round trip
+        # and the lend's own step), so a lend at a busy holder and one at an idle
+        # holder teach the same figure.
+        waited = self.in_progress(plan.holder.url)
         start = time.monotonic()
         try:
             resp = await client.post(
@@ -422,7 +436,7 @@ class PeerPull:
             logger.info("peer pull: lend from %s failed: %s", plan.holder.url, e)
             self.count("recompute", "lend_failed")
             return None
-        seconds = time.monotonic() - start
+        seconds = max(0.0, time.monotonic() - start - waited)
         params: Any = None
         if resp.status_code == 200:
             try:

@@ -167,3 +167,56 @@ def test_a_busy_engine_costs_its_step_in_progress_an_idle_one_does_not(fleet):
     busy.running = 1
     pp.scraped(h, load(10_000, 1.0), busy)
     assert pp.compute_seconds(h, 1000, 10_000) > 0.5
+
+
+def test_a_lend_waits_for_the_holders_step_in_progress_too(fleet):
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.05, bw=1e9)
+    # The holder runs long steps and has a fork's tail queued (100 tokens, 10 ms):
+    # pulling from it waits for its step in progress as serving there does, so the
+    # long step is no reason to pull; a queue there longer than the lend is.
+    busy = load(20_000, 2.0, steps=20, step_seconds=3.1, waiting=100)
+    busy.running = 1
+    pp.scraped(h, load(10_000, 1.0), busy)
+    step = pp.in_progress(HOLDER)
+    assert step == pp._costs(HOLDER).step.value and step > 0.09
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "holder", plan.options
+    pull = next(o for o in plan.options if o.decision == "pull")
+    assert pull.seconds > 0.05 + step
+    pp.routed(h, 2_000)  # 0.2 s more queued there: now pulling is cheaper
+    assert pp.plan(info(hashes, 100), h, [h, p], set(), BS).decision == "pull"
+
+
+def test_a_lend_at_a_busy_holder_learns_its_time_less_the_step_it_waited_for(fleet, monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdfleet.engine.gateway import peer_pull
+    from pdfleet.engine.gateway.peer_pull import Plan
+
+    pp, h, p, _ = fleet
+    busy = load(20_000, 2.0, steps=20, step_seconds=10.1)
+    busy.running = 1
+    pp.scraped(h, load(10_000, 1.0), busy)
+    step = pp.in_progress(HOLDER)
+    assert step > 0.3
+
+    class Answer:
+        status_code = 200
+        content = b""
+
+        def json(self):
+            return {"kv_transfer_params": {"remote_block_ids": [1], "remote_engine_id": "x"}}
+
+    class Client:
+        async def post(self, url, payload, headers, timeout):
+            return Answer()
+
+    clock = iter([100.0, 100.7])  # the lend took 0.7 s
+    monkeypatch.setattr(peer_pull, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    plan = Plan("pull", "cost", p, h, 4, [])
+    params = asyncio.run(pp.lend(Client(), plan, "/v1/completions", {"prompt": [1]}, False, {}))  # type: ignore[arg-type]
+    monkeypatch.undo()
+    assert params is not None
+    assert pp._costs(HOLDER).lend.value == pytest.approx(0.7 - step)

@@ -19,7 +19,7 @@ import pytest
 from helpers.fleet import engines_view, metric, start_gateway
 from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
 
-MAX_LEN = 2048
+MAX_LEN = 4096
 BLOCK = 16
 LOADED = "pdfleet_engine_kv_offload_loaded_bytes_total"
 PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
@@ -126,6 +126,8 @@ def peers(wide_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("peer-pull")
     delay = logs / "read-delay"
     delay.write_text("0")
+    step_delay = logs / "step-delay"
+    step_delay.write_text("0")
     ports = {name: (free_port(), free_port()) for name in ("holder", "puller")}
     holder = both(
         wide_model,
@@ -138,6 +140,7 @@ def peers(wide_model, tmp_path_factory):
         "--kv-offload-bytes",
         "8M",
         *events_args(*ports["holder"]),
+        env={"PDFLEET_FAULT_STEP_DELAY_FILE": str(step_delay)},
     )
     puller = both(
         wide_model,
@@ -180,7 +183,7 @@ def peers(wide_model, tmp_path_factory):
                 "--scrape-interval",
                 "0.2",
                 "--prefix-blocks",
-                "128",
+                "256",
                 "--kv-index-stale-after",
                 "120",
                 "--peer-pull",
@@ -195,6 +198,7 @@ def peers(wide_model, tmp_path_factory):
             "gateway": gateway.url,
             "logs": logs,
             "delay": delay,
+            "step_delay": step_delay,
             "forwarder": forwarder,
             "doomed": doomed,
         }
@@ -311,36 +315,105 @@ def engine_view(gateway: str, url: str) -> dict:
     return next(e for e in engines_view(gateway)["engines"] if e["url"] == url)["peer_pull"]
 
 
-class Busy:
-    """The holder busy: one long decode in its only slot and prompts queued behind
-    it (direct requests: the gateway sees them only through its scrapes)."""
+def pin(seed: int) -> list[int]:
+    """A prefix for :class:`Busy`, cached on the holder only (``primed`` first: the
+    gateway's router sends a request that starts with it there)."""
+    return prompt_of(64, seed)
 
-    def __init__(self, peers, queued: int) -> None:
+
+class Busy:
+    """The holder at the gateway's capacity for it, so serving there is not an
+    option and the gateway chooses between pulling and recomputing alone: one long
+    decode in the holder's only slot, sent through the gateway (its router sends
+    it to the engine that caches ``pinned``; ``prompt_logprobs`` keeps the peer-pull
+    decision out of it), and short prompts queued behind it sent to the holder
+    directly.
+    The holder queues while the gateway has one request there, so the gateway
+    learns its capacity as one and counts it full."""
+
+    def __init__(
+        self,
+        peers,
+        pinned: list[int],
+        queued: int = 4,
+        step_delay: float = 0.0,
+        decode_tokens: int = 512,
+    ) -> None:
         self.peers = peers
-        self.queued = queued
+        # Every holder step first sleeps this long (the step-delay test hook):
+        # the step a lend waits for, so the crossover at the busy holder is set
+        # by it rather than by this machine's load.
+        peers["step_delay"].write_text(str(step_delay))
+        gw, holder = peers["gateway"], peers["holder"]
         self.pool = ThreadPoolExecutor(1 + queued)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
-        long = {"prompt": prompt_of(16, 777), "max_tokens": MAX_LEN - 32, "ignore_eos": True}
-        self.futures = [self.pool.submit(self._post, long)]
+        complete(holder, {"prompt": pinned, "max_tokens": 1})  # kept fresh in its cache
+        long = {
+            "prompt": [*pinned, 7],
+            # Long enough to outlast a decision (with undelayed steps, take more),
+            # short enough that its blocks and a prefix of MAX_LEN fit the holder's
+            # device blocks together.
+            "max_tokens": decode_tokens,
+            "ignore_eos": True,
+            "prompt_logprobs": 0,
+        }
+        # The router sends it to the holder once the index has the pin; the pin was
+        # just refreshed there (recomputed if it had been evicted), and its event may
+        # still be on the way: a decode the router sent elsewhere is aborted, and
+        # sent again (the index has the event by then).
+        for _ in range(5):
+            self.gw_client = httpx.Client(timeout=120)
+            self.futures = [self.pool.submit(self._post, self.gw_client, gw, long)]
+            assert wait_until(lambda: self._admitted() > 0, timeout=60), engines_view(gw)
+            if self._view()["admitted"] == 1:
+                break
+            self.gw_client.close()
+            assert wait_until(lambda: self._admitted() == 0, timeout=60), engines_view(gw)
+        assert self._view()["admitted"] == 1, engines_view(gw)
         for i in range(queued):
             self.futures.append(
-                self.pool.submit(self._post, {"prompt": prompt_of(1900, 900 + i), "max_tokens": 1})
+                self.pool.submit(
+                    self._post,
+                    self.client,
+                    holder,
+                    {"prompt": prompt_of(32, 900 + i), "max_tokens": 1},
+                )
             )
 
-    def _post(self, body: dict) -> int:
-        return self.client.post(self.peers["holder"] + "/v1/completions", json=body).status_code
+    def _admitted(self) -> int:
+        return sum(e["admitted"] for e in engines_view(self.peers["gateway"])["engines"])
+
+    def _view(self) -> dict:
+        gw, holder = self.peers["gateway"], self.peers["holder"]
+        return next(e for e in engines_view(gw)["engines"] if e["url"] == holder)
+
+    @staticmethod
+    def _post(client: httpx.Client, url: str, body: dict) -> int:
+        return client.post(url + "/v1/completions", json=body).status_code
 
     def __enter__(self) -> Busy:
-        gw, holder = self.peers["gateway"], self.peers["holder"]
-        assert wait_until(
-            lambda: engine_view(gw, holder)["queued_prompt_tokens"] >= 1900 * self.queued,
-            timeout=60,
-        ), engine_view(gw, holder)
+        def full() -> bool:
+            view = self._view()
+            return view["capacity"] is not None and view["admitted"] >= view["capacity"]
+
+        assert wait_until(full, timeout=60), self._view()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.client.close()  # aborts the long decode (client gone)
+        # Closing the clients aborts the long decode and the queued prompts.
+        self.peers["step_delay"].write_text("0")
+        self.client.close()
+        self.gw_client.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        holder = self.peers["holder"]
+        assert wait_until(
+            lambda: (
+                scrape(holder).get("pdfleet_engine_num_requests_running", 0)
+                + scrape(holder).get("pdfleet_engine_num_requests_waiting", 0)
+                == 0
+            ),
+            timeout=60,
+        )
 
 
 def measured(peers) -> None:
@@ -374,16 +447,42 @@ def primed(peers, tokens: list[int]) -> None:
     )
 
 
-@pytest.mark.skip(reason="flaky in a clean-clone run: the measured costs can make the holder win")
+CROSSOVER = "pdfleet_gateway_peer_pull_crossover_tokens"
+BANDWIDTH = "pdfleet_gateway_peer_pull_bandwidth_bytes_per_second"
+MARGIN = 2.0
+"""How far from the crossover (a factor) each side's prefix length lies."""
+
+
+def settled_crossover(gw: str, holder: str, puller: str) -> float:
+    """The pair's crossover once nothing moves it: three reads, scrapes apart, agree
+    (its figures change only with new samples: the engines' prefills, pulls, lends)."""
+    reads: list[float] = []
+
+    def steady() -> bool:
+        reads.append(metric(gw, CROSSOVER, holder=holder, puller=puller))
+        measured = metric(gw, BANDWIDTH, holder=holder, puller=puller) > 0
+        return measured and len(reads) >= 3 and reads[-1] == reads[-2] == reads[-3]
+
+    assert wait_until(steady, timeout=60, interval=0.5), reads[-5:]
+    # +Inf: pulling never wins here (the measured bandwidth is below the prefill rate).
+    assert math.isfinite(reads[-1]), reads[-1]
+    return reads[-1]
+
+
 def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
-    ladder = {n: prompt_of(n, 3000 + n) for n in (32, 64, 128, 256, 512, 1024, 1536)}
+    # One pull straight between the two first: the pair's first READ sets up its
+    # connection, which the gateway's first measured pull must not pay.
+    warm = body_of(5)
+    complete(holder, {"prompt": warm["prompt"][:200], "max_tokens": 1})
+    pulled(peers, warm, 200 // BLOCK)
     explore = prompt_of(1024, 4242)
-    for tokens in (*ladder.values(), explore):
-        primed(peers, tokens)
+    primed(peers, explore)
+    pinned = pin(8888)
+    primed(peers, pinned)
     tail = prompt_of(40, 99)
-    with Busy(peers, queued=4):
+    with Busy(peers, pinned, decode_tokens=2048):
         # No pair measured yet: the first long prefix is pulled to measure it.
         body = {"prompt": explore + tail, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         explored = decisions(gw, "pull", "explore")
@@ -391,49 +490,101 @@ def test_gateway_pulls_or_recomputes_on_either_side_of_the_measured_crossover(pe
         assert via_gateway(gw, body) == recomputed(puller, body)
         assert decisions(gw, "pull", "explore") == explored + 1
         assert scrape(puller)[PULLED] - before == 1024 // BLOCK
-        assert wait_until(
-            lambda: (
-                metric(
-                    gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
-                )
-                > 0
-            ),
-            timeout=30,
-        )
-        crossover = metric(
-            gw, "pdfleet_gateway_peer_pull_crossover_tokens", holder=holder, puller=puller
-        )
-        assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") > 0
-        below = [n for n in ladder if n <= crossover / 2]
-        above = [n for n in ladder if n >= 2 * crossover]
-        assert below and above, (crossover, engines_view(gw))
-        for n, decision in ((below[-1], "recompute"), (above[0], "pull")):
-            body = {"prompt": ladder[n] + tail, "max_tokens": 6, "temperature": 0}
-            counted = decisions(gw, decision, "cost")
-            before = scrape(puller).get(PULLED, 0.0)
-            assert via_gateway(gw, body) == recomputed(puller, body)
-            assert decisions(gw, decision, "cost") == counted + 1, (
-                n,
-                crossover,
-                {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
-                engines_view(gw),
-            )
-            moved = scrape(puller)[PULLED] - before
-            assert moved == (n // BLOCK if decision == "pull" else 0)
+    # With the holder at capacity the choice is the puller's alone: pull iff the
+    # prefix is longer than the crossover at the busy holder, (lend(h) + step(h))
+    # over the per-token margin (1/rate(c) - bytes per token / bw(h, c)). The
+    # holder's steps each sleep STEP_DELAY, so step(h) dominates the lend and the
+    # crossover sits far inside the model's length whatever this machine's load;
+    # each side's prefix lies MARGIN times from it, computed from the gateway's
+    # figures read in the state the decision sees (nothing measured of the pair
+    # moves in between: the puller is idle, the holder's step has settled).
+    settled_crossover(gw, holder, puller)
+    assert metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens") >= 0
+    mid = prompt_of(1024, 3002)
+    primed(peers, mid)
+    longest = prompt_of(MAX_LEN - 2 * len(tail), 3001)
+    primed(peers, longest)
+    with Busy(peers, pinned, step_delay=STEP_DELAY):
+        crossover = busy_crossover(peers)
+        blocks = min(len(mid) // BLOCK, math.floor(crossover / MARGIN / BLOCK))
+        assert blocks > 0, (crossover, engines_view(gw))
+        decided(peers, mid[: blocks * BLOCK] + tail, "recompute", 0, crossover)
+    settled_crossover(gw, holder, puller)
+    with Busy(peers, pinned, step_delay=STEP_DELAY):
+        crossover = busy_crossover(peers)
+        blocks = math.ceil(crossover * MARGIN / BLOCK)
+        assert blocks * BLOCK <= len(longest), (crossover, engines_view(gw))
+        decided(peers, longest[: blocks * BLOCK] + tail, "pull", blocks, crossover)
+
+
+STEP_DELAY = 0.02
+
+
+def busy_crossover(peers) -> float:
+    """The pair's crossover in tokens at the busy holder, from the gateway's own
+    figures, once the holder's step time has settled on its delayed decode steps
+    (an average over scrapes: longer steps before, such as a long prefill's, leave
+    it slowly)."""
+    gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
+    steps: list[float] = []
+
+    def settled() -> bool:
+        steps.append(engine_view(gw, holder)["step_s"] or 0.0)
+        last = steps[-4:]
+        return len(last) == 4 and min(last) >= 0.8 * STEP_DELAY and max(last) <= 1.2 * min(last)
+
+    assert wait_until(settled, timeout=60, interval=0.3), steps[-8:]
+    h, p = engine_view(gw, holder), engine_view(gw, puller)
+    bw = metric(gw, BANDWIDTH, holder=holder, puller=puller)
+    margin = 1 / p["prefill_tokens_per_s"] - h["kv_block_bytes"] / BLOCK / bw
+    assert margin > 0, (h, p, bw)
+    return (h["lend_s"] + h["step_s"]) / margin
+
+
+def decided(peers, prompt: list[int], decision: str, blocks: int, crossover: float) -> None:
+    """The gateway serves ``prompt`` by ``decision`` (its cost), pulling ``blocks``,
+    token-identical to computing it from scratch."""
+    gw, puller = peers["gateway"], peers["puller"]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    counted = decisions(gw, decision, "cost")
+    before = scrape(puller).get(PULLED, 0.0)
+    assert via_gateway(gw, body) == recomputed(puller, body)
+    assert decisions(gw, decision, "cost") == counted + 1, (
+        len(prompt),
+        crossover,
+        {d: decisions(gw, d, "cost") for d in ("holder", "pull", "recompute")},
+        {r: decisions(gw, "recompute", r) for r in ("lend_refused", "lend_failed")},
+        engines_view(gw),
+    )
+    assert scrape(puller)[PULLED] - before == blocks
 
 
 def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
-    gone = prompt_of(1536, 5151)
+    gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
+    pinned = pin(8889)
+    primed(peers, pinned)  # in the index before it stops seeing events (Busy routes by it)
     peers["forwarder"].open.clear()  # the index keeps seeing the blocks
     try:
         # Other prompts take the device blocks and the host tier: `gone` leaves both.
-        for seed in range(6):
+        for seed in range(8):
             complete(holder, {"prompt": prompt_of(1900, 6000 + seed), "max_tokens": 1})
-        body = {"prompt": gone + prompt_of(40, 98), "max_tokens": 6, "temperature": 0}
-        with Busy(peers, queued=4):
+        with Busy(peers, pinned, step_delay=STEP_DELAY):
+            # A prefix long enough that the pair's crossover at the busy holder (once
+            # measured; before, a first pull explores) says pull: the lend is asked
+            # for, and refused.
+            blocks = 1536 // BLOCK
+            if metric(gw, BANDWIDTH, holder=holder, puller=puller) > 0:
+                crossover = busy_crossover(peers)
+                blocks = max(blocks, math.ceil(crossover * MARGIN / BLOCK))
+                assert blocks * BLOCK <= len(gone), (crossover, engines_view(gw))
+            body = {
+                "prompt": gone[: blocks * BLOCK] + prompt_of(40, 98),
+                "max_tokens": 6,
+                "temperature": 0,
+            }
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
