@@ -31,8 +31,9 @@ def root_hash(cache_salt: str | None = None, lora_name: str | None = None) -> by
     hash, so no prefix-cache block, KV event id or gateway index entry: the KV
     of a prompt depends on the adapter that computed it. ``lora_name`` is the
     adapter's identity as ``/v1/models`` lists it (``lora_identity``: its
-    name and a digest of its weights, :func:`lora_identity`), so an adapter
-    loaded again under its name with other weights shares nothing either."""
+    name and a digest of its files, :func:`lora_identity`), so an adapter
+    loaded again under its name with other weights or another scaling shares
+    nothing either."""
     if not cache_salt and not lora_name:
         return ROOT_HASH
     if not lora_name:
@@ -45,7 +46,9 @@ def root_hash(cache_salt: str | None = None, lora_name: str | None = None) -> by
 
 def lora_identity(name: str, digest: str) -> str:
     """An adapter's prefix-cache identity: ``name@`` and the first 16 hex
-    digits of the sha256 of its adapter_model.safetensors."""
+    digits of the sha256 of its adapter_config.json and
+    adapter_model.safetensors (so a change of scaling alone is another
+    identity)."""
     return f"{name}@{digest[:16]}"
 
 

@@ -18,7 +18,7 @@ from ..config.lora import check_adapter_name
 from ..contracts.block_hash import lora_identity
 from ..contracts.kv_params import KVTransferParams, RefusedParams
 from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
-from ..lora.adapter import LoRAError, LoRARequest, weights_digest
+from ..lora.adapter import LoRAError, LoRARequest, adapter_digest
 from ..models.sources import create_engine_config
 from ..outputs import RequestOutput
 from ..request import Request
@@ -238,7 +238,7 @@ class LLMEngine:
 
     def prepare_lora(self, name: str, path: str) -> PreparedLoRA:
         """The slow half of a load: check the name, read and check the adapter and
-        hash its weights. Changes nothing, so it may run on any thread while the
+        hash the bytes it read. Changes nothing, so it may run on any thread while the
         engine keeps stepping (the server's loads do); :meth:`install_lora` then
         makes it servable on the engine thread. Raises LoRAError naming it."""
         lc = self.config.lora_config
@@ -254,16 +254,15 @@ class LLMEngine:
             raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
         if name in self.loras:
             try:
-                identity = lora_identity(name, weights_digest(os.path.abspath(path)))
-            except OSError:
-                identity = None  # unreadable: not the same weights
+                identity = lora_identity(name, adapter_digest(name, os.path.abspath(path)))
+            except LoRAError:
+                identity = None  # unreadable: not the same adapter
             self._check_not_loaded(name, identity)
         request = LoRARequest(name, next(self._lora_ids), os.path.abspath(path))
         read = self.core.runner.read_lora(request)  # LoRAError when it cannot be served
-        try:
-            identity = lora_identity(name, weights_digest(request.lora_path))
-        except OSError as e:  # removed since it was read
-            raise LoRAError(f"LoRA adapter {name!r}: its weights are unreadable ({e})") from None
+        # The digest of exactly the bytes read (config and weights), never a
+        # second read of files that may have changed since.
+        identity = lora_identity(name, read.digest)
         return PreparedLoRA(request, identity, read)
 
     def install_lora(self, prepared: PreparedLoRA) -> LoRARequest:
@@ -278,7 +277,7 @@ class LLMEngine:
 
     def _check_not_loaded(self, name: str, identity: str | None) -> None:
         """LoRAError when ``name`` is loaded: ``already_loaded`` when from the
-        weights of ``identity`` (``lora_identity``: name and weights digest)."""
+        files of ``identity`` (``lora_identity``: name and the files' digest)."""
         if name not in self.loras:
             return
         if identity is not None and self.lora_identities.get(name) == identity:

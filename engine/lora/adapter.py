@@ -9,14 +9,21 @@ PEFT names a tensor ``base_model.model.model.layers.{i}.{self_attn|mlp}.
 the scaling is folded into B here, once. Every way an adapter can be wrong
 raises :class:`LoRAError` naming the adapter and what is wrong, before
 anything of it reaches a model.
+
+Both files are read into memory once, and the adapter's digest is the
+sha256 of exactly those bytes (:func:`adapter_digest`): the weights served,
+their scaling (``lora_alpha``, ``use_rslora``, the patterns) and the digest
+always agree, and no tensor aliases a file that may be rewritten later.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +85,8 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     read_seconds: float = 0.0
     """How long reading and checking it took."""
+    digest: str = ""
+    """The hex sha256 of the bytes it was read from (:func:`adapter_digest`)."""
 
     @property
     def nbytes(self) -> int:
@@ -96,15 +105,26 @@ def _pattern_value(patterns: dict[str, Any], layer: int, module: str, default: A
 
 def read_adapter_config(name: str, path: str) -> dict[str, Any]:
     """The checked ``adapter_config.json`` of ``path``."""
+    return _parse_adapter_config(name, _read_config_bytes(name, path))
+
+
+def _read_config_bytes(name: str, path: str) -> bytes:
     if not os.path.isdir(path):
         raise LoRAError(f"LoRA adapter {name!r}: {path!r} is not a directory")
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no adapter_config.json")
     try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
+        with open(cfg_path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is unreadable ({e})") from None
+
+
+def _parse_adapter_config(name: str, raw: bytes) -> dict[str, Any]:
+    try:
+        cfg = json.loads(raw)
+    except ValueError as e:
         raise LoRAError(
             f"LoRA adapter {name!r}: adapter_config.json is not readable JSON ({e})"
         ) from None
@@ -173,16 +193,10 @@ def load_adapter(
     ``shapes``: each target module's full (in_features, out_features) in the
     base model; an adapter for another model's shapes is refused."""
     name, path = request.lora_name, request.lora_path
-    cfg = read_adapter_config(name, path)
-    weights_path = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.isfile(weights_path):
-        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
-            raise LoRAError(
-                f"LoRA adapter {name!r}: only adapter_model.bin (pickle) is present; "
-                "convert it to adapter_model.safetensors"
-            )
-        raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no adapter_model.safetensors")
-    from safetensors import safe_open
+    raw_cfg = _read_config_bytes(name, path)
+    cfg = _parse_adapter_config(name, raw_cfg)
+    raw_weights = _read_weights_bytes(name, path)
+    from safetensors.torch import load as load_safetensors
 
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
@@ -190,32 +204,34 @@ def load_adapter(
     rslora = bool(cfg.get("use_rslora", False))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        f = safe_open(weights_path, framework="pt")
+        with warnings.catch_warnings():
+            # The tensors view read-only bytes; each is copied below before use.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            tensors = load_safetensors(raw_weights)
     except Exception as e:  # a truncated or foreign file
         raise LoRAError(
             f"LoRA adapter {name!r}: adapter_model.safetensors is unreadable ({e})"
         ) from None
-    with f:
-        for key in f.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 (safe_open is not a dict)
-            m = _TENSOR.match(key)
-            if m is None:
-                module = key.rsplit(".", 3)[-3] if key.count(".") >= 3 else key
-                raise LoRAError(
-                    f"LoRA adapter {name!r}: tensor {key!r} targets {module!r}, which is not "
-                    f"supported (supported: {', '.join(TARGET_MODULES)})"
-                )
-            layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-            if module not in TARGET_MODULES:
-                raise LoRAError(
-                    f"LoRA adapter {name!r}: target module {module!r} is not supported "
-                    f"(supported: {', '.join(TARGET_MODULES)})"
-                )
-            if layer >= num_layers:
-                raise LoRAError(
-                    f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the base "
-                    f"model has {num_layers}"
-                )
-            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)  # type: ignore[no-untyped-call]
+    for key, tensor in tensors.items():
+        m = _TENSOR.match(key)
+        if m is None:
+            module = key.rsplit(".", 3)[-3] if key.count(".") >= 3 else key
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {key!r} targets {module!r}, which is not "
+                f"supported (supported: {', '.join(TARGET_MODULES)})"
+            )
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in TARGET_MODULES:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: target module {module!r} is not supported "
+                f"(supported: {', '.join(TARGET_MODULES)})"
+            )
+        if layer >= num_layers:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the base "
+                f"model has {num_layers}"
+            )
+        pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -256,7 +272,8 @@ def load_adapter(
             )
         alpha = float(_pattern_value(alpha_pattern, layer, module, base_alpha))
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        a = a.to(torch.float32)
+        # Copies (owned, writable memory), never views of the bytes read.
+        a = a.to(torch.float32, copy=True)
         b = b.to(torch.float32) * scaling
         if slicer is not None:
             # The rank's part: B's rows for column-parallel modules, A's columns
@@ -269,19 +286,45 @@ def load_adapter(
             raise LoRAError(f"LoRA adapter {name!r}: {where} holds non-finite values")
         out[(layer, module)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         rank = max(rank, r)
-    return LoRAAdapter(name, request.lora_int_id, path, rank, out)
+    return LoRAAdapter(
+        name, request.lora_int_id, path, rank, out, digest=_digest(raw_cfg, raw_weights)
+    )
 
 
-def weights_digest(path: str) -> str:
-    """The hex sha256 of an adapter's adapter_model.safetensors (its identity in
-    the prefix cache, with its name: engine/contracts/block_hash.py)."""
-    import hashlib
+def _read_weights_bytes(name: str, path: str) -> bytes:
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: only adapter_model.bin (pickle) is present; "
+                "convert it to adapter_model.safetensors"
+            )
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no adapter_model.safetensors")
+    try:
+        with open(weights_path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise LoRAError(
+            f"LoRA adapter {name!r}: adapter_model.safetensors is unreadable ({e})"
+        ) from None
 
+
+def _digest(raw_config: bytes, raw_weights: bytes) -> str:
+    # Each file's length first, so no two pairs of files hash the same bytes.
     h = hashlib.sha256()
-    with open(os.path.join(path, "adapter_model.safetensors"), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for raw in (raw_config, raw_weights):
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
     return h.hexdigest()
+
+
+def adapter_digest(name: str, path: str) -> str:
+    """The hex sha256 of an adapter directory's ``adapter_config.json`` and
+    ``adapter_model.safetensors`` bytes, as :func:`load_adapter` computes it
+    (its identity in the prefix cache, with its name:
+    engine/contracts/block_hash.py). Every config field counts, so a change of
+    ``lora_alpha`` alone is a new identity. Raises LoRAError naming it."""
+    return _digest(_read_config_bytes(name, path), _read_weights_bytes(name, path))
 
 
 def module_shapes(model_config: Any) -> dict[str, tuple[int, int]]:

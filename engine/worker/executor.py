@@ -44,8 +44,9 @@ class Executor(Protocol):
         ...
 
     def read_lora(self, request: LoRARequest) -> Any:
-        """Read and check a LoRA adapter (raises LoRAError naming it). Changes
-        nothing: callable from any thread."""
+        """Read and check a LoRA adapter (raises LoRAError naming it); what it
+        returns has the ``digest`` of the bytes read (``LoRAAdapter.digest``).
+        Changes nothing: callable from any thread."""
         ...
 
     def install_lora(self, read: Any) -> None:

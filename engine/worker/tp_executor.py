@@ -46,7 +46,7 @@ from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.layout import KVLayout
-from ..lora.adapter import LoRARequest, load_adapter, module_shapes
+from ..lora.adapter import LoRAAdapter, LoRARequest, load_adapter, module_shapes
 from ..lora.manager import LoRAStats
 from .main_guard import check_main_guard
 from .step_wire import pack_step, unpack_result
@@ -411,18 +411,19 @@ class TPExecutor:
     def attach_grammars(self, grammars: Any) -> None:
         raise TypeError("structured outputs need an in-process model runner (TP=1)")
 
-    def read_lora(self, request: LoRARequest) -> None:
-        """Check the adapter here, whole; each rank reads its own shard of it when
-        a step first needs it (the step names the directory)."""
+    def read_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Check the adapter here, whole (its digest is the engine's identity of
+        it); each rank reads its own shard of it when a step first needs it (the
+        step names the directory)."""
         lc = self.config.lora_config
         if lc is None:
             raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
         m = self.config.model_config
-        load_adapter(
+        return load_adapter(
             request, m.num_hidden_layers, module_shapes(m), lc.max_lora_rank, torch.float32
         )
 
-    def install_lora(self, read: None) -> None:
+    def install_lora(self, read: LoRAAdapter) -> None:
         """Nothing to keep here (the ranks read their shards)."""
 
     def remove_lora(self, lora_int_id: int) -> None:

@@ -295,3 +295,56 @@ def test_unload_while_running_keeps_the_adapter_until_its_requests_finish(
     manager = engine.core.runner.lora
     assert manager.host == {} and manager.slots == [None] and manager.retired == set()
     assert_no_leaks(llm)
+
+
+def test_identity_covers_the_config_and_weights_are_copies_of_the_files(
+    llama, peft_factory, tmp_path
+):
+    """The identity hashes the config with the weights: the same name loaded
+    again from the same weights with only lora_alpha changed is a new identity
+    and reuses no prefix block. And the served weights are copies of the files
+    as read: rewriting the loaded files in place (other weights, then a
+    truncated file) changes nothing served, and nothing crashes."""
+    base, a, b = llama
+    copy = shutil.copytree(a, tmp_path / "a")
+    weights = copy / "adapter_model.safetensors"
+    # One slot, two host copies: every switch between a and b refills the slot
+    # from a's host copy.
+    llm = LLM(base, max_model_len=256, enable_lora=True, max_loras=1, max_cpu_loras=2)
+    engine = llm.engine
+    engine.add_lora("a", str(copy))
+    engine.add_lora("b", b)
+    (prompt,) = random_prompts(engine.config.model_config.vocab_size, [40], seed=11)
+
+    def served(names: list[str]) -> list[list[int]]:
+        outs = llm.generate(
+            [{"prompt_token_ids": prompt}] * len(names),
+            greedy(8),
+            lora_request=[engine.loras[n] for n in names],
+        )
+        return [o.outputs[0].token_ids for o in outs]
+
+    want_a = hf_greedy(peft_factory(base, a), prompt, 8)
+    want_b = hf_greedy(peft_factory(base, b), prompt, 8)
+    assert served(["a"]) == [want_a]
+    for rewrite in (
+        lambda: shutil.copyfile(f"{b}/adapter_model.safetensors", weights),
+        lambda: weights.write_bytes(weights.read_bytes()[:1000]),
+    ):
+        rewrite()
+        assert served(["b", "a"]) == [want_b, want_a]
+    first = engine.lora_identities["a"]
+    engine.remove_lora("a")
+    shutil.copyfile(f"{a}/adapter_model.safetensors", weights)
+    cfg = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(
+        json.dumps({**cfg, "lora_alpha": 4 * cfg["lora_alpha"]})
+    )
+    ref = shutil.copytree(copy, tmp_path / "ref")  # the peft reference's own path
+    engine.add_lora("a", str(copy))
+    assert engine.lora_identities["a"] not in (first, None)
+    hits = engine.stats.prefix_cache_hits
+    (out,) = served(["a"])
+    assert engine.stats.prefix_cache_hits == hits
+    assert out == hf_greedy(peft_factory(base, str(ref)), prompt, 8) != want_a
+    assert_no_leaks(llm)
