@@ -73,6 +73,11 @@ class EngineCore:
             record_kv_events=events,
             num_host_blocks=self.runner.num_host_blocks,
         )
+        if isinstance(self.runner, ModelRunner):
+            scheduler = self.scheduler
+            self.runner.pin_loras(
+                lambda: {r.lora_id for r in scheduler.requests.values() if r.lora_id}
+            )
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0

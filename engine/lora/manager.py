@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config.lora import LoRAConfig
-from .adapter import LoRAAdapter, LoRARequest, Slicer, load_adapter
+from .adapter import LoRAAdapter, LoRAError, LoRARequest, Slicer, load_adapter
 from .ops import LoRABatch, LoRAContext, LoRAShard, make_batch
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class LoRAManager:
         slicer: Slicer | None = None,
         use_triton: Callable[[], bool] = lambda: False,
         in_use: Callable[[], set[int]] = set,
+        admitted: Callable[[], set[int]] = set,
     ) -> None:
         self.config = config
         self.num_layers, self.shapes = num_layers, shapes
@@ -65,11 +66,21 @@ class LoRAManager:
         self.rank = config.max_lora_rank
         self.use_triton = use_triton
         # The load ids of the adapters the runner's requests run with: their host
-        # copies are never evicted (nor dropped by an unload until they finish),
-        # so a running request never needs its directory again.
+        # copies are never evicted, so a running request never needs its
+        # directory again.
         self.in_use = in_use
+        # The load ids of the adapters of every request admitted and not
+        # finished (waiting, preempted or running): an unloaded adapter's host
+        # copy stays (pinned) until the last of them is done. A loaded adapter
+        # of a waiting request may be evicted and read again from its directory.
+        self.admitted = admitted
         self.retired: set[int] = set()
-        """Unloaded adapters kept until their running requests finish."""
+        """Unloaded adapters kept (pinned in host memory) until their requests
+        finish."""
+        self.sources: dict[int, tuple[LoRARequest, str]] = {}
+        """Every adapter loaded and not removed, by load id: where it was read
+        from, and the digest of what was read (a copy read again after an
+        eviction must be the same bytes)."""
         self.context = LoRAContext()
         # (layer, HF module name) -> the shard that module's delta goes to.
         self.shards: dict[tuple[int, str], LoRAShard] = {}
@@ -120,29 +131,43 @@ class LoRAManager:
         the engine thread only."""
         self.stats.loads += 1
         self.stats.load_seconds += adapter.read_seconds
+        self.sources.setdefault(
+            adapter.int_id,
+            (LoRARequest(adapter.name, adapter.int_id, adapter.path), adapter.digest),
+        )
         self.host[adapter.int_id] = adapter
         self.host.move_to_end(adapter.int_id)
         limit = self.config.max_cpu_loras or self.config.max_loras
         if len(self.host) <= limit:
             return
-        # The least recently used copies no running request needs. The limit
-        # is passed by at most this one adapter: the scheduler runs at most
-        # --max-loras adapters at once, and --max-cpu-loras >= --max-loras.
-        pinned = self.in_use() | {adapter.int_id}
+        # The least recently used copies no running request needs, nor the
+        # requests of an unloaded adapter. The limit is passed by this one
+        # adapter (the scheduler runs at most --max-loras adapters at once, and
+        # --max-cpu-loras >= --max-loras) and by unloaded adapters still in use.
+        pinned = self.in_use() | self.retired | {adapter.int_id}
         for victim in [i for i in self.host if i not in pinned][: len(self.host) - limit]:
             del self.host[victim]
             self.stats.cpu_evictions += 1
 
     def remove(self, int_id: int) -> None:
         """Forget an adapter (unloaded): host copy and device slot, at once when
-        no running request uses it, else once the last of them has finished."""
-        if int_id in self.in_use():
+        no admitted request uses it, else once the last of them has finished.
+        A copy evicted from host memory that such requests still need is read
+        again now, while its directory is surely there: the caller may delete
+        it right after the unload."""
+        if int_id in self.in_use() | self.admitted():
             self.retired.add(int_id)
+            if int_id not in self.host and int_id in self.sources:
+                try:
+                    self._get(self.sources[int_id][0])
+                except LoRAError as e:  # its requests fail when they run
+                    logger.warning("unloaded LoRA adapter still in use is unreadable: %s", e)
             return
         self._drop(int_id)
 
     def _drop(self, int_id: int) -> None:
         self.retired.discard(int_id)
+        self.sources.pop(int_id, None)
         self.host.pop(int_id, None)
         for slot, held in enumerate(self.slots):
             if held == int_id:
@@ -152,6 +177,12 @@ class LoRAManager:
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
             adapter = self.read(request)
+            loaded = self.sources.get(request.lora_int_id)
+            if loaded is not None and adapter.digest != loaded[1]:
+                raise LoRAError(
+                    f"LoRA adapter {request.lora_name!r}: its files at {request.lora_path!r} "
+                    "changed since it was loaded; load it again"
+                )
             self.add(adapter)
         else:
             self.host.move_to_end(request.lora_int_id)
@@ -172,7 +203,7 @@ class LoRAManager:
         """Device slots for a step's adapters: {lora_int_id: slot}."""
         wanted = {r.lora_int_id: r for r in requests}
         if self.retired:
-            running = self.in_use()
+            running = self.in_use() | self.admitted()
             for int_id in [i for i in self.retired if i not in running]:
                 self._drop(int_id)
         if len(wanted) > len(self.slots):

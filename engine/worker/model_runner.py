@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,7 @@ class ModelRunner:
         use_kernels(self.model, self._attention_backend_name() == "triton")
         # LoRA slots before the KV cache is sized: they take device memory too.
         self.lora: LoRAManager | None = None
+        self._lora_admitted: Callable[[], set[int]] = set
         if config.lora_config is not None:
             self.lora = self._lora_manager()
         load_seconds = time.perf_counter() - start
@@ -205,7 +207,14 @@ class ModelRunner:
             slicer,
             use_triton=lambda: triton,
             in_use=lambda: {s.lora.lora_int_id for s in self.states.values() if s.lora is not None},
+            admitted=lambda: self._lora_admitted(),
         )
+
+    def pin_loras(self, admitted: Callable[[], set[int]]) -> None:
+        """The load ids of the adapters of the scheduler's requests, from
+        admission to finish (waiting and preempted ones too): an unload keeps
+        such an adapter's host copy until they are done."""
+        self._lora_admitted = admitted
 
     def read_lora(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter (raises LoRAError naming it); any thread."""

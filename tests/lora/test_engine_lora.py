@@ -348,3 +348,41 @@ def test_identity_covers_the_config_and_weights_are_copies_of_the_files(
     assert engine.stats.prefix_cache_hits == hits
     assert out == hf_greedy(peft_factory(base, str(ref)), prompt, 8) != want_a
     assert_no_leaks(llm)
+
+
+def test_unload_keeps_the_adapter_of_waiting_requests(llama, peft_factory, tmp_path):
+    """An unloaded adapter stays while any admitted request uses it, not only
+    running ones: unloaded (and its directory deleted) while a request of it
+    waits for a slot, that request still finishes with it (equal to peft), and
+    the base and other-adapter rows beside it are untouched. Its host copy,
+    evicted before the request came, is read again at the unload."""
+    base, a, b = llama
+    copy = shutil.copytree(a, tmp_path / "a")
+    llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    manager = engine.core.runner.lora
+    lora_a = engine.add_lora("a", str(copy))
+    lora_b = engine.add_lora("b", b)  # evicts a's host copy: nothing needs it yet
+    assert list(manager.host) == [lora_b.lora_int_id]
+    (prompt,) = random_prompts(engine.config.model_config.vocab_size, [9], seed=12)
+    for rid, lora in (("rb", lora_b), ("ra", lora_a), ("rbase", None)):
+        engine.add_request(
+            rid, {"prompt_token_ids": prompt}, greedy(6), output_kind="final", lora_request=lora
+        )
+    engine.step()
+    # One slot: rb and rbase run, ra waits for b to finish.
+    assert {r.request_id for r in engine.core.scheduler.running} == {"rb", "rbase"}
+    engine.remove_lora("a")
+    shutil.rmtree(copy)
+    assert lora_a.lora_int_id in manager.host
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert outs == {
+        "rb": hf_greedy(peft_factory(base, b), prompt, 6),
+        "ra": hf_greedy(peft_factory(base, a), prompt, 6),
+        "rbase": hf_greedy(peft_factory(base, None), prompt, 6),
+    }
+    llm.generate([{"prompt_token_ids": prompt}], greedy(1))  # the next step drops a
+    assert list(manager.host) == [lora_b.lora_int_id] and manager.retired == set()
+    assert_no_leaks(llm)
