@@ -80,5 +80,8 @@ class ModelRunnerOutput:
     failed_recving: set[str] = field(default_factory=set)
     # Host slots whose device-to-host copy finished since the last step.
     offload_stores_done: list[int] = field(default_factory=list)
+    # req_id -> why it cannot run (its LoRA adapter cannot be read): its row ran
+    # without the adapter and sampled nothing; it ends with this error alone.
+    failed_requests: dict[str, str] = field(default_factory=dict)
     # Seconds spent in the model forward (for the engine's overhead accounting).
     forward_seconds: float = 0.0

@@ -231,6 +231,19 @@ class Scheduler:
             EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=message)
         )
 
+    def _fail_running(self, request: Request, message: str) -> EngineCoreOutput:
+        """End a running request with an error (the runner could not run it):
+        its blocks are unpublished (they may hold KV computed without what the
+        request needed) and freed; nothing of it is offered to a connector."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = message
+        self.kv.uncache(request.request_id)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        return EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=message)
+
     def _quarantine(self, request: Request) -> None:
         """A pull may still write the request's blocks: keep them out of the free pool
         until the connector reports the transfer finished (``QUARANTINE`` + id)."""
@@ -648,6 +661,10 @@ class Scheduler:
         for rid in sched_out.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            failure = runner_out.failed_requests.get(rid)
+            if failure is not None:
+                outputs.append(self._fail_running(request, failure))
                 continue
             token = runner_out.sampled_token_ids.get(rid)
             if token is None:

@@ -199,8 +199,12 @@ class LoRAManager:
                 shard.set_slot(slot, pair[0].to(self.device), pair[1].to(self.device))
         self.slots[slot] = adapter.int_id if adapter is not None else None
 
-    def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
-        """Device slots for a step's adapters: {lora_int_id: slot}."""
+    def activate(
+        self, requests: list[LoRARequest], failed: dict[int, str] | None = None
+    ) -> dict[int, int]:
+        """Device slots for a step's adapters: {lora_int_id: slot}. With
+        ``failed``, an adapter that cannot be read (LoRAError) gets no slot and
+        its message lands in ``failed`` by load id; without it, that raises."""
         wanted = {r.lora_int_id: r for r in requests}
         if self.retired:
             running = self.in_use() | self.admitted()
@@ -218,6 +222,13 @@ class LoRAManager:
         for int_id, request in wanted.items():
             if int_id in out:
                 continue
+            try:
+                adapter = self._get(request)
+            except LoRAError as e:
+                if failed is None:
+                    raise
+                failed[int_id] = str(e)
+                continue
             free = [s for s, held in enumerate(self.slots) if held is None]
             if free:
                 slot = free[0]
@@ -228,7 +239,7 @@ class LoRAManager:
                     key=lambda s: self.slot_used[s],
                 )
                 self.stats.gpu_evictions += 1
-            self._fill(slot, self._get(request))
+            self._fill(slot, adapter)
             self.stats.slot_loads += 1
             out[int_id] = slot
         for int_id, slot in out.items():

@@ -105,6 +105,8 @@ class ModelRunner:
         # LoRA slots before the KV cache is sized: they take device memory too.
         self.lora: LoRAManager | None = None
         self._lora_admitted: Callable[[], set[int]] = set
+        # This step's requests whose adapter could not be activated: why.
+        self._lora_failed: dict[str, str] = {}
         if config.lora_config is not None:
             self.lora = self._lora_manager()
         load_seconds = time.perf_counter() - start
@@ -362,7 +364,15 @@ class ModelRunner:
             # adapter, and segments whose slots are usually a contiguous range
             # (the grouped LoRA form then reads the slots' weights in place).
             wanted = [self.states[r].lora for r in req_ids]
-            lora_slots = self.lora.activate([w for w in wanted if w is not None])
+            # An adapter that cannot be read fails its own requests, never the
+            # step's other rows (in-process only: TP ranks have no such reply
+            # and fail the step).
+            failed: dict[int, str] | None = {} if self.tp.size == 1 else None
+            lora_slots = self.lora.activate([w for w in wanted if w is not None], failed)
+            for r in req_ids:
+                lora = self.states[r].lora
+                if failed and lora is not None and lora.lora_int_id in failed:
+                    self._lora_failed[r] = failed[lora.lora_int_id]
             req_ids.sort(key=lambda r: self._lora_sort_key(r, lora_slots))
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         states = [self.states[r] for r in req_ids]
@@ -424,7 +434,8 @@ class ModelRunner:
 
     def _lora_sort_key(self, req_id: str, slots: dict[int, int]) -> int:
         lora = self.states[req_id].lora
-        return 0 if lora is None else 1 + slots[lora.lora_int_id]
+        # Rows of an adapter that failed to activate run as base rows.
+        return 0 if lora is None or lora.lora_int_id not in slots else 1 + slots[lora.lora_int_id]
 
     def _lora_segments(
         self,
@@ -439,7 +450,7 @@ class ModelRunner:
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for state, n in zip(states, counts, strict=True):
-            if state.lora is not None:
+            if state.lora is not None and state.lora.lora_int_id in slots:
                 slot = slots[state.lora.lora_int_id]
                 if segments and segments[-1][2] == slot and segments[-1][1] == offset:
                     segments[-1] = (segments[-1][0], offset + n, slot)
@@ -543,11 +554,18 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.start_load_kv(out.kv_connector_metadata)
         if out.total_num_scheduled_tokens:
+            self._lora_failed = {}
             try:
                 self._run(out, result)
             finally:
                 if self.lora is not None:
                     self.lora.end_step()
+            for rid, message in self._lora_failed.items():
+                # Computed without its adapter: nothing of it goes out.
+                result.failed_requests[rid] = message
+                result.sampled_token_ids.pop(rid, None)
+                result.logprobs.pop(rid, None)
+                result.prompt_logprobs.pop(rid, None)
         if self.connector is not None:
             sending, recving, failed = self.connector.get_finished()
             result.finished_sending, result.finished_recving = sending, recving

@@ -386,3 +386,32 @@ def test_unload_keeps_the_adapter_of_waiting_requests(llama, peft_factory, tmp_p
     llm.generate([{"prompt_token_ids": prompt}], greedy(1))  # the next step drops a
     assert list(manager.host) == [lora_b.lora_int_id] and manager.retired == set()
     assert_no_leaks(llm)
+
+
+def test_an_adapter_that_cannot_be_read_fails_only_its_own_requests(llama, peft_factory, tmp_path):
+    """A loaded adapter's host copy is evicted, then its files change: read
+    again for a step, it is not what was loaded, so its request ends with an
+    error naming it, while the base row of the same step finishes normally and
+    the engine keeps serving."""
+    base, a, b = llama
+    copy = shutil.copytree(a, tmp_path / "a")
+    llm = LLM(base, max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    lora_a = engine.add_lora("a", str(copy))
+    engine.add_lora("b", b)  # evicts a's host copy
+    shutil.copyfile(f"{b}/adapter_model.safetensors", copy / "adapter_model.safetensors")
+    (prompt,) = random_prompts(engine.config.model_config.vocab_size, [20], seed=13)
+    for rid, lora in (("ra", lora_a), ("rbase", None)):
+        engine.add_request(
+            rid, {"prompt_token_ids": prompt}, greedy(6), output_kind="final", lora_request=lora
+        )
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0] for o in engine.step()})
+    assert outs["ra"].finish_reason == "error" and outs["ra"].token_ids == []
+    assert "'a'" in str(outs["ra"].stop_reason)
+    assert "changed since it was loaded" in str(outs["ra"].stop_reason)
+    assert outs["rbase"].token_ids == hf_greedy(peft_factory(base, None), prompt, 6)
+    assert engine.core.num_failed_steps == 0
+    check(llm, peft_factory, base, [prompt, prompt], [("b", b), (None, None)])
+    assert_no_leaks(llm)
