@@ -13,6 +13,11 @@ contracts): a gateway pod, the operator and the configuration use it.
   the gateway reads).
 * ``lora`` — the run-time LoRA routes' body (``LoRALoad``) and what a load's
   answer means (``load_succeeded``).
+* ``migration`` — a decode leg's migration state (``MigrationState``: the
+  gateway encodes it, the engine's request model decodes it) and the SSE
+  comments of a migratable stream.
+* ``engines_file`` — the engines file (``EnginesFile`` of ``EngineEntry``):
+  ``pdfleet up`` writes it, the gateway's discovery reads it.
 * ``kv_connector`` — the KV connector's metadata between its sides, the
   producer's handshake reply (``HandshakeReply``: its ``KVLayoutWire`` and, for
   NIXL, one ``ShardInfo`` per rank), and the tensor-parallel shard commands.
