@@ -22,7 +22,8 @@ contracts): a gateway pod, the operator and the configuration use it.
   producer's handshake reply (``HandshakeReply``: its ``KVLayoutWire`` and, for
   NIXL, one ``ShardInfo`` per rank), and the tensor-parallel shard commands.
 * ``kv_side_channel`` — the KV side channel's handshake (hello, its reply,
-  auth, refusals) and the envelope of its later messages.
+  auth, refusals), the envelope of its later messages, and the lease
+  messages (``LeaseUse``: claim and read; ``LeaseEnd``: confirm and release).
 * ``tp_wire`` — what the tensor-parallel main process and its rank processes
   exchange: the step, its result, READY and errors, the rendezvous store's
   records.
