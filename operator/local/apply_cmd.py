@@ -21,7 +21,15 @@ from typing import Any
 
 import yaml
 
-from .state import APPLY_FILE, STATE_FILE, STOPPED, find_run, supervisor_alive, write_private
+from .state import (
+    APPLY_FILE,
+    STATE_FILE,
+    STOPPED,
+    ApplyRequest,
+    find_run,
+    supervisor_alive,
+    write_private,
+)
 
 ACK_SECONDS = 30.0
 """How long the supervisor may take to pick a request up (it checks twice a second)."""
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             f"the file is for {name!r}"
         )
     ident = uuid.uuid4().hex
-    write_private(run_dir / APPLY_FILE, json.dumps({"id": ident, "resource": resource}))
+    write_private(run_dir / APPLY_FILE, ApplyRequest(ident, resource).encode())
     os.kill(state["supervisor"]["pid"], signal.SIGHUP)
     print(f"pdfleet apply: {args.file} -> {state['service']} ({run_dir})", flush=True)
     return follow(run_dir, ident, args.timeout)

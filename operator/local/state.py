@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,8 +28,43 @@ STATE_FILE = "fleet.json"
 SECRET_FILE = "fleet-secret"
 APPLY_FILE = "apply-request.json"
 """Where `pdfleet apply` leaves the new resource (owner-only) before it sends the
-supervisor SIGHUP; the supervisor reports in fleet.json's ``apply``."""
+supervisor SIGHUP (an :class:`ApplyRequest`); the supervisor reports in
+fleet.json's ``apply``."""
 STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ApplyRequest:
+    """The apply request file, ``{"id": ..., "resource": {...}}``: the id
+    `pdfleet apply` follows in fleet.json's ``apply``, and the new
+    InferenceService document (checked by the supervisor's resource parser).
+    `pdfleet apply` writes it and `pdfleet up` reads it, both on this machine
+    and of one pdfleet: it lives here, not in the engine's contracts."""
+
+    id: str
+    resource: dict[str, Any]
+
+    def encode(self) -> str:
+        return json.dumps({"id": self.id, "resource": self.resource})
+
+    @classmethod
+    def decode(cls, text: str) -> ApplyRequest:
+        """The request of the file's text; ValueError naming the field."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"malformed apply request: not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("malformed apply request: not a JSON object")
+        unknown = sorted(set(data) - {"id", "resource"})
+        if unknown:
+            raise ValueError(f"malformed apply request: {unknown[0]}: unknown field")
+        ident, resource = data.get("id"), data.get("resource")
+        if not isinstance(ident, str) or not ident:
+            raise ValueError("malformed apply request: id: missing or not a string")
+        if not isinstance(resource, dict):
+            raise ValueError("malformed apply request: resource: missing or not an object")
+        return cls(ident, resource)
 
 
 def find_run(run_dir: Path) -> Path:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from helpers.up import fleet_spec
 
 from pdfleet.operator.local.fleet import LocalFleet
-from pdfleet.operator.local.rollout import plan
+from pdfleet.operator.local.rollout import plan, read_request
+from pdfleet.operator.local.state import ApplyRequest
 from pdfleet.operator.resource import load_inference_service
 
 MODEL = "/models/tiny"
@@ -82,3 +84,19 @@ def test_another_service_is_refused(tmp_path):
     other["metadata"]["name"] = "other"
     with pytest.raises(ValueError, match="runs 'tiny', the file is for 'other'"):
         plan(fleet(tmp_path, resource), load_inference_service(other), no_model, False)
+
+
+def test_the_apply_request_file_round_trips_and_refuses_naming_the_field():
+    resource = {"kind": "InferenceService", "metadata": {"name": "x"}}
+    text = ApplyRequest("abc", resource).encode()
+    assert text == json.dumps({"id": "abc", "resource": resource})  # what apply wrote
+    assert read_request(text) == ("abc", resource)
+    for bad, field in [
+        ("{", "not JSON"),
+        ("[]", "not a JSON object"),
+        ('{"resource": {}}', "id: "),
+        ('{"id": "a", "resource": []}', "resource: "),
+        ('{"id": "a", "resource": {}, "force": true}', "force: unknown field"),
+    ]:
+        with pytest.raises(ValueError, match=f"^malformed apply request: {field}"):
+            read_request(bad)
