@@ -51,7 +51,7 @@ from ..resource import AdapterSpec, InferenceService
 from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
 from .fleet import MAX_RESTARTS, LocalFleet
 from .process import Child
-from .state import ApplyRequest
+from .state import ApplyReport, ApplyRequest
 
 ORDER = ("decode", "prefill")
 """Rollout order: decode first (as the operator), so a new prefill engine never
@@ -241,8 +241,9 @@ class ApplyStatus:
     message: str = ""
     steps: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "state": self.state, "message": self.message, "steps": self.steps}
+    def report(self) -> ApplyReport:
+        """What fleet.json says of it now."""
+        return ApplyReport(self.id, self.state, self.message, tuple(self.steps))
 
 
 class Rollout(threading.Thread):
