@@ -28,7 +28,7 @@ import httpx
 from ..engine.config.fields import bounded_seconds
 from ..engine.contracts import metrics as m
 from ..engine.contracts.security import fleet_secret_from_env, fleet_token
-from .local.state import SECRET_FILE, STATE_FILE, STOPPED, supervisor_alive
+from .local.state import SECRET_FILE, STATE_FILE, STOPPED, read_state, supervisor_alive
 from .manifests import LABEL_ROLE, LABEL_SERVICE
 from .parallelism import LABEL_GROUP_ROLE, WORKER
 from .scrape import parse_metrics, pod_ready
@@ -289,38 +289,32 @@ class LocalSource:
         self.client = httpx.Client(timeout=SCRAPE_TIMEOUT, headers=metrics_headers(self.run))
 
     def views(self, previous: Mapping[str, Sample]) -> list[FleetView]:
-        try:
-            state = json.loads((self.run / STATE_FILE).read_text())
-        except PermissionError:
-            raise ValueError(
-                f"cannot read {self.run / STATE_FILE} (its owner's only): run `pdfleet status` "
-                "as the user who ran `pdfleet up`"
-            ) from None
+        state = read_state(self.run)  # fleet.json, its carrier's refusals name the field
         alive = supervisor_alive(state)
         rows = []
-        for e in state["engines"]:
-            engine_state = e["state"] if alive else STOPPED
-            row = EngineRow(e["name"], e["role"], engine_state, previous=previous.get(e["name"]))
+        for e in state.engines:
+            engine_state = e.state if alive else STOPPED
+            row = EngineRow(e.name, e.role, engine_state, previous=previous.get(e.name))
             if engine_state in ("ready", "draining"):
-                row.sample = scrape(functools.partial(self._get, e["url"]))
+                row.sample = scrape(functools.partial(self._get, e.url))
             rows.append(row)
-        gw = state.get("gateway") or {}
-        gw_state = gw.get("state", "") if alive else STOPPED
-        if gw_state == "ready" and gw.get("url") and not self._answers(gw["url"]):
+        gw = state.gateway
+        gw_state = gw.state if alive else STOPPED
+        if gw_state == "ready" and gw.url and not self._answers(gw.url):
             gw_state = "down"
-        tenants = self._tenants(gw["url"]) if gw_state == "ready" else None
-        decisions = state.get("lastDecisions") or []
+        tenants = self._tenants(gw.url) if gw_state == "ready" else None
+        decisions = state.last_decisions
         peer = None
-        if gw_state == "ready" and gw.get("url"):
+        if gw_state == "ready" and gw.url:
             try:
-                peer = peer_pull_line(self._get(gw["url"]))
+                peer = peer_pull_line(self._get(gw.url))
             except (httpx.HTTPError, ValueError):
                 peer = None
         return [
             FleetView(
-                state["service"],
+                state.service,
                 self.run.name,  # the run's directory name: fits the line
-                f"gateway {gw.get('url') or '-'} {gw_state}".rstrip(),
+                f"gateway {gw.url or '-'} {gw_state}".rstrip(),
                 rows,
                 decisions[-1] if decisions else None,
                 stopped=not alive,

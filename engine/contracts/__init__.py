@@ -13,11 +13,17 @@ contracts): a gateway pod, the operator and the configuration use it.
   the gateway reads).
 * ``lora`` — the run-time LoRA routes' body (``LoRALoad``) and what a load's
   answer means (``load_succeeded``).
+* ``migration`` — a decode leg's migration state (``MigrationState``: the
+  gateway encodes it, the engine's request model decodes it) and the SSE
+  comments of a migratable stream.
+* ``engines_file`` — the engines file (``EnginesFile`` of ``EngineEntry``):
+  ``pdfleet up`` writes it, the gateway's discovery reads it.
 * ``kv_connector`` — the KV connector's metadata between its sides, the
   producer's handshake reply (``HandshakeReply``: its ``KVLayoutWire`` and, for
   NIXL, one ``ShardInfo`` per rank), and the tensor-parallel shard commands.
 * ``kv_side_channel`` — the KV side channel's handshake (hello, its reply,
-  auth, refusals) and the envelope of its later messages.
+  auth, refusals), the envelope of its later messages, and the lease
+  messages (``LeaseUse``: claim and read; ``LeaseEnd``: confirm and release).
 * ``tp_wire`` — what the tensor-parallel main process and its rank processes
   exchange: the step, its result, READY and errors, the rendezvous store's
   records.

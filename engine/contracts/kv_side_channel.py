@@ -20,9 +20,21 @@ Before authentication a message is one frame of at most
 
 After it, every request is ``[body, mac]``, and ``body`` a map whose
 :class:`Envelope` (``session``, ``seq``) names the session and orders the
-messages; its ``op`` and the rest are the connector's (claim, read,
-confirm, release). Decoders raise :class:`ValueError` naming the field
-that is wrong, so the server refuses a hostile message with that reason.
+messages; its ``op`` and the rest are the connector's:
+
+* (no message: the answer to a successful :class:`Auth` is the producer's
+  ``HandshakeReply``, ``kv_connector.py``);
+* :class:`LeaseUse` (consumer -> producer): ``{"op": "claim" | "read",
+  "lease_id", "block_ids", "chain"}``: a claim binds the lease to the
+  consumer before its one-sided NIXL READs, a read (ZMQ) answers the blocks'
+  bytes as frames; ``chain`` is the consumer's hash chain of the blocks'
+  tokens (``block_hash.py``), which the producer compares with the lease's;
+* :class:`LeaseEnd` (consumer -> producer): ``{"op": "confirm" | "release",
+  "lease_id"}``: confirm asks whether the lease held for the whole transfer
+  and ends it, release (one way, no reply) gives it back unused.
+
+Decoders raise :class:`ValueError` naming the field that is wrong, so the
+server refuses a hostile message with that reason.
 """
 
 from __future__ import annotations
@@ -320,3 +332,93 @@ class Envelope:
     def seal(self, request: dict[str, Any]) -> bytes:
         """``request`` with this envelope, packed: the body a session MAC covers."""
         return pack({**request, "session": self.session, "seq": self.seq})
+
+
+CLAIM = "claim"
+READ = "read"
+CONFIRM = "confirm"
+RELEASE = "release"
+MAX_LEASE_ID_CHARS = 128
+"""Longest lease id a message may name (the producer's are 24 characters)."""
+MAX_CHAIN_CHARS = 256
+"""Longest block hash chain (hex of a 32-byte digest is 64 characters)."""
+_USE_FIELDS = frozenset({"op", "lease_id", "block_ids", "chain", "session", "seq"})
+_END_FIELDS = frozenset({"op", "lease_id", "session", "seq"})
+
+
+def _unknown(data: dict[str, Any], known: frozenset[str]) -> None:
+    for name in data:
+        if name not in known:
+            raise ValueError(f"{name}: unknown field")
+
+
+def _op_of(data: dict[str, Any], ops: tuple[str, ...]) -> str:
+    op = data.get("op")
+    if op not in ops:
+        raise ValueError(f"op: {op!r} is not one of {ops}")
+    return str(op)
+
+
+def _lease_id(data: dict[str, Any]) -> str:
+    value = data.get("lease_id")
+    if not isinstance(value, str) or not value or len(value) > MAX_LEASE_ID_CHARS:
+        raise ValueError(
+            f"lease_id: missing, not a string, or over {MAX_LEASE_ID_CHARS} characters"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseUse:
+    """A claim or a read of blocks held under a lease (``op``: :data:`CLAIM` or
+    :data:`READ`): the producer's block ids, and the hash chain of the
+    consumer's prompt over them (None: the consumer has none, a lease of no
+    full block; a lease with a chain then refuses it)."""
+
+    op: str
+    lease_id: str
+    block_ids: tuple[int, ...]
+    chain: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The message's map (the envelope is added when it is sealed)."""
+        return {
+            "op": self.op,
+            "lease_id": self.lease_id,
+            "block_ids": list(self.block_ids),
+            "chain": self.chain,
+        }
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> LeaseUse:
+        """The claim or read of a message's map; ValueError naming the field (an
+        absent ``chain`` is None)."""
+        _unknown(data, _USE_FIELDS)
+        op = _op_of(data, (CLAIM, READ))
+        lease_id = _lease_id(data)
+        ids = data.get("block_ids")
+        if not isinstance(ids, list) or not all(type(b) is int and b >= 0 for b in ids):
+            raise ValueError("block_ids: missing or not a list of non-negative integers")
+        chain = data.get("chain")
+        if chain is not None and (not isinstance(chain, str) or len(chain) > MAX_CHAIN_CHARS):
+            raise ValueError(f"chain: not a string of at most {MAX_CHAIN_CHARS} characters")
+        return cls(op, lease_id, tuple(ids), chain)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEnd:
+    """The end of a lease (``op``: :data:`CONFIRM` after a transfer, or
+    :data:`RELEASE` of a lease the consumer will not use)."""
+
+    op: str
+    lease_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        """The message's map (the envelope is added when it is sealed)."""
+        return {"op": self.op, "lease_id": self.lease_id}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> LeaseEnd:
+        """The confirm or release of a message's map; ValueError naming the field."""
+        _unknown(data, _END_FIELDS)
+        return cls(_op_of(data, (CONFIRM, RELEASE)), _lease_id(data))

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +23,7 @@ from ..config.gateway import (
     ROLES,
     GatewayConfig,
 )
+from ..contracts.engines_file import EngineEntry, EnginesFile, EnginesFileError
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -35,31 +35,10 @@ GROUP_ROLE_LABEL = "pdfleet.dev/group-role"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """One engine: its base URL and its role (prefill, decode or both)."""
-
-    url: str
-    role: str
-    name: str = ""
-    kv_events: str | None = None
-    """ZMQ endpoint of the engine's KV event stream (e.g. tcp://10.0.0.5:5557)."""
-    kv_events_replay: str | None = None
-    """ZMQ endpoint of its replay socket."""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"engine {self.url}: role {self.role!r} is not one of {ROLES}")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"engine URL {self.url!r} must start with http:// or https://")
-        for name in ("kv_events", "kv_events_replay"):
-            value = getattr(self, name)
-            if value is not None and not value.startswith(("tcp://", "ipc://")):
-                raise ValueError(
-                    f"engine {self.url}: {name} {value!r} must be a ZMQ endpoint "
-                    "(tcp://HOST:PORT or ipc://PATH)"
-                )
-        object.__setattr__(self, "url", self.url.rstrip("/"))
+Endpoint = EngineEntry
+"""One engine: its base URL, its role (prefill, decode or both), its name and
+its KV-event endpoints; the engines file's entry (``contracts/engines_file.py``),
+whichever source found it."""
 
 
 class Discovery(Protocol):
@@ -77,28 +56,12 @@ class StaticDiscovery:
 
 
 def parse_engines(data: Any, source: str) -> list[Endpoint]:
-    """``{"engines": [{"url": ..., "role": ..., "name"?, "kv_events"?,
-    "kv_events_replay"?}, ...]}`` -> endpoints."""
-    if not isinstance(data, dict) or not isinstance(data.get("engines"), list):
-        raise ValueError(f"{source}: expected an object with an `engines` list")
-    out = []
-    for i, item in enumerate(data["engines"]):
-        if not isinstance(item, dict) or "url" not in item or "role" not in item:
-            raise ValueError(f"{source}: engines[{i}] needs `url` and `role`")
-        unknown = set(item) - {"url", "role", "name", "kv_events", "kv_events_replay"}
-        if unknown:
-            raise ValueError(f"{source}: engines[{i}] has unknown keys {sorted(unknown)}")
-        events, replay = item.get("kv_events"), item.get("kv_events_replay")
-        out.append(
-            Endpoint(
-                str(item["url"]),
-                str(item["role"]),
-                str(item.get("name", "")),
-                None if events is None else str(events),
-                None if replay is None else str(replay),
-            )
-        )
-    return out
+    """The engines of a parsed engines file (``contracts/engines_file.py``);
+    ValueError naming ``source`` and the field for a malformed one."""
+    try:
+        return list(EnginesFile.from_json(data).engines)
+    except EnginesFileError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 class EnginesFileDiscovery:

@@ -44,7 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import tracing
-from ..contracts.migration import FIELD, IDS_PREFIX, MIGRATE_EVENT, MIGRATE_HEADER, parse_ids
+from ..contracts.migration import (
+    FIELD,
+    FIRST_LEG,
+    IDS_PREFIX,
+    MIGRATE_EVENT,
+    MIGRATE_HEADER,
+    MigrationState,
+    parse_ids,
+)
 from ..http.upstream import UpstreamResponse
 from .call import NOT_ANALYZED, Call
 from .engines import EngineState
@@ -94,15 +102,16 @@ class Migration:
             return e.load.resume_identity == self.identity
         return self.compat is None or e.load.compat_hash == self.compat
 
+    def state(self) -> MigrationState:
+        """A resumed leg's state: the tokens already sent (and the identity the
+        engine must have to continue them)."""
+        return MigrationState(tuple(self.sent), self.created, self.identity)
+
     def payload(self) -> bytes:
-        """A resumed (decode-only) leg: the body plus the tokens already sent
-        (and the identity the engine must have to continue them)."""
-        state: dict[str, Any] = {"output_token_ids": self.sent}
-        if self.created is not None:
-            state["created"] = self.created
-        if self.identity is not None:
-            state["resume_identity"] = self.identity
-        return json.dumps({**self.body, FIELD: state}, separators=(",", ":")).encode()
+        """A resumed (decode-only) leg: the body plus its :meth:`state`."""
+        return json.dumps(
+            {**self.body, FIELD: self.state().to_json()}, separators=(",", ":")
+        ).encode()
 
 
 def migratable(body: dict[str, Any], chat: bool, max_migrations: int) -> bool:
@@ -128,12 +137,12 @@ def with_state(payload: bytes, body: dict[str, Any]) -> bytes:
         return json.dumps(add_state(body)).encode()
     rest = text[1:].lstrip()
     sep = b"" if rest.startswith(b"}") else b","
-    return b'{"' + FIELD.encode() + b'":{}' + sep + rest
+    return b'{"' + FIELD.encode() + b'":' + FIRST_LEG.encode() + sep + rest
 
 
 def add_state(body: dict[str, Any]) -> dict[str, Any]:
     """A decode leg's body with an empty migration state."""
-    return {**body, FIELD: {}}
+    return {**body, FIELD: FIRST_LEG.to_json()}
 
 
 def split_events(block: bytes, sent: list[int]) -> tuple[bytes, bool]:

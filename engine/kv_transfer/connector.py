@@ -56,7 +56,14 @@ from ..contracts.kv_connector import (
     ShardReadEnded,
 )
 from ..contracts.kv_params import CHAIN_ALGO_FIELD, CHAIN_FIELD, KVTransferParams, RefusedParams
-from ..contracts.kv_side_channel import PROTOCOL_VERSION
+from ..contracts.kv_side_channel import (
+    CLAIM,
+    CONFIRM,
+    PROTOCOL_VERSION,
+    RELEASE,
+    LeaseEnd,
+    LeaseUse,
+)
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
@@ -421,30 +428,25 @@ class PDConnector:
         )
         return reply.to_wire(), []
 
-    def _lease_for(
-        self, request: dict[str, Any], peer: Peer
-    ) -> tuple[Lease | None, str, str | None]:
+    def _lease_for(self, use: LeaseUse, peer: Peer) -> tuple[Lease | None, str, str | None]:
         """The lease a claim/read names, bound to ``peer`` (caller holds the lock); else
         (None, why, the refusal's code)."""
         if not peer.may_consume:
             return None, f"{peer.identity} may not pull KV (not a consumer)", None
-        lease = self.held.get(str(request.get("lease_id")))
+        lease = self.held.get(use.lease_id)
         if lease is None:
             return None, "unknown or ended lease", None
         if lease.expires < time.monotonic():
             return None, "the lease has expired", None
         if lease.consumer is not None and lease.consumer != peer.identity:
             return None, "the lease is bound to another consumer", None
-        wanted = request.get("block_ids")
-        if not isinstance(wanted, list) or not set(wanted) <= set(lease.block_ids):
+        if not set(use.block_ids) <= set(lease.block_ids):
             return None, "the blocks named are not held under this lease", None
         if lease.chain is not None:
             # Checked before the lease is bound: a consumer with another prompt leaves
             # the lease to its lawful decode leg.
-            chain = request.get("chain")
-            if not isinstance(chain, str) or not hmac.compare_digest(
-                chain.encode(), lease.chain.encode()
-            ):
+            chain = use.chain
+            if chain is None or not hmac.compare_digest(chain.encode(), lease.chain.encode()):
                 return (
                     None,
                     "the block hash chain named is not the leased blocks' (another prompt's KV)",
@@ -463,8 +465,13 @@ class PDConnector:
     def _on_claim(
         self, request: dict[str, Any], peer: Peer
     ) -> tuple[dict[str, Any], list[Any]] | None:
+        try:
+            use = LeaseUse.decode(request)
+        except ValueError as e:
+            with self.lock:
+                return self._refused(f"claim: {e}")
         with self.lock:
-            lease, why, code = self._lease_for(request, peer)
+            lease, why, code = self._lease_for(use, peer)
             if lease is None:
                 return self._refused(why, code)
         return {"ok": True}, []
@@ -472,12 +479,16 @@ class PDConnector:
     def _on_read(
         self, request: dict[str, Any], peer: Peer
     ) -> tuple[dict[str, Any], list[Any]] | None:
+        try:
+            use = LeaseUse.decode(request)
+        except ValueError as e:
+            with self.lock:
+                return self._refused(f"read: {e}")
         with self.lock:
-            lease, why, code = self._lease_for(request, peer)
+            lease, why, code = self._lease_for(use, peer)
             if lease is None:
                 return self._refused(why, code)
-            wanted = [int(b) for b in request["block_ids"]]
-            frames = self.transport.serve_read(request, wanted)
+            frames = self.transport.serve_read(list(use.block_ids))
             self.stats.bytes_transferred += sum(len(f) for f in frames)
         return {"ok": True}, frames
 
@@ -485,8 +496,12 @@ class PDConnector:
         self, request: dict[str, Any], peer: Peer
     ) -> tuple[dict[str, Any], list[Any]] | None:
         """Was the lease held (its blocks never freed) for the whole transfer? It ends now."""
+        try:
+            lid = LeaseEnd.decode(request).lease_id
+        except ValueError as e:
+            with self.lock:
+                return self._refused(f"confirm: {e}")
         with self.lock:
-            lid = str(request.get("lease_id"))
             lease = self.held.get(lid)
             if lease is None or lease.consumer != peer.identity:
                 return self._refused("the lease ended before the transfer was confirmed")
@@ -497,8 +512,13 @@ class PDConnector:
     def _on_release(
         self, request: dict[str, Any], peer: Peer
     ) -> tuple[dict[str, Any], list[Any]] | None:
+        try:
+            lid = LeaseEnd.decode(request).lease_id
+        except ValueError:  # a release is never answered: refused silently, counted
+            with self.lock:
+                self.stats.refused_reads += 1
+            return None
         with self.lock:
-            lid = str(request.get("lease_id"))
             lease = self.held.get(lid)
             if lease is not None and peer.may_consume and lease.consumer in (None, peer.identity):
                 del self.held[lid]
@@ -716,12 +736,9 @@ class PDConnector:
                 client.call(
                     remote.host,
                     remote.port,
-                    {
-                        "op": "claim",
-                        "lease_id": load.lease_id,
-                        "block_ids": load.remote_ids,
-                        "chain": load.job.chain,
-                    },
+                    LeaseUse(
+                        CLAIM, load.lease_id, tuple(load.remote_ids), load.job.chain
+                    ).to_wire(),
                     max(0.05, load.deadline - time.monotonic()),
                 )
             load.token = self.transport.start_read(
@@ -781,7 +798,7 @@ class PDConnector:
             client.call(
                 load.remote.host,
                 load.remote.port,
-                {"op": "confirm", "lease_id": load.lease_id},
+                LeaseEnd(CONFIRM, load.lease_id).to_wire(),
                 max(0.05, min(self.handshake_timeout, load.deadline - time.monotonic() + 1.0)),
             )
         except Exception as e:
@@ -796,7 +813,9 @@ class PDConnector:
         host, port = p.remote_host, p.remote_port
         if host is None or port is None or (host, port) not in client.sessions:
             return  # never authenticated there: nothing of ours is held
-        client.send_nowait(host, port, {"op": "release", "lease_id": p.lease_id})
+        if p.lease_id is None:
+            return  # no lease named: nothing of ours is held
+        client.send_nowait(host, port, LeaseEnd(RELEASE, p.lease_id).to_wire())
 
     def _finish(
         self, load: Load, ok: bool, client: SideChannelClient, why: str, target_done: bool = True

@@ -33,6 +33,7 @@ from ..contracts.kv_connector import (
     ShardReadEnded,
     ShardRelease,
 )
+from ..contracts.kv_side_channel import READ, LeaseUse
 from ..testing_hooks import kv_read_delay
 from .layout import IncompatibleKV, KVLayout, head_plan, rank_heads, tp_layout_mismatch
 from .side_channel import SideChannelClient
@@ -119,7 +120,7 @@ class Transport:
         """Free a finished transfer's resources. Never called while it is PROC: a
         READ that may still write its target blocks is kept until it completes."""
 
-    def serve_read(self, request: dict[str, Any], block_ids: list[int]) -> list[Any]:
+    def serve_read(self, block_ids: list[int]) -> list[Any]:
         raise RuntimeError(f"{self.name} does not serve reads over the side channel")
 
     def shutdown(self) -> None:
@@ -299,7 +300,7 @@ class ZmqTransport(Transport):
                 runs.append((b, 1))
         return runs
 
-    def serve_read(self, request: dict[str, Any], block_ids: list[int]) -> list[Any]:
+    def serve_read(self, block_ids: list[int]) -> list[Any]:
         buf = self.buffer
         frames = []
         host = buf if buf.device.type == "cpu" else None
@@ -329,7 +330,7 @@ class ZmqTransport(Transport):
         _reply, frames = self.client.call(
             remote.host,
             remote.port,
-            {"op": "read", "lease_id": lease_id, "block_ids": list(remote_ids), "chain": chain},
+            LeaseUse(READ, lease_id, tuple(remote_ids), chain).to_wire(),
             timeout,
         )
         delay = kv_read_delay()

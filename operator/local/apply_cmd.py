@@ -11,7 +11,6 @@ command follows until the rollout is done or failed (bounded by --timeout).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
@@ -21,7 +20,16 @@ from typing import Any
 
 import yaml
 
-from .state import APPLY_FILE, STATE_FILE, STOPPED, find_run, supervisor_alive, write_private
+from .state import (
+    APPLY_FILE,
+    STATE_FILE,
+    STOPPED,
+    ApplyRequest,
+    find_run,
+    read_state,
+    supervisor_alive,
+    write_private,
+)
 
 ACK_SECONDS = 30.0
 """How long the supervisor may take to pick a request up (it checks twice a second)."""
@@ -69,30 +77,24 @@ def read_resource(path: str) -> dict[str, Any]:
     return doc
 
 
-def read_state(run: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads((run / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {run / STATE_FILE}: {e}") from None
-    return data
-
-
 def run(args: argparse.Namespace) -> int:
     resource = read_resource(args.file)
     run_dir = find_run(Path(args.run_dir))
     state = read_state(run_dir)
-    if not supervisor_alive(state) or state.get("gateway", {}).get("state") == STOPPED:
+    if not supervisor_alive(state) or state.gateway.state == STOPPED:
         raise ValueError(f"the fleet of {run_dir} is not running (start it with `pdfleet up`)")
     name = resource.get("metadata", {}).get("name")
-    if name != state.get("service"):
+    if name != state.service:
         raise ValueError(
-            f"metadata.name: the fleet in {run_dir} runs {state.get('service')!r}, "
+            f"metadata.name: the fleet in {run_dir} runs {state.service!r}, "
             f"the file is for {name!r}"
         )
     ident = uuid.uuid4().hex
-    write_private(run_dir / APPLY_FILE, json.dumps({"id": ident, "resource": resource}))
-    os.kill(state["supervisor"]["pid"], signal.SIGHUP)
-    print(f"pdfleet apply: {args.file} -> {state['service']} ({run_dir})", flush=True)
+    write_private(run_dir / APPLY_FILE, ApplyRequest(ident, resource).encode())
+    if state.supervisor is None:
+        raise ValueError(f"{run_dir / STATE_FILE}: supervisor: missing (an older pdfleet up)")
+    os.kill(state.supervisor.pid, signal.SIGHUP)
+    print(f"pdfleet apply: {args.file} -> {state.service} ({run_dir})", flush=True)
     return follow(run_dir, ident, args.timeout)
 
 
@@ -103,17 +105,16 @@ def follow(run_dir: Path, ident: str, timeout: float) -> int:
     shown = 0
     while True:
         state = read_state(run_dir)
-        apply = state.get("apply") or {}
-        if apply.get("id") == ident:
-            steps = apply.get("steps") or []
-            for line in steps[shown:]:
+        apply = state.apply
+        if apply is not None and apply.id == ident:
+            for line in apply.steps[shown:]:
                 print(f"  {line}", flush=True)
-            shown = len(steps)
-            if apply.get("state") == "done":
-                print(f"applied: {apply.get('message')}", flush=True)
+            shown = len(apply.steps)
+            if apply.state == "done":
+                print(f"applied: {apply.message}", flush=True)
                 return 0
-            if apply.get("state") == "failed":
-                print(f"pdfleet apply: failed: {apply.get('message')}", flush=True)
+            if apply.state == "failed":
+                print(f"pdfleet apply: failed: {apply.message}", flush=True)
                 return 1
         elif time.monotonic() - start > ACK_SECONDS:
             raise ValueError(f"the supervisor of {run_dir} did not take the request")

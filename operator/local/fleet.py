@@ -22,7 +22,6 @@ the fleet token. Every process binds ``host``
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -37,6 +36,7 @@ import httpx
 from ...engine.config.gateway import GatewayConfig
 from ...engine.contracts import identity, identity_exchange, security
 from ...engine.contracts import metrics as m
+from ...engine.contracts.engines_file import EngineEntry, EnginesFile
 from ...engine.contracts.launch import python_module
 from ..resource import InferenceService
 from ..roles import (
@@ -312,15 +312,13 @@ class LocalFleet:
             for c in self.engines:
                 if not (c.ready and not c.draining and c.alive()):
                     continue
-                entry = {"url": c.url, "role": c.role, "name": c.name}
-                if c.name in self.kv_events:
-                    entry["kv_events"], entry["kv_events_replay"] = self.kv_events[c.name]
-                engines.append(entry)
+                events, replay = self.kv_events.get(c.name, (None, None))
+                engines.append(EngineEntry(c.url, c.role, c.name, events, replay))
             tmp = self.engines_file.with_suffix(".tmp")
             # Owner-only, as the whole run directory: it names every port.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps({"engines": engines}, indent=2))
+            with os.fdopen(fd, "wb") as f:
+                f.write(EnginesFile(tuple(engines)).encode())
             os.replace(tmp, self.engines_file)
 
     # -- lifecycle --------------------------------------------------------------------

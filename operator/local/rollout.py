@@ -37,7 +37,6 @@ not yet replaced keep running, and the message names its log).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -52,6 +51,7 @@ from ..resource import AdapterSpec, InferenceService
 from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
 from .fleet import MAX_RESTARTS, LocalFleet
 from .process import Child
+from .state import ApplyReport, ApplyRequest
 
 ORDER = ("decode", "prefill")
 """Rollout order: decode first (as the operator), so a new prefill engine never
@@ -241,8 +241,9 @@ class ApplyStatus:
     message: str = ""
     steps: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "state": self.state, "message": self.message, "steps": self.steps}
+    def report(self) -> ApplyReport:
+        """What fleet.json says of it now."""
+        return ApplyReport(self.id, self.state, self.message, tuple(self.steps))
 
 
 class Rollout(threading.Thread):
@@ -397,12 +398,7 @@ class Rollout(threading.Thread):
 
 
 def read_request(text: str) -> tuple[str, dict[str, Any]]:
-    """(id, resource) of an apply request file (JSON), ValueError when malformed."""
-    try:
-        data = json.loads(text)
-        ident, resource = data["id"], data["resource"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"malformed apply request: {e}") from None
-    if not isinstance(ident, str) or not isinstance(resource, dict):
-        raise ValueError("malformed apply request")
-    return ident, resource
+    """(id, resource) of an apply request file (``state.ApplyRequest``),
+    ValueError naming the field when malformed."""
+    request = ApplyRequest.decode(text)
+    return request.id, request.resource

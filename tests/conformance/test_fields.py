@@ -174,10 +174,11 @@ def test_migration_is_an_internal_resume_state():
     )
     params = req.sampling_params({}, 16, None)
     assert params.resumed_token_ids == [3, 4]
-    with pytest.raises(ValueError, match="bogus"):
+    with pytest.raises(APIError, match="^migration.bogus: unknown field") as refused:
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "x"}], "migration": {"bogus": 1}}
         )
+    assert refused.value.param == "migration.bogus"
     with pytest.raises(APIError, match="^migration: "):
         CompletionRequest.model_validate({"prompt": "x", "n": 2, "migration": {}}).sampling_params(
             {}, 16, None

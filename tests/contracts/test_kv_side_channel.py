@@ -108,3 +108,38 @@ def test_unpack_bounds_and_refuses_what_is_not_a_map():
         sc.unpack(packed([1, 2]))
     with pytest.raises(ValueError, match="not msgpack"):
         sc.unpack(b"\xc1")
+
+
+def test_the_lease_messages_keep_their_bytes_and_refuse_naming_the_field():
+    use = sc.LeaseUse(sc.CLAIM, "lease", (3, 4), "ab12")
+    # The maps the connector built by hand, key for key in the same order.
+    assert sc.pack(use.to_wire()) == sc.pack(
+        {"op": "claim", "lease_id": "lease", "block_ids": [3, 4], "chain": "ab12"}
+    )
+    assert sc.pack(sc.LeaseEnd(sc.RELEASE, "lease").to_wire()) == sc.pack(
+        {"op": "release", "lease_id": "lease"}
+    )
+    sealed = sc.unpack(sc.Envelope(b"s" * 16, 2).seal(use.to_wire()))
+    assert sc.LeaseUse.decode(sealed) == use
+    assert sc.LeaseUse.decode({"op": "read", "lease_id": "l", "block_ids": []}).chain is None
+    assert sc.LeaseEnd.decode({"op": "confirm", "lease_id": "l"}) == sc.LeaseEnd("confirm", "l")
+    for bad, field in [
+        ({"op": "confirm", "lease_id": "l", "block_ids": [0]}, "op"),
+        ({"op": "read", "block_ids": [0]}, "lease_id"),
+        ({"op": "read", "lease_id": 7, "block_ids": [0]}, "lease_id"),
+        ({"op": "read", "lease_id": "l" * 129, "block_ids": [0]}, "lease_id"),
+        ({"op": "read", "lease_id": "l"}, "block_ids"),
+        ({"op": "read", "lease_id": "l", "block_ids": [0, -1]}, "block_ids"),
+        ({"op": "read", "lease_id": "l", "block_ids": ["0"]}, "block_ids"),
+        ({"op": "claim", "lease_id": "l", "block_ids": [0], "chain": 5}, "chain"),
+        ({"op": "claim", "lease_id": "l", "block_ids": [0], "extra": 1}, "extra"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            sc.LeaseUse.decode(bad)
+    for bad, field in [
+        ({"op": "read", "lease_id": "l"}, "op"),
+        ({"op": "release"}, "lease_id"),
+        ({"op": "release", "lease_id": "l", "request_id": "r"}, "request_id"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            sc.LeaseEnd.decode(bad)

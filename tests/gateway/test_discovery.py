@@ -33,7 +33,7 @@ def write_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def test_engines_file_is_reread_when_it_changes_and_a_bad_version_is_ignored(tmp_path):
+def test_engines_file_is_reread_when_it_changes_and_a_bad_version_is_ignored(tmp_path, caplog):
     path = tmp_path / "engines.yaml"
     write_atomically(path, {"engines": [{"url": "http://d1:8000/", "role": "decode"}]})
     static = [Endpoint("http://p0", "prefill")]
@@ -55,16 +55,31 @@ def test_engines_file_is_reread_when_it_changes_and_a_bad_version_is_ignored(tmp
     ]
     path.write_text("engines: [unterminated")
     assert len(asyncio.run(disc.poll())) == 3  # kept the last good list
+    # A file that parses but holds a bad entry: kept too, the field logged.
+    write_atomically(path, {"engines": [{"url": "http://d2:8000", "role": "router"}]})
+    assert len(asyncio.run(disc.poll())) == 3
+    assert "engines[0].role: " in caplog.text
 
 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         ([], "expected an object"),
-        ({"engines": [{"url": "http://x"}]}, "needs `url` and `role`"),
-        ({"engines": [{"url": "http://x", "role": "router"}]}, "role 'router'"),
-        ({"engines": [{"url": "http://x", "role": "decode", "weight": 2}]}, "unknown keys"),
-        ({"engines": [{"url": "x:80", "role": "decode"}]}, "must start with http"),
+        ({"engines": [{"url": "http://x"}]}, r"engines\[0\]\.role: required"),
+        ({"engines": [{"url": "http://x", "role": "router"}]}, r"engines\[0\]\.role: .*'router'"),
+        (
+            {"engines": [{"url": "http://x", "role": "decode", "weight": 2}]},
+            r"engines\[0\]\.weight: unknown field",
+        ),
+        (
+            {"engines": [{"url": "x:80", "role": "decode"}]},
+            r"engines\[0\]\.url: .*must start with http",
+        ),
+        (
+            {"engines": [{"url": "http://x", "role": "decode", "kv_events": "http://e"}]},
+            r"engines\[0\]\.kv_events: .*ZMQ endpoint",
+        ),
+        ({"engines": [], "extra": 1}, "extra: unknown field"),
     ],
 )
 def test_engines_file_errors_name_the_problem(data, message):

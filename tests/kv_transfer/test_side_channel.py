@@ -168,6 +168,11 @@ def test_a_lease_binds_to_the_first_consumer_that_claims_it(zmq_producer):
         second.send_nowait("127.0.0.1", c.port, {"op": "release", "lease_id": "L"})
         with pytest.raises(RuntimeError, match="not held"):
             first.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": [3]}, 2)
+        # A malformed message is refused naming its field, and holds nothing.
+        with pytest.raises(RuntimeError, match="^read: block_ids: "):
+            first.call("127.0.0.1", c.port, {"op": "read", "lease_id": "L", "block_ids": ["0"]}, 2)
+        with pytest.raises(RuntimeError, match="^confirm: lease_id: "):
+            first.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": 5}, 2.0)
         assert "L" in c.held
         first.call("127.0.0.1", c.port, {"op": "confirm", "lease_id": "L"}, 2.0)
         assert "L" not in c.held and c.freed == ["victim"]

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
 from helpers.up import fleet_spec
 
 from pdfleet.operator.local.fleet import LocalFleet
-from pdfleet.operator.local.rollout import plan
+from pdfleet.operator.local.rollout import plan, read_request
+from pdfleet.operator.local.state import (
+    ApplyReport,
+    ApplyRequest,
+    ChildInfo,
+    FleetState,
+    GatewayInfo,
+    SupervisorInfo,
+)
 from pdfleet.operator.resource import load_inference_service
 
 MODEL = "/models/tiny"
@@ -82,3 +92,61 @@ def test_another_service_is_refused(tmp_path):
     other["metadata"]["name"] = "other"
     with pytest.raises(ValueError, match="runs 'tiny', the file is for 'other'"):
         plan(fleet(tmp_path, resource), load_inference_service(other), no_model, False)
+
+
+def test_the_apply_request_file_round_trips_and_refuses_naming_the_field():
+    resource = {"kind": "InferenceService", "metadata": {"name": "x"}}
+    text = ApplyRequest("abc", resource).encode()
+    assert text == json.dumps({"id": "abc", "resource": resource})  # what apply wrote
+    assert read_request(text) == ("abc", resource)
+    for bad, field in [
+        ("{", "not JSON"),
+        ("[]", "not a JSON object"),
+        ('{"resource": {}}', "id: "),
+        ('{"id": "a", "resource": []}', "resource: "),
+        ('{"id": "a", "resource": {}, "force": true}', "force: unknown field"),
+    ]:
+        with pytest.raises(ValueError, match=f"^malformed apply request: {field}"):
+            read_request(bad)
+
+
+def test_fleet_json_keeps_its_text_and_refuses_naming_the_field():
+    state = FleetState(
+        "tiny",
+        GatewayInfo("http://127.0.0.1:8000", "ready"),
+        (ChildInfo("decode-0", "decode", "http://127.0.0.1:8001", "ready", 2),),
+        SupervisorInfo(41, None),
+        ({"from": 1, "to": 2, "reason": "load"},),
+        ApplyReport("abc", "rolling", "", ("decode-1 ready",)),
+    )
+    # The text the writer built by hand, key for key.
+    by_hand = {
+        "service": "tiny",
+        "supervisor": {"pid": 41, "startTicks": None},
+        "gateway": {"url": "http://127.0.0.1:8000", "state": "ready"},
+        "engines": [
+            {
+                "name": "decode-0",
+                "role": "decode",
+                "url": "http://127.0.0.1:8001",
+                "state": "ready",
+                "restarts": 2,
+            }
+        ],
+        "lastDecisions": [{"from": 1, "to": 2, "reason": "load"}],
+        "apply": {"id": "abc", "state": "rolling", "message": "", "steps": ["decode-1 ready"]},
+    }
+    assert state.encode() == json.dumps(by_hand, indent=2)
+    assert FleetState.decode(state.encode()) == state
+    older = {k: v for k, v in by_hand.items() if k not in ("supervisor", "apply")}
+    assert FleetState.decode(json.dumps(older)).supervisor is None
+    for change, field in [
+        ({"engines": [{"name": "d", "role": "decode", "url": "u"}]}, "engines[0].state"),
+        ({"engines": [{**by_hand["engines"][0], "restarts": "2"}]}, "engines[0].restarts"),
+        ({"gateway": {"url": "u", "state": "ready", "port": 1}}, "gateway.port"),
+        ({"supervisor": {"pid": "41"}}, "supervisor.pid"),
+        ({"apply": {"id": "a", "state": "done", "steps": [1]}}, "apply.steps"),
+        ({"extra": 1}, "extra"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+            FleetState.decode(json.dumps({**by_hand, **change}))

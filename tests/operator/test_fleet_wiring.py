@@ -11,6 +11,7 @@ from helpers.kube_schema import validate
 
 from pdfleet.engine.config.gateway import KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION
 from pdfleet.engine.entrypoints.openai.serving_base import load_chat_template
+from pdfleet.engine.gateway.discovery import EnginesFileDiscovery
 from pdfleet.operator.local.fleet import LocalFleet
 from pdfleet.operator.manifests import build_children
 from pdfleet.operator.resource import load_inference_service, parse_spec
@@ -239,6 +240,11 @@ def test_pdfleet_up_engines_get_the_serving_flags_and_their_own_event_ports(tmp_
     listed = json.loads(fleet.engines_file.read_text())["engines"]
     assert [(e["kv_events"], e["kv_events_replay"]) for e in listed] == [
         fleet.kv_events[c.name] for c in children
+    ]
+    # ... and the gateway reads it back through the same carrier.
+    read = EnginesFileDiscovery(str(fleet.engines_file), []).load()
+    assert [(e.name, e.kv_events, e.kv_events_replay) for e in read] == [
+        (c.name, *fleet.kv_events[c.name]) for c in children
     ]
 
 

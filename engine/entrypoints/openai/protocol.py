@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from ...contracts import request_fields
 from ...contracts.errors import ErrorBody
+from ...contracts.migration import MigrationState, MigrationStateError
 from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
 
 
@@ -98,23 +108,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class Migration(BaseModel):
-    """The gateway's migration state of a decode leg (an internal field: only
-    from the fleet token or an internal key; docs/migration.md). Its presence
-    asks for a stream the gateway can move: each event that carries output
-    tokens starts with an SSE comment ``: ids ID ID...`` (clients never see it:
-    the gateway takes it off), and a draining engine ends the stream with
-    ``: migrate`` instead of an error. ``output_token_ids``: the tokens another
-    engine already sent (the request resumes after them, not sending them
-    again); ``created``: the first engine's ``created``, kept for the client;
-    ``resume_identity``: the first engine's (``EngineConfig.resume_identity``):
-    an engine of another one refuses the leg (400 naming the field), since its
-    tokens would not continue the stream."""
+def _migration_state(raw: Any) -> MigrationState | None:
+    """The ``migration`` field (an internal field: only from the fleet token or
+    an internal key; docs/migration.md), decoded by its one carrier
+    (``contracts/migration.py``). Its presence asks for a stream the gateway
+    can move: each event that carries output tokens starts with an SSE comment
+    ``: ids ID ID...`` (clients never see it: the gateway takes it off), and a
+    draining engine ends the stream with ``: migrate`` instead of an error. A
+    malformed state is a 400 naming the field (``migration.output_token_ids``,
+    ...); ``resume_identity`` of another engine is refused by the server."""
+    if raw is None or isinstance(raw, MigrationState):
+        return raw
+    try:
+        return MigrationState.from_json(raw)
+    except MigrationStateError as e:
+        raise APIError(str(e), param=e.param) from None
 
-    model_config = ConfigDict(extra="forbid")
-    output_token_ids: list[int] = Field(default_factory=list, max_length=1 << 20)
-    created: int | None = None
-    resume_identity: str | None = Field(default=None, max_length=64)
+
+MigrationField = Annotated[
+    MigrationState | None,
+    PlainValidator(_migration_state),
+    PlainSerializer(lambda m: None if m is None else m.to_json()),
+]
 
 
 class _Sampling(_Checked):
@@ -143,7 +158,7 @@ class _Sampling(_Checked):
     user: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
-    migration: Migration | None = None
+    migration: MigrationField = None
     # Output constraints (docs/structured_outputs.md): OpenAI's response_format,
     # vLLM's guided_* fields and its newer structured_outputs object.
     response_format: dict[str, Any] | None = None
@@ -278,7 +293,7 @@ class _Sampling(_Checked):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logit_bias=[(int(t), b) for t, b in (self.logit_bias or {}).items()] or None,
                 cache_salt=self.cache_salt,
-                resumed_token_ids=self.migration.output_token_ids if self.migration else [],
+                resumed_token_ids=list(self.migration.sent) if self.migration else [],
                 **values,
             )
         except ValueError as e:

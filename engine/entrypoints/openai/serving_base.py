@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from ... import tracing
 from ...contracts.kv_params import KVTransferParams
-from ...contracts.migration import ids_comment
+from ...contracts.migration import MigrationState, ids_comment
 from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...loop.async_engine import (
     AsyncEngine,
@@ -31,7 +31,7 @@ from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
 from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .grammar_gate import CompileBusy, CompileGate
-from .protocol import APIError, ChatCompletionRequest, Migration, now
+from .protocol import APIError, ChatCompletionRequest, now
 
 logger = logging.getLogger("pdfleet.serve")
 
@@ -104,10 +104,10 @@ class Resume:
 
     __slots__ = ("annotated", "created", "migratable", "prior")
 
-    def __init__(self, migration: Migration | None) -> None:
+    def __init__(self, migration: MigrationState | None) -> None:
         self.migratable = migration is not None
         self.created = migration.created if migration and migration.created else now()
-        self.prior = len(migration.output_token_ids) if migration else 0
+        self.prior = len(migration.sent) if migration else 0
         """Output tokens another engine sent before this leg."""
         self.annotated = False
 

@@ -192,7 +192,7 @@ class CompletionServing(ServingBase):
         if req.migration is not None and len(jobs) > 1:
             raise APIError("migration: a migratable request has one prompt", param="migration")
         resumed = ""
-        if req.migration is not None and req.migration.output_token_ids:
+        if req.migration is not None and req.migration.sent:
             text_in, ids, params = jobs[0]
             resumed = self.resumed_text(ids, params)
             if req.echo:
