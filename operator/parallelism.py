@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import EngineArgs
+from ..engine.contracts import pod_labels
 from .resource import InferenceServiceSpec, RoleSpec
 
 # Environment the LeaderWorkerSet controller sets in every container of a group.
@@ -32,7 +33,7 @@ ENV_WORKER_INDEX = "LWS_WORKER_INDEX"
 RENDEZVOUS_PORT = 29500
 # Pod label of multi-node roles: which pod of its group a pod is. The gateway
 # routes to leaders only; the operator scrapes leaders only.
-LABEL_GROUP_ROLE = "pdfleet.dev/group-role"
+LABEL_GROUP_ROLE = pod_labels.LABEL_GROUP_ROLE
 LEADER, WORKER = "leader", "worker"
 # Memory-backed /dev/shm: enough for the tokenizer pool and UCX with one rank
 # per pod; NCCL's shared-memory transport between the ranks of one pod wants

@@ -18,6 +18,8 @@ contracts): a gateway pod, the operator and the configuration use it.
   comments of a migratable stream.
 * ``engines_file`` — the engines file (``EnginesFile`` of ``EngineEntry``):
   ``pdfleet up`` writes it, the gateway's discovery reads it.
+* ``pod_labels`` — the labels and annotations the operator puts on engine pods
+  and the gateway's Kubernetes discovery reads.
 * ``kv_connector`` — the KV connector's metadata between its sides, the
   producer's handshake reply (``HandshakeReply``: its ``KVLayoutWire`` and, for
   NIXL, one ``ShardInfo`` per rank), and the tensor-parallel shard commands.

@@ -23,15 +23,16 @@ from ..config.gateway import (
     ROLES,
     GatewayConfig,
 )
+from ..contracts import pod_labels
 from ..contracts.engines_file import EngineEntry, EnginesFile, EnginesFileError
 
 logger = logging.getLogger("pdfleet.gateway")
 
-ROLE_LABEL = "pdfleet.dev/role"
-PORT_ANNOTATION = "pdfleet.dev/port"
+ROLE_LABEL = pod_labels.LABEL_ROLE
+PORT_ANNOTATION = pod_labels.PORT_ANNOTATION
 # Pods of a multi-node engine: only the group's leader serves HTTP
 # (docs/parallelism-k8s.md); its workers run ranks only.
-GROUP_ROLE_LABEL = "pdfleet.dev/group-role"
+GROUP_ROLE_LABEL = pod_labels.LABEL_GROUP_ROLE
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 

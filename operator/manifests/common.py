@@ -10,6 +10,7 @@ from typing import Any
 from ...engine.config import EngineArgs
 from ...engine.config.fields import default_of, resolved_fields, to_jsonable
 from ...engine.config.kv_transfer import KV_IP_ENV
+from ...engine.contracts import pod_labels, security
 from ..resource import (
     API_VERSION,
     KIND,
@@ -29,10 +30,10 @@ DEFAULT_IMAGE = "pdfleet:0.1.0"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 
 
-LABEL_SERVICE = "pdfleet.dev/service"
+LABEL_SERVICE = pod_labels.LABEL_SERVICE
 
 
-LABEL_ROLE = "pdfleet.dev/role"
+LABEL_ROLE = pod_labels.LABEL_ROLE
 
 
 LABEL_COMPAT = "pdfleet.dev/compat-hash"
@@ -50,7 +51,7 @@ ENV_KV_IP = KV_IP_ENV
 ENV_POD_NAME = "POD_NAME"
 
 
-ENV_API_KEY_FILE = "PDFLEET_API_KEY_FILE"
+ENV_API_KEY_FILE = security.API_KEY_FILE_ENV
 
 
 # The gateway's API keys come from its Secret mounted as a file (not an
