@@ -74,6 +74,11 @@ logger = logging.getLogger("pdfleet.gateway")
 BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
 # Seconds a LoRA load on an engine may take (it reads and checks the adapter).
 LORA_LOAD_TIMEOUT = 120.0
+# How long a failed adapter load on one engine is remembered (seconds): its
+# requests go to an engine that serves the adapter, without a retry, meanwhile.
+LORA_LOAD_FAILURE_TTL = 30.0
+# At most this many (engine, adapter) failures are remembered (oldest dropped).
+LORA_LOAD_FAILURES_MAX = 1024
 
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
@@ -117,6 +122,9 @@ class Proxy:
         analyzer.lora_identity = lambda name: (pool.adapter(name) or (None,))[0]
         self._loading: dict[tuple[str, str], asyncio.Future[Any]] = {}
         """Adapter loads in flight per (engine URL, adapter): one POST each."""
+        self._load_failures: dict[tuple[str, str], tuple[float, str]] = {}
+        """(expiry on the monotonic clock, error) of a recently failed load per
+        (engine URL, adapter); bounded by LORA_LOAD_FAILURES_MAX."""
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
         self.admission = Admission(config, metrics)
@@ -214,9 +222,12 @@ class Proxy:
         if plan is not None:
             route = Route(plan.engine, None, route.decision, route.reason)
         if info.adapter is not None:
-            failed = await self._ensure_adapter(call, route, info.adapter)
-            if failed is not None:
-                return failed
+            ensured = await self._ensure_adapter(call, route, info.adapter)
+            if isinstance(ensured, Response):
+                return ensured
+            if ensured is not route:
+                plan = None  # a peer's lend was planned for the engine given up
+            route = ensured
         self.legs.take_slot(call, route.decode)
         if call.ticket is not None:
             call.ticket.started()  # its band's fair-share clock moves on
@@ -345,42 +356,98 @@ class Proxy:
 
     # -- LoRA adapters -------------------------------------------------------------
 
-    async def _ensure_adapter(self, call: Call, route: Route, adapter: str) -> Response | None:
+    async def _ensure_adapter(self, call: Call, route: Route, adapter: str) -> Route | Response:
         """Load ``adapter`` on the route's engines that do not serve it yet (both
-        legs of a P/D route run it), from the directory the engines that serve it
-        name. None when every leg has it; else the error answer."""
-        source = self.pool.adapter(adapter)
-        if source is None:
-            return None  # unloaded meanwhile: the engine answers 404
+        legs of a P/D route run it), as the engines that serve it loaded it.
+        A leg whose load fails (or failed within LORA_LOAD_FAILURE_TTL) gives
+        way: the decode leg to the least busy engine that serves the adapter
+        (decode only), the prefill leg to none (the decode engine computes
+        the prompt). The route to run, or the error answer when no engine can
+        serve it."""
+        if self.pool.adapter(adapter) is None:
+            return route  # unloaded meanwhile: the engine answers 404
         for e in (route.decode, route.prefill):
             if e is None or adapter in e.load.adapters:
                 continue
-            key = (e.url, adapter)
-            pending = self._loading.get(key)
-            if pending is None:
-                pending = asyncio.ensure_future(self._load_adapter(e, adapter, source))
-                self._loading[key] = pending
-                pending.add_done_callback(self._loaded(key))
-            error = await asyncio.shield(pending)
-            if error is not None:
+            error = await self._load_once(e, adapter)
+            if error is None:
+                continue
+            if e is route.prefill:
+                logger.warning("%s; its prompt runs on the decode engine", error)
+                route = Route(route.decode, None, "decode_only", "adapter_fallback")
+                continue
+            holders = [h for h in self.pool.candidates("decode") if adapter in h.load.adapters]
+            if not holders:
                 return self.legs.error(call, error, 503, "model")
-        return None
+            holder = min(holders, key=lambda h: h.queue())
+            logger.warning("%s; routed to %s, which serves it", error, holder.url)
+            return Route(holder, None, "decode_only", "adapter_fallback")
+        return route
+
+    async def _load_once(self, e: EngineState, adapter: str) -> str | None:
+        """Load ``adapter`` on ``e``: one POST per (engine, adapter) at a time,
+        none while a failure is remembered; None or the error."""
+        key = (e.url, adapter)
+        failed = self._load_failures.get(key)
+        if failed is not None:
+            if failed[0] > time.monotonic():
+                return failed[1]
+            del self._load_failures[key]
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load_adapter(e, adapter))
+            self._loading[key] = pending
+            pending.add_done_callback(self._loaded(key))
+        error: str | None = await asyncio.shield(pending)
+        return error
 
     def _loaded(self, key: tuple[str, str]) -> Callable[[asyncio.Future[Any]], None]:
-        def forget(_: asyncio.Future[Any]) -> None:
+        def forget(done: asyncio.Future[Any]) -> None:
             self._loading.pop(key, None)
+            if done.cancelled() or done.exception() is not None or done.result() is None:
+                return
+            self._load_failures.pop(key, None)
+            self._load_failures[key] = (time.monotonic() + LORA_LOAD_FAILURE_TTL, done.result())
+            while len(self._load_failures) > LORA_LOAD_FAILURES_MAX:
+                del self._load_failures[next(iter(self._load_failures))]
 
         return forget
 
-    async def _load_adapter(
-        self, e: EngineState, adapter: str, source: tuple[str, str]
-    ) -> str | None:
+    async def _load_body(self, adapter: str) -> LoRALoad | None:
+        """How the engines that serve ``adapter`` loaded it: a Hub adapter by its
+        ``hf://`` source and revision (its directory is a snapshot in that
+        engine's own cache, which other pods do not have), from the adapter
+        card of a holder; else its directory. None when no engine serves it."""
+        source = self.pool.adapter(adapter)
+        if source is None:
+            return None
+        holders = [e for e in self.pool.engines.values() if adapter in e.load.adapters]
+        for holder in holders[:2]:
+            try:
+                resp = await self.pool.client.get(
+                    f"{holder.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
+                )
+                card = resp.json() if resp.status_code == 200 else None
+            except Exception as ex:  # unreachable or not JSON: ask the next one
+                logger.debug("adapter card of %r on %s: %s", adapter, holder.url, ex)
+                continue
+            if not isinstance(card, dict):
+                continue
+            hub, revision = card.get("source"), card.get("revision")
+            if isinstance(hub, str) and hub:
+                return LoRALoad(adapter, hub, revision if isinstance(revision, str) else None)
+            break
+        return LoRALoad(adapter, source[1])
+
+    async def _load_adapter(self, e: EngineState, adapter: str) -> str | None:
         """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""
-        body = LoRALoad(adapter, source[1]).encode()
+        load = await self._load_body(adapter)
+        if load is None:
+            return f"could not load LoRA adapter {adapter!r} on {e.url}: no engine serves it"
         try:
             resp = await self.client.post(
                 e.url + "/v1/load_lora_adapter",
-                body,
+                load.encode(),
                 {"content-type": "application/json"},
                 LORA_LOAD_TIMEOUT,
             )
@@ -391,7 +458,9 @@ class Proxy:
                 f"could not load LoRA adapter {adapter!r} on {e.url}: "
                 f"{resp.status_code} {upstream_message(resp)}"
             )
-        e.load.adapters[adapter] = source  # until the next scrape says so itself
+        source = self.pool.adapter(adapter)
+        if source is not None:
+            e.load.adapters[adapter] = source  # until the next scrape says so itself
         self.metrics.lora_loads.labels(e.url).inc()
         logger.info("loaded LoRA adapter %r on %s", adapter, e.url)
         return None

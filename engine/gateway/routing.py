@@ -246,7 +246,9 @@ class Route:
     """prefill_decode or decode_only."""
     reason: str
     """always, long_prompt, short_prompt, cached_prefix, disabled, batch,
-    prompt_logprobs, no_prefill_engine or kv_pair_open."""
+    prompt_logprobs, no_prefill_engine, kv_pair_open or adapter_fallback (a
+    LoRA adapter could not be loaded on the chosen engine: one that serves it
+    runs the request)."""
 
 
 class Router:

@@ -22,8 +22,12 @@ Two torch forms compute it, with the same weights:
   it reads each slot's weights in place (a view) when the step's slots are a
   contiguous range in segment order (the runner orders rows by slot for that);
   when the segments are the adapter rows back to back and equally long it
-  needs no gather or scatter either. Used for decode-sized steps and for any
-  step whose padding stays small.
+  needs no gather or scatter either. Only the segments no longer than a
+  chosen length L take part, padded to L; the longer ones run through the
+  segment loop (two plain matmuls each, no padding). :func:`make_batch`
+  picks L (and so the split) by a cost estimate in rows: so an uneven spread
+  (one popular adapter and many rare ones) pays for its real rows plus a
+  little padding, not for every segment padded to the longest.
 
 ``pdfleet.kernels.lora`` holds the Triton kernel of the segmented form.
 """
@@ -34,12 +38,17 @@ from dataclasses import dataclass
 
 import torch
 
-# Steps of at most this many tokens use the grouped form whatever its padding
-# (its padded work is still at most every token through every slot of the step).
+# Steps of at most this many tokens take the grouped form (with the longest
+# segments split off into the loop where that costs less); larger ones take it
+# only while every segment padded to the longest is at most this many times
+# the adapter rows, and the segment loop otherwise.
 GROUPED_MAX_TOKENS = 256
-# Larger steps use it while the padded rows are at most this many times the
-# adapter rows; past that the segment loop does less work.
 GROUPED_MAX_PADDING = 1.25
+# The cost estimate's price of one segment through the loop, in rows of the
+# grouped form: two matmul calls per projection shard, whose fixed cost on a
+# CPU at decode sizes is a few rows' worth of batched work (measured: 2-12
+# all do far better than padding; 3 splits a Zipf mix at L = 1).
+LOOP_SEGMENT_ROWS = 3
 
 
 @dataclass
@@ -51,7 +60,12 @@ class LoRABatch:
     num_tokens: int
     rank: int
     grouped: bool = False
-    """The grouped form (the fields below); else the segment loop."""
+    """The grouped form (the fields below) for ``group_segments`` and the loop
+    for ``loop_segments``; else the segment loop for all."""
+    group_segments: list[tuple[int, int, int]] | None = None
+    """The segments of the grouped form (the rest are in ``loop_segments``)."""
+    loop_segments: list[tuple[int, int, int]] | None = None
+    """With ``grouped``: the segments longer than ``group_len``, run by the loop."""
     group_len: int = 0
     """L: the longest segment; the grouped rows are [S, L]."""
     row_start: int = 0
@@ -95,10 +109,19 @@ def make_batch(
         batch.seg_slot = torch.tensor([s for _, _, s in segments], dtype=torch.int32, device=device)
         return batch
     lengths = [b - a for a, b, _ in segments]
+    longest = max(lengths)
+    if num_tokens > GROUPED_MAX_TOKENS:
+        if len(segments) * longest > GROUPED_MAX_PADDING * sum(lengths):
+            return batch
+        group_len = longest
+    else:
+        group_len = _best_group_len(lengths)
+    group = [seg for seg, n in zip(segments, lengths, strict=True) if n <= group_len]
+    batch.loop_segments = [seg for seg, n in zip(segments, lengths, strict=True) if n > group_len]
+    batch.group_segments = segments = group
+    lengths = [b - a for a, b, _ in segments]
     num_segs, longest = len(segments), max(lengths)
     padded = num_segs * longest
-    if num_tokens > GROUPED_MAX_TOKENS and padded > GROUPED_MAX_PADDING * sum(lengths):
-        return batch
     batch.grouped, batch.group_len = True, longest
     back_to_back = all(segments[i][1] == segments[i + 1][0] for i in range(num_segs - 1))
     if back_to_back and all(n == longest for n in lengths):
@@ -121,6 +144,20 @@ def make_batch(
     else:
         batch.slot_index = torch.tensor(slots, dtype=torch.int64, device=device)
     return batch
+
+
+def _best_group_len(lengths: list[int]) -> int:
+    """The L whose estimated cost is least: the segments of length <= L padded
+    to L (S_L * L rows) plus every longer one through the loop (its rows plus
+    LOOP_SEGMENT_ROWS). L is one of the lengths, so at least one segment is
+    grouped; ties go to the larger L (fewer calls)."""
+    best, best_cost = 0, 0.0
+    for cand in sorted(set(lengths)):
+        short = sum(1 for n in lengths if n <= cand)
+        cost = short * cand + sum(n + LOOP_SEGMENT_ROWS for n in lengths if n > cand)
+        if best == 0 or cost <= best_cost:
+            best, best_cost = cand, cost
+    return best
 
 
 class LoRAShard:
@@ -158,15 +195,23 @@ class LoRAShard:
 
 def segmented_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
     """The reference: ``y[start:end, off:off+size] += x A_s^T Bt_s`` per segment."""
+    _loop_shard(x, y, shard, batch.segments)
+
+
+def _loop_shard(
+    x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, segments: list[tuple[int, int, int]]
+) -> None:
     r, off = shard.rank, shard.offset
-    for start, end, slot in batch.segments:
+    for start, end, slot in segments:
         t = x[start:end] @ shard.a[slot].t()
         y[start:end, off : off + shard.size] += t @ shard.bt[slot * r : (slot + 1) * r]
 
 
 def _grouped_rows(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     """The step's adapter rows of ``x`` as [S, L, in] (a view when they are a range)."""
-    num_segs = len(batch.segments)
+    if batch.group_segments is None:
+        raise RuntimeError("broken invariant: batch.group_segments is not None")
+    num_segs = len(batch.group_segments)
     if batch.row_index is None:
         start = batch.row_start
         return x[start : start + num_segs * batch.group_len].reshape(num_segs, batch.group_len, -1)
@@ -179,10 +224,11 @@ def grouped_lora(x: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRA
         raise RuntimeError("broken invariant: batch.grouped")
     rows = _grouped_rows(x, batch)
     _grouped_shard(rows, y, shard, batch)
+    _loop_shard(x, y, shard, batch.loop_segments or [])
 
 
 def _grouped_shard(rows: torch.Tensor, y: torch.Tensor, shard: LoRAShard, batch: LoRABatch) -> None:
-    num_segs, r = len(batch.segments), shard.rank
+    num_segs, r = len(batch.group_segments or ()), shard.rank
     bt = shard.bt.view(-1, r, shard.size)  # [slots, R, size]
     if batch.slot_index is None:
         a = shard.a[batch.slot_start : batch.slot_start + num_segs]
@@ -230,6 +276,7 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, shards: list[LoRAShard], batch:
         rows = _grouped_rows(x, batch)  # once for all the shards of one input
         for shard in shards:
             _grouped_shard(rows, y, shard, batch)
+            _loop_shard(x, y, shard, batch.loop_segments or [])
         return
     for shard in shards:
         segmented_lora(x, y, shard, batch)

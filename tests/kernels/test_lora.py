@@ -53,16 +53,23 @@ ENGINE_SEGMENTS = [
     ([(2, 3, 1), (3, 9, 2)], 16),
     ([(5, 16, 2)], 16),
     ([(0, 200, 0), (200, 300, 2), (300, 301, 1)], 301),
+    # Decode-sized uneven spreads: Zipf-like, one popular adapter, and a skewed
+    # one with base rows between and slots out of order (the long segments go
+    # to the loop, the short ones are grouped).
+    ([(0, 9, 0), (9, 13, 1), (13, 16, 2), (16, 18, 3), (18, 19, 4), (19, 20, 5)], 20),
+    ([(0, 17, 1), (17, 18, 0), (18, 19, 2), (19, 20, 4), (20, 21, 3)], 22),
+    ([(1, 2, 5), (2, 12, 3), (14, 15, 0), (15, 17, 4), (17, 18, 1), (20, 21, 2)], 23),
 ]
 
 
 @pytest.mark.parametrize(("segments", "num_tokens"), ENGINE_SEGMENTS)
 def test_engine_torch_forms_match_the_kernel_reference(segments, num_tokens):
+    slots = max(s for _, _, s in segments) + 1
     x, a, bt, y, (start, length, slot) = _case(
-        "cpu", torch.float32, [(s, e - s, sl) for s, e, sl in segments], num_tokens
+        "cpu", torch.float32, [(s, e - s, sl) for s, e, sl in segments], num_tokens, slots=slots
     )
     want = sgmv_lora_reference(x, a, bt, y.clone(), start, length, slot, y_offset=5)
-    shard = LoRAShard(5, bt.shape[1], x.shape[1], 3, 8, torch.float32, torch.device("cpu"))
+    shard = LoRAShard(5, bt.shape[1], x.shape[1], slots, 8, torch.float32, torch.device("cpu"))
     shard.a.copy_(a)
     shard.bt.copy_(bt)
     batch = make_batch(segments, num_tokens, 8, torch.float32, torch.device("cpu"))
@@ -84,3 +91,27 @@ def test_sgmv_refuses_bad_shapes(device):
         sgmv_lora(x, a[:, :, :-1], bt, y, start, length, slot)
     with pytest.raises(ValueError, match="seg_start must have dtype"):
         sgmv_lora(x, a, bt, y, start.long(), length, slot)
+
+
+def test_uneven_decode_steps_split_off_the_long_segments():
+    """A Zipf-like or one-popular-adapter decode step pays for its rows, not for
+    every segment padded to the longest: the long segments run through the loop."""
+
+    def batch_of(counts):
+        segments, start = [], 0
+        for slot, n in enumerate(counts):
+            segments.append((start, start + n, slot))
+            start += n
+        batch = make_batch(segments, start, 8, torch.float32, torch.device("cpu"))
+        assert batch is not None and batch.grouped
+        assert batch.group_segments is not None and batch.loop_segments is not None
+        padded = len(batch.group_segments) * batch.group_len
+        looped = sum(e - s for s, e, _ in batch.loop_segments)
+        return batch, padded, looped
+
+    batch, padded, looped = batch_of([2] * 16)  # even: all grouped, no padding
+    assert (padded, looped, batch.row_index) == (32, 0, None)
+    batch, padded, looped = batch_of([17] + [1] * 15)
+    assert (padded, looped) == (15, 17)
+    batch, padded, looped = batch_of([9, 4, 3, 2, 2, 2] + [1] * 10)
+    assert padded + looped <= 1.25 * 32

@@ -52,13 +52,13 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
     proxy.metrics = SimpleNamespace(
         lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
     )
-    proxy._loading = {}
+    proxy._loading, proxy._load_failures = {}, {}
     route = Route(other, prefill, "prefill_decode", "always")
 
     async def run():
         return await asyncio.gather(*(proxy._ensure_adapter(None, route, "a") for _ in range(3)))
 
-    assert asyncio.run(run()) == [None, None, None]
+    assert asyncio.run(run()) == [route, route, route]
     # One load per engine that lacked it, from the directory the holder reports.
     assert sorted(posts) == [
         ("http://o/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
@@ -98,10 +98,134 @@ def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights(
         lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
     )
 
+    proxy.pool = SimpleNamespace(
+        adapter=lambda name: ("h", "/a"), engines={}, client=None, check_timeout=1.0
+    )
+
     async def load(url: str) -> str | None:
-        return await proxy._load_adapter(engine(url, 0), "a", ("h", "/a"))
+        return await proxy._load_adapter(engine(url, 0), "a")
 
     assert asyncio.run(load("http://same")) is None
     error = asyncio.run(load("http://other"))
     assert error is not None and "400 LoRA adapter 'a' is already loaded with other" in error
     assert asyncio.run(load("http://prose")) is not None
+
+
+def _proxy_of(engines, answer, cards=None):
+    """A proxy over ``engines`` whose load POSTs ``answer(url)`` says (status,
+    text) and whose adapter-card GETs answer ``cards[url]`` (else 404)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from pdfleet.engine.gateway.engines import EnginePool
+    from pdfleet.engine.gateway.proxy import Proxy
+
+    posts, gets = [], []
+
+    class Client:
+        async def post(self, url, content, headers, timeout):
+            posts.append((url.removesuffix("/v1/load_lora_adapter"), json.loads(content)))
+            await asyncio.sleep(0)
+            status, text = answer(url.removesuffix("/v1/load_lora_adapter"))
+            return SimpleNamespace(status_code=status, content=text.encode(), text=text)
+
+    class Cards:
+        async def get(self, url, timeout):
+            gets.append(url)
+            card = (cards or {}).get(url)
+            return SimpleNamespace(status_code=200 if card else 404, json=lambda: card or {})
+
+    proxy = Proxy.__new__(Proxy)
+    proxy.pool = EnginePool.__new__(EnginePool)
+    proxy.pool.engines = {e.url: e for e in engines}
+    proxy.pool.client, proxy.pool.check_timeout = Cards(), 1.0
+    proxy.client = Client()
+    proxy.metrics = SimpleNamespace(
+        lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
+    )
+    proxy.legs = SimpleNamespace(
+        error=lambda call, message, status, param: SimpleNamespace(status=status, text=message)
+    )
+    proxy._loading, proxy._load_failures = {}, {}
+    return proxy, posts, gets
+
+
+def test_a_hub_adapter_is_loaded_by_its_source_and_revision_not_a_pods_cache_path():
+    import asyncio
+
+    from pdfleet.engine.gateway.routing import Route
+
+    holder, other = engine("http://h", 0, ("a",)), engine("http://o", 0)
+    card = {"id": "a", "root": "/cache/h/snap", "source": "hf://org/a", "revision": "abc1"}
+    proxy, posts, gets = _proxy_of(
+        [holder, other], lambda url: (200, "ok"), {"http://h/v1/models/a": card}
+    )
+    route = Route(other, None, "decode_only", "short_prompt")
+    assert asyncio.run(proxy._ensure_adapter(None, route, "a")) is route
+    assert gets == ["http://h/v1/models/a"]
+    assert posts == [
+        ("http://o", {"lora_name": "a", "lora_path": "hf://org/a", "revision": "abc1"})
+    ]
+
+
+def test_a_failed_load_routes_to_a_holder_and_is_remembered_for_a_while():
+    import asyncio
+
+    from pdfleet.engine.gateway import proxy as proxy_module
+    from pdfleet.engine.gateway.routing import Route
+
+    holder, busy_holder, other, prefill = (
+        engine("http://h", 1, ("a",)),
+        engine("http://b", 5, ("a",)),
+        engine("http://o", 0),
+        engine("http://p", 0),
+    )
+    for e in (holder, busy_holder, other, prefill):
+        e.state = "healthy"
+    prefill.role = "prefill"
+    fails = {"http://o", "http://p"}
+    proxy, posts, _ = _proxy_of(
+        [holder, busy_holder, other, prefill],
+        lambda url: (400, '{"error": {"message": "no room"}}') if url in fails else (200, "ok"),
+    )
+    route = Route(other, prefill, "prefill_decode", "always")
+    got = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    # The decode leg's load failed: the least busy holder runs it, decode only.
+    assert (got.decode, got.prefill, got.reason) == (holder, None, "adapter_fallback")
+    assert [url for url, _ in posts] == ["http://o"]
+    # Remembered: the next request goes straight to the holder, no new POST.
+    again = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    assert again.decode is holder and len(posts) == 1
+    # A failed prefill leg alone: the decode engine computes the prompt.
+    fails.discard("http://o")
+    proxy._load_failures.clear()
+    got = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    assert (got.decode, got.prefill, got.decision) == (other, None, "decode_only")
+    # Past the memory's time the load is tried again; the memory is bounded.
+    del other.load.adapters["a"]
+    fails.add("http://o")
+    proxy._load_failures[("http://o", "a")] = (0.0, "expired")
+    holder.load.adapters.clear()
+    busy_holder.load.adapters.clear()
+    prefill.load.adapters["a"] = ("a@0", "/a")  # the only engine serving it: a prefill one
+    sent = len(posts)
+    got = asyncio.run(proxy._ensure_adapter(None, Route(other, None, "decode_only", "x"), "a"))
+    assert posts[sent:] == [("http://o", {"lora_name": "a", "lora_path": "/a"})]
+    # No decode engine serves it: the error answer, as before.
+    assert got.status == 503 and "could not load LoRA adapter 'a' on http://o" in got.text
+    for i in range(proxy_module.LORA_LOAD_FAILURES_MAX + 5):
+        proxy._loaded((f"http://e{i}", "a"))(_failed_future())
+    assert len(proxy._load_failures) == proxy_module.LORA_LOAD_FAILURES_MAX
+
+
+def _failed_future():
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        done.set_result("error")
+        return done
+    finally:
+        loop.close()
