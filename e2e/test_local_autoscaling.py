@@ -72,7 +72,7 @@ def test_load_scales_decode_up_and_quiet_scales_it_back_without_failures(scaled_
     trickle = threading.Thread(
         target=load,
         args=("trickle",),
-        kwargs={"concurrency": 1, "duration": 30.0, "num_requests": None},
+        kwargs={"concurrency": 1, "duration": 20.0, "num_requests": None},
     )
     trickle.start()
     started = time.monotonic()
