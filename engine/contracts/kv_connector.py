@@ -27,7 +27,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .kv_params import KVTransferParams
@@ -101,16 +101,8 @@ class KVLayoutWire:
     """``cpu`` or ``cuda:N``."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "element_size": self.element_size,
-            "device": self.device,
-        }
+        # Exactly the wire's fields, in their order (a subclass's own stay out).
+        return {f.name: getattr(self, f.name) for f in fields(KVLayoutWire)}
 
     @classmethod
     def from_wire(cls, data: Any, name: str = "layout") -> KVLayoutWire:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -31,19 +31,12 @@ COMPAT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVLayout(KVLayoutWire):
     """The engine's KV buffer: ``[num_layers, 2 (K, V), num_blocks, block_size, kv_heads,
-    head_dim]``, one contiguous region. A block of one layer and kind is contiguous."""
+    head_dim]``, one contiguous region. A block of one layer and kind is contiguous.
+    The shape is the handshake's :class:`KVLayoutWire`; this adds where it lives."""
 
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    element_size: int
-    base_address: int
-    device: str  # "cpu" or "cuda:N"
+    base_address: int = 0
 
     @classmethod
     def of(cls, buffer: torch.Tensor) -> KVLayout:
@@ -60,8 +53,8 @@ class KVLayout:
             dim,
             str(buffer.dtype).replace("torch.", ""),
             buffer.element_size(),
-            buffer.data_ptr(),
             str(buffer.device),
+            base_address=buffer.data_ptr(),
         )
 
     @property
@@ -104,30 +97,14 @@ class KVLayout:
 
     def wire(self) -> KVLayoutWire:
         """The layout as a handshake states it (no address)."""
-        return KVLayoutWire(
-            self.num_layers,
-            self.num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.element_size,
-            self.device,
-        )
+        return KVLayoutWire(**{f.name: getattr(self, f.name) for f in fields(KVLayoutWire)})
 
     @classmethod
     def of_wire(cls, wire: KVLayoutWire, base_address: int = 0) -> KVLayout:
         """A peer's layout from its handshake (``base_address``: unknown, 0)."""
         return cls(
-            wire.num_layers,
-            wire.num_blocks,
-            wire.block_size,
-            wire.num_kv_heads,
-            wire.head_dim,
-            wire.dtype,
-            wire.element_size,
-            base_address,
-            wire.device,
+            **{f.name: getattr(wire, f.name) for f in fields(KVLayoutWire)},
+            base_address=base_address,
         )
 
 
