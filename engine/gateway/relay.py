@@ -131,6 +131,17 @@ class Resend(Recovery):
         return await super().recover(end)
 
 
+def whole_events(buf: bytes, limit: int) -> tuple[bytes, bytes]:
+    """(the whole SSE events at the head of ``buf``, the rest); UpstreamError once
+    what is buffered passes ``limit`` bytes without ending an event."""
+    if len(buf) > limit:
+        raise UpstreamError(f"an event of over {limit} bytes")
+    cut = buf.rfind(b"\n\n")
+    if cut < 0:
+        return b"", buf
+    return buf[: cut + 2], buf[cut + 2 :]
+
+
 async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handback, error exits)
     legs: Legs,
     call: Call,
@@ -175,13 +186,9 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                         with legs.watched(engine, first_bound):
                             data = await anext(chunks)
                     pool.progress(engine)
-                    buf += data
-                    if len(buf) > limit:
-                        raise UpstreamError(f"an event of over {limit} bytes")
-                    cut = buf.rfind(b"\n\n")
-                    if cut < 0:
+                    out, buf = whole_events(buf + data, limit)
+                    if not out:
                         continue
-                    out, buf = buf[: cut + 2], buf[cut + 2 :]
                     got = True
                     if events is not None:
                         out, handed_back = events(out, True)
@@ -204,15 +211,11 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                         try:
                             async for data in chunks:  # a stall-ejected engine ends its streams now
                                 pool.progress(engine)
-                                buf += data
-                                if len(buf) > limit:
-                                    raise UpstreamError(f"an event of over {limit} bytes")
-                                cut = buf.rfind(b"\n\n")
-                                if cut < 0:
+                                out, buf = whole_events(buf + data, limit)
+                                if not out:
                                     if timer is not None:
                                         timer.touch()
                                     continue
-                                out, buf = buf[: cut + 2], buf[cut + 2 :]
                                 if events is not None:
                                     out, handed_back = events(out, False)
                                     if not out:
