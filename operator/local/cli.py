@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.tenants_file:
         fleet.tenants_file = str(Path(args.tenants_file).resolve())
+    fleet.gateway_config()  # what the gateway would refuse, refused before anything starts
     stop = threading.Event()
     reload = threading.Event()  # SIGHUP: `pdfleet apply` left a new resource
 

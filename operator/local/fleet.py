@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from ...engine.config.gateway import GatewayConfig
+from ...engine.config.gateway import BATCH_DATABASE_ENV, GatewayConfig
 from ...engine.contracts import identity, identity_exchange, security
 from ...engine.contracts import metrics as m
 from ...engine.contracts.engines_file import EngineEntry, EnginesFile
@@ -282,6 +282,17 @@ class LocalFleet:
     ) -> GatewayConfig:
         """The gateway's settings for ``service`` (default: the fleet's)."""
         spec = (service or self.service).spec
+        # The Batch API's state: the PostgreSQL database this process's environment
+        # names (the gateway reads the variable itself), else files and SQLite
+        # with the run. A resource that asks for a database names a Kubernetes
+        # Secret, which a local run cannot read: it needs the variable.
+        database = os.environ.get(BATCH_DATABASE_ENV)
+        batch = spec.gateway.batch
+        if not database and batch is not None and batch.database_secret is not None:
+            raise ValueError(
+                "gateway.batch.databaseSecret names a Kubernetes Secret, which pdfleet up "
+                f"cannot read: set ${BATCH_DATABASE_ENV} to the database's URL"
+            )
         return GatewayConfig(
             host=self.host,
             port=self.gateway_port,
@@ -295,8 +306,7 @@ class LocalFleet:
             **gateway_request_bounds(spec),
             trust_client_trace_context=spec.gateway.trust_client_trace_context,
             tenants_file=self.tenants_file,
-            # The Batch API's files and database live with the run.
-            data_dir=str((self.run_dir / "gateway-data").resolve()),
+            data_dir=None if database else str((self.run_dir / "gateway-data").resolve()),
             **spec.gateway.overload_settings(),
             **gateway_peer_pull_settings(spec),
         )

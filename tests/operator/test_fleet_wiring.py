@@ -430,3 +430,23 @@ def test_pdfleet_up_says_which_kv_caches_were_set_and_which_were_sized(tmp_path,
     monkeypatch.setattr(fleet, "all_children", lambda: children)
     text = cli.memory_report(fleet)
     assert "decode-0 160 (1.00 GiB set)" in text and "free memory" not in text, text
+
+
+def test_pdfleet_up_keeps_batches_with_the_run_or_in_the_database_its_environment_names(
+    tmp_path, monkeypatch
+):
+    """The Batch API's store locally: the run's folder, or the PostgreSQL database
+    of $PDFLEET_BATCH_DATABASE_URL (then no folder, which the gateway would refuse
+    beside it); a resource asking for a database Secret needs that variable."""
+    monkeypatch.delenv("PDFLEET_BATCH_DATABASE_URL", raising=False)
+    assert local_fleet(tmp_path, SPEC).gateway_config().data_dir == str(
+        (tmp_path / "gateway-data").resolve()
+    )
+    with_secret = {**SPEC, "gateway": {"batch": {"databaseSecret": {"name": "db"}}}}
+    with pytest.raises(ValueError, match=r"cannot read: set \$PDFLEET_BATCH_DATABASE_URL"):
+        local_fleet(tmp_path, with_secret).gateway_config()
+    monkeypatch.setenv("PDFLEET_BATCH_DATABASE_URL", "postgresql://u:p@db/x")
+    for spec in (SPEC, with_secret):
+        config = local_fleet(tmp_path, spec).gateway_config()
+        assert config.data_dir is None
+        assert "postgresql" not in " ".join(config.to_cli_args())
