@@ -64,7 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contracts.kv_params import LEND_FIELD, REMOTE_DECODE
+from ..contracts.kv_params import KVTransferParams
 from ..http.upstream import UpstreamClient, UpstreamError
 from .engines import EngineLoad, EngineState
 from .kv_index import KVIndex
@@ -481,7 +481,9 @@ def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
         "guided_grammar",
     ):
         out.pop(key, None)
-    out["kv_transfer_params"] = {**REMOTE_DECODE.to_wire(), LEND_FIELD: blocks}
+    out["kv_transfer_params"] = KVTransferParams(
+        do_remote_decode=True, lend_blocks=blocks
+    ).to_wire()
     return out
 
 
