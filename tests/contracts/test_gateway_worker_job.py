@@ -12,7 +12,7 @@ from pdfleet.engine.contracts.gateway_worker_job import WorkerJob
 
 
 def test_a_job_round_trips_and_rebuilds_the_config():
-    config = GatewayConfig(workers=2, port=8123)
+    config = GatewayConfig(decode=["http://127.0.0.1:8001"], workers=2, port=8123)
     job = WorkerJob(dataclasses.asdict(config), 1, 2, "/tmp/run")
     data = job.encode()
     # The bytes the supervisor always wrote: one JSON object of these four fields.
