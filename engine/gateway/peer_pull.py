@@ -64,6 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contracts.gateway_view import PeerPullCosts
 from ..contracts.kv_params import KVTransferParams
 from ..http.upstream import UpstreamClient, UpstreamError
 from .engines import EngineLoad, EngineState
@@ -223,16 +224,16 @@ class PeerPull:
         c.routed = [(t, n) for t, n in c.routed if now - t < ROUTED_MEMORY_S]
         c.routed.append((now, tokens))
 
-    def view(self, url: str) -> dict[str, Any]:
+    def view(self, url: str) -> PeerPullCosts:
         """What is measured of one engine (the gateway's ``/engines``)."""
         c = self._costs(url)
-        return {
-            "prefill_tokens_per_s": _rounded(c.rate.value),
-            "step_s": _rounded(c.step.value, 4),
-            "lend_s": _rounded(c.lend.value, 4),
-            "queued_prompt_tokens": c.waiting_tokens + sum(n for _, n in c.routed),
-            "kv_block_bytes": c.block_bytes,
-        }
+        return PeerPullCosts(
+            prefill_tokens_per_s=_rounded(c.rate.value),
+            step_s=_rounded(c.step.value, 4),
+            lend_s=_rounded(c.lend.value, 4),
+            queued_prompt_tokens=c.waiting_tokens + sum(n for _, n in c.routed),
+            kv_block_bytes=c.block_bytes,
+        )
 
     def routed_request(self, e: EngineState, info: PromptInfo) -> None:
         """Mutates: a request routed to ``e`` without a plan; its tokens less the

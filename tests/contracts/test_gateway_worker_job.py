@@ -16,9 +16,12 @@ def test_a_job_round_trips_and_rebuilds_the_config():
     job = WorkerJob(dataclasses.asdict(config), 1, 2, "/tmp/run")
     data = job.encode()
     # The bytes the supervisor always wrote: one JSON object of these four fields.
-    assert data == json.dumps(
-        {"config": dataclasses.asdict(config), "index": 1, "count": 2, "run_dir": "/tmp/run"}
-    ).encode()
+    assert (
+        data
+        == json.dumps(
+            {"config": dataclasses.asdict(config), "index": 1, "count": 2, "run_dir": "/tmp/run"}
+        ).encode()
+    )
     back = WorkerJob.decode(data)
     assert (back.index, back.count, back.run_dir) == (1, 2, "/tmp/run")
     assert GatewayConfig(**back.config) == config
