@@ -273,7 +273,7 @@ class Step:
         return _pack(
             [
                 # A row's sampling goes as its map; the rest of the row as it is.
-                [r._replace(sampling=r.sampling.to_wire()) for r in self.new],
+                [[*r[:3], r.sampling.to_wire(), *r[4:]] for r in self.new],
                 self.cached,
                 self.num_scheduled_tokens,
                 self.total_num_scheduled_tokens,
