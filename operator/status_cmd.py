@@ -224,7 +224,7 @@ def peer_pull_line(text: str) -> str | None:
         return None
     counts: dict[str, float] = {}
     for labels, value in scrape.samples.get(m.GATEWAY_PEER_PULL_DECISIONS.name, ()):
-        decision = labels.get("decision", "?")
+        decision = labels.get(m.DECISION, "?")
         counts[decision] = counts.get(decision, 0.0) + value
     if crossover < 0:
         where = "crossover not measured yet"
@@ -232,7 +232,7 @@ def peer_pull_line(text: str) -> str | None:
         where = "crossover: pulling never wins"
     else:
         where = f"crossover {crossover:.0f} tokens"
-    done = ", ".join(f"{d} {counts.get(d, 0.0):.0f}" for d in ("pull", "holder", "recompute"))
+    done = ", ".join(f"{d} {counts.get(d, 0.0):.0f}" for d in m.PEER_PULL_DECISIONS)
     return f"peer pulls: {where}; {done}"
 
 

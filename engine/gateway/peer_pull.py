@@ -64,6 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contracts import metrics as m
 from ..contracts.gateway_view import PeerPullCosts
 from ..contracts.kv_params import KVTransferParams
 from ..http.upstream import UpstreamClient, UpstreamError
@@ -102,7 +103,7 @@ class Option:
     """One way to serve the request and its predicted seconds to the first token."""
 
     decision: str
-    """holder, pull or recompute."""
+    """``m.HOLDER``, ``m.PULL`` or ``m.RECOMPUTE`` (the decisions metric's values)."""
     engine: EngineState
     """The engine that serves the request."""
     seconds: float
@@ -115,7 +116,7 @@ class Plan:
     """What the gateway does with a request whose prefix another engine holds."""
 
     decision: str
-    """holder, pull or recompute."""
+    """``m.HOLDER``, ``m.PULL`` or ``m.RECOMPUTE`` (the decisions metric's values)."""
     reason: str
     """cost or explore."""
     engine: EngineState
@@ -353,7 +354,7 @@ class PeerPull:
         n = info.num_tokens
         options = [
             Option(
-                "recompute",
+                m.RECOMPUTE,
                 target,
                 self.compute_seconds(target, n - own * bs, rate_t),
                 n - own * bs,
@@ -362,7 +363,7 @@ class PeerPull:
         if holder.url not in full:
             options.append(
                 Option(
-                    "holder",
+                    m.HOLDER,
                     holder,
                     self.compute_seconds(holder, n - held_blocks * bs, rate_h),
                     n - held_blocks * bs,
@@ -379,11 +380,11 @@ class PeerPull:
                     min(options, key=lambda o: o.seconds), holder, "cost", 0, options
                 )
             lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option("pull", target, lend + tail, n - held_blocks * bs)
+            pull = Option(m.PULL, target, lend + tail, n - held_blocks * bs)
             reason = "explore"
         else:
             lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option("pull", target, lend + moved / bw + tail, n - held_blocks * bs)
+            pull = Option(m.PULL, target, lend + moved / bw + tail, n - held_blocks * bs)
         options.append(pull)
         best = min(options, key=lambda o: o.seconds)
         return self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
@@ -396,7 +397,7 @@ class PeerPull:
             reason,
             best.engine,
             holder,
-            blocks if best.decision == "pull" else 0,
+            blocks if best.decision == m.PULL else 0,
             options,
         )
 
@@ -435,7 +436,7 @@ class PeerPull:
             )
         except (UpstreamError, TimeoutError, OSError) as e:
             logger.info("peer pull: lend from %s failed: %s", plan.holder.url, e)
-            self.count("recompute", "lend_failed")
+            self.count(m.RECOMPUTE, "lend_failed")
             return None
         seconds = max(0.0, time.monotonic() - start - waited)
         params: Any = None
@@ -452,11 +453,11 @@ class PeerPull:
                 resp.status_code,
                 resp.content[:300],
             )
-            self.count("recompute", "lend_refused")
+            self.count(m.RECOMPUTE, "lend_refused")
             return None
         engine_id = params.get("remote_engine_id")
         self.lent(plan.holder, seconds, engine_id if isinstance(engine_id, str) else None)
-        self.count("pull", plan.reason)
+        self.count(m.PULL, plan.reason)
         return params
 
 
