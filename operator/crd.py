@@ -4,9 +4,10 @@
 fields, so ``kubectl explain inferenceservice.spec.engine.maxNumBatchedTokens``
 prints the engine's own docstring; every other section, ``spec.autoscaling``
 included, from its pydantic model. CEL rules carry the cross-field checks the
-API server can make (each the twin of a model validator: the tests run both on
-the same specs); :func:`pdfleet.operator.compat.check_service`
-makes them all (and the ones CEL cannot) before anything is created.
+API server can make, each the twin of a model validator or, for the connector
+and multi-node names, of :func:`pdfleet.operator.compat.check_service` (the
+tests run both on the same objects); ``check_service`` also makes the ones
+CEL cannot, before anything is created.
 """
 
 from __future__ import annotations
