@@ -128,7 +128,7 @@ class EngineMetrics:
         self.shard_bytes = None
         if self.has_kv:
             self.shard_bytes = m.ENGINE_KV_TRANSFER_SHARD_BYTES.create(self.registry)
-            self.shard_bytes.labels(**self.labels, rank="0")
+            self.shard_bytes.labels(**self.labels, **{m.KV_SHARD: "0"})
         self._last_shard_bytes: list[int] = []
         # Labelled by producer engine id as pulls complete (peer pulls' cost model).
         self.peer_pulls: tuple[Any, ...] = ()
@@ -171,7 +171,7 @@ class EngineMetrics:
         if lora is not None:
             self.lora_evictions = m.ENGINE_LORA_EVICTIONS.create(self.registry)
             for tier in ("device", "host"):
-                self.lora_evictions.labels(**self.labels, tier=tier)
+                self.lora_evictions.labels(**self.labels, **{m.LORA_TIER: tier})
             self.lora_requests = m.ENGINE_LORA_REQUESTS.create(self.registry)
             self.lora_info = m.VLLM_LORA_REQUESTS_INFO.create(self.registry)
             self.adapter_info = m.ENGINE_LORA_ADAPTER_INFO.create(self.registry)
@@ -229,7 +229,7 @@ class EngineMetrics:
         self._observe(m.ENGINE_TTFT, it.time_to_first_token)
         self._observe(m.ENGINE_ITL, it.inter_token_latency)
         for reason, e2e, queue_s, _prompt, _gen in it.finished:
-            self.request_success.labels(**self.labels, finished_reason=reason).inc()
+            self.request_success.labels(**self.labels, **{m.FINISHED_REASON: reason}).inc()
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
 
@@ -251,13 +251,13 @@ class EngineMetrics:
                 key = f"evictions:{tier}"
                 delta = value - self._lora_counts.get(key, 0)
                 if delta > 0:
-                    self.lora_evictions.labels(**self.labels, tier=tier).inc(delta)
+                    self.lora_evictions.labels(**self.labels, **{m.LORA_TIER: tier}).inc(delta)
                 self._lora_counts[key] = value
         for name, count in engine.lora_requests.items():
             key = f"requests:{name}"
             delta = count - self._lora_counts.get(key, 0)
             if delta > 0:
-                self.lora_requests.labels(**self.labels, lora_name=name).inc(delta)
+                self.lora_requests.labels(**self.labels, **{m.LORA_NAME: name}).inc(delta)
             self._lora_counts[key] = count
         s = engine.stats
         self._update_lora_info(s.running_lora_adapters, s.waiting_lora_adapters)
@@ -270,7 +270,8 @@ class EngineMetrics:
                 self.adapter_info.remove(self.labels[m.MODEL_NAME], name, identity, path)
             for name, (identity, path) in served.items():
                 self.adapter_info.labels(
-                    **self.labels, lora_name=name, lora_identity=identity, lora_path=path
+                    **self.labels,
+                    **{m.LORA_NAME: name, m.LORA_IDENTITY: identity, m.LORA_PATH: path},
                 ).set(1)
             self._adapters = served
 
@@ -332,10 +333,10 @@ class EngineMetrics:
                 delta = value - self._last_peer.get((i, producer), 0.0)
                 self._last_peer[(i, producer)] = value
                 if delta > 0:
-                    family.labels(**self.labels, producer=producer).inc(delta)
+                    family.labels(**self.labels, **{m.KV_PRODUCER: producer}).inc(delta)
         by_rank = list(getattr(connector.transport, "rank_bytes", ()))
         last = self._last_shard_bytes + [0] * (len(by_rank) - len(self._last_shard_bytes))
         for rank, (now, before) in enumerate(zip(by_rank, last, strict=True)):
             if now > before and self.shard_bytes is not None:
-                self.shard_bytes.labels(**self.labels, rank=str(rank)).inc(now - before)
+                self.shard_bytes.labels(**self.labels, **{m.KV_SHARD: str(rank)}).inc(now - before)
         self._last_shard_bytes = by_rank

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
 
 from .autoscaling.control_loop import ROLES, ActivationCounter, ReplicaScrape, ScalingLoop
 from .autoscaling.decisions import AutoscalerMetrics
@@ -25,13 +24,12 @@ from .autoscaling.samples import snapshot_from_series
 from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
 from .manifests import child_name, desired_replicas, multi_node, workload_kind
-from .resource import InferenceServiceSpec
+from .resource import InferenceServiceSpec, ScalingRecord
 from .scrape import PodSample, activation_key
 
 # Deployment scale-down removes the pods with the lowest deletion cost first.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_DELETION_COST = "-1000"
-MAX_RECORDED_DECISIONS = 10
 
 
 @dataclass(frozen=True)
@@ -106,14 +104,6 @@ class PolicyDecider:
 decide_scaling: DecideFn = PolicyDecider()
 
 
-# One replica change, as status.autoscaling.lastDecisions records it ("from" is a
-# keyword, hence the functional form).
-ScaleRecord = TypedDict(
-    "ScaleRecord",
-    {"role": str, "from": int, "to": int, "reason": str, "time": str, "applied": bool},
-)
-
-
 async def actuate(
     client: KubeClient,
     *,
@@ -123,13 +113,13 @@ async def actuate(
     decisions: Sequence[ScaleDecision],
     replicas: Mapping[str, int],
     now: str,
-) -> list[ScaleRecord]:
+) -> list[ScalingRecord]:
     """Apply decisions; return the status records of the changes made.
 
     Replicas are kept within the role's minReplicas..maxReplicas (the same
     bound the reconcile applies, so the two never disagree).
     """
-    records: list[ScaleRecord] = []
+    records: list[ScalingRecord] = []
     for decision in decisions:
         before = replicas[decision.role]
         after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})
@@ -150,14 +140,7 @@ async def actuate(
             {"spec": {"replicas": after}},
         )
         records.append(
-            {
-                "role": decision.role,
-                "from": before,
-                "to": after,
-                "reason": decision.reason,
-                "time": now,
-                "applied": True,
-            }
+            ScalingRecord.change(decision.role, before, after, decision.reason, now, applied=True)
         )
     return records
 
@@ -167,29 +150,17 @@ def advise(
     decisions: Sequence[ScaleDecision],
     replicas: Mapping[str, int],
     now: str,
-) -> list[ScaleRecord]:
+) -> list[ScalingRecord]:
     """Mode Advisory: the status records of what :func:`actuate` would do,
     marked not applied; nothing is patched."""
-    records: list[ScaleRecord] = []
+    records: list[ScalingRecord] = []
     for decision in decisions:
         before = replicas[decision.role]
         after = desired_replicas(spec, decision.role, {decision.role: decision.replicas})
         if after != before:
             records.append(
-                {
-                    "role": decision.role,
-                    "from": before,
-                    "to": after,
-                    "reason": decision.reason,
-                    "time": now,
-                    "applied": False,
-                }
+                ScalingRecord.change(
+                    decision.role, before, after, decision.reason, now, applied=False
+                )
             )
     return records
-
-
-def merge_records(
-    previous: Sequence[Mapping[str, object]], new: Sequence[Mapping[str, object]]
-) -> list[dict[str, object]]:
-    """The bounded decision history, newest last."""
-    return [dict(r) for r in [*previous, *new]][-MAX_RECORDED_DECISIONS:]

@@ -4,9 +4,13 @@ Checked before anything runs (docs/operator.md, "Checks"). A violation names the
 problem and the fix; the operator turns violations into a ``Ready=False``
 condition and events, ``pdfleet up`` and ``pdfleet render`` into an error.
 
-Every rule the API server can check is a validator of the resource model
-(``pdfleet.operator.resource``) with a CEL twin in the CRD, so it refuses the
-object at admission. What is left here needs more than CEL can give:
+Every rule the API server can check is a CEL rule of the CRD, so it refuses
+the object at admission; its local twin is a validator of the resource model
+(``pdfleet.operator.resource``), or, for two of them, a rule here: the
+connector a disaggregated fleet needs (listed with the other violations,
+where a model validator would stop parsing first) and a multi-node role's
+worker set names (they need ``metadata.name``, which the spec model does not
+see). What is left here needs more than CEL can give:
 
 - the engine's own checks run on the merged ``EngineArgs`` (unsupported
   features, the LoRA flags, the KV cache's settings together), so that a
@@ -15,8 +19,8 @@ object at admission. What is left here needs more than CEL can give:
   whose unknown fields CEL cannot read (and whose size it cannot bound);
 - the tensor-parallel layout against the model's head counts (needs the
   model's configuration), against the pods' accelerator requests (Kubernetes
-  quantities, compared as the operator renders them) and the length of
-  multi-node child names (needs metadata.name and the autoscaling bounds).
+  quantities, compared as the operator renders them, against a count from
+  the merged engine arguments).
 """
 
 from __future__ import annotations
@@ -130,9 +134,9 @@ def _check_cross_role(spec: InferenceServiceSpec, args: dict[str, EngineArgs]) -
 
 
 def _check_connector(spec: InferenceServiceSpec) -> list[Violation]:
-    # Also a CEL rule of the CRD. Not a model validator (yet): the model parses
-    # partial specs without a connector in many places, and ``pdfleet up``,
-    # ``pdfleet render`` and the operator all run this check before anything starts.
+    # Also a CEL rule of the CRD. Not a model validator: the model's validators
+    # stop parsing before these checks run, and this one is listed with them
+    # (``pdfleet render`` prints every violation at once).
     if disaggregating(spec) and spec.kv_transfer.connector is None:
         return [
             Violation(

@@ -39,7 +39,6 @@ from .cluster_autoscaler import (
     actuate,
     advise,
     decide_scaling,
-    merge_records,
 )
 from .compat import compat_hash
 from .fleet_secret import FleetSecretError, ensure_fleet_secret, secret_version
@@ -73,7 +72,7 @@ from .reconcile import (
 )
 from .resource import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from .scrape import KVHealth, KVVerdict, PodSample, scrape_pods
-from .status import build_status, invalid_status
+from .status import autoscaling_status, build_status, invalid_status
 
 MAX_EVENTS_PER_REVISION = 5
 # Seconds a running refresh may go on after SIGTERM, and the hard bound on the exit.
@@ -456,19 +455,17 @@ async def _autoscale(
     decisions = config.decide(f"{namespace}/{name}", spec.autoscaling, samples, replicas, now)
     if not decisions:
         return autoscaled
-    previous = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions") or []
     if spec.autoscaling.mode == "Advisory":
         # Computed and reported (status, events, metrics), not carried out.
         advised = advise(spec, decisions, replicas, now_rfc3339())
         if advised:
-            patch.setdefault("status", {})["autoscaling"] = {
-                "mode": "Advisory",
-                "lastDecisions": merge_records(previous, advised),
-            }
+            patch.setdefault("status", {})["autoscaling"] = autoscaling_status(
+                body.get("status"), "Advisory", advised
+            )
         for record in advised:
             message = (
-                f"{record['role']} {record['from']} -> {record['to']} (advisory, not applied): "
-                f"{record['reason']}"
+                f"{record.role} {record.from_} -> {record.to} (advisory, not applied): "
+                f"{record.reason}"
             )
             kopf.info(body, reason="ScaleAdvised", message=message)
             logger.info("advised %s", message)
@@ -484,17 +481,15 @@ async def _autoscale(
     )
     if not records:
         return autoscaled
-    patch.setdefault("status", {})["autoscaling"] = {
-        "mode": "Active",
-        "lastDecisions": merge_records(previous, records),
-        "lastScaleTime": records[-1]["time"],
-    }
+    patch.setdefault("status", {})["autoscaling"] = autoscaling_status(
+        body.get("status"), "Active", records
+    )
     for record in records:
-        state.scale_changes.labels(record["role"]).inc()
-        message = f"{record['role']} {record['from']} -> {record['to']}: {record['reason']}"
+        state.scale_changes.labels(record.role).inc()
+        message = f"{record.role} {record.from_} -> {record.to}: {record.reason}"
         kopf.info(body, reason="Scaled", message=message)
         logger.info("scaled %s", message)
-        replicas[record["role"]] = record["to"]
+        replicas[record.role] = record.to
     return replicas
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine.contracts import metrics as m
 from .scrape import PodSample
+from .status import role_figures
 
 RUNNING = m.ENGINE_NUM_REQUESTS_RUNNING.name
 WAITING = m.ENGINE_NUM_REQUESTS_WAITING.name
@@ -36,14 +37,7 @@ def role_load(samples: Iterable[PodSample]) -> dict[str, dict[str, Any]]:
         queries = sum(p.values.get(PREFIX_QUERIES, 0.0) for p in pods)
         hits = sum(p.values.get(PREFIX_HITS, 0.0) for p in pods)
         hit_rate = hits / queries if queries else None
-        out[role] = {
-            "running": running,
-            "waiting": waiting,
-            "kvCacheUsage": round(kv, 4),
-            "prefixHitRate": None if hit_rate is None else round(hit_rate, 4),
-            "load": f"{running}/{waiting} kv {100 * kv:.0f}%"
-            + ("" if hit_rate is None else f" hit {100 * hit_rate:.0f}%"),
-        }
+        out[role] = role_figures(running, waiting, kv, hit_rate)
     return out
 
 

@@ -921,7 +921,9 @@ class InferenceServiceSpec(SpecModel):
 class Condition(BaseModel):
     """A metav1.Condition."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
 
     type: str
     """Ready, PrefillReady, DecodeReady, GatewayReady or KVTransferHealthy."""
@@ -940,7 +942,9 @@ class Condition(BaseModel):
 class RoleStatus(BaseModel):
     """Replica counts of one role."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
 
     replicas: int = 0
     """Pods that exist."""
@@ -967,7 +971,9 @@ class RoleStatus(BaseModel):
 class RolesStatus(BaseModel):
     """Replica counts per role."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
 
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     """The prefill pool."""
@@ -998,11 +1004,29 @@ class ScalingRecord(BaseModel):
     """False in mode Advisory: the autoscaler computed the change and left
     the replicas as they were."""
 
+    @classmethod
+    def change(
+        cls, role: str, before: int, after: int, reason: str, time: str, *, applied: bool
+    ) -> ScalingRecord:
+        """One change (``from`` is a Python keyword: no keyword argument can name it)."""
+        return cls.model_validate(
+            {
+                "role": role,
+                "from": before,
+                "to": after,
+                "reason": reason,
+                "time": time,
+                "applied": applied,
+            }
+        )
+
 
 class AutoscalingStatus(BaseModel):
     """What the autoscaler did."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
 
     mode: Literal["Active", "Advisory"] | None = None
     """The mode of the latest decisions recorded (spec.autoscaling.mode)."""
@@ -1016,7 +1040,9 @@ class AutoscalingStatus(BaseModel):
 class InferenceServiceStatus(BaseModel):
     """Observed state, written by the operator."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, alias_generator=camel)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, alias_generator=camel, populate_by_name=True
+    )
 
     phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"] = "Pending"
     """Pending (nothing ready yet), Progressing (rolling out), Ready, Degraded

@@ -70,7 +70,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     scrape = m.parse_metrics(text)
     values = scrape.totals()
     for labels, value in scrape.samples.get(m.GATEWAY_ACTIVATIONS.name, ()):
-        key = activation_key(labels.get("role", ""))
+        key = activation_key(labels.get(m.ROLE, ""))
         values[key] = values.get(key, 0.0) + value
     return values
 

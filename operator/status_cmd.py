@@ -27,6 +27,7 @@ import httpx
 
 from ..engine.config.fields import bounded_seconds
 from ..engine.contracts import metrics as m
+from ..engine.contracts.gateway_view import EnginesView, TenantView
 from ..engine.contracts.security import fleet_secret_from_env, fleet_token
 from .local.state import SECRET_FILE, STATE_FILE, STOPPED, read_state, supervisor_alive
 from .manifests import LABEL_ROLE, LABEL_SERVICE
@@ -119,7 +120,7 @@ class FleetView:
     """A local run whose ``pdfleet up`` is gone (the exit status says so)."""
     peer_pull: str | None = None
     """The gateway's peer-pull line (``--peer-pull``; None: off or not read)."""
-    tenants: list[dict[str, Any]] | None = None
+    tenants: list[TenantView] | None = None
     """The gateway's tenants (its ``/engines``): in flight, queued, queue time."""
 
 
@@ -165,18 +166,18 @@ TENANT_HEADER = (
 )
 
 
-def render_tenant(t: Mapping[str, Any]) -> str:
+def render_tenant(t: TenantView) -> str:
     """One tenant of the gateway: its band and weight, what it has in flight
     (requests, tokens), waiting, and the recent mean wait of its queued requests."""
 
-    def num(v: Any, fmt: str = "{:.0f}") -> str:
-        return "-" if not isinstance(v, (int, float)) else fmt.format(v)
+    def num(v: float | None, fmt: str = "{:.0f}") -> str:
+        return "-" if v is None else fmt.format(v)
 
     return (
-        f"{_fit(str(t.get('tenant')), 26):<26} {num(t.get('priority')):>4} "
-        f"{num(t.get('weight'), '{:g}'):>6} {num(t.get('inflight')):>8} "
-        f"{num(t.get('inflight_tokens')):>8} {num(t.get('queued')):>6} "
-        f"{num(t.get('queue_s'), '{:.2f}'):>7}"
+        f"{_fit(t.tenant, 26):<26} {num(t.priority):>4} "
+        f"{num(t.weight, '{:g}'):>6} {num(t.inflight):>8} "
+        f"{num(t.inflight_tokens):>8} {num(t.queued):>6} "
+        f"{num(t.queue_s, '{:.2f}'):>7}"
     ).rstrip()
 
 
@@ -223,7 +224,7 @@ def peer_pull_line(text: str) -> str | None:
         return None
     counts: dict[str, float] = {}
     for labels, value in scrape.samples.get(m.GATEWAY_PEER_PULL_DECISIONS.name, ()):
-        decision = labels.get("decision", "?")
+        decision = labels.get(m.DECISION, "?")
         counts[decision] = counts.get(decision, 0.0) + value
     if crossover < 0:
         where = "crossover not measured yet"
@@ -231,7 +232,7 @@ def peer_pull_line(text: str) -> str | None:
         where = "crossover: pulling never wins"
     else:
         where = f"crossover {crossover:.0f} tokens"
-    done = ", ".join(f"{d} {counts.get(d, 0.0):.0f}" for d in ("pull", "holder", "recompute"))
+    done = ", ".join(f"{d} {counts.get(d, 0.0):.0f}" for d in m.PEER_PULL_DECISIONS)
     return f"peer pulls: {where}; {done}"
 
 
@@ -323,15 +324,14 @@ class LocalSource:
             )
         ]
 
-    def _tenants(self, url: str) -> list[dict[str, Any]] | None:
+    def _tenants(self, url: str) -> list[TenantView] | None:
         """The gateway's tenants (its /engines, which the fleet token may read)."""
         try:
             resp = self.client.get(url + "/engines")
             resp.raise_for_status()
-            tenants = resp.json().get("tenants")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            return EnginesView.decode(resp.content).tenants
+        except (httpx.HTTPError, ValueError):
             return None
-        return tenants if isinstance(tenants, list) else None
 
     def _answers(self, url: str) -> bool:
         """Whether the gateway accepts a connection and answers /health (any status:

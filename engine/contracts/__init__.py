@@ -27,19 +27,31 @@ contracts): a gateway pod, the operator and the configuration use it.
   auth, refusals), the envelope of its later messages, and the lease
   messages (``LeaseUse``: claim and read; ``LeaseEnd``: confirm and release).
 * ``tp_wire`` — what the tensor-parallel main process and its rank processes
-  exchange: the step, its result, READY and errors, the rendezvous store's
-  records.
+  exchange: the step (a new request's sampling as ``StepSampling``), its
+  result, READY and errors, the rendezvous store's records.
 * ``kv_events`` — the KV-cache events an engine publishes and the gateway's
   index reads.
 * ``gateway_events`` — the events the workers of one gateway pass each other.
+* ``gateway_worker_job`` — what ``pdfleet gateway --workers N`` sends each
+  worker it starts (``WorkerJob``).
+* ``gateway_view`` — the gateway's ``/engines`` answer (``EnginesView``), which
+  ``pdfleet status`` decodes.
+* ``grammar_worker`` — the frames between an engine and its grammar compile
+  workers (``CompileRequest``; ``Compiled``, ``TooLarge``, ``Failed``).
+* ``request_fields`` — the OpenAI routes' request fields: which work, which
+  are refused by name, and the one check engines and the gateway both run.
+* ``priority`` — the ``priority`` the gateway sends engines: a band and a
+  fair-share tag.
 * ``block_hash`` — the chained block hashes both sides of a prefix match compute.
-* ``metrics`` — every metric name and label pdfleet exports or reads, and the
+* ``metrics`` — every metric name and label pdfleet exports or reads (the
+  label names readers select by, and the label values they count), and the
   one ``/metrics`` parser (the gateway workers' merged exposition reads with it too).
 * ``http_limits`` — what one HTTP request may cost a server.
 * ``sampling_checks`` — the sampling fields' admissibility, checked alike by
   engines and the gateway.
-* ``security``, ``identity`` — credentials: API keys, the fleet secret, signed
-  fields, fleet identities.
+* ``security``, ``identity``, ``identity_exchange`` — credentials: API keys,
+  the fleet secret, signed fields, fleet identities, and how an engine pod
+  obtains its identity token from the operator.
 * ``model_source`` — the ``hf://`` grammar, the variables a model fetch reads,
   pdfleet's one cache directory.
 * ``launch`` — the command line pdfleet starts its own processes with.

@@ -91,17 +91,28 @@ class Metric:
         return cls(self.family, self.help, names, registry=registry)
 
 
-# Label names.
+# Label names. Those a reader of ``/metrics`` selects by (the gateway, the
+# autoscaler, ``pdfleet status``) are named here once, for the series that
+# writes them and the reader alike.
 MODEL_NAME = "model_name"
 FINISHED_REASON = "finished_reason"
+ROLE = "role"
+"""An engine role (``prefill``, ``decode``), or ``gateway``."""
+REASON = "reason"
+DECISION = "decision"
+BLOCK_SIZE = "block_size"
+NUM_GPU_BLOCKS = "num_gpu_blocks"
+COMPAT_HASH = "compat_hash"
+PREFIX_CACHING_HASH_ALGO = "prefix_caching_hash_algo"
+RESUME_IDENTITY = "resume_identity"
 CACHE_CONFIG_LABELS = (
-    "block_size",
-    "num_gpu_blocks",
+    BLOCK_SIZE,
+    NUM_GPU_BLOCKS,
     "cache_dtype",
     "enable_prefix_caching",
-    "compat_hash",
-    "prefix_caching_hash_algo",
-    "resume_identity",
+    COMPAT_HASH,
+    PREFIX_CACHING_HASH_ALGO,
+    RESUME_IDENTITY,
 )
 """Labels of the cache-config info series (both names); the gateway pairs
 engines by ``compat_hash``, sizes prompt blocks by ``block_size``, hashes
@@ -200,6 +211,8 @@ ENGINE_FAILED_STEPS = Metric(
 )
 # LoRA adapters (docs/lora.md), on engines started with --enable-lora.
 LORA_NAME = "lora_name"
+LORA_IDENTITY = "lora_identity"
+LORA_PATH = "lora_path"
 LORA_TIER = "tier"
 ENGINE_LORA_ADAPTERS = Metric(
     "pdfleet_engine_lora_adapters",
@@ -243,7 +256,7 @@ ENGINE_LORA_ADAPTER_INFO = Metric(
     "pdfleet_engine_lora_adapter_info",
     "gauge",
     "1 per LoRA adapter the engine serves, labelled by its name, identity and directory.",
-    (*_M, LORA_NAME, "lora_identity", "lora_path"),
+    (*_M, LORA_NAME, LORA_IDENTITY, LORA_PATH),
 )
 LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 VLLM_LORA_REQUESTS_INFO = Metric(
@@ -509,44 +522,44 @@ GATEWAY_DISAGG_DECISIONS = Metric(
     "pdfleet_gateway_disagg_decisions_total",
     "counter",
     "Disaggregation decisions: prefill_decode or decode_only, with the reason.",
-    ("decision", "reason"),
+    (DECISION, REASON),
 )
 GATEWAY_RETRIES = Metric(
     "pdfleet_gateway_retries_total",
     "counter",
     "Legs retried on another engine, by role.",
-    ("role",),
+    (ROLE,),
 )
 GATEWAY_FALLBACKS = Metric(
     "pdfleet_gateway_fallbacks_total",
     "counter",
     "Disaggregated requests served decode-only without a producer's KV "
     "(prefill_failed, no_prefill_engine, no_kv_transfer_params).",
-    ("reason",),
+    (REASON,),
 )
 GATEWAY_UPSTREAM_ERRORS = Metric(
     "pdfleet_gateway_upstream_errors_total",
     "counter",
     "Failed engine calls (connect, timeout, status, stream), by engine.",
-    ("engine", "role", "kind"),
+    ("engine", ROLE, "kind"),
 )
 GATEWAY_ENGINE_HEALTHY = Metric(
     "pdfleet_gateway_engine_healthy",
     "gauge",
     "1 while an engine receives traffic, 0 while it is ejected or not yet ready.",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 GATEWAY_ENGINE_INFLIGHT = Metric(
     "pdfleet_gateway_engine_inflight_requests",
     "gauge",
     "Requests the gateway has in flight on an engine.",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 GATEWAY_ENGINE_EJECTIONS = Metric(
     "pdfleet_gateway_engine_ejections_total",
     "counter",
     "Times an engine was ejected from routing.",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 
 GATEWAY_ENGINE_STALLS = Metric(
@@ -554,14 +567,14 @@ GATEWAY_ENGINE_STALLS = Metric(
     "counter",
     "Times an engine was ejected because its in-flight requests made no "
     "progress for its stall limit while another engine of its role did.",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 GATEWAY_ENGINE_STALL_LIMIT = Metric(
     "pdfleet_gateway_engine_stall_limit_seconds",
     "gauge",
     "Seconds an engine may send nothing with requests in flight before it counts as "
     "stalled: --stall-step-multiple times its longest recent step, at least --stall-timeout.",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 GATEWAY_ENGINE_CAPACITY = Metric(
     "pdfleet_gateway_engine_capacity",
@@ -570,7 +583,7 @@ GATEWAY_ENGINE_CAPACITY = Metric(
     "from the engine's queue: "
     "its own count, or requests waiting on it past a quarter of the first-token bound "
     "for their first answer (no series until the engine first queues requests).",
-    ("engine", "role"),
+    ("engine", ROLE),
 )
 GATEWAY_QUEUED_REQUESTS = Metric(
     "pdfleet_gateway_queued_requests",
@@ -595,7 +608,7 @@ GATEWAY_REJECTED_REQUESTS = Metric(
     "Requests refused before routing, by reason (body_too_large, body_timeout, "
     "invalid_json, invalid_field, unauthorized; overload: overloaded, queue_full, "
     "queue_timeout).",
-    ("reason",),
+    (REASON,),
 )
 GATEWAY_MIGRATIONS = Metric(
     "pdfleet_gateway_migrations_total",
@@ -603,7 +616,7 @@ GATEWAY_MIGRATIONS = Metric(
     "Decode legs resumed on another decode engine after the client had part of the "
     "answer, by reason (drain, died, stalled, refused); exhausted: requests that "
     "failed because they reached --max-migrations.",
-    ("reason",),
+    (REASON,),
 )
 GATEWAY_MIGRATION_REPLAYED_TOKENS = Metric(
     "pdfleet_gateway_migration_replayed_tokens_total",
@@ -689,7 +702,7 @@ GATEWAY_KV_INDEX_RESETS = Metric(
     "counter",
     "Times an engine's entries were dropped from the exact prefix index, by reason "
     "(cleared, restart, gap, removed).",
-    ("engine", "reason"),
+    ("engine", REASON),
 )
 GATEWAY_KV_INDEX_FRESH = Metric(
     "pdfleet_gateway_kv_index_fresh",
@@ -710,7 +723,7 @@ OPERATOR_SCALE_CHANGES = Metric(
     "pdfleet_operator_scale_changes_total",
     "counter",
     "Replica changes made by the autoscaler.",
-    ("role",),
+    (ROLE,),
 )
 OPERATOR_SCRAPE_FAILURES = Metric(
     "pdfleet_operator_scrape_failures_total",
@@ -746,14 +759,14 @@ AUTOSCALER_DESIRED_REPLICAS = Metric(
     "pdfleet_autoscaler_desired_replicas",
     "gauge",
     "Replicas of each role the autoscaler wants (mode Advisory: advises, and leaves as they are).",
-    ("role", "mode"),
+    (ROLE, "mode"),
 )
 AUTOSCALER_DECISIONS = Metric(
     "pdfleet_autoscaler_decisions_total",
     "counter",
     "Autoscaling decisions by role, direction (up, down, none), reason code and mode "
     "(Active: carried out; Advisory: reported only).",
-    ("role", "direction", "reason", "mode"),
+    (ROLE, "direction", REASON, "mode"),
 )
 
 
@@ -853,8 +866,13 @@ GATEWAY_PEER_PULL_DECISIONS = Metric(
     "recompute; and why (cost: the predicted fastest, explore: no pair measured yet, "
     "lend_refused / lend_failed: a pull was chosen but the holder did not lend, so "
     "recomputed).",
-    ("decision", "reason"),
+    (DECISION, REASON),
 )
+PULL, HOLDER, RECOMPUTE = "pull", "holder", "recompute"
+"""The ``decision`` values of :data:`GATEWAY_PEER_PULL_DECISIONS` (the gateway's
+peer pull writes them, ``pdfleet status`` counts them)."""
+PEER_PULL_DECISIONS = (PULL, HOLDER, RECOMPUTE)
+
 GATEWAY_PEER_PULL_CROSSOVER = Metric(
     "pdfleet_gateway_peer_pull_crossover_tokens",
     "gauge",
@@ -902,7 +920,7 @@ GATEWAY_ACTIVATIONS = Metric(
     "Requests that found no routable engine of a role (decode: held until one is ready; "
     "prefill: served decode-only): the activation signal the autoscaler reads to scale "
     "a pool up from zero.",
-    ("role",),
+    (ROLE,),
 )
 
 

@@ -7,7 +7,8 @@
   ranks): msgpack ``[new, cached, num_scheduled_tokens, total, finished,
   commands]``, a new request ``[req_id, prompt_token_ids, output_token_ids,
   sampling, block_ids, num_computed_tokens, lora_name, lora_path, lora_id]``
-  (``sampling``: the ``SamplingParams`` fields by name), a cached one
+  (``sampling``: a :class:`StepSampling`, a map of the ``SamplingParams``
+  fields by name), a cached one
   ``[req_id, new_block_ids, num_computed_tokens]``, ``commands`` the KV shard
   commands (``kv_connector.py``) or nil;
 * :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
@@ -95,6 +96,95 @@ def _map(value: Any, what: str) -> dict[Any, Any]:
     return value
 
 
+_FLOAT = (int, float)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSampling:
+    """A new request's sampling parameters: the fields ``SamplingParams`` takes,
+    in its order, packed as a map of them by name (``worker/step_wire.py``
+    maps one to the other; a test keeps the two field lists equal)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    max_tokens: int | None
+    min_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    include_stop_str_in_output: bool
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    structured_outputs: None
+    """Always nil: a grammar needs an in-process model runner (the TP executor
+    refuses a request with one)."""
+    logit_bias: list[tuple[int, float]] | None
+    """(token id, bias) pairs; they decode as two-item lists."""
+    cache_salt: str | None
+    resumed_token_ids: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> StepSampling:
+        """The carrier of a step request's sampling map; ValueError naming an
+        unknown field (the sender runs another version), a missing one, or one
+        of the wrong type. Values are kept as they came (an integer
+        temperature stays one), so a step re-encodes to the same bytes."""
+        if type(value) is not dict:
+            raise ValueError("malformed step sampling: not a map")
+        if value.keys() != _SAMPLING_TYPES.keys():
+            unknown = sorted(str(k) for k in value.keys() - _SAMPLING_TYPES.keys())
+            missing = sorted(_SAMPLING_TYPES.keys() - value.keys())
+            raise ValueError(
+                f"malformed step sampling: unknown fields {unknown}, missing fields {missing}"
+            )
+        for name, kinds in _SAMPLING_TYPES.items():
+            v = value[name]
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+                raise ValueError(f"malformed step sampling: {name} is {type(v).__name__}")
+        return cls(**value)
+
+
+_SAMPLING_TYPES: dict[str, tuple[type, ...]] = {
+    "n": (int,),
+    "temperature": _FLOAT,
+    "top_p": _FLOAT,
+    "top_k": (int,),
+    "min_p": _FLOAT,
+    "seed": (int, type(None)),
+    "presence_penalty": _FLOAT,
+    "frequency_penalty": _FLOAT,
+    "repetition_penalty": _FLOAT,
+    "max_tokens": (int, type(None)),
+    "min_tokens": (int,),
+    "stop": (list,),
+    "stop_token_ids": (list,),
+    "include_stop_str_in_output": (bool,),
+    "ignore_eos": (bool,),
+    "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
+    "structured_outputs": (type(None),),
+    "logit_bias": (list, type(None)),
+    "cache_salt": (str, type(None)),
+    "resumed_token_ids": (list,),
+}
+"""Each field's wire types (a bool is no number here)."""
+_SAMPLING_FIELDS = tuple(_SAMPLING_TYPES)
+
+
 class StepRequest(NamedTuple):
     """A request a step schedules for the first time (``NewRequestData``). A
     tuple, packed as the array it is: the step is packed once per engine step,
@@ -103,8 +193,7 @@ class StepRequest(NamedTuple):
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling: dict[str, Any]
-    """The ``SamplingParams`` fields the constructor takes, by name."""
+    sampling: StepSampling
     block_ids: list[int]
     num_computed_tokens: int
     lora_name: str | None = None
@@ -137,7 +226,6 @@ def _new_rows(rows: Any) -> list[StepRequest]:
             type(rid) is not str
             or type(prompt) is not list
             or type(output) is not list
-            or type(sampling) is not dict
             or type(blocks) is not list
             or type(computed) is not int
             or not (name is None or type(name) is str)
@@ -148,6 +236,7 @@ def _new_rows(rows: Any) -> list[StepRequest]:
                 "malformed step request: not [req_id, prompt_token_ids, output_token_ids, "
                 "sampling, block_ids, num_computed_tokens, lora_name, lora_path, lora_id]"
             )
+        row[3] = StepSampling.from_wire(sampling)
         append(_tuple_new(StepRequest, row))
     return out
 
@@ -183,7 +272,8 @@ class Step:
     def encode(self) -> bytes:
         return _pack(
             [
-                self.new,
+                # A row's sampling goes as its map; the rest of the row as it is.
+                [[*r[:3], r.sampling.to_wire(), *r[4:]] for r in self.new],
                 self.cached,
                 self.num_scheduled_tokens,
                 self.total_num_scheduled_tokens,

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..contracts.block_hash import extend_block_hashes, root_hash
-from ..contracts.kv_params import KVTransferParams
+from ..contracts.kv_params import LEND_FIELD, KVTransferParams
 from ..contracts.priority import band_of
 from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
@@ -219,7 +219,7 @@ class Scheduler:
 
     def _refuse_lend(self, request: Request, held: int, wanted: int) -> None:
         message = (
-            f"kv_transfer_params: pdfleet_lend_blocks: this engine holds {held} of the "
+            f"kv_transfer_params: {LEND_FIELD}: this engine holds {held} of the "
             f"{wanted} blocks named (evicted since); nothing leased"
         )
         request.status = RequestStatus.FINISHED_ERROR

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts.gateway_events import EngineRefused, EngineStalled, SiblingEvent
+from ..contracts.gateway_view import EnginesView, EngineView, KVPairOpen
 from ..contracts.http_limits import RequestLimits
 from ..contracts.security import (
     bearer_token,
@@ -518,40 +519,32 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
         if denied:
             return denied
         now = time.monotonic()
-        body: dict[str, Any] = {
-            "queued": gw.proxy.admission.queued,
-            # Each tenant seen: its band, weight, requests (tokens) in flight, queued.
-            "tenants": gw.proxy.flow.view(),
-            # "INDEX/N" with --workers N (this view is the answering worker's), else null.
-            "worker": None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
-            "routable": gw.pool.counts(),
-            "engines": [
-                {
-                    "url": e.url,
-                    "role": e.role,
-                    "state": e.state,
-                    "inflight": e.inflight,
-                    "stalled": e.stalled,
-                    # Its slots: requests routed to it, and its learned capacity (null: unbounded).
-                    "admitted": e.admitted,
-                    "capacity": e.capacity,
-                    "longest_step_s": round(e.steps.longest(now), 3),
-                    "stall_limit_s": round(gw.pool.stall_limit(e, now), 3),
-                    # Age of the step in progress at its last check (null: none,
-                    # or an engine that reports none); a step this young is no stall.
-                    "step_running_s": None
+        view = EnginesView(
+            queued=gw.proxy.admission.queued,
+            tenants=gw.proxy.flow.view(),
+            worker=None if gw.siblings is None else f"{gw.siblings.index}/{gw.siblings.count}",
+            routable=gw.pool.counts(),
+            engines=[
+                EngineView(
+                    url=e.url,
+                    role=e.role,
+                    state=e.state,
+                    inflight=e.inflight,
+                    stalled=e.stalled,
+                    admitted=e.admitted,
+                    capacity=e.capacity,
+                    longest_step_s=round(e.steps.longest(now), 3),
+                    stall_limit_s=round(gw.pool.stall_limit(e, now), 3),
+                    step_running_s=None
                     if e.step_started is None
                     else round(now - e.step_started, 3),
-                    # Peer pulls' measured costs of it (--peer-pull; else null).
-                    "peer_pull": None if gw.peer_pull is None else gw.peer_pull.view(e.url),
-                }
+                    peer_pull=None if gw.peer_pull is None else gw.peer_pull.view(e.url),
+                )
                 for e in gw.pool.engines.values()
             ],
-            "kv_pairs_open": [
-                {"prefill": p, "decode": d} for p, d in sorted(gw.breaker.open_until)
-            ],
-        }
-        return JSONResponse(body)
+            kv_pairs_open=[KVPairOpen(p, d) for p, d in sorted(gw.breaker.open_until)],
+        )
+        return JSONResponse(view.to_wire())
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

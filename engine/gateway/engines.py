@@ -200,16 +200,16 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         lora_name = labels_of.get(m.LORA_NAME)
         if lora_name and value:
             load.adapters[lora_name] = (
-                labels_of.get("lora_identity", ""),
-                labels_of.get("lora_path", ""),
+                labels_of.get(m.LORA_IDENTITY, ""),
+                labels_of.get(m.LORA_PATH, ""),
             )
     labels = scrape.labels(*_INFO)
     if labels is not None:
-        load.compat_hash = labels.get("compat_hash") or None
-        load.resume_identity = labels.get("resume_identity") or None
+        load.compat_hash = labels.get(m.COMPAT_HASH) or None
+        load.resume_identity = labels.get(m.RESUME_IDENTITY) or None
         with contextlib.suppress(KeyError, ValueError):
-            load.block_size = int(labels["block_size"])
-        load.hash_algo = labels.get("prefix_caching_hash_algo") or None
+            load.block_size = int(labels[m.BLOCK_SIZE])
+        load.hash_algo = labels.get(m.PREFIX_CACHING_HASH_ALGO) or None
     return load
 
 

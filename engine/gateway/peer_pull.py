@@ -64,7 +64,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contracts.kv_params import LEND_FIELD, REMOTE_DECODE
+from ..contracts import metrics as m
+from ..contracts.gateway_view import PeerPullCosts
+from ..contracts.kv_params import KVTransferParams
 from ..http.upstream import UpstreamClient, UpstreamError
 from .engines import EngineLoad, EngineState
 from .kv_index import KVIndex
@@ -101,7 +103,7 @@ class Option:
     """One way to serve the request and its predicted seconds to the first token."""
 
     decision: str
-    """holder, pull or recompute."""
+    """``m.HOLDER``, ``m.PULL`` or ``m.RECOMPUTE`` (the decisions metric's values)."""
     engine: EngineState
     """The engine that serves the request."""
     seconds: float
@@ -114,7 +116,7 @@ class Plan:
     """What the gateway does with a request whose prefix another engine holds."""
 
     decision: str
-    """holder, pull or recompute."""
+    """``m.HOLDER``, ``m.PULL`` or ``m.RECOMPUTE`` (the decisions metric's values)."""
     reason: str
     """cost or explore."""
     engine: EngineState
@@ -223,16 +225,16 @@ class PeerPull:
         c.routed = [(t, n) for t, n in c.routed if now - t < ROUTED_MEMORY_S]
         c.routed.append((now, tokens))
 
-    def view(self, url: str) -> dict[str, Any]:
+    def view(self, url: str) -> PeerPullCosts:
         """What is measured of one engine (the gateway's ``/engines``)."""
         c = self._costs(url)
-        return {
-            "prefill_tokens_per_s": _rounded(c.rate.value),
-            "step_s": _rounded(c.step.value, 4),
-            "lend_s": _rounded(c.lend.value, 4),
-            "queued_prompt_tokens": c.waiting_tokens + sum(n for _, n in c.routed),
-            "kv_block_bytes": c.block_bytes,
-        }
+        return PeerPullCosts(
+            prefill_tokens_per_s=_rounded(c.rate.value),
+            step_s=_rounded(c.step.value, 4),
+            lend_s=_rounded(c.lend.value, 4),
+            queued_prompt_tokens=c.waiting_tokens + sum(n for _, n in c.routed),
+            kv_block_bytes=c.block_bytes,
+        )
 
     def routed_request(self, e: EngineState, info: PromptInfo) -> None:
         """Mutates: a request routed to ``e`` without a plan; its tokens less the
@@ -352,7 +354,7 @@ class PeerPull:
         n = info.num_tokens
         options = [
             Option(
-                "recompute",
+                m.RECOMPUTE,
                 target,
                 self.compute_seconds(target, n - own * bs, rate_t),
                 n - own * bs,
@@ -361,7 +363,7 @@ class PeerPull:
         if holder.url not in full:
             options.append(
                 Option(
-                    "holder",
+                    m.HOLDER,
                     holder,
                     self.compute_seconds(holder, n - held_blocks * bs, rate_h),
                     n - held_blocks * bs,
@@ -378,11 +380,11 @@ class PeerPull:
                     min(options, key=lambda o: o.seconds), holder, "cost", 0, options
                 )
             lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option("pull", target, lend + tail, n - held_blocks * bs)
+            pull = Option(m.PULL, target, lend + tail, n - held_blocks * bs)
             reason = "explore"
         else:
             lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option("pull", target, lend + moved / bw + tail, n - held_blocks * bs)
+            pull = Option(m.PULL, target, lend + moved / bw + tail, n - held_blocks * bs)
         options.append(pull)
         best = min(options, key=lambda o: o.seconds)
         return self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
@@ -395,7 +397,7 @@ class PeerPull:
             reason,
             best.engine,
             holder,
-            blocks if best.decision == "pull" else 0,
+            blocks if best.decision == m.PULL else 0,
             options,
         )
 
@@ -434,7 +436,7 @@ class PeerPull:
             )
         except (UpstreamError, TimeoutError, OSError) as e:
             logger.info("peer pull: lend from %s failed: %s", plan.holder.url, e)
-            self.count("recompute", "lend_failed")
+            self.count(m.RECOMPUTE, "lend_failed")
             return None
         seconds = max(0.0, time.monotonic() - start - waited)
         params: Any = None
@@ -451,11 +453,11 @@ class PeerPull:
                 resp.status_code,
                 resp.content[:300],
             )
-            self.count("recompute", "lend_refused")
+            self.count(m.RECOMPUTE, "lend_refused")
             return None
         engine_id = params.get("remote_engine_id")
         self.lent(plan.holder, seconds, engine_id if isinstance(engine_id, str) else None)
-        self.count("pull", plan.reason)
+        self.count(m.PULL, plan.reason)
         return params
 
 
@@ -481,7 +483,9 @@ def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
         "guided_grammar",
     ):
         out.pop(key, None)
-    out["kv_transfer_params"] = {**REMOTE_DECODE.to_wire(), LEND_FIELD: blocks}
+    out["kv_transfer_params"] = KVTransferParams(
+        do_remote_decode=True, lend_blocks=blocks
+    ).to_wire()
     return out
 
 

@@ -37,6 +37,7 @@ from starlette.responses import Response
 
 from .. import tracing
 from ..config.gateway import GatewayConfig
+from ..contracts import metrics as m
 from ..contracts.lora import LoRALoad, load_succeeded
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
@@ -336,7 +337,7 @@ class Proxy:
                 call.plain_payload = payload
                 leg = decode_body(body, outcome)
                 payload = json.dumps(add_state(leg) if call.migration else leg).encode()
-        elif plan is not None and plan.decision == "pull":
+        elif plan is not None and plan.decision == m.PULL:
             if self.peer_pull is None:
                 raise RuntimeError("broken invariant: a pull plan without a peer-pull planner")
             params = await self.peer_pull.lend(
@@ -484,7 +485,7 @@ class Proxy:
         if plan is None:
             self.peer_pull.routed_request(route.decode, info)
             return None
-        if plan.decision != "pull":  # a pull is counted once its lend is answered
+        if plan.decision != m.PULL:  # a pull is counted once its lend is answered
             self.peer_pull.count(plan.decision, plan.reason)
         served = next(o for o in plan.options if o.decision == plan.decision)
         self.peer_pull.routed(plan.engine, served.tokens)

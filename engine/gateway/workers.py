@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ import tempfile
 import time
 
 from ..config.gateway import GatewayConfig
+from ..contracts.gateway_worker_job import WorkerJob
 from ..contracts.launch import python_module
 from .app import run_gateway
 from .siblings import Siblings, reuseport_socket
@@ -54,13 +54,13 @@ def serve(config: GatewayConfig) -> int:
 
 def worker_main() -> int:
     """A worker's entry (``python -m pdfleet.engine.gateway.workers``): its
-    config, index, count and run directory come as JSON on stdin (never pickle)."""
-    job = json.load(sys.stdin)
-    config = GatewayConfig(**job["config"])
-    index, count, run_dir = job["index"], job["count"], job["run_dir"]
+    config, index, count and run directory come as a ``WorkerJob`` on stdin
+    (``contracts/gateway_worker_job.py``: JSON, never pickle)."""
+    job = WorkerJob.decode(sys.stdin.buffer.read())
+    config = GatewayConfig(**job.config)
     _die_with_parent()
-    os.environ[ENV_WORKER] = f"{index}/{count}"
-    return run_gateway(config, Siblings(run_dir, index, count))
+    os.environ[ENV_WORKER] = f"{job.index}/{job.count}"
+    return run_gateway(config, Siblings(job.run_dir, job.index, job.count))
 
 
 def _die_with_parent() -> None:
@@ -109,13 +109,9 @@ def serve_workers(config: GatewayConfig) -> int:
         )
         if w.proc.stdin is None:
             raise RuntimeError("broken invariant: w.proc.stdin is not None")
-        job = {
-            "config": dataclasses.asdict(config),  # API keys included: a private pipe
-            "index": w.index,
-            "count": count,
-            "run_dir": run_dir,
-        }
-        w.proc.stdin.write(json.dumps(job).encode())
+        # API keys included: a private pipe.
+        job = WorkerJob(dataclasses.asdict(config), w.index, count, run_dir)
+        w.proc.stdin.write(job.encode())
         w.proc.stdin.close()
         w.started = time.monotonic()
 

@@ -16,7 +16,7 @@ from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
 from ..config.kv_transfer import kv_bind_host
 from ..config.lora import check_adapter_name
 from ..contracts.block_hash import lora_identity
-from ..contracts.kv_params import KVTransferParams, RefusedParams
+from ..contracts.kv_params import LEND_FIELD, KVTransferParams, RefusedParams
 from ..kv_transfer.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from ..lora.adapter import LoRAError, LoRARequest, adapter_digest
 from ..models.sources import create_engine_config
@@ -449,20 +449,18 @@ class LLMEngine:
         n = p.lend_blocks
         bs = self.config.cache_config.block_size
         if not p.do_remote_decode:
-            raise RefusedParams("kv_transfer_params: pdfleet_lend_blocks needs do_remote_decode")
+            raise RefusedParams(f"kv_transfer_params: {LEND_FIELD} needs do_remote_decode")
         if n is None or n < 1:
-            raise RefusedParams("kv_transfer_params: pdfleet_lend_blocks must be at least 1")
+            raise RefusedParams(f"kv_transfer_params: {LEND_FIELD} must be at least 1")
         if not self.config.cache_config.enable_prefix_caching:
             raise RefusedParams(
-                "kv_transfer_params: pdfleet_lend_blocks needs prefix caching on this engine"
+                f"kv_transfer_params: {LEND_FIELD} needs prefix caching on this engine"
             )
         if params.n != 1 or params.prompt_logprobs is not None:
-            raise RefusedParams(
-                "kv_transfer_params: pdfleet_lend_blocks takes n=1, no prompt_logprobs"
-            )
+            raise RefusedParams(f"kv_transfer_params: {LEND_FIELD} takes n=1, no prompt_logprobs")
         if len(prompt_ids) < n * bs + 1:
             raise RefusedParams(
-                f"kv_transfer_params: pdfleet_lend_blocks {n} needs at least {n * bs + 1} prompt "
+                f"kv_transfer_params: {LEND_FIELD} {n} needs at least {n * bs + 1} prompt "
                 f"tokens, the prompt has {len(prompt_ids)}"
             )
         return prompt_ids[: n * bs + 1], params.clone(max_tokens=1, min_tokens=0), LEND_PRIORITY

@@ -8,13 +8,11 @@ most the budget, however large the input. The engine keeps its own
 tokenizer description and gets the compiled grammar back as xgrammar's JSON
 serialization.
 
-Wire (the child's stdin and stdout, both ways): frames of an 8-byte
-big-endian length and that many bytes. The engine sends the tokenizer
-(``TokenizerInfo.serialize_json``) once, then one JSON request per compile,
-``{"kind": "json_schema"|"json_object"|"regex"|"grammar"|"lark", "text": ...,
-"max_bytes": N}``. The child answers a JSON header ``{"ok": true, "bytes":
-N}`` followed by a frame holding the serialized grammar, or ``{"ok": false,
-"error": "...", "too_large": N?}``. Nothing is pickled.
+Wire (the child's stdin and stdout, both ways): frames of a length and that
+many bytes, whose messages are the carriers of ``contracts/grammar_worker.py``:
+the tokenizer (``TokenizerInfo.serialize_json``) once, answered ``READY``; then
+one ``CompileRequest`` per compile, answered ``Compiled`` and a frame of the
+serialized grammar, ``TooLarge`` or ``Failed``. Nothing is pickled.
 
 Children die with the engine: each reads EOF when the engine goes, and asks
 the kernel (Linux ``PR_SET_PDEATHSIG``) for SIGKILL when the thread that
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -38,9 +35,21 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from ..contracts.grammar_worker import (
+    FRAME_HEADER,
+    READY,
+    Compiled,
+    CompileRequest,
+    Failed,
+    TooLarge,
+    decode_answer,
+    frame,
+    frame_size,
+    is_ready,
+)
+
 logger = logging.getLogger(__name__)
 
-_HEADER = 8
 # Seconds a child may take to start (import xgrammar, read the tokenizer).
 START_TIMEOUT = 120.0
 _LIB_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -78,17 +87,16 @@ def lib_message(e: BaseException) -> str:
 
 
 def _read_frame(stream: BinaryIO) -> bytes | None:
-    head = stream.read(_HEADER)
-    if len(head) < _HEADER:
+    head = stream.read(FRAME_HEADER)
+    if len(head) < FRAME_HEADER:
         return None
-    size = int.from_bytes(head, "big")
+    size = frame_size(head)
     data = stream.read(size)
     return data if len(data) == size else None
 
 
 def _write_frame(stream: BinaryIO, data: bytes) -> None:
-    stream.write(len(data).to_bytes(_HEADER, "big"))
-    stream.write(data)
+    stream.write(frame(data))
 
 
 def compile_request(compiler: Any, kind: str, text: str) -> Any:
@@ -121,26 +129,26 @@ def main() -> int:
         return 0
     info = xgr.TokenizerInfo.deserialize_json(first.decode())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    _write_frame(out, b'{"ready": true}')
+    _write_frame(out, READY)
     out.flush()
     while True:
-        frame = _read_frame(inp)
-        if frame is None:
+        data = _read_frame(inp)
+        if data is None:
             return 0
-        request = json.loads(frame)
+        request = CompileRequest.decode(data)
         try:
-            compiled = compile_request(compiler, request["kind"], request["text"])
+            compiled = compile_request(compiler, request.kind, request.text)
         except Exception as e:  # the library reports bad input as RuntimeError
-            _write_frame(out, json.dumps({"ok": False, "error": lib_message(e)}).encode())
+            _write_frame(out, Failed(lib_message(e)).encode())
             out.flush()
             continue
         size = int(compiled.memory_size_bytes)
-        if size > int(request["max_bytes"]):
-            _write_frame(out, json.dumps({"ok": False, "too_large": size}).encode())
+        if size > request.max_bytes:
+            _write_frame(out, TooLarge(size).encode())
         else:
-            data = compiled.serialize_json().encode()
-            _write_frame(out, json.dumps({"ok": True, "bytes": size}).encode())
-            _write_frame(out, data)
+            grammar = compiled.serialize_json().encode()
+            _write_frame(out, Compiled(size).encode())
+            _write_frame(out, grammar)
         del compiled
         out.flush()
 
@@ -197,7 +205,7 @@ class CompileWorker:
         try:
             self._send(proc, self.tokenizer_json)
             ready = self._receive(proc, time.monotonic() + START_TIMEOUT)
-            if json.loads(ready).get("ready") is not True:
+            if not is_ready(ready):
                 raise _WorkerDied("it did not start")
         except BaseException as e:
             self._kill(proc)
@@ -210,7 +218,7 @@ class CompileWorker:
     def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
         if proc.stdin is None:
             raise RuntimeError("broken invariant: proc.stdin is not None")
-        proc.stdin.write(len(data).to_bytes(_HEADER, "big") + data)
+        proc.stdin.write(frame(data))
         proc.stdin.flush()
 
     @staticmethod
@@ -235,7 +243,7 @@ class CompileWorker:
         if proc.stdout is None:
             raise RuntimeError("broken invariant: proc.stdout is not None")
         fd = proc.stdout.fileno()
-        size = int.from_bytes(self._read(fd, _HEADER, deadline), "big")
+        size = frame_size(self._read(fd, FRAME_HEADER, deadline))
         return self._read(fd, size, deadline)
 
     @staticmethod
@@ -255,21 +263,20 @@ class CompileWorker:
         proc = self.ensure_started()
         deadline = time.monotonic() + timeout
         try:
-            request = {"kind": kind, "text": text, "max_bytes": max_bytes}
-            self._send(proc, json.dumps(request).encode())
-            header = json.loads(self._receive(proc, deadline))
-            if header.get("ok"):
+            self._send(proc, CompileRequest(kind, text, max_bytes).encode())
+            answer = decode_answer(self._receive(proc, deadline))
+            if isinstance(answer, Compiled):
                 # The grammar's bytes are the child's work too: the same deadline.
-                return self._receive(proc, deadline), int(header["bytes"])
+                return self._receive(proc, deadline), answer.size
         except (CompileTimeout, _WorkerDied, OSError, ValueError) as e:
             self.proc = None
             self._kill(proc)
             if isinstance(e, CompileTimeout):
                 raise
             raise CompileFailed(f"the grammar compiler process failed ({e})") from None
-        if "too_large" in header:
-            raise CompiledTooLarge(int(header["too_large"]))
-        raise CompileFailed(str(header.get("error", "the compile failed")))
+        if isinstance(answer, TooLarge):
+            raise CompiledTooLarge(answer.size)
+        raise CompileFailed(answer.error)
 
     def close(self) -> None:
         with self._lock:  # waits for a start under way: its child is killed too

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from ..contracts.kv_connector import RankCommand
-from ..contracts.tp_wire import Step, StepLogprobs, StepRequest, StepResult
+from ..contracts.tp_wire import Step, StepLogprobs, StepRequest, StepResult, StepSampling
 from ..core.sched_output import (
     Logprobs,
     ModelRunnerOutput,
@@ -22,9 +22,21 @@ from ..core.sched_output import (
 )
 from ..sampling_params import SamplingParams
 
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(StepSampling))
 
-def _params(p: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
+
+def _params(p: SamplingParams) -> StepSampling:
+    """The wire's carrier of ``p`` (its fields as they are: the same names,
+    a test checks it)."""
+    if p.structured_outputs is not None:
+        raise TypeError("structured outputs need an in-process model runner (TP=1)")
+    fields: dict[str, Any] = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
+    return StepSampling(**fields)
+
+
+def _sampling(s: StepSampling) -> SamplingParams:
+    fields: dict[str, Any] = {name: getattr(s, name) for name in _SAMPLING_FIELDS}
+    return SamplingParams(**fields)
 
 
 def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -> bytes:
@@ -53,7 +65,7 @@ def pack_step(out: SchedulerOutput, commands: list[RankCommand] | None = None) -
 
 
 def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCommand]]:
-    """ValueError for a malformed step (or sampling fields this version lacks)."""
+    """ValueError for a malformed step (sampling fields this version lacks or refuses)."""
     step = Step.decode(data)
     try:
         new = [
@@ -61,7 +73,7 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCom
                 r.req_id,
                 r.prompt_token_ids,
                 r.output_token_ids,
-                SamplingParams(**r.sampling),
+                _sampling(r.sampling),
                 r.block_ids,
                 r.num_computed_tokens,
                 r.lora_name,
@@ -70,7 +82,7 @@ def unpack_step(data: bytes | memoryview) -> tuple[SchedulerOutput, list[RankCom
             )
             for r in step.new
         ]
-    except TypeError as e:  # an unknown sampling field: the sender runs another version
+    except (TypeError, ValueError) as e:  # fields SamplingParams refuses
         raise ValueError(f"malformed step sampling: {e}") from None
     out = SchedulerOutput(
         scheduled_new_reqs=new,

@@ -192,7 +192,7 @@ def parse_gateway_activations(text: str) -> dict[str, float]:
     scrape = m.parse_metrics(text, only=(name,))
     out: dict[str, float] = dict.fromkeys(ROLES, 0.0)
     for labels, value in scrape.samples.get(name, ()):
-        role = labels.get("role")
+        role = labels.get(m.ROLE)
         if role in out:
             out[role] += value
     return out

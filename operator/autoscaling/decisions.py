@@ -106,10 +106,9 @@ class AutoscalerMetrics:
         self.decisions = m.AUTOSCALER_DECISIONS.create(registry)
 
     def observe(self, decision: RoleDecision, mode: str = "Active") -> None:
-        self.desired_replicas.labels(role=decision.role, mode=mode).set(decision.desired)
-        self.decisions.labels(
-            role=decision.role, direction=decision.direction, reason=decision.code, mode=mode
-        ).inc()
+        # Label values in the order of the series' label names (the contract's).
+        self.desired_replicas.labels(decision.role, mode).set(decision.desired)
+        self.decisions.labels(decision.role, decision.direction, decision.code, mode).inc()
 
 
 class DecisionLog:

@@ -237,7 +237,7 @@ class _Engine:
         if not labels:
             return None
         try:
-            return int(labels["block_size"]) * int(labels["num_gpu_blocks"])
+            return int(labels[names.BLOCK_SIZE]) * int(labels[names.NUM_GPU_BLOCKS])
         except (KeyError, ValueError):
             return None
 

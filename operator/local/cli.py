@@ -434,6 +434,6 @@ def kv_cache_tokens(metrics_text: str | None) -> int | None:
         m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name
     )
     try:
-        return int(labels["block_size"]) * int(labels["num_gpu_blocks"]) if labels else None
+        return int(labels[m.BLOCK_SIZE]) * int(labels[m.NUM_GPU_BLOCKS]) if labels else None
     except (KeyError, ValueError):
         return None

@@ -228,7 +228,7 @@ def engine_identity(child: Child) -> str | None:
         return None
     labels = m.parse_metrics(text).labels(m.ENGINE_CACHE_CONFIG.name, m.VLLM_CACHE_CONFIG_INFO.name)
     labels = labels or {}
-    return labels.get("resume_identity") or labels.get("compat_hash") or None
+    return labels.get(m.RESUME_IDENTITY) or labels.get(m.COMPAT_HASH) or None
 
 
 @dataclass

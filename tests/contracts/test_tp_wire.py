@@ -1,6 +1,8 @@
 """The tensor-parallel wire: the step, its result, the ranks' READY and store
 records keep their msgpack shapes, round-trip, and refuse malformed bytes."""
 
+from dataclasses import fields
+
 import msgpack
 import pytest
 
@@ -21,7 +23,10 @@ def packed(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-NEW = w.StepRequest("a", [1, 2, 3], [4], {"temperature": 0.5}, [0, 1], 2, "lora", "/p", 3)
+SAMPLING = w.StepSampling(
+    **{f.name: getattr(SamplingParams(temperature=0.5), f.name) for f in fields(w.StepSampling)}
+)
+NEW = w.StepRequest("a", [1, 2, 3], [4], SAMPLING, [0, 1], 2, "lora", "/p", 3)
 STEP = w.Step(
     [NEW],
     [w.StepCached("b", [5], 9)],
@@ -35,7 +40,7 @@ STEP = w.Step(
 def test_the_step_keeps_its_array_shape_and_round_trips():
     assert STEP.encode() == packed(
         [
-            [["a", [1, 2, 3], [4], {"temperature": 0.5}, [0, 1], 2, "lora", "/p", 3]],
+            [["a", [1, 2, 3], [4], SAMPLING.to_wire(), [0, 1], 2, "lora", "/p", 3]],
             [["b", [5], 9]],
             {"a": 3, "b": 1},
             4,
@@ -93,10 +98,43 @@ def test_a_malformed_step_is_refused_naming_what(wire, why):
         w.Step.decode(wire)
 
 
-def test_a_step_with_an_unknown_sampling_field_is_refused():
-    bad = w.Step([w.StepRequest("a", [1], [], {"nope": 1}, [0], 0)], [], {}, 1, [], [])
-    with pytest.raises(ValueError, match="malformed step sampling"):
-        unpack_step(bad.encode())
+def test_the_sampling_carrier_is_sampling_params_fields_as_they_were_sent():
+    # The same names in the same order: the map's bytes are what the engine's
+    # SamplingParams fields by name always were.
+    names = [f.name for f in fields(SamplingParams) if f.init]
+    assert [f.name for f in fields(w.StepSampling)] == names
+    params = SamplingParams(temperature=0, stop=["x"], logit_bias={5: 2.0}, seed=3)
+    out = SchedulerOutput(
+        [NewRequestData("a", [1], [], params, [0], 0, None, None, 0)], [], {"a": 1}, 1, set()
+    )
+    wire = msgpack.unpackb(pack_step(out))[0][0][3]
+    assert wire == {n: getattr(params, n) for n in names} | {"logit_bias": [[5, 2.0]]}
+    assert type(wire["temperature"]) is int  # kept as given, not coerced
+    back, _ = unpack_step(pack_step(out))
+    assert back.scheduled_new_reqs[0].sampling_params == params
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"nope": 1}, r"unknown fields \['nope'\], missing fields \[\]"),
+        ({"temperature": "hot"}, "temperature is str"),
+        ({"ignore_eos": 1}, "ignore_eos is int"),
+        ({"n": True}, "n is bool"),
+        ({"structured_outputs": {"regex": "a"}}, "structured_outputs is dict"),
+        ({"top_p": 7.0}, "top_p must be"),  # what SamplingParams itself refuses
+    ],
+)
+def test_a_step_with_a_malformed_sampling_map_is_refused(change, why):
+    row = ["a", [1], [], SAMPLING.to_wire() | change, [0], 0, None, None, 0]
+    with pytest.raises(ValueError, match=f"malformed step sampling: .*{why}"):
+        unpack_step(packed([[row], [], {}, 1, [], None]))
+    missing = SAMPLING.to_wire()
+    del missing["seed"]
+    with pytest.raises(ValueError, match=r"missing fields \['seed'\]"):
+        w.Step.decode(
+            packed([[["a", [1], [], missing, [0], 0, None, None, 0]], [], {}, 1, [], None])
+        )
 
 
 def test_a_malformed_result_is_refused():

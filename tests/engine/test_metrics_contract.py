@@ -67,6 +67,49 @@ def test_no_metric_name_is_written_outside_the_contract():
     )
 
 
+def test_label_names_are_read_and_written_through_the_contract():
+    """A label a reader selects by, or a writer names, is the contract's
+    constant: ``labels.get("role")``, ``labels["block_size"]`` or
+    ``.labels(finished_reason=...)`` outside it would drift apart silently."""
+    names = {n for metric in contract_metrics() for n in metric.labels}
+    names |= set(m.CACHE_CONFIG_LABELS)
+    offenders = []
+    for folder in ("engine", "operator"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == CONTRACT:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                literal = None
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name)
+                    and "label" in node.func.value.id
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                ):
+                    literal = node.args[0].value
+                elif (
+                    isinstance(node, ast.Subscript)
+                    and isinstance(node.value, ast.Name)
+                    and "label" in node.value.id
+                    and isinstance(node.slice, ast.Constant)
+                ):
+                    literal = node.slice.value
+                elif (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "labels"
+                ):
+                    literal = next((k.arg for k in node.keywords if k.arg in names), None)
+                if literal in names:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {literal}")
+    assert not offenders, "label names belong in engine/contracts/metrics.py:\n" + "\n".join(
+        offenders
+    )
+
+
 def test_contract_names_are_unique():
     names = [metric.name for metric in contract_metrics()]
     assert len(names) == len(set(names))

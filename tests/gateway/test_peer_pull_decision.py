@@ -3,11 +3,13 @@ each scrape and lend teaches it, the crossover, and the choice on either side.""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from pdfleet.engine.contracts.kv_events import BlockStored
+from pdfleet.engine.contracts.kv_params import LEND_FIELD, REMOTE_DECODE, KVTransferParams
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.kv_index import KVIndex
 from pdfleet.engine.gateway.metrics import GatewayMetrics
@@ -156,6 +158,11 @@ def test_a_lend_body_asks_for_one_token_and_the_blocks():
     assert out["kv_transfer_params"]["do_remote_decode"] is True
     assert out["kv_transfer_params"]["pdfleet_lend_blocks"] == 7
     assert lend_body(body, chat=True, blocks=7)["max_completion_tokens"] == 1
+    # The params are the engine's carrier's wire form, and decode back to it.
+    wire = json.dumps(out["kv_transfer_params"])
+    assert wire == json.dumps({**REMOTE_DECODE.to_wire(), LEND_FIELD: 7})
+    decoded = KVTransferParams.from_wire(json.loads(wire))
+    assert (decoded.do_remote_decode, decoded.lend_blocks) == (True, 7)
 
 
 def test_a_busy_engine_costs_its_step_in_progress_an_idle_one_does_not(fleet):

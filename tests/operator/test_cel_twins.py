@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers.crd_checks import admit
 
+from pdfleet.operator.compat import check_service
 from pdfleet.operator.resource import parse_spec
 
 BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
@@ -120,3 +121,39 @@ def test_the_crd_and_the_model_agree(spec, ok):
     }
     assert _validated(spec) is ok
     assert (not admit(obj)[1]) is ok
+
+
+# Rules that read more than the spec have their twin in compat.check_service:
+# a multi-node role's worker set names (metadata.name), and the connector a
+# disaggregated fleet needs (a check_service rule, so that it is listed with
+# the others: the model's validators would stop before them).
+MULTI = {"engine": {"tensorParallelSize": 2}, "nodesPerReplica": 2}
+OUTSIDE_CASES = [
+    ("a" * 43, _spec(decode=MULTI)),  # demo-decode-0 at 52 characters: fits
+    ("a" * 44, _spec(decode=MULTI)),
+    ("a" * 43, _spec(decode={**MULTI, "replicas": 11})),  # group 10: one digit more
+    ("a" * 43, _spec(decode={**MULTI, "replicas": 10})),
+    ("a" * 43, _spec(decode=MULTI, autoscaling={"decode": {"maxReplicas": 11}})),
+    ("a" * 43, _spec(decode=MULTI, autoscaling={"decode": {"maxReplicas": 10}})),
+    ("a" * 42, _spec(prefill=MULTI)),
+    ("a" * 43, _spec(prefill=MULTI)),
+    ("a" * 43, _spec(prefill=MULTI, disaggregation=AGGREGATED)),
+    ("demo", {"model": {"name": "m"}}),
+    ("demo", {"model": {"name": "m"}, "disaggregation": AGGREGATED}),
+]
+
+
+@pytest.mark.parametrize(("name", "spec"), OUTSIDE_CASES, ids=str)
+def test_the_crd_and_check_service_agree_on_the_rules_beyond_the_model(name, spec):
+    obj = {
+        "apiVersion": "pdfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    refused = {v.field for v in check_service(parse_spec(spec), name=name)}
+    errors = admit(obj)[1]
+    assert ("metadata.name" in refused) is any("multi-node groups" in e for e in errors)
+    assert ("spec.kvTransfer.connector" in refused) is any(
+        "kvTransfer.connector is required" in e for e in errors
+    )

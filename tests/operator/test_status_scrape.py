@@ -6,7 +6,7 @@ import asyncio
 import socket
 import time
 
-from pdfleet.operator.resource import parse_spec
+from pdfleet.operator.resource import InferenceServiceStatus, ScalingRecord, parse_spec
 from pdfleet.operator.scrape import (
     KVHealth,
     PodSample,
@@ -14,7 +14,13 @@ from pdfleet.operator.scrape import (
     pod_startup_seconds,
     scrape_pods,
 )
-from pdfleet.operator.status import build_status, rollout_done, set_condition
+from pdfleet.operator.status import (
+    autoscaling_status,
+    build_status,
+    invalid_status,
+    rollout_done,
+    set_condition,
+)
 
 SPEC = parse_spec({"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}})
 DESIRED = {"prefill": 2, "decode": 2, "gateway": 1}
@@ -78,8 +84,68 @@ def test_condition_keeps_its_transition_time_while_its_status_holds():
     first = set_condition([], "Ready", "False", "A", "", now="t1")
     same = set_condition(first, "Ready", "False", "B", "", now="t2")
     flipped = set_condition(same, "Ready", "True", "C", "", now="t3")
-    assert same[0]["lastTransitionTime"] == "t1"
-    assert flipped[0]["lastTransitionTime"] == "t3"
+    assert same[0].last_transition_time == "t1"
+    assert flipped[0].last_transition_time == "t3"
+
+
+def test_the_status_is_written_through_its_model_in_its_stored_shape():
+    first = status(deployment(2), deployment(2), deployment(1, replicas=1))
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "AllRolesReady",
+        "message": "serving at http://demo.ns.svc:8000/v1",
+        "lastTransitionTime": "t1",
+        "observedGeneration": 3,
+    }
+    assert first["conditions"][0] == ready
+    assert first["roles"]["gateway"] == {
+        "replicas": 1,
+        "readyReplicas": 1,
+        "updatedReplicas": 1,
+        "desiredReplicas": 1,
+        "summary": "1/1",
+    }
+    assert set(first) == {"phase", "url", "compatHash", "conditions", "roles", "observedGeneration"}
+    assert InferenceServiceStatus.model_validate(first).phase == "Ready"
+    # A periodic refresh (no generation) leaves the stored observedGeneration alone,
+    # and keeps each condition's transition time while its status holds.
+    later = build_status(
+        SPEC,
+        url="http://demo.ns.svc:8000/v1",
+        compat="abc",
+        deployments={"prefill": deployment(2), "decode": deployment(2), "gateway": None},
+        desired=DESIRED,
+        previous=first,
+        kv_healthy=None,
+        kv_message="",
+        now="t2",
+    )
+    assert "observedGeneration" not in later
+    times = {c["type"]: c["lastTransitionTime"] for c in later["conditions"]}
+    assert times["DecodeReady"] == "t1" and times["GatewayReady"] == "t2"
+    invalid = invalid_status(later, "spec.x: bad", now="t3", generation=None)
+    assert invalid["phase"] == "Failed" and invalid["observedGeneration"] is None
+    assert invalid["conditions"][0]["reason"] == "InvalidSpec"
+
+
+def test_autoscaling_status_keeps_a_bounded_history_and_the_last_scale_time():
+    def record(i: int, applied: bool = True) -> ScalingRecord:
+        return ScalingRecord.change("decode", i, i + 1, "r", f"t{i}", applied=applied)
+
+    stored = {
+        "autoscaling": {"lastDecisions": [record(i).model_dump(by_alias=True) for i in range(9)]}
+    }
+    active = autoscaling_status(stored, "Active", [record(9), record(10)])
+    assert [r["from"] for r in active["lastDecisions"]] == list(range(1, 11))
+    assert active["mode"] == "Active" and active["lastScaleTime"] == "t10"
+    advised = autoscaling_status(None, "Advisory", [record(1, applied=False)])
+    assert advised == {
+        "mode": "Advisory",
+        "lastDecisions": [
+            {"role": "decode", "from": 1, "to": 2, "reason": "r", "time": "t1", "applied": False}
+        ],
+    }
 
 
 def test_rollout_done_needs_every_replica_updated_and_ready():

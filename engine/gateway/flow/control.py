@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...contracts.gateway_view import TenantView
 from ...contracts.priority import MAX_TAG, TAG_BITS
 from ..admission import MAX_RETRY_AFTER, MIN_RETRY_AFTER, Overloaded
 from ..metrics import GatewayMetrics
@@ -253,23 +254,23 @@ class FlowControl:
             self.metrics.tenant_inflight.labels(name).set(s.inflight)
             self.metrics.tenant_inflight_tokens.labels(name).set(s.inflight_tokens)
 
-    def view(self, queued: dict[str, int]) -> list[dict[str, Any]]:
+    def view(self, queued: dict[str, int]) -> list[TenantView]:
         """Each tenant as ``/engines`` (and ``pdfleet status``) show it."""
         out = []
         for name in sorted(set(self.states) | set(queued)):
             s = self.states.get(name)
             p = s.tenant.policy if s is not None else None
             out.append(
-                {
-                    "tenant": name,
-                    "priority": p.priority if p else None,
-                    "weight": p.weight if p else None,
-                    "inflight": s.inflight if s else 0,
-                    "inflight_tokens": round(s.inflight_tokens) if s else 0,
-                    "queued": queued.get(name, 0),
+                TenantView(
+                    tenant=name,
+                    priority=p.priority if p else None,
+                    weight=p.weight if p else None,
+                    inflight=s.inflight if s else 0,
+                    inflight_tokens=round(s.inflight_tokens) if s else 0,
+                    queued=queued.get(name, 0),
                     # Requests that waited for a slot, and their recent mean wait.
-                    "waited": s.waited if s else 0,
-                    "queue_s": round(s.queue_s, 3) if s else 0.0,
-                }
+                    waited=s.waited if s else 0,
+                    queue_s=round(s.queue_s, 3) if s else 0.0,
+                )
             )
         return out

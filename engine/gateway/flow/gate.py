@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config.gateway import GatewayConfig
+from ...contracts.gateway_view import TenantView
 from ...contracts.priority import BATCH_BAND, MAX_BAND
 from ...contracts.sampling_checks import num_prompts, num_sequences
 from ..admission import Admission, Overloaded
@@ -145,5 +146,5 @@ class FlowGate:
             self.metrics.tenant_queued.labels(name).set(n)
         self._queued_seen |= set(queued)
 
-    def view(self) -> list[dict[str, Any]]:
+    def view(self) -> list[TenantView]:
         return self.control.view(self.admission.queued_by_tenant())
