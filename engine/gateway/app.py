@@ -542,6 +542,12 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                     "step_running_s": None
                     if e.step_started is None
                     else round(now - e.step_started, 3),
+                    # The LoRA adapters it serves and where their weights are, as
+                    # routing sees them: device, host or registered.
+                    "adapters": {
+                        name: e.load.resident.get(name, "registered")
+                        for name in sorted(e.load.adapters)
+                    },
                     # Peer pulls' measured costs of it (--peer-pull; else null).
                     "peer_pull": None if gw.peer_pull is None else gw.peer_pull.view(e.url),
                 }

@@ -86,9 +86,11 @@ _PEER_ROWS = (
     m.ENGINE_KV_PEER_PULL_SECONDS.name,
 )
 _ADAPTERS = m.ENGINE_LORA_ADAPTER_INFO.name
+_RESIDENT = m.ENGINE_LORA_ADAPTER_RESIDENT.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
     _ADAPTERS,
+    _RESIDENT,
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
@@ -142,6 +144,11 @@ class EngineLoad:
     """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
     adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
     """LoRA adapters the engine serves: name -> (prefix-cache identity, directory)."""
+    resident: dict[str, str] = field(default_factory=dict)
+    """Where the weights of served adapters are: name -> "device" (a device
+    slot) or "host" (host memory only); absent: registered only (read from
+    its directory when a step needs it), or an engine that does not say
+    (tensor-parallel and vLLM engines)."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -203,6 +210,16 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                 labels_of.get("lora_identity", ""),
                 labels_of.get("lora_path", ""),
             )
+    for labels_of, value in scrape.samples.get(_RESIDENT, ()):
+        lora_name, tier = labels_of.get(m.LORA_NAME), labels_of.get(m.LORA_TIER)
+        # One tier per adapter (the engine exports one); device wins a tie.
+        if (
+            lora_name
+            and tier in ("device", "host")
+            and value
+            and load.resident.get(lora_name) != "device"
+        ):
+            load.resident[lora_name] = tier
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None

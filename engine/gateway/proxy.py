@@ -381,7 +381,14 @@ class Proxy:
                 return self.legs.error(call, error, 503, "model")
             holder = min(holders, key=lambda h: h.queue())
             logger.warning("%s; routed to %s, which serves it", error, holder.url)
-            return Route(holder, None, "decode_only", "adapter_fallback")
+            route = Route(holder, None, "decode_only", "adapter_fallback")
+            break
+        for e in (route.decode, route.prefill):
+            # Running the request puts the adapter into a device slot there:
+            # the next requests see that before the next scrape confirms it
+            # (or says which adapter it evicted instead).
+            if e is not None:
+                e.load.resident[adapter] = "device"
         return route
 
     async def _load_once(self, e: EngineState, adapter: str) -> str | None:

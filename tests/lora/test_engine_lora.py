@@ -118,6 +118,9 @@ def test_slot_and_host_evictions_keep_outputs(llama, adapter_factory, peft_facto
     stats = llm.engine.core.runner.lora_stats()
     assert stats.gpu_evictions >= 2 and stats.cpu_evictions >= 2
     assert stats.loads >= 4  # a came back from disk
+    # What the engine exports for routing: the one adapter in the one slot
+    # (its host copy is the one host copy).
+    assert len(stats.loaded) == 1 and stats.resident == {stats.loaded[0]: "device"}
     assert llm.engine.lora_requests == {"a": 2, "b": 1, "c": 1}
     assert_no_leaks(llm)
 

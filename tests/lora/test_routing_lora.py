@@ -6,9 +6,13 @@ from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.routing import prefer_adapter_holders
 
 
-def engine(url: str, queue: int, adapters: tuple[str, ...] = ()) -> EngineState:
+def engine(url: str, queue: int, adapters: tuple[str, ...] = (), **resident: str) -> EngineState:
     e = EngineState(url, "decode")
-    e.load = EngineLoad(waiting=queue, adapters={a: (f"{a}@0", f"/{a}") for a in adapters})
+    e.load = EngineLoad(
+        waiting=queue,
+        adapters={a: (f"{a}@0", f"/{a}") for a in adapters},
+        resident=dict(resident),
+    )
     return e
 
 
@@ -21,6 +25,48 @@ def test_holders_win_unless_they_are_much_busier():
     assert prefer_adapter_holders([idle, busy], "a") == [idle, busy]
     loaded = [engine("http://y", 20), engine("http://z", 30, ("a",))]
     assert prefer_adapter_holders(loaded, "a") == [loaded[1]]  # 10 <= max(4, 20 / 2)
+
+
+def test_device_residents_win_then_host_then_registered_each_weighed_against_load():
+    cold = engine("http://c", 0, ("a",))
+    host = engine("http://h", 1, ("a",), a="host")
+    dev = engine("http://d", 2, ("a",), a="device")
+    none = engine("http://n", 0)
+    assert prefer_adapter_holders([none, cold, host, dev], "a") == [dev]
+    assert prefer_adapter_holders([none, cold, host], "a") == [host]
+    assert prefer_adapter_holders([none, cold], "a") == [cold]
+    # Residency of another adapter says nothing about this one.
+    other = engine("http://o", 0, ("a", "b"), b="device")
+    assert prefer_adapter_holders([cold, other], "a") == [cold, other]
+    # The device holder is too busy (9 - 0 > max(4, 0 / 2)): the next tier
+    # (host or warmer) holds the least busy candidate within the slack.
+    busy = engine("http://d", 9, ("a",), a="device")
+    assert prefer_adapter_holders([none, cold, host, busy], "a") == [host, busy]
+    # Every warm engine is too busy: all candidates, and the proxy loads it.
+    hot = [engine("http://d", 9, ("a",), a="device"), engine("http://h", 8, ("a",), a="host")]
+    assert prefer_adapter_holders([none, *hot], "a") == [none, *hot]
+
+
+def test_residency_is_read_from_the_scrape_and_shown_by_the_engines_view():
+    from pdfleet.engine.gateway.engines import parse_engine_metrics
+
+    text = "\n".join(
+        [
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="a",'
+            'lora_identity="a@1",lora_path="/a"} 1.0',
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="b",'
+            'lora_identity="b@1",lora_path="/b"} 1.0',
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="c",'
+            'lora_identity="c@1",lora_path="/c"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="a",tier="device"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="b",tier="host"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="c",tier="disk"} 1.0',
+            "",
+        ]
+    )
+    load = parse_engine_metrics(text)
+    assert set(load.adapters) == {"a", "b", "c"}
+    assert load.resident == {"a": "device", "b": "host"}  # an unknown tier is ignored
 
 
 def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
@@ -65,6 +111,10 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
         ("http://p/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
     ]
     assert "a" in other.load.adapters and "a" in prefill.load.adapters and not proxy._loading
+    # Both legs run it: the gateway counts it device-resident there until its
+    # next scrape says otherwise.
+    assert other.load.resident == prefill.load.resident == {"a": "device"}
+    assert holder.load.resident == {}
 
 
 def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights():
