@@ -13,6 +13,13 @@
 * :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
   ``[sampled, logprobs, prompt_logprobs, finished_sending, finished_recving,
   failed_recving, forward_seconds]``, logprobs ``[token_ids, logprobs, rank]``;
+* :class:`LoRALoad`, when the engine loads a LoRA adapter (one broadcast
+  after a ``[nbytes, LORA_LOAD]`` header): msgpack ``[lora_name, lora_id,
+  lora_path, digest]``; every rank reads and checks its shard of the adapter
+  then and answers in one gather over the control group, a
+  :data:`LORA_STATUS_BYTES` status each (:func:`lora_status`: empty when
+  its shard is in its host cache, else why not, UTF-8); ``[nbytes,
+  LORA_DROP]`` + msgpack ``lora_id`` drops a load the other ranks refused;
 * on a rank's pipe, one tagged message at a time (:func:`rank_message`):
   :data:`READY` + :class:`RankReady` (``[num_blocks, max_model_len,
   shard_info, layout]``), :data:`RESULT` + a :class:`StepResult`,
@@ -43,8 +50,10 @@ from .kv_connector import RankCommand, ShardInfo, decode_rank_commands, encode_r
 
 READY, RESULT, ERROR = b"Y", b"R", b"E"
 """Tags of a rank's pipe messages (the first byte)."""
-STEP, STOP = 0, 1
+STEP, STOP, LORA_LOAD, LORA_DROP = 0, 1, 2, 3
 """Kinds of the control broadcast's header ``[nbytes, kind]``."""
+LORA_STATUS_BYTES = 1024
+"""Bytes of a rank's answer to a :class:`LoRALoad` (its error text, cut to fit)."""
 KV_AGENT_KEY = "pdfleet/kv-agent"
 """Store key of the leader's :class:`KVAgentSpec` (msgpack; nil without a connector)."""
 READY_KEY = "pdfleet/ready/{rank}"
@@ -326,6 +335,56 @@ class RankReady:
     @classmethod
     def decode(cls, data: bytes | memoryview) -> RankReady:
         return cls.from_wire(_unpack(data, "ready message"))
+
+
+@dataclass(frozen=True, slots=True)
+class LoRALoad:
+    """A LoRA adapter every rank reads its shard of, now: the main process
+    read and checked the whole of it, and ``digest`` is the sha256 of the
+    bytes it read (a rank that reads other bytes refuses the load)."""
+
+    lora_name: str
+    lora_id: int
+    lora_path: str
+    digest: str
+
+    def encode(self) -> bytes:
+        return _pack([self.lora_name, self.lora_id, self.lora_path, self.digest])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> LoRALoad:
+        name, lora_id, path, digest = _row(_unpack(data, "LoRA load"), 4, "LoRA load")
+        return cls(
+            _str(name, "LoRA load lora_name"),
+            _int(lora_id, "LoRA load lora_id"),
+            _str(path, "LoRA load lora_path"),
+            _str(digest, "LoRA load digest"),
+        )
+
+
+def encode_lora_drop(lora_id: int) -> bytes:
+    return _pack(lora_id)
+
+
+def decode_lora_drop(data: bytes | memoryview) -> int:
+    return _int(_unpack(data, "LoRA drop"), "LoRA drop lora_id")
+
+
+def lora_status(error: str | None) -> bytes:
+    """A rank's answer to a :class:`LoRALoad`: :data:`LORA_STATUS_BYTES`
+    bytes, the error text (cut to fit) then zeros; all zeros: loaded."""
+    raw = (error or "").encode()[: LORA_STATUS_BYTES - 1]
+    if error and not raw:
+        raw = b"?"
+    return raw.ljust(LORA_STATUS_BYTES, b"\0")
+
+
+def lora_status_error(status: bytes) -> str | None:
+    """The error of a :func:`lora_status` answer; None: loaded."""
+    if len(status) != LORA_STATUS_BYTES:
+        raise ValueError(f"malformed LoRA status: {len(status)} bytes, not {LORA_STATUS_BYTES}")
+    text = status.rstrip(b"\0")
+    return text.decode(errors="replace") if text else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,9 @@ def test_lora_flags_are_checked(tiny_model):
         LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
 
 
-def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factory, peft_factory):
+def test_tensor_parallel_two_ranks_match_peft(
+    tiny_model_factory, adapter_factory, peft_factory, tmp_path
+):
     # One KV head replicated on both ranks, the other projections sharded.
     base = tiny_model_factory("mistral", num_key_value_heads=1)
     a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
@@ -209,6 +211,31 @@ def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factor
         check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)])
         with pytest.raises(LoRAError, match="'big'.*exceeds --max-lora-rank 8"):
             llm.engine.add_lora("big", adapter_factory(base, 4, r=16))
+        # Every rank reads its shard when the adapter is loaded: its directory
+        # may go right after, and no step reads it.
+        gone = tmp_path / "c"
+        shutil.copytree(a, gone)
+        llm.engine.add_lora("c", str(gone))
+        shutil.rmtree(gone)
+        c = LoRARequest("c", 1, str(gone))
+        [out] = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(8), lora_request=c)
+        assert out.outputs[0].token_ids == hf_greedy(peft_factory(base, a), prompts[0], 8)
+        # A rank that reads other bytes than the main process checked refuses the
+        # load: nothing is loaded (on any rank), and the engine serves on.
+        executor = llm.engine.core.runner
+        real_read = executor.read_lora
+
+        def other_digest(request):
+            read = real_read(request)
+            read.digest = "0" * 64
+            return read
+
+        executor.read_lora = other_digest
+        with pytest.raises(LoRAError, match=r"'d' refused by tensor-parallel rank 0: .*changed"):
+            llm.engine.add_lora("d", b)
+        executor.read_lora = real_read
+        assert "d" not in llm.engine.loras
+        check(llm, peft_factory, base, prompts[:2], [("d", b), ("a", a)])
     finally:
         llm.engine.shutdown()
 
