@@ -12,6 +12,7 @@ from pdfleet.engine.contracts.lora import (
     LoRALoad,
     already_loaded,
     load_succeeded,
+    name_taken,
 )
 
 
@@ -31,11 +32,17 @@ def test_the_body_is_vllms_and_decodes_naming_the_field():
         assert e.value.param == param
 
 
-def test_only_a_load_or_the_same_weights_already_loaded_count_as_done():
-    assert load_succeeded(200, b"Success: LoRA adapter 'a' added successfully.")
-    assert load_succeeded(409, already_loaded("a").encode())
-    other = ErrorBody("LoRA adapter 'a' is already loaded with other weights", 400, "lora_path")
-    assert not load_succeeded(400, other.encode())
-    assert not load_succeeded(409, ErrorBody("already loaded", 409).encode())
-    assert not load_succeeded(409, b"already loaded")  # not an error body
-    assert not load_succeeded(500, b"")
+def test_a_load_succeeded_on_200_and_a_taken_name_is_vllms_400_naming_lora_name():
+    assert load_succeeded(200)
+    assert not load_succeeded(400) and not load_succeeded(409)
+    same, other = already_loaded("a", True), already_loaded("a", False)
+    for answer in (same, other):
+        assert answer.status == 400 and answer.param == "lora_name"
+        assert answer.message.startswith("The lora adapter 'a' has already been loaded")
+        assert name_taken(400, answer.encode())
+    assert "same weights" in same.message and "unload it first" in other.message
+    # Only the contract's shape says so: not another status, param or body.
+    assert not name_taken(409, same.encode())
+    assert not name_taken(400, ErrorBody("cannot be served", 400, "lora_path").encode())
+    assert not name_taken(400, b"has already been loaded")  # not an error body
+    assert not name_taken(500, b"")

@@ -169,7 +169,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     assert same.value.already_loaded
     with pytest.raises(LoRAError, match="already loaded with other weights") as other:
         llm.engine.add_lora("a", str(ints))
-    assert not other.value.already_loaded
+    assert not other.value.already_loaded and other.value.name_taken
     assert sorted(llm.engine.loras) == ["a"]
     (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
     check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])

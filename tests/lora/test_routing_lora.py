@@ -119,37 +119,28 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
 
 def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights():
     import asyncio
-    from types import SimpleNamespace
 
     from pdfleet.engine.contracts.errors import ErrorBody
     from pdfleet.engine.contracts.lora import already_loaded
-    from pdfleet.engine.gateway.proxy import Proxy
 
+    same, other = already_loaded("a", True).encode(), already_loaded("a", False).encode()
     answers = {
-        "http://same": (409, already_loaded("a").encode()),
-        "http://other": (
-            400,
-            ErrorBody(
-                "LoRA adapter 'a' is already loaded with other weights", 400, "lora_path"
-            ).encode(),
-        ),
+        # The name taken (vLLM's 400 naming lora_name): the card says by whom.
+        "http://same": (400, same),
+        "http://other": (400, other),
+        "http://gone": (400, same),  # its card is not to be had
         # Prose that says "already loaded" is no success unless the contract says so.
         "http://prose": (409, ErrorBody("'a' already loaded", 409, None).encode()),
     }
-
-    class Client:
-        async def post(self, url, content, headers, timeout):
-            status, body = answers[url.removesuffix("/v1/load_lora_adapter")]
-            return SimpleNamespace(status_code=status, content=body, text=body.decode())
-
-    proxy = Proxy.__new__(Proxy)
-    proxy.client = Client()
-    proxy.metrics = SimpleNamespace(
-        lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
-    )
-
-    proxy.pool = SimpleNamespace(
-        adapter=lambda name: ("h", "/a"), engines={}, client=None, check_timeout=1.0
+    cards = {
+        "http://same/v1/models/a": {"id": "a", "lora_identity": "a@0"},
+        "http://other/v1/models/a": {"id": "a", "lora_identity": "a@ffff"},
+        "http://prose/v1/models/a": {"id": "a", "lora_identity": "a@0"},
+    }
+    proxy, _, gets = _proxy_of(
+        [engine("http://h", 0, ("a",))],
+        lambda url: (answers[url][0], answers[url][1].decode()),
+        cards,
     )
 
     async def load(url: str) -> str | None:
@@ -157,8 +148,12 @@ def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights(
 
     assert asyncio.run(load("http://same")) is None
     error = asyncio.run(load("http://other"))
-    assert error is not None and "400 LoRA adapter 'a' is already loaded with other" in error
+    assert error is not None and "400 The lora adapter 'a' has already been loaded" in error
+    assert asyncio.run(load("http://gone")) is not None
     assert asyncio.run(load("http://prose")) is not None
+    # The card is asked for only after a taken-name answer.
+    assert "http://prose/v1/models/a" not in gets
+    assert {"http://same/v1/models/a", "http://other/v1/models/a"} <= set(gets)
 
 
 def _proxy_of(engines, answer, cards=None):

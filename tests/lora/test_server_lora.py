@@ -24,7 +24,7 @@ from pdfleet.engine.contracts.block_hash import (
     get_hash_fn,
     prompt_block_hashes,
 )
-from pdfleet.engine.contracts.lora import load_succeeded
+from pdfleet.engine.contracts.lora import name_taken
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
 PROMPT = random_prompts(1800, [13], seed=11)[0]
@@ -194,16 +194,15 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
         url, json={"lora_name": "gone", "lora_path": "/nonexistent"}, headers=fleet, timeout=30
     )
     assert missing.status_code == 400 and "'gone'" in missing.text
-    # Loaded again from the same weights: 409 naming lora_name, which the gateway
-    # counts as done; under the same name from other weights: a 400, a failure.
+    # Loaded again, from the same weights or other ones: vLLM's 400 naming
+    # lora_name; the message says which (the gateway then reads the card).
     dup = httpx.post(url, json=load, headers=fleet, timeout=30)
-    assert dup.status_code == 409 and dup.json()["error"]["param"] == "lora_name"
-    assert "already loaded from the same weights" in dup.text
-    assert load_succeeded(dup.status_code, dup.content)
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "lora_name"
+    assert "'b' has already been loaded (from the same weights)" in dup.text
+    assert name_taken(dup.status_code, dup.content)
     taken = httpx.post(url, json={**load, "lora_path": a}, headers=fleet, timeout=30)
-    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_path"
-    assert "already loaded with other weights" in taken.text
-    assert not load_succeeded(taken.status_code, taken.content)
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
+    assert "'b' has already been loaded (with other weights; unload it first)" in taken.text
     unknown = httpx.post(url, json={**load, "x": 1}, headers=fleet, timeout=30)
     assert unknown.status_code == 400 and "x: unknown field" in unknown.text
     assert tokens(complete(server.url, "a", client))  # still serving
