@@ -276,9 +276,10 @@ def simulate_routing(
     The gateway side is the gateway's own code on what it would see: every
     ``scrape_interval`` seconds each engine's ``EngineLoad`` is rebuilt from
     that moment's state (queue, registered adapters and, for ``aware``, the
-    residency series), and between scrapes only the gateway's own exact
-    in-flight count and its own marks (an adapter routed to an engine counts
-    device-resident there) change it; ``prefer_adapter_holders`` narrows the
+    residency series, ``--max-loras``), and between scrapes only the
+    gateway's own exact in-flight count and its own marks (``mark_routed``:
+    an adapter routed to an engine counts device-resident there, the oldest
+    beyond its slots host-resident) change it; ``prefer_adapter_holders`` narrows the
     candidates and the least busy of them wins (ties at random: the prompts
     share no prefix). ``registered``: the same without the residency series
     (routing by registration); ``blind``: least busy of all.
@@ -289,7 +290,7 @@ def simulate_routing(
     gateway's tier of the adapter on the chosen engine differed from the
     engine's state at that moment."""
     from pdfleet.engine.gateway.engines import EngineLoad, EngineState
-    from pdfleet.engine.gateway.routing import adapter_tier, prefer_adapter_holders
+    from pdfleet.engine.gateway.routing import adapter_tier, mark_routed, prefer_adapter_holders
 
     rng = random.Random(seed)
     names = [f"a{k}" for k in range(num_adapters)]
@@ -309,6 +310,7 @@ def simulate_routing(
                     waiting=len(sim.waiting),
                     adapters=dict(registered),
                     resident=sim.resident() if policy == "aware" else {},
+                    max_loras=max_loras,
                 )
             next_scrape += scrape_interval
         for st, sim in zip(states, sims, strict=True):
@@ -322,7 +324,7 @@ def simulate_routing(
         truth.load = EngineLoad(adapters=registered, resident=sim.resident())
         if policy == "aware":
             stale += adapter_tier(chosen, adapter) != adapter_tier(truth, adapter)
-            chosen.load.resident[adapter] = "device"  # the proxy's own mark
+            mark_routed(chosen, adapter)  # the proxy's own mark
         sim.submit(adapter, rng.expovariate(1 / service), now)
     for sim in sims:
         sim.advance(float("inf"))

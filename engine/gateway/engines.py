@@ -87,10 +87,12 @@ _PEER_ROWS = (
 )
 _ADAPTERS = m.ENGINE_LORA_ADAPTER_INFO.name
 _RESIDENT = m.ENGINE_LORA_ADAPTER_RESIDENT.name
+_LORA_INFO = m.VLLM_LORA_REQUESTS_INFO.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
     _ADAPTERS,
     _RESIDENT,
+    _LORA_INFO,
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
@@ -149,6 +151,9 @@ class EngineLoad:
     slot) or "host" (host memory only); absent: registered only (read from
     its directory when a step needs it), or an engine that does not say
     (tensor-parallel and vLLM engines)."""
+    max_loras: int | None = None
+    """Its device slots for adapters (``--max-loras``, from vLLM's
+    ``vllm:lora_requests_info``); None: not said."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -220,6 +225,9 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             and load.resident.get(lora_name) != "device"
         ):
             load.resident[lora_name] = tier
+    for labels_of, _ in scrape.samples.get(_LORA_INFO, ()):
+        with contextlib.suppress(KeyError, ValueError):
+            load.max_loras = int(labels_of["max_lora"]) or None
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get("compat_hash") or None

@@ -66,7 +66,7 @@ from .peer_pull import PeerPull, Plan
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
 from .relay import DisconnectWatch, RelayResponse
-from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
+from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router, mark_routed
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -388,7 +388,7 @@ class Proxy:
             # the next requests see that before the next scrape confirms it
             # (or says which adapter it evicted instead).
             if e is not None:
-                e.load.resident[adapter] = "device"
+                mark_routed(e, adapter)
         return route
 
     async def _load_once(self, e: EngineState, adapter: str) -> str | None:

@@ -395,6 +395,22 @@ def adapter_tier(e: EngineState, adapter: str) -> int:
     return ADAPTER_TIERS.index(resident) if resident in ADAPTER_TIERS[:2] else 2
 
 
+def mark_routed(e: EngineState, adapter: str) -> None:
+    """The gateway's own update of its view between scrapes: running a request
+    of ``adapter`` puts it into a device slot of ``e``; with ``--max-loras``
+    known, the device adapters marked or scraped longest ago beyond that many
+    count as host-resident (the engine evicts its least recently used slot;
+    its host cache keeps the copy)."""
+    resident = e.load.resident
+    resident.pop(adapter, None)
+    resident[adapter] = "device"  # insertion order: most recently routed last
+    slots = e.load.max_loras
+    if slots:
+        device = [name for name, tier in resident.items() if tier == "device"]
+        for name in device[:-slots]:
+            resident[name] = "host"
+
+
 def prefer_adapter_holders(candidates: list[EngineState], adapter: str | None) -> list[EngineState]:
     """LoRA-aware routing: for a request that names ``adapter``, the candidates
     where it is warmest, weighed against load. Tier by tier (device slot, then

@@ -64,9 +64,28 @@ def test_residency_is_read_from_the_scrape_and_shown_by_the_engines_view():
             "",
         ]
     )
+    text += (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+    )
     load = parse_engine_metrics(text)
     assert set(load.adapters) == {"a", "b", "c"}
     assert load.resident == {"a": "device", "b": "host"}  # an unknown tier is ignored
+    assert load.max_loras == 2
+
+
+def test_a_routed_adapter_counts_on_the_device_and_pushes_the_oldest_beyond_the_slots_out():
+    from pdfleet.engine.gateway.routing import mark_routed
+
+    e = engine("http://e", 0, ("a", "b", "c"), a="device", b="host")
+    mark_routed(e, "b")
+    assert e.load.resident == {"a": "device", "b": "device"}  # slots not known: no limit
+    e.load.max_loras = 2
+    mark_routed(e, "c")
+    assert e.load.resident == {"a": "host", "b": "device", "c": "device"}
+    mark_routed(e, "b")  # again: the most recent now
+    mark_routed(e, "a")
+    assert e.load.resident == {"c": "host", "b": "device", "a": "device"}
 
 
 def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
