@@ -255,7 +255,10 @@ class EngineMetrics:
                 if delta > 0:
                     self.lora_evictions.labels(**self.labels, tier=tier).inc(delta)
                 self._lora_counts[key] = value
-            self._update_resident(dict(stats.resident))
+            # Served adapters only (a tensor-parallel rank keeps an unloaded
+            # adapter's shards until its cache evicts them).
+            loaded = engine.loras
+            self._update_resident({n: t for n, t in stats.resident.items() if n in loaded})
         for name, count in engine.lora_requests.items():
             key = f"requests:{name}"
             delta = count - self._lora_counts.get(key, 0)

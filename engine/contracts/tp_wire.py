@@ -12,7 +12,8 @@
   commands (``kv_connector.py``) or nil;
 * :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
   ``[sampled, logprobs, prompt_logprobs, finished_sending, finished_recving,
-  failed_recving, forward_seconds]``, logprobs ``[token_ids, logprobs, rank]``;
+  failed_recving, forward_seconds]`` (plus, with LoRA on, rank 0's caches:
+  :class:`StepLoRA`), logprobs ``[token_ids, logprobs, rank]``;
 * :class:`LoRALoad`, when the engine loads a LoRA adapter (one broadcast
   after a ``[nbytes, LORA_LOAD]`` header): msgpack ``[lora_name, lora_id,
   lora_path, digest]``; every rank reads and checks its shard of the adapter
@@ -230,6 +231,39 @@ def _lps(row: Any) -> StepLogprobs:
     return _tuple_new(StepLogprobs, row)
 
 
+class StepLoRA(NamedTuple):
+    """Rank 0's LoRA caches after a step (``lora/manager.py``'s ``LoRAStats``):
+    every rank's evolve alike (the same steps, the same loads)."""
+
+    loads: int
+    load_seconds: float
+    cpu_evictions: int
+    gpu_evictions: int
+    slot_loads: int
+    loaded: list[str]
+    cached: list[str]
+    resident: dict[str, str]
+
+
+def _step_lora(row: Any) -> StepLoRA:
+    loads, seconds, cpu, gpu, slots, loaded, cached, resident = _row(row, 8, "step LoRA stats")
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        raise ValueError("malformed step LoRA stats: load_seconds is not a number")
+    return StepLoRA(
+        _int(loads, "step LoRA loads"),
+        float(seconds),
+        _int(cpu, "step LoRA cpu_evictions"),
+        _int(gpu, "step LoRA gpu_evictions"),
+        _int(slots, "step LoRA slot_loads"),
+        [_str(x, "step LoRA loaded") for x in _list(loaded, "step LoRA loaded")],
+        [_str(x, "step LoRA cached") for x in _list(cached, "step LoRA cached")],
+        {
+            _str(k, "step LoRA resident"): _str(v, "step LoRA resident")
+            for k, v in _map(resident, "step LoRA resident").items()
+        },
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What rank 0 answers a step with (``ModelRunnerOutput``)."""
@@ -241,25 +275,30 @@ class StepResult:
     finished_recving: list[str]
     failed_recving: list[str]
     forward_seconds: float
+    lora: StepLoRA | None = None
+    """Rank 0's LoRA caches (engines with --enable-lora; else nil, or absent)."""
 
     def encode(self) -> bytes:
-        return _pack(
-            [
-                self.sampled_token_ids,
-                self.logprobs,
-                self.prompt_logprobs,
-                self.finished_sending,
-                self.finished_recving,
-                self.failed_recving,
-                self.forward_seconds,
-            ]
-        )
+        row = [
+            self.sampled_token_ids,
+            self.logprobs,
+            self.prompt_logprobs,
+            self.finished_sending,
+            self.finished_recving,
+            self.failed_recving,
+            self.forward_seconds,
+        ]
+        if self.lora is not None:
+            row.append(list(self.lora))
+        return _pack(row)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepResult:
-        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(
-            _unpack(data, "step result"), 7, "step result"
-        )
+        wire = _unpack(data, "step result")
+        lora = None
+        if isinstance(wire, list) and len(wire) == 8:
+            lora = _step_lora(wire.pop())
+        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(wire, 7, "step result")
         if not isinstance(seconds, int | float) or isinstance(seconds, bool):
             raise ValueError("malformed step result: forward_seconds is not a number")
         return cls(
@@ -273,6 +312,7 @@ class StepResult:
             _list(recving, "finished_recving"),
             _list(failed, "failed_recving"),
             float(seconds),
+            lora,
         )
 
 

@@ -55,7 +55,7 @@ from ..kv_transfer.layout import KVLayout
 from ..lora.adapter import LoRAAdapter, LoRAError, LoRARequest, load_adapter, module_shapes
 from ..lora.manager import LoRAStats
 from .main_guard import check_main_guard
-from .step_wire import pack_step, unpack_result
+from .step_wire import pack_step, unpack_result_lora
 from .tp_rank import KV_REPORT_SLOTS, RankSpec, ended_of, rank_main
 
 logger = logging.getLogger(__name__)
@@ -176,6 +176,8 @@ class TPExecutor:
         self.ctl: Any = None
         self.broadcast_seconds = 0.0
         self.num_steps = 0
+        # Rank 0's LoRA caches as of its last step (None: LoRA off, or no step yet).
+        self._lora_stats: LoRAStats | None = None
         # Before the start: a failed start's shutdown broadcasts STOP with it.
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
@@ -379,9 +381,11 @@ class TPExecutor:
             for rank, tag, body in self._messages(deadline, "finish the step"):
                 if rank == 0 and tag == RESULT:
                     try:
-                        result = unpack_result(body)
+                        result, lora = unpack_result_lora(body)
                     except ValueError as e:
                         raise RankFailed(f"tensor-parallel rank 0: {e}") from None
+                    if lora is not None:
+                        self._lora_stats = lora
                 else:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
         if reports is not None:
@@ -462,6 +466,12 @@ class TPExecutor:
             raise LoRAError(
                 f"LoRA adapter {read.name!r} refused by tensor-parallel " + "; ".join(errors)
             )
+        stats = self._lora_stats
+        if stats is not None:  # in host memory on every rank now; the next step says more
+            stats.loads += 1
+            stats.load_seconds += read.read_seconds
+            stats.cached = [*(n for n in stats.cached if n != read.name), read.name]
+            stats.resident.setdefault(read.name, "host")
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Nothing to tell the ranks: their caches key by load id, which an
@@ -469,7 +479,9 @@ class TPExecutor:
         request still running it keeps its shards until then)."""
 
     def lora_stats(self) -> LoRAStats | None:
-        return None
+        """Rank 0's LoRA caches after the last step, and the loads since (every
+        rank's caches evolve alike: the same steps and loads reach all)."""
+        return self._lora_stats
 
     def _gather_reads(self) -> tuple[Any, list[torch.Tensor]]:
         """Post this step's gather of the ranks' ended reads (``tp_rank.ended_tensor``)."""

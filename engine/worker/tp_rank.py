@@ -205,7 +205,8 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
             sent, backlog = backlog[:KV_REPORT_SLOTS], backlog[KV_REPORT_SLOTS:]
             ctl.gather([], [ended_tensor(sent)], gather).wait()
         if spec.rank == 0:
-            conn.send_bytes(rank_message(RESULT, pack_result(result)))
+            # Its LoRA caches too: the main process exports them (every rank's alike).
+            conn.send_bytes(rank_message(RESULT, pack_result(result, runner.lora_stats())))
     if shard is not None:
         shard.shutdown()
     dist.destroy_process_group()

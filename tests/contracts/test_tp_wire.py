@@ -70,6 +70,16 @@ def test_the_engine_s_step_and_result_map_onto_the_wire_and_back():
         forward_seconds=0.25,
     )
     assert unpack_result(pack_result(result)) == result
+    from pdfleet.engine.lora.manager import LoRAStats
+    from pdfleet.engine.worker.step_wire import unpack_result_lora
+
+    stats = LoRAStats(3, 0.5, 1, 2, 4, ["a"], ["a", "b"], {"a": "device", "b": "host"})
+    assert unpack_result_lora(pack_result(result, stats)) == (result, stats)
+    assert unpack_result_lora(pack_result(result)) == (result, None)
+    with pytest.raises(ValueError, match="malformed step LoRA resident"):
+        w.StepResult.decode(
+            packed([{}, {}, {}, [], [], [], 0.0, [0, 0.0, 0, 0, 0, [], [], {1: 2}]])
+        )
     assert msgpack.unpackb(pack_result(result))[4] == ["w", "y"]  # sets travel sorted
 
 

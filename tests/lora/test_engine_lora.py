@@ -220,6 +220,9 @@ def test_tensor_parallel_two_ranks_match_peft(
         c = LoRARequest("c", 1, str(gone))
         [out] = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(8), lora_request=c)
         assert out.outputs[0].token_ids == hf_greedy(peft_factory(base, a), prompts[0], 8)
+        # Rank 0's caches, reported with each step (the metrics and routing read them).
+        stats = llm.engine.core.runner.lora_stats()
+        assert stats is not None and stats.resident["c"] == "device" and stats.loads >= 3
         # A rank that reads other bytes than the main process checked refuses the
         # load: nothing is loaded (on any rank), and the engine serves on.
         executor = llm.engine.core.runner
