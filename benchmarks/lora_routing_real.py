@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -199,6 +200,7 @@ def main() -> int:
         else None
         for key in COUNTERS
     }
+    shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -4,7 +4,8 @@ operator call them and an engine reads them.
 
 Body: a JSON object ``{"lora_name": str, "lora_path": str, "revision": str}``
 (``lora_path`` only on a load; ``revision`` only with an ``hf://ORG/NAME``
-path); any other field is refused naming it. A load answers 200
+path; vLLM's ``load_inplace`` only ``false``); any other field is refused
+naming it. A load answers 200
 (plain text, as vLLM) when it loaded the adapter; an error body
 (``errors.py``) otherwise, whose status and ``param`` say what went wrong:
 
@@ -28,7 +29,10 @@ from .errors import ErrorBody
 NAME = "lora_name"
 PATH = "lora_path"
 REVISION = "revision"
-LOAD_FIELDS = frozenset({NAME, PATH, REVISION})
+INPLACE = "load_inplace"
+"""vLLM's: replace the adapter loaded under the name. Only ``false`` (what
+a load does anyway) is taken; ``true`` is refused naming it."""
+LOAD_FIELDS = frozenset({NAME, PATH, REVISION, INPLACE})
 UNLOAD_FIELDS = frozenset({NAME, PATH})  # vLLM's unload body may repeat the path
 
 
@@ -67,6 +71,13 @@ class LoRALoad:
         unknown = sorted(set(raw) - fields)
         if unknown:
             raise LoRABodyError(f"{unknown[0]}: unknown field", unknown[0])
+        inplace = raw.get(INPLACE, False)
+        if not isinstance(inplace, bool):
+            raise LoRABodyError(f"{INPLACE}: must be a boolean", INPLACE)
+        if inplace:
+            raise LoRABodyError(
+                f"{INPLACE}: true is not supported; unload the adapter, then load it", INPLACE
+            )
         name, path, revision = raw.get(NAME), raw.get(PATH), raw.get(REVISION)
         if not isinstance(name, str) or not name:
             raise LoRABodyError(f"{NAME}: a non-empty string is required", NAME)

@@ -8,6 +8,7 @@ import pytest
 
 from pdfleet.engine.contracts.errors import ErrorBody
 from pdfleet.engine.contracts.lora import (
+    UNLOAD_FIELDS,
     LoRABodyError,
     LoRALoad,
     already_loaded,
@@ -20,7 +21,12 @@ def test_the_body_is_vllms_and_decodes_naming_the_field():
     assert json.loads(LoRALoad("a", "/p").encode()) == {"lora_name": "a", "lora_path": "/p"}
     assert json.loads(LoRALoad("a").encode()) == {"lora_name": "a"}
     assert LoRALoad.from_json({"lora_name": "a", "lora_path": "/p"}, "r") == LoRALoad("a", "/p")
+    # vLLM's load_inplace: false is what a load does; true is refused naming it.
+    inplace = {"lora_name": "a", "lora_path": "/p", "load_inplace": False}
+    assert LoRALoad.from_json(inplace, "r") == LoRALoad("a", "/p")
     for raw, param in [
+        ({**inplace, "load_inplace": True}, "load_inplace"),
+        ({**inplace, "load_inplace": "no"}, "load_inplace"),
         ({"lora_name": "a", "x": 1}, "x"),
         ({"lora_path": "/p"}, "lora_name"),
         ({"lora_name": ""}, "lora_name"),
@@ -30,6 +36,8 @@ def test_the_body_is_vllms_and_decodes_naming_the_field():
         with pytest.raises(LoRABodyError) as e:
             LoRALoad.from_json(raw, "/v1/load_lora_adapter")
         assert e.value.param == param
+    with pytest.raises(LoRABodyError, match="load_inplace: unknown field"):
+        LoRALoad.from_json({"lora_name": "a", "load_inplace": False}, "r", UNLOAD_FIELDS)
 
 
 def test_a_load_succeeded_on_200_and_a_taken_name_is_vllms_400_naming_lora_name():
