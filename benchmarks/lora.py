@@ -19,13 +19,21 @@ and the hit rate of adapter-aware routing.
    (all seven projections of every layer), median of 5: the read (read, check,
    hash; off the step loop) and the install into the host cache (the step
    loop's pause).
-3. **Routing hit rate.** A simulated fleet of engines, each holding at most
-   ``--max-cpu-loras`` adapters (LRU), serves a trace of 20 adapters with a
-   Zipf popularity; requests arrive one per tick and occupy their engine for a
-   fixed number of ticks. ``aware`` routes with the gateway's own
-   ``prefer_adapter_holders`` (holders unless much busier, else least busy,
-   where the adapter is then loaded); ``blind`` routes to the least busy
-   engine. Hit: the chosen engine already held the adapter.
+3. **Routing hit rate.** 4 simulated engines (``--max-loras 2
+   --max-cpu-loras 4``, 8 requests each at most), each keeping its device
+   slots and host copies as the runner does, all serving (registered) all 20
+   adapters, take a Poisson trace (6 requests/s, 2 s mean service, Zipf
+   popularity s = 1.1). The gateway side runs the gateway's own
+   ``prefer_adapter_holders`` on what it would see: the engines' scrapes
+   (queue, registered adapters, residency series) every scrape interval
+   (0.2, 1 and 5 s), its own in-flight counts and its own marks between
+   them. ``aware``: by residency; ``registered``: by registration (what the
+   gateway did before residency was exported); ``blind``: by load alone.
+   Hit: when the request starts on its engine, its adapter is already in a
+   device slot (``device``) or at least in host memory (``host_or_device``:
+   no disk read). ``view_stale``: how often the gateway's tier of the
+   adapter on the chosen engine was not the engine's at that moment.
+   ``--routing-only`` runs this part alone (seconds).
 
 Adapters are random PEFT-format directories written here (rank ``--rank``,
 all target modules). Run::
@@ -164,42 +172,185 @@ def bench_load(llm, adapters) -> dict:
     }
 
 
+class SimEngine:
+    """One engine's adapter caches and scheduler, as the runner and the
+    scheduler keep them (``lora/manager.py``, ``core/scheduler.py``):
+    ``max_loras`` device slots (a free one, the lowest first, else the least
+    recently used slot no running request needs), ``max_cpu_loras`` host
+    copies (least recently used first out, never one a running request
+    needs), at most ``max_loras`` distinct adapters running, waiting requests
+    of other adapters skipped (no head-of-line blocking)."""
+
+    def __init__(self, max_loras: int, max_cpu_loras: int, max_seqs: int) -> None:
+        from collections import OrderedDict, deque
+
+        self.max_loras, self.max_cpu, self.max_seqs = max_loras, max_cpu_loras, max_seqs
+        self.running: list[tuple[float, str]] = []  # (finish time, adapter)
+        self.waiting: deque[tuple[str, float]] = deque()  # (adapter, service seconds)
+        self.slots: list[str | None] = [None] * max_loras
+        self.slot_used = [0.0] * max_loras
+        self.host: OrderedDict[str, None] = OrderedDict()
+        self.starts = self.device_hits = self.host_hits = 0
+
+    def resident(self) -> dict[str, str]:
+        """What the engine exports (pdfleet_engine_lora_adapter_resident)."""
+        out = dict.fromkeys(self.host, "host")
+        out.update({a: "device" for a in self.slots if a is not None})
+        return out
+
+    def _touch(self, adapter: str, now: float) -> None:
+        self.slot_used[self.slots.index(adapter)] = now
+        if adapter in self.host:
+            self.host.move_to_end(adapter)
+
+    def _start(self, adapter: str, service: float, now: float) -> None:
+        self.starts += 1
+        in_use = {a for _, a in self.running}
+        if adapter in self.slots:
+            self.device_hits += 1
+        else:
+            if adapter in self.host:
+                self.host_hits += 1
+            else:  # read from its directory into the host cache
+                self.host[adapter] = None
+                for victim in [a for a in self.host if a not in in_use | {adapter}]:
+                    if len(self.host) <= self.max_cpu:
+                        break
+                    del self.host[victim]
+            free = [s for s, a in enumerate(self.slots) if a is None]
+            slot = (
+                free[0]
+                if free
+                else min(
+                    (s for s, a in enumerate(self.slots) if a not in in_use),
+                    key=lambda s: self.slot_used[s],
+                )
+            )
+            self.slots[slot] = adapter
+        self._touch(adapter, now)
+        self.running.append((now + service, adapter))
+
+    def _admit(self, now: float) -> None:
+        for _ in range(len(self.waiting)):
+            adapter, service = self.waiting.popleft()
+            loras = {a for _, a in self.running}
+            if len(self.running) < self.max_seqs and (
+                adapter in loras or len(loras) < self.max_loras
+            ):
+                self._start(adapter, service, now)
+            else:
+                self.waiting.append((adapter, service))
+
+    def advance(self, now: float) -> None:
+        """Finish the requests due by ``now``, admitting waiting ones as each ends."""
+        while self.running:
+            done = min(self.running)
+            if done[0] > now:
+                break
+            self.running.remove(done)
+            self._touch(done[1], done[0])
+            self._admit(done[0])
+
+    def submit(self, adapter: str, service: float, now: float) -> None:
+        self.waiting.append((adapter, service))
+        self._admit(now)
+
+
 def simulate_routing(
     policy: str,
-    engines: int,
-    cache: int,
-    num_adapters: int,
-    requests: int,
-    service_ticks: int,
     seed: int,
-) -> float:
+    scrape_interval: float,
+    engines: int = 4,
+    max_loras: int = 2,
+    max_cpu_loras: int = 4,
+    num_adapters: int = 20,
+    requests: int = 4000,
+    rate: float = 6.0,
+    service: float = 2.0,
+) -> dict[str, float]:
+    """Route a Poisson trace (``rate`` requests/s, exponential service of mean
+    ``service`` s, 20 adapters of Zipf popularity s = 1.1) over ``engines``
+    simulated engines that all serve (register) every adapter, as the
+    operator and ``pdfleet up`` load each listed adapter on every engine.
+
+    The gateway side is the gateway's own code on what it would see: every
+    ``scrape_interval`` seconds each engine's ``EngineLoad`` is rebuilt from
+    that moment's state (queue, registered adapters and, for ``aware``, the
+    residency series, ``--max-loras``), and between scrapes only the
+    gateway's own exact in-flight count and its own marks (``mark_routed``:
+    an adapter routed to an engine counts device-resident there, the oldest
+    beyond its slots host-resident) change it; ``prefer_adapter_holders`` narrows the
+    candidates and the least busy of them wins (ties at random: the prompts
+    share no prefix). ``registered``: the same without the residency series
+    (routing by registration); ``blind``: least busy of all.
+
+    Hits are counted where they matter, when the request starts running on
+    its engine: ``device`` (its adapter was in a slot: no copy), ``host_or_device``
+    (no read from disk). ``view_stale``: routed requests for which the
+    gateway's tier of the adapter on the chosen engine differed from the
+    engine's state at that moment."""
     from pdfleet.engine.gateway.engines import EngineLoad, EngineState
-    from pdfleet.engine.gateway.routing import prefer_adapter_holders
+    from pdfleet.engine.gateway.routing import adapter_tier, mark_routed, prefer_adapter_holders
 
     rng = random.Random(seed)
+    names = [f"a{k}" for k in range(num_adapters)]
     weights = [1 / (k + 1) ** 1.1 for k in range(num_adapters)]
-    fleet = [EngineState(f"http://e{i}", "decode") for i in range(engines)]
-    lru: dict[str, list[str]] = {e.url: [] for e in fleet}
-    busy_until: dict[str, list[int]] = {e.url: [] for e in fleet}
-    hits = 0
-    for tick in range(requests):
-        adapter = f"a{rng.choices(range(num_adapters), weights)[0]}"
-        for e in fleet:
-            busy_until[e.url] = [t for t in busy_until[e.url] if t > tick]
-            e.load = EngineLoad(
-                running=len(busy_until[e.url]), adapters={a: (a, "") for a in lru[e.url]}
-            )
-        candidates = prefer_adapter_holders(fleet, adapter) if policy == "aware" else fleet
+    registered = {a: (a, "") for a in names}
+    states = [EngineState(f"http://e{i}", "decode") for i in range(engines)]
+    sims = [SimEngine(max_loras, max_cpu_loras, max_seqs=8) for _ in range(engines)]
+    now, next_scrape, stale = 0.0, 0.0, 0
+    for _ in range(requests):
+        now += rng.expovariate(rate)
+        adapter = rng.choices(names, weights)[0]
+        while next_scrape <= now:
+            for st, sim in zip(states, sims, strict=True):
+                sim.advance(next_scrape)
+                st.load = EngineLoad(
+                    running=len(sim.running),
+                    waiting=len(sim.waiting),
+                    adapters=dict(registered),
+                    resident=sim.resident() if policy == "aware" else {},
+                    max_loras=max_loras,
+                )
+            next_scrape += scrape_interval
+        for st, sim in zip(states, sims, strict=True):
+            sim.advance(now)
+            st.inflight = len(sim.running) + len(sim.waiting)
+        candidates = states if policy == "blind" else prefer_adapter_holders(states, adapter)
         low = min(c.queue() for c in candidates)
         chosen = rng.choice([c for c in candidates if c.queue() == low])
-        held = lru[chosen.url]
-        if adapter in held:
-            hits += 1
-            held.remove(adapter)
-        held.append(adapter)
-        del held[:-cache]
-        busy_until[chosen.url].append(tick + service_ticks)
-    return hits / requests
+        sim = sims[states.index(chosen)]
+        truth = EngineState(chosen.url, "decode")
+        truth.load = EngineLoad(adapters=registered, resident=sim.resident())
+        if policy == "aware":
+            stale += adapter_tier(chosen, adapter) != adapter_tier(truth, adapter)
+            mark_routed(chosen, adapter)  # the proxy's own mark
+        sim.submit(adapter, rng.expovariate(1 / service), now)
+    for sim in sims:
+        sim.advance(float("inf"))
+    starts = sum(s.starts for s in sims)
+    device = sum(s.device_hits for s in sims)
+    return {
+        "device": device / starts,
+        "host_or_device": (device + sum(s.host_hits for s in sims)) / starts,
+        "view_stale": stale / requests,
+    }
+
+
+def bench_routing(seeds: int = 3) -> dict:
+    """Hit rates per policy and scrape interval, means over ``seeds`` traces."""
+    out: dict = {}
+    for interval in (0.2, 1.0, 5.0):
+        row: dict = {}
+        for policy in ("aware", "registered", "blind"):
+            runs = [simulate_routing(policy, s, interval) for s in range(seeds)]
+            row[policy] = {
+                k: round(statistics.mean(r[k] for r in runs), 3)
+                for k in runs[0]
+                if policy == "aware" or k != "view_stale"
+            }
+        out[f"scrape_{interval:g}s"] = row
+    return out
 
 
 def main() -> int:
@@ -209,10 +360,25 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--max-cpu-loras", type=int, default=4)
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--routing-only",
+        action="store_true",
+        help="only the routing simulation (seconds); with --out, replace its "
+        "routing_hit_rate in that file and keep the rest",
+    )
     args = p.parse_args()
+    if args.routing_only:
+        routing = {"routing_hit_rate": bench_routing()}
+        print(json.dumps(routing, indent=2))
+        if args.out:
+            kept = {}
+            if os.path.exists(args.out):
+                with open(args.out) as f:
+                    kept = json.load(f)
+            with open(args.out, "w") as f:
+                f.write(json.dumps({**kept, **routing}, indent=2) + "\n")
+        return 0
 
     import torch
 
@@ -245,16 +411,7 @@ def main() -> int:
         "torch_threads": torch.get_num_threads(),
         "decode_batch_32": bench_steps(args, llm, adapters),
         "adapter_load": bench_load(llm, adapters),
-        "routing_hit_rate": {
-            policy: round(
-                statistics.mean(
-                    simulate_routing(policy, args.engines, args.max_cpu_loras, 20, 4000, 12, s)
-                    for s in range(3)
-                ),
-                3,
-            )
-            for policy in ("aware", "blind")
-        },
+        "routing_hit_rate": bench_routing(),
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -176,6 +176,8 @@ class EngineMetrics:
             self.lora_info = m.VLLM_LORA_REQUESTS_INFO.create(self.registry)
             self.adapter_info = m.ENGINE_LORA_ADAPTER_INFO.create(self.registry)
             self._adapters: dict[str, tuple[str, str]] = {}
+            self.adapter_resident = m.ENGINE_LORA_ADAPTER_RESIDENT.create(self.registry)
+            self._resident: dict[str, str] = {}
             self._lora_info_labels: tuple[str, str, str] | None = None
             self._lora_counts: dict[str, float] = {}
             self._update_lora_info((), ())
@@ -253,6 +255,10 @@ class EngineMetrics:
                 if delta > 0:
                     self.lora_evictions.labels(**self.labels, **{m.LORA_TIER: tier}).inc(delta)
                 self._lora_counts[key] = value
+            # Served adapters only (a tensor-parallel rank keeps an unloaded
+            # adapter's shards until its cache evicts them).
+            loaded = engine.loras
+            self._update_resident({n: t for n, t in stats.resident.items() if n in loaded})
         for name, count in engine.lora_requests.items():
             key = f"requests:{name}"
             delta = count - self._lora_counts.get(key, 0)
@@ -274,6 +280,19 @@ class EngineMetrics:
                     **{m.LORA_NAME: name, m.LORA_IDENTITY: identity, m.LORA_PATH: path},
                 ).set(1)
             self._adapters = served
+
+    def _update_resident(self, resident: dict[str, str]) -> None:
+        """One series per resident adapter, labelled by its tier; a series whose
+        adapter left (or changed tier) is removed."""
+        if resident == self._resident:
+            return
+        model = self.labels[m.MODEL_NAME]
+        for name, tier in self._resident.items():
+            if resident.get(name) != tier:
+                self.adapter_resident.remove(model, name, tier)
+        for name, tier in resident.items():
+            self.adapter_resident.labels(**self.labels, lora_name=name, tier=tier).set(1)
+        self._resident = resident
 
     def _update_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         """One series, as vLLM's: the current adapters as labels, the time of the

@@ -12,7 +12,7 @@ contracts): a gateway pod, the operator and the configuration use it.
   and their refusal (``RefusedParams``: a 400 with ``param`` the field, which
   the gateway reads).
 * ``lora`` — the run-time LoRA routes' body (``LoRALoad``) and what a load's
-  answer means (``load_succeeded``).
+  answer means (``load_succeeded``, ``name_taken``).
 * ``migration`` — a decode leg's migration state (``MigrationState``: the
   gateway encodes it, the engine's request model decodes it) and the SSE
   comments of a migratable stream.

@@ -10,6 +10,7 @@ for its tenant lines. One JSON object, an :class:`EnginesView`::
      "routable": {"prefill": 1, "decode": 1},
      "engines": [{"url", "role", "state", "inflight", "stalled", "admitted",
                   "capacity", "longest_step_s", "stall_limit_s", "step_running_s",
+                  "adapters": {NAME: "device" | "host" | "registered"},
                   "peer_pull": {"prefill_tokens_per_s", "step_s", "lend_s",
                                 "queued_prompt_tokens", "kv_block_bytes"} | null},
                  ...],
@@ -159,6 +160,9 @@ class EngineView:
     step_running_s: float | None
     """Age of the step in progress at its last check (None: none, or an engine
     that reports none); a step this young is no stall."""
+    adapters: Mapping[str, str]
+    """The LoRA adapters it serves and where their weights are as routing sees
+    them: ``device``, ``host`` or ``registered``."""
     peer_pull: PeerPullCosts | None
     """None without ``--peer-pull``."""
 
@@ -174,6 +178,7 @@ class EngineView:
             "longest_step_s": self.longest_step_s,
             "stall_limit_s": self.stall_limit_s,
             "step_running_s": self.step_running_s,
+            "adapters": dict(self.adapters),
             "peer_pull": None if self.peer_pull is None else self.peer_pull.to_wire(),
         }
 
@@ -181,6 +186,10 @@ class EngineView:
     def from_wire(cls, value: Any, where: str = "engines[]: ") -> EngineView:
         raw = _object(value, where)
         peer = _get(raw, "peer_pull", (Mapping, type(None)), where)
+        adapters = _get(raw, "adapters", Mapping, where)
+        for name, tier in adapters.items():
+            if not isinstance(name, str) or tier not in ("device", "host", "registered"):
+                raise ValueError(f"{where}adapters: {name!r}: {tier!r} is not a tier")
         return cls(
             _get(raw, "url", str, where),
             _get(raw, "role", str, where),
@@ -192,6 +201,7 @@ class EngineView:
             _get(raw, "longest_step_s", _NUMBER, where),
             _get(raw, "stall_limit_s", _NUMBER, where),
             _get(raw, "step_running_s", _MAYBE_NUMBER, where),
+            dict(adapters),
             None if peer is None else PeerPullCosts.from_wire(peer, f"{where}peer_pull."),
         )
 

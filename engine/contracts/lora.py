@@ -4,16 +4,17 @@ operator call them and an engine reads them.
 
 Body: a JSON object ``{"lora_name": str, "lora_path": str, "revision": str}``
 (``lora_path`` only on a load; ``revision`` only with an ``hf://ORG/NAME``
-path); any other field is refused naming it. A load answers 200
+path; vLLM's ``load_inplace`` only ``false``); any other field is refused
+naming it. A load answers 200
 (plain text, as vLLM) when it loaded the adapter; an error body
 (``errors.py``) otherwise, whose status and ``param`` say what went wrong:
 
-* 409 with ``param: "lora_name"`` (:data:`ALREADY_LOADED_STATUS`): the adapter
-  is already loaded under that name from the same weights: the load's outcome
-  holds, so a caller that wanted it served may count it a success
-  (:func:`load_succeeded`);
-* 400 with ``param: "lora_path"``: it cannot be served, or the name is
-  already loaded with other weights (unload it first);
+* 400 with ``param: "lora_name"`` (:func:`name_taken`): an adapter is
+  already loaded under that name, as vLLM answers (its message says whether
+  from the same weights; unload it first to load others). A caller that
+  wanted it served may count it a success when the engine's card of the
+  name (``/v1/models/NAME``) has the ``lora_identity`` it expects;
+* 400 with ``param: "lora_path"``: it cannot be served;
 * 400 with ``param`` the field: a malformed body.
 """
 
@@ -25,12 +26,13 @@ from typing import Any
 
 from .errors import ErrorBody
 
-ALREADY_LOADED_STATUS = 409
-"""The status of a load whose adapter is already loaded from the same weights."""
 NAME = "lora_name"
 PATH = "lora_path"
 REVISION = "revision"
-LOAD_FIELDS = frozenset({NAME, PATH, REVISION})
+INPLACE = "load_inplace"
+"""vLLM's: replace the adapter loaded under the name. Only ``false`` (what
+a load does anyway) is taken; ``true`` is refused naming it."""
+LOAD_FIELDS = frozenset({NAME, PATH, REVISION, INPLACE})
 UNLOAD_FIELDS = frozenset({NAME, PATH})  # vLLM's unload body may repeat the path
 
 
@@ -69,6 +71,13 @@ class LoRALoad:
         unknown = sorted(set(raw) - fields)
         if unknown:
             raise LoRABodyError(f"{unknown[0]}: unknown field", unknown[0])
+        inplace = raw.get(INPLACE, False)
+        if not isinstance(inplace, bool):
+            raise LoRABodyError(f"{INPLACE}: must be a boolean", INPLACE)
+        if inplace:
+            raise LoRABodyError(
+                f"{INPLACE}: true is not supported; unload the adapter, then load it", INPLACE
+            )
         name, path, revision = raw.get(NAME), raw.get(PATH), raw.get(REVISION)
         if not isinstance(name, str) or not name:
             raise LoRABodyError(f"{NAME}: a non-empty string is required", NAME)
@@ -84,23 +93,23 @@ class LoRALoad:
         return cls(name, path, revision)
 
 
-def already_loaded(name: str) -> ErrorBody:
-    """The answer to a load of an adapter already loaded from the same weights."""
-    return ErrorBody(
-        f"LoRA adapter {name!r} is already loaded from the same weights",
-        ALREADY_LOADED_STATUS,
-        NAME,
-    )
+def already_loaded(name: str, same_weights: bool) -> ErrorBody:
+    """The answer to a load of a name already loaded (vLLM's status and words)."""
+    how = "from the same weights" if same_weights else "with other weights; unload it first"
+    return ErrorBody(f"The lora adapter {name!r} has already been loaded ({how}).", 400, NAME)
 
 
-def load_succeeded(status: int, body: bytes | str) -> bool:
+def load_succeeded(status: int) -> bool:
     """Whether a load's answer means the adapter is now served from the weights
-    asked for: loaded now (200), or already loaded from them (409 naming
-    ``lora_name``). Anything else, "already loaded with other weights"
-    included, is a failure."""
-    if status == 200:
-        return True
-    if status != ALREADY_LOADED_STATUS:
+    asked for by that load itself (200). A :func:`name_taken` answer may
+    mean it already was: the engine's card of the name says."""
+    return status == 200
+
+
+def name_taken(status: int, body: bytes | str) -> bool:
+    """Whether a load's answer says the name was already loaded (400 naming
+    ``lora_name``); anything else is the load's failure."""
+    if status != 400:
         return False
     error = ErrorBody.decode(body, status)
     return error is not None and error.param == NAME

@@ -258,6 +258,17 @@ ENGINE_LORA_ADAPTER_INFO = Metric(
     "1 per LoRA adapter the engine serves, labelled by its name, identity and directory.",
     (*_M, LORA_NAME, LORA_IDENTITY, LORA_PATH),
 )
+ENGINE_LORA_ADAPTER_RESIDENT = Metric(
+    # What the gateway prefers among the engines that serve an adapter: where
+    # its weights are now. One series per adapter in host memory or a device
+    # slot, tier = the faster of the two ("device" implies a host copy too,
+    # except on an adapter whose host copy was evicted while in a slot).
+    "pdfleet_engine_lora_adapter_resident",
+    "gauge",
+    "1 per LoRA adapter whose weights are resident, by tier: device (a device slot) or host "
+    "(host memory only).",
+    (*_M, LORA_NAME, LORA_TIER),
+)
 LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 VLLM_LORA_REQUESTS_INFO = Metric(
     # vLLM's: one series whose labels name the adapters of running and waiting

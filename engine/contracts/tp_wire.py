@@ -13,7 +13,15 @@
   commands (``kv_connector.py``) or nil;
 * :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
   ``[sampled, logprobs, prompt_logprobs, finished_sending, finished_recving,
-  failed_recving, forward_seconds]``, logprobs ``[token_ids, logprobs, rank]``;
+  failed_recving, forward_seconds]`` (plus, with LoRA on, rank 0's caches:
+  :class:`StepLoRA`), logprobs ``[token_ids, logprobs, rank]``;
+* :class:`LoRALoad`, when the engine loads a LoRA adapter (one broadcast
+  after a ``[nbytes, LORA_LOAD]`` header): msgpack ``[lora_name, lora_id,
+  lora_path, digest]``; every rank reads and checks its shard of the adapter
+  then and answers in one gather over the control group, a
+  :data:`LORA_STATUS_BYTES` status each (:func:`lora_status`: empty when
+  its shard is in its host cache, else why not, UTF-8); ``[nbytes,
+  LORA_DROP]`` + msgpack ``lora_id`` drops a load the other ranks refused;
 * on a rank's pipe, one tagged message at a time (:func:`rank_message`):
   :data:`READY` + :class:`RankReady` (``[num_blocks, max_model_len,
   shard_info, layout]``), :data:`RESULT` + a :class:`StepResult`,
@@ -44,8 +52,10 @@ from .kv_connector import RankCommand, ShardInfo, decode_rank_commands, encode_r
 
 READY, RESULT, ERROR = b"Y", b"R", b"E"
 """Tags of a rank's pipe messages (the first byte)."""
-STEP, STOP = 0, 1
+STEP, STOP, LORA_LOAD, LORA_DROP = 0, 1, 2, 3
 """Kinds of the control broadcast's header ``[nbytes, kind]``."""
+LORA_STATUS_BYTES = 1024
+"""Bytes of a rank's answer to a :class:`LoRALoad` (its error text, cut to fit)."""
 KV_AGENT_KEY = "pdfleet/kv-agent"
 """Store key of the leader's :class:`KVAgentSpec` (msgpack; nil without a connector)."""
 READY_KEY = "pdfleet/ready/{rank}"
@@ -311,6 +321,39 @@ def _lps(row: Any) -> StepLogprobs:
     return _tuple_new(StepLogprobs, row)
 
 
+class StepLoRA(NamedTuple):
+    """Rank 0's LoRA caches after a step (``lora/manager.py``'s ``LoRAStats``):
+    every rank's evolve alike (the same steps, the same loads)."""
+
+    loads: int
+    load_seconds: float
+    cpu_evictions: int
+    gpu_evictions: int
+    slot_loads: int
+    loaded: list[str]
+    cached: list[str]
+    resident: dict[str, str]
+
+
+def _step_lora(row: Any) -> StepLoRA:
+    loads, seconds, cpu, gpu, slots, loaded, cached, resident = _row(row, 8, "step LoRA stats")
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        raise ValueError("malformed step LoRA stats: load_seconds is not a number")
+    return StepLoRA(
+        _int(loads, "step LoRA loads"),
+        float(seconds),
+        _int(cpu, "step LoRA cpu_evictions"),
+        _int(gpu, "step LoRA gpu_evictions"),
+        _int(slots, "step LoRA slot_loads"),
+        [_str(x, "step LoRA loaded") for x in _list(loaded, "step LoRA loaded")],
+        [_str(x, "step LoRA cached") for x in _list(cached, "step LoRA cached")],
+        {
+            _str(k, "step LoRA resident"): _str(v, "step LoRA resident")
+            for k, v in _map(resident, "step LoRA resident").items()
+        },
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What rank 0 answers a step with (``ModelRunnerOutput``)."""
@@ -322,25 +365,30 @@ class StepResult:
     finished_recving: list[str]
     failed_recving: list[str]
     forward_seconds: float
+    lora: StepLoRA | None = None
+    """Rank 0's LoRA caches (engines with --enable-lora; else nil, or absent)."""
 
     def encode(self) -> bytes:
-        return _pack(
-            [
-                self.sampled_token_ids,
-                self.logprobs,
-                self.prompt_logprobs,
-                self.finished_sending,
-                self.finished_recving,
-                self.failed_recving,
-                self.forward_seconds,
-            ]
-        )
+        row = [
+            self.sampled_token_ids,
+            self.logprobs,
+            self.prompt_logprobs,
+            self.finished_sending,
+            self.finished_recving,
+            self.failed_recving,
+            self.forward_seconds,
+        ]
+        if self.lora is not None:
+            row.append(list(self.lora))
+        return _pack(row)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepResult:
-        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(
-            _unpack(data, "step result"), 7, "step result"
-        )
+        wire = _unpack(data, "step result")
+        lora = None
+        if isinstance(wire, list) and len(wire) == 8:
+            lora = _step_lora(wire.pop())
+        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(wire, 7, "step result")
         if not isinstance(seconds, int | float) or isinstance(seconds, bool):
             raise ValueError("malformed step result: forward_seconds is not a number")
         return cls(
@@ -354,6 +402,7 @@ class StepResult:
             _list(recving, "finished_recving"),
             _list(failed, "failed_recving"),
             float(seconds),
+            lora,
         )
 
 
@@ -416,6 +465,56 @@ class RankReady:
     @classmethod
     def decode(cls, data: bytes | memoryview) -> RankReady:
         return cls.from_wire(_unpack(data, "ready message"))
+
+
+@dataclass(frozen=True, slots=True)
+class LoRALoad:
+    """A LoRA adapter every rank reads its shard of, now: the main process
+    read and checked the whole of it, and ``digest`` is the sha256 of the
+    bytes it read (a rank that reads other bytes refuses the load)."""
+
+    lora_name: str
+    lora_id: int
+    lora_path: str
+    digest: str
+
+    def encode(self) -> bytes:
+        return _pack([self.lora_name, self.lora_id, self.lora_path, self.digest])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> LoRALoad:
+        name, lora_id, path, digest = _row(_unpack(data, "LoRA load"), 4, "LoRA load")
+        return cls(
+            _str(name, "LoRA load lora_name"),
+            _int(lora_id, "LoRA load lora_id"),
+            _str(path, "LoRA load lora_path"),
+            _str(digest, "LoRA load digest"),
+        )
+
+
+def encode_lora_drop(lora_id: int) -> bytes:
+    return _pack(lora_id)
+
+
+def decode_lora_drop(data: bytes | memoryview) -> int:
+    return _int(_unpack(data, "LoRA drop"), "LoRA drop lora_id")
+
+
+def lora_status(error: str | None) -> bytes:
+    """A rank's answer to a :class:`LoRALoad`: :data:`LORA_STATUS_BYTES`
+    bytes, the error text (cut to fit) then zeros; all zeros: loaded."""
+    raw = (error or "").encode()[: LORA_STATUS_BYTES - 1]
+    if error and not raw:
+        raw = b"?"
+    return raw.ljust(LORA_STATUS_BYTES, b"\0")
+
+
+def lora_status_error(status: bytes) -> str | None:
+    """The error of a :func:`lora_status` answer; None: loaded."""
+    if len(status) != LORA_STATUS_BYTES:
+        raise ValueError(f"malformed LoRA status: {len(status)} bytes, not {LORA_STATUS_BYTES}")
+    text = status.rstrip(b"\0")
+    return text.decode(errors="replace") if text else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -538,6 +538,11 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                     step_running_s=None
                     if e.step_started is None
                     else round(now - e.step_started, 3),
+                    # The LoRA adapters it serves and where routing sees their weights.
+                    adapters={
+                        name: e.load.resident.get(name, "registered")
+                        for name in sorted(e.load.adapters)
+                    },
                     peer_pull=None if gw.peer_pull is None else gw.peer_pull.view(e.url),
                 )
                 for e in gw.pool.engines.values()

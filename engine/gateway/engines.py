@@ -86,9 +86,13 @@ _PEER_ROWS = (
     m.ENGINE_KV_PEER_PULL_SECONDS.name,
 )
 _ADAPTERS = m.ENGINE_LORA_ADAPTER_INFO.name
+_RESIDENT = m.ENGINE_LORA_ADAPTER_RESIDENT.name
+_LORA_INFO = m.VLLM_LORA_REQUESTS_INFO.name
 _WANTED = (
     *(n for names in (*_GAUGES.values(), *_COUNTERS.values(), _INFO) for n in names),
     _ADAPTERS,
+    _RESIDENT,
+    _LORA_INFO,
     _STEP.name,
     _STEP_RUNNING,
     _STEP_TOKENS,
@@ -142,6 +146,14 @@ class EngineLoad:
     """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
     adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
     """LoRA adapters the engine serves: name -> (prefix-cache identity, directory)."""
+    resident: dict[str, str] = field(default_factory=dict)
+    """Where the weights of served adapters are: name -> "device" (a device
+    slot) or "host" (host memory only); absent: registered only (read from
+    its directory when a step needs it), or an engine that does not say
+    (tensor-parallel and vLLM engines)."""
+    max_loras: int | None = None
+    """Its device slots for adapters (``--max-loras``, from vLLM's
+    ``vllm:lora_requests_info``); None: not said."""
 
 
 def longest_step(old: EngineLoad, new: EngineLoad) -> float | None:
@@ -203,6 +215,19 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                 labels_of.get(m.LORA_IDENTITY, ""),
                 labels_of.get(m.LORA_PATH, ""),
             )
+    for labels_of, value in scrape.samples.get(_RESIDENT, ()):
+        lora_name, tier = labels_of.get(m.LORA_NAME), labels_of.get(m.LORA_TIER)
+        # One tier per adapter (the engine exports one); device wins a tie.
+        if (
+            lora_name
+            and tier in ("device", "host")
+            and value
+            and load.resident.get(lora_name) != "device"
+        ):
+            load.resident[lora_name] = tier
+    for labels_of, _ in scrape.samples.get(_LORA_INFO, ()):
+        with contextlib.suppress(KeyError, ValueError):
+            load.max_loras = int(labels_of["max_lora"]) or None
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get(m.COMPAT_HASH) or None

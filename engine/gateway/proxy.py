@@ -38,7 +38,7 @@ from starlette.responses import Response
 from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts import metrics as m
-from ..contracts.lora import LoRALoad, load_succeeded
+from ..contracts.lora import LoRALoad, load_succeeded, name_taken
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
 from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
@@ -67,7 +67,7 @@ from .peer_pull import PeerPull, Plan
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
 from .relay import DisconnectWatch, RelayResponse
-from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
+from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router, mark_routed
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -382,7 +382,14 @@ class Proxy:
                 return self.legs.error(call, error, 503, "model")
             holder = min(holders, key=lambda h: h.queue())
             logger.warning("%s; routed to %s, which serves it", error, holder.url)
-            return Route(holder, None, "decode_only", "adapter_fallback")
+            route = Route(holder, None, "decode_only", "adapter_fallback")
+            break
+        for e in (route.decode, route.prefill):
+            # Running the request puts the adapter into a device slot there:
+            # the next requests see that before the next scrape confirms it
+            # (or says which adapter it evicted instead).
+            if e is not None:
+                mark_routed(e, adapter)
         return route
 
     async def _load_once(self, e: EngineState, adapter: str) -> str | None:
@@ -440,6 +447,19 @@ class Proxy:
             break
         return LoRALoad(adapter, source[1])
 
+    async def _serves_identity(self, e: EngineState, adapter: str, identity: str) -> bool:
+        """Whether ``e`` serves ``adapter`` with prefix-cache identity
+        ``identity`` (the same weights): its card says (``/v1/models/NAME``)."""
+        try:
+            resp = await self.pool.client.get(
+                f"{e.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
+            )
+            card = resp.json() if resp.status_code == 200 else None
+        except Exception as ex:  # unreachable or not JSON: not known to serve it
+            logger.debug("adapter card of %r on %s: %s", adapter, e.url, ex)
+            return False
+        return isinstance(card, dict) and bool(identity) and card.get("lora_identity") == identity
+
     async def _load_adapter(self, e: EngineState, adapter: str) -> str | None:
         """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""
         load = await self._load_body(adapter)
@@ -454,12 +474,17 @@ class Proxy:
             )
         except Exception as ex:  # a connection failure or timeout
             return f"could not load LoRA adapter {adapter!r} on {e.url}: {type(ex).__name__}"
-        if not load_succeeded(resp.status_code, resp.content):
+        source = self.pool.adapter(adapter)
+        done = load_succeeded(resp.status_code) or (
+            name_taken(resp.status_code, resp.content)
+            and source is not None
+            and await self._serves_identity(e, adapter, source[0])
+        )
+        if not done:
             return (
                 f"could not load LoRA adapter {adapter!r} on {e.url}: "
                 f"{resp.status_code} {upstream_message(resp)}"
             )
-        source = self.pool.adapter(adapter)
         if source is not None:
             e.load.adapters[adapter] = source  # until the next scrape says so itself
         self.metrics.lora_loads.labels(e.url).inc()

@@ -380,19 +380,58 @@ class Router:
         return Route(decode, prefill, "prefill_decode", reason)
 
 
+# How warm an adapter is on an engine, best first: its weights in a device
+# slot, in host memory only, registered (served, read from its directory when
+# a step needs it), or not served at all (the proxy loads it first).
+ADAPTER_TIERS = ("device", "host", "registered")
+
+
+def adapter_tier(e: EngineState, adapter: str) -> int:
+    """0 (device) .. 2 (registered), 3 when ``e`` does not serve ``adapter``, by
+    its last scrape (and the gateway's own routing since: ``Proxy._ensure_adapter``)."""
+    if adapter not in e.load.adapters:
+        return 3
+    resident = e.load.resident.get(adapter)
+    return ADAPTER_TIERS.index(resident) if resident in ADAPTER_TIERS[:2] else 2
+
+
+def mark_routed(e: EngineState, adapter: str) -> None:
+    """The gateway's own update of its view between scrapes: running a request
+    of ``adapter`` puts it into a device slot of ``e``; with ``--max-loras``
+    known, the device adapters marked or scraped longest ago beyond that many
+    count as host-resident (the engine evicts its least recently used slot;
+    its host cache keeps the copy)."""
+    resident = e.load.resident
+    resident.pop(adapter, None)
+    resident[adapter] = "device"  # insertion order: most recently routed last
+    slots = e.load.max_loras
+    if slots:
+        device = [name for name, tier in resident.items() if tier == "device"]
+        for name in device[:-slots]:
+            resident[name] = "host"
+
+
 def prefer_adapter_holders(candidates: list[EngineState], adapter: str | None) -> list[EngineState]:
     """LoRA-aware routing: for a request that names ``adapter``, the candidates
-    that serve it, unless the least busy of them has more requests than the
-    least busy candidate by more than the prefix slack (``max(4, min_q / 2)``);
-    then all candidates, scored as usual, and the proxy loads the adapter on
-    the chosen engine (``Proxy._ensure_adapter``). A hot adapter thus spreads
-    to more engines under load instead of queueing on the few that hold it."""
+    where it is warmest, weighed against load. Tier by tier (device slot, then
+    host memory, then registered), the candidates at that tier or a warmer
+    one, as soon as the least busy of them has no more requests than the
+    least busy candidate plus the prefix slack (``max(4, min_q / 2)``); when
+    no tier passes, all candidates, scored as usual, and the proxy loads the
+    adapter on the chosen engine (``Proxy._ensure_adapter``). A hot adapter
+    thus spreads to more engines under load instead of queueing on the few
+    that hold it. Cost: one pass over the candidates (a dict lookup or two
+    each) plus one per tier tried, no I/O."""
     if adapter is None:
         return candidates
-    holders = [c for c in candidates if adapter in c.load.adapters]
-    if not holders or len(holders) == len(candidates):
-        return candidates
-    lo = min(c.queue() for c in candidates)
-    if min(c.queue() for c in holders) - lo <= max(IMBALANCE_ABS, IMBALANCE_REL * lo):
-        return holders
+    tiers = [adapter_tier(c, adapter) for c in candidates]
+    queues = [c.queue() for c in candidates]
+    lo = min(queues, default=0.0)
+    slack = max(IMBALANCE_ABS, IMBALANCE_REL * lo)
+    for tier in range(len(ADAPTER_TIERS)):
+        warm = [i for i, t in enumerate(tiers) if t <= tier]
+        if len(warm) == len(candidates):
+            return candidates
+        if warm and min(queues[i] for i in warm) - lo <= slack:
+            return [candidates[i] for i in warm]
     return candidates

@@ -503,7 +503,7 @@ class AsyncEngine:
             task = self._hub_loads.get(key)
             if task is None:
                 if name in self.engine.loras:
-                    raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+                    raise LoRAError(f"LoRA adapter {name!r} is already loaded", name_taken=True)
                 task = asyncio.ensure_future(self._load_hub(name, path, revision, timeout))
                 self._hub_loads[key] = task
                 task.add_done_callback(functools.partial(self._hub_load_done, key))

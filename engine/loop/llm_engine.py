@@ -286,7 +286,8 @@ class LLMEngine:
                 already_loaded=True,
             )
         raise LoRAError(
-            f"LoRA adapter {name!r} is already loaded with other weights; unload it first"
+            f"LoRA adapter {name!r} is already loaded with other weights; unload it first",
+            name_taken=True,
         )
 
     def remove_lora(self, name: str) -> None:

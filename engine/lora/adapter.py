@@ -47,12 +47,16 @@ Slicer = Callable[[str, Any], torch.Tensor]
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served (the message names it). ``already_loaded``:
-    the name is loaded from these very weights, so what was asked for holds."""
+    """An adapter that cannot be served (the message names it). ``name_taken``:
+    an adapter is already loaded under the name; ``already_loaded``: from
+    these very weights, so what was asked for holds."""
 
-    def __init__(self, message: str, already_loaded: bool = False) -> None:
+    def __init__(
+        self, message: str, already_loaded: bool = False, name_taken: bool = False
+    ) -> None:
         super().__init__(message)
         self.already_loaded = already_loaded
+        self.name_taken = name_taken or already_loaded
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ class LoRAStats:
     """Names of the adapters in device slots."""
     cached: list[str] = field(default_factory=list)
     """Names of the adapters in host memory."""
+    resident: dict[str, str] = field(default_factory=dict)
+    """Served adapters whose weights are resident: name -> "device" (a device
+    slot) or "host" (host memory only)."""
 
 
 class LoRAManager:
@@ -260,7 +263,15 @@ class LoRAManager:
         self.context.batch = None
 
     def snapshot(self) -> LoRAStats:
-        names = {a.int_id: a.name for a in self.host.values()}
+        # By load id: a slot's adapter may have left the host cache since.
+        names = {i: r.lora_name for i, (r, _) in self.sources.items()}
         self.stats.loaded = [names.get(i, str(i)) for i in self.slots if i is not None]
-        self.stats.cached = [a.name for a in self.host.values()]
+        self.stats.cached = [names.get(i, str(i)) for i in self.host]
+        # An unloaded adapter kept for its requests (retired) is served no more:
+        # not resident as far as routing goes (its name may be loaded again).
+        resident = {names[i]: "host" for i in self.host if i in names and i not in self.retired}
+        for i in self.slots:
+            if i is not None and i in names and i not in self.retired:
+                resident[names[i]] = "device"
+        self.stats.resident = resident
         return self.stats

@@ -13,13 +13,21 @@ import dataclasses
 from typing import Any
 
 from ..contracts.kv_connector import RankCommand
-from ..contracts.tp_wire import Step, StepLogprobs, StepRequest, StepResult, StepSampling
+from ..contracts.tp_wire import (
+    Step,
+    StepLogprobs,
+    StepLoRA,
+    StepRequest,
+    StepResult,
+    StepSampling,
+)
 from ..core.sched_output import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from ..lora.manager import LoRAStats
 from ..sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(StepSampling))
@@ -102,7 +110,20 @@ def _unlp(x: StepLogprobs | None) -> Logprobs | None:
     return None if x is None else Logprobs(*x)
 
 
-def pack_result(r: ModelRunnerOutput) -> bytes:
+def pack_result(r: ModelRunnerOutput, lora: Any = None) -> bytes:
+    """``lora``: rank 0's ``LoRAStats`` (None without LoRA)."""
+    stats = None
+    if lora is not None:
+        stats = StepLoRA(
+            lora.loads,
+            lora.load_seconds,
+            lora.cpu_evictions,
+            lora.gpu_evictions,
+            lora.slot_loads,
+            list(lora.loaded),
+            list(lora.cached),
+            dict(lora.resident),
+        )
     return StepResult(
         r.sampled_token_ids,
         {k: StepLogprobs(*v) for k, v in r.logprobs.items()},
@@ -111,11 +132,33 @@ def pack_result(r: ModelRunnerOutput) -> bytes:
         sorted(r.finished_recving),
         sorted(r.failed_recving),
         r.forward_seconds,
+        stats,
     ).encode()
 
 
 def unpack_result(data: bytes) -> ModelRunnerOutput:
+    return unpack_result_lora(data)[0]
+
+
+def unpack_result_lora(data: bytes) -> tuple[ModelRunnerOutput, LoRAStats | None]:
+    """The step's output, and rank 0's LoRA caches when it sent them."""
     r = StepResult.decode(data)
+    lora = None
+    if r.lora is not None:
+        lora = LoRAStats(
+            r.lora.loads,
+            r.lora.load_seconds,
+            r.lora.cpu_evictions,
+            r.lora.gpu_evictions,
+            r.lora.slot_loads,
+            r.lora.loaded,
+            r.lora.cached,
+            r.lora.resident,
+        )
+    return _output(r), lora
+
+
+def _output(r: StepResult) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         sampled_token_ids=r.sampled_token_ids,
         logprobs={k: Logprobs(*v) for k, v in r.logprobs.items()},

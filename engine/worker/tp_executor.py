@@ -30,15 +30,21 @@ from ..config import EngineConfig
 from ..contracts.tp_wire import (
     ERROR,
     KV_AGENT_KEY,
+    LORA_DROP,
+    LORA_LOAD,
+    LORA_STATUS_BYTES,
     READY,
     READY_KEY,
     RESULT,
     STEP,
     STOP,
     KVAgentSpec,
+    LoRALoad,
     RankFailure,
     RankReady,
+    encode_lora_drop,
     error_text,
+    lora_status_error,
     read_rank_message,
     ready_record,
 )
@@ -46,10 +52,10 @@ from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ..distributed import rendezvous
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.layout import KVLayout
-from ..lora.adapter import LoRAAdapter, LoRARequest, load_adapter, module_shapes
+from ..lora.adapter import LoRAAdapter, LoRAError, LoRARequest, load_adapter, module_shapes
 from ..lora.manager import LoRAStats
 from .main_guard import check_main_guard
-from .step_wire import pack_step, unpack_result
+from .step_wire import pack_step, unpack_result_lora
 from .tp_rank import KV_REPORT_SLOTS, RankSpec, ended_of, rank_main
 
 logger = logging.getLogger(__name__)
@@ -170,6 +176,8 @@ class TPExecutor:
         self.ctl: Any = None
         self.broadcast_seconds = 0.0
         self.num_steps = 0
+        # Rank 0's LoRA caches as of its last step (None: LoRA off, or no step yet).
+        self._lora_stats: LoRAStats | None = None
         # Before the start: a failed start's shutdown broadcasts STOP with it.
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
@@ -373,9 +381,11 @@ class TPExecutor:
             for rank, tag, body in self._messages(deadline, "finish the step"):
                 if rank == 0 and tag == RESULT:
                     try:
-                        result = unpack_result(body)
+                        result, lora = unpack_result_lora(body)
                     except ValueError as e:
                         raise RankFailed(f"tensor-parallel rank 0: {e}") from None
+                    if lora is not None:
+                        self._lora_stats = lora
                 else:
                     raise RankFailed(f"tensor-parallel rank {rank} sent {tag!r} during a step")
         if reports is not None:
@@ -412,9 +422,9 @@ class TPExecutor:
         raise TypeError("structured outputs need an in-process model runner (TP=1)")
 
     def read_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Check the adapter here, whole (its digest is the engine's identity of
-        it); each rank reads its own shard of it when a step first needs it (the
-        step names the directory)."""
+        """Read and check the whole adapter here (any thread): its digest is the
+        engine's identity of it, and a bad adapter is refused before any rank
+        is asked (:meth:`install_lora`)."""
         lc = self.config.lora_config
         if lc is None:
             raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
@@ -424,14 +434,54 @@ class TPExecutor:
         )
 
     def install_lora(self, read: LoRAAdapter) -> None:
-        """Nothing to keep here (the ranks read their shards)."""
+        """Every rank reads and checks its own shard into its host cache now
+        (between two steps: the step loop waits for the slowest rank), from
+        the bytes :meth:`read_lora` read; returns once all have it. When any
+        rank refuses, those that took it drop it, and LoRAError names the
+        adapter and the rank: nothing changed, the engine serves on. Steps
+        then find the shards in memory (read again from the directory only
+        after a host-cache eviction, checked against the same digest, as at
+        TP = 1)."""
+        payload = LoRALoad(read.name, read.int_id, read.path, read.digest).encode()
+        self._broadcast([len(payload), LORA_LOAD], payload)
+        statuses = [torch.zeros(LORA_STATUS_BYTES, dtype=torch.uint8) for _ in range(self.size + 1)]
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        try:
+            self.ctl.gather([statuses], [statuses[0].clone()], opts).wait()
+        except RuntimeError as e:
+            self._check_ranks()
+            raise RankFailed(f"the ranks' LoRA shard loads did not answer: {e}") from e
+        errors = []
+        for rank in range(self.size):
+            try:
+                error = lora_status_error(statuses[rank + 1].numpy().tobytes())
+            except ValueError as e:
+                raise RankFailed(f"tensor-parallel rank {rank}: {e}") from None
+            if error is not None:
+                errors.append(f"rank {rank}: {error}")
+        if errors:
+            drop = encode_lora_drop(read.int_id)
+            self._broadcast([len(drop), LORA_DROP], drop)
+            raise LoRAError(
+                f"LoRA adapter {read.name!r} refused by tensor-parallel " + "; ".join(errors)
+            )
+        stats = self._lora_stats
+        if stats is not None:  # in host memory on every rank now; the next step says more
+            stats.loads += 1
+            stats.load_seconds += read.read_seconds
+            stats.cached = [*(n for n in stats.cached if n != read.name), read.name]
+            stats.resident.setdefault(read.name, "host")
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Nothing to tell the ranks: their caches key by load id, which an
-        unloaded adapter's never comes back as, and evict it in time."""
+        unloaded adapter's never comes back as, and evict it in time (a
+        request still running it keeps its shards until then)."""
 
     def lora_stats(self) -> LoRAStats | None:
-        return None
+        """Rank 0's LoRA caches after the last step, and the loads since (every
+        rank's caches evolve alike: the same steps and loads reach all)."""
+        return self._lora_stats
 
     def _gather_reads(self) -> tuple[Any, list[torch.Tensor]]:
         """Post this step's gather of the ranks' ended reads (``tp_rank.ended_tensor``)."""

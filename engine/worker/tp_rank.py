@@ -33,13 +33,18 @@ from ..config import EngineConfig
 from ..contracts.kv_connector import ShardReadEnded
 from ..contracts.tp_wire import (
     KV_AGENT_KEY,
+    LORA_DROP,
+    LORA_LOAD,
     READY,
     READY_KEY,
     RESULT,
     STOP,
     KVAgentSpec,
+    LoRALoad,
     RankFailure,
     RankReady,
+    decode_lora_drop,
+    lora_status,
     rank_error,
     rank_message,
 )
@@ -179,6 +184,14 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
             break
         payload = torch.empty(nbytes, dtype=torch.uint8)
         ctl.broadcast([payload], opts).wait()
+        if kind == LORA_LOAD:
+            error = _load_lora_shard(runner, LoRALoad.decode(payload.numpy().data))
+            status = torch.frombuffer(bytearray(lora_status(error)), dtype=torch.uint8)
+            ctl.gather([], [status], gather).wait()
+            continue
+        if kind == LORA_DROP:
+            runner.remove_lora(decode_lora_drop(payload.numpy().data))
+            continue
         out, commands = unpack_step(payload.numpy().data)
         if shard is not None and commands:
             # Post this rank's READs before the forward: they move while it runs.
@@ -192,7 +205,29 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
             sent, backlog = backlog[:KV_REPORT_SLOTS], backlog[KV_REPORT_SLOTS:]
             ctl.gather([], [ended_tensor(sent)], gather).wait()
         if spec.rank == 0:
-            conn.send_bytes(rank_message(RESULT, pack_result(result)))
+            # Its LoRA caches too: the main process exports them (every rank's alike).
+            conn.send_bytes(rank_message(RESULT, pack_result(result, runner.lora_stats())))
     if shard is not None:
         shard.shutdown()
     dist.destroy_process_group()
+
+
+def _load_lora_shard(runner: Any, load: LoRALoad) -> str | None:
+    """Read and check this rank's shard of an adapter into its host cache
+    (so no step needs its directory while the copy stays); None, or why not.
+    The shard must come from the bytes the main process read and checked."""
+    from ..lora.adapter import LoRAError, LoRARequest
+
+    try:
+        adapter = runner.read_lora(LoRARequest(load.lora_name, load.lora_id, load.lora_path))
+    except LoRAError as e:
+        return str(e)
+    except Exception as e:  # a bug or the host out of memory: refuse the load, keep serving
+        return f"LoRA adapter {load.lora_name!r}: {type(e).__name__}: {e}"
+    if adapter.digest != load.digest:
+        return (
+            f"LoRA adapter {load.lora_name!r}: its files at {load.lora_path!r} changed "
+            "while it was loaded; load it again"
+        )
+    runner.install_lora(adapter)
+    return None

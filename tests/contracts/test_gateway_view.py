@@ -35,10 +35,11 @@ VIEW = EnginesView(
             0.5,
             30.0,
             None,
+            {"a": "device", "b": "registered"},
             PeerPullCosts(1000.0, 0.02, None, 0.0, 0.0),
         ),
         EngineView(
-            "http://127.0.0.1:8002", "decode", "ejected", 0, True, 0, 8, 1.0, 30.0, 0.1, None
+            "http://127.0.0.1:8002", "decode", "ejected", 0, True, 0, 8, 1.0, 30.0, 0.1, {}, None
         ),
     ],
     kv_pairs_open=[KVPairOpen("http://127.0.0.1:8001", "http://127.0.0.1:8002")],
@@ -49,6 +50,7 @@ def test_the_view_round_trips_with_every_field_written():
     wire = json.loads(VIEW.encode())
     assert list(wire) == ["queued", "tenants", "worker", "routable", "engines", "kv_pairs_open"]
     assert wire["engines"][0]["peer_pull"]["lend_s"] is None
+    assert wire["engines"][0]["adapters"] == {"a": "device", "b": "registered"}
     assert wire["tenants"][1] == {
         "tenant": "q",
         "priority": None,
@@ -79,6 +81,7 @@ def test_pdfleet_status_renders_a_decoded_tenant():
         (lambda w: w["engines"][1].update(stalled=1), r"engines\[1\]\.stalled: 1 is not"),
         (lambda w: w["engines"][0]["peer_pull"].update(step_s=True), r"peer_pull\.step_s: True"),
         (lambda w: w.update(routable={"decode": "1"}), "routable: not a count per role"),
+        (lambda w: w["engines"][0]["adapters"].update(a="gpu"), r"adapters: 'a': 'gpu' is not"),
         (lambda w: w["kv_pairs_open"][0].pop("decode"), r"kv_pairs_open\[0\]\.decode: missing"),
     ],
 )

@@ -75,6 +75,16 @@ def test_the_engine_s_step_and_result_map_onto_the_wire_and_back():
         forward_seconds=0.25,
     )
     assert unpack_result(pack_result(result)) == result
+    from pdfleet.engine.lora.manager import LoRAStats
+    from pdfleet.engine.worker.step_wire import unpack_result_lora
+
+    stats = LoRAStats(3, 0.5, 1, 2, 4, ["a"], ["a", "b"], {"a": "device", "b": "host"})
+    assert unpack_result_lora(pack_result(result, stats)) == (result, stats)
+    assert unpack_result_lora(pack_result(result)) == (result, None)
+    with pytest.raises(ValueError, match="malformed step LoRA resident"):
+        w.StepResult.decode(
+            packed([{}, {}, {}, [], [], [], 0.0, [0, 0.0, 0, 0, 0, [], [], {1: 2}]])
+        )
     assert msgpack.unpackb(pack_result(result))[4] == ["w", "y"]  # sets travel sorted
 
 
@@ -173,3 +183,21 @@ def test_ready_records_agent_specs_and_pipe_messages():
     with pytest.raises(ValueError, match="unknown rank message tag b'Q'"):
         w.read_rank_message(b"Qhello")
     assert w.error_text(b"bad \xff") == "bad \ufffd"
+
+
+def test_lora_loads_drops_and_statuses_round_trip_and_bad_ones_are_refused():
+    load = w.LoRALoad("sql", 7, "/adapters/sql", "ab" * 32)
+    assert w.LoRALoad.decode(load.encode()) == load
+    assert msgpack.unpackb(load.encode()) == ["sql", 7, "/adapters/sql", "ab" * 32]
+    with pytest.raises(ValueError, match="malformed LoRA load lora_id"):
+        w.LoRALoad.decode(msgpack.packb(["sql", "7", "/a", "d"]))
+    with pytest.raises(ValueError, match="malformed LoRA load: not a list of 4"):
+        w.LoRALoad.decode(msgpack.packb(["sql", 7, "/a"]))
+    assert w.decode_lora_drop(w.encode_lora_drop(7)) == 7
+    ok = w.lora_status(None)
+    assert len(ok) == w.LORA_STATUS_BYTES and w.lora_status_error(ok) is None
+    long = "é" * w.LORA_STATUS_BYTES  # cut to fit, mid-character: still text
+    assert w.lora_status_error(w.lora_status(long)).startswith("é" * 100)
+    assert w.lora_status_error(w.lora_status("no such file")) == "no such file"
+    with pytest.raises(ValueError, match="malformed LoRA status"):
+        w.lora_status_error(b"short")

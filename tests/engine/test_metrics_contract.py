@@ -140,6 +140,7 @@ def test_engine_exports_every_declared_series_under_both_names():
     metrics.adapter_info.labels(
         model_name="tiny", lora_name="a", lora_identity="a@0", lora_path="/a"
     ).set(1)
+    metrics._update_resident({"a": "device"})
     exported = exported_families(metrics.registry)
     engine = [
         x

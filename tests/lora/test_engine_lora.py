@@ -118,6 +118,9 @@ def test_slot_and_host_evictions_keep_outputs(llama, adapter_factory, peft_facto
     stats = llm.engine.core.runner.lora_stats()
     assert stats.gpu_evictions >= 2 and stats.cpu_evictions >= 2
     assert stats.loads >= 4  # a came back from disk
+    # What the engine exports for routing: the one adapter in the one slot
+    # (its host copy is the one host copy).
+    assert len(stats.loaded) == 1 and stats.resident == {stats.loaded[0]: "device"}
     assert llm.engine.lora_requests == {"a": 2, "b": 1, "c": 1}
     assert_no_leaks(llm)
 
@@ -166,7 +169,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     assert same.value.already_loaded
     with pytest.raises(LoRAError, match="already loaded with other weights") as other:
         llm.engine.add_lora("a", str(ints))
-    assert not other.value.already_loaded
+    assert not other.value.already_loaded and other.value.name_taken
     assert sorted(llm.engine.loras) == ["a"]
     (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
     check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])
@@ -187,7 +190,9 @@ def test_lora_flags_are_checked(tiny_model):
         LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
 
 
-def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factory, peft_factory):
+def test_tensor_parallel_two_ranks_match_peft(
+    tiny_model_factory, adapter_factory, peft_factory, tmp_path
+):
     # One KV head replicated on both ranks, the other projections sharded.
     base = tiny_model_factory("mistral", num_key_value_heads=1)
     a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
@@ -206,6 +211,34 @@ def test_tensor_parallel_two_ranks_match_peft(tiny_model_factory, adapter_factor
         check(llm, peft_factory, base, prompts, [("a", a), (None, None), ("b", b)])
         with pytest.raises(LoRAError, match="'big'.*exceeds --max-lora-rank 8"):
             llm.engine.add_lora("big", adapter_factory(base, 4, r=16))
+        # Every rank reads its shard when the adapter is loaded: its directory
+        # may go right after, and no step reads it.
+        gone = tmp_path / "c"
+        shutil.copytree(a, gone)
+        llm.engine.add_lora("c", str(gone))
+        shutil.rmtree(gone)
+        c = LoRARequest("c", 1, str(gone))
+        [out] = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(8), lora_request=c)
+        assert out.outputs[0].token_ids == hf_greedy(peft_factory(base, a), prompts[0], 8)
+        # Rank 0's caches, reported with each step (the metrics and routing read them).
+        stats = llm.engine.core.runner.lora_stats()
+        assert stats is not None and stats.resident["c"] == "device" and stats.loads >= 3
+        # A rank that reads other bytes than the main process checked refuses the
+        # load: nothing is loaded (on any rank), and the engine serves on.
+        executor = llm.engine.core.runner
+        real_read = executor.read_lora
+
+        def other_digest(request):
+            read = real_read(request)
+            read.digest = "0" * 64
+            return read
+
+        executor.read_lora = other_digest
+        with pytest.raises(LoRAError, match=r"'d' refused by tensor-parallel rank 0: .*changed"):
+            llm.engine.add_lora("d", b)
+        executor.read_lora = real_read
+        assert "d" not in llm.engine.loras
+        check(llm, peft_factory, base, prompts[:2], [("d", b), ("a", a)])
     finally:
         llm.engine.shutdown()
 

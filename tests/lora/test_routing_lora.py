@@ -6,9 +6,13 @@ from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.routing import prefer_adapter_holders
 
 
-def engine(url: str, queue: int, adapters: tuple[str, ...] = ()) -> EngineState:
+def engine(url: str, queue: int, adapters: tuple[str, ...] = (), **resident: str) -> EngineState:
     e = EngineState(url, "decode")
-    e.load = EngineLoad(waiting=queue, adapters={a: (f"{a}@0", f"/{a}") for a in adapters})
+    e.load = EngineLoad(
+        waiting=queue,
+        adapters={a: (f"{a}@0", f"/{a}") for a in adapters},
+        resident=dict(resident),
+    )
     return e
 
 
@@ -21,6 +25,67 @@ def test_holders_win_unless_they_are_much_busier():
     assert prefer_adapter_holders([idle, busy], "a") == [idle, busy]
     loaded = [engine("http://y", 20), engine("http://z", 30, ("a",))]
     assert prefer_adapter_holders(loaded, "a") == [loaded[1]]  # 10 <= max(4, 20 / 2)
+
+
+def test_device_residents_win_then_host_then_registered_each_weighed_against_load():
+    cold = engine("http://c", 0, ("a",))
+    host = engine("http://h", 1, ("a",), a="host")
+    dev = engine("http://d", 2, ("a",), a="device")
+    none = engine("http://n", 0)
+    assert prefer_adapter_holders([none, cold, host, dev], "a") == [dev]
+    assert prefer_adapter_holders([none, cold, host], "a") == [host]
+    assert prefer_adapter_holders([none, cold], "a") == [cold]
+    # Residency of another adapter says nothing about this one.
+    other = engine("http://o", 0, ("a", "b"), b="device")
+    assert prefer_adapter_holders([cold, other], "a") == [cold, other]
+    # The device holder is too busy (9 - 0 > max(4, 0 / 2)): the next tier
+    # (host or warmer) holds the least busy candidate within the slack.
+    busy = engine("http://d", 9, ("a",), a="device")
+    assert prefer_adapter_holders([none, cold, host, busy], "a") == [host, busy]
+    # Every warm engine is too busy: all candidates, and the proxy loads it.
+    hot = [engine("http://d", 9, ("a",), a="device"), engine("http://h", 8, ("a",), a="host")]
+    assert prefer_adapter_holders([none, *hot], "a") == [none, *hot]
+
+
+def test_residency_is_read_from_the_scrape_and_shown_by_the_engines_view():
+    from pdfleet.engine.gateway.engines import parse_engine_metrics
+
+    text = "\n".join(
+        [
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="a",'
+            'lora_identity="a@1",lora_path="/a"} 1.0',
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="b",'
+            'lora_identity="b@1",lora_path="/b"} 1.0',
+            'pdfleet_engine_lora_adapter_info{model_name="t",lora_name="c",'
+            'lora_identity="c@1",lora_path="/c"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="a",tier="device"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="b",tier="host"} 1.0',
+            'pdfleet_engine_lora_adapter_resident{model_name="t",lora_name="c",tier="disk"} 1.0',
+            "",
+        ]
+    )
+    text += (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+    )
+    load = parse_engine_metrics(text)
+    assert set(load.adapters) == {"a", "b", "c"}
+    assert load.resident == {"a": "device", "b": "host"}  # an unknown tier is ignored
+    assert load.max_loras == 2
+
+
+def test_a_routed_adapter_counts_on_the_device_and_pushes_the_oldest_beyond_the_slots_out():
+    from pdfleet.engine.gateway.routing import mark_routed
+
+    e = engine("http://e", 0, ("a", "b", "c"), a="device", b="host")
+    mark_routed(e, "b")
+    assert e.load.resident == {"a": "device", "b": "device"}  # slots not known: no limit
+    e.load.max_loras = 2
+    mark_routed(e, "c")
+    assert e.load.resident == {"a": "host", "b": "device", "c": "device"}
+    mark_routed(e, "b")  # again: the most recent now
+    mark_routed(e, "a")
+    assert e.load.resident == {"c": "host", "b": "device", "a": "device"}
 
 
 def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
@@ -65,41 +130,36 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
         ("http://p/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
     ]
     assert "a" in other.load.adapters and "a" in prefill.load.adapters and not proxy._loading
+    # Both legs run it: the gateway counts it device-resident there until its
+    # next scrape says otherwise.
+    assert other.load.resident == prefill.load.resident == {"a": "device"}
+    assert holder.load.resident == {}
 
 
 def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights():
     import asyncio
-    from types import SimpleNamespace
 
     from pdfleet.engine.contracts.errors import ErrorBody
     from pdfleet.engine.contracts.lora import already_loaded
-    from pdfleet.engine.gateway.proxy import Proxy
 
+    same, other = already_loaded("a", True).encode(), already_loaded("a", False).encode()
     answers = {
-        "http://same": (409, already_loaded("a").encode()),
-        "http://other": (
-            400,
-            ErrorBody(
-                "LoRA adapter 'a' is already loaded with other weights", 400, "lora_path"
-            ).encode(),
-        ),
+        # The name taken (vLLM's 400 naming lora_name): the card says by whom.
+        "http://same": (400, same),
+        "http://other": (400, other),
+        "http://gone": (400, same),  # its card is not to be had
         # Prose that says "already loaded" is no success unless the contract says so.
         "http://prose": (409, ErrorBody("'a' already loaded", 409, None).encode()),
     }
-
-    class Client:
-        async def post(self, url, content, headers, timeout):
-            status, body = answers[url.removesuffix("/v1/load_lora_adapter")]
-            return SimpleNamespace(status_code=status, content=body, text=body.decode())
-
-    proxy = Proxy.__new__(Proxy)
-    proxy.client = Client()
-    proxy.metrics = SimpleNamespace(
-        lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
-    )
-
-    proxy.pool = SimpleNamespace(
-        adapter=lambda name: ("h", "/a"), engines={}, client=None, check_timeout=1.0
+    cards = {
+        "http://same/v1/models/a": {"id": "a", "lora_identity": "a@0"},
+        "http://other/v1/models/a": {"id": "a", "lora_identity": "a@ffff"},
+        "http://prose/v1/models/a": {"id": "a", "lora_identity": "a@0"},
+    }
+    proxy, _, gets = _proxy_of(
+        [engine("http://h", 0, ("a",))],
+        lambda url: (answers[url][0], answers[url][1].decode()),
+        cards,
     )
 
     async def load(url: str) -> str | None:
@@ -107,8 +167,12 @@ def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights(
 
     assert asyncio.run(load("http://same")) is None
     error = asyncio.run(load("http://other"))
-    assert error is not None and "400 LoRA adapter 'a' is already loaded with other" in error
+    assert error is not None and "400 The lora adapter 'a' has already been loaded" in error
+    assert asyncio.run(load("http://gone")) is not None
     assert asyncio.run(load("http://prose")) is not None
+    # The card is asked for only after a taken-name answer.
+    assert "http://prose/v1/models/a" not in gets
+    assert {"http://same/v1/models/a", "http://other/v1/models/a"} <= set(gets)
 
 
 def _proxy_of(engines, answer, cards=None):

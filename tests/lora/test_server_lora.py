@@ -24,7 +24,7 @@ from pdfleet.engine.contracts.block_hash import (
     get_hash_fn,
     prompt_block_hashes,
 )
-from pdfleet.engine.contracts.lora import load_succeeded
+from pdfleet.engine.contracts.lora import name_taken
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
 PROMPT = random_prompts(1800, [13], seed=11)[0]
@@ -77,8 +77,8 @@ def hub(tiny_model, adapter_factory):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, adapter_factory, tmp_path_factory, hub):
-    """Engine A serves adapter a from the start, engine B none; B reaches the
-    fake Hub as a pod's engine does (endpoint, token file, cache directory)."""
+    """Engine A serves adapter a from the start, engine B none (and has one
+    device slot); B reaches the fake Hub as a pod's engine does (endpoint, token file, cache directory)."""
     a = adapter_factory(tiny_model, 1, r=8)
     tmp = tmp_path_factory.mktemp("lora-server")
     (tmp / "keys").write_text("client-key\n")
@@ -91,7 +91,19 @@ def fleet(tiny_model, adapter_factory, tmp_path_factory, hub):
     }
     procs = [
         engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}", *kv("kv_producer")),
-        engine(tiny_model, tmp, "b", *kv("kv_consumer"), env=hub_env),
+        # One device slot, two host copies: a second adapter evicts the first
+        # from the device, not from host memory.
+        engine(
+            tiny_model,
+            tmp,
+            "b",
+            "--max-loras",
+            "1",
+            "--max-cpu-loras",
+            "2",
+            *kv("kv_consumer"),
+            env=hub_env,
+        ),
     ]
     gateway = None
     try:
@@ -182,16 +194,15 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
         url, json={"lora_name": "gone", "lora_path": "/nonexistent"}, headers=fleet, timeout=30
     )
     assert missing.status_code == 400 and "'gone'" in missing.text
-    # Loaded again from the same weights: 409 naming lora_name, which the gateway
-    # counts as done; under the same name from other weights: a 400, a failure.
+    # Loaded again, from the same weights or other ones: vLLM's 400 naming
+    # lora_name; the message says which (the gateway then reads the card).
     dup = httpx.post(url, json=load, headers=fleet, timeout=30)
-    assert dup.status_code == 409 and dup.json()["error"]["param"] == "lora_name"
-    assert "already loaded from the same weights" in dup.text
-    assert load_succeeded(dup.status_code, dup.content)
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "lora_name"
+    assert "'b' has already been loaded (from the same weights)" in dup.text
+    assert name_taken(dup.status_code, dup.content)
     taken = httpx.post(url, json={**load, "lora_path": a}, headers=fleet, timeout=30)
-    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_path"
-    assert "already loaded with other weights" in taken.text
-    assert not load_succeeded(taken.status_code, taken.content)
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
+    assert "'b' has already been loaded (with other weights; unload it first)" in taken.text
     unknown = httpx.post(url, json={**load, "x": 1}, headers=fleet, timeout=30)
     assert unknown.status_code == 400 and "x: unknown field" in unknown.text
     assert tokens(complete(server.url, "a", client))  # still serving
@@ -286,6 +297,60 @@ def test_the_gateway_routes_an_adapter_to_the_engine_that_serves_it(
     assert metric(b_engine.url, "pdfleet_engine_lora_requests_total", lora_name="a") == 0
     # A name no engine serves is the gateway's own 404.
     assert complete(gateway.url, "nope", fleet_h).status_code == 404
+
+
+def test_the_gateway_prefers_the_engine_where_the_adapter_is_on_the_device(
+    fleet, tiny_model, adapter_factory
+):
+    (a_engine, b_engine), gateway, _ = fleet
+    fleet_h = fleet_headers()
+    paths = {"x": adapter_factory(tiny_model, 1, r=8), "y": adapter_factory(tiny_model, 3, r=8)}
+    engines = (a_engine, b_engine)
+    try:
+        # Both engines serve both adapters: registration alone says nothing.
+        for e in engines:
+            for name, path in paths.items():
+                load = {"lora_name": name, "lora_path": path}
+                r = httpx.post(
+                    e.url + "/v1/load_lora_adapter", json=load, headers=fleet_h, timeout=30
+                )
+                assert r.status_code == 200, r.text
+        # B (one device slot): x, then y, which evicts x from the device to
+        # host memory; A runs x (two slots, y never ran there).
+        tokens(complete(b_engine.url, "x", fleet_h))
+        tokens(complete(b_engine.url, "y", fleet_h))
+        tokens(complete(a_engine.url, "x", fleet_h))
+
+        def view() -> dict[str, dict[str, str]]:
+            r = httpx.get(gateway.url + "/engines", headers=fleet_h, timeout=10)
+            return {e["url"]: e["adapters"] for e in r.json()["engines"]}
+
+        want = {a_engine.url: ("device", "host"), b_engine.url: ("host", "device")}
+        assert wait_until(
+            lambda: {u: (v.get("x"), v.get("y")) for u, v in view().items()} == want, timeout=30
+        ), view()
+
+        def counts(name: str) -> list[float]:
+            return [
+                metric(e.url, "pdfleet_engine_lora_requests_total", lora_name=name) for e in engines
+            ]
+
+        before_x, before_y = counts("x"), counts("y")
+        for _ in range(3):
+            tokens(complete(gateway.url, "x", fleet_h))
+            tokens(complete(gateway.url, "y", fleet_h))
+        # Each to the engine where it is on the device, none to the other.
+        assert counts("x") == [before_x[0] + 3, before_x[1]]
+        assert counts("y") == [before_y[0], before_y[1] + 3]
+    finally:
+        for e in engines:
+            for name in paths:
+                httpx.post(
+                    e.url + "/v1/unload_lora_adapter",
+                    json={"lora_name": name},
+                    headers=fleet_h,
+                    timeout=30,
+                )
 
 
 def test_exact_prefix_keys_are_the_engines_per_adapter():

@@ -477,9 +477,9 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         try:
             await state.engine.load_lora(name, path, revision=revision)
         except LoRAError as e:
-            if e.already_loaded:  # the gateway counts this answer a success
-                done = lora_contract.already_loaded(name)
-                raise APIError(done.message, done.status, done.param) from None
+            if e.name_taken:  # vLLM's 400; the gateway then reads the card
+                taken = lora_contract.already_loaded(name, e.already_loaded)
+                raise APIError(taken.message, taken.status, taken.param) from None
             raise APIError(str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
