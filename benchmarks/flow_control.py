@@ -85,13 +85,16 @@ def service(max_num_seqs: int) -> dict:
     }
 
 
-def tenants(noisy_max_queued: int) -> dict:
+def tenants(
+    noisy_max_queued: int, prompt_token_weight: float, noisy_max_inflight: int | None
+) -> dict:
+    noisy = {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued}
+    if noisy_max_inflight is not None:
+        noisy["max_inflight_requests"] = noisy_max_inflight
     return {
+        "prompt_token_weight": prompt_token_weight,
         "default": {"priority": 1},
-        "tenants": [
-            {"name": "protected", "keys": [PROTECTED], "priority": 0},
-            {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued},
-        ],
+        "tenants": [{"name": "protected", "keys": [PROTECTED], "priority": 0}, noisy],
     }
 
 
@@ -109,7 +112,11 @@ def p90(values: list[float]) -> float | None:
 class Fleet:
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
         (tmp / "flow.yaml").write_text(yaml.safe_dump(service(args.max_num_seqs)))
-        (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args.noisy_max_queued)))
+        (tmp / "tenants.yaml").write_text(
+            yaml.safe_dump(
+                tenants(args.noisy_max_queued, args.prompt_token_weight, args.noisy_max_inflight)
+            )
+        )
         env = {
             **os.environ,
             security.FLEET_SECRET_ENV: SECRET,
@@ -162,6 +169,21 @@ class Fleet:
             ):
                 name, value = line.rsplit(" ", 1)
                 out[name.replace("pdfleet_gateway_", "")] = float(value)
+        return out
+
+    def engine_steps(self) -> dict[str, float]:
+        """The engine's step counters: steps, seconds in steps, output tokens."""
+        url = self.view()["engines"][0]["url"]
+        text = httpx.get(url + "/metrics", headers=self.admin, timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            for name in (
+                "pdfleet_engine_step_duration_seconds_sum",
+                "pdfleet_engine_step_duration_seconds_count",
+                "pdfleet_engine_generation_tokens_total",
+            ):
+                if line.startswith(name):
+                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
     def drained(self, timeout: float = 120) -> None:
@@ -258,8 +280,28 @@ def tenant_view(fleet: Fleet, name: str) -> dict:
     return next((t for t in fleet.view()["tenants"] if t["tenant"] == name), {})
 
 
+def step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The engine's steps and mean step seconds between two ``engine_steps``."""
+
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = d("pdfleet_engine_step_duration_seconds_count")
+    return {
+        "engine_steps": steps,
+        "engine_step_mean_s": round(d("pdfleet_engine_step_duration_seconds_sum") / steps, 4)
+        if steps
+        else None,
+        # Output tokens per step: the mean decode batch.
+        "engine_tokens_per_step": round(d("pdfleet_engine_generation_tokens_total") / steps, 1)
+        if steps
+        else None,
+    }
+
+
 async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
     before = fleet.refusals()
+    steps_before = fleet.engine_steps()
     waited_before = tenant_view(fleet, "protected").get("waited", 0)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         noisy = asyncio.create_task(
@@ -300,6 +342,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         watcher.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
+    steps = step_stats(steps_before, fleet.engine_steps())
     # Where the protected requests waited: in the gateway's queue (how many of
     # them, and the recent mean wait); the rest of their TTFT is the engine's.
     mine = tenant_view(fleet, "protected")
@@ -320,6 +363,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         else None,
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
+        **steps,
     }
 
 
@@ -344,6 +388,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         # 2. unloaded (after a few requests that warm the path up, not counted)
         for _ in range(3):
             await one(client, fleet.url, PROTECTED, small(), args.timeout)
+        steps_before = fleet.engine_steps()
         alone = await open_loop(
             client,
             fleet.url,
@@ -356,6 +401,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
         out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])
+        out["unloaded_engine"] = step_stats(steps_before, fleet.engine_steps())
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
     floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
@@ -504,6 +550,18 @@ def main() -> None:
     ap.add_argument("--noisy-tokens", type=int, default=32)
     ap.add_argument("--noisy-max-queued", type=int, default=8)
     ap.add_argument("--fair-tokens", type=int, default=16)
+    ap.add_argument(
+        "--noisy-max-inflight",
+        type=int,
+        default=None,
+        help="the noisy tenant's max_inflight_requests (default: none, only the engine's bound)",
+    )
+    ap.add_argument(
+        "--prompt-token-weight",
+        type=float,
+        default=1.0,
+        help="the tenants file's prompt_token_weight (what fair share counts a prompt token for)",
+    )
     ap.add_argument("--n64-concurrency", type=int, default=4)
     ap.add_argument(
         "--n1-concurrency",
