@@ -17,7 +17,12 @@ their own tenants (weight 1, band 1). Measured, in this order:
    first served): the protected TTFT p90 and the noisy outcomes;
 4. **flood with flow control**: the same, each with its own key; the ratio
    of the protected TTFT p90 to its unloaded value is the figure (target
-   1.5x), and the noisy requests' outcomes (429s, not timeouts);
+   1.5x), and the noisy requests' outcomes (429s, not timeouts); then the
+   same flood from the ``noisy-bounded`` tenant, whose
+   ``max_inflight_requests`` (``--noisy-max-inflight``) bounds the flood's
+   share of the engine's decode batch (so of each step's time). Each flood
+   also reports the engine's steps in it (count, mean, quantiles from its
+   step-duration histogram, output tokens a step: the decode batch);
 5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
    requests, the other ``n=1``; their completion-token throughputs and ratio
    (target within 20%), and their prompt-plus-output throughputs (the
@@ -60,6 +65,7 @@ from pdfleet.engine.contracts.launch import python_module
 
 SECRET = "flow-control-benchmark-secret-0123456789"
 PROTECTED, NOISY, SHARED, KEY_A, KEY_B = "k-protected", "k-noisy", "k-shared", "k-a", "k-b"
+NOISY_BOUNDED = "k-noisy-bounded"
 PROMPT = "The harbor was quiet before dawn, and the boats"
 
 
@@ -85,16 +91,18 @@ def service(max_num_seqs: int) -> dict:
     }
 
 
-def tenants(
-    noisy_max_queued: int, prompt_token_weight: float, noisy_max_inflight: int | None
-) -> dict:
+def tenants(noisy_max_queued: int, prompt_token_weight: float, noisy_max_inflight: int) -> dict:
     noisy = {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued}
-    if noisy_max_inflight is not None:
-        noisy["max_inflight_requests"] = noisy_max_inflight
+    bounded = {
+        **noisy,
+        "name": "noisy-bounded",
+        "keys": [NOISY_BOUNDED],
+        "max_inflight_requests": noisy_max_inflight,
+    }
     return {
         "prompt_token_weight": prompt_token_weight,
         "default": {"priority": 1},
-        "tenants": [{"name": "protected", "keys": [PROTECTED], "priority": 0}, noisy],
+        "tenants": [{"name": "protected", "keys": [PROTECTED], "priority": 0}, noisy, bounded],
     }
 
 
@@ -177,6 +185,10 @@ class Fleet:
         text = httpx.get(url + "/metrics", headers=self.admin, timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
+            if line.startswith("pdfleet_engine_step_duration_seconds_bucket"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                key = f"le:{le}"
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
             for name in (
                 "pdfleet_engine_step_duration_seconds_sum",
                 "pdfleet_engine_step_duration_seconds_count",
@@ -287,7 +299,16 @@ def step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     steps = d("pdfleet_engine_step_duration_seconds_count")
+    # Step-time quantiles from the histogram's buckets (upper bounds).
+    buckets = sorted((float(k[3:]), d(k)) for k in after if k.startswith("le:") and k != "le:+Inf")
+
+    def quantile(q: float) -> float | None:
+        return next((le for le, n in buckets if steps and n >= q * steps), None)
+
     return {
+        "engine_step_p50_le_s": quantile(0.5),
+        "engine_step_p90_le_s": quantile(0.9),
+        "engine_step_p99_le_s": quantile(0.99),
         "engine_steps": steps,
         "engine_step_mean_s": round(d("pdfleet_engine_step_duration_seconds_sum") / steps, 4)
         if steps
@@ -404,10 +425,18 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         out["unloaded_engine"] = step_stats(steps_before, fleet.engine_steps())
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
-    floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
+    floods = (
+        ("without_flow_control", "with_flow_control", "with_flow_control_noisy_bounded")
+        if "flood" in args.phases
+        else ()
+    )
     for key in floods:
         fleet.drained()
-        keys = (SHARED, SHARED) if key == "without_flow_control" else (NOISY, PROTECTED)
+        keys = {
+            "without_flow_control": (SHARED, SHARED),
+            "with_flow_control": (NOISY, PROTECTED),
+            "with_flow_control_noisy_bounded": (NOISY_BOUNDED, PROTECTED),
+        }[key]
         out[key] = await flood(fleet, args, capacity, *keys)
         print(f"{key}:", out[key], flush=True)
     for key in floods:
@@ -553,8 +582,8 @@ def main() -> None:
     ap.add_argument(
         "--noisy-max-inflight",
         type=int,
-        default=None,
-        help="the noisy tenant's max_inflight_requests (default: none, only the engine's bound)",
+        default=8,
+        help="max_inflight_requests of the noisy-bounded tenant (its flood is the last one)",
     )
     ap.add_argument(
         "--prompt-token-weight",
