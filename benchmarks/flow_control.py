@@ -17,7 +17,12 @@ their own tenants (weight 1, band 1). Measured, in this order:
    first served): the protected TTFT p90 and the noisy outcomes;
 4. **flood with flow control**: the same, each with its own key; the ratio
    of the protected TTFT p90 to its unloaded value is the figure (target
-   1.5x), and the noisy requests' outcomes (429s, not timeouts);
+   1.5x), and the noisy requests' outcomes (429s, not timeouts); then the
+   same flood from the ``noisy-bounded`` tenant, whose
+   ``max_inflight_requests`` (``--noisy-max-inflight``) bounds the flood's
+   share of the engine's decode batch (so of each step's time). Each flood
+   also reports the engine's steps in it (count, mean, quantiles from its
+   step-duration histogram, output tokens a step: the decode batch);
 5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
    requests, the other ``n=1``; their completion-token throughputs and ratio
    (target within 20%), and their prompt-plus-output throughputs (the
@@ -60,6 +65,7 @@ from pdfleet.engine.contracts.launch import python_module
 
 SECRET = "flow-control-benchmark-secret-0123456789"
 PROTECTED, NOISY, SHARED, KEY_A, KEY_B = "k-protected", "k-noisy", "k-shared", "k-a", "k-b"
+NOISY_BOUNDED = "k-noisy-bounded"
 PROMPT = "The harbor was quiet before dawn, and the boats"
 
 
@@ -85,13 +91,18 @@ def service(max_num_seqs: int) -> dict:
     }
 
 
-def tenants(noisy_max_queued: int) -> dict:
+def tenants(noisy_max_queued: int, prompt_token_weight: float, noisy_max_inflight: int) -> dict:
+    noisy = {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued}
+    bounded = {
+        **noisy,
+        "name": "noisy-bounded",
+        "keys": [NOISY_BOUNDED],
+        "max_inflight_requests": noisy_max_inflight,
+    }
     return {
+        "prompt_token_weight": prompt_token_weight,
         "default": {"priority": 1},
-        "tenants": [
-            {"name": "protected", "keys": [PROTECTED], "priority": 0},
-            {"name": "noisy", "keys": [NOISY], "priority": 1, "max_queued": noisy_max_queued},
-        ],
+        "tenants": [{"name": "protected", "keys": [PROTECTED], "priority": 0}, noisy, bounded],
     }
 
 
@@ -109,7 +120,11 @@ def p90(values: list[float]) -> float | None:
 class Fleet:
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
         (tmp / "flow.yaml").write_text(yaml.safe_dump(service(args.max_num_seqs)))
-        (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args.noisy_max_queued)))
+        (tmp / "tenants.yaml").write_text(
+            yaml.safe_dump(
+                tenants(args.noisy_max_queued, args.prompt_token_weight, args.noisy_max_inflight)
+            )
+        )
         env = {
             **os.environ,
             security.FLEET_SECRET_ENV: SECRET,
@@ -162,6 +177,25 @@ class Fleet:
             ):
                 name, value = line.rsplit(" ", 1)
                 out[name.replace("pdfleet_gateway_", "")] = float(value)
+        return out
+
+    def engine_steps(self) -> dict[str, float]:
+        """The engine's step counters: steps, seconds in steps, output tokens."""
+        url = self.view()["engines"][0]["url"]
+        text = httpx.get(url + "/metrics", headers=self.admin, timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pdfleet_engine_step_duration_seconds_bucket"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                key = f"le:{le}"
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            for name in (
+                "pdfleet_engine_step_duration_seconds_sum",
+                "pdfleet_engine_step_duration_seconds_count",
+                "pdfleet_engine_generation_tokens_total",
+            ):
+                if line.startswith(name):
+                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
     def drained(self, timeout: float = 120) -> None:
@@ -258,8 +292,37 @@ def tenant_view(fleet: Fleet, name: str) -> dict:
     return next((t for t in fleet.view()["tenants"] if t["tenant"] == name), {})
 
 
+def step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The engine's steps and mean step seconds between two ``engine_steps``."""
+
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = d("pdfleet_engine_step_duration_seconds_count")
+    # Step-time quantiles from the histogram's buckets (upper bounds).
+    buckets = sorted((float(k[3:]), d(k)) for k in after if k.startswith("le:") and k != "le:+Inf")
+
+    def quantile(q: float) -> float | None:
+        return next((le for le, n in buckets if steps and n >= q * steps), None)
+
+    return {
+        "engine_step_p50_le_s": quantile(0.5),
+        "engine_step_p90_le_s": quantile(0.9),
+        "engine_step_p99_le_s": quantile(0.99),
+        "engine_steps": steps,
+        "engine_step_mean_s": round(d("pdfleet_engine_step_duration_seconds_sum") / steps, 4)
+        if steps
+        else None,
+        # Output tokens per step: the mean decode batch.
+        "engine_tokens_per_step": round(d("pdfleet_engine_generation_tokens_total") / steps, 1)
+        if steps
+        else None,
+    }
+
+
 async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_key: str) -> dict:
     before = fleet.refusals()
+    steps_before = fleet.engine_steps()
     waited_before = tenant_view(fleet, "protected").get("waited", 0)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
         noisy = asyncio.create_task(
@@ -300,6 +363,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         watcher.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
+    steps = step_stats(steps_before, fleet.engine_steps())
     # Where the protected requests waited: in the gateway's queue (how many of
     # them, and the recent mean wait); the rest of their TTFT is the engine's.
     mine = tenant_view(fleet, "protected")
@@ -320,6 +384,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         else None,
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
+        **steps,
     }
 
 
@@ -344,6 +409,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         # 2. unloaded (after a few requests that warm the path up, not counted)
         for _ in range(3):
             await one(client, fleet.url, PROTECTED, small(), args.timeout)
+        steps_before = fleet.engine_steps()
         alone = await open_loop(
             client,
             fleet.url,
@@ -356,12 +422,21 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
         out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])
+        out["unloaded_engine"] = step_stats(steps_before, fleet.engine_steps())
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
-    floods = ("without_flow_control", "with_flow_control") if "flood" in args.phases else ()
+    floods = (
+        ("without_flow_control", "with_flow_control", "with_flow_control_noisy_bounded")
+        if "flood" in args.phases
+        else ()
+    )
     for key in floods:
         fleet.drained()
-        keys = (SHARED, SHARED) if key == "without_flow_control" else (NOISY, PROTECTED)
+        keys = {
+            "without_flow_control": (SHARED, SHARED),
+            "with_flow_control": (NOISY, PROTECTED),
+            "with_flow_control_noisy_bounded": (NOISY_BOUNDED, PROTECTED),
+        }[key]
         out[key] = await flood(fleet, args, capacity, *keys)
         print(f"{key}:", out[key], flush=True)
     for key in floods:
@@ -504,6 +579,18 @@ def main() -> None:
     ap.add_argument("--noisy-tokens", type=int, default=32)
     ap.add_argument("--noisy-max-queued", type=int, default=8)
     ap.add_argument("--fair-tokens", type=int, default=16)
+    ap.add_argument(
+        "--noisy-max-inflight",
+        type=int,
+        default=8,
+        help="max_inflight_requests of the noisy-bounded tenant (its flood is the last one)",
+    )
+    ap.add_argument(
+        "--prompt-token-weight",
+        type=float,
+        default=1.0,
+        help="the tenants file's prompt_token_weight (what fair share counts a prompt token for)",
+    )
     ap.add_argument("--n64-concurrency", type=int, default=4)
     ap.add_argument(
         "--n1-concurrency",

@@ -18,14 +18,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .autoscaling.control_loop import ROLES, ActivationCounter, ReplicaScrape, ScalingLoop
+from .autoscaling.control_loop import (
+    ROLES,
+    ActivationCounter,
+    ReplicaScrape,
+    ScalingLoop,
+    gateway_batch_running,
+)
 from .autoscaling.decisions import AutoscalerMetrics
 from .autoscaling.samples import snapshot_from_series
 from .autoscaling.spec import AutoscalingSpec
 from .kube import KubeClient
 from .manifests import child_name, desired_replicas, multi_node, workload_kind
 from .resource import InferenceServiceSpec, ScalingRecord
-from .scrape import PodSample, activation_key
+from .scrape import BATCH_RUNNING_KEY, PodSample, activation_key
 
 # Deployment scale-down removes the pods with the lowest deletion cost first.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -67,7 +73,8 @@ class PolicyDecider:
     ) -> list[ScaleDecision]:
         """``service`` is ``namespace/name``; ``samples`` hold every engine pod's
         scrape (failed ones with ``error`` set) and the gateway pods' (their
-        activation counters: requests that found no engine of a role);
+        activation counters: requests that found no engine of a role; their
+        running Batch API requests, deferrable demand);
         ``replicas`` the Deployments' desired replicas per role; ``now`` Unix
         seconds."""
         scrapes = [
@@ -89,8 +96,20 @@ class PolicyDecider:
             if s.role == "gateway" and s.error is None
         }
         activations = self.activations.setdefault(service, ActivationCounter()).update(gateways)
+        batch_running = gateway_batch_running(
+            s.values.get(BATCH_RUNNING_KEY, 0.0)
+            for s in samples
+            if s.role == "gateway" and s.error is None
+        )
         loop = self.loops.setdefault(service, ScalingLoop())
-        step = loop.step(policy, scrapes, now, requested=replicas, activations=activations)
+        step = loop.step(
+            policy,
+            scrapes,
+            now,
+            requested=replicas,
+            activations=activations,
+            batch_running=batch_running,
+        )
         if self.metrics is not None:
             for d in step.result.decisions:
                 self.metrics.observe(d, policy.mode)

@@ -63,15 +63,24 @@ def activation_key(role: str) -> str:
     return f"{m.GATEWAY_ACTIVATIONS.name}:{role}"
 
 
+# The values key of a gateway's running Batch API requests (its
+# ``pdfleet_gateway_batch_requests{state="running"}``).
+BATCH_RUNNING_KEY = f"{m.GATEWAY_BATCH_REQUESTS.name}:running"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {sample name: sum over label sets}; the
     gateway's activation counter also per role (:func:`activation_key`), as
-    the autoscaler reads it by role."""
+    the autoscaler reads it by role, and its running batch requests
+    (:data:`BATCH_RUNNING_KEY`)."""
     scrape = m.parse_metrics(text)
     values = scrape.totals()
     for labels, value in scrape.samples.get(m.GATEWAY_ACTIVATIONS.name, ()):
         key = activation_key(labels.get(m.ROLE, ""))
         values[key] = values.get(key, 0.0) + value
+    for labels, value in scrape.samples.get(m.GATEWAY_BATCH_REQUESTS.name, ()):
+        if labels.get("state") == "running":
+            values[BATCH_RUNNING_KEY] = values.get(BATCH_RUNNING_KEY, 0.0) + value
     return values
 
 

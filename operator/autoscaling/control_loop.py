@@ -14,7 +14,7 @@ counted one way for both: running + waiting requests + KV leases held.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...engine.contracts import metrics as m
@@ -148,12 +148,15 @@ class ScalingLoop:
         now: float,
         requested: Mapping[str, int] | None = None,
         activations: Mapping[str, float] | None = None,
+        batch_running: float = 0.0,
     ) -> LoopStep:
         """Decide one period. ``now`` is on the snapshots' clock; ``requested``
         the replicas each role is set to (a Deployment's ``spec.replicas``),
         when that is not simply the replicas seen; ``activations`` the
         requests the gateways found no replica of a role for since the last
-        step (:class:`ActivationCounter`)."""
+        step (:class:`ActivationCounter`); ``batch_running`` the Batch API
+        requests running now (:func:`gateway_batch_running`), deferrable
+        demand the decode load leaves out."""
         samples = self.observe(replicas, now)
         requested = requested or {}
         activations = activations or {}
@@ -164,7 +167,10 @@ class ScalingLoop:
                 activations.get("prefill", 0.0),
             ),
             decode=RoleObservation(
-                tuple(samples["decode"]), requested.get("decode"), activations.get("decode", 0.0)
+                tuple(samples["decode"]),
+                requested.get("decode"),
+                activations.get("decode", 0.0),
+                deferrable_running=batch_running,
             ),
         )
         result = decide(spec, observation, now, self.state)
@@ -196,6 +202,22 @@ def parse_gateway_activations(text: str) -> dict[str, float]:
         if role in out:
             out[role] += value
     return out
+
+
+def parse_gateway_batch_running(text: str) -> float:
+    """``pdfleet_gateway_batch_requests{state="running"}`` from one gateway's
+    ``/metrics`` text (0 without the series); raises ``ValueError`` on text
+    that is not Prometheus exposition format."""
+    name = m.GATEWAY_BATCH_REQUESTS.name
+    scrape = m.parse_metrics(text, only=(name,))
+    return sum(v for labels, v in scrape.samples.get(name, ()) if labels.get("state") == "running")
+
+
+def gateway_batch_running(per_gateway: Iterable[float]) -> float:
+    """The Batch API requests running in the fleet, from each gateway's gauge:
+    the maximum, not the sum (gateway replicas sharing one batch database each
+    report the whole database's count; a single store has one gateway)."""
+    return max(per_gateway, default=0.0)
 
 
 @dataclass

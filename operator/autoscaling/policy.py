@@ -219,6 +219,12 @@ class RoleObservation:
     the previous decision (``pdfleet_gateway_activation_requests_total``):
     held (decode) or served decode-only (prefill). At zero replicas, any
     starts one."""
+    deferrable_running: float = 0.0
+    """Requests of OpenAI Batch API jobs running on the role's replicas now
+    (the gateways' ``pdfleet_gateway_batch_requests{state="running"}``):
+    deferrable demand. They are counted in the replicas' running requests and
+    KV usage; the policy takes them out of both (their share of the KV), so
+    a batch on idle capacity never scales the role up."""
 
 
 @dataclass(frozen=True)
@@ -411,9 +417,11 @@ def observe(
     state: PolicyState,
     now: float,
     tuning: PolicyTuning,
+    deferrable: float = 0.0,
 ) -> tuple[PrefillLoad, DecodeLoad, PolicyState]:
     """Phase 1: the load of each role, and the windows updated with this
-    period's samples."""
+    period's samples. ``deferrable``: batch requests running on decode
+    (:attr:`RoleObservation.deferrable_running`), taken out of its load."""
     # Prefill: arrivals, service time (mean and spread), backlog.
     rate = None
     rates = [r.request_arrivals_per_second for r in prefill.fresh]
@@ -464,6 +472,12 @@ def observe(
     holders = (*decode.fresh, *decode.draining)
     usage = sum(r.kv_cache_usage for r in holders)
     running = sum(r.num_running for r in holders)
+    if deferrable > 0 and running > 0:
+        # Batch requests run beside online ones: out of the demand, with their
+        # share of the KV (the mean request's; they are not told apart).
+        online = max(running - deferrable, 0.0)
+        usage *= online / running
+        running = online
     previous = dict(state.kv_usage)
     keep = [i for i, t in enumerate(state.step_times) if now - t < tuning.step_window_seconds]
     steps = [state.steps[i] for i in keep]
@@ -1156,7 +1170,9 @@ def decide(
 
     p_view = _view(observation.prefill, now, stale)
     d_view = _view(observation.decode, now, stale)
-    p_load, d_load, state = observe(spec, p_view, d_view, state, now, tuning)
+    p_load, d_load, state = observe(
+        spec, p_view, d_view, state, now, tuning, observation.decode.deferrable_running
+    )
     ahead = forecast(state.rates, now, lead, tuning)
     up = 1 + tuning.scale_down_headroom
     ahead_d = ahead

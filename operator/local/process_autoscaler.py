@@ -23,7 +23,9 @@ from ..autoscaling.control_loop import (
     ActivationCounter,
     ReplicaScrape,
     ScalingLoop,
+    gateway_batch_running,
     parse_gateway_activations,
+    parse_gateway_batch_running,
 )
 from ..autoscaling.decisions import DecisionLog
 from ..autoscaling.samples import EngineSnapshot, ReplicaState, parse_engine_metrics
@@ -74,14 +76,23 @@ class LocalAutoscaler:
         self.log = log or DecisionLog()
         self.activations = ActivationCounter()
 
-    def _gateway_totals(self) -> dict[str, dict[str, float]]:
-        text = self.fleet.gateway_metrics_text()
+    def _gateway_totals(self, text: str | None = None) -> dict[str, dict[str, float]]:
+        text = self.fleet.gateway_metrics_text() if text is None else text
         if text is None:
             return {}
         try:
             return {"gateway": parse_gateway_activations(text)}
         except ValueError:
             return {}
+
+    @staticmethod
+    def _batch_running(text: str | None) -> float:
+        if text is None:
+            return 0.0
+        try:
+            return gateway_batch_running([parse_gateway_batch_running(text)])
+        except ValueError:
+            return 0.0
 
     def activation_pending(self) -> bool:
         """Whether a role at zero replicas has had requests wanting it since the
@@ -123,8 +134,15 @@ class LocalAutoscaler:
             for role in ROLES
             for child in self.fleet.engines_of(role)
         ]
-        activations = self.activations.update(self._gateway_totals())
-        step = self.loop.step(self.spec, scrapes, now, activations=activations)
+        gateway = self.fleet.gateway_metrics_text()
+        activations = self.activations.update(self._gateway_totals(gateway))
+        step = self.loop.step(
+            self.spec,
+            scrapes,
+            now,
+            activations=activations,
+            batch_running=self._batch_running(gateway),
+        )
         records = self.log.record(step.result.decisions, self.spec.mode)
         if self.spec.mode == "Advisory":
             return records  # computed and reported (log, metrics, fleet.json), not carried out

@@ -6,7 +6,9 @@ from pdfleet.operator.autoscaling.control_loop import (
     ActivationCounter,
     ReplicaScrape,
     ScalingLoop,
+    gateway_batch_running,
     parse_gateway_activations,
+    parse_gateway_batch_running,
 )
 from pdfleet.operator.autoscaling.policy import FleetObservation, RoleObservation, decide
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -118,6 +120,19 @@ def test_gateway_activation_series_are_parsed_by_role():
     )
     assert parse_gateway_activations(text) == {"prefill": 2.0, "decode": 4.0}
     assert parse_gateway_activations("") == {"prefill": 0.0, "decode": 0.0}
+
+
+def test_the_gateways_running_batch_requests_are_parsed_and_not_summed():
+    text = (
+        "# TYPE pdfleet_gateway_batch_requests gauge\n"
+        'pdfleet_gateway_batch_requests{state="pending"} 900.0\n'
+        'pdfleet_gateway_batch_requests{state="running"} 4.0\n'
+    )
+    assert parse_gateway_batch_running(text) == 4.0
+    assert parse_gateway_batch_running("") == 0.0
+    # Replicas sharing one store each report all of it: the maximum.
+    assert gateway_batch_running([4.0, 4.0, 3.0]) == 4.0
+    assert gateway_batch_running([]) == 0.0
 
 
 def test_the_loop_passes_activations_to_the_policy_and_names_no_victim_at_zero():

@@ -85,6 +85,8 @@ def test_a_removed_waiter_leaves_the_counts_right():
         ({"tenants": [{"name": "anonymous", "keys": ["k"]}]}, "reserved"),
         ({"default": {"tokens_per_second": -1}}, "tokens_per_second"),
         ({"tenant": []}, "tenant"),
+        ({"prompt_token_weight": 2}, "prompt_token_weight"),
+        ({"prompt_token_weight": "half"}, "prompt_token_weight"),
     ],
 )
 def test_a_bad_tenants_file_names_what_is_wrong(data, match):
@@ -141,3 +143,30 @@ def test_flow_control_counts_outcomes_per_tenant():
         "pdfleet_gateway_tenant_requests_total", {"tenant": "t", "outcome": "queue_full"}
     )
     assert text == 1.0
+
+
+def test_the_prompt_token_weight_changes_the_share_and_never_the_limits():
+    """An n=1 request of a 10-token prompt and 8 output tokens against an n=64
+    one: with prompt tokens in full, fair share gives the n=1 key 8 output
+    tokens per 18 of its share; weighted 0.1, 8 per 9. The in-flight limit
+    counts the whole cost either way."""
+    config = GatewayConfig(decode=["http://e"])
+    shares = {}
+    for weight in (1.0, 0.1):
+        metrics = GatewayMetrics()
+        tenants = Tenants.parse(
+            {
+                "prompt_token_weight": weight,
+                "tenants": [{"name": "t", "keys": ["k"], "max_inflight_tokens": 40}],
+            }
+        )
+        gate = FlowGate(config, tenants, Admission(config, metrics), metrics)
+        tenant = gate.tenant(caller_id("k"))
+        body = {"prompt": "x", "max_tokens": 8}
+        first = gate.admit(tenant, dict(body), 10, 0)
+        second = gate.admit(tenant, dict(body), 10, 0)
+        shares[weight] = second.ticket.tag - first.ticket.tag
+        assert first.ticket.cost == 18.0
+        with pytest.raises(FlowRefused, match="max_inflight_tokens"):
+            gate.admit(tenant, dict(body), 10, 0)  # 54 > 40 in both
+    assert shares == {1.0: 18.0, 0.1: pytest.approx(9.0)}

@@ -6,7 +6,7 @@ import dataclasses
 
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.cluster_autoscaler import PolicyDecider
-from pdfleet.operator.scrape import PodSample
+from pdfleet.operator.scrape import PodSample, parse_metrics
 
 SPEC = AutoscalingSpec.from_spec(
     {
@@ -86,3 +86,37 @@ def test_the_pods_startup_seeds_the_policys_projection_horizon():
     decide("ns/llama", SPEC, samples, {"prefill": 1, "decode": 1}, 1000.0)
     # The low median of the pods' cold starts, less the period a watched start misses.
     assert decide.loops["ns/llama"].state.startup_seconds == 95.0 - 15.0
+
+
+def gateway(name: str, t: float, batch_running: float) -> PodSample:
+    """A gateway pod as the operator scrapes it (the real text parser)."""
+    text = (
+        "# TYPE pdfleet_gateway_batch_requests gauge\n"
+        f'pdfleet_gateway_batch_requests{{state="pending"}} 900\n'
+        f'pdfleet_gateway_batch_requests{{state="running"}} {batch_running}\n'
+    )
+    return PodSample(name, "gateway", True, t, parse_metrics(text))
+
+
+def test_running_batch_requests_are_deferrable_demand_not_a_scale_up():
+    """A decode replica whose KV is full of Batch API requests (the gateway
+    says they run) is not scaled up; the same KV held by online requests is."""
+
+    def decode_out(batch_running: float) -> list:
+        decide = PolicyDecider()
+        out = []
+        for t in (1000.0, 1015.0, 1030.0):
+            samples = [
+                pod("p-0", "prefill", t, 0.05, 1),
+                pod("d-0", "decode", t, 0.95, 30),
+                gateway("gw-0", t, batch_running),
+                gateway("gw-1", t, batch_running),  # one shared store: the max, not the sum
+            ]
+            out = decide("ns/llama", SPEC, samples, {"prefill": 1, "decode": 1}, t)
+        return [d for d in out if d.role == "decode"]
+
+    assert decode_out(0.0) and decode_out(0.0)[0].replicas >= 2
+    assert not [d for d in decode_out(28.0) if d.replicas > 1]
+    # Two gateways each reporting 15 of the 30: the max (15) leaves online
+    # demand (half the KV, 0.475) that one replica holds.
+    assert not [d for d in decode_out(15.0) if d.replicas > 1]

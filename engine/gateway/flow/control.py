@@ -105,11 +105,20 @@ class Ticket:
     __slots__ = ("_admitted", "_clock", "_flow", "band", "cost", "state", "tag")
 
     def __init__(
-        self, flow: FlowControl, state: TenantState, cost: float, band: int, clock: FairClock
+        self,
+        flow: FlowControl,
+        state: TenantState,
+        cost: float,
+        band: int,
+        clock: FairClock,
+        share: float | None = None,
     ) -> None:
         self._flow, self.state, self.cost, self.band = flow, state, cost, band
         self._clock = clock
-        self.tag = clock.tag(state.tenant.name, cost / state.tenant.policy.weight)
+        # Fair share counts ``share`` (the cost with prompt tokens weighted),
+        # the limits the whole cost.
+        charged = cost if share is None else share
+        self.tag = clock.tag(state.tenant.name, charged / state.tenant.policy.weight)
         self._admitted = time.monotonic()
 
     @property
@@ -165,12 +174,19 @@ class FlowControl:
         return s
 
     def admit(
-        self, tenant: Tenant, cost: float, band: int, queued: int, limited: bool = True
+        self,
+        tenant: Tenant,
+        cost: float,
+        band: int,
+        queued: int,
+        limited: bool = True,
+        share: float | None = None,
     ) -> Ticket:
         """A ticket for a request of ``cost`` tokens, or :class:`Overloaded` (429)
         naming the limit; ``queued``: the tenant's requests waiting now.
         ``limited``: False for a batch request (the batch runner paces those:
-        idle capacity, --batch-concurrency), which counts but is never refused."""
+        idle capacity, --batch-concurrency), which counts but is never refused.
+        ``share``: what fair share charges it (default ``cost``)."""
         s = self.state(tenant)
         p = tenant.policy
         now = time.monotonic()
@@ -234,7 +250,7 @@ class FlowControl:
         clock = self.clocks.get(band)
         if clock is None:
             clock = self.clocks[band] = FairClock()
-        return Ticket(self, s, cost, band, clock)
+        return Ticket(self, s, cost, band, clock, share)
 
     def refused(self, ticket: Ticket, reason: str) -> None:
         """An admitted request was refused later (the fleet's queue: full or timed out)."""

@@ -84,15 +84,19 @@ class FlowGate:
         prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
         return prompts * num_sequences(body)
 
-    def cost(self, body: dict[str, Any], prompt_tokens: int) -> float:
-        """Prompt tokens plus ``n × max_tokens`` for every prompt (the tokens the
-        request may make the engines compute)."""
+    def output_tokens(self, body: dict[str, Any]) -> int:
+        """``n × max_tokens`` for every prompt (the output the request may make)."""
         limit = body.get("max_completion_tokens")
         if limit is None:
             limit = body.get("max_tokens")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.config.flow_default_max_tokens
-        return float(prompt_tokens + self.seqs(body) * limit)
+        return self.seqs(body) * limit
+
+    def cost(self, body: dict[str, Any], prompt_tokens: int) -> float:
+        """Prompt tokens plus ``n × max_tokens`` for every prompt (the tokens the
+        request may make the engines compute)."""
+        return float(prompt_tokens + self.output_tokens(body))
 
     def admit(
         self,
@@ -128,9 +132,13 @@ class FlowGate:
             )
             changed = True
         tokens = prompt_tokens if prompt_tokens else -(-body_bytes // CHARS_PER_TOKEN)
-        cost = self.cost(body, tokens)
+        output = self.output_tokens(body)
+        cost = float(tokens + output)
+        share = self.tenants.prompt_token_weight * tokens + output
         try:
-            ticket = self.control.admit(tenant, cost, band, self.admission.queued_of(tenant.name))
+            ticket = self.control.admit(
+                tenant, cost, band, self.admission.queued_of(tenant.name), share=share
+            )
         except Overloaded as o:
             raise FlowRefused(o.message, overloaded=o) from None
         if self.config.engine_priority:

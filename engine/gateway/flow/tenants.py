@@ -136,6 +136,15 @@ class Tenants:
 
     default: TenantPolicy = field(default_factory=TenantPolicy)
     """The policy of a key no tenant lists (each such key is its own tenant)."""
+    prompt_token_weight: float = 1.0
+    """What one prompt token counts for, against one output token, in fair
+    share (the file's top-level ``prompt_token_weight``, 0 to 1): a request's
+    share is ``prompt_token_weight × prompt tokens + n × max_tokens``. Limits
+    (``max_inflight_tokens``, ``tokens_per_second``) count prompt tokens in
+    full whatever it is. Below 1 it evens out output tokens between keys whose
+    requests spend their cost differently (an ``n=1`` request with a prompt
+    as long as its output against an ``n=64`` one); 0 shares output tokens
+    alone."""
     by_caller: dict[str, Tenant] = field(default_factory=dict)
     named: dict[str, Tenant] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
@@ -174,11 +183,18 @@ class Tenants:
             data = {}
         if not isinstance(data, dict):
             raise ValueError(f"{where}: must be a mapping with `tenants` (and `default`)")
-        unknown = sorted(set(data) - {"tenants", "default"})
+        unknown = sorted(set(data) - {"tenants", "default", "prompt_token_weight"})
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
         default = TenantPolicy.parse(data.get("default") or {}, f"{where}: default")
-        out = cls(default)
+        weight = data.get("prompt_token_weight", 1.0)
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0.0 <= weight <= 1.0
+        ):
+            raise ValueError(f"{where}: prompt_token_weight must be a number within [0, 1]")
+        out = cls(default, prompt_token_weight=float(weight))
         entries = data.get("tenants") or []
         if not isinstance(entries, list):
             raise ValueError(f"{where}: tenants must be a list")
