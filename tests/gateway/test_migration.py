@@ -458,6 +458,144 @@ def client_choices(url: str, path: str, body: dict, on_event=None) -> Choices:
     return Choices(raw)
 
 
+def assert_same_choices(ref: Choices, got: Choices, count: int, tokens: int) -> None:
+    assert not got.errors, got.errors
+    assert sorted(got.ids) == sorted(ref.ids) == list(range(count))
+    for i in range(count):
+        # Each choice whole: no token missing, repeated or moved to another index.
+        assert got.ids[i] == ref.ids[i] and len(got.ids[i]) == tokens, i
+        assert got.text[i] == ref.text[i], i
+        assert got.finish[i] == ref.finish[i] == ["length"], i
+    assert got.usage["completion_tokens"] == ref.usage["completion_tokens"] == count * tokens
+    assert len(got.created) == 1
+
+
+SEVERAL = {
+    "model": "tiny",
+    "max_tokens": 40,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "return_token_ids": True,
+}
+"""Streams of several choices: 40 tokens each, their ids in the client's events."""
+
+CHOICE_REQUESTS: list[tuple[str, dict, int]] = [
+    # (path, body, choices): greedy n = 3, seeded chat n = 3, 2 prompts × n = 2.
+    ("/v1/completions", {**SEVERAL, "prompt": PROMPT, "n": 3, "temperature": 0}, 3),
+    (
+        "/v1/chat/completions",
+        {
+            **SEVERAL,
+            "messages": [{"role": "user", "content": "Tell me about the harbor town."}],
+            "n": 3,
+            "temperature": 1.0,
+            "seed": 11,
+        },
+        3,
+    ),
+    (
+        "/v1/completions",
+        {
+            **SEVERAL,
+            "prompt": [PROMPT, "The lighthouse keeper said"],
+            "n": 2,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "seed": 3,
+        },
+        4,
+    ),
+]
+
+
+def test_a_drained_engine_s_requests_of_several_choices_resume_choice_by_choice(fleet, tmp_path):
+    # A gateway of one decode engine: every request below is on it when it is
+    # drained, and each resumes on the engine restarted under its URL (the
+    # gateway holds them for it).
+    assert fleet.gateway is not None
+    engine = fleet.decode[0]
+    gw = start_gateway(
+        [
+            "--decode",
+            engine.url,
+            "--disaggregation-mode",
+            "Disabled",
+            # Rare scrapes: a scrape that sees a request queued for its first
+            # step (the steps are slowed) would make the gateway hold the next
+            # ones back for a slot (admission.py), and they would not overlap.
+            "--scrape-interval",
+            "10",
+            "--hold-timeout",
+            "90",
+            # Until the gateway's next scrape it may try the stopping engine
+            # again (refused: one more move).
+            "--max-migrations",
+            "5",
+        ],
+        tmp_path,
+    )
+    # A non-streamed request of two choices (best_of equal to n) too.
+    plain = {**BASE, "max_tokens": 40, "stream": False, "n": 2, "best_of": 2}
+    plain = {**plain, "temperature": 1.0, "seed": 8}
+    plain.pop("stream_options")
+    seen = [0] * len(CHOICE_REQUESTS)
+
+    def counted(i: int):
+        def on_event(n: int) -> None:
+            seen[i] = n
+
+        return on_event
+
+    try:
+        # The unfaulted answers, from the engine itself (what the gateway relays).
+        refs = [engine_choices(engine.url, p, b) for p, b, _ in CHOICE_REQUESTS]
+        ref_plain = httpx.post(
+            engine.url + "/v1/completions", json=plain, headers=fleet_headers(), timeout=60
+        ).json()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            fleet.delay.write_text("0.1")
+            try:
+                # One after the other (each past its first step), so that the
+                # gateway has each on the engine before the next comes.
+                pending = []
+                for i, (p, b, _) in enumerate(CHOICE_REQUESTS):
+                    pending.append(pool.submit(client_choices, gw.url, p, b, counted(i)))
+                    assert wait_until(lambda i=i: seen[i] >= 2, 60)
+                pending_plain = pool.submit(
+                    httpx.post, gw.url + "/v1/completions", json=plain, timeout=180
+                )
+                state: list[object] = []
+
+                def all_in_flight() -> bool:
+                    view = httpx.get(gw.url + "/engines", headers=fleet_headers(), timeout=5)
+                    inflight = sum(e["inflight"] for e in view.json()["engines"])
+                    state[:] = [inflight, list(seen)]
+                    return inflight == 4 and min(seen) >= 6
+
+                assert wait_until(all_in_flight, 60), state
+                engine.signal(signal.SIGTERM)
+                engine.proc.wait(30)
+                fleet.replace(engine).wait_healthy(120)
+                got = [p.result(180) for p in pending]
+                got_plain = pending_plain.result(180)
+            finally:
+                fleet.delay.write_text("")
+        for (_, _, count), ref, faulted in zip(CHOICE_REQUESTS, refs, got, strict=True):
+            assert_same_choices(ref, faulted, count, 40)
+        assert got_plain.status_code == 200, got_plain.text
+        body = got_plain.json()
+        assert [c["text"] for c in body["choices"]] == [c["text"] for c in ref_plain["choices"]]
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["completion_tokens"] == 80
+        # Each of the four was handed back once, and resumed.
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 4
+        assert metric(gw.url, "pdfleet_gateway_migration_replayed_tokens_total") > 3 * 8
+    finally:
+        gw.stop()
+    assert wait_until(lambda: _routable(fleet.gateway.url) == 2, 30)
+
+
 def test_sigterm_drains_a_decode_engine_by_handing_its_streams_back(fleet):
     assert fleet.gateway is not None
     drained: list[ServerProcess] = []
