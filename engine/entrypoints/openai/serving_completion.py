@@ -249,11 +249,17 @@ class CompletionServing(ServingBase):
         # the tokens it has generated so far, not the request's totals.
         generated = resume.generated()
         cached_of: dict[int, int] = {}
+        cached_per_prompt: dict[int, int] = {}
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
-                    usage["cached"] += out.num_cached_tokens
                     cached_of[j] = out.num_cached_tokens
+                    # Per prompt (a resumed leg runs one request per choice of it).
+                    prompt = index(j, 0) // req.n
+                    cached_per_prompt[prompt] = max(
+                        cached_per_prompt.get(prompt, 0), out.num_cached_tokens
+                    )
+                    usage["cached"] = sum(cached_per_prompt.values())
                 for o in out.outputs:
                     raise_if_error(o)
                     idx = index(j, o.index)
