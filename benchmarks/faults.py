@@ -5,7 +5,8 @@
 5 s lease), and ``--concurrency`` clients send temperature-0 requests in a
 loop (half streamed, prompts from a fixed set, most long enough for a real
 KV hand-off). Half the requests are greedy, half seeded sampling
-(``temperature`` 0.8, ``top_p`` 0.95, a seed per prompt), each streamed or
+(``temperature`` 0.8, ``top_p`` 0.95, a seed per prompt, ``--seeded-n`` 2
+choices each, compared choice by choice), each streamed or
 not, ``--max-tokens`` long. Every answer is compared with the same request's
 answer from a clean run before the faults. Then, one after the other:
 
@@ -72,6 +73,10 @@ STORY = (
     "The harbor was quiet before dawn, and the fishing boats rocked gently against the old "
     "wooden pier while gulls circled overhead waiting for the first catch of the day. "
 )
+
+
+CHOICES_SEP = "\x1e"
+"""Between the texts of a request's choices (by index) in ``Result.text``."""
 
 
 @dataclass
@@ -204,7 +209,8 @@ class Bench:
             "ignore_eos": True,
         }
         if seeded:
-            body |= {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+            # Several choices per seeded request: each moves on its own.
+            body |= {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "n": self.args.seeded_n}
         return body
 
     async def one(
@@ -219,6 +225,7 @@ class Bench:
                 ) as resp:
                     if resp.status_code != 200:
                         r.error = f"HTTP {resp.status_code}"
+                    texts: dict[int, str] = {}
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: {"):
                             continue
@@ -226,11 +233,14 @@ class Bench:
                         if "error" in event:
                             r.error, r.error_at = event["error"]["message"], time.monotonic()
                             break
-                        r.text += "".join(c.get("text", "") for c in event.get("choices", []))
+                        for c in event.get("choices", []):
+                            texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
+                    r.text = CHOICES_SEP.join(texts[k] for k in sorted(texts))
             else:
                 resp = await client.post("/v1/completions", json=body)
                 if resp.status_code == 200:
-                    r.text = resp.json()["choices"][0]["text"]
+                    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+                    r.text = CHOICES_SEP.join(c["text"] for c in choices)
                 else:
                     r.error, r.error_at = (
                         f"HTTP {resp.status_code}: {resp.text[:200]}",
@@ -632,6 +642,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--settle", type=float, default=5, help="seconds of load after a fault")
     parser.add_argument("--max-tokens", type=int, default=160, help="tokens per load request")
+    parser.add_argument(
+        "--seeded-n", type=int, default=2, help="choices (n) of each seeded load request"
+    )
     parser.add_argument("--long-streams", type=int, default=4, help="streams of scale_down")
     parser.add_argument("--long-tokens", type=int, default=700, help="tokens per long stream")
     parser.add_argument("--rounds", type=int, default=3, help="SIGTERMs of scale_down")

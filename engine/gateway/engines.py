@@ -605,7 +605,12 @@ class EnginePool:
         now = time.monotonic() if now is None else now
         out = []
         for e in list(self.engines.values()):
-            if not (e.routable and e.inflight > 0):
+            # An engine already ejected for failing its checks is watched too:
+            # a stopped process's scrapes time out, often before its silence
+            # reaches the stall limit, and its legs in flight wait on it until
+            # it counts as stalled (then they move on, migratable ones resumed).
+            watched = e.routable or (e.state == "ejected" and e.failures > 0 and not e.stalled)
+            if not (watched and e.inflight > 0):
                 continue
             silent = now - e.last_progress
             limit = self.stall_limit(e, now)
@@ -682,6 +687,8 @@ class EnginePool:
 
     def _eject_stalled(self, e: EngineState, reason: str) -> None:
         self.metrics.stalls.labels(e.url, e.role).inc()
+        if e.state == "ejected":  # ejected by failed checks: now known to be stalled
+            logger.warning("engine %s (%s), ejected, is %s", e.url, e.role, reason)
         self._set_state(e, "ejected", reason)
         e.stalled = True
         for cm in list(e.waiters):  # those legs go to another engine now

@@ -1,11 +1,12 @@
 """Request migration: a decode leg that fails mid-answer resumes on another
 decode engine, and the client sees one answer (docs/migration.md).
 
-A request is migratable when it asks for one sequence (``n`` 1, one prompt)
-and ``--max-migrations`` is above 0. Its decode legs carry the internal field
-``migration`` (``contracts/migration.py``): the engine then names, in an SSE
-comment on each event, the output token ids that event sends, and a stopping
-engine ends the stream with ``: migrate`` instead of cutting it.
+A request is migratable when ``--max-migrations`` is above 0. Its decode legs
+carry the internal field ``migration`` (``contracts/migration.py``): the
+engine then names, in an SSE comment on each event, the output token ids that
+event sends (and, for a request of several choices, ``n`` > 1 or several
+prompts, the choice they belong to and whether the event finished it), and a
+stopping engine ends the stream with ``: migrate`` instead of cutting it.
 
 The relay (``relay.py``, the one loop of every stream) forwards a migratable
 stream event by event under :class:`Migrating`, its recovery here: the
@@ -21,8 +22,10 @@ continues with the same sampling state (a seeded request's draw is a
 function of its seed and the output position; max_tokens, stop strings,
 penalties and grammars count the sent tokens). It sends none of them again,
 keeps the first engine's ``id`` and ``created``, and its ``usage`` counts
-every token the client got. A non-streamed request has sent nothing: it is
-sent again whole.
+every token the client got. A request of several choices resumes every
+unfinished choice after its own sent tokens (``migration.choices``); the
+finished ones are not run again. A non-streamed request has sent nothing: it
+is sent again whole.
 
 Bounds: at most ``--max-migrations`` moves per request, then an error event
 (a 502 for a non-streamed request); each wait is the one the first leg had
@@ -45,12 +48,15 @@ from typing import Any
 
 from .. import tracing
 from ..contracts.migration import (
+    END_PREFIX,
     FIELD,
     FIRST_LEG,
     IDS_PREFIX,
     MIGRATE_EVENT,
     MIGRATE_HEADER,
+    MULTI_IDS_PREFIX,
     MigrationState,
+    parse_choice_ids,
     parse_ids,
 )
 from ..http.upstream import UpstreamResponse
@@ -72,7 +78,15 @@ class Migration:
     body: dict[str, Any]
     """The client's body (no kv_transfer_params): what every resumed leg sends."""
     sent: list[int] = field(default_factory=list)
-    """Output token ids the client has received, in order."""
+    """Output token ids the client has received, in order (a request of one choice)."""
+    choices: int = 1
+    """The request's choices (``n`` × prompts); above 1 the engine names the
+    choice of each event's ids, kept in :attr:`sent_of`."""
+    sent_of: dict[int, list[int]] = field(default_factory=dict)
+    """Per choice that went out (its opening chunk at least): its output token
+    ids the client has received, in order (a request of several choices)."""
+    finished: set[int] = field(default_factory=set)
+    """The choices whose last event went out (a request of several choices)."""
     created: int | None = None
     """The first leg's ``created`` (kept by the resumed legs)."""
     moves: int = 0
@@ -102,10 +116,35 @@ class Migration:
             return e.load.resume_identity == self.identity
         return self.compat is None or e.load.compat_hash == self.compat
 
+    def note(self, line: bytes) -> None:
+        """Keep the ids of a ``: ids.I`` or ``: end.I`` comment line."""
+        index, ids, end = parse_choice_ids(line)
+        if 0 <= index < self.choices:
+            self.sent_of.setdefault(index, []).extend(ids)
+            if end:
+                self.finished.add(index)
+
+    def replayed(self) -> int:
+        """The sent tokens a resumed leg carries to the new engine (what it
+        recomputes: not those of finished choices)."""
+        return len(self.sent) + sum(
+            len(ids) for i, ids in self.sent_of.items() if i not in self.finished
+        )
+
     def state(self) -> MigrationState:
         """A resumed leg's state: the tokens already sent (and the identity the
-        engine must have to continue them)."""
-        return MigrationState(tuple(self.sent), self.created, self.identity)
+        engine must have to continue them). A request of several choices names
+        them per choice; when none went out yet, it goes again whole."""
+        if self.choices == 1:
+            return MigrationState(tuple(self.sent), self.created, self.identity)
+        if not self.sent_of:
+            return MigrationState(None, self.created, self.identity)
+        per_choice = tuple(
+            tuple(self.sent_of[i]) if i in self.sent_of else None for i in range(self.choices)
+        )
+        return MigrationState(
+            None, self.created, self.identity, per_choice, tuple(sorted(self.finished))
+        )
 
     def payload(self) -> bytes:
         """A resumed (decode-only) leg: the body plus its :meth:`state`."""
@@ -114,18 +153,23 @@ class Migration:
         ).encode()
 
 
-def migratable(body: dict[str, Any], chat: bool, max_migrations: int) -> bool:
-    """Whether a request can move between decode engines: one sequence of
-    one prompt (the sent tokens of several would not be told apart)."""
-    if max_migrations <= 0 or body.get("n") not in (None, 1):
-        return False
-    if body.get("best_of") not in (None, 1):
-        return False
+def migratable(body: dict[str, Any], chat: bool, max_migrations: int) -> int:
+    """The choices of a request that can move between decode engines (``n``
+    per prompt, ``best_of`` equal to ``n``: a larger one is refused before
+    this); 0 when it cannot (``--max-migrations`` 0, or a shape the engine
+    refuses anyway)."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if max_migrations <= 0 or type(n) is not int or n < 1:
+        return 0
+    if body.get("best_of") not in (None, n):
+        return 0
+    prompts = 1
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return len(prompt) == 1
-    return True
+            prompts = len(prompt)
+    return n * prompts
 
 
 def with_state(payload: bytes, body: dict[str, Any]) -> bytes:
@@ -145,23 +189,26 @@ def add_state(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, FIELD: FIRST_LEG.to_json()}
 
 
-def split_events(block: bytes, sent: list[int]) -> tuple[bytes, bool]:
+def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
     """Whole SSE events as they go to the client: the ``: ids`` comments taken
-    off (their ids appended to ``sent``); True when the block ends with the
+    off (their ids kept in ``state``); True when the block ends with the
     engine's ``: migrate``."""
-    if IDS_PREFIX not in block and _MIGRATE not in block:
-        return block, False
+    if not block.startswith(b":") and b"\n:" not in block:
+        return block, False  # no comment line (events are cut whole)
     if block.startswith(IDS_PREFIX) and block.find(b"\n\n") == len(block) - 2:
         # One event (the usual block: an engine writes each event as it comes).
         line_end = block.find(b"\n")
-        sent.extend(map(int, block[len(IDS_PREFIX) : line_end].split()))
+        state.sent.extend(map(int, block[len(IDS_PREFIX) : line_end].split()))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:
         if event.startswith(IDS_PREFIX):
             line, _, event = event.partition(b"\n")
-            sent.extend(parse_ids(line))
+            state.sent.extend(parse_ids(line))
+        elif event.startswith((MULTI_IDS_PREFIX, END_PREFIX)):
+            line, _, event = event.partition(b"\n")
+            state.note(line)
         if event == _MIGRATE:
             handed_back = True
             continue
@@ -223,8 +270,9 @@ class Migrator:
             return False
         state.moves += 1
         m.migrations.labels(reason).inc()
-        if state.sent:
-            m.migration_replayed.inc(len(state.sent))
+        replayed = state.replayed()
+        if replayed:
+            m.migration_replayed.inc(replayed)
         return True
 
     # -- a leg that sent the client nothing ---------------------------------------
@@ -304,7 +352,7 @@ class Migrating(Recovery):
         with ``: migrate``; the first event of a resumed leg ends its move."""
         state = self.state
         if first:
-            self.capable = block.startswith(IDS_PREFIX)
+            self.capable = block.startswith((IDS_PREFIX, MULTI_IDS_PREFIX, END_PREFIX))
             if self.failed_at is not None:
                 took = time.perf_counter() - self.failed_at
                 self.migrator.resume.observe(took)
@@ -323,7 +371,7 @@ class Migrating(Recovery):
                     self.failed_at,
                 )
                 self.failed_at = None
-        out, handed_back = split_events(block, state.sent)
+        out, handed_back = split_events(block, state)
         if out and state.created is None:
             found = _CREATED.search(out)
             if found is not None:
@@ -357,7 +405,8 @@ class Migrating(Recovery):
             )
         # Move the leg: this engine's stream has ended.
         self.failed_at = time.perf_counter()
-        self.moved_from, self.reason_of_move, self.replayed = engine.url, reason, len(state.sent)
+        self.moved_from, self.reason_of_move = engine.url, reason
+        self.replayed = state.replayed()
         state.failed.add(engine.url)
         opened = await self._reopen(engine, reason)
         if opened is None:
@@ -392,7 +441,7 @@ class Migrating(Recovery):
                 call.request_id,
                 failed.url,
                 reason,
-                len(state.sent),
+                state.replayed(),
                 nxt.url,
             )
             try:

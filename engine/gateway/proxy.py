@@ -242,9 +242,10 @@ class Proxy:
             )
         decided.inc()
         tracing.route_chosen(route)
-        if migratable(body, call.chat, self.config.max_migrations):
+        choices = migratable(body, call.chat, self.config.max_migrations)
+        if choices:
             # Its decode legs can move between engines (migration.py).
-            call.migration = Migration(body)
+            call.migration = Migration(body, choices=choices)
             payload = with_state(payload, body)
         first = await self._first_leg(call, body, route, info, plan, payload)
         if isinstance(first, Response):

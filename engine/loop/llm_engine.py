@@ -68,7 +68,7 @@ def read_generation_config(model_config: ModelConfig) -> dict[str, Any]:
         return config
 
 
-def _child_seed(seed: int, index: int) -> int:
+def child_seed(seed: int, index: int) -> int:
     """The seed of child ``index`` of an n > 1 request, wrapping inside int64."""
     return (seed + index + 2**63) % 2**64 - 2**63
 
@@ -382,7 +382,7 @@ class LLMEngine:
                 params
                 if params.n == 1
                 else params.clone(
-                    n=1, seed=None if params.seed is None else _child_seed(params.seed, i)
+                    n=1, seed=None if params.seed is None else child_seed(params.seed, i)
                 )
             )
             requests.append(

@@ -179,10 +179,22 @@ def test_migration_is_an_internal_resume_state():
             {"messages": [{"role": "user", "content": "x"}], "migration": {"bogus": 1}}
         )
     assert refused.value.param == "migration.bogus"
-    with pytest.raises(APIError, match="^migration: "):
-        CompletionRequest.model_validate({"prompt": "x", "n": 2, "migration": {}}).sampling_params(
-            {}, 16, None
-        )
+    # A request of several choices migrates too, naming its sent tokens per
+    # choice (on a stream: a non-streamed one goes again whole).
+    assert (
+        CompletionRequest.model_validate({"prompt": "x", "n": 2, "migration": {}})
+        .sampling_params({}, 16, None)
+        .n
+        == 2
+    )
+    with pytest.raises(APIError, match="^migration.output_token_ids: "):
+        CompletionRequest.model_validate(
+            {"prompt": "x", "n": 2, "migration": {"output_token_ids": [1]}}
+        ).sampling_params({}, 16, None)
+    with pytest.raises(APIError, match="^migration.choices: only a stream"):
+        CompletionRequest.model_validate(
+            {"prompt": "x", "n": 2, "migration": {"choices": [[1], None]}}
+        ).sampling_params({}, 16, None)
     with pytest.raises(APIError, match="^migration: 2 tokens already sent"):
         CompletionRequest.model_validate(
             {"prompt": "x", "migration": {"output_token_ids": [1, 2]}}

@@ -12,6 +12,8 @@ from pdfleet.engine.contracts.migration import (
     MAX_IDENTITY_CHARS,
     MigrationState,
     MigrationStateError,
+    ids_comment,
+    parse_choice_ids,
 )
 from pdfleet.engine.gateway.migration import Migration, add_state, with_state
 
@@ -45,6 +47,12 @@ def test_the_gateways_bytes_are_the_carriers_and_the_engine_reads_them_back():
         ({"created": "7"}, "migration.created"),
         ({"resume_identity": 5}, "migration.resume_identity"),
         ({"resume_identity": "x" * (MAX_IDENTITY_CHARS + 1)}, "migration.resume_identity"),
+        ({"choices": []}, "migration.choices"),
+        ({"choices": [[1], "x"]}, "migration.choices"),
+        ({"choices": [[1]], "output_token_ids": [1]}, "migration.choices"),
+        ({"finished": [0]}, "migration.finished"),
+        ({"choices": [[1], None], "finished": [1]}, "migration.finished"),
+        ({"choices": [[1], None], "finished": [2]}, "migration.finished"),
     ],
 )
 def test_a_malformed_state_is_refused_naming_the_field(raw, param):
@@ -56,3 +64,15 @@ def test_a_malformed_state_is_refused_naming_the_field(raw, param):
 def test_the_bytes_of_something_else_are_refused():
     with pytest.raises(MigrationStateError, match="^migration: not JSON"):
         MigrationState.decode(b"{")
+
+
+def test_a_state_of_several_choices_names_each_choice_s_sent_tokens():
+    raw = {"choices": [[5, 6], None, []], "finished": [0], "created": 3}
+    state = MigrationState.from_json(raw)
+    assert state.choices == ((5, 6), None, ()) and state.finished == (0,)
+    assert state.choice_sent(0) == (5, 6) and state.choice_sent(1) is None
+    assert state.sent == () and state.to_json() == raw
+    assert ids_comment([5, 6]) == ": ids 5 6\n"
+    assert ids_comment([], 2) == ": ids.2\n"
+    assert parse_choice_ids(ids_comment([7, 8], 1, end=True)[:-1].encode()) == (1, [7, 8], True)
+    assert parse_choice_ids(b": ids.2") == (2, [], False)

@@ -30,8 +30,13 @@ from gateway.fake_engine import FakeEngine
 from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, start_gateway
 from helpers.server import ServerProcess, fleet_headers, wait_until
 
-from pdfleet.engine.contracts.migration import IDS_PREFIX
-from pdfleet.engine.gateway.migration import split_events, with_state
+from pdfleet.engine.contracts.migration import (
+    END_PREFIX,
+    IDS_PREFIX,
+    MULTI_IDS_PREFIX,
+    parse_choice_ids,
+)
+from pdfleet.engine.gateway.migration import Migration, split_events, with_state
 
 PROMPT = "Once upon a time, in a harbor town by the sea,"
 STEP_DELAY = "0.03"
@@ -286,6 +291,83 @@ def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
         assert set(json.loads(ref.text)) >= {"name", "age"}
 
 
+class Choices:
+    """A stream of several choices, per choice index: the token ids (the
+    engine's comments when it names them, else ``return_token_ids``), the
+    text, the finish reasons, the logprobs; and which choices the comments
+    marked finished."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.ids: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+        self.finish: dict[int, list[str]] = {}
+        self.logprobs: dict[int, list[float]] = {}
+        self.ended: set[int] = set()
+        self.usage: dict | None = None
+        self.errors: list[dict] = []
+        self.created: set[int] = set()
+        for event in raw.split(b"\n\n")[:-1]:
+            named: int | None = None
+            if event.startswith((MULTI_IDS_PREFIX, END_PREFIX)):
+                line, _, event = event.partition(b"\n")
+                named, ids, end = parse_choice_ids(line)
+                self.ids.setdefault(named, []).extend(ids)
+                if end:
+                    self.ended.add(named)
+            if not event.startswith(b"data: {"):
+                continue
+            data = json.loads(event[6:])
+            self.created |= {data["created"]} if "created" in data else set()
+            if "error" in data:
+                self.errors.append(data)
+            if data.get("usage") and not data.get("choices"):
+                self.usage = data["usage"]
+            for c in data.get("choices", []):
+                i = c["index"]
+                assert named is None or named == i
+                if named is None and "token_ids" in c:
+                    self.ids.setdefault(i, []).extend(c["token_ids"])
+                self.text[i] = self.text.get(i, "") + text_of({"choices": [c]})
+                if c.get("finish_reason"):
+                    self.finish.setdefault(i, []).append(c["finish_reason"])
+                lps = (c.get("logprobs") or {}).get("token_logprobs") or []
+                self.logprobs.setdefault(i, []).extend(lps)
+
+
+def engine_choices(url: str, path: str, body: dict) -> Choices:
+    with httpx.stream("POST", url + path, json=body, headers=fleet_headers(), timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        return Choices(resp.read())
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 4321, "top_p": 0.9}]
+)
+def test_a_resumed_request_of_several_choices_continues_each_choice(fleet, sampling):
+    url = fleet.decode[0].url
+    body = {**BASE, **sampling, "n": 3, "logprobs": 1}
+    ref = engine_choices(url, "/v1/completions", {**body, "migration": {}})
+    assert sorted(ref.ids) == [0, 1, 2] and ref.ended == {0, 1, 2}
+    assert all(len(ref.ids[i]) == 24 and ref.finish[i] == ["length"] for i in range(3))
+    if "seed" in sampling:
+        assert ref.ids[0] != ref.ids[1] != ref.ids[2]  # each choice its own draw
+    # Choice 0 went out whole, choice 1 in part, nothing of choice 2 yet.
+    k = 9
+    state = {"choices": [ref.ids[0], ref.ids[1][:k], None], "finished": [0], "created": 99}
+    got = engine_choices(url, "/v1/completions", {**body, "migration": state})
+    assert not got.errors and sorted(got.ids) == [1, 2]  # the finished choice is not run
+    assert ref.ids[1][:k] + got.ids[1] == ref.ids[1] and got.ids[2] == ref.ids[2]
+    assert got.text[2] == ref.text[2] and ref.text[1].endswith(got.text[1])
+    assert got.finish == {1: ["length"], 2: ["length"]} and got.ended == {1, 2}
+    assert got.logprobs[1] == pytest.approx(ref.logprobs[1][k:], abs=1e-4)
+    # usage counts every token the client got, the finished choice's too.
+    assert got.usage["completion_tokens"] == 72 and got.created == {99}
+    # All finished (the engine died before its [DONE]): only the usage is left.
+    done = {"choices": [ref.ids[i] for i in range(3)], "finished": [0, 1, 2]}
+    got = engine_choices(url, "/v1/completions", {**body, "migration": done})
+    assert got.ids == {} and got.usage["completion_tokens"] == 72
+
+
 def test_migration_is_an_internal_field(fleet):
     assert fleet.gateway is not None
     resp = httpx.post(
@@ -294,13 +376,18 @@ def test_migration_is_an_internal_field(fleet):
         timeout=30,
     )
     assert resp.status_code == 403 and resp.json()["error"]["param"] == "migration"
-    resp = httpx.post(
-        fleet.decode[0].url + "/v1/completions",
-        json={"model": "tiny", "prompt": PROMPT, "n": 2, "migration": {}},
-        headers=fleet_headers(),
-        timeout=30,
-    )
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "migration"
+    # A request of several choices names its sent tokens per choice.
+    for state, param in (
+        ({"output_token_ids": [1]}, "migration.output_token_ids"),
+        ({"choices": [[1], None, [2]]}, "migration.choices"),
+    ):
+        resp = httpx.post(
+            fleet.decode[0].url + "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "n": 2, "stream": True, "migration": state},
+            headers=fleet_headers(),
+            timeout=30,
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
 # -- the gateway moves failed legs ---------------------------------------------------
@@ -356,30 +443,165 @@ def test_a_stopped_engine_s_stream_moves_when_the_watchdog_ejects_it(fleet):
     assert wait_until(lambda: _routable(gw) == 2, 30)
 
 
-def test_sigterm_drains_a_decode_engine_by_handing_its_streams_back(fleet):
+def client_choices(url: str, path: str, body: dict, on_event=None) -> Choices:
+    """A client's stream of several choices through the gateway."""
+    raw, n = b"", 0
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for chunk in resp.iter_raw():
+            raw += chunk
+            while raw.count(b"\n\n") > n:
+                n += 1
+                if on_event is not None:
+                    on_event(n)
+    assert b"\n: " not in raw and not raw.startswith(b":"), "a comment reached the client"
+    return Choices(raw)
+
+
+def assert_same_choices(ref: Choices, got: Choices, count: int, tokens: int) -> None:
+    assert not got.errors, got.errors
+    assert sorted(got.ids) == sorted(ref.ids) == list(range(count))
+    for i in range(count):
+        # Each choice whole: no token missing, repeated or moved to another index.
+        assert got.ids[i] == ref.ids[i] and len(got.ids[i]) == tokens, i
+        assert got.text[i] == ref.text[i], i
+        assert got.finish[i] == ref.finish[i] == ["length"], i
+    assert got.usage["completion_tokens"] == ref.usage["completion_tokens"] == count * tokens
+    assert len(got.created) == 1
+
+
+SEVERAL = {
+    "model": "tiny",
+    "max_tokens": 40,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "return_token_ids": True,
+}
+"""Streams of several choices: 40 tokens each, their ids in the client's events."""
+
+CHOICE_REQUESTS: list[tuple[str, dict, int]] = [
+    # (path, body, choices): seeded n = 1, greedy n = 3, seeded chat n = 3,
+    # 2 prompts × n = 2.
+    ("/v1/completions", {**SEVERAL, "prompt": PROMPT, "temperature": 1.0, "seed": 99}, 1),
+    ("/v1/completions", {**SEVERAL, "prompt": PROMPT, "n": 3, "temperature": 0}, 3),
+    (
+        "/v1/chat/completions",
+        {
+            **SEVERAL,
+            "messages": [{"role": "user", "content": "Tell me about the harbor town."}],
+            "n": 3,
+            "temperature": 1.0,
+            "seed": 11,
+        },
+        3,
+    ),
+    (
+        "/v1/completions",
+        {
+            **SEVERAL,
+            "prompt": [PROMPT, "The lighthouse keeper said"],
+            "n": 2,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "seed": 3,
+        },
+        4,
+    ),
+]
+
+
+def test_sigterm_drains_a_decode_engine_by_handing_its_streams_back(fleet, tmp_path):
+    # A gateway of one decode engine: every request below is on it when it is
+    # drained (one sequence, several choices, several prompts, a non-streamed
+    # one), and each resumes on the engine restarted under its URL (the
+    # gateway holds them for it).
     assert fleet.gateway is not None
-    drained: list[ServerProcess] = []
+    engine = fleet.decode[0]
+    gw = start_gateway(
+        [
+            "--decode",
+            engine.url,
+            "--disaggregation-mode",
+            "Disabled",
+            # Rare scrapes: a scrape that sees a request queued for its first
+            # step (the steps are slowed) would make the gateway hold the next
+            # ones back for a slot (admission.py), and they would not overlap.
+            "--scrape-interval",
+            "10",
+            "--hold-timeout",
+            "90",
+            # Until the gateway's next scrape it may try the stopping engine
+            # again (refused: one more move).
+            "--max-migrations",
+            "5",
+        ],
+        tmp_path,
+    )
+    # A non-streamed request of two choices (best_of equal to n) too.
+    plain = {**BASE, "max_tokens": 40, "stream": False, "n": 2, "best_of": 2}
+    plain = {**plain, "temperature": 1.0, "seed": 8}
+    plain.pop("stream_options")
+    seen = [0] * len(CHOICE_REQUESTS)
 
-    def sigterm(engine: ServerProcess) -> None:
-        engine.signal(signal.SIGTERM)
-        drained.append(engine)
+    def counted(i: int):
+        def on_event(n: int) -> None:
+            seen[i] = n
 
-    body = {**BASE, "max_tokens": 40, "temperature": 1.0, "seed": 99}
-    replayed = metric(fleet.gateway.url, "pdfleet_gateway_migration_replayed_tokens_total")
-    ref, got = faulted(fleet, body, sigterm)
-    assert_same(ref, got)
-    engine = drained[0]
-    # The engine left without finishing the stream (another engine sent its
-    # last tokens), and without failing it: it exited cleanly.
-    engine.proc.wait(30)
-    assert engine.proc.returncode == 0
-    gw = fleet.gateway.url
-    assert metric(gw, "pdfleet_gateway_migrations_total", reason="drain") == 1
-    # Some of the 40 tokens came from the engine it moved to.
-    replayed = metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") - replayed
-    assert 6 <= replayed < 40
-    assert "handed back to the gateway" in engine.log()
-    fleet.replace(engine).wait_healthy(120)
+        return on_event
+
+    try:
+        # The unfaulted answers, from the engine itself (what the gateway relays).
+        refs = [engine_choices(engine.url, p, b) for p, b, _ in CHOICE_REQUESTS]
+        ref_plain = httpx.post(
+            engine.url + "/v1/completions", json=plain, headers=fleet_headers(), timeout=60
+        ).json()
+        with concurrent.futures.ThreadPoolExecutor(len(CHOICE_REQUESTS) + 1) as pool:
+            fleet.delay.write_text("0.1")
+            try:
+                # One after the other (each past its first step), so that the
+                # gateway has each on the engine before the next comes.
+                pending = []
+                for i, (p, b, _) in enumerate(CHOICE_REQUESTS):
+                    pending.append(pool.submit(client_choices, gw.url, p, b, counted(i)))
+                    assert wait_until(lambda i=i: seen[i] >= 2, 60)
+                pending_plain = pool.submit(
+                    httpx.post, gw.url + "/v1/completions", json=plain, timeout=180
+                )
+                state: list[object] = []
+
+                def all_in_flight() -> bool:
+                    view = httpx.get(gw.url + "/engines", headers=fleet_headers(), timeout=5)
+                    inflight = sum(e["inflight"] for e in view.json()["engines"])
+                    state[:] = [inflight, list(seen)]
+                    return inflight == len(CHOICE_REQUESTS) + 1 and min(seen) >= 6
+
+                assert wait_until(all_in_flight, 60), state
+                engine.signal(signal.SIGTERM)
+                # It leaves without finishing them, and without failing them:
+                # it exits cleanly.
+                engine.proc.wait(30)
+                assert engine.proc.returncode == 0
+                assert "handed back to the gateway" in engine.log()
+                fleet.replace(engine).wait_healthy(120)
+                got = [p.result(180) for p in pending]
+                got_plain = pending_plain.result(180)
+            finally:
+                fleet.delay.write_text("")
+        for (_, _, count), ref, faulted in zip(CHOICE_REQUESTS, refs, got, strict=True):
+            assert_same_choices(ref, faulted, count, 40)
+        assert got_plain.status_code == 200, got_plain.text
+        body = got_plain.json()
+        assert [c["text"] for c in body["choices"]] == [c["text"] for c in ref_plain["choices"]]
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["completion_tokens"] == 80
+        # Each was handed back once, and resumed after the tokens the client had.
+        drained = len(CHOICE_REQUESTS) + 1
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == drained
+        replayed = metric(gw.url, "pdfleet_gateway_migration_replayed_tokens_total")
+        assert replayed >= 6 * len(CHOICE_REQUESTS)
+    finally:
+        gw.stop()
     assert wait_until(lambda: _routable(fleet.gateway.url) == 2, 30)
 
 
@@ -524,8 +746,11 @@ def _routable(gateway_url: str) -> int:
 
 def handing_back(body: dict) -> tuple[int, object]:
     """A decode engine that sends two tokens, then hands the stream back (or,
-    for a leg without migration state, ends it early: it died)."""
+    for a leg without migration state, ends it early: it died); for ``n`` 2,
+    one token of each choice."""
     sent = len((body.get("migration") or {}).get("output_token_ids", []))
+    if body.get("n") == 2:
+        return 200, choices_handed_back(body)
 
     def events():
         for t in (sent, sent + 1):
@@ -540,7 +765,22 @@ def handing_back(body: dict) -> tuple[int, object]:
     return 200, events()
 
 
-def test_a_request_moves_at_most_max_migrations_times_and_n_above_1_never_moves(tmp_path):
+def choices_handed_back(body: dict):
+    """Events of an ``n`` = 2 leg: choice 1 finishes on the first leg, choice 0
+    sends one token per leg and is handed back."""
+    state = body["migration"]
+    sent = state.get("choices") or [None, None]
+    for i in (0, 1):
+        if i in state.get("finished", []):
+            continue
+        t = len(sent[i] or [])
+        data = {"id": "c", "created": 7, "choices": [{"index": i, "text": f"c{i}t{t} "}]}
+        head = b": end" if i == 1 else b": ids"
+        yield b"%s.%d %d\ndata: %s\n\n" % (head, i, 100 + t, json.dumps(data).encode())
+    yield b": migrate\n\n"
+
+
+def test_a_request_moves_at_most_max_migrations_times(tmp_path):
     fakes = [FakeEngine(answer=handing_back), FakeEngine(answer=handing_back)]
     gw = None
     try:
@@ -556,7 +796,8 @@ def test_a_request_moves_at_most_max_migrations_times_and_n_above_1_never_moves(
             ],
             tmp_path,
         )
-        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True})
+        plain = {"model": "tiny", "prompt": "hi", "stream": True}
+        got = client_stream(gw.url, plain)
         # Three legs (the first and two moves), two tokens each, then the error.
         assert got.text == "t0 t1 t2 t3 t4 t5 "
         assert len(got.errors) == 1
@@ -575,15 +816,22 @@ def test_a_request_moves_at_most_max_migrations_times_and_n_above_1_never_moves(
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 2
         assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="exhausted") == 1
 
-        # Several sequences (n > 1; best_of, which must equal n) do not migrate:
-        # their legs carry no migration state, and a leg that fails ends the
-        # stream with an error event.
-        got = client_stream(gw.url, {"model": "tiny", "prompt": "hi", "stream": True, "n": 2})
-        assert got.text == "t0 t1 " and len(got.errors) == 1
-        assert "ended the stream early" in got.errors[0]["error"]["message"]
-        posts = [s.body for f in fakes for s in f.posts()]
-        assert sum("migration" not in b for b in posts) == 1
-        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="died") == 0
+        # Several choices move choice by choice: the finished one is not run
+        # again, the other resumes after its own sent tokens.
+        got = client_choices(gw.url, "/v1/completions", {**plain, "n": 2})
+        assert got.text == {0: "c0t0 c0t1 c0t2 ", 1: "c1t0 "} and len(got.errors) == 1
+        legs = [s.body["migration"] for f in fakes for s in f.posts() if s.body.get("n") == 2]
+        assert sorted(map(json.dumps, legs)) == sorted(
+            map(
+                json.dumps,
+                [
+                    {},
+                    {"choices": [[100], [100]], "finished": [1], "created": 7},
+                    {"choices": [[100, 101], [100]], "finished": [1], "created": 7},
+                ],
+            )
+        )
+        assert metric(gw.url, "pdfleet_gateway_migrations_total", reason="drain") == 4
     finally:
         if gw is not None:
             gw.stop()
@@ -659,16 +907,23 @@ def test_a_leg_resumes_on_an_engine_of_its_resume_identity_whatever_its_compat_h
 
 
 def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
-    sent: list[int] = []
+    state = Migration({})
     block = b': ids 5 6\ndata: {"a":1}\n\n: ids 7\n\ndata: {"b":2}\n\n'
-    assert split_events(block, sent) == (b'data: {"a":1}\n\ndata: {"b":2}\n\n', False)
-    assert sent == [5, 6, 7]
-    assert split_events(b"data: [DONE]\n\n", sent) == (b"data: [DONE]\n\n", False)
-    assert split_events(b': ids 8\ndata: {"c":3}\n\n: migrate\n\n', sent) == (
+    assert split_events(block, state) == (b'data: {"a":1}\n\ndata: {"b":2}\n\n', False)
+    assert state.sent == [5, 6, 7]
+    assert split_events(b"data: [DONE]\n\n", state) == (b"data: [DONE]\n\n", False)
+    assert split_events(b': ids 8\ndata: {"c":3}\n\n: migrate\n\n', state) == (
         b'data: {"c":3}\n\n',
         True,
     )
-    assert sent == [5, 6, 7, 8]
+    assert state.sent == [5, 6, 7, 8]
+    # Several choices: per choice index, and which ones finished.
+    state = Migration({"n": 3}, choices=3)
+    block = b": ids.2\ndata: {}\n\n: ids.0 5 6\ndata: {}\n\n: end.2 7\ndata: {}\n\n: ids.0 8\n\n"
+    assert split_events(block, state) == (b"data: {}\n\n" * 3, False)
+    assert state.sent_of == {0: [5, 6, 8], 2: [7]} and state.finished == {2}
+    assert state.state().to_json() == {"choices": [[5, 6, 8], None, [7]], "finished": [2]}
+    assert state.replayed() == 3  # what the new engine recomputes: not choice 2's
     for raw in (b'{"prompt": "x"}', b' {"prompt":"x"} ', '{"prompt": "x"}'.encode("utf-16")):
         assert json.loads(with_state(raw, {"prompt": "x"})) == {"migration": {}, "prompt": "x"}
     assert json.loads(with_state(b"{ }", {})) == {"migration": {}}

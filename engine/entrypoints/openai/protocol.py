@@ -264,8 +264,17 @@ class _Sampling(_Checked):
         prompt_logprobs: int | None = None,
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        if self.migration is not None and self.n != 1:
-            raise APIError("migration: a migratable request has n = 1", param="migration")
+        m = self.migration
+        if m is not None and m.output_token_ids is not None and self.n != 1:
+            raise APIError(
+                "migration.output_token_ids: a request of n > 1 resumes by migration.choices",
+                param="migration.output_token_ids",
+            )
+        if m is not None and m.choices is not None and not self.stream:
+            # A non-streamed answer sent nothing before it failed: it goes again whole.
+            raise APIError(
+                "migration.choices: only a stream resumes its choices", param="migration.choices"
+            )
         values: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)

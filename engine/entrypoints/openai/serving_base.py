@@ -26,6 +26,7 @@ from ...loop.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from ...loop.llm_engine import child_seed
 from ...loop.output_processor import ChildState
 from ...outputs import Logprob, RequestOutput
 from ...sample.grammar import GrammarTimeout, GrammarTooLarge
@@ -97,43 +98,103 @@ class Resume:
     """A migratable stream's side of migration (docs/migration.md), shared by
     the completions and chat streams: the answer keeps the first engine's
     ``created``; the tokens another engine already sent count as this
-    stream's output (``prior``) on its one choice, whose opening chunk (a
+    stream's output (``prior``) on their choices, whose opening chunks (a
     role chunk, an echo) went out from there; and every event that sends
     token ids names them in an ``: ids`` comment, the stream's first event
-    too (the gateway moves only a stream that speaks this from its start)."""
+    too (the gateway moves only a stream that speaks this from its start).
+    A request of several choices (``multi``) names the choice on every event
+    (``: ids.I``, ``: end.I`` on the one that finishes it)."""
 
-    __slots__ = ("annotated", "created", "migratable", "prior")
+    __slots__ = ("annotated", "created", "migratable", "multi", "prior", "sent_of")
 
-    def __init__(self, migration: MigrationState | None) -> None:
+    def __init__(self, migration: MigrationState | None, multi: bool = False) -> None:
         self.migratable = migration is not None
+        self.multi = multi
         self.created = migration.created if migration and migration.created else now()
-        self.prior = len(migration.sent) if migration else 0
-        """Output tokens another engine sent before this leg."""
+        self.sent_of: dict[int, tuple[int, ...]] = {}
+        """Per choice that went out (its opening chunk at least), the output
+        tokens another engine sent before this leg."""
+        if migration is not None and migration.choices is not None:
+            self.sent_of = {i: c for i, c in enumerate(migration.choices) if c is not None}
+        elif migration is not None and migration.output_token_ids:
+            self.sent_of = {0: migration.output_token_ids}
+        self.prior = sum(map(len, self.sent_of.values()))
+        """Output tokens another engine sent before this leg (finished choices too)."""
         self.annotated = False
 
     def generated(self) -> dict[int, int]:
-        """Per choice, the output tokens so far (the sent ones on choice 0)."""
-        return {0: self.prior} if self.prior else {}
+        """Per choice, the output tokens so far (the sent ones)."""
+        return {i: len(c) for i, c in self.sent_of.items() if c}
 
     def opened(self) -> set[int]:
         """The choices whose opening chunk (role, echo) already went out."""
-        return {0} if self.prior else set()
+        return set(self.sent_of)
 
-    def event(self, token_ids: list[int] | None, event: str) -> str:
-        """``event`` (an SSE event) as this stream sends it: after the ``: ids``
-        comment naming ``token_ids`` on a migratable stream."""
-        if self.migratable and (token_ids or not self.annotated):
+    def event(
+        self, token_ids: list[int] | None, event: str, index: int = 0, end: bool = False
+    ) -> str:
+        """``event`` (an SSE event of choice ``index``; ``end``: it finishes
+        the choice) as this stream sends it: after the ``: ids`` comment naming
+        ``token_ids`` on a migratable stream."""
+        if not self.migratable:
+            return event
+        if self.multi:
+            return ids_comment(token_ids or [], index, end) + event
+        if token_ids or not self.annotated:
             self.annotated = True
             return ids_comment(token_ids or []) + event
         return event
 
-    def held(self, token_ids: list[int]) -> str | None:
+    def held(self, token_ids: list[int], index: int = 0) -> str | None:
         """The event for tokens whose text is held back (a stop string's or a
         parser's): the ``: ids`` comment alone, so the gateway counts them
         sent; None on a stream that is not migratable or when there are none."""
         if self.migratable and token_ids:
-            return ids_comment(token_ids) + "\n"
+            return ids_comment(token_ids, index if self.multi else None) + "\n"
         return None
+
+
+ChoiceIndex = Callable[[int, int], int]
+"""``index(job, output index)``: the choice index an output of a job answers."""
+
+
+def choice_jobs(
+    jobs: list[Job], n: int, migration: MigrationState | None
+) -> tuple[list[Job], ChoiceIndex]:
+    """The engine requests of a stream and the choice index of their outputs.
+
+    As asked: one request per prompt (job) of ``n`` sequences, choice
+    ``job × n + i``. A resumed leg of several choices (``migration.choices``):
+    one ``n`` = 1 request per unfinished choice, of its prompt, after its own
+    sent tokens and with the seed the engine gives that sequence of an ``n``
+    request (``child_seed``), so that it draws what it would have drawn
+    unfaulted; finished choices are not run again."""
+    if migration is None or migration.choices is None:
+        return jobs, lambda j, o: j * n + o
+    choices = migration.choices
+    if len(choices) != len(jobs) * n:
+        raise APIError(
+            f"migration.choices: names {len(choices)} choices; the request has "
+            f"{len(jobs) * n} ({len(jobs)} prompts of n = {n})",
+            param="migration.choices",
+        )
+    finished = set(migration.finished)
+    out: list[Job] = []
+    index: list[int] = []
+    for i, sent in enumerate(choices):
+        if i in finished:
+            continue
+        text, ids, params = jobs[i // n]
+        seed = None if params.seed is None else child_seed(params.seed, i % n)
+        try:
+            resumed = params.clone(n=1, seed=seed, resumed_token_ids=list(sent or ()))
+        except ValueError as e:
+            raise APIError(
+                f"migration.choices: choice {i}: {e}", param="migration.choices"
+            ) from None
+        out.append((text, ids, resumed))
+        index.append(i)
+    return out, lambda j, o: index[j]
 
 
 class TokenizerLanes:

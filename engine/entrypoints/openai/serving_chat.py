@@ -19,8 +19,10 @@ from .reasoning_parsers import (
 )
 from .serving_base import (
     Choice,
+    ChoiceIndex,
     Resume,
     ServingBase,
+    choice_jobs,
     error_event,
     finish_reason,
     raise_if_error,
@@ -269,16 +271,18 @@ class ChatServing(ServingBase):
         self, req: ChatCompletionRequest, request_id: str, response_id: str | None = None
     ) -> AsyncIterator[str]:
         model, text, ids, params, k, parser = await self.prepare_chat(req)
-        (stream,) = await self.admit(
-            request_id,
-            [(text, ids, params)],
-            req.priority,
-            req.kv_transfer_params,
-            self.lora_of(model),
+        jobs, index = choice_jobs([(text, ids, params)], req.n, req.migration)
+        # Per choice, the text a migrated stream's sent tokens put before the client.
+        resumed = {
+            index(j, 0): self.resumed_text(ids, p)
+            for j, (_, _, p) in enumerate(jobs)
+            if p.resumed_token_ids
+        }
+        streams = await self.admit(
+            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
         )
-        resumed = self.resumed_text(ids, params) if params.resumed_token_ids else ""
         return self._chat_events(
-            req, response_id or request_id, model, text, ids, k, stream, parser, resumed
+            req, response_id or request_id, model, text, ids, k, streams, index, parser, resumed
         )
 
     async def _chat_events(  # noqa: C901 (one SSE loop: reasoning, tools and holds per chunk)
@@ -289,13 +293,17 @@ class ChatServing(ServingBase):
         prompt_text: str,
         ids: list[int],
         k: int | None,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        index: ChoiceIndex,
         parser: ToolParser | None,
-        resumed: str = "",
+        resumed: dict[int, str],
     ) -> AsyncIterator[str]:
-        """``resumed``: a migrated stream's text already sent by another engine
-        (fed to the tool and reasoning parsers without being sent again)."""
-        resume = Resume(req.migration)
+        """``streams``: the engine requests (one, but one per unfinished choice
+        on a resumed leg of several), ``index`` the choice of their outputs
+        (``choice_jobs``); ``resumed``: per choice, a migrated stream's text
+        already sent by another engine (fed to the tool and reasoning parsers
+        without being sent again)."""
+        resume = Resume(req.migration, multi=req.n > 1)
         created = resume.created
         completion_tokens, cached = resume.prior, 0
         generated = resume.generated()  # per choice: tokens so far
@@ -305,18 +313,18 @@ class ChatServing(ServingBase):
         echo = echoed_content(req)
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-        first_chunk = not resume.prior
+        first_chunk = not started
         thinking = self.reasoning_parser(req)
         opened = prompt_opens_thought(prompt_text)
         thoughts = {i: ReasoningStream(thinking, opened) for i in range(req.n)} if thinking else {}
-        if resumed:
+        for i, text_sent in resumed.items():
             # The parsers' state as the first engine left it (what they return
             # for this text went out from there).
-            text_for_tools = resumed
+            text_for_tools = text_sent
             if thinking is not None:
-                text_for_tools = thoughts[0].feed(resumed, False)[1]
+                text_for_tools = thoughts[i].feed(text_sent, False)[1]
             if parser is not None:
-                tools[0].feed(text_for_tools, False)
+                tools[i].feed(text_for_tools, False)
 
         def chunk(
             idx: int,
@@ -353,21 +361,23 @@ class ChatServing(ServingBase):
             if continuous:
                 # This choice's own tokens so far (vLLM's), not the request's sum.
                 body["usage"] = self.usage_so_far(len(ids), generated.get(idx, 0), cached)
-            return resume.event(token_ids, sse(body))
+            return resume.event(token_ids, sse(body), idx, finish is not None)
 
         try:
-            async for out in self.outputs(stream):
+            async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
-                    cached = out.num_cached_tokens
+                    # One prompt: each engine request of it found the same cache.
+                    cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
                     raise_if_error(o)
-                    if o.index not in started:
-                        started.add(o.index)
-                        yield chunk(o.index, {"role": "assistant", "content": ""})
+                    idx = index(j, o.index)
+                    if idx not in started:
+                        started.add(idx)
+                        yield chunk(idx, {"role": "assistant", "content": ""})
                         if echo:
-                            yield chunk(o.index, {"content": echo})
+                            yield chunk(idx, {"content": echo})
                     completion_tokens += len(o.token_ids)
-                    generated[o.index] = generated.get(o.index, 0) + len(o.token_ids)
+                    generated[idx] = generated.get(idx, 0) + len(o.token_ids)
                     if not o.text and o.finish_reason is None and not o.token_ids:
                         continue
                     lp = (
@@ -384,22 +394,20 @@ class ChatServing(ServingBase):
                     hold = False
                     if thinking is not None:
                         # Reasoning goes out as its own deltas; the answer goes on.
-                        reasoning, text = thoughts[o.index].feed(
-                            o.text, o.finish_reason is not None
-                        )
+                        reasoning, text = thoughts[idx].feed(o.text, o.finish_reason is not None)
                         if reasoning and req.include_reasoning:
                             yield chunk(
-                                o.index,
+                                idx,
                                 {"reasoning": reasoning, "reasoning_content": reasoning},
                                 token_ids=_take(new_ids),
                             )
                         hold = not text and o.finish_reason is None and lp is None
                     if parser is not None and not hold:
-                        ts = tools[o.index]
+                        ts = tools[idx]
                         final = o.finish_reason is not None
                         deltas = ts.feed(text, final)
                         for d in deltas[:-1]:
-                            yield chunk(o.index, d, token_ids=_take(new_ids))
+                            yield chunk(idx, d, token_ids=_take(new_ids))
                         delta = deltas[-1] if deltas else {}
                         if final and ts.num_calls and reason == "stop":
                             reason = "tool_calls"
@@ -408,15 +416,15 @@ class ChatServing(ServingBase):
                         delta = {"content": text} if text or o.finish_reason is None else {}
                     if hold:
                         if req.return_token_ids and new_ids[0]:
-                            yield chunk(o.index, {}, token_ids=_take(new_ids))
+                            yield chunk(idx, {}, token_ids=_take(new_ids))
                         else:
                             # Their text is held back: the gateway still counts them sent.
-                            held = resume.held(new_ids[0])
+                            held = resume.held(new_ids[0], idx)
                             if held is not None:
                                 _take(new_ids)
                                 yield held
                         continue
-                    yield chunk(o.index, delta, lp, reason, o.stop_reason, _take(new_ids))
+                    yield chunk(idx, delta, lp, reason, o.stop_reason, _take(new_ids))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
@@ -439,7 +447,8 @@ class ChatServing(ServingBase):
             yield error_event(e, request_id)
             yield "data: [DONE]\n\n"
         finally:
-            stream.close()
+            for s in streams:
+                s.close()
 
 
 def _take(box: list[list[int]]) -> list[int]:

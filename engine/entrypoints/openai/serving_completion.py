@@ -10,9 +10,11 @@ from ...outputs import Logprob
 from .protocol import APIError, CompletionRequest
 from .serving_base import (
     Choice,
+    ChoiceIndex,
     Job,
     Resume,
     ServingBase,
+    choice_jobs,
     error_event,
     finish_reason,
     raise_if_error,
@@ -189,19 +191,28 @@ class CompletionServing(ServingBase):
         self, req: CompletionRequest, request_id: str, response_id: str | None = None
     ) -> AsyncIterator[str]:
         model, jobs = await self.prepare_completion(req)
-        if req.migration is not None and len(jobs) > 1:
-            raise APIError("migration: a migratable request has one prompt", param="migration")
-        resumed = ""
-        if req.migration is not None and req.migration.sent:
-            text_in, ids, params = jobs[0]
-            resumed = self.resumed_text(ids, params)
-            if req.echo:
-                resumed = self._echoed(text_in, ids) + resumed
+        if req.migration is not None and req.migration.output_token_ids and len(jobs) > 1:
+            raise APIError(
+                "migration.output_token_ids: a request of several prompts resumes by "
+                "migration.choices",
+                param="migration.output_token_ids",
+            )
+        prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
+        run, index = choice_jobs(jobs, req.n, req.migration)
+        # Per choice that went out, the text the client has of it (its echo
+        # too): where its logprobs' text offsets go on from.
+        resumed: dict[int, str] = {}
+        for j, (text_in, ids, params) in enumerate(run):
+            i = index(j, 0)
+            if req.migration is None or req.migration.choice_sent(i) is None:
+                continue
+            sent = self.resumed_text(ids, params) if params.resumed_token_ids else ""
+            resumed[i] = (self._echoed(text_in, ids) if req.echo else "") + sent
         streams = await self.admit(
-            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
+            request_id, run, req.priority, req.kv_transfer_params, self.lora_of(model)
         )
         return self._completion_events(
-            req, response_id or request_id, model, jobs, streams, resumed
+            req, response_id or request_id, model, run, index, prompt_tokens, streams, resumed
         )
 
     async def _completion_events(
@@ -210,21 +221,26 @@ class CompletionServing(ServingBase):
         request_id: str,
         model: str,
         jobs: list[Job],
+        index: ChoiceIndex,
+        prompt_tokens: int,
         streams: list[RequestStream],
-        resumed: str = "",
+        resumed: dict[int, str],
     ) -> AsyncIterator[str]:
-        """``resumed``: a migrated stream's text already sent by another engine
-        (where the logprobs' text offsets go on from)."""
-        n = req.n
-        resume = Resume(req.migration)
+        """``jobs``: the engine requests (``streams``; on a resumed leg of
+        several choices one per unfinished choice), ``index`` the choice of
+        their outputs (``choice_jobs``), ``prompt_tokens`` those of every
+        prompt of the request; ``resumed``: per choice, a migrated stream's
+        text already sent by another engine (where the logprobs' text offsets
+        go on from)."""
+        resume = Resume(req.migration, multi=req.n > 1 or len(req.prompts()) > 1)
         created = resume.created
         usage = {
-            "prompt_tokens": sum(len(ids) for _, ids, _ in jobs),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": resume.prior,
             "cached": 0,
         }
         echoed = resume.opened()  # choices whose echo went out
-        offsets: dict[int, int] = {0: len(resumed)} if resume.prior else {}
+        offsets: dict[int, int] = {i: len(t) for i, t in resumed.items()}
         k = self.check_logprobs(req.logprobs, "logprobs")
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
@@ -233,14 +249,20 @@ class CompletionServing(ServingBase):
         # the tokens it has generated so far, not the request's totals.
         generated = resume.generated()
         cached_of: dict[int, int] = {}
+        cached_per_prompt: dict[int, int] = {}
         try:
             async for j, out in self.merge([self.outputs(s) for s in streams]):
                 if out.finished:
-                    usage["cached"] += out.num_cached_tokens
                     cached_of[j] = out.num_cached_tokens
+                    # Per prompt (a resumed leg runs one request per choice of it).
+                    prompt = index(j, 0) // req.n
+                    cached_per_prompt[prompt] = max(
+                        cached_per_prompt.get(prompt, 0), out.num_cached_tokens
+                    )
+                    usage["cached"] = sum(cached_per_prompt.values())
                 for o in out.outputs:
                     raise_if_error(o)
-                    idx = j * n + o.index
+                    idx = index(j, o.index)
                     text = o.text
                     lp = None
                     ids_for_lp, entries = o.token_ids, list(o.logprobs or [])
@@ -287,7 +309,7 @@ class CompletionServing(ServingBase):
                     if out.finished and out.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                     echoed.add(idx)
-                    yield resume.event(o.token_ids, sse(chunk))
+                    yield resume.event(o.token_ids, sse(chunk), idx, o.finish_reason is not None)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(
                     {
