@@ -300,3 +300,30 @@ def test_hpa_is_tuned_with_its_other_role_at_the_coolest_target():
     tuned = tune_hpa(regime("cpu"), "steady", [0, 1], runs)
     assert tuned["targets"] == {"prefill_utilization": 0.7, "decode_kv_usage": 0.4}
     assert tuned["met"] is True
+
+
+def test_an_earlier_bstar_is_kept_only_where_it_replays_exactly(tiny, tmp_path):
+    import copy
+
+    small, _, first = tiny
+    (cell,) = first["cells"]
+    key = (small.name, "steady", 0, "default")
+    # A fresh cache (as after a change to the simulator's code): the
+    # earlier record replays exactly and is kept, marked as replayed.
+    again = run_matrix(
+        small, ["steady"], [0], [0], [], cache=str(tmp_path / "a"), prior={key: cell["bstar"]}
+    )
+    found = again["cells"][0]["bstar"]
+    assert found["replayed"][:2] == ["best", "fewest_events"]
+    assert {k: v for k, v in found.items() if k != "replayed"} == json.loads(
+        json.dumps(cell["bstar"])
+    )
+    # One figure off in the winner's record: rejected, searched again.
+    forged = copy.deepcopy(cell["bstar"])
+    forged["best"]["ttft_attainment"] -= 1e-12
+    searched = run_matrix(
+        small, ["steady"], [0], [0], [], cache=str(tmp_path / "b"), prior={key: forged}
+    )["cells"][0]["bstar"]
+    assert "replayed" not in searched
+    assert searched["searched"].startswith("not replayed: the winner's simulation differs")
+    assert searched["best"]["ttft_attainment"] == cell["bstar"]["best"]["ttft_attainment"]
