@@ -16,6 +16,7 @@ B*'s, scale events per role and reversals within 10 minutes.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -25,17 +26,35 @@ from typing import Any
 from pdfleet.operator.autoscaling.policy import PolicyTuning
 from pdfleet.operator.autoscaling_lab.matrix import case_spec
 from pdfleet.operator.autoscaling_lab.regimes import regime
-from pdfleet.operator.autoscaling_lab.sim import FLAP_WINDOW_SECONDS, Cell, summary
+from pdfleet.operator.autoscaling_lab.sim import FLAP_WINDOW_SECONDS, Cell, PolicyStrategy, summary
 from pdfleet.operator.autoscaling_lab.sim_cmd import parse_seeds
+from pdfleet.operator.autoscaling_lab.sim_fleet import Simulation
 
 
 def _run(job: tuple[str, str, int, str, dict[str, Any]]) -> dict[str, Any]:
     name, kind, seed, regime_name, overrides = job
     spec = case_spec(regime(regime_name), kind, seed, "default")
     cell = Cell(spec.trace, spec.model, spec.spec())
-    result = cell.policy(PolicyTuning(**overrides))
+    sim = Simulation(
+        cell.trace,
+        cell.model,
+        cell.spec,
+        PolicyStrategy(cell.spec, PolicyTuning(**overrides)),
+        cell.start,
+        spec.trace.seed,
+    )
+    result = sim.run()
     out = summary(result)
     out["flips"] = result.oscillations(FLAP_WINDOW_SECONDS)["total"]
+    # TTFT misses by the surge they arrived in (from one onset to the next;
+    # index 0: before the first), as shares of all requests.
+    onsets = [b.start for b in cell.trace.bursts]
+    missed = [0] * (len(onsets) + 1)
+    for req in sim.requests:
+        late = req.first < 0 or req.first - req.arrival > cell.model.ttft_slo_seconds
+        if late:
+            missed[bisect.bisect_right(onsets, req.arrival)] += 1
+    out["ttft_misses_by_surge"] = [m / max(len(sim.requests), 1) for m in missed]
     return {"variant": name, "seed": seed, **out}
 
 
@@ -66,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(pool.map(_run, jobs))
     for r in rows:
         r["vs_bstar"] = r["replica_seconds"]["total"] / bstar[r["seed"]]
-    print(f"{args.trace}: variant, seed, TTFT, ITL, cost x B*, events p/d, reversals")
+    print(
+        f"{args.trace}: variant, seed, TTFT, ITL, cost x B*, events p/d, reversals, "
+        "TTFT misses by surge (before the first, then from each onset)"
+    )
     for r in rows:
         print(
             f"{r['variant']:>12} {r['seed']:>4} {r['ttft_attainment']:.2%} "
             f"{r['itl_attainment']:.2%} {r['vs_bstar']:.3f} "
-            f"{r['scale_events']['prefill']}/{r['scale_events']['decode']} {r['flips']}",
+            f"{r['scale_events']['prefill']}/{r['scale_events']['decode']} {r['flips']} "
+            f"misses by surge {' '.join(f'{m:.2%}' for m in r['ttft_misses_by_surge'])}",
             flush=True,
         )
     for name in variants:

@@ -21,6 +21,8 @@ from pdfleet.operator.autoscaling_lab.matrix import (
     tune_hpa,
 )
 from pdfleet.operator.autoscaling_lab.regimes import REGIMES, regime
+from pdfleet.operator.autoscaling_lab.replay import boundary_misses, replay_bstar
+from pdfleet.operator.autoscaling_lab.sim import Cell
 
 
 def _result(cost, ttft=0.995, itl=0.999, events=(5, 5), flips=0):
@@ -320,12 +322,18 @@ def test_an_earlier_bstar_is_kept_only_where_it_replays_exactly(tiny, tmp_path):
     assert {k: v for k, v in found.items() if k != "replayed"} == json.loads(
         json.dumps(cell["bstar"])
     )
-    # One figure off in the winner's record: rejected, searched again.
+    # One figure off in the winner's record, or in a boundary miss's: rejected
+    # (the matrix then searches B* again).
+    spec = case_spec(small, "steady", 0, "default")
+    sim_cell = Cell(spec.trace, spec.model, spec.spec())
     forged = copy.deepcopy(cell["bstar"])
     forged["best"]["ttft_attainment"] -= 1e-12
-    searched = run_matrix(
-        small, ["steady"], [0], [0], [], cache=str(tmp_path / "b"), prior={key: forged}
-    )["cells"][0]["bstar"]
-    assert "replayed" not in searched
-    assert searched["searched"].startswith("not replayed: the winner's simulation differs")
-    assert searched["best"]["ttft_attainment"] == cell["bstar"]["best"]["ttft_attainment"]
+    assert replay_bstar(sim_cell, forged) == (
+        None,
+        "the winner's simulation differs (ttft_attainment)",
+    )
+    forged = copy.deepcopy(cell["bstar"])
+    (near, *_) = boundary_misses(forged)
+    near["replica_seconds"] += 1.0
+    found, why = replay_bstar(sim_cell, forged)
+    assert found is None and why.endswith("differs (replica_seconds)")
