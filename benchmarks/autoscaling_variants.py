@@ -6,7 +6,7 @@ policy's constants is measured in one simulation per seed:
 
     .venv/bin/python benchmarks/autoscaling_variants.py --trace burst --seeds 0-9 \\
         --from benchmarks/results/autoscaling_matrix_gpu.json \\
-        --variant current= --variant 'room={"surge_room": 0.1}' --out variants.json
+        --variant current= --variant 'z2={"rise_z": 2.0}' --out variants.json
 
 Each variant is ``name=JSON`` of :class:`PolicyTuning` fields (empty: the
 defaults). The table prints TTFT / ITL attainment, replica-seconds over

@@ -161,23 +161,6 @@ class PolicyTuning:
     backlog_drain_seconds: float = 60.0
     """Queued prefill work beyond what the model expects is planned to be
     gone this long after the added replicas serve."""
-    surge_ratio: float = 1.8
-    """A rate (mean of three periods) this many times the lowest such mean
-    of the level window is a surge: above anything a day's cycle does in
-    minutes, below the least surge a bursty load makes."""
-    surge_memory_seconds: float = 3600.0
-    """After a surge, the load counts as bursty for this long: the policy
-    holds :attr:`surge_room` and spends fast on the next rise."""
-    surge_room: float = 0.0
-    """While bursty, prefill and decode are sized for this share of the
-    rate before the surge (the base) more than the forecast: room for the
-    first cold start of the next surge."""
-    surge_rise_z: float = 3.0
-    """While bursty, :attr:`rise_z` is this (a rise read sooner)."""
-    surge_spend: bool = False
-    """While bursty and the rate rises, size for the last surge's steepest
-    projected slope carried a lead ahead (at most its peak, scaled to the
-    base now), not only the slope measured so far."""
     calibration_smoothing: float = 0.3
     """Weight of a new measurement in a running estimate (tokens/s, startup)."""
     min_calibration_busy: float = 0.1
@@ -273,21 +256,6 @@ class RoleState:
 
 
 @dataclass(frozen=True)
-class Surge:
-    """The latest surge the policy saw (:attr:`PolicyTuning.surge_ratio`)."""
-
-    seen: float
-    """The last time the rate stood at a surge."""
-    base: float
-    """The rate before it (requests/s): the lowest three-period mean of the
-    level window."""
-    peak: float
-    """Its highest three-period mean (requests/s)."""
-    slope: float
-    """The steepest rise the forecast projected during it (requests/s per s)."""
-
-
-@dataclass(frozen=True)
 class PolicyState:
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
@@ -318,8 +286,6 @@ class PolicyState:
     """Whether ``startup_seconds`` comes from a watched start."""
     starting_since: tuple[tuple[str, float], ...] = ()
     """(replica, first time seen starting) for replicas not yet ready."""
-    surge: Surge | None = None
-    """The latest surge seen (None: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -662,58 +628,6 @@ def forecast(rates: Series, now: float, lead: float, tuning: PolicyTuning) -> Fo
     detail += f", rising to {ahead:.1f} in {lead:.0f} s" if slope > 0 else ""
     detail += ")"
     return Forecast(level, ahead + margin, ahead, lead, slope > 0, detail, slope, falling)
-
-
-def _means(rates: Series) -> list[float]:
-    """Means of three consecutive periods' rates (one period's noise is a
-    few percent of a large fleet's rate; three average it down)."""
-    values = [r for _, r in rates]
-    return [sum(values[i - 2 : i + 1]) / 3 for i in range(2, len(values))]
-
-
-def remember_surge(
-    rates: Series, now: float, prior: Surge | None, ahead: Forecast | None, tuning: PolicyTuning
-) -> Surge | None:
-    """The latest surge, updated with this period: a surge is under way
-    while the rate stands :attr:`PolicyTuning.surge_ratio` times above the
-    lowest of the level window; it continues the prior one if that was seen
-    within the level window."""
-    means = _means(rates)
-    if not means or min(means) <= 0:
-        return prior
-    low, now_mean = min(means), means[-1]
-    if now_mean < tuning.surge_ratio * low:
-        return prior
-    slope = ahead.slope if ahead is not None else 0.0
-    if prior is not None and now - prior.seen < tuning.level_window_seconds:
-        return Surge(now, min(prior.base, low), max(prior.peak, now_mean), max(prior.slope, slope))
-    return Surge(now, low, now_mean, slope)
-
-
-def surge_headroom(
-    ahead: Forecast | None, surge: Surge | None, rates: Series, tuning: PolicyTuning
-) -> Forecast | None:
-    """The forecast to size for on a bursty load (a surge seen within
-    :attr:`PolicyTuning.surge_memory_seconds`): :attr:`~PolicyTuning.surge_room`
-    of the base more, and on a rise (with :attr:`~PolicyTuning.surge_spend`)
-    the last surge's slope carried the lead ahead, up to its peak."""
-    if ahead is None or surge is None:
-        return ahead
-    means = _means(rates)
-    base = min(means) if means else ahead.level
-    target = ahead.ahead
-    detail = ahead.detail
-    if tuning.surge_spend and ahead.rising and surge.base > 0:
-        top = base * surge.peak / surge.base
-        like = min(ahead.level + max(ahead.slope, surge.slope) * ahead.lead, top)
-        if like > target:
-            target = like
-            detail += f"; a surge like the last: {like:.1f} in {ahead.lead:.0f} s"
-    room = tuning.surge_room * base
-    if room > 0:
-        target += room
-        detail += f"; {room:.1f} requests/s of surge room"
-    return replace(ahead, ahead=target, detail=detail)
 
 
 # ---------------------------------------------------------------------------
@@ -1243,15 +1157,7 @@ def decide(
     p_view = _view(observation.prefill, now, stale)
     d_view = _view(observation.decode, now, stale)
     p_load, d_load, state = observe(spec, p_view, d_view, state, now, tuning)
-    # A load that surged within the memory is bursty: rises read sooner,
-    # room held for the next one, and a rise spent on like the last surge.
-    bursty = state.surge is not None and now - state.surge.seen < tuning.surge_memory_seconds
-    ahead = forecast(
-        state.rates, now, lead, replace(tuning, rise_z=tuning.surge_rise_z) if bursty else tuning
-    )
-    state = replace(state, surge=remember_surge(state.rates, now, state.surge, ahead, tuning))
-    if bursty:
-        ahead = surge_headroom(ahead, state.surge, state.rates, tuning)
+    ahead = forecast(state.rates, now, lead, tuning)
     up = 1 + tuning.scale_down_headroom
     ahead_d = ahead
     if ahead is not None and p_load.waiting > 0 and ahead.level > 0:

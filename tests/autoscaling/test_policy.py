@@ -16,8 +16,6 @@ from pdfleet.operator.autoscaling.policy import (
     RoleState,
     decide,
     forecast,
-    remember_surge,
-    surge_headroom,
 )
 from pdfleet.operator.autoscaling.samples import ReplicaSample
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -126,55 +124,6 @@ def test_the_level_after_a_surges_fall_is_the_flat_rate_not_the_falls_line():
     f = forecast(rates, rates[-1][0], 90.0, TUNING)
     assert f.level == pytest.approx(60.0, abs=3.0)
     assert not f.rising
-
-
-def test_a_surge_is_remembered_and_a_days_rise_or_noise_is_not():
-    noisy = _rates([60, 66, 55, 61, 59, 67, 54, 60, 63, 57, 60, 65, 56, 60, 61, 59, 70, 58, 62, 60])
-    assert remember_surge(noisy, noisy[-1][0], None, None, TUNING) is None
-    # A day's rise, +30% in five minutes: no surge.
-    day = _rates([60.0 + 0.9 * i for i in range(20)])
-    assert remember_surge(day, day[-1][0], None, None, TUNING) is None
-    # A surge's ramp: 60 to 204 requests/s over three minutes.
-    ramp = _rates([60.0] * 8 + [60.0 + 12.0 * (i + 1) for i in range(12)])
-    now = ramp[-1][0]
-    f = forecast(ramp, now, 75.0, TUNING)
-    seen = remember_surge(ramp, now, None, f, TUNING)
-    assert seen is not None and seen.seen == now
-    assert seen.base == pytest.approx(60.0) and seen.peak == pytest.approx(192.0)
-    assert seen.slope == f.slope > 0.5
-    # The next period of the same surge updates it; one after a level
-    # window is a new surge.
-    later = remember_surge(ramp, now + PERIOD, seen, None, TUNING)
-    assert later.peak == seen.peak and later.slope == seen.slope and later.seen == now + PERIOD
-    shifted = tuple((t + 1000.0, v) for t, v in ramp)
-    fresh = remember_surge(shifted, now + 1000.0, seen, None, TUNING)
-    assert fresh.seen == now + 1000.0 and fresh.slope == 0.0
-
-
-def test_on_a_bursty_load_room_is_held_and_a_rise_is_spent_on_like_the_last_surge():
-    from pdfleet.operator.autoscaling.policy import Surge
-
-    last = Surge(seen=0.0, base=60.0, peak=210.0, slope=0.5)
-    flat = _rates([60.0] * 20, start=1000.0)
-    now = flat[-1][0]
-    f = forecast(flat, now, 90.0, TUNING)
-    # Off by default: the forecast as it is.
-    assert surge_headroom(f, last, flat, TUNING) == dataclasses.replace(f)
-    roomy = dataclasses.replace(TUNING, surge_room=0.2)
-    assert surge_headroom(f, last, flat, roomy).ahead == pytest.approx(f.ahead + 12.0)
-    # A rise read after two periods, its slope still shallow: sized for the
-    # last surge's slope over the lead, up to its peak ratio over today's base.
-    rise = _rates([60.0] * 18 + [68.0, 76.0], start=1000.0)
-    now = rise[-1][0]
-    f = forecast(rise, now, 90.0, TUNING)
-    assert f.rising and f.slope < 0.5
-    spend = dataclasses.replace(TUNING, surge_spend=True)
-    sized = surge_headroom(f, last, rise, spend)
-    assert sized.ahead == pytest.approx(f.level + 0.5 * 90.0)
-    capped = surge_headroom(f, dataclasses.replace(last, peak=80.0), rise, spend)
-    assert capped.ahead == pytest.approx(max(f.ahead, 80.0))
-    # Without a surge seen, nothing changes.
-    assert surge_headroom(f, None, rise, spend) is f
 
 
 # ---------------------------------------------------------------------------
