@@ -31,6 +31,7 @@ from typing import Any
 from pdfleet.operator.autoscaling_lab.cache import default_directory
 from pdfleet.operator.autoscaling_lab.matrix import CASES, format_matrix, merge, run_matrix
 from pdfleet.operator.autoscaling_lab.plot import plot_matrix
+from pdfleet.operator.autoscaling_lab.replay import load_records
 from pdfleet.operator.autoscaling_lab.sim_cmd import parse_seeds
 from pdfleet.operator.autoscaling_lab.traces import TRACE_KINDS
 
@@ -45,6 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cache", default=str(default_directory()))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="matrix JSONs of an earlier run: where the cache has no B* for a cell, replay its "
+        "B* from these (the winner, its fewest-events schedule and the nearest miss simulated "
+        "again) and keep it only if every figure comes out identical, else search again",
+    )
     parser.add_argument("--figures", type=Path, default=None, help="directory for the PNGs")
     parser.add_argument(
         "--merge",
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 [c for c in args.cases.split(",") if c],
                 jobs=args.jobs,
                 cache=args.cache,
+                prior=load_records(args.reuse) if args.reuse else None,
                 log=lambda line: print(line, file=sys.stderr, flush=True),
             )
             print(f"== {name}, seeds {seeds}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -44,6 +44,7 @@ from .bstar import hottest as gallop
 from .cache import Cache
 from .ceiling import first_surge_ceiling
 from .regimes import Regime, regime
+from .replay import CellId, replay_bstar
 from .sim import COST_TARGETS, MIN_ATTAINMENT, Cell, summary
 from .sim_fleet import FleetModel
 from .strategies import HPATargets, Sizing
@@ -136,15 +137,22 @@ def _hpa_run(args: tuple[CellSpec, HPATargets, str | None]) -> dict[str, Any]:
 
 
 def _cell_run(
-    args: tuple[CellSpec, HPATargets, PolicyTuning | None, str | None, bool],
+    args: tuple[CellSpec, HPATargets, PolicyTuning | None, str | None, bool, dict[str, Any] | None],
 ) -> dict[str, Any]:
-    spec, tuned, tuning, directory, run_policy = args
+    spec, tuned, tuning, directory, run_policy, prior = args
     started = time.perf_counter()
     cache = Cache(directory)
     cell = Cell(spec.trace, spec.model, spec.spec())
 
     def bstar() -> dict[str, Any]:
-        return cell.bstar().to_dict()
+        # A B* record of an earlier run counts only if it replays exactly
+        # with this code (replay.py); otherwise the search runs again.
+        if prior is None:
+            return cell.bstar().to_dict()
+        found, rejected = replay_bstar(cell, prior)
+        if found is not None:
+            return found
+        return {**cell.bstar().to_dict(), "searched": f"not replayed: {rejected}"}
 
     found: dict[str, Any] = cache.get_or_compute("bstar", spec.key, bstar)
     ceiling = None
@@ -422,10 +430,14 @@ def run_matrix(
     tuning: PolicyTuning | None = None,
     log: Callable[[str], None] | None = None,
     policy: bool = True,
+    prior: Mapping[CellId, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The whole matrix of one regime (module docstring). ``cache`` is the
     cache directory (None: compute everything). ``policy`` False computes
-    only what the cache keeps (B*, HPA) and returns no cells."""
+    only what the cache keeps (B*, HPA) and returns no cells. ``prior``:
+    B* records of an earlier run (:func:`.replay.load_records`), each
+    replayed where the cache has no B* for its cell and kept only if it
+    reproduces exactly (:mod:`.replay`)."""
     if isinstance(base, str):
         base = regime(base)
     unknown = [k for k in kinds if k not in TRACE_KINDS]
@@ -437,6 +449,11 @@ def run_matrix(
         case_spec(base, "burst", 0, case)  # names the unknown ones
     say = log or (lambda _: None)
     started = time.perf_counter()
+    records = prior or {}
+
+    def earlier(kind: str, seed: int, case: str) -> dict[str, Any] | None:
+        return records.get((base.name, kind, seed, case))
+
     pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
 
     def mapped(fn: Callable[[Any], dict[str, Any]], items: Iterable[Any]) -> list[dict[str, Any]]:
@@ -459,13 +476,29 @@ def run_matrix(
             targets = HPATargets(**tuned[kind]["targets"])
             for seed in seeds:
                 work.append(
-                    (case_spec(base, kind, seed, "default"), targets, tuning, cache, policy)
+                    (
+                        case_spec(base, kind, seed, "default"),
+                        targets,
+                        tuning,
+                        cache,
+                        policy,
+                        earlier(kind, seed, "default"),
+                    )
                 )
             for case in cases:
                 if kind not in ROBUST_KINDS:
                     continue
                 for seed in list(seeds)[:ROBUST_SEEDS]:
-                    work.append((case_spec(base, kind, seed, case), targets, tuning, cache, policy))
+                    work.append(
+                        (
+                            case_spec(base, kind, seed, case),
+                            targets,
+                            tuning,
+                            cache,
+                            policy,
+                            earlier(kind, seed, case),
+                        )
+                    )
         cells = mapped(_cell_run, work)
     finally:
         if pool is not None:

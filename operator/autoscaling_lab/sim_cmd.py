@@ -84,6 +84,11 @@ class SimOptions:
     the policy). Default: $XDG_CACHE_HOME/pdfleet/sim (~/.cache/pdfleet/sim)."""
     no_cache: bool = False
     """Compute everything, keep nothing."""
+    reuse: str | None = None
+    """With --matrix: comma-separated matrix JSONs of an earlier run. Where the
+    cache has no B* for a cell, its B* is replayed from them (the winner, its
+    fewest-events schedule and the nearest miss simulated again) and kept
+    only if every figure comes out identical; otherwise it is searched."""
     fleet_model: str | None = None
     """Read the fleet model from this JSON (``pdfleet sim calibrate`` writes it);
     fleet-model flags that differ from their defaults still win."""
@@ -273,6 +278,7 @@ def parse_seeds(text: str) -> list[int]:
 def _run_matrix(args: argparse.Namespace, base: Any) -> int:
     from .cache import default_directory
     from .matrix import format_matrix, run_matrix
+    from .replay import load_records
 
     if args.matrix < 1 or args.jobs < 1:
         raise ValueError("--matrix and --jobs must be >= 1")
@@ -288,6 +294,7 @@ def _run_matrix(args: argparse.Namespace, base: Any) -> int:
         jobs=args.jobs,
         cache=cache,
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        prior=load_records(args.reuse.split(",")) if args.reuse else None,
     )
     if args.out:
         with open(args.out, "w") as f:

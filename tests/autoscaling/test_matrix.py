@@ -21,6 +21,8 @@ from pdfleet.operator.autoscaling_lab.matrix import (
     tune_hpa,
 )
 from pdfleet.operator.autoscaling_lab.regimes import REGIMES, regime
+from pdfleet.operator.autoscaling_lab.replay import boundary_misses, replay_bstar
+from pdfleet.operator.autoscaling_lab.sim import Cell
 
 
 def _result(cost, ttft=0.995, itl=0.999, events=(5, 5), flips=0):
@@ -300,3 +302,38 @@ def test_hpa_is_tuned_with_its_other_role_at_the_coolest_target():
     tuned = tune_hpa(regime("cpu"), "steady", [0, 1], runs)
     assert tuned["targets"] == {"prefill_utilization": 0.7, "decode_kv_usage": 0.4}
     assert tuned["met"] is True
+
+
+def test_an_earlier_bstar_is_kept_only_where_it_replays_exactly(tiny, tmp_path):
+    import copy
+
+    small, _, first = tiny
+    (cell,) = first["cells"]
+    key = (small.name, "steady", 0, "default")
+    # A fresh cache (as after a change to the simulator's code): the
+    # earlier record replays exactly and is kept, marked as replayed.
+    again = run_matrix(
+        small, ["steady"], [0], [0], [], cache=str(tmp_path / "a"), prior={key: cell["bstar"]}
+    )
+    found = again["cells"][0]["bstar"]
+    assert found["replayed"][:2] == ["best", "fewest_events"]
+    # The failures that rule out hotter sizings were replayed too.
+    assert len(found["replayed"]) > 2, found["replayed"]
+    assert {k: v for k, v in found.items() if k != "replayed"} == json.loads(
+        json.dumps(cell["bstar"])
+    )
+    # One figure off in the winner's record, or in a boundary miss's: rejected
+    # (the matrix then searches B* again).
+    spec = case_spec(small, "steady", 0, "default")
+    sim_cell = Cell(spec.trace, spec.model, spec.spec())
+    forged = copy.deepcopy(cell["bstar"])
+    forged["best"]["ttft_attainment"] -= 1e-12
+    assert replay_bstar(sim_cell, forged) == (
+        None,
+        "the winner's simulation differs (ttft_attainment)",
+    )
+    forged = copy.deepcopy(cell["bstar"])
+    (near, *_) = boundary_misses(forged)
+    near["replica_seconds"] += 1.0
+    found, why = replay_bstar(sim_cell, forged)
+    assert found is None and why.endswith("differs (replica_seconds)")
