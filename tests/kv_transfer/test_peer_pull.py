@@ -270,6 +270,85 @@ def test_pull_from_a_peers_host_tier_is_token_identical(peers):
     assert text == recomputed(peers["puller"], body)
 
 
+# -- a prefill leg that pulls first (P/D) ------------------------------------------------
+# The puller plays a prefill engine: it pulls the holder's lent prefix, computes the
+# tail and leases the whole prompt to a decode leg, which the holder (kv_both) serves.
+
+
+def prefill_after_pull(peers, body: dict, params: dict) -> dict:
+    """The puller's prefill leg with the holder's lend params and ``pdfleet_produce``:
+    its own signed params for the decode leg."""
+    r = post(
+        peers["puller"] + "/v1/completions",
+        timeout=60,
+        json={
+            **body,
+            "max_tokens": 1,
+            "kv_transfer_params": {**params, "pdfleet_produce": True},
+        },
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()["kv_transfer_params"]
+    assert out["do_remote_prefill"] and "pdfleet_produce" not in out
+    return out
+
+
+def decoded_on_holder(peers, body: dict, params: dict) -> tuple[str, float]:
+    """The decode leg on the holder: its text and the blocks it pulled from the puller."""
+    before = scrape(peers["holder"]).get(PULLED, 0.0)
+    text = complete(peers["holder"], body, kv_transfer_params=params)
+    return text, scrape(peers["holder"]).get(PULLED, 0.0) - before
+
+
+def test_a_prefill_leg_pulls_the_cached_prefix_and_lends_the_whole_prompt(peers):
+    holder, puller = peers["holder"], peers["puller"]
+    body = body_of(11)  # a 200-token prefix, a 60-token tail
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    before = scrape(puller).get(PULLED, 0.0)
+    params = prefill_after_pull(peers, body, r.json()["kv_transfer_params"])
+    assert scrape(puller)[PULLED] - before == 200 // BLOCK  # the prefix came from the peer
+    # The puller leases every full block before the last prompt token, pulled or not.
+    assert len(params["remote_block_ids"]) == (len(body["prompt"]) - 1) // BLOCK
+    assert params["remote_engine_id"] != r.json()["kv_transfer_params"]["remote_engine_id"]
+    text, blocks = decoded_on_holder(peers, body, params)
+    # The holder caches the prefix itself: it pulls the tail blocks the puller computed.
+    assert blocks == (len(body["prompt"]) - 1) // BLOCK - 200 // BLOCK
+    assert text == recomputed(puller, body)
+
+
+def test_a_prefill_leg_whose_pull_fails_recomputes_and_still_lends(peers):
+    holder, puller = peers["holder"], peers["puller"]
+    body = body_of(12)
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    lent = r.json()["kv_transfer_params"]
+    # Another engine pulls the lease and confirms it (the lease ends there), so the
+    # puller's claim of it is refused. (``doomed`` is killed by a later test.)
+    complete(peers["doomed"].url, body, kv_transfer_params=lent)
+    failures = scrape(puller).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+    params = prefill_after_pull(peers, body, lent)
+    assert scrape(puller)["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert len(params["remote_block_ids"]) == (len(body["prompt"]) - 1) // BLOCK
+    text, _ = decoded_on_holder(peers, body, params)
+    assert text == recomputed(puller, body)
+    # Params for another prompt (its chain differs): nothing is pulled, the puller
+    # computes the prompt and still lends it.
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    other = body_of(13)
+    before = scrape(puller).get(PULLED, 0.0)
+    params = prefill_after_pull(peers, other, r.json()["kv_transfer_params"])
+    assert scrape(puller).get(PULLED, 0.0) == before
+    # The lease was left to its lawful consumer: it is still there to pull.
+    complete(peers["doomed"].url, body, kv_transfer_params=r.json()["kv_transfer_params"])
+    text, blocks = decoded_on_holder(peers, other, params)
+    assert blocks == (len(other["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, other)
+
+
 def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     before = scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0)
     r = lend(peers["holder"], body_of(3), 200 // BLOCK)  # never computed there
