@@ -193,6 +193,7 @@ def peers(wide_model, tmp_path_factory):
             logs,
         )
         yield {
+            "events": {"holder": (forwarder.port, ports["holder"][1]), "puller": ports["puller"]},
             "holder": holder.url,
             "puller": puller.url,
             "gateway": gateway.url,
@@ -358,6 +359,135 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
 
 
+@pytest.fixture(scope="module")
+def pd_gateway(peers):
+    """A second gateway over the same engines as a P/D fleet: the holder and the
+    puller are its prefill engines, ``doomed`` its decode engine (so this runs
+    before the test that kills it)."""
+    logs = peers["logs"]
+    engines_file = logs / "pd-engines.json"
+    engines_file.write_text(
+        json.dumps(
+            {
+                "engines": [
+                    *(
+                        {
+                            "url": peers[name],
+                            "role": "prefill",
+                            "kv_events": f"tcp://127.0.0.1:{peers['events'][name][0]}",
+                            "kv_events_replay": f"tcp://127.0.0.1:{peers['events'][name][1]}",
+                        }
+                        for name in ("holder", "puller")
+                    ),
+                    {"url": peers["doomed"].url, "role": "decode"},
+                ]
+            }
+        )
+    )
+    gateway = start_gateway(
+        [
+            "--engines-file",
+            str(engines_file),
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+            "--prefix-blocks",
+            "256",
+            "--kv-index-stale-after",
+            "120",
+            "--peer-pull",
+            "--workers",
+            "1",
+        ],
+        logs,
+    )
+    try:
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+class HolderQueued:
+    """The holder busy with one long decode (its only slot) and ``tokens`` prompt
+    tokens queued behind it, all sent to it directly: serving a prompt there waits
+    for them, a lend does not (it jumps the queue)."""
+
+    def __init__(self, peers, gateway: str, tokens: int = 3000) -> None:
+        self.holder = peers["holder"]
+        self.pool = ThreadPoolExecutor(4)
+        self.client = httpx.Client(headers=fleet_headers(), timeout=120)
+        self.stop = threading.Event()
+        self.futures = [self.pool.submit(self._decode)]
+        assert wait_until(
+            lambda: scrape(self.holder).get("pdfleet_engine_num_requests_running", 0) == 1,
+            timeout=60,
+        )
+        for i in range(3):
+            prompt = prompt_of(tokens // 3, 960 + i)
+            self.futures.append(self.pool.submit(self._post, {"prompt": prompt, "max_tokens": 1}))
+        assert wait_until(
+            lambda: engine_view(gateway, self.holder)["queued_prompt_tokens"] >= tokens - 3,
+            timeout=60,
+        ), engine_view(gateway, self.holder)
+
+    def _post(self, body: dict) -> int:
+        return self.client.post(self.holder + "/v1/completions", json=body).status_code
+
+    def _decode(self) -> None:
+        """A long streamed decode, dropped (the engine aborts it) once ``stop`` is set."""
+        long = {"prompt": prompt_of(8, 950), "max_tokens": 2048, "ignore_eos": True}
+        with self.client.stream(
+            "POST", self.holder + "/v1/completions", json={**long, "stream": True}
+        ) as r:
+            for _ in r.iter_lines():
+                if self.stop.is_set():
+                    return
+
+    def __enter__(self) -> HolderQueued:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()  # the queued prompts run once the decode is dropped
+        self.pool.shutdown(wait=True)
+        self.client.close()
+        assert wait_until(
+            lambda: (
+                scrape(self.holder).get("pdfleet_engine_num_requests_running", 0)
+                + scrape(self.holder).get("pdfleet_engine_num_requests_waiting", 0)
+                == 0
+            ),
+            timeout=60,
+        )
+
+
+def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(peers, pd_gateway):
+    gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
+    measured(peers, gw)
+    prefix = prompt_of(1024, 4343)
+    primed(peers, prefix, gw)
+    body = {
+        "prompt": prefix + prompt_of(40, 97),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with HolderQueued(peers, gw):
+        # Serving the prefill leg on the holder waits for its queue; the other
+        # prefill engine pulls the prefix (the first pull of the pair: explore),
+        # computes the tail, and the decode engine pulls the whole prompt from it.
+        pulls = decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost")
+        into_prefill = scrape(puller).get(PULLED, 0.0)
+        into_decode = scrape(decode.url).get(PULLED, 0.0)
+        text = via_gateway(gw, body)
+        assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1, (
+            engines_view(gw)
+        )
+    assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
+    assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, body)
+
+
 def test_holder_killed_mid_pull_recomputes_correctly(peers):
     doomed = peers["doomed"]
     body = body_of(4)
@@ -495,9 +625,9 @@ class Busy:
         )
 
 
-def measured(peers) -> None:
+def measured(peers, gateway: str | None = None) -> None:
     """Both engines' prefill rates known to the gateway."""
-    gw = peers["gateway"]
+    gw = gateway or peers["gateway"]
     for seed, url in enumerate((peers["holder"], peers["puller"])):
         if engine_view(gw, url)["prefill_tokens_per_s"] is None:
             complete(url, {"prompt": prompt_of(600, 7100 + seed), "max_tokens": 1})
@@ -515,9 +645,9 @@ def via_gateway(gateway: str, body: dict) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def primed(peers, tokens: list[int]) -> None:
+def primed(peers, tokens: list[int], gateway: str | None = None) -> None:
     """``tokens`` cached on the holder and stored in the gateway's index."""
-    gw, holder = peers["gateway"], peers["holder"]
+    gw, holder = gateway or peers["gateway"], peers["holder"]
     before = metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder)
     complete(holder, {"prompt": tokens, "max_tokens": 1})
     assert wait_until(
