@@ -24,6 +24,7 @@ BLOCK = 16
 LOADED = "pdfleet_engine_kv_offload_loaded_bytes_total"
 PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
 DECISIONS = "pdfleet_gateway_peer_pull_decisions_total"
+PROMPT_TOKENS = "pdfleet_engine_prompt_tokens_total"
 
 
 def post(url: str, **kw) -> httpx.Response:
@@ -408,13 +409,34 @@ def pd_gateway(peers):
         gateway.stop()
 
 
+def pull_blocks(peers, gateway: str, least: int = 32) -> int:
+    """Prefix blocks that the gateway, once it has measured the pair, predicts
+    pulling from an idle-stepping holder beats recomputing on the puller by
+    MARGIN; ``least`` before (the first pull of a pair explores)."""
+    holder, puller = peers["holder"], peers["puller"]
+    h, p = engine_view(gateway, holder), engine_view(gateway, puller)
+    bw = metric(gateway, BANDWIDTH, holder=holder, puller=puller)
+    if bw <= 0 or h["lend_s"] is None:
+        return least
+    margin = 1 / p["prefill_tokens_per_s"] - h["kv_block_bytes"] / BLOCK / bw
+    assert margin > 0, (h, p, bw)
+    crossover = (h["lend_s"] + (h["step_s"] or 0.0)) / margin
+    blocks = max(least, math.ceil(crossover * MARGIN / BLOCK))
+    assert blocks * BLOCK <= MAX_LEN - 80, (crossover, engines_view(gateway))
+    return blocks
+
+
 class HolderQueued:
     """The holder busy with one long decode (its only slot) and ``tokens`` prompt
     tokens queued behind it, all sent to it directly: serving a prompt there waits
-    for them, a lend does not (it jumps the queue)."""
+    for them, a lend does not (it jumps the queue). The queued prompts are one
+    prompt the holder caches, three times: they count in full as queued tokens
+    and cost little to run once the decode is dropped."""
 
     def __init__(self, peers, gateway: str, tokens: int = 3000) -> None:
         self.holder = peers["holder"]
+        queued = {"prompt": prompt_of(tokens // 3, 960), "max_tokens": 1}
+        complete(self.holder, queued)
         self.pool = ThreadPoolExecutor(4)
         self.client = httpx.Client(headers=fleet_headers(), timeout=120)
         self.stop = threading.Event()
@@ -423,9 +445,8 @@ class HolderQueued:
             lambda: scrape(self.holder).get("pdfleet_engine_num_requests_running", 0) == 1,
             timeout=60,
         )
-        for i in range(3):
-            prompt = prompt_of(tokens // 3, 960 + i)
-            self.futures.append(self.pool.submit(self._post, {"prompt": prompt, "max_tokens": 1}))
+        for _ in range(3):
+            self.futures.append(self.pool.submit(self._post, queued))
         assert wait_until(
             lambda: engine_view(gateway, self.holder)["queued_prompt_tokens"] >= tokens - 3,
             timeout=60,
@@ -464,7 +485,7 @@ class HolderQueued:
 def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(peers, pd_gateway):
     gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
     measured(peers, gw)
-    prefix = prompt_of(1024, 4343)
+    prefix = prompt_of(pull_blocks(peers, gw) * BLOCK, 4343)
     primed(peers, prefix, gw)
     body = {
         "prompt": prefix + prompt_of(40, 97),
@@ -481,36 +502,27 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
         into_decode = scrape(decode.url).get(PULLED, 0.0)
         text = via_gateway(gw, body)
         assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1, (
-            engines_view(gw)
+            counted(gw),
+            [e["peer_pull"] for e in engines_view(gw)["engines"]],
         )
     assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
     assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
     assert text == recomputed(puller, body)
-
-
-def test_holder_killed_mid_pull_recomputes_correctly(peers):
-    doomed = peers["doomed"]
-    body = body_of(4)
-    try:
-        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
-        r = lend(doomed.url, body, 200 // BLOCK)
-        assert r.status_code == 200, r.text
-        params = r.json()["kv_transfer_params"]
-        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
-        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
-            assert wait_until(
-                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
-                timeout=30,
-                interval=0.02,
-            )
-            os.kill(doomed.proc.pid, signal.SIGKILL)
-            text = fut.result(timeout=60)
-    finally:
-        peers["delay"].write_text("0")
-    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
-    assert text == recomputed(peers["puller"], body)
+    # The holder idle again: its prefill leg is the cheapest (a pull would add the
+    # lend, now measured), so the leg runs there.
+    assert wait_until(
+        lambda: engine_view(gw, peers["holder"])["queued_prompt_tokens"] == 0, timeout=30
+    )
+    prefix = prompt_of(256, 4344)
+    primed(peers, prefix, gw)
+    body = {**body, "prompt": prefix + prompt_of(40, 97)}
+    served = decisions(gw, "holder", "cost")
+    computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
+    text = via_gateway(gw, body)
+    assert decisions(gw, "holder", "cost") == served + 1, engines_view(gw)
+    assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
+    assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
+    assert text == recomputed(puller, body)
 
 
 # -- the gateway -----------------------------------------------------------------------
@@ -518,6 +530,15 @@ def test_holder_killed_mid_pull_recomputes_correctly(peers):
 
 def decisions(gateway: str, decision: str, reason: str) -> float:
     return metric(gateway, DECISIONS, decision=decision, reason=reason)
+
+
+def counted(gateway: str) -> dict:
+    """Every decision the gateway counted, by (decision, reason)."""
+    return {
+        (d, r): decisions(gateway, d, r)
+        for d in ("holder", "pull", "recompute")
+        for r in ("cost", "explore", "lend_refused", "lend_failed")
+    }
 
 
 def engine_view(gateway: str, url: str) -> dict:
@@ -774,9 +795,13 @@ def decided(peers, prompt: list[int], decision: str, blocks: int, crossover: flo
     assert scrape(puller)[PULLED] - before == blocks
 
 
-def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
+def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers, pd_gateway):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
+    measured(peers, pd_gateway)
+    # Primed first, so evicted first: the P/D gateway's prefix.
+    gone_pd = prompt_of(pull_blocks(peers, pd_gateway) * BLOCK, 5252)
+    primed(peers, gone_pd, pd_gateway)
     gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
     pinned = pin(8889)
@@ -803,6 +828,41 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
+        # The same in P/D: the prefill engine the decision picks would pull the
+        # prefix from the busy holder; the lend is refused and it runs the plain leg.
+        with HolderQueued(peers, pd_gateway):
+            body = {"prompt": gone_pd + prompt_of(40, 96), "max_tokens": 6, "temperature": 0}
+            refused = decisions(pd_gateway, "recompute", "lend_refused")
+            assert via_gateway(pd_gateway, body) == recomputed(puller, body)
+            assert decisions(pd_gateway, "recompute", "lend_refused") == refused + 1, (
+                counted(pd_gateway),
+                [e["peer_pull"] for e in engines_view(pd_gateway)["engines"]],
+            )
     finally:
         peers["forwarder"].open.set()
     assert not math.isnan(metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens"))
+
+
+def test_holder_killed_mid_pull_recomputes_correctly(peers):
+    doomed = peers["doomed"]
+    body = body_of(4)
+    try:
+        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
+        r = lend(doomed.url, body, 200 // BLOCK)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
+            assert wait_until(
+                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
+                timeout=30,
+                interval=0.02,
+            )
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            text = fut.result(timeout=60)
+    finally:
+        peers["delay"].write_text("0")
+    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert text == recomputed(peers["puller"], body)
