@@ -409,21 +409,8 @@ def pd_gateway(peers):
         gateway.stop()
 
 
-def pull_blocks(peers, gateway: str, least: int = 32) -> int:
-    """Prefix blocks that the gateway, once it has measured the pair, predicts
-    pulling from an idle-stepping holder beats recomputing on the puller by
-    MARGIN; ``least`` before (the first pull of a pair explores)."""
-    holder, puller = peers["holder"], peers["puller"]
-    h, p = engine_view(gateway, holder), engine_view(gateway, puller)
-    bw = metric(gateway, BANDWIDTH, holder=holder, puller=puller)
-    if bw <= 0 or h["lend_s"] is None:
-        return least
-    margin = 1 / p["prefill_tokens_per_s"] - h["kv_block_bytes"] / BLOCK / bw
-    assert margin > 0, (h, p, bw)
-    crossover = (h["lend_s"] + (h["step_s"] or 0.0)) / margin
-    blocks = max(least, math.ceil(crossover * MARGIN / BLOCK))
-    assert blocks * BLOCK <= MAX_LEN - 80, (crossover, engines_view(gateway))
-    return blocks
+PD_PREFIX = 1024
+"""The P/D gateway's prefixes: 64 blocks, worth its first pull of the pair (explore)."""
 
 
 class HolderQueued:
@@ -480,52 +467,6 @@ class HolderQueued:
             ),
             timeout=60,
         )
-
-
-def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(peers, pd_gateway):
-    gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
-    measured(peers, gw)
-    prefix = prompt_of(pull_blocks(peers, gw) * BLOCK, 4343)
-    primed(peers, prefix, gw)
-    body = {
-        "prompt": prefix + prompt_of(40, 97),
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    with HolderQueued(peers, gw):
-        # Serving the prefill leg on the holder waits for its queue; the other
-        # prefill engine pulls the prefix (the first pull of the pair: explore),
-        # computes the tail, and the decode engine pulls the whole prompt from it.
-        pulls = decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost")
-        into_prefill = scrape(puller).get(PULLED, 0.0)
-        into_decode = scrape(decode.url).get(PULLED, 0.0)
-        text = via_gateway(gw, body)
-        assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1, (
-            counted(gw),
-            [e["peer_pull"] for e in engines_view(gw)["engines"]],
-        )
-    assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
-    assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
-    assert text == recomputed(puller, body)
-    # The holder idle again: its prefill leg is the cheapest (a pull would add the
-    # lend, now measured), so the leg runs there.
-    assert wait_until(
-        lambda: engine_view(gw, peers["holder"])["queued_prompt_tokens"] == 0, timeout=30
-    )
-    prefix = prompt_of(256, 4344)
-    primed(peers, prefix, gw)
-    body = {**body, "prompt": prefix + prompt_of(40, 97)}
-    served = decisions(gw, "holder", "cost")
-    computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
-    text = via_gateway(gw, body)
-    assert decisions(gw, "holder", "cost") == served + 1, engines_view(gw)
-    assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
-    assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
-    assert text == recomputed(puller, body)
-
-
-# -- the gateway -----------------------------------------------------------------------
 
 
 def decisions(gateway: str, decision: str, reason: str) -> float:
@@ -800,7 +741,7 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers, pd
     measured(peers)
     measured(peers, pd_gateway)
     # Primed first, so evicted first: the P/D gateway's prefix.
-    gone_pd = prompt_of(pull_blocks(peers, pd_gateway) * BLOCK, 5252)
+    gone_pd = prompt_of(PD_PREFIX, 5252)
     primed(peers, gone_pd, pd_gateway)
     gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
@@ -841,6 +782,52 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers, pd
     finally:
         peers["forwarder"].open.set()
     assert not math.isnan(metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens"))
+
+
+def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(peers, pd_gateway):
+    gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
+    measured(peers, gw)
+    prefix = prompt_of(PD_PREFIX, 4343)
+    primed(peers, prefix, gw)
+    body = {
+        "prompt": prefix + prompt_of(40, 97),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with HolderQueued(peers, gw):
+        # Serving the prefill leg on the holder waits for its queue; the other
+        # prefill engine pulls the prefix (the first pull of the pair: explore),
+        # computes the tail, and the decode engine pulls the whole prompt from it.
+        pulls = decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost")
+        into_prefill = scrape(puller).get(PULLED, 0.0)
+        into_decode = scrape(decode.url).get(PULLED, 0.0)
+        text = via_gateway(gw, body)
+        assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1, (
+            counted(gw),
+            [e["peer_pull"] for e in engines_view(gw)["engines"]],
+        )
+    assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
+    assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, body)
+    # The holder idle again: its prefill leg is the cheapest (a pull would add the
+    # lend, now measured), so the leg runs there.
+    assert wait_until(
+        lambda: engine_view(gw, peers["holder"])["queued_prompt_tokens"] == 0, timeout=30
+    )
+    prefix = prompt_of(256, 4344)
+    primed(peers, prefix, gw)
+    body = {**body, "prompt": prefix + prompt_of(40, 97)}
+    served = decisions(gw, "holder", "cost")
+    computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
+    text = via_gateway(gw, body)
+    assert decisions(gw, "holder", "cost") == served + 1, engines_view(gw)
+    assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
+    assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
+    assert text == recomputed(puller, body)
+
+
+# -- the gateway -----------------------------------------------------------------------
 
 
 def test_holder_killed_mid_pull_recomputes_correctly(peers):
