@@ -490,8 +490,12 @@ class Proxy:
         (None: as routed). Without a prefill leg, among the decode engines; with
         one, where the prefill leg runs, among the prefill engines that can hand
         their KV to the route's decode engine (the holder's leg, or a leg that
-        pulls from the holder first, or a plain one)."""
+        pulls from the holder first, or a plain one). A disaggregating fleet's
+        requests served decode-only are routed as they are: its decode engines
+        consume KV and do not lend it."""
         if self.peer_pull is None:
+            return None
+        if route.prefill is None and self.config.disaggregation_mode != "Disabled":
             return None
         full = self.admission.full(self.pool.engines.values(), *self._need(call))
         routed = route.decode if route.prefill is None else route.prefill
