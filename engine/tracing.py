@@ -446,7 +446,7 @@ class _TracedStream:
         self._stream, self.request_id = stream, request_id
         self._server = trace.get_current_span()
         self._parent = trace.set_span_in_context(self._server)
-        if kv.do_remote_decode:
+        if kv.produces:
             self._leg = "prefill"
         elif kv.do_remote_prefill:
             self._leg = "decode"

@@ -268,36 +268,40 @@ def _engine_value(role: str, key: str, default: Any) -> str:
     )
 
 
-# The twins of the peer-pull validator: peer pulls serve the decode role of an
-# aggregated fleet, over a KV connector, routed by the KV-event index.
+# The twins of the peer-pull validator: peer pulls serve the role that computes
+# prompts (decode in an aggregated fleet, prefill in a disaggregating one), over a
+# KV connector, routed by the KV-event index.
 _DECODE_PULLS = "has(self.decode) && has(self.decode.peerPull) && self.decode.peerPull"
+_PREFILL_PULLS = "has(self.prefill) && has(self.prefill.peerPull) && self.prefill.peerPull"
+_PULLS = f"((({_DECODE_PULLS}) && {_AGGREGATED}) || (({_PREFILL_PULLS}) && !{_AGGREGATED}))"
 PEER_PULL_RULES: list[Schema] = [
     {
-        "rule": "!has(self.prefill) || !has(self.prefill.peerPull) || !self.prefill.peerPull",
-        "message": "prefill.peerPull: prefill engines do not pull cached prefixes from their "
-        "peers yet; set peerPull on the decode role of an aggregated fleet "
-        "(disaggregation.mode: Disabled)",
+        "rule": f"!({_PREFILL_PULLS}) || !{_AGGREGATED}",
+        "message": "prefill.peerPull: prefill engines run only while disaggregating "
+        "(disaggregation.mode is Disabled): set peerPull on the decode role of an "
+        "aggregated fleet",
         "fieldPath": ".prefill.peerPull",
-        "reason": "FieldValueForbidden",
+        "reason": "FieldValueInvalid",
     },
     {
         "rule": f"!({_DECODE_PULLS}) || {_AGGREGATED}",
-        "message": "decode.peerPull: peer pulls serve aggregated fleets: set "
-        "disaggregation.mode: Disabled, or leave peerPull off",
+        "message": "decode.peerPull: in a disaggregating fleet the prefill engines compute "
+        "prompts and pull cached prefixes: set prefill.peerPull, or disaggregation.mode: "
+        "Disabled",
         "fieldPath": ".decode.peerPull",
         "reason": "FieldValueInvalid",
     },
     {
-        "rule": f"!({_DECODE_PULLS}) || (has(self.kvTransfer) && has(self.kvTransfer.connector))",
-        "message": "decode.peerPull moves KV between engines and needs a KV connector: set "
+        "rule": f"!{_PULLS} || (has(self.kvTransfer) && has(self.kvTransfer.connector))",
+        "message": "peerPull moves KV between engines and needs a KV connector: set "
         "kvTransfer.connector to NixlConnector (or ZmqConnector without NIXL)",
         "fieldPath": ".kvTransfer",
         "reason": "FieldValueRequired",
     },
     {
-        "rule": f"!({_DECODE_PULLS}) || !has(self.gateway) || !has(self.gateway.kvEvents) || "
+        "rule": f"!{_PULLS} || !has(self.gateway) || !has(self.gateway.kvEvents) || "
         "self.gateway.kvEvents",
-        "message": "decode.peerPull needs the exact prefix index (which engine holds which "
+        "message": "peerPull needs the exact prefix index (which engine holds which "
         "blocks): set gateway.kvEvents: true",
         "fieldPath": ".gateway.kvEvents",
         "reason": "FieldValueInvalid",

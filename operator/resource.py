@@ -501,8 +501,11 @@ class RoleSpec(PodPlacement):
     (`kv_role: kv_both`), and the gateway serves a request whose prefix one
     engine holds on that engine, on another that pulls the prefix from it, or
     on another that recomputes it, whichever its measured costs predict is
-    fastest. For the decode role of an aggregated fleet (`disaggregation.mode:
-    Disabled`); needs `kvTransfer.connector` and `gateway.kvEvents`."""
+    fastest. For the role that computes prompts: decode in an aggregated fleet
+    (`disaggregation.mode: Disabled`), prefill in a disaggregating one (a
+    prefill engine pulls the cached part of a prompt from a peer, computes the
+    tail and hands it all to the decode engine). Needs `kvTransfer.connector`
+    and `gateway.kvEvents`."""
 
     @field_validator("engine")
     @classmethod
@@ -834,38 +837,26 @@ class InferenceServiceSpec(SpecModel):
         """The KV connector and peer pulls: what moves KV between engines."""
         out = []
         connector = self.kv_transfer.connector
-        if self.prefill.peer_pull:
-            out.append(
-                FieldPathError(
-                    "prefill.peerPull",
-                    "prefill engines do not pull cached prefixes from their peers yet; set "
-                    "peerPull on the decode role of an aggregated fleet (disaggregation.mode: "
-                    "Disabled)",
-                )
-            )
-        if self.decode.peer_pull and self.disaggregating:
-            out.append(
-                FieldPathError(
-                    "decode.peerPull",
-                    "peer pulls serve aggregated fleets; disaggregation.mode is "
-                    f"{self.disaggregation.mode}: set disaggregation.mode: Disabled, or leave "
-                    "peerPull off",
-                )
-            )
-        if self.decode.peer_pull and not self.disaggregating and connector is None:
+        # Peer pulls serve the role that computes prompts: decode in an aggregated
+        # fleet, prefill in a disaggregating one.
+        pulling = "prefill" if self.disaggregating else "decode"
+        for role in ("prefill", "decode"):
+            if self.role(role).peer_pull and role != pulling:
+                out.append(self._peer_pull_role_problem(role))
+        if self.role(pulling).peer_pull and connector is None:
             out.append(
                 FieldPathError(
                     "kvTransfer.connector",
-                    "decode.peerPull moves KV between engines and needs a KV connector: set "
-                    "kvTransfer.connector to NixlConnector (or ZmqConnector without NIXL)",
+                    f"{pulling}.peerPull moves KV between engines and needs a KV connector: "
+                    "set kvTransfer.connector to NixlConnector (or ZmqConnector without NIXL)",
                 )
             )
-        if self.decode.peer_pull and not self.gateway.kv_events:
+        if self.role(pulling).peer_pull and not self.gateway.kv_events:
             out.append(
                 FieldPathError(
                     "gateway.kvEvents",
-                    "decode.peerPull needs the exact prefix index (which engine holds which "
-                    "blocks): set gateway.kvEvents: true",
+                    f"{pulling}.peerPull needs the exact prefix index (which engine holds "
+                    "which blocks): set gateway.kvEvents: true",
                 )
             )
         if self.disaggregating and connector == "ZmqConnector":
@@ -875,6 +866,20 @@ class InferenceServiceSpec(SpecModel):
                     out.append(self._zmq_problem(role, tp))
                     break
         return out
+
+    def _peer_pull_role_problem(self, role: str) -> FieldPathError:
+        if role == "prefill":
+            return FieldPathError(
+                "prefill.peerPull",
+                "prefill engines run only while disaggregating (disaggregation.mode is "
+                "Disabled): set peerPull on the decode role of an aggregated fleet",
+            )
+        return FieldPathError(
+            "decode.peerPull",
+            "in a disaggregating fleet the prefill engines compute prompts and pull cached "
+            f"prefixes (disaggregation.mode is {self.disaggregation.mode}): set "
+            "prefill.peerPull, or disaggregation.mode: Disabled",
+        )
 
     def _zmq_problem(self, role: str, tp: int) -> FieldPathError:
         # Each rank holds its KV heads' shard in its own process (over several

@@ -154,7 +154,8 @@ def role_kv_transfer_config(
     engine_id: str | None = None,
 ) -> KVTransferConfig | None:
     """The role's ``kv_transfer_config``: prefill produces KV, decode consumes it;
-    with peer pulls (an aggregated fleet) the decode role does both.
+    with peer pulls the role that computes prompts does both (decode in an
+    aggregated fleet, prefill in a disaggregating one).
 
     ``None`` when disaggregation is Disabled without peer pulls, or no connector
     is set.
@@ -183,13 +184,12 @@ def role_kv_transfer_config(
 
 def peer_pulls(spec: InferenceServiceSpec, role: str) -> bool:
     """Whether the role's engines lend cached prefixes to each other and pull
-    them (``spec.<role>.peerPull``, aggregated fleets; docs/peer-pull.md)."""
-    return (
-        role == "decode"
-        and spec.decode.peer_pull
-        and not disaggregating(spec)
-        and spec.kv_transfer.connector is not None
-    )
+    them (``spec.<role>.peerPull``; docs/peer-pull.md): the decode role of an
+    aggregated fleet, the prefill role of a disaggregating one."""
+    if role not in KV_ROLES or spec.kv_transfer.connector is None:
+        return False
+    computes_prompts = "prefill" if disaggregating(spec) else "decode"
+    return role == computes_prompts and spec.role(role).peer_pull
 
 
 def moves_kv(spec: InferenceServiceSpec) -> bool:
@@ -207,7 +207,7 @@ PEER_PULL_PREFIX_BLOCKS = 256
 
 def gateway_peer_pull_settings(spec: InferenceServiceSpec) -> dict[str, Any]:
     """The gateway's peer-pull flags (``GatewayConfig`` keyword arguments)."""
-    if not peer_pulls(spec, "decode"):
+    if not (peer_pulls(spec, "decode") or peer_pulls(spec, "prefill")):
         return {}
     return {"peer_pull": True, "prefix_blocks": PEER_PULL_PREFIX_BLOCKS}
 

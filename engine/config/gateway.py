@@ -306,8 +306,10 @@ class GatewayConfig:
     """Peer pulls (docs/peer-pull.md): per request, serve a cached prefix on the
     engine that holds it, or have another engine pull it from the holder over
     the KV connector, or recompute it, whichever the measured costs predict is
-    fastest. Needs the exact prefix index (KV events) and engines whose
-    `kv_role` is `kv_both`; engines without a connector are never pulled into."""
+    fastest. With a prefill leg (P/D) it decides where the prefill leg runs,
+    among the prefill engines, and whether that engine pulls first. Needs the
+    exact prefix index (KV events) and pulling engines whose `kv_role` is
+    `kv_both`; engines without a connector are never pulled into."""
     peer_pull_lend_timeout: float = 2.0
     """Seconds a holder has to answer a lend request (it lends from its cache
     ahead of its queue); past them the request is recomputed elsewhere."""

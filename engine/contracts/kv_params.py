@@ -13,7 +13,10 @@ either project's engines and routers can drive the other's:
   blocks it holds (``remote_block_ids``) for which request, its TP size, and
   pdfleet's own fields: the lease, the compatibility factors, the content the
   lease lends (the chained hash of the last leased block and its algorithm),
-  the producer's vouched identity, an expiry and an HMAC over all of it.
+  the producer's vouched identity, an expiry and an HMAC over all of it;
+* a prefill leg that pulls a peer's cached prefix first (peer pulls in P/D):
+  the peer's signed params plus ``pdfleet_produce: true``, which the signature
+  does not cover (the gateway asks it of the consumer).
 
 :class:`KVTransferParams` is the typed carrier: :meth:`~KVTransferParams.from_wire`
 decodes a JSON object (a ``ValueError`` names the field of a wrong type, the
@@ -53,6 +56,13 @@ PRODUCER_FIELD = "pdfleet_producer"
 # its prefix cache (device or host tier) holds every one, and refuses otherwise; it
 # computes only the one token after them (the lease is a prefill leg's).
 LEND_FIELD = "pdfleet_lend_blocks"
+# With a decode leg's (signed) params: after the verified pull and the tail, finish as
+# a prefill leg does (lease every full block of the prompt for a remote decode and
+# answer with this engine's own signed params). A prefill engine that pulls a cached
+# prefix from a peer. Not covered by the producer's signature (it is the gateway's
+# request to the consumer, not part of what the producer lends, as
+# ``do_remote_decode`` on a plain prefill leg is not signed either).
+PRODUCE_FIELD = "pdfleet_produce"
 # The fields a signature adds.
 SIG_FIELD = "pdfleet_sig"
 EXPIRES_FIELD = "pdfleet_expires"
@@ -127,6 +137,9 @@ class KVTransferParams:
     lend_blocks: int | None = None
     """``pdfleet_lend_blocks`` (with ``do_remote_decode``): lease this many leading
     full blocks of the prompt from the prefix cache, or refuse if it lacks one."""
+    produce: bool = False
+    """``pdfleet_produce`` (with ``do_remote_prefill``): a prefill leg that pulls
+    first; unsigned (see :data:`PRODUCE_FIELD`)."""
 
     @classmethod
     def from_wire(cls, raw: Mapping[str, Any]) -> KVTransferParams:
@@ -173,6 +186,7 @@ class KVTransferParams:
             expires=expires,
             signature=_text(raw, SIG_FIELD),
             lend_blocks=_integer(raw, LEND_FIELD),
+            produce=_flag(raw, PRODUCE_FIELD),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -199,11 +213,22 @@ class KVTransferParams:
             EXPIRES_FIELD: self.expires,
             SIG_FIELD: self.signature,
             LEND_FIELD: self.lend_blocks,
+            PRODUCE_FIELD: self.produce or None,
         }
         keep = set(_VLLM_REQUEST_FIELDS)
         if self.lease_id is not None:
             keep.update(_LEASE_FIELDS)
         return {k: v for k, v in out.items() if k in keep or v is not None}
+
+    @property
+    def produces(self) -> bool:
+        """The request ends as a prefill leg: its blocks are leased for a remote decode."""
+        return self.do_remote_decode or self.produce
+
+    def after_load(self) -> KVTransferParams | None:
+        """What a request keeps once its pull is over (done, failed or dropped): a
+        prefill leg that pulled first still leases its blocks; any other, nothing."""
+        return REMOTE_DECODE if self.produce else None
 
     @property
     def num_blocks(self) -> int:
@@ -222,6 +247,13 @@ def _text(raw: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
+def _flag(raw: Mapping[str, Any], name: str) -> bool:
+    value = raw.get(name, False)
+    if value is not None and not isinstance(value, bool):
+        raise RefusedParams(f"kv_transfer_params: {name} must be a boolean")
+    return bool(value)
+
+
 def _integer(raw: Mapping[str, Any], name: str) -> int | None:
     value = raw.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -229,8 +261,11 @@ def _integer(raw: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+_UNSIGNED = frozenset({SIG_FIELD, PRODUCE_FIELD})
+
+
 def _canonical(wire: Mapping[str, Any]) -> bytes:
-    body = {k: v for k, v in wire.items() if k != SIG_FIELD}
+    body = {k: v for k, v in wire.items() if k not in _UNSIGNED}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 

@@ -710,8 +710,10 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            # The params are consumed: a later preemption recomputes locally.
-            request.kv_transfer_params = None
+            # The params are consumed: a later preemption recomputes locally. A
+            # prefill leg that pulled first (done or failed) is a prefill leg now.
+            p = request.kv_transfer_params
+            request.kv_transfer_params = None if p is None else p.after_load()
             if rid in runner_out.failed_recving:
                 if self.connector is not None and self.connector.pull_in_flight(request):
                     self._quarantine(request)

@@ -51,6 +51,11 @@ holder leases the blocks from its cache (refusing when it no longer holds them)
 and answers with signed params, which go to ``c`` with the client's body; ``c``
 pulls, verifies the content chain, confirms, and computes the tail. A refused or
 failed lend recomputes on ``c``; a pull that fails on ``c`` recomputes there.
+
+In a P/D fleet the same decision picks the engine of the prefill leg among the
+prefill engines: ``c`` then gets the prefill leg with the holder's params and
+``pdfleet_produce``, pulls, computes the tail, and leases the whole prompt to
+the decode engine.
 """
 
 from __future__ import annotations

@@ -220,7 +220,10 @@ class Proxy:
                 return routed
             route = routed
         plan = self._peer_plan(call, route, info)
-        if plan is not None:
+        if plan is not None and route.prefill is not None:
+            # The prefill leg runs where the plan says (it may pull first there).
+            route = Route(route.decode, plan.engine, route.decision, route.reason)
+        elif plan is not None:
             route = Route(plan.engine, None, route.decision, route.reason)
         if info.adapter is not None:
             ensured = await self._ensure_adapter(call, route, info.adapter)
@@ -331,7 +334,17 @@ class Proxy:
         """What precedes the decode leg: a prefill leg, a peer's lend, or nothing;
         returns the decode leg's payload (or the prefill leg's refusal)."""
         if route.prefill is not None:
-            outcome = await self.prefill.run(call, body, route, info)
+            lent = None
+            if plan is not None and plan.decision == "pull":
+                if self.peer_pull is None:
+                    raise RuntimeError("broken invariant: a pull plan without a peer-pull planner")
+                # The prefill engine pulls the holder's blocks first, computes the
+                # tail, and lends the whole prompt to the decode leg; a refused or
+                # failed lend: a plain prefill leg.
+                lent = await self.peer_pull.lend(
+                    self.legs.client, plan, call.endpoint, body, call.chat, call.headers
+                )
+            outcome = await self.prefill.run(call, body, route, info, lent)
             if isinstance(outcome, Response):
                 return outcome
             if outcome is not None:
@@ -501,15 +514,26 @@ class Proxy:
 
     def _peer_plan(self, call: Call, route: Route, info: PromptInfo) -> Plan | None:
         """Peer pulls: where to serve a request whose prefix another engine holds
-        (None: as routed). Only for a route without a prefill leg."""
-        if self.peer_pull is None or route.prefill is not None:
+        (None: as routed). Without a prefill leg, among the decode engines; with
+        one, where the prefill leg runs, among the prefill engines that can hand
+        their KV to the route's decode engine (the holder's leg, or a leg that
+        pulls from the holder first, or a plain one). A disaggregating fleet's
+        requests served decode-only are routed as they are: its decode engines
+        consume KV and do not lend it."""
+        if self.peer_pull is None:
+            return None
+        if route.prefill is None and self.config.disaggregation_mode != "Disabled":
             return None
         full = self.admission.full(self.pool.engines.values(), *self._need(call))
-        plan = self.peer_pull.plan(
-            info, route.decode, self.pool.candidates("decode"), full, self.pool.block_size
+        routed = route.decode if route.prefill is None else route.prefill
+        candidates = (
+            self.pool.candidates("decode")
+            if route.prefill is None
+            else self.router.prefill_candidates(route.decode)
         )
+        plan = self.peer_pull.plan(info, routed, candidates, full, self.pool.block_size)
         if plan is None:
-            self.peer_pull.routed_request(route.decode, info)
+            self.peer_pull.routed_request(routed, info)
             return None
         if plan.decision != m.PULL:  # a pull is counted once its lend is answered
             self.peer_pull.count(plan.decision, plan.reason)

@@ -319,18 +319,24 @@ class Router:
         self, decode: EngineState, info: PromptInfo, exclude: set[str]
     ) -> EngineState | None:
         """A prefill engine that can hand its KV to ``decode`` (equal compat hash)."""
+        candidates = prefer_adapter_holders(self.prefill_candidates(decode, exclude), info.adapter)
+        picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
+        return picked[0] if picked else None
+
+    def prefill_candidates(
+        self, decode: EngineState, exclude: set[str] | None = None
+    ) -> list[EngineState]:
+        """The routable prefill engines that can hand their KV to ``decode``: another
+        engine, an equal compat hash, no open breaker for the pair."""
         want = decode.load.compat_hash
-        candidates = [
+        return [
             e
             for e in self.pool.candidates("prefill")
             if e.url != decode.url
-            and e.url not in exclude
+            and e.url not in (exclude or ())
             and e.load.compat_hash == want
             and not (self.breaker and self.breaker.is_open(e.url, decode.url))
         ]
-        candidates = prefer_adapter_holders(candidates, info.adapter)
-        picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
-        return picked[0] if picked else None
 
     def route(
         self,

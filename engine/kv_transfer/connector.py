@@ -20,6 +20,12 @@ deadline. After the bytes have landed it asks the producer to ``confirm``
 that the lease was held for the whole transfer; only then are the blocks
 used and published to the prefix cache. Otherwise the request recomputes.
 
+Both (``do_remote_prefill`` plus ``pdfleet_produce``, a ``kv_both`` engine): a
+prefill leg that first pulls a peer's cached prefix as a consumer does, computes
+the tail, then finishes as a producer: every full block before the last prompt
+token is leased under its own signed params. A pull that fails or is dropped
+leaves the request a plain prefill leg (it computes the whole prompt).
+
 Pull targets stay out of the free pool until the transport is done with
 them: an aborted or timed-out READ that may still write them *quarantines*
 its blocks until its handle completes (past ``quarantine_timeout_seconds`` the
@@ -903,6 +909,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
             params = self._verified(raw)
         else:
             params = KVTransferParams.from_wire(raw)
+            if params.produce:
+                raise RefusedParams(
+                    f"kv_transfer_params: {kv_params.PRODUCE_FIELD} goes with a decode leg's "
+                    "params (do_remote_prefill); a plain prefill leg asks do_remote_decode"
+                )
         self.check(params)
         return params if params.do_remote_prefill or params.do_remote_decode else None
 
@@ -941,7 +952,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 why = tp_layout_mismatch(p.tp_size, self.connector.num_kv_heads)
                 if why is not None:
                     raise RefusedParams(f"kv_transfer_params: {why}")
-        if p.do_remote_decode and not self.connector.kv.is_kv_producer:
+        if p.produces and not self.connector.kv.is_kv_producer:
             raise RefusedParams(
                 "kv_transfer_params: this engine is not a KV producer "
                 f"(kv_role {self.connector.kv.kv_role})"
@@ -964,7 +975,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self.check(self._verified(p.to_wire()))
         except ValueError as e:
             logger.warning("request %s: ignoring its kv_transfer_params: %s", request.request_id, e)
-            request.kv_transfer_params = None
+            request.kv_transfer_params = p.after_load()
             return 0, False
         bs = self.connector.block_size
         why = self.content_mismatch(request, p)
@@ -982,7 +993,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 p.remote_engine_id,
                 why,
             )
-            request.kv_transfer_params = None
+            # A prefill leg that pulls first computes the whole prompt instead, and
+            # still leases it for its decode leg.
+            request.kv_transfer_params = p.after_load()
             return 0, False
         # Every remote block is verified (content_mismatch): the pulled blocks
         # enter the prefix cache under this engine's own hashes of the same tokens.
@@ -1076,8 +1089,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
         p = request.kv_transfer_params
-        if p is None or not p.do_remote_decode or not self.connector.kv.is_kv_producer:
+        if p is None or not p.produces or not self.connector.kv.is_kv_producer:
             return False, None
+        # A prefill leg that pulled first (``produce``) leases all its blocks: the
+        # pulled ones passed the chain check against its own tokens, the rest were
+        # computed here, so the chain below covers both.
         bs = self.connector.block_size
         # Full blocks before the last prompt token: the consumer recomputes that token
         # (it needs its logits), so a block holding it is never pulled.

@@ -58,6 +58,7 @@ def test_the_wire_form_decodes_back_to_the_same_params_and_names_the_lease_field
         ("remote_host", 1, "remote_host must be a string"),
         ("tp_size", "2", "tp_size must be an integer"),
         ("pdfleet_compat", [1], "pdfleet_compat must be an object"),
+        ("pdfleet_produce", 1, "pdfleet_produce must be a boolean"),
     ],
 )
 def test_a_field_of_the_wrong_type_is_named(field, value, message):
@@ -79,6 +80,21 @@ def test_signed_params_verify_and_any_change_or_expiry_is_refused():
         kv_params.verify(SECRET, PRODUCER.to_wire())
     with pytest.raises(kv_params.InvalidParams, match="expired"):
         kv_params.verify(SECRET, wire, now=time.time() + 31)
+
+
+def test_the_gateway_may_ask_signed_params_to_end_as_a_prefill_leg():
+    # A prefill engine that pulls a peer's cached prefix first: the producer's
+    # signed params plus ``pdfleet_produce``, which the signature does not cover
+    # (the producer never wrote it; the gateway asks it of the consumer).
+    wire = kv_params.sign(SECRET, PRODUCER, ttl=30).to_wire()
+    assert "pdfleet_produce" not in wire
+    both = kv_params.verify(SECRET, {**wire, "pdfleet_produce": True})
+    assert both.do_remote_prefill and both.produce and both.produces
+    assert both.to_wire()["pdfleet_produce"] is True
+    kv_params.verify(SECRET, both.to_wire())  # the engine re-verifies what it stored
+    # Once the pull is over (done, failed or dropped) it is a plain prefill leg.
+    assert both.after_load() == REMOTE_DECODE
+    assert kv_params.verify(SECRET, wire).after_load() is None
 
 
 def test_the_wire_form_is_the_dict_the_previous_producer_signed():

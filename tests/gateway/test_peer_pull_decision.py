@@ -14,6 +14,7 @@ from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.kv_index import KVIndex
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.peer_pull import PeerPull, lend_body
+from pdfleet.engine.gateway.prefill_leg import pulling_prefill_body
 from pdfleet.engine.gateway.prompt import PromptInfo
 
 BS = 16
@@ -163,6 +164,15 @@ def test_a_lend_body_asks_for_one_token_and_the_blocks():
     assert wire == json.dumps({**REMOTE_DECODE.to_wire(), LEND_FIELD: 7})
     decoded = KVTransferParams.from_wire(json.loads(wire))
     assert (decoded.do_remote_decode, decoded.lend_blocks) == (True, 7)
+
+
+def test_a_prefill_leg_that_pulls_first_carries_the_lend_params_and_asks_to_produce():
+    lent = {"do_remote_prefill": True, "remote_block_ids": [4, 5], "pdfleet_sig": "s"}
+    body = {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "min_tokens": 4}
+    out = pulling_prefill_body(body, chat=False, lent=lent)
+    assert (out["max_tokens"], out["stream"], "min_tokens" in out) == (1, False, False)
+    assert out["kv_transfer_params"] == {**lent, "pdfleet_produce": True}
+    assert "pdfleet_produce" not in lent  # the lend's own params are left as signed
 
 
 def test_a_busy_engine_costs_its_step_in_progress_an_idle_one_does_not(fleet):

@@ -24,6 +24,7 @@ BLOCK = 16
 LOADED = "pdfleet_engine_kv_offload_loaded_bytes_total"
 PULLED = "pdfleet_engine_kv_transfer_blocks_pulled_total"
 DECISIONS = "pdfleet_gateway_peer_pull_decisions_total"
+PROMPT_TOKENS = "pdfleet_engine_prompt_tokens_total"
 
 
 def post(url: str, **kw) -> httpx.Response:
@@ -193,6 +194,7 @@ def peers(wide_model, tmp_path_factory):
             logs,
         )
         yield {
+            "events": {"holder": (forwarder.port, ports["holder"][1]), "puller": ports["puller"]},
             "holder": holder.url,
             "puller": puller.url,
             "gateway": gateway.url,
@@ -270,6 +272,85 @@ def test_pull_from_a_peers_host_tier_is_token_identical(peers):
     assert text == recomputed(peers["puller"], body)
 
 
+# -- a prefill leg that pulls first (P/D) ------------------------------------------------
+# The puller plays a prefill engine: it pulls the holder's lent prefix, computes the
+# tail and leases the whole prompt to a decode leg, which the holder (kv_both) serves.
+
+
+def prefill_after_pull(peers, body: dict, params: dict) -> dict:
+    """The puller's prefill leg with the holder's lend params and ``pdfleet_produce``:
+    its own signed params for the decode leg."""
+    r = post(
+        peers["puller"] + "/v1/completions",
+        timeout=60,
+        json={
+            **body,
+            "max_tokens": 1,
+            "kv_transfer_params": {**params, "pdfleet_produce": True},
+        },
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()["kv_transfer_params"]
+    assert out["do_remote_prefill"] and "pdfleet_produce" not in out
+    return out
+
+
+def decoded_on_holder(peers, body: dict, params: dict) -> tuple[str, float]:
+    """The decode leg on the holder: its text and the blocks it pulled from the puller."""
+    before = scrape(peers["holder"]).get(PULLED, 0.0)
+    text = complete(peers["holder"], body, kv_transfer_params=params)
+    return text, scrape(peers["holder"]).get(PULLED, 0.0) - before
+
+
+def test_a_prefill_leg_pulls_the_cached_prefix_and_lends_the_whole_prompt(peers):
+    holder, puller = peers["holder"], peers["puller"]
+    body = body_of(11)  # a 200-token prefix, a 60-token tail
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    before = scrape(puller).get(PULLED, 0.0)
+    params = prefill_after_pull(peers, body, r.json()["kv_transfer_params"])
+    assert scrape(puller)[PULLED] - before == 200 // BLOCK  # the prefix came from the peer
+    # The puller leases every full block before the last prompt token, pulled or not.
+    assert len(params["remote_block_ids"]) == (len(body["prompt"]) - 1) // BLOCK
+    assert params["remote_engine_id"] != r.json()["kv_transfer_params"]["remote_engine_id"]
+    text, blocks = decoded_on_holder(peers, body, params)
+    # The holder caches the prefix itself: it pulls the tail blocks the puller computed.
+    assert blocks == (len(body["prompt"]) - 1) // BLOCK - 200 // BLOCK
+    assert text == recomputed(puller, body)
+
+
+def test_a_prefill_leg_whose_pull_fails_recomputes_and_still_lends(peers):
+    holder, puller = peers["holder"], peers["puller"]
+    body = body_of(12)
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    lent = r.json()["kv_transfer_params"]
+    # Another engine pulls the lease and confirms it (the lease ends there), so the
+    # puller's claim of it is refused. (``doomed`` is killed by a later test.)
+    complete(peers["doomed"].url, body, kv_transfer_params=lent)
+    failures = scrape(puller).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+    params = prefill_after_pull(peers, body, lent)
+    assert scrape(puller)["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert len(params["remote_block_ids"]) == (len(body["prompt"]) - 1) // BLOCK
+    text, _ = decoded_on_holder(peers, body, params)
+    assert text == recomputed(puller, body)
+    # Params for another prompt (its chain differs): nothing is pulled, the puller
+    # computes the prompt and still lends it.
+    r = lend(holder, body, 200 // BLOCK)
+    assert r.status_code == 200, r.text
+    other = body_of(13)
+    before = scrape(puller).get(PULLED, 0.0)
+    params = prefill_after_pull(peers, other, r.json()["kv_transfer_params"])
+    assert scrape(puller).get(PULLED, 0.0) == before
+    # The lease was left to its lawful consumer: it is still there to pull.
+    complete(peers["doomed"].url, body, kv_transfer_params=r.json()["kv_transfer_params"])
+    text, blocks = decoded_on_holder(peers, other, params)
+    assert blocks == (len(other["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, other)
+
+
 def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     before = scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0)
     r = lend(peers["holder"], body_of(3), 200 // BLOCK)  # never computed there
@@ -279,36 +360,126 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
 
 
-def test_holder_killed_mid_pull_recomputes_correctly(peers):
-    doomed = peers["doomed"]
-    body = body_of(4)
+@pytest.fixture(scope="module")
+def pd_gateway(peers):
+    """A second gateway over the same engines as a P/D fleet: the holder and the
+    puller are its prefill engines, ``doomed`` its decode engine (so this runs
+    before the test that kills it)."""
+    logs = peers["logs"]
+    engines_file = logs / "pd-engines.json"
+    engines_file.write_text(
+        json.dumps(
+            {
+                "engines": [
+                    *(
+                        {
+                            "url": peers[name],
+                            "role": "prefill",
+                            "kv_events": f"tcp://127.0.0.1:{peers['events'][name][0]}",
+                            "kv_events_replay": f"tcp://127.0.0.1:{peers['events'][name][1]}",
+                        }
+                        for name in ("holder", "puller")
+                    ),
+                    {"url": peers["doomed"].url, "role": "decode"},
+                ]
+            }
+        )
+    )
+    gateway = start_gateway(
+        [
+            "--engines-file",
+            str(engines_file),
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+            "--prefix-blocks",
+            "256",
+            "--kv-index-stale-after",
+            "120",
+            "--peer-pull",
+            "--workers",
+            "1",
+        ],
+        logs,
+    )
     try:
-        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
-        r = lend(doomed.url, body, 200 // BLOCK)
-        assert r.status_code == 200, r.text
-        params = r.json()["kv_transfer_params"]
-        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
-        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
-            assert wait_until(
-                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
-                timeout=30,
-                interval=0.02,
-            )
-            os.kill(doomed.proc.pid, signal.SIGKILL)
-            text = fut.result(timeout=60)
+        yield gateway.url
     finally:
-        peers["delay"].write_text("0")
-    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
-    assert text == recomputed(peers["puller"], body)
+        gateway.stop()
 
 
-# -- the gateway -----------------------------------------------------------------------
+PD_PREFIX = 1024
+"""The P/D gateway's prefixes: 64 blocks, worth its first pull of the pair (explore)."""
+
+
+class HolderQueued:
+    """The holder busy with one long decode (its only slot) and ``tokens`` prompt
+    tokens queued behind it, all sent to it directly: serving a prompt there waits
+    for them, a lend does not (it jumps the queue). The queued prompts are one
+    prompt the holder caches, three times: they count in full as queued tokens
+    and cost little to run once the decode is dropped."""
+
+    def __init__(self, peers, gateway: str, tokens: int = 3000) -> None:
+        self.holder = peers["holder"]
+        queued = {"prompt": prompt_of(tokens // 3, 960), "max_tokens": 1}
+        complete(self.holder, queued)
+        self.pool = ThreadPoolExecutor(4)
+        self.client = httpx.Client(headers=fleet_headers(), timeout=120)
+        self.stop = threading.Event()
+        self.futures = [self.pool.submit(self._decode)]
+        assert wait_until(
+            lambda: scrape(self.holder).get("pdfleet_engine_num_requests_running", 0) == 1,
+            timeout=60,
+        )
+        for _ in range(3):
+            self.futures.append(self.pool.submit(self._post, queued))
+        assert wait_until(
+            lambda: engine_view(gateway, self.holder)["queued_prompt_tokens"] >= tokens - 3,
+            timeout=60,
+        ), engine_view(gateway, self.holder)
+
+    def _post(self, body: dict) -> int:
+        return self.client.post(self.holder + "/v1/completions", json=body).status_code
+
+    def _decode(self) -> None:
+        """A long streamed decode, dropped (the engine aborts it) once ``stop`` is set."""
+        long = {"prompt": prompt_of(8, 950), "max_tokens": 2048, "ignore_eos": True}
+        with self.client.stream(
+            "POST", self.holder + "/v1/completions", json={**long, "stream": True}
+        ) as r:
+            for _ in r.iter_lines():
+                if self.stop.is_set():
+                    return
+
+    def __enter__(self) -> HolderQueued:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()  # the queued prompts run once the decode is dropped
+        self.pool.shutdown(wait=True)
+        self.client.close()
+        assert wait_until(
+            lambda: (
+                scrape(self.holder).get("pdfleet_engine_num_requests_running", 0)
+                + scrape(self.holder).get("pdfleet_engine_num_requests_waiting", 0)
+                == 0
+            ),
+            timeout=60,
+        )
 
 
 def decisions(gateway: str, decision: str, reason: str) -> float:
     return metric(gateway, DECISIONS, decision=decision, reason=reason)
+
+
+def counted(gateway: str) -> dict:
+    """Every decision the gateway counted, by (decision, reason)."""
+    return {
+        (d, r): decisions(gateway, d, r)
+        for d in ("holder", "pull", "recompute")
+        for r in ("cost", "explore", "lend_refused", "lend_failed")
+    }
 
 
 def engine_view(gateway: str, url: str) -> dict:
@@ -416,9 +587,9 @@ class Busy:
         )
 
 
-def measured(peers) -> None:
+def measured(peers, gateway: str | None = None) -> None:
     """Both engines' prefill rates known to the gateway."""
-    gw = peers["gateway"]
+    gw = gateway or peers["gateway"]
     for seed, url in enumerate((peers["holder"], peers["puller"])):
         if engine_view(gw, url)["prefill_tokens_per_s"] is None:
             complete(url, {"prompt": prompt_of(600, 7100 + seed), "max_tokens": 1})
@@ -436,9 +607,9 @@ def via_gateway(gateway: str, body: dict) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def primed(peers, tokens: list[int]) -> None:
+def primed(peers, tokens: list[int], gateway: str | None = None) -> None:
     """``tokens`` cached on the holder and stored in the gateway's index."""
-    gw, holder = peers["gateway"], peers["holder"]
+    gw, holder = gateway or peers["gateway"], peers["holder"]
     before = metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder)
     complete(holder, {"prompt": tokens, "max_tokens": 1})
     assert wait_until(
@@ -565,9 +736,13 @@ def decided(peers, prompt: list[int], decision: str, blocks: int, crossover: flo
     assert scrape(puller)[PULLED] - before == blocks
 
 
-def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
+def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers, pd_gateway):
     gw, holder, puller = peers["gateway"], peers["holder"], peers["puller"]
     measured(peers)
+    measured(peers, pd_gateway)
+    # Primed first, so evicted first: the P/D gateway's prefix.
+    gone_pd = prompt_of(PD_PREFIX, 5252)
+    primed(peers, gone_pd, pd_gateway)
     gone = prompt_of(MAX_LEN - 80, 5151)
     primed(peers, gone)
     pinned = pin(8889)
@@ -594,6 +769,87 @@ def test_gateway_recomputes_when_the_holder_evicted_what_its_index_saw(peers):
             refused = decisions(gw, "recompute", "lend_refused")
             assert via_gateway(gw, body) == recomputed(puller, body)
             assert decisions(gw, "recompute", "lend_refused") == refused + 1
+        # The same in P/D: the prefill engine the decision picks would pull the
+        # prefix from the busy holder; the lend is refused and it runs the plain leg.
+        with HolderQueued(peers, pd_gateway):
+            body = {"prompt": gone_pd + prompt_of(40, 96), "max_tokens": 6, "temperature": 0}
+            refused = decisions(pd_gateway, "recompute", "lend_refused")
+            assert via_gateway(pd_gateway, body) == recomputed(puller, body)
+            assert decisions(pd_gateway, "recompute", "lend_refused") == refused + 1, (
+                counted(pd_gateway),
+                [e["peer_pull"] for e in engines_view(pd_gateway)["engines"]],
+            )
     finally:
         peers["forwarder"].open.set()
     assert not math.isnan(metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens"))
+
+
+def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(peers, pd_gateway):
+    gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
+    measured(peers, gw)
+    prefix = prompt_of(PD_PREFIX, 4343)
+    primed(peers, prefix, gw)
+    body = {
+        "prompt": prefix + prompt_of(40, 97),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with HolderQueued(peers, gw):
+        # Serving the prefill leg on the holder waits for its queue; the other
+        # prefill engine pulls the prefix (the first pull of the pair: explore),
+        # computes the tail, and the decode engine pulls the whole prompt from it.
+        pulls = decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost")
+        into_prefill = scrape(puller).get(PULLED, 0.0)
+        into_decode = scrape(decode.url).get(PULLED, 0.0)
+        text = via_gateway(gw, body)
+        assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1, (
+            counted(gw),
+            [e["peer_pull"] for e in engines_view(gw)["engines"]],
+        )
+    assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
+    assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, body)
+    # The holder idle again: its prefill leg is the cheapest (a pull would add the
+    # lend, now measured), so the leg runs there.
+    assert wait_until(
+        lambda: engine_view(gw, peers["holder"])["queued_prompt_tokens"] == 0, timeout=30
+    )
+    prefix = prompt_of(256, 4344)
+    primed(peers, prefix, gw)
+    body = {**body, "prompt": prefix + prompt_of(40, 97)}
+    served = decisions(gw, "holder", "cost")
+    computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
+    text = via_gateway(gw, body)
+    assert decisions(gw, "holder", "cost") == served + 1, engines_view(gw)
+    assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
+    assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
+    assert text == recomputed(puller, body)
+
+
+# -- the gateway -----------------------------------------------------------------------
+
+
+def test_holder_killed_mid_pull_recomputes_correctly(peers):
+    doomed = peers["doomed"]
+    body = body_of(4)
+    try:
+        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
+        r = lend(doomed.url, body, 200 // BLOCK)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
+            assert wait_until(
+                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
+                timeout=30,
+                interval=0.02,
+            )
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            text = fut.result(timeout=60)
+    finally:
+        peers["delay"].write_text("0")
+    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert text == recomputed(peers["puller"], body)

@@ -65,6 +65,10 @@ CASES = [
     (_spec(decode={"peerPull": False}), True),
     (_spec(decode={"peerPull": True}), False),
     (_spec(prefill={"peerPull": True}, disaggregation=AGGREGATED), False),
+    # ... and the prefill role of a disaggregating one.
+    (_spec(prefill={"peerPull": True}), True),
+    ({**_spec(prefill={"peerPull": True}), "kvTransfer": {}}, False),
+    (_spec(prefill={"peerPull": True}, gateway={"kvEvents": False}), False),
     ({**_spec(decode={"peerPull": True}, disaggregation=AGGREGATED), "kvTransfer": {}}, False),
     (
         _spec(decode={"peerPull": True}, disaggregation=AGGREGATED, gateway={"kvEvents": False}),

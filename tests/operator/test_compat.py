@@ -35,9 +35,9 @@ def test_connector_is_required_while_disaggregating():
 
 def test_every_cross_field_problem_is_reported_at_once():
     with pytest.raises(ValueError, match="peerPull") as e:
-        spec(prefill={"peerPull": True}, decode={"engine": {"blockSize": 32}})
+        spec(decode={"peerPull": True, "engine": {"blockSize": 32}})
     lines = str(e.value).splitlines()
-    assert lines[0].startswith("spec.prefill.peerPull: prefill engines do not pull")
+    assert lines[0].startswith("spec.decode.peerPull: in a disaggregating fleet the prefill")
     assert lines[1].startswith("spec.decode.engine.blockSize: prefill has 16 but decode has 32")
 
 
@@ -172,3 +172,21 @@ def test_peer_pulls_serve_the_decode_role_of_an_aggregated_fleet_with_a_connecto
     assert args.kv_transfer_config is not None
     assert args.kv_transfer_config.kv_role == "kv_both"
     assert role_engine_args(spec(**aggregated), "decode").kv_transfer_config is None
+
+
+def test_peer_pulls_serve_the_prefill_role_of_a_disaggregating_fleet():
+    assert check_service(spec(prefill={"peerPull": True})) == []
+    for bad, field in (
+        ({"prefill": {"peerPull": True}, "kvTransfer": {}}, "spec.kvTransfer.connector"),
+        ({"prefill": {"peerPull": True}, "gateway": {"kvEvents": False}}, "spec.gateway.kvEvents"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"{field}: ")):
+            spec(**bad)
+    # The prefill engines lend to and pull from each other: kv_both; decode still consumes.
+    pulling = spec(prefill={"peerPull": True})
+    prefill = role_engine_args(pulling, "prefill").kv_transfer_config
+    assert prefill is not None and prefill.kv_role == "kv_both"
+    decode = role_engine_args(pulling, "decode").kv_transfer_config
+    assert decode is not None and decode.kv_role == "kv_consumer"
+    plain = role_engine_args(spec(), "prefill").kv_transfer_config
+    assert plain is not None and plain.kv_role == "kv_producer"

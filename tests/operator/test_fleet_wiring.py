@@ -450,3 +450,19 @@ def test_pdfleet_up_keeps_batches_with_the_run_or_in_the_database_its_environmen
         config = local_fleet(tmp_path, spec).gateway_config()
         assert config.data_dir is None
         assert "postgresql" not in " ".join(config.to_cli_args())
+
+
+def test_pdfleet_up_runs_prefill_peer_pulls_as_the_resource_asks(tmp_path):
+    """``spec.prefill.peerPull`` locally: the prefill engines lend to and pull from
+    each other (kv_both) and publish KV events; the decode engines still consume;
+    the gateway decides where each prefill leg runs (--peer-pull)."""
+    fleet = local_fleet(tmp_path, {**SPEC, "prefill": {"peerPull": True}})
+    roles = {}
+    for role in ("prefill", "decode"):
+        argv = fleet._engine_child(role).argv
+        roles[role] = json.loads(flag(argv, "--kv-transfer-config"))["kv_role"]
+        assert "--kv-events-config" in argv
+    assert roles == {"prefill": "kv_both", "decode": "kv_consumer"}
+    config = fleet.gateway_config()
+    assert config.peer_pull and config.prefix_blocks == 256
+    assert not local_fleet(tmp_path, SPEC).gateway_config().peer_pull

@@ -467,6 +467,26 @@ def test_peer_pull_engines_take_kv_from_their_own_role_and_the_gateway_pulls():
     assert "--peer-pull" not in container(plain, "demo-gateway")["command"]
 
 
+def test_prefill_peer_pull_engines_take_kv_from_each_other_while_decode_takes_it_from_them():
+    objects = children({**SPEC, "prefill": {"peerPull": True}})
+    selector = {LABEL_SERVICE: "demo"}
+    froms = {
+        role: [r["from"] for r in network_policy(objects, role)["ingress"] if "ports" in r]
+        for role in ("prefill", "decode")
+    }
+    own = [{"podSelector": {"matchLabels": {**selector, LABEL_ROLE: "prefill"}}}]
+    assert own in froms["prefill"]  # prefill pulls from prefill
+    assert own in froms["decode"]  # decode pulls from prefill, as without peer pulls
+    decode = [{"podSelector": {"matchLabels": {**selector, LABEL_ROLE: "decode"}}}]
+    assert decode not in froms["decode"]  # decode engines do not pull from each other
+    command = container(objects, "demo-prefill")["command"]
+    assert json.loads(command[command.index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
+    command = container(objects, "demo-decode")["command"]
+    kv_role = json.loads(command[command.index("--kv-transfer-config") + 1])["kv_role"]
+    assert kv_role == "kv_consumer"
+    assert "--peer-pull" in container(objects, "demo-gateway")["command"]
+
+
 def test_fleet_secret_is_immutable_owned_and_holds_the_value():
     secret = build_fleet_secret("demo", namespace="ns1", owner=Owner("demo", "u1"), value="s" * 43)
     validate(secret)
