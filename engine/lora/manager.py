@@ -152,21 +152,24 @@ class LoRAManager:
             del self.host[victim]
             self.stats.cpu_evictions += 1
 
-    def remove(self, int_id: int) -> None:
+    def remove(self, int_id: int) -> str | None:
         """Forget an adapter (unloaded): host copy and device slot, at once when
         no admitted request uses it, else once the last of them has finished.
         A copy evicted from host memory that such requests still need is read
         again now, while its directory is surely there: the caller may delete
-        it right after the unload."""
+        it right after the unload. Returns why such a copy could not be read
+        (its requests then fail when they run), else None."""
         if int_id in self.in_use() | self.admitted():
             self.retired.add(int_id)
             if int_id not in self.host and int_id in self.sources:
                 try:
                     self._get(self.sources[int_id][0])
-                except LoRAError as e:  # its requests fail when they run
+                except LoRAError as e:
                     logger.warning("unloaded LoRA adapter still in use is unreadable: %s", e)
-            return
+                    return str(e)
+            return None
         self._drop(int_id)
+        return None
 
     def _drop(self, int_id: int) -> None:
         self.retired.discard(int_id)
