@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from ..config.lora import LoRAConfig
+from ..distributed.parallel_state import get_tp_group
+from ..testing_hooks import lora_unreadable
 from .adapter import LoRAAdapter, LoRAError, LoRARequest, Slicer, load_adapter
 from .ops import LoRABatch, LoRAContext, LoRAShard, make_batch
 
@@ -182,6 +184,8 @@ class LoRAManager:
     def _get(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
+            if lora_unreadable(get_tp_group().rank, request.lora_name):
+                raise LoRAError(f"LoRA adapter {request.lora_name!r}: unreadable (test hook)")
             adapter = self.read(request)
             loaded = self.sources.get(request.lora_int_id)
             if loaded is not None and adapter.digest != loaded[1]:

@@ -18,6 +18,7 @@ from pdfleet.engine import LLM, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
 from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
+from pdfleet.engine.testing_hooks import LORA_UNREADABLE_ENV
 
 
 def greedy(n: int) -> SamplingParams:
@@ -191,8 +192,11 @@ def test_lora_flags_are_checked(tiny_model):
 
 
 def test_tensor_parallel_two_ranks_match_peft(
-    tiny_model_factory, adapter_factory, peft_factory, tmp_path
+    tiny_model_factory, adapter_factory, peft_factory, tmp_path, monkeypatch
 ):
+    # Rank 1 alone cannot read adapter g again after an eviction (the ranks
+    # inherit the variable when they start).
+    monkeypatch.setenv(LORA_UNREADABLE_ENV, "1:g")
     # One KV head replicated on both ranks, the other projections sharded.
     base = tiny_model_factory("mistral", num_key_value_heads=1)
     a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
@@ -316,6 +320,17 @@ def run_evicted_adapter_steps(llm, peft_factory, base, a, b, tmp_path):
     assert outs["rbase"].token_ids == want[None] and outs["rd"].token_ids == want["b"]
     assert engine.core.num_failed_steps == 0
     assert "f" not in engine.loras  # unloaded: load it again
+
+    # Only rank 1 fails to read g again: every rank leaves g out of the step
+    # (rank 0 would otherwise sample from rows rank 1 ran without it), and
+    # rank 0 names it.
+    lora_g = engine.add_lora("g", a)
+    evict("g")
+    outs = run([("rg", lora_g), ("rbase", None), ("rd", lora_b)])
+    assert outs["rg"].finish_reason == "error" and outs["rg"].token_ids == []
+    assert "'g': another tensor-parallel rank could not read" in str(outs["rg"].stop_reason)
+    assert outs["rbase"].token_ids == want[None] and outs["rd"].token_ids == want["b"]
+    assert "g" not in engine.loras and engine.core.num_failed_steps == 0
     outs = run([("a2", lora_a), ("base2", None)])
     assert outs["a2"].token_ids == want["a"] and outs["base2"].token_ids == want[None]
 
