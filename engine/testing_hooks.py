@@ -18,6 +18,10 @@ deployment must never set is this list:
   abort and time out requests mid-pull.
 - ``$PDFLEET_TP_TEST_HANG_RANK=R``: tensor-parallel rank ``R`` never joins the
   rendezvous (tests of its bound).
+- ``$PDFLEET_LORA_TEST_UNREADABLE=R:NAME``: tensor-parallel rank ``R`` (0 at
+  TP = 1) cannot read LoRA adapter ``NAME`` again when a step needs it after
+  an eviction (its load reads it as usual), as if only that rank's view of
+  the directory had gone.
 
 Torch-free; imports nothing of pdfleet.
 """
@@ -32,6 +36,7 @@ FAULT_BREAK_ENV = "PDFLEET_FAULT_BREAK_ON_TOKEN"
 FAULT_STEP_DELAY_ENV = "PDFLEET_FAULT_STEP_DELAY_FILE"
 READ_DELAY_ENV = "PDFLEET_KV_TEST_READ_DELAY_FILE"
 TP_HANG_RANK_ENV = "PDFLEET_TP_TEST_HANG_RANK"
+LORA_UNREADABLE_ENV = "PDFLEET_LORA_TEST_UNREADABLE"
 
 
 def _env_token(name: str) -> int | None:
@@ -83,6 +88,12 @@ def kv_read_delay() -> float:
     is read each time, so a test changes the delay while the engine runs."""
     path = os.environ.get(READ_DELAY_ENV)
     return _seconds_in(path) if path else 0.0
+
+
+def lora_unreadable(rank: int, name: str) -> bool:
+    """Whether rank ``rank`` is to fail reading adapter ``name`` again."""
+    value = os.environ.get(LORA_UNREADABLE_ENV)
+    return bool(value) and value == f"{rank}:{name}"
 
 
 def tp_rank_hangs(rank: int) -> bool:

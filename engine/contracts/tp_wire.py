@@ -13,7 +13,7 @@
   commands (``kv_connector.py``) or nil;
 * :class:`StepResult`, from rank 0 only (every rank samples the same tokens):
   ``[sampled, logprobs, prompt_logprobs, finished_sending, finished_recving,
-  failed_recving, forward_seconds]`` (plus, with LoRA on, rank 0's caches:
+  failed_recving, forward_seconds, failed_requests]`` (plus, with LoRA on, rank 0's caches:
   :class:`StepLoRA`), logprobs ``[token_ids, logprobs, rank]``;
 * :class:`LoRALoad`, when the engine loads a LoRA adapter (one broadcast
   after a ``[nbytes, LORA_LOAD]`` header): msgpack ``[lora_name, lora_id,
@@ -21,7 +21,10 @@
   then and answers in one gather over the control group, a
   :data:`LORA_STATUS_BYTES` status each (:func:`lora_status`: empty when
   its shard is in its host cache, else why not, UTF-8); ``[nbytes,
-  LORA_DROP]`` + msgpack ``lora_id`` drops a load the other ranks refused;
+  LORA_DROP]`` + msgpack ``[lora_id, keep]`` drops an adapter (a load the
+  other ranks refused, or an unloaded one; ``keep``: requests the main
+  process admitted still need it, so its shards stay until a later drop
+  without ``keep``);
 * on a rank's pipe, one tagged message at a time (:func:`rank_message`):
   :data:`READY` + :class:`RankReady` (``[num_blocks, max_model_len,
   shard_info, layout]``), :data:`RESULT` + a :class:`StepResult`,
@@ -43,7 +46,7 @@ taken as lists (checking each id would cost the step a pass over its tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack as _msgpack  # private: other modules use the carriers, never msgpack
@@ -365,6 +368,8 @@ class StepResult:
     finished_recving: list[str]
     failed_recving: list[str]
     forward_seconds: float
+    failed_requests: dict[str, str] = field(default_factory=dict)
+    """req_id -> why it could not run (its LoRA adapter could not be read)."""
     lora: StepLoRA | None = None
     """Rank 0's LoRA caches (engines with --enable-lora; else nil, or absent)."""
 
@@ -377,6 +382,7 @@ class StepResult:
             self.finished_recving,
             self.failed_recving,
             self.forward_seconds,
+            self.failed_requests,
         ]
         if self.lora is not None:
             row.append(list(self.lora))
@@ -386,9 +392,11 @@ class StepResult:
     def decode(cls, data: bytes | memoryview) -> StepResult:
         wire = _unpack(data, "step result")
         lora = None
-        if isinstance(wire, list) and len(wire) == 8:
+        if isinstance(wire, list) and len(wire) == 9:
             lora = _step_lora(wire.pop())
-        sampled, lps, prompt_lps, sending, recving, failed, seconds = _row(wire, 7, "step result")
+        sampled, lps, prompt_lps, sending, recving, failed, seconds, failures = _row(
+            wire, 8, "step result"
+        )
         if not isinstance(seconds, int | float) or isinstance(seconds, bool):
             raise ValueError("malformed step result: forward_seconds is not a number")
         return cls(
@@ -402,6 +410,10 @@ class StepResult:
             _list(recving, "finished_recving"),
             _list(failed, "failed_recving"),
             float(seconds),
+            {
+                _str(k, "failed_requests"): _str(v, "failed_requests")
+                for k, v in _map(failures, "failed_requests").items()
+            },
             lora,
         )
 
@@ -492,12 +504,17 @@ class LoRALoad:
         )
 
 
-def encode_lora_drop(lora_id: int) -> bytes:
-    return _pack(lora_id)
+def encode_lora_drop(lora_id: int, keep: bool = False) -> bytes:
+    return _pack([lora_id, keep])
 
 
-def decode_lora_drop(data: bytes | memoryview) -> int:
-    return _int(_unpack(data, "LoRA drop"), "LoRA drop lora_id")
+def decode_lora_drop(data: bytes | memoryview) -> tuple[int, bool]:
+    """``(lora_id, keep)``: keep its shards while requests admitted by the
+    main process still need it (dropped by a later ``keep`` false)."""
+    lora_id, keep = _row(_unpack(data, "LoRA drop"), 2, "LoRA drop")
+    if not isinstance(keep, bool):
+        raise ValueError("malformed LoRA drop: keep is not a bool")
+    return _int(lora_id, "LoRA drop lora_id"), keep
 
 
 def lora_status(error: str | None) -> bytes:

@@ -73,15 +73,15 @@ class EngineCore:
             record_kv_events=events,
             num_host_blocks=self.runner.num_host_blocks,
         )
-        if isinstance(self.runner, ModelRunner):
-            scheduler = self.scheduler
-            self.runner.pin_loras(
-                lambda: {r.lora_id for r in scheduler.requests.values() if r.lora_id}
-            )
+        scheduler = self.scheduler
+        self.runner.pin_loras(lambda: {r.lora_id for r in scheduler.requests.values() if r.lora_id})
         self.last_stats = StepStats()
         self.busy_prefill_seconds = 0.0
         self.num_steps = 0
         self.num_failed_steps = 0
+        # Load id -> why: adapters a step could not read (their requests
+        # failed); the engine unloads them (``LLMEngine.step``).
+        self.failed_loras: dict[int, str] = {}
         # The step in progress, read by the HTTP loop (another thread) at each
         # scrape so the gateway can tell a long step from a wedged engine:
         # its start (time.monotonic()) or None between steps, and the tokens
@@ -176,6 +176,10 @@ class EngineCore:
                 lost = self.runner.unissued_stores([slot for _b, slot in ops.stores])
                 self.scheduler.kv.stores_done(lost, failed=True)
             raise StepFailed(list(sched_out.num_scheduled_tokens), e) from e
+        for rid, why in runner_out.failed_requests.items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None and request.lora_id:
+                self.failed_loras.setdefault(request.lora_id, why)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         stats = self.scheduler.stats()
         elapsed = time.perf_counter() - start

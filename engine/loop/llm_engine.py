@@ -497,6 +497,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
+        if self.core.failed_loras:
+            self._unload_failed_loras()
         if self.kv_events is not None:
             self.kv_events.publish(self.core.scheduler.take_kv_events())
         outputs, stopped = self.output.process(core_outputs, self.iteration_stats)
@@ -504,6 +506,18 @@ class LLMEngine:
             self.core.stop_requests(stopped)
             # Parents whose last child just hit a stop string are finished now.
         return outputs
+
+    def _unload_failed_loras(self) -> None:
+        """Unload the adapters a step could not read (their directory gone, or
+        their files changed since the load): new requests naming one get a
+        404 and it leaves ``/v1/models`` until it is loaded again. Requests of
+        it already admitted fail when they run, as the step's did."""
+        failed, self.core.failed_loras = self.core.failed_loras, {}
+        for lora_id, why in failed.items():
+            name = next((n for n, r in self.loras.items() if r.lora_int_id == lora_id), None)
+            if name is not None:
+                logger.warning("LoRA adapter %r unloaded: a step could not read it: %s", name, why)
+                self.remove_lora(name)
 
     def take_iteration_stats(self) -> IterationStats:
         stats, self.iteration_stats = self.iteration_stats, IterationStats()

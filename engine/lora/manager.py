@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from ..config.lora import LoRAConfig
+from ..distributed.parallel_state import get_tp_group
+from ..testing_hooks import lora_unreadable
 from .adapter import LoRAAdapter, LoRAError, LoRARequest, Slicer, load_adapter
 from .ops import LoRABatch, LoRAContext, LoRAShard, make_batch
 
@@ -152,21 +154,24 @@ class LoRAManager:
             del self.host[victim]
             self.stats.cpu_evictions += 1
 
-    def remove(self, int_id: int) -> None:
+    def remove(self, int_id: int) -> str | None:
         """Forget an adapter (unloaded): host copy and device slot, at once when
         no admitted request uses it, else once the last of them has finished.
         A copy evicted from host memory that such requests still need is read
         again now, while its directory is surely there: the caller may delete
-        it right after the unload."""
+        it right after the unload. Returns why such a copy could not be read
+        (its requests then fail when they run), else None."""
         if int_id in self.in_use() | self.admitted():
             self.retired.add(int_id)
             if int_id not in self.host and int_id in self.sources:
                 try:
                     self._get(self.sources[int_id][0])
-                except LoRAError as e:  # its requests fail when they run
+                except LoRAError as e:
                     logger.warning("unloaded LoRA adapter still in use is unreadable: %s", e)
-            return
+                    return str(e)
+            return None
         self._drop(int_id)
+        return None
 
     def _drop(self, int_id: int) -> None:
         self.retired.discard(int_id)
@@ -179,6 +184,8 @@ class LoRAManager:
     def _get(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
+            if lora_unreadable(get_tp_group().rank, request.lora_name):
+                raise LoRAError(f"LoRA adapter {request.lora_name!r}: unreadable (test hook)")
             adapter = self.read(request)
             loaded = self.sources.get(request.lora_int_id)
             if loaded is not None and adapter.digest != loaded[1]:

@@ -8,6 +8,7 @@ processes, driven by broadcast steps). ``EngineCore`` holds one as an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -53,8 +54,15 @@ class Executor(Protocol):
         """Keep what :meth:`read_lora` returned in the caches (the engine thread)."""
         ...
 
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Drop an unloaded adapter from the caches."""
+    def remove_lora(self, lora_int_id: int) -> str | None:
+        """Drop an unloaded adapter from the caches (kept while requests
+        :meth:`pin_loras` names still need it); None, or why a kept copy
+        evicted earlier could not be read again for them."""
+        ...
+
+    def pin_loras(self, admitted: Callable[[], set[int]]) -> None:
+        """The load ids of the adapters of the scheduler's admitted requests
+        (waiting, preempted or running), read when an adapter is unloaded."""
         ...
 
     def lora_stats(self) -> LoRAStats | None:

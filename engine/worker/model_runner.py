@@ -230,9 +230,10 @@ class ModelRunner:
             raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
         self.lora.add(read)
 
-    def remove_lora(self, lora_int_id: int) -> None:
-        if self.lora is not None:
-            self.lora.remove(lora_int_id)
+    def remove_lora(self, lora_int_id: int) -> str | None:
+        """Drop an unloaded adapter, or keep it for admitted requests: None, or
+        why its evicted copy could not be read again for them."""
+        return self.lora.remove(lora_int_id) if self.lora is not None else None
 
     def lora_stats(self) -> Any:
         return self.lora.snapshot() if self.lora is not None else None
@@ -365,10 +366,11 @@ class ModelRunner:
             # (the grouped LoRA form then reads the slots' weights in place).
             wanted = [self.states[r].lora for r in req_ids]
             # An adapter that cannot be read fails its own requests, never the
-            # step's other rows (in-process only: TP ranks have no such reply
-            # and fail the step).
-            failed: dict[int, str] | None = {} if self.tp.size == 1 else None
+            # step's other rows.
+            failed: dict[int, str] = {}
             lora_slots = self.lora.activate([w for w in wanted if w is not None], failed)
+            if self.tp.size > 1 and any(w is not None for w in wanted):
+                self._agree_lora_failures(wanted, failed, lora_slots)
             for r in req_ids:
                 lora = self.states[r].lora
                 if failed and lora is not None and lora.lora_int_id in failed:
@@ -431,6 +433,33 @@ class ModelRunner:
             logits_rows=logits_rows,
             logits_indices=logits_indices,
         )
+
+    def _agree_lora_failures(
+        self,
+        wanted: list[LoRARequest | None],
+        failed: dict[int, str],
+        slots: dict[int, int],
+    ) -> None:
+        """Every rank fails the same adapters: one that any rank could not
+        read (its shard evicted from that rank's host cache, then its files
+        gone or changed) runs as base rows on all, and rank 0, which answers
+        for the step, names it. Every rank has the same step, so the same
+        ``wanted`` in the same order, and so meets this collective."""
+        ids = list(dict.fromkeys(w.lora_int_id for w in wanted if w is not None))
+        mask = torch.tensor(
+            [1 if i in failed else 0 for i in ids], dtype=torch.int64, device=self.tp.device
+        )
+        self.tp.all_reduce(mask)
+        for i, bad in zip(ids, mask.tolist(), strict=True):
+            if bad and i not in failed:
+                name = next(w.lora_name for w in wanted if w is not None and w.lora_int_id == i)
+                failed[i] = (
+                    f"LoRA adapter {name!r}: another tensor-parallel rank could not read "
+                    "its shard again from its directory; load it again"
+                )
+            if bad:
+                # A rank that read it keeps it out of this step too.
+                slots.pop(i, None)
 
     def _lora_sort_key(self, req_id: str, slots: dict[int, int]) -> int:
         lora = self.states[req_id].lora

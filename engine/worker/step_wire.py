@@ -132,6 +132,7 @@ def pack_result(r: ModelRunnerOutput, lora: Any = None) -> bytes:
         sorted(r.finished_recving),
         sorted(r.failed_recving),
         r.forward_seconds,
+        dict(r.failed_requests),
         stats,
     ).encode()
 
@@ -167,4 +168,5 @@ def _output(r: StepResult) -> ModelRunnerOutput:
         finished_recving=set(r.finished_recving),
         failed_recving=set(r.failed_recving),
         forward_seconds=r.forward_seconds,
+        failed_requests=dict(r.failed_requests),
     )

@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,6 +179,10 @@ class TPExecutor:
         self.num_steps = 0
         # Rank 0's LoRA caches as of its last step (None: LoRA off, or no step yet).
         self._lora_stats: LoRAStats | None = None
+        # The scheduler's admitted requests' adapters (:meth:`pin_loras`), and
+        # the unloaded adapters the ranks keep for them.
+        self._lora_admitted: Callable[[], set[int]] = set
+        self._lora_kept: set[int] = set()
         # Before the start: a failed start's shutdown broadcasts STOP with it.
         self.opts = dist.BroadcastOptions()
         self.opts.rootRank = 0
@@ -363,6 +368,8 @@ class TPExecutor:
             ) from e
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._lora_kept:
+            self._release_loras()
         start = time.perf_counter()
         commands = None
         if self.connector is not None:
@@ -444,25 +451,9 @@ class TPExecutor:
         TP = 1)."""
         payload = LoRALoad(read.name, read.int_id, read.path, read.digest).encode()
         self._broadcast([len(payload), LORA_LOAD], payload)
-        statuses = [torch.zeros(LORA_STATUS_BYTES, dtype=torch.uint8) for _ in range(self.size + 1)]
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        try:
-            self.ctl.gather([statuses], [statuses[0].clone()], opts).wait()
-        except RuntimeError as e:
-            self._check_ranks()
-            raise RankFailed(f"the ranks' LoRA shard loads did not answer: {e}") from e
-        errors = []
-        for rank in range(self.size):
-            try:
-                error = lora_status_error(statuses[rank + 1].numpy().tobytes())
-            except ValueError as e:
-                raise RankFailed(f"tensor-parallel rank {rank}: {e}") from None
-            if error is not None:
-                errors.append(f"rank {rank}: {error}")
+        errors = self._lora_statuses("LoRA shard loads")
         if errors:
-            drop = encode_lora_drop(read.int_id)
-            self._broadcast([len(drop), LORA_DROP], drop)
+            self._drop_lora(read.int_id, False)
             raise LoRAError(
                 f"LoRA adapter {read.name!r} refused by tensor-parallel " + "; ".join(errors)
             )
@@ -473,10 +464,55 @@ class TPExecutor:
             stats.cached = [*(n for n in stats.cached if n != read.name), read.name]
             stats.resident.setdefault(read.name, "host")
 
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Nothing to tell the ranks: their caches key by load id, which an
-        unloaded adapter's never comes back as, and evict it in time (a
-        request still running it keeps its shards until then)."""
+    def remove_lora(self, lora_int_id: int) -> str | None:
+        """Every rank drops the adapter's shards, or, while admitted requests
+        still need it, keeps them (read again now if evicted, while the
+        directory is surely there) until :meth:`execute_model` sees the last
+        of those requests gone and drops them then."""
+        keep = lora_int_id in self._lora_admitted()
+        if keep:
+            self._lora_kept.add(lora_int_id)
+        errors = self._drop_lora(lora_int_id, keep)
+        for error in errors:
+            logger.warning("unloaded LoRA adapter still in use is unreadable: %s", error)
+        return "; ".join(errors) or None
+
+    def pin_loras(self, admitted: Callable[[], set[int]]) -> None:
+        self._lora_admitted = admitted
+
+    def _release_loras(self) -> None:
+        """Drop the kept shards of unloaded adapters no admitted request needs."""
+        admitted = self._lora_admitted()
+        for lora_int_id in [i for i in self._lora_kept if i not in admitted]:
+            self._lora_kept.discard(lora_int_id)
+            self._drop_lora(lora_int_id, False)
+
+    def _drop_lora(self, lora_int_id: int, keep: bool) -> list[str]:
+        """Every rank drops (or keeps) the adapter's shards; returns once all
+        have, with each rank's error (``rank N: why``)."""
+        drop = encode_lora_drop(lora_int_id, keep)
+        self._broadcast([len(drop), LORA_DROP], drop)
+        return self._lora_statuses("LoRA shard drops")
+
+    def _lora_statuses(self, what: str) -> list[str]:
+        """The ranks' answers to a LoRA load or drop (one gather): their errors."""
+        statuses = [torch.zeros(LORA_STATUS_BYTES, dtype=torch.uint8) for _ in range(self.size + 1)]
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        try:
+            self.ctl.gather([statuses], [statuses[0].clone()], opts).wait()
+        except RuntimeError as e:
+            self._check_ranks()
+            raise RankFailed(f"the ranks' {what} did not answer: {e}") from e
+        errors = []
+        for rank in range(self.size):
+            try:
+                error = lora_status_error(statuses[rank + 1].numpy().tobytes())
+            except ValueError as e:
+                raise RankFailed(f"tensor-parallel rank {rank}: {e}") from None
+            if error is not None:
+                errors.append(f"rank {rank}: {error}")
+        return errors
 
     def lora_stats(self) -> LoRAStats | None:
         """Rank 0's LoRA caches after the last step, and the loads since (every

@@ -177,6 +177,10 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     gather.rootRank = 0
     backlog: list[ShardReadEnded] = []  # ended reads not reported yet
     header = torch.zeros(2, dtype=torch.int64)
+    # Unloaded adapters whose shards stay for requests the main process
+    # admitted (waiting or preempted ones this rank has not seen yet).
+    kept: set[int] = set()
+    runner.pin_loras(lambda: kept)
     while True:
         ctl.broadcast([header], opts).wait()
         nbytes, kind = header.tolist()
@@ -190,7 +194,16 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
             ctl.gather([], [status], gather).wait()
             continue
         if kind == LORA_DROP:
-            runner.remove_lora(decode_lora_drop(payload.numpy().data))
+            lora_id, keep = decode_lora_drop(payload.numpy().data)
+            if keep:
+                kept.add(lora_id)
+            else:
+                kept.discard(lora_id)
+            error = _drop_lora_shard(runner, lora_id)
+            # Answered only once done: the main process's unload returns after
+            # every rank holds what it keeps, and the directory may go then.
+            status = torch.frombuffer(bytearray(lora_status(error)), dtype=torch.uint8)
+            ctl.gather([], [status], gather).wait()
             continue
         out, commands = unpack_step(payload.numpy().data)
         if shard is not None and commands:
@@ -210,6 +223,17 @@ def _serve(spec: RankSpec, conn: Any, stores: list[Any]) -> None:
     if shard is not None:
         shard.shutdown()
     dist.destroy_process_group()
+
+
+def _drop_lora_shard(runner: Any, lora_id: int) -> str | None:
+    """Drop an adapter's shard, or keep it for admitted requests (its host copy
+    read again now if evicted); None, or why a kept copy could not be read
+    (its requests then fail when they run)."""
+    try:
+        error: str | None = runner.remove_lora(lora_id)
+        return error
+    except Exception as e:  # a bug or the host out of memory: keep serving
+        return f"LoRA adapter {lora_id}: {type(e).__name__}: {e}"
 
 
 def _load_lora_shard(runner: Any, load: LoRALoad) -> str | None:

@@ -72,6 +72,7 @@ def test_the_engine_s_step_and_result_map_onto_the_wire_and_back():
         {"x"},
         {"y", "w"},
         set(),
+        failed_requests={"c": "LoRA adapter 'f': gone"},
         forward_seconds=0.25,
     )
     assert unpack_result(pack_result(result)) == result
@@ -83,7 +84,7 @@ def test_the_engine_s_step_and_result_map_onto_the_wire_and_back():
     assert unpack_result_lora(pack_result(result)) == (result, None)
     with pytest.raises(ValueError, match="malformed step LoRA resident"):
         w.StepResult.decode(
-            packed([{}, {}, {}, [], [], [], 0.0, [0, 0.0, 0, 0, 0, [], [], {1: 2}]])
+            packed([{}, {}, {}, [], [], [], 0.0, {}, [0, 0.0, 0, 0, 0, [], [], {1: 2}]])
         )
     assert msgpack.unpackb(pack_result(result))[4] == ["w", "y"]  # sets travel sorted
 
@@ -148,12 +149,14 @@ def test_a_step_with_a_malformed_sampling_map_is_refused(change, why):
 
 
 def test_a_malformed_result_is_refused():
-    with pytest.raises(ValueError, match="not a list of 7 items"):
-        w.StepResult.decode(packed([{}, {}, {}, [], [], []]))
+    with pytest.raises(ValueError, match="not a list of 8 items"):
+        w.StepResult.decode(packed([{}, {}, {}, [], [], [], 0.0]))
     with pytest.raises(ValueError, match="forward_seconds is not a number"):
-        w.StepResult.decode(packed([{}, {}, {}, [], [], [], "0"]))
+        w.StepResult.decode(packed([{}, {}, {}, [], [], [], "0", {}]))
     with pytest.raises(ValueError, match="malformed logprobs: not a list of 3 items"):
-        w.StepResult.decode(packed([{}, {"a": [1]}, {}, [], [], [], 0.0]))
+        w.StepResult.decode(packed([{}, {"a": [1]}, {}, [], [], [], 0.0, {}]))
+    with pytest.raises(ValueError, match="malformed failed_requests"):
+        w.StepResult.decode(packed([{}, {}, {}, [], [], [], 0.0, {"a": 1}]))
 
 
 def test_ready_records_agent_specs_and_pipe_messages():
@@ -193,7 +196,12 @@ def test_lora_loads_drops_and_statuses_round_trip_and_bad_ones_are_refused():
         w.LoRALoad.decode(msgpack.packb(["sql", "7", "/a", "d"]))
     with pytest.raises(ValueError, match="malformed LoRA load: not a list of 4"):
         w.LoRALoad.decode(msgpack.packb(["sql", 7, "/a"]))
-    assert w.decode_lora_drop(w.encode_lora_drop(7)) == 7
+    assert w.decode_lora_drop(w.encode_lora_drop(7)) == (7, False)
+    assert w.decode_lora_drop(w.encode_lora_drop(7, True)) == (7, True)
+    with pytest.raises(ValueError, match="malformed LoRA drop: keep is not a bool"):
+        w.decode_lora_drop(msgpack.packb([7, 1]))
+    with pytest.raises(ValueError, match="malformed LoRA drop: not a list of 2"):
+        w.decode_lora_drop(msgpack.packb(7))
     ok = w.lora_status(None)
     assert len(ok) == w.LORA_STATUS_BYTES and w.lora_status_error(ok) is None
     long = "é" * w.LORA_STATUS_BYTES  # cut to fit, mid-character: still text

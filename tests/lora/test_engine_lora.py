@@ -18,6 +18,7 @@ from pdfleet.engine import LLM, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
 from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
+from pdfleet.engine.testing_hooks import LORA_UNREADABLE_ENV
 
 
 def greedy(n: int) -> SamplingParams:
@@ -191,8 +192,11 @@ def test_lora_flags_are_checked(tiny_model):
 
 
 def test_tensor_parallel_two_ranks_match_peft(
-    tiny_model_factory, adapter_factory, peft_factory, tmp_path
+    tiny_model_factory, adapter_factory, peft_factory, tmp_path, monkeypatch
 ):
+    # Rank 1 alone cannot read adapter g again after an eviction (the ranks
+    # inherit the variable when they start).
+    monkeypatch.setenv(LORA_UNREADABLE_ENV, "1:g")
     # One KV head replicated on both ranks, the other projections sharded.
     base = tiny_model_factory("mistral", num_key_value_heads=1)
     a, b = adapter_factory(base, 1, r=8), adapter_factory(base, 2, r=4)
@@ -239,8 +243,96 @@ def test_tensor_parallel_two_ranks_match_peft(
         executor.read_lora = real_read
         assert "d" not in llm.engine.loras
         check(llm, peft_factory, base, prompts[:2], [("d", b), ("a", a)])
+        run_evicted_adapter_steps(llm, peft_factory, base, a, b, tmp_path)
     finally:
         llm.engine.shutdown()
+
+
+def run_evicted_adapter_steps(llm, peft_factory, base, a, b, tmp_path):
+    """Two adapter slots and two host copies per rank (TP = 2, real ranks).
+
+    An adapter unloaded while a request of it waits for a slot keeps its
+    shards on every rank (read again at the unload: its copy was evicted),
+    so that request finishes with it after its directory is gone. An adapter
+    whose shards were evicted and whose directory is then deleted fails only
+    its own requests, with an error naming it: base and other-adapter rows of
+    the same steps finish normally, and the engine serves on."""
+    engine = llm.engine
+    (prompt,) = random_prompts(engine.config.model_config.vocab_size, [9], seed=14)
+    lora_a, lora_b = engine.loras["a"], engine.loras["d"]  # d holds b's weights
+    want = {
+        None: hf_greedy(peft_factory(base, None), prompt, 4),
+        "a": hf_greedy(peft_factory(base, a), prompt, 4),
+        "b": hf_greedy(peft_factory(base, b), prompt, 4),
+    }
+
+    def run(requests):
+        for rid, lora in requests:
+            engine.add_request(
+                rid, {"prompt_token_ids": prompt}, greedy(4), output_kind="final", lora_request=lora
+            )
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0] for o in engine.step()})
+        return outs
+
+    def cached():
+        stats = engine.core.runner.lora_stats()
+        assert stats is not None
+        return stats.cached
+
+    def evict(name):
+        """Push ``name``'s shards out of every rank's host cache (two copies
+        per rank): load two others, unload them."""
+        for other in ("x1", "x2"):
+            engine.add_lora(other, a)
+        for other in ("x1", "x2"):
+            engine.remove_lora(other)
+        run([(f"flush-{name}", None)])  # rank 0 reports its caches with a step
+        assert name not in cached()
+
+    e = shutil.copytree(b, tmp_path / "e")
+    lora_e = engine.add_lora("e", str(e))
+    evict("e")
+    for rid, lora in (("pa", lora_a), ("pd", lora_b), ("pe", lora_e)):
+        engine.add_request(
+            rid, {"prompt_token_ids": prompt}, greedy(4), output_kind="final", lora_request=lora
+        )
+    engine.step()  # a and d take both slots; pe waits
+    assert {r.request_id for r in engine.core.scheduler.running} == {"pa", "pd"}
+    engine.remove_lora("e")  # the ranks read e's shards again, and keep them
+    shutil.rmtree(e)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert outs == {"pa": want["a"], "pd": want["b"], "pe": want["b"]}
+    run([("base", None)])  # no admitted request needs e now: the ranks drop it
+    assert "e" not in cached()
+
+    f = shutil.copytree(a, tmp_path / "f")
+    lora_f = engine.add_lora("f", str(f))
+    evict("f")
+    shutil.rmtree(f)
+    outs = run([("rf", lora_f), ("rbase", None), ("rd", lora_b)])
+    assert outs["rf"].finish_reason == "error" and outs["rf"].token_ids == []
+    assert "'f'" in str(outs["rf"].stop_reason)
+    assert "is not a directory" in str(outs["rf"].stop_reason)
+    assert outs["rbase"].token_ids == want[None] and outs["rd"].token_ids == want["b"]
+    assert engine.core.num_failed_steps == 0
+    assert "f" not in engine.loras  # unloaded: load it again
+
+    # Only rank 1 fails to read g again: every rank leaves g out of the step
+    # (rank 0 would otherwise sample from rows rank 1 ran without it), and
+    # rank 0 names it.
+    lora_g = engine.add_lora("g", a)
+    evict("g")
+    outs = run([("rg", lora_g), ("rbase", None), ("rd", lora_b)])
+    assert outs["rg"].finish_reason == "error" and outs["rg"].token_ids == []
+    assert "'g': another tensor-parallel rank could not read" in str(outs["rg"].stop_reason)
+    assert outs["rbase"].token_ids == want[None] and outs["rd"].token_ids == want["b"]
+    assert "g" not in engine.loras and engine.core.num_failed_steps == 0
+    outs = run([("a2", lora_a), ("base2", None)])
+    assert outs["a2"].token_ids == want["a"] and outs["base2"].token_ids == want[None]
 
 
 def test_triton_backend_runs_the_sgmv_kernel_in_the_model(llama, peft_factory):
@@ -446,5 +538,7 @@ def test_an_adapter_that_cannot_be_read_fails_only_its_own_requests(llama, peft_
     assert "changed since it was loaded" in str(outs["ra"].stop_reason)
     assert outs["rbase"].token_ids == hf_greedy(peft_factory(base, None), prompt, 6)
     assert engine.core.num_failed_steps == 0
+    # Unloaded: new requests naming it are refused until it is loaded again.
+    assert "a" not in engine.loras and engine.resolve_lora("a") is None
     check(llm, peft_factory, base, [prompt, prompt], [("b", b), (None, None)])
     assert_no_leaks(llm)

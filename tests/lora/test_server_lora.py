@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import httpx
 import openai
@@ -142,7 +143,7 @@ def tokens(response: httpx.Response) -> list[int]:
 
 
 def test_adapters_are_listed_served_loaded_and_unloaded(
-    setup, tiny_model, adapter_factory, peft_factory
+    setup, tiny_model, adapter_factory, peft_factory, tmp_path
 ):
     server, a = setup
     fleet = fleet_headers()
@@ -223,6 +224,29 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
     assert 'pdfleet_engine_lora_requests_total{lora_name="a",model_name="tiny"} 3.0' in text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
+
+    # An adapter whose host copy was evicted, then its directory deleted:
+    # its request fails naming it (a 502; a stream ends with an error event),
+    # the engine unloads it and serves the others on.
+    h = shutil.copytree(a, tmp_path / "h")
+    for name, path in (("h", h), ("x1", a), ("x2", a)):  # two host copies: h goes
+        body = {"lora_name": name, "lora_path": str(path)}
+        assert httpx.post(url, json=body, headers=fleet, timeout=30).status_code == 200
+    for name in ("x1", "x2"):
+        assert httpx.post(unload, json={"lora_name": name}, headers=fleet).status_code == 200
+    shutil.rmtree(h)
+    body = {"model": "h", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=client, timeout=60
+    ) as streamed:
+        assert streamed.status_code == 200  # the stream had started
+        text = "".join(streamed.iter_text())
+    assert text.startswith('data: {"error":') and '"code":502' in text, text
+    assert "'h'" in text and "is not a directory" in text
+    assert complete(server.url, "h", client).status_code == 404  # unloaded
+    ids = {c["id"] for c in httpx.get(server.url + "/v1/models", headers=client).json()["data"]}
+    assert ids == {"tiny", "a"}
+    assert tokens(complete(server.url, "a", client)) == want_a
 
 
 def test_an_hf_adapter_is_fetched_when_it_is_loaded_and_a_failed_fetch_is_refused_by_name(
