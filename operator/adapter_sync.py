@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from ..engine.contracts.lora import LoRALoad, load_succeeded, name_taken
 from .manifests import LABEL_ROLE, template_adapters
 from .model_source import adapter_claim_volume, hub_access
 from .parallelism import LABEL_GROUP_ROLE, WORKER
@@ -81,16 +82,13 @@ def _serves(adapter: AdapterSpec, card: Mapping[str, Any], pod: Mapping[str, Any
     return card.get("root") == adapter_path(adapter)
 
 
-def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> dict[str, str]:
+def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> LoRALoad:
     """The /v1/load_lora_adapter body for ``adapter`` on ``pod``: its directory,
     or for an hf:// adapter the pod did not start with, its source and revision
     (the engine downloads it)."""
-    body = {"lora_name": adapter.name, "lora_path": adapter_path(adapter)}
     if adapter.source.startswith("hf://") and not _started_with(adapter, pod):
-        body["lora_path"] = adapter.source
-        if adapter.revision:
-            body["revision"] = adapter.revision
-    return body
+        return LoRALoad(adapter.name, adapter.source, adapter.revision or None)
+    return LoRALoad(adapter.name, adapter_path(adapter))
 
 
 def _synced(pod: Mapping[str, Any]) -> bool:
@@ -131,13 +129,34 @@ async def sync_adapters(
         served = {c.get("id"): c for c in cards if c.get("parent") is not None}
         changes: list[AdapterChange] = []
 
-        async def call(action: str, adapter: str, body: dict[str, str]) -> bool:
+        async def card_serves(adapter: AdapterSpec) -> bool:
+            """Whether the pod's card of ``adapter.name`` is ``adapter``: a
+            load answered name_taken (loaded meanwhile, e.g. by the gateway)
+            is done only when the adapter under that name is the one wanted."""
             try:
-                r = await http.post(f"{base}/v1/{action}_lora_adapter", json=body)
+                r = await http.get(f"{base}/v1/models/{adapter.name}")
+                card = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return False
+            return isinstance(card, dict) and _serves(adapter, card, pod)
+
+        async def call(action: str, load: LoRALoad, wanted: AdapterSpec | None = None) -> bool:
+            adapter = load.lora_name
+            try:
+                r = await http.post(
+                    f"{base}/v1/{action}_lora_adapter",
+                    content=load.encode(),
+                    headers={"content-type": "application/json"},
+                )
+                done = load_succeeded(r.status_code) or (
+                    wanted is not None
+                    and name_taken(r.status_code, r.content)
+                    and await card_serves(wanted)
+                )
             except httpx.HTTPError as e:
                 changes.append(AdapterChange(name, action, adapter, f"{e!r}"))
                 return False
-            if r.status_code >= 400:
+            if not done:
                 changes.append(AdapterChange(name, action, adapter, r.text.strip()[:500]))
                 return False
             changes.append(AdapterChange(name, action, adapter))
@@ -147,16 +166,16 @@ async def sync_adapters(
         for adapter, card in served.items():
             spec_adapter = wanted.get(adapter)
             if spec_adapter is None:
-                await call("unload", adapter, {"lora_name": adapter})
+                await call("unload", LoRALoad(adapter))
                 continue
             # Served from another directory, source or revision: loaded again below.
             moved = not _serves(spec_adapter, card, pod) and loadable(spec_adapter, pod)
-            if moved and await call("unload", adapter, {"lora_name": adapter}):
+            if moved and await call("unload", LoRALoad(adapter)):
                 continue
             present.add(adapter)
         for adapter in spec.adapters:
             if adapter.name not in present and loadable(adapter, pod):
-                await call("load", adapter.name, load_body(adapter, pod))
+                await call("load", load_body(adapter, pod), adapter)
         return changes
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
