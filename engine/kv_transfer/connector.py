@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,7 +67,7 @@ from ..contracts.kv_side_channel import (
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
-from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
+from .base import QUARANTINE, KVConnectorScheduler, KVConnectorStats, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
@@ -882,6 +882,40 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(self, connector: PDConnector) -> None:
         self.connector = connector
         self.pending: list[KVLoad] = []
+
+    def stats_snapshot(self) -> KVConnectorStats:
+        c = self.connector
+        with c.lock:
+            stats = c.stats
+            seconds, stats.transfer_seconds = stats.transfer_seconds, []
+            snapshot = KVConnectorStats(
+                bytes_transferred=stats.bytes_transferred,
+                blocks_pulled=stats.blocks_pulled,
+                transfers=stats.transfers,
+                failed_transfers=stats.failed_transfers,
+                unconfirmed_transfers=stats.unconfirmed_transfers,
+                content_mismatches=stats.content_mismatches,
+                expired_leases=stats.expired_leases,
+                handshakes=stats.handshakes,
+                failed_handshakes=stats.failed_handshakes,
+                remote_evictions=stats.remote_evictions,
+                refused_reads=stats.refused_reads,
+                transfer_seconds=tuple(seconds),
+                per_producer={k: tuple(v) for k, v in stats.per_producer.items()},
+                remote_engines=len(c.remotes),
+                pulls_in_flight=len(c.active),
+                pull_bandwidth=stats.pull_bandwidth,
+                degraded=stats.degraded,
+            )
+        refused = snapshot.refused_reads + (c.server.num_rejected if c.server is not None else 0)
+        by_rank = c.transport.rank_bytes if isinstance(c.transport, NixlTransport) else []
+        return replace(
+            snapshot,
+            refused_reads=refused,
+            quarantined_blocks=c.num_quarantined_blocks,  # takes the lock itself
+            block_bytes=c.bytes_per_block if c.layout is not None else None,
+            shard_bytes=tuple(by_rank),
+        )
 
     def _verified(self, raw: Mapping[str, Any]) -> KVTransferParams:
         try:
