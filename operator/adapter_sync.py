@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from ..engine.contracts.lora import LoRALoad, load_succeeded, name_taken
+from ..engine.contracts.model_card import ModelCard, decode_list
 from .manifests import LABEL_ROLE, template_adapters
 from .model_source import adapter_claim_volume, hub_access
 from .parallelism import LABEL_GROUP_ROLE, WORKER
@@ -70,16 +71,14 @@ def loadable(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
     return any(v.get("name") == adapter_claim_volume(claim) for v in volumes)
 
 
-def _serves(adapter: AdapterSpec, card: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+def _serves(adapter: AdapterSpec, card: ModelCard, pod: Mapping[str, Any]) -> bool:
     """Whether the adapter card an engine lists is ``adapter`` as spec.adapters says."""
     if adapter.source.startswith("hf://"):
-        if card.get("source") is not None:
-            return bool(
-                card.get("source") == adapter.source and card.get("revision") == adapter.revision
-            )
+        if card.source is not None:
+            return card.source == adapter.source and card.revision == adapter.revision
         # Loaded from the init step's link: the revision is the template's.
-        return card.get("root") == adapter_path(adapter) and _started_with(adapter, pod)
-    return card.get("root") == adapter_path(adapter)
+        return card.root == adapter_path(adapter) and _started_with(adapter, pod)
+    return card.root == adapter_path(adapter)
 
 
 def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> LoRALoad:
@@ -123,10 +122,10 @@ async def sync_adapters(
         try:
             response = await http.get(f"{base}/v1/models")
             response.raise_for_status()
-            cards = response.json().get("data") or []
-        except (httpx.HTTPError, ValueError, AttributeError):
+            cards = decode_list(response.json())
+        except (httpx.HTTPError, ValueError):
             return []  # not answering now: the next refresh tries again
-        served = {c.get("id"): c for c in cards if c.get("parent") is not None}
+        served = {c.id: c for c in cards if c.is_adapter}
         changes: list[AdapterChange] = []
 
         async def card_serves(adapter: AdapterSpec) -> bool:
@@ -135,10 +134,10 @@ async def sync_adapters(
             is done only when the adapter under that name is the one wanted."""
             try:
                 r = await http.get(f"{base}/v1/models/{adapter.name}")
-                card = r.json() if r.status_code == 200 else None
+                card = ModelCard.from_wire(r.json()) if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return False
-            return isinstance(card, dict) and _serves(adapter, card, pod)
+            return card is not None and _serves(adapter, card, pod)
 
         async def call(action: str, load: LoRALoad, wanted: AdapterSpec | None = None) -> bool:
             adapter = load.lora_name
@@ -173,9 +172,9 @@ async def sync_adapters(
             if moved and await call("unload", LoRALoad(adapter)):
                 continue
             present.add(adapter)
-        for adapter in spec.adapters:
-            if adapter.name not in present and loadable(adapter, pod):
-                await call("load", load_body(adapter, pod), adapter)
+        for spec_adapter in spec.adapters:
+            if spec_adapter.name not in present and loadable(spec_adapter, pod):
+                await call("load", load_body(spec_adapter, pod), spec_adapter)
         return changes
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from ...engine.contracts.lora import LoRALoad, load_succeeded, name_taken
+from ...engine.contracts.model_card import ModelCard, decode_list
 from ..compat import check_service
 from ..resource import AdapterSpec, InferenceService
 from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
@@ -386,20 +387,20 @@ def sync_engine_adapters(
     try:
         r = http.get(url + "/v1/models", timeout=10)
         r.raise_for_status()
-        cards = r.json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        cards = decode_list(r.json())
+    except (httpx.HTTPError, ValueError) as e:
         raise RuntimeError(f"{name}: cannot list its adapters ({e})") from None
-    served = {c["id"]: c.get("root") for c in cards if c.get("parent") is not None}
+    served = {c.id: c.root for c in cards if c.is_adapter}
     calls = [("unload", LoRALoad(n)) for n, root in served.items() if wanted.get(n) != root]
     calls += [("load", LoRALoad(n, path)) for n, path in wanted.items() if served.get(n) != path]
 
-    def card_root(adapter: str) -> Any:
+    def card_root(adapter: str) -> str | None:
         try:
             r = http.get(f"{url}/v1/models/{adapter}", timeout=10)
-            card = r.json() if r.status_code == 200 else None
+            card = ModelCard.from_wire(r.json()) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
-        return card.get("root") if isinstance(card, dict) else None
+        return card.root if card is not None else None
 
     for action, load in calls:
         try:
