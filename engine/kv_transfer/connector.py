@@ -61,8 +61,10 @@ from ..contracts.kv_side_channel import (
     CONFIRM,
     PROTOCOL_VERSION,
     RELEASE,
+    Accepted,
     LeaseEnd,
     LeaseUse,
+    Refusal,
 )
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
@@ -457,10 +459,7 @@ class PDConnector:
 
     def _refused(self, why: str, code: str | None = None) -> tuple[dict[str, Any], list[Any]]:
         self.stats.refused_reads += 1
-        reply: dict[str, Any] = {"ok": False, "error": why}
-        if code is not None:
-            reply["code"] = code
-        return reply, []
+        return Refusal(why, code).to_wire(), []
 
     def _on_claim(
         self, request: dict[str, Any], peer: Peer
@@ -474,7 +473,7 @@ class PDConnector:
             lease, why, code = self._lease_for(use, peer)
             if lease is None:
                 return self._refused(why, code)
-        return {"ok": True}, []
+        return Accepted().to_wire(), []
 
     def _on_read(
         self, request: dict[str, Any], peer: Peer
@@ -490,7 +489,7 @@ class PDConnector:
                 return self._refused(why, code)
             frames = self.transport.serve_read(list(use.block_ids))
             self.stats.bytes_transferred += sum(len(f) for f in frames)
-        return {"ok": True}, frames
+        return Accepted().to_wire(), frames
 
     def _on_confirm(
         self, request: dict[str, Any], peer: Peer
@@ -507,7 +506,7 @@ class PDConnector:
                 return self._refused("the lease ended before the transfer was confirmed")
             del self.held[lid]
             self.freed.append(lease.request_id)
-        return {"ok": True}, []
+        return Accepted().to_wire(), []
 
     def _on_release(
         self, request: dict[str, Any], peer: Peer
