@@ -34,6 +34,7 @@ from ..config.gateway import GatewayConfig
 from ..contracts.gateway_events import EngineRefused, EngineStalled, SiblingEvent
 from ..contracts.gateway_view import EnginesView, EngineView, KVPairOpen
 from ..contracts.http_limits import RequestLimits
+from ..contracts.kv_params import FIELD as KV_PARAMS
 from ..contracts.model_card import ModelCard, decode_list, encode_list
 from ..contracts.security import (
     bearer_token,
@@ -71,7 +72,7 @@ KEEPALIVE_EXPIRY = 20.0
 MAX_CONNECTIONS = 4096
 # Fields only pdfleet's own legs may send an engine (the fleet token carries them):
 # dropped from what a client asks a render route to forward.
-INTERNAL_FIELDS = frozenset({"kv_transfer_params", "migration", "priority"})
+INTERNAL_FIELDS = frozenset({KV_PARAMS, "migration", "priority"})
 
 
 class Gateway:

@@ -19,6 +19,7 @@ from typing import Any
 from starlette.responses import Response
 
 from .. import tracing
+from ..contracts.kv_params import FIELD as KV_PARAMS
 from ..contracts.kv_params import REMOTE_DECODE
 from ..http.upstream import UpstreamError
 from .call import Call
@@ -42,7 +43,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     out["stream"] = False
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
         out.pop(key, None)
-    out["kv_transfer_params"] = REMOTE_DECODE.to_wire()
+    out[KV_PARAMS] = REMOTE_DECODE.to_wire()
     return out
 
 
@@ -83,7 +84,7 @@ class PrefillLeg:
             if isinstance(result, Response):
                 return result
             legs.record(call, info, engine.url)
-            params = result.get("kv_transfer_params")
+            params = result.get(KV_PARAMS)
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
                 legs.metrics.fallbacks.labels("no_kv_transfer_params").inc()

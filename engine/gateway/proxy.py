@@ -38,6 +38,7 @@ from starlette.responses import Response
 from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts import metrics as m
+from ..contracts.kv_params import FIELD as KV_PARAMS
 from ..contracts.lora import LoRALoad, load_succeeded, name_taken
 from ..contracts.model_card import ModelCard
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
@@ -265,9 +266,9 @@ class Proxy:
         except ValueError as e:
             return self._invalid(call, "invalid_json", str(e))
         payload = raw
-        if "kv_transfer_params" in body:
+        if KV_PARAMS in body:
             # An internal protocol: only a prefill leg's answer may set it.
-            del body["kv_transfer_params"]
+            del body[KV_PARAMS]
             payload = json.dumps(body).encode()
         if "migration" in body:
             self.metrics.rejected.labels("invalid_field").inc()

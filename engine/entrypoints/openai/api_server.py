@@ -39,6 +39,7 @@ from ...config import EngineConfig
 from ...contracts import lora as lora_contract
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
 from ...contracts.http_limits import RequestLimits
+from ...contracts.kv_params import FIELD as KV_PARAMS
 from ...contracts.lora import LoRABodyError, LoRALoad
 from ...contracts.migration import MIGRATE_EVENT, MIGRATE_HEADER
 from ...contracts.model_card import ModelCard, encode_list
@@ -544,7 +545,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         a client API key (docs/security.md, docs/flow-control.md, docs/migration.md)."""
         internal = None
         for name, given in (
-            ("kv_transfer_params", body.kv_transfer_params is not None),
+            (KV_PARAMS, body.kv_transfer_params is not None),
             ("priority", bool(body.priority)),
             ("migration", body.migration is not None),
         ):
@@ -717,7 +718,7 @@ def rendered(
         else None,
         "cache_salt": body.cache_salt,
         "priority": body.priority,
-        "kv_transfer_params": body.kv_transfer_params,
+        KV_PARAMS: body.kv_transfer_params,
         "token_offsets": None,  # return_token_offsets is refused (request_fields.py)
     }
 
