@@ -10,13 +10,39 @@ dashboards work against pdfleet pods unchanged.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from .config import EngineConfig
 from .contracts import metrics as m
+from .kv_transfer.base import KVConnectorStats
+from .loop.engine_core import EngineCore
 from .loop.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # xgrammar loads on the first constrained request
+    from .sample.grammar import GrammarCompiler
+
+
+class CompileGateFigures(Protocol):
+    """What the exporter reads of the server's grammar compile gate."""
+
+    @property
+    def busy(self) -> int:
+        """Compiles running."""
+        ...
+
+    @property
+    def num_refused(self) -> int:
+        """Compiles refused so far (cumulative)."""
+        ...
+
+    @property
+    def waiting(self) -> Sized:
+        """Compiles waiting for a worker."""
+        ...
+
 
 # Gauges set after each step: series -> field of the engine's StepStats.
 _GAUGES = {
@@ -223,8 +249,9 @@ class EngineMetrics:
                     series.inc(getattr(s, field))
             self._observe(m.ENGINE_STEP_DURATION, [s.step_seconds])
         if self.has_kv and engine.connector is not None:
-            scheduler_side: Any = engine.connector.scheduler  # the PD connector's
-            self._update_kv(scheduler_side.connector)
+            kv = engine.connector.scheduler.stats_snapshot()
+            if kv is not None:
+                self._update_kv(kv)
         if self.max_lora:
             self._update_lora(engine)
         it = engine.take_iteration_stats()
@@ -291,7 +318,9 @@ class EngineMetrics:
             if resident.get(name) != tier:
                 self.adapter_resident.remove(model, name, tier)
         for name, tier in resident.items():
-            self.adapter_resident.labels(**self.labels, lora_name=name, tier=tier).set(1)
+            self.adapter_resident.labels(
+                **self.labels, **{m.LORA_NAME: name, m.LORA_TIER: tier}
+            ).set(1)
         self._resident = resident
 
     def _update_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
@@ -304,16 +333,18 @@ class EngineMetrics:
             self._lora_info_labels = labels
         self.lora_info.labels(*labels).set(time.time())
 
-    def update_step(self, core: Any) -> None:
+    def update_step(self, core: EngineCore) -> None:
         """The step in progress (event loop, at a scrape: the engine thread may
         be inside a step): its age in seconds and its scheduled tokens, 0 between
-        steps. ``core`` is the engine's ``EngineCore``."""
+        steps."""
         started = core.step_started  # read once: the engine thread clears it
         running = 0.0 if started is None else max(0.0, time.monotonic() - started)
         self._set(m.ENGINE_STEP_RUNNING, running)
         self._set(m.ENGINE_STEP_SCHEDULED_TOKENS, core.step_scheduled_tokens if running else 0)
 
-    def update_grammars(self, grammars: Any, gate: Any) -> None:
+    def update_grammars(
+        self, grammars: GrammarCompiler | None, gate: CompileGateFigures | None
+    ) -> None:
         """The grammar cache's and the compile gate's state (event loop, at a
         scrape: they change between engine steps). ``grammars`` may be None
         (no constrained request yet)."""
@@ -326,34 +357,24 @@ class EngineMetrics:
             self._set(m.ENGINE_GRAMMAR_COMPILES_RUNNING, gate.busy)
             self._set(m.ENGINE_GRAMMAR_COMPILES_WAITING, len(gate.waiting))
 
-    def _update_kv(self, connector: Any) -> None:
-        with connector.lock:
-            stats = connector.stats
-            seconds, stats.transfer_seconds = stats.transfer_seconds, []
-            values = {metric: getattr(stats, field) for metric, field in _KV_COUNTERS.items()}
-            num_remotes = len(connector.remotes)
-            in_flight = len(connector.active)
-            bandwidth, degraded = stats.pull_bandwidth, stats.degraded
-            per_producer = {k: list(v) for k, v in stats.per_producer.items()}
-        if connector.server is not None:
-            values[m.ENGINE_KV_SIDE_CHANNEL_REFUSED] += connector.server.num_rejected
-        self._set(m.ENGINE_KV_QUARANTINED_BLOCKS, connector.num_quarantined_blocks)
-        self._set(m.ENGINE_KV_REMOTE_ENGINES, num_remotes)
-        self._set(m.ENGINE_KV_PULLS_IN_FLIGHT, in_flight)
-        self._set(m.ENGINE_KV_PULL_BANDWIDTH, bandwidth)
-        self._set(m.ENGINE_KV_TRANSFER_DEGRADED, int(degraded))
-        for metric, value in values.items():
-            self._grow(metric, value)
-        self._observe(m.ENGINE_KV_TRANSFER_SECONDS, seconds)
-        if connector.layout is not None:
-            self._set(m.ENGINE_KV_BLOCK_BYTES, connector.bytes_per_block)
-        for producer, row in per_producer.items():
+    def _update_kv(self, kv: KVConnectorStats) -> None:
+        self._set(m.ENGINE_KV_QUARANTINED_BLOCKS, kv.quarantined_blocks)
+        self._set(m.ENGINE_KV_REMOTE_ENGINES, kv.remote_engines)
+        self._set(m.ENGINE_KV_PULLS_IN_FLIGHT, kv.pulls_in_flight)
+        self._set(m.ENGINE_KV_PULL_BANDWIDTH, kv.pull_bandwidth)
+        self._set(m.ENGINE_KV_TRANSFER_DEGRADED, int(kv.degraded))
+        for metric, field in _KV_COUNTERS.items():
+            self._grow(metric, getattr(kv, field))
+        self._observe(m.ENGINE_KV_TRANSFER_SECONDS, list(kv.transfer_seconds))
+        if kv.block_bytes is not None:
+            self._set(m.ENGINE_KV_BLOCK_BYTES, kv.block_bytes)
+        for producer, row in kv.per_producer.items():
             for i, (family, value) in enumerate(zip(self.peer_pulls, row, strict=True)):
                 delta = value - self._last_peer.get((i, producer), 0.0)
                 self._last_peer[(i, producer)] = value
                 if delta > 0:
                     family.labels(**self.labels, **{m.KV_PRODUCER: producer}).inc(delta)
-        by_rank = list(getattr(connector.transport, "rank_bytes", ()))
+        by_rank = list(kv.shard_bytes)
         last = self._last_shard_bytes + [0] * (len(by_rank) - len(self._last_shard_bytes))
         for rank, (now, before) in enumerate(zip(by_rank, last, strict=True)):
             if now > before and self.shard_bytes is not None:

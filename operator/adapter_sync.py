@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from ..engine.contracts.lora import LoRALoad, load_succeeded, name_taken
+from ..engine.contracts.model_card import ModelCard, decode_list
 from .manifests import LABEL_ROLE, template_adapters
 from .model_source import adapter_claim_volume, hub_access
 from .parallelism import LABEL_GROUP_ROLE, WORKER
@@ -69,28 +71,23 @@ def loadable(adapter: AdapterSpec, pod: Mapping[str, Any]) -> bool:
     return any(v.get("name") == adapter_claim_volume(claim) for v in volumes)
 
 
-def _serves(adapter: AdapterSpec, card: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+def _serves(adapter: AdapterSpec, card: ModelCard, pod: Mapping[str, Any]) -> bool:
     """Whether the adapter card an engine lists is ``adapter`` as spec.adapters says."""
     if adapter.source.startswith("hf://"):
-        if card.get("source") is not None:
-            return bool(
-                card.get("source") == adapter.source and card.get("revision") == adapter.revision
-            )
+        if card.source is not None:
+            return card.source == adapter.source and card.revision == adapter.revision
         # Loaded from the init step's link: the revision is the template's.
-        return card.get("root") == adapter_path(adapter) and _started_with(adapter, pod)
-    return card.get("root") == adapter_path(adapter)
+        return card.root == adapter_path(adapter) and _started_with(adapter, pod)
+    return card.root == adapter_path(adapter)
 
 
-def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> dict[str, str]:
+def load_body(adapter: AdapterSpec, pod: Mapping[str, Any]) -> LoRALoad:
     """The /v1/load_lora_adapter body for ``adapter`` on ``pod``: its directory,
     or for an hf:// adapter the pod did not start with, its source and revision
     (the engine downloads it)."""
-    body = {"lora_name": adapter.name, "lora_path": adapter_path(adapter)}
     if adapter.source.startswith("hf://") and not _started_with(adapter, pod):
-        body["lora_path"] = adapter.source
-        if adapter.revision:
-            body["revision"] = adapter.revision
-    return body
+        return LoRALoad(adapter.name, adapter.source, adapter.revision or None)
+    return LoRALoad(adapter.name, adapter_path(adapter))
 
 
 def _synced(pod: Mapping[str, Any]) -> bool:
@@ -125,19 +122,40 @@ async def sync_adapters(
         try:
             response = await http.get(f"{base}/v1/models")
             response.raise_for_status()
-            cards = response.json().get("data") or []
-        except (httpx.HTTPError, ValueError, AttributeError):
+            cards = decode_list(response.json())
+        except (httpx.HTTPError, ValueError):
             return []  # not answering now: the next refresh tries again
-        served = {c.get("id"): c for c in cards if c.get("parent") is not None}
+        served = {c.id: c for c in cards if c.is_adapter}
         changes: list[AdapterChange] = []
 
-        async def call(action: str, adapter: str, body: dict[str, str]) -> bool:
+        async def card_serves(adapter: AdapterSpec) -> bool:
+            """Whether the pod's card of ``adapter.name`` is ``adapter``: a
+            load answered name_taken (loaded meanwhile, e.g. by the gateway)
+            is done only when the adapter under that name is the one wanted."""
             try:
-                r = await http.post(f"{base}/v1/{action}_lora_adapter", json=body)
+                r = await http.get(f"{base}/v1/models/{adapter.name}")
+                card = ModelCard.from_wire(r.json()) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return False
+            return card is not None and _serves(adapter, card, pod)
+
+        async def call(action: str, load: LoRALoad, wanted: AdapterSpec | None = None) -> bool:
+            adapter = load.lora_name
+            try:
+                r = await http.post(
+                    f"{base}/v1/{action}_lora_adapter",
+                    content=load.encode(),
+                    headers={"content-type": "application/json"},
+                )
+                done = load_succeeded(r.status_code) or (
+                    wanted is not None
+                    and name_taken(r.status_code, r.content)
+                    and await card_serves(wanted)
+                )
             except httpx.HTTPError as e:
                 changes.append(AdapterChange(name, action, adapter, f"{e!r}"))
                 return False
-            if r.status_code >= 400:
+            if not done:
                 changes.append(AdapterChange(name, action, adapter, r.text.strip()[:500]))
                 return False
             changes.append(AdapterChange(name, action, adapter))
@@ -147,16 +165,16 @@ async def sync_adapters(
         for adapter, card in served.items():
             spec_adapter = wanted.get(adapter)
             if spec_adapter is None:
-                await call("unload", adapter, {"lora_name": adapter})
+                await call("unload", LoRALoad(adapter))
                 continue
             # Served from another directory, source or revision: loaded again below.
             moved = not _serves(spec_adapter, card, pod) and loadable(spec_adapter, pod)
-            if moved and await call("unload", adapter, {"lora_name": adapter}):
+            if moved and await call("unload", LoRALoad(adapter)):
                 continue
             present.add(adapter)
-        for adapter in spec.adapters:
-            if adapter.name not in present and loadable(adapter, pod):
-                await call("load", adapter.name, load_body(adapter, pod))
+        for spec_adapter in spec.adapters:
+            if spec_adapter.name not in present and loadable(spec_adapter, pod):
+                await call("load", load_body(spec_adapter, pod), spec_adapter)
         return changes
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}

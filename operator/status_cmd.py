@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from ..engine.config.fields import bounded_seconds
 from ..engine.contracts import metrics as m
@@ -32,7 +33,10 @@ from ..engine.contracts.security import fleet_secret_from_env, fleet_token
 from .local.state import SECRET_FILE, STATE_FILE, STOPPED, read_state, supervisor_alive
 from .manifests import LABEL_ROLE, LABEL_SERVICE
 from .parallelism import LABEL_GROUP_ROLE, WORKER
+from .resource import InferenceServiceStatus
 from .scrape import parse_metrics, pod_ready
+
+logger = logging.getLogger("pdfleet.status")
 
 WIDTH = 80
 RUNNING = m.ENGINE_NUM_REQUESTS_RUNNING.name
@@ -390,7 +394,7 @@ def cluster_views(
     views = []
     for svc in services:
         svc_name = svc["metadata"]["name"]
-        status = svc.get("status") or {}
+        status = read_status(svc.get("status"))
         # Engines, less the workers of multi-node groups (their leader serves /metrics).
         selector = (
             f"{LABEL_SERVICE}={svc_name},{LABEL_ROLE} in (prefill,decode),"
@@ -415,24 +419,38 @@ def cluster_views(
                 )
                 row.sample = scrape(functools.partial(get, path))
             rows.append(row)
-        decisions = (status.get("autoscaling") or {}).get("lastDecisions") or []
-        phase = status.get("phase") or "Unknown"
-        roles = status.get("roles") or {}
+        decisions = status.autoscaling.last_decisions if status is not None else []
+        phase = (
+            status.phase if status is not None and "phase" in status.model_fields_set else "Unknown"
+        )
+        roles = status.roles if status is not None else None
         summary = " ".join(
-            f"{r} {roles[r].get('summary', '?')}"
+            f"{r} {getattr(roles, r).summary}"
             for r in ("prefill", "decode", "gateway")
-            if r in roles
+            if roles is not None and r in roles.model_fields_set
         )
         views.append(
             FleetView(
                 svc_name,
                 f"ns/{namespace} {phase}",
-                summary or (status.get("url") or ""),
+                summary or ((status.url if status is not None else None) or ""),
                 rows,
-                decisions[-1] if decisions else None,
+                decisions[-1].model_dump(by_alias=True, mode="json") if decisions else None,
             )
         )
     return views
+
+
+def read_status(raw: Any) -> InferenceServiceStatus | None:
+    """An InferenceService's status as the operator wrote it; None when there
+    is none yet or it cannot be read (another operator version's)."""
+    if not raw:
+        return None
+    try:
+        return InferenceServiceStatus.model_validate(raw)
+    except ValidationError as e:
+        logger.debug("unreadable InferenceService status: %s", e)
+        return None
 
 
 def _quote(text: str) -> str:

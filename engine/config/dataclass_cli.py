@@ -39,8 +39,9 @@ def add_dataclass_arguments(
     flags: Mapping[str, str] | None = None,
     skip: Iterable[str] = (),
     metavars: Mapping[str, Any] | None = None,
-) -> None:
-    """Add ``--FLAG`` for each field of ``cls`` (``dest`` is the field name).
+) -> list[argparse.Action]:
+    """Add ``--FLAG`` for each field of ``cls`` (``dest`` is the field name);
+    returns the actions added, in field order.
 
     ``flags`` renames a field's flag (``duration_seconds`` -> ``duration``);
     the default is the field name with dashes. ``skip`` leaves fields out;
@@ -48,6 +49,7 @@ def add_dataclass_arguments(
     """
     flags, metavars, skipped = flags or {}, metavars or {}, set(skip)
     docs = attr_docs(cls)
+    added = []
     for f, tp in resolved_fields(cls):
         if f.name in skipped:
             continue
@@ -62,7 +64,8 @@ def add_dataclass_arguments(
         name = flags.get(f.name, flag_name(f.name))
         if "type" in kwargs and "choices" not in kwargs and "nargs" not in kwargs:
             kwargs.setdefault("metavar", name.upper().replace("-", "_"))
-        parser.add_argument(f"--{name}", dest=f.name, **kwargs)
+        added.append(parser.add_argument(f"--{name}", dest=f.name, **kwargs))
+    return added
 
 
 def dataclass_from_arguments(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

@@ -13,6 +13,9 @@ contracts): a gateway pod, the operator and the configuration use it.
   the gateway reads).
 * ``lora`` — the run-time LoRA routes' body (``LoRALoad``) and what a load's
   answer means (``load_succeeded``, ``name_taken``).
+* ``model_card`` — the ``/v1/models`` entries (``ModelCard``): engines and the
+  gateway write them; the gateway, the operator, ``pdfleet up`` and the
+  autoscaling lab read them.
 * ``migration`` — a decode leg's migration state (``MigrationState``: the
   gateway encodes it, the engine's request model decodes it) and the SSE
   comments of a migratable stream.

@@ -280,6 +280,18 @@ class Auth:
 
 
 @dataclass(frozen=True, slots=True)
+class Accepted:
+    """A message accepted with nothing to add (a claim, a read whose frames
+    follow, a confirm; an auth whose handshake handler adds nothing)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True}
+
+    def encode(self) -> bytes:
+        return pack(self.to_wire())
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     """A refused message: ``error`` says why; ``code`` names a kind the caller
     acts on; ``compat``, the producer's compat factors (not secret), lets a

@@ -193,6 +193,19 @@ FIRST_LEG = MigrationState()
 """The state of a request's first decode leg: nothing sent yet."""
 
 
+def splice_state(payload: bytes, state: MigrationState) -> bytes | None:
+    """``payload`` (a JSON object's UTF-8 bytes, as a client sent it) with
+    ``state`` as its :data:`FIELD`, first: the bytes are spliced, not parsed
+    and written again. None for a payload that does not start with ``{``
+    (UTF-16/32 JSON, which a body parser also takes): encode that one again."""
+    text = payload.lstrip()
+    if text[:1] != b"{":
+        return None
+    rest = text[1:].lstrip()
+    sep = b"" if rest.startswith(b"}") else b","
+    return b'{"' + FIELD.encode() + b'":' + state.encode() + sep + rest
+
+
 def _token_ids(name: str, ids: Any, most: int) -> tuple[int, ...]:
     if not isinstance(ids, list):
         raise _refuse(name, "must be a list of token ids")

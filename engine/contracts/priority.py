@@ -23,6 +23,12 @@ BATCH_BAND = MAX_BAND + 1
 """The band of batch requests (the OpenAI Batch API): below every online band."""
 
 
+def encode(band: int, tag: float) -> int:
+    """The engine priority of a request of ``band`` whose fair-share tag is
+    ``tag`` (capped at ``MAX_TAG``): the band in the high bits, the tag below."""
+    return (band << TAG_BITS) + min(int(tag), MAX_TAG)
+
+
 def band_of(priority: int) -> int:
     """The band of an engine priority (floor division: negative bands hold)."""
     return priority >> TAG_BITS

@@ -15,13 +15,13 @@ or the fleet token the operator scrapes with); there is no ``/docs`` or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -34,6 +34,8 @@ from ..config.gateway import GatewayConfig
 from ..contracts.gateway_events import EngineRefused, EngineStalled, SiblingEvent
 from ..contracts.gateway_view import EnginesView, EngineView, KVPairOpen
 from ..contracts.http_limits import RequestLimits
+from ..contracts.kv_params import FIELD as KV_PARAMS
+from ..contracts.model_card import ModelCard, decode_list, encode_list
 from ..contracts.security import (
     bearer_token,
     fleet_secret_from_env,
@@ -70,7 +72,7 @@ KEEPALIVE_EXPIRY = 20.0
 MAX_CONNECTIONS = 4096
 # Fields only pdfleet's own legs may send an engine (the fleet token carries them):
 # dropped from what a client asks a render route to forward.
-INTERNAL_FIELDS = frozenset({"kv_transfer_params", "migration", "priority"})
+INTERNAL_FIELDS = frozenset({KV_PARAMS, "migration", "priority"})
 
 
 class Gateway:
@@ -361,10 +363,14 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                 logger.warning("request %s: /v1/models on %s: %r", rid, e.url, ex)
                 continue
             if resp.status_code == 200:
-                listing = resp.json()
+                try:
+                    cards = decode_list(resp.json())
+                except ValueError as ex:  # not JSON, or not a listing: ask the next one
+                    logger.warning("request %s: /v1/models on %s: %s", rid, e.url, ex)
+                    continue
                 if gw.config.served_model_name:
-                    listing = models_named(gw.config, listing)
-                return JSONResponse(with_adapters(listing, gw.pool))
+                    cards = models_named(gw.config, cards)
+                return JSONResponse(encode_list(with_adapters(cards, gw.pool)))
             logger.warning(
                 "request %s: /v1/models on %s answered %d: %s",
                 rid,
@@ -373,7 +379,8 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
                 upstream_message(resp),
             )
         if gw.config.served_model_name:
-            return JSONResponse(with_adapters(models_named(gw.config, None), gw.pool))
+            cards = with_adapters(models_named(gw.config, []), gw.pool)
+            return JSONResponse(encode_list(cards))
         return error_response("no healthy decode engine is available", 503, rid)
 
     async def on_a_decode_engine(
@@ -422,14 +429,14 @@ def build_app(  # noqa: C901 (the route table: each route is a closure counted h
             listing = await models(request)
             if listing.status_code != 200:
                 return listing
-            data = json.loads(bytes(listing.body))["data"]
-            card = next((m for m in data if m.get("id") == name), None)
+            cards = decode_list(json.loads(bytes(listing.body)))
+            card = next((c for c in cards if c.id == name), None)
             if card is None:
                 rid = client_request_id(request.headers.get("x-request-id"))
                 return error_response(
                     f"The model `{name}` does not exist.", 404, rid, param="model"
                 )
-            return JSONResponse(card)
+            return JSONResponse(card.to_wire())
         return await on_a_decode_engine(request, "GET", "/v1/models/" + quote(name, safe=""))
 
     async def bounded_body(request: Request) -> bytes | Response:
@@ -632,45 +639,35 @@ def request_limits(config: GatewayConfig) -> RequestLimits:
     )
 
 
-def models_named(config: GatewayConfig, engine_list: dict[str, Any] | None) -> dict[str, Any]:
+def models_named(config: GatewayConfig, engine_cards: list[ModelCard]) -> list[ModelCard]:
     """``/v1/models`` listing the gateway's names, each with what a decode engine
     says of its first model (``root``, ``max_model_len``) when one answered."""
-    entries = (engine_list or {}).get("data") or [{}]
-    first = entries[0] if isinstance(entries[0], dict) else {}
-    created = int(time.time())
-    data = [
-        {
-            **first,
-            "id": name,
-            "object": "model",
-            "created": first.get("created", created),
-            "owned_by": first.get("owned_by", "pdfleet"),
-        }
-        for name in config.served_model_name
-    ]
-    return {"object": "list", "data": data}
+    first = engine_cards[0] if engine_cards else ModelCard("", created=int(time.time()))
+    return [dataclasses.replace(first, id=name) for name in config.served_model_name]
 
 
-def with_adapters(listing: dict[str, Any], pool: EnginePool) -> dict[str, Any]:
+def with_adapters(cards: list[ModelCard], pool: EnginePool) -> list[ModelCard]:
     """A ``/v1/models`` listing plus every LoRA adapter some engine of the pool
     serves (the one engine that answered may not serve them all), each with
     ``parent``: the listing's first (base) model, as vLLM lists adapters."""
-    data = [c for c in listing.get("data") or [] if isinstance(c, dict)]
-    listed = {c.get("id") for c in data}
-    base = next((c for c in data if c.get("parent") is None), {})
+    listed = {c.id for c in cards}
+    base = next((c for c in cards if not c.is_adapter), None)
     names = sorted({n for e in pool.engines.values() for n in e.load.adapters} - listed)
+    added = []
     for name in names:
         source = pool.adapter(name)
-        data.append(
-            {
-                **base,
-                "id": name,
-                "root": source[1] if source else None,
-                "parent": base.get("id"),
-                "lora_identity": source[0] if source else None,
-            }
+        added.append(
+            dataclasses.replace(
+                base or ModelCard(name),
+                id=name,
+                root=source[1] if source else None,
+                parent=base.id if base is not None else None,
+                lora_identity=source[0] if source else None,
+                source=None,
+                revision=None,
+            )
         )
-    return {**listing, "data": data}
+    return cards + added
 
 
 def run_gateway(config: GatewayConfig, siblings: Siblings | None = None) -> int:

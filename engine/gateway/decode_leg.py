@@ -51,7 +51,7 @@ logger = logging.getLogger("pdfleet.gateway")
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    return {**body, "kv_transfer_params": kv_transfer_params}
+    return {**body, kv_params.FIELD: kv_transfer_params}
 
 
 @dataclass(slots=True)

@@ -7,23 +7,33 @@ include the prefill leg and KV transfer that an engine's own TTFT cannot see.
 The series every request touches (its answer's counter and latency, the TTFT,
 the routing decision, the in-flight gauges) are updated without a lock:
 ``prometheus_client`` takes a lock per update, several times per request, so
-the request path adds to plain numbers (:class:`FastCounter`,
-:class:`FastHistogram`) that are folded into the real series whenever the
-registry is collected (a scrape, a worker's merge, a test reading it). One
-event loop per process makes the plain numbers safe.
+the request path adds to plain numbers: a :class:`FastCounter`'s are folded
+into the real series whenever the registry is collected (a scrape, a worker's
+merge, a test reading it); the request path's histograms are
+:class:`LockFreeHistogram` collectors, which expose their plain numbers
+themselves. One event loop per process makes the plain numbers safe. Only
+``prometheus_client``'s public API is used.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
+import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..contracts import metrics as m
+
+# How prometheus_client writes a bucket's ``le`` (the same text, so merged and
+# compared expositions line up); typed here, the library's is not annotated.
+_le_text: Callable[[float], str] = floatToGoString
 
 
 class FastCounter:
@@ -45,39 +55,70 @@ class FastCounter:
 
 
 class FastHistogram:
-    """A histogram series' observations, counted per bucket until collected
-    (the same buckets: ``le`` is inclusive, as prometheus_client's)."""
+    """One histogram series (a label set), counted per bucket in plain numbers:
+    its family (:class:`LockFreeHistogram`) reads them at each collection.
+    ``le`` is inclusive, as Prometheus's."""
 
-    __slots__ = ("_bounds", "_counts", "_sum", "series")
+    __slots__ = ("_bounds", "_counts", "_sum", "created")
 
-    def __init__(self, series: Any) -> None:
-        self.series = series
-        # prometheus_client's own bucket bounds and values; without them (another
-        # version of the library) every observation goes straight to the series.
-        bounds = getattr(series, "_upper_bounds", None)
-        buckets = getattr(series, "_buckets", None)
-        ok = bounds is not None and buckets is not None and len(bounds) == len(buckets)
-        self._bounds: list[float] | None = list(bounds) if ok and bounds else None
-        self._counts = [0] * len(self._bounds) if self._bounds is not None else []
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds  # ascending, +Inf last
+        self._counts = [0] * len(bounds)
         self._sum = 0.0
+        self.created = time.time()
 
     def observe(self, value: float) -> None:
-        bounds = self._bounds
-        if bounds is None:
-            self.series.observe(value)
-            return
-        self._counts[bisect.bisect_left(bounds, value)] += 1
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
 
-    def flush(self) -> None:
-        if self._bounds is None or not any(self._counts):
-            return
-        counts, self._counts = self._counts, [0] * len(self._counts)
-        total, self._sum = self._sum, 0.0
-        self.series._sum.inc(total)
-        for bucket, n in zip(self.series._buckets, counts, strict=True):
-            if n:
-                bucket.inc(n)
+    def snapshot(self) -> tuple[list[int], float]:
+        """(the cumulative count of each bucket, the sum of the observations)."""
+        return list(itertools.accumulate(self._counts)), self._sum
+
+
+class LockFreeHistogram:
+    """A histogram family whose series take observations without a lock
+    (:class:`FastHistogram`), exposed through the public collector interface
+    exactly as a ``prometheus_client.Histogram`` of the same contract metric:
+    the same buckets, ``_count``, ``_sum`` and ``_created`` samples."""
+
+    def __init__(self, metric: m.Metric, registry: CollectorRegistry) -> None:
+        if metric.kind != "histogram":
+            raise ValueError(f"{metric.name}: not a histogram")
+        self.metric = metric
+        bounds = [float(b) for b in metric.buckets]
+        if bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        self._bounds = bounds
+        self._series: dict[tuple[str, ...], FastHistogram] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> FastHistogram:
+        """The series of these label values (created, at 0, on first use)."""
+        if len(values) != len(self.metric.labels):
+            raise ValueError(f"{self.metric.name}: labels {self.metric.labels}, got {values}")
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = FastHistogram(self._bounds)
+        return series
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(
+            self.metric.family, self.metric.help, labels=list(self.metric.labels)
+        )
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        les = [_le_text(b) for b in self._bounds]
+        for values, series in list(self._series.items()):
+            counts, total = series.snapshot()
+            family.add_metric(list(values), list(zip(les, counts, strict=True)), total)
+            named = dict(zip(self.metric.labels, values, strict=True))
+            family.add_sample(self.metric.name + "_created", named, series.created)
+        yield family
 
 
 class _Folder:
@@ -85,7 +126,7 @@ class _Folder:
     numbers into their series before any series is read."""
 
     def __init__(self) -> None:
-        self.series: list[FastCounter | FastHistogram] = []
+        self.series: list[FastCounter] = []
         self.hooks: list[Callable[[], None]] = []
 
     def describe(self) -> list[Metric]:
@@ -108,8 +149,8 @@ class GatewayMetrics:
         self._folder = _Folder()
         r.register(self._folder)  # before the series: collected (folded) first
         self.requests = m.GATEWAY_REQUESTS.create(r)
-        self.ttft = m.GATEWAY_TTFT.create(r)
-        self.e2e = m.GATEWAY_E2E.create(r)
+        self.ttft = LockFreeHistogram(m.GATEWAY_TTFT, r)
+        self.e2e = LockFreeHistogram(m.GATEWAY_E2E, r)
         self.decisions = m.GATEWAY_DISAGG_DECISIONS.create(r)
         self.retries = m.GATEWAY_RETRIES.create(r)
         self.fallbacks = m.GATEWAY_FALLBACKS.create(r)
@@ -146,7 +187,7 @@ class GatewayMetrics:
         self.lora_loads = m.GATEWAY_LORA_LOADS.create(r)
         self.migrations = m.GATEWAY_MIGRATIONS.create(r)
         self.migration_replayed = m.GATEWAY_MIGRATION_REPLAYED_TOKENS.create(r)
-        self.migration_resume = m.GATEWAY_MIGRATION_RESUME.create(r)
+        self.migration_resume = LockFreeHistogram(m.GATEWAY_MIGRATION_RESUME, r).labels()
 
     def fast_counter(self, series: Any) -> FastCounter:
         """``series`` (a counter's labelled child) updated lock-free, folded at collection."""
@@ -154,11 +195,11 @@ class GatewayMetrics:
         self._folder.series.append(fast)
         return fast
 
-    def fast_histogram(self, series: Any) -> FastHistogram:
-        """``series`` (a histogram's labelled child) updated lock-free, folded at collection."""
-        fast = FastHistogram(series)
-        self._folder.series.append(fast)
-        return fast
+    def fast_histogram(self, series: FastHistogram) -> FastHistogram:
+        """``series``: the request path's histograms (TTFT, E2E, migration
+        resume) are :class:`LockFreeHistogram` families, whose series need no
+        folding."""
+        return series
 
     def on_collect(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` at each collection, before any series is read (gauges
@@ -182,12 +223,23 @@ class GatewayMetrics:
         for metric in (self.peer_pull_prefill_rate, self.peer_pull_lend_seconds):
             with contextlib.suppress(KeyError):
                 metric.remove(url)
-        for metric in (self.peer_pull_crossover, self.peer_pull_bandwidth):
-            for holder, puller in list(metric._metrics):
-                if url in (holder, puller):
+        for metric, contract in (
+            (self.peer_pull_crossover, m.GATEWAY_PEER_PULL_CROSSOVER),
+            (self.peer_pull_bandwidth, m.GATEWAY_PEER_PULL_BANDWIDTH),
+            (self.kv_pair_open, m.GATEWAY_KV_PAIR_OPEN),
+        ):
+            for pair in label_sets(metric, contract):
+                if url in pair:
                     with contextlib.suppress(KeyError):
-                        metric.remove(holder, puller)
-        for prefill, decode in list(self.kv_pair_open._metrics):
-            if url in (prefill, decode):
-                with contextlib.suppress(KeyError):
-                    self.kv_pair_open.remove(prefill, decode)
+                        metric.remove(*pair)
+
+
+def label_sets(family: Any, metric: m.Metric) -> set[tuple[str, ...]]:
+    """The label values of every series ``family`` (``metric``'s, a gauge or a
+    counter) exposes now, in ``metric.labels`` order (read by collecting it)."""
+    return {
+        tuple(sample.labels[name] for name in metric.labels)
+        for collected in family.collect()
+        for sample in collected.samples
+        if all(name in sample.labels for name in metric.labels)
+    }

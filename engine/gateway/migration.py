@@ -58,6 +58,7 @@ from ..contracts.migration import (
     MigrationState,
     parse_choice_ids,
     parse_ids,
+    splice_state,
 )
 from ..http.upstream import UpstreamResponse
 from .call import NOT_ANALYZED, Call
@@ -176,12 +177,8 @@ def with_state(payload: bytes, body: dict[str, Any]) -> bytes:
     """``payload`` (``body``'s JSON bytes) with an empty migration state: the
     first decode leg (the engine annotates its stream for migration). UTF-8
     bytes are spliced (no second serialization); others are encoded again."""
-    text = payload.lstrip()
-    if text[:1] != b"{":  # UTF-16/32 JSON, which the body parser also takes
-        return json.dumps(add_state(body)).encode()
-    rest = text[1:].lstrip()
-    sep = b"" if rest.startswith(b"}") else b","
-    return b'{"' + FIELD.encode() + b'":' + FIRST_LEG.encode() + sep + rest
+    spliced = splice_state(payload, FIRST_LEG)
+    return spliced if spliced is not None else json.dumps(add_state(body)).encode()
 
 
 def add_state(body: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +195,7 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
     if block.startswith(IDS_PREFIX) and block.find(b"\n\n") == len(block) - 2:
         # One event (the usual block: an engine writes each event as it comes).
         line_end = block.find(b"\n")
-        state.sent.extend(map(int, block[len(IDS_PREFIX) : line_end].split()))
+        state.sent.extend(parse_ids(block[:line_end]))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
     out: list[bytes] = []
     handed_back = False

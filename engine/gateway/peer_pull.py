@@ -71,6 +71,7 @@ from typing import Any
 
 from ..contracts import metrics as m
 from ..contracts.gateway_view import PeerPullCosts
+from ..contracts.kv_params import FIELD as KV_PARAMS
 from ..contracts.kv_params import KVTransferParams
 from ..http.upstream import UpstreamClient, UpstreamError
 from .engines import EngineLoad, EngineState
@@ -445,12 +446,14 @@ class PeerPull:
             return None
         seconds = max(0.0, time.monotonic() - start - waited)
         params: Any = None
+        lent: KVTransferParams | None = None
         if resp.status_code == 200:
             try:
-                params = resp.json().get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                params = None
-        if not isinstance(params, dict) or not params.get("remote_block_ids"):
+                params = resp.json().get(KV_PARAMS)
+                lent = KVTransferParams.from_wire(params)
+            except (ValueError, AttributeError):  # not JSON, no object, or malformed params
+                lent = None
+        if lent is None or not lent.remote_block_ids or not isinstance(params, dict):
             logger.info(
                 "peer pull: %s did not lend %d blocks (%d): %s",
                 plan.holder.url,
@@ -460,10 +463,9 @@ class PeerPull:
             )
             self.count(m.RECOMPUTE, "lend_refused")
             return None
-        engine_id = params.get("remote_engine_id")
-        self.lent(plan.holder, seconds, engine_id if isinstance(engine_id, str) else None)
+        self.lent(plan.holder, seconds, lent.remote_engine_id)
         self.count(m.PULL, plan.reason)
-        return params
+        return params  # as the holder signed it: forwarded unchanged
 
 
 def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
@@ -488,9 +490,7 @@ def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
         "guided_grammar",
     ):
         out.pop(key, None)
-    out["kv_transfer_params"] = KVTransferParams(
-        do_remote_decode=True, lend_blocks=blocks
-    ).to_wire()
+    out[KV_PARAMS] = KVTransferParams(do_remote_decode=True, lend_blocks=blocks).to_wire()
     return out
 
 

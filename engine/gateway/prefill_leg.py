@@ -45,7 +45,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     out["stream"] = False
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
         out.pop(key, None)
-    out["kv_transfer_params"] = REMOTE_DECODE.to_wire()
+    out[kv_params.FIELD] = REMOTE_DECODE.to_wire()
     return out
 
 
@@ -53,7 +53,7 @@ def pulling_prefill_body(body: dict[str, Any], chat: bool, lent: dict[str, Any])
     """A prefill leg that first pulls a peer's cached prefix: the peer's signed
     lend params, asked to end as a prefill leg (``pdfleet_produce``)."""
     out = prefill_body(body, chat)
-    out["kv_transfer_params"] = {**lent, PRODUCE_FIELD: True}
+    out[kv_params.FIELD] = {**lent, PRODUCE_FIELD: True}
     return out
 
 
@@ -120,7 +120,7 @@ class PrefillLeg:
             if isinstance(result, Response):
                 return result
             legs.record(call, info, engine.url)
-            params = result.get("kv_transfer_params")
+            params = result.get(kv_params.FIELD)
             if not isinstance(params, dict) or not params:
                 # A producer without a connector: the decode engine recomputes.
                 legs.metrics.fallbacks.labels("no_kv_transfer_params").inc()

@@ -38,7 +38,9 @@ from starlette.responses import Response
 from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts import metrics as m
+from ..contracts.kv_params import FIELD as KV_PARAMS
 from ..contracts.lora import LoRALoad, load_succeeded, name_taken
+from ..contracts.model_card import ModelCard
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
 from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
@@ -267,9 +269,9 @@ class Proxy:
         except ValueError as e:
             return self._invalid(call, "invalid_json", str(e))
         payload = raw
-        if "kv_transfer_params" in body:
+        if KV_PARAMS in body:
             # An internal protocol: only a prefill leg's answer may set it.
-            del body["kv_transfer_params"]
+            del body[KV_PARAMS]
             payload = json.dumps(body).encode()
         if "migration" in body:
             self.metrics.rejected.labels("invalid_field").inc()
@@ -449,15 +451,14 @@ class Proxy:
                 resp = await self.pool.client.get(
                     f"{holder.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
                 )
-                card = resp.json() if resp.status_code == 200 else None
+                card = ModelCard.from_wire(resp.json()) if resp.status_code == 200 else None
             except Exception as ex:  # unreachable or not JSON: ask the next one
                 logger.debug("adapter card of %r on %s: %s", adapter, holder.url, ex)
                 continue
-            if not isinstance(card, dict):
+            if card is None:
                 continue
-            hub, revision = card.get("source"), card.get("revision")
-            if isinstance(hub, str) and hub:
-                return LoRALoad(adapter, hub, revision if isinstance(revision, str) else None)
+            if card.source:
+                return LoRALoad(adapter, card.source, card.revision)
             break
         return LoRALoad(adapter, source[1])
 
@@ -468,11 +469,11 @@ class Proxy:
             resp = await self.pool.client.get(
                 f"{e.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
             )
-            card = resp.json() if resp.status_code == 200 else None
+            card = ModelCard.from_wire(resp.json()) if resp.status_code == 200 else None
         except Exception as ex:  # unreachable or not JSON: not known to serve it
             logger.debug("adapter card of %r on %s: %s", adapter, e.url, ex)
             return False
-        return isinstance(card, dict) and bool(identity) and card.get("lora_identity") == identity
+        return card is not None and bool(identity) and card.lora_identity == identity
 
     async def _load_adapter(self, e: EngineState, adapter: str) -> str | None:
         """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""

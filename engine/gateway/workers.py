@@ -37,8 +37,6 @@ QUICK_EXIT_SECONDS = 5.0
 MAX_QUICK_EXITS = 3
 # Seconds the workers get to stop gracefully before they are killed.
 STOP_TIMEOUT = 15.0
-ENV_WORKER = "PDFLEET_GATEWAY_WORKER"
-"""Set in each worker's environment: ``INDEX/N`` (logs, tests)."""
 
 
 def serve(config: GatewayConfig) -> int:
@@ -59,7 +57,6 @@ def worker_main() -> int:
     job = WorkerJob.decode(sys.stdin.buffer.read())
     config = GatewayConfig(**job.config)
     _die_with_parent()
-    os.environ[ENV_WORKER] = f"{job.index}/{job.count}"
     return run_gateway(config, Siblings(job.run_dir, job.index, job.count))
 
 

@@ -75,9 +75,9 @@ HIGH_WATER = 64 * 1024
 BACKLOG = 4096
 
 STATUS_LINES = {
-    code: b"HTTP/1.1 %d %s\r\n" % (code, http.HTTPStatus(code).phrase.encode())
-    for code in range(100, 600)
-    if code in http.HTTPStatus._value2member_map_
+    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode())
+    for status in http.HTTPStatus
+    if 100 <= status.value < 600
 }
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 CHUNKED = b"transfer-encoding: chunked\r\n"

@@ -13,6 +13,7 @@ The defaults do nothing, so an engine without a connector runs unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..contracts.kv_connector import KVConnectorMetadata, RankCommand, ShardInfo, ShardReadEnded
@@ -25,7 +26,47 @@ from ..request import Request
 QUARANTINE = "quarantine:"
 
 
+@dataclass(frozen=True, slots=True)
+class KVConnectorStats:
+    """What a connector tells the metrics exporter at each step: its cumulative
+    counters (monotonic), its gauges now, and the pulls finished since the
+    last snapshot (``transfer_seconds``, drained by taking the snapshot)."""
+
+    bytes_transferred: int = 0
+    blocks_pulled: int = 0
+    transfers: int = 0
+    failed_transfers: int = 0
+    unconfirmed_transfers: int = 0
+    content_mismatches: int = 0
+    expired_leases: int = 0
+    handshakes: int = 0
+    failed_handshakes: int = 0
+    remote_evictions: int = 0
+    refused_reads: int = 0
+    """Side-channel reads refused, by the connector or its server (rate or size)."""
+    transfer_seconds: tuple[float, ...] = ()
+    """Durations of the pulls finished since the previous snapshot."""
+    per_producer: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Confirmed pulls per producer engine id: (pulls, bytes, seconds)."""
+    remote_engines: int = 0
+    pulls_in_flight: int = 0
+    quarantined_blocks: int = 0
+    pull_bandwidth: float = 0.0
+    """Bytes per second, the mean of the recent measured pulls."""
+    degraded: bool = False
+    """The pull bandwidth is under the configured floor."""
+    block_bytes: int | None = None
+    """KV bytes of one block, all layers; None until the caches are registered."""
+    shard_bytes: tuple[int, ...] = ()
+    """Bytes each tensor-parallel shard pulled (rank order; empty at TP=1 without shards)."""
+
+
 class KVConnectorScheduler:
+    def stats_snapshot(self) -> KVConnectorStats | None:
+        """The connector's figures now for the metrics exporter (engine thread,
+        after a step); drains the finished pulls' durations. None: no figures."""
+        return None
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:

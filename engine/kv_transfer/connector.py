@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,13 +67,15 @@ from ..contracts.kv_side_channel import (
     CONFIRM,
     PROTOCOL_VERSION,
     RELEASE,
+    Accepted,
     LeaseEnd,
     LeaseUse,
+    Refusal,
 )
 from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
-from .base import QUARANTINE, KVConnectorScheduler, KVConnectorWorker
+from .base import QUARANTINE, KVConnectorScheduler, KVConnectorStats, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (
@@ -463,10 +465,7 @@ class PDConnector:
 
     def _refused(self, why: str, code: str | None = None) -> tuple[dict[str, Any], list[Any]]:
         self.stats.refused_reads += 1
-        reply: dict[str, Any] = {"ok": False, "error": why}
-        if code is not None:
-            reply["code"] = code
-        return reply, []
+        return Refusal(why, code).to_wire(), []
 
     def _on_claim(
         self, request: dict[str, Any], peer: Peer
@@ -480,7 +479,7 @@ class PDConnector:
             lease, why, code = self._lease_for(use, peer)
             if lease is None:
                 return self._refused(why, code)
-        return {"ok": True}, []
+        return Accepted().to_wire(), []
 
     def _on_read(
         self, request: dict[str, Any], peer: Peer
@@ -496,7 +495,7 @@ class PDConnector:
                 return self._refused(why, code)
             frames = self.transport.serve_read(list(use.block_ids))
             self.stats.bytes_transferred += sum(len(f) for f in frames)
-        return {"ok": True}, frames
+        return Accepted().to_wire(), frames
 
     def _on_confirm(
         self, request: dict[str, Any], peer: Peer
@@ -513,7 +512,7 @@ class PDConnector:
                 return self._refused("the lease ended before the transfer was confirmed")
             del self.held[lid]
             self.freed.append(lease.request_id)
-        return {"ok": True}, []
+        return Accepted().to_wire(), []
 
     def _on_release(
         self, request: dict[str, Any], peer: Peer
@@ -888,6 +887,40 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(self, connector: PDConnector) -> None:
         self.connector = connector
         self.pending: list[KVLoad] = []
+
+    def stats_snapshot(self) -> KVConnectorStats:
+        c = self.connector
+        with c.lock:
+            stats = c.stats
+            seconds, stats.transfer_seconds = stats.transfer_seconds, []
+            snapshot = KVConnectorStats(
+                bytes_transferred=stats.bytes_transferred,
+                blocks_pulled=stats.blocks_pulled,
+                transfers=stats.transfers,
+                failed_transfers=stats.failed_transfers,
+                unconfirmed_transfers=stats.unconfirmed_transfers,
+                content_mismatches=stats.content_mismatches,
+                expired_leases=stats.expired_leases,
+                handshakes=stats.handshakes,
+                failed_handshakes=stats.failed_handshakes,
+                remote_evictions=stats.remote_evictions,
+                refused_reads=stats.refused_reads,
+                transfer_seconds=tuple(seconds),
+                per_producer={k: tuple(v) for k, v in stats.per_producer.items()},
+                remote_engines=len(c.remotes),
+                pulls_in_flight=len(c.active),
+                pull_bandwidth=stats.pull_bandwidth,
+                degraded=stats.degraded,
+            )
+        refused = snapshot.refused_reads + (c.server.num_rejected if c.server is not None else 0)
+        by_rank = c.transport.rank_bytes if isinstance(c.transport, NixlTransport) else []
+        return replace(
+            snapshot,
+            refused_reads=refused,
+            quarantined_blocks=c.num_quarantined_blocks,  # takes the lock itself
+            block_bytes=c.bytes_per_block if c.layout is not None else None,
+            shard_bytes=tuple(by_rank),
+        )
 
     def _verified(self, raw: Mapping[str, Any]) -> KVTransferParams:
         try:

@@ -87,6 +87,7 @@ from ..contracts.kv_side_channel import (
     MAX_HELLO_BYTES,
     MAX_MESSAGE_BYTES,
     PURPOSE,
+    Accepted,
     Auth,
     Envelope,
     Hello,
@@ -348,7 +349,7 @@ class SideChannelServer:
         head: dict[str, Any]
         extra: list[Any]
         if handler is None:
-            head, extra = {"ok": False, "error": f"unknown op {request.get('op')!r}"}, []
+            head, extra = Refusal(f"unknown op {request.get('op')!r}").to_wire(), []
         else:
             answer = handler(request, session.peer)
             if answer is None:
@@ -437,7 +438,7 @@ class SideChannelServer:
         # to add (None), confirms the session with a bare ok.
         # (It reads nothing of the request: the auth's fields are the channel's.)
         answer = handler({"op": "handshake"}, peer) if handler else None
-        head, extra = answer if answer is not None else ({"ok": True}, [])
+        head, extra = answer if answer is not None else (Accepted().to_wire(), [])
         packed = pack(head)
         return [packed, mac(key, b"rep", packed), *extra]
 

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineArgs, EngineConfig, ModelConfig, UsageContext
 from ..config.kv_transfer import kv_bind_host
@@ -25,6 +25,9 @@ from ..request import Request
 from ..sampling_params import SamplingParams
 from .engine_core import EngineCore, StepFailed, StepStats
 from .output_processor import IterationStats, OutputProcessor, RequestState
+
+if TYPE_CHECKING:  # xgrammar loads on the first constrained request
+    from ..sample.grammar import GrammarCompiler
 
 # Lend requests (peer pulls) go ahead of every queued request: they compute one token.
 LEND_PRIORITY = -(2**31)
@@ -137,7 +140,7 @@ class LLMEngine:
             self.kv_events = KVEventPublisher(ev, kv_ip, security.fleet_secret_from_env())
         self.iteration_stats = IterationStats()
         self._next_id = 0
-        self._grammars: Any = None
+        self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         # Served LoRA adapters by name, each with its load id and prefix-cache
         # identity; requests per adapter since the start (metrics).
@@ -199,7 +202,7 @@ class LLMEngine:
             )
 
     @property
-    def built_grammars(self) -> Any:
+    def built_grammars(self) -> GrammarCompiler | None:
         """The grammar compiler if a constrained request built it, else None."""
         return self._grammars
 

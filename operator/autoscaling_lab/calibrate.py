@@ -45,6 +45,7 @@ import httpx
 from ...engine.config.dataclass_cli import add_dataclass_arguments, dataclass_from_arguments
 from ...engine.contracts import metrics as names
 from ...engine.contracts import security
+from ...engine.contracts.model_card import decode_list
 from .sim_fleet import FleetModel
 
 
@@ -146,10 +147,13 @@ class _Engine:
             raise ValueError(
                 f"--url {self.url}: /v1/models answered {r.status_code}: {r.text[:200]}"
             )
-        data = r.json().get("data") or []
-        if not data:
+        try:
+            cards = decode_list(r.json())
+        except ValueError as e:
+            raise ValueError(f"--url {self.url}: {e}") from None
+        if not cards:
             raise ValueError(f"--url {self.url}: /v1/models lists no model")
-        return data[0]["id"], data[0].get("max_model_len")
+        return cards[0].id, cards[0].max_model_len
 
     def prompt(self, tokens: int) -> list[int]:
         # Ids low enough for any vocabulary; random so no prefix is cached.

@@ -148,9 +148,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "engine, Conditional mode.",
     )
     parser.add_argument("file", nargs="?", metavar="FILE.yaml", help="an InferenceService")
-    add_dataclass_arguments(parser, UpOptions)
     # The gateway overrides are bounded as the gateway's own flags are.
-    for action in parser._actions:
+    for action in add_dataclass_arguments(parser, UpOptions):
         bounds = FLOAT_BOUNDS.get(action.dest)
         if bounds is not None:
             low, high, open_low = bounds

@@ -46,6 +46,8 @@ from typing import Any
 
 import httpx
 
+from ...engine.contracts.lora import LoRALoad, load_succeeded, name_taken
+from ...engine.contracts.model_card import ModelCard, decode_list
 from ..compat import check_service
 from ..resource import AdapterSpec, InferenceService
 from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
@@ -355,46 +357,70 @@ class Rollout(threading.Thread):
     def _sync_adapters(self) -> None:
         """Every running engine serves exactly the plan's adapters (bounded
         calls; RuntimeError naming the engine and adapter on a failure)."""
-        wanted = self.plan.adapter_paths
-        headers = self.fleet.auth_headers
-        for role in ORDER:
-            for child in self.fleet.role_engines(role):
-                try:
-                    r = httpx.get(child.url + "/v1/models", headers=headers, timeout=10)
-                    r.raise_for_status()
-                    cards = r.json()["data"]
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    raise RuntimeError(f"{child.name}: cannot list its adapters ({e})") from None
-                served = {c["id"]: c.get("root") for c in cards if c.get("parent") is not None}
-                calls = [
-                    ("unload", {"lora_name": name})
-                    for name, root in served.items()
-                    if wanted.get(name) != root
-                ]
-                calls += [
-                    ("load", {"lora_name": name, "lora_path": path})
-                    for name, path in wanted.items()
-                    if served.get(name) != path
-                ]
-                for action, body in calls:
-                    url = f"{child.url}/v1/{action}_lora_adapter"
-                    try:
-                        r = httpx.post(url, json=body, headers=headers, timeout=120)
-                        error = r.text.strip()[:500] if r.status_code >= 400 else None
-                    except httpx.HTTPError as e:
-                        error = repr(e)
-                    if error is not None:
-                        raise RuntimeError(
-                            f"{child.name}: {action} of adapter {body['lora_name']!r} "
-                            f"failed: {error}"
-                        )
-                    self.step(f"{child.name}: adapter {body['lora_name']} {action}ed")
+        with httpx.Client(headers=self.fleet.auth_headers) as http:
+            for role in ORDER:
+                for child in self.fleet.role_engines(role):
+                    sync_engine_adapters(
+                        http, child.url, child.name, self.plan.adapter_paths, self.step
+                    )
 
     def _scale(self, role: str, target: int) -> None:
         while len(self.fleet.role_engines(role)) < target:
             self._start(role)
         for victim in self.fleet.role_engines(role)[target:]:
             self._retire(victim)
+
+
+def sync_engine_adapters(
+    http: httpx.Client,
+    url: str,
+    name: str,
+    wanted: dict[str, str],
+    step: Callable[[str], None] = lambda line: None,
+) -> None:
+    """Make the engine at ``url`` (called ``name``) serve exactly ``wanted``
+    (adapter name -> directory): unload the others and those served from
+    another directory, load the missing, telling ``step`` each; RuntimeError
+    naming the engine and adapter on a failure. A load answered name_taken
+    (the gateway loaded it meanwhile) is done when the engine's card of the
+    name shows the directory wanted."""
+    try:
+        r = http.get(url + "/v1/models", timeout=10)
+        r.raise_for_status()
+        cards = decode_list(r.json())
+    except (httpx.HTTPError, ValueError) as e:
+        raise RuntimeError(f"{name}: cannot list its adapters ({e})") from None
+    served = {c.id: c.root for c in cards if c.is_adapter}
+    calls = [("unload", LoRALoad(n)) for n, root in served.items() if wanted.get(n) != root]
+    calls += [("load", LoRALoad(n, path)) for n, path in wanted.items() if served.get(n) != path]
+
+    def card_root(adapter: str) -> str | None:
+        try:
+            r = http.get(f"{url}/v1/models/{adapter}", timeout=10)
+            card = ModelCard.from_wire(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return card.root if card is not None else None
+
+    for action, load in calls:
+        try:
+            r = http.post(
+                f"{url}/v1/{action}_lora_adapter",
+                content=load.encode(),
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+            ok = load_succeeded(r.status_code) or (
+                action == "load"
+                and name_taken(r.status_code, r.content)
+                and card_root(load.lora_name) == load.lora_path
+            )
+            error = None if ok else r.text.strip()[:500]
+        except httpx.HTTPError as e:
+            error = repr(e)
+        if error is not None:
+            raise RuntimeError(f"{name}: {action} of adapter {load.lora_name!r} failed: {error}")
+        step(f"{name}: adapter {load.lora_name} {action}ed")
 
 
 def read_request(text: str) -> tuple[str, dict[str, Any]]:

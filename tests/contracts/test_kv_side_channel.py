@@ -143,3 +143,10 @@ def test_the_lease_messages_keep_their_bytes_and_refuse_naming_the_field():
     ]:
         with pytest.raises(ValueError, match=f"^{field}: "):
             sc.LeaseEnd.decode(bad)
+
+
+def test_the_bare_answers_are_the_carriers():
+    assert sc.Accepted().to_wire() == {"ok": True}
+    assert sc.unpack(sc.Accepted().encode()) == {"ok": True}
+    assert sc.Refusal("no").to_wire() == {"ok": False, "error": "no"}
+    assert sc.Refusal.of(sc.Accepted().to_wire()) is None

@@ -76,3 +76,15 @@ def test_a_state_of_several_choices_names_each_choice_s_sent_tokens():
     assert ids_comment([], 2) == ": ids.2\n"
     assert parse_choice_ids(ids_comment([7, 8], 1, end=True)[:-1].encode()) == (1, [7, 8], True)
     assert parse_choice_ids(b": ids.2") == (2, [], False)
+
+
+def test_the_state_is_spliced_into_a_utf8_body_and_not_into_others():
+    from pdfleet.engine.contracts.migration import FIELD, FIRST_LEG, splice_state
+
+    for body in (b'{"a":1}', b" {\n}", b"{}"):
+        spliced = splice_state(body, FIRST_LEG)
+        assert spliced is not None and spliced.startswith(b'{"' + FIELD.encode())
+        decoded = json.loads(spliced)
+        assert decoded.pop(FIELD) == FIRST_LEG.to_json()
+        assert decoded == json.loads(body)
+    assert splice_state('{"a": 1}'.encode("utf-16"), FIRST_LEG) is None

@@ -257,3 +257,44 @@ def test_docs_list_every_series():
     page = (ROOT / "docs" / "metrics.md").read_text()
     missing = [x.name for x in contract_metrics() if f"`{x.name}`" not in page]
     assert not missing, f"add to docs/metrics.md: {missing}"
+
+
+def test_the_lock_free_histograms_expose_what_prometheus_client_would():
+    """The gateway's request-path histograms (public collector API) write the
+    exposition a prometheus_client Histogram of the same metric writes for
+    the same observations, ``_created`` aside (its value is the clock)."""
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    ours, reference = GatewayMetrics(), CollectorRegistry()
+    ttft = m.GATEWAY_TTFT.create(reference)
+    resume = m.GATEWAY_MIGRATION_RESUME.create(reference)
+    ttft.labels("/v1/chat/completions")  # a series at 0 is exported in both
+    ours.ttft.labels("/v1/chat/completions")
+    for value in (0.0, 0.001, 0.1, 0.1, 2.5, 1e9):
+        ttft.labels("/v1/completions").observe(value)
+        ours.ttft.labels("/v1/completions").observe(value)
+        resume.observe(value / 2)
+        ours.migration_resume.observe(value / 2)
+
+    def lines(registry: CollectorRegistry, *names: str) -> list[str]:
+        text = generate_latest(registry).decode()
+        kept = [ln for ln in text.splitlines() if ln.split("{")[0].split(" ")[0].startswith(names)]
+        return [re.sub(r"(_created(\{.*\})?) .*", r"\1", ln) for ln in kept]
+
+    names = (m.GATEWAY_TTFT.name, m.GATEWAY_MIGRATION_RESUME.name)
+    got = lines(ours.registry, *names)
+    assert got == lines(reference, *names)
+    assert any(ln.endswith('le="+Inf"} 6.0') for ln in got)
+
+
+def test_forgetting_an_engine_drops_its_pair_series():
+    metrics = GatewayMetrics()
+    metrics.kv_pair_open.labels("http://p", "http://e").set(1)
+    metrics.kv_pair_open.labels("http://p", "http://other").set(1)
+    metrics.peer_pull_bandwidth.labels("http://e", "http://h").set(1e9)
+    metrics.forget_engine("http://e", "decode")
+    open_pairs = {s.labels["decode"] for f in metrics.kv_pair_open.collect() for s in f.samples}
+    assert open_pairs == {"http://other"}
+    assert not [s for f in metrics.peer_pull_bandwidth.collect() for s in f.samples]

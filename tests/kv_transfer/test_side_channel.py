@@ -385,3 +385,48 @@ def test_a_session_lasts_no_longer_than_its_identity_tokens_and_renewal_keeps_th
         for client in clients:
             client.close()
         c.shutdown()
+
+
+def test_the_connector_snapshot_is_what_the_engine_exports(zmq_producer):
+    """The metrics exporter reads the connector only through its snapshot:
+    counters (refused reads with the server's own), gauges, the pulls'
+    durations (drained by the snapshot) and the block size."""
+    from prometheus_client import generate_latest
+
+    from pdfleet.engine.contracts import metrics as m
+    from pdfleet.engine.kv_transfer.connector import PDConnectorScheduler
+    from pdfleet.engine.metrics import EngineMetrics
+
+    c = zmq_producer
+    with c.lock:
+        c.stats.transfers, c.stats.bytes_transferred, c.stats.refused_reads = 3, 4096, 2
+        c.stats.transfer_seconds = [0.5, 0.25]
+        c.stats.per_producer["p"] = [1.0, 2048.0, 0.5]
+        c.active["r"] = 2
+        c.quarantined.add("r")
+    assert c.server is not None
+    c.server.num_rejected = 1
+    side = PDConnectorScheduler(c)
+    snapshot = side.stats_snapshot()
+    assert snapshot.transfers == 3 and snapshot.refused_reads == 3
+    assert snapshot.transfer_seconds == (0.5, 0.25) and c.stats.transfer_seconds == []
+    assert snapshot.pulls_in_flight == 1 and snapshot.quarantined_blocks == 2
+    assert snapshot.block_bytes == c.bytes_per_block and snapshot.shard_bytes == ()
+    assert side.stats_snapshot().transfer_seconds == ()  # drained
+    with c.lock:
+        c.active.clear()
+        c.quarantined.clear()
+    metrics = EngineMetrics(c.config)
+    metrics._update_kv(snapshot)
+    samples = m.parse_metrics(generate_latest(metrics.registry).decode()).samples
+
+    def value(metric: m.Metric, suffix: str = "") -> float:
+        return sum(v for _, v in samples[metric.name + suffix])
+
+    assert value(m.ENGINE_KV_TRANSFERS) == 3
+    assert value(m.ENGINE_KV_TRANSFER_BYTES) == 4096
+    assert value(m.ENGINE_KV_SIDE_CHANNEL_REFUSED) == 3
+    assert value(m.ENGINE_KV_PULLS_IN_FLIGHT) == 1
+    assert value(m.ENGINE_KV_QUARANTINED_BLOCKS) == 2
+    assert value(m.ENGINE_KV_BLOCK_BYTES) == c.bytes_per_block
+    assert value(m.ENGINE_KV_TRANSFER_SECONDS, "_count") == 2

@@ -4,9 +4,11 @@ changing the pod templates."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from helpers.kube_fake import (
@@ -20,8 +22,12 @@ from helpers.kube_fake import (
 )
 
 from pdfleet.engine.contracts import security
+from pdfleet.engine.contracts.errors import ErrorBody
+from pdfleet.engine.contracts.lora import already_loaded
+from pdfleet.operator.adapter_sync import sync_adapters
 from pdfleet.operator.fleet_secret import secret_value
 from pdfleet.operator.handlers import OperatorConfig
+from pdfleet.operator.local.rollout import sync_engine_adapters
 from pdfleet.operator.manifests import (
     ANNOTATION_ADAPTERS,
     ANNOTATION_ADAPTERS_KEY,
@@ -241,6 +247,9 @@ class FakeEngine:
 
     def __init__(self, served: dict[str, str], secret_of: Any) -> None:
         self.served = dict(served)
+        self.unlisted: set[str] = set()
+        """Served but not yet in the list: loaded by someone else (the
+        gateway) between a caller's listing and its load."""
         self.calls: list[tuple[str, str]] = []
         self.polls = 0
         self.secret_of = secret_of
@@ -255,24 +264,37 @@ class FakeEngine:
             return web.json_response({"error": {"code": 401}}, status=401)
         self.polls += 1
         cards = [{"id": "tiny", "parent": None, "root": "/models/tiny"}]
-        for n, r in self.served.items():
-            card = {"id": n, "parent": "tiny", "root": r}
-            if r.startswith("hf://"):  # fetched: the engine reports source and revision
-                source, _, revision = r.partition("@")
-                card.update(root=f"/hf-cache/{source}", source=source, revision=revision or None)
-            cards.append(card)
+        cards += [self.card(n) for n in self.served if n not in self.unlisted]
         return web.json_response({"object": "list", "data": cards})
+
+    def card(self, name: str) -> dict[str, Any]:
+        root = self.served[name]
+        card = {"id": name, "parent": "tiny", "root": root}
+        if root.startswith("hf://"):  # fetched: the engine reports source and revision
+            source, _, revision = root.partition("@")
+            card.update(root=f"/hf-cache/{source}", source=source, revision=revision or None)
+        return card
+
+    async def model(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"code": 401}}, status=401)
+        name = request.match_info["name"]
+        if name not in self.served:
+            return web.Response(body=ErrorBody("no such model", 404, "model").encode(), status=404)
+        return web.json_response(self.card(name))
 
     async def load(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return web.json_response({"error": {"code": 403}}, status=403)
         body = await request.json()
         self.calls.append(("load", body["lora_name"]))
-        if body["lora_name"] in self.served:
-            return web.json_response({"error": {"message": "already loaded"}}, status=400)
         path = body["lora_path"]
         if body.get("revision"):
             path += "@" + body["revision"]
+        if body["lora_name"] in self.served:  # the engine's answer (vLLM's 400)
+            same = self.served[body["lora_name"]] == path
+            taken = already_loaded(body["lora_name"], same)
+            return web.Response(body=taken.encode(), status=taken.status)
         self.served[body["lora_name"]] = path
         return web.Response(text="Success")
 
@@ -281,13 +303,16 @@ class FakeEngine:
             return web.json_response({"error": {"code": 403}}, status=403)
         body = await request.json()
         self.calls.append(("unload", body["lora_name"]))
+        self.unlisted.discard(body["lora_name"])
         if self.served.pop(body["lora_name"], None) is None:
-            return web.json_response({"error": {"message": "not loaded"}}, status=404)
+            missing = ErrorBody("not loaded", 404, "lora_name")
+            return web.Response(body=missing.encode(), status=404)
         return web.Response(text="Success")
 
     async def start(self) -> web.AppRunner:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
         runner = web.AppRunner(app)
@@ -430,5 +455,51 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
             assert engine.served == {"hub": "hf://org/hub-lora@v2", "chat/v2": "/adapters/chat"}
         assert ("unload", "stray") in engines["decode"].calls
         assert legacy.calls == [] and legacy.served == {"manual": "/opt/manual"}
+
+    run(scenario())
+
+
+def test_a_load_answered_name_taken_is_done_only_when_the_card_shows_the_wanted_adapter():
+    """The race of the operator's and ``pdfleet up``'s adapter sync with the
+    gateway's lazy load: the adapter is loaded between their listing and
+    their load, which the engine answers with vLLM's 400 naming lora_name.
+    Loaded from the wanted files, that is no error; from others, it is."""
+    secret = b"fleet-secret"
+    token = security.fleet_token(secret)
+    spec = spec_with(FILE_A)
+    wanted = {a.name: adapter_path(a) for a in parse_spec(spec).adapters}
+    same = FakeEngine(wanted, lambda: secret)
+    other = FakeEngine({name: "/elsewhere" for name in wanted}, lambda: secret)
+    for engine in (same, other):
+        engine.unlisted = set(wanted)
+    rendered = template(children(spec), "decode")
+
+    async def scenario() -> None:
+        runners = [await e.start() for e in (same, other)]
+        try:
+            pods = [
+                engine_pod(f"demo-decode-{i}", "decode", e.port, rendered)
+                for i, e in enumerate((same, other))
+            ]
+            changes = await sync_adapters(pods, parse_spec(spec), token=token)
+            by_pod = {c.pod: c for c in changes}
+            assert set(by_pod) == {"demo-decode-0", "demo-decode-1"}
+            assert by_pod["demo-decode-0"].error is None
+            assert "lora_name" in (by_pod["demo-decode-1"].error or "")
+            # pdfleet up's sync, against the same two engines.
+            headers = {"Authorization": f"Bearer {token}"}
+            for engine in (same, other):
+                engine.unlisted = set(wanted)
+            steps: list[str] = []
+            with httpx.Client(headers=headers) as http:
+                url = f"http://127.0.0.1:{same.port}"
+                await asyncio.to_thread(sync_engine_adapters, http, url, "a", wanted, steps.append)
+                url = f"http://127.0.0.1:{other.port}"
+                with pytest.raises(RuntimeError, match="b: load of adapter .* failed.*lora_name"):
+                    await asyncio.to_thread(sync_engine_adapters, http, url, "b", wanted)
+            assert steps == [f"a: adapter {name} loaded" for name in wanted]
+        finally:
+            for runner in runners:
+                await runner.cleanup()
 
     run(scenario())

@@ -75,3 +75,34 @@ def test_cluster_source_names_a_missing_service_and_raises_on_a_missing_pod(sour
     with pytest.raises(ApiException) as missing:
         source._get("/api/v1/namespaces/ns/pods/gone:8000/proxy/other")
     assert missing.value.status == 404
+
+
+def test_cluster_views_read_the_status_through_its_model():
+    import json
+
+    from pdfleet.operator.status_cmd import cluster_views, describe_decision
+
+    decision = {"role": "decode", "from": 1, "to": 2, "reason": "queue", "time": "t"}
+    services = {
+        "items": [
+            {
+                "metadata": {"name": "a"},
+                "status": {
+                    "phase": "Ready",
+                    "roles": {"decode": {"summary": "2/2"}},
+                    "autoscaling": {"lastDecisions": [decision]},
+                },
+            },
+            {"metadata": {"name": "b"}},  # no status yet
+            {"metadata": {"name": "c"}, "status": {"phase": "Sideways", "url": "http://x"}},
+        ]
+    }
+
+    def get(path: str) -> str:
+        return json.dumps(services if "inferenceservices" in path else {"items": []})
+
+    a, b, c = cluster_views(get, "ns", None, {})
+    assert (a.where, a.gateway) == ("ns/ns Ready", "decode 2/2")
+    assert a.decision is not None and describe_decision(a.decision) == ("decode 1 -> 2 at t: queue")
+    assert (b.where, b.gateway, b.decision) == ("ns/ns Unknown", "", None)
+    assert c.where == "ns/ns Unknown"  # unreadable (another version's): shown as unknown

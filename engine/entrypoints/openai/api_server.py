@@ -39,8 +39,10 @@ from ...config import EngineConfig
 from ...contracts import lora as lora_contract
 from ...contracts.errors import ErrorBody, method_not_allowed, not_found
 from ...contracts.http_limits import RequestLimits
+from ...contracts.kv_params import FIELD as KV_PARAMS
 from ...contracts.lora import LoRABodyError, LoRALoad
 from ...contracts.migration import MIGRATE_EVENT, MIGRATE_HEADER
+from ...contracts.model_card import ModelCard, encode_list
 from ...http.server import HttpServer
 from ...loop.async_engine import AsyncEngine
 from ...loop.llm_engine import LLMEngine
@@ -388,18 +390,15 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
 
-    def model_card(s: CompletionServing, name: str) -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "pdfleet",
-            "root": state.config.model_config.model,
-            "parent": None,
-            "max_model_len": s.max_model_len,
-        }
+    def model_card(s: CompletionServing, name: str) -> ModelCard:
+        return ModelCard(
+            name,
+            created=now(),
+            root=state.config.model_config.model,
+            max_model_len=s.max_model_len,
+        )
 
-    def adapter_cards(s: CompletionServing) -> dict[str, dict[str, Any]]:
+    def adapter_cards(s: CompletionServing) -> dict[str, ModelCard]:
         """One card per loaded LoRA adapter, as vLLM lists them (``parent``: the
         base model), plus its prefix-cache identity (engine/contracts/block_hash.py)."""
         if state.engine is None:
@@ -407,34 +406,33 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         engine = state.engine.engine
         cards = {}
         for name, lora in list(engine.loras.items()):
-            card = model_card(s, name)
-            card.update(
+            hub = state.engine.lora_sources.get(name)
+            cards[name] = dataclasses.replace(
+                model_card(s, name),
                 root=lora.lora_path,
                 parent=s.served_names[0],
                 lora_identity=engine.lora_identities.get(name),
-            )
-            hub = state.engine.lora_sources.get(name)
-            if hub is not None:
                 # Loaded from the Hub: root is its snapshot in the cache.
-                card.update(source=hub[0], revision=hub[1])
-            cards[name] = card
+                source=hub[0] if hub is not None else None,
+                revision=hub[1] if hub is not None else None,
+            )
         return cards
 
     @app.get("/v1/models", response_model=None)
     async def models(request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         data = [model_card(s, name) for name in s.served_names]
-        return {"object": "list", "data": data + list(adapter_cards(s).values())}
+        return encode_list(data + list(adapter_cards(s).values()))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         s, _ = serving(request)
         if model_id in s.served_names:
-            return model_card(s, model_id)
+            return model_card(s, model_id).to_wire()
         card = adapter_cards(s).get(model_id)
         if card is None:
             raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model")
-        return card
+        return card.to_wire()
 
     def internal_only(request: Request, route: str) -> None:
         """Routes that change what an engine serves: the fleet token or an internal
@@ -547,7 +545,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         a client API key (docs/security.md, docs/flow-control.md, docs/migration.md)."""
         internal = None
         for name, given in (
-            ("kv_transfer_params", body.kv_transfer_params is not None),
+            (KV_PARAMS, body.kv_transfer_params is not None),
             ("priority", bool(body.priority)),
             ("migration", body.migration is not None),
         ):
@@ -720,7 +718,7 @@ def rendered(
         else None,
         "cache_salt": body.cache_salt,
         "priority": body.priority,
-        "kv_transfer_params": body.kv_transfer_params,
+        KV_PARAMS: body.kv_transfer_params,
         "token_offsets": None,  # return_token_offsets is refused (request_fields.py)
     }
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ... import tracing
+from ...contracts.kv_params import FIELD as KV_PARAMS
 from ...contracts.kv_params import KVTransferParams
 from ...contracts.migration import MigrationState, ids_comment
 from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
@@ -708,7 +709,7 @@ class ServingBase:
             "usage": cls._usage(usage),
         }
         if kv_out is not None:
-            body["kv_transfer_params"] = kv_out
+            body[KV_PARAMS] = kv_out
         return body
 
     @staticmethod

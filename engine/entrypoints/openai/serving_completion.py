@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ...contracts.kv_params import FIELD as KV_PARAMS
 from ...loop.async_engine import RequestStream
 from ...outputs import Logprob
 from .protocol import APIError, CompletionRequest
@@ -307,7 +308,7 @@ class CompletionServing(ServingBase):
                             len(jobs[j][1]), generated[idx], cached_of.get(j, 0)
                         )
                     if out.finished and out.kv_transfer_params is not None:
-                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                        chunk[KV_PARAMS] = out.kv_transfer_params
                     echoed.add(idx)
                     yield resume.event(o.token_ids, sse(chunk), idx, o.finish_reason is not None)
             if req.stream_options and req.stream_options.include_usage:

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...contracts import priority
 from ...contracts.gateway_view import TenantView
-from ...contracts.priority import MAX_TAG, TAG_BITS
 from ..admission import MAX_RETRY_AFTER, MIN_RETRY_AFTER, Overloaded
 from ..metrics import GatewayMetrics
 from .tenants import Tenant
@@ -124,7 +124,7 @@ class Ticket:
     @property
     def engine_priority(self) -> int:
         """What an engine scheduling by priority gets: band, then tag."""
-        return (self.band << TAG_BITS) + min(int(self.tag), MAX_TAG)
+        return priority.encode(self.band, self.tag)
 
     def started(self) -> None:
         """It got its slot: the band's clock moves to its tag."""
