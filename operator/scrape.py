@@ -79,7 +79,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         key = activation_key(labels.get(m.ROLE, ""))
         values[key] = values.get(key, 0.0) + value
     for labels, value in scrape.samples.get(m.GATEWAY_BATCH_REQUESTS.name, ()):
-        if labels.get("state") == "running":
+        if labels.get(m.BATCH_STATE) == m.BATCH_RUNNING:
             values[BATCH_RUNNING_KEY] = values.get(BATCH_RUNNING_KEY, 0.0) + value
     return values
 

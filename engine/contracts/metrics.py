@@ -269,7 +269,9 @@ ENGINE_LORA_ADAPTER_RESIDENT = Metric(
     "(host memory only).",
     (*_M, LORA_NAME, LORA_TIER),
 )
-LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+LORA_MAX = "max_lora"
+"""vllm:lora_requests_info's label: the engine's device slots (--max-loras)."""
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", LORA_MAX)
 VLLM_LORA_REQUESTS_INFO = Metric(
     # vLLM's: one series whose labels name the adapters of running and waiting
     # requests (comma-separated), set to the time of the last update.
@@ -681,12 +683,15 @@ GATEWAY_TENANT_QUEUE_SECONDS = Metric(
     ("tenant",),
     TTFT_BUCKETS,
 )
+BATCH_STATE = "state"
+"""pdfleet_gateway_batch_requests' label: ``pending`` or ``BATCH_RUNNING``."""
+BATCH_RUNNING = "running"
 GATEWAY_BATCH_REQUESTS = Metric(
     "pdfleet_gateway_batch_requests",
     "gauge",
     "Requests of OpenAI Batch API jobs not yet run, by state (pending: waiting for idle "
     "capacity; running). Deferrable demand: the autoscaler does not scale up for it.",
-    ("state",),
+    (BATCH_STATE,),
 )
 
 GATEWAY_KV_INDEX_BLOCKS = Metric(

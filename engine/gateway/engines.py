@@ -227,7 +227,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             load.resident[lora_name] = tier
     for labels_of, _ in scrape.samples.get(_LORA_INFO, ()):
         with contextlib.suppress(KeyError, ValueError):
-            load.max_loras = int(labels_of["max_lora"]) or None
+            load.max_loras = int(labels_of[m.LORA_MAX]) or None
     labels = scrape.labels(*_INFO)
     if labels is not None:
         load.compat_hash = labels.get(m.COMPAT_HASH) or None

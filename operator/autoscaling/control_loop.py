@@ -210,7 +210,11 @@ def parse_gateway_batch_running(text: str) -> float:
     that is not Prometheus exposition format."""
     name = m.GATEWAY_BATCH_REQUESTS.name
     scrape = m.parse_metrics(text, only=(name,))
-    return sum(v for labels, v in scrape.samples.get(name, ()) if labels.get("state") == "running")
+    return sum(
+        v
+        for labels, v in scrape.samples.get(name, ())
+        if labels.get(m.BATCH_STATE) == m.BATCH_RUNNING
+    )
 
 
 def gateway_batch_running(per_gateway: Iterable[float]) -> float:
