@@ -44,6 +44,12 @@ phase; resume p99 < 2 s; routing recovered within 10 s. Rerun:
     .venv/bin/python benchmarks/faults.py --json benchmarks/results/faults_cpu.json
 
 ``--upgrade-only``: the clean run, ``steady`` and the two rolling upgrades.
+``--scale-down-only``: ``scale_down`` alone.
+
+A wrong answer is described (``wrong_detail``, ``long_wrong_detail``): per
+choice that differs, where (character; token, for the long streams, which
+ask ``logprobs`` 0), and the gateway's log lines of the request's moves (its
+``x-request-id``: the engine, the resume latency, the tokens replayed).
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ STORY = (
 
 
 CHOICES_SEP = "\x1e"
-"""Between the texts of a request's choices (by index) in ``Result.text``."""
+"""Between the texts of a request's choices (by index) in ``Result.text`` (a
+generated text may hold it too: ``Result.choices`` has them apart)."""
 
 
 @dataclass
@@ -90,6 +97,12 @@ class Result:
     text: str = ""
     error: str = ""
     error_at: float = 0.0
+    choices: tuple[str, ...] = ()
+    """Each choice's text, by index."""
+    request_id: str = ""
+    """Sent as ``x-request-id``: the gateway's log names the request's moves by it."""
+    tokens: dict[int, list[str]] | None = None
+    """Per choice, its tokens (asked with ``logprobs``: the long streams)."""
 
 
 class Bench:
@@ -100,8 +113,10 @@ class Bench:
         self.headers = {"authorization": f"Bearer {fleet_token(self.secret.encode())}"}
         self.prompts = [f"Story {i}: " + STORY * (3 if i % 4 else 1) for i in range(16)]
         self.reference: dict[tuple[int, bool], str] = {}
+        self.reference_choices: dict[tuple[int, bool], tuple[str, ...]] = {}
         self.results: list[Result] = []
         self.stop_load = False
+        self.num_sent = 0
 
     # -- the fleet ------------------------------------------------------------------
 
@@ -200,7 +215,9 @@ class Bench:
 
     # -- load -----------------------------------------------------------------------
 
-    def body(self, i: int, seeded: bool, max_tokens: int | None = None) -> dict:
+    def body(
+        self, i: int, seeded: bool, max_tokens: int | None = None, logprobs: int | None = None
+    ) -> dict:
         body = {
             "model": "tiny",
             "prompt": self.prompts[i],
@@ -208,6 +225,8 @@ class Bench:
             "temperature": 0,
             "ignore_eos": True,
         }
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         if seeded:
             # Several choices per seeded request: each moves on its own.
             body |= {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "n": self.args.seeded_n}
@@ -216,12 +235,15 @@ class Bench:
     async def one(
         self, client: httpx.AsyncClient, i: int, stream: bool, seeded: bool = False, **kw
     ) -> Result:
-        r = Result(i, stream, seeded, time.monotonic())
+        self.num_sent += 1
+        r = Result(i, stream, seeded, time.monotonic(), request_id=f"faults-{self.num_sent}")
         body = self.body(i, seeded, **kw)
+        headers = {"x-request-id": r.request_id}
+        tokens: dict[int, list[str]] = {}
         try:
             if stream:
                 async with client.stream(
-                    "POST", "/v1/completions", json={**body, "stream": True}
+                    "POST", "/v1/completions", json={**body, "stream": True}, headers=headers
                 ) as resp:
                     if resp.status_code != 200:
                         r.error = f"HTTP {resp.status_code}"
@@ -235,12 +257,17 @@ class Bench:
                             break
                         for c in event.get("choices", []):
                             texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
-                    r.text = CHOICES_SEP.join(texts[k] for k in sorted(texts))
+                            if c.get("logprobs"):
+                                tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+                    r.choices = tuple(texts[k] for k in sorted(texts))
             else:
-                resp = await client.post("/v1/completions", json=body)
+                resp = await client.post("/v1/completions", json=body, headers=headers)
                 if resp.status_code == 200:
                     choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
-                    r.text = CHOICES_SEP.join(c["text"] for c in choices)
+                    r.choices = tuple(c["text"] for c in choices)
+                    for c in choices:
+                        if c.get("logprobs"):
+                            tokens[c["index"]] = list(c["logprobs"]["tokens"])
                 else:
                     r.error, r.error_at = (
                         f"HTTP {resp.status_code}: {resp.text[:200]}",
@@ -248,8 +275,10 @@ class Bench:
                     )
         except httpx.HTTPError as e:
             r.error, r.error_at = f"{type(e).__name__}: {e}", time.monotonic()
+        r.text = CHOICES_SEP.join(r.choices)
         r.ok = not r.error
         r.end = time.monotonic()
+        r.tokens = tokens or None
         return r
 
     async def load(self) -> None:
@@ -273,6 +302,7 @@ class Bench:
                     if not r.ok:
                         raise RuntimeError(f"clean run failed: {r.error}")
                     self.reference[i, seeded] = r.text
+                    self.reference_choices[i, seeded] = r.choices
 
     # -- faults ---------------------------------------------------------------------
 
@@ -333,6 +363,44 @@ class Bench:
         text = log.read_text(errors="replace")
         return [float(x) for x in re.findall(r"resumed on \S+ in ([0-9.]+)s", text)]
 
+    def moves_of(self, request_id: str) -> list[str]:
+        """The gateway's log lines of a request's moves (the engine it resumed on,
+        how long it took, the tokens replayed: the resume point of a request of
+        one choice; of several choices, their sum)."""
+        (log,) = self.run_dir.glob("*/gateway.log")
+        text = log.read_text(errors="replace")
+        return re.findall(rf"request {re.escape(request_id)}: (.*)", text)
+
+    def divergence(self, r: Result, want: tuple[str, ...], ref_tokens: dict | None = None) -> dict:
+        """Where a wrong answer left the unfaulted one: per choice that differs,
+        the character offset and (with tokens) the token position of the first
+        difference, the text around it, and the request's moves."""
+        choices = []
+        got = r.choices
+        for c in range(max(len(got), len(want))):
+            a = got[c] if c < len(got) else ""
+            b = want[c] if c < len(want) else ""
+            if a == b:
+                continue
+            at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+            d: dict = {"choice": c, "char": at, "got": a[at : at + 24], "want": b[at : at + 24]}
+            if r.tokens is not None and ref_tokens is not None:
+                ta, tb = r.tokens.get(c, []), ref_tokens.get(c, [])
+                d["token"] = next(
+                    (k for k in range(min(len(ta), len(tb))) if ta[k] != tb[k]),
+                    min(len(ta), len(tb)),
+                )
+                d["tokens"] = [len(ta), len(tb)]
+            choices.append(d)
+        return {
+            "prompt": r.prompt,
+            "seeded": r.seeded,
+            "stream": r.stream,
+            "request_id": r.request_id,
+            "choices": choices,
+            "moves": self.moves_of(r.request_id),
+        }
+
     def summarize(self, results: list[Result]) -> dict:
         wrong = [r for r in results if r.ok and r.text != self.reference[r.prompt, r.seeded]]
         failed = [r for r in results if not r.ok]
@@ -340,6 +408,9 @@ class Bench:
             "sent": len(results),
             "failed": len(failed),
             "wrong": len(wrong),
+            "wrong_detail": [
+                self.divergence(r, self.reference_choices[r.prompt, r.seeded]) for r in wrong[:10]
+            ],
             "longest_request_s": round(max((r.end - r.start for r in results), default=0), 2),
             "errors": sorted({r.error[:120] for r in failed}),
         }
@@ -399,8 +470,12 @@ class Bench:
         async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
 
             async def streams() -> list[Result]:
+                # logprobs=0: each choice's tokens, to place a divergence exactly.
                 return await asyncio.gather(
-                    *(self.one(client, i, True, i % 2 == 1, max_tokens=tokens) for i in range(n))
+                    *(
+                        self.one(client, i, True, i % 2 == 1, max_tokens=tokens, logprobs=0)
+                        for i in range(n)
+                    )
                 )
 
             def decode_view() -> list[dict]:
@@ -425,6 +500,7 @@ class Bench:
             exits: list[float] = []
             on_engine: list[int] = []
             failed = wrong = 0
+            wrong_detail: list[dict] = []
             resumed = len(self.resume_latencies())
             for _ in range(self.args.rounds):
                 task = asyncio.create_task(streams())
@@ -440,9 +516,10 @@ class Bench:
                 on_engine.append(busiest["inflight"])
                 moved = await task
                 failed += sum(not r.ok for r in moved)
-                wrong += sum(
-                    r.ok and r.text != ref.text for r, ref in zip(moved, reference, strict=True)
-                )
+                for r, ref in zip(moved, reference, strict=True):
+                    if r.ok and r.text != ref.text:
+                        wrong += 1
+                        wrong_detail.append(self.divergence(r, ref.choices, ref.tokens))
                 await self.wait_return(busiest["url"])
         latencies = self.resume_latencies()[resumed:]
         return {
@@ -453,6 +530,11 @@ class Bench:
             "after_sigterm_to_exit_s": exits,
             "long_failed": failed,
             "long_wrong": wrong,
+            # Wrong streams that never moved (not on the drained engine):
+            # their unfaulted run and this one differ by the batch's numerics
+            # alone (docs/migration.md, "Exactness and float ties").
+            "long_wrong_unmoved": sum(not d["moves"] for d in wrong_detail),
+            "long_wrong_detail": wrong_detail,
             "resume_s": percentiles(latencies) if latencies else None,
         }
 
@@ -554,6 +636,10 @@ class Bench:
         }
 
     async def run(self) -> dict:
+        if self.args.scale_down_only:
+            report = {"scale_down": await self.scale_down()}
+            report["total"] = report["scale_down"]
+            return report
         await self.clean_run()
         load = asyncio.create_task(self.load())
         report: dict = {}
@@ -649,6 +735,11 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=700, help="tokens per long stream")
     parser.add_argument("--rounds", type=int, default=3, help="SIGTERMs of scale_down")
     parser.add_argument("--json", help="write the numbers to this file")
+    parser.add_argument(
+        "--scale-down-only",
+        action="store_true",
+        help="only scale_down (its streams are compared with its own unfaulted run)",
+    )
     parser.add_argument(
         "--upgrade-only",
         action="store_true",

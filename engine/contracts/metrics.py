@@ -129,7 +129,8 @@ ENGINE_NUM_REQUESTS_RUNNING = Metric(
 ENGINE_NUM_REQUESTS_WAITING = Metric(
     "pdfleet_engine_num_requests_waiting",
     "gauge",
-    "Requests waiting to be scheduled (incl. waiting for remote KV).",
+    "Requests the last step could not admit for lack of room (incl. waiting for remote KV;"
+    " not siblings waiting for an admitted request's prefill).",
     _M,
 )
 ENGINE_KV_CACHE_USAGE = Metric(

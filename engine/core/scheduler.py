@@ -80,7 +80,14 @@ class SchedulerStats:
     """Snapshot after a step (gauges) plus cumulative counters."""
 
     num_running_reqs: int = 0
+    # Requests the last step could not admit for lack of room (slots, token
+    # budget, KV blocks, a group's share), as vLLM's num_requests_waiting: not
+    # the siblings of an admitted request waiting for its prefill, nor requests
+    # that arrived after the step was scheduled (the next step looks at them).
+    # Requests pulling their KV count (they wait in the queue, as in vLLM).
     num_waiting_reqs: int = 0
+    # Every request accepted and not running (the server's queue bound).
+    num_queued_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
@@ -157,6 +164,9 @@ class Scheduler:
         # Waiting requests promised a slot that another group gave back (_yield_slots):
         # until they are admitted, no other waiting request takes a free slot.
         self.slot_promised: set[str] = set()
+        # Ids of the requests the last ``schedule`` left waiting for room
+        # (``SchedulerStats.num_waiting_reqs``).
+        self.waiting_for_room: set[str] = set()
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0
         # Lend requests refused in ``schedule`` (their blocks left the cache): their
@@ -346,6 +356,19 @@ class Scheduler:
                 return True
             request.wait_for = None
         return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def _waits_on_admitted(self, request: Request) -> bool:
+        """A sibling waiting for the prefill of its leader, which was admitted
+        (it runs, or pulls its KV): it waits for that prefill, not for room.
+        A sibling of a leader that waits for room waits for room too."""
+        if request.wait_for is None:
+            return False
+        leader = self.requests.get(request.wait_for)
+        return (
+            leader is not None
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+            and leader.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+        )
 
     # -- sharing between groups ----------------------------------------------------
 
@@ -626,6 +649,11 @@ class Scheduler:
                 )
             )
         self.waiting.prepend_all(skipped)
+        # Read before this step's tokens are credited: a leader whose whole
+        # prompt is scheduled now still holds its siblings back in this step.
+        self.waiting_for_room = {
+            r.request_id for r in self.waiting.unordered() if not self._waits_on_admitted(r)
+        }
 
         # The scheduled tokens will be computed by this step's forward pass.
         self.last_step_prompt_tokens = 0
@@ -762,7 +790,10 @@ class Scheduler:
             host_kv_loaded_blocks=host.loaded_blocks,
             host_kv_evicted_blocks=host.evicted_blocks,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.requests) - len(self.running),
+            num_waiting_reqs=sum(
+                1 for r in self.waiting.unordered() if r.request_id in self.waiting_for_room
+            ),
+            num_queued_reqs=len(self.requests) - len(self.running),
             kv_cache_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_usable_blocks,

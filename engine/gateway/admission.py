@@ -6,8 +6,9 @@ count their queue) on the decode engine it is routed to, from its route
 (before its prefill leg, so a request that must wait pins no KV anywhere) to
 the end of its answer, and, when it prefills, one on its prefill engine until
 its prefill leg ends. An engine's capacity is learned from what it reports:
-while it queues requests of its own (``waiting`` less the KV pulls in flight,
-which wait for bytes, not for room), its capacity is the slots this gateway
+while it queues requests of its own (``waiting``: what its last step could
+not admit for lack of room, less the KV pulls in flight, which wait for
+bytes, not for room), its capacity is the slots this gateway
 holds on it less that queue; while it has room and the gateway fills it, the
 capacity grows by a quarter per scrape (at least one). An engine that never
 queued has no capacity bound. A decode engine's slots include its requests

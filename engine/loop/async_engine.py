@@ -387,8 +387,9 @@ class AsyncEngine:
         )
 
     def num_waiting(self) -> int:
-        """Requests waiting in the engine plus those queued to join it."""
-        return self.engine.stats.num_waiting_reqs + self._num_queued_adds
+        """Requests accepted and not running (waiting for room, for a leader's
+        prefill or for their first step) plus those queued to join the engine."""
+        return self.engine.stats.num_queued_reqs + self._num_queued_adds
 
     async def add_request(
         self,

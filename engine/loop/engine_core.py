@@ -98,7 +98,7 @@ class EngineCore:
         self.scheduler.add_request(request)
         # Counted at once, not at the next step: the server's queue bound
         # (``AsyncEngine.add_request``) reads this between steps.
-        self.last_stats.num_waiting_reqs += 1
+        self.last_stats.num_queued_reqs += 1
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

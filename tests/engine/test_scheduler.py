@@ -117,6 +117,51 @@ def test_max_num_seqs():
     assert len(s.schedule().num_scheduled_tokens) == 2
 
 
+def test_waiting_counts_only_requests_left_for_lack_of_room():
+    # A group of three siblings (n = 3): the second and third wait for the
+    # first's prefill (two steps of a chunked 40-token prompt), not for room.
+    s = make(tokens=32, seqs=3)
+    for i in range(3):
+        r = request(f"g{i}", 40, max_tokens=8)
+        r.group_id = "g"
+        r.wait_for = "g0" if i else None
+        s.add_request(r)
+    assert s.stats().num_waiting_reqs == 0  # not looked at yet: the next step's
+    assert s.stats().num_queued_reqs == 3  # the server's queue bound counts them
+    for _ in range(2):  # the leader's two prefill chunks: its siblings wait on it
+        step(s)
+        assert s.stats().num_waiting_reqs == 0
+    out = step(s)  # the siblings join (prefix hits): every slot is taken
+    assert set(out.num_scheduled_tokens) == {"g0", "g1", "g2"}
+    assert s.stats().num_waiting_reqs == 0
+    # Two more groups find no slot: max-min fair sharing preempts two of g's
+    # three for x and h's leader. The preempted two wait for room; h1 waits
+    # for its admitted leader's prefill.
+    s.add_request(request("x", 4, max_tokens=8, first=600))
+    for i in range(2):
+        r = request(f"h{i}", 4, max_tokens=8, first=700)
+        r.group_id = "h"
+        r.wait_for = "h0" if i else None
+        s.add_request(r)
+    step(s)
+    running = {r.request_id for r in s.running}
+    assert running == {"g0", "x", "h0"}
+    assert s.stats().num_waiting_reqs == 2
+    assert s.stats().num_queued_reqs == 3
+    run_all(s)
+    assert s.stats().num_waiting_reqs == 0
+    # A group whose leader waits for room: its siblings count with it.
+    s = make(seqs=1)
+    s.add_request(request("a", 4, max_tokens=8))
+    for i in range(2):
+        r = request(f"h{i}", 4, max_tokens=8, first=700)
+        r.group_id = "h"
+        r.wait_for = "h0" if i else None
+        s.add_request(r)
+    step(s)
+    assert s.stats().num_waiting_reqs == 2
+
+
 def test_preemption_recomputes_and_everything_finishes():
     s = make(num_blocks=4, tokens=64, seqs=4)
     for i in range(3):

@@ -524,11 +524,6 @@ def test_sigterm_drains_a_decode_engine_by_handing_its_streams_back(fleet, tmp_p
             engine.url,
             "--disaggregation-mode",
             "Disabled",
-            # Rare scrapes: a scrape that sees a request queued for its first
-            # step (the steps are slowed) would make the gateway hold the next
-            # ones back for a slot (admission.py), and they would not overlap.
-            "--scrape-interval",
-            "10",
             "--hold-timeout",
             "90",
             # Until the gateway's next scrape it may try the stopping engine
