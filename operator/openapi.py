@@ -32,7 +32,7 @@ from ..engine.config.fields import (
 )
 from ..engine.config.fields import to_jsonable as dataclass_jsonable
 from .engine_spec import spec_fields
-from .resource import EngineSection, PassThrough
+from .resource import EngineSection, ListMap, PassThrough
 
 Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
@@ -190,6 +190,10 @@ def model_schema(
             and not any(isinstance(m, EngineSection) for m in info.metadata)
         ):
             prop["default"] = _jsonable_default(default)
+        for m in info.metadata:
+            if isinstance(m, ListMap):
+                prop["x-kubernetes-list-type"] = "map"
+                prop["x-kubernetes-list-map-keys"] = list(m.keys)
         properties[key] = prop
     schema: Schema = {"type": "object"}
     if model.__doc__:
