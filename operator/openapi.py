@@ -252,7 +252,7 @@ def engine_schema() -> Schema:
         elif bound is not None:
             # Of a size field, the bound applies to an integer; a string ("2K")
             # is parsed and bounded by the resource model and the engine.
-            prop.update(_constraints(bound.value))
+            prop.update(_constraints(bound.value, prop.get("type")))
         help_text = " ".join(EngineArgs.field_help(f).split())
         text = f"{help_text}{_default_text(f)} Flag: --{flag_name(f.name)}.".strip()
         properties[key] = {"description": text, **prop}

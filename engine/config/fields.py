@@ -161,13 +161,29 @@ class FieldBounds:
         return bool(self.value or self.items)
 
 
+# What the CRD's schema and the resource model's check both understand; any
+# other annotated_types constraint on an engine field is refused rather than
+# silently left out of both.
+_SUPPORTED_BOUNDS = (
+    OneOf,
+    annotated_types.Gt,
+    annotated_types.Ge,
+    annotated_types.Lt,
+    annotated_types.Le,
+)
+
+
 def bounds_of(tp: Any) -> FieldBounds:
     """The constraints an annotated type states, on the value and on list items."""
     items: list[Any] = []
     for alt in flatten_type(tp):
         if get_origin(alt) is list and get_args(alt):
             items += _bounds(get_args(alt)[0])
-    return FieldBounds(tuple(_bounds(tp)), tuple(items))
+    bounds = FieldBounds(tuple(_bounds(tp)), tuple(items))
+    for m in bounds.value + bounds.items:
+        if not isinstance(m, _SUPPORTED_BOUNDS):
+            raise TypeError(f"{m!r} in {tp!r}: not a bound the engine settings support")
+    return bounds
 
 
 _FIELD_BOUNDS: dict[type, dict[str, FieldBounds]] = {}

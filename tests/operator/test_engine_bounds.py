@@ -139,6 +139,14 @@ def test_the_crd_refuses_and_admits_the_same_values():
     assert admit(_object({**BASE, "engine": inside}))[1] == []
 
 
+# Settings whose edge value needs another setting of the sub-configuration
+# to agree (the engine checks them together).
+EDGE_COMPANIONS = {
+    "max_num_batched_tokens": {"max_num_seqs": 1},
+    "grammar_cache_bytes": {"max_grammar_memory_bytes": 1},
+}
+
+
 @pytest.mark.parametrize("name", sorted(set(RANGES) - NOT_A_SUB_CONFIG_CHECK), ids=str)
 def test_every_bound_is_the_engines_own(name):
     f = {f.name: f for f in dataclasses.fields(EngineArgs)}[name]
@@ -149,6 +157,13 @@ def test_every_bound_is_the_engines_own(name):
         bad = [int(value)] if bound.items else (value if is_float else int(value))
         with pytest.raises(ValueError):  # noqa: PT011 (each sub-configuration words its own)
             source(**{attr: bad})
+    # ... and no tighter than the engine's: its edges are accepted.
+    edges = list(bound.enum or ()) or [
+        v for v in (bound.maximum, None if bound.exclusive else bound.minimum) if v is not None
+    ]
+    for value in edges:
+        good = [int(value)] if bound.items else (float(value) if is_float else int(value))
+        source(**{attr: good}, **EDGE_COMPANIONS.get(name, {}))
 
 
 @pytest.mark.parametrize(
@@ -195,3 +210,23 @@ def test_the_crd_schema_carries_the_bounds():
         prop = engine[camel(name)]
         prop = prop["items"] if bound.items else prop
         assert {"minimum", "maximum", "enum"} & set(prop), name
+
+
+def test_bounds_read_through_optional_lists_and_intervals():
+    from typing import Annotated
+
+    from pdfleet.engine.config.fields import bounds_of, bounds_problem
+
+    bounds = bounds_of(Annotated[float, annotated_types.Interval(gt=0, lt=2)] | None)
+    assert [bounds_problem(bounds, v) for v in (1.5, 0, 2, float("nan"))] == [
+        None,
+        "must be > 0, got 0",
+        "must be < 2, got 2",
+        "must be a finite number, got nan",
+    ]
+    items = bounds_of(list[Annotated[int, OneOf((1, 8))]] | None)
+    assert items == FieldBounds(items=(OneOf((1, 8)),))
+    assert bounds_problem(items, [1, 3]) == "must be one of 1, 8, got 3"
+    # A constraint neither the CRD nor the resource model would check is refused.
+    with pytest.raises(TypeError, match="MultipleOf"):
+        bounds_of(Annotated[int, annotated_types.MultipleOf(2)])
