@@ -163,7 +163,7 @@ def _check_layout(
     layout = role_layout(role_spec, args)
     tp_field = _where(spec, role, "tensorParallelSize")
     if layout.tensor_parallel_size < 1:
-        return out  # refused by the resource model (engine_spec.ENGINE_BOUNDS)
+        return out  # refused by the resource model (the field's bound)
     if layout.tensor_parallel_size % layout.nodes:
         out.append(
             Violation(

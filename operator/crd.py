@@ -473,10 +473,6 @@ PRINTER_COLUMNS: list[Schema] = [
 def build_crd() -> dict[str, Any]:
     """The CRD object (apiextensions.k8s.io/v1)."""
     spec_schema = model_schema(r.InferenceServiceSpec, rules=CEL_RULES)
-    # Adapter names are unique: the API server refuses a repeated key itself.
-    adapters = spec_schema["properties"]["adapters"]
-    adapters["x-kubernetes-list-type"] = "map"
-    adapters["x-kubernetes-list-map-keys"] = ["name"]
     # No defaults in status: it holds only what the operator observed.
     status_schema = model_schema(r.InferenceServiceStatus, defaults=False)
     root: Schema = {

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
-from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import EngineArgs
-from ..engine.config.admission import DEFAULT_MAX_N
-from ..engine.config.cache import BLOCK_SIZES
 from ..engine.config.fields import (
     HUMAN_READABLE_INT_FIELDS,
     ConfigValueError,
+    bounds_problem,
     coerce,
     flatten_type,
     resolved_fields,
     to_jsonable,
 )
-from ..engine.config.lora import POSSIBLE_MAX_LORA_RANKS
 
 # Fields the resource sets elsewhere (spec.model, per-role KV transfer), or that
 # only make sense on a command line, with where to set them instead.
@@ -36,82 +32,6 @@ SET_ELSEWHERE = {
     "kv_transfer_config": "spec.kvTransfer (the operator adds each role's kv_role)",
 }
 NOT_IN_SPEC = frozenset(SET_ELSEWHERE)
-
-
-@dataclass(frozen=True)
-class EngineBound:
-    """A constant bound of one engine setting, as the engine's own checks make it.
-
-    ``exclusive`` makes ``minimum`` open; ``items`` bounds a list's items."""
-
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive: bool = False
-    enum: tuple[int, ...] | None = None
-    items: bool = False
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value`` (typed) is out of bounds, or None."""
-        if isinstance(value, list) and self.items:
-            return next((p for p in map(self.problem, value) if p), None)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return None
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number, got {value}"
-        if self.enum is not None and value not in self.enum:
-            return f"must be one of {', '.join(map(str, self.enum))}, got {value}"
-        if self.minimum is not None and self.exclusive and value <= self.minimum:
-            return f"must be > {self.minimum:g}, got {value}"
-        if self.minimum is not None and value < self.minimum:
-            return f"must be >= {self.minimum:g}, got {value}"
-        if self.maximum is not None and value > self.maximum:
-            return f"must be <= {self.maximum:g}, got {value}"
-        return None
-
-
-# The engine's constant bounds, by EngineArgs field: the CRD's
-# minimum/maximum/enum of the engine sections and the resource model's checks.
-# Each is the one the engine's configuration makes when it starts (a test
-# constructs each sub-configuration just outside the bound), except `seed`,
-# the resource's own (an engine seeds torch with it).
-_AT_LEAST_1 = EngineBound(minimum=1)
-_FRACTION = EngineBound(minimum=0, maximum=1, exclusive=True)
-ENGINE_BOUNDS: dict[str, EngineBound] = {
-    "seed": EngineBound(minimum=0),
-    "max_model_len": EngineBound(minimum=-1),  # -1: the model's own (auto); 0 is refused
-    "max_logprobs": EngineBound(minimum=-1),  # -1: no bound; 0 is refused
-    "tensor_parallel_size": _AT_LEAST_1,
-    "pipeline_parallel_size": _AT_LEAST_1,
-    "data_parallel_size": _AT_LEAST_1,
-    "nnodes": _AT_LEAST_1,
-    "node_rank": EngineBound(minimum=0),
-    "master_port": EngineBound(minimum=1, maximum=65535),
-    "block_size": EngineBound(enum=BLOCK_SIZES),
-    "gpu_memory_utilization": _FRACTION,
-    "kv_cache_memory_bytes": _AT_LEAST_1,
-    "kv_offload_bytes": _AT_LEAST_1,
-    "num_gpu_blocks_override": _AT_LEAST_1,
-    "max_num_batched_tokens": _AT_LEAST_1,
-    "max_num_seqs": _AT_LEAST_1,
-    "long_prefill_token_threshold": EngineBound(minimum=0),
-    "max_request_share": _FRACTION,
-    "max_n": EngineBound(minimum=1, maximum=DEFAULT_MAX_N),
-    "max_request_output_tokens": _AT_LEAST_1,
-    "max_grammar_choices": _AT_LEAST_1,
-    "max_schema_enum_values": _AT_LEAST_1,
-    "max_schema_bytes": _AT_LEAST_1,
-    "max_grammar_chars": _AT_LEAST_1,
-    "grammar_cache_bytes": _AT_LEAST_1,
-    "max_grammar_memory_bytes": _AT_LEAST_1,
-    "grammar_compile_timeout": EngineBound(minimum=0, exclusive=True),
-    "grammar_compile_workers": _AT_LEAST_1,
-    "max_grammar_compiles_per_caller": _AT_LEAST_1,
-    "cudagraph_capture_sizes": EngineBound(minimum=1, items=True),
-    "max_cudagraph_capture_size": _AT_LEAST_1,
-    "max_loras": EngineBound(minimum=1, maximum=256),
-    "max_lora_rank": EngineBound(enum=POSSIBLE_MAX_LORA_RANKS),
-    "max_cpu_loras": _AT_LEAST_1,
-}
 
 
 def _json_type_problem(tp: Any, value: Any, human: bool) -> str | None:
@@ -191,6 +111,7 @@ def validate_engine_section(engine: dict[str, Any] | None) -> dict[str, Any]:
     Raises :class:`FieldPathError` naming the key.
     """
     fields = spec_fields()
+    bounds = EngineArgs.bounds()
     out: dict[str, Any] = {}
     for key, value in (engine or {}).items():
         if value is None:
@@ -206,8 +127,8 @@ def validate_engine_section(engine: dict[str, Any] | None) -> dict[str, Any]:
             typed = coerce(tp, value, key)
         except ConfigValueError as e:
             raise FieldPathError(key, str(e).removeprefix(f"{key}: ")) from None
-        bound = ENGINE_BOUNDS.get(f.name)
-        problem = bound.problem(typed) if bound else None
+        # The bounds the engine's fields state (the CRD's minimum/maximum/enum).
+        problem = bounds_problem(bounds[f.name], typed) if f.name in bounds else None
         if problem:
             raise FieldPathError(key, problem)
         out[key] = to_jsonable(typed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
@@ -23,14 +24,15 @@ from pydantic_core import PydanticUndefined
 from ..engine.config import EngineArgs
 from ..engine.config.fields import (
     HUMAN_READABLE_INT_FIELDS,
+    OneOf,
     attr_docs,
     default_of,
     flag_name,
     resolved_fields,
 )
 from ..engine.config.fields import to_jsonable as dataclass_jsonable
-from .engine_spec import ENGINE_BOUNDS, EngineBound, spec_fields
-from .resource import EngineSection, PassThrough
+from .engine_spec import spec_fields
+from .resource import EngineSection, ListMap, PassThrough
 
 Schema = dict[str, Any]
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
@@ -107,18 +109,23 @@ def schema_for_type(
     raise TypeError(f"no structural schema for {tp!r}")
 
 
-def _constraints(info: FieldInfo, kind: str | None = None) -> Schema:
-    """The field's bounds; a length bound of an array bounds its items."""
+def _constraints(metadata: Iterable[Any], kind: str | None = None) -> Schema:
+    """The ``annotated_types`` bounds of a field as OpenAPI v3 (draft 4: a
+    boolean ``exclusiveMinimum``), for a pydantic field's metadata and an
+    engine dataclass field's ``Annotated`` alike; a length bound of an array
+    bounds its items."""
     out: Schema = {}
     if kind == "array":
-        for m in info.metadata:
+        for m in metadata:
             if isinstance(m, annotated_types.MinLen):
                 out["minItems"] = m.min_length
             elif isinstance(m, annotated_types.MaxLen):
                 out["maxItems"] = m.max_length
         return out
-    for m in info.metadata:
-        if isinstance(m, annotated_types.Ge):
+    for m in metadata:
+        if isinstance(m, OneOf):
+            out["enum"] = list(m.values)
+        elif isinstance(m, annotated_types.Ge):
             out["minimum"] = m.ge
         elif isinstance(m, annotated_types.Gt):
             out["minimum"] = m.gt
@@ -173,7 +180,7 @@ def model_schema(
         prop = schema_for_type(annotation, rules=rules, defaults=defaults)
         if info.description:
             prop = {"description": " ".join(info.description.split()), **prop}
-        prop.update(_constraints(info, prop.get("type")))
+        prop.update(_constraints(info.metadata, prop.get("type")))
         default = _field_default(info)
         if default is PydanticUndefined:
             required.append(key)
@@ -183,6 +190,10 @@ def model_schema(
             and not any(isinstance(m, EngineSection) for m in info.metadata)
         ):
             prop["default"] = _jsonable_default(default)
+        for m in info.metadata:
+            if isinstance(m, ListMap):
+                prop["x-kubernetes-list-type"] = "map"
+                prop["x-kubernetes-list-map-keys"] = list(m.keys)
         properties[key] = prop
     schema: Schema = {"type": "object"}
     if model.__doc__:
@@ -196,7 +207,12 @@ def model_schema(
 
 
 def dataclass_schema(cls: type) -> Schema:
-    """Object schema of an engine config dataclass (snake_case keys, as its JSON)."""
+    """Object schema of an engine config dataclass (snake_case keys, as its JSON).
+
+    Types only (``resolved_fields`` strips the bounds): neither the CRD nor
+    the resource model bounds the fields of a JSON sub-configuration such as
+    ``compilationConfig``; the engine checks them when it starts. The
+    top-level engine settings carry theirs (:func:`engine_schema`)."""
     docs = attr_docs(cls)
     properties: Schema = {}
     for f, tp in resolved_fields(cls):
@@ -220,36 +236,23 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return f" Default: {default}."
 
 
-def _bound_schema(bound: EngineBound) -> Schema:
-    """An engine bound as OpenAPI v3 (draft 4: a boolean exclusiveMinimum)."""
-    out: Schema = {}
-    if bound.enum is not None:
-        out["enum"] = list(bound.enum)
-    if bound.minimum is not None:
-        out["minimum"] = bound.minimum
-        if bound.exclusive:
-            out["exclusiveMinimum"] = True
-    if bound.maximum is not None:
-        out["maximum"] = bound.maximum
-    return out
-
-
 def engine_schema() -> Schema:
     """The schema of an engine section: one property per ``EngineArgs`` field,
     camelCase, described by the field's docstring and its flag. No defaults:
     an unset key keeps the engine's (or ``spec.engine``'s) value."""
     properties: Schema = {}
+    bounds = EngineArgs.bounds()
     for key, (f, tp) in spec_fields().items():
         prop = schema_for_type(tp)
         if f.name in HUMAN_READABLE_ENGINE_FIELDS:
             prop = {INT_OR_STRING: True}
-        bound = ENGINE_BOUNDS.get(f.name)
+        bound = bounds.get(f.name)
         if bound is not None and bound.items:
-            prop["items"] = {**prop["items"], **_bound_schema(bound)}
+            prop["items"] = {**prop["items"], **_constraints(bound.items)}
         elif bound is not None:
             # Of a size field, the bound applies to an integer; a string ("2K")
             # is parsed and bounded by the resource model and the engine.
-            prop.update(_bound_schema(bound))
+            prop.update(_constraints(bound.value, prop.get("type")))
         help_text = " ".join(EngineArgs.field_help(f).split())
         text = f"{help_text}{_default_text(f)} Flag: --{flag_name(f.name)}.".strip()
         properties[key] = {"description": text, **prop}

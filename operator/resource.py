@@ -105,6 +105,15 @@ class PassThrough:
         """Properties the CRD declares (for its CEL rules); the rest stay unknown."""
 
 
+class ListMap:
+    """Marks a list whose items are unique by ``keys``: the CRD declares it an
+    ``x-kubernetes-list-type: map``, so the API server refuses a repeated key
+    itself (and server-side apply merges the items by key)."""
+
+    def __init__(self, *keys: str) -> None:
+        self.keys = keys
+
+
 EngineSettings = Annotated[dict[str, Any], EngineSection()]
 Quantity = int | str
 
@@ -332,7 +341,11 @@ class KVTransferSpec(SpecModel):
     needs (outside the `restricted` Pod Security profile)."""
     extra_config: Annotated[
         dict[str, Any],
-        # The typed keys are declared so that the CRD's CEL rules can see them.
+        # The typed keys are declared so that the CRD's CEL rules can see them
+        # (CEL reads only declared properties of an object that keeps unknown
+        # fields). They stay untyped on purpose: the rules refuse any value
+        # there, naming the kvTransfer field to set instead, which a type
+        # error would pre-empt with a worse message.
         PassThrough(
             "kv_connector_extra_config",
             {
@@ -391,7 +404,12 @@ class Resources(SpecModel):
 
 
 # What the CRD declares of an EnvVar (for the rules in crd.py); the API server
-# checks the rest when it creates the pod.
+# checks the rest when it creates the pod. Written out rather than generated:
+# it is a partial schema (each level keeps its unknown fields, and only what
+# the CEL rules read is declared), of a Kubernetes type pdfleet has no model
+# of (`env` passes through; `check_env_var` is the resource model's check),
+# so a model written only to emit these few properties would be a second
+# declaration of the same thing.
 ENV_VAR_KNOWN: dict[str, Any] = {
     "required": ["name"],
     "properties": {
@@ -754,7 +772,9 @@ class InferenceServiceSpec(SpecModel):
     """OpenAI server settings shared by every engine: chat template and tool calling."""
     autoscaling: AutoscalingSpec | None = None
     """Scale the pools from engine metrics; fixed replica counts when unset."""
-    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=256)
+    adapters: Annotated[list[AdapterSpec], ListMap("name")] = Field(
+        default_factory=list, max_length=256
+    )
     """LoRA adapters served on top of the model; a request names one by
     `model`. A non-empty list turns LoRA on in both roles (enableLora, with
     maxLoras 4 and maxLoraRank 16 unless spec.engine sets them). Adding or

@@ -9,6 +9,9 @@ bounds too, with the same code (``sampling_checks.check_output_bounds``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from annotated_types import Ge, Gt, Interval
 
 from .hashing import hash_factors
 
@@ -21,38 +24,38 @@ DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 1 << 20
 class AdmissionConfig:
     """Bounds on what one request may ask of the engine."""
 
-    max_n: int = DEFAULT_MAX_N
+    max_n: Annotated[int, Interval(ge=1, le=DEFAULT_MAX_N)] = DEFAULT_MAX_N
     """Most completions one request may ask for (`n`, and `best_of`); a
     larger value is a 400 naming the field. At most 128."""
-    max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+    max_request_output_tokens: Annotated[int, Ge(1)] = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
     """Most output tokens one request may ask for: `n` (or `best_of`) times
     `max_tokens`, summed over the prompts of a batched completion; a larger
     product is a 400 naming `max_tokens`. Without `max_tokens` the engine
     counts what the context leaves after the prompt."""
-    max_grammar_choices: int = 1024
+    max_grammar_choices: Annotated[int, Ge(1)] = 1024
     """Most strings in a `choice` constraint (`guided_choice`,
     `structured_outputs.choice`)."""
-    max_schema_enum_values: int = 1024
+    max_schema_enum_values: Annotated[int, Ge(1)] = 1024
     """Most `enum` values (and `const`s) in one JSON schema, all its `enum`
     lists together (`response_format`, `guided_json`, tool parameters)."""
-    max_schema_bytes: int = 128 * 1024
+    max_schema_bytes: Annotated[int, Ge(1)] = 128 * 1024
     """Longest JSON schema, in bytes of its JSON text."""
-    max_grammar_chars: int = 64 * 1024
+    max_grammar_chars: Annotated[int, Ge(1)] = 64 * 1024
     """Longest regex, EBNF or Lark grammar, in characters."""
-    grammar_cache_bytes: int = 512 * 1024 * 1024
+    grammar_cache_bytes: Annotated[int, Ge(1)] = 512 * 1024 * 1024
     """Memory for compiled grammars (as xgrammar measures them); the least
     recently used are dropped beyond it."""
-    max_grammar_memory_bytes: int = 64 * 1024 * 1024
+    max_grammar_memory_bytes: Annotated[int, Ge(1)] = 64 * 1024 * 1024
     """Largest compiled grammar accepted; a constraint that compiles to more is
     a 400 naming its field. At most `grammar_cache_bytes`."""
-    grammar_compile_timeout: float = 10.0
+    grammar_compile_timeout: Annotated[float, Gt(0)] = 10.0
     """Seconds one grammar compile may take; a compile still running then is
     stopped (its worker process is killed) and the request gets a 400 naming
     the constraint field."""
-    grammar_compile_workers: int = 2
+    grammar_compile_workers: Annotated[int, Ge(1)] = 2
     """Processes compiling grammars (started on first use); each compile runs
     in one, off the engine's event loop and its engine thread."""
-    max_grammar_compiles_per_caller: int = 32
+    max_grammar_compiles_per_caller: Annotated[int, Ge(1)] = 32
     """Grammar compiles one caller (an API key, the client a gateway names, or
     an address) may have waiting or running at once; more are a 429. Waiting
     compiles take free workers by fair share: the caller that used the least

@@ -25,10 +25,12 @@ from .device import AttentionBackend, Device, DeviceConfig, detect_device, query
 from .engine import EngineConfig, PerformanceMode
 from .fields import (
     ConfigValueError,
+    FieldBounds,
     argparse_kwargs,
     attr_docs,
     coerce,
     default_of,
+    field_bounds,
     flag_name,
     resolved_fields,
     to_jsonable,
@@ -221,6 +223,19 @@ class EngineArgs:
             )
 
     # -- CLI -----------------------------------------------------------------
+
+    @classmethod
+    def bounds(cls) -> dict[str, FieldBounds]:
+        """Field name -> its constant bound, as the sub-configuration field it
+        feeds states it (a field of its own: its own annotation)."""
+        own = field_bounds(cls)
+        out: dict[str, FieldBounds] = {}
+        for f in dataclasses.fields(cls):
+            source = f.metadata.get("source")
+            bound = field_bounds(source[0]).get(source[1]) if source else own.get(f.name)
+            if bound:
+                out[f.name] = bound
+        return out
 
     @staticmethod
     def field_help(f: dataclasses.Field[Any]) -> str:

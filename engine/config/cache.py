@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+from annotated_types import Ge, Interval
+
+from .fields import OneOf
 from .hashing import hash_fields
 
 CacheDType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -17,27 +20,27 @@ DEFAULT_BLOCK_SIZE = 16
 class CacheConfig:
     """Configuration of the paged KV cache."""
 
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: Annotated[int, OneOf(BLOCK_SIZES)] = DEFAULT_BLOCK_SIZE
     """Number of tokens per KV-cache block (1, 8, 16, 32, 64, 128 or 256; the
     Triton kernels take 16 or 32). Defaults to 16."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.9
     """Fraction of device memory the engine may use in all (weights,
     activations and KV cache), from 0 to 1. Ignored when
     `kv_cache_memory_bytes` is set. On CPU see `kv_cache_memory_bytes`."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: Annotated[int, Ge(1)] | None = None
     """Bytes of memory for the KV cache, overriding `gpu_memory_utilization`.
     On CPU, when unset, the cache is sized from the model and the machine: a
     quarter of the weights' bytes (at least 64 MiB and one max_model_len
     sequence), within a quarter of the available memory (a container's limit
     included) and what max_num_seqs full-length sequences need."""
-    kv_offload_bytes: int | None = None
+    kv_offload_bytes: Annotated[int, Ge(1)] | None = None
     """Bytes of host memory for a second KV-cache tier: blocks evicted from the
     device cache are kept there (pinned memory when the cache is on CUDA) and
     copied back on a later prefix hit instead of being recomputed
     (docs/kv_offload.md). Unset: no host tier."""
     cache_dtype: CacheDType = "auto"
     """Data type of the KV cache; `auto` uses the model's dtype."""
-    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks_override: Annotated[int, Ge(1)] | None = None
     """Number of KV-cache blocks to allocate, overriding the memory-based
     computation (for tests and benchmarks)."""
     enable_prefix_caching: bool = True

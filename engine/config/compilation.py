@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from annotated_types import Ge
 
 from .hashing import hash_fields
 
@@ -28,10 +30,10 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode | None = None
     """`FULL_DECODE_ONLY` or `NONE`. Unset: `FULL_DECODE_ONLY` on cuda unless
     `enforce_eager`, else `NONE`."""
-    cudagraph_capture_sizes: list[int] | None = None
+    cudagraph_capture_sizes: list[Annotated[int, Ge(1)]] | None = None
     """Decode batch sizes to capture. Unset: 1, 2, 4, then multiples of 8 below
     256, then multiples of 16 up to `max_cudagraph_capture_size`."""
-    max_cudagraph_capture_size: int | None = None
+    max_cudagraph_capture_size: Annotated[int, Ge(1)] | None = None
     """Largest batch size to capture. Unset: min(2 * max_num_seqs, 512),
     bounded by max_num_batched_tokens."""
 

@@ -21,7 +21,10 @@ import textwrap
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
+
+import annotated_types
 
 # Fields whose CLI values accept human-readable integers (2k, 2K, 1G, ...).
 HUMAN_READABLE_INT_FIELDS = frozenset(
@@ -111,9 +114,119 @@ def _get(hints: set[Any], kind: Any) -> Any:
 
 
 def resolved_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
-    """Dataclass fields with their annotations resolved to real types."""
+    """Dataclass fields with their annotations resolved to real types
+    (``Annotated`` bounds stripped: see :func:`field_bounds` for those)."""
     hints = typing.get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+
+
+# -- Bounds ------------------------------------------------------------------
+#
+# A setting's constant bound is stated once, on its dataclass field, as the
+# ``annotated_types`` constraints pydantic reads (``Annotated[int, Ge(1)]``,
+# ``Interval(gt=0, le=1)``; a list's items bounded through its item type,
+# ``list[Annotated[int, Ge(1)]]``). The CRD's schema and the resource model's
+# checks read them from here; the engine's own ``__post_init__`` checks are its
+# runtime validation, and a test holds each bound to them.
+
+
+@dataclass(frozen=True, slots=True)
+class OneOf(annotated_types.BaseMetadata):
+    """The value is one of ``values``: an enum of an int field whose type stays
+    ``int`` (a ``Literal`` would make every assignment of a computed int a type
+    error). The schema's ``enum``."""
+
+    values: tuple[Any, ...]
+
+
+def _bounds(tp: Any) -> list[Any]:
+    """The ``annotated_types`` constraints on ``tp`` itself (through Optional),
+    grouped ones (``Interval``) expanded."""
+    out: list[Any] = []
+    for alt in get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,):
+        if get_origin(alt) is typing.Annotated:
+            for m in alt.__metadata__:
+                out += list(m) if isinstance(m, annotated_types.GroupedMetadata) else [m]
+    return [m for m in out if isinstance(m, annotated_types.BaseMetadata)]
+
+
+@dataclass(frozen=True)
+class FieldBounds:
+    """The constraints of one field: on its value, and on its list's items."""
+
+    value: tuple[Any, ...] = ()
+    items: tuple[Any, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.value or self.items)
+
+
+# What the CRD's schema and the resource model's check both understand; any
+# other annotated_types constraint on an engine field is refused rather than
+# silently left out of both.
+_SUPPORTED_BOUNDS = (
+    OneOf,
+    annotated_types.Gt,
+    annotated_types.Ge,
+    annotated_types.Lt,
+    annotated_types.Le,
+)
+
+
+def bounds_of(tp: Any) -> FieldBounds:
+    """The constraints an annotated type states, on the value and on list items."""
+    items: list[Any] = []
+    for alt in flatten_type(tp):
+        if get_origin(alt) is list and get_args(alt):
+            items += _bounds(get_args(alt)[0])
+    bounds = FieldBounds(tuple(_bounds(tp)), tuple(items))
+    for m in bounds.value + bounds.items:
+        if not isinstance(m, _SUPPORTED_BOUNDS):
+            raise TypeError(f"{m!r} in {tp!r}: not a bound the engine settings support")
+    return bounds
+
+
+_FIELD_BOUNDS: dict[type, dict[str, FieldBounds]] = {}
+
+
+def field_bounds(cls: type) -> dict[str, FieldBounds]:
+    """Field name -> the bounds its annotation states (fields without any left
+    out). Computed once per class; do not modify the result."""
+    if cls not in _FIELD_BOUNDS:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        found = {f.name: bounds_of(hints[f.name]) for f in dataclasses.fields(cls)}
+        _FIELD_BOUNDS[cls] = {name: b for name, b in found.items() if b}
+    return _FIELD_BOUNDS[cls]
+
+
+def bound_problem(constraints: tuple[Any, ...], value: Any) -> str | None:
+    """Why a number breaks one of ``constraints``, or None (other values are
+    the type check's)."""
+    if not constraints or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    for m in constraints:
+        if isinstance(m, OneOf) and value not in m.values:
+            return f"must be one of {', '.join(map(str, m.values))}, got {value}"
+        # The bounds of numeric fields are numbers (annotated_types types them
+        # as merely comparable).
+        if isinstance(m, annotated_types.Gt) and not value > typing.cast("float", m.gt):
+            return f"must be > {m.gt:g}, got {value}"
+        if isinstance(m, annotated_types.Ge) and not value >= typing.cast("float", m.ge):
+            return f"must be >= {m.ge:g}, got {value}"
+        if isinstance(m, annotated_types.Lt) and not value < typing.cast("float", m.lt):
+            return f"must be < {m.lt:g}, got {value}"
+        if isinstance(m, annotated_types.Le) and not value <= typing.cast("float", m.le):
+            return f"must be <= {m.le:g}, got {value}"
+    return None
+
+
+def bounds_problem(bounds: FieldBounds, value: Any) -> str | None:
+    """Why a typed value (a list: each item) breaks ``bounds``, or None."""
+    if isinstance(value, list):
+        return next((p for p in (bound_problem(bounds.items, v) for v in value) if p), None)
+    return bound_problem(bounds.value, value)
 
 
 def attr_docs(cls: type) -> dict[str, str]:

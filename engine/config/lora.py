@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from annotated_types import Ge, Interval
+
+from .fields import OneOf
 
 # The ranks vLLM accepts for --max-lora-rank (its kernels are tuned for these).
 POSSIBLE_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -39,13 +44,13 @@ def parse_lora_modules(entries: list[str] | None) -> dict[str, str]:
 class LoRAConfig:
     """How many LoRA adapters an engine holds, and how large they may be."""
 
-    max_loras: int = 1
+    max_loras: Annotated[int, Interval(ge=1, le=256)] = 1
     """Most distinct LoRA adapters in one batch (their weights are in device
     memory at once: one slot each)."""
-    max_lora_rank: int = 16
+    max_lora_rank: Annotated[int, OneOf(POSSIBLE_MAX_LORA_RANKS)] = 16
     """Largest rank an adapter may have (one of 1, 8, 16, 32, 64, 128, 256,
     320, 512); a larger adapter is refused when it is loaded."""
-    max_cpu_loras: int | None = None
+    max_cpu_loras: Annotated[int, Ge(1)] | None = None
     """Most adapters kept in host memory, least recently used evicted (they
     are read from disk again when asked for); at least --max-loras. Default:
     --max-loras."""

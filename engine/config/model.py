@@ -6,7 +6,9 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge
 
 from .hashing import hash_factors
 
@@ -177,15 +179,18 @@ class ModelConfig:
     """Weight and activation dtype: `auto` (the checkpoint's; float32
     checkpoints run in bfloat16 on cuda, float32 on cpu), `float32`/`float`,
     `float16`/`half`, or `bfloat16`."""
-    seed: int = 0
+    # The resource's own bound (the engine seeds torch with any int).
+    seed: Annotated[int, Ge(0)] = 0
     """Random seed for requests that do not give their own."""
-    max_model_len: int | None = None
+    # -1: the model's own (auto); 0 is refused.
+    max_model_len: Annotated[int, Ge(-1)] | None = None
     """Model context length (prompt plus output). Defaults to the model's own
     limit; `auto` (-1) takes the model's limit and shrinks it to what the KV
     cache holds."""
     enforce_eager: bool = False
     """Always run eagerly: no CUDA-graph capture."""
-    max_logprobs: int = 20
+    # -1: no bound; 0 is refused.
+    max_logprobs: Annotated[int, Ge(-1)] = 20
     """Maximum number of log probabilities a request may ask for (per token, of
     the output or the prompt); -1: no bound (the whole vocabulary)."""
     disable_sliding_window: bool = False

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from annotated_types import Ge, Interval
 
 from .hashing import hash_fields
 
@@ -12,20 +15,20 @@ class ParallelConfig:
     """How one engine spreads over devices: tensor parallelism within an engine
     (one rank process per device, docs/parallelism.md); more engines scale out."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, Ge(1)] = 1
     """Number of tensor-parallel ranks (one process and one device each)."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: Annotated[int, Ge(1)] = 1
     """Number of pipeline stages. pdfleet engines run with 1."""
-    data_parallel_size: int = 1
+    data_parallel_size: Annotated[int, Ge(1)] = 1
     """Number of data-parallel ranks inside one engine. pdfleet scales with
     replicas instead; engines run with 1."""
-    nnodes: int = 1
+    nnodes: Annotated[int, Ge(1)] = 1
     """Nodes one engine spans; each runs tensor_parallel_size / nnodes ranks."""
-    node_rank: int = 0
+    node_rank: Annotated[int, Ge(0)] = 0
     """This node's index in the engine (0: the leader, with the API server)."""
     master_addr: str = "127.0.0.1"
     """The leader's address, where every node's ranks meet (nnodes > 1)."""
-    master_port: int = 29500
+    master_port: Annotated[int, Interval(ge=1, le=65535)] = 29500
     """The leader's rendezvous port (nnodes > 1; one node picks a free port)."""
     headless: bool = False
     """Run this node's ranks only, without the API server (the nodes after the first)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Interval
 
 from .hashing import hash_factors
 
@@ -19,10 +21,10 @@ DEFAULT_MAX_NUM_SEQS = 128
 class SchedulerConfig:
     """Limits and policy of the scheduler."""
 
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: Annotated[int, Ge(1)] = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """Maximum number of tokens processed in one engine step (the chunked
     prefill budget). The default depends on the device and usage context."""
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: Annotated[int, Ge(1)] = DEFAULT_MAX_NUM_SEQS
     """Maximum number of sequences in one engine step. The default depends on
     the device and usage context."""
     max_model_len: int = 8192
@@ -30,7 +32,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks that fit the step's token budget, so
     decodes keep running while a long prompt is prefilled."""
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: Annotated[int, Ge(0)] = 0
     """With chunked prefill, a prompt longer than this is scheduled at most
     this many tokens per step (0: no extra limit)."""
     max_num_partial_prefills: int = 1
@@ -41,7 +43,7 @@ class SchedulerConfig:
     """Scheduling policy: `fcfs` (first come, first served) or `priority`
     (lower `priority` value first, ties by arrival). Under `priority`,
     preemption evicts the lowest-priority running request."""
-    max_request_share: float = 0.5
+    max_request_share: Annotated[float, Interval(gt=0, le=1)] = 0.5
     """Largest share of `max_num_seqs`, and of a step's token budget, that the
     sequences of one request (the `n` completions of an `n > 1` request) may
     hold while other requests wait: its other sequences wait, and running ones

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import annotated_types
 import pytest
 from helpers.crd_checks import admit
 
 from pdfleet.engine.config import EngineArgs
-from pdfleet.operator.engine_spec import ENGINE_BOUNDS, EngineBound, camel, spec_fields
+from pdfleet.engine.config.fields import FieldBounds, OneOf, field_bounds, resolved_fields
+from pdfleet.engine.config.parallel import ParallelConfig
+from pdfleet.operator.engine_spec import camel, spec_fields
 from pdfleet.operator.resource import parse_spec
 
 BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
@@ -21,7 +24,52 @@ BASE = {"model": {"name": "m"}, "kvTransfer": {"connector": "NixlConnector"}}
 NOT_A_SUB_CONFIG_CHECK = {"seed", "max_model_len", "max_logprobs", "max_cudagraph_capture_size"}
 
 
-def _outside(bound: EngineBound, is_float: bool) -> list[float]:
+BOUNDS = EngineArgs.bounds()
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A field's annotated_types constraints read back as one range (or enum)."""
+
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive: bool = False
+    enum: tuple[int, ...] | None = None
+    items: bool = False
+
+    @classmethod
+    def of(cls, bounds: FieldBounds) -> Range:
+        out = cls(items=bool(bounds.items))
+        for m in bounds.items or bounds.value:
+            if isinstance(m, OneOf):
+                out = dataclasses.replace(out, enum=m.values)
+            elif isinstance(m, annotated_types.Ge):
+                out = dataclasses.replace(out, minimum=m.ge)
+            elif isinstance(m, annotated_types.Gt):
+                out = dataclasses.replace(out, minimum=m.gt, exclusive=True)
+            elif isinstance(m, annotated_types.Le):
+                out = dataclasses.replace(out, maximum=m.le)
+            else:
+                raise AssertionError(f"a bound this test cannot probe: {m!r}")
+        return out
+
+
+RANGES = {name: Range.of(b) for name, b in BOUNDS.items()}
+
+
+def test_the_bounded_fields():
+    # The bounds are the sub-configuration fields' (the resource's 34), and the
+    # types the flag and JSON machinery resolves are plain.
+    assert len(RANGES) == 34
+    assert dict((f.name, tp) for f, tp in resolved_fields(ParallelConfig))["nnodes"] is int
+    assert field_bounds(ParallelConfig)["nnodes"] == BOUNDS["nnodes"]
+    assert not field_bounds(EngineArgs).get("nnodes")
+    assert RANGES["gpu_memory_utilization"] == Range(0, 1, exclusive=True)
+    assert RANGES["cudagraph_capture_sizes"] == Range(1, items=True)
+    assert RANGES["master_port"] == Range(1, 65535)
+
+
+def _outside(bound: Range, is_float: bool) -> list[float]:
     """Values just outside the bound (items for a list bound)."""
     out: list[float] = []
     if bound.enum is not None:
@@ -33,7 +81,7 @@ def _outside(bound: EngineBound, is_float: bool) -> list[float]:
     return out
 
 
-def _inside(bound: EngineBound) -> float:
+def _inside(bound: Range) -> float:
     if bound.enum is not None:
         return bound.enum[-1]
     if bound.maximum is not None:
@@ -43,7 +91,7 @@ def _inside(bound: EngineBound) -> float:
 
 def _fields():
     by_name = {f.name: (key, tp) for key, (f, tp) in spec_fields().items()}
-    for name, bound in ENGINE_BOUNDS.items():
+    for name, bound in RANGES.items():
         key, tp = by_name[name]
         yield name, key, bound, float in getattr(tp, "__args__", (tp,))
 
@@ -61,7 +109,7 @@ def _problem(spec: dict) -> str | None:
     return None
 
 
-def _value(bound: EngineBound, value: float) -> object:
+def _value(bound: Range, value: float) -> object:
     return [value] if bound.items else value
 
 
@@ -91,16 +139,31 @@ def test_the_crd_refuses_and_admits_the_same_values():
     assert admit(_object({**BASE, "engine": inside}))[1] == []
 
 
-@pytest.mark.parametrize("name", sorted(set(ENGINE_BOUNDS) - NOT_A_SUB_CONFIG_CHECK), ids=str)
+# Settings whose edge value needs another setting of the sub-configuration
+# to agree (the engine checks them together).
+EDGE_COMPANIONS = {
+    "max_num_batched_tokens": {"max_num_seqs": 1},
+    "grammar_cache_bytes": {"max_grammar_memory_bytes": 1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(RANGES) - NOT_A_SUB_CONFIG_CHECK), ids=str)
 def test_every_bound_is_the_engines_own(name):
     f = {f.name: f for f in dataclasses.fields(EngineArgs)}[name]
     source, attr = f.metadata["source"]
-    bound = ENGINE_BOUNDS[name]
+    bound = RANGES[name]
     is_float = isinstance(getattr(source(), attr), float)
     for value in _outside(bound, is_float):
         bad = [int(value)] if bound.items else (value if is_float else int(value))
         with pytest.raises(ValueError):  # noqa: PT011 (each sub-configuration words its own)
             source(**{attr: bad})
+    # ... and no tighter than the engine's: its edges are accepted.
+    edges = list(bound.enum or ()) or [
+        v for v in (bound.maximum, None if bound.exclusive else bound.minimum) if v is not None
+    ]
+    for value in edges:
+        good = [int(value)] if bound.items else (float(value) if is_float else int(value))
+        source(**{attr: good}, **EDGE_COMPANIONS.get(name, {}))
 
 
 @pytest.mark.parametrize(
@@ -143,7 +206,27 @@ def test_the_crd_schema_carries_the_bounds():
     }
     assert engine["blockSize"]["enum"] == [1, 8, 16, 32, 64, 128, 256]
     assert engine["cudagraphCaptureSizes"]["items"]["minimum"] == 1
-    for name, bound in ENGINE_BOUNDS.items():
+    for name, bound in RANGES.items():
         prop = engine[camel(name)]
         prop = prop["items"] if bound.items else prop
         assert {"minimum", "maximum", "enum"} & set(prop), name
+
+
+def test_bounds_read_through_optional_lists_and_intervals():
+    from typing import Annotated
+
+    from pdfleet.engine.config.fields import bounds_of, bounds_problem
+
+    bounds = bounds_of(Annotated[float, annotated_types.Interval(gt=0, lt=2)] | None)
+    assert [bounds_problem(bounds, v) for v in (1.5, 0, 2, float("nan"))] == [
+        None,
+        "must be > 0, got 0",
+        "must be < 2, got 2",
+        "must be a finite number, got nan",
+    ]
+    items = bounds_of(list[Annotated[int, OneOf((1, 8))]] | None)
+    assert items == FieldBounds(items=(OneOf((1, 8)),))
+    assert bounds_problem(items, [1, 3]) == "must be one of 1, 8, got 3"
+    # A constraint neither the CRD nor the resource model would check is refused.
+    with pytest.raises(TypeError, match="MultipleOf"):
+        bounds_of(Annotated[int, annotated_types.MultipleOf(2)])
