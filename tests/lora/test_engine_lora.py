@@ -158,6 +158,30 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
             llm.engine.add_lora(key, str(bad))
+    # A file holding tensors the config does not target: PEFT would load only
+    # the targeted ones, so the mismatch is refused, naming tensor and field.
+    for key, patch, match in (
+        (
+            "listed",
+            {"target_modules": ["q_proj"]},
+            r"tensor '\S+\.(k|v|o|gate|up|down)_proj\.\S+'.*target_modules \['q_proj'\]",
+        ),
+        ("regex", {"target_modules": "q_proj"}, "target_modules 'q_proj' leaves out"),
+        ("excluded", {"exclude_modules": ["down_proj"]}, r"down_proj.*exclude_modules"),
+        ("layer0", {"layers_to_transform": [0]}, r"layers\.1\..*layers_to_transform \[0\]"),
+        ("pattern", {"layers_to_transform": [0], "layers_pattern": "blocks"}, "layers_pattern"),
+        ("badregex", {"target_modules": "q_proj("}, "target_modules 'q_proj\\(' is not a regular"),
+    ):
+        bad = shutil.copytree(a, tmp_path / key)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, **patch}))
+        with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
+            llm.engine.add_lora(key, str(bad))
+    # A regular expression that does cover every tensor is served, as PEFT does.
+    full = shutil.copytree(a, tmp_path / "full")
+    cfg = json.loads((full / "adapter_config.json").read_text())
+    regex = r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"
+    (full / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": regex}))
     ints = shutil.copytree(a, tmp_path / "ints")
     weights = load_file(ints / "adapter_model.safetensors")
     save_file({k: v.to(torch.int8) for k, v in weights.items()}, ints / "adapter_model.safetensors")
@@ -174,6 +198,9 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
     check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])
     llm.engine.remove_lora("a")
+    llm.engine.add_lora("full", str(full))
+    check(llm, peft_factory, base, [prompt], [("full", str(full))])
+    llm.engine.remove_lora("full")
     with pytest.raises(LoRAError, match="not loaded"):
         llm.engine.remove_lora("a")
     assert_no_leaks(llm)
