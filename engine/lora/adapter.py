@@ -53,14 +53,20 @@ Slicer = Callable[[str, Any], torch.Tensor]
 class LoRAError(ValueError):
     """An adapter that cannot be served (the message names it). ``name_taken``:
     an adapter is already loaded under the name; ``already_loaded``: from
-    these very weights, so what was asked for holds."""
+    these very weights, so what was asked for holds; ``wrong_id``: an unload
+    named the adapter with another ``lora_int_id`` than it is loaded under."""
 
     def __init__(
-        self, message: str, already_loaded: bool = False, name_taken: bool = False
+        self,
+        message: str,
+        already_loaded: bool = False,
+        name_taken: bool = False,
+        wrong_id: bool = False,
     ) -> None:
         super().__init__(message)
         self.already_loaded = already_loaded
         self.name_taken = name_taken or already_loaded
+        self.wrong_id = wrong_id
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,19 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
 
     unload = server.url + "/v1/unload_lora_adapter"
     assert httpx.post(unload, json={"lora_name": "b"}, headers=client).status_code == 403
-    assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 200
+    # vLLM's body: lora_int_id as /v1/models reports it, else refused naming
+    # it (and nothing unloaded); a lora_path is refused, not ignored.
+    card = httpx.get(server.url + "/v1/models/b", headers=client).json()
+    int_id = card["lora_int_id"]
+    for body, param in (
+        ({"lora_name": "b", "lora_int_id": int_id + 1000}, "lora_int_id"),
+        ({"lora_name": "b", "lora_int_id": "x"}, "lora_int_id"),
+        ({"lora_name": "b", "lora_path": "/nonexistent/other"}, "lora_path"),
+    ):
+        refused = httpx.post(unload, json=body, headers=fleet)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    body = {"lora_name": "b", "lora_int_id": int_id}
+    assert httpx.post(unload, json=body, headers=fleet).status_code == 200
     assert complete(server.url, "b", client).status_code == 404
     assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 404
     ids = {c["id"] for c in httpx.get(server.url + "/v1/models", headers=client).json()["data"]}

@@ -412,6 +412,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 root=lora.lora_path,
                 parent=s.served_names[0],
                 lora_identity=engine.lora_identities.get(name),
+                lora_int_id=lora.lora_int_id,
             )
             hub = state.engine.lora_sources.get(name)
             if hub is not None:
@@ -445,10 +446,8 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 status=403,
             )
 
-    async def lora_body(
-        request: Request, route: str, allowed: frozenset[str]
-    ) -> tuple[str, str | None, str | None]:
-        """(lora_name, lora_path, revision) of a load or unload body."""
+    async def lora_body(request: Request, route: str, allowed: frozenset[str]) -> LoRALoad:
+        """The load or unload body."""
         try:
             raw = await request.json()
         except (ValueError, RecursionError):
@@ -457,7 +456,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             body = LoRALoad.from_json(raw, route, allowed)
         except LoRABodyError as e:
             raise APIError(str(e), param=e.param) from None
-        return body.lora_name, body.lora_path, body.revision
+        return body
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(request: Request) -> Response:
@@ -467,9 +466,8 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         first (lora/hub.py)."""
         internal_only(request, "/v1/load_lora_adapter")
         serving(request)
-        name, path, revision = await lora_body(
-            request, "/v1/load_lora_adapter", lora_contract.LOAD_FIELDS
-        )
+        body = await lora_body(request, "/v1/load_lora_adapter", lora_contract.LOAD_FIELDS)
+        name, path, revision = body.lora_name, body.lora_path, body.revision
         if path is None:
             raise APIError("lora_path: required", param="lora_path")
         if state.engine is None:
@@ -487,14 +485,15 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
     async def unload_lora_adapter(request: Request) -> Response:
         internal_only(request, "/v1/unload_lora_adapter")
         serving(request)
-        name, _, _ = await lora_body(
-            request, "/v1/unload_lora_adapter", lora_contract.UNLOAD_FIELDS
-        )
+        body = await lora_body(request, "/v1/unload_lora_adapter", lora_contract.UNLOAD_FIELDS)
+        name, int_id = body.lora_name, body.lora_int_id
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")
         try:
-            await state.engine.call(lambda engine: engine.remove_lora(name))
+            await state.engine.call(lambda engine: engine.remove_lora(name, int_id))
         except LoRAError as e:
+            if e.wrong_id:  # loaded, under another id: nothing was unloaded
+                raise APIError(str(e), param=lora_contract.INT_ID) from None
             raise APIError(str(e), status=404, param="lora_name") from None
         state.engine.lora_sources.pop(name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
