@@ -26,9 +26,12 @@ carries a plan out in a thread while the supervisor keeps supervising:
   does; a fetch that fails refuses the file), engines started from then on
   get them in ``--lora-modules``, and once the roles are rolled or scaled
   every running engine is told through its load and unload API (fleet token):
-  adapters the file no longer lists, or whose directory changed, are
-  unloaded, new ones loaded. Requests running on an unloaded adapter finish
-  with it.
+  new ones loaded on every engine first, then those whose directory changed
+  replaced, then those the file no longer lists unloaded. An added adapter
+  whose rank exceeds a role's maxLoraRank refuses the file before anything
+  changes; a load an engine refuses undoes every call the apply made, so no
+  role is left serving other adapters than another. Requests running on an
+  unloaded adapter finish with it.
 
 Every wait is bounded: an engine that is not ready within the fleet's start
 timeout, or that keeps exiting, fails the rollout (it is stopped, the engines
@@ -37,6 +40,7 @@ not yet replaced keep running, and the message names its log).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -48,7 +52,13 @@ import httpx
 
 from ..compat import check_service
 from ..resource import AdapterSpec, InferenceService
-from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
+from ..roles import (
+    adapter_path,
+    engine_command,
+    publishes_kv_events,
+    role_engine_args,
+    role_engine_section,
+)
 from .fleet import MAX_RESTARTS, LocalFleet
 from .process import Child
 from .state import ApplyReport, ApplyRequest
@@ -215,7 +225,54 @@ def _plan_adapters(
         resolve(missing) if resolve is not None else {a.name: adapter_path(a) for a in missing}
     )
     paths = {a.name: kept.get(a.name) or fetched[a.name] for a in new}
+    for i, a in enumerate(new):
+        if a.name not in kept:
+            check_adapter_limits(service, i, a.name, paths[a.name], fleet.roles)
     return paths, list(old.values()) != list(new)
+
+
+def check_adapter_limits(
+    service: InferenceService, index: int, name: str, path: str, roles: Any
+) -> None:
+    """ValueError (the file refused, nothing changed) when an added adapter's
+    ``adapter_config.json`` is unreadable or its rank (``r``, any
+    ``rank_pattern`` value) exceeds the maxLoraRank of an engine role that
+    would load it. The engines check the rest (shapes, tensors) at the load;
+    a failure there is rolled back."""
+    import json
+
+    from ...engine.config.lora import LoRAConfig
+
+    where = f"spec.adapters[{index}] ({name})"
+    try:
+        with open(os.path.join(path, "adapter_config.json"), "rb") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read its adapter_config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: adapter_config.json is not a JSON object")
+    pattern = cfg.get("rank_pattern") or {}
+    ranks = [cfg.get("r"), *(pattern.values() if isinstance(pattern, dict) else [None])]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise ValueError(
+            f"{where}: adapter_config.json r and rank_pattern must be positive integers"
+        )
+    for role in ORDER:
+        if role not in roles:
+            continue
+        section = role_engine_section(service.spec, role)
+        limit = section.get("maxLoraRank") or LoRAConfig.max_lora_rank
+        if max(ranks) > limit:
+            field_path = (
+                f"spec.{role}.engine.maxLoraRank"
+                if service.spec.role(role).engine.get("maxLoraRank") is not None
+                else "spec.engine.maxLoraRank"
+            )
+            raise ValueError(
+                f"{where}: rank {max(ranks)} exceeds the {role} engines' maxLoraRank "
+                f"{limit} ({field_path}); raise it (the engines restart) or use a "
+                "smaller adapter"
+            )
 
 
 def engine_identity(child: Child) -> str | None:
@@ -354,41 +411,89 @@ class Rollout(threading.Thread):
 
     def _sync_adapters(self) -> None:
         """Every running engine serves exactly the plan's adapters (bounded
-        calls; RuntimeError naming the engine and adapter on a failure)."""
+        calls). Additions are loaded on every engine first, then adapters
+        whose directory changed are replaced, then removed ones unloaded, so
+        no role serves a name another role lost. On any failure every call
+        this apply made is undone (loads unloaded, unloads loaded again from
+        the directory the engine reported), so the fleet serves what it served
+        before, and RuntimeError names the engine and adapter."""
         wanted = self.plan.adapter_paths
-        headers = self.fleet.auth_headers
-        for role in ORDER:
-            for child in self.fleet.role_engines(role):
-                try:
-                    r = httpx.get(child.url + "/v1/models", headers=headers, timeout=10)
-                    r.raise_for_status()
-                    cards = r.json()["data"]
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    raise RuntimeError(f"{child.name}: cannot list its adapters ({e})") from None
-                served = {c["id"]: c.get("root") for c in cards if c.get("parent") is not None}
-                calls = [
-                    ("unload", {"lora_name": name})
-                    for name, root in served.items()
-                    if wanted.get(name) != root
-                ]
-                calls += [
-                    ("load", {"lora_name": name, "lora_path": path})
-                    for name, path in wanted.items()
-                    if served.get(name) != path
-                ]
-                for action, body in calls:
-                    url = f"{child.url}/v1/{action}_lora_adapter"
-                    try:
-                        r = httpx.post(url, json=body, headers=headers, timeout=120)
-                        error = r.text.strip()[:500] if r.status_code >= 400 else None
-                    except httpx.HTTPError as e:
-                        error = repr(e)
-                    if error is not None:
-                        raise RuntimeError(
-                            f"{child.name}: {action} of adapter {body['lora_name']!r} "
-                            f"failed: {error}"
-                        )
-                    self.step(f"{child.name}: adapter {body['lora_name']} {action}ed")
+        served: dict[str, dict[str, str | None]] = {}
+        engines = [c for role in ORDER for c in self.fleet.role_engines(role)]
+        for child in engines:
+            served[child.name] = self._served(child)
+        done: list[tuple[Child, str, str, str | None]] = []  # (engine, action, name, path)
+        try:
+            for child in engines:
+                for name, path in wanted.items():
+                    if name not in served[child.name]:
+                        self._lora_call(child, "load", name, path, done)
+            for child in engines:
+                for name, path in wanted.items():
+                    root = served[child.name].get(name, path)
+                    if root != path:
+                        self._lora_call(child, "unload", name, root, done)
+                        self._lora_call(child, "load", name, path, done)
+            for child in engines:
+                for name, root in served[child.name].items():
+                    if name not in wanted:
+                        self._lora_call(child, "unload", name, root, done)
+        except RuntimeError as e:
+            undone = self._undo_lora_calls(done)
+            raise RuntimeError(f"{e}; {undone}") from None
+
+    def _served(self, child: Child) -> dict[str, str | None]:
+        """{adapter name: its directory} of what ``child`` serves now."""
+        try:
+            r = httpx.get(child.url + "/v1/models", headers=self.fleet.auth_headers, timeout=10)
+            r.raise_for_status()
+            cards = r.json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise RuntimeError(f"{child.name}: cannot list its adapters ({e})") from None
+        return {c["id"]: c.get("root") for c in cards if c.get("parent") is not None}
+
+    def _lora_call(
+        self,
+        child: Child,
+        action: str,
+        name: str,
+        path: str | None,
+        done: list[tuple[Child, str, str, str | None]],
+    ) -> None:
+        """One load or unload (bounded); appended to ``done`` once it succeeded,
+        RuntimeError naming the engine and adapter otherwise. ``path``: the
+        directory loaded, or the one an unloaded adapter was served from."""
+        body = {"lora_name": name}
+        if action == "load":
+            body["lora_path"] = str(path)
+        url = f"{child.url}/v1/{action}_lora_adapter"
+        try:
+            r = httpx.post(url, json=body, headers=self.fleet.auth_headers, timeout=120)
+            error = r.text.strip()[:500] if r.status_code >= 400 else None
+        except httpx.HTTPError as e:
+            error = repr(e)
+        if error is not None:
+            raise RuntimeError(f"{child.name}: {action} of adapter {name!r} failed: {error}")
+        done.append((child, action, name, path))
+        self.step(f"{child.name}: adapter {name} {action}ed")
+
+    def _undo_lora_calls(self, done: list[tuple[Child, str, str, str | None]]) -> str:
+        """Undo ``done`` newest first; what became of it, for the message."""
+        if not done:
+            return "no engine was changed"
+        failed: list[str] = []
+        for child, action, name, path in reversed(done):
+            undo = "unload" if action == "load" else "load"
+            if undo == "load" and path is None:
+                failed.append(f"{child.name}: {name} (its directory is unknown)")
+                continue
+            try:
+                self._lora_call(child, undo, name, path, [])
+            except RuntimeError as e:
+                failed.append(str(e))
+        if failed:
+            return "rolling back failed: " + "; ".join(failed)
+        return f"rolled back the {len(done)} adapter change(s) this apply made"
 
     def _scale(self, role: str, target: int) -> None:
         while len(self.fleet.role_engines(role)) < target:
