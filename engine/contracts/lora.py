@@ -16,6 +16,8 @@ is refused naming it. Any other field is refused naming it. A load answers 200
   from the same weights; unload it first to load others). A caller that
   wanted it served may count it a success when the engine's card of the
   name (``/v1/models/NAME``) has the ``lora_identity`` it expects;
+* 400 with ``param: "lora_name"`` otherwise: the name cannot be served (not
+  a valid adapter name, or the base model's);
 * 400 with ``param: "lora_path"``: it cannot be served;
 * 400 with ``param`` the field: a malformed body.
 """
@@ -105,10 +107,15 @@ class LoRALoad:
         return cls(name, path, revision, int_id)
 
 
+ALREADY_LOADED = "has already been loaded"
+"""The words of a :func:`already_loaded` answer that tell it from the other
+400s naming ``lora_name`` (an invalid name, the base model's name)."""
+
+
 def already_loaded(name: str, same_weights: bool) -> ErrorBody:
     """The answer to a load of a name already loaded (vLLM's status and words)."""
     how = "from the same weights" if same_weights else "with other weights; unload it first"
-    return ErrorBody(f"The lora adapter {name!r} has already been loaded ({how}).", 400, NAME)
+    return ErrorBody(f"The lora adapter {name!r} {ALREADY_LOADED} ({how}).", 400, NAME)
 
 
 def load_succeeded(status: int) -> bool:
@@ -120,8 +127,9 @@ def load_succeeded(status: int) -> bool:
 
 def name_taken(status: int, body: bytes | str) -> bool:
     """Whether a load's answer says the name was already loaded (400 naming
-    ``lora_name``); anything else is the load's failure."""
+    ``lora_name`` in :func:`already_loaded`'s words); anything else, a name
+    that cannot be served included, is the load's failure."""
     if status != 400:
         return False
     error = ErrorBody.decode(body, status)
-    return error is not None and error.param == NAME
+    return error is not None and error.param == NAME and ALREADY_LOADED in error.message

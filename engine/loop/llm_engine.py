@@ -249,9 +249,9 @@ class LLMEngine:
         try:
             check_adapter_name(name)
         except ValueError as e:
-            raise LoRAError(str(e)) from None
+            raise LoRAError(str(e), bad_name=True) from None
         if name in self.config.model_config.served_model_names:
-            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
+            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's", bad_name=True)
         if name in self.loras:
             try:
                 identity = lora_identity(name, adapter_digest(name, os.path.abspath(path)))

@@ -54,7 +54,9 @@ class LoRAError(ValueError):
     """An adapter that cannot be served (the message names it). ``name_taken``:
     an adapter is already loaded under the name; ``already_loaded``: from
     these very weights, so what was asked for holds; ``wrong_id``: an unload
-    named the adapter with another ``lora_int_id`` than it is loaded under."""
+    named the adapter with another ``lora_int_id`` than it is loaded under;
+    ``bad_name``: the name itself cannot be served (invalid, or the base
+    model's)."""
 
     def __init__(
         self,
@@ -62,11 +64,13 @@ class LoRAError(ValueError):
         already_loaded: bool = False,
         name_taken: bool = False,
         wrong_id: bool = False,
+        bad_name: bool = False,
     ) -> None:
         super().__init__(message)
         self.already_loaded = already_loaded
         self.name_taken = name_taken or already_loaded
         self.wrong_id = wrong_id
+        self.bad_name = bad_name
 
 
 @dataclass(frozen=True)

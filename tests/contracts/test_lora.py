@@ -68,5 +68,7 @@ def test_a_load_succeeded_on_200_and_a_taken_name_is_vllms_400_naming_lora_name(
     # Only the contract's shape says so: not another status, param or body.
     assert not name_taken(409, same.encode())
     assert not name_taken(400, ErrorBody("cannot be served", 400, "lora_path").encode())
+    invalid = ErrorBody("LoRA adapter 'tiny': the name is the base model's", 400, "lora_name")
+    assert not name_taken(400, invalid.encode())  # the name's fault, not a taken one
     assert not name_taken(400, b"has already been loaded")  # not an error body
     assert not name_taken(500, b"")

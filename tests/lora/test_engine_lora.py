@@ -14,7 +14,7 @@ import torch
 from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
-from pdfleet.engine import LLM, LoRARequest, SamplingParams
+from pdfleet.engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
 from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
@@ -207,7 +207,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
 
 
 def test_lora_flags_are_checked(tiny_model):
-    with pytest.raises(ValueError, match="--max-loras need --enable-lora"):
+    with pytest.raises(ValueError, match="--max-loras needs --enable-lora"):
         LLM(tiny_model, max_loras=2)
     with pytest.raises(ValueError, match="--max-lora-rank must be one of"):
         LLM(tiny_model, enable_lora=True, max_lora_rank=7)
@@ -215,6 +215,29 @@ def test_lora_flags_are_checked(tiny_model):
         LLM(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="not of the form name=path"):
         LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
+    # vLLM's JSON form: base_model_name must be this engine's model.
+    entry = {"name": "sql", "path": "/adapters/sql", "base_model_name": "tiny"}
+    args = EngineArgs(
+        tiny_model, served_model_name=["tiny"], enable_lora=True, lora_modules=[json.dumps(entry)]
+    )
+    lora_config = args.create_lora_config()
+    assert lora_config is not None and lora_config.lora_modules == {"sql": "/adapters/sql"}
+    for bad, match in (
+        ({**entry, "base_model_name": "other"}, "base_model_name 'other' is not this engine's"),
+        ({**entry, "dtype": "x"}, "unknown field 'dtype'"),
+        ({"name": "sql"}, "path must be a non-empty string"),
+    ):
+        args.lora_modules = [json.dumps(bad)]
+        with pytest.raises(ValueError, match=match):
+            args.create_lora_config()
+    # vLLM's LoRA flags pdfleet lacks: refused naming the flag ("auto" is ours).
+    EngineArgs(tiny_model, lora_dtype="auto").check_supported()
+    for kw, flag in (
+        ({"lora_dtype": "bfloat16"}, "--lora-dtype"),
+        ({"fully_sharded_loras": True}, "--fully-sharded-loras"),
+    ):
+        with pytest.raises(ValueError, match=f"{flag}=.*not supported by pdfleet; remove {flag}"):
+            EngineArgs(tiny_model, **kw).check_supported()
 
 
 def test_tensor_parallel_two_ranks_match_peft(

@@ -432,3 +432,14 @@ def test_operator_loads_and_unloads_adapters_on_running_engines_without_rolling_
         assert legacy.calls == [] and legacy.served == {"manual": "/opt/manual"}
 
     run(scenario())
+
+
+def test_lora_limits_without_adapters_say_to_drop_them():
+    from pdfleet.operator.compat import check_service
+
+    spec = parse_spec(spec_with(engine={**BASE.get("engine", {}), "maxLoraRank": 8}))
+    problems = [str(p) for p in check_service(spec)]
+    assert any(
+        "spec.engine.maxLoraRank" in p and "drop maxLoraRank, or list spec.adapters" in p
+        for p in problems
+    ), problems

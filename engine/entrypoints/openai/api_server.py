@@ -143,6 +143,10 @@ class ServerState:
             self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options, gate)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
+        except LoRAError as e:
+            # A --lora-modules adapter that cannot be served: the user's input,
+            # reported as one line when the server exits (run_server).
+            self.load_error = e
         except BaseException as e:
             logger.exception("engine failed to start")
             self.load_error = e
@@ -478,7 +482,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             if e.name_taken:  # vLLM's 400; the gateway then reads the card
                 taken = lora_contract.already_loaded(name, e.already_loaded)
                 raise APIError(taken.message, taken.status, taken.param) from None
-            raise APIError(str(e), param="lora_path") from None
+            raise APIError(str(e), param="lora_name" if e.bad_name else "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_model=None)
@@ -818,4 +822,6 @@ def run_server(
     threading.Thread(target=watch_load, daemon=True).start()
     code = server.run(host, port)
     state.lanes.shutdown()
+    if isinstance(state.load_error, LoRAError):
+        raise ValueError(f"--lora-modules: {state.load_error}")
     return 1 if code or state.load_error is not None or state.fatal is not None else 0
