@@ -96,9 +96,12 @@ def _check_engine(spec: InferenceServiceSpec, role: str, args: EngineArgs) -> li
     except ValueError as e:
         flag = re.search(r"--([a-z-]+)", str(e))
         key = camel(flag.group(1).replace("-", "_")) if flag else "enableLora"
-        out.append(
-            Violation(_where(spec, role, key), str(e), "set enableLora, or remove the LoRA fields")
+        fix = (
+            f"drop {key}, or list spec.adapters (which turns LoRA on)"
+            if not args.enable_lora and flag
+            else "fix the LoRA fields"
         )
+        out.append(Violation(_where(spec, role, key), str(e), fix))
     try:
         CacheConfig(
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,

@@ -88,6 +88,9 @@ UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("limit_mm_per_prompt", {}, "multimodal inputs"),
     ("async_scheduling", None, "asynchronous scheduling"),
     ("enable_sleep_mode", False, "sleep mode"),
+    ("lora_dtype", "auto", "a LoRA dtype other than the model's (auto)"),
+    ("fully_sharded_loras", False, "fully sharded LoRA (both matrices split over ranks)"),
+    ("default_mm_loras", None, "multimodal default LoRA adapters"),
 )
 
 
@@ -205,6 +208,13 @@ class EngineArgs:
     """Overlap scheduling with execution. Not supported by pdfleet."""
     enable_sleep_mode: bool = _own("Unsupported", False)
     """Sleep mode (release device memory while idle). Not supported by pdfleet."""
+    lora_dtype: str = _own("Unsupported", "auto")
+    """LoRA weights' dtype; "auto" (the model's) is what pdfleet does, any other
+    value is not supported."""
+    fully_sharded_loras: bool = _own("Unsupported", False)
+    """Shard both LoRA matrices over tensor-parallel ranks. Not supported by pdfleet."""
+    default_mm_loras: dict[str, str] | None = _own("Unsupported")
+    """LoRA adapters per multimodal input. Not supported by pdfleet."""
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -347,9 +357,10 @@ class EngineArgs:
         if not self.enable_lora:
             if given:
                 flags = ", ".join(f"--{flag_name(n)}" for n in given)
-                raise ValueError(f"{flags} need --enable-lora")
+                raise ValueError(f"{flags} {'need' if len(given) > 1 else 'needs'} --enable-lora")
             return None
-        lora_modules = parse_lora_modules(given.pop("lora_modules", None))
+        base_names = list(self.served_model_name or [self.model])
+        lora_modules = parse_lora_modules(given.pop("lora_modules", None), base_names)
         return LoRAConfig(**given, lora_modules=lora_modules)
 
     def create_model_config(self, device: str, model_dir: str | None = None) -> ModelConfig:

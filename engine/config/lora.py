@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -25,19 +26,59 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
-def parse_lora_modules(entries: list[str] | None) -> dict[str, str]:
-    """``--lora-modules name=path ...`` as {name: path}; a malformed or repeated
-    entry raises naming it."""
+def parse_lora_modules(
+    entries: list[str] | None, base_names: list[str] | None = None
+) -> dict[str, str]:
+    """``--lora-modules`` as {name: path}. Each entry is vLLM's ``name=path`` or
+    its JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``; a
+    ``base_model_name`` must be one of ``base_names`` (the served names: an
+    adapter is always served on this engine's model). A malformed or
+    repeated entry raises naming it."""
     out: dict[str, str] = {}
     for entry in entries or []:
-        name, sep, path = str(entry).partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules: {entry!r} is not of the form name=path")
+        text = str(entry)
+        if text.lstrip().startswith("{"):
+            name, path = _json_module(text, base_names or [])
+        else:
+            name, sep, path = text.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(
+                    f"--lora-modules: {entry!r} is not of the form name=path "
+                    '(or {"name": ..., "path": ...})'
+                )
         check_adapter_name(name)
         if name in out:
             raise ValueError(f"--lora-modules: the adapter name {name!r} is given twice")
         out[name] = path
     return out
+
+
+_JSON_KEYS = ("name", "path", "base_model_name")
+
+
+def _json_module(text: str, base_names: list[str]) -> tuple[str, str]:
+    try:
+        module = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({e})") from None
+    if not isinstance(module, dict):
+        raise ValueError(f"--lora-modules: {text!r} is not a JSON object")
+    unknown = sorted(set(module) - set(_JSON_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--lora-modules: {text!r}: unknown field {unknown[0]!r} "
+            f"(the fields are {', '.join(_JSON_KEYS)})"
+        )
+    name, path, base = module.get("name"), module.get("path"), module.get("base_model_name")
+    for key, value in (("name", name), ("path", path)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"--lora-modules: {text!r}: {key} must be a non-empty string")
+    if base is not None and (not isinstance(base, str) or base not in base_names):
+        raise ValueError(
+            f"--lora-modules: {text!r}: base_model_name {base!r} is not this engine's model "
+            f"(served as {', '.join(map(repr, base_names))}); adapters are served on it"
+        )
+    return str(name), str(path)
 
 
 @dataclass

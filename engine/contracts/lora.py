@@ -2,10 +2,12 @@
 and ``/v1/unload_lora_adapter``), as the gateway, ``pdfleet up`` and the
 operator call them and an engine reads them.
 
-Body: a JSON object ``{"lora_name": str, "lora_path": str, "revision": str}``
-(``lora_path`` only on a load; ``revision`` only with an ``hf://ORG/NAME``
-path; vLLM's ``load_inplace`` only ``false``); any other field is refused
-naming it. A load answers 200
+Body: a JSON object. A load: ``{"lora_name": str, "lora_path": str,
+"revision": str}`` (``revision`` only with an ``hf://ORG/NAME`` path; vLLM's
+``load_inplace`` only ``false``). An unload: vLLM's ``{"lora_name": str,
+"lora_int_id": int}``, ``lora_int_id`` optional; when given it must be the
+id the engine's card of the name (``/v1/models``) reports, else the unload
+is refused naming it. Any other field is refused naming it. A load answers 200
 (plain text, as vLLM) when it loaded the adapter; an error body
 (``errors.py``) otherwise, whose status and ``param`` say what went wrong:
 
@@ -14,6 +16,8 @@ naming it. A load answers 200
   from the same weights; unload it first to load others). A caller that
   wanted it served may count it a success when the engine's card of the
   name (``/v1/models/NAME``) has the ``lora_identity`` it expects;
+* 400 with ``param: "lora_name"`` otherwise: the name cannot be served (not
+  a valid adapter name, or the base model's);
 * 400 with ``param: "lora_path"``: it cannot be served;
 * 400 with ``param`` the field: a malformed body.
 """
@@ -29,11 +33,12 @@ from .errors import ErrorBody
 NAME = "lora_name"
 PATH = "lora_path"
 REVISION = "revision"
+INT_ID = "lora_int_id"
 INPLACE = "load_inplace"
 """vLLM's: replace the adapter loaded under the name. Only ``false`` (what
 a load does anyway) is taken; ``true`` is refused naming it."""
 LOAD_FIELDS = frozenset({NAME, PATH, REVISION, INPLACE})
-UNLOAD_FIELDS = frozenset({NAME, PATH})  # vLLM's unload body may repeat the path
+UNLOAD_FIELDS = frozenset({NAME, INT_ID})
 
 
 class LoRABodyError(ValueError):
@@ -47,19 +52,23 @@ class LoRABodyError(ValueError):
 @dataclass(frozen=True, slots=True)
 class LoRALoad:
     """A load (with ``lora_path``, and a ``revision`` for an ``hf://`` one) or an
-    unload (the name alone) of one adapter."""
+    unload (the name, and optionally the id the engine reports for it) of
+    one adapter."""
 
     lora_name: str
     lora_path: str | None = None
     revision: str | None = None
+    lora_int_id: int | None = None
 
     def encode(self) -> bytes:
         """The JSON body."""
-        body: dict[str, str] = {NAME: self.lora_name}
+        body: dict[str, str | int] = {NAME: self.lora_name}
         if self.lora_path is not None:
             body[PATH] = self.lora_path
         if self.revision is not None:
             body[REVISION] = self.revision
+        if self.lora_int_id is not None:
+            body[INT_ID] = self.lora_int_id
         return json.dumps(body).encode()
 
     @classmethod
@@ -78,6 +87,11 @@ class LoRALoad:
             raise LoRABodyError(
                 f"{INPLACE}: true is not supported; unload the adapter, then load it", INPLACE
             )
+        int_id = raw.get(INT_ID)
+        if int_id is not None and (
+            isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1
+        ):
+            raise LoRABodyError(f"{INT_ID}: must be a positive integer", INT_ID)
         name, path, revision = raw.get(NAME), raw.get(PATH), raw.get(REVISION)
         if not isinstance(name, str) or not name:
             raise LoRABodyError(f"{NAME}: a non-empty string is required", NAME)
@@ -90,13 +104,18 @@ class LoRALoad:
                 raise LoRABodyError(
                     f"{REVISION}: only an hf://ORG/NAME lora_path has one", REVISION
                 )
-        return cls(name, path, revision)
+        return cls(name, path, revision, int_id)
+
+
+ALREADY_LOADED = "has already been loaded"
+"""The words of a :func:`already_loaded` answer that tell it from the other
+400s naming ``lora_name`` (an invalid name, the base model's name)."""
 
 
 def already_loaded(name: str, same_weights: bool) -> ErrorBody:
     """The answer to a load of a name already loaded (vLLM's status and words)."""
     how = "from the same weights" if same_weights else "with other weights; unload it first"
-    return ErrorBody(f"The lora adapter {name!r} has already been loaded ({how}).", 400, NAME)
+    return ErrorBody(f"The lora adapter {name!r} {ALREADY_LOADED} ({how}).", 400, NAME)
 
 
 def load_succeeded(status: int) -> bool:
@@ -108,8 +127,9 @@ def load_succeeded(status: int) -> bool:
 
 def name_taken(status: int, body: bytes | str) -> bool:
     """Whether a load's answer says the name was already loaded (400 naming
-    ``lora_name``); anything else is the load's failure."""
+    ``lora_name`` in :func:`already_loaded`'s words); anything else, a name
+    that cannot be served included, is the load's failure."""
     if status != 400:
         return False
     error = ErrorBody.decode(body, status)
-    return error is not None and error.param == NAME
+    return error is not None and error.param == NAME and ALREADY_LOADED in error.message

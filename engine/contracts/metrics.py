@@ -931,6 +931,14 @@ GATEWAY_LORA_LOADS = Metric(
     "named one and the engines serving it were busier).",
     ("engine",),
 )
+GATEWAY_LORA_IDENTITY_CONFLICTS = Metric(
+    "pdfleet_gateway_lora_identity_conflicts",
+    "gauge",
+    "Engines that serve a LoRA adapter name with other weights (lora_identity) than the "
+    "ones the gateway routes that name to (most engines', ties to the first seen); "
+    "requests naming it never go to them.",
+    ("lora_name",),
+)
 GATEWAY_ACTIVATIONS = Metric(
     "pdfleet_gateway_activation_requests_total",
     "counter",

@@ -6,6 +6,7 @@ operator, ``pdfleet up`` and the autoscaling lab read them.
     {"id": str, "object": "model", "created": int, "owned_by": str,
      "root": str | null, "parent": str | null, "max_model_len": int | null,
      "lora_identity": str | null,           # adapters only
+     "lora_int_id": int,                    # adapters only (vLLM's unload id)
      "source": str, "revision": str | null}  # adapters loaded from the Hub only
 
 An adapter's card has ``parent``: the base model's name (vLLM's rule); its
@@ -32,6 +33,7 @@ _KNOWN = frozenset(
         "parent",
         "max_model_len",
         "lora_identity",
+        "lora_int_id",
         "source",
         "revision",
     }
@@ -53,6 +55,8 @@ class ModelCard:
     parent: str | None = None
     max_model_len: int | None = None
     lora_identity: str | None = None
+    lora_int_id: int | None = None
+    """An adapter's integer id, which vLLM's unload body may name."""
     source: str | None = None
     """An adapter's ``hf://ORG/NAME`` when the engine fetched it from the Hub."""
     revision: str | None = None
@@ -75,6 +79,8 @@ class ModelCard:
         }
         if self.is_adapter:
             card["lora_identity"] = self.lora_identity
+            if self.lora_int_id is not None:
+                card["lora_int_id"] = self.lora_int_id
             if self.source is not None:
                 card.update(source=self.source, revision=self.revision)
         card.update(self.extra)
@@ -87,6 +93,7 @@ class ModelCard:
         if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
             return None
         created, length = raw.get("created"), raw.get("max_model_len")
+        int_id = raw.get("lora_int_id")
         return cls(
             id=raw["id"],
             created=created if isinstance(created, int) else 0,
@@ -95,6 +102,9 @@ class ModelCard:
             parent=_str(raw.get("parent")),
             max_model_len=length if isinstance(length, int) else None,
             lora_identity=_str(raw.get("lora_identity")),
+            lora_int_id=int_id
+            if isinstance(int_id, int) and not isinstance(int_id, bool)
+            else None,
             source=_str(raw.get("source")),
             revision=_str(raw.get("revision")),
             extra={k: v for k, v in raw.items() if k not in _KNOWN},

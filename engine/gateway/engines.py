@@ -351,6 +351,8 @@ class EnginePool:
         self.on_eject = on_eject
         self.on_add = on_add
         self.engines: dict[str, EngineState] = {}
+        self.adapter_first_seen: dict[str, str] = {}
+        """The lora_identity the gateway first saw for each adapter name."""
         self.block_size = DEFAULT_BLOCK_SIZE
         self.hash_algo = "sha256"
         """The engines' (most common) prefix-cache hash algorithm."""
@@ -416,12 +418,38 @@ class EnginePool:
 
     def adapter(self, name: str) -> tuple[str, str] | None:
         """(identity, directory) of a LoRA adapter some known engine serves; None
-        when none does (the name is the base model's, or unknown)."""
+        when none does (the name is the base model's, or unknown). When engines
+        serve the name with different weights (lora_identity), the identity
+        most of them serve, a tie going to the one first seen; the engines
+        with another count in ``pdfleet_gateway_lora_identity_conflicts`` and
+        are never routed the name (:meth:`holds_adapter`). Cost: one dict
+        lookup per engine."""
+        counts: dict[str, int] = {}
+        found: dict[str, tuple[str, str]] = {}
         for e in self.engines.values():
-            found = e.load.adapters.get(name)
-            if found is not None:
-                return found
-        return None
+            served = e.load.adapters.get(name)
+            if served is not None:
+                counts[served[0]] = counts.get(served[0], 0) + 1
+                found.setdefault(served[0], served)
+        if not counts:
+            if self.adapter_first_seen.pop(name, None) is not None:
+                # Served nowhere now: a later load starts afresh.
+                self.metrics.lora_identity_conflicts.labels(name).set(0)
+            return None
+        first = self.adapter_first_seen.setdefault(name, next(iter(found)))
+        best = max(counts, key=lambda identity: (counts[identity], identity == first))
+        conflicts = sum(counts.values()) - counts[best]
+        self.metrics.lora_identity_conflicts.labels(name).set(conflicts)
+        return found[best]
+
+    def holds_adapter(self, e: EngineState, name: str) -> bool:
+        """Whether ``e`` serves adapter ``name`` with the weights requests
+        naming it are routed to (:meth:`adapter`)."""
+        served = e.load.adapters.get(name)
+        if served is None:
+            return False
+        chosen = self.adapter(name)
+        return chosen is not None and served[0] == chosen[0]
 
     def sole_candidate(self, role: str) -> EngineState | None:
         """The one routable engine of ``role``; None when there are none or several."""

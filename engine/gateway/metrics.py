@@ -185,6 +185,7 @@ class GatewayMetrics:
         self.tenant_queue_seconds = m.GATEWAY_TENANT_QUEUE_SECONDS.create(r)
         self.batch_requests = m.GATEWAY_BATCH_REQUESTS.create(r)
         self.lora_loads = m.GATEWAY_LORA_LOADS.create(r)
+        self.lora_identity_conflicts = m.GATEWAY_LORA_IDENTITY_CONFLICTS.create(r)
         self.migrations = m.GATEWAY_MIGRATIONS.create(r)
         self.migration_replayed = m.GATEWAY_MIGRATION_REPLAYED_TOKENS.create(r)
         self.migration_resume = LockFreeHistogram(m.GATEWAY_MIGRATION_RESUME, r).labels()

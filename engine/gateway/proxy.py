@@ -384,7 +384,7 @@ class Proxy:
         if self.pool.adapter(adapter) is None:
             return route  # unloaded meanwhile: the engine answers 404
         for e in (route.decode, route.prefill):
-            if e is None or adapter in e.load.adapters:
+            if e is None or self.pool.holds_adapter(e, adapter):
                 continue
             error = await self._load_once(e, adapter)
             if error is None:
@@ -393,7 +393,9 @@ class Proxy:
                 logger.warning("%s; its prompt runs on the decode engine", error)
                 route = Route(route.decode, None, "decode_only", "adapter_fallback")
                 continue
-            holders = [h for h in self.pool.candidates("decode") if adapter in h.load.adapters]
+            holders = [
+                h for h in self.pool.candidates("decode") if self.pool.holds_adapter(h, adapter)
+            ]
             if not holders:
                 return self.legs.error(call, error, 503, "model")
             holder = min(holders, key=lambda h: h.queue())
@@ -445,7 +447,7 @@ class Proxy:
         source = self.pool.adapter(adapter)
         if source is None:
             return None
-        holders = [e for e in self.pool.engines.values() if adapter in e.load.adapters]
+        holders = [e for e in self.pool.engines.values() if self.pool.holds_adapter(e, adapter)]
         for holder in holders[:2]:
             try:
                 resp = await self.pool.client.get(

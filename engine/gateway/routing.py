@@ -319,9 +319,16 @@ class Router:
         self, decode: EngineState, info: PromptInfo, exclude: set[str]
     ) -> EngineState | None:
         """A prefill engine that can hand its KV to ``decode`` (equal compat hash)."""
-        candidates = prefer_adapter_holders(self.prefill_candidates(decode, exclude), info.adapter)
+        candidates = prefer_adapter_holders(
+            self.prefill_candidates(decode, exclude), info.adapter, self._identity(info)
+        )
         picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         return picked[0] if picked else None
+
+    def _identity(self, info: PromptInfo) -> str | None:
+        """The lora_identity requests of ``info``'s adapter are routed to."""
+        chosen = self.pool.adapter(info.adapter) if info.adapter else None
+        return chosen[0] if chosen else None
 
     def prefill_candidates(
         self, decode: EngineState, exclude: set[str] | None = None
@@ -349,7 +356,7 @@ class Router:
         candidates = [
             e for e in self.pool.candidates("decode") if e.url not in (exclude_decode or ())
         ]
-        candidates = prefer_adapter_holders(candidates, info.adapter)
+        candidates = prefer_adapter_holders(candidates, info.adapter, self._identity(info))
         picked = self.pick(candidates, info.block_hashes, info.exact_hashes)
         if picked is None:
             known = sum(1 for e in self.pool.engines.values() if e.serves("decode"))
@@ -392,11 +399,15 @@ class Router:
 ADAPTER_TIERS = ("device", "host", "registered")
 
 
-def adapter_tier(e: EngineState, adapter: str) -> int:
+def adapter_tier(e: EngineState, adapter: str, identity: str | None = None) -> int:
     """0 (device) .. 2 (registered), 3 when ``e`` does not serve ``adapter``, by
-    its last scrape (and the gateway's own routing since: ``Proxy._ensure_adapter``)."""
-    if adapter not in e.load.adapters:
+    its last scrape (and the gateway's own routing since: ``Proxy._ensure_adapter``);
+    4 when it serves the name with other weights than ``identity``."""
+    served = e.load.adapters.get(adapter)
+    if served is None:
         return 3
+    if identity is not None and served[0] != identity:
+        return 4
     resident = e.load.resident.get(adapter)
     return ADAPTER_TIERS.index(resident) if resident in ADAPTER_TIERS[:2] else 2
 
@@ -417,7 +428,9 @@ def mark_routed(e: EngineState, adapter: str) -> None:
             resident[name] = "host"
 
 
-def prefer_adapter_holders(candidates: list[EngineState], adapter: str | None) -> list[EngineState]:
+def prefer_adapter_holders(
+    candidates: list[EngineState], adapter: str | None, identity: str | None = None
+) -> list[EngineState]:
     """LoRA-aware routing: for a request that names ``adapter``, the candidates
     where it is warmest, weighed against load. Tier by tier (device slot, then
     host memory, then registered), the candidates at that tier or a warmer
@@ -427,10 +440,15 @@ def prefer_adapter_holders(candidates: list[EngineState], adapter: str | None) -
     adapter on the chosen engine (``Proxy._ensure_adapter``). A hot adapter
     thus spreads to more engines under load instead of queueing on the few
     that hold it. Cost: one pass over the candidates (a dict lookup or two
-    each) plus one per tier tried, no I/O."""
+    each) plus one per tier tried, no I/O. ``identity``: the weights the
+    name is routed to (``EnginePool.adapter``); an engine serving the name
+    with others is never a candidate (it cannot load these under that name)."""
     if adapter is None:
         return candidates
-    tiers = [adapter_tier(c, adapter) for c in candidates]
+    tiers = [adapter_tier(c, adapter, identity) for c in candidates]
+    if 4 in tiers:
+        kept = [(c, t) for c, t in zip(candidates, tiers, strict=True) if t != 4]
+        candidates, tiers = [c for c, _ in kept], [t for _, t in kept]
     queues = [c.queue() for c in candidates]
     lo = min(queues, default=0.0)
     slack = max(IMBALANCE_ABS, IMBALANCE_REL * lo)

@@ -252,9 +252,9 @@ class LLMEngine:
         try:
             check_adapter_name(name)
         except ValueError as e:
-            raise LoRAError(str(e)) from None
+            raise LoRAError(str(e), bad_name=True) from None
         if name in self.config.model_config.served_model_names:
-            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
+            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's", bad_name=True)
         if name in self.loras:
             try:
                 identity = lora_identity(name, adapter_digest(name, os.path.abspath(path)))
@@ -293,12 +293,20 @@ class LLMEngine:
             name_taken=True,
         )
 
-    def remove_lora(self, name: str) -> None:
+    def remove_lora(self, name: str, lora_int_id: int | None = None) -> None:
         """Unload an adapter: new requests naming it are refused; requests
-        already running with it finish with it."""
-        request = self.loras.pop(name, None)
+        already running with it finish with it. ``lora_int_id``: unload it
+        only when it is loaded under that id (else LoRAError, ``wrong_id``)."""
+        request = self.loras.get(name)
         if request is None:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        if lora_int_id is not None and lora_int_id != request.lora_int_id:
+            raise LoRAError(
+                f"LoRA adapter {name!r} is loaded with lora_int_id {request.lora_int_id}, "
+                f"not {lora_int_id}",
+                wrong_id=True,
+            )
+        del self.loras[name]
         self.lora_identities.pop(name, None)
         self.core.runner.remove_lora(request.lora_int_id)
         logger.info("LoRA adapter %r unloaded", name)

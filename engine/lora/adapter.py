@@ -36,6 +36,10 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # row-parallel ones split their inputs (A's columns).
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_MODULES = ("o_proj", "down_proj")
+# PEFT's shorthand for every linear layer but the output head, and the
+# targets it picks when a config names none (the same for all four families).
+ALL_LINEAR = "all-linear"
+DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
@@ -49,14 +53,24 @@ Slicer = Callable[[str, Any], torch.Tensor]
 class LoRAError(ValueError):
     """An adapter that cannot be served (the message names it). ``name_taken``:
     an adapter is already loaded under the name; ``already_loaded``: from
-    these very weights, so what was asked for holds."""
+    these very weights, so what was asked for holds; ``wrong_id``: an unload
+    named the adapter with another ``lora_int_id`` than it is loaded under;
+    ``bad_name``: the name itself cannot be served (invalid, or the base
+    model's)."""
 
     def __init__(
-        self, message: str, already_loaded: bool = False, name_taken: bool = False
+        self,
+        message: str,
+        already_loaded: bool = False,
+        name_taken: bool = False,
+        wrong_id: bool = False,
+        bad_name: bool = False,
     ) -> None:
         super().__init__(message)
         self.already_loaded = already_loaded
         self.name_taken = name_taken or already_loaded
+        self.wrong_id = wrong_id
+        self.bad_name = bad_name
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,115 @@ def _parse_adapter_config(name: str, raw: bytes) -> dict[str, Any]:
                 f"LoRA adapter {name!r}: target module(s) {', '.join(map(str, bad))} are not "
                 f"supported (supported: {', '.join(TARGET_MODULES)})"
             )
+    _check_targeting(name, cfg)
     return cfg
+
+
+def _check_targeting(name: str, cfg: dict[str, Any]) -> None:
+    """The fields that say which modules and layers the adapter covers."""
+    for key in ("target_modules", "exclude_modules"):
+        _check_name_set(name, key, cfg.get(key))
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (
+        _is_int(layers) or (isinstance(layers, list) and all(_is_int(i) for i in layers))
+    ):
+        raise LoRAError(
+            f"LoRA adapter {name!r}: layers_to_transform must be an integer or a list of integers"
+        )
+    pattern = cfg.get("layers_pattern")
+    if pattern is not None:
+        patterns = [pattern] if isinstance(pattern, str) else pattern
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: layers_pattern must be a string or a list of strings"
+            )
+        for p in patterns:
+            _compile(name, "layers_pattern", p)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _compile(name: str, key: str, regex: str) -> re.Pattern[str]:
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {key} {regex!r} is not a regular expression ({e})"
+        ) from None
+
+
+def _check_name_set(name: str, key: str, value: Any) -> None:
+    """``target_modules`` / ``exclude_modules``: absent, a list of module
+    names (suffix match) or one regular expression (full match)."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        if value.lower() != ALL_LINEAR:
+            _compile(name, key, value)
+        return
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {key} must be a list of module names or a regular expression"
+        )
+
+
+def module_key(layer: int, module: str) -> str:
+    """The module's dotted name in a Hugging Face causal LM of the four
+    families, the name PEFT matches its config against."""
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{block}.{module}"
+
+
+def _matches(names: str | list[str], key: str) -> bool:
+    if isinstance(names, str):
+        return re.fullmatch(names, key) is not None
+    return key in names or any(key.endswith(f".{n}") for n in names)
+
+
+def untargeted_reason(cfg: dict[str, Any], layer: int, module: str) -> str | None:
+    """``None`` when PEFT would apply this adapter to (layer, module) given
+    its ``adapter_config.json``; otherwise the config field that leaves the
+    module out. PEFT's rules: ``exclude_modules`` first (list: exact or
+    dotted-suffix match; string: full regular-expression match); then
+    ``target_modules`` the same way, ``"all-linear"`` meaning every
+    projection, absent meaning PEFT's default for these families (q_proj
+    and v_proj); ``layers_to_transform`` (with ``layers_pattern``) narrows
+    only a list of targets, as in PEFT."""
+    key = module_key(layer, module)
+    exclude = cfg.get("exclude_modules")
+    if exclude and _matches(exclude, key):
+        return "exclude_modules"
+    targets = cfg.get("target_modules")
+    if targets is None:
+        targets = list(DEFAULT_TARGETS)
+    if isinstance(targets, str):
+        if targets.lower() == ALL_LINEAR:
+            return None
+        return None if _matches(targets, key) else "target_modules"
+    if not _matches(targets, key):
+        return "target_modules"
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    pattern = cfg.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else (pattern or [])
+    index: int | None = None
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        index = int(m.group("idx")) if m else None
+    else:
+        for p in patterns:
+            m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+            if m is not None:
+                index = int(m.group("idx"))
+                break
+        if index is None:
+            return "layers_pattern"
+    if index is None or index not in ([layers] if _is_int(layers) else layers):
+        return "layers_to_transform"
+    return None
 
 
 def load_adapter(
@@ -234,6 +356,15 @@ def load_adapter(
             raise LoRAError(
                 f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the base "
                 f"model has {num_layers}"
+            )
+        # PEFT loads only what the config targets (and warns about the rest);
+        # a tensor outside it is a mismatched file, refused rather than
+        # applied where PEFT would not, or dropped where the author meant it.
+        reason = untargeted_reason(cfg, layer, module)
+        if reason is not None:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {key!r} is for {module_key(layer, module)}, "
+                f"which adapter_config.json {reason} {cfg.get(reason)!r} leaves out"
             )
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:

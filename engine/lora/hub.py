@@ -38,13 +38,15 @@ async def fetch_hub_adapter(
     """Download ``source`` (``hf://ORG/NAME``) at ``revision``; return its local
     directory. Raises LoRAError naming ``name`` when the source is malformed,
     the download fails or it takes longer than ``timeout`` seconds."""
+    # parse_hf_uri also takes a model's hf://ORG/NAME/FILE.gguf, which an
+    # adapter never is: one message for both malformed shapes.
     try:
         hub = parse_hf_uri(source)
-    except ValueError as e:
-        raise LoRAError(f"LoRA adapter {name!r}: {e}") from None
-    if hub.filename is not None:
+    except ValueError:
+        hub = None
+    if hub is None or hub.filename is not None:
         raise LoRAError(
-            f"LoRA adapter {name!r}: {source!r}: an adapter is a repository, hf://ORG/NAME"
+            f"LoRA adapter {name!r}: {source!r}: an adapter is a Hub repository, hf://ORG/NAME"
         )
     command = python_module("pdfleet.engine.cli", "fetch-model", source, "--adapter")
     if revision:

@@ -26,9 +26,12 @@ carries a plan out in a thread while the supervisor keeps supervising:
   does; a fetch that fails refuses the file), engines started from then on
   get them in ``--lora-modules``, and once the roles are rolled or scaled
   every running engine is told through its load and unload API (fleet token):
-  adapters the file no longer lists, or whose directory changed, are
-  unloaded, new ones loaded. Requests running on an unloaded adapter finish
-  with it.
+  new ones loaded on every engine first, then those whose directory changed
+  replaced, then those the file no longer lists unloaded. An added adapter
+  whose rank exceeds a role's maxLoraRank refuses the file before anything
+  changes; a load an engine refuses undoes every call the apply made, so no
+  role is left serving other adapters than another. Requests running on an
+  unloaded adapter finish with it.
 
 Every wait is bounded: an engine that is not ready within the fleet's start
 timeout, or that keeps exiting, fails the rollout (it is stopped, the engines
@@ -37,6 +40,7 @@ not yet replaced keep running, and the message names its log).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -50,7 +54,13 @@ from ...engine.contracts.lora import LoRALoad, load_succeeded, name_taken
 from ...engine.contracts.model_card import ModelCard, decode_list
 from ..compat import check_service
 from ..resource import AdapterSpec, InferenceService
-from ..roles import adapter_path, engine_command, publishes_kv_events, role_engine_args
+from ..roles import (
+    adapter_path,
+    engine_command,
+    publishes_kv_events,
+    role_engine_args,
+    role_engine_section,
+)
 from .fleet import MAX_RESTARTS, LocalFleet
 from .process import Child
 from .state import ApplyReport, ApplyRequest
@@ -217,7 +227,54 @@ def _plan_adapters(
         resolve(missing) if resolve is not None else {a.name: adapter_path(a) for a in missing}
     )
     paths = {a.name: kept.get(a.name) or fetched[a.name] for a in new}
+    for i, a in enumerate(new):
+        if a.name not in kept:
+            check_adapter_limits(service, i, a.name, paths[a.name], fleet.roles)
     return paths, list(old.values()) != list(new)
+
+
+def check_adapter_limits(
+    service: InferenceService, index: int, name: str, path: str, roles: Any
+) -> None:
+    """ValueError (the file refused, nothing changed) when an added adapter's
+    ``adapter_config.json`` is unreadable or its rank (``r``, any
+    ``rank_pattern`` value) exceeds the maxLoraRank of an engine role that
+    would load it. The engines check the rest (shapes, tensors) at the load;
+    a failure there is rolled back."""
+    import json
+
+    from ...engine.config.lora import LoRAConfig
+
+    where = f"spec.adapters[{index}] ({name})"
+    try:
+        with open(os.path.join(path, "adapter_config.json"), "rb") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read its adapter_config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: adapter_config.json is not a JSON object")
+    pattern = cfg.get("rank_pattern") or {}
+    ranks = [cfg.get("r"), *(pattern.values() if isinstance(pattern, dict) else [None])]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise ValueError(
+            f"{where}: adapter_config.json r and rank_pattern must be positive integers"
+        )
+    for role in ORDER:
+        if role not in roles:
+            continue
+        section = role_engine_section(service.spec, role)
+        limit = section.get("maxLoraRank") or LoRAConfig.max_lora_rank
+        if max(ranks) > limit:
+            field_path = (
+                f"spec.{role}.engine.maxLoraRank"
+                if service.spec.role(role).engine.get("maxLoraRank") is not None
+                else "spec.engine.maxLoraRank"
+            )
+            raise ValueError(
+                f"{where}: rank {max(ranks)} exceeds the {role} engines' maxLoraRank "
+                f"{limit} ({field_path}); raise it (the engines restart) or use a "
+                "smaller adapter"
+            )
 
 
 def engine_identity(child: Child) -> str | None:
@@ -356,13 +413,75 @@ class Rollout(threading.Thread):
 
     def _sync_adapters(self) -> None:
         """Every running engine serves exactly the plan's adapters (bounded
-        calls; RuntimeError naming the engine and adapter on a failure)."""
+        calls). Additions are loaded on every engine first, then adapters
+        whose directory changed are replaced, then removed ones unloaded, so
+        no role serves a name another role lost. On any failure every call
+        this apply made is undone (loads unloaded, unloads loaded again from
+        the directory the engine reported), so the fleet serves what it served
+        before, and RuntimeError names the engine and adapter."""
+        wanted = self.plan.adapter_paths
+        served: dict[str, dict[str, str | None]] = {}
+        engines = [c for role in ORDER for c in self.fleet.role_engines(role)]
+        for child in engines:
+            served[child.name] = self._served(child)
+        done: list[tuple[Child, str, str, str | None]] = []  # (engine, action, name, path)
+        try:
+            for child in engines:
+                for name, path in wanted.items():
+                    if name not in served[child.name]:
+                        self._lora_call(child, "load", name, path, done)
+            for child in engines:
+                for name, path in wanted.items():
+                    root = served[child.name].get(name, path)
+                    if root != path:
+                        self._lora_call(child, "unload", name, root, done)
+                        self._lora_call(child, "load", name, path, done)
+            for child in engines:
+                for name, root in served[child.name].items():
+                    if name not in wanted:
+                        self._lora_call(child, "unload", name, root, done)
+        except RuntimeError as e:
+            undone = self._undo_lora_calls(done)
+            raise RuntimeError(f"{e}; {undone}") from None
+
+    def _served(self, child: Child) -> dict[str, str | None]:
+        """{adapter name: its directory} of what ``child`` serves now."""
         with httpx.Client(headers=self.fleet.auth_headers) as http:
-            for role in ORDER:
-                for child in self.fleet.role_engines(role):
-                    sync_engine_adapters(
-                        http, child.url, child.name, self.plan.adapter_paths, self.step
-                    )
+            return served_adapters(http, child.url, child.name)
+
+    def _lora_call(
+        self,
+        child: Child,
+        action: str,
+        name: str,
+        path: str | None,
+        done: list[tuple[Child, str, str, str | None]],
+    ) -> None:
+        """One load or unload (bounded); appended to ``done`` once it succeeded,
+        RuntimeError naming the engine and adapter otherwise. ``path``: the
+        directory loaded, or the one an unloaded adapter was served from."""
+        with httpx.Client(headers=self.fleet.auth_headers) as http:
+            lora_call(http, child.url, child.name, action, name, path)
+        done.append((child, action, name, path))
+        self.step(f"{child.name}: adapter {name} {action}ed")
+
+    def _undo_lora_calls(self, done: list[tuple[Child, str, str, str | None]]) -> str:
+        """Undo ``done`` newest first; what became of it, for the message."""
+        if not done:
+            return "no engine was changed"
+        failed: list[str] = []
+        for child, action, name, path in reversed(done):
+            undo = "unload" if action == "load" else "load"
+            if undo == "load" and path is None:
+                failed.append(f"{child.name}: {name} (its directory is unknown)")
+                continue
+            try:
+                self._lora_call(child, undo, name, path, [])
+            except RuntimeError as e:
+                failed.append(str(e))
+        if failed:
+            return "rolling back failed: " + "; ".join(failed)
+        return f"rolled back the {len(done)} adapter change(s) this apply made"
 
     def _scale(self, role: str, target: int) -> None:
         while len(self.fleet.role_engines(role)) < target:
@@ -371,30 +490,28 @@ class Rollout(threading.Thread):
             self._retire(victim)
 
 
-def sync_engine_adapters(
-    http: httpx.Client,
-    url: str,
-    name: str,
-    wanted: dict[str, str],
-    step: Callable[[str], None] = lambda line: None,
-) -> None:
-    """Make the engine at ``url`` (called ``name``) serve exactly ``wanted``
-    (adapter name -> directory): unload the others and those served from
-    another directory, load the missing, telling ``step`` each; RuntimeError
-    naming the engine and adapter on a failure. A load answered name_taken
-    (the gateway loaded it meanwhile) is done when the engine's card of the
-    name shows the directory wanted."""
+def served_adapters(http: httpx.Client, url: str, name: str) -> dict[str, str | None]:
+    """{adapter name: its directory} of what the engine at ``url`` (called
+    ``name``) serves now; RuntimeError naming it when it cannot tell."""
     try:
         r = http.get(url + "/v1/models", timeout=10)
         r.raise_for_status()
         cards = decode_list(r.json())
     except (httpx.HTTPError, ValueError) as e:
         raise RuntimeError(f"{name}: cannot list its adapters ({e})") from None
-    served = {c.id: c.root for c in cards if c.is_adapter}
-    calls = [("unload", LoRALoad(n)) for n, root in served.items() if wanted.get(n) != root]
-    calls += [("load", LoRALoad(n, path)) for n, path in wanted.items() if served.get(n) != path]
+    return {c.id: c.root for c in cards if c.is_adapter}
 
-    def card_root(adapter: str) -> str | None:
+
+def lora_call(
+    http: httpx.Client, url: str, name: str, action: str, adapter: str, path: str | None
+) -> None:
+    """One bounded load (from ``path``) or unload of ``adapter`` on the engine at
+    ``url`` (called ``name``); RuntimeError naming the engine and adapter on a
+    failure. A load answered name_taken (the gateway loaded it meanwhile) is
+    done when the engine's card of the name shows the directory wanted."""
+    load = LoRALoad(adapter, str(path)) if action == "load" else LoRALoad(adapter)
+
+    def card_root() -> str | None:
         try:
             r = http.get(f"{url}/v1/models/{adapter}", timeout=10)
             card = ModelCard.from_wire(r.json()) if r.status_code == 200 else None
@@ -402,25 +519,23 @@ def sync_engine_adapters(
             return None
         return card.root if card is not None else None
 
-    for action, load in calls:
-        try:
-            r = http.post(
-                f"{url}/v1/{action}_lora_adapter",
-                content=load.encode(),
-                headers={"content-type": "application/json"},
-                timeout=120,
-            )
-            ok = load_succeeded(r.status_code) or (
-                action == "load"
-                and name_taken(r.status_code, r.content)
-                and card_root(load.lora_name) == load.lora_path
-            )
-            error = None if ok else r.text.strip()[:500]
-        except httpx.HTTPError as e:
-            error = repr(e)
-        if error is not None:
-            raise RuntimeError(f"{name}: {action} of adapter {load.lora_name!r} failed: {error}")
-        step(f"{name}: adapter {load.lora_name} {action}ed")
+    try:
+        r = http.post(
+            f"{url}/v1/{action}_lora_adapter",
+            content=load.encode(),
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+        ok = load_succeeded(r.status_code) or (
+            action == "load"
+            and name_taken(r.status_code, r.content)
+            and card_root() == load.lora_path
+        )
+        error = None if ok else r.text.strip()[:500]
+    except httpx.HTTPError as e:
+        error = repr(e)
+    if error is not None:
+        raise RuntimeError(f"{name}: {action} of adapter {adapter!r} failed: {error}")
 
 
 def read_request(text: str) -> tuple[str, dict[str, Any]]:

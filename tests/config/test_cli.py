@@ -57,7 +57,7 @@ def test_config_prints_resolved_json_for_an_absent_device(tiny_model):
     ("argv", "needle"),
     [
         (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "max_num_seqs (16)"),
-        (["--max-loras", "2"], "--max-loras need --enable-lora"),
+        (["--max-loras", "2"], "--max-loras needs --enable-lora"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--kv-transfer-config", "{oops"], "invalid JSON"),
     ],

@@ -38,6 +38,22 @@ def test_the_body_is_vllms_and_decodes_naming_the_field():
         assert e.value.param == param
     with pytest.raises(LoRABodyError, match="load_inplace: unknown field"):
         LoRALoad.from_json({"lora_name": "a", "load_inplace": False}, "r", UNLOAD_FIELDS)
+    # vLLM's unload body: the name and optionally its lora_int_id (an integer);
+    # a lora_path there is refused, never ignored.
+    unload = {"lora_name": "a", "lora_int_id": 3}
+    assert LoRALoad.from_json(unload, "r", UNLOAD_FIELDS) == LoRALoad("a", lora_int_id=3)
+    assert json.loads(LoRALoad("a", lora_int_id=3).encode()) == unload
+    for raw, param in [
+        ({"lora_name": "a", "lora_path": "/p"}, "lora_path"),
+        ({"lora_name": "a", "lora_int_id": "3"}, "lora_int_id"),
+        ({"lora_name": "a", "lora_int_id": True}, "lora_int_id"),
+        ({"lora_name": "a", "lora_int_id": 0}, "lora_int_id"),
+    ]:
+        with pytest.raises(LoRABodyError) as e:
+            LoRALoad.from_json(raw, "/v1/unload_lora_adapter", UNLOAD_FIELDS)
+        assert e.value.param == param
+    with pytest.raises(LoRABodyError, match="lora_int_id: unknown field"):
+        LoRALoad.from_json({"lora_name": "a", "lora_path": "/p", "lora_int_id": 1}, "r")
 
 
 def test_a_load_succeeded_on_200_and_a_taken_name_is_vllms_400_naming_lora_name():
@@ -52,5 +68,7 @@ def test_a_load_succeeded_on_200_and_a_taken_name_is_vllms_400_naming_lora_name(
     # Only the contract's shape says so: not another status, param or body.
     assert not name_taken(409, same.encode())
     assert not name_taken(400, ErrorBody("cannot be served", 400, "lora_path").encode())
+    invalid = ErrorBody("LoRA adapter 'tiny': the name is the base model's", 400, "lora_name")
+    assert not name_taken(400, invalid.encode())  # the name's fault, not a taken one
     assert not name_taken(400, b"has already been loaded")  # not an error body
     assert not name_taken(500, b"")

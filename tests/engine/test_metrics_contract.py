@@ -202,6 +202,7 @@ def test_gateway_exports_every_gateway_series():
     metrics.tenant_queue_seconds.labels("t").observe(0.1)
     metrics.batch_requests.labels("pending").set(0)
     metrics.lora_loads.labels("http://e").inc()
+    metrics.lora_identity_conflicts.labels("a").set(0)
     metrics.migrations.labels("drain").inc()
     exported = exported_families(metrics.registry)
     for metric in contract_metrics():

@@ -125,9 +125,10 @@ def test_an_engine_side_fetch_is_bounded_and_refused_by_name():
     from pdfleet.engine.lora.adapter import LoRAError
     from pdfleet.engine.lora.hub import fetch_hub_adapter
 
-    with pytest.raises(LoRAError, match=r"LoRA adapter 'x': .* an adapter is a repository"):
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'x': .* an adapter is a Hub repository"):
         asyncio.run(fetch_hub_adapter("x", "hf://org/repo/model.gguf"))
-    with pytest.raises(LoRAError, match=r"LoRA adapter 'y': 'hf://nope': name a Hub repository"):
+    with pytest.raises(LoRAError, match=r"'y': 'hf://nope': an adapter is a Hub repository") as e:
         asyncio.run(fetch_hub_adapter("y", "hf://nope"))
+    assert "GGUF" not in str(e.value)
     with pytest.raises(LoRAError, match=r"LoRA adapter 's': fetching hf://org/slow took longer"):
         asyncio.run(fetch_hub_adapter("s", "hf://org/slow", timeout=0.05))

@@ -14,7 +14,7 @@ import torch
 from helpers.engine import assert_no_leaks, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
 
-from pdfleet.engine import LLM, LoRARequest, SamplingParams
+from pdfleet.engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from pdfleet.engine.contracts.block_hash import prompt_block_hashes, root_hash
 from pdfleet.engine.loop.async_engine import AsyncEngine
 from pdfleet.engine.lora import LoRAError
@@ -159,6 +159,30 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
             llm.engine.add_lora(key, str(bad))
+    # A file holding tensors the config does not target: PEFT would load only
+    # the targeted ones, so the mismatch is refused, naming tensor and field.
+    for key, patch, match in (
+        (
+            "listed",
+            {"target_modules": ["q_proj"]},
+            r"tensor '\S+\.(k|v|o|gate|up|down)_proj\.\S+'.*target_modules \['q_proj'\]",
+        ),
+        ("regex", {"target_modules": "q_proj"}, "target_modules 'q_proj' leaves out"),
+        ("excluded", {"exclude_modules": ["down_proj"]}, r"down_proj.*exclude_modules"),
+        ("layer0", {"layers_to_transform": [0]}, r"layers\.1\..*layers_to_transform \[0\]"),
+        ("pattern", {"layers_to_transform": [0], "layers_pattern": "blocks"}, "layers_pattern"),
+        ("badregex", {"target_modules": "q_proj("}, "target_modules 'q_proj\\(' is not a regular"),
+    ):
+        bad = shutil.copytree(a, tmp_path / key)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, **patch}))
+        with pytest.raises(LoRAError, match=f"'{key}'.*{match}"):
+            llm.engine.add_lora(key, str(bad))
+    # A regular expression that does cover every tensor is served, as PEFT does.
+    full = shutil.copytree(a, tmp_path / "full")
+    cfg = json.loads((full / "adapter_config.json").read_text())
+    regex = r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"
+    (full / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": regex}))
     ints = shutil.copytree(a, tmp_path / "ints")
     weights = load_file(ints / "adapter_model.safetensors")
     save_file({k: v.to(torch.int8) for k, v in weights.items()}, ints / "adapter_model.safetensors")
@@ -175,13 +199,16 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     (prompt,) = random_prompts(llm.engine.config.model_config.vocab_size, [11], seed=7)
     check(llm, peft_factory, base, [prompt, prompt], [("a", a), (None, None)])
     llm.engine.remove_lora("a")
+    llm.engine.add_lora("full", str(full))
+    check(llm, peft_factory, base, [prompt], [("full", str(full))])
+    llm.engine.remove_lora("full")
     with pytest.raises(LoRAError, match="not loaded"):
         llm.engine.remove_lora("a")
     assert_no_leaks(llm)
 
 
 def test_lora_flags_are_checked(tiny_model):
-    with pytest.raises(ValueError, match="--max-loras need --enable-lora"):
+    with pytest.raises(ValueError, match="--max-loras needs --enable-lora"):
         LLM(tiny_model, max_loras=2)
     with pytest.raises(ValueError, match="--max-lora-rank must be one of"):
         LLM(tiny_model, enable_lora=True, max_lora_rank=7)
@@ -189,6 +216,29 @@ def test_lora_flags_are_checked(tiny_model):
         LLM(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="not of the form name=path"):
         LLM(tiny_model, enable_lora=True, lora_modules=["nopath"])
+    # vLLM's JSON form: base_model_name must be this engine's model.
+    entry = {"name": "sql", "path": "/adapters/sql", "base_model_name": "tiny"}
+    args = EngineArgs(
+        tiny_model, served_model_name=["tiny"], enable_lora=True, lora_modules=[json.dumps(entry)]
+    )
+    lora_config = args.create_lora_config()
+    assert lora_config is not None and lora_config.lora_modules == {"sql": "/adapters/sql"}
+    for bad, match in (
+        ({**entry, "base_model_name": "other"}, "base_model_name 'other' is not this engine's"),
+        ({**entry, "dtype": "x"}, "unknown field 'dtype'"),
+        ({"name": "sql"}, "path must be a non-empty string"),
+    ):
+        args.lora_modules = [json.dumps(bad)]
+        with pytest.raises(ValueError, match=match):
+            args.create_lora_config()
+    # vLLM's LoRA flags pdfleet lacks: refused naming the flag ("auto" is ours).
+    EngineArgs(tiny_model, lora_dtype="auto").check_supported()
+    for kw, flag in (
+        ({"lora_dtype": "bfloat16"}, "--lora-dtype"),
+        ({"fully_sharded_loras": True}, "--fully-sharded-loras"),
+    ):
+        with pytest.raises(ValueError, match=f"{flag}=.*not supported by pdfleet; remove {flag}"):
+            EngineArgs(tiny_model, **kw).check_supported()
 
 
 def test_tensor_parallel_two_ranks_match_peft(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
+from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.routing import prefer_adapter_holders
 
 
@@ -112,6 +113,7 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
 
     proxy = Proxy.__new__(Proxy)
     proxy.pool = EnginePool.__new__(EnginePool)
+    proxy.pool.metrics, proxy.pool.adapter_first_seen = GatewayMetrics(), {}
     proxy.pool.engines = {e.url: e for e in (holder, other, prefill)}
     proxy.client = Client()
     proxy.metrics = SimpleNamespace(
@@ -202,6 +204,7 @@ def _proxy_of(engines, answer, cards=None):
 
     proxy = Proxy.__new__(Proxy)
     proxy.pool = EnginePool.__new__(EnginePool)
+    proxy.pool.metrics, proxy.pool.adapter_first_seen = GatewayMetrics(), {}
     proxy.pool.engines = {e.url: e for e in engines}
     proxy.pool.client, proxy.pool.check_timeout = Cards(), 1.0
     proxy.client = Client()
@@ -293,3 +296,40 @@ def _failed_future():
         return done
     finally:
         loop.close()
+
+
+def test_one_name_with_other_weights_on_some_engines_is_counted_and_never_routed_there():
+    from pdfleet.engine.gateway.engines import EnginePool
+
+    pool = EnginePool.__new__(EnginePool)
+    pool.metrics, pool.adapter_first_seen = GatewayMetrics(), {}
+    first, second, odd = (
+        engine("http://1", 5, ("a",)),
+        engine("http://2", 5, ("a",)),
+        engine("http://3", 0, ("a",), a="device"),
+    )
+    odd.load.adapters["a"] = ("a@other", "/elsewhere")
+    none = engine("http://n", 0)
+    pool.engines = {e.url: e for e in (first, odd)}
+    # A tie (one engine each): the identity seen first wins.
+    assert pool.adapter("a") == ("a@0", "/a")
+    pool.engines = {e.url: e for e in (odd, first, second, none)}
+    assert pool.adapter("a") == ("a@0", "/a")  # the majority, whatever the order
+    assert pool.holds_adapter(first, "a") and not pool.holds_adapter(odd, "a")
+    conflicts = pool.metrics.lora_identity_conflicts.labels("a")._value.get()
+    assert conflicts == 1
+    # The odd engine is idle and has "a" on its device, yet never a candidate.
+    cands = [odd, first, second, none]
+    assert odd not in prefer_adapter_holders(cands, "a", "a@0")
+    assert prefer_adapter_holders([odd, none], "a", "a@0") == [none]
+    # Most engines now serve the other weights: they win, the first one is odd.
+    pool.engines = {e.url: e for e in (odd, first)}
+    odd2 = engine("http://4", 0, ("a",))
+    odd2.load.adapters["a"] = ("a@other", "/elsewhere")
+    pool.engines[odd2.url] = odd2
+    assert pool.adapter("a") == ("a@other", "/elsewhere")
+    assert not pool.holds_adapter(first, "a")
+    # Served nowhere: forgotten, the gauge back to 0.
+    pool.engines = {none.url: none}
+    assert pool.adapter("a") is None and "a" not in pool.adapter_first_seen
+    assert pool.metrics.lora_identity_conflicts.labels("a")._value.get() == 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
 
 import httpx
 import openai
@@ -25,6 +27,7 @@ from pdfleet.engine.contracts.block_hash import (
     get_hash_fn,
     prompt_block_hashes,
 )
+from pdfleet.engine.contracts.launch import python_module
 from pdfleet.engine.contracts.lora import name_taken
 from pdfleet.engine.gateway.prompt import PromptAnalyzer
 
@@ -91,7 +94,15 @@ def fleet(tiny_model, adapter_factory, tmp_path_factory, hub):
         "HF_HUB_CACHE": str(tmp / "hf-cache"),
     }
     procs = [
-        engine(tiny_model, tmp, "a", "--lora-modules", f"a={a}", *kv("kv_producer")),
+        # vLLM's JSON form of --lora-modules (engine B's test covers name=path).
+        engine(
+            tiny_model,
+            tmp,
+            "a",
+            "--lora-modules",
+            json.dumps({"name": "a", "path": a, "base_model_name": "tiny"}),
+            *kv("kv_producer"),
+        ),
         # One device slot, two host copies: a second adapter evicts the first
         # from the device, not from host memory.
         engine(
@@ -195,6 +206,12 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
         url, json={"lora_name": "gone", "lora_path": "/nonexistent"}, headers=fleet, timeout=30
     )
     assert missing.status_code == 400 and "'gone'" in missing.text
+    # A name that cannot be served is the name's fault (param lora_name), and
+    # never reads as "already loaded".
+    for name in ("tiny", "-bad"):
+        r = httpx.post(url, json={"lora_name": name, "lora_path": a}, headers=fleet, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+        assert not name_taken(r.status_code, r.content)
     # Loaded again, from the same weights or other ones: vLLM's 400 naming
     # lora_name; the message says which (the gateway then reads the card).
     dup = httpx.post(url, json=load, headers=fleet, timeout=30)
@@ -210,7 +227,19 @@ def test_adapters_are_listed_served_loaded_and_unloaded(
 
     unload = server.url + "/v1/unload_lora_adapter"
     assert httpx.post(unload, json={"lora_name": "b"}, headers=client).status_code == 403
-    assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 200
+    # vLLM's body: lora_int_id as /v1/models reports it, else refused naming
+    # it (and nothing unloaded); a lora_path is refused, not ignored.
+    card = httpx.get(server.url + "/v1/models/b", headers=client).json()
+    int_id = card["lora_int_id"]
+    for body, param in (
+        ({"lora_name": "b", "lora_int_id": int_id + 1000}, "lora_int_id"),
+        ({"lora_name": "b", "lora_int_id": "x"}, "lora_int_id"),
+        ({"lora_name": "b", "lora_path": "/nonexistent/other"}, "lora_path"),
+    ):
+        refused = httpx.post(unload, json=body, headers=fleet)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    body = {"lora_name": "b", "lora_int_id": int_id}
+    assert httpx.post(unload, json=body, headers=fleet).status_code == 200
     assert complete(server.url, "b", client).status_code == 404
     assert httpx.post(unload, json={"lora_name": "b"}, headers=fleet).status_code == 404
     ids = {c["id"] for c in httpx.get(server.url + "/v1/models", headers=client).json()["data"]}
@@ -441,3 +470,35 @@ def test_pd_both_legs_run_the_adapter_and_other_kv_is_never_used(fleet, tiny_mod
     got = decode(d_url, "tiny", params)
     assert got == hf_greedy(peft_factory(tiny_model, None), PD_PROMPT, 8)
     assert scrape(d_url)["pdfleet_engine_kv_transfer_blocks_pulled_total"] == before
+
+
+def test_a_bad_lora_module_at_start_is_one_error_line_and_exit_2(
+    tiny_model, adapter_factory, tmp_path
+):
+    big = adapter_factory(tiny_model, 4, r=16)
+    done = subprocess.run(
+        [
+            *python_module("pdfleet.engine.cli"),
+            "serve",
+            tiny_model,
+            "--max-model-len",
+            "64",
+            "--port",
+            str(free_port()),
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"big={big}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PDFLEET_API_KEY": "", "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "pdfleet serve: error: --lora-modules: LoRA adapter 'big': rank 16" in done.stderr, (
+        done.stderr[-3000:]
+    )

@@ -6,6 +6,8 @@ and unloads them on the running engines, restarting none."""
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 import subprocess
 
 import httpx
@@ -93,10 +95,10 @@ def test_apply_loads_and_unloads_adapters_without_restarts(
     other = adapter_factory(tiny_model, 7, r=8)
     run_dir = ["--run-dir", str(fleet.run_dir), "--timeout", "120"]
 
-    def apply(adapters: list[dict]) -> None:
+    def apply(adapters: list[dict], ok: bool = True) -> str:
         changed = copy.deepcopy(spec)
         changed["spec"]["adapters"] = adapters
-        path = tmp_path / f"apply-{len(adapters)}.yaml"
+        path = tmp_path / f"apply-{'-'.join(a['name'].replace('/', '_') for a in adapters)}.yaml"
         path.write_text(yaml.safe_dump(changed))
         done = subprocess.run(
             [*python_module("pdfleet.engine.cli"), "apply", str(path), *run_dir],
@@ -104,7 +106,9 @@ def test_apply_loads_and_unloads_adapters_without_restarts(
             text=True,
             timeout=180,
         )
-        assert done.returncode == 0, done.stdout + done.stderr + fleet.output()[-3000:]
+        out = done.stdout + done.stderr
+        assert (done.returncode == 0) == ok, out + fleet.output()[-3000:]
+        return out
 
     both = [
         {"name": "team/sql", "source": f"file://{adapter}"},
@@ -138,6 +142,27 @@ def test_apply_loads_and_unloads_adapters_without_restarts(
     apply(both[1:])  # team/sql removed
     assert served(fleet) == {r: {"other": other} for r in ("prefill", "decode")}
     assert sorted(p for p in fleet.child_pids() if "serve" in process_argv(p)) == engines
+
+    # An added adapter above the engines' maxLoraRank refuses the file before
+    # any engine is touched.
+    big = adapter_factory(tiny_model, 4, r=16)
+    out = apply([{"name": "big", "source": f"file://{big}"}], ok=False)
+    assert "rank 16 exceeds the decode engines' maxLoraRank 8" in out
+    assert served(fleet) == {r: {"other": other} for r in ("prefill", "decode")}
+    # One the engines refuse at the load (its tensors outside its config's
+    # target_modules): what the apply loaded and unloaded is rolled back, every
+    # role serves what it did, and the failed file is not recorded.
+    good = adapter_factory(tiny_model, 8, r=8)
+    bad = shutil.copytree(good, tmp_path / "bad")
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
+    out = apply(
+        [{"name": "good", "source": f"file://{good}"}, {"name": "bad", "source": f"file://{bad}"}],
+        ok=False,
+    )
+    assert "load of adapter 'bad' failed" in out and "rolled back the 1 adapter change" in out
+    assert served(fleet) == {r: {"other": other} for r in ("prefill", "decode")}
+    assert "no change" in apply(both[1:])
 
 
 def test_an_engine_restarted_after_apply_starts_with_the_current_adapters(tmp_path):

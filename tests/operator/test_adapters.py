@@ -27,7 +27,7 @@ from pdfleet.engine.contracts.lora import already_loaded
 from pdfleet.operator.adapter_sync import sync_adapters
 from pdfleet.operator.fleet_secret import secret_value
 from pdfleet.operator.handlers import OperatorConfig
-from pdfleet.operator.local.rollout import sync_engine_adapters
+from pdfleet.operator.local.rollout import lora_call
 from pdfleet.operator.manifests import (
     ANNOTATION_ADAPTERS,
     ANNOTATION_ADAPTERS_KEY,
@@ -486,20 +486,32 @@ def test_a_load_answered_name_taken_is_done_only_when_the_card_shows_the_wanted_
             assert set(by_pod) == {"demo-decode-0", "demo-decode-1"}
             assert by_pod["demo-decode-0"].error is None
             assert "lora_name" in (by_pod["demo-decode-1"].error or "")
-            # pdfleet up's sync, against the same two engines.
+            # pdfleet up's calls, against the same two engines.
             headers = {"Authorization": f"Bearer {token}"}
             for engine in (same, other):
                 engine.unlisted = set(wanted)
-            steps: list[str] = []
             with httpx.Client(headers=headers) as http:
-                url = f"http://127.0.0.1:{same.port}"
-                await asyncio.to_thread(sync_engine_adapters, http, url, "a", wanted, steps.append)
-                url = f"http://127.0.0.1:{other.port}"
-                with pytest.raises(RuntimeError, match="b: load of adapter .* failed.*lora_name"):
-                    await asyncio.to_thread(sync_engine_adapters, http, url, "b", wanted)
-            assert steps == [f"a: adapter {name} loaded" for name in wanted]
+                for adapter, path in wanted.items():
+                    url = f"http://127.0.0.1:{same.port}"
+                    await asyncio.to_thread(lora_call, http, url, "a", "load", adapter, path)
+                    url = f"http://127.0.0.1:{other.port}"
+                    with pytest.raises(
+                        RuntimeError, match="b: load of adapter .* failed.*lora_name"
+                    ):
+                        await asyncio.to_thread(lora_call, http, url, "b", "load", adapter, path)
         finally:
             for runner in runners:
                 await runner.cleanup()
 
     run(scenario())
+
+
+def test_lora_limits_without_adapters_say_to_drop_them():
+    from pdfleet.operator.compat import check_service
+
+    spec = parse_spec(spec_with(engine={**BASE.get("engine", {}), "maxLoraRank": 8}))
+    problems = [str(p) for p in check_service(spec)]
+    assert any(
+        "spec.engine.maxLoraRank" in p and "drop maxLoraRank, or list spec.adapters" in p
+        for p in problems
+    ), problems

@@ -145,6 +145,10 @@ class ServerState:
             self.chat = ChatServing(self.engine, names, max_len, self.lanes, self.options, gate)
             self.ready.set()
             logger.info("Ready to serve %s", engine.config.model_config.name)
+        except LoRAError as e:
+            # A --lora-modules adapter that cannot be served: the user's input,
+            # reported as one line when the server exits (run_server).
+            self.load_error = e
         except BaseException as e:
             logger.exception("engine failed to start")
             self.load_error = e
@@ -412,6 +416,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 root=lora.lora_path,
                 parent=s.served_names[0],
                 lora_identity=engine.lora_identities.get(name),
+                lora_int_id=lora.lora_int_id,
                 # Loaded from the Hub: root is its snapshot in the cache.
                 source=hub[0] if hub is not None else None,
                 revision=hub[1] if hub is not None else None,
@@ -443,10 +448,8 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
                 status=403,
             )
 
-    async def lora_body(
-        request: Request, route: str, allowed: frozenset[str]
-    ) -> tuple[str, str | None, str | None]:
-        """(lora_name, lora_path, revision) of a load or unload body."""
+    async def lora_body(request: Request, route: str, allowed: frozenset[str]) -> LoRALoad:
+        """The load or unload body."""
         try:
             raw = await request.json()
         except (ValueError, RecursionError):
@@ -455,7 +458,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             body = LoRALoad.from_json(raw, route, allowed)
         except LoRABodyError as e:
             raise APIError(str(e), param=e.param) from None
-        return body.lora_name, body.lora_path, body.revision
+        return body
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(request: Request) -> Response:
@@ -465,9 +468,8 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
         first (lora/hub.py)."""
         internal_only(request, "/v1/load_lora_adapter")
         serving(request)
-        name, path, revision = await lora_body(
-            request, "/v1/load_lora_adapter", lora_contract.LOAD_FIELDS
-        )
+        body = await lora_body(request, "/v1/load_lora_adapter", lora_contract.LOAD_FIELDS)
+        name, path, revision = body.lora_name, body.lora_path, body.revision
         if path is None:
             raise APIError("lora_path: required", param="lora_path")
         if state.engine is None:
@@ -478,21 +480,22 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 (the route table: ea
             if e.name_taken:  # vLLM's 400; the gateway then reads the card
                 taken = lora_contract.already_loaded(name, e.already_loaded)
                 raise APIError(taken.message, taken.status, taken.param) from None
-            raise APIError(str(e), param="lora_path") from None
+            raise APIError(str(e), param="lora_name" if e.bad_name else "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_model=None)
     async def unload_lora_adapter(request: Request) -> Response:
         internal_only(request, "/v1/unload_lora_adapter")
         serving(request)
-        name, _, _ = await lora_body(
-            request, "/v1/unload_lora_adapter", lora_contract.UNLOAD_FIELDS
-        )
+        body = await lora_body(request, "/v1/unload_lora_adapter", lora_contract.UNLOAD_FIELDS)
+        name, int_id = body.lora_name, body.lora_int_id
         if state.engine is None:
             raise RuntimeError("broken invariant: state.engine is not None")
         try:
-            await state.engine.call(lambda engine: engine.remove_lora(name))
+            await state.engine.call(lambda engine: engine.remove_lora(name, int_id))
         except LoRAError as e:
+            if e.wrong_id:  # loaded, under another id: nothing was unloaded
+                raise APIError(str(e), param=lora_contract.INT_ID) from None
             raise APIError(str(e), status=404, param="lora_name") from None
         state.engine.lora_sources.pop(name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -817,4 +820,6 @@ def run_server(
     threading.Thread(target=watch_load, daemon=True).start()
     code = server.run(host, port)
     state.lanes.shutdown()
+    if isinstance(state.load_error, LoRAError):
+        raise ValueError(f"--lora-modules: {state.load_error}")
     return 1 if code or state.load_error is not None or state.fatal is not None else 0
