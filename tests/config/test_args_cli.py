@@ -276,3 +276,29 @@ def test_engine_args_accept_dicts_for_nested_configs():
     assert args.compilation_config.cudagraph_capture_sizes == [4]
     with pytest.raises(ValueError, match="unknown field"):
         EngineArgs(kv_transfer_config={"bogus": 1})
+
+
+def test_a_subcommand_folds_the_dotted_keys_of_its_grouped_json_flags():
+    # `pdfleet serve`'s JSON flags live in argument groups of a subcommand's
+    # parser: each is recorded as it is added, and the parser reads no
+    # private argparse state to find them.
+    from pdfleet.engine.cli import build_parser
+    from pdfleet.engine.config.parser import FlexibleArgumentParser
+
+    top = build_parser()
+    assert "--kv-transfer-config" in top._json_flags()
+    args = top.parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--kv_transfer_config.kv_role",
+            "kv_consumer",
+            "--kv-transfer-config.kv_connector=NixlConnector",
+        ]
+    )
+    assert (args.kv_transfer_config.kv_role, args.kv_transfer_config.kv_connector) == (
+        "kv_consumer",
+        "NixlConnector",
+    )
+    assert FlexibleArgumentParser(prog="bare").json_flags == set()
