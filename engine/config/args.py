@@ -42,6 +42,7 @@ from .lora import LoRAConfig, parse_lora_modules
 from .model import ModelConfig, ModelDType
 from .observability import ObservabilityConfig
 from .parallel import ParallelConfig
+from .parser import record_argument
 from .scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -286,7 +287,7 @@ class EngineArgs:
             names = [f"--{flag_name(f.name)}"]
             if f.name in short:
                 names.append(short[f.name])
-            groups[group_name].add_argument(*names, dest=f.name, **kwargs)
+            record_argument(parser, groups[group_name].add_argument(*names, dest=f.name, **kwargs))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -470,6 +470,11 @@ def flag_name(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
+JSON_METAVAR = "JSON"
+"""The placeholder of a JSON flag (``argparse_kwargs``); ``FlexibleArgumentParser``
+also takes its keys one by one (``--flag.key value``) by it."""
+
+
 def argparse_kwargs(name: str, tp: Any, default: Any, help_text: str) -> dict[str, Any]:
     """argparse ``add_argument`` keyword arguments for one typed field.
 
@@ -485,7 +490,7 @@ def argparse_kwargs(name: str, tp: Any, default: Any, help_text: str) -> dict[st
     dataclass_t = next((h for h in hints if dataclasses.is_dataclass(h)), None)
     if dataclass_t is not None or _has(hints, dict):
         kw["type"] = _argtype(json_parser(tp, name), "JSON")
-        kw["metavar"] = "JSON"
+        kw["metavar"] = JSON_METAVAR
         kw["help"] += "\n\nA JSON object; sizes such as 80m or 2G may be written bare."
         return kw
     if _has(hints, bool):

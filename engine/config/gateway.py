@@ -28,6 +28,7 @@ from .fields import (
     resolved_fields,
     to_jsonable,
 )
+from .parser import record_argument
 
 DisaggregationMode = Literal["Always", "Conditional", "Disabled"]
 ROLES = ("prefill", "decode", "both")
@@ -432,7 +433,9 @@ class GatewayConfig:
                 kwargs.update(action="extend", default=None)
             if f.name in ("api_key", "prefill", "decode"):
                 kwargs["metavar"] = "KEY" if f.name == "api_key" else "URL"
-            group.add_argument(f"--{flag_name(f.name)}", dest=f.name, **kwargs)
+            record_argument(
+                parser, group.add_argument(f"--{flag_name(f.name)}", dest=f.name, **kwargs)
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> GatewayConfig:

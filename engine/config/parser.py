@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .fields import expand_json_human_numbers
+from .fields import JSON_METAVAR, expand_json_human_numbers
 
 
 def _normalize_flag(token: str) -> str:
@@ -94,18 +94,45 @@ def fold_dotted_args(argv: Sequence[str], json_flags: set[str]) -> list[str]:
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
-    """ArgumentParser with underscore flags and dotted JSON keys."""
+    """ArgumentParser with underscore flags and dotted JSON keys.
+
+    It folds the dotted keys of its JSON flags (``JSON_METAVAR``), which it
+    records as they are added: its own ``add_argument`` records them, and a
+    flag added to one of its argument groups is recorded by
+    ``record_argument`` (argparse gives no public list of a parser's actions).
+    Its subcommands' parsers are its class too, and fold their own flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before argparse's own __init__, which adds --help through add_argument.
+        self.json_flags: set[str] = set()
+        """The ``--`` spellings of this parser's JSON flags."""
+        self._subcommands: list[argparse.Action] = []
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        return self.record(super().add_argument(*args, **kwargs))
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self._subcommands.append(action)
+        return action
+
+    def record(self, action: argparse.Action) -> argparse.Action:
+        """Note ``action`` if it is a JSON flag; returns it."""
+        if action.metavar == JSON_METAVAR:
+            self.json_flags.update(s for s in action.option_strings if s.startswith("--"))
+        return action
 
     def _json_flags(self) -> set[str]:
         flags: set[str] = set()
-        parsers = [self]
+        parsers: list[argparse.ArgumentParser] = [self]
         while parsers:
             p = parsers.pop()
-            for action in p._actions:
-                if isinstance(action, argparse._SubParsersAction):
-                    parsers.extend(action.choices.values())
-                elif action.metavar == "JSON":
-                    flags.update(s for s in action.option_strings if s.startswith("--"))
+            if isinstance(p, FlexibleArgumentParser):
+                flags |= p.json_flags
+                for sub in p._subcommands:
+                    # A subparsers action's choices: its command name -> parser.
+                    parsers.extend(dict(sub.choices or {}).values())
         return flags
 
     def error(self, message: str) -> NoReturn:
@@ -119,3 +146,13 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = sys.argv[1:] if args is None else list(args)
         return super().parse_known_args(fold_dotted_args(argv, self._json_flags()), namespace)
+
+
+def record_argument(parser: argparse.ArgumentParser, action: argparse.Action) -> argparse.Action:
+    """Record ``action``, added to one of ``parser``'s argument groups, with
+    ``parser`` (a ``FlexibleArgumentParser`` folds the dotted keys of the JSON
+    flags it knows); returns it. Flags added through the parser itself are
+    recorded already."""
+    if isinstance(parser, FlexibleArgumentParser):
+        parser.record(action)
+    return action

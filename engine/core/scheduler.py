@@ -43,9 +43,9 @@ from ..config import EngineConfig
 from ..contracts.block_hash import extend_block_hashes, root_hash
 from ..contracts.kv_params import LEND_FIELD, KVTransferParams
 from ..contracts.priority import band_of
-from ..kv_transfer.base import QUARANTINE, KVConnectorScheduler
 from ..request import Request, RequestStatus
 from .block_pool import KVBlock, KVCacheEvent
+from .connector_side import QUARANTINE, SchedulerConnector
 from .host_tier import HostBlock
 from .kv_cache_manager import KVCacheManager
 from .queues import make_queue
@@ -127,7 +127,7 @@ class Scheduler:
         self,
         config: EngineConfig,
         num_blocks: int,
-        connector: KVConnectorScheduler | None = None,
+        connector: SchedulerConnector | None = None,
         record_kv_events: bool = False,
         num_host_blocks: int = 0,
     ) -> None:

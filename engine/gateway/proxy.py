@@ -30,7 +30,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -39,8 +38,6 @@ from .. import tracing
 from ..config.gateway import GatewayConfig
 from ..contracts import metrics as m
 from ..contracts.kv_params import FIELD as KV_PARAMS
-from ..contracts.lora import LoRALoad, load_succeeded, name_taken
-from ..contracts.model_card import ModelCard
 from ..contracts.request_fields import CHAT, COMPLETIONS, check_fields
 from ..contracts.sampling_checks import check_sampling
 from ..contracts.security import CALLER_HEADER, bearer_token, caller_id, key_matches
@@ -48,8 +45,8 @@ from ..http.asgi import Request
 from ..http.limits import BodyRejected, read_body, ready_body
 from ..http.upstream import UpstreamClient
 from .activation import Activation
+from .adapters import AdapterLoader
 from .admission import Admission, Overloaded
-from .answers import upstream_message
 from .call import (
     NOT_ANALYZED,
     Call,
@@ -59,7 +56,7 @@ from .call import (
     tame_request_id,
 )
 from .decode_leg import DecodeLeg, decode_body
-from .engines import EnginePool, EngineState
+from .engines import EnginePool
 from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
 from .flow.tenants import Tenants
 from .legs import Legs
@@ -69,20 +66,12 @@ from .peer_pull import PeerPull, Plan
 from .prefill_leg import PrefillLeg
 from .prompt import PromptAnalyzer, PromptInfo
 from .relay import DisconnectWatch, RelayResponse
-from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router, mark_routed
+from .routing import KVPairBreaker, NoEngineError, PrefixAffinity, Route, Router
 
 logger = logging.getLogger("pdfleet.gateway")
 
 # A batch owner as the batch runner names it: a caller id (an API key's digest).
 BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
-# Seconds a LoRA load on an engine may take (it reads and checks the adapter).
-LORA_LOAD_TIMEOUT = 120.0
-# How long a failed adapter load on one engine is remembered (seconds): its
-# requests go to an engine that serves the adapter, without a retry, meanwhile.
-LORA_LOAD_FAILURE_TTL = 30.0
-# At most this many (engine, adapter) failures are remembered (oldest dropped).
-LORA_LOAD_FAILURES_MAX = 1024
-
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
 
@@ -123,11 +112,6 @@ class Proxy:
         self.client = client
         # A served LoRA adapter's prefix-cache identity, from the engines' scrapes.
         analyzer.lora_identity = lambda name: (pool.adapter(name) or (None,))[0]
-        self._loading: dict[tuple[str, str], asyncio.Future[Any]] = {}
-        """Adapter loads in flight per (engine URL, adapter): one POST each."""
-        self._load_failures: dict[tuple[str, str], tuple[float, str]] = {}
-        """(expiry on the monotonic clock, error) of a recently failed load per
-        (engine URL, adapter); bounded by LORA_LOAD_FAILURES_MAX."""
         self.metrics = metrics
         self.activation = Activation(metrics.activations)
         self.admission = Admission(config, metrics)
@@ -142,6 +126,8 @@ class Proxy:
         """What the legs and the relay share (engine bookkeeping, failures, answers)."""
         self.prefill = PrefillLeg(self.legs)
         self.decode = DecodeLeg(self.legs)
+        self.adapters = AdapterLoader(pool, client, metrics, self.legs)
+        """Loads a request's LoRA adapter on its route's engines (``adapters.py``)."""
         self._decisions: dict[tuple[str, str], Any] = {}
         """The routing-decision counter per (decision, reason)."""
 
@@ -228,7 +214,7 @@ class Proxy:
         elif plan is not None:
             route = Route(plan.engine, None, route.decision, route.reason)
         if info.adapter is not None:
-            ensured = await self._ensure_adapter(call, route, info.adapter)
+            ensured = await self.adapters.ensure(call, route, info.adapter)
             if isinstance(ensured, Response):
                 return ensured
             if ensured is not route:
@@ -370,143 +356,6 @@ class Proxy:
             self.metrics.fallbacks.labels(route.reason).inc()
             tracing.fallback(route.reason)
         return payload
-
-    # -- LoRA adapters -------------------------------------------------------------
-
-    async def _ensure_adapter(self, call: Call, route: Route, adapter: str) -> Route | Response:
-        """Load ``adapter`` on the route's engines that do not serve it yet (both
-        legs of a P/D route run it), as the engines that serve it loaded it.
-        A leg whose load fails (or failed within LORA_LOAD_FAILURE_TTL) gives
-        way: the decode leg to the least busy engine that serves the adapter
-        (decode only), the prefill leg to none (the decode engine computes
-        the prompt). The route to run, or the error answer when no engine can
-        serve it."""
-        if self.pool.adapter(adapter) is None:
-            return route  # unloaded meanwhile: the engine answers 404
-        for e in (route.decode, route.prefill):
-            if e is None or self.pool.holds_adapter(e, adapter):
-                continue
-            error = await self._load_once(e, adapter)
-            if error is None:
-                continue
-            if e is route.prefill:
-                logger.warning("%s; its prompt runs on the decode engine", error)
-                route = Route(route.decode, None, "decode_only", "adapter_fallback")
-                continue
-            holders = [
-                h for h in self.pool.candidates("decode") if self.pool.holds_adapter(h, adapter)
-            ]
-            if not holders:
-                return self.legs.error(call, error, 503, "model")
-            holder = min(holders, key=lambda h: h.queue())
-            logger.warning("%s; routed to %s, which serves it", error, holder.url)
-            route = Route(holder, None, "decode_only", "adapter_fallback")
-            break
-        for e in (route.decode, route.prefill):
-            # Running the request puts the adapter into a device slot there:
-            # the next requests see that before the next scrape confirms it
-            # (or says which adapter it evicted instead).
-            if e is not None:
-                mark_routed(e, adapter)
-        return route
-
-    async def _load_once(self, e: EngineState, adapter: str) -> str | None:
-        """Load ``adapter`` on ``e``: one POST per (engine, adapter) at a time,
-        none while a failure is remembered; None or the error."""
-        key = (e.url, adapter)
-        failed = self._load_failures.get(key)
-        if failed is not None:
-            if failed[0] > time.monotonic():
-                return failed[1]
-            del self._load_failures[key]
-        pending = self._loading.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(self._load_adapter(e, adapter))
-            self._loading[key] = pending
-            pending.add_done_callback(self._loaded(key))
-        error: str | None = await asyncio.shield(pending)
-        return error
-
-    def _loaded(self, key: tuple[str, str]) -> Callable[[asyncio.Future[Any]], None]:
-        def forget(done: asyncio.Future[Any]) -> None:
-            self._loading.pop(key, None)
-            if done.cancelled() or done.exception() is not None or done.result() is None:
-                return
-            self._load_failures.pop(key, None)
-            self._load_failures[key] = (time.monotonic() + LORA_LOAD_FAILURE_TTL, done.result())
-            while len(self._load_failures) > LORA_LOAD_FAILURES_MAX:
-                del self._load_failures[next(iter(self._load_failures))]
-
-        return forget
-
-    async def _load_body(self, adapter: str) -> LoRALoad | None:
-        """How the engines that serve ``adapter`` loaded it: a Hub adapter by its
-        ``hf://`` source and revision (its directory is a snapshot in that
-        engine's own cache, which other pods do not have), from the adapter
-        card of a holder; else its directory. None when no engine serves it."""
-        source = self.pool.adapter(adapter)
-        if source is None:
-            return None
-        holders = [e for e in self.pool.engines.values() if self.pool.holds_adapter(e, adapter)]
-        for holder in holders[:2]:
-            try:
-                resp = await self.pool.client.get(
-                    f"{holder.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
-                )
-                card = ModelCard.from_wire(resp.json()) if resp.status_code == 200 else None
-            except Exception as ex:  # unreachable or not JSON: ask the next one
-                logger.debug("adapter card of %r on %s: %s", adapter, holder.url, ex)
-                continue
-            if card is None:
-                continue
-            if card.source:
-                return LoRALoad(adapter, card.source, card.revision)
-            break
-        return LoRALoad(adapter, source[1])
-
-    async def _serves_identity(self, e: EngineState, adapter: str, identity: str) -> bool:
-        """Whether ``e`` serves ``adapter`` with prefix-cache identity
-        ``identity`` (the same weights): its card says (``/v1/models/NAME``)."""
-        try:
-            resp = await self.pool.client.get(
-                f"{e.url}/v1/models/{adapter}", timeout=self.pool.check_timeout
-            )
-            card = ModelCard.from_wire(resp.json()) if resp.status_code == 200 else None
-        except Exception as ex:  # unreachable or not JSON: not known to serve it
-            logger.debug("adapter card of %r on %s: %s", adapter, e.url, ex)
-            return False
-        return card is not None and bool(identity) and card.lora_identity == identity
-
-    async def _load_adapter(self, e: EngineState, adapter: str) -> str | None:
-        """POST /v1/load_lora_adapter to ``e`` (fleet token); None or the error."""
-        load = await self._load_body(adapter)
-        if load is None:
-            return f"could not load LoRA adapter {adapter!r} on {e.url}: no engine serves it"
-        try:
-            resp = await self.client.post(
-                e.url + "/v1/load_lora_adapter",
-                load.encode(),
-                {"content-type": "application/json"},
-                LORA_LOAD_TIMEOUT,
-            )
-        except Exception as ex:  # a connection failure or timeout
-            return f"could not load LoRA adapter {adapter!r} on {e.url}: {type(ex).__name__}"
-        source = self.pool.adapter(adapter)
-        done = load_succeeded(resp.status_code) or (
-            name_taken(resp.status_code, resp.content)
-            and source is not None
-            and await self._serves_identity(e, adapter, source[0])
-        )
-        if not done:
-            return (
-                f"could not load LoRA adapter {adapter!r} on {e.url}: "
-                f"{resp.status_code} {upstream_message(resp)}"
-            )
-        if source is not None:
-            e.load.adapters[adapter] = source  # until the next scrape says so itself
-        self.metrics.lora_loads.labels(e.url).inc()
-        logger.info("loaded LoRA adapter %r on %s", adapter, e.url)
-        return None
 
     # -- route -------------------------------------------------------------------
 

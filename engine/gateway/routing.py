@@ -401,8 +401,9 @@ ADAPTER_TIERS = ("device", "host", "registered")
 
 def adapter_tier(e: EngineState, adapter: str, identity: str | None = None) -> int:
     """0 (device) .. 2 (registered), 3 when ``e`` does not serve ``adapter``, by
-    its last scrape (and the gateway's own routing since: ``Proxy._ensure_adapter``);
-    4 when it serves the name with other weights than ``identity``."""
+    its last scrape (and the gateway's own routing since: ``AdapterLoader.ensure``
+    in ``adapters.py``); 4 when it serves the name with other weights than
+    ``identity``."""
     served = e.load.adapters.get(adapter)
     if served is None:
         return 3
@@ -437,7 +438,7 @@ def prefer_adapter_holders(
     one, as soon as the least busy of them has no more requests than the
     least busy candidate plus the prefix slack (``max(4, min_q / 2)``); when
     no tier passes, all candidates, scored as usual, and the proxy loads the
-    adapter on the chosen engine (``Proxy._ensure_adapter``). A hot adapter
+    adapter on the chosen engine (``AdapterLoader.ensure`` in ``adapters.py``). A hot adapter
     thus spreads to more engines under load instead of queueing on the few
     that hold it. Cost: one pass over the candidates (a dict lookup or two
     each) plus one per tier tried, no I/O. ``identity``: the weights the

@@ -22,9 +22,6 @@ from ..contracts.tp_wire import KVAgentSpec
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
 
-# Held-block key of a request's quarantined pull targets (see request_aborted).
-QUARANTINE = "quarantine:"
-
 
 @dataclass(frozen=True, slots=True)
 class KVConnectorStats:
@@ -94,7 +91,8 @@ class KVConnectorScheduler:
     def request_aborted(self, request: Request) -> bool:
         """A request waiting for remote KV was aborted. True when a transfer may still
         write its blocks: the scheduler then quarantines them (held under
-        ``QUARANTINE + request_id``) until the worker reports that key finished."""
+        ``QUARANTINE + request_id``, ``core/connector_side.py``) until the worker
+        reports that key finished."""
         return False
 
     def pull_in_flight(self, request: Request) -> bool:

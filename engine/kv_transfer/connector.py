@@ -73,9 +73,10 @@ from ..contracts.kv_side_channel import (
     Refusal,
 )
 from ..contracts.tp_wire import KVAgentSpec
+from ..core.connector_side import QUARANTINE
 from ..core.sched_output import SchedulerOutput
 from ..request import Request
-from .base import QUARANTINE, KVConnectorScheduler, KVConnectorStats, KVConnectorWorker
+from .base import KVConnectorScheduler, KVConnectorStats, KVConnectorWorker
 from .identity_client import engine_identity
 from .layout import IncompatibleKV, KVLayout, compat_mismatch, tp_layout_mismatch
 from .side_channel import (

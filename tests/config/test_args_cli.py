@@ -64,7 +64,11 @@ def non_default_value(name: str, tp: Any, default: Any) -> Any:
             return [3, 1, 2] if elem is int else ["a", "b"]
         if get_origin(h) is dict or h is dict:
             val_t = (get_args(h) or (str, Any))[1]
-            return {"alpha": 1} if val_t is int else {"alpha": 1, "nested": {"beta": "x"}}
+            if val_t is int:
+                return {"alpha": 1}
+            if val_t is str:
+                return {"alpha": "x"}
+            return {"alpha": 1, "nested": {"beta": "x"}}
     if int in hints:
         return (default or 0) + 7
     if float in hints:
@@ -276,3 +280,29 @@ def test_engine_args_accept_dicts_for_nested_configs():
     assert args.compilation_config.cudagraph_capture_sizes == [4]
     with pytest.raises(ValueError, match="unknown field"):
         EngineArgs(kv_transfer_config={"bogus": 1})
+
+
+def test_a_subcommand_folds_the_dotted_keys_of_its_grouped_json_flags():
+    # `pdfleet serve`'s JSON flags live in argument groups of a subcommand's
+    # parser: each is recorded as it is added, and the parser reads no
+    # private argparse state to find them.
+    from pdfleet.engine.cli import build_parser
+    from pdfleet.engine.config.parser import FlexibleArgumentParser
+
+    top = build_parser()
+    assert "--kv-transfer-config" in top._json_flags()
+    args = top.parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--kv_transfer_config.kv_role",
+            "kv_consumer",
+            "--kv-transfer-config.kv_connector=NixlConnector",
+        ]
+    )
+    assert (args.kv_transfer_config.kv_role, args.kv_transfer_config.kv_connector) == (
+        "kv_consumer",
+        "NixlConnector",
+    )
+    assert FlexibleArgumentParser(prog="bare").json_flags == set()

@@ -29,7 +29,7 @@ from helpers.tp_pd import (
 
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.contracts.kv_connector import ShardReadEnded
-from pdfleet.engine.kv_transfer.base import QUARANTINE
+from pdfleet.engine.core.connector_side import QUARANTINE
 from pdfleet.engine.loop.llm_engine import LLMEngine
 from pdfleet.engine.testing_hooks import READ_DELAY_ENV
 from pdfleet.engine.worker.tp_executor import RankFailed

@@ -21,7 +21,7 @@ from helpers.tp_pd import (
 from pdfleet.engine.config import EngineArgs
 from pdfleet.engine.contracts import kv_params
 from pdfleet.engine.contracts.kv_connector import HandshakeReply, KVLayoutWire, ShardInfo
-from pdfleet.engine.kv_transfer.base import QUARANTINE
+from pdfleet.engine.core.connector_side import QUARANTINE
 from pdfleet.engine.kv_transfer.layout import HeadRun, IncompatibleKV, head_plan, rank_heads
 from pdfleet.engine.kv_transfer.transports import NixlTransport, Remote
 from pdfleet.engine.loop.llm_engine import LLMEngine

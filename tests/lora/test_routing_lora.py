@@ -43,7 +43,7 @@ def test_device_residents_win_then_host_then_registered_each_weighed_against_loa
     # (host or warmer) holds the least busy candidate within the slack.
     busy = engine("http://d", 9, ("a",), a="device")
     assert prefer_adapter_holders([none, cold, host, busy], "a") == [host, busy]
-    # Every warm engine is too busy: all candidates, and the proxy loads it.
+    # Every warm engine is too busy: all candidates, and the gateway loads it.
     hot = [engine("http://d", 9, ("a",), a="device"), engine("http://h", 8, ("a",), a="host")]
     assert prefer_adapter_holders([none, *hot], "a") == [none, *hot]
 
@@ -89,13 +89,13 @@ def test_a_routed_adapter_counts_on_the_device_and_pushes_the_oldest_beyond_the_
     assert e.load.resident == {"c": "host", "b": "device", "a": "device"}
 
 
-def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
+def test_the_gateway_loads_the_adapter_on_route_engines_that_lack_it_once():
     import asyncio
     import json
     from types import SimpleNamespace
 
+    from pdfleet.engine.gateway.adapters import AdapterLoader
     from pdfleet.engine.gateway.engines import EnginePool
-    from pdfleet.engine.gateway.proxy import Proxy
     from pdfleet.engine.gateway.routing import Route
 
     holder, other, prefill = (
@@ -111,19 +111,17 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
             await asyncio.sleep(0)
             return SimpleNamespace(status_code=200, content=b"ok", text="ok")
 
-    proxy = Proxy.__new__(Proxy)
-    proxy.pool = EnginePool.__new__(EnginePool)
-    proxy.pool.metrics, proxy.pool.adapter_first_seen = GatewayMetrics(), {}
-    proxy.pool.engines = {e.url: e for e in (holder, other, prefill)}
-    proxy.client = Client()
-    proxy.metrics = SimpleNamespace(
+    pool = EnginePool.__new__(EnginePool)
+    pool.metrics, pool.adapter_first_seen = GatewayMetrics(), {}
+    pool.engines = {e.url: e for e in (holder, other, prefill)}
+    metrics = SimpleNamespace(
         lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
     )
-    proxy._loading, proxy._load_failures = {}, {}
+    loader = AdapterLoader(pool, Client(), metrics, None)
     route = Route(other, prefill, "prefill_decode", "always")
 
     async def run():
-        return await asyncio.gather(*(proxy._ensure_adapter(None, route, "a") for _ in range(3)))
+        return await asyncio.gather(*(loader.ensure(None, route, "a") for _ in range(3)))
 
     assert asyncio.run(run()) == [route, route, route]
     # One load per engine that lacked it, from the directory the holder reports.
@@ -131,7 +129,7 @@ def test_the_proxy_loads_the_adapter_on_route_engines_that_lack_it_once():
         ("http://o/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
         ("http://p/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
     ]
-    assert "a" in other.load.adapters and "a" in prefill.load.adapters and not proxy._loading
+    assert "a" in other.load.adapters and "a" in prefill.load.adapters and not loader._loading
     # Both legs run it: the gateway counts it device-resident there until its
     # next scrape says otherwise.
     assert other.load.resident == prefill.load.resident == {"a": "device"}
@@ -158,14 +156,14 @@ def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights(
         "http://other/v1/models/a": {"id": "a", "lora_identity": "a@ffff"},
         "http://prose/v1/models/a": {"id": "a", "lora_identity": "a@0"},
     }
-    proxy, _, gets = _proxy_of(
+    loader, _, gets = _loader_of(
         [engine("http://h", 0, ("a",))],
         lambda url: (answers[url][0], answers[url][1].decode()),
         cards,
     )
 
     async def load(url: str) -> str | None:
-        return await proxy._load_adapter(engine(url, 0), "a")
+        return await loader._load_adapter(engine(url, 0), "a")
 
     assert asyncio.run(load("http://same")) is None
     error = asyncio.run(load("http://other"))
@@ -177,15 +175,15 @@ def test_the_proxy_counts_a_load_done_only_when_the_engine_serves_those_weights(
     assert {"http://same/v1/models/a", "http://other/v1/models/a"} <= set(gets)
 
 
-def _proxy_of(engines, answer, cards=None):
-    """A proxy over ``engines`` whose load POSTs ``answer(url)`` says (status,
+def _loader_of(engines, answer, cards=None):
+    """An adapter loader over ``engines`` whose load POSTs ``answer(url)`` says (status,
     text) and whose adapter-card GETs answer ``cards[url]`` (else 404)."""
     import asyncio
     import json
     from types import SimpleNamespace
 
+    from pdfleet.engine.gateway.adapters import AdapterLoader
     from pdfleet.engine.gateway.engines import EnginePool
-    from pdfleet.engine.gateway.proxy import Proxy
 
     posts, gets = [], []
 
@@ -202,20 +200,17 @@ def _proxy_of(engines, answer, cards=None):
             card = (cards or {}).get(url)
             return SimpleNamespace(status_code=200 if card else 404, json=lambda: card or {})
 
-    proxy = Proxy.__new__(Proxy)
-    proxy.pool = EnginePool.__new__(EnginePool)
-    proxy.pool.metrics, proxy.pool.adapter_first_seen = GatewayMetrics(), {}
-    proxy.pool.engines = {e.url: e for e in engines}
-    proxy.pool.client, proxy.pool.check_timeout = Cards(), 1.0
-    proxy.client = Client()
-    proxy.metrics = SimpleNamespace(
+    pool = EnginePool.__new__(EnginePool)
+    pool.metrics, pool.adapter_first_seen = GatewayMetrics(), {}
+    pool.engines = {e.url: e for e in engines}
+    pool.client, pool.check_timeout = Cards(), 1.0
+    metrics = SimpleNamespace(
         lora_loads=SimpleNamespace(labels=lambda url: SimpleNamespace(inc=lambda: None))
     )
-    proxy.legs = SimpleNamespace(
+    legs = SimpleNamespace(
         error=lambda call, message, status, param: SimpleNamespace(status=status, text=message)
     )
-    proxy._loading, proxy._load_failures = {}, {}
-    return proxy, posts, gets
+    return AdapterLoader(pool, Client(), metrics, legs), posts, gets
 
 
 def test_a_hub_adapter_is_loaded_by_its_source_and_revision_not_a_pods_cache_path():
@@ -225,11 +220,11 @@ def test_a_hub_adapter_is_loaded_by_its_source_and_revision_not_a_pods_cache_pat
 
     holder, other = engine("http://h", 0, ("a",)), engine("http://o", 0)
     card = {"id": "a", "root": "/cache/h/snap", "source": "hf://org/a", "revision": "abc1"}
-    proxy, posts, gets = _proxy_of(
+    loader, posts, gets = _loader_of(
         [holder, other], lambda url: (200, "ok"), {"http://h/v1/models/a": card}
     )
     route = Route(other, None, "decode_only", "short_prompt")
-    assert asyncio.run(proxy._ensure_adapter(None, route, "a")) is route
+    assert asyncio.run(loader.ensure(None, route, "a")) is route
     assert gets == ["http://h/v1/models/a"]
     assert posts == [
         ("http://o", {"lora_name": "a", "lora_path": "hf://org/a", "revision": "abc1"})
@@ -239,7 +234,7 @@ def test_a_hub_adapter_is_loaded_by_its_source_and_revision_not_a_pods_cache_pat
 def test_a_failed_load_routes_to_a_holder_and_is_remembered_for_a_while():
     import asyncio
 
-    from pdfleet.engine.gateway import proxy as proxy_module
+    from pdfleet.engine.gateway import adapters as adapters_module
     from pdfleet.engine.gateway.routing import Route
 
     holder, busy_holder, other, prefill = (
@@ -252,38 +247,38 @@ def test_a_failed_load_routes_to_a_holder_and_is_remembered_for_a_while():
         e.state = "healthy"
     prefill.role = "prefill"
     fails = {"http://o", "http://p"}
-    proxy, posts, _ = _proxy_of(
+    loader, posts, _ = _loader_of(
         [holder, busy_holder, other, prefill],
         lambda url: (400, '{"error": {"message": "no room"}}') if url in fails else (200, "ok"),
     )
     route = Route(other, prefill, "prefill_decode", "always")
-    got = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    got = asyncio.run(loader.ensure(None, route, "a"))
     # The decode leg's load failed: the least busy holder runs it, decode only.
     assert (got.decode, got.prefill, got.reason) == (holder, None, "adapter_fallback")
     assert [url for url, _ in posts] == ["http://o"]
     # Remembered: the next request goes straight to the holder, no new POST.
-    again = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    again = asyncio.run(loader.ensure(None, route, "a"))
     assert again.decode is holder and len(posts) == 1
     # A failed prefill leg alone: the decode engine computes the prompt.
     fails.discard("http://o")
-    proxy._load_failures.clear()
-    got = asyncio.run(proxy._ensure_adapter(None, route, "a"))
+    loader._load_failures.clear()
+    got = asyncio.run(loader.ensure(None, route, "a"))
     assert (got.decode, got.prefill, got.decision) == (other, None, "decode_only")
     # Past the memory's time the load is tried again; the memory is bounded.
     del other.load.adapters["a"]
     fails.add("http://o")
-    proxy._load_failures[("http://o", "a")] = (0.0, "expired")
+    loader._load_failures[("http://o", "a")] = (0.0, "expired")
     holder.load.adapters.clear()
     busy_holder.load.adapters.clear()
     prefill.load.adapters["a"] = ("a@0", "/a")  # the only engine serving it: a prefill one
     sent = len(posts)
-    got = asyncio.run(proxy._ensure_adapter(None, Route(other, None, "decode_only", "x"), "a"))
+    got = asyncio.run(loader.ensure(None, Route(other, None, "decode_only", "x"), "a"))
     assert posts[sent:] == [("http://o", {"lora_name": "a", "lora_path": "/a"})]
     # No decode engine serves it: the error answer, as before.
     assert got.status == 503 and "could not load LoRA adapter 'a' on http://o" in got.text
-    for i in range(proxy_module.LORA_LOAD_FAILURES_MAX + 5):
-        proxy._loaded((f"http://e{i}", "a"))(_failed_future())
-    assert len(proxy._load_failures) == proxy_module.LORA_LOAD_FAILURES_MAX
+    for i in range(adapters_module.LORA_LOAD_FAILURES_MAX + 5):
+        loader._loaded((f"http://e{i}", "a"))(_failed_future())
+    assert len(loader._load_failures) == adapters_module.LORA_LOAD_FAILURES_MAX
 
 
 def _failed_future():
