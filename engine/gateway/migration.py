@@ -375,6 +375,18 @@ class Migrating(Recovery):
                 state.created = int(found.group(1))
         return out, handed_back
 
+    def idle_hold(self, engine: EngineState) -> Callable[[], float] | None:
+        """A stream that can still move is not timed out as idle before the
+        stall watchdog could judge its engine: a stopped engine's stream is
+        moved, not failed, whatever --idle-timeout is next to its stall limit
+        (which grows with its steps). Bounded: the limit is (--stall-max-step
+        caps a step that counts). An engine the watchdog keeps (the last of
+        its role, a slow fleet) times out once this has passed."""
+        if not self.capable:
+            return None
+        pool, state, cap = self.legs.pool, self.state, self.migrator.max_migrations
+        return lambda: pool.stall_found_by(engine) if state.moves < cap else 0.0
+
     async def recover(self, end: LegEnd) -> Opened | StreamEnd:
         legs, engine, error, state = self.legs, end.engine, end.error, self.state
         if end.handed_back:

@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -420,27 +421,43 @@ def assert_same(ref: Answer, got: Answer) -> None:
     assert len(got.created) == 1  # one answer, as the client sees it
 
 
+def _stall_limit(gw: str, url: str) -> float:
+    engines = httpx.get(gw + "/engines", headers=fleet_headers(), timeout=10).json()["engines"]
+    return next(e["stall_limit_s"] for e in engines if e["url"] == url)
+
+
 def test_a_stopped_engine_s_stream_moves_when_the_watchdog_ejects_it(fleet):
+    # Twice in a row: the time a stopped engine spent stopped is not a step
+    # of its pace, so its stall limit stays where it was and its next stall
+    # (or a peer's) is judged as fast as the first.
     assert fleet.gateway is not None
-    stopped: list[ServerProcess] = []
+    gw = fleet.gateway.url
+    moved = metric(gw, "pdfleet_gateway_migrations_total", reason="stalled")
+    resumed = metric(gw, "pdfleet_gateway_migration_resume_seconds_count")
+    body = {**BASE, "max_tokens": 40, "temperature": 0}
+    stopped: list[tuple[ServerProcess, float]] = []
 
     def sigstop(engine: ServerProcess) -> None:
         engine.signal(signal.SIGSTOP)
-        stopped.append(engine)
+        stopped.append((engine, time.monotonic()))
 
-    body = {**BASE, "max_tokens": 40, "temperature": 0}
-    try:
-        ref, got = faulted(fleet, body, sigstop)
-    finally:
-        for engine in stopped:
-            engine.signal(signal.SIGCONT)
-    assert_same(ref, got)
-    gw = fleet.gateway.url
-    assert metric(gw, "pdfleet_gateway_migrations_total", reason="stalled") == 1
-    assert metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") >= 5
-    assert metric(gw, "pdfleet_gateway_migration_resume_seconds_count") == 1
-    # The stopped engine comes back into routing once it answers again.
-    assert wait_until(lambda: _routable(gw) == 2, 30)
+    for turn in range(2):
+        stopped.clear()
+        try:
+            ref, got = faulted(fleet, body, sigstop)
+        finally:
+            for engine, _ in stopped:
+                engine.signal(signal.SIGCONT)
+        stop_s = time.monotonic() - stopped[0][1]
+        assert_same(ref, got)
+        assert metric(gw, "pdfleet_gateway_migrations_total", reason="stalled") == moved + turn + 1
+        assert metric(gw, "pdfleet_gateway_migration_resume_seconds_count") == resumed + turn + 1
+        # The stopped engine comes back into routing once it answers again,
+        # and the step that held the stop did not raise its stall limit.
+        assert wait_until(lambda: _routable(gw) == 2, 30)
+        limit = _stall_limit(gw, stopped[0][0].url)
+        assert limit < stop_s, (limit, stop_s)
+    assert metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") >= 10
 
 
 def client_choices(url: str, path: str, body: dict, on_event=None) -> Choices:
