@@ -32,6 +32,7 @@ from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, 
 from helpers.server import ServerProcess, fleet_headers, wait_until
 
 from pdfleet.engine.contracts.migration import (
+    END_ONE_PREFIX,
     END_PREFIX,
     IDS_PREFIX,
     MULTI_IDS_PREFIX,
@@ -144,7 +145,7 @@ def events_of(raw: bytes) -> list[tuple[list[int], dict | None]]:
     out: list[tuple[list[int], dict | None]] = []
     for event in raw.split(b"\n\n")[:-1]:
         ids: list[int] = []
-        if event.startswith(IDS_PREFIX):
+        if event.startswith((IDS_PREFIX, END_ONE_PREFIX)):
             line, _, event = event.partition(b"\n")
             ids = [int(x) for x in line[len(IDS_PREFIX) :].split()]
         data = json.loads(event[6:]) if event.startswith(b"data: {") else None
@@ -367,6 +368,43 @@ def test_a_resumed_request_of_several_choices_continues_each_choice(fleet, sampl
     done = {"choices": [ref.ids[i] for i in range(3)], "finished": [0, 1, 2]}
     got = engine_choices(url, "/v1/completions", {**body, "migration": done})
     assert got.ids == {} and got.usage["completion_tokens"] == 72
+
+
+def test_a_finished_stream_says_so_and_resumes_as_finished(fleet):
+    # The event that finishes a stream of one choice is marked ``: end``; a
+    # leg resumed after it (its state in the choices form, finished) runs
+    # nothing again and answers only usage and [DONE].
+    url = fleet.decode[0].url
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me about the harbor town."}],
+    }
+    plain = {k: v for k, v in BASE.items() if k != "prompt"}
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", chat)):
+        body = {**plain, **body, "max_tokens": 4, "temperature": 0}
+        with httpx.stream(
+            "POST", url + path, json={**body, "migration": {}}, headers=fleet_headers(), timeout=60
+        ) as resp:
+            events = resp.read().split(b"\n\n")[:-1]
+        ids: list[int] = []
+        for event in events:
+            if event.startswith((IDS_PREFIX, END_ONE_PREFIX)):
+                ids += [int(x) for x in event.split(b"\n", 1)[0][len(IDS_PREFIX) :].split()]
+        ends = [e for e in events if e.startswith(END_ONE_PREFIX)]
+        assert len(ends) == 1 and b'"finish_reason":"length"' in ends[0].replace(b" ", b""), path
+        assert len(ids) == 4
+        with httpx.stream(
+            "POST",
+            url + path,
+            json={**body, "migration": {"choices": [ids], "finished": [0]}},
+            headers=fleet_headers(),
+            timeout=60,
+        ) as resp:
+            assert resp.status_code == 200
+            rest = resp.read().split(b"\n\n")[:-1]
+        assert rest[-1] == b"data: [DONE]" and len(rest) == 2, rest
+        usage = json.loads(rest[0][6:])
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4, path
 
 
 def test_migration_is_an_internal_field(fleet):
@@ -929,6 +967,12 @@ def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
         True,
     )
     assert state.sent == [5, 6, 7, 8]
+    assert state.state().to_json() == {"output_token_ids": [5, 6, 7, 8]}
+    # The event that finishes a stream of one choice: it resumes as finished.
+    assert split_events(b': end 9\ndata: {"d":4}\n\n', state) == (b'data: {"d":4}\n\n', False)
+    assert state.sent == [5, 6, 7, 8, 9] and state.finished == {0}
+    assert state.state().to_json() == {"choices": [[5, 6, 7, 8, 9]], "finished": [0]}
+    assert state.replayed() == 0
     # Several choices: per choice index, and which ones finished.
     state = Migration({"n": 3}, choices=3)
     block = b": ids.2\ndata: {}\n\n: ids.0 5 6\ndata: {}\n\n: end.2 7\ndata: {}\n\n: ids.0 8\n\n"

@@ -141,9 +141,9 @@ class Resume:
             return event
         if self.multi:
             return ids_comment(token_ids or [], index, end) + event
-        if token_ids or not self.annotated:
+        if token_ids or end or not self.annotated:
             self.annotated = True
-            return ids_comment(token_ids or []) + event
+            return ids_comment(token_ids or [], end=end) + event
         return event
 
     def held(self, token_ids: list[int], index: int = 0) -> str | None:
