@@ -433,7 +433,8 @@ class Migrating(Recovery):
         if opened is None:
             capped = state.moves >= self.migrator.max_migrations
             return StreamEnd(
-                f"{failure_message}; the request was moved {state.moves} times "
+                f"{failure_message}; the request was moved {state.moves} "
+                f"{'time' if state.moves == 1 else 'times'} "
                 "(the most --max-migrations allows)"
                 if capped
                 else f"{failure_message}, and no other decode engine could take it"

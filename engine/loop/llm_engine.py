@@ -370,7 +370,9 @@ class LLMEngine:
             try:
                 self.validate_prompt(prompt_ids + resumed)
             except ValueError as e:
-                raise ValueError(f"migration: {str(e).removeprefix('prompt: ')}") from None
+                raise ValueError(
+                    f"migration.output_token_ids: {str(e).removeprefix('prompt: ')}"
+                ) from None
         if params.structured_outputs is not None:
             # The server compiles before admission (off this thread) and pins the
             # result on the spec; offline callers compile here.

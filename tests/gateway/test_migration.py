@@ -416,13 +416,15 @@ def test_migration_is_an_internal_field(fleet):
     )
     assert resp.status_code == 403 and resp.json()["error"]["param"] == "migration"
     # A request of several choices names its sent tokens per choice.
-    for state, param in (
-        ({"output_token_ids": [1]}, "migration.output_token_ids"),
-        ({"choices": [[1], None, [2]]}, "migration.choices"),
+    for state, n, param in (
+        ({"output_token_ids": [1]}, 2, "migration.output_token_ids"),
+        ({"choices": [[1], None, [2]]}, 2, "migration.choices"),
+        # Sent tokens that already use up max_tokens (16): nothing to resume.
+        ({"output_token_ids": [1] * 16}, 1, "migration.output_token_ids"),
     ):
         resp = httpx.post(
             fleet.decode[0].url + "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT, "n": 2, "stream": True, "migration": state},
+            json={"model": "tiny", "prompt": PROMPT, "n": n, "stream": True, "migration": state},
             headers=fleet_headers(),
             timeout=30,
         )
@@ -851,7 +853,7 @@ def test_a_request_moves_at_most_max_migrations_times(tmp_path):
         # Three legs (the first and two moves), two tokens each, then the error.
         assert got.text == "t0 t1 t2 t3 t4 t5 "
         assert len(got.errors) == 1
-        assert "--max-migrations" in got.errors[0]["error"]["message"]
+        assert "moved 2 times (the most --max-migrations" in got.errors[0]["error"]["message"]
         legs = [s.body for f in fakes for s in f.posts()]
         sent = sorted(len(b["migration"].get("output_token_ids", [])) for b in legs)
         assert sent == [0, 2, 4]
