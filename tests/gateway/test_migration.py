@@ -266,6 +266,15 @@ def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
     # The first engine held back what could start the stop string: the client
     # sees the same text, cut at the same place, whichever engine finished it.
     assert ref.sent_text(k) + got.text == ref.text and got.finish == ["stop"]
+    # Sent tokens that already hold the stop string ended the request there.
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={**body, "migration": {"output_token_ids": free.ids[: k + 10]}},
+        headers=fleet_headers(),
+        timeout=30,
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "migration.output_token_ids", resp.text
 
     schema = {
         "type": "object",
@@ -416,15 +425,17 @@ def test_migration_is_an_internal_field(fleet):
     )
     assert resp.status_code == 403 and resp.json()["error"]["param"] == "migration"
     # A request of several choices names its sent tokens per choice.
-    for state, n, param in (
-        ({"output_token_ids": [1]}, 2, "migration.output_token_ids"),
-        ({"choices": [[1], None, [2]]}, 2, "migration.choices"),
-        # Sent tokens that already use up max_tokens (16): nothing to resume.
-        ({"output_token_ids": [1] * 16}, 1, "migration.output_token_ids"),
+    for state, extra, param in (
+        ({"output_token_ids": [1]}, {"n": 2}, "migration.output_token_ids"),
+        ({"choices": [[1], None, [2]]}, {"n": 2}, "migration.choices"),
+        # Sent tokens that already end the request: nothing to resume. They
+        # use up max_tokens (16), or hold a stop token.
+        ({"output_token_ids": [1] * 16}, {}, "migration.output_token_ids"),
+        ({"output_token_ids": [1, 7, 2]}, {"stop_token_ids": [7]}, "migration.output_token_ids"),
     ):
         resp = httpx.post(
             fleet.decode[0].url + "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT, "n": n, "stream": True, "migration": state},
+            json={"model": "tiny", "prompt": PROMPT, "stream": True, "migration": state, **extra},
             headers=fleet_headers(),
             timeout=30,
         )
