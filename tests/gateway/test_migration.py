@@ -181,6 +181,12 @@ class Answer:
             for lp in ((c.get("logprobs") or {}).get("token_logprobs") or [])
         ]
         self.created = {d["created"] for d in datas if "created" in d}
+        self.offsets = [
+            o
+            for d in datas
+            for c in d.get("choices", [])
+            for o in ((c.get("logprobs") or {}).get("text_offset") or [])
+        ]
 
     def sent_text(self, k: int) -> str:
         """The text the client had when the first ``k`` tokens had been sent."""
@@ -246,7 +252,15 @@ def test_a_resumed_request_continues_token_for_token_at_any_point(fleet, samplin
         # usage counts every token the client got; logprobs go on from k.
         assert got.usage["completion_tokens"] == n
         assert got.logprobs == pytest.approx(ref.logprobs[k:], abs=1e-4)
+        assert got.offsets == ref.offsets[k:], k  # from where the first leg's went
         assert got.created == {1234}
+    # With the prompt echoed, its tokens' strings count in the offsets too.
+    body = {**body, "echo": True}
+    ref = engine_stream(url, "/v1/completions", {**body, "migration": {}})
+    k = n // 2
+    state = {"output_token_ids": ref.ids[:k]}
+    got = engine_stream(url, "/v1/completions", {**body, "migration": state})
+    assert len(ref.offsets) > n and got.offsets == ref.offsets[len(ref.offsets) - n + k :]
 
 
 def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
