@@ -218,10 +218,11 @@ class SamplingParams:
             )
         if self.resumed_token_ids:
             if self.n != 1:
-                raise ValueError("migration: a resumed request has n = 1")
+                raise ValueError("migration.output_token_ids: a resumed request has n = 1")
             if self.max_tokens is not None and len(self.resumed_token_ids) >= self.max_tokens:
                 raise ValueError(
-                    f"migration: {len(self.resumed_token_ids)} tokens already sent leave none "
+                    f"migration.output_token_ids: {len(self.resumed_token_ids)} tokens already sent "
+                    "leave none "
                     f"of max_tokens ({self.max_tokens})"
                 )
 

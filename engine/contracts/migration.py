@@ -15,6 +15,11 @@ that no SSE client dispatches (the gateway strips them anyway):
   so the gateway knows which tokens the client has received, and that the
   engine speaks this at all (it moves no stream whose first event lacks it:
   an engine that does not could not resume it without repeating text);
+* ``: end 17 42`` instead of ``: ids 17 42`` on the event that finishes the
+  stream's one choice (its ``finish_reason``): the gateway then knows the
+  answer is whole, and a leg cut after it resumes as finished (the
+  ``choices``/``finished`` form below, which answers only ``usage`` and
+  ``data: [DONE]``) instead of running on past its end;
 * ``: migrate`` as the last event of a stream a stopping engine hands back
   (no ``data: [DONE]``): the gateway resumes it elsewhere, it is no error.
 
@@ -53,6 +58,8 @@ MULTI_IDS_PREFIX = b": ids."
 """The comment line naming a choice's index and the output token ids an event sends."""
 END_PREFIX = b": end."
 """As :data:`MULTI_IDS_PREFIX`, on the event that finishes the choice."""
+END_ONE_PREFIX = b": end "
+"""As :data:`IDS_PREFIX`, on the event that finishes a stream of one choice."""
 OUTPUT_TOKEN_IDS = "output_token_ids"
 CREATED = "created"
 RESUME_IDENTITY = "resume_identity"
@@ -221,7 +228,7 @@ def ids_comment(token_ids: list[int], index: int | None = None, end: bool = Fals
     (a request of several choices) naming the choice, and whether the event
     finishes it."""
     if index is None:
-        return ": ids " + " ".join(map(str, token_ids)) + "\n"
+        return (": end " if end else ": ids ") + " ".join(map(str, token_ids)) + "\n"
     head = ": end." if end else ": ids."
     return head + " ".join(map(str, (index, *token_ids))) + "\n"
 
@@ -234,6 +241,6 @@ def parse_choice_ids(line: bytes) -> tuple[int, list[int], bool]:
 
 
 def parse_ids(line: bytes) -> list[int]:
-    """The token ids of an ``IDS_PREFIX`` line (without its newline);
-    ValueError for anything else."""
+    """The token ids of an :data:`IDS_PREFIX` or :data:`END_ONE_PREFIX` line
+    (without its newline; both prefixes are as long); ValueError for anything else."""
     return [int(x) for x in line[len(IDS_PREFIX) :].split()]

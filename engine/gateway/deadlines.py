@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 # Seconds of loop time whose deadlines share one timer.
@@ -128,12 +129,14 @@ class IdleTimer:
     """Expires ``cm`` (a :class:`Deadline`) once ``idle`` seconds pass
     without a ``touch``, and never while ``paused``. One timer per stream,
     moved on only when it fires: a reschedule per chunk (a timer cancelled
-    and made twice per event) cost several percent of a stream's time."""
+    and made twice per event) cost several percent of a stream's time.
+    ``hold``, when given, is asked when the timer would fire: the seconds it
+    must still wait whatever its idle time (0 or less: none)."""
 
-    __slots__ = ("_cm", "_handle", "_idle", "_last", "_loop", "paused")
+    __slots__ = ("_cm", "_handle", "_hold", "_idle", "_last", "_loop", "paused")
 
-    def __init__(self, cm: Deadline, idle: float) -> None:
-        self._cm, self._idle = cm, idle
+    def __init__(self, cm: Deadline, idle: float, hold: Callable[[], float] | None = None) -> None:
+        self._cm, self._idle, self._hold = cm, idle, hold
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self.paused = False
@@ -150,6 +153,11 @@ class IdleTimer:
             start = now if self.paused else self._last
             self._handle = self._loop.call_at(start + self._idle, self._fire)
             return
+        if self._hold is not None:
+            wait = self._hold()
+            if wait > 0:
+                self._handle = self._loop.call_at(now + wait, self._fire)
+                return
         self._handle = None
         if not self._cm.expired():  # (the stall watchdog may have expired it already)
             self._cm.reschedule(now)  # the deadline passes: TimeoutError at its exit

@@ -280,6 +280,14 @@ class EngineState:
     monotonic time it took the slot (``admission.py``)."""
     stalled: bool = False
     """Ejected for a stall (until readmitted): legs waiting on it have given up."""
+    unpaced: bool = False
+    """A check failed or the watchdog judged it stalled, and no step measured
+    since is known to have begun after it: a step that spans the gap may hold
+    the time its process was stopped (a SIGSTOP, a frozen host), so the steps
+    measured are not its pace until a good check after the gap found no step
+    in progress that began before that gap's first good check."""
+    back_at: float | None = None
+    """monotonic time of its first good check after the gap (None: none yet)."""
     waiters: set[Any] = field(default_factory=set)
     """The deadlines (``proxy.Deadline``) of legs waiting on the engine; a
     stall fires them at once."""
@@ -496,12 +504,30 @@ class EnginePool:
     def record_success(self, e: EngineState, load: EngineLoad) -> None:
         old, e.load = e.load, load
         now = time.monotonic()
+        back = e.back_at
+        if (
+            e.unpaced
+            and back is not None
+            and e.checked >= back
+            and (e.step_started is None or e.step_started >= back)
+        ):
+            # The previous good check, after the gap, found no step in
+            # progress that began before the process was surely running
+            # again: every step measured now began after the gap.
+            e.unpaced, e.back_at = False, None
         e.checked = now
         running = load.step_running
         e.step_started = now - running if running is not None and running > 0 else None
         longest = longest_step(old, load)
-        if longest is not None:
+        # A step that spans a failed check or a stall is not the engine's pace:
+        # kept, a stop of S seconds would raise its stall limit to about
+        # --stall-step-multiple × S for STEP_WINDOW_S, so its next stall would
+        # outlast --idle-timeout, and its peers would look too slow to show
+        # that another engine's silence is not the fleet's.
+        if longest is not None and not e.unpaced:
             e.steps.add(now, longest)
+        if e.unpaced and e.back_at is None:
+            e.back_at = now
         if (load.prompt_tokens, load.generation_tokens, load.steps) != (
             old.prompt_tokens,
             old.generation_tokens,
@@ -524,6 +550,7 @@ class EnginePool:
         e.last_error = reason
         e.successes = 0
         e.failures += 1
+        e.unpaced, e.back_at = True, None
         if e.state != "healthy":
             return
         if definitive:
@@ -719,12 +746,24 @@ class EnginePool:
             logger.warning("engine %s (%s), ejected, is %s", e.url, e.role, reason)
         self._set_state(e, "ejected", reason)
         e.stalled = True
+        e.unpaced, e.back_at = True, None
         for cm in list(e.waiters):  # those legs go to another engine now
             if not cm.expired():
                 cm.reschedule(asyncio.get_running_loop().time())
 
+    def watch_period(self) -> float:
+        """Seconds between two looks of the stall watchdog."""
+        return min(0.5, self.config.stall_timeout / 4)
+
+    def stall_found_by(self, e: EngineState) -> float:
+        """Seconds from now by which the watchdog has judged ``e`` if it is
+        stalled now: its stall limit after its last progress, plus two looks
+        (negative: past)."""
+        now = time.monotonic()
+        return e.last_progress + self.stall_limit(e, now) + 2 * self.watch_period() - now
+
     async def watch_stalls(self) -> None:
-        period = min(0.5, self.config.stall_timeout / 4)
+        period = self.watch_period()
         while True:
             await asyncio.sleep(period)
             try:

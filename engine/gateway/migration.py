@@ -48,6 +48,7 @@ from typing import Any
 
 from .. import tracing
 from ..contracts.migration import (
+    END_ONE_PREFIX,
     END_PREFIX,
     FIELD,
     FIRST_LEG,
@@ -87,7 +88,8 @@ class Migration:
     """Per choice that went out (its opening chunk at least): its output token
     ids the client has received, in order (a request of several choices)."""
     finished: set[int] = field(default_factory=set)
-    """The choices whose last event went out (a request of several choices)."""
+    """The choices whose last event went out (a request of one choice: ``{0}``
+    once its ``: end`` event did)."""
     created: int | None = None
     """The first leg's ``created`` (kept by the resumed legs)."""
     moves: int = 0
@@ -128,6 +130,8 @@ class Migration:
     def replayed(self) -> int:
         """The sent tokens a resumed leg carries to the new engine (what it
         recomputes: not those of finished choices)."""
+        if self.choices == 1:
+            return 0 if self.finished else len(self.sent)
         return len(self.sent) + sum(
             len(ids) for i, ids in self.sent_of.items() if i not in self.finished
         )
@@ -136,6 +140,10 @@ class Migration:
         """A resumed leg's state: the tokens already sent (and the identity the
         engine must have to continue them). A request of several choices names
         them per choice; when none went out yet, it goes again whole."""
+        if self.choices == 1 and self.finished:
+            # Its finishing event went out: the choices form, which runs
+            # nothing again and answers only usage and [DONE].
+            return MigrationState(None, self.created, self.identity, (tuple(self.sent),), (0,))
         if self.choices == 1:
             return MigrationState(tuple(self.sent), self.created, self.identity)
         if not self.sent_of:
@@ -200,9 +208,11 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:
-        if event.startswith(IDS_PREFIX):
+        if event.startswith((IDS_PREFIX, END_ONE_PREFIX)):
             line, _, event = event.partition(b"\n")
             state.sent.extend(parse_ids(line))
+            if line.startswith(END_ONE_PREFIX):
+                state.finished.add(0)
         elif event.startswith((MULTI_IDS_PREFIX, END_PREFIX)):
             line, _, event = event.partition(b"\n")
             state.note(line)
@@ -349,7 +359,9 @@ class Migrating(Recovery):
         with ``: migrate``; the first event of a resumed leg ends its move."""
         state = self.state
         if first:
-            self.capable = block.startswith((IDS_PREFIX, MULTI_IDS_PREFIX, END_PREFIX))
+            self.capable = block.startswith(
+                (IDS_PREFIX, END_ONE_PREFIX, MULTI_IDS_PREFIX, END_PREFIX)
+            )
             if self.failed_at is not None:
                 took = time.perf_counter() - self.failed_at
                 self.migrator.resume.observe(took)
@@ -374,6 +386,18 @@ class Migrating(Recovery):
             if found is not None:
                 state.created = int(found.group(1))
         return out, handed_back
+
+    def idle_hold(self, engine: EngineState) -> Callable[[], float] | None:
+        """A stream that can still move is not timed out as idle before the
+        stall watchdog could judge its engine: a stopped engine's stream is
+        moved, not failed, whatever --idle-timeout is next to its stall limit
+        (which grows with its steps). Bounded: the limit is (--stall-max-step
+        caps a step that counts). An engine the watchdog keeps (the last of
+        its role, a slow fleet) times out once this has passed."""
+        if not self.capable:
+            return None
+        pool, state, cap = self.legs.pool, self.state, self.migrator.max_migrations
+        return lambda: pool.stall_found_by(engine) if state.moves < cap else 0.0
 
     async def recover(self, end: LegEnd) -> Opened | StreamEnd:
         legs, engine, error, state = self.legs, end.engine, end.error, self.state
@@ -409,7 +433,8 @@ class Migrating(Recovery):
         if opened is None:
             capped = state.moves >= self.migrator.max_migrations
             return StreamEnd(
-                f"{failure_message}; the request was moved {state.moves} times "
+                f"{failure_message}; the request was moved {state.moves} "
+                f"{'time' if state.moves == 1 else 'times'} "
                 "(the most --max-migrations allows)"
                 if capped
                 else f"{failure_message}, and no other decode engine could take it"

@@ -85,6 +85,11 @@ class Recovery:
         self.legs = legs
         self.call = call
 
+    def idle_hold(self, engine: EngineState) -> Callable[[], float] | None:
+        """For the relay's idle timer on ``engine``'s leg: the seconds it must
+        still wait when its idle time is up (see ``IdleTimer``); None: none."""
+        return None
+
     async def recover(self, end: LegEnd) -> Opened | StreamEnd:
         """After the leg ``end`` describes (already closed and released): the
         next leg to relay, or the error event that ends the stream."""
@@ -205,7 +210,11 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                     # reschedules the registered timeouts, waits on the engine
                     # only). None when the engine's whole answer is here.
                     with Deadline(None) as cm:
-                        timer = None if resp.received() else IdleTimer(cm, idle)
+                        timer = (
+                            None
+                            if resp.received()
+                            else IdleTimer(cm, idle, recovery.idle_hold(engine))
+                        )
                         if timer is not None:
                             engine.waiters.add(cm)
                         try:

@@ -370,7 +370,21 @@ class LLMEngine:
             try:
                 self.validate_prompt(prompt_ids + resumed)
             except ValueError as e:
-                raise ValueError(f"migration: {str(e).removeprefix('prompt: ')}") from None
+                raise ValueError(
+                    f"migration.output_token_ids: {str(e).removeprefix('prompt: ')}"
+                ) from None
+            # Sent tokens that already end the request (a stop token or the end
+            # of sequence where one may be sampled): the first engine finished
+            # it there, and a resumed leg would run on past its end.
+            ends = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ends.update(self.eos_token_ids)
+            for at, token in enumerate(resumed):
+                if token in ends and at >= params.min_tokens:
+                    raise ValueError(
+                        f"migration.output_token_ids: token {at} ({token}) already ends the "
+                        "request (a stop token or the end of sequence): nothing to resume"
+                    )
         if params.structured_outputs is not None:
             # The server compiles before admission (off this thread) and pins the
             # result on the spec; offline callers compile here.

@@ -79,8 +79,14 @@ class ChildState:
             if self.detok is not None:
                 new_text = self.detok.add(token)
                 self.text += new_text
-                # The other engine found no stop string in these (it went on).
-                self.check_stop_strings(new_text)
+                # The other engine found no stop string in these (it went on,
+                # and sent them); one here means the request already ended.
+                stop = self.check_stop_strings(new_text)
+                if stop is not None:
+                    raise ValueError(
+                        f"migration.output_token_ids: the sent tokens already hold the stop "
+                        f"string {stop!r}: nothing to resume"
+                    )
         self.sent_tokens = len(self.token_ids)
         self.sent_text = len(self.visible_text())
 

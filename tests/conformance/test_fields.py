@@ -195,7 +195,8 @@ def test_migration_is_an_internal_resume_state():
         CompletionRequest.model_validate(
             {"prompt": "x", "n": 2, "migration": {"choices": [[1], None]}}
         ).sampling_params({}, 16, None)
-    with pytest.raises(APIError, match="^migration: 2 tokens already sent"):
+    with pytest.raises(APIError, match="^migration.output_token_ids: 2 tokens already sent") as e:
         CompletionRequest.model_validate(
             {"prompt": "x", "migration": {"output_token_ids": [1, 2]}}
         ).sampling_params({}, 2, None)
+    assert e.value.param == "migration.output_token_ids"

@@ -73,6 +73,7 @@ def test_a_state_of_several_choices_names_each_choice_s_sent_tokens():
     assert state.choice_sent(0) == (5, 6) and state.choice_sent(1) is None
     assert state.sent == () and state.to_json() == raw
     assert ids_comment([5, 6]) == ": ids 5 6\n"
+    assert ids_comment([5, 6], end=True) == ": end 5 6\n"
     assert ids_comment([], 2) == ": ids.2\n"
     assert parse_choice_ids(ids_comment([7, 8], 1, end=True)[:-1].encode()) == (1, [7, 8], True)
     assert parse_choice_ids(b": ids.2") == (2, [], False)

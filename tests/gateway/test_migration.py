@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,7 @@ from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, 
 from helpers.server import ServerProcess, fleet_headers, wait_until
 
 from pdfleet.engine.contracts.migration import (
+    END_ONE_PREFIX,
     END_PREFIX,
     IDS_PREFIX,
     MULTI_IDS_PREFIX,
@@ -143,7 +145,7 @@ def events_of(raw: bytes) -> list[tuple[list[int], dict | None]]:
     out: list[tuple[list[int], dict | None]] = []
     for event in raw.split(b"\n\n")[:-1]:
         ids: list[int] = []
-        if event.startswith(IDS_PREFIX):
+        if event.startswith((IDS_PREFIX, END_ONE_PREFIX)):
             line, _, event = event.partition(b"\n")
             ids = [int(x) for x in line[len(IDS_PREFIX) :].split()]
         data = json.loads(event[6:]) if event.startswith(b"data: {") else None
@@ -179,6 +181,12 @@ class Answer:
             for lp in ((c.get("logprobs") or {}).get("token_logprobs") or [])
         ]
         self.created = {d["created"] for d in datas if "created" in d}
+        self.offsets = [
+            o
+            for d in datas
+            for c in d.get("choices", [])
+            for o in ((c.get("logprobs") or {}).get("text_offset") or [])
+        ]
 
     def sent_text(self, k: int) -> str:
         """The text the client had when the first ``k`` tokens had been sent."""
@@ -244,7 +252,15 @@ def test_a_resumed_request_continues_token_for_token_at_any_point(fleet, samplin
         # usage counts every token the client got; logprobs go on from k.
         assert got.usage["completion_tokens"] == n
         assert got.logprobs == pytest.approx(ref.logprobs[k:], abs=1e-4)
+        assert got.offsets == ref.offsets[k:], k  # from where the first leg's went
         assert got.created == {1234}
+    # With the prompt echoed, its tokens' strings count in the offsets too.
+    body = {**body, "echo": True}
+    ref = engine_stream(url, "/v1/completions", {**body, "migration": {}})
+    k = n // 2
+    state = {"output_token_ids": ref.ids[:k]}
+    got = engine_stream(url, "/v1/completions", {**body, "migration": state})
+    assert len(ref.offsets) > n and got.offsets == ref.offsets[len(ref.offsets) - n + k :]
 
 
 def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
@@ -264,6 +280,15 @@ def test_stop_strings_spanning_the_move_and_a_grammar_carry_across(fleet):
     # The first engine held back what could start the stop string: the client
     # sees the same text, cut at the same place, whichever engine finished it.
     assert ref.sent_text(k) + got.text == ref.text and got.finish == ["stop"]
+    # Sent tokens that already hold the stop string ended the request there.
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={**body, "migration": {"output_token_ids": free.ids[: k + 10]}},
+        headers=fleet_headers(),
+        timeout=30,
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "migration.output_token_ids", resp.text
 
     schema = {
         "type": "object",
@@ -368,6 +393,43 @@ def test_a_resumed_request_of_several_choices_continues_each_choice(fleet, sampl
     assert got.ids == {} and got.usage["completion_tokens"] == 72
 
 
+def test_a_finished_stream_says_so_and_resumes_as_finished(fleet):
+    # The event that finishes a stream of one choice is marked ``: end``; a
+    # leg resumed after it (its state in the choices form, finished) runs
+    # nothing again and answers only usage and [DONE].
+    url = fleet.decode[0].url
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me about the harbor town."}],
+    }
+    plain = {k: v for k, v in BASE.items() if k != "prompt"}
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", chat)):
+        body = {**plain, **body, "max_tokens": 4, "temperature": 0}
+        with httpx.stream(
+            "POST", url + path, json={**body, "migration": {}}, headers=fleet_headers(), timeout=60
+        ) as resp:
+            events = resp.read().split(b"\n\n")[:-1]
+        ids: list[int] = []
+        for event in events:
+            if event.startswith((IDS_PREFIX, END_ONE_PREFIX)):
+                ids += [int(x) for x in event.split(b"\n", 1)[0][len(IDS_PREFIX) :].split()]
+        ends = [e for e in events if e.startswith(END_ONE_PREFIX)]
+        assert len(ends) == 1 and b'"finish_reason":"length"' in ends[0].replace(b" ", b""), path
+        assert len(ids) == 4
+        with httpx.stream(
+            "POST",
+            url + path,
+            json={**body, "migration": {"choices": [ids], "finished": [0]}},
+            headers=fleet_headers(),
+            timeout=60,
+        ) as resp:
+            assert resp.status_code == 200
+            rest = resp.read().split(b"\n\n")[:-1]
+        assert rest[-1] == b"data: [DONE]" and len(rest) == 2, rest
+        usage = json.loads(rest[0][6:])
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4, path
+
+
 def test_migration_is_an_internal_field(fleet):
     assert fleet.gateway is not None
     resp = httpx.post(
@@ -377,13 +439,17 @@ def test_migration_is_an_internal_field(fleet):
     )
     assert resp.status_code == 403 and resp.json()["error"]["param"] == "migration"
     # A request of several choices names its sent tokens per choice.
-    for state, param in (
-        ({"output_token_ids": [1]}, "migration.output_token_ids"),
-        ({"choices": [[1], None, [2]]}, "migration.choices"),
+    for state, extra, param in (
+        ({"output_token_ids": [1]}, {"n": 2}, "migration.output_token_ids"),
+        ({"choices": [[1], None, [2]]}, {"n": 2}, "migration.choices"),
+        # Sent tokens that already end the request: nothing to resume. They
+        # use up max_tokens (16), or hold a stop token.
+        ({"output_token_ids": [1] * 16}, {}, "migration.output_token_ids"),
+        ({"output_token_ids": [1, 7, 2]}, {"stop_token_ids": [7]}, "migration.output_token_ids"),
     ):
         resp = httpx.post(
             fleet.decode[0].url + "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT, "n": 2, "stream": True, "migration": state},
+            json={"model": "tiny", "prompt": PROMPT, "stream": True, "migration": state, **extra},
             headers=fleet_headers(),
             timeout=30,
         )
@@ -420,27 +486,43 @@ def assert_same(ref: Answer, got: Answer) -> None:
     assert len(got.created) == 1  # one answer, as the client sees it
 
 
+def _stall_limit(gw: str, url: str) -> float:
+    engines = httpx.get(gw + "/engines", headers=fleet_headers(), timeout=10).json()["engines"]
+    return next(e["stall_limit_s"] for e in engines if e["url"] == url)
+
+
 def test_a_stopped_engine_s_stream_moves_when_the_watchdog_ejects_it(fleet):
+    # Twice in a row: the time a stopped engine spent stopped is not a step
+    # of its pace, so its stall limit stays where it was and its next stall
+    # (or a peer's) is judged as fast as the first.
     assert fleet.gateway is not None
-    stopped: list[ServerProcess] = []
+    gw = fleet.gateway.url
+    moved = metric(gw, "pdfleet_gateway_migrations_total", reason="stalled")
+    resumed = metric(gw, "pdfleet_gateway_migration_resume_seconds_count")
+    body = {**BASE, "max_tokens": 40, "temperature": 0}
+    stopped: list[tuple[ServerProcess, float]] = []
 
     def sigstop(engine: ServerProcess) -> None:
         engine.signal(signal.SIGSTOP)
-        stopped.append(engine)
+        stopped.append((engine, time.monotonic()))
 
-    body = {**BASE, "max_tokens": 40, "temperature": 0}
-    try:
-        ref, got = faulted(fleet, body, sigstop)
-    finally:
-        for engine in stopped:
-            engine.signal(signal.SIGCONT)
-    assert_same(ref, got)
-    gw = fleet.gateway.url
-    assert metric(gw, "pdfleet_gateway_migrations_total", reason="stalled") == 1
-    assert metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") >= 5
-    assert metric(gw, "pdfleet_gateway_migration_resume_seconds_count") == 1
-    # The stopped engine comes back into routing once it answers again.
-    assert wait_until(lambda: _routable(gw) == 2, 30)
+    for turn in range(2):
+        stopped.clear()
+        try:
+            ref, got = faulted(fleet, body, sigstop)
+        finally:
+            for engine, _ in stopped:
+                engine.signal(signal.SIGCONT)
+        stop_s = time.monotonic() - stopped[0][1]
+        assert_same(ref, got)
+        assert metric(gw, "pdfleet_gateway_migrations_total", reason="stalled") == moved + turn + 1
+        assert metric(gw, "pdfleet_gateway_migration_resume_seconds_count") == resumed + turn + 1
+        # The stopped engine comes back into routing once it answers again,
+        # and the step that held the stop did not raise its stall limit.
+        assert wait_until(lambda: _routable(gw) == 2, 30)
+        limit = _stall_limit(gw, stopped[0][0].url)
+        assert limit < stop_s, (limit, stop_s)
+    assert metric(gw, "pdfleet_gateway_migration_replayed_tokens_total") >= 10
 
 
 def client_choices(url: str, path: str, body: dict, on_event=None) -> Choices:
@@ -796,7 +878,7 @@ def test_a_request_moves_at_most_max_migrations_times(tmp_path):
         # Three legs (the first and two moves), two tokens each, then the error.
         assert got.text == "t0 t1 t2 t3 t4 t5 "
         assert len(got.errors) == 1
-        assert "--max-migrations" in got.errors[0]["error"]["message"]
+        assert "moved 2 times (the most --max-migrations" in got.errors[0]["error"]["message"]
         legs = [s.body for f in fakes for s in f.posts()]
         sent = sorted(len(b["migration"].get("output_token_ids", [])) for b in legs)
         assert sent == [0, 2, 4]
@@ -912,6 +994,12 @@ def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
         True,
     )
     assert state.sent == [5, 6, 7, 8]
+    assert state.state().to_json() == {"output_token_ids": [5, 6, 7, 8]}
+    # The event that finishes a stream of one choice: it resumes as finished.
+    assert split_events(b': end 9\ndata: {"d":4}\n\n', state) == (b'data: {"d":4}\n\n', False)
+    assert state.sent == [5, 6, 7, 8, 9] and state.finished == {0}
+    assert state.state().to_json() == {"choices": [[5, 6, 7, 8, 9]], "finished": [0]}
+    assert state.replayed() == 0
     # Several choices: per choice index, and which ones finished.
     state = Migration({"n": 3}, choices=3)
     block = b": ids.2\ndata: {}\n\n: ids.0 5 6\ndata: {}\n\n: end.2 7\ndata: {}\n\n: ids.0 8\n\n"

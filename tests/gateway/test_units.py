@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import httpx
 import pytest
@@ -20,12 +21,15 @@ from pdfleet.engine.contracts.gateway_events import (
     encode_event,
 )
 from pdfleet.engine.gateway.answers import sse_error
+from pdfleet.engine.gateway.deadlines import Deadline, IdleTimer
 from pdfleet.engine.gateway.decode_leg import decode_body
 from pdfleet.engine.gateway.discovery import Endpoint, StaticDiscovery
 from pdfleet.engine.gateway.engines import (
+    STEP_WINDOW_S,
     EngineLoad,
     EnginePool,
     EngineState,
+    StepWindow,
     parse_engine_metrics,
 )
 from pdfleet.engine.gateway.legs import Watched
@@ -224,6 +228,66 @@ def test_engine_health_state_machine():
     }
     assert samples["pdfleet_gateway_engine_ejections_total"] == 2
     assert samples["pdfleet_gateway_engine_healthy"] == 0
+
+
+def _stepped(steps: float, seconds: float, running: float | None = None) -> EngineLoad:
+    """A scrape after ``steps`` steps of ``seconds`` in all, the longest
+    ``seconds``; ``running``: the age of the step in progress."""
+    return EngineLoad(
+        steps=steps,
+        step_seconds=seconds,
+        step_buckets=((1.0, 0.0), (100.0, steps)),
+        step_running=running,
+    )
+
+
+def test_a_step_that_spans_a_failed_check_or_a_stall_is_not_the_engine_s_pace():
+    pool, _ = make_pool(urls=("http://d", "http://d2"))
+    e = pool.engines["http://d"]
+    pool.record_success(e, _stepped(0, 0))
+    pool.record_success(e, _stepped(1, 5.0))  # a long step, its checks answered: its pace
+    assert e.steps.longest(time.monotonic()) == 5.0
+    e.steps = StepWindow(STEP_WINDOW_S)
+    pool.record_failure(e, "timeout")  # stopped: the step in progress holds the stop
+    # Back: a step that ended before the stop, and the one that spans it, running.
+    pool.record_success(e, _stepped(2, 6.0, running=60.0))
+    pool.record_success(e, _stepped(3, 66.0))  # it ended
+    assert e.steps.longest(time.monotonic()) == 0.0
+    pool.record_success(e, _stepped(4, 71.0))  # begun after the stop: measured again
+    assert e.steps.longest(time.monotonic()) == 5.0
+    e.steps = StepWindow(STEP_WINDOW_S)
+    pool._eject_stalled(e, "stalled")  # judged stalled, its checks not failed
+    pool.record_success(e, _stepped(5, 131.0))  # the step that spans it
+    assert e.steps.longest(time.monotonic()) == 0.0
+
+
+def test_an_idle_timer_waits_while_its_hold_asks_it_to():
+    async def main() -> tuple[bool, bool]:
+        holds: list[float] = []
+        left = [60.0]
+
+        def hold() -> float:
+            holds.append(left[0])
+            return left[0]
+
+        timer: IdleTimer | None = None
+        held = False
+        try:
+            with Deadline(None) as cm:
+                timer = IdleTimer(cm, 0.01, hold)
+                while not holds:  # idle time up: asked, and told to wait
+                    await asyncio.sleep(0.01)
+                held = not cm.expired()
+                left[0] = 0.0
+                timer._fire()  # (its next fire): no longer held, it expires
+                await asyncio.sleep(5)
+        except TimeoutError:
+            pass
+        assert timer is not None
+        timer.cancel()
+        return held, cm.expired()
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == (True, True)
 
 
 def test_failed_checks_eject_only_while_another_engine_of_the_role_passes():

@@ -306,7 +306,7 @@ class _Sampling(_Checked):
                 **values,
             )
         except ValueError as e:
-            field = str(e).split(" ")[0]
+            field = str(e).split(" ")[0].rstrip(":")  # ("field: why" names the field too)
             raise APIError(str(e), param=field) from None
 
 

@@ -141,9 +141,9 @@ class Resume:
             return event
         if self.multi:
             return ids_comment(token_ids or [], index, end) + event
-        if token_ids or not self.annotated:
+        if token_ids or end or not self.annotated:
             self.annotated = True
-            return ids_comment(token_ids or []) + event
+            return ids_comment(token_ids or [], end=end) + event
         return event
 
     def held(self, token_ids: list[int], index: int = 0) -> str | None:
@@ -372,7 +372,10 @@ class ServingBase:
         """The text a migrated request's sent tokens put before the client: the
         output processor's replay of them (the same detokenizer and stop-string
         holdback the first engine ran), up to what it had handed out."""
-        child = ChildState(0, params, prompt_ids, self._need_tokenizer())
+        try:
+            child = ChildState(0, params, prompt_ids, self._need_tokenizer())
+        except ValueError as e:  # (the sent tokens already hold a stop string)
+            raise APIError(str(e), param="migration.output_token_ids") from None
         return child.visible_text()[: child.sent_text]
 
     def _need_tokenizer(self) -> Any:

@@ -24,6 +24,13 @@ from .serving_base import (
 
 
 class CompletionServing(ServingBase):
+    def _offset_token(self, tid: int, as_ids: bool) -> str:
+        """A token's string as :meth:`completion_logprobs` counts it in text
+        offsets (the output processor's ``decoded_token``, the same decode)."""
+        if self.tokenizer is None or as_ids:
+            return f"token_id:{tid}"
+        return str(self.tokenizer.decode([tid]))
+
     def completion_logprobs(
         self,
         token_ids: list[int],
@@ -200,15 +207,22 @@ class CompletionServing(ServingBase):
             )
         prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
         run, index = choice_jobs(jobs, req.n, req.migration)
-        # Per choice that went out, the text the client has of it (its echo
-        # too): where its logprobs' text offsets go on from.
-        resumed: dict[int, str] = {}
-        for j, (text_in, ids, params) in enumerate(run):
+        # Per choice that went out, where its logprobs' text offsets go on
+        # from: the first leg advanced them by each named token's string (the
+        # echoed prompt's too), not by the text it sent (a partial UTF-8
+        # character or a held-back stop-string prefix is text not sent yet).
+        resumed: dict[int, int] = {}
+        as_ids = bool(req.return_tokens_as_token_ids)
+        for j, (_, ids, params) in enumerate(run):
             i = index(j, 0)
-            if req.migration is None or req.migration.choice_sent(i) is None:
+            if (
+                req.logprobs is None
+                or req.migration is None
+                or req.migration.choice_sent(i) is None
+            ):
                 continue
-            sent = self.resumed_text(ids, params) if params.resumed_token_ids else ""
-            resumed[i] = (self._echoed(text_in, ids) if req.echo else "") + sent
+            counted = [*(ids if req.echo else ()), *params.resumed_token_ids]
+            resumed[i] = sum(len(self._offset_token(t, as_ids)) for t in counted)
         streams = await self.admit(
             request_id, run, req.priority, req.kv_transfer_params, self.lora_of(model)
         )
@@ -225,14 +239,13 @@ class CompletionServing(ServingBase):
         index: ChoiceIndex,
         prompt_tokens: int,
         streams: list[RequestStream],
-        resumed: dict[int, str],
+        resumed: dict[int, int],
     ) -> AsyncIterator[str]:
         """``jobs``: the engine requests (``streams``; on a resumed leg of
         several choices one per unfinished choice), ``index`` the choice of
         their outputs (``choice_jobs``), ``prompt_tokens`` those of every
-        prompt of the request; ``resumed``: per choice, a migrated stream's
-        text already sent by another engine (where the logprobs' text offsets
-        go on from)."""
+        prompt of the request; ``resumed``: per choice of a migrated stream,
+        the text offset its logprobs go on from."""
         resume = Resume(req.migration, multi=req.n > 1 or len(req.prompts()) > 1)
         created = resume.created
         usage = {
@@ -241,7 +254,7 @@ class CompletionServing(ServingBase):
             "cached": 0,
         }
         echoed = resume.opened()  # choices whose echo went out
-        offsets: dict[int, int] = {i: len(t) for i, t in resumed.items()}
+        offsets: dict[int, int] = dict(resumed)
         k = self.check_logprobs(req.logprobs, "logprobs")
         as_ids = bool(req.return_tokens_as_token_ids)
         options = req.stream_options
