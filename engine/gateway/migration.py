@@ -397,7 +397,15 @@ class Migrating(Recovery):
         if not self.capable:
             return None
         pool, state, cap = self.legs.pool, self.state, self.migrator.max_migrations
-        return lambda: pool.stall_found_by(engine) if state.moves < cap else 0.0
+
+        def hold() -> float:
+            # The watchdog never ejects the last routable engine of a role:
+            # there is nowhere to move to, so nothing to wait for.
+            if state.moves >= cap or not pool.others_serve(engine):
+                return 0.0
+            return pool.stall_found_by(engine)
+
+        return hold
 
     async def recover(self, end: LegEnd) -> Opened | StreamEnd:
         legs, engine, error, state = self.legs, end.engine, end.error, self.state
