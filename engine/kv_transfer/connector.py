@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -240,6 +240,12 @@ class ConnectorStats:
     per_producer: dict[str, list[float]] = field(default_factory=dict)
     pull_bandwidth: float = 0.0  # bytes/s, mean of the recent measured pulls
     degraded: bool = False  # KVTransferDegraded: pull_bandwidth under the floor
+
+
+# ConnectorStats' fields the snapshot takes unchanged (the others it converts).
+_SNAPSHOT_SCALARS = tuple(
+    f.name for f in fields(ConnectorStats) if f.name not in ("transfer_seconds", "per_producer")
+)
 
 
 class PDConnector:
@@ -894,24 +900,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         with c.lock:
             stats = c.stats
             seconds, stats.transfer_seconds = stats.transfer_seconds, []
+            # The counters and gauges both dataclasses name are copied as they are.
+            shared = {name: getattr(stats, name) for name in _SNAPSHOT_SCALARS}
             snapshot = KVConnectorStats(
-                bytes_transferred=stats.bytes_transferred,
-                blocks_pulled=stats.blocks_pulled,
-                transfers=stats.transfers,
-                failed_transfers=stats.failed_transfers,
-                unconfirmed_transfers=stats.unconfirmed_transfers,
-                content_mismatches=stats.content_mismatches,
-                expired_leases=stats.expired_leases,
-                handshakes=stats.handshakes,
-                failed_handshakes=stats.failed_handshakes,
-                remote_evictions=stats.remote_evictions,
-                refused_reads=stats.refused_reads,
+                **shared,
                 transfer_seconds=tuple(seconds),
                 per_producer={k: tuple(v) for k, v in stats.per_producer.items()},
                 remote_engines=len(c.remotes),
                 pulls_in_flight=len(c.active),
-                pull_bandwidth=stats.pull_bandwidth,
-                degraded=stats.degraded,
             )
         refused = snapshot.refused_reads + (c.server.num_rejected if c.server is not None else 0)
         by_rank = c.transport.rank_bytes if isinstance(c.transport, NixlTransport) else []
