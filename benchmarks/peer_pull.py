@@ -249,21 +249,45 @@ class UpFleet:
 # -- running a trace ---------------------------------------------------------------------
 
 
-async def ttft(client: httpx.AsyncClient, url: str, headers: dict, prompt: list[int]) -> float:
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+async def ttft(
+    client: httpx.AsyncClient, url: str, headers: dict, prompt: list[int]
+) -> tuple[float, int]:
+    """Time to the first token at the client, and the prompt tokens the engine
+    did not compute (``usage.prompt_tokens_details.cached_tokens``: its own
+    prefix cache, or blocks pulled from a peer)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
+    first = None
+    cached = -1
     async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                return time.perf_counter() - t0
-    raise RuntimeError("no token")
+            if not line.startswith("data: {"):
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    if first is None or cached < 0:
+        raise RuntimeError("no token" if first is None else "no usage in the stream")
+    return first, cached
 
 
-async def run_trace(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> list[float]:
+async def run_trace(
+    fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]
+) -> tuple[list[float], list[int]]:
     done = [asyncio.Event() for _ in reqs]
     out = [0.0] * len(reqs)
+    cached = [0] * len(reqs)
     holder: dict[str, str] = {}
     inflight = dict.fromkeys(fleet.engines, 0)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -287,13 +311,13 @@ async def run_trace(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> l
                 url, headers = fleet.url, {}
             inflight[url] = inflight.get(url, 0) + 1
             try:
-                out[i] = await ttft(client, url, headers, r["prompt"])
+                out[i], cached[i] = await ttft(client, url, headers, r["prompt"])
             finally:
                 inflight[url] -= 1
                 done[i].set()
 
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
-    return out
+    return out, cached
 
 
 def summarize(xs: list[float]) -> dict[str, float]:
@@ -320,7 +344,9 @@ def warm(fleet: UpFleet, engines: int) -> None:
     )
 
 
-def one_run(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> tuple[dict, list[float]]:
+def one_run(
+    fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]
+) -> tuple[dict, list[float], list[int]]:
     """One trace on one fleet: its TTFTs and what the engines and gateway counted."""
     before_tokens = fleet.engines_total(PROMPT_TOKENS)
     before_bytes = fleet.engines_total(PULL_BYTES)
@@ -328,7 +354,7 @@ def one_run(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> tuple[dic
         d: fleet.metric(fleet.url, DECISIONS, decision=d) for d in ("holder", "pull", "recompute")
     }
     t0 = time.perf_counter()
-    xs = asyncio.run(run_trace(fleet, setup, reqs))
+    xs, cached = asyncio.run(run_trace(fleet, setup, reqs))
     wall = time.perf_counter() - t0
     time.sleep(1.5)  # the engines' counters of the last steps
     row: dict[str, Any] = {
@@ -343,18 +369,39 @@ def one_run(fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]) -> tuple[dic
             for d in before_dec
         }
         row["crossover_tokens"] = round(fleet.metric(fleet.url, CROSSOVER), 1)
-    return row, xs
+    return row, xs, cached
 
 
-def compare(exact: list[float], pull: list[float]) -> dict[str, Any]:
-    """Pull against exact routing over the same requests."""
+def compare(
+    exact: list[float],
+    pull: list[float],
+    exact_cached: list[int],
+    prompt_tokens: list[int],
+) -> dict[str, Any]:
+    """Pull against exact routing over the same requests.
+
+    ``vs_recompute`` holds the requests that exact routing computed (at least
+    half the prompt not from a cache: the parents, and the forks it sent away
+    from the holder): the target's "no request slower than recomputing by
+    more than 10%" compares each of them, served with peer pulls, against the
+    same request recomputed in the same round."""
     ratios = [b / a for a, b in zip(exact, pull, strict=True) if a > 0]
+    recomputed = [
+        i for i, (c, n) in enumerate(zip(exact_cached, prompt_tokens, strict=True)) if c < n / 2
+    ]
+    vs = [pull[i] / exact[i] for i in recomputed if exact[i] > 0]
     return {
         "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
         "p90_reduction_pct": round(100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1),
         "p50_ratio": round(percentile(pull, 50) / percentile(exact, 50), 3),
         "requests_over_10pct_slower": sum(1 for r in ratios if r > 1.1),
         "worst_request_ratio": round(max(ratios), 3),
+        "vs_recompute": {
+            "requests": len(vs),
+            "over_10pct_slower": sum(1 for r in vs if r > 1.1),
+            "worst_ratio": round(max(vs), 3) if vs else None,
+            "median_ratio": round(percentile(vs, 50), 3) if vs else None,
+        },
     }
 
 
@@ -394,6 +441,8 @@ def main() -> int:
     load = [os.getloadavg()[0]]
     rows: dict[str, dict[str, list[dict]]] = {t: {s: [] for s in setups} for t in traces}
     ttfts: dict[str, dict[str, list[list[float]]]] = {t: {s: [] for s in setups} for t in traces}
+    cacheds: dict[str, dict[str, list[list[int]]]] = {t: {s: [] for s in setups} for t in traces}
+    lengths: dict[str, list[list[int]]] = {t: [] for t in traces}
     rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in traces}
     try:
         # Holder-only routing goes straight to the engines of the exact-routing
@@ -414,23 +463,29 @@ def main() -> int:
                         # The same trace shape, other tokens: the fleet's caches
                         # hold nothing of it from the exact run of this round.
                         mine = builders[trace](args, random.Random(f"{args.seed}-{trace}-{r}-h"))
-                        row, xs = one_run(fleets["exact"], setup, mine)
+                        row, xs, cached = one_run(fleets["exact"], setup, mine)
                     else:
-                        row, xs = one_run(fleets[setup], setup, reqs)
+                        row, xs, cached = one_run(fleets[setup], setup, reqs)
                     row.update(summarize(xs), load_average=round(start_load, 2))
                     rows[trace][setup].append(row)
                     ttfts[trace][setup].append(xs)
+                    cacheds[trace][setup].append(cached)
                     entry[setup] = {
                         **{k: row[k] for k in ("ttft_p50_s", "ttft_p90_s", "load_average")},
                         # Request by request, in trace order (for a fork family: the
                         # parent, then its forks).
                         "ttft_s": [round(x, 4) for x in xs],
+                        "cached_tokens": cached,
                     }
                     load.append(os.getloadavg()[0])
                     print(trace, r, setup, json.dumps(row), flush=True)
+                lengths[trace].append([len(q["prompt"]) for q in reqs])
                 if "pull" in entry and "exact" in entry:
                     entry["pull_vs_exact"] = compare(
-                        ttfts[trace]["exact"][-1], ttfts[trace]["pull"][-1]
+                        ttfts[trace]["exact"][-1],
+                        ttfts[trace]["pull"][-1],
+                        cacheds[trace]["exact"][-1],
+                        lengths[trace][-1],
                     )
                 rounds[trace].append(entry)
         status = fleets["pull"].status_line() if "pull" in fleets else ""
@@ -462,8 +517,10 @@ def main() -> int:
             pooled_exact = [x for xs in ttfts[trace]["exact"] for x in xs]
             pooled_pull = [x for xs in ttfts[trace]["pull"] for x in xs]
             per_round = [e["pull_vs_exact"]["p90_ratio"] for e in rounds[trace]]
+            pooled_cached = [c for cs in cacheds[trace]["exact"] for c in cs]
+            pooled_len = [n for ns in lengths[trace] for n in ns]
             out["pull_vs_exact"] = {
-                **compare(pooled_exact, pooled_pull),
+                **compare(pooled_exact, pooled_pull, pooled_cached, pooled_len),
                 "p90_ratio_per_round": per_round,
             }
         results[trace] = out

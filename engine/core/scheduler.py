@@ -256,8 +256,14 @@ class Scheduler:
 
     def _quarantine(self, request: Request) -> None:
         """A pull may still write the request's blocks: keep them out of the free pool
-        until the connector reports the transfer finished (``QUARANTINE`` + id)."""
-        self.held_blocks[QUARANTINE + request.request_id] = self.kv.take_blocks(request)
+        until the connector reports the transfer finished (``QUARANTINE`` + id). The
+        blocks after the loaded ones (taken for the rest of the prompt) go back now."""
+        blocks = self.kv.take_blocks(request)
+        loaded = -(
+            -(request.num_computed_tokens + request.num_external_computed_tokens) // self.block_size
+        )
+        self.kv.free_blocks(blocks[loaded:])
+        self.held_blocks[QUARANTINE + request.request_id] = blocks[:loaded]
 
     @property
     def num_unfinished(self) -> int:
@@ -583,16 +589,24 @@ class Scheduler:
             ):
                 num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
                 if num_external > 0:
-                    # Allocate blocks for the remote tokens; wait for them off the batch.
+                    # Allocate blocks for the remote tokens and for the rest of the
+                    # prompt, then wait for the load off the batch. With room for the
+                    # loaded tokens only, requests that loaded could fill the pool
+                    # and none could compute its tail: nothing would run to free it.
+                    rest = max(0, request.num_tokens - num_hit - num_external)
                     allocated = self.kv.allocate_slots(
-                        request, num_external, computed_blocks, publish=False, host_hits=host_hits
+                        request,
+                        num_external + rest,
+                        computed_blocks,
+                        publish=False,
+                        host_hits=host_hits,
                     )
                     if allocated is None:
                         break
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)
                     request.num_computed_tokens = num_hit
-                    request.num_cached_tokens = num_hit
+                    request.num_external_computed_tokens = num_external  # once loaded
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.slot_promised.discard(request.request_id)
                     self.connector.update_state_after_alloc(
@@ -763,14 +777,19 @@ class Scheduler:
                 loaded = self._loaded_tokens(request)
                 request.num_external_computed_tokens = loaded - request.num_computed_tokens
                 request.num_computed_tokens = loaded
+                # Its cached tokens, as reported in usage: its own prefix hits and
+                # what it loaded (as vLLM counts a connector's tokens).
+                request.num_cached_tokens = loaded
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
         return errors
 
     def _loaded_tokens(self, request: Request) -> int:
-        held = self.kv.num_request_blocks(request.request_id)
-        # Remote loads fill whole blocks; the last prompt token is always recomputed.
-        return min(held * self.block_size, request.num_tokens - 1)
+        """The tokens a request has once its remote load landed: its own hits and
+        the whole blocks loaded (its blocks for the rest of the prompt are not
+        loaded); the last prompt token is always computed here."""
+        loaded = request.num_computed_tokens + request.num_external_computed_tokens
+        return min(loaded, request.num_tokens - 1)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv.take_events()

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,16 @@ class Call:
     migration: Any = None
     """A migratable request's state across decode legs (``migration.Migration``);
     None when it cannot move."""
+    on_computed: Callable[[], None] | None = None
+    """Peer pulls: takes its prompt tokens off its engine's predicted queue
+    (``PeerPull.routed``); called once its prompt is computed, see ``computed``."""
+
+    def computed(self) -> None:
+        """Mutates: its prompt was computed (its prefill leg ended, its first
+        event arrived, or it ended): it no longer queues at its engine."""
+        hook, self.on_computed = self.on_computed, None
+        if hook is not None:
+            hook()
 
 
 def tame_request_id(value: Any) -> bool:

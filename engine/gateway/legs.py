@@ -119,6 +119,7 @@ class Legs:
         """The prefill leg ended: its slot is free (once; a no-op without one)."""
         slot = call.prefill_slot
         if slot is not None:
+            call.computed()
             call.prefill_slot = None
             self.admission.give_back(slot, id(call), ended=False)
 
@@ -143,6 +144,7 @@ class Legs:
 
     def finish(self, call: Call, status: int) -> None:
         """The request's final status and its latency (once per request); its slot is free."""
+        call.computed()
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
         if call.ticket is not None:
@@ -161,6 +163,7 @@ class Legs:
     def first_token(self, call: Call) -> None:
         """The request's first event reached the client (TTFT); its decode
         slot no longer waits for a first answer."""
+        call.computed()
         if call.slot is not None:
             self.admission.answered(call.slot, id(call))
         ttft = self._ttft.get(call.endpoint)

@@ -65,7 +65,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,12 +224,24 @@ class PeerPull:
         self.metrics.peer_pull_lend_seconds.labels(holder.url).set(c.lend.value)
         self._export_crossovers()
 
-    def routed(self, e: EngineState, tokens: int) -> None:
-        """Mutates: ``tokens`` to compute were sent to ``e`` (counted until its next scrape)."""
+    def routed(self, e: EngineState, tokens: int) -> Callable[[], None]:
+        """Mutates: ``tokens`` to compute were sent to ``e``. They count as its
+        queue until its next scrape (which counts them itself while they wait)
+        or until the returned function is called (the gateway saw them
+        computed: the request's first event), whichever comes first."""
         c = self._costs(e.url)
         now = time.monotonic()
-        c.routed = [(t, n) for t, n in c.routed if now - t < ROUTED_MEMORY_S]
-        c.routed.append((now, tokens))
+        c.routed = [x for x in c.routed if now - x[0] < ROUTED_MEMORY_S]  # the same tuples
+        entry = (now, tokens)
+        c.routed.append(entry)
+
+        def computed() -> None:
+            for i, x in enumerate(c.routed):
+                if x is entry:
+                    del c.routed[i]
+                    return
+
+        return computed
 
     def view(self, url: str) -> PeerPullCosts:
         """What is measured of one engine (the gateway's ``/engines``)."""
@@ -242,15 +254,15 @@ class PeerPull:
             kv_block_bytes=c.block_bytes,
         )
 
-    def routed_request(self, e: EngineState, info: PromptInfo) -> None:
+    def routed_request(self, e: EngineState, info: PromptInfo) -> Callable[[], None] | None:
         """Mutates: a request routed to ``e`` without a plan; its tokens less the
-        leading blocks ``e`` holds count as ``e``'s queue until its next scrape."""
+        leading blocks ``e`` holds count as ``e``'s queue (see ``routed``)."""
         if info.num_tokens <= 0 or not info.analyzed:
-            return
+            return None
         held = 0
         if info.exact_hashes:
             held = self.kv_index.matched(info.exact_hashes, [e.url]).get(e.url, (0, 0.0))[0]
-        self.routed(e, max(0, info.num_tokens - held * self.block_size))
+        return self.routed(e, max(0, info.num_tokens - held * self.block_size))
 
     # -- predicting -----------------------------------------------------------------
 

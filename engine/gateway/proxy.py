@@ -385,12 +385,12 @@ class Proxy:
         )
         plan = self.peer_pull.plan(info, routed, candidates, full, self.pool.block_size)
         if plan is None:
-            self.peer_pull.routed_request(routed, info)
+            call.on_computed = self.peer_pull.routed_request(routed, info)
             return None
         if plan.decision != m.PULL:  # a pull is counted once its lend is answered
             self.peer_pull.count(plan.decision, plan.reason)
         served = next(o for o in plan.options if o.decision == plan.decision)
-        self.peer_pull.routed(plan.engine, served.tokens)
+        call.on_computed = self.peer_pull.routed(plan.engine, served.tokens)
         return plan
 
     def _sole_route(self) -> Route | None:

@@ -286,6 +286,25 @@ def test_waiting_for_remote_kv_does_not_block_other_requests():
     assert s.requests["remote"].num_external_computed_tokens == 16
 
 
+def test_a_remote_load_takes_blocks_for_the_rest_of_the_prompt_too():
+    """Loads that filled the pool would leave no block for any request's tail and
+    nothing running to free one: a load is admitted with room for its whole prompt."""
+    remote = FakeRemote()
+    s = make(num_blocks=9, max_len=64, connector=remote)
+    for i in range(3):
+        r = request(f"r{i}", 30, first=100 * i)  # 24 tokens loaded (3 blocks), 6 computed here
+        r.kv_transfer_params = KVTransferParams(do_remote_prefill=True)
+        s.add_request(r)
+    out = s.schedule()
+    loading = {
+        rid for rid, r in s.requests.items() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    }
+    assert loading == {"r0", "r1"}  # 4 blocks each of 9: not three loads of 3
+    s.update_from_output(out, ModelRunnerOutput(finished_recving=loading))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 6, "r1": 6}
+
+
 def test_failed_remote_load_falls_back_to_local_recompute():
     remote = FakeRemote()
     s = make(connector=remote)

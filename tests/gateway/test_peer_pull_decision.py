@@ -122,6 +122,25 @@ def test_tokens_routed_since_the_last_scrape_count_as_the_holders_queue(fleet):
     assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "holder"
 
 
+def test_tokens_routed_leave_the_queue_once_computed_before_the_next_scrape(fleet):
+    """A parent request computed on the holder does not make its forks, which
+    arrive once it has answered, look queued behind it until the next scrape."""
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)
+    parent = pp.routed(h, 30_000)
+    other = pp.routed(h, 30_000)
+    assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "pull"
+    parent()
+    other()
+    other()  # once only; and a no-op after a scrape reset the queue
+    assert pp.view(HOLDER).queued_prompt_tokens == 0
+    assert pp.plan(info(hashes, 40), h, [h, p], set(), BS).decision == "holder"
+    late = pp.routed(h, 30_000)
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=30_000))
+    late()
+    assert pp.view(HOLDER).queued_prompt_tokens == 30_000  # the scrape's own count
+
+
 def test_before_any_pair_is_measured_a_long_prefix_is_pulled_to_measure_it(fleet):
     pp, h, p, hashes = fleet
     pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))

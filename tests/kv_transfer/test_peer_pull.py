@@ -246,8 +246,16 @@ def pulled(peers, body: dict, blocks: int) -> tuple[str, float]:
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert len(params["remote_block_ids"]) == blocks
-    text = complete(peers["puller"], body, kv_transfer_params=params)
-    return text, scrape(peers["puller"])[PULLED] - before
+    r = post(
+        peers["puller"] + "/v1/completions",
+        timeout=120,
+        json={**body, "kv_transfer_params": params},
+    )
+    assert r.status_code == 200, r.text
+    # The pulled blocks count as cached prompt tokens in usage (as vLLM counts a
+    # connector's tokens): the puller computed only the tail.
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    return r.json()["choices"][0]["text"], scrape(peers["puller"])[PULLED] - before
 
 
 def test_pull_from_a_peers_device_tier_is_token_identical(peers):
