@@ -204,6 +204,13 @@ ENGINE_STEP_SCHEDULED_TOKENS = Metric(
     "Tokens the engine step in progress scheduled (0 between steps, and until it scheduled).",
     _M,
 )
+ENGINE_MAX_NUM_BATCHED_TOKENS = Metric(
+    "pdfleet_engine_max_num_batched_tokens",
+    "gauge",
+    "Tokens one engine step may schedule (--max-num-batched-tokens): how much of a "
+    "prompt queue one step computes.",
+    _M,
+)
 ENGINE_FAILED_STEPS = Metric(
     "pdfleet_engine_failed_steps_total",
     "counter",

@@ -79,6 +79,7 @@ _PEER_PULL = {
     "prefill_busy_seconds": m.ENGINE_PREFILL_BUSY_SECONDS.name,
     "waiting_prompt_tokens": m.ENGINE_WAITING_PROMPT_TOKENS.name,
     "kv_block_bytes": m.ENGINE_KV_BLOCK_BYTES.name,
+    "step_token_budget": m.ENGINE_MAX_NUM_BATCHED_TOKENS.name,
 }
 _PEER_ROWS = (
     m.ENGINE_KV_PEER_PULLS.name,
@@ -142,6 +143,8 @@ class EngineLoad:
     """Prompt tokens not yet computed of the requests not running."""
     kv_block_bytes: float = 0.0
     """Bytes a KV pull moves per block (0: no KV connector, cannot lend or pull)."""
+    step_token_budget: float = 0.0
+    """Tokens one step may schedule (0: not published, e.g. vLLM)."""
     peer_pulls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
     adapters: dict[str, tuple[str, str]] = field(default_factory=dict)

@@ -115,6 +115,8 @@ class Option:
     seconds: float
     tokens: int = 0
     """Prompt tokens that engine computes."""
+    pull_bytes: float = 0.0
+    """KV bytes it pulls first (a pull)."""
 
 
 @dataclass
@@ -131,6 +133,8 @@ class Plan:
     lend_blocks: int = 0
     """pull: the leading blocks the holder leases."""
     options: list[Option] = field(default_factory=list)
+    lend_wait: float | None = None
+    """pull: the seconds its lend was predicted to wait at the holder (``lend_wait``)."""
 
 
 @dataclass
@@ -148,6 +152,14 @@ class EngineCosts:
     """(monotonic time, tokens to compute) routed here since its last scrape."""
     busy: bool = False
     """It had requests at its last scrape (an idle engine starts a new one at once)."""
+    step_budget: float = 0.0
+    """Tokens one of its steps may schedule (0: unknown)."""
+    full: bool = False
+    """Requests waited there for room (a free slot, KV) at its last scrape: its
+    queue is not computed in its next step."""
+    pulling: list[tuple[float, float]] = field(default_factory=list)
+    """(monotonic time, bytes) of the pulls planned into it and not yet computed:
+    its own transfers queue behind them."""
     scraped_at: float = 0.0
 
 
@@ -190,6 +202,8 @@ class PeerPull:
         c.waiting_tokens = new.waiting_prompt_tokens
         c.busy = new.running + new.waiting > 0
         c.block_bytes = new.kv_block_bytes
+        c.step_budget = new.step_token_budget
+        c.full = new.waiting > 0
         tokens = new.prompt_tokens - old.prompt_tokens
         busy = new.prefill_busy_seconds - old.prefill_busy_seconds
         if tokens >= MIN_RATE_TOKENS and busy > 0:
@@ -224,22 +238,28 @@ class PeerPull:
         self.metrics.peer_pull_lend_seconds.labels(holder.url).set(c.lend.value)
         self._export_crossovers()
 
-    def routed(self, e: EngineState, tokens: int) -> Callable[[], None]:
-        """Mutates: ``tokens`` to compute were sent to ``e``. They count as its
-        queue until its next scrape (which counts them itself while they wait)
-        or until the returned function is called (the gateway saw them
-        computed: the request's first event), whichever comes first."""
+    def routed(self, e: EngineState, tokens: int, pull_bytes: float = 0.0) -> Callable[[], None]:
+        """Mutates: ``tokens`` to compute (after pulling ``pull_bytes``) were sent
+        to ``e``. The tokens count as its queue until its next scrape (which
+        counts them itself while they wait), the bytes as its pulls in flight;
+        each until the returned function is called (the gateway saw the request
+        computed: its first event)."""
         c = self._costs(e.url)
         now = time.monotonic()
         c.routed = [x for x in c.routed if now - x[0] < ROUTED_MEMORY_S]  # the same tuples
+        c.pulling = [x for x in c.pulling if now - x[0] < ROUTED_MEMORY_S]
         entry = (now, tokens)
         c.routed.append(entry)
+        pull = (now, pull_bytes)
+        if pull_bytes > 0:
+            c.pulling.append(pull)
 
         def computed() -> None:
-            for i, x in enumerate(c.routed):
-                if x is entry:
-                    del c.routed[i]
-                    return
+            for queue, item in ((c.routed, entry), (c.pulling, pull)):
+                for i, x in enumerate(queue):
+                    if x is item:
+                        del queue[i]
+                        break
 
         return computed
 
@@ -302,6 +322,20 @@ class PeerPull:
         in the holder's next step, ahead of its queue but not of the step running."""
         c = self._costs(url)
         return (c.step.value or 0.0) if c.busy or c.routed else 0.0
+
+    def lend_wait(self, url: str, rate: float, shared: bool = True) -> float:
+        """Predicted seconds a lend sent to ``url`` now waits beyond its own cost:
+        the step in progress, then the rest of the step it runs in. A lend goes
+        ahead of the queue but not out of the step it shares: unless the engine
+        is at capacity (``shared`` False: its queue waits for room, the lend does
+        not: it passes ``max_num_seqs``), that step also computes the prompt tokens queued there,
+        up to the engine's token budget per step (all of them when the budget is
+        not known)."""
+        c = self._costs(url)
+        queued = c.waiting_tokens + sum(n for _, n in c.routed) if shared else 0.0
+        if c.step_budget > 0:
+            queued = min(queued, c.step_budget)
+        return self.in_progress(url) + queued / rate
 
     def crossover(self, holder: str, puller: str) -> float | None:
         """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
@@ -389,6 +423,12 @@ class PeerPull:
             )
         bw = self._bandwidth(holder.url, target.url)
         moved = (held_blocks - own) * self._costs(holder.url).block_bytes
+        # The target's transfers already under way go first.
+        in_flight = sum(b for _, b in self._costs(target.url).pulling)
+        lend_wait = self.lend_wait(
+            holder.url, rate_h, shared=holder.url not in full and not self._costs(holder.url).full
+        )
+        lend = self._lend(holder.url) + lend_wait
         tail = self.compute_seconds(target, n - held_blocks * bs, rate_t)
         reason = "cost"
         if bw is None:
@@ -397,15 +437,16 @@ class PeerPull:
                 return self._chosen(
                     min(options, key=lambda o: o.seconds), holder, "cost", 0, options
                 )
-            lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option(m.PULL, target, lend + tail, n - held_blocks * bs)
+            pull = Option(m.PULL, target, lend + tail, n - held_blocks * bs, moved)
             reason = "explore"
         else:
-            lend = self._lend(holder.url) + self.in_progress(holder.url)
-            pull = Option(m.PULL, target, lend + moved / bw + tail, n - held_blocks * bs)
+            transfer = (in_flight + moved) / bw
+            pull = Option(m.PULL, target, lend + transfer + tail, n - held_blocks * bs, moved)
         options.append(pull)
         best = min(options, key=lambda o: o.seconds)
-        return self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
+        plan = self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
+        plan.lend_wait = lend_wait
+        return plan
 
     def _chosen(
         self, best: Option, holder: EngineState, reason: str, blocks: int, options: list[Option]
@@ -442,11 +483,11 @@ class PeerPull:
         """Ask the holder to lease ``plan.lend_blocks`` cached blocks; its signed
         params, or None (refused: the blocks left its cache; failed; timed out)."""
         payload = json.dumps(lend_body(body, chat, plan.lend_blocks)).encode()
-        # What the lend waits for the holder's step in progress is predicted from
-        # the holder's state (in_progress); lend(h) learns the rest (the round trip
-        # and the lend's own step), so a lend at a busy holder and one at an idle
-        # holder teach the same figure.
-        waited = self.in_progress(plan.holder.url)
+        # What the lend waits for at the holder (the step in progress, and the
+        # queue it shares its step with) was predicted with the plan (lend_wait);
+        # lend(h) learns the rest (the round trip and the lend's own work), so a
+        # lend at a busy holder and one at an idle holder teach the same figure.
+        waited = plan.lend_wait if plan.lend_wait is not None else self.in_progress(plan.holder.url)
         start = time.monotonic()
         try:
             resp = await client.post(

@@ -390,7 +390,7 @@ class Proxy:
         if plan.decision != m.PULL:  # a pull is counted once its lend is answered
             self.peer_pull.count(plan.decision, plan.reason)
         served = next(o for o in plan.options if o.decision == plan.decision)
-        call.on_computed = self.peer_pull.routed(plan.engine, served.tokens)
+        call.on_computed = self.peer_pull.routed(plan.engine, served.tokens, served.pull_bytes)
         return plan
 
     def _sole_route(self) -> Route | None:

@@ -20,6 +20,8 @@ from pdfleet.engine.gateway.prompt import PromptInfo
 BS = 16
 BLOCK_BYTES = 16 * 1024  # 1 KiB per token
 HOLDER, PULLER = "http://h", "http://p"
+STEP_BUDGET = 256
+"""Tokens one engine step may schedule (25.6 ms of prefill at 10,000 tokens/s)."""
 
 
 def engine(url: str) -> EngineState:
@@ -35,6 +37,7 @@ def load(
     step_seconds: float = 0.1,
     waiting: float = 0,
     pulls: dict | None = None,
+    budget: float = STEP_BUDGET,
 ) -> EngineLoad:
     return EngineLoad(
         prompt_tokens=prompt_tokens,
@@ -43,6 +46,7 @@ def load(
         step_seconds=step_seconds,
         waiting_prompt_tokens=waiting,
         kv_block_bytes=BLOCK_BYTES,
+        step_token_budget=budget,
         peer_pulls=pulls or {},
     )
 
@@ -220,8 +224,60 @@ def test_a_lend_waits_for_the_holders_step_in_progress_too(fleet):
     assert plan is not None and plan.decision == "holder", plan.options
     pull = next(o for o in plan.options if o.decision == "pull")
     assert pull.seconds > 0.05 + step
-    pp.routed(h, 2_000)  # 0.2 s more queued there: now pulling is cheaper
-    assert pp.plan(info(hashes, 100), h, [h, p], set(), BS).decision == "pull"
+    pp.routed(h, 2_000)  # 0.2 s more queued there: pulling is cheaper than serving there
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert plan is not None and plan.decision != "holder", plan.options
+    cost = {o.decision: o.seconds for o in plan.options}
+    assert cost["pull"] < cost["holder"]
+
+
+def test_a_lend_shares_the_holders_next_step_with_its_queue_up_to_the_budget(fleet):
+    """A lend goes ahead of the holder's queue but runs in a step that computes
+    that queue too, up to the step's token budget: a queue that fits one step
+    is no reason to pull (serving there costs the same step); a longer one is."""
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.01, bw=1e9)
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=200))
+    short = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert short is not None and short.decision == "holder", short.options
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=5_000))
+    long = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert long is not None and long.decision == "pull", long.options
+    pull = next(o for o in long.options if o.decision == "pull")
+    assert pull.seconds < 0.01 + STEP_BUDGET / 10_000 + 0.05  # one step's worth, not 0.5 s
+    # An engine that does not publish its budget: the whole queue may share the step.
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=5_000, budget=0))
+    unknown = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert unknown is not None and unknown.decision != "pull", unknown.options
+    # ... unless it is at capacity: its queue waits for a free slot, the lend does not.
+    full = pp.plan(info(hashes, 100), h, [h, p], {HOLDER}, BS)
+    assert full is not None and full.decision == "pull", full.options
+    # Or its own scrape shows requests waiting for room (sent there past this gateway).
+    blocked = load(20_000, 2.0, waiting=5_000, budget=0)
+    blocked.running, blocked.waiting = 1, 3
+    pp.scraped(h, load(10_000, 1.0), blocked)
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "pull", plan.options
+
+
+def test_pulls_into_one_engine_queue_behind_each_other(fleet):
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.01, bw=1e8)  # 16 KB blocks: 0.16 ms each
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))
+    first = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert first is not None and first.decision == "pull"
+    seconds = next(o for o in first.options if o.decision == "pull").seconds
+    done = pp.routed(p, 40, pull_bytes=100 * BLOCK_BYTES)
+    second = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    later = next(o for o in second.options if o.decision == "pull").seconds
+    # Its transfer waits for the first one, and its tail for the first tail (and
+    # for the step in progress there: the puller is busy now).
+    waits = 100 * BLOCK_BYTES / 1e8 + 40 / 10_000 + pp.in_progress(PULLER)
+    assert pp.in_progress(PULLER) == pytest.approx(0.01)
+    assert later == pytest.approx(seconds + waits, rel=1e-6)
+    done()
+    again = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert next(o for o in again.options if o.decision == "pull").seconds == pytest.approx(seconds)
 
 
 def test_a_lend_at_a_busy_holder_learns_its_time_less_the_step_it_waited_for(fleet, monkeypatch):
