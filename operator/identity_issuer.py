@@ -13,7 +13,8 @@ carries the request). The operator
    service and role the engine asks for;
 3. signs, with that service's authority (:mod:`.identity_authority`), a token
    binding the engine's public key to subject = the pod's name and role = its
-   role label, for ``ttl`` seconds.
+   role label (or ``both``, for a pod whose template says its engine lends
+   and pulls: ``pdfleet.dev/identity-role``), for ``ttl`` seconds.
 
 A refusal says which check failed; it never issues anything partial.
 """
@@ -27,7 +28,13 @@ from typing import Any
 from ..engine.contracts import identity_exchange as exchange
 from .identity_authority import IdentityAuthorityError, read_authority
 from .kube import KubeClient, KubeError
-from .manifests import LABEL_ROLE, LABEL_SERVICE, MANAGED_BY, engine_service_account_name
+from .manifests import (
+    ANNOTATION_IDENTITY_ROLE,
+    LABEL_ROLE,
+    LABEL_SERVICE,
+    MANAGED_BY,
+    engine_service_account_name,
+)
 
 # What a TokenReview of a projected token says about the pod it was issued to.
 EXTRA_POD_NAME = "authentication.kubernetes.io/pod-name"
@@ -113,7 +120,9 @@ def _check_pod(
         raise IdentityRefused(
             403, f"pod {name} belongs to InferenceService {service}, not {want.service}"
         )
-    if role != want.role:
+    # A kv_both engine (peer pulls) lends and pulls: its pod says it may be "both".
+    both = (meta.get("annotations") or {}).get(ANNOTATION_IDENTITY_ROLE) == "both"
+    if want.role != role and not (want.role == "both" and both):
         raise IdentityRefused(403, f"pod {name} is a {role} engine, not {want.role}")
     expected = engine_service_account_name(service)
     spec = obj.get("spec") or {}
@@ -124,7 +133,7 @@ def _check_pod(
     phase = (obj.get("status") or {}).get("phase")
     if phase in ("Succeeded", "Failed"):
         raise IdentityRefused(403, f"pod {name} has ended ({phase})")
-    return service, role
+    return service, want.role
 
 
 async def issue_identity(

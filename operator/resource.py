@@ -522,8 +522,10 @@ class RoleSpec(PodPlacement):
     fastest. For the role that computes prompts: decode in an aggregated fleet
     (`disaggregation.mode: Disabled`), prefill in a disaggregating one (a
     prefill engine pulls the cached part of a prompt from a peer, computes the
-    tail and hands it all to the decode engine). Needs `kvTransfer.connector`
-    and `gateway.kvEvents`."""
+    tail and hands it all to the decode engine; the decode engines lend what
+    they hold too, such as a chat's last turn and its answer, and still
+    consume the prefill legs' KV). Needs `kvTransfer.connector` and
+    `gateway.kvEvents`."""
 
     @field_validator("engine")
     @classmethod

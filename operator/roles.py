@@ -154,8 +154,7 @@ def role_kv_transfer_config(
     engine_id: str | None = None,
 ) -> KVTransferConfig | None:
     """The role's ``kv_transfer_config``: prefill produces KV, decode consumes it;
-    with peer pulls the role that computes prompts does both (decode in an
-    aggregated fleet, prefill in a disaggregating one).
+    an engine that lends its cached blocks does both (``lends``).
 
     ``None`` when disaggregation is Disabled without peer pulls, or no connector
     is set.
@@ -165,13 +164,11 @@ def role_kv_transfer_config(
     if role not in KV_ROLES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     kv = spec.kv_transfer
-    lends = peer_pulls(spec, role)
-    if not (disaggregating(spec) or lends) or kv.connector is None:
+    if not (disaggregating(spec) or peer_pulls(spec, role)) or kv.connector is None:
         return None
     values: dict[str, Any] = {
         "kv_connector": kv.connector,
-        # A peer-pull engine lends its cached blocks and pulls its peers'.
-        "kv_role": "kv_both" if lends else KV_ROLES[role],
+        "kv_role": "kv_both" if lends(spec, role) else KV_ROLES[role],
         "kv_port": kv.port if kv_port is None else kv_port,
         "kv_connector_extra_config": connector_extra_config(spec),
         "kv_load_failure_policy": kv.load_failure_policy,
@@ -190,6 +187,20 @@ def peer_pulls(spec: InferenceServiceSpec, role: str) -> bool:
         return False
     computes_prompts = "prefill" if disaggregating(spec) else "decode"
     return role == computes_prompts and spec.role(role).peer_pull
+
+
+def lends(spec: InferenceServiceSpec, role: str) -> bool:
+    """Whether the role's engines lend the prefix blocks they cache to peers that
+    pull them, besides their P/D part (``kv_role: kv_both``): the role whose
+    engines pull from each other (``peer_pulls``), and, in a disaggregating fleet
+    whose prefill engines pull, the decode engines too. A decode engine holds
+    what it decoded (a conversation's last prompt and its answer, which the next
+    turn's prompt extends): a prefill engine pulls that instead of computing
+    it. The decode engines still consume the prefill legs' KV, and they pull
+    from no peer of their own role."""
+    if peer_pulls(spec, role):
+        return True
+    return role == "decode" and disaggregating(spec) and peer_pulls(spec, "prefill")
 
 
 def moves_kv(spec: InferenceServiceSpec) -> bool:

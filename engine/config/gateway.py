@@ -308,8 +308,11 @@ class GatewayConfig:
     engine that holds it, or have another engine pull it from the holder over
     the KV connector, or recompute it, whichever the measured costs predict is
     fastest. With a prefill leg (P/D) it decides where the prefill leg runs,
-    among the prefill engines, and whether that engine pulls first. Needs the
-    exact prefix index (KV events) and pulling engines whose `kv_role` is
+    among the prefill engines, and whether that engine pulls first, from a
+    prefill engine or from a decode engine that holds more of the prompt (a
+    `kv_both` one), or whether that decode engine serves it alone (Conditional
+    mode, fewer uncached tokens than `min_prompt_tokens`). Needs the exact prefix
+    index (KV events) and pulling engines whose `kv_role` is
     `kv_both`; engines without a connector are never pulled into."""
     peer_pull_lend_timeout: float = 2.0
     """Seconds a holder has to answer a lend request (it lends from its cache

@@ -7,7 +7,8 @@ operator publishes), authenticated by the pod's projected ServiceAccount token
 (audience :data:`AUDIENCE`) as ``Authorization: Bearer``. The operator checks
 that token with a TokenReview, reads the pod it names, and answers a token of
 the identity authority (``engine/contracts/identity.py``) whose subject is the
-pod's name and whose role is the pod's role label. The engine renews it, for
+pod's name and whose role is the pod's role label (or ``both``, for an engine
+that lends and pulls, where its pod says so). The engine renews it, for
 the same key, before it expires.
 
 Both ends read the messages here (:class:`IdentityRequest`,
@@ -47,6 +48,10 @@ MAX_REQUEST_BYTES = 4096
 # Bound on a ServiceAccount token (characters): a real one is about 1,000.
 MAX_SA_TOKEN_CHARS = 16384
 ROLES = ("prefill", "decode")
+"""Engine pods' role labels."""
+ASKED_ROLES = (*ROLES, "both")
+"""The roles an engine may ask for: its pod's label, or ``both`` for an engine that
+lends and pulls (``kv_both``), where its pod says so."""
 
 
 def _b64(data: bytes) -> str:
@@ -90,8 +95,8 @@ class IdentityRequest:
         if len(raw) != 32:
             raise ValueError("public_key: not a raw Ed25519 public key (32 bytes)")
         role = data.get("role")
-        if role not in ROLES:
-            raise ValueError(f"role: one of {', '.join(ROLES)}")
+        if role not in ASKED_ROLES:
+            raise ValueError(f"role: one of {', '.join(ASKED_ROLES)}")
         service = data.get("service")
         if not isinstance(service, str) or not 0 < len(service) <= 63:
             raise ValueError("service: the InferenceService's name")

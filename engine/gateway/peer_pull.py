@@ -55,7 +55,10 @@ failed lend recomputes on ``c``; a pull that fails on ``c`` recomputes there.
 In a P/D fleet the same decision picks the engine of the prefill leg among the
 prefill engines: ``c`` then gets the prefill leg with the holder's params and
 ``pdfleet_produce``, pulls, computes the tail, and leases the whole prompt to
-the decode engine.
+the decode engine. The holder may also be a decode engine (a *lender*: it
+holds what it decoded, such as a conversation's last turn, which the next
+turn's prompt extends): a prefill engine pulls from it as from a peer, and its
+``holder`` option is serving the whole request there, decode-only.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ from typing import Any
 from ..contracts import metrics as m
 from ..contracts.gateway_view import PeerPullCosts
 from ..contracts.kv_params import FIELD as KV_PARAMS
-from ..contracts.kv_params import KVTransferParams
-from ..http.upstream import UpstreamClient, UpstreamError
+from ..contracts.kv_params import LEND_FIELD, KVTransferParams
+from ..http.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from .engines import EngineLoad, EngineState
 from .kv_index import KVIndex
 from .metrics import GatewayMetrics
@@ -135,6 +138,10 @@ class Plan:
     options: list[Option] = field(default_factory=list)
     lend_wait: float | None = None
     """pull: the seconds its lend was predicted to wait at the holder (``lend_wait``)."""
+    alone: bool = False
+    """holder, with a lender as the holder: ``engine`` serves the whole request
+    in place of the route (in P/D: decode-only on the decode engine that holds
+    the prefix)."""
 
 
 @dataclass
@@ -161,6 +168,9 @@ class EngineCosts:
     """(monotonic time, bytes) of the pulls planned into it and not yet computed:
     its own transfers queue behind them."""
     scraped_at: float = 0.0
+    lends: bool = True
+    """False once it refused a lend's params (not a KV producer: a ``kv_consumer``
+    decode engine of a fleet run by hand): it is no longer asked to lend."""
 
 
 class PeerPull:
@@ -368,30 +378,48 @@ class PeerPull:
         candidates: Iterable[EngineState],
         full: set[str],
         block_size: int,
+        lenders: Iterable[EngineState] = (),
+        alone_below: int = 0,
     ) -> Plan | None:
         """The cheapest way to serve a request routed to ``routed``, when another
-        candidate holds more of its leading blocks; None to keep the route (no
-        such holder, the costs unmeasured, or engines that cannot pull)."""
+        engine holds more of its leading blocks; None to keep the route (no
+        such holder, the costs unmeasured, or engines that cannot pull).
+
+        ``candidates``: the engines that may take ``routed``'s part (serve the
+        request, or in P/D run its prefill leg), pulling first or not.
+        ``lenders``: engines that may hold the prefix and lend it but never take
+        that part (in P/D, the decode engines for a prefill leg); a lender's
+        ``holder`` option is serving the whole request there (``Plan.alone``),
+        offered only when it would compute fewer than ``alone_below`` prompt
+        tokens (0: never)."""
         self.block_size = block_size
         exact = info.exact_hashes
         if not exact or info.batch or info.prompt_logprobs:
             return None
-        pool = [e for e in candidates if e.routable]
-        if routed not in pool:
-            pool.append(routed)
+        targets = [e for e in candidates if e.routable]
+        if all(e is not routed for e in targets):
+            targets.append(routed)
+        in_targets = {e.url for e in targets}
+        pool = targets + [e for e in lenders if e.routable and e.url not in in_targets]
         held = self.kv_index.matched(exact, [e.url for e in pool])
-        if not held:
+        holders = [e for e in pool if self._costs(e.url).lends]
+        if not held or not holders:
             return None
-        holder = max(pool, key=lambda e: (held.get(e.url, (0, 0.0))[0], e is routed))
+        # Ties go to the routed engine, then to a candidate over a lender.
+        holder = max(
+            holders,
+            key=lambda e: (held.get(e.url, (0, 0.0))[0], e is routed, e.url in in_targets),
+        )
+        lender = holder.url not in in_targets
         bs = self.block_size
         held_blocks = held.get(holder.url, (0, 0.0))[0]
         # The lend leases whole blocks before the prompt's last token.
         held_blocks = min(held_blocks, (info.num_tokens - 1) // bs)
         target = routed
         if target is holder:
-            # The router chose the holder: the alternative is the engine that
+            # The router chose the holder: the alternative is the candidate that
             # would compute soonest.
-            others = [e for e in pool if e is not holder and e.url not in full]
+            others = [e for e in targets if e is not holder and e.url not in full]
             if not others:
                 return None
             target = min(others, key=lambda e: self._costs(e.url).waiting_tokens)
@@ -412,13 +440,14 @@ class PeerPull:
                 n - own * bs,
             ),
         ]
-        if holder.url not in full:
+        tail_tokens = n - held_blocks * bs
+        if holder.url not in full and (not lender or tail_tokens < alone_below):
             options.append(
                 Option(
                     m.HOLDER,
                     holder,
-                    self.compute_seconds(holder, n - held_blocks * bs, rate_h),
-                    n - held_blocks * bs,
+                    self.compute_seconds(holder, tail_tokens, rate_h),
+                    tail_tokens,
                 )
             )
         bw = self._bandwidth(holder.url, target.url)
@@ -429,28 +458,37 @@ class PeerPull:
             holder.url, rate_h, shared=holder.url not in full and not self._costs(holder.url).full
         )
         lend = self._lend(holder.url) + lend_wait
-        tail = self.compute_seconds(target, n - held_blocks * bs, rate_t)
+        tail = self.compute_seconds(target, tail_tokens, rate_t)
         reason = "cost"
         if bw is None:
             # No pair measured yet: explore when the prefix is worth measuring on.
             if held_blocks - own < EXPLORE_MIN_BLOCKS:
                 return self._chosen(
-                    min(options, key=lambda o: o.seconds), holder, "cost", 0, options
+                    min(options, key=lambda o: o.seconds), holder, "cost", 0, options, lender
                 )
-            pull = Option(m.PULL, target, lend + tail, n - held_blocks * bs, moved)
+            pull = Option(m.PULL, target, lend + tail, tail_tokens, moved)
             reason = "explore"
         else:
             transfer = (in_flight + moved) / bw
-            pull = Option(m.PULL, target, lend + transfer + tail, n - held_blocks * bs, moved)
+            pull = Option(m.PULL, target, lend + transfer + tail, tail_tokens, moved)
         options.append(pull)
         best = min(options, key=lambda o: o.seconds)
-        plan = self._chosen(best, holder, reason if best is pull else "cost", held_blocks, options)
+        plan = self._chosen(
+            best, holder, reason if best is pull else "cost", held_blocks, options, lender
+        )
         plan.lend_wait = lend_wait
         return plan
 
+    @staticmethod
     def _chosen(
-        self, best: Option, holder: EngineState, reason: str, blocks: int, options: list[Option]
+        best: Option,
+        holder: EngineState,
+        reason: str,
+        blocks: int,
+        options: list[Option],
+        lender: bool,
     ) -> Plan:
+        """``lender``: the holder is a lender, not a candidate (see ``plan``)."""
         return Plan(
             best.decision,
             reason,
@@ -458,6 +496,7 @@ class PeerPull:
             holder,
             blocks if best.decision == m.PULL else 0,
             options,
+            alone=lender and best.decision == m.HOLDER,
         )
 
     def count(self, decision: str, reason: str) -> None:
@@ -506,6 +545,14 @@ class PeerPull:
                 lent = KVTransferParams.from_wire(params)
             except (ValueError, AttributeError):  # not JSON, no object, or malformed params
                 lent = None
+        if resp.status_code == 400 and _cannot_lend(resp):
+            # It cannot lend at all (a kv_consumer engine): ask it no more.
+            self._costs(plan.holder.url).lends = False
+            logger.warning(
+                "peer pull: %s refuses to lend (%s); it is no longer asked to",
+                plan.holder.url,
+                resp.content[:300],
+            )
         if lent is None or not lent.remote_block_ids or not isinstance(params, dict):
             logger.info(
                 "peer pull: %s did not lend %d blocks (%d): %s",
@@ -545,6 +592,20 @@ def lend_body(body: dict[str, Any], chat: bool, blocks: int) -> dict[str, Any]:
         out.pop(key, None)
     out[KV_PARAMS] = KVTransferParams(do_remote_decode=True, lend_blocks=blocks).to_wire()
     return out
+
+
+def _cannot_lend(resp: UpstreamResponse) -> bool:
+    """Whether a lend's 400 says the engine lends nothing, whatever the prompt: it
+    refuses the ``kv_transfer_params`` (its error's ``param``) for another reason
+    than the lend's blocks (which it names: too few prompt tokens for them, say).
+    An engine that is no KV producer (``kv_consumer``) answers so."""
+    try:
+        error = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict) or error.get("param") != KV_PARAMS:
+        return False
+    return LEND_FIELD not in str(error.get("message", ""))
 
 
 def _rounded(value: float | None, digits: int = 1) -> float | None:

@@ -56,7 +56,7 @@ from .call import (
     tame_request_id,
 )
 from .decode_leg import DecodeLeg, decode_body
-from .engines import EnginePool
+from .engines import EnginePool, EngineState
 from .flow.gate import BATCH_HEADER, FlowGate, FlowRefused
 from .flow.tenants import Tenants
 from .legs import Legs
@@ -85,6 +85,18 @@ def request_caller(request: Request, keyed: bool) -> str:
         return caller_id(token)
     client = getattr(request, "client", None)
     return caller_id(None, client[0] if client else None)
+
+
+def planned_route(route: Route, plan: Plan) -> Route:
+    """The route a peer-pull plan serves a request by."""
+    if plan.alone:
+        # A decode engine holds the prefix of a request with a prefill leg, and
+        # serving it there is predicted fastest: it runs decode-only there.
+        return Route(plan.engine, None, "decode_only", "peer_holder")
+    if route.prefill is not None:
+        # The prefill leg runs where the plan says (it may pull first there).
+        return Route(route.decode, plan.engine, route.decision, route.reason)
+    return Route(plan.engine, None, route.decision, route.reason)
 
 
 class Proxy:
@@ -208,11 +220,8 @@ class Proxy:
                 return routed
             route = routed
         plan = self._peer_plan(call, route, info)
-        if plan is not None and route.prefill is not None:
-            # The prefill leg runs where the plan says (it may pull first there).
-            route = Route(route.decode, plan.engine, route.decision, route.reason)
-        elif plan is not None:
-            route = Route(plan.engine, None, route.decision, route.reason)
+        if plan is not None:
+            route = planned_route(route, plan)
         if info.adapter is not None:
             ensured = await self.adapters.ensure(call, route, info.adapter)
             if isinstance(ensured, Response):
@@ -369,21 +378,31 @@ class Proxy:
         (None: as routed). Without a prefill leg, among the decode engines; with
         one, where the prefill leg runs, among the prefill engines that can hand
         their KV to the route's decode engine (the holder's leg, or a leg that
-        pulls from the holder first, or a plain one). A disaggregating fleet's
-        requests served decode-only are routed as they are: its decode engines
-        consume KV and do not lend it."""
+        pulls from the holder first, or a plain one), while the decode engines
+        of that compatibility lend what they hold too (what they decoded: a
+        conversation's last turn), or, in Conditional mode with fewer uncached
+        tokens than --min-prompt-tokens, serve the request alone. A
+        disaggregating fleet's requests routed decode-only are served as routed."""
         if self.peer_pull is None:
             return None
         if route.prefill is None and self.config.disaggregation_mode != "Disabled":
             return None
         full = self.admission.full(self.pool.engines.values(), *self._need(call))
-        routed = route.decode if route.prefill is None else route.prefill
-        candidates = (
-            self.pool.candidates("decode")
-            if route.prefill is None
-            else self.router.prefill_candidates(route.decode)
+        lenders: list[EngineState] = []
+        alone_below = 0
+        if route.prefill is None:
+            routed, candidates = route.decode, self.pool.candidates("decode")
+        else:
+            routed, candidates = route.prefill, self.router.prefill_candidates(route.decode)
+            compat = route.decode.load.compat_hash
+            lenders = [e for e in self.pool.candidates("decode") if e.load.compat_hash == compat]
+            if self.config.disaggregation_mode == "Conditional":
+                # A decode engine computes a prompt alone only where the router's own
+                # rule would let it: fewer uncached tokens than --min-prompt-tokens.
+                alone_below = self.config.min_prompt_tokens
+        plan = self.peer_pull.plan(
+            info, routed, candidates, full, self.pool.block_size, lenders, alone_below
         )
-        plan = self.peer_pull.plan(info, routed, candidates, full, self.pool.block_size)
         if plan is None:
             call.on_computed = self.peer_pull.routed_request(routed, info)
             return None

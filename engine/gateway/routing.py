@@ -246,9 +246,10 @@ class Route:
     """prefill_decode or decode_only."""
     reason: str
     """always, long_prompt, short_prompt, cached_prefix, disabled, batch,
-    prompt_logprobs, no_prefill_engine, kv_pair_open or adapter_fallback (a
+    prompt_logprobs, no_prefill_engine, kv_pair_open, adapter_fallback (a
     LoRA adapter could not be loaded on the chosen engine: one that serves it
-    runs the request)."""
+    runs the request) or peer_holder (peer pulls: the decode engine that holds
+    the prompt's prefix serves it alone, ``proxy.planned_route``)."""
 
 
 class Router:

@@ -48,7 +48,7 @@ REQUEST_SECONDS = 10.0
 FIRST_RETRY_SECONDS = 0.5
 LAST_RETRY_SECONDS = 5.0
 RENEW_RETRY_SECONDS = 15.0
-KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 class IdentityUnavailable(RuntimeError):
@@ -286,7 +286,7 @@ def engine_identity(
     if kv_role not in KV_ROLES:
         raise ValueError(
             f"kv_role {kv_role}: engines get identities from the operator as prefill "
-            "(kv_producer) or decode (kv_consumer) engines"
+            "(kv_producer), decode (kv_consumer) or both (kv_both) engines"
         )
     authority = values[ident.IDENTITY_AUTHORITY_ENV]
     try:

@@ -44,6 +44,7 @@ from ..roles import (
     engine_command,
     gateway_peer_pull_settings,
     gateway_request_bounds,
+    lends,
     publishes_kv_events,
     role_engine_args,
 )
@@ -232,7 +233,9 @@ class LocalFleet:
             self.run_dir / f"{name}.log",
             env={
                 **self.child_env,
-                **self._identity_env(name, role),
+                # An engine that lends and pulls (kv_both) is vouched for as both:
+                # a prefill engine's identity alone may not claim a peer's lease.
+                **self._identity_env(name, "both" if lends(self.spec, role) else role),
                 "OMP_NUM_THREADS": str(self.threads),
             },
             host=self.host,

@@ -272,6 +272,10 @@ IDENTITY_SA_TOKEN_SECONDS = 600
 # The identity authority's fingerprint on engine pod templates: a new authority
 # (rotation) rolls the engine pods, which read its public key once, at start.
 ANNOTATION_IDENTITY = "pdfleet.dev/identity-authority-version"
+# On the pod templates of engines that lend and pull (``kv_role: kv_both``, peer
+# pulls): the identity role they may ask for besides their role label, "both"
+# (a prefill identity may not claim a peer's lease; operator/identity_issuer.py).
+ANNOTATION_IDENTITY_ROLE = "pdfleet.dev/identity-role"
 
 
 # On engine pod templates with spec.adapters: the adapters the pods start with

@@ -56,8 +56,10 @@ def build_network_policies(
     Engines: HTTP only from the service's gateway pods and the operator pod;
     the KV event ports (when the role publishes) only from the gateway pods;
     the KV side channel and the UCX port range only from the other role's
-    pods, and from the role's own pods when it pulls from its peers
-    (``peerPull``); for multi-node roles, any port from the role's own pods (the
+    pods (each way: a decode engine pulls a prefill leg's KV from a prefill
+    engine, and with ``prefill.peerPull`` a prefill engine pulls a decode
+    engine's cached blocks), and from the role's own pods when it pulls from
+    its peers (``peerPull``); for multi-node roles, any port from the role's own pods (the
     rendezvous, NCCL and gloo pick their ports at run time). The gateway: its
     port from anywhere (it checks API keys itself).
     Policies add up, so a cluster admin may admit more (e.g. a Prometheus).

@@ -47,6 +47,7 @@ from ..roles import (
     engine_command,
     gateway_peer_pull_settings,
     gateway_request_bounds,
+    lends,
     model_source,
     publishes_kv_events,
     rdma_resources,
@@ -58,6 +59,7 @@ from .common import (
     ANNOTATION_ADAPTERS_KEY,
     ANNOTATION_FLEET_SECRET,
     ANNOTATION_IDENTITY,
+    ANNOTATION_IDENTITY_ROLE,
     API_KEY_DIR,
     ENV_API_KEY_FILE,
     ENV_KV_IP,
@@ -408,6 +410,8 @@ def _engine_pod_template(
     meta: dict[str, Any] = {"labels": labels, **_template_annotations(secret_version)}
     if identity_version is not None and identity_enabled(spec):
         annotations[ANNOTATION_IDENTITY] = identity_version
+    if identity_enabled(spec) and lends(spec, role):
+        annotations[ANNOTATION_IDENTITY_ROLE] = "both"
     if annotations:
         meta["annotations"] = {**meta.get("annotations", {}), **annotations}
     return {"metadata": meta, "spec": pod_spec}

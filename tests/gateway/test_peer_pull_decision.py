@@ -312,3 +312,135 @@ def test_a_lend_at_a_busy_holder_learns_its_time_less_the_step_it_waited_for(fle
     monkeypatch.undo()
     assert params is not None
     assert pp._costs(HOLDER).lend.value == pytest.approx(0.7 - step)
+
+
+# -- P/D: a decode engine holds the prefix -----------------------------------------------
+DECODE = "http://d"
+
+
+@pytest.fixture
+def pd_fleet():
+    """Two prefill engines and a decode engine (a lender), all prefilling 10,000
+    tokens/s with 10 ms steps; the decode engine holds 100 blocks of the prompt
+    (a conversation's last turn and its answer), the first prefill engine the
+    first 60 of them (that turn's prompt), the second none."""
+    index = KVIndex()
+    hashes = list(range(1000, 1100))
+    index.apply(DECODE, [BlockStored(hashes)])
+    index.apply(HOLDER, [BlockStored(hashes[:60])])
+    index.apply(PULLER, [])
+    pp = PeerPull(GatewayMetrics(), index, BS, lend_timeout=2.0)
+    d, h, p = engine(DECODE), EngineState(HOLDER, "prefill"), EngineState(PULLER, "prefill")
+    for e in (d, h, p):
+        e.state = "healthy"
+        pp.scraped(e, EngineLoad(), load(10_000, 1.0))
+    return pp, d, h, p, hashes
+
+
+def test_a_prefill_leg_pulls_what_only_a_decode_engine_holds(pd_fleet):
+    pp, d, h, p, hashes = pd_fleet
+    measure_pair(pp, d, h, lend_s=0.005, bw=1e9)
+    # The decode engine has a long queue: the prefill engine routed, which holds the
+    # first 60 blocks, pulls the other 40 from it and computes only the tail.
+    pp.scraped(d, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d], alone_below=256)
+    assert plan is not None, "no plan"
+    assert (plan.decision, plan.engine, plan.holder) == ("pull", h, d), plan.options
+    assert plan.lend_blocks == 100 and not plan.alone
+    pull, served = (next(o for o in plan.options if o.decision == k) for k in ("pull", "holder"))
+    assert pull.tokens == served.tokens == 40  # the tail only
+    assert served.seconds > 5  # its queue
+    # Without lenders the routed prefill engine holds the most: its own leg stays.
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert plan is not None and (plan.decision, plan.engine, plan.alone) == ("holder", h, False)
+
+
+def test_an_idle_decode_holder_serves_the_request_alone(pd_fleet):
+    pp, d, h, p, hashes = pd_fleet
+    measure_pair(pp, d, h, lend_s=0.05, bw=1e9)
+    # Idle, with all 100 blocks: computing the 40-token tail there beats a lend,
+    # where it may compute that few tokens alone (under --min-prompt-tokens).
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d], alone_below=256)
+    assert plan is not None and (plan.decision, plan.engine) == ("holder", d), plan.options
+    assert plan.alone
+    # A longer tail than that, or a fleet that always prefills: the prefill leg pulls.
+    for below in (40, 0):
+        plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d], alone_below=below)
+        assert plan is not None and (plan.decision, plan.engine, plan.alone) == ("pull", h, False)
+        assert "holder" not in {o.decision for o in plan.options}
+    # At the gateway's capacity it cannot either.
+    plan = pp.plan(info(hashes, 100), h, [h, p], {DECODE}, BS, lenders=[d], alone_below=256)
+    assert plan is not None and (plan.decision, plan.engine, plan.alone) == ("pull", h, False)
+    # A prefill engine that holds as much: the tie goes to it (a candidate), which
+    # serves its own prefill leg, never the request alone.
+    pp.kv_index.apply(PULLER, [BlockStored(hashes)])
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d], alone_below=256)
+    assert plan is not None and plan.holder is p and not plan.alone
+
+
+def test_a_decode_engine_that_refuses_to_lend_is_not_asked_again(pd_fleet):
+    import asyncio
+
+    pp, d, h, p, hashes = pd_fleet
+    pp.scraped(d, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d])
+    assert plan is not None and (plan.decision, plan.reason, plan.holder) == ("pull", "explore", d)
+
+    class Refused:
+        status_code = 400
+        content = b"not a KV producer"
+
+        def json(self):
+            message = "kv_transfer_params: this engine is not a KV producer (kv_role kv_consumer)"
+            return {"error": {"message": message, "param": "kv_transfer_params"}}
+
+    async def lend(answer):
+        class Client:
+            async def post(self, url, payload, headers, timeout):
+                return answer
+
+        return await pp.lend(Client(), plan, "/v1/completions", {"prompt": [1]}, False, {})  # type: ignore[arg-type]
+
+    # A refusal about this lend's blocks says nothing of the next lend's.
+    short = Refused()
+    short.json = lambda: {  # type: ignore[method-assign]
+        "error": {
+            "message": "kv_transfer_params: pdfleet_lend_blocks 100 needs at least 1601 "
+            "prompt tokens",
+            "param": "kv_transfer_params",
+        }
+    }
+    assert asyncio.run(lend(short)) is None
+    assert pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d]).holder is d
+    assert asyncio.run(lend(Refused())) is None
+    # It is no holder now: the routed prefill engine holds the most of the others.
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d])
+    assert plan is not None and plan.holder is h
+    # It left the pool and came back (restarted, perhaps as kv_both): asked again.
+    pp.forget(DECODE)
+    pp.scraped(d, EngineLoad(), load(10_000, 1.0))
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS, lenders=[d])
+    assert plan is not None and plan.holder is d
+
+
+def test_the_route_of_a_plan(pd_fleet):
+    from pdfleet.engine.gateway.peer_pull import Plan
+    from pdfleet.engine.gateway.proxy import planned_route
+    from pdfleet.engine.gateway.routing import Route
+
+    _, d, h, p, _ = pd_fleet
+    route = Route(d, h, "prefill_decode", "always")
+    # A decode engine that holds the prefix serves the request alone: decode-only.
+    alone = planned_route(route, Plan("holder", "cost", d, d, alone=True))
+    assert (alone.decode, alone.prefill, alone.decision, alone.reason) == (
+        d,
+        None,
+        "decode_only",
+        "peer_holder",
+    )
+    # A pull from it (or any plan for a prefill engine): the prefill leg moves there.
+    pulled = planned_route(route, Plan("pull", "cost", p, d, lend_blocks=4))
+    assert (pulled.decode, pulled.prefill, pulled.decision) == (d, p, "prefill_decode")
+    # Aggregated: the engine that serves it.
+    served = planned_route(Route(h, None, "decode_only", "disabled"), Plan("pull", "cost", p, h))
+    assert (served.decode, served.prefill, served.reason) == (p, None, "disabled")

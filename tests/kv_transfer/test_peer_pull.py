@@ -861,3 +861,137 @@ def test_holder_killed_mid_pull_recomputes_correctly(peers):
         peers["delay"].write_text("0")
     assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
     assert text == recomputed(peers["puller"], body)
+
+
+# -- P/D: a decode engine lends what it decoded ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_lender_gateway(peers):
+    """A P/D gateway over the same engines where the holder is the decode engine
+    (kv_both, as ``spec.prefill.peerPull`` makes it) and the puller the prefill
+    engine: what the holder decodes (a conversation's last turn) it lends to the
+    puller's prefill legs."""
+    logs = peers["logs"] / "pd-lender"
+    logs.mkdir()
+    engines_file = logs / "engines.json"
+    engines_file.write_text(
+        json.dumps(
+            {
+                "engines": [
+                    {
+                        "url": peers[name],
+                        "role": role,
+                        "kv_events": f"tcp://127.0.0.1:{peers['events'][name][0]}",
+                        "kv_events_replay": f"tcp://127.0.0.1:{peers['events'][name][1]}",
+                    }
+                    for name, role in (("puller", "prefill"), ("holder", "decode"))
+                ]
+            }
+        )
+    )
+    gateway = start_gateway(
+        [
+            "--engines-file",
+            str(engines_file),
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+            "--prefix-blocks",
+            "256",
+            "--kv-index-stale-after",
+            "120",
+            "--peer-pull",
+            "--workers",
+            "1",
+        ],
+        logs,
+    )
+    try:
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+def chat_of(n: int, seed: int) -> list[int]:
+    """Tokens no other test's prompt starts with (``prompt_of`` repeats every 1,700
+    seeds, and its prompts may still be cached on the engines)."""
+    return [(seed * 7 + i * i * 13) % 1700 + 20 for i in range(n)]
+
+
+def next_turn(peers, gw: str, seed: int, answer: int) -> tuple[dict, int]:
+    """A conversation's turn through the P/D gateway (prefilled by the puller,
+    decoded by the holder) and the next turn's body, which extends its prompt
+    with its answer and a new message; and the leading blocks the holder holds
+    of it (the turn's prompt and answer but the answer's last token)."""
+    holder, puller = peers["holder"], peers["puller"]
+    prompt = chat_of(64, seed)
+    events = metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder)
+    computed = scrape(puller).get(PROMPT_TOKENS, 0.0)
+    r = httpx.post(
+        gw + "/v1/completions",
+        timeout=120,
+        json={
+            "prompt": prompt,
+            "max_tokens": answer,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    said = r.json()["choices"][0]["token_ids"]
+    assert len(said) == answer
+    assert scrape(puller)[PROMPT_TOKENS] - computed == len(prompt)  # its prefill leg
+    # The holder's blocks, pulled and decoded, are in the gateway's index.
+    assert wait_until(
+        lambda: metric(gw, "pdfleet_gateway_kv_index_events_total", engine=holder) > events,
+        timeout=30,
+    )
+    body = {
+        "prompt": prompt + said + chat_of(40, seed + 1),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return body, (len(prompt) + answer - 1) // BLOCK
+
+
+def test_a_prefill_leg_pulls_the_prefix_a_decode_engine_holds(peers, pd_lender_gateway):
+    """Multi-turn chat in P/D: the decode engine holds the last turn's prompt and
+    answer, the prefill engine only the prompt. With the decode engine's queue long,
+    the prefill leg pulls the answer's blocks from it, computes the new message and
+    leases the whole prompt to the decode engine, which pulls the tail back;
+    token-identical to computing the prompt from scratch."""
+    gw, holder, puller = pd_lender_gateway, peers["holder"], peers["puller"]
+    # Both engines' prefill rates measured by this gateway, from prompts new to them.
+    for seed, url in enumerate((holder, puller)):
+        complete(url, {"prompt": chat_of(600, 7710 + seed), "max_tokens": 1})
+    assert wait_until(
+        lambda: all(engine_view(gw, u)["prefill_tokens_per_s"] for u in (holder, puller)),
+        timeout=30,
+    ), engines_view(gw)
+    # A long answer: the pull beats recomputing it by far more than the holder's
+    # step in progress (which a lend waits for), whatever this machine's load.
+    body, held = next_turn(peers, gw, 7700, answer=384)
+    own = 64 // BLOCK  # the puller prefilled the first turn's prompt
+    leased = (len(body["prompt"]) - 1) // BLOCK
+    into_prefill = scrape(puller).get(PULLED, 0.0)
+    into_decode = scrape(holder).get(PULLED, 0.0)
+    before = counted(gw)
+    with ThreadPoolExecutor(1) as pool:
+        with HolderQueued(peers, gw):
+            # The decode leg waits in the holder's queue: the decision is made (and a
+            # pull's lend answered, ahead of that queue) before the queue is let go.
+            answer = pool.submit(via_gateway, gw, body)
+            assert wait_until(lambda: counted(gw) != before, timeout=60), counted(gw)
+            decided = {k: v - before[k] for k, v in counted(gw).items() if v != before[k]}
+            assert decided in ({("pull", "explore"): 1}, {("pull", "cost"): 1}), (
+                decided,
+                [e["peer_pull"] for e in engines_view(gw)["engines"]],
+            )
+        text = answer.result(timeout=120)
+    assert scrape(puller)[PULLED] - into_prefill == held - own  # what only the holder had
+    assert scrape(holder)[PULLED] - into_decode == leased - held  # the tail, back
+    assert text == recomputed(puller, body)

@@ -182,11 +182,14 @@ def test_peer_pulls_serve_the_prefill_role_of_a_disaggregating_fleet():
     ):
         with pytest.raises(ValueError, match=re.escape(f"{field}: ")):
             spec(**bad)
-    # The prefill engines lend to and pull from each other: kv_both; decode still consumes.
+    # The prefill engines lend to and pull from each other, the decode engines lend
+    # to them (and still consume the prefill legs' KV): kv_both, both roles.
     pulling = spec(prefill={"peerPull": True})
     prefill = role_engine_args(pulling, "prefill").kv_transfer_config
     assert prefill is not None and prefill.kv_role == "kv_both"
     decode = role_engine_args(pulling, "decode").kv_transfer_config
+    assert decode is not None and decode.kv_role == "kv_both"
+    decode = role_engine_args(spec(), "decode").kv_transfer_config
     assert decode is not None and decode.kv_role == "kv_consumer"
     plain = role_engine_args(spec(), "prefill").kv_transfer_config
     assert plain is not None and plain.kv_role == "kv_producer"

@@ -10,6 +10,7 @@ import pytest
 from helpers.kube_schema import validate
 
 from pdfleet.engine.config.gateway import KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION
+from pdfleet.engine.contracts import identity
 from pdfleet.engine.entrypoints.openai.serving_base import load_chat_template
 from pdfleet.engine.gateway.discovery import EnginesFileDiscovery
 from pdfleet.operator.local.fleet import LocalFleet
@@ -454,15 +455,28 @@ def test_pdfleet_up_keeps_batches_with_the_run_or_in_the_database_its_environmen
 
 def test_pdfleet_up_runs_prefill_peer_pulls_as_the_resource_asks(tmp_path):
     """``spec.prefill.peerPull`` locally: the prefill engines lend to and pull from
-    each other (kv_both) and publish KV events; the decode engines still consume;
-    the gateway decides where each prefill leg runs (--peer-pull)."""
+    each other, the decode engines lend to them and still consume the prefill
+    legs' KV (kv_both, identities that may do both), all publish KV events; the
+    gateway decides where each prefill leg runs (--peer-pull)."""
     fleet = local_fleet(tmp_path, {**SPEC, "prefill": {"peerPull": True}})
     roles = {}
     for role in ("prefill", "decode"):
-        argv = fleet._engine_child(role).argv
-        roles[role] = json.loads(flag(argv, "--kv-transfer-config"))["kv_role"]
-        assert "--kv-events-config" in argv
-    assert roles == {"prefill": "kv_both", "decode": "kv_consumer"}
+        child = fleet._engine_child(role)
+        roles[role] = json.loads(flag(child.argv, "--kv-transfer-config"))["kv_role"]
+        assert "--kv-events-config" in child.argv
+        vouched = identity.EngineIdentity.read(
+            child.env[identity.IDENTITY_FILE_ENV], child.env[identity.IDENTITY_AUTHORITY_ENV]
+        )
+        assert vouched.claims.role == "both" and vouched.claims.consumes, role
+    assert roles == {"prefill": "kv_both", "decode": "kv_both"}
+    plain = local_fleet(tmp_path / "plain", SPEC)._engine_child("prefill")
+    assert json.loads(flag(plain.argv, "--kv-transfer-config"))["kv_role"] == "kv_producer"
+    assert (
+        identity.EngineIdentity.read(
+            plain.env[identity.IDENTITY_FILE_ENV], plain.env[identity.IDENTITY_AUTHORITY_ENV]
+        ).claims.role
+        == "prefill"
+    )
     config = fleet.gateway_config()
     assert config.peer_pull and config.prefix_blocks == 256
     assert not local_fleet(tmp_path, SPEC).gateway_config().peer_pull

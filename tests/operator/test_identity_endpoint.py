@@ -24,7 +24,11 @@ from pdfleet.engine.contracts import identity
 from pdfleet.engine.contracts import identity_exchange as exchange
 from pdfleet.engine.kv_transfer.identity_client import EndpointClient, Renewer
 from pdfleet.operator.identity_endpoint import EndpointCertificate
-from pdfleet.operator.manifests import ANNOTATION_IDENTITY, identity_secret_name
+from pdfleet.operator.manifests import (
+    ANNOTATION_IDENTITY,
+    ANNOTATION_IDENTITY_ROLE,
+    identity_secret_name,
+)
 
 TTL = 4.0
 SPEC = {
@@ -171,6 +175,23 @@ def test_tokens_pods_and_requests_that_do_not_qualify_are_refused(cluster):
         assert needle in exchange.error_of(r.content), (what, r.text)
         assert "token" not in r.json() or "pdfleet-id1" not in r.text, what
     assert issued(cluster, "refused") == before + len(cases)
+
+
+def test_a_pod_whose_engine_lends_and_pulls_gets_an_identity_of_both(cluster, tmp_path):
+    """A kv_both engine (peer pulls) asks as ``both``: its pod template says it may."""
+    pod = engine_pod("demo-prefill-both", "demo", "prefill", "uid-demo-prefill-both")
+    pod["metadata"]["annotations"] = {ANNOTATION_IDENTITY_ROLE: "both"}
+    cluster.put(PODS, pod)
+    cluster.reviews["sa-prefill-both"] = pod_review(
+        "demo-prefill-both", "uid-demo-prefill-both", "demo-engine"
+    )
+    own = client_for(cluster, tmp_path, "sa-prefill-both", "both").obtain(10)
+    assert (own.claims.subject, own.claims.role) == ("demo-prefill-both", "both")
+    assert own.claims.consumes  # it may claim a peer's lease
+    # A pod that does not say so is its role label only.
+    r = ask(cluster, "sa-prefill-a", request("both"))
+    assert r.status_code == 403, r.text
+    assert "is a prefill engine, not both" in exchange.error_of(r.content)
 
 
 def test_the_endpoint_speaks_tls_with_a_certificate_of_the_published_ca_only(cluster):

@@ -15,6 +15,7 @@ from helpers.lws_schema import validate_lws
 
 from pdfleet.engine.cli import main
 from pdfleet.operator.manifests import (
+    ANNOTATION_IDENTITY_ROLE,
     DEFAULT_IMAGE,
     LABEL_COMPAT,
     LABEL_ROLE,
@@ -467,24 +468,48 @@ def test_peer_pull_engines_take_kv_from_their_own_role_and_the_gateway_pulls():
     assert "--peer-pull" not in container(plain, "demo-gateway")["command"]
 
 
-def test_prefill_peer_pull_engines_take_kv_from_each_other_while_decode_takes_it_from_them():
+def test_prefill_peer_pull_engines_pull_from_each_other_and_from_the_decode_engines():
     objects = children({**SPEC, "prefill": {"peerPull": True}})
     selector = {LABEL_SERVICE: "demo"}
+    kv_ports = [
+        {"port": 14579, "protocol": "TCP"},
+        {"port": 14580, "endPort": 14611, "protocol": "TCP"},
+    ]
     froms = {
         role: [r["from"] for r in network_policy(objects, role)["ingress"] if "ports" in r]
         for role in ("prefill", "decode")
     }
-    own = [{"podSelector": {"matchLabels": {**selector, LABEL_ROLE: "prefill"}}}]
-    assert own in froms["prefill"]  # prefill pulls from prefill
-    assert own in froms["decode"]  # decode pulls from prefill, as without peer pulls
+    prefill = [{"podSelector": {"matchLabels": {**selector, LABEL_ROLE: "prefill"}}}]
     decode = [{"podSelector": {"matchLabels": {**selector, LABEL_ROLE: "decode"}}}]
+    assert prefill in froms["prefill"]  # prefill pulls from prefill
+    assert decode in froms["prefill"]  # decode pulls prefill legs, as without peer pulls
     assert decode not in froms["decode"]  # decode engines do not pull from each other
-    command = container(objects, "demo-prefill")["command"]
-    assert json.loads(command[command.index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
-    command = container(objects, "demo-decode")["command"]
+    # Prefill engines pull the decode engines' cached blocks: the decode pods take
+    # the KV side channel and the UCX range from the prefill pods.
+    into_decode = [
+        r for r in network_policy(objects, "decode")["ingress"] if r.get("from") == prefill
+    ]
+    assert into_decode == [{"from": prefill, "ports": kv_ports}]
+    # Both roles lend (kv_both): the decode engines still consume the prefill legs' KV.
+    for role in ("prefill", "decode"):
+        c = container(objects, f"demo-{role}")
+        command = c["command"]
+        kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert (kv["kv_role"], kv["kv_port"]) == ("kv_both", 14579), role
+        assert "kv" in {p["name"] for p in c["ports"]}
+        assert "--kv-events-config" in command  # the gateway's index sees what it holds
+    assert "--peer-pull" in container(objects, "demo-gateway")["command"]
+    # With identities each may ask the operator for an identity of both roles.
+    with_ids = children({**SPEC, "prefill": {"peerPull": True}}, identity_version="v1")
+    for role in ("prefill", "decode"):
+        template = by_kind_name(with_ids)["Deployment", f"demo-{role}"]["spec"]["template"]
+        assert template["metadata"]["annotations"][ANNOTATION_IDENTITY_ROLE] == "both"
+    template = by_kind_name(children(identity_version="v1"))["Deployment", "demo-decode"]
+    assert ANNOTATION_IDENTITY_ROLE not in template["spec"]["template"]["metadata"]["annotations"]
+    # Without peer pulls the decode engines only consume.
+    command = container(children(), "demo-decode")["command"]
     kv_role = json.loads(command[command.index("--kv-transfer-config") + 1])["kv_role"]
     assert kv_role == "kv_consumer"
-    assert "--peer-pull" in container(objects, "demo-gateway")["command"]
 
 
 def test_fleet_secret_is_immutable_owned_and_holds_the_value():
