@@ -11,6 +11,7 @@ from engine.test_scheduler import FakeRemote, make, request
 
 from pdfleet.engine.contracts.kv_events import BlockStored
 from pdfleet.engine.contracts.kv_params import KVTransferParams
+from pdfleet.engine.contracts.priority import TAG_BITS
 from pdfleet.engine.core.connector_side import QUARANTINE
 from pdfleet.engine.core.sched_output import ModelRunnerOutput
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
@@ -248,3 +249,31 @@ def test_loaded_requests_behind_a_preempted_head_do_not_deadlock():
         raise AssertionError(
             f"no progress: running={len(s.running)} free={s.kv.num_free_blocks} {stuck}"
         )
+
+
+def test_a_better_bands_pull_into_a_full_pool_of_a_worse_band_makes_progress():
+    """Under the priority policy a better band's pulling request (a P/D decode leg,
+    a peer pull) at the head of the queue holds the worse bands' running requests
+    out of the step; its load takes a worse band's KV as a plain request does
+    (else no request would step again)."""
+    s = make(num_blocks=9, tokens=64, max_len=64, connector=FakeRemote(), policy="priority")
+    worse = 5 << TAG_BITS
+    for i in range(3):  # 3 blocks each: the pool is full
+        s.add_request(request(f"low{i}", 20, max_tokens=30, first=100 * i, priority=worse))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
+    hi = pulling("hi", 20, first=900)
+    hi.priority = 0
+    s.add_request(hi)
+    scheduled = 0
+    for _ in range(20):
+        out = s.schedule()
+        scheduled += out.total_num_scheduled_tokens
+        s.update_from_output(
+            out, ModelRunnerOutput(sampled_token_ids=sample(s, out), finished_recving=loading(s))
+        )
+    assert scheduled > 0 and "hi" not in s.requests and s.num_preemptions >= 1
+    while s.requests:
+        out = s.schedule()
+        s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
+    assert s.kv.num_free_blocks == 9
