@@ -277,3 +277,19 @@ def test_a_better_bands_pull_into_a_full_pool_of_a_worse_band_makes_progress():
         out = s.schedule()
         s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
     assert s.kv.num_free_blocks == 9
+
+
+def test_a_routed_entry_leaves_once_and_never_for_another_equal_one(monkeypatch):
+    """Two requests routed at the same instant with the same tokens and bytes: each
+    hook takes off its own entry, once (a retried leg calls it again)."""
+    from pdfleet.engine.gateway import peer_pull
+
+    monkeypatch.setattr(peer_pull.time, "monotonic", lambda: 100.0)
+    pp = PeerPull(GatewayMetrics(), KVIndex(), BS, lend_timeout=2.0)
+    e = _engine("http://e")
+    first = pp.routed(e, 500, pull_bytes=4096)
+    pp.routed(e, 500, pull_bytes=4096)
+    first()
+    first()
+    c = pp._costs("http://e")
+    assert [n for _, n in c.routed] == [500] and [b for _, b in c.pulling] == [4096]
