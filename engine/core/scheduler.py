@@ -602,7 +602,13 @@ class Scheduler:
                         host_hits=host_hits,
                     )
                     if allocated is None:
-                        break
+                        # As for a request computed here: a worse band's KV makes room
+                        # (its running requests sit this step out for this one).
+                        loser = self._band_victim(request, num_scheduled)
+                        if loser is None:
+                            break
+                        self._preempt(loser)
+                        continue
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)
                     request.num_computed_tokens = num_hit

@@ -732,8 +732,8 @@ def test_request_id_names_the_response(client):
 
 def test_cache_salt_separates_prefix_caches(serve_url):
     """Equal prompts share cached blocks only under the same salt (engine-level:
-    in the P/D fleet the prefill engine computes, so `cached_tokens` of the
-    decode engine does not show it; the gateway's index is unit-tested)."""
+    in the P/D fleet `cached_tokens` of the decode engine counts the KV it
+    pulled, whatever the salt; the gateway's index is unit-tested)."""
     client = openai.OpenAI(base_url=serve_url + "/v1", api_key=fleet_token() or "none")
     prompt = list(range(300, 364))
 
