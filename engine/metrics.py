@@ -130,6 +130,7 @@ class EngineMetrics:
             m.ENGINE_STEP_RUNNING,
             m.ENGINE_STEP_SCHEDULED_TOKENS,
             m.ENGINE_MAX_NUM_BATCHED_TOKENS,
+            m.ENGINE_MAX_NUM_SEQS,
             *_PER_STEP,
             *_LATENCIES,
             *_GRAMMAR,
@@ -152,6 +153,7 @@ class EngineMetrics:
                 family.labels(**self.labels) for family in self._register(metric)
             )
         self._set(m.ENGINE_MAX_NUM_BATCHED_TOKENS, config.scheduler_config.max_num_batched_tokens)
+        self._set(m.ENGINE_MAX_NUM_SEQS, config.scheduler_config.max_num_seqs)
         # Labelled by rank; shard 0 (every engine has it) is exported from the start.
         self.shard_bytes = None
         if self.has_kv:

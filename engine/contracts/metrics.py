@@ -211,6 +211,13 @@ ENGINE_MAX_NUM_BATCHED_TOKENS = Metric(
     "prompt queue one step computes.",
     _M,
 )
+ENGINE_MAX_NUM_SEQS = Metric(
+    "pdfleet_engine_max_num_seqs",
+    "gauge",
+    "Requests the engine runs at once (--max-num-seqs): with as many running, its "
+    "queue waits for a slot.",
+    _M,
+)
 ENGINE_FAILED_STEPS = Metric(
     "pdfleet_engine_failed_steps_total",
     "counter",

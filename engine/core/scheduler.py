@@ -488,6 +488,20 @@ class Scheduler:
                 return False
             return len(contenders) > 1 or request.group_id not in contenders
 
+        # Lends waiting (peer pulls: each computes the token after its blocks and
+        # finishes in the step it runs in) keep their tokens from the running
+        # requests' chunks: a lend runs in the next step, not after a long prompt's
+        # last chunk (the gateway's cost model counts on it).
+        lend_reserve = min(
+            budget - 1,
+            sum(
+                max(1, r.num_tokens - _lend_blocks(r) * self.block_size)
+                for r in self.waiting.unordered()
+                if _lend_blocks(r) and r.num_computed_tokens == 0
+            ),
+        )
+        budget -= max(0, lend_reserve)
+
         # 1. Running requests keep going (decode, or the next chunk of a prompt).
         i = 0
         while i < len(self.running) and budget > 0:
@@ -525,6 +539,7 @@ class Scheduler:
             CachedRequestData(rid, new_blocks_of[rid], self.requests[rid].num_computed_tokens)
             for rid in num_scheduled
         ]
+        budget += max(0, lend_reserve)
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
@@ -606,6 +621,9 @@ class Scheduler:
                         # (its running requests sit this step out for this one).
                         loser = self._band_victim(request, num_scheduled)
                         if loser is None:
+                            if self._holders_behind(request):
+                                skipped.append(self.waiting.pop())
+                                continue
                             break
                         self._preempt(loser)
                         continue
@@ -633,6 +651,9 @@ class Scheduler:
             ):
                 loser = self._band_victim(request, num_scheduled)
                 if loser is None:
+                    if self._holders_behind(request):
+                        skipped.append(self.waiting.pop())  # they run, and free blocks
+                        continue
                     break
                 # A worse band's KV: it goes back to the queue; look at the head again
                 # (its cache hits are read anew: the victim's blocks are free now).
@@ -789,6 +810,20 @@ class Scheduler:
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
         return errors
+
+    def _holders_behind(self, head: Request) -> bool:
+        """Whether a waiting request other than ``head`` holds blocks (a pull whose
+        KV landed, waiting to compute its tail in the blocks it was given). When
+        ``head`` cannot get blocks and nothing can be preempted for it, those go
+        past it: they need few or no new blocks and free theirs when they
+        finish, where waiting behind ``head`` would stall the engine (nothing
+        running frees a block)."""
+        return any(
+            r is not head
+            and r.status == RequestStatus.WAITING
+            and self.kv.num_request_blocks(r.request_id) > 0
+            for r in self.waiting.unordered()
+        )
 
     def _loaded_tokens(self, request: Request) -> int:
         """The tokens a request has once its remote load landed: its own hits and

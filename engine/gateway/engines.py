@@ -80,6 +80,7 @@ _PEER_PULL = {
     "waiting_prompt_tokens": m.ENGINE_WAITING_PROMPT_TOKENS.name,
     "kv_block_bytes": m.ENGINE_KV_BLOCK_BYTES.name,
     "step_token_budget": m.ENGINE_MAX_NUM_BATCHED_TOKENS.name,
+    "max_num_seqs": m.ENGINE_MAX_NUM_SEQS.name,
 }
 _PEER_ROWS = (
     m.ENGINE_KV_PEER_PULLS.name,
@@ -145,6 +146,8 @@ class EngineLoad:
     """Bytes a KV pull moves per block (0: no KV connector, cannot lend or pull)."""
     step_token_budget: float = 0.0
     """Tokens one step may schedule (0: not published, e.g. vLLM)."""
+    max_num_seqs: float = 0.0
+    """Requests it runs at once (0: not published, e.g. vLLM)."""
     peer_pulls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Per producer engine id: confirmed pulls into this engine, their bytes and seconds."""
     adapters: dict[str, tuple[str, str]] = field(default_factory=dict)

@@ -162,7 +162,7 @@ class EngineCosts:
     step_budget: float = 0.0
     """Tokens one of its steps may schedule (0: unknown)."""
     full: bool = False
-    """Requests waited there for room (a free slot, KV) at its last scrape: its
+    """Every slot was taken at its last scrape (``max_num_seqs`` running): its
     queue is not computed in its next step."""
     pulling: list[tuple[float, float]] = field(default_factory=list)
     """(monotonic time, bytes) of the pulls planned into it and not yet computed:
@@ -213,7 +213,7 @@ class PeerPull:
         c.busy = new.running + new.waiting > 0
         c.block_bytes = new.kv_block_bytes
         c.step_budget = new.step_token_budget
-        c.full = new.waiting > 0
+        c.full = 0 < new.max_num_seqs <= new.running
         tokens = new.prompt_tokens - old.prompt_tokens
         busy = new.prefill_busy_seconds - old.prefill_busy_seconds
         if tokens >= MIN_RATE_TOKENS and busy > 0:

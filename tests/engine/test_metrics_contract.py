@@ -36,7 +36,7 @@ def engine_config(kv_connector: str | None) -> SimpleNamespace:
             enable_prefix_caching=True,
             prefix_caching_hash_algo="sha256",
         ),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=8),
         kv_cache_dtype="auto",
         compat_hash=lambda: "c0ffee",
         resume_identity=lambda: "5eed",
@@ -224,6 +224,7 @@ def test_gateway_reads_its_routing_inputs_from_an_engine_scrape():
     assert (load.compat_hash, load.block_size) == ("c0ffee", 16)
     assert load.resume_identity == "5eed"
     assert load.step_token_budget == 2048  # peer pulls: what a lend shares a step with
+    assert load.max_num_seqs == 8
 
 
 def test_parser_falls_back_to_vllm_names_and_sums_label_sets():

@@ -146,11 +146,10 @@ def test_a_pulled_request_preempted_after_loading_finishes_and_frees_everything(
     assert s.kv.num_free_blocks == 8
 
 
-def test_a_lend_waits_behind_a_running_chunked_prefill():
-    """The holder's lend 'goes first' only among waiting requests: running
-    requests step first, and a long prompt's chunks take the whole budget: the
-    lend (one token) waits until that prefill is done, many steps, not the one
-    step that ``PeerPull.lend_wait`` predicts."""
+def test_a_lend_runs_in_the_next_step_beside_a_running_chunked_prefill():
+    """A long prompt's chunks would take each step's whole budget before the
+    waiting queue is looked at; a lend (one token) keeps its token from them
+    and runs in the next step, as ``PeerPull.lend_wait`` predicts."""
     remote = FakeRemote()
     s = make(num_blocks=64, tokens=64, connector=remote)
     s.add_request(request("warm", 17, max_tokens=1))
@@ -168,7 +167,8 @@ def test_a_lend_waits_behind_a_running_chunked_prefill():
         s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
         out = s.schedule()
         steps += 1
-    assert steps == 6  # (400 - 64) / 64 rounded up: the long prompt's whole prefill
+    assert steps == 1  # not 6: (400 - 64) / 64 rounded up, the long prompt's whole prefill
+    assert out.num_scheduled_tokens["long"] == 63  # the chunk gave the lend its token
 
 
 def _engine(url: str) -> EngineState:
@@ -177,13 +177,6 @@ def _engine(url: str) -> EngineState:
     return e
 
 
-@pytest.mark.xfail(
-    reason="skeptic: a holder whose queue exceeds its step budget reports waiting > 0 "
-    "(num_waiting_reqs counts token-budget waits); PeerPull takes that as 'full' and "
-    "charges its lend no queue at all, though the next step is filled by the "
-    "running chunks (see test_a_lend_waits_behind_a_running_chunked_prefill)",
-    strict=True,
-)
 def test_a_holder_waiting_for_token_budget_is_not_at_capacity():
     # The real scheduler's figures for a queue over one step's budget.
     s = make(num_blocks=256, tokens=64, seqs=8, max_len=2048)
@@ -223,12 +216,6 @@ def test_a_holder_waiting_for_token_budget_is_not_at_capacity():
     assert plan.lend_wait >= pp.in_progress("http://h") + 64 / rate
 
 
-@pytest.mark.xfail(
-    reason="skeptic: a deadlock the whole-prompt allocation does not prevent: loaded "
-    "requests hold their blocks in the queue behind a preempted request (pushed to "
-    "the front) that cannot fit; the waiting loop stops at the head, nothing runs",
-    strict=True,
-)
 def test_loaded_requests_behind_a_preempted_head_do_not_deadlock():
     remote = FakeRemote()
     s = make(num_blocks=9, tokens=64, max_len=64, connector=remote)

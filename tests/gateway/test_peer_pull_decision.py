@@ -252,9 +252,9 @@ def test_a_lend_shares_the_holders_next_step_with_its_queue_up_to_the_budget(fle
     # ... unless it is at capacity: its queue waits for a free slot, the lend does not.
     full = pp.plan(info(hashes, 100), h, [h, p], {HOLDER}, BS)
     assert full is not None and full.decision == "pull", full.options
-    # Or its own scrape shows requests waiting for room (sent there past this gateway).
+    # Or its own scrape shows every slot taken (requests sent there past this gateway).
     blocked = load(20_000, 2.0, waiting=5_000, budget=0)
-    blocked.running, blocked.waiting = 1, 3
+    blocked.running, blocked.waiting, blocked.max_num_seqs = 4, 3, 4
     pp.scraped(h, load(10_000, 1.0), blocked)
     plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
     assert plan is not None and plan.decision == "pull", plan.options
