@@ -263,6 +263,19 @@ def pulled(peers, body: dict, blocks: int) -> tuple[str, float]:
     return r.json()["choices"][0]["text"], scrape(peers["puller"])[PULLED] - before
 
 
+def test_an_engine_that_served_nothing_shows_its_kv_block_bytes(peers):
+    """``doomed`` has served nothing yet (the module's first test): the gateway's
+    decision must still see it can pull (its KV bytes per block, 0 for an engine
+    without a connector)."""
+    doomed = scrape(peers["doomed"].url)
+    assert doomed.get("pdfleet_engine_num_requests_running", 0) == 0
+    assert (
+        doomed["pdfleet_engine_kv_block_bytes"]
+        == scrape(peers["holder"])["pdfleet_engine_kv_block_bytes"]
+    )
+    assert doomed["pdfleet_engine_kv_block_bytes"] > 0
+
+
 def test_pull_from_a_peers_device_tier_is_token_identical(peers):
     body = body_of(1)
     complete(peers["holder"], {"prompt": body["prompt"][:200], "max_tokens": 1})
