@@ -44,6 +44,7 @@ from ..roles import (
     engine_command,
     gateway_peer_pull_settings,
     gateway_request_bounds,
+    peer_pulls,
     publishes_kv_events,
     role_engine_args,
 )
@@ -258,7 +259,9 @@ class LocalFleet:
         engine = identity.EngineIdentity.issue(
             self.authority,
             f"{self.service.name}/{name}",
-            role,
+            # A peer-pull engine (kv_both) pulls its peers' blocks, which only a
+            # consuming identity may: a prefill engine that lends and pulls is "both".
+            "both" if peer_pulls(self.spec, role) else role,
             self.service.name,
             IDENTITY_TTL_SECONDS,
         )

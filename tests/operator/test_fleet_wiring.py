@@ -10,6 +10,7 @@ import pytest
 from helpers.kube_schema import validate
 
 from pdfleet.engine.config.gateway import KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION
+from pdfleet.engine.contracts import identity
 from pdfleet.engine.entrypoints.openai.serving_base import load_chat_template
 from pdfleet.engine.gateway.discovery import EnginesFileDiscovery
 from pdfleet.operator.local.fleet import LocalFleet
@@ -457,12 +458,20 @@ def test_pdfleet_up_runs_prefill_peer_pulls_as_the_resource_asks(tmp_path):
     each other (kv_both) and publish KV events; the decode engines still consume;
     the gateway decides where each prefill leg runs (--peer-pull)."""
     fleet = local_fleet(tmp_path, {**SPEC, "prefill": {"peerPull": True}})
-    roles = {}
+    roles, identities = {}, {}
     for role in ("prefill", "decode"):
-        argv = fleet._engine_child(role).argv
-        roles[role] = json.loads(flag(argv, "--kv-transfer-config"))["kv_role"]
-        assert "--kv-events-config" in argv
+        child = fleet._engine_child(role)
+        roles[role] = json.loads(flag(child.argv, "--kv-transfer-config"))["kv_role"]
+        assert "--kv-events-config" in child.argv
+        own = identity.EngineIdentity.read(
+            child.env[identity.IDENTITY_FILE_ENV], child.env[identity.IDENTITY_AUTHORITY_ENV]
+        )
+        identities[role] = own.claims.role
     assert roles == {"prefill": "kv_both", "decode": "kv_consumer"}
+    # A prefill engine that pulls from its peers has an identity that may pull
+    # (their side channels refuse a "prefill" identity's claims).
+    assert identities == {"prefill": "both", "decode": "decode"}
+    assert identity.IdentityClaims("s", "both", "svc", b"k" * 32, 0.0).consumes
     config = fleet.gateway_config()
     assert config.peer_pull and config.prefix_blocks == 256
     assert not local_fleet(tmp_path, SPEC).gateway_config().peer_pull
