@@ -26,6 +26,15 @@ Setups:
   engine that first computed its prefix (directly, with the fleet token), on
   the ``exact`` fleet's engines with prompts of its own (same shape).
 
+With ``--pd`` the ``exact`` and ``pull`` fleets disaggregate (``mode: Always``):
+N prefill engines (``spec.prefill.peerPull`` for ``pull``) and one decode engine;
+the decision then picks the engine of each prefill leg, which may pull the prefix
+from the prefill engine holding it before it leases the whole prompt to decode.
+``holder`` has no P/D counterpart (a client cannot send a prefill leg itself) and
+is refused with ``--pd``; so is the ``vs_recompute`` comparison below (the decode
+leg's usage counts the whole prompt it pulled as cached, so the client cannot tell
+which prefill legs recomputed): it is reported as null.
+
 Both fleets are up for the whole run. Each of ``--rounds`` rounds runs every
 trace once per setup, one setup right after the other (the order rotates
 between rounds), on the round's own prompts, so the setups of a round share
@@ -39,7 +48,7 @@ to the ``exact`` p90 and, request by request, how many were more than 10%
 slower with pulls than without; the load average at the start of every run.
 
     .venv/bin/python benchmarks/peer_pull.py [--engines 3] [--rounds 3] [--traces forks]
-        [--json benchmarks/results/peer_pull_cpu.json]
+        [--pd] [--json benchmarks/results/peer_pull_cpu.json]
 """
 
 from __future__ import annotations
@@ -152,6 +161,16 @@ def tenants(args, rng: random.Random) -> list[dict[str, Any]]:
 
 
 def resource(args, peer_pull: bool) -> str:
+    roles: dict[str, Any] = {
+        "decode": {"replicas": args.engines, "peerPull": peer_pull},
+        "disaggregation": {"mode": "Disabled"},
+    }
+    if args.pd:
+        roles = {
+            "prefill": {"replicas": args.engines, "peerPull": peer_pull},
+            "decode": {"replicas": 1},
+            "disaggregation": {"mode": "Always"},
+        }
     return json.dumps(
         {
             "apiVersion": "pdfleet.dev/v1alpha1",
@@ -166,8 +185,7 @@ def resource(args, peer_pull: bool) -> str:
                     "maxNumSeqs": 16,
                 },
                 "kvTransfer": {"connector": "NixlConnector", "identity": "Disabled"},
-                "decode": {"replicas": args.engines, "peerPull": peer_pull},
-                "disaggregation": {"mode": "Disabled"},
+                **roles,
                 "gateway": {"kvEvents": True},
             },
         }
@@ -216,15 +234,21 @@ class UpFleet:
         secret = (run / "fleet-secret").read_bytes().strip()
         self.headers = {"authorization": f"Bearer {fleet_token(secret)}"}
         state = json.loads((run / "fleet.json").read_text())
-        self.engines = [e["url"] for e in state["engines"] if e["role"] == "decode"]
+        # The engines that compute prompts and lend them to each other: the decode
+        # engines of an aggregated fleet, the prefill engines of a P/D one (its
+        # decode engine's pulls are the P/D legs', not peer pulls).
+        role = "prefill" if args.pd else "decode"
+        self.engines = [e["url"] for e in state["engines"] if e["role"] == role]
+        self.all_engines = [e["url"] for e in state["engines"]]
 
     def metric(self, url: str, name: str, **labels: str) -> float:
         text = httpx.get(url + "/metrics", headers=self.headers, timeout=10).text
         series = parse_metrics(text, only=[name]).samples.get(name, ())
         return sum(v for found, v in series if all(found.get(k) == x for k, x in labels.items()))
 
-    def engines_total(self, name: str) -> float:
-        return sum(self.metric(u, name) for u in self.engines)
+    def engines_total(self, name: str, every: bool = False) -> float:
+        """``name`` summed over the lending engines (``every``: all of them)."""
+        return sum(self.metric(u, name) for u in (self.all_engines if every else self.engines))
 
     def status_line(self) -> str:
         out = subprocess.run(
@@ -348,7 +372,7 @@ def one_run(
     fleet: UpFleet, setup: str, reqs: list[dict[str, Any]]
 ) -> tuple[dict, list[float], list[int]]:
     """One trace on one fleet: its TTFTs and what the engines and gateway counted."""
-    before_tokens = fleet.engines_total(PROMPT_TOKENS)
+    before_tokens = fleet.engines_total(PROMPT_TOKENS, every=True)
     before_bytes = fleet.engines_total(PULL_BYTES)
     before_dec = {
         d: fleet.metric(fleet.url, DECISIONS, decision=d) for d in ("holder", "pull", "recompute")
@@ -359,7 +383,9 @@ def one_run(
     time.sleep(1.5)  # the engines' counters of the last steps
     row: dict[str, Any] = {
         "wall_s": round(wall, 2),
-        "prefill_tokens_computed": int(fleet.engines_total(PROMPT_TOKENS) - before_tokens),
+        "prefill_tokens_computed": int(
+            fleet.engines_total(PROMPT_TOKENS, every=True) - before_tokens
+        ),
         "prompt_tokens_sent": sum(len(r["prompt"]) for r in reqs),
         "bytes_pulled": int(fleet.engines_total(PULL_BYTES) - before_bytes),
     }
@@ -375,7 +401,7 @@ def one_run(
 def compare(
     exact: list[float],
     pull: list[float],
-    exact_cached: list[int],
+    exact_cached: list[int] | None,
     prompt_tokens: list[int],
 ) -> dict[str, Any]:
     """Pull against exact routing over the same requests.
@@ -384,24 +410,28 @@ def compare(
     half the prompt not from a cache: the parents, and the forks it sent away
     from the holder): the target's "no request slower than recomputing by
     more than 10%" compares each of them, served with peer pulls, against the
-    same request recomputed in the same round."""
+    same request recomputed in the same round (None: ``exact_cached`` unknown,
+    as in P/D)."""
     ratios = [b / a for a, b in zip(exact, pull, strict=True) if a > 0]
-    recomputed = [
-        i for i, (c, n) in enumerate(zip(exact_cached, prompt_tokens, strict=True)) if c < n / 2
-    ]
-    vs = [pull[i] / exact[i] for i in recomputed if exact[i] > 0]
+    vs_recompute: dict[str, Any] | None = None
+    if exact_cached is not None:
+        recomputed = [
+            i for i, (c, n) in enumerate(zip(exact_cached, prompt_tokens, strict=True)) if c < n / 2
+        ]
+        vs = [pull[i] / exact[i] for i in recomputed if exact[i] > 0]
+        vs_recompute = {
+            "requests": len(vs),
+            "over_10pct_slower": sum(1 for r in vs if r > 1.1),
+            "worst_ratio": round(max(vs), 3) if vs else None,
+            "median_ratio": round(percentile(vs, 50), 3) if vs else None,
+        }
     return {
         "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
         "p90_reduction_pct": round(100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1),
         "p50_ratio": round(percentile(pull, 50) / percentile(exact, 50), 3),
         "requests_over_10pct_slower": sum(1 for r in ratios if r > 1.1),
         "worst_request_ratio": round(max(ratios), 3),
-        "vs_recompute": {
-            "requests": len(vs),
-            "over_10pct_slower": sum(1 for r in vs if r > 1.1),
-            "worst_ratio": round(max(vs), 3) if vs else None,
-            "median_ratio": round(percentile(vs, 50), 3) if vs else None,
-        },
+        "vs_recompute": vs_recompute,
     }
 
 
@@ -425,13 +455,35 @@ def main() -> int:
     p.add_argument("--tenant-prompt", type=int, default=2000)
     p.add_argument("--tenant-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=8.0)
-    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="P/D fleets: --engines prefill engines (peer pulls on them) and one decode",
+    )
+    p.add_argument("--setups", default=None, help="default: exact,pull,holder (--pd: exact,pull)")
     p.add_argument("--traces", default=",".join(TRACES))
-    p.add_argument("--json", default="benchmarks/results/peer_pull_cpu.json")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="default: benchmarks/results/peer_pull_cpu.json (--pd: peer_pull_pd_cpu.json)",
+    )
     args = p.parse_args()
     builders = {"multiturn": multiturn, "forks": forks, "tenants": tenants}
     traces = [t for t in args.traces.split(",") if t]
+    if args.json is None:
+        name = "peer_pull_pd_cpu.json" if args.pd else "peer_pull_cpu.json"
+        args.json = f"benchmarks/results/{name}"
+    if args.setups is None:
+        args.setups = "exact,pull" if args.pd else ",".join(SETUPS)
     setups = [s for s in args.setups.split(",") if s]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown or (args.pd and "holder" in setups):
+        p.error(
+            f"--setups: {', '.join(unknown)} unknown (one of {', '.join(SETUPS)})"
+            if unknown
+            else "--setups: holder has no P/D form (a client cannot send a prefill leg); "
+            "use exact,pull with --pd"
+        )
     # Every setup's fleet is up for the whole run, and each round runs each trace
     # once per setup, one setup after the other in an order that rotates between
     # rounds, with the round's own prompts (a new seed: no setup finds them cached
@@ -484,7 +536,7 @@ def main() -> int:
                     entry["pull_vs_exact"] = compare(
                         ttfts[trace]["exact"][-1],
                         ttfts[trace]["pull"][-1],
-                        cacheds[trace]["exact"][-1],
+                        None if args.pd else cacheds[trace]["exact"][-1],
                         lengths[trace][-1],
                     )
                 rounds[trace].append(entry)
@@ -520,7 +572,9 @@ def main() -> int:
             pooled_cached = [c for cs in cacheds[trace]["exact"] for c in cs]
             pooled_len = [n for ns in lengths[trace] for n in ns]
             out["pull_vs_exact"] = {
-                **compare(pooled_exact, pooled_pull, pooled_cached, pooled_len),
+                **compare(
+                    pooled_exact, pooled_pull, None if args.pd else pooled_cached, pooled_len
+                ),
                 "p90_ratio_per_round": per_round,
             }
         results[trace] = out
@@ -529,6 +583,9 @@ def main() -> int:
         "machine": f"{os.cpu_count()} CPU cores, shared with other work; load average "
         f"{min(load):.1f}-{max(load):.1f} during the run",
         "engines": args.engines,
+        "fleet": f"P/D: {args.engines} prefill engines, 1 decode (mode Always)"
+        if args.pd
+        else f"aggregated: {args.engines} engines",
         "model": args.model,
         "rounds": args.rounds,
         "status_line": status,

@@ -266,6 +266,16 @@ class EngineMetrics:
             self._observe(m.ENGINE_E2E, [e2e])
             self._observe(m.ENGINE_QUEUE_TIME, [queue_s])
 
+    def update_kv_layout(self, engine: LLMEngine) -> None:
+        """Once, before serving (loader thread): the KV bytes a pull moves per
+        block. The gateway's peer-pull decision takes an engine without it for one
+        that cannot pull, so an engine that has served nothing yet must show it
+        too (``update`` runs only after steps)."""
+        if self.has_kv and engine.connector is not None:
+            kv = engine.connector.scheduler.stats_snapshot()
+            if kv is not None and kv.block_bytes is not None:
+                self._set(m.ENGINE_KV_BLOCK_BYTES, kv.block_bytes)
+
     def update_adapters(self, engine: LLMEngine) -> None:
         """Publish the LoRA series alone: at start, so the adapters of
         --lora-modules are in /metrics (where the gateway learns which engine

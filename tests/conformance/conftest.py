@@ -5,8 +5,11 @@ Both serve the tiny model (the server with ``--reasoning-parser qwen3``) with a
 generation-config default of
 ``DEFAULT_MAX_TOKENS`` output tokens (``--override-generation-config``), so a
 request without ``max_tokens`` proves that default wins over the context.
-The fleet runs NIXL between one prefill and one decode engine, ``Always``
-disaggregated: every request that can take two legs does.
+The fleet runs NIXL between two prefill engines and one decode engine,
+``Always`` disaggregated: every request that can take two legs does. Its prefill
+engines pull cached prefixes from each other (``peerPull``): the gateway may run
+a prefill leg on the engine that does not hold the prompt's prefix, which pulls
+it first (``test_fleet_peer_pulls.py``); every case's answer must be the same.
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ def _processes(tiny_model, tmp_path_factory):
         logs,
         "serve",
     )
-    spec = fleet_spec(tiny_model, disaggregation={"mode": "Always"})
+    spec = fleet_spec(
+        tiny_model,
+        disaggregation={"mode": "Always"},
+        prefill={"replicas": 2, "peerPull": True},
+    )
     spec["spec"]["engine"]["overrideGenerationConfig"] = {"max_new_tokens": DEFAULT_MAX_TOKENS}
     up = Up(spec, logs, "fleet")
     try:
         server.wait_healthy(300)
         up.wait_ready(300)
-        yield {"serve": server.url, "fleet": up.url}
+        yield {"serve": server.url, "fleet": up.url, "up": up}
     finally:
         server.stop()
         up.stop()
@@ -61,6 +68,12 @@ def serve_url(_processes) -> str:
 @pytest.fixture(scope="session")
 def fleet_url(_processes) -> str:
     return _processes["fleet"]
+
+
+@pytest.fixture(scope="session")
+def fleet_up(_processes) -> Up:
+    """The fleet's `pdfleet up` (its engines' addresses)."""
+    return _processes["up"]
 
 
 @pytest.fixture(params=["serve", "fleet"])

@@ -87,7 +87,11 @@ class PausableForwarder:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            except OSError:  # the engine is gone (killed by a test)
+                client.close()
+                continue
             upstream.settimeout(None)
             threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
@@ -196,6 +200,7 @@ def peers(wide_model, tmp_path_factory):
         yield {
             "events": {"holder": (forwarder.port, ports["holder"][1]), "puller": ports["puller"]},
             "holder": holder.url,
+            "holder_proc": holder,
             "puller": puller.url,
             "gateway": gateway.url,
             "logs": logs,
@@ -256,6 +261,19 @@ def pulled(peers, body: dict, blocks: int) -> tuple[str, float]:
     # connector's tokens): the puller computed only the tail.
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
     return r.json()["choices"][0]["text"], scrape(peers["puller"])[PULLED] - before
+
+
+def test_an_engine_that_served_nothing_shows_its_kv_block_bytes(peers):
+    """``doomed`` has served nothing yet (the module's first test): the gateway's
+    decision must still see it can pull (its KV bytes per block, 0 for an engine
+    without a connector)."""
+    doomed = scrape(peers["doomed"].url)
+    assert doomed.get("pdfleet_engine_num_requests_running", 0) == 0
+    assert (
+        doomed["pdfleet_engine_kv_block_bytes"]
+        == scrape(peers["holder"])["pdfleet_engine_kv_block_bytes"]
+    )
+    assert doomed["pdfleet_engine_kv_block_bytes"] > 0
 
 
 def test_pull_from_a_peers_device_tier_is_token_identical(peers):
@@ -372,7 +390,7 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
 def pd_gateway(peers):
     """A second gateway over the same engines as a P/D fleet: the holder and the
     puller are its prefill engines, ``doomed`` its decode engine (so this runs
-    before the test that kills it)."""
+    before the tests that kill them: the holder, then ``doomed``)."""
     logs = peers["logs"]
     engines_file = logs / "pd-engines.json"
     engines_file.write_text(
@@ -430,6 +448,8 @@ class HolderQueued:
 
     def __init__(self, peers, gateway: str, tokens: int = 3000) -> None:
         self.holder = peers["holder"]
+        self.killed = False
+        """Set when a test killed the holder: nothing is left to drain."""
         queued = {"prompt": prompt_of(tokens // 3, 960), "max_tokens": 1}
         complete(self.holder, queued)
         self.pool = ThreadPoolExecutor(4)
@@ -467,6 +487,8 @@ class HolderQueued:
         self.stop.set()  # the queued prompts run once the decode is dropped
         self.pool.shutdown(wait=True)
         self.client.close()
+        if self.killed:
+            return
         assert wait_until(
             lambda: (
                 scrape(self.holder).get("pdfleet_engine_num_requests_running", 0)
@@ -835,35 +857,7 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
     assert text == recomputed(puller, body)
 
 
-# -- the gateway -----------------------------------------------------------------------
-
-
-def test_holder_killed_mid_pull_recomputes_correctly(peers):
-    doomed = peers["doomed"]
-    body = body_of(4)
-    try:
-        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
-        r = lend(doomed.url, body, 200 // BLOCK)
-        assert r.status_code == 200, r.text
-        params = r.json()["kv_transfer_params"]
-        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
-        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
-            assert wait_until(
-                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
-                timeout=30,
-                interval=0.02,
-            )
-            os.kill(doomed.proc.pid, signal.SIGKILL)
-            text = fut.result(timeout=60)
-    finally:
-        peers["delay"].write_text("0")
-    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
-    assert text == recomputed(peers["puller"], body)
-
-
-# -- P/D: a decode engine lends what it decoded ------------------------------------------
+# -- a holder killed mid-pull ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -995,3 +989,86 @@ def test_a_prefill_leg_pulls_the_prefix_a_decode_engine_holds(peers, pd_lender_g
     assert scrape(puller)[PULLED] - into_prefill == held - own  # what only the holder had
     assert scrape(holder)[PULLED] - into_decode == leased - held  # the tail, back
     assert text == recomputed(puller, body)
+
+
+def test_a_pd_prefill_leg_whose_holder_is_killed_mid_pull_recomputes_and_still_lends(
+    peers, pd_gateway
+):
+    """Through the P/D gateway: the prefill leg goes to the puller, which pulls the
+    prefix from the (busy) holder; the holder is killed while the READ is in flight.
+    The puller computes the whole prompt and still leases it to the decode engine:
+    the client's answer is the plain computation's. (The holder stays dead: the
+    module's later tests use the puller and ``doomed`` only.)"""
+    gw, puller, decode = pd_gateway, peers["puller"], peers["doomed"]
+    measured(peers, gw)
+    # Twice the other P/D tests' prefix: the pull (the pair is measured by now, so
+    # the decision weighs its cost) wins over recomputing by a wide margin.
+    prefix = prompt_of(2 * PD_PREFIX, 4545)
+    primed(peers, prefix, gw)
+    body = {
+        "prompt": prefix + prompt_of(40, 95),
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    pulls = decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost")
+    failures = scrape(puller).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+    computed = scrape(puller).get(PROMPT_TOKENS, 0.0)
+    into_decode = scrape(decode.url).get(PULLED, 0.0)
+    queued = HolderQueued(peers, gw)
+    try:
+        peers["delay"].write_text("1.5")  # the puller's READ waits: kill the holder meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(via_gateway, gw, body)
+            assert wait_until(
+                lambda: (
+                    fut.done() or scrape(puller).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0
+                ),
+                timeout=30,
+                interval=0.02,
+            )
+            assert not fut.done(), (  # answered without a pull: the decision did not pull
+                counted(gw),
+                [e["peer_pull"] for e in engines_view(gw)["engines"]],
+            )
+            os.kill(peers["holder_proc"].proc.pid, signal.SIGKILL)
+            queued.killed = True
+            text = fut.result(timeout=60)
+    finally:
+        peers["delay"].write_text("0")
+        queued.__exit__(None, None, None)
+    assert decisions(gw, "pull", "explore") + decisions(gw, "pull", "cost") == pulls + 1
+    assert scrape(puller)["pdfleet_engine_kv_transfer_failures_total"] > failures
+    # The puller computed the whole prompt (nothing of it was pulled) ...
+    assert scrape(puller)[PROMPT_TOKENS] - computed == len(body["prompt"])
+    # ... and leased all of it: the decode engine pulled every full block from it.
+    assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
+    assert text == recomputed(puller, body)
+
+
+def test_holder_killed_mid_pull_recomputes_correctly(peers):
+    doomed = peers["doomed"]
+    body = body_of(4)
+    try:
+        complete(doomed.url, {"prompt": body["prompt"][:200], "max_tokens": 1})
+        r = lend(doomed.url, body, 200 // BLOCK)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        failures = scrape(peers["puller"]).get("pdfleet_engine_kv_transfer_failures_total", 0.0)
+        peers["delay"].write_text("1.5")  # the READ waits: kill the holder meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, peers["puller"], body, kv_transfer_params=params)
+            assert wait_until(
+                lambda: scrape(peers["puller"]).get("pdfleet_engine_kv_pulls_in_flight", 0) > 0,
+                timeout=30,
+                interval=0.02,
+            )
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            text = fut.result(timeout=60)
+    finally:
+        peers["delay"].write_text("0")
+    assert scrape(peers["puller"])["pdfleet_engine_kv_transfer_failures_total"] > failures
+    assert text == recomputed(peers["puller"], body)
+
+
+# -- P/D: a decode engine lends what it decoded ------------------------------------------

@@ -133,6 +133,7 @@ class ServerState:
                 engine.config, resume_identity=engine.config.resume_identity(self.resume_serving())
             )
             self.metrics.update_adapters(engine)
+            self.metrics.update_kv_layout(engine)
             self.engine = AsyncEngine(
                 engine, self.max_waiting_requests, self.on_step, on_fatal=self.on_fatal
             )
