@@ -16,7 +16,12 @@ Per burst seed of a regime:
    count at every boundary from the onset's period on, so (with more replicas
    never worse) it misses 99% too. So a policy that meets 99% on this seed's
    surge must, at some boundary from the onset's period to ``B_L``, request
-   more than ``C`` replicas of some role: it must *fire* by ``B_L``.
+   more than ``C`` replicas of some role: it must *fire* by ``B_L``
+   (``--delta``: by how many more, found by raising the held level until the
+   ceiling meets 99%). Every premise the ceiling rests on is inherited: more
+   replicas are never worse, and no policy holds more than the ceiling
+   before the onset's period. ``L`` is read off the seed's realisation;
+   ``--redraw`` plays blind L and L + 1 on fresh arrivals of the same surge.
 
 2. **The detection bound.** Whether it fires by ``B_L`` is a function of what
    it saw up to ``B_L``. On the burst trace the arrivals before the onset are
@@ -35,9 +40,10 @@ Per burst seed of a regime:
    more), so the count test's level, printed beside it, is what a rate
    threshold needs, not the bound. ``T``'s law is a compound Poisson sum,
    computed on a lattice: flooring and ceiling each arrival's weight to the
-   lattice brackets ``T`` pathwise, which brackets alpha* rigorously
-   (``alpha_lr_low`` <= alpha* <= ``alpha_lr_high``; tails under 1e-12 are
-   below the FFT's rounding and printed as such).
+   lattice brackets ``T`` pathwise, which brackets alpha*
+   (``alpha_lr_low`` <= alpha* <= ``alpha_lr_high``, less and plus an
+   allowance for the FFT's rounding, ``rounding``: at least 1e-12, so
+   smaller tails read as 0). ``--check`` samples the same level.
 
 3. **Per hour of steady load** (assumption: the policy is time-invariant, so
    the surge placed at any boundary of the hour must be met as well and the
@@ -52,6 +58,9 @@ Per burst seed of a regime:
    more replicas than ``C`` the held level must exceed before the ceiling
    meets 99%, which multiplies it), set against the steady cost budget
    (0.10 x the steady trace's B* replica-seconds, from the matrix JSON).
+   Reading one against the other assumes the policy pays at least B*'s rate
+   outside its excursions; ``..._if_alarm_is_one_step`` further assumes
+   each false alarm is a whole ``maxScaleUpStep``. Neither is proven.
 
 The ceiling figures of blinds the ``--reaction`` JSON holds (the surge
 reaction benchmark's) are reused; the first missing blind is always
@@ -59,6 +68,7 @@ simulated again (its schedule gives ``C``) and checked against a stored
 figure where there is one.
 
     .venv/bin/python -P benchmarks/autoscaling_detection_bound.py --seeds 0-9,100,101 \\
+        --delta 1,5,100 --redraw 1 --draws 2 --check 20000 \\
         --out benchmarks/results/autoscaling_detection_bound_gpu.json
 """
 
