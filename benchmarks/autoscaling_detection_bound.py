@@ -43,7 +43,9 @@ Per burst seed of a regime:
    lattice brackets ``T`` pathwise, which brackets alpha*
    (``alpha_lr_low`` <= alpha* <= ``alpha_lr_high``, less and plus an
    allowance for the FFT's rounding, ``rounding``: at least 1e-12, so
-   smaller tails read as 0). ``--check`` samples the same level.
+   smaller tails read as 0). ``--check`` samples the same level;
+   ``--scan-seeds`` samples what a detector told neither onset nor factor
+   reaches (:func:`scan_detector`).
 
 3. **Per hour of steady load** (assumption: the policy is time-invariant, so
    the surge placed at any boundary of the hour must be met as well and the
@@ -68,7 +70,7 @@ simulated again (its schedule gives ``C``) and checked against a stored
 figure where there is one.
 
     .venv/bin/python -P benchmarks/autoscaling_detection_bound.py --seeds 0-9,100,101 \\
-        --delta 1,5,100 --redraw 1 --draws 2 --check 20000 \\
+        --delta 1,5,100 --redraw 1 --draws 2 --check 20000 --scan-seeds 1,5,100 \\
         --out benchmarks/results/autoscaling_detection_bound_gpu.json
 """
 
@@ -88,7 +90,7 @@ import numpy as np
 
 from pdfleet.operator.autoscaling_lab.ceiling import first_surge_ceiling
 from pdfleet.operator.autoscaling_lab.matrix import case_spec
-from pdfleet.operator.autoscaling_lab.regimes import regime
+from pdfleet.operator.autoscaling_lab.regimes import GPU_TRACE, regime
 from pdfleet.operator.autoscaling_lab.sim import (
     COST_TARGETS,
     FLAP_WINDOW_SECONDS,
@@ -123,6 +125,9 @@ WINDOW_SDS = 14.0
 # The most lattice points one law is computed on (memory: a few of these
 # arrays at once).
 MAX_POINTS = 1 << 21
+# The burst generator's range of surge factors (the scan detector assumes
+# the middle one).
+SCAN_FACTORS = GPU_TRACE.burst_factor
 
 
 # --------------------------------------------------------------------------
@@ -307,6 +312,45 @@ def sampled(surge: Surge, tau: float, p: float, draws: int, seed: int = 1) -> di
     return {"alpha": share, "stderr": math.sqrt(max(share * (1 - share), 1e-12) / draws)}
 
 
+def scan_detector(
+    surge: Surge, tau: float, powers: tuple[float, ...], draws: int, seed: int = 2
+) -> dict[str, float]:
+    """What one causal detector reaches (a sampled check on how loose the
+    bound is, not a bound): it knows neither the onset nor the factor; at a
+    boundary it takes the largest log-likelihood ratio, over onsets every
+    0.5 s in the last 60 s, of a ramp at the generator's middle factor
+    against the base rate. Its threshold fires on the surge at the boundary
+    ``tau`` after the onset with probability p (``draws`` surge windows);
+    the share of ``2 * draws`` steady windows above it is its false-alarm
+    probability at one boundary (a window of w boundaries: at most w times
+    that)."""
+    rng = np.random.default_rng(seed)
+    lam, horizon, step = surge.base_rate, 60.0, 0.5
+    slope = (sum(SCAN_FACTORS) / 2 - 1) / surge.ramp
+    boundary = surge.onset + tau
+    starts = np.arange(boundary - horizon, boundary, step)
+
+    def stat(times: np.ndarray) -> float:
+        x = np.clip(times[None, :] - starts[:, None], 0.0, None)
+        gain = np.log1p(slope * x).sum(axis=1) - lam * slope * (boundary - starts) ** 2 / 2
+        return float(gain.max())
+
+    def window(surged: bool) -> np.ndarray:
+        lo = boundary - horizon
+        times = lo + rng.random(rng.poisson(lam * horizon)) * horizon
+        if surged:
+            # The ramp's extra arrivals, thinned from its rate at the boundary.
+            top = lam * surge.slope * tau
+            extra = surge.onset + rng.random(rng.poisson(top * tau)) * tau
+            keep = rng.random(len(extra)) * top < lam * surge.slope * (extra - surge.onset)
+            times = np.concatenate([times, extra[keep]])
+        return times
+
+    surge_stats = np.array([stat(window(True)) for _ in range(draws)])
+    steady_stats = np.array([stat(window(False)) for _ in range(2 * draws)])
+    return {str(p): float(np.mean(steady_stats > np.quantile(surge_stats, 1 - p))) for p in powers}
+
+
 def per_hour(alpha: float, window: int, period: float) -> dict[str, float]:
     """From a window's false-alarm probability to steady load's hour (module
     docstring, step 3)."""
@@ -475,7 +519,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def _row(
-    base: Any, seed: int, sim: dict[str, Any], max_k: int, check: int, budget: float
+    base: Any, seed: int, sim: dict[str, Any], max_k: int, check: int, scan: int, budget: float
 ) -> dict[str, Any]:
     """One seed's detection figures at each boundary and, where the ceiling
     has a latest boundary L, the bound there (module docstring)."""
@@ -510,7 +554,11 @@ def _row(
         "least_excess": excess,
         "powers": {},
     }
+    scanned = scan_detector(surge, tau, POWERS, scan) if scan else {}
     for p, b in bound["powers"].items():
+        if p in scanned:
+            b["scan_one_boundary"] = scanned[p]
+            b["scan_window_at_most"] = min(window * scanned[p], 1.0)
         if check:
             b["sampled"] = sampled(surge, tau, float(p), check)
         hour = per_hour(b["alpha_lr_low"], window, surge.period)
@@ -594,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also sample the bound's level with this many draws per seed and power (a check)",
     )
+    parser.add_argument(
+        "--scan-seeds", default="", help="seeds on which the scan detector is sampled"
+    )
+    parser.add_argument(
+        "--scan", type=int, default=1500, help="surge windows the scan detector is sampled on"
+    )
     parser.add_argument("--sims", type=Path, default=None, help="JSON of simulated figures kept")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -625,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _parse_seeds(args.seeds)
     delta_seeds = set(_parse_seeds(args.delta))
     redraw_seeds = set(_parse_seeds(args.redraw))
+    scan_seeds = set(_parse_seeds(args.scan_seeds))
     missing = [s for s in seeds if s not in sizing]
     if missing:
         parser.error(f"no B* for burst seeds {missing} in {', '.join(map(str, sources))}")
@@ -656,7 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.sims.write_text(json.dumps(done, indent=1) + "\n")
     sims = [done[s] for s in seeds]
     rows = [
-        _row(base, seed, sim, args.max_k, args.check, budget)
+        _row(
+            base, seed, sim, args.max_k, args.check, args.scan if seed in scan_seeds else 0, budget
+        )
         for seed, sim in zip(seeds, sims, strict=True)
     ]
     _print(rows, steady_bstar, budget)
