@@ -183,6 +183,11 @@ def resource(args, peer_pull: bool) -> str:
                     "dtype": "float32",
                     "maxModelLen": args.max_model_len,
                     "maxNumSeqs": 16,
+                    **(
+                        {"kvCacheMemoryBytes": args.kv_cache_memory_bytes}
+                        if args.kv_cache_memory_bytes
+                        else {}
+                    ),
                 },
                 "kvTransfer": {"connector": "NixlConnector", "identity": "Disabled"},
                 **roles,
@@ -440,6 +445,13 @@ def main() -> int:
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--model", default="builtin://tiny")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="each engine's KV cache (spec.engine.kvCacheMemoryBytes; the CPU default "
+        "holds one max-model-len sequence of SmolLM2)",
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--users", type=int, default=6)
