@@ -492,14 +492,14 @@ class Scheduler:
         # finishes in the step it runs in) keep their tokens from the running
         # requests' chunks: a lend runs in the next step, not after a long prompt's
         # last chunk (the gateway's cost model counts on it).
-        lend_reserve = min(
-            budget - 1,
-            sum(
-                max(1, r.num_tokens - _lend_blocks(r) * self.block_size)
-                for r in self.waiting.unordered()
-                if _lend_blocks(r) and r.num_computed_tokens == 0
-            ),
+        lends = sorted(
+            max(1, r.num_tokens - _lend_blocks(r) * self.block_size)
+            for r in self.waiting.unordered()
+            if _lend_blocks(r) and r.num_computed_tokens == 0
         )
+        # No more than can join this step (up to LEND_SLOTS past max_num_seqs).
+        lends = lends[: max(0, self.max_num_seqs + LEND_SLOTS - len(self.running))]
+        lend_reserve = min(budget - 1, sum(lends))
         budget -= max(0, lend_reserve)
 
         # 1. Running requests keep going (decode, or the next chunk of a prompt).
@@ -543,11 +543,23 @@ class Scheduler:
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
+        # Waiting requests that hold blocks (pulls whose KV landed): when a request
+        # cannot get blocks and nothing can be preempted for it, only these go past
+        # it for the rest of the step (``holders_only``).
+        holders = {
+            r.request_id
+            for r in self.waiting.unordered()
+            if r.status == RequestStatus.WAITING and self.kv.num_request_blocks(r.request_id)
+        }
+        holders_only = False
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         while not preempted and budget > 0:
             if not self.waiting:
                 break
             request = self.waiting.peek()
+            if holders_only and request.request_id not in holders:
+                skipped.append(self.waiting.pop())  # behind a blocked head: holders only
+                continue
             if len(self.running) >= self.max_num_seqs and not (
                 _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
             ):
@@ -621,7 +633,8 @@ class Scheduler:
                         # (its running requests sit this step out for this one).
                         loser = self._band_victim(request, num_scheduled)
                         if loser is None:
-                            if self._holders_behind(request):
+                            if holders - {request.request_id}:
+                                holders_only = True
                                 skipped.append(self.waiting.pop())
                                 continue
                             break
@@ -651,8 +664,12 @@ class Scheduler:
             ):
                 loser = self._band_victim(request, num_scheduled)
                 if loser is None:
-                    if self._holders_behind(request):
-                        skipped.append(self.waiting.pop())  # they run, and free blocks
+                    if holders - {request.request_id}:
+                        # Landed pulls behind it need few or no new blocks and free
+                        # theirs when they finish; waiting behind this request would
+                        # stall the engine (nothing running frees a block).
+                        holders_only = True
+                        skipped.append(self.waiting.pop())
                         continue
                     break
                 # A worse band's KV: it goes back to the queue; look at the head again
@@ -810,20 +827,6 @@ class Scheduler:
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
         return errors
-
-    def _holders_behind(self, head: Request) -> bool:
-        """Whether a waiting request other than ``head`` holds blocks (a pull whose
-        KV landed, waiting to compute its tail in the blocks it was given). When
-        ``head`` cannot get blocks and nothing can be preempted for it, those go
-        past it: they need few or no new blocks and free theirs when they
-        finish, where waiting behind ``head`` would stall the engine (nothing
-        running frees a block)."""
-        return any(
-            r is not head
-            and r.status == RequestStatus.WAITING
-            and self.kv.num_request_blocks(r.request_id) > 0
-            for r in self.waiting.unordered()
-        )
 
     def _loaded_tokens(self, request: Request) -> int:
         """The tokens a request has once its remote load landed: its own hits and

@@ -54,12 +54,6 @@ def warm(s, blocks: int = 2) -> None:
         step(s)
 
 
-@pytest.mark.xfail(
-    reason="skeptic: the skip past a head that cannot get blocks lets every request "
-    "behind it go, not only the landed pulls it was made for: a plain request that "
-    "holds no block and arrived after the head is scheduled before it (FCFS broken)",
-    strict=True,
-)
 def test_only_holders_go_past_a_head_that_cannot_get_blocks():
     s = make(num_blocks=12, tokens=64, max_len=128, connector=FakeRemote())
     s.add_request(request("r", 40, max_tokens=20, first=1000))  # 5 blocks, grows
@@ -114,12 +108,6 @@ def _decoding(s, n: int) -> None:
     assert len(s.running) == n
 
 
-@pytest.mark.xfail(
-    reason="skeptic: lend_reserve sums every waiting lend's token, though at most "
-    "LEND_SLOTS past max_num_seqs run in a step: 20 lends at a budget of 16 leave the "
-    "running decodes 1 token (7 of 8 skip the step) and 7 tokens of the step unused",
-    strict=True,
-)
 def test_waiting_lends_past_the_lend_slots_take_no_token_from_running_decodes():
     s = make(num_blocks=128, tokens=16, seqs=8, max_len=128)
     warm(s)
@@ -133,12 +121,6 @@ def test_waiting_lends_past_the_lend_slots_take_no_token_from_running_decodes():
     assert len(decodes) == 8, out.num_scheduled_tokens  # the budget holds all 16 tokens
 
 
-@pytest.mark.xfail(
-    reason="skeptic: _holders_behind counts a landed pull that cannot run itself (its "
-    "adapter has no slot): the head is skipped for it, the holder stays put and frees "
-    "nothing, and only a newcomer that holds no block goes past the head",
-    strict=True,
-)
 def test_a_head_is_not_skipped_for_a_holder_that_cannot_run_either():
     s = make(num_blocks=12, tokens=64, max_len=128, connector=FakeRemote())
     s.max_loras = 1
@@ -163,10 +145,10 @@ def test_a_head_is_not_skipped_for_a_holder_that_cannot_run_either():
 
 
 @pytest.mark.xfail(
-    reason="skeptic: under the priority policy the skip lets a worse band's landed pull "
-    "and a worse band's newcomer start past a better band's head that cannot get blocks; "
-    "in the next step the head preempts both as band victims (the pulled KV is thrown "
-    "away, the newcomer's prefill wasted) and still does not fit",
+    reason="under the priority policy a worse band's landed pull goes past a better "
+    "band's head that cannot get blocks; in the next step the head preempts it as a band "
+    "victim (the pulled KV is thrown away) though that does not free enough for it: "
+    "band preemption does not check that the victims would make room",
     strict=True,
 )
 def test_a_worse_band_let_past_a_blocked_head_is_not_preempted_for_nothing():
@@ -187,13 +169,6 @@ def test_a_worse_band_let_past_a_blocked_head_is_not_preempted_for_nothing():
     assert s.num_preemptions == 0 or "head" in second.num_scheduled_tokens
 
 
-@pytest.mark.xfail(
-    reason="skeptic: each waiting request that cannot get blocks rescans the whole "
-    "queue for a holder (O(waiting^2) per step) and, while a holder that cannot run "
-    "sits behind them, every step tries every request: 2000 waiting took ~0.8 s per "
-    "schedule() on this machine",
-    strict=True,
-)
 def test_the_skip_past_blocked_requests_is_linear_in_the_queue(monkeypatch):
     s = make(num_blocks=12, tokens=4096, seqs=4096, max_len=128, connector=FakeRemote())
     s.max_loras = 1
