@@ -629,16 +629,13 @@ class Scheduler:
                         host_hits=host_hits,
                     )
                     if allocated is None:
-                        # As for a request computed here: a worse band's KV makes room
-                        # (its running requests sit this step out for this one).
-                        loser = self._band_victim(request, num_scheduled)
-                        if loser is None:
-                            if holders - {request.request_id}:
-                                holders_only = True
-                                skipped.append(self.waiting.pop())
-                                continue
+                        # As for a request computed here (below).
+                        room = self._make_room(request, num_scheduled, holders)
+                        if room == "stop":
                             break
-                        self._preempt(loser)
+                        if room == "skip":
+                            holders_only = True
+                            skipped.append(self.waiting.pop())
                         continue
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)
@@ -662,19 +659,14 @@ class Scheduler:
                 self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
                 is None
             ):
-                loser = self._band_victim(request, num_scheduled)
-                if loser is None:
-                    if holders - {request.request_id}:
-                        # Landed pulls behind it need few or no new blocks and free
-                        # theirs when they finish; waiting behind this request would
-                        # stall the engine (nothing running frees a block).
-                        holders_only = True
-                        skipped.append(self.waiting.pop())
-                        continue
+                room = self._make_room(request, num_scheduled, holders)
+                if room == "stop":
                     break
-                # A worse band's KV: it goes back to the queue; look at the head again
-                # (its cache hits are read anew: the victim's blocks are free now).
-                self._preempt(loser)
+                if room == "skip":
+                    holders_only = True
+                    skipped.append(self.waiting.pop())
+                # Preempted: look at the head again (its cache hits are read anew:
+                # the victim's blocks are free now).
                 continue
             self.waiting.pop()
             if computed_blocks or host_hits or request.num_computed_tokens == 0:
@@ -827,6 +819,20 @@ class Scheduler:
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
         return errors
+
+    def _make_room(self, request: Request, scheduled: dict[str, int], holders: set[str]) -> str:
+        """A waiting request found too few free blocks. ``"preempted"``: a worse
+        band's running request gave its KV up (that band sits this step out for
+        this one); ``"skip"``: nothing can be preempted for it, but landed pulls
+        wait behind it (``holders``): they need few or no new blocks and free
+        theirs when they finish, so they go past it, where waiting behind it
+        would stall the engine (nothing running frees a block); ``"stop"``:
+        nothing joins past it this step."""
+        loser = self._band_victim(request, scheduled)
+        if loser is not None:
+            self._preempt(loser)
+            return "preempted"
+        return "skip" if holders - {request.request_id} else "stop"
 
     def _loaded_tokens(self, request: Request) -> int:
         """The tokens a request has once its remote load landed: its own hits and

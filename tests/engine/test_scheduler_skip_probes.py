@@ -6,34 +6,17 @@ from __future__ import annotations
 
 import pytest
 from engine.test_scheduler import FakeRemote, make, request
+from engine.test_scheduler_pull_probes import loading, pulling, sample
 
 from pdfleet.engine.contracts.kv_params import KVTransferParams
 from pdfleet.engine.core.sched_output import ModelRunnerOutput
 from pdfleet.engine.request import RequestStatus
 
 
-def pulling(rid: str, n: int, first: int = 0, max_tokens: int = 4):
-    r = request(rid, n, max_tokens=max_tokens, first=first)
-    r.kv_transfer_params = KVTransferParams(do_remote_prefill=True)
-    return r
-
-
 def lend(rid: str, blocks: int = 2):
     r = request(rid, blocks * 8 + 1, max_tokens=1)
     r.kv_transfer_params = KVTransferParams(do_remote_decode=True, lend_blocks=blocks)
     return r
-
-
-def sample(s, out) -> dict[str, int]:
-    return {
-        rid: 1
-        for rid in out.num_scheduled_tokens
-        if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens
-    }
-
-
-def loading(s) -> set[str]:
-    return {r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
 
 
 def step(s, landed: bool = True):

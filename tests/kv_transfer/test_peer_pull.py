@@ -386,6 +386,28 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
 
 
+def pd_peer_gateway(engines_file, logs):
+    """A P/D gateway with peer pulls over the engines the file names."""
+    return start_gateway(
+        [
+            "--engines-file",
+            str(engines_file),
+            "--disaggregation-mode",
+            "Always",
+            "--scrape-interval",
+            "0.2",
+            "--prefix-blocks",
+            "256",
+            "--kv-index-stale-after",
+            "120",
+            "--peer-pull",
+            "--workers",
+            "1",
+        ],
+        logs,
+    )
+
+
 @pytest.fixture(scope="module")
 def pd_gateway(peers):
     """A second gateway over the same engines as a P/D fleet: the holder and the
@@ -411,24 +433,7 @@ def pd_gateway(peers):
             }
         )
     )
-    gateway = start_gateway(
-        [
-            "--engines-file",
-            str(engines_file),
-            "--disaggregation-mode",
-            "Always",
-            "--scrape-interval",
-            "0.2",
-            "--prefix-blocks",
-            "256",
-            "--kv-index-stale-after",
-            "120",
-            "--peer-pull",
-            "--workers",
-            "1",
-        ],
-        logs,
-    )
+    gateway = pd_peer_gateway(engines_file, logs)
     try:
         yield gateway.url
     finally:
@@ -884,24 +889,7 @@ def pd_lender_gateway(peers):
             }
         )
     )
-    gateway = start_gateway(
-        [
-            "--engines-file",
-            str(engines_file),
-            "--disaggregation-mode",
-            "Always",
-            "--scrape-interval",
-            "0.2",
-            "--prefix-blocks",
-            "256",
-            "--kv-index-stale-after",
-            "120",
-            "--peer-pull",
-            "--workers",
-            "1",
-        ],
-        logs,
-    )
+    gateway = pd_peer_gateway(engines_file, logs)
     try:
         yield gateway.url
     finally:
