@@ -492,11 +492,7 @@ class Scheduler:
         # finishes in the step it runs in) keep their tokens from the running
         # requests' chunks: a lend runs in the next step, not after a long prompt's
         # last chunk (the gateway's cost model counts on it).
-        lends = sorted(
-            max(1, r.num_tokens - _lend_blocks(r) * self.block_size)
-            for r in self.waiting.unordered()
-            if _lend_blocks(r) and r.num_computed_tokens == 0
-        )
+        lends, holders = self._waiting_pulls()
         # No more than can join this step (up to LEND_SLOTS past max_num_seqs).
         lends = lends[: max(0, self.max_num_seqs + LEND_SLOTS - len(self.running))]
         lend_reserve = min(budget - 1, sum(lends))
@@ -543,14 +539,8 @@ class Scheduler:
 
         # 2. Waiting requests join while there is room (not in a step that preempted).
         skipped: list[Request] = []
-        # Waiting requests that hold blocks (pulls whose KV landed): when a request
-        # cannot get blocks and nothing can be preempted for it, only these go past
-        # it for the rest of the step (``holders_only``).
-        holders = {
-            r.request_id
-            for r in self.waiting.unordered()
-            if r.status == RequestStatus.WAITING and self.kv.num_request_blocks(r.request_id)
-        }
+        # When a request cannot get blocks and nothing can be preempted for it, only
+        # the ``holders`` go past it for the rest of the step (``holders_only``).
         holders_only = False
         running_loras = {r.lora_id for r in self.running if r.lora_id}
         while not preempted and budget > 0:
@@ -819,6 +809,22 @@ class Scheduler:
                 self.kv.cache_full_blocks(request, loaded)
             request.status = RequestStatus.WAITING
         return errors
+
+    def _waiting_pulls(self) -> tuple[list[int], set[str]]:
+        """One pass over the waiting queue (none without a connector: no request
+        lends or pulls): the tokens each waiting lend computes, smallest first,
+        and the waiting requests that hold blocks (pulls whose KV landed; a
+        preempted request holds none)."""
+        if self.connector is None:
+            return [], set()
+        lends: list[int] = []
+        holders: set[str] = set()
+        for r in self.waiting.unordered():
+            if _lend_blocks(r) and r.num_computed_tokens == 0:
+                lends.append(max(1, r.num_tokens - _lend_blocks(r) * self.block_size))
+            elif r.status == RequestStatus.WAITING and self.kv.num_request_blocks(r.request_id):
+                holders.add(r.request_id)
+        return sorted(lends), holders
 
     def _make_room(self, request: Request, scheduled: dict[str, int], holders: set[str]) -> str:
         """A waiting request found too few free blocks. ``"preempted"``: a worse

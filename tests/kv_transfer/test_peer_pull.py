@@ -179,24 +179,7 @@ def peers(wide_model, tmp_path_factory):
                 }
             )
         )
-        gateway = start_gateway(
-            [
-                "--engines-file",
-                str(engines_file),
-                "--disaggregation-mode",
-                "Disabled",
-                "--scrape-interval",
-                "0.2",
-                "--prefix-blocks",
-                "256",
-                "--kv-index-stale-after",
-                "120",
-                "--peer-pull",
-                "--workers",
-                "1",
-            ],
-            logs,
-        )
+        gateway = peer_gateway(engines_file, logs, "Disabled")
         yield {
             "events": {"holder": (forwarder.port, ports["holder"][1]), "puller": ports["puller"]},
             "holder": holder.url,
@@ -386,14 +369,15 @@ def test_a_lend_of_blocks_the_holder_does_not_hold_is_refused(peers):
     assert scrape(peers["holder"]).get("pdfleet_engine_prompt_tokens_total", 0.0) == before
 
 
-def pd_peer_gateway(engines_file, logs):
-    """A P/D gateway with peer pulls over the engines the file names."""
+def peer_gateway(engines_file, logs, mode: str = "Always"):
+    """A gateway with peer pulls over the engines the file names (``mode``: its
+    --disaggregation-mode)."""
     return start_gateway(
         [
             "--engines-file",
             str(engines_file),
             "--disaggregation-mode",
-            "Always",
+            mode,
             "--scrape-interval",
             "0.2",
             "--prefix-blocks",
@@ -433,7 +417,7 @@ def pd_gateway(peers):
             }
         )
     )
-    gateway = pd_peer_gateway(engines_file, logs)
+    gateway = peer_gateway(engines_file, logs)
     try:
         yield gateway.url
     finally:
@@ -889,7 +873,7 @@ def pd_lender_gateway(peers):
             }
         )
     )
-    gateway = pd_peer_gateway(engines_file, logs)
+    gateway = peer_gateway(engines_file, logs)
     try:
         yield gateway.url
     finally:
