@@ -14,7 +14,6 @@ route), ``prefill_leg``, ``decode_leg``, ``relay``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -308,9 +307,9 @@ class Watched:
             # engine is chosen before the prefill leg runs): give up at once,
             # as the legs already waiting did, instead of for the whole bound.
             self._cm = cm = Deadline(None)
-            cm.reschedule(asyncio.get_running_loop().time())
+            cm.expire_soon()
         else:
-            self._cm = cm = Deadline(asyncio.get_running_loop().time() + self._seconds)
+            self._cm = cm = Deadline(None, after=self._seconds)
         engine.waiters.add(cm)
         return cm
 
