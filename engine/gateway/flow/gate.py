@@ -81,7 +81,10 @@ class FlowGate:
     @staticmethod
     def seqs(body: dict[str, Any]) -> int:
         """Sequences the request runs: ``n`` (``best_of`` when larger) per prompt."""
-        prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
+        prompt = body.get("prompt")
+        prompts = num_prompts(prompt) if type(prompt) is list else 1
+        if "n" not in body and "best_of" not in body:
+            return prompts  # (the usual body: one sequence a prompt, no call)
         return prompts * num_sequences(body)
 
     def output_tokens(self, body: dict[str, Any], seqs: int | None = None) -> int:
