@@ -389,6 +389,11 @@ class Migrating(Recovery):
                     self.failed_at,
                 )
                 self.failed_at = None
+            if not self.capable and not block.startswith(b":"):
+                # Its first event is OpenAI's alone: as above, for the whole block
+                # (one comment first, a ``: migrate`` of a leg handed back before
+                # its first token, is still read).
+                return block, False
         out, handed_back = split_events(block, state)
         if out and state.created is None:
             found = _CREATED.search(out)
