@@ -335,11 +335,22 @@ _LEG: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def leg(kind: str, kv_transfer: bool = False) -> Iterator[None]:
+_NO_LEG = contextlib.nullcontext()
+"""What :func:`leg` answers while tracing is off (reusable: it holds no state)."""
+
+
+def leg(kind: str, kv_transfer: bool = False) -> contextlib.AbstractContextManager[None]:
     """The engine calls made inside are one ``kind`` leg (``prefill`` or
     ``decode``); ``kv_transfer``: a decode leg that carries a producer's
-    kv_transfer_params. Named on the leg's CLIENT span (cheap when tracing is off)."""
+    kv_transfer_params. Named on the leg's CLIENT span; while tracing is off
+    nothing reads it, so nothing is set (no generator per leg)."""
+    if _tracer is None:
+        return _NO_LEG
+    return _named_leg(kind, kv_transfer)
+
+
+@contextlib.contextmanager
+def _named_leg(kind: str, kv_transfer: bool) -> Iterator[None]:
     token = _LEG.set((kind, kv_transfer))
     try:
         yield

@@ -198,6 +198,9 @@ class MigrationState:
 
 FIRST_LEG = MigrationState()
 """The state of a request's first decode leg: nothing sent yet."""
+_FIRST_LEG_HEAD = b'{"' + FIELD.encode() + b'":' + FIRST_LEG.encode()
+"""What :func:`splice_state` puts before a first leg's body fields (every
+migratable request's first decode leg: encoded once)."""
 
 
 def splice_state(payload: bytes, state: MigrationState) -> bytes | None:
@@ -210,7 +213,10 @@ def splice_state(payload: bytes, state: MigrationState) -> bytes | None:
         return None
     rest = text[1:].lstrip()
     sep = b"" if rest.startswith(b"}") else b","
-    return b'{"' + FIELD.encode() + b'":' + state.encode() + sep + rest
+    head = (
+        _FIRST_LEG_HEAD if state is FIRST_LEG else b'{"' + FIELD.encode() + b'":' + state.encode()
+    )
+    return head + sep + rest
 
 
 def _token_ids(name: str, ids: Any, most: int) -> tuple[int, ...]:

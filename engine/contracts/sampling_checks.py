@@ -281,12 +281,14 @@ def check_output_bounds(
     ``best_of`` at most ``max_n``, and ``n × max_tokens`` (summed over a
     batch's prompts) at most ``max_output_tokens`` tokens when the body gives
     ``max_tokens`` (the engine checks again with the value it resolves)."""
-    for name in ("n", "best_of"):
-        value = fields.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
-            raise ValueError(
-                f"{name} must be at most {max_n} on this server (--max-n), got {value}"
-            )
+    several = "n" in fields or "best_of" in fields
+    if several:
+        for name in ("n", "best_of"):
+            value = fields.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
+                raise ValueError(
+                    f"{name} must be at most {max_n} on this server (--max-n), got {value}"
+                )
     if max_output_tokens is None:
         return
     name = (
@@ -295,7 +297,10 @@ def check_output_bounds(
     limit = fields.get(name)
     if not isinstance(limit, int) or isinstance(limit, bool):
         return
-    count = num_prompts(fields.get("prompt"))
+    prompt = fields.get("prompt")
+    if not several and type(prompt) is not list and limit <= max_output_tokens:
+        return  # one sequence of one prompt, within the cap (every gateway request's check)
+    count = num_prompts(prompt)
     check_output_tokens(num_sequences(fields), [limit] * count, max_output_tokens, name)
 
 

@@ -160,6 +160,8 @@ class Admission:
         request waits until the slots it needs are free (the ones freed meanwhile
         stay free for it when it is at the head of the queue) rather than
         overflowing the engine by its width."""
+        if e.capacity is None:  # (no capacity learned: no bound, whatever the band)
+            return True
         cap = self.limit(e, band)
         if cap is None:
             return True

@@ -65,11 +65,13 @@ class Deadline:
     """``with``: the task is cancelled at ``when`` (loop time; None: never)
     and the cancellation comes out of the block as ``TimeoutError``, as with
     ``asyncio.timeout``; ``reschedule`` and ``expired`` as there. Made inside
-    the task it bounds."""
+    the task it bounds. ``after``: instead of ``when``, that many seconds
+    from now (the loop's time read here, not by the caller: each read of the
+    running loop is a ``getpid`` system call)."""
 
     __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_wheel")
 
-    def __init__(self, when: float | None) -> None:
+    def __init__(self, when: float | None, after: float | None = None) -> None:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a Deadline must be used inside a task")
@@ -78,8 +80,14 @@ class Deadline:
         self._expired = False
         self._handle: asyncio.Handle | None = None
         """A deadline rescheduled to now: fires on the next turn of the loop."""
-        self._wheel = _wheel_of(asyncio.get_running_loop())
-        self._slot = 0 if when is None else self._wheel.add(self, when)
+        self._wheel = wheel = _wheel_of(task.get_loop())
+        if after is not None:
+            when = wheel.loop.time() + after
+        self._slot = 0 if when is None else wheel.add(self, when)
+
+    def expire_soon(self) -> None:
+        """Fire on the next turn of the loop (``reschedule`` to now)."""
+        self.reschedule(self._wheel.loop.time())
 
     def __enter__(self) -> Deadline:
         return self

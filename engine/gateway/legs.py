@@ -14,7 +14,6 @@ route), ``prefill_leg``, ``decode_leg``, ``relay``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -95,7 +94,9 @@ class Legs:
 
     def take_slot(self, call: Call, e: EngineState) -> None:
         """The request's slot on its decode engine, until its answer ends."""
-        self.admission.take(e, id(call) if self._streamed(call) else None, call.seqs)
+        body = call.body
+        streamed = body is not None and bool(body.get("stream"))  # (``_streamed``, inline)
+        self.admission.take(e, id(call) if streamed else None, call.seqs)
         call.slot = e
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
@@ -144,7 +145,8 @@ class Legs:
 
     def finish(self, call: Call, status: int) -> None:
         """The request's final status and its latency (once per request); its slot is free."""
-        call.computed()
+        if call.on_computed is not None:
+            call.computed()
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
         if call.ticket is not None:
@@ -163,7 +165,8 @@ class Legs:
     def first_token(self, call: Call) -> None:
         """The request's first event reached the client (TTFT); its decode
         slot no longer waits for a first answer."""
-        call.computed()
+        if call.on_computed is not None:
+            call.computed()
         if call.slot is not None:
             self.admission.answered(call.slot, id(call))
         ttft = self._ttft.get(call.endpoint)
@@ -308,9 +311,9 @@ class Watched:
             # engine is chosen before the prefill leg runs): give up at once,
             # as the legs already waiting did, instead of for the whole bound.
             self._cm = cm = Deadline(None)
-            cm.reschedule(asyncio.get_running_loop().time())
+            cm.expire_soon()
         else:
-            self._cm = cm = Deadline(asyncio.get_running_loop().time() + self._seconds)
+            self._cm = cm = Deadline(None, after=self._seconds)
         engine.waiters.add(cm)
         return cm
 

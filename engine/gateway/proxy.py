@@ -219,7 +219,7 @@ class Proxy:
             if isinstance(routed, Response):
                 return routed
             route = routed
-        plan = self._peer_plan(call, route, info)
+        plan = self._peer_plan(call, route, info) if self.peer_pull is not None else None
         if plan is not None:
             route = planned_route(route, plan)
         if info.adapter is not None:

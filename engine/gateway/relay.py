@@ -22,6 +22,7 @@ short of its ``[DONE]`` is its :class:`Recovery`'s to decide:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .legs import LegFailed, Legs
 logger = logging.getLogger("pdfleet.gateway")
 
 SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+_NO_DEADLINE: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""The relay's idle deadline when the engine's whole answer is here (nothing to wait for)."""
 
 Opened = tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]]
 """A decode leg accepted by an engine: the engine, its response, its chunks."""
@@ -209,11 +212,9 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                     # reader is not an idle engine; the stall watchdog, which
                     # reschedules the registered timeouts, waits on the engine
                     # only). None when the engine's whole answer is here.
-                    with Deadline(None) as cm:
+                    with _NO_DEADLINE if resp.received() else Deadline(None) as cm:
                         timer = (
-                            None
-                            if resp.received()
-                            else IdleTimer(cm, idle, recovery.idle_hold(engine))
+                            None if cm is None else IdleTimer(cm, idle, recovery.idle_hold(engine))
                         )
                         if timer is not None:
                             engine.waiters.add(cm)
@@ -250,7 +251,7 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                         finally:
                             if timer is not None:
                                 timer.cancel()
-                            engine.waiters.discard(cm)
+                                engine.waiters.discard(cm)
             except StopAsyncIteration:  # the leg ended before its first event
                 pass
             except (UpstreamError, TimeoutError) as ex:

@@ -59,6 +59,8 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        """Its event loop (read once: each read of the running loop is a ``getpid``)."""
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self.closed = False
@@ -156,7 +158,7 @@ class _Conn(asyncio.Protocol):
         return data
 
     async def wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:

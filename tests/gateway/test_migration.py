@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -38,7 +39,7 @@ from pdfleet.engine.contracts.migration import (
     MULTI_IDS_PREFIX,
     parse_choice_ids,
 )
-from pdfleet.engine.gateway.migration import Migration, split_events, with_state
+from pdfleet.engine.gateway.migration import Migrating, Migration, split_events, with_state
 
 PROMPT = "Once upon a time, in a harbor town by the sea,"
 STEP_DELAY = "0.03"
@@ -1010,3 +1011,35 @@ def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
     for raw in (b'{"prompt": "x"}', b' {"prompt":"x"} ', '{"prompt": "x"}'.encode("utf-16")):
         assert json.loads(with_state(raw, {"prompt": "x"})) == {"migration": {}, "prompt": "x"}
     assert json.loads(with_state(b"{ }", {})) == {"migration": {}}
+
+
+def test_a_leg_whose_first_event_names_no_tokens_is_relayed_as_it_comes():
+    """An engine that does not speak the protocol (its first event names no
+    tokens) has its blocks forwarded unread; a first block that opens with a
+    comment is read (a ``: migrate`` before the first token), a capable leg's
+    ids and ``created`` are kept."""
+    engine = SimpleNamespace(
+        url="http://e", load=SimpleNamespace(resume_identity=None, compat_hash="c")
+    )
+    migrator = SimpleNamespace(legs=None, max_migrations=1)
+
+    def leg() -> Migrating:
+        call = SimpleNamespace(migration=Migration({}), request_id="r")
+        return Migrating(migrator, call, engine, None)  # type: ignore[arg-type]
+
+    plain = leg()
+    first = b'data: {"created":5}\n\ndata: {"x":1}\n\n'
+    assert plain.events(first, True) == (first, False) and not plain.capable
+    later = b": ids 1\ndata: {}\n\n: migrate\n\n"
+    assert plain.events(later, False) == (later, False)
+    assert plain.state.sent == [] and plain.state.created is None
+    handed = leg()
+    assert handed.events(b": migrate\n\n", True) == (b"", True)
+    capable = leg()
+    assert capable.events(b': ids 4\ndata: {"created":7}\n\n', True) == (
+        b'data: {"created":7}\n\n',
+        False,
+    )
+    assert capable.capable and capable.state.sent == [4] and capable.state.created == 7
+    assert capable.events(b': end 5\ndata: {"y":2}\n\n', False) == (b'data: {"y":2}\n\n', False)
+    assert capable.state.sent == [4, 5] and capable.state.finished == {0}

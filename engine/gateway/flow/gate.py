@@ -81,17 +81,21 @@ class FlowGate:
     @staticmethod
     def seqs(body: dict[str, Any]) -> int:
         """Sequences the request runs: ``n`` (``best_of`` when larger) per prompt."""
-        prompts = num_prompts(body.get("prompt")) if "prompt" in body else 1
+        prompt = body.get("prompt")
+        prompts = num_prompts(prompt) if type(prompt) is list else 1
+        if "n" not in body and "best_of" not in body:
+            return prompts  # (the usual body: one sequence a prompt, no call)
         return prompts * num_sequences(body)
 
-    def output_tokens(self, body: dict[str, Any]) -> int:
-        """``n × max_tokens`` for every prompt (the output the request may make)."""
+    def output_tokens(self, body: dict[str, Any], seqs: int | None = None) -> int:
+        """``n × max_tokens`` for every prompt (the output the request may make);
+        ``seqs``: the request's :meth:`seqs`, when known."""
         limit = body.get("max_completion_tokens")
         if limit is None:
             limit = body.get("max_tokens")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.config.flow_default_max_tokens
-        return self.seqs(body) * limit
+        return (self.seqs(body) if seqs is None else seqs) * limit
 
     def cost(self, body: dict[str, Any], prompt_tokens: int) -> float:
         """Prompt tokens plus ``n × max_tokens`` for every prompt (the tokens the
@@ -132,7 +136,8 @@ class FlowGate:
             )
             changed = True
         tokens = prompt_tokens if prompt_tokens else -(-body_bytes // CHARS_PER_TOKEN)
-        output = self.output_tokens(body)
+        seqs = self.seqs(body)
+        output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
         share = self.tenants.prompt_token_weight * tokens + output
         try:
@@ -144,7 +149,7 @@ class FlowGate:
         if self.config.engine_priority:
             body["priority"] = ticket.engine_priority
             changed = True
-        return Admitted(ticket, changed, self.seqs(body))
+        return Admitted(ticket, changed, seqs)
 
     def _queued_gauges(self) -> None:
         queued = self.admission.queued_by_tenant()

@@ -149,6 +149,8 @@ class Tenants:
     named: dict[str, Tenant] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
     """Every key the file lists: the gateway accepts them as API keys."""
+    _anonymous: Tenant | None = field(default=None, repr=False, compare=False)
+    """The tenant of every caller without a key, once made (of ``default``)."""
 
     def tenant(self, caller: str) -> Tenant:
         """The tenant of a caller (``caller_id`` of its key; an address when the
@@ -156,12 +158,22 @@ class Tenants:
         found = self.by_caller.get(caller)
         if found is not None:
             return found
-        name = caller if caller.startswith("key:") else ANONYMOUS
+        if not caller.startswith("key:"):
+            # Every caller without a key (an address) is the one anonymous
+            # tenant: made once, not per request (its salt is a sha256).
+            anonymous = self._anonymous
+            if anonymous is None or anonymous.policy is not self.default:
+                anonymous = self._anonymous = Tenant(
+                    ANONYMOUS,
+                    self.default,
+                    None if self.default.share_cache else tenant_salt(ANONYMOUS),
+                )
+            return anonymous
+        name = caller
         tenant = Tenant(name, self.default, None if self.default.share_cache else tenant_salt(name))
-        if caller.startswith("key:"):
-            # Keys are the gateway's configured ones (it checks them first), so
-            # this table stays bounded by the configuration.
-            self.by_caller[caller] = tenant
+        # Keys are the gateway's configured ones (it checks them first), so
+        # this table stays bounded by the configuration.
+        self.by_caller[caller] = tenant
         return tenant
 
     @classmethod
