@@ -32,8 +32,20 @@ their own tenants (weight 1, band 1). Measured, in this order:
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
    its unloaded value.
 
+The noisy requests are long (``--noisy-tokens``, 256 output tokens): with
+an engine on one torch thread the tiny model serves about 88 completions a
+second of 32 tokens, and no client sharing the fleet's 2 cores sends 5x that,
+so a flood of short requests would not flood the engine.
+
     .venv/bin/python benchmarks/flow_control.py [--flood 5] [--phase-seconds 20]
         [--batch-requests 1000] [--json benchmarks/results/flow_control_cpu.json]
+
+The protected tenant's client runs in a process of its own (the flood's
+generator, thousands of requests on one event loop, would otherwise delay
+its reads and count that as TTFT; the flood phases report that loop's own
+lag); each protected phase also reports the gateway's view of the protected
+TTFT (its streamed-TTFT histogram, which only the protected load feeds
+there: the bucket holding p50 and p90).
 
 Numbers from a shared 2-core VM are noisy: the load average is printed with
 them.
@@ -45,6 +57,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -54,6 +67,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -142,6 +156,11 @@ class Fleet:
                 str(tmp / "runs"),
                 "--tenants-file",
                 str(tmp / "tenants.yaml"),
+                *(
+                    ["--threads-per-engine", str(args.threads_per_engine)]
+                    if args.threads_per_engine
+                    else []
+                ),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -177,6 +196,23 @@ class Fleet:
             ):
                 name, value = line.rsplit(" ", 1)
                 out[name.replace("pdfleet_gateway_", "")] = float(value)
+        return out
+
+    def gateway_ttft(self) -> dict[float, float]:
+        """The gateway's streamed-TTFT histogram: cumulative count by upper bound.
+
+        Only streamed requests are observed in it, and in the flood phases
+        only the protected load streams, so its change over a phase is the
+        protected requests' TTFT as the gateway saw it (arrival to the first
+        relayed event), free of the benchmark client's own delays.
+        """
+        text = httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text
+        out: dict[float, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pdfleet_gateway_time_to_first_token_seconds_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                bound = float("inf") if le == "+Inf" else float(le)
+                out[bound] = out.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
     def engine_steps(self) -> dict[str, float]:
@@ -288,6 +324,55 @@ async def closed_loop(client, url, key, body, concurrency: int, seconds: float, 
     return results
 
 
+def _protected_loop(
+    url: str, key: str, rate: float, seconds: float, timeout: float
+) -> list[tuple[str, float | None, int]]:
+    async def go() -> list[tuple[str, float | None, int]]:
+        async with httpx.AsyncClient() as client:
+            return await open_loop(client, url, key, small(), rate, seconds, timeout)
+
+    return asyncio.run(go())
+
+
+# The protected tenant's client runs in a process of its own, as another
+# user's client would: the flood's generator (thousands of requests a phase
+# on one event loop) would otherwise delay the protected client's reads and
+# count its own lag as TTFT. Spawned, so it shares nothing with this loop.
+_PROTECTED_POOL: ProcessPoolExecutor | None = None
+
+
+async def protected_load(
+    url: str, key: str, rate: float, seconds: float, timeout: float
+) -> list[tuple[str, float | None, int]]:
+    global _PROTECTED_POOL
+    if _PROTECTED_POOL is None:
+        _PROTECTED_POOL = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(
+        _PROTECTED_POOL, _protected_loop, url, key, rate, seconds, timeout
+    )
+
+
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float):
+    """The upper bound of the bucket holding quantile ``q`` of the change."""
+    bounds = sorted(after)
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    for b in bounds:
+        if after[b] - before.get(b, 0.0) >= q * total:
+            return None if b == float("inf") else b
+    return None
+
+
+async def loop_lag(samples: list[float], period: float = 0.01) -> None:
+    """How late this event loop wakes from a ``period`` sleep, each time."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append(time.perf_counter() - t - period)
+
+
 def tenant_view(fleet: Fleet, name: str) -> dict:
     return next((t for t in fleet.view()["tenants"] if t["tenant"] == name), {})
 
@@ -350,17 +435,20 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
                 await asyncio.sleep(1.0)
 
         watcher = asyncio.create_task(watch())
-        protected = await open_loop(
-            client,
+        lags: list[float] = []
+        lagger = asyncio.create_task(loop_lag(lags))
+        gw_before = fleet.gateway_ttft()
+        protected = await protected_load(
             fleet.url,
             protected_key,
-            small(),
             1 / args.protected_interval,
             args.phase_seconds - 2.0,
             args.timeout,
         )
+        gw_after = fleet.gateway_ttft()
         noisy_results = await noisy
         watcher.cancel()
+        lagger.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
     steps = step_stats(steps_before, fleet.engine_steps())
@@ -376,6 +464,9 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         },
         "protected_ttft_p90_s": p90(ttfts),
         "protected_ttft_p50_s": p50(ttfts),
+        "protected_gateway_ttft_p50_le_s": histogram_quantile(gw_before, gw_after, 0.5),
+        "protected_gateway_ttft_p90_le_s": histogram_quantile(gw_before, gw_after, 0.9),
+        "flood_client_loop_lag_p90_s": p90(lags),
         "protected_waited_in_gateway_queue": mine.get("waited", 0) - waited_before
         if protected_key == PROTECTED
         else None,
@@ -409,19 +500,22 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         # 2. unloaded (after a few requests that warm the path up, not counted)
         for _ in range(3):
             await one(client, fleet.url, PROTECTED, small(), args.timeout)
+        await protected_load(fleet.url, PROTECTED, 3.0, 1.0, args.timeout)  # its process
         steps_before = fleet.engine_steps()
-        alone = await open_loop(
-            client,
+        gw_before = fleet.gateway_ttft()
+        alone = await protected_load(
             fleet.url,
             PROTECTED,
-            small(),
             1 / args.protected_interval,
             args.phase_seconds,
             args.timeout,
         )
+        gw_after = fleet.gateway_ttft()
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
         out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])
+        out["unloaded_gateway_ttft_p50_le_s"] = histogram_quantile(gw_before, gw_after, 0.5)
+        out["unloaded_gateway_ttft_p90_le_s"] = histogram_quantile(gw_before, gw_after, 0.9)
         out["unloaded_engine"] = step_stats(steps_before, fleet.engine_steps())
         print(f"unloaded protected TTFT p90: {unloaded}", flush=True)
     # 3. and 4. the flood, without then with flow control
@@ -444,6 +538,8 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
         out[key]["ratio_to_unloaded"] = (
             round(got / unloaded, 2) if got is not None and unloaded else None
         )
+        gw, gw0 = out[key]["protected_gateway_ttft_p90_le_s"], out["unloaded_gateway_ttft_p90_le_s"]
+        out[key]["gateway_bucket_ratio_to_unloaded"] = round(gw / gw0, 2) if gw and gw0 else None
     fleet.drained()
     if "fair" in args.phases:
         out["fair_share"] = await fair_share(fleet, args)
@@ -575,8 +671,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--flood", type=float, default=5.0, help="noisy load, × the capacity")
     ap.add_argument("--phase-seconds", type=float, default=20.0)
-    ap.add_argument("--protected-interval", type=float, default=1.0)
-    ap.add_argument("--noisy-tokens", type=int, default=32)
+    ap.add_argument(
+        "--protected-interval",
+        type=float,
+        default=0.25,
+        help="seconds between the protected tenant's requests (light: 8 output tokens each)",
+    )
+    ap.add_argument(
+        "--noisy-tokens",
+        type=int,
+        default=256,
+        help="output tokens of each noisy request: long enough that 5x the capacity in "
+        "requests a second is a rate one Python client can send beside the fleet",
+    )
     ap.add_argument("--noisy-max-queued", type=int, default=8)
     ap.add_argument("--fair-tokens", type=int, default=16)
     ap.add_argument(
@@ -608,6 +715,12 @@ def main() -> None:
         default="flood,fair,batch",
         help="which of flood, fair, batch to run (capacity and unloaded always run)",
     )
+    ap.add_argument(
+        "--threads-per-engine",
+        type=int,
+        default=0,
+        help="the engine's torch threads (0: pdfleet up's default)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     load_start = os.getloadavg()
@@ -617,6 +730,8 @@ def main() -> None:
             result = asyncio.run(run(args, fleet))
         finally:
             fleet.stop()
+            if _PROTECTED_POOL is not None:
+                _PROTECTED_POOL.shutdown()
     result["machine"] = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

@@ -113,7 +113,7 @@ class UpOptions:
     run_dir: str = "runs"
     """Where logs and the engines file go."""
     threads_per_engine: int | None = None
-    """Torch threads per engine (default: CPU cores / engines)."""
+    """Torch threads per engine (default: (CPU cores - 1) / engines, at least 1)."""
     timeout: float = 600.0
     """Seconds to wait for every process to become ready."""
     direct_engine_access: bool = False

@@ -128,6 +128,18 @@ def in_flight(sample: dict[str, float] | None) -> float:
     )
 
 
+def engine_threads(cores: int, engines: int) -> int:
+    """Torch threads for each of ``engines`` CPU engines on ``cores`` cores.
+
+    One core is left to the gateway and the engines' own front ends (their
+    HTTP servers and engine threads), as vLLM's CPU backend reserves one for
+    its front end: torch's OpenMP threads spin at every barrier, so an engine
+    whose threads fill every core stalls whenever the gateway or a client
+    takes one of them, and its steps run several times slower under load than
+    with one thread fewer."""
+    return max(1, (cores - 1) // max(1, engines))
+
+
 class LocalFleet:
     def __init__(
         self,
@@ -166,7 +178,7 @@ class LocalFleet:
         self.lock = threading.RLock()
         self.gateway_port = gateway_port or self.spec.gateway.port
         total = sum(self.replicas_in_spec(r) for r in self.roles)
-        self.threads = threads_per_engine or max(1, (os.cpu_count() or 1) // max(1, total))
+        self.threads = threads_per_engine or engine_threads(os.cpu_count() or 1, total)
         self.gateway: Child | None = None
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0

@@ -31,3 +31,13 @@ def test_a_bad_value_is_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--timeout", "soon"])
     assert "--timeout" in capsys.readouterr().err
+
+
+def test_engine_threads_leave_one_core_to_the_gateway():
+    from pdfleet.operator.local.fleet import engine_threads
+
+    assert engine_threads(2, 1) == 1  # the old default, cores / engines, gave 2
+    assert engine_threads(16, 2) == 7
+    assert engine_threads(8, 1) == 7
+    assert engine_threads(1, 1) == 1
+    assert engine_threads(2, 3) == 1
