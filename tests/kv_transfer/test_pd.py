@@ -76,6 +76,8 @@ def fleet(request, tiny_model, tmp_path_factory):
         ),
         "agg": serve(tiny_model, logs, "agg"),
     }
+    # The `faulty` fixture's pair starts now too (one wait for all five starts).
+    faulty_pair = start_faulty(tiny_model, connector, logs)
     try:
         for p in procs.values():
             p.wait_healthy()
@@ -84,9 +86,10 @@ def fleet(request, tiny_model, tmp_path_factory):
             "procs": procs,
             "kv_ports": kv_ports,
             "logs": logs,
+            "faulty": faulty_pair,
         }
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]]:
             p.stop()
 
 
@@ -656,11 +659,10 @@ def test_kv_side_channel_and_ucx_listen_only_on_loopback(fleet):
 # -- faults: leases at pull time, quarantined pull targets (both connectors) -----------
 
 
-@pytest.fixture(scope="module")
-def faulty(fleet, tiny_model):
-    """A producer with 1 s leases and a small cache, and a consumer whose READs can be
-    delayed on demand (the transports' test hook) and whose pool is small."""
-    connector, logs = fleet["connector"], fleet["logs"]
+def start_faulty(tiny_model: str, connector: str, logs: Path) -> dict:
+    """Start (not wait for) a producer with 1 s leases and a small cache, and a
+    consumer whose READs can be delayed on demand (the transports' test hook) and
+    whose pool is small."""
     delay = logs / "read-delay"
     delay.write_text("0")
     producer = serve(
@@ -695,10 +697,18 @@ def faulty(fleet, tiny_model):
         "d-delayed",
         env={"PDFLEET_KV_TEST_READ_DELAY_FILE": str(delay)},
     )
+    return {"producer": producer, "consumer": consumer, "delay": delay}
+
+
+@pytest.fixture(scope="module")
+def faulty(fleet):
+    """The fleet's faulty pair (started with it, its start overlapping theirs)."""
+    pair = fleet["faulty"]
+    producer, consumer = pair["producer"], pair["consumer"]
     try:
         producer.wait_healthy()
         consumer.wait_healthy()
-        yield {"prefill": producer.url, "decode": consumer.url, "delay": delay}
+        yield {"prefill": producer.url, "decode": consumer.url, "delay": pair["delay"]}
     finally:
         producer.stop()
         consumer.stop()
