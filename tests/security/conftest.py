@@ -3,6 +3,8 @@ test of the session (tests/helpers/security_pair.py says what the engines get)."
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from helpers.security_pair import Pair, launch_pair
 
@@ -20,14 +22,16 @@ def _pairs(tiny_model, tmp_path_factory):
             pairs[connector] = launch_pair(connector, tiny_model, tmp)
         yield pairs
     finally:
-        for started in pairs.values():
-            started.stop()
+        # A prefill engine stops once its leases are claimed or expired: signal
+        # all four, so that those waits overlap, then wait for each.
+        engines = [e for started in pairs.values() for e in (started.prefill, started.decode)]
+        for engine in engines:
+            engine.signal(signal.SIGTERM)
+        for engine in engines:
+            engine.stop()
 
 
 @pytest.fixture(scope="session", params=CONNECTORS)
 def pair(request, _pairs):
-    started = _pairs[request.param].wait_healthy()
-    try:
-        yield started
-    finally:
-        started.stop()
+    """One connector's pair, healthy; stopped with the other at the session's end."""
+    return _pairs[request.param].wait_healthy()
