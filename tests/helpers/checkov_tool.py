@@ -72,14 +72,19 @@ def helm_on_path() -> pathlib.Path:
     return folder
 
 
-def checkov(framework: str, target: pathlib.Path, skip: dict[str, str]) -> dict:
-    """Run checkov on a chart directory (helm) or a manifest file (kubernetes).
+def checkov(scans: dict[str, pathlib.Path], skip: dict[str, str]) -> dict[str, dict]:
+    """Run one checkov over ``scans``: framework -> the directory it scans
+    (``helm``: a chart; ``kubernetes``: a folder of manifests).
 
-    ``skip`` maps check ids to the reason they do not apply; returns checkov's
-    JSON report (summary and results).
+    One process for every scan: checkov's start alone takes seconds. Each
+    framework only picks up what it understands (the helm runner charts, the
+    kubernetes runner manifests), and its results are those of a run of it
+    alone. ``skip`` maps check ids to the reason they do not apply; returns
+    framework -> checkov's JSON report (summary and results).
     """
-    args = [str(checkov_python()), "-m", "checkov.main", "--framework", framework]
-    args += ["-d" if target.is_dir() else "-f", str(target)]
+    args = [str(checkov_python()), "-m", "checkov.main", "--framework", *scans]
+    for target in scans.values():
+        args += ["-d", str(target)]
     args += ["--output", "json", "--skip-download", "--compact"]
     if skip:
         args += ["--skip-check", ",".join(sorted(skip))]
@@ -92,10 +97,19 @@ def checkov(framework: str, target: pathlib.Path, skip: dict[str, str]) -> dict:
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     if out.returncode not in (0, 1):  # 1: some check failed
         raise RuntimeError(f"checkov exited {out.returncode}: {out.stderr[-2000:]}")
-    report = json.loads(out.stdout)
-    if isinstance(report, list):  # one report per framework
-        (report,) = [r for r in report if r.get("check_type") == framework]
-    return report
+    # stdout holds one JSON document per report, or lists of them (the helm
+    # runner can print its report once more on its own): the last one of
+    # each framework is the run's.
+    reports: dict[str, dict] = {}
+    decoder, text, at = json.JSONDecoder(), out.stdout, 0
+    while text[at:].strip():
+        at += len(text[at:]) - len(text[at:].lstrip())
+        doc, at = decoder.raw_decode(text, at)
+        for report in doc if isinstance(doc, list) else [doc]:
+            reports[report["check_type"]] = report
+    missing = set(scans) - set(reports)
+    assert not missing, f"checkov reported nothing for {missing}: {out.stderr[-2000:]}"
+    return reports
 
 
 def failed(report: dict) -> list[str]:

@@ -45,6 +45,16 @@ class Pair:
     def metric(self, role: str, name: str) -> float:
         return scrape(getattr(self, role).url).get(name, 0.0)
 
+    def wait_healthy(self) -> Pair:
+        """Both engines healthy (both stopped again if either fails to start)."""
+        try:
+            self.prefill.wait_healthy()
+            self.decode.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self) -> None:
         self.prefill.stop()
         self.decode.stop()
@@ -68,6 +78,11 @@ def kv_config(connector: str, role: str, port: int, **extra) -> list[str]:
 
 def start_pair(connector: str, model: str, tmp: Path) -> Pair:
     """Both engines, healthy (stopped again if either fails to start)."""
+    return launch_pair(connector, model, tmp).wait_healthy()
+
+
+def launch_pair(connector: str, model: str, tmp: Path) -> Pair:
+    """Both engines, started (not yet waited for: :meth:`Pair.wait_healthy`)."""
     authority = identity.Authority.generate()
     kv_ports = {"prefill": free_port(), "decode": free_port()}
     events_port = free_port()
@@ -102,13 +117,6 @@ def start_pair(connector: str, model: str, tmp: Path) -> Pair:
         "decode",
         env={**keys, **identity_env(authority, tmp, "decode", "decode")},
     )
-    try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
-    except BaseException:
-        prefill.stop()
-        decode.stop()
-        raise
     return Pair(connector, prefill, decode, kv_ports, events_port, authority, tmp)
 
 

@@ -76,6 +76,8 @@ def fleet(request, tiny_model, tmp_path_factory):
         ),
         "agg": serve(tiny_model, logs, "agg"),
     }
+    # The `faulty` fixture's pair starts now too (one wait for all five starts).
+    faulty_pair = start_faulty(tiny_model, connector, logs)
     try:
         for p in procs.values():
             p.wait_healthy()
@@ -84,9 +86,10 @@ def fleet(request, tiny_model, tmp_path_factory):
             "procs": procs,
             "kv_ports": kv_ports,
             "logs": logs,
+            "faulty": faulty_pair,
         }
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]]:
             p.stop()
 
 
@@ -260,10 +263,23 @@ def test_bad_kv_transfer_params_are_a_400(fleet, params, message):
     assert r.json()["error"]["param"] == "kv_transfer_params"  # what the gateway checks
 
 
+def producer_args(kv_port: int | None = None) -> list[str]:
+    return kv_args(
+        "NixlConnector",
+        "kv_producer",
+        kv_port or free_port(),
+        lease_seconds=5,
+        params_grace_seconds=600,  # stale params stay authentic on a slow machine
+    )
+
+
 @pytest.fixture(scope="module")
 def nixl_pair(tiny_model, tmp_path_factory):
-    """A consumer with each failure policy, and an aggregated reference."""
+    """A consumer with each failure policy, and an aggregated reference; and the
+    engines the tests below kill, freeze, restart or drain, one each (``spare``),
+    all started side by side: one engine's start is mostly waiting on one core."""
     logs = tmp_path_factory.mktemp("pd-failures")
+    restart_ports = {"http": free_port(), "kv": free_port()}
     procs = {
         "recompute": serve(
             tiny_model, logs, "d-recompute", *kv_args("NixlConnector", "kv_consumer", free_port())
@@ -284,29 +300,46 @@ def nixl_pair(tiny_model, tmp_path_factory):
         ),
         "agg": serve(tiny_model, logs, "agg"),
     }
+    spare = {
+        "doomed": serve(tiny_model, logs, "doomed", *producer_args()),
+        "frozen": serve(tiny_model, logs, "frozen", *producer_args()),
+        "first": serve(
+            tiny_model,
+            logs,
+            "first",
+            *producer_args(restart_ports["kv"]),
+            port=restart_ports["http"],
+        ),
+        "p16": serve(tiny_model, logs, "p16", *producer_args()),
+        "d32": serve(
+            tiny_model,
+            logs,
+            "d32",
+            "--block-size",
+            "32",
+            *kv_args("NixlConnector", "kv_consumer", free_port()),
+        ),
+        "draining": serve(
+            tiny_model,
+            logs,
+            "draining",
+            *kv_args("NixlConnector", "kv_producer", free_port(), lease_seconds=20),
+        ),
+    }
     try:
-        for p in procs.values():
+        for p in [*procs.values(), *spare.values()]:
             p.wait_healthy()
-        yield {k: p.url for k, p in procs.items()} | {"logs": logs}
+        yield (
+            {k: p.url for k, p in procs.items()}
+            | {"logs": logs, "spare": spare, "restart_ports": restart_ports}
+        )
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), *spare.values()]:
             p.stop()
 
 
 def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") -> ServerProcess:
-    return serve(
-        model,
-        logs,
-        name,
-        *kv_args(
-            "NixlConnector",
-            "kv_producer",
-            kv_port or free_port(),
-            lease_seconds=5,
-            params_grace_seconds=600,  # stale params stay authentic on a slow machine
-        ),
-        port=http_port,
-    ).wait_healthy()
+    return serve(model, logs, name, *producer_args(kv_port), port=http_port).wait_healthy()
 
 
 def prefill(url: str, body: dict) -> dict:
@@ -320,7 +353,7 @@ def prefill(url: str, body: dict) -> dict:
 
 
 def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model, nixl_pair):
-    producer = start_producer(tiny_model, nixl_pair["logs"], name="doomed")
+    producer = nixl_pair["spare"]["doomed"]
     body = {"prompt": prompt_of(120, 5), "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     params = prefill(producer.url, body)
     os.kill(producer.proc.pid, signal.SIGKILL)
@@ -357,7 +390,7 @@ def test_producer_killed_recompute_completes_and_fail_errors_in_bound(tiny_model
 
 
 def test_producer_frozen_before_the_handshake_is_bounded(tiny_model, nixl_pair):
-    producer = start_producer(tiny_model, nixl_pair["logs"], name="frozen")
+    producer = nixl_pair["spare"]["frozen"]
     try:
         body = {"prompt": prompt_of(160, 6), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         params = prefill(producer.url, body)
@@ -377,7 +410,7 @@ def test_producer_frozen_before_the_handshake_is_bounded(tiny_model, nixl_pair):
 
 
 def test_restarted_producer_on_the_same_address(tiny_model, nixl_pair):
-    http_port, kv_port = free_port(), free_port()
+    http_port, kv_port = nixl_pair["restart_ports"]["http"], nixl_pair["restart_ports"]["kv"]
 
     def body(seed: int) -> dict:
         return {
@@ -404,7 +437,7 @@ def test_restarted_producer_on_the_same_address(tiny_model, nixl_pair):
     def transfers() -> float:
         return scrape(nixl_pair["recompute"])["pdfleet_engine_kv_transfers_total"]
 
-    first = start_producer(tiny_model, nixl_pair["logs"], http_port, kv_port, "first")
+    first = nixl_pair["spare"]["first"]
     assert pd(first.url, 80) == expected(80)
     stale = prefill(first.url, body(81))
     first.stop()
@@ -421,16 +454,8 @@ def test_restarted_producer_on_the_same_address(tiny_model, nixl_pair):
         second.stop()
 
 
-def test_incompatible_engines_are_refused_naming_the_field(tiny_model, tmp_path, nixl_pair):
-    producer = start_producer(tiny_model, tmp_path, name="p16")
-    consumer = serve(
-        tiny_model,
-        tmp_path,
-        "d32",
-        "--block-size",
-        "32",
-        *kv_args("NixlConnector", "kv_consumer", free_port()),
-    ).wait_healthy()
+def test_incompatible_engines_are_refused_naming_the_field(nixl_pair):
+    producer, consumer = nixl_pair["spare"]["p16"], nixl_pair["spare"]["d32"]
     try:
         body = {"prompt": prompt_of(100, 9), "max_tokens": 3, "temperature": 0}
         params = prefill(producer.url, body)
@@ -634,11 +659,10 @@ def test_kv_side_channel_and_ucx_listen_only_on_loopback(fleet):
 # -- faults: leases at pull time, quarantined pull targets (both connectors) -----------
 
 
-@pytest.fixture(scope="module")
-def faulty(fleet, tiny_model):
-    """A producer with 1 s leases and a small cache, and a consumer whose READs can be
-    delayed on demand (the transports' test hook) and whose pool is small."""
-    connector, logs = fleet["connector"], fleet["logs"]
+def start_faulty(tiny_model: str, connector: str, logs: Path) -> dict:
+    """Start (not wait for) a producer with 1 s leases and a small cache, and a
+    consumer whose READs can be delayed on demand (the transports' test hook) and
+    whose pool is small."""
     delay = logs / "read-delay"
     delay.write_text("0")
     producer = serve(
@@ -673,10 +697,18 @@ def faulty(fleet, tiny_model):
         "d-delayed",
         env={"PDFLEET_KV_TEST_READ_DELAY_FILE": str(delay)},
     )
+    return {"producer": producer, "consumer": consumer, "delay": delay}
+
+
+@pytest.fixture(scope="module")
+def faulty(fleet):
+    """The fleet's faulty pair (started with it, its start overlapping theirs)."""
+    pair = fleet["faulty"]
+    producer, consumer = pair["producer"], pair["consumer"]
     try:
         producer.wait_healthy()
         consumer.wait_healthy()
-        yield {"prefill": producer.url, "decode": consumer.url, "delay": delay}
+        yield {"prefill": producer.url, "decode": consumer.url, "delay": pair["delay"]}
     finally:
         producer.stop()
         consumer.stop()
@@ -827,13 +859,8 @@ def test_a_stalled_pull_times_out_quarantines_and_flags_the_engine_unhealthy(fle
         faulty["delay"].write_text("0")
 
 
-def test_prefill_sigterm_waits_for_held_leases_so_no_decode_leg_recomputes(tiny_model, nixl_pair):
-    producer = serve(
-        tiny_model,
-        nixl_pair["logs"],
-        "draining",
-        *kv_args("NixlConnector", "kv_producer", free_port(), lease_seconds=20),
-    ).wait_healthy()
+def test_prefill_sigterm_waits_for_held_leases_so_no_decode_leg_recomputes(nixl_pair):
+    producer = nixl_pair["spare"]["draining"]
     try:
         url = nixl_pair["recompute"]
         bodies = [

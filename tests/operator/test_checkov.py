@@ -28,12 +28,6 @@ NOT_APPLICABLE = {
 FLEET_NOT_APPLICABLE = NOT_APPLICABLE
 
 
-def test_the_chart_passes_checkov():
-    report = checkov("helm", ROOT / "charts" / "pdfleet", NOT_APPLICABLE)
-    assert failed(report) == []
-    assert report["summary"]["passed"] >= 90
-
-
 EXAMPLES = [
     "inferenceservice-cpu.yaml",
     "inferenceservice-llama-3.1-8b.yaml",
@@ -43,23 +37,31 @@ EXAMPLES = [
 
 
 @pytest.fixture(scope="module")
-def fleets_report(tmp_path_factory) -> dict:
-    """One checkov run over the fleets of every example (a file each)."""
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """One checkov run over the chart (helm) and the fleets of every example
+    (kubernetes, a file each): framework -> report."""
     folder = tmp_path_factory.mktemp("fleets")
-    for example in EXAMPLES:
-        rendered = subprocess.run(
-            [
-                *python_module("pdfleet.engine.cli"),
-                "render",
-                str(ROOT / "examples" / example),
-            ],
-            capture_output=True,
+    renders = {
+        example: subprocess.Popen(
+            [*python_module("pdfleet.engine.cli"), "render", str(ROOT / "examples" / example)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
-            check=True,
         )
-        (folder / example).write_text(rendered.stdout)
-    return checkov("kubernetes", folder, FLEET_NOT_APPLICABLE)
+        for example in EXAMPLES
+    }
+    for example, render in renders.items():
+        stdout, stderr = render.communicate(timeout=120)
+        assert render.returncode == 0, stderr
+        (folder / example).write_text(stdout)
+    assert FLEET_NOT_APPLICABLE == NOT_APPLICABLE  # one run: one skip list
+    return checkov({"helm": ROOT / "charts" / "pdfleet", "kubernetes": folder}, NOT_APPLICABLE)
+
+
+def test_the_chart_passes_checkov(reports):
+    report = reports["helm"]
+    assert failed(report) == []
+    assert report["summary"]["passed"] >= 90
 
 
 def _of_file(checks: list[dict], example: str) -> list[dict]:
@@ -67,8 +69,8 @@ def _of_file(checks: list[dict], example: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_rendered_fleets_pass_checkov(example, fleets_report):
-    results = fleets_report["results"]
+def test_rendered_fleets_pass_checkov(example, reports):
+    results = reports["kubernetes"]["results"]
     report = {"results": {"failed_checks": _of_file(results["failed_checks"], example)}}
     assert failed(report) == []
     assert len(_of_file(results["passed_checks"], example)) >= 200

@@ -19,24 +19,58 @@ from pdfleet.engine import LLM, SamplingParams
 MAX_LEN = 512
 
 
+# The engines of this module: the shared one, and one each for the tests that
+# fill its queue, authenticate with their own key or stop it. They start side by
+# side (one engine's start is mostly waiting on one core); each is used by one
+# test, or by the shared fixtures only.
+ENGINES = {
+    "server": [
+        "--max-model-len",
+        str(MAX_LEN),
+        "--served-model-name",
+        "tiny",
+        "--disable-log-stats",
+    ],
+    "queue-503": [
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--api-key",
+        "sekret",
+    ],
+    "queue-burst": [
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "2",
+    ],
+    "sigterm": ["--max-model-len", "512", "--shutdown-timeout", "60"],
+}
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    proc = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            str(MAX_LEN),
-            "--served-model-name",
-            "tiny",
-            "--disable-log-stats",
-        ],
-        tmp_path_factory.mktemp("server"),
-    )
+def engines(tiny_model, tmp_path_factory):
+    """Name -> its ServerProcess, started (not yet waited on)."""
+    logs = tmp_path_factory.mktemp("server")
+    procs = {
+        name: ServerProcess(["serve", tiny_model, *args], logs, name)
+        for name, args in ENGINES.items()
+    }
     try:
-        yield proc.wait_healthy()
+        yield procs
     finally:
-        proc.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engines):
+    return engines["server"].wait_healthy()
 
 
 @pytest.fixture(scope="module")
@@ -343,22 +377,8 @@ def test_client_request_id_is_echoed_and_two_requests_may_share_it(http):
     assert plain[0].json()["id"] != plain[1].json()["id"]
 
 
-def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
-    proc = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            "4096",
-            "--max-num-seqs",
-            "1",
-            "--max-waiting-requests",
-            "1",
-            "--api-key",
-            "sekret",
-        ],
-        tmp_path,
-    )
+def test_queue_bound_answers_503_and_api_key(engines):
+    proc = engines["queue-503"]
     try:
         proc.wait_healthy()
         assert httpx.get(proc.url + "/v1/models").status_code == 401
@@ -403,22 +423,10 @@ def test_queue_bound_answers_503_and_api_key(tiny_model, tmp_path):
         proc.stop()
 
 
-def test_queue_bound_holds_for_a_burst_that_lands_between_two_steps(tiny_model, tmp_path):
+def test_queue_bound_holds_for_a_burst_that_lands_between_two_steps(engines):
     # One runs and two wait at most: a burst of concurrent requests admits no more
     # than that, although all of them arrive before the engine's next step.
-    proc = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            "4096",
-            "--max-num-seqs",
-            "1",
-            "--max-waiting-requests",
-            "2",
-        ],
-        tmp_path,
-    )
+    proc = engines["queue-burst"]
     try:
         proc.wait_healthy()
         body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -447,10 +455,8 @@ def test_queue_bound_holds_for_a_burst_that_lands_between_two_steps(tiny_model, 
         proc.stop()
 
 
-def test_sigterm_lets_the_stream_finish_then_exits_zero(tiny_model, tmp_path):
-    proc = ServerProcess(
-        ["serve", tiny_model, "--max-model-len", "512", "--shutdown-timeout", "60"], tmp_path
-    )
+def test_sigterm_lets_the_stream_finish_then_exits_zero(engines):
+    proc = engines["sigterm"]
     try:
         proc.wait_healthy()
         body = {"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "stream": True}

@@ -28,31 +28,74 @@ def vocab_size(tiny_model) -> int:
         return json.load(f)["vocab_size"]
 
 
+LEASE = 4.0  # seconds the SIGTERM test's producer holds blocks nobody claims
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def engines(tiny_model, tmp_path_factory):
+    """The module's engines, started side by side (one engine's start is mostly
+    waiting on one core) and not yet waited on: the shared one (``server``), the
+    one the broken-engine test breaks, the producer the SIGTERM test stops."""
+    logs = tmp_path_factory.mktemp("faults")
     # A KV consumer, so that kv_transfer_params are validated by a real connector.
     kv = {"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": free_port()}
-    proc = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            "512",
-            "--block-size",
-            str(BLOCK),
-            "--served-model-name",
-            "tiny",
-            "--disable-log-stats",
-            "--kv-transfer-config",
-            json.dumps(kv),
-        ],
-        tmp_path_factory.mktemp("faults"),
-        env={"PDFLEET_FAULT_RAISE_ON_TOKEN": str(FAULT)},
-    )
+    producer = {
+        "kv_connector": "ZmqConnector",
+        "kv_role": "kv_producer",
+        "kv_port": free_port(),
+        "kv_connector_extra_config": {"lease_seconds": LEASE},
+    }
+    procs = {
+        "server": ServerProcess(
+            [
+                "serve",
+                tiny_model,
+                "--max-model-len",
+                "512",
+                "--block-size",
+                str(BLOCK),
+                "--served-model-name",
+                "tiny",
+                "--disable-log-stats",
+                "--kv-transfer-config",
+                json.dumps(kv),
+            ],
+            logs,
+            "server",
+            env={"PDFLEET_FAULT_RAISE_ON_TOKEN": str(FAULT)},
+        ),
+        "broken": ServerProcess(
+            ["serve", tiny_model, "--max-model-len", "256", "--disable-log-stats"],
+            logs,
+            "broken",
+            env={"PDFLEET_FAULT_BREAK_ON_TOKEN": str(BREAK)},
+        ),
+        "producer": ServerProcess(
+            [
+                "serve",
+                tiny_model,
+                "--max-model-len",
+                "256",
+                "--block-size",
+                str(BLOCK),
+                "--disable-log-stats",
+                "--kv-transfer-config",
+                json.dumps(producer),
+            ],
+            logs,
+            "producer",
+        ),
+    }
     try:
-        yield proc.wait_healthy()
+        yield procs
     finally:
-        proc.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engines):
+    return engines["server"].wait_healthy()
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +225,8 @@ def test_blocks_of_a_failed_step_are_never_served_from_the_prefix_cache(http):
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 
-def test_broken_engine_exits_nonzero_instead_of_staying_up_unhealthy(tiny_model, tmp_path):
-    proc = ServerProcess(
-        ["serve", tiny_model, "--max-model-len", "256", "--disable-log-stats"],
-        tmp_path,
-        env={"PDFLEET_FAULT_BREAK_ON_TOKEN": str(BREAK)},
-    )
+def test_broken_engine_exits_nonzero_instead_of_staying_up_unhealthy(engines):
+    proc = engines["broken"]
     try:
         proc.wait_healthy()
         with httpx.Client(base_url=proc.url, headers=proc.headers, timeout=30) as c:
@@ -255,28 +294,9 @@ def test_n2_request_id_c_and_request_id_c0_both_complete(server, n2_first):
 # -- shutdown ----------------------------------------------------------------------------------
 
 
-def test_sigterm_on_a_producer_waits_for_its_held_leases_then_exits_zero(tiny_model, tmp_path):
-    lease = 4.0
-    kv = {
-        "kv_connector": "ZmqConnector",
-        "kv_role": "kv_producer",
-        "kv_port": free_port(),
-        "kv_connector_extra_config": {"lease_seconds": lease},
-    }
-    proc = ServerProcess(
-        [
-            "serve",
-            tiny_model,
-            "--max-model-len",
-            "256",
-            "--block-size",
-            str(BLOCK),
-            "--disable-log-stats",
-            "--kv-transfer-config",
-            json.dumps(kv),
-        ],
-        tmp_path,
-    )
+def test_sigterm_on_a_producer_waits_for_its_held_leases_then_exits_zero(engines):
+    lease = LEASE
+    proc = engines["producer"]
     try:
         proc.wait_healthy()
         body = {
