@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -982,6 +983,39 @@ def test_a_leg_resumes_on_an_engine_of_its_resume_identity_whatever_its_compat_h
 
 
 # -- the wire, without processes --------------------------------------------------------
+
+
+def _split_each(block: bytes, state: Migration) -> tuple[bytes, bool]:
+    """What split_events does, one event at a time (its general path)."""
+    out, handed_back = [], False
+    for event in block.split(b"\n\n")[:-1]:
+        if event.startswith((b": ids ", b": end ")):
+            line, _, event = event.partition(b"\n")
+            state.sent.extend(int(x) for x in line[6:].split())
+            if line.startswith(b": end "):
+                state.finished.add(0)
+        if event:
+            out.append(event + b"\n\n")
+    return b"".join(out), handed_back
+
+
+def test_a_block_of_several_events_of_one_choice_splits_as_event_by_event():
+    """The one-pass path for piled-up events of one choice gives the bytes,
+    ids and finish of the event-by-event one, on random mixes of events with
+    ids, ids alone, finishing ids and plain data, in any order."""
+    rng = random.Random(7)
+    shapes = (
+        lambda i: b': ids %d %d\ndata: {"t":"a:b\\n"}\n\n' % (i, i + 1),
+        lambda i: b": ids %d\n\n" % i,
+        lambda i: b'data: {"plain":"x"}\n\n',
+        lambda i: b': end %d\ndata: {"last":1}\n\n' % i,
+        lambda i: b"data: [DONE]\n\n",
+    )
+    for _ in range(300):
+        block = b"".join(rng.choice(shapes)(i) for i in range(rng.randint(2, 12)))
+        a, b = Migration({}), Migration({})
+        assert split_events(block, a) == _split_each(block, b), block
+        assert (a.sent, a.finished) == (b.sent, b.finished)
 
 
 def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():
