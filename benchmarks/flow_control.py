@@ -437,7 +437,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         watcher = asyncio.create_task(watch())
         lags: list[float] = []
         lagger = asyncio.create_task(loop_lag(lags))
-        gw_before = fleet.gateway_ttft()
+        gw_before = await asyncio.to_thread(fleet.gateway_ttft)
         protected = await protected_load(
             fleet.url,
             protected_key,
@@ -445,7 +445,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             args.phase_seconds - 2.0,
             args.timeout,
         )
-        gw_after = fleet.gateway_ttft()
+        gw_after = await asyncio.to_thread(fleet.gateway_ttft)
         noisy_results = await noisy
         watcher.cancel()
         lagger.cancel()
@@ -502,7 +502,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
             await one(client, fleet.url, PROTECTED, small(), args.timeout)
         await protected_load(fleet.url, PROTECTED, 3.0, 1.0, args.timeout)  # its process
         steps_before = fleet.engine_steps()
-        gw_before = fleet.gateway_ttft()
+        gw_before = await asyncio.to_thread(fleet.gateway_ttft)
         alone = await protected_load(
             fleet.url,
             PROTECTED,
@@ -510,7 +510,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
             args.phase_seconds,
             args.timeout,
         )
-        gw_after = fleet.gateway_ttft()
+        gw_after = await asyncio.to_thread(fleet.gateway_ttft)
         unloaded = p90([t for o, t, _ in alone if o == "200" and t is not None])
         out["unloaded_ttft_p90_s"] = unloaded
         out["unloaded_ttft_p50_s"] = p50([t for o, t, _ in alone if o == "200" and t])

@@ -128,15 +128,25 @@ def in_flight(sample: dict[str, float] | None) -> float:
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, a cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
 def engine_threads(cores: int, engines: int) -> int:
     """Torch threads for each of ``engines`` CPU engines on ``cores`` cores.
 
-    One core is left to the gateway and the engines' own front ends (their
-    HTTP servers and engine threads), as vLLM's CPU backend reserves one for
-    its front end: torch's OpenMP threads spin at every barrier, so an engine
-    whose threads fill every core stalls whenever the gateway or a client
-    takes one of them, and its steps run several times slower under load than
-    with one thread fewer."""
+    At least one core is left to the gateway and the engines' own front ends
+    (their HTTP servers and engine threads; vLLM's CPU backend also keeps one
+    core out of its OpenMP threads): torch's OpenMP threads spin at every
+    barrier, so an engine whose threads fill every core stalls whenever the
+    gateway or a client takes one of them, and its steps run several times
+    slower under load than with one thread fewer. The price is a lone
+    request's speed on an idle machine (a long prompt's first token about
+    1.5-1.8 times later on one thread than on two)."""
     return max(1, (cores - 1) // max(1, engines))
 
 
@@ -178,7 +188,7 @@ class LocalFleet:
         self.lock = threading.RLock()
         self.gateway_port = gateway_port or self.spec.gateway.port
         total = sum(self.replicas_in_spec(r) for r in self.roles)
-        self.threads = threads_per_engine or engine_threads(os.cpu_count() or 1, total)
+        self.threads = threads_per_engine or engine_threads(usable_cores(), total)
         self.gateway: Child | None = None
         self._stop = threading.Event()
         self.drain_timeout = self.spec.kv_transfer.lease_seconds + 30.0
