@@ -76,7 +76,10 @@ COMPLETION = json.dumps(
 )
 
 
-def _event(i: int) -> str:
+def _event(i: int, comments: bool = False) -> str:
+    """One streamed chunk; ``comments``: with the migration comment a pdfleet
+    engine writes before it (``: ids N``, ``: end N`` on the last), and
+    without logprobs (the block stays within nginx's 4 KiB ``return``)."""
     last = i == NUM_EVENTS - 2
     data = {
         "id": "cmpl-stub",
@@ -94,11 +97,21 @@ def _event(i: int) -> str:
     }
     if last:
         data["usage"] = {"prompt_tokens": 14, "completion_tokens": 25, "total_tokens": 39}
-    return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
+    comment = ""
+    if comments:
+        del data["choices"][0]["logprobs"]  # type: ignore[attr-defined]
+        comment = (": end " if last else ": ids ") + str(100 + i) + "\n"
+    return comment + "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
 
 
-# 25 chunks (the last with usage) and [DONE]: 26 events.
-STREAM = "".join(_event(i) for i in range(NUM_EVENTS - 1)) + "data: [DONE]\n\n"
+def stream(comments: bool = False) -> str:
+    """25 chunks (the last with usage) and [DONE]: 26 events."""
+    return "".join(_event(i, comments) for i in range(NUM_EVENTS - 1)) + "data: [DONE]\n\n"
+
+
+STREAM = stream()
+# What the stub engines stream (``--engine-comments`` sets it).
+STREAM_BODY = [STREAM]
 METRICS = (
     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
@@ -139,7 +152,7 @@ http {{
   uwsgi_temp_path {tmp}/uwsgi;
   scgi_temp_path {tmp}/scgi;
 {"".join(server(port, COMPLETION, "application/json") for port in json_ports)}
-{"".join(server(port, STREAM, "text/event-stream") for port in sse_ports)}
+{"".join(server(port, STREAM_BODY[0], "text/event-stream") for port in sse_ports)}
 }}
 """
 
@@ -317,9 +330,17 @@ def main() -> int:  # noqa: C901 (a script's main: one phase after another)
         default=[16],
         help="connections of the several-engine cells (non-streamed; streamed: its own)",
     )
+    ap.add_argument(
+        "--engine-comments",
+        action="store_true",
+        help="the streamed stub writes the migration comments of a pdfleet engine "
+        "(': ids N' before each event), which pdfleet's gateway reads and strips",
+    )
     ap.add_argument("--no-vllm-router", action="store_true", help="measure pdfleet only")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    if args.engine_comments:
+        STREAM_BODY[0] = stream(comments=True)
     for tool in ("nginx", "wrk", "taskset"):
         if shutil.which(tool) is None:
             raise SystemExit(

@@ -61,6 +61,22 @@ def _wheel_of(loop: asyncio.AbstractEventLoop) -> _Wheel:
     return wheel
 
 
+def current_task() -> asyncio.Task[Any]:
+    """The running task, as ``asyncio.current_task()``, without its read of
+    the running loop (a ``getpid`` system call each time, about a tenth of a
+    stream's gateway CPU on a VM where system calls are dear): the task of
+    this thread's wheel loop when that loop runs a task, which it does only
+    while it runs in this thread; else the full lookup (another loop: a test
+    runs several, one at a time). Raises RuntimeError outside a task."""
+    wheel = getattr(_local, "wheel", None)
+    task = asyncio.current_task(wheel.loop) if wheel is not None else None
+    if task is None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("not inside a task")
+    return task
+
+
 class Deadline:
     """``with``: the task is cancelled at ``when`` (loop time; None: never)
     and the cancellation comes out of the block as ``TimeoutError``, as with
@@ -72,9 +88,10 @@ class Deadline:
     __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_wheel")
 
     def __init__(self, when: float | None, after: float | None = None) -> None:
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("a Deadline must be used inside a task")
+        try:
+            task = current_task()
+        except RuntimeError:
+            raise RuntimeError("a Deadline must be used inside a task") from None
         self._task = task
         self._cancelling = task.cancelling()
         self._expired = False

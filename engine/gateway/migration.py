@@ -76,12 +76,12 @@ _MIGRATE = MIGRATE_EVENT[:-2]
 # two-byte search steps over every ':' of their JSON).
 _COMMENT_LINE = re.compile(rb"\n:")
 # The comment that opens an event of a one-choice stream (its token ids);
-# any other comment that opens an event; an event that is such a comment
-# alone. Each begins with the end of the event before (the block gets one in
-# front), so each scan looks for a literal.
+# and any comment that opens an event and is not such a comment followed by
+# the event's data (another comment, or one that is all of its event). Each
+# begins with the end of the event before (the block gets one in front), so
+# each scan looks for a literal.
 _ONE_CHOICE_IDS = re.compile(rb"\n\n: (ids|end) ([^\n]*)\n")
-_OTHER_OPENING_COMMENT = re.compile(rb"\n\n:(?! ids | end )")
-_IDS_ALONE = re.compile(rb"\n\n: (?:ids|end) [^\n]*\n\n")
+_NOT_ONE_CHOICE_IDS = re.compile(rb"\n\n:(?! (?:ids|end) [^\n]*\n[^\n])")
 
 
 @dataclass
@@ -217,7 +217,7 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
         state.sent.extend(parse_ids(block[:line_end]))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
     framed = b"\n\n" + block
-    if _OTHER_OPENING_COMMENT.search(framed) is None and _IDS_ALONE.search(framed) is None:
+    if _NOT_ONE_CHOICE_IDS.search(framed) is None:
         # Several events of one choice (events that piled up while the client
         # read): one pass over the block instead of one per event. Each
         # piece between two matches is an event without its comment; the

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.app import Gateway
 from pdfleet.engine.gateway.call import NOT_ANALYZED, Call
-from pdfleet.engine.gateway.deadlines import RESOLUTION, Deadline
+from pdfleet.engine.gateway.deadlines import RESOLUTION, Deadline, current_task
 from pdfleet.engine.gateway.discovery import StaticDiscovery
 from pdfleet.engine.gateway.engines import EngineLoad
 from pdfleet.engine.gateway.metrics import GatewayMetrics
@@ -203,3 +203,20 @@ def test_a_request_on_the_single_engine_route_fails_over_and_counts_as_the_gener
     assert gw.affinity.matched(info.block_hashes, [engine.url])[engine.url] == len(
         info.block_hashes
     )
+
+
+def test_current_task_is_the_running_task_across_loops_run_one_after_another():
+    async def check() -> None:
+        with Deadline(None):  # the thread's wheel is this loop's
+            assert current_task() is asyncio.current_task()
+
+            async def inner() -> asyncio.Task:
+                return current_task()
+
+            child = asyncio.ensure_future(inner())
+            assert await child is child
+
+    for _ in range(2):  # a second loop finds the first one's wheel, stopped
+        asyncio.run(check())
+    with pytest.raises(RuntimeError):
+        current_task()  # no task, no running loop
