@@ -14,6 +14,7 @@ the bounds it serves are seconds to minutes long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -61,19 +62,18 @@ def _wheel_of(loop: asyncio.AbstractEventLoop) -> _Wheel:
     return wheel
 
 
-def current_task() -> asyncio.Task[Any]:
+def current_task() -> asyncio.Task[Any] | None:
     """The running task, as ``asyncio.current_task()``, without its read of
     the running loop (a ``getpid`` system call each time, about a tenth of a
     stream's gateway CPU on a VM where system calls are dear): the task of
     this thread's wheel loop when that loop runs a task, which it does only
     while it runs in this thread; else the full lookup (another loop: a test
-    runs several, one at a time). Raises RuntimeError outside a task."""
+    runs several, one at a time). None outside a task."""
     wheel = getattr(_local, "wheel", None)
     task = asyncio.current_task(wheel.loop) if wheel is not None else None
     if task is None:
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("not inside a task")
+        with contextlib.suppress(RuntimeError):  # no running loop
+            task = asyncio.current_task()
     return task
 
 
@@ -88,10 +88,9 @@ class Deadline:
     __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_wheel")
 
     def __init__(self, when: float | None, after: float | None = None) -> None:
-        try:
-            task = current_task()
-        except RuntimeError:
-            raise RuntimeError("a Deadline must be used inside a task") from None
+        task = current_task()
+        if task is None:
+            raise RuntimeError("a Deadline must be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
         self._expired = False

@@ -358,13 +358,6 @@ class RelayResponse(Response):
                 await self.abandon()
 
 
-def _current_task_or_none() -> asyncio.Task[Any] | None:
-    try:
-        return current_task()
-    except RuntimeError:
-        return None
-
-
 class DisconnectWatch:
     """Cancels the task that made it when the client disconnects. The HTTP
     server calls it back from the connection's loss (no task); an ASGI
@@ -379,7 +372,7 @@ class DisconnectWatch:
     def __init__(self, request: Any) -> None:
         self.gone = False
         self._closed = False
-        self._owner: asyncio.Task[Any] | None = _current_task_or_none()
+        self._owner: asyncio.Task[Any] | None = current_task()
         self._task: asyncio.Future[None] | None = None
         watch = getattr(request, "watch_disconnect", None)
         if watch is not None and watch(self._lost):
