@@ -24,7 +24,11 @@ Setups:
   recomputes, by measured cost (docs/peer-pull.md);
 * ``holder`` — holder-only routing: the client sends every request to the
   engine that first computed its prefix (directly, with the fleet token), on
-  the ``exact`` fleet's engines with prompts of its own (same shape).
+  the ``exact`` fleet's engines with prompts of its own (same shape);
+* ``exact_aa`` — an A/A control: ``exact`` once more, on the same fleet, with
+  prompts of its own of the same shape. Set against ``exact`` it shows how far
+  one request's TTFT moves between two runs of the same setup, which is the
+  resolution of any request-by-request comparison here.
 
 With ``--pd`` the ``exact`` and ``pull`` fleets disaggregate (``mode: Always``):
 N prefill engines (``spec.prefill.peerPull`` for ``pull``) and one decode engine;
@@ -46,6 +50,9 @@ pulled (``pdfleet_engine_kv_peer_pull_bytes_total``), the gateway's decisions
 and its measured crossover; per trace and round the ratio of the ``pull`` p90
 to the ``exact`` p90 and, request by request, how many were more than 10%
 slower with pulls than without; the load average at the start of every run.
+Over all rounds, ``per_request_median`` compares each trace position (the
+same request shape in every round: a family's parent, its third fork) by its
+median TTFT over the rounds, for pulls and for the A/A control alike.
 
     .venv/bin/python benchmarks/peer_pull.py [--engines 3] [--rounds 3] [--traces forks]
         [--pd] [--json benchmarks/results/peer_pull_cpu.json]
@@ -74,7 +81,7 @@ from pdfleet.engine.contracts.metrics import parse_metrics
 from pdfleet.engine.contracts.security import fleet_token
 from pdfleet.engine.reports.stats import percentile as _percentile
 
-SETUPS = ("exact", "pull", "holder")
+SETUPS = ("exact", "pull", "holder", "exact_aa")
 TRACES = ("multiturn", "forks", "tenants")
 PROMPT_TOKENS = "pdfleet_engine_prompt_tokens_total"
 PULL_BYTES = "pdfleet_engine_kv_peer_pull_bytes_total"
@@ -440,6 +447,38 @@ def compare(
     }
 
 
+def per_request_median(
+    exact: list[list[float]],
+    other: list[list[float]],
+    exact_cached: list[list[int]],
+    lengths: list[list[int]],
+) -> dict[str, Any]:
+    """Each trace position by its median TTFT over the rounds, ``other`` against
+    ``exact``: over the positions exact routing computed (at least half the
+    prompt not from a cache) in most rounds, how many are more than 10% slower,
+    and the worst and median ratios. A round's prompts are its own, but a
+    position is the same request in every round (its length, its arrival, its
+    parent), so the median over rounds is that request's typical TTFT, where one
+    round's single sample carries the machine's noise of that moment."""
+    positions = len(exact[0])
+    ratios: list[float] = []
+    for i in range(positions):
+        computed = sum(1 for cs, ns in zip(exact_cached, lengths, strict=True) if cs[i] < ns[i] / 2)
+        if 2 * computed <= len(exact):
+            continue
+        e = percentile([xs[i] for xs in exact], 50)
+        o = percentile([xs[i] for xs in other], 50)
+        if e > 0:
+            ratios.append(o / e)
+    return {
+        "rounds": len(exact),
+        "requests": len(ratios),
+        "over_10pct_slower": sum(1 for r in ratios if r > 1.1),
+        "worst_ratio": round(max(ratios), 3) if ratios else None,
+        "median_ratio": round(percentile(ratios, 50), 3) if ratios else None,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=3)
@@ -486,7 +525,7 @@ def main() -> int:
         name = "peer_pull_pd_cpu.json" if args.pd else "peer_pull_cpu.json"
         args.json = f"benchmarks/results/{name}"
     if args.setups is None:
-        args.setups = "exact,pull" if args.pd else ",".join(SETUPS)
+        args.setups = "exact,pull,exact_aa" if args.pd else ",".join(SETUPS)
     setups = [s for s in args.setups.split(",") if s]
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown or (args.pd and "holder" in setups):
@@ -523,10 +562,12 @@ def main() -> int:
                 entry: dict[str, Any] = {"round": r, "order": order}
                 for setup in order:
                     start_load = os.getloadavg()[0]
-                    if setup == "holder":
+                    if setup in ("holder", "exact_aa"):
                         # The same trace shape, other tokens: the fleet's caches
                         # hold nothing of it from the exact run of this round.
-                        mine = builders[trace](args, random.Random(f"{args.seed}-{trace}-{r}-h"))
+                        mine = builders[trace](
+                            args, random.Random(f"{args.seed}-{trace}-{r}-{setup}")
+                        )
                         row, xs, cached = one_run(fleets["exact"], setup, mine)
                     else:
                         row, xs, cached = one_run(fleets[setup], setup, reqs)
@@ -544,13 +585,14 @@ def main() -> int:
                     load.append(os.getloadavg()[0])
                     print(trace, r, setup, json.dumps(row), flush=True)
                 lengths[trace].append([len(q["prompt"]) for q in reqs])
-                if "pull" in entry and "exact" in entry:
-                    entry["pull_vs_exact"] = compare(
-                        ttfts[trace]["exact"][-1],
-                        ttfts[trace]["pull"][-1],
-                        None if args.pd else cacheds[trace]["exact"][-1],
-                        lengths[trace][-1],
-                    )
+                for other in ("pull", "exact_aa"):
+                    if other in entry and "exact" in entry:
+                        entry[f"{other}_vs_exact"] = compare(
+                            ttfts[trace]["exact"][-1],
+                            ttfts[trace][other][-1],
+                            None if args.pd else cacheds[trace]["exact"][-1],
+                            lengths[trace][-1],
+                        )
                 rounds[trace].append(entry)
         status = fleets["pull"].status_line() if "pull" in fleets else ""
     finally:
@@ -589,6 +631,17 @@ def main() -> int:
                 ),
                 "p90_ratio_per_round": per_round,
             }
+            if not args.pd:
+                out["per_request_median"] = {
+                    other: per_request_median(
+                        ttfts[trace]["exact"],
+                        ttfts[trace][other],
+                        cacheds[trace]["exact"],
+                        lengths[trace],
+                    )
+                    for other in ("pull", "exact_aa")
+                    if other in setups
+                }
         results[trace] = out
     out_doc = {
         "command": "python " + " ".join(sys.argv),
