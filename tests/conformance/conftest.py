@@ -10,6 +10,8 @@ The fleet runs NIXL between two prefill engines and one decode engine,
 engines pull cached prefixes from each other (``peerPull``): the gateway may run
 a prefill leg on the engine that does not hold the prompt's prefix, which pulls
 it first (``test_fleet_peer_pulls.py``); every case's answer must be the same.
+The fleet's engines read a step-delay file (empty: no delay) that a test may
+fill to slow their steps, as a loaded host would (``fleet_step_delay``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import pytest
 from helpers.fleet import ENGINE_ARGS
 from helpers.server import ServerProcess, fleet_token
 from helpers.up import Up, fleet_spec
+
+from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
 DEFAULT_MAX_TOKENS = 24
 
@@ -50,11 +54,12 @@ def _processes(tiny_model, tmp_path_factory):
         prefill={"replicas": 2, "peerPull": True},
     )
     spec["spec"]["engine"]["overrideGenerationConfig"] = {"max_new_tokens": DEFAULT_MAX_TOKENS}
-    up = Up(spec, logs, "fleet")
+    step_delay = logs / "step_delay"
+    up = Up(spec, logs, "fleet", env={FAULT_STEP_DELAY_ENV: str(step_delay)})
     try:
         server.wait_healthy(300)
         up.wait_ready(300)
-        yield {"serve": server.url, "fleet": up.url, "up": up}
+        yield {"serve": server.url, "fleet": up.url, "up": up, "step_delay": step_delay}
     finally:
         server.stop()
         up.stop()
@@ -74,6 +79,21 @@ def fleet_url(_processes) -> str:
 def fleet_up(_processes) -> Up:
     """The fleet's `pdfleet up` (its engines' addresses)."""
     return _processes["up"]
+
+
+@pytest.fixture
+def fleet_step_delay(_processes):
+    """Sets the seconds each step of the fleet's engines sleeps first, for the
+    test; no delay again after it."""
+    path = _processes["step_delay"]
+
+    def delay(seconds: float) -> None:
+        path.write_text(f"{seconds}\n")
+
+    try:
+        yield delay
+    finally:
+        path.write_text("")
 
 
 @pytest.fixture(params=["serve", "fleet"])

@@ -7,10 +7,8 @@ plain computation."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx
-import pytest
 from helpers.fleet import engines_view, metric
 from helpers.server import fleet_headers, wait_until
 
@@ -26,6 +24,8 @@ TAIL = 96
 """Each request's own tokens after the shared prefix."""
 MAX_BURSTS = 5
 """Bursts sent at most before the test gives up on a pull."""
+STEP_DELAY = 0.05
+"""Seconds each engine step sleeps first while the bursts run."""
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -72,15 +72,9 @@ def rate_measured(gateway: str) -> bool:
     )
 
 
-@pytest.mark.skipif(
-    not os.environ.get("PDFLEET_PEER_PULL_FLEET"),
-    reason="runs with PDFLEET_PEER_PULL_FLEET=1: it needs the gateway to plan a burst "
-    "before the holder computes its first legs (its queue then outgrows one step), "
-    "which held alone (7 runs) but not inside the whole suite once (163 holder "
-    "decisions, no pull); the P/D pull itself is tested deterministically in "
-    "tests/kv_transfer/test_peer_pull.py (a holder slowed by the step-delay hook)",
-)
-def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(fleet_up):
+def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(
+    fleet_up, fleet_step_delay
+):
     gw = fleet_up.url
     prefill = [e["url"] for e in fleet_up.engines() if e["role"] == "prefill"]
     decode = fleet_up.engine_url("decode")
@@ -97,10 +91,12 @@ def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(fleet_u
     # Before any pull of the fleet is measured the decision explores: it pulls once
     # serving on the holder is predicted no sooner, i.e. once the holder has more
     # of the burst queued than its next step computes (the gateway counts what it
-    # sent there until that prefill leg ends, a few milliseconds on the tiny
-    # model). So the burst must reach the gateway at once: one event loop posts it
-    # on connections opened beforehand, and the gateway plans every request of it
-    # before any leg ends.
+    # sent there until that prefill leg ends). So the burst must reach the gateway
+    # before its first legs end: one event loop posts it on connections opened
+    # beforehand, and the engines' steps are slowed to STEP_DELAY, as on a loaded
+    # host (on the tiny model a leg otherwise ends within a few milliseconds,
+    # less than a burst can take to arrive on a busy machine).
+    fleet_step_delay(STEP_DELAY)
     for burst in range(MAX_BURSTS):
         keys = [(burst, i) for i in range(1, BURST + 1)]
         prompts.update({k: prefix + tokens(TAIL, 200 + 10 * burst + k[1]) for k in keys})
@@ -108,6 +104,7 @@ def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(fleet_u
         answers.update(zip(keys, texts, strict=True))
         if metric(gw, DECISIONS, decision="pull") > pulls:
             break
+    fleet_step_delay(0)
     assert metric(gw, DECISIONS, decision="pull") > pulls, (
         {d: metric(gw, DECISIONS, decision=d) for d in ("holder", "pull", "recompute")},
         metric(gw, "pdfleet_gateway_peer_pull_fleet_crossover_tokens"),
