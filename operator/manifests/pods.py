@@ -350,6 +350,7 @@ def _engine_pod_template(
         *parts.env,
         *kv_env,
         *parallel_env(role_spec, args, role_spec.env),
+        *engine_threads_env(role_spec.resources.limits, layout.ranks_per_pod, role_spec.env),
         *[dict(e) for e in role_spec.env],
     ]
     command = engine_command(args, serving=pod_serving(spec))
@@ -471,18 +472,40 @@ def gateway_data_volume(batch: GatewayBatchSpec) -> dict[str, Any]:
     return {"name": "gateway-data", "emptyDir": {}}
 
 
+def cpu_cores(quantity: object) -> float | None:
+    """A Kubernetes CPU quantity (``2``, ``1.5``, ``500m``) in cores; None when
+    absent or unreadable."""
+    if quantity is None:
+        return None
+    text = str(quantity).strip()
+    try:
+        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
+
+
 def gateway_workers(gateway: PodPlacement) -> int:
     """``--workers``: one gateway process per whole CPU of the pod's limit (else
     its request; 1 without either), so a pod uses every core it may."""
-    cpu = gateway.resources.limits.get("cpu") or gateway.resources.requests.get("cpu")
-    if cpu is None:
-        return 1
-    text = str(cpu).strip()
-    try:
-        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-    except ValueError:
-        return 1
-    return max(1, int(cores))
+    cores = cpu_cores(gateway.resources.limits.get("cpu") or gateway.resources.requests.get("cpu"))
+    return 1 if cores is None else max(1, int(cores))
+
+
+def engine_threads_env(
+    limits: Mapping[str, Any], ranks: int, user_env: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``OMP_NUM_THREADS`` for an engine container with a CPU limit: its whole
+    cores less one, shared by its ``ranks`` processes, at least 1 each (unless
+    the role's env sets it). Torch sizes its OpenMP pool from the node's cores,
+    not the container's limit, and its threads spin at every barrier: a pool
+    larger than the limit is throttled in every step, and one that fills the
+    limit stalls whenever the engine's own server and scheduler threads run
+    (the core left over is theirs, as under ``pdfleet up``). Without a limit
+    the container may use the node's cores, and torch's default stands."""
+    cores = cpu_cores(limits.get("cpu"))
+    if cores is None or any(e.get("name") == "OMP_NUM_THREADS" for e in user_env):
+        return []
+    return [{"name": "OMP_NUM_THREADS", "value": str(max(1, (int(cores) - 1) // max(1, ranks)))}]
 
 
 def gateway_pod_template(

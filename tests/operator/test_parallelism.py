@@ -17,6 +17,7 @@ from pdfleet.engine.cli import build_parser, main
 from pdfleet.engine.gateway.discovery import GROUP_ROLE_LABEL, pod_endpoint
 from pdfleet.operator.compat import check_service
 from pdfleet.operator.manifests import LABEL_ROLE, build_children, ucx_port_range
+from pdfleet.operator.manifests.pods import engine_threads_env
 from pdfleet.operator.parallelism import (
     BUILTIN_HEADS,
     LABEL_GROUP_ROLE,
@@ -104,6 +105,46 @@ def test_cpu_engines_get_no_gpus_and_an_explicit_shm_size_wins():
     assert "resources" not in engine_container(pod)
     assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "3Gi"
     assert env_of(engine_container(pod))["NCCL_DEBUG"] == "WARN"
+
+
+def test_an_engine_with_a_cpu_limit_gets_omp_threads_within_it_and_a_core_to_spare():
+    spec = {
+        **BASE,
+        "engine": {"device": "cpu"},
+        "prefill": {"resources": {"limits": {"cpu": "4"}}},
+        "decode": {
+            "resources": {"limits": {"cpu": "2500m"}},
+            "env": [{"name": "OMP_NUM_THREADS", "value": "7"}],
+        },
+    }
+    objects = objects_of(spec)
+
+    def env(role):
+        pod = objects["Deployment", f"demo-{role}"]["spec"]["template"]["spec"]
+        return engine_container(pod)["env"]
+
+    assert [e for e in env("prefill") if e["name"] == "OMP_NUM_THREADS"] == [
+        {"name": "OMP_NUM_THREADS", "value": "3"}
+    ]
+    # The role's own setting wins, once.
+    assert [e for e in env("decode") if e["name"] == "OMP_NUM_THREADS"] == [
+        {"name": "OMP_NUM_THREADS", "value": "7"}
+    ]
+    # Without a limit torch's default stands.
+    pod = objects_of(BASE)["Deployment", "demo-decode"]["spec"]["template"]["spec"]
+    assert "OMP_NUM_THREADS" not in env_of(engine_container(pod))
+    # A pod of several ranks shares its cores: 16 CPUs less one over TP 4.
+    objects = objects_of(TP_SPEC)
+    assert (
+        dict(
+            env_of(
+                engine_container(objects["Deployment", "demo-decode"]["spec"]["template"]["spec"])
+            )
+        )["OMP_NUM_THREADS"]
+        == "3"
+    )
+    assert engine_threads_env({"cpu": "500m"}, 1, []) == [{"name": "OMP_NUM_THREADS", "value": "1"}]
+    assert engine_threads_env({"cpu": "lots"}, 1, []) == []
 
 
 def test_another_accelerator_resource_is_requested_by_its_name():
