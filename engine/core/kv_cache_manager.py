@@ -10,6 +10,7 @@ back into freshly allocated device blocks instead of being recomputed.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..contracts.block_hash import get_hash_fn
@@ -184,7 +185,7 @@ class KVCacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
 
-    def _num_new_blocks(
+    def num_new_blocks(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock], num_host: int = 0
     ) -> int:
         """Blocks to allocate: host hits need fresh device blocks like new tokens do."""
@@ -196,14 +197,38 @@ class KVCacheManager:
         )
         return max(0, -(-total // self.block_size) - held)
 
+    def shortfall(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock], num_host: int = 0
+    ) -> int:
+        """The free blocks that :meth:`allocate_slots` with these arguments lacks
+        (0 or less: it fits)."""
+        # Cached hits that are currently free leave the free list when taken.
+        reclaim = sum(1 for b in computed if b.ref_cnt == 0)
+        new = self.num_new_blocks(request, num_new_tokens, computed, num_host)
+        return new + reclaim - self.num_free_blocks
+
     def can_fit(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock], num_host: int = 0
     ) -> bool:
-        # Cached hits that are currently free leave the free list when taken.
-        reclaim = sum(1 for b in computed if b.ref_cnt == 0)
-        return self._num_new_blocks(request, num_new_tokens, computed, num_host) + reclaim <= (
-            self.num_free_blocks
-        )
+        return self.shortfall(request, num_new_tokens, computed, num_host) <= 0
+
+    def blocks_freed_by(
+        self, requests: Iterable[Request], computed: list[KVBlock]
+    ) -> Iterator[int]:
+        """For each request in turn, the blocks that freeing it and the ones before
+        it would make free for a request whose prefix hits are ``computed``: their
+        blocks that nothing else references (a block shared with a request not
+        freed, or held for a transfer, stays taken), less its hits (freed, a hit
+        leaves the free list again when taken)."""
+        hits = {b.block_id for b in computed}
+        refs: dict[int, int] = {}
+        freed = 0
+        for request in requests:
+            for b in self._req_blocks.get(request.request_id, ()):
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                if refs[b.block_id] == b.ref_cnt and b.block_id not in hits:
+                    freed += 1
+            yield freed
 
     def allocate_slots(
         self,
@@ -229,7 +254,7 @@ class KVCacheManager:
         host_hits = host_hits or []
         if not self.can_fit(request, num_new_tokens, computed_blocks, len(host_hits)):
             return None
-        num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks, len(host_hits))
+        num_new = self.num_new_blocks(request, num_new_tokens, computed_blocks, len(host_hits))
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
         if (computed_blocks or host_hits) and held:

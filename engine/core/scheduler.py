@@ -26,10 +26,12 @@ Bands are strict where a better one would otherwise wait on a worse one: a
 step in which a request of band b prefills (a prompt chunk, or the waiting
 request at the head of the queue) schedules no running request of a worse
 band (its first token does not share the step with their decodes), and a waiting
-request that finds every slot or the KV taken preempts the running request
-of the worst band below its own (the newest of it). Within a band nothing
-is preempted for priority (the tag orders the queue only), so fair share
-never churns.
+request that finds every slot or the KV taken preempts running requests of
+the bands below its own, the worst band first and the newest first within it,
+as few as make room for it, and none when even all of them would not (they
+would lose their KV for nothing; a head that cannot get room holds no band out
+of the step either). Within a band nothing is preempted for priority (the tag
+orders the queue only), so fair share never churns.
 """
 
 from __future__ import annotations
@@ -315,8 +317,9 @@ class Scheduler:
 
     def _head_may_start(self, head: Request) -> bool:
         """Whether the waiting request at the head of the queue can start this
-        step, but for slots and KV (which a worse band gives up to it): not
-        waiting for anything else, no slot promised to others, an adapter slot."""
+        step, a worse band giving its slot and KV up to it: not waiting for
+        anything else, no slot promised to others, an adapter slot, and room
+        for its next chunk (:meth:`_head_fits`)."""
         if not self._schedulable(head) or _lend_blocks(head):
             return False
         if (
@@ -329,25 +332,76 @@ class Scheduler:
             loras = {r.lora_id for r in self.running if r.lora_id}
             if len(loras) >= self.max_loras:
                 return False
-        return True
+        return self._head_fits(head)
 
-    def _band_victim(self, request: Request, scheduled: dict[str, int]) -> Request | None:
-        """The running request to preempt so that ``request`` (waiting) gets a
-        slot or KV: the newest of the worst band below its own that has no
-        tokens in this step; None when no running request is of a worse band."""
-        if self.policy != "priority":
-            return None
-        band = band_of(request.priority)
-        victim: Request | None = None
+    def _head_fits(self, head: Request) -> bool:
+        """Whether the head would find the blocks for its next chunk (a pull: for
+        its whole prompt) among the free ones and those of the worse bands'
+        running requests (all of them could be its victims), once the better
+        bands' running requests took their tokens and blocks (they step first).
+        A head that cannot get them does not start, so it holds no band out of
+        the step. The estimate errs on the side of yes (the head's host-tier
+        hits and the groups' shares are not counted): then the worse bands sit
+        the step out, and band preemption (:meth:`_band_victims`) still preempts
+        none of them for nothing."""
+        band = band_of(head.priority)
+        worse = [r for r in self.running if band_of(r.priority) > band]
+        if not worse:
+            return True
+        budget = self.max_num_batched_tokens
+        grow = 0  # blocks the better bands' running requests take in this step
         for r in self.running:
-            if r.request_id in scheduled or band_of(r.priority) <= band:
-                continue
-            if victim is None or (r.priority, r.arrival_time) > (
-                victim.priority,
-                victim.arrival_time,
-            ):
-                victim = r
-        return victim
+            if band_of(r.priority) <= band and budget > 0:
+                n = self._cap(r.num_tokens - r.num_computed_tokens, budget)
+                budget -= n
+                grow += self.kv.num_new_blocks(r, n, [])
+        if budget <= 0:
+            return False
+        computed: list[KVBlock] = []
+        num_hit = 0
+        if head.num_computed_tokens == 0:
+            computed, num_hit = self.kv.get_computed_blocks(head)
+        remaining = head.num_tokens - head.num_computed_tokens - num_hit
+        p = head.kv_transfer_params
+        pulls = self.connector is not None and p is not None and p.do_remote_prefill
+        if pulls and head.num_computed_tokens == 0:
+            num_new = remaining  # a pull takes blocks for all it loads and computes
+        elif not self.chunked_prefill and remaining > budget:
+            return False
+        else:
+            num_new = self._cap(remaining, budget)
+        short = self.kv.shortfall(head, num_new, computed) + grow
+        return short <= 0 or max(self.kv.blocks_freed_by(worse, computed)) >= short
+
+    def _band_candidates(self, request: Request, scheduled: dict[str, int]) -> list[Request]:
+        """The running requests that may be preempted for ``request`` (waiting):
+        those of a band below its own with no tokens in this step; none but under
+        the ``priority`` policy."""
+        if self.policy != "priority":
+            return []
+        band = band_of(request.priority)
+        return [
+            r for r in self.running if r.request_id not in scheduled and band_of(r.priority) > band
+        ]
+
+    def _band_victims(
+        self, request: Request, scheduled: dict[str, int], shortfall: int, computed: list[KVBlock]
+    ) -> list[Request]:
+        """The fewest of the :meth:`_band_candidates`, taken in their order (the
+        worst band first, the newest first within a band), whose preemption gives
+        ``request`` a slot and ``shortfall`` more free blocks (its prefix hits are
+        ``computed``: a victim's block that it hits is no room for it). Empty when
+        even all of them would not make room: preempted, they would lose their KV
+        (a landed pull its pulled blocks) and ``request`` would wait all the same."""
+        candidates = sorted(
+            self._band_candidates(request, scheduled),
+            key=lambda r: (r.priority, r.arrival_time),
+            reverse=True,
+        )
+        for n, freed in enumerate(self.kv.blocks_freed_by(candidates, computed), 1):
+            if freed >= shortfall:
+                return candidates[:n]
+        return []
 
     def _cap(self, num_new: int, budget: int) -> int:
         if 0 < self.long_prefill_threshold < num_new:
@@ -550,16 +604,14 @@ class Scheduler:
             if holders_only and request.request_id not in holders:
                 skipped.append(self.waiting.pop())  # behind a blocked head: holders only
                 continue
-            if len(self.running) >= self.max_num_seqs and not (
+            # Every slot is taken. A lend request (at the head of the queue) still
+            # goes, up to LEND_SLOTS past the bound: it computes one token and
+            # finishes in this step. Another one may take a worse band's slot; it
+            # is preempted with the blocks it needs, once they are known (below).
+            need_slot = len(self.running) >= self.max_num_seqs and not (
                 _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
-            ):
-                loser = self._band_victim(request, num_scheduled)
-                if loser is not None:  # a worse band's slot: it waits, this one runs
-                    self._preempt(loser)
-                    continue
-                # Every slot is taken. A lend request (at the head of the queue) still
-                # goes, up to LEND_SLOTS past the bound: it computes one token and
-                # finishes in this step.
+            )
+            if need_slot and not self._band_candidates(request, num_scheduled):
                 break
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
@@ -611,22 +663,31 @@ class Scheduler:
                     # loaded tokens only, requests that loaded could fill the pool
                     # and none could compute its tail: nothing would run to free it.
                     rest = max(0, request.num_tokens - num_hit - num_external)
-                    allocated = self.kv.allocate_slots(
-                        request,
-                        num_external + rest,
-                        computed_blocks,
-                        publish=False,
-                        host_hits=host_hits,
+                    short = self.kv.shortfall(
+                        request, num_external + rest, computed_blocks, len(host_hits)
                     )
-                    if allocated is None:
+                    if need_slot or short > 0:
                         # As for a request computed here (below).
-                        room = self._make_room(request, num_scheduled, holders)
+                        room = self._make_room(
+                            request, num_scheduled, holders, need_slot, short, computed_blocks
+                        )
                         if room == "stop":
                             break
                         if room == "skip":
                             holders_only = True
                             skipped.append(self.waiting.pop())
                         continue
+                    if (
+                        self.kv.allocate_slots(
+                            request,
+                            num_external + rest,
+                            computed_blocks,
+                            publish=False,
+                            host_hits=host_hits,
+                        )
+                        is None
+                    ):
+                        raise RuntimeError("broken invariant: no shortfall, the blocks fit")
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)
                     request.num_computed_tokens = num_hit
@@ -645,19 +706,24 @@ class Scheduler:
                     continue
                 break  # without chunking the whole prompt must fit one step
             num_new = self._cap(remaining, limit)
-            if (
-                self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
-                is None
-            ):
-                room = self._make_room(request, num_scheduled, holders)
+            short = self.kv.shortfall(request, num_new, computed_blocks, len(host_hits))
+            if need_slot or short > 0:
+                room = self._make_room(
+                    request, num_scheduled, holders, need_slot, short, computed_blocks
+                )
                 if room == "stop":
                     break
                 if room == "skip":
                     holders_only = True
                     skipped.append(self.waiting.pop())
                 # Preempted: look at the head again (its cache hits are read anew:
-                # the victim's blocks are free now).
+                # the victims' blocks are free now).
                 continue
+            if (
+                self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
+                is None
+            ):
+                raise RuntimeError("broken invariant: no shortfall, the blocks fit")
             self.waiting.pop()
             if computed_blocks or host_hits or request.num_computed_tokens == 0:
                 self.kv.record_lookup(request, num_hit)
@@ -826,18 +892,31 @@ class Scheduler:
                 holders.add(r.request_id)
         return sorted(lends), holders
 
-    def _make_room(self, request: Request, scheduled: dict[str, int], holders: set[str]) -> str:
-        """A waiting request found too few free blocks. ``"preempted"``: a worse
-        band's running request gave its KV up (that band sits this step out for
-        this one); ``"skip"``: nothing can be preempted for it, but landed pulls
-        wait behind it (``holders``): they need few or no new blocks and free
-        theirs when they finish, so they go past it, where waiting behind it
-        would stall the engine (nothing running frees a block); ``"stop"``:
-        nothing joins past it this step."""
-        loser = self._band_victim(request, scheduled)
-        if loser is not None:
-            self._preempt(loser)
+    def _make_room(
+        self,
+        request: Request,
+        scheduled: dict[str, int],
+        holders: set[str],
+        need_slot: bool,
+        shortfall: int,
+        computed: list[KVBlock],
+    ) -> str:
+        """A waiting request found no free slot (``need_slot``) or ``shortfall``
+        blocks too few (its prefix hits are ``computed``). ``"preempted"``: running
+        requests of worse bands gave their slots and KV up, enough for it (those
+        bands sit this step out for this one); ``"skip"``: nothing can be
+        preempted for it, but landed pulls wait behind it (``holders``): they need
+        few or no new blocks and free theirs when they finish, so they go past it,
+        where waiting behind it would stall the engine (nothing running frees a
+        block); ``"stop"``: nothing joins past it this step (nor past a request
+        that waits for a slot)."""
+        victims = self._band_victims(request, scheduled, shortfall, computed)
+        for victim in victims:
+            self._preempt(victim)
+        if victims:
             return "preempted"
+        if need_slot:
+            return "stop"
         return "skip" if holders - {request.request_id} else "stop"
 
     def _loaded_tokens(self, request: Request) -> int:
