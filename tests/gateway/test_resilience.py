@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from helpers.fleet import engines_view, kv_transfer_args, metric, start_engines, start_gateway
-from helpers.server import wait_until
+from helpers.server import stop_all, wait_until
 
 from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
@@ -63,7 +63,7 @@ def fleet(tiny_model, tmp_path_factory):
             gateway.stop()
         for p in procs:
             p.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            p.stop()
+        stop_all(procs)
 
 
 def gateway_args(engines: list, stall_timeout: float) -> list[str]:

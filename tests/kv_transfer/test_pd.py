@@ -16,7 +16,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, stop_all, wait_until
 
 from pdfleet.engine.contracts import kv_params, security
 from pdfleet.engine.contracts.kv_params import KVTransferParams
@@ -101,8 +101,7 @@ def fleet(request, tiny_model, tmp_path_factory, agg):
             "faulty": faulty_pair,
         }
     finally:
-        for p in [*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]]:
-            p.stop()
+        stop_all([*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]])
 
 
 def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/completions"):
@@ -345,8 +344,7 @@ def nixl_pair(tiny_model, tmp_path_factory, agg):
             | {"agg": agg.url, "logs": logs, "spare": spare, "restart_ports": restart_ports}
         )
     finally:
-        for p in [*procs.values(), *spare.values()]:
-            p.stop()
+        stop_all([*procs.values(), *spare.values()])
 
 
 def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") -> ServerProcess:
