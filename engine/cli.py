@@ -46,7 +46,10 @@ def version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``pdfleet`` parser; ``only``: with that command's parser alone (each
+    command's module imports what its parser needs: the others' cost every
+    process start about a second of CPU)."""
     parser = FlexibleArgumentParser(
         prog="pdfleet",
         description="Serve LLMs as disaggregated prefill/decode fleets.",
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Logging level (default INFO).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command, module in COMMANDS.items():
+    commands = {only: COMMANDS[only]} if only in COMMANDS else COMMANDS
+    for command, module in commands.items():
         try:
             importlib.import_module(module).add_parser(sub)
         except ModuleNotFoundError as e:
@@ -87,8 +91,23 @@ def _add_missing(sub: argparse._SubParsersAction[Any], command: str, package: st
     parser.set_defaults(func=missing)
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names, if it names one before anything else
+    (options of ``pdfleet`` itself may come first); else None."""
+    rest = iter(argv)
+    for arg in rest:
+        if arg == "--log-level":
+            next(rest, None)
+        elif not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+        elif not arg.startswith("--log-level="):
+            return None  # --help, --version, or a mistake: the whole parser answers
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),

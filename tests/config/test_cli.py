@@ -26,6 +26,27 @@ def test_help(argv):
     assert "usage: pdfleet" in out.stdout
 
 
+def test_a_named_command_gets_its_parser_alone_and_every_other_argv_the_whole_one():
+    from pdfleet.engine import cli
+
+    for argv, command in [
+        (["serve", "m", "--port", "1"], "serve"),
+        (["--log-level", "DEBUG", "gateway", "--decode", "x"], "gateway"),
+        (["--log-level=DEBUG", "up"], "up"),
+        (["--help"], None),
+        (["--version", "serve"], None),
+        (["nonsense", "serve"], None),
+        ([], None),
+    ]:
+        assert cli._command_of(argv) == command, argv
+
+    def commands(parser) -> set[str]:
+        return set(next(a for a in parser._actions if a.dest == "command").choices)
+
+    assert commands(cli.build_parser("serve")) == {"serve"}
+    assert commands(cli.build_parser()) >= set(cli.COMMANDS)
+
+
 def test_serve_help_documents_engine_flags():
     out = run("serve", "--help").stdout
     assert "--max-num-batched-tokens" in out and "--kv-transfer-config" in out

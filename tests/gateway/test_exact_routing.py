@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.fleet import metric, start_engines, start_gateway
-from helpers.server import fleet_headers, free_port, wait_until
+from helpers.server import fleet_headers, free_port, stop_all, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_VENV = ROOT / "build" / "vllm-router-venv"
@@ -48,8 +48,7 @@ def kv_engines(tiny_model, tmp_path_factory):
     try:
         yield [(proc, *p) for proc, p in zip(procs, ports, strict=True)]
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +88,7 @@ def kv_gateways(kv_engines, tiny_model, tmp_path_factory):
             procs.append(start_gateway(args, log_dir))
         yield procs
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def served(engines) -> list[float]:

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from gateway.fake_engine import FakeEngine
 from helpers.fleet import ENGINE_ARGS, kv_transfer_args, metric, start_engines, start_gateway
-from helpers.server import ServerProcess, fleet_headers, wait_until
+from helpers.server import ServerProcess, fleet_headers, stop_all, wait_until
 
 from pdfleet.engine.contracts.migration import (
     END_ONE_PREFIX,
@@ -127,9 +127,8 @@ def fleet(engines, tiny_model, tmp_path_factory, monkeypatch_module):
         if f.gateway is not None:
             f.gateway.stop()
         for d in f.decode:
-            if d.proc.poll() is None:
-                d.signal(signal.SIGCONT)
-            d.stop()
+            d.signal(signal.SIGCONT)
+        stop_all(f.decode)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ prefill engines under load, and finally kill the last decode engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import time
@@ -18,7 +19,7 @@ import httpx
 import openai
 import pytest
 from helpers.fleet import engines_view, kv_transfer_args, metric, start_engines, start_gateway
-from helpers.server import wait_until
+from helpers.server import stop_all, wait_until
 
 from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
@@ -62,7 +63,7 @@ def fleet(tiny_model, tmp_path_factory):
             gateway.stop()
         for p in procs:
             p.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            p.stop()
+        stop_all(procs)
 
 
 def gateway_args(engines: list, stall_timeout: float) -> list[str]:
@@ -246,10 +247,12 @@ def test_decode_engine_killed_mid_stream_the_stream_resumes_on_the_other_one(fle
     assert moved >= 1
 
 
-async def _load(url: str, n: int, offset: int = 0) -> list[int]:
+async def _load(url: str, n: int, offset: int = 0, done: list[int] | None = None) -> list[int]:
+    """``n`` concurrent requests; the completion tokens of each. ``done``: gets the
+    index of each request as it completes."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
-    async def one(i: int) -> int:
+    async def request(i: int) -> int:
         kw = dict(model="tiny", prompt=f"{offset + i}. {PROMPT}", max_tokens=8, temperature=0)
         kw["extra_body"] = {"ignore_eos": True}
         if i % 2:
@@ -261,6 +264,12 @@ async def _load(url: str, n: int, offset: int = 0) -> list[int]:
         async for chunk in stream:
             usage = chunk.usage or usage
         return usage.completion_tokens
+
+    async def one(i: int) -> int:
+        tokens = await request(i)
+        if done is not None:
+            done.append(i)
+        return tokens
 
     try:
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 180)
@@ -275,22 +284,37 @@ def _kill_under_load(gw_url: str, victim, n: int) -> list[int]:
     The victim is stopped first so that legs pile up on it however fast it is
     (the gateway's stall watchdog must be slower than the pile-up: on one
     loaded core, sending the load can take longer than a 1 s stall timeout).
-    Should the victim still be ejected before two legs reach it, it is let go,
-    served back to health, and stopped again (that round's requests complete too)."""
+    Should the victim still be ejected before two legs reach it, or the gateway
+    send it no more (at the capacity it learned for it while loaded, or the rest
+    of the load answered elsewhere), it is let go, served back to health, and
+    stopped again (that round's requests complete too)."""
 
     def inflight() -> float:  # every worker's (merged /metrics), not one worker's view
         return metric(gw_url, INFLIGHT, engine=victim.url)
 
-    def piled_up_or_ejected() -> bool:
-        return inflight() >= 2 or state(gw_url, victim.url)["state"] == "ejected"
+    def piled_up_ejected_or_missed(completed: list[int]) -> bool:
+        # No second leg can reach the stopped victim once it holds as many as the
+        # capacity the gateway learned for it (which grows only with its answers),
+        # nor once all but one request of the load are answered: the window is
+        # missed, as when it is ejected.
+        held = inflight()
+        capacity = metric(gw_url, "pdfleet_gateway_engine_capacity", engine=victim.url)
+        return (
+            held >= 2
+            or state(gw_url, victim.url)["state"] == "ejected"
+            or 1 <= capacity <= held
+            or len(completed) >= n - 1
+        )
 
     async def main() -> list[int]:
         done: list[int] = []
         for attempt in range(3):
+            completed: list[int] = []
             victim.signal(signal.SIGSTOP)
-            first = asyncio.create_task(_load(gw_url, n, offset=2 * n * attempt))
+            first = asyncio.create_task(_load(gw_url, n, 2 * n * attempt, completed))
+            waited = functools.partial(piled_up_ejected_or_missed, completed)
             try:
-                await asyncio.to_thread(wait_until, piled_up_or_ejected, 30, 0.02)
+                await asyncio.to_thread(wait_until, waited, 30, 0.02)
                 held = inflight() >= 2
             except BaseException:
                 victim.signal(signal.SIGKILL)

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.fleet import ENGINE_ARGS, engines_view, metric, start_gateway
-from helpers.server import ServerProcess, wait_until
+from helpers.server import ServerProcess, stop_all, wait_until
 
 from pdfleet.engine.config.gateway import GatewayConfig
 from pdfleet.engine.gateway.admission import Admission, Overloaded
@@ -361,8 +361,7 @@ def slowable(tiny_model, tmp_path_factory):
             proc.wait_healthy(180)
         yield engines
     finally:
-        for proc, _ in engines.values():
-            proc.stop()
+        stop_all(proc for proc, _ in engines.values())
 
 
 @pytest.fixture

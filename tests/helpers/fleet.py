@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from .server import ServerProcess, fleet_headers, free_port
+from .server import ServerProcess, fleet_headers, free_port, stop_all
 
 MAX_LEN = 512
 ENGINE_ARGS = [
@@ -54,8 +54,7 @@ def start_engines(
         with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
             list(pool.map(lambda p: p.wait_healthy(180), procs))
     except BaseException:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
         raise
     return procs
 

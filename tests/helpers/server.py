@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -113,8 +114,12 @@ class ServerProcess:
             self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 30.0) -> int:
+        self.signal(signal.SIGTERM)
+        return self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float = 30.0) -> int:
+        """Wait for the process to exit (SIGKILL after ``timeout``); its exit code."""
         if self.proc.poll() is None:
-            self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -122,6 +127,16 @@ class ServerProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def stop_all(procs: Iterable[ServerProcess], timeout: float = 30.0) -> None:
+    """Stop processes side by side: SIGTERM to each, then wait for each (as
+    ``ServerProcess.stop``), so their shutdowns overlap."""
+    procs = list(procs)
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        p.wait_stopped(timeout)
 
 
 def scrape(url: str) -> dict[str, float]:

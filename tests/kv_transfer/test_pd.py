@@ -16,7 +16,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from helpers.server import ServerProcess, fleet_headers, free_port, scrape, wait_until
+from helpers.server import ServerProcess, fleet_headers, free_port, scrape, stop_all, wait_until
 
 from pdfleet.engine.contracts import kv_params, security
 from pdfleet.engine.contracts.kv_params import KVTransferParams
@@ -49,8 +49,20 @@ def serve(model: str, log_dir, name: str, *extra: str, port: int | None = None) 
     )
 
 
+@pytest.fixture(scope="module")
+def agg(tiny_model, tmp_path_factory):
+    """The aggregated reference engine of the whole module (both connectors'
+    fleets and the failure tests'); started, not waited for: those who use it
+    wait for it with their own engines, its start overlapping theirs."""
+    engine = serve(tiny_model, tmp_path_factory.mktemp("pd-agg"), "agg")
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 @pytest.fixture(scope="module", params=["NixlConnector", "ZmqConnector"])
-def fleet(request, tiny_model, tmp_path_factory):
+def fleet(request, tiny_model, tmp_path_factory, agg):
     connector = request.param
     logs = tmp_path_factory.mktemp(f"pd-{connector}")
     kv_ports = {"prefill": free_port(), "decode": free_port()}
@@ -74,14 +86,14 @@ def fleet(request, tiny_model, tmp_path_factory):
                 bandwidth_min_pull_bytes=0,
             ),
         ),
-        "agg": serve(tiny_model, logs, "agg"),
     }
-    # The `faulty` fixture's pair starts now too (one wait for all five starts).
+    # The `faulty` fixture's pair starts now too (one wait for all the starts).
     faulty_pair = start_faulty(tiny_model, connector, logs)
     try:
-        for p in procs.values():
+        for p in [*procs.values(), agg]:
             p.wait_healthy()
         yield {k: p.url for k, p in procs.items()} | {
+            "agg": agg.url,
             "connector": connector,
             "procs": procs,
             "kv_ports": kv_ports,
@@ -89,8 +101,7 @@ def fleet(request, tiny_model, tmp_path_factory):
             "faulty": faulty_pair,
         }
     finally:
-        for p in [*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]]:
-            p.stop()
+        stop_all([*procs.values(), faulty_pair["producer"], faulty_pair["consumer"]])
 
 
 def two_legs(fleet, body: dict, stream: bool = False, endpoint: str = "/v1/completions"):
@@ -274,8 +285,8 @@ def producer_args(kv_port: int | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def nixl_pair(tiny_model, tmp_path_factory):
-    """A consumer with each failure policy, and an aggregated reference; and the
+def nixl_pair(tiny_model, tmp_path_factory, agg):
+    """A consumer with each failure policy, and the aggregated reference; and the
     engines the tests below kill, freeze, restart or drain, one each (``spare``),
     all started side by side: one engine's start is mostly waiting on one core."""
     logs = tmp_path_factory.mktemp("pd-failures")
@@ -298,7 +309,6 @@ def nixl_pair(tiny_model, tmp_path_factory):
                 }
             ),
         ),
-        "agg": serve(tiny_model, logs, "agg"),
     }
     spare = {
         "doomed": serve(tiny_model, logs, "doomed", *producer_args()),
@@ -327,15 +337,14 @@ def nixl_pair(tiny_model, tmp_path_factory):
         ),
     }
     try:
-        for p in [*procs.values(), *spare.values()]:
+        for p in [*procs.values(), *spare.values(), agg]:
             p.wait_healthy()
         yield (
             {k: p.url for k, p in procs.items()}
-            | {"logs": logs, "spare": spare, "restart_ports": restart_ports}
+            | {"agg": agg.url, "logs": logs, "spare": spare, "restart_ports": restart_ports}
         )
     finally:
-        for p in [*procs.values(), *spare.values()]:
-            p.stop()
+        stop_all([*procs.values(), *spare.values()])
 
 
 def start_producer(model, logs, http_port=None, kv_port=None, name="prefill") -> ServerProcess:

@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 from helpers.fleet import ENGINE_ARGS, metric
-from helpers.server import ServerProcess, fleet_headers, wait_until
+from helpers.server import ServerProcess, fleet_headers, stop_all, wait_until
 
 from pdfleet.engine.config.admission import AdmissionConfig
 from pdfleet.engine.entrypoints.openai.grammar_gate import CompileBusy, CompileGate, FairShare
@@ -51,8 +51,7 @@ def engines(tiny_model, tmp_path_factory):
             list(pool.map(lambda p: p.wait_healthy(180), procs))
         yield procs
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def rss_mib(pid: int) -> float:

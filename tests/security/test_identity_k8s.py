@@ -18,7 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.identity_cluster import IdentityCluster
 from helpers.security_pair import kv_config, post, prefill_leg, prompt, text_of
-from helpers.server import ServerProcess, free_port, scrape, wait_until
+from helpers.server import ServerProcess, free_port, scrape, stop_all, wait_until
 
 from pdfleet.engine.contracts import identity, security
 from pdfleet.engine.kv_transfer.identity_client import EndpointClient
@@ -96,8 +96,7 @@ def fleet(cluster, refused, tiny_model, tmp_path_factory):
             engine.wait_healthy()
         yield engines, kv_ports
     finally:
-        for engine in engines.values():
-            engine.stop()
+        stop_all(engines.values())
 
 
 def metric(engine: ServerProcess, name: str) -> float:

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.server import ServerProcess, fleet_token, scrape, wait_until
+from helpers.server import ServerProcess, fleet_token, scrape, stop_all, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdfleet.engine import LLM, SamplingParams
@@ -64,8 +64,7 @@ def engines(tiny_model, tmp_path_factory):
     try:
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from helpers.server import ServerProcess, free_port, scrape, wait_until
+from helpers.server import ServerProcess, free_port, scrape, stop_all, wait_until
 
 FAULT = 5  # prompts holding this token id make their step raise
 BREAK = 6  # prompts holding this token id break the engine for good
@@ -89,8 +89,7 @@ def engines(tiny_model, tmp_path_factory):
     try:
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")
