@@ -75,13 +75,13 @@ _MIGRATE = MIGRATE_EVENT[:-2]
 # times faster than ``bytes.__contains__`` does in a block of many events (whose
 # two-byte search steps over every ':' of their JSON).
 _COMMENT_LINE = re.compile(rb"\n:")
-# The comment that opens an event of a one-choice stream (its token ids);
-# and any comment that opens an event and is not such a comment followed by
-# the event's data (another comment, or one that is all of its event). Each
-# begins with the end of the event before (the block gets one in front), so
-# each scan looks for a literal.
-_ONE_CHOICE_IDS = re.compile(rb"\n\n: (ids|end) ([^\n]*)\n")
-_NOT_ONE_CHOICE_IDS = re.compile(rb"\n\n:(?! (?:ids|end) [^\n]*\n[^\n])")
+# The comment that opens an event of a one-choice stream (its token ids) and
+# is followed by the event's data (groups 1 and 2: ``ids`` or ``end``, the
+# ids); or (group 3) any other comment that opens an event (another comment,
+# or one that is all of its event). Each begins with the end of the event
+# before (the block gets one in front), so the scan looks for a literal, and
+# one pass both checks a block and splits it.
+_ONE_CHOICE_IDS = re.compile(rb"\n\n(?:: (ids|end) ([^\n]*)\n(?=[^\n])|(:))")
 
 
 @dataclass
@@ -216,17 +216,17 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
         line_end = block.find(b"\n")
         state.sent.extend(parse_ids(block[:line_end]))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
-    framed = b"\n\n" + block
-    if _NOT_ONE_CHOICE_IDS.search(framed) is None:
+    parts = _ONE_CHOICE_IDS.split(b"\n\n" + block)
+    if parts[3::4].count(None) == len(parts) >> 2:
         # Several events of one choice (events that piled up while the client
-        # read): one pass over the block instead of one per event. Each
-        # piece between two matches is an event without its comment; the
-        # removed end of the event before goes back between them.
-        parts = _ONE_CHOICE_IDS.split(framed)
-        state.sent.extend(map(int, b" ".join(parts[2::3]).split()))
-        if b"end" in parts[1::3]:
+        # read), every comment one of their ids: one pass over the block
+        # instead of one per event. Each piece between two matches is an
+        # event without its comment; the removed end of the event before
+        # goes back between them.
+        state.sent.extend(map(int, b" ".join(parts[2::4]).split()))
+        if b"end" in parts[1::4]:
             state.finished.add(0)
-        return b"\n\n".join(parts[0::3])[2:], False
+        return b"\n\n".join(parts[0::4])[2:], False
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:
