@@ -74,13 +74,13 @@ _MIGRATE = MIGRATE_EVENT[:-2]
 # times faster than ``bytes.__contains__`` does in a block of many events (whose
 # two-byte search steps over every ':' of their JSON).
 _COMMENT_LINE = re.compile(rb"\n:")
-# The comment that opens an event of a one-choice stream (its token ids, in
-# decimal digits) and is followed by the event's data (groups 1 and 2: ``ids``
-# or ``end``, the ids); or (group 3) any other comment that opens an event
-# (another comment, one that is all of its event, or ids of another form). Each begins with the end of the event
+# The comment line that opens an event of a one-choice stream (its token ids,
+# in decimal digits) and is followed by the event's data; or a lone ``:``,
+# any other comment that opens an event (another comment, one that is all of
+# its event, or ids of another form). Each begins with the end of the event
 # before (the block gets one in front), so the scan looks for a literal, and
 # one pass both checks a block and splits it.
-_ONE_CHOICE_IDS = re.compile(rb"\n\n(?:: (ids|end) ([0-9 ]*)\n(?=[^\n])|(:))")
+_ONE_CHOICE_IDS = re.compile(rb"\n\n(: (?:ids|end) [0-9 ]*\n(?=[^\n])|:)")
 
 
 class Migration:
@@ -120,7 +120,7 @@ class Migration:
         self._sent: list[int] = [] if sent is None else sent
         self.unread: list[bytes] = []
         """Ids of :attr:`sent` not read into ints yet, in order after them: each
-        a run of decimal ids separated by spaces (read when :attr:`sent` is)."""
+        decimal ids separated by spaces or newlines (read when :attr:`sent` is)."""
         self.choices = choices
         """The request's choices (``n`` × prompts); above 1 the engine names the
         choice of each event's ids, kept in :attr:`sent_of`."""
@@ -260,16 +260,18 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
             state.sent.extend(parse_ids(block[:line_end]))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
     parts = _ONE_CHOICE_IDS.split(b"\n\n" + block)
-    if parts[3::4].count(None) == len(parts) >> 2:
+    comments = parts[1::2]
+    if b":" not in comments:
         # Several events of one choice (events that piled up while the client
         # read), every comment one of their ids: one pass over the block
         # instead of one per event. Each piece between two matches is an
         # event without its comment; the removed end of the event before
-        # goes back between them.
-        state.unread.append(b" ".join(parts[2::4]))
-        if b"end" in parts[1::4]:
+        # goes back between them. The ids are the comments' digits.
+        text = b"".join(comments)
+        state.unread.append(text.translate(None, b":idsen"))
+        if b"end" in text:
             state.finished.add(0)
-        return b"\n\n".join(parts[0::4])[2:], False
+        return b"\n\n".join(parts[0::2])[2:], False
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:
