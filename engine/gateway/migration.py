@@ -271,6 +271,8 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
         state.unread.append(text.translate(None, b":idsen"))
         if b"end" in text:
             state.finished.add(0)
+        if not parts[0]:  # (the usual block: it opens with a comment, no copy to cut)
+            return b"\n\n".join(parts[2::2]), False
         return b"\n\n".join(parts[0::2])[2:], False
     out: list[bytes] = []
     handed_back = False
