@@ -301,19 +301,28 @@ class _LegResponse:
 
     def __init__(self, resp: Any, span: Any, started: float) -> None:
         self._resp, self._span, self._started = resp, span, started
+        self._first = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._resp, name)
 
+    def _first_chunk(self) -> None:
+        if self._first:
+            self._first = False
+            ttft = time.perf_counter() - self._started
+            self._span.set_attribute("pdfleet.time_to_first_chunk_s", ttft)
+            self._span.add_event("first chunk")
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        first = True
         async for chunk in self._resp.aiter_raw():
-            if first:
-                first = False
-                ttft = time.perf_counter() - self._started
-                self._span.set_attribute("pdfleet.time_to_first_chunk_s", ttft)
-                self._span.add_event("first chunk")
+            self._first_chunk()
             yield chunk
+
+    def read_buffered(self) -> bytes:
+        chunk: bytes = self._resp.read_buffered()
+        if chunk:
+            self._first_chunk()
+        return chunk
 
     async def aclose(self) -> None:
         try:

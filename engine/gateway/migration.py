@@ -43,7 +43,6 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import tracing
@@ -75,44 +74,84 @@ _MIGRATE = MIGRATE_EVENT[:-2]
 # times faster than ``bytes.__contains__`` does in a block of many events (whose
 # two-byte search steps over every ':' of their JSON).
 _COMMENT_LINE = re.compile(rb"\n:")
-# The comment that opens an event of a one-choice stream (its token ids);
-# and any comment that opens an event and is not such a comment followed by
-# the event's data (another comment, or one that is all of its event). Each
-# begins with the end of the event before (the block gets one in front), so
-# each scan looks for a literal.
-_ONE_CHOICE_IDS = re.compile(rb"\n\n: (ids|end) ([^\n]*)\n")
-_NOT_ONE_CHOICE_IDS = re.compile(rb"\n\n:(?! (?:ids|end) [^\n]*\n[^\n])")
+# The comment line that opens an event of a one-choice stream (its token ids,
+# in decimal digits) and is followed by the event's data; or a lone ``:``,
+# any other comment that opens an event (another comment, one that is all of
+# its event, or ids of another form). Each begins with the end of the event
+# before (the block gets one in front), so the scan looks for a literal, and
+# one pass both checks a block and splits it.
+_ONE_CHOICE_IDS = re.compile(rb"\n\n(: (?:ids|end) [0-9 ]*\n(?=[^\n])|:)")
 
 
-@dataclass
 class Migration:
     """A migratable request's state across its decode legs."""
 
-    body: dict[str, Any]
-    """The client's body (no kv_transfer_params): what every resumed leg sends."""
-    sent: list[int] = field(default_factory=list)
-    """Output token ids the client has received, in order (a request of one choice)."""
-    choices: int = 1
-    """The request's choices (``n`` × prompts); above 1 the engine names the
-    choice of each event's ids, kept in :attr:`sent_of`."""
-    sent_of: dict[int, list[int]] = field(default_factory=dict)
-    """Per choice that went out (its opening chunk at least): its output token
-    ids the client has received, in order (a request of several choices)."""
-    finished: set[int] = field(default_factory=set)
-    """The choices whose last event went out (a request of one choice: ``{0}``
-    once its ``: end`` event did)."""
-    created: int | None = None
-    """The first leg's ``created`` (kept by the resumed legs)."""
-    moves: int = 0
-    failed: set[str] = field(default_factory=set)
-    """Decode engines whose leg of this request failed."""
-    pinned: bool = False
-    identity: str | None = None
-    """The first decode engine's resume identity: a leg resumes only on an
-    engine of the same one (None: it published none)."""
-    compat: str | None = None
-    """The first decode engine's compat hash: what a leg resumes within when
-    that engine published no resume identity."""
+    __slots__ = (
+        "_sent",
+        "body",
+        "choices",
+        "compat",
+        "created",
+        "failed",
+        "finished",
+        "identity",
+        "moves",
+        "pinned",
+        "sent_of",
+        "unread",
+    )
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        sent: list[int] | None = None,
+        choices: int = 1,
+        sent_of: dict[int, list[int]] | None = None,
+        finished: set[int] | None = None,
+        created: int | None = None,
+        moves: int = 0,
+        failed: set[str] | None = None,
+        pinned: bool = False,
+        identity: str | None = None,
+        compat: str | None = None,
+    ) -> None:
+        self.body = body
+        """The client's body (no kv_transfer_params): what every resumed leg sends."""
+        self._sent: list[int] = [] if sent is None else sent
+        self.unread: list[bytes] = []
+        """Ids of :attr:`sent` not read into ints yet, in order after them: each
+        decimal ids separated by spaces or newlines (read when :attr:`sent` is)."""
+        self.choices = choices
+        """The request's choices (``n`` × prompts); above 1 the engine names the
+        choice of each event's ids, kept in :attr:`sent_of`."""
+        self.sent_of: dict[int, list[int]] = {} if sent_of is None else sent_of
+        """Per choice that went out (its opening chunk at least): its output token
+        ids the client has received, in order (a request of several choices)."""
+        self.finished: set[int] = set() if finished is None else finished
+        """The choices whose last event went out (a request of one choice: ``{0}``
+        once its ``: end`` event did)."""
+        self.created = created
+        """The first leg's ``created`` (kept by the resumed legs)."""
+        self.moves = moves
+        self.failed: set[str] = set() if failed is None else failed
+        """Decode engines whose leg of this request failed."""
+        self.pinned = pinned
+        self.identity = identity
+        """The first decode engine's resume identity: a leg resumes only on an
+        engine of the same one (None: it published none)."""
+        self.compat = compat
+        """The first decode engine's compat hash: what a leg resumes within when
+        that engine published no resume identity."""
+
+    @property
+    def sent(self) -> list[int]:
+        """Output token ids the client has received, in order (a request of one
+        choice). Read from the engine's comments only when asked (a move): a
+        stream that never moves parses none of them."""
+        if self.unread:
+            self._sent.extend(map(int, b" ".join(self.unread).split()))
+            self.unread.clear()
+        return self._sent
 
     def pin(self, first: EngineState) -> None:
         """Take the resume identity of the request's first decode engine (once)."""
@@ -214,19 +253,27 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
     if block.startswith(IDS_PREFIX) and block.find(b"\n\n") == len(block) - 2:
         # One event (the usual block: an engine writes each event as it comes).
         line_end = block.find(b"\n")
-        state.sent.extend(parse_ids(block[:line_end]))
+        ids = block[len(IDS_PREFIX) : line_end]
+        if ids.replace(b" ", b"").isdigit():  # (ASCII digits: reading them cannot fail)
+            state.unread.append(ids)
+        else:
+            state.sent.extend(parse_ids(block[:line_end]))
         return block[line_end + 1 :] if line_end < len(block) - 2 else b"", False
-    framed = b"\n\n" + block
-    if _NOT_ONE_CHOICE_IDS.search(framed) is None:
+    parts = _ONE_CHOICE_IDS.split(b"\n\n" + block)
+    comments = parts[1::2]
+    if b":" not in comments:
         # Several events of one choice (events that piled up while the client
-        # read): one pass over the block instead of one per event. Each
-        # piece between two matches is an event without its comment; the
-        # removed end of the event before goes back between them.
-        parts = _ONE_CHOICE_IDS.split(framed)
-        state.sent.extend(map(int, b" ".join(parts[2::3]).split()))
-        if b"end" in parts[1::3]:
+        # read), every comment one of their ids: one pass over the block
+        # instead of one per event. Each piece between two matches is an
+        # event without its comment; the removed end of the event before
+        # goes back between them. The ids are the comments' digits.
+        text = b"".join(comments)
+        state.unread.append(text.translate(None, b":idsen"))
+        if b"end" in text:
             state.finished.add(0)
-        return b"\n\n".join(parts[0::3])[2:], False
+        if not parts[0]:  # (the usual block: it opens with a comment, no copy to cut)
+            return b"\n\n".join(parts[2::2]), False
+        return b"\n\n".join(parts[0::2])[2:], False
     out: list[bytes] = []
     handed_back = False
     for event in block.split(b"\n\n")[:-1]:

@@ -186,8 +186,10 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
             error: LegFailed | None = None
             try:
                 while not got:  # until the leg's first whole event
-                    if resp.buffered():  # already here: there is no wait to bound
-                        data = await anext(chunks)
+                    if resp.buffered():  # already here: no wait to bound, no step of ``chunks``
+                        data = resp.read_buffered()
+                        if not data:
+                            break  # the leg ended before its first event
                     else:
                         if first_bound is None:
                             first_bound = legs.first_token_bound(engine)
@@ -206,7 +208,9 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                             legs.first_token(call)
                         done = out.endswith(DONE)
                         yield out
-                if not handed_back:
+                if done and resp.drained():
+                    pass  # the engine's whole answer was here and went out: no wait
+                elif got and not handed_back:
                     # The rest under one idle timeout, pushed back as each chunk
                     # arrives and off while the client takes an event (a slow
                     # reader is not an idle engine; the stall watchdog, which
@@ -277,7 +281,7 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
             legs.move_slot(call, engine)
     finally:
         if holding:
-            await resp.aclose()
+            resp.close()  # (``aclose`` without a coroutine)
             legs.release(engine)
         legs.finish(call, status)
 

@@ -248,6 +248,33 @@ class UpstreamResponse:
         conn = self._conn
         return conn is not None and (bool(conn.chunks) or conn.complete)
 
+    def read_buffered(self) -> bytes:
+        """What the next ``aiter_raw`` step would give when ``buffered``, without
+        a step of the iterator: the body bytes here, or, at the body's end, b""
+        (the connection then released as the iterator's end releases it). The
+        iterator, if stepped later, goes on after them."""
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("the response body was already released")
+        if conn.chunks:
+            return conn.take()
+        if not conn.complete:
+            raise RuntimeError("read_buffered: nothing buffered (see buffered)")
+        self._done = True
+        self._release()
+        return b""
+
+    def drained(self) -> bool:
+        """True (and the connection released, as at the end of ``aiter_raw``)
+        when the whole body has arrived and was read: the iterator's next step
+        would only end it."""
+        conn = self._conn
+        if conn is None or not conn.complete or conn.chunks:
+            return False
+        self._done = True
+        self._release()
+        return True
+
     def received(self) -> bool:
         """The whole answer has arrived (what is left of it needs no wait)."""
         conn = self._conn

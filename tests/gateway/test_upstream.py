@@ -128,6 +128,56 @@ def test_chunked_stream_is_relayed_event_by_event_and_reused():
     run(main())
 
 
+async def sse_at_once(reader, writer, body):
+    events = b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+    )
+    await writer.drain()
+
+
+def test_what_is_buffered_reads_as_the_iterator_would_and_the_end_reuses_the_connection():
+    """``read_buffered`` gives what the next ``aiter_raw`` step would without
+    a step (the iterator goes on after it), b"" at the end; ``drained`` ends
+    a body read whole. Each end leaves the connection to the next request,
+    as the iterator's end does."""
+
+    async def arrived(resp):
+        while not resp.received():  # the whole answer is one write of the server's
+            await asyncio.sleep(0.01)
+
+    async def main():
+        server = Server(sse_at_once)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            whole = b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+            # Read, then the end read too.
+            resp = await client.stream(url + "/v1/completions", b"{}", {})
+            await arrived(resp)
+            assert resp.buffered() and resp.read_buffered() == whole
+            assert resp.buffered() and resp.read_buffered() == b""
+            assert not resp.drained()  # (already released)
+            resp.close()
+            # Read, then drained.
+            resp = await client.stream(url + "/v1/completions", b"{}", {})
+            await arrived(resp)
+            assert not resp.drained()  # its body is unread
+            assert resp.read_buffered() == whole and resp.drained()
+            resp.close()
+            # Read, then the iterator: it only ends.
+            resp = await client.stream(url + "/v1/completions", b"{}", {})
+            await arrived(resp)
+            chunks = resp.aiter_raw()
+            assert resp.read_buffered() == whole
+            assert [chunk async for chunk in chunks] == []
+            await resp.aclose()
+            await client.aclose()
+        assert server.connections == 1
+
+    run(main())
+
+
 def test_an_abandoned_stream_closes_its_connection():
     async def main():
         server = Server(sse_answer)
