@@ -39,7 +39,8 @@ is refused with ``--pd``; so is the ``vs_recompute`` comparison below (the decod
 leg's usage counts the whole prompt it pulled as cached, so the client cannot tell
 which prefill legs recomputed): it is reported as null.
 
-Both fleets are up for the whole run. Each of ``--rounds`` rounds runs every
+Both fleets are up for the whole run. After ``--warm-rounds`` unrecorded rounds
+(every trace once per fleet, on prompts of its own), each of ``--rounds`` rounds runs every
 trace once per setup, one setup right after the other (the order rotates
 between rounds), on the round's own prompts, so the setups of a round share
 the machine's load and see the same requests (``holder`` the same shape).
@@ -493,6 +494,12 @@ def main() -> int:
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--warm-rounds",
+        type=int,
+        default=1,
+        help="unrecorded rounds first, every trace once per fleet on its own prompts",
+    )
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=800)
@@ -555,6 +562,15 @@ def main() -> int:
             fleets[name] = UpFleet(args, name, peer_pull=name == "pull")
             warm(fleets[name], args.engines)
         time.sleep(2.5)  # two scrapes of the gateways: their rates are measured
+        # Unrecorded rounds first, the same for every fleet: each runs every trace
+        # once on prompts of its own, so the measured rounds see fleets that have
+        # served this traffic before (a pull fleet's pairs measured), not ones
+        # just started.
+        for w in range(args.warm_rounds):
+            for trace in traces:
+                for name, fleet in fleets.items():
+                    seed = f"{args.seed}-{trace}-warm{w}-{name}"
+                    one_run(fleet, name, builders[trace](args, random.Random(seed)))
         for r in range(args.rounds):
             order = setups[r % len(setups) :] + setups[: r % len(setups)]
             for trace in traces:
