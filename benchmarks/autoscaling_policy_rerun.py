@@ -45,17 +45,23 @@ def _run(job: tuple[str, str, int, str]) -> dict[str, Any]:
 
 def _row(cell: dict[str, Any]) -> dict[str, Any]:
     t = cell["targets"]
+    # A robustness case's cell is scored on the SLOs and cost only.
+    events = t.get("events", {"policy": {}, "fewest": {}})
     return {
         "ttft": t["ttft_attainment"]["value"],
         "itl": t["itl_attainment"]["value"],
         "x_bstar": t["vs_bstar"]["value"],
         "cost_limit": t["vs_bstar"]["limit"],
-        "events": t["events"]["policy"],
-        "fewest_events": t["events"]["fewest"],
-        "reversals": t["no_flap"]["value"],
-        "x_hpa_tuned": t["vs_hpa_tuned"]["value"],
+        "events": events["policy"],
+        "fewest_events": events["fewest"],
+        "reversals": t.get("no_flap", {}).get("value"),
+        "x_hpa_tuned": t.get("vs_hpa_tuned", {}).get("value"),
         "missed": sorted(k for k, v in t.items() if v["met"] is False),
     }
+
+
+def _events(events: dict[str, int]) -> str:
+    return f"{events['prefill']}/{events['decode']}" if events else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{name} {cell['trace']:>9} {cell['seed']:>3}{case}: "
                         f"TTFT {was['ttft']:.2%} -> {now['ttft']:.2%}, ITL {was['itl']:.2%} -> "
                         f"{now['itl']:.2%}, x B* {was['x_bstar']:.3f} -> {now['x_bstar']:.3f}, "
-                        f"events {was['events']['prefill']}/{was['events']['decode']} -> "
-                        f"{now['events']['prefill']}/{now['events']['decode']} "
-                        f"(fewest {now['fewest_events']['prefill']}/{now['fewest_events']['decode']}), "
+                        f"events {_events(was['events'])} -> {_events(now['events'])} "
+                        f"(fewest {_events(now['fewest_events'])}), "
                         f"reversals {was['reversals']} -> {now['reversals']}, missed "
                         f"{','.join(was['missed']) or '-'} -> {','.join(now['missed']) or '-'}{changed}",
                         flush=True,
