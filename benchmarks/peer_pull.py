@@ -431,13 +431,7 @@ def compare(
         recomputed = [
             i for i, (c, n) in enumerate(zip(exact_cached, prompt_tokens, strict=True)) if c < n / 2
         ]
-        vs = [pull[i] / exact[i] for i in recomputed if exact[i] > 0]
-        vs_recompute = {
-            "requests": len(vs),
-            "over_10pct_slower": sum(1 for r in vs if r > 1.1),
-            "worst_ratio": round(max(vs), 3) if vs else None,
-            "median_ratio": round(percentile(vs, 50), 3) if vs else None,
-        }
+        vs_recompute = slower([pull[i] / exact[i] for i in recomputed if exact[i] > 0])
     return {
         "p90_ratio": round(percentile(pull, 90) / percentile(exact, 90), 3),
         "p90_reduction_pct": round(100 * (1 - percentile(pull, 90) / percentile(exact, 90)), 1),
@@ -471,8 +465,13 @@ def per_request_median(
         o = percentile([xs[i] for xs in other], 50)
         if e > 0:
             ratios.append(o / e)
+    return {"rounds": len(exact), **slower(ratios)}
+
+
+def slower(ratios: list[float]) -> dict[str, Any]:
+    """Per-request TTFT ratios (a setup over exact routing): how many, how many
+    more than 10% slower, the worst and the median."""
     return {
-        "rounds": len(exact),
         "requests": len(ratios),
         "over_10pct_slower": sum(1 for r in ratios if r > 1.1),
         "worst_ratio": round(max(ratios), 3) if ratios else None,

@@ -233,3 +233,18 @@ def divisors_of(heads: ModelHeads) -> list[int]:
     """The TP sizes that work for ``heads``."""
     n = heads.num_attention_heads
     return [tp for tp in range(1, n + 1) if heads_problem(tp, heads) is None]
+
+
+def engine_threads(cores: int, engines: int) -> int:
+    """Torch threads for each of ``engines`` CPU engines (or ranks of one pod) on
+    ``cores`` cores (``pdfleet up``'s machine, or a pod's CPU limit).
+
+    At least one core is left to the gateway and the engines' own front ends
+    (their HTTP servers and engine threads; vLLM's CPU backend also keeps one
+    core out of its OpenMP threads): torch's OpenMP threads spin at every
+    barrier, so an engine whose threads fill every core stalls whenever the
+    gateway or a client takes one of them, and its steps run several times
+    slower under load than with one thread fewer. The price is a lone
+    request's speed on an idle machine (a long prompt's first token about
+    1.5-1.8 times later on one thread than on two)."""
+    return max(1, (cores - 1) // max(1, engines))

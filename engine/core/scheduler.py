@@ -663,11 +663,20 @@ class Scheduler:
                     # loaded tokens only, requests that loaded could fill the pool
                     # and none could compute its tail: nothing would run to free it.
                     rest = max(0, request.num_tokens - num_hit - num_external)
-                    short = self.kv.shortfall(
-                        request, num_external + rest, computed_blocks, len(host_hits)
-                    )
-                    if need_slot or short > 0:
+                    allocated = None
+                    if not need_slot:
+                        allocated = self.kv.allocate_slots(
+                            request,
+                            num_external + rest,
+                            computed_blocks,
+                            publish=False,
+                            host_hits=host_hits,
+                        )
+                    if allocated is None:
                         # As for a request computed here (below).
+                        short = self.kv.shortfall(
+                            request, num_external + rest, computed_blocks, len(host_hits)
+                        )
                         room = self._make_room(
                             request, num_scheduled, holders, need_slot, short, computed_blocks
                         )
@@ -677,17 +686,6 @@ class Scheduler:
                             holders_only = True
                             skipped.append(self.waiting.pop())
                         continue
-                    if (
-                        self.kv.allocate_slots(
-                            request,
-                            num_external + rest,
-                            computed_blocks,
-                            publish=False,
-                            host_hits=host_hits,
-                        )
-                        is None
-                    ):
-                        raise RuntimeError("broken invariant: no shortfall, the blocks fit")
                     self.waiting.pop()
                     self.kv.record_lookup(request, num_hit)
                     request.num_computed_tokens = num_hit
@@ -706,8 +704,13 @@ class Scheduler:
                     continue
                 break  # without chunking the whole prompt must fit one step
             num_new = self._cap(remaining, limit)
-            short = self.kv.shortfall(request, num_new, computed_blocks, len(host_hits))
-            if need_slot or short > 0:
+            allocated = None
+            if not need_slot:
+                allocated = self.kv.allocate_slots(
+                    request, num_new, computed_blocks, host_hits=host_hits
+                )
+            if allocated is None:
+                short = self.kv.shortfall(request, num_new, computed_blocks, len(host_hits))
                 room = self._make_room(
                     request, num_scheduled, holders, need_slot, short, computed_blocks
                 )
@@ -719,11 +722,6 @@ class Scheduler:
                 # Preempted: look at the head again (its cache hits are read anew:
                 # the victims' blocks are free now).
                 continue
-            if (
-                self.kv.allocate_slots(request, num_new, computed_blocks, host_hits=host_hits)
-                is None
-            ):
-                raise RuntimeError("broken invariant: no shortfall, the blocks fit")
             self.waiting.pop()
             if computed_blocks or host_hits or request.num_computed_tokens == 0:
                 self.kv.record_lookup(request, num_hit)

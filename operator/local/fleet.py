@@ -38,6 +38,7 @@ from ...engine.contracts import identity, identity_exchange, security
 from ...engine.contracts import metrics as m
 from ...engine.contracts.engines_file import EngineEntry, EnginesFile
 from ...engine.contracts.launch import python_module
+from ..parallelism import engine_threads
 from ..resource import InferenceService
 from ..roles import (
     disaggregating,
@@ -134,20 +135,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no affinity call on this platform
         return os.cpu_count() or 1
-
-
-def engine_threads(cores: int, engines: int) -> int:
-    """Torch threads for each of ``engines`` CPU engines on ``cores`` cores.
-
-    At least one core is left to the gateway and the engines' own front ends
-    (their HTTP servers and engine threads; vLLM's CPU backend also keeps one
-    core out of its OpenMP threads): torch's OpenMP threads spin at every
-    barrier, so an engine whose threads fill every core stalls whenever the
-    gateway or a client takes one of them, and its steps run several times
-    slower under load than with one thread fewer. The price is a lone
-    request's speed on an idle machine (a long prompt's first token about
-    1.5-1.8 times later on one thread than on two)."""
-    return max(1, (cores - 1) // max(1, engines))
 
 
 class LocalFleet:

@@ -24,6 +24,7 @@ from ..model_source import InitStep, model_volumes, pod_volumes
 from ..parallelism import (
     LABEL_GROUP_ROLE,
     WORKER,
+    engine_threads,
     parallel_env,
     pod_resources,
     rendezvous_flags,
@@ -505,7 +506,7 @@ def engine_threads_env(
     cores = cpu_cores(limits.get("cpu"))
     if cores is None or any(e.get("name") == "OMP_NUM_THREADS" for e in user_env):
         return []
-    return [{"name": "OMP_NUM_THREADS", "value": str(max(1, (int(cores) - 1) // max(1, ranks)))}]
+    return [{"name": "OMP_NUM_THREADS", "value": str(engine_threads(int(cores), ranks))}]
 
 
 def gateway_pod_template(
