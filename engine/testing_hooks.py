@@ -10,8 +10,11 @@ deployment must never set is this list:
 - ``$PDFLEET_FAULT_BREAK_ON_TOKEN=ID``: that step and every later one raise,
   as a broken device would.
 - ``$PDFLEET_FAULT_STEP_DELAY_FILE=PATH``: every step first sleeps the seconds
-  ``PATH`` holds (read each step; missing or empty: none), as a slow device or
-  a loaded host would make it (tests of the gateway's stall detection).
+  ``PATH`` holds (read each step; missing or empty: none), as a loaded host
+  would make it (tests of the gateway's stall detection). An optional second
+  number is seconds per scheduled token, slept after the forward pass and
+  counted as forward time, as a slower device would take (the engine's
+  measured prefill rate falls with it).
 - ``$PDFLEET_KV_TEST_READ_DELAY_FILE=PATH``: while ``PATH`` holds a number of
   seconds, every KV READ started is delayed by that much (NIXL: posted late,
   and not cancellable meanwhile; ZMQ: the bytes land late), so tests can
@@ -64,9 +67,19 @@ class StepFaults:
     def active(self) -> bool:
         return self.raise_on_token is not None or self.break_on_token is not None
 
-    def step_delay(self) -> float:
-        """Seconds this step is to sleep first (0 unless the hook is set)."""
-        return _seconds_in(self.step_delay_file) if self.step_delay_file else 0.0
+    def step_delay(self) -> tuple[float, float]:
+        """Seconds this step is to sleep first, and seconds per scheduled token
+        its forward pass is to take longer ((0, 0) unless the hook is set)."""
+        if not self.step_delay_file:
+            return 0.0, 0.0
+        try:
+            with open(self.step_delay_file) as f:
+                words = f.read().split()
+            first = max(0.0, float(words[0])) if words else 0.0
+            per_token = max(0.0, float(words[1])) if len(words) > 1 else 0.0
+        except (OSError, ValueError):
+            return 0.0, 0.0
+        return first, per_token
 
     def describe(self) -> str:
         return (

@@ -158,14 +158,20 @@ class EngineCore:
             self.step_scheduled_tokens = 0
 
     def _step(self, start: float) -> list[EngineCoreOutput]:
+        per_token = 0.0
         if self.faults.step_delay_file is not None:
-            time.sleep(self.faults.step_delay())
+            first, per_token = self.faults.step_delay()
+            time.sleep(first)
         sched_out = self.scheduler.schedule()
         self.step_scheduled_tokens = sched_out.total_num_scheduled_tokens
         try:
             if self.faults.active:
                 self._inject_fault(list(sched_out.num_scheduled_tokens))
             runner_out = self.runner.execute_model(sched_out)
+            if per_token and sched_out.total_num_scheduled_tokens:
+                slower = per_token * sched_out.total_num_scheduled_tokens
+                time.sleep(slower)
+                runner_out.forward_seconds += slower
         except RankFailed:
             raise  # not one request's failure: the engine is down
         except Exception as e:

@@ -10,8 +10,9 @@ The fleet runs NIXL between two prefill engines and one decode engine,
 engines pull cached prefixes from each other (``peerPull``): the gateway may run
 a prefill leg on the engine that does not hold the prompt's prefix, which pulls
 it first (``test_fleet_peer_pulls.py``); every case's answer must be the same.
-The fleet's engines read a step-delay file (empty: no delay) that a test may
-fill to slow their steps, as a loaded host would (``fleet_step_delay``).
+Its prefill engines compute at most ``PREFILL_BUDGET`` tokens a step. The
+fleet's engines read a step-delay file (empty: no delay) that a test may fill to
+slow their steps, as a loaded host or a slower device would (``fleet_step_delay``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from helpers.up import Up, fleet_spec
 from pdfleet.engine.testing_hooks import FAULT_STEP_DELAY_ENV
 
 DEFAULT_MAX_TOKENS = 24
+PREFILL_BUDGET = 64
+"""Tokens one step of a fleet's prefill engine computes at most (its
+maxNumBatchedTokens): a 320-token prefix takes five steps to compute, so a
+prefill leg that pulls it from a busy holder (the holder's step in progress
+and its next one) can be sooner than one that recomputes it."""
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +57,11 @@ def _processes(tiny_model, tmp_path_factory):
     spec = fleet_spec(
         tiny_model,
         disaggregation={"mode": "Always"},
-        prefill={"replicas": 2, "peerPull": True},
+        prefill={
+            "replicas": 2,
+            "peerPull": True,
+            "engine": {"maxNumBatchedTokens": PREFILL_BUDGET},
+        },
     )
     spec["spec"]["engine"]["overrideGenerationConfig"] = {"max_new_tokens": DEFAULT_MAX_TOKENS}
     step_delay = logs / "step_delay"
@@ -83,12 +93,13 @@ def fleet_up(_processes) -> Up:
 
 @pytest.fixture
 def fleet_step_delay(_processes):
-    """Sets the seconds each step of the fleet's engines sleeps first, for the
-    test; no delay again after it."""
+    """Sets the seconds each step of the fleet's engines sleeps first, and the
+    seconds per scheduled token their forward passes take longer, for the test;
+    no delay again after it."""
     path = _processes["step_delay"]
 
-    def delay(seconds: float) -> None:
-        path.write_text(f"{seconds}\n")
+    def delay(seconds: float, per_token: float = 0.0) -> None:
+        path.write_text(f"{seconds} {per_token}\n")
 
     try:
         yield delay

@@ -17,15 +17,18 @@ PULL_BYTES = "pdfleet_engine_kv_peer_pull_bytes_total"
 INDEXED = "pdfleet_gateway_kv_index_events_total"
 BURST = 32
 """Requests sent at once: those planned while the holder has more of the earlier
-ones' tails queued than one of its steps computes (2,048 tokens on a CPU) are
-cheaper where the prefix is pulled (a lend shares the holder's next step with
-that step's worth of its queue, not with the rest)."""
+ones' tails queued than one of its steps computes (the prefill engines' token
+budget, PREFILL_BUDGET in conftest.py) are cheaper where the prefix is pulled (a
+lend shares the holder's next step with that step's worth of its queue, not with
+the rest)."""
 TAIL = 96
 """Each request's own tokens after the shared prefix."""
 MAX_BURSTS = 5
 """Bursts sent at most before the test gives up on a pull."""
-STEP_DELAY = 0.05
-"""Seconds each engine step sleeps first while the bursts run."""
+TOKEN_DELAY = 0.001
+"""Seconds per scheduled token each engine's forward pass takes longer while the
+bursts run (counted as forward time: the engines' measured prefill rates fall to
+about 1,000 tokens per second)."""
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -91,12 +94,15 @@ def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(
     # Before any pull of the fleet is measured the decision explores: it pulls once
     # serving on the holder is predicted no sooner, i.e. once the holder has more
     # of the burst queued than its next step computes (the gateway counts what it
-    # sent there until that prefill leg ends). So the burst must reach the gateway
-    # before its first legs end: one event loop posts it on connections opened
-    # beforehand, and the engines' steps are slowed to STEP_DELAY, as on a loaded
-    # host (on the tiny model a leg otherwise ends within a few milliseconds,
-    # less than a burst can take to arrive on a busy machine).
-    fleet_step_delay(STEP_DELAY)
+    # sent there until that prefill leg ends), and recomputing the prefix is
+    # predicted slower than the holder's step in progress and its next one. So
+    # the burst must reach the gateway before its first legs end, and the
+    # prefill engines' steps must be short next to the prefix's computation: one
+    # event loop posts the burst on connections opened beforehand, the prefill
+    # engines' steps hold at most PREFILL_BUDGET tokens, and the engines compute
+    # as a slower device would (on the tiny model a leg otherwise ends within a
+    # few milliseconds, less than a burst can take to arrive on a busy machine).
+    fleet_step_delay(0, TOKEN_DELAY)
     for burst in range(MAX_BURSTS):
         keys = [(burst, i) for i in range(1, BURST + 1)]
         prompts.update({k: prefix + tokens(TAIL, 200 + 10 * burst + k[1]) for k in keys})
