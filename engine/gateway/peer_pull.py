@@ -6,7 +6,7 @@ predicts three costs and takes the cheapest:
 
 * **holder**: serve it where the blocks are::
 
-      wait(h) + step(h) + (N − cached(h)) / rate(h)
+      wait(h) + step(h) + (1 + pulls(h)) · (N − cached(h)) / rate(h)
 
 * **pull**: the routed engine ``c`` pulls the holder's blocks, then computes the tail::
 
@@ -16,7 +16,7 @@ predicts three costs and takes the cheapest:
 
 * **recompute**: ``c`` computes everything it lacks::
 
-      wait(c) + step(c) + (N − cached(c)) / rate(c)
+      wait(c) + step(c) + (1 + pulls(c)) · (N − cached(c)) / rate(c)
 
 with N the prompt's tokens (block-rounded), ``cached(e)`` the tokens of the
 leading blocks ``e`` holds, and every figure measured, none configured:
@@ -29,6 +29,10 @@ leading blocks ``e`` holds, and every figure measured, none configured:
   sent nothing since);
 * ``wait(e)``: the prompt tokens queued there (``pdfleet_engine_waiting_prompt_tokens``
   at the last scrape, plus what this gateway routed there since) over ``rate(e)``;
+* ``pulls(e)``: the pulls this gateway planned into ``e`` and has not seen
+  computed: each is still waiting for its KV, so a prompt computed there now
+  delays each of them by its own computation, which the option is charged
+  with (a pull's own tail lands behind them and delays none);
 * ``bw(h, c)``: bytes per second of the confirmed pulls from ``h`` into
   ``c``, from ``c``'s per-producer counters (``pdfleet_engine_kv_peer_pull_*``);
 * ``lend(h)``: how long ``h`` took to answer its lend requests, timed here,
@@ -357,6 +361,16 @@ class PeerPull:
             queued = min(queued, c.step_budget)
         return self.in_progress(url) + queued / rate
 
+    def delay(self, url: str, tokens: int, rate: float) -> float:
+        """Predicted seconds that computing ``tokens`` more prompt tokens on ``url``
+        now adds to the requests already waiting for it there: the pulls planned
+        into it and not yet computed. Each is still reading its KV (or waiting for
+        its lend); a request sent now goes ahead of it in the engine's steps, so
+        each waits ``tokens / rate`` longer. Requests queued there to compute are
+        not delayed (they go first); nor is a pull planned now (its transfer
+        queues behind theirs), so a pull's own option is charged nothing."""
+        return len(self._costs(url).pulling) * tokens / rate
+
     def crossover(self, holder: str, puller: str) -> float | None:
         """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
         recomputing there; inf when it never does; None while unmeasured."""
@@ -442,11 +456,13 @@ class PeerPull:
         if rate_t is None or rate_h is None:
             return None  # nothing measured yet: the router's choice stands
         n = info.num_tokens
+        # Computing here delays the pulls in flight into the engine (``delay``).
         options = [
             Option(
                 m.RECOMPUTE,
                 target,
-                self.compute_seconds(target, n - own * bs, rate_t),
+                self.compute_seconds(target, n - own * bs, rate_t)
+                + self.delay(target.url, n - own * bs, rate_t),
                 n - own * bs,
             ),
         ]
@@ -456,7 +472,8 @@ class PeerPull:
                 Option(
                     m.HOLDER,
                     holder,
-                    self.compute_seconds(holder, tail_tokens, rate_h),
+                    self.compute_seconds(holder, tail_tokens, rate_h)
+                    + self.delay(holder.url, tail_tokens, rate_h),
                     tail_tokens,
                 )
             )

@@ -307,6 +307,28 @@ def test_pulls_into_one_engine_queue_behind_each_other(fleet):
     assert next(o for o in again.options if o.decision == "pull").seconds == pytest.approx(seconds)
 
 
+def test_a_recompute_is_charged_the_delay_it_adds_to_the_pulls_in_flight_there(fleet):
+    """Pulls planned into the puller and still reading their KV land behind a
+    prompt sent there now: recomputing the prefix there costs each of them that
+    computation, which tips a short prefix below the crossover towards pulling."""
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)  # crossover about 200 tokens
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))  # the holder is out
+    prompt = info(hashes, 8)  # 128 prefix tokens
+    n = 8 * BS + 40
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "recompute", plan.options
+    done = [pp.routed(p, 40, pull_bytes=BLOCK_BYTES) for _ in range(3)]
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "pull", plan.options
+    cost = {o.decision: o.seconds for o in plan.options}
+    assert cost["recompute"] == pytest.approx(pp.compute_seconds(p, n, 10_000) + 3 * n / 10_000)
+    for computed in done:
+        computed()
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "recompute", plan.options
+
+
 def test_a_lend_at_a_busy_holder_learns_its_time_less_the_step_it_waited_for(fleet, monkeypatch):
     import asyncio
     from types import SimpleNamespace
