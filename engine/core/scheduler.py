@@ -171,9 +171,12 @@ class Scheduler:
         self.waiting_for_room: set[str] = set()
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0
-        # Lend requests refused in ``schedule`` (their blocks left the cache): their
-        # error outputs go out with the step's.
-        self.refused: list[EngineCoreOutput] = []
+        # Outputs of requests finished outside a step (lends leased between steps,
+        # or refused): ``take_ready`` hands them out, else they go out with the
+        # next step's.
+        self.ready: list[EngineCoreOutput] = []
+        # Lend requests added since the last ``serve_lends``.
+        self.new_lends: list[Request] = []
 
     # -- requests ---------------------------------------------------------------
 
@@ -189,8 +192,10 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         if _lend_blocks(request):
-            # A lend request computes one token and unblocks a peer: it goes first.
+            # A lend request unblocks a peer: it goes first (``serve_lends`` leases
+            # a device-tier prefix at once; a host-tier one runs in the next step).
             self.waiting.push_front(request)
+            self.new_lends.append(request)
         else:
             self.waiting.push(request)
 
@@ -230,6 +235,8 @@ class Scheduler:
         return params
 
     def _refuse_lend(self, request: Request, held: int, wanted: int) -> None:
+        """End a lend whose blocks left the cache (a waiting request: the queue
+        drops it once finished)."""
         message = (
             f"kv_transfer_params: {LEND_FIELD}: this engine holds {held} of the "
             f"{wanted} blocks named (evicted since); nothing leased"
@@ -239,9 +246,59 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
-        self.refused.append(
+        self.ready.append(
             EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=message)
         )
+
+    def serve_lends(self) -> None:
+        """Mutates: answer the lends added since the last call without a forward
+        pass where their blocks allow (between steps, so every cached block's KV
+        is written). A lend whose blocks are all in the device prefix cache takes
+        references on exactly those blocks and finishes at once, with no token:
+        the connector leases them as it does a finished prefill leg's. One with
+        blocks gone from both tiers is refused. The rest (some blocks on the
+        host tier only) wait for the next step, which copies them back to the
+        device and computes the token after them. Their outputs go to ``ready``.
+        Without a connector nothing can lease: lends wait for a step."""
+        lends, self.new_lends = self.new_lends, []
+        if self.connector is None:
+            return
+        for request in lends:
+            if (
+                request.request_id not in self.requests
+                or request.status != RequestStatus.WAITING
+                or request.num_computed_tokens
+            ):
+                continue  # aborted meanwhile
+            wanted = _lend_blocks(request)
+            computed, _ = self.kv.get_computed_blocks(request)
+            if len(computed) < wanted:
+                host = self.kv.get_host_hits(request, len(computed))
+                if len(computed) + len(host) < wanted:
+                    self._refuse_lend(request, len(computed) + len(host), wanted)
+                continue  # on the host tier: a step loads it
+            computed = computed[:wanted]
+            if self.kv.allocate_slots(request, 0, computed) is None:
+                continue  # cannot happen (no new block); the step path decides
+            self.kv.record_lookup(request, wanted * self.block_size)
+            request.num_computed_tokens = wanted * self.block_size
+            request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self.slot_promised.discard(request.request_id)
+            self.ready.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    finish_reason=request.status.finish_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    kv_transfer_params=self._free_request(request),
+                )
+            )
+
+    def take_ready(self) -> list[EngineCoreOutput]:
+        """Mutates: the outputs of requests finished outside a step."""
+        ready, self.ready = self.ready, []
+        return ready
 
     def _fail_running(self, request: Request, message: str) -> EngineCoreOutput:
         """End a running request with an error (the runner could not run it):
@@ -519,6 +576,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted = False
         now = time.monotonic()
+        if self.new_lends:
+            self.serve_lends()
         self.kv.begin_step()
         # Groups of waiting requests: a group that is not the only one among them
         # is held to its share of the step.
@@ -827,9 +886,7 @@ class Scheduler:
                 out.kv_transfer_params = self._free_request(request)
             outputs.append(out)
         outputs.extend(self._update_kv_transfers(runner_out))
-        if self.refused:
-            outputs.extend(self.refused)
-            self.refused = []
+        outputs.extend(self.take_ready())
         return outputs
 
     def _update_kv_transfers(self, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:

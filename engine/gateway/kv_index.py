@@ -265,6 +265,16 @@ class KVIndex:
             for slot, url in slots.items()
         }
 
+    def on_device(self, hashes: list[int], url: str) -> bool:
+        """Whether ``url`` holds every one of ``hashes`` on its device tier (a lend
+        of them leases at once, with no step to copy a block back)."""
+        entry = self.engines.get(url)
+        if entry is None:
+            return False
+        bit = 1 << (2 * entry.slot)
+        table = self.table
+        return all(table.get(h, 0) & bit for h in hashes)
+
 
 # -- following the engines' streams ----------------------------------------------
 

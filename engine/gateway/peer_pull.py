@@ -6,16 +6,17 @@ predicts three costs and takes the cheapest:
 
 * **holder**: serve it where the blocks are::
 
-      wait(h) + step(h) + (N − cached(h)) / rate(h)
+      wait(h) + step(h) + (1 + pulls(h)) · (N − cached(h)) / rate(h)
 
 * **pull**: the routed engine ``c`` pulls the holder's blocks, then computes the tail::
 
-      lend(h) + step(h) + (cached(h) − cached(c)) · block_bytes / bw(h, c)
+      lend(h) + step(h) + shared(h) / rate(h)
+      + (cached(h) − cached(c)) · block_bytes / bw(h, c)
       + wait(c) + step(c) + (N − cached(h)) / rate(c)
 
 * **recompute**: ``c`` computes everything it lacks::
 
-      wait(c) + step(c) + (N − cached(c)) / rate(c)
+      wait(c) + step(c) + (1 + pulls(c)) · (N − cached(c)) / rate(c)
 
 with N the prompt's tokens (block-rounded), ``cached(e)`` the tokens of the
 leading blocks ``e`` holds, and every figure measured, none configured:
@@ -28,11 +29,21 @@ leading blocks ``e`` holds, and every figure measured, none configured:
   sent nothing since);
 * ``wait(e)``: the prompt tokens queued there (``pdfleet_engine_waiting_prompt_tokens``
   at the last scrape, plus what this gateway routed there since) over ``rate(e)``;
+* ``pulls(e)``: the pulls this gateway planned into ``e`` and has not seen
+  computed: each is still waiting for its KV, so a prompt computed there now
+  delays each of them by its own computation, which the option is charged
+  with (a pull's own tail lands behind them and delays none);
 * ``bw(h, c)``: bytes per second of the confirmed pulls from ``h`` into
   ``c``, from ``c``'s per-producer counters (``pdfleet_engine_kv_peer_pull_*``);
 * ``lend(h)``: how long ``h`` took to answer its lend requests, timed here,
-  less the step in progress each one waited for (``step(h)`` above stands for
-  that wait: a lend runs in the holder's next step).
+  less the waits predicted for each (``step(h) + shared(h) / rate(h)``);
+* ``shared(h)``: 0 when the lent blocks are all on the holder's device tier
+  (the index says so): the holder leases them between steps, with no forward
+  pass, so the lend waits for the step in progress only (``step(h)``). Some on
+  its host tier: the lend runs in the holder's next step, which copies them
+  back and shares its token budget with the queue there, so ``shared(h)`` is
+  the prompt tokens queued there capped at that budget (0 while the holder is
+  at capacity: its queue waits for a slot, the lend does not).
 
 Each is an exponentially weighted average (``ALPHA``) over its samples. A
 pair that has never pulled borrows the mean of the measured pairs; before any
@@ -328,17 +339,20 @@ class PeerPull:
     def in_progress(self, url: str) -> float:
         """Predicted seconds a request arriving at ``url`` now waits for the step in
         progress there: its mean step time while it is busy (requests at its last
-        scrape, or sent some since), else 0. A lend waits for it too: a lend runs
-        in the holder's next step, ahead of its queue but not of the step running."""
+        scrape, or sent some since), else 0. A lend waits for it too: the engine
+        answers it between steps (device tier) or runs it in its next step (host
+        tier), ahead of its queue either way but not of the step running."""
         c = self._costs(url)
         return (c.step.value or 0.0) if c.busy or c.routed else 0.0
 
     def lend_wait(self, url: str, rate: float, shared: bool = True) -> float:
         """Predicted seconds a lend sent to ``url`` now waits beyond its own cost:
-        the step in progress, then the rest of the step it runs in. A lend goes
-        ahead of the queue but not out of the step it shares: unless the engine
-        is at capacity (``shared`` False: its queue waits for room, the lend does
-        not: it passes ``max_num_seqs``), that step also computes the prompt tokens queued there,
+        the step in progress, then (``shared``) the rest of the step it runs in.
+        A lend of device-tier blocks runs in no step (``shared`` False: the engine
+        leases them between steps). One of host-tier blocks goes ahead of the
+        queue but not out of the step it shares: unless the engine is at capacity
+        (``shared`` False: its queue waits for room, the lend does not: it passes
+        ``max_num_seqs``), that step also computes the prompt tokens queued there,
         up to the engine's token budget per step (all of them when the budget is
         not known)."""
         c = self._costs(url)
@@ -346,6 +360,16 @@ class PeerPull:
         if c.step_budget > 0:
             queued = min(queued, c.step_budget)
         return self.in_progress(url) + queued / rate
+
+    def delay(self, url: str, tokens: int, rate: float) -> float:
+        """Predicted seconds that computing ``tokens`` more prompt tokens on ``url``
+        now adds to the requests already waiting for it there: the pulls planned
+        into it and not yet computed. Each is still reading its KV (or waiting for
+        its lend); a request sent now goes ahead of it in the engine's steps, so
+        each waits ``tokens / rate`` longer. Requests queued there to compute are
+        not delayed (they go first); nor is a pull planned now (its transfer
+        queues behind theirs), so a pull's own option is charged nothing."""
+        return len(self._costs(url).pulling) * tokens / rate
 
     def crossover(self, holder: str, puller: str) -> float | None:
         """Prefix tokens from which pulling from ``holder`` into ``puller`` beats
@@ -432,11 +456,13 @@ class PeerPull:
         if rate_t is None or rate_h is None:
             return None  # nothing measured yet: the router's choice stands
         n = info.num_tokens
+        # Computing here delays the pulls in flight into the engine (``delay``).
         options = [
             Option(
                 m.RECOMPUTE,
                 target,
-                self.compute_seconds(target, n - own * bs, rate_t),
+                self.compute_seconds(target, n - own * bs, rate_t)
+                + self.delay(target.url, n - own * bs, rate_t),
                 n - own * bs,
             ),
         ]
@@ -446,7 +472,8 @@ class PeerPull:
                 Option(
                     m.HOLDER,
                     holder,
-                    self.compute_seconds(holder, tail_tokens, rate_h),
+                    self.compute_seconds(holder, tail_tokens, rate_h)
+                    + self.delay(holder.url, tail_tokens, rate_h),
                     tail_tokens,
                 )
             )
@@ -454,9 +481,11 @@ class PeerPull:
         moved = (held_blocks - own) * self._costs(holder.url).block_bytes
         # The target's transfers already under way go first.
         in_flight = sum(b for _, b in self._costs(target.url).pulling)
-        lend_wait = self.lend_wait(
-            holder.url, rate_h, shared=holder.url not in full and not self._costs(holder.url).full
-        )
+        # A lend of device-tier blocks is answered between steps: it shares no
+        # step with the holder's queue.
+        device = self.kv_index.on_device(exact[:held_blocks], holder.url)
+        shared = not device and holder.url not in full and not self._costs(holder.url).full
+        lend_wait = self.lend_wait(holder.url, rate_h, shared=shared)
         lend = self._lend(holder.url) + lend_wait
         tail = self.compute_seconds(target, tail_tokens, rate_t)
         reason = "cost"
@@ -522,8 +551,9 @@ class PeerPull:
         """Ask the holder to lease ``plan.lend_blocks`` cached blocks; its signed
         params, or None (refused: the blocks left its cache; failed; timed out)."""
         payload = json.dumps(lend_body(body, chat, plan.lend_blocks)).encode()
-        # What the lend waits for at the holder (the step in progress, and the
-        # queue it shares its step with) was predicted with the plan (lend_wait);
+        # What the lend waits for at the holder (the step in progress, and for
+        # host-tier blocks the queue it shares its step with) was predicted with
+        # the plan (lend_wait);
         # lend(h) learns the rest (the round trip and the lend's own work), so a
         # lend at a busy holder and one at an idle holder teach the same figure.
         waited = plan.lend_wait if plan.lend_wait is not None else self.in_progress(plan.holder.url)

@@ -216,6 +216,8 @@ class AsyncEngine:
                     pass
                 if self._stop.is_set():
                     break
+                # Lends of device-tier blocks are answered now, not after a step.
+                self._route(engine.serve_lends())
                 if not engine.has_unfinished_requests():
                     if self.on_step is not None:
                         self.on_step(engine)

@@ -100,6 +100,19 @@ class EngineCore:
         # (``AsyncEngine.add_request``) reads this between steps.
         self.last_stats.num_queued_reqs += 1
 
+    def serve_lends(self) -> list[EngineCoreOutput]:
+        """Between steps: the lends added since the last step that finished
+        without a forward pass (leased from the device tier, or refused), as
+        ``Scheduler.serve_lends`` decides; their outputs go out now, before the
+        next step's forward pass."""
+        if not self.scheduler.new_lends:
+            return []
+        self.scheduler.serve_lends()
+        ready = self.scheduler.take_ready()
+        if ready:
+            self._refresh_gauges()
+        return ready
+
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._refresh_gauges()

@@ -520,6 +520,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output.requests) or self.core.has_work()
 
+    def serve_lends(self) -> list[RequestOutput]:
+        """Between steps: the outputs of lends answered without a forward pass
+        (``EngineCore.serve_lends``); ``step`` serves them too, with its own."""
+        core_outputs = self.core.serve_lends()
+        if not core_outputs:
+            return []
+        outputs, _ = self.output.process(core_outputs, self.iteration_stats)
+        return outputs
+
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
         if self.core.failed_loras:

@@ -16,11 +16,9 @@ DECISIONS = "pdfleet_gateway_peer_pull_decisions_total"
 PULL_BYTES = "pdfleet_engine_kv_peer_pull_bytes_total"
 INDEXED = "pdfleet_gateway_kv_index_events_total"
 BURST = 32
-"""Requests sent at once: those planned while the holder has more of the earlier
-ones' tails queued than one of its steps computes (the prefill engines' token
-budget, PREFILL_BUDGET in conftest.py) are cheaper where the prefix is pulled (a
-lend shares the holder's next step with that step's worth of its queue, not with
-the rest)."""
+"""Requests sent at once: those planned while the holder has enough of the earlier
+ones' tails queued are cheaper where the prefix is pulled (a lend of the
+holder's device-tier blocks waits for its step in progress, not for its queue)."""
 TAIL = 96
 """Each request's own tokens after the shared prefix."""
 MAX_BURSTS = 5
@@ -92,10 +90,10 @@ def test_prefill_legs_pull_a_shared_prefix_from_the_other_prefill_engine(
     pulls = metric(gw, DECISIONS, decision="pull")
     pulled = {u: metric(u, PULL_BYTES) for u in prefill}
     # Before any pull of the fleet is measured the decision explores: it pulls once
-    # serving on the holder is predicted no sooner, i.e. once the holder has more
-    # of the burst queued than its next step computes (the gateway counts what it
-    # sent there until that prefill leg ends), and recomputing the prefix is
-    # predicted slower than the holder's step in progress and its next one. So
+    # serving on the holder is predicted no sooner, i.e. once the holder's queue of
+    # the burst outlasts the lend and the puller's own queue and step (the gateway
+    # counts what it sent there until that prefill leg ends), and recomputing the
+    # prefix is predicted slower than the holder's step in progress. So
     # the burst must reach the gateway before its first legs end, and the
     # prefill engines' steps must be short next to the prefix's computation: one
     # event loop posts the burst on connections opened beforehand, the prefill

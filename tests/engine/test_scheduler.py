@@ -29,6 +29,7 @@ def make(
     threshold=0,
     connector=None,
     max_len=256,
+    host=0,
 ) -> Scheduler:
     config = EngineConfig(
         model_config=ModelConfig(model="m", max_model_len=max_len),
@@ -43,7 +44,7 @@ def make(
         ),
         device_config=DeviceConfig(device="cpu"),
     )
-    return Scheduler(config, num_blocks + 1, connector)
+    return Scheduler(config, num_blocks + 1, connector, num_host_blocks=host)
 
 
 def request(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0) -> Request:

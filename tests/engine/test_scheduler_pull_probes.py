@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from engine.test_scheduler import FakeRemote, make, request
 
+from pdfleet.engine.contracts.block_hash import extend_block_hashes, root_hash
 from pdfleet.engine.contracts.kv_events import BlockStored
 from pdfleet.engine.contracts.kv_params import KVTransferParams
 from pdfleet.engine.contracts.priority import TAG_BITS
@@ -19,7 +20,7 @@ from pdfleet.engine.gateway.kv_index import KVIndex
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.peer_pull import PeerPull
 from pdfleet.engine.gateway.prompt import PromptInfo
-from pdfleet.engine.request import RequestStatus
+from pdfleet.engine.request import Request, RequestStatus
 
 BS = 8
 
@@ -146,22 +147,114 @@ def test_a_pulled_request_preempted_after_loading_finishes_and_frees_everything(
     assert s.kv.num_free_blocks == 8
 
 
-def test_a_lend_runs_in_the_next_step_beside_a_running_chunked_prefill():
-    """A long prompt's chunks would take each step's whole budget before the
-    waiting queue is looked at; a lend (one token) keeps its token from them
-    and runs in the next step, as ``PeerPull.lend_wait`` predicts."""
-    remote = FakeRemote()
-    s = make(num_blocks=64, tokens=64, connector=remote)
-    s.add_request(request("warm", 17, max_tokens=1))
-    for _ in range(3):
+def lend_of(rid: str, blocks: int) -> Request:
+    """A lend of the first ``blocks`` blocks of tokens 0.. (and the token after them)."""
+    r = request(rid, blocks * BS + 1, max_tokens=1)
+    r.kv_transfer_params = KVTransferParams(do_remote_decode=True, lend_blocks=blocks)
+    return r
+
+
+def probe(s, blocks: int) -> Request:
+    """A lend of ``blocks`` blocks hashed as ``add_request`` would, not added."""
+    r = lend_of("probe", blocks)
+    extend_block_hashes(
+        r.block_hashes, r.all_token_ids, s.block_size, s.kv.hash_fn, root_hash(None, None)
+    )
+    return r
+
+
+def warmed(s, blocks: int = 2) -> list[int]:
+    """Tokens 0.. cached for ``blocks`` blocks (a prompt of one token more run to
+    its end); their device block ids."""
+    s.add_request(request("warm", blocks * BS + 1, max_tokens=1))
+    while "warm" in s.requests:
         out = s.schedule()
         s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
+    cached, _ = s.kv.get_computed_blocks(probe(s, blocks))
+    assert len(cached) == blocks
+    return [b.block_id for b in cached]
+
+
+def to_host_tier(s, blocks: int = 2) -> None:
+    """The warm blocks stored to the host tier and gone from the device cache."""
+    out = s.schedule()  # its first act: store the blocks freed since the last step
+    stores = out.kv_offload.stores if out.kv_offload is not None else []
+    assert len(stores) >= blocks
+    s.update_from_output(out, ModelRunnerOutput(offload_stores_done=[x for _, x in stores]))
+    r = probe(s, blocks)
+    cached, _ = s.kv.get_computed_blocks(r)
+    s.kv._pool.uncache(cached)
+    assert s.kv.get_computed_blocks(r) == ([], 0)
+    assert len(s.kv.get_host_hits(r, 0)) == blocks
+
+
+def test_a_device_tier_lend_is_leased_between_steps_without_a_forward():
+    """A lend whose blocks are all in the device prefix cache computes nothing: it
+    takes references on exactly those blocks, the connector holds them, and its
+    output (no token, the lease's params) is ready before the next step; the
+    running chunked prefill keeps the whole budget of the step after it."""
+    remote = FakeRemote()
+    s = make(num_blocks=64, tokens=64, connector=remote)
+    ids = warmed(s)
+    s.add_request(request("long", 400, first=1000))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
+    s.add_request(lend_of("lend", 2))
+    s.serve_lends()
+    (ready,) = s.take_ready()
+    assert ready.request_id == "lend" and ready.new_token_ids == []
+    assert ready.finish_reason == "length" and ready.kv_transfer_params is not None
+    assert ready.num_cached_tokens == 2 * BS
+    assert "lend" not in s.requests and remote.finished[-1] == "lend"
+    assert [b.block_id for b in s.held_blocks["lend"]] == ids
+    assert all(b.ref_cnt == 1 for b in s.held_blocks["lend"])
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"long": 64}  # nothing kept back for the lend
+    assert "lend" not in {r.req_id for r in out.scheduled_new_reqs}
+    s.update_from_output(out, ModelRunnerOutput(finished_sending={"lend"}))
+    assert not s.held_blocks and all(b.ref_cnt == 0 for b in s.kv._pool.blocks if b.block_id in ids)
+
+
+def test_a_lend_added_before_a_schedule_is_answered_with_that_steps_outputs():
+    """Without the engine loop's call between steps (an offline engine), the next
+    ``schedule`` serves the lend first and its output goes out with the step's."""
+    s = make(num_blocks=64, tokens=64, connector=FakeRemote())
+    warmed(s)
+    s.add_request(lend_of("lend", 2))
+    s.add_request(lend_of("gone", 3))  # its third block was never cached
+    out = s.schedule()
+    assert not out.num_scheduled_tokens
+    outs = {o.request_id: o for o in s.update_from_output(out, ModelRunnerOutput())}
+    assert outs["lend"].kv_transfer_params is not None and outs["lend"].new_token_ids == []
+    assert outs["gone"].finish_reason == "error"
+    assert "holds 2 of the 3 blocks" in str(outs["gone"].stop_reason)
+    assert not s.requests and not s.waiting
+
+
+def test_an_aborted_lend_is_not_leased():
+    s = make(num_blocks=64, tokens=64, connector=FakeRemote())
+    warmed(s)
+    s.add_request(lend_of("lend", 2))
+    s.finish_requests(["lend"], RequestStatus.FINISHED_ABORTED)
+    s.serve_lends()
+    assert not s.take_ready() and not s.held_blocks
+
+
+def test_a_host_tier_lend_runs_in_the_next_step_beside_a_running_chunked_prefill():
+    """A lend whose blocks are on the host tier only waits for a step, which copies
+    them back. A long prompt's chunks would take each step's whole budget before
+    the waiting queue is looked at; the lend keeps its token from them and runs
+    in the next step, as ``PeerPull.lend_wait`` predicts for a host-tier lend."""
+    remote = FakeRemote()
+    s = make(num_blocks=64, tokens=64, connector=remote, host=8)
+    warmed(s)
+    to_host_tier(s)
     s.add_request(request("long", 400, first=1000))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"long": 64}
-    lend = request("lend", 17, max_tokens=1)
-    lend.kv_transfer_params = KVTransferParams(do_remote_decode=True, lend_blocks=2)
-    s.add_request(lend)
+    s.add_request(lend_of("lend", 2))
+    s.serve_lends()
+    assert not s.take_ready() and s.requests["lend"].status == RequestStatus.WAITING
     steps = 0
     while "lend" not in out.num_scheduled_tokens:
         s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sample(s, out)))
@@ -169,6 +262,8 @@ def test_a_lend_runs_in_the_next_step_beside_a_running_chunked_prefill():
         steps += 1
     assert steps == 1  # not 6: (400 - 64) / 64 rounded up, the long prompt's whole prefill
     assert out.num_scheduled_tokens["long"] == 63  # the chunk gave the lend its token
+    assert out.num_scheduled_tokens["lend"] == 1
+    assert out.kv_offload is not None and len(out.kv_offload.loads) == 2
 
 
 def _engine(url: str) -> EngineState:
@@ -188,7 +283,8 @@ def test_a_holder_waiting_for_token_budget_is_not_at_capacity():
     assert st.kv_cache_usage < 0.2
     index = KVIndex()
     hashes = list(range(1000, 1100))
-    index.apply("http://h", [BlockStored(hashes)])
+    # On the host tier: the lend runs in a step (a device-tier one shares none).
+    index.apply("http://h", [BlockStored(hashes, medium="CPU")])
     index.apply("http://p", [])
     pp = PeerPull(GatewayMetrics(), index, BS, lend_timeout=2.0)
     h, p = _engine("http://h"), _engine("http://p")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pdfleet.engine.contracts.kv_events import BlockStored
+from pdfleet.engine.contracts.kv_events import BlockRemoved, BlockStored
 from pdfleet.engine.contracts.kv_params import LEND_FIELD, REMOTE_DECODE, KVTransferParams
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.kv_index import KVIndex
@@ -231,11 +231,38 @@ def test_a_lend_waits_for_the_holders_step_in_progress_too(fleet):
     assert cost["pull"] < cost["holder"]
 
 
-def test_a_lend_shares_the_holders_next_step_with_its_queue_up_to_the_budget(fleet):
-    """A lend goes ahead of the holder's queue but runs in a step that computes
-    that queue too, up to the step's token budget: a queue that fits one step
-    is no reason to pull (serving there costs the same step); a longer one is."""
+def test_a_device_tier_lend_shares_no_step_with_the_holders_queue(fleet):
+    """The holder leases device-tier blocks between steps: the lend waits for the
+    step in progress only, however much prompt is queued there."""
     pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.01, bw=1e9)
+    busy = load(20_000, 2.0, steps=20, step_seconds=0.3, waiting=200)
+    busy.running = 1
+    pp.scraped(h, load(10_000, 1.0), busy)
+    step = pp.in_progress(HOLDER)
+    assert step > 0
+    plan = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert plan is not None and plan.lend_wait == pytest.approx(step)
+    # The queue fits one step: serving there costs that step, pulling does not.
+    assert plan.decision == "pull", plan.options
+    pull = next(o for o in plan.options if o.decision == "pull")
+    assert pull.seconds < next(o for o in plan.options if o.decision == "holder").seconds
+    # One block of the lend on the host tier: a step copies it back, shared with the queue.
+    pp.kv_index.apply(HOLDER, [BlockStored([hashes[99]], hashes[98], medium="CPU")])
+    pp.kv_index.apply(HOLDER, [BlockRemoved([hashes[99]], medium="GPU")])
+    assert not pp.kv_index.on_device(hashes[:100], HOLDER)
+    host = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
+    assert host is not None and host.lend_wait == pytest.approx(step + 200 / 10_000)
+
+
+def test_a_host_tier_lend_shares_the_holders_next_step_with_its_queue_up_to_the_budget(fleet):
+    """A lend of host-tier blocks goes ahead of the holder's queue but runs in a
+    step that computes that queue too, up to the step's token budget: a queue
+    that fits one step is no reason to pull (serving there costs the same step);
+    a longer one is."""
+    pp, h, p, hashes = fleet
+    pp.kv_index.apply(HOLDER, [BlockStored(hashes, medium="CPU")])
+    pp.kv_index.apply(HOLDER, [BlockRemoved(hashes, medium="GPU")])
     measure_pair(pp, h, p, lend_s=0.01, bw=1e9)
     pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=200))
     short = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
@@ -278,6 +305,28 @@ def test_pulls_into_one_engine_queue_behind_each_other(fleet):
     done()
     again = pp.plan(info(hashes, 100), h, [h, p], set(), BS)
     assert next(o for o in again.options if o.decision == "pull").seconds == pytest.approx(seconds)
+
+
+def test_a_recompute_is_charged_the_delay_it_adds_to_the_pulls_in_flight_there(fleet):
+    """Pulls planned into the puller and still reading their KV land behind a
+    prompt sent there now: recomputing the prefix there costs each of them that
+    computation, which tips a short prefix below the crossover towards pulling."""
+    pp, h, p, hashes = fleet
+    measure_pair(pp, h, p, lend_s=0.02, bw=1e9)  # crossover about 200 tokens
+    pp.scraped(h, load(10_000, 1.0), load(20_000, 2.0, waiting=50_000))  # the holder is out
+    prompt = info(hashes, 8)  # 128 prefix tokens
+    n = 8 * BS + 40
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "recompute", plan.options
+    done = [pp.routed(p, 40, pull_bytes=BLOCK_BYTES) for _ in range(3)]
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "pull", plan.options
+    cost = {o.decision: o.seconds for o in plan.options}
+    assert cost["recompute"] == pytest.approx(pp.compute_seconds(p, n, 10_000) + 3 * n / 10_000)
+    for computed in done:
+        computed()
+    plan = pp.plan(prompt, h, [h, p], set(), BS)
+    assert plan is not None and plan.decision == "recompute", plan.options
 
 
 def test_a_lend_at_a_busy_holder_learns_its_time_less_the_step_it_waited_for(fleet, monkeypatch):

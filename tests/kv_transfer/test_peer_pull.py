@@ -281,6 +281,66 @@ def test_pull_from_a_peers_host_tier_is_token_identical(peers):
     assert text == recomputed(peers["puller"], body)
 
 
+def test_a_lend_at_a_busy_holder_is_answered_between_steps_computing_nothing(peers):
+    """The holder decodes in its only slot with prompts queued behind it. A lend of
+    blocks on its device tier runs in no step: the holder leases them between two
+    of its steps, so its prompt-token counter does not move (its decode steps
+    compute no prompt token, the queued prompts wait for the slot), and the answer
+    has no token. Completions and chat alike; each pull is token-identical."""
+    holder, puller = peers["holder"], peers["puller"]
+    body = body_of(21)
+    complete(holder, {"prompt": body["prompt"][:200], "max_tokens": 1})
+    words = " ".join(f"w{i % 37} lend" for i in range(120))
+    chat = {"messages": [{"role": "user", "content": words}], "max_tokens": 6, "temperature": 0}
+    r = post(holder + "/v1/chat/completions", json={**chat, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    chat_blocks = (r.json()["usage"]["prompt_tokens"] - 1) // BLOCK
+    assert chat_blocks >= 4
+    with HolderQueued(peers, peers["gateway"]):
+        computed = scrape(holder)[PROMPT_TOKENS]
+        r = lend(holder, body, 200 // BLOCK)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["choices"][0]["text"] == ""
+        assert answer["usage"]["completion_tokens"] == 0
+        assert answer["usage"]["prompt_tokens"] == len(body["prompt"])
+        params = answer["kv_transfer_params"]
+        assert len(params["remote_block_ids"]) == 200 // BLOCK
+        r = post(
+            holder + "/v1/chat/completions",
+            timeout=60,
+            json={
+                **chat,
+                "max_tokens": 1,
+                "kv_transfer_params": {
+                    "do_remote_decode": True,
+                    "pdfleet_lend_blocks": chat_blocks,
+                },
+            },
+        )
+        assert r.status_code == 200, r.text
+        chat_answer = r.json()
+        assert chat_answer["choices"][0]["message"]["content"] == ""
+        assert chat_answer["usage"]["completion_tokens"] == 0
+        chat_params = chat_answer["kv_transfer_params"]
+        assert len(chat_params["remote_block_ids"]) == chat_blocks
+        assert scrape(holder)[PROMPT_TOKENS] == computed
+        before = scrape(puller).get(PULLED, 0.0)
+        text = complete(puller, body, kv_transfer_params=params)
+        r = post(
+            puller + "/v1/chat/completions",
+            json={**chat, "kv_transfer_params": chat_params},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert scrape(puller)[PULLED] - before == 200 // BLOCK + chat_blocks
+    assert text == recomputed(puller, body)
+    reference = post(
+        puller + "/v1/chat/completions", json={**chat, "cache_salt": "reference"}, timeout=120
+    )
+    assert r.json()["choices"][0]["message"] == reference.json()["choices"][0]["message"]
+
+
 # -- a prefill leg that pulls first (P/D) ------------------------------------------------
 # The puller plays a prefill engine: it pulls the holder's lent prefix, computes the
 # tail and leases the whole prompt to a decode leg, which the holder (kv_both) serves.
