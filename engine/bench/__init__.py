@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 from .config import BenchConfig
@@ -32,8 +33,8 @@ __all__ = [
 ]
 
 
-async def arun_benchmark(config: BenchConfig) -> BenchResult:
-    results, elapsed = await run_load(config)
+async def arun_benchmark(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult:
+    results, elapsed = await run_load(config, stop)
     result = summarize(results, elapsed, config)
     if config.plot:
         from .plot import plot_bench
@@ -44,6 +45,8 @@ async def arun_benchmark(config: BenchConfig) -> BenchResult:
     return result
 
 
-def run_benchmark(config: BenchConfig) -> BenchResult:
-    """Run one benchmark to completion (bounded by its request count/duration)."""
-    return asyncio.run(arun_benchmark(config))
+def run_benchmark(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult:
+    """Run one benchmark to completion (bounded by its request count/duration),
+    or until ``stop`` is set (from another thread): then no new request is sent
+    and the result covers those sent."""
+    return asyncio.run(arun_benchmark(config, stop))

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,8 +132,11 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchConfig) -> str:
         ) from None
 
 
-async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
-    """Send the workload; (results in send order, wall seconds of the run)."""
+async def run_load(
+    config: BenchConfig, stop: threading.Event | None = None
+) -> tuple[list[RequestResult], float]:
+    """Send the workload; (results in send order, wall seconds of the run).
+    Once ``stop`` is set no new request is sent (those in flight finish)."""
     workload = Workload(
         config.input_len,
         config.output_len,
@@ -156,6 +160,10 @@ async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
         t0 = time.perf_counter()
         deadline = t0 + config.duration if config.duration else float("inf")
         total = config.num_requests if config.num_requests is not None else 1 << 62
+
+        def over() -> bool:
+            return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
+
         results: dict[int, RequestResult] = {}
 
         async def one(i: int) -> None:
@@ -167,7 +175,7 @@ async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
 
             async def worker() -> None:
                 for i in counter:
-                    if time.perf_counter() >= deadline:
+                    if over():
                         return
                     await one(i)
 
@@ -187,6 +195,8 @@ async def run_load(config: BenchConfig) -> tuple[list[RequestResult], float]:
                 if next_at >= deadline:
                     break
                 await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+                if over():
+                    break
                 tasks.append(asyncio.create_task(gated(i)))
             await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0

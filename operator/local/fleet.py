@@ -485,8 +485,8 @@ class LocalFleet:
 
         def finish() -> None:
             deadline = time.monotonic() + self.drain_timeout
-            # The gateway re-reads the engines file within a second; then wait for idle.
-            time.sleep(1.5)
+            # Once the gateway routes nothing new to it, wait for idle.
+            self.wait_unrouted(child)
             while not migrates and time.monotonic() < deadline and child.alive():
                 if in_flight(scrape(child.url, headers=child.headers)) == 0:
                     break
@@ -501,6 +501,27 @@ class LocalFleet:
         t = threading.Thread(target=finish, name=f"drain-{child.name}", daemon=True)
         t.start()
         return t
+
+    def wait_unrouted(self, child: Child, timeout: float = 5.0) -> None:
+        """Wait until the gateway routes nothing new to ``child`` (bounded): it has
+        re-read the engines file without it, which its ``/metrics`` show by
+        dropping the engine's series. Without a gateway answering, the bound."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stop.is_set():
+            text = self.gateway_metrics_text()
+            if text is not None:
+                try:
+                    engines = {
+                        labels.get("engine")
+                        for labels, _ in m.parse_metrics(
+                            text, only=[m.GATEWAY_ENGINE_HEALTHY.name]
+                        ).samples.get(m.GATEWAY_ENGINE_HEALTHY.name, ())
+                    }
+                except ValueError:
+                    engines = {child.url}
+                if child.url not in engines:
+                    return
+            time.sleep(0.1)
 
     def discard(self, child: Child, grace: float = 15.0) -> None:
         """Stop ``child`` and forget it (an engine that never became ready)."""

@@ -143,12 +143,17 @@ class LocalAutoscaler:
             activations=activations,
             batch_running=self._batch_running(gateway),
         )
-        records = self.log.record(step.result.decisions, self.spec.mode)
+        # The loop decides for every role; a fleet that does not disaggregate
+        # runs decode only, and a decision for a role it does not run is
+        # neither carried out nor reported.
+        roles = self.fleet.roles
+        decisions = [d for d in step.result.decisions if d.role in roles]
+        records = self.log.record(decisions, self.spec.mode)
         if self.spec.mode == "Advisory":
             return records  # computed and reported (log, metrics, fleet.json), not carried out
-        by_name = {c.name: c for role in self.fleet.roles for c in self.fleet.engines_of(role)}
+        by_name = {c.name: c for role in roles for c in self.fleet.engines_of(role)}
         for action in step.actions:
-            if action.role not in self.fleet.roles:
+            if action.role not in roles:
                 continue
             for _ in range(action.desired - action.current):
                 self.fleet.add_engine(action.role)

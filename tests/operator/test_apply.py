@@ -182,9 +182,10 @@ def test_a_new_compat_hash_of_the_same_resume_identity_drains_decode_by_migratio
     """A block size changes the P/D compatibility hash but not what the tokens
     are (the resume identity): the old decode engine's streams move to the new
     one of the other hash, and no stream fails or changes."""
-    # The drain signals the old engine about 1.5 s after it stops getting new
-    # streams; each client always has a stream in flight, which is there to move
-    # unless it ended within those 1.5 s. Engines slowed to 10 ms a step make a
+    # The drain signals the old engine once the gateway stops routing new
+    # streams to it (it re-reads the engines file every second: within about
+    # 1 s); each client always has a stream in flight, which is there to move
+    # unless it ended within that time. Engines slowed to 10 ms a step make a
     # stream last over 6 s, so all five clients' streams end in that window with
     # probability under (1.5/6)^5: the assert on the migrations counter relies on it.
     long = {"max_tokens": 600, "ignore_eos": True}

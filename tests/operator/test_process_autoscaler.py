@@ -127,6 +127,25 @@ def test_a_full_decode_cache_starts_a_decode_engine(servers):
     assert any(r.role == "decode" and r.to_replicas > r.from_replicas for r in records)
 
 
+def test_a_fleet_without_prefill_gets_and_logs_decisions_for_decode_only(servers, caplog):
+    # Without disaggregation the fleet runs decode only: the loop's "prefill
+    # 0 -> 1" (at min replicas, with no prefill engine) is neither carried out
+    # nor logged or recorded, every period.
+    decode = servers(metrics(0.95, 30, 6))
+    fleet = FakeFleet([child("decode-0", "decode", decode)])
+    fleet.roles = ("decode",)
+    scaler = LocalAutoscaler(fleet, AutoscalingSpec())
+    records = []
+    with caplog.at_level(logging.INFO, logger="pdfleet.operator.autoscaling.decisions"):
+        for i in range(3):
+            records += scaler.step(now=1000.0 + 15 * i)
+    assert fleet.added and set(fleet.added) == {"decode"}
+    assert records and {r.role for r in records} == {"decode"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("autoscaler: decode 1 -> ") for line in lines)
+    assert not [line for line in lines if "prefill" in line]
+
+
 def test_scale_down_drains_the_replica_without_kv_leases(servers):
     spec = AutoscalingSpec.from_spec({"prefill": {"scaleDownStabilizationSeconds": 30}})
     busy = servers(metrics(0.0, 0, 0, held=3))  # idle but for KV leases held for decode
