@@ -474,6 +474,8 @@ class EngineArgs:
         args.check_supported()
         if usage_context not in (None, "llm", "server"):
             raise ValueError(f"usage_context must be llm or server, got {usage_context!r}")
+        # Flag-only checks first: no device query or model config for a bad flag.
+        lora_config = args.create_lora_config()
         target = device or args.device
         if target == "auto":
             target = detect_device()
@@ -481,7 +483,6 @@ class EngineArgs:
         memory, name = query_device(target, device_memory_bytes, device_name)
 
         model_config = args.create_model_config(target, model_dir)
-        lora_config = args.create_lora_config()
         args._set_default_chunked_prefill_and_prefix_caching()
         cache_config = CacheConfig(
             block_size=args.block_size or DEFAULT_BLOCK_SIZE,
