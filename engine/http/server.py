@@ -563,7 +563,10 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
+        self._head_bytes += len(name) + len(value) + 4  # (``_count``, inline: per header)
+        if self._head_bytes > self.server.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge
         name = name.lower()
         key = name.decode("latin-1")
         if key not in self._headers:
