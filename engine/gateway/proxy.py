@@ -240,7 +240,7 @@ class Proxy:
             decided = self._decisions[key] = self.metrics.fast_counter(
                 self.metrics.decisions.labels(*key)
             )
-        decided.inc()
+        decided.add_one()
         tracing.route_chosen(route)
         choices = migratable(body, call.chat, self.config.max_migrations)
         if choices:

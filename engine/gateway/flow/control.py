@@ -263,7 +263,7 @@ class FlowControl:
             counter = s.series[outcome] = self.metrics.fast_counter(
                 self.metrics.tenant_requests.labels(s.tenant.name, outcome)
             )
-        counter.inc()
+        counter.add_one()
 
     def _gauges(self) -> None:
         for name, s in self.states.items():
