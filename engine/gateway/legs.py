@@ -126,7 +126,8 @@ class Legs:
 
     def free_slot(self, call: Call) -> None:
         """Give the request's slots back (once each; a no-op without them)."""
-        self.free_prefill_slot(call)
+        if call.prefill_slot is not None:
+            self.free_prefill_slot(call)
         slot = call.slot
         if slot is not None:
             call.slot = None
