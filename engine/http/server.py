@@ -310,7 +310,7 @@ class Cycle:
     # -- the answer ----------------------------------------------------------------
 
     def _head(self, status: int, raw_headers: Any, chunked: bool) -> list[bytes]:
-        parts = [status_line(status), _clock.header()]
+        parts = [STATUS_LINES.get(status) or status_line(status), _clock.header()]
         said_close = False
         for name, value in raw_headers:
             if name == b"connection" and value.lower() == b"close":
