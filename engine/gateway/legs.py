@@ -80,7 +80,8 @@ class Legs:
     # -- an engine taken and given back --------------------------------------------
 
     def acquire(self, e: EngineState) -> None:
-        self.pool.started(e)
+        if e.inflight == 0:
+            self.pool.started(e)  # (an idle engine's stall clock starts now)
         e.inflight += 1
 
     def release(self, e: EngineState) -> None:

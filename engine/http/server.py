@@ -559,11 +559,14 @@ class HttpProtocol(asyncio.Protocol):
         self._raw_headers = None if self.server._direct else []
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > self.server.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + 4  # (``_count``, inline: per header)
+        self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.server.max_head_bytes:
             self._too_large = True
             raise _HeadTooLarge
@@ -573,12 +576,6 @@ class HttpProtocol(asyncio.Protocol):
             self._headers[key] = value.decode("latin-1")
         if self._raw_headers is not None:
             self._raw_headers.append((name, value))
-
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > self.server.max_head_bytes:
-            self._too_large = True
-            raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
 
     def on_headers_complete(self) -> None:
         self._in_head = False
