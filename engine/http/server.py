@@ -205,11 +205,13 @@ class Cycle:
         self._body_size += len(data)
         if self._body_size > HIGH_WATER:
             self._proto.pause_reading()
-        self._wake()
+        if self._waiter is not None:  # (``_wake`` only when a reader waits)
+            self._wake()
 
     def _ended(self) -> None:
         self.complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _lost(self) -> None:
         self.disconnected = True
@@ -360,7 +362,8 @@ class Cycle:
 
     def _done(self) -> None:
         self.response_complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     async def send(self, message: dict[str, Any]) -> None:
         """ASGI ``send`` (the tracing middleware's path and other responses)."""
