@@ -151,8 +151,10 @@ class Legs:
             call.computed()
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
-        if call.ticket is not None:
-            call.ticket.release()
+        ticket = call.ticket
+        if ticket is not None:
+            call.ticket = None  # released: the handler's cleanup has none to release again
+            ticket.release()
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped
