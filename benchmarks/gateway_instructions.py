@@ -1,4 +1,4 @@
-"""The gateway's CPU instructions per streamed request, counted by callgrind.
+"""The gateway's CPU instructions per completion request, counted by callgrind.
 
 CPU time per request (``gateway_throughput.py``) moves by 10-20% with what
 else runs on a shared machine; the instructions a request costs do not (two
@@ -6,13 +6,14 @@ runs of one tree agree within 0.5%). This counts them: the stub engine of
 ``gateway_throughput.py`` (nginx, ``--engine-comments`` by default: pdfleet's
 ``: ids N`` comments, which the gateway reads and strips), one gateway at a
 time under ``valgrind --tool=callgrind``, warmed up with instrumentation off,
-then ``--requests`` streamed completions over ``--connections`` kept-alive
-connections with it on; each answer is checked against what the client
-should get. User-space instructions only: the system calls' kernel time is
+then ``--requests`` streamed completions (``--non-streamed``: JSON ones, from
+the stub's JSON engine) over ``--connections`` kept-alive connections with it
+on; each answer is checked against what the client should get. The callgrind
+files stay in the run's directory (printed) for ``callgrind_annotate``. User-space instructions only: the system calls' kernel time is
 not in the count.
 
     .venv/bin/python benchmarks/gateway_instructions.py [--requests 300]
-        [--connections 16] [--plain] [--rounds 2] [TREE ...]
+        [--connections 16] [--plain] [--non-streamed] [--rounds 2] [TREE ...]
 
 A TREE is a directory holding a ``pdfleet/`` copy of another commit's
 packages (``git archive REV engine kernels operator | tar -x -C TREE/pdfleet``),
@@ -40,10 +41,13 @@ import httpx
 from fleet import free_port
 
 
-async def _client(url: str, requests: int, connections: int, want: bytes) -> int:
-    """Send ``requests`` streamed completions, read each whole; how many differ from ``want``."""
+async def _client(
+    url: str, requests: int, connections: int, want: bytes, stream: bool = True
+) -> int:
+    """Send ``requests`` completions (streamed or not), read each whole; how
+    many differ from ``want``."""
     host, port = url.split("//")[1].split(":")
-    body = json.dumps({"model": "stub", "prompt": gt.PROMPT, "max_tokens": 25, "stream": True})
+    body = json.dumps({"model": "stub", "prompt": gt.PROMPT, "max_tokens": 25, "stream": stream})
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
@@ -57,12 +61,18 @@ async def _client(url: str, requests: int, connections: int, want: bytes) -> int
             writer.write(head)
             await writer.drain()
             ok = b" 200 " in await reader.readline()
-            while (await reader.readline()) != b"\r\n":
-                pass
-            got = b""
-            while size := int((await reader.readline()).strip(), 16):
-                got += (await reader.readexactly(size + 2))[:-2]
-            await reader.readexactly(2)
+            length = None
+            while (line := await reader.readline()) != b"\r\n":
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if length is not None:
+                got = await reader.readexactly(length)
+            else:  # chunked
+                got = b""
+                while size := int((await reader.readline()).strip(), 16):
+                    got += (await reader.readexactly(size + 2))[:-2]
+                await reader.readexactly(2)
             bad += not ok or got != want
         writer.close()
 
@@ -78,11 +88,18 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--plain", action="store_true", help="the stub streams no migration comments")
+    ap.add_argument(
+        "--non-streamed", action="store_true", help="JSON completions instead of streamed ones"
+    )
     args = ap.parse_args()
+    stream = not args.non_streamed
     streamed = gt.stream(comments=not args.plain)
     gt.STREAM_BODY[0] = streamed
-    # What the client gets: the events without the migration comments.
-    want = re.sub(r"(?m)^: (ids|end) [^\n]*\n", "", streamed).encode()
+    # What the client gets: the events without the migration comments, or the
+    # engine's JSON answer as it is.
+    want = (
+        re.sub(r"(?m)^: (ids|end) [^\n]*\n", "", streamed) if stream else gt.COMPLETION
+    ).encode()
 
     run_dir = Path(tempfile.mkdtemp(prefix="gw-instructions-"))
     (run_dir / "nginx").mkdir()
@@ -91,7 +108,8 @@ def main() -> int:
     conf.write_text(gt.nginx_conf(run_dir, [js], [sse]))
     procs = gt.Procs(run_dir)
     procs.start("nginx", ["nginx", "-c", str(conf), "-p", str(run_dir / "nginx")], "1")
-    body = {"model": "stub", "prompt": gt.PROMPT, "max_tokens": 25, "stream": True}
+    body = {"model": "stub", "prompt": gt.PROMPT, "max_tokens": 25, "stream": stream}
+    engine = sse if stream else js
     counts: dict[str, list[float]] = {}
     try:
         for r in range(args.rounds):
@@ -106,7 +124,7 @@ def main() -> int:
                     f"--callgrind-out-file={out}",
                     *gt.python_module("pdfleet.engine.cli"), "gateway",
                     "--host", "127.0.0.1", "--port", str(port),
-                    "--decode", f"http://127.0.0.1:{sse}", "--disaggregation-mode", "Disabled",
+                    "--decode", f"http://127.0.0.1:{engine}", "--disaggregation-mode", "Disabled",
                     "--scrape-interval", "30",
                 ]  # fmt: skip
                 proc = procs.start(f"gateway-{r}-{i}", cmd, "0", env)
@@ -121,12 +139,12 @@ def main() -> int:
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise SystemExit(f"{url} did not serve; see {run_dir}")
                     time.sleep(1)
-                asyncio.run(_client(url, 50, args.connections, want))  # warm, not counted
+                asyncio.run(_client(url, 50, args.connections, want, stream))  # warm, not counted
                 control = ["callgrind_control", str(proc.pid)]
                 subprocess.run(
                     [*control[:1], "-i", "on", *control[1:]], check=True, capture_output=True
                 )
-                bad = asyncio.run(_client(url, args.requests, args.connections, want))
+                bad = asyncio.run(_client(url, args.requests, args.connections, want, stream))
                 subprocess.run(
                     [*control[:1], "-i", "off", *control[1:]], check=True, capture_output=True
                 )
@@ -149,6 +167,7 @@ def main() -> int:
         procs.close()
     for tree, values in counts.items():
         print(f"{tree}: {[round(v / 1e3, 1) for v in values]} k instructions a request")
+    print(f"callgrind files: {run_dir}/callgrind-*.out")
     return 0
 
 

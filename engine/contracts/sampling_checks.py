@@ -208,6 +208,8 @@ _CHECKS: tuple[tuple[str, Any], ...] = (
     ("prompt", lambda f, v, _: check_prompt_tokens(f["prompt"], v)),
 )
 _CHECKED = frozenset(name for name, _ in _CHECKS)
+_CHECK_OF: dict[str, Any] = dict(_CHECKS)
+_ORDER = {name: i for i, (name, _) in enumerate(_CHECKS)}
 
 
 def check_sampling(
@@ -230,9 +232,9 @@ def check_sampling(
     """
     present = _CHECKED.intersection(fields)
     if present:
-        for name, check in _CHECKS:
-            if name in present:
-                check(fields, vocab_size, max_logprobs)
+        # (the checks of the fields it holds, in their order: not a turn per check)
+        for name in sorted(present, key=_ORDER.__getitem__):
+            _CHECK_OF[name](fields, vocab_size, max_logprobs)
         if max_n < MAX_N or max_output_tokens is not None:
             check_output_bounds(fields, max_n, max_output_tokens)
     if not _STRUCTURED.isdisjoint(fields):

@@ -202,7 +202,7 @@ class Admission:
             e.pending.pop(key, None)
         if ended:
             self.freed.tick(time.monotonic())
-        if self._waiters:
+        if self._waiters.size:
             self._wake(seqs)
 
     @property
@@ -235,19 +235,19 @@ class Admission:
             # At capacity here, not queuing there, and first answers come in
             # half the time that counts as late: it can take one more.
             e.capacity += 1
-            if self._waiters:
+            if self._waiters.size:
                 self._wake(e.capacity - e.admitted)
 
     def engines_changed(self) -> None:
         """An engine became routable (or one left): every waiting request looks again."""
-        if self._waiters:
+        if self._waiters.size:
             self._wake(WAKE_ALL)
 
     # -- the queue -----------------------------------------------------------------------
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._waiters.size
 
     def retry_after(self, ahead: int) -> int:
         """Seconds until a slot is likely free for a request with ``ahead`` before it."""
@@ -265,7 +265,7 @@ class Admission:
         """Requests waiting that a newcomer of ``band`` waits behind (its band's
         and better ones): a request of a better band than every waiter's need
         not queue behind them."""
-        return self._waiters.ahead_of(band) if self._waiters else 0
+        return self._waiters.ahead_of(band) if self._waiters.size else 0
 
     def check_queue(self, band: int = 0) -> None:
         """Raise :class:`Overloaded` (429) when a new request (of ``band``)

@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from json.scanner import make_scanner
 from typing import Any
 
 from .prompt import PromptInfo
@@ -22,6 +23,11 @@ _ID_PREFIX = os.urandom(8).hex()
 _id_counter = itertools.count()
 # A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked only then).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# ``json.loads``' own scan (a default decoder's, as JSONDecoder makes it; typeshed
+# types the argument as the scanner class), called without its three Python
+# layers; and the blanks JSON allows after a document.
+_SCAN_JSON: Callable[[str, int], tuple[Any, int]] = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+_JSON_BLANKS = " \t\n\r"
 # The prompt of a request routed without analysis (``Proxy._sole_route``).
 NOT_ANALYZED = PromptInfo(0, analyzed=False)
 
@@ -92,9 +98,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or ValueError saying what is wrong
     (invalid UTF-8 or JSON, nested too deeply, a lone surrogate, not an object)."""
     try:
-        # A UTF-8 object (the usual case) decoded here: json.loads(bytes) first
-        # guesses among UTF-8/16/32; anything else keeps that path.
-        body = json.loads(raw.decode() if raw[:1] == b"{" and raw[1:2] != b"\x00" else raw)
+        # A UTF-8 object (the usual case) decoded and scanned here: json.loads(bytes)
+        # first guesses among UTF-8/16/32; anything else, or a scan that fails or
+        # stops short of the end, keeps that path (its errors).
+        if raw[:1] == b"{" and raw[1:2] != b"\x00":
+            text = raw.decode()
+            try:
+                body, end = _SCAN_JSON(text, 0)
+            except (ValueError, StopIteration):
+                end = -1
+            if end != len(text) and (end < 0 or text[end:].strip(_JSON_BLANKS)):
+                body = json.loads(text)
+        else:
+            body = json.loads(raw)
     except RecursionError:
         raise ValueError("the request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError

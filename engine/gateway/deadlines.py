@@ -88,15 +88,20 @@ class Deadline:
     __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_wheel")
 
     def __init__(self, when: float | None, after: float | None = None) -> None:
-        task = current_task()
-        if task is None:
-            raise RuntimeError("a Deadline must be used inside a task")
+        wheel: _Wheel | None = getattr(_local, "wheel", None)
+        # (``current_task`` and ``_wheel_of``, inline for this thread's wheel loop)
+        task = asyncio.current_task(wheel.loop) if wheel is not None else None
+        if task is None or wheel is None:
+            task = current_task()
+            if task is None:
+                raise RuntimeError("a Deadline must be used inside a task")
+            wheel = _wheel_of(task.get_loop())
         self._task = task
         self._cancelling = task.cancelling()
         self._expired = False
         self._handle: asyncio.Handle | None = None
         """A deadline rescheduled to now: fires on the next turn of the loop."""
-        self._wheel = wheel = _wheel_of(task.get_loop())
+        self._wheel = wheel
         if after is not None:
             when = wheel.loop.time() + after
         self._slot = 0 if when is None else wheel.add(self, when)

@@ -123,7 +123,7 @@ class DecodeLeg:
                 raise
             legs.release(e)
             legs.pool.progress(e)
-            if stopping(resp):
+            if resp.status_code == 503 and stopping(resp):
                 # Handed back (or refused) by a stopping engine: nothing was sent.
                 moved = (
                     await self.migrator.move_unsent(call, e, "drain", route.decode)
@@ -141,13 +141,13 @@ class DecodeLeg:
                     e = nxt
                     continue
                 return legs.leg_error(call, legs.status_error(e, "decode", resp))
-            if self._params_refused(call, resp):
+            if resp.status_code == 400 and self._params_refused(call, resp):
                 failover.payload = self._without_params(call, e, resp)
                 failover.tried.discard(e.url)
                 continue
             if resp.status_code < 500:  # incl. 429: the client should back off, not us
-                if resp.status_code == 200:
-                    legs.record(call, info, e.url)
+                if resp.status_code == 200 and (info.block_hashes or call.info is not None):
+                    legs.record(call, info, e.url)  # (only then has it blocks to record)
                 return legs.passthrough(call, resp, resp.content)
             legs.pair_failed(call, e)
             return legs.leg_error(call, legs.status_error(e, "decode", resp))
@@ -202,7 +202,8 @@ class DecodeLeg:
             # Not relayed, so never None; "params_refused" was handled above.
             if not isinstance(opened, tuple):
                 raise TypeError("broken invariant: isinstance(opened, tuple)")
-            legs.record(call, info, e.url)
+            if info.block_hashes or call.info is not None:
+                legs.record(call, info, e.url)  # (only then has it blocks to record)
             resp, chunks = opened
             recovery = (
                 self.migrator.recovery(call, e, self._open_resumed)

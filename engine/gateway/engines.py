@@ -469,7 +469,8 @@ class EnginePool:
         """The one routable engine of ``role``; None when there are none or several."""
         sole = None
         for e in self.engines.values():
-            if e.routable and e.serves(role):
+            # (``routable`` and ``serves``, inline: read per request)
+            if e.state == "healthy" and (e.role == role or e.role == "both"):
                 if sole is not None:
                     return None
                 sole = e

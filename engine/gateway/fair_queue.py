@@ -40,18 +40,19 @@ class FairQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Waiter]] = []
         self._seq = itertools.count()
-        self._size = 0
+        self.size = 0
+        """Waiters on the queue (``len``, as an attribute: read per request)."""
         self.by_tenant: collections.Counter[str] = collections.Counter()
         """Waiters per tenant (tenants with none are dropped)."""
         self.by_band: collections.Counter[int] = collections.Counter()
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def push(self, waiter: Waiter) -> None:
         waiter.queued = True
         heapq.heappush(self._heap, (waiter.band, waiter.tag, next(self._seq), waiter))
-        self._size += 1
+        self.size += 1
         self.by_tenant[waiter.tenant] += 1
         self.by_band[waiter.band] += 1
 
@@ -70,7 +71,7 @@ class FairQueue:
         if not waiter.queued:
             return False
         self._left(waiter)
-        if len(self._heap) > 2 * self._size + 64:  # drop the skipped entries
+        if len(self._heap) > 2 * self.size + 64:  # drop the skipped entries
             self._heap = [e for e in self._heap if e[3].queued]
             heapq.heapify(self._heap)
         return True
@@ -79,12 +80,12 @@ class FairQueue:
         """Waiters a request of ``band`` would wait behind: its band's and the
         bands served before it."""
         if len(self.by_band) == 1 and band in self.by_band:
-            return self._size
+            return self.size
         return sum(n for b, n in self.by_band.items() if b <= band)
 
     def _left(self, waiter: Waiter) -> None:
         waiter.queued = False
-        self._size -= 1
+        self.size -= 1
         self.by_tenant[waiter.tenant] -= 1
         if not self.by_tenant[waiter.tenant]:
             del self.by_tenant[waiter.tenant]

@@ -80,7 +80,8 @@ class Legs:
     # -- an engine taken and given back --------------------------------------------
 
     def acquire(self, e: EngineState) -> None:
-        self.pool.started(e)
+        if e.inflight == 0:
+            self.pool.started(e)  # (an idle engine's stall clock starts now)
         e.inflight += 1
 
     def release(self, e: EngineState) -> None:
@@ -126,7 +127,8 @@ class Legs:
 
     def free_slot(self, call: Call) -> None:
         """Give the request's slots back (once each; a no-op without them)."""
-        self.free_prefill_slot(call)
+        if call.prefill_slot is not None:
+            self.free_prefill_slot(call)
         slot = call.slot
         if slot is not None:
             call.slot = None
@@ -149,8 +151,10 @@ class Legs:
             call.computed()
         if call.slot is not None or call.prefill_slot is not None:
             self.free_slot(call)
-        if call.ticket is not None:
-            call.ticket.release()
+        ticket = call.ticket
+        if ticket is not None:
+            call.ticket = None  # released: the handler's cleanup has none to release again
+            ticket.release()
         key = (call.endpoint, status)
         series = self._finished.get(key)
         if series is None:  # a few (endpoint, status) pairs: never dropped
@@ -159,7 +163,7 @@ class Legs:
                 m.fast_counter(m.requests.labels(call.endpoint, str(status))),
                 m.fast_histogram(m.e2e.labels(call.endpoint)),
             )
-        series[0].inc()
+        series[0].add_one()
         series[1].observe(time.perf_counter() - call.start)
 
     def first_token(self, call: Call) -> None:

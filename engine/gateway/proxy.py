@@ -240,7 +240,7 @@ class Proxy:
             decided = self._decisions[key] = self.metrics.fast_counter(
                 self.metrics.decisions.labels(*key)
             )
-        decided.inc()
+        decided.add_one()
         tracing.route_chosen(route)
         choices = migratable(body, call.chat, self.config.max_migrations)
         if choices:
@@ -311,8 +311,10 @@ class Proxy:
                 return self._overloaded(call, r.overloaded)
             return self._invalid(call, "invalid_field", r.message, r.param)
         call.ticket, call.seqs = admitted.ticket, admitted.seqs
-        if route is not None and not self.admission.has_room(
-            route.decode, admitted.seqs, admitted.ticket.band
+        if (
+            route is not None
+            and route.decode.capacity is not None  # (no capacity learned: room, no call)
+            and not self.admission.has_room(route.decode, admitted.seqs, admitted.ticket.band)
         ):
             route = None  # a wide request: it waits until all its slots are free
         if admitted.changed:
@@ -421,7 +423,11 @@ class Proxy:
         if self.config.disaggregation_mode != "Disabled":
             return None
         decode = self.pool.sole_candidate("decode")
-        if decode is None or self.admission.queued or not self.admission.has_room(decode):
+        if (
+            decode is None
+            or self.admission.queued
+            or (decode.capacity is not None and not self.admission.has_room(decode))
+        ):
             return None
         self.router.count_pick()
         return Route(decode, None, "decode_only", "disabled")

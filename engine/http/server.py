@@ -205,11 +205,13 @@ class Cycle:
         self._body_size += len(data)
         if self._body_size > HIGH_WATER:
             self._proto.pause_reading()
-        self._wake()
+        if self._waiter is not None:  # (``_wake`` only when a reader waits)
+            self._wake()
 
     def _ended(self) -> None:
         self.complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _lost(self) -> None:
         self.disconnected = True
@@ -310,7 +312,7 @@ class Cycle:
     # -- the answer ----------------------------------------------------------------
 
     def _head(self, status: int, raw_headers: Any, chunked: bool) -> list[bytes]:
-        parts = [status_line(status), _clock.header()]
+        parts = [STATUS_LINES.get(status) or status_line(status), _clock.header()]
         said_close = False
         for name, value in raw_headers:
             if name == b"connection" and value.lower() == b"close":
@@ -360,7 +362,8 @@ class Cycle:
 
     def _done(self) -> None:
         self.response_complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     async def send(self, message: dict[str, Any]) -> None:
         """ASGI ``send`` (the tracing middleware's path and other responses)."""
@@ -559,23 +562,23 @@ class HttpProtocol(asyncio.Protocol):
         self._raw_headers = None if self.server._direct else []
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > self.server.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.server.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge
         name = name.lower()
         key = name.decode("latin-1")
         if key not in self._headers:
             self._headers[key] = value.decode("latin-1")
         if self._raw_headers is not None:
             self._raw_headers.append((name, value))
-
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > self.server.max_head_bytes:
-            self._too_large = True
-            raise _HeadTooLarge  # httptools makes it a parse error: _refuse_head
 
     def on_headers_complete(self) -> None:
         self._in_head = False

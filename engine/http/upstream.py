@@ -357,12 +357,9 @@ class UpstreamClient:
         timeout: float | None,  # noqa: ASYNC109 (the per-call bound goes to the read)
     ) -> UpstreamResponse:
         """A whole answer, read within ``timeout`` seconds (None: the caller bounds it)."""
-        if timeout is None:
-            return await self._post(url, content, headers)
-        async with asyncio.timeout(timeout):
-            return await self._post(url, content, headers)
-
-    async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        if timeout is not None:
+            async with asyncio.timeout(timeout):
+                return await self.post(url, content, headers, None)
         resp = await self.stream(url, content, headers)
         conn = resp._conn
         try:

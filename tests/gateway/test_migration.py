@@ -1018,6 +1018,14 @@ def test_a_block_of_several_events_of_one_choice_splits_as_event_by_event():
         a, b = Migration({}), Migration({})
         assert split_events(block, a) == _split_each(block, b), block
         assert (a.sent, a.finished) == (b.sent, b.finished)
+    # An engine's usual pile (each event its ids and one data line, maybe a
+    # [DONE] after them), whose lines are checked and cut without the regex.
+    for _ in range(100):
+        block = b"".join(rng.choice(shapes[0:4:3])(i) for i in range(rng.randint(2, 12)))
+        block += rng.choice((b"", shapes[2](0), shapes[4](0)))
+        a, b = Migration({}), Migration({})
+        assert split_events(block, a) == _split_each(block, b), block
+        assert (a.sent, a.finished) == (b.sent, b.finished)
 
 
 def test_the_relay_strips_the_comments_and_keeps_the_ids_in_order():

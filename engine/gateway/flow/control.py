@@ -187,7 +187,9 @@ class FlowControl:
         ``limited``: False for a batch request (the batch runner paces those:
         idle capacity, --batch-concurrency), which counts but is never refused.
         ``share``: what fair share charges it (default ``cost``)."""
-        s = self.state(tenant)
+        s = self.states.get(tenant.name)
+        if s is None:
+            s = self.state(tenant)
         p = tenant.policy
         now = time.monotonic()
         refusal: tuple[str, str, float] | None = None
@@ -240,7 +242,11 @@ class FlowControl:
             s.tokens.take(cost)
         s.inflight += 1
         s.inflight_tokens += cost
-        self._count(s, "admitted")
+        admitted = s.series.get("admitted")  # (``_count``, inline)
+        if admitted is None:
+            self._count(s, "admitted")
+        else:
+            admitted.add_one()
         tokens = s.series.get("tokens")
         if tokens is None:
             tokens = s.series["tokens"] = self.metrics.fast_counter(
@@ -263,7 +269,7 @@ class FlowControl:
             counter = s.series[outcome] = self.metrics.fast_counter(
                 self.metrics.tenant_requests.labels(s.tenant.name, outcome)
             )
-        counter.inc()
+        counter.add_one()
 
     def _gauges(self) -> None:
         for name, s in self.states.items():
