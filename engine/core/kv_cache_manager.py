@@ -310,6 +310,13 @@ class KVCacheManager:
         self._pool.uncache(self._req_blocks.get(request_id, []))
         self.num_cached_blocks.pop(request_id, None)
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Unpublish the blocks past a request's computed tokens: published when
+        allocated for a step that will not compute them (the request is preempted
+        before that step's forward)."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        self._pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (tail blocks are evicted first)."""
         blocks = self._req_blocks.pop(request.request_id, [])

@@ -631,6 +631,8 @@ class Scheduler:
                 # A victim scheduled earlier in this step gives its tokens back.
                 budget += num_scheduled.pop(victim.request_id, 0)
                 new_blocks_of.pop(victim.request_id, None)
+                # Its blocks published for this step's tokens are never written.
+                self.kv.uncache_uncomputed(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
