@@ -83,11 +83,15 @@ class Deadline:
     ``asyncio.timeout``; ``reschedule`` and ``expired`` as there. Made inside
     the task it bounds. ``after``: instead of ``when``, that many seconds
     from now (the loop's time read here, not by the caller: each read of the
-    running loop is a ``getpid`` system call)."""
+    running loop is a ``getpid`` system call). ``waiters``: a set it belongs
+    to from now until it exits (an engine's, whose stall watchdog reschedules
+    them)."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_wheel")
+    __slots__ = ("_cancelling", "_expired", "_handle", "_slot", "_task", "_waiters", "_wheel")
 
-    def __init__(self, when: float | None, after: float | None = None) -> None:
+    def __init__(
+        self, when: float | None, after: float | None = None, waiters: set[Deadline] | None = None
+    ) -> None:
         wheel: _Wheel | None = getattr(_local, "wheel", None)
         # (``current_task`` and ``_wheel_of``, inline for this thread's wheel loop)
         task = asyncio.current_task(wheel.loop) if wheel is not None else None
@@ -105,6 +109,9 @@ class Deadline:
         if after is not None:
             when = wheel.loop.time() + after
         self._slot = 0 if when is None else wheel.add(self, when)
+        self._waiters = waiters
+        if waiters is not None:
+            waiters.add(self)
 
     def expire_soon(self) -> None:
         """Fire on the next turn of the loop (``reschedule`` to now)."""
@@ -114,6 +121,8 @@ class Deadline:
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if self._waiters is not None:
+            self._waiters.discard(self)
         self._cancel()
         if (
             self._expired

@@ -2,7 +2,7 @@
 
 :class:`Legs` holds the gateway's state that both legs and the relay use:
 an engine taken and given back (its in-flight count), the bounds of a wait
-on it (the first-token bound sized from its queue, a :class:`Watched`
+on it (the first-token bound sized from its queue, a watched
 deadline that the stall watchdog can end at once), a failed call classified
 (:class:`LegFailed`: a message for the client, a detail for the log, a
 refused connection ejecting the engine), an engine's answer passed on or its
@@ -234,10 +234,19 @@ class Legs:
         load = e.load
         return self.config.first_token_bound(max(load.waiting, e.inflight - load.running))
 
-    def watched(self, e: EngineState, seconds: float) -> Watched:
-        """A :class:`Deadline` ``seconds`` from now that also fires at once when the stall
-        watchdog ejects ``e`` (it reschedules every registered timeout)."""
-        return Watched(e, seconds)
+    @staticmethod
+    def watched(e: EngineState, seconds: float) -> Deadline:
+        """For ``with``: a :class:`Deadline` ``seconds`` from now, registered
+        with ``e``'s waiters until it exits, so that the stall watchdog, which
+        reschedules every registered deadline, ends the wait at once."""
+        if e.stalled:
+            # Ejected for a stall after this leg was routed to it (a decode
+            # engine is chosen before the prefill leg runs): give up at once,
+            # as the legs already waiting did, instead of for the whole bound.
+            cm = Deadline(None, waiters=e.waiters)
+            cm.expire_soon()
+            return cm
+        return Deadline(None, after=seconds, waiters=e.waiters)
 
     def failed(self, e: EngineState, role: str, ex: Exception) -> LegFailed:
         """Classify a transport error; a refused connection ejects the engine at once."""
@@ -294,42 +303,3 @@ class Legs:
             info = call.info
         if info.block_hashes:
             self.affinity.record(info.block_hashes, url)
-
-
-class Watched:
-    """``with`` (or ``async with``): a :class:`Deadline` ``seconds`` from now,
-    registered with an engine's waiters, so that the stall watchdog, which
-    reschedules every registered deadline, ends the wait at once."""
-
-    __slots__ = ("_cm", "_engine", "_seconds")
-
-    def __init__(self, engine: EngineState, seconds: float) -> None:
-        self._engine = engine
-        self._seconds = seconds
-        self._cm: Deadline | None = None
-
-    def __enter__(self) -> Deadline:
-        engine = self._engine
-        if engine.stalled:
-            # Ejected for a stall after this leg was routed to it (a decode
-            # engine is chosen before the prefill leg runs): give up at once,
-            # as the legs already waiting did, instead of for the whole bound.
-            self._cm = cm = Deadline(None)
-            cm.expire_soon()
-        else:
-            self._cm = cm = Deadline(None, after=self._seconds)
-        engine.waiters.add(cm)
-        return cm
-
-    def __exit__(self, *exc: Any) -> None:
-        cm = self._cm
-        if cm is None:  # entered
-            raise RuntimeError("broken invariant: cm is not None")
-        self._engine.waiters.discard(cm)
-        cm.__exit__(*exc)  # raises TimeoutError for an expiry; never swallows
-
-    async def __aenter__(self) -> Deadline:
-        return self.__enter__()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.__exit__(*exc)

@@ -121,7 +121,8 @@ class Migration:
         self._sent: list[int] = [] if sent is None else sent
         self.unread: list[bytes] = []
         """Ids of :attr:`sent` not read into ints yet, in order after them: each
-        decimal ids separated by spaces or newlines (read when :attr:`sent` is)."""
+        decimal ids separated by spaces or newlines, or the ``: ids``/``: end``
+        comment lines that carry them (read when :attr:`sent` is)."""
         self.choices = choices
         """The request's choices (``n`` × prompts); above 1 the engine names the
         choice of each event's ids, kept in :attr:`sent_of`."""
@@ -150,7 +151,8 @@ class Migration:
         choice). Read from the engine's comments only when asked (a move): a
         stream that never moves parses none of them."""
         if self.unread:
-            self._sent.extend(map(int, b" ".join(self.unread).split()))
+            text = b" ".join(self.unread).translate(None, b":idsen")
+            self._sent.extend(map(int, text.split()))
             self.unread.clear()
         return self._sent
 
@@ -275,11 +277,11 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
         and lines[2 : 3 * count : 3].count(b"\n") == count  # each event's blank line
         and b"\n" not in (datas := lines[1 : 3 * count : 3])  # and its data line
         and (not tail or (tail[0] != b"\n" and not tail[0].startswith(b":")))
-        and text.count(b"\n: ids ") + text.count(b"\n: end ") == count
+        and text.count(b"\n: ids ") + (ends := text.count(b"\n: end ")) == count
         and len(text.translate(None, b"0123456789 \n")) == 4 * count  # digits after each
     ):
-        state.unread.append(text.translate(None, b":idsen"))
-        if b"end" in text:
+        state.unread.append(text)  # (the comments' words go when the ids are read)
+        if ends:
             state.finished.add(0)
         datas.append(b"".join(tail))
         return b"\n".join(datas), False
@@ -291,8 +293,8 @@ def split_events(block: bytes, state: Migration) -> tuple[bytes, bool]:
         # is an event without its comment; the removed end of the event
         # before goes back between them. The ids are the comments' digits.
         text = b"".join(comments)
-        state.unread.append(text.translate(None, b":idsen"))
-        if b"end" in text:
+        state.unread.append(text)
+        if text.find(b"end") >= 0:  # (find: ``in`` first tries the bytes as an int)
             state.finished.add(0)
         if not parts[0]:  # (the usual block: it opens with a comment, no copy to cut)
             return b"\n\n".join(parts[2::2]), False
@@ -484,7 +486,10 @@ class Migrating(Recovery):
                 return block, False
         out, handed_back = split_events(block, state)
         if out and state.created is None:
-            found = _CREATED.search(out)
+            # (find, then the regex where it found the key: a search from the
+            # block's start walks it in the regex engine)
+            at = out.find(b'"created":')
+            found = None if at < 0 else _CREATED.match(out, at) or _CREATED.search(out, at + 1)
             if found is not None:
                 state.created = int(found.group(1))
         return out, handed_back

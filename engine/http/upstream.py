@@ -144,7 +144,10 @@ class _Conn(asyncio.Protocol):
 
     def until_close(self) -> bool:
         h = self.raw_headers
-        return b"content-length" not in h and b"chunked" not in h.get(b"transfer-encoding", b"")
+        if b"content-length" in h:
+            return False
+        coding = h.get(b"transfer-encoding")
+        return coding is None or coding.find(b"chunked") < 0
 
     def take(self) -> bytes:
         """What arrived of the body since the last call."""

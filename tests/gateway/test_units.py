@@ -32,7 +32,7 @@ from pdfleet.engine.gateway.engines import (
     StepWindow,
     parse_engine_metrics,
 )
-from pdfleet.engine.gateway.legs import Watched
+from pdfleet.engine.gateway.legs import Legs
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.prefill_leg import prefill_body
 from pdfleet.engine.gateway.prompt import CHARS_PER_TOKEN, PromptAnalyzer, chain_hashes
@@ -521,9 +521,8 @@ def test_a_leg_that_starts_on_an_engine_already_ejected_for_a_stall_gives_up_at_
     async def leg(e: EngineState) -> float:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        with contextlib.suppress(TimeoutError):
-            async with Watched(e, 60):
-                await asyncio.sleep(30)
+        with contextlib.suppress(TimeoutError), Legs.watched(e, 60):
+            await asyncio.sleep(30)
         return loop.time() - started
 
     async def main() -> tuple[float, bool]:
