@@ -98,6 +98,8 @@ MODEL_NAME = "model_name"
 FINISHED_REASON = "finished_reason"
 ROLE = "role"
 """An engine role (``prefill``, ``decode``), or ``gateway``."""
+ENGINE = "engine"
+"""The gateway's per-engine series: the engine's base URL."""
 REASON = "reason"
 DECISION = "decision"
 BLOCK_SIZE = "block_size"
@@ -569,25 +571,25 @@ GATEWAY_UPSTREAM_ERRORS = Metric(
     "pdfleet_gateway_upstream_errors_total",
     "counter",
     "Failed engine calls (connect, timeout, status, stream), by engine.",
-    ("engine", ROLE, "kind"),
+    (ENGINE, ROLE, "kind"),
 )
 GATEWAY_ENGINE_HEALTHY = Metric(
     "pdfleet_gateway_engine_healthy",
     "gauge",
     "1 while an engine receives traffic, 0 while it is ejected or not yet ready.",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 GATEWAY_ENGINE_INFLIGHT = Metric(
     "pdfleet_gateway_engine_inflight_requests",
     "gauge",
     "Requests the gateway has in flight on an engine.",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 GATEWAY_ENGINE_EJECTIONS = Metric(
     "pdfleet_gateway_engine_ejections_total",
     "counter",
     "Times an engine was ejected from routing.",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 
 GATEWAY_ENGINE_STALLS = Metric(
@@ -595,14 +597,14 @@ GATEWAY_ENGINE_STALLS = Metric(
     "counter",
     "Times an engine was ejected because its in-flight requests made no "
     "progress for its stall limit while another engine of its role did.",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 GATEWAY_ENGINE_STALL_LIMIT = Metric(
     "pdfleet_gateway_engine_stall_limit_seconds",
     "gauge",
     "Seconds an engine may send nothing with requests in flight before it counts as "
     "stalled: --stall-step-multiple times its longest recent step, at least --stall-timeout.",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 GATEWAY_ENGINE_CAPACITY = Metric(
     "pdfleet_gateway_engine_capacity",
@@ -611,7 +613,7 @@ GATEWAY_ENGINE_CAPACITY = Metric(
     "from the engine's queue: "
     "its own count, or requests waiting on it past a quarter of the first-token bound "
     "for their first answer (no series until the engine first queues requests).",
-    ("engine", ROLE),
+    (ENGINE, ROLE),
 )
 GATEWAY_QUEUED_REQUESTS = Metric(
     "pdfleet_gateway_queued_requests",
@@ -719,28 +721,28 @@ GATEWAY_KV_INDEX_EVENTS = Metric(
     "counter",
     "KV events applied to the exact prefix index, by engine and type "
     "(BlockStored, BlockRemoved, AllBlocksCleared).",
-    ("engine", "type"),
+    (ENGINE, "type"),
 )
 GATEWAY_KV_INDEX_REPLAYS = Metric(
     "pdfleet_gateway_kv_index_replays_total",
     "counter",
     "Replays asked of an engine's replay socket after a sequence gap or a late join, by outcome "
     "(ok, partial: the engine no longer buffered the start, failed: no answer in time).",
-    ("engine", "outcome"),
+    (ENGINE, "outcome"),
 )
 GATEWAY_KV_INDEX_RESETS = Metric(
     "pdfleet_gateway_kv_index_resets_total",
     "counter",
     "Times an engine's entries were dropped from the exact prefix index, by reason "
     "(cleared, restart, gap, removed).",
-    ("engine", REASON),
+    (ENGINE, REASON),
 )
 GATEWAY_KV_INDEX_FRESH = Metric(
     "pdfleet_gateway_kv_index_fresh",
     "gauge",
     "1 while an engine's KV event stream is fresh (routing uses its exact entries), "
     "0 while it is stale or unknown (routing falls back to approximate prefix scoring).",
-    ("engine",),
+    (ENGINE,),
 )
 
 # --- Operator and autoscaler -------------------------------------------------
@@ -943,7 +945,7 @@ GATEWAY_LORA_LOADS = Metric(
     "counter",
     "LoRA adapters the gateway loaded on an engine that did not serve them (a request "
     "named one and the engines serving it were busier).",
-    ("engine",),
+    (ENGINE,),
 )
 GATEWAY_LORA_IDENTITY_CONFLICTS = Metric(
     "pdfleet_gateway_lora_identity_conflicts",

@@ -512,7 +512,7 @@ class LocalFleet:
             if text is not None:
                 try:
                     engines = {
-                        labels.get("engine")
+                        labels.get(m.ENGINE)
                         for labels, _ in m.parse_metrics(
                             text, only=[m.GATEWAY_ENGINE_HEALTHY.name]
                         ).samples.get(m.GATEWAY_ENGINE_HEALTHY.name, ())
