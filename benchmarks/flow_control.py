@@ -24,9 +24,11 @@ their own tenants (weight 1, band 1). Measured, in this order:
    also reports the engine's steps in it (count, mean, quantiles from its
    step-duration histogram, output tokens a step: the decode batch);
 5. **n=64 vs n=1**: two equal keys, closed loops, one sending ``n=64``
-   requests, the other ``n=1``; their completion-token throughputs and ratio
-   (target within 20%), and their prompt-plus-output throughputs (the
-   gateway's cost, what its fair share equalizes) and ratio;
+   requests, the other ``n=1``, streamed; their completion-token throughputs
+   and ratio (target within 20%), and their prompt-plus-output throughputs
+   (the gateway's cost, what its fair share equalizes) and ratio, counted
+   over the phase after ``--fair-warmup`` as the tokens arrive; besides,
+   the gateway's admitted cost by tenant and the engine's preemptions;
 6. **batch**: ``--batch-requests`` requests through the Batch API (the
    official ``openai`` client), while the protected tenant's light load
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
@@ -192,6 +194,7 @@ class Fleet:
                 (
                     "pdfleet_gateway_tenant_requests_total{",
                     "pdfleet_gateway_rejected_requests_total{",
+                    "pdfleet_gateway_tenant_tokens_total{",
                 )
             ):
                 name, value = line.rsplit(" ", 1)
@@ -229,6 +232,7 @@ class Fleet:
                 "pdfleet_engine_step_duration_seconds_sum",
                 "pdfleet_engine_step_duration_seconds_count",
                 "pdfleet_engine_generation_tokens_total",
+                "pdfleet_engine_num_preemptions_total",
             ):
                 if line.startswith(name):
                     out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -277,17 +281,11 @@ async def one(
         if resp.status_code != 200:
             return str(resp.status_code), None, 0
         usage = resp.json()["usage"]
-        PROMPT_TOKENS[key] = PROMPT_TOKENS.get(key, 0) + int(usage["prompt_tokens"])
         return "200", None, int(usage["completion_tokens"])
     except httpx.TimeoutException:
         return "timeout", None, 0
     except httpx.HTTPError as e:
         return type(e).__name__, None, 0
-
-
-# Prompt tokens of the answered JSON requests, by key (the fair-share phase
-# reports them: the gateway's cost counts them besides the output).
-PROMPT_TOKENS: dict[str, int] = {}
 
 
 def small(max_tokens: int = 8) -> dict:
@@ -551,51 +549,126 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict:
     return out
 
 
+# Each chunk of a streamed completion with vLLM's continuous usage stats
+# carries its choice's index and the tokens that choice has generated so far.
+_CHUNK_USAGE = re.compile(
+    rb'"index":\s*(\d+).*"prompt_tokens":\s*(\d+).*"completion_tokens":\s*(\d+)'
+)
+
+
+async def counted(
+    client: httpx.AsyncClient, url: str, key: str, body: dict, timeout: float, marks: list
+) -> str:
+    """One streamed request; appends (time, choice, prompt tokens, that
+    choice's completion tokens so far) to ``marks`` for each chunk."""
+    headers = {"authorization": f"Bearer {key}"}
+    mine: list[tuple[float, int, int, int]] = []
+    marks.append(mine)
+    try:
+        async with client.stream(
+            "POST", url + "/v1/completions", json=body, headers=headers, timeout=timeout
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return str(resp.status_code)
+            async for line in resp.aiter_lines():
+                m = _CHUNK_USAGE.search(line.encode()) if line.startswith("data: {") else None
+                if m:
+                    mine.append((time.monotonic(), int(m[1]), int(m[2]), int(m[3])))
+            return "200"
+    except httpx.TimeoutException:
+        return "timeout"
+    except httpx.HTTPError as e:
+        return type(e).__name__
+
+
+def in_window(marks: list, start: float, end: float) -> tuple[int, int]:
+    """(completion tokens, prompt tokens) the requests of ``marks`` received in
+    [start, end): each choice's tokens by its chunks' arrival, a request's
+    prompt when its first chunk arrives (its prefill is done)."""
+    output = prompt = 0
+    for request in marks:
+        if request and start <= request[0][0] < end:
+            prompt += request[0][2]
+        before: dict[int, int] = {}
+        upto: dict[int, int] = {}
+        for t, choice, _, done in request:
+            if t < start:
+                before[choice] = done
+            elif t < end:
+                upto[choice] = done
+        output += sum(done - before.get(choice, 0) for choice, done in upto.items())
+    return output, prompt
+
+
 async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
-    """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests."""
+    """5. Two keys of equal weight, closed loops: n=64 requests and n=1 requests.
+
+    Throughput is what each key receives within the phase, after a warm-up
+    (``--fair-warmup``): tokens counted as their streamed chunks arrive, not
+    whole requests at their end (an ``n=64`` request is thousands of tokens:
+    one finishing just after the phase, counted whole, would move its key's
+    figure by a share of the phase's requests)."""
+    stream = {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    big = {**noisy_body(args.fair_tokens), "n": 64, **stream}
+    little = {**noisy_body(args.fair_tokens), **stream}
+    marks_a: list = []
+    marks_b: list = []
+    deadline = time.monotonic() + args.phase_seconds
+    start = deadline - args.phase_seconds + args.fair_warmup
+
+    async def loop(
+        client: httpx.AsyncClient, key: str, body: dict, n: int, marks: list
+    ) -> list[str]:
+        out: list[str] = []
+
+        async def worker() -> None:
+            while time.monotonic() < deadline:
+                out.append(await counted(client, fleet.url, key, body, args.timeout, marks))
+
+        await asyncio.gather(*(worker() for _ in range(n)))
+        return out
+
+    steps_before, gate_before = fleet.engine_steps(), fleet.refusals()
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
-        prompts_before = (PROMPT_TOKENS.get(KEY_A, 0), PROMPT_TOKENS.get(KEY_B, 0))
-        big = {**noisy_body(args.fair_tokens), "n": 64}
-        little = noisy_body(args.fair_tokens)
         a, b = await asyncio.gather(
-            closed_loop(
-                client,
-                fleet.url,
-                KEY_A,
-                big,
-                args.n64_concurrency,
-                args.phase_seconds,
-                args.timeout,
-            ),
-            closed_loop(
-                client,
-                fleet.url,
-                KEY_B,
-                little,
-                args.n1_concurrency,
-                args.phase_seconds,
-                args.timeout,
-            ),
+            loop(client, KEY_A, big, args.n64_concurrency, marks_a),
+            loop(client, KEY_B, little, args.n1_concurrency, marks_b),
         )
-    tput_a = sum(t for _, _, t in a) / args.phase_seconds
-    tput_b = sum(t for _, _, t in b) / args.phase_seconds
+    steps_after, gate_after = fleet.engine_steps(), fleet.refusals()
+    seconds = deadline - start
+    out_a, prompt_a = in_window(marks_a, start, deadline)
+    out_b, prompt_b = in_window(marks_b, start, deadline)
+    tput_a, tput_b = out_a / seconds, out_b / seconds
     # What fair share equalizes: the gateway's cost, prompt plus output tokens
     # (a prompt counted once per request, whatever its n).
-    cost_a = tput_a + (PROMPT_TOKENS.get(KEY_A, 0) - prompts_before[0]) / args.phase_seconds
-    cost_b = tput_b + (PROMPT_TOKENS.get(KEY_B, 0) - prompts_before[1]) / args.phase_seconds
+    cost_a, cost_b = (out_a + prompt_a) / seconds, (out_b + prompt_b) / seconds
 
     def ratio(x: float, y: float) -> float | None:
         return round(min(x, y) / max(x, y), 3) if max(x, y) else None
 
     return {
+        "window_s": round(seconds, 1),
         "n64_tokens_per_s": round(tput_a, 1),
         "n1_tokens_per_s": round(tput_b, 1),
         "ratio_min_max": ratio(tput_a, tput_b),
         "n64_prompt_plus_output_tokens_per_s": round(cost_a, 1),
         "n1_prompt_plus_output_tokens_per_s": round(cost_b, 1),
         "ratio_prompt_plus_output_min_max": ratio(cost_a, cost_b),
-        "n64_outcomes": dict(Counter(o for o, _, _ in a)),
-        "n1_outcomes": dict(Counter(o for o, _, _ in b)),
+        "n64_outcomes": dict(Counter(a)),
+        "n1_outcomes": dict(Counter(b)),
+        # The whole phase, warm-up and tail included: what the gateway
+        # admitted by tenant (its cost) and the engine's preemptions.
+        "admitted_tokens": {
+            k.split('"')[1]: v - gate_before.get(k, 0.0)
+            for k, v in gate_after.items()
+            if k.startswith("tenant_tokens_total{") and v > gate_before.get(k, 0.0)
+        },
+        "engine_preemptions": steps_after.get("pdfleet_engine_num_preemptions_total", 0.0)
+        - steps_before.get("pdfleet_engine_num_preemptions_total", 0.0),
     }
 
 
@@ -699,6 +772,12 @@ def main() -> None:
         help="the tenants file's prompt_token_weight (what fair share counts a prompt token for)",
     )
     ap.add_argument("--n64-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--fair-warmup",
+        type=float,
+        default=5.0,
+        help="seconds of the n=64 vs n=1 phase before its throughputs are counted",
+    )
     ap.add_argument(
         "--n1-concurrency",
         type=int,
