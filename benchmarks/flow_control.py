@@ -689,42 +689,54 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
     file_id = oc.files.create(
         file=("batch.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch"
     ).id
-    # The protected TTFT just before the batch (the machine's load drifts: the
-    # ratio compares it with the same minutes).
-    async with httpx.AsyncClient() as client:
-        before = [
-            t
-            for o, t, _ in await open_loop(
-                client,
-                fleet.url,
-                PROTECTED,
-                small(),
-                1 / args.protected_interval,
-                args.phase_seconds,
-                args.timeout,
-            )
-            if o == "200" and t is not None
-        ]
-    just_before = p90(before)
-    started = time.monotonic()
-    batch = oc.batches.create(
-        input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
-    )
-    ttfts: list[float] = []
-    async with httpx.AsyncClient() as client:
-        while True:
-            status = oc.batches.retrieve(batch.id)
-            if status.status not in ("in_progress", "validating", "finalizing"):
-                break
-            if time.monotonic() - started > args.batch_timeout:
-                oc.batches.cancel(batch.id)
-                break
+
+    # The protected TTFT just before the batch, twice (the machine's load
+    # drifts: the ratio compares it with the same minutes, and the two windows
+    # before say how far it moves with no batch at all), sent the same way as
+    # beside the batch: one request at a time, an interval apart.
+    async def protected(client: httpx.AsyncClient, until) -> list[float]:
+        ttfts: list[float] = []
+        while not until():
             o, t, _ = await one(client, fleet.url, PROTECTED, small(), args.timeout)
             if o == "200" and t is not None:
                 ttfts.append(t)
             await asyncio.sleep(args.protected_interval)
+        return ttfts
+
+    def for_seconds(seconds: float):
+        end = time.monotonic() + seconds
+        return lambda: time.monotonic() >= end
+
+    async with httpx.AsyncClient() as client:
+        before_a = await protected(client, for_seconds(args.phase_seconds / 2))
+        before_b = await protected(client, for_seconds(args.phase_seconds / 2))
+    ac = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key=KEY_B, max_retries=2, timeout=60)
+    started = time.monotonic()
+    batch = await ac.batches.create(
+        input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done = asyncio.Event()
+    status = batch
+
+    async def watch() -> None:
+        nonlocal status
+        while True:
+            status = await ac.batches.retrieve(batch.id)
+            if status.status not in ("in_progress", "validating", "finalizing"):
+                break
+            if time.monotonic() - started > args.batch_timeout:
+                await ac.batches.cancel(batch.id)
+                break
+            await asyncio.sleep(0.5)
+        done.set()
+
+    watcher = asyncio.create_task(watch())
+    async with httpx.AsyncClient() as client:
+        ttfts = await protected(client, done.is_set)
+    await watcher
     wall = time.monotonic() - started
-    during = p90(ttfts)
+    during, just_before = p90(ttfts), p90(before_a + before_b)
+    pa, pb = p90(before_a), p90(before_b)
     return {
         "requests": args.batch_requests,
         "status": status.status,
@@ -737,6 +749,9 @@ async def batch_beside_online(fleet: Fleet, args: argparse.Namespace, unloaded) 
         "ratio_to_unloaded": round(during / unloaded, 2) if during and unloaded else None,
         "protected_ttft_p90_just_before_s": just_before,
         "ratio_to_just_before": round(during / just_before, 2) if during and just_before else None,
+        "protected_ttft_p90_before_windows_s": [pa, pb],
+        "a_a_ratio_before_windows": round(pb / pa, 2) if pa and pb else None,
+        "protected_samples_before": len(before_a) + len(before_b),
     }
 
 
