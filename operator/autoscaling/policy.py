@@ -110,12 +110,6 @@ class PolicyTuning:
     """A rise is projected when it amounts, over the forecast window, to
     this many times its own noise (the Poisson noise of one period's rate,
     through a line of the window's periods)."""
-    surge_reference_z: float = 1.5
-    surge_threshold_z: float = 2.5
-    """A surge is detected when a one-sided CUSUM of each period's rate over
-    the level window's line, in units of one period's Poisson noise, less
-    ``surge_reference_z`` a period, reaches ``surge_threshold_z``: on steady
-    Poisson load at 15 s periods, about 3 hours in 100 see it fire."""
     fall_z: float = 3.5
     """A fall counts as decisive (the spec's short down window) when it
     stands this many times its noise out of a window's line."""
@@ -190,8 +184,6 @@ class PolicyTuning:
             raise ValueError("steady_down_factor must be >= 1")
         if not 0 < self.calibration_smoothing <= 1:
             raise ValueError("calibration_smoothing must be in (0, 1]")
-        if self.surge_reference_z < 0 or self.surge_threshold_z <= 0:
-            raise ValueError("need surge_reference_z >= 0 and surge_threshold_z > 0")
         if not 0 < self.min_lead_seconds <= self.max_lead_seconds:
             raise ValueError("need 0 < min_lead_seconds <= max_lead_seconds")
         for name in (
@@ -650,111 +642,6 @@ def forecast(rates: Series, now: float, lead: float, tuning: PolicyTuning) -> Fo
     detail += f", rising to {ahead:.1f} in {lead:.0f} s" if slope > 0 else ""
     detail += ")"
     return Forecast(level, ahead + margin, ahead, lead, slope > 0, detail, slope, falling)
-
-
-@dataclass(frozen=True)
-class Surge:
-    """A surge told from the level window's line (:func:`detect_surge`)."""
-
-    onset: float
-    """When the ramp fitted to the last periods starts."""
-    slope: float
-    """Its rise, in requests per second per second."""
-    level: float
-    """The rate now along that ramp."""
-    statistic: float
-    """The CUSUM, in units of one period's noise."""
-
-
-# The periods a surge's ramp is fitted to, and the step of the onsets tried.
-SURGE_FIT_PERIODS = 4
-SURGE_ONSET_STEP_SECONDS = 2.5
-
-
-def detect_surge(rates: Series, now: float, tuning: PolicyTuning) -> Surge | None:
-    """Phase 2b: a surge's start, told within a period or two of its onset.
-
-    Each period's rate less the level window's robust line, in units of one
-    period's Poisson noise (and the line's), feeds a one-sided CUSUM (each period adds its z
-    less ``surge_reference_z``, never below zero); it fires at
-    ``surge_threshold_z``. Once fired, a ramp from rest is fitted to the
-    last periods (least squares, the onset tried on a grid): what the lead's
-    sizing carries ahead. None while the CUSUM is below the threshold."""
-    points = tuple(p for p in rates if now - p[0] < tuning.level_window_seconds)
-    fit = theil_sen(points, now)
-    if fit is None:
-        return None
-    level, trend = fit
-    period = (now - points[0][0]) / (len(points) - 1)
-    if period <= 0 or now - points[0][0] < tuning.level_window_seconds - 1.5 * period:
-        # Only from a full level window: a line through a fleet's first few
-        # minutes tilts with their noise.
-        return None
-    noise = math.sqrt(max(level, 1e-9) / period)
-    span = now - points[0][0]
-    if trend * span < -tuning.rise_z * noise * math.sqrt(12.0 / len(points)):
-        # The window holds a fall (a surge's ebb): the line, drawn through
-        # it, runs below the flat rate after it, which is no surge.
-        return None
-    # A period's excess over the line carries the line's own error too
-    # (about sqrt(4 / n) of a period's noise near now): a line through few
-    # periods tilts with their noise.
-    scale = noise * math.sqrt(1.0 + 4.0 / len(points))
-    cusum = 0.0
-    excess = []
-    for t, r in points:
-        e = r - (level + trend * (t - now))
-        excess.append((t, e))
-        cusum = max(0.0, cusum + e / scale - tuning.surge_reference_z)
-    if cusum < tuning.surge_threshold_z:
-        return None
-    tail = excess[-SURGE_FIT_PERIODS:]
-    best: tuple[float, float, float] | None = None
-    onset = tail[0][0] - period
-    while onset < now - 1e-9:
-        # A ramp of slope a from ``onset``: each period's mean excess is
-        # a times the mean of max(0, t - onset) over the period.
-        means = []
-        for t, _ in tail:
-            start = max(t - period, onset)
-            means.append(
-                0.0 if start >= t else ((t - onset) ** 2 - (start - onset) ** 2) / (2 * period)
-            )
-        weight = sum(m * m for m in means)
-        if weight > 0:
-            slope = max(sum(m * e for m, (_, e) in zip(means, tail, strict=True)) / weight, 0.0)
-            error = sum((e - slope * m) ** 2 for m, (_, e) in zip(means, tail, strict=True))
-            if best is None or error < best[0]:
-                best = (error, slope, onset)
-        onset += SURGE_ONSET_STEP_SECONDS
-    if best is None or best[1] <= 0:
-        return None
-    _, slope, onset = best
-    return Surge(onset, slope, level + slope * (now - onset), cusum)
-
-
-def surge_forecast(ahead: Forecast, surge: Surge, tuning: PolicyTuning) -> Forecast:
-    """The forecast with a detected surge's ramp carried ``lead`` ahead, where
-    that is above what the forecast projects: sized like a rise."""
-    level = max(ahead.level, surge.level)
-    projected = level + max(ahead.slope, surge.slope) * ahead.lead
-    if projected <= ahead.projected:
-        return replace(ahead, rising=True) if surge.slope > 0 else ahead
-    margin = tuning.rate_z * math.sqrt(projected / tuning.noise_horizon_seconds)
-    detail = (
-        f"{ahead.detail}; surge since {surge.onset:.0f} s (CUSUM {surge.statistic:.1f}), "
-        f"rising to {projected:.1f} in {ahead.lead:.0f} s"
-    )
-    return replace(
-        ahead,
-        level=level,
-        ahead=projected + margin,
-        projected=projected,
-        rising=True,
-        detail=detail,
-        slope=max(ahead.slope, surge.slope),
-        falling=False,
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -1287,9 +1174,6 @@ def decide(
         spec, p_view, d_view, state, now, tuning, observation.decode.deferrable_running
     )
     ahead = forecast(state.rates, now, lead, tuning)
-    surge = detect_surge(state.rates, now, tuning)
-    if ahead is not None and surge is not None:
-        ahead = surge_forecast(ahead, surge, tuning)
     up = 1 + tuning.scale_down_headroom
     ahead_d = ahead
     if ahead is not None and p_load.waiting > 0 and ahead.level > 0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import re
 
 import pytest
@@ -16,9 +15,7 @@ from pdfleet.operator.autoscaling.policy import (
     PolicyTuning,
     RoleState,
     decide,
-    detect_surge,
     forecast,
-    surge_forecast,
 )
 from pdfleet.operator.autoscaling.samples import ReplicaSample
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
@@ -127,93 +124,6 @@ def test_the_level_after_a_surges_fall_is_the_flat_rate_not_the_falls_line():
     f = forecast(rates, rates[-1][0], 90.0, TUNING)
     assert f.level == pytest.approx(60.0, abs=3.0)
     assert not f.rising
-
-
-def _poisson_rates(rng: random.Random, rate_at, periods: int, start: float = 0.0):
-    """Per-period arrival rates of a Poisson process of rate ``rate_at(t)``
-    (thinned from its maximum over the periods, at most 400 a second)."""
-    peak = 400.0
-    out, t, count, end = [], start, 0, start + PERIOD
-    while len(out) < periods:
-        t += rng.expovariate(peak)
-        while t >= end:
-            out.append((end, count / PERIOD))
-            count, end = 0, end + PERIOD
-        if rng.random() * peak < rate_at(t):
-            count += 1
-    return tuple(out[:periods])
-
-
-def _first_alarm(rates, after: float = 0.0):
-    for i, (now, _) in enumerate(rates):
-        window = tuple(p for p in rates[: i + 1] if now - p[0] < TUNING.level_window_seconds)
-        if now >= after and detect_surge(window, now, TUNING) is not None:
-            return now
-    return None
-
-
-def test_steady_poisson_load_does_not_raise_a_surge():
-    # Four seeded hours of 60 requests/s at 15 s periods (the detector fires
-    # in about one steady hour in a hundred).
-    for seed in range(4):
-        rates = _poisson_rates(random.Random(seed), lambda t: 60.0, 240)
-        assert _first_alarm(rates) is None
-
-
-def test_a_surge_is_detected_within_three_periods_of_its_onset_and_its_ramp_fitted():
-    # 60 requests/s, then a ramp of 0.5 requests/s more each second from
-    # 307.5 s (the burst trace's surges rise 0.3-0.6 a second).
-    onset, slope = 307.5, 0.5
-    flat = _rates([60.0] * 21)
-    assert detect_surge(flat, flat[-1][0], TUNING) is None
-    # The ramp's exact period means, no noise.
-    means = []
-    for k in range(1, 25):
-        lo, hi = (k - 1) * PERIOD, k * PERIOD
-        start = max(lo, onset)
-        extra = (
-            0.0 if start >= hi else slope * ((hi - onset) ** 2 - (start - onset) ** 2) / 2 / PERIOD
-        )
-        means.append((hi, 60.0 + extra))
-    fired = next(
-        (
-            now
-            for i, (now, _) in enumerate(means)
-            if detect_surge(tuple(means[: i + 1]), now, TUNING)
-        ),
-        None,
-    )
-    assert fired is not None and fired - onset <= 3 * PERIOD
-    surge = detect_surge(tuple(p for p in means if p[0] <= fired), fired, TUNING)
-    assert surge.slope == pytest.approx(slope, rel=0.3)
-    f = forecast(tuple(p for p in means if p[0] <= fired), fired, 90.0, TUNING)
-    sized = surge_forecast(f, surge, TUNING)
-    assert sized.rising and sized.projected >= 60.0 + slope * (fired - onset + 90.0) * 0.7
-
-
-def test_a_noisy_surge_is_detected_within_three_periods():
-    # The same ramp under Poisson noise, ten seeds: the detector fires
-    # within three periods of the onset on every one.
-    onset = 300.0 + 7.5
-    for seed in range(10):
-        rates = _poisson_rates(random.Random(seed), lambda t: 60.0 + 0.5 * max(0.0, t - onset), 26)
-        fired = _first_alarm(rates, after=onset - PERIOD)
-        assert fired is not None and fired - onset <= 3 * PERIOD, seed
-
-
-def test_the_flat_rate_after_a_surges_fall_is_no_surge():
-    # The measured end of a surge (as in the level test above): the level
-    # window's line, drawn through the fall, runs below the flat after it.
-    measured = [167, 162, 154, 146, 141, 134, 126, 115, 109, 104, 96, 86, 77, 73, 68]
-    rates = _rates([*measured, 59, 63, 59, 64, 61])
-    assert detect_surge(rates, rates[-1][0], TUNING) is None
-
-
-def test_one_busy_period_is_no_ramp_for_long():
-    # A single busy period may fire the CUSUM, but its fitted ramp stays
-    # within the noise it came from once the next periods are flat.
-    rates = _rates([60.0] * 16 + [68.0, 60.0, 61.0, 59.0, 60.0])
-    assert detect_surge(rates, rates[-1][0], TUNING) is None
 
 
 # ---------------------------------------------------------------------------
