@@ -149,9 +149,10 @@ class Proxy:
         """Answer one completions/chat request; a client that goes away cancels it
         (closing the upstream connections, which aborts the engine requests).
         ``raw``: the body, when the caller read it already (``/invocations``)."""
+        given = request.headers.get("x-request-id")
         call = Call(
             endpoint,
-            client_request_id(request.headers.get("x-request-id")),
+            client_request_id(given),
             time.perf_counter(),
             {},
             endpoint.endswith("/chat/completions"),
@@ -159,7 +160,7 @@ class Proxy:
         call.headers["x-request-id"] = call.request_id
         # Without an X-Request-Id of the client's, a body's request_id names the
         # response (the engines answer PREFIX-<request_id>, as vLLM does).
-        call.id_from_body = not request.headers.get("x-request-id")
+        call.id_from_body = not given
         # Engines count per-caller bounds against the client, not the gateway.
         call.headers[CALLER_HEADER] = request_caller(request, self.keyed)
         owner = request.headers.get(BATCH_HEADER)
