@@ -863,6 +863,9 @@ class HttpServer:
                     if type(whole) is bytes and getattr(response, "background", None) is None:
                         if not cycle.disconnected:  # a whole answer: no coroutine to run
                             cycle.respond(response.status_code, response.raw_headers, whole)
+                    elif (stream_to := getattr(response, "stream_to", None)) is not None:
+                        # (``_answer``'s first case, without its coroutine)
+                        await stream_to(cycle.start_stream, cycle.write, cycle.end_stream)
                     else:
                         await self._answer(cycle, response)
         except asyncio.CancelledError:
