@@ -485,7 +485,12 @@ class UpstreamClient:
                 if not conn.got_bytes:
                     raise _NothingBack("the engine closed the connection without answering")
                 raise UpstreamError("the answer ended in its headers")
-            await conn.wait()
+            # (``conn.wait()``, inline: no coroutine for the wait every request has)
+            waiter = conn._waiter = conn._loop.create_future()
+            try:
+                await waiter
+            finally:
+                conn._waiter = None
         status = conn.parser.get_status_code()
         resp = UpstreamResponse(self, key, conn, status)
         if 100 <= status < 200:
