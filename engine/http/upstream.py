@@ -439,22 +439,46 @@ class UpstreamClient:
             content,
         )
         conn = self._take(key)
-        if conn is not None:
+        # A kept-alive connection the engine had closed fails before it answers
+        # (``_NothingBack``): the request never reached it, and goes once more
+        # on a new connection. (One loop, not a coroutine per exchange.)
+        retry = conn is not None
+        if conn is None:
+            conn = await self._connect(key)
+        while True:
             try:
-                return await self._exchange(key, conn, request)
+                transport = conn.transport
+                if conn.closed or transport is None or transport.is_closing():
+                    raise _NothingBack("the connection was closed")
+                conn.begin()
+                transport.write(request)  # head and body in one write
+                while not conn.head_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    if conn.closed:
+                        if not conn.got_bytes:
+                            raise _NothingBack("the engine closed the connection without answering")
+                        raise UpstreamError("the answer ended in its headers")
+                    # (``conn.wait()``, inline: no coroutine for the wait every request has)
+                    waiter = conn._waiter = conn._loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        conn._waiter = None
+                status = conn.parser.get_status_code()
+                resp = UpstreamResponse(self, key, conn, status)
+                if 100 <= status < 200:
+                    raise UpstreamError(f"an interim answer ({status}) was not asked for")
+                return resp
             except _NothingBack:
-                # A kept-alive connection the engine had closed: the request never
-                # reached it. Retry once, on a new connection.
                 conn.close()
+                if not retry:
+                    raise
+                retry = False
             except BaseException:
                 conn.close()  # cancelled or timed out: the engine sees the request end
                 raise
-        conn = await self._connect(key)
-        try:
-            return await self._exchange(key, conn, request)
-        except BaseException:
-            conn.close()
-            raise
+            conn = await self._connect(key)
 
     def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
         """(connection key, request line, host and fixed headers) of ``url``, cached."""
@@ -469,33 +493,6 @@ class UpstreamClient:
         line = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n{self._fixed}"
         self._targets[url] = target = (key, line.encode("latin-1"))
         return target
-
-    async def _exchange(
-        self, key: tuple[str, int, bool], conn: _Conn, request: bytes
-    ) -> UpstreamResponse:
-        transport = conn.transport
-        if conn.closed or transport is None or transport.is_closing():
-            raise _NothingBack("the connection was closed")
-        conn.begin()
-        transport.write(request)  # head and body in one write
-        while not conn.head_done:
-            if conn.error is not None:
-                raise conn.error
-            if conn.closed:
-                if not conn.got_bytes:
-                    raise _NothingBack("the engine closed the connection without answering")
-                raise UpstreamError("the answer ended in its headers")
-            # (``conn.wait()``, inline: no coroutine for the wait every request has)
-            waiter = conn._waiter = conn._loop.create_future()
-            try:
-                await waiter
-            finally:
-                conn._waiter = None
-        status = conn.parser.get_status_code()
-        resp = UpstreamResponse(self, key, conn, status)
-        if 100 <= status < 200:
-            raise UpstreamError(f"an interim answer ({status}) was not asked for")
-        return resp
 
     async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
         if self._closed:
