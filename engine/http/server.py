@@ -435,7 +435,7 @@ class HttpProtocol(asyncio.Protocol):
         # The head of the request being parsed.
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._raw_headers: list[tuple[bytes, bytes]] | None = None
+        self._raw_headers: list[tuple[bytes, bytes]] | None = None if server._direct else []
         self._head_bytes = 0
         self._in_head = True
         """No complete request head yet on this connection (or since the last answer)."""
@@ -559,11 +559,8 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        self._head_bytes = 0
-        self._url = b""
-        self._headers = {}
-        self._raw_headers = None if self.server._direct else []
+    # (No ``on_message_begin``: a call per request for what ``on_headers_complete``
+    # does, once the head it read went into its request: a fresh head.)
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
@@ -606,6 +603,10 @@ class HttpProtocol(asyncio.Protocol):
             self._raw_headers,
             self.parser.should_keep_alive(),
         )
+        self._head_bytes = 0  # the next request's head
+        self._url = b""
+        self._headers = {}
+        self._raw_headers = None if self.server._direct else []
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)
