@@ -211,7 +211,7 @@ class DecodeLeg:
                 else Resend(legs, call, functools.partial(self._resend, call, failover))
             )
             return RelayResponse(
-                relay(legs, call, e, resp, chunks, recovery),
+                functools.partial(relay, legs, call, e, resp, chunks, recovery),
                 functools.partial(self._abandon, call, e, resp),
                 call.request_id,
             )

@@ -74,6 +74,8 @@ logger = logging.getLogger("pdfleet.gateway")
 BATCH_OWNER = re.compile(r"key:[0-9a-f]{16}")
 # Seconds a client is told to wait (Retry-After) when no decode engine came back.
 RETRY_AFTER_SECONDS = 5
+# A decode-only route's reasons that count a fallback (``Proxy._first_leg``).
+FALLBACK_REASONS = ("no_prefill_engine", "kv_pair_open")
 
 
 def request_caller(request: Request, keyed: bool) -> str:
@@ -149,9 +151,10 @@ class Proxy:
         """Answer one completions/chat request; a client that goes away cancels it
         (closing the upstream connections, which aborts the engine requests).
         ``raw``: the body, when the caller read it already (``/invocations``)."""
+        given = request.headers.get("x-request-id")
         call = Call(
             endpoint,
-            client_request_id(request.headers.get("x-request-id")),
+            client_request_id(given),
             time.perf_counter(),
             {},
             endpoint.endswith("/chat/completions"),
@@ -159,7 +162,7 @@ class Proxy:
         call.headers["x-request-id"] = call.request_id
         # Without an X-Request-Id of the client's, a body's request_id names the
         # response (the engines answer PREFIX-<request_id>, as vLLM does).
-        call.id_from_body = not request.headers.get("x-request-id")
+        call.id_from_body = not given
         # Engines count per-caller bounds against the client, not the gateway.
         call.headers[CALLER_HEADER] = request_caller(request, self.keyed)
         owner = request.headers.get(BATCH_HEADER)
@@ -247,9 +250,12 @@ class Proxy:
             # Its decode legs can move between engines (migration.py).
             call.migration = Migration(body, choices=choices)
             payload = with_state(payload, body)
-        first = await self._first_leg(call, body, route, info, plan, payload)
-        if isinstance(first, Response):
-            return first
+        if route.prefill is not None or plan is not None or route.reason in FALLBACK_REASONS:
+            first = await self._first_leg(call, body, route, info, plan, payload)
+            if isinstance(first, Response):
+                return first
+        else:
+            first = payload  # (nothing precedes the decode leg: no coroutine)
         if body.get("stream") is True:
             return await self.decode.stream(call, route, info, first)
         return await self.decode.json(call, route, info, first)
@@ -361,7 +367,7 @@ class Proxy:
                 call.plain_payload, call.prefill_url = payload, plan.holder.url
                 leg = decode_body(body, params)
                 payload = json.dumps(add_state(leg) if call.migration else leg).encode()
-        elif route.reason in ("no_prefill_engine", "kv_pair_open"):
+        elif route.reason in FALLBACK_REASONS:
             if route.reason == "no_prefill_engine":
                 self.activation.wanted("prefill")
             self.metrics.fallbacks.labels(route.reason).inc()

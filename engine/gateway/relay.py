@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -48,6 +48,9 @@ Opened = tuple[EngineState, UpstreamResponse, AsyncIterator[bytes]]
 """A decode leg accepted by an engine: the engine, its response, its chunks."""
 Resender = Callable[[EngineState], Awaitable[Opened | None]]
 """The decode leg sent again after ``stalled`` (None when no engine took it)."""
+Writer = Callable[[bytes], Awaitable[None] | None]
+"""Sends bytes to the client; an awaitable while the client reads slower than
+the stream comes (its connection paused for writing), else None."""
 
 
 class StreamEnd(NamedTuple):
@@ -157,10 +160,13 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
     resp: UpstreamResponse,
     chunks: AsyncIterator[bytes],
     recovery: Recovery,
-) -> AsyncGenerator[bytes, None]:
-    """Relay whole SSE events (so an error event never lands mid-event).
+    write: Writer,
+) -> None:
+    """Relay whole SSE events to ``write`` (so an error event never lands mid-event).
 
-    Bytes are forwarded as they come, cut only at the last event boundary
+    A coroutine that writes, not an async generator that a writer iterates:
+    no step of an iterator per event, no registration with the loop's
+    async-generator hooks. Bytes are forwarded as they come, cut only at the last event boundary
     of what arrived (never parsed or re-serialized; ``recovery.events`` may
     take comment lines off); the relay watches only for each leg's first
     event (TTFT, under the engine's first-token bound and the stall
@@ -207,7 +213,9 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                             client_started = True
                             legs.first_token(call)
                         done = out.endswith(DONE)
-                        yield out
+                        wait = write(out)
+                        if wait is not None:
+                            await wait
                 if done and resp.drained():
                     pass  # the engine's whole answer was here and went out: no wait
                 elif got and not handed_back:
@@ -243,11 +251,15 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
                                         legs.first_token(call)
                                 done = done or out.endswith(DONE)
                                 if timer is None:
-                                    yield out
+                                    wait = write(out)
+                                    if wait is not None:
+                                        await wait
                                 else:
                                     timer.paused = True
                                     engine.waiters.discard(cm)
-                                    yield out
+                                    wait = write(out)
+                                    if wait is not None:
+                                        await wait
                                     engine.waiters.add(cm)
                                     timer.touch()
                                 if handed_back:
@@ -274,7 +286,9 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
             nxt = await recovery.recover(end)
             if isinstance(nxt, StreamEnd):
                 status = nxt.status
-                yield sse_error(nxt.message, status)
+                wait = write(sse_error(nxt.message, status))
+                if wait is not None:
+                    await wait
                 return
             engine, resp, chunks = nxt
             holding = True
@@ -297,14 +311,15 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        relay: AsyncGenerator[bytes, None],
+        relay: Callable[[Writer], Awaitable[None]],
         abandon: Callable[[], Awaitable[None]],
         request_id: str,
     ) -> None:
         # Not Response.__init__: no body to render, and the headers are fixed.
         self.status_code = 200
         self.background = None
-        self.body_iterator = relay
+        self.relay = relay
+        """:func:`relay` but for its writer (which always runs its ``finally``)."""
         self.raw_headers = [SSE_CONTENT_TYPE, (b"x-request-id", request_id.encode("latin-1"))]
         self.abandon = abandon
         """Releases what the relay holds if it never starts (its finally would)."""
@@ -336,16 +351,13 @@ class RelayResponse(Response):
         while the client's connection is paused for writing) and the end; the
         HTTP server calls it with its connection's writers."""
         watch = self.watch or DisconnectWatch(receive)
-        started = False
+        relaying = False
         try:
             wait = start(self.status_code, self.raw_headers)
-            started = True  # the relay runs next: its finally now cleans up
             if wait is not None:
                 await wait
-            async for chunk in self.body_iterator:
-                wait = write(chunk)
-                if wait is not None:
-                    await wait
+            relaying = True  # the relay runs now: its finally cleans up, whatever happens
+            await self.relay(write)
             wait = end()
             if wait is not None:
                 await wait
@@ -356,9 +368,7 @@ class RelayResponse(Response):
             pass
         finally:
             watch.close()
-            if started:
-                await self.body_iterator.aclose()
-            else:
+            if not relaying:
                 await self.abandon()
 
 

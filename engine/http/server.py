@@ -84,6 +84,7 @@ STATUS_LINES = {
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 CHUNKED = b"transfer-encoding: chunked\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
+CRLF = b"\r\n"
 CLOSE = b"connection: close\r\n"
 DISCONNECT = {"type": "http.disconnect"}
 # Bytes of the previous read kept while a chunked body arrives: a chunk-size
@@ -180,7 +181,8 @@ class Cycle:
         self._raw_headers = raw_headers
         self._scope: dict[str, Any] | None = None
         self.keep_alive = keep_alive
-        self.continue_wanted = headers.get("expect", "").lower() == "100-continue"
+        expect = headers.get("expect")
+        self.continue_wanted = expect is not None and expect.lower() == "100-continue"
         self._body: list[bytes] = []
         self._body_size = 0
         self._handed = False
@@ -353,7 +355,7 @@ class Cycle:
         """One chunk; an awaitable while the client reads slower than the
         stream comes (the transport paused writing), else None."""
         if chunk and not self.disconnected:
-            self._proto.write_soon(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self._proto.write_chunk(chunk)
         if self._proto.write_paused and not self.disconnected:
             return self._proto.drain()
         return None
@@ -433,7 +435,7 @@ class HttpProtocol(asyncio.Protocol):
         # The head of the request being parsed.
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._raw_headers: list[tuple[bytes, bytes]] | None = None
+        self._raw_headers: list[tuple[bytes, bytes]] | None = None if server._direct else []
         self._head_bytes = 0
         self._in_head = True
         """No complete request head yet on this connection (or since the last answer)."""
@@ -557,11 +559,8 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        self._head_bytes = 0
-        self._url = b""
-        self._headers = {}
-        self._raw_headers = None if self.server._direct else []
+    # (No ``on_message_begin``: a call per request for what ``on_headers_complete``
+    # does, once the head it read went into its request: a fresh head.)
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
@@ -604,6 +603,10 @@ class HttpProtocol(asyncio.Protocol):
             self._raw_headers,
             self.parser.should_keep_alive(),
         )
+        self._head_bytes = 0  # the next request's head
+        self._url = b""
+        self._headers = {}
+        self._raw_headers = None if self.server._direct else []
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)
@@ -684,6 +687,18 @@ class HttpProtocol(asyncio.Protocol):
             self.loop.call_soon(self._flush)
         else:
             self._pending.append(data)
+
+    def write_chunk(self, chunk: bytes) -> None:
+        """``write_soon`` of one chunk of a chunked answer: its size line, its
+        bytes and its CRLF go out with the rest, joined once (not copied into
+        a framed chunk first)."""
+        size = b"%x\r\n" % len(chunk)
+        pending = self._pending
+        if pending is None:
+            self._pending = [size, chunk, CRLF]
+            self.loop.call_soon(self._flush)
+        else:
+            pending += (size, chunk, CRLF)
 
     def _flush(self) -> None:
         pending = self._pending
@@ -849,6 +864,9 @@ class HttpServer:
                     if type(whole) is bytes and getattr(response, "background", None) is None:
                         if not cycle.disconnected:  # a whole answer: no coroutine to run
                             cycle.respond(response.status_code, response.raw_headers, whole)
+                    elif (stream_to := getattr(response, "stream_to", None)) is not None:
+                        # (``_answer``'s first case, without its coroutine)
+                        await stream_to(cycle.start_stream, cycle.write, cycle.end_stream)
                     else:
                         await self._answer(cycle, response)
         except asyncio.CancelledError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import ssl
 import time
 from collections import deque
@@ -51,6 +52,38 @@ class _NothingBack(UpstreamError):
     """The connection failed before any byte of an answer arrived."""
 
 
+# The parser takes only a head of CRLF lines (no bare LF or CR, no folded
+# lines): its end is the first empty line, and each header is one line.
+_HEAD_END = b"\r\n\r\n"
+_HEADER_PATTERNS: dict[bytes, re.Pattern[bytes]] = {}
+"""A header's lines, by lower-case name (``_header``; the names the gateway reads)."""
+
+
+def _parse_headers(head: bytes) -> dict[bytes, bytes]:
+    """The headers of ``head`` (an answer from its start, its head whole, as
+    the parser took it): lower-case names, values without the spaces around
+    them (a repeated header: its last value)."""
+    found: dict[bytes, bytes] = {}
+    for line in head[: head.find(_HEAD_END)].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        found[name.lower()] = value.strip(b" \t")
+    return found
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """``_parse_headers(head).get(name)`` (``name`` in lower case), in one
+    search of the head's lines for that header's."""
+    pattern = _HEADER_PATTERNS.get(name)
+    if pattern is None:
+        if len(_HEADER_PATTERNS) >= 64:
+            _HEADER_PATTERNS.clear()
+        pattern = _HEADER_PATTERNS[name] = re.compile(
+            b"\r\n" + re.escape(name) + b":[ \t]*([^\r]*)", re.IGNORECASE
+        )
+    found = pattern.findall(head, 0, head.find(_HEAD_END))
+    return found[-1].rstrip(b" \t") if found else None
+
+
 class _Conn(asyncio.Protocol):
     """One kept-alive connection to an engine: a ``Protocol`` that httptools
     parses the answers of (no asyncio streams: their reader and writer cost a
@@ -73,9 +106,10 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.head_bytes = 0
-        self.reason = b""
-        self.raw_headers: dict[bytes, bytes] = {}
-        """Lower-case names; decoded only when asked (``UpstreamResponse.headers``)."""
+        self.head = b""
+        """What arrived of the answer until its head was whole: its status line
+        and headers, then what followed them in the same read. The parser makes
+        no call per header: they are read from here when asked."""
         self.chunks: list[bytes] = []
         self.buffered = 0
 
@@ -86,6 +120,8 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        if not self.head_done:
+            self.head += data  # (usually one read: ``b"" + data`` is ``data``)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -110,12 +146,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -----------------------------------------------------------
-
-    def on_status(self, status: bytes) -> None:
-        self.reason += status
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers[name.lower()] = value
+    # (No ``on_status`` or ``on_header``: a Python call per header, and most
+    # answers go out without a look at their headers; ``UpstreamResponse``
+    # reads them from ``head`` when asked.)
 
     def on_headers_complete(self) -> None:
         self.head_done = True
@@ -137,13 +170,13 @@ class _Conn(asyncio.Protocol):
         """Before a request is written: a fresh answer."""
         self.got_bytes = self.head_done = self.complete = self.keep_alive = False
         self.head_bytes = 0
-        self.reason = b""
-        self.raw_headers = {}
+        self.head = b""
         self.chunks = []
         self.buffered = 0
 
     def until_close(self) -> bool:
-        h = self.raw_headers
+        """The answer's body (no length, not chunked) ends with the connection."""
+        h = _parse_headers(self.head)
         if b"content-length" in h:
             return False
         coding = h.get(b"transfer-encoding")
@@ -196,18 +229,32 @@ class UpstreamResponse:
         key: tuple[str, int, bool],
         conn: _Conn,
         status: int,
-        reason: str,
     ) -> None:
         self._client, self._key = client, key
         self._conn: _Conn | None = conn
         """The connection while the body is unread; None once it is released."""
         self.status_code = status
-        self.reason_phrase = reason
-        self.raw_headers = conn.raw_headers
-        """Lower-case names, values as sent (``headers`` decodes them)."""
+        self._head = conn.head
+        """The answer's head (and what followed it in its read), read when asked."""
+        self._raw_headers: dict[bytes, bytes] | None = None
         self._headers: dict[str, str] | None = None
         self.content = b""
         self._done = False
+
+    @property
+    def reason_phrase(self) -> str:
+        """The status line's reason phrase ("" when it has none)."""
+        head = self._head
+        parts = head[: head.find(b"\r\n")].split(b" ", 2)
+        return parts[2].decode("latin-1") if len(parts) > 2 else ""
+
+    @property
+    def raw_headers(self) -> dict[bytes, bytes]:
+        """Lower-case names, values as sent (``headers`` decodes them)."""
+        raw = self._raw_headers
+        if raw is None:
+            raw = self._raw_headers = _parse_headers(self._head)
+        return raw
 
     @property
     def headers(self) -> dict[str, str]:
@@ -220,9 +267,9 @@ class UpstreamResponse:
         return self._headers
 
     def header(self, name: bytes) -> bytes | None:
-        """One header's raw value (``name`` in lower case), without decoding the rest."""
-        value = self.raw_headers.get(name)
-        return None if value is None else value.strip()
+        """One header's raw value (``name`` in lower case), without reading the rest."""
+        raw = self._raw_headers
+        return _header(self._head, name) if raw is None else raw.get(name)
 
     # -- body ---------------------------------------------------------------------
 
@@ -315,7 +362,8 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._done and conn.keep_alive and not conn.until_close():
+        # (``keep_alive``, the parser's, is False for a body that ends with the connection.)
+        if self._done and conn.keep_alive:
             self._client._put(self._key, conn)
         else:
             conn.close()
@@ -391,22 +439,46 @@ class UpstreamClient:
             content,
         )
         conn = self._take(key)
-        if conn is not None:
+        # A kept-alive connection the engine had closed fails before it answers
+        # (``_NothingBack``): the request never reached it, and goes once more
+        # on a new connection. (One loop, not a coroutine per exchange.)
+        retry = conn is not None
+        if conn is None:
+            conn = await self._connect(key)
+        while True:
             try:
-                return await self._exchange(key, conn, request)
+                transport = conn.transport
+                if conn.closed or transport is None or transport.is_closing():
+                    raise _NothingBack("the connection was closed")
+                conn.begin()
+                transport.write(request)  # head and body in one write
+                while not conn.head_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    if conn.closed:
+                        if not conn.got_bytes:
+                            raise _NothingBack("the engine closed the connection without answering")
+                        raise UpstreamError("the answer ended in its headers")
+                    # (``conn.wait()``, inline: no coroutine for the wait every request has)
+                    waiter = conn._waiter = conn._loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        conn._waiter = None
+                status = conn.parser.get_status_code()
+                resp = UpstreamResponse(self, key, conn, status)
+                if 100 <= status < 200:
+                    raise UpstreamError(f"an interim answer ({status}) was not asked for")
+                return resp
             except _NothingBack:
-                # A kept-alive connection the engine had closed: the request never
-                # reached it. Retry once, on a new connection.
                 conn.close()
+                if not retry:
+                    raise
+                retry = False
             except BaseException:
                 conn.close()  # cancelled or timed out: the engine sees the request end
                 raise
-        conn = await self._connect(key)
-        try:
-            return await self._exchange(key, conn, request)
-        except BaseException:
-            conn.close()
-            raise
+            conn = await self._connect(key)
 
     def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
         """(connection key, request line, host and fixed headers) of ``url``, cached."""
@@ -421,28 +493,6 @@ class UpstreamClient:
         line = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n{self._fixed}"
         self._targets[url] = target = (key, line.encode("latin-1"))
         return target
-
-    async def _exchange(
-        self, key: tuple[str, int, bool], conn: _Conn, request: bytes
-    ) -> UpstreamResponse:
-        transport = conn.transport
-        if conn.closed or transport is None or transport.is_closing():
-            raise _NothingBack("the connection was closed")
-        conn.begin()
-        transport.write(request)  # head and body in one write
-        while not conn.head_done:
-            if conn.error is not None:
-                raise conn.error
-            if conn.closed:
-                if not conn.got_bytes:
-                    raise _NothingBack("the engine closed the connection without answering")
-                raise UpstreamError("the answer ended in its headers")
-            await conn.wait()
-        status = conn.parser.get_status_code()
-        resp = UpstreamResponse(self, key, conn, status, conn.reason.decode("latin-1"))
-        if 100 <= status < 200:
-            raise UpstreamError(f"an interim answer ({status}) was not asked for")
-        return resp
 
     async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
         if self._closed:

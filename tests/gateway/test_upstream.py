@@ -248,3 +248,90 @@ def test_refused_connections_timeouts_and_garbage_are_distinct_errors():
         await client.aclose()
 
     run(main())
+
+
+def test_headers_and_reason_are_read_from_the_head_when_asked():
+    """The parser makes no call per header: an answer's headers and reason
+    phrase are read from its head when asked, also after its connection went
+    on to the next answer, and from a head that came in several reads."""
+    heads = [
+        b"HTTP/1.1 200 Fine By Me\r\nContent-Type: application/json\r\n"
+        b"X-Twice: 1\r\nx-twice:  2 \r\nX-Empty:\r\n",
+        b"HTTP/1.1 201\r\nContent-Type: text/plain\r\n",
+    ]
+
+    async def answer(reader, writer, body):
+        head = heads[(len(server.bodies) - 1) % 2]
+        whole = head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        for i in range(0, len(whole), 7):  # the head in pieces, across reads
+            writer.write(whole[i : i + 7])
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    server = Server(answer)
+
+    async def main():
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            first = await client.post(url + "/a", b'{"n": 1}', {}, 5)
+            second = await client.post(url + "/a", b"two", {}, 5)
+            assert server.connections == 1  # the first answer's connection served the second
+            assert first.reason_phrase == "Fine By Me" and second.reason_phrase == ""
+            assert first.status_code == 200 and second.status_code == 201
+            assert first.header(b"content-type") == b"application/json"
+            assert first.headers == {
+                "content-type": "application/json",
+                "x-twice": "2",
+                "x-empty": "",
+                "content-length": "8",
+            }
+            assert second.content == b"two" and second.headers["content-type"] == "text/plain"
+            await client.aclose()
+
+    run(main())
+
+
+def test_a_body_without_length_ends_with_the_connection_and_is_not_kept():
+    async def until_close(reader, writer, body):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n" + body)
+        await writer.drain()
+        return "close"
+
+    async def main():
+        server = Server(until_close)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            resp = await client.post(url + "/a", b"all of it", {}, 5)
+            assert resp.content == b"all of it" and resp.header(b"content-type") == b"text/plain"
+            assert not client._idle.get(resp._key)  # not put back: it is closed
+            assert (await client.post(url + "/a", b"again", {}, 5)).content == b"again"
+            await client.aclose()
+        assert server.connections == 2
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\ncontent-length: 2\n\n",  # bare LF line ends
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-folded: a\r\n b\r\n\r\n",  # a folded line
+    ],
+)
+def test_a_head_of_other_than_crlf_lines_is_refused(head):
+    """What ``_header`` and ``_parse_headers`` rely on: the parser takes only
+    CRLF lines, one per header."""
+
+    async def answer(reader, writer, body):
+        writer.write(head + b"ok")
+        await writer.drain()
+        return "close"
+
+    async def main():
+        async with Server(answer) as url:
+            client = UpstreamClient(connect_timeout=2)
+            with pytest.raises(UpstreamError, match="not an HTTP/1.1 answer"):
+                await client.post(url + "/a", b"{}", {}, 5)
+            await client.aclose()
+
+    run(main())
