@@ -6,27 +6,17 @@ both have scaling to do."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from helpers.scripts import benchmark_module
 
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_real.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("sim_vs_real_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from benchmark_module("sim_vs_real")
 
 
 def _args(**kw) -> argparse.Namespace:
