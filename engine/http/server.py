@@ -570,6 +570,10 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.parsing is not None:
+            # A chunked body's trailer fields (after its head went into its
+            # request): dropped, never the next request's head.
+            return
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.server.max_head_bytes:
             self._too_large = True

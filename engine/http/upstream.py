@@ -106,6 +106,8 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.head_bytes = 0
+        self.status = 0
+        """The status of the first head that arrived (an interim one included)."""
         self.head = b""
         """What arrived of the answer until its head was whole: its status line
         and headers, then what followed them in the same read. The parser makes
@@ -151,7 +153,9 @@ class _Conn(asyncio.Protocol):
     # reads them from ``head`` when asked.)
 
     def on_headers_complete(self) -> None:
-        self.head_done = True
+        if not self.head_done:  # (an interim head and the final one may come in one read)
+            self.head_done = True
+            self.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
@@ -169,7 +173,7 @@ class _Conn(asyncio.Protocol):
     def begin(self) -> None:
         """Before a request is written: a fresh answer."""
         self.got_bytes = self.head_done = self.complete = self.keep_alive = False
-        self.head_bytes = 0
+        self.head_bytes = self.status = 0
         self.head = b""
         self.chunks = []
         self.buffered = 0
@@ -362,8 +366,15 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        # (``keep_alive``, the parser's, is False for a body that ends with the connection.)
-        if self._done and conn.keep_alive:
+        # (``keep_alive``, the parser's, is False for a body that ends with the
+        # connection, but not for a 204 or 304 without a length: whatever an engine
+        # sent after one would be read as the next answer.)
+        if (
+            self._done
+            and conn.keep_alive
+            and (self.status_code not in (204, 304) or not conn.until_close())
+        ):
+            conn.head = b""  # (the response keeps its own reference while it lives)
             self._client._put(self._key, conn)
         else:
             conn.close()
@@ -465,7 +476,7 @@ class UpstreamClient:
                         await waiter
                     finally:
                         conn._waiter = None
-                status = conn.parser.get_status_code()
+                status = conn.status
                 resp = UpstreamResponse(self, key, conn, status)
                 if 100 <= status < 200:
                     raise UpstreamError(f"an interim answer ({status}) was not asked for")

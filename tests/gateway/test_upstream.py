@@ -335,3 +335,59 @@ def test_a_head_of_other_than_crlf_lines_is_refused(head):
             await client.aclose()
 
     run(main())
+
+
+def test_a_204_without_length_is_not_kept_and_a_kept_connection_holds_no_head():
+    """A 204 (or 304) without a length is closed: bytes an engine sent after it
+    would be read as the next answer. A connection put back keeps nothing of
+    its last answer (the response holds its own head)."""
+
+    async def no_content(reader, writer, body):
+        if body != b"none":
+            return await json_answer(reader, writer, body)
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+        # A connection used again gets a stray answer before its own.
+        if await reader.read(1):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale")
+            await writer.drain()
+        return "close"
+
+    async def main():
+        server = Server(no_content)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            first = await client.post(url + "/a", b"none", {}, 5)
+            assert first.status_code == 204 and first.content == b""
+            assert not client._idle.get(first._key)
+            second = await client.post(url + "/a", b"fresh", {}, 5)
+            assert second.content == b"fresh"
+            kept = client._idle[second._key]
+            assert kept and all(conn.head == b"" for conn in kept)
+            assert second.header(b"content-length") == b"5"
+            await client.aclose()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_an_interim_head_before_the_final_one_in_one_read_is_refused():
+    """A 1xx nobody asked for, whether the final head follows in the same read
+    or a later one: an error, not the final answer with the interim's headers."""
+
+    async def interim(reader, writer, body):
+        writer.write(
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+        )
+        await writer.drain()
+        return "close"
+
+    async def main():
+        async with Server(interim) as url:
+            client = UpstreamClient(connect_timeout=2)
+            with pytest.raises(UpstreamError, match="interim"):
+                await client.post(url + "/a", b"x", {}, 5)
+            await client.aclose()
+
+    run(main())

@@ -17,7 +17,7 @@ import threading
 from contextlib import asynccontextmanager
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from helpers.server import free_port, wait_until
 
@@ -271,5 +271,36 @@ def test_a_chunk_over_the_bound_is_refused_whether_announced_or_sent():
             assert (
                 error["type"] == "RequestTooLargeError" and "--max-chunk-bytes" in error["message"]
             )
+    finally:
+        served.stop()
+
+
+def test_a_chunked_requests_trailer_fields_never_reach_the_next_request():
+    """Trailer fields come through the parser's header callback after the
+    request's head went into its request: dropped, not the next request's
+    head (whose own ``authorization`` they would otherwise replace)."""
+    app = FastAPI()
+
+    @app.api_route("/headers", methods=["GET", "POST"])
+    async def headers(request: Request) -> dict:
+        await request.body()
+        return {"headers": request.headers.items()}
+
+    served = Served(HttpServer(app, LIMITS))
+    try:
+        with served.connect() as s:
+            s.sendall(
+                b"POST /headers HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                b"authorization: Bearer first\r\n\r\n"
+                b"2\r\nhi\r\n0\r\nauthorization: Bearer attacker\r\nx-from-trailer: injected\r\n\r\n"
+            )
+            first = read_answers(s, 1)[0]
+            s.sendall(b"GET /headers HTTP/1.1\r\nhost: x\r\nauthorization: Bearer victim\r\n\r\n")
+            second = read_answers(s, 1)[0]
+        assert first[0] == second[0] == 200
+        assert ["authorization", "Bearer first"] in json.loads(first[2])["headers"]
+        seen = json.loads(second[2])["headers"]
+        assert ["authorization", "Bearer victim"] in seen
+        assert not any(name in ("x-from-trailer",) or "attacker" in value for name, value in seen)
     finally:
         served.stop()
