@@ -322,15 +322,22 @@ def test_a_head_of_other_than_crlf_lines_is_refused(head):
     """What ``_header`` and ``_parse_headers`` rely on: the parser takes only
     CRLF lines, one per header."""
 
-    async def answer(reader, writer, body):
-        writer.write(head + b"ok")
+    refused_answer(head + b"ok", "not an HTTP/1.1 answer")
+
+
+def refused_answer(answer: bytes, match: str) -> None:
+    """A request answered ``answer`` (then closed) raises an UpstreamError
+    matching ``match``."""
+
+    async def scripted(reader, writer, body):
+        writer.write(answer)
         await writer.drain()
         return "close"
 
     async def main():
-        async with Server(answer) as url:
+        async with Server(scripted) as url:
             client = UpstreamClient(connect_timeout=2)
-            with pytest.raises(UpstreamError, match="not an HTTP/1.1 answer"):
+            with pytest.raises(UpstreamError, match=match):
                 await client.post(url + "/a", b"{}", {}, 5)
             await client.aclose()
 
@@ -375,19 +382,8 @@ def test_an_interim_head_before_the_final_one_in_one_read_is_refused():
     """A 1xx nobody asked for, whether the final head follows in the same read
     or a later one: an error, not the final answer with the interim's headers."""
 
-    async def interim(reader, writer, body):
-        writer.write(
-            b"HTTP/1.1 100 Continue\r\n\r\n"
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-        )
-        await writer.drain()
-        return "close"
-
-    async def main():
-        async with Server(interim) as url:
-            client = UpstreamClient(connect_timeout=2)
-            with pytest.raises(UpstreamError, match="interim"):
-                await client.post(url + "/a", b"x", {}, 5)
-            await client.aclose()
-
-    run(main())
+    refused_answer(
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+        "interim",
+    )
