@@ -12,7 +12,8 @@ for its tenant lines. One JSON object, an :class:`EnginesView`::
                   "capacity", "longest_step_s", "stall_limit_s", "step_running_s",
                   "adapters": {NAME: "device" | "host" | "registered"},
                   "peer_pull": {"prefill_tokens_per_s", "step_s", "lend_s",
-                                "queued_prompt_tokens", "kv_block_bytes"} | null},
+                                "queued_prompt_tokens", "kv_block_bytes",
+                                "step_wait_s"} | null},
                  ...],
      "kv_pairs_open": [{"prefill", "decode"}, ...]}
 
@@ -119,6 +120,9 @@ class PeerPullCosts:
     """Prompt tokens waiting on it (its last scrape, and routed since)."""
     kv_block_bytes: float
     """Bytes of one KV block of it (0: not known yet)."""
+    step_wait_s: float
+    """Seconds a request sent to it now is predicted to wait for its step in
+    progress (0: idle at its last scrape, and nothing routed to it since)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -127,6 +131,7 @@ class PeerPullCosts:
             "lend_s": self.lend_s,
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "kv_block_bytes": self.kv_block_bytes,
+            "step_wait_s": self.step_wait_s,
         }
 
     @classmethod
@@ -138,6 +143,7 @@ class PeerPullCosts:
             _get(raw, "lend_s", _MAYBE_NUMBER, where),
             _get(raw, "queued_prompt_tokens", _NUMBER, where),
             _get(raw, "kv_block_bytes", _NUMBER, where),
+            _get(raw, "step_wait_s", _NUMBER, where),
         )
 
 

@@ -293,6 +293,7 @@ class PeerPull:
             lend_s=_rounded(c.lend.value, 4),
             queued_prompt_tokens=c.waiting_tokens + sum(n for _, n in c.routed),
             kv_block_bytes=c.block_bytes,
+            step_wait_s=round(self.in_progress(url), 4),
         )
 
     def routed_request(self, e: EngineState, info: PromptInfo) -> Callable[[], None] | None:

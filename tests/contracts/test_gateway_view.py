@@ -36,7 +36,7 @@ VIEW = EnginesView(
             30.0,
             None,
             {"a": "device", "b": "registered"},
-            PeerPullCosts(1000.0, 0.02, None, 0.0, 0.0),
+            PeerPullCosts(1000.0, 0.02, None, 0.0, 0.0, 0.02),
         ),
         EngineView(
             "http://127.0.0.1:8002", "decode", "ejected", 0, True, 0, 8, 1.0, 30.0, 0.1, {}, None

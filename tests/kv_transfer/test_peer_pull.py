@@ -883,18 +883,23 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
     assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
     assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
     assert text == recomputed(puller, body)
-    # The holder idle again: its prefill leg is the cheapest (a pull would add the
-    # lend, now measured), so the leg runs there.
+    # The holder idle again, as the gateway sees it (nothing queued, no step in
+    # progress at its last scrape): its prefill leg is the cheapest (a pull would
+    # add the lend, now measured), so the leg runs there.
     assert wait_until(
-        lambda: engine_view(gw, peers["holder"])["queued_prompt_tokens"] == 0, timeout=30
-    )
+        lambda: (
+            (view := engine_view(gw, peers["holder"]))["queued_prompt_tokens"] == 0
+            and view["step_wait_s"] == 0
+        ),
+        timeout=30,
+    ), engine_view(gw, peers["holder"])
     prefix = prompt_of(256, 4344)
     primed(peers, prefix, gw)
     body = {**body, "prompt": prefix + prompt_of(40, 97)}
     served = decisions(gw, "holder", "cost")
     computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
     text = via_gateway(gw, body)
-    assert decisions(gw, "holder", "cost") == served + 1, engines_view(gw)
+    assert decisions(gw, "holder", "cost") == served + 1, (counted(gw), engines_view(gw))
     assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
     assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
     assert text == recomputed(puller, body)
