@@ -293,6 +293,11 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
             engine, resp, chunks = nxt
             holding = True
             legs.move_slot(call, engine)
+    except (asyncio.CancelledError, OSError):
+        # The client went away mid-stream (its disconnect cancels the relay, or
+        # a write to it broke), or the gateway stopped: not an answer served.
+        status = 499
+        raise
     finally:
         if holding:
             resp.close()  # (``aclose`` without a coroutine)

@@ -105,7 +105,8 @@ class _Conn(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self.keep_alive = False
-        self.head_bytes = 0
+        self.stray = False
+        """Bytes came after the answer's end (``_stray``)."""
         self.status = 0
         """The status of the first head that arrived (an interim one included)."""
         self.head = b""
@@ -122,24 +123,38 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        if not self.head_done:
+        in_head = not self.head_done
+        if in_head:
             self.head += data  # (usually one read: ``b"" + data`` is ``data``)
+        elif self.complete:
+            # The answer had ended: nothing was asked, so whatever comes now
+            # would be read as the next request's answer.
+            self._stray()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             if self.error is None:
-                if not self.head_done and self.head_bytes <= MAX_HEAD_BYTES:
+                if in_head and len(self.head) <= MAX_HEAD_BYTES:
                     self.error = UpstreamError(f"not an HTTP/1.1 answer: {data[:60]!r} ({e})")
                 else:
                     self.error = UpstreamError(f"malformed answer: {e}")
             self.close()
         else:
-            if not self.head_done:
-                self.head_bytes += len(data)
-                if self.head_bytes > MAX_HEAD_BYTES:
+            # The head's size, also when it ended in this read (then without
+            # what followed it).
+            if in_head:
+                end = self.head.find(_HEAD_END) if self.head_done else -1
+                if (end + 4 if end >= 0 else len(self.head)) > MAX_HEAD_BYTES:
                     self.error = UpstreamError("response headers too large")
                     self.close()
         self._wake()
+
+    def _stray(self) -> None:
+        """Bytes after the end of the answer: it stands, but the connection is
+        closed, not reused (nor are the bytes read into the answer)."""
+        self.stray = True
+        self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -158,11 +173,17 @@ class _Conn(asyncio.Protocol):
             self.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
+        if self.stray:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > MAX_BUFFERED and not self._reading_paused and self.transport:
             self._reading_paused = True
             self.transport.pause_reading()
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the read that ended the first
+            self._stray()
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -173,7 +194,7 @@ class _Conn(asyncio.Protocol):
     def begin(self) -> None:
         """Before a request is written: a fresh answer."""
         self.got_bytes = self.head_done = self.complete = self.keep_alive = False
-        self.head_bytes = self.status = 0
+        self.status = 0
         self.head = b""
         self.chunks = []
         self.buffered = 0
@@ -372,6 +393,7 @@ class UpstreamResponse:
         if (
             self._done
             and conn.keep_alive
+            and not conn.stray
             and (self.status_code not in (204, 304) or not conn.until_close())
         ):
             conn.head = b""  # (the response keeps its own reference while it lives)
@@ -480,6 +502,8 @@ class UpstreamClient:
                 resp = UpstreamResponse(self, key, conn, status)
                 if 100 <= status < 200:
                     raise UpstreamError(f"an interim answer ({status}) was not asked for")
+                if conn.error is not None:  # (a head too large, whole in one read)
+                    raise conn.error
                 return resp
             except _NothingBack:
                 conn.close()

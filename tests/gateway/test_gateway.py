@@ -376,8 +376,14 @@ def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, st
     engine_client(decode.url).completions.create(model="tiny", prompt="x", max_tokens=1)
     assert wait_until(lambda: finished_by_length() > counted and idle(), 10)
     before, generated0 = finished_by_length(), generated()
+    gw = gateways["disabled"].url
+
+    def answered(status: str) -> float:
+        return metric(gw, "pdfleet_gateway_requests_total", status=status)
+
+    gone, served = answered("499"), answered("200")
     body = {"model": "tiny", "prompt": "Once", "max_tokens": 480, "ignore_eos": True}
-    url = gateways["disabled"].url + "/v1/completions"
+    url = gw + "/v1/completions"
     if stream:
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as resp:
             next(resp.iter_lines())  # one event, then hang up
@@ -395,3 +401,6 @@ def test_a_client_that_goes_away_aborts_the_engine_request(gateways, engines, st
     assert wait_until(lambda: generated() > generated0 and idle(), 10)
     assert finished_by_length() == before
     assert generated() - generated0 < 480
+    # The gateway counts it as the client's hang-up (499), not as served.
+    assert wait_until(lambda: answered("499") == gone + 1, 10), (answered("499"), gone)
+    assert answered("200") == served

@@ -387,3 +387,53 @@ def test_an_interim_head_before_the_final_one_in_one_read_is_refused():
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
         "interim",
     )
+
+
+def test_a_head_over_the_bound_is_refused_also_when_it_comes_whole_in_one_read():
+    """The head's bound holds however the head arrives: over many reads or as
+    one read that also holds its end and the body."""
+    filler = b"x-pad: " + b"a" * (upstream.MAX_HEAD_BYTES + 10) + b"\r\n"
+    refused_answer(b"HTTP/1.1 200 OK\r\n" + filler + b"content-length: 2\r\n\r\n{}", "too large")
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused(apart):
+    """An engine that sends more than its answer (a second answer, in the same
+    write or after a pause): the answer stands, the extra bytes are read into
+    nothing, and the next request goes on a new connection."""
+
+    async def extra(reader, writer, body):
+        if body != b"extra":
+            return await json_answer(reader, writer, body)
+        answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        stray = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale"
+        if apart:
+            writer.write(answer)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(stray)
+        else:
+            writer.write(answer + stray)
+        await writer.drain()
+        # Kept open: a client that read the stray answer as the next one would
+        # send its next request here.
+        await reader.read(1)
+        return "close"
+
+    async def main():
+        server = Server(extra)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            first = await client.post(url + "/a", b"extra", {}, 5)
+            assert first.content == b"ok"
+            if apart:
+                # Until the stray bytes arrive the connection is idle in the pool.
+                idle = client._idle[first._key]
+                while not idle[-1].stray:  # (bounded by run's timeout)
+                    await asyncio.sleep(0.01)
+            second = await client.post(url + "/a", b"fresh", {}, 5)
+            assert second.content == b"fresh"
+            await client.aclose()
+        assert server.connections == 2
+
+    run(main())
