@@ -29,6 +29,15 @@ from pdfleet.operator.status_cmd import (
     render,
 )
 
+
+def ctrl_c_stops() -> None:
+    """In the child before its exec: SIGINT at its default, as a terminal gives
+    its foreground job. A test run started in the background without job control
+    ignores SIGINT, and an ignored signal stays ignored across exec: Python
+    would then install no handler, and Ctrl-C would not reach ``--watch``."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 LONG = "[status] The harbor was quiet before dawn. Boats rocked against the pier. " * 6
 
 
@@ -116,6 +125,7 @@ def test_status_watch_refreshes_in_place_until_interrupted(fleet):
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=ctrl_c_stops,
     )
     chunks: list[bytes] = []
     reader = threading.Thread(
@@ -190,7 +200,10 @@ def test_a_bare_watch_refreshes_every_interval(tmp_path):
     run = _run_dir(tmp_path, dead.pid, f"http://127.0.0.1:{free_port()}")
     argv = [*python_module("pdfleet.engine.cli"), "status", "--run-dir", str(run)]
     proc = subprocess.Popen(
-        [*argv, "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*argv, "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=ctrl_c_stops,
     )
     chunks: list[bytes] = []
     reader = threading.Thread(
