@@ -184,6 +184,7 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
     pool = legs.pool
     events = recovery.events
     holding = True  # the relay holds ``engine`` and ``resp``
+    done = False  # the client has its whole answer
     try:
         while True:  # one leg per turn
             got = done = handed_back = False
@@ -295,8 +296,10 @@ async def relay(  # noqa: C901 (one relay loop: legs, first event, idle, handbac
             legs.move_slot(call, engine)
     except (asyncio.CancelledError, OSError):
         # The client went away mid-stream (its disconnect cancels the relay, or
-        # a write to it broke), or the gateway stopped: not an answer served.
-        status = 499
+        # a write to it broke), or the gateway stopped: not an answer served,
+        # unless the client had it whole ([DONE]) and only the leg's end was left.
+        if not done:
+            status = 499
         raise
     finally:
         if holding:

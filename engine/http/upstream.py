@@ -134,7 +134,9 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            if self.error is None:
+            if self.stray:  # (the bytes after the answer: it stands, closed)
+                pass
+            elif self.error is None:
                 if in_head and len(self.head) <= MAX_HEAD_BYTES:
                     self.error = UpstreamError(f"not an HTTP/1.1 answer: {data[:60]!r} ({e})")
                 else:
@@ -143,7 +145,7 @@ class _Conn(asyncio.Protocol):
         else:
             # The head's size, also when it ended in this read (then without
             # what followed it).
-            if in_head:
+            if in_head and len(self.head) > MAX_HEAD_BYTES:
                 end = self.head.find(_HEAD_END) if self.head_done else -1
                 if (end + 4 if end >= 0 else len(self.head)) > MAX_HEAD_BYTES:
                     self.error = UpstreamError("response headers too large")

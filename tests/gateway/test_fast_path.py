@@ -223,3 +223,83 @@ def test_current_task_is_the_running_task_across_loops_run_one_after_another():
     for _ in range(2):  # a second loop finds the first one's wheel, stopped
         asyncio.run(check())
     assert current_task() is None  # no task, no running loop
+
+
+class HangUpRequest(BodyRequest):
+    """A request whose client hangs up when the test says (``hang_up``)."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__(body)
+        self.lost = None
+
+    def watch_disconnect(self, callback) -> bool:
+        self.lost = callback
+        return True
+
+    def hang_up(self) -> None:
+        self.lost()
+
+
+def answered(gw: Gateway, status: str) -> float:
+    """``pdfleet_gateway_requests_total{status}`` as a scrape would show it."""
+    text = generate_latest(gw.metrics.registry).decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdfleet_gateway_requests_total{") and f'status="{status}"' in line
+    )
+
+
+@pytest.mark.parametrize("after_done", [False, True], ids=["mid_stream", "after_done"])
+def test_a_client_hanging_up_counts_499_unless_it_had_the_whole_stream(after_done):
+    """The client hangs up after one event (499: no answer served), or after the
+    last event and [DONE] while the engine's stream has not ended yet (200: it
+    had its whole answer; only the leg's end was left)."""
+
+    async def main() -> tuple[float, float]:
+        finish = asyncio.Event()
+
+        async def engine(reader, writer) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+            chunk = event + b"data: [DONE]\n\n" if after_done else event
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await finish.wait()  # the rest (at least the stream's last chunk) held back
+            writer.close()
+
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        gw = healthy_gateway("Disabled", [url])
+        request = HangUpRequest({"prompt": PROMPT, "max_tokens": 2, "stream": True})
+        before = answered(gw, "499"), answered(gw, "200")
+        written = bytearray()
+
+        def write(chunk: bytes) -> None:
+            written.extend(chunk)
+            if b"[DONE]" in written if after_done else b"data:" in written:
+                asyncio.get_running_loop().call_soon(request.hang_up)
+
+        async def relayed() -> None:
+            response = await gw.proxy.handle(request, "/v1/completions")
+            await response.stream_to(lambda *_: None, write, lambda: None)
+
+        await asyncio.wait_for(asyncio.create_task(relayed()), 10)
+        finish.set()
+        server.close()
+        await gw.upstream.aclose()
+        await gw.client.aclose()
+        return answered(gw, "499") - before[0], answered(gw, "200") - before[1]
+
+    gone, served = asyncio.run(main())
+    assert (gone, served) == ((0.0, 1.0) if after_done else (1.0, 0.0))

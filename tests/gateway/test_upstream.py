@@ -396,26 +396,26 @@ def test_a_head_over_the_bound_is_refused_also_when_it_comes_whole_in_one_read()
     refused_answer(b"HTTP/1.1 200 OK\r\n" + filler + b"content-length: 2\r\n\r\n{}", "too large")
 
 
-@pytest.mark.parametrize("apart", [False, True])
-def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused(apart):
-    """An engine that sends more than its answer (a second answer, in the same
-    write or after a pause): the answer stands, the extra bytes are read into
-    nothing, and the next request goes on a new connection."""
+@pytest.mark.parametrize(
+    "stray",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale",  # a second answer
+        b"\r\nJUNK\r\n\r\n",  # no answer at all
+        b"tail beyond the length",
+    ],
+    ids=["answer", "junk", "overlong"],
+)
+def test_bytes_after_an_answer_in_its_read_leave_it_whole_and_the_connection_unused(stray):
+    """An engine that sends more than its answer in the same write: the answer
+    stands, the extra bytes are read into nothing, and the next request goes on
+    a new connection."""
 
     async def extra(reader, writer, body):
         if body != b"extra":
             return await json_answer(reader, writer, body)
-        answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-        stray = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale"
-        if apart:
-            writer.write(answer)
-            await writer.drain()
-            await asyncio.sleep(0.1)
-            writer.write(stray)
-        else:
-            writer.write(answer + stray)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + stray)
         await writer.drain()
-        # Kept open: a client that read the stray answer as the next one would
+        # Kept open: a client that read the stray bytes as the next answer would
         # send its next request here.
         await reader.read(1)
         return "close"
@@ -425,14 +425,44 @@ def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused(apart):
         async with server as url:
             client = UpstreamClient(connect_timeout=2)
             first = await client.post(url + "/a", b"extra", {}, 5)
-            assert first.content == b"ok"
-            if apart:
-                # Until the stray bytes arrive the connection is idle in the pool.
-                idle = client._idle[first._key]
-                while not idle[-1].stray:  # (bounded by run's timeout)
-                    await asyncio.sleep(0.01)
+            assert first.status_code == 200 and first.content == b"ok"
             second = await client.post(url + "/a", b"fresh", {}, 5)
             assert second.content == b"fresh"
+            await client.aclose()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_a_stray_head_on_an_idle_connection_closes_it_before_it_is_used_again():
+    """Part of a head an engine sends on a connection idle in the pool: the
+    connection is dropped, so the next request's answer is not read after it."""
+    idle, sent = asyncio.Event(), asyncio.Event()
+
+    async def same_connection(reader, writer, body):
+        await json_answer(reader, writer, body)
+        if body == b"one":
+            await idle.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+            await writer.drain()
+            sent.set()
+
+    async def main():
+        server = Server(same_connection)
+        async with server as url:
+            client = UpstreamClient(connect_timeout=2)
+            first = await client.post(url + "/a", b"one", {}, 5)
+            assert first.content == b"one"
+            (conn,) = client._idle[first._key]
+            idle.set()
+            await sent.wait()
+            # The bytes reach the client's loop soon after; a client that kept the
+            # connection would send the next request on it (bounded wait).
+            deadline = asyncio.get_running_loop().time() + 2
+            while not conn.closed and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            second = await client.post(url + "/a", b"two", {}, 5)
+            assert second.content == b"two"
             await client.aclose()
         assert server.connections == 2
 
