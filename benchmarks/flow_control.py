@@ -45,7 +45,9 @@ so a flood of short requests would not flood the engine.
 The protected tenant's client runs in a process of its own (the flood's
 generator, thousands of requests on one event loop, would otherwise delay
 its reads and count that as TTFT; the flood phases report that loop's own
-lag); each protected phase also reports the gateway's view of the protected
+lag), and so does the flood's generator, at a lower CPU priority than the
+fleet's (``--flood-nice``, 10 by default: a noisy tenant's clients do not
+share the fleet's cores; 0 measures as before); each protected phase also reports the gateway's view of the protected
 TTFT (its streamed-TTFT histogram, which only the protected load feeds
 there: the bucket holding p50 and p90).
 
@@ -351,6 +353,48 @@ async def protected_load(
     )
 
 
+def _flood_loop(
+    url: str, key: str, body: dict, rate: float, seconds: float, timeout: float
+) -> tuple[list[tuple[str, float | None, int]], list[float], int]:
+    """The noisy open loop, its event loop's lag samples and its process's niceness."""
+
+    async def go() -> tuple[list[tuple[str, float | None, int]], list[float], int]:
+        lags: list[float] = []
+        lagger = asyncio.create_task(loop_lag(lags))
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+            out = await open_loop(client, url, key, body, rate, seconds, timeout)
+        lagger.cancel()
+        return out, lags, os.nice(0)
+
+    return asyncio.run(go())
+
+
+# The flood's generator runs in a process of its own too, at a lower CPU
+# priority than the fleet and the protected client (``--flood-nice``): a
+# noisy tenant's clients run on their own machines, and on a 2-core machine
+# shared with the fleet, a generator sending thousands of requests a phase at
+# the fleet's priority takes CPU from the gateway and the engine's front end
+# that no deployment would lose to it.
+_FLOOD_POOL: ProcessPoolExecutor | None = None
+
+
+async def flood_load(
+    args: argparse.Namespace, url: str, key: str, body: dict, rate: float
+) -> tuple[list[tuple[str, float | None, int]], list[float], int]:
+    global _FLOOD_POOL
+    if _FLOOD_POOL is None:
+        _FLOOD_POOL = ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=os.nice,
+            initargs=(args.flood_nice,),
+        )
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(
+        _FLOOD_POOL, _flood_loop, url, key, body, rate, args.phase_seconds, args.timeout
+    )
+
+
 def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float):
     """The upper bound of the bucket holding quantile ``q`` of the change."""
     bounds = sorted(after)
@@ -407,16 +451,10 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
     before = fleet.refusals()
     steps_before = fleet.engine_steps()
     waited_before = tenant_view(fleet, "protected").get("waited", 0)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+    async with httpx.AsyncClient() as client:
         noisy = asyncio.create_task(
-            open_loop(
-                client,
-                fleet.url,
-                noisy_key,
-                noisy_body(args.noisy_tokens),
-                args.flood * capacity,
-                args.phase_seconds,
-                args.timeout,
+            flood_load(
+                args, fleet.url, noisy_key, noisy_body(args.noisy_tokens), args.flood * capacity
             )
         )
         await asyncio.sleep(2.0)  # the flood first builds its queue
@@ -433,8 +471,6 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
                 await asyncio.sleep(1.0)
 
         watcher = asyncio.create_task(watch())
-        lags: list[float] = []
-        lagger = asyncio.create_task(loop_lag(lags))
         gw_before = await asyncio.to_thread(fleet.gateway_ttft)
         protected = await protected_load(
             fleet.url,
@@ -444,9 +480,8 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
             args.timeout,
         )
         gw_after = await asyncio.to_thread(fleet.gateway_ttft)
-        noisy_results = await noisy
+        noisy_results, lags, flood_nice = await noisy
         watcher.cancel()
-        lagger.cancel()
     ttfts = [t for o, t, _ in protected if o == "200" and t is not None]
     after = fleet.refusals()
     steps = step_stats(steps_before, fleet.engine_steps())
@@ -465,6 +500,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         "protected_gateway_ttft_p50_le_s": histogram_quantile(gw_before, gw_after, 0.5),
         "protected_gateway_ttft_p90_le_s": histogram_quantile(gw_before, gw_after, 0.9),
         "flood_client_loop_lag_p90_s": p90(lags),
+        "flood_client_niceness": flood_nice,
         "protected_waited_in_gateway_queue": mine.get("waited", 0) - waited_before
         if protected_key == PROTECTED
         else None,
@@ -473,6 +509,7 @@ async def flood(fleet: Fleet, args, capacity: float, noisy_key: str, protected_k
         else None,
         "protected_outcomes": dict(Counter(o for o, _, _ in protected)),
         "noisy_outcomes": dict(Counter(o for o, _, _ in noisy_results)),
+        "noisy_requests_per_s": round(len(noisy_results) / args.phase_seconds, 1),
         **steps,
     }
 
@@ -815,6 +852,13 @@ def main() -> None:
         default=0,
         help="the engine's torch threads (0: pdfleet up's default)",
     )
+    ap.add_argument(
+        "--flood-nice",
+        type=int,
+        default=10,
+        help="niceness the flood's generator process adds to this one's (0: the fleet's "
+        "priority, as before; the flood's clients would run on machines of their own)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     load_start = os.getloadavg()
@@ -824,8 +868,9 @@ def main() -> None:
             result = asyncio.run(run(args, fleet))
         finally:
             fleet.stop()
-            if _PROTECTED_POOL is not None:
-                _PROTECTED_POOL.shutdown()
+            for pool in (_PROTECTED_POOL, _FLOOD_POOL):
+                if pool is not None:
+                    pool.shutdown()
     result["machine"] = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

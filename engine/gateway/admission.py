@@ -160,12 +160,19 @@ class Admission:
         request waits until the slots it needs are free (the ones freed meanwhile
         stay free for it when it is at the head of the queue) rather than
         overflowing the engine by its width."""
-        if e.capacity is None:  # (no capacity learned: no bound, whatever the band)
+        capacity = e.capacity
+        if capacity is None:  # (no capacity learned: no bound, whatever the band)
             return True
         cap = self.limit(e, band)
         if cap is None:
             return True
-        return e.admitted + min(seqs, cap) <= cap
+        if e.admitted + min(seqs, cap) <= cap:
+            return True
+        # The best band's share beyond the capacity is its own: its requests
+        # do not wait for a worse band's to end even while those hold more
+        # than the capacity (admitted before it was learned, or before a
+        # scrape lowered it); the engine preempts one of them instead.
+        return cap > capacity and e.top_admitted + seqs <= cap - capacity
 
     def full(
         self, candidates: Iterable[EngineState], seqs: int = 1, band: int | None = None
@@ -178,13 +185,18 @@ class Admission:
                 out.add(e.url)
         return out
 
-    def take(self, e: EngineState, key: int | None = None, seqs: int = 1) -> None:
+    def take(
+        self, e: EngineState, key: int | None = None, seqs: int = 1, top: bool = False
+    ) -> None:
         """A slot on ``e``; ``key``: the gateway will see its first answer
         (:meth:`answered`), so how long it waits for one is watched. ``seqs``:
         the sequences the request runs (``n`` × prompts): slots are counted in
         sequences, as the engines count their queue, so an ``n=64`` request
-        takes what it uses."""
+        takes what it uses. ``top``: a request of the best band (its share
+        beyond the capacity, ``has_room``)."""
         e.admitted += seqs
+        if top:
+            e.top_admitted += seqs
         if key is not None:
             e.pending[key] = time.monotonic()
 
@@ -193,11 +205,19 @@ class Admission:
         e.pending.pop(key, None)
 
     def give_back(
-        self, e: EngineState, key: int | None = None, ended: bool = True, seqs: int = 1
+        self,
+        e: EngineState,
+        key: int | None = None,
+        ended: bool = True,
+        seqs: int = 1,
+        top: bool = False,
     ) -> None:
         """A request routed to ``e`` ended (``ended``; else its leg there ended
-        or moved to another engine): its ``seqs`` slots are free for the next ones."""
+        or moved to another engine): its ``seqs`` slots are free for the next
+        ones (``top``: as taken)."""
         e.admitted -= seqs
+        if top:
+            e.top_admitted -= seqs
         if key is not None:
             e.pending.pop(key, None)
         if ended:

@@ -64,6 +64,9 @@ class Call:
     """Its tenant's hold (``flow.control.Ticket``) from admission to its end."""
     batch: bool = False
     """A Batch API request: runs in the batch band."""
+    top: bool = False
+    """Of the best band (``Admission.top_band``): its slots count in that
+    band's share beyond an engine's capacity."""
     seqs: int = 1
     """Sequences it runs on its decode engine (``n`` or ``best_of``, × prompts):
     the slots it takes there (``admission.py``)."""

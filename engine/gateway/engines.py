@@ -280,6 +280,10 @@ class EngineState:
     ended: their slots (``admission.py``)."""
     capacity: int | None = None
     """Slots it has, learned from its scrapes; None until it first queues."""
+    top_admitted: int = 0
+    """Of ``admitted``, the slots of the best band's requests
+    (``Admission.top_band``): the share that band may take beyond the
+    capacity is counted on them alone."""
     pending: dict[int, float] = field(default_factory=dict)
     """Slots on it still waiting for their first answer (a streamed decode
     leg's first event, a prefill leg's end): the request's key to the

@@ -93,16 +93,23 @@ class Legs:
         only then does the gateway see how long its slot waits for it."""
         return bool(call.body and call.body.get("stream"))
 
+    def _top(self, call: Call) -> bool:
+        """Whether the request is of the best band (its share beyond capacity)."""
+        top = self.admission.top_band
+        return top is not None and call.ticket is not None and call.ticket.band <= top
+
     def take_slot(self, call: Call, e: EngineState) -> None:
         """The request's slot on its decode engine, until its answer ends."""
         body = call.body
         streamed = body is not None and bool(body.get("stream"))  # (``_streamed``, inline)
-        self.admission.take(e, id(call) if streamed else None, call.seqs)
+        call.top = top = self._top(call)
+        self.admission.take(e, id(call) if streamed else None, call.seqs, top)
         call.slot = e
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
         """Its slot on its prefill engine, until its prefill leg ends."""
-        self.admission.take(e, id(call))
+        call.top = top = self._top(call)
+        self.admission.take(e, id(call), top=top)
         call.prefill_slot = e
 
     def move_slot(self, call: Call, e: EngineState, prefill: bool = False) -> None:
@@ -110,8 +117,10 @@ class Legs:
         held = call.prefill_slot if prefill else call.slot
         if held is not None and held is not e:
             seqs = 1 if prefill else call.seqs
-            self.admission.give_back(held, id(call), ended=False, seqs=seqs)
-            self.admission.take(e, id(call) if prefill or self._streamed(call) else None, seqs)
+            self.admission.give_back(held, id(call), ended=False, seqs=seqs, top=call.top)
+            self.admission.take(
+                e, id(call) if prefill or self._streamed(call) else None, seqs, call.top
+            )
             if prefill:
                 call.prefill_slot = e
             else:
@@ -123,7 +132,7 @@ class Legs:
         if slot is not None:
             call.computed()
             call.prefill_slot = None
-            self.admission.give_back(slot, id(call), ended=False)
+            self.admission.give_back(slot, id(call), ended=False, top=call.top)
 
     def free_slot(self, call: Call) -> None:
         """Give the request's slots back (once each; a no-op without them)."""
@@ -132,7 +141,7 @@ class Legs:
         slot = call.slot
         if slot is not None:
             call.slot = None
-            self.admission.give_back(slot, id(call), seqs=call.seqs)
+            self.admission.give_back(slot, id(call), seqs=call.seqs, top=call.top)
 
     def _inflight_gauges(self) -> None:
         """At each collection: the in-flight gauges from the engines' counts

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import importlib
 import json
+import os
+import sys
 
 import pytest
-from helpers.scripts import benchmark_module
+from helpers.scripts import BENCHMARKS, benchmark_module
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +54,22 @@ def test_tokens_count_by_arrival_within_the_window(bench):
     assert bench.in_window([inside], 1.5, 3.5) == (3, 7)
     assert bench.in_window([before, after, []], 1.5, 3.5) == (2, 6)
     assert bench.in_window([wide, inside, before, after], 0.0, 10.0) == (8 + 3 + 2 + 2, 28)
+
+
+def test_the_flood_is_sent_from_a_process_of_lower_priority(monkeypatch):
+    # The benchmark by its own name, which the spawned process imports too.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.delitem(sys.modules, "flow_control", raising=False)
+    bench = importlib.import_module("flow_control")
+    # Nothing listens on port 1: each request fails at once; what matters is
+    # where they were sent from.
+    args = argparse.Namespace(flood_nice=3, phase_seconds=0.2, timeout=5.0)
+    try:
+        outcomes, _, niceness = asyncio.run(
+            bench.flood_load(args, "http://127.0.0.1:1", "k", {"model": "tiny"}, 20.0)
+        )
+    finally:
+        if bench._FLOOD_POOL is not None:
+            bench._FLOOD_POOL.shutdown()
+    assert niceness == min(19, os.nice(0) + 3)
+    assert outcomes and {o for o, _, _ in outcomes} == {"ConnectError"}

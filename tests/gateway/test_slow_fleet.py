@@ -226,8 +226,33 @@ def test_a_wide_request_at_the_head_keeps_the_freed_slots_and_the_best_band_over
     assert not adm.has_room(d, band=0)  # no best band: capacity bounds every band
     adm.top_band = 0
     assert adm.has_room(d, band=0) and not adm.has_room(d, band=1)
-    adm.take(d)
+    adm.take(d, top=True)
     assert not adm.has_room(d, band=0)  # ceil(4 / 8) = 1 over capacity, no more
+
+
+def test_the_best_band_keeps_its_share_while_a_worse_band_holds_more_than_capacity():
+    """A worse band admitted before the capacity was learned (or lowered since)
+    holds more than the best band's limit: the best band's share beyond the
+    capacity is its own, so its requests still go straight to the engine."""
+    adm, pool = admission()
+    adm.top_band = 0
+    d = pool.engines["http://d"]
+    for _ in range(12):  # the flood, taken while no capacity was known
+        adm.take(d)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=8, waiting=4))
+    assert d.capacity == 8 and adm.limit(d, 0) == 9  # ceil(8 / 8) = 1 beyond it
+    assert not adm.has_room(d, band=1) and not adm.has_room(d, band=None)
+    assert adm.has_room(d, band=0)
+    adm.take(d, top=True)
+    assert not adm.has_room(d, band=0)  # its share is taken
+    assert not adm.has_room(d, seqs=2, band=0)
+    adm.give_back(d, top=True)
+    assert adm.has_room(d, band=0) and d.top_admitted == 0 and d.admitted == 12
+    for _ in range(4):  # the flood drains to the capacity: the usual limit
+        adm.give_back(d)
+    assert adm.has_room(d, band=0) and not adm.has_room(d, band=1)
+    adm.take(d, top=True)
+    assert not adm.has_room(d, band=0)  # 9 of 9
 
 
 async def wait_for(condition, timeout: float = 5.0) -> None:

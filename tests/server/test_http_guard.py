@@ -371,6 +371,32 @@ def test_large_lane_queue_is_bounded():
     assert lanes.num_large == 0
 
 
+def test_short_prompts_are_tokenized_on_the_event_loop_longer_ones_in_a_lane():
+    import threading
+
+    from pdfleet.engine.entrypoints.openai.serving_base import INLINE_CHARS, TokenizerLanes
+
+    lanes = TokenizerLanes(large_chars=1000, inline_chars=16)
+
+    async def main():
+        return (
+            threading.get_ident(),
+            await lanes.run(16, threading.get_ident),
+            await lanes.run(17, threading.get_ident),
+            await lanes.run(1000, threading.get_ident),
+        )
+
+    try:
+        loop_thread, short, longer, large = asyncio.run(main())
+    finally:
+        lanes.shutdown()
+    assert short == loop_thread
+    assert longer != loop_thread and large != loop_thread and longer != large
+    # A server's lanes inline short prompts (never a large one).
+    assert TokenizerLanes(large_chars=1 << 16).inline_chars == INLINE_CHARS > 0
+    assert TokenizerLanes(large_chars=10).inline_chars == 9
+
+
 def test_short_request_completes_while_large_prompts_are_tokenized(server):
     big = "The harbor was quiet before dawn. " * 8000  # ~270k characters each
 

@@ -198,24 +198,39 @@ def choice_jobs(
     return out, lambda j, o: index[j]
 
 
+# Prompts this short are tokenized on the event loop: their tokenizing takes
+# tens of microseconds, and a hop to a lane thread and back costs more (two
+# thread wake-ups, each waiting for the GIL that a stepping engine thread holds).
+INLINE_CHARS = 256
+
+
 class TokenizerLanes:
     """Tokenizer work off the event loop, in two lanes.
 
     Prompts of at least ``large_chars`` characters queue for their own small
     pool, so a burst of multi-megabyte prompts cannot occupy the threads that
     short prompts use (the tokenizer releases the GIL, so the lanes really run
-    side by side)."""
+    side by side). Prompts of at most ``inline_chars`` characters are
+    tokenized where they are asked for, on the event loop."""
 
     def __init__(
-        self, large_chars: int, workers: int = 4, large_workers: int = 1, max_large: int = 16
+        self,
+        large_chars: int,
+        workers: int = 4,
+        large_workers: int = 1,
+        max_large: int = 16,
+        inline_chars: int = INLINE_CHARS,
     ) -> None:
         self.large_chars = large_chars
         self.max_large = max_large
+        self.inline_chars = min(inline_chars, large_chars - 1)
         self.num_large = 0
         self.small = ThreadPoolExecutor(workers, thread_name_prefix="pdfleet-tokenize")
         self.large = ThreadPoolExecutor(large_workers, thread_name_prefix="pdfleet-tokenize-large")
 
     async def run(self, num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
+        if num_chars <= self.inline_chars:
+            return fn(*args)
         loop = asyncio.get_running_loop()
         if num_chars < self.large_chars:
             return await loop.run_in_executor(self.small, fn, *args)
