@@ -81,7 +81,9 @@ def test_the_bounded_schedule_is_the_cheapest_that_keeps_both_bounds():
 
 @pytest.fixture(scope="module")
 def small_cell():
-    # A small fleet whose SLOs bind, two surges in ten minutes.
+    # A small fleet whose SLOs bind, two surges in ten minutes, each at its
+    # full rate from its onset (a schedule with foresight would ramp up
+    # before it).
     model = FleetModel(
         prefill_tokens_per_second=4000.0,
         cold_start_seconds=30.0,
@@ -94,6 +96,8 @@ def small_cell():
         duration_seconds=600,
         base_rate=10,
         burst_every_seconds=300,
+        burst_factor=(4.0, 4.0),
+        burst_ramp_seconds=0.0,
         prompt_tokens_mean=1000,
         prompt_tokens_max=3000,
         seed=1,
@@ -113,8 +117,12 @@ def test_every_surge_is_blind_until_it_begins_then_climbs_for_the_hold(small_cel
         for onset, before in zip(built["onsets"], built["before"][role], strict=True):
             first = int(onset // cell.period)
             # Nothing paid from a cold start before the surge's period to
-            # that period serves more than was ready before it ...
-            assert max(schedule[max(first - lead, 0) : first + 1]) <= before
+            # that period serves more than was ready before it (or than an
+            # earlier climb has had the time to shed) ...
+            ahead = max(first - lead - 1, 0)
+            for s in range(ahead + 1, first + 1):
+                shed = schedule[ahead] - scaling.max_scale_down_step * (s - ahead)
+                assert schedule[s] <= max(before, shed)
             # ... then every replica the step allows, for the hold.
             for j in range(1, shape.hold + 1):
                 if first + j < len(schedule):
