@@ -23,10 +23,16 @@ everything that is not a surge's onset):
 
 Within those bounds the count is the cheapest that covers the needs a cold
 start ahead (:func:`bounded_schedule`, dynamic programming), and each
-candidate is played in the simulator. :func:`search` finds, for the given
-rooms, the least ``hold`` that meets the SLOs (bisection, assuming more
-periods of climb never lower attainment), so its cost is the cheapest of
-the family at those rooms.
+candidate is played in the simulator. :func:`cheapest` searches, per room
+after the first surge, the least ``hold`` that meets the SLOs by bisection,
+which assumes that a longer climb never lowers attainment. The simulator
+does not always bear that out, so the result is the cheapest member
+*found*, not one shown to be the family's cheapest, and a family that
+meets nothing proves nothing: the members know more than a causal policy
+(B*'s needs after each blind window) but take fewer shapes (B*'s sizing,
+whole-step climbs, a few rooms). Where a member meets both SLOs within the
+cost target, blindness to the onsets and the steady room bound alone do
+not make the target infeasible.
 """
 
 from __future__ import annotations
