@@ -58,6 +58,26 @@ def test_an_idle_tenant_banks_no_credit():
     assert clock.tag("busy", 1.0) == 8.0
 
 
+def test_a_tenant_whose_requests_wait_at_the_engine_is_not_idle():
+    """Requests start out of their tags' order when the engine has room for
+    all of them (its own queue orders them by the same tags): the clock never
+    passes a tag that has not started, so a tenant whose requests all went to
+    the engine and wait there keeps its place. Once they all started (or ended
+    without starting) it is idle again: its next request starts at the clock."""
+    clock = FairClock()
+    narrow = [clock.tag("narrow", 1.0) for _ in range(4)]
+    wide = [clock.tag("wide", 100.0) for _ in range(3)]
+    assert narrow == [0.0, 1.0, 2.0, 3.0] and wide == [0.0, 100.0, 200.0]
+    clock.started(wide[2])  # the engine served the last wide one first
+    assert clock.clock == 200.0
+    later = clock.tag("narrow", 1.0)
+    assert later == 4.0  # its own finish, not the clock: its requests wait
+    for tag in [*narrow, later, wide[1]]:
+        clock.started(tag)
+    clock.dropped(wide[0])  # (a request that never started: it waits no more)
+    assert clock.tag("narrow", 1.0) == 200.0
+
+
 def test_a_removed_waiter_leaves_the_counts_right():
     async def run() -> None:
         q = FairQueue()
