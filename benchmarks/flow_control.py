@@ -649,6 +649,12 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
                 "admitted": e["admitted"],
                 "capacity": e["capacity"],
             }
+            # The engine's own count: sequences running and waiting there.
+            text = (await client.get(e["url"] + "/metrics", headers=fleet.admin)).text
+            for line in text.splitlines():
+                for name in ("running", "waiting"):
+                    if line.startswith(f"pdfleet_engine_num_requests_{name}"):
+                        row[f"engine_{name}"] = float(line.rsplit(" ", 1)[1])
             for name, t in (("n64", tenant_a), ("n1", tenant_b)):
                 got = tenants.get(t, {})
                 row[f"{name}_queued"] = got.get("queued", 0)
@@ -735,6 +741,11 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         else None,
         "admitted_slots_mean": round(
             sum(x["admitted"] for x in after_warmup) / len(after_warmup), 1
+        )
+        if after_warmup
+        else None,
+        "engine_running_mean": round(
+            sum(x.get("engine_running", 0) for x in after_warmup) / len(after_warmup), 1
         )
         if after_warmup
         else None,

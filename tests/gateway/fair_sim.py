@@ -113,12 +113,19 @@ class SimEngine:
     step_base_s: float = 0.004
     step_per_seq_s: float = 0.00015
     max_request_share: float = 0.5
+    relay_s_per_read: float = 0.0
+    """CPU seconds one read of a stream's events costs on the way to its
+    client (one read per request per step, however many of its sequences
+    stepped): 0, none; else the reads queue for one processor (the gateway's
+    loop and the client's), and a request's first event and end reach the
+    gateway when its read is through."""
     on_tokens: Callable[[str, int, float], None] = lambda tenant, n, now: None
     waiting: list[tuple[int, float, int, _Seq]] = field(default_factory=list)
     running: list[_Seq] = field(default_factory=list)
     waiting_for_room: int = 0
     _order: Iterator[int] = field(default_factory=itertools.count)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _reads: asyncio.Queue[tuple[_Req, int, bool]] = field(default_factory=asyncio.Queue)
 
     def add(self, req: _Req) -> None:
         for _ in range(req.seqs):
@@ -158,25 +165,38 @@ class SimEngine:
                 await self._wake.wait()
                 continue
             await asyncio.sleep(self.step_base_s + self.step_per_seq_s * len(self.running))
-            now = loop.time()
-            made: dict[str, int] = {}
+            stepped: dict[int, tuple[_Req, int]] = {}
             still = []
             for s in self.running:
                 s.made += 1
                 r = s.req
-                r.produced += 1
-                made[r.tenant] = made.get(r.tenant, 0) + 1
-                if r.first is not None and not r.first.done():
-                    r.first.set_result(None)
+                stepped[id(r)] = (r, stepped.get(id(r), (r, 0))[1] + 1)
                 if s.made >= r.tokens:
                     r.done_seqs += 1
-                    if r.done_seqs == r.seqs and r.end is not None:
-                        r.end.set_result(None)
                 else:
                     still.append(s)
             self.running = still
-            for tenant, n in made.items():
-                self.on_tokens(tenant, n, now)
+            for r, n in stepped.values():
+                ended = r.done_seqs == r.seqs
+                if self.relay_s_per_read:
+                    self._reads.put_nowait((r, n, ended))
+                else:
+                    self._read(r, n, ended, loop.time())
+
+    def _read(self, r: _Req, n: int, ended: bool, now: float) -> None:
+        r.produced += n
+        self.on_tokens(r.tenant, n, now)
+        if r.first is not None and not r.first.done():
+            r.first.set_result(None)
+        if ended and r.end is not None:
+            r.end.set_result(None)
+
+    async def relay(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            r, n, ended = await self._reads.get()
+            await asyncio.sleep(self.relay_s_per_read)
+            self._read(r, n, ended, loop.time())
 
 
 @dataclass
@@ -378,8 +398,10 @@ class _Sim:
 
     async def run(self) -> SimResult:
         engine = self.loop.create_task(self.engine.run())
+        relay = self.loop.create_task(self.engine.relay())
         scrapes = self.loop.create_task(self.scrape())
         await asyncio.gather(*(self.worker(c) for c in self.clients for _ in range(c.workers)))
         engine.cancel()
+        relay.cancel()
         scrapes.cancel()
         return self.result
