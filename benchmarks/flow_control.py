@@ -28,7 +28,11 @@ their own tenants (weight 1, band 1). Measured, in this order:
    and ratio (target within 20%), and their prompt-plus-output throughputs
    (the gateway's cost, what its fair share equalizes) and ratio, counted
    over the phase after ``--fair-warmup`` as the tokens arrive; besides,
-   the gateway's admitted cost by tenant and the engine's preemptions;
+   the gateway's admitted cost by tenant, each key's cost of the requests
+   that ended by the phase's end, the engine's preemptions, and the
+   gateway's view (the engine's capacity and slots, each key's queued and
+   in-flight requests) with the engine's running and waiting sequences
+   every ``--fair-sample`` seconds;
 6. **batch**: ``--batch-requests`` requests through the Batch API (the
    official ``openai`` client), while the protected tenant's light load
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
