@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,16 @@ from pdfleet.engine.gateway.proxy import Proxy
 from pdfleet.engine.gateway.routing import Route
 
 DAY = 86400.0
+# The benchmark's request (benchmarks/flow_control.py, its fair phase),
+# streamed with usage in every chunk. Its prompt counts 12 tokens here,
+# analyzed or not (47 characters: the gateway's estimate without a tokenizer).
+BODY = {
+    "model": "tiny",
+    "prompt": "The harbor was quiet before dawn, and the boats",
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
 
 
 class _Selector:
@@ -216,7 +227,8 @@ class SimResult:
     admitted: dict[str, float]
     """Cost each key had admitted (flow control's count)."""
     routed: dict[str, float]
-    """Cost of each key's requests that took their slots before the run's end."""
+    """Cost of each key's requests that took their slots before the run's end
+    (what they ask of the engine: prompt + n × max_tokens)."""
     output: dict[str, float]
     """Output tokens each key received after the warm-up, before the end."""
     events: list[tuple[Any, ...]]
@@ -230,7 +242,7 @@ def run(
     seconds: float = 30.0,
     warmup_s: float = 5.0,
     max_tokens: int = 64,
-    prompt_tokens: int = 10,
+    prompt_tokens: int = 12,
     capacity: int | None = None,
     latency_s: float = 0.001,
     seed: int = 0,
@@ -295,7 +307,12 @@ class _Sim:
         self.rng = random.Random(seed)
         self.trace = trace
         self.latency_s = 0.001
-        self.config = GatewayConfig(decode=["http://sim"], engine_priority=True, queue_timeout=DAY)
+        self.config = GatewayConfig(
+            decode=["http://sim"],
+            disaggregation_mode="Disabled",
+            engine_priority=True,
+            queue_timeout=DAY,
+        )
         metrics = GatewayMetrics()
         self.admission = Admission(self.config, metrics)
         self.flow = FlowGate(self.config, Tenants(), self.admission, metrics)
@@ -328,10 +345,17 @@ class _Sim:
 
     async def request(self, c: Client) -> None:
         loop, admission, e, out = self.loop, self.admission, self.e, self.result
-        body: dict[str, Any] = {"prompt": "p", "max_tokens": self.max_tokens, "stream": True}
+        body: dict[str, Any] = {**BODY, "max_tokens": self.max_tokens}
         if c.n > 1:
             body["n"] = c.n
-        admitted = self.flow.admit(self.flow.tenant(f"key:{c.key}"), body, self.prompt_tokens, 0)
+        raw = json.dumps(body).encode()
+        # As Proxy._check: the sole route when nothing waits and a slot is free
+        # (the prompt is then not analyzed), admission, and no sole route for a
+        # request wider than the room; then Proxy._route (or the wait for one).
+        route = Proxy._sole_route(self)  # type: ignore[arg-type]
+        tokens = None if route is not None else self.prompt_tokens
+        tenant = self.flow.tenant(f"key:{c.key}")
+        admitted = self.flow.admit(tenant, body, tokens, len(raw))
         ticket = admitted.ticket
         out.admitted[c.key] = out.admitted.get(c.key, 0) + ticket.cost
         clock = self.flow.control.clocks[ticket.band]
@@ -339,9 +363,6 @@ class _Sim:
             out.events.append(("tag", loop.time(), c.key, ticket.tag, clock.clock))
         call = Call("/v1/completions", c.key, 0.0, {}, False, body=body)
         call.ticket, call.seqs = ticket, admitted.seqs
-        # As Proxy._check and Proxy._handle: the sole route, unless the request
-        # is wider than the room, else the route (or the wait for one).
-        route = Proxy._sole_route(self)  # type: ignore[arg-type]
         wide = e.capacity is not None and not admission.has_room(e, call.seqs, ticket.band)
         if route is not None and wide:
             route = None
@@ -349,7 +370,8 @@ class _Sim:
             await Proxy._route(self, call, None)  # type: ignore[arg-type]
         self.legs.take_slot(call, e)
         if loop.time() < self.end:
-            out.routed[c.key] = out.routed.get(c.key, 0) + ticket.cost
+            cost = self.prompt_tokens + call.seqs * self.max_tokens
+            out.routed[c.key] = out.routed.get(c.key, 0) + cost
         if self.trace:
             queued = dict(admission.queued_by_tenant())
             out.events.append(

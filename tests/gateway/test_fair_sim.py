@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from gateway.fair_sim import Client, run
 
-# An n=64 request of a 10-token prompt and 64 output tokens per sequence, and
+# An n=64 request of a 12-token prompt and 64 output tokens per sequence, and
 # an n=1 one: what each costs in fair share (prompt + n × max_tokens).
-WIDE, NARROW = 10 + 64 * 64, 10 + 64
+WIDE, NARROW = 12 + 64 * 64, 12 + 64
 
 
 @pytest.mark.parametrize(
     ("capacity", "latency_s", "seed"),
-    [(None, 0.001, 0), (None, 0.001, 3), (None, 0.05, 0), (64, 0.001, 0)],
+    [(None, 0.001, 0), (None, 0.001, 3), (None, 0.05, 0), (64, 0.001, 5)],
     ids=["never-queued", "never-queued-3", "never-queued-slow-hops", "capacity-known"],
 )
 def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed):
@@ -29,7 +29,10 @@ def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed)
     requests). With 50 ms between the gateway and the engine, requests reach
     the engine's free slots in their arrival order, not their tags': a wide
     request served early moves the clock past tags still waiting there, which
-    must not raise the narrow key's next ones either."""
+    must not raise the narrow key's next ones either. A request that finds
+    no queue and a free slot is routed without analyzing its prompt: its
+    prompt's tokens are estimated from the prompt's text, not the body's
+    size (which counted the narrow key's 12-token prompts as 52)."""
     r = run(
         [Client("n64", 64, 4), Client("n1", 1, 128)],
         seconds=30.0,

@@ -165,6 +165,32 @@ def test_flow_control_counts_outcomes_per_tenant():
     assert text == 1.0
 
 
+def test_an_unanalyzed_prompt_is_estimated_from_its_text_not_the_bodys_size():
+    """A request routed without analyzing its prompt (one engine, no queue) is
+    charged its prompt's characters over four, whatever else its body holds;
+    token ids count as they are, every prompt of a batch and every message."""
+    config = GatewayConfig(decode=["http://e"])
+    metrics = GatewayMetrics()
+    gate = FlowGate(config, Tenants(), Admission(config, metrics), metrics)
+    tenant = gate.tenant(caller_id("k"))
+    body = {
+        "model": "tiny",
+        "prompt": "x" * 40,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    assert gate.admit(tenant, body, None, 4000).ticket.cost == 10 + 8
+    assert (
+        gate.admit(tenant, {"prompt": [1, 2, 3], "max_tokens": 8}, None, 4000).ticket.cost == 3 + 8
+    )
+    batch = {"prompt": ["x" * 8, [1, 2]], "max_tokens": 8}
+    assert gate.admit(tenant, batch, None, 4000).ticket.cost == 2 + 2 + 2 * 8
+    chat = {"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 8}
+    assert gate.admit(tenant, chat, None, 4000).ticket.cost == 9 + 8  # "user", 2 separators
+    assert gate.admit(tenant, {"prompt": 7, "max_tokens": 8}, None, 400).ticket.cost == 100 + 8
+
+
 def test_the_prompt_token_weight_changes_the_share_and_never_the_limits():
     """An n=1 request of a 10-token prompt and 8 output tokens against an n=64
     one: with prompt tokens in full, fair share gives the n=1 key 8 output
