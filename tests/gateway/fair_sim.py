@@ -9,7 +9,8 @@ step, a step time that grows with the batch, its own waiting queue ordered by
 the gateway's priority (band, then tag), an ``n > 1`` request's sequences
 held to ``max_request_share`` of the slots while other requests wait, and a
 ``/metrics`` scrape every ``scrape_interval`` saying how many sequences wait
-for room. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
+for room; or (``engine={"scheduler": True}``) the engine's own scheduler
+stepping at the model's pace. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
 and a sleep advances it, so a run is deterministic and takes no wall time
 beyond the Python it executes.
 """
@@ -27,7 +28,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfleet.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pdfleet.engine.config.gateway import GatewayConfig
+from pdfleet.engine.core.sched_output import ModelRunnerOutput
+from pdfleet.engine.core.scheduler import Scheduler
 from pdfleet.engine.gateway.admission import Admission
 from pdfleet.engine.gateway.call import Call
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
@@ -37,6 +47,8 @@ from pdfleet.engine.gateway.legs import Legs
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.proxy import Proxy
 from pdfleet.engine.gateway.routing import Route
+from pdfleet.engine.request import Request
+from pdfleet.engine.sampling_params import SamplingParams
 
 DAY = 86400.0
 # The benchmark's request (benchmarks/flow_control.py, its fair phase),
@@ -210,6 +222,88 @@ class SimEngine:
             self._read(r, n, ended, loop.time())
 
 
+class RealSchedulerEngine(SimEngine):
+    """The engine's own scheduler (``engine/core/scheduler.py``, the
+    ``priority`` policy, prefix caching) with a forward that samples a token
+    wherever a request caught up, as ``SimEngine``'s steps take their time:
+    an ``n > 1`` request is its children, the first one's prefill ahead of
+    its siblings', as the engine adds them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        blocks = kwargs.pop("num_blocks", 8192)
+        super().__init__(**kwargs)
+        config = EngineConfig(
+            model_config=ModelConfig(model="m", max_model_len=512),
+            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=512,
+                policy="priority",
+                max_request_share=self.max_request_share,
+            ),
+            device_config=DeviceConfig(device="cpu"),
+        )
+        self.scheduler = Scheduler(config, blocks + 1)
+        self._of: dict[str, _Req] = {}
+        self._ids = itertools.count()
+
+    def add(self, req: _Req) -> None:
+        rid = f"r{next(self._ids)}"
+        children = [f"{rid}-{i}" for i in range(req.seqs)]
+        for i, cid in enumerate(children):
+            self._of[cid] = req
+            self.scheduler.add_request(
+                Request(
+                    cid,
+                    list(range(100, 112)),
+                    SamplingParams(max_tokens=req.tokens, ignore_eos=True),
+                    arrival_time=req.arrival,
+                    priority=req.priority,
+                    wait_for=children[0] if i else None,
+                    group_id=rid if req.seqs > 1 else None,
+                )
+            )
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        s = self.scheduler
+        while True:
+            if not s.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+            out = s.schedule()
+            stats = s.stats()
+            self.waiting_for_room = stats.num_waiting_reqs
+            self.running = [None] * stats.num_running_reqs  # type: ignore[list-item]
+            if not out.num_scheduled_tokens:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seqs = len(out.num_scheduled_tokens)
+            await asyncio.sleep(self.step_base_s + self.step_per_seq_s * seqs)
+            sampled = {
+                rid: 1
+                for rid in out.num_scheduled_tokens
+                if rid in s.requests
+                and s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens
+            }
+            s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+            stepped: dict[int, tuple[_Req, int]] = {}
+            for rid in sampled:
+                r = self._of[rid]
+                stepped[id(r)] = (r, stepped.get(id(r), (r, 0))[1] + 1)
+                if rid not in s.requests:  # it finished
+                    del self._of[rid]
+                    r.done_seqs += 1
+            for r, n in stepped.values():
+                ended = r.done_seqs == r.seqs
+                if self.relay_s_per_read:
+                    self._reads.put_nowait((r, n, ended))
+                else:
+                    self._read(r, n, ended, loop.time())
+
+
 @dataclass
 class Client:
     """A closed loop: ``workers`` streamed requests in flight, each of ``n``
@@ -258,7 +352,9 @@ def run(
         sim = _Sim(loop, clients, seconds, warmup_s, max_tokens, prompt_tokens, seed, trace)
         sim.e.capacity = capacity
         sim.latency_s = latency_s
-        sim.engine = SimEngine(on_tokens=sim.tokens, **(engine or {}))
+        args = dict(engine or {})
+        kind = RealSchedulerEngine if args.pop("scheduler", False) else SimEngine
+        sim.engine = kind(on_tokens=sim.tokens, **args)
         return loop.run_until_complete(sim.run())
 
 

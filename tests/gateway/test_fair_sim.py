@@ -13,11 +13,23 @@ WIDE, NARROW = 12 + 64 * 64, 12 + 64
 
 
 @pytest.mark.parametrize(
-    ("capacity", "latency_s", "seed"),
-    [(None, 0.001, 0), (None, 0.001, 3), (None, 0.05, 0), (64, 0.001, 5)],
-    ids=["never-queued", "never-queued-3", "never-queued-slow-hops", "capacity-known"],
+    ("capacity", "latency_s", "seed", "scheduler"),
+    [
+        (None, 0.001, 0, False),
+        (None, 0.001, 3, False),
+        (None, 0.05, 0, False),
+        (64, 0.001, 5, False),
+        (None, 0.001, 0, True),
+    ],
+    ids=[
+        "never-queued",
+        "never-queued-3",
+        "never-queued-slow-hops",
+        "capacity-known",
+        "never-queued-engine-scheduler",
+    ],
 )
-def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed):
+def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed, scheduler):
     """Two keys of equal weight, closed loops: 4 workers sending n=64 requests
     and 128 sending n=1, on one engine of 64 slots, 30 s. Start-time fair
     queuing bounds the difference between the cost each key got started to
@@ -32,13 +44,15 @@ def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed)
     must not raise the narrow key's next ones either. A request that finds
     no queue and a free slot is routed without analyzing its prompt: its
     prompt's tokens are estimated from the prompt's text, not the body's
-    size (which counted the narrow key's 12-token prompts as 52)."""
+    size (which counted the narrow key's 12-token prompts as 52). The last
+    case runs the engine's own scheduler in place of the engine model."""
     r = run(
         [Client("n64", 64, 4), Client("n1", 1, 128)],
         seconds=30.0,
         capacity=capacity,
         latency_s=latency_s,
         seed=seed,
+        engine={"scheduler": scheduler},
     )
     assert r.admitted["n64"] > 15 * WIDE and r.admitted["n1"] > 15 * WIDE  # both kept busy
     gap = r.routed["n64"] - r.routed["n1"]
