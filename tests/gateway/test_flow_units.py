@@ -78,6 +78,21 @@ def test_a_tenant_whose_requests_wait_at_the_engine_is_not_idle():
     assert clock.tag("narrow", 1.0) == 200.0
 
 
+def test_the_clock_waits_for_a_long_waiting_tag_and_forgets_the_started_ones():
+    clock = FairClock()
+    stuck = clock.tag("slow", 1.0)
+    for _ in range(500):
+        clock.started(clock.tag("busy", 1.0))
+    assert clock.clock == 499.0
+    new = clock.tag("new", 1.0)
+    assert new == stuck  # held back to the tag still waiting
+    clock.dropped(stuck)
+    clock.started(new)
+    assert len(clock._waiting) < 100  # the started ones' entries went
+    clock.started(clock.tag("busy", 1.0))
+    assert clock.tag("later", 1.0) == 500.0
+
+
 def test_a_removed_waiter_leaves_the_counts_right():
     async def run() -> None:
         q = FairQueue()
