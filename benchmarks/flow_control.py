@@ -690,6 +690,9 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
     seconds = deadline - start
     out_a, prompt_a = in_window(marks_a, start, deadline)
     out_b, prompt_b = in_window(marks_b, start, deadline)
+    # The same from the phase's first moment (the warm-up's start included).
+    begin = deadline - args.phase_seconds
+    whole_a, whole_b = in_window(marks_a, begin, deadline), in_window(marks_b, begin, deadline)
     tput_a, tput_b = out_a / seconds, out_b / seconds
     # What fair share equalizes: the gateway's cost, prompt plus output tokens
     # (a prompt counted once per request, whatever its n).
@@ -728,6 +731,12 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         # The whole phase, warm-up and tail included: what the gateway
         # admitted by tenant (its cost) and the engine's preemptions.
         "admitted_tokens": admitted,
+        "whole_phase_prompt_plus_output": {
+            "n64": sum(whole_a),
+            "n1": sum(whole_b),
+            "ratio_min_max": ratio(sum(whole_a), sum(whole_b)),
+        },
+        "whole_phase_output_ratio_min_max": ratio(whole_a[0], whole_b[0]),
         "ended_cost_by_deadline": {k: round(v) for k, v in ended.items()},
         "ended_cost_ratio_min_max": ratio(ended["n64"], ended["n1"]),
         # The gateway's view sampled through the phase: the engine's learned
