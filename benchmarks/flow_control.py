@@ -28,7 +28,11 @@ their own tenants (weight 1, band 1). Measured, in this order:
    and ratio (target within 20%), and their prompt-plus-output throughputs
    (the gateway's cost, what its fair share equalizes) and ratio, counted
    over the phase after ``--fair-warmup`` as the tokens arrive; besides,
-   the gateway's admitted cost by tenant and the engine's preemptions;
+   the gateway's admitted cost by tenant, each key's cost of the requests
+   that ended by the phase's end, the engine's preemptions, and the
+   gateway's view (the engine's capacity and slots, each key's queued and
+   in-flight requests) with the engine's running and waiting sequences
+   every ``--fair-sample`` seconds;
 6. **batch**: ``--batch-requests`` requests through the Batch API (the
    official ``openai`` client), while the protected tenant's light load
    runs: the batch's wall time and the protected TTFT p90 meanwhile, against
@@ -669,16 +673,63 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         await asyncio.gather(*(worker() for _ in range(n)))
         return out
 
+    tenant_a, tenant_b = security.caller_id(KEY_A), security.caller_id(KEY_B)
+    samples: list[dict] = []
+    at_deadline: dict = {}
+
+    async def sample(client: httpx.AsyncClient) -> None:
+        """The gateway's view every ``--fair-sample`` seconds until the deadline,
+        and once at it (what each key had admitted and not finished then)."""
+        while True:
+            now = time.monotonic()
+            view = (await client.get(fleet.url + "/engines", headers=fleet.admin)).json()
+            e = view["engines"][0]
+            tenants = {t["tenant"]: t for t in view["tenants"]}
+            row = {
+                "t": round(now - (deadline - args.phase_seconds), 2),
+                "admitted": e["admitted"],
+                "capacity": e["capacity"],
+            }
+            # The engine's own count: sequences running and waiting there.
+            text = (await client.get(e["url"] + "/metrics", headers=fleet.admin)).text
+            for line in text.splitlines():
+                for name in ("running", "waiting"):
+                    if line.startswith(f"pdfleet_engine_num_requests_{name}"):
+                        row[f"engine_{name}"] = float(line.rsplit(" ", 1)[1])
+            for name, t in (("n64", tenant_a), ("n1", tenant_b)):
+                got = tenants.get(t, {})
+                row[f"{name}_queued"] = got.get("queued", 0)
+                row[f"{name}_inflight"] = got.get("inflight", 0)
+                row[f"{name}_inflight_tokens"] = got.get("inflight_tokens", 0)
+            if now >= deadline:
+                text = (await client.get(fleet.url + "/metrics", headers=fleet.admin)).text
+                for line in text.splitlines():
+                    if line.startswith("pdfleet_gateway_tenant_tokens_total{"):
+                        name, value = line.rsplit(" ", 1)
+                        at_deadline[name.replace("pdfleet_gateway_", "")] = float(value)
+                at_deadline.update(row)
+                return
+            samples.append(row)
+            await asyncio.sleep(min(args.fair_sample, max(0.0, deadline - time.monotonic())))
+
     steps_before, gate_before = fleet.engine_steps(), fleet.refusals()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+    async with (
+        httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client,
+        httpx.AsyncClient() as watcher,
+    ):
+        sampler = asyncio.create_task(sample(watcher))
         a, b = await asyncio.gather(
             loop(client, KEY_A, big, args.n64_concurrency, marks_a),
             loop(client, KEY_B, little, args.n1_concurrency, marks_b),
         )
+        await sampler
     steps_after, gate_after = fleet.engine_steps(), fleet.refusals()
     seconds = deadline - start
     out_a, prompt_a = in_window(marks_a, start, deadline)
     out_b, prompt_b = in_window(marks_b, start, deadline)
+    # The same from the phase's first moment (the warm-up's start included).
+    begin = deadline - args.phase_seconds
+    whole_a, whole_b = in_window(marks_a, begin, deadline), in_window(marks_b, begin, deadline)
     tput_a, tput_b = out_a / seconds, out_b / seconds
     # What fair share equalizes: the gateway's cost, prompt plus output tokens
     # (a prompt counted once per request, whatever its n).
@@ -686,6 +737,23 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
 
     def ratio(x: float, y: float) -> float | None:
         return round(min(x, y) / max(x, y), 3) if max(x, y) else None
+
+    admitted = {
+        k.split('"')[1]: v - gate_before.get(k, 0.0)
+        for k, v in gate_after.items()
+        if k.startswith("tenant_tokens_total{") and v > gate_before.get(k, 0.0)
+    }
+    # The cost of each key's requests that ended by the deadline: what it had
+    # admitted then less what it held then (read a moment apart: within a
+    # request that came between).
+    ended = {
+        name: at_deadline.get(f'tenant_tokens_total{{tenant="{t}"}}', 0.0)
+        - gate_before.get(f'tenant_tokens_total{{tenant="{t}"}}', 0.0)
+        - at_deadline.get(f"{name}_inflight_tokens", 0)
+        for name, t in (("n64", tenant_a), ("n1", tenant_b))
+    }
+    after_warmup = [x for x in samples if x["t"] >= args.fair_warmup]
+    capacities = [x["capacity"] for x in samples if x["capacity"] is not None]
 
     return {
         "window_s": round(seconds, 1),
@@ -699,11 +767,39 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
         "n1_outcomes": dict(Counter(b)),
         # The whole phase, warm-up and tail included: what the gateway
         # admitted by tenant (its cost) and the engine's preemptions.
-        "admitted_tokens": {
-            k.split('"')[1]: v - gate_before.get(k, 0.0)
-            for k, v in gate_after.items()
-            if k.startswith("tenant_tokens_total{") and v > gate_before.get(k, 0.0)
+        "admitted_tokens": admitted,
+        "whole_phase_prompt_plus_output": {
+            "n64": sum(whole_a),
+            "n1": sum(whole_b),
+            "ratio_min_max": ratio(sum(whole_a), sum(whole_b)),
         },
+        "whole_phase_output_ratio_min_max": ratio(whole_a[0], whole_b[0]),
+        "ended_cost_by_deadline": {k: round(v) for k, v in ended.items()},
+        "ended_cost_ratio_min_max": ratio(ended["n64"], ended["n1"]),
+        # The gateway's view sampled through the phase: the engine's learned
+        # capacity, and (after the warm-up) how often the n=1 key had nothing
+        # waiting in the gateway's queue and how full the engine's slots were.
+        "capacity_min_max": [min(capacities), max(capacities)] if capacities else None,
+        "samples_after_warmup": len(after_warmup),
+        "n1_queued_mean": round(sum(x["n1_queued"] for x in after_warmup) / len(after_warmup), 1)
+        if after_warmup
+        else None,
+        "n1_queued_zero_share": round(
+            sum(1 for x in after_warmup if not x["n1_queued"]) / len(after_warmup), 3
+        )
+        if after_warmup
+        else None,
+        "admitted_slots_mean": round(
+            sum(x["admitted"] for x in after_warmup) / len(after_warmup), 1
+        )
+        if after_warmup
+        else None,
+        "engine_running_mean": round(
+            sum(x.get("engine_running", 0) for x in after_warmup) / len(after_warmup), 1
+        )
+        if after_warmup
+        else None,
+        "view_samples": samples,
         "engine_preemptions": steps_after.get("pdfleet_engine_num_preemptions_total", 0.0)
         - steps_before.get("pdfleet_engine_num_preemptions_total", 0.0),
     }
@@ -824,6 +920,12 @@ def main() -> None:
         help="the tenants file's prompt_token_weight (what fair share counts a prompt token for)",
     )
     ap.add_argument("--n64-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--fair-sample",
+        type=float,
+        default=0.25,
+        help="seconds between samples of the gateway's view in the n=64 vs n=1 phase",
+    )
     ap.add_argument(
         "--fair-warmup",
         type=float,

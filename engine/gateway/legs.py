@@ -105,6 +105,10 @@ class Legs:
         call.top = top = self._top(call)
         self.admission.take(e, id(call) if streamed else None, call.seqs, top)
         call.slot = e
+        if not streamed and call.ticket is not None:
+            # Its band's fair-share clock moves on to its tag now; a stream's at
+            # its first event (:meth:`first_token`), when its engine serves it.
+            call.ticket.started()
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
         """Its slot on its prefill engine, until its prefill leg ends."""
@@ -182,6 +186,8 @@ class Legs:
             call.computed()
         if call.slot is not None:
             self.admission.answered(call.slot, id(call))
+            if call.ticket is not None:
+                call.ticket.started()
         ttft = self._ttft.get(call.endpoint)
         if ttft is None:
             ttft = self._ttft[call.endpoint] = self.metrics.fast_histogram(

@@ -139,6 +139,36 @@ def _message_text(content: Any) -> str:
     return ""
 
 
+def estimated_tokens(body: dict[str, Any]) -> int | None:
+    """The prompt's tokens of a request routed without analyzing it, from its
+    text's characters (``CHARS_PER_TOKEN``; token ids counted as they are):
+    every prompt of a completions request, every message's role and text of
+    a chat one. None when the body holds neither in a form this knows."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = 0
+        for m in messages:
+            if isinstance(m, dict):
+                chars += len(str(m.get("role", ""))) + len(_message_text(m.get("content"))) + 2
+        return -(-chars // CHARS_PER_TOKEN)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return -(-len(prompt) // CHARS_PER_TOKEN)
+    if not isinstance(prompt, list):
+        return None
+    if not prompt or isinstance(prompt[0], int):
+        return len(prompt)  # token ids (an estimate: the first one says)
+    tokens = 0
+    for p in prompt:
+        if isinstance(p, str):
+            tokens += -(-len(p) // CHARS_PER_TOKEN)
+        elif isinstance(p, list):
+            tokens += len(p)
+        else:
+            return None
+    return tokens
+
+
 class PromptAnalyzer:
     """Prompt length and block hashes, at a bounded cost per request.
 

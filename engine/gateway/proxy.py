@@ -232,9 +232,7 @@ class Proxy:
             if ensured is not route:
                 plan = None  # a peer's lend was planned for the engine given up
             route = ensured
-        self.legs.take_slot(call, route.decode)
-        if call.ticket is not None:
-            call.ticket.started()  # its band's fair-share clock moves on
+        self.legs.take_slot(call, route.decode)  # (and the fair-share clock moves on)
         if route.prefill is not None:
             self.legs.take_prefill_slot(call, route.prefill)
         key = (route.decision, route.reason)

@@ -58,6 +58,41 @@ def test_an_idle_tenant_banks_no_credit():
     assert clock.tag("busy", 1.0) == 8.0
 
 
+def test_a_tenant_whose_requests_wait_at_the_engine_is_not_idle():
+    """Requests start out of their tags' order when the engine has room for
+    all of them (its own queue orders them by the same tags): the clock never
+    passes a tag that has not started, so a tenant whose requests all went to
+    the engine and wait there keeps its place. Once they all started (or ended
+    without starting) it is idle again: its next request starts at the clock."""
+    clock = FairClock()
+    narrow = [clock.tag("narrow", 1.0) for _ in range(4)]
+    wide = [clock.tag("wide", 100.0) for _ in range(3)]
+    assert narrow == [0.0, 1.0, 2.0, 3.0] and wide == [0.0, 100.0, 200.0]
+    clock.started(wide[2])  # the engine served the last wide one first
+    assert clock.clock == 200.0
+    later = clock.tag("narrow", 1.0)
+    assert later == 4.0  # its own finish, not the clock: its requests wait
+    for tag in [*narrow, later, wide[1]]:
+        clock.started(tag)
+    clock.dropped(wide[0])  # (a request that never started: it waits no more)
+    assert clock.tag("narrow", 1.0) == 200.0
+
+
+def test_the_clock_waits_for_a_long_waiting_tag_and_forgets_the_started_ones():
+    clock = FairClock()
+    stuck = clock.tag("slow", 1.0)
+    for _ in range(500):
+        clock.started(clock.tag("busy", 1.0))
+    assert clock.clock == 499.0
+    new = clock.tag("new", 1.0)
+    assert new == stuck  # held back to the tag still waiting
+    clock.dropped(stuck)
+    clock.started(new)
+    assert len(clock._waiting) < 100  # the started ones' entries went
+    clock.started(clock.tag("busy", 1.0))
+    assert clock.tag("later", 1.0) == 500.0
+
+
 def test_a_removed_waiter_leaves_the_counts_right():
     async def run() -> None:
         q = FairQueue()
@@ -143,6 +178,32 @@ def test_flow_control_counts_outcomes_per_tenant():
         "pdfleet_gateway_tenant_requests_total", {"tenant": "t", "outcome": "queue_full"}
     )
     assert text == 1.0
+
+
+def test_an_unanalyzed_prompt_is_estimated_from_its_text_not_the_bodys_size():
+    """A request routed without analyzing its prompt (one engine, no queue) is
+    charged its prompt's characters over four, whatever else its body holds;
+    token ids count as they are, every prompt of a batch and every message."""
+    config = GatewayConfig(decode=["http://e"])
+    metrics = GatewayMetrics()
+    gate = FlowGate(config, Tenants(), Admission(config, metrics), metrics)
+    tenant = gate.tenant(caller_id("k"))
+    body = {
+        "model": "tiny",
+        "prompt": "x" * 40,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    assert gate.admit(tenant, body, None, 4000).ticket.cost == 10 + 8
+    assert (
+        gate.admit(tenant, {"prompt": [1, 2, 3], "max_tokens": 8}, None, 4000).ticket.cost == 3 + 8
+    )
+    batch = {"prompt": ["x" * 8, [1, 2]], "max_tokens": 8}
+    assert gate.admit(tenant, batch, None, 4000).ticket.cost == 2 + 2 + 2 * 8
+    chat = {"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 8}
+    assert gate.admit(tenant, chat, None, 4000).ticket.cost == 9 + 8  # "user", 2 separators
+    assert gate.admit(tenant, {"prompt": 7, "max_tokens": 8}, None, 400).ticket.cost == 100 + 8
 
 
 def test_the_prompt_token_weight_changes_the_share_and_never_the_limits():

@@ -20,6 +20,8 @@ own, so a tenant's limits apply per worker.
 
 from __future__ import annotations
 
+import collections
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,22 +42,73 @@ class FairClock:
     """Start-time fair queuing by tokens within one band: a request's tag is
     ``max(its tenant's finish, the band's clock)``, its tenant's finish then
     grows by ``cost / weight``, and the clock follows the tags of the requests
-    that start. A tenant that was idle starts at the clock: it banks no credit."""
+    that start. A tenant that was idle starts at the clock: it banks no credit.
+
+    The clock never passes a tag that is still waiting to start (given and
+    neither started nor dropped): requests start out of their tags' order
+    when the engines have room for all of them (the engine's queue, by the
+    same tags, orders them then), and a tenant whose requests all went to the
+    engines but wait there is not idle: its next tags follow its own."""
 
     def __init__(self) -> None:
         self.clock = 0.0
         self.finish: dict[str, float] = {}
+        self._waiting: list[float] = []
+        """Tags given and not started yet (a heap; those gone are in ``_gone``)."""
+        self._gone: collections.Counter[float] = collections.Counter()
+        self._left = 0
+        """Entries of ``_waiting`` that are gone (counted in ``_gone``)."""
 
     def tag(self, tenant: str, weighted_cost: float) -> float:
-        start = max(self.finish.get(tenant, 0.0), self.clock)
+        clock = self.clock
+        if self._waiting:
+            clock = min(clock, self._first())
+        start = max(self.finish.get(tenant, 0.0), clock)
         self.finish[tenant] = start + weighted_cost
         if len(self.finish) > 4096:  # only tenants ahead of the clock carry debt
             self.finish = {t: f for t, f in self.finish.items() if f > self.clock}
+        heapq.heappush(self._waiting, start)
         return start
 
     def started(self, tag: float) -> None:
+        """A request of ``tag`` started (once per tag given)."""
         if tag > self.clock:
             self.clock = tag
+        self._leave(tag)
+
+    def dropped(self, tag: float) -> None:
+        """A request of ``tag`` ended without starting (once per tag given)."""
+        self._leave(tag)
+
+    def _leave(self, tag: float) -> None:
+        self._gone[tag] += 1
+        self._left += 1
+        if self._left > 64 and 2 * self._left > len(self._waiting):
+            # Mostly gone below a tag that waits long: keep the ones still waiting.
+            gone, kept = self._gone, []
+            for t in self._waiting:
+                if gone.get(t):
+                    gone[t] -= 1
+                else:
+                    kept.append(t)
+            heapq.heapify(kept)
+            self._waiting, self._gone, self._left = kept, collections.Counter(), 0
+
+    def _first(self) -> float:
+        """The smallest tag waiting to start (the clock when none is)."""
+        waiting, gone = self._waiting, self._gone
+        while waiting and gone:
+            top = waiting[0]
+            n = gone.get(top)
+            if not n:
+                break
+            heapq.heappop(waiting)
+            self._left -= 1
+            if n == 1:
+                del gone[top]
+            else:
+                gone[top] = n - 1
+        return waiting[0] if waiting else self.clock
 
 
 class TokenBucket:
@@ -102,7 +155,7 @@ class TenantState:
 class Ticket:
     """An admitted request's hold on its tenant's in-flight limits."""
 
-    __slots__ = ("_admitted", "_clock", "_flow", "band", "cost", "state", "tag")
+    __slots__ = ("_admitted", "_clock", "_flow", "_waiting", "band", "cost", "state", "tag")
 
     def __init__(
         self,
@@ -119,6 +172,7 @@ class Ticket:
         # the limits the whole cost.
         charged = cost if share is None else share
         self.tag = clock.tag(state.tenant.name, charged / state.tenant.policy.weight)
+        self._waiting = True
         self._admitted = time.monotonic()
 
     @property
@@ -127,8 +181,11 @@ class Ticket:
         return priority.encode(self.band, self.tag)
 
     def started(self) -> None:
-        """It got its slot: the band's clock moves to its tag."""
-        self._clock.started(self.tag)
+        """It started (its slot, or a stream's first event): the band's clock
+        moves to its tag (once; later calls do nothing)."""
+        if self._waiting:
+            self._waiting = False
+            self._clock.started(self.tag)
 
     @property
     def tenant(self) -> str:
@@ -148,6 +205,9 @@ class Ticket:
         flow, self._flow = self._flow, None  # type: ignore[assignment]
         if flow is None:
             return
+        if self._waiting:  # it never started
+            self._waiting = False
+            self._clock.dropped(self.tag)
         s = self.state
         s.inflight -= 1
         s.inflight_tokens -= self.cost

@@ -14,7 +14,7 @@ from ...contracts.priority import BATCH_BAND, MAX_BAND
 from ...contracts.sampling_checks import num_prompts, num_sequences
 from ..admission import Admission, Overloaded
 from ..metrics import GatewayMetrics
-from ..prompt import CHARS_PER_TOKEN
+from ..prompt import CHARS_PER_TOKEN, estimated_tokens
 from .control import FlowControl, Ticket
 from .tenants import Tenant, Tenants
 
@@ -112,7 +112,8 @@ class FlowGate:
     ) -> Admitted:
         """Check and admit one request (its body already passed the sampling
         checks); FlowRefused otherwise. ``prompt_tokens``: counted when the
-        prompt was analyzed, else estimated from the body's size. ``batch``:
+        prompt was analyzed, else estimated from its text (``body_bytes``: the
+        body's size, for a prompt in no form the estimate knows). ``batch``:
         a Batch API request (the batch band)."""
         p = tenant.policy
         changed = False
@@ -135,7 +136,14 @@ class FlowGate:
                 tenant.cache_salt if not isinstance(own, str) else f"{tenant.cache_salt}:{own}"
             )
             changed = True
-        tokens = prompt_tokens if prompt_tokens else -(-body_bytes // CHARS_PER_TOKEN)
+        tokens = prompt_tokens
+        if not tokens:
+            # Routed without analyzing its prompt: estimated from the prompt's
+            # text, not the body's size (whose other fields would charge a
+            # short request several times its prompt).
+            tokens = estimated_tokens(body)
+            if tokens is None:
+                tokens = -(-body_bytes // CHARS_PER_TOKEN)
         seqs = self.seqs(body)
         output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
