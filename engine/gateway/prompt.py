@@ -139,29 +139,64 @@ def _message_text(content: Any) -> str:
     return ""
 
 
+# Tokens a chat template adds around each message (its role's markers).
+MESSAGE_OVERHEAD_TOKENS = 4
+# Fields of a chat request that its template renders into the prompt besides
+# the messages' text (charged by their JSON's size).
+_TEMPLATED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs", "tool_choice")
+# Fields of a message that its template renders besides its content.
+_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
+
+
+def _text_tokens(text: str) -> int:
+    """Tokens of ``text``, estimated: ``CHARS_PER_TOKEN`` characters a token for
+    ASCII, a token a character beyond it (about what tokenizers give for CJK
+    text; generous for accented Latin)."""
+    n = len(text)
+    if text.isascii():
+        return -(-n // CHARS_PER_TOKEN)
+    wide = min(n, (len(text.encode("utf-8", "surrogatepass")) - n + 1) // 2)
+    return -(-(n - wide) // CHARS_PER_TOKEN) + wide
+
+
+def _json_tokens(value: Any) -> int:
+    if isinstance(value, str):
+        return _text_tokens(value)
+    return _text_tokens(json.dumps(value, ensure_ascii=False, default=str))
+
+
 def estimated_tokens(body: dict[str, Any]) -> int | None:
     """The prompt's tokens of a request routed without analyzing it, from its
-    text's characters (``CHARS_PER_TOKEN``; token ids counted as they are):
-    every prompt of a completions request, every message's role and text of
-    a chat one. None when the body holds neither in a form this knows."""
+    text (``_text_tokens``; token ids counted as they are): every prompt of a
+    completions request; every message's role, text and other rendered fields
+    of a chat one, a template's markers per message, and the request's fields
+    that its template renders (tools and the like). None when the body holds
+    neither in a form this knows."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        chars = 0
+        tokens = 0
         for m in messages:
+            tokens += MESSAGE_OVERHEAD_TOKENS
             if isinstance(m, dict):
-                chars += len(str(m.get("role", ""))) + len(_message_text(m.get("content"))) + 2
-        return -(-chars // CHARS_PER_TOKEN)
+                tokens += _text_tokens(str(m.get("role", "")) + _message_text(m.get("content")))
+                for name in _MESSAGE_FIELDS:
+                    if m.get(name):
+                        tokens += _json_tokens(m[name])
+        for name in _TEMPLATED_FIELDS:
+            if body.get(name):
+                tokens += _json_tokens(body[name])
+        return tokens
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return -(-len(prompt) // CHARS_PER_TOKEN)
+        return _text_tokens(prompt)
     if not isinstance(prompt, list):
         return None
-    if not prompt or isinstance(prompt[0], int):
-        return len(prompt)  # token ids (an estimate: the first one says)
+    if all(isinstance(t, int) for t in prompt):
+        return len(prompt)  # token ids
     tokens = 0
     for p in prompt:
         if isinstance(p, str):
-            tokens += -(-len(p) // CHARS_PER_TOKEN)
+            tokens += _text_tokens(p)
         elif isinstance(p, list):
             tokens += len(p)
         else:

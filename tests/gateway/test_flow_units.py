@@ -32,7 +32,7 @@ def order(pushes: list[tuple[str, int, float]], pops: int, started: bool = True)
         for _ in range(pops):
             w = q.pop()
             assert w is not None
-            clocks[w.band].started(w.tag)
+            clocks[w.band].started(w.tenant, w.tag)
             out.append(w.tenant)
         assert len(q) == len(pushes) - pops
         return out
@@ -51,7 +51,7 @@ def test_bands_are_strict_and_weights_share_by_cost():
 def test_an_idle_tenant_banks_no_credit():
     clock = FairClock()
     for _ in range(8):
-        clock.started(clock.tag("busy", 1.0))
+        clock.started("busy", clock.tag("busy", 1.0))
     # A newcomer starts at the clock (7), not at 0, where the busy tenant's
     # next request (8) is: they alternate, the newcomer does not take every slot.
     assert clock.tag("new", 1.0) == 7.0
@@ -60,37 +60,41 @@ def test_an_idle_tenant_banks_no_credit():
 
 def test_a_tenant_whose_requests_wait_at_the_engine_is_not_idle():
     """Requests start out of their tags' order when the engine has room for
-    all of them (its own queue orders them by the same tags): the clock never
-    passes a tag that has not started, so a tenant whose requests all went to
-    the engine and wait there keeps its place. Once they all started (or ended
+    all of them (its own queue orders them by the same tags): a tenant whose
+    requests all went to the engine and wait there keeps its place, though a
+    later tag of another tenant started. Once they all started (or ended
     without starting) it is idle again: its next request starts at the clock."""
     clock = FairClock()
     narrow = [clock.tag("narrow", 1.0) for _ in range(4)]
     wide = [clock.tag("wide", 100.0) for _ in range(3)]
     assert narrow == [0.0, 1.0, 2.0, 3.0] and wide == [0.0, 100.0, 200.0]
-    clock.started(wide[2])  # the engine served the last wide one first
+    clock.started("wide", wide[2])  # the engine served the last wide one first
     assert clock.clock == 200.0
     later = clock.tag("narrow", 1.0)
     assert later == 4.0  # its own finish, not the clock: its requests wait
-    for tag in [*narrow, later, wide[1]]:
-        clock.started(tag)
-    clock.dropped(wide[0])  # (a request that never started: it waits no more)
+    for tag in [*narrow, later]:
+        clock.started("narrow", tag)
+    clock.started("wide", wide[1])
+    clock.dropped("wide")  # (a request that never started: it waits no more)
     assert clock.tag("narrow", 1.0) == 200.0
 
 
-def test_the_clock_waits_for_a_long_waiting_tag_and_forgets_the_started_ones():
+def test_a_tag_that_waits_long_holds_back_no_other_tenant():
+    """One request that waits long to start (a slow first event) keeps its own
+    tenant's place, and nobody else's: a newcomer starts at the clock, not at
+    the old tag, so it banks no credit while the request waits; the clock's
+    bookkeeping stays one count per tenant with requests waiting."""
     clock = FairClock()
     stuck = clock.tag("slow", 1.0)
     for _ in range(500):
-        clock.started(clock.tag("busy", 1.0))
+        clock.started("busy", clock.tag("busy", 1.0))
     assert clock.clock == 499.0
-    new = clock.tag("new", 1.0)
-    assert new == stuck  # held back to the tag still waiting
-    clock.dropped(stuck)
-    clock.started(new)
-    assert len(clock._waiting) < 100  # the started ones' entries went
-    clock.started(clock.tag("busy", 1.0))
-    assert clock.tag("later", 1.0) == 500.0
+    assert clock.tag("new", 1.0) == 499.0  # the clock, not the stuck tag (0)
+    assert clock.tag("slow", 1.0) == stuck + 1.0  # its own place: it waits
+    assert set(clock.waiting) == {"new", "slow"}
+    clock.dropped("slow")
+    clock.dropped("slow")
+    assert clock.tag("slow", 1.0) == 499.0  # idle again: at the clock
 
 
 def test_a_removed_waiter_leaves_the_counts_right():
@@ -201,9 +205,36 @@ def test_an_unanalyzed_prompt_is_estimated_from_its_text_not_the_bodys_size():
     )
     batch = {"prompt": ["x" * 8, [1, 2]], "max_tokens": 8}
     assert gate.admit(tenant, batch, None, 4000).ticket.cost == 2 + 2 + 2 * 8
-    chat = {"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 8}
-    assert gate.admit(tenant, chat, None, 4000).ticket.cost == 9 + 8  # "user", 2 separators
+    chat = {"messages": [{"role": "user", "content": "x" * 32}], "max_tokens": 8}
+    assert gate.admit(tenant, chat, None, 4000).ticket.cost == 4 + 9 + 8  # markers, "user" + text
     assert gate.admit(tenant, {"prompt": 7, "max_tokens": 8}, None, 400).ticket.cost == 100 + 8
+    # A token-id list that is not all ids: by the body's size.
+    mixed = {"prompt": [1, "x" * 4000], "max_tokens": 8}
+    assert gate.admit(tenant, mixed, None, 4000).ticket.cost == 1000 + 2 * 8
+
+
+def test_what_a_chat_template_renders_is_charged_beyond_the_messages_text():
+    """Tools, a message's tool calls and name, the template's markers per
+    message, and text beyond ASCII (a token a character) are charged: a body
+    shaped to be charged little costs what it will cost the engine."""
+    config = GatewayConfig(decode=["http://e"])
+    metrics = GatewayMetrics()
+    gate = FlowGate(config, Tenants(), Admission(config, metrics), metrics)
+    tenant = gate.tenant(caller_id("k"))
+
+    def cost(messages: list, **extra) -> float:
+        body = {"messages": messages, "max_tokens": 0, **extra}
+        return gate.admit(tenant, body, None, 10).ticket.cost
+
+    user = {"role": "user", "content": "hi"}
+    plain = cost([user])
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 4000}}
+    assert cost([user], tools=[tool]) >= plain + 1000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * 4000}}
+    assert cost([user, {"role": "assistant", "tool_calls": [call]}]) >= plain + 1000
+    assert cost([{**user, "name": "n" * 4000}]) >= plain + 1000
+    assert cost([{"role": "user", "content": ""}] * 1000) >= 4000
+    assert cost([{"role": "user", "content": "字" * 1000}]) >= 1000
 
 
 def test_the_prompt_token_weight_changes_the_share_and_never_the_limits():

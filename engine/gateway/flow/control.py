@@ -21,7 +21,6 @@ own, so a tenant's limits apply per worker.
 from __future__ import annotations
 
 import collections
-import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,75 +39,53 @@ DEFAULT_SERVICE_S = 1.0
 
 class FairClock:
     """Start-time fair queuing by tokens within one band: a request's tag is
-    ``max(its tenant's finish, the band's clock)``, its tenant's finish then
-    grows by ``cost / weight``, and the clock follows the tags of the requests
-    that start. A tenant that was idle starts at the clock: it banks no credit.
+    its tenant's finish, its tenant's finish then grows by ``cost / weight``,
+    and the clock follows the largest tag that started. A tenant with no
+    request waiting to start (given a tag, neither started nor dropped) is
+    idle: its next tag is at least the clock, so it banks no credit.
 
-    The clock never passes a tag that is still waiting to start (given and
-    neither started nor dropped): requests start out of their tags' order
-    when the engines have room for all of them (the engine's queue, by the
-    same tags, orders them then), and a tenant whose requests all went to the
-    engines but wait there is not idle: its next tags follow its own."""
+    Requests start out of their tags' order when the engines have room for
+    all of them (the engine's queue, by the same tags, orders them then): a
+    tenant whose requests all went to the engines but wait there is not idle,
+    and its next tags follow its own even when a later tag of another tenant
+    started first. Nobody else's tag depends on its waiting requests, so one
+    that waits long (for a slow first event) holds back no other tenant, and
+    gives its own tenant no more than the place it had (a request cannot wait
+    to start past the first-token bound)."""
 
     def __init__(self) -> None:
         self.clock = 0.0
         self.finish: dict[str, float] = {}
-        self._waiting: list[float] = []
-        """Tags given and not started yet (a heap; those gone are in ``_gone``)."""
-        self._gone: collections.Counter[float] = collections.Counter()
-        self._left = 0
-        """Entries of ``_waiting`` that are gone (counted in ``_gone``)."""
+        self.waiting: collections.Counter[str] = collections.Counter()
+        """Each tenant's requests given a tag and not started or dropped yet."""
 
     def tag(self, tenant: str, weighted_cost: float) -> float:
-        clock = self.clock
-        if self._waiting:
-            clock = min(clock, self._first())
-        start = max(self.finish.get(tenant, 0.0), clock)
+        start = self.finish.get(tenant, 0.0)
+        if not self.waiting.get(tenant) and start < self.clock:
+            start = self.clock
         self.finish[tenant] = start + weighted_cost
-        if len(self.finish) > 4096:  # only tenants ahead of the clock carry debt
-            self.finish = {t: f for t, f in self.finish.items() if f > self.clock}
-        heapq.heappush(self._waiting, start)
+        self.waiting[tenant] += 1
+        if len(self.finish) > 4096:  # only tenants ahead of the clock, or waiting, carry a place
+            waiting, clock = self.waiting, self.clock
+            self.finish = {t: f for t, f in self.finish.items() if f > clock or t in waiting}
         return start
 
-    def started(self, tag: float) -> None:
-        """A request of ``tag`` started (once per tag given)."""
+    def started(self, tenant: str, tag: float) -> None:
+        """A request of ``tenant`` and ``tag`` started (once per tag given)."""
         if tag > self.clock:
             self.clock = tag
-        self._leave(tag)
+        self._leave(tenant)
 
-    def dropped(self, tag: float) -> None:
-        """A request of ``tag`` ended without starting (once per tag given)."""
-        self._leave(tag)
+    def dropped(self, tenant: str) -> None:
+        """A request of ``tenant`` ended without starting (once per tag given)."""
+        self._leave(tenant)
 
-    def _leave(self, tag: float) -> None:
-        self._gone[tag] += 1
-        self._left += 1
-        if self._left > 64 and 2 * self._left > len(self._waiting):
-            # Mostly gone below a tag that waits long: keep the ones still waiting.
-            gone, kept = self._gone, []
-            for t in self._waiting:
-                if gone.get(t):
-                    gone[t] -= 1
-                else:
-                    kept.append(t)
-            heapq.heapify(kept)
-            self._waiting, self._gone, self._left = kept, collections.Counter(), 0
-
-    def _first(self) -> float:
-        """The smallest tag waiting to start (the clock when none is)."""
-        waiting, gone = self._waiting, self._gone
-        while waiting and gone:
-            top = waiting[0]
-            n = gone.get(top)
-            if not n:
-                break
-            heapq.heappop(waiting)
-            self._left -= 1
-            if n == 1:
-                del gone[top]
-            else:
-                gone[top] = n - 1
-        return waiting[0] if waiting else self.clock
+    def _leave(self, tenant: str) -> None:
+        n = self.waiting[tenant] - 1
+        if n > 0:
+            self.waiting[tenant] = n
+        else:
+            del self.waiting[tenant]
 
 
 class TokenBucket:
@@ -185,7 +162,7 @@ class Ticket:
         moves to its tag (once; later calls do nothing)."""
         if self._waiting:
             self._waiting = False
-            self._clock.started(self.tag)
+            self._clock.started(self.state.tenant.name, self.tag)
 
     @property
     def tenant(self) -> str:
@@ -207,7 +184,7 @@ class Ticket:
             return
         if self._waiting:  # it never started
             self._waiting = False
-            self._clock.dropped(self.tag)
+            self._clock.dropped(self.state.tenant.name)
         s = self.state
         s.inflight -= 1
         s.inflight_tokens -= self.cost
