@@ -199,12 +199,16 @@ class SimEngine:
                 else:
                     still.append(s)
             self.running = still
-            for r, n in stepped.values():
-                ended = r.done_seqs == r.seqs
-                if self.relay_s_per_read:
-                    self._reads.put_nowait((r, n, ended))
-                else:
-                    self._read(r, n, ended, loop.time())
+            self._deliver(stepped, loop.time())
+
+    def _deliver(self, stepped: dict[int, tuple[_Req, int]], now: float) -> None:
+        """Each request's tokens of a step, read now or through the relay."""
+        for r, n in stepped.values():
+            ended = r.done_seqs == r.seqs
+            if self.relay_s_per_read:
+                self._reads.put_nowait((r, n, ended))
+            else:
+                self._read(r, n, ended, now)
 
     def _read(self, r: _Req, n: int, ended: bool, now: float) -> None:
         r.produced += n
@@ -296,12 +300,7 @@ class RealSchedulerEngine(SimEngine):
                 if rid not in s.requests:  # it finished
                     del self._of[rid]
                     r.done_seqs += 1
-            for r, n in stepped.values():
-                ended = r.done_seqs == r.seqs
-                if self.relay_s_per_read:
-                    self._reads.put_nowait((r, n, ended))
-                else:
-                    self._read(r, n, ended, loop.time())
+            self._deliver(stepped, loop.time())
 
 
 @dataclass
