@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+from helpers.autoscaling import binding_fleet
 
 from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling_lab.bstar import (
@@ -128,13 +129,7 @@ def test_a_schedule_is_played_as_given():
 @pytest.fixture(scope="module")
 def small_bstar():
     # A small fleet whose SLOs bind: B* is found by simulating schedules.
-    model = FleetModel(
-        prefill_tokens_per_second=4000.0,
-        cold_start_seconds=30.0,
-        ttft_slo_seconds=1.2,
-        itl_slo_seconds=0.02,
-    )
-    spec = AutoscalingSpec.from_spec({r: {"maxReplicas": 40} for r in ("prefill", "decode")})
+    model, spec = binding_fleet()
     config = TraceConfig(
         kind="burst",
         duration_seconds=600,

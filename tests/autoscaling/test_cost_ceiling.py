@@ -9,8 +9,8 @@ import itertools
 import random
 
 import pytest
+from helpers.autoscaling import binding_fleet
 
-from pdfleet.operator.autoscaling.spec import AutoscalingSpec
 from pdfleet.operator.autoscaling_lab.cost_ceiling import (
     Search,
     Shape,
@@ -21,7 +21,6 @@ from pdfleet.operator.autoscaling_lab.cost_ceiling import (
     play,
 )
 from pdfleet.operator.autoscaling_lab.sim import Cell
-from pdfleet.operator.autoscaling_lab.sim_fleet import FleetModel
 from pdfleet.operator.autoscaling_lab.strategies import Sizing
 from pdfleet.operator.autoscaling_lab.traces import TraceConfig
 
@@ -84,13 +83,7 @@ def small_cell():
     # A small fleet whose SLOs bind, two surges in ten minutes, each at its
     # full rate from its onset (a schedule with foresight would ramp up
     # before it).
-    model = FleetModel(
-        prefill_tokens_per_second=4000.0,
-        cold_start_seconds=30.0,
-        ttft_slo_seconds=1.2,
-        itl_slo_seconds=0.02,
-    )
-    spec = AutoscalingSpec.from_spec({r: {"maxReplicas": 40} for r in ("prefill", "decode")})
+    model, spec = binding_fleet()
     config = TraceConfig(
         kind="burst",
         duration_seconds=600,
