@@ -380,3 +380,22 @@ def check_fields(body: Mapping[str, Any], route: str) -> None:
         where = sorted(routes) if routes else []
         hint = f"; it is a field of {', '.join(where)}" if where else ""
         raise ValueError(f"{name} is not a field of this request ({route}{hint})")
+
+
+# Arguments of the chat template call that request fields set (a request's
+# chat_template_kwargs may not override them).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)

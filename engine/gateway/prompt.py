@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..contracts.block_hash import (
     get_hash_fn,
     prompt_block_hashes,
 )
+from ..contracts.request_fields import RESERVED_TEMPLATE_KWARGS
 
 logger = logging.getLogger("pdfleet.gateway")
 
@@ -108,27 +110,54 @@ class Tokenizer:
         if template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
 
             def raise_exception(message: str) -> None:
                 raise ValueError(message)
 
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            # Templates render tools and tool call arguments as JSON: plain
+            # JSON, as the engine's templating writes it (jinja's own filter
+            # escapes HTML characters).
+            env.filters["tojson"] = _tojson
             self.template = env.from_string(template)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat_text(self, messages: list[dict[str, str]]) -> str | None:
-        """The conversation as the engine renders it (None without a template)."""
+    def chat_text(
+        self, messages: list[dict[str, Any]], inputs: dict[str, Any] | None = None
+    ) -> str | None:
+        """The conversation as the engine renders it (None without a template).
+        ``inputs``: the request's other template inputs (``template_inputs``)."""
         if self.template is None:
             return None
+        given = inputs if inputs is not None else {"add_generation_prompt": True}
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, **self.special
+                {"tools": None, "documents": None, **self.special, **given}, messages=messages
             )
         except Exception:  # the engine will reject a conversation its template rejects
             return None
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _message_text(content: Any) -> str:
@@ -146,6 +175,76 @@ MESSAGE_OVERHEAD_TOKENS = 4
 _TEMPLATED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs", "tool_choice")
 # Fields of a message that its template renders besides its content.
 _MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
+
+
+def template_messages(raw: list[Any]) -> list[dict[str, Any]] | None:
+    """The messages as the engine hands them to its chat template: role, text,
+    name, tool call id, an earlier turn's reasoning (under the names templates
+    read it by) and tool calls with their arguments as objects. None for a
+    message the engine refuses (tool call arguments that are not JSON)."""
+    out: list[dict[str, Any]] = []
+    for m in raw:
+        if not isinstance(m, dict):
+            continue
+        msg: dict[str, Any] = {
+            "role": str(m.get("role", "")),
+            "content": _message_text(m.get("content")),
+        }
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        thought = m.get("reasoning_content")
+        if thought is None:
+            thought = m.get("reasoning")
+        if thought is not None:
+            msg["reasoning_content"] = thought
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                return None
+            rendered = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+                    return None
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError:
+                    return None
+                rendered.append(
+                    {
+                        "id": c.get("id"),
+                        "type": "function",
+                        "function": {"name": fn.get("name"), "arguments": args},
+                    }
+                )
+            msg["tool_calls"] = rendered
+        if thought is not None:
+            # Templates read an earlier turn's thinking as reasoning_content,
+            # some (gpt-oss) as thinking.
+            msg = {"thinking": thought, **msg}
+        out.append(msg)
+    return out
+
+
+def template_inputs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat template's inputs besides the messages, as the engine passes
+    them: ``chat_template_kwargs``, documents, tools and whether to add the
+    assistant's turn. None where the rendering could not be mirrored (a
+    conversation continued in its last message, a reserved or malformed
+    ``chat_template_kwargs``)."""
+    if body.get("continue_final_message"):
+        return None
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) & RESERVED_TEMPLATE_KWARGS:
+        return None
+    inputs = dict(kwargs)
+    for name in ("documents", "tools"):
+        if body.get(name):
+            inputs[name] = body[name]
+    inputs["add_generation_prompt"] = body.get("add_generation_prompt", True) is not False
+    return inputs
 
 
 def _text_tokens(text: str) -> int:
@@ -317,21 +416,28 @@ class PromptAnalyzer:
         exact = self.tokenizer is not None
         if chat:
             raw = body.get("messages")
-            messages = (
-                [
-                    {"role": str(m.get("role", "")), "content": _message_text(m.get("content"))}
-                    for m in raw
-                    if isinstance(m, dict)
-                ]
-                if isinstance(raw, list)
-                else []
-            )
-            rendered = self.tokenizer.chat_text(messages) if self.tokenizer else None
+            messages = template_messages(raw) if isinstance(raw, list) else []
+            inputs = template_inputs(body)
+            rendered = None
+            if self.tokenizer and messages is not None and inputs is not None:
+                rendered = self.tokenizer.chat_text(messages, inputs)
             if rendered is not None:
                 # The template holds the special tokens (unless the request adds more).
                 text, special = rendered, body.get("add_special_tokens") is True
             else:
-                text, exact = "".join(f"{m['role']}\n{m['content']}\n" for m in messages), False
+                # Hashed by the messages' text; counted as a request routed
+                # without analysis is (its tools and the like included).
+                text = "".join(
+                    f"{m.get('role', '')}\n{_message_text(m.get('content'))}\n"
+                    for m in (raw if isinstance(raw, list) else [])
+                    if isinstance(m, dict)
+                )
+                if not text:
+                    return PromptInfo(0)
+                return PromptInfo(
+                    estimated_tokens(body) or 0,
+                    chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),
+                )
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):

@@ -19,6 +19,7 @@ from ... import tracing
 from ...contracts.kv_params import FIELD as KV_PARAMS
 from ...contracts.kv_params import KVTransferParams
 from ...contracts.migration import MigrationState, ids_comment
+from ...contracts.request_fields import RESERVED_TEMPLATE_KWARGS
 from ...contracts.sampling_checks import check_output_tokens, check_sampling, num_sequences
 from ...loop.async_engine import (
     AsyncEngine,
@@ -263,25 +264,6 @@ def max_token_chars(tokenizer: Any) -> int:
         return 0
 
 
-# Arguments of the chat template call that request fields set (a request's
-# chat_template_kwargs may not override them).
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    (
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    )
-)
-
-
 @dataclass
 class ChatOptions:
     """Server flags that shape chat serving (vLLM's names; docs/tool_calling.md)."""
@@ -467,7 +449,7 @@ class ServingBase:
         messages = [m.template_dict() for m in req.messages]
         extra: dict[str, Any] = {}
         kwargs = getattr(req, "chat_template_kwargs", None) or {}
-        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise APIError(
                 f"chat_template_kwargs: {reserved[0]} is set by the request's own fields",
