@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -69,8 +70,11 @@ def compat_hash(url: str) -> str:
 PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 6 for i in range(4)]
 
 
-def stream(url: str, prompt: str, **extra: object) -> tuple[str, str | None]:
-    """(text, finish_reason) of a greedy stream; raises on any failure."""
+def stream(
+    url: str, prompt: str, on_chunk: Callable[[int], None] | None = None, **extra: object
+) -> tuple[str, str | None]:
+    """(text, finish_reason) of a greedy stream; raises on any failure.
+    ``on_chunk``: called with the number of chunks read so far."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -91,6 +95,8 @@ def stream(url: str, prompt: str, **extra: object) -> tuple[str, str | None]:
             choice = event["choices"][0]
             text.append(choice.get("text") or "")
             finish = choice.get("finish_reason") or finish
+            if on_chunk is not None:
+                on_chunk(len(text))
     return "".join(text), finish
 
 
@@ -186,9 +192,15 @@ def test_a_new_compat_hash_of_the_same_resume_identity_drains_decode_by_migratio
     # streams to it (it re-reads the engines file every second: within about
     # 1 s); each client always has a stream in flight, which is there to move
     # unless it ended within that time. Engines slowed to 10 ms a step make a
-    # stream last over 6 s, so all five clients' streams end in that window with
-    # probability under (1.5/6)^5: the assert on the migrations counter relies on it.
+    # stream last over 6 s, and the five clients start a fifth of a stream
+    # apart (each once the one before it is that far in), so at any moment one
+    # stream on the old engine began within the last fifth and has over 4.8 s
+    # left: the assert on the migrations counter relies on it. (Started
+    # together, the streams ended and restarted together, and a new engine
+    # ready near their end let all five end before the drain and restart on
+    # the new engine.)
     long = {"max_tokens": 600, "ignore_eos": True}
+    stagger = 600 // 5
     prompts = ["Once upon a time", "The answer is"]
     baseline = {p: stream(up.url, p, **long) for p in prompts}
     step_delay.write_text("0.01")
@@ -200,17 +212,25 @@ def test_a_new_compat_hash_of_the_same_resume_identity_drains_decode_by_migratio
     answers: list[tuple[str, tuple[str, str | None]]] = []
     done = threading.Event()
 
-    def load(prompt: str) -> None:
+    def load(prompt: str, into: threading.Event) -> None:
+        def progress(chunks: int) -> None:
+            if chunks >= stagger:
+                into.set()
+
         while not done.is_set():
             try:
-                answers.append((prompt, stream(up.url, prompt, **long)))
+                answers.append((prompt, stream(up.url, prompt, progress, **long)))
             except Exception as e:
                 failures.append(repr(e))
+            into.set()  # a failed stream lets the next client start (the test fails anyway)
 
-    clients = [threading.Thread(target=load, args=(p,)) for p in [*prompts, *prompts, prompts[0]]]
-    for t in clients:
-        t.start()
+    clients = []
     try:
+        for p in [*prompts, *prompts, prompts[0]]:
+            into = threading.Event()
+            clients.append(threading.Thread(target=load, args=(p, into)))
+            clients[-1].start()
+            assert into.wait(60)
         assert wait_until(lambda: len(answers) >= 1, 60, 0.05)
         changed = yaml.safe_load(up.file.read_text())
         changed["spec"]["engine"]["blockSize"] = 32
