@@ -102,13 +102,14 @@ class Legs:
         """The request's slot on its decode engine, until its answer ends."""
         body = call.body
         streamed = body is not None and bool(body.get("stream"))  # (``_streamed``, inline)
-        call.top = top = self._top(call)
+        top_band, ticket = self.admission.top_band, call.ticket  # (``_top``, inline)
+        call.top = top = top_band is not None and ticket is not None and ticket.band <= top_band
         self.admission.take(e, id(call) if streamed else None, call.seqs, top)
         call.slot = e
-        if not streamed and call.ticket is not None:
+        if not streamed and ticket is not None:
             # Its band's fair-share clock moves on to its tag now; a stream's at
             # its first event (:meth:`first_token`), when its engine serves it.
-            call.ticket.started()
+            ticket.started()
 
     def take_prefill_slot(self, call: Call, e: EngineState) -> None:
         """Its slot on its prefill engine, until its prefill leg ends."""

@@ -20,7 +20,6 @@ own, so a tenant's limits apply per worker.
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -56,17 +55,23 @@ class FairClock:
     def __init__(self) -> None:
         self.clock = 0.0
         self.finish: dict[str, float] = {}
-        self.waiting: collections.Counter[str] = collections.Counter()
-        """Each tenant's requests given a tag and not started or dropped yet."""
+        self.waiting: dict[str, int] = {}
+        """Each tenant's requests given a tag and not started or dropped yet
+        (tenants with none are not in it)."""
+
+    # Every request of the gateway passes through tag() and started() or
+    # dropped(): plain dict operations, no calls beyond them.
 
     def tag(self, tenant: str, weighted_cost: float) -> float:
+        waiting = self.waiting
+        n = waiting.get(tenant, 0)
         start = self.finish.get(tenant, 0.0)
-        if not self.waiting.get(tenant) and start < self.clock:
+        if not n and start < self.clock:
             start = self.clock
         self.finish[tenant] = start + weighted_cost
-        self.waiting[tenant] += 1
+        waiting[tenant] = n + 1
         if len(self.finish) > 4096:  # only tenants ahead of the clock, or waiting, carry a place
-            waiting, clock = self.waiting, self.clock
+            clock = self.clock
             self.finish = {t: f for t, f in self.finish.items() if f > clock or t in waiting}
         return start
 
@@ -74,18 +79,21 @@ class FairClock:
         """A request of ``tenant`` and ``tag`` started (once per tag given)."""
         if tag > self.clock:
             self.clock = tag
-        self._leave(tenant)
+        waiting = self.waiting
+        n = waiting[tenant]
+        if n > 1:
+            waiting[tenant] = n - 1
+        else:
+            del waiting[tenant]
 
     def dropped(self, tenant: str) -> None:
         """A request of ``tenant`` ended without starting (once per tag given)."""
-        self._leave(tenant)
-
-    def _leave(self, tenant: str) -> None:
-        n = self.waiting[tenant] - 1
-        if n > 0:
-            self.waiting[tenant] = n
+        waiting = self.waiting
+        n = waiting[tenant]
+        if n > 1:
+            waiting[tenant] = n - 1
         else:
-            del self.waiting[tenant]
+            del waiting[tenant]
 
 
 class TokenBucket:

@@ -141,9 +141,13 @@ class FlowGate:
             # Routed without analyzing its prompt: estimated from the prompt's
             # text, not the body's size (whose other fields would charge a
             # short request several times its prompt).
-            tokens = estimated_tokens(body)
-            if tokens is None:
-                tokens = -(-body_bytes // CHARS_PER_TOKEN)
+            prompt = body.get("prompt")
+            if type(prompt) is str and prompt.isascii():  # (``estimated_tokens``, inline)
+                tokens = -(-len(prompt) // CHARS_PER_TOKEN)
+            else:
+                tokens = estimated_tokens(body)
+                if tokens is None:
+                    tokens = -(-body_bytes // CHARS_PER_TOKEN)
         seqs = self.seqs(body)
         output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
