@@ -110,6 +110,7 @@ class _Add:
     sink: _Sink
     group: str | None = None
     lora_name: str | None = None
+    final: bool = False
 
 
 @dataclass
@@ -348,7 +349,7 @@ class AsyncEngine:
                         arrival_time=cmd.arrival,
                         priority=cmd.priority,
                         kv_transfer_params=cmd.kv_transfer_params,
-                        output_kind="delta",
+                        output_kind="final" if cmd.final else "delta",
                         group=cmd.group,
                         lora_request=lora,
                     )
@@ -403,13 +404,17 @@ class AsyncEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         group: str | None = None,
         lora_name: str | None = None,
+        final: bool = False,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
         Raises the engine's ``ValueError`` for a request it refuses (nothing
         is left behind), :class:`QueueFullError` or :class:`EngineDeadError`.
         ``request_id`` must be unique among requests in flight: the server
-        generates it, never takes it from a client."""
+        generates it, never takes it from a client. Its stream yields a delta
+        each step it progressed; with ``final``, one output at its end holding
+        everything (for an answer sent whole: the event loop then does nothing
+        for it while it runs)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -425,6 +430,7 @@ class AsyncEngine:
             _Sink(loop, q),
             group,
             lora_name,
+            final,
         )
         with self._admit_lock:
             waiting = self.num_waiting()

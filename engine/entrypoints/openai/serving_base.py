@@ -563,11 +563,14 @@ class ServingBase:
         priority: int,
         kv_params: dict[str, Any] | None,
         lora: str | None = None,
+        whole: bool = False,
     ) -> list[RequestStream]:
         """One engine request per job, all admitted or none (a refusal closes the rest).
 
         Called before a response starts, so a refusal (bad kv_transfer_params
-        included) is an HTTP error even for a streamed request."""
+        included) is an HTTP error even for a streamed request. ``whole``: the
+        answer goes out whole (not streamed), so each stream yields one output
+        at its end instead of a delta per step."""
         streams: list[RequestStream] = []
         try:
             for j, (text, ids, params) in enumerate(jobs):
@@ -582,6 +585,7 @@ class ServingBase:
                     # A batch's prompts share one group's share of the engine.
                     group=request_id if len(jobs) > 1 else None,
                     lora_name=lora,
+                    final=whole,
                 )
                 # The engine accepted (decoded) them: they decode here too.
                 leg = KVTransferParams.from_wire(kv_params) if kv_params else None

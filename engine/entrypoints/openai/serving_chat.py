@@ -175,6 +175,7 @@ class ChatServing(ServingBase):
             req.priority,
             req.kv_transfer_params,
             self.lora_of(model),
+            whole=True,
         )
         try:
             return await self._chat_body(

@@ -124,7 +124,7 @@ class CompletionServing(ServingBase):
         ``response_id`` is the body's ``id`` (default: the request id)."""
         model, jobs = await self.prepare_completion(req)
         streams = await self.admit(
-            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model)
+            request_id, jobs, req.priority, req.kv_transfer_params, self.lora_of(model), whole=True
         )
         try:
             return await self._completion_body(req, response_id or request_id, model, jobs, streams)
