@@ -7,7 +7,7 @@
   sizing. Every constant is derived below from published numbers;
   docs/autoscaling.md ("The GPU regime") lists the sources.
 * ``cpu``: the matrix as it was (the simulator's defaults: 12 requests/s,
-  12k prefill tokens/s per replica, 3-11 replicas per role, SLOs that do
+  12k prefill tokens/s per replica, 1-11 replicas per role, SLOs that do
   not bind), kept as a second case.
 
 A regime is data: :func:`regime` returns it, and ``pdfleet sim --regime``
