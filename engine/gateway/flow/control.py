@@ -87,13 +87,9 @@ class FairClock:
             del waiting[tenant]
 
     def dropped(self, tenant: str) -> None:
-        """A request of ``tenant`` ended without starting (once per tag given)."""
-        waiting = self.waiting
-        n = waiting[tenant]
-        if n > 1:
-            waiting[tenant] = n - 1
-        else:
-            del waiting[tenant]
+        """A request of ``tenant`` ended without starting (once per tag given):
+        it stops counting as waiting, and the clock stays where it is."""
+        self.started(tenant, -math.inf)
 
 
 class TokenBucket:
