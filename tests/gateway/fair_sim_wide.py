@@ -34,6 +34,10 @@ SCENARIOS = {
         Client("n64", 64, 4),
         Client("n1", 1, 128),
     ],
+    "band 0: 48 n=1 streams; band 1: n=64 of 400 tokens": [
+        Client("mid", 1, 48),
+        Client("lo", 64, 2, priority=1, max_tokens=400),
+    ],
 }
 
 
@@ -67,13 +71,17 @@ def span(values: list[float], fmt: str) -> str:
 
 def main(seeds: int = 8) -> None:
     print(
-        "| scenario | capacity | rule | output tokens in 30 s | n=1 ÷ n=64 output | cost started, n=64 − n=1 | better band's output |"
+        "| scenario | capacity | rule | output tokens in 30 s | n=1 ÷ n=64 output "
+        "| cost started, n=64 − n=1 | other keys' output |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, clients in SCENARIOS.items():
+        others = [c.key for c in clients if c.key not in ("n64", "n1")]
+        pair = len(others) < len(clients)
         for capacity in (64, None):
             for before in (True, False):
-                total, ratio, gap, hi = [], [], [], []
+                total, ratio, gap = [], [], []
+                other: dict[str, list[float]] = {k: [] for k in others}
                 with rule(before):
                     for latency_s in (0.001, 0.01, 0.05):
                         for seed in range(seeds):
@@ -82,12 +90,17 @@ def main(seeds: int = 8) -> None:
                             o = r.output
                             ratio.append(o.get("n1", 0) / max(1, o.get("n64", 0)))
                             gap.append((r.routed.get("n64", 0) - r.routed.get("n1", 0)) / 1000)
-                            hi.append(o.get("hi", 0) / 1000)
+                            for k in others:
+                                other[k].append(o.get(k, 0) / 1000)
+                cells = [
+                    f"{span(total, '.0f')}k",
+                    span(ratio, ".2f") if pair else "",
+                    f"{span(gap, '+.1f')}k" if pair else "",
+                    ", ".join(f"{k} {span(v, '.1f')}k" for k, v in other.items()),
+                ]
                 print(
                     f"| {name} | {'64' if capacity else 'not learned'} "
-                    f"| {'before' if before else 'after'} | {span(total, '.0f')}k "
-                    f"| {span(ratio, '.2f')} | {span(gap, '+.1f')}k "
-                    f"| {span(hi, '.1f') + 'k' if any(hi) else ''} |",
+                    f"| {'before' if before else 'after'} | " + " | ".join(cells) + " |",
                     flush=True,
                 )
 

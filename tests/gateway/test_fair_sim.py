@@ -120,9 +120,9 @@ def test_a_wide_request_held_in_the_engine_leaves_the_learned_capacity_alone():
     slot it needs was free, in this run it started beside two narrow ones
     once the gateway had let the capacity grow two past the engine's 64
     slots: the gateway read the held half as a queue and learned a capacity
-    of 34, regrown a slot a second. Now nothing starts beside a wide request
-    over the capacity until it ends, and the capacity stays at the engine's
-    slots."""
+    of 34, regrown a slot a second. Now nothing of its band starts beside a
+    wide request over the capacity until it is back under it, and the
+    capacity stays at the engine's slots."""
     r = run(
         [Client("n64", 64, 4), Client("n1", 1, 128)],
         seconds=30.0,
@@ -134,3 +134,21 @@ def test_a_wide_request_held_in_the_engine_leaves_the_learned_capacity_alone():
     learned = [ev[4] for ev in r.events if ev[0] == "scrape"]
     assert min(learned) >= 56, learned
     assert abs(r.routed["n64"] - r.routed["n1"]) <= WIDE + NARROW, r.routed
+
+
+def test_a_worse_band_s_wide_request_leaves_a_better_band_its_slots():
+    """48 n=1 streams of band 0 beside a key of band 1 sending n=64 requests
+    of 400 tokens. A wide request of band 1 starts on a slot band 0 left
+    free, and its sequences beyond the capacity wait in the engine's queue:
+    band 0's requests do not count them (they go ahead of them there), so
+    band 0 keeps its streams going instead of waiting for the wide request
+    to end, 5 s at a time; band 1 gets the rest. (Counted, they left band 0
+    a twelfth of its output; held until all of its slots were free, the wide
+    request never started.)"""
+    r = run(
+        [Client("mid", 1, 48, priority=0), Client("lo", 64, 2, priority=1, max_tokens=400)],
+        seconds=30.0,
+        capacity=64,
+    )
+    assert r.output["mid"] > 50_000, r.output
+    assert r.output["lo"] > 20_000, r.output

@@ -240,6 +240,35 @@ def test_a_wide_request_at_the_head_takes_a_freed_slot_and_the_best_band_overflo
     assert not adm.has_room(d, band=0)  # ceil(4 / 8) = 1 over capacity, no more
 
 
+def test_a_better_band_does_not_count_a_worse_band_s_sequences_beyond_the_capacity():
+    """A wide request of band 1 starts on the one free slot of an engine of
+    capacity 4 and puts 7 sequences beyond it, which wait in the engine's
+    queue. Band 1 (and worse) counts them: nothing of it starts until the
+    engine is back under its capacity. Band 0's requests go ahead of them in
+    the engine's queue, so band 0 does not: a slot band 0 gives back is band
+    0's again."""
+    adm, pool = admission()
+    d = pool.engines["http://d"]
+    for _ in range(5):
+        adm.take(d, band=0)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=4, waiting=1))
+    assert d.capacity == 4
+    for _ in range(2):
+        adm.give_back(d)
+    assert adm.has_room(d, seqs=8, band=1)  # 3 of 4 taken
+    adm.take(d, seqs=8, band=1)
+    assert (d.admitted, d.over, d.over_band) == (11, 7, 1)
+    assert not adm.has_room(d, band=1) and not adm.has_room(d, band=0)  # 4 of 4 for band 0
+    adm.give_back(d)  # a band-0 request ends
+    assert adm.has_room(d, band=0) and not adm.has_room(d, band=1)
+    assert not adm.has_room(d, band=None)  # a request without a band counts them too
+    adm.give_back(d, seqs=8)  # the wide request ends: back under the capacity
+    assert d.admitted == 2 and d.over == 0
+    assert adm.has_room(d, band=1)
+    for _ in range(2):
+        adm.give_back(d)
+
+
 def test_the_best_band_keeps_its_share_while_a_worse_band_holds_more_than_capacity():
     """A worse band admitted before the capacity was learned (or lowered since)
     holds more than the best band's limit: the best band's share beyond the
