@@ -42,7 +42,7 @@ from pdfleet.engine.gateway.admission import Admission
 from pdfleet.engine.gateway.call import Call
 from pdfleet.engine.gateway.engines import EngineLoad, EngineState
 from pdfleet.engine.gateway.flow.gate import FlowGate
-from pdfleet.engine.gateway.flow.tenants import Tenants
+from pdfleet.engine.gateway.flow.tenants import Tenant, TenantPolicy, Tenants
 from pdfleet.engine.gateway.legs import Legs
 from pdfleet.engine.gateway.metrics import GatewayMetrics
 from pdfleet.engine.gateway.proxy import Proxy
@@ -313,6 +313,11 @@ class Client:
     workers: int
     think_s: float = 0.002
     """Between a request's end and the worker's next request (jittered)."""
+    max_tokens: int | None = None
+    """Each sequence's output tokens (None: the run's ``max_tokens``)."""
+    priority: int = 0
+    """The key's band (a lower value is served first)."""
+    weight: float = 1.0
 
 
 @dataclass
@@ -324,6 +329,9 @@ class SimResult:
     (what they ask of the engine: prompt + n × max_tokens)."""
     output: dict[str, float]
     """Output tokens each key received after the warm-up, before the end."""
+    output_all: dict[str, float]
+    """Output tokens each key received from the start to the end (the engine's
+    work in ``seconds``)."""
     events: list[tuple[Any, ...]]
     """With ``trace``: ("tag", t, key, tag, clock), ("route", t, key, tag,
     clock, queued by tenant, slots taken, capacity), ("scrape", t, waiting,
@@ -410,7 +418,13 @@ class _Sim:
         )
         metrics = GatewayMetrics()
         self.admission = Admission(self.config, metrics)
-        self.flow = FlowGate(self.config, Tenants(), self.admission, metrics)
+        # Each key its own tenant, as a tenants file names them (so the best of
+        # several bands may overflow a little, as configured bands do).
+        tenants = Tenants()
+        for c in clients:
+            tenant = Tenant(c.key, TenantPolicy(weight=c.weight, priority=c.priority))
+            tenants.by_caller[f"key:{c.key}"] = tenants.named[c.key] = tenant
+        self.flow = FlowGate(self.config, tenants, self.admission, metrics)
         self.e = EngineState("http://sim", "decode", state="healthy")
         self.pool = _Pool(self.e)
         self.router = _Router(self.e)
@@ -418,9 +432,9 @@ class _Sim:
             self.config, self.pool, None, None, None, metrics, None, None, self.admission
         )  # type: ignore[arg-type]
         self.engine = SimEngine()
-        t0 = loop.time()
+        self.t0 = t0 = loop.time()
         self.start, self.end = t0 + warmup_s, t0 + seconds
-        self.result = SimResult({}, {}, {}, [])
+        self.result = SimResult({}, {}, {}, {}, [])
 
     # What Proxy._route and Proxy._sole_route call on the proxy.
     _need = staticmethod(Proxy._need)
@@ -432,15 +446,19 @@ class _Sim:
         raise AssertionError(f"refused: {o.message}")
 
     def tokens(self, key: str, n: int, now: float) -> None:
-        if self.start <= now < self.end:
-            self.result.output[key] = self.result.output.get(key, 0) + n
+        out = self.result
+        if now < self.end:
+            out.output_all[key] = out.output_all.get(key, 0) + n
+            if self.start <= now:
+                out.output[key] = out.output.get(key, 0) + n
 
     def _hop(self) -> float:
         return self.latency_s * (0.5 + self.rng.random())
 
     async def request(self, c: Client) -> None:
         loop, admission, e, out = self.loop, self.admission, self.e, self.result
-        body: dict[str, Any] = {**BODY, "max_tokens": self.max_tokens}
+        max_tokens = self.max_tokens if c.max_tokens is None else c.max_tokens
+        body: dict[str, Any] = {**BODY, "max_tokens": max_tokens}
         if c.n > 1:
             body["n"] = c.n
         raw = json.dumps(body).encode()
@@ -465,7 +483,7 @@ class _Sim:
             await Proxy._route(self, call, None)  # type: ignore[arg-type]
         self.legs.take_slot(call, e)
         if loop.time() < self.end:
-            cost = self.prompt_tokens + call.seqs * self.max_tokens
+            cost = self.prompt_tokens + call.seqs * max_tokens
             out.routed[c.key] = out.routed.get(c.key, 0) + cost
         if self.trace:
             queued = dict(admission.queued_by_tenant())
@@ -481,7 +499,7 @@ class _Sim:
                     e.capacity,
                 )
             )
-        r = _Req(c.key, call.seqs, body["priority"], self.max_tokens, loop.time())
+        r = _Req(c.key, call.seqs, body["priority"], max_tokens, loop.time())
         r.first, r.end = loop.create_future(), loop.create_future()
         await asyncio.sleep(self._hop())
         self.engine.add(r)
