@@ -93,25 +93,41 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text())
-        template = None
+        # The templates by name, as the engine's tokenizer loads them: files
+        # first (chat_template.jinja the default, additional_chat_templates/
+        # NAME.jinja), else the config's one template or its named list.
+        sources: dict[str, str] = {}
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        elif isinstance(config.get("chat_template"), str):
-            template = config["chat_template"]
-        elif isinstance(config.get("chat_template"), list):
-            named = {t.get("name"): t.get("template") for t in config["chat_template"]}
-            template = named.get("default")
+            sources["default"] = (path / "chat_template.jinja").read_text()
+        extra = path / "additional_chat_templates"
+        if extra.is_dir():
+            for f in sorted(extra.glob("*.jinja")):
+                sources[f.stem] = f.read_text()
+        if not sources:
+            given = config.get("chat_template")
+            if isinstance(given, str):
+                sources["default"] = given
+            elif isinstance(given, list):
+                for t in given:
+                    if isinstance(t, dict) and isinstance(t.get("template"), str):
+                        sources[str(t.get("name"))] = t["template"]
+        # The special tokens the template sees (special_tokens_map.json over
+        # the config's, as the engine's tokenizer reads them).
+        tokens: dict[str, Any] = {k: config[k] for k in _SPECIAL_TOKENS if config.get(k)}
+        if (path / "special_tokens_map.json").is_file():
+            mapped = json.loads((path / "special_tokens_map.json").read_text())
+            tokens.update({k: mapped[k] for k in _SPECIAL_TOKENS if mapped.get(k)})
         self.special = {
-            k: (v.get("content") if isinstance(v, dict) else v)
-            for k, v in config.items()
-            if k in ("bos_token", "eos_token", "unk_token", "pad_token")
+            k: (v.get("content") if isinstance(v, dict) else v) for k, v in tokens.items()
         }
-        self.template = None
-        if template:
+        self.templates: dict[str, Any] = {}
+        if sources:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+                trim_blocks=True,
+                lstrip_blocks=True,
+                extensions=["jinja2.ext.loopcontrols", _generation_extension()],
             )
 
             def raise_exception(message: str) -> None:
@@ -123,7 +139,17 @@ class Tokenizer:
             # JSON, as the engine's templating writes it (jinja's own filter
             # escapes HTML characters).
             env.filters["tojson"] = _tojson
-            self.template = env.from_string(template)
+            self.templates = {name: env.from_string(text) for name, text in sources.items()}
+
+    def template_for(self, tools: bool) -> Any:
+        """The template the engine renders a request with (None: none): of
+        several, the ``tool_use`` one for a request with tools, else the
+        ``default`` one."""
+        if len(self.templates) <= 1:
+            return next(iter(self.templates.values()), None)
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        return self.templates.get("default")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -133,12 +159,15 @@ class Tokenizer:
     ) -> str | None:
         """The conversation as the engine renders it (None without a template).
         ``inputs``: the request's other template inputs (``template_inputs``)."""
-        if self.template is None:
-            return None
         given = inputs if inputs is not None else {"add_generation_prompt": True}
+        template = self.template_for(given.get("tools") is not None)
+        if template is None:
+            return None
         try:
-            return self.template.render(
-                {"tools": None, "documents": None, **self.special, **given}, messages=messages
+            return str(
+                template.render(
+                    {"tools": None, "documents": None, **self.special, **given}, messages=messages
+                )
             )
         except Exception:  # the engine will reject a conversation its template rejects
             return None
@@ -158,6 +187,54 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+# The special tokens a chat template may name.
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _generation_extension() -> Any:
+    """A jinja extension for ``{% generation %}...{% endgeneration %}`` (which
+    marks the assistant's tokens for training): the block renders its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}  # noqa: RUF012 (jinja's own attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return Generation
+
+
+def _as_bool(value: Any) -> bool | None:
+    """A boolean field as the engine's request model reads it (``0``,
+    ``"false"``, ``"no"`` and the like are false); None for what it refuses."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("0", "off", "f", "false", "n", "no"):
+            return False
+        if word in ("1", "on", "t", "true", "y", "yes"):
+            return True
+    return None
 
 
 def _message_text(content: Any) -> str:
@@ -206,11 +283,14 @@ def template_messages(raw: list[Any]) -> list[dict[str, Any]] | None:
             rendered = []
             for c in calls:
                 fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+                if not isinstance(fn, dict):
+                    return None
+                given = fn.get("arguments", "{}")  # (the engine's default)
+                if not isinstance(given, str):
                     return None
                 try:
-                    args = json.loads(fn["arguments"])
-                except ValueError:
+                    args = json.loads(given)
+                except (ValueError, RecursionError):
                     return None
                 rendered.append(
                     {
@@ -234,16 +314,17 @@ def template_inputs(body: dict[str, Any]) -> dict[str, Any] | None:
     assistant's turn. None where the rendering could not be mirrored (a
     conversation continued in its last message, a reserved or malformed
     ``chat_template_kwargs``)."""
-    if body.get("continue_final_message"):
+    if _as_bool(body.get("continue_final_message", False)) is not False:
         return None
+    add = _as_bool(body.get("add_generation_prompt", True))
     kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or set(kwargs) & RESERVED_TEMPLATE_KWARGS:
+    if add is None or not isinstance(kwargs, dict) or set(kwargs) & RESERVED_TEMPLATE_KWARGS:
         return None
     inputs = dict(kwargs)
     for name in ("documents", "tools"):
         if body.get(name):
             inputs[name] = body[name]
-    inputs["add_generation_prompt"] = body.get("add_generation_prompt", True) is not False
+    inputs["add_generation_prompt"] = add
     return inputs
 
 
@@ -258,10 +339,19 @@ def _text_tokens(text: str) -> int:
     return -(-(n - wide) // CHARS_PER_TOKEN) + wide
 
 
-def _json_tokens(value: Any) -> int:
+def _json_text(value: Any) -> str:
+    """``value`` as its JSON text ("" for one nested past what JSON encodes:
+    the engine refuses such a request)."""
     if isinstance(value, str):
-        return _text_tokens(value)
-    return _text_tokens(json.dumps(value, ensure_ascii=False, default=str))
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):
+        return ""
+
+
+def _json_tokens(value: Any) -> int:
+    return _text_tokens(_json_text(value))
 
 
 def estimated_tokens(body: dict[str, Any]) -> int | None:
@@ -412,7 +502,7 @@ class PromptAnalyzer:
         batch = False
         text = ""
         # The engine adds special tokens to a completions prompt unless told not to.
-        special = body.get("add_special_tokens") is not False
+        special = _as_bool(body.get("add_special_tokens", True)) is not False
         exact = self.tokenizer is not None
         if chat:
             raw = body.get("messages")
@@ -423,21 +513,19 @@ class PromptAnalyzer:
                 rendered = self.tokenizer.chat_text(messages, inputs)
             if rendered is not None:
                 # The template holds the special tokens (unless the request adds more).
-                text, special = rendered, body.get("add_special_tokens") is True
+                text, special = rendered, _as_bool(body.get("add_special_tokens", False)) is True
             else:
-                # Hashed by the messages' text; counted as a request routed
-                # without analysis is (its tools and the like included).
-                text = "".join(
+                # Estimated and hashed from the same text: the fields a
+                # template renders ahead of the conversation (tools and the
+                # like), then each message's role and text, so a repeated
+                # request's blocks cover what it is counted.
+                head = "".join(_json_text(body[k]) for k in _TEMPLATED_FIELDS if body.get(k))
+                conversation = "".join(
                     f"{m.get('role', '')}\n{_message_text(m.get('content'))}\n"
                     for m in (raw if isinstance(raw, list) else [])
                     if isinstance(m, dict)
                 )
-                if not text:
-                    return PromptInfo(0)
-                return PromptInfo(
-                    estimated_tokens(body) or 0,
-                    chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),
-                )
+                text, exact = (head + conversation if conversation else ""), False
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):

@@ -22,6 +22,7 @@ called, so the server can exit non-zero for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
@@ -52,7 +53,8 @@ class _Sink:
         self.loop, self.queue = loop, q
 
     def __call__(self, item: _Delivery) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits for it
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 def _put_all(deliveries: list[tuple[_Sink, RequestOutput]]) -> None:

@@ -122,25 +122,132 @@ def test_the_gateway_counts_and_hashes_a_chat_prompt_as_the_engine_templates_it(
 
 
 def test_a_prompt_the_gateway_cannot_mirror_is_estimated_with_its_tools(model_dir):
-    analyzer = PromptAnalyzer(model_dir, max_blocks=64)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    messages = [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "Hel"}]
     body = {"messages": messages, "tools": TOOLS, "continue_final_message": True}
-    got = analyzer.analyze(body, True, 4)
-    assert got.num_tokens == estimated_tokens(body)
-    assert got.num_tokens > analyzer.analyze({"messages": messages}, True, 4).num_tokens
-    # Tool call arguments the engine refuses: estimated too, never raised.
-    bad = {
+    bad_call = {
         "messages": [
             {
                 "role": "assistant",
                 "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{no"}}],
             }
-        ]
+        ],
+        "tools": TOOLS,
     }
-    assert analyzer.analyze(bad, True, 4).num_tokens == estimated_tokens(bad)
-    # Without a tokenizer the estimate counts the tools as well.
-    plain = PromptAnalyzer(None, max_blocks=64)
-    assert plain.analyze(body, True, 4).num_tokens == estimated_tokens(body)
+    for analyzer in (PromptAnalyzer(model_dir, max_blocks=64), PromptAnalyzer(None, max_blocks=64)):
+        for b in (body, bad_call):
+            got = analyzer.analyze(b, True, 4)
+            bare = analyzer.analyze({k: v for k, v in b.items() if k != "tools"}, True, 4)
+            assert got.num_tokens > bare.num_tokens  # the tools are counted
+            # ... and hashed: a repeated request's blocks cover what it is
+            # counted, so routing finds all but a block of it cached.
+            assert 0 <= got.num_tokens - 4 * len(got.block_hashes) < 4
+            assert got.exact_hashes is None
+
+
+def test_booleans_as_the_engine_reads_them(model_dir):
+    analyzer = PromptAnalyzer(model_dir, max_blocks=64)
+    base = {
+        "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    }
+    for extra in (
+        {"add_generation_prompt": 0},
+        {"add_generation_prompt": "false"},
+        {"add_generation_prompt": "yes"},
+        {"continue_final_message": "false"},
+        {"add_special_tokens": 1},
+    ):
+        body = {**base, **extra}
+        ids = engine_ids(model_dir, body)
+        assert analyzer.analyze(body, True, 4).num_tokens == len(ids), extra
+
+
+def test_arguments_left_out_of_a_tool_call_are_the_engines_empty_object(model_dir):
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "get_weather"}}],
+            },
+        ],
+        "tools": TOOLS,
+    }
+    ids = engine_ids(model_dir, body)
+    got = PromptAnalyzer(model_dir, max_blocks=64).analyze(body, True, 4)
+    assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64))
+
+
+def test_client_input_nested_past_what_json_encodes_never_raises(model_dir):
+    deep: dict = {}
+    node = deep
+    for _ in range(3000):
+        node["x"] = {}
+        node = node["x"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    messages = [{"role": "user", "content": "hi"}]
+    call = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}
+    call["tool_calls"][0]["function"]["arguments"] = "[" * 5000 + "]" * 5000
+    for analyzer in (PromptAnalyzer(model_dir, max_blocks=64), PromptAnalyzer(None, max_blocks=64)):
+        analyzer.analyze({"messages": messages, "tools": tools}, True, 4)
+        analyzer.analyze({"messages": [*messages, call]}, True, 4)
+    assert estimated_tokens({"messages": messages, "tools": tools}) is not None
+
+
+def _variant(model_dir: str, out: Path, **files: str) -> str:
+    """``model_dir``'s tokenizer with other template files (path: text; a
+    ``tokenizer_config.json`` given as text replaces the config)."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return str(out)
+
+
+def test_templates_are_loaded_and_chosen_as_the_engines_tokenizer_does(model_dir, tmp_path):
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tooled = "<tools>{{ tools | tojson }}</tools>" + plain
+    marked = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
+        "{% endif %}{{ eos_token }}{% endfor %}"
+    )
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    named = {
+        **config,
+        "chat_template": [
+            {"name": "default", "template": plain},
+            {"name": "tool_use", "template": tooled},
+        ],
+    }
+    dirs = [
+        # A named list in the config: tool_use for a request with tools.
+        _variant(model_dir, tmp_path / "a", **{"tokenizer_config.json": json.dumps(named)}),
+        # chat_template.jinja and additional_chat_templates/tool_use.jinja.
+        _variant(
+            model_dir,
+            tmp_path / "b",
+            **{"chat_template.jinja": plain, "additional_chat_templates/tool_use.jinja": tooled},
+        ),
+        # {% generation %} blocks; bos and eos from special_tokens_map.json.
+        _variant(
+            model_dir,
+            tmp_path / "c",
+            **{
+                "chat_template.jinja": marked,
+                "special_tokens_map.json": json.dumps({"bos_token": "<pad>", "eos_token": "<s>"}),
+            },
+        ),
+    ]
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sun"}]
+    for d in dirs:
+        analyzer = PromptAnalyzer(d, max_blocks=64)
+        for body in ({"messages": messages}, {"messages": messages, "tools": TOOLS}):
+            ids = engine_ids(d, body)
+            got = analyzer.analyze(body, True, 4)
+            assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64)), d
 
 
 def test_the_built_in_models_tool_template_is_mirrored(model_dir, tmp_path):

@@ -570,7 +570,7 @@ class ServingBase:
         Called before a response starts, so a refusal (bad kv_transfer_params
         included) is an HTTP error even for a streamed request. ``whole``: the
         answer goes out whole (not streamed), so each stream yields one output
-        at its end instead of a delta per step."""
+        at its end instead of a delta per step (unless tracing is on)."""
         streams: list[RequestStream] = []
         try:
             for j, (text, ids, params) in enumerate(jobs):
@@ -585,7 +585,9 @@ class ServingBase:
                     # A batch's prompts share one group's share of the engine.
                     group=request_id if len(jobs) > 1 else None,
                     lora_name=lora,
-                    final=whole,
+                    # Traced, a request keeps its deltas: an aborted one's engine
+                    # spans are built from the last output it had.
+                    final=whole and not tracing.enabled(),
                 )
                 # The engine accepted (decoded) them: they decode here too.
                 leg = KVTransferParams.from_wire(kv_params) if kv_params else None
