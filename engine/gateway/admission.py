@@ -155,32 +155,23 @@ class Admission:
 
     def has_room(self, e: EngineState, seqs: int = 1, band: int | None = None) -> bool:
         """Whether a request of ``seqs`` sequences (and ``band``) may start on
-        ``e`` now: a slot is free under its limit, however wide the request.
-        The sequences a wide request cannot run yet wait in the engine's own
-        queue and take the slots that free there, and no other request starts
-        until the engine is back under its limit; so no slot stays free while
-        a wide request waits, and at most one request at a time is over the
-        limit, by less than its width. (Holding a wide request until all of
-        its slots are free would leave the engine idle but for one long
-        sequence while everything waits behind it.)"""
+        ``e`` now: all of its sequences fit its limit, or, when it is wider than
+        the limit, the engine has nothing of this gateway's on it. So a wide
+        request waits until the slots it needs are free (the ones freed meanwhile
+        stay free for it when it is at the head of the queue) rather than
+        overflowing the engine by its width."""
         capacity = e.capacity
         if capacity is None:  # (no capacity learned: no bound, whatever the band)
             return True
         cap = self.limit(e, band)
         if cap is None:
             return True
-        held = e.admitted
-        if e.over and band is not None and band < e.over_band:
-            # A worse band's request over the capacity: its sequences beyond
-            # it wait in the engine's queue, behind this band's requests.
-            held -= e.over
-        if held < cap:
+        if e.admitted + min(seqs, cap) <= cap:
             return True
         # The best band's share beyond the capacity is its own: its requests
         # do not wait for a worse band's to end even while those hold more
-        # than the capacity (admitted before it was learned, before a scrape
-        # lowered it, or a wide request's sequences beyond it); the engine
-        # preempts one of them instead.
+        # than the capacity (admitted before it was learned, or before a
+        # scrape lowered it); the engine preempts one of them instead.
         return cap > capacity and e.top_admitted + seqs <= cap - capacity
 
     def full(
@@ -195,25 +186,14 @@ class Admission:
         return out
 
     def take(
-        self,
-        e: EngineState,
-        key: int | None = None,
-        seqs: int = 1,
-        top: bool = False,
-        band: int | None = None,
+        self, e: EngineState, key: int | None = None, seqs: int = 1, top: bool = False
     ) -> None:
         """A slot on ``e``; ``key``: the gateway will see its first answer
         (:meth:`answered`), so how long it waits for one is watched. ``seqs``:
         the sequences the request runs (``n`` × prompts): slots are counted in
         sequences, as the engines count their queue, so an ``n=64`` request
         takes what it uses. ``top``: a request of the best band (its share
-        beyond the capacity, ``has_room``); ``band``: its band, when it may
-        go over the capacity (a decode slot)."""
-        capacity = e.capacity
-        if band is not None and capacity is not None and e.admitted + seqs > capacity:
-            over = e.admitted + seqs - max(e.admitted, capacity)
-            if over > e.over:
-                e.over, e.over_band = over, band
+        beyond the capacity, ``has_room``)."""
         e.admitted += seqs
         if top:
             e.top_admitted += seqs
@@ -238,8 +218,6 @@ class Admission:
         e.admitted -= seqs
         if top:
             e.top_admitted -= seqs
-        if e.over and (e.capacity is None or e.admitted <= e.capacity):
-            e.over = 0
         if key is not None:
             e.pending.pop(key, None)
         if ended:
@@ -370,8 +348,8 @@ class Admission:
 
     def _wake(self, n: int) -> None:
         """Wake waiting requests for ``n`` free slots, in the fair queue's order,
-        each taking the slots it needs (a request wider than the slots freed
-        takes them all and goes over the limit; none after it is woken)."""
+        each taking the slots it needs (a wide request at the head that finds
+        too few goes back to its place, and the slots stay free for it)."""
         while n > 0:
             waiter = self._waiters.pop()
             if waiter is None:

@@ -284,13 +284,6 @@ class EngineState:
     """Of ``admitted``, the slots of the best band's requests
     (``Admission.top_band``): the share that band may take beyond the
     capacity is counted on them alone."""
-    over: int = 0
-    """Sequences the request that went over the capacity (a wide one started
-    on a free slot) put beyond it, until the engine is back under it: they
-    wait in the engine's queue, where a better band's requests go ahead of
-    them, so better bands do not count them (``Admission.has_room``)."""
-    over_band: int = 0
-    """That request's band."""
     pending: dict[int, float] = field(default_factory=dict)
     """Slots on it still waiting for their first answer (a streamed decode
     leg's first event, a prefill leg's end): the request's key to the

@@ -103,9 +103,8 @@ class Legs:
         body = call.body
         streamed = body is not None and bool(body.get("stream"))  # (``_streamed``, inline)
         top_band, ticket = self.admission.top_band, call.ticket  # (``_top``, inline)
-        band = ticket.band if ticket is not None else None
-        call.top = top = top_band is not None and band is not None and band <= top_band
-        self.admission.take(e, id(call) if streamed else None, call.seqs, top, band)
+        call.top = top = top_band is not None and ticket is not None and ticket.band <= top_band
+        self.admission.take(e, id(call) if streamed else None, call.seqs, top)
         call.slot = e
         if not streamed and ticket is not None:
             # Its band's fair-share clock moves on to its tag now; a stream's at
@@ -124,9 +123,8 @@ class Legs:
         if held is not None and held is not e:
             seqs = 1 if prefill else call.seqs
             self.admission.give_back(held, id(call), ended=False, seqs=seqs, top=call.top)
-            band = call.ticket.band if call.ticket is not None and not prefill else None
             self.admission.take(
-                e, id(call) if prefill or self._streamed(call) else None, seqs, call.top, band
+                e, id(call) if prefill or self._streamed(call) else None, seqs, call.top
             )
             if prefill:
                 call.prefill_slot = e
