@@ -332,9 +332,11 @@ class Admission:
         waiter = Waiter(future, tenant, band, tag, seqs)
         self._waiters.push(waiter)
         self.metrics.queued.set(len(self._waiters))
+        woken = False
         try:
             async with asyncio.timeout(left):
                 await future
+            woken = True
             return True
         except TimeoutError:
             return False
@@ -342,6 +344,10 @@ class Admission:
             if not future.done():
                 future.cancel()
             self._waiters.remove(waiter)  # a no-op when woken: already off the queue
+            if not woken and future.done() and not future.cancelled():
+                # Woken for free slots, then gone before it could take them
+                # (its client left, or its time ran out): the next ones get them.
+                self._wake(waiter.seqs)
             self.metrics.queued.set(len(self._waiters))
             if not self._waiters:
                 self.freed.drained(time.monotonic())

@@ -230,6 +230,44 @@ def test_a_wide_request_at_the_head_keeps_the_freed_slots_and_the_best_band_over
     assert not adm.has_room(d, band=0)  # ceil(4 / 8) = 1 over capacity, no more
 
 
+def test_a_woken_request_that_leaves_before_it_runs_passes_its_wake_on():
+    """A slot frees and wakes the request at the head; that request's client
+    leaves before it runs: the next request gets the slot, and does not wait
+    beside it."""
+    adm, pool = admission()
+    d = pool.engines["http://d"]
+    for _ in range(5):
+        adm.take(d)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=4, waiting=1))
+    adm.give_back(d)
+    assert d.capacity == 4 and not adm.has_room(d)
+
+    async def scenario(first_seqs: int) -> list[str]:
+        started: list[str] = []
+
+        async def wait(name: str, tag: float, seqs: int) -> None:
+            again = False
+            while await adm.wait(time.monotonic() + 5, again, name, 0, tag, seqs):
+                if adm.has_room(d, seqs):
+                    adm.take(d, seqs=seqs)
+                    started.append(name)
+                    return
+                again = True
+
+        first = asyncio.create_task(wait("first", 0.0, first_seqs))
+        second = asyncio.create_task(wait("second", 1.0, 1))
+        await wait_for(lambda: adm.queued == 2)
+        adm.give_back(d)  # wakes the first
+        first.cancel()  # whose client leaves before it runs
+        await wait_for(lambda: started == ["second"])
+        await asyncio.gather(first, second, return_exceptions=True)
+        adm.give_back(d)
+        return started
+
+    assert asyncio.run(scenario(1)) == ["second"]
+    assert asyncio.run(scenario(8)) == ["second"]  # a wide one woken alone, too
+
+
 def test_the_best_band_keeps_its_share_while_a_worse_band_holds_more_than_capacity():
     """A worse band admitted before the capacity was learned (or lowered since)
     holds more than the best band's limit: the best band's share beyond the
