@@ -883,9 +883,12 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
     assert scrape(puller)[PULLED] - into_prefill == len(prefix) // BLOCK
     assert scrape(decode.url)[PULLED] - into_decode == (len(body["prompt"]) - 1) // BLOCK
     assert text == recomputed(puller, body)
+    prefix = prompt_of(256, 4344)
+    primed(peers, prefix, gw)
     # The holder idle again, as the gateway sees it (nothing queued, no step in
-    # progress at its last scrape): its prefill leg is the cheapest (a pull would
-    # add the lend, now measured), so the leg runs there.
+    # progress at its last scrape, which may have come while it cached the new
+    # prefix): its prefill leg is the cheapest (a pull would add the lend, now
+    # measured), so the leg runs there.
     assert wait_until(
         lambda: (
             (view := engine_view(gw, peers["holder"]))["queued_prompt_tokens"] == 0
@@ -893,13 +896,14 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
         ),
         timeout=30,
     ), engine_view(gw, peers["holder"])
-    prefix = prompt_of(256, 4344)
-    primed(peers, prefix, gw)
     body = {**body, "prompt": prefix + prompt_of(40, 97)}
     served = decisions(gw, "holder", "cost")
     computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
     text = via_gateway(gw, body)
-    assert decisions(gw, "holder", "cost") == served + 1, (counted(gw), engines_view(gw))
+    assert decisions(gw, "holder", "cost") == served + 1, (
+        f"decisions made: { ({k: v for k, v in counted(gw).items() if v}) }; "
+        f"engines: {[(e.get('url'), e.get('role'), e.get('peer_pull')) for e in engines_view(gw)['engines']]}"
+    )
     assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
     assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
     assert text == recomputed(puller, body)
