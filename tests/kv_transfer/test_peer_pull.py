@@ -885,24 +885,28 @@ def test_a_pd_gateway_has_its_prefill_engine_pull_the_prefix_from_a_busy_holder(
     assert text == recomputed(puller, body)
     prefix = prompt_of(256, 4344)
     primed(peers, prefix, gw)
+
     # The holder idle again, as the gateway sees it (nothing queued, no step in
     # progress at its last scrape, which may have come while it cached the new
-    # prefix): its prefill leg is the cheapest (a pull would add the lend, now
+    # prefix), healthy and with a free slot (its one slot held a long decode and
+    # a queue: a stall's ejection or the learned capacity could still leave it
+    # out): its prefill leg is the cheapest (a pull would add the lend, now
     # measured), so the leg runs there.
-    assert wait_until(
-        lambda: (
-            (view := engine_view(gw, peers["holder"]))["queued_prompt_tokens"] == 0
-            and view["step_wait_s"] == 0
-        ),
-        timeout=30,
-    ), engine_view(gw, peers["holder"])
+    def holder_idle() -> bool:
+        whole = next(e for e in engines_view(gw)["engines"] if e["url"] == peers["holder"])
+        view = whole["peer_pull"]
+        free = whole["capacity"] is None or whole["admitted"] < whole["capacity"]
+        idle = view["queued_prompt_tokens"] == 0 and view["step_wait_s"] == 0
+        return idle and free and whole["state"] == "healthy" and not whole["stalled"]
+
+    assert wait_until(holder_idle, timeout=30), engines_view(gw)
     body = {**body, "prompt": prefix + prompt_of(40, 97)}
     served = decisions(gw, "holder", "cost")
     computed = {u: scrape(u).get(PROMPT_TOKENS, 0.0) for u in (peers["holder"], puller)}
     text = via_gateway(gw, body)
     assert decisions(gw, "holder", "cost") == served + 1, (
         f"decisions made: { ({k: v for k, v in counted(gw).items() if v}) }; "
-        f"engines: {[(e.get('url'), e.get('role'), e.get('peer_pull')) for e in engines_view(gw)['engines']]}"
+        f"engines: {engines_view(gw)['engines']}"
     )
     assert scrape(peers["holder"])[PROMPT_TOKENS] > computed[peers["holder"]]
     assert scrape(puller).get(PROMPT_TOKENS, 0.0) == computed[puller]
