@@ -154,19 +154,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat_text(
-        self, messages: list[dict[str, Any]], inputs: dict[str, Any] | None = None
-    ) -> str | None:
+    def chat_text(self, messages: list[dict[str, Any]], inputs: dict[str, Any]) -> str | None:
         """The conversation as the engine renders it (None without a template).
         ``inputs``: the request's other template inputs (``template_inputs``)."""
-        given = inputs if inputs is not None else {"add_generation_prompt": True}
-        template = self.template_for(given.get("tools") is not None)
+        template = self.template_for(inputs.get("tools") is not None)
         if template is None:
             return None
         try:
             return str(
                 template.render(
-                    {"tools": None, "documents": None, **self.special, **given}, messages=messages
+                    {"tools": None, "documents": None, **self.special, **inputs}, messages=messages
                 )
             )
         except Exception:  # the engine will reject a conversation its template rejects
