@@ -717,8 +717,10 @@ class ServingSpec(SpecModel):
     chat_template: str | None = Field(default=None, min_length=1)
     """A Jinja chat template used instead of the tokenizer's (`--chat-template`):
     the template itself (text holding `{{` or `{%`), or the path of a file
-    inside the engine image or a mounted volume. It receives `messages` and,
-    with tools, `tools`."""
+    inside the engine image or the model's directory. It receives `messages`
+    and, with tools, `tools`. The gateway renders chat prompts with it too (to
+    count their tokens and hash their prefix blocks): it runs the engines'
+    image and mounts the model where they do, so it reads the same file."""
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     """How tool calls are read from the model's text (`--tool-call-parser`,
     vLLM's parser names). Needed for `tool_choice: auto`. Unset: the model's

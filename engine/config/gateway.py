@@ -127,6 +127,11 @@ class GatewayConfig:
     tokenizer: str | None = None
     """Model directory whose tokenizer counts prompt tokens and cuts prefix
     blocks; without it a token is approximated as 4 characters."""
+    chat_template: str | None = None
+    """The engines' `--chat-template` (a readable file's path, or the template
+    itself, as the engine takes it): chat prompts are rendered with it instead
+    of the --tokenizer directory's templates, so they are counted and hashed
+    as the engines compute them. Needs --tokenizer."""
     served_model_name: list[str] = field(default_factory=list)
     """Model name(s) the gateway answers to, as vLLM's flag: `/v1/models` lists
     them (also while no decode engine is up), and a request naming another
@@ -359,6 +364,11 @@ class GatewayConfig:
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:
                 raise ValueError(f"--{flag_name(name)} must be a TCP port (1-65535), got {port}")
+        if self.chat_template is not None and not self.tokenizer:
+            raise ValueError(
+                "--chat-template needs --tokenizer (the tokenizer counts the prompts the "
+                "template renders)"
+            )
         if self.client_key and not self.client_cert:
             raise ValueError("--client-key needs --client-cert (the certificate it belongs to)")
         for name in (

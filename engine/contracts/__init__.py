@@ -43,6 +43,8 @@ contracts): a gateway pod, the operator and the configuration use it.
   workers (``CompileRequest``; ``Compiled``, ``TooLarge``, ``Failed``).
 * ``request_fields`` — the OpenAI routes' request fields: which work, which
   are refused by name, and the one check engines and the gateway both run.
+* ``chat_template`` — what a chat template is given, alike in the engine and
+  the gateway: ``--chat-template``'s loading rule and each message's fields.
 * ``priority`` — the ``priority`` the gateway sends engines: a band and a
   fair-share tag.
 * ``block_hash`` — the chained block hashes both sides of a prefix match compute.

@@ -139,8 +139,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..contracts.chat_template import load_chat_template
     from .openai.api_server import run_server
-    from .openai.serving_base import ChatOptions, load_chat_template
+    from .openai.serving_base import ChatOptions
 
     engine_args = EngineArgs.from_cli_args(args)
     config = create_engine_config(engine_args, usage_context="server")

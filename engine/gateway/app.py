@@ -90,7 +90,10 @@ class Gateway:
         """The other workers of ``--workers N`` (None for one process)."""
         self.metrics = GatewayMetrics()
         self.analyzer = PromptAnalyzer(
-            config.tokenizer, config.prefix_blocks, config.min_prompt_tokens
+            config.tokenizer,
+            config.prefix_blocks,
+            config.min_prompt_tokens,
+            chat_template=config.chat_template,
         )
         self.discovery = discovery or make_discovery(config)
         secret = fleet_secret if fleet_secret is not None else fleet_secret_from_env()

@@ -23,6 +23,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
 
 def run(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_cli_args(args)
+    from .prompt import check_chat_template
     from .workers import serve
+
+    # Refused once here, before any worker starts, rather than by each.
+    check_chat_template(config.chat_template)
 
     return serve(config)

@@ -2,7 +2,8 @@
 
 With ``--tokenizer DIR`` the model's tokenizer (``tokenizer.json`` through the
 ``tokenizers`` library, and the chat template through jinja2, as the engine
-renders it) counts tokens and cuts blocks of ``block_size`` tokens, so block
+renders it: the directory's, or the engines' ``--chat-template`` given to the
+gateway too) counts tokens and cuts blocks of ``block_size`` tokens, so block
 hashes line up with the engines' prefix-cache blocks (exactly within a
 bounded head of the prompt, see ``PromptAnalyzer``). Without it a token is
 approximated as ``CHARS_PER_TOKEN`` characters (about right for English text
@@ -25,6 +26,7 @@ from ..contracts.block_hash import (
     get_hash_fn,
     prompt_block_hashes,
 )
+from ..contracts.chat_template import CHAT_TEMPLATE_FLAG, load_chat_template, template_message
 from ..contracts.request_fields import RESERVED_TEMPLATE_KWARGS
 
 logger = logging.getLogger("pdfleet.gateway")
@@ -83,7 +85,7 @@ def chain_hashes(items: list[Any] | str, block: int, max_blocks: int) -> list[in
 class Tokenizer:
     """The model's tokenizer and chat template, without transformers or torch."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(directory)
@@ -93,24 +95,10 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text())
-        # The templates by name, as the engine's tokenizer loads them: files
-        # first (chat_template.jinja the default, additional_chat_templates/
-        # NAME.jinja), else the config's one template or its named list.
-        sources: dict[str, str] = {}
-        if (path / "chat_template.jinja").is_file():
-            sources["default"] = (path / "chat_template.jinja").read_text()
-        extra = path / "additional_chat_templates"
-        if extra.is_dir():
-            for f in sorted(extra.glob("*.jinja")):
-                sources[f.stem] = f.read_text()
-        if not sources:
-            given = config.get("chat_template")
-            if isinstance(given, str):
-                sources["default"] = given
-            elif isinstance(given, list):
-                for t in given:
-                    if isinstance(t, dict) and isinstance(t.get("template"), str):
-                        sources[str(t.get("name"))] = t["template"]
+        given = load_chat_template(chat_template)
+        # The engine's --chat-template: transformers renders every request with
+        # it, whatever templates the model names (tool_use included).
+        sources = {"default": given} if given is not None else _model_templates(path, config)
         # The special tokens the template sees (special_tokens_map.json over
         # the config's, as the engine's tokenizer reads them).
         tokens: dict[str, Any] = {k: config[k] for k in _SPECIAL_TOKENS if config.get(k)}
@@ -122,24 +110,11 @@ class Tokenizer:
         }
         self.templates: dict[str, Any] = {}
         if sources:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True,
-                lstrip_blocks=True,
-                extensions=["jinja2.ext.loopcontrols", _generation_extension()],
-            )
-
-            def raise_exception(message: str) -> None:
-                raise ValueError(message)
-
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            # Templates render tools and tool call arguments as JSON: plain
-            # JSON, as the engine's templating writes it (jinja's own filter
-            # escapes HTML characters).
-            env.filters["tojson"] = _tojson
-            self.templates = {name: env.from_string(text) for name, text in sources.items()}
+            env = _template_environment()
+            if given is not None:
+                self.templates = {"default": _compiled_chat_template(env, given)}
+            else:
+                self.templates = {name: env.from_string(text) for name, text in sources.items()}
 
     def template_for(self, tools: bool) -> Any:
         """The template the engine renders a request with (None: none): of
@@ -168,6 +143,71 @@ class Tokenizer:
             )
         except Exception:  # the engine will reject a conversation its template rejects
             return None
+
+
+def check_chat_template(value: str | None) -> None:
+    """Refuse, with a ValueError naming the flag, a ``--chat-template`` the
+    gateway would fail to load: what the engine's loading rule refuses, or a
+    template jinja2 cannot compile."""
+    text = load_chat_template(value)
+    if text is not None:
+        _compiled_chat_template(_template_environment(), text)
+
+
+def _compiled_chat_template(env: Any, text: str) -> Any:
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return env.from_string(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(
+            f"{CHAT_TEMPLATE_FLAG}: not a template jinja2 can compile: {e} (line {e.lineno})"
+        ) from None
+
+
+def _template_environment() -> Any:
+    """jinja2 set up as transformers renders chat templates."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _generation_extension()],
+    )
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    # Templates render tools and tool call arguments as JSON: plain JSON, as
+    # the engine's templating writes it (jinja's own filter escapes HTML
+    # characters).
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _model_templates(path: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The model directory's templates by name, as the engine's tokenizer
+    loads them: files first (chat_template.jinja the default,
+    additional_chat_templates/NAME.jinja), else the config's one template or
+    its named list."""
+    sources: dict[str, str] = {}
+    if (path / "chat_template.jinja").is_file():
+        sources["default"] = (path / "chat_template.jinja").read_text()
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            sources[f.stem] = f.read_text()
+    if not sources:
+        given = config.get("chat_template")
+        if isinstance(given, str):
+            sources["default"] = given
+        elif isinstance(given, list):
+            for t in given:
+                if isinstance(t, dict) and isinstance(t.get("template"), str):
+                    sources[str(t.get("name"))] = t["template"]
+    return sources
 
 
 def _tojson(
@@ -252,55 +292,43 @@ _MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content", "r
 
 
 def template_messages(raw: list[Any]) -> list[dict[str, Any]] | None:
-    """The messages as the engine hands them to its chat template: role, text,
-    name, tool call id, an earlier turn's reasoning (under the names templates
-    read it by) and tool calls with their arguments as objects. None for a
-    message the engine refuses (tool call arguments that are not JSON)."""
+    """The messages as the engine's chat template receives them: each built as
+    the engine builds it (``template_message``), and an earlier turn's
+    reasoning also as ``thinking`` (transformers' templating adds it for
+    templates that read it by that name, gpt-oss's). None for a message the
+    engine refuses (tool calls that are not a list of functions, arguments
+    that are not JSON text)."""
     out: list[dict[str, Any]] = []
     for m in raw:
         if not isinstance(m, dict):
             continue
-        msg: dict[str, Any] = {
-            "role": str(m.get("role", "")),
-            "content": _message_text(m.get("content")),
-        }
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        if m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = m["tool_call_id"]
-        thought = m.get("reasoning_content")
-        if thought is None:
-            thought = m.get("reasoning")
-        if thought is not None:
-            msg["reasoning_content"] = thought
-        calls = m.get("tool_calls")
-        if calls:
-            if not isinstance(calls, list):
+        calls: list[tuple[Any, Any, str]] = []
+        given = m.get("tool_calls")
+        if given:
+            if not isinstance(given, list):
                 return None
-            rendered = []
-            for c in calls:
+            for c in given:
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict):
                     return None
-                given = fn.get("arguments", "{}")  # (the engine's default)
-                if not isinstance(given, str):
+                arguments = fn.get("arguments", "{}")  # (the engine's default)
+                if not isinstance(arguments, str):
                     return None
-                try:
-                    args = json.loads(given)
-                except (ValueError, RecursionError):
-                    return None
-                rendered.append(
-                    {
-                        "id": c.get("id"),
-                        "type": "function",
-                        "function": {"name": fn.get("name"), "arguments": args},
-                    }
-                )
-            msg["tool_calls"] = rendered
-        if thought is not None:
-            # Templates read an earlier turn's thinking as reasoning_content,
-            # some (gpt-oss) as thinking.
-            msg = {"thinking": thought, **msg}
+                calls.append((c.get("id"), fn.get("name"), arguments))
+        try:
+            msg = template_message(
+                str(m.get("role", "")),
+                _message_text(m.get("content")),
+                name=m.get("name"),
+                tool_call_id=m.get("tool_call_id"),
+                reasoning_content=m.get("reasoning_content"),
+                reasoning=m.get("reasoning"),
+                tool_calls=calls,
+            )
+        except ValueError:
+            return None
+        if "reasoning_content" in msg:
+            msg = {"thinking": msg["reasoning_content"], **msg}
         out.append(msg)
     return out
 
@@ -412,8 +440,9 @@ class PromptAnalyzer:
         max_blocks: int,
         min_prompt_tokens: int = 0,
         exact: bool = False,
+        chat_template: str | None = None,
     ) -> None:
-        self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
+        self.tokenizer = Tokenizer(tokenizer_dir, chat_template) if tokenizer_dir else None
         self.max_blocks = max_blocks
         self.min_prompt_tokens = min_prompt_tokens
         self.exact = exact

@@ -312,6 +312,8 @@ class LocalFleet:
             disaggregation_mode=spec.disaggregation.mode,
             min_prompt_tokens=spec.disaggregation.min_prompt_tokens,
             tokenizer=model_path or self.model_path,
+            # The engines' template: the gateway renders chat prompts with it too.
+            chat_template=spec.serving.chat_template,
             served_model_name=[spec.model.name],
             scrape_interval=1.0,
             **(spec.autoscaling.gateway_settings() if spec.autoscaling else {}),

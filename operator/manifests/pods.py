@@ -421,11 +421,19 @@ def _engine_pod_template(
 
 def gateway_command(name: str, spec: InferenceServiceSpec, namespace: str) -> list[str]:
     """``pdfleet gateway`` finding the service's engine pods by label, rendered from the
-    gateway's own typed settings (the flags it parses)."""
+    gateway's own typed settings (the flags it parses).
+
+    The engines' chat template reaches the gateway as theirs does: inline text
+    as the flag's value, a path as it is. The gateway pod runs the engines'
+    image and mounts the model's volumes where they do, so a template file in
+    the image or the model's directory is there too; the adapters' volumes
+    are the engines' only (a template on one stops the gateway at startup,
+    its error naming ``--chat-template``)."""
     config = GatewayConfig(
         host="0.0.0.0",  # noqa: S104 (the gateway pod serves every interface)
         port=spec.gateway.port,
         tokenizer=model_source(spec.model.uri).path,
+        chat_template=pod_serving(spec).chat_template,
         served_model_name=[spec.model.name],
         disaggregation_mode=spec.disaggregation.mode,
         min_prompt_tokens=spec.disaggregation.min_prompt_tokens,

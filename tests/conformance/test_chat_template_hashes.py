@@ -266,3 +266,113 @@ def test_the_built_in_models_tool_template_is_mirrored(model_dir, tmp_path):
         ids = engine_ids(str(d), body)
         got = analyzer.analyze(body, True, 4)
         assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64))
+
+
+# -- the engines' --chat-template, given to the gateway too ------------------------
+
+# Another template than the model's: what the engines render with --chat-template.
+GIVEN = """{%- if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}
+{%- for m in messages %}{{ m.role | upper }}: {{ m.content }}
+{%- if m.tool_calls %}{% for c in m.tool_calls %} -> {{ c.function.arguments | tojson }}
+{%- endfor %}{% endif %}{% if m.reasoning_content %} ({{ m.reasoning_content }}){% endif %}
+{{ eos_token }}
+{% endfor %}
+{%- if add_generation_prompt %}ASSISTANT:{% endif %}"""
+
+
+def engine_text_and_ids(
+    model_dir: str, body: dict[str, Any], chat_template: str | None
+) -> tuple[str, list[int]]:
+    """What the engine's chat route renders for ``body`` when it runs with
+    ``--chat-template`` ``chat_template``."""
+    from transformers import AutoTokenizer
+
+    from pdfleet.engine.contracts.chat_template import load_chat_template
+    from pdfleet.engine.entrypoints.openai.protocol import ChatCompletionRequest
+    from pdfleet.engine.entrypoints.openai.serving_base import ChatOptions, ServingBase
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    options = ChatOptions(chat_template=load_chat_template(chat_template))
+    serving = SimpleNamespace(_need_tokenizer=lambda: tok, options=options)
+    req = ChatCompletionRequest(model="m", **body)
+    text, ids = ServingBase.apply_chat_template(serving, req)  # type: ignore[arg-type]
+    return text, list(ids)
+
+
+def test_a_given_chat_template_is_rendered_as_the_engines_chat_template_flag_renders(
+    model_dir, tmp_path
+):
+    """The gateway's --chat-template (the text, or a file's path) replaces the
+    model's templates as the engine's does: the model's one template, and its
+    named ones (``tool_use`` for a request with tools included)."""
+    from pdfleet.engine.gateway.prompt import Tokenizer, template_inputs, template_messages
+
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    named = {
+        **config,
+        "chat_template": [
+            {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+            {"name": "tool_use", "template": "<tools>{{ tools | tojson }}</tools>"},
+        ],
+    }
+    dirs = [
+        model_dir,  # the model's one template (TEMPLATE, in its config)
+        _variant(model_dir, tmp_path / "named", **{"tokenizer_config.json": json.dumps(named)}),
+        _variant(model_dir, tmp_path / "none"),  # no template of its own
+    ]
+    (tmp_path / "given.jinja").write_text(GIVEN)
+    for d in dirs:
+        for value in (GIVEN, str(tmp_path / "given.jinja")):
+            analyzer = PromptAnalyzer(d, max_blocks=64, chat_template=value)
+            tokenizer = Tokenizer(d, value)
+            for body in BODIES:
+                text, ids = engine_text_and_ids(d, body, value)
+                messages = template_messages(body["messages"])
+                inputs = template_inputs(body)
+                assert messages is not None and inputs is not None
+                assert tokenizer.chat_text(messages, inputs) == text, (d, body)
+                got = analyzer.analyze(body, True, 4)
+                assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64))
+    # Without the flag the model's own template renders another prompt.
+    body = BODIES[1]
+    ids = engine_text_and_ids(model_dir, body, GIVEN)[1]
+    assert PromptAnalyzer(model_dir, max_blocks=64).analyze(body, True, 4).num_tokens != len(ids)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("no-such-file.jinja", "no such file, and not a Jinja template"),
+        ("{% for m in messages %}", "not a template jinja2 can compile"),
+        ("", "no such file"),
+    ],
+)
+def test_a_chat_template_the_gateway_cannot_load_is_refused_naming_the_flag(model_dir, value, why):
+    from pdfleet.engine.gateway.prompt import check_chat_template
+
+    with pytest.raises(ValueError, match=f"^--chat-template.*{why}"):
+        check_chat_template(value)
+    with pytest.raises(ValueError, match=f"^--chat-template.*{why}"):
+        PromptAnalyzer(model_dir, max_blocks=64, chat_template=value)
+
+
+def test_the_engine_and_the_gateway_build_each_message_alike():
+    """One function builds the messages both hand their template; the gateway
+    adds the reasoning under transformers' other name (``thinking``), and
+    refuses (None) what the engine refuses (a 400 naming the call)."""
+    from pdfleet.engine.entrypoints.openai.protocol import APIError, ChatMessage
+    from pdfleet.engine.gateway.prompt import template_messages
+
+    for body in BODIES:
+        gateway = template_messages(body["messages"])
+        assert gateway is not None
+        engine = [ChatMessage(**m).template_dict() for m in body["messages"]]
+        assert [{k: v for k, v in m.items() if k != "thinking"} for m in gateway] == engine
+        for g, e in zip(gateway, engine, strict=True):
+            assert g.get("thinking") == e.get("reasoning_content")
+    for arguments in ("{no", "[" * 5000 + "]" * 5000):
+        call = {"id": "c7", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        message = {"role": "assistant", "tool_calls": [call]}
+        assert template_messages([message]) is None
+        with pytest.raises(APIError, match="tool call c7: function.arguments is not valid JSON"):
+            ChatMessage(**message).template_dict()

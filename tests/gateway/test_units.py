@@ -386,6 +386,43 @@ def test_api_keys_from_a_mounted_secret_file(monkeypatch, tmp_path):
         parse(["--decode", "http://d"])
 
 
+def test_the_chat_template_flag_takes_the_engines_value_and_is_refused_when_bad(
+    tiny_model, tmp_path, capsys
+):
+    """``--chat-template`` holds the value as the engines take it (inline text
+    or a path, read by the gateway when it starts), needs ``--tokenizer``, and a
+    value the gateway cannot load stops ``pdfleet gateway`` before it serves,
+    naming the flag."""
+    from pdfleet.engine.cli import main
+
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    base = ["--decode", "http://d", "--tokenizer", tiny_model]
+    config = parse([*base, "--chat-template", template])
+    assert config.chat_template == template
+    assert parse(config.to_cli_args()) == config
+    assert "--chat-template" not in parse(base).to_cli_args()
+    # The gateway renders chat prompts with it.
+    from pdfleet.engine.gateway.app import Gateway
+
+    gateway = Gateway(config, StaticDiscovery([]), fleet_secret=b"")
+    assert gateway.analyzer.tokenizer is not None
+    rendered = gateway.analyzer.tokenizer.chat_text(
+        [{"role": "user", "content": "hi"}], {"add_generation_prompt": True}
+    )
+    assert rendered == "user: hi\n"
+    with pytest.raises(ValueError, match="--chat-template needs --tokenizer"):
+        GatewayConfig(decode=["http://d"], chat_template=template)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    for value, why in (
+        (str(tmp_path / "missing.jinja"), "no such file, and not a Jinja template"),
+        (str(broken), "not a template jinja2 can compile"),
+    ):
+        assert main(["gateway", *base, "--chat-template", value]) == 2
+        err = capsys.readouterr().err
+        assert "pdfleet gateway: error: --chat-template" in err and why in err, err
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -74,6 +74,8 @@ def test_a_new_revision_resolves_the_model_and_rolls(tmp_path):
     [
         ({"gateway": {"maxMigrations": 1}}, False, "needs a new gateway (max_migrations)"),
         ({"disaggregation": {"minPromptTokens": 64}}, False, "min_prompt_tokens"),
+        # The gateway renders chat prompts with the engines' template too.
+        ({"serving": {"chatTemplate": "{{ messages }}"}}, False, "new gateway (chat_template)"),
         ({"autoscaling": {}}, False, "spec.autoscaling"),
         ({"decode": {"replicas": 2}}, True, "the autoscaler owns the replica count"),
     ],

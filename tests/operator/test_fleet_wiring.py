@@ -11,7 +11,7 @@ from helpers.kube_schema import validate
 
 from pdfleet.engine.config.gateway import KV_EVENTS_PORT_ANNOTATION, KV_REPLAY_PORT_ANNOTATION
 from pdfleet.engine.contracts import identity
-from pdfleet.engine.entrypoints.openai.serving_base import load_chat_template
+from pdfleet.engine.contracts.chat_template import load_chat_template
 from pdfleet.engine.gateway.discovery import EnginesFileDiscovery
 from pdfleet.operator.local.fleet import LocalFleet
 from pdfleet.operator.manifests import build_children
@@ -135,13 +135,40 @@ def test_serving_flags_reach_every_engine_pod_with_the_inline_template_intact():
     assert "--tool-call-parser" not in gateway
 
 
+def test_the_gateway_pod_renders_chat_prompts_with_the_engines_template():
+    """The gateway counts and hashes chat prompts as the engines render them:
+    the operator gives it the engines' --chat-template (the inline text, or the
+    path, which the gateway pod has too: the same image, the model's volumes at
+    the same paths), parsed by the real CLI."""
+    from pdfleet.engine.cli import build_parser
+
+    model = {"name": "m", "uri": "pvc://weights/llama"}
+    for template in (TEMPLATE, "/models/weights/chat.jinja", "templates/chat.jinja"):
+        objects = render({**SPEC, "model": model, "serving": {"chatTemplate": template}})
+        engine = pod(objects, "decode")["spec"]["containers"][0]
+        gateway = pod(objects, "gateway")["spec"]["containers"][0]
+        assert flag(gateway["command"], "--chat-template") == template
+        assert flag(engine["command"], "--chat-template") == template
+        args = build_parser().parse_args(gateway["command"][1:])
+        assert (args.chat_template, args.tokenizer) == (
+            template,
+            flag(gateway["command"], "--tokenizer"),
+        )
+        # The engines' model mounts are the gateway's, at the same paths.
+        mounts = {m["mountPath"] for m in engine["volumeMounts"] if m["name"] == "models"}
+        assert mounts == {"/models/weights"}
+        assert mounts <= {m["mountPath"] for m in gateway["volumeMounts"]}
+        assert gateway["image"] == engine["image"]
+
+
 def test_a_dollar_paren_in_the_template_survives_the_kubelets_expansion():
     template = "{{ '$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
     objects = render({**SPEC, "serving": {"chatTemplate": template}})
-    command = pod(objects, "decode")["spec"]["containers"][0]["command"]
     # The kubelet turns $$( back into $( (and would expand a bare $(HOME)).
     expected = "{{ '$$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert flag(command, "--chat-template") == expected
+    for role in ("decode", "gateway"):
+        command = pod(objects, role)["spec"]["containers"][0]["command"]
+        assert flag(command, "--chat-template") == expected, role
 
 
 def test_serving_defaults_add_no_flags():
@@ -149,6 +176,7 @@ def test_serving_defaults_add_no_flags():
     command = pod(objects, "decode")["spec"]["containers"][0]["command"]
     for name in ("--chat-template", "--tool-call-parser", "--enable-auto-tool-choice"):
         assert name not in command
+    assert "--chat-template" not in pod(objects, "gateway")["spec"]["containers"][0]["command"]
 
 
 def test_auto_tool_choice_false_turns_a_models_default_off():
@@ -247,6 +275,15 @@ def test_pdfleet_up_engines_get_the_serving_flags_and_their_own_event_ports(tmp_
     assert [(e.name, e.kv_events, e.kv_events_replay) for e in read] == [
         (c.name, *fleet.kv_events[c.name]) for c in children
     ]
+
+
+def test_pdfleet_up_gateway_renders_chat_prompts_with_the_engines_template(tmp_path):
+    config = local_fleet(tmp_path, SPEC).gateway_config()
+    assert config.chat_template == TEMPLATE
+    assert config.tokenizer == "/models/m"
+    assert load_chat_template(flag(config.to_cli_args(), "--chat-template")) == TEMPLATE
+    plain = {**SPEC, "serving": {"toolCallParser": "hermes"}}
+    assert local_fleet(tmp_path, plain).gateway_config().chat_template is None
 
 
 def test_pdfleet_up_engines_get_the_reasoning_parser(tmp_path):

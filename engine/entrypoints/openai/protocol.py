@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
@@ -19,6 +18,7 @@ from pydantic import (
 )
 
 from ...contracts import request_fields
+from ...contracts.chat_template import template_message
 from ...contracts.errors import ErrorBody
 from ...contracts.migration import MigrationState, MigrationStateError
 from ...sampling_params import SamplingParams, StructuredOutputsParams, json_schema_text
@@ -380,34 +380,22 @@ class ChatMessage(BaseModel):
     annotations: list[Any] | None = Field(default=None, max_length=0)
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it (tool call arguments as objects)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        if thought is not None:
-            out["reasoning_content"] = thought
-        if self.tool_calls:
-            calls = []
-            for c in self.tool_calls:
-                try:
-                    args: Any = json.loads(c.function.arguments)
-                except ValueError:
-                    raise APIError(
-                        f"tool call {c.id}: function.arguments is not valid JSON",
-                        param="messages",
-                    ) from None
-                calls.append(
-                    {
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.function.name, "arguments": args},
-                    }
-                )
-            out["tool_calls"] = calls
-        return out
+        """The message as chat templates read it (``template_message``: the
+        gateway builds it alike)."""
+        try:
+            return template_message(
+                self.role,
+                self.text(),
+                name=self.name,
+                tool_call_id=self.tool_call_id,
+                reasoning_content=self.reasoning_content,
+                reasoning=self.reasoning,
+                tool_calls=[
+                    (c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()
+                ],
+            )
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
 
     def text(self) -> str:
         if self.content is None:

@@ -269,25 +269,12 @@ class ChatOptions:
     """Server flags that shape chat serving (vLLM's names; docs/tool_calling.md)."""
 
     chat_template: str | None = None
-    """A Jinja chat template (the text; ``load_chat_template`` reads a file)."""
+    """A Jinja chat template (the text; ``contracts.chat_template.load_chat_template``
+    reads ``--chat-template``)."""
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     """``--reasoning-parser``: splits thinking from the answer (reasoning_parsers.py)."""
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's path, or the template itself."""
-    if value is None:
-        return None
-    import os
-
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
 
 
 class ServingBase:
