@@ -382,8 +382,10 @@ def check_fields(body: Mapping[str, Any], route: str) -> None:
         raise ValueError(f"{name} is not a field of this request ({route}{hint})")
 
 
-# Arguments of the chat template call that request fields set (a request's
-# chat_template_kwargs may not override them).
+# Arguments of the chat template call, not variables of the template: request
+# fields set some, the others shape tokenizing, which the server does itself.
+# A request's chat_template_kwargs may name none of them (the template would
+# never see it).
 RESERVED_TEMPLATE_KWARGS = frozenset(
     (
         "conversation",
@@ -394,6 +396,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "add_generation_prompt",
         "continue_final_message",
         "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",

@@ -96,12 +96,22 @@ class Tokenizer:
         if (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text())
         given = load_chat_template(chat_template)
-        # The engine's --chat-template: transformers renders every request with
-        # it, whatever templates the model names (tool_use included).
-        sources = {"default": given} if given is not None else _model_templates(path, config)
+        sources, named = _model_templates(path, config)
+        if given is not None:
+            # The engine's --chat-template: transformers renders every request
+            # with it, whatever templates the model names (tool_use included),
+            # unless its whole text is the name of one of them.
+            given = sources[given] if named and given in sources else given
+            sources = {"default": given}
         # The special tokens the template sees (special_tokens_map.json over
         # the config's, as the engine's tokenizer reads them).
+        # Named extra special tokens (``extra_special_tokens`` as a mapping,
+        # such as a multimodal model's ``image_token``) are template variables
+        # too.
         tokens: dict[str, Any] = {k: config[k] for k in _SPECIAL_TOKENS if config.get(k)}
+        extra_named = config.get("extra_special_tokens")
+        if isinstance(extra_named, dict):
+            tokens.update({str(k): v for k, v in extra_named.items() if v})
         if (path / "special_tokens_map.json").is_file():
             mapped = json.loads((path / "special_tokens_map.json").read_text())
             tokens.update({k: mapped[k] for k in _SPECIAL_TOKENS if mapped.get(k)})
@@ -109,6 +119,7 @@ class Tokenizer:
             k: (v.get("content") if isinstance(v, dict) else v) for k, v in tokens.items()
         }
         self.templates: dict[str, Any] = {}
+        self.sources = sources
         if sources:
             env = _template_environment()
             if given is not None:
@@ -116,15 +127,15 @@ class Tokenizer:
             else:
                 self.templates = {name: env.from_string(text) for name, text in sources.items()}
 
-    def template_for(self, tools: bool) -> Any:
-        """The template the engine renders a request with (None: none): of
-        several, the ``tool_use`` one for a request with tools, else the
-        ``default`` one."""
+    def template_name(self, tools: bool) -> str | None:
+        """The name of the template the engine renders a request with (None:
+        none): of several, the ``tool_use`` one for a request with tools, else
+        the ``default`` one."""
         if len(self.templates) <= 1:
-            return next(iter(self.templates.values()), None)
+            return next(iter(self.templates), None)
         if tools and "tool_use" in self.templates:
-            return self.templates["tool_use"]
-        return self.templates.get("default")
+            return "tool_use"
+        return "default" if "default" in self.templates else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -132,17 +143,38 @@ class Tokenizer:
     def chat_text(self, messages: list[dict[str, Any]], inputs: dict[str, Any]) -> str | None:
         """The conversation as the engine renders it (None without a template).
         ``inputs``: the request's other template inputs (``template_inputs``)."""
-        template = self.template_for(inputs.get("tools") is not None)
-        if template is None:
+        name = self.template_name(inputs.get("tools") is not None)
+        if name is None:
             return None
+        template = self.templates[name]
+        inputs = dict(inputs)
+        final: str | None = None
+        if inputs.pop("continue_final_message", False):
+            # As transformers continues the last message: its text marked at
+            # the end, the rendering cut at the mark (what the template adds
+            # after it is dropped). It refuses a last message without text, and
+            # a template that never reads ``content``.
+            last = messages[-1] if messages else {}
+            final = last.get("content")
+            if not isinstance(final, str) or "content" not in self.sources[name]:
+                return None
+            messages = [*messages[:-1], {**last, "content": final + CONTINUE_MARK}]
         try:
-            return str(
+            text = str(
                 template.render(
                     {"tools": None, "documents": None, **self.special, **inputs}, messages=messages
                 )
             )
         except Exception:  # the engine will reject a conversation its template rejects
             return None
+        if final is not None:
+            mark = CONTINUE_MARK.strip()
+            if final.strip() not in text or mark not in text:
+                return None  # the template dropped the message: the engine refuses it
+            at = text.rindex(mark)
+            # A template that trims the message's end trimmed the mark's space.
+            text = text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
+        return text
 
 
 def check_chat_template(value: str | None) -> None:
@@ -162,6 +194,10 @@ def _compiled_chat_template(env: Any, text: str) -> Any:
     except TemplateSyntaxError as e:
         raise ValueError(
             f"{CHAT_TEMPLATE_FLAG}: not a template jinja2 can compile: {e} (line {e.lineno})"
+        ) from None
+    except (RecursionError, MemoryError, ValueError) as e:  # nested past the parser's depth
+        raise ValueError(
+            f"{CHAT_TEMPLATE_FLAG}: not a template jinja2 can compile: {type(e).__name__}"
         ) from None
 
 
@@ -187,27 +223,31 @@ def _template_environment() -> Any:
     return env
 
 
-def _model_templates(path: Path, config: dict[str, Any]) -> dict[str, str]:
+def _model_templates(path: Path, config: dict[str, Any]) -> tuple[dict[str, str], bool]:
     """The model directory's templates by name, as the engine's tokenizer
     loads them: files first (chat_template.jinja the default,
     additional_chat_templates/NAME.jinja), else the config's one template or
-    its named list."""
+    its named list; and whether they are a named set (a given template may
+    name one of them)."""
     sources: dict[str, str] = {}
+    named = False
     if (path / "chat_template.jinja").is_file():
         sources["default"] = (path / "chat_template.jinja").read_text()
     extra = path / "additional_chat_templates"
     if extra.is_dir():
         for f in sorted(extra.glob("*.jinja")):
             sources[f.stem] = f.read_text()
+            named = True
     if not sources:
         given = config.get("chat_template")
         if isinstance(given, str):
             sources["default"] = given
         elif isinstance(given, list):
+            named = True
             for t in given:
                 if isinstance(t, dict) and isinstance(t.get("template"), str):
                     sources[str(t.get("name"))] = t["template"]
-    return sources
+    return sources, named
 
 
 def _tojson(
@@ -225,6 +265,10 @@ def _tojson(
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
+
+# The mark transformers puts after the last message's text to continue it
+# (``continue_final_message``): the rendering ends where it is found.
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 # The special tokens a chat template may name.
 _SPECIAL_TOKENS = (
@@ -336,20 +380,25 @@ def template_messages(raw: list[Any]) -> list[dict[str, Any]] | None:
 def template_inputs(body: dict[str, Any]) -> dict[str, Any] | None:
     """The chat template's inputs besides the messages, as the engine passes
     them: ``chat_template_kwargs``, documents, tools and whether to add the
-    assistant's turn. None where the rendering could not be mirrored (a
-    conversation continued in its last message, a reserved or malformed
-    ``chat_template_kwargs``)."""
-    if _as_bool(body.get("continue_final_message", False)) is not False:
-        return None
+    assistant's turn, or to continue its last message
+    (``continue_final_message``, which ``Tokenizer.chat_text`` takes out).
+    None where the rendering could not be mirrored (a reserved or malformed
+    ``chat_template_kwargs``, fields the engine refuses)."""
     add = _as_bool(body.get("add_generation_prompt", True))
+    continuing = _as_bool(body.get("continue_final_message", False))
     kwargs = body.get("chat_template_kwargs") or {}
-    if add is None or not isinstance(kwargs, dict) or set(kwargs) & RESERVED_TEMPLATE_KWARGS:
+    if add is None or continuing is None:
+        return None
+    if not isinstance(kwargs, dict) or set(kwargs) & RESERVED_TEMPLATE_KWARGS:
         return None
     inputs = dict(kwargs)
     for name in ("documents", "tools"):
         if body.get(name):
             inputs[name] = body[name]
-    inputs["add_generation_prompt"] = add
+    # Continuing the last message, the engine adds no assistant's turn.
+    inputs["add_generation_prompt"] = add and not continuing
+    if continuing:
+        inputs["continue_final_message"] = True
     return inputs
 
 

@@ -221,12 +221,14 @@ def pod_engine_args(
 
 def pod_serving(spec: InferenceServiceSpec) -> ServingSpec:
     """``spec.serving`` for a pod's command line: an inline chat template's
-    ``$(`` is written ``$$(``, which the kubelet turns back into ``$(`` instead
-    of expanding it as an environment variable."""
+    every ``$`` is written ``$$``. The kubelet reduces ``$$`` to ``$`` and
+    expands ``$(NAME)`` from the pod's environment, so unescaped a template
+    would lose a ``$`` of each ``$$`` and take in the environment's values,
+    which differ between pods (engines and the gateway alike)."""
     template = spec.serving.chat_template
-    if template is None or "$(" not in template:
+    if template is None or "$" not in template:
         return spec.serving
-    return spec.serving.model_copy(update={"chat_template": template.replace("$(", "$$(")})
+    return spec.serving.model_copy(update={"chat_template": template.replace("$", "$$")})
 
 
 def object_meta(

@@ -123,7 +123,8 @@ def test_the_gateway_counts_and_hashes_a_chat_prompt_as_the_engine_templates_it(
 
 def test_a_prompt_the_gateway_cannot_mirror_is_estimated_with_its_tools(model_dir):
     messages = [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "Hel"}]
-    body = {"messages": messages, "tools": TOOLS, "continue_final_message": True}
+    # A reserved template argument: the engine refuses it, the gateway estimates.
+    body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": {"max_length": 5}}
     bad_call = {
         "messages": [
             {
@@ -344,6 +345,7 @@ def test_a_given_chat_template_is_rendered_as_the_engines_chat_template_flag_ren
     [
         ("no-such-file.jinja", "no such file, and not a Jinja template"),
         ("{% for m in messages %}", "not a template jinja2 can compile"),
+        ("{{" + "(" * 3000 + "1" + ")" * 3000 + "}}", "not a template jinja2 can compile"),
         ("", "no such file"),
     ],
 )
@@ -376,3 +378,72 @@ def test_the_engine_and_the_gateway_build_each_message_alike():
         assert template_messages([message]) is None
         with pytest.raises(APIError, match="tool call c7: function.arguments is not valid JSON"):
             ChatMessage(**message).template_dict()
+
+
+def test_a_continued_last_message_is_cut_where_the_engine_cuts_it(model_dir, tmp_path):
+    """``continue_final_message``: the rendering ends at the last message's
+    text, whether the template keeps its spacing or trims it; a template that
+    drops the message, or never reads ``content``, is refused by the engine and
+    estimated by the gateway."""
+    from pdfleet.engine.entrypoints.openai.protocol import APIError
+
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is "},
+    ]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    trimmed = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>\n{% endfor %}"
+    for value in (None, GIVEN, trimmed):
+        analyzer = PromptAnalyzer(model_dir, max_blocks=64, chat_template=value)
+        text, ids = engine_text_and_ids(model_dir, body, value)
+        assert "colour is" in text[-12:]
+        got = analyzer.analyze(body, True, 4)
+        assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64)), value
+    for value in ("{% for m in messages %}{{ m.role }}{% endfor %}", "{{ messages[0].content }}"):
+        with pytest.raises(APIError):
+            engine_text_and_ids(model_dir, body, value)
+        analyzer = PromptAnalyzer(model_dir, max_blocks=64, exact=True, chat_template=value)
+        assert analyzer.analyze(body, True, 4).exact_hashes is None  # estimated
+
+
+def test_named_extra_special_tokens_reach_the_template(model_dir, tmp_path):
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = {"image_token": "<pad>", "audio_token": "<s>"}
+    d = _variant(model_dir, tmp_path / "extra", **{"tokenizer_config.json": json.dumps(config)})
+    template = (
+        "{{ image_token }}{{ audio_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    text, ids = engine_text_and_ids(d, body, template)
+    assert text.startswith("<pad><s>")
+    got = PromptAnalyzer(d, max_blocks=64, chat_template=template).analyze(body, True, 4)
+    assert (got.num_tokens, got.block_hashes) == (len(ids), chain_hashes(ids, 4, 64))
+
+
+def test_a_given_template_that_names_one_of_the_models_templates_is_that_one(model_dir, tmp_path):
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "other", "template": "O{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]
+    d = _variant(model_dir, tmp_path / "named", **{"tokenizer_config.json": json.dumps(config)})
+    (tmp_path / "name.jinja").write_text("other")
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    text, ids = engine_text_and_ids(d, body, str(tmp_path / "name.jinja"))
+    assert text == "Ohello"
+    got = PromptAnalyzer(d, max_blocks=64, chat_template=str(tmp_path / "name.jinja"))
+    assert got.analyze(body, True, 4).num_tokens == len(ids)
+
+
+@pytest.mark.parametrize("name", ["max_length", "truncation", "padding", "return_tensors"])
+def test_template_call_arguments_in_chat_template_kwargs_are_refused(model_dir, name):
+    """Arguments of the template call that shape tokenizing would be taken by
+    the call and never reach the template: a 400 naming the field."""
+    from pdfleet.engine.entrypoints.openai.protocol import APIError
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {name: 5}}
+    with pytest.raises(APIError, match=f"chat_template_kwargs: {name} is an argument"):
+        engine_text_and_ids(model_dir, body, None)
+    analyzer = PromptAnalyzer(model_dir, max_blocks=64, exact=True)
+    assert analyzer.analyze(body, True, 4).exact_hashes is None
+    assert analyzer.analyze({**body, "chat_template_kwargs": {}}, True, 4).exact_hashes

@@ -161,14 +161,40 @@ def test_the_gateway_pod_renders_chat_prompts_with_the_engines_template():
         assert gateway["image"] == engine["image"]
 
 
-def test_a_dollar_paren_in_the_template_survives_the_kubelets_expansion():
-    template = "{{ '$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+def _kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """A container command's ``$(NAME)`` references expanded as the kubelet
+    does: ``$$`` is one ``$``, a defined name its value, anything else as is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt == "$":
+                out.append("$")
+                i += 2
+                continue
+            end = text.find(")", i + 2) if nxt == "(" else -1
+            if end >= 0 and text[i + 2 : end] in env:
+                out.append(env[text[i + 2 : end]])
+                i = end + 1
+                continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def test_every_dollar_in_the_template_survives_the_kubelets_expansion():
+    template = (
+        "{{ '$(HOME) $(POD_NAME) $$x $x $( $' }}{% for m in messages %}{{ m.content }}{% endfor %}$"
+    )
     objects = render({**SPEC, "serving": {"chatTemplate": template}})
-    # The kubelet turns $$( back into $( (and would expand a bare $(HOME)).
-    expected = "{{ '$$(HOME)' }}{% for m in messages %}{{ m.content }}{% endfor %}"
     for role in ("decode", "gateway"):
-        command = pod(objects, role)["spec"]["containers"][0]["command"]
-        assert flag(command, "--chat-template") == expected, role
+        container = pod(objects, role)["spec"]["containers"][0]
+        env = {e["name"]: e.get("value", "x") for e in container.get("env", [])}
+        env.setdefault("HOME", "/home")
+        env.setdefault("POD_NAME", "pod-0")
+        value = flag(container["command"], "--chat-template")
+        assert _kubelet_expand(value, env) == template, role
+    assert _kubelet_expand("$(HOME) $$x", {"HOME": "/h"}) == "/h $x"  # the emulation expands
 
 
 def test_serving_defaults_add_no_flags():

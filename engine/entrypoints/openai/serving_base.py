@@ -439,7 +439,8 @@ class ServingBase:
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise APIError(
-                f"chat_template_kwargs: {reserved[0]} is set by the request's own fields",
+                f"chat_template_kwargs: {reserved[0]} is an argument of the template call, "
+                "not a template variable (request fields set it, or the server does)",
                 param="chat_template_kwargs",
             )
         extra.update(kwargs)
