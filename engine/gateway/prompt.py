@@ -467,6 +467,19 @@ def estimated_tokens(body: dict[str, Any]) -> int | None:
     return tokens
 
 
+def _truncate(info: PromptInfo, keep: int, right: bool, block_size: int) -> None:
+    """``truncate_prompt_tokens``: the engine keeps ``keep`` tokens of the
+    prompt, its first (``right``) or its last ones. Kept from the start, the
+    blocks within them are unchanged; kept from the end, the blocks are
+    another prompt's, which the head this looked at cannot tell: none are
+    hashed (no engine is preferred for a prefix it does not hold)."""
+    info.num_tokens = keep
+    full = keep // block_size if right else 0
+    info.block_hashes = info.block_hashes[:full]
+    if info.exact_hashes is not None:
+        info.exact_hashes = info.exact_hashes[:full]
+
+
 class PromptAnalyzer:
     """Prompt length and block hashes, at a bounded cost per request.
 
@@ -557,6 +570,9 @@ class PromptAnalyzer:
         the prompt's logprobs. Malformed prompts give an empty PromptInfo: the
         engine will answer them with a 400."""
         info = self._analyze(body, chat, block_size)
+        keep = body.get("truncate_prompt_tokens")
+        if type(keep) is int and 0 <= keep < info.num_tokens:
+            _truncate(info, keep, body.get("truncation_side") == "right", block_size)
         info.prompt_logprobs = needs_prompt_logprobs(body, chat)
         model = body.get("model")
         if isinstance(model, str) and self.lora_identity(model) is not None:

@@ -447,3 +447,36 @@ def test_template_call_arguments_in_chat_template_kwargs_are_refused(model_dir, 
     analyzer = PromptAnalyzer(model_dir, max_blocks=64, exact=True)
     assert analyzer.analyze(body, True, 4).exact_hashes is None
     assert analyzer.analyze({**body, "chat_template_kwargs": {}}, True, 4).exact_hashes
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_a_truncated_prompt_is_counted_and_hashed_as_the_engine_keeps_it(model_dir, side):
+    """``truncate_prompt_tokens``: the engine keeps the prompt's last tokens
+    (or its first, ``truncation_side: right``); the gateway counts what it
+    keeps, hashes the blocks it keeps from the start, and none kept from the
+    end (another prompt's blocks, which it does not tokenize)."""
+    from transformers import AutoTokenizer
+
+    from pdfleet.engine.entrypoints.openai.protocol import CompletionRequest
+    from pdfleet.engine.entrypoints.openai.serving_base import ServingBase
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    body: dict[str, Any] = {"prompt": prompt, "truncate_prompt_tokens": 17}
+    if side is not None:
+        body["truncation_side"] = side
+    req = CompletionRequest(model="m", **body)
+    engine = SimpleNamespace(max_model_len=4096)
+    ids = tok(prompt).input_ids
+    cut = ServingBase.truncate(engine, ids, req.truncate_prompt_tokens, req.truncation_side)  # type: ignore[arg-type]
+    assert len(cut) == 17 < len(ids)
+    analyzer = PromptAnalyzer(model_dir, max_blocks=64, exact=True)
+    got = analyzer.analyze(body, False, 4)
+    assert got.num_tokens == len(cut)
+    if side == "right":
+        assert got.block_hashes == chain_hashes(cut, 4, 64)
+        assert got.exact_hashes == analyzer.exact_hashes(cut, 4)
+    else:
+        assert got.block_hashes == [] and got.exact_hashes == []
+    whole = analyzer.analyze({"prompt": prompt, "truncate_prompt_tokens": 4000}, False, 4)
+    assert whole.num_tokens == len(ids)

@@ -213,6 +213,18 @@ def test_an_unanalyzed_prompt_is_estimated_from_its_text_not_the_bodys_size():
     assert gate.admit(tenant, mixed, None, 4000).ticket.cost == 1000 + 2 * 8
 
 
+def test_a_truncated_prompt_is_charged_what_the_engine_keeps():
+    config = GatewayConfig(decode=["http://e"])
+    metrics = GatewayMetrics()
+    gate = FlowGate(config, Tenants(), Admission(config, metrics), metrics)
+    tenant = gate.tenant(caller_id("k"))
+    body = {"prompt": "x" * 4000, "max_tokens": 8, "truncate_prompt_tokens": 10}
+    assert gate.admit(tenant, body, None, 4000).ticket.cost == 10 + 8
+    assert gate.admit(tenant, {**body, "truncate_prompt_tokens": 5000}, None, 4000).ticket.cost == (
+        1000 + 8
+    )
+
+
 def test_what_a_chat_template_renders_is_charged_beyond_the_messages_text():
     """Tools, a message's tool calls and name, the template's markers per
     message, and text beyond ASCII (a token a character) are charged: a body

@@ -148,6 +148,9 @@ class FlowGate:
                 tokens = estimated_tokens(body)
                 if tokens is None:
                     tokens = -(-body_bytes // CHARS_PER_TOKEN)
+            keep = body.get("truncate_prompt_tokens")
+            if type(keep) is int and 0 <= keep < tokens:
+                tokens = keep  # the engine computes only what it keeps
         seqs = self.seqs(body)
         output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
