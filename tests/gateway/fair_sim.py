@@ -9,8 +9,9 @@ step, a step time that grows with the batch, its own waiting queue ordered by
 the gateway's priority (band, then tag), an ``n > 1`` request's sequences
 held to ``max_request_share`` of the slots while other requests wait, and a
 ``/metrics`` scrape every ``scrape_interval`` saying how many sequences wait
-and how many of them are beyond the free slots; or (``engine={"scheduler": True}``) the engine's own scheduler
-stepping at the model's pace. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
+and how many of them are beyond the free slots; or
+(``engine={"scheduler": True}``) the engine's own scheduler stepping at the
+model's pace. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
 and a sleep advances it, so a run is deterministic and takes no wall time
 beyond the Python it executes.
 """
