@@ -690,11 +690,13 @@ async def fair_share(fleet: Fleet, args: argparse.Namespace) -> dict:
                 "admitted": e["admitted"],
                 "capacity": e["capacity"],
             }
-            # The engine's own count: sequences running and waiting there.
+            # The engine's own count: sequences running and waiting there, and
+            # of those waiting the ones beyond its free slots.
             text = (await client.get(e["url"] + "/metrics", headers=fleet.admin)).text
             for line in text.splitlines():
-                for name in ("running", "waiting"):
-                    if line.startswith(f"pdfleet_engine_num_requests_{name}"):
+                series = line.split("{", 1)[0].split(" ", 1)[0]
+                for name in ("running", "waiting", "waiting_for_slot"):
+                    if series == f"pdfleet_engine_num_requests_{name}":
                         row[f"engine_{name}"] = float(line.rsplit(" ", 1)[1])
             for name, t in (("n64", tenant_a), ("n1", tenant_b)):
                 got = tenants.get(t, {})

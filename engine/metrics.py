@@ -48,6 +48,7 @@ class CompileGateFigures(Protocol):
 _GAUGES = {
     m.ENGINE_NUM_REQUESTS_RUNNING: "num_running_reqs",
     m.ENGINE_NUM_REQUESTS_WAITING: "num_waiting_reqs",
+    m.ENGINE_NUM_REQUESTS_WAITING_FOR_SLOT: "num_waiting_for_slot_reqs",
     m.ENGINE_KV_CACHE_USAGE: "kv_cache_usage",
     m.ENGINE_WAITING_PROMPT_TOKENS: "waiting_prompt_tokens",
     m.ENGINE_KV_TRANSFER_HELD_REQUESTS: "num_held_blocks_reqs",

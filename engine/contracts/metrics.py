@@ -135,6 +135,14 @@ ENGINE_NUM_REQUESTS_WAITING = Metric(
     " not siblings waiting for an admitted request's prefill).",
     _M,
 )
+ENGINE_NUM_REQUESTS_WAITING_FOR_SLOT = Metric(
+    "pdfleet_engine_num_requests_waiting_for_slot",
+    "gauge",
+    "Of the requests waiting, those beyond what the engine holds: more than its free slots, or"
+    " all when the last step ran out of slots or KV blocks (not those held back only by their"
+    " request's share or the step's token budget; not those waiting for remote KV).",
+    _M,
+)
 ENGINE_KV_CACHE_USAGE = Metric(
     "pdfleet_engine_kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use (0-1).", _M
 )

@@ -88,6 +88,12 @@ class SchedulerStats:
     # that arrived after the step was scheduled (the next step looks at them).
     # Requests pulling their KV count (they wait in the queue, as in vLLM).
     num_waiting_reqs: int = 0
+    # Of those, the ones beyond what the engine holds: the requests (not pulling
+    # their KV) more than the free slots, or all of them when the step was short
+    # of slots or KV blocks. Requests held back only by their group's share or
+    # the step's token budget while slots and blocks were free join in the next
+    # steps: they wait for their turn, not for room.
+    num_waiting_for_slot_reqs: int = 0
     # Every request accepted and not running (the server's queue bound).
     num_queued_reqs: int = 0
     kv_cache_usage: float = 0.0
@@ -169,6 +175,10 @@ class Scheduler:
         # Ids of the requests the last ``schedule`` left waiting for room
         # (``SchedulerStats.num_waiting_reqs``).
         self.waiting_for_room: set[str] = set()
+        # Whether the last ``schedule`` ran out of slots or KV blocks for a request
+        # (else the requests it left waiting were held by a share or the token
+        # budget: ``SchedulerStats.num_waiting_for_slot_reqs``).
+        self.short_of_room = False
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0
         # Outputs of requests finished outside a step (lends leased between steps,
@@ -575,6 +585,8 @@ class Scheduler:
         new_blocks_of: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         preempted = False
+        # A waiting request found no slot or no blocks (``short_of_room``).
+        short = False
         now = time.monotonic()
         if self.new_lends:
             self.serve_lends()
@@ -673,6 +685,7 @@ class Scheduler:
                 _lend_blocks(request) and len(self.running) < self.max_num_seqs + LEND_SLOTS
             )
             if need_slot and not self._band_candidates(request, num_scheduled):
+                short = True
                 break
             if self._blocked(request):
                 skipped.append(self.waiting.pop())
@@ -682,6 +695,7 @@ class Scheduler:
                 and request.request_id not in self.slot_promised
                 and len(self.running) + len(self.slot_promised) >= self.max_num_seqs
             ):
+                short = True
                 skipped.append(self.waiting.pop())  # the free slots are promised to others
                 continue
             if (
@@ -689,6 +703,7 @@ class Scheduler:
                 and request.lora_id not in running_loras
                 and len(running_loras) >= self.max_loras
             ):
+                short = True
                 skipped.append(self.waiting.pop())  # every adapter slot is taken
                 continue
             group = request.group
@@ -735,11 +750,12 @@ class Scheduler:
                         )
                     if allocated is None:
                         # As for a request computed here (below).
-                        short = self.kv.shortfall(
+                        shortfall = self.kv.shortfall(
                             request, num_external + rest, computed_blocks, len(host_hits)
                         )
+                        short = True
                         room = self._make_room(
-                            request, num_scheduled, holders, need_slot, short, computed_blocks
+                            request, num_scheduled, holders, need_slot, shortfall, computed_blocks
                         )
                         if room == "stop":
                             break
@@ -771,9 +787,10 @@ class Scheduler:
                     request, num_new, computed_blocks, host_hits=host_hits
                 )
             if allocated is None:
-                short = self.kv.shortfall(request, num_new, computed_blocks, len(host_hits))
+                shortfall = self.kv.shortfall(request, num_new, computed_blocks, len(host_hits))
+                short = True
                 room = self._make_room(
-                    request, num_scheduled, holders, need_slot, short, computed_blocks
+                    request, num_scheduled, holders, need_slot, shortfall, computed_blocks
                 )
                 if room == "stop":
                     break
@@ -819,6 +836,7 @@ class Scheduler:
         self.waiting_for_room = {
             r.request_id for r in self.waiting.unordered() if not self._waits_on_admitted(r)
         }
+        self.short_of_room = short or preempted
 
         # The scheduled tokens will be computed by this step's forward pass.
         self.last_step_prompt_tokens = 0
@@ -986,7 +1004,16 @@ class Scheduler:
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv.take_events()
 
+    def _waiting_for_slot(self, waiting: list[Request]) -> int:
+        """Of the requests the last step left ``waiting`` for room, those beyond
+        what the engine holds (``SchedulerStats.num_waiting_for_slot_reqs``)."""
+        n = sum(1 for r in waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        if self.short_of_room:
+            return n
+        return max(0, n - max(0, self.max_num_seqs - len(self.running)))
+
     def stats(self) -> SchedulerStats:
+        waiting = [r for r in self.waiting.unordered() if r.request_id in self.waiting_for_room]
         waiting_prompt = sum(
             r.num_tokens - r.num_computed_tokens
             for r in self.requests.values()
@@ -1001,9 +1028,8 @@ class Scheduler:
             host_kv_loaded_blocks=host.loaded_blocks,
             host_kv_evicted_blocks=host.evicted_blocks,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=sum(
-                1 for r in self.waiting.unordered() if r.request_id in self.waiting_for_room
-            ),
+            num_waiting_reqs=len(waiting),
+            num_waiting_for_slot_reqs=self._waiting_for_slot(waiting),
             num_queued_reqs=len(self.requests) - len(self.running),
             kv_cache_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,

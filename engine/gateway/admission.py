@@ -240,11 +240,19 @@ class Admission:
         """An engine's scrape: its capacity follows whether it queues, by its
         own count or by the gateway's watch (slots past :attr:`late_after`
         without a first answer: an engine that runs every request at once
-        queues inside its steps, which only grow longer)."""
+        queues inside its steps, which only grow longer). The engine's count is
+        of the requests beyond what it holds where it says (a wide request's
+        sequences held back by their share of the engine, or by the step's
+        token budget, while slots are free are not: counted, they would cut
+        the capacity to what runs in that step); else of every request waiting
+        but its KV pulls."""
         now = time.monotonic() if now is None else now
         oldest = min(e.pending.values(), default=now)
         late = sum(1 for at in e.pending.values() if now - at > self.late_after)
-        queued = max(new.waiting - new.kv_pulls, float(late))
+        waiting = (
+            new.waiting - new.kv_pulls if new.waiting_for_slot is None else new.waiting_for_slot
+        )
+        queued = max(waiting, float(late))
         if queued >= 1:
             e.capacity = max(1, e.admitted - math.ceil(queued))
         elif (

@@ -55,6 +55,7 @@ DEFAULT_BLOCK_SIZE = 16
 # Load field -> the series it reads (native name, then vLLM's); summed over label sets.
 _GAUGES = {
     "waiting": m.names(m.ENGINE_NUM_REQUESTS_WAITING),
+    "waiting_for_slot": m.names(m.ENGINE_NUM_REQUESTS_WAITING_FOR_SLOT),
     "running": m.names(m.ENGINE_NUM_REQUESTS_RUNNING),
     "kv_usage": m.names(m.ENGINE_KV_CACHE_USAGE),
 }
@@ -110,6 +111,10 @@ class EngineLoad:
     """What one scrape of an engine's /metrics says."""
 
     waiting: float = 0.0
+    waiting_for_slot: float | None = None
+    """Of those, the requests beyond what the engine holds (not those held back
+    only by their request's share or the step's token budget, nor KV pulls);
+    None for engines that do not say (vLLM)."""
     running: float = 0.0
     kv_usage: float = 0.0
     compat_hash: str | None = None

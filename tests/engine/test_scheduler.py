@@ -163,6 +163,52 @@ def test_waiting_counts_only_requests_left_for_lack_of_room():
     assert s.stats().num_waiting_reqs == 2
 
 
+def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_budget():
+    """``num_waiting_for_slot_reqs`` counts the waiting requests beyond what the
+    engine holds: not a group's requests held back by its share while the
+    slots they need are free, nor requests held back by the step's token
+    budget; every one when the step ran out of slots or KV blocks."""
+    s = make(seqs=16, tokens=256)
+    for i in range(12):  # n = 12: the leader's prefill first
+        r = request(f"g{i}", 4, max_tokens=8)
+        r.group_id = "g"
+        r.wait_for = "g0" if i else None
+        s.add_request(r)
+    s.add_request(request("x", 4, max_tokens=8, first=600))
+    step(s)
+    assert {r.request_id for r in s.running} == {"g0", "x"}
+    s.add_request(request("y", 4, max_tokens=8, first=700))
+    step(s)  # y waits beside g's siblings: g is held to its share, 8 of 16
+    assert len(s.running) == 10
+    st = s.stats()
+    assert st.num_waiting_reqs == 4 and st.num_waiting_for_slot_reqs == 0  # 6 slots free
+    step(s)  # y runs: nothing holds g back
+    assert len(s.running) == 14 and s.stats().num_waiting_reqs == 0
+    # Slots taken: beyond the free slots, every waiting request counts.
+    s = make(seqs=2)
+    for i in range(5):
+        s.add_request(request(str(i), 2, first=100 * i))
+    step(s)
+    st = s.stats()
+    assert st.num_waiting_reqs == 3 and st.num_waiting_for_slot_reqs == 3
+    # The token budget: a queue of long prompts, one prefilled at a time.
+    s = make(num_blocks=256, tokens=64, seqs=8, max_len=2048)
+    for i in range(4):
+        s.add_request(request(f"q{i}", 300, first=1000 * i))
+    step(s)
+    st = s.stats()
+    assert st.num_running_reqs == 1
+    assert st.num_waiting_reqs == 3 and st.num_waiting_for_slot_reqs == 0
+    # KV blocks short with slots free: every waiting request counts.
+    s = make(num_blocks=4, tokens=64, seqs=4)
+    for i in range(3):
+        s.add_request(request(str(i), 20, first=100 * i))  # 3 blocks each
+    step(s)
+    st = s.stats()
+    assert st.num_running_reqs == 1
+    assert st.num_waiting_reqs == 2 and st.num_waiting_for_slot_reqs == 2
+
+
 def test_preemption_recomputes_and_everything_finishes():
     s = make(num_blocks=4, tokens=64, seqs=4)
     for i in range(3):

@@ -9,8 +9,9 @@ step, a step time that grows with the batch, its own waiting queue ordered by
 the gateway's priority (band, then tag), an ``n > 1`` request's sequences
 held to ``max_request_share`` of the slots while other requests wait, and a
 ``/metrics`` scrape every ``scrape_interval`` saying how many sequences wait
-for room; or (``engine={"scheduler": True}``) the engine's own scheduler
-stepping at the model's pace. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
+and how many of them are beyond the free slots; or
+(``engine={"scheduler": True}``) the engine's own scheduler stepping at the
+model's pace. Time is an event loop's virtual clock: ``time.monotonic`` reads it,
 and a sleep advances it, so a run is deterministic and takes no wall time
 beyond the Python it executes.
 """
@@ -146,6 +147,9 @@ class SimEngine:
     waiting: list[tuple[int, float, int, _Seq]] = field(default_factory=list)
     running: list[_Seq] = field(default_factory=list)
     waiting_for_room: int = 0
+    """Sequences the last step left waiting (the engine's ``num_requests_waiting``)."""
+    waiting_for_slot: int = 0
+    """Of those, the ones beyond the free slots (``num_requests_waiting_for_slot``)."""
     _order: Iterator[int] = field(default_factory=itertools.count)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _reads: asyncio.Queue[tuple[_Req, int, bool]] = field(default_factory=asyncio.Queue)
@@ -175,6 +179,7 @@ class SimEngine:
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
         self.waiting_for_room = len(self.waiting)
+        self.waiting_for_slot = max(0, len(self.waiting) - (self.max_num_seqs - len(self.running)))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,16 +236,19 @@ class RealSchedulerEngine(SimEngine):
     ``priority`` policy, prefix caching) with a forward that samples a token
     wherever a request caught up, as ``SimEngine``'s steps take their time:
     an ``n > 1`` request is its children, the first one's prefill ahead of
-    its siblings', as the engine adds them."""
+    its siblings', as the engine adds them. ``max_num_batched_tokens``: the
+    step's token budget."""
 
     def __init__(self, **kwargs: Any) -> None:
         blocks = kwargs.pop("num_blocks", 8192)
+        budget = kwargs.pop("max_num_batched_tokens", 2048)
         super().__init__(**kwargs)
         config = EngineConfig(
             model_config=ModelConfig(model="m", max_model_len=512),
             cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
                 max_model_len=512,
                 policy="priority",
                 max_request_share=self.max_request_share,
@@ -279,6 +287,7 @@ class RealSchedulerEngine(SimEngine):
             out = s.schedule()
             stats = s.stats()
             self.waiting_for_room = stats.num_waiting_reqs
+            self.waiting_for_slot = stats.num_waiting_for_slot_reqs
             self.running = [None] * stats.num_running_reqs  # type: ignore[list-item]
             if not out.num_scheduled_tokens:
                 self._wake.clear()
@@ -522,7 +531,11 @@ class _Sim:
         await asyncio.sleep(self.rng.random() * self.config.scrape_interval)
         while True:
             engine = self.engine
-            new = EngineLoad(waiting=float(engine.waiting_for_room), running=len(engine.running))
+            new = EngineLoad(
+                waiting=float(engine.waiting_for_room),
+                waiting_for_slot=float(engine.waiting_for_slot),
+                running=len(engine.running),
+            )
             self.admission.scraped(self.e, old, new)
             if self.trace:
                 self.result.events.append(

@@ -57,3 +57,25 @@ def test_a_wide_key_and_a_narrow_one_start_equal_cost(capacity, latency_s, seed,
     assert r.admitted["n64"] > 15 * WIDE and r.admitted["n1"] > 15 * WIDE  # both kept busy
     gap = r.routed["n64"] - r.routed["n1"]
     assert abs(gap) <= WIDE + NARROW, (r.routed, r.admitted)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_wide_requests_sequences_held_back_by_the_token_budget_do_not_cut_the_capacity(seed):
+    """The engine's own scheduler with a step budget of 128 tokens: an n=64
+    request's 12-token prompts start over several steps, the rest of its
+    sequences waiting beside free slots (for the budget, or for its share of
+    it while an n=1 request waits). Counted as the engine's queue they cut the
+    learned capacity to what ran in that step (15–32 of 64), and it grew back
+    one slot a scrape; the engine says which of its waiting sequences are
+    beyond its free slots, and the capacity stays at the engine's 64."""
+    r = run(
+        [Client("n64", 64, 4), Client("n1", 1, 128)],
+        seconds=30.0,
+        capacity=64,
+        seed=seed,
+        trace=True,
+        engine={"scheduler": True, "max_num_batched_tokens": 128},
+    )
+    learned = [capacity for kind, *_, capacity in r.events if kind == "scrape"]
+    assert len(learned) >= 29 and min(learned) >= 64, learned
+    assert r.admitted["n64"] > 15 * WIDE and r.admitted["n1"] > 15 * WIDE  # both kept busy

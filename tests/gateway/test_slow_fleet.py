@@ -181,6 +181,23 @@ def test_an_engines_capacity_is_learned_from_its_own_queue():
     assert d.capacity == 3  # (only while the gateway fills it)
 
 
+def test_an_engines_waiting_sequences_that_fit_its_free_slots_do_not_cut_its_capacity():
+    """An engine that says which of its waiting sequences are beyond its free
+    slots (a wide request's held back by its share, or by the step's token
+    budget, are not): only those cut the capacity."""
+    adm, pool = admission()
+    d = pool.engines["http://d"]
+    d.capacity = 64
+    adm.take(d, seqs=64)  # an n=64 request, 2 more sequences, 32 of its own waiting
+    adm.take(d, seqs=2)
+    adm.scraped(d, EngineLoad(), EngineLoad(running=34, waiting=32, waiting_for_slot=0))
+    assert d.capacity == 65  # not queuing for room, at capacity: it may take one more
+    adm.scraped(d, EngineLoad(), EngineLoad(running=64, waiting=2, waiting_for_slot=2))
+    assert d.capacity == 64  # 66 admitted, 2 beyond its slots
+    adm.scraped(d, EngineLoad(), EngineLoad(running=34, waiting=32))
+    assert d.capacity == 34  # an engine that does not say: every waiting one counts
+
+
 def test_a_wide_request_at_the_head_keeps_the_freed_slots_and_the_best_band_overflows():
     """Slots count sequences: an n=8 request on an engine of capacity 4 waits until
     the engine is free of this gateway's requests (it never overflows it by its
