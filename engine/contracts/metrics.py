@@ -138,9 +138,10 @@ ENGINE_NUM_REQUESTS_WAITING = Metric(
 ENGINE_NUM_REQUESTS_WAITING_FOR_SLOT = Metric(
     "pdfleet_engine_num_requests_waiting_for_slot",
     "gauge",
-    "Of the requests waiting, those beyond what the engine holds: more than its free slots, or"
-    " all when the last step ran out of slots or KV blocks (not those held back only by their"
-    " request's share or the step's token budget; not those waiting for remote KV).",
+    "Of the requests waiting, those that queue: all when the last step ran out of slots, KV"
+    " blocks or adapter slots; else new requests beyond what the next two steps' token budgets"
+    " start, and a served request's held sequences beyond the free slots (not those waiting for"
+    " remote KV).",
     _M,
 )
 ENGINE_KV_CACHE_USAGE = Metric(

@@ -77,6 +77,12 @@ class EngineCoreOutput:
     scheduled_time: float | None = None
 
 
+# Waiting prompts that the token budgets of this many steps start, slots being
+# free, are the engine's pipeline rather than its queue
+# (``SchedulerStats.num_waiting_for_slot_reqs``).
+PIPELINE_STEPS = 2
+
+
 @dataclass
 class SchedulerStats:
     """Snapshot after a step (gauges) plus cumulative counters."""
@@ -88,11 +94,12 @@ class SchedulerStats:
     # that arrived after the step was scheduled (the next step looks at them).
     # Requests pulling their KV count (they wait in the queue, as in vLLM).
     num_waiting_reqs: int = 0
-    # Of those, the ones beyond what the engine holds: the requests (not pulling
-    # their KV) more than the free slots, or all of them when the step was short
-    # of slots or KV blocks. Requests held back only by their group's share or
-    # the step's token budget while slots and blocks were free join in the next
-    # steps: they wait for their turn, not for room.
+    # Of those (not pulling their KV), the ones that queue: all of them when the
+    # step was short of slots, KV blocks, adapter slots or free (unpromised)
+    # slots; else every request whose group has nothing running, and a running
+    # group's further sequences beyond the free slots. Sequences of a running
+    # request held back by its group's share or the step's token budget beside
+    # free slots join in the next steps: their request is served, not queued.
     num_waiting_for_slot_reqs: int = 0
     # Every request accepted and not running (the server's queue bound).
     num_queued_reqs: int = 0
@@ -1006,11 +1013,33 @@ class Scheduler:
 
     def _waiting_for_slot(self, waiting: list[Request]) -> int:
         """Of the requests the last step left ``waiting`` for room, those beyond
-        what the engine holds (``SchedulerStats.num_waiting_for_slot_reqs``)."""
-        n = sum(1 for r in waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        what the engine holds (``SchedulerStats.num_waiting_for_slot_reqs``):
+        every one when the step was short of room. Else, of the groups (client
+        requests) with nothing running, one request each beyond those the next
+        :data:`PIPELINE_STEPS` steps' token budgets start (fewest tokens first:
+        a queue of long prompts behind the budget is a queue, short ones the
+        next steps start are not); and every group's further sequences, held
+        back by its share or the budget, beyond the free slots left (one
+        request's sequences started over a few steps are not a queue)."""
+        pending = [r for r in waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS]
         if self.short_of_room:
-            return n
-        return max(0, n - max(0, self.max_num_seqs - len(self.running)))
+            return len(pending)
+        running = {r.group for r in self.running}
+        heads: dict[str, int] = {}
+        for r in pending:
+            if r.group not in running:
+                left = r.num_tokens - r.num_computed_tokens
+                heads[r.group] = min(left, heads.get(r.group, left))
+        budget = PIPELINE_STEPS * (self.max_num_batched_tokens - len(self.running))
+        started = 0
+        for left in sorted(heads.values()):
+            budget -= left
+            if budget < 0:
+                break
+            started += 1
+        siblings = len(pending) - len(heads)
+        free = max(0, self.max_num_seqs - len(self.running) - len(heads))
+        return len(heads) - started + max(0, siblings - free)
 
     def stats(self) -> SchedulerStats:
         waiting = [r for r in self.waiting.unordered() if r.request_id in self.waiting_for_room]

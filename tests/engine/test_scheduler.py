@@ -164,10 +164,11 @@ def test_waiting_counts_only_requests_left_for_lack_of_room():
 
 
 def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_budget():
-    """``num_waiting_for_slot_reqs`` counts the waiting requests beyond what the
-    engine holds: not a group's requests held back by its share while the
-    slots they need are free, nor requests held back by the step's token
-    budget; every one when the step ran out of slots or KV blocks."""
+    """``num_waiting_for_slot_reqs`` counts the waiting requests that queue:
+    not a running group's requests held back by its share or the token budget
+    while the slots they need are free; every request of a group with nothing
+    running (a queue behind the token budget is a queue); every one when the
+    step ran out of slots or KV blocks."""
     s = make(seqs=16, tokens=256)
     for i in range(12):  # n = 12: the leader's prefill first
         r = request(f"g{i}", 4, max_tokens=8)
@@ -181,7 +182,9 @@ def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_b
     step(s)  # y waits beside g's siblings: g is held to its share, 8 of 16
     assert len(s.running) == 10
     st = s.stats()
-    assert st.num_waiting_reqs == 4 and st.num_waiting_for_slot_reqs == 0  # 6 slots free
+    # 6 slots free: g's held siblings are not counted.
+    assert "y" in {r.request_id for r in s.running}
+    assert st.num_waiting_reqs == 4 and st.num_waiting_for_slot_reqs == 0
     step(s)  # y runs: nothing holds g back
     assert len(s.running) == 14 and s.stats().num_waiting_reqs == 0
     # Slots taken: beyond the free slots, every waiting request counts.
@@ -191,14 +194,26 @@ def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_b
     step(s)
     st = s.stats()
     assert st.num_waiting_reqs == 3 and st.num_waiting_for_slot_reqs == 3
-    # The token budget: a queue of long prompts, one prefilled at a time.
+    # The token budget: a queue of long prompts, one prefilled at a time, is a
+    # queue (the gateway must not send more: beyond what the next
+    # PIPELINE_STEPS steps start); one request's own sequences behind the
+    # budget are not.
     s = make(num_blocks=256, tokens=64, seqs=8, max_len=2048)
     for i in range(4):
         s.add_request(request(f"q{i}", 300, first=1000 * i))
     step(s)
     st = s.stats()
     assert st.num_running_reqs == 1
-    assert st.num_waiting_reqs == 3 and st.num_waiting_for_slot_reqs == 0
+    assert st.num_waiting_reqs == 3 and st.num_waiting_for_slot_reqs == 3
+    s = make(num_blocks=256, tokens=64, seqs=8, max_len=2048)
+    for i in range(4):
+        r = request(f"b{i}", 40, first=1000 * i)
+        r.group_id = "b"  # the prompts of one batch request
+        s.add_request(r)
+    step(s)
+    st = s.stats()
+    assert st.num_running_reqs == 2  # 40 tokens and a 24-token chunk
+    assert st.num_waiting_reqs == 2 and st.num_waiting_for_slot_reqs == 0
     # KV blocks short with slots free: every waiting request counts.
     s = make(num_blocks=4, tokens=64, seqs=4)
     for i in range(3):

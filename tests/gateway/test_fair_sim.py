@@ -65,11 +65,13 @@ def test_a_wide_requests_sequences_held_back_by_the_token_budget_do_not_cut_the_
     request's 12-token prompts start over several steps, the rest of its
     sequences waiting beside free slots (for the budget, or for its share of
     it while an n=1 request waits). Counted as the engine's queue they cut the
-    learned capacity to what ran in that step (15–32 of 64), and it grew back
-    one slot a scrape; the engine says which of its waiting sequences are
-    beyond its free slots, and the capacity stays at the engine's 64."""
+    learned capacity to what ran in that step (31 and 53 of 64 here), and it
+    grew back one slot a scrape; the engine counts a served request's held
+    sequences only beyond its free slots, and the capacity stays at the
+    engine's 64. (With 128 narrow requests in flight the narrow ones queue
+    behind the budget themselves, and are counted.)"""
     r = run(
-        [Client("n64", 64, 4), Client("n1", 1, 128)],
+        [Client("n64", 64, 4), Client("n1", 1, 16)],
         seconds=30.0,
         capacity=64,
         seed=seed,
@@ -78,4 +80,4 @@ def test_a_wide_requests_sequences_held_back_by_the_token_budget_do_not_cut_the_
     )
     learned = [capacity for kind, *_, capacity in r.events if kind == "scrape"]
     assert len(learned) >= 29 and min(learned) >= 64, learned
-    assert r.admitted["n64"] > 15 * WIDE and r.admitted["n1"] > 15 * WIDE  # both kept busy
+    assert r.admitted["n64"] > 10 * WIDE and r.admitted["n1"] > 5 * WIDE  # both kept busy
