@@ -450,21 +450,53 @@ def estimated_tokens(body: dict[str, Any]) -> int | None:
                 tokens += _json_tokens(body[name])
         return tokens
     prompt = body.get("prompt")
+    keep = truncation(body)
+    cap = keep if keep is not None and keep >= 0 else None
     if isinstance(prompt, str):
-        return _text_tokens(prompt)
+        return _kept(_text_tokens(prompt), cap)
     if not isinstance(prompt, list):
         return None
     if all(isinstance(t, int) for t in prompt):
-        return len(prompt)  # token ids
+        return _kept(len(prompt), cap)  # token ids
     tokens = 0
     for p in prompt:
         if isinstance(p, str):
-            tokens += _text_tokens(p)
+            tokens += _kept(_text_tokens(p), cap)
         elif isinstance(p, list):
-            tokens += len(p)
+            tokens += _kept(len(p), cap)
         else:
             return None
     return tokens
+
+
+def _kept(tokens: int, cap: int | None) -> int:
+    return tokens if cap is None else min(tokens, cap)
+
+
+def truncation(body: dict[str, Any]) -> int | None:
+    """``truncate_prompt_tokens`` as the engine's request model reads it (an
+    integer, a whole float, a boolean or an integer's text); None when unset
+    or in a form it refuses."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        return int(number) if number.is_integer() else None
+    return None
 
 
 def _truncate(info: PromptInfo, keep: int, right: bool, block_size: int) -> None:
@@ -570,8 +602,8 @@ class PromptAnalyzer:
         the prompt's logprobs. Malformed prompts give an empty PromptInfo: the
         engine will answer them with a 400."""
         info = self._analyze(body, chat, block_size)
-        keep = body.get("truncate_prompt_tokens")
-        if type(keep) is int and 0 <= keep < info.num_tokens:
+        keep = truncation(body)
+        if keep is not None and 0 <= keep < info.num_tokens:
             _truncate(info, keep, body.get("truncation_side") == "right", block_size)
         info.prompt_logprobs = needs_prompt_logprobs(body, chat)
         model = body.get("model")

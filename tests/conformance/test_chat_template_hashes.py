@@ -480,3 +480,7 @@ def test_a_truncated_prompt_is_counted_and_hashed_as_the_engine_keeps_it(model_d
         assert got.block_hashes == [] and got.exact_hashes == []
     whole = analyzer.analyze({"prompt": prompt, "truncate_prompt_tokens": 4000}, False, 4)
     assert whole.num_tokens == len(ids)
+    # The value's other forms the engine's request model reads.
+    for keep in ("17", 17.0, "17.0"):
+        again = analyzer.analyze({**body, "truncate_prompt_tokens": keep}, False, 4)
+        assert (again.num_tokens, again.block_hashes) == (got.num_tokens, got.block_hashes)

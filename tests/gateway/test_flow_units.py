@@ -223,6 +223,19 @@ def test_a_truncated_prompt_is_charged_what_the_engine_keeps():
     assert gate.admit(tenant, {**body, "truncate_prompt_tokens": 5000}, None, 4000).ticket.cost == (
         1000 + 8
     )
+    # Each prompt of a batch as the engine keeps it; the value in every form
+    # the engine's request model reads.
+    batch = {"prompt": [[1] * 1000] * 16, "max_tokens": 0, "truncate_prompt_tokens": 10}
+    assert gate.admit(tenant, batch, None, 4000).ticket.cost == 16 * 10
+    for keep in ("10", 10.0, "10.0", " 10 "):
+        assert (
+            gate.admit(tenant, {**body, "truncate_prompt_tokens": keep}, None, 4000).ticket.cost
+            == 18
+        )
+    assert gate.admit(tenant, {**body, "truncate_prompt_tokens": True}, None, 4000).ticket.cost == 9
+    # A batch analyzed by its first prompt costs what all its prompts do.
+    texts = {"prompt": ["x" * 400] * 8, "max_tokens": 0}
+    assert gate.admit(tenant, texts, 100, 4000).ticket.cost == 8 * 100
 
 
 def test_what_a_chat_template_renders_is_charged_beyond_the_messages_text():

@@ -137,20 +137,24 @@ class FlowGate:
             )
             changed = True
         tokens = prompt_tokens
+        prompt = body.get("prompt")
         if not tokens:
             # Routed without analyzing its prompt: estimated from the prompt's
             # text, not the body's size (whose other fields would charge a
-            # short request several times its prompt).
-            prompt = body.get("prompt")
-            if type(prompt) is str and prompt.isascii():  # (``estimated_tokens``, inline)
+            # short request several times its prompt), each prompt as the
+            # engine keeps it (``truncate_prompt_tokens``).
+            if (
+                type(prompt) is str and prompt.isascii() and "truncate_prompt_tokens" not in body
+            ):  # (``estimated_tokens``, inline)
                 tokens = -(-len(prompt) // CHARS_PER_TOKEN)
             else:
                 tokens = estimated_tokens(body)
                 if tokens is None:
                     tokens = -(-body_bytes // CHARS_PER_TOKEN)
-            keep = body.get("truncate_prompt_tokens")
-            if type(keep) is int and 0 <= keep < tokens:
-                tokens = keep  # the engine computes only what it keeps
+        elif type(prompt) is list and len(prompt) > 1 and type(prompt[0]) is not int:
+            # A batch of prompts, analyzed by its first: the others are
+            # estimated, so the batch costs what all its prompts do.
+            tokens = max(tokens, estimated_tokens(body) or 0)
         seqs = self.seqs(body)
         output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
