@@ -140,8 +140,8 @@ ENGINE_NUM_REQUESTS_WAITING_FOR_SLOT = Metric(
     "gauge",
     "Of the requests waiting, those that queue: all when the last step ran out of slots, KV"
     " blocks or adapter slots; else new requests beyond what the next two steps' token budgets"
-    " start, and a served request's held sequences beyond the free slots (not those waiting for"
-    " remote KV).",
+    " start or beyond the free slots, and a served request's held sequences beyond the free"
+    " slots (not those waiting for remote KV).",
     _M,
 )
 ENGINE_KV_CACHE_USAGE = Metric(

@@ -1038,8 +1038,10 @@ class Scheduler:
                 break
             started += 1
         siblings = len(pending) - len(heads)
-        free = max(0, self.max_num_seqs - len(self.running) - len(heads))
-        return len(heads) - started + max(0, siblings - free)
+        free = max(0, self.max_num_seqs - len(self.running))
+        # A new request starts only in a free slot, whatever its prompt.
+        queued = max(len(heads) - started, len(heads) - free)
+        return queued + max(0, siblings - max(0, free - len(heads)))
 
     def stats(self) -> SchedulerStats:
         waiting = [r for r in self.waiting.unordered() if r.request_id in self.waiting_for_room]

@@ -448,16 +448,15 @@ def estimated_tokens(body: dict[str, Any]) -> int | None:
         for name in _TEMPLATED_FIELDS:
             if body.get(name):
                 tokens += _json_tokens(body[name])
-        return tokens
+        return _kept(tokens, _cap(body))
     prompt = body.get("prompt")
-    keep = truncation(body)
-    cap = keep if keep is not None and keep >= 0 else None
+    cap = _cap(body)
     if isinstance(prompt, str):
         return _kept(_text_tokens(prompt), cap)
     if not isinstance(prompt, list):
         return None
-    if all(isinstance(t, int) for t in prompt):
-        return _kept(len(prompt), cap)  # token ids
+    if not any(isinstance(t, str | list) for t in prompt):
+        return _kept(len(prompt), cap)  # token ids (or what the engine refuses)
     tokens = 0
     for p in prompt:
         if isinstance(p, str):
@@ -471,6 +470,19 @@ def estimated_tokens(body: dict[str, Any]) -> int | None:
 
 def _kept(tokens: int, cap: int | None) -> int:
     return tokens if cap is None else min(tokens, cap)
+
+
+def _cap(body: dict[str, Any]) -> int | None:
+    keep = truncation(body)
+    return keep if keep is not None and keep >= 0 else None
+
+
+def first_prompt_estimate(body: dict[str, Any]) -> int | None:
+    """``estimated_tokens`` of a completions batch's first prompt alone."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    return estimated_tokens({**body, "prompt": prompt[0]})
 
 
 def truncation(body: dict[str, Any]) -> int | None:
@@ -589,7 +601,10 @@ class PromptAnalyzer:
                 exact_hashes=self.exact_hashes(ids, block_size, salt, lora),
             )
         ids = self.tokenizer.encode(text[:head_chars], add_special_tokens=special)
-        rest = -(-(len(text) - head_chars) // CHARS_PER_TOKEN)
+        # The rest at the head's own characters per token (its kind of text),
+        # at least the ASCII estimate's.
+        rest_chars = len(text) - head_chars
+        rest = max(-(-rest_chars // CHARS_PER_TOKEN), -(-rest_chars * len(ids) // head_chars))
         hashed = ids[: -self.HEAD_MARGIN]
         return PromptInfo(
             len(ids) + rest,

@@ -484,3 +484,25 @@ def test_a_truncated_prompt_is_counted_and_hashed_as_the_engine_keeps_it(model_d
     for keep in ("17", 17.0, "17.0"):
         again = analyzer.analyze({**body, "truncate_prompt_tokens": keep}, False, 4)
         assert (again.num_tokens, again.block_hashes) == (got.num_tokens, got.block_hashes)
+
+
+def test_a_long_prompts_untokenized_rest_is_counted_at_its_heads_rate(model_dir):
+    """Past the exactly tokenized head, the rest of a long prompt is counted
+    at the head's own characters per token: digits, JSON or CJK text count
+    about what they tokenize to, not four characters a token."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    analyzer = PromptAnalyzer(model_dir, max_blocks=4)  # a head of a few hundred characters
+    rng = random.Random(0)
+    for text in (
+        "".join(rng.choice("0123456789") for _ in range(6000)),
+        '{"a": 1.2345, "b": [0.5, 0.25]}, ' * 180,
+        "数据中心的服务器" * 700,
+        "The quick brown fox jumps over the lazy dog. " * 130,
+    ):
+        exact = len(tok.encode(text).ids)
+        got = analyzer.analyze({"prompt": text}, False, 4).num_tokens
+        assert 0.9 * exact <= got <= 1.1 * exact, (text[:20], got, exact)

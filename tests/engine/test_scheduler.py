@@ -214,6 +214,21 @@ def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_b
     st = s.stats()
     assert st.num_running_reqs == 2  # 40 tokens and a 24-token chunk
     assert st.num_waiting_reqs == 2 and st.num_waiting_for_slot_reqs == 0
+    # Every slot taken while a running prompt's chunk fills the step (no
+    # waiting request is even tried): short prompts the budget would start
+    # still wait for a slot, and count.
+    s = make(num_blocks=2000, tokens=64, seqs=8, max_len=4096)
+    for i in range(7):
+        s.add_request(request(f"d{i}", 4, max_tokens=500, first=10000 * (i + 1)))
+    step(s)
+    s.add_request(request("long", 1000, max_tokens=500, first=900000))
+    for i in range(30):
+        s.add_request(request(f"w{i}", 5, max_tokens=500, first=100000 + 100 * i))
+    for _ in range(3):
+        step(s)
+        st = s.stats()
+        assert st.num_running_reqs == 8
+        assert st.num_waiting_reqs == 30 and st.num_waiting_for_slot_reqs == 30
     # KV blocks short with slots free: every waiting request counts.
     s = make(num_blocks=4, tokens=64, seqs=4)
     for i in range(3):

@@ -233,9 +233,19 @@ def test_a_truncated_prompt_is_charged_what_the_engine_keeps():
             == 18
         )
     assert gate.admit(tenant, {**body, "truncate_prompt_tokens": True}, None, 4000).ticket.cost == 9
-    # A batch analyzed by its first prompt costs what all its prompts do.
+    # A batch analyzed by its first prompt costs what all its prompts do, the
+    # others at the first one's measured tokens per estimated token (digits:
+    # a token each, where the estimate counts four).
     texts = {"prompt": ["x" * 400] * 8, "max_tokens": 0}
     assert gate.admit(tenant, texts, 100, 4000).ticket.cost == 8 * 100
+    digits = {"prompt": ["7" * 2000] * 16, "max_tokens": 0}
+    assert gate.admit(tenant, digits, 2000, 4000).ticket.cost == 16 * 2000
+    # Token ids the engine reads as such (a whole float among them).
+    ids = {"prompt": [1.0] + [5] * 2000, "max_tokens": 0}
+    assert gate.admit(tenant, ids, 0, 4003).ticket.cost == 2001
+    # A chat request's truncation caps its estimate too.
+    chat = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 0}
+    assert gate.admit(tenant, {**chat, "truncate_prompt_tokens": 10}, None, 4000).ticket.cost == 10
 
 
 def test_what_a_chat_template_renders_is_charged_beyond_the_messages_text():

@@ -14,7 +14,7 @@ from ...contracts.priority import BATCH_BAND, MAX_BAND
 from ...contracts.sampling_checks import num_prompts, num_sequences
 from ..admission import Admission, Overloaded
 from ..metrics import GatewayMetrics
-from ..prompt import CHARS_PER_TOKEN, estimated_tokens
+from ..prompt import CHARS_PER_TOKEN, estimated_tokens, first_prompt_estimate
 from .control import FlowControl, Ticket
 from .tenants import Tenant, Tenants
 
@@ -151,10 +151,13 @@ class FlowGate:
                 tokens = estimated_tokens(body)
                 if tokens is None:
                     tokens = -(-body_bytes // CHARS_PER_TOKEN)
-        elif type(prompt) is list and len(prompt) > 1 and type(prompt[0]) is not int:
+        elif type(prompt) is list and len(prompt) > 1 and type(prompt[0]) in (str, list):
             # A batch of prompts, analyzed by its first: the others are
-            # estimated, so the batch costs what all its prompts do.
-            tokens = max(tokens, estimated_tokens(body) or 0)
+            # estimated at the first one's measured tokens per estimated
+            # token, so the batch costs what all its prompts do.
+            whole, first = estimated_tokens(body), first_prompt_estimate(body)
+            if whole and first:
+                tokens = max(tokens, round(tokens + (whole - first) * max(1.0, tokens / first)))
         seqs = self.seqs(body)
         output = self.output_tokens(body, seqs)
         cost = float(tokens + output)
