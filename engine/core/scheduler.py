@@ -36,6 +36,7 @@ orders the queue only), so fair share never churns.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -1030,18 +1031,18 @@ class Scheduler:
             if r.group not in running:
                 left = r.num_tokens - r.num_computed_tokens
                 heads[r.group] = min(left, heads.get(r.group, left))
+        free = max(0, self.max_num_seqs - len(self.running))
+        # A new request starts only in a free slot, whatever its prompt: of the
+        # shortest ``free`` ones, those the budgets start.
         budget = PIPELINE_STEPS * (self.max_num_batched_tokens - len(self.running))
         started = 0
-        for left in sorted(heads.values()):
+        for left in heapq.nsmallest(free, heads.values()):
             budget -= left
             if budget < 0:
                 break
             started += 1
         siblings = len(pending) - len(heads)
-        free = max(0, self.max_num_seqs - len(self.running))
-        # A new request starts only in a free slot, whatever its prompt.
-        queued = max(len(heads) - started, len(heads) - free)
-        return queued + max(0, siblings - max(0, free - len(heads)))
+        return len(heads) - started + max(0, siblings - max(0, free - len(heads)))
 
     def stats(self) -> SchedulerStats:
         waiting = [r for r in self.waiting.unordered() if r.request_id in self.waiting_for_room]
