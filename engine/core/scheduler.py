@@ -1033,8 +1033,11 @@ class Scheduler:
                 heads[r.group] = min(left, heads.get(r.group, left))
         free = max(0, self.max_num_seqs - len(self.running))
         # A new request starts only in a free slot, whatever its prompt: of the
-        # shortest ``free`` ones, those the budgets start.
-        budget = PIPELINE_STEPS * (self.max_num_batched_tokens - len(self.running))
+        # shortest ``free`` ones, those the budgets start, less what the
+        # running requests take of them (a long prompt's chunks, or a token).
+        budget = PIPELINE_STEPS * self.max_num_batched_tokens
+        for r in self.running:
+            budget -= max(PIPELINE_STEPS, r.num_prompt_tokens - r.num_computed_tokens)
         started = 0
         for left in heapq.nsmallest(free, heads.values()):
             budget -= left

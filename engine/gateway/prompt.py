@@ -5,9 +5,10 @@ With ``--tokenizer DIR`` the model's tokenizer (``tokenizer.json`` through the
 renders it: the directory's, or the engines' ``--chat-template`` given to the
 gateway too) counts tokens and cuts blocks of ``block_size`` tokens, so block
 hashes line up with the engines' prefix-cache blocks (exactly within a
-bounded head of the prompt, see ``PromptAnalyzer``). Without it a token is
-approximated as ``CHARS_PER_TOKEN`` characters (about right for English text
-and BPE vocabularies) and blocks are cut every ``block_size × 4`` characters.
+bounded head of the prompt, see ``PromptAnalyzer``). Without it tokens are
+estimated (``_text_tokens``: a digit or a character beyond ASCII a token,
+``CHARS_PER_TOKEN`` other characters a token) and blocks are cut every
+``block_size × 4`` characters.
 Prompts given as token ids are always exact.
 """
 
@@ -402,15 +403,20 @@ def template_inputs(body: dict[str, Any]) -> dict[str, Any] | None:
     return inputs
 
 
+_NO_DIGITS = str.maketrans("", "", "0123456789")
+
+
 def _text_tokens(text: str) -> int:
-    """Tokens of ``text``, estimated: ``CHARS_PER_TOKEN`` characters a token for
-    ASCII, a token a character beyond it (about what tokenizers give for CJK
-    text; generous for accented Latin)."""
+    """Tokens of ``text``, estimated: a token a digit (tokenizers split numbers
+    into digits or short groups of them), ``CHARS_PER_TOKEN`` other ASCII
+    characters a token, a token a character beyond ASCII (about what
+    tokenizers give for CJK text; generous for accented Latin)."""
     n = len(text)
+    digits = n - len(text.translate(_NO_DIGITS))
     if text.isascii():
-        return -(-n // CHARS_PER_TOKEN)
-    wide = min(n, (len(text.encode("utf-8", "surrogatepass")) - n + 1) // 2)
-    return -(-(n - wide) // CHARS_PER_TOKEN) + wide
+        return digits + -(-(n - digits) // CHARS_PER_TOKEN)
+    wide = min(n - digits, (len(text.encode("utf-8", "surrogatepass")) - n + 1) // 2)
+    return digits + wide + -(-(n - digits - wide) // CHARS_PER_TOKEN)
 
 
 def _json_text(value: Any) -> str:
@@ -604,7 +610,7 @@ class PromptAnalyzer:
         # The rest at the head's own characters per token (its kind of text),
         # at least the ASCII estimate's.
         rest_chars = len(text) - head_chars
-        rest = max(-(-rest_chars // CHARS_PER_TOKEN), -(-rest_chars * len(ids) // head_chars))
+        rest = max(_text_tokens(text[head_chars:]), -(-rest_chars * len(ids) // head_chars))
         hashed = ids[: -self.HEAD_MARGIN]
         return PromptInfo(
             len(ids) + rest,
@@ -684,7 +690,7 @@ class PromptAnalyzer:
             info.batch = batch
             return info
         return PromptInfo(
-            -(-len(text) // CHARS_PER_TOKEN),
+            _text_tokens(text),
             chain_hashes(text, block_size * CHARS_PER_TOKEN, self.max_blocks),
             batch,
         )

@@ -229,6 +229,17 @@ def test_waiting_for_slot_leaves_out_requests_held_by_their_share_or_the_token_b
         st = s.stats()
         assert st.num_running_reqs == 8
         assert st.num_waiting_reqs == 30 and st.num_waiting_for_slot_reqs == 30
+    # Slots free, but a running long prompt's chunks take the next steps'
+    # budgets: the short prompts behind it queue, and count.
+    s = make(num_blocks=2000, tokens=64, seqs=8, max_len=4096)
+    s.add_request(request("long", 1000, max_tokens=4, first=900000))
+    step(s)
+    for i in range(4):
+        s.add_request(request(f"v{i}", 5, max_tokens=4, first=100000 + 100 * i))
+    step(s)
+    st = s.stats()
+    assert st.num_running_reqs == 1 and st.num_waiting_reqs == 4
+    assert st.num_waiting_for_slot_reqs == 4
     # KV blocks short with slots free: every waiting request counts.
     s = make(num_blocks=4, tokens=64, seqs=4)
     for i in range(3):

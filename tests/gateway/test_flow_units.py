@@ -240,6 +240,10 @@ def test_a_truncated_prompt_is_charged_what_the_engine_keeps():
     assert gate.admit(tenant, texts, 100, 4000).ticket.cost == 8 * 100
     digits = {"prompt": ["7" * 2000] * 16, "max_tokens": 0}
     assert gate.admit(tenant, digits, 2000, 4000).ticket.cost == 16 * 2000
+    # An English first prompt does not make the others cheap: each is
+    # estimated by its own text (a digit a token).
+    mixed = {"prompt": ["x" * 400] + ["7" * 2000] * 3, "max_tokens": 0}
+    assert gate.admit(tenant, mixed, 100, 4000).ticket.cost >= 100 + 3 * 2000
     # Token ids the engine reads as such (a whole float among them).
     ids = {"prompt": [1.0] + [5] * 2000, "max_tokens": 0}
     assert gate.admit(tenant, ids, 0, 4003).ticket.cost == 2001

@@ -143,14 +143,9 @@ class FlowGate:
             # text, not the body's size (whose other fields would charge a
             # short request several times its prompt), each prompt as the
             # engine keeps it (``truncate_prompt_tokens``).
-            if (
-                type(prompt) is str and prompt.isascii() and "truncate_prompt_tokens" not in body
-            ):  # (``estimated_tokens``, inline)
-                tokens = -(-len(prompt) // CHARS_PER_TOKEN)
-            else:
-                tokens = estimated_tokens(body)
-                if tokens is None:
-                    tokens = -(-body_bytes // CHARS_PER_TOKEN)
+            tokens = estimated_tokens(body)
+            if tokens is None:
+                tokens = -(-body_bytes // CHARS_PER_TOKEN)
         elif type(prompt) is list and len(prompt) > 1 and type(prompt[0]) in (str, list):
             # A batch of prompts, analyzed by its first: the others are
             # estimated at the first one's measured tokens per estimated
