@@ -95,12 +95,10 @@ class SchedulerStats:
     # that arrived after the step was scheduled (the next step looks at them).
     # Requests pulling their KV count (they wait in the queue, as in vLLM).
     num_waiting_reqs: int = 0
-    # Of those (not pulling their KV), the ones that queue: all of them when the
-    # step was short of slots, KV blocks, adapter slots or free (unpromised)
-    # slots; else every request whose group has nothing running, and a running
-    # group's further sequences beyond the free slots. Sequences of a running
-    # request held back by its group's share or the step's token budget beside
-    # free slots join in the next steps: their request is served, not queued.
+    # Of those (not pulling their KV), the ones that queue (``_waiting_for_slot``):
+    # all of them when the step was short of room; else the new requests beyond
+    # what the free slots and the next PIPELINE_STEPS steps' budgets start, and
+    # a group's further sequences beyond the free slots left.
     num_waiting_for_slot_reqs: int = 0
     # Every request accepted and not running (the server's queue bound).
     num_queued_reqs: int = 0
@@ -183,9 +181,9 @@ class Scheduler:
         # Ids of the requests the last ``schedule`` left waiting for room
         # (``SchedulerStats.num_waiting_reqs``).
         self.waiting_for_room: set[str] = set()
-        # Whether the last ``schedule`` ran out of slots or KV blocks for a request
-        # (else the requests it left waiting were held by a share or the token
-        # budget: ``SchedulerStats.num_waiting_for_slot_reqs``).
+        # Whether the last ``schedule`` ran short of room for a request (slots,
+        # KV blocks, adapter slots, unpromised slots) or preempted one
+        # (``SchedulerStats.num_waiting_for_slot_reqs``).
         self.short_of_room = False
         self.num_preemptions = 0
         self.last_step_prompt_tokens = 0

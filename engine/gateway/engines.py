@@ -112,9 +112,9 @@ class EngineLoad:
 
     waiting: float = 0.0
     waiting_for_slot: float | None = None
-    """Of those, the requests beyond what the engine holds (not those held back
-    only by their request's share or the step's token budget, nor KV pulls);
-    None for engines that do not say (vLLM)."""
+    """Of those, the requests that queue (not a served request's sequences held
+    back beside free slots, nor KV pulls); None for engines that do not say
+    (vLLM)."""
     running: float = 0.0
     kv_usage: float = 0.0
     compat_hash: str | None = None
